@@ -1,0 +1,336 @@
+"""``hetpipe``: the command line of the cluster.
+
+One root group; the cluster file is loaded once into ``ctx.obj``. User errors are
+``click.ClickException`` (one clear line, exit 1) or ``UsageError`` (exit 2); never a
+traceback for a mistake the user can fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hetpipe import launch
+from hetpipe.client import HeadClient, HeadError
+from hetpipe.config import ClusterConfig, ConfigError, format_size, load_cluster
+from hetpipe.job import JobError, load_job
+
+__all__ = ["main"]
+
+
+@dataclass
+class Ctx:
+    """What every command shares: the cluster file, its path and where daemons keep files."""
+
+    path: str
+    run_dir_opt: str | None
+    head_opt: str | None
+    _cluster: ClusterConfig | None = None
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        if self._cluster is None:
+            try:
+                self._cluster = load_cluster(self.path)
+            except ConfigError as exc:
+                raise click.ClickException(str(exc)) from None
+        return self._cluster
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_dir_opt or self.cluster.runtime.run_dir)
+
+    @property
+    def head(self) -> str:
+        return self.head_opt or self.cluster.head.address
+
+
+def _run(coro: Any) -> Any:
+    try:
+        return asyncio.run(coro)
+    except HeadError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
+              envvar="HETPIPE_CLUSTER", type=click.Path(dir_okay=False),
+              help="Cluster description.")
+@click.option("--run-dir", default=None, envvar="HETPIPE_RUN_DIR",
+              help="Where daemons keep pids, logs and job outputs (default: the file's).")
+@click.option("--head", default=None, envvar="HETPIPE_HEAD",
+              help="Head address tcp://host:port (default: shard 0 of the cluster file).")
+@click.version_option(package_name="hetpipe")
+@click.pass_context
+def main(ctx: click.Context, cluster_path: str, run_dir: str | None, head: str | None) -> None:
+    """Train PyTorch models on mixed GPUs: pipelined virtual workers under WSP."""
+    ctx.obj = Ctx(cluster_path, run_dir, head)
+
+
+# -- up / down ------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for readiness.")
+@click.pass_obj
+def up(obj: Ctx, timeout: float) -> None:
+    """Start every daemon of the cluster file that lives on this host."""
+    cluster = obj.cluster
+    daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
+    if not daemons:
+        raise click.ClickException(f"{obj.path}: no shard or device lives on this host")
+    try:
+        launch.start(daemons, obj.run_dir, timeout=timeout)
+    except launch.LaunchError as exc:
+        raise click.ClickException(str(exc)) from None
+    expected = {d.name for d in cluster.devices if f"worker-{d.name}" in
+                {x.name for x in daemons}}
+    _run(_wait_registered(obj.head, expected, timeout))
+    click.echo(f"up: {len(daemons)} daemons ({', '.join(d.name for d in daemons)}); "
+               f"logs in {obj.run_dir / 'logs'}")
+
+
+async def _wait_registered(head: str, devices: set[str], timeout: float) -> None:
+    async with HeadClient(head) as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = await client.cluster()
+            live = {w["device"] for w in info["workers"] if w["state"] not in ("down", "lost")}
+            if devices <= live:
+                return
+            if time.monotonic() > deadline:
+                raise HeadError(f"workers not registered with the head within {timeout:g} s: "
+                                f"{', '.join(sorted(devices - live))}")
+            await asyncio.sleep(0.2)
+
+
+@main.command()
+@click.pass_obj
+def down(obj: Ctx) -> None:
+    """Stop the daemons `hetpipe up` started."""
+    stopped, killed = launch.stop(obj.run_dir)
+    if not stopped:
+        click.echo(f"down: nothing running in {obj.run_dir}")
+        return
+    extra = f" (killed after timeout: {', '.join(killed)})" if killed else ""
+    click.echo(f"down: stopped {len(stopped)} daemons{extra}")
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
+@click.pass_obj
+def status(obj: Ctx, as_json: bool, watch: bool) -> None:
+    """Show each worker's device, type, state, job and stage, and the jobs."""
+
+    async def once(client: HeadClient) -> None:
+        info = await client.cluster()
+        if as_json:
+            click.echo(json.dumps(info))
+        else:
+            if watch:
+                click.clear()
+            click.echo(render_status(info))
+
+    async def go() -> None:
+        async with HeadClient(obj.head) as client:
+            await once(client)
+            while watch:
+                await asyncio.sleep(1.0)
+                await once(client)
+
+    try:
+        _run(go())
+    except KeyboardInterrupt:
+        pass
+
+
+def render_status(info: dict[str, Any]) -> str:
+    """The cluster status as a table a person reads."""
+    rows = [("DEVICE", "TYPE", "SPEED", "MEMORY", "STATE", "JOB", "STAGE")]
+    for w in info["workers"]:
+        stage = f"vw{w['vw']}/stage{w['stage']}" if w.get("stage") is not None else "-"
+        rows.append((w["device"], w["type"], f"{w['speed']:g}", format_size(w["memory"]),
+                     w["state"], w.get("job") or "-", stage))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    jobs = info.get("jobs", [])
+    if jobs:
+        lines.append("")
+        lines.append("JOBS")
+        for j in jobs[-10:]:
+            lines.append("  " + _job_line(j))
+    return "\n".join(lines)
+
+
+def _job_line(j: dict[str, Any]) -> str:
+    parts = [f"{j['id']:<20} {j['state']:<9}"]
+    if j.get("total"):
+        parts.append(f"{j.get('minibatches', 0)}/{j['total']} minibatches")
+    if j.get("loss") is not None:
+        parts.append(f"loss {j['loss']:.3f}")
+    if j.get("samples_per_s"):
+        parts.append(f"{j['samples_per_s']:.0f} samples/s")
+    if j.get("vws"):
+        clocks = " ".join(f"vw{v['vw']}:{v['clock']}" for v in j["vws"])
+        parts.append(f"clocks {clocks} global {j.get('global_clock', 0)}")
+    if j.get("test_accuracy") is not None:
+        parts.append(f"test accuracy {j['test_accuracy']:.4f}")
+    if j.get("error"):
+        parts.append(f"error: {j['error']}")
+    return "  ".join(parts)
+
+
+# -- submit ---------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--wait", is_flag=True, help="Follow the job to its end with a progress bar.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one final JSON line (implies --wait).")
+@click.option("--timeout", default=None, type=float, help="Give up waiting after this long.")
+@click.pass_obj
+def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
+    """Send a job to the head; --wait follows it."""
+    try:
+        spec = load_job(job_file)
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from None
+    info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
+                                  as_json=as_json, timeout=timeout))
+    if info is not None and info["state"] != "done":
+        raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
+
+
+async def submit_and_follow(head: str, job: dict[str, Any], *, wait: bool, as_json: bool,
+                            timeout: float | None) -> dict[str, Any] | None:
+    """Submit ``job``; with ``wait``, show progress and the result; return the final status."""
+    async with HeadClient(head) as client:
+        job_id = await client.submit(job)
+        if not wait:
+            click.echo(job_id)
+            return None
+        bar = Progress(enabled=not as_json)
+        click.echo(f"submitted {job_id}", err=as_json)
+        try:
+            info = await client.follow(job_id, bar.update, timeout=timeout)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            await client.cancel(job_id)
+            raise
+        bar.close()
+    if as_json:
+        click.echo(json.dumps(final_line(info)))
+    else:
+        click.echo(render_result(info))
+    return info
+
+
+def final_line(info: dict[str, Any]) -> dict[str, Any]:
+    """The one JSON line ``--json`` prints."""
+    return {
+        "job": info["id"],
+        "status": info["state"],
+        "test_accuracy": info.get("test_accuracy"),
+        "samples_per_s": info.get("samples_per_s"),
+        "minibatches": info.get("minibatches"),
+        "seconds": info.get("seconds"),
+        "model_path": info.get("model_path"),
+        "error": info.get("error"),
+    }
+
+
+def render_result(info: dict[str, Any]) -> str:
+    if info["state"] != "done":
+        return f"{info['id']}: {info['state']}: {info.get('error')}"
+    return (f"{info['id']}: done in {info['seconds']:.1f} s, "
+            f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
+            f"test accuracy {info['test_accuracy']:.4f}\nmodel: {info['model_path']}")
+
+
+class Progress:
+    """A one-line progress bar on a TTY, a line every few seconds otherwise."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, info: dict[str, Any]) -> None:
+        if not self.enabled or info["state"] not in ("running", "planning"):
+            return
+        now = time.monotonic()
+        if not self.tty and now - self.last < 2.0:
+            return
+        self.last = now
+        total = info.get("total") or 0
+        done = info.get("minibatches") or 0
+        width = 30
+        filled = int(width * done / total) if total else 0
+        loss = f"loss {info['loss']:.3f}" if info.get("loss") is not None else "loss -"
+        clocks = ""
+        if info.get("vws") and len(info["vws"]) > 1:
+            clocks = " clocks " + "/".join(str(v["clock"]) for v in info["vws"]) + \
+                f" global {info.get('global_clock', 0)}"
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  "
+                f"{loss}  {info.get('samples_per_s', 0):.0f} samples/s{clocks}")
+        if self.tty:
+            click.echo("\r" + line.ljust(100), nl=False, err=True)
+        else:
+            click.echo(line, err=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            click.echo("", err=True)
+
+
+# -- logs -----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("daemon", required=False)
+@click.option("-n", "lines", default=40, show_default=True, help="Lines per daemon.")
+@click.pass_obj
+def logs(obj: Ctx, daemon: str | None, lines: int) -> None:
+    """Show the daemons' logs (JSON lines) rendered for a person."""
+    logdir = obj.run_dir / "logs"
+    files = sorted(logdir.glob("*.log"))
+    if daemon:
+        files = [f for f in files if f.stem == daemon]
+        if not files:
+            names = ", ".join(f.stem for f in sorted(logdir.glob("*.log"))) or "none"
+            raise click.BadParameter(f"no log for {daemon!r} in {logdir} (have: {names})",
+                                     param_hint="DAEMON")
+    for f in files:
+        click.echo(click.style(f"== {f.stem}", bold=True))
+        for line in f.read_text(errors="replace").splitlines()[-lines:]:
+            click.echo(render_log_line(line))
+
+
+def render_log_line(line: str) -> str:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(rec, dict):
+        return line
+    ts = str(rec.pop("timestamp", ""))[11:23]
+    level = str(rec.pop("level", "")).upper()
+    event = rec.pop("event", "")
+    rec.pop("process", None)
+    rest = " ".join(f"{k}={v}" for k, v in rec.items())
+    return f"{ts} {level:<7} {event} {rest}".rstrip()
+
+
+if __name__ == "__main__":
+    main()

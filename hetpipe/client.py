@@ -1,0 +1,89 @@
+"""Talking to the head from the CLI, tests and scripts.
+
+One DEALER channel to the head, requests with deadlines. Every failure becomes a
+:class:`HeadError` whose text says what to check, so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from hetpipe.daemon import Owner
+from hetpipe.transport import Channel, RemoteError, make_socket
+from hetpipe.wire import Kind
+
+__all__ = ["TERMINAL", "HeadClient", "HeadError"]
+
+TERMINAL = frozenset({"done", "failed", "cancelled"})
+
+
+class HeadError(RuntimeError):
+    """The head refused a request or could not be reached."""
+
+
+class HeadClient:
+    """An async client of the head; use ``async with HeadClient(address) as head``."""
+
+    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._owner: Owner | None = None
+        self._ch: Channel | None = None
+
+    async def __aenter__(self) -> HeadClient:
+        self._owner = Owner()
+        sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address)
+        self._ch = self._owner.channel(Channel(sock, None, name="head",
+                                               max_frame_bytes=1 << 30))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._owner is not None:
+            await self._owner.close()
+
+    async def call(self, kind: Kind, fields: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
+        """Send a request to the head and return the ``info`` of its answer."""
+        assert self._ch is not None, "use `async with HeadClient(...)`"
+        try:
+            reply = await self._ch.request(kind, fields or {}, timeout=timeout or self.timeout,
+                                           what=f"the head at {self.address}")
+        except TimeoutError:
+            raise HeadError(f"the head at {self.address} did not answer within "
+                            f"{timeout or self.timeout:g} s: is the cluster up "
+                            f"(`hetpipe up`)?") from None
+        except RemoteError as exc:
+            raise HeadError(str(exc)) from None
+        return reply.get("info") or {}
+
+    async def submit(self, job: dict[str, Any]) -> str:
+        return (await self.call(Kind.SUBMIT, {"job": job}))["job"]
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        return await self.call(Kind.JOB_STATUS, {"job": job_id})
+
+    async def cluster(self) -> dict[str, Any]:
+        return await self.call(Kind.CLUSTER_STATUS)
+
+    async def cancel(self, job_id: str) -> None:
+        await self.call(Kind.CANCEL, {"job": job_id})
+
+    async def follow(self, job_id: str, on_update: Callable[[dict[str, Any]], None] | None = None,
+                     *, every_s: float = 0.5, timeout: float | None = None) -> dict[str, Any]:
+        """Poll a job until it ends; call ``on_update`` with each status; return the last."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            info = await self.job(job_id)
+            if on_update is not None:
+                on_update(info)
+            if info["state"] in TERMINAL:
+                return info
+            if deadline is not None and loop.time() > deadline:
+                raise HeadError(f"job {job_id} did not finish within {timeout:g} s "
+                                f"(state {info['state']})")
+            await asyncio.sleep(every_s)

@@ -1,0 +1,79 @@
+"""What every daemon shares: signals, readiness reports, the owner of sockets and tasks.
+
+A daemon binds (port 0 allowed), writes a JSON *ready file* with the addresses it really
+got, and runs until SIGTERM or SIGINT. :class:`Owner` keeps every channel and task of the
+process and closes them in reverse order, also when start-up fails halfway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from hetpipe.transport import Channel
+
+__all__ = ["Owner", "normal_host", "wait_for_signal", "write_ready"]
+
+
+def normal_host(host: str) -> str:
+    """Hosts that name this machine compare equal."""
+    return "127.0.0.1" if host in ("localhost", "127.0.0.1", "::1") else host
+
+
+def write_ready(path: str | None, info: dict[str, Any]) -> None:
+    """Report readiness atomically: a parent polls for the file and reads it whole."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+async def wait_for_signal() -> str:
+    """Wait until SIGTERM or SIGINT; return its name."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[str] = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s.name))
+    try:
+        return await got
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+class Owner:
+    """Owns a process's ZeroMQ context, channels and background tasks."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.channels: list[Channel] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    def channel(self, ch: Channel) -> Channel:
+        self.channels.append(ch)
+        return ch.start()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.append(task)
+        return task
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for ch in reversed(self.channels):
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self.ctx.term()

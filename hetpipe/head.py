@@ -1,0 +1,442 @@
+"""The head (inside shard 0): registry of workers and shards, job queue, job life cycle.
+
+The head accepts jobs, turns each into stage assignments, hands the initial weights to the
+shards, starts the stages, follows their progress, fails a job whose worker goes silent or
+reports an error (telling the other stages to drop it), and at the end gathers the global
+weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
+another; the daemons stay up between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from hetpipe import log as logmod
+from hetpipe.config import ClusterConfig
+from hetpipe.daemon import Owner
+from hetpipe.job import JobError, JobSpec
+from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.transport import Channel, RemoteError, make_socket
+from hetpipe.wire import Kind, Message
+
+__all__ = ["Head"]
+
+ASSIGN_TIMEOUT_S = 120.0
+SHARD_TIMEOUT_S = 120.0
+
+
+@dataclass
+class WorkerInfo:
+    """A registered ``hetpipe-worker`` as the head sees it."""
+
+    device: str
+    ident: bytes
+    address: str
+    pid: int
+    host: str
+    type: str
+    last_seen: float
+    state: str = "idle"
+    job: str | None = None
+    vw: int | None = None
+    stage: int | None = None
+    lost: bool = False
+
+
+@dataclass
+class JobState:
+    """One submitted job, from queue to result."""
+
+    id: str
+    spec: JobSpec
+    submitted: float
+    state: str = "queued"
+    error: str | None = None
+    started: float | None = None
+    finished: float | None = None
+    plan: JobPlan | None = None
+    progress: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    stage_results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+    failure: asyncio.Future[str] | None = None
+    all_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fail(self, reason: str) -> None:
+        if self.failure is not None and not self.failure.done():
+            self.failure.set_result(reason)
+
+    def info(self) -> dict[str, Any]:
+        """Plain data for ``job_status`` and the CLI."""
+        out: dict[str, Any] = {
+            "id": self.id, "name": self.spec.name, "state": self.state, "error": self.error,
+            "minibatch": self.spec.minibatch,
+        }
+        now = self.finished or time.time()
+        if self.started:
+            out["seconds"] = now - self.started
+        plan = self.plan
+        if plan is not None:
+            out["total"] = plan.minibatches * len(plan.vws)
+            vws = []
+            done_all = 0
+            for v, vwp in enumerate(plan.vws):
+                last = self.progress.get((v, len(vwp.stages) - 1), {})
+                done = last.get("done", 0)
+                done_all += done
+                vws.append({
+                    "vw": v, "devices": [s.device for s in vwp.stages], "nm": vwp.nm,
+                    "done": done, "loss": last.get("loss"), "clock": last.get("vw_clock", 0),
+                    "wave": last.get("wave", 0),
+                    "samples_per_s": done * self.spec.minibatch / last["elapsed_s"]
+                    if last.get("elapsed_s") else 0.0,
+                })
+            out["vws"] = vws
+            out["minibatches"] = done_all
+            out["global_clock"] = min((v["clock"] for v in vws), default=0)
+            losses = [v["loss"] for v in vws if v["loss"] is not None]
+            out["loss"] = sum(losses) / len(losses) if losses else None
+            out["samples_per_s"] = sum(v["samples_per_s"] for v in vws)
+            out["stages"] = [
+                {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
+                 **{k: self.progress.get((v, s), {}).get(k) for k in
+                    ("done", "forward_s", "backward_s", "peak_bytes")}}
+                for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
+            ]
+            out["placement"] = plan.placement_summary()
+        out.update(self.result)
+        return out
+
+
+class Head:
+    """The cluster's head: lives in the shard-0 process and shares its ROUTER socket."""
+
+    def __init__(self, cluster: ClusterConfig, owner: Owner, address: str,
+                 run_dir: str | None = None) -> None:
+        self.cluster = cluster
+        self.owner = owner
+        self.address = address
+        self.run_dir = Path(run_dir or cluster.runtime.run_dir)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.shards: dict[int, str] = {0: address}
+        self.shard_channels: dict[int, Channel] = {}
+        self.jobs: dict[str, JobState] = {}
+        self.queue: asyncio.Queue[JobState] = asyncio.Queue()
+        self.current: JobState | None = None
+        self.channel: Channel | None = None
+        self._ids = itertools.count(1)
+        self.log = logmod.get("head")
+
+    async def start(self, channel: Channel) -> None:
+        self.channel = channel
+        self.owner.spawn(self._run_jobs(), "jobs")
+        self.owner.spawn(self._watch(), "watch")
+
+    async def stop(self) -> None:
+        if self.current is not None:
+            self.current.fail("the head is shutting down")
+            await asyncio.sleep(0.2)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    async def handle(self, peer: bytes | None, msg: Message) -> None:
+        assert self.channel is not None and peer is not None
+        k = msg.kind
+        if k == Kind.HELLO:
+            self._hello(peer, msg)
+            await self.channel.send(Kind.WELCOME, {
+                "heartbeat_s": self.cluster.runtime.heartbeat_s,
+                "lost_after_s": self.cluster.runtime.lost_after_s}, to=peer)
+        elif k == Kind.HEARTBEAT:
+            w = self.workers.get(msg["device"])
+            if w is None or w.ident != peer:
+                await self.channel.reply_error(peer, "unregistered: say hello")
+                return
+            w.last_seen = time.monotonic()
+            w.state = msg["state"]
+        elif k == Kind.SHARD_HELLO:
+            if self.shards.get(msg["shard"]) != msg["address"]:
+                self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
+                old = self.shard_channels.pop(msg["shard"], None)
+                if old is not None:
+                    await old.close()
+            self.shards[msg["shard"]] = msg["address"]
+        elif k == Kind.SUBMIT:
+            await self._submit(peer, msg)
+        elif k == Kind.JOB_STATUS:
+            js = self.jobs.get(msg["job"])
+            if js is None:
+                await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
+            else:
+                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": js.info()}, to=peer)
+        elif k == Kind.CLUSTER_STATUS:
+            await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": self.cluster_info()},
+                                    to=peer)
+        elif k == Kind.CANCEL:
+            js = self.jobs.get(msg["job"])
+            if js is None:
+                await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
+                return
+            if js.state == "queued":
+                js.state, js.error = "cancelled", "cancelled by the user"
+            js.fail("cancelled by the user")
+            await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
+        elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+            self._stage_message(msg)
+        else:
+            await self.channel.reply_error(peer, f"the head does not take {k}", msg.get("rid"))
+
+    def _hello(self, peer: bytes, msg: Message) -> None:
+        device = msg["device"]
+        try:
+            spec = self.cluster.device(device)
+        except Exception:
+            self.log.warning("hello from a device not in the cluster", device=device)
+            return
+        old = self.workers.get(device)
+        if old is not None and old.job is not None and old.ident != peer:
+            js = self.jobs.get(old.job)
+            if js is not None:
+                js.fail(f"worker {device} restarted (pid {old.pid} -> {msg['pid']})")
+        self.workers[device] = WorkerInfo(
+            device=device, ident=peer, address=msg["address"], pid=msg["pid"],
+            host=msg["host"], type=spec.type, last_seen=time.monotonic())
+        self.log.info("worker registered", device=device, address=msg["address"],
+                      pid=msg["pid"])
+
+    def _stage_message(self, msg: Message) -> None:
+        js = self.jobs.get(msg["job"])
+        if js is None or js.state != "running":
+            return
+        key = (msg["vw"], msg["stage"])
+        if msg.kind == Kind.REPORT:
+            js.progress[key] = msg["stats"]
+        elif msg.kind == Kind.STAGE_DONE:
+            js.progress[key] = msg["stats"]
+            js.stage_results[key] = {"stats": msg["stats"], "records": msg["records"]}
+            assert js.plan is not None
+            if len(js.stage_results) == js.plan.n_stages:
+                js.all_done.set()
+        else:
+            where = js.plan.where(*key) if js.plan else f"vw{key[0]}/stage{key[1]}"
+            js.fail(f"{where} failed: {msg['error']}")
+
+    async def _submit(self, peer: bytes, msg: Message) -> None:
+        assert self.channel is not None
+        try:
+            spec = JobSpec.from_dict(msg["job"], source="job")
+        except JobError as exc:
+            await self.channel.reply_error(peer, str(exc), msg["rid"])
+            return
+        job_id = f"{spec.name}-{next(self._ids)}"
+        js = JobState(id=job_id, spec=spec, submitted=time.time())
+        self.jobs[job_id] = js
+        await self.queue.put(js)
+        self.log.info("job queued", job=job_id)
+        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
+
+    def cluster_info(self) -> dict[str, Any]:
+        now = time.monotonic()
+        workers = []
+        for dev in self.cluster.devices:
+            w = self.workers.get(dev.name)
+            workers.append({
+                "device": dev.name, "type": dev.type, "speed": dev.speed,
+                "memory": dev.memory, "node": dev.node,
+                "state": "down" if w is None else ("lost" if w.lost else w.state),
+                "pid": None if w is None else w.pid,
+                "address": None if w is None else w.address,
+                "job": None if w is None else w.job,
+                "vw": None if w is None else w.vw, "stage": None if w is None else w.stage,
+                "seen_s_ago": None if w is None else now - w.last_seen,
+            })
+        jobs = [js.info() for js in self.jobs.values()]
+        return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
+                "jobs": jobs, "current": self.current.id if self.current else None}
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        lost_after = self.cluster.runtime.lost_after_s
+        while True:
+            await asyncio.sleep(min(0.5, lost_after / 4))
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                silent = now - w.last_seen
+                if w.lost or silent <= lost_after:
+                    continue
+                w.lost = True
+                self.log.warning("worker lost", device=w.device, pid=w.pid,
+                                 silent_s=round(silent, 1))
+                if w.job is not None and w.job in self.jobs:
+                    self.jobs[w.job].fail(
+                        f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
+                        f"no heartbeat for {silent:.1f} s")
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def _run_jobs(self) -> None:
+        while True:
+            js = await self.queue.get()
+            if js.state != "queued":
+                continue
+            self.current = js
+            try:
+                await self._run_job(js)
+            except Exception as exc:  # a bug in one job must not stop the queue
+                self.log.exception("job crashed", job=js.id)
+                js.state, js.error = "failed", f"internal error: {exc}"
+            finally:
+                js.finished = js.finished or time.time()
+                self.current = None
+
+    async def _run_job(self, js: JobState) -> None:
+        loop = asyncio.get_running_loop()
+        js.failure = loop.create_future()
+        js.state = "planning"
+        log = self.log.bind(job=js.id)
+        try:
+            js.plan = await loop.run_in_executor(
+                None, plan_job, js.spec, js.id, self.cluster, self._alive(), dict(self.shards))
+        except JobPlanError as exc:
+            js.state, js.error = "failed", str(exc)
+            log.warning("job refused", error=str(exc))
+            return
+        plan = js.plan
+        try:
+            js.state = "running"
+            js.started = time.time()
+            await self._race(js, self._launch(js))
+            done = asyncio.ensure_future(js.all_done.wait())
+            await self._race(js, done)
+            js.result = await self._race(js, self._finish(js))
+            js.finished = time.time()
+            js.state = "done"
+            log.info("job done", accuracy=js.result.get("test_accuracy"),
+                     seconds=round(js.finished - js.started, 2))
+        except _JobFailed as exc:
+            js.state, js.error, js.finished = "failed", str(exc), time.time()
+            log.warning("job failed", error=str(exc))
+            await self._abort(js, str(exc))
+        finally:
+            await self._drop_shards(js)
+            for w in self.workers.values():
+                if w.job == js.id:
+                    w.job = w.vw = w.stage = None
+            del plan
+
+    async def _race(self, js: JobState, aw: Any) -> Any:
+        """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
+        assert js.failure is not None
+        task = asyncio.ensure_future(aw)
+        await asyncio.wait({task, js.failure}, return_when=asyncio.FIRST_COMPLETED)
+        if js.failure.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise _JobFailed(js.failure.result())
+        try:
+            return task.result()
+        except (RemoteError, TimeoutError, ConnectionError, OSError) as exc:
+            raise _JobFailed(str(exc)) from None
+
+    def _alive(self) -> dict[str, WorkerInfo]:
+        return {d: w for d, w in self.workers.items() if not w.lost}
+
+    async def _shard(self, index: int) -> Channel:
+        ch = self.shard_channels.get(index)
+        if ch is None:
+            address = self.shards.get(index)
+            if address is None:
+                raise _JobFailed(f"shard {index} has not registered with the head: "
+                                 f"is hetpipe-ps --shard {index} running?")
+            sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
+                               hwm=self.cluster.runtime.hwm)
+            ch = Channel(sock, None, name=f"to-shard{index}",
+                         max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
+            self.owner.channels.append(ch)
+            self.shard_channels[index] = ch
+        return ch
+
+    async def _launch(self, js: JobState) -> None:
+        """Initial weights to the shards, assignments to the workers, then start."""
+        plan = js.plan
+        assert plan is not None and self.channel is not None
+        for index, (members, weights) in plan.shard_contents().items():
+            ch = await self._shard(index)
+            await ch.request(Kind.SHARD_INIT, {"job": js.id, "members": members,
+                                               "staleness": js.spec.staleness},
+                             weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+        plan.release_initial_weights()
+        waits = []
+        for task in plan.tasks(self.shards, self.workers):
+            w = self.workers[plan.device_of(task.vw, task.stage)]
+            w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            waits.append(self.channel.request(
+                Kind.ASSIGN, {"job": js.id, "task": task.to_dict()}, to=w.ident,
+                timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
+        await asyncio.gather(*waits)
+        for w in self.workers.values():
+            if w.job == js.id:
+                await self.channel.send(Kind.START, {"job": js.id}, to=w.ident)
+        self.log.info("job started", job=js.id, stages=plan.n_stages)
+
+    async def _finish(self, js: JobState) -> dict[str, Any]:
+        """Gather global weights, evaluate and export them; return the job's result."""
+        plan = js.plan
+        assert plan is not None and js.started is not None
+        train_s = time.time() - js.started
+        state: dict[str, torch.Tensor] = {}
+        clocks = {}
+        for index in plan.shards_used():
+            ch = await self._shard(index)
+            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.id},
+                                     timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+            state.update({k: v.clone() for k, v in reply.tensors.items()})
+            clocks[str(index)] = reply.get("info")
+        out_dir = self.run_dir / "jobs" / js.id
+        loop = asyncio.get_running_loop()
+        accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
+        (out_dir / "stages.json").write_text(json.dumps(
+            {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}))
+        samples = plan.minibatches * len(plan.vws) * js.spec.minibatch
+        return {
+            "status": "done",
+            "test_accuracy": accuracy,
+            "samples_per_s": samples / train_s,
+            "minibatches": plan.minibatches * len(plan.vws),
+            "seconds": train_s,
+            "model_path": str((out_dir / "model.pt").resolve()),
+            "stages_path": str((out_dir / "stages.json").resolve()),
+            "shard_clocks": clocks,
+        }
+
+    async def _abort(self, js: JobState, reason: str) -> None:
+        assert self.channel is not None
+        for w in self.workers.values():
+            if w.job == js.id and not w.lost:
+                with contextlib.suppress(ConnectionError, zmq.ZMQError):
+                    await self.channel.send(Kind.ABORT, {"job": js.id, "reason": reason},
+                                            to=w.ident)
+
+    async def _drop_shards(self, js: JobState) -> None:
+        if js.plan is None:
+            return
+        for index in js.plan.shards_used():
+            with contextlib.suppress(Exception):
+                ch = await self._shard(index)
+                await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
+                                 what=f"shard {index}")
+
+
+class _JobFailed(Exception):
+    """The running job must stop; the text is what the user reads."""

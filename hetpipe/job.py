@@ -1,0 +1,270 @@
+"""A training job: model, data, optimizer, schedule and (optionally) an explicit VW split.
+
+A job is written as a TOML file by the user and travels to the head as a plain dict, so the
+dict form *is* the file's shape: ``load_job`` parses the TOML and hands it to
+``JobSpec.from_dict``, and the head validates what it receives with that same code. Every
+rejection is one line ``"<file>: <key>: <problem>"``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetpipe._toml import Table, kind, read_toml
+
+__all__ = [
+    "DataSpec",
+    "JobError",
+    "JobSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "VWSpec",
+    "load_job",
+]
+
+OPTIMIZERS = ("sgd", "adam")
+POLICIES = ("auto", "np", "ed", "hd")
+
+
+class JobError(ValueError):
+    """A bad job; ``str(e)`` is one line ``"<file>: <key>: <problem>"``."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A builtin model name (``"mlp"``, ``"cnn"``, …) or ``"pkg.module:function"``."""
+
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A dataset name (``"digits"`` or ``"synthetic"``) and its keyword arguments."""
+
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Applied locally by each stage after every backward (its updates are what waves push)."""
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class VWSpec:
+    """One virtual worker: devices in pipeline order, layers per stage, optional own Nm."""
+
+    devices: tuple[str, ...]
+    layers: tuple[int, ...] | None = None
+    nm: int | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job. ``minibatches`` counts per virtual worker; ``staleness`` is WSP's D."""
+
+    name: str
+    model: ModelSpec
+    data: DataSpec
+    optimizer: OptimizerSpec
+    minibatch: int
+    nm: int
+    staleness: int
+    epochs: int | None
+    minibatches: int | None
+    seed: int = 0
+    vws: tuple[VWSpec, ...] = ()
+    num_vws: int | None = None
+    policy: str = "auto"
+
+    def to_dict(self) -> dict:
+        """The job in its file's shape, as plain msgpack-able data (absent optionals omitted)."""
+        opt = self.optimizer
+        train: dict[str, Any] = {
+            "minibatch": self.minibatch,
+            "nm": self.nm,
+            "staleness": self.staleness,
+            "seed": self.seed,
+            "policy": self.policy,
+        }
+        if self.epochs is not None:
+            train["epochs"] = self.epochs
+        if self.minibatches is not None:
+            train["minibatches"] = self.minibatches
+        if self.num_vws is not None:
+            train["vws"] = self.num_vws
+        vws = []
+        for vw in self.vws:
+            entry: dict[str, Any] = {"devices": list(vw.devices)}
+            if vw.layers is not None:
+                entry["layers"] = list(vw.layers)
+            if vw.nm is not None:
+                entry["nm"] = vw.nm
+            vws.append(entry)
+        return {
+            "name": self.name,
+            "model": {"name": self.model.name, "args": _plain(self.model.args)},
+            "data": {"name": self.data.name, "args": _plain(self.data.args)},
+            "optimizer": {
+                "name": opt.name,
+                "lr": opt.lr,
+                "momentum": opt.momentum,
+                "weight_decay": opt.weight_decay,
+                "nesterov": opt.nesterov,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+            },
+            "train": train,
+            "vw": vws,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<job>") -> JobSpec:
+        """Validate a job dict (a parsed file or one received from the wire)."""
+        root = Table(
+            d, source, JobError, allowed=("name", "model", "data", "optimizer", "train", "vw")
+        )
+        name = root.text("name")
+        mt = root.table("model", ("name", "args"))
+        model = ModelSpec(mt.text("name"), _args(mt))
+        dt = root.table("data", ("name", "args"))
+        data = DataSpec(dt.text("name", "digits"), _args(dt))
+        optimizer = _optimizer(root)
+
+        train = root.table(
+            "train",
+            ("minibatch", "nm", "staleness", "seed", "epochs", "minibatches", "vws", "policy"),
+        )
+        minibatch = train.at_least("minibatch", 1)
+        nm = train.at_least("nm", 1, 1)
+        staleness = train.at_least("staleness", 0, 0)
+        seed = train.at_least("seed", 0, 0)
+        epochs = train.at_least("epochs", 1, None)
+        minibatches = train.at_least("minibatches", 1, None)
+        if epochs is None and minibatches is None:
+            train.fail("epochs", "missing: give exactly one of epochs / minibatches")
+        if epochs is not None and minibatches is not None:
+            train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
+        num_vws = train.at_least("vws", 1, None)
+        policy = train.text("policy", "auto")
+        if policy not in POLICIES:
+            train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
+
+        vws = _vws(root)
+        if vws and num_vws is not None and num_vws != len(vws):
+            train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
+        return cls(
+            name=name,
+            model=model,
+            data=data,
+            optimizer=optimizer,
+            minibatch=minibatch,
+            nm=nm,
+            staleness=staleness,
+            epochs=epochs,
+            minibatches=minibatches,
+            seed=seed,
+            vws=vws,
+            num_vws=num_vws,
+            policy=policy,
+        )
+
+
+def load_job(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a job file; raises JobError (one line) on any problem."""
+    data, source = read_toml(path, JobError)
+    return JobSpec.from_dict(data, source=source)
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy of free-form args, tuples as lists (what msgpack and TOML both carry)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _args(t: Table) -> dict:
+    """Free-form keyword arguments: any keys, but only values that survive the wire."""
+    args = t.raw("args", {})
+    if not isinstance(args, dict):
+        t.fail("args", f"expected a table of keyword arguments, got {kind(args)}")
+
+    def check(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    t.fail(key, f"key {k!r} is not a string")
+                check(v, f"{key}.{k}")
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                check(v, f"{key}[{i}]")
+        elif value is not None and not isinstance(value, str | int | float | bool):
+            t.fail(key, f"unsupported value type {kind(value)} (use strings, numbers, arrays)")
+
+    check(args, "args")
+    return _plain(args)
+
+
+def _optimizer(root: Table) -> OptimizerSpec:
+    d = OptimizerSpec()
+    ot = root.table(
+        "optimizer", ("name", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps")
+    )
+    name = ot.text("name", d.name)
+    if name not in OPTIMIZERS:
+        ot.fail("name", f"unknown optimizer {name!r} (one of: {', '.join(OPTIMIZERS)})")
+    lr, eps = ot.positive("lr", d.lr), ot.positive("eps", d.eps)
+    momentum = ot.number("momentum", d.momentum)
+    if not 0 <= momentum < 1:
+        ot.fail("momentum", f"must be in [0, 1), got {momentum}")
+    weight_decay = ot.number("weight_decay", d.weight_decay)
+    if weight_decay < 0:
+        ot.fail("weight_decay", f"must be >= 0, got {weight_decay}")
+    nesterov = ot.flag("nesterov", d.nesterov)
+    if nesterov and momentum == 0:
+        ot.fail("nesterov", "needs momentum > 0")
+    betas = ot.array("betas", "number", list(d.betas))
+    if len(betas) != 2:
+        ot.fail("betas", f"expected 2 numbers, got {len(betas)}")
+    for i, beta in enumerate(betas):
+        if not 0 <= beta < 1:
+            ot.fail(f"betas[{i}]", f"must be in [0, 1), got {beta}")
+    return OptimizerSpec(name, lr, momentum, weight_decay, nesterov, (betas[0], betas[1]), eps)
+
+
+def _vws(root: Table) -> tuple[VWSpec, ...]:
+    owner: dict[str, str] = {}  # device -> the vw that holds it
+    vws = []
+    for vt in root.tables("vw", ("devices", "layers", "nm")):
+        devices = vt.array("devices", "string")
+        if not devices:
+            vt.fail("devices", "must list at least one device")
+        for i, device in enumerate(devices):
+            if device in devices[:i]:
+                vt.fail(f"devices[{i}]", f"duplicate device {device!r}")
+            if device in owner:
+                vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
+        owner.update(dict.fromkeys(devices, vt.key))
+        layers = vt.array("layers", "integer", None)
+        if layers is not None:
+            if len(layers) != len(devices):
+                vt.fail("layers", f"{len(layers)} entries for {len(devices)} devices (one each)")
+            for i, n in enumerate(layers):
+                if n < 1:
+                    vt.fail(f"layers[{i}]", f"must be >= 1, got {n}")
+        nm = vt.at_least("nm", 1, None)
+        vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm))
+    return tuple(vws)

@@ -1,0 +1,252 @@
+"""From a submitted job to what the runtime executes: stages, placement, initial weights.
+
+The head calls :func:`plan_job` once per job. It checks the job against the cluster and the
+live workers (one line per problem, naming the device or key), builds the model once on the
+CPU from the job's seed so that every virtual worker starts from the same weights, places
+each stage's state on a parameter-server shard, and produces the stage tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from hetpipe.config import ClusterConfig, ConfigError
+from hetpipe.daemon import normal_host
+from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.models import ModelError, build_model
+from hetpipe.task import StageTask
+
+__all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
+
+
+class JobPlanError(ValueError):
+    """The job cannot run on this cluster now; the text says why."""
+
+
+@dataclass(frozen=True)
+class RunStage:
+    """One stage as the runtime runs it: a device and layers ``first``..``last``-1."""
+
+    device: str
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class RunVW:
+    """One virtual worker: its stages in pipeline order and its Nm."""
+
+    stages: tuple[RunStage, ...]
+    nm: int
+
+
+@dataclass
+class JobPlan:
+    """Everything the head needs to launch, follow and finish one job."""
+
+    job: str
+    spec: JobSpec
+    vws: tuple[RunVW, ...]
+    minibatches: int  # per virtual worker
+    placement: dict[str, int]  # global state name -> shard
+    initial: dict[str, torch.Tensor] | None
+    dataset: Dataset
+    predicted: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_stages(self) -> int:
+        return sum(len(v.stages) for v in self.vws)
+
+    def where(self, vw: int, stage: int) -> str:
+        return f"vw{vw}/stage{stage} ({self.device_of(vw, stage)})"
+
+    def device_of(self, vw: int, stage: int) -> str:
+        return self.vws[vw].stages[stage].device
+
+    def stage_names(self, vw: int, stage: int) -> list[str]:
+        st = self.vws[vw].stages[stage]
+        return [n for n in self.placement if st.first <= _layer(n) < st.last]
+
+    def shards_used(self) -> list[int]:
+        return sorted(set(self.placement.values()))
+
+    def waves(self, vw: int) -> int:
+        return -(-self.minibatches // self.vws[vw].nm)
+
+    def shard_contents(self) -> dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        """Per shard: the ``members`` map of shard_init and the initial weights it holds."""
+        assert self.initial is not None, "initial weights already handed to the shards"
+        out: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        for v, vwp in enumerate(self.vws):
+            for s in range(len(vwp.stages)):
+                for name in self.stage_names(v, s):
+                    shard = self.placement[name]
+                    members, weights = out.setdefault(shard, ({}, {}))
+                    member = members.setdefault(str(v), {"waves": self.waves(v), "stages": {}})
+                    member["stages"].setdefault(str(s), []).append(name)
+                    weights[name] = self.initial[name]
+        return out
+
+    def release_initial_weights(self) -> None:
+        """The shards hold them now; the head need not."""
+        self.initial = None
+
+    def tasks(self, shards: Mapping[int, str], workers: Mapping[str, Any]) -> list[StageTask]:
+        """The stage assignments, with neighbours' data addresses and shard addresses."""
+        out = []
+        spec = self.spec.to_dict()
+        for v, vwp in enumerate(self.vws):
+            k = len(vwp.stages)
+            for s, st in enumerate(vwp.stages):
+                names = self.stage_names(v, s)
+                out.append(StageTask(
+                    job=self.job, spec=spec, vw=v, stage=s, k=k, first=st.first, last=st.last,
+                    nm=vwp.nm, staleness=self.spec.staleness, minibatches=self.minibatches,
+                    num_vws=len(self.vws),
+                    prev=workers[vwp.stages[s - 1].device].address if s > 0 else None,
+                    next=workers[vwp.stages[s + 1].device].address if s < k - 1 else None,
+                    shards={str(self.placement[n]): shards[self.placement[n]] for n in names},
+                    placement={n: self.placement[n] for n in names},
+                ))
+        return out
+
+    def placement_summary(self) -> list[dict[str, Any]]:
+        """Per stage: which shard holds its state and how many bytes (reported to the user)."""
+        rows = []
+        for v, vwp in enumerate(self.vws):
+            for s, st in enumerate(vwp.stages):
+                names = self.stage_names(v, s)
+                rows.append({"vw": v, "stage": s, "device": st.device,
+                             "shards": sorted({self.placement[n] for n in names}),
+                             "bytes": self.predicted.get("state_bytes", {}).get(
+                                 f"{v}/{s}", 0)})
+        return rows
+
+    def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> float:
+        """Write the global weights as one state_dict; return the test accuracy of them.
+
+        Loading with ``strict=True`` into the plain model proves the file is usable as is.
+        """
+        model = build_model(self.spec.model.name, self.spec.model.args)
+        model.load_state_dict(state, strict=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), out_dir / "model.pt")
+        return evaluate(model, self.dataset)
+
+
+def _layer(name: str) -> int:
+    return int(name.partition(".")[0])
+
+
+def _host_of(address: str) -> str:
+    return normal_host(urlparse(address).hostname or "")
+
+
+def place_state(
+    state: Mapping[str, torch.Tensor],
+    stages: list[tuple[str, int, int]],
+    device_hosts: Mapping[str, str],
+    shards: Mapping[int, str],
+) -> dict[str, int]:
+    """Put each stage's state on one shard: on its host if possible, else the lightest.
+
+    ``stages`` lists (device, first, last). Among candidate shards the one holding the fewest
+    bytes so far wins, so shards on one host are balanced by bytes.
+    """
+    load = dict.fromkeys(shards, 0)
+    placement: dict[str, int] = {}
+    for device, first, last in stages:
+        names = [n for n in state if first <= _layer(n) < last]
+        if not names:
+            continue
+        nbytes = sum(state[n].numel() * state[n].element_size() for n in names)
+        host = normal_host(device_hosts[device])
+        local = [i for i, a in shards.items() if _host_of(a) == host]
+        pick = min(local or list(shards), key=lambda i: (load[i], i))
+        load[pick] += nbytes
+        placement.update(dict.fromkeys(names, pick))
+    return placement
+
+
+def plan_job(
+    spec: JobSpec,
+    job_id: str,
+    cluster: ClusterConfig,
+    workers: Mapping[str, Any],
+    shards: Mapping[int, str],
+) -> JobPlan:
+    """Check ``spec`` against the cluster and live workers and lay out its run."""
+    try:
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model.name, spec.model.args)
+    except ModelError as exc:
+        raise JobPlanError(f"model: {exc}") from None
+    n_layers = len(model)
+    try:
+        dataset = load_dataset(spec.data.name, spec.data.args)
+    except ValueError as exc:
+        raise JobPlanError(f"data: {exc}") from None
+    if not spec.vws:
+        raise JobPlanError("the job gives no [[vw]] split: add one per virtual worker "
+                           "(devices and layers per stage)")
+    missing = [i for i in range(len(cluster.ps)) if i not in shards]
+    if missing:
+        raise JobPlanError(f"shard {missing[0]} has not registered with the head: "
+                           f"is hetpipe-ps --shard {missing[0]} running?")
+    vws = []
+    for v, vwspec in enumerate(spec.vws):
+        for d in vwspec.devices:
+            try:
+                cluster.device(d)
+            except ConfigError:
+                raise JobPlanError(f"vw[{v}].devices: {d!r} is not a device of "
+                                   f"{cluster.path}") from None
+            w = workers.get(d)
+            if w is None:
+                raise JobPlanError(f"vw[{v}].devices: no live hetpipe-worker for {d} "
+                                   f"(start it, or run `hetpipe up`)")
+            if w.job is not None:
+                raise JobPlanError(f"vw[{v}].devices: {d} is busy with job {w.job}")
+        layers = vwspec.layers
+        if layers is None:
+            raise JobPlanError(f"vw[{v}].layers: missing (the split of the {n_layers} layers)")
+        if sum(layers) != n_layers:
+            raise JobPlanError(f"vw[{v}].layers: {list(layers)} sums to {sum(layers)}, "
+                               f"the model has {n_layers} layers")
+        bounds = [0]
+        for n in layers:
+            bounds.append(bounds[-1] + n)
+        stages = tuple(RunStage(d, bounds[i], bounds[i + 1])
+                       for i, d in enumerate(vwspec.devices))
+        vws.append(RunVW(stages=stages, nm=vwspec.nm or spec.nm))
+    stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(vws))
+    if stream.per_epoch < 1:
+        raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
+                           f"virtual worker in {len(dataset.train_y)} training samples")
+    minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hosts = {d.name: d.host for d in cluster.devices}
+    stage_list = [(st.device, st.first, st.last) for vw in vws for st in vw.stages]
+    # every virtual worker has the whole model: place by the first VW's cut, share names
+    placement: dict[str, int] = {}
+    for v, vw in enumerate(vws):
+        part = place_state(state, [(s.device, s.first, s.last) for s in vw.stages], hosts,
+                           shards)
+        if v == 0:
+            placement = part
+    del stage_list
+    state_bytes = {
+        f"{v}/{s}": sum(state[n].numel() * state[n].element_size() for n in state
+                        if st.first <= _layer(n) < st.last)
+        for v, vw in enumerate(vws) for s, st in enumerate(vw.stages)
+    }
+    return JobPlan(job=job_id, spec=spec, vws=tuple(vws), minibatches=minibatches,
+                   placement=placement, initial=state, dataset=dataset,
+                   predicted={"state_bytes": state_bytes})

@@ -1,0 +1,171 @@
+"""Starting and stopping the daemons of a cluster.toml on this host (``hetpipe up/down``).
+
+Each daemon runs in its own session (it outlives the CLI), writes its log to
+``<run_dir>/logs/<name>.log`` and a ready file once it listens; the pids go to
+``<run_dir>/pids.json`` so ``down`` can stop exactly what ``up`` started. ``up`` returns only
+when the head sees every local worker, or fails with the log tail of the daemon that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetpipe.config import ClusterConfig
+from hetpipe.daemon import normal_host
+
+__all__ = ["Daemon", "LaunchError", "local_daemons", "start", "stop"]
+
+
+class LaunchError(RuntimeError):
+    """The daemons could not be started or stopped; the text says which and why."""
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """One daemon process to start: a name for its files and its command line."""
+
+    name: str
+    argv: tuple[str, ...]
+
+
+def _is_local(host: str) -> bool:
+    names = {"127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    return normal_host(host) in names
+
+
+def local_daemons(cluster: ClusterConfig, cluster_path: str, *, run_dir: Path,
+                  head: str | None = None) -> list[Daemon]:
+    """The shards and workers of ``cluster`` that live on this host."""
+    py = sys.executable
+    out = []
+    for spec in cluster.ps:
+        if _is_local(spec.host):
+            argv = [py, "-m", "hetpipe.ps", "--cluster", cluster_path, "--shard",
+                    str(spec.index), "--run-dir", str(run_dir)]
+            if head and spec.index != 0:
+                argv += ["--head", head]
+            out.append(Daemon(f"ps{spec.index}", tuple(argv)))
+    for dev in cluster.devices:
+        if _is_local(dev.host):
+            argv = [py, "-m", "hetpipe.worker", "--cluster", cluster_path, "--device", dev.name]
+            if head:
+                argv += ["--head", head]
+            out.append(Daemon(f"worker-{dev.name}", tuple(argv)))
+    return out
+
+
+def _pids_file(run_dir: Path) -> Path:
+    return run_dir / "pids.json"
+
+
+def running(run_dir: Path) -> dict[str, int]:
+    """Daemons of a previous ``up`` in ``run_dir`` that are still alive."""
+    path = _pids_file(run_dir)
+    if not path.exists():
+        return {}
+    try:
+        pids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {name: pid for name, pid in pids.items() if _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def start(daemons: list[Daemon], run_dir: Path, *, timeout: float = 60.0) -> dict[str, dict]:
+    """Start ``daemons``; wait for each ready file; return name -> ready info."""
+    alive = running(run_dir)
+    if alive:
+        raise LaunchError(f"daemons of {run_dir} are already running ({', '.join(alive)}): "
+                          f"`hetpipe down` first")
+    logs = run_dir / "logs"
+    ready_dir = run_dir / "ready"
+    logs.mkdir(parents=True, exist_ok=True)
+    ready_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ready: dict[str, dict] = {}
+    try:
+        for d in daemons:
+            rf = ready_dir / f"{d.name}.json"
+            rf.unlink(missing_ok=True)
+            with open(logs / f"{d.name}.log", "ab") as log:
+                procs[d.name] = subprocess.Popen(
+                    [*d.argv, "--ready-file", str(rf)], stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True)
+        _pids_file(run_dir).write_text(json.dumps({n: p.pid for n, p in procs.items()}))
+        deadline = time.monotonic() + timeout
+        while len(ready) < len(procs):
+            for name, proc in procs.items():
+                if name in ready:
+                    continue
+                rf = ready_dir / f"{name}.json"
+                if rf.exists():
+                    ready[name] = json.loads(rf.read_text())
+                elif proc.poll() is not None:
+                    raise LaunchError(f"{name} exited with code {proc.returncode}: "
+                                      f"{_tail(logs / f'{name}.log')}")
+            if time.monotonic() > deadline:
+                late = [n for n in procs if n not in ready]
+                raise LaunchError(f"not ready within {timeout:g} s: {', '.join(late)} "
+                                  f"(see {logs})")
+            time.sleep(0.05)
+    except BaseException:
+        _terminate({n: p.pid for n, p in procs.items()})
+        _pids_file(run_dir).unlink(missing_ok=True)
+        raise
+    return ready
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def _terminate(pids: dict[str, int], timeout: float = 10.0) -> list[str]:
+    """SIGTERM, then SIGKILL after ``timeout``; return the names that needed SIGKILL."""
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        time.sleep(0.05)
+    killed = []
+    for name, pid in pids.items():
+        if _alive(pid):
+            killed.append(name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return killed
+
+
+def stop(run_dir: Path, timeout: float = 10.0) -> tuple[list[str], list[str]]:
+    """Stop the daemons ``up`` started in ``run_dir``; return (stopped, killed) names."""
+    pids = running(run_dir)
+    killed = _terminate(pids, timeout)
+    _pids_file(run_dir).unlink(missing_ok=True)
+    return sorted(pids), killed

@@ -1,0 +1,146 @@
+"""Out-of-place optimizer steps for weight stashing.
+
+A stage keeps every weight version an in-flight minibatch still needs as separate
+tensors, so an update must never write into a parameter: :meth:`StageOptimizer.step`
+returns a delta per parameter (new weight = old weight + delta) and leaves the weights and
+gradients it was given untouched. The delta is also what the stage sums over a wave and
+pushes to the parameter server.
+
+Optimizer state (momentum buffers, Adam moments, step counts) is not versioned: there is
+one copy per stage, updated in place, exactly as ``torch.optim`` keeps it. The arithmetic
+follows ``torch.optim.SGD`` (dampening 0, weight decay as L2 added to the gradient,
+optional Nesterov) and ``torch.optim.Adam`` (L2 weight decay, bias correction, ``eps``
+added outside the square root).
+
+The delta is computed as ``(torch's updated weight) - weight`` rather than as ``-lr * g``:
+the subtraction of two nearby floats is exact, so ``weight + delta`` reproduces torch's
+update to the last bit in the usual case, and a pipelined stage's local weights do not
+drift from a plain torch run by rounding alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["OptimizerLike", "StageOptimizer"]
+
+
+class OptimizerLike(Protocol):
+    """The fields of ``hetpipe.job.OptimizerSpec`` this module reads."""
+
+    name: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    nesterov: bool
+    betas: tuple[float, float]
+    eps: float
+
+
+class StageOptimizer:
+    """SGD or Adam over one stage's named parameters, returning deltas instead of updating."""
+
+    def __init__(self, spec: OptimizerLike) -> None:
+        self.name = str(spec.name).lower()
+        self.lr = float(spec.lr)
+        self.momentum = float(spec.momentum)
+        self.weight_decay = float(spec.weight_decay)
+        self.nesterov = bool(spec.nesterov)
+        beta1, beta2 = spec.betas
+        self.betas = (float(beta1), float(beta2))
+        self.eps = float(spec.eps)
+        self._check()
+        # name -> state tensors (sgd: momentum buffer; adam: exp_avg, exp_avg_sq)
+        self.state: dict[str, dict[str, Tensor]] = {}
+        self.steps: dict[str, int] = {}
+
+    def _check(self) -> None:
+        if self.name not in ("sgd", "adam"):
+            raise ValueError(f"optimizer: name must be 'sgd' or 'adam', got {self.name!r}")
+        if not self.lr >= 0.0:
+            raise ValueError(f"optimizer: lr must be >= 0, got {self.lr}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"optimizer: weight_decay must be >= 0, got {self.weight_decay}")
+        if self.name == "sgd":
+            if not self.momentum >= 0.0:
+                raise ValueError(f"optimizer: momentum must be >= 0, got {self.momentum}")
+            if self.nesterov and self.momentum == 0.0:
+                raise ValueError("optimizer: nesterov needs momentum > 0")
+        else:
+            for i, beta in enumerate(self.betas):
+                if not 0.0 <= beta < 1.0:
+                    raise ValueError(f"optimizer: betas[{i}] must be in [0, 1), got {beta}")
+            if not self.eps >= 0.0:
+                raise ValueError(f"optimizer: eps must be >= 0, got {self.eps}")
+
+    @staticmethod
+    def state_factor(spec: Any) -> int:
+        """Copies of optimizer state per parameter: sgd 0 (no momentum) or 1, adam 2."""
+        name = str(spec.name).lower()
+        if name == "adam":
+            return 2
+        if name == "sgd":
+            return 1 if float(spec.momentum) != 0.0 else 0
+        raise ValueError(f"optimizer: name must be 'sgd' or 'adam', got {spec.name!r}")
+
+    def state_bytes(self) -> int:
+        """Bytes held in optimizer state now (grows to its full size after the first step)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())
+
+    @torch.no_grad()
+    def step(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """One step for every name in ``grads`` (a ``None`` gradient is skipped, as torch does).
+
+        Returns ``{name: delta}``; ``params`` and ``grads`` are only read.
+        """
+        deltas: dict[str, Tensor] = {}
+        for name, grad in grads.items():
+            if grad is None:
+                continue
+            if name not in params:
+                raise ValueError(f"optimizer: gradient for unknown parameter {name!r}")
+            param = params[name]
+            if grad.shape != param.shape:
+                raise ValueError(
+                    f"optimizer: gradient of {name!r} has shape {tuple(grad.shape)}, "
+                    f"parameter has {tuple(param.shape)}"
+                )
+            if self.name == "sgd":
+                deltas[name] = self._sgd(name, param, grad)
+            else:
+                deltas[name] = self._adam(name, param, grad)
+        return deltas
+
+    def _sgd(self, name: str, param: Tensor, grad: Tensor) -> Tensor:
+        g = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad
+        if self.momentum:
+            state = self.state.get(name)
+            if state is None:
+                buf = g.clone()
+                self.state[name] = {"momentum": buf}
+            else:
+                buf = state["momentum"]
+                buf.mul_(self.momentum).add_(g)
+            g = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+        self.steps[name] = self.steps.get(name, 0) + 1
+        return torch.add(param, g, alpha=-self.lr).sub_(param)
+
+    def _adam(self, name: str, param: Tensor, grad: Tensor) -> Tensor:
+        beta1, beta2 = self.betas
+        g = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad
+        state = self.state.get(name)
+        if state is None:
+            state = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+            self.state[name] = state
+        step = self.steps.get(name, 0) + 1
+        self.steps[name] = step
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = self.lr / (1 - beta1**step)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+        return torch.addcdiv(param, exp_avg, denom, value=-step_size).sub_(param)

@@ -1,0 +1,141 @@
+"""The memory model of one pipeline stage: the ONE formula the planner and the runtime share.
+
+A stage of a virtual worker with ``k`` stages and ``Nm`` minibatches in flight keeps alive:
+
+============  ==========================================================================
+params        its layers' parameters and buffers
+optimizer     optimizer state: ``optimizer_state_factor`` x parameter bytes (SGD with
+              momentum 1, Adam 2, plain SGD 0)
+stash         older weight versions kept alive for in-flight backwards (weight stashing by
+              out-of-place updates): ``in_flight - 1`` extra copies of the parameters
+accumulators  two update accumulators: the wave being built and the wave being pushed and
+              merged under WSP (2 x parameter bytes)
+activations   for every in-flight minibatch, the tensors autograd saved plus the received
+              stage input (``in_flight`` x (saved bytes + input bytes))
+working       the transient peak of one layer's forward/backward (max over the layers)
+============  ==========================================================================
+
+``in_flight`` is how many minibatches a stage can hold between a forward and its backward.
+The last stage runs the backward right after the forward, so it holds one. Any other stage
+can hold up to Nm: under asynchronous 1F1B a slow successor lets forwards queue, and
+admission (minibatch p enters only after p - Nm finished) bounds them by Nm. That is the safe
+bound, so a plan that fits this model fits at run time whatever the relative speeds.
+
+Buffers are not stashed or accumulated with the parameters here because they carry no
+gradient; batch-norm running statistics are small and accounted once in ``params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetpipe.planner.profile import LayerProfile, ModelProfile
+
+__all__ = ["StageMemory", "in_flight", "stage_input_bytes", "stage_memory", "stage_memory_of"]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one stage keeps alive, by kind (see the module docs for each term)."""
+
+    params: int
+    optimizer: int
+    stash: int
+    accumulators: int
+    activations: int
+    working: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params
+            + self.optimizer
+            + self.stash
+            + self.accumulators
+            + self.activations
+            + self.working
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "params": self.params,
+            "optimizer": self.optimizer,
+            "stash": self.stash,
+            "accumulators": self.accumulators,
+            "activations": self.activations,
+            "working": self.working,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int]) -> StageMemory:
+        return cls(
+            int(d["params"]),
+            int(d["optimizer"]),
+            int(d["stash"]),
+            int(d["accumulators"]),
+            int(d["activations"]),
+            int(d["working"]),
+        )
+
+
+def in_flight(position: int, k: int, nm: int) -> int:
+    """Minibatches stage ``position`` of ``k`` can hold between forward and backward."""
+    if not 0 <= position < k:
+        raise ValueError(f"stage position {position} outside 0..{k - 1}")
+    if nm < 1:
+        raise ValueError(f"Nm must be >= 1, got {nm}")
+    return 1 if position == k - 1 else nm
+
+
+def stage_memory(
+    layers: Sequence[LayerProfile],
+    position: int,
+    k: int,
+    nm: int,
+    optimizer_state_factor: int,
+    input_bytes: int,
+) -> StageMemory:
+    """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
+
+    ``input_bytes`` is the size of the stage's input per minibatch: the model input for the
+    first stage, else the previous layer's ``out_bytes`` (see :func:`stage_input_bytes`).
+    """
+    n = in_flight(position, k, nm)
+    pb = sum(lp.param_bytes for lp in layers)
+    bb = sum(lp.buffer_bytes for lp in layers)
+    saved = sum(lp.saved_bytes for lp in layers)
+    return StageMemory(
+        params=pb + bb,
+        optimizer=optimizer_state_factor * pb,
+        stash=(n - 1) * pb,
+        accumulators=2 * pb,
+        activations=n * (saved + input_bytes),
+        working=max((lp.work_bytes for lp in layers), default=0),
+    )
+
+
+def stage_input_bytes(profile: ModelProfile, dtype: str, first: int) -> int:
+    """Bytes a stage whose first layer is ``first`` receives per minibatch."""
+    return profile.input_bytes if first == 0 else profile.layers[dtype][first - 1].out_bytes
+
+
+def stage_memory_of(
+    profile: ModelProfile,
+    dtype: str,
+    layers: tuple[int, int],
+    position: int,
+    k: int,
+    nm: int,
+    optimizer_state_factor: int,
+) -> StageMemory:
+    """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``."""
+    a, b = layers
+    return stage_memory(
+        profile.layers[dtype][a:b],
+        position,
+        k,
+        nm,
+        optimizer_state_factor,
+        stage_input_bytes(profile, dtype, a),
+    )

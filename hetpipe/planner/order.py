@@ -1,0 +1,185 @@
+"""The order of devices inside a virtual worker: which device runs stage 0, 1, ...
+
+The order matters because the first stage receives the model input, every stage but the last
+keeps Nm minibatches of activations and weight versions (the last keeps one), and links
+between consecutive devices differ (same node or not). For a fixed order the split is exact
+(:mod:`hetpipe.planner.partition`); this module searches the orders.
+
+* **Small VWs (k <= 6): exhaustive** over *distinct* orders. Two devices are interchangeable
+  when swapping them changes nothing the planner sees: same type, memory and speed, and the
+  same bandwidth to every other device of the VW (so two devices of one node are
+  interchangeable unless a link override says otherwise, and so are two devices on different
+  nodes when every link between the VW's members is an inter-node link). Only permutations
+  of the multiset of classes are enumerated: 4 devices of 2 classes x2 give 6 orders, not 24.
+* **Larger VWs: heuristic.** Start from a few natural orders (devices grouped by node, larger
+  memory first, since the last stage needs the least memory; by memory alone; by speed),
+  keep the best, then swap adjacent devices while that improves the objective.
+
+The objective is the estimated pipeline rate of the best split and Nm for the order
+(:meth:`Partition.minibatches_per_s`), then the lower bottleneck, smaller Nm, lower latency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetpipe.planner.partition import CostModel, Infeasible, Partition
+
+__all__ = ["EXHAUSTIVE_MAX", "OrderResult", "best_order", "device_classes", "distinct_orders"]
+
+EXHAUSTIVE_MAX = 6
+
+
+@dataclass(frozen=True)
+class OrderResult:
+    """The best order found, its split, and how the search went."""
+
+    order: tuple[Any, ...]
+    partition: Partition | Infeasible
+    evaluated: int  # orders whose split was computed (or fetched from the memo)
+    exhaustive: bool
+
+
+def device_classes(devices: Sequence[Any], bandwidth: Callable[[Any, Any], float]) -> list[int]:
+    """Class index of each device; devices of one class are interchangeable in an order.
+
+    ``x`` and ``y`` are interchangeable when they have the same type, memory and speed and
+    every third device ``z`` of the VW sees the same bandwidth to (and from) both: then
+    swapping them leaves every stage time and memory cap of every order unchanged.
+    """
+
+    def same(x: Any, y: Any) -> bool:
+        if (x.type, x.memory, x.speed) != (y.type, y.memory, y.speed):
+            return False
+        return all(
+            bandwidth(x, z) == bandwidth(y, z) and bandwidth(z, x) == bandwidth(z, y)
+            for z in devices
+            if z is not x and z is not y
+        )
+
+    classes: list[int] = []
+    members: list[list[Any]] = []
+    for x in devices:
+        for c, group in enumerate(members):
+            if all(same(x, y) for y in group):
+                classes.append(c)
+                group.append(x)
+                break
+        else:
+            classes.append(len(members))
+            members.append([x])
+    return classes
+
+
+def distinct_orders(devices: Sequence[Any], classes: Sequence[int]) -> Iterator[tuple[Any, ...]]:
+    """Every order of ``devices`` up to swapping devices of one class, each exactly once."""
+    pools: dict[int, list[Any]] = {}
+    for d, c in zip(devices, classes, strict=True):
+        pools.setdefault(c, []).append(d)
+    counts = {c: len(v) for c, v in pools.items()}
+    k = len(devices)
+    labels: list[int] = []
+
+    def rec() -> Iterator[tuple[Any, ...]]:
+        if len(labels) == k:
+            used = dict.fromkeys(pools, 0)
+            out = []
+            for c in labels:
+                out.append(pools[c][used[c]])
+                used[c] += 1
+            yield tuple(out)
+            return
+        for c in pools:
+            if counts[c]:
+                counts[c] -= 1
+                labels.append(c)
+                yield from rec()
+                labels.pop()
+                counts[c] += 1
+
+    yield from rec()
+
+
+def score(p: Partition | Infeasible) -> tuple[float, ...]:
+    """Larger is better; any split beats none."""
+    if not isinstance(p, Partition):
+        return (-math.inf,)
+    return (p.minibatches_per_s, -p.bottleneck, -p.nm, -p.latency)
+
+
+def best_order(
+    model: CostModel,
+    devices: Sequence[Any],
+    *,
+    nm: int | None = None,
+    nm_candidates: Iterable[int] | None = None,
+    exhaustive_max: int = EXHAUSTIVE_MAX,
+) -> OrderResult:
+    """The best order of ``devices`` and its split (Nm fixed to ``nm`` or chosen)."""
+    devices = tuple(devices)
+    cands = None if nm_candidates is None else tuple(nm_candidates)
+    evaluated = 0
+    best: tuple[tuple[float, ...], tuple[Any, ...], Partition | Infeasible] | None = None
+    first_fail: Infeasible | None = None
+
+    def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
+        nonlocal evaluated, best, first_fail
+        evaluated += 1
+        p = model.partition(order, nm) if nm is not None else model.best_nm(order, cands)
+        s = score(p)
+        if isinstance(p, Infeasible) and first_fail is None:
+            first_fail = p
+        if best is None or s > best[0]:
+            best = (s, order, p)
+        return s
+
+    classes = device_classes(devices, model.link)
+    if len(devices) <= exhaustive_max:
+        for order in distinct_orders(devices, classes):
+            evaluate(order)
+        exhaustive = True
+    else:
+        exhaustive = False
+        cls = dict(zip((id(d) for d in devices), classes, strict=True))
+        seen: set[tuple[int, ...]] = set()
+        for order in _starts(devices):
+            sig = tuple(cls[id(d)] for d in order)
+            if sig not in seen:
+                seen.add(sig)
+                evaluate(order)
+        assert best is not None
+        current, cur_score = list(best[1]), best[0]
+        improved = True
+        while improved:
+            improved = False
+            for i in range(len(current) - 1):
+                if cls[id(current[i])] == cls[id(current[i + 1])]:
+                    continue  # swapping interchangeable devices changes nothing
+                trial = current[:]
+                trial[i], trial[i + 1] = trial[i + 1], trial[i]
+                sig = tuple(cls[id(d)] for d in trial)
+                if sig in seen:
+                    continue
+                seen.add(sig)
+                s = evaluate(tuple(trial))
+                if s > cur_score:
+                    current, cur_score, improved = trial, s, True
+    assert best is not None
+    _, order, p = best
+    if isinstance(p, Infeasible) and first_fail is not None:
+        p = first_fail
+    return OrderResult(order, p, evaluated, exhaustive)
+
+
+def _starts(devices: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Natural first guesses for a large VW (see the module docs)."""
+    node_mem: dict[str, int] = {}
+    for d in devices:
+        node_mem[d.node] = node_mem.get(d.node, 0) + d.memory
+    by_node = sorted(devices, key=lambda d: (-node_mem[d.node], d.node, -d.memory, -d.speed))
+    by_mem = sorted(devices, key=lambda d: (-d.memory, -d.speed))
+    by_speed = sorted(devices, key=lambda d: (-d.speed, -d.memory))
+    return [tuple(by_node), tuple(by_mem), tuple(by_speed), tuple(devices)]

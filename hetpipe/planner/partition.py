@@ -1,0 +1,490 @@
+"""Cut a model into contiguous stages for a FIXED device order: exact dynamic programming.
+
+Index letters used throughout:
+
+=====  ==============================================================
+``L``  number of layers; layer ranges are half-open ``[a, b)``
+``k``  number of devices (= stages) of the virtual worker
+``i``  stage position, 0 .. k-1 (device ``i`` of the order runs stage ``i``)
+``a``  first layer of a stage; ``b`` one past its last layer
+=====  ==============================================================
+
+**Stage time** of device ``i`` running layers ``[a, b)``::
+
+    time(i, a, b) = compute + comm_in + comm_out
+    compute  = sum over the layers of (fwd_s + bwd_s) on device i's type
+    comm_in  = in_bytes(a) * 2 / bw(device i-1, device i)      (0 for the first stage)
+    comm_out = out_bytes(b-1) * 2 / bw(device i, device i+1)   (0 for the last stage)
+
+``in_bytes(a)`` is the model input for ``a = 0`` else ``out_bytes`` of layer ``a-1``; the
+factor 2 is the activation forward plus the gradient of the same size backward. Both ends of
+a link charge it, a deliberately conservative choice: a stage's worker sends and receives on
+the same event loop as it computes.
+
+**Objective:** minimise the bottleneck ``max_i time(i, a_i, b_i)`` subject to every stage
+fitting its device (``memory.stage_memory(...).total <= device.memory``) and every device
+getting at least one layer. Ties on the bottleneck are broken towards the lower sum of stage
+times (a heuristic second key; the bottleneck itself is exact).
+
+**Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
+``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
+is always the maximum of some stage times, so the DP and the brute force compare the very
+same floats: both evaluate ``time`` with one expression on the same prefix sums
+(:meth:`CostModel.stage_time` for scalars, :meth:`CostModel.time_matrix` elementwise, same
+operation order), and IEEE arithmetic is deterministic, so their optima are *equal*, not
+merely close. Memory is integer arithmetic and exact by nature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetpipe.config import format_size
+from hetpipe.planner.memory import StageMemory, in_flight, stage_memory, stage_memory_of
+from hetpipe.planner.profile import ModelProfile
+
+__all__ = [
+    "Bandwidth",
+    "CostModel",
+    "Infeasible",
+    "Partition",
+    "brute_force",
+    "partition",
+    "partition_best_nm",
+]
+
+Bandwidth = Callable[[Any, Any], float]
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A feasible split of the model over an ordered list of devices."""
+
+    devices: tuple[str, ...]
+    types: tuple[str, ...]
+    cuts: tuple[tuple[int, int], ...]
+    stage_times: tuple[float, ...]
+    memory: tuple[StageMemory, ...]
+    caps: tuple[int, ...]
+    nm: int
+    bottleneck: float
+
+    @property
+    def k(self) -> int:
+        return len(self.devices)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Layers per stage, the job file's ``layers = [...]`` form."""
+        return tuple(b - a for a, b in self.cuts)
+
+    @property
+    def latency(self) -> float:
+        """Time for one minibatch to go forward and back through every stage."""
+        return sum(self.stage_times)
+
+    @property
+    def minibatches_per_s(self) -> float:
+        """Steady-state estimate: the bottleneck's rate, unless Nm is too small to fill.
+
+        With ``Nm`` minibatches in flight and a round trip of ``latency``, at most
+        ``Nm / latency`` minibatches finish per second; the bottleneck stage allows at most
+        ``1 / bottleneck``.
+        """
+        if self.bottleneck <= 0:
+            return INF
+        return min(1.0 / self.bottleneck, self.nm / self.latency)
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """No split fits; ``reason`` says why in one line a user can act on."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class _TypeCosts:
+    """Prefix sums of one device type's layer profile (computed once per type)."""
+
+    def __init__(self, profile: ModelProfile, dtype: str) -> None:
+        lps = profile.layers[dtype]
+        n = len(lps)
+        self.cum = [0.0, *itertools.accumulate(lp.fwd_s + lp.bwd_s for lp in lps)]
+        self.cum_np = np.array(self.cum, dtype=np.float64)
+        self.inb = [profile.input_bytes] + [lp.out_bytes for lp in lps[:-1]] + [0]
+        self.outb = [0] + [lp.out_bytes for lp in lps]  # outb[b] = out_bytes of layer b-1
+
+        def prefix(values: Iterable[int]) -> np.ndarray:
+            return np.array([0, *itertools.accumulate(values)], dtype=np.int64)
+
+        self.P = prefix(lp.param_bytes for lp in lps)
+        self.B = prefix(lp.buffer_bytes for lp in lps)
+        self.S = prefix(lp.saved_bytes for lp in lps)
+        work = np.array([lp.work_bytes for lp in lps], dtype=np.int64)
+        m = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], work[None, :], 0)
+        self.W = np.zeros((n + 1, n + 1), dtype=np.int64)  # W[a, b] = max work over [a, b)
+        if n:
+            self.W[:n, 1:] = np.maximum.accumulate(m, axis=1)
+        upper = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
+        self.valid = upper  # a < b
+        self.inb_np = np.array(self.inb, dtype=np.int64)
+        # bytes of [a, b) that do not depend on Nm, and the per-in-flight part
+        pb = self.P[None, :] - self.P[:, None]
+        bb = self.B[None, :] - self.B[:, None]
+        self.pb = pb
+        self.fixed = bb + self.W  # buffers + working
+        self.per_flight = (self.S[None, :] - self.S[:, None]) + self.inb_np[:, None]
+
+
+class CostModel:
+    """Stage times and memory of one profile under one network, with caches.
+
+    One instance is shared by every partition the planner tries, so per-type prefix sums,
+    time matrices (per type and link pair) and memory masks (per type, in-flight count and
+    cap) are computed once, and whole partitions of an identical device sequence (same types,
+    caps and link bandwidths) are memoised.
+    """
+
+    def __init__(
+        self, profile: ModelProfile, bandwidth: Bandwidth, optimizer_state_factor: int
+    ) -> None:
+        if optimizer_state_factor < 0:
+            raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
+        self.profile = profile
+        self.bandwidth = bandwidth
+        self.factor = optimizer_state_factor
+        self.L = profile.n_layers()
+        self._types: dict[str, _TypeCosts] = {}
+        self._times: dict[tuple, np.ndarray] = {}
+        self._masks: dict[tuple, np.ndarray] = {}
+        self._memo: dict[tuple, Partition | Infeasible] = {}
+        self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
+
+    # ---------------------------------------------------------------- primitives
+
+    def costs(self, dtype: str) -> _TypeCosts:
+        tc = self._types.get(dtype)
+        if tc is None:
+            tc = self._types[dtype] = _TypeCosts(self.profile, dtype)
+        return tc
+
+    def link(self, a: Any, b: Any) -> float:
+        bw = float(self.bandwidth(a, b))
+        if not bw > 0:
+            raise ValueError(f"bandwidth between {a.name} and {b.name} must be > 0, got {bw}")
+        return bw
+
+    def links(self, devices: Sequence[Any]) -> tuple[float, ...]:
+        return tuple(self.link(x, y) for x, y in itertools.pairwise(devices))
+
+    def stage_time(
+        self, dtype: str, a: int, b: int, bw_in: float | None, bw_out: float | None
+    ) -> float:
+        """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side."""
+        tc = self.costs(dtype)
+        cin = tc.inb[a] * 2.0 / bw_in if bw_in is not None else 0.0
+        cout = tc.outb[b] * 2.0 / bw_out if bw_out is not None else 0.0
+        return tc.cum[b] - tc.cum[a] + cin + cout
+
+    def time_matrix(self, dtype: str, bw_in: float | None, bw_out: float | None) -> np.ndarray:
+        """``stage_time`` for every ``(a, b)`` at once (inf where ``a >= b``)."""
+        key = (dtype, bw_in, bw_out)
+        t = self._times.get(key)
+        if t is None:
+            tc = self.costs(dtype)
+            n = self.L + 1
+            cin = tc.inb_np.astype(np.float64) * 2.0 / bw_in if bw_in is not None else np.zeros(n)
+            outb = np.array(tc.outb, dtype=np.float64)
+            cout = outb * 2.0 / bw_out if bw_out is not None else np.zeros(n)
+            t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :]
+            t = np.where(tc.valid, t, INF)
+            self._times[key] = t
+        return t
+
+    def memory_total(self, dtype: str, flight: int) -> np.ndarray:
+        """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""
+        tc = self.costs(dtype)
+        # params + optimizer + stash + accumulators = bb + (1 + factor + flight-1 + 2) * pb
+        return tc.fixed + (self.factor + flight + 2) * tc.pb + flight * tc.per_flight
+
+    def fit_mask(self, dtype: str, flight: int, cap: int) -> np.ndarray:
+        key = (dtype, flight, cap)
+        m = self._masks.get(key)
+        if m is None:
+            m = (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
+            self._masks[key] = m
+        return m
+
+    # ---------------------------------------------------------------- partitioning
+
+    def partition(self, devices: Sequence[Any], nm: int) -> Partition | Infeasible:
+        """The exact min-bottleneck split of the model over ``devices`` in this order."""
+        k, L = len(devices), self.L
+        if k == 0:
+            return Infeasible("no devices")
+        if nm < 1:
+            raise ValueError(f"Nm must be >= 1, got {nm}")
+        missing = sorted({d.type for d in devices} - set(self.profile.layers))
+        if missing:
+            return Infeasible(f"no profile for device type(s) {', '.join(missing)}")
+        if k > L:
+            return Infeasible(
+                f"{k} devices but the model has only {L} layers (every device needs one)"
+            )
+        bws = self.links(devices)
+        key = (tuple((d.type, d.memory) for d in devices), bws, nm)
+        names = tuple(d.name for d in devices)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._solve(devices, bws, nm)
+        elif isinstance(hit, Partition) and hit.devices != names:
+            hit = dataclasses.replace(hit, devices=names)
+        elif isinstance(hit, Infeasible):
+            hit = Infeasible(self.diagnose(devices, nm))  # name these devices
+        return hit
+
+    def _solve(
+        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int
+    ) -> Partition | Infeasible:
+        self.dp_runs += 1
+        k, L = len(devices), self.L
+        f = np.full(L + 1, INF)
+        g = np.full(L + 1, INF)
+        f[0] = g[0] = 0.0
+        choice: list[np.ndarray] = []
+        cols = np.arange(L + 1)
+        for i, d in enumerate(devices):
+            t = self.time_matrix(
+                d.type, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
+            )
+            ok = self.fit_mask(d.type, in_flight(i, k, nm), d.memory)
+            cand = np.where(ok, np.maximum(f[:, None], t), INF)
+            best = cand.min(axis=0)
+            tie = np.where((cand == best[None, :]) & ok, g[:, None] + t, INF)
+            arg = tie.argmin(axis=0)
+            g = np.where(np.isfinite(best), tie[arg, cols], INF)
+            f = best
+            choice.append(arg)
+        if not math.isfinite(f[L]):
+            return Infeasible(self.diagnose(devices, nm))
+        cuts: list[tuple[int, int]] = []
+        b = L
+        for i in range(k - 1, -1, -1):
+            a = int(choice[i][b])
+            cuts.append((a, b))
+            b = a
+        cuts.reverse()
+        assert b == 0
+        return self.describe(devices, cuts, nm, bws)
+
+    def describe(
+        self,
+        devices: Sequence[Any],
+        cuts: Sequence[tuple[int, int]],
+        nm: int,
+        bws: tuple[float, ...] | None = None,
+    ) -> Partition:
+        """Times and memory of a given split (also used for user-given splits)."""
+        k = len(devices)
+        bws = self.links(devices) if bws is None else bws
+        times = tuple(
+            self.stage_time(
+                d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
+            )
+            for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True))
+        )
+        mem = tuple(
+            stage_memory_of(self.profile, d.type, ab, i, k, nm, self.factor)
+            for i, (d, ab) in enumerate(zip(devices, cuts, strict=True))
+        )
+        return Partition(
+            tuple(d.name for d in devices),
+            tuple(d.type for d in devices),
+            tuple((int(a), int(b)) for a, b in cuts),
+            times,
+            mem,
+            tuple(d.memory for d in devices),
+            nm,
+            max(times),
+        )
+
+    def diagnose(self, devices: Sequence[Any], nm: int) -> str:
+        """Why no split fits: the most specific true statement we can make."""
+        k, L = len(devices), self.L
+
+        def need(d: Any, i: int, a: int, b: int) -> int:
+            return int(self.memory_total(d.type, in_flight(i, k, nm))[a, b])
+
+        def desc(d: Any) -> str:
+            return f"{d.name} ({d.type}, cap {format_size(d.memory)})"
+
+        # the least any stage layout can need in total: params, optimizer, accumulators and one
+        # in-flight copy of the saved activations of every layer
+        lower = 0
+        for j in range(L):
+            lp = self.profile.layers[devices[0].type][j]
+            lower += (3 + self.factor) * lp.param_bytes + lp.buffer_bytes + lp.saved_bytes
+        total_cap = sum(d.memory for d in devices)
+        if lower > total_cap:
+            return (
+                f"the model needs at least {format_size(lower)} in total, "
+                f"the devices hold {format_size(total_cap)}"
+            )
+        for j in range(L):  # a layer that fits nowhere, wherever it is placed
+            needs = [(need(d, i, j, j + 1), d) for i, d in enumerate(devices)]
+            if all(n > d.memory for n, d in needs):
+                n, d = min(needs, key=lambda x: x[0] - x[1].memory)
+                return f"layer {j} alone needs {format_size(n)} on {desc(d)} (Nm={nm})"
+        for i, d in enumerate(devices):  # a device that cannot take any layer it could get
+            lo, hi = i, L - k + i
+            smallest = min(need(d, i, j, j + 1) for j in range(lo, hi + 1))
+            if smallest > d.memory:
+                return (
+                    f"{desc(d)} cannot hold even one layer at stage {i} "
+                    f"(the smallest needs {format_size(smallest)}, Nm={nm})"
+                )
+        names = ", ".join(d.name for d in devices)
+        return (
+            f"no contiguous split of {L} layers over {names} fits in memory at Nm={nm} "
+            f"(the model needs at least {format_size(lower)}, the devices hold "
+            f"{format_size(total_cap)})"
+        )
+
+    def best_nm(
+        self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
+    ) -> Partition | Infeasible:
+        """The partition and Nm with the best estimated throughput (see ``minibatches_per_s``).
+
+        More Nm never lowers the bottleneck (memory grows with Nm, so the feasible splits
+        shrink), and once ``Nm / latency >= 1 / bottleneck`` the pipeline is full: larger Nm
+        cannot raise the estimate. So the scan goes up from the smallest candidate and stops
+        at the first Nm that fills. First it tries a shortcut: the Nm = 1 split has the least
+        bottleneck of all; if the smallest Nm that would fill it keeps that bottleneck, no Nm
+        can do better. Among equal estimates the smaller Nm wins (less memory, fresher weights).
+        """
+        k = len(devices)
+        cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
+        if not cands or cands[0] < 1:
+            raise ValueError(f"Nm candidates must be >= 1, got {cands}")
+        first = self.partition(devices, cands[0])
+        if not isinstance(first, Partition) or _full(first):
+            return first
+        fill = next((n for n in cands if n * first.bottleneck >= first.latency), None)
+        if fill is not None:
+            p = self.partition(devices, fill)
+            if isinstance(p, Partition) and p.bottleneck == first.bottleneck and _full(p):
+                return p
+        best = first
+        for n in cands[1:]:
+            p = self.partition(devices, n)
+            if not isinstance(p, Partition):
+                break  # more Nm only needs more memory
+            if p.minibatches_per_s > best.minibatches_per_s:
+                best = p
+            if _full(p):
+                break
+        return best
+
+
+def _full(p: Partition) -> bool:
+    """Nm covers the round trip: the bottleneck, not Nm, limits the rate."""
+    return p.bottleneck <= 0 or p.nm * p.bottleneck >= p.latency
+
+
+# ------------------------------------------------------------------------- functions
+
+
+def partition(
+    profile: ModelProfile,
+    devices: Sequence[Any],
+    nm: int,
+    bandwidth: Bandwidth,
+    optimizer_state_factor: int,
+    *,
+    model: CostModel | None = None,
+) -> Partition | Infeasible:
+    """Exact min-bottleneck contiguous split of ``profile`` over ``devices`` (in this order).
+
+    ``devices`` need ``name``, ``type`` and ``memory`` (bytes); ``bandwidth(a, b)`` gives the
+    bytes/s of the link between two of them.
+    """
+    model = model or CostModel(profile, bandwidth, optimizer_state_factor)
+    return model.partition(devices, nm)
+
+
+def partition_best_nm(
+    profile: ModelProfile,
+    devices: Sequence[Any],
+    bandwidth: Bandwidth,
+    optimizer_state_factor: int,
+    nm_candidates: Iterable[int] | None = None,
+    *,
+    model: CostModel | None = None,
+) -> Partition | Infeasible:
+    """:func:`partition` with Nm chosen from ``nm_candidates`` (default 1..k) for throughput.
+
+    A pipeline of k stages fills at Nm = k at the latest (its round trip is at most k
+    bottlenecks), so larger candidates only cost memory under this estimate.
+    """
+    model = model or CostModel(profile, bandwidth, optimizer_state_factor)
+    return model.best_nm(devices, nm_candidates)
+
+
+def brute_force(
+    profile: ModelProfile,
+    devices: Sequence[Any],
+    nm: int,
+    bandwidth: Bandwidth,
+    optimizer_state_factor: int,
+) -> Partition | Infeasible:
+    """Every set of k-1 cuts, for tests: the optimum the DP must match exactly.
+
+    Memory comes straight from :func:`memory.stage_memory` on the layer slices (independent
+    of the DP's vectorised form); times from the scalar :meth:`CostModel.stage_time`.
+    """
+    model = CostModel(profile, bandwidth, optimizer_state_factor)
+    k, L = len(devices), profile.n_layers()
+    if k > L or k == 0:
+        return Infeasible(f"{k} devices for {L} layers")
+    bws = model.links(devices)
+    best: tuple[float, float] | None = None
+    best_cuts: list[tuple[int, int]] = []
+    for inner in itertools.combinations(range(1, L), k - 1):
+        bounds = (0, *inner, L)
+        cuts = list(itertools.pairwise(bounds))
+        ok = True
+        times = []
+        for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True)):
+            lps = profile.layers[d.type]
+            inb = profile.input_bytes if a == 0 else lps[a - 1].out_bytes
+            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb)
+            if mem.total > d.memory:
+                ok = False
+                break
+            times.append(
+                model.stage_time(
+                    d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
+                )
+            )
+        if not ok:
+            continue
+        score = (max(times), sum(times))
+        if best is None or score < best:
+            best, best_cuts = score, cuts
+    if best is None:
+        return Infeasible("no split fits in memory (brute force)")
+    return model.describe(devices, best_cuts, nm, bws)

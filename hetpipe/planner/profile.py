@@ -1,0 +1,362 @@
+"""Per-layer profiles: what one layer costs on one device type, measured or synthetic.
+
+The planner never runs the model; it reasons from these numbers. A profile is kept per
+*device type* because that is the unit the cluster file groups devices by: two devices of one
+type are assumed to behave the same. Times are stored *as measured for the type*: on an
+emulated device with ``speed = 0.25`` the profile holds the padded (4x longer) times, so the
+planner uses them as they are and never applies a device's speed a second time.
+
+Byte counts are per minibatch at the profile's minibatch size:
+
+====================  =========================================================
+``param_bytes``       trainable parameters of the layer
+``buffer_bytes``      non-trainable buffers (batch-norm statistics)
+``out_bytes``         the layer's output: what crosses a cut after this layer
+``saved_bytes``       what autograd keeps for the backward (not counting parameters)
+``work_bytes``        transient peak beyond the saved tensors (output + input gradient)
+====================  =========================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LayerProfile",
+    "ModelProfile",
+    "ProfileStore",
+    "measure_layers",
+    "scale_layers",
+    "synthetic_profile",
+]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Cost of one layer on one device type at the profile's minibatch size."""
+
+    fwd_s: float
+    bwd_s: float
+    param_bytes: int
+    buffer_bytes: int
+    out_bytes: int
+    saved_bytes: int
+    work_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
+        return cls(
+            float(d["fwd_s"]),
+            float(d["bwd_s"]),
+            int(d["param_bytes"]),
+            int(d["buffer_bytes"]),
+            int(d["out_bytes"]),
+            int(d["saved_bytes"]),
+            int(d["work_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model's layers profiled on each device type (same layer count for every type).
+
+    ``input_bytes`` is the size of one minibatch of model input (what stage 0 receives).
+    """
+
+    model: str
+    minibatch: int
+    input_bytes: int
+    layers: dict[str, tuple[LayerProfile, ...]]
+
+    def __post_init__(self) -> None:
+        counts = {t: len(v) for t, v in self.layers.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"profile {self.model!r}: layer counts differ by type: {counts}")
+
+    def n_layers(self) -> int:
+        return len(next(iter(self.layers.values()))) if self.layers else 0
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "minibatch": self.minibatch,
+            "input_bytes": self.input_bytes,
+            "layers": {t: [lp.to_dict() for lp in v] for t, v in self.layers.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelProfile:
+        layers = {
+            t: tuple(LayerProfile.from_dict(x) for x in v) for t, v in dict(d["layers"]).items()
+        }
+        return cls(str(d["model"]), int(d["minibatch"]), int(d["input_bytes"]), layers)
+
+    def scaled(self, minibatch: int) -> ModelProfile:
+        """The profile at another minibatch size, assuming time and activations scale linearly.
+
+        A first-order estimate (small minibatches under-use a GPU, so real times grow less than
+        linearly); re-profiling at the job's minibatch is better, and the plan says so.
+        """
+        if minibatch == self.minibatch:
+            return self
+        f = minibatch / self.minibatch
+        layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
+        return ModelProfile(self.model, minibatch, math.ceil(self.input_bytes * f), layers)
+
+
+def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:
+    """Scale times and per-minibatch activation bytes by ``factor``; parameters stay."""
+    return tuple(
+        LayerProfile(
+            lp.fwd_s * factor,
+            lp.bwd_s * factor,
+            lp.param_bytes,
+            lp.buffer_bytes,
+            math.ceil(lp.out_bytes * factor),
+            math.ceil(lp.saved_bytes * factor),
+            math.ceil(lp.work_bytes * factor),
+        )
+        for lp in layers
+    )
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_layers(
+    model: Any,
+    example: Any,
+    device: str = "cpu",
+    *,
+    speed: float = 1.0,
+    warmup: int = 2,
+    repeats: int = 5,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> tuple[LayerProfile, ...]:
+    """Profile each element of an ``nn.Sequential`` on ``device`` with a real minibatch.
+
+    Each layer runs alone on the previous layer's (detached) output, so its forward and
+    backward are timed without the rest of the model. Times are the median over ``repeats``
+    runs after ``warmup`` runs, divided by ``speed`` (an emulated device with speed 0.25 is
+    profiled 4x slower, which is what the planner must see for that type). The last layer's
+    backward starts from ``loss_fn(output)`` when given (bind labels with a closure), else
+    from a gradient of ones. Saved bytes come from ``saved_tensors_hooks``: every tensor
+    autograd keeps, deduplicated by storage, minus the layer's own parameters and buffers
+    (those are counted once as parameters).
+    """
+    import torch
+
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    layers = list(model)
+    x = example.to(device)
+    out: list[LayerProfile] = []
+    for i, layer in enumerate(layers):
+        layer = layer.to(device)
+        last = i == len(layers) - 1
+        own = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        own |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+        fwd: list[float] = []
+        bwd: list[float] = []
+        saved = 0
+        y = None
+        for rep in range(warmup + repeats):
+            inp = x.detach()
+            if inp.is_floating_point():
+                inp.requires_grad_(True)
+            seen: dict[int, int] = {}
+
+            def pack(t: Any, seen: dict[int, int] = seen) -> Any:
+                st = t.untyped_storage()
+                if st.data_ptr() not in own:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(inp)
+                target = loss_fn(y) if (last and loss_fn is not None) else y
+            _sync(device)
+            t1 = time.perf_counter()
+            if target.requires_grad:
+                if target.dim() == 0:
+                    target.backward()
+                else:
+                    target.backward(torch.ones_like(target))
+            _sync(device)
+            t2 = time.perf_counter()
+            layer.zero_grad(set_to_none=True)
+            if rep >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                saved = sum(seen.values())
+        assert y is not None
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
+        out_bytes = y.numel() * y.element_size()
+        in_grad = x.numel() * x.element_size() if x.is_floating_point() else 0
+        out.append(
+            LayerProfile(
+                statistics.median(fwd) / speed,
+                statistics.median(bwd) / speed,
+                params,
+                buffers,
+                out_bytes,
+                saved,
+                out_bytes + in_grad,
+            )
+        )
+        x = y.detach()
+    return tuple(out)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- store
+
+
+class ProfileStore:
+    """Profiles kept in a readable JSON file, keyed by (model key, minibatch, device type).
+
+    Profiling takes a while, so the head measures each (model, minibatch, type) once and
+    reuses it. The file is plain JSON::
+
+        {"version": 1,
+         "models": {"cnn{width=32}": {"32": {"input_bytes": 8192,
+                                             "types": {"fast": [{"fwd_s": ..}, ..]}}}}}
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._data: dict[str, Any] = {"version": self.VERSION, "models": {}}
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"{self.path}: unreadable profile store: {e}") from e
+            if not isinstance(data, dict) or data.get("version") != self.VERSION:
+                raise ValueError(f"{self.path}: not a version-{self.VERSION} profile store")
+            self._data = data
+
+    def _entry(self, model_key: str, minibatch: int) -> dict[str, Any] | None:
+        return self._data["models"].get(model_key, {}).get(str(minibatch))
+
+    def get(self, model_key: str, minibatch: int, dtype: str) -> tuple[LayerProfile, ...] | None:
+        entry = self._entry(model_key, minibatch)
+        if entry is None or dtype not in entry["types"]:
+            return None
+        return tuple(LayerProfile.from_dict(x) for x in entry["types"][dtype])
+
+    def put(
+        self,
+        model_key: str,
+        minibatch: int,
+        dtype: str,
+        layers: Sequence[LayerProfile],
+        *,
+        input_bytes: int | None = None,
+    ) -> None:
+        models = self._data["models"].setdefault(model_key, {})
+        entry = models.setdefault(str(minibatch), {"input_bytes": 0, "types": {}})
+        if input_bytes is not None:
+            entry["input_bytes"] = int(input_bytes)
+        entry["types"][dtype] = [lp.to_dict() for lp in layers]
+
+    def model_profile(
+        self, model_key: str, minibatch: int, types: Sequence[str] | None = None
+    ) -> ModelProfile | None:
+        """Every stored type (or those of ``types`` that are stored) as one ModelProfile."""
+        entry = self._entry(model_key, minibatch)
+        if entry is None:
+            return None
+        wanted = entry["types"] if types is None else [t for t in types if t in entry["types"]]
+        if not wanted:
+            return None
+        layers = {t: self.get(model_key, minibatch, t) for t in wanted}
+        return ModelProfile(model_key, minibatch, int(entry["input_bytes"]), layers)  # type: ignore[arg-type]
+
+    def save(self) -> None:
+        """Write atomically (temp file + rename) so a crash never leaves half a file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._data, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def synthetic_profile(
+    n_layers: int,
+    types: Mapping[str, float],
+    rng: random.Random | int = 0,
+    *,
+    model: str = "synthetic",
+    minibatch: int = 32,
+    time_s: tuple[float, float] = (1e-3, 4e-3),
+    param_bytes: tuple[int, int] = (64 << 10, 512 << 10),
+    out_bytes: tuple[int, int] = (16 << 10, 128 << 10),
+    type_noise: float = 0.1,
+) -> ModelProfile:
+    """A random but plausible profile for tests and benchmarks.
+
+    ``types`` maps a device type to its relative speed: a layer's time on a type is its base
+    time / speed, times a per-(layer, type) factor within +-``type_noise`` (layers do not all
+    speed up alike on a faster GPU). Backward takes about twice the forward. Autograd saves
+    roughly the layer's input and output.
+    """
+    r = rng if isinstance(rng, random.Random) else random.Random(rng)
+    base = []
+    for _ in range(n_layers):
+        f = r.uniform(*time_s)
+        base.append(
+            (
+                f,
+                f * r.uniform(1.6, 2.4),
+                r.randint(*param_bytes) // 4 * 4,
+                r.choice((0, 0, 0, 2048)),
+                r.randint(*out_bytes) // 4 * 4,
+            )
+        )
+    input_bytes = r.randint(*out_bytes) // 4 * 4
+    layers: dict[str, tuple[LayerProfile, ...]] = {}
+    for t, speed in types.items():
+        lps = []
+        prev_out = input_bytes
+        for f, b, p, buf, o in base:
+            noise = 1.0 + r.uniform(-type_noise, type_noise)
+            lps.append(
+                LayerProfile(
+                    f * noise / speed, b * noise / speed, p, buf, o, prev_out + o, prev_out + o
+                )
+            )
+            prev_out = o
+        layers[t] = tuple(lps)
+    return ModelProfile(model, minibatch, input_bytes, layers)

@@ -1,0 +1,188 @@
+"""``hetpipe-ps``: one parameter-server shard; shard 0 is also the head.
+
+A shard holds the global weights of the layers placed on it, applies each pushed update of
+a (job, vw, stage, wave) exactly once, and parks pulls until the job's global clock meets
+their need (:mod:`hetpipe.wsp`). It never busy-waits: a push releases the pulls it unblocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from typing import Any
+
+import click
+import zmq
+
+from hetpipe import log as logmod
+from hetpipe.config import ClusterConfig, ConfigError, load_cluster
+from hetpipe.daemon import Owner, wait_for_signal, write_ready
+from hetpipe.shard import ShardError, ShardStore
+from hetpipe.transport import Channel, bound_address, make_socket, tcp
+from hetpipe.wire import Kind, Message
+from hetpipe.wsp import WspError
+
+__all__ = ["ShardServer", "main", "serve"]
+
+Parked = tuple[bytes | None, int, int, int]  # (peer, rid, vw, stage)
+
+
+class ShardServer:
+    """Serves push, pull and the head's shard requests from one ROUTER channel."""
+
+    KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP})
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.store: ShardStore[Parked] = ShardStore()
+        self.channel: Channel | None = None
+        self.log = logmod.get("shard").bind(shard=index)
+
+    async def handle(self, peer: bytes | None, msg: Message) -> None:
+        assert self.channel is not None
+        rid = msg.get("rid")
+        try:
+            if msg.kind == Kind.PUSH:
+                await self._push(peer, msg)
+            elif msg.kind == Kind.PULL:
+                await self._pull(peer, msg)
+            elif msg.kind == Kind.SHARD_INIT:
+                js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors)
+                self.log.info("job held", job=msg["job"], tensors=len(js.weights))
+                await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
+            elif msg.kind == Kind.SHARD_FETCH:
+                js = self.store.get(msg["job"])
+                info = {**js.clock.snapshot(), "pushes": js.pushes, "bytes": js.pushed_bytes}
+                await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
+            elif msg.kind == Kind.SHARD_DROP:
+                for p, prid, _vw, _stage in self.store.drop(msg["job"]):
+                    await self.channel.reply_error(p, f"job {msg['job']} ended", prid)
+                await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
+        except (ShardError, WspError) as exc:
+            self.log.warning("request refused", kind=str(msg.kind), error=str(exc))
+            await self.channel.reply_error(peer, f"shard {self.index}: {exc}", rid)
+
+    async def _push(self, peer: bytes | None, msg: Message) -> None:
+        assert self.channel is not None
+        js = self.store.get(msg["job"])
+        applied = js.push(msg["vw"], msg["stage"], msg["wave"], msg.tensors)
+        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}},
+                                to=peer)
+        for item in js.clock.release():
+            await self._answer(msg["job"], item)
+
+    async def _pull(self, peer: bytes | None, msg: Message) -> None:
+        js = self.store.get(msg["job"])
+        js.answer(msg["vw"], msg["stage"])  # validates the stage before parking it
+        item: Parked = (peer, msg["rid"], msg["vw"], msg["stage"])
+        if js.clock.park(msg["need"], item):
+            await self._answer(msg["job"], item)
+
+    async def _answer(self, job: str, item: Parked) -> None:
+        assert self.channel is not None
+        peer, rid, vw, stage = item
+        fields, tensors = self.store.get(job).answer(vw, stage)
+        try:
+            await self.channel.send(Kind.PULLED, {"rid": rid, **fields}, tensors, to=peer)
+        except ConnectionError as exc:
+            self.log.warning("pull answer undeliverable", job=job, vw=vw, stage=stage,
+                             error=str(exc))
+
+
+async def serve(
+    cluster: ClusterConfig,
+    index: int,
+    *,
+    head: str | None = None,
+    ready_file: str | None = None,
+    run_dir: str | None = None,
+) -> None:
+    """Run shard ``index`` (and the head, for shard 0) until SIGTERM/SIGINT."""
+    spec = cluster.ps[index]
+    owner = Owner()
+    log = logmod.get("ps").bind(shard=index)
+    try:
+        sock = make_socket(owner.ctx, zmq.ROUTER, bind=tcp(spec.host, spec.port),
+                           hwm=cluster.runtime.hwm * 16, router_mandatory=True)
+        address = bound_address(sock)
+        server = ShardServer(index)
+        head_obj: Any = None
+        if index == 0:
+            from hetpipe.head import Head
+
+            head_obj = Head(cluster, owner, address, run_dir=run_dir)
+
+        async def handle(peer: bytes | None, msg: Message) -> None:
+            if msg.kind in ShardServer.KINDS:
+                await server.handle(peer, msg)
+            elif head_obj is not None:
+                await head_obj.handle(peer, msg)
+            else:
+                await channel.reply_error(
+                    peer, f"{msg.kind} goes to the head (shard 0), this is shard {index}",
+                    msg.get("rid"))
+
+        channel = owner.channel(Channel(sock, handle, name=f"shard{index}",
+                                        max_frame_bytes=cluster.runtime.max_frame_bytes))
+        server.channel = channel
+        if head_obj is not None:
+            await head_obj.start(channel)
+        else:
+            owner.spawn(_announce(owner, cluster, index, address, head), "announce")
+        write_ready(ready_file, {"role": "ps", "shard": index, "address": address})
+        log.info("ready", address=address, head=index == 0)
+        sig = await wait_for_signal()
+        log.info("stopping", signal=sig)
+        if head_obj is not None:
+            await head_obj.stop()
+    finally:
+        await owner.close()
+
+
+async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: str,
+                    head: str | None) -> None:
+    """Tell the head where this shard listens, again every few seconds (the head may restart)."""
+    head_addr = head or cluster.head.address
+    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm)
+    ch = owner.channel(Channel(sock, None, name="head",
+                               max_frame_bytes=cluster.runtime.max_frame_bytes))
+    while True:
+        await ch.send(Kind.SHARD_HELLO, {"shard": index, "address": address, "pid": os.getpid()})
+        await asyncio.sleep(max(cluster.runtime.heartbeat_s, 1.0))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="Cluster description.")
+@click.option("--shard", type=int, required=True, help="Shard index; 0 is also the head.")
+@click.option("--head", default=None, help="Head address (tcp://host:port) if not the file's.")
+@click.option("--ready-file", default=None, help="Write the bound address here when ready.")
+@click.option("--run-dir", default=None, help="Where the head writes job outputs.")
+@click.option("--log-level", default="info", show_default=True)
+def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None,
+         run_dir: str | None, log_level: str) -> None:
+    """Run one parameter-server shard (shard 0 is also the head)."""
+    logmod.configure(f"ps{shard}", level=log_level)
+    try:
+        cluster = load_cluster(cluster_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not 0 <= shard < len(cluster.ps):
+        raise click.BadParameter(
+            f"{cluster_path} has {len(cluster.ps)} shards (0..{len(cluster.ps) - 1})",
+            param_hint="--shard")
+    try:
+        asyncio.run(serve(cluster, shard, head=head, ready_file=ready_file, run_dir=run_dir))
+    except zmq.ZMQError as exc:
+        spec = cluster.ps[shard]
+        raise click.ClickException(
+            f"shard {shard} cannot listen on {spec.host}:{spec.port} on {socket.gethostname()}: "
+            f"{exc}") from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The state of one parameter-server shard: global weights and WSP clocks, per job.
+
+No sockets here: :mod:`hetpipe.ps` feeds messages in and sends the answers out. Updates are
+applied out of place (``w = w + U`` builds a new tensor), so a pull answered zero-copy from the
+old tensor is never changed under ZeroMQ while it is still being sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from hetpipe.wsp import WaveClock
+
+__all__ = ["JobShard", "ShardError", "ShardStore"]
+
+T = TypeVar("T")
+
+
+class ShardError(ValueError):
+    """A push or pull this shard cannot serve (unknown job, stage or tensor)."""
+
+
+@dataclass
+class JobShard(Generic[T]):
+    """One job's weights on this shard and its WSP clock."""
+
+    job: str
+    weights: dict[str, torch.Tensor]
+    names: dict[tuple[int, int], list[str]]  # (vw, stage) -> names it holds here
+    clock: WaveClock[T]
+    pushes: int = 0
+    pushed_bytes: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, torch.Tensor]) -> bool:
+        """Apply a stage's update of a wave exactly once; False for a duplicate."""
+        allowed = self.names.get((vw, stage))
+        if allowed is None:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} holds nothing on this shard")
+        unknown = set(deltas) - set(allowed)
+        if unknown:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} pushed unknown "
+                             f"tensors {sorted(unknown)[:3]}")
+        for name, d in deltas.items():
+            w = self.weights[name]
+            if d.shape != w.shape:
+                raise ShardError(f"job {self.job}: {name}: update of shape {list(d.shape)} "
+                                 f"for a weight of shape {list(w.shape)}")
+        if not self.clock.record_push(vw, stage, wave):
+            return False
+        with torch.no_grad():
+            for name, d in deltas.items():
+                w = self.weights[name]
+                self.weights[name] = w + d.to(w.dtype)
+                self.pushed_bytes += d.numel() * d.element_size()
+        self.pushes += 1
+        return True
+
+    def answer(self, vw: int, stage: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The fields and tensors of a ``pulled`` reply for one stage, as of now."""
+        names = self.names.get((vw, stage))
+        if names is None:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} holds nothing on this shard")
+        fields = {
+            "clock": self.clock.global_clock(),
+            "vw_clock": self.clock.vw_clock(vw),
+            "applied": self.clock.applied(vw, stage),
+        }
+        return fields, {n: self.weights[n] for n in names}
+
+
+class ShardStore(Generic[T]):
+    """Every job this shard holds."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobShard[T]] = {}
+
+    def init(
+        self,
+        job: str,
+        members: Mapping[str, Mapping[str, Any]],
+        staleness: int,
+        weights: Mapping[str, torch.Tensor],
+    ) -> JobShard[T]:
+        """Hold ``weights`` for ``job``.
+
+        ``members`` maps each VW (str key) to ``{"waves": n, "stages": {stage: [names]}}``:
+        the stages with state on this shard and how many waves the VW will push in all, so
+        that a VW which finishes early stops holding the global clock back.
+        """
+        names: dict[tuple[int, int], list[str]] = {}
+        waves: dict[int, int] = {}
+        for vw, member in members.items():
+            try:
+                stages, waves[int(vw)] = member["stages"], int(member["waves"])
+                items = list(stages.items())
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise ShardError(f"job {job}: malformed members entry for vw {vw}") from None
+            for stage, held in items:
+                missing = [n for n in held if n not in weights]
+                if missing:
+                    raise ShardError(f"job {job}: no initial value for {missing[:3]}")
+                names[(int(vw), int(stage))] = list(held)
+        clock_members: dict[int, list[int]] = {}
+        for vw, stage in names:
+            clock_members.setdefault(vw, []).append(stage)
+        self.jobs[job] = JobShard(
+            job=job,
+            weights={n: t.detach().clone() for n, t in weights.items()},
+            names=names,
+            clock=WaveClock(clock_members, staleness),
+        )
+        for vw in clock_members:
+            self.jobs[job].clock.finish(vw, waves[vw])
+        return self.jobs[job]
+
+    def get(self, job: str) -> JobShard[T]:
+        try:
+            return self.jobs[job]
+        except KeyError:
+            raise ShardError(f"unknown job {job!r} on this shard") from None
+
+    def drop(self, job: str) -> list[T]:
+        """Forget a job; return its parked pulls so the caller can fail them."""
+        js = self.jobs.pop(job, None)
+        if js is None:
+            return []
+        return js.clock.release_all()

@@ -1,0 +1,293 @@
+"""The compute of one pipeline stage: forward, backward, local update, weight stashing, merge.
+
+Every method here runs on the worker's single compute thread, never on the event loop, so
+sends and receives keep flowing while a stage computes. The scheduling (which minibatch, when)
+lives in :mod:`hetpipe.pipeline`; this module only does what it is told, in order.
+
+Weight stashing by out-of-place updates: the weights are a dict of leaf tensors, one dict per
+*version*. A forward runs the layers with :func:`torch.func.functional_call` on the current
+version and keeps a reference to that dict with the minibatch; the optimizer step builds a new
+dict of new tensors. So the backward of p differentiates exactly the weights its forward used,
+and an old version lives exactly as long as an in-flight minibatch needs it.
+
+Every local change of the stage's state (optimizer steps and batch-norm statistics) is also
+added to the accumulator of its wave, which is what the stage pushes to the parameter server
+and re-adds on top of pulled weights until the server confirms it applied it.
+
+Names: a slice of an ``nn.Sequential`` keeps the keys of the whole model, so a stage's state
+names (``"7.weight"``) are the global ones that travel to the shards and end up in the
+exported state_dict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from hetpipe import emulate
+from hetpipe.config import DeviceSpec
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model, model_loss
+from hetpipe.optim import StageOptimizer
+from hetpipe.task import StageTask
+from hetpipe.wsp import wave_of
+
+__all__ = ["StageCompute", "build_stage_module"]
+
+
+def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.Sequential:
+    """Build layers ``first``..``last``-1 on ``device`` without materialising the rest.
+
+    The whole model is constructed on the meta device (no memory), sliced, and only the
+    slice is allocated; its values come from the parameter server.
+    """
+    with torch.device("meta"):
+        full = build_model(spec.model.name, spec.model.args)
+    if not 0 <= first < last <= len(full):
+        raise ValueError(f"layers {first}..{last - 1} out of range: the model has {len(full)}")
+    part = full[first:last]
+    return part.to_empty(device=device)
+
+
+@dataclass
+class _InFlight:
+    """What the backward of one minibatch needs: its input, output and weight version."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    params: dict[str, torch.Tensor]
+    version: int
+    fingerprint: float  # of the weights the forward used, taken at forward time
+    saved_bytes: int
+
+
+@dataclass
+class StageStats:
+    """Counters a stage reports to the head."""
+
+    forwards: int = 0
+    backwards: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    merges: int = 0
+    last_loss: float | None = None
+    losses: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+
+
+class StageCompute:
+    """Weights, optimizer, accumulators and in-flight minibatches of one stage."""
+
+    def __init__(self, task: StageTask, device: DeviceSpec) -> None:
+        self.task = task
+        self.dev = device.device
+        self.speed = device.speed
+        self.cap = device.memory
+        self.where = f"{task.where} on {device.name} ({device.type})"
+        self.spec = JobSpec.from_dict(task.spec)
+        self.module = build_stage_module(self.spec, task.first, task.last, self.dev)
+        self.module.train()
+        self.param_names = [n for n, _ in self.module.named_parameters()]
+        self.buffer_names = [n for n, _ in self.module.named_buffers()]
+        self.params: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.optimizer = StageOptimizer(self.spec.optimizer)
+        self.acc: dict[int, dict[str, torch.Tensor]] = {}
+        self.in_flight: dict[int, _InFlight] = {}
+        self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
+        self.stats = StageStats()
+        self.versions: dict[int, tuple[int, float, int, float]] = {}
+        self.weight_bytes = sum(
+            p.numel() * p.element_size() for p in self.module.parameters()
+        ) + sum(b.numel() * b.element_size() for b in self.module.buffers())
+
+    # -- state names ------------------------------------------------------------------------
+
+    @property
+    def has_state(self) -> bool:
+        """Whether this stage holds weights or buffers kept on the parameter server."""
+        return bool(self.param_names or self.buffer_names)
+
+    def state_names(self) -> list[str]:
+        """Global names of everything this stage keeps on the parameter server."""
+        return self.param_names + self.buffer_names
+
+    # -- forward / backward -----------------------------------------------------------------
+
+    def forward(
+        self, p: int, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the forward of minibatch ``p``.
+
+        Returns ``(activation, None)`` for the next stage, or on the last stage
+        ``(None, grad_of_input)`` after the loss and the backward ran on the same version.
+        """
+        started = time.perf_counter()
+        x = x.to(self.dev, non_blocking=True)
+        if not self.task.is_first and x.is_floating_point():
+            x = x.detach().requires_grad_()
+        params = self.params
+        before = {n: b.clone() for n, b in self.buffers.items()}
+        saved = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = functional_call(self.module, {**params, **self.buffers}, (x,))
+        if before:
+            self._accumulate(wave_of(p, self.task.nm), {
+                n: self.buffers[n] - before[n] for n in before
+            })
+        self.stats.forwards += 1
+        flight = _InFlight(x=x, out=out, params=params, version=self.version,
+                           fingerprint=_fingerprint(params), saved_bytes=saved.bytes)
+        self.in_flight[p] = flight
+        self._check_memory()
+        if self.loss_fn is None:
+            self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
+            return out.detach(), None
+        loss = self.loss_fn(out, y.to(self.dev))
+        self.stats.last_loss = float(loss.detach())
+        self.stats.losses.append(self.stats.last_loss)
+        self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
+        return None, self._backward(p, loss, None)
+
+    def backward(self, p: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Run the backward of minibatch ``p`` from the gradient of its output."""
+        return self._backward(p, None, grad)
+
+    def _backward(
+        self, p: int, loss: torch.Tensor | None, grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        started = time.perf_counter()
+        flight = self.in_flight.pop(p)
+        wants_input = flight.x.requires_grad
+        names = [n for n in self.param_names if flight.params[n].requires_grad]
+        inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
+        if loss is not None:
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        else:
+            grads = torch.autograd.grad(
+                flight.out, inputs, grad.to(self.dev, non_blocking=True), allow_unused=True
+            )
+        grad_in = grads[0] if wants_input else None
+        pgrads = {n: g for n, g in zip(names, grads[int(wants_input):], strict=True)
+                  if g is not None}
+        # observable weight stashing: (forward's version, its weights' fingerprint then,
+        # version current at this backward, fingerprint of the weights differentiated now)
+        self.versions[p] = (flight.version, flight.fingerprint, self.version,
+                            _fingerprint(flight.params))
+        self._step(p, pgrads)
+        self.stats.backwards += 1
+        self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
+        return grad_in
+
+    def _step(self, p: int, grads: Mapping[str, torch.Tensor]) -> None:
+        """Local update out of place: a new version of the weights, the old one untouched."""
+        if not grads:
+            return
+        deltas = self.optimizer.step(self.params, grads)
+        with torch.no_grad():
+            new = dict(self.params)
+            for n, d in deltas.items():
+                new[n] = (self.params[n] + d).requires_grad_()
+        self.params = new
+        self.version += 1
+        self._accumulate(wave_of(p, self.task.nm), deltas)
+
+    def _accumulate(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
+        acc = self.acc.setdefault(wave, {})
+        with torch.no_grad():
+            for n, d in deltas.items():
+                if n in acc:
+                    acc[n].add_(d)
+                else:
+                    acc[n] = d.detach().clone()
+
+    # -- parameter server -------------------------------------------------------------------
+
+    def push_deltas(self, wave: int) -> dict[str, torch.Tensor]:
+        """The stage's update of ``wave`` (kept until a pull confirms it was applied)."""
+        return {n: t.detach().cpu() for n, t in self.acc.get(wave, {}).items()}
+
+    def load(self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[int]]) -> None:
+        """Set local state to pulled global state plus own updates the shard had not applied.
+
+        ``applied`` maps each pulled global name to the waves of this stage the answering shard
+        had applied; accumulators confirmed for every name are dropped.
+        """
+        params = dict(self.params)
+        with torch.no_grad():
+            for n, value in pulled.items():
+                done = set(applied[n])
+                t = value.to(self.dev, copy=True)
+                for w, acc in self.acc.items():
+                    if w not in done and n in acc:
+                        t.add_(acc[n])
+                if n in self.buffer_names:
+                    self.buffers[n] = t
+                else:
+                    params[n] = t.requires_grad_()
+            for w in list(self.acc):
+                acc = self.acc[w]
+                for n in [n for n in acc if n in pulled and w in applied[n]]:
+                    del acc[n]
+                if not acc:
+                    del self.acc[w]
+        self.params = params
+        self.version += 1
+        self.stats.merges += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Current local state (for tests and debugging)."""
+        return {**{n: t.detach() for n, t in self.params.items()}, **self.buffers}
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def usage(self) -> emulate.Usage:
+        """What this stage keeps alive now, counted from the real tensors."""
+        versions = {id(f.params) for f in self.in_flight.values()} | {id(self.params)}
+        acc = sum(t.numel() * t.element_size() for a in self.acc.values() for t in a.values())
+        return emulate.Usage(
+            weights=self.weight_bytes,
+            versions=len(versions),
+            optimizer=self.optimizer.state_bytes(),
+            accumulators=acc,
+            activations=sum(f.saved_bytes for f in self.in_flight.values()),
+            in_flight=len(self.in_flight),
+        )
+
+    def _check_memory(self) -> None:
+        usage = self.usage()
+        self.stats.peak_bytes = max(self.stats.peak_bytes, usage.total)
+        usage.check(self.cap, self.where)
+
+
+def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
+    """A cheap digest of a weight version (a few elements of each tensor)."""
+    with torch.no_grad():
+        return float(sum(t.reshape(-1)[:8].double().sum() for t in params.values()))
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (activations, not weights)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not isinstance(t, torch.nn.Parameter) and not (t.is_leaf and t.requires_grad):
+            key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: Any) -> Any:
+        return t

@@ -1,0 +1,274 @@
+"""Sockets and message channels on ``zmq.asyncio``.
+
+One factory makes every socket, with its high-water mark and linger set at creation, so no
+socket in the project is ever left with an unbounded queue or a close that hangs. A
+:class:`Channel` owns one socket and its single long-lived reader task: it decodes every
+frame set with :mod:`hetpipe.wire`, answers malformed messages with an ``error`` reply where
+the pattern has a reply, matches replies to requests by ``rid``, and hands everything else to
+the owner's handler. Nothing here cancels an in-flight ``recv``: waits for replies are waits on
+futures, with deadlines whose errors say what to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from hetpipe import log as logmod
+from hetpipe.wire import (
+    ZERO_COPY_MIN_BYTES,
+    Kind,
+    Message,
+    WireError,
+    decode,
+    encode,
+    error_frames,
+)
+
+__all__ = [
+    "Channel",
+    "RemoteError",
+    "bound_address",
+    "make_socket",
+    "tcp",
+]
+
+Handler = Callable[[bytes | None, Message], Awaitable[None]]
+
+
+class RemoteError(RuntimeError):
+    """The peer answered a request with an ``error`` message."""
+
+
+def tcp(host: str, port: int) -> str:
+    """The ZeroMQ address of a TCP endpoint."""
+    return f"tcp://{host}:{port}"
+
+
+def make_socket(
+    ctx: zmq.asyncio.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    identity: bytes | None = None,
+    hwm: int = 64,
+    linger_ms: int = 0,
+    router_mandatory: bool = False,
+) -> zmq.asyncio.Socket:
+    """Create a socket with every option that matters set before it binds or connects."""
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.copy_threshold = ZERO_COPY_MIN_BYTES
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if router_mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind is not None:
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def bound_address(sock: zmq.asyncio.Socket) -> str:
+    """The address a socket really bound (port 0 resolved to the port it got)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _large(frames: list[Any]) -> bool:
+    return any(len(memoryview(f)) >= ZERO_COPY_MIN_BYTES for f in frames)
+
+
+class Channel:
+    """One socket, one reader task, requests matched to replies by ``rid``.
+
+    Works for ROUTER (messages carry the peer identity; replies go back to it) and for
+    DEALER/PULL/PUSH (no identity). Sends of large tensors are zero-copy: the frames keep the
+    source tensors alive until ZeroMQ has sent them, so callers must not modify a tensor in
+    place after sending it (the runtime never does: weights are updated out of place).
+    """
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        handler: Handler | None,
+        *,
+        name: str,
+        max_frame_bytes: int,
+        routed: bool | None = None,
+    ) -> None:
+        self.sock = sock
+        self.name = name
+        self._handler = handler
+        self._max_frame_bytes = max_frame_bytes
+        self._routed = sock.type == zmq.ROUTER if routed is None else routed
+        self._pending: dict[int, tuple[asyncio.Future[Message], str]] = {}
+        self._rids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._log = logmod.get(name)
+        self.closed = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> Channel:
+        """Start the reader task (only for sockets that receive)."""
+        if self._task is None and self.sock.type != zmq.PUSH:
+            self._task = asyncio.get_running_loop().create_task(
+                self._reader(), name=f"reader:{self.name}"
+            )
+        return self
+
+    async def close(self) -> None:
+        """Stop the reader, fail pending requests, close the socket without lingering."""
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for fut, _what in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"{self.name}: channel closed"))
+        self._pending.clear()
+        self.sock.close(linger=0)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    async def send(
+        self,
+        kind: Kind | str,
+        fields: Mapping[str, Any] | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        to: bytes | None = None,
+    ) -> None:
+        """Send one message; ``to`` is the peer identity on a ROUTER."""
+        frames: list[Any] = encode(kind, dict(fields or {}), tensors)
+        await self.send_frames(frames, to=to)
+
+    async def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
+        """Send already-encoded frames (zero-copy when any frame is large)."""
+        if self._routed:
+            if to is None:
+                raise ValueError(f"{self.name}: a ROUTER send needs a peer identity")
+            frames = [to, *frames]
+        try:
+            await self.sock.send_multipart(frames, copy=not _large(frames))
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise ConnectionError(f"{self.name}: peer {to!r} is not connected") from exc
+            raise
+
+    async def send_request(
+        self,
+        kind: Kind | str,
+        fields: Mapping[str, Any] | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        to: bytes | None = None,
+        what: str,
+    ) -> asyncio.Future[Message]:
+        """Send a request with a fresh ``rid`` now; the returned future gets its reply.
+
+        Sending before returning keeps the order of requests on the socket the order of the
+        calls. ``what`` names the peer in errors; an ``error`` reply fails the future with
+        :class:`RemoteError` carrying the peer's text.
+        """
+        rid = next(self._rids)
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (fut, what)
+        fut.add_done_callback(lambda _f: self._pending.pop(rid, None))
+        try:
+            await self.send(kind, {**(fields or {}), "rid": rid}, tensors, to=to)
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut
+
+    async def request(
+        self,
+        kind: Kind | str,
+        fields: Mapping[str, Any] | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        to: bytes | None = None,
+        timeout: float,
+        what: str,
+    ) -> Message:
+        """Send a request and wait for its reply, at most ``timeout`` seconds."""
+        fut = await self.send_request(kind, fields, tensors, to=to, what=what)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no answer to {kind} from {what} within {timeout:g} s") from None
+
+    async def reply_error(self, to: bytes | None, message: str, rid: int | None = None) -> None:
+        """Answer a sender with an ``error`` message (best effort: the peer may be gone)."""
+        if self.sock.type in (zmq.PULL, zmq.PUSH):
+            return
+        with contextlib.suppress(ConnectionError, zmq.ZMQError):
+            await self.send_frames(error_frames(message, rid), to=to)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self.closed or exc.errno == zmq.ETERM:
+                    return
+                self._log.warning("recv failed", error=str(exc))
+                continue
+            ident: bytes | None = None
+            if self._routed:
+                ident = frames[0].bytes
+                frames = frames[1:]
+            await self._dispatch(ident, frames)
+
+    async def _dispatch(self, ident: bytes | None, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
+        except WireError as exc:
+            self._log.warning("bad message dropped", peer=_peer(ident), error=str(exc))
+            await self.reply_error(ident, f"bad message: {exc}")
+            return
+        rid = msg.fields.get("rid")
+        if isinstance(rid, int) and msg.kind in _REPLY_KINDS and rid in self._pending:
+            fut, what = self._pending[rid]
+            if not fut.done():
+                if msg.kind == Kind.ERROR:
+                    fut.set_exception(RemoteError(f"{what}: {msg['message']}"))
+                else:
+                    fut.set_result(msg)
+            return
+        if self._handler is None:
+            self._log.debug("unexpected message dropped", kind=str(msg.kind))
+            return
+        try:
+            await self._handler(ident, msg)
+        except Exception as exc:  # a handler bug must not kill the reader
+            self._log.exception("handler failed", kind=str(msg.kind))
+            await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
+
+
+_REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED})
+
+
+def _peer(ident: bytes | None) -> str | None:
+    return None if ident is None else ident.decode("utf-8", "replace")

@@ -1,0 +1,527 @@
+"""The one wire protocol every hetpipe process speaks.
+
+A message is a ZeroMQ multipart. Frame 0 is a msgpack header::
+
+    {"v": PROTOCOL_VERSION, "kind": str, "f": {fields}, "t": [descriptor, ...]}
+
+where each tensor descriptor is ``{"name": str, "dtype": str, "shape": [int, ...],
+"frame": int}`` and frames 1.. hold raw tensor bytes (little-endian, C order). Every dtype,
+bfloat16 included, travels as a uint8 view of the tensor's memory, so no dtype needs numpy
+support and nothing is ever pickled.
+
+Why this shape:
+
+- Large tensors cross the process boundary without copies. :func:`encode` returns
+  memoryviews of the tensors' own memory (the views keep the tensors alive, so the caller
+  can ``send_multipart(frames, copy=False)``); :func:`decode` builds tensors that alias the
+  received frame memory. Below :data:`ZERO_COPY_MIN_BYTES` a copy is cheaper than the
+  bookkeeping of zero-copy, so small tensors are copied on both sides.
+- Headers come from the network and are hostile until validated. Every malformed message
+  raises :class:`WireError` with one line that says what is wrong, so a receiver can log it,
+  answer with an ``error`` reply where the pattern has one, drop it and keep running. The
+  same schemas check outgoing messages, so a programming error surfaces at the sender.
+
+Extending: add a member to :class:`Kind` and its field schema to :data:`SCHEMAS`. Decoded
+tensors may alias read-only memory (a ``bytes`` frame): clone one before writing into it.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "PROTOCOL_VERSION",
+    "SCHEMAS",
+    "ZERO_COPY_MIN_BYTES",
+    "Field",
+    "Kind",
+    "Message",
+    "WireError",
+    "decode",
+    "encode",
+    "error_frames",
+    "frames_nbytes",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+MAX_HEADER_BYTES = 1 << 20
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying beats zero-copy
+MAX_DIMS = 16
+MAX_NESTING = 64  # depth of dict/list field values; bounds validation work on hostile input
+
+if sys.byteorder != "little":  # raw tensor bytes are little-endian on the wire
+    raise ImportError("hetpipe.wire supports little-endian hosts only")
+
+
+class WireError(ValueError):
+    """A message that cannot be encoded or decoded; ``str(e)`` is one line saying why."""
+
+
+class Kind(StrEnum):
+    """Every message kind; the value is what travels in the header."""
+
+    ERROR = "error"
+    OK = "ok"
+    HELLO = "hello"
+    WELCOME = "welcome"
+    HEARTBEAT = "heartbeat"
+    SHARD_HELLO = "shard_hello"
+    ASSIGN = "assign"
+    START = "start"
+    ABORT = "abort"
+    REPORT = "report"
+    STAGE_DONE = "stage_done"
+    STAGE_FAILED = "stage_failed"
+    ACT = "act"
+    GRAD = "grad"
+    PUSH = "push"
+    PULL = "pull"
+    PULLED = "pulled"
+    SHARD_INIT = "shard_init"
+    SHARD_FETCH = "shard_fetch"
+    SHARD_DROP = "shard_drop"
+    SUBMIT = "submit"
+    JOB_STATUS = "job_status"
+    CLUSTER_STATUS = "cluster_status"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One header field: its type(s) and whether it must be present.
+
+    ``bool`` never passes for ``int`` (a flag is not a count); an ``int`` passes for
+    ``float`` and is delivered as a float. ``dict``/``list`` are msgpack maps/arrays whose
+    contents are free-form plain data (str keys; None, bool, int, float, str, bytes).
+    """
+
+    type: type | tuple[type, ...]
+    required: bool = True
+
+
+_STR, _INT, _FLOAT = Field(str), Field(int), Field(float)
+_DICT, _LIST = Field(dict), Field(list)
+_OPT_STR, _OPT_INT, _OPT_DICT = Field(str, False), Field(int, False), Field(dict, False)
+
+# One schema per kind. Tensors are not part of the schema; the comment names what a kind carries.
+SCHEMAS: dict[Kind, dict[str, Field]] = {
+    Kind.ERROR: {"message": _STR, "rid": _OPT_INT},
+    Kind.OK: {"rid": _INT, "info": _OPT_DICT},
+    Kind.HELLO: {"device": _STR, "address": _STR, "pid": _INT, "host": _STR, "type": _STR},
+    Kind.WELCOME: {"heartbeat_s": _FLOAT, "lost_after_s": _FLOAT},
+    Kind.HEARTBEAT: {
+        "device": _STR,
+        "state": _STR,
+        "job": _OPT_STR,
+        "vw": _OPT_INT,
+        "stage": _OPT_INT,
+    },
+    Kind.SHARD_HELLO: {"shard": _INT, "address": _STR, "pid": _INT},
+    Kind.ASSIGN: {"rid": _INT, "job": _STR, "task": _DICT},
+    Kind.START: {"job": _STR},
+    Kind.ABORT: {"job": _STR, "reason": _STR},
+    Kind.REPORT: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
+    Kind.STAGE_DONE: {
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "stats": _DICT,
+        "records": _LIST,
+    },
+    Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
+    # tensors: activation "x", labels "y"
+    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT},
+    # tensors: gradient "g"
+    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT},
+    # tensors: summed deltas of the wave, by parameter name
+    Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
+    Kind.PULL: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "need": _INT,
+        "wave": _INT,
+    },
+    # tensors: weights, by parameter name
+    Kind.PULLED: {"rid": _INT, "clock": _INT, "vw_clock": _INT, "applied": _LIST},
+    # tensors: initial weights, by parameter name
+    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT},
+    Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
+    Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
+    Kind.SUBMIT: {"rid": _INT, "job": _DICT},
+    Kind.JOB_STATUS: {"rid": _INT, "job": _STR},
+    Kind.CLUSTER_STATUS: {"rid": _INT},
+    Kind.CANCEL: {"rid": _INT, "job": _STR},
+}
+
+_missing_schemas = set(Kind) - set(SCHEMAS)
+assert not _missing_schemas, f"kinds without a schema: {sorted(_missing_schemas)}"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+_HEADER_KEYS = frozenset({"v", "kind", "f", "t"})
+_DESCRIPTOR_KEYS = ("name", "dtype", "shape", "frame")
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
+
+
+@dataclass
+class Message:
+    """A decoded message: its kind, validated fields, and tensors in header order."""
+
+    kind: Kind
+    fields: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    if isinstance(t, tuple):
+        return " or ".join(x.__name__ for x in t)
+    return t.__name__
+
+
+def _check_plain(kind: str, name: str, value: Any) -> None:
+    """Check that a dict/list field holds plain msgpack data with str keys (iteratively,
+    so hostile nesting cannot exhaust the Python stack)."""
+    stack: list[tuple[Any, str, int]] = [(value, name, 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if v is None or isinstance(v, bool | float | str | bytes):
+            continue
+        if isinstance(v, int):
+            if not _INT_MIN <= v <= _UINT_MAX:
+                raise WireError(f"{kind}: field {name!r}: integer at {path} is out of range")
+            continue
+        if isinstance(v, dict | list | tuple):
+            if depth >= MAX_NESTING:
+                raise WireError(f"{kind}: field {name!r}: nested deeper than {MAX_NESTING}")
+            if isinstance(v, dict):
+                for key, item in v.items():
+                    if not isinstance(key, str):
+                        raise WireError(
+                            f"{kind}: field {name!r}: map key {key!r} at {path} is not a str"
+                        )
+                    stack.append((item, f"{path}[{key!r}]", depth + 1))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
+            continue
+        raise WireError(
+            f"{kind}: field {name!r}: {type(v).__name__} at {path} is not plain msgpack data"
+        )
+
+
+def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> dict[str, Any]:
+    """Validate ``fields`` against the schema of ``kind``; return the normalised copy.
+
+    On the way out, an optional field set to None counts as absent and a tuple passes for a
+    list (msgpack sends both as an array).
+    """
+    schema = SCHEMAS[kind]
+    out: dict[str, Any] = {}
+    for name, value in fields.items():
+        field = schema.get(name) if isinstance(name, str) else None
+        if field is None:
+            raise WireError(f"{kind}: unexpected field {name!r}")
+        if value is None and outgoing and not field.required:
+            continue
+        types = field.type if isinstance(field.type, tuple) else (field.type,)
+        if outgoing and list in types:
+            types = (*types, tuple)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise WireError(
+                f"{kind}: field {name!r} expects {_type_name(field.type)}, "
+                f"got {type(value).__name__}"
+            )
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not _INT_MIN <= value <= _UINT_MAX:
+                raise WireError(f"{kind}: field {name!r}: integer {value} is out of range")
+        elif isinstance(value, dict | list | tuple):
+            _check_plain(kind, name, value)
+        out[name] = value
+    for name, field in schema.items():
+        if field.required and name not in out:
+            raise WireError(f"{kind}: missing required field {name!r}")
+    return out
+
+
+def _kind(kind: Any) -> Kind:
+    if isinstance(kind, Kind):
+        return kind
+    if not isinstance(kind, str):
+        raise WireError(f"message kind must be a str, got {type(kind).__name__}")
+    try:
+        return Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind!r}") from None
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def _tensor_frame(name: str, t: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+    """Describe a tensor and return its bytes: a view of its memory, or a copy if small."""
+    if not isinstance(t, torch.Tensor):
+        raise WireError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        supported = ", ".join(_DTYPES)
+        raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported ({supported})")
+    if t.layout != torch.strided:
+        raise WireError(f"tensor {name!r}: layout {t.layout} is not supported (dense only)")
+    if t.dim() > MAX_DIMS:
+        raise WireError(f"tensor {name!r}: {t.dim()} dims, at most {MAX_DIMS}")
+    desc = {"name": name, "dtype": dtype, "shape": list(t.shape), "frame": 0}
+    if t.numel() == 0:
+        return desc, b""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    # The ndarray's base is the tensor, and the memoryview's base is the ndarray: holding the
+    # view keeps the tensor memory alive until the send (copy=False) is done with it.
+    view = memoryview(raw.numpy())
+    if view.nbytes < ZERO_COPY_MIN_BYTES:
+        return desc, view.tobytes()
+    return desc, view
+
+
+def encode(
+    kind: Kind | str,
+    fields: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> list[bytes | memoryview]:
+    """Build the frames of one message, ready for ``send_multipart(frames, copy=False)``.
+
+    Fields are checked against the kind's schema (WireError on a mismatch). Tensor frames are
+    zero-copy views of the tensors' (contiguous, CPU) memory; non-contiguous tensors are made
+    contiguous and CUDA tensors are copied to the host first. Tensors under
+    :data:`ZERO_COPY_MIN_BYTES` are copied into ``bytes``. The caller must not modify a
+    tensor in place until the send of its frames has completed.
+    """
+    k = _kind(kind)
+    checked = _check_fields(k, fields or {}, outgoing=True)
+    descriptors: list[dict[str, Any]] = []
+    frames: list[bytes | memoryview] = [b""]
+    for name, t in (tensors or {}).items():
+        if not isinstance(name, str):
+            raise WireError(f"tensor name {name!r} is not a str")
+        desc, frame = _tensor_frame(name, t)
+        desc["frame"] = len(frames)
+        descriptors.append(desc)
+        frames.append(frame)
+    header = {"v": PROTOCOL_VERSION, "kind": k.value, "f": checked, "t": descriptors}
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as e:  # _check_fields should prevent this
+        raise WireError(f"{k}: header cannot be packed: {e}") from None
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise WireError(
+            f"{k}: header is {len(frames[0])} bytes, over the {MAX_HEADER_BYTES}-byte limit"
+        )
+    return frames
+
+
+def error_frames(message: str, rid: int | None = None) -> list[bytes]:
+    """The frames of an ``error`` reply (``rid`` ties it to the request it answers)."""
+    return encode(Kind.ERROR, {"message": message, "rid": rid})  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _buffer(frame: bytes | bytearray | memoryview | zmq.Frame) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        return frame.buffer  # no copy
+    view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def frames_nbytes(frames: Iterable[bytes | bytearray | memoryview | zmq.Frame]) -> int:
+    """Total payload bytes of a message's frames (for metrics and bandwidth accounting)."""
+    total = 0
+    for frame in frames:
+        total += len(frame) if isinstance(frame, zmq.Frame) else memoryview(frame).nbytes
+    return total
+
+
+def _unpack_header(raw: memoryview) -> Any:
+    try:
+        return msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=MAX_HEADER_BYTES,
+            max_array_len=MAX_HEADER_BYTES,
+            max_map_len=MAX_HEADER_BYTES,
+            max_ext_len=0,  # no extension types (timestamps included) on this wire
+        )
+    except Exception as e:  # msgpack raises many types (ValueError, ExtraData, StackError ...)
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise WireError(
+            f"header is not valid msgpack: {type(e).__name__}{': ' if detail else ''}{detail}"
+        ) from None
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor(
+    desc: Any, i: int, frames: Sequence[memoryview], used: dict[int, str]
+) -> tuple[str, torch.Tensor]:
+    """Validate descriptor ``i`` against its frame and build the tensor."""
+    if not isinstance(desc, dict):
+        raise WireError(f"tensor descriptor {i} is not a map (got {type(desc).__name__})")
+    for key in _DESCRIPTOR_KEYS:
+        if key not in desc:
+            raise WireError(f"tensor descriptor {i} lacks {key!r}")
+    for key in desc:
+        if key not in _DESCRIPTOR_KEYS:
+            raise WireError(f"tensor descriptor {i} has unexpected key {key!r}")
+    name = desc["name"]
+    if not isinstance(name, str):
+        raise WireError(f"tensor descriptor {i}: name is a {type(name).__name__}, not a str")
+    dtype_name = desc["dtype"]
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise WireError(f"tensor {name!r}: unknown dtype {dtype_name!r}")
+    shape = desc["shape"]
+    if not isinstance(shape, list) or not all(_is_index(d) and d >= 0 for d in shape):
+        raise WireError(
+            f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}"
+        )
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"tensor {name!r}: {len(shape)} dims, at most {MAX_DIMS}")
+    index = desc["frame"]
+    if not _is_index(index) or not 1 <= index < len(frames):
+        raise WireError(
+            f"tensor {name!r}: frame {index!r} is out of range (message has {len(frames)} frames)"
+        )
+    if index in used:
+        raise WireError(f"tensor {name!r}: frame {index} is already used by tensor {used[index]!r}")
+    used[index] = name
+    buf = frames[index]
+    numel = 1
+    for d in shape:
+        numel *= d
+    need = numel * dtype.itemsize
+    if need != buf.nbytes:
+        raise WireError(
+            f"tensor {name!r} {dtype_name}{shape} needs {need} bytes, "
+            f"frame {index} has {buf.nbytes}"
+        )
+    if numel == 0:
+        return name, torch.empty(shape, dtype=dtype)
+    if buf.nbytes < ZERO_COPY_MIN_BYTES:
+        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    else:
+        # A read-only frame (bytes) is fine: we never write into it. catch_warnings swaps the
+        # process-wide filter list, so decode large tensors from one thread at a time.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        if flat.data_ptr() % dtype.itemsize:  # misaligned memory: pay one copy
+            flat = flat.clone()
+    if dtype is torch.bool and bool((flat > 1).any()):
+        raise WireError(f"tensor {name!r}: bool frame {index} holds bytes other than 0 and 1")
+    return name, flat.view(dtype).reshape(shape)
+
+
+def decode(
+    frames: Sequence[bytes | bytearray | memoryview | zmq.Frame],
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Message:
+    """Validate and decode one received message; raise WireError (one line) if malformed.
+
+    Tensors of at least :data:`ZERO_COPY_MIN_BYTES` alias the frame memory (``zmq.Frame``
+    buffers are used without a copy); smaller ones are copied so that tiny tensors do not
+    pin large receive buffers.
+    """
+    if len(frames) == 0:
+        raise WireError("empty message: no frames")
+    bufs = [_buffer(f) for f in frames]
+    if bufs[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header is {bufs[0].nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+    for i, buf in enumerate(bufs[1:], start=1):
+        if buf.nbytes > max_frame_bytes:
+            raise WireError(
+                f"frame {i} is {buf.nbytes} bytes, over the max_frame_bytes limit {max_frame_bytes}"
+            )
+    header = _unpack_header(bufs[0])
+    if not isinstance(header, dict):
+        raise WireError(f"header is not a map (got {type(header).__name__})")
+    if "v" not in header:
+        raise WireError("header has no protocol version 'v'")
+    version = header["v"]
+    if not _is_index(version) or version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version!r}, this process speaks {PROTOCOL_VERSION}")
+    for key in header:
+        if key not in _HEADER_KEYS:
+            raise WireError(f"header has unexpected key {key!r}")
+    if "kind" not in header:
+        raise WireError("header has no 'kind'")
+    kind = _kind(header["kind"])
+    fields = header.get("f", {})
+    if not isinstance(fields, dict):
+        raise WireError(f"{kind}: fields 'f' are not a map (got {type(fields).__name__})")
+    checked = _check_fields(kind, fields, outgoing=False)
+    descriptors = header.get("t", [])
+    if not isinstance(descriptors, list):
+        raise WireError(
+            f"{kind}: tensor descriptors 't' are not an array (got {type(descriptors).__name__})"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    used: dict[int, str] = {}
+    for i, desc in enumerate(descriptors):
+        name, tensor = _tensor(desc, i, bufs, used)
+        if name in tensors:
+            raise WireError(f"{kind}: duplicate tensor name {name!r}")
+        tensors[name] = tensor
+    extra = len(bufs) - 1 - len(used)
+    if extra:
+        raise WireError(
+            f"{kind}: {extra} extra frame{'s' if extra != 1 else ''} "
+            "that no tensor descriptor references"
+        )
+    return Message(kind, checked, tensors)

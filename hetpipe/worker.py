@@ -1,0 +1,316 @@
+"""``hetpipe-worker``: one daemon per GPU (or emulated device).
+
+The worker registers with the head (hello -> welcome, retried until the head answers),
+sends a heartbeat every ``heartbeat_s``, and runs the stage the head assigns: it receives
+activations and gradients on its data port (a PULL socket), sends them on to its neighbours
+(PUSH sockets), and pushes/pulls its state to/from the parameter-server shards. Torch runs on
+one compute thread; the event loop only moves messages. Between jobs it stays up, idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import click
+import torch
+import zmq
+
+from hetpipe import log as logmod
+from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
+from hetpipe.daemon import Owner, wait_for_signal, write_ready
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.pipeline import StageRunner
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
+from hetpipe.transport import Channel, bound_address, make_socket, tcp
+from hetpipe.wire import Kind, Message
+
+__all__ = ["Worker", "main", "serve"]
+
+HELLO_RETRY_S = 2.0
+
+
+class _Job:
+    """What a worker holds for the job it is assigned: its stage and its job sockets."""
+
+    def __init__(self, task: StageTask, compute: StageCompute) -> None:
+        self.task = task
+        self.compute = compute
+        self.channels: list[Channel] = []
+        self.shards: dict[int, Channel] = {}
+        self.stream: MinibatchStream | None = None
+        self.runner: StageRunner | None = None
+        self.run_task: asyncio.Task[None] | None = None
+        self.early: list[Message] = []  # data that came before the runner existed
+
+    async def close(self) -> None:
+        if self.run_task is not None and not self.run_task.done():
+            self.run_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.run_task
+        for ch in self.channels:
+            await ch.close()
+
+
+class Worker:
+    """One ``hetpipe-worker`` process."""
+
+    def __init__(self, cluster: ClusterConfig, device: DeviceSpec, owner: Owner,
+                 head: str | None) -> None:
+        self.cluster = cluster
+        self.device = device
+        self.owner = owner
+        self.head_address = head or cluster.head.address
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"compute-{device.name}")
+        self.job: _Job | None = None
+        self.welcomed = asyncio.Event()
+        self.address = ""
+        self.log = logmod.get("worker").bind(device=device.name)
+        self.head: Channel | None = None
+
+    @property
+    def state(self) -> str:
+        if self.job is None:
+            return "idle"
+        return "running" if self.job.runner is not None else "assigned"
+
+    async def start(self) -> None:
+        rt = self.cluster.runtime
+        data = make_socket(self.owner.ctx, zmq.PULL,
+                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm)
+        self.address = bound_address(data)
+        self.owner.channel(Channel(data, self._on_data, name="data",
+                                   max_frame_bytes=rt.max_frame_bytes))
+        ident = f"{self.device.name}:{os.getpid()}".encode()
+        sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
+                           identity=ident, hwm=rt.hwm)
+        self.head = self.owner.channel(Channel(sock, self._on_head, name="head",
+                                               max_frame_bytes=rt.max_frame_bytes))
+        self.owner.spawn(self._heartbeat(), "heartbeat")
+
+    async def hello(self, timeout: float | None = None) -> None:
+        """Register with the head, retrying until it answers (it may start after us)."""
+        assert self.head is not None
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self.welcomed.clear()
+        while not self.welcomed.is_set():
+            await self.head.send(Kind.HELLO, {
+                "device": self.device.name, "address": self.address, "pid": os.getpid(),
+                "host": socket.gethostname(), "type": self.device.type})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.welcomed.wait(), HELLO_RETRY_S)
+            if deadline is not None and loop.time() > deadline:
+                raise TimeoutError(f"the head at {self.head_address} did not answer within "
+                                   f"{timeout:g} s: is `hetpipe-ps --shard 0` running?")
+
+    async def _heartbeat(self) -> None:
+        assert self.head is not None
+        while True:
+            await asyncio.sleep(self.cluster.runtime.heartbeat_s)
+            if not self.welcomed.is_set():
+                continue
+            fields: dict[str, Any] = {"device": self.device.name, "state": self.state}
+            if self.job is not None:
+                fields.update(job=self.job.task.job, vw=self.job.task.vw,
+                              stage=self.job.task.stage)
+            await self.head.send(Kind.HEARTBEAT, fields)
+
+    # -- head messages ----------------------------------------------------------------------
+
+    async def _on_head(self, _peer: bytes | None, msg: Message) -> None:
+        assert self.head is not None
+        if msg.kind == Kind.WELCOME:
+            self.welcomed.set()
+            self.log.info("registered", head=self.head_address, address=self.address)
+        elif msg.kind == Kind.ERROR:
+            if "unregistered" in msg["message"]:
+                self.log.warning("the head does not know us; registering again")
+                asyncio.get_running_loop().create_task(self.hello())
+            else:
+                self.log.warning("head error", error=msg["message"])
+        elif msg.kind == Kind.ASSIGN:
+            await self._assign(msg)
+        elif msg.kind == Kind.START:
+            self._start(msg["job"])
+        elif msg.kind == Kind.ABORT and self.job is not None and self.job.task.job == msg["job"]:
+            self.log.warning("job aborted", job=msg["job"], reason=msg["reason"])
+            await self._drop_job()
+
+    async def _assign(self, msg: Message) -> None:
+        assert self.head is not None
+        rid = msg["rid"]
+        if self.job is not None:
+            await self._drop_job()
+        try:
+            task = StageTask.from_dict(msg["task"])
+            loop = asyncio.get_running_loop()
+            compute = await loop.run_in_executor(self.executor, StageCompute, task, self.device)
+            job = _Job(task, compute)
+            rt = self.cluster.runtime
+            for address in (task.prev, task.next):
+                if address is not None:
+                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm)
+                    job.channels.append(Channel(sock, None, name=f"to:{address}",
+                                                max_frame_bytes=rt.max_frame_bytes))
+            for index, address in task.shards.items():
+                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm)
+                ch = Channel(sock, None, name=f"shard{index}",
+                             max_frame_bytes=rt.max_frame_bytes).start()
+                job.channels.append(ch)
+                job.shards[int(index)] = ch
+            if task.is_first:
+                spec = compute.spec
+                dataset = await loop.run_in_executor(
+                    self.executor, load_dataset, spec.data.name, spec.data.args)
+                job.stream = MinibatchStream(dataset, spec.minibatch, spec.seed, task.vw,
+                                             task.num_vws)
+            self.job = job
+        except Exception as exc:
+            self.log.warning("assignment refused", error=str(exc))
+            await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
+            return
+        logmod.structlog.contextvars.bind_contextvars(job=task.job, vw=task.vw, stage=task.stage)
+        self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k,
+                      nm=task.nm)
+        await self.head.send(Kind.OK, {"rid": rid})
+
+    def _start(self, job_id: str) -> None:
+        job = self.job
+        if job is None or job.task.job != job_id or job.runner is not None:
+            return
+        job.runner = StageRunner(job.compute, self.executor, send=self._sender(job),
+                                 shards=job.shards, report=self._reporter(job),
+                                 stream=job.stream)
+        for msg in job.early:
+            job.runner.on_message(msg)
+        job.early.clear()
+        job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
+
+    def _sender(self, job: _Job) -> Any:
+        prev_ch = next((c for c in job.channels if job.task.prev and
+                        c.name == f"to:{job.task.prev}"), None)
+        next_ch = next((c for c in job.channels if job.task.next and
+                        c.name == f"to:{job.task.next}"), None)
+        fields = {"job": job.task.job, "vw": job.task.vw}
+
+        async def send(kind: str, p: int, tensors: dict[str, torch.Tensor]) -> None:
+            ch = next_ch if kind == Kind.ACT else prev_ch
+            assert ch is not None, f"{kind} has no destination at {job.task.where}"
+            await ch.send(kind, {**fields, "p": p}, tensors)
+
+        return send
+
+    def _reporter(self, job: _Job) -> Any:
+        async def report(stats: dict[str, Any]) -> None:
+            assert self.head is not None
+            await self.head.send(Kind.REPORT, {"job": job.task.job, "vw": job.task.vw,
+                                               "stage": job.task.stage, "stats": stats})
+        return report
+
+    async def _run(self, job: _Job) -> None:
+        assert self.head is not None and job.runner is not None
+        t = job.task
+        ids = {"job": t.job, "vw": t.vw, "stage": t.stage}
+        try:
+            stats = await job.runner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.log.exception("stage failed")
+            await self.head.send(Kind.STAGE_FAILED, {**ids, "error": f"{type(exc).__name__}: "
+                                                     f"{exc}" if str(exc) else repr(exc)})
+        else:
+            records = stats.pop("records")
+            await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats, "records": records})
+            self.log.info("stage done", minibatches=stats["done"])
+        finally:
+            if self.job is job:
+                self.job = None
+                asyncio.get_running_loop().create_task(job.close())
+            logmod.structlog.contextvars.unbind_contextvars("job", "vw", "stage")
+
+    async def _drop_job(self) -> None:
+        job, self.job = self.job, None
+        if job is not None:
+            await job.close()
+        logmod.structlog.contextvars.unbind_contextvars("job", "vw", "stage")
+
+    # -- data messages ----------------------------------------------------------------------
+
+    async def _on_data(self, _peer: bytes | None, msg: Message) -> None:
+        job = self.job
+        if msg.kind not in (Kind.ACT, Kind.GRAD):
+            self.log.warning("unexpected message on the data port", kind=str(msg.kind))
+            return
+        if job is None or msg["job"] != job.task.job or msg["vw"] != job.task.vw:
+            self.log.debug("stale data dropped", job=msg["job"])
+            return
+        if job.runner is None:
+            job.early.append(msg)
+        else:
+            job.runner.on_message(msg)
+
+    async def close(self) -> None:
+        await self._drop_job()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None = None,
+                ready_file: str | None = None) -> None:
+    """Run the worker of ``device`` until SIGTERM/SIGINT."""
+    owner = Owner()
+    worker = Worker(cluster, device, owner, head)
+    try:
+        await worker.start()
+        write_ready(ready_file, {"role": "worker", "device": device.name,
+                                 "address": worker.address})
+        worker.log.info("ready", address=worker.address, device=device.device,
+                        speed=device.speed)
+        owner.spawn(worker.hello(), "hello")
+        sig = await wait_for_signal()
+        worker.log.info("stopping", signal=sig)
+    finally:
+        await worker.close()
+        await owner.close()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="Cluster description.")
+@click.option("--device", required=True, help="Device name in the cluster file (e.g. gpu0).")
+@click.option("--head", default=None, help="Head address (tcp://host:port) if not the file's.")
+@click.option("--ready-file", default=None, help="Write the bound address here when ready.")
+@click.option("--threads", default=1, show_default=True,
+              help="Torch intra-op threads (emulated devices share the host's cores).")
+@click.option("--log-level", default="info", show_default=True)
+def main(cluster_path: str, device: str, head: str | None, ready_file: str | None,
+         threads: int, log_level: str) -> None:
+    """Run one worker daemon for one device of the cluster."""
+    logmod.configure(f"worker:{device}", level=log_level)
+    try:
+        cluster = load_cluster(cluster_path)
+        spec = cluster.device(device)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
+                                   "but this torch has no CUDA device")
+    torch.set_num_threads(max(1, threads))
+    try:
+        asyncio.run(serve(cluster, spec, head=head, ready_file=ready_file))
+    except zmq.ZMQError as exc:
+        raise click.ClickException(
+            f"{device} cannot listen on {spec.host}:{spec.port}: {exc}") from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

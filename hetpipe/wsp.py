@@ -1,0 +1,283 @@
+"""Wave Synchronous Parallel: the clock rules of one parameter-server shard.
+
+Pure logic (no sockets, no torch, no asyncio) so that the rules can be tested on their own; the
+shard daemon owns one :class:`WaveClock` per job and calls it on every push and pull.
+
+Index letters used below:
+
+====  =====================================================================
+p     minibatch number inside one VW (0, 1, 2, ...)
+nm    minibatches per wave of that VW (its ``Nm``)
+c     wave number; wave c = minibatches c*nm .. (c+1)*nm - 1
+D     staleness bound (``staleness``)
+====  =====================================================================
+
+The contract (DESIGN.md, "WSP across VWs"): a stage pushes the sum of its updates of wave c once
+it has finished the backward of the last minibatch of wave c; the shard applies each
+(vw, stage, wave) once. VW v's clock on a shard is the number of waves, counted from 0 without
+gaps, for which every stage of v with parameters on the shard has pushed; the global clock is the
+minimum over the VWs. Before wave c a stage pulls with ``need = c - 1 - D`` and the shard answers
+once the global clock is >= need.
+
+One addition to the contract: a VW that has *finished* (it will push no wave >= some W, because
+it has run all its minibatches, or because it was lost) must stop holding back the global clock
+once its clock reaches W, otherwise VWs with more waves (a smaller Nm, or more data) wait forever.
+:meth:`WaveClock.finish` declares that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Generic, TypeVar
+
+__all__ = [
+    "WaveClock",
+    "WspError",
+    "first_of_wave",
+    "is_last_of_wave",
+    "pull_need",
+    "unincluded_waves",
+    "wave_of",
+]
+
+T = TypeVar("T")
+
+
+class WspError(ValueError):
+    """A push, pull or clock set-up that breaks the WSP rules; ``str(e)`` is one line."""
+
+
+def _check_nm(nm: int) -> None:
+    if nm < 1:
+        raise WspError(f"nm: must be >= 1, got {nm}")
+
+
+def wave_of(p: int, nm: int) -> int:
+    """The wave that minibatch ``p`` belongs to."""
+    _check_nm(nm)
+    if p < 0:
+        raise WspError(f"minibatch: must be >= 0, got {p}")
+    return p // nm
+
+
+def first_of_wave(c: int, nm: int) -> int:
+    """The first minibatch of wave ``c``: the one before whose forward a stage pulls."""
+    _check_nm(nm)
+    if c < 0:
+        raise WspError(f"wave: must be >= 0, got {c}")
+    return c * nm
+
+
+def is_last_of_wave(p: int, nm: int, total: int) -> bool:
+    """Whether minibatch ``p`` closes its wave, i.e. its backward triggers the wave's push.
+
+    ``total`` is the number of minibatches the VW runs; when it is not a multiple of ``nm`` the
+    final wave is partial and ends at ``total - 1`` (it is still pushed, or the clock would stall).
+    """
+    _check_nm(nm)
+    if not 0 <= p < total:
+        raise WspError(f"minibatch: {p} is outside 0..{total - 1}")
+    return p % nm == nm - 1 or p == total - 1
+
+
+def pull_need(wave: int, staleness: int) -> int:
+    """The global clock a pull for ``wave`` waits for: ``wave - 1 - staleness``.
+
+    It may be negative (early waves): such a pull is answered at once.
+    """
+    if wave < 0:
+        raise WspError(f"wave: must be >= 0, got {wave}")
+    if staleness < 0:
+        raise WspError(f"staleness: must be >= 0, got {staleness}")
+    return wave - 1 - staleness
+
+
+def unincluded_waves(local_waves: Iterable[int], applied: Iterable[int]) -> list[int]:
+    """The waves whose update a stage holds locally and the shard had not applied when it answered.
+
+    After a pull the stage sets its weights to the pulled ones plus exactly these updates: a pushed
+    update can still be on its way to the shard, and adding an already-applied one would count it
+    twice. ``applied`` is what the shard reported for that stage alongside the pulled weights.
+    """
+    done = set(applied)
+    return sorted({w for w in local_waves if w not in done})
+
+
+class _StageLog:
+    """The waves one stage of one VW has pushed: a gap-free prefix plus the ones pushed early.
+
+    Keeping a count plus a small set (not the full list) keeps memory flat over a long job.
+    """
+
+    __slots__ = ("ahead", "count")
+
+    def __init__(self) -> None:
+        self.count = 0  # waves 0 .. count-1 are all applied
+        self.ahead: set[int] = set()  # applied waves > count (pushed out of order)
+
+    def has(self, wave: int) -> bool:
+        return wave < self.count or wave in self.ahead
+
+    def add(self, wave: int) -> bool:
+        if self.has(wave):
+            return False
+        self.ahead.add(wave)
+        while self.count in self.ahead:
+            self.ahead.discard(self.count)
+            self.count += 1
+        return True
+
+    def waves(self) -> list[int]:
+        return [*range(self.count), *sorted(self.ahead)]
+
+
+class WaveClock(Generic[T]):
+    """Per-shard, per-VW clocks and the parked pulls of one job on one shard.
+
+    ``members`` maps each VW to the stages of that VW with parameters on this shard (VWs with no
+    parameters here are simply not listed). Parked pulls live in a heap ordered by (need, arrival)
+    so that :meth:`release` only looks at the ones it answers; nothing polls.
+    """
+
+    def __init__(self, members: Mapping[int, Iterable[int]], staleness: int) -> None:
+        if staleness < 0:
+            raise WspError(f"staleness: must be >= 0, got {staleness}")
+        self.staleness = staleness
+        self._logs: dict[int, dict[int, _StageLog]] = {}
+        for vw, stages in members.items():
+            logs = {stage: _StageLog() for stage in stages}
+            if not logs:
+                raise WspError(f"members: vw {vw} has no stages on this shard")
+            self._logs[vw] = logs
+        if not self._logs:
+            raise WspError("members: no virtual workers on this shard")
+        self._final: dict[int, int] = {}  # vw -> number of waves it will push in all
+        self._heap: list[tuple[int, int, T]] = []
+        self._arrival = itertools.count()
+
+    # -- pushes -----------------------------------------------------------------------------
+
+    def _log(self, vw: int, stage: int) -> _StageLog:
+        stages = self._logs.get(vw)
+        if stages is None:
+            raise WspError(f"push: unknown vw {vw}")
+        log = stages.get(stage)
+        if log is None:
+            raise WspError(f"push: vw {vw} has no stage {stage} on this shard")
+        return log
+
+    def record_push(self, vw: int, stage: int, wave: int) -> bool:
+        """Record the push of (vw, stage, wave).
+
+        True: it is new and the caller must apply the update now. False: a duplicate (a retry),
+        which the caller acknowledges and ignores. Pushes may arrive out of order; the clock only
+        counts waves without gaps.
+        """
+        log = self._log(vw, stage)
+        if wave < 0:
+            raise WspError(f"push: vw {vw} stage {stage}: wave must be >= 0, got {wave}")
+        final = self._final.get(vw)
+        if final is not None and wave >= final and not log.has(wave):
+            raise WspError(f"push: vw {vw} finished after {final} waves; wave {wave} refused")
+        return log.add(wave)
+
+    def finish(self, vw: int, waves: int) -> None:
+        """Declare that ``vw`` pushes no wave >= ``waves`` (it ran all its minibatches, or is lost).
+
+        Once its clock reaches ``waves`` it no longer holds back the global clock; until then its
+        remaining pushes are still waited for, so the staleness bound keeps holding for them.
+        """
+        if vw not in self._logs:
+            raise WspError(f"finish: unknown vw {vw}")
+        if waves < 0:
+            raise WspError(f"finish: vw {vw}: waves must be >= 0, got {waves}")
+        self._final[vw] = waves
+
+    # -- clocks -----------------------------------------------------------------------------
+
+    def applied(self, vw: int, stage: int) -> list[int]:
+        """The waves applied for that stage, sorted."""
+        return self._log(vw, stage).waves()
+
+    def is_applied(self, vw: int, stage: int, wave: int) -> bool:
+        """Whether the push of (vw, stage, wave) has been applied (cheaper than ``applied``)."""
+        return self._log(vw, stage).has(wave)
+
+    def contiguous(self, vw: int, stage: int) -> int:
+        """W such that waves 0..W-1 of that stage are all applied."""
+        return self._log(vw, stage).count
+
+    def vw_clock(self, vw: int) -> int:
+        """Waves, counted from 0 without gaps, for which every stage of ``vw`` here has pushed."""
+        stages = self._logs.get(vw)
+        if stages is None:
+            raise WspError(f"clock: unknown vw {vw}")
+        return min(log.count for log in stages.values())
+
+    def done(self, vw: int) -> bool:
+        """Whether ``vw`` has finished and all its waves are applied here."""
+        final = self._final.get(vw)
+        return final is not None and self.vw_clock(vw) >= final
+
+    def global_clock(self) -> int:
+        """Minimum of the clocks of the VWs that are not done.
+
+        When every VW is done it is the largest clock (nothing is held back any more); either
+        way it never decreases.
+        """
+        clocks = {vw: self.vw_clock(vw) for vw in self._logs}
+        active = [c for vw, c in clocks.items() if not self.done(vw)]
+        return min(active) if active else max(clocks.values())
+
+    def _horizon(self) -> int | None:
+        """The largest need answered now; None when every VW is done (then all are answered)."""
+        if all(self.done(vw) for vw in self._logs):
+            return None
+        return self.global_clock()
+
+    @staticmethod
+    def _met(need: int, horizon: int | None) -> bool:
+        return horizon is None or need <= horizon
+
+    # -- pulls ------------------------------------------------------------------------------
+
+    def park(self, need: int, item: T) -> bool:
+        """True if the pull can be answered now (global clock >= need); else park it, False."""
+        if self._met(need, self._horizon()):
+            return True
+        heapq.heappush(self._heap, (need, next(self._arrival), item))
+        return False
+
+    def release(self) -> list[T]:
+        """Remove and return the parked pulls whose need is now met, in arrival order.
+
+        Call after every push (and after :meth:`finish`).
+        """
+        horizon = self._horizon()
+        out: list[tuple[int, T]] = []
+        while self._heap and self._met(self._heap[0][0], horizon):
+            _, seq, item = heapq.heappop(self._heap)
+            out.append((seq, item))
+        out.sort(key=lambda x: x[0])
+        return [item for _, item in out]
+
+    def release_all(self) -> list[T]:
+        """Remove and return every parked pull, in arrival order (the job is being dropped)."""
+        items = sorted(self._heap, key=lambda x: x[1])
+        self._heap.clear()
+        return [item for _, _, item in items]
+
+    def parked(self) -> int:
+        """How many pulls are waiting."""
+        return len(self._heap)
+
+    def snapshot(self) -> dict:
+        """Plain data for status and metrics (string keys: it travels in msgpack)."""
+        return {
+            "global": self.global_clock(),
+            "vws": {str(vw): self.vw_clock(vw) for vw in self._logs},
+            "parked": len(self._heap),
+            "done": sorted(vw for vw in self._logs if self.done(vw)),
+        }

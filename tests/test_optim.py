@@ -1,0 +1,153 @@
+"""Out-of-place optimizer steps agree with torch.optim and never write into their inputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hetpipe.optim import StageOptimizer
+
+SHAPES = {"w": (10, 5), "b": (5,), "k": (3, 4, 2)}
+
+
+def spec(**fields: object) -> SimpleNamespace:
+    """A duck-typed optimizer spec with OptimizerSpec's defaults."""
+    base = {
+        "name": "sgd",
+        "lr": 0.05,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "nesterov": False,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+    }
+    return SimpleNamespace(**{**base, **fields})
+
+
+def run_both(opt_spec: SimpleNamespace, steps: int = 100) -> float:
+    """Max abs difference between StageOptimizer deltas and torch.optim after ``steps``."""
+    gen = torch.Generator().manual_seed(0)
+    ours = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    ref = {k: v.clone().requires_grad_() for k, v in ours.items()}
+    if opt_spec.name == "sgd":
+        torch_opt: torch.optim.Optimizer = torch.optim.SGD(
+            ref.values(),
+            lr=opt_spec.lr,
+            momentum=opt_spec.momentum,
+            weight_decay=opt_spec.weight_decay,
+            nesterov=opt_spec.nesterov,
+        )
+    else:
+        torch_opt = torch.optim.Adam(
+            ref.values(),
+            lr=opt_spec.lr,
+            betas=opt_spec.betas,
+            eps=opt_spec.eps,
+            weight_decay=opt_spec.weight_decay,
+        )
+    opt = StageOptimizer(opt_spec)
+    for _ in range(steps):
+        grads = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        deltas = opt.step(ours, grads)
+        assert deltas.keys() == ours.keys()
+        ours = {k: ours[k] + deltas[k] for k in ours}
+    return max(float((ours[k] - ref[k].detach()).abs().max()) for k in ours)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_matches_torch(nesterov: bool) -> None:
+    opt_spec = spec(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=nesterov)
+    assert run_both(opt_spec) <= 1e-6
+
+
+def test_plain_sgd_matches_torch() -> None:
+    assert run_both(spec(name="sgd", lr=0.1, weight_decay=1e-3)) <= 1e-6
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-4])
+def test_adam_matches_torch(weight_decay: float) -> None:
+    opt_spec = spec(name="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    assert run_both(opt_spec) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "opt_spec",
+    [
+        spec(name="sgd"),
+        spec(name="sgd", momentum=0.9, weight_decay=1e-4),
+        spec(name="sgd", momentum=0.9, nesterov=True),
+        spec(name="adam", weight_decay=1e-4),
+    ],
+)
+def test_inputs_never_modified(opt_spec: SimpleNamespace) -> None:
+    gen = torch.Generator().manual_seed(1)
+    params = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    opt = StageOptimizer(opt_spec)
+    for _ in range(3):
+        grads = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+        p_before = {k: v.clone() for k, v in params.items()}
+        g_before = {k: v.clone() for k, v in grads.items()}
+        p_ptrs = {k: v.data_ptr() for k, v in params.items()}
+        g_ptrs = {k: v.data_ptr() for k, v in grads.items()}
+        deltas = opt.step(params, grads)
+        for k, v in params.items():
+            assert v.data_ptr() == p_ptrs[k] and torch.equal(v, p_before[k])
+        for k, v in grads.items():
+            assert v.data_ptr() == g_ptrs[k] and torch.equal(v, g_before[k])
+        state_ptrs = {t.data_ptr() for s in opt.state.values() for t in s.values()}
+        for k, d in deltas.items():
+            assert d.shape == params[k].shape
+            assert d.data_ptr() not in {p_ptrs[k], g_ptrs[k], *state_ptrs}
+        # the next version is a new tensor; the old one stays alive unchanged
+        params = {k: params[k] + deltas[k] for k in params}
+
+
+def test_state_bytes_and_factor() -> None:
+    params = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    grads = {k: torch.ones(s) for k, s in SHAPES.items()}
+    param_bytes = sum(p.numel() * 4 for p in params.values())
+    for opt_spec, factor in [
+        (spec(name="sgd"), 0),
+        (spec(name="sgd", momentum=0.9), 1),
+        (spec(name="adam"), 2),
+    ]:
+        assert StageOptimizer.state_factor(opt_spec) == factor
+        opt = StageOptimizer(opt_spec)
+        assert opt.state_bytes() == 0
+        opt.step(params, grads)
+        assert opt.state_bytes() == factor * param_bytes
+
+
+def test_none_gradient_is_skipped() -> None:
+    params = {"a": torch.ones(2), "b": torch.ones(2)}
+    deltas = StageOptimizer(spec(lr=0.5)).step(params, {"a": torch.ones(2), "b": None})
+    assert list(deltas) == ["a"] and torch.equal(deltas["a"], torch.full((2,), -0.5))
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"name": "rmsprop"}, "name"),
+        ({"lr": -1.0}, "lr"),
+        ({"nesterov": True}, "nesterov"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"name": "adam", "betas": (1.0, 0.9)}, "betas"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+    ],
+)
+def test_bad_spec(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StageOptimizer(spec(**fields))
+
+
+def test_bad_gradients() -> None:
+    opt = StageOptimizer(spec())
+    with pytest.raises(ValueError, match="unknown parameter"):
+        opt.step({"a": torch.ones(2)}, {"z": torch.ones(2)})
+    with pytest.raises(ValueError, match="shape"):
+        opt.step({"a": torch.ones(2)}, {"a": torch.ones(3)})
