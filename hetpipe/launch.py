@@ -22,7 +22,7 @@ from pathlib import Path
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import normal_host
 
-__all__ = ["Daemon", "LaunchError", "local_daemons", "start", "stop"]
+__all__ = ["Daemon", "LaunchError", "local_daemons", "spawn", "start", "stop", "wait_ready"]
 
 
 class LaunchError(RuntimeError):
@@ -94,48 +94,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def spawn(daemon: Daemon, run_dir: Path) -> subprocess.Popen[bytes]:
+    """Start one daemon in its own session, logging to ``<run_dir>/logs/<name>.log``."""
+    logs = run_dir / "logs"
+    ready_dir = run_dir / "ready"
+    logs.mkdir(parents=True, exist_ok=True)
+    ready_dir.mkdir(parents=True, exist_ok=True)
+    rf = ready_dir / f"{daemon.name}.json"
+    rf.unlink(missing_ok=True)
+    with open(logs / f"{daemon.name}.log", "ab") as log:
+        return subprocess.Popen(
+            [*daemon.argv, "--ready-file", str(rf)], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_ready(procs: dict[str, subprocess.Popen[bytes]], run_dir: Path,
+               timeout: float) -> dict[str, dict]:
+    """Wait for each daemon's ready file; fail with the log tail of one that exited."""
+    ready: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(ready) < len(procs):
+        for name, proc in procs.items():
+            if name in ready:
+                continue
+            rf = run_dir / "ready" / f"{name}.json"
+            if rf.exists():
+                ready[name] = json.loads(rf.read_text())
+            elif proc.poll() is not None:
+                raise LaunchError(f"{name} exited with code {proc.returncode}: "
+                                  f"{_tail(run_dir / 'logs' / f'{name}.log')}")
+        if time.monotonic() > deadline:
+            late = [n for n in procs if n not in ready]
+            raise LaunchError(f"not ready within {timeout:g} s: {', '.join(late)} "
+                              f"(see {run_dir / 'logs'})")
+        time.sleep(0.05)
+    return ready
+
+
 def start(daemons: list[Daemon], run_dir: Path, *, timeout: float = 60.0) -> dict[str, dict]:
     """Start ``daemons``; wait for each ready file; return name -> ready info."""
     alive = running(run_dir)
     if alive:
         raise LaunchError(f"daemons of {run_dir} are already running ({', '.join(alive)}): "
                           f"`hetpipe down` first")
-    logs = run_dir / "logs"
-    ready_dir = run_dir / "ready"
-    logs.mkdir(parents=True, exist_ok=True)
-    ready_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    ready: dict[str, dict] = {}
     try:
         for d in daemons:
-            rf = ready_dir / f"{d.name}.json"
-            rf.unlink(missing_ok=True)
-            with open(logs / f"{d.name}.log", "ab") as log:
-                procs[d.name] = subprocess.Popen(
-                    [*d.argv, "--ready-file", str(rf)], stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True)
-        _pids_file(run_dir).write_text(json.dumps({n: p.pid for n, p in procs.items()}))
-        deadline = time.monotonic() + timeout
-        while len(ready) < len(procs):
-            for name, proc in procs.items():
-                if name in ready:
-                    continue
-                rf = ready_dir / f"{name}.json"
-                if rf.exists():
-                    ready[name] = json.loads(rf.read_text())
-                elif proc.poll() is not None:
-                    raise LaunchError(f"{name} exited with code {proc.returncode}: "
-                                      f"{_tail(logs / f'{name}.log')}")
-            if time.monotonic() > deadline:
-                late = [n for n in procs if n not in ready]
-                raise LaunchError(f"not ready within {timeout:g} s: {', '.join(late)} "
-                                  f"(see {logs})")
-            time.sleep(0.05)
+            procs[d.name] = spawn(d, run_dir)
+        write_pids(run_dir, {n: p.pid for n, p in procs.items()})
+        return wait_ready(procs, run_dir, timeout)
     except BaseException:
         _terminate({n: p.pid for n, p in procs.items()})
         _pids_file(run_dir).unlink(missing_ok=True)
         raise
-    return ready
+
+
+def write_pids(run_dir: Path, pids: dict[str, int]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _pids_file(run_dir).write_text(json.dumps(pids))
 
 
 def _tail(path: Path, lines: int = 3) -> str:

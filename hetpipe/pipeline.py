@@ -20,7 +20,8 @@ Rules:
   wave c to its shards; before the forward of the first minibatch of wave c >= 1 it pulls
   with ``need = c - 1 - D`` and sets its weights to the pulled ones plus its own updates the
   shards had not applied. The pull is sent as soon as the forward of p - 1 is done, so it
-  overlaps the backwards still running; the forward waits only for its answer.
+  overlaps the backwards still running; the forward waits only for its answer. The clock
+  a forward saw is recorded with it, so staleness is observable afterwards.
 
 Compute runs on the worker's single compute thread; this coroutine only decides and moves
 messages, so receives keep flowing while the stage computes.
@@ -111,6 +112,10 @@ class StageRunner:
         self.clock = 0
         self.vw_clock = 0
         self.started = 0.0
+        # A virtual worker alone in its job skips the pulls after the first one: the global
+        # weights then hold nothing but its own pushed updates, which its local weights
+        # already include exactly (re-adding them would only change the rounding).
+        self.pulls_needed = self.task.num_vws > 1 and compute.has_state
 
     # -- inbox ------------------------------------------------------------------------------
 
@@ -164,6 +169,8 @@ class StageRunner:
         if self.task.is_first and p - self.task.nm >= self.nb:
             return False  # admission: p - Nm has not finished its backward here yet
         c = wave_of(p, self.task.nm)
+        if c > self.merged_wave and not self.pulls_needed:
+            self.merged_wave = c
         if c > self.merged_wave:
             self._start_pull(c)
             task = self.pulls[c]
@@ -189,7 +196,7 @@ class StageRunner:
             await self.send(Kind.ACT, p, {"x": out, "y": y})
             # prefetch the pull of the next wave as soon as its first forward is next
             nxt = wave_of(self.nf, self.task.nm)
-            if self.nf < total and nxt > self.merged_wave and (
+            if self.pulls_needed and self.nf < total and nxt > self.merged_wave and (
                 not self.task.is_first or self.nf - self.task.nm < self.nb
             ):
                 self._start_pull(nxt)
@@ -217,7 +224,7 @@ class StageRunner:
         """Send this stage's update of ``wave`` to each shard; acks are awaited later."""
         if not self.c.has_state:
             return
-        deltas = await self._run(self.c.push_deltas, wave)
+        deltas = await self._run(self.c.push_deltas, wave, self.pulls_needed)
         fields = {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage,
                   "wave": wave}
         for shard, names in self._shard_names().items():

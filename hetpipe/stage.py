@@ -168,7 +168,9 @@ class StageCompute:
         wants_input = flight.x.requires_grad
         names = [n for n in self.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
-        if loss is not None:
+        if not inputs:  # e.g. a first stage of parameter-free layers: nothing to differentiate
+            grads: tuple[torch.Tensor | None, ...] = ()
+        elif loss is not None:
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
             grads = torch.autograd.grad(
@@ -190,12 +192,10 @@ class StageCompute:
         """Local update out of place: a new version of the weights, the old one untouched."""
         if not grads:
             return
-        deltas = self.optimizer.step(self.params, grads)
+        updated = self.optimizer.step(self.params, grads)
         with torch.no_grad():
-            new = dict(self.params)
-            for n, d in deltas.items():
-                new[n] = (self.params[n] + d).requires_grad_()
-        self.params = new
+            deltas = {n: w - self.params[n] for n, w in updated.items()}
+        self.params = {**self.params, **{n: w.requires_grad_() for n, w in updated.items()}}
         self.version += 1
         self._accumulate(wave_of(p, self.task.nm), deltas)
 
@@ -210,9 +210,15 @@ class StageCompute:
 
     # -- parameter server -------------------------------------------------------------------
 
-    def push_deltas(self, wave: int) -> dict[str, torch.Tensor]:
-        """The stage's update of ``wave`` (kept until a pull confirms it was applied)."""
-        return {n: t.detach().cpu() for n, t in self.acc.get(wave, {}).items()}
+    def push_deltas(self, wave: int, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The stage's update of ``wave``.
+
+        With ``keep`` it stays until a pull shows the shard applied it (a pull answered
+        before then lacks it and it must be re-added); without, it is released at once,
+        for a stage that never pulls again.
+        """
+        acc = self.acc.get(wave, {}) if keep else self.acc.pop(wave, {})
+        return {n: t.detach().cpu() for n, t in acc.items()}
 
     def load(self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[int]]) -> None:
         """Set local state to pulled global state plus own updates the shard had not applied.

@@ -27,7 +27,7 @@ def spec(**fields: object) -> SimpleNamespace:
 
 
 def run_both(opt_spec: SimpleNamespace, steps: int = 100) -> float:
-    """Max abs difference between StageOptimizer deltas and torch.optim after ``steps``."""
+    """Max abs difference between StageOptimizer's weights and torch.optim's after ``steps``."""
     gen = torch.Generator().manual_seed(0)
     ours = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
     ref = {k: v.clone().requires_grad_() for k, v in ours.items()}
@@ -53,9 +53,9 @@ def run_both(opt_spec: SimpleNamespace, steps: int = 100) -> float:
         for k, p in ref.items():
             p.grad = grads[k].clone()
         torch_opt.step()
-        deltas = opt.step(ours, grads)
-        assert deltas.keys() == ours.keys()
-        ours = {k: ours[k] + deltas[k] for k in ours}
+        new = opt.step(ours, grads)
+        assert new.keys() == ours.keys()
+        ours = new
     return max(float((ours[k] - ref[k].detach()).abs().max()) for k in ours)
 
 
@@ -94,17 +94,17 @@ def test_inputs_never_modified(opt_spec: SimpleNamespace) -> None:
         g_before = {k: v.clone() for k, v in grads.items()}
         p_ptrs = {k: v.data_ptr() for k, v in params.items()}
         g_ptrs = {k: v.data_ptr() for k, v in grads.items()}
-        deltas = opt.step(params, grads)
+        new = opt.step(params, grads)
         for k, v in params.items():
             assert v.data_ptr() == p_ptrs[k] and torch.equal(v, p_before[k])
         for k, v in grads.items():
             assert v.data_ptr() == g_ptrs[k] and torch.equal(v, g_before[k])
         state_ptrs = {t.data_ptr() for s in opt.state.values() for t in s.values()}
-        for k, d in deltas.items():
-            assert d.shape == params[k].shape
-            assert d.data_ptr() not in {p_ptrs[k], g_ptrs[k], *state_ptrs}
+        for k, w in new.items():
+            assert w.shape == params[k].shape
+            assert w.data_ptr() not in {p_ptrs[k], g_ptrs[k], *state_ptrs}
         # the next version is a new tensor; the old one stays alive unchanged
-        params = {k: params[k] + deltas[k] for k in params}
+        params = new
 
 
 def test_state_bytes_and_factor() -> None:
@@ -125,8 +125,8 @@ def test_state_bytes_and_factor() -> None:
 
 def test_none_gradient_is_skipped() -> None:
     params = {"a": torch.ones(2), "b": torch.ones(2)}
-    deltas = StageOptimizer(spec(lr=0.5)).step(params, {"a": torch.ones(2), "b": None})
-    assert list(deltas) == ["a"] and torch.equal(deltas["a"], torch.full((2,), -0.5))
+    new = StageOptimizer(spec(lr=0.5)).step(params, {"a": torch.ones(2), "b": None})
+    assert list(new) == ["a"] and torch.equal(new["a"], torch.full((2,), 0.5))
 
 
 @pytest.mark.parametrize(

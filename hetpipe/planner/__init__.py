@@ -1,0 +1,75 @@
+"""The planner: from per-layer profiles and a cluster to virtual workers, splits and Nm.
+
+Pure planning logic (no sockets, no torch needed except to measure profiles):
+
+* :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
+* :mod:`.memory`     the one memory model of a stage, shared with the runtime
+* :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
+* :mod:`.order`      the device order inside a virtual worker
+* :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
+* :mod:`.simulate`   discrete-event simulation of pipelines under WSP
+* :mod:`.plan`       the plan the runtime executes, and the search that makes it
+"""
+
+from hetpipe.planner.formation import Formation, candidate_formations
+from hetpipe.planner.memory import StageMemory, in_flight, stage_memory, stage_memory_of
+from hetpipe.planner.order import OrderResult, best_order
+from hetpipe.planner.partition import (
+    CostModel,
+    Infeasible,
+    Partition,
+    brute_force,
+    partition,
+    partition_best_nm,
+)
+from hetpipe.planner.plan import (
+    Plan,
+    PlanError,
+    StagePlan,
+    VWPlan,
+    explicit_plan,
+    make_plan,
+    place_stages,
+)
+from hetpipe.planner.profile import (
+    LayerProfile,
+    ModelProfile,
+    ProfileStore,
+    measure_layers,
+    synthetic_profile,
+)
+from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+
+__all__ = [
+    "CostModel",
+    "Formation",
+    "Infeasible",
+    "LayerProfile",
+    "ModelProfile",
+    "OrderResult",
+    "Partition",
+    "Plan",
+    "PlanError",
+    "ProfileStore",
+    "SimLink",
+    "SimResult",
+    "SimStage",
+    "SimVW",
+    "StageMemory",
+    "StagePlan",
+    "VWPlan",
+    "best_order",
+    "brute_force",
+    "candidate_formations",
+    "explicit_plan",
+    "in_flight",
+    "make_plan",
+    "measure_layers",
+    "partition",
+    "partition_best_nm",
+    "place_stages",
+    "simulate",
+    "stage_memory",
+    "stage_memory_of",
+    "synthetic_profile",
+]

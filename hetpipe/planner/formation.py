@@ -165,7 +165,7 @@ def candidate_formations(
     unique = []
     for f in out:
         sig = f.signature()
-        if sig not in seen:
+        if f.groups and sig not in seen:
             seen.add(sig)
             unique.append(f)
     return unique

@@ -28,7 +28,14 @@ from typing import Any
 
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 
-__all__ = ["EXHAUSTIVE_MAX", "OrderResult", "best_order", "device_classes", "distinct_orders"]
+__all__ = [
+    "EXHAUSTIVE_MAX",
+    "OrderResult",
+    "best_order",
+    "count_orders",
+    "device_classes",
+    "distinct_orders",
+]
 
 EXHAUSTIVE_MAX = 6
 
@@ -39,8 +46,9 @@ class OrderResult:
 
     order: tuple[Any, ...]
     partition: Partition | Infeasible
-    evaluated: int  # orders whose split was computed (or fetched from the memo)
+    evaluated: int  # distinct orders whose split was computed
     exhaustive: bool
+    pruned: int = 0  # distinct orders skipped because a bound proved they cannot win
 
 
 def device_classes(devices: Sequence[Any], bandwidth: Callable[[Any, Any], float]) -> list[int]:
@@ -110,6 +118,17 @@ def score(p: Partition | Infeasible) -> tuple[float, ...]:
     return (p.minibatches_per_s, -p.bottleneck, -p.nm, -p.latency)
 
 
+def count_orders(classes: Sequence[int]) -> int:
+    """How many distinct orders a multiset of classes has (k! / prod(count!))."""
+    counts: dict[int, int] = {}
+    for c in classes:
+        counts[c] = counts.get(c, 0) + 1
+    n = math.factorial(len(classes))
+    for c in counts.values():
+        n //= math.factorial(c)
+    return n
+
+
 def best_order(
     model: CostModel,
     devices: Sequence[Any],
@@ -117,61 +136,104 @@ def best_order(
     nm: int | None = None,
     nm_candidates: Iterable[int] | None = None,
     exhaustive_max: int = EXHAUSTIVE_MAX,
+    prune: bool = True,
 ) -> OrderResult:
-    """The best order of ``devices`` and its split (Nm fixed to ``nm`` or chosen)."""
+    """The best order of ``devices`` and its split (Nm fixed to ``nm`` or chosen).
+
+    The exhaustive search is a branch and bound over orders: the DP's state after a prefix
+    of devices bounds every order that starts with it (a bottleneck only grows with more
+    stages, and Nm above the smallest candidate only adds memory), so a prefix whose bound
+    cannot beat the best rate found so far is skipped with all its completions. The result
+    is the same as trying every order (``prune=False``), which tests check.
+    """
     devices = tuple(devices)
+    k = len(devices)
     cands = None if nm_candidates is None else tuple(nm_candidates)
-    evaluated = 0
-    best: tuple[tuple[float, ...], tuple[Any, ...], Partition | Infeasible] | None = None
-    first_fail: Infeasible | None = None
+    bound_nm = nm if nm is not None else min(cands or (1,))
+    seen: dict[tuple[int, ...], tuple[float, ...]] = {}
+    best: list[Any] = []  # [score, order, partition]
+    first_fail: list[Infeasible] = []
+    classes = device_classes(devices, model.link)
+    cls = {id(d): c for d, c in zip(devices, classes, strict=True)}
 
     def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
-        nonlocal evaluated, best, first_fail
-        evaluated += 1
+        sig = tuple(cls[id(d)] for d in order)
+        if sig in seen:
+            return seen[sig]
         p = model.partition(order, nm) if nm is not None else model.best_nm(order, cands)
-        s = score(p)
-        if isinstance(p, Infeasible) and first_fail is None:
-            first_fail = p
-        if best is None or s > best[0]:
-            best = (s, order, p)
+        s = seen[sig] = score(p)
+        if isinstance(p, Infeasible) and not first_fail:
+            first_fail.append(p)
+        if not best or s > best[0]:
+            best[:] = [s, order, p]
         return s
 
-    classes = device_classes(devices, model.link)
-    if len(devices) <= exhaustive_max:
-        for order in distinct_orders(devices, classes):
-            evaluate(order)
-        exhaustive = True
+    for order in _starts(devices):  # good first guesses make the bound bite early
+        evaluate(order)
+    exhaustive = k <= exhaustive_max
+    if exhaustive:
+        _branch_and_bound(model, devices, classes, bound_nm, evaluate, best, prune)
     else:
-        exhaustive = False
-        cls = dict(zip((id(d) for d in devices), classes, strict=True))
-        seen: set[tuple[int, ...]] = set()
-        for order in _starts(devices):
-            sig = tuple(cls[id(d)] for d in order)
-            if sig not in seen:
-                seen.add(sig)
-                evaluate(order)
-        assert best is not None
         current, cur_score = list(best[1]), best[0]
         improved = True
         while improved:
             improved = False
-            for i in range(len(current) - 1):
+            for i in range(k - 1):
                 if cls[id(current[i])] == cls[id(current[i + 1])]:
                     continue  # swapping interchangeable devices changes nothing
                 trial = current[:]
                 trial[i], trial[i + 1] = trial[i + 1], trial[i]
-                sig = tuple(cls[id(d)] for d in trial)
-                if sig in seen:
-                    continue
-                seen.add(sig)
                 s = evaluate(tuple(trial))
                 if s > cur_score:
                     current, cur_score, improved = trial, s, True
-    assert best is not None
     _, order, p = best
-    if isinstance(p, Infeasible) and first_fail is not None:
-        p = first_fail
-    return OrderResult(order, p, evaluated, exhaustive)
+    if isinstance(p, Infeasible) and first_fail:
+        p = first_fail[0]
+    pruned = count_orders(classes) - len(seen) if exhaustive else 0
+    return OrderResult(order, p, len(seen), exhaustive, pruned)
+
+
+def _branch_and_bound(
+    model: CostModel,
+    devices: tuple[Any, ...],
+    classes: Sequence[int],
+    bound_nm: int,
+    evaluate: Callable[[tuple[Any, ...]], tuple[float, ...]],
+    best: list[Any],
+    prune: bool,
+) -> None:
+    """Depth-first over distinct orders, skipping prefixes that cannot beat ``best``."""
+    pools: dict[int, list[Any]] = {}
+    for d, c in zip(devices, classes, strict=True):
+        pools.setdefault(c, []).append(d)
+    used = dict.fromkeys(pools, 0)
+    k = len(devices)
+    prefix: list[Any] = []
+
+    def hopeless() -> bool:
+        rate = best[0][0] if best else -math.inf
+        if not prune or not rate > 0 or math.isinf(rate):
+            return False
+        rest = [d for c, pool in pools.items() for d in pool[used[c] :]]
+        lb = model.prefix_bound(prefix, k, bound_nm, rest)
+        # rate <= 1 / bottleneck <= 1 / lb for every completion; the margin absorbs rounding
+        return lb * rate > 1.0 + 1e-9
+
+    def rec() -> None:
+        if len(prefix) == k:
+            evaluate(tuple(prefix))
+            return
+        for c, pool in pools.items():
+            if used[c] == len(pool):
+                continue
+            prefix.append(pool[used[c]])
+            used[c] += 1
+            if not hopeless():
+                rec()
+            used[c] -= 1
+            prefix.pop()
+
+    rec()
 
 
 def _starts(devices: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import format_size
-from hetpipe.planner.memory import StageMemory, in_flight, stage_memory, stage_memory_of
+from hetpipe.planner.memory import StageMemory, in_flight, stage_memory
 from hetpipe.planner.profile import ModelProfile
 
 __all__ = [
@@ -170,9 +170,25 @@ class CostModel:
         self.L = profile.n_layers()
         self._types: dict[str, _TypeCosts] = {}
         self._times: dict[tuple, np.ndarray] = {}
-        self._masks: dict[tuple, np.ndarray] = {}
         self._memo: dict[tuple, Partition | Infeasible] = {}
+        self._totals: dict[tuple, np.ndarray] = {}
+        self._masked: dict[tuple, np.ndarray] = {}
+        self._prefix: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # bound the caches to ~64 MiB of matrices and ~32 MiB of DP states
+        cells = (self.L + 1) ** 2
+        self._matrix_limit = max(16, (64 << 20) // (8 * cells))
+        self._prefix_limit = max(256, (32 << 20) // (24 * (self.L + 1)))
+        self._f0 = np.full(self.L + 1, INF)
+        self._f0[0] = 0.0
+        self._cols = np.arange(self.L + 1)
+        self.dp_steps = 0  # DP stage steps computed (the rest came from the prefix cache)
+        self._ref_type = next(iter(profile.layers), "")
+        self._rest: dict[tuple, np.ndarray] = {}
+        self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
+        # set by the caller when bandwidth depends only on whether two devices share a node,
+        # so that VWs alike up to renaming nodes can share one order search
+        self.uniform_nodes = False
 
     # ---------------------------------------------------------------- primitives
 
@@ -217,17 +233,47 @@ class CostModel:
 
     def memory_total(self, dtype: str, flight: int) -> np.ndarray:
         """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""
-        tc = self.costs(dtype)
-        # params + optimizer + stash + accumulators = bb + (1 + factor + flight-1 + 2) * pb
-        return tc.fixed + (self.factor + flight + 2) * tc.pb + flight * tc.per_flight
+        key = (dtype, flight)
+        m = self._totals.get(key)
+        if m is None:
+            tc = self.costs(dtype)
+            # params + optimizer + stash + accumulators = bb + (1 + factor + flight-1 + 2) * pb
+            m = tc.fixed + (self.factor + flight + 2) * tc.pb + flight * tc.per_flight
+            self._totals[key] = m
+        return m
 
     def fit_mask(self, dtype: str, flight: int, cap: int) -> np.ndarray:
-        key = (dtype, flight, cap)
-        m = self._masks.get(key)
-        if m is None:
-            m = (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
-            self._masks[key] = m
-        return m
+        """Where ``[a, b)`` fits a device of ``cap`` bytes (and ``a < b``)."""
+        return (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
+
+    def masked_times(
+        self, dtype: str, bw_in: float | None, bw_out: float | None, flight: int, cap: int
+    ) -> np.ndarray:
+        """``time_matrix`` with inf wherever the stage does not fit (one DP step's input)."""
+        key = (dtype, bw_in, bw_out, flight, cap)
+        tm = self._masked.get(key)
+        if tm is None:
+            if len(self._masked) >= self._matrix_limit:
+                self._masked.clear()
+            ok = self.fit_mask(dtype, flight, cap)
+            tm = self._masked[key] = np.where(ok, self.time_matrix(dtype, bw_in, bw_out), INF)
+        return tm
+
+    def stage_memory(
+        self, dtype: str, a: int, b: int, position: int, k: int, nm: int
+    ) -> StageMemory:
+        """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers)."""
+        tc = self.costs(dtype)
+        n = in_flight(position, k, nm)
+        pb = int(tc.P[b] - tc.P[a])
+        return StageMemory(
+            params=pb + int(tc.B[b] - tc.B[a]),
+            optimizer=self.factor * pb,
+            stash=(n - 1) * pb,
+            accumulators=2 * pb,
+            activations=n * (int(tc.S[b] - tc.S[a]) + tc.inb[a]),
+            working=int(tc.W[a, b]),
+        )
 
     # ---------------------------------------------------------------- partitioning
 
@@ -257,28 +303,110 @@ class CostModel:
             hit = Infeasible(self.diagnose(devices, nm))  # name these devices
         return hit
 
+    def _run(
+        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int, k: int, stages: int
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """DP states after the first ``stages`` stages of a ``k``-stage order.
+
+        The state after stage i depends only on devices 0..i+1 (types, caps and the links
+        between them), so states are cached by that prefix: orders searched one after
+        another share most of their prefixes and skip those steps.
+        """
+        f = g = self._f0
+        choice: list[np.ndarray] = []
+        sig: tuple = (k, nm)
+        for i in range(stages):
+            d = devices[i]
+            bw_in = bws[i - 1] if i > 0 else None
+            bw_out = bws[i] if i < k - 1 else None
+            sig = (*sig, d.type, d.memory, bw_out)
+            hit = self._prefix.get(sig)
+            if hit is None:
+                tm = self.masked_times(d.type, bw_in, bw_out, in_flight(i, k, nm), d.memory)
+                cand = np.maximum(f[:, None], tm)
+                best = cand.min(axis=0)
+                # among the a reaching the least bottleneck, the least sum of stage times
+                tie = np.where(cand == best[None, :], g[:, None] + tm, INF)
+                arg = tie.argmin(axis=0)
+                g = tie[arg, self._cols]
+                f = best
+                self.dp_steps += 1
+                if len(self._prefix) >= self._prefix_limit:
+                    self._prefix.clear()
+                self._prefix[sig] = (f, g, arg)
+            else:
+                f, g, arg = hit
+            choice.append(arg)
+        return f, choice
+
+    def prefix_bound(
+        self, prefix: Sequence[Any], k: int, nm: int, rest: Sequence[Any] = ()
+    ) -> float:
+        """A lower bound on the bottleneck of every ``k``-device order that starts with
+        ``prefix`` and continues with the devices ``rest`` in any order.
+
+        The DP gives the exact best over the prefix's stages for each boundary ``b`` (the
+        prefix's last device only fixes the link out of the one before it, unless the prefix
+        is the whole order); the devices still to place must then run layers ``[b, L)``,
+        which takes them at least :meth:`rest_bound`. Used to prune order searches.
+        """
+        m = len(prefix)
+        done = k if m == k else m - 1
+        if done <= 0:
+            return 0.0
+        f, _ = self._run(prefix, self.links(prefix), nm, k, done)
+        left = [*prefix[done:], *rest]
+        stop = self.L - len(left) + 1  # each remaining stage needs at least one layer
+        if not left:
+            return float(f[self.L])
+        return float(np.maximum(f[:stop], self.rest_bound(left)[:stop]).min())
+
+    def rest_bound(self, devices: Sequence[Any]) -> np.ndarray:
+        """For each ``b``, a lower bound on the bottleneck of ``devices`` running ``[b, L)``.
+
+        Two relaxations, both true for any order and split: (1) a device of type t spends at
+        least ``ratio(t)`` x the reference type's time on any layers, so together the
+        devices need ``ref_time([b, L)) / sum(1 / ratio)``; (2) some device runs each layer,
+        at best on the fastest type present for it.
+        """
+        key = tuple(sorted(d.type for d in devices))
+        hit = self._rest.get(key)
+        if hit is not None:
+            return hit
+        ref = self.costs(self._ref_type)
+        remaining = ref.cum_np[-1] - ref.cum_np
+        ratios = [self._ratio(t) for t in key]
+        power = sum(1.0 / r if r > 0 else INF for r in ratios)
+        share = remaining / power if power < INF else np.zeros_like(remaining)
+        per_layer = (
+            np.min([np.diff(self.costs(t).cum_np) for t in set(key)], axis=0)
+            if self.L
+            else np.zeros(0)
+        )
+        biggest = np.zeros(self.L + 1)
+        if self.L:
+            biggest[:-1] = np.maximum.accumulate(per_layer[::-1])[::-1]
+        out = np.maximum(share, biggest) * (1.0 - 1e-9)  # margin for rounding
+        self._rest[key] = out
+        return out
+
+    def _ratio(self, dtype: str) -> float:
+        """Least per-layer time of ``dtype`` relative to the reference type."""
+        r = self._ratios.get(dtype)
+        if r is None:
+            mine = np.diff(self.costs(dtype).cum_np)
+            ref = np.diff(self.costs(self._ref_type).cum_np)
+            ok = ref > 0
+            r = float((mine[ok] / ref[ok]).min()) if ok.any() else 0.0
+            self._ratios[dtype] = r
+        return r
+
     def _solve(
         self, devices: Sequence[Any], bws: tuple[float, ...], nm: int
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
-        f = np.full(L + 1, INF)
-        g = np.full(L + 1, INF)
-        f[0] = g[0] = 0.0
-        choice: list[np.ndarray] = []
-        cols = np.arange(L + 1)
-        for i, d in enumerate(devices):
-            t = self.time_matrix(
-                d.type, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
-            )
-            ok = self.fit_mask(d.type, in_flight(i, k, nm), d.memory)
-            cand = np.where(ok, np.maximum(f[:, None], t), INF)
-            best = cand.min(axis=0)
-            tie = np.where((cand == best[None, :]) & ok, g[:, None] + t, INF)
-            arg = tie.argmin(axis=0)
-            g = np.where(np.isfinite(best), tie[arg, cols], INF)
-            f = best
-            choice.append(arg)
+        f, choice = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
             return Infeasible(self.diagnose(devices, nm))
         cuts: list[tuple[int, int]] = []
@@ -308,8 +436,8 @@ class CostModel:
             for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True))
         )
         mem = tuple(
-            stage_memory_of(self.profile, d.type, ab, i, k, nm, self.factor)
-            for i, (d, ab) in enumerate(zip(devices, cuts, strict=True))
+            self.stage_memory(d.type, a, b, i, k, nm)
+            for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True))
         )
         return Partition(
             tuple(d.name for d in devices),

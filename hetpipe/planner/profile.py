@@ -183,7 +183,7 @@ def measure_layers(
                 inp.requires_grad_(True)
             seen: dict[int, int] = {}
 
-            def pack(t: Any, seen: dict[int, int] = seen) -> Any:
+            def pack(t: Any, seen: dict[int, int] = seen, own: set[int] = own) -> Any:
                 st = t.untyped_storage()
                 if st.data_ptr() not in own:
                     seen[st.data_ptr()] = st.nbytes()

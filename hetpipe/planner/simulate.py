@@ -24,7 +24,8 @@ and clocks never go back. A VW that has finished its minibatches no longer holds
 (its clock counts as infinite), as when the runtime retires it.
 
 Rates. ``vw_samples_per_s`` is each VW's steady rate: minibatches completed at stage 0 after
-the first quarter (the pipeline's fill), divided by the time they took. ``samples_per_s`` is
+the first quarter (the pipeline's fill) and before the last Nm (the drain), divided by the
+time they took. ``samples_per_s`` is
 their sum, what a long job gets; ``job_samples_per_s`` is every sample of the simulated run
 over its makespan (fill and drain included).
 """
@@ -207,7 +208,6 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
     while events:
         now, _, kind, v, s, p = heapq.heappop(events)
         w = state[v]
-        k = len(w.stages)
         links = w.spec.links
         if kind == ARRIVE_F:
             w.stages[s].arrived += 1
@@ -244,10 +244,13 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
     makespan = max(finish)
     rates = []
     for w in state:
+        # steady window: after the fill (first quarter), before the drain (the last Nm
+        # complete with no forwards left to interleave, faster than the steady state)
         lo = N // 4
+        hi = max(lo + 1, N - w.spec.nm)
         t0 = w.done_at[lo - 1] if lo > 0 else 0.0
-        span = w.done_at[-1] - t0
-        rates.append((N - lo) * w.spec.minibatch / span if span > 0 else math.inf)
+        span = w.done_at[hi - 1] - t0
+        rates.append((hi - lo) * w.spec.minibatch / span if span > 0 else math.inf)
     total = sum(N * w.spec.minibatch for w in state)
     return SimResult(
         tuple(rates),
@@ -275,7 +278,9 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     stages = tuple(SimStage(*pair(x, "fwd_s", "bwd_s")) for x in d["stages"])
     links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
-    return SimVW(stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}"))
+    return SimVW(
+        stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}")
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,7 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     try:
-        text = sys.stdin.read() if args.description == "-" else open(args.description).read()
+        if args.description == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.description) as fh:
+                text = fh.read()
         desc = json.loads(text)
         vws = [_vw_from_json(x, i) for i, x in enumerate(desc["vws"])]
         D = args.staleness if args.staleness is not None else int(desc.get("staleness", 0))
@@ -311,8 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{spec.name:<8}{len(spec.stages):>7}{spec.nm:>4}{res.vw_samples_per_s[v]:>12.1f}"
             f"{res.gate_wait_s[v]:>13.3f}  {busy}"
         )
-    print(f"total {res.samples_per_s:.1f} samples/s steady; {res.job_samples_per_s:.1f} over the "
-          f"whole run of {res.makespan_s:.3f}s (D={D}, {N} minibatches per VW)")
+    print(
+        f"total {res.samples_per_s:.1f} samples/s steady; {res.job_samples_per_s:.1f} over the "
+        f"whole run of {res.makespan_s:.3f}s (D={D}, {N} minibatches per VW)"
+    )
     return 0
 
 

@@ -1,0 +1,166 @@
+"""A whole cluster on this host with ephemeral ports: for tests, benchmarks and the demo.
+
+Every daemon binds port 0 and reports the port it got in its ready file; shard 0 (the head)
+starts first and the others are told its address. The object owns its child processes and
+reaps them on exit (SIGTERM, then SIGKILL), also when start-up fails halfway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetpipe import launch
+from hetpipe.client import HeadClient
+
+__all__ = ["DeviceDef", "LocalCluster", "cluster_toml"]
+
+
+@dataclass(frozen=True)
+class DeviceDef:
+    """One emulated device of a generated cluster file."""
+
+    name: str
+    type: str = "fast"
+    memory: str = "256MiB"
+    speed: float = 1.0
+    device: str = "cpu"
+
+
+def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
+                 heartbeat_s: float = 0.5, lost_after_s: float = 3.0) -> str:
+    """A cluster file for this host with ephemeral ports everywhere."""
+    lines = ["[ps]", "shards = [" + ", ".join(['"127.0.0.1:0"'] * shards) + "]", "",
+             "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}", "",
+             "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]
+    for d in devices:
+        lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
+                  f'type = "{d.type}"', f'memory = "{d.memory}"', f"speed = {d.speed}",
+                  "port = 0", ""]
+    return "\n".join(lines)
+
+
+class LocalCluster:
+    """Start the shards and workers of a cluster file; ``with LocalCluster(...) as c``."""
+
+    def __init__(self, cluster_path: str | Path, run_dir: str | Path, *,
+                 timeout: float = 60.0, worker_args: Sequence[str] = ()) -> None:
+        from hetpipe.config import load_cluster
+
+        self.cluster_path = str(cluster_path)
+        self.cluster = load_cluster(self.cluster_path)
+        self.run_dir = Path(run_dir)
+        self.timeout = timeout
+        self.worker_args = tuple(worker_args)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ready: dict[str, dict[str, Any]] = {}
+        self.head = ""
+        self._finalizer = weakref.finalize(self, _reap, self.procs)
+
+    def start(self) -> LocalCluster:
+        daemons = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir)
+        head_d = next(d for d in daemons if d.name == "ps0")
+        self.procs["ps0"] = launch.spawn(head_d, self.run_dir)
+        self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir,
+                                            self.timeout))
+        self.head = self.ready["ps0"]["address"]
+        rest = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir,
+                                    head=self.head)
+        started = {}
+        for d in rest:
+            if d.name == "ps0":
+                continue
+            argv = d.argv + (self.worker_args if d.name.startswith("worker-") else ())
+            started[d.name] = self.procs[d.name] = launch.spawn(
+                launch.Daemon(d.name, argv), self.run_dir)
+        launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
+        self.ready.update(launch.wait_ready(started, self.run_dir, self.timeout))
+        self.run(self._registered())
+        return self
+
+    async def _registered(self) -> None:
+        devices = {d.name for d in self.cluster.devices}
+        async with HeadClient(self.head) as client:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout
+            while True:
+                info = await client.cluster()
+                live = {w["device"] for w in info["workers"] if w["state"] == "idle"}
+                shards = set(info["shards"])
+                if devices <= live and len(shards) == len(self.cluster.ps):
+                    return
+                if loop.time() > deadline:
+                    raise TimeoutError(f"cluster not ready in {self.timeout:g} s: "
+                                       f"workers {sorted(live)}, shards {sorted(shards)}")
+                await asyncio.sleep(0.1)
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._finalizer()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one daemon (e.g. ``worker-gpu1``) and reap it."""
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    @staticmethod
+    def run(coro: Any) -> Any:
+        return asyncio.run(coro)
+
+    def submit(self, job: dict[str, Any], *, timeout: float = 300.0) -> dict[str, Any]:
+        """Submit a job dict and follow it to its end; return the final status."""
+
+        async def go() -> dict[str, Any]:
+            async with HeadClient(self.head) as client:
+                job_id = await client.submit(job)
+                return await client.follow(job_id, timeout=timeout, every_s=0.2)
+
+        return self.run(go())
+
+    def status(self) -> dict[str, Any]:
+        async def go() -> dict[str, Any]:
+            async with HeadClient(self.head) as client:
+                return await client.cluster()
+
+        return self.run(go())
+
+
+def _reap(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+    procs.clear()
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m hetpipe.localcluster FILE
+    with LocalCluster(sys.argv[1], ".hetpipe-local") as c:
+        print(c.head)
+        input("running; Enter stops it")

@@ -1,0 +1,679 @@
+"""The plan: which devices form each virtual worker, in which order, with which layers and Nm.
+
+:func:`make_plan` searches (formation -> device order -> exact split and Nm -> simulated
+throughput under WSP) and returns a :class:`Plan` that the runtime executes and a person can
+read (:meth:`Plan.table`). :func:`explicit_plan` prices a split the user wrote in the job file,
+so predicted and measured figures can be compared.
+
+Parameter placement (:func:`place_stages`): the PS holds one global copy of each layer, but
+VWs may cut the model differently, so placement is per *segment* (a maximal run of layers
+that every VW keeps inside one stage). A segment goes to a shard on the host of the stages
+holding it (the host most of those stages share), balancing bytes among that host's shards;
+where no shard shares a host with them, it goes to the least loaded shard. With one VW this
+is exactly "a stage's parameters go to the shard on its host". Each stage reports the shard
+holding most of its bytes; ``Plan.layer_shards`` has the full per-layer map.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetpipe.config import format_size
+from hetpipe.planner.formation import Formation, best_formation, candidate_formations
+from hetpipe.planner.memory import StageMemory
+from hetpipe.planner.order import OrderResult, best_order
+from hetpipe.planner.partition import CostModel, Infeasible, Partition
+from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+
+__all__ = [
+    "Plan",
+    "PlanError",
+    "StagePlan",
+    "VWPlan",
+    "explicit_plan",
+    "make_plan",
+    "place_stages",
+    "sim_vw",
+]
+
+
+NM_MAX = 64  # the most minibatches in flight the planner gives a VW when balancing waves
+
+
+class PlanError(ValueError):
+    """No plan is possible (the model fits nowhere, a bad explicit split); one clear line."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    device: str
+    type: str
+    layers: tuple[int, int]  # [first, last + 1)
+    time_s: float  # predicted compute + boundary transfers per minibatch
+    memory: StageMemory
+    memory_cap: int
+    shard: int  # PS shard holding (most of) this stage's parameters
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "type": self.type,
+            "layers": list(self.layers),
+            "time_s": self.time_s,
+            "memory": self.memory.to_dict(),
+            "memory_cap": self.memory_cap,
+            "shard": self.shard,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+        a, b = d["layers"]
+        return cls(
+            str(d["device"]),
+            str(d["type"]),
+            (int(a), int(b)),
+            float(d["time_s"]),
+            StageMemory.from_dict(d["memory"]),
+            int(d["memory_cap"]),
+            int(d["shard"]),
+        )
+
+
+@dataclass(frozen=True)
+class VWPlan:
+    devices: tuple[str, ...]  # pipeline order
+    stages: tuple[StagePlan, ...]
+    nm: int
+    samples_per_s: float  # simulated steady rate of this VW within the whole job
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layers per stage (the job file's ``layers = [...]``)."""
+        return tuple(b - a for a, b in (s.layers for s in self.stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": list(self.devices),
+            "stages": [s.to_dict() for s in self.stages],
+            "nm": self.nm,
+            "samples_per_s": self.samples_per_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VWPlan:
+        return cls(
+            tuple(str(x) for x in d["devices"]),
+            tuple(StagePlan.from_dict(s) for s in d["stages"]),
+            int(d["nm"]),
+            float(d["samples_per_s"]),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    vws: tuple[VWPlan, ...]
+    samples_per_s: float  # simulated total of the job
+    policy: str  # "np" | "ed" | "hd" | "explicit" (what auto chose, or what was asked)
+    unused: tuple[str, ...]  # device names no VW uses (reasons in ``warnings``)
+    warnings: tuple[str, ...]
+    layer_shards: tuple[int, ...] = ()  # PS shard of each layer's parameters
+    minibatch: int = 0
+    staleness: int = 0
+    model: str = ""
+    details: dict[str, Any] = field(default_factory=dict, compare=False)  # search statistics
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON/msgpack-able)."""
+        return {
+            "vws": [v.to_dict() for v in self.vws],
+            "samples_per_s": self.samples_per_s,
+            "policy": self.policy,
+            "unused": list(self.unused),
+            "warnings": list(self.warnings),
+            "layer_shards": list(self.layer_shards),
+            "minibatch": self.minibatch,
+            "staleness": self.staleness,
+            "model": self.model,
+            "details": dict(self.details),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        return cls(
+            tuple(VWPlan.from_dict(v) for v in d["vws"]),
+            float(d["samples_per_s"]),
+            str(d["policy"]),
+            tuple(str(x) for x in d.get("unused", ())),
+            tuple(str(x) for x in d.get("warnings", ())),
+            tuple(int(x) for x in d.get("layer_shards", ())),
+            int(d.get("minibatch", 0)),
+            int(d.get("staleness", 0)),
+            str(d.get("model", "")),
+            dict(d.get("details", {})),
+        )
+
+    def table(self) -> str:
+        """A readable table: per VW its devices in order, stages, times, memory, Nm, rates."""
+        lines = [
+            f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
+            f"worker(s), minibatch {self.minibatch}, staleness D={self.staleness}"
+        ]
+        head = (
+            f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'time':>10}"
+            f"{'memory / cap':>24}{'use':>6}{'shard':>7}"
+        )
+        for v, vw in enumerate(self.vws):
+            lines.append(
+                f"VW {v}: {' > '.join(vw.devices)}   Nm={vw.nm}   "
+                f"predicted {vw.samples_per_s:.1f} samples/s"
+            )
+            lines.append(head)
+            for i, s in enumerate(vw.stages):
+                a, b = s.layers
+                rng = f"{a}-{b - 1} ({b - a})"
+                mem = f"{format_size(s.memory.total)} / {format_size(s.memory_cap)}"
+                use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
+                lines.append(
+                    f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
+                    f"{mem:>24}{use:>6.0%}{s.shard:>7}"
+                )
+        lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
+        if self.unused:
+            lines.append(f"unused devices: {', '.join(self.unused)}")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.2f}ms" if t < 10 else f"{t:.2f}s"
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def place_stages(
+    shards: Sequence[Any],
+    vws: Sequence[Sequence[tuple[str, tuple[int, int]]]],
+    layer_bytes: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Shard of every layer, and of every stage, from stages given as ``(host, (a, b))``.
+
+    ``shards`` need ``index`` and ``host``. Returns ``(layer_shards, stage_shards)`` where
+    ``stage_shards[v][i]`` is the shard holding most of VW v's stage i (see module docs).
+    """
+    L = len(layer_bytes)
+    if not shards:
+        return (0,) * L, tuple((0,) * len(v) for v in vws)
+    bounds = sorted({0, L, *(x for v in vws for _, ab in v for x in ab)})
+    segments = [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
+
+    def host_of(v: Sequence[tuple[str, tuple[int, int]]], layer: int) -> str | None:
+        return next((h for h, (a, b) in v if a <= layer < b), None)
+
+    load = {s.index: 0 for s in shards}
+    layer_shards = [0] * L
+    seg_bytes = {seg: sum(layer_bytes[seg[0] : seg[1]]) for seg in segments}
+    for seg in sorted(segments, key=lambda s: (-seg_bytes[s], s)):
+        votes: dict[str, int] = {}
+        for v in vws:
+            h = host_of(v, seg[0])
+            if h is not None:
+                votes[h] = votes.get(h, 0) + 1
+        pool = list(shards)
+        for h in sorted(votes, key=lambda h: -votes[h]):
+            local = [s for s in shards if s.host == h]
+            if local:
+                pool = local
+                break
+        chosen = min(pool, key=lambda s: (load[s.index], s.index)).index
+        load[chosen] += seg_bytes[seg]
+        for j in range(*seg):
+            layer_shards[j] = chosen
+    stage_shards = []
+    for v in vws:
+        row = []
+        for _, (a, b) in v:
+            per: dict[int, int] = {}
+            for j in range(a, b):
+                per[layer_shards[j]] = per.get(layer_shards[j], 0) + layer_bytes[j]
+            row.append(min(per, key=lambda s: (-per[s], s)) if per else layer_shards[a])
+        stage_shards.append(tuple(row))
+    return tuple(layer_shards), tuple(stage_shards)
+
+
+# --------------------------------------------------------------------------- search
+
+
+def sim_vw(model: CostModel, devices: Sequence[Any], p: Partition, minibatch: int) -> SimVW:
+    """The simulator's view of a split: compute per stage and transfer time per link."""
+    prof = model.profile
+    stages = []
+    for d, (a, b) in zip(devices, p.cuts, strict=True):
+        lps = prof.layers[d.type][a:b]
+        stages.append(SimStage(sum(lp.fwd_s for lp in lps), sum(lp.bwd_s for lp in lps)))
+    links = []
+    for i in range(len(devices) - 1):
+        out = prof.layers[devices[i].type][p.cuts[i][1] - 1].out_bytes
+        t = out / model.link(devices[i], devices[i + 1])
+        links.append(SimLink(t, t))
+    return SimVW(tuple(stages), p.nm, tuple(links), minibatch, ",".join(p.devices))
+
+
+def _sim_minibatches(nms: Sequence[int]) -> int:
+    """Enough minibatches for a steady state: several waves past the pipeline fill."""
+    return max(32, 8 * max(nms, default=1))
+
+
+@dataclass
+class _Search:
+    """Shared state of one planning run: caches across formations."""
+
+    model: CostModel
+    devices: tuple[Any, ...]
+    nm: int | None
+    staleness: int
+    minibatch: int
+    vw_memo: dict[tuple, OrderResult] = field(default_factory=dict)
+    formations: int = 0
+    orders: int = 0
+
+    def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
+        """A key equal for groups alike up to renaming devices and nodes, and an order of
+        the group's devices that aligns alike groups device by device."""
+        if not self.model.uniform_nodes:
+            names = tuple(sorted(d.name for d in group))
+            return ("exact", names), sorted(group, key=lambda d: d.name)
+        nodes: dict[str, list[Any]] = {}
+        for d in group:
+            nodes.setdefault(d.node, []).append(d)
+        blocks = []
+        for devs in nodes.values():
+            devs = sorted(devs, key=lambda d: (d.type, d.memory, d.speed, d.name))
+            blocks.append((tuple((d.type, d.memory, d.speed) for d in devs), devs))
+        blocks.sort(key=lambda x: x[0])
+        return ("iso", tuple(k for k, _ in blocks)), [d for _, devs in blocks for d in devs]
+
+    def vw(self, group: Sequence[Any]) -> OrderResult:
+        key, canon = self.canon(group)
+        hit = self.vw_memo.get(key)
+        if hit is None:
+            hit = best_order(self.model, canon, nm=self.nm)
+            self.orders += hit.evaluated
+            self.vw_memo[key] = hit
+            return hit
+        _, canon_hit = self.canon(hit.order)
+        mapping = {id(x): y for x, y in zip(canon_hit, canon, strict=True)}
+        order = tuple(mapping[id(d)] for d in hit.order)
+        p = hit.partition
+        # same device sequence key as the cached split: a memo hit, renamed to these devices
+        p = self.model.partition(order, p.nm if isinstance(p, Partition) else (self.nm or 1))
+        return OrderResult(order, p, 0, hit.exhaustive)
+
+    def evaluate(self, f: Formation) -> tuple[float, Any]:
+        """Simulated total rate of a formation: each VW's best order, split and Nm; then,
+        unless Nm is fixed, the same with Nm re-balanced across VWs (see :meth:`balance`),
+        keeping whichever simulates faster."""
+        self.formations += 1
+        kept: list[tuple[tuple[Any, ...], Partition]] = []
+        dropped: list[tuple[tuple[Any, ...], str]] = []
+        for g in f.groups:
+            r = self.vw(g)
+            if isinstance(r.partition, Partition):
+                kept.append((r.order, r.partition))
+            else:
+                dropped.append((tuple(g), r.partition.reason))
+        if not kept:
+            return -math.inf, (kept, None, dropped)
+        best: tuple[float, Any] | None = None
+        variants = [kept]
+        if self.nm is None and len(kept) > 1:
+            balanced = self.balance(kept)
+            if balanced != kept:
+                variants.append(balanced)
+        for chosen in variants:
+            vws = [sim_vw(self.model, order, p, self.minibatch) for order, p in chosen]
+            res = simulate(vws, self.staleness, _sim_minibatches([v.nm for v in vws]))
+            if best is None or res.samples_per_s > best[0]:
+                best = (res.samples_per_s, (chosen, res, dropped))
+        assert best is not None
+        return best
+
+    def balance(
+        self, kept: Sequence[tuple[tuple[Any, ...], Partition]]
+    ) -> list[tuple[tuple[Any, ...], Partition]]:
+        """Raise the Nm of faster VWs so that every VW's wave takes about as long.
+
+        WSP couples VWs by *waves* (Nm minibatches each), so a VW whose waves are shorter
+        than the slowest VW's waits at the gate. A wave of VW v takes about ``Nm_v / r_v``
+        (``r_v`` its minibatch rate); giving v ``Nm_v = floor(W * r_v)`` with ``W`` the
+        slowest wave time lets every VW run at its own rate. More Nm costs memory on every
+        stage but the last (nothing on a one-device VW), so a larger Nm is kept only where
+        it still fits and does not lower the VW's own rate. Capped at :data:`NM_MAX`.
+        """
+        rates = [p.minibatches_per_s for _, p in kept]
+        wave = max(p.nm / r for (_, p), r in zip(kept, rates, strict=True))
+        out = []
+        for (order, p), r in zip(kept, rates, strict=True):
+            want = min(NM_MAX, int(wave * r * (1 + 1e-9)))
+            choice = p
+            for n in dict.fromkeys((want, (want + p.nm) // 2)):
+                if n <= p.nm:
+                    continue
+                q = self.model.partition(order, n)
+                if isinstance(q, Partition) and q.minibatches_per_s >= r * (1 - 1e-9):
+                    choice = q
+                    break
+            out.append((order, choice))
+        return out
+
+    def upper_bound(self, f: Formation) -> float:
+        """Never below :meth:`evaluate`: each VW at most its devices' total compute rate."""
+        return sum(self.vw_bound(g) for g in f.groups) * 1.02
+
+    def vw_bound(self, group: Sequence[Any]) -> float:
+        """A VW's rate is at most ``sum over devices of 1 / (s_d * T_ref)`` where ``T_ref`` is
+        the model's time on a reference type and ``s_d`` the least per-layer time ratio of
+        the device's type to it (a stage's compute is at least ``s_d`` x its reference
+        time), and at most one over the slowest layer on the VW's fastest type for it."""
+        prof = self.model.profile
+        ref_type = next(iter(prof.layers))
+        ref = [lp.fwd_s + lp.bwd_s for lp in prof.layers[ref_type]]
+        total_ref = sum(ref)
+        if total_ref <= 0:
+            return math.inf
+        times = {t: [lp.fwd_s + lp.bwd_s for lp in prof.layers[t]] for t in {d.type for d in group}}
+        slowest_layer = max((min(times[t][j] for t in times) for j in range(len(ref))), default=0.0)
+        power = 0.0
+        for d in group:
+            s = min((x / r for x, r in zip(times[d.type], ref, strict=True) if r > 0), default=0)
+            power += 1.0 / (s * total_ref) if s > 0 else math.inf
+        rate = power if slowest_layer <= 0 else min(power, 1.0 / slowest_layer)
+        return rate * self.minibatch
+
+
+def make_plan(
+    cluster: Any,
+    profile: ModelProfile,
+    *,
+    minibatch: int,
+    staleness: int,
+    optimizer_state_factor: int,
+    policy: str = "auto",
+    num_vws: int | None = None,
+    nm: int | None = None,
+    shard_of_stage: Callable[[int, int, Any], int] | None = None,
+) -> Plan:
+    """Search formations, orders, splits and Nm for the highest simulated throughput.
+
+    ``cluster`` is a :class:`hetpipe.config.ClusterConfig` (or anything with ``devices``,
+    ``network.bytes_per_s(a, b)`` and ``ps``). ``nm`` fixes Nm for every VW (else chosen per
+    VW). ``shard_of_stage(vw, stage, device) -> shard`` overrides parameter placement.
+    Raises :class:`PlanError` when the model fits on no group of devices.
+    """
+    if minibatch < 1:
+        raise PlanError(f"minibatch must be >= 1, got {minibatch}")
+    if staleness < 0:
+        raise PlanError(f"staleness must be >= 0, got {staleness}")
+    if nm is not None and nm < 1:
+        raise PlanError(f"nm must be >= 1, got {nm}")
+    warnings: list[str] = []
+    profile = _at_minibatch(profile, minibatch, warnings)
+    devices = tuple(cluster.devices)
+    usable = tuple(d for d in devices if d.type in profile.layers)
+    unused: list[tuple[str, str]] = [
+        (d.name, f"no profile for its type {d.type!r}") for d in devices if d not in usable
+    ]
+    if not usable:
+        raise PlanError(
+            f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
+            f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
+        )
+    model = _cost_model(cluster, profile, optimizer_state_factor)
+    search = _Search(model, usable, nm, staleness, minibatch)
+    try:
+        cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
+    except ValueError as e:
+        raise PlanError(str(e)) from e
+    found = best_formation(cands, search.evaluate, search.upper_bound)
+    if found is None:
+        raise PlanError(
+            f"policy {policy!r}"
+            + (f" with {num_vws} VWs" if num_vws is not None else "")
+            + f" forms no virtual worker from the {len(usable)} usable devices"
+        )
+    formation, _, (kept, sim, dropped) = found
+    if not kept:
+        group, why = max(dropped, key=lambda x: sum(d.memory for d in x[0]))
+        if len(usable) <= model.L:
+            everything = search.vw(usable).partition
+            if isinstance(everything, Infeasible):
+                raise PlanError(
+                    f"the model fits on no virtual worker, not even all {len(usable)} usable "
+                    f"devices together: {everything.reason}"
+                )
+            raise PlanError(
+                f"policy {policy!r} forms no virtual worker that can hold the model "
+                f"({','.join(d.name for d in group)}: {why}); all devices together could "
+                "(try policy 'auto' or fewer VWs)"
+            )
+        raise PlanError(
+            f"the model fits on no virtual worker; on {','.join(d.name for d in group)}: {why}"
+        )
+    unused += list(formation.unused)
+    for g, why in dropped:
+        unused += [
+            (d.name, f"its VW ({','.join(x.name for x in g)}) cannot hold the model: {why}")
+            for d in g
+        ]
+    details = {
+        "formations_evaluated": search.formations,
+        "formations_considered": len(cands),
+        "orders_evaluated": search.orders,
+        "dp_runs": model.dp_runs,
+        "dp_steps": model.dp_steps,
+        "formation": formation.describe(),
+    }
+    return _assemble(
+        cluster,
+        model,
+        kept,
+        sim,
+        formation.policy,
+        unused,
+        warnings,
+        minibatch,
+        staleness,
+        shard_of_stage,
+        details,
+    )
+
+
+def explicit_plan(
+    cluster: Any,
+    profile: ModelProfile,
+    vws: Sequence[tuple[Sequence[str], Sequence[int] | None, int | None]],
+    *,
+    minibatch: int,
+    staleness: int,
+    optimizer_state_factor: int,
+    nm: int | None = None,
+    shard_of_stage: Callable[[int, int, Any], int] | None = None,
+) -> Plan:
+    """Predicted figures for a user-given split: ``(devices in order, layers per stage or
+    None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
+    Nm falls back to ``nm``, else the best for the split. Memory over a cap is a warning here
+    (the runtime refuses it), so a user sees every problem at once."""
+    warnings: list[str] = []
+    profile = _at_minibatch(profile, minibatch, warnings)
+    model = _cost_model(cluster, profile, optimizer_state_factor)
+    L = profile.n_layers()
+    by_name = {d.name: d for d in cluster.devices}
+    used: set[str] = set()
+    chosen: list[tuple[tuple[Any, ...], Partition]] = []
+    for v, (names, layers, vw_nm) in enumerate(vws):
+        try:
+            devs = tuple(by_name[n] for n in names)
+        except KeyError as e:
+            raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+        for n in names:
+            if n in used:
+                raise PlanError(f"vw {v}: device {n!r} is used twice")
+            used.add(n)
+        missing = sorted({d.type for d in devs} - set(profile.layers))
+        if missing:
+            raise PlanError(f"vw {v}: no profile for device type(s) {', '.join(missing)}")
+        want = vw_nm if vw_nm is not None else nm
+        if layers is None:
+            p = model.best_nm(devs) if want is None else model.partition(devs, want)
+            if not isinstance(p, Partition):
+                raise PlanError(f"vw {v}: {p.reason}")
+        else:
+            if len(layers) != len(devs):
+                raise PlanError(f"vw {v}: {len(layers)} layer counts for {len(devs)} devices")
+            if any(n < 1 for n in layers) or sum(layers) != L:
+                raise PlanError(f"vw {v}: layers {list(layers)} must be >= 1 each and sum to {L}")
+            bounds = [0]
+            for n in layers:
+                bounds.append(bounds[-1] + n)
+            cuts = list(itertools.pairwise(bounds))
+            p = model.describe(devs, cuts, want if want is not None else len(devs))
+        for d, mem in zip(devs, p.memory, strict=True):
+            if mem.total > d.memory:
+                warnings.append(
+                    f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
+                    f"{format_size(d.memory)}"
+                )
+        chosen.append((devs, p))
+    if not chosen:
+        raise PlanError("no virtual workers given")
+    sims = [sim_vw(model, devs, p, minibatch) for devs, p in chosen]
+    sim = simulate(sims, staleness, _sim_minibatches([s.nm for s in sims]))
+    unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
+    return _assemble(
+        cluster,
+        model,
+        chosen,
+        sim,
+        "explicit",
+        unused,
+        warnings,
+        minibatch,
+        staleness,
+        shard_of_stage,
+        {},
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) -> ModelProfile:
+    if profile.minibatch != minibatch:
+        warnings.append(
+            f"profile measured at minibatch {profile.minibatch}, scaled linearly to {minibatch} "
+            "(profile at the job's minibatch for better predictions)"
+        )
+        return profile.scaled(minibatch)
+    return profile
+
+
+def _cost_model(cluster: Any, profile: ModelProfile, factor: int) -> CostModel:
+    net = cluster.network
+    model = CostModel(profile, net.bytes_per_s, factor)
+    # bandwidth depends only on "same node or not": alike groups can share a search
+    model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
+    return model
+
+
+def _power(profile: ModelProfile) -> Callable[[Any], float]:
+    """Compute power of a device: 1 / the model's total time on its type."""
+    totals = {t: sum(lp.fwd_s + lp.bwd_s for lp in lps) for t, lps in profile.layers.items()}
+    return lambda d: 1.0 / totals[d.type] if totals.get(d.type, 0) > 0 else 0.0
+
+
+def _assemble(
+    cluster: Any,
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    sim: SimResult | None,
+    policy: str,
+    unused: Sequence[tuple[str, str]],
+    warnings: list[str],
+    minibatch: int,
+    staleness: int,
+    shard_of_stage: Callable[[int, int, Any], int] | None,
+    details: dict[str, Any],
+) -> Plan:
+    prof = model.profile
+    any_type = next(iter(prof.layers))
+    layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in prof.layers[any_type]]
+    shards = tuple(getattr(cluster, "ps", ()) or ())
+    stage_hosts = [[(d.host, ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen]
+    layer_shards, stage_shards = place_stages(shards, stage_hosts, layer_bytes)
+    if shard_of_stage is not None:
+        stage_shards = tuple(
+            tuple(shard_of_stage(v, i, d) for i, d in enumerate(devs))
+            for v, (devs, _) in enumerate(chosen)
+        )
+        ls: list[int | None] = [None] * len(layer_bytes)
+        for v, (_, p) in enumerate(chosen):
+            for i, (a, b) in enumerate(p.cuts):
+                for j in range(a, b):
+                    if ls[j] is None:
+                        ls[j] = stage_shards[v][i]
+                    elif ls[j] != stage_shards[v][i]:
+                        warnings.append(
+                            f"shard_of_stage puts layer {j} on shard {ls[j]} for one VW and "
+                            f"{stage_shards[v][i]} for another; the first wins"
+                        )
+        layer_shards = tuple(x or 0 for x in ls)
+    vw_plans = []
+    for v, (devs, p) in enumerate(chosen):
+        stages = tuple(
+            StagePlan(
+                d.name,
+                d.type,
+                p.cuts[i],
+                p.stage_times[i],
+                p.memory[i],
+                d.memory,
+                stage_shards[v][i],
+            )
+            for i, d in enumerate(devs)
+        )
+        rate = sim.vw_samples_per_s[v] if sim else p.minibatches_per_s * minibatch
+        vw_plans.append(VWPlan(tuple(d.name for d in devs), stages, p.nm, rate))
+        if p.nm < len(devs):
+            warnings.append(
+                f"vw {v}: Nm={p.nm} < {len(devs)} stages: the pipeline cannot fill "
+                "(memory or the job's nm limits it)"
+            )
+    if sim is not None:
+        for v, wait in enumerate(sim.gate_wait_s):
+            share = wait / sim.vw_finish_s[v] if sim.vw_finish_s[v] > 0 else 0.0
+            if share > 0.1:
+                warnings.append(
+                    f"vw {v} waits {share:.0%} of its time at the WSP gate for slower VWs "
+                    f"(D={staleness}; a larger D or another formation would help)"
+                )
+    for name, why in unused:
+        warnings.append(f"{name} unused: {why}")
+    total = sim.samples_per_s if sim else sum(v.samples_per_s for v in vw_plans)
+    return Plan(
+        tuple(vw_plans),
+        total,
+        policy,
+        tuple(name for name, _ in unused),
+        tuple(dict.fromkeys(warnings)),
+        tuple(layer_shards),
+        minibatch,
+        staleness,
+        prof.model,
+        details,
+    )

@@ -1,0 +1,66 @@
+"""Shared fixtures: real daemons on loopback with ephemeral ports, always reaped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+
+# Four emulated devices of three types, like the repository's cluster.toml.
+HETERO = (
+    DeviceDef("gpu0", "fast", "64MiB", 1.0),
+    DeviceDef("gpu1", "medium", "32MiB", 0.5),
+    DeviceDef("gpu2", "medium", "32MiB", 0.5),
+    DeviceDef("gpu3", "whimpy", "3MiB", 0.25),
+)
+UNIFORM = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(4))
+
+
+def start_cluster(root: Path, devices: tuple[DeviceDef, ...], shards: int = 2) -> LocalCluster:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "cluster.toml"
+    path.write_text(cluster_toml(devices, shards=shards))
+    return LocalCluster(path, root / "run", timeout=60).__enter__()
+
+
+@pytest.fixture(scope="module")
+def uniform_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four unslowed devices, two shards: shared by the tests of one module."""
+    c = start_cluster(tmp_path_factory.mktemp("uniform"), UNIFORM)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def hetero_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """The default cluster's shape: fast, 2x medium, whimpy (3 MiB)."""
+    c = start_cluster(tmp_path_factory.mktemp("hetero"), HETERO)
+    yield c
+    c.stop()
+
+
+def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | None = None,
+        split: list[tuple[list[str], list[int]]] | None = None, nm: int = 1,
+        minibatches: int | None = 50, epochs: int | None = None, minibatch: int = 32,
+        lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 1e-4,
+        optimizer: str = "sgd", staleness: int = 0, seed: int = 0,
+        data: str = "digits") -> dict[str, Any]:
+    """A job dict in the job file's shape."""
+    train: dict[str, Any] = {"minibatch": minibatch, "nm": nm, "staleness": staleness,
+                             "seed": seed}
+    if epochs is not None:
+        train["epochs"] = epochs
+    else:
+        train["minibatches"] = minibatches
+    opt: dict[str, Any] = {"name": optimizer, "lr": lr, "weight_decay": weight_decay}
+    if optimizer == "sgd":
+        opt["momentum"] = momentum
+    out: dict[str, Any] = {"name": name, "model": {"name": model, "args": model_args or {}},
+                           "data": {"name": data}, "optimizer": opt, "train": train}
+    if split:
+        out["vw"] = [{"devices": d, "layers": layers} for d, layers in split]
+    return out

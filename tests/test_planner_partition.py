@@ -1,0 +1,222 @@
+"""The exact split: DP against brute force, memory model, infeasibility reasons, Nm choice."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from hetpipe.config import DeviceSpec
+from hetpipe.planner import (
+    CostModel,
+    Infeasible,
+    LayerProfile,
+    ModelProfile,
+    Partition,
+    brute_force,
+    in_flight,
+    partition,
+    partition_best_nm,
+    stage_memory,
+    stage_memory_of,
+    synthetic_profile,
+)
+
+
+def dev(name: str, dtype: str, memory: int, node: str = "n0", speed: float = 1.0) -> DeviceSpec:
+    return DeviceSpec(name, "cpu", dtype, memory, speed, 0, node, "127.0.0.1")
+
+
+def bandwidth(a: DeviceSpec, b: DeviceSpec) -> float:
+    return 1e9 if a.node == b.node else 1e8
+
+
+def random_instance(seed: int):
+    r = random.Random(seed)
+    L = r.randint(1, 10)
+    k = r.randint(1, 4)
+    types = {f"t{j}": r.uniform(0.2, 1.0) for j in range(r.randint(1, 3))}
+    prof = synthetic_profile(
+        L, types, r, param_bytes=(1000, 40000), out_bytes=(100, 20000), time_s=(1e-3, 5e-3)
+    )
+    # caps around what an even share needs, so that both outcomes are common
+    share = sum(lp.param_bytes * 4 + lp.saved_bytes * 2 for lp in prof.layers["t0"]) // k
+    devs = [
+        dev(
+            f"g{i}",
+            r.choice(list(types)),
+            int(share * r.uniform(0.3, 2.5)) + 1,
+            f"n{r.randint(0, 1)}",
+        )
+        for i in range(k)
+    ]
+    return prof, devs, r.randint(1, 4), r.randint(0, 2)
+
+
+def test_dp_equals_brute_force_on_random_instances():
+    feasible = infeasible = 0
+    for seed in range(240):
+        prof, devs, nm, factor = random_instance(seed)
+        p = partition(prof, devs, nm, bandwidth, factor)
+        q = brute_force(prof, devs, nm, bandwidth, factor)
+        assert bool(p) == bool(q), (seed, p, q)
+        if not isinstance(p, Partition):
+            infeasible += 1
+            assert isinstance(p, Infeasible) and p.reason
+            continue
+        feasible += 1
+        assert isinstance(q, Partition)
+        # the same floats on both sides: exact equality, not closeness
+        assert p.bottleneck == q.bottleneck, seed
+        k, L = len(devs), prof.n_layers()
+        assert p.cuts[0][0] == 0 and p.cuts[-1][1] == L
+        assert all(a < b for a, b in p.cuts)
+        assert all(x[1] == y[0] for x, y in itertools.pairwise(p.cuts))
+        for i, (d, (a, b)) in enumerate(zip(devs, p.cuts, strict=True)):
+            lps = prof.layers[d.type]
+            inb = prof.input_bytes if a == 0 else lps[a - 1].out_bytes
+            mem = stage_memory(lps[a:b], i, k, nm, factor, inb)
+            assert mem == p.memory[i]
+            assert mem.total <= d.memory
+        assert p.bottleneck == max(p.stage_times)
+    assert feasible >= 60 and infeasible >= 40, (feasible, infeasible)
+
+
+def test_vectorised_memory_matches_the_memory_model():
+    prof = synthetic_profile(9, {"a": 1.0, "b": 0.5}, 3)
+    model = CostModel(prof, bandwidth, 2)
+    for dtype in ("a", "b"):
+        for k, nm in ((1, 1), (3, 2), (4, 5)):
+            for pos in range(k):
+                flight = in_flight(pos, k, nm)
+                totals = model.memory_total(dtype, flight)
+                for a in range(9):
+                    for b in range(a + 1, 10):
+                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2)
+                        assert int(totals[a, b]) == ref.total
+                        assert model.stage_memory(dtype, a, b, pos, k, nm) == ref
+
+
+def test_stage_memory_by_hand():
+    lps = [LayerProfile(0.1, 0.2, 100, 10, 50, 30, 70), LayerProfile(0.1, 0.2, 200, 0, 40, 20, 90)]
+    m = stage_memory(lps, position=0, k=3, nm=4, optimizer_state_factor=2, input_bytes=8)
+    assert m.params == 310 and m.optimizer == 600 and m.stash == 3 * 300
+    assert m.accumulators == 600 and m.activations == 4 * (50 + 8) and m.working == 90
+    assert m.total == 310 + 600 + 900 + 600 + 232 + 90
+    last = stage_memory(lps, position=2, k=3, nm=4, optimizer_state_factor=2, input_bytes=8)
+    assert last.stash == 0 and last.activations == 58
+    assert in_flight(0, 1, 7) == 1 and in_flight(0, 2, 7) == 7 and in_flight(1, 2, 7) == 1
+
+
+def _uniform_profile(L: int, param: int = 1000, out: int = 100) -> ModelProfile:
+    lp = LayerProfile(1e-3, 2e-3, param, 0, out, 2 * out, 2 * out)
+    return ModelProfile("u", 8, out, {"x": (lp,) * L})
+
+
+def test_balanced_split_of_identical_layers():
+    prof = _uniform_profile(12)
+    devs = [dev(f"g{i}", "x", 1 << 30) for i in range(4)]
+    p = partition(prof, devs, 4, lambda a, b: float("inf"), 0)
+    assert isinstance(p, Partition)
+    assert p.sizes == (3, 3, 3, 3)
+
+
+def test_memory_forces_an_uneven_split():
+    prof = _uniform_profile(8)
+    # stage 0 keeps Nm=4 minibatches and 3 stashed versions; allow it only 2 layers
+    per_layer0 = stage_memory_of(prof, "x", (0, 2), 0, 2, 4, 1).total
+    devs = [dev("small", "x", per_layer0), dev("big", "x", 1 << 30)]
+    p = partition(prof, devs, 4, lambda a, b: float("inf"), 1)
+    assert isinstance(p, Partition)
+    assert p.sizes == (2, 6)
+    assert p.memory[0].total <= per_layer0
+
+
+@pytest.mark.parametrize(
+    ("devices", "expect"),
+    [
+        ([dev("g0", "x", 1 << 30)] * 5, "only 4 layers"),
+        ([dev("g0", "x", 10), dev("g1", "x", 10)], "in total"),
+        ([dev("g0", "missing", 1 << 30)], "no profile"),
+    ],
+)
+def test_infeasible_reasons(devices, expect):
+    prof = _uniform_profile(4)
+    p = partition(prof, devices, 2, lambda a, b: 1e9, 1)
+    assert isinstance(p, Infeasible) and not p
+    assert expect in p.reason
+
+
+def test_a_layer_too_big_for_every_device_is_named():
+    lps = [LayerProfile(1e-3, 2e-3, 1000, 0, 10, 10, 10)] * 4
+    big = LayerProfile(1e-3, 2e-3, 1 << 20, 0, 10, 10, 10)
+    prof = ModelProfile("m", 8, 10, {"x": (*lps[:2], big, *lps[2:])})
+    devs = [dev("g0", "x", 3 << 20), dev("whimpy", "x", 3 << 20)]
+    p = partition(prof, devs, 2, lambda a, b: 1e9, 1)
+    assert isinstance(p, Infeasible)
+    assert "layer 2 alone needs" in p.reason and "cap 3.0MiB" in p.reason
+
+
+def test_a_device_too_small_for_any_layer_is_named():
+    prof = _uniform_profile(6)
+    devs = [dev("g0", "x", 1 << 30), dev("tiny", "x", 2000)]
+    p = partition(prof, devs, 2, lambda a, b: 1e9, 1)
+    assert isinstance(p, Infeasible)
+    assert "tiny" in p.reason and "cannot hold even one layer" in p.reason
+
+
+def test_best_nm_maximises_the_estimate():
+    for seed in range(60):
+        prof, devs, _, factor = random_instance(1000 + seed)
+        k = len(devs)
+        best = partition_best_nm(prof, devs, bandwidth, factor)
+        per_nm = [partition(prof, devs, n, bandwidth, factor) for n in range(1, k + 1)]
+        rates = [p.minibatches_per_s for p in per_nm if isinstance(p, Partition)]
+        if not rates:
+            assert not best
+            continue
+        assert isinstance(best, Partition)
+        assert best.minibatches_per_s == pytest.approx(max(rates), rel=1e-12)
+
+
+def test_a_pipeline_fills_at_nm_equal_k():
+    prof = _uniform_profile(12)
+    devs = [dev(f"g{i}", "x", 1 << 30) for i in range(4)]
+    p = partition_best_nm(prof, devs, lambda a, b: float("inf"), 0)
+    assert isinstance(p, Partition)
+    assert p.nm == 4 and p.minibatches_per_s == pytest.approx(1 / p.bottleneck)
+
+
+def test_partitions_of_alike_device_sequences_are_memoised():
+    prof = synthetic_profile(20, {"a": 1.0, "b": 0.5}, 1)
+    model = CostModel(prof, bandwidth, 1)
+    x = [dev("g0", "a", 1 << 30), dev("g1", "b", 1 << 30)]
+    y = [dev("h0", "a", 1 << 30), dev("h1", "b", 1 << 30)]
+    p, q = model.partition(x, 2), model.partition(y, 2)
+    assert model.dp_runs == 1
+    assert isinstance(p, Partition) and isinstance(q, Partition)
+    assert q.devices == ("h0", "h1") and q.cuts == p.cuts
+
+
+def test_prefix_bound_never_exceeds_the_optimum():
+    for seed in range(80):
+        prof, devs, nm, factor = random_instance(2000 + seed)
+        model = CostModel(prof, bandwidth, factor)
+        p = model.partition(devs, nm)
+        if not isinstance(p, Partition):
+            continue
+        for m in range(1, len(devs) + 1):
+            lb = model.prefix_bound(devs[:m], len(devs), nm, devs[m:])
+            assert lb <= p.bottleneck
+
+
+def test_time_matrix_is_the_scalar_expression():
+    prof = synthetic_profile(7, {"a": 1.0}, 5)
+    model = CostModel(prof, bandwidth, 0)
+    t = model.time_matrix("a", 1e8, 3e9)
+    for a in range(7):
+        for b in range(8):
+            want = model.stage_time("a", a, b, 1e8, 3e9) if a < b else np.inf
+            assert t[a, b] == want

@@ -1,0 +1,197 @@
+"""make_plan / explicit_plan on the repository's cluster shape, the table, and placement."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from hetpipe.config import (
+    ClusterConfig,
+    DeviceSpec,
+    LinkSpec,
+    NetworkSpec,
+    NodeSpec,
+    RuntimeSpec,
+    ShardSpec,
+)
+from hetpipe.planner import (
+    LayerProfile,
+    ModelProfile,
+    Plan,
+    PlanError,
+    explicit_plan,
+    make_plan,
+    place_stages,
+    synthetic_profile,
+)
+
+MiB = 1 << 20
+KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
+
+
+def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
+    """Shaped like cluster.toml: one node; fast 64MiB, medium x2 32MiB, whimpy 3MiB."""
+    devs = (
+        DeviceSpec("gpu0", "cpu", "fast", 64 * MiB, 1.0, 7200, "node0", "127.0.0.1"),
+        DeviceSpec("gpu1", "cpu", "medium", 32 * MiB, 0.5, 7201, "node0", "127.0.0.1"),
+        DeviceSpec("gpu2", "cpu", "medium", 32 * MiB, 0.5, 7202, "node0", "127.0.0.1"),
+        DeviceSpec("gpu3", "cpu", "whimpy", 3 * MiB, 0.25, 7203, "node0", "127.0.0.1"),
+    )
+    return ClusterConfig(
+        "cluster.toml",
+        (ShardSpec(0, "127.0.0.1", 7100), ShardSpec(1, "127.0.0.1", 7101)),
+        NetworkSpec(100.0, 10.0, links),
+        (NodeSpec("node0", "127.0.0.1", devs),),
+        RuntimeSpec(),
+    )
+
+
+def profile16() -> ModelProfile:
+    return synthetic_profile(
+        16,
+        {"fast": 1.0, "medium": 0.5, "whimpy": 0.25},
+        0,
+        param_bytes=(64 << 10, 512 << 10),
+        out_bytes=(16 << 10, 128 << 10),
+    )
+
+
+def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
+    used = [d for vw in plan.vws for d in vw.devices]
+    assert len(used) == len(set(used))
+    assert set(used) | set(plan.unused) == {d.name for d in cluster.devices}
+    for vw in plan.vws:
+        assert vw.stages[0].layers[0] == 0 and vw.stages[-1].layers[1] == L
+        for s, t in itertools.pairwise(vw.stages):
+            assert s.layers[1] == t.layers[0]
+        for s in vw.stages:
+            assert s.memory.total <= s.memory_cap == cluster.device(s.device).memory
+            assert 0 <= s.shard < len(cluster.ps)
+        assert vw.nm >= 1 and vw.samples_per_s > 0
+    assert len(plan.layer_shards) == L
+    assert plan.samples_per_s == pytest.approx(sum(v.samples_per_s for v in plan.vws))
+
+
+def test_make_plan_uses_the_whimpy_device():
+    cluster, prof = repo_cluster(), profile16()
+    plan = make_plan(cluster, prof, **KW)
+    check_plan(plan, cluster, 16)
+    assert any("gpu3" in vw.devices for vw in plan.vws)
+    assert plan.unused == ()
+    whimpy = next(s for vw in plan.vws for s in vw.stages if s.device == "gpu3")
+    assert whimpy.memory.total <= 3 * MiB
+
+
+def test_every_policy_gives_a_valid_plan():
+    cluster, prof = repo_cluster(), profile16()
+    for policy in ("np", "ed", "hd"):
+        check_plan(make_plan(cluster, prof, policy=policy, **KW), cluster, 16)
+    four = make_plan(cluster, prof, policy="hd", num_vws=4, **KW)
+    check_plan(four, cluster, 16)
+    # alone, the 3MiB whimpy device cannot hold 16 layers: left out, with the reason
+    assert four.unused == ("gpu3",)
+    assert any("gpu3 unused" in w and "cannot hold the model" in w for w in four.warnings)
+
+
+def test_fixed_nm_and_staleness():
+    cluster, prof = repo_cluster(), profile16()
+    plan = make_plan(cluster, prof, **{**KW, "staleness": 2}, nm=2, num_vws=2)
+    assert all(vw.nm == 2 for vw in plan.vws) and plan.staleness == 2
+    assert len(plan.vws) == 2
+    assert any("cannot fill" in w for w in plan.warnings)
+
+
+def test_a_model_that_fits_nowhere_is_a_plan_error():
+    cluster = repo_cluster()
+    big = LayerProfile(1e-3, 2e-3, 40 * MiB, 0, 1024, 1024, 1024)
+    prof = ModelProfile("huge", 32, 1024, {t: (big,) * 4 for t in ("fast", "medium", "whimpy")})
+    with pytest.raises(PlanError, match="needs at least") as e:
+        make_plan(cluster, prof, **KW)
+    assert "\n" not in str(e.value)
+
+
+def test_devices_without_a_profile_are_unused_with_the_reason():
+    cluster = repo_cluster()
+    prof = synthetic_profile(16, {"fast": 1.0, "medium": 0.5}, 0)
+    plan = make_plan(cluster, prof, **KW)
+    assert "gpu3" in plan.unused
+    assert any("no profile for its type 'whimpy'" in w for w in plan.warnings)
+    with pytest.raises(PlanError, match="no device has a profile"):
+        make_plan(cluster, synthetic_profile(4, {"other": 1.0}, 0), **KW)
+
+
+def test_profile_at_another_minibatch_is_scaled_with_a_warning():
+    cluster, prof = repo_cluster(), profile16()
+    plan = make_plan(cluster, prof, **{**KW, "minibatch": 16})
+    assert plan.minibatch == 16
+    assert any("scaled linearly" in w for w in plan.warnings)
+
+
+def test_link_overrides_are_respected():
+    slow = (LinkSpec("gpu0", "gpu1", 0.001), LinkSpec("gpu0", "gpu2", 0.001))
+    plan = make_plan(repo_cluster(slow), profile16(), **KW, num_vws=1, policy="hd")
+    order = plan.vws[0].devices
+    for a, b in itertools.pairwise(order):
+        assert {a, b} not in ({"gpu0", "gpu1"}, {"gpu0", "gpu2"})
+
+
+def test_table_and_round_trip():
+    cluster, prof = repo_cluster(), profile16()
+    plan = make_plan(cluster, prof, **KW)
+    text = plan.table()
+    for vw in plan.vws:
+        assert " > ".join(vw.devices) in text and f"Nm={vw.nm}" in text
+    assert "total predicted" in text and "MiB" in text and "samples/s" in text
+    d = json.loads(json.dumps(plan.to_dict()))
+    back = Plan.from_dict(d)
+    assert back == plan
+    assert back.table() == text
+
+
+def test_explicit_plan_prices_a_given_split():
+    cluster, prof = repo_cluster(), profile16()
+    vws = [(("gpu0", "gpu1", "gpu2", "gpu3"), (6, 4, 4, 2), 4)]
+    plan = explicit_plan(cluster, prof, vws, **KW)
+    assert plan.policy == "explicit"
+    assert plan.vws[0].layers == (6, 4, 4, 2) and plan.vws[0].nm == 4
+    assert plan.vws[0].stages[3].layers == (14, 16)
+    assert plan.samples_per_s > 0
+    # the planner's own split for the same order is at least as good
+    auto = explicit_plan(cluster, prof, [(("gpu0", "gpu1", "gpu2", "gpu3"), None, 4)], **KW)
+    assert max(s.time_s for s in auto.vws[0].stages) <= max(s.time_s for s in plan.vws[0].stages)
+    over = explicit_plan(cluster, prof, [(("gpu3", "gpu0"), (12, 4), 2)], **KW)
+    assert any("gpu3 needs" in w and "over its cap" in w for w in over.warnings)
+    assert set(over.unused) == {"gpu1", "gpu2"}
+    with pytest.raises(PlanError, match="sum to 16"):
+        explicit_plan(cluster, prof, [(("gpu0", "gpu1"), (3, 3), 2)], **KW)
+    with pytest.raises(PlanError, match="unknown device"):
+        explicit_plan(cluster, prof, [(("gpu9",), None, 1)], **KW)
+    with pytest.raises(PlanError, match="used twice"):
+        explicit_plan(cluster, prof, [(("gpu0",), None, 1), (("gpu0",), None, 1)], **KW)
+
+
+def test_place_stages_prefers_the_stage_host_and_balances_bytes():
+    shards = [ShardSpec(0, "h0", 1), ShardSpec(1, "h0", 2), ShardSpec(2, "h1", 3)]
+    layer_bytes = [100, 100, 100, 100, 50, 50]
+    one_vw = [[("h0", (0, 2)), ("h0", (2, 4)), ("h1", (4, 6))]]
+    layers, stages = place_stages(shards, one_vw, layer_bytes)
+    assert stages == ((0, 1, 2),)  # host-local; the two h0 stages on the two h0 shards
+    assert layers == (0, 0, 1, 1, 2, 2)
+    # no shard on the stages' host: least loaded shard overall
+    layers, stages = place_stages(shards[:2], [[("h9", (0, 3)), ("h9", (3, 6))]], layer_bytes)
+    assert set(stages[0]) == {0, 1}
+    # two VWs cutting differently: per-segment placement, one home per layer
+    two = [[("h0", (0, 3)), ("h1", (3, 6))], [("h0", (0, 2)), ("h1", (2, 6))]]
+    layers, stages = place_stages(shards, two, layer_bytes)
+    assert layers[0] in (0, 1) and layers[5] == 2
+    assert len(stages) == 2 and all(len(s) == 2 for s in stages)
+    assert place_stages([], one_vw, layer_bytes) == ((0,) * 6, ((0, 0, 0),))
+
+
+def test_shard_override():
+    cluster, prof = repo_cluster(), profile16()
+    plan = make_plan(cluster, prof, **KW, shard_of_stage=lambda v, i, d: 1)
+    assert all(s.shard == 1 for vw in plan.vws for s in vw.stages)
+    assert set(plan.layer_shards) == {1}

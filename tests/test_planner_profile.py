@@ -1,0 +1,96 @@
+"""Layer profiles: measurement on real tensors, the JSON store, synthetic profiles."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from hetpipe.planner import LayerProfile, ModelProfile, ProfileStore, measure_layers
+from hetpipe.planner.profile import synthetic_profile
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
+
+
+def test_measure_layers_counts_bytes_from_real_tensors():
+    model = small_model()
+    x = torch.randn(8, 16)
+    lps = measure_layers(model, x, warmup=1, repeats=2)
+    assert len(lps) == 4
+    lin0, relu, bn, lin1 = lps
+    assert lin0.param_bytes == (16 * 32 + 32) * 4 and lin0.buffer_bytes == 0
+    assert relu.param_bytes == 0
+    assert bn.param_bytes == 2 * 32 * 4 and bn.buffer_bytes == (32 + 32) * 4 + 8
+    assert lin0.out_bytes == 8 * 32 * 4 and lin1.out_bytes == 8 * 4 * 4
+    # a linear layer saves its input for the weight gradient (its weight is not counted)
+    assert lin0.saved_bytes == 8 * 16 * 4
+    assert relu.saved_bytes == 8 * 32 * 4  # its output
+    assert all(lp.fwd_s > 0 and lp.bwd_s >= 0 for lp in lps)
+    assert lin1.work_bytes == lin1.out_bytes + 8 * 32 * 4
+
+
+def test_measure_layers_applies_speed_and_loss():
+    model = small_model()
+    x = torch.randn(8, 16)
+    labels = torch.randint(0, 4, (8,))
+    lps = measure_layers(
+        model,
+        x,
+        speed=0.25,
+        warmup=0,
+        repeats=1,
+        loss_fn=lambda y: nn.functional.cross_entropy(y, labels),
+    )
+    assert len(lps) == 4 and lps[-1].bwd_s > 0
+    with pytest.raises(ValueError, match="speed"):
+        measure_layers(model, x, speed=0)
+
+
+def test_store_round_trip(tmp_path):
+    path = tmp_path / "profiles.json"
+    store = ProfileStore(path)
+    lps = (LayerProfile(0.001, 0.002, 10, 0, 20, 30, 40),) * 3
+    assert store.get("cnn", 32, "fast") is None
+    store.put("cnn", 32, "fast", lps, input_bytes=256)
+    store.put("cnn", 32, "slow", lps)
+    store.save()
+    data = json.loads(path.read_text())  # readable JSON
+    assert data["models"]["cnn"]["32"]["types"]["fast"][0]["fwd_s"] == 0.001
+    again = ProfileStore(path)
+    assert again.get("cnn", 32, "fast") == lps
+    assert again.get("cnn", 16, "fast") is None
+    prof = again.model_profile("cnn", 32)
+    assert prof is not None and prof.input_bytes == 256 and set(prof.layers) == {"fast", "slow"}
+    assert again.model_profile("cnn", 32, ["fast"]).types == ("fast",)
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        ProfileStore(path)
+
+
+def test_synthetic_profile_is_deterministic_and_respects_speed():
+    a = synthetic_profile(10, {"fast": 1.0, "slow": 0.25}, 3)
+    b = synthetic_profile(10, {"fast": 1.0, "slow": 0.25}, random.Random(3))
+    assert a == b and a.n_layers() == 10
+    fast = sum(lp.fwd_s for lp in a.layers["fast"])
+    slow = sum(lp.fwd_s for lp in a.layers["slow"])
+    assert 3.0 < slow / fast < 5.0
+    assert [lp.param_bytes for lp in a.layers["fast"]] == [
+        lp.param_bytes for lp in a.layers["slow"]
+    ]
+
+
+def test_profile_dict_round_trip_and_scaling():
+    a = synthetic_profile(5, {"x": 1.0}, 1, minibatch=32)
+    assert ModelProfile.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    half = a.scaled(16)
+    assert half.minibatch == 16
+    assert half.layers["x"][0].fwd_s == pytest.approx(a.layers["x"][0].fwd_s / 2)
+    assert half.layers["x"][0].param_bytes == a.layers["x"][0].param_bytes
+    with pytest.raises(ValueError, match="layer counts"):
+        ModelProfile("m", 1, 1, {"a": a.layers["x"], "b": a.layers["x"][:2]})
