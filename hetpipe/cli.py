@@ -294,6 +294,54 @@ class Progress:
             click.echo("", err=True)
 
 
+# -- demo ---------------------------------------------------------------------------------
+
+DEMO_JOB = Path(__file__).with_name("demo.toml")
+
+
+@main.command()
+@click.option("--job", "job_file", default=str(DEMO_JOB), show_default=False,
+              type=click.Path(dir_okay=False), help="Job file (default: the demo job).")
+@click.option("--json", "as_json", is_flag=True, help="Also print one final JSON line.")
+@click.option("--timeout", default=900.0, show_default=True, help="Give up after this long.")
+@click.pass_obj
+def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
+    """Start the cluster, train the demo job under WSP, show the result, stop the cluster."""
+    try:
+        spec = load_job(job_file)
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from None
+    cluster = obj.cluster
+    started = not launch.running(obj.run_dir)
+    if started:
+        daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
+        click.echo(f"demo: starting {len(daemons)} daemons of {obj.path} "
+                   f"(logs in {obj.run_dir / 'logs'})")
+        try:
+            launch.start(daemons, obj.run_dir, timeout=60)
+        except launch.LaunchError as exc:
+            raise click.ClickException(str(exc)) from None
+    else:
+        click.echo(f"demo: using the daemons already running in {obj.run_dir}")
+    try:
+        _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60))
+        click.echo(f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
+                   f"{len(spec.vws)} virtual workers, D = {spec.staleness}")
+        for v, vw in enumerate(spec.vws):
+            click.echo(f"  vw{v}: {' -> '.join(vw.devices)}  layers per stage "
+                       f"{list(vw.layers or [])}  Nm {vw.nm or spec.nm}")
+        info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=True, as_json=False,
+                                      timeout=timeout))
+    finally:
+        if started:
+            stopped, _ = launch.stop(obj.run_dir)
+            click.echo(f"demo: stopped {len(stopped)} daemons")
+    if as_json:
+        click.echo(json.dumps(final_line(info)))
+    if info["state"] != "done":
+        raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
+
+
 # -- logs -----------------------------------------------------------------------------------
 
 

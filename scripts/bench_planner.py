@@ -95,6 +95,7 @@ def main() -> None:
                 "formations_considered": d.get("formations_considered"),
                 "orders_evaluated": d.get("orders_evaluated"),
                 "dp_runs": d.get("dp_runs"),
+                "dp_steps": d.get("dp_steps"),
             }
             print(
                 f"{n_layers:>7}{n_dev:>9}{med:>10.3f}{len(plan.vws):>5}"

@@ -195,3 +195,26 @@ def test_shard_override():
     plan = make_plan(cluster, prof, **KW, shard_of_stage=lambda v, i, d: 1)
     assert all(s.shard == 1 for vw in plan.vws for s in vw.stages)
     assert set(plan.layer_shards) == {1}
+
+
+def _multi_node(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
+    kinds = {"a": (1.0, 64), "b": (0.5, 32), "c": (0.25, 8)}
+    nodes = []
+    for n in range(3):
+        devs = tuple(
+            DeviceSpec(f"d{n}{t}", "cpu", t, kinds[t][1] * MiB, kinds[t][0], 0, f"n{n}", f"h{n}")
+            for t in "abc"
+        )
+        nodes.append(NodeSpec(f"n{n}", f"h{n}", devs))
+    shards = tuple(ShardSpec(i, f"h{i}", 7100) for i in range(3))
+    return ClusterConfig("<m>", shards, NetworkSpec(100.0, 1.0, links), tuple(nodes), RuntimeSpec())
+
+
+def test_alike_vws_share_a_search_without_changing_the_plan():
+    prof = synthetic_profile(24, {"a": 1.0, "b": 0.5, "c": 0.25}, 4)
+    shared = make_plan(_multi_node(), prof, **KW)
+    # a no-op link override (same bandwidth as between nodes) turns the sharing off
+    exact = make_plan(_multi_node((LinkSpec("d0a", "d1a", 1.0),)), prof, **KW)
+    assert shared.samples_per_s == pytest.approx(exact.samples_per_s, rel=1e-9)
+    check_plan(shared, _multi_node(), 24)
+    assert shared.details["orders_evaluated"] <= exact.details["orders_evaluated"]

@@ -1,15 +1,26 @@
 """The planner: from per-layer profiles and a cluster to virtual workers, splits and Nm.
 
-Pure planning logic (no sockets, no torch needed except to measure profiles):
+Pure planning logic (no sockets; torch only to measure profiles):
 
 * :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
 * :mod:`.memory`     the one memory model of a stage, shared with the runtime
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
-* :mod:`.simulate`   discrete-event simulation of pipelines under WSP
+* :mod:`.simulate`   discrete-event simulation of pipelines under WSP (also a CLI:
+  ``python -m hetpipe.planner.simulate``); its ``simulate()`` function is reached as
+  ``hetpipe.planner.simulate.simulate`` since the module owns that name here
 * :mod:`.plan`       the plan the runtime executes, and the search that makes it
+
+The names of :mod:`.plan` and :mod:`.simulate` are imported on first use, so that importing
+the package does not load the simulator and ``python -m hetpipe.planner.simulate`` runs its
+module exactly once.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hetpipe.planner.formation import Formation, candidate_formations
 from hetpipe.planner.memory import StageMemory, in_flight, stage_memory, stage_memory_of
@@ -22,15 +33,6 @@ from hetpipe.planner.partition import (
     partition,
     partition_best_nm,
 )
-from hetpipe.planner.plan import (
-    Plan,
-    PlanError,
-    StagePlan,
-    VWPlan,
-    explicit_plan,
-    make_plan,
-    place_stages,
-)
 from hetpipe.planner.profile import (
     LayerProfile,
     ModelProfile,
@@ -38,7 +40,18 @@ from hetpipe.planner.profile import (
     measure_layers,
     synthetic_profile,
 )
-from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+
+if TYPE_CHECKING:
+    from hetpipe.planner.plan import (
+        Plan,
+        PlanError,
+        StagePlan,
+        VWPlan,
+        explicit_plan,
+        make_plan,
+        place_stages,
+    )
+    from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
 
 __all__ = [
     "CostModel",
@@ -68,8 +81,24 @@ __all__ = [
     "partition",
     "partition_best_nm",
     "place_stages",
-    "simulate",
     "stage_memory",
     "stage_memory_of",
     "synthetic_profile",
 ]
+
+_LAZY = {
+    **dict.fromkeys(
+        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan", "place_stages"),
+        "plan",
+    ),
+    **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

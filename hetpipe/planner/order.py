@@ -11,9 +11,14 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   interchangeable unless a link override says otherwise, and so are two devices on different
   nodes when every link between the VW's members is an inter-node link). Only permutations
   of the multiset of classes are enumerated: 4 devices of 2 classes x2 give 6 orders, not 24.
+  The enumeration is a branch and bound: a prefix of the order whose best possible
+  bottleneck (exact DP over the prefix, plus a relaxation for the devices still to place)
+  cannot beat the best rate found so far is dropped with all its completions. The answer
+  is the same as trying every order; ``OrderResult.pruned`` counts the orders skipped.
 * **Larger VWs: heuristic.** Start from a few natural orders (devices grouped by node, larger
   memory first, since the last stage needs the least memory; by memory alone; by speed),
-  keep the best, then swap adjacent devices while that improves the objective.
+  keep the best, then swap adjacent devices (first improvement, repeated passes) while that
+  improves the objective. Interchangeable neighbours are never swapped.
 
 The objective is the estimated pipeline rate of the best split and Nm for the order
 (:meth:`Partition.minibatches_per_s`), then the lower bottleneck, smaller Nm, lower latency.

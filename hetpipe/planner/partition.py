@@ -450,6 +450,15 @@ class CostModel:
             max(times),
         )
 
+    def min_total_memory(self) -> int:
+        """The least memory any split needs over all its devices together: parameters,
+        optimizer state, the two accumulators and one in-flight copy of every layer's saved
+        activations (the least over device types)."""
+        return min(
+            sum((3 + self.factor) * lp.param_bytes + lp.buffer_bytes + lp.saved_bytes for lp in lps)
+            for lps in self.profile.layers.values()
+        )
+
     def diagnose(self, devices: Sequence[Any], nm: int) -> str:
         """Why no split fits: the most specific true statement we can make."""
         k, L = len(devices), self.L
@@ -460,12 +469,7 @@ class CostModel:
         def desc(d: Any) -> str:
             return f"{d.name} ({d.type}, cap {format_size(d.memory)})"
 
-        # the least any stage layout can need in total: params, optimizer, accumulators and one
-        # in-flight copy of the saved activations of every layer
-        lower = 0
-        for j in range(L):
-            lp = self.profile.layers[devices[0].type][j]
-            lower += (3 + self.factor) * lp.param_bytes + lp.buffer_bytes + lp.saved_bytes
+        lower = self.min_total_memory()
         total_cap = sum(d.memory for d in devices)
         if lower > total_cap:
             return (

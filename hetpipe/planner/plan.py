@@ -2,8 +2,13 @@
 
 :func:`make_plan` searches (formation -> device order -> exact split and Nm -> simulated
 throughput under WSP) and returns a :class:`Plan` that the runtime executes and a person can
-read (:meth:`Plan.table`). :func:`explicit_plan` prices a split the user wrote in the job file,
-so predicted and measured figures can be compared.
+read (:meth:`Plan.table`). Alike VWs (equal up to renaming devices and nodes) share one order
+search; formations whose throughput bound cannot beat the best so far are skipped. Because
+WSP couples VWs by *waves* of Nm minibatches, the search also tries raising the Nm of faster
+VWs so that every VW's wave takes about as long (:meth:`_Search.balance`).
+
+:func:`explicit_plan` prices a split the user wrote in the job file, so predicted and
+measured figures can be compared.
 
 Parameter placement (:func:`place_stages`): the PS holds one global copy of each layer, but
 VWs may cut the model differently, so placement is per *segment* (a maximal run of layers
@@ -42,7 +47,7 @@ __all__ = [
 ]
 
 
-NM_MAX = 64  # the most minibatches in flight the planner gives a VW when balancing waves
+NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
 
 
 class PlanError(ValueError):
@@ -275,7 +280,6 @@ class _Search:
     """Shared state of one planning run: caches across formations."""
 
     model: CostModel
-    devices: tuple[Any, ...]
     nm: int | None
     staleness: int
     minibatch: int
@@ -373,28 +377,20 @@ class _Search:
         return out
 
     def upper_bound(self, f: Formation) -> float:
-        """Never below :meth:`evaluate`: each VW at most its devices' total compute rate."""
-        return sum(self.vw_bound(g) for g in f.groups) * 1.02
+        """Never below :meth:`evaluate`: the sum of the VWs' bounds (:meth:`vw_bound`)."""
+        return sum(self.vw_bound(g) for g in f.groups)
 
     def vw_bound(self, group: Sequence[Any]) -> float:
-        """A VW's rate is at most ``sum over devices of 1 / (s_d * T_ref)`` where ``T_ref`` is
-        the model's time on a reference type and ``s_d`` the least per-layer time ratio of
-        the device's type to it (a stage's compute is at least ``s_d`` x its reference
-        time), and at most one over the slowest layer on the VW's fastest type for it."""
-        prof = self.model.profile
-        ref_type = next(iter(prof.layers))
-        ref = [lp.fwd_s + lp.bwd_s for lp in prof.layers[ref_type]]
-        total_ref = sum(ref)
-        if total_ref <= 0:
-            return math.inf
-        times = {t: [lp.fwd_s + lp.bwd_s for lp in prof.layers[t]] for t in {d.type for d in group}}
-        slowest_layer = max((min(times[t][j] for t in times) for j in range(len(ref))), default=0.0)
-        power = 0.0
-        for d in group:
-            s = min((x / r for x, r in zip(times[d.type], ref, strict=True) if r > 0), default=0)
-            power += 1.0 / (s * total_ref) if s > 0 else math.inf
-        rate = power if slowest_layer <= 0 else min(power, 1.0 / slowest_layer)
-        return rate * self.minibatch
+        """At most one minibatch per least possible bottleneck of the group
+        (:meth:`CostModel.rest_bound` over all layers), and nothing if the group's memory
+        is below the least the model needs. 2% slack covers the simulator's finite window."""
+        if (
+            len(group) > self.model.L
+            or sum(d.memory for d in group) < self.model.min_total_memory()
+        ):
+            return 0.0
+        lb = float(self.model.rest_bound(group)[0])
+        return math.inf if lb <= 0 else 1.02 * self.minibatch / lb
 
 
 def make_plan(
@@ -435,7 +431,7 @@ def make_plan(
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
     model = _cost_model(cluster, profile, optimizer_state_factor)
-    search = _Search(model, usable, nm, staleness, minibatch)
+    search = _Search(model, nm, staleness, minibatch)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
     except ValueError as e:
@@ -507,7 +503,8 @@ def explicit_plan(
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
-    Nm falls back to ``nm``, else the best for the split. Memory over a cap is a warning here
+    Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
+    fills the pipeline). Memory over a cap is a warning here
     (the runtime refuses it), so a user sees every problem at once."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
@@ -542,7 +539,11 @@ def explicit_plan(
             for n in layers:
                 bounds.append(bounds[-1] + n)
             cuts = list(itertools.pairwise(bounds))
-            p = model.describe(devs, cuts, want if want is not None else len(devs))
+            if want is None:  # the least Nm that fills this split's pipeline
+                p1 = model.describe(devs, cuts, 1)
+                fill = math.ceil(p1.latency / p1.bottleneck * (1 - 1e-12)) if p1.bottleneck else 1
+                want = min(len(devs), max(1, fill))
+            p = model.describe(devs, cuts, want)
         for d, mem in zip(devs, p.memory, strict=True):
             if mem.total > d.memory:
                 warnings.append(

@@ -160,6 +160,9 @@ def measure_layers(
     from a gradient of ones. Saved bytes come from ``saved_tensors_hooks``: every tensor
     autograd keeps, deduplicated by storage, minus the layer's own parameters and buffers
     (those are counted once as parameters).
+
+    The layers are moved to ``device`` in place and run in training mode, so batch-norm
+    running statistics change: profile a fresh model, not one being trained.
     """
     import torch
 

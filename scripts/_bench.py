@@ -1,0 +1,87 @@
+"""Small helpers the benchmark scripts share: arguments, timing, a table, one JSON line.
+
+Every benchmark prints a human-readable table; with ``--json`` its last stdout line is one
+JSON object holding every figure, so that a caller can ``tail -n 1`` the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["emit_json", "free_port", "machine", "median", "parser", "print_table", "timed"]
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser whose description is the script's first doc line, with ``--json``."""
+    first = (doc or "").strip().splitlines()
+    ap = argparse.ArgumentParser(description=first[0] if first else None)
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
+    return ap
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of measurements (robust to one run disturbed by another process)."""
+    return float(statistics.median(values))
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import os
+
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print rows under headers, columns right-aligned; floats with 3 significant decimals."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    sys.stdout.flush()
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    """Print ``obj`` as the one final JSON line."""
+    sys.stdout.flush()
+    print(json.dumps(obj, separators=(",", ":")), flush=True)

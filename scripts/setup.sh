@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install hetpipe (editable) into the active Python environment; `--test` adds the test tools.
+#
+# PyTorch: an installed torch is kept as it is (a GPU user keeps their CUDA build). Without
+# one, a machine with an NVIDIA driver gets the default (CUDA) build from PyPI, and a CPU-only
+# machine gets the CPU build of torch 2.13.0: from a local wheel directory when pip has one
+# (PIP_FIND_LINKS), otherwise from the PyTorch CPU index. This avoids pulling several GB of
+# CUDA packages onto a machine that cannot use them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+extra=""
+[[ "${1:-}" == "--test" ]] && extra="[test]"
+
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+elif command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install torch
+else
+    "$PY" -m pip install --no-index "torch==2.13.0" 2>/dev/null \
+        || "$PY" -m pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+fi
+"$PY" -m pip install -e ".${extra}"
+echo "setup: done ($("$PY" -c 'import torch, hetpipe; print("hetpipe", hetpipe.__version__, "torch", torch.__version__)'))"
