@@ -1,3 +1,3 @@
-"""hetpipe: pipelined virtual workers on mixed GPUs, synchronised under Wave Synchronous Parallel."""
+"""hetpipe: pipelined virtual workers on mixed GPUs, synchronised under WSP."""
 
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ traceback for a mistake the user can fix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -149,10 +150,8 @@ def status(obj: Ctx, as_json: bool, watch: bool) -> None:
                 await asyncio.sleep(1.0)
                 await once(client)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         _run(go())
-    except KeyboardInterrupt:
-        pass
 
 
 def render_status(info: dict[str, Any]) -> str:

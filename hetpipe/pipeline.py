@@ -66,16 +66,15 @@ class Record:
     fwd_fingerprint: float = 0.0
     bwd_version: int = -1  # version current when its backward ran
     bwd_fingerprint: float = 0.0  # of the weights the backward differentiated
-    t_fwd: float = 0.0
-    t_bwd: float = 0.0
-
-    def row(self) -> list[Any]:
-        return [self.p, self.wave, self.clock, self.vw_clock, self.fwd_version,
-                self.fwd_fingerprint, self.bwd_version, self.bwd_fingerprint,
-                self.t_fwd, self.t_bwd]
+    t_fwd: float = 0.0  # wall-clock start of its forward here (comparable across daemons)
+    t_bwd: float = 0.0  # wall-clock end of its backward here
+    loss: float | None = None  # last stage only
 
     FIELDS = ("p", "wave", "clock", "vw_clock", "fwd_version", "fwd_fingerprint",
-              "bwd_version", "bwd_fingerprint", "t_fwd", "t_bwd")
+              "bwd_version", "bwd_fingerprint", "t_fwd", "t_bwd", "loss")
+
+    def row(self) -> list[Any]:
+        return [getattr(self, f) for f in self.FIELDS]
 
 
 class StageRunner:
@@ -170,7 +169,9 @@ class StageRunner:
             return False  # admission: p - Nm has not finished its backward here yet
         c = wave_of(p, self.task.nm)
         if c > self.merged_wave and not self.pulls_needed:
-            self.merged_wave = c
+            # what a pull would have reported: the waves this VW has completed here
+            self.merged_wave, self.clock = c, self.nb // self.task.nm
+            self.vw_clock = self.clock
         if c > self.merged_wave:
             self._start_pull(c)
             task = self.pulls[c]
@@ -183,8 +184,7 @@ class StageRunner:
             x, y = self.acts.pop(p)
         else:
             return False
-        rec = Record(p=p, wave=c, clock=self.clock, vw_clock=self.vw_clock,
-                     t_fwd=time.monotonic() - self.started)
+        rec = Record(p=p, wave=c, clock=self.clock, vw_clock=self.vw_clock, t_fwd=time.time())
         self.records[p] = rec
         out, grad_in = await self._run(self.c.forward, p, x, y)
         self.nf = p + 1
@@ -207,7 +207,9 @@ class StageRunner:
         fv, ffp, bv, bfp = self.c.versions.pop(p)
         rec.fwd_version, rec.fwd_fingerprint = fv, ffp
         rec.bwd_version, rec.bwd_fingerprint = bv, bfp
-        rec.t_bwd = time.monotonic() - self.started
+        rec.t_bwd = time.time()
+        if self.task.is_last:
+            rec.loss = self.c.stats.last_loss
         self.nb = p + 1
         if is_last_of_wave(p, self.task.nm, self.task.minibatches):
             await self._push(wave_of(p, self.task.nm))

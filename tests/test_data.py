@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -160,7 +159,6 @@ def test_stream_errors() -> None:
 
 def test_mlp_trains_on_digits() -> None:
     """Sanity: the pieces together (stream, out-of-place SGD, evaluate) learn digits."""
-    start = time.perf_counter()
     torch.manual_seed(0)
     ds = load_dataset("digits")
     model = build_model("mlp", {"hidden": [128]})
@@ -182,12 +180,11 @@ def test_mlp_trains_on_digits() -> None:
         model.zero_grad()
         loss_fn(model(x), y).backward()
         weights = {k: p.detach() for k, p in params.items()}
-        deltas = opt.step(weights, {k: p.grad for k, p in params.items()})
+        new = opt.step(weights, {k: p.grad for k, p in params.items()})
         with torch.no_grad():
-            for k, d in deltas.items():
-                params[k].add_(d)
+            for k, w in new.items():
+                params[k].copy_(w)
     assert model.training
     accuracy = evaluate(model, ds)
     assert model.training  # evaluate puts the mode back
     assert accuracy >= 0.90, accuracy
-    assert time.perf_counter() - start < 5.0

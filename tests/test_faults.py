@@ -10,8 +10,8 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-
 from conftest import UNIFORM, job, start_cluster
+
 from hetpipe.client import HeadClient
 from hetpipe.wire import Kind, decode, encode
 
@@ -60,7 +60,7 @@ GARBAGE = [
     [encode(Kind.HEARTBEAT, {"device": "gpu0", "state": "idle"})[0][:-3]],  # truncated header
     [b"\x82\xa1v\x07\xa4kind\xa5hello"],  # version 7
     [b"\x84\xa1v\x01\xa4kind\xa6nosuch\xa1f\x80\xa1t\x90"],  # unknown kind
-    encode(Kind.ACT, {"job": "nojob", "vw": 0, "p": 0}) + [b"extra frame"],
+    [*encode(Kind.ACT, {"job": "nojob", "vw": 0, "p": 0}), b"extra frame"],
     [os.urandom(4096) for _ in range(3)],
 ]
 

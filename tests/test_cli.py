@@ -1,0 +1,442 @@
+"""The ``hetpipe`` command line: user errors are one line, output is what a person reads.
+
+The fast tests drive the click group in-process with ``CliRunner`` and start no daemon. One
+slow test runs the real ``hetpipe up`` / ``status`` / ``down`` as subprocesses on a cluster
+file with free fixed ports, and always stops what it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from hetpipe import cli
+from hetpipe.client import HeadClient
+
+pytestmark = pytest.mark.timeout(30)
+
+GOOD_CLUSTER = """\
+[ps]
+shards = ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]
+
+[runtime]
+heartbeat_s = 0.5
+lost_after_s = 3.0
+
+[[node]]
+name = "node0"
+host = "127.0.0.1"
+
+[[node.device]]
+name = "gpu0"
+device = "cpu"
+type = "fast"
+memory = "64MiB"
+speed = 1.0
+port = {p2}
+
+[[node.device]]
+name = "gpu1"
+device = "cpu"
+type = "whimpy"
+memory = "3MiB"
+speed = 0.25
+port = {p3}
+"""
+
+GOOD_JOB = """\
+name = "t"
+[model]
+name = "mlp"
+[data]
+name = "digits"
+[train]
+minibatch = 32
+nm = 2
+minibatches = 10
+"""
+
+
+def invoke(*args: str) -> Result:
+    """Run the CLI in-process with a clean environment for its own variables."""
+    env = {"HETPIPE_CLUSTER": None, "HETPIPE_RUN_DIR": None, "HETPIPE_HEAD": None}
+    return CliRunner().invoke(cli.main, list(args), env=env)
+
+
+def error_lines(result: Result) -> list[str]:
+    return result.stderr.strip().splitlines()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago (all held open until all are known)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_cluster(path: Path, ports: list[int] | None = None) -> Path:
+    p = ports or [7100, 7101, 7200, 7201]
+    path.write_text(GOOD_CLUSTER.format(p0=p[0], p1=p[1], p2=p[2], p3=p[3]))
+    return path
+
+
+# -- malformed cluster files ----------------------------------------------------------------
+
+BAD_CLUSTERS = {
+    "unknown-key": (
+        lambda text: 'colour = "red"\n' + text,
+        "colour",
+        "unknown key",
+    ),
+    "bad-size": (
+        lambda text: text.replace('memory = "3MiB"', 'memory = "lots"'),
+        "node[0].device[1].memory",
+        "cannot parse size 'lots'",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["status", "up"])
+@pytest.mark.parametrize("case", sorted(BAD_CLUSTERS))
+def test_malformed_cluster_file_is_one_line_naming_file_and_key(
+    tmp_path: Path, command: str, case: str
+) -> None:
+    edit, key, problem = BAD_CLUSTERS[case]
+    path = tmp_path / "cluster.toml"
+    path.write_text(edit(GOOD_CLUSTER.format(p0=7100, p1=7101, p2=7200, p3=7201)))
+    run_dir = tmp_path / "run"
+    result = invoke("--cluster", str(path), "--run-dir", str(run_dir), command)
+    assert result.exit_code == 1, result.output
+    lines = error_lines(result)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"Error: {path}: {key}: "), lines[0]
+    assert problem in lines[0]
+    assert "Traceback" not in result.output
+    assert not run_dir.exists()  # nothing was started
+
+
+def test_missing_cluster_file_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    result = invoke("--cluster", str(path), "status")
+    assert result.exit_code == 1
+    assert error_lines(result) == [f"Error: {path}: file: cannot read (No such file or directory)"]
+
+
+def test_up_refuses_a_cluster_with_nothing_on_this_host(tmp_path: Path) -> None:
+    text = GOOD_CLUSTER.format(p0=7100, p1=7101, p2=7200, p3=7201)
+    path = tmp_path / "remote.toml"
+    path.write_text(text.replace("127.0.0.1", "192.0.2.1"))  # TEST-NET-1: never this host
+    result = invoke("--cluster", str(path), "--run-dir", str(tmp_path / "run"), "up")
+    assert result.exit_code == 1
+    assert error_lines(result) == [f"Error: {path}: no shard or device lives on this host"]
+
+
+def test_down_with_nothing_running_says_so(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = invoke("--run-dir", str(run_dir), "down")
+    assert result.exit_code == 0
+    assert result.stdout == f"down: nothing running in {run_dir}\n"
+
+
+# -- submit ---------------------------------------------------------------------------------
+
+
+def test_submit_missing_job_file_is_one_line(tmp_path: Path) -> None:
+    job = tmp_path / "missing.toml"
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "submit", str(job))
+    assert result.exit_code == 1
+    assert error_lines(result) == [f"Error: {job}: file: cannot read (No such file or directory)"]
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (GOOD_JOB.replace("nm = 2", 'nm = "two"'), "train.nm: expected an integer"),
+        (GOOD_JOB + "colour = 1\n", "train.colour: unknown key"),
+        (GOOD_JOB.replace("minibatches = 10\n", ""), "train.epochs: missing"),
+        ("name = [unclosed\n", "line 1, column"),
+    ],
+    ids=["wrong-type", "unknown-key", "missing", "bad-toml"],
+)
+def test_submit_malformed_job_file_is_one_line(tmp_path: Path, text: str, where: str) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "submit", str(job))
+    assert result.exit_code == 1
+    lines = error_lines(result)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"Error: {job}: {where}"), lines[0]
+    assert "Traceback" not in result.output
+
+
+class QuickHeadClient(HeadClient):
+    """The CLI's client with a short request timeout (the CLI has no option for it)."""
+
+    def __init__(self, address: str, *, timeout: float = 0.5) -> None:
+        super().__init__(address, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", ["submit", "status"])
+def test_commands_fail_fast_when_the_head_is_not_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    monkeypatch.setattr(cli, "HeadClient", QuickHeadClient)
+    head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    job = tmp_path / "job.toml"
+    job.write_text(GOOD_JOB)
+    args = ["submit", str(job)] if command == "submit" else ["status"]
+    start = time.monotonic()
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head, *args)
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 1, result.output
+    assert error_lines(result) == [
+        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`)?"
+    ]
+    assert elapsed < 5.0, elapsed
+
+
+# -- logs -----------------------------------------------------------------------------------
+
+
+def test_logs_unknown_daemon_is_a_usage_error_listing_the_known_ones(tmp_path: Path) -> None:
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "ps0.log").write_text("")
+    (logs / "worker-gpu0.log").write_text("")
+    result = invoke("--run-dir", str(tmp_path / "run"), "logs", "worker-gpu9")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert f"no log for 'worker-gpu9' in {logs} (have: ps0, worker-gpu0)" in result.stderr
+    assert "DAEMON" in result.stderr
+
+
+def test_logs_with_no_logs_at_all_says_none(tmp_path: Path) -> None:
+    result = invoke("--run-dir", str(tmp_path / "run"), "logs", "ps0")
+    assert result.exit_code == 2
+    assert "(have: none)" in result.stderr
+
+
+def test_logs_renders_the_tail_of_each_daemon(tmp_path: Path) -> None:
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    records = [
+        {
+            "event": f"step {i}",
+            "level": "info",
+            "timestamp": f"2025-01-02T03:04:0{i}.123456",
+            "process": "ps0",
+        }
+        for i in range(5)
+    ]
+    (logs / "ps0.log").write_text("\n".join(json.dumps(r) for r in records) + "\nplain text\n")
+    (logs / "ps1.log").write_text("")
+    result = invoke("--run-dir", str(tmp_path / "run"), "logs", "ps0", "-n", "3")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "== ps0",
+        "03:04:03.123 INFO    step 3",
+        "03:04:04.123 INFO    step 4",
+        "plain text",
+    ]
+    both = invoke("--run-dir", str(tmp_path / "run"), "logs", "-n", "1")
+    assert both.stdout.splitlines() == ["== ps0", "plain text", "== ps1"]
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def worker(
+    device: str, type_: str, speed: float, memory: int, state: str, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "device": device,
+        "type": type_,
+        "speed": speed,
+        "memory": memory,
+        "state": state,
+        "job": None,
+        "vw": None,
+        "stage": None,
+        **extra,
+    }
+
+
+def test_render_status_is_an_aligned_table() -> None:
+    info = {
+        "workers": [
+            worker("gpu0", "fast", 1.0, 64 << 20, "idle"),
+            worker("gpu3", "whimpy", 0.25, 3 << 20, "running", job="digits-1", vw=1, stage=2),
+            worker("gpu10", "medium", 0.5, 2 << 30, "lost"),
+        ],
+        "jobs": [],
+    }
+    assert cli.render_status(info).splitlines() == [
+        "DEVICE  TYPE    SPEED  MEMORY   STATE    JOB       STAGE",
+        "gpu0    fast    1      64.0MiB  idle     -         -",
+        "gpu3    whimpy  0.25   3.0MiB   running  digits-1  vw1/stage2",
+        "gpu10   medium  0.5    2.0GiB   lost     -         -",
+    ]
+
+
+def test_render_status_lists_the_last_ten_jobs() -> None:
+    running = {
+        "id": "digits-11",
+        "state": "running",
+        "total": 100,
+        "minibatches": 40,
+        "loss": 0.5,
+        "samples_per_s": 1234.4,
+        "vws": [{"vw": 0, "clock": 3}, {"vw": 1, "clock": 2}],
+        "global_clock": 2,
+    }
+    failed = {"id": "digits-10", "state": "failed", "error": "worker gpu1 lost"}
+    done = {"id": "old", "state": "done", "test_accuracy": 0.96125}
+    info = {
+        "workers": [worker("gpu0", "fast", 1.0, 64 << 20, "idle")],
+        "jobs": [{"id": f"early-{i}", "state": "done"} for i in range(5)]
+        + [done] * 4
+        + [failed, running],
+    }
+    lines = [line.rstrip() for line in cli.render_status(info).splitlines()]
+    assert lines[2:4] == ["", "JOBS"]
+    jobs = lines[4:]
+    assert len(jobs) == 10
+    assert jobs[0] == "  early-1              done"
+    assert jobs[-4] == "  old                  done       test accuracy 0.9613"
+    assert jobs[-2] == "  digits-10            failed     error: worker gpu1 lost"
+    assert jobs[-1] == (
+        "  digits-11            running    40/100 minibatches  loss 0.500  1234 samples/s  "
+        "clocks vw0:3 vw1:2 global 2"
+    )
+
+
+def test_render_log_line() -> None:
+    rec = {
+        "timestamp": "2025-06-07T08:09:10.123456",
+        "level": "warning",
+        "event": "worker lost",
+        "process": "ps0",
+        "device": "gpu2",
+        "silent_s": 5.1,
+    }
+    assert cli.render_log_line(json.dumps(rec)) == (
+        "08:09:10.123 WARNING worker lost device=gpu2 silent_s=5.1"
+    )
+    assert cli.render_log_line(json.dumps({"event": "ready", "level": "info"})) == (
+        " INFO    ready"
+    )
+    for raw in ("not json at all", "[1, 2]", "42", ""):
+        assert cli.render_log_line(raw) == raw
+
+
+def test_help_lists_the_commands() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for name in ("up", "down", "status", "submit", "logs", "demo"):
+        assert f"  {name} " in result.stdout
+
+
+# -- the real thing: up / status / down ------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    """The process is gone (a zombie nobody reaped yet counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state == "Z"
+
+
+def _hetpipe(
+    cluster: Path, run_dir: Path, *args: str, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe.cli",
+            "--cluster",
+            str(cluster),
+            "--run-dir",
+            str(run_dir),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cluster.parent,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
+    cluster = write_cluster(tmp_path / "cluster.toml", free_ports(4))
+    run_dir = tmp_path / "run"
+    pids: dict[str, int] = {}
+    try:
+        up = _hetpipe(cluster, run_dir, "up", "--timeout", "60")
+        with contextlib.suppress(OSError, ValueError):
+            pids = json.loads((run_dir / "pids.json").read_text())
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert up.stdout.startswith("up: 4 daemons (ps0, ps1, worker-gpu0, worker-gpu1)")
+        assert set(pids) == {"ps0", "ps1", "worker-gpu0", "worker-gpu1"}
+
+        status = _hetpipe(cluster, run_dir, "status")
+        assert status.returncode == 0, status.stderr
+        rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
+        assert rows["DEVICE"][:5] == ["DEVICE", "TYPE", "SPEED", "MEMORY", "STATE"]
+        assert rows["gpu0"][:5] == ["gpu0", "fast", "1", "64.0MiB", "idle"]
+        assert rows["gpu1"][:5] == ["gpu1", "whimpy", "0.25", "3.0MiB", "idle"]
+
+        again = _hetpipe(cluster, run_dir, "up")
+        assert again.returncode == 1
+        lines = again.stderr.strip().splitlines()
+        assert len(lines) == 1, again.stderr
+        assert "already running" in lines[0] and "hetpipe down" in lines[0]
+        assert all(not _gone(pid) for pid in pids.values())  # the refusal touched nothing
+
+        down = _hetpipe(cluster, run_dir, "down")
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.strip() == "down: stopped 4 daemons"
+        deadline = time.monotonic() + 5
+        while not all(_gone(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [n for n, pid in pids.items() if not _gone(pid)] == []
+        assert not (run_dir / "pids.json").exists()
+    finally:
+        with contextlib.suppress(Exception):
+            _hetpipe(cluster, run_dir, "down", timeout=30)
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(json.loads((run_dir / "pids.json").read_text()))
+        for pid in pids.values():
+            if not _gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

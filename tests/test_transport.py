@@ -1,0 +1,313 @@
+"""hetpipe.transport on real sockets: loopback TCP, port 0, every socket closed.
+
+Each test is a sync function that runs its coroutine with ``asyncio.run`` (no asyncio
+plugin needed); an :class:`~hetpipe.daemon.Owner` holds the context and channels so that a
+failing assertion still closes everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from hetpipe.daemon import Owner
+from hetpipe.transport import Channel, RemoteError, bound_address, make_socket
+from hetpipe.wire import Kind, Message, decode, encode
+
+MAX_FRAME = 1 << 20
+ANY_PORT = "tcp://127.0.0.1:0"
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(body: Callable[[Owner], Awaitable[Any]]) -> Any:
+    """Run ``body(owner)`` in a fresh event loop; the owner is closed whatever happens."""
+
+    async def go() -> Any:
+        owner = Owner()
+        try:
+            return await body(owner)
+        finally:
+            await owner.close()
+
+    return asyncio.run(go())
+
+
+class Server:
+    """A ROUTER channel whose handler is replaceable per test; it records what arrives."""
+
+    def __init__(self, owner: Owner, *, mandatory: bool = True) -> None:
+        sock = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT, router_mandatory=mandatory)
+        self.address = bound_address(sock)
+        self.received: list[tuple[bytes | None, Message]] = []
+        self.arrived = asyncio.Event()
+        self.on: Callable[[bytes | None, Message], Awaitable[None]] | None = None
+        self.ch = owner.channel(
+            Channel(sock, self._handle, name="server", max_frame_bytes=MAX_FRAME)
+        )
+
+    async def _handle(self, peer: bytes | None, msg: Message) -> None:
+        self.received.append((peer, msg))
+        self.arrived.set()
+        if self.on is not None:
+            await self.on(peer, msg)
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.received) < n:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 5)
+
+
+def client(owner: Owner, address: str, identity: bytes = b"client") -> Channel:
+    sock = make_socket(owner.ctx, zmq.DEALER, connect=address, identity=identity)
+    return owner.channel(Channel(sock, None, name="client", max_frame_bytes=MAX_FRAME))
+
+
+async def echo(server: Server, peer: bytes | None, msg: Message) -> None:
+    """Answer a job_status request with ok, naming the job it asked about."""
+    await server.ch.send(Kind.OK, {"rid": msg["rid"], "info": {"job": msg["job"]}}, to=peer)
+
+
+# -- make_socket ----------------------------------------------------------------------------
+
+
+def test_make_socket_sets_linger_and_hwm_before_bind() -> None:
+    async def body(owner: Owner) -> None:
+        sock = make_socket(owner.ctx, zmq.DEALER, bind=ANY_PORT, identity=b"me", hwm=7)
+        try:
+            assert sock.getsockopt(zmq.LINGER) == 0
+            assert sock.getsockopt(zmq.SNDHWM) == 7
+            assert sock.getsockopt(zmq.RCVHWM) == 7
+            assert sock.getsockopt(zmq.IDENTITY) == b"me"
+            address = bound_address(sock)
+            assert address.startswith("tcp://127.0.0.1:")
+            assert int(address.rsplit(":", 1)[1]) > 0  # port 0 resolved to the port it got
+        finally:
+            sock.close(linger=0)
+        custom = make_socket(owner.ctx, zmq.PUSH, connect="tcp://127.0.0.1:9", linger_ms=250)
+        try:
+            assert custom.getsockopt(zmq.LINGER) == 250
+            assert custom.getsockopt(zmq.SNDHWM) == 64  # the default bound
+        finally:
+            custom.close(linger=0)
+
+    run(body)
+
+
+def test_make_socket_closes_the_socket_when_bind_fails() -> None:
+    async def body(owner: Owner) -> None:
+        first = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT)
+        try:
+            with pytest.raises(zmq.ZMQError):
+                make_socket(owner.ctx, zmq.ROUTER, bind=bound_address(first))
+        finally:
+            first.close(linger=0)
+        # owner.close() terminates the context: it would hang on a socket left open
+
+    run(body)
+
+
+# -- request / reply ------------------------------------------------------------------------
+
+
+def test_concurrent_requests_answered_in_reverse_order_resolve_by_rid() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+        cl = client(owner, server.address)
+        fa = await cl.send_request(Kind.JOB_STATUS, {"job": "a"}, what="server")
+        fb = await cl.send_request(Kind.JOB_STATUS, {"job": "b"}, what="server")
+        await server.wait_for(2)
+        (pa, ma), (pb, mb) = server.received
+        assert pa == pb == b"client"
+        assert [ma["job"], mb["job"]] == ["a", "b"]
+        assert ma["rid"] != mb["rid"]
+        await echo(server, pb, mb)  # b first
+        await echo(server, pa, ma)
+        ra, rb = await asyncio.wait_for(asyncio.gather(fa, fb), 5)
+        assert ra.kind == rb.kind == Kind.OK
+        assert (ra["info"]["job"], ra["rid"]) == ("a", ma["rid"])
+        assert (rb["info"]["job"], rb["rid"]) == ("b", mb["rid"])
+
+    run(body)
+
+
+def test_request_returns_the_reply_and_carries_tensors() -> None:
+    torch = pytest.importorskip("torch")
+
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+
+        async def answer(peer: bytes | None, msg: Message) -> None:
+            doubled = {k: v * 2 for k, v in msg.tensors.items()}
+            await server.ch.send(Kind.OK, {"rid": msg["rid"]}, doubled, to=peer)
+
+        server.on = answer
+        cl = client(owner, server.address)
+        big = torch.arange(40_000, dtype=torch.float32)  # over the zero-copy threshold
+        reply = await cl.request(
+            Kind.PUSH,
+            {"job": "j", "vw": 0, "stage": 0, "wave": 0},
+            {"w": big, "b": torch.ones(3)},
+            timeout=5,
+            what="server",
+        )
+        assert torch.equal(reply.tensors["w"], big * 2)
+        assert torch.equal(reply.tensors["b"], torch.full((3,), 2.0))
+
+    run(body)
+
+
+def test_error_reply_raises_remote_error_with_the_peers_text() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+
+        async def refuse(peer: bytes | None, msg: Message) -> None:
+            await server.ch.reply_error(peer, "no job 'x'", msg["rid"])
+
+        server.on = refuse
+        cl = client(owner, server.address)
+        with pytest.raises(RemoteError) as info:
+            await cl.request(Kind.JOB_STATUS, {"job": "x"}, timeout=5, what="the head at test")
+        assert str(info.value) == "the head at test: no job 'x'"
+
+    run(body)
+
+
+def test_unanswered_request_times_out_naming_the_peer() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)  # records, never answers
+        cl = client(owner, server.address)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            await cl.request(Kind.CLUSTER_STATUS, timeout=0.3, what="shard 7 at somewhere")
+        elapsed = time.monotonic() - start
+        assert 0.25 <= elapsed < 2.0, elapsed
+        assert "shard 7 at somewhere" in str(info.value)
+        assert "0.3 s" in str(info.value)
+        await server.wait_for(1)  # it did arrive; nobody answered
+
+    run(body)
+
+
+def test_request_to_nobody_times_out() -> None:
+    """A DEALER connected to a port where nothing listens queues the request and times out."""
+
+    async def body(owner: Owner) -> None:
+        probe = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT)
+        address = bound_address(probe)
+        probe.close(linger=0)
+        cl = client(owner, address)
+        with pytest.raises(TimeoutError, match="nobody"):
+            await cl.request(Kind.CLUSTER_STATUS, timeout=0.3, what="nobody")
+
+    run(body)
+
+
+# -- robustness of the reader ---------------------------------------------------------------
+
+
+def test_router_answers_garbage_with_bad_message_and_keeps_serving() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+        server.on = lambda peer, msg: echo(server, peer, msg)
+        raw = make_socket(owner.ctx, zmq.DEALER, connect=server.address, identity=b"raw")
+        try:
+            await raw.send_multipart([b"\x00\x01garbage"])
+            frames = await asyncio.wait_for(raw.recv_multipart(), 5)
+            reply = decode(frames)
+            assert reply.kind == Kind.ERROR
+            assert reply["message"].startswith("bad message: ")
+            assert reply.get("rid") is None
+            await raw.send_multipart(encode(Kind.JOB_STATUS, {"rid": 5, "job": "next"}))
+            reply = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
+            assert reply.kind == Kind.OK
+            assert (reply["rid"], reply["info"]) == (5, {"job": "next"})
+            assert [m["job"] for _, m in server.received] == ["next"]  # garbage never reached it
+        finally:
+            raw.close(linger=0)
+
+    run(body)
+
+
+def test_handler_that_raises_gets_an_error_reply_and_the_reader_survives() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+
+        async def flaky(peer: bytes | None, msg: Message) -> None:
+            if msg["job"] == "bad":
+                raise ValueError("boom")
+            await echo(server, peer, msg)
+
+        server.on = flaky
+        cl = client(owner, server.address)
+        with pytest.raises(RemoteError) as info:
+            await cl.request(Kind.JOB_STATUS, {"job": "bad"}, timeout=5, what="server")
+        assert "boom" in str(info.value)
+        assert str(info.value).startswith("server: job_status failed")
+        reply = await cl.request(Kind.JOB_STATUS, {"job": "good"}, timeout=5, what="server")
+        assert reply["info"] == {"job": "good"}
+
+    run(body)
+
+
+def test_reply_with_an_unknown_rid_goes_to_the_handler() -> None:
+    """Only a reply kind whose rid is pending resolves a future; anything else is a message."""
+
+    async def body(owner: Owner) -> None:
+        server = Server(owner)
+        got: list[Message] = []
+        arrived = asyncio.Event()
+
+        async def on_client(_peer: bytes | None, msg: Message) -> None:
+            got.append(msg)
+            arrived.set()
+
+        sock = make_socket(owner.ctx, zmq.DEALER, connect=server.address, identity=b"c2")
+        cl = owner.channel(Channel(sock, on_client, name="c2", max_frame_bytes=MAX_FRAME))
+        await cl.send(Kind.HEARTBEAT, {"device": "gpu0", "state": "idle"})
+        await server.wait_for(1)
+        await server.ch.send(Kind.OK, {"rid": 999}, to=b"c2")
+        await asyncio.wait_for(arrived.wait(), 5)
+        assert got[0].kind == Kind.OK and got[0]["rid"] == 999
+
+    run(body)
+
+
+# -- delivery failures and closing ----------------------------------------------------------
+
+
+def test_send_to_an_unknown_router_identity_raises_connection_error() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner, mandatory=True)
+        with pytest.raises(ConnectionError, match="nobody"):
+            await server.ch.send(Kind.OK, {"rid": 1}, to=b"nobody")
+        with pytest.raises(ValueError, match="peer identity"):
+            await server.ch.send(Kind.OK, {"rid": 1})
+        # the channel still works for a peer that is there
+        cl = client(owner, server.address)
+        server.on = lambda peer, msg: echo(server, peer, msg)
+        reply = await cl.request(Kind.JOB_STATUS, {"job": "j"}, timeout=5, what="server")
+        assert reply["info"] == {"job": "j"}
+
+    run(body)
+
+
+def test_closing_a_channel_fails_its_pending_requests() -> None:
+    async def body(owner: Owner) -> None:
+        server = Server(owner)  # never answers
+        cl = client(owner, server.address)
+        fut = await cl.send_request(Kind.CLUSTER_STATUS, what="server")
+        await server.wait_for(1)
+        await cl.close()
+        assert fut.done()
+        with pytest.raises(ConnectionError, match="channel closed"):
+            fut.result()
+        assert cl.closed and cl.sock.closed
+
+    run(body)

@@ -1,0 +1,103 @@
+"""Several virtual workers under WSP on real daemons, one of them 4x slower."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job, start_cluster
+
+from hetpipe.data import evaluate, load_dataset
+from hetpipe.localcluster import DeviceDef
+from hetpipe.models import build_model
+
+pytestmark = pytest.mark.slow
+
+# VW 0 on two unslowed devices, VW 1 on two devices emulated 4x slower.
+DEVICES = (
+    DeviceDef("fast0", "fast", "64MiB", 1.0),
+    DeviceDef("fast1", "fast", "64MiB", 1.0),
+    DeviceDef("slow0", "slow", "64MiB", 0.25),
+    DeviceDef("slow1", "slow", "64MiB", 0.25),
+)
+
+
+@pytest.fixture(scope="module")
+def wsp_cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("wsp"), DEVICES)
+    yield c
+    c.stop()
+
+
+def load_records(info: dict) -> dict[tuple[int, int], list[dict]]:
+    data = json.loads(Path(info["stages_path"]).read_text())
+    out = {}
+    for where, r in data.items():
+        vw, stage = (int(x[len(p):]) for x, p in zip(where.split("/"), ("vw", "stage"),
+                                                      strict=True))
+        fields = r["stats"]["record_fields"]
+        out[(vw, stage)] = [dict(zip(fields, row, strict=True)) for row in r["records"]]
+    return out
+
+
+def check_invariants(records: dict[tuple[int, int], list[dict]], nm: dict[int, int],
+                     staleness: int) -> int:
+    """DESIGN.md's WSP invariant over every minibatch; return how many forwards were gated."""
+    vws = sorted({vw for vw, _ in records})
+    # when each VW finished each wave: its last backward at stage 0 (the last to finish)
+    finished = {vw: {} for vw in vws}
+    for vw in vws:
+        for r in records[(vw, 0)]:
+            c = r["wave"]
+            finished[vw][c] = max(finished[vw].get(c, 0.0), r["t_bwd"])
+    gated = 0
+    for (vw, stage), rows in records.items():
+        for r in rows:
+            c, p = r["wave"], r["p"]
+            # the weights of wave c include every VW's updates of all waves < c - 1 - D
+            assert r["clock"] >= c - 1 - staleness, (vw, stage, r)
+            # ... and their own VW's updates up to p - Nm
+            if stage == 0 and p >= nm[vw]:
+                own = records[(vw, 0)][p - nm[vw]]
+                assert own["t_bwd"] <= r["t_fwd"], (vw, p)
+            if stage != 0 or p % nm[vw] != 0:
+                continue
+            # no VW starts wave c before every other VW finished wave c - 2 - D,
+            # i.e. it is never more than D + 1 waves ahead of the slowest one
+            for other in vws:
+                if other == vw or c - 2 - staleness < 0:
+                    continue
+                done_at = finished[other].get(c - 2 - staleness)
+                if done_at is not None:
+                    assert done_at <= r["t_fwd"], (vw, c, other)
+                    gated += 1
+    return gated
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_two_vws_one_slow(wsp_cluster, staleness) -> None:
+    # two VWs each apply their full update to the global weights: half the usual step
+    spec = job(f"wsp-d{staleness}", model="cnn", nm=2, epochs=10, staleness=staleness, lr=0.02,
+               split=[(["fast0", "fast1"], [8, 8]), (["slow0", "slow1"], [8, 8])])
+    info = wsp_cluster.submit(spec, timeout=280)
+    assert info["state"] == "done", info.get("error")
+    records = load_records(info)
+    assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(len(rows) == info["minibatches"] // 2 for rows in records.values())
+    assert check_invariants(records, {0: 2, 1: 2}, staleness) > 0
+    # the gate really blocked the fast VW: with D = 0 it cannot run far ahead, so it
+    # finishes close to the slow one instead of 4x earlier
+    end = {vw: max(r["t_bwd"] for r in records[(vw, 0)]) for vw in (0, 1)}
+    start = min(r["t_fwd"] for r in records[(0, 0)])
+    if staleness == 0:
+        assert end[0] - start > 0.7 * (end[1] - start)
+    assert info["test_accuracy"] >= 0.95
+    # the exported state_dict reproduces the reported accuracy in plain PyTorch
+    model = build_model("cnn")
+    model.load_state_dict(torch.load(info["model_path"]), strict=True)
+    assert evaluate(model, load_dataset("digits")) == pytest.approx(info["test_accuracy"])
+    # the job reports where each stage's state lives
+    assert {row["shards"][0] for row in info["placement"]} <= {0, 1}
