@@ -68,6 +68,7 @@ class JobState:
     progress: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     stage_results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
+    evals: list[list[float]] = field(default_factory=list)  # [seconds, minibatches, accuracy]
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -113,6 +114,8 @@ class JobState:
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]
             out["placement"] = plan.placement_summary()
+        if self.evals:
+            out["evals"] = self.evals
         out.update(self.result)
         return out
 
@@ -316,8 +319,14 @@ class Head:
             js.state = "running"
             js.started = time.time()
             await self._race(js, self._launch(js))
+            if js.spec.eval_every_s:
+                evals = asyncio.ensure_future(self._evaluate_every(js, js.spec.eval_every_s))
             done = asyncio.ensure_future(js.all_done.wait())
-            await self._race(js, done)
+            try:
+                await self._race(js, done)
+            finally:
+                if js.spec.eval_every_s:
+                    evals.cancel()
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
@@ -395,17 +404,11 @@ class Head:
         plan = js.plan
         assert plan is not None and js.started is not None
         train_s = time.time() - js.started
-        state: dict[str, torch.Tensor] = {}
-        clocks = {}
-        for index in plan.shards_used():
-            ch = await self._shard(index)
-            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.id},
-                                     timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
-            state.update({k: v.clone() for k, v in reply.tensors.items()})
-            clocks[str(index)] = reply.get("info")
+        state, clocks = await self._fetch_state(js)
         out_dir = self.run_dir / "jobs" / js.id
         loop = asyncio.get_running_loop()
         accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
+        js.evals.append([train_s, plan.minibatches * len(plan.vws), accuracy])
         (out_dir / "stages.json").write_text(json.dumps(
             {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}))
         samples = plan.minibatches * len(plan.vws) * js.spec.minibatch
@@ -419,6 +422,31 @@ class Head:
             "stages_path": str((out_dir / "stages.json").resolve()),
             "shard_clocks": clocks,
         }
+
+    async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The job's global weights, gathered from its shards, and each shard's clocks."""
+        assert js.plan is not None
+        state: dict[str, torch.Tensor] = {}
+        clocks = {}
+        for index in js.plan.shards_used():
+            ch = await self._shard(index)
+            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.id},
+                                     timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+            state.update({k: v.clone() for k, v in reply.tensors.items()})
+            clocks[str(index)] = reply.get("info")
+        return state, clocks
+
+    async def _evaluate_every(self, js: JobState, every_s: float) -> None:
+        """Test accuracy of the global weights while the job trains (time-to-accuracy)."""
+        assert js.plan is not None and js.started is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every_s)
+            seconds = time.time() - js.started
+            done = js.info().get("minibatches", 0)
+            state, _ = await self._fetch_state(js)
+            accuracy = await loop.run_in_executor(None, js.plan.evaluate, state)
+            js.evals.append([seconds, done, accuracy])
 
     async def _abort(self, js: JobState, reason: str) -> None:
         assert self.channel is not None

@@ -87,6 +87,7 @@ class JobSpec:
     vws: tuple[VWSpec, ...] = ()
     num_vws: int | None = None
     policy: str = "auto"
+    eval_every_s: float | None = None  # evaluate the global weights this often while training
 
     def to_dict(self) -> dict:
         """The job in its file's shape, as plain msgpack-able data (absent optionals omitted)."""
@@ -104,6 +105,8 @@ class JobSpec:
             train["minibatches"] = self.minibatches
         if self.num_vws is not None:
             train["vws"] = self.num_vws
+        if self.eval_every_s is not None:
+            train["eval_every_s"] = self.eval_every_s
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -144,7 +147,8 @@ class JobSpec:
 
         train = root.table(
             "train",
-            ("minibatch", "nm", "staleness", "seed", "epochs", "minibatches", "vws", "policy"),
+            ("minibatch", "nm", "staleness", "seed", "epochs", "minibatches", "vws", "policy",
+             "eval_every_s"),
         )
         minibatch = train.at_least("minibatch", 1)
         nm = train.at_least("nm", 1, 1)
@@ -157,6 +161,7 @@ class JobSpec:
         if epochs is not None and minibatches is not None:
             train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
         num_vws = train.at_least("vws", 1, None)
+        eval_every_s = train.positive("eval_every_s", None)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -178,6 +183,7 @@ class JobSpec:
             vws=vws,
             num_vws=num_vws,
             policy=policy,
+            eval_every_s=eval_every_s,
         )
 
 

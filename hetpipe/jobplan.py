@@ -129,13 +129,19 @@ class JobPlan:
                                  f"{v}/{s}", 0)})
         return rows
 
-    def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> float:
-        """Write the global weights as one state_dict; return the test accuracy of them.
-
-        Loading with ``strict=True`` into the plain model proves the file is usable as is.
-        """
+    def model_of(self, state: dict[str, torch.Tensor]) -> torch.nn.Sequential:
+        """The plain model holding ``state``; ``strict=True`` proves the state is whole."""
         model = build_model(self.spec.model.name, self.spec.model.args)
         model.load_state_dict(state, strict=True)
+        return model
+
+    def evaluate(self, state: dict[str, torch.Tensor]) -> float:
+        """Test accuracy of global weights ``state``."""
+        return evaluate(self.model_of(state), self.dataset)
+
+    def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> float:
+        """Write the global weights as one state_dict; return the test accuracy of them."""
+        model = self.model_of(state)
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), out_dir / "model.pt")
         return evaluate(model, self.dataset)
