@@ -22,6 +22,7 @@ from hetpipe import launch
 from hetpipe.client import HeadClient, HeadError
 from hetpipe.config import ClusterConfig, ConfigError, format_size, load_cluster
 from hetpipe.job import JobError, load_job
+from hetpipe.wire import Kind
 
 __all__ = ["main"]
 
@@ -53,6 +54,19 @@ class Ctx:
         return self.head_opt or self.cluster.head.address
 
 
+def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.ensure_object(Ctx)
+        ctx.find_object(Ctx).path = value  # type: ignore[union-attr]
+
+
+def cluster_option(f: Any) -> Any:
+    """``--cluster`` accepted after the command too (``hetpipe plan --cluster FILE``)."""
+    return click.option("--cluster", default=None, expose_value=False, is_eager=False,
+                        type=click.Path(dir_okay=False), callback=_cluster_here,
+                        help="Cluster description (overrides the group option).")(f)
+
+
 def _run(coro: Any) -> Any:
     try:
         return asyncio.run(coro)
@@ -79,6 +93,7 @@ def main(ctx: click.Context, cluster_path: str, run_dir: str | None, head: str |
 
 
 @main.command()
+@cluster_option
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for readiness.")
 @click.pass_obj
 def up(obj: Ctx, timeout: float) -> None:
@@ -113,6 +128,7 @@ async def _wait_registered(head: str, devices: set[str], timeout: float) -> None
 
 
 @main.command()
+@cluster_option
 @click.pass_obj
 def down(obj: Ctx) -> None:
     """Stop the daemons `hetpipe up` started."""
@@ -128,6 +144,7 @@ def down(obj: Ctx) -> None:
 
 
 @main.command()
+@cluster_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 @click.pass_obj
@@ -194,6 +211,7 @@ def _job_line(j: dict[str, Any]) -> str:
 
 
 @main.command()
+@cluster_option
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--wait", is_flag=True, help="Follow the job to its end with a progress bar.")
 @click.option("--json", "as_json", is_flag=True,
@@ -293,12 +311,78 @@ class Progress:
             click.echo("", err=True)
 
 
+# -- profile / plan -------------------------------------------------------------------------
+
+
+def _load_job_or_fail(job_file: str) -> Any:
+    try:
+        return load_job(job_file)
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@cluster_option
+@click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False),
+              help="Job file whose model and minibatch size to profile.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+@click.pass_obj
+def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
+    """Measure every layer on one worker of each device type (stored and reused)."""
+    spec = _load_job_or_fail(job_file)
+
+    async def go() -> dict[str, Any]:
+        async with HeadClient(obj.head, timeout=900) as client:
+            return await client.call(Kind.PROFILE, {"job": spec.to_dict()})
+
+    prof = _run(go())["profile"]
+    if as_json:
+        click.echo(json.dumps(prof))
+        return
+    click.echo(render_profile(prof))
+
+
+def render_profile(prof: dict[str, Any]) -> str:
+    """Per device type: forward/backward ms of each layer, and bytes per layer."""
+    types = sorted(prof["layers"])
+    first = prof["layers"][types[0]]
+    head = ["LAYER", *[f"{t} fwd+bwd ms" for t in types], "PARAMS", "OUTPUT"]
+    rows = [head]
+    for i in range(len(first)):
+        times = [prof["layers"][t][i]["fwd_s"] + prof["layers"][t][i]["bwd_s"] for t in types]
+        rows.append([str(i), *[f"{1e3 * s:.3f}" for s in times],
+                     format_size(first[i]["param_bytes"]), format_size(first[i]["out_bytes"])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"profile of {prof['model']} at minibatch {prof['minibatch']}"]
+    lines += ["  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
+    return "\n".join(lines)
+
+
+@main.command()
+@cluster_option
+@click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False),
+              help="Job file to plan (its [[vw]] split, if any, is evaluated instead).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.pass_obj
+def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
+    """Show the plan the head would run: VWs, stages, predicted times, memory, Nm."""
+    spec = _load_job_or_fail(job_file)
+
+    async def go() -> dict[str, Any]:
+        async with HeadClient(obj.head, timeout=900) as client:
+            return await client.call(Kind.PLAN, {"job": spec.to_dict()})
+
+    info = _run(go())
+    click.echo(json.dumps(info["plan"]) if as_json else info["table"])
+
+
 # -- demo ---------------------------------------------------------------------------------
 
 DEMO_JOB = Path(__file__).with_name("demo.toml")
 
 
 @main.command()
+@cluster_option
 @click.option("--job", "job_file", default=str(DEMO_JOB), show_default=False,
               type=click.Path(dir_okay=False), help="Job file (default: the demo job).")
 @click.option("--json", "as_json", is_flag=True, help="Also print one final JSON line.")
@@ -345,6 +429,7 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
 
 
 @main.command()
+@cluster_option
 @click.argument("daemon", required=False)
 @click.option("-n", "lines", default=40, show_default=True, help="Lines per daemon.")
 @click.pass_obj

@@ -26,6 +26,15 @@ from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.planner import ModelProfile, PlanError, ProfileStore
+from hetpipe.profiling import (
+    layers_from,
+    live_cluster,
+    model_key,
+    plan_for,
+    plan_vws,
+    predicted_summary,
+)
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
 
@@ -33,6 +42,7 @@ __all__ = ["Head"]
 
 ASSIGN_TIMEOUT_S = 120.0
 SHARD_TIMEOUT_S = 120.0
+MEASURE_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -110,10 +120,14 @@ class JobState:
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
                  **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes")}}
+                    ("done", "forward_s", "backward_s", "peak_bytes")},
+                 "time_s": _stage_time(self.progress.get((v, s), {}))}
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]
             out["placement"] = plan.placement_summary()
+            if "samples_per_s" in plan.predicted:
+                out["predicted"] = {k: v for k, v in plan.predicted.items()
+                                    if k != "state_bytes"}
         if self.evals:
             out["evals"] = self.evals
         out.update(self.result)
@@ -137,6 +151,8 @@ class Head:
         self.current: JobState | None = None
         self.channel: Channel | None = None
         self._ids = itertools.count(1)
+        self.profiles = ProfileStore(self.run_dir / "profiles.json")
+        self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
 
     async def start(self, channel: Channel) -> None:
@@ -161,7 +177,8 @@ class Head:
                 "lost_after_s": self.cluster.runtime.lost_after_s}, to=peer)
         elif k == Kind.HEARTBEAT:
             w = self.workers.get(msg["device"])
-            if w is None or w.ident != peer:
+            if w is None or w.ident != peer or w.lost:
+                # a lost worker that speaks again registers afresh (clean bookkeeping)
                 await self.channel.reply_error(peer, "unregistered: say hello")
                 return
             w.last_seen = time.monotonic()
@@ -195,8 +212,65 @@ class Head:
             await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
+        elif k in (Kind.PROFILE, Kind.PLAN):
+            # these wait on workers' answers, which arrive through this same reader
+            self.owner.spawn(self._plan_request(peer, msg), f"{k}:{msg['rid']}")
         else:
             await self.channel.reply_error(peer, f"the head does not take {k}", msg.get("rid"))
+
+    async def _plan_request(self, peer: bytes, msg: Message) -> None:
+        """Answer ``profile`` (the profiles of every type) or ``plan`` (the plan it would run)."""
+        assert self.channel is not None
+        try:
+            spec = JobSpec.from_dict(msg["job"], source="job")
+            profile = await self._profile(spec)
+            info: dict[str, Any] = {"profile": profile.to_dict()}
+            if msg.kind == Kind.PLAN:
+                loop = asyncio.get_running_loop()
+                cluster = live_cluster(self.cluster, self._idle())
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                info = {"plan": plan.to_dict(), "table": plan.table()}
+        except (JobError, PlanError, _JobFailed) as exc:
+            await self.channel.reply_error(peer, str(exc), msg["rid"])
+            return
+        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
+
+    def _idle(self) -> set[str]:
+        return {d for d, w in self._alive().items() if w.job is None}
+
+    async def _profile(self, spec: JobSpec) -> ModelProfile:
+        """Profiles of the job's model for every device type with a live worker.
+
+        Missing ones are measured by an idle worker of that type and stored, so each
+        (model, minibatch, type) is measured once per run directory.
+        """
+        assert self.channel is not None
+        key = model_key(spec)
+        async with self._profiling:
+            types = sorted({w.type for w in self._alive().values()})
+            for dtype in types:
+                if self.profiles.get(key, spec.minibatch, dtype) is not None:
+                    continue
+                worker = next((w for w in self._alive().values()
+                               if w.type == dtype and w.job is None), None)
+                if worker is None:
+                    raise _JobFailed(f"no idle worker of type {dtype} to profile "
+                                     f"{spec.model.name} on")
+                self.log.info("profiling", model=spec.model.name, type=dtype,
+                              device=worker.device)
+                try:
+                    reply = await self.channel.request(
+                        Kind.MEASURE, {"job": spec.to_dict()}, to=worker.ident,
+                        timeout=MEASURE_TIMEOUT_S, what=f"worker {worker.device}")
+                except (RemoteError, TimeoutError, ConnectionError) as exc:
+                    raise _JobFailed(f"profiling on {worker.device}: {exc}") from None
+                info = reply["info"]
+                self.profiles.put(key, spec.minibatch, dtype, layers_from(info),
+                                  input_bytes=info["input_bytes"])
+            self.profiles.save()
+            if not types:
+                raise _JobFailed("no live worker: start them (`hetpipe up`)")
+            return self.profiles.model_profile(key, spec.minibatch, types)
 
     def _hello(self, peer: bytes, msg: Message) -> None:
         device = msg["device"]
@@ -308,8 +382,24 @@ class Head:
         js.state = "planning"
         log = self.log.bind(job=js.id)
         try:
+            vws, predicted = None, None
+            spec = js.spec
+            needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
+            try:
+                profile = await self._profile(spec)
+                cluster = live_cluster(self.cluster, self._idle())
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                predicted = predicted_summary(plan)
+                if needs_plan:
+                    vws = plan_vws(plan)
+                    log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
+            except (PlanError, _JobFailed) as exc:
+                if needs_plan:
+                    raise JobPlanError(f"cannot plan: {exc}") from None
+                log.warning("no prediction for this split", error=str(exc))
             js.plan = await loop.run_in_executor(
-                None, plan_job, js.spec, js.id, self.cluster, self._alive(), dict(self.shards))
+                None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
+                                       dict(self.shards), vws=vws, predicted=predicted))
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
@@ -464,6 +554,14 @@ class Head:
                 ch = await self._shard(index)
                 await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
                                  what=f"shard {index}")
+
+
+def _stage_time(progress: dict[str, Any]) -> float | None:
+    """Measured compute time per minibatch of a stage (forward + backward)."""
+    done = progress.get("done")
+    if not done:
+        return None
+    return (progress.get("forward_s", 0.0) + progress.get("backward_s", 0.0)) / done
 
 
 class _JobFailed(Exception):

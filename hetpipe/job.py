@@ -79,7 +79,7 @@ class JobSpec:
     data: DataSpec
     optimizer: OptimizerSpec
     minibatch: int
-    nm: int
+    nm: int | None  # None: the planner picks (an explicit split without one fills its pipe)
     staleness: int
     epochs: int | None
     minibatches: int | None
@@ -94,11 +94,12 @@ class JobSpec:
         opt = self.optimizer
         train: dict[str, Any] = {
             "minibatch": self.minibatch,
-            "nm": self.nm,
             "staleness": self.staleness,
             "seed": self.seed,
             "policy": self.policy,
         }
+        if self.nm is not None:
+            train["nm"] = self.nm
         if self.epochs is not None:
             train["epochs"] = self.epochs
         if self.minibatches is not None:
@@ -151,7 +152,7 @@ class JobSpec:
              "eval_every_s"),
         )
         minibatch = train.at_least("minibatch", 1)
-        nm = train.at_least("nm", 1, 1)
+        nm = train.at_least("nm", 1, None)
         staleness = train.at_least("staleness", 0, 0)
         seed = train.at_least("seed", 0, 0)
         epochs = train.at_least("epochs", 1, None)

@@ -8,9 +8,10 @@ each stage's state on a parameter-server shard, and produces the stage tasks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -19,8 +20,9 @@ import torch
 from hetpipe.config import ClusterConfig, ConfigError
 from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset
-from hetpipe.job import JobSpec
+from hetpipe.job import JobSpec, VWSpec
 from hetpipe.models import ModelError, build_model
+from hetpipe.planner import place_stages
 from hetpipe.task import StageTask
 
 __all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
@@ -157,28 +159,21 @@ def _host_of(address: str) -> str:
 
 def place_state(
     state: Mapping[str, torch.Tensor],
-    stages: list[tuple[str, int, int]],
+    vws: Sequence[RunVW],
     device_hosts: Mapping[str, str],
     shards: Mapping[int, str],
 ) -> dict[str, int]:
-    """Put each stage's state on one shard: on its host if possible, else the lightest.
-
-    ``stages`` lists (device, first, last). Among candidate shards the one holding the fewest
-    bytes so far wins, so shards on one host are balanced by bytes.
-    """
-    load = dict.fromkeys(shards, 0)
-    placement: dict[str, int] = {}
-    for device, first, last in stages:
-        names = [n for n in state if first <= _layer(n) < last]
-        if not names:
-            continue
-        nbytes = sum(state[n].numel() * state[n].element_size() for n in names)
-        host = normal_host(device_hosts[device])
-        local = [i for i, a in shards.items() if _host_of(a) == host]
-        pick = min(local or list(shards), key=lambda i: (load[i], i))
-        load[pick] += nbytes
-        placement.update(dict.fromkeys(names, pick))
-    return placement
+    """Each state tensor's shard: the planner's rule (a stage's layers on a shard of its
+    host where there is one, shards balanced by bytes), applied to the job's real tensors."""
+    n_layers = 1 + max(_layer(n) for n in state)
+    layer_bytes = [0] * n_layers
+    for n, t in state.items():
+        layer_bytes[_layer(n)] += t.numel() * t.element_size()
+    shard_list = [SimpleNamespace(index=i, host=_host_of(a)) for i, a in sorted(shards.items())]
+    stages = [[(normal_host(device_hosts[s.device]), (s.first, s.last)) for s in vw.stages]
+              for vw in vws]
+    layer_shards, _ = place_stages(shard_list, stages, layer_bytes)
+    return {n: layer_shards[_layer(n)] for n in state}
 
 
 def plan_job(
@@ -187,8 +182,15 @@ def plan_job(
     cluster: ClusterConfig,
     workers: Mapping[str, Any],
     shards: Mapping[int, str],
+    *,
+    vws: Sequence[VWSpec] | None = None,
+    predicted: dict[str, Any] | None = None,
 ) -> JobPlan:
-    """Check ``spec`` against the cluster and live workers and lay out its run."""
+    """Check the job against the cluster and live workers and lay out its run.
+
+    ``vws`` is the split to run when the job gives none (the planner's); ``predicted`` the
+    planner's figures, kept to report them next to the measured ones.
+    """
     try:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model.name, spec.model.args)
@@ -199,15 +201,15 @@ def plan_job(
         dataset = load_dataset(spec.data.name, spec.data.args)
     except ValueError as exc:
         raise JobPlanError(f"data: {exc}") from None
-    if not spec.vws:
-        raise JobPlanError("the job gives no [[vw]] split: add one per virtual worker "
-                           "(devices and layers per stage)")
+    split = tuple(vws) if vws is not None else spec.vws
+    if not split:
+        raise JobPlanError("the job gives no [[vw]] split and no plan was made for it")
     missing = [i for i in range(len(cluster.ps)) if i not in shards]
     if missing:
         raise JobPlanError(f"shard {missing[0]} has not registered with the head: "
                            f"is hetpipe-ps --shard {missing[0]} running?")
-    vws = []
-    for v, vwspec in enumerate(spec.vws):
+    run_vws = []
+    for v, vwspec in enumerate(split):
         for d in vwspec.devices:
             try:
                 cluster.device(d)
@@ -231,28 +233,20 @@ def plan_job(
             bounds.append(bounds[-1] + n)
         stages = tuple(RunStage(d, bounds[i], bounds[i + 1])
                        for i, d in enumerate(vwspec.devices))
-        vws.append(RunVW(stages=stages, nm=vwspec.nm or spec.nm))
-    stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(vws))
+        run_vws.append(RunVW(stages=stages, nm=vwspec.nm or spec.nm or len(stages)))
+    stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
     if stream.per_epoch < 1:
         raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
                            f"virtual worker in {len(dataset.train_y)} training samples")
     minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hosts = {d.name: d.host for d in cluster.devices}
-    stage_list = [(st.device, st.first, st.last) for vw in vws for st in vw.stages]
-    # every virtual worker has the whole model: place by the first VW's cut, share names
-    placement: dict[str, int] = {}
-    for v, vw in enumerate(vws):
-        part = place_state(state, [(s.device, s.first, s.last) for s in vw.stages], hosts,
-                           shards)
-        if v == 0:
-            placement = part
-    del stage_list
+    placement = place_state(state, run_vws, hosts, shards)
     state_bytes = {
         f"{v}/{s}": sum(state[n].numel() * state[n].element_size() for n in state
                         if st.first <= _layer(n) < st.last)
-        for v, vw in enumerate(vws) for s, st in enumerate(vw.stages)
+        for v, vw in enumerate(run_vws) for s, st in enumerate(vw.stages)
     }
-    return JobPlan(job=job_id, spec=spec, vws=tuple(vws), minibatches=minibatches,
+    return JobPlan(job=job_id, spec=spec, vws=tuple(run_vws), minibatches=minibatches,
                    placement=placement, initial=state, dataset=dataset,
-                   predicted={"state_bytes": state_bytes})
+                   predicted={**(predicted or {}), "state_bytes": state_bytes})

@@ -38,8 +38,15 @@ class Daemon:
 
 
 def _is_local(host: str) -> bool:
-    names = {"127.0.0.1", socket.gethostname(), socket.getfqdn()}
-    return normal_host(host) in names
+    """Whether ``host`` names this machine: a known name, or an address it can bind."""
+    if normal_host(host) in {"127.0.0.1", socket.gethostname(), socket.getfqdn()}:
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
 
 
 def local_daemons(cluster: ClusterConfig, cluster_path: str, *, run_dir: Path,

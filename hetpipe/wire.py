@@ -97,6 +97,9 @@ class Kind(StrEnum):
     JOB_STATUS = "job_status"
     CLUSTER_STATUS = "cluster_status"
     CANCEL = "cancel"
+    PROFILE = "profile"
+    PLAN = "plan"
+    MEASURE = "measure"
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.JOB_STATUS: {"rid": _INT, "job": _STR},
     Kind.CLUSTER_STATUS: {"rid": _INT},
     Kind.CANCEL: {"rid": _INT, "job": _STR},
+    Kind.PROFILE: {"rid": _INT, "job": _DICT},  # client -> head: profile every device type
+    Kind.PLAN: {"rid": _INT, "job": _DICT},  # client -> head: the plan the head would run
+    Kind.MEASURE: {"rid": _INT, "job": _DICT},  # head -> worker: profile the job's layers here
 }
 
 _missing_schemas = set(Kind) - set(SCHEMAS)

@@ -25,7 +25,9 @@ from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
 from hetpipe.pipeline import StageRunner
+from hetpipe.profiling import measure
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -137,6 +139,8 @@ class Worker:
                 self.log.warning("head error", error=msg["message"])
         elif msg.kind == Kind.ASSIGN:
             await self._assign(msg)
+        elif msg.kind == Kind.MEASURE:
+            asyncio.get_running_loop().create_task(self._measure(msg))
         elif msg.kind == Kind.START:
             self._start(msg["job"])
         elif msg.kind == Kind.ABORT and self.job is not None and self.job.task.job == msg["job"]:
@@ -180,6 +184,20 @@ class Worker:
         self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k,
                       nm=task.nm)
         await self.head.send(Kind.OK, {"rid": rid})
+
+    async def _measure(self, msg: Message) -> None:
+        """Profile the job's layers on this device for the planner."""
+        assert self.head is not None
+        try:
+            spec = JobSpec.from_dict(msg["job"], source="job")
+            loop = asyncio.get_running_loop()
+            info = await loop.run_in_executor(self.executor, measure, spec, self.device)
+        except Exception as exc:
+            self.log.warning("profiling failed", error=str(exc))
+            await self.head.reply_error(None, f"{self.device.name}: profiling failed: {exc}",
+                                        msg["rid"])
+            return
+        await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
 
     def _start(self, job_id: str) -> None:
         job = self.job

@@ -258,11 +258,11 @@ class Link:
                 "gloo", init_method=f"tcp://{HOST}:{gloo_port}", rank=0, world_size=2
             )
             self.sender = _GlooSender()
-        hello = self.ctl.recv_json()
+        self.address: str | None = self.ctl.recv_json()["address"]  # the receiver's data port
         if tx == "ours":
-            self.sender = _OursSender(hello["address"])
+            self.sender = _OursSender(self.address)
         elif tx == "zmq":
-            self.sender = _ZmqSender(hello["address"])
+            self.sender = _ZmqSender(self.address)
 
     def round(self, t: torch.Tensor, n: int) -> float:
         """Seconds to stream ``n`` messages of ``t`` and get the receiver's acknowledgement."""

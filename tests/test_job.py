@@ -286,7 +286,7 @@ def test_defaults() -> None:
     job = JobSpec.from_dict(
         {"name": "d", "model": {"name": "mlp"}, "train": {"minibatch": 4, "minibatches": 9}}
     )
-    assert (job.nm, job.staleness, job.seed, job.policy) == (1, 0, 0, "auto")
+    assert (job.nm, job.staleness, job.seed, job.policy) == (None, 0, 0, "auto")
     assert job.optimizer == OptimizerSpec() and job.optimizer.name == "sgd"
     assert job.optimizer.lr == 0.05
     assert job.vws == () and job.num_vws is None and job.epochs is None

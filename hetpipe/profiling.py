@@ -1,0 +1,105 @@
+"""Profiles per device type, measured where the devices are, and plans made from them.
+
+The planner needs, for every device type of the cluster, each layer's forward and backward
+time at the job's minibatch size. Only a worker of that type can measure them honestly (an
+emulated device pads to its speed; a real GPU is itself), so the head asks one idle worker
+per type with a ``measure`` message and keeps the answers in a readable JSON file in its run
+directory, keyed by model, minibatch size and device type, so each is measured once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hetpipe.config import ClusterConfig, DeviceSpec
+from hetpipe.data import load_dataset
+from hetpipe.job import JobSpec, VWSpec
+from hetpipe.models import build_model, model_loss
+from hetpipe.optim import StageOptimizer
+from hetpipe.planner import (
+    LayerProfile,
+    ModelProfile,
+    Plan,
+    explicit_plan,
+    make_plan,
+    measure_layers,
+)
+
+__all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws"]
+
+
+def model_key(spec: JobSpec) -> str:
+    """What a profile depends on besides minibatch and device type: model and input."""
+    return json.dumps({"model": spec.model.name, "args": spec.model.args,
+                       "data": spec.data.name, "data_args": spec.data.args}, sort_keys=True)
+
+
+def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
+    """Profile the job's model on ``device`` (runs on a worker's compute thread)."""
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model.name, spec.model.args)
+    dataset = load_dataset(spec.data.name, spec.data.args)
+    n = min(spec.minibatch, len(dataset.train_y))
+    x, y = dataset.train_x[:n], dataset.train_y[:n].to(device.device)
+    loss = model_loss(spec.model.name)
+    layers = measure_layers(model, x, device.device, speed=device.speed,
+                            loss_fn=lambda out: loss(out, y))
+    return {"layers": [dataclasses.asdict(lp) for lp in layers],
+            "input_bytes": x.numel() * x.element_size()}
+
+
+def layers_from(info: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
+    return tuple(LayerProfile(**d) for d in info["layers"])
+
+
+def live_cluster(cluster: ClusterConfig, devices: set[str]) -> ClusterConfig:
+    """The cluster restricted to ``devices`` (live, idle workers): what a plan may use."""
+    nodes = []
+    for node in cluster.nodes:
+        kept = tuple(d for d in node.devices if d.name in devices)
+        if kept:
+            nodes.append(dataclasses.replace(node, devices=kept))
+    return dataclasses.replace(cluster, nodes=tuple(nodes))
+
+
+def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Plan:
+    """The planner's plan for a job without a split, or its prediction for the given split."""
+    factor = StageOptimizer.state_factor(spec.optimizer)
+    common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
+              "optimizer_state_factor": factor}
+    if spec.vws:
+        return explicit_plan(cluster, profile,
+                             [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
+                             nm=spec.nm, **common)
+    return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
+                     **common)
+
+
+def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
+    """A plan's virtual workers as the explicit split the runtime executes."""
+    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm)
+                 for v in plan.vws)
+
+
+def predicted_summary(plan: Plan) -> dict[str, Any]:
+    """What the job status shows next to the measured figures."""
+    return {
+        "samples_per_s": plan.samples_per_s,
+        "policy": plan.policy,
+        "vws": [{"samples_per_s": v.samples_per_s, "nm": v.nm,
+                 "stages": [{"device": s.device, "layers": list(s.layers),
+                             "time_s": s.time_s, "memory": s.memory.total,
+                             "memory_cap": s.memory_cap} for s in v.stages]}
+                for v in plan.vws],
+        "warnings": list(plan.warnings),
+        "unused": list(plan.unused),
+    }
+
+
+def types_of(devices: Sequence[DeviceSpec]) -> list[str]:
+    return sorted({d.type for d in devices})
