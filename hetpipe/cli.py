@@ -159,6 +159,10 @@ def status(obj: Ctx, as_json: bool, watch: bool) -> None:
             if watch:
                 click.clear()
             click.echo(render_status(info))
+            running = [j for j in info.get("jobs", []) if j["state"] == "running"]
+            for j in running:
+                click.echo(f"\n{j['id']}:")
+                click.echo("\n".join(live_view(j)))
 
     async def go() -> None:
         async with HeadClient(obj.head) as client:
@@ -270,18 +274,34 @@ def final_line(info: dict[str, Any]) -> dict[str, Any]:
 def render_result(info: dict[str, Any]) -> str:
     if info["state"] != "done":
         return f"{info['id']}: {info['state']}: {info.get('error')}"
-    return (f"{info['id']}: done in {info['seconds']:.1f} s, "
-            f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
-            f"test accuracy {info['test_accuracy']:.4f}\nmodel: {info['model_path']}")
+    lines = [f"{info['id']}: done in {info['seconds']:.1f} s, "
+             f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
+             f"test accuracy {info['test_accuracy']:.4f}"]
+    placement = ", ".join(f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
+                          for r in info.get("placement") or [] if r["shards"])
+    if placement:
+        lines.append(f"placement: {placement}")
+    comparison = render_comparison(info)
+    if comparison:
+        lines.append(comparison)
+    lines.append(f"model:   {info['model_path']}")
+    lines.append(f"metrics: {info['metrics_path']}")
+    lines.append(f"trace:   {info['trace_path']}  (open in https://ui.perfetto.dev)")
+    return "\n".join(lines)
 
 
 class Progress:
-    """A one-line progress bar on a TTY, a line every few seconds otherwise."""
+    """The live view of a running job.
+
+    On a TTY: a block redrawn in place (progress bar, then per stage its busy / bubble /
+    gate shares, then a hang diagnosis if any). Otherwise one line every few seconds.
+    """
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
         self.last = 0.0
+        self.drawn = 0
 
     def update(self, info: dict[str, Any]) -> None:
         if not self.enabled or info["state"] not in ("running", "planning"):
@@ -290,25 +310,66 @@ class Progress:
         if not self.tty and now - self.last < 2.0:
             return
         self.last = now
-        total = info.get("total") or 0
-        done = info.get("minibatches") or 0
-        width = 30
-        filled = int(width * done / total) if total else 0
-        loss = f"loss {info['loss']:.3f}" if info.get("loss") is not None else "loss -"
-        clocks = ""
-        if info.get("vws") and len(info["vws"]) > 1:
-            clocks = " clocks " + "/".join(str(v["clock"]) for v in info["vws"]) + \
-                f" global {info.get('global_clock', 0)}"
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  "
-                f"{loss}  {info.get('samples_per_s', 0):.0f} samples/s{clocks}")
+        lines = live_view(info)
         if self.tty:
-            click.echo("\r" + line.ljust(100), nl=False, err=True)
+            up = f"\x1b[{self.drawn}F" if self.drawn else ""
+            click.echo(up + "\n".join(line.ljust(100) for line in lines), err=True)
+            self.drawn = len(lines)
         else:
-            click.echo(line, err=True)
+            click.echo(lines[0], err=True)
+            for line in lines[1:]:
+                if line.startswith("hang"):
+                    click.echo(line, err=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            click.echo("", err=True)
+        pass
+
+
+def live_view(info: dict[str, Any]) -> list[str]:
+    """Progress, throughput, clocks, per-stage shares and any hang diagnosis, as lines."""
+    total = info.get("total") or 0
+    done = info.get("minibatches") or 0
+    width = 30
+    filled = int(width * done / total) if total else 0
+    loss = f"loss {info['loss']:.3f}" if info.get("loss") is not None else "loss -"
+    vws = info.get("vws") or []
+    per_vw = " ".join(f"vw{v['vw']} {v['samples_per_s']:.0f}/s clock {v['clock']}"
+                      for v in vws)
+    lines = [f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  {loss}  "
+             f"{info.get('samples_per_s', 0):.0f} samples/s  global clock "
+             f"{info.get('global_clock', 0)}" + (f"  ({per_vw})" if len(vws) > 1 else "")]
+    for st in info.get("stages") or []:
+        sh = st.get("shares") or {}
+        if sh:
+            lines.append(f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} "
+                         f"busy {sh['busy']:4.0%}  bubble {sh['bubble']:4.0%}  "
+                         f"gate {sh['gate']:4.0%}  comm {sh['comm']:4.0%}")
+    for d in info.get("diagnosis") or []:
+        lines.append(f"hang: {d}")
+    return lines
+
+
+def render_comparison(info: dict[str, Any]) -> str:
+    """Measured per-stage time and throughput next to the planner's prediction."""
+    pred = info.get("predicted")
+    if not pred:
+        return ""
+    lines = ["measured vs predicted:"]
+    for st in info.get("stages") or []:
+        try:
+            p = pred["vws"][st["vw"]]["stages"][st["stage"]]["time_s"]
+        except (IndexError, KeyError, TypeError):
+            continue
+        m = st.get("time_s")
+        lines.append(f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} compute "
+                     f"{_ms(m)} per minibatch, predicted {_ms(p)} (incl. transfers)")
+    lines.append(f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
+                 f"{pred['samples_per_s']:.0f} samples/s")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
 # -- profile / plan -------------------------------------------------------------------------
@@ -376,6 +437,34 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
 
 
+@main.command()
+@cluster_option
+@click.argument("job")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).")
+@click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
+@click.pass_obj
+def trace(obj: Ctx, job: str, output: str, png: str | None) -> None:
+    """Write a finished job's timeline: one track per device."""
+
+    async def go() -> dict[str, Any]:
+        async with HeadClient(obj.head, timeout=60) as client:
+            return await client.call(Kind.TRACE, {"job": job})
+
+    data = _run(go())
+    Path(output).write_text(json.dumps(data))
+    n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
+    click.echo(f"trace: {n} events of job {job} -> {output}")
+    if png:
+        from hetpipe.trace import gantt_png
+
+        try:
+            gantt_png(data, png)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"gantt chart -> {png}")
+
+
 # -- demo ---------------------------------------------------------------------------------
 
 DEMO_JOB = Path(__file__).with_name("demo.toml")
@@ -409,10 +498,13 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     try:
         _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60))
         click.echo(f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
-                   f"{len(spec.vws)} virtual workers, D = {spec.staleness}")
-        for v, vw in enumerate(spec.vws):
-            click.echo(f"  vw{v}: {' -> '.join(vw.devices)}  layers per stage "
-                       f"{list(vw.layers or [])}  Nm {vw.nm or spec.nm}")
+                   f"staleness D = {spec.staleness}; profiling and planning ...")
+
+        async def plan_it() -> dict[str, Any]:
+            async with HeadClient(obj.head, timeout=600) as client:
+                return await client.call(Kind.PLAN, {"job": spec.to_dict()})
+
+        click.echo(_run(plan_it())["table"])
         info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=True, as_json=False,
                                       timeout=timeout))
     finally:

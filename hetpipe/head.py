@@ -35,6 +35,7 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
+from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
 
@@ -79,6 +80,7 @@ class JobState:
     stage_results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
     evals: list[list[float]] = field(default_factory=list)  # [seconds, minibatches, accuracy]
+    diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -120,7 +122,7 @@ class JobState:
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
                  **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes")},
+                    ("done", "forward_s", "backward_s", "peak_bytes", "shares", "waiting")},
                  "time_s": _stage_time(self.progress.get((v, s), {}))}
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]
@@ -130,6 +132,8 @@ class JobState:
                                     if k != "state_bytes"}
         if self.evals:
             out["evals"] = self.evals
+        if self.diagnosis:
+            out["diagnosis"] = self.diagnosis
         out.update(self.result)
         return out
 
@@ -212,6 +216,15 @@ class Head:
             await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
+        elif k == Kind.TRACE:
+            js = self.jobs.get(msg["job"])
+            path = self.job_dir(js) / "trace.json" if js is not None else None
+            if path is None or not path.exists():
+                await self.channel.reply_error(
+                    peer, f"no trace for job {msg['job']!r} (it has not finished)", msg["rid"])
+            else:
+                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": json.loads(
+                    path.read_text())}, to=peer)
         elif k in (Kind.PROFILE, Kind.PLAN):
             # these wait on workers' answers, which arrive through this same reader
             self.owner.spawn(self._plan_request(peer, msg), f"{k}:{msg['rid']}")
@@ -409,14 +422,16 @@ class Head:
             js.state = "running"
             js.started = time.time()
             await self._race(js, self._launch(js))
+            watchers = [asyncio.ensure_future(self._telemetry(js))]
             if js.spec.eval_every_s:
-                evals = asyncio.ensure_future(self._evaluate_every(js, js.spec.eval_every_s))
+                watchers.append(asyncio.ensure_future(
+                    self._evaluate_every(js, js.spec.eval_every_s)))
             done = asyncio.ensure_future(js.all_done.wait())
             try:
                 await self._race(js, done)
             finally:
-                if js.spec.eval_every_s:
-                    evals.cancel()
+                for w in watchers:
+                    w.cancel()
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
@@ -495,12 +510,15 @@ class Head:
         assert plan is not None and js.started is not None
         train_s = time.time() - js.started
         state, clocks = await self._fetch_state(js)
-        out_dir = self.run_dir / "jobs" / js.id
+        out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.minibatches * len(plan.vws), accuracy])
-        (out_dir / "stages.json").write_text(json.dumps(
-            {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}))
+        stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
+        (out_dir / "stages.json").write_text(json.dumps(stages))
+        devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
+        trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
+        (out_dir / "trace.json").write_text(json.dumps(trace))
         samples = plan.minibatches * len(plan.vws) * js.spec.minibatch
         return {
             "status": "done",
@@ -510,6 +528,8 @@ class Head:
             "seconds": train_s,
             "model_path": str((out_dir / "model.pt").resolve()),
             "stages_path": str((out_dir / "stages.json").resolve()),
+            "trace_path": str((out_dir / "trace.json").resolve()),
+            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
             "shard_clocks": clocks,
         }
 
@@ -538,6 +558,43 @@ class Head:
             accuracy = await loop.run_in_executor(None, js.plan.evaluate, state)
             js.evals.append([seconds, done, accuracy])
 
+    def job_dir(self, js: JobState) -> Path:
+        return self.run_dir / "jobs" / js.id
+
+    async def _telemetry(self, js: JobState, every_s: float = 1.0) -> None:
+        """Append the live figures to the job's metrics file; diagnose a hang.
+
+        A job hangs when no stage ran a forward or a backward for ``hang_after_s``; the
+        diagnosis says, for each stage, what it has been waiting for and since when.
+        """
+        path = self.job_dir(js) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        last_sig: tuple[Any, ...] = ()
+        last_change = time.time()
+        with open(path, "a") as metrics:
+            while True:
+                await asyncio.sleep(every_s)
+                info = js.info()
+                now = time.time()
+                metrics.write(json.dumps({"t": now, **{k: info.get(k) for k in (
+                    "minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages",
+                    "evals")}}) + "\n")
+                metrics.flush()
+                sig = tuple((p.get("done"), p.get("forwards")) for _, p in
+                            sorted(js.progress.items()))
+                if sig != last_sig:
+                    last_sig, last_change = sig, now
+                    if js.diagnosis:
+                        self.log.info("job moving again", job=js.id)
+                    js.diagnosis = []
+                elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
+                    diagnosis = diagnose(js.plan, js.progress, now, info.get("global_clock"))
+                    if diagnosis != js.diagnosis:
+                        js.diagnosis = diagnosis
+                        self.log.warning("job makes no progress", job=js.id,
+                                         silent_s=round(now - last_change, 1),
+                                         diagnosis=diagnosis)
+
     async def _abort(self, js: JobState, reason: str) -> None:
         assert self.channel is not None
         for w in self.workers.values():
@@ -554,6 +611,37 @@ class Head:
                 ch = await self._shard(index)
                 await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
                                  what=f"shard {index}")
+
+
+def diagnose(plan: JobPlan, progress: dict[tuple[int, int], dict[str, Any]], now: float,
+             global_clock: int | None) -> list[str]:
+    """One line per stage: what it has been waiting for (or computing), and how long."""
+    lines = []
+    for v, vw in enumerate(plan.vws):
+        for s in range(len(vw.stages)):
+            where = plan.where(v, s)
+            w = progress.get((v, s), {}).get("waiting")
+            if not w:
+                lines.append(f"{where} reports nothing it waits for")
+                continue
+            dt = now - w.get("since", now)
+            kind, p = w.get("kind"), w.get("p")
+            if kind in ("forward", "backward"):
+                lines.append(f"{where} has been running the {kind} of minibatch {p} "
+                             f"for {dt:.0f} s")
+            elif kind == "activation":
+                lines.append(f"{where} waits {dt:.0f} s for the activation of minibatch {p} "
+                             f"from {plan.where(v, s - 1)}")
+            elif kind == "gradient":
+                lines.append(f"{where} waits {dt:.0f} s for the gradient of minibatch {p} "
+                             f"from {plan.where(v, s + 1)}")
+            elif kind == "pull":
+                lines.append(f"{where} waits {dt:.0f} s at the WSP gate: the pull of wave "
+                             f"{w.get('wave')} needs global clock >= {w.get('need')}, "
+                             f"it is {global_clock}")
+            else:
+                lines.append(f"{where} waits {dt:.0f} s for {kind}")
+    return lines
 
 
 def _stage_time(progress: dict[str, Any]) -> float | None:

@@ -8,6 +8,7 @@ rejection is one line ``"<file>: <key>: <problem>"``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,20 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
+class FaultSpec:
+    """Deterministic fault injection for tests and drills: stall a stage at a minibatch.
+
+    The stage's compute blocks for ``seconds`` before the forward of ``minibatch``, as a
+    hung kernel or a stuck device would; the head's hang diagnosis must then name it.
+    """
+
+    vw: int
+    stage: int
+    minibatch: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class VWSpec:
     """One virtual worker: devices in pipeline order, layers per stage, optional own Nm."""
 
@@ -88,6 +103,8 @@ class JobSpec:
     num_vws: int | None = None
     policy: str = "auto"
     eval_every_s: float | None = None  # evaluate the global weights this often while training
+    hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
+    faults: tuple[FaultSpec, ...] = ()
 
     def to_dict(self) -> dict:
         """The job in its file's shape, as plain msgpack-able data (absent optionals omitted)."""
@@ -108,6 +125,7 @@ class JobSpec:
             train["vws"] = self.num_vws
         if self.eval_every_s is not None:
             train["eval_every_s"] = self.eval_every_s
+        train["hang_after_s"] = self.hang_after_s
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -131,13 +149,17 @@ class JobSpec:
             },
             "train": train,
             "vw": vws,
+            "fault": [dataclasses.asdict(f) for f in self.faults],
         }
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<job>") -> JobSpec:
         """Validate a job dict (a parsed file or one received from the wire)."""
         root = Table(
-            d, source, JobError, allowed=("name", "model", "data", "optimizer", "train", "vw")
+            d,
+            source,
+            JobError,
+            allowed=("name", "model", "data", "optimizer", "train", "vw", "fault"),
         )
         name = root.text("name")
         mt = root.table("model", ("name", "args"))
@@ -148,8 +170,18 @@ class JobSpec:
 
         train = root.table(
             "train",
-            ("minibatch", "nm", "staleness", "seed", "epochs", "minibatches", "vws", "policy",
-             "eval_every_s"),
+            (
+                "minibatch",
+                "nm",
+                "staleness",
+                "seed",
+                "epochs",
+                "minibatches",
+                "vws",
+                "policy",
+                "eval_every_s",
+                "hang_after_s",
+            ),
         )
         minibatch = train.at_least("minibatch", 1)
         nm = train.at_least("nm", 1, None)
@@ -163,6 +195,7 @@ class JobSpec:
             train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
         num_vws = train.at_least("vws", 1, None)
         eval_every_s = train.positive("eval_every_s", None)
+        hang_after_s = train.positive("hang_after_s", 30.0)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -185,6 +218,16 @@ class JobSpec:
             num_vws=num_vws,
             policy=policy,
             eval_every_s=eval_every_s,
+            hang_after_s=hang_after_s,
+            faults=tuple(
+                FaultSpec(
+                    ft.at_least("vw", 0),
+                    ft.at_least("stage", 0),
+                    ft.at_least("minibatch", 0),
+                    ft.positive("seconds"),
+                )
+                for ft in root.tables("fault", ("vw", "stage", "minibatch", "seconds"))
+            ),
         )
 
 

@@ -40,6 +40,7 @@ import torch
 
 from hetpipe.data import MinibatchStream
 from hetpipe.stage import StageCompute
+from hetpipe.timeline import Timeline, shares
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
 from hetpipe.wsp import is_last_of_wave, pull_need, wave_of
@@ -111,6 +112,9 @@ class StageRunner:
         self.clock = 0
         self.vw_clock = 0
         self.started = 0.0
+        self.timeline = Timeline()
+        self.waiting: dict[str, Any] | None = None  # what the stage waits for, since when
+        self.doing: dict[str, Any] | None = None  # the compute running now, since when
         # A virtual worker alone in its job skips the pulls after the first one: the global
         # weights then hold nothing but its own pushed updates, which its local weights
         # already include exactly (re-adding them would only change the rounding).
@@ -131,32 +135,60 @@ class StageRunner:
     async def run(self) -> dict[str, Any]:
         """Train this stage through all minibatches of the job; return its final stats."""
         self.started = time.monotonic()
+        self.timeline = Timeline()
         reporter = asyncio.create_task(self._report_loop())
         try:
-            await self._load_wave(0)
+            with self.timeline.span("gate", wave=0):
+                self._wait_for("pull", wave=0)
+                await self._load_wave(0)
             total = self.task.minibatches
             while self.nb < total:
                 if await self._try_backward() or await self._try_forward():
                     continue
-                await self.wakeup.wait()
+                kind = "gate" if self.waiting and self.waiting["kind"] == "pull" else "bubble"
+                with self.timeline.span(kind, self.waiting and self.waiting.get("p")):
+                    await self.wakeup.wait()
                 self.wakeup.clear()
-            await self._wait_pushes()
+            self._wait_for("push_ack")
+            with self.timeline.span("push"):
+                await self._wait_pushes()
+            self.waiting = None
         finally:
             reporter.cancel()
             for t in self.pulls.values():
                 t.cancel()
         return self.final_stats()
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    def _wait_for(self, kind: str, **what: Any) -> None:
+        """Say what the stage waits for (the head diagnoses hangs from it)."""
+        if self.waiting is None or self.waiting["kind"] != kind or any(
+                self.waiting.get(k) != v for k, v in what.items()):
+            self.waiting = {"kind": kind, "since": time.time(), **what}
+
+    async def _compute(self, kind: str, p: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the compute thread as one span; ``doing`` shows it meanwhile."""
+        self.doing = {"kind": kind, "p": p, "since": time.time()}
+        try:
+            with self.timeline.span(kind, p, wave_of(p, self.task.nm)):
+                return await asyncio.get_running_loop().run_in_executor(
+                    self.executor, fn, *args)
+        finally:
+            self.doing = None
+
+    async def _send(self, kind: str, p: int, tensors: dict[str, torch.Tensor]) -> None:
+        with self.timeline.span("send", p, wave_of(p, self.task.nm)):
+            await self.send(kind, p, tensors)
 
     async def _try_backward(self) -> bool:
         p = self.nb
-        if self.task.is_last or p >= self.nf or p not in self.grads:
+        if self.task.is_last or p >= self.nf:
             return False
-        grad_in = await self._run(self.c.backward, p, self.grads.pop(p))
+        if p not in self.grads:
+            self._wait_for("gradient", p=p)
+            return False
+        grad_in = await self._compute("backward", p, self.c.backward, p, self.grads.pop(p))
         if not self.task.is_first and grad_in is not None:
-            await self.send(Kind.GRAD, p, {"g": grad_in})
+            await self._send(Kind.GRAD, p, {"g": grad_in})
         await self._after_backward(p)
         return True
 
@@ -176,24 +208,28 @@ class StageRunner:
             self._start_pull(c)
             task = self.pulls[c]
             if not task.done():
+                self._wait_for("pull", wave=c, p=p, need=pull_need(c, self.task.staleness))
                 return False
-            await self._merge(c, task.result())
+            with self.timeline.span("merge", p, c):
+                await self._merge(c, task.result())
         if self.task.is_first:
             x, y = self.stream.batch(p)  # type: ignore[union-attr]
         elif p in self.acts:
             x, y = self.acts.pop(p)
         else:
+            if self.nb >= self.nf:
+                self._wait_for("activation", p=p)
             return False
         rec = Record(p=p, wave=c, clock=self.clock, vw_clock=self.vw_clock, t_fwd=time.time())
         self.records[p] = rec
-        out, grad_in = await self._run(self.c.forward, p, x, y)
+        out, grad_in = await self._compute("forward", p, self.c.forward, p, x, y)
         self.nf = p + 1
         if self.task.is_last:
             if not self.task.is_first and grad_in is not None:
-                await self.send(Kind.GRAD, p, {"g": grad_in})
+                await self._send(Kind.GRAD, p, {"g": grad_in})
             await self._after_backward(p)
         else:
-            await self.send(Kind.ACT, p, {"x": out, "y": y})
+            await self._send(Kind.ACT, p, {"x": out, "y": y})
             # prefetch the pull of the next wave as soon as its first forward is next
             nxt = wave_of(self.nf, self.task.nm)
             if self.pulls_needed and self.nf < total and nxt > self.merged_wave and (
@@ -212,7 +248,9 @@ class StageRunner:
             rec.loss = self.c.stats.last_loss
         self.nb = p + 1
         if is_last_of_wave(p, self.task.nm, self.task.minibatches):
-            await self._push(wave_of(p, self.task.nm))
+            c = wave_of(p, self.task.nm)
+            with self.timeline.span("push", p, c):
+                await self._push(c)
 
     # -- parameter server -------------------------------------------------------------------
 
@@ -226,7 +264,8 @@ class StageRunner:
         """Send this stage's update of ``wave`` to each shard; acks are awaited later."""
         if not self.c.has_state:
             return
-        deltas = await self._run(self.c.push_deltas, wave, self.pulls_needed)
+        deltas = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.c.push_deltas, wave, self.pulls_needed)
         fields = {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage,
                   "wave": wave}
         for shard, names in self._shard_names().items():
@@ -273,7 +312,8 @@ class StageRunner:
             clock = r["clock"] if clock is None else min(clock, r["clock"])
             vw_clock = r["vw_clock"] if vw_clock is None else min(vw_clock, r["vw_clock"])
         if pulled:
-            await self._run(self.c.load, pulled, applied)
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.c.load, pulled, applied)
         self.clock = clock if clock is not None else c
         self.vw_clock = vw_clock if vw_clock is not None else c
         self.merged_wave = c
@@ -284,7 +324,12 @@ class StageRunner:
     def progress(self) -> dict[str, Any]:
         s = self.c.stats
         recent = s.losses[-20:]
+        elapsed = self.timeline.elapsed()
         return {
+            "timing": dict(self.timeline.totals),
+            "shares": shares(self.timeline.totals, elapsed),
+            "timeline_elapsed_s": elapsed,
+            "waiting": self.doing or self.waiting,
             "done": self.nb,
             "forwards": self.nf,
             "total": self.task.minibatches,
@@ -306,5 +351,6 @@ class StageRunner:
     def final_stats(self) -> dict[str, Any]:
         out = self.progress()
         out["records"] = [self.records[p].row() for p in sorted(self.records)]
+        out["spans"] = self.timeline.spans
         out["record_fields"] = list(Record.FIELDS)
         return out

@@ -103,6 +103,10 @@ class StageCompute:
         self.in_flight: dict[int, _InFlight] = {}
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         self.stats = StageStats()
+        self.stalls: dict[int, list[float]] = {}
+        for f in self.spec.faults:
+            if (f.vw, f.stage) == (task.vw, task.stage):
+                self.stalls.setdefault(f.minibatch, []).append(f.seconds)
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         self.weight_bytes = sum(
             p.numel() * p.element_size() for p in self.module.parameters()
@@ -129,6 +133,8 @@ class StageCompute:
         Returns ``(activation, None)`` for the next stage, or on the last stage
         ``(None, grad_of_input)`` after the loss and the backward ran on the same version.
         """
+        for fault in self.stalls.get(p, ()):
+            time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = time.perf_counter()
         x = x.to(self.dev, non_blocking=True)
         if not self.task.is_first and x.is_floating_point():

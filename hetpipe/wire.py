@@ -57,7 +57,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
-MAX_HEADER_BYTES = 1 << 20
+# A stage's final report (per-minibatch records and timeline spans of a long job) and a
+# job's trace travel in headers, so the bound is generous; decoding work and memory stay
+# proportional to the bytes actually received.
+MAX_HEADER_BYTES = 64 << 20
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying beats zero-copy
 MAX_DIMS = 16
 MAX_NESTING = 64  # depth of dict/list field values; bounds validation work on hostile input
@@ -100,6 +103,7 @@ class Kind(StrEnum):
     PROFILE = "profile"
     PLAN = "plan"
     MEASURE = "measure"
+    TRACE = "trace"
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.PROFILE: {"rid": _INT, "job": _DICT},  # client -> head: profile every device type
     Kind.PLAN: {"rid": _INT, "job": _DICT},  # client -> head: the plan the head would run
     Kind.MEASURE: {"rid": _INT, "job": _DICT},  # head -> worker: profile the job's layers here
+    Kind.TRACE: {"rid": _INT, "job": _STR},  # client -> head: a finished job's Chrome trace
 }
 
 _missing_schemas = set(Kind) - set(SCHEMAS)

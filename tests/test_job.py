@@ -199,7 +199,7 @@ CASES = [
         'name = "t"',
         'name = "t"\nowner = "me"',
         "owner",
-        "unknown key (allowed: data, model, name, optimizer, train, vw)",
+        "unknown key (allowed: data, fault, model, name, optimizer, train, vw)",
     ),
     (
         "unknown-model",
