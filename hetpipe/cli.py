@@ -67,6 +67,23 @@ def cluster_option(f: Any) -> Any:
                         help="Cluster description (overrides the group option).")(f)
 
 
+def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One request to the head; its ``info``."""
+
+    async def go() -> dict[str, Any]:
+        async with HeadClient(obj.head, timeout=timeout) as client:
+            return await client.call(kind, fields)
+
+    return _run(go())
+
+
+def _load_job_or_fail(job_file: str) -> Any:
+    try:
+        return load_job(job_file)
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _run(coro: Any) -> Any:
     try:
         return asyncio.run(coro)
@@ -224,10 +241,7 @@ def _job_line(j: dict[str, Any]) -> str:
 @click.pass_obj
 def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
     """Send a job to the head; --wait follows it."""
-    try:
-        spec = load_job(job_file)
-    except JobError as exc:
-        raise click.ClickException(str(exc)) from None
+    spec = _load_job_or_fail(job_file)
     info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
                                   as_json=as_json, timeout=timeout))
     if info is not None and info["state"] != "done":
@@ -304,7 +318,7 @@ class Progress:
         self.drawn = 0
 
     def update(self, info: dict[str, Any]) -> None:
-        if not self.enabled or info["state"] not in ("running", "planning"):
+        if not self.enabled or info["state"] != "running" or not info.get("total"):
             return
         now = time.monotonic()
         if not self.tty and now - self.last < 2.0:
@@ -375,13 +389,6 @@ def _ms(seconds: float | None) -> str:
 # -- profile / plan -------------------------------------------------------------------------
 
 
-def _load_job_or_fail(job_file: str) -> Any:
-    try:
-        return load_job(job_file)
-    except JobError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
 @main.command()
 @cluster_option
 @click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False),
@@ -391,12 +398,7 @@ def _load_job_or_fail(job_file: str) -> Any:
 def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Measure every layer on one worker of each device type (stored and reused)."""
     spec = _load_job_or_fail(job_file)
-
-    async def go() -> dict[str, Any]:
-        async with HeadClient(obj.head, timeout=900) as client:
-            return await client.call(Kind.PROFILE, {"job": spec.to_dict()})
-
-    prof = _run(go())["profile"]
+    prof = _ask(obj, Kind.PROFILE, {"job": spec.to_dict()}, timeout=900)["profile"]
     if as_json:
         click.echo(json.dumps(prof))
         return
@@ -428,12 +430,7 @@ def render_profile(prof: dict[str, Any]) -> str:
 def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Show the plan the head would run: VWs, stages, predicted times, memory, Nm."""
     spec = _load_job_or_fail(job_file)
-
-    async def go() -> dict[str, Any]:
-        async with HeadClient(obj.head, timeout=900) as client:
-            return await client.call(Kind.PLAN, {"job": spec.to_dict()})
-
-    info = _run(go())
+    info = _ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
 
 
@@ -446,12 +443,7 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @click.pass_obj
 def trace(obj: Ctx, job: str, output: str, png: str | None) -> None:
     """Write a finished job's timeline: one track per device."""
-
-    async def go() -> dict[str, Any]:
-        async with HeadClient(obj.head, timeout=60) as client:
-            return await client.call(Kind.TRACE, {"job": job})
-
-    data = _run(go())
+    data = _ask(obj, Kind.TRACE, {"job": job}, timeout=60)
     Path(output).write_text(json.dumps(data))
     n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
     click.echo(f"trace: {n} events of job {job} -> {output}")
@@ -479,10 +471,7 @@ DEMO_JOB = Path(__file__).with_name("demo.toml")
 @click.pass_obj
 def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     """Start the cluster, train the demo job under WSP, show the result, stop the cluster."""
-    try:
-        spec = load_job(job_file)
-    except JobError as exc:
-        raise click.ClickException(str(exc)) from None
+    spec = _load_job_or_fail(job_file)
     cluster = obj.cluster
     started = not launch.running(obj.run_dir)
     if started:
@@ -499,12 +488,7 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
         _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60))
         click.echo(f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
                    f"staleness D = {spec.staleness}; profiling and planning ...")
-
-        async def plan_it() -> dict[str, Any]:
-            async with HeadClient(obj.head, timeout=600) as client:
-                return await client.call(Kind.PLAN, {"job": spec.to_dict()})
-
-        click.echo(_run(plan_it())["table"])
+        click.echo(_ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)["table"])
         info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=True, as_json=False,
                                       timeout=timeout))
     finally:

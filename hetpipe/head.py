@@ -417,7 +417,6 @@ class Head:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
             return
-        plan = js.plan
         try:
             js.state = "running"
             js.started = time.time()
@@ -446,7 +445,6 @@ class Head:
             for w in self.workers.values():
                 if w.job == js.id:
                     w.job = w.vw = w.stage = None
-            del plan
 
     async def _race(self, js: JobState, aw: Any) -> Any:
         """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
