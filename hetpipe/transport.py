@@ -132,8 +132,12 @@ class Channel:
             )
         return self
 
-    async def close(self) -> None:
-        """Stop the reader, fail pending requests, close the socket without lingering."""
+    async def close(self, linger_ms: int = 0) -> None:
+        """Stop the reader, fail pending requests, close the socket.
+
+        ``linger_ms`` lets messages already queued still leave (a stage's last gradient must
+        reach its predecessor even if this stage is done first).
+        """
         self.closed = True
         if self._task is not None:
             self._task.cancel()
@@ -143,7 +147,7 @@ class Channel:
             if not fut.done():
                 fut.set_exception(ConnectionError(f"{self.name}: channel closed"))
         self._pending.clear()
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
 
     # -- sending ----------------------------------------------------------------------------
 

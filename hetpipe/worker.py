@@ -36,6 +36,7 @@ from hetpipe.wire import Kind, Message
 __all__ = ["Worker", "main", "serve"]
 
 HELLO_RETRY_S = 2.0
+LINGER_MS = 2000  # queued activations/gradients still leave when a stage ends
 
 
 class _Job:
@@ -57,7 +58,7 @@ class _Job:
             with contextlib.suppress(BaseException):
                 await self.run_task
         for ch in self.channels:
-            await ch.close()
+            await ch.close(linger_ms=LINGER_MS)
 
 
 class Worker:
