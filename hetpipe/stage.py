@@ -103,6 +103,7 @@ class StageCompute:
         self.in_flight: dict[int, _InFlight] = {}
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         self.stats = StageStats()
+        self._saved_bytes: dict[tuple[int, ...], int] = {}
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
             if (f.vw, f.stage) == (task.vw, task.stage):
@@ -141,8 +142,14 @@ class StageCompute:
             x = x.detach().requires_grad_()
         params = self.params
         before = {n: b.clone() for n, b in self.buffers.items()}
-        saved = _SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        # bytes saved for backward depend only on the input's shape: count them once
+        known = self._saved_bytes.get(tuple(x.shape))
+        if known is None:
+            saved = _SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = functional_call(self.module, {**params, **self.buffers}, (x,))
+            known = self._saved_bytes[tuple(x.shape)] = saved.bytes
+        else:
             out = functional_call(self.module, {**params, **self.buffers}, (x,))
         if before:
             self._accumulate(wave_of(p, self.task.nm), {
@@ -150,7 +157,7 @@ class StageCompute:
             })
         self.stats.forwards += 1
         flight = _InFlight(x=x, out=out, params=params, version=self.version,
-                           fingerprint=_fingerprint(params), saved_bytes=saved.bytes)
+                           fingerprint=_fingerprint(params), saved_bytes=known)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
@@ -199,20 +206,25 @@ class StageCompute:
         if not grads:
             return
         updated = self.optimizer.step(self.params, grads)
+        names = list(updated)
         with torch.no_grad():
-            deltas = {n: w - self.params[n] for n, w in updated.items()}
-        self.params = {**self.params, **{n: w.requires_grad_() for n, w in updated.items()}}
+            new = [updated[n] for n in names]
+            deltas = torch._foreach_sub(new, [self.params[n] for n in names])
+        self.params = {**self.params, **{n: w.requires_grad_() for n, w in zip(names, new,
+                                                                               strict=True)}}
         self.version += 1
-        self._accumulate(wave_of(p, self.task.nm), deltas)
+        self._accumulate(wave_of(p, self.task.nm), dict(zip(names, deltas, strict=True)))
 
     def _accumulate(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
+        """Add ``deltas`` to the update of ``wave`` (one fused add for the names it has)."""
         acc = self.acc.setdefault(wave, {})
         with torch.no_grad():
+            have = [n for n in deltas if n in acc]
+            if have:
+                torch._foreach_add_([acc[n] for n in have], [deltas[n] for n in have])
             for n, d in deltas.items():
-                if n in acc:
-                    acc[n].add_(d)
-                else:
-                    acc[n] = d.detach().clone()
+                if n not in acc:
+                    acc[n] = d.detach()  # a fresh tensor: it becomes the accumulator
 
     # -- parameter server -------------------------------------------------------------------
 
@@ -280,9 +292,17 @@ class StageCompute:
 
 
 def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
-    """A cheap digest of a weight version (a few elements of each tensor)."""
+    """A cheap digest of a weight version: a few elements of its first and last tensors.
+
+    Every update changes every parameter that has a gradient, so these few values tell
+    versions apart; reading them at backward time observes the weights actually used.
+    """
+    if not params:
+        return 0.0
+    tensors = list(params.values())
     with torch.no_grad():
-        return float(sum(t.reshape(-1)[:8].double().sum() for t in params.values()))
+        return float(tensors[0].reshape(-1)[:8].double().sum()
+                     + tensors[-1].reshape(-1)[:8].double().sum())
 
 
 class _SavedBytes:

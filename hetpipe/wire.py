@@ -465,17 +465,20 @@ def _tensor(
         return name, torch.empty(shape, dtype=dtype)
     if buf.nbytes < ZERO_COPY_MIN_BYTES:
         flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    else:
+    elif buf.readonly:
         # A read-only frame (bytes) is fine: we never write into it. catch_warnings swaps the
-        # process-wide filter list, so decode large tensors from one thread at a time.
+        # process-wide filter list (and costs tens of microseconds), so it is only used here;
+        # received zmq frames are writable and skip it.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             flat = torch.frombuffer(buf, dtype=torch.uint8)
-        if flat.data_ptr() % dtype.itemsize:  # misaligned memory: pay one copy
-            flat = flat.clone()
+    else:
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if flat.data_ptr() % dtype.itemsize:  # misaligned memory: pay one copy
+        flat = flat.clone()
     if dtype is torch.bool and bool((flat > 1).any()):
         raise WireError(f"tensor {name!r}: bool frame {index} holds bytes other than 0 and 1")
-    return name, flat.view(dtype).reshape(shape)
+    return name, flat.view(dtype).view(shape)
 
 
 def decode(

@@ -15,6 +15,11 @@ Byte counts are per minibatch at the profile's minibatch size:
 ``saved_bytes``       what autograd keeps for the backward (not counting parameters)
 ``work_bytes``        transient peak beyond the saved tensors (output + input gradient)
 ====================  =========================================================
+
+``update_s`` is the per-minibatch cost of what the runtime does with the layer's state besides
+its forward and backward: the out-of-place optimizer step, the update accumulated for the
+parameter server, the weight fingerprints, and the batch-norm statistics deltas. It is small
+for a layer of few large tensors and dominant for a stage of many tiny ones.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ class LayerProfile:
     out_bytes: int
     saved_bytes: int
     work_bytes: int
+    update_s: float = 0.0  # optimizer step and bookkeeping of the layer's state (see above)
+
+    @property
+    def time_s(self) -> float:
+        """Everything the layer costs a stage per minibatch: forward, backward, update."""
+        return self.fwd_s + self.bwd_s + self.update_s
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +77,7 @@ class LayerProfile:
             int(d["out_bytes"]),
             int(d["saved_bytes"]),
             int(d["work_bytes"]),
+            float(d.get("update_s", 0.0)),
         )
 
 
@@ -122,7 +134,8 @@ class ModelProfile:
 
 
 def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:
-    """Scale times and per-minibatch activation bytes by ``factor``; parameters stay."""
+    """Scale times and per-minibatch activation bytes by ``factor``; parameters stay, and so
+    does the update cost (it depends on the parameters, not on the minibatch)."""
     return tuple(
         LayerProfile(
             lp.fwd_s * factor,
@@ -132,12 +145,15 @@ def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerPr
             math.ceil(lp.out_bytes * factor),
             math.ceil(lp.saved_bytes * factor),
             math.ceil(lp.work_bytes * factor),
+            lp.update_s,
         )
         for lp in layers
     )
 
 
 # --------------------------------------------------------------------------- measurement
+
+Step = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]]
 
 
 def measure_layers(
@@ -149,17 +165,26 @@ def measure_layers(
     warmup: int = 2,
     repeats: int = 5,
     loss_fn: Callable[[Any], Any] | None = None,
+    step: Step | None = None,
 ) -> tuple[LayerProfile, ...]:
     """Profile each element of an ``nn.Sequential`` on ``device`` with a real minibatch.
 
     Each layer runs alone on the previous layer's (detached) output, so its forward and
-    backward are timed without the rest of the model. Times are the median over ``repeats``
-    runs after ``warmup`` runs, divided by ``speed`` (an emulated device with speed 0.25 is
-    profiled 4x slower, which is what the planner must see for that type). The last layer's
-    backward starts from ``loss_fn(output)`` when given (bind labels with a closure), else
-    from a gradient of ones. Saved bytes come from ``saved_tensors_hooks``: every tensor
-    autograd keeps, deduplicated by storage, minus the layer's own parameters and buffers
-    (those are counted once as parameters).
+    backward are timed without the rest of the model. The layers are timed in interleaved
+    passes (layer 0, 1, ..., then again), so a burst of load from another process spoils one
+    sample of every layer rather than every sample of one; each time is the median over
+    ``repeats`` passes after ``warmup`` passes, divided by ``speed`` (an emulated device with
+    speed 0.25 is profiled 4x slower, which is what the planner must see for that type).
+
+    The first layer gets an input that needs no gradient, as stage 0 of a pipeline does; the
+    others compute their input's gradient. The last layer's backward starts from
+    ``loss_fn(output)`` when given (bind labels with a closure), else from a gradient of ones.
+    ``update_s`` times what the runtime does with the layer's state after each backward:
+    ``step(params, grads) -> new params`` (out of place; default: SGD with momentum and weight
+    decay), the delta and its accumulation, two weight fingerprints, and the batch-norm
+    statistics' delta. Saved bytes come from ``saved_tensors_hooks``: every tensor autograd
+    keeps, deduplicated by storage, minus the layer's own parameters and buffers (those are
+    counted once as parameters).
 
     The layers are moved to ``device`` in place and run in training mode, so batch-norm
     running statistics change: profile a fresh model, not one being trained.
@@ -168,25 +193,33 @@ def measure_layers(
 
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
-    layers = list(model)
+    layers = [layer.to(device) for layer in model]
+    n = len(layers)
+    # inputs of every layer, from one untimed pass
+    inputs = []
     x = example.to(device)
-    out: list[LayerProfile] = []
-    for i, layer in enumerate(layers):
-        layer = layer.to(device)
-        last = i == len(layers) - 1
-        own = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        own |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
-        fwd: list[float] = []
-        bwd: list[float] = []
-        saved = 0
-        y = None
-        for rep in range(warmup + repeats):
-            inp = x.detach()
-            if inp.is_floating_point():
+    for layer in layers:
+        inputs.append(x)
+        with torch.no_grad():
+            x = layer(x)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    upd: list[list[float]] = [[] for _ in range(n)]
+    saved = [0] * n
+    outs: list[Any] = [None] * n
+    owns = [
+        {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        for layer in layers
+    ]
+    states = [_UpdateState(layer, step) for layer in layers]
+    for rep in range(warmup + repeats):
+        for i, layer in enumerate(layers):
+            inp = inputs[i].detach()
+            if i > 0 and inp.is_floating_point():
                 inp.requires_grad_(True)
             seen: dict[int, int] = {}
 
-            def pack(t: Any, seen: dict[int, int] = seen, own: set[int] = own) -> Any:
+            def pack(t: Any, seen: dict[int, int] = seen, own: set[int] = owns[i]) -> Any:
                 st = t.untyped_storage()
                 if st.data_ptr() not in own:
                     seen[st.data_ptr()] = st.nbytes()
@@ -196,7 +229,7 @@ def measure_layers(
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = layer(inp)
-                target = loss_fn(y) if (last and loss_fn is not None) else y
+                target = loss_fn(y) if (i == n - 1 and loss_fn is not None) else y
             _sync(device)
             t1 = time.perf_counter()
             if target.requires_grad:
@@ -206,29 +239,89 @@ def measure_layers(
                     target.backward(torch.ones_like(target))
             _sync(device)
             t2 = time.perf_counter()
+            states[i].run()
+            _sync(device)
+            t3 = time.perf_counter()
             layer.zero_grad(set_to_none=True)
+            outs[i] = y
             if rep >= warmup:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-                saved = sum(seen.values())
-        assert y is not None
+                fwd[i].append(t1 - t0)
+                bwd[i].append(t2 - t1)
+                upd[i].append(t3 - t2)
+                saved[i] = sum(seen.values())
+    out: list[LayerProfile] = []
+    for i, layer in enumerate(layers):
+        y, x = outs[i], inputs[i]
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
         out_bytes = y.numel() * y.element_size()
-        in_grad = x.numel() * x.element_size() if x.is_floating_point() else 0
+        in_grad = x.numel() * x.element_size() if i > 0 and x.is_floating_point() else 0
         out.append(
             LayerProfile(
-                statistics.median(fwd) / speed,
-                statistics.median(bwd) / speed,
+                statistics.median(fwd[i]) / speed,
+                statistics.median(bwd[i]) / speed,
                 params,
                 buffers,
                 out_bytes,
-                saved,
+                saved[i],
                 out_bytes + in_grad,
+                statistics.median(upd[i]) / speed,
             )
         )
-        x = y.detach()
     return tuple(out)
+
+
+class _UpdateState:
+    """The runtime's per-minibatch work on one layer's state, on copies of its tensors.
+
+    Mirrors a stage's backward epilogue and forward bookkeeping: the optimizer builds new
+    weights out of place, the delta is added to the wave's accumulator, the weights are
+    fingerprinted (at forward and at backward), and buffers are cloned before the forward
+    and their change accumulated.
+    """
+
+    def __init__(self, layer: Any, step: Step | None) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.params = {n: p.detach().clone() for n, p in layer.named_parameters()}
+            self.grads = {n: torch.full_like(p, 1e-3) for n, p in self.params.items()}
+            self.acc = {n: torch.zeros_like(p) for n, p in self.params.items()}
+            self.buffers = [b.detach().clone() for b in layer.buffers() if b.is_floating_point()]
+            self.buf_acc = [torch.zeros_like(b) for b in self.buffers]
+        self.momentum: dict[str, Any] = {}
+        self.step = step or self._sgd
+
+    def _sgd(self, params: Mapping[str, Any], grads: Mapping[str, Any]) -> dict[str, Any]:
+        import torch
+
+        new = {}
+        for n, g in grads.items():
+            g = g.add(params[n], alpha=1e-4)
+            buf = self.momentum.get(n)
+            if buf is None:
+                buf = self.momentum[n] = g.clone()
+            else:
+                buf.mul_(0.9).add_(g)
+            new[n] = torch.add(params[n], buf, alpha=-1e-3)
+        return new
+
+    def run(self) -> None:
+        import torch
+
+        if not self.params and not self.buffers:
+            return
+        with torch.no_grad():
+            for b, acc in zip(self.buffers, self.buf_acc, strict=True):
+                before = b.clone()
+                acc.add_(b - before)
+            for t in self.params.values():
+                float(t.reshape(-1)[:8].double().sum())
+            new = self.step(self.params, self.grads)
+            for n, w in new.items():
+                self.acc[n].add_(w - self.params[n])
+                float(w.reshape(-1)[:8].double().sum())
+            # keep the weights as they were, so repeated runs time the same work
 
 
 def _sync(device: str) -> None:
