@@ -1,4 +1,4 @@
-"""Training throughput of one 4-stage virtual worker on CPU: hetpipe vs torch.distributed.pipelining.
+"""Training throughput of one 4-stage virtual worker on CPU: ours vs torch.distributed.pipelining.
 
 Both sides train the same ``nn.Sequential`` (same builder, same seed), cut into the same four
 contiguous stages, one process per stage with one intra-op thread each, on this host:
@@ -16,7 +16,13 @@ warm-up (the first ``--warmup`` minibatches) and the end of the run, each measur
 when the backward of the last minibatch of the window finishes there. The head's own figure
 for the whole job (start-up and first pull included) is printed too.
 
+Each side runs ``--rounds`` times, the sides alternating (ours, torch, torch, ours, ...), and
+the median run of each side is reported: other processes on a small shared host move single
+runs by tens of percent. CPU seconds per sample (all processes of a side) are printed as well,
+and ours split by thread kind (compute threads, event loops, ZeroMQ I/O, parameter server).
+
     python scripts/bench_pipeline.py [--json] [--minibatches N] [--microbatch B] [--model cnn]
+                                     [--rounds R]
 
 With ``--json`` the last line is one JSON object with both figures and
 ``ratio_vs_torch_pipelining`` (ours / torch, steady state).
@@ -32,15 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _bench import emit_json, free_port, machine, parser, print_table
+
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
 STAGES = 4
 NM = 4  # minibatches in flight (ours) = microbatches per schedule step (torch)
 # model -> (builder args, data, layers per stage); splits balance the measured stage times
 MODELS: dict[str, tuple[dict[str, Any], str, list[int]]] = {
-    "cnn": ({"width": 64}, "digits", [3, 1, 3, 9]),
+    "cnn": ({"width": 64}, "digits", [3, 1, 4, 8]),
     "mlp": ({"hidden": [1024] * 5}, "digits", [5, 2, 2, 3]),
 }
 LR, MOMENTUM, SEED = 0.05, 0.9, 0
@@ -55,8 +61,13 @@ def job_dict(model: str, minibatch: int, minibatches: int) -> dict[str, Any]:
         "model": {"name": model, "args": args},
         "data": {"name": data},
         "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0},
-        "train": {"minibatch": minibatch, "nm": NM, "staleness": 0, "seed": SEED,
-                  "minibatches": minibatches},
+        "train": {
+            "minibatch": minibatch,
+            "nm": NM,
+            "staleness": 0,
+            "seed": SEED,
+            "minibatches": minibatches,
+        },
         "vw": [{"devices": [f"gpu{i}" for i in range(STAGES)], "layers": split}],
     }
 
@@ -74,9 +85,13 @@ def run_ours(job: dict[str, Any], warmup: int, shards: int) -> dict[str, Any]:
         devices = [DeviceDef(f"gpu{i}", "fast", "1GiB", 1.0) for i in range(STAGES)]
         path.write_text(cluster_toml(devices, shards=shards))
         with LocalCluster(path, root / "run", timeout=60) as cluster:
+            cpu0 = {name: _cpu_s(p.pid) for name, p in cluster.procs.items()}
+            threads0 = {name: _thread_cpu_s(p.pid) for name, p in cluster.procs.items()}
             t0 = time.perf_counter()
             info = cluster.submit(job, timeout=900)
             wall = time.perf_counter() - t0
+            cpu = {name: _cpu_s(p.pid) - cpu0[name] for name, p in cluster.procs.items()}
+            by_kind = _by_kind(cluster.procs, threads0)
             if info.get("state") != "done":
                 raise RuntimeError(f"our job ended {info.get('state')}: {info.get('error')}")
             stages = json.loads(Path(info["stages_path"]).read_text())
@@ -89,16 +104,63 @@ def run_ours(job: dict[str, Any], warmup: int, shards: int) -> dict[str, Any]:
     per_stage = []
     for s in range(STAGES):
         st = stages[f"vw0/stage{s}"]["stats"]
-        per_stage.append({"stage": s, "forward_s": st["forward_s"], "backward_s": st["backward_s"],
-                          "elapsed_s": st["elapsed_s"]})
+        per_stage.append(
+            {
+                "stage": s,
+                "forward_s": st["forward_s"],
+                "backward_s": st["backward_s"],
+                "elapsed_s": st["elapsed_s"],
+            }
+        )
     return {
         "samples_per_s": (n - warmup) * minibatch / (t_end - t_start),
+        # whole job (start-up included), every daemon: an upper bound of the steady cost
+        "cpu_ms_per_sample": 1e3 * sum(cpu.values()) / (n * minibatch),
+        "cpu_s": cpu,
+        "cpu_s_by_thread": by_kind,
         "job_samples_per_s": info["samples_per_s"],
         "job_seconds": info["seconds"],
         "submit_to_done_s": wall,
         "window_s": t_end - t_start,
         "stages": per_stage,
     }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds of each thread of a process: {tid: (thread name, seconds)}."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (name, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def _by_kind(procs: dict[str, Any], before: dict[str, dict[int, tuple[str, float]]]) -> dict:
+    """Our daemons' CPU seconds over the job by what runs it: the workers' compute threads,
+    their event loops (main thread), ZeroMQ I/O threads, and the parameter-server processes."""
+    kinds = {"compute": 0.0, "event_loop": 0.0, "zmq_io": 0.0, "ps": 0.0}
+    for name, proc in procs.items():
+        for tid, (comm, secs) in _thread_cpu_s(proc.pid).items():
+            used = secs - before[name].get(tid, (comm, 0.0))[1]
+            if not name.startswith("worker-"):
+                kinds["ps"] += used
+            elif comm.startswith("ZMQbg"):
+                kinds["zmq_io"] += used
+            elif tid == proc.pid:
+                kinds["event_loop"] += used
+            else:
+                kinds["compute"] += used
+    return kinds
 
 
 # --------------------------------------------------------------------------- torch
@@ -113,14 +175,15 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
     from hetpipe.models import build_model, cross_entropy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank,
-                            world_size=STAGES)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=STAGES
+    )
     try:
         torch.manual_seed(SEED)
         model = build_model(job["model"]["name"], job["model"]["args"])
         split = job["vw"][0]["layers"]
         first = sum(split[:rank])
-        part = model[first:first + split[rank]]
+        part = model[first : first + split[rank]]
         part.train()
         stage = PipelineStage(part, rank, STAGES, torch.device("cpu"))
         schedule = Schedule1F1B(stage, n_microbatches=NM, loss_fn=cross_entropy)
@@ -131,7 +194,8 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
             data = load_dataset(job["data"]["name"], job["data"].get("args"))
             stream = MinibatchStream(data, train["minibatch"], train["seed"])
         steps = train["minibatches"] // NM
-        t_start = t_end = 0.0
+        t_start = 0.0
+        cpu_start = time.process_time()  # from the first step: warm-up included, as ours
         for step in range(steps):
             if stream is not None:
                 batches = [stream.batch(step * NM + i) for i in range(NM)]
@@ -147,9 +211,10 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
             opt.zero_grad()
             if (step + 1) * NM == warmup:
                 t_start = time.perf_counter()
-        t_end = time.perf_counter()
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({"t_start": t_start, "t_end": t_end}))
+        t_end, cpu = time.perf_counter(), time.process_time() - cpu_start
+        Path(f"{out_path}.{rank}").write_text(
+            json.dumps({"t_start": t_start, "t_end": t_end, "cpu_s": cpu})
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -165,8 +230,13 @@ def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hetpipe-bench-") as tmp:
         out_path = str(Path(tmp) / "torch.json")
         t0 = time.perf_counter()
-        ctx = tmp_mp.start_processes(_torch_rank, args=(job, free_port(HOST), warmup, out_path),
-                                     nprocs=STAGES, join=False, start_method="spawn")
+        ctx = tmp_mp.start_processes(
+            _torch_rank,
+            args=(job, free_port(HOST), warmup, out_path),
+            nprocs=STAGES,
+            join=False,
+            start_method="spawn",
+        )
         try:
             while not ctx.join():
                 pass
@@ -179,10 +249,15 @@ def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
                     p.kill()
                     p.join()
         wall = time.perf_counter() - t0
-        times = json.loads(Path(out_path).read_text())
-    window = times["t_end"] - times["t_start"]
-    return {"samples_per_s": (n - warmup) * minibatch / window, "window_s": window,
-            "spawn_to_done_s": wall}
+        ranks = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(STAGES)]
+    window = ranks[0]["t_end"] - ranks[0]["t_start"]
+    return {
+        "samples_per_s": (n - warmup) * minibatch / window,
+        "window_s": window,
+        "spawn_to_done_s": wall,
+        "cpu_ms_per_sample": 1e3 * sum(r["cpu_s"] for r in ranks) / (n * minibatch),
+        "cpu_s": [r["cpu_s"] for r in ranks],
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -191,51 +266,127 @@ def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model", choices=sorted(MODELS), default="cnn")
-    ap.add_argument("--minibatches", type=int, default=400,
-                    help="minibatches per side (a multiple of 4)")
-    ap.add_argument("--microbatch", type=int, default=32,
-                    help="our minibatch size = torch's microbatch size")
-    ap.add_argument("--warmup", type=int, default=40,
-                    help="minibatches left out of the count (a multiple of 4)")
+    ap.add_argument(
+        "--minibatches", type=int, default=400, help="minibatches per side (a multiple of 4)"
+    )
+    ap.add_argument(
+        "--microbatch", type=int, default=32, help="our minibatch size = torch's microbatch size"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=40, help="minibatches left out of the count (a multiple of 4)"
+    )
     ap.add_argument("--shards", type=int, default=1, help="parameter-server shards (ours)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="run each side this many times, alternating (ABBA...), report the median run",
+    )
     args = ap.parse_args()
     if args.minibatches % NM or args.warmup % NM or not 0 < args.warmup < args.minibatches:
         ap.error(f"--minibatches and --warmup must be multiples of {NM}, warmup < minibatches")
     torch.set_num_threads(1)
     job = job_dict(args.model, args.microbatch, args.minibatches)
-    ours = run_ours(job, args.warmup, args.shards)
-    theirs = run_torch(job, args.warmup)
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "torch": []}
+    for r in range(args.rounds):
+        order = ("ours", "torch") if r % 2 == 0 else ("torch", "ours")
+        for side in order:
+            if side == "ours":
+                runs[side].append(run_ours(job, args.warmup, args.shards))
+            else:
+                runs[side].append(run_torch(job, args.warmup))
+    # the run with the median throughput of each side (its other figures go with it)
+    ours, theirs = (
+        sorted(runs[k], key=lambda x: x["samples_per_s"])[len(runs[k]) // 2]
+        for k in ("ours", "torch")
+    )
     ratio = ours["samples_per_s"] / theirs["samples_per_s"]
 
     cfg = MODELS[args.model]
-    print(f"one virtual worker, {STAGES} stages {cfg[2]} of {args.model} {cfg[0]} on "
-          f"{cfg[1]}, minibatch {args.microbatch}, {NM} in flight, {args.minibatches} "
-          f"minibatches ({args.warmup} warm-up), 1 thread per stage, "
-          f"{machine()['cores']} cores")
-    print_table(["side", "samples/s", "window s", "whole run s"], [
-        ["hetpipe", ours["samples_per_s"], ours["window_s"], ours["submit_to_done_s"]],
-        ["torch 1F1B", theirs["samples_per_s"], theirs["window_s"], theirs["spawn_to_done_s"]],
-    ])
-    print(f"ratio ours / torch.distributed.pipelining: {ratio:.3f}  "
-          f"(head's figure for the whole job: {ours['job_samples_per_s']:.1f} samples/s "
-          f"over {ours['job_seconds']:.1f} s)")
-    print_table(["stage", "forward s", "backward s", "busy %"], [
-        [s["stage"], s["forward_s"], s["backward_s"],
-         100.0 * (s["forward_s"] + s["backward_s"]) / s["elapsed_s"]] for s in ours["stages"]
-    ])
+    print(
+        f"one virtual worker, {STAGES} stages {cfg[2]} of {args.model} {cfg[0]} on "
+        f"{cfg[1]}, minibatch {args.microbatch}, {NM} in flight, {args.minibatches} "
+        f"minibatches ({args.warmup} warm-up), 1 thread per stage, "
+        f"{machine()['cores']} cores, median of {args.rounds} run(s) per side"
+    )
+    print_table(
+        ["side", "samples/s", "window s", "CPU ms/sample", "all runs samples/s"],
+        [
+            [
+                "hetpipe",
+                ours["samples_per_s"],
+                ours["window_s"],
+                ours["cpu_ms_per_sample"],
+                " ".join(f"{x['samples_per_s']:.0f}" for x in runs["ours"]),
+            ],
+            [
+                "torch 1F1B",
+                theirs["samples_per_s"],
+                theirs["window_s"],
+                theirs["cpu_ms_per_sample"],
+                " ".join(f"{x['samples_per_s']:.0f}" for x in runs["torch"]),
+            ],
+        ],
+    )
+    print(
+        f"ratio ours / torch.distributed.pipelining: {ratio:.3f}  "
+        f"(head's figure for the whole job: {ours['job_samples_per_s']:.1f} samples/s "
+        f"over {ours['job_seconds']:.1f} s)"
+    )
+    print(
+        "CPU ms/sample: every process of a side, from the job's submission (ours) or the first"
+        " step (torch) to the end, warm-up included"
+    )
+    kinds = ours["cpu_s_by_thread"]
+    total = sum(kinds.values()) or 1.0
+    print(
+        "our CPU by thread: "
+        + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in kinds.items())
+        + f"; torch's 4 ranks: {sum(theirs['cpu_s']):.2f} s"
+    )
+    print_table(
+        ["our stage", "forward s", "backward s", "compute % of run"],
+        [
+            [
+                s["stage"],
+                s["forward_s"],
+                s["backward_s"],
+                100.0 * (s["forward_s"] + s["backward_s"]) / s["elapsed_s"],
+            ]
+            for s in ours["stages"]
+        ],
+    )
     if args.json:
-        emit_json({
-            "bench": "pipeline", "machine": machine(), "model": args.model,
-            "model_args": cfg[0], "data": cfg[1], "split": cfg[2],
-            "minibatch": args.microbatch, "nm": NM, "minibatches": args.minibatches,
-            "warmup": args.warmup, "shards": args.shards,
-            "ours_samples_per_s": ours["samples_per_s"],
-            "ours_job_samples_per_s": ours["job_samples_per_s"],
-            "torch_samples_per_s": theirs["samples_per_s"],
-            "ratio_vs_torch_pipelining": ratio,
-            "ratio_job_vs_torch_pipelining": ours["job_samples_per_s"] / theirs["samples_per_s"],
-            "ours_stages": ours["stages"],
-        })
+        emit_json(
+            {
+                "bench": "pipeline",
+                "machine": machine(),
+                "model": args.model,
+                "model_args": cfg[0],
+                "data": cfg[1],
+                "split": cfg[2],
+                "minibatch": args.microbatch,
+                "nm": NM,
+                "minibatches": args.minibatches,
+                "warmup": args.warmup,
+                "shards": args.shards,
+                "rounds": args.rounds,
+                "ours_samples_per_s": ours["samples_per_s"],
+                "ours_job_samples_per_s": ours["job_samples_per_s"],
+                "torch_samples_per_s": theirs["samples_per_s"],
+                "ratio_vs_torch_pipelining": ratio,
+                "ratio_job_vs_torch_pipelining": ours["job_samples_per_s"]
+                / theirs["samples_per_s"],
+                "ours_runs": [x["samples_per_s"] for x in runs["ours"]],
+                "torch_runs": [x["samples_per_s"] for x in runs["torch"]],
+                "ours_cpu_ms_per_sample": ours["cpu_ms_per_sample"],
+                "torch_cpu_ms_per_sample": theirs["cpu_ms_per_sample"],
+                "ours_cpu_s": ours["cpu_s"],
+                "ours_cpu_s_by_thread": ours["cpu_s_by_thread"],
+                "torch_cpu_s": theirs["cpu_s"],
+                "ours_stages": ours["stages"],
+            }
+        )
 
 
 if __name__ == "__main__":

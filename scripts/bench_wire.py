@@ -1,24 +1,29 @@
 """Tensor throughput between two processes over loopback TCP: hetpipe's transport vs baselines.
 
-For each size (float32 tensors of 64 KiB .. 64 MiB) a sender process streams N messages one
-way to a receiver process, which answers with one small acknowledgement after the N-th; the
-time from the first send to that acknowledgement gives GB/s (10^9 bytes/s of tensor payload).
-Three ways, each measured in the same run against a fresh receiver process:
+For each size (float32 tensors of 64 KiB .. 64 MiB) this process streams N messages one way
+to a receiver process, which answers with one small acknowledgement after the N-th; the time
+from the first send to that acknowledgement gives GB/s (10^9 bytes/s of tensor payload).
+Three ways, each with its own receiver process, measured in the same run:
 
 - ``ours``: what the runtime does between stages. ``hetpipe.wire.encode`` + a
   :class:`hetpipe.transport.Channel` on a PUSH socket from ``make_socket`` (zmq.asyncio,
   ``Channel.send(Kind.ACT, ..., {"x": t})``) into a PULL ``Channel`` whose reader decodes every
   message with ``hetpipe.wire.decode`` into a torch tensor, as a worker's data port does.
-- ``zmq``: raw sync pyzmq, PUSH -> PULL, ``send_multipart([header, buf], copy=False)`` and
-  ``recv_multipart(copy=False)``, same HWM, no decoding: the floor of any ZeroMQ transport.
+- ``zmq``: raw sync pyzmq, PUSH -> PULL, ``send_multipart([header, buf], copy=False)`` of the
+  same frames (encoded once) and ``recv_multipart(copy=False)``, same HWM, no decoding.
 - ``gloo``: ``torch.distributed`` send/recv over gloo (``tcp://127.0.0.1``, loopback only).
 
 The acknowledgement and the per-round arming travel on a separate ZeroMQ PAIR control socket,
 so each round is: arm N (round trip, untimed), start clock, stream N, wait for "done". N is
-calibrated per size and way from an untimed warm-up round so that a round takes about
-``--round-s`` seconds; each figure is the median of ``--repeats`` rounds.
+calibrated per size and way from untimed warm-up rounds so that a round takes about
+``--round-s`` seconds. Rounds of the ways are interleaved, so that load from other processes
+on the host falls on all ways alike; each figure is the median of ``--repeats`` rounds. The
+CPU seconds per GB of each side (all threads of the process, ZeroMQ/gloo I/O included) are
+printed too: on a busy host they are steadier than GB/s. ``--diagnose`` adds two mixed ways,
+our sender into the raw receiver and the raw sender into our receiver, to tell which side
+costs what.
 
-    python scripts/bench_wire.py [--json] [--sizes 64KiB 4MiB ...] [--repeats N]
+    python scripts/bench_wire.py [--json] [--sizes 64KiB 4MiB ...] [--repeats N] [--diagnose]
 
 With ``--json`` the last line is one JSON object: per-size figures and ``ratio_vs_zmq_4mib``,
 ``ratio_vs_gloo_4mib``.
@@ -30,6 +35,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -54,6 +60,12 @@ CTL_TIMEOUT_MS = 120_000
 
 
 # --------------------------------------------------------------------------- receivers
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread (ZeroMQ/gloo I/O threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _receiver(way: str, ctl_address: str, gloo_port: int) -> None:
@@ -97,9 +109,10 @@ async def _receive_ours(ctl_address: str) -> None:
                 break
             left, nbytes = cmd["n"], 0
             done.clear()
+            cpu0 = _cpu_s()
             await ctl.send_json({"armed": True})
             await done.wait()
-            await ctl.send_json({"bytes": nbytes})
+            await ctl.send_json({"bytes": nbytes, "cpu_s": _cpu_s() - cpu0})
     finally:
         await ch.close()
         ctl.close(linger=0)
@@ -121,12 +134,13 @@ def _receive_zmq(ctl_address: str) -> None:
             cmd = ctl.recv_json()
             if cmd["op"] == "stop":
                 break
+            cpu0 = _cpu_s()
             ctl.send_json({"armed": True})
             nbytes = 0
             for _ in range(cmd["n"]):
                 frames = data.recv_multipart(copy=False)
                 nbytes += len(frames[1])
-            ctl.send_json({"bytes": nbytes})
+            ctl.send_json({"bytes": nbytes, "cpu_s": _cpu_s() - cpu0})
     finally:
         data.close(linger=0)
         ctl.close(linger=0)
@@ -148,10 +162,11 @@ def _receive_gloo(ctl_address: str, port: int) -> None:
             if cmd["op"] == "stop":
                 break
             buf = torch.empty(cmd["numel"], dtype=torch.float32)
+            cpu0 = _cpu_s()
             ctl.send_json({"armed": True})
             for _ in range(cmd["n"]):
                 dist.recv(buf, src=0)
-            ctl.send_json({"bytes": cmd["n"] * buf.nbytes})
+            ctl.send_json({"bytes": cmd["n"] * buf.nbytes, "cpu_s": _cpu_s() - cpu0})
     finally:
         dist.destroy_process_group()
         ctl.close(linger=0)
@@ -264,19 +279,24 @@ class Link:
         elif tx == "zmq":
             self.sender = _ZmqSender(self.address)
 
-    def round(self, t: torch.Tensor, n: int) -> float:
-        """Seconds to stream ``n`` messages of ``t`` and get the receiver's acknowledgement."""
+    def round(self, t: torch.Tensor, n: int) -> tuple[float, float, float]:
+        """Stream ``n`` messages of ``t`` until the receiver acknowledges them all.
+
+        Returns (seconds, sender CPU seconds, receiver CPU seconds).
+        """
         self.ctl.send_json({"op": "round", "n": n, "numel": t.numel()})
         self.ctl.recv_json()  # armed
+        cpu0 = _cpu_s()
         t0 = time.perf_counter()
         self.sender.send(t, n)
         got = self.ctl.recv_json()
         elapsed = time.perf_counter() - t0
+        cpu = _cpu_s() - cpu0
         if got["bytes"] != n * t.nbytes:
             raise RuntimeError(
                 f"{self.way}: receiver got {got['bytes']} bytes, sent {n * t.nbytes}"
             )
-        return elapsed
+        return elapsed, cpu, got["cpu_s"]
 
     def close(self) -> None:
         """Stop and reap the receiver (terminate, then kill, if it does not exit)."""
@@ -316,15 +336,23 @@ def measure(
             for way, link in links.items():
                 # warm-up and calibration, untimed: the faster of two rounds, so that one
                 # disturbed by another process does not shrink the timed rounds
-                warm = min(link.round(t, n0) for _ in range(2))
+                warm = min(link.round(t, n0)[0] for _ in range(2))
                 counts[way] = max(MIN_MESSAGES, min(MAX_MESSAGES, round(round_s * n0 / warm)))
-            secs: dict[str, list[float]] = {w: [] for w in ways}
+            rounds: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
             for _ in range(repeats):
                 for way, link in links.items():
-                    secs[way].append(link.round(t, counts[way]))
+                    rounds[way].append(link.round(t, counts[way]))
             for way in ways:
-                gbps = [counts[way] * size / s / 1e9 for s in secs[way]]
-                out[way][size] = {"gbps": median(gbps), "runs": gbps, "messages": counts[way]}
+                gb = counts[way] * size / 1e9
+                gbps = [gb / secs for secs, _, _ in rounds[way]]
+                out[way][size] = {
+                    "gbps": median(gbps),
+                    "runs": gbps,
+                    "messages": counts[way],
+                    # CPU seconds per GB moved, each side: robust to other load on the host
+                    "tx_cpu_s_per_gb": median([tx / gb for _, tx, _ in rounds[way]]),
+                    "rx_cpu_s_per_gb": median([rx / gb for _, _, rx in rounds[way]]),
+                }
     finally:
         for link in links.values():
             link.close()
@@ -386,6 +414,8 @@ def main() -> None:
             **{f"{w}_gbps": figures[w][s]["gbps"] for w in ways},
             **{f"{w}_runs": [round(x, 4) for x in figures[w][s]["runs"]] for w in ways},
             **{f"{w}_messages": figures[w][s]["messages"] for w in ways},
+            **{f"{w}_tx_cpu_s_per_gb": figures[w][s]["tx_cpu_s_per_gb"] for w in ways},
+            **{f"{w}_rx_cpu_s_per_gb": figures[w][s]["rx_cpu_s_per_gb"] for w in ways},
             "ratio_vs_zmq": ours / raw,
             "ratio_vs_gloo": ours / gloo,
         }
@@ -403,6 +433,23 @@ def main() -> None:
     )
     if extra:
         print("ours-tx: runtime sender -> raw receiver; ours-rx: raw sender -> runtime receiver")
+    print(
+        "CPU seconds per GB moved (sender process | receiver process, all threads; less"
+        " sensitive to other load than GB/s)"
+    )
+    print_table(
+        ["size", *(f"{w} tx|rx" for w in ways)],
+        [
+            [
+                format_size(s),
+                *(
+                    f"{figures[w][s]['tx_cpu_s_per_gb']:.2f}|{figures[w][s]['rx_cpu_s_per_gb']:.2f}"
+                    for w in ways
+                ),
+            ]
+            for s in sizes
+        ],
+    )
     print(f"total {wall:.1f} s")
     if args.json:
         key = format_size(4 << 20)
