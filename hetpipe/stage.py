@@ -152,9 +152,7 @@ class StageCompute:
         else:
             out = functional_call(self.module, {**params, **self.buffers}, (x,))
         if before:
-            self._accumulate(wave_of(p, self.task.nm), {
-                n: self.buffers[n] - before[n] for n in before
-            })
+            self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
         flight = _InFlight(x=x, out=out, params=params, version=self.version,
                            fingerprint=_fingerprint(params), saved_bytes=known)
@@ -200,6 +198,19 @@ class StageCompute:
         self.stats.backwards += 1
         self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
         return grad_in
+
+    def _buffer_deltas(self, before: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This forward's change of the buffers, as it goes to the parameter server.
+
+        Running statistics (batch norm) are averages, not sums: every virtual worker moves
+        them towards its own batches, so their updates are averaged over the virtual workers.
+        Summed, n workers would take n steps towards the batch statistics at once and
+        overshoot (a running variance gone negative). Counters stay summed.
+        """
+        n = self.task.num_vws
+        with torch.no_grad():
+            return {name: (self.buffers[name] - b) / n if b.is_floating_point() and n > 1
+                    else self.buffers[name] - b for name, b in before.items()}
 
     def _step(self, p: int, grads: Mapping[str, torch.Tensor]) -> None:
         """Local update out of place: a new version of the weights, the old one untouched."""

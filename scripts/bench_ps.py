@@ -103,8 +103,9 @@ class PsShards:
         self.root = root / f"ps{n}"
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = self.root / "cluster.toml"
-        self.path.write_text(cluster_toml([DeviceDef("gpu0")], shards=n, heartbeat_s=1.0,
-                                          lost_after_s=60.0))
+        self.path.write_text(
+            cluster_toml([DeviceDef("gpu0")], shards=n, heartbeat_s=1.0, lost_after_s=60.0)
+        )
         self.n = n
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
@@ -115,8 +116,19 @@ class PsShards:
         run = self.root / "run"
         try:
             for i in range(self.n):
-                argv = [sys.executable, "-m", "hetpipe.ps", "--cluster", str(self.path),
-                        "--shard", str(i), "--run-dir", str(run), "--log-level", "warning"]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "hetpipe.ps",
+                    "--cluster",
+                    str(self.path),
+                    "--shard",
+                    str(i),
+                    "--run-dir",
+                    str(run),
+                    "--log-level",
+                    "warning",
+                ]
                 if i:
                     argv += ["--head", self.addresses[0]]
                 proc = launch.spawn(launch.Daemon(f"ps{i}", tuple(argv)), run)
@@ -141,8 +153,15 @@ class PsShards:
         self.procs.clear()
 
 
-async def _admin(addresses: list[str], op: str, job: str, spec: Spec,
-                 placement: dict[str, int], waves: int, staleness: int) -> dict[str, Any]:
+async def _admin(
+    addresses: list[str],
+    op: str,
+    job: str,
+    spec: Spec,
+    placement: dict[str, int],
+    waves: int,
+    staleness: int,
+) -> dict[str, Any]:
     """What the head does for a job: shard_init, shard_fetch (checked here), shard_drop."""
     import zmq.asyncio
 
@@ -150,8 +169,12 @@ async def _admin(addresses: list[str], op: str, job: str, spec: Spec,
     from hetpipe.wire import Kind
 
     ctx = zmq.asyncio.Context()
-    chans = [Channel(make_socket(ctx, zmq.DEALER, connect=a), None, name=f"admin{i}",
-                     max_frame_bytes=1 << 31).start() for i, a in enumerate(addresses)]
+    chans = [
+        Channel(
+            make_socket(ctx, zmq.DEALER, connect=a), None, name=f"admin{i}", max_frame_bytes=1 << 31
+        ).start()
+        for i, a in enumerate(addresses)
+    ]
     out: dict[str, Any] = {}
     try:
         for i, ch in enumerate(chans):
@@ -160,12 +183,15 @@ async def _admin(addresses: list[str], op: str, job: str, spec: Spec,
             if op == "init":
                 members = {str(v): {"waves": waves, "stages": {"0": names}} for v in range(VWS)}
                 weights = {n: torch.zeros(k) for n, k in spec if placement[n] == i}
-                await ch.request(Kind.SHARD_INIT, {"job": job, "members": members,
-                                                   "staleness": staleness}, weights,
-                                 timeout=WAIT_S, what=what)
+                await ch.request(
+                    Kind.SHARD_INIT,
+                    {"job": job, "members": members, "staleness": staleness},
+                    weights,
+                    timeout=WAIT_S,
+                    what=what,
+                )
             elif op == "check":
-                reply = await ch.request(Kind.SHARD_FETCH, {"job": job}, timeout=WAIT_S,
-                                         what=what)
+                reply = await ch.request(Kind.SHARD_FETCH, {"job": job}, timeout=WAIT_S, what=what)
                 want = waves * sum(delta_value(v) for v in range(VWS))
                 for n in names:
                     t = reply.tensors[n]
@@ -198,7 +224,7 @@ def _raw_server(conn: Any, tensors: Spec) -> None:
     buf = memoryview(bytearray(4 * sum(k for _, k in tensors) or 1))
     views, descs, at = [], [], 0
     for i, (name, k) in enumerate(tensors):
-        views.append(buf[at:at + 4 * k])
+        views.append(buf[at : at + 4 * k])
         descs.append({"name": name, "dtype": "float32", "shape": [k], "frame": i + 1})
         at += 4 * k
     conn.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -209,13 +235,20 @@ def _raw_server(conn: Any, tensors: Spec) -> None:
             head = msgpack.unpackb(frames[1].buffer)
             rid = head["f"]["rid"]
             if head["kind"] == "push":
-                reply = {"v": 1, "kind": "ok", "f": {"rid": rid, "info": {"applied": True}},
-                         "t": []}
+                reply = {
+                    "v": 1,
+                    "kind": "ok",
+                    "f": {"rid": rid, "info": {"applied": True}},
+                    "t": [],
+                }
                 sock.send_multipart([frames[0], pack(reply)])
             else:
-                reply = {"v": 1, "kind": "pulled",
-                         "f": {"rid": rid, "clock": 0, "vw_clock": 0, "applied": []},
-                         "t": descs}
+                reply = {
+                    "v": 1,
+                    "kind": "pulled",
+                    "f": {"rid": rid, "clock": 0, "vw_clock": 0, "applied": []},
+                    "t": descs,
+                }
                 sock.send_multipart([frames[0], pack(reply), *views], copy=False)
     finally:
         sock.close(linger=0)
@@ -236,8 +269,9 @@ class RawServers:
         try:
             for i in range(self.n):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_raw_server, args=(child, self.held[i]), daemon=True,
-                                name=f"raw{i}")
+                p = ctx.Process(
+                    target=_raw_server, args=(child, self.held[i]), daemon=True, name=f"raw{i}"
+                )
                 p.start()
                 self.procs.append(p)
                 if not parent.poll(60):
@@ -284,13 +318,26 @@ class _OursVW:
 
         for ch in self.chans:
             await ch.close()
-        self.chans = [Channel(make_socket(self.ctx, zmq.DEALER, connect=a), None,
-                              name=f"vw{self.vw}-shard{i}", max_frame_bytes=1 << 31).start()
-                      for i, a in enumerate(addresses)]
+        self.chans = [
+            Channel(
+                make_socket(self.ctx, zmq.DEALER, connect=a),
+                None,
+                name=f"vw{self.vw}-shard{i}",
+                max_frame_bytes=1 << 31,
+            ).start()
+            for i, a in enumerate(addresses)
+        ]
         self.key = tuple(addresses)
 
-    async def _waves(self, addresses: list[str], deltas: list[dict[str, torch.Tensor]],
-                     job: str, waves: int, staleness: int, barrier: Any) -> dict[str, Any]:
+    async def _waves(
+        self,
+        addresses: list[str],
+        deltas: list[dict[str, torch.Tensor]],
+        job: str,
+        waves: int,
+        staleness: int,
+        barrier: Any,
+    ) -> dict[str, Any]:
         from hetpipe.wire import Kind
 
         if tuple(addresses) != self.key:
@@ -302,15 +349,20 @@ class _OursVW:
         for c in range(waves):
             futs = []
             for i, ch in enumerate(self.chans):
-                futs.append(await ch.send_request(Kind.PUSH, {**base, "wave": c}, deltas[i],
-                                                  what=f"shard {i}"))
+                futs.append(
+                    await ch.send_request(
+                        Kind.PUSH, {**base, "wave": c}, deltas[i], what=f"shard {i}"
+                    )
+                )
                 pushed += sum(t.nbytes for t in deltas[i].values())
             for i, ch in enumerate(self.chans):
-                futs.append(await ch.send_request(
-                    Kind.PULL, {**base, "need": c - staleness, "wave": c + 1},
-                    what=f"shard {i}"))
+                futs.append(
+                    await ch.send_request(
+                        Kind.PULL, {**base, "need": c - staleness, "wave": c + 1}, what=f"shard {i}"
+                    )
+                )
             replies = await asyncio.wait_for(asyncio.gather(*futs), WAIT_S)
-            for r in replies[len(self.chans):]:
+            for r in replies[len(self.chans) :]:
                 pulled += sum(t.nbytes for t in r.tensors.values())
         return {"t0": t0, "t1": time.monotonic(), "pushed": pushed, "pulled": pulled}
 
@@ -357,8 +409,15 @@ class _RawVW:
         self.rid += 1
         return encode(kind, {**fields, "rid": self.rid}, tensors)
 
-    def run(self, addresses: list[str], deltas: list[dict[str, torch.Tensor]], job: str,
-            waves: int, staleness: int, barrier: Any) -> dict[str, Any]:
+    def run(
+        self,
+        addresses: list[str],
+        deltas: list[dict[str, torch.Tensor]],
+        job: str,
+        waves: int,
+        staleness: int,
+        barrier: Any,
+    ) -> dict[str, Any]:
         from hetpipe.wire import Kind
 
         if tuple(addresses) != self.key:
@@ -372,8 +431,9 @@ class _RawVW:
                 s.send_multipart(self._frames(Kind.PUSH, {**base, "wave": c}, d), copy=False)
                 pushed += sum(t.nbytes for t in d.values())
             for s in self.socks:
-                s.send_multipart(self._frames(Kind.PULL, {**base, "need": c - staleness,
-                                                          "wave": c + 1}))
+                s.send_multipart(
+                    self._frames(Kind.PULL, {**base, "need": c - staleness, "wave": c + 1})
+                )
             for s in self.socks:
                 for _ in range(2):  # the push's ack and the pull's answer, in either order
                     frames = s.recv_multipart(copy=False)
@@ -425,14 +485,27 @@ class VWs:
         self.results = ctx.Queue()
         self.barrier = ctx.Barrier(VWS + 1)
         self.cmds = [ctx.Queue() for _ in range(VWS)]
-        self.procs = [ctx.Process(target=_vw_process, name=f"vw{v}", daemon=True,
-                                  args=(v, spec, self.cmds[v], self.results, self.barrier))
-                      for v in range(VWS)]
+        self.procs = [
+            ctx.Process(
+                target=_vw_process,
+                name=f"vw{v}",
+                daemon=True,
+                args=(v, spec, self.cmds[v], self.results, self.barrier),
+            )
+            for v in range(VWS)
+        ]
         for p in self.procs:
             p.start()
 
-    def run(self, client: str, addresses: list[str], placement: dict[str, int], job: str,
-            waves: int, staleness: int) -> tuple[float, int]:
+    def run(
+        self,
+        client: str,
+        addresses: list[str],
+        placement: dict[str, int],
+        job: str,
+        waves: int,
+        staleness: int,
+    ) -> tuple[float, int]:
         """One run: (seconds from the common start to the last VW's end, payload bytes)."""
         for q in self.cmds:
             q.put((client, addresses, placement, job, waves, staleness))
@@ -467,8 +540,16 @@ class VWs:
 # --------------------------------------------------------------------------- driver
 
 
-def measure(n: int, spec: Spec, vws: VWs, ways: dict[str, tuple[str, str]], waves: int,
-            staleness: int, repeats: int, root: Path) -> dict[str, dict[str, Any]]:
+def measure(
+    n: int,
+    spec: Spec,
+    vws: VWs,
+    ways: dict[str, tuple[str, str]],
+    waves: int,
+    staleness: int,
+    repeats: int,
+    root: Path,
+) -> dict[str, dict[str, Any]]:
     """Every way at ``n`` shards, runs interleaved; run 0 (half the waves) is a warm-up."""
     placement = place(spec, n)
     servers: dict[str, Any] = {}
@@ -488,7 +569,8 @@ def measure(n: int, spec: Spec, vws: VWs, ways: dict[str, tuple[str, str]], wave
                 seconds, nbytes = vws.run(client, addresses, placement, job, w, staleness)
                 if server == "ps":
                     out[way]["shards"] = asyncio.run(
-                        _admin(addresses, "check", job, spec, placement, w, staleness))
+                        _admin(addresses, "check", job, spec, placement, w, staleness)
+                    )
                     asyncio.run(_admin(addresses, "drop", job, spec, placement, w, staleness))
                 if r:
                     out[way]["runs"].append(nbytes / seconds / 1e9)
@@ -553,49 +635,69 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ps-") as tmp:
             for n in args.shards:
-                figures[n] = measure(n, spec, vws, ways, args.waves, args.staleness,
-                                     args.repeats, Path(tmp))
+                figures[n] = measure(
+                    n, spec, vws, ways, args.waves, args.staleness, args.repeats, Path(tmp)
+                )
     finally:
         vws.stop()
     wall = time.perf_counter() - started
     parts = breakdown(spec) if args.breakdown else {}
 
-    print(f"{VWS} VWs x {args.waves} waves of push + pull of a {model_bytes / 1e6:.1f} MB "
-          f"model ({len(spec)} float32 tensors) through n shards, D = {args.staleness}; "
-          f"median of {args.repeats} interleaved runs; GB/s = 1e9 payload bytes/s "
-          f"(pushed + pulled, all VWs); {machine()['cores']} cores, loopback")
+    print(
+        f"{VWS} VWs x {args.waves} waves of push + pull of a {model_bytes / 1e6:.1f} MB "
+        f"model ({len(spec)} float32 tensors) through n shards, D = {args.staleness}; "
+        f"median of {args.repeats} interleaved runs; GB/s = 1e9 payload bytes/s "
+        f"(pushed + pulled, all VWs); {machine()['cores']} cores, loopback"
+    )
     extra = [w for w in ways if w not in WAYS]
     rows = []
     per: dict[str, Any] = {}
     for n, f in figures.items():
         o, z = f["ours"]["gbps"], f["zmq"]["gbps"]
         rows.append([n, o, z, o / z, *(f[w]["gbps"] for w in extra)])
-        per[str(n)] = {"ours_gbps": o, "zmq_gbps": z, "ratio": o / z,
-                       **{f"{w}_gbps": f[w]["gbps"] for w in extra},
-                       **{f"{w}_runs": [round(x, 4) for x in f[w]["runs"]] for w in ways},
-                       "shard_clocks": f["ours"].get("shards")}
-    print_table(["shards", "ours GB/s", "raw zmq GB/s", "ratio", *(f"{w} GB/s" for w in extra)],
-                rows)
+        per[str(n)] = {
+            "ours_gbps": o,
+            "zmq_gbps": z,
+            "ratio": o / z,
+            **{f"{w}_gbps": f[w]["gbps"] for w in extra},
+            **{f"{w}_runs": [round(x, 4) for x in f[w]["runs"]] for w in ways},
+            "shard_clocks": f["ours"].get("shards"),
+        }
+    print_table(
+        ["shards", "ours GB/s", "raw zmq GB/s", "ratio", *(f"{w} GB/s" for w in extra)], rows
+    )
     best_n = max(figures, key=lambda n: figures[n]["ours"]["gbps"])
     best_raw = max(f["zmq"]["gbps"] for f in figures.values())
     ratio = figures[best_n]["ours"]["gbps"] / figures[best_n]["zmq"]["gbps"]
     ratio_best = figures[best_n]["ours"]["gbps"] / best_raw
-    print(f"ratio_vs_zmq {ratio:.3f}: ours at its best shard count ({best_n}) / raw zmq at "
-          f"{best_n} shards; against the best raw figure {ratio_best:.3f}")
+    print(
+        f"ratio_vs_zmq {ratio:.3f}: ours at its best shard count ({best_n}) / raw zmq at "
+        f"{best_n} shards; against the best raw figure {ratio_best:.3f}"
+    )
     if extra:
         print("ours-client: our VWs -> raw servers; ours-server: raw VWs -> hetpipe-ps")
     if parts:
-        print("a shard's work per model-size push (one thread, best of 5): " + ", ".join(
-            f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in parts.items()))
+        print(
+            "a shard's work per model-size push (one thread, best of 5): "
+            + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in parts.items())
+        )
     print(f"total {wall:.1f} s")
     if args.json:
         out: dict[str, Any] = {
-            "bench": "ps", "machine": machine(), "vws": VWS, "waves": args.waves,
-            "staleness": args.staleness, "model_bytes": model_bytes, "tensors": len(spec),
-            "repeats": args.repeats, "shards": per, "best_shards": best_n,
+            "bench": "ps",
+            "machine": machine(),
+            "vws": VWS,
+            "waves": args.waves,
+            "staleness": args.staleness,
+            "model_bytes": model_bytes,
+            "tensors": len(spec),
+            "repeats": args.repeats,
+            "shards": per,
+            "best_shards": best_n,
             "ratio_vs_zmq": ratio,
             "ratio_basis": f"ours at its best shard count ({best_n}) / raw zmq at {best_n}",
-            "ratio_vs_best_zmq": ratio_best, "seconds": wall,
+            "ratio_vs_best_zmq": ratio_best,
+            "seconds": wall,
         }
         if parts:
             out["breakdown"] = parts
