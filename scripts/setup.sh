@@ -4,7 +4,7 @@
 # PyTorch: an installed torch is kept as it is (a GPU user keeps their CUDA build). Without
 # one, a machine with an NVIDIA driver gets the default (CUDA) build from PyPI, and a CPU-only
 # machine gets the CPU build of torch 2.13.0: from a local wheel directory when pip has one
-# (PIP_FIND_LINKS), otherwise from the PyTorch CPU index. This avoids pulling several GB of
+# (PIP_FIND_LINKS; checked without touching the network), otherwise from the PyTorch CPU index. This avoids pulling several GB of
 # CUDA packages onto a machine that cannot use them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +18,14 @@ if "$PY" -c "import torch" >/dev/null 2>&1; then
 elif command -v nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install torch
 else
-    "$PY" -m pip install --no-index "torch==2.13.0" 2>/dev/null \
-        || "$PY" -m pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    wheels=$(mktemp -d)
+    if "$PY" -m pip download -q --no-deps --no-index -d "$wheels" "torch==2.13.0" >/dev/null 2>&1; then
+        # pip sees a local build (find-links): take it, its dependencies from the usual index
+        "$PY" -m pip install "torch==2.13.0"
+    else
+        "$PY" -m pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    fi
+    rm -rf "$wheels"
 fi
 "$PY" -m pip install -e ".${extra}"
 echo "setup: done ($("$PY" -c 'import torch, hetpipe; print("hetpipe", hetpipe.__version__, "torch", torch.__version__)'))"
