@@ -4,8 +4,8 @@
 # PyTorch: an installed torch is kept as it is (a GPU user keeps their CUDA build). Without
 # one, a machine with an NVIDIA driver gets the default (CUDA) build from PyPI, and a CPU-only
 # machine gets the CPU build of torch 2.13.0: from a local wheel directory when pip has one
-# (PIP_FIND_LINKS; checked without touching the network), otherwise from the PyTorch CPU index. This avoids pulling several GB of
-# CUDA packages onto a machine that cannot use them.
+# (PIP_FIND_LINKS; checked without touching the network), otherwise from the PyTorch CPU
+# index. This avoids pulling several GB of CUDA packages onto a machine that cannot use them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
