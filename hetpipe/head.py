@@ -431,6 +431,7 @@ class Head:
             finally:
                 for w in watchers:
                     w.cancel()
+                js.diagnosis = []  # a diagnosis describes a running job only
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
