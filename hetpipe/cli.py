@@ -376,7 +376,7 @@ def render_comparison(info: dict[str, Any]) -> str:
             continue
         m = st.get("time_s")
         lines.append(f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} compute "
-                     f"{_ms(m)} per minibatch, predicted {_ms(p)} (incl. transfers)")
+                     f"{_ms(m)} per minibatch, predicted {_ms(p)}")
     lines.append(f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
                  f"{pred['samples_per_s']:.0f} samples/s")
     return "\n".join(lines)

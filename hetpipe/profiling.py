@@ -71,13 +71,22 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     """The planner's plan for a job without a split, or its prediction for the given split."""
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
-              "optimizer_state_factor": factor}
+              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec)}
     if spec.vws:
         return explicit_plan(cluster, profile,
                              [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
                              nm=spec.nm, **common)
     return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
                      **common)
+
+
+def job_minibatches(spec: JobSpec) -> int:
+    """Minibatches per virtual worker the job will run (the prediction covers the whole job)."""
+    if spec.minibatches:
+        return spec.minibatches
+    vws = len(spec.vws) or spec.num_vws or 1
+    train = len(load_dataset(spec.data.name, spec.data.args).train_y)
+    return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
 
 
 def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
@@ -92,9 +101,11 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
         "samples_per_s": plan.samples_per_s,
         "policy": plan.policy,
         "vws": [{"samples_per_s": v.samples_per_s, "nm": v.nm,
+                 # time_s: predicted compute per minibatch, comparable to the measured one
                  "stages": [{"device": s.device, "layers": list(s.layers),
-                             "time_s": s.time_s, "memory": s.memory.total,
-                             "memory_cap": s.memory_cap} for s in v.stages]}
+                             "time_s": s.time_s, "busy_s": s.busy_s, "slowdown": s.slowdown,
+                             "memory": s.memory.total, "memory_cap": s.memory_cap}
+                            for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),
         "unused": list(plan.unused),

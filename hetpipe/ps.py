@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import click
+import torch
 import zmq
 
 from hetpipe import log as logmod
@@ -165,6 +166,9 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
          run_dir: str | None, log_level: str) -> None:
     """Run one parameter-server shard (shard 0 is also the head)."""
     logmod.configure(f"ps{shard}", level=log_level)
+    # one intra-op thread: shard updates are memory-bound, and idle OpenMP threads spinning
+    # after each add would take cores from the workers on the same host
+    torch.set_num_threads(1)
     try:
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:

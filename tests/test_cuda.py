@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import job, start_cluster
-from hetpipe.localcluster import DeviceDef
 from test_pipeline_e2e import plain_training
+
+from hetpipe.localcluster import DeviceDef
 
 pytestmark = [
     pytest.mark.slow,

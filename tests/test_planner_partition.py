@@ -23,6 +23,7 @@ from hetpipe.planner import (
     stage_memory_of,
     synthetic_profile,
 )
+from hetpipe.planner.runtime import RuntimeCosts
 
 
 def dev(name: str, dtype: str, memory: int, node: str = "n0", speed: float = 1.0) -> DeviceSpec:
@@ -220,3 +221,36 @@ def test_time_matrix_is_the_scalar_expression():
         for b in range(8):
             want = model.stage_time("a", a, b, 1e8, 3e9) if a < b else np.inf
             assert t[a, b] == want
+
+
+def test_dp_equals_brute_force_with_the_runtime_costs():
+    # the runtime's per-stage costs (hand-offs, messages, padded task work) enter both sides
+    costs = RuntimeCosts(task_s=2e-4, hop_s=4e-4, message_s=3e-4, message_byte_s=1e-8)
+    feasible = 0
+    for seed in range(120):
+        prof, devs, nm, factor = random_instance(5000 + seed)
+        speeds = {t: 0.25 + 0.25 * i for i, t in enumerate(sorted(prof.layers))}
+        p = partition(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)
+        q = brute_force(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)
+        assert bool(p) == bool(q), seed
+        if isinstance(p, Partition):
+            feasible += 1
+            assert p.bottleneck == q.bottleneck, seed
+    assert feasible >= 30
+
+
+def test_runtime_costs_add_per_stage_time():
+    prof = synthetic_profile(6, {"a": 1.0}, 1)
+    costs = RuntimeCosts(task_s=1e-3, hop_s=2e-3, message_s=3e-3, message_byte_s=0.0)
+    bare = CostModel(prof, bandwidth, 0)
+    model = CostModel(prof, bandwidth, 0, costs, {"a": 0.5})
+    # a middle stage: two tasks (task_s padded by 1/speed, plus a hand-off each), two sends
+    extra = model.stage_time("a", 2, 4, 1e9, 1e9) - bare.stage_time("a", 2, 4, 1e9, 1e9)
+    assert extra == pytest.approx(2 * (1e-3 / 0.5 + 2e-3) + 2 * 3e-3)
+    # the last stage runs its forward and backward as one task and sends one gradient
+    extra = model.stage_time("a", 4, 6, 1e9, None) - bare.stage_time("a", 4, 6, 1e9, None)
+    assert extra == pytest.approx(1e-3 / 0.5 + 2e-3 + 3e-3)
+    # the update of a layer's state counts like its forward and backward
+    lp = LayerProfile(1e-3, 2e-3, 100, 0, 10, 10, 10, update_s=5e-4)
+    one = CostModel(ModelProfile("m", 1, 10, {"a": (lp, lp)}), bandwidth, 0)
+    assert one.stage_time("a", 0, 2, None, None) == pytest.approx(2 * 3.5e-3)

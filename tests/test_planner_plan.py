@@ -71,7 +71,8 @@ def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
             assert 0 <= s.shard < len(cluster.ps)
         assert vw.nm >= 1 and vw.samples_per_s > 0
     assert len(plan.layer_shards) == L
-    assert plan.samples_per_s == pytest.approx(sum(v.samples_per_s for v in plan.vws))
+    # the job's rate (every sample / the time to the last VW's end) never beats the VWs' sum
+    assert 0 < plan.samples_per_s <= sum(v.samples_per_s for v in plan.vws) * (1 + 1e-9)
 
 
 def test_make_plan_uses_the_whimpy_device():

@@ -94,3 +94,30 @@ def test_profile_dict_round_trip_and_scaling():
     assert half.layers["x"][0].param_bytes == a.layers["x"][0].param_bytes
     with pytest.raises(ValueError, match="layer counts"):
         ModelProfile("m", 1, 1, {"a": a.layers["x"], "b": a.layers["x"][:2]})
+
+
+def test_measure_layers_times_the_update_of_each_layers_state():
+    model = small_model()
+    lps = measure_layers(model, torch.randn(8, 16), warmup=1, repeats=3)
+    lin0, relu, bn, lin1 = lps
+    assert lin0.update_s > 0 and bn.update_s > 0 and lin1.update_s > 0
+    assert relu.update_s < lin0.update_s  # nothing to update
+    assert all(lp.time_s == lp.fwd_s + lp.bwd_s + lp.update_s for lp in lps)
+    # stage 0 needs no gradient of the model input: no input gradient in its working memory
+    assert lin0.work_bytes == lin0.out_bytes
+    # a given step function is what gets timed
+    calls = []
+
+    def step(params, grads):
+        calls.append(len(params))
+        return {n: p - 0.1 * grads[n] for n, p in params.items()}
+
+    measure_layers(small_model(), torch.randn(8, 16), warmup=0, repeats=2, step=step)
+    assert calls and set(calls) == {2}  # the two linear layers' and the norm's weight + bias
+
+
+def test_old_profiles_without_update_times_still_load():
+    d = LayerProfile(0.001, 0.002, 10, 0, 20, 30, 40, 0.0005).to_dict()
+    assert LayerProfile.from_dict(d).update_s == 0.0005
+    del d["update_s"]
+    assert LayerProfile.from_dict(d).update_s == 0.0

@@ -110,3 +110,34 @@ def test_cli_help_runs_as_a_module():
         timeout=60,
     )
     assert r.returncode == 0 and "staleness" in r.stdout
+
+
+def test_a_push_per_wave_takes_stage_time():
+    # one stage, Nm = 4: every fourth minibatch also pushes for 2 s
+    r = simulate([SimVW((SimStage(1.0, 1.0, push_s=2.0),), 4)], staleness=0, minibatches=8)
+    assert r.makespan_s == pytest.approx(8 * 2.0 + 2 * 2.0)
+
+
+def test_pulls_wait_their_answer_and_merge_before_the_wave():
+    # two alike one-stage VWs, Nm = 2: each wave after the first waits for its pull's answer
+    # (0.5 s after the forward that wanted it: a last stage cannot send it earlier), then
+    # merges for 0.25 s
+    st = SimStage(1.0, 0.0, merge_s=0.25, pull_s=0.5)
+    r = simulate([SimVW((st,), 2), SimVW((st,), 2)], staleness=0, minibatches=6)
+    assert r.makespan_s == pytest.approx(6 * 1.0 + 2 * (0.5 + 0.25))
+    # a first stage of two sends the pull of the next wave after its last forward: the answer
+    # is there by the time the wave's first forward is admitted
+    vw = SimVW((SimStage(1.0, 1.0, pull_s=0.5), SimStage(1.0, 0.0)), 2)
+    ideal = SimVW((SimStage(1.0, 1.0), SimStage(1.0, 0.0)), 2)
+    a = simulate([vw, vw], staleness=0, minibatches=8)
+    b = simulate([ideal, ideal], staleness=0, minibatches=8)
+    assert a.makespan_s == pytest.approx(b.makespan_s)
+
+
+def test_cli_reads_per_wave_costs(tmp_path, capsys):
+    desc = {"vws": [{"nm": 2, "stages": [{"fwd_s": 1, "bwd_s": 1, "push_s": 1}]}]}
+    path = tmp_path / "vws.json"
+    path.write_text(json.dumps(desc))
+    assert main([str(path), "--json", "-n", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["makespan_s"] == pytest.approx(4 * 2 + 2 * 1)

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import job
+
 from hetpipe.client import HeadClient
 from hetpipe.wire import Kind
 

@@ -7,6 +7,8 @@ Pure planning logic (no sockets; torch only to measure profiles):
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
+* :mod:`.runtime`    the runtime's costs around the layers, and processes sharing a host
+* :mod:`.predict`    a split's predicted times: runtime costs + host sharing + simulation
 * :mod:`.simulate`   discrete-event simulation of pipelines under WSP (also a CLI:
   ``python -m hetpipe.planner.simulate``); its ``simulate()`` function is reached as
   ``hetpipe.planner.simulate.simulate`` since the module owns that name here
@@ -40,6 +42,7 @@ from hetpipe.planner.profile import (
     measure_layers,
     synthetic_profile,
 )
+from hetpipe.planner.runtime import RuntimeCosts
 
 if TYPE_CHECKING:
     from hetpipe.planner.plan import (
@@ -64,6 +67,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProfileStore",
+    "RuntimeCosts",
     "SimLink",
     "SimResult",
     "SimStage",

@@ -11,15 +11,21 @@ Index letters used throughout:
 
 **Stage time** of device ``i`` running layers ``[a, b)``::
 
-    time(i, a, b) = compute + comm_in + comm_out
-    compute  = sum over the layers of (fwd_s + bwd_s) on device i's type
+    time(i, a, b) = compute + comm_in + comm_out + tasks
+    compute  = sum over the layers of (fwd_s + bwd_s + update_s) on device i's type
     comm_in  = in_bytes(a) * 2 / bw(device i-1, device i)      (0 for the first stage)
+               + message_s + in_bytes(a) * message_byte_s      (sending the gradient back)
     comm_out = out_bytes(b-1) * 2 / bw(device i, device i+1)   (0 for the last stage)
+               + message_s + out_bytes(b-1) * message_byte_s   (sending the activation on)
+    tasks    = n * (task_s / speed + hop_s), n = 1 for the last stage (its forward and
+               backward are one task), else 2
 
 ``in_bytes(a)`` is the model input for ``a = 0`` else ``out_bytes`` of layer ``a-1``; the
 factor 2 is the activation forward plus the gradient of the same size backward. Both ends of
 a link charge it, a deliberately conservative choice: a stage's worker sends and receives on
-the same event loop as it computes.
+the same event loop as it computes. The ``message_s``, ``task_s`` and ``hop_s`` terms are the
+runtime's own costs (:class:`hetpipe.planner.runtime.RuntimeCosts`; zero unless given);
+``speed`` is the device type's emulation speed (capped at 1), since ``task_s`` is padded.
 
 **Objective:** minimise the bottleneck ``max_i time(i, a_i, b_i)`` subject to every stage
 fitting its device (``memory.stage_memory(...).total <= device.memory``) and every device
@@ -40,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +55,7 @@ import numpy as np
 from hetpipe.config import format_size
 from hetpipe.planner.memory import StageMemory, in_flight, stage_memory
 from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
     "Bandwidth",
@@ -123,7 +130,7 @@ class _TypeCosts:
     def __init__(self, profile: ModelProfile, dtype: str) -> None:
         lps = profile.layers[dtype]
         n = len(lps)
-        self.cum = [0.0, *itertools.accumulate(lp.fwd_s + lp.bwd_s for lp in lps)]
+        self.cum = [0.0, *itertools.accumulate(lp.time_s for lp in lps)]
         self.cum_np = np.array(self.cum, dtype=np.float64)
         self.inb = [profile.input_bytes] + [lp.out_bytes for lp in lps[:-1]] + [0]
         self.outb = [0] + [lp.out_bytes for lp in lps]  # outb[b] = out_bytes of layer b-1
@@ -160,13 +167,20 @@ class CostModel:
     """
 
     def __init__(
-        self, profile: ModelProfile, bandwidth: Bandwidth, optimizer_state_factor: int
+        self,
+        profile: ModelProfile,
+        bandwidth: Bandwidth,
+        optimizer_state_factor: int,
+        costs: RuntimeCosts | None = None,
+        speeds: Mapping[str, float] | None = None,
     ) -> None:
         if optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
         self.profile = profile
         self.bandwidth = bandwidth
         self.factor = optimizer_state_factor
+        self.runtime = costs or RuntimeCosts.zero()
+        self.speeds = dict(speeds or {})
         self.L = profile.n_layers()
         self._types: dict[str, _TypeCosts] = {}
         self._times: dict[tuple, np.ndarray] = {}
@@ -207,14 +221,26 @@ class CostModel:
     def links(self, devices: Sequence[Any]) -> tuple[float, ...]:
         return tuple(self.link(x, y) for x, y in itertools.pairwise(devices))
 
+    def speed(self, dtype: str) -> float:
+        """The emulation speed of ``dtype``'s devices as the runtime pads it (at most 1)."""
+        return min(1.0, self.speeds.get(dtype, 1.0))
+
+    def tasks_time(self, dtype: str, first: bool, last: bool) -> float:
+        """The runtime's per-task costs of one stage per minibatch (``tasks`` above)."""
+        c = self.runtime
+        n = 1 if last else 2
+        return n * (c.task_s / self.speed(dtype) + c.hop_s)
+
     def stage_time(
         self, dtype: str, a: int, b: int, bw_in: float | None, bw_out: float | None
     ) -> float:
         """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side."""
         tc = self.costs(dtype)
-        cin = tc.inb[a] * 2.0 / bw_in if bw_in is not None else 0.0
-        cout = tc.outb[b] * 2.0 / bw_out if bw_out is not None else 0.0
-        return tc.cum[b] - tc.cum[a] + cin + cout
+        ms, mb = self.runtime.message_s, self.runtime.message_byte_s
+        cin = tc.inb[a] * 2.0 / bw_in + (ms + tc.inb[a] * mb) if bw_in is not None else 0.0
+        cout = tc.outb[b] * 2.0 / bw_out + (ms + tc.outb[b] * mb) if bw_out is not None else 0.0
+        const = self.tasks_time(dtype, bw_in is None, bw_out is None)
+        return tc.cum[b] - tc.cum[a] + cin + cout + const
 
     def time_matrix(self, dtype: str, bw_in: float | None, bw_out: float | None) -> np.ndarray:
         """``stage_time`` for every ``(a, b)`` at once (inf where ``a >= b``)."""
@@ -222,11 +248,14 @@ class CostModel:
         t = self._times.get(key)
         if t is None:
             tc = self.costs(dtype)
+            ms, mb = self.runtime.message_s, self.runtime.message_byte_s
             n = self.L + 1
-            cin = tc.inb_np.astype(np.float64) * 2.0 / bw_in if bw_in is not None else np.zeros(n)
+            inb = tc.inb_np.astype(np.float64)
             outb = np.array(tc.outb, dtype=np.float64)
-            cout = outb * 2.0 / bw_out if bw_out is not None else np.zeros(n)
-            t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :]
+            cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
+            cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
+            const = self.tasks_time(dtype, bw_in is None, bw_out is None)
+            t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :] + const
             t = np.where(tc.valid, t, INF)
             self._times[key] = t
         return t
@@ -548,13 +577,16 @@ def partition(
     optimizer_state_factor: int,
     *,
     model: CostModel | None = None,
+    costs: RuntimeCosts | None = None,
+    speeds: Mapping[str, float] | None = None,
 ) -> Partition | Infeasible:
     """Exact min-bottleneck contiguous split of ``profile`` over ``devices`` (in this order).
 
     ``devices`` need ``name``, ``type`` and ``memory`` (bytes); ``bandwidth(a, b)`` gives the
-    bytes/s of the link between two of them.
+    bytes/s of the link between two of them. ``costs`` and ``speeds`` (by device type) add
+    the runtime's per-stage costs (see the module docs).
     """
-    model = model or CostModel(profile, bandwidth, optimizer_state_factor)
+    model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.partition(devices, nm)
 
 
@@ -566,13 +598,15 @@ def partition_best_nm(
     nm_candidates: Iterable[int] | None = None,
     *,
     model: CostModel | None = None,
+    costs: RuntimeCosts | None = None,
+    speeds: Mapping[str, float] | None = None,
 ) -> Partition | Infeasible:
     """:func:`partition` with Nm chosen from ``nm_candidates`` (default 1..k) for throughput.
 
     A pipeline of k stages fills at Nm = k at the latest (its round trip is at most k
     bottlenecks), so larger candidates only cost memory under this estimate.
     """
-    model = model or CostModel(profile, bandwidth, optimizer_state_factor)
+    model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.best_nm(devices, nm_candidates)
 
 
@@ -582,13 +616,16 @@ def brute_force(
     nm: int,
     bandwidth: Bandwidth,
     optimizer_state_factor: int,
+    *,
+    costs: RuntimeCosts | None = None,
+    speeds: Mapping[str, float] | None = None,
 ) -> Partition | Infeasible:
     """Every set of k-1 cuts, for tests: the optimum the DP must match exactly.
 
     Memory comes straight from :func:`memory.stage_memory` on the layer slices (independent
     of the DP's vectorised form); times from the scalar :meth:`CostModel.stage_time`.
     """
-    model = CostModel(profile, bandwidth, optimizer_state_factor)
+    model = CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     k, L = len(devices), profile.n_layers()
     if k > L or k == 0:
         return Infeasible(f"{k} devices for {L} layers")

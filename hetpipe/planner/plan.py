@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,10 @@ from hetpipe.planner.formation import Formation, best_formation, candidate_forma
 from hetpipe.planner.memory import StageMemory
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
+from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
-from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+from hetpipe.planner.runtime import RuntimeCosts
+from hetpipe.planner.simulate import SimLink, SimStage, SimVW
 
 __all__ = [
     "Plan",
@@ -59,10 +61,12 @@ class StagePlan:
     device: str
     type: str
     layers: tuple[int, int]  # [first, last + 1)
-    time_s: float  # predicted compute + boundary transfers per minibatch
+    time_s: float  # predicted compute per minibatch: forward + backward + update, as run
     memory: StageMemory
     memory_cap: int
     shard: int  # PS shard holding (most of) this stage's parameters
+    busy_s: float = 0.0  # time_s plus hand-offs, sends, and push/merge per minibatch
+    slowdown: float = 1.0  # how much sharing its host's cores stretches this stage's work
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +77,8 @@ class StagePlan:
             "memory": self.memory.to_dict(),
             "memory_cap": self.memory_cap,
             "shard": self.shard,
+            "busy_s": self.busy_s,
+            "slowdown": self.slowdown,
         }
 
     @classmethod
@@ -86,6 +92,8 @@ class StagePlan:
             StageMemory.from_dict(d["memory"]),
             int(d["memory_cap"]),
             int(d["shard"]),
+            float(d.get("busy_s", 0.0)),
+            float(d.get("slowdown", 1.0)),
         )
 
 
@@ -94,7 +102,7 @@ class VWPlan:
     devices: tuple[str, ...]  # pipeline order
     stages: tuple[StagePlan, ...]
     nm: int
-    samples_per_s: float  # simulated steady rate of this VW within the whole job
+    samples_per_s: float  # predicted rate of this VW over its run (its samples / its time)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -122,7 +130,7 @@ class VWPlan:
 @dataclass(frozen=True)
 class Plan:
     vws: tuple[VWPlan, ...]
-    samples_per_s: float  # simulated total of the job
+    samples_per_s: float  # predicted rate of the job: every sample / the time to the last
     policy: str  # "np" | "ed" | "hd" | "explicit" (what auto chose, or what was asked)
     unused: tuple[str, ...]  # device names no VW uses (reasons in ``warnings``)
     warnings: tuple[str, ...]
@@ -163,14 +171,18 @@ class Plan:
         )
 
     def table(self) -> str:
-        """A readable table: per VW its devices in order, stages, times, memory, Nm, rates."""
+        """A readable table: per VW its devices in order, stages, times, memory, Nm, rates.
+
+        ``compute`` is a stage's predicted forward + backward + update per minibatch (what the
+        job status measures as ``time_s``), ``busy`` adds the runtime's hand-offs, sends and
+        per-wave push and merge, and ``host`` is how much sharing its host stretches it."""
         lines = [
             f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, staleness D={self.staleness}"
         ]
         head = (
-            f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'time':>10}"
-            f"{'memory / cap':>24}{'use':>6}{'shard':>7}"
+            f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"
+            f"{'host':>7}{'memory / cap':>24}{'use':>6}{'shard':>7}"
         )
         for v, vw in enumerate(self.vws):
             lines.append(
@@ -185,7 +197,8 @@ class Plan:
                 use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
                 lines.append(
                     f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
-                    f"{mem:>24}{use:>6.0%}{s.shard:>7}"
+                    f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
+                    f"{s.shard:>7}"
                 )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         if self.unused:
@@ -256,23 +269,21 @@ def place_stages(
 
 
 def sim_vw(model: CostModel, devices: Sequence[Any], p: Partition, minibatch: int) -> SimVW:
-    """The simulator's view of a split: compute per stage and transfer time per link."""
+    """The simulator's view of a split on an ideal runtime: compute per stage (layers only)
+    and transfer time per link. :func:`.predict.predict` adds the runtime's costs."""
     prof = model.profile
     stages = []
     for d, (a, b) in zip(devices, p.cuts, strict=True):
         lps = prof.layers[d.type][a:b]
-        stages.append(SimStage(sum(lp.fwd_s for lp in lps), sum(lp.bwd_s for lp in lps)))
+        stages.append(
+            SimStage(sum(lp.fwd_s for lp in lps), sum(lp.bwd_s + lp.update_s for lp in lps))
+        )
     links = []
     for i in range(len(devices) - 1):
         out = prof.layers[devices[i].type][p.cuts[i][1] - 1].out_bytes
         t = out / model.link(devices[i], devices[i + 1])
         links.append(SimLink(t, t))
     return SimVW(tuple(stages), p.nm, tuple(links), minibatch, ",".join(p.devices))
-
-
-def _sim_minibatches(nms: Sequence[int]) -> int:
-    """Enough minibatches for a steady state: several waves past the pipeline fill."""
-    return max(32, 8 * max(nms, default=1))
 
 
 @dataclass
@@ -283,6 +294,9 @@ class _Search:
     nm: int | None
     staleness: int
     minibatch: int
+    cores: int | Mapping[str, int] | None = None
+    shard_hosts: tuple[str, ...] = ()
+    minibatches: int | None = None
     vw_memo: dict[tuple, OrderResult] = field(default_factory=dict)
     formations: int = 0
     orders: int = 0
@@ -341,12 +355,23 @@ class _Search:
             if balanced != kept:
                 variants.append(balanced)
         for chosen in variants:
-            vws = [sim_vw(self.model, order, p, self.minibatch) for order, p in chosen]
-            res = simulate(vws, self.staleness, _sim_minibatches([v.nm for v in vws]))
-            if best is None or res.samples_per_s > best[0]:
-                best = (res.samples_per_s, (chosen, res, dropped))
+            res = self.predict(chosen)
+            if best is None or res.sim.job_samples_per_s > best[0]:
+                best = (res.sim.job_samples_per_s, (chosen, res, dropped))
         assert best is not None
         return best
+
+    def predict(self, chosen: Sequence[tuple[Sequence[Any], Partition]]) -> Prediction:
+        """Simulated rates of the chosen VWs with the runtime's costs and host sharing."""
+        return predict(
+            self.model,
+            chosen,
+            minibatch=self.minibatch,
+            staleness=self.staleness,
+            cores=self.cores,
+            shard_hosts=self.shard_hosts,
+            minibatches=self.minibatches,
+        )
 
     def balance(
         self, kept: Sequence[tuple[tuple[Any, ...], Partition]]
@@ -404,13 +429,22 @@ def make_plan(
     num_vws: int | None = None,
     nm: int | None = None,
     shard_of_stage: Callable[[int, int, Any], int] | None = None,
+    costs: RuntimeCosts | None = None,
+    cores: int | Mapping[str, int] | None = None,
+    minibatches: int | None = None,
 ) -> Plan:
-    """Search formations, orders, splits and Nm for the highest simulated throughput.
+    """Search formations, orders, splits and Nm for the highest predicted throughput.
 
     ``cluster`` is a :class:`hetpipe.config.ClusterConfig` (or anything with ``devices``,
     ``network.bytes_per_s(a, b)`` and ``ps``). ``nm`` fixes Nm for every VW (else chosen per
     VW). ``shard_of_stage(vw, stage, device) -> shard`` overrides parameter placement.
-    Raises :class:`PlanError` when the model fits on no group of devices.
+    ``costs`` are the runtime's own costs (default: :class:`RuntimeCosts` as measured for
+    this project; ``RuntimeCosts.zero()`` plans for an ideal runtime) and ``cores`` the cores
+    of each node, shared by its emulated devices and daemons (one number, or by node name;
+    default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
+    prediction includes filling and draining the pipelines and VWs that finish at different
+    times (default: long enough for a steady state). Raises :class:`PlanError` when the
+    model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -430,8 +464,8 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor)
-    search = _Search(model, nm, staleness, minibatch)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs)
+    search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
     except ValueError as e:
@@ -443,7 +477,7 @@ def make_plan(
             + (f" with {num_vws} VWs" if num_vws is not None else "")
             + f" forms no virtual worker from the {len(usable)} usable devices"
         )
-    formation, _, (kept, sim, dropped) = found
+    formation, _, (kept, pred, dropped) = found
     if not kept:
         group, why = max(dropped, key=lambda x: sum(d.memory for d in x[0]))
         if len(usable) <= model.L:
@@ -479,7 +513,7 @@ def make_plan(
         cluster,
         model,
         kept,
-        sim,
+        pred,
         formation.policy,
         unused,
         warnings,
@@ -500,15 +534,19 @@ def explicit_plan(
     optimizer_state_factor: int,
     nm: int | None = None,
     shard_of_stage: Callable[[int, int, Any], int] | None = None,
+    costs: RuntimeCosts | None = None,
+    cores: int | Mapping[str, int] | None = None,
+    minibatches: int | None = None,
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
     Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
     fills the pipeline). Memory over a cap is a warning here
-    (the runtime refuses it), so a user sees every problem at once."""
+    (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
+    ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -553,14 +591,21 @@ def explicit_plan(
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
-    sims = [sim_vw(model, devs, p, minibatch) for devs, p in chosen]
-    sim = simulate(sims, staleness, _sim_minibatches([s.nm for s in sims]))
+    pred = predict(
+        model,
+        chosen,
+        minibatch=minibatch,
+        staleness=staleness,
+        cores=cores,
+        shard_hosts=_shard_hosts(cluster),
+        minibatches=minibatches,
+    )
     unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
     return _assemble(
         cluster,
         model,
         chosen,
-        sim,
+        pred,
         "explicit",
         unused,
         warnings,
@@ -584,17 +629,26 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
     return profile
 
 
-def _cost_model(cluster: Any, profile: ModelProfile, factor: int) -> CostModel:
+def _cost_model(
+    cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None
+) -> CostModel:
     net = cluster.network
-    model = CostModel(profile, net.bytes_per_s, factor)
+    speeds: dict[str, float] = {}
+    for d in cluster.devices:
+        speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
+    model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model
 
 
+def _shard_hosts(cluster: Any) -> tuple[str, ...]:
+    return tuple(str(s.host) for s in getattr(cluster, "ps", ()) or ())
+
+
 def _power(profile: ModelProfile) -> Callable[[Any], float]:
     """Compute power of a device: 1 / the model's total time on its type."""
-    totals = {t: sum(lp.fwd_s + lp.bwd_s for lp in lps) for t, lps in profile.layers.items()}
+    totals = {t: sum(lp.time_s for lp in lps) for t, lps in profile.layers.items()}
     return lambda d: 1.0 / totals[d.type] if totals.get(d.type, 0) > 0 else 0.0
 
 
@@ -602,7 +656,7 @@ def _assemble(
     cluster: Any,
     model: CostModel,
     chosen: Sequence[tuple[Sequence[Any], Partition]],
-    sim: SimResult | None,
+    pred: Prediction,
     policy: str,
     unused: Sequence[tuple[str, str]],
     warnings: list[str],
@@ -634,6 +688,7 @@ def _assemble(
                             f"{stage_shards[v][i]} for another; the first wins"
                         )
         layer_shards = tuple(x or 0 for x in ls)
+    sim = pred.sim
     vw_plans = []
     for v, (devs, p) in enumerate(chosen):
         stages = tuple(
@@ -641,31 +696,39 @@ def _assemble(
                 d.name,
                 d.type,
                 p.cuts[i],
-                p.stage_times[i],
+                pred.compute_s(v, i),
                 p.memory[i],
                 d.memory,
                 stage_shards[v][i],
+                pred.busy_s(v, i, p.nm),
+                pred.slowdown[v][i],
             )
             for i, d in enumerate(devs)
         )
-        rate = sim.vw_samples_per_s[v] if sim else p.minibatches_per_s * minibatch
+        finish = sim.vw_finish_s[v]
+        rate = sim.minibatches * minibatch / finish if finish > 0 else math.inf
         vw_plans.append(VWPlan(tuple(d.name for d in devs), stages, p.nm, rate))
         if p.nm < len(devs):
             warnings.append(
                 f"vw {v}: Nm={p.nm} < {len(devs)} stages: the pipeline cannot fill "
                 "(memory or the job's nm limits it)"
             )
-    if sim is not None:
-        for v, wait in enumerate(sim.gate_wait_s):
-            share = wait / sim.vw_finish_s[v] if sim.vw_finish_s[v] > 0 else 0.0
-            if share > 0.1:
-                warnings.append(
-                    f"vw {v} waits {share:.0%} of its time at the WSP gate for slower VWs "
-                    f"(D={staleness}; a larger D or another formation would help)"
-                )
+    for v, wait in enumerate(sim.gate_wait_s):
+        share = wait / sim.vw_finish_s[v] if sim.vw_finish_s[v] > 0 else 0.0
+        if share > 0.1:
+            warnings.append(
+                f"vw {v} waits {share:.0%} of its time at the WSP gate for slower VWs "
+                f"(D={staleness}; a larger D or another formation would help)"
+            )
     for name, why in unused:
         warnings.append(f"{name} unused: {why}")
-    total = sim.samples_per_s if sim else sum(v.samples_per_s for v in vw_plans)
+    total = sim.job_samples_per_s
+    details = {
+        **details,
+        "slowdown": [list(x) for x in pred.slowdown],
+        "fixed_point_rounds": pred.rounds,
+        "runtime_costs": model.runtime.to_dict(),
+    }
     return Plan(
         tuple(vw_plans),
         total,

@@ -163,9 +163,10 @@ def measure_layers(
     *,
     speed: float = 1.0,
     warmup: int = 2,
-    repeats: int = 5,
+    repeats: int = 15,
     loss_fn: Callable[[Any], Any] | None = None,
     step: Step | None = None,
+    budget_s: float = 2.0,
 ) -> tuple[LayerProfile, ...]:
     """Profile each element of an ``nn.Sequential`` on ``device`` with a real minibatch.
 
@@ -173,8 +174,11 @@ def measure_layers(
     backward are timed without the rest of the model. The layers are timed in interleaved
     passes (layer 0, 1, ..., then again), so a burst of load from another process spoils one
     sample of every layer rather than every sample of one; each time is the median over
-    ``repeats`` passes after ``warmup`` passes, divided by ``speed`` (an emulated device with
-    speed 0.25 is profiled 4x slower, which is what the planner must see for that type).
+    ``repeats`` passes after ``warmup`` passes (fewer, but at least 3, once the timed passes
+    took ``budget_s``, so that a large model is profiled in bounded time), divided by
+    ``speed`` (an emulated device with speed 0.25 is profiled 4x slower, which is what the
+    planner must see for that type; a speed above 1 is not divided by, since the runtime pads
+    but never speeds up).
 
     The first layer gets an input that needs no gradient, as stage 0 of a pipeline does; the
     others compute their input's gradient. The last layer's backward starts from
@@ -193,6 +197,7 @@ def measure_layers(
 
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
+    speed = min(speed, 1.0)
     layers = [layer.to(device) for layer in model]
     n = len(layers)
     # inputs of every layer, from one untimed pass
@@ -212,7 +217,12 @@ def measure_layers(
         for layer in layers
     ]
     states = [_UpdateState(layer, step) for layer in layers]
+    started = 0.0
     for rep in range(warmup + repeats):
+        if rep == warmup:
+            started = time.perf_counter()
+        elif rep - warmup >= min(3, repeats) and time.perf_counter() - started > budget_s:
+            break
         for i, layer in enumerate(layers):
             inp = inputs[i].detach()
             if i > 0 and inp.is_floating_point():

@@ -16,12 +16,18 @@ Rules inside one VW (the same as the runtime's, see DESIGN "The pipeline inside 
 
 Rules across VWs (WSP, DESIGN "WSP across VWs"): wave c of a VW is minibatches
 c*Nm .. (c+1)*Nm - 1. A stage **pushes** wave c when it finishes the backward of the wave's
-last minibatch (modelled as instant); a VW's clock is the number of waves every one of its
-stages has pushed, the global clock the minimum over VWs. Before the first forward of wave
-c >= 1 a stage **pulls** and waits until the global clock >= c - 1 - D. Only stage 0 can ever
-wait there: when a minibatch reaches a later stage, the clock already allowed it at stage 0
-and clocks never go back. A VW that has finished its minibatches no longer holds others back
-(its clock counts as infinite), as when the runtime retires it.
+last minibatch (taking ``push_s`` more of its time); a VW's clock is the number of waves every
+one of its stages has pushed, the global clock the minimum over VWs. Before the first forward
+of wave c >= 1 stage 0 waits until the global clock >= c - 1 - D. A VW that has finished its
+minibatches no longer holds others back (its clock counts as infinite), as when the runtime
+retires it.
+
+Pulls, when a stage models them (``pull_s > 0``, several VWs): the stage sends the pull of
+wave c as soon as the forward before it is done (a non-last stage whose next forward is
+admitted), else when that forward is otherwise ready; the answer arrives ``pull_s`` after both
+the pull was sent and the global clock allowed it, and the stage then spends ``merge_s``
+loading the weights before the forward. Without pulls modelled, stage 0 passes the gate the
+moment the clock allows it and no merge is charged (the ideal runtime).
 
 Rates. ``vw_samples_per_s`` is each VW's steady rate: minibatches completed at stage 0 after
 the first quarter (the pipeline's fill) and before the last Nm (the drain), divided by the
@@ -47,10 +53,13 @@ __all__ = ["SimLink", "SimResult", "SimStage", "SimVW", "main", "simulate"]
 
 @dataclass(frozen=True)
 class SimStage:
-    """Compute time of one stage per minibatch (forward, backward)."""
+    """Time of one stage per minibatch (forward, backward) and per wave (push, pull, merge)."""
 
     fwd_s: float
     bwd_s: float
+    push_s: float = 0.0  # busy after the backward of a wave's last minibatch
+    merge_s: float = 0.0  # busy before the forward of a wave's first minibatch (wave >= 1)
+    pull_s: float = 0.0  # latency of a pull's answer; 0: pulls not modelled
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class SimResult:
     vw_finish_s: tuple[float, ...]
     busy: tuple[tuple[float, ...], ...]  # per VW, per stage: busy time / the VW's finish time
     gate_wait_s: tuple[float, ...]  # per VW: time stage 0 had a forward ready but WSP held it
+    minibatches: int = 0  # per VW, as simulated
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,13 +107,13 @@ class SimResult:
             "vw_finish_s": list(self.vw_finish_s),
             "busy": [list(b) for b in self.busy],
             "gate_wait_s": list(self.gate_wait_s),
+            "minibatches": self.minibatches,
         }
 
 
 @dataclass
 class _Stage:
-    fwd_s: float
-    bwd_s: float
+    spec: SimStage
     idle: bool = True
     next_fwd: int = 0  # next minibatch to run forward (forwards are in order)
     arrived: int = 0  # minibatches whose input is here (stage > 0); in order
@@ -111,6 +121,8 @@ class _Stage:
     busy_s: float = 0.0
     pushed: int = 0  # waves pushed
     gate_since: float | None = None
+    issued: dict[int, float] = field(default_factory=dict)  # wave -> time its pull was sent
+    wake_at: float = -1.0  # when a pending pull's answer arrives (a WAKE event is queued)
 
 
 @dataclass
@@ -139,7 +151,7 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
     state = [
         _VW(
             v,
-            [_Stage(s.fwd_s, s.bwd_s) for s in v.stages],
+            [_Stage(s) for s in v.stages],
             [0.0] * (len(v.stages) - 1),
             [0.0] * (len(v.stages) - 1),
         )
@@ -147,9 +159,10 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
     ]
     events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, kind, vw, stage, p)
     seq = 0
-    FREE, ARRIVE_F, ARRIVE_B = 0, 1, 2
+    FREE, ARRIVE_F, ARRIVE_B, WAKE = 0, 1, 2, 3
     running: dict[tuple[int, int], tuple[str, int]] = {}
     glob = 0.0  # global clock
+    glob_at = [0.0]  # glob_at[g]: when the global clock reached g
 
     def push(t: float, kind: int, v: int, s: int, p: int) -> None:
         nonlocal seq
@@ -166,6 +179,7 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
             return
         k = len(w.stages)
         last = s == k - 1
+        nm = w.spec.nm
         if st.grads and not last:
             if st.gate_since is not None:  # busy with a backward: not waiting meanwhile
                 w.gate_wait += now - st.gate_since
@@ -173,26 +187,44 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
             p = st.grads.popleft()
             st.idle = False
             running[v, s] = ("b", p)
-            st.busy_s += st.bwd_s
-            push(now + st.bwd_s, FREE, v, s, p)
+            dur = st.spec.bwd_s + (st.spec.push_s if _ends_wave(p, nm, N) else 0.0)
+            st.busy_s += dur
+            push(now + dur, FREE, v, s, p)
             return
         p = st.next_fwd
         if p >= N:
             return
-        ready = (p < w.done + w.spec.nm) if s == 0 else (p < st.arrived)
+        ready = (p < w.done + nm) if s == 0 else (p < st.arrived)
         if not ready:
             return
-        c = p // w.spec.nm
-        if s == 0 and p % w.spec.nm == 0 and c >= 1 and glob < c - 1 - D:
-            if st.gate_since is None:
-                st.gate_since = now
-            return
+        c = p // nm
+        merge = 0.0
+        if p % nm == 0 and c >= 1:
+            need = c - 1 - D
+            if s == 0 and glob < need:
+                if st.gate_since is None:
+                    st.gate_since = now
+                return
+            if st.spec.pull_s > 0:
+                issued = st.issued.setdefault(c, now)
+                clock_ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
+                opens = max(issued, clock_ok) + st.spec.pull_s
+                if now < opens:
+                    if s == 0 and st.gate_since is None:
+                        st.gate_since = now
+                    if st.wake_at != opens:
+                        st.wake_at = opens
+                        push(opens, WAKE, v, s, p)
+                    return
+                merge = st.spec.merge_s
         if st.gate_since is not None:
             w.gate_wait += now - st.gate_since
             st.gate_since = None
         st.next_fwd += 1
         st.idle = False
-        dur = st.fwd_s + st.bwd_s if last else st.fwd_s
+        dur = merge + (st.spec.fwd_s + st.spec.bwd_s if last else st.spec.fwd_s)
+        if last and _ends_wave(p, nm, N):
+            dur += st.spec.push_s
         running[v, s] = ("fb" if last else "f", p)
         st.busy_s += dur
         push(now + dur, FREE, v, s, p)
@@ -217,12 +249,18 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
             w.stages[s].grads.append(p)
             dispatch(now, v, s)
             continue
+        if kind == WAKE:
+            dispatch(now, v, s)
+            continue
         what, _ = running.pop((v, s))
         st = w.stages[s]
         st.idle = True
         if what == "f":
             dur = links[s].fwd_s if links else 0.0
             push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, p)
+            nxt = p + 1  # prefetch the pull of the next wave if its forward is admitted
+            if nxt < N and nxt % w.spec.nm == 0 and (s > 0 or nxt < w.done + w.spec.nm):
+                st.issued.setdefault(nxt // w.spec.nm, now)
         else:  # a backward finished ("b", or the last stage's "fb")
             if s > 0:
                 dur = links[s - 1].bwd_s if links else 0.0
@@ -237,8 +275,11 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
                 g = global_clock()
                 if g > glob:
                     glob = g
+                    while len(glob_at) <= min(g, N):
+                        glob_at.append(now)
                     for u in range(len(state)):
-                        dispatch(now, u, 0)
+                        for j in range(len(state[u].stages)):
+                            dispatch(now, u, j)
         dispatch(now, v, s)
     finish = tuple(w.done_at[-1] if w.done_at else 0.0 for w in state)
     makespan = max(finish)
@@ -263,7 +304,13 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
             for w, f in zip(state, finish, strict=True)
         ),
         tuple(w.gate_wait for w in state),
+        N,
     )
+
+
+def _ends_wave(p: int, nm: int, n: int) -> bool:
+    """Whether minibatch ``p`` is the last of its wave (or of the run): a push follows it."""
+    return p % nm == nm - 1 or p == n - 1
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -276,7 +323,13 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
         f, g = x
         return float(f), float(g)
 
-    stages = tuple(SimStage(*pair(x, "fwd_s", "bwd_s")) for x in d["stages"])
+    def stage(x: Any) -> SimStage:
+        if isinstance(x, dict):
+            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s") if k in x}
+            return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
+        return SimStage(*pair(x, "fwd_s", "bwd_s"))
+
+    stages = tuple(stage(x) for x in d["stages"])
     links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
     return SimVW(
         stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}")

@@ -1,0 +1,314 @@
+"""From chosen splits to predicted times: the runtime's costs, host sharing, and the simulator.
+
+:mod:`.partition` picks splits by their stage times on an otherwise idle machine; this module
+predicts what a job of those splits really gets. Per stage and minibatch it adds what the
+runtime does around the layers (:class:`.runtime.RuntimeCosts`: hand-offs to the compute
+thread, sending activations and gradients, per wave pushing the update and, with several
+virtual workers, pulling and merging the global weights), then finds how much the processes
+of each host slow each other down (:func:`.runtime.slowdowns`) as a fixed point with the
+simulated rates:
+
+1. every process starts unslowed (slowdown 1);
+2. the simulator gives each virtual worker's rate with stage times stretched by the current
+   slowdowns;
+3. a worker wants a core for its compute (a padded device only ``speed`` of it: the pad
+   sleeps) and its event loop's work, a shard for applying pushes and answering pulls; rate x
+   CPU seconds per minibatch x slowdown is the fraction of time each wants a core;
+4. processor sharing on each host's cores gives new slowdowns; repeat (damped) until they
+   settle.
+
+Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetpipe.planner.partition import CostModel, Partition
+from hetpipe.planner.runtime import all_busy, host_cores, slowdowns
+from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+
+__all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
+
+MAX_ROUNDS = 30
+TOLERANCE = 0.01  # relative change of every slowdown at which the fixed point has settled
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's costs on an idle host, per minibatch unless said per wave."""
+
+    compute_fwd_s: float  # forward task(s) as the runtime measures them (padded)
+    compute_bwd_s: float  # backward task and update (padded); 0 on the last stage
+    loop_fwd_s: float  # hand-off and sending the activation (last stage: the gradient)
+    loop_bwd_s: float  # hand-off and sending the gradient
+    recv_s: float  # decoding what arrives (overlaps compute: CPU, not stage time)
+    push_s: float  # per wave
+    merge_s: float  # per wave, several VWs only
+    pull_s: float  # per wave, latency of the answer, several VWs only
+    link_s: float  # flight of this stage's activation to the next stage (and the gradient back)
+    cpu_s: float  # CPU seconds per minibatch of the worker on an idle host
+    shard_cpu_s: float  # CPU seconds per wave of the shards for this stage
+    compute_cpu_s: float = 0.0  # the part of cpu_s that is compute (cools down when idle)
+    always_cold: bool = False  # a padded device sleeps after every task: each starts cold
+    on_cpu: bool = True  # computes on the host's cores (an emulated device)
+
+    @property
+    def compute_s(self) -> float:
+        return self.compute_fwd_s + self.compute_bwd_s
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a job of the chosen splits gets, after host sharing settled."""
+
+    sim: SimResult
+    costs: tuple[tuple[StageCost, ...], ...]
+    slowdown: tuple[tuple[float, ...], ...]  # per VW, per stage: its worker's slowdown
+    wake: tuple[tuple[float, ...], ...]  # per VW, per stage: the expected wait of a wake-up
+    cold: tuple[tuple[float, ...], ...]  # per VW, per stage: compute stretch from cold starts
+    rounds: int  # fixed-point rounds run
+
+    def compute_s(self, v: int, i: int) -> float:
+        """Predicted compute per minibatch of stage i of VW v (the runtime's ``time_s``)."""
+        return self.slowdown[v][i] * self.cold[v][i] * self.costs[v][i].compute_s
+
+    def busy_s(self, v: int, i: int, nm: int) -> float:
+        """Predicted busy time per minibatch: compute, hand-offs, sends, push and merge."""
+        c = self.costs[v][i]
+        loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s) / nm
+        wakes = 2 * (1 + (c.compute_bwd_s > 0)) + 2 * ((c.push_s > 0) + (c.merge_s > 0)) / nm
+        return self.compute_s(v, i) + self.slowdown[v][i] * loop + wakes * self.wake[v][i]
+
+
+def sim_minibatches(nms: Sequence[int]) -> int:
+    """Enough minibatches for a steady state: many waves past the pipeline fill."""
+    return max(64, 16 * max(nms, default=1))
+
+
+def stage_costs(
+    model: CostModel,
+    devices: Sequence[Any],
+    p: Partition,
+    *,
+    several_vws: bool,
+    shards: int,
+) -> tuple[StageCost, ...]:
+    """Per-stage costs of one VW's split on an idle host (see the module docs)."""
+    rt = model.runtime
+    prof = model.profile
+    k = len(devices)
+    out = []
+    for i, (d, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
+        lps = prof.layers[d.type][a:b]
+        first, last = i == 0, i == k - 1
+        task = rt.task_s / model.speed(d.type)
+        fwd = sum(lp.fwd_s for lp in lps)
+        bwd = sum(lp.bwd_s + lp.update_s for lp in lps)
+        in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
+        out_bytes = lps[-1].out_bytes
+        send_act = 0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
+        send_grad = 0.0 if first else rt.message_s + in_bytes * rt.message_byte_s
+        recv = (0.0 if first else rt.message_s + in_bytes * rt.message_byte_s) + (
+            0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
+        )
+        if last:
+            compute_fwd, compute_bwd = fwd + bwd + task, 0.0
+            loop_fwd, loop_bwd = rt.hop_s + send_grad, 0.0
+        else:
+            compute_fwd, compute_bwd = fwd + task, bwd + task
+            loop_fwd, loop_bwd = rt.hop_s + send_act, rt.hop_s + send_grad
+        state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
+        wave = rt.hop_s + rt.wave_s + state * rt.wave_byte_s if state else 0.0
+        pulls = several_vws and state > 0
+        push = wave
+        merge = wave if pulls else 0.0
+        pull = 2 * rt.latency_s + state * rt.wave_byte_s if pulls else 0.0
+        shard_cpu = (
+            (1 + pulls) * (state * rt.shard_byte_s + max(1, shards) * rt.message_s)
+            if state
+            else 0.0
+        )
+        link = 0.0
+        if not last:
+            bw = model.link(d, devices[i + 1])
+            link = out_bytes / bw + rt.latency_s + out_bytes * rt.message_byte_s
+        speed = model.speed(d.type)
+        padded = compute_fwd + compute_bwd
+        on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
+        compute_cpu = padded * speed if on_cpu else 0.0
+        cpu = compute_cpu + loop_fwd + loop_bwd + recv
+        out.append(
+            StageCost(
+                compute_fwd,
+                compute_bwd,
+                loop_fwd,
+                loop_bwd,
+                recv,
+                push,
+                merge,
+                pull,
+                link,
+                cpu + (push + merge) / p.nm,
+                shard_cpu,
+                compute_cpu,
+                on_cpu and speed < 1.0,
+                on_cpu,
+            )
+        )
+    return tuple(out)
+
+
+def _sim_vw(
+    costs: Sequence[StageCost],
+    slow: Sequence[float],
+    wake: Sequence[float],
+    cold: Sequence[float],
+    p: Partition,
+    minibatch: int,
+) -> SimVW:
+    """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
+    plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
+    pull, one per message)."""
+    stages = []
+    for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
+        stages.append(
+            SimStage(
+                k * (h * c.compute_fwd_s + c.loop_fwd_s) + 2 * w,
+                k * (h * c.compute_bwd_s + c.loop_bwd_s) + (2 * w if c.compute_bwd_s else 0.0),
+                k * c.push_s + (2 * w if c.push_s else 0.0),
+                k * c.merge_s + (2 * w if c.merge_s else 0.0),
+                k * c.pull_s + (2 * w if c.pull_s else 0.0),
+            )
+        )
+    links = tuple(
+        SimLink(costs[i].link_s * slow[i + 1] + wake[i + 1], costs[i].link_s * slow[i] + wake[i])
+        for i in range(len(costs) - 1)
+    )
+    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices))
+
+
+def predict(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    *,
+    minibatch: int,
+    staleness: int,
+    cores: int | Mapping[str, int] | None = None,
+    shard_hosts: Sequence[str] = (),
+    minibatches: int | None = None,
+) -> Prediction:
+    """Simulate the chosen VWs with the runtime's costs, slowed by sharing their hosts.
+
+    ``chosen`` holds each VW's devices in order (with ``name``, ``type``, ``node``, ``host``,
+    ``device``) and split. ``cores`` gives each node's cores (one number for all, or by node
+    name; default: this machine's). ``shard_hosts`` are the hosts of the parameter-server
+    shards (their work is spread evenly over them).
+    """
+    rt = model.runtime
+    several = len(chosen) > 1
+    n_shards = max(1, len(shard_hosts))
+    costs = tuple(
+        stage_costs(model, devs, p, several_vws=several, shards=n_shards) for devs, p in chosen
+    )
+    n = minibatches or sim_minibatches([p.nm for _, p in chosen])
+    # the fixed point needs rates, not the whole run: its rounds simulate a shorter one
+    n_round = min(n, max(32, 8 * max(p.nm for _, p in chosen)))
+    # processes: one per worker, one per shard; grouped by host
+    node_of_host: dict[str, str] = {}
+    workers: list[tuple[int, int, str]] = []  # (vw, stage, host)
+    for v, (devs, _) in enumerate(chosen):
+        for i, d in enumerate(devs):
+            node = str(getattr(d, "node", ""))
+            host = str(getattr(d, "host", node))
+            workers.append((v, i, host))
+            node_of_host.setdefault(host, node)
+    shard_list = list(shard_hosts)
+    hosts: dict[str, list[int]] = {}  # host -> process indices (workers first, then shards)
+    for j, (_, _, h) in enumerate(workers):
+        hosts.setdefault(h, []).append(j)
+    for j, h in enumerate(shard_list):
+        hosts.setdefault(h, []).append(len(workers) + j)
+    n_proc = len(workers) + len(shard_list)
+    host_n = {h: host_cores(cores, node_of_host.get(h, h)) for h in hosts}
+    contended = (
+        rt.corun > 0
+        or rt.wake_s > 0
+        or rt.cold > 0
+        or any(len(procs) > host_n[h] for h, procs in hosts.items())
+    )
+    slow = [1.0] * n_proc
+    busy = dict.fromkeys(hosts, 0.0)  # host -> chance that all its cores are taken
+    flat = [costs[v][i] for v, i, _ in workers]
+    cold = [1.0 + rt.cold * (c.always_cold or c.on_cpu) for c in flat]  # refined below
+    sim: SimResult | None = None
+    rounds = 0
+    settled = False
+    while True:
+        rounds += 1
+        sims = [
+            _sim_vw(
+                costs[v],
+                [slow[j] for j, (u, _, _) in enumerate(workers) if u == v],
+                [rt.wake_s * busy[h] for u, _, h in workers if u == v],
+                [cold[j] for j, (u, _, _) in enumerate(workers) if u == v],
+                p,
+                minibatch,
+            )
+            for v, (_, p) in enumerate(chosen)
+        ]
+        final = not contended or settled or rounds >= MAX_ROUNDS
+        sim = simulate(sims, staleness, n if final else n_round)
+        if final:
+            break
+        demand = [0.0] * n_proc
+        shard_total = 0.0
+        for j, (v, i, _) in enumerate(workers):
+            rate = sim.vw_samples_per_s[v] / minibatch
+            if not math.isfinite(rate):
+                rate = 0.0
+            c = costs[v][i]
+            demand[j] = rate * (c.cpu_s + (cold[j] - 1.0) * c.compute_cpu_s)
+            shard_total += rate / chosen[v][1].nm * c.shard_cpu_s
+        for j in range(len(shard_list)):
+            demand[len(workers) + j] = shard_total / len(shard_list)
+        new = list(slow)
+        new_busy = dict(busy)
+        for h, procs in hosts.items():
+            want = [min(1.0, slow[j] * demand[j]) for j in procs]
+            for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
+                new[j] = s
+            new_busy[h] = all_busy(want, host_n[h])
+        # a task starts cold after its thread idled: always on a padded device (it sleeps
+        # after every task), else as often as the stage is not busy
+        new_cold = [
+            1.0 + rt.cold * (1.0 if c.always_cold else (1.0 - min(1.0, sim.busy[v][i])))
+            if c.on_cpu
+            else 1.0
+            for c, (v, i, _) in zip(flat, workers, strict=True)
+        ]
+        settled = (
+            all(abs(x - y) <= TOLERANCE * y for x, y in zip(new, slow, strict=True))
+            and all(abs(new_busy[h] - busy[h]) <= TOLERANCE for h in hosts)
+            and all(abs(x - y) <= TOLERANCE * y for x, y in zip(new_cold, cold, strict=True))
+        )
+        if settled:
+            slow, busy, cold = new, new_busy, new_cold
+        else:
+            slow = [(x + y) / 2 for x, y in zip(new, slow, strict=True)]
+            busy = {h: (new_busy[h] + busy[h]) / 2 for h in hosts}
+            cold = [(x + y) / 2 for x, y in zip(new_cold, cold, strict=True)]
+    per_stage = tuple(
+        tuple(slow[j] for j, (v, _, _) in enumerate(workers) if v == u) for u in range(len(chosen))
+    )
+    wakes = tuple(
+        tuple(rt.wake_s * busy[h] for v, _, h in workers if v == u) for u in range(len(chosen))
+    )
+    colds = tuple(
+        tuple(cold[j] for j, (v, _, _) in enumerate(workers) if v == u) for u in range(len(chosen))
+    )
+    assert sim is not None
+    return Prediction(sim, costs, per_stage, wakes, colds, rounds)

@@ -1,0 +1,164 @@
+"""What the runtime costs besides the layers, and how the processes of one host share it.
+
+A layer profile says what a layer's forward, backward and update cost when one process has
+the machine to itself. A job's stages cost more, for reasons the planner can model:
+
+* **Work around the layers** (:class:`RuntimeCosts`): every compute task is handed to the
+  worker's compute thread and back to its event loop; every activation and gradient is
+  encoded, sent through ZeroMQ and decoded; every wave a stage pushes its update to the
+  parameter server and, when there are several virtual workers, pulls and merges the global
+  weights. These are CPU seconds of the worker's event loop, not of its device, so a speed
+  pad does not stretch them; ``task_s`` is the exception (memory check and version
+  bookkeeping run inside the padded region).
+* **Sharing a host** (:func:`slowdowns`): emulated devices (``device = "cpu"``) of one node
+  compute on that node's cores, and every worker and shard of a host runs its event loop
+  there. A device whose speed is s pads each task to (its measured time)/s by *sleeping*, so
+  it wants a core only s of its busy time. When more processes want a core than there are
+  cores, each gets its share (processor sharing), and a task stretches by the inverse of the
+  share it gets; the pad is proportional to the stretched time, so the whole task stretches
+  alike. The planner finds the slowdowns as a fixed point with the simulated rates (rates set
+  how busy each process is, busyness sets the slowdowns, the slowdowns set the rates).
+
+Index letters as in :mod:`.partition`; ``a_i`` is the fraction of time process i wants a core.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["RuntimeCosts", "all_busy", "host_cores", "slowdowns"]
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """Per-event costs of the runtime in seconds of one uncontended core.
+
+    The defaults were measured on this project's 2-core development host from the runtime's
+    own timeline (per stage: forward, backward, send, push, merge and gate spans, and the
+    compute inside them) over jobs of a one-layer-per-stage MLP split over 1..4 stages
+    (hand-offs, messages, per-task work), single-device CNN jobs with 1..4 virtual workers
+    on 2 cores (host sharing, ``wake_s``), a stage's compute timed back to back and with
+    idle gaps (``cold``), and 1- and 2-VW pipelines of the default cluster (``corun`` and
+    ``wake_s``, fitted with ``cold`` so that neither throughput nor stage time is biased).
+    Another host may differ: pass measured values to :func:`~hetpipe.planner.make_plan`.
+
+    ======================  ==============================================================
+    ``task_s``              per compute task, inside the padded region (memory check, weight
+                            versions, autograd hooks); divided by the device's speed
+    ``hop_s``               per compute task, outside it: to the compute thread and back
+    ``message_s``           per activation or gradient a stage sends (encode, ZeroMQ)
+    ``message_byte_s``      per byte of such a message, sent and again when received
+    ``latency_s``           a message's time from one process's loop to the next's
+    ``wave_s``              per wave and stage with state: pushing its update (a hop and a
+                            message per shard); the same again to merge pulled weights
+    ``wave_byte_s``         per parameter byte of a stage, for each of push, pull and merge
+    ``shard_byte_s``        CPU of a shard per parameter byte it applies or sends
+    ``wake_s``              how long a woken thread waits for a core when every core of
+                            its host is taken (the scheduler's slice); charged per wake-up
+                            (two per hand-off, one per message, two per pull) times the
+                            chance that all cores are busy
+    ``corun``               how much slower a core computes while every other core of its
+                            host computes too (shared caches, memory bandwidth, clock);
+                            in proportion to the other cores busy when fewer are
+    ``cold``                how much more a compute task costs when its thread was idle
+                            before it (caches and clocks cool down; a profile times layers
+                            back to back): every task of a padded device, which sleeps
+                            after each, and the idle share of the others' tasks
+    ======================  ==============================================================
+    """
+
+    task_s: float = 0.2e-3
+    hop_s: float = 0.4e-3
+    message_s: float = 0.3e-3
+    message_byte_s: float = 0.5e-9
+    latency_s: float = 0.3e-3
+    wave_s: float = 0.4e-3
+    wave_byte_s: float = 0.5e-9
+    shard_byte_s: float = 0.5e-9
+    wake_s: float = 1.5e-3
+    corun: float = 0.1
+    cold: float = 0.15
+
+    @classmethod
+    def zero(cls) -> RuntimeCosts:
+        """An ideal runtime: the layers alone (what the planner assumed before it knew)."""
+        return cls(**{f.name: 0.0 for f in fields(cls)})
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RuntimeCosts:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"runtime costs: unknown key(s) {', '.join(unknown)}")
+        values = {k: float(v) for k, v in d.items()}
+        bad = [k for k, v in values.items() if not v >= 0]
+        if bad:
+            raise ValueError(f"runtime costs: {bad[0]} must be >= 0, got {values[bad[0]]}")
+        return cls(**values)
+
+    @property
+    def is_zero(self) -> bool:
+        return not any(getattr(self, f.name) for f in fields(self))
+
+
+def host_cores(cores: int | Mapping[str, int] | None, node: str) -> int:
+    """Cores of ``node``: a per-node map, one number for every node, or this machine's."""
+    n = cores.get(node) if isinstance(cores, Mapping) else cores
+    if n is None:
+        n = os.cpu_count() or 1
+    if n < 1:
+        raise ValueError(f"cores of node {node!r} must be >= 1, got {n}")
+    return int(n)
+
+
+def slowdowns(activity: Sequence[float], cores: int, corun: float = 0.0) -> list[float]:
+    """Each process's slowdown when processes share ``cores`` cores.
+
+    Process i wants a core a fraction ``activity[i]`` of the time, independently of the
+    others. While it does and n others do too, it gets ``min(1, cores / (n + 1))`` of a core,
+    and that core runs ``1 + corun * min(n, cores - 1) / (cores - 1)`` times slower for the
+    other busy cores; its work stretches by the inverse of the share it gets on average. The
+    count of others follows a Poisson-binomial law, computed exactly (O(n^2) per process).
+    """
+    a = [min(1.0, max(0.0, float(x))) for x in activity]
+    if len(a) <= cores and corun == 0.0:
+        return [1.0] * len(a)
+    out = []
+    for i in range(len(a)):
+        dist = [1.0]  # dist[n] = P(n others want a core)
+        for j, aj in enumerate(a):
+            if j == i or aj <= 0.0:
+                continue
+            nxt = [0.0] * (len(dist) + 1)
+            for n, p in enumerate(dist):
+                nxt[n] += p * (1.0 - aj)
+                nxt[n + 1] += p * aj
+            dist = nxt
+        others = max(1, cores - 1)
+        share = sum(
+            p * min(1.0, cores / (n + 1)) / (1.0 + corun * min(n, others) / others)
+            for n, p in enumerate(dist)
+        )
+        out.append(1.0 / share if share > 0 else math.inf)
+    return out
+
+
+def all_busy(activity: Sequence[float], cores: int) -> float:
+    """Probability that every core is taken (at least ``cores`` processes want one), when
+    process i wants a core a fraction ``activity[i]`` of the time, independently."""
+    dist = [1.0]
+    for x in activity:
+        ax = min(1.0, max(0.0, float(x)))
+        nxt = [0.0] * (len(dist) + 1)
+        for n, p in enumerate(dist):
+            nxt[n] += p * (1.0 - ax)
+            nxt[n + 1] += p * ax
+        dist = nxt
+    return float(sum(dist[cores:]))

@@ -1,0 +1,53 @@
+"""Jobs without a split, planned by the head on the default cluster's shape, end to end."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import job
+
+pytestmark = pytest.mark.slow
+
+
+def planned_job(name: str, **kw) -> dict:
+    """A job dict with no [[vw]] split and no Nm: the head's planner decides both."""
+    out = job(name, **kw)
+    out["train"].pop("nm")
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_the_head_plans_two_vws_that_use_the_whimpy_device(hetero_cluster) -> None:
+    spec = planned_job("planned", model="cnn", epochs=12, minibatches=None, lr=0.025)
+    spec["train"].update({"vws": 2, "policy": "auto"})
+    info = hetero_cluster.submit(spec, timeout=380)
+    assert info["state"] == "done", info.get("error")
+    devices = [d for vw in info["vws"] for d in vw["devices"]]
+    assert len(info["vws"]) == 2
+    assert "gpu3" in devices, info["vws"]  # the whimpy device holds a stage of some VW
+    assert len(devices) == len(set(devices))
+    # the planner's figures come with the job, for the split it ran
+    pred = info["predicted"]
+    assert pred["samples_per_s"] > 0
+    assert [v["devices"] for v in info["vws"]] == [
+        [s["device"] for s in v["stages"]] for v in pred["vws"]
+    ]
+    for s in info["stages"]:
+        ps = pred["vws"][s["vw"]]["stages"][s["stage"]]
+        assert list(s["layers"]) == list(ps["layers"])
+        assert ps["time_s"] > 0 and ps["memory"] <= ps["memory_cap"]
+        assert s["peak_bytes"] <= ps["memory_cap"]
+    # two VWs each apply their whole update to the global weights: asynchronous, but it learns
+    assert info["test_accuracy"] >= 0.95
+
+
+@pytest.mark.timeout(300)
+def test_a_model_that_fits_nowhere_cannot_be_planned(hetero_cluster) -> None:
+    # 4096-wide hidden layers: 16M parameters (64 MiB), four times that with optimizer
+    # state and update accumulators, against 131 MiB of device memory in all
+    spec = planned_job("huge", model="mlp", model_args={"hidden": [4096, 4096]}, minibatches=4)
+    info = hetero_cluster.submit(spec, timeout=280)
+    assert info["state"] == "failed"
+    error = info["error"]
+    assert error.startswith("cannot plan: "), error
+    assert "fits on no virtual worker" in error and "MiB" in error, error
+    assert "\n" not in error

@@ -1,0 +1,240 @@
+"""The runtime's costs, host sharing, and the predictions made from them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hetpipe.config import DeviceSpec
+from hetpipe.planner import CostModel, LayerProfile, ModelProfile, explicit_plan
+from hetpipe.planner.predict import predict, stage_costs
+from hetpipe.planner.runtime import RuntimeCosts, all_busy, host_cores, slowdowns
+from hetpipe.planner.simulate import SimStage, SimVW, simulate
+
+MiB = 1 << 20
+
+
+def test_processes_that_fit_the_cores_run_unslowed():
+    assert slowdowns([1.0, 1.0], 2) == [1.0, 1.0]
+    assert slowdowns([1.0, 0.3, 0.0], 4) == [1.0, 1.0, 1.0]
+
+
+def test_always_busy_processes_share_the_cores():
+    assert slowdowns([1.0] * 4, 2) == pytest.approx([2.0] * 4)
+    assert slowdowns([1.0] * 3, 1) == pytest.approx([3.0] * 3)
+    # idle processes take nothing (and would wait for the two busy ones when they want more)
+    assert slowdowns([1.0, 1.0, 0.0, 0.0], 2) == pytest.approx([1.0, 1.0, 1.5, 1.5])
+
+
+def test_partly_busy_processes_slow_each_other_in_expectation():
+    # three processes, each wanting a core half the time, on two cores: a process finds both
+    # others busy a quarter of the time, and then gets 2/3 of a core
+    want = 1.0 / (0.75 + 0.25 * 2 / 3)
+    assert slowdowns([0.5, 0.5, 0.5], 2) == pytest.approx([want] * 3)
+    # a padded device (busy less) is slowed less than it slows the others... all alike here,
+    # but the busier the others, the slower everyone
+    light, heavy = slowdowns([0.5, 0.2, 0.2], 2), slowdowns([0.5, 0.9, 0.9], 2)
+    assert 1.0 < light[0] < heavy[0]
+
+
+def test_corun_slows_cores_that_compute_together():
+    # two always-busy processes on two cores: no sharing, but each core is slower while the
+    # other computes; on many cores one other busy core costs proportionally less
+    assert slowdowns([1.0, 1.0], 2, corun=0.2) == pytest.approx([1.2, 1.2])
+    assert slowdowns([1.0, 1.0], 11, corun=0.2) == pytest.approx([1.02, 1.02])
+    assert slowdowns([1.0], 2, corun=0.2) == [1.0]
+
+
+def test_all_busy_is_the_chance_that_every_core_is_taken():
+    assert all_busy([1.0, 1.0], 2) == pytest.approx(1.0)
+    assert all_busy([0.5, 0.5], 2) == pytest.approx(0.25)
+    assert all_busy([0.5, 0.5, 0.5], 2) == pytest.approx(0.5)
+    assert all_busy([1.0], 2) == 0.0
+
+
+def test_host_cores():
+    assert host_cores(4, "n0") == 4
+    assert host_cores({"n0": 8}, "n0") == 8
+    assert host_cores({"n1": 8}, "n0") >= 1  # this machine's
+    with pytest.raises(ValueError, match="cores"):
+        host_cores(0, "n0")
+
+
+def test_runtime_costs_round_trip_and_checks():
+    c = RuntimeCosts()
+    assert RuntimeCosts.from_dict(c.to_dict()) == c
+    assert RuntimeCosts.zero().is_zero and not c.is_zero
+    with pytest.raises(ValueError, match="unknown"):
+        RuntimeCosts.from_dict({"nope": 1.0})
+    with pytest.raises(ValueError, match="hop_s"):
+        RuntimeCosts.from_dict({"hop_s": -1.0})
+
+
+# ------------------------------------------------------------------------------ predictions
+
+
+def dev(name: str, dtype: str, speed: float = 1.0, device: str = "cpu", node: str = "n0"):
+    return DeviceSpec(name, device, dtype, 64 * MiB, speed, 0, node, f"10.0.0.{node[-1]}")
+
+
+def flat_profile(types: dict[str, float], layers: int = 4, t: float = 1e-3) -> ModelProfile:
+    """Identical layers; each type ``1/speed`` slower, as an emulated device is."""
+    lp = LayerProfile(t, 2 * t, 4096, 0, 1024, 2048, 2048)
+    return ModelProfile(
+        "flat",
+        8,
+        1024,
+        {
+            k: tuple(dataclasses.replace(lp, fwd_s=t / s, bwd_s=2 * t / s) for _ in range(layers))
+            for k, s in types.items()
+        },
+    )
+
+
+def flat(slowdown) -> list[float]:
+    return [k for vw in slowdown for k in vw]
+
+
+def bw(a, b) -> float:
+    return 1e10
+
+
+def one_stage(model, devices):
+    return [((d,), model.partition((d,), 1)) for d in devices]
+
+
+def test_an_ideal_runtime_predicts_what_the_simulator_does():
+    prof = flat_profile({"a": 1.0})
+    model = CostModel(prof, bw, 0, RuntimeCosts.zero())
+    devs = (dev("x", "a"), dev("y", "a"))
+    p = model.partition(devs, 2)
+    pred = predict(model, [(devs, p)], minibatch=8, staleness=0, cores=8, minibatches=40)
+    sim = simulate([SimVW((SimStage(2e-3, 4e-3), SimStage(2e-3, 4e-3)), 2, (), 8)], 0, 40)
+    assert pred.sim.makespan_s == pytest.approx(sim.makespan_s, rel=1e-4)  # links: ~0
+    assert pred.slowdown == ((1.0, 1.0),) and pred.rounds == 1
+
+
+def test_devices_of_one_host_share_its_cores():
+    prof = flat_profile({"a": 1.0})
+    costs = dataclasses.replace(RuntimeCosts.zero(), hop_s=1e-9)  # some cost: iterate
+    model = CostModel(prof, bw, 0, costs)
+    devs = [dev(f"g{i}", "a") for i in range(4)]
+    alone = predict(model, one_stage(model, devs[:1]), minibatch=8, staleness=0, cores=2)
+    four = predict(model, one_stage(model, devs), minibatch=8, staleness=0, cores=2)
+    # four always-busy devices on two cores: each at half speed, the job at twice one's rate
+    assert flat(four.slowdown) == pytest.approx([2.0] * 4, rel=0.02)
+    assert four.sim.job_samples_per_s == pytest.approx(2 * alone.sim.job_samples_per_s, rel=0.03)
+    # on a host of four cores nobody waits; on separate nodes neither
+    roomy = predict(model, one_stage(model, devs), minibatch=8, staleness=0, cores=4)
+    assert flat(roomy.slowdown) == pytest.approx([1.0] * 4)
+    apart = [dev(f"g{i}", "a", node=f"n{i}") for i in range(4)]
+    spread = predict(model, one_stage(model, apart), minibatch=8, staleness=0, cores=2)
+    assert flat(spread.slowdown) == pytest.approx([1.0] * 4)
+
+
+def test_padded_and_gpu_devices_want_less_of_the_host():
+    # a device at speed 0.25 sleeps three quarters of its compute: four of them fit 2 cores
+    prof = flat_profile({"slow": 0.25})
+    costs = dataclasses.replace(RuntimeCosts.zero(), hop_s=1e-9)
+    model = CostModel(prof, bw, 0, costs, {"slow": 0.25})
+    slow = [dev(f"s{i}", "slow", speed=0.25) for i in range(4)]
+    pred = predict(model, one_stage(model, slow), minibatch=8, staleness=0, cores=2)
+    assert all(1.0 < k[0] < 1.3 for k in pred.slowdown)
+    # devices on cuda compute on their GPU: only their event loops use the host
+    gpus = [dev(f"c{i}", "slow", speed=0.25, device=f"cuda:{i}") for i in range(4)]
+    pred = predict(model, one_stage(model, gpus), minibatch=8, staleness=0, cores=2)
+    assert flat(pred.slowdown) == pytest.approx([1.0] * 4, abs=1e-6)
+
+
+def test_stage_costs_follow_the_runtime():
+    prof = flat_profile({"a": 0.5})
+    costs = RuntimeCosts(
+        task_s=1e-3,
+        hop_s=2e-3,
+        message_s=3e-3,
+        message_byte_s=0.0,
+        wave_s=4e-3,
+        wave_byte_s=0.0,
+        latency_s=5e-3,
+    )
+    model = CostModel(prof, bw, 0, costs, {"a": 0.5})
+    devs = (dev("x", "a", 0.5), dev("y", "a", 0.5))
+    p = model.describe(devs, [(0, 2), (2, 4)], 2)
+    first, last = stage_costs(model, devs, p, several_vws=True, shards=1)
+    # compute is padded (task_s too); hand-offs and sends are the event loop's, unpadded
+    assert first.compute_fwd_s == pytest.approx(2 * 2e-3 + 1e-3 / 0.5)
+    assert first.compute_bwd_s == pytest.approx(2 * 4e-3 + 1e-3 / 0.5)
+    assert first.loop_fwd_s == pytest.approx(2e-3 + 3e-3)  # hand-off, send the activation
+    assert last.compute_bwd_s == 0.0 and last.loop_bwd_s == 0.0
+    assert last.loop_fwd_s == pytest.approx(2e-3 + 3e-3)  # hand-off, send the gradient
+    # per wave: push, and with several VWs a pull's answer and a merge
+    assert first.push_s == pytest.approx(2e-3 + 4e-3)
+    assert first.merge_s == first.push_s and first.pull_s == pytest.approx(2 * 5e-3)
+    alone = stage_costs(model, devs, p, several_vws=False, shards=1)[0]
+    assert alone.merge_s == 0.0 and alone.pull_s == 0.0
+    # a padded device wants a core only for its share of the compute
+    assert first.cpu_s == pytest.approx(
+        first.compute_s * 0.5
+        + first.loop_fwd_s
+        + first.loop_bwd_s
+        + first.recv_s
+        + (first.push_s + first.merge_s) / 2
+    )
+
+
+def test_explicit_plan_reports_predicted_compute_and_busy_time():
+    prof = flat_profile({"a": 1.0})
+    devs = [dev(f"g{i}", "a") for i in range(3)]
+    cluster = type("C", (), {"devices": devs, "ps": (), "network": _Net()})()
+    plan = explicit_plan(
+        cluster,
+        prof,
+        [(["g0", "g1", "g2"], [2, 1, 1], 3)],
+        minibatch=8,
+        staleness=0,
+        optimizer_state_factor=1,
+        cores=1,
+    )
+    for s in plan.vws[0].stages:
+        assert s.slowdown > 1.0  # three workers on one core
+        assert s.busy_s > s.time_s > 0
+    ideal = explicit_plan(
+        cluster,
+        prof,
+        [(["g0", "g1", "g2"], [2, 1, 1], 3)],
+        minibatch=8,
+        staleness=0,
+        optimizer_state_factor=1,
+        cores=8,
+        costs=RuntimeCosts.zero(),
+    )
+    assert ideal.vws[0].stages[0].time_s == pytest.approx(2 * 3e-3)
+    assert ideal.samples_per_s > plan.samples_per_s
+    assert plan.details["runtime_costs"] == RuntimeCosts().to_dict()
+
+
+class _Net:
+    links = ()
+
+    def bytes_per_s(self, a, b) -> float:
+        return 1e10
+
+
+def test_tasks_that_start_cold_cost_more():
+    prof = flat_profile({"a": 1.0, "slow": 0.5})
+    costs = dataclasses.replace(RuntimeCosts.zero(), cold=0.2)
+    model = CostModel(prof, bw, 0, costs, {"a": 1.0, "slow": 0.5})
+    # alone and unpadded, a device computes back to back: nothing cools down
+    fast = predict(model, one_stage(model, [dev("f", "a")]), minibatch=8, staleness=0, cores=4)
+    assert fast.cold[0][0] == pytest.approx(1.0, abs=0.02)
+    assert fast.compute_s(0, 0) == pytest.approx(fast.costs[0][0].compute_s, rel=0.02)
+    # a padded device sleeps after every task: each one starts cold
+    slow = [dev("s", "slow", speed=0.5)]
+    padded = predict(model, one_stage(model, slow), minibatch=8, staleness=0, cores=4)
+    assert padded.cold[0][0] == pytest.approx(1.2)
+    assert padded.compute_s(0, 0) == pytest.approx(1.2 * padded.costs[0][0].compute_s)
+    # on a GPU the host's caches and clocks do not matter
+    gpu = [dev("g", "slow", speed=0.5, device="cuda:0")]
+    on_gpu = predict(model, one_stage(model, gpu), minibatch=8, staleness=0, cores=4)
+    assert on_gpu.cold[0][0] == pytest.approx(1.0)
