@@ -570,29 +570,37 @@ class Head:
         path.parent.mkdir(parents=True, exist_ok=True)
         last_sig: tuple[Any, ...] = ()
         last_change = time.time()
+        def record() -> dict[str, Any]:
+            info = js.info()
+            metrics.write(json.dumps({"t": time.time(), **{k: info.get(k) for k in (
+                "minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages",
+                "evals")}}) + "\n")
+            metrics.flush()
+            return info
+
         with open(path, "a") as metrics:
-            while True:
-                await asyncio.sleep(every_s)
-                info = js.info()
-                now = time.time()
-                metrics.write(json.dumps({"t": now, **{k: info.get(k) for k in (
-                    "minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages",
-                    "evals")}}) + "\n")
-                metrics.flush()
-                sig = tuple((p.get("done"), p.get("forwards")) for _, p in
-                            sorted(js.progress.items()))
-                if sig != last_sig:
-                    last_sig, last_change = sig, now
-                    if js.diagnosis:
-                        self.log.info("job moving again", job=js.id)
-                    js.diagnosis = []
-                elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
-                    diagnosis = diagnose(js.plan, js.progress, now, info.get("global_clock"))
-                    if diagnosis != js.diagnosis:
-                        js.diagnosis = diagnosis
-                        self.log.warning("job makes no progress", job=js.id,
-                                         silent_s=round(now - last_change, 1),
-                                         diagnosis=diagnosis)
+            try:
+                while True:
+                    await asyncio.sleep(every_s)
+                    info = record()
+                    now = time.time()
+                    sig = tuple((p.get("done"), p.get("forwards")) for _, p in
+                                sorted(js.progress.items()))
+                    if sig != last_sig:
+                        last_sig, last_change = sig, now
+                        if js.diagnosis:
+                            self.log.info("job moving again", job=js.id)
+                        js.diagnosis = []
+                    elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
+                        diagnosis = diagnose(js.plan, js.progress, now,
+                                             info.get("global_clock"))
+                        if diagnosis != js.diagnosis:
+                            js.diagnosis = diagnosis
+                            self.log.warning("job makes no progress", job=js.id,
+                                             silent_s=round(now - last_change, 1),
+                                             diagnosis=diagnosis)
+            finally:
+                record()  # the last figures, also for a job shorter than one tick
 
     async def _abort(self, js: JobState, reason: str) -> None:
         assert self.channel is not None
