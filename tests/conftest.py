@@ -64,3 +64,23 @@ def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | Non
     if split:
         out["vw"] = [{"devices": d, "layers": layers} for d, layers in split]
     return out
+
+
+def edited(base: str, old: str, new: str) -> str:
+    """``base`` with one exact edit (``old == ""`` appends ``new``)."""
+    if not old:
+        return base + new
+    assert old in base, old
+    return base.replace(old, new, 1)
+
+
+def one_line_error(load: Any, error: type[Exception], path: Path, key: str,
+                   problem: str) -> str:
+    """``load(path)`` must fail with ONE line naming the file, the key and the problem."""
+    with pytest.raises(error) as info:
+        load(path)
+    text = str(info.value)
+    assert "\n" not in text, text
+    assert text.startswith(f"{path}: {key}: "), text
+    assert problem in text, text
+    return text

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from conftest import edited, one_line_error
 
 from hetpipe.job import (
     DataSpec,
@@ -58,20 +59,12 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def edit(old: str, new: str) -> str:
     """BASE with one exact edit (``old == ""`` appends ``new``)."""
-    if not old:
-        return BASE + new
-    assert old in BASE, old
-    return BASE.replace(old, new, 1)
+    return edited(BASE, old, new)
 
 
-def rejected(path: Path, key: str, problem: str) -> None:
+def rejected(path: Path, key: str, problem: str) -> str:
     """Load must fail with ONE line naming the file, the key and the problem."""
-    with pytest.raises(JobError) as info:
-        load_job(path)
-    text = str(info.value)
-    assert "\n" not in text, text
-    assert text.startswith(f"{path}: {key}: "), text
-    assert problem in text, text
+    return one_line_error(load_job, JobError, path, key, problem)
 
 
 # (id, old, new, key, problem)
