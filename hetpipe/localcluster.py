@@ -33,18 +33,21 @@ class DeviceDef:
     memory: str = "256MiB"
     speed: float = 1.0
     device: str = "cpu"
+    port: int = 0  # 0: ephemeral, chosen when the worker binds
 
 
 def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
+                 shard_ports: Sequence[int] | None = None,
                  heartbeat_s: float = 0.5, lost_after_s: float = 3.0) -> str:
-    """A cluster file for this host with ephemeral ports everywhere."""
-    lines = ["[ps]", "shards = [" + ", ".join(['"127.0.0.1:0"'] * shards) + "]", "",
+    """A cluster file for this host; ports are ephemeral unless given."""
+    ports = list(shard_ports) if shard_ports is not None else [0] * shards
+    lines = ["[ps]", "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]", "",
              "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}", "",
              "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]
     for d in devices:
         lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
                   f'type = "{d.type}"', f'memory = "{d.memory}"', f"speed = {d.speed}",
-                  "port = 0", ""]
+                  f"port = {d.port}", ""]
     return "\n".join(lines)
 
 

@@ -23,37 +23,18 @@ from click.testing import CliRunner, Result
 
 from hetpipe import cli
 from hetpipe.client import HeadClient
+from hetpipe.localcluster import DeviceDef, cluster_toml
 
 pytestmark = pytest.mark.timeout(30)
 
-GOOD_CLUSTER = """\
-[ps]
-shards = ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]
 
-[runtime]
-heartbeat_s = 0.5
-lost_after_s = 3.0
 
-[[node]]
-name = "node0"
-host = "127.0.0.1"
+def good_cluster(p0: int = 7100, p1: int = 7101, p2: int = 7200, p3: int = 7201) -> str:
+    """Two shards and two devices (a fast one and a whimpy one) on this host."""
+    return cluster_toml((DeviceDef("gpu0", "fast", "64MiB", 1.0, port=p2),
+                         DeviceDef("gpu1", "whimpy", "3MiB", 0.25, port=p3)),
+                        shard_ports=(p0, p1))
 
-[[node.device]]
-name = "gpu0"
-device = "cpu"
-type = "fast"
-memory = "64MiB"
-speed = 1.0
-port = {p2}
-
-[[node.device]]
-name = "gpu1"
-device = "cpu"
-type = "whimpy"
-memory = "3MiB"
-speed = 0.25
-port = {p3}
-"""
 
 GOOD_JOB = """\
 name = "t"
@@ -94,7 +75,7 @@ def free_ports(n: int) -> list[int]:
 
 def write_cluster(path: Path, ports: list[int] | None = None) -> Path:
     p = ports or [7100, 7101, 7200, 7201]
-    path.write_text(GOOD_CLUSTER.format(p0=p[0], p1=p[1], p2=p[2], p3=p[3]))
+    path.write_text(good_cluster(*p))
     return path
 
 
@@ -121,7 +102,7 @@ def test_malformed_cluster_file_is_one_line_naming_file_and_key(
 ) -> None:
     edit, key, problem = BAD_CLUSTERS[case]
     path = tmp_path / "cluster.toml"
-    path.write_text(edit(GOOD_CLUSTER.format(p0=7100, p1=7101, p2=7200, p3=7201)))
+    path.write_text(edit(good_cluster()))
     run_dir = tmp_path / "run"
     result = invoke("--cluster", str(path), "--run-dir", str(run_dir), command)
     assert result.exit_code == 1, result.output
@@ -141,7 +122,7 @@ def test_missing_cluster_file_is_one_line(tmp_path: Path) -> None:
 
 
 def test_up_refuses_a_cluster_with_nothing_on_this_host(tmp_path: Path) -> None:
-    text = GOOD_CLUSTER.format(p0=7100, p1=7101, p2=7200, p3=7201)
+    text = good_cluster()
     path = tmp_path / "remote.toml"
     path.write_text(text.replace("127.0.0.1", "192.0.2.1"))  # TEST-NET-1: never this host
     result = invoke("--cluster", str(path), "--run-dir", str(tmp_path / "run"), "up")
