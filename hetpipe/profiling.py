@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -111,6 +111,3 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
         "unused": list(plan.unused),
     }
 
-
-def types_of(devices: Sequence[DeviceSpec]) -> list[str]:
-    return sorted({d.type for d in devices})
