@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.schedule import KINDS as SCHEDULE_KINDS
+from hetpipe.schedule import SYNC_KINDS
 
 __all__ = [
     "DataSpec",
@@ -105,6 +107,12 @@ class JobSpec:
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     faults: tuple[FaultSpec, ...] = ()
+    schedule: str = "async"  # hetpipe.schedule.KINDS; in gpipe/1f1b nm is M per iteration
+
+    @property
+    def sync(self) -> bool:
+        """Whether the schedule is synchronous (an iteration of nm microbatches, one step)."""
+        return self.schedule in SYNC_KINDS
 
     def to_dict(self) -> dict:
         """The job in its file's shape, as plain msgpack-able data (absent optionals omitted)."""
@@ -114,6 +122,7 @@ class JobSpec:
             "staleness": self.staleness,
             "seed": self.seed,
             "policy": self.policy,
+            "schedule": self.schedule,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -181,6 +190,7 @@ class JobSpec:
                 "policy",
                 "eval_every_s",
                 "hang_after_s",
+                "schedule",
             ),
         )
         minibatch = train.at_least("minibatch", 1)
@@ -196,6 +206,10 @@ class JobSpec:
         num_vws = train.at_least("vws", 1, None)
         eval_every_s = train.positive("eval_every_s", None)
         hang_after_s = train.positive("hang_after_s", 30.0)
+        schedule = train.text("schedule", "async")
+        if schedule not in SCHEDULE_KINDS:
+            train.fail("schedule", f"unknown schedule {schedule!r} "
+                       f"(one of: {', '.join(SCHEDULE_KINDS)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -219,6 +233,7 @@ class JobSpec:
             policy=policy,
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
+            schedule=schedule,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0),

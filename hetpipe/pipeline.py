@@ -1,30 +1,15 @@
-"""The schedule of one stage inside a virtual worker, as DESIGN.md states it.
+"""Runs one stage of one job: executes the actions its schedule gives, moves the messages.
 
-Index letters used below:
+What the stage does next (admission, 1F1B, waves, pulls and pushes, the synchronous kinds'
+microbatch order and flushes) is decided by :class:`hetpipe.schedule.StageSchedule`, the
+same object the planner's simulator asks; this module only executes: compute on the
+worker's single compute thread, messages on the event loop, so receives keep flowing while
+the stage computes.
 
-====  ==========================================================
-p     minibatch number inside the virtual worker (0, 1, 2, ...)
-c     wave number: wave c = minibatches c*Nm .. (c+1)*Nm - 1
-nf    the next minibatch this stage will run forward
-nb    the next minibatch this stage will run backward
-====  ==========================================================
-
-Rules:
-
-- Admission: stage 0 runs the forward of p only after the backward of p - Nm finished there,
-  so at most Nm minibatches are in flight in the virtual worker.
-- 1F1B: a ready backward goes before a ready forward; the last stage runs the loss and the
-  backward of p right after its forward.
-- Local update after every backward (in :mod:`hetpipe.stage`).
-- WSP: after the backward of the last minibatch of wave c the stage pushes its update of
-  wave c to its shards; before the forward of the first minibatch of wave c >= 1 it pulls
-  with ``need = c - 1 - D`` and sets its weights to the pulled ones plus its own updates the
-  shards had not applied. The pull is sent as soon as the forward of p - 1 is done, so it
-  overlaps the backwards still running; the forward waits only for its answer. The clock
-  a forward saw is recorded with it, so staleness is observable afterwards.
-
-Compute runs on the worker's single compute thread; this coroutine only decides and moves
-messages, so receives keep flowing while the stage computes.
+Compute actions that need no input from outside run in one hand-off to the compute thread:
+a backward and the optimizer step after it, and on the last stage its forward (with the
+loss), backward and step. The clock a forward saw is recorded with it, so staleness is
+observable afterwards.
 """
 
 from __future__ import annotations
@@ -39,13 +24,25 @@ from typing import Any
 import torch
 
 from hetpipe.data import MinibatchStream
+from hetpipe.schedule import (
+    Action,
+    Backward,
+    Done,
+    Forward,
+    Merge,
+    OptimizerStep,
+    Pull,
+    Push,
+    StageSchedule,
+    Wait,
+)
 from hetpipe.stage import StageCompute
 from hetpipe.timeline import Timeline, shares
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
-from hetpipe.wsp import is_last_of_wave, pull_need, wave_of
+from hetpipe.wsp import pull_need, wave_of
 
-__all__ = ["PULL_TIMEOUT_S", "PUSH_TIMEOUT_S", "Record", "StageRunner"]
+__all__ = ["PULL_TIMEOUT_S", "PUSH_TIMEOUT_S", "Record", "StageRunner", "stage_schedule"]
 
 PUSH_TIMEOUT_S = 120.0
 # A pull may be parked for as long as the slowest virtual worker needs to finish a wave.
@@ -78,6 +75,22 @@ class Record:
         return [getattr(self, f) for f in self.FIELDS]
 
 
+def stage_schedule(compute: StageCompute) -> StageSchedule:
+    """The schedule of the stage ``compute`` runs.
+
+    A virtual worker alone in its job exchanges nothing with the shards after the initial
+    weights: its global weights hold nothing but its own pushed updates, which its local
+    weights already include exactly (re-adding them would only change the rounding), and a
+    synchronous iteration has nobody to average gradients with.
+    """
+    task = compute.task
+    return StageSchedule(
+        compute.spec.schedule, k=task.k, stage=task.stage, nm=task.nm,
+        total=task.minibatches, staleness=task.staleness,
+        pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
+    )
+
+
 class StageRunner:
     """Runs one stage of one job to the end, or until cancelled."""
 
@@ -92,21 +105,20 @@ class StageRunner:
         stream: MinibatchStream | None,
         report_every_s: float = 0.5,
     ) -> None:
-        self.c = compute
+        self.compute = compute
         self.task = compute.task
+        self.sync = compute.spec.sync
         self.executor = executor
         self.send = send
         self.shards = shards
         self.report = report
         self.stream = stream
         self.report_every_s = report_every_s
+        self.schedule = stage_schedule(compute)
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.wakeup = asyncio.Event()
-        self.nf = 0
-        self.nb = 0
-        self.merged_wave = -1  # the wave whose pulled weights are loaded
-        self.pulls: dict[int, asyncio.Task[list[Message]]] = {}
+        self.answers: dict[tuple[int, bool], asyncio.Task[list[Message]]] = {}
         self.push_acks: list[asyncio.Future[Message]] = []
         self.records: dict[int, Record] = {}
         self.clock = 0
@@ -115,12 +127,8 @@ class StageRunner:
         self.timeline = Timeline()
         self.waiting: dict[str, Any] | None = None  # what the stage waits for, since when
         self.doing: dict[str, Any] | None = None  # the compute running now, since when
-        # A virtual worker alone in its job skips the pulls after the first one: the global
-        # weights then hold nothing but its own pushed updates, which its local weights
-        # already include exactly (re-adding them would only change the rounding).
-        self.pulls_needed = self.task.num_vws > 1 and compute.has_state
 
-    # -- inbox ------------------------------------------------------------------------------
+    # -- inbox (the schedule's Inputs) -----------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
         """Take an activation or a gradient addressed to this stage."""
@@ -130,6 +138,16 @@ class StageRunner:
             self.grads[msg["p"]] = msg.tensors["g"]
         self.wakeup.set()
 
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        answer = self.answers.get((c, grads))
+        return answer is not None and answer.done()
+
     # -- main loop --------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
@@ -138,158 +156,182 @@ class StageRunner:
         self.timeline = Timeline()
         reporter = asyncio.create_task(self._report_loop())
         try:
-            with self.timeline.span("gate", wave=0):
-                self._wait_for("pull", wave=0)
-                await self._load_wave(0)
-            total = self.task.minibatches
-            while self.nb < total:
-                if await self._try_backward() or await self._try_forward():
+            while not isinstance(action := self.schedule.next(self), Done):
+                if isinstance(action, Wait):
+                    self._wait_for(action.what, p=action.p, wave=action.c, need=action.need)
+                    kind = "gate" if action.what in ("pull", "reduce") else "bubble"
+                    with self.timeline.span(kind, action.p, action.c):
+                        await self.wakeup.wait()
+                    self.wakeup.clear()
                     continue
-                kind = "gate" if self.waiting and self.waiting["kind"] == "pull" else "bubble"
-                with self.timeline.span(kind, self.waiting and self.waiting.get("p")):
-                    await self.wakeup.wait()
-                self.wakeup.clear()
+                self.schedule.done(action)
+                await self._execute(action)
             self._wait_for("push_ack")
             with self.timeline.span("push"):
                 await self._wait_pushes()
             self.waiting = None
         finally:
             reporter.cancel()
-            for t in self.pulls.values():
+            for t in self.answers.values():
                 t.cancel()
         return self.final_stats()
 
+    async def _execute(self, action: Action) -> None:
+        match action:
+            case Pull(c, grads):
+                task = asyncio.create_task(self._reduce(c) if grads else self._pull(c),
+                                           name=f"pull:{c}:{grads}")
+                task.add_done_callback(lambda _t: self.wakeup.set())
+                self.answers[c, grads] = task
+            case Merge(c, grads):
+                replies = self.answers.pop((c, grads)).result()
+                with self.timeline.span("merge", None, c):
+                    if grads:
+                        await self._run(self.compute.merge_gradients, _union(replies))
+                    else:
+                        await self._merge(c, replies)
+            case Push(c):
+                with self.timeline.span("push", None, c):
+                    await self._push(c)
+            case Forward() | Backward() | OptimizerStep():
+                await self._compute_run(self._fused(action))
+
+    def _fused(self, action: Action) -> list[Action]:
+        """``action`` and the compute actions that follow it with no input from outside."""
+        run = [action]
+        while True:
+            nxt = self.schedule.next(self)
+            follows = isinstance(nxt, OptimizerStep) or (
+                self.task.is_last and isinstance(nxt, Backward)
+                and isinstance(run[-1], Forward) and nxt.p == run[-1].p)
+            if not follows:
+                return run
+            self.schedule.done(nxt)
+            run.append(nxt)
+
     def _wait_for(self, kind: str, **what: Any) -> None:
         """Say what the stage waits for (the head diagnoses hangs from it)."""
+        what = {k: v for k, v in what.items() if v is not None}
         if self.waiting is None or self.waiting["kind"] != kind or any(
                 self.waiting.get(k) != v for k, v in what.items()):
             self.waiting = {"kind": kind, "since": time.time(), **what}
 
-    async def _compute(self, kind: str, p: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on the compute thread as one span; ``doing`` shows it meanwhile."""
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _compute_run(self, run: list[Action]) -> None:
+        """Execute forwards, backwards and steps in one hand-off; then send what they made."""
+        head = run[0]
+        x = y = grad = None
+        p = head.i if isinstance(head, OptimizerStep) else head.p
+        if isinstance(head, Forward):
+            self._opening(p)
+            x, y = self.stream.batch(p) if self.task.is_first else self.acts.pop(p)  # type: ignore[union-attr]
+            self.records[p] = Record(p=p, wave=wave_of(p, self.task.nm), clock=self.clock,
+                                     vw_clock=self.vw_clock, t_fwd=time.time())
+        elif isinstance(head, Backward) and not self.task.is_last:
+            grad = self.grads.pop(p)
+        kind = "forward" if isinstance(head, Forward) else "backward"
         self.doing = {"kind": kind, "p": p, "since": time.time()}
+        t0 = time.time()
         try:
-            with self.timeline.span(kind, p, wave_of(p, self.task.nm)):
-                return await asyncio.get_running_loop().run_in_executor(
-                    self.executor, fn, *args)
+            out, grad_in, spans = await self._run(self._compute, run, x, y, grad)
         finally:
             self.doing = None
+        # the hand-off to and from the compute thread counts as the compute's own time
+        spans[0][1], spans[-1][2] = t0, time.time()
+        for span in spans:
+            self.timeline.add(*span)
+        if isinstance(head, Forward) and self.task.is_last:
+            self.records[p].loss = self.compute.stats.last_loss
+        for a in run:
+            if isinstance(a, Forward) and not self.task.is_last:
+                with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
+                    await self.send(Kind.ACT, a.p, {"x": out, "y": y})
+            elif isinstance(a, Backward):
+                if not self.task.is_first and grad_in is not None:
+                    with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
+                        await self.send(Kind.GRAD, a.p, {"g": grad_in})
+                self._after_backward(a.p)
 
-    async def _send(self, kind: str, p: int, tensors: dict[str, torch.Tensor]) -> None:
-        with self.timeline.span("send", p, wave_of(p, self.task.nm)):
-            await self.send(kind, p, tensors)
+    def _compute(self, run: list[Action], x: Any, y: Any, grad: Any) -> tuple[Any, Any, list]:
+        """On the compute thread: run the actions in order; spans as (kind, t0, t1, p, wave).
 
-    async def _try_backward(self) -> bool:
-        p = self.nb
-        if self.task.is_last or p >= self.nf:
-            return False
-        if p not in self.grads:
-            self._wait_for("gradient", p=p)
-            return False
-        grad_in = await self._compute("backward", p, self.c.backward, p, self.grads.pop(p))
-        if not self.task.is_first and grad_in is not None:
-            await self._send(Kind.GRAD, p, {"g": grad_in})
-        await self._after_backward(p)
-        return True
+        An optimizer step counts as part of the backward before it (one span).
+        """
+        c = self.compute
+        out = grad_in = None
+        spans: list[list[Any]] = []
+        for a in run:
+            t0 = time.time()
+            if isinstance(a, Forward):
+                out = c.forward(a.p, x, y)
+                spans.append(["forward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
+            elif isinstance(a, Backward):
+                grad_in = c.backward(a.p, grad)
+                spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
+            else:
+                c.step(a.i)
+                if spans and spans[-1][0] == "backward":
+                    spans[-1][2] = time.time()
+                else:
+                    spans.append(["backward", t0, time.time(), None, a.i if self.sync
+                                  else wave_of(a.i, self.task.nm)])
+        return out, grad_in, spans
 
-    async def _try_forward(self) -> bool:
-        p = self.nf
-        total = self.task.minibatches
-        if p >= total:
-            return False
-        if self.task.is_first and p - self.task.nm >= self.nb:
-            return False  # admission: p - Nm has not finished its backward here yet
-        c = wave_of(p, self.task.nm)
-        if c > self.merged_wave and not self.pulls_needed:
-            # what a pull would have reported: the waves this VW has completed here
-            self.merged_wave, self.clock = c, self.nb // self.task.nm
-            self.vw_clock = self.clock
-        if c > self.merged_wave:
-            self._start_pull(c)
-            task = self.pulls[c]
-            if not task.done():
-                self._wait_for("pull", wave=c, p=p, need=pull_need(c, self.task.staleness))
-                return False
-            with self.timeline.span("merge", p, c):
-                await self._merge(c, task.result())
-        if self.task.is_first:
-            x, y = self.stream.batch(p)  # type: ignore[union-attr]
-        elif p in self.acts:
-            x, y = self.acts.pop(p)
-        else:
-            if self.nb >= self.nf:
-                self._wait_for("activation", p=p)
-            return False
-        rec = Record(p=p, wave=c, clock=self.clock, vw_clock=self.vw_clock, t_fwd=time.time())
-        self.records[p] = rec
-        out, grad_in = await self._compute("forward", p, self.c.forward, p, x, y)
-        self.nf = p + 1
-        if self.task.is_last:
-            if not self.task.is_first and grad_in is not None:
-                await self._send(Kind.GRAD, p, {"g": grad_in})
-            await self._after_backward(p)
-        else:
-            await self._send(Kind.ACT, p, {"x": out, "y": y})
-            # prefetch the pull of the next wave as soon as its first forward is next
-            nxt = wave_of(self.nf, self.task.nm)
-            if self.pulls_needed and self.nf < total and nxt > self.merged_wave and (
-                not self.task.is_first or self.nf - self.task.nm < self.nb
-            ):
-                self._start_pull(nxt)
-        return True
+    def _opening(self, p: int) -> None:
+        """At the first forward of a wave/iteration: the clock of the weights it will use,
+        where no pull reports it (a virtual worker alone in its job, or synchronous)."""
+        nm = self.task.nm
+        if p % nm or p == 0:
+            return
+        if self.sync:
+            self.clock = self.vw_clock = p // nm
+        elif not self.schedule.pulls:
+            self.clock = self.vw_clock = self.schedule.nb // nm
 
-    async def _after_backward(self, p: int) -> None:
+    def _after_backward(self, p: int) -> None:
         rec = self.records[p]
-        fv, ffp, bv, bfp = self.c.versions.pop(p)
+        fv, ffp, bv, bfp = self.compute.versions.pop(p)
         rec.fwd_version, rec.fwd_fingerprint = fv, ffp
         rec.bwd_version, rec.bwd_fingerprint = bv, bfp
         rec.t_bwd = time.time()
-        if self.task.is_last:
-            rec.loss = self.c.stats.last_loss
-        self.nb = p + 1
-        if is_last_of_wave(p, self.task.nm, self.task.minibatches):
-            c = wave_of(p, self.task.nm)
-            with self.timeline.span("push", p, c):
-                await self._push(c)
 
     # -- parameter server -------------------------------------------------------------------
 
     def _shard_names(self) -> dict[int, list[str]]:
         by_shard: dict[int, list[str]] = {}
-        for name in self.c.state_names():
+        for name in self.compute.state_names():
             by_shard.setdefault(self.task.placement[name], []).append(name)
         return by_shard
 
+    def _ids(self) -> dict[str, Any]:
+        return {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage}
+
     async def _push(self, wave: int) -> None:
-        """Send this stage's update of ``wave`` to each shard; acks are awaited later."""
-        if not self.c.has_state:
-            return
-        deltas = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.c.push_deltas, wave, self.pulls_needed)
-        fields = {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage,
-                  "wave": wave}
+        """Send this stage's update of ``wave`` to each shard; acks are awaited later.
+
+        The update stays until a pull shows it applied only where weights are pulled again.
+        """
+        keep = self.schedule.pulls and not self.sync
+        deltas = await self._run(self.compute.push_deltas, wave, keep)
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}
             ch = self.shards[shard]
             self.push_acks.append(await ch.send_request(
-                Kind.PUSH, fields, part, what=f"shard {shard} ({ch.name})"))
+                Kind.PUSH, {**self._ids(), "wave": wave}, part,
+                what=f"shard {shard} ({ch.name})"))
 
     async def _wait_pushes(self) -> None:
         for fut in self.push_acks:
             await asyncio.wait_for(fut, PUSH_TIMEOUT_S)
         self.push_acks.clear()
 
-    def _start_pull(self, c: int) -> None:
-        if c in self.pulls:
-            return
-        self.pulls[c] = asyncio.create_task(self._pull(c), name=f"pull:{c}")
-        self.pulls[c].add_done_callback(lambda _t: self.wakeup.set())
-
     async def _pull(self, c: int) -> list[Message]:
-        if not self.c.has_state:
+        """Ask each shard for this stage's weights of wave ``c`` (parked until WSP allows)."""
+        if not self.compute.has_state:
             return []
-        fields = {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage,
-                  "need": pull_need(c, self.task.staleness), "wave": c}
+        fields = {**self._ids(), "need": pull_need(c, self.task.staleness), "wave": c}
         waits = [
             self.shards[shard].request(Kind.PULL, fields, timeout=PULL_TIMEOUT_S,
                                        what=f"shard {shard}")
@@ -297,32 +339,37 @@ class StageRunner:
         ]
         return list(await asyncio.gather(*waits))
 
-    async def _load_wave(self, c: int) -> None:
-        self._start_pull(c)
-        await self._merge(c, await self.pulls[c])
+    async def _reduce(self, c: int) -> list[Message]:
+        """Send iteration ``c``'s gradient sum to each shard; its answer is every virtual
+        worker's mean (parked until all have contributed)."""
+        grads, samples = await self._run(self.compute.gradient_sum)
+        fields = {**self._ids(), "iteration": c, "samples": samples}
+        waits = [
+            self.shards[shard].request(
+                Kind.REDUCE, fields, {n: grads[n] for n in names if n in grads},
+                timeout=PULL_TIMEOUT_S, what=f"shard {shard}")
+            for shard, names in self._shard_names().items()
+        ]
+        return list(await asyncio.gather(*waits))
 
     async def _merge(self, c: int, replies: list[Message]) -> None:
-        pulled: dict[str, torch.Tensor] = {}
         applied: dict[str, list[int]] = {}
         clock = vw_clock = None
         for r in replies:
-            pulled.update(r.tensors)
             for name in r.tensors:
                 applied[name] = list(r["applied"])
             clock = r["clock"] if clock is None else min(clock, r["clock"])
             vw_clock = r["vw_clock"] if vw_clock is None else min(vw_clock, r["vw_clock"])
+        pulled = _union(replies)
         if pulled:
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.c.load, pulled, applied)
+            await self._run(self.compute.load, pulled, applied)
         self.clock = clock if clock is not None else c
         self.vw_clock = vw_clock if vw_clock is not None else c
-        self.merged_wave = c
-        self.pulls.pop(c, None)
 
     # -- reporting --------------------------------------------------------------------------
 
     def progress(self) -> dict[str, Any]:
-        s = self.c.stats
+        s = self.compute.stats
         recent = s.losses[-20:]
         elapsed = self.timeline.elapsed()
         return {
@@ -330,8 +377,8 @@ class StageRunner:
             "shares": shares(self.timeline.totals, elapsed),
             "timeline_elapsed_s": elapsed,
             "waiting": self.doing or self.waiting,
-            "done": self.nb,
-            "forwards": self.nf,
+            "done": self.schedule.nb,
+            "forwards": self.schedule.nf,
             "total": self.task.minibatches,
             "loss": sum(recent) / len(recent) if recent else None,
             "elapsed_s": time.monotonic() - self.started,
@@ -340,7 +387,7 @@ class StageRunner:
             "peak_bytes": s.peak_bytes,
             "clock": self.clock,
             "vw_clock": self.vw_clock,
-            "wave": wave_of(max(self.nf - 1, 0), self.task.nm),
+            "wave": wave_of(max(self.schedule.nf - 1, 0), self.task.nm),
         }
 
     async def _report_loop(self) -> None:
@@ -354,3 +401,11 @@ class StageRunner:
         out["spans"] = self.timeline.spans
         out["record_fields"] = list(Record.FIELDS)
         return out
+
+
+def _union(replies: list[Message]) -> dict[str, torch.Tensor]:
+    """The tensors of several shards' answers, by name (each name lives on one shard)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in replies:
+        out.update(r.tensors)
+    return out

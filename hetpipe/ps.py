@@ -33,7 +33,8 @@ Parked = tuple[bytes | None, int, int, int]  # (peer, rid, vw, stage)
 class ShardServer:
     """Serves push, pull and the head's shard requests from one ROUTER channel."""
 
-    KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP})
+    KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.REDUCE, Kind.SHARD_INIT, Kind.SHARD_FETCH,
+                       Kind.SHARD_DROP})
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -49,6 +50,8 @@ class ShardServer:
                 await self._push(peer, msg)
             elif msg.kind == Kind.PULL:
                 await self._pull(peer, msg)
+            elif msg.kind == Kind.REDUCE:
+                await self._reduce(peer, msg)
             elif msg.kind == Kind.SHARD_INIT:
                 js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors)
                 self.log.info("job held", job=msg["job"], tensors=len(js.weights))
@@ -80,6 +83,19 @@ class ShardServer:
         item: Parked = (peer, msg["rid"], msg["vw"], msg["stage"])
         if js.clock.park(msg["need"], item):
             await self._answer(msg["job"], item)
+
+    async def _reduce(self, peer: bytes | None, msg: Message) -> None:
+        assert self.channel is not None
+        js = self.store.get(msg["job"])
+        item: Parked = (peer, msg["rid"], msg["vw"], msg["stage"])
+        answers = js.reduce(msg["vw"], msg["stage"], msg["iteration"], msg["samples"],
+                            msg.tensors, item)
+        for (p, rid, vw, stage), fields, tensors in answers:
+            try:
+                await self.channel.send(Kind.REDUCED, {"rid": rid, **fields}, tensors, to=p)
+            except ConnectionError as exc:
+                self.log.warning("reduce answer undeliverable", job=msg["job"], vw=vw,
+                                 stage=stage, error=str(exc))
 
     async def _answer(self, job: str, item: Parked) -> None:
         assert self.channel is not None

@@ -25,6 +25,15 @@ class ShardError(ValueError):
 
 
 @dataclass
+class Reduction(Generic[T]):
+    """One synchronous iteration's gradients on this shard, until every stage contributed."""
+
+    sums: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    parked: list[tuple[T, int, int]] = field(default_factory=list)  # (item, vw, stage)
+
+
+@dataclass
 class JobShard(Generic[T]):
     """One job's weights on this shard and its WSP clock."""
 
@@ -35,21 +44,66 @@ class JobShard(Generic[T]):
     pushes: int = 0
     pushed_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    reductions: dict[int, Reduction[T]] = field(default_factory=dict)
 
-    def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, torch.Tensor]) -> bool:
-        """Apply a stage's update of a wave exactly once; False for a duplicate."""
+    def reduce(
+        self, vw: int, stage: int, iteration: int, samples: int,
+        grads: Mapping[str, torch.Tensor], item: T,
+    ) -> list[tuple[T, dict[str, Any], dict[str, torch.Tensor]]]:
+        """Take one stage's gradient sum of a synchronous iteration; once every stage holding
+        state here has contributed, return each waiting requester's answer: the mean
+        gradient of its names over the samples of every virtual worker that holds them.
+
+        Sums are added in (vw, stage) order, so every virtual worker gets the same bits and
+        a run is reproducible whatever order the contributions arrived in.
+        """
+        self._check(vw, stage, grads, "gradients")
+        if samples < 1:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} reduced {samples} samples")
+        red = self.reductions.setdefault(iteration, Reduction())
+        if (vw, stage) in red.sums:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} already contributed to "
+                             f"iteration {iteration}")
+        red.sums[(vw, stage)] = dict(grads)
+        red.samples[(vw, stage)] = samples
+        red.parked.append((item, vw, stage))
+        if len(red.sums) < len(self.names):
+            return []
+        del self.reductions[iteration]
+        total: dict[str, torch.Tensor] = {}
+        count: dict[str, int] = {}
+        with torch.no_grad():
+            for key in sorted(red.sums):
+                for name, g in red.sums[key].items():
+                    total[name] = total[name] + g if name in total else g.clone()
+                    count[name] = count.get(name, 0) + red.samples[key]
+            mean = {n: t / count[n] for n, t in total.items()}
+        return [
+            (it, {"samples": max((count[n] for n in self.names[(v, s)] if n in count),
+                                 default=0)},
+             {n: mean[n] for n in self.names[(v, s)] if n in mean})
+            for it, v, s in red.parked
+        ]
+
+    def _check(self, vw: int, stage: int, tensors: Mapping[str, torch.Tensor],
+               what: str) -> None:
+        """Refuse tensors a stage does not hold here, or of the wrong shape."""
         allowed = self.names.get((vw, stage))
         if allowed is None:
             raise ShardError(f"job {self.job}: vw{vw}/stage{stage} holds nothing on this shard")
-        unknown = set(deltas) - set(allowed)
+        unknown = set(tensors) - set(allowed)
         if unknown:
             raise ShardError(f"job {self.job}: vw{vw}/stage{stage} pushed unknown "
-                             f"tensors {sorted(unknown)[:3]}")
-        for name, d in deltas.items():
+                             f"{what} {sorted(unknown)[:3]}")
+        for name, d in tensors.items():
             w = self.weights[name]
             if d.shape != w.shape:
-                raise ShardError(f"job {self.job}: {name}: update of shape {list(d.shape)} "
+                raise ShardError(f"job {self.job}: {name}: {what} of shape {list(d.shape)} "
                                  f"for a weight of shape {list(w.shape)}")
+
+    def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, torch.Tensor]) -> bool:
+        """Apply a stage's update of a wave exactly once; False for a duplicate."""
+        self._check(vw, stage, deltas, "update")
         if not self.clock.record_push(vw, stage, wave):
             return False
         with torch.no_grad():
@@ -125,8 +179,9 @@ class ShardStore(Generic[T]):
             raise ShardError(f"unknown job {job!r} on this shard") from None
 
     def drop(self, job: str) -> list[T]:
-        """Forget a job; return its parked pulls so the caller can fail them."""
+        """Forget a job; return its parked pulls and reductions so the caller can fail them."""
         js = self.jobs.pop(job, None)
         if js is None:
             return []
-        return js.clock.release_all()
+        waiting = [it for red in js.reductions.values() for it, _vw, _stage in red.parked]
+        return js.clock.release_all() + waiting

@@ -65,6 +65,8 @@ class _InFlight:
     version: int
     fingerprint: float  # of the weights the forward used, taken at forward time
     saved_bytes: int
+    samples: int = 1  # of the minibatch (sync schedules weight gradients by it)
+    loss: torch.Tensor | None = None  # last stage: its backward starts here
 
 
 @dataclass
@@ -101,6 +103,10 @@ class StageCompute:
         self.optimizer = StageOptimizer(self.spec.optimizer)
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
         self.in_flight: dict[int, _InFlight] = {}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # async: gradients awaiting step
+        self.grad_sum: dict[str, torch.Tensor] = {}  # sync: this iteration's, sample-weighted
+        self.grad_samples = 0
+        self.merged_grads: dict[str, torch.Tensor] | None = None  # sync: every VW's mean
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         self.stats = StageStats()
         self._saved_bytes: dict[tuple[int, ...], int] = {}
@@ -126,14 +132,10 @@ class StageCompute:
 
     # -- forward / backward -----------------------------------------------------------------
 
-    def forward(
-        self, p: int, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the forward of minibatch ``p``.
-
-        Returns ``(activation, None)`` for the next stage, or on the last stage
-        ``(None, grad_of_input)`` after the loss and the backward ran on the same version.
-        """
+    def forward(self, p: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Run the forward of minibatch ``p``: the activation for the next stage, or, on the
+        last stage, None after the loss (kept for :meth:`backward`, which the schedule runs
+        right after in the async kind)."""
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = time.perf_counter()
@@ -155,25 +157,26 @@ class StageCompute:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
         flight = _InFlight(x=x, out=out, params=params, version=self.version,
-                           fingerprint=_fingerprint(params), saved_bytes=known)
+                           fingerprint=_fingerprint(params), saved_bytes=known,
+                           samples=int(y.shape[0]) if y.dim() else 1)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
             self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
-            return out.detach(), None
-        loss = self.loss_fn(out, y.to(self.dev))
-        self.stats.last_loss = float(loss.detach())
+            return out.detach()
+        flight.loss = self.loss_fn(out, y.to(self.dev))
+        self.stats.last_loss = float(flight.loss.detach())
         self.stats.losses.append(self.stats.last_loss)
         self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
-        return None, self._backward(p, loss, None)
+        return None
 
-    def backward(self, p: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """Run the backward of minibatch ``p`` from the gradient of its output."""
-        return self._backward(p, None, grad)
+    def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the backward of minibatch ``p`` from the gradient of its output (None on the
+        last stage: from its loss); return the gradient of its input for the previous stage.
 
-    def _backward(
-        self, p: int, loss: torch.Tensor | None, grad: torch.Tensor | None
-    ) -> torch.Tensor | None:
+        The weights' gradients wait for :meth:`step`: kept per minibatch (async) or summed
+        over the iteration, weighted by samples (sync).
+        """
         started = time.perf_counter()
         flight = self.in_flight.pop(p)
         wants_input = flight.x.requires_grad
@@ -181,9 +184,10 @@ class StageCompute:
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
         if not inputs:  # e.g. a first stage of parameter-free layers: nothing to differentiate
             grads: tuple[torch.Tensor | None, ...] = ()
-        elif loss is not None:
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        elif flight.loss is not None:
+            grads = torch.autograd.grad(flight.loss, inputs, allow_unused=True)
         else:
+            assert grad is not None, f"{self.where}: backward of {p} without a gradient"
             grads = torch.autograd.grad(
                 flight.out, inputs, grad.to(self.dev, non_blocking=True), allow_unused=True
             )
@@ -194,10 +198,45 @@ class StageCompute:
         # version current at this backward, fingerprint of the weights differentiated now)
         self.versions[p] = (flight.version, flight.fingerprint, self.version,
                             _fingerprint(flight.params))
-        self._step(p, pgrads)
+        if self.spec.sync:
+            self._add_gradients(pgrads, flight.samples)
+        else:
+            self.pending[p] = pgrads
         self.stats.backwards += 1
         self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
         return grad_in
+
+    def step(self, i: int) -> None:
+        """The local optimizer step: after backward ``i`` (async), or at the end of iteration
+        ``i`` on the mean gradient (sync: the virtual workers' mean once merged, else this
+        stage's own)."""
+        if not self.spec.sync:
+            self._step(wave_of(i, self.task.nm), self.pending.pop(i))
+            return
+        mean = self.merged_grads
+        if mean is None:
+            with torch.no_grad():
+                mean = {n: g / self.grad_samples for n, g in self.grad_sum.items()}
+        self.grad_sum, self.grad_samples, self.merged_grads = {}, 0, None
+        self._step(i, mean)
+
+    def _add_gradients(self, grads: Mapping[str, torch.Tensor], samples: int) -> None:
+        """Add a microbatch's mean gradient times its samples to the iteration's sum."""
+        with torch.no_grad():
+            for n, g in grads.items():
+                if n in self.grad_sum:
+                    self.grad_sum[n].add_(g, alpha=samples)
+                else:
+                    self.grad_sum[n] = g * samples
+        self.grad_samples += samples
+
+    def gradient_sum(self) -> tuple[dict[str, torch.Tensor], int]:
+        """This iteration's sample-weighted gradient sum and its samples, for the shards."""
+        return {n: g.detach().cpu() for n, g in self.grad_sum.items()}, self.grad_samples
+
+    def merge_gradients(self, mean: Mapping[str, torch.Tensor]) -> None:
+        """Adopt the mean gradient of every virtual worker's samples of the iteration."""
+        self.merged_grads = {n: g.to(self.dev) for n, g in mean.items()}
 
     def _buffer_deltas(self, before: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This forward's change of the buffers, as it goes to the parameter server.
@@ -212,8 +251,9 @@ class StageCompute:
             return {name: (self.buffers[name] - b) / n if b.is_floating_point() and n > 1
                     else self.buffers[name] - b for name, b in before.items()}
 
-    def _step(self, p: int, grads: Mapping[str, torch.Tensor]) -> None:
-        """Local update out of place: a new version of the weights, the old one untouched."""
+    def _step(self, wave: int, grads: Mapping[str, torch.Tensor]) -> None:
+        """Local update out of place: a new version of the weights, the old one untouched;
+        the update joins what ``wave`` pushes."""
         if not grads:
             return
         updated = self.optimizer.step(self.params, grads)
@@ -224,7 +264,7 @@ class StageCompute:
         self.params = {**self.params, **{n: w.requires_grad_() for n, w in zip(names, new,
                                                                                strict=True)}}
         self.version += 1
-        self._accumulate(wave_of(p, self.task.nm), dict(zip(names, deltas, strict=True)))
+        self._accumulate(wave, dict(zip(names, deltas, strict=True)))
 
     def _accumulate(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
         """Add ``deltas`` to the update of ``wave`` (one fused add for the names it has)."""
@@ -247,6 +287,11 @@ class StageCompute:
         for a stage that never pulls again.
         """
         acc = self.acc.get(wave, {}) if keep else self.acc.pop(wave, {})
+        if self.spec.sync and self.task.num_vws > 1:
+            # every virtual worker took the same step: each contributes its share of it
+            n = self.task.num_vws
+            return {k: (t.detach() / n if t.is_floating_point() else t.detach()).cpu()
+                    for k, t in acc.items()}
         return {n: t.detach().cpu() for n, t in acc.items()}
 
     def load(self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[int]]) -> None:
@@ -287,6 +332,7 @@ class StageCompute:
         """What this stage keeps alive now, counted from the real tensors."""
         versions = {id(f.params) for f in self.in_flight.values()} | {id(self.params)}
         acc = sum(t.numel() * t.element_size() for a in self.acc.values() for t in a.values())
+        acc += sum(t.numel() * t.element_size() for t in self.grad_sum.values())
         return emulate.Usage(
             weights=self.weight_bytes,
             versions=len(versions),

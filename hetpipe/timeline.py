@@ -44,10 +44,14 @@ class Timeline:
         try:
             yield
         finally:
-            t1 = time.time()
-            self.totals[kind] += t1 - t0
-            if self.keep_spans:
-                self.spans.append([kind, t0, t1, p, wave])
+            self.add(kind, t0, time.time(), p, wave)
+
+    def add(self, kind: str, t0: float, t1: float, p: int | None = None,
+            wave: int | None = None) -> None:
+        """A span measured elsewhere (on the compute thread)."""
+        self.totals[kind] += t1 - t0
+        if self.keep_spans:
+            self.spans.append([kind, t0, t1, p, wave])
 
     def elapsed(self) -> float:
         return time.time() - self.started

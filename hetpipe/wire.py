@@ -93,6 +93,8 @@ class Kind(StrEnum):
     PUSH = "push"
     PULL = "pull"
     PULLED = "pulled"
+    REDUCE = "reduce"
+    REDUCED = "reduced"
     SHARD_INIT = "shard_init"
     SHARD_FETCH = "shard_fetch"
     SHARD_DROP = "shard_drop"
@@ -165,6 +167,17 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     },
     # tensors: weights, by parameter name
     Kind.PULLED: {"rid": _INT, "clock": _INT, "vw_clock": _INT, "applied": _LIST},
+    # tensors: a stage's sample-weighted gradient sum of one synchronous iteration, by name
+    Kind.REDUCE: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "iteration": _INT,
+        "samples": _INT,
+    },
+    # tensors: the mean gradient over every virtual worker's samples of the iteration
+    Kind.REDUCED: {"rid": _INT, "samples": _INT},
     # tensors: initial weights, by parameter name
     Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},

@@ -95,7 +95,7 @@ def test_stalled_stage_is_diagnosed(uniform_cluster) -> None:
                     stalled_since = time.monotonic()
                 if info.get("diagnosis"):
                     return info, time.monotonic() - (stalled_since or time.monotonic())
-                assert info["state"] in ("planning", "running"), info.get("error")
+                assert info["state"] in ("queued", "planning", "running"), info.get("error")
                 await asyncio.sleep(0.2)
             raise AssertionError("no diagnosis")
 

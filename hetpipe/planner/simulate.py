@@ -4,36 +4,29 @@ Why simulate: a split's bottleneck says how fast a *full* pipeline runs, but not
 links, and WSP waits between virtual workers (VWs) of different speed shape what a job gets.
 The planner compares formations by what this simulator predicts.
 
-Rules inside one VW (the same as the runtime's, see DESIGN "The pipeline inside a VW"):
+What each stage does next is not decided here: every simulated stage asks a
+:class:`hetpipe.schedule.StageSchedule` (the object the runtime executes), and this module
+only times the actions and delivers the inputs. Timing:
 
-* Minibatches are numbered p = 0, 1, ...; **admission**: p enters stage 0 only after p - Nm
-  finished its backward at stage 0, so at most Nm are in flight.
-* A stage runs one task at a time and **prefers a ready backward** over a ready forward;
-  forwards run in minibatch order, and so do backwards.
-* The **last stage** runs the backward of a minibatch right after its forward (one task).
+* Forward, backward and optimizer step take the stage's ``fwd_s``, ``bwd_s`` and ``step_s``
+  (async: the step is part of ``bwd_s`` as profiled, so ``step_s`` is 0); a push takes
+  ``push_s``, a merge of pulled weights ``merge_s`` (wave >= 1). A stage runs one action at
+  a time.
 * Each link between consecutive stages carries activations forward and gradients backward;
   each direction is a FIFO channel that moves one tensor at a time.
-
-Rules across VWs (WSP, DESIGN "WSP across VWs"): wave c of a VW is minibatches
-c*Nm .. (c+1)*Nm - 1. A stage **pushes** wave c when it finishes the backward of the wave's
-last minibatch (taking ``push_s`` more of its time); a VW's clock is the number of waves every
-one of its stages has pushed, the global clock the minimum over VWs. Before the first forward
-of wave c >= 1 stage 0 waits until the global clock >= c - 1 - D. A VW that has finished its
-minibatches no longer holds others back (its clock counts as infinite), as when the runtime
-retires it.
-
-Pulls, when a stage models them (``pull_s > 0``, several VWs): the stage sends the pull of
-wave c as soon as the forward before it is done (a non-last stage whose next forward is
-admitted), else when that forward is otherwise ready; the answer arrives ``pull_s`` after both
-the pull was sent and the global clock allowed it, and the stage then spends ``merge_s``
-loading the weights before the forward. Without pulls modelled, stage 0 passes the gate the
-moment the clock allows it and no merge is charged (the ideal runtime).
+* WSP: a VW's clock is the number of waves every one of its stages with state has pushed,
+  the global clock the minimum over VWs; a VW that has finished its minibatches no longer
+  holds others back (its clock counts as infinite), as when the runtime retires it. A pull
+  of wave c is answered ``pull_s`` after both it was sent and the global clock reached
+  ``c - 1 - D``.
+* Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
+  stage with state of every VW has sent its gradient for it.
 
 Rates. ``vw_samples_per_s`` is each VW's steady rate: minibatches completed at stage 0 after
 the first quarter (the pipeline's fill) and before the last Nm (the drain), divided by the
-time they took. ``samples_per_s`` is
-their sum, what a long job gets; ``job_samples_per_s`` is every sample of the simulated run
-over its makespan (fill and drain included).
+time they took. ``samples_per_s`` is their sum, what a long job gets; ``job_samples_per_s``
+is every sample of the simulated run over its makespan (fill and drain included).
+``iteration_s`` (synchronous kinds) is the mean time of one iteration after the first.
 """
 
 from __future__ import annotations
@@ -43,10 +36,23 @@ import heapq
 import json
 import math
 import sys
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from hetpipe.schedule import (
+    Action,
+    Backward,
+    Done,
+    Forward,
+    Merge,
+    OptimizerStep,
+    Pull,
+    Push,
+    StageSchedule,
+    Wait,
+)
+from hetpipe.wsp import pull_need
 
 __all__ = ["SimLink", "SimResult", "SimStage", "SimVW", "main", "simulate"]
 
@@ -59,7 +65,9 @@ class SimStage:
     bwd_s: float
     push_s: float = 0.0  # busy after the backward of a wave's last minibatch
     merge_s: float = 0.0  # busy before the forward of a wave's first minibatch (wave >= 1)
-    pull_s: float = 0.0  # latency of a pull's answer; 0: pulls not modelled
+    pull_s: float = 0.0  # latency of a pull's (or a gradient exchange's) answer
+    step_s: float = 0.0  # a synchronous iteration's optimizer step
+    state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class SimVW:
     links: tuple[SimLink, ...] = ()  # k - 1 links, or empty for free transfers
     minibatch: int = 1  # samples per minibatch
     name: str = ""
+    schedule: str = "async"  # hetpipe.schedule.KINDS; nm is M for the synchronous ones
+    orders: tuple[tuple[tuple[str, int], ...], ...] | None = None  # per stage (sync)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -97,6 +107,9 @@ class SimResult:
     busy: tuple[tuple[float, ...], ...]  # per VW, per stage: busy time / the VW's finish time
     gate_wait_s: tuple[float, ...]  # per VW: time stage 0 had a forward ready but WSP held it
     minibatches: int = 0  # per VW, as simulated
+    iteration_s: tuple[float, ...] = ()  # per VW, synchronous kinds: mean iteration time
+    # per VW, per stage: (start time, action) in the order the stage ran them
+    actions: tuple[tuple[tuple[tuple[float, Action], ...], ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,21 +121,36 @@ class SimResult:
             "busy": [list(b) for b in self.busy],
             "gate_wait_s": list(self.gate_wait_s),
             "minibatches": self.minibatches,
+            "iteration_s": list(self.iteration_s),
         }
 
 
 @dataclass
 class _Stage:
+    """One simulated stage: its schedule and what has arrived at it."""
+
     spec: SimStage
+    schedule: StageSchedule
+    acts: set[int] = field(default_factory=set)
+    grads: set[int] = field(default_factory=set)
+    answers: dict[tuple[int, bool], float] = field(default_factory=dict)  # pull -> ready at
+    now: float = 0.0  # the simulated time the schedule is asked at
     idle: bool = True
-    next_fwd: int = 0  # next minibatch to run forward (forwards are in order)
-    arrived: int = 0  # minibatches whose input is here (stage > 0); in order
-    grads: deque[int] = field(default_factory=deque)  # backwards ready, in order
     busy_s: float = 0.0
-    pushed: int = 0  # waves pushed
     gate_since: float | None = None
-    issued: dict[int, float] = field(default_factory=dict)  # wave -> time its pull was sent
-    wake_at: float = -1.0  # when a pending pull's answer arrives (a WAKE event is queued)
+    wake_at: float = -1.0
+    log: list[tuple[float, Action]] = field(default_factory=list)
+
+    # the schedule's Inputs
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        ready = self.answers.get((c, grads))
+        return ready is not None and ready <= self.now
 
 
 @dataclass
@@ -133,12 +161,16 @@ class _VW:
     link_free_b: list[float]
     done: int = 0  # backwards finished at stage 0 (in order)
     done_at: list[float] = field(default_factory=list)
+    steps_at: list[float] = field(default_factory=list)  # sync: stage 0's optimizer steps
     gate_wait: float = 0.0
+    pushed: list[int] = field(default_factory=list)
+    end: float = 0.0  # when its last action so far completed
 
     def clock(self, total: int) -> float:
         if self.done >= total:
             return math.inf
-        return min(s.pushed for s in self.stages)
+        held = [n for n, st in zip(self.pushed, self.stages, strict=True) if st.spec.state]
+        return min(held) if held else min(self.pushed)
 
 
 def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResult:
@@ -148,141 +180,174 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
     if minibatches < 1:
         raise ValueError(f"minibatches must be >= 1, got {minibatches}")
     N, D = minibatches, staleness
+    several = len(vws) > 1
     state = [
         _VW(
             v,
-            [_Stage(s) for s in v.stages],
+            [
+                _Stage(st, StageSchedule(
+                    v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=N, staleness=D,
+                    pulls=several and st.state, pushes=True,
+                    order=v.orders[i] if v.orders else None))
+                for i, st in enumerate(v.stages)
+            ],
             [0.0] * (len(v.stages) - 1),
             [0.0] * (len(v.stages) - 1),
+            pushed=[0] * len(v.stages),
         )
         for v in vws
     ]
-    events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, kind, vw, stage, p)
+    events: list[tuple[float, int, int, int, int, Any]] = []  # (time, seq, kind, vw, stage, x)
     seq = 0
     FREE, ARRIVE_F, ARRIVE_B, WAKE = 0, 1, 2, 3
-    running: dict[tuple[int, int], tuple[str, int]] = {}
     glob = 0.0  # global clock
     glob_at = [0.0]  # glob_at[g]: when the global clock reached g
+    pending: list[tuple[int, int, int, float]] = []  # weight pulls the clock still holds
+    reduces: dict[int, list[tuple[int, int, float]]] = {}  # iteration -> contributions
+    contributors = sum(1 for w in state for st in w.stages if st.schedule.pulls)
 
-    def push(t: float, kind: int, v: int, s: int, p: int) -> None:
+    def push(t: float, kind: int, v: int, s: int, x: Any) -> None:
         nonlocal seq
         seq += 1
-        heapq.heappush(events, (t, seq, kind, v, s, p))
+        heapq.heappush(events, (t, seq, kind, v, s, x))
 
     def global_clock() -> float:
         return min(w.clock(N) for w in state)
+
+    def answer(v: int, s: int, key: tuple[int, bool], at: float) -> None:
+        st = state[v].stages[s]
+        st.answers[key] = at
+        push(at, WAKE, v, s, None)
+
+    def release_pulls(now: float) -> None:
+        keep = []
+        for v, s, c, sent in pending:
+            need = pull_need(c, D)
+            if glob >= need:
+                ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
+                # the initial weights are loaded before the run starts: not timed
+                latency = state[v].stages[s].spec.pull_s if c >= 1 else 0.0
+                answer(v, s, (c, False), max(sent, ok) + latency)
+            else:
+                keep.append((v, s, c, sent))
+        pending[:] = keep
+
+    def duration(st: _Stage, a: Action, last: bool) -> float:
+        sp = st.spec
+        match a:
+            case Forward():
+                return sp.fwd_s
+            case Backward():
+                return sp.bwd_s
+            case OptimizerStep():
+                return sp.step_s
+            case Push():
+                return sp.push_s if sp.state else 0.0
+            case Merge(c, grads):
+                return sp.merge_s if c >= 1 and not grads else 0.0
+        return 0.0
 
     def dispatch(now: float, v: int, s: int) -> None:
         w = state[v]
         st = w.stages[s]
         if not st.idle:
             return
-        k = len(w.stages)
-        last = s == k - 1
-        nm = w.spec.nm
-        if st.grads and not last:
-            if st.gate_since is not None:  # busy with a backward: not waiting meanwhile
-                w.gate_wait += now - st.gate_since
-                st.gate_since = None
-            p = st.grads.popleft()
-            st.idle = False
-            running[v, s] = ("b", p)
-            dur = st.spec.bwd_s + (st.spec.push_s if _ends_wave(p, nm, N) else 0.0)
-            st.busy_s += dur
-            push(now + dur, FREE, v, s, p)
-            return
-        p = st.next_fwd
-        if p >= N:
-            return
-        ready = (p < w.done + nm) if s == 0 else (p < st.arrived)
-        if not ready:
-            return
-        c = p // nm
-        merge = 0.0
-        if p % nm == 0 and c >= 1:
-            need = c - 1 - D
-            if s == 0 and glob < need:
-                if st.gate_since is None:
+        st.now = now
+        last = s == len(w.stages) - 1
+        while True:
+            a = st.schedule.next(st)
+            if isinstance(a, Done):
+                return
+            if isinstance(a, Wait):
+                if s == 0 and a.what == "pull" and st.gate_since is None:
                     st.gate_since = now
                 return
-            if st.spec.pull_s > 0:
-                issued = st.issued.setdefault(c, now)
-                clock_ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
-                opens = max(issued, clock_ok) + st.spec.pull_s
-                if now < opens:
-                    if s == 0 and st.gate_since is None:
-                        st.gate_since = now
-                    if st.wake_at != opens:
-                        st.wake_at = opens
-                        push(opens, WAKE, v, s, p)
-                    return
-                merge = st.spec.merge_s
-        if st.gate_since is not None:
-            w.gate_wait += now - st.gate_since
-            st.gate_since = None
-        st.next_fwd += 1
-        st.idle = False
-        dur = merge + (st.spec.fwd_s + st.spec.bwd_s if last else st.spec.fwd_s)
-        if last and _ends_wave(p, nm, N):
-            dur += st.spec.push_s
-        running[v, s] = ("fb" if last else "f", p)
-        st.busy_s += dur
-        push(now + dur, FREE, v, s, p)
+            if st.gate_since is not None and isinstance(a, Forward | Merge):
+                w.gate_wait += now - st.gate_since
+                st.gate_since = None
+            st.schedule.done(a)
+            st.log.append((now, a))
+            if isinstance(a, Pull):
+                if a.grads:
+                    reduces.setdefault(a.c, []).append((v, s, now))
+                    if len(reduces[a.c]) == contributors:
+                        at = max(t for _v, _s, t in reduces[a.c])
+                        for u, j, _t in reduces.pop(a.c):
+                            answer(u, j, (a.c, True), at + state[u].stages[j].spec.pull_s)
+                else:
+                    pending.append((v, s, a.c, now))
+                    release_pulls(now)
+                continue
+            dur = duration(st, a, last)
+            if dur <= 0:
+                finish(now, v, s, a)
+                continue
+            st.idle = False
+            st.busy_s += dur
+            push(now + dur, FREE, v, s, a)
+            return
 
     def link(free: list[float], i: int, now: float, dur: float) -> float:
         start = max(now, free[i])
         free[i] = start + dur
         return start + dur
 
-    for v in range(len(state)):
-        dispatch(0.0, v, 0)
-    now = 0.0
-    while events:
-        now, _, kind, v, s, p = heapq.heappop(events)
+    def finish(now: float, v: int, s: int, a: Action) -> None:
+        """The effects of action ``a`` of stage ``s`` completing at ``now``."""
+        nonlocal glob
         w = state[v]
+        w.end = max(w.end, now)
         links = w.spec.links
-        if kind == ARRIVE_F:
-            w.stages[s].arrived += 1
-            dispatch(now, v, s)
-            continue
-        if kind == ARRIVE_B:
-            w.stages[s].grads.append(p)
-            dispatch(now, v, s)
-            continue
-        if kind == WAKE:
-            dispatch(now, v, s)
-            continue
-        what, _ = running.pop((v, s))
-        st = w.stages[s]
-        st.idle = True
-        if what == "f":
+        k = len(w.stages)
+        if isinstance(a, Forward) and s + 1 < k:
             dur = links[s].fwd_s if links else 0.0
-            push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, p)
-            nxt = p + 1  # prefetch the pull of the next wave if its forward is admitted
-            if nxt < N and nxt % w.spec.nm == 0 and (s > 0 or nxt < w.done + w.spec.nm):
-                st.issued.setdefault(nxt // w.spec.nm, now)
-        else:  # a backward finished ("b", or the last stage's "fb")
+            push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
+        elif isinstance(a, Backward):
             if s > 0:
                 dur = links[s - 1].bwd_s if links else 0.0
-                push(link(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, p)
+                push(link(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
             else:
                 w.done += 1
                 w.done_at.append(now)
-            nm = w.spec.nm
-            if p % nm == nm - 1:
-                st.pushed = p // nm + 1
-            if p % nm == nm - 1 or (s == 0 and w.done >= N):
-                g = global_clock()
-                if g > glob:
-                    glob = g
-                    while len(glob_at) <= min(g, N):
-                        glob_at.append(now)
-                    for u in range(len(state)):
-                        for j in range(len(state[u].stages)):
-                            dispatch(now, u, j)
+                if w.done >= N:
+                    advance(now)
+        elif isinstance(a, OptimizerStep) and s == 0 and w.spec.schedule != "async":
+            w.steps_at.append(now)
+        elif isinstance(a, Push):
+            w.pushed[s] = a.c + 1
+            advance(now)
+
+    def advance(now: float) -> None:
+        nonlocal glob
+        g = global_clock()
+        if g > glob:
+            glob = g
+            while len(glob_at) <= min(g, N):
+                glob_at.append(now)
+            release_pulls(now)
+
+    for v in range(len(state)):
+        for s in range(len(state[v].stages)):
+            dispatch(0.0, v, s)
+    now = 0.0
+    while events:
+        now, _, kind, v, s, x = heapq.heappop(events)
+        st = state[v].stages[s]
+        if kind == ARRIVE_F:
+            st.acts.add(x)
+        elif kind == ARRIVE_B:
+            st.grads.add(x)
+        elif kind == FREE:
+            st.idle = True
+            finish(now, v, s, x)
         dispatch(now, v, s)
-    finish = tuple(w.done_at[-1] if w.done_at else 0.0 for w in state)
-    makespan = max(finish)
+    unfinished = [(w.spec.name or f"vw{v}", s, st.schedule.next(st))
+                  for v, w in enumerate(state) for s, st in enumerate(w.stages)
+                  if not isinstance(st.schedule.next(st), Done)]
+    if unfinished:
+        raise ValueError(f"simulation stalled: {unfinished[:3]}")
+    finish_t = tuple(w.end for w in state)
+    makespan = max(finish_t)
     rates = []
     for w in state:
         # steady window: after the fill (first quarter), before the drain (the last Nm
@@ -298,19 +363,25 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
         sum(rates),
         total / makespan if makespan > 0 else math.inf,
         makespan,
-        finish,
+        finish_t,
         tuple(
             tuple(st.busy_s / f if f > 0 else 0.0 for st in w.stages)
-            for w, f in zip(state, finish, strict=True)
+            for w, f in zip(state, finish_t, strict=True)
         ),
         tuple(w.gate_wait for w in state),
         N,
+        tuple(_iteration_s(w.steps_at) for w in state),
+        tuple(tuple(tuple(st.log) for st in w.stages) for w in state),
     )
 
 
-def _ends_wave(p: int, nm: int, n: int) -> bool:
-    """Whether minibatch ``p`` is the last of its wave (or of the run): a push follows it."""
-    return p % nm == nm - 1 or p == n - 1
+def _iteration_s(steps_at: list[float]) -> float:
+    """Mean time between a synchronous VW's iterations (after the first); 0 for async."""
+    if not steps_at:
+        return 0.0
+    if len(steps_at) == 1:
+        return steps_at[0]
+    return (steps_at[-1] - steps_at[0]) / (len(steps_at) - 1)
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -325,14 +396,15 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     def stage(x: Any) -> SimStage:
         if isinstance(x, dict):
-            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s") if k in x}
+            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s", "step_s") if k in x}
             return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
         return SimStage(*pair(x, "fwd_s", "bwd_s"))
 
     stages = tuple(stage(x) for x in d["stages"])
     links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
     return SimVW(
-        stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}")
+        stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}"),
+        str(d.get("schedule", "async")),
     )
 
 

@@ -1,0 +1,474 @@
+"""Schedules as data: what one stage of one virtual worker does next.
+
+Pure (no torch, asyncio or sockets). The runtime (:mod:`hetpipe.pipeline`) executes the
+actions a :class:`StageSchedule` gives it, and the planner's simulator
+(:mod:`hetpipe.planner.simulate`) asks the same object what each simulated stage does next,
+so a prediction never follows other rules than a run. Clock rules (waves, the pull's need)
+stay in :mod:`hetpipe.wsp`.
+
+Index letters used below:
+
+====  =====================================================================================
+k     stages in the virtual worker; ``stage`` is this stage's index, 0 .. k - 1
+p     minibatch (async) or microbatch (sync) number inside the virtual worker, 0, 1, ...
+nm    async: minibatches in flight and per wave (Nm); sync: microbatches per iteration (M)
+c     wave (async) or iteration (sync); both are ``p // nm``
+D     WSP staleness bound (async only)
+====  =====================================================================================
+
+Kinds:
+
+- ``async`` (HetPipe): stage 0 admits p only after the backward of p - nm finished there; a
+  ready backward goes before a ready forward (1F1B); the last stage runs the backward of p
+  right after its forward; an optimizer step follows every backward (weight stashing keeps
+  forward and backward on one version); after the backward of a wave's last minibatch the
+  stage pushes the wave's update; before the first forward of wave c >= 1 it pulls with
+  ``need = c - 1 - D`` (sent as soon as that forward is admitted, so it overlaps the
+  backwards still running) and merges the answer.
+- ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
+  a fixed per-stage order (:func:`microbatch_order`); gradients accumulate; after the
+  iteration's last backward the stage exchanges gradients with the other virtual workers
+  through its shards (``Pull``/``Merge`` with ``grads=True``, only with several), steps its
+  optimizer once on the mean gradient and pushes the update to the global weights.
+
+Every stage starts with ``Pull(0)`` and ``Merge(0)``: the initial weights.
+
+A schedule is driven by two calls: :meth:`StageSchedule.next` says what to do now, given
+which inputs have arrived (an :class:`Inputs`), without changing anything; the caller
+executes it and reports it with :meth:`StageSchedule.done`. ``Wait`` and ``Done`` are never
+reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hetpipe.wsp import pull_need
+
+__all__ = [
+    "KINDS",
+    "SYNC_KINDS",
+    "Action",
+    "Backward",
+    "Done",
+    "Forward",
+    "Inputs",
+    "Merge",
+    "OptimizerStep",
+    "Pull",
+    "Push",
+    "ScheduleError",
+    "StageSchedule",
+    "Wait",
+    "check_order",
+    "clock_cycles",
+    "microbatch_order",
+    "stage_tables",
+]
+
+KINDS = ("async", "gpipe", "1f1b")
+SYNC_KINDS = ("gpipe", "1f1b")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot exist (bad k, stage, nm, order); ``str(e)`` is one line."""
+
+
+# -- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Run the forward of minibatch ``p`` (on the last stage: and its loss)."""
+
+    p: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backward:
+    """Run the backward of minibatch ``p``."""
+
+    p: int
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep:
+    """Step the optimizer: after backward ``i`` (async) or at the end of iteration ``i``."""
+
+    i: int
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Send this stage's update of wave/iteration ``c`` to its shards."""
+
+    c: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Ask the shards: the weights for wave ``c``, or (``grads``) iteration c's mean gradient.
+
+    Sending it never blocks; :class:`Merge` takes the answer.
+    """
+
+    c: int
+    grads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """Take the answer of ``Pull(c, grads)``: load the weights, or adopt the mean gradient."""
+
+    c: int
+    grads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing can run until an input arrives: ``what`` is ``pull``, ``gradient``,
+    ``activation`` or ``reduce``, for minibatch ``p`` / wave ``c`` (WSP ``need``)."""
+
+    what: str
+    p: int | None = None
+    c: int | None = None
+    need: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Every action of this stage has been given (push acknowledgements may be outstanding)."""
+
+
+Action = Forward | Backward | OptimizerStep | Push | Pull | Merge | Wait | Done
+COMPUTE = (Forward, Backward, OptimizerStep)
+
+
+class Inputs(Protocol):
+    """What has arrived at a stage; the runtime and the simulator each implement it."""
+
+    def has_activation(self, p: int) -> bool: ...
+
+    def has_gradient(self, p: int) -> bool: ...
+
+    def pulled(self, c: int, grads: bool) -> bool: ...
+
+
+# -- microbatch order of the synchronous kinds -------------------------------------------------
+
+
+def microbatch_order(kind: str, k: int, stage: int, m: int) -> tuple[tuple[str, int], ...]:
+    """The order of one iteration's forwards ``("F", j)`` and backwards ``("B", j)`` at a stage.
+
+    ``gpipe``: all m forwards, then all m backwards, both in microbatch order. ``1f1b`` (with a
+    flush): ``k - stage - 1`` warm-up forwards (at most m), then one forward and one backward
+    in turn, then the remaining backwards; the last stage alternates from the start.
+    """
+    _check_position(k, stage)
+    if m < 1:
+        raise ScheduleError(f"microbatches per iteration: must be >= 1, got {m}")
+    if kind == "gpipe":
+        return tuple([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+    if kind != "1f1b":
+        raise ScheduleError(f"no microbatch order for schedule {kind!r}")
+    warm = min(k - stage - 1, m)
+    order = [("F", j) for j in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        order += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    order += [("B", j) for j in range(b, m)]
+    return tuple(order)
+
+
+def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
+    """Refuse an order that is not a valid iteration: each microbatch forward once and backward
+    once, forwards and backwards each in microbatch order, a backward after its forward."""
+    fwd = [j for op, j in order if op == "F"]
+    bwd = [j for op, j in order if op == "B"]
+    if fwd != list(range(m)) or bwd != list(range(m)):
+        raise ScheduleError(f"order must run forwards and backwards of 0..{m - 1} in order")
+    seen: set[int] = set()
+    for op, j in order:
+        if op == "F":
+            seen.add(j)
+        elif j not in seen:
+            raise ScheduleError(f"order runs the backward of {j} before its forward")
+
+
+def _check_position(k: int, stage: int) -> None:
+    if k < 1:
+        raise ScheduleError(f"k: must be >= 1, got {k}")
+    if not 0 <= stage < k:
+        raise ScheduleError(f"stage: must be in 0..{k - 1}, got {stage}")
+
+
+# -- the schedule of one stage ---------------------------------------------------------------
+
+
+class StageSchedule:
+    """The action sequence of one stage (see the module docstring for the rules).
+
+    ``pulls``: the stage exchanges with its shards during the run (several virtual workers
+    and state on the shards); a virtual worker alone in its job needs no pull after the
+    first (its global weights hold nothing but its own updates). ``pushes``: the stage has
+    state on the shards. ``order``: a sync iteration's microbatch order for this stage
+    (default: the kind's own, from :func:`microbatch_order`).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        k: int,
+        stage: int,
+        nm: int,
+        total: int,
+        staleness: int = 0,
+        pulls: bool = False,
+        pushes: bool = True,
+        order: Sequence[tuple[str, int]] | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
+        _check_position(k, stage)
+        if nm < 1:
+            raise ScheduleError(f"nm: must be >= 1, got {nm}")
+        if total < 1:
+            raise ScheduleError(f"total: must be >= 1, got {total}")
+        if staleness < 0:
+            raise ScheduleError(f"staleness: must be >= 0, got {staleness}")
+        self.kind, self.k, self.stage, self.nm, self.total = kind, k, stage, nm, total
+        self.staleness = staleness
+        self.pulls, self.pushes = pulls, pushes
+        self.first, self.last = stage == 0, stage == k - 1
+        self.sync = kind in SYNC_KINDS
+        self.waves = -(-total // nm)
+        self.nf = 0  # next forward
+        self.nb = 0  # next backward
+        self.steps = 0  # optimizer steps taken
+        self.pushed = 0  # waves/iterations pushed
+        self.merged = -1  # the wave whose weights are loaded (async), 0 once started (sync)
+        self.sent: set[tuple[int, bool]] = set()  # pulls sent
+        self.reduced = -1  # the iteration whose mean gradient is merged (sync)
+        self.pos = 0  # position in the current iteration's order (sync)
+        self._orders: dict[int, tuple[tuple[str, int], ...]] = {}
+        if order is not None:
+            check_order(order, nm)
+            self._orders[nm] = tuple(order)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def wave(self, p: int) -> int:
+        return p // self.nm
+
+    def admitted(self, p: int) -> bool:
+        """Async admission: stage 0 runs p only after the backward of p - nm finished."""
+        return not self.first or p - self.nm < self.nb
+
+    def in_iteration(self, c: int) -> int:
+        """Microbatches of iteration ``c`` (the last one may be short)."""
+        return min(self.nm, self.total - c * self.nm)
+
+    def order(self, c: int) -> tuple[tuple[str, int], ...]:
+        m = self.in_iteration(c)
+        if m not in self._orders:
+            self._orders[m] = microbatch_order(self.kind, self.k, self.stage, m)
+        return self._orders[m]
+
+    @property
+    def finished(self) -> bool:
+        return isinstance(self.next(_NOTHING), Done)
+
+    # -- next / done -----------------------------------------------------------------------
+
+    def next(self, inputs: Inputs) -> Action:
+        """The action to run now; it changes nothing until reported with :meth:`done`."""
+        if self.merged < 0:
+            if (0, False) not in self.sent:
+                return Pull(0)
+            if inputs.pulled(0, False):
+                return Merge(0)
+            return Wait("pull", p=0, c=0, need=pull_need(0, self.staleness))
+        return self._next_sync(inputs) if self.sync else self._next_async(inputs)
+
+    def _next_async(self, inputs: Inputs) -> Action:
+        if self.steps < self.nb:
+            return OptimizerStep(self.nb - 1)
+        if self.pushes and self.pushed < self._waves_closed():
+            return Push(self.pushed)
+        if self.last and self.nb < self.nf:
+            return Backward(self.nb)  # the loss is here: its backward follows at once
+        q = self.nf
+        c = self.wave(q)
+        opens_wave = q < self.total and q % self.nm == 0 and c > self.merged
+        if opens_wave and self.pulls and (c, False) not in self.sent and self.admitted(q):
+            return Pull(c)  # prefetch: overlaps the backwards still to run
+        if self.nb < self.nf and inputs.has_gradient(self.nb):
+            return Backward(self.nb)
+        blocked: Wait | None = None
+        if q < self.total and self.admitted(q):
+            if opens_wave and self.pulls and not inputs.pulled(c, False):
+                blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
+            elif opens_wave and self.pulls:
+                return Merge(c)
+            elif self.first or inputs.has_activation(q):
+                return Forward(q)
+        if self.nb >= self.total and self.pushed >= self._push_target():
+            return Done()
+        if blocked is not None:
+            return blocked
+        if self.nb < self.nf:
+            return Wait("gradient", p=self.nb)
+        return Wait("activation", p=q)
+
+    def _waves_closed(self) -> int:
+        """Waves (async) whose every backward and optimizer step is done here."""
+        done = min(self.nb, self.steps)
+        return self.waves if done >= self.total else done // self.nm
+
+    def _push_target(self) -> int:
+        return self.waves if self.pushes else 0
+
+    def _next_sync(self, inputs: Inputs) -> Action:
+        c = self.steps  # the iteration in progress
+        if c >= self.waves:
+            if self.pushes and self.pushed < self.waves:
+                return Push(self.pushed)
+            return Done()
+        if self.pushes and self.pushed < c:
+            return Push(self.pushed)
+        order = self.order(c)
+        if self.pos < len(order):
+            op, j = order[self.pos]
+            p = c * self.nm + j
+            if op == "F":
+                if self.first or inputs.has_activation(p):
+                    return Forward(p)
+                return Wait("activation", p=p)
+            if self.last or inputs.has_gradient(p):
+                return Backward(p)
+            return Wait("gradient", p=p)
+        if self.pulls and self.reduced < c:
+            if (c, True) not in self.sent:
+                return Pull(c, grads=True)
+            if inputs.pulled(c, True):
+                return Merge(c, grads=True)
+            return Wait("reduce", c=c)
+        return OptimizerStep(c)
+
+    def done(self, action: Action) -> None:
+        """Record that ``action`` (the one :meth:`next` gave) has been run."""
+        match action:
+            case Forward(p):
+                self.nf = p + 1
+                self.pos += self.sync
+            case Backward(p):
+                self.nb = p + 1
+                self.pos += self.sync
+            case OptimizerStep():
+                self.steps += 1
+                if self.sync:
+                    self.pos = 0
+            case Push(c):
+                self.pushed = c + 1
+            case Pull(c, grads):
+                self.sent.add((c, grads))
+            case Merge(c, grads):
+                if grads:
+                    self.reduced = c
+                else:
+                    self.merged = c
+                self.sent.discard((c, grads))
+            case _:
+                raise ScheduleError(f"{action!r} is not an action to report")
+
+
+class _Nothing:
+    """Inputs where nothing has arrived (to ask whether a schedule has anything left)."""
+
+    def has_activation(self, p: int) -> bool:
+        return False
+
+    def has_gradient(self, p: int) -> bool:
+        return False
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+# -- whole tables ------------------------------------------------------------------------------
+
+
+def clock_cycles(schedules: Sequence[StageSchedule], *, limit: int = 100_000) -> Iterator[
+        tuple[int, int, Action]]:
+    """Run one virtual worker's stages in lock step and yield ``(tick, stage, action)``.
+
+    Each tick every stage runs at most one forward or backward; the actions around them
+    (optimizer step, push, pull, merge) take no time. What a stage sends in tick t arrives at
+    its neighbour for tick t + 1, and pulls are answered at once (no other virtual worker
+    holds the clock back). This is the timing the exact action tables in the tests are
+    written for; the planner's simulator times the same schedules with measured costs.
+    """
+    k = len(schedules)
+    acts: list[set[int]] = [set() for _ in range(k)]
+    grads: list[set[int]] = [set() for _ in range(k)]
+    sent: list[set[tuple[int, bool]]] = [set() for _ in range(k)]
+    inputs = [_Arrived(acts[s], grads[s], sent[s]) for s in range(k)]
+    for tick in range(limit):
+        arriving: list[tuple[set[int], int]] = []
+        for s, sch in enumerate(schedules):
+            computed = False
+            while True:
+                a = sch.next(inputs[s])
+                if isinstance(a, Wait | Done) or (computed and isinstance(a, Forward | Backward)):
+                    break
+                sch.done(a)
+                yield tick, s, a
+                if isinstance(a, Pull):
+                    sent[s].add((a.c, a.grads))
+                elif isinstance(a, Forward | Backward):
+                    computed = True
+                    if isinstance(a, Forward) and s + 1 < k:
+                        arriving.append((acts[s + 1], a.p))
+                    elif isinstance(a, Backward) and s > 0:
+                        arriving.append((grads[s - 1], a.p))
+        for box, p in arriving:
+            box.add(p)
+        if all(sch.finished for sch in schedules):
+            return
+        if not arriving and not any(
+            isinstance(sch.next(inputs[s]), Forward | Backward | OptimizerStep | Push | Pull
+                       | Merge) for s, sch in enumerate(schedules)):
+            waits = {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}
+            raise ScheduleError(f"schedule deadlocks at tick {tick}: {waits}")
+    raise ScheduleError(f"schedule did not finish in {limit} ticks")
+
+
+def stage_tables(schedules: Sequence[StageSchedule]) -> list[list[Action]]:
+    """Each stage's actions, in order, under :func:`clock_cycles`."""
+    out: list[list[Action]] = [[] for _ in schedules]
+    for _tick, s, a in clock_cycles(schedules):
+        out[s].append(a)
+    return out
+
+
+class _Arrived:
+    """Inputs of one stage under :func:`clock_cycles`."""
+
+    def __init__(self, acts: set[int], grads: set[int], sent: set[tuple[int, bool]]) -> None:
+        self.acts, self.grads, self.sent = acts, grads, sent
+
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return (c, grads) in self.sent

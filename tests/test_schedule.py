@@ -1,0 +1,230 @@
+"""The schedules as data: exact action tables, no processes (see hetpipe/schedule.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hetpipe.schedule import (
+    Backward,
+    Done,
+    Forward,
+    Merge,
+    OptimizerStep,
+    Pull,
+    Push,
+    ScheduleError,
+    StageSchedule,
+    Wait,
+    clock_cycles,
+    microbatch_order,
+    stage_tables,
+)
+
+F, B, S = Forward, Backward, OptimizerStep
+
+
+def stages(kind: str, k: int, nm: int, total: int, pulls: bool = False) -> list[StageSchedule]:
+    return [StageSchedule(kind, k=k, stage=s, nm=nm, total=total, pulls=pulls)
+            for s in range(k)]
+
+
+def cells(kind: str, k: int, nm: int, total: int) -> list[list[tuple[int, str]]]:
+    """Per tick, the (stage, 'F3'/'B3') compute cells: the torchgpipe-style clock table."""
+    out: list[list[tuple[int, str]]] = []
+    for tick, s, a in clock_cycles(stages(kind, k, nm, total)):
+        while len(out) <= tick:
+            out.append([])
+        if isinstance(a, Forward | Backward):
+            out[tick].append((s, f"{type(a).__name__[0]}{a.p}"))
+    return out
+
+
+# -- microbatch orders ---------------------------------------------------------------------
+
+
+def test_gpipe_order_is_all_forwards_then_all_backwards():
+    assert microbatch_order("gpipe", 3, 1, 3) == (
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2))
+
+
+def test_1f1b_order_warms_up_then_alternates_then_drains():
+    orders = [microbatch_order("1f1b", 4, s, 4) for s in range(4)]
+    as_text = [" ".join(f"{op}{j}" for op, j in o) for o in orders]
+    assert as_text == [
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+    # fewer microbatches than the warm-up: all forwards first
+    assert microbatch_order("1f1b", 4, 0, 2) == (("F", 0), ("F", 1), ("B", 0), ("B", 1))
+
+
+def test_bad_schedules_are_refused_with_one_line():
+    with pytest.raises(ScheduleError, match="unknown kind"):
+        StageSchedule("zigzag", k=2, stage=0, nm=1, total=1)
+    with pytest.raises(ScheduleError, match="stage"):
+        StageSchedule("async", k=2, stage=2, nm=1, total=1)
+    with pytest.raises(ScheduleError, match="nm"):
+        StageSchedule("gpipe", k=2, stage=0, nm=0, total=1)
+    with pytest.raises(ScheduleError, match="before its forward"):
+        StageSchedule("1f1b", k=2, stage=0, nm=2, total=2,
+                      order=[("B", 0), ("F", 0), ("F", 1), ("B", 1)])
+    with pytest.raises(ScheduleError, match="in order"):
+        StageSchedule("1f1b", k=2, stage=0, nm=2, total=2,
+                      order=[("F", 0), ("F", 1), ("B", 1), ("B", 0)])
+
+
+# -- exact tables ----------------------------------------------------------------------------
+
+
+def test_async_table_k2_nm2():
+    """Admission holds F2 at stage 0 until B0 is done; a push closes each wave."""
+    t = stage_tables(stages("async", 2, 2, 4))
+    assert t[0] == [Pull(0), Merge(0), F(0), F(1), B(0), S(0), F(2), B(1), S(1), Push(0),
+                    F(3), B(2), S(2), B(3), S(3), Push(1)]
+    assert t[1] == [Pull(0), Merge(0), F(0), B(0), S(0), F(1), B(1), S(1), Push(0),
+                    F(2), B(2), S(2), F(3), B(3), S(3), Push(1)]
+    assert cells("async", 2, 2, 4) == [
+        [(0, "F0")], [(0, "F1"), (1, "F0")], [(1, "B0")], [(0, "B0"), (1, "F1")],
+        [(0, "F2"), (1, "B1")], [(0, "B1"), (1, "F2")], [(0, "F3"), (1, "B2")],
+        [(0, "B2"), (1, "F3")], [(1, "B3")], [(0, "B3")],
+    ]
+
+
+def test_async_table_with_pulls_k3_nm2():
+    """Several VWs: the pull of wave c is sent as soon as its first forward is admitted
+    (overlapping backwards), merged before that forward."""
+    t = stage_tables(stages("async", 3, 2, 4, pulls=True))
+    assert t[0] == [Pull(0), Merge(0), F(0), F(1), B(0), S(0), Pull(1), Merge(1), F(2),
+                    B(1), S(1), Push(0), F(3), B(2), S(2), B(3), S(3), Push(1)]
+    assert t[1] == [Pull(0), Merge(0), F(0), F(1), Pull(1), Merge(1), B(0), S(0), B(1), S(1),
+                    Push(0), F(2), F(3), B(2), S(2), B(3), S(3), Push(1)]
+    assert t[2] == [Pull(0), Merge(0), F(0), B(0), S(0), F(1), B(1), S(1), Push(0),
+                    Pull(1), Merge(1), F(2), B(2), S(2), F(3), B(3), S(3), Push(1)]
+
+
+def test_gpipe_table_k2_m2_two_iterations():
+    t = stage_tables(stages("gpipe", 2, 2, 4))
+    assert t[0] == [Pull(0), Merge(0), F(0), F(1), B(0), B(1), S(0), Push(0),
+                    F(2), F(3), B(2), B(3), S(1), Push(1)]
+    assert t[1] == [Pull(0), Merge(0), F(0), F(1), B(0), B(1), S(0), Push(0),
+                    F(2), F(3), B(2), B(3), S(1), Push(1)]
+    # a flush: no forward of iteration 1 anywhere before iteration 0's last backward
+    assert cells("gpipe", 2, 2, 4)[:6] == [
+        [(0, "F0")], [(0, "F1"), (1, "F0")], [(1, "F1")], [(1, "B0")],
+        [(0, "B0"), (1, "B1")], [(0, "B1")],
+    ]
+
+
+def test_1f1b_table_k3_m4():
+    t = stage_tables(stages("1f1b", 3, 4, 4))
+    assert t[0][2:] == [F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3), S(0), Push(0)]
+    assert t[1][2:] == [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3), S(0), Push(0)]
+    assert t[2][2:] == [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), S(0), Push(0)]
+
+
+def test_sync_with_several_vws_exchanges_gradients_before_the_step():
+    t = stage_tables(stages("1f1b", 2, 2, 4, pulls=True))
+    assert t[0] == [Pull(0), Merge(0), F(0), F(1), B(0), B(1), Pull(0, True), Merge(0, True),
+                    S(0), Push(0), F(2), F(3), B(2), B(3), Pull(1, True), Merge(1, True),
+                    S(1), Push(1)]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "m"), [(2, 2), (3, 4), (4, 8), (5, 3)])
+def test_sync_iteration_takes_2_m_plus_k_minus_1_cycles(kind, k, m):
+    """Unit-time forwards and backwards: one iteration is 2 (M + k - 1) clock cycles."""
+    ticks = {tick for tick, _s, a in clock_cycles(stages(kind, k, m, m))
+             if isinstance(a, Forward | Backward)}
+    assert max(ticks) + 1 == 2 * (m + k - 1)
+
+
+def test_waits_say_what_for():
+    sch = StageSchedule("async", k=3, stage=1, nm=2, total=4, pulls=True, staleness=1)
+    nothing = _Inputs()
+    assert sch.next(nothing) == Pull(0)
+    sch.done(Pull(0))
+    assert sch.next(nothing) == Wait("pull", p=0, c=0, need=-2)
+    nothing.answered.add((0, False))
+    sch.done(sch.next(nothing))
+    assert sch.next(nothing) == Wait("activation", p=0)
+    nothing.acts.add(0)
+    sch.done(sch.next(nothing))
+    assert sch.next(nothing) == Wait("gradient", p=0)
+    with pytest.raises(ScheduleError):
+        sch.done(Wait("gradient", p=0))
+
+
+class _Inputs:
+    def __init__(self) -> None:
+        self.acts: set[int] = set()
+        self.grads: set[int] = set()
+        self.answered: set[tuple[int, bool]] = set()
+
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return (c, grads) in self.answered
+
+
+# -- properties on random jobs ---------------------------------------------------------------
+
+
+def _random_jobs(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        kind = rng.choice(["async", "gpipe", "1f1b"])
+        yield kind, rng.randint(1, 6), rng.randint(1, 5), rng.randint(1, 13), rng.random() < 0.5
+
+
+@pytest.mark.parametrize(("kind", "k", "nm", "total", "pulls"), list(_random_jobs(60)))
+def test_rules_hold_on_random_jobs(kind, k, nm, total, pulls):
+    tables = stage_tables(stages(kind, k, nm, total, pulls))
+    waves = -(-total // nm)
+    for s, table in enumerate(tables):
+        fwd = [a.p for a in table if isinstance(a, Forward)]
+        bwd = [a.p for a in table if isinstance(a, Backward)]
+        assert fwd == list(range(total)) and bwd == list(range(total))
+        pos = {a: i for i, a in enumerate(table)}
+        assert all(pos[F(p)] < pos[B(p)] for p in range(total))
+        assert [a.c for a in table if isinstance(a, Push)] == list(range(waves))
+        assert table[:2] == [Pull(0), Merge(0)]
+        if kind == "async":
+            steps = [a.i for a in table if isinstance(a, OptimizerStep)]
+            assert steps == list(range(total))  # a local update after every backward
+            assert all(table[pos[B(p)] + 1] == S(p) for p in range(total))
+            for c in range(waves):  # the push follows the wave's last update
+                last = min((c + 1) * nm, total) - 1
+                assert pos[Push(c)] > pos[S(last)]
+            if s == 0:  # admission: at most nm in flight
+                assert all(pos[F(p)] > pos[B(p - nm)] for p in range(nm, total))
+            for c in range(1, waves):
+                if pulls:
+                    assert pos[F(c * nm - 1)] < pos[Pull(c)] < pos[Merge(c)] < pos[F(c * nm)]
+                else:
+                    assert Pull(c) not in pos
+        else:
+            assert [a.i for a in table if isinstance(a, OptimizerStep)] == list(range(waves))
+            for c in range(waves):  # a flush: the step closes the iteration
+                lo, hi = c * nm, min((c + 1) * nm, total)
+                order = [(type(a).__name__[0], a.p - lo) for a in table
+                         if isinstance(a, Forward | Backward) and lo <= a.p < hi]
+                assert tuple(order) == microbatch_order(kind, k, s, hi - lo)
+                assert pos[S(c)] > max(pos[B(p)] for p in range(lo, hi))
+                if hi < total:
+                    assert pos[S(c)] < pos[F(hi)]
+                if pulls:
+                    assert pos[B(hi - 1)] < pos[Pull(c, True)] < pos[Merge(c, True)] < pos[S(c)]
+
+
+def test_finished_schedules_say_done():
+    schedules = stages("1f1b", 2, 2, 2)
+    list(clock_cycles(schedules))
+    assert all(isinstance(sch.next(_Inputs()), Done) for sch in schedules)

@@ -1,0 +1,153 @@
+"""The runtime and the planner's simulator run the same schedule: on random small jobs, each
+stage's :class:`StageRunner` (the real one, with a stand-in compute and inputs delivered in
+the order the simulator timed them) executes exactly the action sequence the simulator
+predicts for that stage."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import Executor, Future
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hetpipe.pipeline import StageRunner
+from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
+from hetpipe.schedule import Action, Wait
+from hetpipe.wire import Kind, Message
+
+
+class InlineExecutor(Executor):
+    """Runs compute at once on the caller's thread, so the order of events is the test's."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+class StandInCompute:
+    """What a StageRunner calls on a stage's compute, without torch models."""
+
+    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int) -> None:
+        self.task = SimpleNamespace(
+            job="j", vw=0, stage=stage, k=k, nm=nm, minibatches=total, staleness=0,
+            num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={})
+        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async")
+        self.has_state = True
+        self.versions: dict[int, tuple[int, float, int, float]] = {}
+        self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
+                                     peak_bytes=0)
+
+    def state_names(self) -> list[str]:
+        return []
+
+    def forward(self, p: int, x: Any, y: Any) -> torch.Tensor | None:
+        return None if self.task.is_last else torch.zeros(1)
+
+    def backward(self, p: int, grad: Any) -> torch.Tensor | None:
+        self.versions[p] = (0, 0.0, 0, 0.0)
+        return torch.zeros(1)
+
+    def step(self, i: int) -> None:
+        pass
+
+    def push_deltas(self, wave: int, keep: bool) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load(self, pulled: Any, applied: Any) -> None:
+        pass
+
+
+def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
+              timed: list[tuple[float, Action]], arrivals: list[tuple[float, Message]]
+              ) -> list[Action]:
+    """Run the real StageRunner of one stage; before each of its decisions, deliver the
+    inputs that had arrived in the simulation when the simulator's stage took its next
+    action. Returns the actions the runner executed."""
+    compute = StandInCompute(kind, k, stage, nm, total)
+    stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
+
+    async def send(kind_: str, p: int, tensors: dict) -> None:
+        pass
+
+    async def report(stats: dict) -> None:
+        pass
+
+    runner = StageRunner(compute, InlineExecutor(), send=send, shards={}, report=report,
+                         stream=stream)  # type: ignore[arg-type]
+    sched = runner.schedule
+    executed: list[Action] = []
+    pending = list(arrivals)
+    ask, tell = sched.next, sched.done
+
+    def deliver_until(t: float) -> None:
+        while pending and pending[0][0] <= t:
+            runner.on_message(pending.pop(0)[1])
+
+    def next_(inputs: Any) -> Action:
+        i = len(executed)
+        deliver_until(timed[i][0] if i < len(timed) else float("inf"))
+        a = ask(inputs)
+        if isinstance(a, Wait) and a.what in ("activation", "gradient"):
+            # every input the simulated stage needed was delivered: this is a mismatch
+            raise AssertionError(f"stage {stage} waits ({a}) after {executed}, "
+                                 f"expected {[x for _t, x in timed[i:i + 3]]}")
+        return a
+
+    def done(a: Action) -> None:
+        executed.append(a)
+        tell(a)
+
+    sched.next, sched.done = next_, done  # type: ignore[method-assign]
+    asyncio.run(asyncio.wait_for(runner.run(), 30))
+    return executed
+
+
+def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random):
+    stages = tuple(SimStage(rng.uniform(0.5, 2), rng.uniform(0.5, 3), push_s=rng.uniform(0, .3),
+                            step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0)
+                   for _ in range(k))
+    links = tuple(SimLink(rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)) for _ in range(k - 1))
+    return simulate([SimVW(stages, nm, links, schedule=kind)], 0, total)
+
+
+def _jobs(n: int):
+    rng = random.Random(7)
+    for i in range(n):
+        yield i, rng.choice(["async", "gpipe", "1f1b"]), rng.randint(1, 4), rng.randint(1, 4), \
+            rng.randint(1, 10)
+
+
+@pytest.mark.parametrize(("seed", "kind", "k", "nm", "total"), list(_jobs(40)))
+def test_runtime_runs_what_the_simulator_predicts(seed, kind, k, nm, total):
+    rng = random.Random(seed)
+    res = simulated(kind, k, nm, total, rng)
+    arrivals = _arrivals_after_compute(res, k)
+    for s in range(k):
+        timed = list(res.actions[0][s])
+        got = run_stage(kind, k, s, nm, total, timed, arrivals[s])
+        assert got == [a for _t, a in timed], (kind, k, s, nm, total)
+
+
+def _arrivals_after_compute(res, k: int) -> list[list[tuple[float, Message]]]:
+    """Each stage's inputs, timed when the simulated stage used them. That is enough: an
+    input changes a decision only by being used in it, so the runner, given every input by
+    the time the simulated stage took the action that used it, has what the simulated stage
+    had at each of its decisions."""
+    log = res.actions[0]
+    out: list[list[tuple[float, Message]]] = [[] for _ in range(k)]
+    for s in range(k):
+        for t, a in log[s]:
+            name = type(a).__name__
+            if name == "Forward" and s > 0:
+                out[s].append((t, Message(Kind.ACT, {"p": a.p},
+                                          {"x": torch.zeros(1), "y": torch.zeros(1)})))
+            elif name == "Backward" and s < k - 1:
+                out[s].append((t, Message(Kind.GRAD, {"p": a.p}, {"g": torch.zeros(1)})))
+    for box in out:
+        box.sort(key=lambda x: x[0])
+    return out
