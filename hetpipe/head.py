@@ -646,6 +646,9 @@ def diagnose(plan: JobPlan, progress: dict[tuple[int, int], dict[str, Any]], now
                 lines.append(f"{where} waits {dt:.0f} s at the WSP gate: the pull of wave "
                              f"{w.get('wave')} needs global clock >= {w.get('need')}, "
                              f"it is {global_clock}")
+            elif kind == "reduce":
+                lines.append(f"{where} waits {dt:.0f} s for the other virtual workers' "
+                             f"gradients of iteration {w.get('wave')}")
             else:
                 lines.append(f"{where} waits {dt:.0f} s for {kind}")
     return lines

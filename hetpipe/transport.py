@@ -271,7 +271,7 @@ class Channel:
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 
-_REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED})
+_REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED, Kind.REDUCED})
 
 
 def _peer(ident: bytes | None) -> str | None:

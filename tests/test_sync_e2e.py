@@ -1,0 +1,91 @@
+"""Synchronous pipelines (gpipe, 1f1b) are exactly minibatch SGD: transparency against plain
+PyTorch on the union of each iteration's samples, with one and with two virtual workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import job
+from test_pipeline_e2e import stage_records
+
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model, model_loss
+
+pytestmark = pytest.mark.slow
+
+M = 4
+ITERATIONS = 30
+
+
+def plain_sync_training(spec_dict: dict, iterations: int, m: int, vws: int
+                        ) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: one SGD step per iteration on the M minibatches of every virtual worker
+    (their samples concatenated, mean loss), from the same weights and data order."""
+    spec = JobSpec.from_dict(spec_dict)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model.name, spec.model.args)
+    data = load_dataset(spec.data.name)
+    streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
+    opt = torch.optim.SGD(model.parameters(), lr=spec.optimizer.lr,
+                          momentum=spec.optimizer.momentum,
+                          weight_decay=spec.optimizer.weight_decay)
+    loss_fn = model_loss(spec.model.name)
+    model.train()
+    for i in range(iterations):
+        batches = [s.batch(p) for s in streams for p in range(i * m, (i + 1) * m)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+def sync_job(name: str, kind: str, split: list, **kw) -> dict:
+    spec = job(name, model="mlp", split=split, nm=M, minibatches=M * ITERATIONS, **kw)
+    spec["train"]["schedule"] = kind
+    return spec
+
+
+def assert_close(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        diff = (got[name] - w).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max abs diff {diff:.3g}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("kind", "split"), [
+    ("gpipe", [(["gpu0", "gpu1"], [3, 3])]),
+    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])]),
+    ("gpipe", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])]),
+    ("1f1b", [(["gpu0", "gpu1"], [4, 2])]),
+])
+def test_sync_transparency_one_vw(uniform_cluster, kind, split) -> None:
+    spec = sync_job(f"sync-{kind}-{len(split[0][0])}", kind, split)
+    info = uniform_cluster.submit(spec)
+    assert info["state"] == "done", info.get("error")
+    assert_close(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 1))
+    # one optimizer step per iteration: the weight version moves once every M microbatches
+    for where, rows in stage_records(info).items():
+        v0 = rows[0]["fwd_version"]
+        steps = [r["fwd_version"] - v0 for r in rows]
+        stateless = steps[-1] == 0  # a stage of parameter-free layers never steps
+        assert steps == [0 if stateless else r["p"] // M for r in rows], where
+        assert all(r["bwd_version"] == r["fwd_version"] for r in rows), where
+        assert [r["clock"] for r in rows] == [r["p"] // M for r in rows], where
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_sync_transparency_two_vws(uniform_cluster, kind) -> None:
+    """Two VWs of different depth: SGD on the union of both VWs' samples of each iteration."""
+    split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])]
+    spec = sync_job(f"sync2-{kind}", kind, split, lr=0.05)
+    info = uniform_cluster.submit(spec)
+    assert info["state"] == "done", info.get("error")
+    assert_close(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 2))
