@@ -106,7 +106,7 @@ CASES = [
         'name = "sgd"',
         'name = "rmsprop"',
         "optimizer.name",
-        "unknown optimizer 'rmsprop' (one of: sgd, adam)",
+        "unknown optimizer 'rmsprop' (one of: sgd, adam, adamw)",
     ),
     ("lr-zero", "lr = 0.1", "lr = 0", "optimizer.lr", "must be > 0"),
     ("lr-negative", "lr = 0.1", "lr = -0.1", "optimizer.lr", "must be > 0"),
