@@ -123,3 +123,26 @@ def dropout_mlp(p: float = 0.3) -> nn.Sequential:
         nn.Dropout(p),
         nn.Linear(64, 10),
     )
+
+
+def everything() -> nn.Sequential:
+    """All of the above in one model: a frozen layer, a non-persistent buffer, a tie, dropout.
+
+    Layers: 0 Flatten, 1 Linear (frozen), 2 ReLU, 3 Scale, 4 Linear (tied), 5 ReLU,
+    6 Dropout, 7 Linear (tied), 8 ReLU, 9 Linear.
+    """
+    model = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(64, 32),
+        nn.ReLU(),
+        Scale(32),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
+    model[1].requires_grad_(False)
+    model[7].weight = model[4].weight
+    return model
