@@ -182,6 +182,8 @@ def place_state(
 ) -> dict[str, int]:
     """Each state tensor's shard: the planner's rule (a stage's layers on a shard of its
     host where there is one, shards balanced by bytes), applied to the job's real tensors."""
+    if not state:  # nothing for the shards: a model of parameter-free layers
+        return {}
     n_layers = 1 + max(_layer(n) for n in state)
     layer_bytes = [0] * n_layers
     for n, t in state.items():

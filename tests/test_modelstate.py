@@ -11,6 +11,7 @@ from torch import nn
 
 from hetpipe.config import DeviceSpec
 from hetpipe.job import JobSpec
+from hetpipe.jobplan import place_state
 from hetpipe.models import build_model
 from hetpipe.modelstate import LayoutError, StateLayout
 from hetpipe.seeding import layer_seed
@@ -184,3 +185,8 @@ def test_layer_seed_is_a_fixed_function() -> None:
         for p in range(3)
     }
     assert len(seeds) == 36 and all(0 <= s < 2**64 for s in seeds)
+
+
+def test_no_shared_state_places_nothing() -> None:
+    """A model whose only state is non-persistent buffers puts nothing on the shards."""
+    assert place_state({}, [], {}, {0: "tcp://127.0.0.1:7100"}) == {}
