@@ -78,8 +78,7 @@ def test_adam_matches_torch(weight_decay: float) -> None:
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2, 0.3])
 def test_adamw_matches_torch(weight_decay: float) -> None:
     """Decoupled decay, built with torch's own expressions: equal to the last bit."""
-    opt_spec = spec(name="adamw", lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
-                    weight_decay=weight_decay)
+    opt_spec = spec(name="adamw", lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     assert run_both(opt_spec) == 0.0
 
 
