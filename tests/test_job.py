@@ -288,13 +288,23 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("optimizer", "weight_decay"),
-    [({"name": "adamw"}, 0.01), ({"name": "adamw", "weight_decay": 0.0}, 0.0),
-     ({"name": "adam"}, 0.0), ({"name": "sgd", "momentum": 0.9, "nesterov": True}, 0.0)],
+    [
+        ({"name": "adamw"}, 0.01),
+        ({"name": "adamw", "weight_decay": 0.0}, 0.0),
+        ({"name": "adam"}, 0.0),
+        ({"name": "sgd", "momentum": 0.9, "nesterov": True}, 0.0),
+    ],
 )
 def test_optimizer_defaults(optimizer: dict, weight_decay: float) -> None:
     """AdamW's decay defaults to torch's 0.01; the others' to 0; nesterov is accepted."""
-    job = JobSpec.from_dict({"name": "d", "model": {"name": "mlp"}, "optimizer": optimizer,
-                             "train": {"minibatch": 4, "minibatches": 9}})
+    job = JobSpec.from_dict(
+        {
+            "name": "d",
+            "model": {"name": "mlp"},
+            "optimizer": optimizer,
+            "train": {"minibatch": 4, "minibatches": 9},
+        }
+    )
     assert job.optimizer.name == optimizer["name"]
     assert job.optimizer.weight_decay == weight_decay
     assert job.optimizer.nesterov == optimizer.get("nesterov", False)
