@@ -495,7 +495,8 @@ class Head:
             w = self.workers[plan.device_of(task.vw, task.stage)]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
             waits.append(self.channel.request(
-                Kind.ASSIGN, {"job": js.id, "task": task.to_dict()}, to=w.ident,
+                Kind.ASSIGN, {"job": js.id, "task": task.to_dict()},
+                plan.local_state(task.vw, task.stage), to=w.ident,
                 timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
         await asyncio.gather(*waits)
         for w in self.workers.values():

@@ -27,7 +27,9 @@ __all__ = [
     "load_job",
 ]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# torch.optim.AdamW's default decay: what a user writing name = "adamw" expects
+ADAMW_WEIGHT_DECAY = 1e-2
 POLICIES = ("auto", "np", "ed", "hd")
 
 
@@ -53,7 +55,12 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Applied locally by each stage after every backward (its updates are what waves push)."""
+    """Applied locally by each stage after every backward (its updates are what waves push).
+
+    ``sgd`` (``momentum``, L2 ``weight_decay``, ``nesterov``), ``adam`` (L2 ``weight_decay``)
+    or ``adamw`` (decoupled ``weight_decay``, 0.01 when the file gives none), each with the
+    arithmetic of its ``torch.optim`` namesake.
+    """
 
     name: str = "sgd"
     lr: float = 0.05
@@ -295,7 +302,9 @@ def _optimizer(root: Table) -> OptimizerSpec:
     momentum = ot.number("momentum", d.momentum)
     if not 0 <= momentum < 1:
         ot.fail("momentum", f"must be in [0, 1), got {momentum}")
-    weight_decay = ot.number("weight_decay", d.weight_decay)
+    weight_decay = ot.number(
+        "weight_decay", ADAMW_WEIGHT_DECAY if name == "adamw" else d.weight_decay
+    )
     if weight_decay < 0:
         ot.fail("weight_decay", f"must be >= 0, got {weight_decay}")
     nesterov = ot.flag("nesterov", d.nesterov)

@@ -4,6 +4,10 @@ The head calls :func:`plan_job` once per job. It checks the job against the clus
 live workers (one line per problem, naming the device or key), builds the model once on the
 CPU from the job's seed so that every virtual worker starts from the same weights, places
 each stage's state on a parameter-server shard, and produces the stage tasks.
+
+Only the tensors :mod:`hetpipe.modelstate` calls *shared* go to the shards (one entry per tied
+tensor, frozen parameters included); non-persistent buffers go to their stages with the
+assignment; the export restores the names of tied tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset
 from hetpipe.job import JobSpec, VWSpec
 from hetpipe.models import ModelError, build_model
+from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
 from hetpipe.task import StageTask
 
@@ -61,6 +66,8 @@ class JobPlan:
     initial: dict[str, torch.Tensor] | None
     dataset: Dataset
     predicted: dict[str, Any] = field(default_factory=dict)
+    layout: StateLayout | None = None  # None: the plain state_dict, nothing tied or local
+    local: dict[str, torch.Tensor] = field(default_factory=dict)  # non-persistent buffers
 
     @property
     def n_stages(self) -> int:
@@ -75,6 +82,11 @@ class JobPlan:
     def stage_names(self, vw: int, stage: int) -> list[str]:
         st = self.vws[vw].stages[stage]
         return [n for n in self.placement if st.first <= _layer(n) < st.last]
+
+    def local_state(self, vw: int, stage: int) -> dict[str, torch.Tensor]:
+        """Initial values of the non-persistent buffers of one stage (sent with its task)."""
+        st = self.vws[vw].stages[stage]
+        return {n: t for n, t in self.local.items() if st.first <= layer_of(n) < st.last}
 
     def shards_used(self) -> list[int]:
         return sorted(set(self.placement.values()))
@@ -132,8 +144,14 @@ class JobPlan:
         return rows
 
     def model_of(self, state: dict[str, torch.Tensor]) -> torch.nn.Sequential:
-        """The plain model holding ``state``; ``strict=True`` proves the state is whole."""
+        """The plain model holding ``state``; ``strict=True`` proves the state is whole.
+
+        The names of tied tensors are filled in from their canonical one, so the model's
+        ties hold one value and its ``state_dict()`` lists every name, as torch's does.
+        """
         model = build_model(self.spec.model.name, self.spec.model.args)
+        if self.layout is not None:
+            state = self.layout.with_aliases(state)
         model.load_state_dict(state, strict=True)
         return model
 
@@ -149,8 +167,7 @@ class JobPlan:
         return evaluate(model, self.dataset)
 
 
-def _layer(name: str) -> int:
-    return int(name.partition(".")[0])
+_layer = layer_of
 
 
 def _host_of(address: str) -> str:
@@ -165,6 +182,8 @@ def place_state(
 ) -> dict[str, int]:
     """Each state tensor's shard: the planner's rule (a stage's layers on a shard of its
     host where there is one, shards balanced by bytes), applied to the job's real tensors."""
+    if not state:  # nothing for the shards: a model of parameter-free layers
+        return {}
     n_layers = 1 + max(_layer(n) for n in state)
     layer_bytes = [0] * n_layers
     for n, t in state.items():
@@ -197,6 +216,10 @@ def plan_job(
     except ModelError as exc:
         raise JobPlanError(f"model: {exc}") from None
     n_layers = len(model)
+    try:
+        layout = StateLayout.of(model)
+    except LayoutError as exc:
+        raise JobPlanError(f"model: {exc}") from None
     try:
         dataset = load_dataset(spec.data.name, spec.data.args)
     except ValueError as exc:
@@ -233,13 +256,21 @@ def plan_job(
             bounds.append(bounds[-1] + n)
         stages = tuple(RunStage(d, bounds[i], bounds[i + 1])
                        for i, d in enumerate(vwspec.devices))
+        try:
+            layout.check_split([(st.first, st.last) for st in stages],
+                               [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)])
+        except LayoutError as exc:
+            raise JobPlanError(f"vw[{v}].layers: {exc}") from None
         run_vws.append(RunVW(stages=stages, nm=vwspec.nm or spec.nm or len(stages)))
     stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
     if stream.per_epoch < 1:
         raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
                            f"virtual worker in {len(dataset.train_y)} training samples")
     minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    everything = model.state_dict()
+    state = {n: everything[n].detach().clone() for n in layout.shared}
+    buffers = dict(model.named_buffers())
+    local = {n: buffers[n].detach().clone() for n in layout.local}
     hosts = {d.name: d.host for d in cluster.devices}
     placement = place_state(state, run_vws, hosts, shards)
     state_bytes = {
@@ -249,4 +280,5 @@ def plan_job(
     }
     return JobPlan(job=job_id, spec=spec, vws=tuple(run_vws), minibatches=minibatches,
                    placement=placement, initial=state, dataset=dataset,
-                   predicted={**(predicted or {}), "state_bytes": state_bytes})
+                   predicted={**(predicted or {}), "state_bytes": state_bytes},
+                   layout=layout, local=local)

@@ -8,8 +8,10 @@ untouched. The stage sums ``new - old`` over a wave and pushes that to the param
 Optimizer state (momentum buffers, Adam moments, step counts) is not versioned: there is
 one copy per stage, updated in place, exactly as ``torch.optim`` keeps it. The arithmetic
 follows ``torch.optim.SGD`` (dampening 0, weight decay as L2 added to the gradient,
-optional Nesterov) and ``torch.optim.Adam`` (L2 weight decay, bias correction, ``eps``
-added outside the square root).
+optional Nesterov), ``torch.optim.Adam`` (L2 weight decay, bias correction, ``eps``
+added outside the square root) and ``torch.optim.AdamW`` (Adam with decoupled weight decay:
+the weight shrinks by ``1 - lr * weight_decay`` before the Adam step, the gradient is not
+touched).
 
 The new weight is computed with the very expression torch uses (``add``/``addcdiv`` with
 ``alpha``), so a pipelined stage's weights equal a plain torch run's to the last bit: on
@@ -40,8 +42,12 @@ class OptimizerLike(Protocol):
     eps: float
 
 
+NAMES = ("sgd", "adam", "adamw")
+
+
 class StageOptimizer:
-    """SGD or Adam over one stage's named parameters, returning new weights out of place."""
+    """SGD, Adam or AdamW over one stage's named parameters, returning new weights out of
+    place."""
 
     def __init__(self, spec: OptimizerLike) -> None:
         self.name = str(spec.name).lower()
@@ -58,8 +64,10 @@ class StageOptimizer:
         self.steps: dict[str, int] = {}
 
     def _check(self) -> None:
-        if self.name not in ("sgd", "adam"):
-            raise ValueError(f"optimizer: name must be 'sgd' or 'adam', got {self.name!r}")
+        if self.name not in NAMES:
+            raise ValueError(
+                f"optimizer: name must be one of {', '.join(NAMES)}, got {self.name!r}"
+            )
         if not self.lr >= 0.0:
             raise ValueError(f"optimizer: lr must be >= 0, got {self.lr}")
         if not self.weight_decay >= 0.0:
@@ -78,13 +86,13 @@ class StageOptimizer:
 
     @staticmethod
     def state_factor(spec: Any) -> int:
-        """Copies of optimizer state per parameter: sgd 0 (no momentum) or 1, adam 2."""
+        """Copies of optimizer state per parameter: sgd 0 (no momentum) or 1, adam(w) 2."""
         name = str(spec.name).lower()
-        if name == "adam":
+        if name in ("adam", "adamw"):
             return 2
         if name == "sgd":
             return 1 if float(spec.momentum) != 0.0 else 0
-        raise ValueError(f"optimizer: name must be 'sgd' or 'adam', got {spec.name!r}")
+        raise ValueError(f"optimizer: name must be one of {', '.join(NAMES)}, got {spec.name!r}")
 
     def state_bytes(self) -> int:
         """Bytes held in optimizer state now (grows to its full size after the first step)."""
@@ -116,7 +124,9 @@ class StageOptimizer:
             if self.name == "sgd":
                 new[name] = self._sgd(name, params[name], grads[name])
             else:
-                new[name] = self._adam(name, params[name], grads[name])
+                new[name] = self._adam(
+                    name, params[name], grads[name], decoupled=self.name == "adamw"
+                )
         return new
 
     def _sgd_all(
@@ -159,9 +169,14 @@ class StageOptimizer:
         self.steps[name] = self.steps.get(name, 0) + 1
         return torch.add(param, g, alpha=-self.lr)
 
-    def _adam(self, name: str, param: Tensor, grad: Tensor) -> Tensor:
+    def _adam(self, name: str, param: Tensor, grad: Tensor, *, decoupled: bool) -> Tensor:
+        """Adam (L2 decay in the gradient) or, ``decoupled``, AdamW (decay on the weight)."""
         beta1, beta2 = self.betas
-        g = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad
+        g = grad
+        if self.weight_decay and decoupled:
+            param = param.mul(1 - self.lr * self.weight_decay)  # a new tensor: out of place
+        elif self.weight_decay:
+            g = grad.add(param, alpha=self.weight_decay)
         state = self.state.get(name)
         if state is None:
             state = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}

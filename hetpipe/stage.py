@@ -16,7 +16,8 @@ and re-adds on top of pulled weights until the server confirms it applied it.
 
 Names: a slice of an ``nn.Sequential`` keeps the keys of the whole model, so a stage's state
 names (``"7.weight"``) are the global ones that travel to the shards and end up in the
-exported state_dict.
+exported state_dict. Which names train, stay frozen, stay local or are tied is decided in
+:mod:`hetpipe.modelstate`; how dropout is seeded in :mod:`hetpipe.seeding`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from hetpipe import emulate
 from hetpipe.config import DeviceSpec
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
+from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
+from hetpipe.seeding import LayerSeeds
 from hetpipe.task import StageTask
 from hetpipe.wsp import wave_of
 
@@ -45,14 +48,22 @@ def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.
     """Build layers ``first``..``last``-1 on ``device`` without materialising the rest.
 
     The whole model is constructed on the meta device (no memory), sliced, and only the
-    slice is allocated; its values come from the parameter server.
+    slice is allocated; its values come from the parameter server. ``to_empty`` gives every
+    use of a tied tensor its own new one, so the ties of the slice are restored after it.
     """
     with torch.device("meta"):
         full = build_model(spec.model.name, spec.model.args)
     if not 0 <= first < last <= len(full):
         raise ValueError(f"layers {first}..{last - 1} out of range: the model has {len(full)}")
     part = full[first:last]
-    return part.to_empty(device=device)
+    ties = StateLayout.of(part).aliases
+    part.to_empty(device=device)
+    for alias, canonical in ties.items():
+        path, _, attr = alias.rpartition(".")
+        owner = part.get_submodule(path)
+        cpath, _, cattr = canonical.rpartition(".")
+        setattr(owner, attr, getattr(part.get_submodule(cpath), cattr))
+    return part
 
 
 @dataclass
@@ -86,7 +97,10 @@ class StageStats:
 class StageCompute:
     """Weights, optimizer, accumulators and in-flight minibatches of one stage."""
 
-    def __init__(self, task: StageTask, device: DeviceSpec) -> None:
+    def __init__(
+        self, task: StageTask, device: DeviceSpec, local: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """``local``: initial values of the stage's non-persistent buffers (from the head)."""
         self.task = task
         self.dev = device.device
         self.speed = device.speed
@@ -95,10 +109,20 @@ class StageCompute:
         self.spec = JobSpec.from_dict(task.spec)
         self.module = build_stage_module(self.spec, task.first, task.last, self.dev)
         self.module.train()
-        self.param_names = [n for n, _ in self.module.named_parameters()]
-        self.buffer_names = [n for n, _ in self.module.named_buffers()]
+        self.seeds = LayerSeeds(self.module, seed=self.spec.seed, vw=task.vw, first=task.first,
+                                device=self.dev)
+        self.layout = StateLayout.of(self.module)
+        self.param_names = list(self.layout.params)
+        self.buffer_names = list(self.layout.buffers)
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
+        local = local or {}
+        missing = [n for n in self.layout.local if n not in local]
+        if missing:
+            raise ValueError(f"{task.where}: no initial value for non-persistent buffer "
+                             f"{missing[0]!r}")
+        # non-persistent buffers: the stage's own, never pushed, pulled or exported
+        self.local = {n: local[n].to(self.dev, copy=True) for n in self.layout.local}
         self.version = 0
         self.optimizer = StageOptimizer(self.spec.optimizer)
         self.acc: dict[int, dict[str, torch.Tensor]] = {}
@@ -143,16 +167,18 @@ class StageCompute:
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
         params = self.params
+        state = {**params, **self.buffers, **self.local}
+        self.seeds.p = p
         before = {n: b.clone() for n, b in self.buffers.items()}
         # bytes saved for backward depend only on the input's shape: count them once
         known = self._saved_bytes.get(tuple(x.shape))
         if known is None:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                out = functional_call(self.module, {**params, **self.buffers}, (x,))
+                out = functional_call(self.module, state, (x,))
             known = self._saved_bytes[tuple(x.shape)] = saved.bytes
         else:
-            out = functional_call(self.module, {**params, **self.buffers}, (x,))
+            out = functional_call(self.module, state, (x,))
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
@@ -182,16 +208,26 @@ class StageCompute:
         wants_input = flight.x.requires_grad
         names = [n for n in self.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
-        if not inputs:  # e.g. a first stage of parameter-free layers: nothing to differentiate
-            grads: tuple[torch.Tensor | None, ...] = ()
-        elif flight.loss is not None:
-            grads = torch.autograd.grad(flight.loss, inputs, allow_unused=True)
+        loss = flight.loss
+        target = loss if loss is not None else flight.out
+        if not inputs or not target.requires_grad:
+            # nothing to differentiate: a parameter-free first stage, or an output that
+            # depends on no trainable tensor (integer tokens, a wholly frozen stage)
+            grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        elif loss is not None:
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
             assert grad is not None, f"{self.where}: backward of {p} without a gradient"
             grads = torch.autograd.grad(
                 flight.out, inputs, grad.to(self.dev, non_blocking=True), allow_unused=True
             )
         grad_in = grads[0] if wants_input else None
+        if grad_in is None and wants_input:
+            grad_in = torch.zeros_like(flight.x)
+        elif not self.task.is_first and not wants_input:
+            # an integer input has no gradient, but the previous stage still waits for the
+            # end of this minibatch's backward: an empty tensor says "none"
+            grad_in = torch.zeros(0, device=self.dev)
         pgrads = {n: g for n, g in zip(names, grads[int(wants_input):], strict=True)
                   if g is not None}
         # observable weight stashing: (forward's version, its weights' fingerprint then,
@@ -310,8 +346,8 @@ class StageCompute:
                         t.add_(acc[n])
                 if n in self.buffer_names:
                     self.buffers[n] = t
-                else:
-                    params[n] = t.requires_grad_()
+                else:  # a frozen parameter never gets a gradient, so never an update
+                    params[n] = t.requires_grad_(n not in self.layout.frozen)
             for w in list(self.acc):
                 acc = self.acc[w]
                 for n in [n for n in acc if n in pulled and w in applied[n]]:

@@ -156,7 +156,8 @@ class Worker:
         try:
             task = StageTask.from_dict(msg["task"])
             loop = asyncio.get_running_loop()
-            compute = await loop.run_in_executor(self.executor, StageCompute, task, self.device)
+            compute = await loop.run_in_executor(self.executor, StageCompute, task, self.device,
+                                                 msg.tensors)
             job = _Job(task, compute)
             rt = self.cluster.runtime
             for address in (task.prev, task.next):

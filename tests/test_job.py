@@ -106,7 +106,7 @@ CASES = [
         'name = "sgd"',
         'name = "rmsprop"',
         "optimizer.name",
-        "unknown optimizer 'rmsprop' (one of: sgd, adam)",
+        "unknown optimizer 'rmsprop' (one of: sgd, adam, adamw)",
     ),
     ("lr-zero", "lr = 0.1", "lr = 0", "optimizer.lr", "must be > 0"),
     ("lr-negative", "lr = 0.1", "lr = -0.1", "optimizer.lr", "must be > 0"),
@@ -284,6 +284,31 @@ def test_defaults() -> None:
     assert job.optimizer.lr == 0.05
     assert job.vws == () and job.num_vws is None and job.epochs is None
     assert job.model.args == {} and job.data.args == {}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "weight_decay"),
+    [
+        ({"name": "adamw"}, 0.01),
+        ({"name": "adamw", "weight_decay": 0.0}, 0.0),
+        ({"name": "adam"}, 0.0),
+        ({"name": "sgd", "momentum": 0.9, "nesterov": True}, 0.0),
+    ],
+)
+def test_optimizer_defaults(optimizer: dict, weight_decay: float) -> None:
+    """AdamW's decay defaults to torch's 0.01; the others' to 0; nesterov is accepted."""
+    job = JobSpec.from_dict(
+        {
+            "name": "d",
+            "model": {"name": "mlp"},
+            "optimizer": optimizer,
+            "train": {"minibatch": 4, "minibatches": 9},
+        }
+    )
+    assert job.optimizer.name == optimizer["name"]
+    assert job.optimizer.weight_decay == weight_decay
+    assert job.optimizer.nesterov == optimizer.get("nesterov", False)
+    assert JobSpec.from_dict(job.to_dict()) == job
 
 
 def test_free_form_args(tmp_path: Path) -> None:

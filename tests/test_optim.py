@@ -40,7 +40,7 @@ def run_both(opt_spec: SimpleNamespace, steps: int = 100) -> float:
             nesterov=opt_spec.nesterov,
         )
     else:
-        torch_opt = torch.optim.Adam(
+        torch_opt = (torch.optim.AdamW if opt_spec.name == "adamw" else torch.optim.Adam)(
             ref.values(),
             lr=opt_spec.lr,
             betas=opt_spec.betas,
@@ -75,6 +75,24 @@ def test_adam_matches_torch(weight_decay: float) -> None:
     assert run_both(opt_spec) <= 1e-5
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2, 0.3])
+def test_adamw_matches_torch(weight_decay: float) -> None:
+    """Decoupled decay, built with torch's own expressions: equal to the last bit."""
+    opt_spec = spec(name="adamw", lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    assert run_both(opt_spec) == 0.0
+
+
+def test_adamw_decay_is_not_adams() -> None:
+    """AdamW's decay is on the weight, not in the gradient: the two optimizers differ."""
+    fields = {"lr": 1e-2, "weight_decay": 0.3}
+    gen = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    grads = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    a = StageOptimizer(spec(name="adam", **fields)).step(params, grads)
+    aw = StageOptimizer(spec(name="adamw", **fields)).step(params, grads)
+    assert max(float((a[k] - aw[k]).abs().max()) for k in a) > 1e-4
+
+
 @pytest.mark.parametrize(
     "opt_spec",
     [
@@ -82,6 +100,7 @@ def test_adam_matches_torch(weight_decay: float) -> None:
         spec(name="sgd", momentum=0.9, weight_decay=1e-4),
         spec(name="sgd", momentum=0.9, nesterov=True),
         spec(name="adam", weight_decay=1e-4),
+        spec(name="adamw", weight_decay=1e-2),
     ],
 )
 def test_inputs_never_modified(opt_spec: SimpleNamespace) -> None:
@@ -115,6 +134,7 @@ def test_state_bytes_and_factor() -> None:
         (spec(name="sgd"), 0),
         (spec(name="sgd", momentum=0.9), 1),
         (spec(name="adam"), 2),
+        (spec(name="adamw"), 2),
     ]:
         assert StageOptimizer.state_factor(opt_spec) == factor
         opt = StageOptimizer(opt_spec)

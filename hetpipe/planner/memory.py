@@ -1,15 +1,18 @@
 """The memory model of one pipeline stage: the ONE formula the planner and the runtime share.
 
-A stage of a virtual worker with ``k`` stages and ``Nm`` minibatches in flight keeps alive:
+A stage of a virtual worker with ``k`` stages and ``Nm`` minibatches in flight keeps alive
+(async schedule; the synchronous ones differ where said):
 
 ============  ==========================================================================
 params        its layers' parameters and buffers
 optimizer     optimizer state: ``optimizer_state_factor`` x parameter bytes (SGD with
               momentum 1, Adam 2, plain SGD 0)
 stash         older weight versions kept alive for in-flight backwards (weight stashing by
-              out-of-place updates): ``in_flight - 1`` extra copies of the parameters
+              out-of-place updates): ``in_flight - 1`` extra copies of the parameters;
+              none in gpipe/1f1b (the weights change only between iterations)
 accumulators  two update accumulators: the wave being built and the wave being pushed and
-              merged under WSP (2 x parameter bytes)
+              merged under WSP (2 x parameter bytes); in gpipe/1f1b the iteration's
+              gradient sum and its update (also 2 x parameter bytes)
 activations   for every in-flight minibatch, the tensors autograd saved plus the received
               stage input (``in_flight`` x (saved bytes + input bytes))
 working       the transient peak of one layer's forward/backward (max over the layers)
@@ -19,7 +22,9 @@ working       the transient peak of one layer's forward/backward (max over the l
 The last stage runs the backward right after the forward, so it holds one. Any other stage
 can hold up to Nm: under asynchronous 1F1B a slow successor lets forwards queue, and
 admission (minibatch p enters only after p - Nm finished) bounds them by Nm. That is the safe
-bound, so a plan that fits this model fits at run time whatever the relative speeds.
+bound, so a plan that fits this model fits at run time whatever the relative speeds. In the
+synchronous kinds it is the schedule's own bound: gpipe holds all M microbatches of an
+iteration at every stage, 1f1b at most ``k - position`` (its warm-up plus one).
 
 Buffers are not stashed or accumulated with the parameters here because they carry no
 gradient; batch-norm running statistics are small and accounted once in ``params``.
@@ -32,7 +37,15 @@ from dataclasses import dataclass
 
 from hetpipe.planner.profile import LayerProfile, ModelProfile
 
-__all__ = ["StageMemory", "in_flight", "stage_input_bytes", "stage_memory", "stage_memory_of"]
+__all__ = [
+    "StageMemory",
+    "in_flight",
+    "param_copies",
+    "stage_input_bytes",
+    "stage_memory",
+    "stage_memory_of",
+    "stashed",
+]
 
 
 @dataclass(frozen=True)
@@ -79,13 +92,29 @@ class StageMemory:
         )
 
 
-def in_flight(position: int, k: int, nm: int) -> int:
-    """Minibatches stage ``position`` of ``k`` can hold between forward and backward."""
+def in_flight(position: int, k: int, nm: int, schedule: str = "async") -> int:
+    """Minibatches stage ``position`` of ``k`` can hold between forward and backward
+    (``nm`` is M, the microbatches per iteration, for the synchronous schedules)."""
     if not 0 <= position < k:
         raise ValueError(f"stage position {position} outside 0..{k - 1}")
     if nm < 1:
         raise ValueError(f"Nm must be >= 1, got {nm}")
+    if schedule == "gpipe":
+        return nm
+    if schedule == "1f1b":
+        return min(nm, k - position)
     return 1 if position == k - 1 else nm
+
+
+def stashed(flight: int, schedule: str = "async") -> int:
+    """Older weight versions kept for in-flight backwards: async only (weight stashing)."""
+    return flight - 1 if schedule == "async" else 0
+
+
+def param_copies(factor: int, flight: int, schedule: str = "async") -> int:
+    """Parameter-sized copies a stage keeps: the weights, ``factor`` of optimizer state, two
+    accumulators, and the stashed versions."""
+    return 1 + factor + 2 + stashed(flight, schedule)
 
 
 def stage_memory(
@@ -95,20 +124,21 @@ def stage_memory(
     nm: int,
     optimizer_state_factor: int,
     input_bytes: int,
+    schedule: str = "async",
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
     ``input_bytes`` is the size of the stage's input per minibatch: the model input for the
     first stage, else the previous layer's ``out_bytes`` (see :func:`stage_input_bytes`).
     """
-    n = in_flight(position, k, nm)
+    n = in_flight(position, k, nm, schedule)
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = sum(lp.saved_bytes for lp in layers)
     return StageMemory(
         params=pb + bb,
         optimizer=optimizer_state_factor * pb,
-        stash=(n - 1) * pb,
+        stash=stashed(n, schedule) * pb,
         accumulators=2 * pb,
         activations=n * (saved + input_bytes),
         working=max((lp.work_bytes for lp in layers), default=0),
@@ -128,6 +158,7 @@ def stage_memory_of(
     k: int,
     nm: int,
     optimizer_state_factor: int,
+    schedule: str = "async",
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``."""
     a, b = layers
@@ -138,4 +169,5 @@ def stage_memory_of(
         nm,
         optimizer_state_factor,
         stage_input_bytes(profile, dtype, a),
+        schedule,
     )

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import format_size
-from hetpipe.planner.memory import StageMemory, in_flight, stage_memory
+from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory, stashed
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 
@@ -260,14 +260,14 @@ class CostModel:
             self._times[key] = t
         return t
 
-    def memory_total(self, dtype: str, flight: int) -> np.ndarray:
+    def memory_total(self, dtype: str, flight: int, schedule: str = "async") -> np.ndarray:
         """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""
-        key = (dtype, flight)
+        key = (dtype, flight, schedule)
         m = self._totals.get(key)
         if m is None:
             tc = self.costs(dtype)
-            # params + optimizer + stash + accumulators = bb + (1 + factor + flight-1 + 2) * pb
-            m = tc.fixed + (self.factor + flight + 2) * tc.pb + flight * tc.per_flight
+            copies = param_copies(self.factor, flight, schedule)
+            m = tc.fixed + copies * tc.pb + flight * tc.per_flight
             self._totals[key] = m
         return m
 
@@ -289,16 +289,17 @@ class CostModel:
         return tm
 
     def stage_memory(
-        self, dtype: str, a: int, b: int, position: int, k: int, nm: int
+        self, dtype: str, a: int, b: int, position: int, k: int, nm: int,
+        schedule: str = "async",
     ) -> StageMemory:
         """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers)."""
         tc = self.costs(dtype)
-        n = in_flight(position, k, nm)
+        n = in_flight(position, k, nm, schedule)
         pb = int(tc.P[b] - tc.P[a])
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
-            stash=(n - 1) * pb,
+            stash=stashed(n, schedule) * pb,
             accumulators=2 * pb,
             activations=n * (int(tc.S[b] - tc.S[a]) + tc.inb[a]),
             working=int(tc.W[a, b]),

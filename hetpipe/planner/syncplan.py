@@ -1,0 +1,465 @@
+"""Planning synchronous pipelines (gpipe, 1f1b): partition, device mapping and microbatch
+order chosen together to minimise the predicted time of one iteration.
+
+A synchronous iteration is a flush: M microbatches go forward and back through the stages in
+a fixed per-stage order (:func:`hetpipe.schedule.microbatch_order`), then every stage steps
+its optimizer once. Its time is not the bottleneck stage's alone: with few microbatches the
+fill and drain (every stage's forward and backward once, every link crossed twice) weigh as
+much as the slowest stage's M - 1 further microbatches, so a fast pipeline may use fewer,
+faster devices, and the device *mapping* matters through the actual link between each pair
+of consecutive devices (an arbitrary bandwidth matrix: ``[[network.link]]`` overrides and
+the intra/inter-node defaults).
+
+Search (:func:`plan_sync`):
+
+1. cuts for a fixed mapping and order: a min-max dynamic program gives the least bottleneck
+   B*; min-sum programs under caps B* x (1, 1.1, 1.25, 1.5, 2, 3, inf) trade the fill and
+   drain against the bottleneck; each candidate is timed exactly (:func:`iteration_time`),
+   and the best is refined by moving single cuts while that helps;
+2. mappings: for every pipeline length, the fastest devices chained along their fastest
+   links (greedy from several starts, then 2-opt), then a local search over the mapping
+   (swap two stages' devices, replace one by an unused device, drop one, add one), within a
+   time budget;
+3. orders: every candidate is timed with each allowed kind; the faster one is kept.
+
+Every stage must fit its device's memory cap under the chosen kind (gpipe holds all M
+microbatches' activations, 1f1b at most k - position; no weight stashing). :func:`exhaustive`
+enumerates every mapping, partition and order, to check the search on small instances.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetpipe.planner.memory import StageMemory, in_flight, param_copies
+from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.runtime import RuntimeCosts
+from hetpipe.schedule import SYNC_KINDS, microbatch_order
+
+__all__ = ["SyncChoice", "SyncModel", "SyncStage", "exhaustive", "iteration_time", "plan_sync"]
+
+INF = math.inf
+CAPS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, INF)
+
+
+@dataclass(frozen=True)
+class SyncStage:
+    """One stage's times: per microbatch (forward, backward) and per iteration (step, push)."""
+
+    fwd_s: float
+    bwd_s: float
+    step_s: float = 0.0
+    push_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncChoice:
+    """A planned synchronous pipeline: devices (indices into the model's), cuts, kind."""
+
+    devices: tuple[int, ...]
+    cuts: tuple[tuple[int, int], ...]
+    kind: str
+    iteration_s: float
+
+
+def iteration_time(
+    stages: Sequence[SyncStage],
+    links: Sequence[tuple[float, float]],
+    orders: Sequence[Sequence[tuple[str, int]]],
+) -> float:
+    """Time of one iteration: every stage runs its order (one op at a time; an op starts when
+    its input is there), each link moves one tensor at a time in each direction, then each
+    stage steps and pushes. The same timing as the simulator's, without its event queue."""
+    k = len(stages)
+    m = sum(op == "F" for op, _ in orders[0])
+    fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
+    bwd_in: list[list[float | None]] = [[None] * m for _ in range(k)]
+    fwd_end: list[list[float]] = [[0.0] * m for _ in range(k)]
+    free = [0.0] * k
+    link_f = [0.0] * max(k - 1, 0)
+    link_b = [0.0] * max(k - 1, 0)
+    pos = [0] * k
+    total = sum(len(o) for o in orders)
+    done = 0
+    while done < total:
+        moved = False
+        for s in range(k):
+            order = orders[s]
+            while pos[s] < len(order):
+                op, j = order[pos[s]]
+                if op == "F":
+                    ready = fwd_in[s][j]
+                    if ready is None:
+                        break
+                    end = max(free[s], ready) + stages[s].fwd_s
+                    fwd_end[s][j] = end
+                    if s + 1 < k:
+                        t = max(end, link_f[s]) + links[s][0]
+                        link_f[s] = t
+                        fwd_in[s + 1][j] = t
+                else:
+                    ready = fwd_end[s][j] if s == k - 1 else bwd_in[s][j]
+                    if ready is None:
+                        break
+                    end = max(free[s], ready) + stages[s].bwd_s
+                    if s > 0:
+                        t = max(end, link_b[s - 1]) + links[s - 1][1]
+                        link_b[s - 1] = t
+                        bwd_in[s - 1][j] = t
+                free[s] = end
+                pos[s] += 1
+                done += 1
+                moved = True
+        if not moved:
+            raise ValueError("iteration_time: the orders deadlock")
+    return max(free[s] + stages[s].step_s + stages[s].push_s for s in range(k))
+
+
+class SyncModel:
+    """Times and memory of stages of one model on the devices of one cluster.
+
+    ``devices`` are the cluster's device specs (``name``, ``type``, ``memory``, ``speed``);
+    ``bandwidth(a, b)`` bytes/s between two of them; ``m`` microbatches per iteration.
+    """
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        devices: Sequence[Any],
+        bandwidth: Callable[[Any, Any], float],
+        m: int,
+        optimizer_state_factor: int,
+        costs: RuntimeCosts | None = None,
+        kinds: Sequence[str] = SYNC_KINDS,
+    ) -> None:
+        if m < 1:
+            raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
+        bad = [k for k in kinds if k not in SYNC_KINDS]
+        if bad or not kinds:
+            raise ValueError(f"kinds must be among {SYNC_KINDS}, got {list(kinds)}")
+        self.profile = profile
+        self.devices = tuple(devices)
+        self.m = m
+        self.kinds = tuple(kinds)
+        self.factor = optimizer_state_factor
+        self.rt = costs or RuntimeCosts.zero()
+        self.L = profile.n_layers()
+        self.bw = np.array([[float(bandwidth(a, b)) if a is not b else INF
+                             for b in self.devices] for a in self.devices])
+        self._type: dict[str, dict[str, np.ndarray]] = {}
+        self._cut_memo: dict[tuple, tuple[float, tuple[tuple[int, int], ...]] | None] = {}
+        self.evaluations = 0
+
+    # -- per type prefix sums -------------------------------------------------------------
+
+    def _t(self, dtype: str) -> dict[str, np.ndarray]:
+        t = self._type.get(dtype)
+        if t is None:
+            lps = self.profile.layers[dtype]
+
+            def pre(vals: Any) -> np.ndarray:
+                return np.array([0, *itertools.accumulate(vals)], dtype=np.float64)
+
+            t = {
+                "F": pre(lp.fwd_s for lp in lps),
+                "B": pre(lp.bwd_s for lp in lps),
+                "U": pre(lp.update_s for lp in lps),
+                "P": pre(lp.param_bytes for lp in lps),
+                "Bu": pre(lp.buffer_bytes for lp in lps),
+                "S": pre(lp.saved_bytes for lp in lps),
+                "in": np.array([self.profile.input_bytes] + [lp.out_bytes for lp in lps],
+                               dtype=np.float64),  # in[a]: input bytes of a stage from a
+                "W": np.array([lp.work_bytes for lp in lps], dtype=np.float64),
+            }
+            self._type[dtype] = t
+        return t
+
+    def _task_s(self, d: Any) -> float:
+        return self.rt.task_s / min(1.0, float(getattr(d, "speed", 1.0))) + self.rt.hop_s
+
+    def stage(self, i: int, a: int, b: int) -> SyncStage:
+        """Stage costs of layers ``[a, b)`` on device ``i``, with the runtime's per-task costs."""
+        d = self.devices[i]
+        t = self._t(d.type)
+        task = self._task_s(d)
+        pb = t["P"][b] - t["P"][a]
+        return SyncStage(
+            fwd_s=t["F"][b] - t["F"][a] + task,
+            bwd_s=t["B"][b] - t["B"][a] + task,
+            step_s=t["U"][b] - t["U"][a] + self.rt.hop_s,
+            push_s=(self.rt.wave_s + pb * self.rt.wave_byte_s) if pb else 0.0,
+        )
+
+    def link(self, i: int, j: int, b: int) -> float:
+        """Time to move the activation of layer ``b - 1`` from device i to j (and its
+        gradient back): the bytes over the link plus the runtime's per-message costs."""
+        nbytes = self._t(self.devices[i].type)["in"][b]
+        rt = self.rt
+        return nbytes / self.bw[i, j] + rt.message_s + rt.latency_s + 2 * nbytes * rt.message_byte_s
+
+    def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str) -> StageMemory:
+        d = self.devices[i]
+        t = self._t(d.type)
+        n = in_flight(position, k, self.m, kind)
+        pb = int(t["P"][b] - t["P"][a])
+        return StageMemory(
+            params=pb + int(t["Bu"][b] - t["Bu"][a]),
+            optimizer=self.factor * pb,
+            stash=0,
+            accumulators=2 * pb,
+            activations=n * int(t["S"][b] - t["S"][a] + t["in"][a]),
+            working=int(t["W"][a:b].max()) if b > a else 0,
+        )
+
+    def _memory_matrix(self, i: int, position: int, k: int, kind: str) -> np.ndarray:
+        """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
+        t = self._t(self.devices[i].type)
+        n = in_flight(position, k, self.m, kind)
+        L = self.L
+        P, Bu, S = t["P"], t["Bu"], t["S"]
+        pb = P[None, :] - P[:, None]
+        W = np.zeros((L + 1, L + 1))
+        for a in range(L):
+            W[a, a + 1:] = np.maximum.accumulate(t["W"][a:])
+        mem = (Bu[None, :] - Bu[:, None]) + W + param_copies(self.factor, n, kind) * pb \
+            + n * ((S[None, :] - S[:, None]) + t["in"][:L + 1][:, None])
+        upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
+        return np.where(upper, mem, INF)
+
+    # -- a mapping's iteration time -------------------------------------------------------
+
+    def evaluate(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str) -> float:
+        """Predicted iteration time, or inf where a stage does not fit its device."""
+        self.evaluations += 1
+        k = len(devs)
+        for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
+            if self.memory(i, a, b, pos, k, kind).total > self.devices[i].memory:
+                return INF
+        stages = [self.stage(i, a, b) for i, (a, b) in zip(devs, cuts, strict=True)]
+        links = []
+        for s in range(k - 1):
+            t = self.link(devs[s], devs[s + 1], cuts[s][1])
+            links.append((t, t))
+        orders = [microbatch_order(kind, k, s, self.m) for s in range(k)]
+        return iteration_time(stages, links, orders)
+
+    def best_cuts(
+        self, devs: Sequence[int], kind: str
+    ) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+        """The best cuts the search finds for this mapping and kind (None: nothing fits)."""
+        key = (tuple(devs), kind)
+        if key in self._cut_memo:
+            return self._cut_memo[key]
+        k, L = len(devs), self.L
+        out: tuple[float, tuple[tuple[int, int], ...]] | None = None
+        if k <= L:
+            cost, ok, link = self._matrices(devs, kind)
+            cands = set()
+            bstar = self._minmax(cost, ok, link)
+            if bstar < INF:
+                for f in CAPS:
+                    cuts = self._minsum(cost, ok, link, bstar * f)
+                    if cuts is not None:
+                        cands.add(cuts)
+            best = min(((self.evaluate(devs, c, kind), c) for c in cands), default=None)
+            if best is not None and best[0] < INF:
+                out = self._refine(devs, kind, *best)
+        self._cut_memo[key] = out
+        return out
+
+    def _matrices(self, devs: Sequence[int], kind: str):
+        """Per position: compute time of [a, b) (fwd + bwd of one microbatch), where it fits,
+        and the link time after a stage ending at b."""
+        k, L = len(devs), self.L
+        cost, ok, link = [], [], []
+        for pos, i in enumerate(devs):
+            t = self._t(self.devices[i].type)
+            F, B = t["F"], t["B"]
+            c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + 2 * self._task_s(
+                self.devices[i])
+            mem = self._memory_matrix(i, pos, k, kind)
+            ok.append(mem <= self.devices[i].memory)
+            cost.append(c)
+            if pos + 1 < k:
+                link.append(np.array([self.link(i, devs[pos + 1], b) if b > 0 else INF
+                                      for b in range(L + 1)]))
+        return cost, ok, link
+
+    def _minmax(self, cost, ok, link) -> float:
+        L = self.L
+        f = np.full(L + 1, INF)
+        f[0] = 0.0
+        for pos in range(len(cost)):
+            c = np.where(ok[pos], cost[pos], INF)
+            if pos + 1 < len(cost):
+                c = np.maximum(c, 2 * link[pos][None, :])
+            f = np.min(np.maximum(f[:, None], c), axis=0)
+        return float(f[L])
+
+    def _minsum(self, cost, ok, link, cap: float) -> tuple[tuple[int, int], ...] | None:
+        """Cuts minimising the sum of stage and link times with every stage (and link) under
+        ``cap``: the fill and drain, for a bound on the bottleneck."""
+        L, k = self.L, len(cost)
+        f = np.full(L + 1, INF)
+        f[0] = 0.0
+        back = []
+        for pos in range(k):
+            c = np.where(ok[pos] & (cost[pos] <= cap * (1 + 1e-12)), cost[pos], INF)
+            if pos + 1 < k:
+                lk = link[pos][None, :]
+                c = np.where(2 * lk <= cap * (1 + 1e-12), c + 2 * lk, INF)
+            tot = f[:, None] + c
+            arg = np.argmin(tot, axis=0)
+            f = tot[arg, np.arange(L + 1)]
+            back.append(arg)
+        if not f[L] < INF:
+            return None
+        cuts = []
+        b = L
+        for pos in range(k - 1, -1, -1):
+            a = int(back[pos][b])
+            cuts.append((a, b))
+            b = a
+        return tuple(reversed(cuts))
+
+    def _refine(self, devs, kind, t, cuts):
+        """Move single cuts by up to two layers while the iteration gets faster."""
+        cuts = list(cuts)
+        improved = True
+        while improved:
+            improved = False
+            for s in range(len(cuts) - 1):
+                for d in (-2, -1, 1, 2):
+                    b = cuts[s][1] + d
+                    if not cuts[s][0] < b < cuts[s + 1][1]:
+                        continue
+                    trial = [*cuts[:s], (cuts[s][0], b), (b, cuts[s + 1][1]), *cuts[s + 2:]]
+                    tt = self.evaluate(devs, trial, kind)
+                    if tt < t * (1 - 1e-9):
+                        t, cuts, improved = tt, trial, True
+        return t, tuple(cuts)
+
+    def best_kind(self, devs: Sequence[int]) -> SyncChoice | None:
+        best = None
+        for kind in self.kinds:
+            r = self.best_cuts(devs, kind)
+            if r is not None and (best is None or r[0] < best.iteration_s):
+                best = SyncChoice(tuple(devs), r[1], kind, r[0])
+        return best
+
+
+# -- the search over mappings ------------------------------------------------------------------
+
+
+def _chain(model: SyncModel, subset: Sequence[int], start: int) -> list[int]:
+    """``subset`` ordered as a path from ``start`` along the fastest links, then 2-opt."""
+    rest = [i for i in subset if i != start]
+    path = [start]
+    while rest:
+        nxt = max(rest, key=lambda j: model.bw[path[-1], j])
+        path.append(nxt)
+        rest.remove(nxt)
+
+    def length(p: Sequence[int]) -> float:
+        return sum(1.0 / model.bw[a, b] for a, b in itertools.pairwise(p))
+
+    improved = True
+    while improved and len(path) > 3:
+        improved = False
+        for i in range(1, len(path) - 1):
+            for j in range(i + 1, len(path)):
+                trial = path[:i] + path[i:j + 1][::-1] + path[j + 1:]
+                if length(trial) < length(path) * (1 - 1e-12):
+                    path, improved = trial, True
+    return path
+
+
+def plan_sync(model: SyncModel, budget_s: float = 5.0) -> SyncChoice | None:
+    """The fastest synchronous pipeline the search finds (None: the model fits nowhere)."""
+    deadline = time.monotonic() + budget_s
+    n, L = len(model.devices), model.L
+    power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]), 1e-12)
+             for d in model.devices]
+    ranked = sorted(range(n), key=lambda i: (-power[i], -model.devices[i].memory, i))
+    lengths = list(range(1, min(n, L) + 1))
+    if len(lengths) > 12:  # long clusters: a geometric ladder of pipeline lengths
+        lengths = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, min(n, L)} & set(lengths))
+    seen: dict[tuple[int, ...], SyncChoice | None] = {}
+
+    def try_(devs: Sequence[int]) -> SyncChoice | None:
+        key = tuple(devs)
+        if key not in seen:
+            seen[key] = model.best_kind(key)
+        return seen[key]
+
+    starts: list[SyncChoice] = []
+    for k in lengths:
+        for subset in (ranked[:k], sorted(ranked, key=lambda i: -model.devices[i].memory)[:k]):
+            for start in dict.fromkeys((subset[0], max(subset, key=lambda i: power[i]))):
+                c = try_(_chain(model, subset, start))
+                if c is not None:
+                    starts.append(c)
+                c = try_(sorted(subset, key=lambda i: -model.devices[i].memory))
+                if c is not None:
+                    starts.append(c)
+        if time.monotonic() > deadline:
+            break
+    if not starts:
+        return None
+    starts.sort(key=lambda c: c.iteration_s)
+    best = starts[0]
+    for start in starts[:3]:
+        cur = start
+        while time.monotonic() < deadline:
+            nxt = _improve(model, cur, try_, deadline)
+            if nxt is None:
+                break
+            cur = nxt
+        if cur.iteration_s < best.iteration_s:
+            best = cur
+    return best
+
+
+def _improve(model: SyncModel, cur: SyncChoice, try_, deadline: float) -> SyncChoice | None:
+    """The first neighbouring mapping that is faster, or None."""
+    devs = list(cur.devices)
+    unused = [i for i in range(len(model.devices)) if i not in devs]
+    k = len(devs)
+    moves: list[list[int]] = []
+    moves += [devs[:i] + devs[i + 1:] for i in range(k) if k > 1]
+    moves += [[*devs[:i], u, *devs[i + 1:]] for i in range(k) for u in unused]
+    moves += [[*devs[:i], devs[j], *devs[i + 1:j], devs[i], *devs[j + 1:]]
+              for i in range(k) for j in range(i + 1, k)]
+    if k < model.L:
+        moves += [[*devs[:i], u, *devs[i:]] for i in range(k + 1) for u in unused]
+    for mv in moves:
+        if time.monotonic() > deadline:
+            return None
+        c = try_(mv)
+        if c is not None and c.iteration_s < cur.iteration_s * (1 - 1e-9):
+            return c
+    return None
+
+
+def exhaustive(model: SyncModel) -> SyncChoice | None:
+    """Every mapping (ordered subset of devices), every partition and every kind: the optimum
+    of :meth:`SyncModel.evaluate`. For small instances only."""
+    n, L = len(model.devices), model.L
+    best: SyncChoice | None = None
+    for k in range(1, min(n, L) + 1):
+        partitions = [tuple(zip((0, *c), (*c, L), strict=True))
+                      for c in itertools.combinations(range(1, L), k - 1)]
+        for devs in itertools.permutations(range(n), k):
+            for kind in model.kinds:
+                for cuts in partitions:
+                    t = model.evaluate(devs, cuts, kind)
+                    if best is None or t < best.iteration_s:
+                        best = SyncChoice(devs, cuts, kind, t)
+    return best if best is not None and best.iteration_s < INF else None

@@ -1,0 +1,254 @@
+"""Models users actually write, trained on real daemons against plain PyTorch (<= 1e-5).
+
+Tied weights, frozen parameters, non-persistent buffers, dropout and AdamW: each model of
+``usermodels`` is trained pipelined with Nm = 1 on one virtual worker and compared with the
+same model trained by plain PyTorch from the same weights and data order, or refused with
+one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import UNIFORM, job, start_cluster
+
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.localcluster import LocalCluster
+from hetpipe.models import build_model, model_loss
+from hetpipe.seeding import layer_seed
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four devices, two shards; the daemons can import ``usermodels``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+        )
+        c = start_cluster(tmp_path_factory.mktemp("usermodels"), UNIFORM)
+    yield c
+    c.stop()
+
+
+def user_job(
+    name: str,
+    model: str,
+    layers: list[int],
+    *,
+    optimizer: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A job of ``usermodels:<model>`` on gpu0.. with one stage per entry of ``layers``."""
+    devices = [f"gpu{i}" for i in range(len(layers))]
+    spec = job(
+        name,
+        model=f"usermodels:{model}",
+        split=[(devices, layers)],
+        nm=1,
+        minibatches=STEPS,
+        seed=seed,
+    )
+    if optimizer is not None:
+        spec["optimizer"] = optimizer
+    return spec
+
+
+def optimizer_of(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
+        )
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def plain_training(
+    spec_dict: dict, steps: int = STEPS, *, vw_seeds: int | None = None
+) -> torch.nn.Sequential:
+    """The model trained by plain PyTorch: same initial weights, data order and optimizer.
+
+    With ``vw_seeds`` set, every layer runs after ``torch.manual_seed(layer_seed(seed,
+    vw_seeds, layer, p))``: how a reference draws the dropout masks of virtual worker
+    ``vw_seeds``. One intra-op thread, as the workers use.
+    """
+    spec = JobSpec.from_dict(spec_dict)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model.name, spec.model.args)
+        stream = MinibatchStream(load_dataset(spec.data.name), spec.minibatch, spec.seed, 0, 1)
+        opt = optimizer_of(spec, model.parameters())
+        loss_fn = model_loss(spec.model.name)
+        model.train()
+        for p in range(steps):
+            x, y = stream.batch(p)
+            opt.zero_grad()
+            if vw_seeds is None:
+                out = model(x)
+            else:
+                out = x
+                for i, layer in enumerate(model):
+                    torch.manual_seed(layer_seed(spec.seed, vw_seeds, i, p))
+                    out = layer(out)
+            loss_fn(out, y).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model
+
+
+def run(cluster: LocalCluster, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    info = cluster.submit(spec, timeout=150)
+    assert info["state"] == "done", info.get("error")
+    return torch.load(info["model_path"])
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same names as torch's state_dict, values within 1e-5 (integers exactly)."""
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        if w.is_floating_point():
+            diff = (got[name] - w).abs().max().item()
+            assert diff <= 1e-5, f"{name}: max abs diff {diff:.3g}"
+        else:
+            assert torch.equal(got[name], w), name
+
+
+def assert_tied(got: dict[str, torch.Tensor], spec: dict[str, Any], a: str, b: str) -> None:
+    """``a`` and ``b`` are one storage in the file, and stay one tensor once loaded."""
+    assert got[a].untyped_storage().data_ptr() == got[b].untyped_storage().data_ptr()
+    model = build_model(spec["model"]["name"])
+    model.load_state_dict(got, strict=True)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert params[a] is params[b]
+    assert torch.equal(params[a], got[a])
+
+
+# -- tied weights -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_tied_mlp_within_a_stage(cluster) -> None:
+    """A tie inside stage 1 stays one tensor: one value, the summed gradient, one momentum."""
+    spec = user_job("tied-mlp", "tied_mlp", [3, 5])
+    got = run(cluster, spec)
+    assert_same(got, plain_training(spec).state_dict())
+    assert_tied(got, spec, "3.weight", "5.weight")
+
+
+@pytest.mark.timeout(180)
+def test_tied_lm_embedding_and_head(cluster) -> None:
+    """Embedding and output head tied (GPT-2's shape) behind a parameter-free first stage,
+    trained with AdamW (one pair of moments for the tied tensor)."""
+    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}
+    spec = user_job("tied-lm", "tied_lm", [1, 3, 2], optimizer=adamw)
+    got = run(cluster, spec)
+    assert_same(got, plain_training(spec).state_dict())
+    assert_tied(got, spec, "1.weight", "3.weight")
+
+
+@pytest.mark.timeout(60)
+def test_tie_across_stages_is_refused(cluster) -> None:
+    """A cut between tied layers is refused at submit, in one line naming tensors and stages."""
+    info = cluster.submit(user_job("tied-cut", "tied_mlp", [4, 4]), timeout=50)
+    assert info["state"] == "failed"
+    error = info["error"]
+    assert "\n" not in error
+    assert "tied parameters 3.weight (vw0/stage0 (gpu0)), 5.weight (vw0/stage1 (gpu1))" in error
+    assert "put layers 3..5 in one stage" in error
+
+
+# -- frozen parameters --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_frozen_parameters_stay_frozen(cluster) -> None:
+    """A wholly frozen first stage and a frozen bias: never updated (not even by weight
+    decay or momentum), still exported; the rest trains as in PyTorch."""
+    nesterov = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}
+    spec = user_job("frozen", "frozen_mlp", [3, 3], optimizer=nesterov)
+    got = run(cluster, spec)
+    assert_same(got, plain_training(spec).state_dict())
+    torch.manual_seed(0)
+    initial = build_model("usermodels:frozen_mlp").state_dict()
+    for name in ("1.weight", "1.bias", "5.bias"):
+        assert torch.equal(got[name], initial[name]), name
+    assert not torch.equal(got["5.weight"], initial["5.weight"])
+
+
+# -- non-persistent buffers ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_non_persistent_buffer(cluster) -> None:
+    """A non-persistent buffer on stage 1 gets its value from the model, is not exported;
+    batch-norm statistics (persistent) still train and export as before."""
+    spec = user_job(
+        "local-buffer", "local_buffer_mlp", [3, 3], optimizer={"name": "adam", "lr": 0.01}
+    )
+    got = run(cluster, spec)
+    want = plain_training(spec).state_dict()
+    assert "4.scale" not in want
+    assert_same(got, want)
+
+
+# -- dropout ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_dropout_is_reproducible_and_matches_a_seeded_reference(cluster) -> None:
+    """Two runs give identical weights, equal to a reference seeding each layer with
+    ``layer_seed(seed, vw, layer, p)``; the masks matter (other seeds train otherwise)."""
+    spec = user_job("dropout", "dropout_mlp", [4, 4], seed=3)
+    first = run(cluster, spec)
+    second = run(cluster, {**spec, "name": "dropout-again"})
+    for name, w in first.items():
+        assert torch.equal(second[name], w), name
+    assert_same(first, plain_training(spec, vw_seeds=0).state_dict())
+    other = plain_training(spec, vw_seeds=1).state_dict()
+    assert max((other[n] - first[n]).abs().max().item() for n in first) > 1e-3
+
+
+# -- all of it under WSP --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_everything_with_two_virtual_workers(cluster) -> None:
+    """Two VWs pulling and pushing every wave (Nm = 2, D = 1): the frozen layer is exactly its
+    initial value, the tie holds, the local buffer stays out of the file, and it learns."""
+    spec = job(
+        "everything",
+        model="usermodels:everything",
+        nm=2,
+        staleness=1,
+        epochs=8,
+        split=[(["gpu0", "gpu1"], [4, 6]), (["gpu2", "gpu3"], [3, 7])],
+        lr=0.05,
+    )
+    info = cluster.submit(spec, timeout=150)
+    assert info["state"] == "done", info.get("error")
+    got = torch.load(info["model_path"])
+    torch.manual_seed(0)
+    initial = build_model("usermodels:everything").state_dict()
+    assert sorted(got) == sorted(initial)
+    assert "3.scale" not in got
+    for name in ("1.weight", "1.bias"):
+        assert torch.equal(got[name], initial[name]), name
+    assert_tied(got, spec, "4.weight", "7.weight")
+    assert not torch.equal(got["9.weight"], initial["9.weight"])
+    # 352 minibatches over both VWs reached 0.76 when measured; chance is 0.1
+    assert info["test_accuracy"] >= 0.5
