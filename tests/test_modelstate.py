@@ -125,6 +125,8 @@ def test_frozen_parameters_get_no_gradient_state_or_push() -> None:
     x, y = batch()
     for p in range(3):
         c.forward(p, x, y)
+        c.backward(p, None)
+        c.step(p)
     frozen = {"1.weight", "1.bias", "5.bias"}
     assert c.layout.frozen == frozen
     assert set(c.optimizer.state) == {"3.weight", "3.bias", "5.weight"}
@@ -139,6 +141,8 @@ def test_tied_parameter_is_one_weight_with_one_state() -> None:
     assert "5.weight" not in c.params and "5.weight" not in c.state_names()
     x, y = batch()
     c.forward(0, x, y)
+    c.backward(0, None)
+    c.step(0)
     assert "3.weight" in c.optimizer.state and "5.weight" not in c.optimizer.state
 
 
@@ -158,11 +162,11 @@ def test_dropout_masks_depend_on_layer_and_minibatch_not_on_the_split() -> None:
     layer with ``layer_seed``; another minibatch draws other masks."""
     x, y = batch()
     whole = stage("dropout_mlp", 0, 8, k=2, seed=7)
-    out, _ = whole.forward(3, x, y)
+    out = whole.forward(3, x, y)
     front = stage("dropout_mlp", 0, 4, k=3, seed=7)
     back = stage("dropout_mlp", 4, 8, stage=1, k=3, seed=7)
-    mid, _ = front.forward(3, x, y)
-    split, _ = back.forward(3, mid, y)
+    mid = front.forward(3, x, y)
+    split = back.forward(3, mid, y)
     assert torch.equal(out, split)
     torch.manual_seed(7)
     model = build_model("usermodels:dropout_mlp")
@@ -171,7 +175,7 @@ def test_dropout_masks_depend_on_layer_and_minibatch_not_on_the_split() -> None:
         torch.manual_seed(layer_seed(7, 0, i, 3))
         ref = layer(ref)
     assert torch.allclose(out, ref, atol=1e-6)
-    other, _ = whole.forward(4, x, y)
+    other = whole.forward(4, x, y)
     assert not torch.allclose(out, other)
 
 
