@@ -20,8 +20,9 @@ import click
 
 from hetpipe import launch
 from hetpipe.client import HeadClient, HeadError
-from hetpipe.config import ClusterConfig, ConfigError, format_size, load_cluster
-from hetpipe.job import JobError, load_job
+from hetpipe.config import ClusterConfig, ConfigError, check_address, format_size, load_cluster
+from hetpipe.job import JobError, JobSpec, load_job
+from hetpipe.jobcheck import check_job
 from hetpipe.wire import Kind
 
 __all__ = ["main"]
@@ -51,7 +52,12 @@ class Ctx:
 
     @property
     def head(self) -> str:
-        return self.head_opt or self.cluster.head.address
+        if self.head_opt is None:
+            return self.cluster.head.address
+        try:
+            return check_address(self.head_opt)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
 
 
 def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -77,11 +83,14 @@ def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[s
     return _run(go())
 
 
-def _load_job_or_fail(job_file: str) -> Any:
+def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
+    """The job file, checked on its own and against the cluster file before anything is sent."""
     try:
-        return load_job(job_file)
+        spec = load_job(job_file)
+        check_job(spec, obj.cluster, job_file)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
+    return spec
 
 
 def _run(coro: Any) -> Any:
@@ -241,7 +250,7 @@ def _job_line(j: dict[str, Any]) -> str:
 @click.pass_obj
 def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
     """Send a job to the head; --wait follows it."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
                                   as_json=as_json, timeout=timeout))
     if info is not None and info["state"] != "done":
@@ -397,7 +406,7 @@ def _ms(seconds: float | None) -> str:
 @click.pass_obj
 def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Measure every layer on one worker of each device type (stored and reused)."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     prof = _ask(obj, Kind.PROFILE, {"job": spec.to_dict()}, timeout=900)["profile"]
     if as_json:
         click.echo(json.dumps(prof))
@@ -429,7 +438,7 @@ def render_profile(prof: dict[str, Any]) -> str:
 @click.pass_obj
 def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Show the plan the head would run: VWs, stages, predicted times, memory, Nm."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     info = _ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
 
@@ -471,7 +480,7 @@ DEMO_JOB = Path(__file__).with_name("demo.toml")
 @click.pass_obj
 def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     """Start the cluster, train the demo job under WSP, show the result, stop the cluster."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     cluster = obj.cluster
     started = not launch.running(obj.run_dir)
     if started:

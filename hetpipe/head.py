@@ -25,6 +25,7 @@ from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
+from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
 from hetpipe.profiling import (
@@ -397,6 +398,10 @@ class Head:
         try:
             vws, predicted = None, None
             spec = js.spec
+            try:  # the CLI checked this already; other clients may not have
+                await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
+            except JobError as exc:
+                raise JobPlanError(str(exc)) from None
             needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
             try:
                 profile = await self._profile(spec)

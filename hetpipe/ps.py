@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, load_cluster
+from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
 from hetpipe.shard import ShardError, ShardStore
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -173,6 +173,11 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if head is not None:
+        try:
+            head = check_address(head)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
     if not 0 <= shard < len(cluster.ps):
         raise click.BadParameter(
             f"{cluster_path} has {len(cluster.ps)} shards (0..{len(cluster.ps) - 1})",

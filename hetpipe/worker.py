@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
+from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, check_address, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
@@ -318,6 +318,11 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         spec = cluster.device(device)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if head is not None:
+        try:
+            head = check_address(head)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
                                    "but this torch has no CUDA device")
