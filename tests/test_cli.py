@@ -219,7 +219,8 @@ def test_daemon_config_errors_are_one_line(tmp_path: Path, argv: list[str],
                                            edit: tuple[str, str], expected: str) -> None:
     """The daemons refuse a bad file or --head at start-up with one line, no traceback."""
     path = tmp_path / "c.toml"
-    path.write_text(good_cluster(0, 0, 0, 0).replace(*edit) if edit[0] else good_cluster(0, 0, 0, 0))
+    text = good_cluster(0, 0, 0, 0)
+    path.write_text(text.replace(*edit) if edit[0] else text)
     proc = subprocess.run([sys.executable, "-m", *argv, "--cluster", str(path)],
                           capture_output=True, text=True, timeout=25)
     assert proc.returncode == 1, proc.stderr
