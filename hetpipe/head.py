@@ -27,6 +27,7 @@ from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_result
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
 from hetpipe.profiling import (
     layers_from,
@@ -45,6 +46,7 @@ __all__ = ["Head"]
 ASSIGN_TIMEOUT_S = 120.0
 SHARD_TIMEOUT_S = 120.0
 MEASURE_TIMEOUT_S = 600.0
+FINISHED = frozenset({"done", "failed", "cancelled"})
 
 
 @dataclass
@@ -84,6 +86,14 @@ class JobState:
     diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False  # the user asked; the job ends "cancelled", not "failed"
+
+    def summary(self) -> dict[str, Any]:
+        """A few fields for listings: a finished job's whole ``info`` is kilobytes."""
+        info = self.info()
+        return {k: info[k] for k in ("id", "name", "state", "error", "seconds", "total",
+                                     "minibatches", "loss", "samples_per_s", "test_accuracy")
+                if info.get(k) is not None}
 
     def fail(self, reason: str) -> None:
         if self.failure is not None and not self.failure.done():
@@ -155,7 +165,7 @@ class Head:
         self.queue: asyncio.Queue[JobState] = asyncio.Queue()
         self.current: JobState | None = None
         self.channel: Channel | None = None
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(next_number(self.run_dir))
         self.profiles = ProfileStore(self.run_dir / "profiles.json")
         self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
@@ -198,11 +208,11 @@ class Head:
         elif k == Kind.SUBMIT:
             await self._submit(peer, msg)
         elif k == Kind.JOB_STATUS:
-            js = self.jobs.get(msg["job"])
-            if js is None:
+            info = self.job_info(msg["job"])
+            if info is None:
                 await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
             else:
-                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": js.info()}, to=peer)
+                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
         elif k == Kind.CLUSTER_STATUS:
             await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": self.cluster_info()},
                                     to=peer)
@@ -211,26 +221,74 @@ class Head:
             if js is None:
                 await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
                 return
+            if js.state in FINISHED:
+                await self.channel.reply_error(peer, f"job {js.id} has already ended "
+                                               f"({js.state})", msg["rid"])
+                return
+            js.cancelled = True
             if js.state == "queued":
                 js.state, js.error = "cancelled", "cancelled by the user"
+                js.finished = time.time()
+                self._retire(js)
             js.fail("cancelled by the user")
-            await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
+            self.log.info("job cancel requested", job=js.id)
+            await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"state": js.state}},
+                                    to=peer)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
         elif k == Kind.TRACE:
-            js = self.jobs.get(msg["job"])
-            path = self.job_dir(js) / "trace.json" if js is not None else None
-            if path is None or not path.exists():
-                await self.channel.reply_error(
-                    peer, f"no trace for job {msg['job']!r} (it has not finished)", msg["rid"])
-            else:
-                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": json.loads(
-                    path.read_text())}, to=peer)
+            await self._trace(peer, msg)
         elif k in (Kind.PROFILE, Kind.PLAN):
             # these wait on workers' answers, which arrive through this same reader
             self.owner.spawn(self._plan_request(peer, msg), f"{k}:{msg['rid']}")
         else:
             await self.channel.reply_error(peer, f"the head does not take {k}", msg.get("rid"))
+
+    def job_info(self, job: str) -> dict[str, Any] | None:
+        """A job's status from memory, else from its directory; ``source`` says which."""
+        js = self.jobs.get(job)
+        if js is not None:
+            return {**js.info(), "source": "head"}
+        info = read_result(self.run_dir, job)
+        if info is not None:
+            return {**info, "source": "disk"}
+        return None
+
+    async def _trace(self, peer: bytes, msg: Message) -> None:
+        """A finished job's trace from its directory, also for jobs this head forgot."""
+        assert self.channel is not None
+        job, rid = msg["job"], msg["rid"]
+        d = job_dir(self.run_dir, job)
+        path = d / TRACE if d is not None else None
+        if path is not None and path.exists():
+            await self.channel.send(Kind.OK, {"rid": rid, "info": json.loads(
+                path.read_text())}, to=peer)
+            return
+        js = self.jobs.get(job)
+        if js is None and read_result(self.run_dir, job) is None:
+            problem = f"no job {job!r}"
+        elif js is not None and js.state not in FINISHED:
+            problem = f"no trace for job {job!r} yet: it is {js.state}"
+        else:
+            problem = f"job {job!r} left no trace (it ended before its stages finished)"
+        await self.channel.reply_error(peer, problem, rid)
+
+    def _retire(self, js: JobState) -> None:
+        """A job has ended: its final status to disk, and old finished jobs out of memory.
+
+        Only the last ``jobs_kept`` finished jobs stay in memory (with their per-stage
+        progress, a job's status is kilobytes and a long-running head runs many); the
+        others are answered from ``result.json``.
+        """
+        try:
+            write_result(self.run_dir, js.id, js.info())
+        except OSError as exc:
+            self.log.warning("cannot write the job's result", job=js.id, error=str(exc))
+        js.stage_results.clear()  # on disk in stages.json; the largest part of a job
+        finished = [j for j in self.jobs.values() if j.state in FINISHED]
+        for old in finished[:max(0, len(finished) - self.cluster.runtime.jobs_kept)]:
+            if old is not self.current:
+                del self.jobs[old.id]
 
     async def _plan_request(self, peer: bytes, msg: Message) -> None:
         """Answer ``profile`` (the profiles of every type) or ``plan`` (the plan it would run)."""
@@ -350,7 +408,8 @@ class Head:
                 "vw": None if w is None else w.vw, "stage": None if w is None else w.stage,
                 "seen_s_ago": None if w is None else now - w.last_seen,
             })
-        jobs = [js.info() for js in self.jobs.values()]
+        jobs = [js.summary() if js.state in FINISHED else js.info()
+                for js in self.jobs.values()]
         return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
                 "jobs": jobs, "current": self.current.id if self.current else None}
 
@@ -389,6 +448,7 @@ class Head:
             finally:
                 js.finished = js.finished or time.time()
                 self.current = None
+                self._retire(js)
 
     async def _run_job(self, js: JobState) -> None:
         loop = asyncio.get_running_loop()
@@ -422,6 +482,9 @@ class Head:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
             return
+        if js.cancelled:  # cancelled while it was being planned
+            js.state, js.error = "cancelled", "cancelled by the user"
+            return
         try:
             js.state = "running"
             js.started = time.time()
@@ -443,7 +506,8 @@ class Head:
             log.info("job done", accuracy=js.result.get("test_accuracy"),
                      seconds=round(js.finished - js.started, 2))
         except _JobFailed as exc:
-            js.state, js.error, js.finished = "failed", str(exc), time.time()
+            js.state = "cancelled" if js.cancelled else "failed"
+            js.error, js.finished = str(exc), time.time()
             log.warning("job failed", error=str(exc))
             await self._abort(js, str(exc))
         finally:

@@ -392,7 +392,7 @@ def test_render_log_line() -> None:
 def test_help_lists_the_commands() -> None:
     result = invoke("--help")
     assert result.exit_code == 0
-    for name in ("up", "down", "status", "submit", "logs", "demo"):
+    for name in ("up", "down", "status", "submit", "logs", "demo", "cancel", "jobs", "trace"):
         assert f"  {name} " in result.stdout
 
 
