@@ -37,7 +37,8 @@ class HeadClient:
     async def __aenter__(self) -> HeadClient:
         self._owner = Owner()
         try:
-            sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address)
+            sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address,
+                               max_frame_bytes=1 << 30)
         except zmq.ZMQError as exc:
             await self._owner.close()
             raise HeadError(f"cannot connect to the head at {self.address!r}: {exc}") from None

@@ -48,6 +48,7 @@ MAX_HWM = 1 << 20  # ZeroMQ queues this many messages per peer at most (shards u
 MIN_HEARTBEAT_S = 0.05  # below this, heartbeats alone would keep every daemon busy
 MAX_DURATION_S = 86400.0
 MIN_LOG_BYTES = 64 << 10
+MIN_FRAME_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -343,8 +344,8 @@ def _runtime(root: Table) -> RuntimeSpec:
     if lost <= heartbeat:
         rt.fail("lost_after_s", f"must exceed heartbeat_s ({heartbeat}), got {lost}")
     frame = _size(rt, "max_frame_bytes", d.max_frame_bytes)
-    if frame < 4096:
-        rt.fail("max_frame_bytes", f"must be >= 4KiB (a message header), got {frame}")
+    if frame < MIN_FRAME_BYTES:  # also the limit on headers, which carry job specs and stats
+        rt.fail("max_frame_bytes", f"must be >= {format_size(MIN_FRAME_BYTES)}, got {frame}")
     hwm = rt.at_least("hwm", 1, d.hwm, high=MAX_HWM)  # bounded queues give back-pressure
     log_max = _size(rt, "log_max_bytes", d.log_max_bytes)
     if log_max < MIN_LOG_BYTES:

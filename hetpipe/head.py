@@ -542,7 +542,8 @@ class Head:
                 raise _JobFailed(f"shard {index} has not registered with the head: "
                                  f"is hetpipe-ps --shard {index} running?")
             sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
-                               hwm=self.cluster.runtime.hwm)
+                               hwm=self.cluster.runtime.hwm,
+                               max_frame_bytes=self.cluster.runtime.max_frame_bytes)
             ch = Channel(sock, None, name=f"to-shard{index}",
                          max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
             self.owner.channels.append(ch)

@@ -106,7 +106,8 @@ async def serve(
     log = logmod.get("ps").bind(shard=index)
     try:
         sock = make_socket(owner.ctx, zmq.ROUTER, bind=tcp(spec.host, spec.port),
-                           hwm=cluster.runtime.hwm * 16, router_mandatory=True)
+                           hwm=cluster.runtime.hwm * 16, router_mandatory=True,
+                           max_frame_bytes=cluster.runtime.max_frame_bytes)
         address = bound_address(sock)
         server = ShardServer(index)
         head_obj: Any = None
@@ -146,7 +147,8 @@ async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: s
                     head: str | None) -> None:
     """Tell the head where this shard listens, again every few seconds (the head may restart)."""
     head_addr = head or cluster.head.address
-    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm)
+    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm,
+                       max_frame_bytes=cluster.runtime.max_frame_bytes)
     ch = owner.channel(Channel(sock, None, name="head",
                                max_frame_bytes=cluster.runtime.max_frame_bytes))
     while True:

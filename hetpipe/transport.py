@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from hetpipe import log as logmod
+from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.wire import (
     ZERO_COPY_MIN_BYTES,
     Kind,
@@ -62,13 +63,23 @@ def make_socket(
     hwm: int = 64,
     linger_ms: int = 0,
     router_mandatory: bool = False,
+    max_frame_bytes: int | None = None,
 ) -> zmq.asyncio.Socket:
-    """Create a socket with every option that matters set before it binds or connects."""
+    """Create a socket with every option that matters set before it binds or connects.
+
+    ``max_frame_bytes`` becomes ZeroMQ's ``MAXMSGSIZE`` (checked per frame): a peer that
+    sends a larger frame is disconnected as soon as the frame's length is read, before its
+    bytes are buffered, so an oversize frame costs no memory (the wire's own check comes
+    after the whole frame arrived). The limit covers headers too (the cluster file's
+    ``max_frame_bytes`` is at least 1 MiB, far above any header).
+    """
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        if max_frame_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         sock.copy_threshold = ZERO_COPY_MIN_BYTES
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
@@ -120,6 +131,7 @@ class Channel:
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._log = logmod.get(name)
+        self._bad = Throttle(self._log)  # malformed messages: once per peer per interval
         self.closed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -165,12 +177,19 @@ class Channel:
 
     async def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send already-encoded frames (zero-copy when any frame is large)."""
+        flags = 0
         if self._routed:
             if to is None:
                 raise ValueError(f"{self.name}: a ROUTER send needs a peer identity")
             frames = [to, *frames]
+            # A peer that does not read its replies fills its queue (HWM messages); waiting
+            # for it would stall this socket's only reader, and with it every other peer.
+            flags = zmq.NOBLOCK
         try:
-            await self.sock.send_multipart(frames, copy=not _large(frames))
+            await self.sock.send_multipart(frames, flags=flags, copy=not _large(frames))
+        except zmq.Again as exc:
+            raise ConnectionError(f"{self.name}: peer {to!r} does not read (its queue is "
+                                  f"full); message dropped") from exc
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"{self.name}: peer {to!r} is not connected") from exc
@@ -224,7 +243,7 @@ class Channel:
         if self.sock.type in (zmq.PULL, zmq.PUSH):
             return
         with contextlib.suppress(ConnectionError, zmq.ZMQError):
-            await self.send_frames(error_frames(message, rid), to=to)
+            await self.send_frames(error_frames(excerpt(message, 1000), rid), to=to)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -249,7 +268,7 @@ class Channel:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            self._log.warning("bad message dropped", peer=_peer(ident), error=str(exc))
+            self._bad.warning("bad message dropped", str(_peer(ident)), str(exc))
             await self.reply_error(ident, f"bad message: {exc}")
             return
         rid = msg.fields.get("rid")
@@ -266,8 +285,12 @@ class Channel:
             return
         try:
             await self._handler(ident, msg)
+        except ConnectionError as exc:  # a peer gone or not reading: its loss, not a bug
+            self._bad.warning("reply undeliverable", str(_peer(ident)), str(exc),
+                              kind=str(msg.kind))
         except Exception as exc:  # a handler bug must not kill the reader
-            self._log.exception("handler failed", kind=str(msg.kind))
+            self._bad.warning("handler failed", str(_peer(ident)), f"{type(exc).__name__}: "
+                              f"{exc}", kind=str(msg.kind), exc_info=True)
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 

@@ -86,13 +86,14 @@ class Worker:
     async def start(self) -> None:
         rt = self.cluster.runtime
         data = make_socket(self.owner.ctx, zmq.PULL,
-                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm)
+                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
+                           max_frame_bytes=rt.max_frame_bytes)
         self.address = bound_address(data)
         self.owner.channel(Channel(data, self._on_data, name="data",
                                    max_frame_bytes=rt.max_frame_bytes))
         ident = f"{self.device.name}:{os.getpid()}".encode()
         sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
-                           identity=ident, hwm=rt.hwm)
+                           identity=ident, hwm=rt.hwm, max_frame_bytes=rt.max_frame_bytes)
         self.head = self.owner.channel(Channel(sock, self._on_head, name="head",
                                                max_frame_bytes=rt.max_frame_bytes))
         self.owner.spawn(self._heartbeat(), "heartbeat")
@@ -161,11 +162,13 @@ class Worker:
             rt = self.cluster.runtime
             for address in (task.prev, task.next):
                 if address is not None:
-                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm)
+                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
+                                       max_frame_bytes=rt.max_frame_bytes)
                     job.channels.append(Channel(sock, None, name=f"to:{address}",
                                                 max_frame_bytes=rt.max_frame_bytes))
             for index, address in task.shards.items():
-                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm)
+                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm,
+                                   max_frame_bytes=rt.max_frame_bytes)
                 ch = Channel(sock, None, name=f"shard{index}",
                              max_frame_bytes=rt.max_frame_bytes).start()
                 job.channels.append(ch)

@@ -313,7 +313,7 @@ CASES = [
     ("runtime-lost-huge", "", "[runtime]\nlost_after_s = 1e12\n", "runtime.lost_after_s",
      "must be <= 86400"),
     ("runtime-frame-tiny", "", "[runtime]\nmax_frame_bytes = 10\n", "runtime.max_frame_bytes",
-     "must be >= 4KiB"),
+     "must be >= 1.0MiB"),
     ("runtime-frame-huge", "", '[runtime]\nmax_frame_bytes = "99999TiB"\n',
      "runtime.max_frame_bytes", "too large"),
     ("runtime-int-64", "", "[runtime]\nhwm = 99999999999999999999\n", "runtime.hwm",
