@@ -164,8 +164,11 @@ async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: s
 @click.option("--ready-file", default=None, help="Write the bound address here when ready.")
 @click.option("--run-dir", default=None, help="Where the head writes job outputs.")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
+              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
 def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None,
-         run_dir: str | None, log_level: str) -> None:
+         run_dir: str | None, log_level: str,
+         log_file: str | None) -> None:
     """Run one parameter-server shard (shard 0 is also the head)."""
     logmod.configure(f"ps{shard}", level=log_level)
     # one intra-op thread: shard updates are memory-bound, and idle OpenMP threads spinning
@@ -175,6 +178,10 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if log_file is not None:
+        rt = cluster.runtime
+        logmod.rotate_to(f"ps{shard}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
+                         keep=rt.log_keep)
     if head is not None:
         try:
             head = check_address(head)

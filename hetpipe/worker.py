@@ -312,8 +312,11 @@ async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None 
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (emulated devices share the host's cores).")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
+              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
 def main(cluster_path: str, device: str, head: str | None, ready_file: str | None,
-         threads: int, log_level: str) -> None:
+         threads: int, log_level: str,
+         log_file: str | None) -> None:
     """Run one worker daemon for one device of the cluster."""
     logmod.configure(f"worker:{device}", level=log_level)
     try:
@@ -321,6 +324,10 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         spec = cluster.device(device)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if log_file is not None:
+        rt = cluster.runtime
+        logmod.rotate_to(f"worker:{device}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
+                         keep=rt.log_keep)
     if head is not None:
         try:
             head = check_address(head)
