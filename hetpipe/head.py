@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig
+from hetpipe.config import ClusterConfig, ConfigError, check_address
 from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
@@ -37,6 +37,7 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
+from hetpipe.ratelog import Throttle
 from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
@@ -169,6 +170,7 @@ class Head:
         self.profiles = ProfileStore(self.run_dir / "profiles.json")
         self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
+        self._refused = Throttle(self.log)  # refused registrations, once per peer a while
 
     async def start(self, channel: Channel) -> None:
         self.channel = channel
@@ -186,7 +188,11 @@ class Head:
         assert self.channel is not None and peer is not None
         k = msg.kind
         if k == Kind.HELLO:
-            self._hello(peer, msg)
+            problem = self._hello(peer, msg)
+            if problem is not None:
+                self._refused.warning("registration refused", _who(peer), problem)
+                await self.channel.reply_error(peer, problem)
+                return
             await self.channel.send(Kind.WELCOME, {
                 "heartbeat_s": self.cluster.runtime.heartbeat_s,
                 "lost_after_s": self.cluster.runtime.lost_after_s}, to=peer)
@@ -199,6 +205,11 @@ class Head:
             w.last_seen = time.monotonic()
             w.state = msg["state"]
         elif k == Kind.SHARD_HELLO:
+            problem = self._shard_problem(msg)
+            if problem is not None:
+                self._refused.warning("registration refused", _who(peer), problem)
+                await self.channel.reply_error(peer, problem)
+                return
             if self.shards.get(msg["shard"]) != msg["address"]:
                 self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
                 old = self.shard_channels.pop(msg["shard"], None)
@@ -344,13 +355,36 @@ class Head:
                 raise _JobFailed("no live worker: start them (`hetpipe up`)")
             return self.profiles.model_profile(key, spec.minibatch, types)
 
-    def _hello(self, peer: bytes, msg: Message) -> None:
+    def _shard_problem(self, msg: Message) -> str | None:
+        """Why a ``shard_hello`` is refused, or None: only the cluster file's shards register.
+
+        The head is shard 0 itself; an index outside the file (or a malformed address) once
+        took the place of a real shard and broke every later job that placed state there.
+        """
+        index, n = msg["shard"], len(self.cluster.ps)
+        if not 1 <= index < n:
+            return (f"shard_hello refused: shard {index} is not a shard of "
+                    f"{self.cluster.path} (1..{n - 1} register; 0 is this head)")
+        try:
+            check_address(msg["address"])
+        except ValueError as exc:
+            return f"shard_hello refused: shard {index}: {exc}"
+        return None
+
+    def _hello(self, peer: bytes, msg: Message) -> str | None:
+        """Register a worker; the reason it is refused, or None."""
         device = msg["device"]
         try:
             spec = self.cluster.device(device)
-        except Exception:
-            self.log.warning("hello from a device not in the cluster", device=device)
-            return
+        except ConfigError:
+            return f"hello refused: {device!r} is not a device of {self.cluster.path}"
+        if msg["type"] != spec.type:
+            return (f"hello refused: {device} is of type {spec.type!r} in "
+                    f"{self.cluster.path}, the worker says {msg['type']!r}")
+        try:
+            check_address(msg["address"])
+        except ValueError as exc:
+            return f"hello refused: {device}: {exc}"
         old = self.workers.get(device)
         if old is not None and old.job is not None and old.ident != peer:
             js = self.jobs.get(old.job)
@@ -361,6 +395,7 @@ class Head:
             host=msg["host"], type=spec.type, last_seen=time.monotonic())
         self.log.info("worker registered", device=device, address=msg["address"],
                       pid=msg["pid"])
+        return None
 
     def _stage_message(self, msg: Message) -> None:
         js = self.jobs.get(msg["job"])
@@ -727,6 +762,10 @@ def _stage_time(progress: dict[str, Any]) -> float | None:
     if not done:
         return None
     return (progress.get("forward_s", 0.0) + progress.get("backward_s", 0.0)) / done
+
+
+def _who(peer: bytes) -> str:
+    return peer.decode("utf-8", "replace")
 
 
 class _JobFailed(Exception):
