@@ -533,13 +533,24 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).")
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
+@click.option("--minibatches", "mb_range", default=None, metavar="A:B",
+              help="Gantt window: minibatches A to B-1 (default: three steady-state waves).")
+@click.option("--seconds", "s_range", default=None, metavar="A:B",
+              help="Gantt window: seconds A to B since the job's first event.")
 @click.pass_obj
-def trace(obj: Ctx, job: str, output: str, png: str | None) -> None:
+def trace(obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None,
+          s_range: str | None) -> None:
     """Write a finished job's timeline: one track per device.
 
     Read from the job's directory when it is on this host (no head needed), else asked of
     the head.
     """
+    if mb_range and s_range:
+        raise click.UsageError("give --minibatches or --seconds, not both")
+    minibatches = _range(mb_range, "--minibatches", int)
+    seconds = _range(s_range, "--seconds", float)
+    if png is None and (minibatches or seconds):
+        raise click.UsageError("--minibatches and --seconds choose the window of --png")
     d = jobstore.job_dir(obj.run_dir, job)
     local = d / jobstore.TRACE if d is not None else None
     if local is not None and local.exists():
@@ -560,13 +571,29 @@ def trace(obj: Ctx, job: str, output: str, png: str | None) -> None:
     n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
     click.echo(f"trace: {n} events of job {job} (from {source}) -> {output}")
     if png:
-        from hetpipe.trace import gantt_png
+        from hetpipe.gantt import gantt_png
 
         try:
-            gantt_png(data, png)
-        except RuntimeError as exc:
+            win = gantt_png(data, png, minibatches=minibatches, seconds=seconds)
+        except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
-        click.echo(f"gantt chart -> {png}")
+        click.echo(f"gantt chart of {win.label} -> {png}")
+
+
+def _range(text: str | None, option: str, kind: type) -> Any:
+    """``"A:B"`` as a pair of ``kind`` with A < B; a UsageError naming the option otherwise."""
+    if text is None:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo, hi = kind(a), kind(b)
+    except ValueError:
+        raise click.BadParameter(f"expected A:B, got {text!r}", param_hint=option) from None
+    if not lo < hi or lo < 0:
+        raise click.BadParameter(f"expected 0 <= A < B, got {text!r}", param_hint=option)
+    return lo, hi
 
 
 # -- demo ---------------------------------------------------------------------------------

@@ -482,3 +482,32 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
             if not _gone(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--png", "g.png", "--minibatches", "3"], "expected A:B, got '3'"),
+        (["--png", "g.png", "--seconds", "5:1"], "expected 0 <= A < B, got '5:1'"),
+        (["--png", "g.png", "--minibatches", "0:4", "--seconds", "0:1"], "not both"),
+        (["--minibatches", "0:4"], "choose the window of --png"),
+    ],
+    ids=["not-a-range", "backwards", "both", "without-png"],
+)
+def test_trace_window_options_are_usage_errors(tmp_path: Path, args: list[str],
+                                               problem: str) -> None:
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "trace", "j-1",
+                    "-o", str(tmp_path / "t.json"), *args)
+    assert result.exit_code == 2, result.output
+    assert problem in result.stderr
+
+
+def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "QUICK_S", 0.2)
+    head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--run-dir",
+                    str(tmp_path / "run"), "--head", head, "trace", "nosuch-1", "-o",
+                    str(tmp_path / "t.json"))
+    assert result.exit_code == 1
+    assert "did not answer" in result.stderr
