@@ -41,6 +41,11 @@ class Throttle:
         self._window = (clock(), 0)  # (start, lines written in it)
         self.held_back = 0  # lines not written because of the overall budget
 
+    def count(self, key: str) -> int:
+        """Occurrences of ``key`` held back in its current interval (0 if none)."""
+        entry = self._keys.get(key)
+        return 0 if entry is None else int(entry[1])
+
     def warning(self, event: str, key: str, error: str, **fields: Any) -> bool:
         """Log ``event`` for ``key`` unless it was logged within the interval; True if logged."""
         now = self.clock()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -132,6 +133,7 @@ class Channel:
         self._task: asyncio.Task[None] | None = None
         self._log = logmod.get(name)
         self._bad = Throttle(self._log)  # malformed messages: once per peer per interval
+        self._flood = [time.monotonic(), 0]  # [window start, bad messages in it]
         self.closed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -263,13 +265,35 @@ class Channel:
                 ident = frames[0].bytes
                 frames = frames[1:]
             await self._dispatch(ident, frames)
+            # A recv that finds a message waiting completes without suspending, so under a
+            # flood this loop would never give the event loop back: heartbeats, job starts
+            # and the other sockets' readers would starve. Yield once per message.
+            await asyncio.sleep(0)
+
+    async def _slow_down_under_flood(self) -> None:
+        """Past ``FLOOD_PER_S`` bad messages a second, pause after each one.
+
+        Reading garbage as fast as it comes would take the process's CPU (and the GIL)
+        from its own work: a worker's compute thread, the head's job start. Pausing lets
+        ZeroMQ's queues fill, so the flooding sender is held back by the high-water mark
+        while well-formed messages from other peers (fair-queued by ZeroMQ) still pass,
+        each behind at most one bad message per flooding peer.
+        """
+        now = time.monotonic()
+        if now - self._flood[0] >= 1.0:
+            self._flood = [now, 0]
+        self._flood[1] += 1
+        if self._flood[1] > FLOOD_PER_S:
+            await asyncio.sleep(1.0 / FLOOD_PER_S)
 
     async def _dispatch(self, ident: bytes | None, frames: list[Any]) -> None:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            self._bad.warning("bad message dropped", str(_peer(ident)), str(exc))
-            await self.reply_error(ident, f"bad message: {exc}")
+            if self._bad.warning("bad message dropped", str(_peer(ident)), str(exc)) or \
+                    self._bad.count(str(_peer(ident))) < MAX_ERROR_REPLIES:
+                await self.reply_error(ident, f"bad message: {exc}")
+            await self._slow_down_under_flood()
             return
         rid = msg.fields.get("rid")
         if isinstance(rid, int) and msg.kind in _REPLY_KINDS and rid in self._pending:
@@ -294,6 +318,8 @@ class Channel:
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 
+FLOOD_PER_S = 1000  # bad messages a second read at full speed; beyond, each costs a pause
+MAX_ERROR_REPLIES = 100  # per peer and log interval; beyond, a flooding peer gets no answers
 _REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED})
 
 
