@@ -188,9 +188,9 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         except ValueError as exc:
             raise click.ClickException(f"--head: {exc}") from None
     if not 0 <= shard < len(cluster.ps):
-        raise click.BadParameter(
-            f"{cluster_path} has {len(cluster.ps)} shards (0..{len(cluster.ps) - 1})",
-            param_hint="--shard")
+        raise click.ClickException(
+            f"--shard {shard}: {cluster_path} has {len(cluster.ps)} shards "
+            f"(0..{len(cluster.ps) - 1})")
     try:
         asyncio.run(serve(cluster, shard, head=head, ready_file=ready_file, run_dir=run_dir))
     except zmq.ZMQError as exc:

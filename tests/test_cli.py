@@ -212,8 +212,10 @@ def test_bad_head_address_is_one_line(tmp_path: Path, head: str) -> None:
          "--head: 'not-a-url' is not an address"),
         (["hetpipe.worker", "--device", "gpu0", "--head", "tcp://x"], ("", ""),
          "--head: 'tcp://x' is not an address"),
+        (["hetpipe.ps", "--shard", "7"], ("", ""), "--shard 7: "),
+        (["hetpipe.worker", "--device", "gpu9"], ("", ""), "device: unknown device 'gpu9'"),
     ],
-    ids=["ps-hwm", "worker-host", "ps-head", "worker-head"],
+    ids=["ps-hwm", "worker-host", "ps-head", "worker-head", "ps-shard", "worker-device"],
 )
 def test_daemon_config_errors_are_one_line(tmp_path: Path, argv: list[str],
                                            edit: tuple[str, str], expected: str) -> None:
