@@ -306,6 +306,8 @@ class Head:
         assert self.channel is not None
         try:
             spec = JobSpec.from_dict(msg["job"], source="job")
+            await asyncio.get_running_loop().run_in_executor(
+                None, check_job, spec, self.cluster, "job")
             profile = await self._profile(spec)
             info: dict[str, Any] = {"profile": profile.to_dict()}
             if msg.kind == Kind.PLAN:
