@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from conftest import edited, one_line_error
 
 from hetpipe.config import load_cluster
 from hetpipe.job import JobError, load_job
-from hetpipe.jobcheck import check_job
+from hetpipe.jobcheck import JobFacts, check_job
 from hetpipe.localcluster import DeviceDef, cluster_toml
 
 JOB = """\
@@ -29,7 +30,7 @@ layers = [3, 3]
 
 
 @pytest.fixture
-def check(tmp_path: Path):  # type: ignore[no-untyped-def]
+def check(tmp_path: Path) -> Callable[[Path], JobFacts]:
     """``check(path)``: load the job file and check it against a two-device cluster."""
     cpath = tmp_path / "cluster.toml"
     cpath.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1"))))
@@ -63,8 +64,8 @@ CASES = [
 
 @pytest.mark.parametrize(("old", "new", "key", "problem"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_rejects(tmp_path: Path, check, old: str, new: str, key: str,  # type: ignore[no-untyped-def]
-                 problem: str) -> None:
+def test_rejects(tmp_path: Path, check: Callable[[Path], JobFacts], old: str, new: str,
+                 key: str, problem: str) -> None:
     text = edited(JOB, old, new)
     if key == "train.vws":
         text = text.replace("minibatches = 10", "minibatches = 10\nvws = 3")
@@ -84,7 +85,7 @@ def test_more_stages_than_layers(tmp_path: Path) -> None:
                    "vw[0].devices", "7 stages for a model of 6 layers")
 
 
-def test_a_good_job_passes(tmp_path: Path, check) -> None:  # type: ignore[no-untyped-def]
+def test_a_good_job_passes(tmp_path: Path, check: Callable[[Path], JobFacts]) -> None:
     path = tmp_path / "job.toml"
     path.write_text(JOB)
     facts = check(path)
