@@ -85,3 +85,40 @@ def test_flooded_head_starts_and_flooded_worker_finishes_a_job(cluster: LocalClu
     assert info["state"] == "done", info.get("error")
     assert started < 5.0, started
     assert all(cluster.alive(n) for n in cluster.procs)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_a_client_that_never_reads_its_replies_costs_the_head_little(
+        cluster: LocalCluster) -> None:
+    import zmq
+
+    from hetpipe.wire import Kind, encode
+
+    head_pid = cluster.procs["ps0"].pid
+    before = _rss_mb(head_pid)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 100)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.connect(cluster.head)
+    try:
+        for rid in range(20_000):
+            try:
+                sock.send_multipart(encode(Kind.CLUSTER_STATUS, {"rid": rid}))
+            except zmq.Again:
+                break
+        time.sleep(1.0)
+        growth = _rss_mb(head_pid) - before
+        assert growth < 50, growth
+        assert cluster.status()["workers"]  # the head still answers everyone else
+    finally:
+        sock.close(linger=0)
+        ctx.term()
