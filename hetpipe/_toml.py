@@ -23,6 +23,10 @@ __all__: list[str] = []
 MISSING: Final = object()
 """Default marking a key as required."""
 
+INT64_MIN: Final = -(1 << 63)
+INT64_MAX: Final = (1 << 63) - 1
+"""Integers must fit msgpack's signed 64 bits: every value read here may travel on the wire."""
+
 _AT = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
 
 
@@ -126,6 +130,8 @@ class Table:
         if not ok:
             article = "an" if want == "integer" else "a"
             self.fail(name, f"expected {article} {want}, got {kind(value)} {value!r}")
+        if want == "integer" and not INT64_MIN <= value <= INT64_MAX:
+            self.fail(name, f"integer {value} is out of range (must fit in 64 bits)")
         if want == "number":
             if not math.isfinite(value):
                 self.fail(name, f"expected a finite number, got {value!r}")
@@ -154,18 +160,34 @@ class Table:
         """A finite float; integers are accepted and converted."""
         return self._typed(name, default, "number")
 
-    def at_least(self, name: str, low: int, default: Any = MISSING) -> Any:
-        """An integer >= ``low``; ``None`` (absent, optional) passes."""
+    def at_least(
+        self, name: str, low: int, default: Any = MISSING, high: int | None = None
+    ) -> Any:
+        """An integer >= ``low`` (and <= ``high`` if given); ``None`` (absent) passes.
+
+        ``high`` is where a library or the runtime stops accepting the value (a ZeroMQ
+        option is a C int, a count travels as a 64-bit integer), so it is refused here,
+        with the key, rather than later inside a daemon.
+        """
         value = self.integer(name, default)
         if value is not None and value < low:
             self.fail(name, f"must be >= {low}, got {value}")
+        if value is not None and high is not None and value > high:
+            self.fail(name, f"must be <= {high}, got {value}")
         return value
 
-    def positive(self, name: str, default: Any = MISSING) -> Any:
-        """A finite number > 0; ``None`` (absent, optional) passes."""
+    def positive(
+        self, name: str, default: Any = MISSING, *, low: float | None = None,
+        high: float | None = None,
+    ) -> Any:
+        """A finite number > 0 (>= ``low``, <= ``high`` if given); ``None`` (absent) passes."""
         value = self.number(name, default)
         if value is not None and value <= 0:
             self.fail(name, f"must be > 0, got {value}")
+        if value is not None and low is not None and value < low:
+            self.fail(name, f"must be >= {low:g}, got {value:g}")
+        if value is not None and high is not None and value > high:
+            self.fail(name, f"must be <= {high:g}, got {value:g}")
         return value
 
     def flag(self, name: str, default: Any = MISSING) -> Any:

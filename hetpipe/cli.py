@@ -18,10 +18,11 @@ from typing import Any
 
 import click
 
-from hetpipe import launch
+from hetpipe import jobstore, launch
 from hetpipe.client import HeadClient, HeadError
-from hetpipe.config import ClusterConfig, ConfigError, format_size, load_cluster
-from hetpipe.job import JobError, load_job
+from hetpipe.config import ClusterConfig, ConfigError, check_address, format_size, load_cluster
+from hetpipe.job import JobError, JobSpec, load_job
+from hetpipe.jobcheck import check_job
 from hetpipe.wire import Kind
 
 __all__ = ["main"]
@@ -51,7 +52,12 @@ class Ctx:
 
     @property
     def head(self) -> str:
-        return self.head_opt or self.cluster.head.address
+        if self.head_opt is None:
+            return self.cluster.head.address
+        try:
+            return check_address(self.head_opt)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
 
 
 def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -77,11 +83,14 @@ def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[s
     return _run(go())
 
 
-def _load_job_or_fail(job_file: str) -> Any:
+def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
+    """The job file, checked on its own and against the cluster file before anything is sent."""
     try:
-        return load_job(job_file)
+        spec = load_job(job_file)
+        check_job(spec, obj.cluster, job_file)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
+    return spec
 
 
 def _run(coro: Any) -> Any:
@@ -162,11 +171,20 @@ def down(obj: Ctx) -> None:
 
 @main.command()
 @cluster_option
+@click.argument("job", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 @click.pass_obj
-def status(obj: Ctx, as_json: bool, watch: bool) -> None:
-    """Show each worker's device, type, state, job and stage, and the jobs."""
+def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
+    """Show each worker's device, type, state, job and stage, and the jobs; or one JOB."""
+    if job is not None:
+        info, source = job_status(obj, job)
+        if as_json:
+            click.echo(json.dumps({**info, "source": source}))
+            return
+        click.echo(render_result(info) if info["state"] == "done" else _job_line(info))
+        click.echo(f"(from {source})")
+        return
 
     async def once(client: HeadClient) -> None:
         info = await client.cluster()
@@ -228,6 +246,81 @@ def _job_line(j: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+# -- jobs: list, cancel, and finished jobs from their directories ---------------------------
+
+QUICK_S = 5.0  # how long a command that can also read the disk waits for the head
+
+
+def job_status(obj: Ctx, job: str) -> tuple[dict[str, Any], str]:
+    """A job's status and where it came from: the head, or the job's directory.
+
+    A finished job's directory answers when the head is down, restarted or has forgotten
+    the job; the head answers for queued and running jobs.
+    """
+    try:
+        info = _ask(obj, Kind.JOB_STATUS, {"job": job}, timeout=QUICK_S)
+        source = info.pop("source", "head")
+        if source == "disk":  # the head had forgotten it and read its run directory
+            return info, f"jobs/{job}/{jobstore.RESULT} via the head at {obj.head}"
+        return info, f"the head at {obj.head}"
+    except click.ClickException as exc:
+        unreachable = "did not answer" in exc.message or "cannot connect" in exc.message
+        if not unreachable and "no job " not in exc.message:
+            raise
+        head_problem = exc.message
+    info = jobstore.read_result(obj.run_dir, job)
+    if info is None:
+        if "no job " in head_problem:
+            raise click.ClickException(f"no job {job!r}")
+        raise click.ClickException(f"no job {job!r} in {obj.run_dir / 'jobs'}, and {head_problem}")
+    d = jobstore.job_dir(obj.run_dir, job)
+    return info, str(d / jobstore.RESULT) if d else str(obj.run_dir)
+
+
+@main.command()
+@cluster_option
+@click.argument("job")
+@click.pass_obj
+def cancel(obj: Ctx, job: str) -> None:
+    """Cancel a queued or running job (its stages stop, its workers become idle)."""
+    info = _ask(obj, Kind.CANCEL, {"job": job}, timeout=QUICK_S * 2)
+    state = info.get("state")
+    click.echo(f"cancel: {job} cancelled" if state == "cancelled"
+               else f"cancel: {job} is stopping (was {state})")
+
+
+@main.command()
+@cluster_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
+@click.pass_obj
+def jobs(obj: Ctx, as_json: bool) -> None:
+    """List the jobs: the head's (queued, running, recent) and finished ones on disk."""
+    rows: dict[str, dict[str, Any]] = {}
+    note = ""
+    for info in jobstore.list_jobs(obj.run_dir):
+        rows[info["id"]] = {**_brief(info), "source": "disk"}
+    try:
+        for info in _ask(obj, Kind.CLUSTER_STATUS, {}, timeout=QUICK_S).get("jobs", []):
+            rows[info["id"]] = {**_brief(info), "source": "head"}
+    except click.ClickException as exc:
+        note = f"(head not reachable: {exc.message}; finished jobs from {obj.run_dir / 'jobs'})"
+    if note:
+        click.echo(note, err=True)
+    if as_json:
+        click.echo(json.dumps(list(rows.values())))
+        return
+    if not rows:
+        click.echo(f"no jobs (head and {obj.run_dir / 'jobs'})")
+    for info in rows.values():
+        click.echo(f"{_job_line(info)}  [{info['source']}]")
+
+
+def _brief(info: dict[str, Any]) -> dict[str, Any]:
+    keys = ("id", "name", "state", "error", "seconds", "total", "minibatches", "loss",
+            "samples_per_s", "test_accuracy")
+    return {k: info[k] for k in keys if info.get(k) is not None}
+
+
 # -- submit ---------------------------------------------------------------------------------
 
 
@@ -241,7 +334,7 @@ def _job_line(j: dict[str, Any]) -> str:
 @click.pass_obj
 def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
     """Send a job to the head; --wait follows it."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
                                   as_json=as_json, timeout=timeout))
     if info is not None and info["state"] != "done":
@@ -397,7 +490,7 @@ def _ms(seconds: float | None) -> str:
 @click.pass_obj
 def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Measure every layer on one worker of each device type (stored and reused)."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     prof = _ask(obj, Kind.PROFILE, {"job": spec.to_dict()}, timeout=900)["profile"]
     if as_json:
         click.echo(json.dumps(prof))
@@ -429,7 +522,7 @@ def render_profile(prof: dict[str, Any]) -> str:
 @click.pass_obj
 def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
     """Show the plan the head would run: VWs, stages, predicted times, memory, Nm."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     info = _ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
 
@@ -440,21 +533,67 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).")
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
+@click.option("--minibatches", "mb_range", default=None, metavar="A:B",
+              help="Gantt window: minibatches A to B-1 (default: three steady-state waves).")
+@click.option("--seconds", "s_range", default=None, metavar="A:B",
+              help="Gantt window: seconds A to B since the job's first event.")
 @click.pass_obj
-def trace(obj: Ctx, job: str, output: str, png: str | None) -> None:
-    """Write a finished job's timeline: one track per device."""
-    data = _ask(obj, Kind.TRACE, {"job": job}, timeout=60)
+def trace(obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None,
+          s_range: str | None) -> None:
+    """Write a finished job's timeline: one track per device.
+
+    Read from the job's directory when it is on this host (no head needed), else asked of
+    the head.
+    """
+    if mb_range and s_range:
+        raise click.UsageError("give --minibatches or --seconds, not both")
+    minibatches = _range(mb_range, "--minibatches", int)
+    seconds = _range(s_range, "--seconds", float)
+    if png is None and (minibatches or seconds):
+        raise click.UsageError("--minibatches and --seconds choose the window of --png")
+    d = jobstore.job_dir(obj.run_dir, job)
+    local = d / jobstore.TRACE if d is not None else None
+    if local is not None and local.exists():
+        try:
+            data = json.loads(local.read_text())
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"{local}: cannot read the trace: {exc}") from None
+        source = str(local)
+    else:
+        try:
+            data = _ask(obj, Kind.TRACE, {"job": job}, timeout=QUICK_S * 6)
+        except click.ClickException as exc:
+            if "no job " in exc.message:
+                raise click.ClickException(f"no job {job!r}") from None
+            raise
+        source = f"the head at {obj.head}"
     Path(output).write_text(json.dumps(data))
     n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
-    click.echo(f"trace: {n} events of job {job} -> {output}")
+    click.echo(f"trace: {n} events of job {job} (from {source}) -> {output}")
     if png:
-        from hetpipe.trace import gantt_png
+        from hetpipe.gantt import gantt_png
 
         try:
-            gantt_png(data, png)
-        except RuntimeError as exc:
+            win = gantt_png(data, png, minibatches=minibatches, seconds=seconds)
+        except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
-        click.echo(f"gantt chart -> {png}")
+        click.echo(f"gantt chart of {win.label} -> {png}")
+
+
+def _range(text: str | None, option: str, kind: type) -> Any:
+    """``"A:B"`` as a pair of ``kind`` with A < B; a UsageError naming the option otherwise."""
+    if text is None:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo, hi = kind(a), kind(b)
+    except ValueError:
+        raise click.BadParameter(f"expected A:B, got {text!r}", param_hint=option) from None
+    if not lo < hi or lo < 0:
+        raise click.BadParameter(f"expected 0 <= A < B, got {text!r}", param_hint=option)
+    return lo, hi
 
 
 # -- demo ---------------------------------------------------------------------------------
@@ -471,7 +610,7 @@ DEMO_JOB = Path(__file__).with_name("demo.toml")
 @click.pass_obj
 def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     """Start the cluster, train the demo job under WSP, show the result, stop the cluster."""
-    spec = _load_job_or_fail(job_file)
+    spec = _load_job_or_fail(obj, job_file)
     cluster = obj.cluster
     started = not launch.running(obj.run_dir)
     if started:

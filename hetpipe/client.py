@@ -36,7 +36,12 @@ class HeadClient:
 
     async def __aenter__(self) -> HeadClient:
         self._owner = Owner()
-        sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address)
+        try:
+            sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address,
+                               max_frame_bytes=1 << 30)
+        except zmq.ZMQError as exc:
+            await self._owner.close()
+            raise HeadError(f"cannot connect to the head at {self.address!r}: {exc}") from None
         self._ch = self._owner.channel(Channel(sock, None, name="head",
                                                max_frame_bytes=1 << 30))
         return self

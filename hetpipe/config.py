@@ -7,6 +7,7 @@ consumer (planner, daemons, CLI) can trust it. Every rejection is ONE line
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -24,6 +25,7 @@ __all__ = [
     "NodeSpec",
     "RuntimeSpec",
     "ShardSpec",
+    "check_address",
     "format_size",
     "load_cluster",
     "parse_size",
@@ -37,6 +39,16 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _DEVICE = re.compile(r"cpu|cuda:\d+")
 _ADDRESS = re.compile(r"(\[[^\]]+\]|[^:\[\]\s]+):(\d+)")
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_HOST_PORT = re.compile(r"[^:\s]+:\d*")
+_TCP = re.compile(r"tcp://(\[[^\]]+\]|[^:/\[\]\s]+):(\d+)")
+
+MAX_SIZE = 1 << 50  # 1 PiB: beyond any device or frame, and far inside a 64-bit integer
+MAX_HWM = 1 << 20  # ZeroMQ queues this many messages per peer at most (shards use 16x)
+MIN_HEARTBEAT_S = 0.05  # below this, heartbeats alone would keep every daemon busy
+MAX_DURATION_S = 86400.0
+MIN_LOG_BYTES = 64 << 10
+MIN_FRAME_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -58,6 +70,38 @@ def parse_size(text: str | int) -> int:
     if m is None or m[2].lower() not in _UNITS:
         raise ValueError(f"cannot parse size {text!r} (use e.g. 512MiB, 2GiB)")
     return int((Decimal(m[1]) * _UNITS[m[2].lower()]).to_integral_value())
+
+
+def check_host(text: str) -> str | None:
+    """The problem with a host name or IP address, or None: a host carries no port."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    if _HOST_PORT.fullmatch(text):
+        return (f"{text!r} has a port; give the host alone (ports are set per shard "
+                f"and per device)")
+    if len(text) > 253 or not _HOSTNAME.fullmatch(text):
+        return f"{text!r} is not a host name or IP address"
+    return None
+
+
+def check_address(text: str) -> str:
+    """A daemon address ``tcp://host:port`` (port 1-65535); ValueError says what is wrong.
+
+    Checked before any socket is made: ZeroMQ's own answer to a bad endpoint is a bare
+    "Invalid argument" from deep inside a connect.
+    """
+    m = _TCP.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"{text!r} is not an address tcp://host:port")
+    problem = check_host(m[1])
+    if problem is not None:
+        raise ValueError(problem)
+    if not 1 <= int(m[2]) <= 65535:
+        raise ValueError(f"{text!r}: port {int(m[2])} out of range (1-65535)")
+    return text.strip()
 
 
 def format_size(n: int) -> str:
@@ -140,6 +184,9 @@ class RuntimeSpec:
     max_frame_bytes: int = GiB
     hwm: int = 64
     run_dir: str = ".hetpipe"
+    log_max_bytes: int = 16 << 20  # a daemon's log rotates past this size
+    log_keep: int = 3  # rotated logs kept (name.log.1 .. name.log.N)
+    jobs_kept: int = 20  # finished jobs the head keeps in memory; older ones live on disk
 
 
 @dataclass(frozen=True)
@@ -205,6 +252,9 @@ def _shards(ps: Table, ports: dict) -> tuple[ShardSpec, ...]:
                 f"shards[{i}]", f"malformed address {text!r} (use host:port, e.g. 127.0.0.1:7100)"
             )
         host, port = m[1].strip("[]"), int(m[2])
+        problem = check_host(host)
+        if problem is not None:
+            ps.fail(f"shards[{i}]", problem)
         _claim(ps, f"shards[{i}]", host, port, f"ps shard {i}", ports)
         shards.append(ShardSpec(i, host, port))
     return tuple(shards)
@@ -228,6 +278,9 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
     nodes = []
     for nt in root.tables("node", node_keys):
         node, host = _name(nt, "name", "node", node_names), nt.text("host")
+        problem = check_host(host)
+        if problem is not None:
+            nt.fail("host", problem)
         devices = []
         for dt in nt.tables("device", device_keys):
             name = _name(dt, "name", "device", device_names)
@@ -240,7 +293,7 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
             memory = _size(dt, "memory")
             if memory <= 0:
                 dt.fail("memory", f"must be > 0, got {dt.raw('memory')!r}")
-            speed = dt.positive("speed", 1.0)
+            speed = dt.positive("speed", 1.0, low=0.001)
             port = dt.integer("port", 0)
             _claim(dt, "port", host, port, f"device {name}", ports)
             devices.append(DeviceSpec(name, device, kind, memory, speed, port, node, host))
@@ -255,9 +308,12 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
 def _size(t: Table, key: str, default: object = MISSING) -> int:
     value = t.raw(key, default)
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as e:
         t.fail(key, str(e))
+    if size > MAX_SIZE:
+        t.fail(key, f"{value!r} is too large (at most {format_size(MAX_SIZE)})")
+    return size
 
 
 def _network(root: Table, devices: set[str]) -> NetworkSpec:
@@ -279,13 +335,23 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
-    rt = root.table("runtime", ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir"))
-    heartbeat = rt.positive("heartbeat_s", d.heartbeat_s)
-    lost = rt.positive("lost_after_s", d.lost_after_s)
+    keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
+            "log_max_bytes", "log_keep", "jobs_kept")
+    rt = root.table("runtime", keys)
+    heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
+                            high=MAX_DURATION_S)
+    lost = rt.positive("lost_after_s", d.lost_after_s, high=MAX_DURATION_S)
     if lost <= heartbeat:
         rt.fail("lost_after_s", f"must exceed heartbeat_s ({heartbeat}), got {lost}")
     frame = _size(rt, "max_frame_bytes", d.max_frame_bytes)
-    if frame <= 0:
-        rt.fail("max_frame_bytes", f"must be > 0, got {frame}")
-    hwm = rt.at_least("hwm", 1, d.hwm)  # bounded queues give back-pressure
-    return RuntimeSpec(heartbeat, lost, frame, hwm, rt.text("run_dir", d.run_dir))
+    if frame < MIN_FRAME_BYTES:  # also the limit on headers, which carry job specs and stats
+        rt.fail("max_frame_bytes", f"must be >= {format_size(MIN_FRAME_BYTES)}, got {frame}")
+    hwm = rt.at_least("hwm", 1, d.hwm, high=MAX_HWM)  # bounded queues give back-pressure
+    log_max = _size(rt, "log_max_bytes", d.log_max_bytes)
+    if log_max < MIN_LOG_BYTES:
+        rt.fail("log_max_bytes", f"must be >= {format_size(MIN_LOG_BYTES)}, got {log_max}")
+    return RuntimeSpec(
+        heartbeat, lost, frame, hwm, rt.text("run_dir", d.run_dir), log_max,
+        rt.at_least("log_keep", 0, d.log_keep, high=100),
+        rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
+    )

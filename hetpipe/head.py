@@ -22,10 +22,12 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig
+from hetpipe.config import ClusterConfig, ConfigError, check_address
 from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
+from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_result
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
 from hetpipe.profiling import (
     layers_from,
@@ -35,6 +37,7 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
+from hetpipe.ratelog import Throttle
 from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
@@ -44,6 +47,7 @@ __all__ = ["Head"]
 ASSIGN_TIMEOUT_S = 120.0
 SHARD_TIMEOUT_S = 120.0
 MEASURE_TIMEOUT_S = 600.0
+FINISHED = frozenset({"done", "failed", "cancelled"})
 
 
 @dataclass
@@ -83,6 +87,14 @@ class JobState:
     diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False  # the user asked; the job ends "cancelled", not "failed"
+
+    def summary(self) -> dict[str, Any]:
+        """A few fields for listings: a finished job's whole ``info`` is kilobytes."""
+        info = self.info()
+        return {k: info[k] for k in ("id", "name", "state", "error", "seconds", "total",
+                                     "minibatches", "loss", "samples_per_s", "test_accuracy")
+                if info.get(k) is not None}
 
     def fail(self, reason: str) -> None:
         if self.failure is not None and not self.failure.done():
@@ -154,10 +166,11 @@ class Head:
         self.queue: asyncio.Queue[JobState] = asyncio.Queue()
         self.current: JobState | None = None
         self.channel: Channel | None = None
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(next_number(self.run_dir))
         self.profiles = ProfileStore(self.run_dir / "profiles.json")
         self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
+        self._refused = Throttle(self.log)  # refused registrations, once per peer a while
 
     async def start(self, channel: Channel) -> None:
         self.channel = channel
@@ -175,7 +188,11 @@ class Head:
         assert self.channel is not None and peer is not None
         k = msg.kind
         if k == Kind.HELLO:
-            self._hello(peer, msg)
+            problem = self._hello(peer, msg)
+            if problem is not None:
+                self._refused.warning("registration refused", _who(peer), problem)
+                await self.channel.reply_error(peer, problem)
+                return
             await self.channel.send(Kind.WELCOME, {
                 "heartbeat_s": self.cluster.runtime.heartbeat_s,
                 "lost_after_s": self.cluster.runtime.lost_after_s}, to=peer)
@@ -188,6 +205,11 @@ class Head:
             w.last_seen = time.monotonic()
             w.state = msg["state"]
         elif k == Kind.SHARD_HELLO:
+            problem = self._shard_problem(msg)
+            if problem is not None:
+                self._refused.warning("registration refused", _who(peer), problem)
+                await self.channel.reply_error(peer, problem)
+                return
             if self.shards.get(msg["shard"]) != msg["address"]:
                 self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
                 old = self.shard_channels.pop(msg["shard"], None)
@@ -197,11 +219,11 @@ class Head:
         elif k == Kind.SUBMIT:
             await self._submit(peer, msg)
         elif k == Kind.JOB_STATUS:
-            js = self.jobs.get(msg["job"])
-            if js is None:
+            info = self.job_info(msg["job"])
+            if info is None:
                 await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
             else:
-                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": js.info()}, to=peer)
+                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
         elif k == Kind.CLUSTER_STATUS:
             await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": self.cluster_info()},
                                     to=peer)
@@ -210,32 +232,82 @@ class Head:
             if js is None:
                 await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
                 return
+            if js.state in FINISHED:
+                await self.channel.reply_error(peer, f"job {js.id} has already ended "
+                                               f"({js.state})", msg["rid"])
+                return
+            js.cancelled = True
             if js.state == "queued":
                 js.state, js.error = "cancelled", "cancelled by the user"
+                js.finished = time.time()
+                self._retire(js)
             js.fail("cancelled by the user")
-            await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
+            self.log.info("job cancel requested", job=js.id)
+            await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"state": js.state}},
+                                    to=peer)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
         elif k == Kind.TRACE:
-            js = self.jobs.get(msg["job"])
-            path = self.job_dir(js) / "trace.json" if js is not None else None
-            if path is None or not path.exists():
-                await self.channel.reply_error(
-                    peer, f"no trace for job {msg['job']!r} (it has not finished)", msg["rid"])
-            else:
-                await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": json.loads(
-                    path.read_text())}, to=peer)
+            await self._trace(peer, msg)
         elif k in (Kind.PROFILE, Kind.PLAN):
             # these wait on workers' answers, which arrive through this same reader
             self.owner.spawn(self._plan_request(peer, msg), f"{k}:{msg['rid']}")
         else:
             await self.channel.reply_error(peer, f"the head does not take {k}", msg.get("rid"))
 
+    def job_info(self, job: str) -> dict[str, Any] | None:
+        """A job's status from memory, else from its directory; ``source`` says which."""
+        js = self.jobs.get(job)
+        if js is not None:
+            return {**js.info(), "source": "head"}
+        info = read_result(self.run_dir, job)
+        if info is not None:
+            return {**info, "source": "disk"}
+        return None
+
+    async def _trace(self, peer: bytes, msg: Message) -> None:
+        """A finished job's trace from its directory, also for jobs this head forgot."""
+        assert self.channel is not None
+        job, rid = msg["job"], msg["rid"]
+        d = job_dir(self.run_dir, job)
+        path = d / TRACE if d is not None else None
+        if path is not None and path.exists():
+            await self.channel.send(Kind.OK, {"rid": rid, "info": json.loads(
+                path.read_text())}, to=peer)
+            return
+        js = self.jobs.get(job)
+        if js is None and read_result(self.run_dir, job) is None:
+            problem = f"no job {job!r}"
+        elif js is not None and js.state not in FINISHED:
+            problem = f"no trace for job {job!r} yet: it is {js.state}"
+        else:
+            problem = f"job {job!r} left no trace (it ended before its stages finished)"
+        await self.channel.reply_error(peer, problem, rid)
+
+    def _retire(self, js: JobState) -> None:
+        """A job has ended: its final status to disk, and old finished jobs out of memory.
+
+        Only the last ``jobs_kept`` finished jobs stay in memory (with their per-stage
+        progress, a job's status is kilobytes and a long-running head runs many); the
+        others are answered from ``result.json``.
+        """
+        try:
+            write_result(self.run_dir, js.id, js.info())
+        except OSError as exc:
+            self.log.warning("cannot write the job's result", job=js.id, error=str(exc))
+        js.stage_results.clear()  # on disk in stages.json; the largest part of a job
+        finished = [j for j in self.jobs.values() if j.state in FINISHED]
+        for old in finished[:max(0, len(finished) - self.cluster.runtime.jobs_kept)]:
+            if old is not self.current:
+                del self.jobs[old.id]
+
     async def _plan_request(self, peer: bytes, msg: Message) -> None:
         """Answer ``profile`` (the profiles of every type) or ``plan`` (the plan it would run)."""
         assert self.channel is not None
         try:
             spec = JobSpec.from_dict(msg["job"], source="job")
+            await asyncio.get_running_loop().run_in_executor(
+                None, check_job, spec, self.cluster, "job")
             profile = await self._profile(spec)
             info: dict[str, Any] = {"profile": profile.to_dict()}
             if msg.kind == Kind.PLAN:
@@ -285,13 +357,36 @@ class Head:
                 raise _JobFailed("no live worker: start them (`hetpipe up`)")
             return self.profiles.model_profile(key, spec.minibatch, types)
 
-    def _hello(self, peer: bytes, msg: Message) -> None:
+    def _shard_problem(self, msg: Message) -> str | None:
+        """Why a ``shard_hello`` is refused, or None: only the cluster file's shards register.
+
+        The head is shard 0 itself; an index outside the file (or a malformed address) once
+        took the place of a real shard and broke every later job that placed state there.
+        """
+        index, n = msg["shard"], len(self.cluster.ps)
+        if not 1 <= index < n:
+            return (f"shard_hello refused: shard {index} is not a shard of "
+                    f"{self.cluster.path} (1..{n - 1} register; 0 is this head)")
+        try:
+            check_address(msg["address"])
+        except ValueError as exc:
+            return f"shard_hello refused: shard {index}: {exc}"
+        return None
+
+    def _hello(self, peer: bytes, msg: Message) -> str | None:
+        """Register a worker; the reason it is refused, or None."""
         device = msg["device"]
         try:
             spec = self.cluster.device(device)
-        except Exception:
-            self.log.warning("hello from a device not in the cluster", device=device)
-            return
+        except ConfigError:
+            return f"hello refused: {device!r} is not a device of {self.cluster.path}"
+        if msg["type"] != spec.type:
+            return (f"hello refused: {device} is of type {spec.type!r} in "
+                    f"{self.cluster.path}, the worker says {msg['type']!r}")
+        try:
+            check_address(msg["address"])
+        except ValueError as exc:
+            return f"hello refused: {device}: {exc}"
         old = self.workers.get(device)
         if old is not None and old.job is not None and old.ident != peer:
             js = self.jobs.get(old.job)
@@ -302,6 +397,7 @@ class Head:
             host=msg["host"], type=spec.type, last_seen=time.monotonic())
         self.log.info("worker registered", device=device, address=msg["address"],
                       pid=msg["pid"])
+        return None
 
     def _stage_message(self, msg: Message) -> None:
         js = self.jobs.get(msg["job"])
@@ -349,7 +445,8 @@ class Head:
                 "vw": None if w is None else w.vw, "stage": None if w is None else w.stage,
                 "seen_s_ago": None if w is None else now - w.last_seen,
             })
-        jobs = [js.info() for js in self.jobs.values()]
+        jobs = [js.summary() if js.state in FINISHED else js.info()
+                for js in self.jobs.values()]
         return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
                 "jobs": jobs, "current": self.current.id if self.current else None}
 
@@ -388,6 +485,7 @@ class Head:
             finally:
                 js.finished = js.finished or time.time()
                 self.current = None
+                self._retire(js)
 
     async def _run_job(self, js: JobState) -> None:
         loop = asyncio.get_running_loop()
@@ -397,6 +495,10 @@ class Head:
         try:
             vws, predicted = None, None
             spec = js.spec
+            try:  # the CLI checked this already; other clients may not have
+                await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
+            except JobError as exc:
+                raise JobPlanError(str(exc)) from None
             needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
             try:
                 profile = await self._profile(spec)
@@ -416,6 +518,9 @@ class Head:
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
+            return
+        if js.cancelled:  # cancelled while it was being planned
+            js.state, js.error = "cancelled", "cancelled by the user"
             return
         try:
             js.state = "running"
@@ -438,7 +543,8 @@ class Head:
             log.info("job done", accuracy=js.result.get("test_accuracy"),
                      seconds=round(js.finished - js.started, 2))
         except _JobFailed as exc:
-            js.state, js.error, js.finished = "failed", str(exc), time.time()
+            js.state = "cancelled" if js.cancelled else "failed"
+            js.error, js.finished = str(exc), time.time()
             log.warning("job failed", error=str(exc))
             await self._abort(js, str(exc))
         finally:
@@ -473,7 +579,8 @@ class Head:
                 raise _JobFailed(f"shard {index} has not registered with the head: "
                                  f"is hetpipe-ps --shard {index} running?")
             sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
-                               hwm=self.cluster.runtime.hwm)
+                               hwm=self.cluster.runtime.hwm,
+                               max_frame_bytes=self.cluster.runtime.max_frame_bytes)
             ch = Channel(sock, None, name=f"to-shard{index}",
                          max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
             self.owner.channels.append(ch)
@@ -661,6 +768,10 @@ def _stage_time(progress: dict[str, Any]) -> float | None:
     if not done:
         return None
     return (progress.get("forward_s", 0.0) + progress.get("backward_s", 0.0)) / done
+
+
+def _who(peer: bytes) -> str:
+    return peer.decode("utf-8", "replace")
 
 
 class _JobFailed(Exception):

@@ -32,6 +32,14 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 ADAMW_WEIGHT_DECAY = 1e-2
 POLICIES = ("auto", "np", "ed", "hd")
 
+# Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
+# integers even after the runtime multiplies them (minibatch numbers across epochs and VWs).
+MAX_MINIBATCH = 1 << 24
+MAX_COUNT = 1 << 40  # minibatches (per VW) and fault minibatch numbers
+MAX_EPOCHS = 1 << 20
+MAX_SMALL = 1 << 16  # nm, staleness, vws
+MAX_SECONDS = 86400.0 * 365
+
 
 class JobError(ValueError):
     """A bad job; ``str(e)`` is one line ``"<file>: <key>: <problem>"``."""
@@ -200,19 +208,19 @@ class JobSpec:
                 "schedule",
             ),
         )
-        minibatch = train.at_least("minibatch", 1)
-        nm = train.at_least("nm", 1, None)
-        staleness = train.at_least("staleness", 0, 0)
+        minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
+        nm = train.at_least("nm", 1, None, high=MAX_SMALL)
+        staleness = train.at_least("staleness", 0, 0, high=MAX_SMALL)
         seed = train.at_least("seed", 0, 0)
-        epochs = train.at_least("epochs", 1, None)
-        minibatches = train.at_least("minibatches", 1, None)
+        epochs = train.at_least("epochs", 1, None, high=MAX_EPOCHS)
+        minibatches = train.at_least("minibatches", 1, None, high=MAX_COUNT)
         if epochs is None and minibatches is None:
             train.fail("epochs", "missing: give exactly one of epochs / minibatches")
         if epochs is not None and minibatches is not None:
             train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
-        num_vws = train.at_least("vws", 1, None)
-        eval_every_s = train.positive("eval_every_s", None)
-        hang_after_s = train.positive("hang_after_s", 30.0)
+        num_vws = train.at_least("vws", 1, None, high=MAX_SMALL)
+        eval_every_s = train.positive("eval_every_s", None, low=0.1, high=MAX_SECONDS)
+        hang_after_s = train.positive("hang_after_s", 30.0, low=1.0, high=MAX_SECONDS)
         schedule = train.text("schedule", "async")
         if schedule not in SCHEDULE_KINDS:
             train.fail("schedule", f"unknown schedule {schedule!r} "
@@ -243,10 +251,10 @@ class JobSpec:
             schedule=schedule,
             faults=tuple(
                 FaultSpec(
-                    ft.at_least("vw", 0),
-                    ft.at_least("stage", 0),
-                    ft.at_least("minibatch", 0),
-                    ft.positive("seconds"),
+                    ft.at_least("vw", 0, high=MAX_SMALL),
+                    ft.at_least("stage", 0, high=MAX_SMALL),
+                    ft.at_least("minibatch", 0, high=MAX_COUNT),
+                    ft.positive("seconds", high=MAX_SECONDS),
                 )
                 for ft in root.tables("fault", ("vw", "stage", "minibatch", "seconds"))
             ),
@@ -339,6 +347,8 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
             for i, n in enumerate(layers):
                 if n < 1:
                     vt.fail(f"layers[{i}]", f"must be >= 1, got {n}")
-        nm = vt.at_least("nm", 1, None)
+                if n > MAX_SMALL:
+                    vt.fail(f"layers[{i}]", f"must be <= {MAX_SMALL}, got {n}")
+        nm = vt.at_least("nm", 1, None, high=MAX_SMALL)
         vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm))
     return tuple(vws)

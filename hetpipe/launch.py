@@ -109,9 +109,11 @@ def spawn(daemon: Daemon, run_dir: Path) -> subprocess.Popen[bytes]:
     ready_dir.mkdir(parents=True, exist_ok=True)
     rf = ready_dir / f"{daemon.name}.json"
     rf.unlink(missing_ok=True)
-    with open(logs / f"{daemon.name}.log", "ab") as log:
+    log_path = logs / f"{daemon.name}.log"
+    with open(log_path, "ab") as log:  # until the daemon takes its log over (and rotates it)
         return subprocess.Popen(
-            [*daemon.argv, "--ready-file", str(rf)], stdout=log, stderr=subprocess.STDOUT,
+            [*daemon.argv, "--ready-file", str(rf), "--log-file", str(log_path)],
+            stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, load_cluster
+from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
 from hetpipe.shard import ShardError, ShardStore
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -122,7 +122,8 @@ async def serve(
     log = logmod.get("ps").bind(shard=index)
     try:
         sock = make_socket(owner.ctx, zmq.ROUTER, bind=tcp(spec.host, spec.port),
-                           hwm=cluster.runtime.hwm * 16, router_mandatory=True)
+                           hwm=cluster.runtime.hwm * 16, router_mandatory=True,
+                           max_frame_bytes=cluster.runtime.max_frame_bytes)
         address = bound_address(sock)
         server = ShardServer(index)
         head_obj: Any = None
@@ -162,7 +163,8 @@ async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: s
                     head: str | None) -> None:
     """Tell the head where this shard listens, again every few seconds (the head may restart)."""
     head_addr = head or cluster.head.address
-    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm)
+    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm,
+                       max_frame_bytes=cluster.runtime.max_frame_bytes)
     ch = owner.channel(Channel(sock, None, name="head",
                                max_frame_bytes=cluster.runtime.max_frame_bytes))
     while True:
@@ -178,8 +180,11 @@ async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: s
 @click.option("--ready-file", default=None, help="Write the bound address here when ready.")
 @click.option("--run-dir", default=None, help="Where the head writes job outputs.")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
+              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
 def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None,
-         run_dir: str | None, log_level: str) -> None:
+         run_dir: str | None, log_level: str,
+         log_file: str | None) -> None:
     """Run one parameter-server shard (shard 0 is also the head)."""
     logmod.configure(f"ps{shard}", level=log_level)
     # one intra-op thread: shard updates are memory-bound, and idle OpenMP threads spinning
@@ -189,10 +194,19 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if log_file is not None:
+        rt = cluster.runtime
+        logmod.rotate_to(f"ps{shard}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
+                         keep=rt.log_keep)
+    if head is not None:
+        try:
+            head = check_address(head)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
     if not 0 <= shard < len(cluster.ps):
-        raise click.BadParameter(
-            f"{cluster_path} has {len(cluster.ps)} shards (0..{len(cluster.ps) - 1})",
-            param_hint="--shard")
+        raise click.ClickException(
+            f"--shard {shard}: {cluster_path} has {len(cluster.ps)} shards "
+            f"(0..{len(cluster.ps) - 1})")
     try:
         asyncio.run(serve(cluster, shard, head=head, ready_file=ready_file, run_dir=run_dir))
     except zmq.ZMQError as exc:

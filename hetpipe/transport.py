@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from hetpipe import log as logmod
+from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.wire import (
     ZERO_COPY_MIN_BYTES,
     Kind,
@@ -62,13 +64,23 @@ def make_socket(
     hwm: int = 64,
     linger_ms: int = 0,
     router_mandatory: bool = False,
+    max_frame_bytes: int | None = None,
 ) -> zmq.asyncio.Socket:
-    """Create a socket with every option that matters set before it binds or connects."""
+    """Create a socket with every option that matters set before it binds or connects.
+
+    ``max_frame_bytes`` becomes ZeroMQ's ``MAXMSGSIZE`` (checked per frame): a peer that
+    sends a larger frame is disconnected as soon as the frame's length is read, before its
+    bytes are buffered, so an oversize frame costs no memory (the wire's own check comes
+    after the whole frame arrived). The limit covers headers too (the cluster file's
+    ``max_frame_bytes`` is at least 1 MiB, far above any header).
+    """
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        if max_frame_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         sock.copy_threshold = ZERO_COPY_MIN_BYTES
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
@@ -120,6 +132,8 @@ class Channel:
         self._rids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._log = logmod.get(name)
+        self._bad = Throttle(self._log)  # malformed messages: once per peer per interval
+        self._flood = [time.monotonic(), 0]  # [window start, bad messages in it]
         self.closed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -165,12 +179,19 @@ class Channel:
 
     async def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send already-encoded frames (zero-copy when any frame is large)."""
+        flags = 0
         if self._routed:
             if to is None:
                 raise ValueError(f"{self.name}: a ROUTER send needs a peer identity")
             frames = [to, *frames]
+            # A peer that does not read its replies fills its queue (HWM messages); waiting
+            # for it would stall this socket's only reader, and with it every other peer.
+            flags = zmq.NOBLOCK
         try:
-            await self.sock.send_multipart(frames, copy=not _large(frames))
+            await self.sock.send_multipart(frames, flags=flags, copy=not _large(frames))
+        except zmq.Again as exc:
+            raise ConnectionError(f"{self.name}: peer {to!r} does not read (its queue is "
+                                  f"full); message dropped") from exc
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"{self.name}: peer {to!r} is not connected") from exc
@@ -224,7 +245,7 @@ class Channel:
         if self.sock.type in (zmq.PULL, zmq.PUSH):
             return
         with contextlib.suppress(ConnectionError, zmq.ZMQError):
-            await self.send_frames(error_frames(message, rid), to=to)
+            await self.send_frames(error_frames(excerpt(message, 1000), rid), to=to)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -244,13 +265,35 @@ class Channel:
                 ident = frames[0].bytes
                 frames = frames[1:]
             await self._dispatch(ident, frames)
+            # A recv that finds a message waiting completes without suspending, so under a
+            # flood this loop would never give the event loop back: heartbeats, job starts
+            # and the other sockets' readers would starve. Yield once per message.
+            await asyncio.sleep(0)
+
+    async def _slow_down_under_flood(self) -> None:
+        """Past ``FLOOD_PER_S`` bad messages a second, pause after each one.
+
+        Reading garbage as fast as it comes would take the process's CPU (and the GIL)
+        from its own work: a worker's compute thread, the head's job start. Pausing lets
+        ZeroMQ's queues fill, so the flooding sender is held back by the high-water mark
+        while well-formed messages from other peers (fair-queued by ZeroMQ) still pass,
+        each behind at most one bad message per flooding peer.
+        """
+        now = time.monotonic()
+        if now - self._flood[0] >= 1.0:
+            self._flood = [now, 0]
+        self._flood[1] += 1
+        if self._flood[1] > FLOOD_PER_S:
+            await asyncio.sleep(1.0 / FLOOD_PER_S)
 
     async def _dispatch(self, ident: bytes | None, frames: list[Any]) -> None:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            self._log.warning("bad message dropped", peer=_peer(ident), error=str(exc))
-            await self.reply_error(ident, f"bad message: {exc}")
+            if self._bad.warning("bad message dropped", str(_peer(ident)), str(exc)) or \
+                    self._bad.count(str(_peer(ident))) < MAX_ERROR_REPLIES:
+                await self.reply_error(ident, f"bad message: {exc}")
+            await self._slow_down_under_flood()
             return
         rid = msg.fields.get("rid")
         if isinstance(rid, int) and msg.kind in _REPLY_KINDS and rid in self._pending:
@@ -266,11 +309,17 @@ class Channel:
             return
         try:
             await self._handler(ident, msg)
+        except ConnectionError as exc:  # a peer gone or not reading: its loss, not a bug
+            self._bad.warning("reply undeliverable", str(_peer(ident)), str(exc),
+                              kind=str(msg.kind))
         except Exception as exc:  # a handler bug must not kill the reader
-            self._log.exception("handler failed", kind=str(msg.kind))
+            self._bad.warning("handler failed", str(_peer(ident)), f"{type(exc).__name__}: "
+                              f"{exc}", kind=str(msg.kind), exc_info=True)
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 
+FLOOD_PER_S = 1000  # bad messages a second read at full speed; beyond, each costs a pause
+MAX_ERROR_REPLIES = 100  # per peer and log interval; beyond, a flooding peer gets no answers
 _REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED, Kind.REDUCED})
 
 

@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
+from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, check_address, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
@@ -86,13 +86,14 @@ class Worker:
     async def start(self) -> None:
         rt = self.cluster.runtime
         data = make_socket(self.owner.ctx, zmq.PULL,
-                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm)
+                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
+                           max_frame_bytes=rt.max_frame_bytes)
         self.address = bound_address(data)
         self.owner.channel(Channel(data, self._on_data, name="data",
                                    max_frame_bytes=rt.max_frame_bytes))
         ident = f"{self.device.name}:{os.getpid()}".encode()
         sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
-                           identity=ident, hwm=rt.hwm)
+                           identity=ident, hwm=rt.hwm, max_frame_bytes=rt.max_frame_bytes)
         self.head = self.owner.channel(Channel(sock, self._on_head, name="head",
                                                max_frame_bytes=rt.max_frame_bytes))
         self.owner.spawn(self._heartbeat(), "heartbeat")
@@ -162,11 +163,13 @@ class Worker:
             rt = self.cluster.runtime
             for address in (task.prev, task.next):
                 if address is not None:
-                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm)
+                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
+                                       max_frame_bytes=rt.max_frame_bytes)
                     job.channels.append(Channel(sock, None, name=f"to:{address}",
                                                 max_frame_bytes=rt.max_frame_bytes))
             for index, address in task.shards.items():
-                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm)
+                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm,
+                                   max_frame_bytes=rt.max_frame_bytes)
                 ch = Channel(sock, None, name=f"shard{index}",
                              max_frame_bytes=rt.max_frame_bytes).start()
                 job.channels.append(ch)
@@ -310,8 +313,11 @@ async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None 
 @click.option("--threads", default=1, show_default=True,
               help="Torch intra-op threads (emulated devices share the host's cores).")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
+              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
 def main(cluster_path: str, device: str, head: str | None, ready_file: str | None,
-         threads: int, log_level: str) -> None:
+         threads: int, log_level: str,
+         log_file: str | None) -> None:
     """Run one worker daemon for one device of the cluster."""
     logmod.configure(f"worker:{device}", level=log_level)
     try:
@@ -319,6 +325,15 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         spec = cluster.device(device)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if log_file is not None:
+        rt = cluster.runtime
+        logmod.rotate_to(f"worker:{device}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
+                         keep=rt.log_keep)
+    if head is not None:
+        try:
+            head = check_address(head)
+        except ValueError as exc:
+            raise click.ClickException(f"--head: {exc}") from None
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
                                    "but this torch has no CUDA device")

@@ -168,6 +168,69 @@ def test_submit_malformed_job_file_is_one_line(tmp_path: Path, text: str, where:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["submit", "plan", "profile"])
+def test_job_checked_against_the_cluster_before_anything_is_sent(
+    tmp_path: Path, command: str
+) -> None:
+    """A wrong split is refused at once, naming the job file (no head is running here)."""
+    job = tmp_path / "job.toml"
+    job.write_text(GOOD_JOB + '[[vw]]\ndevices = ["gpu0", "gpu1"]\nlayers = [3, 4]\n')
+    args = [command, str(job)] if command == "submit" else [command, "--job", str(job)]
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), *args)
+    assert result.exit_code == 1, result.output
+    assert error_lines(result) == [
+        f"Error: {job}: vw[0].layers: [3, 4] sums to 7, the model has 6 layers"]
+
+
+def test_submit_out_of_range_integer_is_one_line(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(GOOD_JOB.replace("minibatches = 10", "minibatches = 99999999999999999999"))
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "submit", str(job))
+    assert result.exit_code == 1
+    assert error_lines(result) == [f"Error: {job}: train.minibatches: integer "
+                                   f"99999999999999999999 is out of range (must fit in 64 bits)"]
+
+
+@pytest.mark.parametrize("head", ["not-a-url", "tcp://127.0.0.1:99999", "tcp://h:1:2"])
+def test_bad_head_address_is_one_line(tmp_path: Path, head: str) -> None:
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head,
+                    "status")
+    assert result.exit_code == 1, result.output
+    lines = error_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("Error: --head: "), lines
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("argv", "edit", "expected"),
+    [
+        (["hetpipe.ps", "--shard", "0"], ("[runtime]", "[runtime]\nhwm = 99999999999"),
+         "runtime.hwm: must be <= 1048576"),
+        (["hetpipe.worker", "--device", "gpu0"],
+         ('host = "127.0.0.1"', 'host = "127.0.0.1:7000"'), "node[0].host: '127.0.0.1:7000'"),
+        (["hetpipe.ps", "--shard", "0", "--head", "not-a-url"], ("", ""),
+         "--head: 'not-a-url' is not an address"),
+        (["hetpipe.worker", "--device", "gpu0", "--head", "tcp://x"], ("", ""),
+         "--head: 'tcp://x' is not an address"),
+        (["hetpipe.ps", "--shard", "7"], ("", ""), "--shard 7: "),
+        (["hetpipe.worker", "--device", "gpu9"], ("", ""), "device: unknown device 'gpu9'"),
+    ],
+    ids=["ps-hwm", "worker-host", "ps-head", "worker-head", "ps-shard", "worker-device"],
+)
+def test_daemon_config_errors_are_one_line(tmp_path: Path, argv: list[str],
+                                           edit: tuple[str, str], expected: str) -> None:
+    """The daemons refuse a bad file or --head at start-up with one line, no traceback."""
+    path = tmp_path / "c.toml"
+    text = good_cluster(0, 0, 0, 0)
+    path.write_text(text.replace(*edit) if edit[0] else text)
+    proc = subprocess.run([sys.executable, "-m", *argv, "--cluster", str(path)],
+                          capture_output=True, text=True, timeout=25)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert expected in lines[0], lines[0]
+
+
 class QuickHeadClient(HeadClient):
     """The CLI's client with a short request timeout (the CLI has no option for it)."""
 
@@ -331,7 +394,7 @@ def test_render_log_line() -> None:
 def test_help_lists_the_commands() -> None:
     result = invoke("--help")
     assert result.exit_code == 0
-    for name in ("up", "down", "status", "submit", "logs", "demo"):
+    for name in ("up", "down", "status", "submit", "logs", "demo", "cancel", "jobs", "trace"):
         assert f"  {name} " in result.stdout
 
 
@@ -421,3 +484,32 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
             if not _gone(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--png", "g.png", "--minibatches", "3"], "expected A:B, got '3'"),
+        (["--png", "g.png", "--seconds", "5:1"], "expected 0 <= A < B, got '5:1'"),
+        (["--png", "g.png", "--minibatches", "0:4", "--seconds", "0:1"], "not both"),
+        (["--minibatches", "0:4"], "choose the window of --png"),
+    ],
+    ids=["not-a-range", "backwards", "both", "without-png"],
+)
+def test_trace_window_options_are_usage_errors(tmp_path: Path, args: list[str],
+                                               problem: str) -> None:
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "trace", "j-1",
+                    "-o", str(tmp_path / "t.json"), *args)
+    assert result.exit_code == 2, result.output
+    assert problem in result.stderr
+
+
+def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "QUICK_S", 0.2)
+    head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--run-dir",
+                    str(tmp_path / "run"), "--head", head, "trace", "nosuch-1", "-o",
+                    str(tmp_path / "t.json"))
+    assert result.exit_code == 1
+    assert "did not answer" in result.stderr

@@ -244,6 +244,13 @@ CASES = [
         "model.args.at",
         "unsupported value type date/time",
     ),
+    ("epochs-64-bit", "epochs = 3", "epochs = 99999999999999999999", "train.epochs",
+     "out of range (must fit in 64 bits)"),
+    ("epochs-huge", "epochs = 3", "epochs = 99999999999", "train.epochs", "must be <= 1048576"),
+    ("minibatch-huge", "minibatch = 16", "minibatch = 999999999", "train.minibatch",
+     "must be <= 16777216"),
+    ("hang-tiny", "staleness = 1", "staleness = 1\nhang_after_s = 0.001", "train.hang_after_s",
+     "must be >= 1"),
 ]
 
 

@@ -8,6 +8,7 @@ failing assertion still closes everything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -309,5 +310,116 @@ def test_closing_a_channel_fails_its_pending_requests() -> None:
         with pytest.raises(ConnectionError, match="channel closed"):
             fut.result()
         assert cl.closed and cl.sock.closed
+
+    run(body)
+
+
+def test_make_socket_sets_maxmsgsize_from_max_frame_bytes() -> None:
+    async def body(owner: Owner) -> None:
+        sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME)
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME
+        sock.close(linger=0)
+        plain = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT)
+        assert plain.getsockopt(zmq.MAXMSGSIZE) == -1  # unlimited unless asked
+        plain.close(linger=0)
+
+    run(body)
+
+
+def test_oversize_frame_is_dropped_by_zeromq_before_the_reader_sees_it() -> None:
+    """The sender of a frame over MAXMSGSIZE is cut off; the receiver goes on serving."""
+
+    async def body(owner: Owner) -> None:
+        got: list[Message] = []
+        arrived = asyncio.Event()
+
+        async def on(_peer: bytes | None, msg: Message) -> None:
+            got.append(msg)
+            arrived.set()
+
+        sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME)
+        address = bound_address(sock)
+        owner.channel(Channel(sock, on, name="data", max_frame_bytes=MAX_FRAME))
+        big = make_socket(owner.ctx, zmq.PUSH, connect=address)
+        await big.send_multipart([*encode(Kind.ACT, {"job": "j", "vw": 0, "p": 0}),
+                                  bytes(8 * MAX_FRAME)])
+        small = make_socket(owner.ctx, zmq.PUSH, connect=address)
+        await small.send_multipart(encode(Kind.ACT, {"job": "j", "vw": 0, "p": 1}))
+        await asyncio.wait_for(arrived.wait(), 10)
+        await asyncio.sleep(0.2)  # the big one, had it been let through, would be here too
+        assert [m["p"] for m in got] == [1]
+        big.close(linger=0)
+        small.close(linger=0)
+
+    run(body)
+
+
+def test_router_send_to_a_peer_that_never_reads_fails_instead_of_blocking() -> None:
+    """Replies to a client that never reads are dropped once its queue is full."""
+
+    async def body(owner: Owner) -> None:
+        sock = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT, hwm=2, router_mandatory=True)
+        server = owner.channel(Channel(sock, None, name="server", max_frame_bytes=MAX_FRAME))
+        lazy = make_socket(owner.ctx, zmq.DEALER, connect=bound_address(sock),
+                           identity=b"lazy", hwm=2)
+        await lazy.send_multipart(encode(Kind.CLUSTER_STATUS, {"rid": 1}))
+        await asyncio.sleep(0.3)  # the router learns the identity on the first message
+        payload = {"rid": 1, "info": {"blob": "x" * 65536}}
+        with pytest.raises(ConnectionError, match="does not read"):
+            for _ in range(20_000):  # far beyond the HWMs and the loopback TCP buffers
+                await asyncio.wait_for(server.send(Kind.OK, payload, to=b"lazy"), 5)
+        lazy.close(linger=0)
+
+    run(body)
+
+
+def test_a_flood_of_garbage_neither_starves_the_loop_nor_well_formed_peers() -> None:
+    """While a reader drains 20,000 garbage messages, a ticker (a heartbeat) keeps ticking
+    and a well-formed message from another peer gets through quickly."""
+    import threading
+
+    async def body(owner: Owner) -> None:
+        got: list[float] = []
+        sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, hwm=64)
+        address = bound_address(sock)
+
+        async def on(_peer: bytes | None, msg: Message) -> None:
+            got.append(time.monotonic())
+
+        owner.channel(Channel(sock, on, name="data", max_frame_bytes=MAX_FRAME))
+        stop = threading.Event()
+
+        def flood() -> None:
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDTIMEO, 50)
+            s.connect(address)
+            try:
+                while not stop.is_set():
+                    with contextlib.suppress(zmq.Again):
+                        s.send(b"\x93garbage")
+            finally:
+                s.close(linger=0)
+                ctx.term()
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        ticks = 0
+        try:
+            await asyncio.sleep(0.3)  # the flood is on
+            good = make_socket(owner.ctx, zmq.PUSH, connect=address)
+            sent_at = time.monotonic()
+            await good.send_multipart(encode(Kind.ACT, {"job": "j", "vw": 0, "p": 1}))
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                await asyncio.sleep(0.01)
+                ticks += 1
+            good.close(linger=0)
+        finally:
+            stop.set()
+            flooder.join(timeout=5)
+        assert ticks >= 40, ticks  # ~100 without any flood; a starved loop gets 0-1
+        assert got and got[0] - sent_at < 1.0, got
 
     run(body)

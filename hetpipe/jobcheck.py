@@ -1,0 +1,87 @@
+"""Every check of a job that needs only the job file and the cluster file.
+
+The CLI runs these before it sends a job anywhere, so that a wrong layer split, an unknown
+device, a model or data set that cannot be built, or a fault naming a stage that does not
+exist is refused at once with one line ``"<file>: <key>: <problem>"`` instead of after a
+round trip to the head. The head runs the same function on what it receives (a client
+need not be this CLI), so the rule has one home. What needs the live cluster (workers up
+and idle, shards registered) stays in :mod:`hetpipe.jobplan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetpipe.config import ClusterConfig
+from hetpipe.data import DataError, load_dataset
+from hetpipe.job import JobError, JobSpec
+from hetpipe.models import ModelError, build_model
+
+__all__ = ["JobFacts", "check_job"]
+
+# ModelError texts that are about the name (the rest are about the arguments)
+_NAME_PROBLEMS = ("unknown;", "expected 'package", "cannot import", "has no", "not callable",
+                  "model name")
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the checks learnt, for callers that would otherwise compute it again."""
+
+    layers: int  # the model's number of layers
+    per_epoch: int  # minibatches per virtual worker and epoch
+
+
+def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
+    """Raise :class:`JobError` (one line naming ``source`` and the key) on any problem."""
+
+    def fail(key: str, problem: str) -> JobError:
+        return JobError(" ".join(f"{source}: {key}: {problem}".split()))
+
+    try:
+        n_layers = len(build_model(spec.model.name, spec.model.args))
+    except ModelError as exc:
+        key = "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
+        raise fail(key, str(exc)) from None
+    try:
+        dataset = load_dataset(spec.data.name, spec.data.args)
+    except DataError as exc:
+        key = "data.args" if "args" in str(exc) else "data.name"
+        raise fail(key, str(exc)) from None
+
+    devices = {d.name for d in cluster.devices}
+    if spec.num_vws is not None and spec.num_vws > len(devices):
+        raise fail("train.vws", f"{spec.num_vws} virtual workers need at least as many "
+                                f"devices; {cluster.path} has {len(devices)}")
+    for v, vw in enumerate(spec.vws):
+        for i, d in enumerate(vw.devices):
+            if d not in devices:
+                raise fail(f"vw[{v}].devices[{i}]", f"{d!r} is not a device of {cluster.path} "
+                                                    f"(known: {', '.join(sorted(devices))})")
+        if len(vw.devices) > n_layers:
+            raise fail(f"vw[{v}].devices", f"{len(vw.devices)} stages for a model of "
+                                           f"{n_layers} layers")
+        if vw.layers is not None and sum(vw.layers) != n_layers:
+            raise fail(f"vw[{v}].layers", f"{list(vw.layers)} sums to {sum(vw.layers)}, the "
+                                          f"model has {n_layers} layers")
+
+    num_vws = len(spec.vws) or spec.num_vws
+    n_train = len(dataset.train_y)
+    per_epoch = (n_train // spec.minibatch) // (num_vws or 1)
+    if per_epoch < 1:
+        raise fail("train.minibatch", f"{spec.minibatch} leaves no full minibatch per virtual "
+                                      f"worker in {n_train} training samples")
+    total = spec.minibatches or (spec.epochs or 1) * per_epoch
+
+    for f, fault in enumerate(spec.faults):
+        if num_vws is not None and fault.vw >= num_vws:
+            raise fail(f"fault[{f}].vw", f"{fault.vw}: the job has {num_vws} virtual workers "
+                                         f"(0..{num_vws - 1})")
+        stages = len(spec.vws[fault.vw].devices) if spec.vws else min(n_layers, len(devices))
+        if fault.stage >= stages:
+            raise fail(f"fault[{f}].stage", f"{fault.stage}: vw {fault.vw} has {stages} "
+                                            f"stages (0..{stages - 1})")
+        if fault.minibatch >= total:
+            raise fail(f"fault[{f}].minibatch", f"{fault.minibatch}: each virtual worker "
+                                                f"trains {total} minibatches (0..{total - 1})")
+    return JobFacts(n_layers, per_epoch)

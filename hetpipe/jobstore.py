@@ -1,0 +1,90 @@
+"""A finished job's record on disk: ``<run_dir>/jobs/<job>/``.
+
+The head keeps only the last few finished jobs in memory (``[runtime] jobs_kept``); the rest,
+and every job of an earlier head process, live here: ``result.json`` (the job's final status),
+``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``. The head and the CLI both
+read this directory, so ``status``/``trace`` of a finished job work with the head forgotten,
+restarted or down. Job ids are checked before they become paths: an id is a name plus
+``-<n>``, never a path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RESULT", "TRACE", "job_dir", "list_jobs", "next_number", "read_result",
+           "write_result"]
+
+RESULT = "result.json"
+TRACE = "trace.json"
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+_NUMBER = re.compile(r"-(\d+)$")
+
+
+def job_dir(run_dir: Path, job: str) -> Path | None:
+    """The directory of job ``job``, or None when ``job`` cannot be a job id."""
+    if not isinstance(job, str) or not _JOB_ID.fullmatch(job) or ".." in job:
+        return None
+    return run_dir / "jobs" / job
+
+
+def next_number(run_dir: Path) -> int:
+    """The first job number after every job already on disk.
+
+    A restarted head must not hand out ``demo-1`` again: its directory (and the outputs of
+    the first run) would be overwritten by the second.
+    """
+    highest = 0
+    jobs = run_dir / "jobs"
+    if jobs.is_dir():
+        for entry in jobs.iterdir():
+            m = _NUMBER.search(entry.name)
+            if m is not None:
+                highest = max(highest, int(m[1]))
+    return highest + 1
+
+
+def write_result(run_dir: Path, job: str, info: dict[str, Any]) -> None:
+    """Write a finished job's final status atomically (a reader never sees half a file)."""
+    d = job_dir(run_dir, job)
+    if d is None:
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{RESULT}.tmp"
+    tmp.write_text(json.dumps(info, default=str))
+    os.replace(tmp, d / RESULT)
+
+
+def read_result(run_dir: Path, job: str) -> dict[str, Any] | None:
+    """A finished job's final status from disk, or None when there is none (or it is bad)."""
+    d = job_dir(run_dir, job)
+    if d is None:
+        return None
+    try:
+        info = json.loads((d / RESULT).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def list_jobs(run_dir: Path) -> list[dict[str, Any]]:
+    """The final status of every finished job on disk, oldest first (by job number)."""
+    jobs = run_dir / "jobs"
+    if not jobs.is_dir():
+        return []
+    out = []
+    for entry in jobs.iterdir():
+        info = read_result(run_dir, entry.name)
+        if info is not None and isinstance(info.get("id"), str):
+            out.append(info)
+
+    def number(info: dict[str, Any]) -> int:
+        m = _NUMBER.search(info["id"])
+        return int(m[1]) if m else 0
+
+    return sorted(out, key=number)
