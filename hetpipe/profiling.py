@@ -28,6 +28,7 @@ from hetpipe.planner import (
     explicit_plan,
     make_plan,
     measure_layers,
+    sync_plan,
 )
 
 __all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws"]
@@ -72,6 +73,11 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
               "optimizer_state_factor": factor, "minibatches": job_minibatches(spec)}
+    if spec.sync:
+        return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or 4,
+                         optimizer_state_factor=factor, kind=spec.schedule,
+                         vws=[(v.devices, v.layers) for v in spec.vws] or None,
+                         num_vws=spec.num_vws)
     if spec.vws:
         return explicit_plan(cluster, profile,
                              [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
@@ -100,6 +106,8 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
     return {
         "samples_per_s": plan.samples_per_s,
         "policy": plan.policy,
+        "schedule": plan.schedule,
+        "iteration_s": plan.iteration_s,
         "vws": [{"samples_per_s": v.samples_per_s, "nm": v.nm,
                  # time_s: predicted compute per minibatch, comparable to the measured one
                  "stages": [{"device": s.device, "layers": list(s.layers),

@@ -53,8 +53,10 @@ LR, MOMENTUM, SEED = 0.05, 0.9, 0
 HOST = "127.0.0.1"
 
 
-def job_dict(model: str, minibatch: int, minibatches: int) -> dict[str, Any]:
-    """The job both sides run, in the job file's shape."""
+def job_dict(model: str, minibatch: int, minibatches: int, schedule: str = "async"
+             ) -> dict[str, Any]:
+    """The job both sides run, in the job file's shape (``schedule``: ours; torch runs
+    ``Schedule1F1B``, or ``ScheduleGPipe`` for ``gpipe``)."""
     args, data, split = MODELS[model]
     return {
         "name": f"bench-{model}",
@@ -67,6 +69,7 @@ def job_dict(model: str, minibatch: int, minibatches: int) -> dict[str, Any]:
             "staleness": 0,
             "seed": SEED,
             "minibatches": minibatches,
+            "schedule": schedule,
         },
         "vw": [{"devices": [f"gpu{i}" for i in range(STAGES)], "layers": split}],
     }
@@ -169,7 +172,7 @@ def _by_kind(procs: dict[str, Any], before: dict[str, dict[int, tuple[str, float
 def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str) -> None:
     """One stage of the torch.distributed.pipelining run (a spawned process)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hetpipe.data import MinibatchStream, load_dataset
     from hetpipe.models import build_model, cross_entropy
@@ -186,7 +189,8 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
         part = model[first : first + split[rank]]
         part.train()
         stage = PipelineStage(part, rank, STAGES, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, n_microbatches=NM, loss_fn=cross_entropy)
+        kind = ScheduleGPipe if job["train"].get("schedule") == "gpipe" else Schedule1F1B
+        schedule = kind(stage, n_microbatches=NM, loss_fn=cross_entropy)
         opt = torch.optim.SGD(part.parameters(), lr=LR, momentum=MOMENTUM)
         train = job["train"]
         stream = None

@@ -13,6 +13,8 @@ Pure planning logic (no sockets; torch only to measure profiles):
   ``python -m hetpipe.planner.simulate``); its ``simulate()`` function is reached as
   ``hetpipe.planner.simulate.simulate`` since the module owns that name here
 * :mod:`.plan`       the plan the runtime executes, and the search that makes it
+* :mod:`.syncplan`   synchronous pipelines (gpipe, 1f1b): cuts, device mapping over the link
+  matrix and microbatch order, searched together for the least iteration time
 
 The names of :mod:`.plan` and :mod:`.simulate` are imported on first use, so that importing
 the package does not load the simulator and ``python -m hetpipe.planner.simulate`` runs its
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
         place_stages,
     )
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
+    from hetpipe.planner.syncplan import sync_plan
 
 __all__ = [
     "CostModel",
@@ -87,6 +90,7 @@ __all__ = [
     "place_stages",
     "stage_memory",
     "stage_memory_of",
+    "sync_plan",
     "synthetic_profile",
 ]
 
@@ -96,6 +100,7 @@ _LAZY = {
         "plan",
     ),
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
+    "sync_plan": "syncplan",
 }
 
 

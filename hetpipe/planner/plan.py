@@ -139,6 +139,8 @@ class Plan:
     staleness: int = 0
     model: str = ""
     details: dict[str, Any] = field(default_factory=dict, compare=False)  # search statistics
+    schedule: str = "async"  # hetpipe.schedule.KINDS; Nm is M for gpipe/1f1b
+    iteration_s: float = 0.0  # gpipe/1f1b: predicted time of one iteration
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/msgpack-able)."""
@@ -153,6 +155,8 @@ class Plan:
             "staleness": self.staleness,
             "model": self.model,
             "details": dict(self.details),
+            "schedule": self.schedule,
+            "iteration_s": self.iteration_s,
         }
 
     @classmethod
@@ -168,6 +172,8 @@ class Plan:
             int(d.get("staleness", 0)),
             str(d.get("model", "")),
             dict(d.get("details", {})),
+            str(d.get("schedule", "async")),
+            float(d.get("iteration_s", 0.0)),
         )
 
     def table(self) -> str:
@@ -178,7 +184,10 @@ class Plan:
         per-wave push and merge, and ``host`` is how much sharing its host stretches it."""
         lines = [
             f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
-            f"worker(s), minibatch {self.minibatch}, staleness D={self.staleness}"
+            f"worker(s), minibatch {self.minibatch}, "
+            + (f"staleness D={self.staleness}" if self.schedule == "async" else
+               f"schedule {self.schedule}: {self.vws[0].nm if self.vws else 0} microbatches "
+               f"per iteration, predicted iteration {_ms(self.iteration_s)}")
         ]
         head = (
             f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"

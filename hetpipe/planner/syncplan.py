@@ -463,3 +463,113 @@ def exhaustive(model: SyncModel) -> SyncChoice | None:
                     if best is None or t < best.iteration_s:
                         best = SyncChoice(devs, cuts, kind, t)
     return best if best is not None and best.iteration_s < INF else None
+
+
+# -- plans the runtime executes ----------------------------------------------------------------
+
+
+def sync_plan(
+    cluster: Any,
+    profile: ModelProfile,
+    *,
+    minibatch: int,
+    m: int,
+    optimizer_state_factor: int,
+    kind: str | None = None,
+    vws: Sequence[tuple[Sequence[str], Sequence[int] | None]] | None = None,
+    num_vws: int | None = None,
+    costs: RuntimeCosts | None = None,
+    budget_s: float = 5.0,
+) -> Any:
+    """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
+    iteration: searched (one virtual worker; ``kind`` None picks gpipe or 1f1b), or priced
+    for the given ``vws`` (devices in order, layers per stage or None for the best cuts)."""
+    from hetpipe.planner.plan import Plan, PlanError, StagePlan, VWPlan, _at_minibatch, place_stages
+
+    if m < 1:
+        raise PlanError(f"microbatches per iteration must be >= 1, got {m}")
+    warnings: list[str] = []
+    profile = _at_minibatch(profile, minibatch, warnings)
+    usable = [d for d in cluster.devices if d.type in profile.layers]
+    if not usable:
+        raise PlanError("no device has a profile")
+    model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
+                      costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS)
+    index = {d.name: i for i, d in enumerate(usable)}
+    chosen: list[SyncChoice] = []
+    if vws:
+        for v, (names, layers) in enumerate(vws):
+            try:
+                devs = tuple(index[n] for n in names)
+            except KeyError as e:
+                raise PlanError(f"vw {v}: unknown or unprofiled device {e.args[0]!r}") from None
+            if layers is None:
+                c = model.best_kind(devs)
+                if c is None:
+                    raise PlanError(f"vw {v}: the model fits on no split of {list(names)}")
+            else:
+                bounds = list(itertools.accumulate(layers, initial=0))
+                cuts = tuple(itertools.pairwise(bounds))
+                k = kind or SYNC_KINDS[-1]
+                c = SyncChoice(devs, cuts, k, model.evaluate(devs, cuts, k))
+                if c.iteration_s == INF:  # over a cap: price it anyway, say so
+                    for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
+                        need = model.memory(i, a, b, pos, len(devs), k).total
+                        if need > usable[i].memory:
+                            warnings.append(f"vw {v}: {usable[i].name} needs {need} bytes, "
+                                            f"over its cap {usable[i].memory}")
+                    c = SyncChoice(devs, cuts, k, _unchecked(model, devs, cuts, k))
+            chosen.append(c)
+        policy = "explicit"
+    else:
+        if num_vws not in (None, 1):
+            raise PlanError("the synchronous planner plans one virtual worker; give [[vw]] "
+                            "tables for several")
+        c = plan_sync(model, budget_s)
+        if c is None:
+            raise PlanError("the model fits on no pipeline of the usable devices under the "
+                            "synchronous schedules' memory")
+        chosen.append(c)
+        policy = "sync"
+    kinds = {c.kind for c in chosen}
+    if len(kinds) > 1:
+        raise PlanError(f"virtual workers would run different schedules {sorted(kinds)}")
+    iteration = max(c.iteration_s for c in chosen)
+    any_type = next(iter(profile.layers))
+    layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in profile.layers[any_type]]
+    stage_hosts = [[(usable[i].host, ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
+                   for c in chosen]
+    layer_shards, stage_shards = place_stages(tuple(getattr(cluster, "ps", ()) or ()),
+                                              stage_hosts, layer_bytes)
+    plans = []
+    for v, c in enumerate(chosen):
+        k = len(c.devices)
+        stages = []
+        for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
+            st = model.stage(i, a, b)
+            stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
+                                    st.fwd_s + st.bwd_s,
+                                    model.memory(i, a, b, pos, k, c.kind), usable[i].memory,
+                                    stage_shards[v][pos], st.fwd_s + st.bwd_s))
+        plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), m,
+                            m * minibatch / iteration))
+    used = {n for p in plans for n in p.devices}
+    unused = tuple(d.name for d in cluster.devices if d.name not in used)
+    details = {"iteration_s": iteration, "kind": chosen[0].kind,
+               "evaluations": model.evaluations,
+               "orders": {str(s): [f"{op}{j}" for op, j in
+                                   microbatch_order(chosen[0].kind, len(chosen[0].devices), s, m)]
+                          for s in range(len(chosen[0].devices))}}
+    return Plan(tuple(plans), sum(p.samples_per_s for p in plans), policy, unused,
+                tuple(warnings), tuple(layer_shards), minibatch, 0, profile.model, details,
+                chosen[0].kind, iteration)
+
+
+def _unchecked(model: SyncModel, devs: Sequence[int], cuts: Sequence[tuple[int, int]],
+               kind: str) -> float:
+    """Iteration time ignoring memory caps (to price a split the user gave)."""
+    k = len(devs)
+    stages = [model.stage(i, a, b) for i, (a, b) in zip(devs, cuts, strict=True)]
+    links = [(model.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
+    return iteration_time(stages, links, [microbatch_order(kind, k, s, model.m)
+                                          for s in range(k)])

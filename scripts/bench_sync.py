@@ -1,0 +1,238 @@
+"""Synchronous pipelines: ours against torch.distributed.pipelining, and planned against naive.
+
+Three parts, each against a baseline measured in the same run:
+
+(a) ``gpipe`` and ``1f1b`` on four unslowed CPU stages (one process and one intra-op thread
+    each) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``
+    over gloo: the same model, split, microbatch size, M = 4 microbatches per iteration and
+    one SGD step per iteration on both sides (exactly the same training). Steady-state
+    samples/s after the warm-up, median of ``--rounds`` runs per side, sides alternating (the
+    machinery of ``bench_pipeline.py``). ``ratio_vs_torch_gpipe``, ``ratio_vs_torch_1f1b``
+    (target >= 1.0).
+(b) On a copy of the repository's heterogeneous ``cluster.toml`` (same devices, caps and
+    speeds; ports 0): the job with no split (the head profiles it and the synchronous planner
+    picks cuts, devices and their order) against one virtual worker over every device in file
+    order with the layers split evenly, both ``1f1b`` with M = 4. Measured iteration time: the
+    median interval between the ends of consecutive iterations at stage 0, after the first
+    fifth. ``measured_speedup_vs_naive`` (target >= 1.3) and ``iteration_prediction_error``
+    = |measured - predicted| / measured of the planned job (target <= 0.10). Host CPU use
+    during each job is reported: the emulated devices share this host's cores.
+(c) ``--optimality N``: the search against exhaustive enumeration on N random small
+    instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
+    ``optimality_gap_mean`` and ``optimality_gap_max`` (target <= 0.05); and the planning time
+    for 200 layers on 32 devices (``plan_200x32_s``, target < 10).
+
+    python scripts/bench_sync.py [--json] [--parts abc] [--rounds 3] [--optimality 300]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _bench import emit_json, machine, parser, print_table
+from bench_pipeline import job_dict, run_ours, run_torch
+
+from hetpipe.config import format_size, load_cluster
+from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+from hetpipe.models import build_model
+
+REPO = Path(__file__).resolve().parent.parent
+M = 4
+
+
+def part_a(args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("gpipe", "1f1b"):
+        job = job_dict(args.model, args.microbatch, args.minibatches, kind)
+        runs: dict[str, list[dict[str, Any]]] = {"ours": [], "torch": []}
+        for r in range(args.rounds):
+            for side in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
+                runs[side].append(run_ours(job, args.warmup, 1) if side == "ours"
+                                  else run_torch(job, args.warmup))
+        med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2]
+               for k, v in runs.items()}
+        out[kind] = {
+            "ours_samples_per_s": med["ours"]["samples_per_s"],
+            "torch_samples_per_s": med["torch"]["samples_per_s"],
+            "ours_cpu_ms_per_sample": med["ours"]["cpu_ms_per_sample"],
+            "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
+            "ratio": med["ours"]["samples_per_s"] / med["torch"]["samples_per_s"],
+            "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()},
+        }
+    print(f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
+          f"{args.minibatches} microbatches, median of {args.rounds}")
+    print_table(["schedule", "hetpipe samples/s", "torch samples/s", "ratio",
+                 "CPU ms/sample ours", "torch"],
+                [[k, v["ours_samples_per_s"], v["torch_samples_per_s"], v["ratio"],
+                  v["ours_cpu_ms_per_sample"], v["torch_cpu_ms_per_sample"]]
+                 for k, v in out.items()])
+    return out
+
+
+def _iterations(info: dict[str, Any]) -> tuple[float, list[float]]:
+    """Median time between the ends of consecutive iterations at stage 0 (first fifth out)."""
+    data = json.loads(Path(info["stages_path"]).read_text())
+    r = data["vw0/stage0"]
+    fields = r["stats"]["record_fields"]
+    rows = [dict(zip(fields, row, strict=True)) for row in r["records"]]
+    ends = [row["t_bwd"] for row in rows if row["p"] % M == M - 1]
+    gaps = [b - a for a, b in itertools.pairwise(ends)][len(ends) // 5:]
+    return statistics.median(gaps), gaps
+
+
+def _cpu_busy() -> float:
+    with open("/proc/stat") as fh:
+        vals = [float(x) for x in fh.readline().split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def part_b(args: Any) -> dict[str, Any]:
+    source = load_cluster(args.cluster)
+    devices = [DeviceDef(d.name, d.type, format_size(d.memory), d.speed, d.device)
+               for d in source.devices]
+    names = [d.name for d in devices]
+    n_layers = len(build_model("cnn", {"width": args.width}))
+    even = [n_layers // len(names) + (i < n_layers % len(names)) for i in range(len(names))]
+
+    def job(name: str, split: list[str] | None, minibatches: int) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": name, "model": {"name": "cnn", "args": {"width": args.width}},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9},
+            "train": {"minibatch": args.microbatch, "nm": M, "seed": 0, "schedule": "1f1b",
+                      "minibatches": minibatches},
+        }
+        if split:
+            d["vw"] = [{"devices": split, "layers": even}]
+        else:
+            d["train"]["vws"] = 1
+        return d
+
+    results: dict[str, list[dict[str, Any]]] = {"planned": [], "naive": []}
+    with tempfile.TemporaryDirectory(prefix="hetpipe-bench-sync-") as tmp:
+        root = Path(tmp)
+        path = root / "cluster.toml"
+        path.write_text(cluster_toml(devices, shards=len(source.ps)))
+        with LocalCluster(path, root / "run", timeout=120) as cluster:
+            warm = cluster.submit(job("warmup", names, 2 * M), timeout=600)
+            if warm.get("state") != "done":
+                raise RuntimeError(f"warm-up job: {warm.get('error')}")
+            for r in range(args.repeats):
+                for name, split in (("planned", None), ("naive", names)):
+                    busy0, t0 = _cpu_busy(), time.perf_counter()
+                    info = cluster.submit(job(f"{name}-{r}", split, args.iterations * M),
+                                          timeout=900)
+                    wall = time.perf_counter() - t0
+                    if info.get("state") != "done":
+                        raise RuntimeError(f"{name} job: {info.get('error')}")
+                    med, _gaps = _iterations(info)
+                    pred = info.get("predicted") or {}
+                    results[name].append({
+                        "iteration_s": med,
+                        "predicted_iteration_s": pred.get("iteration_s"),
+                        "devices": [s["device"] for v in pred.get("vws", [])
+                                    for s in v["stages"]],
+                        "layers": [s["layers"] for v in pred.get("vws", [])
+                                   for s in v["stages"]],
+                        "host_cpu_cores_busy": (_cpu_busy() - busy0) / wall,
+                        "accuracy": info.get("test_accuracy"),
+                    })
+                    print(f"  {name} run {r + 1}: iteration {med * 1e3:.1f} ms "
+                          f"(predicted {(pred.get('iteration_s') or 0) * 1e3:.1f} ms), "
+                          f"host {results[name][-1]['host_cpu_cores_busy']:.2f} cores busy",
+                          flush=True)
+    planned = sorted(results["planned"], key=lambda x: x["iteration_s"])[args.repeats // 2]
+    naive = sorted(results["naive"], key=lambda x: x["iteration_s"])[args.repeats // 2]
+    speedup = naive["iteration_s"] / planned["iteration_s"]
+    error = abs(planned["iteration_s"] - planned["predicted_iteration_s"]) / planned[
+        "iteration_s"]
+    print(f"(b) default cluster, cnn width {args.width}, 1f1b, M = {M}, minibatch "
+          f"{args.microbatch}: planned {planned['devices']} {planned['layers']} vs naive "
+          f"{naive['devices']} {even}")
+    print_table(["job", "iteration ms", "predicted ms", "host cores busy"],
+                [[k, x["iteration_s"] * 1e3, (x["predicted_iteration_s"] or 0) * 1e3,
+                  x["host_cpu_cores_busy"]] for k, x in (("planned", planned),
+                                                          ("naive", naive))])
+    print(f"measured speedup vs naive {speedup:.2f}x; iteration prediction error {error:.1%}")
+    return {"planned": planned, "naive": naive, "runs": results,
+            "measured_speedup_vs_naive": speedup, "iteration_prediction_error": error}
+
+
+def part_c(args: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_planner_sync import instance
+
+    from hetpipe.planner.syncplan import exhaustive, plan_sync
+
+    rng = random.Random(args.seed)
+    gaps, t_plan, t_exh = [], 0.0, 0.0
+    while len(gaps) < args.optimality:
+        model = instance(rng, rng.randint(2, 6), rng.randint(2, 10), rng.randint(1, 4))
+        t0 = time.perf_counter()
+        opt = exhaustive(model)
+        t1 = time.perf_counter()
+        got = plan_sync(model, budget_s=2.0)
+        t_plan += time.perf_counter() - t1
+        t_exh += t1 - t0
+        if opt is not None:
+            gaps.append(got.iteration_s / opt.iteration_s - 1 if got else float("inf"))
+    big = instance(random.Random(1), 32, 200, 4, caps=False)
+    t0 = time.perf_counter()
+    plan_sync(big, budget_s=6.0)
+    t_big = time.perf_counter() - t0
+    out = {"instances": len(gaps), "optimality_gap_mean": statistics.fmean(gaps),
+           "optimality_gap_max": max(gaps), "plan_s_mean": t_plan / len(gaps),
+           "exhaustive_s_mean": t_exh / len(gaps), "plan_200x32_s": t_big}
+    print(f"(c) {len(gaps)} random instances: gap to the exhaustive optimum mean "
+          f"{out['optimality_gap_mean']:.2%}, max {out['optimality_gap_max']:.2%}; planning "
+          f"{out['plan_s_mean'] * 1e3:.0f} ms each (exhaustive {out['exhaustive_s_mean']:.2f} s);"
+          f" 200 layers on 32 devices planned in {t_big:.1f} s")
+    return out
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--parts", default="abc", help="which parts to run (a, b, c)")
+    ap.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="(a) model")
+    ap.add_argument("--microbatch", type=int, default=32)
+    ap.add_argument("--minibatches", type=int, default=400, help="(a) microbatches per side")
+    ap.add_argument("--warmup", type=int, default=40, help="(a) microbatches not counted")
+    ap.add_argument("--rounds", type=int, default=3, help="(a) runs per side (median)")
+    ap.add_argument("--cluster", default=str(REPO / "cluster.toml"), help="(b) cluster file")
+    ap.add_argument("--width", type=int, default=32, help="(b) cnn width")
+    ap.add_argument("--iterations", type=int, default=60, help="(b) iterations per job")
+    ap.add_argument("--repeats", type=int, default=3, help="(b) runs per job (median)")
+    ap.add_argument("--optimality", type=int, default=300, help="(c) random instances")
+    ap.add_argument("--seed", type=int, default=0, help="(c) instance seed")
+    args = ap.parse_args()
+    if args.minibatches % M or args.warmup % M:
+        ap.error(f"--minibatches and --warmup must be multiples of M = {M}")
+    out: dict[str, Any] = {"bench": "sync", "machine": machine()}
+    if "a" in args.parts:
+        a = part_a(args)
+        out.update(ratio_vs_torch_gpipe=a["gpipe"]["ratio"], ratio_vs_torch_1f1b=a["1f1b"]["ratio"],
+                   vs_torch=a)
+    if "b" in args.parts:
+        b = part_b(args)
+        out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],
+                   iteration_prediction_error=b["iteration_prediction_error"], plan_quality=b)
+    if "c" in args.parts:
+        c = part_c(args)
+        out.update(optimality_gap_mean=c["optimality_gap_mean"],
+                   optimality_gap_max=c["optimality_gap_max"], plan_200x32_s=c["plan_200x32_s"],
+                   optimality=c)
+    if args.json:
+        emit_json(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
