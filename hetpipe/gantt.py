@@ -17,9 +17,10 @@ from typing import Any
 
 __all__ = ["COLORS", "Window", "gantt_png", "pick_window", "window_shares"]
 
-COLORS = {"forward": "#4c78a8", "backward": "#f58518", "send": "#72b7b2", "push": "#54a24b",
+COLORS = {"forward": "#4c78a8", "backward": "#f58518", "step": "#9d755d", "send": "#72b7b2",
+          "push": "#54a24b",
           "merge": "#b279a2", "gate": "#e45756", "bubble": "#d8d8d8"}
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "step")
 STEADY_WAVES = 3  # waves in the default window
 
 
@@ -129,7 +130,7 @@ def gantt_png(trace: Mapping[str, Any], path: str | Path, *,
     shares = window_shares(trace, win)
     for y, tid in enumerate(rows):
         sh = shares.get(tid, {})
-        busy = sh.get("forward", 0.0) + sh.get("backward", 0.0)
+        busy = sum(sh.get(k, 0.0) for k in COMPUTE)
         ax.text(1.005, y, f"busy {busy:4.0%}  bubble {sh.get('bubble', 0.0):4.0%}  "
                           f"gate {sh.get('gate', 0.0):4.0%}",
                 transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=8,

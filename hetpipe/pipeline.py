@@ -257,7 +257,7 @@ class StageRunner:
     def _compute(self, run: list[Action], x: Any, y: Any, grad: Any) -> tuple[Any, Any, list]:
         """On the compute thread: run the actions in order; spans as (kind, t0, t1, p, wave).
 
-        An optimizer step counts as part of the backward before it (one span).
+        An async optimizer step counts as part of the backward before it (one span).
         """
         c = self.compute
         out = grad_in = None
@@ -272,11 +272,13 @@ class StageRunner:
                 spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             else:
                 c.step(a.i)
-                if spans and spans[-1][0] == "backward":
+                if self.sync:  # the iteration's one step, after its flush
+                    spans.append(["step", t0, time.time(), None, a.i])
+                elif spans:  # a local update belongs to the backward before it
                     spans[-1][2] = time.time()
                 else:
-                    spans.append(["backward", t0, time.time(), None, a.i if self.sync
-                                  else wave_of(a.i, self.task.nm)])
+                    spans.append(["backward", t0, time.time(), None,
+                                  wave_of(a.i, self.task.nm)])
         return out, grad_in, spans
 
     def _opening(self, p: int) -> None:

@@ -5,7 +5,8 @@ stage's elapsed time (up to the few microseconds of the loop's own decisions):
 
 =========  ================================================================
 forward    the forward of a minibatch (compute, padded to the device speed)
-backward   the backward and the local optimizer step
+backward   the backward and (async) the local optimizer step after it
+step       a synchronous iteration's optimizer step (after its last backward)
 send       handing an activation or gradient to the next/previous stage
 push       handing the update of a wave to the parameter server
 merge      loading pulled weights plus own not-yet-applied updates
@@ -25,8 +26,8 @@ from typing import Any
 
 __all__ = ["BUSY", "KINDS", "Timeline", "shares"]
 
-KINDS = ("forward", "backward", "send", "push", "merge", "gate", "bubble")
-BUSY = ("forward", "backward")
+KINDS = ("forward", "backward", "step", "send", "push", "merge", "gate", "bubble")
+BUSY = ("forward", "backward", "step")
 
 
 class Timeline:

@@ -14,7 +14,8 @@ NM = 2
 
 
 def stages(minibatches: int = 24) -> dict[str, dict[str, Any]]:
-    """Two stages of one VW, 10 ms per compute; the last stage's span is forward+backward."""
+    """Two stages of one VW, 10 ms per compute; the last stage's forward (10 ms) and backward
+    (20 ms) run back to back, one span each, as the runtime records them."""
     first: list[list[Any]] = []
     last: list[list[Any]] = []
     t = 100.0
@@ -22,7 +23,8 @@ def stages(minibatches: int = 24) -> dict[str, dict[str, Any]]:
         wave = p // NM
         first.append(["forward", t, t + 0.01, p, wave])
         last.append(["bubble", t, t + 0.01, None, None])
-        last.append(["forward", t + 0.01, t + 0.04, p, wave])  # fused: 1/3 fwd, 2/3 bwd
+        last.append(["forward", t + 0.01, t + 0.02, p, wave])
+        last.append(["backward", t + 0.02, t + 0.04, p, wave])
         first.append(["bubble", t + 0.01, t + 0.04, None, None])
         first.append(["backward", t + 0.04, t + 0.05, p, wave])
         last.append(["gate", t + 0.04, t + 0.05, None, wave])
@@ -41,12 +43,10 @@ def test_the_last_stage_backward_is_drawn_as_backward() -> None:
     fwd = [e for e in events if e["cat"] == "forward"]
     bwd = [e for e in events if e["cat"] == "backward"]
     assert len(fwd) == len(bwd) == 24
-    assert all(e["args"]["fused"] for e in fwd + bwd)
-    assert fwd[0]["dur"] == pytest.approx(10_000, rel=1e-3)  # 30 ms cut 1:2
+    assert fwd[0]["dur"] == pytest.approx(10_000, rel=1e-3)
     assert bwd[0]["dur"] == pytest.approx(20_000, rel=1e-3)
     assert bwd[0]["ts"] == pytest.approx(fwd[0]["ts"] + fwd[0]["dur"])
-    first = [e for e in trace()["traceEvents"] if e.get("ph") == "X" and e["tid"] == 1]
-    assert not any(e["args"].get("fused") for e in first)  # only the last stage is cut
+    assert [e["name"] for e in bwd[:2]] == ["backward 0", "backward 1"]
 
 
 def test_default_window_is_a_few_steady_state_waves() -> None:

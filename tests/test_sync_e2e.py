@@ -3,6 +3,9 @@ PyTorch on the union of each iteration's samples, with one and with two virtual 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import job
@@ -78,6 +81,17 @@ def test_sync_transparency_one_vw(uniform_cluster, kind, split) -> None:
         assert steps == [0 if stateless else r["p"] // M for r in rows], where
         assert all(r["bwd_version"] == r["fwd_version"] for r in rows), where
         assert [r["clock"] for r in rows] == [r["p"] // M for r in rows], where
+    # the timeline shows each iteration's flush: one step span per iteration, after the
+    # iteration's last backward and before the next iteration's first forward
+    stages = json.loads(Path(info["stages_path"]).read_text())
+    for where, r in stages.items():
+        spans = r["stats"]["spans"]
+        steps = [x for x in spans if x[0] == "step"]
+        assert [x[4] for x in steps] == list(range(ITERATIONS)), where
+        for i, step in enumerate(steps[:-1]):
+            last_b = max(x[2] for x in spans if x[0] == "backward" and x[3] // M == i)
+            next_f = min(x[1] for x in spans if x[0] == "forward" and x[3] // M == i + 1)
+            assert last_b <= step[1] and step[2] <= next_f, (where, i)
 
 
 @pytest.mark.timeout(240)
