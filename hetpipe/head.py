@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -504,6 +505,10 @@ class Head:
                 profile = await self._profile(spec)
                 cluster = live_cluster(self.cluster, self._idle())
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                if spec.schedule == "auto":  # the planner chose: the job runs its choice
+                    spec = js.spec = dataclasses.replace(
+                        spec, schedule=plan.schedule, nm=plan.vws[0].nm)
+                    log.info("schedule chosen", why=plan.details.get("schedule_choice"))
                 predicted = predicted_summary(plan)
                 if needs_plan:
                     vws = plan_vws(plan)

@@ -122,7 +122,7 @@ class JobSpec:
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     faults: tuple[FaultSpec, ...] = ()
-    schedule: str = "async"  # hetpipe.schedule.KINDS; in gpipe/1f1b nm is M per iteration
+    schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
 
     @property
     def sync(self) -> bool:
@@ -222,14 +222,17 @@ class JobSpec:
         eval_every_s = train.positive("eval_every_s", None, low=0.1, high=MAX_SECONDS)
         hang_after_s = train.positive("hang_after_s", 30.0, low=1.0, high=MAX_SECONDS)
         schedule = train.text("schedule", "async")
-        if schedule not in SCHEDULE_KINDS:
+        if schedule not in (*SCHEDULE_KINDS, "auto"):
             train.fail("schedule", f"unknown schedule {schedule!r} "
-                       f"(one of: {', '.join(SCHEDULE_KINDS)})")
+                       f"(one of: {', '.join(SCHEDULE_KINDS)}, auto)")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
 
         vws = _vws(root)
+        if schedule == "auto" and vws:
+            train.fail("schedule", "auto needs a job without [[vw]] tables (the planner "
+                       "picks the schedule with the split)")
         if vws and num_vws is not None and num_vws != len(vws):
             train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
         return cls(

@@ -25,6 +25,7 @@ from hetpipe.planner import (
     LayerProfile,
     ModelProfile,
     Plan,
+    PlanError,
     explicit_plan,
     make_plan,
     measure_layers,
@@ -74,16 +75,53 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
               "optimizer_state_factor": factor, "minibatches": job_minibatches(spec)}
     if spec.sync:
-        return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or 4,
+        return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
                          vws=[(v.devices, v.layers) for v in spec.vws] or None,
                          num_vws=spec.num_vws)
+    if spec.schedule == "auto":
+        return _auto_plan(spec, cluster, profile, factor, common)
     if spec.vws:
         return explicit_plan(cluster, profile,
                              [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
                              nm=spec.nm, **common)
     return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
                      **common)
+
+
+SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
+
+
+def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, factor: int,
+               common: dict[str, Any]) -> Plan:
+    """``train.schedule = "auto"``: the async plan or the synchronous one, whichever the
+    planner predicts trains faster (samples per second; the staleness of async weights is
+    not priced, which the reason says)."""
+    plans: list[Plan] = []
+    errors = []
+    try:
+        plans.append(make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
+                               nm=spec.nm, **common))
+    except PlanError as exc:
+        errors.append(f"async: {exc}")
+    if spec.num_vws in (None, 1):
+        try:
+            plans.append(sync_plan(cluster, profile, minibatch=spec.minibatch,
+                                   m=spec.nm or SYNC_M, optimizer_state_factor=factor))
+        except PlanError as exc:
+            errors.append(f"synchronous: {exc}")
+    else:
+        errors.append("synchronous: plans one virtual worker")
+    if not plans:
+        raise PlanError("; ".join(errors))
+    best = max(plans, key=lambda p: p.samples_per_s)
+    rates = ", ".join(f"{p.schedule} {p.samples_per_s:.1f}" for p in plans)
+    why = (f"schedule auto chose {best.schedule}: predicted samples/s {rates}"
+           + (f" ({'; '.join(errors)})" if errors else "")
+           + ("; async trains on stale weights, which this does not price"
+              if best.schedule == "async" else "; exact minibatch SGD"))
+    return dataclasses.replace(best, warnings=(*best.warnings, why),
+                               details={**best.details, "schedule_choice": why})
 
 
 def job_minibatches(spec: JobSpec) -> int:

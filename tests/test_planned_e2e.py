@@ -51,3 +51,30 @@ def test_a_model_that_fits_nowhere_cannot_be_planned(hetero_cluster) -> None:
     assert error.startswith("cannot plan: "), error
     assert "fits on no virtual worker" in error and "MiB" in error, error
     assert "\n" not in error
+
+
+@pytest.mark.timeout(400)
+def test_a_synchronous_job_is_planned_and_runs_its_plan(hetero_cluster) -> None:
+    spec = job("sync-planned", model="cnn", nm=4, minibatches=48, lr=0.05)
+    spec["train"].update({"schedule": "1f1b", "vws": 1})
+    info = hetero_cluster.submit(spec, timeout=380)
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]
+    assert pred["schedule"] == "1f1b" and pred["iteration_s"] > 0
+    assert len(info["vws"]) == 1 and info["vws"][0]["devices"] == [
+        s["device"] for s in pred["vws"][0]["stages"]]
+    for s in info["stages"]:  # every stage within its cap, as the synchronous model said
+        ps = pred["vws"][0]["stages"][s["stage"]]
+        assert ps["memory"] <= ps["memory_cap"] and s["peak_bytes"] <= ps["memory_cap"]
+
+
+@pytest.mark.timeout(400)
+def test_schedule_auto_says_what_it_chose_and_runs_it(hetero_cluster) -> None:
+    spec = planned_job("auto", model="mlp", minibatches=40)
+    spec["train"].update({"schedule": "auto", "vws": 1})
+    info = hetero_cluster.submit(spec, timeout=380)
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]
+    why = [w for w in pred["warnings"] if w.startswith("schedule auto chose ")]
+    assert why and why[0].startswith(f"schedule auto chose {pred['schedule']}:"), pred
+    assert "async" in why[0] and ("1f1b" in why[0] or "gpipe" in why[0])
