@@ -96,8 +96,12 @@ def stage_costs(
     *,
     several_vws: bool,
     shards: int,
+    schedule: str = "async",
 ) -> tuple[StageCost, ...]:
-    """Per-stage costs of one VW's split on an idle host (see the module docs)."""
+    """Per-stage costs of one VW's split on an idle host (see the module docs). In the
+    async schedule the last stage runs forward and backward as one task; in the synchronous
+    ones they are two, and the per-wave push and merge are per iteration (the merge is the
+    gradient exchange of several VWs)."""
     rt = model.runtime
     prof = model.profile
     k = len(devices)
@@ -115,7 +119,7 @@ def stage_costs(
         recv = (0.0 if first else rt.message_s + in_bytes * rt.message_byte_s) + (
             0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
         )
-        if last:
+        if last and schedule == "async":
             compute_fwd, compute_bwd = fwd + bwd + task, 0.0
             loop_fwd, loop_bwd = rt.hop_s + send_grad, 0.0
         else:
@@ -169,6 +173,7 @@ def _sim_vw(
     cold: Sequence[float],
     p: Partition,
     minibatch: int,
+    schedule: str = "async",
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
     plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
@@ -188,7 +193,7 @@ def _sim_vw(
         SimLink(costs[i].link_s * slow[i + 1] + wake[i + 1], costs[i].link_s * slow[i] + wake[i])
         for i in range(len(costs) - 1)
     )
-    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices))
+    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices), schedule)
 
 
 def predict(
@@ -200,6 +205,7 @@ def predict(
     cores: int | Mapping[str, int] | None = None,
     shard_hosts: Sequence[str] = (),
     minibatches: int | None = None,
+    schedule: str = "async",
 ) -> Prediction:
     """Simulate the chosen VWs with the runtime's costs, slowed by sharing their hosts.
 
@@ -212,7 +218,8 @@ def predict(
     several = len(chosen) > 1
     n_shards = max(1, len(shard_hosts))
     costs = tuple(
-        stage_costs(model, devs, p, several_vws=several, shards=n_shards) for devs, p in chosen
+        stage_costs(model, devs, p, several_vws=several, shards=n_shards, schedule=schedule)
+        for devs, p in chosen
     )
     n = minibatches or sim_minibatches([p.nm for _, p in chosen])
     # the fixed point needs rates, not the whole run: its rounds simulate a shorter one
@@ -257,6 +264,7 @@ def predict(
                 [cold[j] for j, (u, _, _) in enumerate(workers) if u == v],
                 p,
                 minibatch,
+                schedule,
             )
             for v, (_, p) in enumerate(chosen)
         ]

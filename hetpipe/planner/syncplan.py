@@ -43,9 +43,20 @@ from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.schedule import SYNC_KINDS, microbatch_order
 
-__all__ = ["SyncChoice", "SyncModel", "SyncStage", "exhaustive", "iteration_time", "plan_sync"]
+__all__ = [
+    "SyncChoice",
+    "SyncModel",
+    "SyncStage",
+    "exhaustive",
+    "iteration_time",
+    "plan_sync",
+    "search_sync",
+    "sync_plan",
+]
 
 INF = math.inf
+PREDICT_ITERATIONS = 12  # iterations the final prediction simulates
+RERANK = 5  # the fastest pipelines of the search ranked again with the hosts' sharing
 CAPS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, INF)
 
 
@@ -383,6 +394,12 @@ def _chain(model: SyncModel, subset: Sequence[int], start: int) -> list[int]:
 
 def plan_sync(model: SyncModel, budget_s: float = 5.0) -> SyncChoice | None:
     """The fastest synchronous pipeline the search finds (None: the model fits nowhere)."""
+    found = search_sync(model, budget_s)
+    return found[0] if found else None
+
+
+def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
+    """Every pipeline the search timed, fastest first (empty: the model fits nowhere)."""
     deadline = time.monotonic() + budget_s
     n, L = len(model.devices), model.L
     power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]), 1e-12)
@@ -412,7 +429,7 @@ def plan_sync(model: SyncModel, budget_s: float = 5.0) -> SyncChoice | None:
         if time.monotonic() > deadline:
             break
     if not starts:
-        return None
+        return []
     starts.sort(key=lambda c: c.iteration_s)
     best = starts[0]
     for start in starts[:3]:
@@ -424,7 +441,7 @@ def plan_sync(model: SyncModel, budget_s: float = 5.0) -> SyncChoice | None:
             cur = nxt
         if cur.iteration_s < best.iteration_s:
             best = cur
-    return best
+    return sorted((c for c in seen.values() if c is not None), key=lambda c: c.iteration_s)
 
 
 def _improve(model: SyncModel, cur: SyncChoice, try_, deadline: float) -> SyncChoice | None:
@@ -484,7 +501,17 @@ def sync_plan(
     """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (one virtual worker; ``kind`` None picks gpipe or 1f1b), or priced
     for the given ``vws`` (devices in order, layers per stage or None for the best cuts)."""
-    from hetpipe.planner.plan import Plan, PlanError, StagePlan, VWPlan, _at_minibatch, place_stages
+    from hetpipe.planner.plan import (
+        Plan,
+        PlanError,
+        StagePlan,
+        VWPlan,
+        _at_minibatch,
+        _cost_model,
+        _shard_hosts,
+        place_stages,
+    )
+    from hetpipe.planner.predict import predict
 
     if m < 1:
         raise PlanError(f"microbatches per iteration must be >= 1, got {m}")
@@ -496,6 +523,18 @@ def sync_plan(
     model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
                       costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS)
     index = {d.name: i for i, d in enumerate(usable)}
+    cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
+
+    def _predict(*vws: SyncChoice) -> tuple[float, Any]:
+        """Iteration time with the runtime's costs and the sharing of each host's cores,
+        simulated (the search ranks with the idle-host costs alone)."""
+        parts = [(tuple(usable[i] for i in c.devices),
+                  cm.describe([usable[i] for i in c.devices], c.cuts, m)) for c in vws]
+        pred = predict(cm, parts, minibatch=minibatch, staleness=0,
+                       shard_hosts=_shard_hosts(cluster), minibatches=PREDICT_ITERATIONS * m,
+                       schedule=vws[0].kind)
+        return max(*pred.sim.iteration_s, 1e-12), pred
+
     chosen: list[SyncChoice] = []
     if vws:
         for v, (names, layers) in enumerate(vws):
@@ -525,16 +564,18 @@ def sync_plan(
         if num_vws not in (None, 1):
             raise PlanError("the synchronous planner plans one virtual worker; give [[vw]] "
                             "tables for several")
-        c = plan_sync(model, budget_s)
-        if c is None:
+        found = search_sync(model, budget_s)
+        if not found:
             raise PlanError("the model fits on no pipeline of the usable devices under the "
                             "synchronous schedules' memory")
-        chosen.append(c)
+        # the few fastest on an idle host, ranked again with the sharing of the hosts' cores
+        chosen.append(min(found[:RERANK], key=lambda c: _predict(c)[0]))
         policy = "sync"
     kinds = {c.kind for c in chosen}
     if len(kinds) > 1:
         raise PlanError(f"virtual workers would run different schedules {sorted(kinds)}")
-    iteration = max(c.iteration_s for c in chosen)
+    searched = max(c.iteration_s for c in chosen)
+    iteration, pred = _predict(*chosen)
     any_type = next(iter(profile.layers))
     layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in profile.layers[any_type]]
     stage_hosts = [[(usable[i].host, ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
@@ -546,16 +587,17 @@ def sync_plan(
         k = len(c.devices)
         stages = []
         for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
-            st = model.stage(i, a, b)
             stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
-                                    st.fwd_s + st.bwd_s,
+                                    pred.compute_s(v, pos),
                                     model.memory(i, a, b, pos, k, c.kind), usable[i].memory,
-                                    stage_shards[v][pos], st.fwd_s + st.bwd_s))
+                                    stage_shards[v][pos], pred.busy_s(v, pos, m),
+                                    pred.slowdown[v][pos]))
         plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), m,
                             m * minibatch / iteration))
     used = {n for p in plans for n in p.devices}
     unused = tuple(d.name for d in cluster.devices if d.name not in used)
-    details = {"iteration_s": iteration, "kind": chosen[0].kind,
+    details = {"iteration_s": iteration, "searched_iteration_s": searched,
+               "kind": chosen[0].kind, "slowdown": [list(x) for x in pred.slowdown],
                "evaluations": model.evaluations,
                "orders": {str(s): [f"{op}{j}" for op, j in
                                    microbatch_order(chosen[0].kind, len(chosen[0].devices), s, m)]
