@@ -261,13 +261,6 @@ class StageSchedule:
 
     # -- queries ---------------------------------------------------------------------------
 
-    def wave(self, p: int) -> int:
-        return p // self.nm
-
-    def admitted(self, p: int) -> bool:
-        """Async admission: stage 0 runs p only after the backward of p - nm finished."""
-        return not self.first or p - self.nm < self.nb
-
     def in_iteration(self, c: int) -> int:
         """Microbatches of iteration ``c`` (the last one may be short)."""
         return min(self.nm, self.total - c * self.nm)
@@ -295,42 +288,39 @@ class StageSchedule:
         return self._next_sync(inputs) if self.sync else self._next_async(inputs)
 
     def _next_async(self, inputs: Inputs) -> Action:
-        if self.steps < self.nb:
-            return OptimizerStep(self.nb - 1)
-        if self.pushes and self.pushed < self._waves_closed():
-            return Push(self.pushed)
-        if self.last and self.nb < self.nf:
-            return Backward(self.nb)  # the loss is here: its backward follows at once
-        q = self.nf
-        c = self.wave(q)
-        opens_wave = q < self.total and q % self.nm == 0 and c > self.merged
-        if opens_wave and self.pulls and (c, False) not in self.sent and self.admitted(q):
+        # the hottest function of the planner's simulator: plain locals, no helper calls
+        nb, nf, nm, total = self.nb, self.nf, self.nm, self.total
+        if self.steps < nb:
+            return OptimizerStep(nb - 1)
+        if self.pushes:
+            closed = self.waves if nb >= total else nb // nm  # waves fully stepped here
+            if self.pushed < closed:
+                return Push(self.pushed)
+        if self.last and nb < nf:
+            return Backward(nb)  # the loss is here: its backward follows at once
+        q = nf
+        c = q // nm
+        admitted = not self.first or q - nm < nb
+        opens_wave = self.pulls and q < total and q % nm == 0 and c > self.merged
+        if opens_wave and admitted and (c, False) not in self.sent:
             return Pull(c)  # prefetch: overlaps the backwards still to run
-        if self.nb < self.nf and inputs.has_gradient(self.nb):
-            return Backward(self.nb)
+        if nb < nf and inputs.has_gradient(nb):
+            return Backward(nb)
         blocked: Wait | None = None
-        if q < self.total and self.admitted(q):
-            if opens_wave and self.pulls and not inputs.pulled(c, False):
+        if q < total and admitted:
+            if opens_wave:
+                if inputs.pulled(c, False):
+                    return Merge(c)
                 blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
-            elif opens_wave and self.pulls:
-                return Merge(c)
             elif self.first or inputs.has_activation(q):
                 return Forward(q)
-        if self.nb >= self.total and self.pushed >= self._push_target():
+        if nb >= total and self.pushed >= (self.waves if self.pushes else 0):
             return Done()
         if blocked is not None:
             return blocked
-        if self.nb < self.nf:
-            return Wait("gradient", p=self.nb)
+        if nb < nf:
+            return Wait("gradient", p=nb)
         return Wait("activation", p=q)
-
-    def _waves_closed(self) -> int:
-        """Waves (async) whose every backward and optimizer step is done here."""
-        done = min(self.nb, self.steps)
-        return self.waves if done >= self.total else done // self.nm
-
-    def _push_target(self) -> int:
-        return self.waves if self.pushes else 0
 
     def _next_sync(self, inputs: Inputs) -> Action:
         c = self.steps  # the iteration in progress
@@ -361,29 +351,29 @@ class StageSchedule:
 
     def done(self, action: Action) -> None:
         """Record that ``action`` (the one :meth:`next` gave) has been run."""
-        match action:
-            case Forward(p):
-                self.nf = p + 1
-                self.pos += self.sync
-            case Backward(p):
-                self.nb = p + 1
-                self.pos += self.sync
-            case OptimizerStep():
-                self.steps += 1
-                if self.sync:
-                    self.pos = 0
-            case Push(c):
-                self.pushed = c + 1
-            case Pull(c, grads):
-                self.sent.add((c, grads))
-            case Merge(c, grads):
-                if grads:
-                    self.reduced = c
-                else:
-                    self.merged = c
-                self.sent.discard((c, grads))
-            case _:
-                raise ScheduleError(f"{action!r} is not an action to report")
+        kind = type(action)
+        if kind is Forward:
+            self.nf = action.p + 1  # type: ignore[union-attr]
+            self.pos += self.sync
+        elif kind is Backward:
+            self.nb = action.p + 1  # type: ignore[union-attr]
+            self.pos += self.sync
+        elif kind is OptimizerStep:
+            self.steps += 1
+            if self.sync:
+                self.pos = 0
+        elif kind is Push:
+            self.pushed = action.c + 1  # type: ignore[union-attr]
+        elif kind is Pull:
+            self.sent.add((action.c, action.grads))  # type: ignore[union-attr]
+        elif kind is Merge:
+            if action.grads:  # type: ignore[union-attr]
+                self.reduced = action.c  # type: ignore[union-attr]
+            else:
+                self.merged = action.c  # type: ignore[union-attr]
+            self.sent.discard((action.c, action.grads))  # type: ignore[union-attr]
+        else:
+            raise ScheduleError(f"{action!r} is not an action to report")
 
 
 class _Nothing:

@@ -112,7 +112,7 @@ def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random):
                             step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0)
                    for _ in range(k))
     links = tuple(SimLink(rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)) for _ in range(k - 1))
-    return simulate([SimVW(stages, nm, links, schedule=kind)], 0, total)
+    return simulate([SimVW(stages, nm, links, schedule=kind)], 0, total, record=True)
 
 
 def _jobs(n: int):

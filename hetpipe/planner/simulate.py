@@ -47,7 +47,6 @@ from hetpipe.schedule import (
     Forward,
     Merge,
     OptimizerStep,
-    Pull,
     Push,
     StageSchedule,
     Wait,
@@ -173,8 +172,11 @@ class _VW:
         return min(held) if held else min(self.pushed)
 
 
-def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResult:
-    """Run every VW for ``minibatches`` minibatches under WSP with staleness ``staleness``."""
+def simulate(
+    vws: Sequence[SimVW], staleness: int, minibatches: int, *, record: bool = False
+) -> SimResult:
+    """Run every VW for ``minibatches`` minibatches under WSP with staleness ``staleness``;
+    ``record`` keeps every stage's timed actions (``SimResult.actions``)."""
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0, got {staleness}")
     if minibatches < 1:
@@ -232,53 +234,50 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
                 keep.append((v, s, c, sent))
         pending[:] = keep
 
-    def duration(st: _Stage, a: Action, last: bool) -> float:
-        sp = st.spec
-        match a:
-            case Forward():
-                return sp.fwd_s
-            case Backward():
-                return sp.bwd_s
-            case OptimizerStep():
-                return sp.step_s
-            case Push():
-                return sp.push_s if sp.state else 0.0
-            case Merge(c, grads):
-                return sp.merge_s if c >= 1 and not grads else 0.0
-        return 0.0
-
     def dispatch(now: float, v: int, s: int) -> None:
         w = state[v]
         st = w.stages[s]
         if not st.idle:
             return
         st.now = now
-        last = s == len(w.stages) - 1
+        sched, sp = st.schedule, st.spec
         while True:
-            a = st.schedule.next(st)
-            if isinstance(a, Done):
+            a = sched.next(st)
+            kind = type(a)
+            if kind is Done:
                 return
-            if isinstance(a, Wait):
-                if s == 0 and a.what == "pull" and st.gate_since is None:
+            if kind is Wait:
+                if s == 0 and a.what == "pull" and st.gate_since is None:  # type: ignore[union-attr]
                     st.gate_since = now
                 return
-            if st.gate_since is not None and isinstance(a, Forward | Merge):
+            if st.gate_since is not None and (kind is Forward or kind is Merge):
                 w.gate_wait += now - st.gate_since
                 st.gate_since = None
-            st.schedule.done(a)
-            st.log.append((now, a))
-            if isinstance(a, Pull):
-                if a.grads:
-                    reduces.setdefault(a.c, []).append((v, s, now))
-                    if len(reduces[a.c]) == contributors:
-                        at = max(t for _v, _s, t in reduces[a.c])
-                        for u, j, _t in reduces.pop(a.c):
-                            answer(u, j, (a.c, True), at + state[u].stages[j].spec.pull_s)
+            sched.done(a)
+            if record:
+                st.log.append((now, a))
+            if kind is Forward:
+                dur = sp.fwd_s
+            elif kind is Backward:
+                dur = sp.bwd_s
+            elif kind is OptimizerStep:
+                dur = sp.step_s
+            elif kind is Push:
+                dur = sp.push_s if sp.state else 0.0
+            elif kind is Merge:
+                dur = sp.merge_s if a.c >= 1 and not a.grads else 0.0  # type: ignore[union-attr]
+            else:  # a pull: sent now, answered when the clock or the other VWs allow
+                c = a.c  # type: ignore[union-attr]
+                if a.grads:  # type: ignore[union-attr]
+                    reduces.setdefault(c, []).append((v, s, now))
+                    if len(reduces[c]) == contributors:
+                        at = max(t for _v, _s, t in reduces[c])
+                        for u, j, _t in reduces.pop(c):
+                            answer(u, j, (c, True), at + state[u].stages[j].spec.pull_s)
                 else:
-                    pending.append((v, s, a.c, now))
+                    pending.append((v, s, c, now))
                     release_pulls(now)
                 continue
-            dur = duration(st, a, last)
             if dur <= 0:
                 finish(now, v, s, a)
                 continue
@@ -294,15 +293,16 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
 
     def finish(now: float, v: int, s: int, a: Action) -> None:
         """The effects of action ``a`` of stage ``s`` completing at ``now``."""
-        nonlocal glob
         w = state[v]
-        w.end = max(w.end, now)
+        if now > w.end:
+            w.end = now
         links = w.spec.links
-        k = len(w.stages)
-        if isinstance(a, Forward) and s + 1 < k:
-            dur = links[s].fwd_s if links else 0.0
-            push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
-        elif isinstance(a, Backward):
+        kind = type(a)
+        if kind is Forward:
+            if s + 1 < len(w.stages):
+                dur = links[s].fwd_s if links else 0.0
+                push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
+        elif kind is Backward:
             if s > 0:
                 dur = links[s - 1].bwd_s if links else 0.0
                 push(link(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
@@ -311,9 +311,10 @@ def simulate(vws: Sequence[SimVW], staleness: int, minibatches: int) -> SimResul
                 w.done_at.append(now)
                 if w.done >= N:
                     advance(now)
-        elif isinstance(a, OptimizerStep) and s == 0 and w.spec.schedule != "async":
-            w.steps_at.append(now)
-        elif isinstance(a, Push):
+        elif kind is OptimizerStep:
+            if s == 0 and w.spec.schedule != "async":
+                w.steps_at.append(now)
+        elif kind is Push:
             w.pushed[s] = a.c + 1
             advance(now)
 

@@ -167,6 +167,7 @@ class SyncModel:
         self._type: dict[str, dict[str, np.ndarray]] = {}
         self._cut_memo: dict[tuple, tuple[float, tuple[tuple[int, int], ...]] | None] = {}
         self.evaluations = 0
+        self.deadline = INF  # time.monotonic() after which refinement stops early
 
     # -- per type prefix sums -------------------------------------------------------------
 
@@ -344,7 +345,7 @@ class SyncModel:
         """Move single cuts by up to two layers while the iteration gets faster."""
         cuts = list(cuts)
         improved = True
-        while improved:
+        while improved and time.monotonic() < self.deadline:
             improved = False
             for s in range(len(cuts) - 1):
                 for d in (-2, -1, 1, 2):
@@ -400,7 +401,7 @@ def plan_sync(model: SyncModel, budget_s: float = 5.0) -> SyncChoice | None:
 
 def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
     """Every pipeline the search timed, fastest first (empty: the model fits nowhere)."""
-    deadline = time.monotonic() + budget_s
+    deadline = model.deadline = time.monotonic() + budget_s
     n, L = len(model.devices), model.L
     power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]), 1e-12)
              for d in model.devices]
