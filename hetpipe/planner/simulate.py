@@ -137,7 +137,6 @@ class _Stage:
     idle: bool = True
     busy_s: float = 0.0
     gate_since: float | None = None
-    wake_at: float = -1.0
     log: list[tuple[float, Action]] = field(default_factory=list)
 
     # the schedule's Inputs
