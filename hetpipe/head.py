@@ -112,7 +112,7 @@ class JobState:
             out["seconds"] = now - self.started
         plan = self.plan
         if plan is not None:
-            out["total"] = plan.minibatches * len(plan.vws)
+            out["total"] = plan.total_minibatches
             vws = []
             done_all = 0
             for v, vwp in enumerate(plan.vws):
@@ -625,18 +625,18 @@ class Head:
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
-        js.evals.append([train_s, plan.minibatches * len(plan.vws), accuracy])
+        js.evals.append([train_s, plan.total_minibatches, accuracy])
         stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
         (out_dir / "trace.json").write_text(json.dumps(trace))
-        samples = plan.minibatches * len(plan.vws) * js.spec.minibatch
+        samples = plan.total_minibatches * js.spec.minibatch
         return {
             "status": "done",
             "test_accuracy": accuracy,
             "samples_per_s": samples / train_s,
-            "minibatches": plan.minibatches * len(plan.vws),
+            "minibatches": plan.total_minibatches,
             "seconds": train_s,
             "model_path": str((out_dir / "model.pt").resolve()),
             "stages_path": str((out_dir / "stages.json").resolve()),

@@ -91,8 +91,23 @@ class JobPlan:
     def shards_used(self) -> list[int]:
         return sorted(set(self.placement.values()))
 
+    def minibatches_of(self, vw: int) -> int:
+        """Minibatches (microbatches) virtual worker ``vw`` runs.
+
+        Synchronous schedules exchange gradients every iteration, so every virtual worker
+        runs the same number of iterations: ``minibatches`` counts the first one's
+        microbatches, and one with another M runs that many iterations of its own M.
+        """
+        if not self.spec.sync:
+            return self.minibatches
+        return -(-self.minibatches // self.vws[0].nm) * self.vws[vw].nm
+
+    @property
+    def total_minibatches(self) -> int:
+        return sum(self.minibatches_of(v) for v in range(len(self.vws)))
+
     def waves(self, vw: int) -> int:
-        return -(-self.minibatches // self.vws[vw].nm)
+        return -(-self.minibatches_of(vw) // self.vws[vw].nm)
 
     def shard_contents(self) -> dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
         """Per shard: the ``members`` map of shard_init and the initial weights it holds."""
@@ -122,7 +137,7 @@ class JobPlan:
                 names = self.stage_names(v, s)
                 out.append(StageTask(
                     job=self.job, spec=spec, vw=v, stage=s, k=k, first=st.first, last=st.last,
-                    nm=vwp.nm, staleness=self.spec.staleness, minibatches=self.minibatches,
+                    nm=vwp.nm, staleness=self.spec.staleness, minibatches=self.minibatches_of(v),
                     num_vws=len(self.vws),
                     prev=workers[vwp.stages[s - 1].device].address if s > 0 else None,
                     next=workers[vwp.stages[s + 1].device].address if s < k - 1 else None,

@@ -21,10 +21,12 @@ M = 4
 ITERATIONS = 30
 
 
-def plain_sync_training(spec_dict: dict, iterations: int, m: int, vws: int
+def plain_sync_training(spec_dict: dict, iterations: int, m: int | list[int], vws: int
                         ) -> dict[str, torch.Tensor]:
     """Plain PyTorch: one SGD step per iteration on the M minibatches of every virtual worker
-    (their samples concatenated, mean loss), from the same weights and data order."""
+    (their samples concatenated, mean loss), from the same weights and data order; ``m`` may
+    be one M per virtual worker."""
+    ms = m if isinstance(m, list) else [m] * vws
     spec = JobSpec.from_dict(spec_dict)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -38,7 +40,8 @@ def plain_sync_training(spec_dict: dict, iterations: int, m: int, vws: int
     loss_fn = model_loss(spec.model.name)
     model.train()
     for i in range(iterations):
-        batches = [s.batch(p) for s in streams for p in range(i * m, (i + 1) * m)]
+        batches = [s.batch(p) for s, mv in zip(streams, ms, strict=True)
+                   for p in range(i * mv, (i + 1) * mv)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         opt.zero_grad()
@@ -103,3 +106,17 @@ def test_sync_transparency_two_vws(uniform_cluster, kind) -> None:
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_close(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 2))
+
+
+@pytest.mark.timeout(240)
+def test_sync_vws_of_different_m_weight_gradients_by_samples(uniform_cluster) -> None:
+    """A VW of M = 2 beside one of M = 4: every iteration is SGD on all 6 microbatches."""
+    split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])]
+    spec = sync_job("sync-uneven", "1f1b", split, lr=0.05)
+    spec["train"]["minibatches"] = 2 * ITERATIONS
+    spec["vw"][0]["nm"], spec["vw"][1]["nm"] = 2, 4
+    info = uniform_cluster.submit(spec)
+    assert info["state"] == "done", info.get("error")
+    assert info["minibatches"] == 6 * ITERATIONS
+    assert_close(torch.load(info["model_path"]),
+                 plain_sync_training(spec, ITERATIONS, [2, 4], 2))
