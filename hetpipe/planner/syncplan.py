@@ -57,6 +57,7 @@ __all__ = [
 INF = math.inf
 PREDICT_ITERATIONS = 12  # iterations the final prediction simulates
 RERANK = 5  # the fastest pipelines of the search ranked again with the hosts' sharing
+SMALL = 7  # clusters this small get every mapping tried when no heuristic start fits
 CAPS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, INF)
 
 
@@ -420,15 +421,26 @@ def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
     starts: list[SyncChoice] = []
     for k in lengths:
         for subset in (ranked[:k], sorted(ranked, key=lambda i: -model.devices[i].memory)[:k]):
-            for start in dict.fromkeys((subset[0], max(subset, key=lambda i: power[i]))):
-                c = try_(_chain(model, subset, start))
-                if c is not None:
-                    starts.append(c)
-                c = try_(sorted(subset, key=lambda i: -model.devices[i].memory))
-                if c is not None:
-                    starts.append(c)
+            orders = [_chain(model, subset, start)
+                      for start in dict.fromkeys((subset[0], max(subset, key=lambda i: power[i])))]
+            orders.append(sorted(subset, key=lambda i: -model.devices[i].memory))
+            for order in orders:  # either direction: memory and links differ by position
+                for devs in (order, order[::-1]):
+                    c = try_(devs)
+                    if c is not None:
+                        starts.append(c)
         if time.monotonic() > deadline:
             break
+    if not starts and n <= SMALL:
+        # nothing the heuristics tried fits: on a small cluster, try every mapping in turn
+        for k in range(1, min(n, L) + 1):
+            for devs in itertools.permutations(range(n), k):
+                c = try_(devs)
+                if c is not None:
+                    starts.append(c)
+                    break
+            if starts or time.monotonic() > deadline:
+                break
     if not starts:
         return []
     starts.sort(key=lambda c: c.iteration_s)
