@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from hetpipe.staleness import StageGaps, version_gaps
 from hetpipe.schedule import (
     Backward,
     Done,
@@ -228,3 +229,38 @@ def test_finished_schedules_say_done():
     schedules = stages("1f1b", 2, 2, 2)
     list(clock_cycles(schedules))
     assert all(isinstance(sch.next(_Inputs()), Done) for sch in schedules)
+
+
+# -- version gaps for weight prediction (hetpipe.staleness) ---------------------------------
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_version_gaps_match_the_paper_on_uniform_pipelines(k):
+    """Counted from the action tables, with the stage's own step (the paper's convention):
+    backward floor(k_i/2) exactly; forward the paper's floor(k_i/2) + N - k_i - 1 plus the
+    one update the paper's figure leaves out (see hetpipe.staleness)."""
+    total = 10 * k
+    gaps = version_gaps(k, k, total, own=True)
+    p = total // 2  # steady state
+    for i in range(k):
+        ki = i + 1
+        s_fwd, s_bwd = gaps[i][p]
+        assert s_bwd == ki // 2
+        assert s_fwd == ki // 2 + k - ki - 1 + 1
+        # what a run observes at this stage: updates between its forward and backward of p
+        assert s_fwd - s_bwd == k - ki
+
+
+@pytest.mark.parametrize(("k", "nm"), [(1, 1), (3, 1), (4, 1)])
+def test_version_gaps_vanish_without_pipelining(k, nm):
+    for stage in version_gaps(k, nm, 6):
+        assert set(stage.values()) == {(0, 0)}
+
+
+@pytest.mark.parametrize(("k", "nm", "total"), [(4, 4, 200), (3, 5, 157), (5, 2, 91), (2, 7, 164)])
+def test_stage_gaps_of_long_runs_equal_the_full_table(k, nm, total):
+    full = version_gaps(k, nm, total)
+    for stage in range(k):
+        gaps = StageGaps(k, stage, nm, total)
+        assert gaps.window < total
+        assert [gaps(p) for p in range(total)] == [full[stage][p] for p in range(total)]
