@@ -632,7 +632,10 @@ class Head:
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
         (out_dir / "trace.json").write_text(json.dumps(trace))
         samples = plan.minibatches * len(plan.vws) * js.spec.minibatch
+        quality = {k: r["stats"].get("prediction_quality") for k, r in stages.items()
+                   if r["stats"].get("prediction_quality") is not None}
         return {
+            **({"prediction_quality": quality} if quality else {}),
             "status": "done",
             "test_accuracy": accuracy,
             "samples_per_s": samples / train_s,

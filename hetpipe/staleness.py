@@ -41,11 +41,10 @@ prediction extrapolates this stage's own momentum only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from hetpipe.schedule import Backward, Forward, OptimizerStep, StageSchedule, clock_cycles
 
-__all__ = ["StageGaps", "version_gaps"]
+__all__ = ["StageTable", "lockstep_orders", "version_gaps"]
 
 
 def version_gaps(k: int, nm: int, total: int, *, own: bool = False
@@ -57,27 +56,38 @@ def version_gaps(k: int, nm: int, total: int, *, own: bool = False
     docs). Without it (what the runtime predicts with) only other minibatches' updates count:
     a minibatch run synchronously never sees its own update, so with Nm = 1 every s is 0.
     """
+    return [_count_gaps(ops, total, own) for ops in lockstep_orders(k, nm, total)]
+
+
+def lockstep_orders(k: int, nm: int, total: int) -> list[list[tuple[str, int, int]]]:
+    """Each stage's forwards ``("F", p, tick)``, backwards ``("B", p, tick)`` and optimizer
+    steps ``("S", p, tick)`` in the order the lock-step tables run them."""
     schedules = [StageSchedule("async", k=k, stage=s, nm=nm, total=total, pushes=False)
                  for s in range(k)]
-    fwd: list[dict[int, int]] = [{} for _ in range(k)]
-    bwd: list[dict[int, int]] = [{} for _ in range(k)]
-    steps: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(k)]
     for tick, s, a in clock_cycles(schedules):
         if isinstance(a, Forward):
-            fwd[s][a.p] = tick
+            out[s].append(("F", a.p, tick))
         elif isinstance(a, Backward):
-            bwd[s][a.p] = tick
+            out[s].append(("B", a.p, tick))
         elif isinstance(a, OptimizerStep):
-            steps[s].append((tick, a.i))
-    out: list[dict[int, tuple[int, int]]] = []
-    for s in range(k):
-        gaps = {}
-        for p in range(total):
-            end = bwd[0][p]
-            mine = [t for t, i in steps[s] if own or i != p]
-            gaps[p] = (_count(mine, fwd[s][p], end), _count(mine, bwd[s][p], end))
-        out.append(gaps)
-    return out
+            out[s].append(("S", a.i, tick))
+    # every stage's gaps end at stage 0's backward: carry its ticks along
+    ends = {p: t for op, p, t in out[0] if op == "B"}
+    return [[*ops, *(("E", p, t) for p, t in ends.items())] for ops in out]
+
+
+def _count_gaps(ops: Sequence[tuple[str, int, int]], total: int, own: bool
+                ) -> dict[int, tuple[int, int]]:
+    fwd = {p: t for op, p, t in ops if op == "F"}
+    bwd = {p: t for op, p, t in ops if op == "B"}
+    end = {p: t for op, p, t in ops if op == "E"}
+    steps = [(t, i) for op, i, t in ops if op == "S"]
+    gaps = {}
+    for p in range(total):
+        mine = [t for t, i in steps if own or i != p]
+        gaps[p] = (_count(mine, fwd[p], end[p]), _count(mine, bwd[p], end[p]))
+    return gaps
 
 
 def _count(ticks: Sequence[int], start: int, end: int) -> int:
@@ -85,33 +95,47 @@ def _count(ticks: Sequence[int], start: int, end: int) -> int:
     return sum(1 for t in ticks if start <= t < end)
 
 
-@dataclass
-class StageGaps:
-    """``(s_fwd, s_bwd)`` of any minibatch at one stage, for runs of any length.
+class StageTable:
+    """One stage's lock-step compute order and ``(s_fwd, s_bwd)``, for runs of any length.
 
-    The lock-step tables of a long run are periodic with period Nm once the pipeline is full
-    and until it drains, so a window of ``window`` minibatches (as long as the run modulo Nm)
-    is counted once: its head gives
-    the first minibatches, its tail the last ones, and its middle (one period) the rest.
+    A stage that predicts weights runs exactly this order of forwards and backwards
+    (:class:`hetpipe.schedule.StageSchedule` ``sequence``), whatever the relative speed of its
+    neighbours: so the s it predicts with is the number of updates that really come, on a
+    heterogeneous pipeline as on a uniform one (greedy 1F1B would let timing reorder them).
+
+    The lock-step tables of a long run are periodic once the pipeline is full and until it
+    drains (period Nm in minibatches, 2 Nm in compute actions), so a window as long as the run
+    modulo Nm is counted once: its head gives the start, its tail the drain, one period of its
+    middle the rest.
     """
 
-    k: int
-    stage: int
-    nm: int
-    total: int
-
-    def __post_init__(self) -> None:
-        window = 6 * (self.nm + self.k) + 4 * self.nm
-        # the same phase modulo Nm as the run, so the window's drain is the run's drain
-        self.window = min(self.total, window + (self.total - window) % self.nm)
-        self.gaps = version_gaps(self.k, self.nm, self.window)[self.stage]
+    def __init__(self, k: int, stage: int, nm: int, total: int) -> None:
+        self.k, self.stage, self.nm, self.total = k, stage, nm, total
+        window = 6 * (nm + k) + 4 * nm
+        self.window = min(total, window + (total - window) % nm)
+        ops = lockstep_orders(k, nm, self.window)[stage]
+        self.ops = [(op, p) for op, p, _t in ops if op in ("F", "B")]
+        self.gaps = _count_gaps(ops, self.window, own=False)
         self.half = self.window // 2
+        self.shift = total - self.window  # minibatch offset of the window's tail in the run
 
-    def __call__(self, p: int) -> tuple[int, int]:
-        if self.window == self.total or p < self.half:
+    def s(self, p: int) -> tuple[int, int]:
+        """``(s_fwd, s_bwd)`` of minibatch ``p``."""
+        if self.shift == 0 or p < self.half:
             return self.gaps[p]
-        from_end = self.total - p
-        if from_end <= self.window - self.half:
-            return self.gaps[self.window - from_end]
+        if p - self.shift >= self.half:
+            return self.gaps[p - self.shift]
         start = self.half - self.nm
         return self.gaps[start + (p - start) % self.nm]
+
+    def op(self, n: int) -> tuple[str, int]:
+        """The ``n``-th forward or backward of this stage: ``("F", p)`` or ``("B", p)``."""
+        if self.shift == 0 or n < self.window:
+            return self.ops[n]
+        if n - 2 * self.shift >= self.window:
+            kind, p = self.ops[n - 2 * self.shift]
+            return kind, p + self.shift
+        start = self.window - 2 * self.nm
+        periods, j = divmod(n - start, 2 * self.nm)
+        kind, p = self.ops[start + j]
+        return kind, p + periods * self.nm
