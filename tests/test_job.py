@@ -251,6 +251,18 @@ CASES = [
      "must be <= 16777216"),
     ("hang-tiny", "staleness = 1", "staleness = 1\nhang_after_s = 0.001", "train.hang_after_s",
      "must be >= 1"),
+    ("weights-unknown", "staleness = 1", 'staleness = 1\nweights = "guess"', "train.weights",
+     "unknown mode 'guess' (one of: stash, latest, predict)"),
+    ("weights-sync", "staleness = 1", 'staleness = 1\nweights = "predict"\nschedule = "1f1b"',
+     "train.weights", "'predict' needs the async schedule (in 1f1b nothing is stale)"),
+    ("predict-plain-sgd", "momentum = 0.9\n\n[train]\n",
+     'momentum = 0.0\n\n[train]\nweights = "predict"\n', "train.weights",
+     "predict cannot extrapolate plain sgd (no momentum to follow): set optimizer.momentum > 0 "
+     "or use adam"),
+    ("predict-variant", "staleness = 1", 'staleness = 1\npredict_variant = "future"',
+     "train.predict_variant", "unknown variant 'future' (one of: paper, consistent)"),
+    ("bn-negative", "staleness = 1", "staleness = 1\nbn_recalibrate = -1",
+     "train.bn_recalibrate", "must be >= 0"),
 ]
 
 
