@@ -463,9 +463,12 @@ class StageCompute:
             id(self.params)}
         acc = sum(t.numel() * t.element_size() for a in self.acc.values() for t in a.values())
         acc += sum(t.numel() * t.element_size() for t in self.grad_sum.values())
+        n = len(versions)
+        if self.weights == "predict" and self.spec.predict_variant == "paper":
+            n = max(n, 2)  # the predicted copy a forward or a rerun runs on
         return emulate.Usage(
             weights=self.weight_bytes,
-            versions=len(versions),
+            versions=n,
             optimizer=self.optimizer.state_bytes(),
             accumulators=acc,
             activations=sum(f.saved_bytes for f in self.in_flight.values()),
