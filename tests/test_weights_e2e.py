@@ -53,7 +53,7 @@ def test_counted_gaps_are_the_updates_a_heterogeneous_run_observes(hetero_cluste
     nm, total = 4, 40
     info = hetero_cluster.submit(job("gaps", model="cnn", split=SPLIT, nm=nm,
                                      minibatches=total, lr=0.03,
-                                     train={"weights": "predict"}))
+                                     train={"weights": "predict", "bn_recalibrate": 8}))
     assert info["state"] == "done", info.get("error")
     gaps = version_gaps(len(SPLIT[0][0]), nm, total)
     for where, rows in records(info).items():
@@ -68,4 +68,6 @@ def test_counted_gaps_are_the_updates_a_heterogeneous_run_observes(hetero_cluste
     assert sum(quality.values()) / len(quality) < 1.0, quality
     stages = json.loads(Path(info["stages_path"]).read_text())
     assert stages["vw0/stage0"]["stats"]["prediction_quality"] == quality["vw0/stage0"]
-    print("prediction quality", quality)
+    # batch-norm statistics re-estimated before the export; the trained ones reported too
+    assert 0.0 <= info["test_accuracy_trained_bn"] <= 1.0
+    print("prediction quality", quality, info["test_accuracy"], info["test_accuracy_trained_bn"])
