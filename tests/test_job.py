@@ -401,6 +401,11 @@ def test_examples() -> None:
     assert (cnn.minibatch, cnn.nm, cnn.epochs) == (32, 4, 15)
     assert cnn.optimizer == OptimizerSpec("sgd", 0.05, 0.9, 1e-4)
     assert cnn.vws == (VWSpec(("gpu0", "gpu1", "gpu2", "gpu3"), (4, 4, 4, 4)),)
+    assert (cnn.weights, cnn.predict_variant, cnn.bn_recalibrate) == ("stash", "paper", 0)
+    predict = load_job(ROOT / "examples" / "digits_predict.toml")
+    assert (predict.weights, predict.predict_variant, predict.bn_recalibrate) == (
+        "predict", "paper", 16)
+    assert JobSpec.from_dict(predict.to_dict()) == predict  # the new keys travel
     mlp = load_job(ROOT / "examples" / "digits_mlp.toml")
     assert mlp.model.name == "mlp" and mlp.epochs == 10
     assert mlp.vws == (VWSpec(("gpu0", "gpu1"), (3, 3)),)
