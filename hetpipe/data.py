@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DataError", "Dataset", "MinibatchStream", "evaluate", "load_dataset"]
+__all__ = ["DataError", "Dataset", "MinibatchStream", "evaluate", "load_dataset",
+           "recalibrate_bn"]
 
 DIGITS_SEED = 20200715
 DIGITS_TRAIN = 1437
@@ -247,3 +248,35 @@ def evaluate(model: nn.Module, dataset: Dataset, batch: int = 512) -> float:
     finally:
         model.train(was_training)
     return correct / total if total else 0.0
+
+
+def recalibrate_bn(model: nn.Module, stream: MinibatchStream, n: int) -> bool:
+    """Re-estimate every batch-norm layer's running statistics on ``n`` training minibatches
+    with the model's current weights (``train.bn_recalibrate``); False if it has none.
+
+    Running statistics accumulated during asynchronous training follow weights that kept
+    moving (and stale ones): they lag the final weights. Here they are reset and recomputed
+    as a plain average over the ``n`` minibatches (momentum None), in train mode under
+    ``no_grad``; the weights are not touched.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats]
+    if not norms or n < 1:
+        return False
+    first = next(itertools.chain(model.parameters(), model.buffers()))
+    momenta = [m.momentum for m in norms]
+    was_training = model.training
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    try:
+        with torch.no_grad():
+            for p in range(n):
+                x, _y = stream.batch(p)
+                model(x.to(first.device))
+    finally:
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+        model.train(was_training)
+    return True

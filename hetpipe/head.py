@@ -624,7 +624,7 @@ class Head:
         state, clocks = await self._fetch_state(js)
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
-        accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
+        accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
         stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
@@ -632,7 +632,12 @@ class Head:
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
         (out_dir / "trace.json").write_text(json.dumps(trace))
         samples = plan.total_minibatches * js.spec.minibatch
+        quality = {k: r["stats"].get("prediction_quality") for k, r in stages.items()
+                   if r["stats"].get("prediction_quality") is not None}
         return {
+            **({"prediction_quality": quality} if quality else {}),
+            # train.bn_recalibrate: the accuracy with the running statistics as trained
+            **({"test_accuracy_trained_bn": trained_bn} if trained_bn is not None else {}),
             "status": "done",
             "test_accuracy": accuracy,
             "samples_per_s": samples / train_s,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.optim import unpredictable
 from hetpipe.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.schedule import SYNC_KINDS
 
@@ -31,6 +32,9 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 # torch.optim.AdamW's default decay: what a user writing name = "adamw" expects
 ADAMW_WEIGHT_DECAY = 1e-2
 POLICIES = ("auto", "np", "ed", "hd")
+# train.weights: how the async kind handles stale weights (see hetpipe.stage, README)
+WEIGHTS = ("stash", "latest", "predict")
+PREDICT_VARIANTS = ("paper", "consistent")
 
 # Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
 # integers even after the runtime multiplies them (minibatch numbers across epochs and VWs).
@@ -123,6 +127,9 @@ class JobSpec:
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     faults: tuple[FaultSpec, ...] = ()
     schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
+    weights: str = "stash"  # WEIGHTS: what the async kind's forward and backward run on
+    predict_variant: str = "paper"  # PREDICT_VARIANTS, with weights = "predict"
+    bn_recalibrate: int = 0  # minibatches re-estimating batch-norm statistics before eval
 
     @property
     def sync(self) -> bool:
@@ -138,6 +145,9 @@ class JobSpec:
             "seed": self.seed,
             "policy": self.policy,
             "schedule": self.schedule,
+            "weights": self.weights,
+            "predict_variant": self.predict_variant,
+            "bn_recalibrate": self.bn_recalibrate,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -206,6 +216,9 @@ class JobSpec:
                 "eval_every_s",
                 "hang_after_s",
                 "schedule",
+                "weights",
+                "predict_variant",
+                "bn_recalibrate",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -225,6 +238,21 @@ class JobSpec:
         if schedule not in (*SCHEDULE_KINDS, "auto"):
             train.fail("schedule", f"unknown schedule {schedule!r} "
                        f"(one of: {', '.join(SCHEDULE_KINDS)}, auto)")
+        weights = train.text("weights", "stash")
+        if weights not in WEIGHTS:
+            train.fail("weights", f"unknown mode {weights!r} (one of: {', '.join(WEIGHTS)})")
+        if weights != "stash" and schedule in SYNC_KINDS:
+            train.fail("weights", f"{weights!r} needs the async schedule (in {schedule} "
+                       "nothing is stale)")
+        predict_variant = train.text("predict_variant", "paper")
+        if predict_variant not in PREDICT_VARIANTS:
+            train.fail("predict_variant", f"unknown variant {predict_variant!r} "
+                       f"(one of: {', '.join(PREDICT_VARIANTS)})")
+        if weights == "predict":
+            why = unpredictable(optimizer)
+            if why:
+                train.fail("weights", f"predict cannot extrapolate {why}")
+        bn_recalibrate = train.at_least("bn_recalibrate", 0, 0, high=MAX_COUNT)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -252,6 +280,9 @@ class JobSpec:
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
             schedule=schedule,
+            weights=weights,
+            predict_variant=predict_variant,
+            bn_recalibrate=bn_recalibrate,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

@@ -23,7 +23,7 @@ import torch
 
 from hetpipe.config import ClusterConfig, ConfigError
 from hetpipe.daemon import normal_host
-from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset
+from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
 from hetpipe.job import JobSpec, VWSpec
 from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
@@ -171,15 +171,32 @@ class JobPlan:
         return model
 
     def evaluate(self, state: dict[str, torch.Tensor]) -> float:
-        """Test accuracy of global weights ``state``."""
-        return evaluate(self.model_of(state), self.dataset)
-
-    def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> float:
-        """Write the global weights as one state_dict; return the test accuracy of them."""
+        """Test accuracy of global weights ``state`` (batch-norm statistics re-estimated
+        first where the job asks, ``train.bn_recalibrate``)."""
         model = self.model_of(state)
+        self._recalibrate(model)
+        return evaluate(model, self.dataset)
+
+    def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> tuple[float, float | None]:
+        """Write the global weights as one state_dict; return their test accuracy, and (where
+        batch-norm statistics were re-estimated before the export) the accuracy with the
+        statistics as trained, for comparison."""
+        model = self.model_of(state)
+        before = None
+        if self.spec.bn_recalibrate and any(
+                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            before = evaluate(model, self.dataset)
+            self._recalibrate(model)
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), out_dir / "model.pt")
-        return evaluate(model, self.dataset)
+        return evaluate(model, self.dataset), before
+
+    def _recalibrate(self, model: torch.nn.Module) -> None:
+        """Re-estimate batch-norm statistics over ``train.bn_recalibrate`` minibatches of the
+        training set (VW 0's order), with the global weights."""
+        if self.spec.bn_recalibrate:
+            stream = MinibatchStream(self.dataset, self.spec.minibatch, self.spec.seed)
+            recalibrate_bn(model, stream, self.spec.bn_recalibrate)
 
 
 _layer = layer_of

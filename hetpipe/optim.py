@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["OptimizerLike", "StageOptimizer"]
+__all__ = ["OptimizerLike", "StageOptimizer", "unpredictable"]
 
 
 class OptimizerLike(Protocol):
@@ -43,6 +43,17 @@ class OptimizerLike(Protocol):
 
 
 NAMES = ("sgd", "adam", "adamw")
+
+
+def unpredictable(spec: OptimizerLike) -> str:
+    """Why :meth:`StageOptimizer.predict` cannot extrapolate this optimizer ("" if it can).
+
+    Prediction follows the optimizer's own smoothed step direction; plain SGD keeps none
+    (following the last raw gradient ``s`` times would amplify its noise).
+    """
+    if str(spec.name).lower() == "sgd" and float(spec.momentum) == 0.0:
+        return "plain sgd (no momentum to follow): set optimizer.momentum > 0 or use adam"
+    return ""
 
 
 class StageOptimizer:
@@ -97,6 +108,43 @@ class StageOptimizer:
     def state_bytes(self) -> int:
         """Bytes held in optimizer state now (grows to its full size after the first step)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())
+
+    @torch.no_grad()
+    def predict(self, params: Mapping[str, Tensor], s: int) -> dict[str, Tensor]:
+        """The weights ``s`` updates ahead if every update took the current step direction
+        (weight prediction, the SpecTrain technique): new tensors, ``params`` only read.
+
+        SGD with momentum: ``W - s * lr * buf``, ``buf`` the momentum buffer (the smoothed
+        gradient the paper extrapolates; with weight decay it already holds the decay term).
+        Adam and AdamW go beyond the paper: they follow Adam's own direction
+        ``lr * m_hat / (sqrt(v_hat) + eps)`` with the current bias corrections (AdamW also
+        shrinks by ``(1 - lr * wd) ** s``), since Adam's step is not ``lr`` times a gradient.
+        A name without state yet (no step taken) is returned as it is.
+        """
+        if s <= 0 or not self.state:
+            return dict(params)
+        out = dict(params)
+        if self.name == "sgd":
+            names = [n for n in params if n in self.state]
+            if names:
+                new = torch._foreach_add([params[n] for n in names],
+                                         [self.state[n]["momentum"] for n in names],
+                                         alpha=-s * self.lr)
+                out.update(zip(names, new, strict=True))
+            return out
+        beta1, beta2 = self.betas
+        for name, param in params.items():
+            state = self.state.get(name)
+            if state is None:
+                continue
+            step = self.steps[name]
+            denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+            base = param
+            if self.name == "adamw" and self.weight_decay:
+                base = param.mul((1 - self.lr * self.weight_decay) ** s)
+            out[name] = torch.addcdiv(base, state["exp_avg"], denom,
+                                      value=-s * self.lr / (1 - beta1**step))
+        return out
 
     @torch.no_grad()
     def step(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> dict[str, Tensor]:

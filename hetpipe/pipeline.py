@@ -82,12 +82,17 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     weights: its global weights hold nothing but its own pushed updates, which its local
     weights already include exactly (re-adding them would only change the rounding), and a
     synchronous iteration has nobody to average gradients with.
+
+    A stage that does not stash (``train.weights``) runs the lock-step order its s was
+    counted on (:class:`hetpipe.staleness.StageTable`).
     """
     task = compute.task
+    table = compute.table
     return StageSchedule(
         compute.spec.schedule, k=task.k, stage=task.stage, nm=task.nm,
         total=task.minibatches, staleness=task.staleness,
         pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
+        sequence=table.op if table is not None else None,
     )
 
 
@@ -402,6 +407,11 @@ class StageRunner:
         out["records"] = [self.records[p].row() for p in sorted(self.records)]
         out["spans"] = self.timeline.spans
         out["record_fields"] = list(Record.FIELDS)
+        q = self.compute.stats.prediction_quality
+        # weights = "predict": < 1 means the predicted weights were nearer to the weights the
+        # minibatch aimed at than the stale ones were (mean over this stage's probes)
+        out["prediction_quality"] = sum(q) / len(q) if q else None
+        out["prediction_probes"] = len(q)
         return out
 
 

@@ -30,6 +30,7 @@ from hetpipe.planner import (
     make_plan,
     measure_layers,
     sync_plan,
+    weights_mode,
 )
 
 __all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws"]
@@ -73,7 +74,8 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     """The planner's plan for a job without a split, or its prediction for the given split."""
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
-              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec)}
+              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec),
+              "weights": weights_mode(spec.weights, spec.predict_variant)}
     if spec.sync:
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,

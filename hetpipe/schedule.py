@@ -41,7 +41,7 @@ reported.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -215,7 +215,10 @@ class StageSchedule:
     and state on the shards); a virtual worker alone in its job needs no pull after the
     first (its global weights hold nothing but its own updates). ``pushes``: the stage has
     state on the shards. ``order``: a sync iteration's microbatch order for this stage
-    (default: the kind's own, from :func:`microbatch_order`).
+    (default: the kind's own, from :func:`microbatch_order`). ``sequence`` (async only): the
+    n-th forward or backward this stage must run, ``("F", p)`` or ``("B", p)``, instead of
+    greedy 1F1B (a ready backward first); a stage that predicts weights runs the lock-step
+    order its s was counted on (:class:`hetpipe.staleness.StageTable`), whatever the timing.
     """
 
     def __init__(
@@ -230,6 +233,7 @@ class StageSchedule:
         pulls: bool = False,
         pushes: bool = True,
         order: Sequence[tuple[str, int]] | None = None,
+        sequence: Callable[[int], tuple[str, int]] | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -255,6 +259,9 @@ class StageSchedule:
         self.reduced = -1  # the iteration whose mean gradient is merged (sync)
         self.pos = 0  # position in the current iteration's order (sync)
         self._orders: dict[int, tuple[tuple[str, int], ...]] = {}
+        if sequence is not None and self.sync:
+            raise ScheduleError("a fixed compute sequence is for the async kind only")
+        self.sequence = sequence
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -304,10 +311,12 @@ class StageSchedule:
         opens_wave = self.pulls and q < total and q % nm == 0 and c > self.merged
         if opens_wave and admitted and (c, False) not in self.sent:
             return Pull(c)  # prefetch: overlaps the backwards still to run
-        if nb < nf and inputs.has_gradient(nb):
+        n = nf + nb
+        turn = self.sequence(n)[0] if self.sequence and n < 2 * total else None
+        if nb < nf and inputs.has_gradient(nb) and turn != "F":
             return Backward(nb)
         blocked: Wait | None = None
-        if q < total and admitted:
+        if q < total and admitted and turn != "B":
             if opens_wave:
                 if inputs.pulled(c, False):
                     return Merge(c)
@@ -318,7 +327,7 @@ class StageSchedule:
             return Done()
         if blocked is not None:
             return blocked
-        if nb < nf:
+        if nb < nf and turn != "F":
             return Wait("gradient", p=nb)
         return Wait("activation", p=q)
 

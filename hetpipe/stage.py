@@ -38,6 +38,7 @@ from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
 from hetpipe.seeding import LayerSeeds
+from hetpipe.staleness import StageTable
 from hetpipe.task import StageTask
 from hetpipe.wsp import wave_of
 
@@ -78,6 +79,10 @@ class _InFlight:
     saved_bytes: int
     samples: int = 1  # of the minibatch (sync schedules weight gradients by it)
     loss: torch.Tensor | None = None  # last stage: its backward starts here
+    # weights "latest"/"predict": the forward kept no graph; the backward reruns it (on
+    # the weights of that moment) from the kept input, ``s_bwd`` updates ahead for predict
+    recompute: bool = False
+    s_bwd: int = 0
 
 
 @dataclass
@@ -92,6 +97,17 @@ class StageStats:
     last_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
+    # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe
+    prediction_quality: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Probe:
+    """A forward's predicted and stale weights, waiting for the step count they aimed at."""
+
+    target: int  # optimizer steps of this stage at which the prediction is judged
+    predicted: dict[str, torch.Tensor]
+    stale: dict[str, torch.Tensor]
 
 
 class StageCompute:
@@ -139,6 +155,12 @@ class StageCompute:
             if (f.vw, f.stage) == (task.vw, task.stage):
                 self.stalls.setdefault(f.minibatch, []).append(f.seconds)
         self.versions: dict[int, tuple[int, float, int, float]] = {}
+        # how stale weights are handled (async only): see hetpipe.staleness and the README
+        self.weights = "stash" if self.spec.sync else self.spec.weights
+        self.table = (StageTable(task.k, task.stage, task.nm, task.minibatches)
+                      if self.weights != "stash" else None)
+        self.steps_taken = 0
+        self.probe: _Probe | None = None
         self.weight_bytes = sum(
             p.numel() * p.element_size() for p in self.module.parameters()
         ) + sum(b.numel() * b.element_size() for b in self.module.buffers())
@@ -166,13 +188,17 @@ class StageCompute:
         x = x.to(self.dev, non_blocking=True)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
-        params = self.params
+        params, recompute, s_bwd = self._forward_weights(p)
         state = {**params, **self.buffers, **self.local}
         self.seeds.p = p
         before = {n: b.clone() for n, b in self.buffers.items()}
         # bytes saved for backward depend only on the input's shape: count them once
         known = self._saved_bytes.get(tuple(x.shape))
-        if known is None:
+        if recompute:  # the backward reruns this forward: keep the input only
+            with torch.no_grad():
+                out = functional_call(self.module, state, (x,))
+            known = 0
+        elif known is None:
             saved = _SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 out = functional_call(self.module, state, (x,))
@@ -182,9 +208,10 @@ class StageCompute:
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
-        flight = _InFlight(x=x, out=out, params=params, version=self.version,
-                           fingerprint=_fingerprint(params), saved_bytes=known,
-                           samples=int(y.shape[0]) if y.dim() else 1)
+        flight = _InFlight(x=x, out=out, params={} if recompute else params,
+                           version=self.version, fingerprint=_fingerprint(params),
+                           saved_bytes=known, samples=int(y.shape[0]) if y.dim() else 1,
+                           recompute=recompute, s_bwd=s_bwd)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
@@ -205,6 +232,8 @@ class StageCompute:
         """
         started = time.perf_counter()
         flight = self.in_flight.pop(p)
+        if flight.recompute:
+            self._rerun(p, flight)
         wants_input = flight.x.requires_grad
         names = [n for n in self.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
@@ -241,6 +270,70 @@ class StageCompute:
         self.stats.backwards += 1
         self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
         return grad_in
+
+    def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int]:
+        """The weights the forward of ``p`` runs on, whether its backward will rerun it, and
+        the backward's ``s``.
+
+        ``stash``: the current weights, differentiated by the backward (kept in the graph).
+        ``latest``: the same forward, but where the schedule puts updates between this forward
+        and its backward, none is kept: the backward reruns it on the newest weights.
+        ``predict``: the weights ``s_fwd`` updates ahead (:meth:`StageOptimizer.predict`);
+        variant ``paper`` reruns the backward on weights predicted ``s_bwd`` ahead of the
+        weights of that moment, ``consistent`` differentiates the forward's own prediction.
+        Where the schedule puts no update in between (the last stage, Nm = 1) every mode keeps
+        the forward's graph, so with nothing stale the three modes are the same computation.
+        """
+        if self.table is None:
+            return self.params, False, 0
+        s_fwd, s_bwd = self.table.s(p)
+        between = s_fwd > s_bwd and not self.task.is_last
+        if self.weights == "latest":
+            return self.params, between, 0
+        params = self._predicted(s_fwd)
+        if s_fwd > 0 and self.probe is None:
+            self.probe = _Probe(self.steps_taken + s_fwd, params, self.params)
+        return params, between and self.spec.predict_variant == "paper", s_bwd
+
+    def _predicted(self, s: int) -> dict[str, torch.Tensor]:
+        """The current weights ``s`` updates ahead, as leaves that take gradients."""
+        if s <= 0:
+            return self.params
+        ahead = self.optimizer.predict(self.params, s)
+        return {n: w if w is self.params[n] else w.requires_grad_()
+                for n, w in ahead.items()}
+
+    def _rerun(self, p: int, flight: _InFlight) -> None:
+        """Rerun the forward of ``p`` from its kept input on the backward's weights (the
+        newest, or predicted ``s_bwd`` ahead of them), with the same dropout masks and
+        without moving the batch-norm statistics a second time."""
+        params = self._predicted(flight.s_bwd) if self.weights == "predict" else self.params
+        buffers = {n: b.clone() for n, b in self.buffers.items()}
+        self.seeds.p = p
+        flight.out = functional_call(self.module, {**params, **buffers, **self.local},
+                                     (flight.x,))
+        flight.params = params
+
+    def _judge(self) -> None:
+        """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
+        extrapolated: W(target) is the stage's weights ``s_fwd`` updates after the forward
+        (on stages past 0 one of them is the minibatch's own, which the prediction leaves
+        out by design: a small, consistent handicap of the score)."""
+        probe = self.probe
+        if probe is None or self.steps_taken < probe.target:
+            return
+        self.probe = None
+        names = [n for n in probe.predicted if probe.predicted[n] is not probe.stale[n]]
+        if not names:
+            return
+        with torch.no_grad():
+            now = [self.params[n].detach() for n in names]
+            hat = torch._foreach_sub([probe.predicted[n].detach() for n in names], now)
+            old = torch._foreach_sub([probe.stale[n].detach() for n in names], now)
+            num = float(torch.stack(torch._foreach_norm(hat)).norm())
+            den = float(torch.stack(torch._foreach_norm(old)).norm())
+        if den > 0:
+            self.stats.prediction_quality.append(num / den)
 
     def step(self, i: int) -> None:
         """The local optimizer step: after backward ``i`` (async), or at the end of iteration
@@ -300,6 +393,9 @@ class StageCompute:
         self.params = {**self.params, **{n: w.requires_grad_() for n, w in zip(names, new,
                                                                                strict=True)}}
         self.version += 1
+        self.steps_taken += 1
+        if self.probe is not None:
+            self._judge()
         self._accumulate(wave, dict(zip(names, deltas, strict=True)))
 
     def _accumulate(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
@@ -366,12 +462,16 @@ class StageCompute:
 
     def usage(self) -> emulate.Usage:
         """What this stage keeps alive now, counted from the real tensors."""
-        versions = {id(f.params) for f in self.in_flight.values()} | {id(self.params)}
+        versions = {id(f.params) for f in self.in_flight.values() if f.params} | {
+            id(self.params)}
         acc = sum(t.numel() * t.element_size() for a in self.acc.values() for t in a.values())
         acc += sum(t.numel() * t.element_size() for t in self.grad_sum.values())
+        n = len(versions)
+        if self.weights == "predict" and self.spec.predict_variant == "paper":
+            n = max(n, 2)  # the predicted copy a forward or a rerun runs on
         return emulate.Usage(
             weights=self.weight_bytes,
-            versions=len(versions),
+            versions=n,
             optimizer=self.optimizer.state_bytes(),
             accumulators=acc,
             activations=sum(f.saved_bytes for f in self.in_flight.values()),

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["emit_json", "free_port", "machine", "median", "parser", "print_table", "timed"]
+__all__ = ["HostCpu", "cpu_seconds", "emit_json", "free_port", "machine", "median", "parser",
+           "print_table", "timed"]
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -25,6 +26,56 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=first[0] if first else None)
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     return ap
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by these processes (all their threads)."""
+    import os
+    from pathlib import Path
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+class HostCpu:
+    """The host's CPU utilisation between :meth:`start` and :meth:`stop` (``/proc/stat``):
+    the busy fraction of all its cores, whoever used them.
+
+    Emulated devices share the host's real cores: a benchmark whose figures are meant to
+    describe the cluster modelled (not this host's contention) reports this next to them,
+    and slows every emulated device by a global speed scale until it stays well below 1.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return (0.0, 0.0)
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        return sum(fields), idle
+
+    def start(self) -> HostCpu:
+        self._t0 = self._read()
+        return self
+
+    def stop(self) -> float:
+        """Busy fraction since :meth:`start` (0 where ``/proc/stat`` cannot be read)."""
+        total0, idle0 = self._t0
+        total1, idle1 = self._read()
+        dt = total1 - total0
+        return 1.0 - (idle1 - idle0) / dt if dt > 0 else 0.0
 
 
 def median(values: Sequence[float]) -> float:

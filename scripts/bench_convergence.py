@@ -42,6 +42,11 @@ model's compute is measured alone first and each side's inflation is reported, w
 its processes used per minibatch (``/proc``) and what an uncontended host would give
 (every device on a core of its own, free communication).
 
+Every emulated device runs at ``--speed-scale`` (default 0.25) times its speed in the cluster
+file, on both sides, so that the devices mostly wait, as the GPUs modelled would, instead of
+competing for this host's cores; the host's CPU utilisation over the runs is printed with the
+result (near 1.0 the comparison measures contention, not the cluster).
+
     python scripts/bench_convergence.py [--json] [--target 0.95] [--epochs 30] [--repeats 7]
 
 With ``--json`` the last line is one JSON object: each side's time to target (median and
@@ -63,7 +68,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _bench import emit_json, free_port, machine, median, parser, print_table
+from _bench import (
+    HostCpu,
+    cpu_seconds,
+    emit_json,
+    free_port,
+    machine,
+    median,
+    parser,
+    print_table,
+)
 
 from hetpipe.config import load_cluster
 
@@ -110,19 +124,6 @@ def measure_alone(ranges: list[tuple[int, int]], mb: int, rounds: int = 40) -> d
             if p >= 3:
                 best[(first, last)] = min(best[(first, last)], time.perf_counter() - t0)
     return {f"{a}:{b}": t for (a, b), t in best.items()}
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by these processes (all their threads)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 # --------------------------------------------------------------------------- hetpipe
@@ -193,8 +194,9 @@ class Hetpipe:
 
         self.args, self.speeds, self.alone = args, speeds, alone
         cluster = load_cluster(args.cluster)
-        defs = [
-            DeviceDef(d.name, d.type, str(d.memory), d.speed, d.device) for d in cluster.devices
+        defs = [  # at the global speed scale (speeds are scaled already)
+            DeviceDef(d.name, d.type, str(d.memory), speeds[d.name], d.device)
+            for d in cluster.devices
         ]
         path = tmp / "cluster.toml"
         path.write_text(cluster_toml(defs, shards=len(cluster.ps)))
@@ -527,7 +529,11 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     ap.add_argument("--epochs", type=int, default=30, help="cap on data passes, both sides")
-    ap.add_argument("--max-s", type=float, default=30.0, help="cap on seconds per run")
+    ap.add_argument("--max-s", type=float, default=None,
+                    help="cap on seconds per run (default 30 / speed scale)")
+    ap.add_argument("--speed-scale", type=float, default=0.25,
+                    help="global scale of every emulated device's speed, both sides: slow "
+                    "enough that the host's cores do not saturate (see host cpu)")
     ap.add_argument("--repeats", type=int, default=7, help="runs per way (median), seeds differ")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 2], help="WSP D values")
     ap.add_argument("--lr", type=float, default=0.05, help="per-minibatch learning rate")
@@ -551,8 +557,12 @@ def main() -> None:
         ap.error(f"--split0 and --split1 must each sum to the model's {N_LAYERS} layers")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if not 0 < args.speed_scale <= 1:
+        ap.error("--speed-scale must be in (0, 1]")
+    if args.max_s is None:
+        args.max_s = 30.0 / args.speed_scale
     torch.set_num_threads(1)
-    speeds = {d.name: d.speed for d in load_cluster(args.cluster).devices}
+    speeds = {d.name: d.speed * args.speed_scale for d in load_cluster(args.cluster).devices}
     started = time.perf_counter()
     ranges = {
         (0, args.split0[0]),
@@ -569,11 +579,13 @@ def main() -> None:
         ddp = None
         try:
             ddp = Ddp(args, speeds, alone[f"0:{N_LAYERS}"]).start()
+            host = HostCpu().start()
             for i in range(args.repeats):  # interleaved: drifting load hits every way alike
                 seed = args.seed + i
                 for d in args.staleness:
                     runs[f"hetpipe D={d}"].append(het.run(d, seed))
                 runs["DDP"].append(ddp.run(seed))
+            host_cpu = host.stop()
         finally:
             if ddp is not None:
                 ddp.stop()
@@ -647,6 +659,8 @@ def main() -> None:
         )
     else:
         print("speedup_vs_ddp: n/a (a side missed the target; raise --epochs or --max-s)")
+    print(f"host cpu utilisation over the runs: {host_cpu:.2f} (speed scale {args.speed_scale}; "
+          "near 1.0 the figures measure this host's contention, not the cluster modelled)")
     print(f"total {wall:.1f} s")
     if args.json:
         emit_json(
@@ -677,6 +691,8 @@ def main() -> None:
                 "hetpipe_seconds_to_target": reached.get(best_d) if best_d is not None else None,
                 "ddp_seconds_to_target": ddp_s,
                 "speedup_vs_ddp": speedup,
+                "speed_scale": args.speed_scale,
+                "host_cpu": host_cpu,
                 "alone_ms": {k: round(v * 1e3, 2) for k, v in alone.items()},
                 "uncontended_model": model,
                 "seconds": wall,

@@ -48,10 +48,10 @@ def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | Non
         minibatches: int | None = 50, epochs: int | None = None, minibatch: int = 32,
         lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 1e-4,
         optimizer: str = "sgd", staleness: int = 0, seed: int = 0,
-        data: str = "digits") -> dict[str, Any]:
-    """A job dict in the job file's shape."""
-    train: dict[str, Any] = {"minibatch": minibatch, "nm": nm, "staleness": staleness,
-                             "seed": seed}
+        data: str = "digits", train: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A job dict in the job file's shape (``train``: more keys of its train table)."""
+    extra = train or {}
+    train = {"minibatch": minibatch, "nm": nm, "staleness": staleness, "seed": seed, **extra}
     if epochs is not None:
         train["epochs"] = epochs
     else:

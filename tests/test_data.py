@@ -8,7 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hetpipe.data import DataError, MinibatchStream, _digits_arrays, evaluate, load_dataset
+from hetpipe.data import (
+    DataError,
+    MinibatchStream,
+    _digits_arrays,
+    evaluate,
+    load_dataset,
+    recalibrate_bn,
+)
 from hetpipe.models import build_model, model_loss
 from hetpipe.optim import StageOptimizer
 
@@ -188,3 +195,32 @@ def test_mlp_trains_on_digits() -> None:
     accuracy = evaluate(model, ds)
     assert model.training  # evaluate puts the mode back
     assert accuracy >= 0.90, accuracy
+
+
+def test_recalibrate_bn_re_estimates_lagging_statistics() -> None:
+    """Running statistics that lag the weights (here: wrecked) are re-estimated from training
+    minibatches; the weights, the momentum and the mode are left as they were."""
+    torch.manual_seed(0)
+    data = load_dataset("digits")
+    model = build_model("cnn")
+    stream = MinibatchStream(data, 32, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = model_loss("cnn")
+    for p in range(30):
+        x, y = stream.batch(p)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    good = evaluate(model, data)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for m in norms:
+        m.running_mean.fill_(3.0)
+        m.running_var.fill_(0.01)
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    assert evaluate(model, data) < good - 0.3
+    model.eval()
+    assert recalibrate_bn(model, stream, 20)
+    assert evaluate(model, data) > good - 0.05
+    assert not model.training and all(m.momentum == 0.1 for m in norms)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert not recalibrate_bn(build_model("mlp"), stream, 20)  # no batch norm: nothing to do

@@ -251,6 +251,18 @@ CASES = [
      "must be <= 16777216"),
     ("hang-tiny", "staleness = 1", "staleness = 1\nhang_after_s = 0.001", "train.hang_after_s",
      "must be >= 1"),
+    ("weights-unknown", "staleness = 1", 'staleness = 1\nweights = "guess"', "train.weights",
+     "unknown mode 'guess' (one of: stash, latest, predict)"),
+    ("weights-sync", "staleness = 1", 'staleness = 1\nweights = "predict"\nschedule = "1f1b"',
+     "train.weights", "'predict' needs the async schedule (in 1f1b nothing is stale)"),
+    ("predict-plain-sgd", "momentum = 0.9\n\n[train]\n",
+     'momentum = 0.0\n\n[train]\nweights = "predict"\n', "train.weights",
+     "predict cannot extrapolate plain sgd (no momentum to follow): set optimizer.momentum > 0 "
+     "or use adam"),
+    ("predict-variant", "staleness = 1", 'staleness = 1\npredict_variant = "future"',
+     "train.predict_variant", "unknown variant 'future' (one of: paper, consistent)"),
+    ("bn-negative", "staleness = 1", "staleness = 1\nbn_recalibrate = -1",
+     "train.bn_recalibrate", "must be >= 0"),
 ]
 
 
@@ -389,6 +401,11 @@ def test_examples() -> None:
     assert (cnn.minibatch, cnn.nm, cnn.epochs) == (32, 4, 15)
     assert cnn.optimizer == OptimizerSpec("sgd", 0.05, 0.9, 1e-4)
     assert cnn.vws == (VWSpec(("gpu0", "gpu1", "gpu2", "gpu3"), (4, 4, 4, 4)),)
+    assert (cnn.weights, cnn.predict_variant, cnn.bn_recalibrate) == ("stash", "paper", 0)
+    predict = load_job(ROOT / "examples" / "digits_predict.toml")
+    assert (predict.weights, predict.predict_variant, predict.bn_recalibrate) == (
+        "predict", "paper", 16)
+    assert JobSpec.from_dict(predict.to_dict()) == predict  # the new keys travel
     mlp = load_job(ROOT / "examples" / "digits_mlp.toml")
     assert mlp.model.name == "mlp" and mlp.epochs == 10
     assert mlp.vws == (VWSpec(("gpu0", "gpu1"), (3, 3)),)

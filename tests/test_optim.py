@@ -171,3 +171,48 @@ def test_bad_gradients() -> None:
         opt.step({"a": torch.ones(2)}, {"z": torch.ones(2)})
     with pytest.raises(ValueError, match="shape"):
         opt.step({"a": torch.ones(2)}, {"a": torch.ones(3)})
+
+
+def _trained(opt_spec: SimpleNamespace, steps: int = 5) -> tuple[StageOptimizer, dict]:
+    gen = torch.Generator().manual_seed(1)
+    params = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    opt = StageOptimizer(opt_spec)
+    for _ in range(steps):
+        params = opt.step(params, {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()})
+    return opt, params
+
+
+def test_predict_sgd_follows_the_momentum_buffer() -> None:
+    opt, params = _trained(spec(momentum=0.9, weight_decay=1e-3))
+    ahead = opt.predict(params, 3)
+    for k, w in params.items():
+        assert torch.equal(ahead[k], torch.add(w, opt.state[k]["momentum"], alpha=-3 * 0.05))
+        assert ahead[k] is not w
+    # nothing stale, or no step taken yet: the very same tensors
+    assert all(opt.predict(params, 0)[k] is w for k, w in params.items())
+    fresh = StageOptimizer(spec(momentum=0.9))
+    assert all(fresh.predict(params, 4)[k] is w for k, w in params.items())
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_predict_adam_follows_its_own_step(name: str) -> None:
+    """Adam's prediction is s times its bias-corrected step direction (not lr x gradient);
+    with s = 1 and a repeated last step direction it is where Adam's next step would go if
+    the moments did not move."""
+    opt, params = _trained(spec(name=name, lr=0.01, weight_decay=0.1))
+    ahead = opt.predict(params, 2)
+    b1, b2 = opt.betas
+    for k, w in params.items():
+        st, n = opt.state[k], opt.steps[k]
+        denom = (st["exp_avg_sq"].sqrt() / (1 - b2**n) ** 0.5) + opt.eps
+        base = w * (1 - 0.01 * 0.1) ** 2 if name == "adamw" else w
+        want = base - 2 * 0.01 / (1 - b1**n) * st["exp_avg"] / denom
+        assert torch.allclose(ahead[k], want, rtol=1e-6, atol=1e-7)
+
+
+def test_prediction_needs_a_direction() -> None:
+    from hetpipe.optim import unpredictable
+
+    assert "plain sgd" in unpredictable(spec())
+    assert unpredictable(spec(momentum=0.9)) == ""
+    assert unpredictable(spec(name="adam")) == ""

@@ -10,6 +10,7 @@ import pytest
 
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import (
+    WEIGHT_MODES,
     CostModel,
     Infeasible,
     LayerProfile,
@@ -22,6 +23,7 @@ from hetpipe.planner import (
     stage_memory,
     stage_memory_of,
     synthetic_profile,
+    weights_mode,
 )
 from hetpipe.planner.runtime import RuntimeCosts
 
@@ -85,9 +87,10 @@ def test_dp_equals_brute_force_on_random_instances():
     assert feasible >= 60 and infeasible >= 40, (feasible, infeasible)
 
 
-def test_vectorised_memory_matches_the_memory_model():
+@pytest.mark.parametrize("weights", WEIGHT_MODES)
+def test_vectorised_memory_matches_the_memory_model(weights):
     prof = synthetic_profile(9, {"a": 1.0, "b": 0.5}, 3)
-    model = CostModel(prof, bandwidth, 2)
+    model = CostModel(prof, bandwidth, 2, weights=weights)
     for dtype in ("a", "b"):
         for k, nm in ((1, 1), (3, 2), (4, 5)):
             for pos in range(k):
@@ -95,7 +98,8 @@ def test_vectorised_memory_matches_the_memory_model():
                 totals = model.memory_total(dtype, flight)
                 for a in range(9):
                     for b in range(a + 1, 10):
-                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2)
+                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2,
+                                              weights=weights)
                         assert int(totals[a, b]) == ref.total
                         assert model.stage_memory(dtype, a, b, pos, k, nm) == ref
 
@@ -109,6 +113,39 @@ def test_stage_memory_by_hand():
     last = stage_memory(lps, position=2, k=3, nm=4, optimizer_state_factor=2, input_bytes=8)
     assert last.stash == 0 and last.activations == 58
     assert in_flight(0, 1, 7) == 1 and in_flight(0, 2, 7) == 7 and in_flight(1, 2, 7) == 1
+
+
+def test_stage_memory_by_weights_mode():
+    """stash: a version per in-flight minibatch; latest: none; predict: one predicted copy
+    (paper; the backward reruns the forward, so only inputs stay) or one per in-flight
+    minibatch (consistent: each keeps its forward's graph)."""
+    lps = [LayerProfile(0.1, 0.2, 100, 10, 50, 30, 70), LayerProfile(0.1, 0.2, 200, 0, 40, 20, 90)]
+
+    def mem(weights: str):
+        return stage_memory(lps, position=0, k=3, nm=4, optimizer_state_factor=1,
+                            input_bytes=8, weights=weights)
+
+    assert mem("stash").stash == 3 * 300 and mem("stash").activations == 4 * (50 + 8)
+    assert mem("latest").stash == 0 and mem("latest").activations == 4 * 8 + 50
+    assert mem("predict").stash == 300 and mem("predict").activations == 4 * 8 + 50
+    pc = mem("predict-consistent")
+    assert pc.stash == 4 * 300 and pc.activations == 4 * (50 + 8)
+    assert mem("predict").total < mem("stash").total < pc.total
+    assert weights_mode("predict", "consistent") == "predict-consistent"
+    assert weights_mode("predict") == "predict" and weights_mode("stash", "consistent") == "stash"
+
+
+def test_predict_lets_a_whimpy_device_hold_a_longer_pipeline():
+    """A cap that fits Nm = 2 with stashing fits Nm = 6 with prediction."""
+    prof = _uniform_profile(6, param=4000, out=100)
+    cap = stage_memory_of(prof, "x", (0, 2), 0, 3, 2, 1).total
+    devs = [dev(f"g{i}", "x", cap) for i in range(3)]
+    assert isinstance(partition(prof, devs, 2, bandwidth, 1), Partition)
+    assert isinstance(partition(prof, devs, 6, bandwidth, 1), Infeasible)
+    model = CostModel(prof, bandwidth, 1, weights="predict")
+    assert isinstance(model.partition(devs, 6), Partition)
+    q = brute_force(prof, devs, 6, bandwidth, 1, weights="predict")
+    assert isinstance(q, Partition) and q.bottleneck == model.partition(devs, 6).bottleneck
 
 
 def _uniform_profile(L: int, param: int = 1000, out: int = 100) -> ModelProfile:

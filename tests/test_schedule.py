@@ -21,6 +21,7 @@ from hetpipe.schedule import (
     microbatch_order,
     stage_tables,
 )
+from hetpipe.staleness import StageTable, lockstep_orders, version_gaps
 
 F, B, S = Forward, Backward, OptimizerStep
 
@@ -228,3 +229,106 @@ def test_finished_schedules_say_done():
     schedules = stages("1f1b", 2, 2, 2)
     list(clock_cycles(schedules))
     assert all(isinstance(sch.next(_Inputs()), Done) for sch in schedules)
+
+
+# -- version gaps for weight prediction (hetpipe.staleness) ---------------------------------
+
+
+@pytest.mark.parametrize("k", range(2, 9))
+def test_version_gaps_match_the_paper_on_uniform_pipelines(k):
+    """Counted from the action tables, with the stage's own step (the paper's convention):
+    backward floor(k_i/2) exactly; forward the paper's floor(k_i/2) + N - k_i - 1 plus the
+    one update the paper's figure leaves out (see hetpipe.staleness)."""
+    total = 10 * k
+    gaps = version_gaps(k, k, total, own=True)
+    p = total // 2  # steady state
+    for i in range(k):
+        ki = i + 1
+        s_fwd, s_bwd = gaps[i][p]
+        assert s_bwd == ki // 2
+        assert s_fwd == ki // 2 + k - ki - 1 + 1
+        # what a run observes at this stage: updates between its forward and backward of p
+        assert s_fwd - s_bwd == k - ki
+
+
+@pytest.mark.parametrize(("k", "nm"), [(1, 1), (3, 1), (4, 1)])
+def test_version_gaps_vanish_without_pipelining(k, nm):
+    for stage in version_gaps(k, nm, 6):
+        assert set(stage.values()) == {(0, 0)}
+
+
+@pytest.mark.parametrize(("k", "nm", "total"), [(4, 4, 200), (3, 5, 157), (5, 2, 91),
+                                                (2, 7, 164), (8, 8, 301)])
+def test_stage_tables_of_long_runs_equal_the_full_tables(k, nm, total):
+    """The periodic extension of a short window gives every minibatch's s and every compute
+    action of a long run exactly."""
+    full = version_gaps(k, nm, total)
+    orders = lockstep_orders(k, nm, total)
+    for stage in range(k):
+        table = StageTable(k, stage, nm, total)
+        assert table.window < total
+        assert [table.s(p) for p in range(total)] == [full[stage][p] for p in range(total)]
+        ops = [(op, p) for op, p, _t in orders[stage] if op in ("F", "B")]
+        assert [table.op(n) for n in range(2 * total)] == ops
+
+
+class _Boxes:
+    """Inputs of one stage under a random-timing driver."""
+
+    def __init__(self) -> None:
+        self.acts: set[int] = set()
+        self.grads: set[int] = set()
+
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return True
+
+
+def _random_timing_orders(schedules: list[StageSchedule], seed: int) -> list[list[tuple]]:
+    """Run one virtual worker's stages with random speeds and random message delays; return
+    each stage's forwards and backwards in the order it ran them."""
+    rng = random.Random(seed)
+    k = len(schedules)
+    boxes = [_Boxes() for _ in range(k)]
+    in_transit: list[tuple[set[int], int]] = []
+    orders: list[list[tuple]] = [[] for _ in range(k)]
+    while not all(s.finished for s in schedules):
+        if in_transit and rng.random() < 0.3:  # a message arrives, not necessarily the oldest
+            box, p = in_transit.pop(rng.randrange(len(in_transit)))
+            box.add(p)
+            continue
+        s = rng.randrange(k)
+        a = schedules[s].next(boxes[s])
+        if isinstance(a, Wait | Done):
+            assert in_transit or any(not isinstance(sch.next(boxes[i]), Wait | Done)
+                                     for i, sch in enumerate(schedules)), "deadlock"
+            continue
+        schedules[s].done(a)
+        if isinstance(a, Forward):
+            orders[s].append(("F", a.p))
+            if s + 1 < k:
+                in_transit.append((boxes[s + 1].acts, a.p))
+        elif isinstance(a, Backward):
+            orders[s].append(("B", a.p))
+            if s > 0:
+                in_transit.append((boxes[s - 1].grads, a.p))
+    return orders
+
+
+@pytest.mark.parametrize(("k", "nm", "total", "seed"),
+                         [(4, 4, 40, 0), (4, 4, 40, 1), (3, 5, 33, 2), (5, 2, 30, 3),
+                          (8, 8, 70, 4), (2, 3, 20, 5)])
+def test_a_fixed_sequence_runs_the_counted_order_under_any_timing(k, nm, total, seed):
+    """With ``sequence`` every stage runs the lock-step order its s was counted on, whatever
+    the speeds and message delays (greedy 1F1B would reorder); it never deadlocks."""
+    tables = [StageTable(k, s, nm, total) for s in range(k)]
+    schedules = [StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                               sequence=tables[s].op) for s in range(k)]
+    orders = _random_timing_orders(schedules, seed)
+    for s in range(k):
+        assert orders[s] == [tables[s].op(n) for n in range(2 * total)]

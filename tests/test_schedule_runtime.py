@@ -38,9 +38,10 @@ class StandInCompute:
             num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={})
         self.spec = SimpleNamespace(schedule=kind, sync=kind != "async")
         self.has_state = True
+        self.table = None  # stashes: greedy 1F1B
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
-                                     peak_bytes=0)
+                                     peak_bytes=0, prediction_quality=[])
 
     def state_names(self) -> list[str]:
         return []

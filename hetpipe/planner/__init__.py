@@ -27,7 +27,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from hetpipe.planner.formation import Formation, candidate_formations
-from hetpipe.planner.memory import StageMemory, in_flight, stage_memory, stage_memory_of
+from hetpipe.planner.memory import (
+    WEIGHT_MODES,
+    StageMemory,
+    in_flight,
+    stage_memory,
+    stage_memory_of,
+    weights_mode,
+)
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import (
     CostModel,
@@ -60,6 +67,7 @@ if TYPE_CHECKING:
     from hetpipe.planner.syncplan import sync_plan
 
 __all__ = [
+    "WEIGHT_MODES",
     "CostModel",
     "Formation",
     "Infeasible",
@@ -92,6 +100,7 @@ __all__ = [
     "stage_memory_of",
     "sync_plan",
     "synthetic_profile",
+    "weights_mode",
 ]
 
 _LAZY = {

@@ -7,14 +7,20 @@ A stage of a virtual worker with ``k`` stages and ``Nm`` minibatches in flight k
 params        its layers' parameters and buffers
 optimizer     optimizer state: ``optimizer_state_factor`` x parameter bytes (SGD with
               momentum 1, Adam 2, plain SGD 0)
-stash         older weight versions kept alive for in-flight backwards (weight stashing by
-              out-of-place updates): ``in_flight - 1`` extra copies of the parameters;
-              none in gpipe/1f1b (the weights change only between iterations)
+stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``stash`` keeps
+              the older versions in-flight backwards need (out-of-place updates),
+              ``in_flight - 1``; ``latest`` none; ``predict`` (paper variant) one, the
+              predicted weights a forward or a backward runs on; ``predict`` consistent
+              ``in_flight``, each in-flight minibatch's own prediction. None in gpipe/1f1b
+              (the weights change only between iterations)
 accumulators  two update accumulators: the wave being built and the wave being pushed and
               merged under WSP (2 x parameter bytes); in gpipe/1f1b the iteration's
               gradient sum and its update (also 2 x parameter bytes)
 activations   for every in-flight minibatch, the tensors autograd saved plus the received
-              stage input (``in_flight`` x (saved bytes + input bytes))
+              stage input (``in_flight`` x (saved bytes + input bytes)); where the backward
+              reruns the forward (``latest`` and ``predict`` paper: it differentiates other
+              weights than the forward ran on) only the inputs stay, plus one minibatch's
+              saved tensors (``in_flight`` x input bytes + saved bytes)
 working       the transient peak of one layer's forward/backward (max over the layers)
 ============  ==========================================================================
 
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from hetpipe.planner.profile import LayerProfile, ModelProfile
 
 __all__ = [
+    "WEIGHT_MODES",
     "StageMemory",
     "in_flight",
     "param_copies",
@@ -45,7 +52,24 @@ __all__ = [
     "stage_memory",
     "stage_memory_of",
     "stashed",
+    "weights_mode",
 ]
+
+# train.weights as the memory model tells them apart (predict's variants differ)
+WEIGHT_MODES = ("stash", "latest", "predict", "predict-consistent")
+
+
+def weights_mode(weights: str, variant: str = "paper") -> str:
+    """The memory model's name for ``train.weights`` and ``train.predict_variant``."""
+    mode = "predict-consistent" if weights == "predict" and variant == "consistent" else weights
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights: unknown mode {weights!r}")
+    return mode
+
+
+def reruns(schedule: str = "async", weights: str = "stash") -> bool:
+    """Whether the backward reruns the forward (it differentiates other weights)."""
+    return schedule == "async" and weights in ("latest", "predict")
 
 
 @dataclass(frozen=True)
@@ -106,15 +130,27 @@ def in_flight(position: int, k: int, nm: int, schedule: str = "async") -> int:
     return 1 if position == k - 1 else nm
 
 
-def stashed(flight: int, schedule: str = "async") -> int:
-    """Older weight versions kept for in-flight backwards: async only (weight stashing)."""
-    return flight - 1 if schedule == "async" else 0
+def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int:
+    """Extra weight copies beside the current weights (async only; see the module docs)."""
+    if schedule != "async":
+        return 0
+    return {"stash": flight - 1, "latest": 0, "predict": 1,
+            "predict-consistent": flight}[weights]
 
 
-def param_copies(factor: int, flight: int, schedule: str = "async") -> int:
+def param_copies(factor: int, flight: int, schedule: str = "async",
+                 weights: str = "stash") -> int:
     """Parameter-sized copies a stage keeps: the weights, ``factor`` of optimizer state, two
-    accumulators, and the stashed versions."""
-    return 1 + factor + 2 + stashed(flight, schedule)
+    accumulators, and the extra copies of its ``weights`` mode."""
+    return 1 + factor + 2 + stashed(flight, schedule, weights)
+
+
+def activations(flight: int, saved: int, input_bytes: int, schedule: str = "async",
+                weights: str = "stash") -> int:
+    """Bytes of in-flight minibatches: inputs, and saved tensors unless the backward reruns."""
+    if reruns(schedule, weights):
+        return flight * input_bytes + saved
+    return flight * (saved + input_bytes)
 
 
 def stage_memory(
@@ -125,6 +161,7 @@ def stage_memory(
     optimizer_state_factor: int,
     input_bytes: int,
     schedule: str = "async",
+    weights: str = "stash",
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -138,9 +175,9 @@ def stage_memory(
     return StageMemory(
         params=pb + bb,
         optimizer=optimizer_state_factor * pb,
-        stash=stashed(n, schedule) * pb,
+        stash=stashed(n, schedule, weights) * pb,
         accumulators=2 * pb,
-        activations=n * (saved + input_bytes),
+        activations=activations(n, saved, input_bytes, schedule, weights),
         working=max((lp.work_bytes for lp in layers), default=0),
     )
 
@@ -159,6 +196,7 @@ def stage_memory_of(
     nm: int,
     optimizer_state_factor: int,
     schedule: str = "async",
+    weights: str = "stash",
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``."""
     a, b = layers
@@ -170,4 +208,5 @@ def stage_memory_of(
         optimizer_state_factor,
         stage_input_bytes(profile, dtype, a),
         schedule,
+        weights,
     )

@@ -53,7 +53,15 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import format_size
-from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory, stashed
+from hetpipe.planner.memory import (
+    StageMemory,
+    activations,
+    in_flight,
+    param_copies,
+    reruns,
+    stage_memory,
+    stashed,
+)
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 
@@ -173,12 +181,15 @@ class CostModel:
         optimizer_state_factor: int,
         costs: RuntimeCosts | None = None,
         speeds: Mapping[str, float] | None = None,
+        weights: str = "stash",
     ) -> None:
+        """``weights``: the job's mode as :func:`memory.weights_mode` names it."""
         if optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
         self.profile = profile
         self.bandwidth = bandwidth
         self.factor = optimizer_state_factor
+        self.weights = weights
         self.runtime = costs or RuntimeCosts.zero()
         self.speeds = dict(speeds or {})
         self.L = profile.n_layers()
@@ -266,8 +277,12 @@ class CostModel:
         m = self._totals.get(key)
         if m is None:
             tc = self.costs(dtype)
-            copies = param_copies(self.factor, flight, schedule)
-            m = tc.fixed + copies * tc.pb + flight * tc.per_flight
+            copies = param_copies(self.factor, flight, schedule, self.weights)
+            if reruns(schedule, self.weights):  # inputs only, one minibatch's saved tensors
+                saved = tc.per_flight - tc.inb_np[:, None]
+                m = tc.fixed + copies * tc.pb + flight * tc.inb_np[:, None] + saved
+            else:
+                m = tc.fixed + copies * tc.pb + flight * tc.per_flight
             self._totals[key] = m
         return m
 
@@ -299,9 +314,10 @@ class CostModel:
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
-            stash=stashed(n, schedule) * pb,
+            stash=stashed(n, schedule, self.weights) * pb,
             accumulators=2 * pb,
-            activations=n * (int(tc.S[b] - tc.S[a]) + tc.inb[a]),
+            activations=activations(n, int(tc.S[b] - tc.S[a]), tc.inb[a], schedule,
+                                    self.weights),
             working=int(tc.W[a, b]),
         )
 
@@ -620,13 +636,14 @@ def brute_force(
     *,
     costs: RuntimeCosts | None = None,
     speeds: Mapping[str, float] | None = None,
+    weights: str = "stash",
 ) -> Partition | Infeasible:
     """Every set of k-1 cuts, for tests: the optimum the DP must match exactly.
 
     Memory comes straight from :func:`memory.stage_memory` on the layer slices (independent
     of the DP's vectorised form); times from the scalar :meth:`CostModel.stage_time`.
     """
-    model = CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
+    model = CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds, weights)
     k, L = len(devices), profile.n_layers()
     if k > L or k == 0:
         return Infeasible(f"{k} devices for {L} layers")
@@ -641,7 +658,8 @@ def brute_force(
         for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True)):
             lps = profile.layers[d.type]
             inb = profile.input_bytes if a == 0 else lps[a - 1].out_bytes
-            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb)
+            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb,
+                               weights=weights)
             if mem.total > d.memory:
                 ok = False
                 break

@@ -441,6 +441,7 @@ def make_plan(
     costs: RuntimeCosts | None = None,
     cores: int | Mapping[str, int] | None = None,
     minibatches: int | None = None,
+    weights: str = "stash",
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -452,8 +453,9 @@ def make_plan(
     of each node, shared by its emulated devices and daemons (one number, or by node name;
     default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
     prediction includes filling and draining the pipelines and VWs that finish at different
-    times (default: long enough for a steady state). Raises :class:`PlanError` when the
-    model fits on no group of devices.
+    times (default: long enough for a steady state). ``weights`` is the job's mode as
+    :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps). Raises
+    :class:`PlanError` when the model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -473,7 +475,7 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights)
     search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
@@ -546,6 +548,7 @@ def explicit_plan(
     costs: RuntimeCosts | None = None,
     cores: int | Mapping[str, int] | None = None,
     minibatches: int | None = None,
+    weights: str = "stash",
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
@@ -555,7 +558,7 @@ def explicit_plan(
     ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -639,13 +642,15 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
 
 
 def _cost_model(
-    cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None
+    cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None,
+    weights: str = "stash",
 ) -> CostModel:
     net = cluster.network
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
-    model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds)
+    model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds,
+                      weights)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model

@@ -1,0 +1,219 @@
+"""What staleness costs, and what each train.weights mode buys back: a study on real daemons.
+
+For each task (the builtin ``cnn`` on the bundled digits; a small ``gpt`` on synthetic
+Markov-chain tokens) and each pipeline depth k of ``--ks``, one virtual worker of k uniform
+emulated devices trains the same number of minibatches (``--minibatches``, so the same
+samples) in each arm:
+
+- ``sync``: Nm = 1 (one minibatch in flight: no weight is stale; exactly minibatch SGD);
+- ``latest``, ``stash``, ``predict`` (paper variant) and ``predict-consistent``: Nm = k.
+
+It prints, per arm: final test accuracy, seconds to ``--target`` accuracy (from the head's
+evaluations every ``--eval-every`` s while training), samples/s, peak memory per stage, the
+prediction quality per stage (``predict`` arms), the host's CPU utilisation during the arm
+(all its cores, whoever used them: other work on the host counts) and the cores this
+benchmark's own daemons used; it writes one PNG of test accuracy against samples for all
+arms (``--png``).
+
+**A global speed scale** (``--speed-scale``, default 0.25): every emulated device runs at
+that speed, i.e. each forward and backward is padded to (measured time) / scale, so the
+devices spend most of their time waiting as slower GPUs would, not computing on this host's
+few cores: the throughput figures then describe the pipeline modelled, not the contention
+of its processes on the host. The utilisation printed with each arm says how far that held
+(near 1.0: the host was saturated and the throughput figures measure it).
+
+    python scripts/bench_staleness.py [--json] [--ks 4] [--minibatches 300] [--png out.png]
+
+With ``--json`` the last line is one JSON object with every arm's figures and:
+``predict_gap_vs_sync_points`` (sync accuracy minus predict accuracy in percentage points,
+the worst over tasks and depths; target <= 0.5), ``predict_minus_stash_points`` (predict
+minus stash, the worst; target >= 0) and ``predict_throughput_vs_stash`` (predict samples/s
+over stash's, the worst; target >= 0.97).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _bench import HostCpu, cpu_seconds, emit_json, machine, parser, print_table
+
+from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ARMS: dict[str, dict[str, Any]] = {
+    "sync": {"weights": "stash"},  # with Nm = 1
+    "latest": {"weights": "latest"},
+    "stash": {"weights": "stash"},
+    "predict": {"weights": "predict", "predict_variant": "paper"},
+    "predict-consistent": {"weights": "predict", "predict_variant": "consistent"},
+}
+
+TASKS: dict[str, dict[str, Any]] = {
+    # 16 layers; momentum 0.9 is where stale weights hurt (and what prediction follows)
+    "cnn": {"model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+            "minibatch": 32, "target": 0.9},
+    # 1 + 8 + 2 = 11 layers; next-token accuracy (4 equally likely successors: 0.25 at best)
+    "gpt": {"model": {"name": "gpt", "args": {"vocab": 64, "seq": 32, "dim": 64, "heads": 4,
+                                              "blocks": 8}},
+            "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": 32, "vocab": 64,
+                                                   "n_train": 4096, "n_test": 512}},
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            "minibatch": 32, "target": 0.2},
+}
+N_LAYERS = {"cnn": 16, "gpt": 11}
+
+
+def even_split(n_layers: int, k: int) -> list[int]:
+    """Layers per stage, as even as it goes (the devices are uniform)."""
+    base, extra = divmod(n_layers, k)
+    return [base + (i < extra) for i in range(k)]
+
+
+def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
+    t = TASKS[task]
+    nm = 1 if arm == "sync" else k
+    train = {"minibatch": t["minibatch"], "nm": nm, "minibatches": args.minibatches,
+             "seed": args.seed, "eval_every_s": args.eval_every, "hang_after_s": 120.0,
+             **ARMS[arm]}
+    if task == "cnn" and args.bn_recalibrate:
+        train["bn_recalibrate"] = args.bn_recalibrate
+    return {"name": f"{task}-k{k}-{arm}", "model": t["model"], "data": t["data"],
+            "optimizer": t["optimizer"], "train": train,
+            "vw": [{"devices": [f"gpu{i}" for i in range(k)],
+                    "layers": even_split(N_LAYERS[task], k)}]}
+
+
+def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
+    cpu = HostCpu().start()
+    pids = [p.pid for p in cluster.procs.values()]
+    own0, t0 = cpu_seconds(pids), time.perf_counter()
+    info = cluster.submit(job(task, arm, k, args), timeout=args.max_s)
+    wall = time.perf_counter() - t0
+    util, own = cpu.stop(), (cpu_seconds(pids) - own0) / wall
+    if info.get("state") != "done":
+        raise SystemExit(f"{task} k={k} {arm}: {info.get('state')}: {info.get('error')}")
+    mb = TASKS[task]["minibatch"]
+    curve = [(n * mb, acc) for _s, n, acc in info.get("evals", [])]
+    reached = next((s for s, _n, acc in info.get("evals", []) if acc >= TASKS[task]["target"]),
+                   None)
+    stages = json.loads(Path(info["stages_path"]).read_text())
+    return {
+        "task": task, "k": k, "arm": arm, "nm": 1 if arm == "sync" else k,
+        "accuracy": info["test_accuracy"],
+        "accuracy_trained_bn": info.get("test_accuracy_trained_bn"),
+        "seconds_to_target": reached,
+        "samples_per_s": info["samples_per_s"],
+        "samples": info["minibatches"] * mb,
+        "peak_bytes": [stages[w]["stats"]["peak_bytes"] for w in sorted(stages)],
+        "prediction_quality": [stages[w]["stats"].get("prediction_quality")
+                               for w in sorted(stages)],
+        "host_cpu": util, "own_cores": own, "wall_s": wall, "curve": curve,
+    }
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], r["k"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (task, k) in zip(axes[0], panels, strict=True):
+        for r in results:
+            if (r["task"], r["k"]) == (task, k) and r["curve"]:
+                xs, ys = zip(*r["curve"], strict=True)
+                ax.plot(xs, ys, marker=".", label=r["arm"])
+        ax.set_title(f"{task}, k = {k}, Nm = k (sync: 1)")
+        ax.set_xlabel("samples")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def headline(results: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The three figures the issue sets targets for, worst over tasks and depths."""
+    gaps, vs_stash, speed = [], [], []
+    for task, k in sorted({(r["task"], r["k"]) for r in results}):
+        arm = {r["arm"]: r for r in results if (r["task"], r["k"]) == (task, k)}
+        if "predict" not in arm:
+            continue
+        p = arm["predict"]
+        if "sync" in arm:
+            gaps.append(100 * (arm["sync"]["accuracy"] - p["accuracy"]))
+        if "stash" in arm:
+            vs_stash.append(100 * (p["accuracy"] - arm["stash"]["accuracy"]))
+            speed.append(p["samples_per_s"] / arm["stash"]["samples_per_s"])
+    return {"predict_gap_vs_sync_points": max(gaps) if gaps else None,
+            "predict_minus_stash_points": min(vs_stash) if vs_stash else None,
+            "predict_throughput_vs_stash": min(speed) if speed else None}
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--ks", nargs="+", type=int, default=[4])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--minibatches", type=int, default=300, help="per arm (same samples)")
+    ap.add_argument("--speed-scale", type=float, default=0.25,
+                    help="every emulated device's speed (global scale; see the docs)")
+    ap.add_argument("--eval-every", type=float, default=3.0)
+    ap.add_argument("--bn-recalibrate", type=int, default=16,
+                    help="cnn: batch-norm minibatches re-estimated before the evaluations")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
+    ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
+    args = ap.parse_args()
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in args.ks:
+            root = Path(tmp) / f"k{k}"
+            root.mkdir()
+            devices = [DeviceDef(f"gpu{i}", "fast", "256MiB", args.speed_scale)
+                       for i in range(k)]
+            (root / "cluster.toml").write_text(cluster_toml(devices, shards=1))
+            with LocalCluster(root / "cluster.toml", root / "run", timeout=120) as cluster:
+                for task in args.tasks:
+                    for arm in args.arms:
+                        r = run_arm(cluster, task, arm, k, args)
+                        results.append(r)
+                        print(f"{task} k={k} {arm}: accuracy {r['accuracy']:.3f} "
+                              f"samples/s {r['samples_per_s']:.1f} host cpu "
+                              f"{r['host_cpu']:.2f} (own {r['own_cores']:.2f} cores)",
+                              flush=True)
+    rows = [[r["task"], r["k"], r["arm"], r["nm"], r["accuracy"],
+             r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
+             r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
+             r["samples_per_s"], max(r["peak_bytes"]) / 2**20,
+             " ".join(f"{q:.2f}" for q in r["prediction_quality"] if q is not None) or "-",
+             r["host_cpu"], r["own_cores"]] for r in results]
+    print_table(["task", "k", "arm", "Nm", "accuracy", "acc (trained bn)", "s to target",
+                 "samples/s", "peak MiB", "pred. quality", "host cpu", "own cores"], rows)
+    figures = headline(results)
+    for key, v in figures.items():
+        print(f"{key}: {'n/a' if v is None else f'{v:.3f}'}")
+    print(f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
+          f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
+          f"{max(r['own_cores'] for r in results):.2f} cores (speed scale {args.speed_scale})")
+    plot(results, args.png)
+    print(f"plot: {args.png}")
+    if args.json:
+        emit_json({**figures, "speed_scale": args.speed_scale,
+                   "host_cpu_max": max(r["host_cpu"] for r in results),
+                   "own_cores_max": max(r["own_cores"] for r in results),
+                   "minibatches": args.minibatches, "arms": results, "machine": machine(),
+                   "png": str(args.png)})
+
+
+if __name__ == "__main__":
+    main()
