@@ -12,11 +12,13 @@ from typing import Any
 
 import zmq
 
+from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
+from hetpipe.security import CLIENT, Curve, KeysError, load_curve
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind
 
-__all__ = ["TERMINAL", "HeadClient", "HeadError"]
+__all__ = ["TERMINAL", "HeadClient", "HeadError", "client_curve"]
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 
@@ -25,18 +27,32 @@ class HeadError(RuntimeError):
     """The head refused a request or could not be reached."""
 
 
-class HeadClient:
-    """An async client of the head; use ``async with HeadClient(address) as head``."""
+def client_curve(cluster: ClusterConfig) -> Curve | None:
+    """The users' Curve keys of ``cluster`` (None when its ``[security] curve`` is off)."""
+    try:
+        return load_curve(cluster.security, CLIENT, serve=False)
+    except KeysError as exc:
+        raise HeadError(str(exc)) from None
 
-    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+
+class HeadClient:
+    """An async client of the head; use ``async with HeadClient(address, curve=...) as head``.
+
+    ``curve``: the cluster's client keys (:func:`client_curve`); a head with Curve on refuses
+    a client without them in the handshake, so its requests then time out.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0,
+                 curve: Curve | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.curve = curve
         self._owner: Owner | None = None
         self._ch: Channel | None = None
 
     async def __aenter__(self) -> HeadClient:
         self._owner = Owner()
-        sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address)
+        sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address, curve=self.curve)
         self._ch = self._owner.channel(Channel(sock, None, name="head",
                                                max_frame_bytes=1 << 30))
         return self
@@ -53,9 +69,10 @@ class HeadClient:
             reply = await self._ch.request(kind, fields or {}, timeout=timeout or self.timeout,
                                            what=f"the head at {self.address}")
         except TimeoutError:
+            keys = " and do this client's keys match the cluster's" if self.curve else ""
             raise HeadError(f"the head at {self.address} did not answer within "
                             f"{timeout or self.timeout:g} s: is the cluster up "
-                            f"(`hetpipe up`)?") from None
+                            f"(`hetpipe up`){keys}?") from None
         except RemoteError as exc:
             raise HeadError(str(exc)) from None
         return reply.get("info") or {}

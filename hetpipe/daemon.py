@@ -18,6 +18,8 @@ from typing import Any
 
 import zmq.asyncio
 
+from hetpipe import security
+from hetpipe.security import Curve, SecuritySpec
 from hetpipe.transport import Channel
 
 __all__ = ["Owner", "normal_host", "wait_for_signal", "write_ready"]
@@ -51,12 +53,27 @@ async def wait_for_signal() -> str:
 
 
 class Owner:
-    """Owns a process's ZeroMQ context, channels and background tasks."""
+    """Owns a process's ZeroMQ context, channels and background tasks.
+
+    It also holds the process's Curve keys (``curve``, handed to every socket it makes) and,
+    for a daemon, its one ZAP authenticator: ZAP is per context, so one per process.
+    """
 
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.channels: list[Channel] = []
         self.tasks: list[asyncio.Task[Any]] = []
+        self.curve: Curve | None = None
+        self.auth: security.ZapAuthenticator | None = None
+
+    def secure(self, spec: SecuritySpec, name: str, *, serve: bool) -> None:
+        """Load key ``name``; a daemon (``serve``) also starts the ZAP authenticator.
+
+        Call inside the event loop, before any socket is made.
+        """
+        self.curve = security.load_curve(spec, name, serve=serve)
+        if serve:
+            self.auth = security.start_authenticator(self.ctx, spec, name)
 
     def channel(self, ch: Channel) -> Channel:
         self.channels.append(ch)
@@ -76,4 +93,7 @@ class Owner:
         for ch in reversed(self.channels):
             with contextlib.suppress(Exception):
                 await ch.close()
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
         self.ctx.term()

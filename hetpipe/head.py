@@ -35,6 +35,7 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
+from hetpipe.security import CLIENT, CodeError, check_job, clip, shard_user, worker_user
 from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
@@ -149,6 +150,9 @@ class Head:
         self.run_dir = Path(run_dir or cluster.runtime.run_dir)
         self.workers: dict[str, WorkerInfo] = {}
         self.shards: dict[int, str] = {0: address}
+        self.shard_seen: dict[int, float] = {}  # monotonic time of each shard's last hello
+        self.shards_lost: set[int] = set()
+        self._refused: set[tuple[str | None, str]] = set()
         self.shard_channels: dict[int, Channel] = {}
         self.jobs: dict[str, JobState] = {}
         self.queue: asyncio.Queue[JobState] = asyncio.Queue()
@@ -171,9 +175,39 @@ class Head:
 
     # -- messages ---------------------------------------------------------------------------
 
+    # -- authority: who may send what (Curve user ids; None = security off, all trusted) ----
+
+    CLIENT_KINDS = frozenset({Kind.SUBMIT, Kind.JOB_STATUS, Kind.CLUSTER_STATUS, Kind.CANCEL,
+                              Kind.TRACE, Kind.PROFILE, Kind.PLAN})
+
+    def _allowed(self, msg: Message) -> bool:
+        """Clients submit, read and cancel jobs; a worker speaks only for its own device and
+        its own stage; a shard only for its own index."""
+        user, k = msg.user, msg.kind
+        if user is None:
+            return True
+        if k in self.CLIENT_KINDS:
+            return user == CLIENT
+        if k in (Kind.HELLO, Kind.HEARTBEAT):
+            return user == worker_user(msg["device"])
+        if k == Kind.SHARD_HELLO:
+            return user == shard_user(msg["shard"])
+        if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+            return any(user == worker_user(w.device) and w.job == msg["job"]
+                       and (w.vw, w.stage) == (msg["vw"], msg["stage"])
+                       for w in self.workers.values())
+        return True  # replies, and kinds the head refuses anyway
+
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None and peer is not None
         k = msg.kind
+        if not self._allowed(msg):
+            if (msg.user, str(k)) not in self._refused:
+                self._refused.add((msg.user, str(k)))
+                self.log.warning("request refused: not this peer's role", kind=str(k),
+                                 user=msg.user)
+            await self.channel.reply_error(peer, f"{msg.user} may not send {k}", msg.get("rid"))
+            return
         if k == Kind.HELLO:
             self._hello(peer, msg)
             await self.channel.send(Kind.WELCOME, {
@@ -188,6 +222,10 @@ class Head:
             w.last_seen = time.monotonic()
             w.state = msg["state"]
         elif k == Kind.SHARD_HELLO:
+            self.shard_seen[msg["shard"]] = time.monotonic()
+            if msg["shard"] in self.shards_lost:
+                self.shards_lost.discard(msg["shard"])
+                self.log.info("shard back", shard=msg["shard"])
             if self.shards.get(msg["shard"]) != msg["address"]:
                 self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
                 old = self.shard_channels.pop(msg["shard"], None)
@@ -235,6 +273,7 @@ class Head:
         """Answer ``profile`` (the profiles of every type) or ``plan`` (the plan it would run)."""
         assert self.channel is not None
         try:
+            check_job(msg["job"], self.cluster.security.allowed_modules)
             spec = JobSpec.from_dict(msg["job"], source="job")
             profile = await self._profile(spec)
             info: dict[str, Any] = {"profile": profile.to_dict()}
@@ -243,7 +282,7 @@ class Head:
                 cluster = live_cluster(self.cluster, self._idle())
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
                 info = {"plan": plan.to_dict(), "table": plan.table()}
-        except (JobError, PlanError, _JobFailed) as exc:
+        except (JobError, CodeError, PlanError, _JobFailed) as exc:
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
@@ -323,8 +362,10 @@ class Head:
     async def _submit(self, peer: bytes, msg: Message) -> None:
         assert self.channel is not None
         try:
+            check_job(msg["job"], self.cluster.security.allowed_modules)
             spec = JobSpec.from_dict(msg["job"], source="job")
-        except JobError as exc:
+        except (JobError, CodeError) as exc:
+            self.log.warning("job refused at submit", error=clip(exc))
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
         job_id = f"{spec.name}-{next(self._ids)}"
@@ -351,6 +392,8 @@ class Head:
             })
         jobs = [js.info() for js in self.jobs.values()]
         return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
+                "shards_lost": sorted(self.shards_lost),
+                "security": {"curve": self.cluster.security.curve},
                 "jobs": jobs, "current": self.current.id if self.current else None}
 
     # -- liveness ---------------------------------------------------------------------------
@@ -371,6 +414,24 @@ class Head:
                     self.jobs[w.job].fail(
                         f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
                         f"no heartbeat for {silent:.1f} s")
+            self._watch_shards(now, lost_after)
+
+    def _watch_shards(self, now: float, lost_after: float) -> None:
+        """A shard silent for ``lost_after_s`` is lost: the job using it fails, never hangs.
+
+        Shards say ``shard_hello`` every ``max(heartbeat_s, 1)`` seconds; shard 0 is this
+        process. A lost shard is left out of new plans until it says hello again.
+        """
+        for index, seen in self.shard_seen.items():
+            silent = now - seen
+            if index in self.shards_lost or silent <= lost_after + 1.0:
+                continue
+            self.shards_lost.add(index)
+            self.log.warning("shard lost", shard=index, silent_s=round(silent, 1))
+            js = self.current
+            if js is not None and js.plan is not None and index in js.plan.shards_used():
+                js.fail(f"shard {index} ({self.shards.get(index)}) lost: no hello for "
+                        f"{silent:.1f} s")
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -410,9 +471,10 @@ class Head:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None
                 log.warning("no prediction for this split", error=str(exc))
+            shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             js.plan = await loop.run_in_executor(
                 None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
-                                       dict(self.shards), vws=vws, predicted=predicted))
+                                       shards, vws=vws, predicted=predicted))
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
@@ -473,7 +535,7 @@ class Head:
                 raise _JobFailed(f"shard {index} has not registered with the head: "
                                  f"is hetpipe-ps --shard {index} running?")
             sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
-                               hwm=self.cluster.runtime.hwm)
+                               hwm=self.cluster.runtime.hwm, curve=self.owner.curve)
             ch = Channel(sock, None, name=f"to-shard{index}",
                          max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
             self.owner.channels.append(ch)
@@ -484,10 +546,13 @@ class Head:
         """Initial weights to the shards, assignments to the workers, then start."""
         plan = js.plan
         assert plan is not None and self.channel is not None
+        owners = {f"{v}/{s}": worker_user(plan.device_of(v, s))
+                  for v, vwp in enumerate(plan.vws) for s in range(len(vwp.stages))}
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)
             await ch.request(Kind.SHARD_INIT, {"job": js.id, "members": members,
-                                               "staleness": js.spec.staleness},
+                                               "staleness": js.spec.staleness,
+                                               "owners": owners},
                              weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
         plan.release_initial_weights()
         waits = []
@@ -558,7 +623,13 @@ class Head:
             js.evals.append([seconds, done, accuracy])
 
     def job_dir(self, js: JobState) -> Path:
-        return self.run_dir / "jobs" / js.id
+        """Where a job's outputs go: always under ``<run_dir>/jobs`` (names are validated at
+        submit; this refuses anything that would still resolve elsewhere)."""
+        jobs = (self.run_dir / "jobs").resolve()
+        path = (jobs / js.id).resolve()
+        if path.parent != jobs:
+            raise _JobFailed(f"job id {clip(js.id, 80)!r} would write outside {jobs}")
+        return path
 
     async def _telemetry(self, js: JobState, every_s: float = 1.0) -> None:
         """Append the live figures to the job's metrics file; diagnose a hang.

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from hetpipe import log as logmod
+from hetpipe.security import Curve, apply_curve, clip
 from hetpipe.wire import (
     ZERO_COPY_MIN_BYTES,
     Kind,
@@ -62,10 +63,17 @@ def make_socket(
     hwm: int = 64,
     linger_ms: int = 0,
     router_mandatory: bool = False,
+    curve: Curve | None = None,
 ) -> zmq.asyncio.Socket:
-    """Create a socket with every option that matters set before it binds or connects."""
+    """Create a socket with every option that matters set before it binds or connects.
+
+    With ``curve``, a socket that binds is a CurveZMQ server (its peers are authenticated by
+    the process's ZAP handler) and one that connects is a Curve client; None: plain TCP.
+    """
     sock = ctx.socket(kind)
     try:
+        # -- trust (hetpipe.security): Curve keys before bind/connect --
+        apply_curve(sock, curve, server=bind is not None)
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -223,8 +231,9 @@ class Channel:
         """Answer a sender with an ``error`` message (best effort: the peer may be gone)."""
         if self.sock.type in (zmq.PULL, zmq.PUSH):
             return
+        # error texts often quote what the peer sent: never echo it unbounded
         with contextlib.suppress(ConnectionError, zmq.ZMQError):
-            await self.send_frames(error_frames(message, rid), to=to)
+            await self.send_frames(error_frames(clip(message, 1000), rid), to=to)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -240,18 +249,22 @@ class Channel:
                 self._log.warning("recv failed", error=str(exc))
                 continue
             ident: bytes | None = None
+            user = _user_id(frames[-1])
             if self._routed:
                 ident = frames[0].bytes
                 frames = frames[1:]
-            await self._dispatch(ident, frames)
+            await self._dispatch(ident, frames, user)
 
-    async def _dispatch(self, ident: bytes | None, frames: list[Any]) -> None:
+    async def _dispatch(self, ident: bytes | None, frames: list[Any],
+                        user: str | None = None) -> None:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            self._log.warning("bad message dropped", peer=_peer(ident), error=str(exc))
+            self._log.warning("bad message dropped", peer=_peer(ident), user=user,
+                              error=clip(exc))
             await self.reply_error(ident, f"bad message: {exc}")
             return
+        msg.user = user
         rid = msg.fields.get("rid")
         if isinstance(rid, int) and msg.kind in _REPLY_KINDS and rid in self._pending:
             fut, what = self._pending[rid]
@@ -268,11 +281,20 @@ class Channel:
             await self._handler(ident, msg)
         except Exception as exc:  # a handler bug must not kill the reader
             self._log.exception("handler failed", kind=str(msg.kind))
-            await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
+            await self.reply_error(ident, f"{msg.kind} failed: {clip(exc, 1000)}", rid)
 
 
 _REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED})
 
 
 def _peer(ident: bytes | None) -> str | None:
-    return None if ident is None else ident.decode("utf-8", "replace")
+    return None if ident is None else clip(ident.decode("utf-8", "replace"), 80)
+
+
+def _user_id(frame: Any) -> str | None:
+    """The peer's user id from ZAP (its key's name under Curve); None on plain sockets."""
+    try:
+        user = frame.get("User-Id")
+    except (AttributeError, zmq.ZMQError):
+        return None
+    return user or None

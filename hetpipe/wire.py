@@ -166,7 +166,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # tensors: weights, by parameter name
     Kind.PULLED: {"rid": _INT, "clock": _INT, "vw_clock": _INT, "applied": _LIST},
     # tensors: initial weights, by parameter name
-    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT},
+    # owners: "vw/stage" -> user id of the worker assigned (the only one it takes pushes from)
+    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT,
+                      "owners": _OPT_DICT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
     Kind.SUBMIT: {"rid": _INT, "job": _DICT},
@@ -207,6 +209,7 @@ class Message:
     kind: Kind
     fields: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    user: str | None = None  # the sender's user id from ZAP (its Curve key's name), if any
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]

@@ -171,8 +171,8 @@ def test_submit_malformed_job_file_is_one_line(tmp_path: Path, text: str, where:
 class QuickHeadClient(HeadClient):
     """The CLI's client with a short request timeout (the CLI has no option for it)."""
 
-    def __init__(self, address: str, *, timeout: float = 0.5) -> None:
-        super().__init__(address, timeout=timeout)
+    def __init__(self, address: str, *, timeout: float = 0.5, curve: Any = None) -> None:
+        super().__init__(address, timeout=timeout, curve=curve)
 
 
 @pytest.mark.parametrize("command", ["submit", "status"])

@@ -12,7 +12,6 @@ import zmq
 import zmq.asyncio
 from conftest import UNIFORM, job, start_cluster
 
-from hetpipe.client import HeadClient
 from hetpipe.wire import Kind, decode, encode
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ def test_worker_killed_mid_job(tmp_path) -> None:
     cluster = start_cluster(tmp_path, UNIFORM)
     try:
         async def go() -> tuple[dict, float]:
-            async with HeadClient(cluster.head) as head:
+            async with cluster.client() as head:
                 job_id = await head.submit(job("long", model="cnn", split=SPLIT4, nm=4,
                                                epochs=200))
                 deadline = time.monotonic() + 60
