@@ -69,7 +69,7 @@ class HeadClient:
             reply = await self._ch.request(kind, fields or {}, timeout=timeout or self.timeout,
                                            what=f"the head at {self.address}")
         except TimeoutError:
-            keys = " and do this client's keys match the cluster's" if self.curve else ""
+            keys = ", and with these keys (a head refuses keys not its own)" if self.curve else ""
             raise HeadError(f"the head at {self.address} did not answer within "
                             f"{timeout or self.timeout:g} s: is the cluster up "
                             f"(`hetpipe up`){keys}?") from None

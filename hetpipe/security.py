@@ -171,11 +171,13 @@ class Curve:
 
 def _read_pair(root: Path, name: str, *, secret: bool) -> tuple[bytes, bytes | None]:
     path = root / (f"{name}.key_secret" if secret else f"{name}.key")
+    if not path.exists():
+        raise KeysError(f"missing key {path}: create the cluster's keys with `hetpipe keys`")
     try:
         public, sec = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise KeysError(f"no usable key {path}: {exc.__class__.__name__}: {clip(exc)} "
-                        f"(create the cluster's keys with `hetpipe keys`)") from None
+        raise KeysError(f"unusable key {path} ({type(exc).__name__}): re-create it with "
+                        f"`hetpipe keys --force`") from None
     if secret and sec is None:
         raise KeysError(f"{path} holds no secret key (create the keys with `hetpipe keys`)")
     return public, sec

@@ -184,12 +184,15 @@ def test_commands_fail_fast_when_the_head_is_not_running(
     job = tmp_path / "job.toml"
     job.write_text(GOOD_JOB)
     args = ["submit", str(job)] if command == "submit" else ["status"]
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    assert invoke("--cluster", cluster, "keys").exit_code == 0
     start = time.monotonic()
-    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head, *args)
+    result = invoke("--cluster", cluster, "--head", head, *args)
     elapsed = time.monotonic() - start
     assert result.exit_code == 1, result.output
     assert error_lines(result) == [
-        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`)?"
+        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`), "
+        "and with these keys (a head refuses keys not its own)?"
     ]
     assert elapsed < 5.0, elapsed
 
