@@ -16,6 +16,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import zmq
 import zmq.asyncio
 
 from hetpipe import security
@@ -78,6 +79,12 @@ class Owner:
     def channel(self, ch: Channel) -> Channel:
         self.channels.append(ch)
         return ch.start()
+
+    def watch_handshakes(self, ch: Channel) -> None:
+        """Log handshakes a Curve server socket refuses in libzmq (see :mod:`security`)."""
+        if self.curve is not None and ch.sock.getsockopt(zmq.CURVE_SERVER):
+            self.spawn(security.log_refused_handshakes(ch.sock, self.curve.name),
+                       f"handshakes:{ch.name}")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -162,6 +162,7 @@ async def serve(
         channel = owner.channel(Channel(sock, handle, name=f"shard{index}",
                                         max_frame_bytes=cluster.runtime.max_frame_bytes))
         server.channel = channel
+        owner.watch_handshakes(channel)
         if head_obj is not None:
             await head_obj.start(channel)
         else:

@@ -28,6 +28,7 @@ modules listed in ``[security] allowed_modules`` or registered by an installed p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -43,6 +44,7 @@ import zmq
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from hetpipe import log as logmod
 
@@ -248,6 +250,37 @@ class ZapAuthenticator(AsyncioAuthenticator):
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self.users[client_public_key]
+
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+SUMMARY_EVERY_S = 60.0
+
+
+async def log_refused_handshakes(sock: zmq.Socket, who: str) -> None:
+    """Log the handshakes a Curve server socket refuses before ZAP is asked.
+
+    A peer without keys, or with another cluster's server key, fails inside libzmq (wrong
+    mechanism, or a hello this server cannot open), so neither ZAP nor this process learns its
+    address: the first refusal is logged, then at most one line a minute with the count.
+    Refusals by key (ZAP) are logged by :class:`ZapAuthenticator`, once per peer.
+    """
+    log = logmod.get("auth").bind(daemon=who)
+    mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    count, last = 0, -SUMMARY_EVERY_S
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            event = parse_monitor_message(await mon.recv_multipart())
+            count += 1
+            if loop.time() - last >= SUMMARY_EVERY_S:
+                log.warning("handshakes refused: peers without this cluster's keys",
+                            count=count, endpoint=event["endpoint"].decode(errors="replace"),
+                            error=event["value"])
+                count, last = 0, loop.time()
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        mon.close(linger=0)
 
 
 def start_authenticator(ctx: zmq.Context, spec: SecuritySpec, who: str) -> ZapAuthenticator | None:

@@ -91,8 +91,8 @@ class Worker:
                            bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
                            curve=self.owner.curve)
         self.address = bound_address(data)
-        self.owner.channel(Channel(data, self._on_data, name="data",
-                                   max_frame_bytes=rt.max_frame_bytes))
+        self.owner.watch_handshakes(self.owner.channel(Channel(
+            data, self._on_data, name="data", max_frame_bytes=rt.max_frame_bytes)))
         ident = f"{self.device.name}:{os.getpid()}".encode()
         sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
                            identity=ident, hwm=rt.hwm, curve=self.owner.curve)

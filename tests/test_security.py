@@ -306,6 +306,9 @@ def test_strangers_are_refused_before_any_message_is_read(
         text = wait_log(logs / f"{daemon}.log", key)
         assert text.count(key) == 1, (daemon, text.count(key))
     assert wait_log(logs / "worker-gpu1.log", key).count(key) == 1
+    for daemon in ("ps0", "worker-gpu1"):  # no keys, or another cluster's: refused in libzmq
+        assert wait_log(logs / f"{daemon}.log", "handshakes refused").count(
+            "handshakes refused") == 1
     # nothing a stranger sent reached a handler: no "bad message", no refusal by role
     for name in ("ps0", "ps1", "worker-gpu1"):
         text = (logs / f"{name}.log").read_text()
