@@ -221,6 +221,11 @@ async def push_data(address: str, curve: Curve | None, kind: Kind, fields: dict[
         owner.ctx.term()
 
 
+def z85_key(curve: Curve) -> str:
+    """A key as the logs print it."""
+    return zmq.utils.z85.encode(zmq.utils.z85.decode(curve.public)).decode()
+
+
 def wait_log(path: Path, text: str, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -301,7 +306,7 @@ def test_strangers_are_refused_before_any_message_is_read(
     logs = c.run_dir / "logs"
     own_key = strangers["its own key"]
     assert own_key is not None
-    key = zmq.utils.z85.encode(zmq.utils.z85.decode(own_key.public)).decode()
+    key = z85_key(own_key)
     for daemon in {"ps0", f"ps{shard_of(running, 0, 0)}"}:
         text = wait_log(logs / f"{daemon}.log", key)
         assert text.count(key) == 1, (daemon, text.count(key))
@@ -426,9 +431,16 @@ def test_daemons_without_the_clusters_keys_cannot_join(guarded: LocalCluster,
     c = guarded
     other = other_cluster_keys(tmp_path)
     base = cluster_toml(UNIFORM, shards=2)
+    # "wrongkey": the cluster's server pair (stolen), but an own key the cluster never made
+    wrong = tmp_path / "wrong-keys"
+    ensure_keys(wrong, ["worker-gpu1"])
+    real = Path(c.cluster.security.keys)
+    for name in ("server.key", "server.key_secret"):
+        (wrong / name).write_bytes((real / name).read_bytes())
     files = {
         "nokeys": base.replace("curve = true", "curve = false"),
         "otherkeys": base.replace("[security]", f'[security]\nkeys = "{other}"'),
+        "wrongkey": base.replace("[security]", f'[security]\nkeys = "{wrong}"'),
     }
     before = c.status()
     procs: list[subprocess.Popen[bytes]] = []
@@ -442,7 +454,7 @@ def test_daemons_without_the_clusters_keys_cannot_join(guarded: LocalCluster,
         argv = (sys.executable, "-m", "hetpipe.ps", "--cluster", str(tmp_path / "otherkeys.toml"),
                 "--shard", "1", "--head", c.head)
         procs.append(launch.spawn(launch.Daemon("imp-ps1", argv), tmp_path))
-        names = ("imp-worker-nokeys", "imp-worker-otherkeys", "imp-ps1")
+        names = ("imp-worker-nokeys", "imp-worker-otherkeys", "imp-worker-wrongkey", "imp-ps1")
         launch.wait_ready(dict(zip(names, procs, strict=True)), tmp_path, 60)
         time.sleep(4.5)  # workers say hello every 2 s, shards every second
         after = c.status()
@@ -455,8 +467,10 @@ def test_daemons_without_the_clusters_keys_cannot_join(guarded: LocalCluster,
     old = next(w for w in before["workers"] if w["device"] == "gpu1")
     assert (gpu1["pid"], gpu1["address"]) == (old["pid"], old["address"])
     assert "SECURITY OFF" in (tmp_path / "logs" / "imp-worker-nokeys.log").read_text()
-    for name in ("imp-worker-nokeys", "imp-worker-otherkeys"):
+    for name in ("imp-worker-nokeys", "imp-worker-otherkeys", "imp-worker-wrongkey"):
         assert '"registered"' not in (tmp_path / "logs" / f"{name}.log").read_text()
+    wrong_key = z85_key(curve_of(wrong, "worker-gpu1"))
+    assert wait_log(c.run_dir / "logs" / "ps0.log", wrong_key).count(wrong_key) == 1
 
 
 # -- liveness and the explicit off switch ---------------------------------------------------
@@ -550,3 +564,46 @@ def test_cli_refuses_disallowed_code_before_contacting_the_head(tmp_path: Path) 
                                "allowed"), lines[0]
     assert "[security] allowed_modules" in lines[0]
     assert os.path.exists(path)
+
+
+def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> None:
+    """The head checks at submit; a worker checks again before it imports anything."""
+    from hetpipe.task import StageTask
+    from hetpipe.worker import Worker
+
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml(UNIFORM[:1], shards=1))
+    cluster = load_cluster(path)
+    marker = tmp_path / "ran"
+    bad = job("rce", model="subprocess:getoutput", model_args={"cmd": f"touch {marker}"})
+    task = StageTask(job="rce-1", spec=bad, vw=0, stage=0, k=1, first=0, last=1, nm=1,
+                     staleness=0, minibatches=1, num_vws=1, prev=None, next=None)
+
+    class FakeHead:
+        def __init__(self) -> None:
+            self.errors: list[str] = []
+
+        async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
+            self.errors.append(message)
+
+        async def send(self, *_args: object, **_kw: object) -> None:
+            raise AssertionError("the worker accepted the job")
+
+    async def go() -> list[str]:
+        owner = Owner()
+        worker = Worker(cluster, cluster.devices[0], owner, None)
+        head = FakeHead()
+        worker.head = head  # type: ignore[assignment]
+        try:
+            await worker._measure(Message(Kind.MEASURE, {"rid": 1, "job": bad}, {}))
+            await worker._assign(Message(Kind.ASSIGN, {"rid": 2, "job": "rce-1",
+                                                       "task": task.to_dict()}, {}))
+        finally:
+            await worker.close()
+            await owner.close()
+        return head.errors
+
+    errors = asyncio.run(go())
+    assert len(errors) == 2
+    assert all("module 'subprocess' is not allowed" in e for e in errors), errors
+    assert not marker.exists()
