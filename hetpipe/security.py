@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -219,18 +220,30 @@ class ZapAuthenticator(AsyncioAuthenticator):
     log line per attempt would drown the log.
     """
 
+    RELOAD_EVERY_S = 5.0
+
     def __init__(self, context: zmq.Context, keys_dir: str, who: str) -> None:
         super().__init__(context)
+        self.keys_dir = keys_dir
         self.users: dict[bytes, str] = {}
         self._address = ""
         self._refused: set[tuple[str, bytes]] = set()
+        self._loaded = 0.0
         self._log = logmod.get("auth").bind(daemon=who)
-        for path in sorted(Path(keys_dir).glob("*.key")):
+        self._load()
+
+    def _load(self) -> None:
+        """Read the keys directory (again): a device added later gets its key with
+        ``hetpipe keys``, and its worker can join without restarting every daemon."""
+        users = {}
+        for path in sorted(Path(self.keys_dir).glob("*.key")):
             if path.stem == SERVER:
                 continue
             with contextlib.suppress(OSError, ValueError):
                 public, _ = zmq.auth.load_certificate(str(path))  # z85 text
-                self.users[z85.decode(public)] = path.stem  # ZAP hands over binary keys
+                users[z85.decode(public)] = path.stem  # ZAP hands over binary keys
+        self.users = users
+        self._loaded = time.monotonic()
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         if len(msg) > 3:
@@ -238,6 +251,8 @@ class ZapAuthenticator(AsyncioAuthenticator):
         await super().handle_zap_message(msg)
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        if client_key not in self.users and time.monotonic() - self._loaded > self.RELOAD_EVERY_S:
+            self._load()
         if client_key in self.users:
             return True, b"OK"
         peer = (self._address, client_key)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
+import zmq.asyncio
 from conftest import UNIFORM, job
 
 from hetpipe import launch, security
@@ -607,3 +608,26 @@ def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> 
     assert len(errors) == 2
     assert all("module 'subprocess' is not allowed" in e for e in errors), errors
     assert not marker.exists()
+
+
+def test_the_authenticator_learns_keys_added_later(tmp_path: Path) -> None:
+    """A device added to the cluster gets its key with `hetpipe keys`; daemons need no restart."""
+    keys = tmp_path / "keys"
+    ensure_keys(keys, ["server", "client"])
+
+    async def go() -> tuple[tuple[bool, bytes], tuple[bool, bytes], str]:
+        ctx = zmq.asyncio.Context()
+        auth = security.ZapAuthenticator(ctx, str(keys), "test")
+        try:
+            ensure_keys(keys, ["worker-gpu9"])
+            new = zmq.utils.z85.decode(curve_of(keys, "worker-gpu9").public)
+            before = await auth._authenticate_curve("", new)  # read a moment ago: not yet
+            auth._loaded -= auth.RELOAD_EVERY_S + 1
+            after = await auth._authenticate_curve("", new)
+            return before, after, auth.curve_user_id(new)
+        finally:
+            ctx.term()
+
+    before, after, user = asyncio.run(go())
+    assert before == (False, b"Unknown key")
+    assert after == (True, b"OK") and user == "worker-gpu9"
