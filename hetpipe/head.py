@@ -173,8 +173,6 @@ class Head:
             self.current.fail("the head is shutting down")
             await asyncio.sleep(0.2)
 
-    # -- messages ---------------------------------------------------------------------------
-
     # -- authority: who may send what (Curve user ids; None = security off, all trusted) ----
 
     CLIENT_KINDS = frozenset({Kind.SUBMIT, Kind.JOB_STATUS, Kind.CLUSTER_STATUS, Kind.CANCEL,
@@ -197,6 +195,8 @@ class Head:
                        and (w.vw, w.stage) == (msg["vw"], msg["stage"])
                        for w in self.workers.values())
         return True  # replies, and kinds the head refuses anyway
+
+    # -- messages ---------------------------------------------------------------------------
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None and peer is not None
@@ -685,6 +685,8 @@ class Head:
         if js.plan is None:
             return
         for index in js.plan.shards_used():
+            if index in self.shards_lost:
+                continue  # nothing to drop there, and no answer to wait for
             with contextlib.suppress(Exception):
                 ch = await self._shard(index)
                 await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
