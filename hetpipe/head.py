@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -84,6 +85,14 @@ class JobState:
     diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
+    lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
+    replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+
+    @property
+    def wire_id(self) -> str:
+        """The job's name on the wire: one per attempt, so that a stale activation, push or
+        report of an attempt given up is never taken for the current one's."""
+        return self.plan.job if self.plan is not None else self.id
 
     def fail(self, reason: str) -> None:
         if self.failure is not None and not self.failure.done():
@@ -131,6 +140,9 @@ class JobState:
             if "samples_per_s" in plan.predicted:
                 out["predicted"] = {k: v for k, v in plan.predicted.items()
                                     if k != "state_bytes"}
+        if self.replans:
+            out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
+                              for r in self.replans]
         if self.evals:
             out["evals"] = self.evals
         if self.diagnosis:
@@ -191,9 +203,10 @@ class Head:
         if k == Kind.SHARD_HELLO:
             return user == shard_user(msg["shard"])
         if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
-            return any(user == worker_user(w.device) and w.job == msg["job"]
-                       and (w.vw, w.stage) == (msg["vw"], msg["stage"])
-                       for w in self.workers.values())
+            js = self._by_wire(msg["job"])
+            return js is not None and any(
+                user == worker_user(w.device) and w.job == js.id
+                and (w.vw, w.stage) == (msg["vw"], msg["stage"]) for w in self.workers.values())
         return True  # replies, and kinds the head refuses anyway
 
     # -- messages ---------------------------------------------------------------------------
@@ -335,6 +348,7 @@ class Head:
         if old is not None and old.job is not None and old.ident != peer:
             js = self.jobs.get(old.job)
             if js is not None:
+                js.lost_device = device
                 js.fail(f"worker {device} restarted (pid {old.pid} -> {msg['pid']})")
         self.workers[device] = WorkerInfo(
             device=device, ident=peer, address=msg["address"], pid=msg["pid"],
@@ -342,8 +356,13 @@ class Head:
         self.log.info("worker registered", device=device, address=msg["address"],
                       pid=msg["pid"])
 
+    def _by_wire(self, wire_id: str) -> JobState | None:
+        """The job whose current attempt is ``wire_id`` (None for an attempt given up)."""
+        js = self.jobs.get(wire_id.rpartition(".r")[0]) or self.jobs.get(wire_id)
+        return js if js is not None and js.wire_id == wire_id else None
+
     def _stage_message(self, msg: Message) -> None:
-        js = self.jobs.get(msg["job"])
+        js = self._by_wire(msg["job"])
         if js is None or js.state != "running":
             return
         key = (msg["vw"], msg["stage"])
@@ -411,6 +430,7 @@ class Head:
                 self.log.warning("worker lost", device=w.device, pid=w.pid,
                                  silent_s=round(silent, 1))
                 if w.job is not None and w.job in self.jobs:
+                    self.jobs[w.job].lost_device = w.device
                     self.jobs[w.job].fail(
                         f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
                         f"no heartbeat for {silent:.1f} s")
@@ -482,18 +502,14 @@ class Head:
         try:
             js.state = "running"
             js.started = time.time()
-            await self._race(js, self._launch(js))
-            watchers = [asyncio.ensure_future(self._telemetry(js))]
-            if js.spec.eval_every_s:
-                watchers.append(asyncio.ensure_future(
-                    self._evaluate_every(js, js.spec.eval_every_s)))
-            done = asyncio.ensure_future(js.all_done.wait())
-            try:
-                await self._race(js, done)
-            finally:
-                for w in watchers:
-                    w.cancel()
-                js.diagnosis = []  # a diagnosis describes a running job only
+            while True:
+                try:
+                    await self._run_attempt(js)
+                    break
+                except _JobFailed as exc:
+                    if not self._may_replan(js):
+                        raise
+                    await self._replan(js, str(exc))
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
@@ -508,6 +524,86 @@ class Head:
             for w in self.workers.values():
                 if w.job == js.id:
                     w.job = w.vw = w.stage = None
+
+    async def _run_attempt(self, js: JobState) -> None:
+        """Launch the job's current plan and follow it until every stage is done."""
+        await self._race(js, self._launch(js))
+        if js.replans and "resumed_s" not in js.replans[-1]:
+            js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
+        watchers = [asyncio.ensure_future(self._telemetry(js))]
+        if js.spec.eval_every_s:
+            watchers.append(asyncio.ensure_future(
+                self._evaluate_every(js, js.spec.eval_every_s)))
+        done = asyncio.ensure_future(js.all_done.wait())
+        try:
+            await self._race(js, done)
+        finally:
+            for w in watchers:
+                w.cancel()
+            js.diagnosis = []  # a diagnosis describes a running job only
+
+    # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
+
+    MAX_REPLANS = 3
+
+    def _may_replan(self, js: JobState) -> bool:
+        return (js.spec.on_worker_loss == "replan" and js.lost_device is not None
+                and len(js.replans) < self.MAX_REPLANS)
+
+    async def _replan(self, js: JobState, reason: str) -> None:
+        """Go on without the lost worker: plan the job again on the live devices and start it
+        from the global weights the shards hold now.
+
+        Without checkpoints this restarts from the shards' weights, not from each stage's
+        state: the lost stage's unpushed updates of the current wave and every stage's
+        optimizer state are gone, and the data order starts again from the job's first
+        minibatch. The job trains the minibatches it still owed (the slowest VW's count).
+        """
+        assert js.plan is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        old, lost = js.plan, js.lost_device
+        log = self.log.bind(job=js.id)
+        log.warning("worker lost: re-planning the job without it", device=lost, reason=reason)
+        try:
+            state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
+        except (RemoteError, TimeoutError, ConnectionError) as exc:
+            raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: {exc}") from None
+        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
+                    for v, vw in enumerate(old.vws)), default=0)
+        await self._abort(js, reason)
+        await self._drop_shards(js)
+        for w in self.workers.values():
+            if w.job == js.id:
+                w.job = w.vw = w.stage = None
+        spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
+        try:
+            profile = await self._profile(spec)
+            cluster = live_cluster(self.cluster, self._idle())
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+            shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
+            wire = f"{js.id}.r{len(js.replans) + 1}"
+            new = await loop.run_in_executor(
+                None, lambda: plan_job(spec, wire, self.cluster, self._alive(), shards,
+                                       vws=plan_vws(plan), predicted=predicted_summary(plan)))
+        except (PlanError, JobPlanError, _JobFailed) as exc:
+            raise _JobFailed(f"{reason}; cannot re-plan without it: {exc}") from None
+        new.initial = {k: state[k] for k in new.initial or {}}
+        new.minibatches = max(1, old.minibatches - done)
+        js.plan = new
+        js.failure = loop.create_future()
+        js.lost_device = None
+        js.progress.clear()
+        js.stage_results.clear()
+        js.all_done = asyncio.Event()
+        js.replans.append({
+            "lost": lost, "reason": reason, "after_minibatches": done,
+            "vws": [[s.device for s in vw.stages] for vw in new.vws],
+            "minibatches_left": new.minibatches, "planned_s": round(time.monotonic() - t0, 2),
+            "_t": t0,
+        })
+        log.warning("re-planned", lost=lost, vws=js.replans[-1]["vws"],
+                    minibatches_left=new.minibatches)
 
     async def _race(self, js: JobState, aw: Any) -> Any:
         """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
@@ -550,7 +646,7 @@ class Head:
                   for v, vwp in enumerate(plan.vws) for s in range(len(vwp.stages))}
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)
-            await ch.request(Kind.SHARD_INIT, {"job": js.id, "members": members,
+            await ch.request(Kind.SHARD_INIT, {"job": plan.job, "members": members,
                                                "staleness": js.spec.staleness,
                                                "owners": owners},
                              weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
@@ -560,12 +656,12 @@ class Head:
             w = self.workers[plan.device_of(task.vw, task.stage)]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
             waits.append(self.channel.request(
-                Kind.ASSIGN, {"job": js.id, "task": task.to_dict()}, to=w.ident,
+                Kind.ASSIGN, {"job": plan.job, "task": task.to_dict()}, to=w.ident,
                 timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
         await asyncio.gather(*waits)
         for w in self.workers.values():
             if w.job == js.id:
-                await self.channel.send(Kind.START, {"job": js.id}, to=w.ident)
+                await self.channel.send(Kind.START, {"job": plan.job}, to=w.ident)
         self.log.info("job started", job=js.id, stages=plan.n_stages)
 
     async def _finish(self, js: JobState) -> dict[str, Any]:
@@ -604,7 +700,7 @@ class Head:
         clocks = {}
         for index in js.plan.shards_used():
             ch = await self._shard(index)
-            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.id},
+            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.wire_id},
                                      timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
             state.update({k: v.clone() for k, v in reply.tensors.items()})
             clocks[str(index)] = reply.get("info")
@@ -678,7 +774,7 @@ class Head:
         for w in self.workers.values():
             if w.job == js.id and not w.lost:
                 with contextlib.suppress(ConnectionError, zmq.ZMQError):
-                    await self.channel.send(Kind.ABORT, {"job": js.id, "reason": reason},
+                    await self.channel.send(Kind.ABORT, {"job": js.wire_id, "reason": reason},
                                             to=w.ident)
 
     async def _drop_shards(self, js: JobState) -> None:
@@ -689,7 +785,7 @@ class Head:
                 continue  # nothing to drop there, and no answer to wait for
             with contextlib.suppress(Exception):
                 ch = await self._shard(index)
-                await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
+                await ch.request(Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0,
                                  what=f"shard {index}")
 
 

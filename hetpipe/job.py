@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adam")
+ON_WORKER_LOSS = ("fail", "replan")
 POLICIES = ("auto", "np", "ed", "hd")
 
 
@@ -104,6 +105,7 @@ class JobSpec:
     policy: str = "auto"
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
+    on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
     faults: tuple[FaultSpec, ...] = ()
 
     def to_dict(self) -> dict:
@@ -126,6 +128,8 @@ class JobSpec:
         if self.eval_every_s is not None:
             train["eval_every_s"] = self.eval_every_s
         train["hang_after_s"] = self.hang_after_s
+        if self.on_worker_loss != "fail":
+            train["on_worker_loss"] = self.on_worker_loss
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -181,6 +185,7 @@ class JobSpec:
                 "policy",
                 "eval_every_s",
                 "hang_after_s",
+                "on_worker_loss",
             ),
         )
         minibatch = train.at_least("minibatch", 1)
@@ -196,6 +201,10 @@ class JobSpec:
         num_vws = train.at_least("vws", 1, None)
         eval_every_s = train.positive("eval_every_s", None)
         hang_after_s = train.positive("hang_after_s", 30.0)
+        on_worker_loss = train.text("on_worker_loss", "fail")
+        if on_worker_loss not in ON_WORKER_LOSS:
+            train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
+                       f"{', '.join(ON_WORKER_LOSS)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -219,6 +228,7 @@ class JobSpec:
             policy=policy,
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
+            on_worker_loss=on_worker_loss,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0),
