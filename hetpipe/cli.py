@@ -265,27 +265,34 @@ def _job_line(j: dict[str, Any]) -> str:
 
 @main.command()
 @cluster_option
-@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.argument("job_file", type=click.Path(dir_okay=False), required=False)
 @click.option("--wait", is_flag=True, help="Follow the job to its end with a progress bar.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one final JSON line (implies --wait).")
 @click.option("--timeout", default=None, type=float, help="Give up waiting after this long.")
+@click.option("--resume", "resume", default=None, metavar="JOB",
+              help="Continue job JOB from its last complete checkpoint (JOB_FILE optional).")
 @click.pass_obj
-def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
+def submit(obj: Ctx, job_file: str | None, wait: bool, as_json: bool, timeout: float | None,
+           resume: str | None) -> None:
     """Send a job to the head; --wait follows it."""
-    spec = _load_job_or_fail(job_file, obj)
-    info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
-                                  as_json=as_json, timeout=timeout, curve=obj.curve))
+    if job_file is None and resume is None:
+        raise click.UsageError("give a JOB_FILE, or --resume JOB")
+    job = _load_job_or_fail(job_file, obj).to_dict() if job_file is not None else None
+    info = _run(submit_and_follow(obj.head, job, wait=wait or as_json,
+                                  as_json=as_json, timeout=timeout, curve=obj.curve,
+                                  resume=resume))
     if info is not None and info["state"] != "done":
         raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
 
 
-async def submit_and_follow(head: str, job: dict[str, Any], *, wait: bool, as_json: bool,
-                            timeout: float | None,
-                            curve: Curve | None = None) -> dict[str, Any] | None:
-    """Submit ``job``; with ``wait``, show progress and the result; return the final status."""
+async def submit_and_follow(head: str, job: dict[str, Any] | None, *, wait: bool,
+                            as_json: bool, timeout: float | None, curve: Curve | None = None,
+                            resume: str | None = None) -> dict[str, Any] | None:
+    """Submit ``job`` (or resume one); with ``wait``, show progress and the result; return
+    the final status."""
     async with HeadClient(head, curve=curve) as client:
-        job_id = await client.submit(job)
+        job_id = await client.submit(job, resume=resume)
         if not wait:
             click.echo(job_id)
             return None

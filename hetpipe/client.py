@@ -77,8 +77,10 @@ class HeadClient:
             raise HeadError(str(exc)) from None
         return reply.get("info") or {}
 
-    async def submit(self, job: dict[str, Any]) -> str:
-        return (await self.call(Kind.SUBMIT, {"job": job}))["job"]
+    async def submit(self, job: dict[str, Any] | None, *, resume: str | None = None) -> str:
+        """Queue ``job``; with ``resume``, continue that job from its last checkpoint (its own
+        job, or ``job`` if given). Returns the new job's id."""
+        return (await self.call(Kind.SUBMIT, {"job": job, "resume": resume}))["job"]
 
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self.call(Kind.JOB_STATUS, {"job": job_id})

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import zmq
 
+from hetpipe import checkpoint
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
@@ -36,7 +37,15 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
-from hetpipe.security import CLIENT, CodeError, check_job, clip, shard_user, worker_user
+from hetpipe.security import (
+    CLIENT,
+    CodeError,
+    check_job,
+    check_job_name,
+    clip,
+    shard_user,
+    worker_user,
+)
 from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
@@ -87,6 +96,10 @@ class JobState:
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
     lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
     replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+    resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
+    done_before: int = 0  # minibatches per VW trained before this attempt (resume, re-plan)
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0  # head time spent fetching and writing checkpoints
 
     @property
     def wire_id(self) -> str:
@@ -140,6 +153,13 @@ class JobState:
             if "samples_per_s" in plan.predicted:
                 out["predicted"] = {k: v for k, v in plan.predicted.items()
                                     if k != "state_bytes"}
+        if self.resume is not None:
+            out["resumed_from"] = {"job": self.resume.meta.get("job"),
+                                   "checkpoint": str(self.resume.path),
+                                   "minibatches_done": self.resume.meta.get("minibatches_done")}
+        if self.checkpoints:
+            out["checkpoints"] = self.checkpoints
+            out["checkpoint_s"] = self.checkpoint_s
         if self.replans:
             out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
                               for r in self.replans]
@@ -214,6 +234,12 @@ class Head:
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None and peer is not None
         k = msg.kind
+        if self._orphan(msg):
+            # a stage of a job this head does not run (it restarted, or gave the attempt
+            # up): tell its worker to drop it rather than let it wait for shards forever
+            await self.channel.send(Kind.ABORT, {"job": msg["job"], "reason": (
+                "the head does not run this job (it restarted or gave it up)")}, to=peer)
+            return
         if not self._allowed(msg):
             if (msg.user, str(k)) not in self._refused:
                 self._refused.add((msg.user, str(k)))
@@ -356,6 +382,15 @@ class Head:
         self.log.info("worker registered", device=device, address=msg["address"],
                       pid=msg["pid"])
 
+    def _orphan(self, msg: Message) -> bool:
+        """A worker's message about a job (attempt) this head does not know."""
+        if msg.kind not in (Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+            return False
+        job = msg.get("job")
+        if not job or self._by_wire(job) is not None:
+            return False
+        return msg.user is None or msg.user.startswith("worker-")
+
     def _by_wire(self, wire_id: str) -> JobState | None:
         """The job whose current attempt is ``wire_id`` (None for an attempt given up)."""
         js = self.jobs.get(wire_id.rpartition(".r")[0]) or self.jobs.get(wire_id)
@@ -381,18 +416,35 @@ class Head:
     async def _submit(self, peer: bytes, msg: Message) -> None:
         assert self.channel is not None
         try:
-            check_job(msg["job"], self.cluster.security.allowed_modules)
-            spec = JobSpec.from_dict(msg["job"], source="job")
-        except (JobError, CodeError) as exc:
+            resume = self._checkpoint_of(msg["resume"]) if msg.get("resume") else None
+            job = msg.get("job") or (resume.meta["spec"] if resume is not None else None)
+            if job is None:
+                raise CodeError("submit: give a job, or the id of one to resume")
+            check_job(job, self.cluster.security.allowed_modules)
+            spec = JobSpec.from_dict(job, source="job")
+        except (JobError, CodeError, _JobFailed) as exc:
             self.log.warning("job refused at submit", error=clip(exc))
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
         job_id = f"{spec.name}-{next(self._ids)}"
-        js = JobState(id=job_id, spec=spec, submitted=time.time())
+        js = JobState(id=job_id, spec=spec, submitted=time.time(), resume=resume)
         self.jobs[job_id] = js
         await self.queue.put(js)
         self.log.info("job queued", job=job_id)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
+
+    def _checkpoint_of(self, job_id: str) -> checkpoint.Checkpoint:
+        """The last complete checkpoint of job ``job_id`` in this head's run directory."""
+        check_job_name(job_id)
+        jobs = (self.run_dir / "jobs").resolve()
+        skipped: list[str] = []
+        ck = checkpoint.latest(jobs / job_id, skipped)
+        for why in skipped:
+            self.log.warning("damaged checkpoint skipped", job=job_id, error=clip(why, 300))
+        if ck is None:
+            raise _JobFailed(f"no complete checkpoint of job {job_id!r} in "
+                             f"{jobs / job_id / 'checkpoints'}")
+        return ck
 
     def cluster_info(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -495,6 +547,8 @@ class Head:
             js.plan = await loop.run_in_executor(
                 None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
                                        shards, vws=vws, predicted=predicted))
+            if js.resume is not None:
+                self._start_from(js, js.resume)
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
@@ -525,12 +579,60 @@ class Head:
                 if w.job == js.id:
                     w.job = w.vw = w.stage = None
 
+    def _start_from(self, js: JobState, ck: checkpoint.Checkpoint) -> None:
+        """Start the job's plan from a checkpoint's global weights, owing what it had left."""
+        assert js.plan is not None and js.plan.initial is not None
+        missing = sorted(set(js.plan.initial) - set(ck.state))
+        if missing:
+            raise JobPlanError(f"checkpoint {ck.path} has no {missing[:3]}: another model?")
+        js.plan.initial = {k: ck.state[k] for k in js.plan.initial}
+        js.done_before = int(ck.meta.get("minibatches_done", 0))
+        total = int(ck.meta.get("minibatches_total", js.plan.minibatches))
+        js.plan.minibatches = max(1, total - js.done_before)
+        self.log.info("resuming", job=js.id, checkpoint=str(ck.path),
+                      minibatches_done=js.done_before, minibatches_left=js.plan.minibatches)
+
+    async def _checkpoints(self, js: JobState, every: int) -> None:
+        """A checkpoint each time the global clock has moved ``every`` waves on."""
+        assert js.plan is not None
+        plan, last = js.plan, 0
+        while True:
+            await asyncio.sleep(0.25)
+            clock = min((js.progress.get((v, len(vw.stages) - 1), {}).get("vw_clock", 0)
+                         for v, vw in enumerate(plan.vws)), default=0)
+            if clock >= last + every:
+                try:
+                    await self._checkpoint(js, clock)
+                except (RemoteError, TimeoutError, ConnectionError, OSError) as exc:
+                    self.log.warning("checkpoint failed", job=js.id, error=clip(exc))
+                last = clock
+
+    async def _checkpoint(self, js: JobState, clock: int) -> None:
+        """Fetch the global weights from the shards and write them as one checkpoint."""
+        assert js.plan is not None
+        t0 = time.perf_counter()
+        plan = js.plan
+        state, clocks = await self._fetch_state(js)
+        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
+                    for v, vw in enumerate(plan.vws)), default=0)
+        meta = {"job": js.id, "spec": js.spec.to_dict(), "global_clock": clock,
+                "shard_clocks": clocks, "minibatches_done": js.done_before + done,
+                "minibatches_total": js.done_before + plan.minibatches, "t": time.time()}
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, checkpoint.write, self.job_dir(js),
+                                   js.done_before + done, state, meta)
+        js.checkpoints += 1
+        js.checkpoint_s += time.perf_counter() - t0
+
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""
         await self._race(js, self._launch(js))
         if js.replans and "resumed_s" not in js.replans[-1]:
             js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
         watchers = [asyncio.ensure_future(self._telemetry(js))]
+        if js.spec.checkpoint_every:
+            watchers.append(asyncio.ensure_future(
+                self._checkpoints(js, js.spec.checkpoint_every)))
         if js.spec.eval_every_s:
             watchers.append(asyncio.ensure_future(
                 self._evaluate_every(js, js.spec.eval_every_s)))
@@ -590,6 +692,7 @@ class Head:
             raise _JobFailed(f"{reason}; cannot re-plan without it: {exc}") from None
         new.initial = {k: state[k] for k in new.initial or {}}
         new.minibatches = max(1, old.minibatches - done)
+        js.done_before += done
         js.plan = new
         js.failure = loop.create_future()
         js.lost_device = None
@@ -673,6 +776,11 @@ class Head:
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         accuracy = await loop.run_in_executor(None, plan.export, state, out_dir)
+        if js.spec.checkpoint_every:  # the last one: the end state, resumable like any other
+            total = js.done_before + plan.minibatches
+            meta = {"job": js.id, "spec": js.spec.to_dict(), "shard_clocks": clocks,
+                    "minibatches_done": total, "minibatches_total": total, "t": time.time()}
+            await loop.run_in_executor(None, checkpoint.write, out_dir, total, state, meta)
         js.evals.append([train_s, plan.minibatches * len(plan.vws), accuracy])
         stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
@@ -691,6 +799,8 @@ class Head:
             "trace_path": str((out_dir / "trace.json").resolve()),
             "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
             "shard_clocks": clocks,
+            "checkpoints": js.checkpoints,
+            "checkpoint_s": js.checkpoint_s,
         }
 
     async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -106,6 +106,7 @@ class JobSpec:
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
+    checkpoint_every: int = 10  # waves of the global clock between checkpoints; 0: none
     faults: tuple[FaultSpec, ...] = ()
 
     def to_dict(self) -> dict:
@@ -130,6 +131,7 @@ class JobSpec:
         train["hang_after_s"] = self.hang_after_s
         if self.on_worker_loss != "fail":
             train["on_worker_loss"] = self.on_worker_loss
+        train["checkpoint_every"] = self.checkpoint_every
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -186,6 +188,7 @@ class JobSpec:
                 "eval_every_s",
                 "hang_after_s",
                 "on_worker_loss",
+                "checkpoint_every",
             ),
         )
         minibatch = train.at_least("minibatch", 1)
@@ -205,6 +208,7 @@ class JobSpec:
         if on_worker_loss not in ON_WORKER_LOSS:
             train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
                        f"{', '.join(ON_WORKER_LOSS)})")
+        checkpoint_every = train.at_least("checkpoint_every", 0, 10)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -229,6 +233,7 @@ class JobSpec:
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
             on_worker_loss=on_worker_loss,
+            checkpoint_every=checkpoint_every,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0),

@@ -71,6 +71,7 @@ class LocalCluster:
         self.timeout = timeout
         self.worker_args = tuple(worker_args)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.daemons: dict[str, launch.Daemon] = {}
         self.ready: dict[str, dict[str, Any]] = {}
         self.head = ""
         self._finalizer = weakref.finalize(self, _reap, self.procs)
@@ -86,6 +87,7 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         daemons = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir)
         head_d = next(d for d in daemons if d.name == "ps0")
+        self.daemons["ps0"] = head_d
         self.procs["ps0"] = launch.spawn(head_d, self.run_dir)
         self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir,
                                             self.timeout))
@@ -97,8 +99,9 @@ class LocalCluster:
             if d.name == "ps0":
                 continue
             argv = d.argv + (self.worker_args if d.name.startswith("worker-") else ())
-            started[d.name] = self.procs[d.name] = launch.spawn(
-                launch.Daemon(d.name, argv), self.run_dir)
+            self.daemons[d.name] = launch.Daemon(d.name, argv)
+            started[d.name] = self.procs[d.name] = launch.spawn(self.daemons[d.name],
+                                                                 self.run_dir)
         launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
         self.ready.update(launch.wait_ready(started, self.run_dir, self.timeout))
         self.run(self._registered())
@@ -139,6 +142,19 @@ class LocalCluster:
         proc.send_signal(sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+    def restart(self, name: str) -> None:
+        """Start a daemon that was killed again, with its command line; wait until it is ready.
+
+        A restarted head keeps its address only when the cluster file fixes its port.
+        """
+        assert not self.alive(name), f"{name} is still running"
+        self.procs[name] = launch.spawn(self.daemons[name], self.run_dir)
+        launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
+        self.ready.update(launch.wait_ready({name: self.procs[name]}, self.run_dir,
+                                            self.timeout))
+        if name == "ps0":
+            self.head = self.ready["ps0"]["address"]
 
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None

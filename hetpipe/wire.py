@@ -171,7 +171,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
                       "owners": _OPT_DICT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
-    Kind.SUBMIT: {"rid": _INT, "job": _DICT},
+    # resume: the id of a job to continue from its last complete checkpoint (job optional then)
+    Kind.SUBMIT: {"rid": _INT, "job": _OPT_DICT, "resume": _OPT_STR},
     Kind.JOB_STATUS: {"rid": _INT, "job": _STR},
     Kind.CLUSTER_STATUS: {"rid": _INT},
     Kind.CANCEL: {"rid": _INT, "job": _STR},

@@ -1,0 +1,132 @@
+"""Checkpoints: atomic, verified by a manifest, a damaged one skipped; resume after a kill."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import UNIFORM, job
+
+from hetpipe import checkpoint
+from hetpipe.localcluster import LocalCluster, cluster_toml
+
+
+def _state(x: float) -> dict[str, torch.Tensor]:
+    return {"0.weight": torch.full((4, 3), x), "0.bias": torch.full((4,), x)}
+
+
+def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
+    for seq in (10, 20, 30, 40):
+        checkpoint.write(tmp_path, seq, _state(seq), {"minibatches_done": seq})
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["000020", "000030", "000040"]  # the newest three are kept
+    ck = checkpoint.latest(tmp_path)
+    assert ck is not None and ck.seq == 40 and ck.meta == {"minibatches_done": 40}
+    assert torch.equal(ck.state["0.bias"], torch.full((4,), 40.0))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest", "no-weights"])
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path,
+                                                              damage: str) -> None:
+    checkpoint.write(tmp_path, 1, _state(1), {"n": 1})
+    newest = checkpoint.write(tmp_path, 2, _state(2), {"n": 2})
+    weights = newest / checkpoint.WEIGHTS
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:-7])
+    elif damage == "flip":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "no-manifest":
+        (newest / checkpoint.MANIFEST).unlink()
+    else:
+        weights.unlink()
+    skipped: list[str] = []
+    ck = checkpoint.latest(tmp_path, skipped)
+    assert ck is not None and ck.seq == 1 and ck.meta == {"n": 1}
+    assert len(skipped) == 1 and str(newest) in skipped[0]
+
+
+def test_a_half_written_checkpoint_is_not_one(tmp_path: Path) -> None:
+    checkpoint.write(tmp_path, 1, _state(1), {"n": 1})
+    (tmp_path / "checkpoints" / ".000002-tmp").mkdir()  # a writer died before its rename
+    ck = checkpoint.latest(tmp_path)
+    assert ck is not None and ck.seq == 1
+    assert checkpoint.latest(tmp_path / "nothing") is None
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_resumes_from_its_checkpoint_after_the_head_is_killed(tmp_path: Path) -> None:
+    """SIGKILL the head mid-job, start it again: ``submit --resume`` continues the job from
+    its last complete checkpoint (a damaged newest one is skipped) and it finishes well."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(cluster_toml(UNIFORM[:2], shard_ports=_free_ports(2)))
+    with LocalCluster(path, tmp_path / "run", timeout=60) as c:
+        spec = job("durable", model="cnn", split=[(["gpu0", "gpu1"], [8, 8])], nm=2,
+                   minibatches=400, lr=0.05)
+        spec["train"]["checkpoint_every"] = 5
+
+        async def start() -> tuple[str, int]:
+            async with c.client() as head:
+                job_id = await head.submit(spec)
+                deadline = time.monotonic() + 120
+                while True:
+                    info = await head.job(job_id)
+                    if info.get("checkpoints", 0) >= 3:
+                        return job_id, info["minibatches"]
+                    assert info["state"] in ("queued", "planning", "running"), info
+                    assert time.monotonic() < deadline, info
+                    await asyncio.sleep(0.2)
+
+        job_id, done_at_kill = c.run(start())
+        c.kill("ps0", signal.SIGKILL)
+        cks = sorted((c.run_dir / "jobs" / job_id / "checkpoints").iterdir())
+        newest = cks[-1]
+        (newest / checkpoint.WEIGHTS).write_bytes(b"damaged")  # and the disk lost a block
+        c.restart("ps0")
+
+        async def resume() -> dict[str, Any]:
+            async with c.client() as head:
+                deadline = time.monotonic() + 60
+                while True:  # the workers register again with the new head
+                    status = await head.cluster()
+                    if all(w["state"] == "idle" for w in status["workers"]) and \
+                            len(status["shards"]) == 2:
+                        break
+                    assert time.monotonic() < deadline, status
+                    await asyncio.sleep(0.2)
+                t0 = time.monotonic()
+                new_id = await head.submit(None, resume=job_id)
+                info = await head.follow(new_id, every_s=0.2, timeout=240)
+                info["resume_s"] = time.monotonic() - t0
+                return info
+
+        info = c.run(resume())
+        assert info["state"] == "done", info.get("error")
+        resumed = info["resumed_from"]
+        assert resumed["job"] == job_id and resumed["checkpoint"] != str(newest)
+        assert 0 < resumed["minibatches_done"] <= done_at_kill
+        assert info["minibatches"] == 400 - resumed["minibatches_done"]
+        assert info["test_accuracy"] >= 0.9, info["test_accuracy"]
+        log = (c.run_dir / "logs" / "ps0.log").read_text()
+        assert "damaged checkpoint skipped" in log
+        print(f"lost {done_at_kill - resumed['minibatches_done']} minibatches of work; "
+              f"accuracy {info['test_accuracy']:.4f}")
