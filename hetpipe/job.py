@@ -106,7 +106,7 @@ class JobSpec:
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
-    checkpoint_every: int = 10  # waves of the global clock between checkpoints; 0: none
+    checkpoint_every: int = 50  # waves of the global clock between checkpoints; 0: none
     faults: tuple[FaultSpec, ...] = ()
 
     def to_dict(self) -> dict:
@@ -208,7 +208,7 @@ class JobSpec:
         if on_worker_loss not in ON_WORKER_LOSS:
             train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
                        f"{', '.join(ON_WORKER_LOSS)})")
-        checkpoint_every = train.at_least("checkpoint_every", 0, 10)
+        checkpoint_every = train.at_least("checkpoint_every", 0, 50)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
