@@ -1,10 +1,17 @@
 """The head (inside shard 0): registry of workers and shards, job queue, job life cycle.
 
 The head accepts jobs, turns each into stage assignments, hands the initial weights to the
-shards, starts the stages, follows their progress, fails a job whose worker goes silent or
-reports an error (telling the other stages to drop it), and at the end gathers the global
-weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
+shards, starts the stages, follows their progress, fails a job whose worker or shard goes
+silent or reports an error (telling the other stages to drop it), and at the end gathers the
+global weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
 another; the daemons stay up between them.
+
+Durability: every ``train.checkpoint_every`` waves it writes the global weights as a
+checkpoint (:mod:`hetpipe.checkpoint`); ``submit --resume`` starts a job from one. With
+``train.on_worker_loss = "replan"`` a lost worker starts a new *attempt* of the job on the
+live devices; each attempt has its own wire id (``<job>.r<n>``), so nothing an abandoned
+attempt still sends is taken for the current one's, and a stage of a job the head does not
+run (it restarted) is told to stop.
 """
 
 from __future__ import annotations
