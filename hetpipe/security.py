@@ -63,6 +63,8 @@ __all__ = [
     "ensure_keys",
     "key_names",
     "load_curve",
+    "log_refused_handshakes",
+    "module_allowed",
     "shard_user",
     "start_authenticator",
     "worker_user",
