@@ -107,6 +107,7 @@ class JobState:
     done_before: int = 0  # minibatches per VW trained before this attempt (resume, re-plan)
     checkpoints: int = 0
     checkpoint_s: float = 0.0  # head time spent fetching and writing checkpoints
+    recovered: bool = False  # queued by a restarted head: wait for the cluster first
 
     @property
     def wire_id(self) -> str:
@@ -198,16 +199,19 @@ class Head:
         self.current: JobState | None = None
         self.channel: Channel | None = None
         self._ids = itertools.count(1)
+        self._stopping = False
         self.profiles = ProfileStore(self.run_dir / "profiles.json")
         self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
 
     async def start(self, channel: Channel) -> None:
         self.channel = channel
+        self._recover()
         self.owner.spawn(self._run_jobs(), "jobs")
         self.owner.spawn(self._watch(), "watch")
 
     async def stop(self) -> None:
+        self._stopping = True  # the current job is interrupted, not failed: resume it later
         if self.current is not None:
             self.current.fail("the head is shutting down")
             await asyncio.sleep(0.2)
@@ -433,12 +437,78 @@ class Head:
             self.log.warning("job refused at submit", error=clip(exc))
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
-        job_id = f"{spec.name}-{next(self._ids)}"
+        job_id = self._new_id(spec.name)
         js = JobState(id=job_id, spec=spec, submitted=time.time(), resume=resume)
         self.jobs[job_id] = js
         await self.queue.put(js)
         self.log.info("job queued", job=job_id)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
+
+    def _new_id(self, name: str) -> str:
+        """A job id not used by this head nor by any job in its run directory (a restarted
+        head must not write over an earlier job's outputs and checkpoints)."""
+        while True:
+            job_id = f"{name}-{next(self._ids)}"
+            if job_id not in self.jobs and not (self.run_dir / "jobs" / job_id).exists():
+                return job_id
+
+    # -- after a restart: jobs the previous head was running ---------------------------------
+
+    def _record(self, js: JobState, **extra: Any) -> None:
+        """``<job dir>/job.json``: the job's state as the head last knew it (atomic)."""
+        path = self.job_dir(js) / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": js.id, "state": js.state, "error": js.error, **extra}))
+        tmp.replace(path)
+
+    def _recover(self) -> None:
+        """Queue again, from their last checkpoint, the jobs a previous head left running.
+
+        A job whose ``job.json`` still says ``running`` was cut off by the head's death (or
+        ``interrupted``, by its shutdown); one with a complete checkpoint is resumed as a new
+        job once the cluster is back (its old record then names the new id), one without is
+        recorded as lost.
+        """
+        for record in sorted((self.run_dir / "jobs").glob("*/job.json")):
+            try:
+                old = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            if old.get("state") not in ("running", "interrupted"):
+                continue
+            skipped: list[str] = []
+            ck = checkpoint.latest(record.parent, skipped)
+            for why in skipped:
+                self.log.warning("damaged checkpoint skipped", job=old.get("id"),
+                                 error=clip(why, 300))
+            try:
+                if ck is None:
+                    raise JobError("no complete checkpoint")
+                spec = JobSpec.from_dict(ck.meta["spec"], source=str(ck.path))
+                check_job(spec, self.cluster.security.allowed_modules)
+            except (JobError, CodeError, KeyError) as exc:
+                old.update(state="lost", error=f"the head restarted; cannot resume: {exc}")
+                record.write_text(json.dumps(old))
+                continue
+            js = JobState(id=self._new_id(spec.name), spec=spec, submitted=time.time(),
+                          resume=ck, recovered=True)
+            self.jobs[js.id] = js
+            self.queue.put_nowait(js)
+            old.update(state="resumed", resumed_as=js.id)
+            record.write_text(json.dumps(old))
+            self.log.warning("resuming a job the previous head was running", job=old["id"],
+                             new=js.id, checkpoint=str(ck.path))
+
+    async def _wait_for_cluster(self, timeout: float) -> None:
+        """Until every device and shard of the cluster file has registered (or ``timeout``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            devices = {d.name for d in self.cluster.devices}
+            if devices <= set(self._alive()) and len(self.shards) == len(self.cluster.ps):
+                return
+            await asyncio.sleep(0.2)
 
     def _checkpoint_of(self, job_id: str) -> checkpoint.Checkpoint:
         """The last complete checkpoint of job ``job_id`` in this head's run directory."""
@@ -532,6 +602,8 @@ class Head:
     async def _run_job(self, js: JobState) -> None:
         loop = asyncio.get_running_loop()
         js.failure = loop.create_future()
+        if js.recovered:
+            await self._wait_for_cluster(self.cluster.runtime.lost_after_s * 6)
         js.state = "planning"
         log = self.log.bind(job=js.id)
         try:
@@ -563,6 +635,7 @@ class Head:
         try:
             js.state = "running"
             js.started = time.time()
+            self._record(js)
             while True:
                 try:
                     await self._run_attempt(js)
@@ -581,6 +654,8 @@ class Head:
             log.warning("job failed", error=str(exc))
             await self._abort(js, str(exc))
         finally:
+            with contextlib.suppress(OSError, _JobFailed):
+                self._record(js, **({"state": "interrupted"} if self._stopping else {}))
             await self._drop_shards(js)
             for w in self.workers.values():
                 if w.job == js.id:
