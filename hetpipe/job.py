@@ -30,6 +30,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam", "adamw")
 # torch.optim.AdamW's default decay: what a user writing name = "adamw" expects
 ADAMW_WEIGHT_DECAY = 1e-2
+ON_WORKER_LOSS = ("fail", "replan")
 POLICIES = ("auto", "np", "ed", "hd")
 
 # Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
@@ -121,6 +122,8 @@ class JobSpec:
     policy: str = "auto"
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
+    on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
+    checkpoint_every: int = 50  # waves of the global clock between checkpoints; 0: none
     faults: tuple[FaultSpec, ...] = ()
     schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
 
@@ -150,6 +153,9 @@ class JobSpec:
         if self.eval_every_s is not None:
             train["eval_every_s"] = self.eval_every_s
         train["hang_after_s"] = self.hang_after_s
+        if self.on_worker_loss != "fail":
+            train["on_worker_loss"] = self.on_worker_loss
+        train["checkpoint_every"] = self.checkpoint_every
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -206,6 +212,8 @@ class JobSpec:
                 "eval_every_s",
                 "hang_after_s",
                 "schedule",
+                "on_worker_loss",
+                "checkpoint_every",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -225,6 +233,11 @@ class JobSpec:
         if schedule not in (*SCHEDULE_KINDS, "auto"):
             train.fail("schedule", f"unknown schedule {schedule!r} "
                        f"(one of: {', '.join(SCHEDULE_KINDS)}, auto)")
+        on_worker_loss = train.text("on_worker_loss", "fail")
+        if on_worker_loss not in ON_WORKER_LOSS:
+            train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
+                       f"{', '.join(ON_WORKER_LOSS)})")
+        checkpoint_every = train.at_least("checkpoint_every", 0, 50, high=MAX_COUNT)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -252,6 +265,8 @@ class JobSpec:
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
             schedule=schedule,
+            on_worker_loss=on_worker_loss,
+            checkpoint_every=checkpoint_every,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),
