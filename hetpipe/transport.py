@@ -55,6 +55,9 @@ def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (33 today), rounded up
+
+
 def make_socket(
     ctx: zmq.asyncio.Context,
     kind: int,
@@ -78,6 +81,9 @@ def make_socket(
 
     With ``curve``, a socket that binds is a CurveZMQ server (its peers are authenticated by
     the process's ZAP handler) and one that connects is a Curve client; None: plain TCP.
+    Curve's framing (command name, nonce, MAC) is added to ``MAXMSGSIZE``: without it a
+    frame of exactly ``max_frame_bytes``, which the wire allows, would cost its sender the
+    connection.
     """
     sock = ctx.socket(kind)
     try:
@@ -87,7 +93,9 @@ def make_socket(
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
         if max_frame_bytes is not None:
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # under Curve libzmq checks the encrypted frame, which is a few bytes longer
+            extra = CURVE_FRAME_OVERHEAD if curve is not None else 0
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + extra)
         sock.copy_threshold = ZERO_COPY_MIN_BYTES
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
