@@ -18,11 +18,12 @@ from typing import Any
 
 import click
 
-from hetpipe import jobstore, launch
-from hetpipe.client import HeadClient, HeadError
+from hetpipe import jobstore, launch, security
+from hetpipe.client import HeadClient, HeadError, client_curve
 from hetpipe.config import ClusterConfig, ConfigError, check_address, format_size, load_cluster
 from hetpipe.job import JobError, JobSpec, load_job
 from hetpipe.jobcheck import check_job
+from hetpipe.security import Curve
 from hetpipe.wire import Kind
 
 __all__ = ["main"]
@@ -59,6 +60,19 @@ class Ctx:
         except ValueError as exc:
             raise click.ClickException(f"--head: {exc}") from None
 
+    @property
+    def curve(self) -> Curve | None:
+        """This user's Curve keys for the cluster (None when its security is off)."""
+        try:
+            return client_curve(self.cluster)
+        except HeadError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    def ensure_keys(self) -> None:
+        """Create the cluster's missing keys (``up``/``demo`` on first use)."""
+        if self.cluster.security.curve:
+            make_keys(self.cluster)
+
 
 def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value is not None:
@@ -77,14 +91,15 @@ def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[s
     """One request to the head; its ``info``."""
 
     async def go() -> dict[str, Any]:
-        async with HeadClient(obj.head, timeout=timeout) as client:
+        async with HeadClient(obj.head, timeout=timeout, curve=obj.curve) as client:
             return await client.call(kind, fields)
 
     return _run(go())
 
 
 def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
-    """The job file, checked on its own and against the cluster file before anything is sent."""
+    """The job file, checked on its own and against the cluster file (its code policy first)
+    before anything is sent (the head and the workers check again: this only fails sooner)."""
     try:
         spec = load_job(job_file)
         check_job(spec, obj.cluster, job_file)
@@ -128,19 +143,23 @@ def up(obj: Ctx, timeout: float) -> None:
     daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
     if not daemons:
         raise click.ClickException(f"{obj.path}: no shard or device lives on this host")
+    obj.ensure_keys()
     try:
         launch.start(daemons, obj.run_dir, timeout=timeout)
     except launch.LaunchError as exc:
         raise click.ClickException(str(exc)) from None
     expected = {d.name for d in cluster.devices if f"worker-{d.name}" in
                 {x.name for x in daemons}}
-    _run(_wait_registered(obj.head, expected, timeout))
+    _run(_wait_registered(obj.head, expected, timeout, obj.curve))
     click.echo(f"up: {len(daemons)} daemons ({', '.join(d.name for d in daemons)}); "
                f"logs in {obj.run_dir / 'logs'}")
+    if not cluster.security.curve:
+        click.echo(SECURITY_OFF, err=True)
 
 
-async def _wait_registered(head: str, devices: set[str], timeout: float) -> None:
-    async with HeadClient(head) as client:
+async def _wait_registered(head: str, devices: set[str], timeout: float,
+                           curve: Curve | None = None) -> None:
+    async with HeadClient(head, curve=curve) as client:
         deadline = time.monotonic() + timeout
         while True:
             info = await client.cluster()
@@ -200,7 +219,7 @@ def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
                 click.echo("\n".join(live_view(j)))
 
     async def go() -> None:
-        async with HeadClient(obj.head) as client:
+        async with HeadClient(obj.head, curve=obj.curve) as client:
             await once(client)
             while watch:
                 await asyncio.sleep(1.0)
@@ -213,12 +232,18 @@ def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
 def render_status(info: dict[str, Any]) -> str:
     """The cluster status as a table a person reads."""
     rows = [("DEVICE", "TYPE", "SPEED", "MEMORY", "STATE", "JOB", "STAGE")]
+    warnings = []
+    if info.get("security", {}).get("curve") is False:
+        warnings.append(SECURITY_OFF)
+    if info.get("shards_lost"):
+        warnings.append("LOST SHARDS: " + ", ".join(f"ps{i}" for i in info["shards_lost"]))
     for w in info["workers"]:
         stage = f"vw{w['vw']}/stage{w['stage']}" if w.get("stage") is not None else "-"
         rows.append((w["device"], w["type"], f"{w['speed']:g}", format_size(w["memory"]),
                      w["state"], w.get("job") or "-", stage))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    lines = warnings + lines
     jobs = info.get("jobs", [])
     if jobs:
         lines.append("")
@@ -326,26 +351,34 @@ def _brief(info: dict[str, Any]) -> dict[str, Any]:
 
 @main.command()
 @cluster_option
-@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.argument("job_file", type=click.Path(dir_okay=False), required=False)
 @click.option("--wait", is_flag=True, help="Follow the job to its end with a progress bar.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one final JSON line (implies --wait).")
 @click.option("--timeout", default=None, type=float, help="Give up waiting after this long.")
+@click.option("--resume", "resume", default=None, metavar="JOB",
+              help="Continue job JOB from its last complete checkpoint (JOB_FILE optional).")
 @click.pass_obj
-def submit(obj: Ctx, job_file: str, wait: bool, as_json: bool, timeout: float | None) -> None:
+def submit(obj: Ctx, job_file: str | None, wait: bool, as_json: bool, timeout: float | None,
+           resume: str | None) -> None:
     """Send a job to the head; --wait follows it."""
-    spec = _load_job_or_fail(obj, job_file)
-    info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=wait or as_json,
-                                  as_json=as_json, timeout=timeout))
+    if job_file is None and resume is None:
+        raise click.UsageError("give a JOB_FILE, or --resume JOB")
+    job = _load_job_or_fail(obj, job_file).to_dict() if job_file is not None else None
+    info = _run(submit_and_follow(obj.head, job, wait=wait or as_json,
+                                  as_json=as_json, timeout=timeout, curve=obj.curve,
+                                  resume=resume))
     if info is not None and info["state"] != "done":
         raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
 
 
-async def submit_and_follow(head: str, job: dict[str, Any], *, wait: bool, as_json: bool,
-                            timeout: float | None) -> dict[str, Any] | None:
-    """Submit ``job``; with ``wait``, show progress and the result; return the final status."""
-    async with HeadClient(head) as client:
-        job_id = await client.submit(job)
+async def submit_and_follow(head: str, job: dict[str, Any] | None, *, wait: bool,
+                            as_json: bool, timeout: float | None, curve: Curve | None = None,
+                            resume: str | None = None) -> dict[str, Any] | None:
+    """Submit ``job`` (or resume one); with ``wait``, show progress and the result; return
+    the final status."""
+    async with HeadClient(head, curve=curve) as client:
+        job_id = await client.submit(job, resume=resume)
         if not wait:
             click.echo(job_id)
             return None
@@ -613,6 +646,7 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     spec = _load_job_or_fail(obj, job_file)
     cluster = obj.cluster
     started = not launch.running(obj.run_dir)
+    obj.ensure_keys()
     if started:
         daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
         click.echo(f"demo: starting {len(daemons)} daemons of {obj.path} "
@@ -624,12 +658,12 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     else:
         click.echo(f"demo: using the daemons already running in {obj.run_dir}")
     try:
-        _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60))
+        _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60, obj.curve))
         click.echo(f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
                    f"staleness D = {spec.staleness}; profiling and planning ...")
         click.echo(_ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)["table"])
         info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=True, as_json=False,
-                                      timeout=timeout))
+                                      timeout=timeout, curve=obj.curve))
     finally:
         if started:
             stopped, _ = launch.stop(obj.run_dir)
@@ -638,6 +672,38 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
         click.echo(json.dumps(final_line(info)))
     if info["state"] != "done":
         raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
+
+
+# -- keys (trust: hetpipe.security) ----------------------------------------------------------
+
+SECURITY_OFF = ("SECURITY OFF: [security] curve = false: the daemons authenticate and "
+                "encrypt nothing; any peer that reaches a port is trusted")
+
+
+def make_keys(cluster: ClusterConfig, *, force: bool = False) -> list[str]:
+    """Create the cluster's missing key pairs (all of them with ``force``)."""
+    names = security.key_names(len(cluster.ps), [d.name for d in cluster.devices])
+    try:
+        return security.ensure_keys(cluster.security.keys, names, force=force)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write keys in {cluster.security.keys}: {exc}") \
+            from None
+
+
+@main.command()
+@cluster_option
+@click.option("--force", is_flag=True,
+              help="Replace existing keys (rotation: restart every daemon and client).")
+@click.pass_obj
+def keys(obj: Ctx, force: bool) -> None:
+    """Create the cluster's CurveZMQ keys: server, client, one per shard and per device."""
+    cluster = obj.cluster
+    made = make_keys(cluster, force=force)
+    total = len(security.key_names(len(cluster.ps), [d.name for d in cluster.devices]))
+    click.echo(f"keys: {len(made)} created, {total - len(made)} kept in "
+               f"{cluster.security.keys} (files 0600)")
+    if not cluster.security.curve:
+        click.echo(SECURITY_OFF, err=True)
 
 
 # -- logs -----------------------------------------------------------------------------------

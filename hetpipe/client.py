@@ -12,11 +12,13 @@ from typing import Any
 
 import zmq
 
+from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
+from hetpipe.security import CLIENT, Curve, KeysError, load_curve
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind
 
-__all__ = ["TERMINAL", "HeadClient", "HeadError"]
+__all__ = ["TERMINAL", "HeadClient", "HeadError", "client_curve"]
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 
@@ -25,12 +27,26 @@ class HeadError(RuntimeError):
     """The head refused a request or could not be reached."""
 
 
-class HeadClient:
-    """An async client of the head; use ``async with HeadClient(address) as head``."""
+def client_curve(cluster: ClusterConfig) -> Curve | None:
+    """The users' Curve keys of ``cluster`` (None when its ``[security] curve`` is off)."""
+    try:
+        return load_curve(cluster.security, CLIENT, serve=False)
+    except KeysError as exc:
+        raise HeadError(str(exc)) from None
 
-    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+
+class HeadClient:
+    """An async client of the head; use ``async with HeadClient(address, curve=...) as head``.
+
+    ``curve``: the cluster's client keys (:func:`client_curve`); a head with Curve on refuses
+    a client without them in the handshake, so its requests then time out.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0,
+                 curve: Curve | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.curve = curve
         self._owner: Owner | None = None
         self._ch: Channel | None = None
 
@@ -38,7 +54,7 @@ class HeadClient:
         self._owner = Owner()
         try:
             sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address,
-                               max_frame_bytes=1 << 30)
+                               max_frame_bytes=1 << 30, curve=self.curve)
         except zmq.ZMQError as exc:
             await self._owner.close()
             raise HeadError(f"cannot connect to the head at {self.address!r}: {exc}") from None
@@ -58,15 +74,18 @@ class HeadClient:
             reply = await self._ch.request(kind, fields or {}, timeout=timeout or self.timeout,
                                            what=f"the head at {self.address}")
         except TimeoutError:
+            keys = ", and with these keys (a head refuses keys not its own)" if self.curve else ""
             raise HeadError(f"the head at {self.address} did not answer within "
                             f"{timeout or self.timeout:g} s: is the cluster up "
-                            f"(`hetpipe up`)?") from None
+                            f"(`hetpipe up`){keys}?") from None
         except RemoteError as exc:
             raise HeadError(str(exc)) from None
         return reply.get("info") or {}
 
-    async def submit(self, job: dict[str, Any]) -> str:
-        return (await self.call(Kind.SUBMIT, {"job": job}))["job"]
+    async def submit(self, job: dict[str, Any] | None, *, resume: str | None = None) -> str:
+        """Queue ``job``; with ``resume``, continue that job from its last checkpoint (its own
+        job, or ``job`` if given). Returns the new job's id."""
+        return (await self.call(Kind.SUBMIT, {"job": job, "resume": resume}))["job"]
 
     async def job(self, job_id: str) -> dict[str, Any]:
         return await self.call(Kind.JOB_STATUS, {"job": job_id})

@@ -11,10 +11,12 @@ import ipaddress
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 
 from hetpipe._toml import MISSING, Table, read_toml
+from hetpipe.security import SecuritySpec
 
 __all__ = [
     "ClusterConfig",
@@ -38,6 +40,7 @@ _UNITS.update({u + "ib": 1024 ** (i + 1) for i, u in enumerate("kmgt")})
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _DEVICE = re.compile(r"cpu|cuda:\d+")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _ADDRESS = re.compile(r"(\[[^\]]+\]|[^:\[\]\s]+):(\d+)")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _HOST_PORT = re.compile(r"[^:\s]+:\d*")
@@ -196,6 +199,7 @@ class ClusterConfig:
     network: NetworkSpec
     nodes: tuple[NodeSpec, ...]
     runtime: RuntimeSpec
+    security: SecuritySpec = field(default_factory=SecuritySpec)
 
     @property
     def devices(self) -> tuple[DeviceSpec, ...]:
@@ -223,12 +227,14 @@ class ClusterConfig:
 def load_cluster(path: str | os.PathLike[str]) -> ClusterConfig:
     """Read and validate a cluster file; raises ConfigError (one line) on any problem."""
     data, source = read_toml(path, ConfigError)
-    root = Table(data, source, ConfigError, allowed=("ps", "network", "runtime", "node"))
+    root = Table(data, source, ConfigError,
+                 allowed=("ps", "network", "runtime", "node", "security"))
     ports: dict[tuple[str, int], str] = {}  # (host, port) -> who uses it; port 0 is never kept
     shards = _shards(root.table("ps", ("shards",)), ports)
     nodes = _nodes(root, ports)
     names = {d.name for node in nodes for d in node.devices}
-    return ClusterConfig(source, shards, _network(root, names), nodes, _runtime(root))
+    return ClusterConfig(source, shards, _network(root, names), nodes, _runtime(root),
+                         _security(root, source))
 
 
 def _claim(t: Table, key: str, host: str, port: int, who: str, ports: dict) -> None:
@@ -355,3 +361,22 @@ def _runtime(root: Table) -> RuntimeSpec:
         rt.at_least("log_keep", 0, d.log_keep, high=100),
         rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
     )
+
+
+# -- [security] (trust: keys, Curve on/off, code loading; see hetpipe.security) ---------------
+
+
+def _security(root: Table, source: str) -> SecuritySpec:
+    d = SecuritySpec()
+    st = root.table("security", ("curve", "keys", "allowed_modules"))
+    curve = st.raw("curve", d.curve)
+    if not isinstance(curve, bool):
+        st.fail("curve", f"expected true or false, got {curve!r}")
+    keys = Path(st.text("keys", d.keys)).expanduser()
+    if not keys.is_absolute():
+        keys = Path(source).resolve().parent / keys
+    modules = tuple(st.array("allowed_modules", "string", default=[]))
+    for i, m in enumerate(modules):
+        if not _MODULE.fullmatch(m):
+            st.fail(f"allowed_modules[{i}]", f"not a module name: {m!r} (e.g. mypkg.models)")
+    return SecuritySpec(curve, str(keys), modules)

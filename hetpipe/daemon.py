@@ -16,8 +16,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import zmq
 import zmq.asyncio
 
+from hetpipe import security
+from hetpipe.security import Curve, SecuritySpec
 from hetpipe.transport import Channel
 
 __all__ = ["Owner", "normal_host", "wait_for_signal", "write_ready"]
@@ -51,16 +54,37 @@ async def wait_for_signal() -> str:
 
 
 class Owner:
-    """Owns a process's ZeroMQ context, channels and background tasks."""
+    """Owns a process's ZeroMQ context, channels and background tasks.
+
+    It also holds the process's Curve keys (``curve``, handed to every socket it makes) and,
+    for a daemon, its one ZAP authenticator: ZAP is per context, so one per process.
+    """
 
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.channels: list[Channel] = []
         self.tasks: list[asyncio.Task[Any]] = []
+        self.curve: Curve | None = None
+        self.auth: security.ZapAuthenticator | None = None
+
+    def secure(self, spec: SecuritySpec, name: str, *, serve: bool) -> None:
+        """Load key ``name``; a daemon (``serve``) also starts the ZAP authenticator.
+
+        Call inside the event loop, before any socket is made.
+        """
+        self.curve = security.load_curve(spec, name, serve=serve)
+        if serve:
+            self.auth = security.start_authenticator(self.ctx, spec, name)
 
     def channel(self, ch: Channel) -> Channel:
         self.channels.append(ch)
         return ch.start()
+
+    def watch_handshakes(self, ch: Channel) -> None:
+        """Log handshakes a Curve server socket refuses in libzmq (see :mod:`security`)."""
+        if self.curve is not None and ch.sock.getsockopt(zmq.CURVE_SERVER):
+            self.spawn(security.log_refused_handshakes(ch.sock, self.curve.name),
+                       f"handshakes:{ch.name}")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -76,4 +100,7 @@ class Owner:
         for ch in reversed(self.channels):
             with contextlib.suppress(Exception):
                 await ch.close()
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
         self.ctx.term()

@@ -1,10 +1,17 @@
 """The head (inside shard 0): registry of workers and shards, job queue, job life cycle.
 
 The head accepts jobs, turns each into stage assignments, hands the initial weights to the
-shards, starts the stages, follows their progress, fails a job whose worker goes silent or
-reports an error (telling the other stages to drop it), and at the end gathers the global
-weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
+shards, starts the stages, follows their progress, fails a job whose worker or shard goes
+silent or reports an error (telling the other stages to drop it), and at the end gathers the
+global weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
 another; the daemons stay up between them.
+
+Durability: every ``train.checkpoint_every`` waves it writes the global weights as a
+checkpoint (:mod:`hetpipe.checkpoint`); ``submit --resume`` starts a job from one. With
+``train.on_worker_loss = "replan"`` a lost worker starts a new *attempt* of the job on the
+live devices; each attempt has its own wire id (``<job>.r<n>``), so nothing an abandoned
+attempt still sends is taken for the current one's, and a stage of a job the head does not
+run (it restarted) is told to stop.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import torch
 import zmq
 
+from hetpipe import checkpoint
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, check_address
 from hetpipe.daemon import Owner
@@ -38,7 +46,9 @@ from hetpipe.profiling import (
     plan_vws,
     predicted_summary,
 )
-from hetpipe.ratelog import Throttle
+from hetpipe.ratelog import Throttle, excerpt
+from hetpipe.security import CLIENT, CodeError, shard_user, worker_user
+from hetpipe.security import check_job as check_code
 from hetpipe.trace import chrome_trace
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
@@ -97,6 +107,20 @@ class JobState:
                                      "minibatches", "loss", "samples_per_s", "test_accuracy")
                 if info.get(k) is not None}
 
+    lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
+    replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+    resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
+    done_before: int = 0  # minibatches per VW trained before this attempt (resume, re-plan)
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0  # head time spent fetching and writing checkpoints
+    recovered: bool = False  # queued by a restarted head: wait for the cluster first
+
+    @property
+    def wire_id(self) -> str:
+        """The job's name on the wire: one per attempt, so that a stale activation, push or
+        report of an attempt given up is never taken for the current one's."""
+        return self.plan.job if self.plan is not None else self.id
+
     def fail(self, reason: str) -> None:
         if self.failure is not None and not self.failure.done():
             self.failure.set_result(reason)
@@ -143,6 +167,16 @@ class JobState:
             if "samples_per_s" in plan.predicted:
                 out["predicted"] = {k: v for k, v in plan.predicted.items()
                                     if k != "state_bytes"}
+        if self.resume is not None:
+            out["resumed_from"] = {"job": self.resume.meta.get("job"),
+                                   "checkpoint": str(self.resume.path),
+                                   "minibatches_done": self.resume.meta.get("minibatches_done")}
+        if self.checkpoints:
+            out["checkpoints"] = self.checkpoints
+            out["checkpoint_s"] = self.checkpoint_s
+        if self.replans:
+            out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
+                              for r in self.replans]
         if self.evals:
             out["evals"] = self.evals
         if self.diagnosis:
@@ -162,32 +196,73 @@ class Head:
         self.run_dir = Path(run_dir or cluster.runtime.run_dir)
         self.workers: dict[str, WorkerInfo] = {}
         self.shards: dict[int, str] = {0: address}
+        self.shard_seen: dict[int, float] = {}  # monotonic time of each shard's last hello
+        self.shards_lost: set[int] = set()
         self.shard_channels: dict[int, Channel] = {}
         self.jobs: dict[str, JobState] = {}
         self.queue: asyncio.Queue[JobState] = asyncio.Queue()
         self.current: JobState | None = None
         self.channel: Channel | None = None
         self._ids = itertools.count(next_number(self.run_dir))
+        self._stopping = False
         self.profiles = ProfileStore(self.run_dir / "profiles.json")
         self._profiling = asyncio.Lock()
         self.log = logmod.get("head")
-        self._refused = Throttle(self.log)  # refused registrations, once per peer a while
+        # refused registrations and requests outside a peer's role, once per peer a while
+        self._refused = Throttle(self.log)
 
     async def start(self, channel: Channel) -> None:
         self.channel = channel
+        self._recover()
         self.owner.spawn(self._run_jobs(), "jobs")
         self.owner.spawn(self._watch(), "watch")
 
     async def stop(self) -> None:
+        self._stopping = True  # the current job is interrupted, not failed: resume it later
         if self.current is not None:
             self.current.fail("the head is shutting down")
             await asyncio.sleep(0.2)
+
+    # -- authority: who may send what (Curve user ids; None = security off, all trusted) ----
+
+    CLIENT_KINDS = frozenset({Kind.SUBMIT, Kind.JOB_STATUS, Kind.CLUSTER_STATUS, Kind.CANCEL,
+                              Kind.TRACE, Kind.PROFILE, Kind.PLAN})
+
+    def _allowed(self, msg: Message) -> bool:
+        """Clients submit, read and cancel jobs; a worker speaks only for its own device and
+        its own stage; a shard only for its own index."""
+        user, k = msg.user, msg.kind
+        if user is None:
+            return True
+        if k in self.CLIENT_KINDS:
+            return user == CLIENT
+        if k in (Kind.HELLO, Kind.HEARTBEAT):
+            return user == worker_user(msg["device"])
+        if k == Kind.SHARD_HELLO:
+            return user == shard_user(msg["shard"])
+        if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+            js = self._by_wire(msg["job"])
+            return js is not None and any(
+                user == worker_user(w.device) and w.job == js.id
+                and (w.vw, w.stage) == (msg["vw"], msg["stage"]) for w in self.workers.values())
+        return True  # replies, and kinds the head refuses anyway
 
     # -- messages ---------------------------------------------------------------------------
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None and peer is not None
         k = msg.kind
+        if self._orphan(msg):
+            # a stage of a job this head does not run (it restarted, or gave the attempt
+            # up): tell its worker to drop it rather than let it wait for shards forever
+            await self.channel.send(Kind.ABORT, {"job": msg["job"], "reason": (
+                "the head does not run this job (it restarted or gave it up)")}, to=peer)
+            return
+        if not self._allowed(msg):
+            self._refused.warning("request refused: not this peer's role", str(msg.user),
+                                  f"{msg.user} may not send {k}", kind=str(k))
+            await self.channel.reply_error(peer, f"{msg.user} may not send {k}", msg.get("rid"))
+            return
         if k == Kind.HELLO:
             problem = self._hello(peer, msg)
             if problem is not None:
@@ -211,6 +286,10 @@ class Head:
                 self._refused.warning("registration refused", _who(peer), problem)
                 await self.channel.reply_error(peer, problem)
                 return
+            self.shard_seen[msg["shard"]] = time.monotonic()
+            if msg["shard"] in self.shards_lost:
+                self.shards_lost.discard(msg["shard"])
+                self.log.info("shard back", shard=msg["shard"])
             if self.shards.get(msg["shard"]) != msg["address"]:
                 self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
                 old = self.shard_channels.pop(msg["shard"], None)
@@ -307,6 +386,7 @@ class Head:
         assert self.channel is not None
         try:
             spec = JobSpec.from_dict(msg["job"], source="job")
+            # the job checks start with the code policy (nothing is imported before it)
             await asyncio.get_running_loop().run_in_executor(
                 None, check_job, spec, self.cluster, "job")
             profile = await self._profile(spec)
@@ -316,7 +396,7 @@ class Head:
                 cluster = live_cluster(self.cluster, self._idle())
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
                 info = {"plan": plan.to_dict(), "table": plan.table()}
-        except (JobError, PlanError, _JobFailed) as exc:
+        except (JobError, CodeError, PlanError, _JobFailed) as exc:
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
@@ -392,6 +472,7 @@ class Head:
         if old is not None and old.job is not None and old.ident != peer:
             js = self.jobs.get(old.job)
             if js is not None:
+                js.lost_device = device
                 js.fail(f"worker {device} restarted (pid {old.pid} -> {msg['pid']})")
         self.workers[device] = WorkerInfo(
             device=device, ident=peer, address=msg["address"], pid=msg["pid"],
@@ -400,8 +481,22 @@ class Head:
                       pid=msg["pid"])
         return None
 
+    def _orphan(self, msg: Message) -> bool:
+        """A worker's message about a job (attempt) this head does not know."""
+        if msg.kind not in (Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+            return False
+        job = msg.get("job")
+        if not job or self._by_wire(job) is not None:
+            return False
+        return msg.user is None or msg.user.startswith("worker-")
+
+    def _by_wire(self, wire_id: str) -> JobState | None:
+        """The job whose current attempt is ``wire_id`` (None for an attempt given up)."""
+        js = self.jobs.get(wire_id.rpartition(".r")[0]) or self.jobs.get(wire_id)
+        return js if js is not None and js.wire_id == wire_id else None
+
     def _stage_message(self, msg: Message) -> None:
-        js = self.jobs.get(msg["job"])
+        js = self._by_wire(msg["job"])
         if js is None or js.state != "running":
             return
         key = (msg["vw"], msg["stage"])
@@ -420,16 +515,99 @@ class Head:
     async def _submit(self, peer: bytes, msg: Message) -> None:
         assert self.channel is not None
         try:
-            spec = JobSpec.from_dict(msg["job"], source="job")
-        except JobError as exc:
+            resume = self._checkpoint_of(msg["resume"]) if msg.get("resume") else None
+            job = msg.get("job") or (resume.meta["spec"] if resume is not None else None)
+            if job is None:
+                raise CodeError("submit: give a job, or the id of one to resume")
+            check_code(job, self.cluster.security.allowed_modules)
+            spec = JobSpec.from_dict(job, source="job")
+        except (JobError, CodeError, _JobFailed) as exc:
+            self.log.warning("job refused at submit", error=excerpt(exc))
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
-        job_id = f"{spec.name}-{next(self._ids)}"
-        js = JobState(id=job_id, spec=spec, submitted=time.time())
+        job_id = self._new_id(spec.name)
+        js = JobState(id=job_id, spec=spec, submitted=time.time(), resume=resume)
         self.jobs[job_id] = js
         await self.queue.put(js)
         self.log.info("job queued", job=job_id)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
+
+    def _new_id(self, name: str) -> str:
+        """A job id not used by this head nor by any job in its run directory (a restarted
+        head must not write over an earlier job's outputs and checkpoints)."""
+        return f"{name}-{next(self._ids)}"  # the count starts after the jobs on disk
+
+    # -- after a restart: jobs the previous head was running ---------------------------------
+
+    def _record(self, js: JobState, **extra: Any) -> None:
+        """``<job dir>/job.json``: the job's state as the head last knew it (atomic)."""
+        path = self.job_dir(js) / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": js.id, "state": js.state, "error": js.error, **extra}))
+        tmp.replace(path)
+
+    def _recover(self) -> None:
+        """Queue again, from their last checkpoint, the jobs a previous head left running.
+
+        A job whose ``job.json`` still says ``running`` was cut off by the head's death (or
+        ``interrupted``, by its shutdown); one with a complete checkpoint is resumed as a new
+        job once the cluster is back (its old record then names the new id), one without is
+        recorded as lost.
+        """
+        for record in sorted((self.run_dir / "jobs").glob("*/job.json")):
+            try:
+                old = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            if old.get("state") not in ("running", "interrupted"):
+                continue
+            skipped: list[str] = []
+            ck = checkpoint.latest(record.parent, skipped)
+            for why in skipped:
+                self.log.warning("damaged checkpoint skipped", job=old.get("id"),
+                                 error=excerpt(why, 300))
+            try:
+                if ck is None:
+                    raise JobError("no complete checkpoint")
+                spec = JobSpec.from_dict(ck.meta["spec"], source=str(ck.path))
+                check_code(spec, self.cluster.security.allowed_modules)
+            except (JobError, CodeError, KeyError) as exc:
+                old.update(state="lost", error=f"the head restarted; cannot resume: {exc}")
+                record.write_text(json.dumps(old))
+                continue
+            js = JobState(id=self._new_id(spec.name), spec=spec, submitted=time.time(),
+                          resume=ck, recovered=True)
+            self.jobs[js.id] = js
+            self.queue.put_nowait(js)
+            old.update(state="resumed", resumed_as=js.id)
+            record.write_text(json.dumps(old))
+            self.log.warning("resuming a job the previous head was running", job=old["id"],
+                             new=js.id, checkpoint=str(ck.path))
+
+    async def _wait_for_cluster(self, timeout: float) -> None:
+        """Until every device and shard of the cluster file has registered (or ``timeout``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            devices = {d.name for d in self.cluster.devices}
+            if devices <= set(self._alive()) and len(self.shards) == len(self.cluster.ps):
+                return
+            await asyncio.sleep(0.2)
+
+    def _checkpoint_of(self, job_id: str) -> checkpoint.Checkpoint:
+        """The last complete checkpoint of job ``job_id`` in this head's run directory."""
+        d = job_dir(self.run_dir, job_id)
+        if d is None:
+            raise _JobFailed(f"resume: {excerpt(job_id, 80)!r} is not a job id")
+        skipped: list[str] = []
+        ck = checkpoint.latest(d, skipped)
+        for why in skipped:
+            self.log.warning("damaged checkpoint skipped", job=job_id, error=excerpt(why, 300))
+        if ck is None:
+            raise _JobFailed(f"no complete checkpoint of job {job_id!r} in "
+                             f"{d.resolve() / 'checkpoints'}")
+        return ck
 
     def cluster_info(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -449,6 +627,8 @@ class Head:
         jobs = [js.summary() if js.state in FINISHED else js.info()
                 for js in self.jobs.values()]
         return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
+                "shards_lost": sorted(self.shards_lost),
+                "security": {"curve": self.cluster.security.curve},
                 "jobs": jobs, "current": self.current.id if self.current else None}
 
     # -- liveness ---------------------------------------------------------------------------
@@ -466,9 +646,28 @@ class Head:
                 self.log.warning("worker lost", device=w.device, pid=w.pid,
                                  silent_s=round(silent, 1))
                 if w.job is not None and w.job in self.jobs:
+                    self.jobs[w.job].lost_device = w.device
                     self.jobs[w.job].fail(
                         f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
                         f"no heartbeat for {silent:.1f} s")
+            self._watch_shards(now, lost_after)
+
+    def _watch_shards(self, now: float, lost_after: float) -> None:
+        """A shard silent for ``lost_after_s`` is lost: the job using it fails, never hangs.
+
+        Shards say ``shard_hello`` every ``max(heartbeat_s, 1)`` seconds; shard 0 is this
+        process. A lost shard is left out of new plans until it says hello again.
+        """
+        for index, seen in self.shard_seen.items():
+            silent = now - seen
+            if index in self.shards_lost or silent <= lost_after + 1.0:
+                continue
+            self.shards_lost.add(index)
+            self.log.warning("shard lost", shard=index, silent_s=round(silent, 1))
+            js = self.current
+            if js is not None and js.plan is not None and index in js.plan.shards_used():
+                js.fail(f"shard {index} ({self.shards.get(index)}) lost: no hello for "
+                        f"{silent:.1f} s")
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -491,6 +690,8 @@ class Head:
     async def _run_job(self, js: JobState) -> None:
         loop = asyncio.get_running_loop()
         js.failure = loop.create_future()
+        if js.recovered:
+            await self._wait_for_cluster(self.cluster.runtime.lost_after_s * 6)
         js.state = "planning"
         log = self.log.bind(job=js.id)
         try:
@@ -517,9 +718,12 @@ class Head:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None
                 log.warning("no prediction for this split", error=str(exc))
+            shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             js.plan = await loop.run_in_executor(
                 None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
-                                       dict(self.shards), vws=vws, predicted=predicted))
+                                       shards, vws=vws, predicted=predicted))
+            if js.resume is not None:
+                self._start_from(js, js.resume)
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
@@ -530,18 +734,15 @@ class Head:
         try:
             js.state = "running"
             js.started = time.time()
-            await self._race(js, self._launch(js))
-            watchers = [asyncio.ensure_future(self._telemetry(js))]
-            if js.spec.eval_every_s:
-                watchers.append(asyncio.ensure_future(
-                    self._evaluate_every(js, js.spec.eval_every_s)))
-            done = asyncio.ensure_future(js.all_done.wait())
-            try:
-                await self._race(js, done)
-            finally:
-                for w in watchers:
-                    w.cancel()
-                js.diagnosis = []  # a diagnosis describes a running job only
+            self._record(js)
+            while True:
+                try:
+                    await self._run_attempt(js)
+                    break
+                except _JobFailed as exc:
+                    if not self._may_replan(js):
+                        raise
+                    await self._replan(js, str(exc))
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
@@ -553,10 +754,142 @@ class Head:
             log.warning("job failed", error=str(exc))
             await self._abort(js, str(exc))
         finally:
+            with contextlib.suppress(OSError, _JobFailed):
+                interrupted = self._stopping and js.state == "failed" and not js.cancelled
+                self._record(js, **({"state": "interrupted"} if interrupted else {}))
             await self._drop_shards(js)
             for w in self.workers.values():
                 if w.job == js.id:
                     w.job = w.vw = w.stage = None
+
+    def _start_from(self, js: JobState, ck: checkpoint.Checkpoint) -> None:
+        """Start the job's plan from a checkpoint's global weights, owing what it had left."""
+        assert js.plan is not None and js.plan.initial is not None
+        missing = sorted(set(js.plan.initial) - set(ck.state))
+        if missing:
+            raise JobPlanError(f"checkpoint {ck.path} has no {missing[:3]}: another model?")
+        js.plan.initial = {k: ck.state[k] for k in js.plan.initial}
+        js.done_before = int(ck.meta.get("minibatches_done", 0))
+        total = int(ck.meta.get("minibatches_total", js.plan.minibatches))
+        js.plan.minibatches = max(1, total - js.done_before)
+        self.log.info("resuming", job=js.id, checkpoint=str(ck.path),
+                      minibatches_done=js.done_before, minibatches_left=js.plan.minibatches)
+
+    async def _checkpoints(self, js: JobState, every: int) -> None:
+        """A checkpoint each time the global clock has moved ``every`` waves on."""
+        assert js.plan is not None
+        plan, last = js.plan, 0
+        while True:
+            await asyncio.sleep(0.25)
+            clock = min((js.progress.get((v, len(vw.stages) - 1), {}).get("vw_clock", 0)
+                         for v, vw in enumerate(plan.vws)), default=0)
+            if clock >= last + every:
+                try:
+                    await self._checkpoint(js, clock)
+                except (RemoteError, TimeoutError, ConnectionError, OSError) as exc:
+                    self.log.warning("checkpoint failed", job=js.id, error=excerpt(exc))
+                last = clock
+
+    async def _checkpoint(self, js: JobState, clock: int) -> None:
+        """Fetch the global weights from the shards and write them as one checkpoint."""
+        assert js.plan is not None
+        t0 = time.perf_counter()
+        plan = js.plan
+        state, clocks = await self._fetch_state(js)
+        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
+                    for v, vw in enumerate(plan.vws)), default=0)
+        meta = {"job": js.id, "spec": js.spec.to_dict(), "global_clock": clock,
+                "shard_clocks": clocks, "minibatches_done": js.done_before + done,
+                "minibatches_total": js.done_before + plan.minibatches, "t": time.time()}
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, checkpoint.write, self.job_dir(js),
+                                   js.done_before + done, state, meta)
+        js.checkpoints += 1
+        js.checkpoint_s += time.perf_counter() - t0
+
+    async def _run_attempt(self, js: JobState) -> None:
+        """Launch the job's current plan and follow it until every stage is done."""
+        await self._race(js, self._launch(js))
+        if js.replans and "resumed_s" not in js.replans[-1]:
+            js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
+        watchers = [asyncio.ensure_future(self._telemetry(js))]
+        if js.spec.checkpoint_every:
+            watchers.append(asyncio.ensure_future(
+                self._checkpoints(js, js.spec.checkpoint_every)))
+        if js.spec.eval_every_s:
+            watchers.append(asyncio.ensure_future(
+                self._evaluate_every(js, js.spec.eval_every_s)))
+        done = asyncio.ensure_future(js.all_done.wait())
+        try:
+            await self._race(js, done)
+        finally:
+            for w in watchers:
+                w.cancel()
+            js.diagnosis = []  # a diagnosis describes a running job only
+
+    # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
+
+    MAX_REPLANS = 3
+
+    def _may_replan(self, js: JobState) -> bool:
+        return (js.spec.on_worker_loss == "replan" and js.lost_device is not None
+                and not js.cancelled and len(js.replans) < self.MAX_REPLANS)
+
+    async def _replan(self, js: JobState, reason: str) -> None:
+        """Go on without the lost worker: plan the job again on the live devices and start it
+        from the global weights the shards hold now.
+
+        Without checkpoints this restarts from the shards' weights, not from each stage's
+        state: the lost stage's unpushed updates of the current wave and every stage's
+        optimizer state are gone, and the data order starts again from the job's first
+        minibatch. The job trains the minibatches it still owed (the slowest VW's count).
+        """
+        assert js.plan is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        old, lost = js.plan, js.lost_device
+        log = self.log.bind(job=js.id)
+        log.warning("worker lost: re-planning the job without it", device=lost, reason=reason)
+        try:
+            state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
+        except (RemoteError, TimeoutError, ConnectionError) as exc:
+            raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: {exc}") from None
+        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
+                    for v, vw in enumerate(old.vws)), default=0)
+        await self._abort(js, reason)
+        await self._drop_shards(js)
+        for w in self.workers.values():
+            if w.job == js.id:
+                w.job = w.vw = w.stage = None
+        spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
+        try:
+            profile = await self._profile(spec)
+            cluster = live_cluster(self.cluster, self._idle())
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+            shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
+            wire = f"{js.id}.r{len(js.replans) + 1}"
+            new = await loop.run_in_executor(
+                None, lambda: plan_job(spec, wire, self.cluster, self._alive(), shards,
+                                       vws=plan_vws(plan), predicted=predicted_summary(plan)))
+        except (PlanError, JobPlanError, _JobFailed) as exc:
+            raise _JobFailed(f"{reason}; cannot re-plan without it: {exc}") from None
+        new.initial = {k: state[k] for k in new.initial or {}}
+        new.minibatches = max(1, old.minibatches - done)
+        js.done_before += done
+        js.plan = new
+        js.failure = loop.create_future()
+        js.lost_device = None
+        js.progress.clear()
+        js.stage_results.clear()
+        js.all_done = asyncio.Event()
+        js.replans.append({
+            "lost": lost, "reason": reason, "after_minibatches": done,
+            "vws": [[s.device for s in vw.stages] for vw in new.vws],
+            "minibatches_left": new.minibatches, "planned_s": round(time.monotonic() - t0, 2),
+            "_t": t0,
+        })
+        log.warning("re-planned", lost=lost, vws=js.replans[-1]["vws"],
+                    minibatches_left=new.minibatches)
 
     async def _race(self, js: JobState, aw: Any) -> Any:
         """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
@@ -585,7 +918,8 @@ class Head:
                                  f"is hetpipe-ps --shard {index} running?")
             sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
                                hwm=self.cluster.runtime.hwm,
-                               max_frame_bytes=self.cluster.runtime.max_frame_bytes)
+                               max_frame_bytes=self.cluster.runtime.max_frame_bytes,
+                               curve=self.owner.curve)
             ch = Channel(sock, None, name=f"to-shard{index}",
                          max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
             self.owner.channels.append(ch)
@@ -596,10 +930,13 @@ class Head:
         """Initial weights to the shards, assignments to the workers, then start."""
         plan = js.plan
         assert plan is not None and self.channel is not None
+        owners = {f"{v}/{s}": worker_user(plan.device_of(v, s))
+                  for v, vwp in enumerate(plan.vws) for s in range(len(vwp.stages))}
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)
-            await ch.request(Kind.SHARD_INIT, {"job": js.id, "members": members,
-                                               "staleness": js.spec.staleness},
+            await ch.request(Kind.SHARD_INIT, {"job": plan.job, "members": members,
+                                               "staleness": js.spec.staleness,
+                                               "owners": owners},
                              weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
         plan.release_initial_weights()
         waits = []
@@ -607,13 +944,13 @@ class Head:
             w = self.workers[plan.device_of(task.vw, task.stage)]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
             waits.append(self.channel.request(
-                Kind.ASSIGN, {"job": js.id, "task": task.to_dict()},
+                Kind.ASSIGN, {"job": plan.job, "task": task.to_dict()},
                 plan.local_state(task.vw, task.stage), to=w.ident,
                 timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
         await asyncio.gather(*waits)
         for w in self.workers.values():
             if w.job == js.id:
-                await self.channel.send(Kind.START, {"job": js.id}, to=w.ident)
+                await self.channel.send(Kind.START, {"job": plan.job}, to=w.ident)
         self.log.info("job started", job=js.id, stages=plan.n_stages)
 
     async def _finish(self, js: JobState) -> dict[str, Any]:
@@ -625,6 +962,11 @@ class Head:
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
+        if js.spec.checkpoint_every:  # the last one: the end state, resumable like any other
+            total = js.done_before + plan.minibatches
+            meta = {"job": js.id, "spec": js.spec.to_dict(), "shard_clocks": clocks,
+                    "minibatches_done": total, "minibatches_total": total, "t": time.time()}
+            await loop.run_in_executor(None, checkpoint.write, out_dir, total, state, meta)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
         stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
@@ -648,6 +990,8 @@ class Head:
             "trace_path": str((out_dir / "trace.json").resolve()),
             "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
             "shard_clocks": clocks,
+            "checkpoints": js.checkpoints,
+            "checkpoint_s": js.checkpoint_s,
         }
 
     async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -657,7 +1001,7 @@ class Head:
         clocks = {}
         for index in js.plan.shards_used():
             ch = await self._shard(index)
-            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.id},
+            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.wire_id},
                                      timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
             state.update({k: v.clone() for k, v in reply.tensors.items()})
             clocks[str(index)] = reply.get("info")
@@ -676,7 +1020,13 @@ class Head:
             js.evals.append([seconds, done, accuracy])
 
     def job_dir(self, js: JobState) -> Path:
-        return self.run_dir / "jobs" / js.id
+        """Where a job's outputs go: always under ``<run_dir>/jobs`` (names are validated at
+        submit; :func:`hetpipe.jobstore.job_dir` refuses any id that is a path)."""
+        d = job_dir(self.run_dir, js.id)  # None for anything that is not a job id
+        if d is None:
+            raise _JobFailed(f"job id {excerpt(js.id, 80)!r} is not a job id: it would "
+                             f"write outside {self.run_dir / 'jobs'}")
+        return d.resolve()
 
     async def _telemetry(self, js: JobState, every_s: float = 1.0) -> None:
         """Append the live figures to the job's metrics file; diagnose a hang.
@@ -725,16 +1075,18 @@ class Head:
         for w in self.workers.values():
             if w.job == js.id and not w.lost:
                 with contextlib.suppress(ConnectionError, zmq.ZMQError):
-                    await self.channel.send(Kind.ABORT, {"job": js.id, "reason": reason},
+                    await self.channel.send(Kind.ABORT, {"job": js.wire_id, "reason": reason},
                                             to=w.ident)
 
     async def _drop_shards(self, js: JobState) -> None:
         if js.plan is None:
             return
         for index in js.plan.shards_used():
+            if index in self.shards_lost:
+                continue  # nothing to drop there, and no answer to wait for
             with contextlib.suppress(Exception):
                 ch = await self._shard(index)
-                await ch.request(Kind.SHARD_DROP, {"job": js.id}, timeout=10.0,
+                await ch.request(Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0,
                                  what=f"shard {index}")
 
 

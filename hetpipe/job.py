@@ -31,6 +31,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam", "adamw")
 # torch.optim.AdamW's default decay: what a user writing name = "adamw" expects
 ADAMW_WEIGHT_DECAY = 1e-2
+ON_WORKER_LOSS = ("fail", "replan")
 POLICIES = ("auto", "np", "ed", "hd")
 # train.weights: how the async kind handles stale weights (see hetpipe.stage, README)
 WEIGHTS = ("stash", "latest", "predict")
@@ -125,6 +126,8 @@ class JobSpec:
     policy: str = "auto"
     eval_every_s: float | None = None  # evaluate the global weights this often while training
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
+    on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
+    checkpoint_every: int = 50  # waves of the global clock between checkpoints; 0: none
     faults: tuple[FaultSpec, ...] = ()
     schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
     weights: str = "stash"  # WEIGHTS: what the async kind's forward and backward run on
@@ -160,6 +163,9 @@ class JobSpec:
         if self.eval_every_s is not None:
             train["eval_every_s"] = self.eval_every_s
         train["hang_after_s"] = self.hang_after_s
+        if self.on_worker_loss != "fail":
+            train["on_worker_loss"] = self.on_worker_loss
+        train["checkpoint_every"] = self.checkpoint_every
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {"devices": list(vw.devices)}
@@ -219,6 +225,8 @@ class JobSpec:
                 "weights",
                 "predict_variant",
                 "bn_recalibrate",
+                "on_worker_loss",
+                "checkpoint_every",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -253,6 +261,11 @@ class JobSpec:
             if why:
                 train.fail("weights", f"predict cannot extrapolate {why}")
         bn_recalibrate = train.at_least("bn_recalibrate", 0, 0, high=MAX_COUNT)
+        on_worker_loss = train.text("on_worker_loss", "fail")
+        if on_worker_loss not in ON_WORKER_LOSS:
+            train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
+                       f"{', '.join(ON_WORKER_LOSS)})")
+        checkpoint_every = train.at_least("checkpoint_every", 0, 50, high=MAX_COUNT)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -283,6 +296,8 @@ class JobSpec:
             weights=weights,
             predict_variant=predict_variant,
             bn_recalibrate=bn_recalibrate,
+            on_worker_loss=on_worker_loss,
+            checkpoint_every=checkpoint_every,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

@@ -1,11 +1,12 @@
 """Every check of a job that needs only the job file and the cluster file.
 
-The CLI runs these before it sends a job anywhere, so that a wrong layer split, an unknown
-device, a model or data set that cannot be built, or a fault naming a stage that does not
-exist is refused at once with one line ``"<file>: <key>: <problem>"`` instead of after a
-round trip to the head. The head runs the same function on what it receives (a client
-need not be this CLI), so the rule has one home. What needs the live cluster (workers up
-and idle, shards registered) stays in :mod:`hetpipe.jobplan`.
+The CLI runs these before it sends a job anywhere, so that code the cluster does not
+allow (:mod:`hetpipe.security`, checked first), a wrong layer split, an unknown device, a
+model or data set that cannot be built, or a fault naming a stage that does not exist is
+refused at once with one line ``"<file>: <key>: <problem>"`` instead of after a round trip
+to the head. The head runs the same function on what it receives (a client need not be
+this CLI), so the rule has one home. What needs the live cluster (workers up and idle,
+shards registered) stays in :mod:`hetpipe.jobplan`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from hetpipe.config import ClusterConfig
 from hetpipe.data import DataError, load_dataset
 from hetpipe.job import JobError, JobSpec
 from hetpipe.models import ModelError, build_model
+from hetpipe.security import CodeError
+from hetpipe.security import check_job as check_code
 
 __all__ = ["JobFacts", "check_job"]
 
@@ -38,6 +41,10 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
     def fail(key: str, problem: str) -> JobError:
         return JobError(" ".join(f"{source}: {key}: {problem}".split()))
 
+    try:  # first the code policy: nothing below may import a module it does not allow
+        check_code(spec, cluster.security.allowed_modules)
+    except CodeError as exc:
+        raise JobError(f"{source}: {str(exc).removeprefix('job: ')}") from None
     try:
         n_layers = len(build_model(spec.model.name, spec.model.args))
     except ModelError as exc:

@@ -143,6 +143,8 @@ class JobPlan:
                     next=workers[vwp.stages[s + 1].device].address if s < k - 1 else None,
                     shards={str(self.placement[n]): shards[self.placement[n]] for n in names},
                     placement={n: self.placement[n] for n in names},
+                    prev_device=vwp.stages[s - 1].device if s > 0 else None,
+                    next_device=vwp.stages[s + 1].device if s < k - 1 else None,
                 ))
         return out
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RESULT", "TRACE", "job_dir", "list_jobs", "next_number", "read_result",
-           "write_result"]
+           "safe_name", "write_result"]
 
 RESULT = "result.json"
 TRACE = "trace.json"
@@ -26,9 +26,18 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 _NUMBER = re.compile(r"-(\d+)$")
 
 
+def safe_name(name: object) -> bool:
+    """Whether ``name`` may become a path component: letters, digits, ``_ . -``, no ``..``.
+
+    The one rule for job names (checked at submit, :mod:`hetpipe.security`) and job ids
+    (checked before any path is made of one, here).
+    """
+    return isinstance(name, str) and _JOB_ID.fullmatch(name) is not None and ".." not in name
+
+
 def job_dir(run_dir: Path, job: str) -> Path | None:
     """The directory of job ``job``, or None when ``job`` cannot be a job id."""
-    if not isinstance(job, str) or not _JOB_ID.fullmatch(job) or ".." in job:
+    if not safe_name(job):
         return None
     return run_dir / "jobs" / job
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetpipe import launch
-from hetpipe.client import HeadClient
+from hetpipe import launch, security
+from hetpipe.client import HeadClient, client_curve
 
 __all__ = ["DeviceDef", "LocalCluster", "cluster_toml"]
 
@@ -38,11 +38,18 @@ class DeviceDef:
 
 def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
                  shard_ports: Sequence[int] | None = None,
-                 heartbeat_s: float = 0.5, lost_after_s: float = 3.0) -> str:
-    """A cluster file for this host; ports are ephemeral unless given."""
+                 heartbeat_s: float = 0.5, lost_after_s: float = 3.0, curve: bool = True,
+                 allowed_modules: Sequence[str] = ()) -> str:
+    """A cluster file for this host; ports are ephemeral unless given.
+
+    Its keys live in ``.hetpipe/keys`` beside the file (made by :class:`LocalCluster`).
+    """
     ports = list(shard_ports) if shard_ports is not None else [0] * shards
+    modules = ", ".join(f'"{m}"' for m in allowed_modules)
     lines = ["[ps]", "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]", "",
              "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}", "",
+             "[security]", f"curve = {'true' if curve else 'false'}",
+             f"allowed_modules = [{modules}]", "",
              "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]
     for d in devices:
         lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
@@ -64,13 +71,23 @@ class LocalCluster:
         self.timeout = timeout
         self.worker_args = tuple(worker_args)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.daemons: dict[str, launch.Daemon] = {}
         self.ready: dict[str, dict[str, Any]] = {}
         self.head = ""
         self._finalizer = weakref.finalize(self, _reap, self.procs)
+        if self.cluster.security.curve:
+            security.ensure_keys(self.cluster.security.keys, security.key_names(
+                len(self.cluster.ps), [d.name for d in self.cluster.devices]))
+        self.curve = client_curve(self.cluster)
+
+    def client(self, *, timeout: float = 10.0) -> HeadClient:
+        """A client of this cluster's head, with the cluster's client keys."""
+        return HeadClient(self.head, timeout=timeout, curve=self.curve)
 
     def start(self) -> LocalCluster:
         daemons = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir)
         head_d = next(d for d in daemons if d.name == "ps0")
+        self.daemons["ps0"] = head_d
         self.procs["ps0"] = launch.spawn(head_d, self.run_dir)
         self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir,
                                             self.timeout))
@@ -82,8 +99,9 @@ class LocalCluster:
             if d.name == "ps0":
                 continue
             argv = d.argv + (self.worker_args if d.name.startswith("worker-") else ())
-            started[d.name] = self.procs[d.name] = launch.spawn(
-                launch.Daemon(d.name, argv), self.run_dir)
+            self.daemons[d.name] = launch.Daemon(d.name, argv)
+            started[d.name] = self.procs[d.name] = launch.spawn(self.daemons[d.name],
+                                                                 self.run_dir)
         launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
         self.ready.update(launch.wait_ready(started, self.run_dir, self.timeout))
         self.run(self._registered())
@@ -91,7 +109,7 @@ class LocalCluster:
 
     async def _registered(self) -> None:
         devices = {d.name for d in self.cluster.devices}
-        async with HeadClient(self.head) as client:
+        async with self.client() as client:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout
             while True:
@@ -125,6 +143,19 @@ class LocalCluster:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
 
+    def restart(self, name: str) -> None:
+        """Start a daemon that was killed again, with its command line; wait until it is ready.
+
+        A restarted head keeps its address only when the cluster file fixes its port.
+        """
+        assert not self.alive(name), f"{name} is still running"
+        self.procs[name] = launch.spawn(self.daemons[name], self.run_dir)
+        launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
+        self.ready.update(launch.wait_ready({name: self.procs[name]}, self.run_dir,
+                                            self.timeout))
+        if name == "ps0":
+            self.head = self.ready["ps0"]["address"]
+
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
 
@@ -136,7 +167,7 @@ class LocalCluster:
         """Submit a job dict and follow it to its end; return the final status."""
 
         async def go() -> dict[str, Any]:
-            async with HeadClient(self.head) as client:
+            async with self.client() as client:
                 job_id = await client.submit(job)
                 return await client.follow(job_id, timeout=timeout, every_s=0.2)
 
@@ -144,7 +175,7 @@ class LocalCluster:
 
     def status(self) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
-            async with HeadClient(self.head) as client:
+            async with self.client() as client:
                 return await client.cluster()
 
         return self.run(go())

@@ -20,6 +20,8 @@ import zmq
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
 from hetpipe.daemon import Owner, wait_for_signal, write_ready
+from hetpipe.ratelog import Throttle, excerpt
+from hetpipe.security import KeysError, shard_user
 from hetpipe.shard import ShardError, ShardStore
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
 from hetpipe.wire import Kind, Message
@@ -31,20 +33,46 @@ Parked = tuple[bytes | None, int, int, int]  # (peer, rid, vw, stage)
 
 
 class ShardServer:
-    """Serves push, pull and the head's shard requests from one ROUTER channel."""
+    """Serves push, pull and the head's shard requests from one ROUTER channel.
+
+    Authority: ``shard_init``/``fetch``/``drop`` come only from the head (key ``ps0``); a push,
+    pull or reduce for (job, vw, stage) only from the worker the head assigned to that stage (the
+    ``owners`` of ``shard_init``). Without Curve (``msg.user`` None) every peer is trusted.
+    """
 
     KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.REDUCE, Kind.SHARD_INIT, Kind.SHARD_FETCH,
                        Kind.SHARD_DROP})
+    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP})
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.store: ShardStore[Parked] = ShardStore()
+        self.owners: dict[str, dict[str, str]] = {}  # job -> "vw/stage" -> worker user id
         self.channel: Channel | None = None
         self.log = logmod.get("shard").bind(shard=index)
+        self._refused = Throttle(self.log)  # requests outside a peer's role, once a while
+
+    def _allowed(self, msg: Message) -> bool:
+        """Whether the sender may make this request (see the class docstring)."""
+        if msg.user is None:
+            return True
+        if msg.kind in self.HEAD_KINDS:
+            return msg.user == shard_user(0)
+        owners = self.owners.get(msg["job"])
+        if owners is None:
+            return True  # an unknown job: the store refuses it with its own error
+        return owners.get(f"{msg['vw']}/{msg['stage']}") == msg.user
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None
         rid = msg.get("rid")
+        if not self._allowed(msg):
+            what = f"{msg.kind} for {excerpt(msg.get('job'), 80)}"
+            self._refused.warning("request refused: not this peer's role", str(msg.user),
+                                  f"{msg.user} may not send {what}", kind=str(msg.kind))
+            await self.channel.reply_error(
+                peer, f"shard {self.index}: {msg.user} may not send {what}", rid)
+            return
         try:
             if msg.kind == Kind.PUSH:
                 await self._push(peer, msg)
@@ -54,6 +82,8 @@ class ShardServer:
                 await self._reduce(peer, msg)
             elif msg.kind == Kind.SHARD_INIT:
                 js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors)
+                self.owners[msg["job"]] = {str(k): str(v) for k, v in
+                                           (msg.get("owners") or {}).items()}
                 self.log.info("job held", job=msg["job"], tensors=len(js.weights))
                 await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
             elif msg.kind == Kind.SHARD_FETCH:
@@ -61,6 +91,7 @@ class ShardServer:
                 info = {**js.clock.snapshot(), "pushes": js.pushes, "bytes": js.pushed_bytes}
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
             elif msg.kind == Kind.SHARD_DROP:
+                self.owners.pop(msg["job"], None)
                 for p, prid, _vw, _stage in self.store.drop(msg["job"]):
                     await self.channel.reply_error(p, f"job {msg['job']} ended", prid)
                 await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
@@ -121,9 +152,11 @@ async def serve(
     owner = Owner()
     log = logmod.get("ps").bind(shard=index)
     try:
+        owner.secure(cluster.security, shard_user(index), serve=True)
         sock = make_socket(owner.ctx, zmq.ROUTER, bind=tcp(spec.host, spec.port),
                            hwm=cluster.runtime.hwm * 16, router_mandatory=True,
-                           max_frame_bytes=cluster.runtime.max_frame_bytes)
+                           max_frame_bytes=cluster.runtime.max_frame_bytes,
+                           curve=owner.curve)
         address = bound_address(sock)
         server = ShardServer(index)
         head_obj: Any = None
@@ -145,12 +178,13 @@ async def serve(
         channel = owner.channel(Channel(sock, handle, name=f"shard{index}",
                                         max_frame_bytes=cluster.runtime.max_frame_bytes))
         server.channel = channel
+        owner.watch_handshakes(channel)
         if head_obj is not None:
             await head_obj.start(channel)
         else:
             owner.spawn(_announce(owner, cluster, index, address, head), "announce")
         write_ready(ready_file, {"role": "ps", "shard": index, "address": address})
-        log.info("ready", address=address, head=index == 0)
+        log.info("ready", address=address, head=index == 0, curve=owner.curve is not None)
         sig = await wait_for_signal()
         log.info("stopping", signal=sig)
         if head_obj is not None:
@@ -164,7 +198,8 @@ async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: s
     """Tell the head where this shard listens, again every few seconds (the head may restart)."""
     head_addr = head or cluster.head.address
     sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm,
-                       max_frame_bytes=cluster.runtime.max_frame_bytes)
+                       max_frame_bytes=cluster.runtime.max_frame_bytes,
+                       curve=owner.curve)
     ch = owner.channel(Channel(sock, None, name="head",
                                max_frame_bytes=cluster.runtime.max_frame_bytes))
     while True:
@@ -209,6 +244,8 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
             f"(0..{len(cluster.ps) - 1})")
     try:
         asyncio.run(serve(cluster, shard, head=head, ready_file=ready_file, run_dir=run_dir))
+    except KeysError as exc:
+        raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
         spec = cluster.ps[shard]
         raise click.ClickException(

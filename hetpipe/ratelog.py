@@ -20,11 +20,16 @@ __all__ = ["EXCERPT_CHARS", "Throttle", "excerpt"]
 EXCERPT_CHARS = 200
 
 
-def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:
+    """``str(text)`` cut to ``limit`` characters, saying how much was cut.
+
+    Every error reply and log line that may quote peer input goes through here, so none
+    echoes it unbounded (a reply to a 16 MB garbage string was once 16 MB).
+    """
+    s = str(text)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}... ({len(s) - limit} more characters)"
 
 
 class Throttle:

@@ -32,6 +32,8 @@ class StageTask:
     next: str | None  # data address of stage + 1
     shards: dict[str, str] = field(default_factory=dict)  # shard index -> address
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
+    prev_device: str | None = None  # device of stage - 1: the only sender of activations
+    next_device: str | None = None  # device of stage + 1: the only sender of gradients
 
     @property
     def is_first(self) -> bool:

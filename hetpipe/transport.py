@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from hetpipe import log as logmod
 from hetpipe.ratelog import Throttle, excerpt
+from hetpipe.security import Curve, apply_curve
 from hetpipe.wire import (
     ZERO_COPY_MIN_BYTES,
     Kind,
@@ -54,6 +55,9 @@ def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+CURVE_FRAME_OVERHEAD = 64  # bytes CurveZMQ adds to a frame on the wire (33 today), rounded up
+
+
 def make_socket(
     ctx: zmq.asyncio.Context,
     kind: int,
@@ -65,6 +69,7 @@ def make_socket(
     linger_ms: int = 0,
     router_mandatory: bool = False,
     max_frame_bytes: int | None = None,
+    curve: Curve | None = None,
 ) -> zmq.asyncio.Socket:
     """Create a socket with every option that matters set before it binds or connects.
 
@@ -73,14 +78,24 @@ def make_socket(
     bytes are buffered, so an oversize frame costs no memory (the wire's own check comes
     after the whole frame arrived). The limit covers headers too (the cluster file's
     ``max_frame_bytes`` is at least 1 MiB, far above any header).
+
+    With ``curve``, a socket that binds is a CurveZMQ server (its peers are authenticated by
+    the process's ZAP handler) and one that connects is a Curve client; None: plain TCP.
+    Curve's framing (command name, nonce, MAC) is added to ``MAXMSGSIZE``: without it a
+    frame of exactly ``max_frame_bytes``, which the wire allows, would cost its sender the
+    connection.
     """
     sock = ctx.socket(kind)
     try:
+        # -- trust (hetpipe.security): Curve keys before bind/connect --
+        apply_curve(sock, curve, server=bind is not None)
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
         if max_frame_bytes is not None:
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # under Curve libzmq checks the encrypted frame, which is a few bytes longer
+            extra = CURVE_FRAME_OVERHEAD if curve is not None else 0
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + extra)
         sock.copy_threshold = ZERO_COPY_MIN_BYTES
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
@@ -244,6 +259,7 @@ class Channel:
         """Answer a sender with an ``error`` message (best effort: the peer may be gone)."""
         if self.sock.type in (zmq.PULL, zmq.PUSH):
             return
+        # error texts often quote what the peer sent: never echo it unbounded
         with contextlib.suppress(ConnectionError, zmq.ZMQError):
             await self.send_frames(error_frames(excerpt(message, 1000), rid), to=to)
 
@@ -261,10 +277,11 @@ class Channel:
                 self._log.warning("recv failed", error=str(exc))
                 continue
             ident: bytes | None = None
+            user = _user_id(frames[-1])
             if self._routed:
                 ident = frames[0].bytes
                 frames = frames[1:]
-            await self._dispatch(ident, frames)
+            await self._dispatch(ident, frames, user)
             # A recv that finds a message waiting completes without suspending, so under a
             # flood this loop would never give the event loop back: heartbeats, job starts
             # and the other sockets' readers would starve. Yield once per message.
@@ -286,15 +303,18 @@ class Channel:
         if self._flood[1] > FLOOD_PER_S:
             await asyncio.sleep(1.0 / FLOOD_PER_S)
 
-    async def _dispatch(self, ident: bytes | None, frames: list[Any]) -> None:
+    async def _dispatch(self, ident: bytes | None, frames: list[Any],
+                        user: str | None = None) -> None:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            if self._bad.warning("bad message dropped", str(_peer(ident)), str(exc)) or \
+            if self._bad.warning("bad message dropped", str(_peer(ident)), str(exc),
+                                 user=user) or \
                     self._bad.count(str(_peer(ident))) < MAX_ERROR_REPLIES:
                 await self.reply_error(ident, f"bad message: {exc}")
             await self._slow_down_under_flood()
             return
+        msg.user = user
         rid = msg.fields.get("rid")
         if isinstance(rid, int) and msg.kind in _REPLY_KINDS and rid in self._pending:
             fut, what = self._pending[rid]
@@ -314,7 +334,7 @@ class Channel:
                               kind=str(msg.kind))
         except Exception as exc:  # a handler bug must not kill the reader
             self._bad.warning("handler failed", str(_peer(ident)), f"{type(exc).__name__}: "
-                              f"{exc}", kind=str(msg.kind), exc_info=True)
+                              f"{exc}", kind=str(msg.kind), user=msg.user, exc_info=True)
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 
@@ -324,4 +344,13 @@ _REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.PULLED, Kind.REDUCED})
 
 
 def _peer(ident: bytes | None) -> str | None:
-    return None if ident is None else ident.decode("utf-8", "replace")
+    return None if ident is None else excerpt(ident.decode("utf-8", "replace"), 80)
+
+
+def _user_id(frame: Any) -> str | None:
+    """The peer's user id from ZAP (its key's name under Curve); None on plain sockets."""
+    try:
+        user = frame.get("User-Id")
+    except (AttributeError, zmq.ZMQError):
+        return None
+    return user or None

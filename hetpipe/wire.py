@@ -179,10 +179,13 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # tensors: the mean gradient over every virtual worker's samples of the iteration
     Kind.REDUCED: {"rid": _INT, "samples": _INT},
     # tensors: initial weights, by parameter name
-    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT},
+    # owners: "vw/stage" -> user id of the worker assigned (the only one it takes pushes from)
+    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT,
+                      "owners": _OPT_DICT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
-    Kind.SUBMIT: {"rid": _INT, "job": _DICT},
+    # resume: the id of a job to continue from its last complete checkpoint (job optional then)
+    Kind.SUBMIT: {"rid": _INT, "job": _OPT_DICT, "resume": _OPT_STR},
     Kind.JOB_STATUS: {"rid": _INT, "job": _STR},
     Kind.CLUSTER_STATUS: {"rid": _INT},
     Kind.CANCEL: {"rid": _INT, "job": _STR},
@@ -220,6 +223,7 @@ class Message:
     kind: Kind
     fields: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    user: str | None = None  # the sender's user id from ZAP (its Curve key's name), if any
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]

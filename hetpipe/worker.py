@@ -28,6 +28,8 @@ from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.pipeline import StageRunner
 from hetpipe.profiling import measure
+from hetpipe.ratelog import Throttle, excerpt
+from hetpipe.security import KeysError, check_job, worker_user
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -76,6 +78,7 @@ class Worker:
         self.address = ""
         self.log = logmod.get("worker").bind(device=device.name)
         self.head: Channel | None = None
+        self._refused = Throttle(self.log)  # data from peers outside their role
 
     @property
     def state(self) -> str:
@@ -87,13 +90,15 @@ class Worker:
         rt = self.cluster.runtime
         data = make_socket(self.owner.ctx, zmq.PULL,
                            bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
-                           max_frame_bytes=rt.max_frame_bytes)
+                           max_frame_bytes=rt.max_frame_bytes,
+                           curve=self.owner.curve)
         self.address = bound_address(data)
-        self.owner.channel(Channel(data, self._on_data, name="data",
-                                   max_frame_bytes=rt.max_frame_bytes))
+        self.owner.watch_handshakes(self.owner.channel(Channel(
+            data, self._on_data, name="data", max_frame_bytes=rt.max_frame_bytes)))
         ident = f"{self.device.name}:{os.getpid()}".encode()
         sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
-                           identity=ident, hwm=rt.hwm, max_frame_bytes=rt.max_frame_bytes)
+                           identity=ident, hwm=rt.hwm, max_frame_bytes=rt.max_frame_bytes,
+                           curve=self.owner.curve)
         self.head = self.owner.channel(Channel(sock, self._on_head, name="head",
                                                max_frame_bytes=rt.max_frame_bytes))
         self.owner.spawn(self._heartbeat(), "heartbeat")
@@ -156,6 +161,8 @@ class Worker:
             await self._drop_job()
         try:
             task = StageTask.from_dict(msg["task"])
+            # the head checked the job at submit; a worker checks again before any import
+            check_job(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
             compute = await loop.run_in_executor(self.executor, StageCompute, task, self.device,
                                                  msg.tensors)
@@ -164,12 +171,14 @@ class Worker:
             for address in (task.prev, task.next):
                 if address is not None:
                     sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
-                                       max_frame_bytes=rt.max_frame_bytes)
+                                       max_frame_bytes=rt.max_frame_bytes,
+                                       curve=self.owner.curve)
                     job.channels.append(Channel(sock, None, name=f"to:{address}",
                                                 max_frame_bytes=rt.max_frame_bytes))
             for index, address in task.shards.items():
                 sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm,
-                                   max_frame_bytes=rt.max_frame_bytes)
+                                   max_frame_bytes=rt.max_frame_bytes,
+                                   curve=self.owner.curve)
                 ch = Channel(sock, None, name=f"shard{index}",
                              max_frame_bytes=rt.max_frame_bytes).start()
                 job.channels.append(ch)
@@ -182,7 +191,7 @@ class Worker:
                                              task.num_vws)
             self.job = job
         except Exception as exc:
-            self.log.warning("assignment refused", error=str(exc))
+            self.log.warning("assignment refused", error=excerpt(exc))
             await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
             return
         logmod.structlog.contextvars.bind_contextvars(job=task.job, vw=task.vw, stage=task.stage)
@@ -194,11 +203,12 @@ class Worker:
         """Profile the job's layers on this device for the planner."""
         assert self.head is not None
         try:
+            check_job(msg["job"], self.cluster.security.allowed_modules)
             spec = JobSpec.from_dict(msg["job"], source="job")
             loop = asyncio.get_running_loop()
             info = await loop.run_in_executor(self.executor, measure, spec, self.device)
         except Exception as exc:
-            self.log.warning("profiling failed", error=str(exc))
+            self.log.warning("profiling failed", error=excerpt(exc))
             await self.head.reply_error(None, f"{self.device.name}: profiling failed: {exc}",
                                         msg["rid"])
             return
@@ -273,7 +283,14 @@ class Worker:
             self.log.warning("unexpected message on the data port", kind=str(msg.kind))
             return
         if job is None or msg["job"] != job.task.job or msg["vw"] != job.task.vw:
-            self.log.debug("stale data dropped", job=msg["job"])
+            self.log.debug("stale data dropped", job=excerpt(msg["job"], 80))
+            return
+        # authority: activations only from stage - 1, gradients only from stage + 1
+        sender = job.task.prev_device if msg.kind == Kind.ACT else job.task.next_device
+        if msg.user is not None and (sender is None or msg.user != worker_user(sender)):
+            self._refused.warning("data refused: not from this stage's neighbour",
+                                  str(msg.user), f"{msg.user} sent {msg.kind}",
+                                  kind=str(msg.kind), expected=sender)
             return
         if job.runner is None:
             job.early.append(msg)
@@ -291,11 +308,12 @@ async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None 
     owner = Owner()
     worker = Worker(cluster, device, owner, head)
     try:
+        owner.secure(cluster.security, worker_user(device.name), serve=True)
         await worker.start()
         write_ready(ready_file, {"role": "worker", "device": device.name,
                                  "address": worker.address})
         worker.log.info("ready", address=worker.address, device=device.device,
-                        speed=device.speed)
+                        speed=device.speed, curve=owner.curve is not None)
         owner.spawn(worker.hello(), "hello")
         sig = await wait_for_signal()
         worker.log.info("stopping", signal=sig)
@@ -340,6 +358,8 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
     torch.set_num_threads(max(1, threads))
     try:
         asyncio.run(serve(cluster, spec, head=head, ready_file=ready_file))
+    except KeysError as exc:
+        raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
         raise click.ClickException(
             f"{device} cannot listen on {spec.host}:{spec.port}: {exc}") from None

@@ -156,12 +156,12 @@ def job_dict(args: Any, staleness: int, seed: int) -> dict[str, Any]:
     }
 
 
-async def _follow(head: str, job: dict[str, Any], target: float, max_s: float) -> dict[str, Any]:
+async def _follow(local: Any, job: dict[str, Any], target: float, max_s: float) -> dict[str, Any]:
     """Submit and poll; once an evaluation reaches ``target`` (or ``max_s`` passes) cancel the
     rest of the job: it has told us what we came for."""
-    from hetpipe.client import TERMINAL, HeadClient
+    from hetpipe.client import TERMINAL
 
-    async with HeadClient(head, timeout=30.0) as client:
+    async with local.client(timeout=30.0) as client:
         job_id = await client.submit(job)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_s + 120.0
@@ -225,7 +225,7 @@ class Hetpipe:
         pids = [p.pid for p in self.local.procs.values()]
         cpu0, t0 = cpu_seconds(pids), time.perf_counter()
         info = asyncio.run(
-            _follow(self.local.head, job_dict(a, staleness, seed), a.target, a.max_s)
+            _follow(self.local, job_dict(a, staleness, seed), a.target, a.max_s)
         )
         cpu, wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
         done = sum(v.get("done") or 0 for v in info.get("vws") or [])

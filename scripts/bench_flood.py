@@ -124,7 +124,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-flood-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
-        path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1))
+        # security off: the flooders are plain sockets (with Curve, a keyless one is refused
+        # in the handshake and floods nothing but libzmq)
+        path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1,
+                                     curve=False))
         with LocalCluster(path, root / "run", timeout=120) as c:
             pids = [p.pid for p in c.procs.values()]
             asyncio.run(_run(c.head, _job(20, "warmup"), pids))

@@ -21,9 +21,11 @@ on the host falls on all ways alike; each figure is the median of ``--repeats`` 
 CPU seconds per GB of each side (all threads of the process, ZeroMQ/gloo I/O included) are
 printed too: on a busy host they are steadier than GB/s. ``--diagnose`` adds two mixed ways,
 our sender into the raw receiver and the raw sender into our receiver, to tell which side
-costs what.
+costs what. ``--curve`` adds ``ours-curve``: ``ours`` with CurveZMQ as the daemons run it
+(authenticated and encrypted, the receiver's ZAP handler on), to show what security costs.
 
     python scripts/bench_wire.py [--json] [--sizes 64KiB 4MiB ...] [--repeats N] [--diagnose]
+                                 [--curve]
 
 With ``--json`` the last line is one JSON object: per-size figures and ``ratio_vs_zmq_4mib``,
 ``ratio_vs_gloo_4mib``.
@@ -37,6 +39,7 @@ import multiprocessing as mp
 import os
 import resource
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -52,6 +55,9 @@ DEFAULT_SIZES = ("64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB")
 WAYS = {"ours": ("ours", "ours"), "zmq": ("zmq", "zmq"), "gloo": ("gloo", "gloo")}
 # --diagnose: which side of ours costs the time
 DIAGNOSE = {"ours-tx": ("ours", "zmq"), "ours-rx": ("zmq", "ours")}
+# --curve: the runtime's path with CurveZMQ (keys made in a temporary folder, named in the env)
+CURVE = {"ours-curve": ("ours-curve", "ours-curve")}
+KEYS_ENV = "HETPIPE_BENCH_KEYS"
 HOST = "127.0.0.1"
 HWM = 64  # RuntimeSpec.hwm, what the runtime's data sockets use
 MAX_MESSAGES = 50_000
@@ -71,23 +77,34 @@ def _cpu_s() -> float:
 def _receiver(way: str, ctl_address: str, gloo_port: int) -> None:
     """Child process: bind (or join gloo), then serve rounds until told to stop."""
     torch.set_num_threads(1)
-    if way == "ours":
-        asyncio.run(_receive_ours(ctl_address))
+    if way in ("ours", "ours-curve"):
+        asyncio.run(_receive_ours(ctl_address, curve=way == "ours-curve"))
     elif way == "zmq":
         _receive_zmq(ctl_address)
     else:
         _receive_gloo(ctl_address, gloo_port)
 
 
-async def _receive_ours(ctl_address: str) -> None:
+def _curve(name: str, *, serve: bool) -> Any:
+    from hetpipe.security import SecuritySpec, load_curve
+
+    return load_curve(SecuritySpec(keys=os.environ[KEYS_ENV]), name, serve=serve)
+
+
+async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
+    from hetpipe.security import SecuritySpec, start_authenticator
     from hetpipe.transport import Channel, bound_address, make_socket
     from hetpipe.wire import Kind, Message
 
     ctx = zmq.asyncio.Context()
+    auth = None
+    if curve:  # as a worker's data port: Curve server, the process's ZAP handler on
+        auth = start_authenticator(ctx, SecuritySpec(keys=os.environ[KEYS_ENV]), "bench-rx")
     ctl = ctx.socket(zmq.PAIR)
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.connect(ctl_address)
-    data = make_socket(ctx, zmq.PULL, bind=f"tcp://{HOST}:0", hwm=HWM)
+    data = make_socket(ctx, zmq.PULL, bind=f"tcp://{HOST}:0", hwm=HWM,
+                       curve=_curve("worker-rx", serve=True) if curve else None)
     left = 0
     nbytes = 0
     done = asyncio.Event()
@@ -116,6 +133,8 @@ async def _receive_ours(ctl_address: str) -> None:
     finally:
         await ch.close()
         ctl.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
@@ -179,15 +198,16 @@ def _receive_gloo(ctl_address: str, port: int) -> None:
 class _OursSender:
     """The runtime's send path: a Channel on a PUSH socket, driven by an asyncio loop."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, curve: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
         self.ctx = zmq.asyncio.Context()
-        self.ch = self.loop.run_until_complete(self._open(address))
+        self.ch = self.loop.run_until_complete(self._open(address, curve))
 
-    async def _open(self, address: str) -> Any:
+    async def _open(self, address: str, curve: bool) -> Any:
         from hetpipe.transport import Channel, make_socket
 
-        sock = make_socket(self.ctx, zmq.PUSH, connect=address, hwm=HWM)
+        sock = make_socket(self.ctx, zmq.PUSH, connect=address, hwm=HWM,
+                           curve=_curve("worker-tx", serve=False) if curve else None)
         return Channel(sock, None, name="bench-tx", max_frame_bytes=1 << 30)
 
     async def _stream(self, t: torch.Tensor, n: int) -> None:
@@ -274,8 +294,8 @@ class Link:
             )
             self.sender = _GlooSender()
         self.address: str | None = self.ctl.recv_json()["address"]  # the receiver's data port
-        if tx == "ours":
-            self.sender = _OursSender(self.address)
+        if tx in ("ours", "ours-curve"):
+            self.sender = _OursSender(self.address, curve=tx == "ours-curve")
         elif tx == "zmq":
             self.sender = _ZmqSender(self.address)
 
@@ -374,6 +394,8 @@ def main() -> None:
         help="also time our sender alone and our receiver alone against raw zmq",
     )
     ap.add_argument("--round-s", type=float, default=0.2, help="target seconds per round")
+    ap.add_argument("--curve", action="store_true",
+                    help="also time the runtime's path with CurveZMQ on (ours-curve)")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
     for s in sizes:
@@ -386,7 +408,14 @@ def main() -> None:
     if args.diagnose:
         ways.update(DIAGNOSE)
     started = time.perf_counter()
-    figures = measure(ways, sizes, args.repeats, args.round_s)
+    with tempfile.TemporaryDirectory() as keys:
+        if args.curve:
+            from hetpipe.security import ensure_keys
+
+            ensure_keys(keys, ["server", "worker-rx", "worker-tx"])
+            os.environ[KEYS_ENV] = keys  # the receiver processes are spawned with this env
+            ways.update(CURVE)
+        figures = measure(ways, sizes, args.repeats, args.round_s)
     wall = time.perf_counter() - started
 
     print(
@@ -431,8 +460,10 @@ def main() -> None:
         ],
         rows,
     )
-    if extra:
+    if args.diagnose:
         print("ours-tx: runtime sender -> raw receiver; ours-rx: raw sender -> runtime receiver")
+    if args.curve:
+        print("ours-curve: the runtime's path with CurveZMQ (authenticated, encrypted)")
     print(
         "CPU seconds per GB moved (sender process | receiver process, all threads; less"
         " sensitive to other load than GB/s)"

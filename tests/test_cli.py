@@ -234,8 +234,8 @@ def test_daemon_config_errors_are_one_line(tmp_path: Path, argv: list[str],
 class QuickHeadClient(HeadClient):
     """The CLI's client with a short request timeout (the CLI has no option for it)."""
 
-    def __init__(self, address: str, *, timeout: float = 0.5) -> None:
-        super().__init__(address, timeout=timeout)
+    def __init__(self, address: str, *, timeout: float = 0.5, curve: Any = None) -> None:
+        super().__init__(address, timeout=timeout, curve=curve)
 
 
 @pytest.mark.parametrize("command", ["submit", "status"])
@@ -247,12 +247,15 @@ def test_commands_fail_fast_when_the_head_is_not_running(
     job = tmp_path / "job.toml"
     job.write_text(GOOD_JOB)
     args = ["submit", str(job)] if command == "submit" else ["status"]
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    assert invoke("--cluster", cluster, "keys").exit_code == 0
     start = time.monotonic()
-    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head, *args)
+    result = invoke("--cluster", cluster, "--head", head, *args)
     elapsed = time.monotonic() - start
     assert result.exit_code == 1, result.output
     assert error_lines(result) == [
-        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`)?"
+        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`), "
+        "and with these keys (a head refuses keys not its own)?"
     ]
     assert elapsed < 5.0, elapsed
 
@@ -508,8 +511,9 @@ def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "QUICK_S", 0.2)
     head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--run-dir",
-                    str(tmp_path / "run"), "--head", head, "trace", "nosuch-1", "-o",
-                    str(tmp_path / "t.json"))
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    assert invoke("--cluster", cluster, "keys").exit_code == 0
+    result = invoke("--cluster", cluster, "--run-dir", str(tmp_path / "run"), "--head", head,
+                    "trace", "nosuch-1", "-o", str(tmp_path / "t.json"))
     assert result.exit_code == 1
     assert "did not answer" in result.stderr

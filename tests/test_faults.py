@@ -12,7 +12,8 @@ import zmq
 import zmq.asyncio
 from conftest import UNIFORM, job, start_cluster
 
-from hetpipe.client import HeadClient
+from hetpipe.security import Curve, load_curve
+from hetpipe.transport import make_socket
 from hetpipe.wire import Kind, decode, encode
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def test_worker_killed_mid_job(tmp_path) -> None:
     cluster = start_cluster(tmp_path, UNIFORM)
     try:
         async def go() -> tuple[dict, float]:
-            async with HeadClient(cluster.head) as head:
+            async with cluster.client() as head:
                 job_id = await head.submit(job("long", model="cnn", split=SPLIT4, nm=4,
                                                epochs=200))
                 deadline = time.monotonic() + 60
@@ -65,12 +66,10 @@ GARBAGE = [
 ]
 
 
-async def _send_garbage(address: str, kind: int) -> list[str]:
-    """Send every garbage message; on a DEALER collect the error replies."""
+async def _send_garbage(address: str, kind: int, curve: Curve | None) -> list[str]:
+    """Send every garbage message as a keyed peer; on a DEALER collect the error replies."""
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = make_socket(ctx, kind, connect=address, curve=curve)
     errors = []
     try:
         for frames in GARBAGE:
@@ -91,9 +90,10 @@ def test_garbage_frames_then_a_valid_job(uniform_cluster) -> None:
     c = uniform_cluster
     shard1 = c.ready["ps1"]["address"]
     worker = c.ready["worker-gpu1"]["address"]
-    head_errors = c.run(_send_garbage(c.head, zmq.DEALER))
-    shard_errors = c.run(_send_garbage(shard1, zmq.DEALER))
-    c.run(_send_garbage(worker, zmq.PUSH))
+    head_errors = c.run(_send_garbage(c.head, zmq.DEALER, c.curve))
+    shard_errors = c.run(_send_garbage(shard1, zmq.DEALER, c.curve))
+    c.run(_send_garbage(worker, zmq.PUSH, load_curve(c.cluster.security, "worker-gpu0",
+                                                     serve=False)))
     for errors in (head_errors, shard_errors):
         assert len(errors) == len(GARBAGE)
         assert all(e.startswith("bad message: ") for e in errors)

@@ -30,8 +30,8 @@ SPLIT = [(["gpu0", "gpu1"], [3, 3])]
 class QuickHeadClient(HeadClient):
     """The CLI's client with a short request timeout, so a stopped head is noticed fast."""
 
-    def __init__(self, address: str, *, timeout: float = 1.0) -> None:
-        super().__init__(address, timeout=timeout)
+    def __init__(self, address: str, *, timeout: float = 1.0, curve: Any = None) -> None:
+        super().__init__(address, timeout=timeout, curve=curve)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def invoke(c: LocalCluster, *args: str, head: str | None = None) -> Result:
 
 def wait_state(c: LocalCluster, job_id: str, states: set[str], timeout: float) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
-        async with HeadClient(c.head) as client:
+        async with c.client() as client:
             deadline = time.monotonic() + timeout
             while True:
                 info = await client.job(job_id)
@@ -67,7 +67,7 @@ def wait_state(c: LocalCluster, job_id: str, states: set[str], timeout: float) -
 
 def submit(c: LocalCluster, spec: dict[str, Any]) -> str:
     async def go() -> str:
-        async with HeadClient(c.head) as client:
+        async with c.client() as client:
             return await client.submit(spec)
 
     return asyncio.run(go())

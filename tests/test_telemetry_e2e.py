@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import job
 
-from hetpipe.client import HeadClient
+from hetpipe.localcluster import LocalCluster
 from hetpipe.wire import Kind
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_trace_of_two_vws_is_valid_and_ordered(uniform_cluster, tmp_path) -> Non
     assert info["state"] == "done", info.get("error")
 
     async def fetch() -> dict:
-        async with HeadClient(uniform_cluster.head) as head:
+        async with uniform_cluster.client() as head:
             return await head.call(Kind.TRACE, {"job": info["id"]})
 
     trace = uniform_cluster.run(fetch())
@@ -85,7 +85,7 @@ def test_stalled_stage_is_diagnosed(uniform_cluster) -> None:
     spec["fault"] = [{"vw": 0, "stage": 1, "minibatch": 20, "seconds": 25.0}]
 
     async def go() -> tuple[dict, float]:
-        async with HeadClient(uniform_cluster.head) as head:
+        async with uniform_cluster.client() as head:
             job_id = await head.submit(spec)
             deadline = time.monotonic() + 120
             stalled_since = None
@@ -109,11 +109,11 @@ def test_stalled_stage_is_diagnosed(uniform_cluster) -> None:
     status = uniform_cluster.status()
     current = next(j for j in status["jobs"] if j["id"] == info["id"])
     assert current.get("diagnosis")
-    final = uniform_cluster.run(_follow(uniform_cluster.head, info["id"]))
+    final = uniform_cluster.run(_follow(uniform_cluster, info["id"]))
     assert final["state"] == "done", final.get("error")
     assert "diagnosis" not in final
 
 
-async def _follow(head_addr: str, job_id: str) -> dict:
-    async with HeadClient(head_addr) as head:
+async def _follow(cluster: LocalCluster, job_id: str) -> dict:
+    async with cluster.client() as head:
         return await head.follow(job_id, timeout=120)

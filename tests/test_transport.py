@@ -14,10 +14,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 
 from hetpipe.daemon import Owner
+from hetpipe.security import Curve
 from hetpipe.transport import Channel, RemoteError, bound_address, make_socket
 from hetpipe.wire import Kind, Message, decode, encode
 
@@ -350,6 +352,37 @@ def test_oversize_frame_is_dropped_by_zeromq_before_the_reader_sees_it() -> None
         assert [m["p"] for m in got] == [1]
         big.close(linger=0)
         small.close(linger=0)
+
+    run(body)
+
+
+def test_a_frame_of_exactly_max_frame_bytes_passes_under_curve() -> None:
+    """MAXMSGSIZE leaves room for Curve's framing: the wire allows a frame of the limit."""
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    served = Curve("ps1", server_pub, server_sec, server_pub, server_sec)
+    sender = Curve("worker-a", client_pub, client_sec, server_pub)
+
+    async def body(owner: Owner) -> None:
+        got: list[Message] = []
+        arrived = asyncio.Event()
+
+        async def on(_peer: bytes | None, msg: Message) -> None:
+            got.append(msg)
+            arrived.set()
+
+        sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME,
+                           curve=served)
+        owner.channel(Channel(sock, on, name="data", max_frame_bytes=MAX_FRAME))
+        push = make_socket(owner.ctx, zmq.PUSH, connect=bound_address(sock), curve=sender,
+                           max_frame_bytes=MAX_FRAME)
+        frames = encode(Kind.ACT, {"job": "j", "vw": 0, "p": 0},
+                        {"x": torch.zeros(MAX_FRAME // 4)})  # one frame of exactly the limit
+        assert max(len(memoryview(f)) for f in frames) == MAX_FRAME
+        await push.send_multipart(frames)
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert [m["p"] for m in got] == [0] and got[0].tensors["x"].numel() == MAX_FRAME // 4
+        push.close(linger=0)
 
     run(body)
 

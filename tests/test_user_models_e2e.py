@@ -31,13 +31,15 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Four devices, two shards; the daemons can import ``usermodels``."""
+    """Four devices, two shards; the daemons can (and may) import ``usermodels``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(
             "PYTHONPATH",
             os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
         )
-        c = start_cluster(tmp_path_factory.mktemp("usermodels"), UNIFORM)
+        # [security] allowed_modules: job code outside the builtins must be allowed
+        c = start_cluster(tmp_path_factory.mktemp("usermodels"), UNIFORM,
+                          allowed_modules=("usermodels",))
     yield c
     c.stop()
 

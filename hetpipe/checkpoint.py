@@ -1,0 +1,133 @@
+"""Checkpoints of a job's global weights: written atomically, proven whole by a manifest.
+
+Why a manifest: a daemon may die in the middle of a write, and a disk may hand back a
+truncated or damaged file. A checkpoint is a folder ``<job dir>/checkpoints/<seq>`` whose
+files are written and fsynced in a private temporary folder, then a ``MANIFEST.json`` naming
+every file with its size and SHA-256 is written last, and the folder is renamed into place.
+:func:`latest` returns the newest checkpoint whose manifest matches its files, so a damaged
+one is skipped for the previous complete one. Weights are read with ``weights_only=True``:
+nothing is unpickled.
+
+What one holds: the global weights the shards hold (every layer), the shards' WSP clocks, and
+how many minibatches each virtual worker had finished. Not (yet) each stage's optimizer state,
+unpushed updates or data position: a resumed job restarts those (see ``hetpipe.head``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Checkpoint", "latest", "write"]
+
+MANIFEST = "MANIFEST.json"
+WEIGHTS = "weights.pt"
+META = "meta.json"
+KEEP = 3  # complete checkpoints kept per job (older ones are removed)
+
+
+@dataclass
+class Checkpoint:
+    """One complete checkpoint, read back and verified."""
+
+    path: Path
+    seq: int
+    state: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
+          *, keep: int = KEEP) -> Path:
+    """Write checkpoint ``seq`` of a job atomically; keep the newest ``keep``; return its path."""
+    root = job_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{seq:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{seq:06d}-", dir=root))
+    try:
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp / WEIGHTS)
+        (tmp / META).write_text(json.dumps(meta))
+        files = {}
+        for name in (WEIGHTS, META):
+            _fsync_file(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        (tmp / MANIFEST).write_text(json.dumps({"seq": seq, "files": files}))
+        _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if final.exists():  # a checkpoint of this seq from an attempt given up
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in _complete_dirs(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete_dirs(root: Path) -> list[Path]:
+    """Checkpoint folders, newest first (temporary ones, named with a dot, are not)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                  key=lambda p: p.name, reverse=True)
+
+
+def verify(path: Path) -> Checkpoint:
+    """Read one checkpoint folder; raise ValueError if any file is missing or damaged."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        for name in (WEIGHTS, META):
+            entry = files[name]
+            f = path / name
+            if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+                raise ValueError(f"{f}: does not match the manifest (truncated or damaged)")
+        state = torch.load(path / WEIGHTS, map_location="cpu", weights_only=True)
+        meta = json.loads((path / META).read_text())
+        return Checkpoint(path, int(manifest["seq"]), state, meta)
+    except ValueError:
+        raise
+    except Exception as exc:  # missing file, bad JSON, bad keys: all "not a whole checkpoint"
+        raise ValueError(f"{path}: not a complete checkpoint: {type(exc).__name__}: "
+                         f"{exc}") from None
+
+
+def latest(job_dir: Path, skipped: list[str] | None = None) -> Checkpoint | None:
+    """The newest complete checkpoint of a job; damaged ones are skipped (and listed)."""
+    for path in _complete_dirs(job_dir / "checkpoints"):
+        try:
+            return verify(path)
+        except ValueError as exc:
+            if skipped is not None:
+                skipped.append(str(exc))
+    return None
+

@@ -1,0 +1,66 @@
+"""``train.on_worker_loss = "replan"``: a job goes on without a worker that died."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import UNIFORM, job, start_cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(300)
+def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path) -> None:
+    """SIGKILL one worker of a 4-device job: the head re-plans on the 3 others, starts them
+    from the shards' global weights, and the job finishes with a good accuracy."""
+    c = start_cluster(tmp_path, UNIFORM)
+    try:
+        spec = job("keepgoing", model="cnn", minibatches=300, nm=4, lr=0.05)
+        spec["train"].update(vws=1, on_worker_loss="replan")
+
+        async def go() -> tuple[dict[str, Any], str, float]:
+            async with c.client() as head:
+                job_id = await head.submit(spec)
+                deadline = time.monotonic() + 120
+                while True:
+                    info = await head.job(job_id)
+                    if info.get("minibatches", 0) >= 60:
+                        break
+                    assert info["state"] in ("queued", "planning", "running"), info
+                    assert time.monotonic() < deadline, "the job never made progress"
+                    await asyncio.sleep(0.2)
+                devices = info["vws"][0]["devices"]
+                assert len(devices) == 4, devices
+                victim = devices[1]
+                c.kill(f"worker-{victim}", signal.SIGKILL)
+                killed = time.monotonic()
+                while True:  # training again: the new attempt's stages report progress
+                    now = await head.job(job_id)
+                    if now.get("replans") and now["state"] == "running" and \
+                            now.get("minibatches", 0) > 0:
+                        break
+                    assert now["state"] == "running", now.get("error")
+                    assert time.monotonic() - killed < 60, now
+                    await asyncio.sleep(0.1)
+                back = time.monotonic() - killed
+                final = await head.follow(job_id, every_s=0.2, timeout=180)
+                return final, victim, back
+
+        info, victim, back = c.run(go())
+        assert info["state"] == "done", info.get("error")
+        (replan,) = info["replans"]
+        assert replan["lost"] == victim
+        devices = {d for vw in replan["vws"] for d in vw}
+        assert victim not in devices and len(devices) == 3, replan
+        assert info["test_accuracy"] >= 0.85, info["test_accuracy"]
+        lost_after = c.cluster.runtime.lost_after_s
+        print(f"kill -> training again: {back:.1f} s (lost_after_s {lost_after:g}), "
+              f"re-plan {replan['planned_s']} s, {replan}")
+        assert back < lost_after + 15.0, back
+    finally:
+        c.stop()
