@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.planner.memory import ACTIVATION_POLICIES
 from hetpipe.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.schedule import SYNC_KINDS
 
@@ -100,6 +101,9 @@ class VWSpec:
     devices: tuple[str, ...]
     layers: tuple[int, ...] | None = None
     nm: int | None = None
+    # per stage, the global layers whose activations are recomputed: set by the planner
+    # (never read from a job file); None = as ``train.activations`` pins it
+    recompute: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ class JobSpec:
     hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
     faults: tuple[FaultSpec, ...] = ()
     schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
+    activations: str = "keep"  # hetpipe.planner.memory.ACTIVATION_POLICIES
 
     @property
     def sync(self) -> bool:
@@ -138,6 +143,7 @@ class JobSpec:
             "seed": self.seed,
             "policy": self.policy,
             "schedule": self.schedule,
+            "activations": self.activations,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -206,6 +212,7 @@ class JobSpec:
                 "eval_every_s",
                 "hang_after_s",
                 "schedule",
+                "activations",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -225,6 +232,10 @@ class JobSpec:
         if schedule not in (*SCHEDULE_KINDS, "auto"):
             train.fail("schedule", f"unknown schedule {schedule!r} "
                        f"(one of: {', '.join(SCHEDULE_KINDS)}, auto)")
+        activations = train.text("activations", "keep")
+        if activations not in ACTIVATION_POLICIES:
+            train.fail("activations", f"unknown policy {activations!r} "
+                       f"(one of: {', '.join(ACTIVATION_POLICIES)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -252,6 +263,7 @@ class JobSpec:
             eval_every_s=eval_every_s,
             hang_after_s=hang_after_s,
             schedule=schedule,
+            activations=activations,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

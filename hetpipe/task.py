@@ -32,6 +32,8 @@ class StageTask:
     next: str | None  # data address of stage + 1
     shards: dict[str, str] = field(default_factory=dict)  # shard index -> address
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
+    recompute: list[int] = field(default_factory=list)  # global layers whose activations
+    # are recomputed in the backward instead of kept (hetpipe.planner.memory)
 
     @property
     def is_first(self) -> bool:
