@@ -514,6 +514,9 @@ class Head:
                 if needs_plan:
                     vws = plan_vws(plan)
                     log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
+                elif spec.activations == "auto":  # the user's split, the planner's policy
+                    vws = tuple(dataclasses.replace(v, recompute=planned.recompute)
+                                for v, planned in zip(spec.vws, plan_vws(plan), strict=True))
             except (PlanError, _JobFailed) as exc:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None

@@ -73,7 +73,8 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     """The planner's plan for a job without a split, or its prediction for the given split."""
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
-              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec)}
+              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec),
+              "activations": spec.activations}
     if spec.sync:
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
@@ -135,7 +136,8 @@ def job_minibatches(spec: JobSpec) -> int:
 
 def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     """A plan's virtual workers as the explicit split the runtime executes."""
-    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm)
+    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
+                        recompute=tuple(s.recompute for s in v.stages))
                  for v in plan.vws)
 
 
@@ -150,7 +152,9 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                  # time_s: predicted compute per minibatch, comparable to the measured one
                  "stages": [{"device": s.device, "layers": list(s.layers),
                              "time_s": s.time_s, "busy_s": s.busy_s, "slowdown": s.slowdown,
-                             "memory": s.memory.total, "memory_cap": s.memory_cap}
+                             "memory": s.memory.total, "memory_cap": s.memory_cap,
+                             "memory_terms": s.memory.to_dict(),
+                             "recompute": list(s.recompute)}
                             for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),

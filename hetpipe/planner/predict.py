@@ -108,6 +108,8 @@ def stage_costs(
         task = rt.task_s / model.speed(d.type)
         fwd = sum(lp.fwd_s for lp in lps)
         bwd = sum(lp.bwd_s + lp.update_s for lp in lps)
+        # recomputed layers run their forward again inside the backward
+        bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
         in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
         out_bytes = lps[-1].out_bytes
         send_act = 0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
