@@ -7,6 +7,9 @@ the planner's own terms.
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from conftest import job
@@ -16,7 +19,8 @@ from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
 from hetpipe.planner.memory import MemoryCapError, stage_memory_of
-from hetpipe.planner.profile import ModelProfile, measure_layers
+from hetpipe.planner.partition import CostModel, Infeasible, Partition
+from hetpipe.planner.profile import LayerProfile, ModelProfile, measure_layers
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
@@ -117,3 +121,110 @@ def test_runtime_memory_equals_the_planner_formula(recompute: list[int]) -> None
     assert got.activations == want.activations
     assert got.working == want.working
     assert got.params == want.params
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def cpu(name: str, dtype: str, memory: int) -> DeviceSpec:
+    return DeviceSpec(name, "cpu", dtype, memory, 1.0, 0, "n0", "127.0.0.1")
+
+
+def bw(_a: DeviceSpec, _b: DeviceSpec) -> float:
+    return 1e9
+
+
+def activation_heavy(seed: int, layers: int = 8) -> ModelProfile:
+    """Few parameters, large saved activations: what recompute is for."""
+    r = random.Random(seed)
+    lps = tuple(
+        LayerProfile(r.uniform(1e-3, 4e-3), r.uniform(2e-3, 8e-3), r.randint(1, 8) * 1000, 0,
+                     r.randint(2, 20) * 1000, r.randint(20, 200) * 1000,
+                     r.randint(2, 20) * 1000)
+        for _ in range(layers)
+    )
+    return ModelProfile("heavy", 32, 8000, {"t": lps})
+
+
+def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec],
+                     nm: int) -> float | None:
+    """Every split and, per stage short of memory, every run to recompute, priced by the
+    single formula (:func:`stage_memory_of`) and the stage time plus one more forward."""
+    k, L = len(devs), prof.n_layers()
+    lps = prof.layers["t"]
+    best = None
+    for inner in itertools.combinations(range(1, L), k - 1):
+        times = []
+        for i, (a, b) in enumerate(itertools.pairwise((0, *inner, L))):
+            d = devs[i]
+            base = model.stage_time("t", a, b, 1e9 if i > 0 else None,
+                                    1e9 if i < k - 1 else None)
+            keep = stage_memory_of(prof, "t", (a, b), i, k, nm, 1)
+            options = [0.0] if keep.total <= d.memory else [
+                sum(lp.fwd_s for lp in lps[c:e])
+                for c in range(a, b) for e in range(c + 1, b + 1)
+                if stage_memory_of(prof, "t", (a, b), i, k, nm, 1,
+                                   recompute=range(c, e)).total <= d.memory
+            ]
+            if not options:
+                break
+            times.append(base + min(options))
+        else:
+            if best is None or max(times) < best:
+                best = max(times)
+    return best
+
+
+@pytest.mark.parametrize("shares", [(0.2, 0.2, 0.3), (0.3, 0.3, 0.4)])
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_plans_what_keep_cannot_and_matches_brute_force(
+    seed: int, shares: tuple[float, ...]
+) -> None:
+    """Caps at shares of what keeping every activation of Nm minibatches needs: the tighter
+    ones leave keep infeasible for most seeds, the looser ones let recompute rebalance."""
+    prof = activation_heavy(seed)
+    nm = 3
+    keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
+    devs = [cpu(f"g{i}", "t", int(keep_need * f)) for i, f in enumerate(shares)]
+    keep = CostModel(prof, bw, 1, activations="keep").partition(devs, nm)
+    auto_model = CostModel(prof, bw, 1, activations="auto")
+    auto = auto_model.partition(devs, nm)
+    want = brute_force_auto(auto_model, prof, devs, nm)
+    if want is None:
+        assert isinstance(auto, Infeasible)
+        return
+    assert isinstance(auto, Partition)
+    assert auto.bottleneck == pytest.approx(want, rel=1e-9)
+    for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
+        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i])
+        assert mem == auto.memory[i] and mem.total <= d.memory
+        assert auto.keep_memory[i] == stage_memory_of(prof, "t", (a, b), i, 3, nm, 1)
+        if auto.recompute[i]:  # recompute only where keeping does not fit
+            assert auto.keep_memory[i].total > d.memory
+    if isinstance(keep, Partition):
+        assert auto.bottleneck <= keep.bottleneck
+    else:
+        assert any(auto.recompute)
+
+
+def test_auto_is_keep_when_everything_fits() -> None:
+    prof = activation_heavy(0)
+    devs = [cpu(f"g{i}", "t", 1 << 30) for i in range(3)]
+    keep = CostModel(prof, bw, 1).partition(devs, 3)
+    auto = CostModel(prof, bw, 1, activations="auto").partition(devs, 3)
+    assert isinstance(keep, Partition) and isinstance(auto, Partition)
+    assert auto.cuts == keep.cuts and auto.bottleneck == keep.bottleneck
+    assert auto.recompute == ((), (), ())
+
+
+def test_pinned_recompute_charges_every_stage_one_more_forward() -> None:
+    prof = activation_heavy(1)
+    devs = [cpu(f"g{i}", "t", 1 << 30) for i in range(2)]
+    model = CostModel(prof, bw, 1, activations="recompute")
+    p = model.describe(devs, [(0, 4), (4, 8)], 2)
+    lps = prof.layers["t"]
+    assert p.recompute == (tuple(range(4)), tuple(range(4, 8)))
+    for i, (a, b) in enumerate(p.cuts):
+        base = model.stage_time("t", a, b, None if i == 0 else 1e9, 1e9 if i == 0 else None)
+        assert p.stage_times[i] == pytest.approx(base + sum(lp.fwd_s for lp in lps[a:b]))
+        assert p.memory[i].activations < p.keep_memory[i].activations
