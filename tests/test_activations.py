@@ -228,3 +228,33 @@ def test_pinned_recompute_charges_every_stage_one_more_forward() -> None:
         base = model.stage_time("t", a, b, None if i == 0 else 1e9, 1e9 if i == 0 else None)
         assert p.stage_times[i] == pytest.approx(base + sum(lp.fwd_s for lp in lps[a:b]))
         assert p.memory[i].activations < p.keep_memory[i].activations
+
+
+def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None:
+    """A model whose activations fit only recomputed: keep cannot be planned, auto can, and
+    the table says per stage what is recomputed and the memory before and after."""
+    from hetpipe.config import ClusterConfig, NetworkSpec, NodeSpec, RuntimeSpec, ShardSpec
+    from hetpipe.planner import Plan, PlanError, make_plan
+
+    prof = activation_heavy(3)
+    need = sum(lp.saved_bytes for lp in prof.layers["t"])
+    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
+                 for i in range(2))
+    cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
+                            NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
+                            RuntimeSpec())
+    kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1, "nm": 3, "num_vws": 1}
+    with pytest.raises(PlanError):
+        make_plan(cluster, prof, **kw)
+    plan = make_plan(cluster, prof, activations="auto", **kw)
+    stages = [s for vw in plan.vws for s in vw.stages]
+    assert any(s.recompute for s in stages)
+    for s in stages:
+        assert s.memory.total <= s.memory_cap
+        assert s.keep_memory is not None
+        if s.recompute:
+            assert s.keep_memory.total > s.memory_cap
+    table = plan.table()
+    assert "activations: recompute layers" in table and "keeping all ->" in table
+    again = Plan.from_dict(plan.to_dict())
+    assert [s.recompute for vw in again.vws for s in vw.stages] == [s.recompute for s in stages]
