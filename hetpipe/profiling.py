@@ -136,8 +136,11 @@ def job_minibatches(spec: JobSpec) -> int:
 
 def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     """A plan's virtual workers as the explicit split the runtime executes."""
+    # the synchronous planner keeps every activation and chooses nothing: there the job's
+    # train.activations applies as pinned (see jobplan)
+    chosen = plan.schedule == "async"
     return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
-                        recompute=tuple(s.recompute for s in v.stages))
+                        recompute=tuple(s.recompute for s in v.stages) if chosen else None)
                  for v in plan.vws)
 
 

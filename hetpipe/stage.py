@@ -241,7 +241,9 @@ class StageCompute:
         With ``measure`` every layer is kept and its bytes are recorded in the planner's
         terms (as :func:`hetpipe.planner.profile.measure_layers` counts them): what autograd
         saves, deduplicated by storage and without the layer's own state, its input, and its
-        working memory (output plus input gradient); they come back with the output.
+        working memory (output plus input gradient); they come back with the output. The
+        first forward of each input shape is that measurement, so it keeps every layer; the
+        policy applies from the next one (one minibatch in flight then, on a fresh stage).
         """
         saved: list[int] = []
         inputs: list[int] = []
