@@ -24,9 +24,9 @@ Activations: the layers run one by one, each under the policy its task gives it
 :func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
 backward runs it again before differentiating it. The seeding hooks draw the same dropout
 masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
-of the batch-norm statistics, so a recomputed job is the same job as a kept one. The memory a stage
-keeps is counted in the planner's own terms (:meth:`StageCompute.memory`) and that is what
-the device's cap is checked against.
+of the batch-norm statistics, so a recomputed job is the same job as a kept one. The memory
+a stage keeps is counted in the planner's own terms (:meth:`StageCompute.memory`) and that
+is what the device's cap is checked against.
 """
 
 from __future__ import annotations
@@ -211,11 +211,12 @@ class StageCompute:
         shape = tuple(x.shape)
         known = self._layer_bytes.get(shape)
         out, measured = self._run_layers(p, x, state, measure=known is None)
-        if known is None:
+        if known is None:  # this forward measured, keeping every layer: count all it kept
             known = self._layer_bytes[shape] = measured
             self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
-        saved, inputs, _ = known
-        kept = activation_bytes(saved, inputs, self.recompute) + _nbytes(x)
+            kept = sum(known[0]) + _nbytes(x)
+        else:
+            kept = activation_bytes(known[0], known[1], self.recompute) + _nbytes(x)
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1

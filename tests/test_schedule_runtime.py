@@ -40,7 +40,7 @@ class StandInCompute:
         self.has_state = True
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
-                                     peak_bytes=0)
+                                     peak_bytes=0, peak_memory={})
 
     def state_names(self) -> list[str]:
         return []
