@@ -211,12 +211,10 @@ class StageCompute:
         shape = tuple(x.shape)
         known = self._layer_bytes.get(shape)
         out, measured = self._run_layers(p, x, state, measure=known is None)
-        if known is None:  # this forward measured, keeping every layer: count all it kept
+        if known is None:
             known = self._layer_bytes[shape] = measured
             self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
-            kept = sum(known[0]) + _nbytes(x)
-        else:
-            kept = activation_bytes(known[0], known[1], self.recompute) + _nbytes(x)
+        kept = activation_bytes(known[0], known[1], self.recompute) + _nbytes(x)
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
@@ -239,41 +237,48 @@ class StageCompute:
     ) -> tuple[torch.Tensor, tuple[list[int], list[int], list[int]]]:
         """The stage's layers on ``x``, each under its activation policy.
 
-        With ``measure`` every layer is kept and its bytes are recorded in the planner's
-        terms (as :func:`hetpipe.planner.profile.measure_layers` counts them): what autograd
-        saves, deduplicated by storage and without the layer's own state, its input, and its
-        working memory (output plus input gradient); they come back with the output. The
-        first forward of each input shape is that measurement, so it keeps every layer; the
-        policy applies from the next one (one minibatch in flight then, on a fresh stage).
+        With ``measure`` (the first forward of each input shape) each layer's bytes are
+        recorded in the planner's terms (as :func:`hetpipe.planner.profile.measure_layers`
+        counts them): what autograd saves, deduplicated by storage and without the layer's
+        own state, its input, and its working memory (output plus input gradient); they come
+        back with the output. A recomputed run is measured by a throwaway pass on copies of
+        its buffers before its real, checkpointed one: its saved tensors live only during
+        that pass, which is the rerun the ``working`` term already holds room for.
         """
         saved: list[int] = []
         inputs: list[int] = []
         work: list[int] = []
-        runs = {} if measure else dict(recompute_runs(self.recompute))
+        def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor],
+                    x: torch.Tensor) -> torch.Tensor:
+            own = {t.untyped_storage().data_ptr() for t in sub.values()}
+            counter = _SavedBytes(own)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                y = functional_call(layer, sub, (x,))
+            saved.append(counter.bytes)
+            inputs.append(_nbytes(x))
+            grad_in = _nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
+            work.append(_nbytes(y) + grad_in)
+            return y
+
+        runs = dict(recompute_runs(self.recompute))
         j = 0
         while j < len(self._layers):
             end = runs.get(j)
             if end is not None and torch.is_grad_enabled():
                 subs = [(layer, keys, {local: state[name] for local, name, _ in keys})
                         for layer, keys in self._layers[j:end]]
+                if measure:  # a throwaway pass; the checkpoint reseeds the same masks
+                    y = x
+                    for i, (layer, keys, sub) in enumerate(subs, start=j):
+                        y = counted(i, layer, _buffer_copies(keys, sub), y)
+                    del y
                 x = checkpoint(self._rerunnable(subs, p), x,
                                use_reentrant=False, preserve_rng_state=False)
                 j = end
                 continue
             layer, keys = self._layers[j]
             sub = {local: state[name] for local, name, _ in keys}
-            if measure:
-                own = {t.untyped_storage().data_ptr() for t in sub.values()}
-                counter = _SavedBytes(own)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                    y = functional_call(layer, sub, (x,))
-                saved.append(counter.bytes)
-                inputs.append(_nbytes(x))
-                grad_in = _nbytes(x) if self.task.first + j > 0 and x.is_floating_point() else 0
-                work.append(_nbytes(y) + grad_in)
-            else:
-                y = functional_call(layer, sub, (x,))
-            x = y
+            x = counted(j, layer, sub, x) if measure else functional_call(layer, sub, (x,))
             j += 1
         return x, (saved, inputs, work)
 
@@ -292,10 +297,7 @@ class StageCompute:
             if calls > 1:
                 self.seeds.p = p
             for layer, keys, sub in subs:
-                if calls > 1:
-                    sub = {local: sub[local].clone() if is_buffer else sub[local]
-                           for local, _, is_buffer in keys}
-                x = functional_call(layer, sub, (x,))
+                x = functional_call(layer, _buffer_copies(keys, sub) if calls > 1 else sub, (x,))
             return x
 
         return run
@@ -506,6 +508,14 @@ def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
     with torch.no_grad():
         return float(tensors[0].reshape(-1)[:8].double().sum()
                      + tensors[-1].reshape(-1)[:8].double().sum())
+
+
+def _buffer_copies(
+    keys: list[tuple[str, str, bool]], sub: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A layer's state with copies of its buffers: a pass that must not move batch-norm
+    statistics (a measurement, a recompute) updates the copies."""
+    return {local: sub[local].clone() if is_buffer else sub[local] for local, _, is_buffer in keys}
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -89,9 +89,8 @@ def test_recompute_keeps_less_and_the_cap_counts_what_is_kept() -> None:
         keep.forward(p, *stream.batch(p))
         again.forward(p, *stream.batch(p))
     k, r = keep.memory(), again.memory()
-    # the first forward measured, keeping every layer, and is counted so
-    assert again.in_flight[0].kept_bytes == keep.in_flight[0].kept_bytes
-    assert again.in_flight[1].kept_bytes < keep.in_flight[1].kept_bytes
+    # from the first forward on, which also measures the layers
+    assert all(again.in_flight[p].kept_bytes < keep.in_flight[p].kept_bytes for p in range(3))
     assert r.activations < k.activations
     assert (k.params, k.stash) == (r.params, r.stash)
     cap = (k.total + r.total) // 2
