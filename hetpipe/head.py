@@ -159,7 +159,8 @@ class JobState:
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
                  **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes", "shares", "waiting")},
+                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory", "shares",
+                     "waiting")},
                  "time_s": _stage_time(self.progress.get((v, s), {}))}
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]
@@ -714,6 +715,9 @@ class Head:
                 if needs_plan:
                     vws = plan_vws(plan)
                     log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
+                elif spec.activations == "auto":  # the user's split, the planner's policy
+                    vws = tuple(dataclasses.replace(v, recompute=planned.recompute)
+                                for v, planned in zip(spec.vws, plan_vws(plan), strict=True))
             except (PlanError, _JobFailed) as exc:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None

@@ -15,6 +15,7 @@ from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
 from hetpipe.optim import unpredictable
+from hetpipe.planner.memory import ACTIVATION_POLICIES
 from hetpipe.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.schedule import SYNC_KINDS
 
@@ -105,6 +106,9 @@ class VWSpec:
     devices: tuple[str, ...]
     layers: tuple[int, ...] | None = None
     nm: int | None = None
+    # per stage, the global layers whose activations are recomputed: set by the planner
+    # (never read from a job file); None = as ``train.activations`` pins it
+    recompute: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class JobSpec:
     weights: str = "stash"  # WEIGHTS: what the async kind's forward and backward run on
     predict_variant: str = "paper"  # PREDICT_VARIANTS, with weights = "predict"
     bn_recalibrate: int = 0  # minibatches re-estimating batch-norm statistics before eval
+    activations: str = "keep"  # hetpipe.planner.memory.ACTIVATION_POLICIES
 
     @property
     def sync(self) -> bool:
@@ -151,6 +156,7 @@ class JobSpec:
             "weights": self.weights,
             "predict_variant": self.predict_variant,
             "bn_recalibrate": self.bn_recalibrate,
+            "activations": self.activations,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -227,6 +233,7 @@ class JobSpec:
                 "bn_recalibrate",
                 "on_worker_loss",
                 "checkpoint_every",
+                "activations",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -266,6 +273,10 @@ class JobSpec:
             train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
                        f"{', '.join(ON_WORKER_LOSS)})")
         checkpoint_every = train.at_least("checkpoint_every", 0, 50, high=MAX_COUNT)
+        activations = train.text("activations", "keep")
+        if activations not in ACTIVATION_POLICIES:
+            train.fail("activations", f"unknown policy {activations!r} "
+                       f"(one of: {', '.join(ACTIVATION_POLICIES)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -298,6 +309,7 @@ class JobSpec:
             bn_recalibrate=bn_recalibrate,
             on_worker_loss=on_worker_loss,
             checkpoint_every=checkpoint_every,
+            activations=activations,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

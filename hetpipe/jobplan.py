@@ -12,6 +12,7 @@ assignment; the export restores the names of tied tensors.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class RunStage:
     device: str
     first: int
     last: int
+    recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,7 @@ class JobPlan:
                     placement={n: self.placement[n] for n in names},
                     prev_device=vwp.stages[s - 1].device if s > 0 else None,
                     next_device=vwp.stages[s + 1].device if s < k - 1 else None,
+                    recompute=list(st.recompute),
                 ))
         return out
 
@@ -288,7 +291,13 @@ def plan_job(
         bounds = [0]
         for n in layers:
             bounds.append(bounds[-1] + n)
-        stages = tuple(RunStage(d, bounds[i], bounds[i + 1])
+        if vwspec.recompute is not None:
+            recompute = vwspec.recompute
+        elif spec.activations == "recompute":
+            recompute = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
+        else:  # keep; "auto" without a plan has no choice to apply
+            recompute = ((),) * len(layers)
+        stages = tuple(RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]))
                        for i, d in enumerate(vwspec.devices))
         try:
             layout.check_split([(st.first, st.last) for st in stages],

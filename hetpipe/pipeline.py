@@ -392,6 +392,7 @@ class StageRunner:
             "forward_s": s.forward_s,
             "backward_s": s.backward_s,
             "peak_bytes": s.peak_bytes,
+            "peak_memory": dict(s.peak_memory),
             "clock": self.clock,
             "vw_clock": self.vw_clock,
             "wave": wave_of(max(self.schedule.nf - 1, 0), self.task.nm),

@@ -75,7 +75,8 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
               "optimizer_state_factor": factor, "minibatches": job_minibatches(spec),
-              "weights": weights_mode(spec.weights, spec.predict_variant)}
+              "weights": weights_mode(spec.weights, spec.predict_variant),
+              "activations": spec.activations}
     if spec.sync:
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
@@ -137,7 +138,11 @@ def job_minibatches(spec: JobSpec) -> int:
 
 def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     """A plan's virtual workers as the explicit split the runtime executes."""
-    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm)
+    # the synchronous planner keeps every activation and chooses nothing: there the job's
+    # train.activations applies as pinned (see jobplan)
+    chosen = plan.schedule == "async"
+    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
+                        recompute=tuple(s.recompute for s in v.stages) if chosen else None)
                  for v in plan.vws)
 
 
@@ -152,7 +157,11 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                  # time_s: predicted compute per minibatch, comparable to the measured one
                  "stages": [{"device": s.device, "layers": list(s.layers),
                              "time_s": s.time_s, "busy_s": s.busy_s, "slowdown": s.slowdown,
-                             "memory": s.memory.total, "memory_cap": s.memory_cap}
+                             "memory": s.memory.total, "memory_cap": s.memory_cap,
+                             "memory_terms": s.memory.to_dict(),
+                             "expected_memory": (s.expected_memory.to_dict()
+                                                 if s.expected_memory else None),
+                             "recompute": list(s.recompute)}
                             for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),

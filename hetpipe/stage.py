@@ -18,6 +18,15 @@ Names: a slice of an ``nn.Sequential`` keeps the keys of the whole model, so a s
 names (``"7.weight"``) are the global ones that travel to the shards and end up in the
 exported state_dict. Which names train, stay frozen, stay local or are tied is decided in
 :mod:`hetpipe.modelstate`; how dropout is seeded in :mod:`hetpipe.seeding`.
+
+Activations: the layers run one by one, each under the policy its task gives it
+(:mod:`hetpipe.planner.memory`). A run of *recomputed* layers runs under non-reentrant
+:func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
+backward runs it again before differentiating it. The seeding hooks draw the same dropout
+masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
+of the batch-norm statistics, so a recomputed job is the same job as a kept one. The memory
+a stage keeps is counted in the planner's own terms (:meth:`StageCompute.memory`) and that
+is what the device's cap is checked against.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate
 from hetpipe.config import DeviceSpec
@@ -37,6 +47,12 @@ from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
+from hetpipe.planner.memory import (
+    StageMemory,
+    activation_bytes,
+    recompute_runs,
+    working_bytes,
+)
 from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
 from hetpipe.task import StageTask
@@ -76,7 +92,7 @@ class _InFlight:
     params: dict[str, torch.Tensor]
     version: int
     fingerprint: float  # of the weights the forward used, taken at forward time
-    saved_bytes: int
+    kept_bytes: int  # activations kept for the backward, stage input included
     samples: int = 1  # of the minibatch (sync schedules weight gradients by it)
     loss: torch.Tensor | None = None  # last stage: its backward starts here
     # weights "latest"/"predict": the forward kept no graph; the backward reruns it (on
@@ -97,6 +113,7 @@ class StageStats:
     last_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
+    peak_memory: dict[str, int] = field(default_factory=dict)  # peak of each StageMemory term
     # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe
     prediction_quality: list[float] = field(default_factory=list)
 
@@ -149,7 +166,12 @@ class StageCompute:
         self.merged_grads: dict[str, torch.Tensor] | None = None  # sync: every VW's mean
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         self.stats = StageStats()
-        self._saved_bytes: dict[tuple[int, ...], int] = {}
+        # per input shape: each layer's (saved bytes if kept, input bytes, working bytes),
+        # measured by the first forward of that shape, which keeps every layer
+        self._layer_bytes: dict[tuple[int, ...], tuple[list[int], list[int], list[int]]] = {}
+        self.recompute = frozenset(j - task.first for j in task.recompute)
+        self._layers = self._layer_states()
+        self._working = 0
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
             if (f.vw, f.stage) == (task.vw, task.stage):
@@ -161,9 +183,25 @@ class StageCompute:
                       if self.weights != "stash" else None)
         self.steps_taken = 0
         self.probe: _Probe | None = None
-        self.weight_bytes = sum(
-            p.numel() * p.element_size() for p in self.module.parameters()
-        ) + sum(b.numel() * b.element_size() for b in self.module.buffers())
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.weight_bytes = self.param_bytes + sum(
+            b.numel() * b.element_size() for b in self.module.buffers()
+        )
+
+    def _layer_states(self) -> list[tuple[nn.Module, list[tuple[str, str, bool]]]]:
+        """Each layer with the names it takes from the stage's state: ``(name in the layer,
+        global name, whether it is a buffer)``. Tied names map to their canonical tensor."""
+        aliases = dict(self.layout.aliases)
+        canonical = [*self.layout.params, *self.layout.buffers, *self.layout.local]
+        buffers = {*self.layout.buffers, *self.layout.local}
+        out = []
+        for child, layer in self.module.named_children():
+            prefix = child + "."
+            keys = [(n[len(prefix):], n, n in buffers) for n in canonical if n.startswith(prefix)]
+            keys += [(a[len(prefix):], c, c in buffers) for a, c in aliases.items()
+                     if a.startswith(prefix)]
+            out.append((layer, keys))
+        return out
 
     # -- state names ------------------------------------------------------------------------
 
@@ -192,25 +230,28 @@ class StageCompute:
         state = {**params, **self.buffers, **self.local}
         self.seeds.p = p
         before = {n: b.clone() for n, b in self.buffers.items()}
-        # bytes saved for backward depend only on the input's shape: count them once
-        known = self._saved_bytes.get(tuple(x.shape))
-        if recompute:  # the backward reruns this forward: keep the input only
+        shape = tuple(x.shape)
+        known = self._layer_bytes.get(shape)
+        if recompute and known is not None:
+            # the backward reruns this forward (weights latest/predict): keep the input only
             with torch.no_grad():
-                out = functional_call(self.module, state, (x,))
-            known = 0
-        elif known is None:
-            saved = _SavedBytes()
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                out = functional_call(self.module, state, (x,))
-            known = self._saved_bytes[tuple(x.shape)] = saved.bytes
+                out, _ = self._run_layers(p, x, state, measure=False)
         else:
-            out = functional_call(self.module, state, (x,))
+            out, measured = self._run_layers(p, x, state, measure=known is None)
+        if known is None:
+            known = self._layer_bytes[shape] = measured
+            self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
+        if recompute:
+            out = out.detach()  # a measuring forward's graph is dropped too
+            kept = _nbytes(x)
+        else:
+            kept = activation_bytes(known[0], known[1], self.recompute) + _nbytes(x)
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
         flight = _InFlight(x=x, out=out, params={} if recompute else params,
                            version=self.version, fingerprint=_fingerprint(params),
-                           saved_bytes=known, samples=int(y.shape[0]) if y.dim() else 1,
+                           kept_bytes=kept, samples=int(y.shape[0]) if y.dim() else 1,
                            recompute=recompute, s_bwd=s_bwd)
         self.in_flight[p] = flight
         self._check_memory()
@@ -222,6 +263,76 @@ class StageCompute:
         self.stats.losses.append(self.stats.last_loss)
         self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
         return None
+
+    def _run_layers(
+        self, p: int, x: torch.Tensor, state: Mapping[str, torch.Tensor], measure: bool
+    ) -> tuple[torch.Tensor, tuple[list[int], list[int], list[int]]]:
+        """The stage's layers on ``x``, each under its activation policy.
+
+        With ``measure`` (the first forward of each input shape) each layer's bytes are
+        recorded in the planner's terms (as :func:`hetpipe.planner.profile.measure_layers`
+        counts them): what autograd saves, deduplicated by storage and without the layer's
+        own state, its input, and its working memory (output plus input gradient); they come
+        back with the output. A recomputed run is measured by a throwaway pass on copies of
+        its buffers before its real, checkpointed one: its saved tensors live only during
+        that pass, which is the rerun the ``working`` term already holds room for.
+        """
+        saved: list[int] = []
+        inputs: list[int] = []
+        work: list[int] = []
+        def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor],
+                    x: torch.Tensor) -> torch.Tensor:
+            own = {t.untyped_storage().data_ptr() for t in sub.values()}
+            counter = _SavedBytes(own)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                y = functional_call(layer, sub, (x,))
+            saved.append(counter.bytes)
+            inputs.append(_nbytes(x))
+            grad_in = _nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
+            work.append(_nbytes(y) + grad_in)
+            return y
+
+        runs = dict(recompute_runs(self.recompute))
+        j = 0
+        while j < len(self._layers):
+            end = runs.get(j)
+            if end is not None and torch.is_grad_enabled():
+                subs = [(layer, keys, {local: state[name] for local, name, _ in keys})
+                        for layer, keys in self._layers[j:end]]
+                if measure:  # a throwaway pass; the checkpoint reseeds the same masks
+                    y = x
+                    for i, (layer, keys, sub) in enumerate(subs, start=j):
+                        y = counted(i, layer, _buffer_copies(keys, sub), y)
+                    del y
+                x = checkpoint(self._rerunnable(subs, p), x,
+                               use_reentrant=False, preserve_rng_state=False)
+                j = end
+                continue
+            layer, keys = self._layers[j]
+            sub = {local: state[name] for local, name, _ in keys}
+            x = counted(j, layer, sub, x) if measure else functional_call(layer, sub, (x,))
+            j += 1
+        return x, (saved, inputs, work)
+
+    def _rerunnable(
+        self, subs: list[tuple[nn.Module, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
+        p: int,
+    ) -> Any:
+        """A run of layers' forward for :func:`checkpoint`: the first call is the real
+        forward; the rerun in the backward reseeds for minibatch ``p`` (same dropout masks)
+        and updates copies of the buffers, so batch-norm statistics move once per minibatch."""
+        calls = 0
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                self.seeds.p = p
+            for layer, keys, sub in subs:
+                x = functional_call(layer, _buffer_copies(keys, sub) if calls > 1 else sub, (x,))
+            return x
+
+        return run
 
     def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Run the backward of minibatch ``p`` from the gradient of its output (None on the
@@ -310,9 +421,16 @@ class StageCompute:
         params = self._predicted(flight.s_bwd) if self.weights == "predict" else self.params
         buffers = {n: b.clone() for n, b in self.buffers.items()}
         self.seeds.p = p
-        flight.out = functional_call(self.module, {**params, **buffers, **self.local},
-                                     (flight.x,))
+        # layer by layer under the activation policy: recomputed runs stay checkpoints
+        flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
+                                         measure=False)
         flight.params = params
+
+    def _rerun_bytes(self) -> int:
+        """What one minibatch's rerun keeps under the layers' policies (the largest shape
+        measured so far): the room the backward of a rerun forward needs."""
+        return max((activation_bytes(s, i, self.recompute)
+                    for s, i, _ in self._layer_bytes.values()), default=0)
 
     def _judge(self) -> None:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
@@ -460,28 +578,39 @@ class StageCompute:
 
     # -- memory -----------------------------------------------------------------------------
 
-    def usage(self) -> emulate.Usage:
-        """What this stage keeps alive now, counted from the real tensors."""
+    def memory(self) -> StageMemory:
+        """What this stage keeps alive now, counted from its real tensors in the planner's
+        terms (:class:`hetpipe.planner.memory.StageMemory`): the parameters and buffers, the
+        optimizer's state, the other weight versions in-flight backwards hold (and the
+        predicted copy of ``predict`` paper), the update accumulators, the activations every
+        in-flight minibatch keeps under its layers' policies (only its input where the
+        backward reruns the forward, plus room for one minibatch's rerun), and the working
+        peak of the largest layer (measured per input shape)."""
         versions = {id(f.params) for f in self.in_flight.values() if f.params} | {
             id(self.params)}
-        acc = sum(t.numel() * t.element_size() for a in self.acc.values() for t in a.values())
-        acc += sum(t.numel() * t.element_size() for t in self.grad_sum.values())
         n = len(versions)
         if self.weights == "predict" and self.spec.predict_variant == "paper":
             n = max(n, 2)  # the predicted copy a forward or a rerun runs on
-        return emulate.Usage(
-            weights=self.weight_bytes,
-            versions=n,
+        acc = sum(_nbytes(t) for a in self.acc.values() for t in a.values())
+        acc += sum(_nbytes(t) for t in self.grad_sum.values())
+        activations = sum(f.kept_bytes for f in self.in_flight.values())
+        if any(f.recompute for f in self.in_flight.values()):
+            activations += self._rerun_bytes()
+        return StageMemory(
+            params=self.weight_bytes,
             optimizer=self.optimizer.state_bytes(),
+            stash=(len(versions) - 1) * self.param_bytes,
             accumulators=acc,
-            activations=sum(f.saved_bytes for f in self.in_flight.values()),
-            in_flight=len(self.in_flight),
+            activations=sum(f.kept_bytes for f in self.in_flight.values()),
+            working=self._working,
         )
 
     def _check_memory(self) -> None:
-        usage = self.usage()
-        self.stats.peak_bytes = max(self.stats.peak_bytes, usage.total)
-        usage.check(self.cap, self.where)
+        mem = self.memory()
+        self.stats.peak_bytes = max(self.stats.peak_bytes, mem.total)
+        for name, value in mem.to_dict().items():
+            self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
+        mem.check(self.cap, self.where, len(self.in_flight))
 
 
 def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
@@ -498,19 +627,31 @@ def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
                      + tensors[-1].reshape(-1)[:8].double().sum())
 
 
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward (activations, not weights)."""
+def _buffer_copies(
+    keys: list[tuple[str, str, bool]], sub: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A layer's state with copies of its buffers: a pass that must not move batch-norm
+    statistics (a measurement, a recompute) updates the copies."""
+    return {local: sub[local].clone() if is_buffer else sub[local] for local, _, is_buffer in keys}
 
-    def __init__(self) -> None:
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for one layer's backward, deduplicated by storage,
+    without the storages in ``own`` (the layer's weights and buffers, counted as state)."""
+
+    def __init__(self, own: set[int]) -> None:
         self.bytes = 0
-        self._seen: set[int] = set()
+        self._seen = set(own)
 
     def pack(self, t: torch.Tensor) -> Any:
-        if not isinstance(t, torch.nn.Parameter) and not (t.is_leaf and t.requires_grad):
-            key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
         return t
 
     @staticmethod

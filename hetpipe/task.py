@@ -34,6 +34,8 @@ class StageTask:
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
     prev_device: str | None = None  # device of stage - 1: the only sender of activations
     next_device: str | None = None  # device of stage + 1: the only sender of gradients
+    recompute: list[int] = field(default_factory=list)  # global layers whose activations
+    # are recomputed in the backward instead of kept (hetpipe.planner.memory)
 
     @property
     def is_first(self) -> bool:

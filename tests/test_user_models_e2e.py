@@ -254,3 +254,53 @@ def test_everything_with_two_virtual_workers(cluster) -> None:
     assert not torch.equal(got["9.weight"], initial["9.weight"])
     # 352 minibatches over both VWs reached 0.76 when measured; chance is 0.1
     assert info["test_accuracy"] >= 0.5
+
+
+@pytest.mark.timeout(240)
+def test_recomputing_every_layer_trains_the_same_weights_as_keeping_them(cluster) -> None:
+    """Dropout in both stages, two microbatches in flight (gpipe: the same sequence of
+    weights whatever the timing, unlike async with Nm > 1, where a forward may or may not
+    see the previous minibatch's update): a job with every activation recomputed ends with
+    the weights of the same job keeping them (<= 1e-6), and keeps less."""
+    runs = {}
+    for policy in ("keep", "recompute"):
+        spec = user_job(f"activations-{policy}", "dropout_mlp", [4, 4], seed=5)
+        spec["train"].update({"nm": 2, "schedule": "gpipe", "activations": policy})
+        info = cluster.submit(spec)
+        assert info["state"] == "done", info.get("error")
+        runs[policy] = info
+    want = torch.load(runs["keep"]["model_path"])
+    got = torch.load(runs["recompute"]["model_path"])
+    assert set(got) == set(want)
+    for name, w in want.items():
+        diff = (got[name] - w).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    first = next(s for s in runs["keep"]["stages"] if s["stage"] == 0)
+    again = next(s for s in runs["recompute"]["stages"] if s["stage"] == 0)
+    assert again["peak_memory"]["activations"] < first["peak_memory"]["activations"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weights", ["latest", "predict"])
+def test_recompute_inside_the_rerun_forward_of_stale_weight_modes(cluster, weights) -> None:
+    """Async, Nm = 3, weights latest / predict (paper): the backward reruns the forward of
+    every minibatch an update came in between, and that rerun runs the layers under their
+    activation policy (recomputed runs stay checkpoints inside it). Every activation
+    recomputed trains the weights of the same job keeping them (<= 1e-6; the counted
+    order of a stale-weight mode is the same whatever the timing), and keeps less."""
+    runs = {}
+    for policy in ("keep", "recompute"):
+        spec = user_job(f"rerun-{weights}-{policy}", "dropout_mlp", [4, 4], seed=5)
+        spec["train"].update({"nm": 3, "weights": weights, "activations": policy})
+        info = cluster.submit(spec)
+        assert info["state"] == "done", info.get("error")
+        runs[policy] = info
+    want = torch.load(runs["keep"]["model_path"])
+    got = torch.load(runs["recompute"]["model_path"])
+    assert set(got) == set(want)
+    for name, w in want.items():
+        diff = (got[name] - w).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    for s in runs["recompute"]["stages"]:
+        pred = runs["recompute"]["predicted"]["vws"][0]["stages"][s["stage"]]
+        assert s["peak_bytes"] <= pred["memory"], (s["stage"], s["peak_memory"], pred)

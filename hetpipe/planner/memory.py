@@ -16,13 +16,26 @@ stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``sta
 accumulators  two update accumulators: the wave being built and the wave being pushed and
               merged under WSP (2 x parameter bytes); in gpipe/1f1b the iteration's
               gradient sum and its update (also 2 x parameter bytes)
-activations   for every in-flight minibatch, the tensors autograd saved plus the received
-              stage input (``in_flight`` x (saved bytes + input bytes)); where the backward
-              reruns the forward (``latest`` and ``predict`` paper: it differentiates other
-              weights than the forward ran on) only the inputs stay, plus one minibatch's
-              saved tensors (``in_flight`` x input bytes + saved bytes)
-working       the transient peak of one layer's forward/backward (max over the layers)
+activations   for every in-flight minibatch, what its layers keep for the backward under
+              their policy (see below) plus the received stage input
+              (``in_flight`` x (kept bytes + input bytes)); where the backward reruns the
+              forward (``latest`` and ``predict`` paper: it differentiates other weights
+              than the forward ran on) only the inputs stay, plus one minibatch's kept
+              tensors (``in_flight`` x input bytes + kept bytes)
+working       the transient peak of one layer's forward/backward (max over the layers),
+              plus the largest recomputed layer's saved tensors (they live again, one
+              layer at a time, while its backward runs)
 ============  ==========================================================================
+
+Each layer's activations follow a policy (``train.activations``; "auto" lets the planner
+choose per layer):
+
+- ``keep``: the layer keeps what autograd saves (``saved_bytes``);
+- ``recompute``: the forward drops what the layer saves; the backward runs it again (same
+  dropout masks: the seed is a function of the minibatch) and differentiates that. A run of
+  consecutive recomputed layers is one segment (Chen et al.'s checkpointing): it keeps only
+  its first layer's input, and its saved tensors live again, all at once, while its
+  backward runs (the ``working`` term). The stage input is counted once, with the stage.
 
 ``in_flight`` is how many minibatches a stage can hold between a forward and its backward.
 The last stage runs the backward right after the forward, so it holds one. Any other stage
@@ -34,25 +47,42 @@ iteration at every stage, 1f1b at most ``k - position`` (its warm-up plus one).
 
 Buffers are not stashed or accumulated with the parameters here because they carry no
 gradient; batch-norm running statistics are small and accounted once in ``params``.
+
+The runtime (:meth:`hetpipe.stage.StageCompute.memory`) builds the same :class:`StageMemory`
+from its real tensors, per layer through :func:`activation_bytes` and :func:`working_bytes`,
+and enforces the cap with :meth:`StageMemory.check`: a plan that fits here fits there, and a
+run reports its peak in the terms the plan predicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from hetpipe.config import format_size
 from hetpipe.planner.profile import LayerProfile, ModelProfile
 
+ACTIVATION_POLICIES = ("keep", "recompute", "auto")
+
+
+class MemoryCapError(RuntimeError):
+    """A stage needs more memory than its device's cap."""
+
 __all__ = [
+    "ACTIVATION_POLICIES",
     "WEIGHT_MODES",
+    "MemoryCapError",
     "StageMemory",
+    "activation_bytes",
     "in_flight",
     "param_copies",
+    "recompute_runs",
     "stage_input_bytes",
     "stage_memory",
     "stage_memory_of",
     "stashed",
     "weights_mode",
+    "working_bytes",
 ]
 
 # train.weights as the memory model tells them apart (predict's variants differ)
@@ -93,6 +123,15 @@ class StageMemory:
             + self.activations
             + self.working
         )
+
+    def check(self, cap: int, where: str, in_flight: int) -> None:
+        """Raise :class:`MemoryCapError` with the breakdown when ``total`` exceeds ``cap``."""
+        if self.total > cap:
+            parts = ", ".join(f"{k} {format_size(v)}" for k, v in self.to_dict().items())
+            raise MemoryCapError(
+                f"{where} needs {format_size(self.total)} > memory cap {format_size(cap)} "
+                f"({parts}; {in_flight} minibatch(es) in flight)"
+            )
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -153,6 +192,42 @@ def activations(flight: int, saved: int, input_bytes: int, schedule: str = "asyn
     return flight * (saved + input_bytes)
 
 
+def recompute_runs(recompute: Collection[int]) -> list[tuple[int, int]]:
+    """The maximal runs ``[c, d)`` of consecutive recomputed layers: each is recomputed as
+    one segment (one checkpoint), so it keeps only the input of its first layer."""
+    out: list[tuple[int, int]] = []
+    for j in sorted(recompute):
+        if out and out[-1][1] == j:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
+def activation_bytes(
+    saved: Sequence[int], inputs: Sequence[int], recompute: Collection[int] = ()
+) -> int:
+    """Bytes one in-flight minibatch keeps in a stage's layers (not counting its input).
+
+    ``saved[j]`` is what layer ``j`` of the stage saves for its backward when kept,
+    ``inputs[j]`` the size of its input; ``recompute`` the stage-relative indices of the
+    recomputed layers. A run of recomputed layers keeps its first layer's input only (none
+    when that is the stage input, which is counted once with the stage).
+    """
+    skipped = set(recompute)
+    kept = sum(s for j, s in enumerate(saved) if j not in skipped)
+    return kept + sum(inputs[c] for c, _ in recompute_runs(recompute) if c > 0)
+
+
+def working_bytes(
+    work: Sequence[int], saved: Sequence[int], recompute: Collection[int] = ()
+) -> int:
+    """The transient peak of a stage: the largest layer's working memory plus the largest
+    run of recomputed layers' saved tensors (a run lives again while its backward runs)."""
+    rerun = max((sum(saved[c:d]) for c, d in recompute_runs(recompute)), default=0)
+    return max(work, default=0) + rerun
+
+
 def stage_memory(
     layers: Sequence[LayerProfile],
     position: int,
@@ -162,23 +237,27 @@ def stage_memory(
     input_bytes: int,
     schedule: str = "async",
     weights: str = "stash",
+    recompute: Collection[int] = (),
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
     ``input_bytes`` is the size of the stage's input per minibatch: the model input for the
     first stage, else the previous layer's ``out_bytes`` (see :func:`stage_input_bytes`).
+    ``recompute``: stage-relative indices of the layers whose activations are recomputed.
     """
     n = in_flight(position, k, nm, schedule)
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
-    saved = sum(lp.saved_bytes for lp in layers)
+    saved = [lp.saved_bytes for lp in layers]
+    inputs = [input_bytes] + [lp.out_bytes for lp in layers[:-1]]
     return StageMemory(
         params=pb + bb,
         optimizer=optimizer_state_factor * pb,
         stash=stashed(n, schedule, weights) * pb,
         accumulators=2 * pb,
-        activations=activations(n, saved, input_bytes, schedule, weights),
-        working=max((lp.work_bytes for lp in layers), default=0),
+        activations=activations(n, activation_bytes(saved, inputs, recompute), input_bytes,
+                                schedule, weights),
+        working=working_bytes([lp.work_bytes for lp in layers], saved, recompute),
     )
 
 
@@ -197,8 +276,10 @@ def stage_memory_of(
     optimizer_state_factor: int,
     schedule: str = "async",
     weights: str = "stash",
+    recompute: Collection[int] = (),
 ) -> StageMemory:
-    """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``."""
+    """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``
+    (``recompute``: GLOBAL indices of the recomputed layers)."""
     a, b = layers
     return stage_memory(
         profile.layers[dtype][a:b],
@@ -209,4 +290,5 @@ def stage_memory_of(
         stage_input_bytes(profile, dtype, a),
         schedule,
         weights,
+        {j - a for j in recompute},
     )

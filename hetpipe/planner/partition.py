@@ -32,6 +32,18 @@ fitting its device (``memory.stage_memory(...).total <= device.memory``) and eve
 getting at least one layer. Ties on the bottleneck are broken towards the lower sum of stage
 times (a heuristic second key; the bottleneck itself is exact).
 
+**Activations** (``activations``, the job's ``train.activations``): under ``keep`` every
+layer keeps what it saves. Under ``recompute`` every stage recomputes all its layers as one
+run (it keeps only its input; the run's saved tensors live again during its backward, the
+``working`` term) and pays one more forward of its layers. Under ``auto`` a stage that fits
+keeping everything keeps everything; one that does not recomputes the run of consecutive
+layers ``[c, d)`` with the least forward time that makes it fit (the memory a run frees is
+``in_flight`` x its saved bytes less its input, minus its saved bytes once while it reruns),
+so the extra time lands on the stages short of memory, and on their cheapest layers. The
+stage time adds that extra forward; the DP then balances the stages with it, so the cuts and
+the policy are chosen together. One run per stage is a restriction (several runs could free
+the same memory slightly cheaper), taken so the choice stays a small vectorised search.
+
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
 is always the maximum of some stage times, so the DP and the brute force compare the very
@@ -54,6 +66,7 @@ import numpy as np
 
 from hetpipe.config import format_size
 from hetpipe.planner.memory import (
+    ACTIVATION_POLICIES,
     StageMemory,
     activations,
     in_flight,
@@ -61,6 +74,7 @@ from hetpipe.planner.memory import (
     reruns,
     stage_memory,
     stashed,
+    working_bytes,
 )
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
@@ -91,6 +105,10 @@ class Partition:
     caps: tuple[int, ...]
     nm: int
     bottleneck: float
+    # per stage: the global layers whose activations are recomputed, and the memory the
+    # stage would need keeping them all (empty: the split was described without a policy)
+    recompute: tuple[tuple[int, ...], ...] = ()
+    keep_memory: tuple[StageMemory, ...] = ()
 
     @property
     def k(self) -> int:
@@ -146,6 +164,10 @@ class _TypeCosts:
         def prefix(values: Iterable[int]) -> np.ndarray:
             return np.array([0, *itertools.accumulate(values)], dtype=np.int64)
 
+        self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
+        self.fwd = [lp.fwd_s for lp in lps]
+        self.saved = [lp.saved_bytes for lp in lps]
+        self.work = [lp.work_bytes for lp in lps]
         self.P = prefix(lp.param_bytes for lp in lps)
         self.B = prefix(lp.buffer_bytes for lp in lps)
         self.S = prefix(lp.saved_bytes for lp in lps)
@@ -182,8 +204,14 @@ class CostModel:
         costs: RuntimeCosts | None = None,
         speeds: Mapping[str, float] | None = None,
         weights: str = "stash",
+        activations: str = "keep",
     ) -> None:
-        """``weights``: the job's mode as :func:`memory.weights_mode` names it."""
+        """``weights``: the job's mode as :func:`memory.weights_mode` names it;
+        ``activations``: the policy (:data:`memory.ACTIVATION_POLICIES`)."""
+        if activations not in ACTIVATION_POLICIES:
+            raise ValueError(f"activations must be one of {ACTIVATION_POLICIES}, got "
+                             f"{activations!r}")
+        self.activations = activations
         if optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
         self.profile = profile
@@ -198,6 +226,7 @@ class CostModel:
         self._memo: dict[tuple, Partition | Infeasible] = {}
         self._totals: dict[tuple, np.ndarray] = {}
         self._masked: dict[tuple, np.ndarray] = {}
+        self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._prefix: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # bound the caches to ~64 MiB of matrices and ~32 MiB of DP states
         cells = (self.L + 1) ** 2
@@ -287,8 +316,61 @@ class CostModel:
         return m
 
     def fit_mask(self, dtype: str, flight: int, cap: int) -> np.ndarray:
-        """Where ``[a, b)`` fits a device of ``cap`` bytes (and ``a < b``)."""
+        """Where ``[a, b)`` fits a device of ``cap`` bytes (and ``a < b``), keeping all."""
         return (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
+
+    def recompute_plan(
+        self, dtype: str, flight: int, cap: int
+    ) -> tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]:
+        """Under the model's activation policy, for every ``[a, b)``: the extra time of its
+        recompute (inf where nothing fits) and the run ``[c, d)`` it recomputes, if any.
+
+        A stage that fits keeping everything keeps everything; see the module docs."""
+        key = (dtype, flight, cap)
+        hit = self._extra.get(key)
+        if hit is not None:
+            return hit
+        tc = self.costs(dtype)
+        keep = self.memory_total(dtype, flight)
+        fits = (keep <= cap) & tc.valid
+        extra = np.where(fits, 0.0, INF)
+        runs: dict[tuple[int, int], tuple[int, int]] = {}
+        if self.activations != "keep":
+            S = tc.S
+            n = self.L + 1
+            sd = S[None, :] - S[:, None]  # sd[c, d]: saved bytes of [c, d)
+            fd = tc.F[None, :] - tc.F[:, None]  # fd[c, d]: forward time of [c, d)
+            inb = tc.inb_np
+            upper = tc.valid
+            todo = [(a, b) for a in range(n) for b in range(a + 1, n)
+                    if self.activations == "recompute" or not fits[a, b]]
+            # minibatches whose kept tensors stay: one where the backward reruns the forward
+            m = 1 if reruns("async", self.weights) else flight
+            for a, b in todo:
+                if self.activations == "recompute":
+                    c, d = a, b
+                    need = keep[a, b] - m * sd[a, b] + sd[a, b]
+                    if need <= cap:
+                        extra[a, b] = fd[a, b]
+                        runs[(a, b)] = (a, b)
+                    continue
+                sub = sd[a:b + 1, a:b + 1]
+                kept_in = np.where(np.arange(a, b + 1) > a, inb[a:b + 1], 0)[:, None]
+                # the largest layer's working memory is already in keep[a, b]
+                need = keep[a, b] - m * (sub - kept_in) + sub
+                ok = (need <= cap) & upper[a:b + 1, a:b + 1]
+                if ok.any():
+                    cost = np.where(ok, fd[a:b + 1, a:b + 1], INF)
+                    c, d = np.unravel_index(int(cost.argmin()), cost.shape)
+                    extra[a, b] = float(cost[c, d])
+                    runs[(a, b)] = (a + int(c), a + int(d))
+        self._extra[key] = (extra, runs)
+        return extra, runs
+
+    def recomputed(self, dtype: str, a: int, b: int, flight: int, cap: int) -> tuple[int, ...]:
+        """The global layers of ``[a, b)`` the policy recomputes on a device of ``cap``."""
+        c, d = self.recompute_plan(dtype, flight, cap)[1].get((a, b), (a, a))
+        return tuple(range(c, d))
 
     def masked_times(
         self, dtype: str, bw_in: float | None, bw_out: float | None, flight: int, cap: int
@@ -299,26 +381,35 @@ class CostModel:
         if tm is None:
             if len(self._masked) >= self._matrix_limit:
                 self._masked.clear()
-            ok = self.fit_mask(dtype, flight, cap)
-            tm = self._masked[key] = np.where(ok, self.time_matrix(dtype, bw_in, bw_out), INF)
+            extra, _ = self.recompute_plan(dtype, flight, cap)
+            # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
+            tm = self._masked[key] = self.time_matrix(dtype, bw_in, bw_out) + extra
         return tm
 
     def stage_memory(
         self, dtype: str, a: int, b: int, position: int, k: int, nm: int,
-        schedule: str = "async",
+        schedule: str = "async", recompute: Sequence[int] = (),
     ) -> StageMemory:
-        """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers)."""
+        """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers);
+        ``recompute``: global layers recomputed, one run ``[c, d)`` (or none)."""
         tc = self.costs(dtype)
         n = in_flight(position, k, nm, schedule)
         pb = int(tc.P[b] - tc.P[a])
+        kept = int(tc.S[b] - tc.S[a])
+        working = int(tc.W[a, b])
+        if recompute:
+            c, d = recompute[0], recompute[-1] + 1
+            assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
+            kept += (tc.inb[c] if c > a else 0) - int(tc.S[d] - tc.S[c])
+            rel = [j - a for j in recompute]
+            working = working_bytes(tc.work[a:b], tc.saved[a:b], rel)
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
             stash=stashed(n, schedule, self.weights) * pb,
             accumulators=2 * pb,
-            activations=activations(n, int(tc.S[b] - tc.S[a]), tc.inb[a], schedule,
-                                    self.weights),
-            working=int(tc.W[a, b]),
+            activations=activations(n, kept, tc.inb[a], schedule, self.weights),
+            working=working,
         )
 
     # ---------------------------------------------------------------- partitioning
@@ -475,16 +566,23 @@ class CostModel:
         """Times and memory of a given split (also used for user-given splits)."""
         k = len(devices)
         bws = self.links(devices) if bws is None else bws
+        pairs = list(enumerate(zip(devices, cuts, strict=True)))
+        rec = tuple(
+            self.recomputed(d.type, a, b, in_flight(i, k, nm), d.memory)
+            if self.activations != "keep" else ()
+            for i, (d, (a, b)) in pairs
+        )
         times = tuple(
             self.stage_time(
                 d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
             )
-            for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True))
+            + (float(self.costs(d.type).F[rec[i][-1] + 1] - self.costs(d.type).F[rec[i][0]])
+               if rec[i] else 0.0)
+            for i, (d, (a, b)) in pairs
         )
-        mem = tuple(
-            self.stage_memory(d.type, a, b, i, k, nm)
-            for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True))
-        )
+        mem = tuple(self.stage_memory(d.type, a, b, i, k, nm, recompute=rec[i])
+                    for i, (d, (a, b)) in pairs)
+        keep_mem = tuple(self.stage_memory(d.type, a, b, i, k, nm) for i, (d, (a, b)) in pairs)
         return Partition(
             tuple(d.name for d in devices),
             tuple(d.type for d in devices),
@@ -494,14 +592,18 @@ class CostModel:
             tuple(d.memory for d in devices),
             nm,
             max(times),
+            rec,
+            keep_mem,
         )
 
     def min_total_memory(self) -> int:
         """The least memory any split needs over all its devices together: parameters,
         optimizer state, the two accumulators and one in-flight copy of every layer's saved
-        activations (the least over device types)."""
+        activations (the least over device types; none when they may be recomputed)."""
+        keeps = self.activations == "keep"
         return min(
-            sum((3 + self.factor) * lp.param_bytes + lp.buffer_bytes + lp.saved_bytes for lp in lps)
+            sum((3 + self.factor) * lp.param_bytes + lp.buffer_bytes
+                + (lp.saved_bytes if keeps else 0) for lp in lps)
             for lps in self.profile.layers.values()
         )
 

@@ -36,6 +36,7 @@ from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
+from hetpipe.schedule import Backward, Forward
 
 __all__ = [
     "Plan",
@@ -67,9 +68,18 @@ class StagePlan:
     shard: int  # PS shard holding (most of) this stage's parameters
     busy_s: float = 0.0  # time_s plus hand-offs, sends, and push/merge per minibatch
     slowdown: float = 1.0  # how much sharing its host's cores stretches this stage's work
+    recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
+    keep_memory: StageMemory | None = None  # what ``memory`` would be keeping every layer
+    # ``memory`` at the most minibatches in flight the simulated run reaches: the expected
+    # peak. ``memory`` itself is the bound the plan must fit (Nm in flight before the last
+    # stage: a slow successor lets forwards queue); successors that keep pace hold fewer.
+    expected_memory: StageMemory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "recompute": list(self.recompute),
+            "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
+            "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
             "device": self.device,
             "type": self.type,
             "layers": list(self.layers),
@@ -94,6 +104,9 @@ class StagePlan:
             int(d["shard"]),
             float(d.get("busy_s", 0.0)),
             float(d.get("slowdown", 1.0)),
+            tuple(int(j) for j in d.get("recompute", ())),
+            StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
+            StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
         )
 
 
@@ -209,12 +222,56 @@ class Plan:
                     f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
                     f"{s.shard:>7}"
                 )
+                if s.recompute:
+                    before = s.keep_memory.total if s.keep_memory else s.memory.total
+                    lines.append(
+                        f"  {'':<6}activations: recompute layers {s.recompute[0]}-"
+                        f"{s.recompute[-1]}, keep {_kept(s.layers, s.recompute)}; memory "
+                        f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
+                    )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         if self.unused:
             lines.append(f"unused devices: {', '.join(self.unused)}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+
+def _expected_memory(
+    model: CostModel, devs: Sequence[Any], p: Partition, i: int, log: Sequence[tuple[float, Any]]
+) -> StageMemory | None:
+    """Stage ``i``'s memory at the most minibatches its simulated run holds between a forward
+    and its backward (``log``: the simulator's actions of that stage, in order)."""
+    held = peak = 0
+    for _, action in log:
+        if isinstance(action, Forward):
+            held += 1
+            peak = max(peak, held)
+        elif isinstance(action, Backward):
+            held -= 1
+    if not peak:
+        return None
+    a, b = p.cuts[i]
+    return model.stage_memory(devs[i].type, a, b, i, len(devs), peak,
+                              recompute=p.recompute[i] if p.recompute else ())
+
+
+def _kept(layers: tuple[int, int], recompute: tuple[int, ...]) -> str:
+    """The layers of ``[a, b)`` not recomputed, as ranges ("0-2, 7" or "none")."""
+    a, b = layers
+    kept = [j for j in range(a, b) if j not in set(recompute)]
+    if not kept:
+        return "none"
+    parts: list[str] = []
+    start = prev = kept[0]
+    for j in [*kept[1:], None]:
+        if j is not None and j == prev + 1:
+            prev = j
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if j is not None:
+            start = prev = j
+    return ", ".join(parts)
 
 
 def _ms(t: float) -> str:
@@ -442,6 +499,7 @@ def make_plan(
     cores: int | Mapping[str, int] | None = None,
     minibatches: int | None = None,
     weights: str = "stash",
+    activations: str = "keep",
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -454,8 +512,11 @@ def make_plan(
     default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
     prediction includes filling and draining the pipelines and VWs that finish at different
     times (default: long enough for a steady state). ``weights`` is the job's mode as
-    :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps). Raises
-    :class:`PlanError` when the model fits on no group of devices.
+    :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps).
+    ``activations`` is the job's ``train.activations``: under "auto" a stage short of
+    memory recomputes the cheapest run of layers that makes it fit, chosen with the cuts
+    (:mod:`hetpipe.planner.partition`). Raises :class:`PlanError` when the model fits on
+    no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -475,7 +536,7 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
     search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
@@ -549,6 +610,7 @@ def explicit_plan(
     cores: int | Mapping[str, int] | None = None,
     minibatches: int | None = None,
     weights: str = "stash",
+    activations: str = "keep",
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
@@ -558,7 +620,7 @@ def explicit_plan(
     ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -644,13 +706,14 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
 def _cost_model(
     cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None,
     weights: str = "stash",
+    activations: str = "keep",
 ) -> CostModel:
     net = cluster.network
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
     model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds,
-                      weights)
+                      weights, activations)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model
@@ -716,6 +779,9 @@ def _assemble(
                 stage_shards[v][i],
                 pred.busy_s(v, i, p.nm),
                 pred.slowdown[v][i],
+                p.recompute[i] if p.recompute else (),
+                p.keep_memory[i] if p.keep_memory else None,
+                _expected_memory(model, devs, p, i, sim.actions[v][i] if sim.actions else ()),
             )
             for i, d in enumerate(devs)
         )

@@ -112,6 +112,8 @@ def stage_costs(
         task = rt.task_s / model.speed(d.type)
         fwd = sum(lp.fwd_s for lp in lps)
         bwd = sum(lp.bwd_s + lp.update_s for lp in lps)
+        # recomputed layers run their forward again inside the backward
+        bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
         in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
         out_bytes = lps[-1].out_bytes
         send_act = 0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
@@ -269,7 +271,7 @@ def predict(
             for v, (_, p) in enumerate(chosen)
         ]
         final = not contended or settled or rounds >= MAX_ROUNDS
-        sim = simulate(sims, staleness, n if final else n_round)
+        sim = simulate(sims, staleness, n if final else n_round, record=final)
         if final:
             break
         demand = [0.0] * n_proc

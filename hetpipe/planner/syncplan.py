@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.planner.memory import StageMemory, in_flight, param_copies
+from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.schedule import SYNC_KINDS, microbatch_order
@@ -218,18 +218,10 @@ class SyncModel:
         return nbytes / self.bw[i, j] + rt.message_s + rt.latency_s + 2 * nbytes * rt.message_byte_s
 
     def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str) -> StageMemory:
-        d = self.devices[i]
-        t = self._t(d.type)
-        n = in_flight(position, k, self.m, kind)
-        pb = int(t["P"][b] - t["P"][a])
-        return StageMemory(
-            params=pb + int(t["Bu"][b] - t["Bu"][a]),
-            optimizer=self.factor * pb,
-            stash=0,
-            accumulators=2 * pb,
-            activations=n * int(t["S"][b] - t["S"][a] + t["in"][a]),
-            working=int(t["W"][a:b].max()) if b > a else 0,
-        )
+        """The one memory model (:func:`memory.stage_memory_of`) for layers ``[a, b)`` on
+        device ``i``; :meth:`_memory_matrix` is its vectorised total, the same integers."""
+        return stage_memory_of(self.profile, self.devices[i].type, (a, b), position, k, self.m,
+                               self.factor, kind)
 
     def _memory_matrix(self, i: int, position: int, k: int, kind: str) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""

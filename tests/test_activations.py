@@ -1,0 +1,297 @@
+"""Per-layer activation policies (keep / recompute) and the one memory model they share.
+
+A recomputed layer must be invisible in the results (same dropout masks, batch-norm
+statistics moved once per minibatch) and visible in the memory a stage keeps, counted in
+the planner's own terms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import job
+
+from hetpipe.config import DeviceSpec
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model
+from hetpipe.planner.memory import MemoryCapError, stage_memory_of
+from hetpipe.planner.partition import CostModel, Infeasible, Partition
+from hetpipe.planner.profile import LayerProfile, ModelProfile, measure_layers
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
+
+
+def device(memory: int = 1 << 30) -> DeviceSpec:
+    return DeviceSpec("gpu0", "cpu", "fast", memory, 1.0, 0, "node0", "127.0.0.1")
+
+
+def whole_stage(model: str, recompute: list[int], *, nm: int = 3, memory: int = 1 << 30,
+                seed: int = 3) -> StageCompute:
+    """One stage holding the whole model (so also the loss), initial weights loaded."""
+    spec = JobSpec.from_dict(job("unit", model=model, minibatches=12, nm=nm, seed=seed))
+    n = len(build_model(spec.model.name, spec.model.args))
+    task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
+                     nm=nm, staleness=0, minibatches=12, num_vws=1, prev=None, next=None,
+                     recompute=recompute)
+    compute = StageCompute(task, device(memory))
+    torch.manual_seed(seed)
+    state = build_model(spec.model.name, spec.model.args).state_dict()
+    names = compute.state_names()
+    compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    return compute
+
+
+def train(compute: StageCompute, steps: int, nm: int = 3) -> None:
+    """Async order with ``nm`` in flight: forwards run ahead of backwards, so a recompute
+    happens after other minibatches' forwards reseeded the generators."""
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    for p in range(steps + nm - 1):
+        if p < steps:
+            compute.forward(p, *stream.batch(p))
+        q = p - nm + 1
+        if q >= 0:
+            compute.backward(q, None)
+            compute.step(q)
+
+
+def n_layers(model: str) -> int:
+    return len(build_model(model))
+
+
+@pytest.mark.parametrize("model", ["usermodels:dropout_mlp", "cnn"])
+def test_recompute_is_transparent(model: str) -> None:
+    """Every layer recomputed: the same weights and batch-norm statistics as keeping them,
+    dropout included, with several minibatches in flight."""
+    keep = whole_stage(model, [])
+    again = whole_stage(model, list(range(n_layers(model))))
+    train(keep, 8)
+    train(again, 8)
+    want, got = keep.state_dict(), again.state_dict()
+    assert set(want) == set(got)
+    for name, w in want.items():
+        diff = (got[name].double() - w.double()).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    assert keep.stats.losses == pytest.approx(again.stats.losses, abs=1e-6)
+
+
+def test_recompute_keeps_less_and_the_cap_counts_what_is_kept() -> None:
+    """The activations term counts only what a recomputed layer keeps (its input), so a cap
+    that refuses the kept job admits the recomputed one."""
+    model = "usermodels:dropout_mlp"
+    keep = whole_stage(model, [])
+    again = whole_stage(model, list(range(n_layers(model))))
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    for p in range(3):
+        keep.forward(p, *stream.batch(p))
+        again.forward(p, *stream.batch(p))
+    k, r = keep.memory(), again.memory()
+    # from the first forward on, which also measures the layers
+    assert all(again.in_flight[p].kept_bytes < keep.in_flight[p].kept_bytes for p in range(3))
+    assert r.activations < k.activations
+    assert (k.params, k.stash) == (r.params, r.stash)
+    cap = (k.total + r.total) // 2
+    tight = whole_stage(model, [], memory=cap)
+    with pytest.raises(MemoryCapError, match="memory cap"):
+        for p in range(3):
+            tight.forward(p, *stream.batch(p))
+    fits = whole_stage(model, list(range(n_layers(model))), memory=cap)
+    for p in range(3):
+        fits.forward(p, *stream.batch(p))
+    assert fits.memory().total <= cap
+
+
+@pytest.mark.parametrize("recompute", [[], [1, 3, 4]])
+def test_runtime_memory_equals_the_planner_formula(recompute: list[int]) -> None:
+    """With Nm minibatches in flight a stage's counted activations and working memory are
+    the planner's figures for the same layers measured by the profiler."""
+    model, nm = "usermodels:dropout_mlp", 3
+    compute = whole_stage(model, recompute, nm=nm)
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    x, _ = stream.batch(0)
+    torch.manual_seed(3)
+    layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
+    profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
+    # a stage at position 0 of 2 holds Nm in flight (the last stage of one holds one)
+    want = stage_memory_of(profile, "fast", (0, len(layers)), 0, 2, nm, 1, recompute=recompute)
+    # the first forward of a shape measures its layers, keeping all; the policy applies after
+    compute.forward(0, *stream.batch(0))
+    compute.backward(0, None)
+    for p in range(1, nm + 1):
+        compute.forward(p, *stream.batch(p))
+    got = compute.memory()
+    assert got.activations == want.activations
+    assert got.working == want.working
+    assert got.params == want.params
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def cpu(name: str, dtype: str, memory: int) -> DeviceSpec:
+    return DeviceSpec(name, "cpu", dtype, memory, 1.0, 0, "n0", "127.0.0.1")
+
+
+def bw(_a: DeviceSpec, _b: DeviceSpec) -> float:
+    return 1e9
+
+
+def activation_heavy(seed: int, layers: int = 8) -> ModelProfile:
+    """Few parameters, large saved activations: what recompute is for."""
+    r = random.Random(seed)
+    lps = tuple(
+        LayerProfile(r.uniform(1e-3, 4e-3), r.uniform(2e-3, 8e-3), r.randint(1, 8) * 1000, 0,
+                     r.randint(2, 20) * 1000, r.randint(20, 200) * 1000,
+                     r.randint(2, 20) * 1000)
+        for _ in range(layers)
+    )
+    return ModelProfile("heavy", 32, 8000, {"t": lps})
+
+
+def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec],
+                     nm: int, weights: str = "stash") -> float | None:
+    """Every split and, per stage short of memory, every run to recompute, priced by the
+    single formula (:func:`stage_memory_of`) and the stage time plus one more forward."""
+    k, L = len(devs), prof.n_layers()
+    lps = prof.layers["t"]
+    best = None
+    for inner in itertools.combinations(range(1, L), k - 1):
+        times = []
+        for i, (a, b) in enumerate(itertools.pairwise((0, *inner, L))):
+            d = devs[i]
+            base = model.stage_time("t", a, b, 1e9 if i > 0 else None,
+                                    1e9 if i < k - 1 else None)
+            keep = stage_memory_of(prof, "t", (a, b), i, k, nm, 1, weights=weights)
+            options = [0.0] if keep.total <= d.memory else [
+                sum(lp.fwd_s for lp in lps[c:e])
+                for c in range(a, b) for e in range(c + 1, b + 1)
+                if stage_memory_of(prof, "t", (a, b), i, k, nm, 1, weights=weights,
+                                   recompute=range(c, e)).total <= d.memory
+            ]
+            if not options:
+                break
+            times.append(base + min(options))
+        else:
+            if best is None or max(times) < best:
+                best = max(times)
+    return best
+
+
+@pytest.mark.parametrize("shares", [(0.2, 0.2, 0.3), (0.3, 0.3, 0.4)])
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_plans_what_keep_cannot_and_matches_brute_force(
+    seed: int, shares: tuple[float, ...]
+) -> None:
+    """Caps at shares of what keeping every activation of Nm minibatches needs: the tighter
+    ones leave keep infeasible for most seeds, the looser ones let recompute rebalance."""
+    prof = activation_heavy(seed)
+    nm = 3
+    keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
+    devs = [cpu(f"g{i}", "t", int(keep_need * f)) for i, f in enumerate(shares)]
+    keep = CostModel(prof, bw, 1, activations="keep").partition(devs, nm)
+    auto_model = CostModel(prof, bw, 1, activations="auto")
+    auto = auto_model.partition(devs, nm)
+    want = brute_force_auto(auto_model, prof, devs, nm)
+    if want is None:
+        assert isinstance(auto, Infeasible)
+        return
+    assert isinstance(auto, Partition)
+    assert auto.bottleneck == pytest.approx(want, rel=1e-9)
+    for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
+        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i])
+        assert mem == auto.memory[i] and mem.total <= d.memory
+        assert auto.keep_memory[i] == stage_memory_of(prof, "t", (a, b), i, 3, nm, 1)
+        if auto.recompute[i]:  # recompute only where keeping does not fit
+            assert auto.keep_memory[i].total > d.memory
+    if isinstance(keep, Partition):
+        assert auto.bottleneck <= keep.bottleneck
+    else:
+        assert any(auto.recompute)
+
+
+@pytest.mark.parametrize("weights", ["latest", "predict", "predict-consistent"])
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
+    """One formula for the weights mode and the activation policy together: where the
+    backward reruns the forward (latest, predict paper) only one minibatch's kept tensors
+    count (a recompute then only moves them into the working term, so auto keeps), and
+    auto's choice is the brute-force optimum priced by stage_memory_of."""
+    prof = activation_heavy(seed)
+    nm = 3
+    keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
+    devs = [cpu(f"g{i}", "t", int(keep_need * f)) for i, f in enumerate((0.2, 0.2, 0.3))]
+    model = CostModel(prof, bw, 1, weights=weights, activations="auto")
+    auto = model.partition(devs, nm)
+    want = brute_force_auto(model, prof, devs, nm, weights)
+    if want is None:
+        assert isinstance(auto, Infeasible)
+        return
+    assert isinstance(auto, Partition)
+    assert auto.bottleneck == pytest.approx(want, rel=1e-9)
+    for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
+        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, weights=weights,
+                              recompute=auto.recompute[i])
+        assert mem == auto.memory[i] and mem.total <= d.memory
+    if weights == "predict-consistent":
+        assert any(auto.recompute)  # one weight copy per in-flight minibatch: tight
+    else:
+        assert not any(auto.recompute)
+
+
+def test_auto_is_keep_when_everything_fits() -> None:
+    prof = activation_heavy(0)
+    devs = [cpu(f"g{i}", "t", 1 << 30) for i in range(3)]
+    keep = CostModel(prof, bw, 1).partition(devs, 3)
+    auto = CostModel(prof, bw, 1, activations="auto").partition(devs, 3)
+    assert isinstance(keep, Partition) and isinstance(auto, Partition)
+    assert auto.cuts == keep.cuts and auto.bottleneck == keep.bottleneck
+    assert auto.recompute == ((), (), ())
+
+
+def test_pinned_recompute_charges_every_stage_one_more_forward() -> None:
+    prof = activation_heavy(1)
+    devs = [cpu(f"g{i}", "t", 1 << 30) for i in range(2)]
+    model = CostModel(prof, bw, 1, activations="recompute")
+    p = model.describe(devs, [(0, 4), (4, 8)], 2)
+    lps = prof.layers["t"]
+    assert p.recompute == (tuple(range(4)), tuple(range(4, 8)))
+    for i, (a, b) in enumerate(p.cuts):
+        base = model.stage_time("t", a, b, None if i == 0 else 1e9, 1e9 if i == 0 else None)
+        assert p.stage_times[i] == pytest.approx(base + sum(lp.fwd_s for lp in lps[a:b]))
+        assert p.memory[i].activations < p.keep_memory[i].activations
+
+
+def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None:
+    """A model whose activations fit only recomputed: keep cannot be planned, auto can, and
+    the table says per stage what is recomputed and the memory before and after."""
+    from hetpipe.config import ClusterConfig, NetworkSpec, NodeSpec, RuntimeSpec, ShardSpec
+    from hetpipe.planner import Plan, PlanError, make_plan
+
+    prof = activation_heavy(3)
+    need = sum(lp.saved_bytes for lp in prof.layers["t"])
+    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
+                 for i in range(2))
+    cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
+                            NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
+                            RuntimeSpec())
+    kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1, "nm": 3, "num_vws": 1}
+    with pytest.raises(PlanError):
+        make_plan(cluster, prof, **kw)
+    plan = make_plan(cluster, prof, activations="auto", **kw)
+    stages = [s for vw in plan.vws for s in vw.stages]
+    assert any(s.recompute for s in stages)
+    for s in stages:
+        assert s.memory.total <= s.memory_cap
+        assert s.keep_memory is not None
+        # the simulated run's peak in flight is at most the bound's Nm
+        assert s.expected_memory is not None
+        assert s.expected_memory.activations <= s.memory.activations
+        if s.recompute:
+            assert s.keep_memory.total > s.memory_cap
+    table = plan.table()
+    assert "activations: recompute layers" in table and "keeping all ->" in table
+    again = Plan.from_dict(plan.to_dict())
+    assert [s.recompute for vw in again.vws for s in vw.stages] == [s.recompute for s in stages]
