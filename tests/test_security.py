@@ -9,6 +9,7 @@ role, against real daemons on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -192,7 +193,16 @@ def curve_of(keys: Path, name: str, *, server_from: Path | None = None) -> Curve
 async def ask(address: str, curve: Curve | None, kind: Kind, fields: dict[str, Any],
               tensors: dict[str, torch.Tensor] | None = None, *,
               timeout: float = 5.0) -> Message:
-    """One request from a raw peer with the given keys (None: plain TCP, no keys)."""
+    """One request from a raw peer with the given keys (None: plain TCP, no keys).
+
+    The whole exchange is bounded: a peer whose handshake is refused may never get its
+    request out of the socket (no pipe to send on), which is also "no reply"."""
+    return await asyncio.wait_for(_ask(address, curve, kind, fields, tensors, timeout),
+                                  timeout + 2.0)
+
+
+async def _ask(address: str, curve: Curve | None, kind: Kind, fields: dict[str, Any],
+               tensors: dict[str, torch.Tensor] | None, timeout: float) -> Message:
     owner = Owner()
     got: asyncio.Queue[Message] = asyncio.Queue()
 
@@ -220,7 +230,9 @@ async def push_data(address: str, curve: Curve | None, kind: Kind, fields: dict[
     try:
         sock = make_socket(owner.ctx, zmq.PUSH, connect=address, curve=curve, linger_ms=1000)
         ch = owner.channel(Channel(sock, None, name="peer", max_frame_bytes=1 << 30))
-        await ch.send(kind, fields, tensors)
+        # a refused handshake may leave no pipe to send on: then nothing is delivered at all
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ch.send(kind, fields, tensors), 2.0)
         await asyncio.sleep(0.5)
     finally:
         for channel in owner.channels:
