@@ -16,14 +16,34 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import click
 import zmq
 import zmq.asyncio
 
+from hetpipe import log as logmod
 from hetpipe import security
+from hetpipe.config import ClusterConfig, check_address
 from hetpipe.security import Curve, SecuritySpec
 from hetpipe.transport import Channel
 
-__all__ = ["Owner", "normal_host", "wait_for_signal", "write_ready"]
+__all__ = ["Owner", "normal_host", "start_daemon", "wait_for_signal", "write_ready"]
+
+
+def start_daemon(name: str, cluster: ClusterConfig, log_file: str | None, log_level: str,
+                 head: str | None) -> str | None:
+    """What every daemon does once its cluster file loaded: take over its rotating log file
+    (when given one) and check ``--head``; returns the checked head address. A bad
+    ``--head`` is one line for the user (click), not a traceback."""
+    if log_file is not None:
+        rt = cluster.runtime
+        logmod.rotate_to(name, log_file, level=log_level, max_bytes=rt.log_max_bytes,
+                         keep=rt.log_keep)
+    if head is None:
+        return None
+    try:
+        return check_address(head)
+    except ValueError as exc:
+        raise click.ClickException(f"--head: {exc}") from None
 
 
 def normal_host(host: str) -> str:

@@ -18,8 +18,8 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
-from hetpipe.daemon import Owner, wait_for_signal, write_ready
+from hetpipe.config import ClusterConfig, ConfigError, load_cluster
+from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import KeysError, shard_user
 from hetpipe.shard import ShardError, ShardStore
@@ -229,15 +229,7 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    if log_file is not None:
-        rt = cluster.runtime
-        logmod.rotate_to(f"ps{shard}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
-                         keep=rt.log_keep)
-    if head is not None:
-        try:
-            head = check_address(head)
-        except ValueError as exc:
-            raise click.ClickException(f"--head: {exc}") from None
+    head = start_daemon(f"ps{shard}", cluster, log_file, log_level, head)
     if not 0 <= shard < len(cluster.ps):
         raise click.ClickException(
             f"--shard {shard}: {cluster_path} has {len(cluster.ps)} shards "

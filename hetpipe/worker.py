@@ -22,8 +22,8 @@ import torch
 import zmq
 
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, check_address, load_cluster
-from hetpipe.daemon import Owner, wait_for_signal, write_ready
+from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
+from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.pipeline import StageRunner
@@ -343,15 +343,7 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         spec = cluster.device(device)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    if log_file is not None:
-        rt = cluster.runtime
-        logmod.rotate_to(f"worker:{device}", log_file, level=log_level, max_bytes=rt.log_max_bytes,
-                         keep=rt.log_keep)
-    if head is not None:
-        try:
-            head = check_address(head)
-        except ValueError as exc:
-            raise click.ClickException(f"--head: {exc}") from None
+    head = start_daemon(f"worker:{device}", cluster, log_file, log_level, head)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
                                    "but this torch has no CUDA device")
