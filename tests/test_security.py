@@ -149,7 +149,7 @@ def running(guarded: LocalCluster) -> Iterator[dict[str, Any]]:
         async with c.client() as head:
             job_id = await head.submit(job("victim", model="mlp", split=SPLIT3, nm=2,
                                            epochs=5000))
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 180  # generous: planning and start-up on a busy host
             while True:
                 info = await head.job(job_id)
                 if info.get("minibatches", 0) >= 5:
