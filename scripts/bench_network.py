@@ -39,6 +39,7 @@ the planner's link model favours).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -105,8 +106,8 @@ def split(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_job(cluster: NetnsCluster, spec: dict[str, Any]) -> dict[str, Any]:
-    """One job: its rates, and the CPU of the host (everyone's) and of this cluster's daemons
-    (in cores) while it ran."""
+    """One job: its rates, the CPU of the host (everyone's) and of this cluster's daemons (in
+    cores) while it ran, and the host's load average (1 min) at its end."""
     pids = [p.pid for p in cluster.procs.values()]
     cpu, own0, t0 = HostCpu().start(), cpu_seconds(pids), time.monotonic()
     info = cluster.submit(spec, timeout=1800)
@@ -116,7 +117,7 @@ def run_job(cluster: NetnsCluster, spec: dict[str, Any]) -> dict[str, Any]:
     return {"samples_per_s": info["samples_per_s"],
             "train_samples_per_s": sum(v["samples_per_s"] for v in info["vws"]),
             "predicted_samples_per_s": info["predicted"]["samples_per_s"],
-            "host_cpu": busy, "cluster_cpu_cores": own}
+            "host_cpu": busy, "cluster_cpu_cores": own, "load_average": os.getloadavg()[0]}
 
 
 def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
@@ -184,6 +185,7 @@ def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
         "runs": runs,
         "host_cpu": max(x["host_cpu"] for v in runs.values() for x in v),
         "cluster_cpu_cores": max(x["cluster_cpu_cores"] for v in runs.values() for x in v),
+        "load_average": max(x["load_average"] for v in runs.values() for x in v),
         "speedup_vs_uniform_plan": med["aware"] / med["uniform"],
         "speedup_vs_dp": med["aware"] / med["dp"],
         "prediction_error": abs(pred["aware"] - train["aware"]) / train["aware"],
@@ -231,7 +233,8 @@ def main() -> int:
               f"{r['speedup_vs_uniform_plan']:.2f}, vs dp {r['speedup_vs_dp']:.2f}, prediction "
               f"error {r['prediction_error']:.3f} (end to end "
               f"{r['prediction_error_end_to_end']:.3f}), host CPU at most {r['host_cpu']:.0%} "
-              f"(this cluster's daemons at most {r['cluster_cpu_cores']:.2f} cores); "
+              f"(this cluster's daemons at most {r['cluster_cpu_cores']:.2f} cores, load "
+              f"average up to {r['load_average']:.1f}); "
               f"free plan: {r['free_plan']['policy']} {_plan_text(r['free_plan']['vws'])} "
               f"predicted {r['free_plan']['predicted_samples_per_s']:.0f}")
     worst = {
