@@ -52,6 +52,40 @@ def test_shaped_link_near_its_rate_and_unshaped_much_faster() -> None:
     assert ac > 10 * 20, ac
 
 
+CONNECT = """
+import socket, sys, time
+t0 = time.perf_counter()
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30).close()
+print(time.perf_counter() - t0)
+"""
+
+
+def test_delay_is_shaped_or_refused_clearly() -> None:
+    """A link delay needs netem: where the kernel has it a connection's handshake takes the
+    round trip; where it has not, the start fails with that reason and leaves nothing."""
+    net = Network(["a", "b"], [Link("a", "b", mbit=100, delay_ms=25)])
+    try:
+        with net:
+            sink = net.popen("b", [sys.executable, "-c", "import socket, sys\n"
+                                   "s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)\n"
+                                   "print(s.getsockname()[1], flush=True); s.accept()",
+                                   net.address("b")], stdout=subprocess.PIPE, text=True)
+            try:
+                assert sink.stdout is not None
+                port = sink.stdout.readline().strip()
+                done = net.run("a", [sys.executable, "-c", CONNECT, net.address("b"), port],
+                               capture_output=True, text=True, timeout=60)
+            finally:
+                sink.kill()
+                sink.wait(timeout=10)
+            assert float(done.stdout) >= 2 * 0.025 * 0.9, done.stdout  # SYN out, SYN-ACK back
+    except NetnsError as exc:
+        assert "netem" in str(exc), exc
+        assert leftovers(net.token) == []
+        pytest.skip(f"this kernel cannot delay a link: {exc}")
+    assert leftovers(net.token) == []
+
+
 def test_job_runs_across_two_hosts(tmp_path: Path) -> None:
     hosts = {"a": [DeviceDef("d0", memory="256MiB")], "b": [DeviceDef("d1", memory="256MiB")]}
     with Network(list(hosts), [Link("a", "b", mbit=50)]) as net:
