@@ -33,7 +33,7 @@ link. ``free_plan`` is what the planner chooses when the
 number of virtual workers is left to it (not run: it is reported to show which formation
 the planner's link model favours).
 
-    python scripts/bench_network.py [--json] [--repeats 2] [--minibatches 128] [--mbit 8]
+    python scripts/bench_network.py [--json] [--repeats 2] [--minibatches 96] [--mbit 4]
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from hetpipe.planner import ModelProfile
 from hetpipe.profiling import plan_for
 from hetpipe.wire import Kind
 
-HIDDEN = [256] * 7 + [16] + [256] * 5  # wide, one narrow layer off the middle
-MINIBATCH = 128
+HIDDEN = [128] * 7 + [16] + [128] * 5  # wide, one narrow layer off the middle
+MINIBATCH = 256
 SPEED = 0.1  # every emulated device 10x slower than this host's core: cores stay idle
 UNSHAPED_GBPS = 10.0
 
@@ -205,9 +205,9 @@ def _plan_text(vws: list[dict[str, Any]]) -> str:
 def main() -> int:
     ap = parser(__doc__)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each job (default 2)")
-    ap.add_argument("--minibatches", type=int, default=128,
-                    help="minibatches of every job, all its virtual workers together (128)")
-    ap.add_argument("--mbit", type=float, default=8.0, help="the slow link's rate (8 Mbit/s)")
+    ap.add_argument("--minibatches", type=int, default=96,
+                    help="minibatches of every job, all its virtual workers together (96)")
+    ap.add_argument("--mbit", type=float, default=4.0, help="the slow link's rate (4 Mbit/s)")
     args = ap.parse_args()
     why = unavailable()
     if why is not None:
