@@ -163,8 +163,7 @@ def test_a_killed_run_is_swept_by_the_next() -> None:
     proc.kill()
     proc.wait(timeout=30)
     assert leftovers(token)  # SIGKILL leaves it behind ...
-    removed = sweep_stale()
-    assert any(token in name for name in removed)
+    sweep_stale()  # (another run's sweep may have been first: the owner's pid is gone)
     deadline = time.monotonic() + 10
     while leftovers(token) and time.monotonic() < deadline:
         time.sleep(0.1)
