@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,19 +51,20 @@ def _is_local(host: str) -> bool:
 
 
 def local_daemons(cluster: ClusterConfig, cluster_path: str, *, run_dir: Path,
-                  head: str | None = None) -> list[Daemon]:
-    """The shards and workers of ``cluster`` that live on this host."""
+                  head: str | None = None,
+                  local: Callable[[str], bool] = _is_local) -> list[Daemon]:
+    """The shards and workers of ``cluster`` whose host is ``local`` (default: this host)."""
     py = sys.executable
     out = []
     for spec in cluster.ps:
-        if _is_local(spec.host):
+        if local(spec.host):
             argv = [py, "-m", "hetpipe.ps", "--cluster", cluster_path, "--shard",
                     str(spec.index), "--run-dir", str(run_dir)]
             if head and spec.index != 0:
                 argv += ["--head", head]
             out.append(Daemon(f"ps{spec.index}", tuple(argv)))
     for dev in cluster.devices:
-        if _is_local(dev.host):
+        if local(dev.host):
             argv = [py, "-m", "hetpipe.worker", "--cluster", cluster_path, "--device", dev.name]
             if head:
                 argv += ["--head", head]

@@ -85,15 +85,14 @@ class LocalCluster:
         return HeadClient(self.head, timeout=timeout, curve=self.curve)
 
     def start(self) -> LocalCluster:
-        daemons = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir)
+        daemons = self._daemons(None)
         head_d = next(d for d in daemons if d.name == "ps0")
         self.daemons["ps0"] = head_d
         self.procs["ps0"] = launch.spawn(head_d, self.run_dir)
         self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir,
                                             self.timeout))
         self.head = self.ready["ps0"]["address"]
-        rest = launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir,
-                                    head=self.head)
+        rest = self._daemons(self.head)
         started = {}
         for d in rest:
             if d.name == "ps0":
@@ -106,6 +105,11 @@ class LocalCluster:
         self.ready.update(launch.wait_ready(started, self.run_dir, self.timeout))
         self.run(self._registered())
         return self
+
+    def _daemons(self, head: str | None) -> list[launch.Daemon]:
+        """The daemons to start (non-head shards and workers told ``head``)."""
+        return launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir,
+                                    head=head)
 
     async def _registered(self) -> None:
         devices = {d.name for d in self.cluster.devices}

@@ -48,7 +48,10 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     model = build_model(spec.model.name, spec.model.args)
     dataset = load_dataset(spec.data.name, spec.data.args)
     n = min(spec.minibatch, len(dataset.train_y))
-    x, y = dataset.train_x[:n], dataset.train_y[:n].to(device.device)
+    # a minibatch of its own, as the runtime's stream gathers one (data.MinibatchStream): a
+    # slice would be a view of the whole training set, and a layer that saves its input
+    # (the first Linear or conv) would count that set's storage as its saved bytes
+    x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
     loss = model_loss(spec.model.name)
     layers = measure_layers(model, x, device.device, speed=device.speed,
                             loss_fn=lambda out: loss(out, y))

@@ -1,0 +1,179 @@
+"""The namespace harness: shaped links near their rate, a job across two hosts, nothing left.
+
+Needs root and iproute2; skipped with the reason where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetpipe.config import load_cluster
+from hetpipe.localcluster import DeviceDef
+from hetpipe.netns import (
+    Link,
+    NetnsCluster,
+    NetnsError,
+    Network,
+    measure_mbit,
+    netns_cluster_toml,
+    sweep_stale,
+    unavailable,
+)
+from tests.conftest import job
+
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")
+
+
+def leftovers(token: str) -> list[str]:
+    """Namespaces and links of this machine whose name carries ``token``."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True,
+                                      text=True).stdout or "[]")
+    return ([line.split()[0] for line in ns.splitlines() if token in line]
+            + [ln["ifname"] for ln in links if token in ln["ifname"]])
+
+
+def test_shaped_link_near_its_rate_and_unshaped_much_faster() -> None:
+    with Network(["a", "b", "c"], [Link("a", "b", mbit=20)]) as net:
+        ab = measure_mbit(net, "a", "b", 2_500_000)
+        ba = measure_mbit(net, "b", "a", 2_500_000)
+        ac = measure_mbit(net, "a", "c", 50_000_000)
+    # payload rate: the cap counts Ethernet, IP and TCP headers too (~4.5 % at MTU 1500)
+    assert 0.8 * 20 <= ab <= 1.02 * 20, ab
+    assert 0.8 * 20 <= ba <= 1.02 * 20, ba
+    assert ac > 10 * 20, ac
+
+
+CONNECT = """
+import socket, sys, time
+t0 = time.perf_counter()
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30).close()
+print(time.perf_counter() - t0)
+"""
+
+
+def test_delay_is_shaped_or_refused_clearly() -> None:
+    """A link delay needs netem: where the kernel has it a connection's handshake takes the
+    round trip; where it has not, the start fails with that reason and leaves nothing."""
+    net = Network(["a", "b"], [Link("a", "b", mbit=100, delay_ms=25)])
+    try:
+        with net:
+            sink = net.popen("b", [sys.executable, "-c", "import socket, sys\n"
+                                   "s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)\n"
+                                   "print(s.getsockname()[1], flush=True); s.accept()",
+                                   net.address("b")], stdout=subprocess.PIPE, text=True)
+            try:
+                assert sink.stdout is not None
+                port = sink.stdout.readline().strip()
+                done = net.run("a", [sys.executable, "-c", CONNECT, net.address("b"), port],
+                               capture_output=True, text=True, timeout=60)
+            finally:
+                sink.kill()
+                sink.wait(timeout=10)
+            assert float(done.stdout) >= 2 * 0.025 * 0.9, done.stdout  # SYN out, SYN-ACK back
+    except NetnsError as exc:
+        assert "netem" in str(exc), exc
+        assert leftovers(net.token) == []
+        pytest.skip(f"this kernel cannot delay a link: {exc}")
+    assert leftovers(net.token) == []
+
+
+def test_job_runs_across_two_hosts(tmp_path: Path) -> None:
+    hosts = {"a": [DeviceDef("d0", memory="256MiB")], "b": [DeviceDef("d1", memory="256MiB")]}
+    with Network(list(hosts), [Link("a", "b", mbit=50)]) as net:
+        path = tmp_path / "cluster.toml"
+        path.write_text(netns_cluster_toml(net, hosts, shards=["a", "b"]))
+        cluster = load_cluster(path)
+        assert cluster.network.gbps(cluster.device("d0"), cluster.device("d1")) == 0.05
+        assert {n.host for n in cluster.nodes} == {net.address("a"), net.address("b")}
+        with NetnsCluster(net, path, tmp_path / "run", timeout=60) as c:
+            workers = {w["device"]: w["address"] for w in c.status()["workers"]}
+            assert workers["d0"].startswith(f"tcp://{net.address('a')}:")
+            assert workers["d1"].startswith(f"tcp://{net.address('b')}:")
+            info = c.submit(job("across", split=[(["d0", "d1"], [3, 3])], minibatches=20),
+                            timeout=240)
+        assert info["state"] == "done", info.get("error")
+        assert [s["device"] for s in info["stages"]] == ["d0", "d1"]
+        token = net.token
+    assert leftovers(token) == []
+
+
+def test_nothing_left_after_a_failure_inside() -> None:
+    with pytest.raises(RuntimeError, match="induced"), Network(["a", "b"]) as net:
+        token = net.token
+        assert len(leftovers(token)) == 5  # 2 namespaces, bridge, 2 veths
+        raise RuntimeError("induced")
+    assert leftovers(token) == []
+
+
+def test_nothing_left_when_start_fails_halfway(monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Network(["a", "b", "c"], [Link("a", "b", mbit=10)])
+    real = Network._ip
+    calls = []
+
+    def failing(self: Network, *args: str) -> None:
+        calls.append(args)
+        if args[:2] == ("netns", "add") and args[2].endswith("-c"):
+            raise NetnsError("induced: third namespace")
+        real(self, *args)
+
+    monkeypatch.setattr(Network, "_ip", failing)
+    with pytest.raises(NetnsError, match="induced"), net:
+        pass
+    assert any(a[:2] == ("netns", "add") for a in calls)
+    assert leftovers(net.token) == []
+
+
+OWNER = """
+import sys, time
+from hetpipe.netns import Network
+with Network(["a", "b"]) as net:
+    print(net.token, flush=True)
+    time.sleep(120)
+"""
+
+
+def _owner() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout is not None
+    token = proc.stdout.readline().strip()
+    assert token, "the owner process did not make its network"
+    assert leftovers(token)
+    return proc, token
+
+
+def test_sigterm_cleans_up() -> None:
+    proc, token = _owner()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert leftovers(token) == []
+
+
+def test_a_killed_run_is_swept_by_the_next() -> None:
+    proc, token = _owner()
+    proc.kill()
+    proc.wait(timeout=30)
+    assert leftovers(token)  # SIGKILL leaves it behind ...
+    sweep_stale()  # (another run's sweep may have been first: the owner's pid is gone)
+    deadline = time.monotonic() + 10
+    while leftovers(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(token) == []  # ... and the next run's sweep removes it
+
+
+def test_bad_input_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown host 'x'"):
+        Network(["a", "b"], [Link("a", "x", mbit=1)])
+    with pytest.raises(ValueError, match="host name 'A-1'"):
+        Network(["A-1"])
+    with pytest.raises(ValueError, match="given twice"):
+        Network(["a", "b"], [Link("a", "b", mbit=1), Link("b", "a", mbit=2)])
