@@ -15,7 +15,9 @@ simulated rates:
    sleeps) and its event loop's work, a shard for applying pushes and answering pulls; rate x
    CPU seconds per minibatch x slowdown is the fraction of time each wants a core;
 4. processor sharing on each host's cores gives new slowdowns; repeat (damped) until they
-   settle.
+   settle. The workers of a synchronous job are not independent (a flush decides who
+   computes at once): there the law of who else wants a core comes from the simulated
+   timeline (:func:`_timeline_laws`).
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,15 +355,16 @@ def _timeline_laws(
     sims: Sequence[SimVW],
     costs: Sequence[Sequence[StageCost]],
     workers: Sequence[tuple[int, int, str]],
-) -> Any:
+) -> Callable[[Sequence[int]], tuple[list[float], dict[int, list[float] | None]]]:
     """Who wants a core together, read off a synchronous run's simulated timeline.
 
     Independent processes (:func:`.runtime.slowdowns`) suit a full asynchronous pipeline,
-    whose stages all compute all the time. A synchronous iteration fills and drains: while the
-    first stage computes the first forwards the others wait for them, so stages compute
-    together far less often than their busy shares suggest, and independence overcharges
-    them. Here each action wants a core from its start for its CPU share (a padded device
-    sleeps the rest), over the iterations after the first. Returns ``laws(procs)``: for those
+    whose stages all compute all the time. A synchronous iteration fills and drains, and its
+    order decides which stages compute at once: while the first stage runs the first forwards
+    the others wait for them, in the 1F1B phase neighbours compute together. Busy shares
+    taken as independent overcharge the first and undercharge the second. Here each action
+    wants a core from its start for its CPU share (a padded device sleeps the rest), over the
+    iterations after the first. Returns ``laws(procs)``: for those
     worker indices (one host), P(c of them want a core) over the window, and per worker the
     law of how many others want one while it does (None: it never does).
     """

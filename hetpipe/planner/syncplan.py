@@ -20,7 +20,13 @@ Search (:func:`plan_sync`):
    links (greedy from several starts, then 2-opt), then a local search over the mapping
    (swap two stages' devices, replace one by an unused device, drop one, add one), within a
    time budget;
-3. orders: every candidate is timed with each allowed kind; the faster one is kept.
+3. orders: every candidate is timed with each allowed kind; the faster one is kept;
+4. several virtual workers (:func:`search_formations`): groups of devices formed by the
+   asynchronous planner's policies (:mod:`.formation`), each group's pipeline searched as
+   above for every M it may get, the iteration's M shared out so that the slowest group is
+   as fast as it can be (:func:`split_microbatches`), plus the gradient exchange through
+   the shards (:meth:`SyncModel.exchange_s`). :func:`sync_plan` compares them with one
+   virtual worker by the simulated iteration time.
 
 Every stage must fit its device's memory cap under the chosen kind (gpipe holds all M
 microbatches' activations, 1f1b at most k - position; no weight stashing). :func:`exhaustive`
