@@ -215,7 +215,9 @@ class SyncModel:
         return SyncStage(
             fwd_s=t["F"][b] - t["F"][a] + task,
             bwd_s=t["B"][b] - t["B"][a] + task,
-            step_s=t["U"][b] - t["U"][a] + self.rt.hop_s,
+            # the runtime pads forwards and backwards, never the step (the profile's is)
+            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0)))
+            + self.rt.hop_s,
             push_s=(self.rt.wave_s + pb * self.rt.wave_byte_s) if pb else 0.0,
         )
 
