@@ -732,8 +732,9 @@ def sync_plan(
         how, best, ms, exchange = min(cands, key=lambda x: _predict(x[1], x[2])[0])
         chosen = list(best)
         if how != "sync":
+            why = "predicted faster than one" if num_vws is None else "as asked (train.vws)"
             warnings.append(f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
-                            f"per iteration {list(ms)}: predicted faster than one")
+                            f"per iteration {list(ms)}: {why}")
     kinds = {c.kind for c in chosen}
     if len(kinds) > 1:
         raise PlanError(f"virtual workers would run different schedules {sorted(kinds)}")
