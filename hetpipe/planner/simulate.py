@@ -185,7 +185,8 @@ def simulate(
     # synchronous VWs exchange gradients every iteration, so all run as many iterations: N
     # counts the first one's microbatches, another with its own M runs that many of its M
     # (the runtime's rule, JobPlan.minibatches_of)
-    counts = [-(-N // vws[0].nm) * v.nm if v.schedule != "async" else N for v in vws]
+    counts = [-(-N // vws[0].nm) * v.nm if several and v.schedule != "async" else N
+              for v in vws]
     state = [
         _VW(
             v,
