@@ -310,6 +310,11 @@ def plan_job(
         raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
                            f"virtual worker in {len(dataset.train_y)} training samples")
     minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
+    if spec.sync and not spec.vws and len(run_vws) > 1:
+        # planned synchronous virtual workers share train.nm microbatches per iteration, so
+        # train.minibatches counts the job's; the runtime counts the first worker's
+        total = spec.minibatches or (spec.epochs or 1) * stream.per_epoch * len(run_vws)
+        minibatches = -(-total // sum(v.nm for v in run_vws)) * run_vws[0].nm
     everything = model.state_dict()
     state = {n: everything[n].detach().clone() for n in layout.shared}
     buffers = dict(model.named_buffers())

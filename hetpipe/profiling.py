@@ -84,7 +84,7 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
                          vws=[(v.devices, v.layers) for v in spec.vws] or None,
-                         num_vws=spec.num_vws)
+                         num_vws=spec.num_vws, policy=spec.policy)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if spec.vws:
@@ -110,14 +110,12 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
                                nm=spec.nm, **common))
     except PlanError as exc:
         errors.append(f"async: {exc}")
-    if spec.num_vws in (None, 1):
-        try:
-            plans.append(sync_plan(cluster, profile, minibatch=spec.minibatch,
-                                   m=spec.nm or SYNC_M, optimizer_state_factor=factor))
-        except PlanError as exc:
-            errors.append(f"synchronous: {exc}")
-    else:
-        errors.append("synchronous: plans one virtual worker")
+    try:
+        plans.append(sync_plan(cluster, profile, minibatch=spec.minibatch,
+                               m=spec.nm or SYNC_M, optimizer_state_factor=factor,
+                               num_vws=spec.num_vws, policy=spec.policy))
+    except PlanError as exc:
+        errors.append(f"synchronous: {exc}")
     if not plans:
         raise PlanError("; ".join(errors))
     best = max(plans, key=lambda p: p.samples_per_s)

@@ -238,3 +238,37 @@ def test_tasks_that_start_cold_cost_more():
     gpu = [dev("g", "slow", speed=0.5, device="cuda:0")]
     on_gpu = predict(model, one_stage(model, gpu), minibatch=8, staleness=0, cores=4)
     assert on_gpu.cold[0][0] == pytest.approx(1.0)
+
+
+def test_a_flush_shares_a_core_by_the_timeline_not_by_independence():
+    """Two stages of one microbatch per iteration under gpipe never compute at once (stage 1
+    waits for stage 0's forward, stage 0 for stage 1's backward): one core is enough and
+    neither is slowed. The same busy shares, taken as independent, would charge both; the
+    asynchronous schedule with Nm = 2 does compute them together."""
+    prof = flat_profile({"a": 1.0})
+    model = CostModel(prof, bw, 0, RuntimeCosts.zero())
+    devs = (dev("x", "a"), dev("y", "a"))
+    p = model.partition(devs, 1)
+    sync = predict(model, [(devs, p)], minibatch=8, staleness=0, cores=1, minibatches=12,
+                   schedule="gpipe")
+    assert sync.slowdown[0] == pytest.approx((1.0, 1.0))
+    busy = sync.sim.busy[0]
+    assert max(slowdowns(list(busy), 1)) > 1.3  # what independence would have said
+    two = model.partition(devs, 2)
+    pipelined = predict(model, [(devs, two)], minibatch=8, staleness=0, cores=1,
+                        minibatches=40)
+    assert min(pipelined.slowdown[0]) > 1.3
+
+
+def test_the_synchronous_step_runs_once_per_iteration_unpadded():
+    prof = flat_profile({"slow": 0.5})
+    prof = dataclasses.replace(prof, layers={"slow": tuple(
+        dataclasses.replace(lp, update_s=1e-3) for lp in prof.layers["slow"])})
+    model = CostModel(prof, bw, 0, RuntimeCosts.zero(), {"slow": 0.5})
+    devs = (dev("s", "slow", speed=0.5),)
+    p = model.partition(devs, 4)
+    [sync] = stage_costs(model, devs, p, several_vws=False, shards=1, schedule="1f1b")
+    [asyn] = stage_costs(model, devs, p, several_vws=False, shards=1)
+    assert sync.step_s == pytest.approx(4 * 1e-3 * 0.5)  # the profile's update is padded
+    assert asyn.step_s == 0.0
+    assert asyn.compute_s - sync.compute_s == pytest.approx(4 * 1e-3)  # not in each backward

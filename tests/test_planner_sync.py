@@ -3,6 +3,8 @@ the exhaustive optimum on small random instances, and it plans large clusters qu
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -10,8 +12,18 @@ from dataclasses import dataclass
 import pytest
 
 from hetpipe.planner.profile import synthetic_profile
+from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
-from hetpipe.planner.syncplan import SyncModel, SyncStage, exhaustive, iteration_time, plan_sync
+from hetpipe.planner.syncplan import (
+    SyncModel,
+    SyncStage,
+    exhaustive,
+    iteration_time,
+    plan_sync,
+    search_formations,
+    split_microbatches,
+    sync_plan,
+)
 from hetpipe.schedule import microbatch_order
 
 
@@ -105,3 +117,98 @@ def test_plans_200_layers_on_32_devices_in_under_10_s():
     choice = plan_sync(model, budget_s=5)
     assert time.process_time() - t0 < 10
     assert choice is not None and sum(b - a for a, b in choice.cuts) == 200
+
+
+# -- several virtual workers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_microbatches_is_the_least_slowest_worker(seed):
+    """Greedy sharing of M against every composition of M into n positive parts."""
+    rng = random.Random(seed)
+    n, m = rng.randint(1, 4), rng.randint(1, 9)
+    times = [list(itertools.accumulate(rng.uniform(0.1, 3.0) for _ in range(m)))
+             for _ in range(n)]  # non-decreasing in the microbatches
+    got = split_microbatches(times, m)
+    if n > m:
+        assert got is None
+        return
+    assert got is not None and sum(got) == m and min(got) >= 1
+    best = min(max(times[g][c - 1] for g, c in enumerate(comp))
+               for comp in itertools.product(range(1, m + 1), repeat=n) if sum(comp) == m)
+    assert max(times[g][c - 1] for g, c in enumerate(got)) == pytest.approx(best)
+
+
+def test_split_microbatches_refuses_a_worker_that_fits_nowhere():
+    assert split_microbatches([[1.0, 2.0], [math.inf, math.inf]], 2) is None
+    assert split_microbatches([[1.0, math.inf], [2.0, math.inf]], 3) is None
+    # a worker whose memory holds fewer microbatches takes no more: the other takes them
+    assert split_microbatches([[1.0, 2.0, math.inf], [5.0, 9.0, 9.5]], 4) == (2, 2)
+
+
+def two_types(m: int, costs: RuntimeCosts | None = None) -> SyncModel:
+    """Four devices, two of a type four times faster than the other two, equal links."""
+    prof = synthetic_profile(8, {"fast": 1.0, "slow": 0.25}, random.Random(5))
+    devs = [Dev(f"d{i}", t, 1 << 40) for i, t in enumerate(["fast", "fast", "slow", "slow"])]
+    return SyncModel(prof, devs, lambda a, b: 1e10, m, 1, costs)
+
+
+def test_the_faster_virtual_worker_gets_more_microbatches():
+    model = two_types(10, RuntimeCosts())
+    form = search_formations(model, [("np", [(0, 1), (2, 3)])], budget_s=5)[0]  # fastest kind
+    assert sum(form.ms) == 10 and form.ms[0] > form.ms[1] >= 1
+    # each virtual worker's pipeline is the best for its own M, on its own devices
+    for c, mv, group in zip(form.vws, form.ms, [(0, 1), (2, 3)], strict=True):
+        assert set(c.devices) <= set(group)
+        alone = plan_sync(model.sub(group, mv, (c.kind,)), 2)
+        assert c.iteration_s == pytest.approx(alone.iteration_s)
+    # the iteration waits for the slowest and then for the gradient exchange
+    assert form.exchange_s > 0
+    slowest = max(c.iteration_s for c in form.vws)
+    assert form.iteration_s == pytest.approx(slowest + form.exchange_s)
+    # one microbatch moved either way makes the slowest slower
+    for give, take in ((0, 1), (1, 0)):
+        ms = list(form.ms)
+        ms[give], ms[take] = ms[give] - 1, ms[take] + 1
+        moved = max(plan_sync(model.sub(g, mv, (form.vws[0].kind,)), 2).iteration_s
+                    for g, mv in zip([(0, 1), (2, 3)], ms, strict=True))
+        assert moved >= slowest * (1 - 1e-9)
+
+
+def test_exchange_grows_with_the_stage_state_and_is_zero_without_costs():
+    model = two_types(4, RuntimeCosts())
+    whole = model.exchange_s((0,), ((0, 8),))
+    half = model.exchange_s((0, 1), ((0, 4), (4, 8)))
+    assert whole > half > 0
+    assert two_types(4).exchange_s((0,), ((0, 8),)) == 0.0
+
+
+def test_formations_fewer_microbatches_than_workers_are_skipped():
+    model = two_types(2)
+    assert search_formations(model, [("hd", [(0,), (1,), (2,)])], budget_s=2) == []
+    assert len(search_formations(model, [("hd", [(0,), (2,)])], budget_s=2)) == len(model.kinds)
+
+
+def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
+    from test_planner_plan import profile16, repo_cluster
+
+    cluster, prof = repo_cluster(), profile16()
+    plan = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=2,
+                     budget_s=3)
+    assert len(plan.vws) == 2 and sum(v.nm for v in plan.vws) == 6
+    assert plan.policy in ("np", "ed", "hd") and plan.details["exchange_s"] > 0
+    used = [d for v in plan.vws for d in v.devices]
+    assert len(used) == len(set(used)) and set(used) | set(plan.unused) == {
+        d.name for d in cluster.devices}
+    for v in plan.vws:
+        assert v.stages[0].layers[0] == 0 and v.stages[-1].layers[1] == 16
+        assert all(s.memory.total <= s.memory_cap for s in v.stages)
+    # the faster virtual worker (more compute per iteration time) runs more microbatches
+    power = [sum(1 / sum(lp.time_s for lp in prof.layers[cluster.device(d).type])
+                 for d in v.devices) for v in plan.vws]
+    assert (plan.vws[0].nm - plan.vws[1].nm) * (power[0] - power[1]) >= 0
+    one = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=1,
+                    budget_s=3)
+    assert len(one.vws) == 1 and one.vws[0].nm == 6 and one.policy == "sync"
+    best = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, budget_s=3)
+    assert best.iteration_s <= min(plan.iteration_s, one.iteration_s) * (1 + 1e-9)

@@ -120,3 +120,25 @@ def test_sync_vws_of_different_m_weight_gradients_by_samples(uniform_cluster) ->
     assert info["minibatches"] == 6 * ITERATIONS
     assert_close(torch.load(info["model_path"]),
                  plain_sync_training(spec, ITERATIONS, [2, 4], 2))
+
+
+@pytest.mark.timeout(300)
+def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster) -> None:
+    """No split, two VWs asked, M = 3: the planner forms them and shares the iteration's
+    microbatches (2 + 1), the runtime runs that plan, and the job is still SGD on the union
+    of both VWs' samples of each iteration."""
+    m = 3
+    spec = job("sync-planned-2vw", model="mlp", nm=m, minibatches=m * ITERATIONS, lr=0.05)
+    spec["train"].update({"schedule": "1f1b", "vws": 2})
+    info = uniform_cluster.submit(spec, timeout=280)
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]
+    ms = [v["nm"] for v in pred["vws"]]
+    assert len(ms) == 2 and sorted(ms) == [1, 2], pred
+    assert pred["policy"] in ("np", "ed", "hd")
+    assert [v["devices"] for v in info["vws"]] == [
+        [s["device"] for s in v["stages"]] for v in pred["vws"]]
+    # train.minibatches counts the job's microbatches: ITERATIONS iterations of M in all
+    assert info["minibatches"] == m * ITERATIONS
+    assert_close(torch.load(info["model_path"]),
+                 plain_sync_training(spec, ITERATIONS, ms, 2))

@@ -199,8 +199,8 @@ class Plan:
             f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
             + (f"staleness D={self.staleness}" if self.schedule == "async" else
-               f"schedule {self.schedule}: {self.vws[0].nm if self.vws else 0} microbatches "
-               f"per iteration, predicted iteration {_ms(self.iteration_s)}")
+               f"schedule {self.schedule}: {'+'.join(str(v.nm) for v in self.vws) or 0} "
+               f"microbatches per iteration, predicted iteration {_ms(self.iteration_s)}")
         ]
         head = (
             f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"

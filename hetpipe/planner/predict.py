@@ -15,21 +15,25 @@ simulated rates:
    sleeps) and its event loop's work, a shard for applying pushes and answering pulls; rate x
    CPU seconds per minibatch x slowdown is the fraction of time each wants a core;
 4. processor sharing on each host's cores gives new slowdowns; repeat (damped) until they
-   settle.
+   settle. The workers of a synchronous job are not independent (a flush decides who
+   computes at once): there the law of who else wants a core comes from the simulated
+   timeline (:func:`_timeline_laws`).
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.runtime import all_busy, host_cores, slowdowns
+from hetpipe.planner.runtime import all_busy, count_law, host_cores, slowdown_of, slowdowns
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
+from hetpipe.schedule import Backward, Forward, Merge, OptimizerStep, Push
 
 __all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
 
@@ -55,6 +59,7 @@ class StageCost:
     compute_cpu_s: float = 0.0  # the part of cpu_s that is compute (cools down when idle)
     always_cold: bool = False  # a padded device sleeps after every task: each starts cold
     on_cpu: bool = True  # computes on the host's cores (an emulated device)
+    step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
 
     @property
     def compute_s(self) -> float:
@@ -79,7 +84,7 @@ class Prediction:
     def busy_s(self, v: int, i: int, nm: int) -> float:
         """Predicted busy time per minibatch: compute, hand-offs, sends, push and merge."""
         c = self.costs[v][i]
-        loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s) / nm
+        loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm
         wakes = 2 * (1 + (c.compute_bwd_s > 0)) + 2 * ((c.push_s > 0) + (c.merge_s > 0)) / nm
         return self.compute_s(v, i) + self.slowdown[v][i] * loop + wakes * self.wake[v][i]
 
@@ -101,7 +106,10 @@ def stage_costs(
     """Per-stage costs of one VW's split on an idle host (see the module docs). In the
     async schedule the last stage runs forward and backward as one task; in the synchronous
     ones they are two, and the per-wave push and merge are per iteration (the merge is the
-    gradient exchange of several VWs)."""
+    gradient exchange of several VWs). A synchronous backward only adds to the iteration's
+    gradient sum: the optimizer runs once per iteration (``step_s``), and unpadded, since the
+    runtime pads forwards and backwards only (a profile's ``update_s`` is padded, per
+    minibatch)."""
     rt = model.runtime
     prof = model.profile
     k = len(devices)
@@ -110,8 +118,11 @@ def stage_costs(
         lps = prof.layers[d.type][a:b]
         first, last = i == 0, i == k - 1
         task = rt.task_s / model.speed(d.type)
+        sync = schedule != "async"
         fwd = sum(lp.fwd_s for lp in lps)
-        bwd = sum(lp.bwd_s + lp.update_s for lp in lps)
+        update = sum(lp.update_s for lp in lps)
+        bwd = sum(lp.bwd_s for lp in lps) + (0.0 if sync else update)
+        step = update * min(1.0, model.speed(d.type)) if sync else 0.0
         # recomputed layers run their forward again inside the backward
         bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
         in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
@@ -146,7 +157,7 @@ def stage_costs(
         padded = compute_fwd + compute_bwd
         on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
         compute_cpu = padded * speed if on_cpu else 0.0
-        cpu = compute_cpu + loop_fwd + loop_bwd + recv
+        cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm
         out.append(
             StageCost(
                 compute_fwd,
@@ -163,6 +174,7 @@ def stage_costs(
                 compute_cpu,
                 on_cpu and speed < 1.0,
                 on_cpu,
+                step,
             )
         )
     return tuple(out)
@@ -189,6 +201,7 @@ def _sim_vw(
                 k * c.push_s + (2 * w if c.push_s else 0.0),
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
+                step_s=k * h * c.step_s,  # in the hand-off of the iteration's last backward
             )
         )
     links = tuple(
@@ -249,6 +262,7 @@ def predict(
         or rt.cold > 0
         or any(len(procs) > host_n[h] for h, procs in hosts.items())
     )
+    synchronous = schedule != "async"
     slow = [1.0] * n_proc
     busy = dict.fromkeys(hosts, 0.0)  # host -> chance that all its cores are taken
     flat = [costs[v][i] for v, i, _ in workers]
@@ -271,7 +285,7 @@ def predict(
             for v, (_, p) in enumerate(chosen)
         ]
         final = not contended or settled or rounds >= MAX_ROUNDS
-        sim = simulate(sims, staleness, n if final else n_round, record=final)
+        sim = simulate(sims, staleness, n if final else n_round, record=final or synchronous)
         if final:
             break
         demand = [0.0] * n_proc
@@ -287,11 +301,23 @@ def predict(
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
         new_busy = dict(busy)
+        laws = _timeline_laws(sim, sims, costs, workers) if synchronous else None
         for h, procs in hosts.items():
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
                 new[j] = s
             new_busy[h] = all_busy(want, host_n[h])
+            if laws is not None:
+                # a flush correlates the stages: who computes together comes from the
+                # simulated timeline, the shards (independent of it) are added as before
+                shard_want = [w for j, w in zip(procs, want, strict=True) if j >= len(workers)]
+                shard_law = count_law(shard_want)
+                occupied, per = laws([j for j in procs if j < len(workers)])
+                for j, law in per.items():
+                    if law is not None:
+                        new[j] = slowdown_of(count_law(shard_want, law), host_n[h], rt.corun)
+                new_busy[h] = sum(
+                    p * sum(shard_law[max(0, host_n[h] - c):]) for c, p in enumerate(occupied))
         # a task starts cold after its thread idled: always on a padded device (it sleeps
         # after every task), else as often as the stage is not busy
         new_cold = [
@@ -322,3 +348,82 @@ def predict(
     )
     assert sim is not None
     return Prediction(sim, costs, per_stage, wakes, colds, rounds)
+
+
+def _timeline_laws(
+    sim: SimResult,
+    sims: Sequence[SimVW],
+    costs: Sequence[Sequence[StageCost]],
+    workers: Sequence[tuple[int, int, str]],
+) -> Callable[[Sequence[int]], tuple[list[float], dict[int, list[float] | None]]]:
+    """Who wants a core together, read off a synchronous run's simulated timeline.
+
+    Independent processes (:func:`.runtime.slowdowns`) suit a full asynchronous pipeline,
+    whose stages all compute all the time. A synchronous iteration fills and drains, and its
+    order decides which stages compute at once: while the first stage runs the first forwards
+    the others wait for them, in the 1F1B phase neighbours compute together. Busy shares
+    taken as independent overcharge the first and undercharge the second. Here each action
+    wants a core from its start for its CPU share (a padded device sleeps the rest), over the
+    iterations after the first. Returns ``laws(procs)``: for those
+    worker indices (one host), P(c of them want a core) over the window, and per worker the
+    law of how many others want one while it does (None: it never does).
+    """
+    firsts = [next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0)
+              for vw in sim.actions]
+    lo = max(firsts, default=0.0)
+    hi = min(sim.vw_finish_s, default=0.0)
+    if hi <= lo:
+        lo, hi = 0.0, sim.makespan_s
+    spans: list[list[tuple[float, float]]] = []
+    for v, i, _ in workers:
+        c, st = costs[v][i], sims[v].stages[i]
+        share = c.compute_cpu_s / c.compute_s if c.compute_s > 0 else 0.0
+
+        def part(compute: float, loop: float, share: float = share) -> float:
+            return (compute * share + loop) / (compute + loop) if compute + loop > 0 else 0.0
+
+        out = []
+        for t, a in sim.actions[v][i]:
+            if isinstance(a, Forward):
+                length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s)
+            elif isinstance(a, Backward):
+                length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s)
+            elif isinstance(a, OptimizerStep):
+                length = st.step_s
+            elif isinstance(a, Push):
+                length = st.push_s
+            elif isinstance(a, Merge):
+                length = st.merge_s if a.c >= 1 and not a.grads else 0.0
+            else:
+                continue
+            a0, a1 = max(t, lo), min(t + length, hi)
+            if a1 > a0:
+                out.append((a0, a1))
+        spans.append(out)
+
+    def laws(procs: Sequence[int]) -> tuple[list[float], dict[int, list[float] | None]]:
+        edges = sorted({lo, hi, *(x for j in procs for sp in spans[j] for x in sp)})
+        occupied = [0.0] * (len(procs) + 1)
+        per = {j: [0.0] * len(procs) for j in procs}
+        idx = dict.fromkeys(procs, 0)
+        for a0, a1 in itertools.pairwise(edges):
+            mid = (a0 + a1) / 2
+            on = []
+            for j in procs:
+                sp = spans[j]
+                while idx[j] < len(sp) and sp[idx[j]][1] <= mid:
+                    idx[j] += 1
+                if idx[j] < len(sp) and sp[idx[j]][0] <= mid:
+                    on.append(j)
+            occupied[len(on)] += a1 - a0
+            for j in on:
+                per[j][len(on) - 1] += a1 - a0
+        total = sum(occupied)
+        occ = [x / total for x in occupied] if total > 0 else [1.0] + [0.0] * len(procs)
+        out: dict[int, list[float] | None] = {}
+        for j in procs:
+            mass = sum(per[j])
+            out[j] = [x / mass for x in per[j]] if mass > 0 else None
+        return occ, out
+
+    return laws

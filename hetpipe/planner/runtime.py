@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["RuntimeCosts", "all_busy", "host_cores", "slowdowns"]
+__all__ = ["RuntimeCosts", "all_busy", "count_law", "host_cores", "slowdown_of", "slowdowns"]
 
 
 @dataclass(frozen=True)
@@ -130,35 +130,40 @@ def slowdowns(activity: Sequence[float], cores: int, corun: float = 0.0) -> list
     a = [min(1.0, max(0.0, float(x))) for x in activity]
     if len(a) <= cores and corun == 0.0:
         return [1.0] * len(a)
-    out = []
-    for i in range(len(a)):
-        dist = [1.0]  # dist[n] = P(n others want a core)
-        for j, aj in enumerate(a):
-            if j == i or aj <= 0.0:
-                continue
-            nxt = [0.0] * (len(dist) + 1)
-            for n, p in enumerate(dist):
-                nxt[n] += p * (1.0 - aj)
-                nxt[n + 1] += p * aj
-            dist = nxt
-        others = max(1, cores - 1)
-        share = sum(
-            p * min(1.0, cores / (n + 1)) / (1.0 + corun * min(n, others) / others)
-            for n, p in enumerate(dist)
-        )
-        out.append(1.0 / share if share > 0 else math.inf)
-    return out
+    return [
+        slowdown_of(count_law([aj for j, aj in enumerate(a) if j != i]), cores, corun)
+        for i in range(len(a))
+    ]
 
 
-def all_busy(activity: Sequence[float], cores: int) -> float:
-    """Probability that every core is taken (at least ``cores`` processes want one), when
-    process i wants a core a fraction ``activity[i]`` of the time, independently."""
-    dist = [1.0]
+def count_law(activity: Sequence[float], base: Sequence[float] = (1.0,)) -> list[float]:
+    """P(n of the processes want a core) for independent processes wanting one a fraction
+    ``activity[i]`` of the time, added to a count already distributed as ``base``."""
+    dist = list(base)
     for x in activity:
         ax = min(1.0, max(0.0, float(x)))
+        if ax <= 0.0:
+            continue
         nxt = [0.0] * (len(dist) + 1)
         for n, p in enumerate(dist):
             nxt[n] += p * (1.0 - ax)
             nxt[n + 1] += p * ax
         dist = nxt
-    return float(sum(dist[cores:]))
+    return dist
+
+
+def slowdown_of(others: Sequence[float], cores: int, corun: float = 0.0) -> float:
+    """The slowdown of a process whose wanting a core meets ``others[n]`` = P(n others want
+    one then) (see :func:`slowdowns`; the law may come from a timeline, not independence)."""
+    spare = max(1, cores - 1)
+    share = sum(
+        p * min(1.0, cores / (n + 1)) / (1.0 + corun * min(n, spare) / spare)
+        for n, p in enumerate(others)
+    )
+    return 1.0 / share if share > 0 else math.inf
+
+
+def all_busy(activity: Sequence[float], cores: int) -> float:
+    """Probability that every core is taken (at least ``cores`` processes want one), when
+    process i wants a core a fraction ``activity[i]`` of the time, independently."""
+    return float(sum(count_law(activity)[cores:]))

@@ -105,7 +105,7 @@ class SimResult:
     vw_finish_s: tuple[float, ...]
     busy: tuple[tuple[float, ...], ...]  # per VW, per stage: busy time / the VW's finish time
     gate_wait_s: tuple[float, ...]  # per VW: time stage 0 had a forward ready but WSP held it
-    minibatches: int = 0  # per VW, as simulated
+    minibatches: int = 0  # per VW as simulated (sync: the first VW's; all run as many iterations)
     iteration_s: tuple[float, ...] = ()  # per VW, synchronous kinds: mean iteration time
     # per VW, per stage: (start time, action) in the order the stage ran them
     actions: tuple[tuple[tuple[tuple[float, Action], ...], ...], ...] = ()
@@ -182,12 +182,17 @@ def simulate(
         raise ValueError(f"minibatches must be >= 1, got {minibatches}")
     N, D = minibatches, staleness
     several = len(vws) > 1
+    # synchronous VWs exchange gradients every iteration, so all run as many iterations: N
+    # counts the first one's microbatches, another with its own M runs that many of its M
+    # (the runtime's rule, JobPlan.minibatches_of)
+    counts = [-(-N // vws[0].nm) * v.nm if several and v.schedule != "async" else N
+              for v in vws]
     state = [
         _VW(
             v,
             [
                 _Stage(st, StageSchedule(
-                    v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=N, staleness=D,
+                    v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=n_v, staleness=D,
                     pulls=several and st.state, pushes=True,
                     order=v.orders[i] if v.orders else None))
                 for i, st in enumerate(v.stages)
@@ -196,7 +201,7 @@ def simulate(
             [0.0] * (len(v.stages) - 1),
             pushed=[0] * len(v.stages),
         )
-        for v in vws
+        for v, n_v in zip(vws, counts, strict=True)
     ]
     events: list[tuple[float, int, int, int, int, Any]] = []  # (time, seq, kind, vw, stage, x)
     seq = 0
@@ -213,7 +218,7 @@ def simulate(
         heapq.heappush(events, (t, seq, kind, v, s, x))
 
     def global_clock() -> float:
-        return min(w.clock(N) for w in state)
+        return min(w.clock(n_v) for w, n_v in zip(state, counts, strict=True))
 
     def answer(v: int, s: int, key: tuple[int, bool], at: float) -> None:
         st = state[v].stages[s]
@@ -308,7 +313,7 @@ def simulate(
             else:
                 w.done += 1
                 w.done_at.append(now)
-                if w.done >= N:
+                if w.done >= counts[v]:
                     advance(now)
         elif kind is OptimizerStep:
             if s == 0 and w.spec.schedule != "async":
@@ -349,15 +354,15 @@ def simulate(
     finish_t = tuple(w.end for w in state)
     makespan = max(finish_t)
     rates = []
-    for w in state:
+    for w, n_v in zip(state, counts, strict=True):
         # steady window: after the fill (first quarter), before the drain (the last Nm
         # complete with no forwards left to interleave, faster than the steady state)
-        lo = N // 4
-        hi = max(lo + 1, N - w.spec.nm)
+        lo = n_v // 4
+        hi = max(lo + 1, n_v - w.spec.nm)
         t0 = w.done_at[lo - 1] if lo > 0 else 0.0
         span = w.done_at[hi - 1] - t0
         rates.append((hi - lo) * w.spec.minibatch / span if span > 0 else math.inf)
-    total = sum(N * w.spec.minibatch for w in state)
+    total = sum(n_v * w.spec.minibatch for w, n_v in zip(state, counts, strict=True))
     return SimResult(
         tuple(rates),
         sum(rates),

@@ -20,7 +20,13 @@ Search (:func:`plan_sync`):
    links (greedy from several starts, then 2-opt), then a local search over the mapping
    (swap two stages' devices, replace one by an unused device, drop one, add one), within a
    time budget;
-3. orders: every candidate is timed with each allowed kind; the faster one is kept.
+3. orders: every candidate is timed with each allowed kind; the faster one is kept;
+4. several virtual workers (:func:`search_formations`): groups of devices formed by the
+   asynchronous planner's policies (:mod:`.formation`), each group's pipeline searched as
+   above for every M it may get, the iteration's M shared out so that the slowest group is
+   as fast as it can be (:func:`split_microbatches`), plus the gradient exchange through
+   the shards (:meth:`SyncModel.exchange_s`). :func:`sync_plan` compares them with one
+   virtual worker by the simulated iteration time.
 
 Every stage must fit its device's memory cap under the chosen kind (gpipe holds all M
 microbatches' activations, 1f1b at most k - position; no weight stashing). :func:`exhaustive`
@@ -45,12 +51,15 @@ from hetpipe.schedule import SYNC_KINDS, microbatch_order
 
 __all__ = [
     "SyncChoice",
+    "SyncFormation",
     "SyncModel",
     "SyncStage",
     "exhaustive",
     "iteration_time",
     "plan_sync",
+    "search_formations",
     "search_sync",
+    "split_microbatches",
     "sync_plan",
 ]
 
@@ -206,7 +215,9 @@ class SyncModel:
         return SyncStage(
             fwd_s=t["F"][b] - t["F"][a] + task,
             bwd_s=t["B"][b] - t["B"][a] + task,
-            step_s=t["U"][b] - t["U"][a] + self.rt.hop_s,
+            # the runtime pads forwards and backwards, never the step (the profile's is)
+            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0)))
+            + self.rt.hop_s,
             push_s=(self.rt.wave_s + pb * self.rt.wave_byte_s) if pb else 0.0,
         )
 
@@ -217,11 +228,13 @@ class SyncModel:
         rt = self.rt
         return nbytes / self.bw[i, j] + rt.message_s + rt.latency_s + 2 * nbytes * rt.message_byte_s
 
-    def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str) -> StageMemory:
+    def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str,
+               m: int | None = None) -> StageMemory:
         """The one memory model (:func:`memory.stage_memory_of`) for layers ``[a, b)`` on
-        device ``i``; :meth:`_memory_matrix` is its vectorised total, the same integers."""
-        return stage_memory_of(self.profile, self.devices[i].type, (a, b), position, k, self.m,
-                               self.factor, kind)
+        device ``i`` (``m`` microbatches, default the model's); :meth:`_memory_matrix` is its
+        vectorised total, the same integers."""
+        return stage_memory_of(self.profile, self.devices[i].type, (a, b), position, k,
+                               m or self.m, self.factor, kind)
 
     def _memory_matrix(self, i: int, position: int, k: int, kind: str) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
@@ -237,6 +250,34 @@ class SyncModel:
             + n * ((S[None, :] - S[:, None]) + t["in"][:L + 1][:, None])
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
+
+    def sub(self, indices: Sequence[int], m: int, kinds: Sequence[str] | None = None
+            ) -> SyncModel:
+        """The same model on the devices ``indices`` only, with ``m`` microbatches (one
+        virtual worker of several); its device indices are positions in ``indices``."""
+        devs = [self.devices[i] for i in indices]
+        where = {id(d): k for k, d in enumerate(devs)}
+        bw = self.bw[np.ix_(list(indices), list(indices))]
+        out = SyncModel(self.profile, devs, lambda a, b: bw[where[id(a)], where[id(b)]], m,
+                        self.factor, self.rt, kinds or self.kinds)
+        out._type = self._type  # the per-type prefix sums do not depend on the devices
+        return out
+
+    def exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]]) -> float:
+        """The gradient exchange of several virtual workers at an iteration's end, as the
+        runtime does it (and :mod:`.predict` prices it): each stage with parameters sends its
+        gradient sum to its shards, which answer once every virtual worker's has arrived; the
+        stage then adopts the mean. The slowest stage's exchange delays the iteration."""
+        rt = self.rt
+        out = 0.0
+        for i, (a, b) in zip(devs, cuts, strict=True):
+            t = self._t(self.devices[i].type)
+            state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
+            if state:
+                answer = 2 * rt.latency_s + state * rt.wave_byte_s
+                merge = rt.hop_s + rt.wave_s + state * rt.wave_byte_s
+                out = max(out, answer + merge)
+        return float(out)
 
     # -- a mapping's iteration time -------------------------------------------------------
 
@@ -487,6 +528,88 @@ def exhaustive(model: SyncModel) -> SyncChoice | None:
     return best if best is not None and best.iteration_s < INF else None
 
 
+# -- several virtual workers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncFormation:
+    """Synchronous virtual workers planned together: each one's pipeline (device indices of
+    the whole model) and its microbatches per iteration, summing to the job's M."""
+
+    vws: tuple[SyncChoice, ...]
+    ms: tuple[int, ...]
+    exchange_s: float
+    iteration_s: float  # the slowest virtual worker's iteration plus the exchange
+    policy: str
+
+
+def split_microbatches(times: Sequence[Sequence[float]], m: int) -> tuple[int, ...] | None:
+    """Microbatches per virtual worker, ``m`` in all and at least one each, that minimise the
+    slowest one's iteration time. ``times[g][j]``: virtual worker g's time with j + 1
+    microbatches (non-decreasing in j; inf where nothing fits). Greedy: every further
+    microbatch goes to whoever it slows least; for non-decreasing times that minimises the
+    maximum (no worker is ever given a microbatch past the optimum's bound while another
+    could take it under that bound). None: fewer microbatches than workers, or one fits
+    nowhere."""
+    n = len(times)
+    if n == 0 or n > m or any(not row or row[0] == INF for row in times):
+        return None
+    ms = [1] * n
+    for _ in range(m - n):
+        g = min(range(n), key=lambda g: (times[g][ms[g]] if ms[g] < len(times[g]) else INF, g))
+        if ms[g] >= len(times[g]) or times[g][ms[g]] == INF:
+            return None
+        ms[g] += 1
+    return tuple(ms)
+
+
+def search_formations(
+    model: SyncModel,
+    formations: Sequence[tuple[str, Sequence[Sequence[int]]]],
+    budget_s: float = 5.0,
+) -> list[SyncFormation]:
+    """Every formation of two or more virtual workers (``(policy, groups of device
+    indices)``), each group's pipeline searched at each M it may get, M split by
+    :func:`split_microbatches`, the exchange added; fastest first. One kind for all (the
+    runtime runs one schedule per job)."""
+    deadline = time.monotonic() + budget_s
+    found: dict[tuple[tuple[int, ...], int, str], SyncChoice | None] = {}
+
+    def best(group: tuple[int, ...], m: int, kind: str) -> SyncChoice | None:
+        key = (group, m, kind)
+        if key not in found:
+            left = deadline - time.monotonic()
+            c = plan_sync(model.sub(group, m, (kind,)), max(0.05, left / 4)) if left > 0 else None
+            found[key] = None if c is None else SyncChoice(
+                tuple(group[i] for i in c.devices), c.cuts, c.kind, c.iteration_s)
+        return found[key]
+
+    out = []
+    for policy, groups in formations:
+        n = len(groups)
+        if not 2 <= n <= model.m:
+            continue
+        for kind in model.kinds:
+            if time.monotonic() > deadline:
+                break
+            rows = []
+            for g in groups:
+                row = []
+                for j in range(1, model.m - n + 2):
+                    c = best(tuple(g), j, kind)
+                    row.append(INF if c is None else c.iteration_s)
+                rows.append(row)
+            ms = split_microbatches(rows, model.m)
+            if ms is None:
+                continue
+            vws = tuple(best(tuple(g), mg, kind) for g, mg in zip(groups, ms, strict=True))
+            assert all(c is not None for c in vws)
+            x = max(model.exchange_s(c.devices, c.cuts) for c in vws)  # type: ignore[union-attr]
+            slowest = max(c.iteration_s for c in vws)  # type: ignore[union-attr]
+            out.append(SyncFormation(vws, ms, x, slowest + x, policy))  # type: ignore[arg-type]
+    return sorted(out, key=lambda f: f.iteration_s)
+
+
 # -- plans the runtime executes ----------------------------------------------------------------
 
 
@@ -500,12 +623,21 @@ def sync_plan(
     kind: str | None = None,
     vws: Sequence[tuple[Sequence[str], Sequence[int] | None]] | None = None,
     num_vws: int | None = None,
+    policy: str = "auto",
     costs: RuntimeCosts | None = None,
     budget_s: float = 5.0,
 ) -> Any:
     """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
-    iteration: searched (one virtual worker; ``kind`` None picks gpipe or 1f1b), or priced
-    for the given ``vws`` (devices in order, layers per stage or None for the best cuts)."""
+    iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
+    (devices in order, layers per stage or None for the best cuts; each runs ``m``).
+
+    Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever
+    is predicted faster): several are formed by the asynchronous planner's policies
+    (:mod:`.formation`: NP, ED, HD), each gets its own pipeline, and the iteration's ``m``
+    microbatches are shared out so that the virtual workers end their parts together (the
+    faster get more); the iteration then waits for the gradient exchange. The few fastest
+    candidates on an idle host are ranked again with the hosts' sharing simulated."""
+    from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.plan import (
         Plan,
         PlanError,
@@ -513,6 +645,7 @@ def sync_plan(
         VWPlan,
         _at_minibatch,
         _cost_model,
+        _power,
         _shard_hosts,
         place_stages,
     )
@@ -530,17 +663,20 @@ def sync_plan(
     index = {d.name: i for i, d in enumerate(usable)}
     cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
 
-    def _predict(*vws: SyncChoice) -> tuple[float, Any]:
-        """Iteration time with the runtime's costs and the sharing of each host's cores,
-        simulated (the search ranks with the idle-host costs alone)."""
+    def _predict(vws: Sequence[SyncChoice], ms: Sequence[int]) -> tuple[float, Any]:
+        """Iteration time with the runtime's costs, the gradient exchange and the sharing of
+        each host's cores, simulated (the search ranks with the idle-host costs alone)."""
         parts = [(tuple(usable[i] for i in c.devices),
-                  cm.describe([usable[i] for i in c.devices], c.cuts, m)) for c in vws]
+                  cm.describe([usable[i] for i in c.devices], c.cuts, mv))
+                 for c, mv in zip(vws, ms, strict=True)]
         pred = predict(cm, parts, minibatch=minibatch, staleness=0,
-                       shard_hosts=_shard_hosts(cluster), minibatches=PREDICT_ITERATIONS * m,
+                       shard_hosts=_shard_hosts(cluster), minibatches=PREDICT_ITERATIONS * ms[0],
                        schedule=vws[0].kind)
         return max(*pred.sim.iteration_s, 1e-12), pred
 
     chosen: list[SyncChoice] = []
+    ms: tuple[int, ...] = ()
+    exchange = 0.0
     if vws:
         for v, (names, layers) in enumerate(vws):
             try:
@@ -564,23 +700,46 @@ def sync_plan(
                                             f"over its cap {usable[i].memory}")
                     c = SyncChoice(devs, cuts, k, _unchecked(model, devs, cuts, k))
             chosen.append(c)
-        policy = "explicit"
+        ms = (m,) * len(chosen)
+        exchange = max(model.exchange_s(c.devices, c.cuts) for c in chosen) if len(chosen) > 1 \
+            else 0.0
+        how = "explicit"
     else:
-        if num_vws not in (None, 1):
-            raise PlanError("the synchronous planner plans one virtual worker; give [[vw]] "
-                            "tables for several")
-        found = search_sync(model, budget_s)
-        if not found:
-            raise PlanError("the model fits on no pipeline of the usable devices under the "
-                            "synchronous schedules' memory")
+        several = num_vws is None or num_vws > 1
+        single = num_vws in (None, 1)
+        cands: list[tuple[str, tuple[SyncChoice, ...], tuple[int, ...], float]] = []
+        if single:
+            found = search_sync(model, budget_s / 2 if several else budget_s)
+            cands += [("sync", (c,), (m,), 0.0) for c in found[:RERANK]]
+        if several:
+            try:
+                forms = candidate_formations(usable, policy, num_vws if num_vws != 1 else None,
+                                             _power(profile))
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+            groups = [(f.policy, [tuple(index[d.name] for d in g) for g in f.groups])
+                      for f in forms]
+            formed = search_formations(model, groups, budget_s / 2 if single else budget_s)
+            cands += [(f.policy, f.vws, f.ms, f.exchange_s) for f in formed[:RERANK]]
+        if not cands:
+            if single:
+                raise PlanError("the model fits on no pipeline of the usable devices under the "
+                                "synchronous schedules' memory")
+            raise PlanError(f"no formation of {num_vws} synchronous virtual workers fits (each "
+                            f"needs a pipeline that fits and at least one of the {m} "
+                            f"microbatches per iteration)")
         # the few fastest on an idle host, ranked again with the sharing of the hosts' cores
-        chosen.append(min(found[:RERANK], key=lambda c: _predict(c)[0]))
-        policy = "sync"
+        how, best, ms, exchange = min(cands, key=lambda x: _predict(x[1], x[2])[0])
+        chosen = list(best)
+        if how != "sync":
+            why = "predicted faster than one" if num_vws is None else "as asked (train.vws)"
+            warnings.append(f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
+                            f"per iteration {list(ms)}: {why}")
     kinds = {c.kind for c in chosen}
     if len(kinds) > 1:
         raise PlanError(f"virtual workers would run different schedules {sorted(kinds)}")
-    searched = max(c.iteration_s for c in chosen)
-    iteration, pred = _predict(*chosen)
+    searched = max(c.iteration_s for c in chosen) + exchange
+    iteration, pred = _predict(chosen, ms)
     any_type = next(iter(profile.layers))
     layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in profile.layers[any_type]]
     stage_hosts = [[(usable[i].host, ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
@@ -588,26 +747,28 @@ def sync_plan(
     layer_shards, stage_shards = place_stages(tuple(getattr(cluster, "ps", ()) or ()),
                                               stage_hosts, layer_bytes)
     plans = []
-    for v, c in enumerate(chosen):
+    for v, (c, mv) in enumerate(zip(chosen, ms, strict=True)):
         k = len(c.devices)
         stages = []
         for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
             stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
                                     pred.compute_s(v, pos),
-                                    model.memory(i, a, b, pos, k, c.kind), usable[i].memory,
-                                    stage_shards[v][pos], pred.busy_s(v, pos, m),
+                                    model.memory(i, a, b, pos, k, c.kind, mv), usable[i].memory,
+                                    stage_shards[v][pos], pred.busy_s(v, pos, mv),
                                     pred.slowdown[v][pos]))
-        plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), m,
-                            m * minibatch / iteration))
+        plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), mv,
+                            mv * minibatch / iteration))
     used = {n for p in plans for n in p.devices}
     unused = tuple(d.name for d in cluster.devices if d.name not in used)
     details = {"iteration_s": iteration, "searched_iteration_s": searched,
                "kind": chosen[0].kind, "slowdown": [list(x) for x in pred.slowdown],
-               "evaluations": model.evaluations,
+               "evaluations": model.evaluations, "microbatches": list(ms),
+               "exchange_s": exchange,
                "orders": {str(s): [f"{op}{j}" for op, j in
-                                   microbatch_order(chosen[0].kind, len(chosen[0].devices), s, m)]
+                                   microbatch_order(chosen[0].kind, len(chosen[0].devices), s,
+                                                    ms[0])]
                           for s in range(len(chosen[0].devices))}}
-    return Plan(tuple(plans), sum(p.samples_per_s for p in plans), policy, unused,
+    return Plan(tuple(plans), sum(p.samples_per_s for p in plans), how, unused,
                 tuple(warnings), tuple(layer_shards), minibatch, 0, profile.model, details,
                 chosen[0].kind, iteration)
 
