@@ -78,6 +78,7 @@ def even_split(n_layers: int, k: int) -> list[int]:
 
 def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
     t = TASKS[task]
+    optimizer = {**t["optimizer"], **({"lr": args.lr[task]} if task in args.lr else {})}
     nm = 1 if arm == "sync" else k
     train = {"minibatch": t["minibatch"], "nm": nm, "minibatches": args.minibatches,
              "seed": args.seed, "eval_every_s": args.eval_every, "hang_after_s": 120.0,
@@ -85,7 +86,7 @@ def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
     if task == "cnn" and args.bn_recalibrate:
         train["bn_recalibrate"] = args.bn_recalibrate
     return {"name": f"{task}-k{k}-{arm}", "model": t["model"], "data": t["data"],
-            "optimizer": t["optimizer"], "train": train,
+            "optimizer": optimizer, "train": train,
             "vw": [{"devices": [f"gpu{i}" for i in range(k)],
                     "layers": even_split(N_LAYERS[task], k)}]}
 
@@ -106,6 +107,7 @@ def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> di
     stages = json.loads(Path(info["stages_path"]).read_text())
     return {
         "task": task, "k": k, "arm": arm, "nm": 1 if arm == "sync" else k,
+        "lr": args.lr.get(task, TASKS[task]["optimizer"]["lr"]),
         "accuracy": info["test_accuracy"],
         "accuracy_trained_bn": info.get("test_accuracy_trained_bn"),
         "seconds_to_target": reached,
@@ -158,6 +160,22 @@ def headline(results: list[dict[str, Any]]) -> dict[str, float | None]:
             "predict_throughput_vs_stash": min(speed) if speed else None}
 
 
+def lr_overrides(ap: Any, items: list[str]) -> dict[str, float]:
+    """``TASK=LR`` pairs of ``--lr``, checked (a bad one is a one-line usage error)."""
+    out = {}
+    for item in items:
+        task, _, lr = item.partition("=")
+        try:
+            value = float(lr)
+        except ValueError:
+            value = -1.0
+        if task not in TASKS or not value > 0:
+            ap.error(f"--lr: expected TASK=LR with TASK in {', '.join(TASKS)} and LR > 0, "
+                     f"got {item!r}")
+        out[task] = value
+    return out
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -170,9 +188,16 @@ def main() -> None:
     ap.add_argument("--bn-recalibrate", type=int, default=16,
                     help="cnn: batch-norm minibatches re-estimated before the evaluations")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", nargs="+", default=[], metavar="TASK=LR",
+                    help="a task's learning rate instead of its default (e.g. gpt=0.02)")
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
     args = ap.parse_args()
+    args.lr = lr_overrides(ap, args.lr)
+    try:
+        import matplotlib  # noqa: F401  (checked now: the plot comes after every arm ran)
+    except ImportError:
+        ap.error("the plot needs matplotlib: pip install -e '.[plot]'")
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
