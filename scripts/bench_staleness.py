@@ -13,7 +13,8 @@ evaluations every ``--eval-every`` s while training), samples/s, peak memory per
 prediction quality per stage (``predict`` arms), the host's CPU utilisation during the arm
 (all its cores, whoever used them: other work on the host counts) and the cores this
 benchmark's own daemons used; it writes one PNG of test accuracy against samples for all
-arms (``--png``).
+arms (``--png``), redrawn after every arm with the figures so far beside it (the same name
+ending ``.json``), so a study cut short keeps the arms it ran.
 
 **A global speed scale** (``--speed-scale``, default 0.25): every emulated device runs at
 that speed, i.e. each forward and backward is padded to (measured time) / scale, so the
@@ -216,6 +217,10 @@ def main() -> None:
                               f"samples/s {r['samples_per_s']:.1f} host cpu "
                               f"{r['host_cpu']:.2f} (own {r['own_cores']:.2f} cores)",
                               flush=True)
+                        # the arms so far, kept as they come: a long study cut short keeps them
+                        plot(results, args.png)
+                        args.png.with_suffix(".json").write_text(
+                            json.dumps(summary(results, args), indent=1) + "\n")
     rows = [[r["task"], r["k"], r["arm"], r["nm"], r["accuracy"],
              r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
              r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
@@ -230,14 +235,18 @@ def main() -> None:
     print(f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
           f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
           f"{max(r['own_cores'] for r in results):.2f} cores (speed scale {args.speed_scale})")
-    plot(results, args.png)
-    print(f"plot: {args.png}")
+    print(f"plot: {args.png} (figures beside it: {args.png.with_suffix('.json')})")
     if args.json:
-        emit_json({**figures, "speed_scale": args.speed_scale,
-                   "host_cpu_max": max(r["host_cpu"] for r in results),
-                   "own_cores_max": max(r["own_cores"] for r in results),
-                   "minibatches": args.minibatches, "arms": results, "machine": machine(),
-                   "png": str(args.png)})
+        emit_json(summary(results, args))
+
+
+def summary(results: list[dict[str, Any]], args: Any) -> dict[str, Any]:
+    """The JSON object of ``--json``: the headline figures, the settings and every arm."""
+    return {**headline(results), "speed_scale": args.speed_scale,
+            "host_cpu_max": max(r["host_cpu"] for r in results),
+            "own_cores_max": max(r["own_cores"] for r in results),
+            "minibatches": args.minibatches, "arms": results, "machine": machine(),
+            "png": str(args.png)}
 
 
 if __name__ == "__main__":
