@@ -434,9 +434,9 @@ class StageCompute:
 
     def _judge(self) -> None:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
-        extrapolated: W(target) is the stage's weights ``s_fwd`` updates after the forward,
-        the weights the minibatch's own update is then applied to (``W_i(p)``, see
-        :mod:`hetpipe.staleness`)."""
+        extrapolated: W(target) is the stage's weights ``s_fwd`` updates after the forward
+        (on stages past 0 one of them is the minibatch's own, which the prediction leaves
+        out by design: a small, consistent handicap of the score)."""
         probe = self.probe
         if probe is None or self.steps_taken < probe.target:
             return

@@ -8,33 +8,31 @@ virtual worker actually run (:mod:`hetpipe.schedule`, timed in lock step by
 a pipeline need not be full) and stage position, and for the last stage whose backward
 follows its forward at once.
 
-**The target: the weights minibatch SGD would use.** A stage applies its updates in
-minibatch order, each right after that minibatch's backward, so the update of minibatch p at
-stage i is always applied to ``W_i(p)``, the stage's weights after the updates of minibatches
-``0 .. p - 1``: exactly the weights synchronous minibatch SGD (Nm = 1) would compute p's
-gradient on. With Nm > 1 the forward of p at a stage before the last runs when some of those
-updates have not been applied yet. So the runtime predicts p onto ``W_i(p)``:
+**The target moment.** A minibatch's update does not land at one moment: each stage applies
+its share after its own backward of p, the last stage first and stage 0 last. The target is
+the moment p's update has landed at *every* stage, i.e. the end of its backward at stage 0
+(its optimizer step there): a minibatch predicted to that moment sees, at every stage, the
+weights of one consistent point of training, the version the whole model has once p is
+done. For stage i and minibatch p:
 
-- ``s_fwd`` = this stage's updates of minibatches before p applied after its forward of p
-  (the updates still to come when the forward runs);
-- ``s_bwd`` = the same after its backward of p: always 0 in the async kind, since the
-  backward of p follows every step of a minibatch before p (kept as a count, not assumed).
+- ``s_fwd`` = this stage's optimizer steps from its forward of p up to (not including) the
+  tick of p's backward at stage 0;
+- ``s_bwd`` = the same from its backward of p (its own step of p included).
 
-So ``s_fwd - s_bwd`` is what a run's records observe as ``bwd_version - fwd_version``, a
-perfect prediction turns the pipeline into minibatch SGD, with Nm = 1 every s is 0 (nothing is
-predicted) and the last stage, whose backward follows its forward at once, never extrapolates.
+The stage's own step of p lies before that moment (at every stage but 0) and is not counted
+by the runtime: a minibatch is predicted onto the weights it would see if nothing were in
+flight, which never include its own update (so with Nm = 1 every s is 0 and prediction
+changes nothing). The paper counts it; :func:`version_gaps` gives both conventions.
 
-**The paper's count** (``paper=True``) aims further: at the moment p's update has landed at
-*every* stage (the end of its backward at stage 0), counting the stage's own update of p. On
-a uniform k-stage 1F1B pipeline with Nm = k, at stage index k_i (1-based) of N in steady
-state, it gives ``s_bwd = floor(k_i / 2)`` as in the paper, and
-``s_fwd = floor(k_i / 2) + N - k_i``: one more than the paper's forward figure
-``floor(k_i/2) + N - k_i - 1``, which gives the last stage a forward staleness one *below*
-its backward staleness although the two run back to back (no action sequence does that).
-That target lies ``s_bwd`` updates past ``W_i(p)`` (the update of p and of later
-minibatches, up to floor(N/2) at the last stage): a gradient computed there is applied to
-weights it was not computed on, a look-ahead that minibatch SGD does not take and that a
-stage without staleness (the last) does not need. The runtime does not use it.
+So ``s_fwd - s_bwd`` is the number of updates between the forward and the backward of p at
+this stage: exactly what a run's records observe as ``bwd_version - fwd_version``.
+
+On a uniform k-stage 1F1B pipeline with Nm = k, at stage index k_i (1-based) of N in steady
+state, ``s_bwd = floor(k_i / 2)`` as in the paper, and ``s_fwd = floor(k_i / 2) + N - k_i``:
+one more than the paper's ``floor(k_i/2) + N - k_i - 1``. The paper's forward figure gives the
+last stage a forward staleness one *below* its backward staleness although the two run back
+to back, which no action sequence produces; counted, the stage's N - k_i updates between its
+forward and backward of p (Nm - 1 at stage 0: minibatches p - Nm + 1 .. p - 1) are all there.
 
 Other virtual workers' updates (merged at wave boundaries under WSP) are not counted: the
 prediction extrapolates this stage's own momentum only.
@@ -49,15 +47,16 @@ from hetpipe.schedule import Backward, Forward, OptimizerStep, StageSchedule, cl
 __all__ = ["StageTable", "lockstep_orders", "version_gaps"]
 
 
-def version_gaps(k: int, nm: int, total: int, *, paper: bool = False
+def version_gaps(k: int, nm: int, total: int, *, own: bool = False
                  ) -> list[dict[int, tuple[int, int]]]:
     """``(s_fwd, s_bwd)`` of every minibatch ``0 .. total - 1`` at every stage of a virtual
     worker alone in its job (async kind), counted from its lock-step action tables.
 
-    By default the updates up to ``W_i(p)`` (what the runtime predicts with); ``paper``: the
-    paper's count, up to p's update at every stage, its own included (see the module docs).
+    ``own``: count the stage's own step of p too (the paper's convention; see the module
+    docs). Without it (what the runtime predicts with) only other minibatches' updates count:
+    a minibatch run synchronously never sees its own update, so with Nm = 1 every s is 0.
     """
-    return [_count_gaps(ops, total, paper) for ops in lockstep_orders(k, nm, total)]
+    return [_count_gaps(ops, total, own) for ops in lockstep_orders(k, nm, total)]
 
 
 def lockstep_orders(k: int, nm: int, total: int) -> list[list[tuple[str, int, int]]]:
@@ -78,24 +77,17 @@ def lockstep_orders(k: int, nm: int, total: int) -> list[list[tuple[str, int, in
     return [[*ops, *(("E", p, t) for p, t in ends.items())] for ops in out]
 
 
-def _count_gaps(ops: Sequence[tuple[str, int, int]], total: int, paper: bool
+def _count_gaps(ops: Sequence[tuple[str, int, int]], total: int, own: bool
                 ) -> dict[int, tuple[int, int]]:
     fwd = {p: t for op, p, t in ops if op == "F"}
     bwd = {p: t for op, p, t in ops if op == "B"}
+    end = {p: t for op, p, t in ops if op == "E"}
     steps = [(t, i) for op, i, t in ops if op == "S"]
-    if paper:  # every step up to the end of p's backward at stage 0
-        end = {p: t for op, p, t in ops if op == "E"}
-        return {p: (_count([t for t, _i in steps], fwd[p], end[p]),
-                    _count([t for t, _i in steps], bwd[p], end[p])) for p in range(total)}
-    # the steps of minibatches before p still to come: those that make W_i(p)
     gaps = {}
     for p in range(total):
-        before = [t for t, i in steps if i < p]
-        gaps[p] = (_count(before, fwd[p], _END), _count(before, bwd[p], _END))
+        mine = [t for t, i in steps if own or i != p]
+        gaps[p] = (_count(mine, fwd[p], end[p]), _count(mine, bwd[p], end[p]))
     return gaps
-
-
-_END = 1 << 62  # no end: every later step counts
 
 
 def _count(ticks: Sequence[int], start: int, end: int) -> int:
@@ -123,7 +115,7 @@ class StageTable:
         self.window = min(total, window + (total - window) % nm)
         ops = lockstep_orders(k, nm, self.window)[stage]
         self.ops = [(op, p) for op, p, _t in ops if op in ("F", "B")]
-        self.gaps = _count_gaps(ops, self.window, paper=False)
+        self.gaps = _count_gaps(ops, self.window, own=False)
         self.half = self.window // 2
         self.shift = total - self.window  # minibatch offset of the window's tail in the run
 
