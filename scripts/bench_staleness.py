@@ -208,6 +208,9 @@ def main() -> None:
                     help="a task's learning rate instead of its default (e.g. gpt=0.02)")
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
+    ap.add_argument("--merge", type=Path, default=None, metavar="JSON",
+                    help="keep the arms not in --arms from this earlier run's JSON (same "
+                    "settings): re-run some arms, report and plot all")
     args = ap.parse_args()
     args.lr = lr_overrides(ap, args.lr)
     # a stop (SIGTERM) unwinds like an error: the clusters' daemons are stopped on the way out
@@ -217,7 +220,9 @@ def main() -> None:
     except ImportError:
         ap.error("the plot needs matplotlib: pip install -e '.[plot]'")
 
-    results = []
+    # --merge: the other arms of an earlier run with the same settings are kept as measured
+    results = [r for r in json.loads(args.merge.read_text())["arms"]
+               if r["arm"] not in args.arms] if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.ks:
             root = Path(tmp) / f"k{k}"
@@ -238,6 +243,8 @@ def main() -> None:
                         plot(results, args.png)
                         args.png.with_suffix(".json").write_text(
                             json.dumps(summary(results, args), indent=1) + "\n")
+    order = list(ARMS)
+    results.sort(key=lambda r: (r["k"], list(TASKS).index(r["task"]), order.index(r["arm"])))
     rows = [[r["task"], r["k"], r["arm"], r["nm"], r["accuracy"],
              r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
              r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
