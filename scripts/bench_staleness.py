@@ -13,7 +13,8 @@ evaluations every ``--eval-every`` s while training), samples/s, peak memory per
 prediction quality per stage (``predict`` arms), the host's CPU utilisation during the arm
 (all its cores, whoever used them: other work on the host counts) and the cores this
 benchmark's own daemons used; it writes one PNG of test accuracy against samples for all
-arms (``--png``).
+arms (``--png``), redrawn after every arm with the figures so far beside it (the same name
+ending ``.json``), so a study cut short keeps the arms it ran.
 
 **A global speed scale** (``--speed-scale``, default 0.25): every emulated device runs at
 that speed, i.e. each forward and backward is padded to (measured time) / scale, so the
@@ -22,7 +23,15 @@ few cores: the throughput figures then describe the pipeline modelled, not the c
 of its processes on the host. The utilisation printed with each arm says how far that held
 (near 1.0: the host was saturated and the throughput figures measure it).
 
-    python scripts/bench_staleness.py [--json] [--ks 4] [--minibatches 300] [--png out.png]
+**Settings, chosen on the synchronous arm alone** (before any asynchronous arm ran): one
+learning rate for every arm, the one of {0.01, 0.02, 0.05} (SGD, momentum 0.9) at which the
+``sync`` arm ended best on both tasks: 0.02 (cnn 0.992 / 0.994 / 0.986, gpt 0.258 / 0.266 /
+0.263 after 300 minibatches; gpt at 0.05 after 200); and 200 minibatches per arm, by which
+the ``sync`` arm at 0.02 has converged (cnn >= 0.99 from 5.6k samples, gpt at its ceiling
+of about 0.26 from 4k). A learning rate at which minibatch SGD itself is unstable measures
+nothing about staleness.
+
+    python scripts/bench_staleness.py [--json] [--ks 4 8] [--minibatches 200] [--png out.png]
 
 With ``--json`` the last line is one JSON object with every arm's figures and:
 ``predict_gap_vs_sync_points`` (sync accuracy minus predict accuracy in percentage points,
@@ -35,6 +44,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,14 +68,14 @@ ARMS: dict[str, dict[str, Any]] = {
 TASKS: dict[str, dict[str, Any]] = {
     # 16 layers; momentum 0.9 is where stale weights hurt (and what prediction follows)
     "cnn": {"model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
-            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
             "minibatch": 32, "target": 0.9},
     # 1 + 8 + 2 = 11 layers; next-token accuracy (4 equally likely successors: 0.25 at best)
     "gpt": {"model": {"name": "gpt", "args": {"vocab": 64, "seq": 32, "dim": 64, "heads": 4,
                                               "blocks": 8}},
             "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": 32, "vocab": 64,
                                                    "n_train": 4096, "n_test": 512}},
-            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
             "minibatch": 32, "target": 0.2},
 }
 N_LAYERS = {"cnn": 16, "gpt": 11}
@@ -78,6 +89,7 @@ def even_split(n_layers: int, k: int) -> list[int]:
 
 def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
     t = TASKS[task]
+    optimizer = {**t["optimizer"], **({"lr": args.lr[task]} if task in args.lr else {})}
     nm = 1 if arm == "sync" else k
     train = {"minibatch": t["minibatch"], "nm": nm, "minibatches": args.minibatches,
              "seed": args.seed, "eval_every_s": args.eval_every, "hang_after_s": 120.0,
@@ -85,7 +97,7 @@ def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
     if task == "cnn" and args.bn_recalibrate:
         train["bn_recalibrate"] = args.bn_recalibrate
     return {"name": f"{task}-k{k}-{arm}", "model": t["model"], "data": t["data"],
-            "optimizer": t["optimizer"], "train": train,
+            "optimizer": optimizer, "train": train,
             "vw": [{"devices": [f"gpu{i}" for i in range(k)],
                     "layers": even_split(N_LAYERS[task], k)}]}
 
@@ -106,6 +118,7 @@ def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> di
     stages = json.loads(Path(info["stages_path"]).read_text())
     return {
         "task": task, "k": k, "arm": arm, "nm": 1 if arm == "sync" else k,
+        "lr": args.lr.get(task, TASKS[task]["optimizer"]["lr"]),
         "accuracy": info["test_accuracy"],
         "accuracy_trained_bn": info.get("test_accuracy_trained_bn"),
         "seconds_to_target": reached,
@@ -141,40 +154,75 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def headline(results: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The three figures the issue sets targets for, worst over tasks and depths."""
-    gaps, vs_stash, speed = [], [], []
-    for task, k in sorted({(r["task"], r["k"]) for r in results}):
-        arm = {r["arm"]: r for r in results if (r["task"], r["k"]) == (task, k)}
-        if "predict" not in arm:
-            continue
-        p = arm["predict"]
-        if "sync" in arm:
-            gaps.append(100 * (arm["sync"]["accuracy"] - p["accuracy"]))
-        if "stash" in arm:
-            vs_stash.append(100 * (p["accuracy"] - arm["stash"]["accuracy"]))
-            speed.append(p["samples_per_s"] / arm["stash"]["samples_per_s"])
-    return {"predict_gap_vs_sync_points": max(gaps) if gaps else None,
-            "predict_minus_stash_points": min(vs_stash) if vs_stash else None,
-            "predict_throughput_vs_stash": min(speed) if speed else None}
+    """The three figures with targets, worst over tasks and depths, for ``predict`` (the
+    default variant, ``paper``), and the same three for ``predict-consistent`` (keys ending
+    ``_consistent``)."""
+    out: dict[str, float | None] = {}
+    for name, suffix in (("predict", ""), ("predict-consistent", "_consistent")):
+        gaps, vs_stash, speed = [], [], []
+        for task, k in sorted({(r["task"], r["k"]) for r in results}):
+            arm = {r["arm"]: r for r in results if (r["task"], r["k"]) == (task, k)}
+            if name not in arm:
+                continue
+            p = arm[name]
+            if "sync" in arm:
+                gaps.append(100 * (arm["sync"]["accuracy"] - p["accuracy"]))
+            if "stash" in arm:
+                vs_stash.append(100 * (p["accuracy"] - arm["stash"]["accuracy"]))
+                speed.append(p["samples_per_s"] / arm["stash"]["samples_per_s"])
+        out[f"predict_gap_vs_sync_points{suffix}"] = max(gaps) if gaps else None
+        out[f"predict_minus_stash_points{suffix}"] = min(vs_stash) if vs_stash else None
+        out[f"predict_throughput_vs_stash{suffix}"] = min(speed) if speed else None
+    return out
+
+
+def lr_overrides(ap: Any, items: list[str]) -> dict[str, float]:
+    """``TASK=LR`` pairs of ``--lr``, checked (a bad one is a one-line usage error)."""
+    out = {}
+    for item in items:
+        task, _, lr = item.partition("=")
+        try:
+            value = float(lr)
+        except ValueError:
+            value = -1.0
+        if task not in TASKS or not value > 0:
+            ap.error(f"--lr: expected TASK=LR with TASK in {', '.join(TASKS)} and LR > 0, "
+                     f"got {item!r}")
+        out[task] = value
+    return out
 
 
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    ap.add_argument("--ks", nargs="+", type=int, default=[4])
+    ap.add_argument("--ks", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--minibatches", type=int, default=300, help="per arm (same samples)")
+    ap.add_argument("--minibatches", type=int, default=200, help="per arm (same samples)")
     ap.add_argument("--speed-scale", type=float, default=0.25,
                     help="every emulated device's speed (global scale; see the docs)")
     ap.add_argument("--eval-every", type=float, default=3.0)
     ap.add_argument("--bn-recalibrate", type=int, default=16,
                     help="cnn: batch-norm minibatches re-estimated before the evaluations")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", nargs="+", default=[], metavar="TASK=LR",
+                    help="a task's learning rate instead of its default (e.g. gpt=0.02)")
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
+    ap.add_argument("--merge", type=Path, default=None, metavar="JSON",
+                    help="keep the arms not in --arms from this earlier run's JSON (same "
+                    "settings): re-run some arms, report and plot all")
     args = ap.parse_args()
+    args.lr = lr_overrides(ap, args.lr)
+    # a stop (SIGTERM) unwinds like an error: the clusters' daemons are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        import matplotlib  # noqa: F401  (checked now: the plot comes after every arm ran)
+    except ImportError:
+        ap.error("the plot needs matplotlib: pip install -e '.[plot]'")
 
-    results = []
+    # --merge: the other arms of an earlier run with the same settings are kept as measured
+    results = [r for r in json.loads(args.merge.read_text())["arms"]
+               if r["arm"] not in args.arms] if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.ks:
             root = Path(tmp) / f"k{k}"
@@ -191,6 +239,12 @@ def main() -> None:
                               f"samples/s {r['samples_per_s']:.1f} host cpu "
                               f"{r['host_cpu']:.2f} (own {r['own_cores']:.2f} cores)",
                               flush=True)
+                        # the arms so far, kept as they come: a long study cut short keeps them
+                        plot(results, args.png)
+                        args.png.with_suffix(".json").write_text(
+                            json.dumps(summary(results, args), indent=1) + "\n")
+    order = list(ARMS)
+    results.sort(key=lambda r: (r["k"], list(TASKS).index(r["task"]), order.index(r["arm"])))
     rows = [[r["task"], r["k"], r["arm"], r["nm"], r["accuracy"],
              r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
              r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
@@ -205,14 +259,18 @@ def main() -> None:
     print(f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
           f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
           f"{max(r['own_cores'] for r in results):.2f} cores (speed scale {args.speed_scale})")
-    plot(results, args.png)
-    print(f"plot: {args.png}")
+    print(f"plot: {args.png} (figures beside it: {args.png.with_suffix('.json')})")
     if args.json:
-        emit_json({**figures, "speed_scale": args.speed_scale,
-                   "host_cpu_max": max(r["host_cpu"] for r in results),
-                   "own_cores_max": max(r["own_cores"] for r in results),
-                   "minibatches": args.minibatches, "arms": results, "machine": machine(),
-                   "png": str(args.png)})
+        emit_json(summary(results, args))
+
+
+def summary(results: list[dict[str, Any]], args: Any) -> dict[str, Any]:
+    """The JSON object of ``--json``: the headline figures, the settings and every arm."""
+    return {**headline(results), "speed_scale": args.speed_scale,
+            "host_cpu_max": max(r["host_cpu"] for r in results),
+            "own_cores_max": max(r["own_cores"] for r in results),
+            "minibatches": args.minibatches, "arms": results, "machine": machine(),
+            "png": str(args.png)}
 
 
 if __name__ == "__main__":
