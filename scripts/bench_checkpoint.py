@@ -17,7 +17,6 @@ times: without checkpoints (``checkpoint_every = 0``) and at the default interva
 from __future__ import annotations
 
 import asyncio
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from _bench import emit_json, machine, median, parser, print_table
 
 from hetpipe.job import JobSpec
-from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml, free_ports
 
 DEFAULT_EVERY = JobSpec.__dataclass_fields__["checkpoint_every"].default
 
@@ -37,17 +36,6 @@ def _job(name: str, every: int, minibatches: int) -> dict[str, Any]:
             "train": {"minibatch": 32, "nm": 2, "staleness": 0, "seed": 0,
                       "minibatches": minibatches, "checkpoint_every": every},
             "vw": [{"devices": ["gpu0", "gpu1"], "layers": [8, 8]}]}
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 async def _resume(c: LocalCluster, job_id: str) -> tuple[float, dict[str, Any]]:
@@ -78,7 +66,7 @@ def main() -> None:
         root = Path(tmp)
         path = root / "cluster.toml"
         path.write_text(cluster_toml([DeviceDef("gpu0"), DeviceDef("gpu1")],
-                                     shard_ports=_free_ports(2)))
+                                     shard_ports=free_ports(2)))
         with LocalCluster(path, root / "run", timeout=120) as c:
             for i in range(args.repeats):
                 for way, n in (("off", 0), ("on", every)):
