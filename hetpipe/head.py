@@ -194,7 +194,7 @@ class JobState:
             out["resumed_from"] = {"job": meta.get("job"), "checkpoint": str(self.resume.path),
                                    "minibatches_done": meta.get("minibatches_done"),
                                    "positions": meta.get("positions"),
-                                   "wave": meta.get("wave"), "applied": meta.get("applied"),
+                                   "wave": meta.get("wave"),
                                    **({"lost": self.lost} if self.lost is not None else {})}
         if self.checkpoints:
             out["checkpoints"] = self.checkpoints
@@ -1321,15 +1321,16 @@ def _cut_problem(plan: JobPlan, c: int, applied: dict[str, dict[str, list[int]]]
     every stage's applied set on every shard holding its state must be exactly waves
     0 .. min(c, its VW's waves) - 1, and cover the accumulators the stage still keeps."""
     for (v, s), (meta, _) in picks.items():
-        want = list(range(min(c, plan.waves(v))))
+        end = min(c, plan.waves(v))
+        want = [[0, end]] if end else []
         for index in sorted({plan.placement[n] for n in plan.stage_names(v, s)}):
             got = applied.get(str(index), {}).get(f"{v}/{s}")
             if got != want:
-                return (f"shard {index} applied {excerpt(got, 80)} of vw{v}/stage{s} at cut "
-                        f"{c}, not waves 0..{len(want) - 1}")
+                return (f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
+                        f"at cut {c}, not [0, {end})")
         if int(meta.get("wave", -1)) != min(c, plan.waves(v)):
             return f"vw{v}/stage{s} sent its state of wave {meta.get('wave')} for cut {c}"
-        outside = [w for w in meta.get("kept_waves", []) if w not in want]
+        outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end]
         if outside:
             return f"vw{v}/stage{s} keeps updates of waves {outside[:3]} outside cut {c}"
     return None

@@ -590,9 +590,12 @@ class StageCompute:
 
         Forwards of wave ``wave`` may be in flight (stage 0 admits them before that push);
         a resumed job runs them again, so what they changed (batch-norm statistics, in the
-        accumulator of their wave) is taken out of the buffers here. The accumulators kept
-        (pushed, not yet seen applied in a pull) are saved to be checked against the
-        shards' cut; nothing of a wave < ``wave`` is unpushed at this point.
+        accumulator of their wave) is taken out of the buffers here: the state is that of
+        the stage with its pipeline drained at the cut, and a resumed job differs from one
+        never stopped only in that those forwards run again on the newest weights, as
+        after a flush. The accumulators kept (pushed, not yet seen applied in a pull) are
+        saved to be checked against the shards' cut; nothing of a wave < ``wave`` is
+        unpushed at this point.
         """
         n = self.task.num_vws
         later: dict[str, torch.Tensor] = {}  # local changes of waves >= wave, as applied here

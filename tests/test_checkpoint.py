@@ -20,7 +20,7 @@ from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster, cluster_toml, free_ports
 from hetpipe.models import build_model
-from hetpipe.shard import ShardStore
+from hetpipe.shard import ShardStore, wave_ranges
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
@@ -88,6 +88,7 @@ def test_cut_points() -> None:
         c = checkpoint.cut_after(c, 4, 10)
     assert cuts == [4, 8, 10]
     assert checkpoint.cut_after(0, 0, 10) is None
+    assert wave_ranges([0, 1, 2, 5, 6]) == [[0, 3], [5, 7]] and wave_ranges([]) == []
 
 
 def test_the_shards_cut_holds_exactly_the_waves_before_it() -> None:
@@ -111,12 +112,12 @@ def test_the_shards_cut_holds_exactly_the_waves_before_it() -> None:
     push(1, 1)
     weights, info = js.cut(2)  # type: ignore[misc]
     assert float(weights["w"]) == 1 + 2 + 10 + 20  # not VW 0's waves 2 and 3
-    assert info["applied"] == {"0/0": [0, 1], "1/0": [0, 1]}
+    assert info["applied"] == {"0/0": [[0, 2]], "1/0": [[0, 2]]}
     assert float(js.weights["w"]) == 1 + 2 + 3 + 4 + 10 + 20
     push(1, 2)  # VW 1's last wave: cut 4 holds it whole, and VW 0's waves < 4
     weights, info = js.cut(4)  # type: ignore[misc]
     assert float(weights["w"]) == 1 + 2 + 3 + 4 + 10 + 20 + 30
-    assert info["applied"] == {"0/0": [0, 1, 2, 3], "1/0": [0, 1, 2]}
+    assert info["applied"] == {"0/0": [[0, 4]], "1/0": [[0, 3]]}
     assert not js.push(1, 0, 2, {"w": torch.ones(1)}) and js.duplicates == 1
     push(0, 4)
     weights, _ = js.cut(5)  # type: ignore[misc]
@@ -214,7 +215,9 @@ EVERY, NM, TOTAL = 5, 2, 300
 
 
 def _durable_job(name: str) -> dict[str, Any]:
-    spec = job(name, model="cnn", split=SPLIT, nm=NM, minibatches=TOTAL, lr=0.05)
+    # a gentle rate: two VWs' updates add up, and at lr 0.05 a run sometimes stalls for a
+    # while, so that its accuracy depends on its timing more than on any resume
+    spec = job(name, model="cnn", split=SPLIT, nm=NM, minibatches=TOTAL, lr=0.02)
     spec["train"]["checkpoint_every"] = EVERY
     return spec
 
@@ -244,7 +247,7 @@ def _assert_applied_once(info: dict[str, Any], starts: list[int]) -> None:
         assert shard["duplicates"] == 0, (index, shard)
         for key, waves in shard["applied"].items():
             v = int(key.split("/")[0])
-            assert waves == list(range(-(-(TOTAL - starts[v]) // NM))), (index, key, waves)
+            assert waves == [[0, -(-(TOTAL - starts[v]) // NM)]], (index, key, waves)
 
 
 @pytest.mark.slow
@@ -322,7 +325,7 @@ def test_kill_matrix_resume_from_the_last_checkpoint(tmp_path: Path, victim: str
         assert wave % EVERY == 0 and starts == [wave * NM] * 2 == resumed["positions"]
         # the cut: every stage's pushes of waves 0..wave-1 on every shard, nothing after
         for shard in ck.meta["applied"].values():
-            assert all(waves == list(range(wave)) for waves in shard.values()), shard
+            assert all(waves == [[0, wave]] for waves in shard.values()), shard
         assert sorted(ck.stages) == [checkpoint.stage_file(v, s) for v in (0, 1)
                                      for s in (0, 1)]
         # the resumed attempt: waves wave.. of the job, each pushed and applied once
