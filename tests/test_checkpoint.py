@@ -211,7 +211,7 @@ def test_optimizer_state_alone_for_a_stage_whose_layers_moved() -> None:
 
 # two virtual workers of two stages each, on two shards
 SPLIT = [(["gpu0", "gpu1"], [8, 8]), (["gpu2", "gpu3"], [8, 8])]
-EVERY, NM, TOTAL = 5, 2, 300
+EVERY, NM, TOTAL = 5, 2, 400
 
 
 def _durable_job(name: str) -> dict[str, Any]:
@@ -286,6 +286,7 @@ def test_kill_matrix_resume_from_the_last_checkpoint(tmp_path: Path, victim: str
             failed = c.run(_follow(c, job_id, timeout=60))
             assert failed["state"] == "failed" and victim.removeprefix("worker-") in \
                 failed["error"].replace("shard 1", "ps1"), failed["error"]
+            at_kill = failed["positions"]  # the last progress the head heard of
         c.restart(victim)
 
         async def resume() -> dict[str, Any]:
@@ -332,13 +333,14 @@ def test_kill_matrix_resume_from_the_last_checkpoint(tmp_path: Path, victim: str
         _assert_applied_once(info, starts)
         assert info["positions"] == [TOTAL, TOTAL]
         assert info["minibatches"] == 2 * TOTAL - sum(starts)
-        lost = [a - b for a, b in zip(at_kill, starts, strict=True)]
+        # (a head killed reports nothing more: its last progress seen, up to 0.1 s old)
+        lost = [max(0, a - b) for a, b in zip(at_kill, starts, strict=True)]
         print(f"{victim} (seed {seed}): killed at {at_kill}, resumed from wave {wave} "
               f"{starts}: lost {lost} minibatches per VW ({[x / NM for x in lost]} waves; "
               f"checkpoint every {EVERY}); accuracy {info['test_accuracy']:.4f}, "
               f"uninterrupted {uninterrupted:.4f}")
-        if victim == "worker-gpu1":  # the head knows how far the failed job got
-            assert resumed["lost"] >= lost and max(resumed["lost"]) <= (EVERY + 2) * NM * 2
+        if victim != "ps0":  # the head knows how far the failed job got
+            assert resumed["lost"] == lost, (resumed["lost"], lost)
         assert info["test_accuracy"] >= uninterrupted - 0.01  # within 1 point
         # at most the checkpoint interval (two where the newest checkpoint was damaged on
         # purpose), plus the waves the faster VW may run ahead (the staleness bound and the
