@@ -1042,6 +1042,7 @@ class Head:
         js.replans.append({
             "lost": lost, "reason": reason, "after_minibatches": positions,
             "checkpoint": str(ck.path) if ck is not None else None,
+            "checkpoint_positions": ck.meta.get("positions") if ck is not None else None,
             "lost_minibatches": lost_mb,
             "vws": [[s.device for s in vw.stages] for vw in new.vws],
             "starts": list(new.starts),

