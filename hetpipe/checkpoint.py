@@ -24,6 +24,7 @@ What one holds, all of one *cut* (wave c of each virtual worker, see :mod:`hetpi
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -85,8 +86,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
+def _saved(tensors: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
 
 
@@ -107,18 +116,15 @@ def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[st
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{seq:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{seq:06d}-", dir=root))
-    stages = stages or {}
+    contents = {WEIGHTS: _saved({k: v.detach().cpu() for k, v in state.items()}),
+                META: json.dumps(meta).encode()}
+    contents.update({name: _saved(tensors) for name, tensors in (stages or {}).items()})
     try:
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp / WEIGHTS)
-        for name, tensors in stages.items():
-            torch.save(tensors, tmp / name)
-        (tmp / META).write_text(json.dumps(meta))
         files = {}
-        for name in (WEIGHTS, META, *stages):
-            _fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        (tmp / MANIFEST).write_text(json.dumps({"seq": seq, "files": files}))
-        _fsync_file(tmp / MANIFEST)
+        for name, data in contents.items():  # hashed in memory: no file is read back
+            _write_synced(tmp / name, data)
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        _write_synced(tmp / MANIFEST, json.dumps({"seq": seq, "files": files}).encode())
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint of this seq from an attempt given up
             shutil.rmtree(final)

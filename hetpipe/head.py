@@ -888,11 +888,14 @@ class Head:
             t0 = time.perf_counter()
             try:
                 weights: dict[str, torch.Tensor] = {}
-                applied: dict[str, dict[str, list[int]]] = {}
-                for index in plan.shards_used():
-                    ch = await self._shard(index)
-                    reply = await ch.request(Kind.SHARD_CUT, {"job": plan.job, "wave": c},
-                                             timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+                applied: dict[str, dict[str, list[list[int]]]] = {}
+                shards = plan.shards_used()
+                channels = [await self._shard(index) for index in shards]
+                replies = await asyncio.gather(*(
+                    ch.request(Kind.SHARD_CUT, {"job": plan.job, "wave": c},
+                               timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+                    for index, ch in zip(shards, channels, strict=True)))
+                for index, reply in zip(shards, replies, strict=True):
                     weights.update(reply.tensors)
                     applied[str(index)] = reply["info"]["applied"]
                 problem = _cut_problem(plan, c, applied, picks)
