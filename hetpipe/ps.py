@@ -141,8 +141,8 @@ class ShardServer:
             except ConnectionError as exc:
                 self.log.warning("cut answer undeliverable", job=job, wave=wave,
                                  error=str(exc))
-        if waiting:
-            self.cut_waits[job] = waiting
+        if waiting:  # (requests that came in during the sends above stay too)
+            self.cut_waits.setdefault(job, []).extend(waiting)
 
     async def _pull(self, peer: bytes | None, msg: Message) -> None:
         js = self.store.get(msg["job"])
