@@ -925,8 +925,12 @@ class Head:
                 out = self.job_dir(js)
                 loop = asyncio.get_running_loop()
                 seq = checkpoint.next_seq(out)
+                fetched = time.perf_counter()
                 path = await loop.run_in_executor(None, lambda: checkpoint.write(
                     out, seq, weights, meta, stages=stages))
+                self.log.info("checkpoint written", job=js.id, wave=c, path=str(path),
+                              fetch_s=round(fetched - t0, 4),
+                              write_s=round(time.perf_counter() - fetched, 4))
                 js.checkpoints += 1
                 js.checkpoint_stage_s += max((m.get("state_s", 0.0) for m, _ in
                                               picks.values()), default=0.0)
