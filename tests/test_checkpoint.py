@@ -343,10 +343,10 @@ def test_kill_matrix_resume_from_the_last_checkpoint(tmp_path: Path, victim: str
             assert resumed["lost"] == lost, (resumed["lost"], lost)
         assert info["test_accuracy"] >= uninterrupted - 0.01  # within 1 point
         # at most the checkpoint interval (two where the newest checkpoint was damaged on
-        # purpose), plus the waves the faster VW may run ahead (the staleness bound and the
-        # wave in flight) while the slower closes the next cut
+        # purpose), plus the wave in flight and the one run while the next checkpoint was
+        # being written, and for the faster VW the wave it may run ahead (staleness 0)
         every = EVERY * (2 if victim == "ps0" else 1)
-        assert min(lost) <= (every + 1) * NM and max(lost) <= (every + 2) * NM, lost
+        assert min(lost) <= (every + 2) * NM and max(lost) <= (every + 3) * NM, lost
 
 
 async def _follow(c: LocalCluster, job_id: str, timeout: float) -> dict[str, Any]:
