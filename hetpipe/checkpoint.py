@@ -1,32 +1,41 @@
-"""Checkpoints of a job's global weights: written atomically, proven whole by a manifest.
+"""Checkpoints of a job: the shards' cut and every stage's state, written atomically, proven
+whole by a manifest.
 
 Why a manifest: a daemon may die in the middle of a write, and a disk may hand back a
 truncated or damaged file. A checkpoint is a folder ``<job dir>/checkpoints/<seq>`` whose
 files are written and fsynced in a private temporary folder, then a ``MANIFEST.json`` naming
 every file with its size and SHA-256 is written last, and the folder is renamed into place.
 :func:`latest` returns the newest checkpoint whose manifest matches its files, so a damaged
-one is skipped for the previous complete one. Weights are read with ``weights_only=True``:
+one is skipped for the previous complete one. Tensors are read with ``weights_only=True``:
 nothing is unpickled.
 
-What one holds: the global weights the shards hold (every layer), the shards' WSP clocks, and
-how many minibatches each virtual worker had finished. Not (yet) each stage's optimizer state,
-unpushed updates or data position: a resumed job restarts those (see ``hetpipe.head``).
+What one holds, all of one *cut* (wave c of each virtual worker, see :mod:`hetpipe.shard`):
+
+- ``weights.pt``: the global weights with exactly the pushes of waves < c of every stage;
+- ``stage-v<vw>-s<stage>.pt``: each stage's state right after its own push of wave c - 1
+  (:meth:`hetpipe.stage.StageCompute.state`): local weights ``param/<name>``, buffers
+  ``buffer/<name>`` and ``local/<name>``, optimizer state ``opt/<key>/<name>``, and the
+  accumulators it still kept ``acc/<wave>/<name>`` (pushed, all inside the cut);
+- ``meta.json``: the job, the plan it ran (each stage's device and layers), each virtual
+  worker's data position (minibatches done), the shards' applied sets at the cut, and per
+  stage its step counts and whether it had merged the cut's pull.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Checkpoint", "latest", "write"]
+__all__ = ["Checkpoint", "cut_after", "is_cut", "latest", "next_seq", "stage_file", "write"]
 
 MANIFEST = "MANIFEST.json"
 WEIGHTS = "weights.pt"
@@ -42,6 +51,31 @@ class Checkpoint:
     seq: int
     state: dict[str, torch.Tensor]
     meta: dict[str, Any]
+    stages: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by file name
+
+
+def cut_after(c: int, every: int, last: int) -> int | None:
+    """The cut point after wave ``c``: the next multiple of ``every`` or, past the last
+    multiple, the job's last wave ``last``; None after the last (or without cuts)."""
+    if every <= 0 or c >= last:
+        return None
+    return min(c + every - c % every, last)
+
+
+def is_cut(c: int, every: int, last: int) -> bool:
+    """Whether the end of wave ``c - 1`` is a cut of a virtual worker with ``last`` waves."""
+    return every > 0 and 0 < c <= last and (c % every == 0 or c == last)
+
+
+def stage_file(vw: int, stage: int) -> str:
+    """The file of one stage's state in a checkpoint."""
+    return f"stage-v{vw}-s{stage}.pt"
+
+
+def next_seq(job_dir: Path) -> int:
+    """A sequence number after every checkpoint folder of the job (complete or not)."""
+    seqs = [int(p.name) for p in _complete_dirs(job_dir / "checkpoints") if p.name.isdigit()]
+    return max(seqs, default=0) + 1
 
 
 def _sha256(path: Path) -> str:
@@ -52,8 +86,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
+def _saved(tensors: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
 
 
@@ -66,21 +108,23 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-          *, keep: int = KEEP) -> Path:
-    """Write checkpoint ``seq`` of a job atomically; keep the newest ``keep``; return its path."""
+          *, stages: dict[str, dict[str, torch.Tensor]] | None = None,
+          keep: int = KEEP) -> Path:
+    """Write checkpoint ``seq`` of a job atomically (the global weights ``state``, each
+    stage's tensors by file name, ``meta``); keep the newest ``keep``; return its path."""
     root = job_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{seq:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{seq:06d}-", dir=root))
+    contents = {WEIGHTS: _saved({k: v.detach().cpu() for k, v in state.items()}),
+                META: json.dumps(meta).encode()}
+    contents.update({name: _saved(tensors) for name, tensors in (stages or {}).items()})
     try:
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp / WEIGHTS)
-        (tmp / META).write_text(json.dumps(meta))
         files = {}
-        for name in (WEIGHTS, META):
-            _fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        (tmp / MANIFEST).write_text(json.dumps({"seq": seq, "files": files}))
-        _fsync_file(tmp / MANIFEST)
+        for name, data in contents.items():  # hashed in memory: no file is read back
+            _write_synced(tmp / name, data)
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        _write_synced(tmp / MANIFEST, json.dumps({"seq": seq, "files": files}).encode())
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint of this seq from an attempt given up
             shutil.rmtree(final)
@@ -106,14 +150,17 @@ def verify(path: Path) -> Checkpoint:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
-        for name in (WEIGHTS, META):
+        for name in {WEIGHTS, META, *files}:
             entry = files[name]
             f = path / name
-            if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+            if "/" in name or f.stat().st_size != entry["bytes"] or \
+                    _sha256(f) != entry["sha256"]:
                 raise ValueError(f"{f}: does not match the manifest (truncated or damaged)")
         state = torch.load(path / WEIGHTS, map_location="cpu", weights_only=True)
         meta = json.loads((path / META).read_text())
-        return Checkpoint(path, int(manifest["seq"]), state, meta)
+        stages = {name: torch.load(path / name, map_location="cpu", weights_only=True)
+                  for name in files if name not in (WEIGHTS, META)}
+        return Checkpoint(path, int(manifest["seq"]), state, meta, stages)
     except ValueError:
         raise
     except Exception as exc:  # missing file, bad JSON, bad keys: all "not a whole checkpoint"

@@ -6,12 +6,18 @@ silent or reports an error (telling the other stages to drop it), and at the end
 global weights, evaluates them, and writes them as one PyTorch state_dict. Jobs run one after
 another; the daemons stay up between them.
 
-Durability: every ``train.checkpoint_every`` waves it writes the global weights as a
-checkpoint (:mod:`hetpipe.checkpoint`); ``submit --resume`` starts a job from one. With
-``train.on_worker_loss = "replan"`` a lost worker starts a new *attempt* of the job on the
-live devices; each attempt has its own wire id (``<job>.r<n>``), so nothing an abandoned
-attempt still sends is taken for the current one's, and a stage of a job the head does not
-run (it restarted) is told to stop.
+Durability: every ``train.checkpoint_every`` waves (and at the end) each stage sends the
+head its state right after its push of that wave, the shards keep the cut of the global
+weights at the same wave (:mod:`hetpipe.shard`), and the head writes both as one checkpoint
+(:mod:`hetpipe.checkpoint`) once the shards' applied sets prove the cut whole.
+``submit --resume`` (and a restarted head, by itself) starts a job from its last complete
+checkpoint: the shards get the cut, each stage its local weights and optimizer state, each
+virtual worker its data position. With ``train.on_worker_loss = "replan"`` a lost worker
+starts a new *attempt* of the job on the live devices, from the last checkpoint where there
+is one; each attempt has its own wire id (``<job>.r<n>``), so nothing an abandoned attempt
+still sends is taken for the current one's, and a stage of a job the head does not run (it
+restarted) is told to stop. An attempt counts waves from 0 on fresh shard clocks; its
+stages read data from their virtual worker's position on.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
 from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_result
+from hetpipe.modelstate import layer_of
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
 from hetpipe.profiling import (
     layers_from,
@@ -110,10 +117,22 @@ class JobState:
     lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
     replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
-    done_before: int = 0  # minibatches per VW trained before this attempt (resume, re-plan)
+    totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
+    lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
     checkpoints: int = 0
-    checkpoint_s: float = 0.0  # head time spent fetching and writing checkpoints
+    checkpoint_s: float = 0.0  # head time spent fetching cuts and writing checkpoints
+    checkpoint_stage_s: float = 0.0  # stages' time taking their state (slowest, per cut)
+    last_checkpoint: dict[str, Any] | None = None
     recovered: bool = False  # queued by a restarted head: wait for the cluster first
+    # checkpointed state each stage of the next launch starts from: (meta, tensors)
+    restores: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = field(
+        default_factory=dict)
+    # stage states received for cuts not written yet: (vw, stage) -> wave -> (meta, tensors)
+    states: dict[tuple[int, int], dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]] = \
+        field(default_factory=dict)
+    cut_next: int | None = None  # the next cut to write
+    cut_writes: list[asyncio.Task[None]] = field(default_factory=list)
+    cut_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time
 
     @property
     def wire_id(self) -> str:
@@ -152,6 +171,8 @@ class JobState:
                 })
             out["vws"] = vws
             out["minibatches"] = done_all
+            # each VW's place in the whole job (a resumed attempt starts further on)
+            out["positions"] = [plan.start_of(v) + vw["done"] for v, vw in enumerate(vws)]
             out["global_clock"] = min((v["clock"] for v in vws), default=0)
             losses = [v["loss"] for v in vws if v["loss"] is not None]
             out["loss"] = sum(losses) / len(losses) if losses else None
@@ -169,12 +190,17 @@ class JobState:
                 out["predicted"] = {k: v for k, v in plan.predicted.items()
                                     if k != "state_bytes"}
         if self.resume is not None:
-            out["resumed_from"] = {"job": self.resume.meta.get("job"),
-                                   "checkpoint": str(self.resume.path),
-                                   "minibatches_done": self.resume.meta.get("minibatches_done")}
+            meta = self.resume.meta
+            out["resumed_from"] = {"job": meta.get("job"), "checkpoint": str(self.resume.path),
+                                   "minibatches_done": meta.get("minibatches_done"),
+                                   "positions": meta.get("positions"),
+                                   "wave": meta.get("wave"),
+                                   **({"lost": self.lost} if self.lost is not None else {})}
         if self.checkpoints:
             out["checkpoints"] = self.checkpoints
             out["checkpoint_s"] = self.checkpoint_s
+            out["checkpoint_stage_s"] = self.checkpoint_stage_s
+            out["last_checkpoint"] = self.last_checkpoint
         if self.replans:
             out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
                               for r in self.replans]
@@ -241,7 +267,7 @@ class Head:
             return user == worker_user(msg["device"])
         if k == Kind.SHARD_HELLO:
             return user == shard_user(msg["shard"])
-        if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+        if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED, Kind.STAGE_STATE):
             js = self._by_wire(msg["job"])
             return js is not None and any(
                 user == worker_user(w.device) and w.job == js.id
@@ -328,6 +354,8 @@ class Head:
                                     to=peer)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
+        elif k == Kind.STAGE_STATE:
+            self._stage_state(msg)
         elif k == Kind.TRACE:
             await self._trace(peer, msg)
         elif k in (Kind.PROFILE, Kind.PLAN):
@@ -484,7 +512,8 @@ class Head:
 
     def _orphan(self, msg: Message) -> bool:
         """A worker's message about a job (attempt) this head does not know."""
-        if msg.kind not in (Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+        if msg.kind not in (Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED,
+                            Kind.STAGE_STATE):
             return False
         job = msg.get("job")
         if not job or self._by_wire(job) is not None:
@@ -727,7 +756,10 @@ class Head:
                 None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
                                        shards, vws=vws, predicted=predicted))
             if js.resume is not None:
-                self._start_from(js, js.resume)
+                self._restore(js, js.plan, js.resume)
+                js.lost = self._lost_since(js.resume)
+            else:
+                js.totals = tuple(js.plan.minibatches_of(v) for v in range(len(js.plan.vws)))
         except JobPlanError as exc:
             js.state, js.error = "failed", str(exc)
             log.warning("job refused", error=str(exc))
@@ -761,55 +793,166 @@ class Head:
             with contextlib.suppress(OSError, _JobFailed):
                 interrupted = self._stopping and js.state == "failed" and not js.cancelled
                 self._record(js, **({"state": "interrupted"} if interrupted else {}))
+            self._drop_cuts(js)
             await self._drop_shards(js)
             for w in self.workers.values():
                 if w.job == js.id:
                     w.job = w.vw = w.stage = None
 
-    def _start_from(self, js: JobState, ck: checkpoint.Checkpoint) -> None:
-        """Start the job's plan from a checkpoint's global weights, owing what it had left."""
-        assert js.plan is not None and js.plan.initial is not None
-        missing = sorted(set(js.plan.initial) - set(ck.state))
+    def _restore(self, js: JobState, plan: JobPlan, ck: checkpoint.Checkpoint) -> None:
+        """Start ``plan`` from checkpoint ``ck``: the shards from its cut of the global
+        weights, every virtual worker from its data position, every stage from its state.
+
+        A stage of the same virtual worker with the same layers as in the checkpoint's plan
+        takes its whole state (local weights, buffers, optimizer state). A stage whose layers
+        moved (a re-plan, another split) takes its weights from the shards' cut, as at a
+        job's start, and the optimizer state of each of its parameters from the stage of the
+        same virtual worker that held it (of virtual worker 0 where the count of virtual
+        workers changed). With another count of virtual workers the data is sharded
+        differently: each one starts at the smallest position of the old ones.
+        """
+        assert plan.initial is not None
+        missing = sorted(set(plan.initial) - set(ck.state))
         if missing:
             raise JobPlanError(f"checkpoint {ck.path} has no {missing[:3]}: another model?")
-        js.plan.initial = {k: ck.state[k] for k in js.plan.initial}
-        js.done_before = int(ck.meta.get("minibatches_done", 0))
-        total = int(ck.meta.get("minibatches_total", js.plan.minibatches))
-        js.plan.minibatches = max(1, total - js.done_before)
-        self.log.info("resuming", job=js.id, checkpoint=str(ck.path),
-                      minibatches_done=js.done_before, minibatches_left=js.plan.minibatches)
+        plan.initial = {k: ck.state[k] for k in plan.initial}
+        meta = ck.meta
+        n = len(plan.vws)
+        done = int(meta.get("minibatches_done", 0))
+        positions = [int(x) for x in meta.get("positions", [done])]
+        totals = [int(x) for x in meta.get("totals", [meta.get("minibatches_total",
+                                                                plan.minibatches)])]
+        same = len(positions) == n and len(totals) == n
+        starts = tuple(positions) if same else (min(positions),) * n
+        js.totals = tuple(totals) if same else (totals[0],) * n
+        owed = [t - p for t, p in zip(js.totals, starts, strict=True)]
+        if max(owed) <= 0:
+            raise JobPlanError(f"checkpoint {ck.path} is the end of job {meta.get('job')}: "
+                               f"it has nothing left to train")
+        plan.starts = starts
+        if js.spec.sync:  # iterations stay aligned: every VW runs VW 0's count
+            plan.minibatches = max(1, owed[0])
+        else:
+            plan.owed = tuple(max(1, o) for o in owed)
+        js.restores = _stage_restores(plan, ck, same)
+        whole = sorted(f"vw{v}/stage{s}" for (v, s), (m, _) in js.restores.items()
+                       if m.get("weights"))
+        self.log.info("resuming", job=js.id, checkpoint=str(ck.path), wave=meta.get("wave"),
+                      positions=list(starts), owed=list(owed), stages_restored=whole,
+                      stages_from_global=len(js.restores) - len(whole))
 
-    async def _checkpoints(self, js: JobState, every: int) -> None:
-        """A checkpoint each time the global clock has moved ``every`` waves on."""
-        assert js.plan is not None
-        plan, last = js.plan, 0
-        while True:
-            await asyncio.sleep(0.25)
-            clock = min((js.progress.get((v, len(vw.stages) - 1), {}).get("vw_clock", 0)
-                         for v, vw in enumerate(plan.vws)), default=0)
-            if clock >= last + every:
-                try:
-                    await self._checkpoint(js, clock)
-                except (RemoteError, TimeoutError, ConnectionError, OSError) as exc:
-                    self.log.warning("checkpoint failed", job=js.id, error=excerpt(exc))
-                last = clock
+    def _lost_since(self, ck: checkpoint.Checkpoint) -> list[int] | None:
+        """Per VW, the minibatches the checkpointed job trained after ``ck`` (where its
+        final status says how far it got): the work a resume does again."""
+        old = read_result(self.run_dir, str(ck.meta.get("job")))
+        got, at = (old or {}).get("positions"), ck.meta.get("positions")
+        if not got or not at or len(got) != len(at):
+            return None
+        return [max(0, int(a) - int(b)) for a, b in zip(got, at, strict=True)]
 
-    async def _checkpoint(self, js: JobState, clock: int) -> None:
-        """Fetch the global weights from the shards and write them as one checkpoint."""
-        assert js.plan is not None
-        t0 = time.perf_counter()
-        plan = js.plan
-        state, clocks = await self._fetch_state(js)
-        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
-                    for v, vw in enumerate(plan.vws)), default=0)
-        meta = {"job": js.id, "spec": js.spec.to_dict(), "global_clock": clock,
-                "shard_clocks": clocks, "minibatches_done": js.done_before + done,
-                "minibatches_total": js.done_before + plan.minibatches, "t": time.time()}
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, checkpoint.write, self.job_dir(js),
-                                   js.done_before + done, state, meta)
-        js.checkpoints += 1
-        js.checkpoint_s += time.perf_counter() - t0
+    # -- checkpoints: the stages' states and the shards' cut of one wave ----------------------
+
+    def _stage_state(self, msg: Message) -> None:
+        """Keep a stage's state at a cut; once every stage's is in, write the checkpoint."""
+        js = self._by_wire(msg["job"])
+        if js is None or js.state != "running" or js.plan is None:
+            return
+        meta = dict(msg["meta"])
+        js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
+        plan, every = js.plan, js.spec.checkpoint_every
+        last = max(plan.waves(v) for v in range(len(plan.vws)))
+        expected = [(v, s) for v, vw in enumerate(plan.vws) for s in range(len(vw.stages))
+                    if plan.stage_names(v, s)]
+        while js.cut_next is not None:
+            c = js.cut_next
+            picks = {}
+            for v, s in expected:
+                got = js.states.get((v, s), {}).get(min(c, plan.waves(v)))
+                if got is None:
+                    return
+                picks[(v, s)] = got
+            js.cut_writes.append(asyncio.ensure_future(self._write_cut(js, plan, c, picks)))
+            js.cut_next = checkpoint.cut_after(c, every, last)
+            for (v, s) in picks:  # a VW at its end keeps its last state for the later cuts
+                held = js.states[(v, s)]
+                for w in [w for w in held if w < min(c, plan.waves(v))]:
+                    del held[w]
+
+    async def _write_cut(self, js: JobState, plan: JobPlan, c: int,
+                         picks: dict[tuple[int, int], tuple[dict[str, Any],
+                                                            dict[str, torch.Tensor]]]) -> None:
+        """Fetch the shards' cut ``c``, check it against the stages' states, write both."""
+        async with js.cut_lock:
+            if js.plan is not plan:  # the attempt was given up meanwhile
+                return
+            t0 = time.perf_counter()
+            try:
+                weights: dict[str, torch.Tensor] = {}
+                applied: dict[str, dict[str, list[list[int]]]] = {}
+                shards = plan.shards_used()
+                channels = [await self._shard(index) for index in shards]
+                replies = await asyncio.gather(*(
+                    ch.request(Kind.SHARD_CUT, {"job": plan.job, "wave": c},
+                               timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+                    for index, ch in zip(shards, channels, strict=True)))
+                for index, reply in zip(shards, replies, strict=True):
+                    weights.update(reply.tensors)
+                    applied[str(index)] = reply["info"]["applied"]
+                problem = _cut_problem(plan, c, applied, picks)
+                if problem is not None:
+                    self.log.warning("checkpoint not written: inconsistent cut", job=js.id,
+                                     wave=c, problem=problem)
+                    return
+                n = len(plan.vws)
+                positions = [plan.start_of(v) + min(min(c, plan.waves(v)) * plan.vws[v].nm,
+                                                    plan.minibatches_of(v)) for v in range(n)]
+                stages = {}
+                files = {}
+                for (v, s), (m, tensors) in sorted(picks.items()):
+                    name = checkpoint.stage_file(v, s)
+                    st = plan.vws[v].stages[s]
+                    stages[name] = tensors
+                    files[name] = {"vw": v, "stage": s, "device": st.device, "first": st.first,
+                                   "last": st.last, "meta": m}
+                meta = {"job": js.id, "attempt": plan.job, "spec": js.spec.to_dict(), "wave": c,
+                        "positions": positions, "totals": list(js.totals),
+                        "minibatches_done": min(positions),
+                        "minibatches_total": max(js.totals), "applied": applied,
+                        "plan": [{"nm": vw.nm, "stages": [[st.device, st.first, st.last]
+                                                          for st in vw.stages]}
+                                 for vw in plan.vws],
+                        "stages": files, "t": time.time()}
+                out = self.job_dir(js)
+                loop = asyncio.get_running_loop()
+                seq = checkpoint.next_seq(out)
+                fetched = time.perf_counter()
+                path = await loop.run_in_executor(None, lambda: checkpoint.write(
+                    out, seq, weights, meta, stages=stages))
+                self.log.info("checkpoint written", job=js.id, wave=c, path=str(path),
+                              fetch_s=round(fetched - t0, 4),
+                              write_s=round(time.perf_counter() - fetched, 4))
+                js.checkpoints += 1
+                js.checkpoint_stage_s += max((m.get("state_s", 0.0) for m, _ in
+                                              picks.values()), default=0.0)
+                js.last_checkpoint = {"path": str(path), "wave": c, "positions": positions}
+            except (RemoteError, TimeoutError, ConnectionError, OSError, _JobFailed) as exc:
+                self.log.warning("checkpoint failed", job=js.id, wave=c, error=excerpt(exc))
+            finally:
+                js.checkpoint_s += time.perf_counter() - t0
+
+    async def _cuts_written(self, js: JobState) -> None:
+        """Wait for the checkpoints under way (the last one is the job's end)."""
+        writes, js.cut_writes = js.cut_writes, []
+        if writes:
+            await asyncio.gather(*writes)
+
+    def _drop_cuts(self, js: JobState) -> None:
+        """An attempt ends: checkpoints under way are given up, states held dropped."""
+        for t in js.cut_writes:
+            t.cancel()
+        js.cut_writes = []
+        js.states.clear()
+        js.cut_next = None
 
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""
@@ -817,9 +960,6 @@ class Head:
         if js.replans and "resumed_s" not in js.replans[-1]:
             js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
         watchers = [asyncio.ensure_future(self._telemetry(js))]
-        if js.spec.checkpoint_every:
-            watchers.append(asyncio.ensure_future(
-                self._checkpoints(js, js.spec.checkpoint_every)))
         if js.spec.eval_every_s:
             watchers.append(asyncio.ensure_future(
                 self._evaluate_every(js, js.spec.eval_every_s)))
@@ -841,12 +981,14 @@ class Head:
 
     async def _replan(self, js: JobState, reason: str) -> None:
         """Go on without the lost worker: plan the job again on the live devices and start it
-        from the global weights the shards hold now.
+        from the job's last complete checkpoint (:meth:`_restore`: the shards' cut, each
+        stage's state where its layers stayed, the optimizer state per parameter where they
+        moved, each virtual worker's data position). The work since that checkpoint is done
+        again (``lost_minibatches`` of the re-plan says how much).
 
-        Without checkpoints this restarts from the shards' weights, not from each stage's
-        state: the lost stage's unpushed updates of the current wave and every stage's
-        optimizer state are gone, and the data order starts again from the job's first
-        minibatch. The job trains the minibatches it still owed (the slowest VW's count).
+        A job without a checkpoint yet starts from the global weights the shards hold now:
+        the lost stage's unpushed updates and every stage's optimizer state are gone, and
+        every virtual worker goes on from the slowest one's position.
         """
         assert js.plan is not None
         loop = asyncio.get_running_loop()
@@ -854,12 +996,16 @@ class Head:
         old, lost = js.plan, js.lost_device
         log = self.log.bind(job=js.id)
         log.warning("worker lost: re-planning the job without it", device=lost, reason=reason)
-        try:
-            state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
-        except (RemoteError, TimeoutError, ConnectionError) as exc:
-            raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: {exc}") from None
-        done = min((js.progress.get((v, len(vw.stages) - 1), {}).get("done", 0)
-                    for v, vw in enumerate(old.vws)), default=0)
+        positions = js.info().get("positions") or [0]
+        self._drop_cuts(js)
+        ck = self._latest_of(js)
+        state: dict[str, torch.Tensor] = {}
+        if ck is None:
+            try:
+                state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
+            except (RemoteError, TimeoutError, ConnectionError) as exc:
+                raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: "
+                                 f"{exc}") from None
         await self._abort(js, reason)
         await self._drop_shards(js)
         for w in self.workers.values():
@@ -875,11 +1021,25 @@ class Head:
             new = await loop.run_in_executor(
                 None, lambda: plan_job(spec, wire, self.cluster, self._alive(), shards,
                                        vws=plan_vws(plan), predicted=predicted_summary(plan)))
+            if ck is not None:
+                self._restore(js, new, ck)
         except (PlanError, JobPlanError, _JobFailed) as exc:
             raise _JobFailed(f"{reason}; cannot re-plan without it: {exc}") from None
-        new.initial = {k: state[k] for k in new.initial or {}}
-        new.minibatches = max(1, old.minibatches - done)
-        js.done_before += done
+        if ck is None:
+            new.initial = {k: state[k] for k in new.initial or {}}
+            start = min(positions)
+            total = js.totals[0] if js.totals else old.minibatches
+            new.starts = (start,) * len(new.vws)
+            if spec.sync:
+                new.minibatches = max(1, total - start)
+            else:
+                new.owed = (max(1, total - start),) * len(new.vws)
+            js.totals = (total,) * len(new.vws)
+            lost_mb = None
+        else:
+            at = ck.meta.get("positions") or []
+            lost_mb = ([max(0, a - b) for a, b in zip(positions, at, strict=True)]
+                       if len(at) == len(positions) else None)
         js.plan = new
         js.failure = loop.create_future()
         js.lost_device = None
@@ -887,13 +1047,26 @@ class Head:
         js.stage_results.clear()
         js.all_done = asyncio.Event()
         js.replans.append({
-            "lost": lost, "reason": reason, "after_minibatches": done,
+            "lost": lost, "reason": reason, "after_minibatches": positions,
+            "checkpoint": str(ck.path) if ck is not None else None,
+            "checkpoint_positions": ck.meta.get("positions") if ck is not None else None,
+            "lost_minibatches": lost_mb,
             "vws": [[s.device for s in vw.stages] for vw in new.vws],
-            "minibatches_left": new.minibatches, "planned_s": round(time.monotonic() - t0, 2),
-            "_t": t0,
+            "starts": list(new.starts),
+            "minibatches_left": [new.minibatches_of(v) for v in range(len(new.vws))],
+            "planned_s": round(time.monotonic() - t0, 2), "_t": t0,
         })
         log.warning("re-planned", lost=lost, vws=js.replans[-1]["vws"],
-                    minibatches_left=new.minibatches)
+                    checkpoint=js.replans[-1]["checkpoint"], lost_minibatches=lost_mb,
+                    minibatches_left=js.replans[-1]["minibatches_left"])
+
+    def _latest_of(self, js: JobState) -> checkpoint.Checkpoint | None:
+        """The newest complete checkpoint of the job: its own, else the one it resumed from."""
+        skipped: list[str] = []
+        ck = checkpoint.latest(self.job_dir(js), skipped)
+        for why in skipped:
+            self.log.warning("damaged checkpoint skipped", job=js.id, error=excerpt(why, 300))
+        return ck if ck is not None else js.resume
 
     async def _race(self, js: JobState, aw: Any) -> Any:
         """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
@@ -940,18 +1113,27 @@ class Head:
             ch = await self._shard(index)
             await ch.request(Kind.SHARD_INIT, {"job": plan.job, "members": members,
                                                "staleness": js.spec.staleness,
-                                               "owners": owners},
+                                               "owners": owners,
+                                               "cut_every": js.spec.checkpoint_every},
                              weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
         plan.release_initial_weights()
+        js.states.clear()
+        js.cut_next = checkpoint.cut_after(0, js.spec.checkpoint_every,
+                                           max(plan.waves(v) for v in range(len(plan.vws))))
         waits = []
         for task in plan.tasks(self.shards, self.workers):
             w = self.workers[plan.device_of(task.vw, task.stage)]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            tensors = plan.local_state(task.vw, task.stage)
+            restore = js.restores.get((task.vw, task.stage))
+            if restore is not None:  # a resumed attempt: the stage's checkpointed state
+                task = dataclasses.replace(task, restore=restore[0])
+                tensors = {**tensors, **restore[1]}
             waits.append(self.channel.request(
                 Kind.ASSIGN, {"job": plan.job, "task": task.to_dict()},
-                plan.local_state(task.vw, task.stage), to=w.ident,
-                timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
+                tensors, to=w.ident, timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
         await asyncio.gather(*waits)
+        js.restores = {}
         for w in self.workers.values():
             if w.job == js.id:
                 await self.channel.send(Kind.START, {"job": plan.job}, to=w.ident)
@@ -962,15 +1144,11 @@ class Head:
         plan = js.plan
         assert plan is not None and js.started is not None
         train_s = time.time() - js.started
+        await self._cuts_written(js)  # the last checkpoint: the job's end
         state, clocks = await self._fetch_state(js)
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
-        if js.spec.checkpoint_every:  # the last one: the end state, resumable like any other
-            total = js.done_before + plan.minibatches
-            meta = {"job": js.id, "spec": js.spec.to_dict(), "shard_clocks": clocks,
-                    "minibatches_done": total, "minibatches_total": total, "t": time.time()}
-            await loop.run_in_executor(None, checkpoint.write, out_dir, total, state, meta)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
         stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
@@ -996,6 +1174,7 @@ class Head:
             "shard_clocks": clocks,
             "checkpoints": js.checkpoints,
             "checkpoint_s": js.checkpoint_s,
+            "checkpoint_stage_s": js.checkpoint_stage_s,
         }
 
     async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -1142,3 +1321,62 @@ def _who(peer: bytes) -> str:
 
 class _JobFailed(Exception):
     """The running job must stop; the text is what the user reads."""
+
+
+def _cut_problem(plan: JobPlan, c: int, applied: dict[str, dict[str, list[int]]],
+                 picks: dict[tuple[int, int], tuple[dict[str, Any], Any]]) -> str | None:
+    """Why the shards' cut ``c`` and the stages' states are not one consistent checkpoint:
+    every stage's applied set on every shard holding its state must be exactly waves
+    0 .. min(c, its VW's waves) - 1, and cover the accumulators the stage still keeps."""
+    for (v, s), (meta, _) in picks.items():
+        end = min(c, plan.waves(v))
+        want = [[0, end]] if end else []
+        for index in sorted({plan.placement[n] for n in plan.stage_names(v, s)}):
+            got = applied.get(str(index), {}).get(f"{v}/{s}")
+            if got != want:
+                return (f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
+                        f"at cut {c}, not [0, {end})")
+        if int(meta.get("wave", -1)) != min(c, plan.waves(v)):
+            return f"vw{v}/stage{s} sent its state of wave {meta.get('wave')} for cut {c}"
+        outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end]
+        if outside:
+            return f"vw{v}/stage{s} keeps updates of waves {outside[:3]} outside cut {c}"
+    return None
+
+
+def _stage_restores(plan: JobPlan, ck: checkpoint.Checkpoint, same_vws: bool
+                    ) -> dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """What each stage of ``plan`` starts from (see :meth:`Head._restore`)."""
+    old: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for name, info in ck.meta.get("stages", {}).items():
+        if name in ck.stages:
+            old.setdefault(int(info["vw"]), []).append((name, info))
+    out = {}
+    for v, vw in enumerate(plan.vws):
+        source = old.get(v if same_vws else 0, [])
+        for s, st in enumerate(vw.stages):
+            if not plan.stage_names(v, s):
+                continue
+            exact = next((n for n, info in source if same_vws and
+                          (info["first"], info["last"]) == (st.first, st.last)), None)
+            if exact is not None:
+                info = dict(ck.meta["stages"][exact]["meta"])
+                out[(v, s)] = ({**info, "weights": True}, ck.stages[exact])
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            steps: dict[str, int] = {}
+            optimizer = None
+            for name, info in source:
+                for key, t in ck.stages[name].items():
+                    if not key.startswith("opt/"):
+                        continue
+                    param = key.split("/", 2)[2]
+                    if st.first <= layer_of(param) < st.last:
+                        tensors[key] = t
+                        steps[param] = int(info["meta"].get("opt_steps", {}).get(param, 0))
+                        optimizer = info["meta"].get("optimizer")
+            meta: dict[str, Any] = {"weights": False, "opt_steps": steps}
+            if optimizer is not None:
+                meta["optimizer"] = optimizer
+            out[(v, s)] = (meta, tensors)
+    return out

@@ -70,6 +70,10 @@ class JobPlan:
     predicted: dict[str, Any] = field(default_factory=dict)
     layout: StateLayout | None = None  # None: the plain state_dict, nothing tied or local
     local: dict[str, torch.Tensor] = field(default_factory=dict)  # non-persistent buffers
+    # a resumed attempt: each VW's data position (minibatches done before it), and (async)
+    # the minibatches each VW still owes, which differ where VWs stopped at other positions
+    starts: tuple[int, ...] = ()
+    owed: tuple[int, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -101,8 +105,12 @@ class JobPlan:
         microbatches, and one with another M runs that many iterations of its own M.
         """
         if not self.spec.sync:
-            return self.minibatches
+            return self.owed[vw] if self.owed else self.minibatches
         return -(-self.minibatches // self.vws[0].nm) * self.vws[vw].nm
+
+    def start_of(self, vw: int) -> int:
+        """Minibatches virtual worker ``vw`` ran before this attempt (its data position)."""
+        return self.starts[vw] if self.starts else 0
 
     @property
     def total_minibatches(self) -> int:
@@ -147,7 +155,7 @@ class JobPlan:
                     placement={n: self.placement[n] for n in names},
                     prev_device=vwp.stages[s - 1].device if s > 0 else None,
                     next_device=vwp.stages[s + 1].device if s < k - 1 else None,
-                    recompute=list(st.recompute),
+                    recompute=list(st.recompute), start=self.start_of(v),
                 ))
         return out
 

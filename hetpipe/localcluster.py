@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import weakref
@@ -21,7 +22,7 @@ from typing import Any
 from hetpipe import launch, security
 from hetpipe.client import HeadClient, client_curve
 
-__all__ = ["DeviceDef", "LocalCluster", "cluster_toml"]
+__all__ = ["DeviceDef", "LocalCluster", "cluster_toml", "free_ports"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class DeviceDef:
     speed: float = 1.0
     device: str = "cpu"
     port: int = 0  # 0: ephemeral, chosen when the worker binds
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago (bound to port 0, then released):
+    for a cluster file whose daemons must keep their address across a restart."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,

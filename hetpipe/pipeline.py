@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hetpipe.checkpoint import is_cut
 from hetpipe.data import MinibatchStream
 from hetpipe.schedule import (
     Action,
@@ -50,6 +51,8 @@ PULL_TIMEOUT_S = 3600.0
 
 Report = Callable[[dict[str, Any]], Awaitable[None]]
 Send = Callable[[str, int, dict[str, torch.Tensor]], Awaitable[None]]
+# a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
+Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
 
 
 @dataclass
@@ -109,6 +112,7 @@ class StageRunner:
         report: Report,
         stream: MinibatchStream | None,
         report_every_s: float = 0.5,
+        snapshot: Snapshot | None = None,
     ) -> None:
         self.compute = compute
         self.task = compute.task
@@ -119,7 +123,11 @@ class StageRunner:
         self.report = report
         self.stream = stream
         self.report_every_s = report_every_s
+        self.snapshot = snapshot
         self.schedule = stage_schedule(compute)
+        if compute.restored:  # its checkpointed weights hold the first wave's merge
+            self.schedule.done(Pull(0))
+            self.schedule.done(Merge(0))
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.wakeup = asyncio.Event()
@@ -231,7 +239,8 @@ class StageRunner:
         p = head.i if isinstance(head, OptimizerStep) else head.p
         if isinstance(head, Forward):
             self._opening(p)
-            x, y = self.stream.batch(p) if self.task.is_first else self.acts.pop(p)  # type: ignore[union-attr]
+            x, y = (self.stream.batch(self.task.start + p)  # type: ignore[union-attr]
+                    if self.task.is_first else self.acts.pop(p))
             self.records[p] = Record(p=p, wave=wave_of(p, self.task.nm), clock=self.clock,
                                      vw_clock=self.vw_clock, t_fwd=time.time())
         elif isinstance(head, Backward) and not self.task.is_last:
@@ -328,6 +337,20 @@ class StageRunner:
             self.push_acks.append(await ch.send_request(
                 Kind.PUSH, {**self._ids(), "wave": wave}, part,
                 what=f"shard {shard} ({ch.name})"))
+        if self.snapshot is not None and is_cut(wave + 1, self.compute.spec.checkpoint_every,
+                                                self.schedule.waves):
+            await self._snapshot(wave + 1)
+
+    async def _snapshot(self, cut: int) -> None:
+        """This stage's state right after its push of wave ``cut - 1``, to the head: with the
+        shards' cut of the same wave it makes one checkpoint (:mod:`hetpipe.checkpoint`).
+        Its time counts in the push span around it."""
+        assert self.snapshot is not None
+        t0 = time.perf_counter()
+        meta, tensors = await self._run(self.compute.state, cut)
+        meta["merged"] = self.sync or not self.schedule.pulls or self.schedule.merged >= cut
+        meta["state_s"] = time.perf_counter() - t0
+        await self.snapshot(cut, meta, tensors)
 
     async def _wait_pushes(self) -> None:
         for fut in self.push_acks:

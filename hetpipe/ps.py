@@ -41,13 +41,16 @@ class ShardServer:
     """
 
     KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.REDUCE, Kind.SHARD_INIT, Kind.SHARD_FETCH,
-                       Kind.SHARD_DROP})
-    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP})
+                       Kind.SHARD_DROP, Kind.SHARD_CUT})
+    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP,
+                            Kind.SHARD_CUT})
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.store: ShardStore[Parked] = ShardStore()
         self.owners: dict[str, dict[str, str]] = {}  # job -> "vw/stage" -> worker user id
+        # job -> the head's requests for cuts not complete yet: (peer, rid, wave)
+        self.cut_waits: dict[str, list[tuple[bytes | None, int, int]]] = {}
         self.channel: Channel | None = None
         self.log = logmod.get("shard").bind(shard=index)
         self._refused = Throttle(self.log)  # requests outside a peer's role, once a while
@@ -81,18 +84,26 @@ class ShardServer:
             elif msg.kind == Kind.REDUCE:
                 await self._reduce(peer, msg)
             elif msg.kind == Kind.SHARD_INIT:
-                js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors)
+                js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors,
+                                     cut_every=msg.get("cut_every") or 0)
                 self.owners[msg["job"]] = {str(k): str(v) for k, v in
                                            (msg.get("owners") or {}).items()}
                 self.log.info("job held", job=msg["job"], tensors=len(js.weights))
                 await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
             elif msg.kind == Kind.SHARD_FETCH:
                 js = self.store.get(msg["job"])
-                info = {**js.clock.snapshot(), "pushes": js.pushes, "bytes": js.pushed_bytes}
+                info = {**js.clock.snapshot(), "pushes": js.pushes, "bytes": js.pushed_bytes,
+                        "duplicates": js.duplicates, "applied": js.applied_sets()}
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
+            elif msg.kind == Kind.SHARD_CUT:
+                self.store.get(msg["job"])  # an unknown job is refused at once
+                self.cut_waits.setdefault(msg["job"], []).append((peer, rid, msg["wave"]))
+                await self._answer_cuts(msg["job"])
             elif msg.kind == Kind.SHARD_DROP:
                 self.owners.pop(msg["job"], None)
                 for p, prid, _vw, _stage in self.store.drop(msg["job"]):
+                    await self.channel.reply_error(p, f"job {msg['job']} ended", prid)
+                for p, prid, _wave in self.cut_waits.pop(msg["job"], []):
                     await self.channel.reply_error(p, f"job {msg['job']} ended", prid)
                 await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
         except (ShardError, WspError) as exc:
@@ -107,6 +118,31 @@ class ShardServer:
                                 to=peer)
         for item in js.clock.release():
             await self._answer(msg["job"], item)
+        if self.cut_waits.get(msg["job"]):
+            await self._answer_cuts(msg["job"])
+
+    async def _answer_cuts(self, job: str) -> None:
+        """Answer the head's requests for cuts that are complete now (refuse unknown ones)."""
+        assert self.channel is not None
+        js = self.store.get(job)
+        waiting = []
+        for peer, rid, wave in self.cut_waits.pop(job, []):
+            try:
+                cut = js.cut(wave)
+            except ShardError as exc:
+                await self.channel.reply_error(peer, f"shard {self.index}: {exc}", rid)
+                continue
+            if cut is None:
+                waiting.append((peer, rid, wave))
+                continue
+            weights, info = cut
+            try:
+                await self.channel.send(Kind.OK, {"rid": rid, "info": info}, weights, to=peer)
+            except ConnectionError as exc:
+                self.log.warning("cut answer undeliverable", job=job, wave=wave,
+                                 error=str(exc))
+        if waiting:  # (requests that came in during the sends above stay too)
+            self.cut_waits.setdefault(job, []).extend(waiting)
 
     async def _pull(self, peer: bytes | None, msg: Message) -> None:
         js = self.store.get(msg["job"])

@@ -55,6 +55,9 @@ class LayerSeeds:
         self.seed = seed
         self.vw = vw
         self.p = 0
+        # minibatches this VW ran before this attempt (a resumed job): a seed follows the
+        # minibatch's position in the whole job, so a resumed job draws the same masks
+        self.start = 0
         self.generators = [torch.default_generator]
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -65,7 +68,7 @@ class LayerSeeds:
 
     def _hook(self, layer: int) -> Any:
         def reseed(_module: nn.Module, _args: Any) -> None:
-            s = layer_seed(self.seed, self.vw, layer, self.p)
+            s = layer_seed(self.seed, self.vw, layer, self.start + self.p)
             for g in self.generators:
                 g.manual_seed(s)
 

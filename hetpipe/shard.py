@@ -3,6 +3,18 @@
 No sockets here: :mod:`hetpipe.ps` feeds messages in and sends the answers out. Updates are
 applied out of place (``w = w + U`` builds a new tensor), so a pull answered zero-copy from the
 old tensor is never changed under ZeroMQ while it is still being sent.
+
+Cuts (checkpoints). Under WSP the virtual workers are not at the same wave: when the slowest
+pushes wave c - 1, a faster one may already have pushed c or c + 1 (by up to the staleness
+bound), and those are applied here. A checkpoint must hold the global weights of one *cut*:
+exactly the pushes of waves < c of every (vw, stage), the point each stage snapshots itself
+right after its own push of wave c - 1. So the shard keeps, for each cut point c (every
+``cut_every`` waves, and the job's last wave) still incomplete, a copy of its weights taken
+just before the first push of a wave >= c was applied, and adds to that copy only the pushes
+of waves < c that come later. Updates are out of place, so the copy is a dict of references
+(no tensor is copied). A VW with fewer waves than c is cut at its end. The cut's applied
+sets, which the checkpoint keeps, are exactly waves 0..c-1 of every stage: that is the proof
+that no update is in a checkpoint twice or missing from it.
 """
 
 from __future__ import annotations
@@ -13,11 +25,23 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from hetpipe.checkpoint import cut_after
 from hetpipe.wsp import WaveClock
 
-__all__ = ["JobShard", "ShardError", "ShardStore"]
+__all__ = ["JobShard", "ShardError", "ShardStore", "wave_ranges"]
 
 T = TypeVar("T")
+
+
+def wave_ranges(waves: list[int]) -> list[list[int]]:
+    """Sorted waves as ``[first, end)`` runs: ``[[0, 5]]`` is waves 0..4, each once."""
+    out: list[list[int]] = []
+    for w in waves:
+        if out and out[-1][1] == w:
+            out[-1][1] = w + 1
+        else:
+            out.append([w, w + 1])
+    return out
 
 
 class ShardError(ValueError):
@@ -45,6 +69,73 @@ class JobShard(Generic[T]):
     pushed_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     reductions: dict[int, Reduction[T]] = field(default_factory=dict)
+    duplicates: int = 0  # pushes acknowledged and ignored: (vw, stage, wave) already applied
+    cut_every: int = 0  # waves between cuts (train.checkpoint_every); 0: no cuts
+    finals: dict[int, int] = field(default_factory=dict)  # vw -> waves it pushes in all
+    next_cut: int | None = None  # the first cut point not complete yet
+    open_cuts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    cuts: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = field(
+        default_factory=dict)  # complete cuts not yet taken by the head (the newest few)
+
+    KEEP_CUTS = 2
+
+    def __post_init__(self) -> None:
+        if self.cut_every > 0 and self.finals:
+            self.next_cut = self._cut_after(0)
+
+    def _last_wave(self) -> int:
+        return max(self.finals.values(), default=0)
+
+    def _cut_after(self, c: int) -> int | None:
+        return cut_after(c, self.cut_every, self._last_wave())
+
+    def _cut_points(self, upto: int) -> list[int]:
+        """The incomplete cut points <= ``upto``."""
+        out, c = [], self.next_cut
+        while c is not None and c <= upto:
+            out.append(c)
+            c = self._cut_after(c)
+        return out
+
+    def _cut_complete(self, c: int) -> bool:
+        return all(self.clock.contiguous(vw, stage) >= min(c, self.finals.get(vw, c))
+                   for vw, stage in self.names)
+
+    def _before_apply(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
+        """Keep the cuts a push of ``wave`` must not enter, and add it to those it belongs to."""
+        if self.next_cut is None:
+            return
+        for c in self._cut_points(wave):  # cuts this push is past: copy before it lands
+            self.open_cuts.setdefault(c, dict(self.weights))
+        with torch.no_grad():
+            for c, held in self.open_cuts.items():
+                if wave < c:
+                    for name, d in deltas.items():
+                        held[name] = held[name] + d.to(held[name].dtype)
+
+    def _close_cuts(self) -> None:
+        """Move every cut whose pushes have all arrived to :attr:`cuts`."""
+        while self.next_cut is not None and self._cut_complete(self.next_cut):
+            c = self.next_cut
+            weights = self.open_cuts.pop(c, None)
+            if weights is None:  # no push past c arrived yet: the weights are the cut
+                weights = dict(self.weights)
+            applied = {f"{vw}/{stage}": wave_ranges(
+                [w for w in self.clock.applied(vw, stage) if w < min(c, self.finals.get(vw, c))])
+                for vw, stage in sorted(self.names)}
+            self.cuts[c] = (weights, {"wave": c, "applied": applied})
+            for old in sorted(self.cuts)[:-self.KEEP_CUTS]:
+                del self.cuts[old]
+            self.next_cut = self._cut_after(c)
+
+    def cut(self, c: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The weights and applied sets of cut ``c`` once complete (None until then)."""
+        if c in self.cuts:
+            return self.cuts[c]
+        if c not in self._cut_points(c):
+            raise ShardError(f"job {self.job}: no cut at wave {c} here (kept: "
+                             f"{sorted(self.cuts)}, next {self.next_cut})")
+        return None
 
     def reduce(
         self, vw: int, stage: int, iteration: int, samples: int,
@@ -105,14 +196,22 @@ class JobShard(Generic[T]):
         """Apply a stage's update of a wave exactly once; False for a duplicate."""
         self._check(vw, stage, deltas, "update")
         if not self.clock.record_push(vw, stage, wave):
+            self.duplicates += 1
             return False
+        self._before_apply(wave, deltas)
         with torch.no_grad():
             for name, d in deltas.items():
                 w = self.weights[name]
                 self.weights[name] = w + d.to(w.dtype)
                 self.pushed_bytes += d.numel() * d.element_size()
         self.pushes += 1
+        self._close_cuts()
         return True
+
+    def applied_sets(self) -> dict[str, list[list[int]]]:
+        """Every stage's applied waves here, ``"vw/stage"`` -> :func:`wave_ranges`."""
+        return {f"{vw}/{stage}": wave_ranges(self.clock.applied(vw, stage)) for vw, stage in
+                sorted(self.names)}
 
     def answer(self, vw: int, stage: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The fields and tensors of a ``pulled`` reply for one stage, as of now."""
@@ -139,12 +238,14 @@ class ShardStore(Generic[T]):
         members: Mapping[str, Mapping[str, Any]],
         staleness: int,
         weights: Mapping[str, torch.Tensor],
+        cut_every: int = 0,
     ) -> JobShard[T]:
         """Hold ``weights`` for ``job``.
 
         ``members`` maps each VW (str key) to ``{"waves": n, "stages": {stage: [names]}}``:
         the stages with state on this shard and how many waves the VW will push in all, so
-        that a VW which finishes early stops holding the global clock back.
+        that a VW which finishes early stops holding the global clock back. ``cut_every``:
+        keep a cut of the weights every that many waves (see the module docstring).
         """
         names: dict[tuple[int, int], list[str]] = {}
         waves: dict[int, int] = {}
@@ -162,11 +263,15 @@ class ShardStore(Generic[T]):
         clock_members: dict[int, list[int]] = {}
         for vw, stage in names:
             clock_members.setdefault(vw, []).append(stage)
+        if cut_every < 0:
+            raise ShardError(f"job {job}: cut_every must be >= 0, got {cut_every}")
         self.jobs[job] = JobShard(
             job=job,
             weights={n: t.detach().clone() for n, t in weights.items()},
             names=names,
             clock=WaveClock(clock_members, staleness),
+            cut_every=cut_every,
+            finals={vw: waves[vw] for vw in clock_members},
         )
         for vw in clock_members:
             self.jobs[job].clock.finish(vw, waves[vw])

@@ -144,6 +144,10 @@ class StageCompute:
         self.module.train()
         self.seeds = LayerSeeds(self.module, seed=self.spec.seed, vw=task.vw, first=task.first,
                                 device=self.dev)
+        self.seeds.start = task.start
+        # started from a checkpoint's local weights that had merged the pull of the cut's
+        # wave already (load_state): the attempt's first pull and merge are done
+        self.restored = False
         self.layout = StateLayout.of(self.module)
         self.param_names = list(self.layout.params)
         self.buffer_names = list(self.layout.buffers)
@@ -575,6 +579,102 @@ class StageCompute:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""
         return {**{n: t.detach() for n, t in self.params.items()}, **self.buffers}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state(self, wave: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """This stage's state at the cut ``wave``, called right after its push of
+        ``wave - 1``: plain data, and CPU copies of its tensors under the names of
+        :mod:`hetpipe.checkpoint` (``param/``, ``buffer/``, ``local/``, ``opt/<key>/``,
+        ``acc/<wave>/``).
+
+        Forwards of wave ``wave`` may be in flight (stage 0 admits them before that push);
+        a resumed job runs them again, so what they changed (batch-norm statistics, in the
+        accumulator of their wave) is taken out of the buffers here: the state is that of
+        the stage with its pipeline drained at the cut, and a resumed job differs from one
+        never stopped only in that those forwards run again on the newest weights, as
+        after a flush. The accumulators kept (pushed, not yet seen applied in a pull) are
+        saved to be checked against the shards' cut; nothing of a wave < ``wave`` is
+        unpushed at this point.
+        """
+        n = self.task.num_vws
+        later: dict[str, torch.Tensor] = {}  # local changes of waves >= wave, as applied here
+        with torch.no_grad():
+            for w, acc in self.acc.items():
+                if w < wave:
+                    continue
+                for name, d in acc.items():
+                    raw = d * n if (name in self.buffers and d.is_floating_point()
+                                    and n > 1) else d
+                    later[name] = later[name] + raw if name in later else raw
+
+            def copy(name: str, t: torch.Tensor) -> torch.Tensor:
+                t = t.detach()
+                if name in later:
+                    t = t - later[name].to(t.dtype)
+                return t.to("cpu", copy=True)
+
+            tensors = {f"param/{k}": copy(k, t) for k, t in self.params.items()}
+            tensors.update({f"buffer/{k}": copy(k, t) for k, t in self.buffers.items()})
+            tensors.update({f"local/{k}": copy(k, t) for k, t in self.local.items()})
+            for k, st in self.optimizer.state.items():
+                tensors.update({f"opt/{key}/{k}": t.detach().to("cpu", copy=True)
+                                for key, t in st.items()})
+            for w, acc in self.acc.items():
+                if w < wave:
+                    tensors.update({f"acc/{w}/{k}": t.detach().to("cpu", copy=True)
+                                    for k, t in acc.items()})
+        meta = {"wave": wave, "version": self.version, "steps_taken": self.steps_taken,
+                "optimizer": self.optimizer.name,
+                "opt_steps": {k: int(v) for k, v in self.optimizer.steps.items()},
+                "kept_waves": sorted(w for w in self.acc if w < wave)}
+        return meta, tensors
+
+    def load_state(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                   *, weights: bool) -> None:
+        """Start from a checkpointed state (:meth:`state`, or optimizer state put together
+        per name from several stages of an earlier plan).
+
+        Optimizer state is taken for every parameter of this stage it names (the step count
+        with it). With ``weights`` the local weights, buffers and non-persistent buffers
+        are the checkpoint's too, all of them (a stage whose layers moved takes its weights
+        from the shards instead). Kept accumulators are not taken: the checkpoint's cut
+        holds every one of them (the head checks its applied sets), and the shards of a
+        resumed attempt count waves afresh.
+        """
+        steps = meta.get("opt_steps", {})
+        if meta.get("optimizer", self.optimizer.name) != self.optimizer.name:
+            raise ValueError(f"{self.where}: the checkpoint's optimizer is "
+                             f"{meta.get('optimizer')}, the job's {self.optimizer.name}")
+        params, buffers, local = {}, {}, {}
+        for key, t in tensors.items():
+            kind, _, rest = key.partition("/")
+            if kind == "opt":
+                okey, _, name = rest.partition("/")
+                if name in self.param_names:
+                    self.optimizer.state.setdefault(name, {})[okey] = t.to(self.dev, copy=True)
+                    self.optimizer.steps[name] = int(steps.get(name, 0))
+            elif kind == "param" and rest in self.param_names:
+                params[rest] = t
+            elif kind == "buffer" and rest in self.buffer_names:
+                buffers[rest] = t
+            elif kind == "local" and rest in self.local:
+                local[rest] = t
+        if not weights:
+            return
+        missing = ([n for n in self.param_names if n not in params]
+                   + [n for n in self.buffer_names if n not in buffers])
+        if missing:
+            raise ValueError(f"{self.where}: the checkpoint has no {missing[:3]}")
+        self.params = {n: params[n].to(self.dev, copy=True).requires_grad_(
+            n not in self.layout.frozen) for n in self.param_names}
+        self.buffers = {n: buffers[n].to(self.dev, copy=True) for n in self.buffer_names}
+        self.local.update({n: t.to(self.dev, copy=True) for n, t in local.items()})
+        self.version = int(meta.get("version", 0))
+        self.steps_taken = int(meta.get("steps_taken", 0))
+        # not merged at the cut: the first pull merges the cut's global weights, as the
+        # uninterrupted stage's pull of that wave would have (a merge replaces the weights)
+        self.restored = bool(meta.get("merged", True))
 
     # -- memory -----------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ class Kind(StrEnum):
     REPORT = "report"
     STAGE_DONE = "stage_done"
     STAGE_FAILED = "stage_failed"
+    STAGE_STATE = "stage_state"
     ACT = "act"
     GRAD = "grad"
     PUSH = "push"
@@ -98,6 +99,7 @@ class Kind(StrEnum):
     SHARD_INIT = "shard_init"
     SHARD_FETCH = "shard_fetch"
     SHARD_DROP = "shard_drop"
+    SHARD_CUT = "shard_cut"
     SUBMIT = "submit"
     JOB_STATUS = "job_status"
     CLUSTER_STATUS = "cluster_status"
@@ -151,6 +153,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "records": _LIST,
     },
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
+    # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
+    Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # tensors: activation "x", labels "y"
     Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT},
     # tensors: gradient "g"
@@ -180,8 +184,11 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.REDUCED: {"rid": _INT, "samples": _INT},
     # tensors: initial weights, by parameter name
     # owners: "vw/stage" -> user id of the worker assigned (the only one it takes pushes from)
+    # cut_every: keep a cut of the weights every that many waves (checkpoints)
     Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT,
-                      "owners": _OPT_DICT},
+                      "owners": _OPT_DICT, "cut_every": _OPT_INT},
+    # head -> shard: the weights of cut ``wave`` (answered once complete) and its applied sets
+    Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
     # resume: the id of a job to continue from its last complete checkpoint (job optional then)

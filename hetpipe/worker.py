@@ -164,8 +164,8 @@ class Worker:
             # the head checked the job at submit; a worker checks again before any import
             check_job(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
-            compute = await loop.run_in_executor(self.executor, StageCompute, task, self.device,
-                                                 msg.tensors)
+            compute = await loop.run_in_executor(self.executor, _stage_compute, task,
+                                                 self.device, msg.tensors)
             job = _Job(task, compute)
             rt = self.cluster.runtime
             for address in (task.prev, task.next):
@@ -220,7 +220,7 @@ class Worker:
             return
         job.runner = StageRunner(job.compute, self.executor, send=self._sender(job),
                                  shards=job.shards, report=self._reporter(job),
-                                 stream=job.stream)
+                                 stream=job.stream, snapshot=self._snapshotter(job))
         for msg in job.early:
             job.runner.on_message(msg)
         job.early.clear()
@@ -239,6 +239,17 @@ class Worker:
             await ch.send(kind, {**fields, "p": p}, tensors)
 
         return send
+
+    def _snapshotter(self, job: _Job) -> Any:
+        """The stage's state at each cut goes to the head, which writes the checkpoint (the
+        job's directory is the head's; no file system is shared with the workers)."""
+        async def snapshot(wave: int, meta: dict[str, Any],
+                           tensors: dict[str, torch.Tensor]) -> None:
+            assert self.head is not None
+            await self.head.send(Kind.STAGE_STATE, {
+                "job": job.task.job, "vw": job.task.vw, "stage": job.task.stage,
+                "wave": wave, "meta": meta}, tensors)
+        return snapshot
 
     def _reporter(self, job: _Job) -> Any:
         async def report(stats: dict[str, Any]) -> None:
@@ -300,6 +311,18 @@ class Worker:
     async def close(self) -> None:
         await self._drop_job()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _stage_compute(task: StageTask, device: DeviceSpec,
+                   tensors: dict[str, torch.Tensor]) -> StageCompute:
+    """The stage of an assignment: its non-persistent buffers are named as in the model;
+    the checkpointed state of a resumed job (names with a ``/``) is loaded into it."""
+    local = {k: t for k, t in tensors.items() if "/" not in k}
+    compute = StageCompute(task, device, local)
+    if task.restore is not None:
+        compute.load_state(task.restore, {k: t for k, t in tensors.items() if "/" in k},
+                           weights=bool(task.restore.get("weights")))
+    return compute
 
 
 async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None = None,

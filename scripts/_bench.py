@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from hetpipe.localcluster import free_ports
 
 __all__ = ["HostCpu", "cpu_seconds", "emit_json", "free_port", "machine", "median", "parser",
            "print_table", "timed"]
@@ -97,9 +98,7 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def machine() -> dict[str, Any]:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from click.testing import CliRunner, Result
 
 from hetpipe import cli
 from hetpipe.client import HeadClient
-from hetpipe.localcluster import DeviceDef, cluster_toml
+from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,20 +56,6 @@ def invoke(*args: str) -> Result:
 
 def error_lines(result: Result) -> list[str]:
     return result.stderr.strip().splitlines()
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open until all are known)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_cluster(path: Path, ports: list[int] | None = None) -> Path:

@@ -15,13 +15,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(300)
-def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [0, 5])
+def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path, every: int) -> None:
     """SIGKILL one worker of a 4-device job: the head re-plans on the 3 others, starts them
-    from the shards' global weights, and the job finishes with a good accuracy."""
+    from the job's last checkpoint (``every`` > 0: the shards' cut, each stage's optimizer
+    state put together per parameter, the data position; the work since it is reported
+    lost) or, without checkpoints, from the shards' global weights, and the job finishes
+    with a good accuracy."""
     c = start_cluster(tmp_path, UNIFORM)
     try:
         spec = job("keepgoing", model="cnn", minibatches=300, nm=4, lr=0.05)
-        spec["train"].update(vws=1, on_worker_loss="replan")
+        spec["train"].update(vws=1, on_worker_loss="replan", checkpoint_every=every)
 
         async def go() -> tuple[dict[str, Any], str, float]:
             async with c.client() as head:
@@ -58,6 +62,14 @@ def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path) -> None:
         devices = {d for vw in replan["vws"] for d in vw}
         assert victim not in devices and len(devices) == 3, replan
         assert info["test_accuracy"] >= 0.85, info["test_accuracy"]
+        assert info["positions"] == [300]
+        if every:  # restored from the last checkpoint: at most its interval is done again
+            assert replan["checkpoint"] is not None
+            assert replan["starts"] == replan["checkpoint_positions"]
+            assert replan["starts"][0] % (every * 4) == 0
+            assert 0 <= replan["lost_minibatches"][0] <= (every + 1) * 4, replan
+        else:
+            assert replan["checkpoint"] is None
         lost_after = c.cluster.runtime.lost_after_s
         print(f"kill -> training again: {back:.1f} s (lost_after_s {lost_after:g}), "
               f"re-plan {replan['planned_s']} s, {replan}")

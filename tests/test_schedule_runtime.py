@@ -35,9 +35,10 @@ class StandInCompute:
     def __init__(self, kind: str, k: int, stage: int, nm: int, total: int) -> None:
         self.task = SimpleNamespace(
             job="j", vw=0, stage=stage, k=k, nm=nm, minibatches=total, staleness=0,
-            num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={})
-        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async")
+            num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={}, start=0)
+        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", checkpoint_every=0)
         self.has_state = True
+        self.restored = False  # not started from a checkpoint
         self.table = None  # stashes: greedy 1F1B
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
