@@ -142,8 +142,9 @@ class JobSpec:
     activations: str = "keep"  # hetpipe.planner.memory.ACTIVATION_POLICIES
     precision: str = "fp32"  # PRECISIONS: "bf16" runs forwards and backwards under autocast
     # waves between the pushes of a virtual worker alone in its job (nothing reads its global
-    # weights before a checkpoint or the end); several virtual workers push every wave
-    push_every: int = 1
+    # weights before a checkpoint or the end); 0: at checkpoints and the end only (every
+    # wave with eval_every_s); several virtual workers push every wave whatever it says
+    push_every: int = 0
     verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
 
     @property
@@ -294,7 +295,7 @@ class JobSpec:
         if precision not in PRECISIONS:
             train.fail("precision", f"unknown precision {precision!r} "
                        f"(one of: {', '.join(PRECISIONS)})")
-        push_every = train.at_least("push_every", 1, 1, high=MAX_COUNT)
+        push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
         verify = train.flag("verify", False)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:

@@ -171,6 +171,10 @@ class StageCompute:
         self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
         self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
         self.verify = self.spec.verify  # fingerprint the weights each pass used (costs reads)
+        # train.precision = "bf16": forwards (and so backwards) under autocast; the weights,
+        # their updates and the optimizer state stay float32, activations and gradients
+        # between stages travel as bfloat16
+        self.bf16 = self.spec.precision == "bf16"
         # per input shape: each layer's (saved bytes if kept, input bytes, working bytes),
         # measured by the first forward of that shape, which keeps every layer
         self._layer_bytes: dict[tuple[int, ...], tuple[list[int], list[int], list[int]]] = {}
@@ -240,10 +244,11 @@ class StageCompute:
         known = self._layer_bytes.get(shape)
         if recompute and known is not None:
             # the backward reruns this forward (weights latest/predict): keep the input only
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 out, _ = self._run_layers(p, x, state, measure=False)
         else:
-            out, measured = self._run_layers(p, x, state, measure=known is None)
+            with self._autocast():
+                out, measured = self._run_layers(p, x, state, measure=known is None)
         if known is None:
             known = self._layer_bytes[shape] = measured
             self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
@@ -263,9 +268,13 @@ class StageCompute:
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
+            sent = out.detach()
+            if self.bf16 and sent.is_floating_point():
+                sent = sent.to(torch.bfloat16)  # activations travel in the compute precision
             self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
-            return out.detach()
-        flight.loss = self.loss_fn(out, y.to(self.dev))
+            return sent
+        with self._autocast():
+            flight.loss = self.loss_fn(out, y.to(self.dev))
         self._losses.add(p, flight.loss)
         self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
         return None
@@ -319,6 +328,11 @@ class StageCompute:
             x = counted(j, layer, sub, x) if measure else self._call(j, sub, x)
             j += 1
         return x, (saved, inputs, work)
+
+    def _autocast(self) -> torch.autocast:
+        """The compute precision's autocast context (disabled in float32)."""
+        return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16,
+                              enabled=self.bf16)
 
     def _call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
@@ -375,9 +389,12 @@ class StageCompute:
         else:
             assert grad is not None, f"{self.where}: backward of {p} without a gradient"
             grads = torch.autograd.grad(
-                flight.out, inputs, grad.to(self.dev, non_blocking=True), allow_unused=True
+                flight.out, inputs, grad.to(self.dev, flight.out.dtype, non_blocking=True),
+                allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
+        if grad_in is not None and self.bf16:
+            grad_in = grad_in.to(torch.bfloat16)  # gradients travel in the compute precision
         if grad_in is None and wants_input:
             grad_in = torch.zeros_like(flight.x)
         elif not self.task.is_first and not wants_input:
@@ -438,8 +455,9 @@ class StageCompute:
         buffers = {n: b.clone() for n, b in self.buffers.items()}
         self.seeds.p = p
         # layer by layer under the activation policy: recomputed runs stay checkpoints
-        flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
-                                         measure=False)
+        with self._autocast():
+            flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
+                                             measure=False)
         flight.params = params
 
     def _rerun_bytes(self) -> int:
