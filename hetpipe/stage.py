@@ -233,7 +233,7 @@ class StageCompute:
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = time.perf_counter()
-        x = x.to(self.dev, non_blocking=True)
+        x = self._to_device(x)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
         params, recompute, s_bwd = self._forward_weights(p)
@@ -274,7 +274,7 @@ class StageCompute:
             self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
             return sent
         with self._autocast():
-            flight.loss = self.loss_fn(out, y.to(self.dev))
+            flight.loss = self.loss_fn(out, self._to_device(y))
         self._losses.add(p, flight.loss)
         self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
         return None
@@ -328,6 +328,13 @@ class StageCompute:
             x = counted(j, layer, sub, x) if measure else self._call(j, sub, x)
             j += 1
         return x, (saved, inputs, work)
+
+    def _to_device(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """A received host tensor on the stage's device. To a GPU it goes through pinned
+        memory: a copy from pageable memory would wait for the work queued on the device."""
+        if self.dev.startswith("cuda") and t.device.type == "cpu":
+            return t.pin_memory().to(self.dev, non_blocking=True)
+        return t.to(self.dev, copy=copy)
 
     def _autocast(self) -> torch.autocast:
         """The compute precision's autocast context (disabled in float32)."""
@@ -389,7 +396,7 @@ class StageCompute:
         else:
             assert grad is not None, f"{self.where}: backward of {p} without a gradient"
             grads = torch.autograd.grad(
-                flight.out, inputs, grad.to(self.dev, flight.out.dtype, non_blocking=True),
+                flight.out, inputs, self._to_device(grad).to(flight.out.dtype),
                 allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
@@ -596,7 +603,7 @@ class StageCompute:
         with torch.no_grad():
             for n, value in pulled.items():
                 done = set(applied[n])
-                t = value.to(self.dev, copy=True)
+                t = self._to_device(value, copy=True)
                 for w, acc in self.acc.items():
                     if w not in done and n in acc:
                         t.add_(acc[n])
