@@ -143,7 +143,8 @@ class JobSpec:
     precision: str = "fp32"  # PRECISIONS: "bf16" runs forwards and backwards under autocast
     # waves between the pushes of a virtual worker alone in its job (nothing reads its global
     # weights before a checkpoint or the end); 0: at checkpoints and the end only (every
-    # wave with eval_every_s); several virtual workers push every wave whatever it says
+    # wave with eval_every_s); several virtual workers, and the synchronous kinds, push
+    # every wave/iteration whatever it says
     push_every: int = 0
     verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
 

@@ -125,7 +125,7 @@ class StageRunner:
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
         spec = compute.spec
-        self.push_every = 1 if self.schedule.pulls or (
+        self.push_every = 1 if self.schedule.pulls or self.sync or (
             not spec.push_every and spec.eval_every_s) else spec.push_every
         self.flushed = 0  # waves whose update has been sent to the shards
         self.copy_executor = copy_executor or executor
@@ -377,7 +377,8 @@ class StageRunner:
     def _flushes(self, wave: int) -> bool:
         """Whether the push of ``wave`` carries the update (else its update is carried into
         the next wave's and the push only moves the shards' clock): always where several
-        virtual workers read each other's updates; for a virtual worker alone in its job
+        virtual workers read each other's updates and in the synchronous kinds (an
+        iteration's clock is its weights'); for an async virtual worker alone in its job
         every ``train.push_every`` waves, at every checkpoint and at the end."""
         every = self.push_every
         ck = self.compute.spec.checkpoint_every
