@@ -6,6 +6,7 @@ the job runs, and the pushes of a virtual worker alone in its job batched by
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,34 @@ def test_auto_pushes_land_before_each_checkpoint(uniform_cluster) -> None:
     metas = [json.loads((d / "meta.json").read_text())
              for d in sorted((job_dir / "checkpoints").iterdir()) if d.is_dir()]
     assert metas and all(m["global_clock"] % 10 == 0 for m in metas)
+
+
+def test_fingerprints_only_under_verify() -> None:
+    """Weight fingerprints are read back from the device only with ``train.verify``."""
+    for verify in (False, True):
+        spec = JobSpec.from_dict(job("unit", minibatches=4, train={"verify": verify}))
+        n = len(build_model("mlp"))
+        task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
+                         nm=1, staleness=0, minibatches=4, num_vws=1, prev=None, next=None)
+        c = StageCompute(task, DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
+        torch.manual_seed(0)
+        state = build_model("mlp").state_dict()
+        c.load({k: state[k] for k in c.state_names()}, {k: [] for k in c.state_names()})
+        x, y = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1).batch(0)
+        c.forward(0, x, y)
+        c.backward(0, None)
+        _, fwd, _, bwd = c.versions[0]
+        assert (fwd != 0.0 and fwd == bwd) if verify else (fwd == bwd == 0.0)
+
+
+def test_an_unslowed_device_never_waits_for_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """emulate.pad synchronises only a device slowed on purpose."""
+    from hetpipe import emulate
+
+    waited: list[str] = []
+    monkeypatch.setattr(emulate, "synchronize", waited.append)
+    emulate.pad(0.0, 1.0, "cuda:0")
+    emulate.pad(0.0, 2.0, "cuda:0")
+    assert waited == []
+    emulate.pad(time.perf_counter(), 0.5, "cuda:1")
+    assert waited == ["cuda:1"]
