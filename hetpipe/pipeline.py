@@ -7,9 +7,12 @@ worker's single compute thread, messages on the event loop, so receives keep flo
 the stage computes.
 
 Compute actions that need no input from outside run in one hand-off to the compute thread:
-a backward and the optimizer step after it, and on the last stage its forward (with the
-loss), backward and step. The clock a forward saw is recorded with it, so staleness is
-observable afterwards.
+a backward, the optimizer step after it and the push of the wave it closed (its copy to the
+host started there, :mod:`hetpipe.hostcopy`), on the last stage its forward (with the loss)
+before them, and on the first stage the next forward after them. What a run made is sent
+afterwards in order, once its copy to the host is done (waited for on a copy thread, never
+on the compute thread). The clock a forward saw is recorded with it, so staleness is
+observable afterwards; the losses come back in batches (:mod:`hetpipe.readback`).
 """
 
 from __future__ import annotations
