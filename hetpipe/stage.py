@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,10 +337,11 @@ class StageCompute:
             return t.pin_memory().to(self.dev, non_blocking=True)
         return t.to(self.dev, copy=copy)
 
-    def _autocast(self) -> torch.autocast:
-        """The compute precision's autocast context (disabled in float32)."""
-        return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16,
-                              enabled=self.bf16)
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The compute precision's autocast context (none in float32)."""
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16)
 
     def _call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
