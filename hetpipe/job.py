@@ -37,6 +37,8 @@ POLICIES = ("auto", "np", "ed", "hd")
 # train.weights: how the async kind handles stale weights (see hetpipe.stage, README)
 WEIGHTS = ("stash", "latest", "predict")
 PREDICT_VARIANTS = ("paper", "consistent")
+# train.precision: the compute dtype of forwards and backwards (master weights stay float32)
+PRECISIONS = ("fp32", "bf16")
 
 # Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
 # integers even after the runtime multiplies them (minibatch numbers across epochs and VWs).
@@ -138,6 +140,13 @@ class JobSpec:
     predict_variant: str = "paper"  # PREDICT_VARIANTS, with weights = "predict"
     bn_recalibrate: int = 0  # minibatches re-estimating batch-norm statistics before eval
     activations: str = "keep"  # hetpipe.planner.memory.ACTIVATION_POLICIES
+    precision: str = "fp32"  # PRECISIONS: "bf16" runs forwards and backwards under autocast
+    # waves between the pushes of a virtual worker alone in its job (nothing reads its global
+    # weights before a checkpoint or the end); 0: at checkpoints and the end only (every
+    # wave with eval_every_s); several virtual workers, and the synchronous kinds, push
+    # every wave/iteration whatever it says
+    push_every: int = 0
+    verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
 
     @property
     def sync(self) -> bool:
@@ -157,6 +166,9 @@ class JobSpec:
             "predict_variant": self.predict_variant,
             "bn_recalibrate": self.bn_recalibrate,
             "activations": self.activations,
+            "precision": self.precision,
+            "push_every": self.push_every,
+            "verify": self.verify,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -234,6 +246,9 @@ class JobSpec:
                 "on_worker_loss",
                 "checkpoint_every",
                 "activations",
+                "precision",
+                "push_every",
+                "verify",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -277,6 +292,12 @@ class JobSpec:
         if activations not in ACTIVATION_POLICIES:
             train.fail("activations", f"unknown policy {activations!r} "
                        f"(one of: {', '.join(ACTIVATION_POLICIES)})")
+        precision = train.text("precision", "fp32")
+        if precision not in PRECISIONS:
+            train.fail("precision", f"unknown precision {precision!r} "
+                       f"(one of: {', '.join(PRECISIONS)})")
+        push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
+        verify = train.flag("verify", False)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -310,6 +331,9 @@ class JobSpec:
             on_worker_loss=on_worker_loss,
             checkpoint_every=checkpoint_every,
             activations=activations,
+            precision=precision,
+            push_every=push_every,
+            verify=verify,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

@@ -7,9 +7,12 @@ worker's single compute thread, messages on the event loop, so receives keep flo
 the stage computes.
 
 Compute actions that need no input from outside run in one hand-off to the compute thread:
-a backward and the optimizer step after it, and on the last stage its forward (with the
-loss), backward and step. The clock a forward saw is recorded with it, so staleness is
-observable afterwards.
+a backward, the optimizer step after it and the push of the wave it closed (its copy to the
+host started there, :mod:`hetpipe.hostcopy`), on the last stage its forward (with the loss)
+before them, and on the first stage the next forward after them. What a run made is sent
+afterwards in order, once its copy to the host is done (waited for on a copy thread, never
+on the compute thread). The clock a forward saw is recorded with it, so staleness is
+observable afterwards; the losses come back in batches (:mod:`hetpipe.readback`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from hetpipe.checkpoint import is_cut
 from hetpipe.data import MinibatchStream
+from hetpipe.hostcopy import HostCopy
 from hetpipe.schedule import (
     Action,
     Backward,
@@ -112,6 +116,7 @@ class StageRunner:
         report: Report,
         stream: MinibatchStream | None,
         report_every_s: float = 0.5,
+        copy_executor: Executor | None = None,
         snapshot: Snapshot | None = None,
     ) -> None:
         self.compute = compute
@@ -125,6 +130,13 @@ class StageRunner:
         self.report_every_s = report_every_s
         self.snapshot = snapshot
         self.schedule = stage_schedule(compute)
+        # waves between the pushes that carry this stage's update (see _flushes): 0 for
+        # only at checkpoints and the end
+        spec = compute.spec
+        self.push_every = 1 if self.schedule.pulls or self.sync or (
+            not spec.push_every and spec.eval_every_s) else spec.push_every
+        self.flushed = 0  # waves whose update has been sent to the shards
+        self.copy_executor = copy_executor or executor
         if compute.restored:  # its checkpointed weights hold the first wave's merge
             self.schedule.done(Pull(0))
             self.schedule.done(Merge(0))
@@ -182,6 +194,8 @@ class StageRunner:
             self._wait_for("push_ack")
             with self.timeline.span("push"):
                 await self._wait_pushes()
+            if self.task.is_last:
+                self._losses(await self._run(self.compute.read_losses, True))
             self.waiting = None
         finally:
             reporter.cancel()
@@ -203,20 +217,28 @@ class StageRunner:
                         await self._run(self.compute.merge_gradients, _union(replies))
                     else:
                         await self._merge(c, replies)
-            case Push(c):
-                with self.timeline.span("push", None, c):
-                    await self._push(c)
-            case Forward() | Backward() | OptimizerStep():
+            case Forward() | Backward() | OptimizerStep() | Push():
                 await self._compute_run(self._fused(action))
 
     def _fused(self, action: Action) -> list[Action]:
-        """``action`` and the compute actions that follow it with no input from outside."""
+        """``action`` and the compute actions that follow it in the same hand-off to the
+        compute thread: the optimizer step after a backward, the push of the wave that step
+        closed, on the last stage the backward after its forward, and on the first stage
+        the next forward (its input is the data; a first stage's backward sends nothing, so
+        nothing waits for the end of the run but that forward's own activation). A push that
+        other virtual workers may wait for is not held back behind a forward."""
         run = [action]
         while True:
             nxt = self.schedule.next(self)
-            follows = isinstance(nxt, OptimizerStep) or (
-                self.task.is_last and isinstance(nxt, Backward)
-                and isinstance(run[-1], Forward) and nxt.p == run[-1].p)
+            prev = run[-1]
+            follows = (
+                isinstance(nxt, OptimizerStep)
+                or (isinstance(nxt, Push) and isinstance(prev, OptimizerStep))
+                or (self.task.is_last and isinstance(nxt, Backward)
+                    and isinstance(prev, Forward) and nxt.p == prev.p)
+                or (self.task.is_first and isinstance(nxt, Forward)
+                    and not any(isinstance(a, Forward) for a in run)
+                    and not (self.schedule.pulls and any(isinstance(a, Push) for a in run))))
             if not follows:
                 return run
             self.schedule.done(nxt)
@@ -232,58 +254,88 @@ class StageRunner:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def _host(self, copy: HostCopy) -> dict[str, torch.Tensor]:
+        """The host tensors of a device-to-host copy: at once if it is done (always on the
+        CPU), else waited for on the copy thread, never on the compute thread."""
+        if copy.ready:
+            return copy.wait()
+        return await asyncio.get_running_loop().run_in_executor(self.copy_executor, copy.wait)
+
     async def _compute_run(self, run: list[Action]) -> None:
-        """Execute forwards, backwards and steps in one hand-off; then send what they made."""
+        """Execute forwards, backwards, steps and pushes' copies in one hand-off; then send
+        what they made, in order."""
         head = run[0]
-        x = y = grad = None
-        p = head.i if isinstance(head, OptimizerStep) else head.p
-        if isinstance(head, Forward):
-            self._opening(p)
-            x, y = (self.stream.batch(self.task.start + p)  # type: ignore[union-attr]
-                    if self.task.is_first else self.acts.pop(p))
-            self.records[p] = Record(p=p, wave=wave_of(p, self.task.nm), clock=self.clock,
-                                     vw_clock=self.vw_clock, t_fwd=time.time())
-        elif isinstance(head, Backward) and not self.task.is_last:
-            grad = self.grads.pop(p)
+        inputs: list[Any] = []
+        for a in run:
+            if isinstance(a, Forward):
+                self._opening(a.p)
+                batch = (self.stream.batch(self.task.start + a.p)  # type: ignore[union-attr]
+                         if self.task.is_first else self.acts.pop(a.p))
+                self.records[a.p] = Record(p=a.p, wave=wave_of(a.p, self.task.nm),
+                                           clock=self.clock, vw_clock=self.vw_clock)
+                inputs.append(batch)
+            elif isinstance(a, Backward) and not self.task.is_last:
+                inputs.append(self.grads.pop(a.p))
+            else:
+                inputs.append(None)
+        p = head.i if isinstance(head, OptimizerStep) else head.c if isinstance(head, Push) \
+            else head.p
         kind = "forward" if isinstance(head, Forward) else "backward"
         self.doing = {"kind": kind, "p": p, "since": time.time()}
         t0 = time.time()
         try:
-            out, grad_in, spans = await self._run(self._compute, run, x, y, grad)
+            outs, spans, losses = await self._run(self._compute, run, inputs)
         finally:
             self.doing = None
-        # the hand-off to and from the compute thread counts as the compute's own time
-        spans[0][1], spans[-1][2] = t0, time.time()
+        if spans:
+            # the hand-off to and from the compute thread counts as the compute's own time
+            spans[0][1], spans[-1][2] = t0, time.time()
         for span in spans:
             self.timeline.add(*span)
-        if isinstance(head, Forward) and self.task.is_last:
-            self.records[p].loss = self.compute.stats.last_loss
-        for a in run:
-            if isinstance(a, Forward) and not self.task.is_last:
+            if span[0] == "forward":
+                self.records[span[3]].t_fwd = span[1]
+        self._losses(losses)
+        for a, made, given in zip(run, outs, inputs, strict=True):
+            if isinstance(a, Forward) and made is not None:
                 with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                    await self.send(Kind.ACT, a.p, {"x": out, "y": y})
+                    x = (await self._host(made))["x"]
+                    await self.send(Kind.ACT, a.p, {"x": x, "y": given[1]})
             elif isinstance(a, Backward):
-                if not self.task.is_first and grad_in is not None:
+                if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                        await self.send(Kind.GRAD, a.p, {"g": grad_in})
+                        await self.send(Kind.GRAD, a.p, await self._host(made))
                 self._after_backward(a.p)
+            elif isinstance(a, Push):
+                with self.timeline.span("push", None, a.c):
+                    await self._push(a.c, made)
 
-    def _compute(self, run: list[Action], x: Any, y: Any, grad: Any) -> tuple[Any, Any, list]:
-        """On the compute thread: run the actions in order; spans as (kind, t0, t1, p, wave).
+    def _compute(self, run: list[Action], inputs: list[Any]
+                 ) -> tuple[list[HostCopy | None], list, list[tuple[int, float]]]:
+        """On the compute thread: run the actions in order. Returns what each made for
+        sending (its copy to the host started), the spans as (kind, t0, t1, p, wave), and
+        the losses read back meanwhile (in batches, never waiting for the device).
 
-        An async optimizer step counts as part of the backward before it (one span).
+        An async optimizer step counts as part of the backward before it (one span); a
+        push's copy is the push's own time (its span is taken around the send).
         """
         c = self.compute
-        out = grad_in = None
+        outs: list[HostCopy | None] = []
         spans: list[list[Any]] = []
-        for a in run:
+        for a, given in zip(run, inputs, strict=True):
             t0 = time.time()
+            made: HostCopy | None = None
             if isinstance(a, Forward):
-                out = c.forward(a.p, x, y)
+                out = c.forward(a.p, *given)
+                if out is not None:
+                    made = c.copier.to_host({"x": out})
                 spans.append(["forward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             elif isinstance(a, Backward):
-                grad_in = c.backward(a.p, grad)
+                grad_in = c.backward(a.p, given)
+                if grad_in is not None and not self.task.is_first:
+                    made = c.copier.to_host({"g": grad_in})
                 spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
+            elif isinstance(a, Push):
+                made = self._push_copy(a.c)
             else:
                 c.step(a.i)
                 if self.sync:  # the iteration's one step, after its flush
@@ -293,7 +345,13 @@ class StageRunner:
                 else:
                     spans.append(["backward", t0, time.time(), None,
                                   wave_of(a.i, self.task.nm)])
-        return out, grad_in, spans
+            outs.append(made)
+        return outs, spans, c.read_losses() if self.task.is_last else []
+
+    def _losses(self, losses: list[tuple[int, float]]) -> None:
+        """Give read-back losses to the records of their minibatches."""
+        for p, loss in losses:
+            self.records[p].loss = loss
 
     def _opening(self, p: int) -> None:
         """At the first forward of a wave/iteration: the clock of the weights it will use,
@@ -301,7 +359,11 @@ class StageRunner:
         nm = self.task.nm
         if p % nm or p == 0:
             return
-        if self.sync:
+        if not self.schedule.pulls and self.push_every != 1:
+            # a virtual worker alone, pushing its updates in batches: its clock (which the
+            # head checkpoints on) counts the waves whose updates the shards hold
+            self.clock = self.vw_clock = self.flushed
+        elif self.sync:
             self.clock = self.vw_clock = p // nm
         elif not self.schedule.pulls:
             self.clock = self.vw_clock = self.schedule.nb // nm
@@ -324,19 +386,38 @@ class StageRunner:
     def _ids(self) -> dict[str, Any]:
         return {"job": self.task.job, "vw": self.task.vw, "stage": self.task.stage}
 
-    async def _push(self, wave: int) -> None:
-        """Send this stage's update of ``wave`` to each shard; acks are awaited later.
+    def _flushes(self, wave: int) -> bool:
+        """Whether the push of ``wave`` carries the update (else its update is carried into
+        the next wave's and the push only moves the shards' clock): always where several
+        virtual workers read each other's updates and in the synchronous kinds (an
+        iteration's clock is its weights'); for an async virtual worker alone in its job
+        every ``train.push_every`` waves, at every checkpoint and at the end."""
+        every = self.push_every
+        return (every == 1 or wave + 1 >= self.schedule.waves
+                or (every > 1 and (wave + 1) % every == 0)
+                or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves))
 
-        The update stays until a pull shows it applied only where weights are pulled again.
-        """
-        keep = self.schedule.pulls and not self.sync
-        deltas = await self._run(self.compute.push_deltas, wave, keep)
+    def _push_copy(self, wave: int) -> HostCopy | None:
+        """On the compute thread: start the copy of ``wave``'s update to the host, or carry
+        it into the next wave's (None). The update stays until a pull shows it applied only
+        where weights are pulled again."""
+        if not self._flushes(wave):
+            self.compute.carry(wave)
+            return None
+        return self.compute.push_deltas(wave, self.schedule.pulls and not self.sync)
+
+    async def _push(self, wave: int, copy: HostCopy | None) -> None:
+        """Send this stage's update of ``wave`` to each shard (an empty push where it was
+        carried on); acks are awaited later."""
+        deltas = {} if copy is None else await self._host(copy)
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}
             ch = self.shards[shard]
             self.push_acks.append(await ch.send_request(
                 Kind.PUSH, {**self._ids(), "wave": wave}, part,
                 what=f"shard {shard} ({ch.name})"))
+        if copy is not None:
+            self.flushed = wave + 1
         if self.snapshot is not None and is_cut(wave + 1, self.compute.spec.checkpoint_every,
                                                 self.schedule.waves):
             await self._snapshot(wave + 1)

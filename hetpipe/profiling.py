@@ -37,9 +37,13 @@ __all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws"]
 
 
 def model_key(spec: JobSpec) -> str:
-    """What a profile depends on besides minibatch and device type: model and input."""
-    return json.dumps({"model": spec.model.name, "args": spec.model.args,
-                       "data": spec.data.name, "data_args": spec.data.args}, sort_keys=True)
+    """What a profile depends on besides minibatch and device type: model, input and the
+    compute precision (a float32 profile keeps the key it always had)."""
+    key = {"model": spec.model.name, "args": spec.model.args, "data": spec.data.name,
+           "data_args": spec.data.args}
+    if spec.precision != "fp32":
+        key["precision"] = spec.precision
+    return json.dumps(key, sort_keys=True)
 
 
 def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
@@ -54,7 +58,7 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
     loss = model_loss(spec.model.name)
     layers = measure_layers(model, x, device.device, speed=device.speed,
-                            loss_fn=lambda out: loss(out, y))
+                            loss_fn=lambda out: loss(out, y), precision=spec.precision)
     return {"layers": [dataclasses.asdict(lp) for lp in layers],
             "input_bytes": x.numel() * x.element_size()}
 

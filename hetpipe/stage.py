@@ -5,8 +5,9 @@ sends and receives keep flowing while a stage computes. The scheduling (which mi
 lives in :mod:`hetpipe.pipeline`; this module only does what it is told, in order.
 
 Weight stashing by out-of-place updates: the weights are a dict of leaf tensors, one dict per
-*version*. A forward runs the layers with :func:`torch.func.functional_call` on the current
-version and keeps a reference to that dict with the minibatch; the optimizer step builds a new
+*version*. A forward runs the layers on the current version (its tensors bound into the
+layers' slots, as :func:`torch.func.functional_call` would) and keeps a reference to that dict
+with the minibatch; the optimizer step builds a new
 dict of new tensors. So the backward of p differentiates exactly the weights its forward used,
 and an old version lives exactly as long as an in-flight minibatch needs it.
 
@@ -33,16 +34,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate
 from hetpipe.config import DeviceSpec
+from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
@@ -53,6 +55,7 @@ from hetpipe.planner.memory import (
     recompute_runs,
     working_bytes,
 )
+from hetpipe.readback import Readback
 from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
 from hetpipe.task import StageTask
@@ -170,11 +173,19 @@ class StageCompute:
         self.merged_grads: dict[str, torch.Tensor] | None = None  # sync: every VW's mean
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         self.stats = StageStats()
+        self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
+        self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
+        self.verify = self.spec.verify  # fingerprint the weights each pass used (costs reads)
+        # train.precision = "bf16": forwards (and so backwards) under autocast; the weights,
+        # their updates and the optimizer state stay float32, activations and gradients
+        # between stages travel as bfloat16
+        self.bf16 = self.spec.precision == "bf16"
         # per input shape: each layer's (saved bytes if kept, input bytes, working bytes),
         # measured by the first forward of that shape, which keeps every layer
         self._layer_bytes: dict[tuple[int, ...], tuple[list[int], list[int], list[int]]] = {}
         self.recompute = frozenset(j - task.first for j in task.recompute)
         self._layers = self._layer_states()
+        self._slots = [_slots(layer, keys) for layer, keys in self._layers]
         self._working = 0
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
@@ -227,7 +238,7 @@ class StageCompute:
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = time.perf_counter()
-        x = x.to(self.dev, non_blocking=True)
+        x = self._to_device(x)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
         params, recompute, s_bwd = self._forward_weights(p)
@@ -238,10 +249,11 @@ class StageCompute:
         known = self._layer_bytes.get(shape)
         if recompute and known is not None:
             # the backward reruns this forward (weights latest/predict): keep the input only
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 out, _ = self._run_layers(p, x, state, measure=False)
         else:
-            out, measured = self._run_layers(p, x, state, measure=known is None)
+            with self._autocast():
+                out, measured = self._run_layers(p, x, state, measure=known is None)
         if known is None:
             known = self._layer_bytes[shape] = measured
             self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
@@ -254,17 +266,21 @@ class StageCompute:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
         flight = _InFlight(x=x, out=out, params={} if recompute else params,
-                           version=self.version, fingerprint=_fingerprint(params),
+                           version=self.version,
+                           fingerprint=_fingerprint(params) if self.verify else 0.0,
                            kept_bytes=kept, samples=int(y.shape[0]) if y.dim() else 1,
                            recompute=recompute, s_bwd=s_bwd)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
+            sent = out.detach()
+            if self.bf16 and sent.is_floating_point():
+                sent = sent.to(torch.bfloat16)  # activations travel in the compute precision
             self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
-            return out.detach()
-        flight.loss = self.loss_fn(out, y.to(self.dev))
-        self.stats.last_loss = float(flight.loss.detach())
-        self.stats.losses.append(self.stats.last_loss)
+            return sent
+        with self._autocast():
+            flight.loss = self.loss_fn(out, self._to_device(y))
+        self._losses.add(p, flight.loss)
         self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
         return None
 
@@ -289,7 +305,7 @@ class StageCompute:
             own = {t.untyped_storage().data_ptr() for t in sub.values()}
             counter = _SavedBytes(own)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                y = functional_call(layer, sub, (x,))
+                y = self._call(i, sub, x)
             saved.append(counter.bytes)
             inputs.append(_nbytes(x))
             grad_in = _nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
@@ -301,12 +317,12 @@ class StageCompute:
         while j < len(self._layers):
             end = runs.get(j)
             if end is not None and torch.is_grad_enabled():
-                subs = [(layer, keys, {local: state[name] for local, name, _ in keys})
-                        for layer, keys in self._layers[j:end]]
+                subs = [(i, keys, {local: state[name] for local, name, _ in keys})
+                        for i, (_layer, keys) in enumerate(self._layers[j:end], start=j)]
                 if measure:  # a throwaway pass; the checkpoint reseeds the same masks
                     y = x
-                    for i, (layer, keys, sub) in enumerate(subs, start=j):
-                        y = counted(i, layer, _buffer_copies(keys, sub), y)
+                    for i, keys, sub in subs:
+                        y = counted(i, self._layers[i][0], _buffer_copies(keys, sub), y)
                     del y
                 x = checkpoint(self._rerunnable(subs, p), x,
                                use_reentrant=False, preserve_rng_state=False)
@@ -314,12 +330,35 @@ class StageCompute:
                 continue
             layer, keys = self._layers[j]
             sub = {local: state[name] for local, name, _ in keys}
-            x = counted(j, layer, sub, x) if measure else functional_call(layer, sub, (x,))
+            x = counted(j, layer, sub, x) if measure else self._call(j, sub, x)
             j += 1
         return x, (saved, inputs, work)
 
+    def _to_device(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """A received host tensor on the stage's device. To a GPU it goes through pinned
+        memory: a copy from pageable memory would wait for the work queued on the device."""
+        if self.dev.startswith("cuda") and t.device.type == "cpu":
+            return t.pin_memory().to(self.dev, non_blocking=True)
+        return t.to(self.dev, copy=copy)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The compute precision's autocast context (none in float32)."""
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16)
+
+    def _call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
+        its parameter and buffer slots: what :func:`torch.func.functional_call` does, without
+        its per-call set-up and restore. The slots keep these tensors until the next call
+        (only this stage's compute thread runs its layers, and every call sets all of them).
+        """
+        for table, attr, local in self._slots[i]:
+            table[attr] = sub[local]
+        return self._layers[i][0](x)
+
     def _rerunnable(
-        self, subs: list[tuple[nn.Module, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
+        self, subs: list[tuple[int, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
         p: int,
     ) -> Any:
         """A run of layers' forward for :func:`checkpoint`: the first call is the real
@@ -332,8 +371,8 @@ class StageCompute:
             calls += 1
             if calls > 1:
                 self.seeds.p = p
-            for layer, keys, sub in subs:
-                x = functional_call(layer, _buffer_copies(keys, sub) if calls > 1 else sub, (x,))
+            for i, keys, sub in subs:
+                x = self._call(i, _buffer_copies(keys, sub) if calls > 1 else sub, x)
             return x
 
         return run
@@ -363,9 +402,12 @@ class StageCompute:
         else:
             assert grad is not None, f"{self.where}: backward of {p} without a gradient"
             grads = torch.autograd.grad(
-                flight.out, inputs, grad.to(self.dev, non_blocking=True), allow_unused=True
+                flight.out, inputs, self._to_device(grad).to(flight.out.dtype),
+                allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
+        if grad_in is not None and self.bf16:
+            grad_in = grad_in.to(torch.bfloat16)  # gradients travel in the compute precision
         if grad_in is None and wants_input:
             grad_in = torch.zeros_like(flight.x)
         elif not self.task.is_first and not wants_input:
@@ -377,7 +419,7 @@ class StageCompute:
         # observable weight stashing: (forward's version, its weights' fingerprint then,
         # version current at this backward, fingerprint of the weights differentiated now)
         self.versions[p] = (flight.version, flight.fingerprint, self.version,
-                            _fingerprint(flight.params))
+                            _fingerprint(flight.params) if self.verify else 0.0)
         if self.spec.sync:
             self._add_gradients(pgrads, flight.samples)
         else:
@@ -426,8 +468,9 @@ class StageCompute:
         buffers = {n: b.clone() for n, b in self.buffers.items()}
         self.seeds.p = p
         # layer by layer under the activation policy: recomputed runs stay checkpoints
-        flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
-                                         measure=False)
+        with self._autocast():
+            flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
+                                             measure=False)
         flight.params = params
 
     def _rerun_bytes(self) -> int:
@@ -533,8 +576,9 @@ class StageCompute:
 
     # -- parameter server -------------------------------------------------------------------
 
-    def push_deltas(self, wave: int, keep: bool = True) -> dict[str, torch.Tensor]:
-        """The stage's update of ``wave``.
+    def push_deltas(self, wave: int, keep: bool = True) -> HostCopy:
+        """The stage's update of ``wave``, on its way to host memory (:mod:`hetpipe.hostcopy`:
+        on a GPU the copy runs on a side stream while the next minibatch computes).
 
         With ``keep`` it stays until a pull shows the shard applied it (a pull answered
         before then lacks it and it must be re-added); without, it is released at once,
@@ -544,9 +588,16 @@ class StageCompute:
         if self.spec.sync and self.task.num_vws > 1:
             # every virtual worker took the same step: each contributes its share of it
             n = self.task.num_vws
-            return {k: (t.detach() / n if t.is_floating_point() else t.detach()).cpu()
-                    for k, t in acc.items()}
-        return {n: t.detach().cpu() for n, t in acc.items()}
+            with torch.no_grad():
+                acc = {k: t / n if t.is_floating_point() else t for k, t in acc.items()}
+        return self.copier.to_host(acc)
+
+    def carry(self, wave: int) -> None:
+        """Move the update of ``wave`` into the next wave's, unpushed (a virtual worker alone
+        in its job, between the pushes that carry its updates)."""
+        acc = self.acc.pop(wave, None)
+        if acc:
+            self._accumulate(wave + 1, acc)
 
     def load(self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[int]]) -> None:
         """Set local state to pulled global state plus own updates the shard had not applied.
@@ -558,7 +609,7 @@ class StageCompute:
         with torch.no_grad():
             for n, value in pulled.items():
                 done = set(applied[n])
-                t = value.to(self.dev, copy=True)
+                t = self._to_device(value, copy=True)
                 for w, acc in self.acc.items():
                     if w not in done and n in acc:
                         t.add_(acc[n])
@@ -575,6 +626,15 @@ class StageCompute:
         self.params = params
         self.version += 1
         self.stats.merges += 1
+
+    def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
+        """The last stage's losses read back since the previous call, as ``(p, loss)``; they
+        come in batches (:class:`hetpipe.readback.Readback`), all of them with ``block``."""
+        got = self._losses.ready(block)
+        if got:
+            self.stats.losses.extend(v for _, v in got)
+            self.stats.last_loss = got[-1][1]
+        return got
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""
@@ -725,6 +785,22 @@ def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
     with torch.no_grad():
         return float(tensors[0].reshape(-1)[:8].double().sum()
                      + tensors[-1].reshape(-1)[:8].double().sum())
+
+
+def _slots(layer: nn.Module, keys: list[tuple[str, str, bool]]
+           ) -> list[tuple[dict[str, Any], str, str]]:
+    """Where each of a layer's state tensors goes: ``(the owning module's parameter or buffer
+    table, attribute, local name)`` for every local name of ``keys``."""
+    out = []
+    for local, _name, is_buffer in keys:
+        path, _, attr = local.rpartition(".")
+        owner = layer.get_submodule(path) if path else layer
+        table = owner._buffers if is_buffer else owner._parameters
+        if attr not in table:
+            raise ValueError(f"{local!r} is not a {'buffer' if is_buffer else 'parameter'} "
+                             f"of {type(layer).__name__}")
+        out.append((table, attr, local))
+    return out
 
 
 def _buffer_copies(

@@ -73,6 +73,8 @@ class Worker:
         self.owner = owner
         self.head_address = head or cluster.head.address
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"compute-{device.name}")
+        # waits for device-to-host copies (hetpipe.hostcopy), so the compute never does
+        self.copies = ThreadPoolExecutor(1, thread_name_prefix=f"copy-{device.name}")
         self.job: _Job | None = None
         self.welcomed = asyncio.Event()
         self.address = ""
@@ -220,7 +222,8 @@ class Worker:
             return
         job.runner = StageRunner(job.compute, self.executor, send=self._sender(job),
                                  shards=job.shards, report=self._reporter(job),
-                                 stream=job.stream, snapshot=self._snapshotter(job))
+                                 stream=job.stream, copy_executor=self.copies,
+                                 snapshot=self._snapshotter(job))
         for msg in job.early:
             job.runner.on_message(msg)
         job.early.clear()
@@ -311,6 +314,7 @@ class Worker:
     async def close(self) -> None:
         await self._drop_job()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.copies.shutdown(wait=False, cancel_futures=True)
 
 
 def _stage_compute(task: StageTask, device: DeviceSpec,

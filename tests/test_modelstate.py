@@ -130,7 +130,7 @@ def test_frozen_parameters_get_no_gradient_state_or_push() -> None:
     frozen = {"1.weight", "1.bias", "5.bias"}
     assert c.layout.frozen == frozen
     assert set(c.optimizer.state) == {"3.weight", "3.bias", "5.weight"}
-    assert set(c.push_deltas(0)) == {"3.weight", "3.bias", "5.weight"}
+    assert set(c.push_deltas(0).wait()) == {"3.weight", "3.bias", "5.weight"}
     for n in frozen:
         assert torch.equal(c.params[n], before[n]) and not c.params[n].requires_grad
     assert not torch.equal(c.params["3.weight"], before["3.weight"])

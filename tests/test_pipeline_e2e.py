@@ -78,7 +78,8 @@ def test_transparency(uniform_cluster, model, split) -> None:
 def test_weight_stashing(uniform_cluster) -> None:
     """Nm = k = 4: each backward differentiates the weights its forward used."""
     split = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
-    info = uniform_cluster.submit(job("stash", model="cnn", split=split, nm=4, epochs=6))
+    info = uniform_cluster.submit(job("stash", model="cnn", split=split, nm=4, epochs=6,
+                                      train={"verify": True}))
     assert info["state"] == "done", info.get("error")
     records = stage_records(info)
     assert len(records) == 4
@@ -86,6 +87,7 @@ def test_weight_stashing(uniform_cluster) -> None:
     for where, rows in records.items():
         assert [r["p"] for r in rows] == list(range(info["minibatches"])), where
         for r in rows:
+            assert r["fwd_fingerprint"] != 0.0, (where, r["p"])  # train.verify took them
             assert r["bwd_fingerprint"] == r["fwd_fingerprint"], (where, r["p"])
             assert r["bwd_version"] >= r["fwd_version"]
             stashed += r["bwd_version"] > r["fwd_version"]

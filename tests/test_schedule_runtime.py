@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
 from hetpipe.schedule import Action, Wait
@@ -36,7 +37,9 @@ class StandInCompute:
         self.task = SimpleNamespace(
             job="j", vw=0, stage=stage, k=k, nm=nm, minibatches=total, staleness=0,
             num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={}, start=0)
-        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", checkpoint_every=0)
+        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", push_every=1,
+                                    checkpoint_every=0, eval_every_s=None)
+        self.copier = HostCopier("cpu")
         self.has_state = True
         self.restored = False  # not started from a checkpoint
         self.table = None  # stashes: greedy 1F1B
@@ -57,8 +60,14 @@ class StandInCompute:
     def step(self, i: int) -> None:
         pass
 
-    def push_deltas(self, wave: int, keep: bool) -> dict[str, torch.Tensor]:
-        return {}
+    def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
+        return []
+
+    def push_deltas(self, wave: int, keep: bool) -> HostCopy:
+        return HostCopy({})
+
+    def carry(self, wave: int) -> None:
+        pass
 
     def load(self, pulled: Any, applied: Any) -> None:
         pass

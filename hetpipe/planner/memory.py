@@ -45,6 +45,14 @@ bound, so a plan that fits this model fits at run time whatever the relative spe
 synchronous kinds it is the schedule's own bound: gpipe holds all M microbatches of an
 iteration at every stage, 1f1b at most ``k - position`` (its warm-up plus one).
 
+Precision (``train.precision``): the weight terms (params, optimizer, stash,
+accumulators) are float32 in both precisions, since the weights, their updates and the
+optimizer state are kept in float32 (autocast casts per operation). In ``bf16`` the
+activation and working terms shrink: they come from a profile measured under bfloat16
+autocast (:func:`hetpipe.planner.profile.measure_layers`, keyed by precision), whose layers
+save bf16 tensors where autocast computes in bf16 and whose stage inputs arrive as bf16;
+the runtime counts its real tensors the same way.
+
 Buffers are not stashed or accumulated with the parameters here because they carry no
 gradient; batch-norm running statistics are small and accounted once in ``params``.
 

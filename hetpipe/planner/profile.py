@@ -167,6 +167,7 @@ def measure_layers(
     loss_fn: Callable[[Any], Any] | None = None,
     step: Step | None = None,
     budget_s: float = 2.0,
+    precision: str = "fp32",
 ) -> tuple[LayerProfile, ...]:
     """Profile each element of an ``nn.Sequential`` on ``device`` with a real minibatch.
 
@@ -185,10 +186,16 @@ def measure_layers(
     ``loss_fn(output)`` when given (bind labels with a closure), else from a gradient of ones.
     ``update_s`` times what the runtime does with the layer's state after each backward:
     ``step(params, grads) -> new params`` (out of place; default: SGD with momentum and weight
-    decay), the delta and its accumulation, two weight fingerprints, and the batch-norm
-    statistics' delta. Saved bytes come from ``saved_tensors_hooks``: every tensor autograd
-    keeps, deduplicated by storage, minus the layer's own parameters and buffers (those are
-    counted once as parameters).
+    decay), the delta and its accumulation, and the batch-norm statistics' delta (weight
+    fingerprints are taken only under ``train.verify``, so they are not counted). Saved
+    bytes come from ``saved_tensors_hooks``: every tensor autograd keeps, deduplicated by
+    storage, minus the layer's own parameters and buffers (those are counted once as
+    parameters).
+
+    ``precision = "bf16"`` profiles what ``train.precision = "bf16"`` runs: each forward
+    (and the loss) under bfloat16 autocast, every layer after the first fed a bfloat16
+    input as a stage receives it, and a floating output counted in bfloat16 bytes (what
+    travels to the next stage and what it keeps as its input); the parameters stay float32.
 
     The layers are moved to ``device`` in place and run in training mode, so batch-norm
     running statistics change: profile a fresh model, not one being trained.
@@ -198,6 +205,13 @@ def measure_layers(
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     speed = min(speed, 1.0)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    bf16 = precision == "bf16"
+
+    def autocast() -> Any:
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+
     layers = [layer.to(device) for layer in model]
     n = len(layers)
     # inputs of every layer, from one untimed pass
@@ -205,8 +219,10 @@ def measure_layers(
     x = example.to(device)
     for layer in layers:
         inputs.append(x)
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             x = layer(x)
+        if bf16 and x.is_floating_point():
+            x = x.to(torch.bfloat16)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     upd: list[list[float]] = [[] for _ in range(n)]
@@ -237,7 +253,7 @@ def measure_layers(
 
             _sync(device)
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
                 y = layer(inp)
                 target = loss_fn(y) if (i == n - 1 and loss_fn is not None) else y
             _sync(device)
@@ -264,7 +280,7 @@ def measure_layers(
         y, x = outs[i], inputs[i]
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
-        out_bytes = y.numel() * y.element_size()
+        out_bytes = y.numel() * (2 if bf16 and y.is_floating_point() else y.element_size())
         in_grad = x.numel() * x.element_size() if i > 0 and x.is_floating_point() else 0
         out.append(
             LayerProfile(
@@ -285,9 +301,8 @@ class _UpdateState:
     """The runtime's per-minibatch work on one layer's state, on copies of its tensors.
 
     Mirrors a stage's backward epilogue and forward bookkeeping: the optimizer builds new
-    weights out of place, the delta is added to the wave's accumulator, the weights are
-    fingerprinted (at forward and at backward), and buffers are cloned before the forward
-    and their change accumulated.
+    weights out of place, the delta is added to the wave's accumulator, and buffers are
+    cloned before the forward and their change accumulated.
     """
 
     def __init__(self, layer: Any, step: Step | None) -> None:
@@ -325,12 +340,9 @@ class _UpdateState:
             for b, acc in zip(self.buffers, self.buf_acc, strict=True):
                 before = b.clone()
                 acc.add_(b - before)
-            for t in self.params.values():
-                float(t.reshape(-1)[:8].double().sum())
             new = self.step(self.params, self.grads)
             for n, w in new.items():
                 self.acc[n].add_(w - self.params[n])
-                float(w.reshape(-1)[:8].double().sum())
             # keep the weights as they were, so repeated runs time the same work
 
 

@@ -1,0 +1,172 @@
+"""GPU throughput: plain PyTorch against hetpipe on the same GPU(s), in one run.
+
+Both sides train the builtin ``gpt`` (dim 512, 8 blocks, seq 128: 25.5 M parameters) on
+synthetic tokens, minibatch 32, SGD with momentum, from the same seed and data order, and are
+timed in steady state: samples per second after the first fifth of the minibatches (ours at
+stage 0, when the backward of the window's last minibatch finishes there, as
+``bench_pipeline.py`` counts; plain PyTorch after a ``torch.cuda.synchronize``).
+
+- ``one stage``: one virtual worker of one stage on ``cuda:0``, Nm = 1, against plain
+  PyTorch on ``cuda:0`` (``ratio_one_stage``);
+- ``four stages, one GPU``: one virtual worker of four stages, all on ``cuda:0``, Nm = 4
+  (``ratio_four_stages_one_gpu``);
+- with two or more GPUs, one stage per GPU (Nm = the number of stages) against plain PyTorch
+  on one GPU times the pipeline's ideal speed-up, the number of GPUs (``ratio_gpus``);
+- each again in bfloat16 (``train.precision = "bf16"`` against plain PyTorch under
+  ``torch.autocast``): the same fields with ``_bf16``.
+
+    python scripts/bench_gpu.py [--json] [--minibatches N] [--dim D] [--blocks B] [--no-bf16]
+
+Without CUDA it prints one line saying so (with ``--json``: ``{"skipped": "no CUDA"}``) and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _bench import emit_json, machine, parser, print_table
+
+SEQ, VOCAB, HEADS, LR, MOMENTUM, SEED = 128, 256, 8, 0.01, 0.9, 0
+
+
+def job_dict(name: str, devices: list[str], layers: list[int], nm: int, args: Any,
+             precision: str) -> dict[str, Any]:
+    """The job hetpipe runs (plain PyTorch reads the same model, data and optimizer)."""
+    return {
+        "name": name,
+        "model": {"name": "gpt", "args": {"vocab": VOCAB, "seq": SEQ, "dim": args.dim,
+                                          "heads": HEADS, "blocks": args.blocks}},
+        "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": SEQ, "vocab": VOCAB,
+                                               "n_train": 4096, "n_test": 256}},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0},
+        "train": {"minibatch": args.minibatch, "nm": nm, "staleness": 0, "seed": SEED,
+                  "minibatches": args.minibatches, "checkpoint_every": 0,
+                  "precision": precision},
+        "vw": [{"devices": devices, "layers": layers}],
+    }
+
+
+def split(n_layers: int, k: int) -> list[int]:
+    """``n_layers`` cut into ``k`` contiguous stages of nearly equal size."""
+    base, extra = divmod(n_layers, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def plain(job: dict[str, Any], device: str) -> float:
+    """Plain PyTorch on one device: steady-state samples/s."""
+    from hetpipe.data import MinibatchStream, load_dataset
+    from hetpipe.job import JobSpec
+    from hetpipe.models import build_model, model_loss
+
+    spec = JobSpec.from_dict(job)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model.name, spec.model.args).to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = model_loss(spec.model.name)
+    stream = MinibatchStream(load_dataset(spec.data.name, spec.data.args), spec.minibatch,
+                             spec.seed, 0, 1)
+    n = job["train"]["minibatches"]
+    warm = n // 5
+    bf16 = spec.precision == "bf16"
+    t0 = 0.0
+    for p in range(n):
+        if p == warm:
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+        x, y = stream.batch(p)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return (n - warm) * spec.minibatch / (time.perf_counter() - t0)
+
+
+def ours(job: dict[str, Any], devices: dict[str, str], memory: str) -> float:
+    """hetpipe on a local cluster of these devices (name -> cuda:N): steady-state samples/s
+    at stage 0."""
+    from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+
+    n = job["train"]["minibatches"]
+    warm = n // 5
+    with tempfile.TemporaryDirectory(prefix="hetpipe-bench-gpu-") as tmp:
+        root = Path(tmp)
+        path = root / "cluster.toml"
+        defs = [DeviceDef(name, "gpu", memory, 1.0, dev) for name, dev in devices.items()]
+        path.write_text(cluster_toml(defs, shards=1))
+        with LocalCluster(path, root / "run", timeout=120) as cluster:
+            info = cluster.submit(job, timeout=1800)
+            if info.get("state") != "done":
+                raise RuntimeError(f"{job['name']} ended {info.get('state')}: "
+                                   f"{info.get('error')}")
+            stages = json.loads(Path(info["stages_path"]).read_text())
+    r = stages["vw0/stage0"]
+    rows = [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
+    window = rows[n - 1]["t_bwd"] - rows[warm - 1]["t_bwd"]
+    return (n - warm) * job["train"]["minibatch"] / window
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--minibatches", type=int, default=200, help="minibatches per run")
+    ap.add_argument("--minibatch", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        if args.json:
+            emit_json({"skipped": "no CUDA"})
+        else:
+            print("bench_gpu: skipped, no CUDA device on this machine")
+        return
+    if args.minibatches < 10:
+        ap.error("--minibatches must be >= 10")
+    gpus = torch.cuda.device_count()
+    total = torch.cuda.get_device_properties(0).total_memory
+    memory = f"{total // 2**20}MiB"
+    n_layers = args.blocks + 3  # embedding, blocks, final norm, head
+    cases: list[tuple[str, dict[str, str], int, float]] = [
+        ("one_stage", {"gpu0": "cuda:0"}, 1, 1.0),
+        ("four_stages_one_gpu", {f"gpu{i}": "cuda:0" for i in range(4)}, 4, 1.0),
+    ]
+    if gpus >= 2:
+        cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus,
+                      float(gpus)))
+    out: dict[str, Any] = {"bench": "gpu", "machine": machine(),
+                           "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
+                           "dim": args.dim, "blocks": args.blocks, "seq": SEQ,
+                           "minibatch": args.minibatch, "minibatches": args.minibatches}
+    rows = []
+    for precision in ("fp32",) if args.no_bf16 else ("fp32", "bf16"):
+        suffix = "" if precision == "fp32" else "_bf16"
+        base = None
+        for name, devices, k, ideal in cases:
+            job = job_dict(f"bench-gpu-{name}{suffix}", list(devices), split(n_layers, k), k,
+                           args, precision)
+            if base is None:
+                base = plain(job, "cuda:0")
+            got = ours(job, devices, memory)
+            ratio = got / (base * ideal)
+            out[f"plain_samples_per_s{suffix}"] = base
+            out[f"{name}_samples_per_s{suffix}"] = got
+            out[f"ratio_{name}{suffix}"] = ratio
+            rows.append([f"{name}{suffix}", k, base * ideal, got, ratio])
+    print(f"gpt dim {args.dim}, {args.blocks} blocks, seq {SEQ}, minibatch {args.minibatch}, "
+          f"{args.minibatches} minibatches (first fifth left out), on {out['gpu']} x {gpus}")
+    print_table(["run", "stages", "plain (x ideal) samples/s", "hetpipe samples/s", "ratio"],
+                rows)
+    if args.json:
+        emit_json(out)
+
+
+if __name__ == "__main__":
+    main()
