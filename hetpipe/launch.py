@@ -85,10 +85,11 @@ def running(run_dir: Path) -> dict[str, int]:
         pids = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {name: pid for name, pid in pids.items() if _alive(pid)}
+    return {name: pid for name, pid in pids.items() if pid_alive(pid)}
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie child of ours is reaped and counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -179,11 +180,11 @@ def _terminate(pids: dict[str, int], timeout: float = 10.0) -> list[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids.values()):
         time.sleep(0.05)
     killed = []
     for name, pid in pids.items():
-        if _alive(pid):
+        if pid_alive(pid):
             killed.append(name)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

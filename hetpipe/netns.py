@@ -104,15 +104,6 @@ def unavailable(*, shaping: bool = True) -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def sweep_stale() -> list[str]:
     """Remove namespaces, bridges and veths a killed run left (their creator's pid is gone);
@@ -125,14 +116,14 @@ def sweep_stale() -> list[str]:
     for line in listed.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NS_RE.match(name)
-        if m and not _alive(int(m[1])):
+        if m and not launch.pid_alive(int(m[1])):
             subprocess.run([ip, "netns", "del", name], capture_output=True)
             removed.append(name)
     out = subprocess.run([ip, "-j", "link", "show"], capture_output=True, text=True).stdout
     with contextlib.suppress(ValueError):
         for link in json.loads(out or "[]"):
             m = _ALIAS_RE.match(link.get("ifalias", ""))
-            if m and not _alive(int(m[1])):
+            if m and not launch.pid_alive(int(m[1])):
                 subprocess.run([ip, "link", "del", link["ifname"]], capture_output=True)
                 removed.append(link["ifname"])
     return removed
