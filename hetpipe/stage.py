@@ -759,9 +759,9 @@ class StageCompute:
         return StageMemory(
             params=self.weight_bytes,
             optimizer=self.optimizer.state_bytes(),
-            stash=(len(versions) - 1) * self.param_bytes,
+            stash=(n - 1) * self.param_bytes,
             accumulators=acc,
-            activations=sum(f.kept_bytes for f in self.in_flight.values()),
+            activations=activations,
             working=self._working,
         )
 
