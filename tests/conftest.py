@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
@@ -65,6 +66,18 @@ def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | Non
     if split:
         out["vw"] = [{"devices": d, "layers": layers} for d, layers in split]
     return out
+
+
+def assert_same_weights(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-5) -> None:
+    """The same state_dict names; floating values within ``tol`` (max abs difference, taken
+    in float64), other values exactly equal."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, w in want.items():
+        if w.is_floating_point():
+            diff = (got[name].double() - w.double()).abs().max().item()
+            assert diff <= tol, f"{name}: max abs diff {diff:.3g}"
+        else:
+            assert torch.equal(got[name], w), name
 
 
 def edited(base: str, old: str, new: str) -> str:

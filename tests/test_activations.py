@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import job
+from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
 from hetpipe.data import MinibatchStream, load_dataset
@@ -70,11 +70,7 @@ def test_recompute_is_transparent(model: str) -> None:
     again = whole_stage(model, list(range(n_layers(model))))
     train(keep, 8)
     train(again, 8)
-    want, got = keep.state_dict(), again.state_dict()
-    assert set(want) == set(got)
-    for name, w in want.items():
-        diff = (got[name].double() - w.double()).abs().max().item()
-        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    assert_same_weights(again.state_dict(), keep.state_dict(), tol=1e-6)
     want_losses, got_losses = keep.read_losses(block=True), again.read_losses(block=True)
     assert [p for p, _ in want_losses] == list(range(8))
     assert [p for p, _ in got_losses] == list(range(8))

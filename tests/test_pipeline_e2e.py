@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job
+from conftest import assert_same_weights, job
 
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
@@ -65,13 +65,7 @@ def test_transparency(uniform_cluster, model, split) -> None:
     assert info["minibatches"] == 50
     got = torch.load(info["model_path"])
     want = plain_training(spec, 50)
-    assert set(got) == set(want)
-    for name, w in want.items():
-        if w.is_floating_point():
-            diff = (got[name] - w).abs().max().item()
-            assert diff <= 1e-5, f"{name}: max abs diff {diff:.3g}"
-        else:
-            assert torch.equal(got[name], w), name
+    assert_same_weights(got, want)
 
 
 @pytest.mark.timeout(180)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job
+from conftest import assert_same_weights, job
 from test_pipeline_e2e import stage_records
 
 from hetpipe.data import MinibatchStream, load_dataset
@@ -57,13 +57,6 @@ def sync_job(name: str, kind: str, split: list, **kw) -> dict:
     return spec
 
 
-def assert_close(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for name, w in want.items():
-        diff = (got[name] - w).abs().max().item()
-        assert diff <= 1e-5, f"{name}: max abs diff {diff:.3g}"
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("kind", "split"), [
     ("gpipe", [(["gpu0", "gpu1"], [3, 3])]),
@@ -75,7 +68,7 @@ def test_sync_transparency_one_vw(uniform_cluster, kind, split) -> None:
     spec = sync_job(f"sync-{kind}-{len(split[0][0])}", kind, split)
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
-    assert_close(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 1))
+    assert_same_weights(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 1))
     # one optimizer step per iteration: the weight version moves once every M microbatches
     for where, rows in stage_records(info).items():
         v0 = rows[0]["fwd_version"]
@@ -105,7 +98,7 @@ def test_sync_transparency_two_vws(uniform_cluster, kind) -> None:
     spec = sync_job(f"sync2-{kind}", kind, split, lr=0.05)
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
-    assert_close(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 2))
+    assert_same_weights(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 2))
 
 
 @pytest.mark.timeout(240)
@@ -118,7 +111,7 @@ def test_sync_vws_of_different_m_weight_gradients_by_samples(uniform_cluster) ->
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert info["minibatches"] == 6 * ITERATIONS
-    assert_close(torch.load(info["model_path"]),
+    assert_same_weights(torch.load(info["model_path"]),
                  plain_sync_training(spec, ITERATIONS, [2, 4], 2))
 
 
@@ -140,5 +133,5 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
         [s["device"] for s in v["stages"]] for v in pred["vws"]]
     # train.minibatches counts the job's microbatches: ITERATIONS iterations of M in all
     assert info["minibatches"] == m * ITERATIONS
-    assert_close(torch.load(info["model_path"]),
+    assert_same_weights(torch.load(info["model_path"]),
                  plain_sync_training(spec, ITERATIONS, ms, 2))

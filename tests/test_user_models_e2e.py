@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, job, start_cluster
+from conftest import UNIFORM, assert_same_weights, job, start_cluster
 
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
@@ -119,17 +119,6 @@ def run(cluster: LocalCluster, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     return torch.load(info["model_path"])
 
 
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """Same names as torch's state_dict, values within 1e-5 (integers exactly)."""
-    assert sorted(got) == sorted(want)
-    for name, w in want.items():
-        if w.is_floating_point():
-            diff = (got[name] - w).abs().max().item()
-            assert diff <= 1e-5, f"{name}: max abs diff {diff:.3g}"
-        else:
-            assert torch.equal(got[name], w), name
-
-
 def assert_tied(got: dict[str, torch.Tensor], spec: dict[str, Any], a: str, b: str) -> None:
     """``a`` and ``b`` are one storage in the file, and stay one tensor once loaded."""
     assert got[a].untyped_storage().data_ptr() == got[b].untyped_storage().data_ptr()
@@ -148,7 +137,7 @@ def test_tied_mlp_within_a_stage(cluster) -> None:
     """A tie inside stage 1 stays one tensor: one value, the summed gradient, one momentum."""
     spec = user_job("tied-mlp", "tied_mlp", [3, 5])
     got = run(cluster, spec)
-    assert_same(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec).state_dict())
     assert_tied(got, spec, "3.weight", "5.weight")
 
 
@@ -159,7 +148,7 @@ def test_tied_lm_embedding_and_head(cluster) -> None:
     adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}
     spec = user_job("tied-lm", "tied_lm", [1, 3, 2], optimizer=adamw)
     got = run(cluster, spec)
-    assert_same(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec).state_dict())
     assert_tied(got, spec, "1.weight", "3.weight")
 
 
@@ -184,7 +173,7 @@ def test_frozen_parameters_stay_frozen(cluster) -> None:
     nesterov = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}
     spec = user_job("frozen", "frozen_mlp", [3, 3], optimizer=nesterov)
     got = run(cluster, spec)
-    assert_same(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec).state_dict())
     torch.manual_seed(0)
     initial = build_model("usermodels:frozen_mlp").state_dict()
     for name in ("1.weight", "1.bias", "5.bias"):
@@ -205,7 +194,7 @@ def test_non_persistent_buffer(cluster) -> None:
     got = run(cluster, spec)
     want = plain_training(spec).state_dict()
     assert "4.scale" not in want
-    assert_same(got, want)
+    assert_same_weights(got, want)
 
 
 # -- dropout ------------------------------------------------------------------------------
@@ -220,7 +209,7 @@ def test_dropout_is_reproducible_and_matches_a_seeded_reference(cluster) -> None
     second = run(cluster, {**spec, "name": "dropout-again"})
     for name, w in first.items():
         assert torch.equal(second[name], w), name
-    assert_same(first, plain_training(spec, vw_seeds=0).state_dict())
+    assert_same_weights(first, plain_training(spec, vw_seeds=0).state_dict())
     other = plain_training(spec, vw_seeds=1).state_dict()
     assert max((other[n] - first[n]).abs().max().item() for n in first) > 1e-3
 
@@ -269,12 +258,8 @@ def test_recomputing_every_layer_trains_the_same_weights_as_keeping_them(cluster
         info = cluster.submit(spec)
         assert info["state"] == "done", info.get("error")
         runs[policy] = info
-    want = torch.load(runs["keep"]["model_path"])
-    got = torch.load(runs["recompute"]["model_path"])
-    assert set(got) == set(want)
-    for name, w in want.items():
-        diff = (got[name] - w).abs().max().item()
-        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    assert_same_weights(torch.load(runs["recompute"]["model_path"]),
+                        torch.load(runs["keep"]["model_path"]), tol=1e-6)
     first = next(s for s in runs["keep"]["stages"] if s["stage"] == 0)
     again = next(s for s in runs["recompute"]["stages"] if s["stage"] == 0)
     assert again["peak_memory"]["activations"] < first["peak_memory"]["activations"]
@@ -295,12 +280,8 @@ def test_recompute_inside_the_rerun_forward_of_stale_weight_modes(cluster, weigh
         info = cluster.submit(spec)
         assert info["state"] == "done", info.get("error")
         runs[policy] = info
-    want = torch.load(runs["keep"]["model_path"])
-    got = torch.load(runs["recompute"]["model_path"])
-    assert set(got) == set(want)
-    for name, w in want.items():
-        diff = (got[name] - w).abs().max().item()
-        assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
+    assert_same_weights(torch.load(runs["recompute"]["model_path"]),
+                        torch.load(runs["keep"]["model_path"]), tol=1e-6)
     for s in runs["recompute"]["stages"]:
         pred = runs["recompute"]["predicted"]["vws"][0]["stages"][s["stage"]]
         assert s["peak_bytes"] <= pred["memory"], (s["stage"], s["peak_memory"], pred)
