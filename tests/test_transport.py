@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from hetpipe.daemon import Owner
 from hetpipe.security import Curve
-from hetpipe.transport import Channel, RemoteError, bound_address, make_socket
+from hetpipe.transport import Channel, Handler, RemoteError, bound_address, make_socket
 from hetpipe.wire import Kind, Message, decode, encode
 
 MAX_FRAME = 1 << 20
@@ -70,6 +70,18 @@ class Server:
 def client(owner: Owner, address: str, identity: bytes = b"client") -> Channel:
     sock = make_socket(owner.ctx, zmq.DEALER, connect=address, identity=identity)
     return owner.channel(Channel(sock, None, name="client", max_frame_bytes=MAX_FRAME))
+
+
+def collector() -> tuple[list[Message], asyncio.Event, Handler]:
+    """A handler that keeps what it is given, and an event set at each arrival."""
+    got: list[Message] = []
+    arrived = asyncio.Event()
+
+    async def on(_peer: bytes | None, msg: Message) -> None:
+        got.append(msg)
+        arrived.set()
+
+    return got, arrived, on
 
 
 async def echo(server: Server, peer: bytes | None, msg: Message) -> None:
@@ -264,12 +276,7 @@ def test_reply_with_an_unknown_rid_goes_to_the_handler() -> None:
 
     async def body(owner: Owner) -> None:
         server = Server(owner)
-        got: list[Message] = []
-        arrived = asyncio.Event()
-
-        async def on_client(_peer: bytes | None, msg: Message) -> None:
-            got.append(msg)
-            arrived.set()
+        got, arrived, on_client = collector()
 
         sock = make_socket(owner.ctx, zmq.DEALER, connect=server.address, identity=b"c2")
         cl = owner.channel(Channel(sock, on_client, name="c2", max_frame_bytes=MAX_FRAME))
@@ -332,12 +339,7 @@ def test_oversize_frame_is_dropped_by_zeromq_before_the_reader_sees_it() -> None
     """The sender of a frame over MAXMSGSIZE is cut off; the receiver goes on serving."""
 
     async def body(owner: Owner) -> None:
-        got: list[Message] = []
-        arrived = asyncio.Event()
-
-        async def on(_peer: bytes | None, msg: Message) -> None:
-            got.append(msg)
-            arrived.set()
+        got, arrived, on = collector()
 
         sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME)
         address = bound_address(sock)
@@ -364,12 +366,7 @@ def test_a_frame_of_exactly_max_frame_bytes_passes_under_curve() -> None:
     sender = Curve("worker-a", client_pub, client_sec, server_pub)
 
     async def body(owner: Owner) -> None:
-        got: list[Message] = []
-        arrived = asyncio.Event()
-
-        async def on(_peer: bytes | None, msg: Message) -> None:
-            got.append(msg)
-            arrived.set()
+        got, arrived, on = collector()
 
         sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME,
                            curve=served)
