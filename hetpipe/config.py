@@ -190,6 +190,7 @@ class RuntimeSpec:
     log_max_bytes: int = 16 << 20  # a daemon's log rotates past this size
     log_keep: int = 3  # rotated logs kept (name.log.1 .. name.log.N)
     jobs_kept: int = 20  # finished jobs the head keeps in memory; older ones live on disk
+    cuda_ipc: bool = True  # stages on GPUs of one host pass tensors device to device
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
     keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
-            "log_max_bytes", "log_keep", "jobs_kept")
+            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc")
     rt = root.table("runtime", keys)
     heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
                             high=MAX_DURATION_S)
@@ -360,6 +361,7 @@ def _runtime(root: Table) -> RuntimeSpec:
         heartbeat, lost, frame, hwm, rt.text("run_dir", d.run_dir), log_max,
         rt.at_least("log_keep", 0, d.log_keep, high=100),
         rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
+        rt.flag("cuda_ipc", d.cuda_ipc),
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hetpipe.checkpoint import is_cut
+from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.data import MinibatchStream
 from hetpipe.hostcopy import HostCopy
 from hetpipe.schedule import (
@@ -54,7 +55,8 @@ PUSH_TIMEOUT_S = 120.0
 PULL_TIMEOUT_S = 3600.0
 
 Report = Callable[[dict[str, Any]], Awaitable[None]]
-Send = Callable[[str, int, dict[str, torch.Tensor]], Awaitable[None]]
+# (kind, p, host tensors, device tensors of this host's GPUs shared by handle or None)
+Send = Callable[[str, int, dict[str, torch.Tensor], dict[str, Any] | None], Awaitable[None]]
 # a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
 Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
 
@@ -118,6 +120,7 @@ class StageRunner:
         report_every_s: float = 0.5,
         copy_executor: Executor | None = None,
         snapshot: Snapshot | None = None,
+        direct: frozenset[str] = frozenset(),
     ) -> None:
         self.compute = compute
         self.task = compute.task
@@ -129,6 +132,9 @@ class StageRunner:
         self.stream = stream
         self.report_every_s = report_every_s
         self.snapshot = snapshot
+        # kinds (act, grad) whose tensors reach their neighbour device to device: the
+        # neighbour is a GPU of this host (hetpipe.cudaipc)
+        self.direct = direct
         self.schedule = stage_schedule(compute)
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
@@ -156,11 +162,12 @@ class StageRunner:
     # -- inbox (the schedule's Inputs) -----------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
-        """Take an activation or a gradient addressed to this stage."""
+        """Take an activation or a gradient addressed to this stage (``ValueError``, one
+        line, if it lacks its tensor or carries a malformed handle)."""
         if msg.kind == Kind.ACT:
-            self.acts[msg["p"]] = (msg.tensors["x"], msg.tensors["y"])
+            self.acts[msg["p"]] = (_received(msg, "x"), _received(msg, "y"))
         elif msg.kind == Kind.GRAD:
-            self.grads[msg["p"]] = msg.tensors["g"]
+            self.grads[msg["p"]] = _received(msg, "g")
         self.wakeup.set()
 
     def has_activation(self, p: int) -> bool:
@@ -298,19 +305,35 @@ class StageRunner:
         for a, made, given in zip(run, outs, inputs, strict=True):
             if isinstance(a, Forward) and made is not None:
                 with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                    x = (await self._host(made))["x"]
-                    await self.send(Kind.ACT, a.p, {"x": x, "y": given[1]})
+                    host, shared = await self._outgoing(made)
+                    await self.send(Kind.ACT, a.p, {**host, "y": given[1]}, shared)
             elif isinstance(a, Backward):
                 if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                        await self.send(Kind.GRAD, a.p, await self._host(made))
+                        await self.send(Kind.GRAD, a.p, *await self._outgoing(made))
                 self._after_backward(a.p)
             elif isinstance(a, Push):
                 with self.timeline.span("push", None, a.c):
                     await self._push(a.c, made)
 
+    async def _outgoing(self, made: HostCopy | dict[str, Any]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """What a forward or backward made, as (host tensors, shared handles)."""
+        if isinstance(made, dict):
+            return {}, made
+        return await self._host(made), None
+
+    def _made(self, kind: str, name: str, t: torch.Tensor) -> HostCopy | dict[str, Any]:
+        """On the compute thread: ``t`` on its way to the neighbour, shared by handle where
+        it goes device to device (exported here, behind the kernels that made it), else
+        copied to the host."""
+        if kind in self.direct and t.is_cuda:
+            return {name: share(t)}
+        return self.compute.copier.to_host({name: t})
+
     def _compute(self, run: list[Action], inputs: list[Any]
-                 ) -> tuple[list[HostCopy | None], list, list[tuple[int, float]]]:
+                 ) -> tuple[list[HostCopy | dict[str, Any] | None], list,
+                            list[tuple[int, float]]]:
         """On the compute thread: run the actions in order. Returns what each made for
         sending (its copy to the host started), the spans as (kind, t0, t1, p, wave), and
         the losses read back meanwhile (in batches, never waiting for the device).
@@ -319,20 +342,20 @@ class StageRunner:
         push's copy is the push's own time (its span is taken around the send).
         """
         c = self.compute
-        outs: list[HostCopy | None] = []
+        outs: list[HostCopy | dict[str, Any] | None] = []
         spans: list[list[Any]] = []
         for a, given in zip(run, inputs, strict=True):
             t0 = time.time()
-            made: HostCopy | None = None
+            made: HostCopy | dict[str, Any] | None = None
             if isinstance(a, Forward):
                 out = c.forward(a.p, *given)
                 if out is not None:
-                    made = c.copier.to_host({"x": out})
+                    made = self._made(Kind.ACT, "x", out)
                 spans.append(["forward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             elif isinstance(a, Backward):
                 grad_in = c.backward(a.p, given)
                 if grad_in is not None and not self.task.is_first:
-                    made = c.copier.to_host({"g": grad_in})
+                    made = self._made(Kind.GRAD, "g", grad_in)
                 spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             elif isinstance(a, Push):
                 made = self._push_copy(a.c)
@@ -526,3 +549,14 @@ def _union(replies: list[Message]) -> dict[str, torch.Tensor]:
     for r in replies:
         out.update(r.tensors)
     return out
+
+
+def _received(msg: Message, name: str) -> torch.Tensor | Shared:
+    """Tensor ``name`` of a received message: in its frames, or shared by handle (checked
+    here, opened by the stage on its compute thread)."""
+    if name in msg.tensors:
+        return msg.tensors[name]
+    shared = msg.get("ipc") or {}
+    if name not in shared:
+        raise ValueError(f"{msg.kind} {msg['p']} carries no tensor {name!r}")
+    return parse(shared[name])

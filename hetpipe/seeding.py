@@ -61,6 +61,7 @@ class LayerSeeds:
         self.generators = [torch.default_generator]
         dev = torch.device(device)
         if dev.type == "cuda":
+            torch.cuda.init()  # the device generators exist only once CUDA is initialised
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             self.generators.append(torch.cuda.default_generators[index])
         for i, layer in enumerate(module):

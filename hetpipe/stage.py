@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate
 from hetpipe.config import DeviceSpec
+from hetpipe.cudaipc import Shared, open_shared
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
@@ -334,9 +335,12 @@ class StageCompute:
             j += 1
         return x, (saved, inputs, work)
 
-    def _to_device(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        """A received host tensor on the stage's device. To a GPU it goes through pinned
-        memory: a copy from pageable memory would wait for the work queued on the device."""
+    def _to_device(self, t: torch.Tensor | Shared, copy: bool = False) -> torch.Tensor:
+        """A received tensor on the stage's device. A host tensor goes to a GPU through
+        pinned memory (a copy from pageable memory would wait for the work queued on the
+        device); one shared by a GPU of this host is opened in place (hetpipe.cudaipc)."""
+        if isinstance(t, Shared):
+            return open_shared(t, self.dev)
         if self.dev.startswith("cuda") and t.device.type == "cpu":
             return t.pin_memory().to(self.dev, non_blocking=True)
         return t.to(self.dev, copy=copy)

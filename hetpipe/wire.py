@@ -50,6 +50,8 @@ __all__ = [
     "Message",
     "WireError",
     "decode",
+    "dtype_name",
+    "dtype_named",
     "encode",
     "error_frames",
     "frames_nbytes",
@@ -156,9 +158,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # tensors: activation "x", labels "y"
-    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT},
+    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT},
     # tensors: gradient "g"
-    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT},
+    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT},
     # tensors: summed deltas of the wave, by parameter name
     Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
     Kind.PULL: {
@@ -217,6 +219,21 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire's name of a dtype (``WireError`` if the wire cannot carry it)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"dtype {dtype} is not supported ({', '.join(_DTYPES)})")
+    return name
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The dtype of a wire name, or None for a name the wire does not know."""
+    return _DTYPES.get(name)
+
 
 _HEADER_KEYS = frozenset({"v", "kind", "f", "t"})
 _DESCRIPTOR_KEYS = ("name", "dtype", "shape", "frame")

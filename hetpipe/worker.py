@@ -223,9 +223,13 @@ class Worker:
         job.runner = StageRunner(job.compute, self.executor, send=self._sender(job),
                                  shards=job.shards, report=self._reporter(job),
                                  stream=job.stream, copy_executor=self.copies,
-                                 snapshot=self._snapshotter(job))
+                                 snapshot=self._snapshotter(job),
+                                 direct=frozenset(kind for kind, peer in (
+                                     (Kind.ACT, job.task.next_device),
+                                     (Kind.GRAD, job.task.prev_device))
+                                     if self._shares_gpu_with(peer)))
         for msg in job.early:
-            job.runner.on_message(msg)
+            self._take(job, msg)
         job.early.clear()
         job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
 
@@ -236,10 +240,12 @@ class Worker:
                         c.name == f"to:{job.task.next}"), None)
         fields = {"job": job.task.job, "vw": job.task.vw}
 
-        async def send(kind: str, p: int, tensors: dict[str, torch.Tensor]) -> None:
+        async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
+                       shared: dict[str, Any] | None = None) -> None:
             ch = next_ch if kind == Kind.ACT else prev_ch
             assert ch is not None, f"{kind} has no destination at {job.task.where}"
-            await ch.send(kind, {**fields, "p": p}, tensors)
+            extra = {"ipc": shared} if shared else {}
+            await ch.send(kind, {**fields, "p": p, **extra}, tensors)
 
         return send
 
@@ -306,10 +312,36 @@ class Worker:
                                   str(msg.user), f"{msg.user} sent {msg.kind}",
                                   kind=str(msg.kind), expected=sender)
             return
+        if msg.get("ipc") and not self._shares_gpu_with(sender):
+            self._refused.warning("data refused: a shared GPU tensor from a peer that is "
+                                  "not a GPU of this host", str(msg.user),
+                                  f"{sender} sent {msg.kind} by handle", kind=str(msg.kind))
+            return
         if job.runner is None:
             job.early.append(msg)
         else:
+            self._take(job, msg)
+
+    def _take(self, job: _Job, msg: Message) -> None:
+        """Give a checked data message to the stage; a malformed one is logged and dropped
+        (the stage then waits for it, and the head's hang diagnosis says so)."""
+        assert job.runner is not None
+        try:
             job.runner.on_message(msg)
+        except ValueError as exc:
+            self.log.warning("data refused: malformed", kind=str(msg.kind), error=excerpt(exc))
+
+    def _shares_gpu_with(self, peer: str | None) -> bool:
+        """Whether tensors to and from device ``peer`` move device to device: both are GPUs
+        of this host and ``[runtime] cuda_ipc`` allows it (hetpipe.cudaipc)."""
+        if peer is None or not self.cluster.runtime.cuda_ipc:
+            return False
+        try:
+            other = self.cluster.device(peer)
+        except (KeyError, ValueError):
+            return False
+        return (self.device.device.startswith("cuda") and other.device.startswith("cuda")
+                and other.host == self.device.host)
 
     async def close(self) -> None:
         await self._drop_job()

@@ -16,6 +16,10 @@ stage 0, when the backward of the window's last minibatch finishes there, as
   ``torch.autocast``): the same fields with ``_bf16``.
 
     python scripts/bench_gpu.py [--json] [--minibatches N] [--dim D] [--blocks B] [--no-bf16]
+                                [--no-cuda-ipc] [--cases one_stage,four_stages_one_gpu]
+
+Stages on GPUs of this host pass activations and gradients by CUDA IPC handle (no copy on
+one GPU); ``--no-cuda-ipc`` sends them through host memory instead, for comparison.
 
 Without CUDA it prints one line saying so (with ``--json``: ``{"skipped": "no CUDA"}``) and
 exits 0.
@@ -90,7 +94,7 @@ def plain(job: dict[str, Any], device: str) -> float:
     return (n - warm) * spec.minibatch / (time.perf_counter() - t0)
 
 
-def ours(job: dict[str, Any], devices: dict[str, str], memory: str) -> float:
+def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bool) -> float:
     """hetpipe on a local cluster of these devices (name -> cuda:N): steady-state samples/s
     at stage 0."""
     from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
@@ -101,7 +105,7 @@ def ours(job: dict[str, Any], devices: dict[str, str], memory: str) -> float:
         root = Path(tmp)
         path = root / "cluster.toml"
         defs = [DeviceDef(name, "gpu", memory, 1.0, dev) for name, dev in devices.items()]
-        path.write_text(cluster_toml(defs, shards=1))
+        path.write_text(cluster_toml(defs, shards=1, cuda_ipc=cuda_ipc))
         with LocalCluster(path, root / "run", timeout=120) as cluster:
             info = cluster.submit(job, timeout=1800)
             if info.get("state") != "done":
@@ -121,6 +125,10 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
+    ap.add_argument("--no-cuda-ipc", action="store_true",
+                    help="stages pass tensors through host memory ([runtime] cuda_ipc = false)")
+    ap.add_argument("--cases", default="", help="comma-separated subset of the runs "
+                    "(one_stage, four_stages_one_gpu, gpus); default all")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         if args.json:
@@ -141,10 +149,17 @@ def main() -> None:
     if gpus >= 2:
         cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus,
                       float(gpus)))
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        unknown = wanted - {"one_stage", "four_stages_one_gpu", "gpus"}
+        if unknown:
+            ap.error(f"--cases: unknown run(s) {', '.join(sorted(unknown))}")
+        cases = [c for c in cases if c[0] in wanted]
     out: dict[str, Any] = {"bench": "gpu", "machine": machine(),
                            "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
                            "dim": args.dim, "blocks": args.blocks, "seq": SEQ,
-                           "minibatch": args.minibatch, "minibatches": args.minibatches}
+                           "minibatch": args.minibatch, "minibatches": args.minibatches,
+                           "cuda_ipc": not args.no_cuda_ipc}
     rows = []
     for precision in ("fp32",) if args.no_bf16 else ("fp32", "bf16"):
         suffix = "" if precision == "fp32" else "_bf16"
@@ -154,7 +169,7 @@ def main() -> None:
                            args, precision)
             if base is None:
                 base = plain(job, "cuda:0")
-            got = ours(job, devices, memory)
+            got = ours(job, devices, memory, not args.no_cuda_ipc)
             ratio = got / (base * ideal)
             out[f"plain_samples_per_s{suffix}"] = base
             out[f"{name}_samples_per_s{suffix}"] = got

@@ -16,10 +16,14 @@ pytestmark = [
 
 
 @pytest.mark.timeout(300)
-def test_transparency_on_cuda(tmp_path) -> None:
-    """Four stages on cuda:0 give the weights of plain (CPU) training, within 1e-4."""
+@pytest.mark.parametrize("cuda_ipc", [True, False], ids=["device-to-device", "via-host"])
+def test_transparency_on_cuda(tmp_path, cuda_ipc: bool) -> None:
+    """Four stages on cuda:0 give the weights of plain (CPU) training, within 1e-4: with
+    activations and gradients shared between the stages' processes by CUDA IPC handle, and
+    through host memory (``[runtime] cuda_ipc = false``). Its first stage (Flatten) has no
+    parameters: nothing but the stage itself initialises CUDA there."""
     devices = tuple(DeviceDef(f"gpu{i}", "cuda", "8GiB", 1.0, "cuda:0") for i in range(4))
-    cluster = start_cluster(tmp_path, devices)
+    cluster = start_cluster(tmp_path, devices, cuda_ipc=cuda_ipc)
     try:
         spec = job("cuda", model="mlp", split=[(["gpu0", "gpu1", "gpu2", "gpu3"],
                                                 [1, 2, 2, 1])], nm=1, minibatches=50)

@@ -82,7 +82,7 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
     compute = StandInCompute(kind, k, stage, nm, total)
     stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
 
-    async def send(kind_: str, p: int, tensors: dict) -> None:
+    async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None) -> None:
         pass
 
     async def report(stats: dict) -> None:
