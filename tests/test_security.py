@@ -400,6 +400,27 @@ def test_keyed_peers_outside_their_role_are_refused(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_gpu_handles_from_a_peer_that_is_no_gpu_of_this_host_are_refused(
+        guarded: LocalCluster, running: dict[str, Any]) -> None:
+    """gpu1's own predecessor (gpu0's key, the one peer allowed to send it activations) sends
+    an activation as a CUDA IPC handle: these devices are CPUs, so nothing is opened; the
+    worker logs the refusal and the job runs on."""
+    c = guarded
+    gpu0 = curve_of(Path(c.cluster.security.keys), "worker-gpu0")
+    shared = {"size": [1], "stride": [1], "offset": 0, "dtype": "float32", "device": 0,
+              "handle": b"h" * 64, "nbytes": 4, "at": 0, "counter": b"/c", "counter_at": 0,
+              "event": None, "sync": False}
+    c.run(push_data(c.ready["worker-gpu1"]["address"], gpu0, Kind.ACT,
+                    {"job": running["id"], "vw": 0, "p": 10**6, "ipc": {"x": shared}},
+                    {"y": torch.zeros(1, dtype=torch.int64)}))
+    wait_log(c.run_dir / "logs" / "worker-gpu1.log",
+             "data refused: a shared GPU tensor from a peer that is not a GPU of this host")
+    state = next(j for j in c.status()["jobs"] if j["id"] == running["id"])
+    assert state["state"] in ("running", "done"), state.get("error")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_disallowed_code_and_bad_names_are_refused_at_submit(
         guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
     c = guarded
