@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,8 @@ def _saved(tensors: dict[str, torch.Tensor]) -> bytes:
     return buf.getvalue()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Make a file's data, or a folder's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -120,16 +115,22 @@ def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[st
                 META: json.dumps(meta).encode()}
     contents.update({name: _saved(tensors) for name, tensors in (stages or {}).items()})
     try:
-        files = {}
-        for name, data in contents.items():  # hashed in memory: no file is read back
-            _write_synced(tmp / name, data)
-            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _write_synced(tmp / MANIFEST, json.dumps({"seq": seq, "files": files}).encode())
-        _fsync_dir(tmp)
+        files = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                 for name, data in contents.items()}  # hashed in memory: nothing read back
+        contents[MANIFEST] = json.dumps({"seq": seq, "files": files}).encode()
+        for name, data in contents.items():
+            (tmp / name).write_bytes(data)
+        # The files and their folder are made durable at once, their fsyncs in parallel (the
+        # file system commits them together), not one after another. No order among them is
+        # needed: the manifest proves its files, so one that reached the disk before a file
+        # it names is caught by latest() as incomplete.
+        paths = [tmp / name for name in contents] + [tmp]
+        with ThreadPoolExecutor(len(paths)) as pool:
+            list(pool.map(_fsync, paths))
         if final.exists():  # a checkpoint of this seq from an attempt given up
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        _fsync(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in _complete_dirs(root)[keep:]:
