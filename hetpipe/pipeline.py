@@ -476,7 +476,8 @@ class StageRunner:
     async def _reduce(self, c: int) -> list[Message]:
         """Send iteration ``c``'s gradient sum to each shard; its answer is every virtual
         worker's mean (parked until all have contributed)."""
-        grads, samples = await self._run(self.compute.gradient_sum)
+        copy, samples = await self._run(self.compute.gradient_sum)
+        grads = await self._host(copy)
         fields = {**self._ids(), "iteration": c, "samples": samples}
         waits = [
             self.shards[shard].request(

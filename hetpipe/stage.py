@@ -528,9 +528,11 @@ class StageCompute:
                     self.grad_sum[n] = g * samples
         self.grad_samples += samples
 
-    def gradient_sum(self) -> tuple[dict[str, torch.Tensor], int]:
-        """This iteration's sample-weighted gradient sum and its samples, for the shards."""
-        return {n: g.detach().cpu() for n, g in self.grad_sum.items()}, self.grad_samples
+    def gradient_sum(self) -> tuple[HostCopy, int]:
+        """This iteration's sample-weighted gradient sum, on its way to the host for the
+        shards (a side-stream copy: the compute thread does not wait for it), and its
+        samples."""
+        return self.copier.to_host(self.grad_sum), self.grad_samples
 
     def merge_gradients(self, mean: Mapping[str, torch.Tensor]) -> None:
         """Adopt the mean gradient of every virtual worker's samples of the iteration."""
