@@ -226,7 +226,7 @@ def test_everything_with_two_virtual_workers(cluster) -> None:
         model="usermodels:everything",
         nm=2,
         staleness=1,
-        epochs=8,
+        epochs=16,
         split=[(["gpu0", "gpu1"], [4, 6]), (["gpu2", "gpu3"], [3, 7])],
         lr=0.05,
     )
@@ -241,7 +241,9 @@ def test_everything_with_two_virtual_workers(cluster) -> None:
         assert torch.equal(got[name], initial[name]), name
     assert_tied(got, spec, "4.weight", "7.weight")
     assert not torch.equal(got["9.weight"], initial["9.weight"])
-    # 352 minibatches over both VWs reached 0.76 when measured; chance is 0.1
+    # chance is 0.1. Eight epochs ended anywhere in 0.49-0.78 with the interleaving of the two
+    # VWs on a busy host (this small model with a frozen first layer learns slowly); sixteen
+    # ended at 0.83-0.84 in three runs under load 4-9
     assert info["test_accuracy"] >= 0.5
 
 
