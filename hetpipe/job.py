@@ -467,9 +467,10 @@ def _device_groups(vt: Table) -> list[list[str]]:
     """A ``[[vw]]``'s ``devices``, one group per stage: a device name, or an array of names
     (the stage replicated on them, its leader first; :mod:`hetpipe.replicas`)."""
     value = vt.raw("devices")
-    if not isinstance(value, list | tuple) or not value:
-        vt.fail("devices", "must list at least one device (a name, or an array of names "
-                "for a replicated stage)")
+    if not isinstance(value, list | tuple):
+        vt.fail("devices", f"expected an array, got {kind(value)} {value!r}")
+    if not value:
+        vt.fail("devices", "must list at least one device")
     groups = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -477,7 +478,7 @@ def _device_groups(vt: Table) -> list[list[str]]:
             continue
         if not isinstance(item, list | tuple) or not item or not all(
                 isinstance(d, str) for d in item):
-            vt.fail(f"devices[{i}]", f"expected a device name or a non-empty array of names, "
-                    f"got {item!r}")
+            vt.fail(f"devices[{i}]", f"expected a string (a device) or a non-empty array of "
+                    f"strings (a replicated stage's devices), got {kind(item)} {item!r}")
         groups.append(list(item))
     return groups

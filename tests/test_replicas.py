@@ -113,7 +113,7 @@ def test_groups_round_trip_and_bad_groups(tmp_path: Path) -> None:
         ([{"devices": ["r0", ["r1", "r0"]], "layers": [3, 3]}], "duplicate device 'r0'"),
         ([{"devices": [["r0", "r1"]], "layers": [6]}, {"devices": ["r1"], "layers": [6]}],
          "'r1' is already in vw[0]"),
-        ([{"devices": ["r0", []], "layers": [3, 3]}], "expected a device name or a non-empty"),
+        ([{"devices": ["r0", []], "layers": [3, 3]}], "or a non-empty array of strings"),
         ([{"devices": ["r0", ["r1", "r9"]], "layers": [3, 3]}], "'r9' is not a device"),
     ]
     for vw_, problem in bad:
