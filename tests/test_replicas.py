@@ -3,7 +3,10 @@ virtual worker whose stages run on several devices, against plain PyTorch and un
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,10 +14,12 @@ from conftest import assert_same_weights, job, start_cluster
 from test_pipeline_e2e import plain_training
 from test_wsp_e2e import check_invariants, load_records
 
-from hetpipe.config import load_cluster
+from hetpipe.config import DeviceSpec, load_cluster
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.localcluster import DeviceDef, cluster_toml
+from hetpipe.planner import CostModel, LayerProfile, ModelProfile, synthetic_profile
+from hetpipe.planner.replicas import Replicated, brute_force_replicated, partition_replicated
 from hetpipe.replicas import gather, piece, pieces_for, split_rows
 from hetpipe.schedule import ScheduleError, StageSchedule, Wait
 
@@ -201,3 +206,57 @@ def test_wsp_with_a_replicated_stage(replica_cluster, staleness) -> None:
     assert check_invariants(records, {0: 2, 1: 2}, staleness) > 0
     # the same job unreplicated reached 0.956 (D = 0), replicated 0.914, in one run each
     assert info["test_accuracy"] >= 0.85
+
+
+# -- the planner -----------------------------------------------------------------------------
+
+
+def _pdev(name: str, dtype: str, memory: int, node: str = "n0", speed: float = 1.0) -> Any:
+    return DeviceSpec(name, "cpu", dtype, memory, speed, 0, node, "127.0.0.1")
+
+
+def test_replica_dp_equals_brute_force() -> None:
+    """The DP's bottleneck is the brute force's over every grouping and cut (same floats)."""
+    found = replicated = 0
+    for seed in range(60):
+        r = random.Random(seed)
+        L, n = r.randint(2, 6), r.randint(1, 4)
+        types = {f"t{j}": r.uniform(0.3, 1.0) for j in range(r.randint(1, 2))}
+        prof = synthetic_profile(L, types, r, param_bytes=(1000, 400000),
+                                 out_bytes=(100, 20000), time_s=(1e-3, 8e-3))
+        devs = [_pdev(f"g{i}", r.choice(list(types)), 1 << 30, f"n{r.randint(0, 1)}",
+                      r.choice([1.0, 0.5])) for i in range(n)]
+        model = CostModel(prof, lambda a, b: 1e9 if a.node == b.node else 1e8, 1)
+        nm, max_r = r.randint(1, 3), r.randint(1, 3)
+        got = partition_replicated(model, devs, nm, 32, max_r)
+        want = brute_force_replicated(model, devs, nm, 32, max_r)
+        if not isinstance(got, Replicated):  # more devices than layers can take
+            assert want == math.inf, seed
+            continue
+        assert got.bottleneck == want, seed
+        assert max(len(g) for g in got.groups) <= max_r
+        assert [d for g in got.groups for d in g] == [d.name for d in devs]
+        found += 1
+        replicated += any(len(g) > 1 for g in got.groups)
+    assert found >= 40 and replicated >= 5, (found, replicated)
+
+
+def test_replicas_are_priced_by_their_link() -> None:
+    """One heavy layer between two light ones on three devices: replicating it on the two
+    pays on a fast link, not on a slow one (the gradient exchange is priced)."""
+    heavy = LayerProfile(fwd_s=0.03, bwd_s=0.06, param_bytes=4 << 20, buffer_bytes=0,
+                         out_bytes=4096, saved_bytes=4096, work_bytes=4096)
+    light = LayerProfile(fwd_s=0.001, bwd_s=0.002, param_bytes=1024, buffer_bytes=0,
+                         out_bytes=4096, saved_bytes=4096, work_bytes=4096)
+    prof = ModelProfile("m", 32, 4096, {"a": (light, heavy, light)})
+    devs = [_pdev("g0", "a", 1 << 30), _pdev("g1", "a", 1 << 30), _pdev("g2", "a", 1 << 30)]
+    for gbps, replicas in ((100.0, 2), (0.1, 1)):
+        model = CostModel(prof, lambda a, b, g=gbps: g * 1e9 / 8, 0)
+        got = partition_replicated(model, devs, 1, 32, 2)
+        assert isinstance(got, Replicated)
+        s = next(i for i, (a, b) in enumerate(got.cuts) if a <= 1 < b)  # the heavy layer's
+        assert len(got.groups[s]) == replicas, (gbps, got)
+        if replicas > 1:
+            a, b = got.cuts[s]
+            pbytes = sum(lp.param_bytes for lp in prof.layers["a"][a:b])
+            assert got.exchange_s[s] == pytest.approx(2 * pbytes / (gbps * 1e9 / 8))
