@@ -159,6 +159,9 @@ class JobSpec:
     # every wave/iteration whatever it says
     push_every: int = 0
     verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
+    # the most devices ``hetpipe plan`` may group into one replicated stage when it proposes
+    # replicas (hetpipe.planner.replicas); 1: none proposed
+    max_replicas: int = 1
 
     @property
     def sync(self) -> bool:
@@ -181,6 +184,7 @@ class JobSpec:
             "precision": self.precision,
             "push_every": self.push_every,
             "verify": self.verify,
+            "max_replicas": self.max_replicas,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -263,6 +267,7 @@ class JobSpec:
                 "precision",
                 "push_every",
                 "verify",
+                "max_replicas",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -311,6 +316,7 @@ class JobSpec:
             train.fail("precision", f"unknown precision {precision!r} "
                        f"(one of: {', '.join(PRECISIONS)})")
         push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
+        max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
         verify = train.flag("verify", False)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
@@ -352,6 +358,7 @@ class JobSpec:
             precision=precision,
             push_every=push_every,
             verify=verify,
+            max_replicas=max_replicas,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

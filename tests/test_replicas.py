@@ -20,6 +20,7 @@ from hetpipe.jobcheck import check_job
 from hetpipe.localcluster import DeviceDef, cluster_toml
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile, synthetic_profile
 from hetpipe.planner.replicas import Replicated, brute_force_replicated, partition_replicated
+from hetpipe.profiling import plan_for
 from hetpipe.replicas import gather, piece, pieces_for, split_rows
 from hetpipe.schedule import ScheduleError, StageSchedule, Wait
 
@@ -260,3 +261,27 @@ def test_replicas_are_priced_by_their_link() -> None:
             a, b = got.cuts[s]
             pbytes = sum(lp.param_bytes for lp in prof.layers["a"][a:b])
             assert got.exchange_s[s] == pytest.approx(2 * pbytes / (gbps * 1e9 / 8))
+
+
+def test_plan_shows_replicas(tmp_path: Path) -> None:
+    """``hetpipe plan``'s table: the best grouping with ``train.max_replicas``, and a split
+    given with groups priced the same way, each beside the order without replicas."""
+    path = tmp_path / "cluster.toml"
+    path.write_text(cluster_toml(DEVICES, shards=1))
+    cluster = load_cluster(path)
+    prof = synthetic_profile(6, {"fast": 1.0, "half": 0.5}, 1, model="mlp",
+                             param_bytes=(1024, 8192))
+    spec = job("plan", train={"max_replicas": 2})
+    spec["vw"] = [{"devices": ["r0", ["r1", "r2"], "r3"], "layers": [2, 2, 2]}]
+    plan = plan_for(JobSpec.from_dict(spec), cluster, prof)
+    rows = plan.details["replicas"]
+    assert [r["what"] for r in rows] == ["as given", "best with train.max_replicas = 2"]
+    assert rows[0]["groups"] == [["r0"], ["r1", "r2"], ["r3"]]
+    assert rows[0]["layers"] == [2, 2, 2] and rows[0]["exchange_s"][1] > 0
+    best = rows[1]
+    assert [d for g in best["groups"] for d in g] == ["r0", "r1", "r2", "r3"]
+    assert best["bottleneck"] <= min(rows[0]["bottleneck"], best["unreplicated"])
+    table = plan.table()
+    assert "replicas, VW 0 (as given): devices [r0, [r1, r2], r3] layers [2, 2, 2]" in table
+    assert "replicas, VW 0 (best with train.max_replicas = 2)" in table
+    assert plan.unused == ("r4",)  # r2 replicates a stage

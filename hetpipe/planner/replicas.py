@@ -45,7 +45,8 @@ from typing import Any
 from hetpipe.planner.partition import CostModel, Infeasible
 from hetpipe.replicas import split_rows
 
-__all__ = ["Replicated", "brute_force_replicated", "group_time", "partition_replicated"]
+__all__ = ["Replicated", "brute_force_replicated", "describe_groups", "group_time",
+           "partition_replicated"]
 
 INF = math.inf
 
@@ -176,6 +177,16 @@ def _describe(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int,
         times.append(t)
         exch.append(x)
     return Replicated(tuple(groups), tuple(cuts), tuple(times), tuple(exch), max(times))
+
+
+def describe_groups(model: CostModel, groups: Sequence[Sequence[Any]],
+                    cuts: Sequence[tuple[int, int]], nm: int, minibatch: int) -> Replicated:
+    """Times of a given grouping (a job's ``devices`` with groups) and cut."""
+    devices = [d for g in groups for d in g]
+    starts = list(itertools.accumulate((len(g) for g in groups), initial=0))
+    bounds = [(u, a) for u, (a, _) in zip(starts, cuts, strict=False)] + [(len(devices),
+                                                                          cuts[-1][1])]
+    return _describe(model, devices, nm, minibatch, len(groups), bounds)
 
 
 def brute_force_replicated(
