@@ -17,8 +17,10 @@ bit-identical weights without ever comparing them.
 Where the gradients are combined: directly between the replicas, each sending its gradients
 to the others on their data ports (one hop, ZeroMQ), not through the parameter server (two
 hops and a round trip through a shard that serves every virtual worker). Only the leader
-pushes to the shards and writes checkpoints; every replica pulls, so all merge the same
-global weights.
+pushes to the shards, writes checkpoints and reports (a replicated last stage's reported
+loss is its leader's rows' mean); every replica pulls. With several virtual workers each
+replica's pull is answered when it arrives, so two replicas may merge global weights of
+slightly different moments, both within WSP's bound; the next pull realigns them.
 
 Batch norm: a replicated stage holding running statistics is refused at submit
 (per-replica statistics would drift apart, and no one copy would be the stage's). Dropout
