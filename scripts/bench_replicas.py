@@ -4,12 +4,13 @@
 Two figures on this host:
 
 - ``exchange``: one minibatch's gradient exchange of two replicas holding ``--params``
-  float32 weights, median over ``--rounds``. *direct*: each replica sends its gradients to
-  the other's data port (PUSH to PULL, what the workers do) and has the sum once the other's
-  arrive. *ps*: each sends them to a real ``hetpipe-ps`` shard as a ``reduce`` request (the
-  synchronous kinds' exchange), which parks until both are in and answers both with the
-  mean: two transfers per replica, and the shard between them. Both replicas are this
-  process's asyncio tasks; the shard is its own process.
+  float32 weights, until both hold the result, median over ``--rounds`` (the two ways
+  alternate round by round, so both see the same load on a shared host). *direct*: each
+  replica sends its gradients to the other's data port (PUSH to PULL, what the workers do)
+  and adds the other's once they arrive. *ps*: each sends them to a real ``hetpipe-ps`` shard
+  as a ``reduce`` request (the synchronous kinds' exchange), which parks until both are in
+  and answers both with the mean: two transfers per replica, and the shard between them.
+  Each replica is its own process, as in the runtime.
 - ``job``: a 2-stage mlp virtual worker on real daemons, its second stage (the bottleneck,
   on devices emulated ``--speed`` times as fast) on one device and then replicated on two of
   that speed, ``--minibatches`` each; minibatches per second, and the replicated stage's
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -42,65 +44,112 @@ MAX_FRAME = 1 << 30
 TIMEOUT_S = 60.0
 
 
-async def _exchange(address: str, grads: list[dict[str, torch.Tensor]], rounds: int
-                    ) -> tuple[list[float], list[float]]:
-    """Times of the direct and the shard exchange, alternated round by round (so both see
-    the same load on this shared host); the first round of each connects and is dropped."""
+async def _replica(r: int, shard: str, params: int, rounds: int, barrier: Any,
+                   addresses: Any, times: Any) -> None:
+    """One replica, in its own process as in the runtime: per round, the direct exchange
+    and then the exchange through the shard, each started together with the other replica
+    (a barrier); its own times go to ``times``."""
+    torch.set_num_threads(1)  # as the workers run: spinning intra-op threads would only
+    # fight over this host's cores
     ctx = zmq.asyncio.Context()
-    inbox: list[asyncio.Queue[Message]] = [asyncio.Queue(), asyncio.Queue()]
-    chans: list[Channel] = []
+    grads = {"w": torch.randn(params)}
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def take(_peer: bytes | None, msg: Message) -> None:
+        await inbox.put(msg)
 
     def channel(kind: int, name: str, handler: Any = None, **where: str) -> Channel:
         sock = make_socket(ctx, kind, max_frame_bytes=MAX_FRAME, **where)
-        ch = Channel(sock, handler, name=name, max_frame_bytes=MAX_FRAME)
-        chans.append(ch)
-        return ch.start()
+        return Channel(sock, handler, name=name, max_frame_bytes=MAX_FRAME).start()
 
+    pull = channel(zmq.PULL, f"replica{r}", take, bind=tcp("127.0.0.1", 0))
+    addresses.put((r, bound_address(pull.sock)))
+    await asyncio.sleep(0)
+    peer = await asyncio.get_running_loop().run_in_executor(None, _other, addresses, r)
+    push = channel(zmq.PUSH, "peer", connect=peer)
+    dealer = channel(zmq.DEALER, "shard", connect=shard)
     try:
-        # direct: each replica a PULL socket (its data port) and a PUSH to the other's
-        pulls = []
-        for r in range(2):
-            async def take(_peer: bytes | None, msg: Message, r: int = r) -> None:
-                await inbox[r].put(msg)
-            pulls.append(channel(zmq.PULL, f"replica{r}", take, bind=tcp("127.0.0.1", 0)))
-        pushes = [channel(zmq.PUSH, f"to{1 - r}", connect=bound_address(pulls[1 - r].sock))
-                  for r in range(2)]
-        # ps: the head's channel to the shard, then one per replica
-        dealers = [channel(zmq.DEALER, f"c{r}", connect=address) for r in range(3)]
-        names = list(grads[0])
-        members = {str(v): {"waves": rounds + 1, "stages": {"0": names}} for v in range(2)}
-        await dealers[0].request(Kind.SHARD_INIT, {"job": "bench", "members": members,
-                                                   "staleness": 0},
-                                 {n: torch.zeros_like(t) for n, t in grads[0].items()},
-                                 timeout=TIMEOUT_S, what="shard")
-
-        async def direct(r: int, p: int) -> None:
-            await pushes[r].send(Kind.REPLICA_GRAD, {"job": "b", "vw": 0, "stage": 0, "p": p,
-                                                     "replica": r}, grads[r])
-            got = await asyncio.wait_for(inbox[r].get(), TIMEOUT_S)
-            with torch.no_grad():  # the sum each replica takes
-                for n, g in got.tensors.items():
-                    _ = grads[r][n] + g
-
-        async def via_shard(r: int, it: int) -> None:
-            await dealers[1 + r].request(Kind.REDUCE, {"job": "bench", "vw": r, "stage": 0,
-                                                       "iteration": it, "samples": 16},
-                                         grads[r], timeout=TIMEOUT_S, what="shard")
-
-        times: tuple[list[float], list[float]] = ([], [])
         for it in range(rounds + 1):
-            for out, fn in zip(times, (direct, via_shard), strict=True):
+            out = []
+            for via_shard in (False, True):
+                barrier.wait()
                 t0 = time.perf_counter()
-                await asyncio.gather(fn(0, it), fn(1, it))
-                if it:
-                    out.append(time.perf_counter() - t0)
-        await dealers[0].request(Kind.SHARD_DROP, {"job": "bench"}, timeout=TIMEOUT_S,
-                                 what="shard")
-        return times
+                if via_shard:
+                    await dealer.request(Kind.REDUCE, {"job": "bench", "vw": r, "stage": 0,
+                                                       "iteration": it, "samples": 16},
+                                         grads, timeout=TIMEOUT_S, what="shard")
+                else:
+                    await push.send(Kind.REPLICA_GRAD, {"job": "b", "vw": 0, "stage": 0,
+                                                        "p": it, "replica": r}, grads)
+                    got = await asyncio.wait_for(inbox.get(), TIMEOUT_S)
+                    with torch.no_grad():  # the sum the replica takes
+                        _ = grads["w"] + got.tensors["w"]
+                out.append(time.perf_counter() - t0)
+            if it:  # the first round connects
+                times.put((r, *out))
     finally:
-        for ch in chans:
+        for ch in (pull, push, dealer):
             await ch.close()
         ctx.term()
+
+
+def _other(addresses: Any, r: int) -> str:
+    """The other replica's data address (both put theirs; each takes the other's)."""
+    seen: dict[int, str] = {}
+    while 1 - r not in seen:
+        i, a = addresses.get(timeout=TIMEOUT_S)
+        seen[i] = a
+        if i == r:
+            addresses.put((i, a))  # not ours to take
+            time.sleep(0.01)
+    return seen[1 - r]
+
+
+def _run_replica(*args: Any) -> None:
+    asyncio.run(_replica(*args))
+
+
+def _exchange(shard: str, params: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Per round, the time until both replicas hold the sum: directly, and via the shard."""
+    async def init(drop: bool) -> None:
+        ctx = zmq.asyncio.Context()
+        sock = make_socket(ctx, zmq.DEALER, connect=shard, max_frame_bytes=MAX_FRAME)
+        ch = Channel(sock, None, name="head", max_frame_bytes=MAX_FRAME).start()
+        try:
+            if drop:
+                await ch.request(Kind.SHARD_DROP, {"job": "bench"}, timeout=TIMEOUT_S,
+                                 what="shard")
+            else:
+                members = {str(v): {"waves": rounds + 1, "stages": {"0": ["w"]}}
+                           for v in range(2)}
+                await ch.request(Kind.SHARD_INIT, {"job": "bench", "members": members,
+                                                   "staleness": 0},
+                                 {"w": torch.zeros(params)}, timeout=TIMEOUT_S, what="shard")
+        finally:
+            await ch.close()
+            ctx.term()
+
+    asyncio.run(init(False))
+    mp = multiprocessing.get_context("spawn")
+    barrier, addresses, times = mp.Barrier(2), mp.Queue(), mp.Queue()
+    procs = [mp.Process(target=_run_replica,
+                        args=(r, shard, params, rounds, barrier, addresses, times))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    rows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
+    try:
+        for _ in range(2 * rounds):
+            r, direct, ps = times.get(timeout=TIMEOUT_S * 2)
+            rows[r].append((direct, ps))
+    finally:
+        for p in procs:
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    asyncio.run(init(True))
+    pairs = list(zip(rows[0], rows[1], strict=True))
+    return ([max(a[0], b[0]) for a, b in pairs], [max(a[1], b[1]) for a, b in pairs])
 
 
 def _job(name: str, devices: list[Any], minibatches: int) -> dict[str, Any]:
@@ -128,7 +177,6 @@ def main() -> None:
     ap.add_argument("--speed", type=float, default=0.1,
                     help="emulated speed of the second stage's devices")
     args = ap.parse_args()
-    grads = [{"w": torch.randn(args.params)} for _ in range(2)]
     # the second stage's devices are slow: their compute is mostly padding (sleep), so two
     # replicas really run side by side on this host's few cores, as two GPUs would
     devices = (DeviceDef("g0", "fast", "512MiB", 1.0),
@@ -138,8 +186,7 @@ def main() -> None:
         path.write_text(cluster_toml(devices, shards=2, curve=False))
         c = LocalCluster(path, Path(tmp) / "run", timeout=60).__enter__()
         try:
-            direct, ps = asyncio.run(_exchange(c.ready["ps1"]["address"], grads,
-                                               args.rounds))
+            direct, ps = _exchange(c.ready["ps1"]["address"], args.params, args.rounds)
             one = c.submit(_job("one", ["g0", "g1"], args.minibatches))
             two = c.submit(_job("two", ["g0", ["g1", "g2"]], args.minibatches))
             for info in (one, two):
@@ -158,9 +205,6 @@ def main() -> None:
         "job_replicas_ms_per_minibatch": 1e3 * per_mb, "job_replicas_share": share,
         "machine": machine(),
     }
-    if args.json:
-        emit_json(result)
-        return
     print_table(["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],
                 [[f"{mb:.1f} MiB x 2", f"{result['exchange_direct_ms']:.2f}",
                   f"{result['exchange_ps_ms']:.2f}", f"{result['ps_over_direct']:.2f}"]])
@@ -169,6 +213,9 @@ def main() -> None:
                 [["stage 1 on one device", f"{mbs['one']:.1f}", "-", "-"],
                  ["stage 1 on two devices", f"{mbs['two']:.1f}", f"{1e3 * per_mb:.2f}",
                   f"{share:.1%}"]])
+
+    if args.json:
+        emit_json(result)
 
 
 if __name__ == "__main__":
