@@ -13,12 +13,13 @@ Two figures on this host:
   Each replica is its own process, as in the runtime.
 - ``job``: a 2-stage mlp virtual worker on real daemons, its second stage (the bottleneck,
   on devices emulated ``--speed`` times as fast) on one device and then replicated on two of
-  that speed, ``--minibatches`` each; minibatches per second, and the replicated stage's
+  that speed, ``--minibatches`` each, ``--repeats`` times interleaved; medians of
+  minibatches per second, and of the replicated stage's
   ``replicas`` share (sending its gradients and waiting for the other replica's) of its
   time.
 
     python scripts/bench_replicas.py [--json] [--params N] [--rounds N] [--minibatches N]
-                                     [--speed S]
+                                     [--repeats N] [--speed S]
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--params", type=int, default=1 << 20, help="weights exchanged")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--minibatches", type=int, default=60)
+    ap.add_argument("--minibatches", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each job, interleaved")
     ap.add_argument("--speed", type=float, default=0.1,
                     help="emulated speed of the second stage's devices")
     args = ap.parse_args()
@@ -187,14 +189,19 @@ def main() -> None:
         c = LocalCluster(path, Path(tmp) / "run", timeout=60).__enter__()
         try:
             direct, ps = _exchange(c.ready["ps1"]["address"], args.params, args.rounds)
-            one = c.submit(_job("one", ["g0", "g1"], args.minibatches))
-            two = c.submit(_job("two", ["g0", ["g1", "g2"]], args.minibatches))
-            for info in (one, two):
-                assert info["state"] == "done", info.get("error")
-            per_mb, share = _replica_share(two)
+            rates: dict[str, list[float]] = {"one": [], "two": []}
+            replicas: list[tuple[float, float]] = []
+            for i in range(args.repeats):  # interleaved: both see the same load
+                for key, devs in (("one", ["g0", "g1"]), ("two", ["g0", ["g1", "g2"]])):
+                    info = c.submit(_job(f"{key}{i}", devs, args.minibatches))
+                    assert info["state"] == "done", info.get("error")
+                    rates[key].append(info["minibatches"] / info["seconds"])
+                    if key == "two":
+                        replicas.append(_replica_share(info))
         finally:
             c.stop()
-    mbs = {k: info["minibatches"] / info["seconds"] for k, info in (("one", one), ("two", two))}
+    mbs = {k: median(v) for k, v in rates.items()}
+    per_mb, share = median([r[0] for r in replicas]), median([r[1] for r in replicas])
     mb = args.params * 4 / 2**20
     result = {
         "params": args.params, "bytes_mib": mb,
@@ -202,6 +209,7 @@ def main() -> None:
         "ps_over_direct": median(ps) / median(direct),
         "job_minibatches_per_s_one_device": mbs["one"],
         "job_minibatches_per_s_replicated": mbs["two"],
+        "job_speedup": mbs["two"] / mbs["one"], "job_runs": rates,
         "job_replicas_ms_per_minibatch": 1e3 * per_mb, "job_replicas_share": share,
         "machine": machine(),
     }
