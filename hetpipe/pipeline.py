@@ -200,10 +200,14 @@ class StageRunner:
         rows = msg.get("rows")
         if rows is None:
             return tensors
+        expected = {(lo, hi) for _, lo, hi in pieces_for(self.mine, theirs)}
+        if not isinstance(rows, list) or tuple(rows) not in expected:
+            raise ValueError(f"{msg.kind} {msg['p']} carries rows {rows!r}, none of this "
+                             f"stage's pieces {sorted(expected)}")
         key = (msg.kind, msg["p"])
         got = self.pieces.setdefault(key, {})
-        got[int(rows[0])] = tensors
-        if len(got) < len(pieces_for(self.mine, theirs)):
+        got[rows[0]] = tensors
+        if len(got) < len(expected):
             return None
         del self.pieces[key]
         return {name: gather({lo: t[name] for lo, t in got.items()}) for name in names}
