@@ -3,6 +3,7 @@ virtual worker whose stages run on several devices, against plain PyTorch and un
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -18,11 +19,13 @@ from hetpipe.config import DeviceSpec, load_cluster
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.localcluster import DeviceDef, cluster_toml
+from hetpipe.pipeline import StageRunner
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile, synthetic_profile
 from hetpipe.planner.replicas import Replicated, brute_force_replicated, partition_replicated
 from hetpipe.profiling import plan_for
 from hetpipe.replicas import gather, piece, pieces_for, split_rows
 from hetpipe.schedule import ScheduleError, StageSchedule, Wait
+from hetpipe.wire import Kind, Message
 
 # r2 and r4 run at half speed: a replica group holding one of them splits 2:1
 DEVICES = (
@@ -285,3 +288,37 @@ def test_plan_shows_replicas(tmp_path: Path) -> None:
     assert "replicas, VW 0 (as given): devices [r0, [r1, r2], r3] layers [2, 2, 2]" in table
     assert "replicas, VW 0 (best with train.max_replicas = 2)" in table
     assert plan.unused == ("r4",)  # r2 replicates a stage
+
+
+def test_runner_gathers_its_rows_and_refuses_foreign_ones() -> None:
+    """A replica holding rows [0, 21) of 32 takes its activation from two senders split
+    [0, 13, 32] and has it once both pieces are in, in row order; rows that are none of its
+    pieces are refused as malformed."""
+    from test_schedule_runtime import InlineExecutor, StandInCompute
+
+    compute = StandInCompute("async", 2, 1, 1, 4)
+    compute.task = dataclasses.replace(compute.task, group=["a", "b"], rows=[0, 21, 32],
+                                       prev_group=["p0", "p1"], prev_rows=[0, 13, 32])
+
+    async def nothing(*_args: Any) -> None:
+        pass
+
+    runner = StageRunner(compute, InlineExecutor(), send=nothing, shards={},  # type: ignore[arg-type]
+                         report=nothing, stream=None)
+    x = torch.arange(32.0).reshape(32, 1)
+    y = torch.arange(32)
+
+    def act(lo: int, hi: int) -> Message:
+        return Message(Kind.ACT, {"p": 0, "rows": [lo, hi]}, {"x": x[lo:hi], "y": y[lo:hi]})
+
+    runner.on_message(act(13, 21))
+    assert not runner.has_activation(0)
+    runner.on_message(act(0, 13))
+    got_x, got_y = runner.acts[0]
+    assert torch.equal(got_x, x[:21]) and torch.equal(got_y, y[:21])
+    with pytest.raises(ValueError, match="none of this stage's pieces"):
+        runner.on_message(act(13, 32))
+    # the other replicas' gradients of a minibatch: combined once every one is in
+    assert not runner.combined(0)
+    runner.on_message(Message(Kind.REPLICA_GRAD, {"p": 0, "replica": 1}, {"w": torch.ones(1)}))
+    assert runner.combined(0)
