@@ -3,9 +3,11 @@ virtual worker whose stages run on several devices, against plain PyTorch and un
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -322,3 +324,36 @@ def test_runner_gathers_its_rows_and_refuses_foreign_ones() -> None:
     assert not runner.combined(0)
     runner.on_message(Message(Kind.REPLICA_GRAD, {"p": 0, "replica": 1}, {"w": torch.ones(1)}))
     assert runner.combined(0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replicated_job_resumes_from_its_checkpoint(replica_cluster) -> None:
+    """Cancelled after two checkpoints and resumed: every replica starts from its stage's
+    checkpointed state (the leader's), and the job still trains plain PyTorch's weights."""
+    total = 150  # long enough that the cancel lands mid-job
+    spec = job("replicas-resume", split=[(["r0", ["r1", "r3"]], [3, 3])], nm=1,
+               minibatches=total, train={"checkpoint_every": 5})
+
+    async def run() -> dict[str, Any]:
+        async with replica_cluster.client() as head:
+            job_id = await head.submit(spec)
+            deadline = time.monotonic() + 120
+            while True:
+                info = await head.job(job_id)
+                if info.get("checkpoints", 0) >= 2:
+                    break
+                assert info["state"] in ("queued", "planning", "running"), info
+                assert time.monotonic() < deadline, info
+                await asyncio.sleep(0.05)
+            await head.cancel(job_id)
+            while (await head.job(job_id))["state"] not in ("cancelled", "done", "failed"):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            new_id = await head.submit(None, resume=job_id)
+            return await head.follow(new_id, every_s=0.2, timeout=200)
+
+    info = replica_cluster.run(run())
+    assert info["state"] == "done", info.get("error")
+    assert 10 <= info["resumed_from"]["positions"][0] < total
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, total))
