@@ -465,6 +465,9 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
         nm = vt.at_least("nm", 1, None, high=MAX_SMALL)
         replicas = (tuple(tuple(g[1:]) for g in groups)
                     if any(len(g) > 1 for g in groups) else None)
+        if replicas is not None and layers is None:
+            vt.fail("layers", "a split with replicated stages gives its layers (the planner "
+                    "cuts only plain splits)")
         vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm,
                           replicas=replicas))
     return tuple(vws)

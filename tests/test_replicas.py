@@ -126,6 +126,7 @@ def test_groups_round_trip_and_bad_groups(tmp_path: Path) -> None:
          "'r1' is already in vw[0]"),
         ([{"devices": ["r0", []], "layers": [3, 3]}], "or a non-empty array of strings"),
         ([{"devices": ["r0", ["r1", "r9"]], "layers": [3, 3]}], "'r9' is not a device"),
+        ([{"devices": ["r0", ["r1", "r2"]]}], "a split with replicated stages gives its layers"),
     ]
     for vw_, problem in bad:
         with pytest.raises(JobError, match=problem.replace("[", r"\[").replace("]", r"\]")):
