@@ -29,9 +29,11 @@ conservatively, the activations of whole minibatches; it must fit each device of
 (every device used, every stage at least one layer), by ``f(v, b) = min over (u, a) of
 max(f(u, a), time(u, v, a, b))``; :func:`brute_force_replicated` checks it.
 
-What this does not do yet: the simulator and the plan's predictions price a replicated
-stage as the table here does, not by simulating it; the planner proposes the grouping
-next to its plan (``train.max_replicas``) rather than running it.
+What this does not do yet: the simulator does not run replicated stages (their figures are
+this table's, not a simulation's); the planner proposes a grouping next to its plan
+(``train.max_replicas``) rather than running it; every layer's activations are priced as
+kept (``train.activations`` is not applied here); device orders are the plan's, not
+searched with replicas in mind.
 """
 
 from __future__ import annotations
