@@ -19,7 +19,7 @@ __all__ = ["COLORS", "Window", "gantt_png", "pick_window", "window_shares"]
 
 COLORS = {"forward": "#4c78a8", "backward": "#f58518", "step": "#9d755d", "send": "#72b7b2",
           "push": "#54a24b",
-          "merge": "#b279a2", "gate": "#e45756", "bubble": "#d8d8d8"}
+          "merge": "#b279a2", "gate": "#e45756", "bubble": "#d8d8d8", "replicas": "#ff9da6"}
 COMPUTE = ("forward", "backward", "step")
 STEADY_WAVES = 3  # waves in the default window
 

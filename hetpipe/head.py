@@ -1107,8 +1107,11 @@ class Head:
         """Initial weights to the shards, assignments to the workers, then start."""
         plan = js.plan
         assert plan is not None and self.channel is not None
-        owners = {f"{v}/{s}": worker_user(plan.device_of(v, s))
-                  for v, vwp in enumerate(plan.vws) for s in range(len(vwp.stages))}
+        # "vw/stage" -> the worker whose pushes count; "vw/stage/r" -> replica r, which may
+        # pull the stage's weights but never push them (hetpipe.replicas)
+        owners = {f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
+                  for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
+                  for r, d in enumerate(st.group)}
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)
             await ch.request(Kind.SHARD_INIT, {"job": plan.job, "members": members,
@@ -1122,7 +1125,7 @@ class Head:
                                            max(plan.waves(v) for v in range(len(plan.vws))))
         waits = []
         for task in plan.tasks(self.shards, self.workers):
-            w = self.workers[plan.device_of(task.vw, task.stage)]
+            w = self.workers[task.group[task.replica]]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
             tensors = plan.local_state(task.vw, task.stage)
             restore = js.restores.get((task.vw, task.stage))
@@ -1302,6 +1305,9 @@ def diagnose(plan: JobPlan, progress: dict[tuple[int, int], dict[str, Any]], now
             elif kind == "reduce":
                 lines.append(f"{where} waits {dt:.0f} s for the other virtual workers' "
                              f"gradients of iteration {w.get('wave')}")
+            elif kind == "replicas":
+                lines.append(f"{where} waits {dt:.0f} s for its replicas' gradients of "
+                             f"minibatch {p} ({', '.join(vw.stages[s].replicas)})")
             else:
                 lines.append(f"{where} waits {dt:.0f} s for {kind}")
     return lines

@@ -111,6 +111,18 @@ class VWSpec:
     # per stage, the global layers whose activations are recomputed: set by the planner
     # (never read from a job file); None = as ``train.activations`` pins it
     recompute: tuple[tuple[int, ...], ...] | None = None
+    # per stage, the devices that replicate it beside ``devices[i]`` (its leader); () for a
+    # stage on one device. None: no stage is replicated (hetpipe.replicas)
+    replicas: tuple[tuple[str, ...], ...] | None = None
+
+    def group(self, stage: int) -> tuple[str, ...]:
+        """The devices of ``stage``: its leader, then its replicas."""
+        extra = self.replicas[stage] if self.replicas is not None else ()
+        return (self.devices[stage], *extra)
+
+    def all_devices(self) -> tuple[str, ...]:
+        """Every device of this virtual worker, replicas included."""
+        return tuple(d for s in range(len(self.devices)) for d in self.group(s))
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,9 @@ class JobSpec:
     # every wave/iteration whatever it says
     push_every: int = 0
     verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
+    # the most devices ``hetpipe plan`` may group into one replicated stage when it proposes
+    # replicas (hetpipe.planner.replicas); 1: none proposed
+    max_replicas: int = 1
 
     @property
     def sync(self) -> bool:
@@ -169,6 +184,7 @@ class JobSpec:
             "precision": self.precision,
             "push_every": self.push_every,
             "verify": self.verify,
+            "max_replicas": self.max_replicas,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -186,7 +202,9 @@ class JobSpec:
         train["checkpoint_every"] = self.checkpoint_every
         vws = []
         for vw in self.vws:
-            entry: dict[str, Any] = {"devices": list(vw.devices)}
+            entry: dict[str, Any] = {"devices": [
+                list(vw.group(s)) if len(vw.group(s)) > 1 else d
+                for s, d in enumerate(vw.devices)]}
             if vw.layers is not None:
                 entry["layers"] = list(vw.layers)
             if vw.nm is not None:
@@ -249,6 +267,7 @@ class JobSpec:
                 "precision",
                 "push_every",
                 "verify",
+                "max_replicas",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -297,6 +316,7 @@ class JobSpec:
             train.fail("precision", f"unknown precision {precision!r} "
                        f"(one of: {', '.join(PRECISIONS)})")
         push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
+        max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
         verify = train.flag("verify", False)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
@@ -306,6 +326,10 @@ class JobSpec:
         if schedule == "auto" and vws:
             train.fail("schedule", "auto needs a job without [[vw]] tables (the planner "
                        "picks the schedule with the split)")
+        if schedule in SYNC_KINDS and any(v.replicas for v in vws):
+            train.fail("schedule", f"replicated stages need the async schedule ({schedule} "
+                       "would exchange gradients twice: within the stage and across virtual "
+                       "workers)")
         if vws and num_vws is not None and num_vws != len(vws):
             train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
         return cls(
@@ -334,6 +358,7 @@ class JobSpec:
             precision=precision,
             push_every=push_every,
             verify=verify,
+            max_replicas=max_replicas,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),
@@ -416,15 +441,18 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
     owner: dict[str, str] = {}  # device -> the vw that holds it
     vws = []
     for vt in root.tables("vw", ("devices", "layers", "nm")):
-        devices = vt.array("devices", "string")
-        if not devices:
-            vt.fail("devices", "must list at least one device")
-        for i, device in enumerate(devices):
-            if device in devices[:i]:
-                vt.fail(f"devices[{i}]", f"duplicate device {device!r}")
-            if device in owner:
-                vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
-        owner.update(dict.fromkeys(devices, vt.key))
+        groups = _device_groups(vt)
+        devices = [g[0] for g in groups]
+        seen: list[str] = []
+        for i, group in enumerate(groups):
+            for device in group:
+                if device in seen:
+                    vt.fail(f"devices[{i}]", f"duplicate device {device!r} (a device runs "
+                            f"one stage)")
+                if device in owner:
+                    vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
+                seen.append(device)
+        owner.update(dict.fromkeys(seen, vt.key))
         layers = vt.array("layers", "integer", None)
         if layers is not None:
             if len(layers) != len(devices):
@@ -435,5 +463,32 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
                 if n > MAX_SMALL:
                     vt.fail(f"layers[{i}]", f"must be <= {MAX_SMALL}, got {n}")
         nm = vt.at_least("nm", 1, None, high=MAX_SMALL)
-        vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm))
+        replicas = (tuple(tuple(g[1:]) for g in groups)
+                    if any(len(g) > 1 for g in groups) else None)
+        if replicas is not None and layers is None:
+            vt.fail("layers", "a split with replicated stages gives its layers (the planner "
+                    "cuts only plain splits)")
+        vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm,
+                          replicas=replicas))
     return tuple(vws)
+
+
+def _device_groups(vt: Table) -> list[list[str]]:
+    """A ``[[vw]]``'s ``devices``, one group per stage: a device name, or an array of names
+    (the stage replicated on them, its leader first; :mod:`hetpipe.replicas`)."""
+    value = vt.raw("devices")
+    if not isinstance(value, list | tuple):
+        vt.fail("devices", f"expected an array, got {kind(value)} {value!r}")
+    if not value:
+        vt.fail("devices", "must list at least one device")
+    groups = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            groups.append([item])
+            continue
+        if not isinstance(item, list | tuple) or not item or not all(
+                isinstance(d, str) for d in item):
+            vt.fail(f"devices[{i}]", f"expected a string (a device) or a non-empty array of "
+                    f"strings (a replicated stage's devices), got {kind(item)} {item!r}")
+        groups.append(list(item))
+    return groups

@@ -17,6 +17,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.data import DataError, load_dataset
 from hetpipe.job import JobError, JobSpec
 from hetpipe.models import ModelError, build_model
+from hetpipe.replicas import check_group
 from hetpipe.security import CodeError
 from hetpipe.security import check_job as check_code
 
@@ -61,10 +62,15 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
         raise fail("train.vws", f"{spec.num_vws} virtual workers need at least as many "
                                 f"devices; {cluster.path} has {len(devices)}")
     for v, vw in enumerate(spec.vws):
-        for i, d in enumerate(vw.devices):
-            if d not in devices:
-                raise fail(f"vw[{v}].devices[{i}]", f"{d!r} is not a device of {cluster.path} "
-                                                    f"(known: {', '.join(sorted(devices))})")
+        for i in range(len(vw.devices)):
+            for d in vw.group(i):
+                if d not in devices:
+                    raise fail(f"vw[{v}].devices[{i}]", f"{d!r} is not a device of "
+                               f"{cluster.path} (known: {', '.join(sorted(devices))})")
+            try:
+                check_group(cluster, [cluster.device(d) for d in vw.group(i)], spec.minibatch)
+            except ValueError as exc:
+                raise fail(f"vw[{v}].devices[{i}]", str(exc)) from None
         if len(vw.devices) > n_layers:
             raise fail(f"vw[{v}].devices", f"{len(vw.devices)} stages for a model of "
                                            f"{n_layers} layers")

@@ -29,6 +29,7 @@ from hetpipe.job import JobSpec, VWSpec
 from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
+from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
 __all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
@@ -46,6 +47,13 @@ class RunStage:
     first: int
     last: int
     recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
+    replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
+    rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        """The stage's devices, leader first (hetpipe.replicas)."""
+        return (self.device, *self.replicas)
 
 
 @dataclass(frozen=True)
@@ -141,22 +149,37 @@ class JobPlan:
         """The stage assignments, with neighbours' data addresses and shard addresses."""
         out = []
         spec = self.spec.to_dict()
+        n = self.spec.minibatch
+
+        def side(st: RunStage | None) -> dict[str, Any]:
+            if st is None:
+                return {"group": [], "peers": [], "rows": []}
+            return {"group": list(st.group), "peers": [workers[d].address for d in st.group],
+                    "rows": list(st.rows or (0, n))}
+
         for v, vwp in enumerate(self.vws):
             k = len(vwp.stages)
             for s, st in enumerate(vwp.stages):
                 names = self.stage_names(v, s)
-                out.append(StageTask(
-                    job=self.job, spec=spec, vw=v, stage=s, k=k, first=st.first, last=st.last,
-                    nm=vwp.nm, staleness=self.spec.staleness, minibatches=self.minibatches_of(v),
-                    num_vws=len(self.vws),
-                    prev=workers[vwp.stages[s - 1].device].address if s > 0 else None,
-                    next=workers[vwp.stages[s + 1].device].address if s < k - 1 else None,
-                    shards={str(self.placement[n]): shards[self.placement[n]] for n in names},
-                    placement={n: self.placement[n] for n in names},
-                    prev_device=vwp.stages[s - 1].device if s > 0 else None,
-                    next_device=vwp.stages[s + 1].device if s < k - 1 else None,
-                    recompute=list(st.recompute), start=self.start_of(v),
-                ))
+                prev = side(vwp.stages[s - 1] if s > 0 else None)
+                nxt = side(vwp.stages[s + 1] if s < k - 1 else None)
+                own = side(st)
+                for r in range(len(st.group)):
+                    out.append(StageTask(
+                        job=self.job, spec=spec, vw=v, stage=s, k=k, first=st.first,
+                        last=st.last, nm=vwp.nm, staleness=self.spec.staleness,
+                        minibatches=self.minibatches_of(v), num_vws=len(self.vws),
+                        prev=prev["peers"][0] if s > 0 else None,
+                        next=nxt["peers"][0] if s < k - 1 else None,
+                        shards={str(self.placement[n]): shards[self.placement[n]]
+                                for n in names},
+                        placement={n: self.placement[n] for n in names},
+                        prev_device=prev["group"][0] if s > 0 else None,
+                        next_device=nxt["group"][0] if s < k - 1 else None,
+                        recompute=list(st.recompute), start=self.start_of(v), replica=r,
+                        **own, **{f"prev_{key}": val for key, val in prev.items()},
+                        **{f"next_{key}": val for key, val in nxt.items()},
+                    ))
         return out
 
     def placement_summary(self) -> list[dict[str, Any]]:
@@ -219,6 +242,27 @@ def _host_of(address: str) -> str:
     return normal_host(urlparse(address).hostname or "")
 
 
+def _replicas(cluster: ClusterConfig, layout: StateLayout, vwspec: VWSpec, stage: int,
+              minibatch: int, layers: tuple[int, int], key: str
+              ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A stage's replicas and its row split (in proportion to the devices' speeds), or
+    ``((), ())`` for a stage on one device; a replicated stage holding running statistics
+    (batch norm) is refused: each replica would keep its own, and they would drift apart."""
+    group = vwspec.group(stage)
+    if len(group) < 2:
+        return (), ()
+    devices = [cluster.device(d) for d in group]
+    try:
+        check_group(cluster, devices, minibatch)
+    except ValueError as exc:
+        raise JobPlanError(f"{key}: {exc}") from None
+    stats = [n for n in layout.buffers if layers[0] <= _layer(n) < layers[1]]
+    if stats:
+        raise JobPlanError(f"{key}: a replicated stage may not hold running statistics "
+                           f"({stats[0]}: batch norm would keep one per replica)")
+    return group[1:], tuple(split_rows(minibatch, [d.speed for d in devices]))
+
+
 def place_state(
     state: Mapping[str, torch.Tensor],
     vws: Sequence[RunVW],
@@ -278,7 +322,7 @@ def plan_job(
                            f"is hetpipe-ps --shard {missing[0]} running?")
     run_vws = []
     for v, vwspec in enumerate(split):
-        for d in vwspec.devices:
+        for d in vwspec.all_devices():
             try:
                 cluster.device(d)
             except ConfigError:
@@ -305,8 +349,11 @@ def plan_job(
             recompute = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
         else:  # keep; "auto" without a plan has no choice to apply
             recompute = ((),) * len(layers)
-        stages = tuple(RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]))
-                       for i, d in enumerate(vwspec.devices))
+        stages = tuple(
+            RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]),
+                     *_replicas(cluster, layout, vwspec, i, spec.minibatch,
+                                (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"))
+            for i, d in enumerate(vwspec.devices))
         try:
             layout.check_split([(st.first, st.last) for st in stages],
                                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)])

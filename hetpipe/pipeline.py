@@ -30,6 +30,7 @@ from hetpipe.checkpoint import is_cut
 from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.data import MinibatchStream
 from hetpipe.hostcopy import HostCopy
+from hetpipe.replicas import gather, piece, pieces_for
 from hetpipe.schedule import (
     Action,
     Backward,
@@ -55,8 +56,11 @@ PUSH_TIMEOUT_S = 120.0
 PULL_TIMEOUT_S = 3600.0
 
 Report = Callable[[dict[str, Any]], Awaitable[None]]
-# (kind, p, host tensors, device tensors of this host's GPUs shared by handle or None)
-Send = Callable[[str, int, dict[str, torch.Tensor], dict[str, Any] | None], Awaitable[None]]
+# (kind, p, host tensors, device tensors of this host's GPUs shared by handle or None, the
+# receiver's place in its group: act to stage + 1, grad to stage - 1, replica_grad to this
+# stage's replicas (hetpipe.replicas), more header fields)
+Send = Callable[[str, int, dict[str, torch.Tensor], dict[str, Any] | None, int,
+                 dict[str, Any]], Awaitable[None]]
 # a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
 Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
 
@@ -101,7 +105,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         compute.spec.schedule, k=task.k, stage=task.stage, nm=task.nm,
         total=task.minibatches, staleness=task.staleness,
         pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
-        sequence=table.op if table is not None else None,
+        sequence=table.op if table is not None else None, replicated=task.replicated,
     )
 
 
@@ -148,6 +152,18 @@ class StageRunner:
             self.schedule.done(Merge(0))
         self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
+        # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
+        task = self.task
+        n = compute.spec.minibatch
+        self.mine = task.my_rows(n)
+        self.prev_rows = task.prev_rows or [0, n]
+        self.next_rows = task.next_rows or [0, n]
+        # whether messages carry rows: a stage on either side of a link is replicated
+        self.split = {Kind.ACT: task.replicated or len(task.next_group) > 1,
+                      Kind.GRAD: task.replicated or len(task.prev_group) > 1}
+        self.pieces: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        self.replica_grads: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self.replica_copies: dict[int, HostCopy] = {}
         self.wakeup = asyncio.Event()
         self.answers: dict[tuple[int, bool], asyncio.Task[list[Message]]] = {}
         self.push_acks: list[asyncio.Future[Message]] = []
@@ -165,10 +181,39 @@ class StageRunner:
         """Take an activation or a gradient addressed to this stage (``ValueError``, one
         line, if it lacks its tensor or carries a malformed handle)."""
         if msg.kind == Kind.ACT:
-            self.acts[msg["p"]] = (_received(msg, "x"), _received(msg, "y"))
+            got = self._piece(msg, ("x", "y"), self.prev_rows)
+            if got is not None:
+                self.acts[msg["p"]] = (got["x"], got["y"])
         elif msg.kind == Kind.GRAD:
-            self.grads[msg["p"]] = _received(msg, "g")
+            got = self._piece(msg, ("g",), self.next_rows)
+            if got is not None:
+                self.grads[msg["p"]] = got["g"]
+        elif msg.kind == Kind.REPLICA_GRAD:
+            self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = dict(msg.tensors)
         self.wakeup.set()
+
+    def _piece(self, msg: Message, names: tuple[str, ...], theirs: list[int]
+               ) -> dict[str, Any] | None:
+        """Keep one sender's rows of a message; once every overlapping sender's rows are here,
+        the whole input by name (rows gathered in order), else None."""
+        tensors = {name: _received(msg, name) for name in names}
+        rows = msg.get("rows")
+        if rows is None:
+            return tensors
+        expected = {(lo, hi) for _, lo, hi in pieces_for(self.mine, theirs)}
+        if not isinstance(rows, list) or tuple(rows) not in expected:
+            raise ValueError(f"{msg.kind} {msg['p']} carries rows {rows!r}, none of this "
+                             f"stage's pieces {sorted(expected)}")
+        key = (msg.kind, msg["p"])
+        got = self.pieces.setdefault(key, {})
+        got[rows[0]] = tensors
+        if len(got) < len(expected):
+            return None
+        del self.pieces[key]
+        return {name: gather({lo: t[name] for lo, t in got.items()}) for name in names}
+
+    def combined(self, p: int) -> bool:
+        return len(self.replica_grads.get(p, ())) >= len(self.task.group) - 1
 
     def has_activation(self, p: int) -> bool:
         return p in self.acts
@@ -191,7 +236,8 @@ class StageRunner:
             while not isinstance(action := self.schedule.next(self), Done):
                 if isinstance(action, Wait):
                     self._wait_for(action.what, p=action.p, wave=action.c, need=action.need)
-                    kind = "gate" if action.what in ("pull", "reduce") else "bubble"
+                    kind = ("gate" if action.what in ("pull", "reduce") else
+                            "replicas" if action.what == "replicas" else "bubble")
                     with self.timeline.span(kind, action.p, action.c):
                         await self.wakeup.wait()
                     self.wakeup.clear()
@@ -276,13 +322,14 @@ class StageRunner:
         for a in run:
             if isinstance(a, Forward):
                 self._opening(a.p)
-                batch = (self.stream.batch(self.task.start + a.p)  # type: ignore[union-attr]
-                         if self.task.is_first else self.acts.pop(a.p))
+                batch = (self._my_batch(a.p) if self.task.is_first else self.acts.pop(a.p))
                 self.records[a.p] = Record(p=a.p, wave=wave_of(a.p, self.task.nm),
                                            clock=self.clock, vw_clock=self.vw_clock)
                 inputs.append(batch)
             elif isinstance(a, Backward) and not self.task.is_last:
                 inputs.append(self.grads.pop(a.p))
+            elif isinstance(a, OptimizerStep) and self.task.replicated:
+                inputs.append(self.replica_grads.pop(a.i))
             else:
                 inputs.append(None)
         p = head.i if isinstance(head, OptimizerStep) else head.c if isinstance(head, Push) \
@@ -306,15 +353,47 @@ class StageRunner:
             if isinstance(a, Forward) and made is not None:
                 with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
                     host, shared = await self._outgoing(made)
-                    await self.send(Kind.ACT, a.p, {**host, "y": given[1]}, shared)
+                    await self._send_rows(Kind.ACT, a.p, {**host, "y": given[1]}, shared,
+                                          self.next_rows)
             elif isinstance(a, Backward):
                 if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                        await self.send(Kind.GRAD, a.p, *await self._outgoing(made))
+                        await self._send_rows(Kind.GRAD, a.p, *await self._outgoing(made),
+                                              self.prev_rows)
+                if self.task.replicated:
+                    with self.timeline.span("replicas", a.p, wave_of(a.p, self.task.nm)):
+                        await self._share_gradients(a.p)
                 self._after_backward(a.p)
             elif isinstance(a, Push):
                 with self.timeline.span("push", None, a.c):
                     await self._push(a.c, made)
+
+    def _my_batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first stage's input of minibatch ``p``: this replica's rows of it."""
+        x, y = self.stream.batch(self.task.start + p)  # type: ignore[union-attr]
+        if not self.task.replicated:
+            return x, y
+        lo, hi = self.mine
+        return x[lo:hi], y[lo:hi]
+
+    async def _send_rows(self, kind: str, p: int, host: dict[str, torch.Tensor],
+                         shared: dict[str, Any] | None, theirs: list[int]) -> None:
+        """Send what a forward (``act``) or backward (``grad``) made to the neighbour, or, where
+        either side is replicated, each of the neighbour's replicas its rows of it."""
+        if not self.split[kind]:
+            await self.send(kind, p, host, shared, 0, {})
+            return
+        for j, lo, hi in pieces_for(self.mine, theirs):
+            part = {n: piece(t, self.mine, lo, hi) for n, t in host.items()}
+            await self.send(kind, p, part, None, j, {"rows": [lo, hi]})
+
+    async def _share_gradients(self, p: int) -> None:
+        """Send this replica's weight gradients of ``p`` to the stage's other replicas."""
+        grads = await self._host(self.replica_copies.pop(p))
+        fields = {"stage": self.task.stage, "replica": self.task.replica}
+        for r in range(len(self.task.group)):
+            if r != self.task.replica:
+                await self.send(Kind.REPLICA_GRAD, p, grads, None, r, fields)
 
     async def _outgoing(self, made: HostCopy | dict[str, Any]
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -356,11 +435,13 @@ class StageRunner:
                 grad_in = c.backward(a.p, given)
                 if grad_in is not None and not self.task.is_first:
                     made = self._made(Kind.GRAD, "g", grad_in)
+                if self.task.replicated:  # on its way to the other replicas meanwhile
+                    self.replica_copies[a.p] = c.copier.to_host(c.pending[a.p])
                 spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             elif isinstance(a, Push):
                 made = self._push_copy(a.c)
             else:
-                c.step(a.i)
+                c.step(a.i, given)
                 if self.sync:  # the iteration's one step, after its flush
                     spans.append(["step", t0, time.time(), None, a.i])
                 elif spans:  # a local update belongs to the backward before it
@@ -427,11 +508,18 @@ class StageRunner:
         if not self._flushes(wave):
             self.compute.carry(wave)
             return None
-        return self.compute.push_deltas(wave, self.schedule.pulls and not self.sync)
+        keep = self.schedule.pulls and not self.sync
+        if not self.task.leader:  # its leader pushes the stage's (identical) update
+            if not keep:
+                self.compute.acc.pop(wave, None)
+            return None
+        return self.compute.push_deltas(wave, keep)
 
     async def _push(self, wave: int, copy: HostCopy | None) -> None:
         """Send this stage's update of ``wave`` to each shard (an empty push where it was
         carried on); acks are awaited later."""
+        if not self.task.leader:
+            return  # the stage's leader pushes and checkpoints for every replica
         deltas = {} if copy is None else await self._host(copy)
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}

@@ -29,6 +29,7 @@ from hetpipe.planner import (
     explicit_plan,
     make_plan,
     measure_layers,
+    replica_proposals,
     sync_plan,
     weights_mode,
 )
@@ -92,11 +93,26 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if spec.vws:
-        return explicit_plan(cluster, profile,
+        plan = explicit_plan(cluster, profile,
                              [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-                             nm=spec.nm, **common)
-    return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
-                     **common)
+                             nm=spec.nm, replicas={d for v in spec.vws for d in v.all_devices()
+                                                   if d not in v.devices}, **common)
+        orders = [v.all_devices() for v in spec.vws]
+    else:
+        plan = make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
+                         nm=spec.nm, **common)
+        orders = [v.devices for v in plan.vws]
+    given = [(tuple(v.group(s) for s in range(len(v.devices))), v.layers)
+             if v.replicas and v.layers else None for v in spec.vws]
+    if spec.max_replicas > 1 or any(given):
+        # the explicit plan above predicts the stages' leaders alone; the replicated
+        # groupings are priced by the replica DP's model (hetpipe.planner.replicas)
+        proposals = replica_proposals(
+            cluster, profile, plan, orders, max_replicas=spec.max_replicas, given=given,
+            optimizer_state_factor=factor, weights=common["weights"],
+            activations=spec.activations)
+        plan = dataclasses.replace(plan, details={**plan.details, "replicas": proposals})
+    return plan
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)

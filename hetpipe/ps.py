@@ -37,7 +37,8 @@ class ShardServer:
 
     Authority: ``shard_init``/``fetch``/``drop`` come only from the head (key ``ps0``); a push,
     pull or reduce for (job, vw, stage) only from the worker the head assigned to that stage (the
-    ``owners`` of ``shard_init``). Without Curve (``msg.user`` None) every peer is trusted.
+    ``owners`` of ``shard_init``; a replicated stage's other devices may pull, never push).
+    Without Curve (``msg.user`` None) every peer is trusted.
     """
 
     KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.REDUCE, Kind.SHARD_INIT, Kind.SHARD_FETCH,
@@ -64,7 +65,12 @@ class ShardServer:
         owners = self.owners.get(msg["job"])
         if owners is None:
             return True  # an unknown job: the store refuses it with its own error
-        return owners.get(f"{msg['vw']}/{msg['stage']}") == msg.user
+        stage = f"{msg['vw']}/{msg['stage']}"
+        if owners.get(stage) == msg.user:
+            return True
+        # a stage's replicas pull the weights its leader pushes (hetpipe.replicas)
+        return msg.kind == Kind.PULL and any(
+            key.startswith(stage + "/") and user == msg.user for key, user in owners.items())
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None

@@ -24,7 +24,9 @@ Kinds:
   forward and backward on one version); after the backward of a wave's last minibatch the
   stage pushes the wave's update; before the first forward of wave c >= 1 it pulls with
   ``need = c - 1 - D`` (sent as soon as that forward is admitted, so it overlaps the
-  backwards still running) and merges the answer.
+  backwards still running) and merges the answer. A replicated stage
+  (:mod:`hetpipe.replicas`) waits before each step for its replicas' gradients of that
+  minibatch (``Wait("replicas")``).
 - ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
   a fixed per-stage order (:func:`microbatch_order`); gradients accumulate; after the
   iteration's last backward the stage exchanges gradients with the other virtual workers
@@ -129,7 +131,7 @@ class Merge:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """Nothing can run until an input arrives: ``what`` is ``pull``, ``gradient``,
-    ``activation`` or ``reduce``, for minibatch ``p`` / wave ``c`` (WSP ``need``)."""
+    ``activation``, ``reduce`` or ``replicas``, for minibatch ``p`` / wave ``c`` (WSP ``need``)."""
 
     what: str
     p: int | None = None
@@ -154,6 +156,11 @@ class Inputs(Protocol):
     def has_gradient(self, p: int) -> bool: ...
 
     def pulled(self, c: int, grads: bool) -> bool: ...
+
+    def combined(self, p: int) -> bool:
+        """Whether every other replica's gradients of ``p`` have arrived (asked only of a
+        replicated stage)."""
+        ...
 
 
 # -- microbatch order of the synchronous kinds -------------------------------------------------
@@ -234,6 +241,7 @@ class StageSchedule:
         pushes: bool = True,
         order: Sequence[tuple[str, int]] | None = None,
         sequence: Callable[[int], tuple[str, int]] | None = None,
+        replicated: bool = False,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -262,6 +270,9 @@ class StageSchedule:
         if sequence is not None and self.sync:
             raise ScheduleError("a fixed compute sequence is for the async kind only")
         self.sequence = sequence
+        if replicated and self.sync:
+            raise ScheduleError("replicated stages are for the async kind only")
+        self.replicated = replicated
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -298,6 +309,8 @@ class StageSchedule:
         # the hottest function of the planner's simulator: plain locals, no helper calls
         nb, nf, nm, total = self.nb, self.nf, self.nm, self.total
         if self.steps < nb:
+            if self.replicated and not inputs.combined(nb - 1):
+                return Wait("replicas", p=nb - 1)
             return OptimizerStep(nb - 1)
         if self.pushes:
             closed = self.waves if nb >= total else nb // nm  # waves fully stepped here
@@ -397,6 +410,9 @@ class _Nothing:
     def pulled(self, c: int, grads: bool) -> bool:
         return False
 
+    def combined(self, p: int) -> bool:
+        return False
+
 
 _NOTHING = _Nothing()
 
@@ -471,3 +487,6 @@ class _Arrived:
 
     def pulled(self, c: int, grads: bool) -> bool:
         return (c, grads) in self.sent
+
+    def combined(self, p: int) -> bool:
+        return True  # the replicas of a stage run in lock step with it

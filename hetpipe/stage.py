@@ -57,6 +57,7 @@ from hetpipe.planner.memory import (
     working_bytes,
 )
 from hetpipe.readback import Readback
+from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
 from hetpipe.task import StageTask
@@ -173,6 +174,10 @@ class StageCompute:
         self.grad_samples = 0
         self.merged_grads: dict[str, torch.Tensor] | None = None  # sync: every VW's mean
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
+        # a replica of the last stage: its rows' share of the whole minibatch's mean loss, so
+        # that the replicas' gradients sum to the unsplit one (hetpipe.replicas)
+        lo, hi = task.my_rows(self.spec.minibatch)
+        self.loss_scale = (hi - lo) / self.spec.minibatch if task.replicated else 1.0
         self.stats = StageStats()
         self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
         self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
@@ -402,6 +407,8 @@ class StageCompute:
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         elif loss is not None:
+            if self.loss_scale != 1.0:
+                loss = loss * self.loss_scale
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
             assert grad is not None, f"{self.where}: backward of {p} without a gradient"
@@ -504,12 +511,18 @@ class StageCompute:
         if den > 0:
             self.stats.prediction_quality.append(num / den)
 
-    def step(self, i: int) -> None:
+    def step(self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+             ) -> None:
         """The local optimizer step: after backward ``i`` (async), or at the end of iteration
         ``i`` on the mean gradient (sync: the virtual workers' mean once merged, else this
-        stage's own)."""
+        stage's own). ``replicas``: the other replicas' gradients of ``i`` by replica, summed
+        with this one's in replica order first (hetpipe.replicas)."""
         if not self.spec.sync:
-            self._step(wave_of(i, self.task.nm), self.pending.pop(i))
+            grads = self.pending.pop(i)
+            if replicas is not None:
+                every = {**replicas, self.task.replica: grads}
+                grads = combine([every[r] for r in sorted(every)], self.dev)
+            self._step(wave_of(i, self.task.nm), grads)
             return
         mean = self.merged_grads
         if mean is None:

@@ -39,6 +39,20 @@ class StageTask:
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its
     # meta (the tensors travel with the assignment; hetpipe.checkpoint)
+    # stage replicas (hetpipe.replicas). Each group lists a stage's devices, leader first,
+    # with their data addresses; each ``*_rows`` its split of the minibatch's rows. A stage on
+    # one device is a group of one holding every row. Empty lists: a task built without them
+    # (unit tests), read as that group of one.
+    replica: int = 0  # this device's place in ``group``
+    group: list[str] = field(default_factory=list)  # devices of this stage
+    peers: list[str] = field(default_factory=list)  # their data addresses
+    rows: list[int] = field(default_factory=list)
+    prev_group: list[str] = field(default_factory=list)  # devices of stage - 1 (the only
+    prev_peers: list[str] = field(default_factory=list)  # senders of activations)
+    prev_rows: list[int] = field(default_factory=list)
+    next_group: list[str] = field(default_factory=list)  # devices of stage + 1 (the only
+    next_peers: list[str] = field(default_factory=list)  # senders of gradients)
+    next_rows: list[int] = field(default_factory=list)
 
     @property
     def is_first(self) -> bool:
@@ -50,7 +64,21 @@ class StageTask:
 
     @property
     def where(self) -> str:
-        return f"vw{self.vw}/stage{self.stage}"
+        suffix = f"/replica{self.replica}" if self.replicated else ""
+        return f"vw{self.vw}/stage{self.stage}{suffix}"
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.group) > 1
+
+    @property
+    def leader(self) -> bool:
+        """Whether this device speaks for its stage: pushes, checkpoints, reports."""
+        return self.replica == 0
+
+    def my_rows(self, n: int) -> tuple[int, int]:
+        """The rows of an ``n``-row minibatch this device holds."""
+        return (self.rows[self.replica], self.rows[self.replica + 1]) if self.rows else (0, n)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,8 @@ push       handing the update of a wave to the parameter server
 merge      loading pulled weights plus own not-yet-applied updates
 gate       waiting for a pull to be answered: the WSP staleness gate
 bubble     waiting for work: an activation, a gradient, or admission
+replicas   a replicated stage's gradient exchange: sending its gradients to the
+           other replicas and waiting for theirs (hetpipe.replicas)
 =========  ================================================================
 
 Times are wall-clock (``time.time``) so spans of different daemons on one host line up.
@@ -26,7 +28,8 @@ from typing import Any
 
 __all__ = ["BUSY", "KINDS", "Timeline", "shares"]
 
-KINDS = ("forward", "backward", "step", "send", "push", "merge", "gate", "bubble")
+KINDS = ("forward", "backward", "step", "send", "push", "merge", "gate", "bubble",
+         "replicas")
 BUSY = ("forward", "backward", "step")
 
 

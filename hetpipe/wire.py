@@ -93,6 +93,7 @@ class Kind(StrEnum):
     STAGE_STATE = "stage_state"
     ACT = "act"
     GRAD = "grad"
+    REPLICA_GRAD = "replica_grad"
     PUSH = "push"
     PULL = "pull"
     PULLED = "pulled"
@@ -128,6 +129,7 @@ class Field:
 _STR, _INT, _FLOAT = Field(str), Field(int), Field(float)
 _DICT, _LIST = Field(dict), Field(list)
 _OPT_STR, _OPT_INT, _OPT_DICT = Field(str, False), Field(int, False), Field(dict, False)
+_OPT_LIST = Field(list, False)
 
 # One schema per kind. Tensors are not part of the schema; the comment names what a kind carries.
 SCHEMAS: dict[Kind, dict[str, Field]] = {
@@ -157,10 +159,14 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
-    # tensors: activation "x", labels "y"
-    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT},
-    # tensors: gradient "g"
-    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT},
+    # tensors: activation "x", labels "y"; rows: the minibatch's rows [lo, hi) they hold,
+    # where a stage on either side is replicated (hetpipe.replicas); absent: all of them
+    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "rows": _OPT_LIST},
+    # tensors: gradient "g"; rows as for act
+    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "rows": _OPT_LIST},
+    # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
+    # replicas (summed by every replica before its step)
+    Kind.REPLICA_GRAD: {"job": _STR, "vw": _INT, "stage": _INT, "p": _INT, "replica": _INT},
     # tensors: summed deltas of the wave, by parameter name
     Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
     Kind.PULL: {

@@ -170,13 +170,12 @@ class Worker:
                                                  self.device, msg.tensors)
             job = _Job(task, compute)
             rt = self.cluster.runtime
-            for address in (task.prev, task.next):
-                if address is not None:
-                    sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
-                                       max_frame_bytes=rt.max_frame_bytes,
-                                       curve=self.owner.curve)
-                    job.channels.append(Channel(sock, None, name=f"to:{address}",
-                                                max_frame_bytes=rt.max_frame_bytes))
+            for address in dict.fromkeys(_destinations(task)):
+                sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
+                                   max_frame_bytes=rt.max_frame_bytes,
+                                   curve=self.owner.curve)
+                job.channels.append(Channel(sock, None, name=f"to:{address}",
+                                            max_frame_bytes=rt.max_frame_bytes))
             for index, address in task.shards.items():
                 sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm,
                                    max_frame_bytes=rt.max_frame_bytes,
@@ -224,28 +223,31 @@ class Worker:
                                  shards=job.shards, report=self._reporter(job),
                                  stream=job.stream, copy_executor=self.copies,
                                  snapshot=self._snapshotter(job),
-                                 direct=frozenset(kind for kind, peer in (
-                                     (Kind.ACT, job.task.next_device),
-                                     (Kind.GRAD, job.task.prev_device))
-                                     if self._shares_gpu_with(peer)))
+                                 direct=frozenset(kind for kind, group in (
+                                     (Kind.ACT, job.task.next_group),
+                                     (Kind.GRAD, job.task.prev_group))
+                                     if not job.task.replicated and len(group) == 1
+                                     and self._shares_gpu_with(group[0])))
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()
         job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
 
     def _sender(self, job: _Job) -> Any:
-        prev_ch = next((c for c in job.channels if job.task.prev and
-                        c.name == f"to:{job.task.prev}"), None)
-        next_ch = next((c for c in job.channels if job.task.next and
-                        c.name == f"to:{job.task.next}"), None)
-        fields = {"job": job.task.job, "vw": job.task.vw}
+        channels = {c.name: c for c in job.channels}
+        task = job.task
+        groups = {Kind.ACT: task.next_peers, Kind.GRAD: task.prev_peers,
+                  Kind.REPLICA_GRAD: task.peers}
+        fields = {"job": task.job, "vw": task.vw}
 
         async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
-                       shared: dict[str, Any] | None = None) -> None:
-            ch = next_ch if kind == Kind.ACT else prev_ch
-            assert ch is not None, f"{kind} has no destination at {job.task.where}"
-            extra = {"ipc": shared} if shared else {}
-            await ch.send(kind, {**fields, "p": p, **extra}, tensors)
+                       shared: dict[str, Any] | None = None, to: int = 0,
+                       extra: dict[str, Any] | None = None) -> None:
+            peers = groups[kind]
+            assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
+            more = {"ipc": shared} if shared else {}
+            await channels[f"to:{peers[to]}"].send(
+                kind, {**fields, "p": p, **more, **(extra or {})}, tensors)
 
         return send
 
@@ -263,6 +265,8 @@ class Worker:
     def _reporter(self, job: _Job) -> Any:
         async def report(stats: dict[str, Any]) -> None:
             assert self.head is not None
+            if not job.task.leader:
+                return  # a replicated stage's leader reports for it (hetpipe.replicas)
             await self.head.send(Kind.REPORT, {"job": job.task.job, "vw": job.task.vw,
                                                "stage": job.task.stage, "stats": stats})
         return report
@@ -281,7 +285,9 @@ class Worker:
                                                      f"{exc}" if str(exc) else repr(exc)})
         else:
             records = stats.pop("records")
-            await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats, "records": records})
+            if t.leader:  # a replicated stage is done when its leader is: it waits for all
+                await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats,
+                                                       "records": records})
             self.log.info("stage done", minibatches=stats["done"])
         finally:
             if self.job is job:
@@ -299,19 +305,25 @@ class Worker:
 
     async def _on_data(self, _peer: bytes | None, msg: Message) -> None:
         job = self.job
-        if msg.kind not in (Kind.ACT, Kind.GRAD):
+        if msg.kind not in (Kind.ACT, Kind.GRAD, Kind.REPLICA_GRAD):
             self.log.warning("unexpected message on the data port", kind=str(msg.kind))
             return
         if job is None or msg["job"] != job.task.job or msg["vw"] != job.task.vw:
             self.log.debug("stale data dropped", job=excerpt(msg["job"], 80))
             return
-        # authority: activations only from stage - 1, gradients only from stage + 1
-        sender = job.task.prev_device if msg.kind == Kind.ACT else job.task.next_device
-        if msg.user is not None and (sender is None or msg.user != worker_user(sender)):
+        # authority: activations only from stage - 1, gradients only from stage + 1, weight
+        # gradients only from this stage's other replicas (each a group of devices)
+        t = job.task
+        senders = {Kind.ACT: t.prev_group, Kind.GRAD: t.next_group,
+                   Kind.REPLICA_GRAD: [d for r, d in enumerate(t.group) if r != t.replica]
+                   }[msg.kind]
+        if (msg.kind == Kind.REPLICA_GRAD and msg["stage"] != t.stage) or (
+                msg.user is not None and msg.user not in {worker_user(d) for d in senders}):
             self._refused.warning("data refused: not from this stage's neighbour",
                                   str(msg.user), f"{msg.user} sent {msg.kind}",
-                                  kind=str(msg.kind), expected=sender)
+                                  kind=str(msg.kind), expected=",".join(senders))
             return
+        sender = senders[0] if len(senders) == 1 else None
         if msg.get("ipc") and not self._shares_gpu_with(sender):
             self._refused.warning("data refused: a shared GPU tensor from a peer that is "
                                   "not a GPU of this host", str(msg.user),
@@ -347,6 +359,13 @@ class Worker:
         await self._drop_job()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.copies.shutdown(wait=False, cancel_futures=True)
+
+
+def _destinations(task: StageTask) -> list[str]:
+    """The data addresses a stage sends to: its neighbours' devices (every replica of a
+    replicated neighbour) and its own replicas."""
+    return [*task.prev_peers, *task.next_peers,
+            *(a for r, a in enumerate(task.peers) if r != task.replica)]
 
 
 def _stage_compute(task: StageTask, device: DeviceSpec,

@@ -18,6 +18,7 @@ from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
 from hetpipe.schedule import Action, Wait
+from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
 
 
@@ -34,11 +35,11 @@ class StandInCompute:
     """What a StageRunner calls on a stage's compute, without torch models."""
 
     def __init__(self, kind: str, k: int, stage: int, nm: int, total: int) -> None:
-        self.task = SimpleNamespace(
-            job="j", vw=0, stage=stage, k=k, nm=nm, minibatches=total, staleness=0,
-            num_vws=1, is_first=stage == 0, is_last=stage == k - 1, placement={}, start=0)
+        self.task = StageTask(job="j", spec={}, vw=0, stage=stage, k=k, first=0, last=1,
+                              nm=nm, staleness=0, minibatches=total, num_vws=1, prev=None,
+                              next=None)
         self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", push_every=1,
-                                    checkpoint_every=0, eval_every_s=None)
+                                    checkpoint_every=0, eval_every_s=None, minibatch=1)
         self.copier = HostCopier("cpu")
         self.has_state = True
         self.restored = False  # not started from a checkpoint
@@ -57,7 +58,7 @@ class StandInCompute:
         self.versions[p] = (0, 0.0, 0, 0.0)
         return torch.zeros(1)
 
-    def step(self, i: int) -> None:
+    def step(self, i: int, replicas: Any = None) -> None:
         pass
 
     def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
@@ -82,7 +83,8 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
     compute = StandInCompute(kind, k, stage, nm, total)
     stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
 
-    async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None) -> None:
+    async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None, to: int = 0,
+                   extra: dict | None = None) -> None:
         pass
 
     async def report(stats: dict) -> None:

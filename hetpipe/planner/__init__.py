@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         explicit_plan,
         make_plan,
         place_stages,
+        replica_proposals,
     )
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
     from hetpipe.planner.syncplan import sync_plan
@@ -96,6 +97,7 @@ __all__ = [
     "partition",
     "partition_best_nm",
     "place_stages",
+    "replica_proposals",
     "stage_memory",
     "stage_memory_of",
     "sync_plan",
@@ -105,7 +107,8 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(
-        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan", "place_stages"),
+        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan", "place_stages",
+         "replica_proposals"),
         "plan",
     ),
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),

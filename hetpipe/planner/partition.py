@@ -165,6 +165,7 @@ class _TypeCosts:
             return np.array([0, *itertools.accumulate(values)], dtype=np.int64)
 
         self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
+        self.U = [0.0, *itertools.accumulate(lp.update_s for lp in lps)]
         self.fwd = [lp.fwd_s for lp in lps]
         self.saved = [lp.saved_bytes for lp in lps]
         self.work = [lp.work_bytes for lp in lps]
@@ -272,15 +273,24 @@ class CostModel:
         return n * (c.task_s / self.speed(dtype) + c.hop_s)
 
     def stage_time(
-        self, dtype: str, a: int, b: int, bw_in: float | None, bw_out: float | None
+        self, dtype: str, a: int, b: int, bw_in: float | None, bw_out: float | None,
+        share: float = 1.0,
     ) -> float:
-        """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side."""
+        """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side.
+        ``share``: the part of each minibatch's rows it runs (a stage replica,
+        :mod:`hetpipe.planner.replicas`): forward, backward and bytes scale with it; the
+        update and the per-message and per-task costs do not."""
         tc = self.costs(dtype)
         ms, mb = self.runtime.message_s, self.runtime.message_byte_s
-        cin = tc.inb[a] * 2.0 / bw_in + (ms + tc.inb[a] * mb) if bw_in is not None else 0.0
-        cout = tc.outb[b] * 2.0 / bw_out + (ms + tc.outb[b] * mb) if bw_out is not None else 0.0
+        inb, outb = tc.inb[a] * share, tc.outb[b] * share
+        cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else 0.0
+        cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else 0.0
         const = self.tasks_time(dtype, bw_in is None, bw_out is None)
-        return tc.cum[b] - tc.cum[a] + cin + cout + const
+        compute = tc.cum[b] - tc.cum[a]
+        if share != 1.0:  # a replica's update still steps every weight of the stage
+            update = tc.U[b] - tc.U[a]
+            compute = (compute - update) * share + update
+        return compute + cin + cout + const
 
     def time_matrix(self, dtype: str, bw_in: float | None, bw_out: float | None) -> np.ndarray:
         """``stage_time`` for every ``(a, b)`` at once (inf where ``a >= b``)."""

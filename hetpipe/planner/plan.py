@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.replicas import Replicated, describe_groups, partition_replicated
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
 from hetpipe.schedule import Backward, Forward
@@ -230,6 +231,14 @@ class Plan:
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
+        for r in self.details.get("replicas", ()):
+            groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
+                               for g in r["groups"])
+            lines.append(
+                f"replicas, VW {r['vw']} ({r['what']}): devices [{groups}] layers "
+                f"{r['layers']}: bottleneck {_ms(r['bottleneck'])} (gradient exchange "
+                f"{_ms(max(r['exchange_s']))}) vs {_ms(r['unreplicated'])} without replicas"
+            )
         if self.unused:
             lines.append(f"unused devices: {', '.join(self.unused)}")
         for w in self.warnings:
@@ -611,9 +620,12 @@ def explicit_plan(
     minibatches: int | None = None,
     weights: str = "stash",
     activations: str = "keep",
+    replicas: Collection[str] = (),
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
-    None, Nm or None)`` per VW. Missing layers are split optimally for that order; a missing
+    None, Nm or None)`` per VW; ``replicas``: devices replicating a stage of it (used, though
+    the figures here are the stages' leaders', :func:`replica_proposals` prices them).
+    Missing layers are split optimally for that order; a missing
     Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
     fills the pipeline). Memory over a cap is a warning here
     (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
@@ -674,7 +686,8 @@ def explicit_plan(
         shard_hosts=_shard_hosts(cluster),
         minibatches=minibatches,
     )
-    unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
+    unused = [(d.name, "not in the explicit split") for d in cluster.devices
+              if d.name not in used and d.name not in replicas]
     return _assemble(
         cluster,
         model,
@@ -688,6 +701,43 @@ def explicit_plan(
         shard_of_stage,
         {},
     )
+
+
+def replica_proposals(
+    cluster: Any, profile: ModelProfile, plan: Plan, orders: Sequence[Sequence[str]],
+    *, max_replicas: int, optimizer_state_factor: int, weights: str = "stash",
+    activations: str = "keep", given: Sequence[tuple[Sequence[Sequence[str]],
+                                                     Sequence[int]] | None] = (),
+) -> list[dict[str, Any]]:
+    """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
+    best grouping of its order into replicated stages (at most ``max_replicas`` devices
+    each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
+    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
+    profile = _at_minibatch(profile, plan.minibatch, [])
+    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations)
+    by_name = {d.name: d for d in cluster.devices}
+    out: list[dict[str, Any]] = []
+    for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
+        devs = [by_name[n] for n in order]
+        alone = partition_replicated(model, devs, vw.nm, plan.minibatch, 1)
+        base = alone.bottleneck if isinstance(alone, Replicated) else math.inf
+        found: list[tuple[str, Replicated | Infeasible]] = []
+        if v < len(given) and given[v] is not None:
+            groups, layers = given[v]  # type: ignore[misc]
+            bounds = list(itertools.accumulate(layers, initial=0))
+            found.append(("as given", describe_groups(
+                model, [[by_name[n] for n in g] for g in groups],
+                list(itertools.pairwise(bounds)), vw.nm, plan.minibatch)))
+        if max_replicas > 1:
+            found.append((f"best with train.max_replicas = {max_replicas}",
+                          partition_replicated(model, devs, vw.nm, plan.minibatch,
+                                               max_replicas)))
+        for what, r in found:
+            if isinstance(r, Replicated):
+                out.append({"vw": v, "what": what, "groups": [list(g) for g in r.groups],
+                            "layers": list(r.layers), "bottleneck": r.bottleneck,
+                            "exchange_s": list(r.exchange_s), "unreplicated": base})
+    return out
 
 
 # --------------------------------------------------------------------------- helpers

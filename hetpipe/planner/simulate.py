@@ -150,6 +150,9 @@ class _Stage:
         ready = self.answers.get((c, grads))
         return ready is not None and ready <= self.now
 
+    def combined(self, p: int) -> bool:
+        return True  # a replicated stage is simulated as one, its exchange in its time
+
 
 @dataclass
 class _VW:
