@@ -414,8 +414,9 @@ class StageRunner:
                  ) -> tuple[list[HostCopy | dict[str, Any] | None], list,
                             list[tuple[int, float]]]:
         """On the compute thread: run the actions in order. Returns what each made for
-        sending (its copy to the host started, or its handle), the spans as (kind, t0, t1, p, wave), and
-        the losses read back meanwhile (in batches, never waiting for the device).
+        sending (its copy to the host started, or its handle), the spans as (kind, t0, t1,
+        p, wave), and the losses read back meanwhile (in batches, never waiting for the
+        device).
 
         An async optimizer step counts as part of the backward before it (one span); a
         push's copy is the push's own time (its span is taken around the send).
