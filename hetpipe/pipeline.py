@@ -405,8 +405,9 @@ class StageRunner:
     def _made(self, kind: str, name: str, t: torch.Tensor) -> HostCopy | dict[str, Any]:
         """On the compute thread: ``t`` on its way to the neighbour, shared by handle where
         it goes device to device (exported here, behind the kernels that made it), else
-        copied to the host."""
-        if kind in self.direct and t.is_cuda:
+        copied to the host (also where rows are scattered to replicas: pieces travel by
+        host)."""
+        if kind in self.direct and not self.split[kind] and t.is_cuda:
             return {name: share(t)}
         return self.compute.copier.to_host({name: t})
 
