@@ -301,7 +301,9 @@ def predict(
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
         new_busy = dict(busy)
-        laws = _timeline_laws(sim, sims, costs, workers) if synchronous else None
+        laws = (_timeline_laws(sim, sims, costs, workers,
+                               [rt.wake_s * busy[h] for _, _, h in workers])
+                if synchronous else None)
         for h, procs in hosts.items():
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
@@ -355,6 +357,7 @@ def _timeline_laws(
     sims: Sequence[SimVW],
     costs: Sequence[Sequence[StageCost]],
     workers: Sequence[tuple[int, int, str]],
+    wakes: Sequence[float],
 ) -> Callable[[Sequence[int]], tuple[list[float], dict[int, list[float] | None]]]:
     """Who wants a core together, read off a synchronous run's simulated timeline.
 
@@ -364,7 +367,11 @@ def _timeline_laws(
     the others wait for them, in the 1F1B phase neighbours compute together. Busy shares
     taken as independent overcharge the first and undercharge the second. Here each action
     wants a core from its start for its CPU share (a padded device sleeps the rest), over the
-    iterations after the first. Returns ``laws(procs)``: for those
+    iterations after the first. An action's simulated block also holds the waits of its
+    wake-ups (``wakes[j]`` each, as :func:`_sim_vw` adds them): its thread has no core then,
+    and counting them as wanting one would feed back (more waits, cores seen busier, longer
+    waits) until a contended flush is charged far more than it gets. Returns ``laws(procs)``:
+    for those
     worker indices (one host), P(c of them want a core) over the window, and per worker the
     law of how many others want one while it does (None: it never does).
     """
@@ -375,7 +382,7 @@ def _timeline_laws(
     if hi <= lo:
         lo, hi = 0.0, sim.makespan_s
     spans: list[list[tuple[float, float]]] = []
-    for v, i, _ in workers:
+    for (v, i, _), w in zip(workers, wakes, strict=True):
         c, st = costs[v][i], sims[v].stages[i]
         share = c.compute_cpu_s / c.compute_s if c.compute_s > 0 else 0.0
 
@@ -384,16 +391,19 @@ def _timeline_laws(
 
         out = []
         for t, a in sim.actions[v][i]:
+            # the block less its wake-ups' waits (two per block with work, as _sim_vw adds)
             if isinstance(a, Forward):
-                length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s)
+                length = (st.fwd_s - 2 * w) * part(c.compute_fwd_s, c.loop_fwd_s)
             elif isinstance(a, Backward):
-                length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s)
+                waits = 2 * w if c.compute_bwd_s else 0.0
+                length = (st.bwd_s - waits) * part(c.compute_bwd_s, c.loop_bwd_s)
             elif isinstance(a, OptimizerStep):
                 length = st.step_s
             elif isinstance(a, Push):
-                length = st.push_s
+                length = st.push_s - (2 * w if c.push_s else 0.0)
             elif isinstance(a, Merge):
-                length = st.merge_s if a.c >= 1 and not a.grads else 0.0
+                merged = a.c >= 1 and not a.grads
+                length = st.merge_s - (2 * w if c.merge_s else 0.0) if merged else 0.0
             else:
                 continue
             a0, a1 = max(t, lo), min(t + length, hi)
