@@ -48,7 +48,7 @@ class StageCost:
     compute_fwd_s: float  # forward task(s) as the runtime measures them (padded)
     compute_bwd_s: float  # backward task and update (padded); 0 on the last stage
     loop_fwd_s: float  # hand-off and sending the activation (last stage: the gradient)
-    loop_bwd_s: float  # hand-off and sending the gradient
+    loop_bwd_s: float  # hand-off and sending the gradient (0 where no backward task)
     recv_s: float  # decoding what arrives (overlaps compute: CPU, not stage time)
     push_s: float  # per wave
     merge_s: float  # per wave, several VWs only
@@ -60,6 +60,7 @@ class StageCost:
     always_cold: bool = False  # a padded device sleeps after every task: each starts cold
     on_cpu: bool = True  # computes on the host's cores (an emulated device)
     step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
+    hop_s: float = 0.0  # a hand-off's own CPU, in each loop above that is not 0 and in push_s
 
     @property
     def compute_s(self) -> float:
@@ -175,6 +176,7 @@ def stage_costs(
                 on_cpu and speed < 1.0,
                 on_cpu,
                 step,
+                rt.hop_s,
             )
         )
     return tuple(out)
@@ -191,17 +193,20 @@ def _sim_vw(
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
     plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
-    pull, one per message)."""
+    pull, one per message). The hand-off's hop and wake-ups are ``handoff_s``, paid once per
+    hand-off whatever actions join it (the runtime's rule, which the simulator follows)."""
     stages = []
     for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
+        bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
         stages.append(
             SimStage(
-                k * (h * c.compute_fwd_s + c.loop_fwd_s) + 2 * w,
-                k * (h * c.compute_bwd_s + c.loop_bwd_s) + (2 * w if c.compute_bwd_s else 0.0),
-                k * c.push_s + (2 * w if c.push_s else 0.0),
+                k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s),
+                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop),
+                k * (c.push_s - c.hop_s) if c.push_s else 0.0,
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
-                step_s=k * h * c.step_s,  # in the hand-off of the iteration's last backward
+                step_s=k * h * c.step_s,
+                handoff_s=k * c.hop_s + 2 * w,
             )
         )
     links = tuple(
@@ -367,11 +372,10 @@ def _timeline_laws(
     the others wait for them, in the 1F1B phase neighbours compute together. Busy shares
     taken as independent overcharge the first and undercharge the second. Here each action
     wants a core from its start for its CPU share (a padded device sleeps the rest), over the
-    iterations after the first. An action's simulated block also holds the waits of its
-    wake-ups (``wakes[j]`` each, as :func:`_sim_vw` adds them): its thread has no core then,
-    and counting them as wanting one would feed back (more waits, cores seen busier, longer
-    waits) until a contended flush is charged far more than it gets. Returns ``laws(procs)``:
-    for those
+    iterations after the first. The waits of wake-ups (a hand-off's, ``handoff_s``; a
+    merge's, ``wakes[j]`` each) are not counted: the thread has no core then, and counting
+    them as wanting one would feed back (more waits, cores seen busier, longer waits) until a
+    contended flush is charged far more than it gets. Returns ``laws(procs)``: for those
     worker indices (one host), P(c of them want a core) over the window, and per worker the
     law of how many others want one while it does (None: it never does).
     """
@@ -391,16 +395,15 @@ def _timeline_laws(
 
         out = []
         for t, a in sim.actions[v][i]:
-            # the block less its wake-ups' waits (two per block with work, as _sim_vw adds)
             if isinstance(a, Forward):
-                length = (st.fwd_s - 2 * w) * part(c.compute_fwd_s, c.loop_fwd_s)
+                length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s - c.hop_s)
             elif isinstance(a, Backward):
-                waits = 2 * w if c.compute_bwd_s else 0.0
-                length = (st.bwd_s - waits) * part(c.compute_bwd_s, c.loop_bwd_s)
+                bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
+                length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s - bwd_hop)
             elif isinstance(a, OptimizerStep):
                 length = st.step_s
             elif isinstance(a, Push):
-                length = st.push_s - (2 * w if c.push_s else 0.0)
+                length = st.push_s
             elif isinstance(a, Merge):
                 merged = a.c >= 1 and not a.grads
                 length = st.merge_s - (2 * w if c.merge_s else 0.0) if merged else 0.0
