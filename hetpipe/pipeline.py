@@ -275,27 +275,12 @@ class StageRunner:
 
     def _fused(self, action: Action) -> list[Action]:
         """``action`` and the compute actions that follow it in the same hand-off to the
-        compute thread: the optimizer step after a backward, the push of the wave that step
-        closed, on the last stage the backward after its forward, and on the first stage
-        the next forward (its input is the data; a first stage's backward sends nothing, so
-        nothing waits for the end of the run but that forward's own activation). A push that
-        other virtual workers may wait for is not held back behind a forward."""
+        compute thread (the schedule's rule: :meth:`StageSchedule.joins`)."""
         run = [action]
-        while True:
-            nxt = self.schedule.next(self)
-            prev = run[-1]
-            follows = (
-                isinstance(nxt, OptimizerStep)
-                or (isinstance(nxt, Push) and isinstance(prev, OptimizerStep))
-                or (self.task.is_last and isinstance(nxt, Backward)
-                    and isinstance(prev, Forward) and nxt.p == prev.p)
-                or (self.task.is_first and isinstance(nxt, Forward)
-                    and not any(isinstance(a, Forward) for a in run)
-                    and not (self.schedule.pulls and any(isinstance(a, Push) for a in run))))
-            if not follows:
-                return run
+        while self.schedule.joins(run, nxt := self.schedule.next(self)):
             self.schedule.done(nxt)
             run.append(nxt)
+        return run
 
     def _wait_for(self, kind: str, **what: Any) -> None:
         """Say what the stage waits for (the head diagnoses hangs from it)."""

@@ -371,6 +371,27 @@ class StageSchedule:
             return Wait("reduce", c=c)
         return OptimizerStep(c)
 
+    def joins(self, run: Sequence[Action], nxt: Action) -> bool:
+        """Whether ``nxt`` (what :meth:`next` gives after ``run`` was reported) goes to the
+        compute thread in the same hand-off as ``run``, the compute actions begun by one of
+        them: the optimizer step after a backward, the push of the wave that step closed, on
+        the last stage the backward after its forward, and on the first stage the next
+        forward (its input is the data; a first stage's backward sends nothing, so nothing
+        waits for the end of the run but that forward's own activation). A push that other
+        virtual workers may wait for is not held back behind a forward. The runtime runs a
+        hand-off this way (:meth:`hetpipe.pipeline.StageRunner._fused`) and the simulator
+        times it so: one trip to the compute thread and back per hand-off."""
+        prev = run[-1]
+        kind = type(nxt)
+        return (
+            kind is OptimizerStep
+            or (kind is Push and type(prev) is OptimizerStep)
+            or (self.last and kind is Backward and type(prev) is Forward
+                and nxt.p == prev.p)  # type: ignore[union-attr]
+            or (self.first and kind is Forward
+                and not any(type(a) is Forward for a in run)
+                and not (self.pulls and any(type(a) is Push for a in run))))
+
     def done(self, action: Action) -> None:
         """Record that ``action`` (the one :meth:`next` gave) has been run."""
         kind = type(action)

@@ -272,3 +272,23 @@ def test_the_synchronous_step_runs_once_per_iteration_unpadded():
     assert sync.step_s == pytest.approx(4 * 1e-3 * 0.5)  # the profile's update is padded
     assert asyn.step_s == 0.0
     assert asyn.compute_s - sync.compute_s == pytest.approx(4 * 1e-3)  # not in each backward
+
+
+def test_a_wake_ups_wait_is_not_counted_as_wanting_a_core():
+    """A stage alone on one core: the cores are all taken exactly while it computes. The
+    waits of its wake-ups are in its simulated blocks but leave the core idle, so the chance
+    that a wake-up waits is its share of the iteration spent computing, not the whole of it
+    (counting the waits fed back until every wake-up waited ``wake_s``)."""
+    prof = flat_profile({"a": 1.0})  # per microbatch: forward 4 ms, backward 8 ms
+    costs = dataclasses.replace(RuntimeCosts.zero(), wake_s=2e-3)
+    model = CostModel(prof, bw, 0, costs)
+    devs = (dev("x", "a"),)
+    pred = predict(model, [(devs, model.partition(devs, 4))], minibatch=8, staleness=0,
+                   cores=1, minibatches=48, schedule="1f1b")
+    wait = pred.wake[0][0]
+    iteration = pred.sim.iteration_s[0]
+    # two wake-ups per hand-off, one hand-off per microbatch: on a stage that is the last,
+    # a microbatch's backward goes to the compute thread with its forward
+    waits = 4 * 2 * wait
+    assert wait / costs.wake_s == pytest.approx(1 - waits / iteration, rel=0.05)
+    assert wait < 0.8 * costs.wake_s

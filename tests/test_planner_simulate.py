@@ -141,3 +141,12 @@ def test_cli_reads_per_wave_costs(tmp_path, capsys):
     assert main([str(path), "--json", "-n", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["makespan_s"] == pytest.approx(4 * 2 + 2 * 1)
+
+
+def test_a_handoff_is_paid_once_whatever_joins_it():
+    """One stage (first and last) of M = 2: a microbatch's forward and backward go to the
+    compute thread together, the iteration's step and push with its last backward: two
+    hand-offs per iteration, whatever the actions in them cost."""
+    stage = SimStage(0.0, 0.0, push_s=0.25, step_s=0.5, handoff_s=1.0)
+    sim = simulate([SimVW((stage,), 2, schedule="1f1b")], 0, 8)
+    assert sim.iteration_s[0] == pytest.approx(2 * 1.0 + 0.5 + 0.25)

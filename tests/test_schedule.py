@@ -7,6 +7,7 @@ import random
 import pytest
 
 from hetpipe.schedule import (
+    Action,
     Backward,
     Done,
     Forward,
@@ -332,3 +333,44 @@ def test_a_fixed_sequence_runs_the_counted_order_under_any_timing(k, nm, total, 
     orders = _random_timing_orders(schedules, seed)
     for s in range(k):
         assert orders[s] == [tables[s].op(n) for n in range(2 * total)]
+
+
+def handoffs(kind: str, k: int, nm: int, total: int, pulls: bool = False) -> list[list[str]]:
+    """Per stage, its compute hand-offs under :meth:`StageSchedule.joins`, as 'F0+B0' ..."""
+    out = []
+    for table in stage_tables(stages(kind, k, nm, total, pulls)):
+        sched = StageSchedule(kind, k=k, stage=len(out), nm=nm, total=total, pulls=pulls)
+        runs: list[list[Action]] = []
+        for a in table:
+            if isinstance(a, F | B | S | Push):
+                if runs and runs[-1] and sched.joins(runs[-1], a):
+                    runs[-1].append(a)
+                else:
+                    runs.append([a])
+            else:
+                runs.append([])  # a pull or merge ends a hand-off
+            sched.done(a)
+        out.append(["+".join(f"{type(a).__name__[0]}{getattr(a, 'p', '')}" for a in r)
+                    for r in runs if r])
+    return out
+
+
+def test_handoffs_group_what_the_runtime_sends_to_the_compute_thread_at_once():
+    """The first stage takes its next forward with a backward (and with the iteration's
+    step and push), the last a microbatch's forward and backward together, every stage the
+    step and push with the iteration's last backward: one trip to the compute thread each."""
+    h = handoffs("1f1b", 3, 4, 8)
+    assert h[0] == ["F0", "F1", "F2", "B0+F3", "B1", "B2", "B3+O+P+F4", "F5", "F6",
+                    "B4+F7", "B5", "B6", "B7+O+P"]
+    assert h[1] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3+O+P", "F4", "F5", "B4",
+                    "F6", "B5", "F7", "B6", "B7+O+P"]
+    assert h[2] == ["F0+B0", "F1+B1", "F2+B2", "F3+B3+O+P", "F4+B4", "F5+B5", "F6+B6",
+                    "F7+B7+O+P"]
+    # async: the local update goes with each backward; alone, the first stage's next
+    # forward too; with other virtual workers a wave's first forward waits for its pull,
+    # and a push that they wait for goes without a forward
+    assert handoffs("async", 2, 2, 4) == [
+        ["F0", "F1", "B0+O+F2", "B1+O+P+F3", "B2+O", "B3+O+P"],
+        ["F0+B0+O", "F1+B1+O+P", "F2+B2+O", "F3+B3+O+P"]]
+    assert handoffs("async", 2, 2, 4, pulls=True)[0] == [
+        "F0", "F1", "B0+O", "F2", "B1+O+P", "F3", "B2+O", "B3+O+P"]

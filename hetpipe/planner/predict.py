@@ -48,7 +48,7 @@ class StageCost:
     compute_fwd_s: float  # forward task(s) as the runtime measures them (padded)
     compute_bwd_s: float  # backward task and update (padded); 0 on the last stage
     loop_fwd_s: float  # hand-off and sending the activation (last stage: the gradient)
-    loop_bwd_s: float  # hand-off and sending the gradient
+    loop_bwd_s: float  # hand-off and sending the gradient (0 where no backward task)
     recv_s: float  # decoding what arrives (overlaps compute: CPU, not stage time)
     push_s: float  # per wave
     merge_s: float  # per wave, several VWs only
@@ -60,6 +60,7 @@ class StageCost:
     always_cold: bool = False  # a padded device sleeps after every task: each starts cold
     on_cpu: bool = True  # computes on the host's cores (an emulated device)
     step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
+    hop_s: float = 0.0  # a hand-off's own CPU, in each loop above that is not 0 and in push_s
 
     @property
     def compute_s(self) -> float:
@@ -175,6 +176,7 @@ def stage_costs(
                 on_cpu and speed < 1.0,
                 on_cpu,
                 step,
+                rt.hop_s,
             )
         )
     return tuple(out)
@@ -191,17 +193,20 @@ def _sim_vw(
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
     plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
-    pull, one per message)."""
+    pull, one per message). The hand-off's hop and wake-ups are ``handoff_s``, paid once per
+    hand-off whatever actions join it (the runtime's rule, which the simulator follows)."""
     stages = []
     for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
+        bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
         stages.append(
             SimStage(
-                k * (h * c.compute_fwd_s + c.loop_fwd_s) + 2 * w,
-                k * (h * c.compute_bwd_s + c.loop_bwd_s) + (2 * w if c.compute_bwd_s else 0.0),
-                k * c.push_s + (2 * w if c.push_s else 0.0),
+                k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s),
+                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop),
+                k * (c.push_s - c.hop_s) if c.push_s else 0.0,
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
-                step_s=k * h * c.step_s,  # in the hand-off of the iteration's last backward
+                step_s=k * h * c.step_s,
+                handoff_s=k * c.hop_s + 2 * w,
             )
         )
     links = tuple(
@@ -301,7 +306,9 @@ def predict(
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
         new_busy = dict(busy)
-        laws = _timeline_laws(sim, sims, costs, workers) if synchronous else None
+        laws = (_timeline_laws(sim, sims, costs, workers,
+                               [rt.wake_s * busy[h] for _, _, h in workers])
+                if synchronous else None)
         for h, procs in hosts.items():
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
@@ -355,6 +362,7 @@ def _timeline_laws(
     sims: Sequence[SimVW],
     costs: Sequence[Sequence[StageCost]],
     workers: Sequence[tuple[int, int, str]],
+    wakes: Sequence[float],
 ) -> Callable[[Sequence[int]], tuple[list[float], dict[int, list[float] | None]]]:
     """Who wants a core together, read off a synchronous run's simulated timeline.
 
@@ -364,7 +372,10 @@ def _timeline_laws(
     the others wait for them, in the 1F1B phase neighbours compute together. Busy shares
     taken as independent overcharge the first and undercharge the second. Here each action
     wants a core from its start for its CPU share (a padded device sleeps the rest), over the
-    iterations after the first. Returns ``laws(procs)``: for those
+    iterations after the first. The waits of wake-ups (a hand-off's, ``handoff_s``; a
+    merge's, ``wakes[j]`` each) are not counted: the thread has no core then, and counting
+    them as wanting one would feed back (more waits, cores seen busier, longer waits) until a
+    contended flush is charged far more than it gets. Returns ``laws(procs)``: for those
     worker indices (one host), P(c of them want a core) over the window, and per worker the
     law of how many others want one while it does (None: it never does).
     """
@@ -375,7 +386,7 @@ def _timeline_laws(
     if hi <= lo:
         lo, hi = 0.0, sim.makespan_s
     spans: list[list[tuple[float, float]]] = []
-    for v, i, _ in workers:
+    for (v, i, _), w in zip(workers, wakes, strict=True):
         c, st = costs[v][i], sims[v].stages[i]
         share = c.compute_cpu_s / c.compute_s if c.compute_s > 0 else 0.0
 
@@ -385,15 +396,17 @@ def _timeline_laws(
         out = []
         for t, a in sim.actions[v][i]:
             if isinstance(a, Forward):
-                length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s)
+                length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s - c.hop_s)
             elif isinstance(a, Backward):
-                length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s)
+                bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
+                length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s - bwd_hop)
             elif isinstance(a, OptimizerStep):
                 length = st.step_s
             elif isinstance(a, Push):
                 length = st.push_s
             elif isinstance(a, Merge):
-                length = st.merge_s if a.c >= 1 and not a.grads else 0.0
+                merged = a.c >= 1 and not a.grads
+                length = st.merge_s - (2 * w if c.merge_s else 0.0) if merged else 0.0
             else:
                 continue
             a0, a1 = max(t, lo), min(t + length, hi)

@@ -11,7 +11,9 @@ only times the actions and delivers the inputs. Timing:
 * Forward, backward and optimizer step take the stage's ``fwd_s``, ``bwd_s`` and ``step_s``
   (async: the step is part of ``bwd_s`` as profiled, so ``step_s`` is 0); a push takes
   ``push_s``, a merge of pulled weights ``merge_s`` (wave >= 1). A stage runs one action at
-  a time.
+  a time. Forwards, backwards, steps and pushes go to the compute thread in hand-offs as the
+  runtime makes them (:meth:`hetpipe.schedule.StageSchedule.joins`): each hand-off costs
+  ``handoff_s`` once, and what its actions send leaves when the whole hand-off is done.
 * Each link between consecutive stages carries activations forward and gradients backward;
   each direction is a FIFO channel that moves one tensor at a time.
 * WSP: a VW's clock is the number of waves every one of its stages with state has pushed,
@@ -67,6 +69,7 @@ class SimStage:
     pull_s: float = 0.0  # latency of a pull's (or a gradient exchange's) answer
     step_s: float = 0.0  # a synchronous iteration's optimizer step
     state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
+    handoff_s: float = 0.0  # per hand-off to the compute thread and back (any actions in it)
 
 
 @dataclass(frozen=True)
@@ -261,17 +264,31 @@ def simulate(
                 w.gate_wait += now - st.gate_since
                 st.gate_since = None
             sched.done(a)
+            if kind in HANDED:  # a hand-off: the actions that join it run with it
+                run = [a]
+                dur = sp.handoff_s
+                at = [now + sp.handoff_s / 2]  # there, then back after the last one
+                while True:
+                    dur += _compute_s(sp, run[-1])
+                    nxt = sched.next(st)
+                    if not sched.joins(run, nxt):
+                        break
+                    sched.done(nxt)
+                    at.append(now + dur - sp.handoff_s / 2)
+                    run.append(nxt)
+                if record:
+                    st.log.extend(zip(at, run, strict=True))
+                if dur <= 0:
+                    for x in run:
+                        finish(now, v, s, x)
+                    continue
+                st.idle = False
+                st.busy_s += dur
+                push(now + dur, FREE, v, s, run)
+                return
             if record:
                 st.log.append((now, a))
-            if kind is Forward:
-                dur = sp.fwd_s
-            elif kind is Backward:
-                dur = sp.bwd_s
-            elif kind is OptimizerStep:
-                dur = sp.step_s
-            elif kind is Push:
-                dur = sp.push_s if sp.state else 0.0
-            elif kind is Merge:
+            if kind is Merge:
                 dur = sp.merge_s if a.c >= 1 and not a.grads else 0.0  # type: ignore[union-attr]
             else:  # a pull: sent now, answered when the clock or the other VWs allow
                 c = a.c  # type: ignore[union-attr]
@@ -290,7 +307,7 @@ def simulate(
                 continue
             st.idle = False
             st.busy_s += dur
-            push(now + dur, FREE, v, s, a)
+            push(now + dur, FREE, v, s, [a])
             return
 
     def link(free: list[float], i: int, now: float, dur: float) -> float:
@@ -347,7 +364,8 @@ def simulate(
             st.grads.add(x)
         elif kind == FREE:
             st.idle = True
-            finish(now, v, s, x)
+            for a in x:
+                finish(now, v, s, a)
         dispatch(now, v, s)
     unfinished = [(w.spec.name or f"vw{v}", s, st.schedule.next(st))
                   for v, w in enumerate(state) for s, st in enumerate(w.stages)
@@ -381,6 +399,21 @@ def simulate(
         tuple(_iteration_s(w.steps_at) for w in state),
         tuple(tuple(tuple(st.log) for st in w.stages) for w in state),
     )
+
+
+HANDED = (Forward, Backward, OptimizerStep, Push)  # actions run in hand-offs
+
+
+def _compute_s(sp: SimStage, a: Action) -> float:
+    """Time of a handed action in its hand-off (the hand-off's own cost aside)."""
+    kind = type(a)
+    if kind is Forward:
+        return sp.fwd_s
+    if kind is Backward:
+        return sp.bwd_s
+    if kind is OptimizerStep:
+        return sp.step_s
+    return sp.push_s if sp.state else 0.0
 
 
 def _iteration_s(steps_at: list[float]) -> float:

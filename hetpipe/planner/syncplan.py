@@ -97,7 +97,9 @@ def iteration_time(
 ) -> float:
     """Time of one iteration: every stage runs its order (one op at a time; an op starts when
     its input is there), each link moves one tensor at a time in each direction, then each
-    stage steps and pushes. The same timing as the simulator's, without its event queue."""
+    stage steps and pushes, in the hand-off of its last backward (whose gradient leaves
+    after them, as in the runtime). The same timing as the simulator's, without its event
+    queue."""
     k = len(stages)
     m = sum(op == "F" for op, _ in orders[0])
     fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
@@ -131,7 +133,11 @@ def iteration_time(
                         break
                     end = max(free[s], ready) + stages[s].bwd_s
                     if s > 0:
-                        t = max(end, link_b[s - 1]) + links[s - 1][1]
+                        # the iteration's last backward hands its gradient on after the step
+                        # and push that go to the compute thread with it (schedule.joins)
+                        sent = end if pos[s] + 1 < len(order) else \
+                            end + stages[s].step_s + stages[s].push_s
+                        t = max(sent, link_b[s - 1]) + links[s - 1][1]
                         link_b[s - 1] = t
                         bwd_in[s - 1][j] = t
                 free[s] = end
