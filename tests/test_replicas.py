@@ -203,7 +203,7 @@ def test_replicated_stage_refuses_batch_norm(replica_cluster) -> None:
 def test_wsp_with_a_replicated_stage(replica_cluster, staleness) -> None:
     """Two virtual workers, one with a replicated stage: WSP's invariant holds and the
     model learns."""
-    spec = job(f"replicas-wsp-d{staleness}", nm=2, epochs=6, staleness=staleness, lr=0.02,
+    spec = job(f"replicas-wsp-d{staleness}", nm=2, epochs=12, staleness=staleness, lr=0.02,
                split=[(["r0", ["r1", "r2"]], [3, 3]), (["r3", "r4"], [3, 3])])
     info = replica_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
@@ -211,7 +211,8 @@ def test_wsp_with_a_replicated_stage(replica_cluster, staleness) -> None:
     assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert all(len(rows) == info["minibatches"] // 2 for rows in records.values())
     assert check_invariants(records, {0: 2, 1: 2}, staleness) > 0
-    # the same job unreplicated reached 0.956 (D = 0), replicated 0.914, in one run each
+    # six epochs ended in 0.88-0.96 (one run under 0.85 in the suite, on a busy host); twelve
+    # ended in 0.95-0.98 in three runs each of D = 0 and 1 beside a busy loop
     assert info["test_accuracy"] >= 0.85
 
 
