@@ -127,6 +127,10 @@ class DeviceSpec:
     port: int
     node: str
     host: str
+    # host <-> device copy bandwidth (swapped activations, hetpipe.planner.memory); on an
+    # emulated device the copy time is charged at this rate. Default: PCIe 3.0 x16 as
+    # pinned copies reach it in practice (~12 GB/s)
+    host_gbps: float = 96.0
 
 
 @dataclass(frozen=True)
@@ -279,7 +283,7 @@ def _name(t: Table, key: str, what: str, seen: dict[str, str]) -> str:
 
 def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
     node_keys, device_keys = ("name", "host", "device"), ("name", "device", "type", "memory")
-    device_keys += ("speed", "port")
+    device_keys += ("speed", "port", "host_gbps")
     node_names: dict[str, str] = {}
     device_names: dict[str, str] = {}
     nodes = []
@@ -301,9 +305,11 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
             if memory <= 0:
                 dt.fail("memory", f"must be > 0, got {dt.raw('memory')!r}")
             speed = dt.positive("speed", 1.0, low=0.001)
+            host_gbps = dt.positive("host_gbps", DeviceSpec.host_gbps)
             port = dt.integer("port", 0)
             _claim(dt, "port", host, port, f"device {name}", ports)
-            devices.append(DeviceSpec(name, device, kind, memory, speed, port, node, host))
+            devices.append(DeviceSpec(name, device, kind, memory, speed, port, node, host,
+                                      host_gbps))
         if not devices:
             nt.fail("device", "node has no devices (add [[node.device]] tables)")
         nodes.append(NodeSpec(node, host, tuple(devices)))

@@ -745,7 +745,8 @@ class Head:
                     vws = plan_vws(plan)
                     log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
                 elif spec.activations == "auto":  # the user's split, the planner's policy
-                    vws = tuple(dataclasses.replace(v, recompute=planned.recompute)
+                    vws = tuple(dataclasses.replace(v, recompute=planned.recompute,
+                                                    swap=planned.swap)
                                 for v, planned in zip(spec.vws, plan_vws(plan), strict=True))
             except (PlanError, _JobFailed) as exc:
                 if needs_plan:

@@ -111,6 +111,9 @@ class VWSpec:
     # per stage, the global layers whose activations are recomputed: set by the planner
     # (never read from a job file); None = as ``train.activations`` pins it
     recompute: tuple[tuple[int, ...], ...] | None = None
+    # per stage, the global layers whose activations are swapped to host memory: set by the
+    # planner like ``recompute``; None = as ``train.activations`` pins it
+    swap: tuple[tuple[int, ...], ...] | None = None
     # per stage, the devices that replicate it beside ``devices[i]`` (its leader); () for a
     # stage on one device. None: no stage is replicated (hetpipe.replicas)
     replicas: tuple[tuple[str, ...], ...] | None = None

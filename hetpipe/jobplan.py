@@ -47,6 +47,7 @@ class RunStage:
     first: int
     last: int
     recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
+    swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
     replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
     rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
 
@@ -176,7 +177,8 @@ class JobPlan:
                         placement={n: self.placement[n] for n in names},
                         prev_device=prev["group"][0] if s > 0 else None,
                         next_device=nxt["group"][0] if s < k - 1 else None,
-                        recompute=list(st.recompute), start=self.start_of(v), replica=r,
+                        recompute=list(st.recompute), swap=list(st.swap),
+                        start=self.start_of(v), replica=r,
                         **own, **{f"prev_{key}": val for key, val in prev.items()},
                         **{f"next_{key}": val for key, val in nxt.items()},
                     ))
@@ -343,14 +345,17 @@ def plan_job(
         bounds = [0]
         for n in layers:
             bounds.append(bounds[-1] + n)
-        if vwspec.recompute is not None:
-            recompute = vwspec.recompute
-        elif spec.activations == "recompute":
-            recompute = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
-        else:  # keep; "auto" without a plan has no choice to apply
-            recompute = ((),) * len(layers)
+        every = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
+        none = ((),) * len(layers)
+        # the planner's choice where it made one, else as train.activations pins it (keep;
+        # "auto" without a plan has no choice to apply)
+        chosen = vwspec.recompute is not None or vwspec.swap is not None
+        recompute = vwspec.recompute if vwspec.recompute is not None else (
+            every if spec.activations == "recompute" and not chosen else none)
+        swap = vwspec.swap if vwspec.swap is not None else (
+            every if spec.activations == "swap" and not chosen else none)
         stages = tuple(
-            RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]),
+            RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]), tuple(swap[i]),
                      *_replicas(cluster, layout, vwspec, i, spec.minibatch,
                                 (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"))
             for i, d in enumerate(vwspec.devices))

@@ -25,7 +25,11 @@ Activations: the layers run one by one, each under the policy its task gives it
 :func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
 backward runs it again before differentiating it. The seeding hooks draw the same dropout
 masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
-of the batch-norm statistics, so a recomputed job is the same job as a kept one. The memory
+of the batch-norm statistics, so a recomputed job is the same job as a kept one. A *swapped*
+layer runs under :class:`hetpipe.swap.HostSwap`'s hooks: what it saves waits in host memory
+until its backward (the same values come back, so it is the same job too); on an emulated
+device the copy time that the compute does not hide is charged at the device's
+``host_gbps`` (:meth:`StageCompute._charge_swap`). The memory
 a stage keeps is counted in the planner's own terms (:meth:`StageCompute.memory`) and that
 is what the device's cap is checked against.
 """
@@ -53,13 +57,16 @@ from hetpipe.optim import StageOptimizer
 from hetpipe.planner.memory import (
     StageMemory,
     activation_bytes,
+    copy_seconds,
     recompute_runs,
+    unhidden_copy_s,
     working_bytes,
 )
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
+from hetpipe.swap import HostSwap
 from hetpipe.task import StageTask
 from hetpipe.wsp import wave_of
 
@@ -104,6 +111,7 @@ class _InFlight:
     # the weights of that moment) from the kept input, ``s_bwd`` updates ahead for predict
     recompute: bool = False
     s_bwd: int = 0
+    swapped: int = 0  # bytes its swapped layers parked in host memory
 
 
 @dataclass
@@ -190,6 +198,10 @@ class StageCompute:
         # measured by the first forward of that shape, which keeps every layer
         self._layer_bytes: dict[tuple[int, ...], tuple[list[int], list[int], list[int]]] = {}
         self.recompute = frozenset(j - task.first for j in task.recompute)
+        # a layer both recomputed and swapped is recomputed: it keeps nothing to swap
+        self.swap = frozenset(j - task.first for j in task.swap) - self.recompute
+        self.swapper = HostSwap(self.dev)
+        self.host_gbps = device.host_gbps
         self._layers = self._layer_states()
         self._slots = [_slots(layer, keys) for layer, keys in self._layers]
         self._working = 0
@@ -253,6 +265,7 @@ class StageCompute:
         before = {n: b.clone() for n, b in self.buffers.items()}
         shape = tuple(x.shape)
         known = self._layer_bytes.get(shape)
+        self.swapper.start()
         if recompute and known is not None:
             # the backward reruns this forward (weights latest/predict): keep the input only
             with torch.no_grad(), self._autocast():
@@ -262,12 +275,13 @@ class StageCompute:
                 out, measured = self._run_layers(p, x, state, measure=known is None)
         if known is None:
             known = self._layer_bytes[shape] = measured
-            self._working = max(self._working, working_bytes(known[2], known[0], self.recompute))
+            self._working = max(self._working, working_bytes(known[2], known[0], self.recompute,
+                                                             self.swap))
         if recompute:
             out = out.detach()  # a measuring forward's graph is dropped too
             kept = _nbytes(x)
         else:
-            kept = activation_bytes(known[0], known[1], self.recompute) + _nbytes(x)
+            kept = activation_bytes(known[0], known[1], self.recompute, self.swap) + _nbytes(x)
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
@@ -275,20 +289,34 @@ class StageCompute:
                            version=self.version,
                            fingerprint=_fingerprint(params) if self.verify else 0.0,
                            kept_bytes=kept, samples=int(y.shape[0]) if y.dim() else 1,
-                           recompute=recompute, s_bwd=s_bwd)
+                           recompute=recompute, s_bwd=s_bwd, swapped=self.swapper.bytes)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
             sent = out.detach()
             if self.bf16 and sent.is_floating_point():
                 sent = sent.to(torch.bfloat16)  # activations travel in the compute precision
-            self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
+            self.stats.forward_s += self._charge_swap(
+                emulate.pad(started, self.speed, self.dev), flight.swapped)
             return sent
         with self._autocast():
             flight.loss = self.loss_fn(out, self._to_device(y))
         self._losses.add(p, flight.loss)
-        self.stats.forward_s += emulate.pad(started, self.speed, self.dev)
+        self.stats.forward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
+                                                  flight.swapped)
         return None
+
+    def _charge_swap(self, compute_s: float, moved: int) -> float:
+        """The pass's time with the swap copies of ``moved`` bytes that ran beside it: on an
+        emulated device (the tensors never left host memory) it sleeps the part of the copy
+        at ``host_gbps`` that ``compute_s`` does not hide
+        (:func:`hetpipe.planner.memory.unhidden_copy_s`, the planner's own charge); on a GPU
+        the copies are real and already in the measured time."""
+        if not moved or self.swapper.cuda:
+            return compute_s
+        extra = unhidden_copy_s(copy_seconds(moved, self.host_gbps), compute_s)
+        time.sleep(extra)
+        return compute_s + extra
 
     def _run_layers(
         self, p: int, x: torch.Tensor, state: Mapping[str, torch.Tensor], measure: bool
@@ -309,10 +337,16 @@ class StageCompute:
         def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor],
                     x: torch.Tensor) -> torch.Tensor:
             own = {t.untyped_storage().data_ptr() for t in sub.values()}
-            counter = _SavedBytes(own)
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                y = self._call(i, sub, x)
-            saved.append(counter.bytes)
+            if i in self.swap:  # the swap counts what it parks the same way
+                before = self.swapper.bytes
+                with self.swapper.layer(own):
+                    y = self._call(i, sub, x)
+                saved.append(self.swapper.bytes - before)
+            else:
+                counter = _SavedBytes(own)
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                    y = self._call(i, sub, x)
+                saved.append(counter.bytes)
             inputs.append(_nbytes(x))
             grad_in = _nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
             work.append(_nbytes(y) + grad_in)
@@ -336,7 +370,13 @@ class StageCompute:
                 continue
             layer, keys = self._layers[j]
             sub = {local: state[name] for local, name, _ in keys}
-            x = counted(j, layer, sub, x) if measure else self._call(j, sub, x)
+            if measure:
+                x = counted(j, layer, sub, x)
+            elif j in self.swap and torch.is_grad_enabled():
+                with self.swapper.layer({t.untyped_storage().data_ptr() for t in sub.values()}):
+                    x = self._call(j, sub, x)
+            else:
+                x = self._call(j, sub, x)
             j += 1
         return x, (saved, inputs, work)
 
@@ -436,7 +476,8 @@ class StageCompute:
         else:
             self.pending[p] = pgrads
         self.stats.backwards += 1
-        self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
+        self.stats.backward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
+                                                   flight.swapped)
         return grad_in
 
     def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int]:
@@ -478,16 +519,18 @@ class StageCompute:
         params = self._predicted(flight.s_bwd) if self.weights == "predict" else self.params
         buffers = {n: b.clone() for n, b in self.buffers.items()}
         self.seeds.p = p
+        self.swapper.start()
         # layer by layer under the activation policy: recomputed runs stay checkpoints
         with self._autocast():
             flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
                                              measure=False)
         flight.params = params
+        flight.swapped = self.swapper.bytes
 
     def _rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
         measured so far): the room the backward of a rerun forward needs."""
-        return max((activation_bytes(s, i, self.recompute)
+        return max((activation_bytes(s, i, self.recompute, self.swap)
                     for s, i, _ in self._layer_bytes.values()), default=0)
 
     def _judge(self) -> None:

@@ -36,6 +36,8 @@ class StageTask:
     next_device: str | None = None  # device of stage + 1: the only sender of gradients
     recompute: list[int] = field(default_factory=list)  # global layers whose activations
     # are recomputed in the backward instead of kept (hetpipe.planner.memory)
+    swap: list[int] = field(default_factory=list)  # global layers whose activations wait
+    # in host memory between the forward and the backward (hetpipe.swap)
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its
     # meta (the tensors travel with the assignment; hetpipe.checkpoint)

@@ -1,6 +1,6 @@
-"""Per-layer activation policies (keep / recompute) and the one memory model they share.
+"""Per-layer activation policies (keep / recompute / swap) and the one memory model they share.
 
-A recomputed layer must be invisible in the results (same dropout masks, batch-norm
+A recomputed or swapped layer must be invisible in the results (same dropout masks, batch-norm
 statistics moved once per minibatch) and visible in the memory a stage keeps, counted in
 the planner's own terms.
 """
@@ -18,26 +18,35 @@ from hetpipe.config import DeviceSpec
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
-from hetpipe.planner.memory import MemoryCapError, stage_memory_of
+from hetpipe.planner.memory import (
+    MemoryCapError,
+    activation_bytes,
+    copy_seconds,
+    stage_memory_of,
+    swap_seconds,
+    unhidden_swap_s,
+    working_bytes,
+)
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.profile import LayerProfile, ModelProfile, measure_layers
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
 
-def device(memory: int = 1 << 30) -> DeviceSpec:
-    return DeviceSpec("gpu0", "cpu", "fast", memory, 1.0, 0, "node0", "127.0.0.1")
+def device(memory: int = 1 << 30, host_gbps: float = 96.0) -> DeviceSpec:
+    return DeviceSpec("gpu0", "cpu", "fast", memory, 1.0, 0, "node0", "127.0.0.1", host_gbps)
 
 
 def whole_stage(model: str, recompute: list[int], *, nm: int = 3, memory: int = 1 << 30,
-                seed: int = 3) -> StageCompute:
+                seed: int = 3, swap: list[int] | None = None,
+                host_gbps: float = 96.0) -> StageCompute:
     """One stage holding the whole model (so also the loss), initial weights loaded."""
     spec = JobSpec.from_dict(job("unit", model=model, minibatches=12, nm=nm, seed=seed))
     n = len(build_model(spec.model.name, spec.model.args))
     task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
                      nm=nm, staleness=0, minibatches=12, num_vws=1, prev=None, next=None,
-                     recompute=recompute)
-    compute = StageCompute(task, device(memory))
+                     recompute=recompute, swap=swap or [])
+    compute = StageCompute(task, device(memory, host_gbps))
     torch.manual_seed(seed)
     state = build_model(spec.model.name, spec.model.args).state_dict()
     names = compute.state_names()
@@ -294,3 +303,96 @@ def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None
     assert "activations: recompute layers" in table and "keeping all ->" in table
     again = Plan.from_dict(plan.to_dict())
     assert [s.recompute for vw in again.vws for s in vw.stages] == [s.recompute for s in stages]
+
+
+# --------------------------------------------------------------------------- swap
+
+
+@pytest.mark.parametrize("model", ["usermodels:dropout_mlp", "cnn"])
+def test_swap_is_transparent(model: str) -> None:
+    """Every layer swapped: the same weights, batch-norm statistics and losses as keeping
+    them, dropout included, with several minibatches in flight."""
+    keep = whole_stage(model, [])
+    swapped = whole_stage(model, [], swap=list(range(n_layers(model))))
+    train(keep, 8)
+    train(swapped, 8)
+    assert_same_weights(swapped.state_dict(), keep.state_dict(), tol=1e-6)
+    want = [v for _, v in keep.read_losses(block=True)]
+    assert [v for _, v in swapped.read_losses(block=True)] == pytest.approx(want, abs=1e-6)
+
+
+def test_swap_keeps_less_on_the_device_and_the_cap_counts_it() -> None:
+    """The activations term leaves out what swapped layers park in host memory, the
+    working term holds room for the largest one in transit, and a cap that refuses the
+    kept job admits the swapped one."""
+    model = "usermodels:dropout_mlp"
+    layers = list(range(n_layers(model)))
+    keep = whole_stage(model, [])
+    swapped = whole_stage(model, [], swap=layers)
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    for p in range(3):
+        keep.forward(p, *stream.batch(p))
+        swapped.forward(p, *stream.batch(p))
+    k, s = keep.memory(), swapped.memory()
+    (saved, _, _), = keep._layer_bytes.values()
+    assert all(swapped.in_flight[p].swapped == sum(saved) for p in range(3))
+    assert s.activations == k.activations - 3 * sum(saved)
+    assert s.working == k.working + max(saved)
+    assert s.total < k.total
+    cap = (k.total + s.total) // 2
+    fits = whole_stage(model, [], memory=cap, swap=layers)
+    for p in range(3):
+        fits.forward(p, *stream.batch(p))
+    assert fits.memory().total <= cap
+
+
+@pytest.mark.parametrize(("recompute", "swap"), [([], [0, 2, 5]), ([1, 3], [0, 4, 5])])
+def test_runtime_memory_with_swap_equals_the_planner_formula(
+    recompute: list[int], swap: list[int]
+) -> None:
+    """Swapped (and recomputed) layers: the runtime counts the planner's figures."""
+    model, nm = "usermodels:dropout_mlp", 3
+    compute = whole_stage(model, recompute, nm=nm, swap=swap)
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    x, _ = stream.batch(0)
+    torch.manual_seed(3)
+    layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
+    profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
+    want = stage_memory_of(profile, "fast", (0, len(layers)), 0, 2, nm, 1,
+                           recompute=recompute, swap=swap)
+    for p in range(nm):
+        compute.forward(p, *stream.batch(p))
+    got = compute.memory()
+    assert got.activations == want.activations
+    assert got.working == want.working
+
+
+def test_emulated_swap_charges_the_copy_its_compute_does_not_hide() -> None:
+    """At a host bandwidth so low that the copies dwarf the compute, each pass takes at
+    least the copy time (the compute plus the part of the copy it does not hide)."""
+    model = "usermodels:dropout_mlp"
+    layers = list(range(n_layers(model)))
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    slow = whole_stage(model, [], swap=layers, host_gbps=1e-3)
+    slow.forward(0, *stream.batch(0))
+    moved = slow.in_flight[0].swapped
+    copy_s = copy_seconds(moved, 1e-3)
+    assert 0.05 < copy_s < 2.0, copy_s  # the bandwidth chosen makes it visible yet short
+    slow.backward(0, None)
+    assert slow.stats.forward_s >= copy_s
+    assert slow.stats.backward_s >= copy_s
+
+
+def test_swap_memory_and_time_terms() -> None:
+    """Pure terms: swapped saved bytes leave the activations, one layer's stay as working
+    room; the charge is what each direction's copy exceeds its compute by."""
+    saved, inputs, work = [100, 40, 70, 10], [5, 6, 7, 8], [3, 3, 3, 3]
+    assert activation_bytes(saved, inputs, swap=[0, 2]) == 40 + 10
+    assert activation_bytes(saved, inputs, recompute=[1], swap=[0, 2]) == 6 + 10
+    assert working_bytes(work, saved, swap=[0, 2]) == 3 + 100
+    assert working_bytes(work, saved, recompute=[1, 2], swap=[3]) == 3 + 110 + 10
+    assert swap_seconds(saved, [0, 2], 8e-9) == pytest.approx(170.0)
+    assert copy_seconds(10**9, 8.0) == pytest.approx(1.0)
+    assert unhidden_swap_s(1.0, 2.0, 3.0) == 0.0
+    assert unhidden_swap_s(1.0, 0.25, 0.5) == pytest.approx(0.75 + 0.5)
+    assert unhidden_swap_s(1.0, 0.25, 2.0) == pytest.approx(0.75)

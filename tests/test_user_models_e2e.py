@@ -267,6 +267,24 @@ def test_recomputing_every_layer_trains_the_same_weights_as_keeping_them(cluster
     assert again["peak_memory"]["activations"] < first["peak_memory"]["activations"]
 
 
+@pytest.mark.timeout(240)
+def test_swapping_every_layer_trains_the_same_weights_as_keeping_them(cluster) -> None:
+    """The same job with every layer's activations swapped to host memory: the weights of
+    keeping them (<= 1e-6, dropout included), and less counted on the device."""
+    runs = {}
+    for policy in ("keep", "swap"):
+        spec = user_job(f"swap-{policy}", "dropout_mlp", [4, 4], seed=5)
+        spec["train"].update({"nm": 2, "schedule": "gpipe", "activations": policy})
+        info = cluster.submit(spec)
+        assert info["state"] == "done", info.get("error")
+        runs[policy] = info
+    assert_same_weights(torch.load(runs["swap"]["model_path"]),
+                        torch.load(runs["keep"]["model_path"]), tol=1e-6)
+    first = next(s for s in runs["keep"]["stages"] if s["stage"] == 0)
+    swapped = next(s for s in runs["swap"]["stages"] if s["stage"] == 0)
+    assert swapped["peak_memory"]["activations"] < first["peak_memory"]["activations"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weights", ["latest", "predict"])
 def test_recompute_inside_the_rerun_forward_of_stale_weight_modes(cluster, weights) -> None:

@@ -23,8 +23,9 @@ activations   for every in-flight minibatch, what its layers keep for the backwa
               than the forward ran on) only the inputs stay, plus one minibatch's kept
               tensors (``in_flight`` x input bytes + kept bytes)
 working       the transient peak of one layer's forward/backward (max over the layers),
-              plus the largest recomputed layer's saved tensors (they live again, one
-              layer at a time, while its backward runs)
+              plus the largest run of recomputed layers' saved tensors (they live again
+              while its backward runs), plus the largest swapped layer's saved tensors
+              (the one layer in transit between the device and the host)
 ============  ==========================================================================
 
 Each layer's activations follow a policy (``train.activations``; "auto" lets the planner
@@ -70,7 +71,7 @@ from dataclasses import dataclass
 from hetpipe.config import format_size
 from hetpipe.planner.profile import LayerProfile, ModelProfile
 
-ACTIVATION_POLICIES = ("keep", "recompute", "auto")
+ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 
 
 class MemoryCapError(RuntimeError):
@@ -82,6 +83,7 @@ __all__ = [
     "MemoryCapError",
     "StageMemory",
     "activation_bytes",
+    "copy_seconds",
     "in_flight",
     "param_copies",
     "recompute_runs",
@@ -89,6 +91,9 @@ __all__ = [
     "stage_memory",
     "stage_memory_of",
     "stashed",
+    "swap_seconds",
+    "unhidden_copy_s",
+    "unhidden_swap_s",
     "weights_mode",
     "working_bytes",
 ]
@@ -213,27 +218,63 @@ def recompute_runs(recompute: Collection[int]) -> list[tuple[int, int]]:
 
 
 def activation_bytes(
-    saved: Sequence[int], inputs: Sequence[int], recompute: Collection[int] = ()
+    saved: Sequence[int], inputs: Sequence[int], recompute: Collection[int] = (),
+    swap: Collection[int] = (),
 ) -> int:
-    """Bytes one in-flight minibatch keeps in a stage's layers (not counting its input).
+    """Bytes one in-flight minibatch keeps ON THE DEVICE in a stage's layers (not counting
+    its input).
 
     ``saved[j]`` is what layer ``j`` of the stage saves for its backward when kept,
     ``inputs[j]`` the size of its input; ``recompute`` the stage-relative indices of the
-    recomputed layers. A run of recomputed layers keeps its first layer's input only (none
-    when that is the stage input, which is counted once with the stage).
+    recomputed layers, ``swap`` those of the swapped ones (their saved tensors wait in host
+    memory). A run of recomputed layers keeps its first layer's input only (none when that
+    is the stage input, which is counted once with the stage).
     """
-    skipped = set(recompute)
+    skipped = set(recompute) | set(swap)
     kept = sum(s for j, s in enumerate(saved) if j not in skipped)
     return kept + sum(inputs[c] for c, _ in recompute_runs(recompute) if c > 0)
 
 
 def working_bytes(
-    work: Sequence[int], saved: Sequence[int], recompute: Collection[int] = ()
+    work: Sequence[int], saved: Sequence[int], recompute: Collection[int] = (),
+    swap: Collection[int] = (),
 ) -> int:
     """The transient peak of a stage: the largest layer's working memory plus the largest
-    run of recomputed layers' saved tensors (a run lives again while its backward runs)."""
+    run of recomputed layers' saved tensors (a run lives again while its backward runs)
+    plus the largest swapped layer's (one layer is on its way out or back in while the
+    others compute; the two can coincide, so both are counted)."""
     rerun = max((sum(saved[c:d]) for c, d in recompute_runs(recompute)), default=0)
-    return max(work, default=0) + rerun
+    transit = max((saved[j] for j in swap), default=0)
+    return max(work, default=0) + rerun + transit
+
+
+def copy_seconds(nbytes: int, host_gbps: float) -> float:
+    """Seconds to copy ``nbytes`` one way between a device and its host at ``host_gbps``."""
+    return nbytes * 8 / (host_gbps * 1e9)
+
+
+def swap_seconds(saved: Sequence[int], swap: Collection[int], host_gbps: float) -> float:
+    """Seconds to copy the swapped layers' saved tensors one way at ``host_gbps``."""
+    return copy_seconds(sum(saved[j] for j in swap), host_gbps)
+
+
+def unhidden_copy_s(copy_s: float, compute_s: float) -> float:
+    """What a copy of ``copy_s`` seconds adds to the ``compute_s`` it runs beside."""
+    return max(0.0, copy_s - compute_s)
+
+
+def unhidden_swap_s(copy_s: float, fwd_s: float, bwd_s: float) -> float:
+    """The part of a stage's swap time that its compute does not hide, per minibatch.
+
+    The copies out run beside the forward (the layers after a swapped one keep computing
+    while it leaves), the copies in beside the backward (prefetched while the later layers
+    differentiate): one copy engine per direction, so each direction shows only what
+    exceeds the compute it overlaps with: ``max(0, copy - fwd) + max(0, copy - bwd)``.
+    The bound is optimistic for a swapped last layer (nothing after it to hide behind) and
+    pessimistic where other minibatches' compute also overlaps; it is the planner's and the
+    emulation's one charge.
+    """
+    return unhidden_copy_s(copy_s, fwd_s) + unhidden_copy_s(copy_s, bwd_s)
 
 
 def stage_memory(
@@ -246,12 +287,14 @@ def stage_memory(
     schedule: str = "async",
     weights: str = "stash",
     recompute: Collection[int] = (),
+    swap: Collection[int] = (),
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
     ``input_bytes`` is the size of the stage's input per minibatch: the model input for the
     first stage, else the previous layer's ``out_bytes`` (see :func:`stage_input_bytes`).
-    ``recompute``: stage-relative indices of the layers whose activations are recomputed.
+    ``recompute``/``swap``: stage-relative indices of the layers whose activations are
+    recomputed/swapped to host memory.
     """
     n = in_flight(position, k, nm, schedule)
     pb = sum(lp.param_bytes for lp in layers)
@@ -263,9 +306,9 @@ def stage_memory(
         optimizer=optimizer_state_factor * pb,
         stash=stashed(n, schedule, weights) * pb,
         accumulators=2 * pb,
-        activations=activations(n, activation_bytes(saved, inputs, recompute), input_bytes,
-                                schedule, weights),
-        working=working_bytes([lp.work_bytes for lp in layers], saved, recompute),
+        activations=activations(n, activation_bytes(saved, inputs, recompute, swap),
+                                input_bytes, schedule, weights),
+        working=working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
     )
 
 
@@ -285,9 +328,10 @@ def stage_memory_of(
     schedule: str = "async",
     weights: str = "stash",
     recompute: Collection[int] = (),
+    swap: Collection[int] = (),
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``
-    (``recompute``: GLOBAL indices of the recomputed layers)."""
+    (``recompute``/``swap``: GLOBAL indices of the recomputed/swapped layers)."""
     a, b = layers
     return stage_memory(
         profile.layers[dtype][a:b],
@@ -299,4 +343,5 @@ def stage_memory_of(
         schedule,
         weights,
         {j - a for j in recompute},
+        {j - a for j in swap},
     )
