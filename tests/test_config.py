@@ -96,7 +96,7 @@ CASES = [
         "port = 7200",
         'port = 7200\ncolour = "red"',
         "node[0].device[0].colour",
-        "unknown key (allowed: device, memory, name, port, speed, type)",
+        "unknown key (allowed: device, host_gbps, memory, name, port, speed, type)",
     ),
     (
         "unknown-link",
@@ -207,6 +207,10 @@ CASES = [
     ("speed-zero", "speed = 0.5", "speed = 0", "node[0].device[1].speed", "must be > 0"),
     ("speed-negative", "speed = 0.5", "speed = -1.0", "node[0].device[1].speed", "must be > 0"),
     ("speed-inf", "speed = 0.5", "speed = inf", "node[0].device[1].speed", "finite"),
+    ("host-gbps-zero", "speed = 0.5", "speed = 0.5\nhost_gbps = 0", "node[0].device[1].host_gbps",
+     "must be > 0"),
+    ("host-gbps-text", "speed = 0.5", 'speed = 0.5\nhost_gbps = "fast"',
+     "node[0].device[1].host_gbps", "number"),
     ("memory-zero", 'memory = "32MiB"', 'memory = "0B"', "node[0].device[1].memory", "must be > 0"),
     ("memory-negative", 'memory = "32MiB"', "memory = -5", "node[0].device[1].memory", ">= 0"),
     (
