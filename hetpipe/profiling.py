@@ -163,7 +163,8 @@ def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     # train.activations applies as pinned (see jobplan)
     chosen = plan.schedule == "async"
     return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
-                        recompute=tuple(s.recompute for s in v.stages) if chosen else None)
+                        recompute=tuple(s.recompute for s in v.stages) if chosen else None,
+                        swap=tuple(s.swap for s in v.stages) if chosen else None)
                  for v in plan.vws)
 
 
@@ -182,7 +183,7 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                              "memory_terms": s.memory.to_dict(),
                              "expected_memory": (s.expected_memory.to_dict()
                                                  if s.expected_memory else None),
-                             "recompute": list(s.recompute)}
+                             "recompute": list(s.recompute), "swap": list(s.swap)}
                             for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),

@@ -139,8 +139,12 @@ def test_runtime_memory_equals_the_planner_formula(recompute: list[int]) -> None
 # --------------------------------------------------------------------------- the planner
 
 
-def cpu(name: str, dtype: str, memory: int) -> DeviceSpec:
-    return DeviceSpec(name, "cpu", dtype, memory, 1.0, 0, "n0", "127.0.0.1")
+# a host link so slow that swapping never beats recomputing these profiles' layers
+SLOW_HOST = 1e-3
+
+
+def cpu(name: str, dtype: str, memory: int, host_gbps: float = 96.0) -> DeviceSpec:
+    return DeviceSpec(name, "cpu", dtype, memory, 1.0, 0, "n0", "127.0.0.1", host_gbps)
 
 
 def bw(_a: DeviceSpec, _b: DeviceSpec) -> float:
@@ -161,8 +165,9 @@ def activation_heavy(seed: int, layers: int = 8) -> ModelProfile:
 
 def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec],
                      nm: int, weights: str = "stash") -> float | None:
-    """Every split and, per stage short of memory, every run to recompute, priced by the
-    single formula (:func:`stage_memory_of`) and the stage time plus one more forward."""
+    """Every split and, per stage short of memory, every run to recompute and every set of
+    layers to swap, priced by the single formula (:func:`stage_memory_of`) and the stage
+    time plus one more forward or the swap's unhidden copies."""
     k, L = len(devs), prof.n_layers()
     lps = prof.layers["t"]
     best = None
@@ -178,6 +183,13 @@ def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec
                 for c in range(a, b) for e in range(c + 1, b + 1)
                 if stage_memory_of(prof, "t", (a, b), i, k, nm, 1, weights=weights,
                                    recompute=range(c, e)).total <= d.memory
+            ] + [
+                unhidden_swap_s(copy_seconds(sum(lps[j].saved_bytes for j in swap),
+                                             d.host_gbps),
+                                sum(lp.fwd_s for lp in lps[a:b]), sum(lp.bwd_s for lp in lps[a:b]))
+                for n in range(1, b - a + 1) for swap in itertools.combinations(range(a, b), n)
+                if keep.total > d.memory and stage_memory_of(
+                    prof, "t", (a, b), i, k, nm, 1, weights=weights, swap=swap).total <= d.memory
             ]
             if not options:
                 break
@@ -188,17 +200,22 @@ def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec
     return best
 
 
+@pytest.mark.parametrize("host_gbps", [SLOW_HOST, 96.0])
 @pytest.mark.parametrize("shares", [(0.2, 0.2, 0.3), (0.3, 0.3, 0.4)])
 @pytest.mark.parametrize("seed", range(12))
 def test_auto_plans_what_keep_cannot_and_matches_brute_force(
-    seed: int, shares: tuple[float, ...]
+    seed: int, shares: tuple[float, ...], host_gbps: float
 ) -> None:
     """Caps at shares of what keeping every activation of Nm minibatches needs: the tighter
-    ones leave keep infeasible for most seeds, the looser ones let recompute rebalance."""
+    ones leave keep infeasible for most seeds, the looser ones let recompute (over a slow
+    host link) or swap (over a fast one, whose copies the compute hides) rebalance. The
+    brute force tries every swapped set: where the copies hide, auto's smallest-first set
+    is as good as any (the full set frees the most, so some prefix fits whenever any set
+    does)."""
     prof = activation_heavy(seed)
     nm = 3
     keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
-    devs = [cpu(f"g{i}", "t", int(keep_need * f)) for i, f in enumerate(shares)]
+    devs = [cpu(f"g{i}", "t", int(keep_need * f), host_gbps) for i, f in enumerate(shares)]
     keep = CostModel(prof, bw, 1, activations="keep").partition(devs, nm)
     auto_model = CostModel(prof, bw, 1, activations="auto")
     auto = auto_model.partition(devs, nm)
@@ -208,16 +225,21 @@ def test_auto_plans_what_keep_cannot_and_matches_brute_force(
         return
     assert isinstance(auto, Partition)
     assert auto.bottleneck == pytest.approx(want, rel=1e-9)
+    swaps = auto.swap or ((),) * len(devs)
     for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
-        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i])
+        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i],
+                              swap=swaps[i])
         assert mem == auto.memory[i] and mem.total <= d.memory
         assert auto.keep_memory[i] == stage_memory_of(prof, "t", (a, b), i, 3, nm, 1)
-        if auto.recompute[i]:  # recompute only where keeping does not fit
+        assert not (auto.recompute[i] and swaps[i])  # one policy per stage
+        if auto.recompute[i] or swaps[i]:  # only where keeping does not fit
             assert auto.keep_memory[i].total > d.memory
+    if host_gbps == SLOW_HOST:
+        assert not any(swaps)
     if isinstance(keep, Partition):
         assert auto.bottleneck <= keep.bottleneck
     else:
-        assert any(auto.recompute)
+        assert any(auto.recompute) or any(swaps)
 
 
 @pytest.mark.parametrize("weights", ["latest", "predict", "predict-consistent"])
@@ -230,7 +252,8 @@ def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
     prof = activation_heavy(seed)
     nm = 3
     keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
-    devs = [cpu(f"g{i}", "t", int(keep_need * f)) for i, f in enumerate((0.2, 0.2, 0.3))]
+    devs = [cpu(f"g{i}", "t", int(keep_need * f), SLOW_HOST)
+            for i, f in enumerate((0.2, 0.2, 0.3))]
     model = CostModel(prof, bw, 1, weights=weights, activations="auto")
     auto = model.partition(devs, nm)
     want = brute_force_auto(model, prof, devs, nm, weights)
@@ -256,7 +279,7 @@ def test_auto_is_keep_when_everything_fits() -> None:
     auto = CostModel(prof, bw, 1, activations="auto").partition(devs, 3)
     assert isinstance(keep, Partition) and isinstance(auto, Partition)
     assert auto.cuts == keep.cuts and auto.bottleneck == keep.bottleneck
-    assert auto.recompute == ((), (), ())
+    assert auto.recompute == ((), (), ()) and auto.swap == ()
 
 
 def test_pinned_recompute_charges_every_stage_one_more_forward() -> None:
@@ -280,8 +303,8 @@ def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None
 
     prof = activation_heavy(3)
     need = sum(lp.saved_bytes for lp in prof.layers["t"])
-    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
-                 for i in range(2))
+    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1",
+                            SLOW_HOST) for i in range(2))
     cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
                             NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
                             RuntimeSpec())
@@ -300,7 +323,8 @@ def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None
         if s.recompute:
             assert s.keep_memory.total > s.memory_cap
     table = plan.table()
-    assert "activations: recompute layers" in table and "keeping all ->" in table
+    assert "activations: keep " in table and ", swap none;" in table
+    assert "keeping all ->" in table
     again = Plan.from_dict(plan.to_dict())
     assert [s.recompute for vw in again.vws for s in vw.stages] == [s.recompute for s in stages]
 

@@ -44,6 +44,17 @@ stage time adds that extra forward; the DP then balances the stages with it, so 
 the policy are chosen together. One run per stage is a restriction (several runs could free
 the same memory slightly cheaper), taken so the choice stays a small vectorised search.
 
+``swap`` (pinned) swaps every layer of every stage to host memory and ``auto`` weighs it
+against recomputing: a swapped set ``T`` frees ``in_flight`` x its saved bytes on the device
+but holds the largest one's as in-transit room (``memory.working_bytes``), and adds the
+copies' unhidden time at the device's ``host_gbps`` (``memory.unhidden_swap_s`` against the
+stage's forward and backward compute). ``auto`` tries the smallest layers first (the fewest
+bytes to move for the room they free: the prefix of the layers by saved bytes that makes the
+stage fit) and takes, per stage, the cheaper of that swap and the recompute run; the DP
+balances the cuts with either extra time, so the policy lands where it hurts the bottleneck
+least. One policy per stage (no mix of a recomputed run and swapped layers) is again a
+restriction that keeps the search small.
+
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
 is always the maximum of some stage times, so the DP and the brute force compare the very
@@ -64,16 +75,18 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.config import format_size
+from hetpipe.config import DeviceSpec, format_size
 from hetpipe.planner.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
     activations,
+    copy_seconds,
     in_flight,
     param_copies,
     reruns,
     stage_memory,
     stashed,
+    unhidden_swap_s,
     working_bytes,
 )
 from hetpipe.planner.profile import ModelProfile
@@ -91,6 +104,9 @@ __all__ = [
 
 Bandwidth = Callable[[Any, Any], float]
 INF = math.inf
+# per stage: the global layers it recomputes and those it swaps to host memory
+Policy = tuple[tuple[int, ...], tuple[int, ...]]
+DEFAULT_HOST_GBPS = DeviceSpec.host_gbps
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,7 @@ class Partition:
     # stage would need keeping them all (empty: the split was described without a policy)
     recompute: tuple[tuple[int, ...], ...] = ()
     keep_memory: tuple[StageMemory, ...] = ()
+    swap: tuple[tuple[int, ...], ...] = ()  # per stage: the global layers swapped to host
 
     @property
     def k(self) -> int:
@@ -165,6 +182,7 @@ class _TypeCosts:
             return np.array([0, *itertools.accumulate(values)], dtype=np.int64)
 
         self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
+        self.Bk = np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])
         self.U = [0.0, *itertools.accumulate(lp.update_s for lp in lps)]
         self.fwd = [lp.fwd_s for lp in lps]
         self.saved = [lp.saved_bytes for lp in lps]
@@ -330,13 +348,13 @@ class CostModel:
         return (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
 
     def recompute_plan(
-        self, dtype: str, flight: int, cap: int
-    ) -> tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]:
+        self, dtype: str, flight: int, cap: int, host_gbps: float = DEFAULT_HOST_GBPS
+    ) -> tuple[np.ndarray, dict[tuple[int, int], Policy]]:
         """Under the model's activation policy, for every ``[a, b)``: the extra time of its
-        recompute (inf where nothing fits) and the run ``[c, d)`` it recomputes, if any.
+        recompute or swap (inf where nothing fits) and the layers it recomputes and swaps.
 
         A stage that fits keeping everything keeps everything; see the module docs."""
-        key = (dtype, flight, cap)
+        key = (dtype, flight, cap, host_gbps)
         hit = self._extra.get(key)
         if hit is not None:
             return hit
@@ -344,64 +362,107 @@ class CostModel:
         keep = self.memory_total(dtype, flight)
         fits = (keep <= cap) & tc.valid
         extra = np.where(fits, 0.0, INF)
-        runs: dict[tuple[int, int], tuple[int, int]] = {}
+        chosen: dict[tuple[int, int], Policy] = {}
+        pinned = self.activations in ("recompute", "swap")
         if self.activations != "keep":
-            S = tc.S
             n = self.L + 1
-            sd = S[None, :] - S[:, None]  # sd[c, d]: saved bytes of [c, d)
-            fd = tc.F[None, :] - tc.F[:, None]  # fd[c, d]: forward time of [c, d)
-            inb = tc.inb_np
-            upper = tc.valid
             todo = [(a, b) for a in range(n) for b in range(a + 1, n)
-                    if self.activations == "recompute" or not fits[a, b]]
+                    if pinned or not fits[a, b]]
             # minibatches whose kept tensors stay: one where the backward reruns the forward
             m = 1 if reruns("async", self.weights) else flight
             for a, b in todo:
-                if self.activations == "recompute":
-                    c, d = a, b
-                    need = keep[a, b] - m * sd[a, b] + sd[a, b]
-                    if need <= cap:
-                        extra[a, b] = fd[a, b]
-                        runs[(a, b)] = (a, b)
-                    continue
-                sub = sd[a:b + 1, a:b + 1]
-                kept_in = np.where(np.arange(a, b + 1) > a, inb[a:b + 1], 0)[:, None]
-                # the largest layer's working memory is already in keep[a, b]
-                need = keep[a, b] - m * (sub - kept_in) + sub
-                ok = (need <= cap) & upper[a:b + 1, a:b + 1]
-                if ok.any():
-                    cost = np.where(ok, fd[a:b + 1, a:b + 1], INF)
-                    c, d = np.unravel_index(int(cost.argmin()), cost.shape)
-                    extra[a, b] = float(cost[c, d])
-                    runs[(a, b)] = (a + int(c), a + int(d))
-        self._extra[key] = (extra, runs)
-        return extra, runs
+                options = []
+                if self.activations in ("recompute", "auto"):
+                    options.append(self._recompute_option(tc, a, b, int(keep[a, b]), m, cap))
+                if self.activations in ("swap", "auto"):
+                    options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap,
+                                                     host_gbps))
+                cost, policy = min(options, key=lambda o: o[0])  # recompute first on ties
+                if cost < INF:
+                    extra[a, b] = cost
+                    chosen[(a, b)] = policy
+        self._extra[key] = (extra, chosen)
+        return extra, chosen
 
-    def recomputed(self, dtype: str, a: int, b: int, flight: int, cap: int) -> tuple[int, ...]:
-        """The global layers of ``[a, b)`` the policy recomputes on a device of ``cap``."""
-        c, d = self.recompute_plan(dtype, flight, cap)[1].get((a, b), (a, a))
-        return tuple(range(c, d))
+    def _recompute_option(
+        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int
+    ) -> tuple[float, Policy]:
+        """The cheapest run ``[c, d)`` of ``[a, b)`` whose recompute makes it fit (all of it
+        when pinned): its extra forward time and the policy, or inf."""
+        S, inb = tc.S, tc.inb_np
+        if self.activations == "recompute":
+            sd = int(S[b] - S[a])
+            if keep - m * sd + sd <= cap:
+                return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
+            return INF, ((), ())
+        sub = S[None, a:b + 1] - S[a:b + 1, None]
+        fd = tc.F[None, a:b + 1] - tc.F[a:b + 1, None]
+        kept_in = np.where(np.arange(a, b + 1) > a, inb[a:b + 1], 0)[:, None]
+        # the largest layer's working memory is already in keep
+        need = keep - m * (sub - kept_in) + sub
+        ok = (need <= cap) & tc.valid[a:b + 1, a:b + 1]
+        if not ok.any():
+            return INF, ((), ())
+        cost = np.where(ok, fd, INF)
+        c, d = np.unravel_index(int(cost.argmin()), cost.shape)
+        return float(cost[c, d]), (tuple(range(a + int(c), a + int(d))), ())
+
+    def _swap_option(
+        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, host_gbps: float
+    ) -> tuple[float, Policy]:
+        """The layers of ``[a, b)`` to swap (all when pinned, else the smallest first until
+        the stage fits): their unhidden copy time and the policy, or inf."""
+        order = (list(range(a, b)) if self.activations == "swap"
+                 else sorted(range(a, b), key=lambda j: (tc.saved[j], j)))
+        moved = largest = 0
+        for n, j in enumerate(order, start=1):
+            moved += tc.saved[j]
+            largest = max(largest, tc.saved[j])
+            if self.activations == "swap" and n < len(order):
+                continue
+            if keep - m * moved + largest <= cap:
+                swap = tuple(sorted(order[:n]))
+                return self.swap_time(tc, a, b, moved, host_gbps), ((), swap)
+        return INF, ((), ())
+
+    def swap_time(
+        self, tc: _TypeCosts, a: int, b: int, moved: int, host_gbps: float
+    ) -> float:
+        """The unhidden time of swapping ``moved`` saved bytes of stage ``[a, b)``: the copies
+        out beside its forward, in beside its backward (:func:`memory.unhidden_swap_s`)."""
+        return unhidden_swap_s(copy_seconds(moved, host_gbps), float(tc.F[b] - tc.F[a]),
+                               float(tc.Bk[b] - tc.Bk[a]))
+
+    def chosen(
+        self, dtype: str, a: int, b: int, flight: int, cap: int,
+        host_gbps: float = DEFAULT_HOST_GBPS,
+    ) -> Policy:
+        """The global layers of ``[a, b)`` the policy recomputes and swaps on a device of
+        ``cap`` and ``host_gbps``."""
+        return self.recompute_plan(dtype, flight, cap, host_gbps)[1].get((a, b), ((), ()))
 
     def masked_times(
-        self, dtype: str, bw_in: float | None, bw_out: float | None, flight: int, cap: int
+        self, dtype: str, bw_in: float | None, bw_out: float | None, flight: int, cap: int,
+        host_gbps: float = DEFAULT_HOST_GBPS,
     ) -> np.ndarray:
         """``time_matrix`` with inf wherever the stage does not fit (one DP step's input)."""
-        key = (dtype, bw_in, bw_out, flight, cap)
+        key = (dtype, bw_in, bw_out, flight, cap, host_gbps)
         tm = self._masked.get(key)
         if tm is None:
             if len(self._masked) >= self._matrix_limit:
                 self._masked.clear()
-            extra, _ = self.recompute_plan(dtype, flight, cap)
+            extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
             # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
             tm = self._masked[key] = self.time_matrix(dtype, bw_in, bw_out) + extra
         return tm
 
     def stage_memory(
         self, dtype: str, a: int, b: int, position: int, k: int, nm: int,
-        schedule: str = "async", recompute: Sequence[int] = (),
+        schedule: str = "async", recompute: Sequence[int] = (), swap: Sequence[int] = (),
     ) -> StageMemory:
         """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers);
-        ``recompute``: global layers recomputed, one run ``[c, d)`` (or none)."""
+        ``recompute``: global layers recomputed, one run ``[c, d)`` (or none); ``swap``:
+        global layers swapped to host memory."""
         tc = self.costs(dtype)
         n = in_flight(position, k, nm, schedule)
         pb = int(tc.P[b] - tc.P[a])
@@ -411,8 +472,10 @@ class CostModel:
             c, d = recompute[0], recompute[-1] + 1
             assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
             kept += (tc.inb[c] if c > a else 0) - int(tc.S[d] - tc.S[c])
-            rel = [j - a for j in recompute]
-            working = working_bytes(tc.work[a:b], tc.saved[a:b], rel)
+        if recompute or swap:
+            kept -= sum(tc.saved[j] for j in swap)
+            working = working_bytes(tc.work[a:b], tc.saved[a:b], [j - a for j in recompute],
+                                    [j - a for j in swap])
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
@@ -439,7 +502,7 @@ class CostModel:
                 f"{k} devices but the model has only {L} layers (every device needs one)"
             )
         bws = self.links(devices)
-        key = (tuple((d.type, d.memory) for d in devices), bws, nm)
+        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         names = tuple(d.name for d in devices)
         hit = self._memo.get(key)
         if hit is None:
@@ -466,10 +529,11 @@ class CostModel:
             d = devices[i]
             bw_in = bws[i - 1] if i > 0 else None
             bw_out = bws[i] if i < k - 1 else None
-            sig = (*sig, d.type, d.memory, bw_out)
+            sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
             hit = self._prefix.get(sig)
             if hit is None:
-                tm = self.masked_times(d.type, bw_in, bw_out, in_flight(i, k, nm), d.memory)
+                tm = self.masked_times(d.type, bw_in, bw_out, in_flight(i, k, nm), d.memory,
+                                       d.host_gbps)
                 cand = np.maximum(f[:, None], tm)
                 best = cand.min(axis=0)
                 # among the a reaching the least bottleneck, the least sum of stage times
@@ -577,20 +641,21 @@ class CostModel:
         k = len(devices)
         bws = self.links(devices) if bws is None else bws
         pairs = list(enumerate(zip(devices, cuts, strict=True)))
-        rec = tuple(
-            self.recomputed(d.type, a, b, in_flight(i, k, nm), d.memory)
-            if self.activations != "keep" else ()
+        policies = tuple(
+            self.chosen(d.type, a, b, in_flight(i, k, nm), d.memory, d.host_gbps)
+            if self.activations != "keep" else ((), ())
             for i, (d, (a, b)) in pairs
         )
+        rec = tuple(r for r, _ in policies)
+        swp = tuple(w for _, w in policies)
         times = tuple(
             self.stage_time(
                 d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
             )
-            + (float(self.costs(d.type).F[rec[i][-1] + 1] - self.costs(d.type).F[rec[i][0]])
-               if rec[i] else 0.0)
+            + self.extra_time(d, a, b, rec[i], swp[i])
             for i, (d, (a, b)) in pairs
         )
-        mem = tuple(self.stage_memory(d.type, a, b, i, k, nm, recompute=rec[i])
+        mem = tuple(self.stage_memory(d.type, a, b, i, k, nm, recompute=rec[i], swap=swp[i])
                     for i, (d, (a, b)) in pairs)
         keep_mem = tuple(self.stage_memory(d.type, a, b, i, k, nm) for i, (d, (a, b)) in pairs)
         return Partition(
@@ -604,7 +669,22 @@ class CostModel:
             max(times),
             rec,
             keep_mem,
+            swp if any(swp) else (),
         )
+
+    def extra_time(
+        self, device: Any, a: int, b: int, recompute: Sequence[int], swap: Sequence[int]
+    ) -> float:
+        """What the policy adds to stage ``[a, b)`` on ``device`` per minibatch: the
+        recomputed run's forward, the swapped layers' unhidden copies (the very floats the
+        DP added)."""
+        tc = self.costs(device.type)
+        if recompute:
+            return float(tc.F[recompute[-1] + 1] - tc.F[recompute[0]])
+        if swap:
+            moved = sum(tc.saved[j] for j in swap)
+            return self.swap_time(tc, a, b, moved, device.host_gbps)
+        return 0.0
 
     def min_total_memory(self) -> int:
         """The least memory any split needs over all its devices together: parameters,

@@ -75,10 +75,12 @@ class StagePlan:
     # peak. ``memory`` itself is the bound the plan must fit (Nm in flight before the last
     # stage: a slow successor lets forwards queue); successors that keep pace hold fewer.
     expected_memory: StageMemory | None = None
+    swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "recompute": list(self.recompute),
+            "swap": list(self.swap),
             "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
             "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
             "device": self.device,
@@ -108,6 +110,7 @@ class StagePlan:
             tuple(int(j) for j in d.get("recompute", ())),
             StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
             StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
+            tuple(int(j) for j in d.get("swap", ())),
         )
 
 
@@ -223,11 +226,13 @@ class Plan:
                     f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
                     f"{s.shard:>7}"
                 )
-                if s.recompute:
+                if s.recompute or s.swap:
                     before = s.keep_memory.total if s.keep_memory else s.memory.total
+                    kept = _ranges([j for j in range(a, b)
+                                    if j not in set(s.recompute) | set(s.swap)])
                     lines.append(
-                        f"  {'':<6}activations: recompute layers {s.recompute[0]}-"
-                        f"{s.recompute[-1]}, keep {_kept(s.layers, s.recompute)}; memory "
+                        f"  {'':<6}activations: keep {kept}, recompute "
+                        f"{_ranges(list(s.recompute))}, swap {_ranges(list(s.swap))}; memory "
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
@@ -262,18 +267,17 @@ def _expected_memory(
         return None
     a, b = p.cuts[i]
     return model.stage_memory(devs[i].type, a, b, i, len(devs), peak,
-                              recompute=p.recompute[i] if p.recompute else ())
+                              recompute=p.recompute[i] if p.recompute else (),
+                              swap=p.swap[i] if p.swap else ())
 
 
-def _kept(layers: tuple[int, int], recompute: tuple[int, ...]) -> str:
-    """The layers of ``[a, b)`` not recomputed, as ranges ("0-2, 7" or "none")."""
-    a, b = layers
-    kept = [j for j in range(a, b) if j not in set(recompute)]
-    if not kept:
+def _ranges(layers: list[int]) -> str:
+    """Sorted layers as ranges ("0-2, 7", or "none")."""
+    if not layers:
         return "none"
     parts: list[str] = []
-    start = prev = kept[0]
-    for j in [*kept[1:], None]:
+    start = prev = layers[0]
+    for j in [*layers[1:], None]:
         if j is not None and j == prev + 1:
             prev = j
             continue
@@ -832,6 +836,7 @@ def _assemble(
                 p.recompute[i] if p.recompute else (),
                 p.keep_memory[i] if p.keep_memory else None,
                 _expected_memory(model, devs, p, i, sim.actions[v][i] if sim.actions else ()),
+                p.swap[i] if p.swap else (),
             )
             for i, d in enumerate(devs)
         )

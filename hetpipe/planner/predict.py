@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.runtime import all_busy, count_law, host_cores, slowdown_of, slowdowns
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
@@ -124,8 +125,15 @@ def stage_costs(
         update = sum(lp.update_s for lp in lps)
         bwd = sum(lp.bwd_s for lp in lps) + (0.0 if sync else update)
         step = update * min(1.0, model.speed(d.type)) if sync else 0.0
-        # recomputed layers run their forward again inside the backward
+        # recomputed layers run their forward again inside the backward; swapped layers'
+        # copies show where they exceed the forward and the backward they run beside
         bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
+        if p.swap and p.swap[i]:
+            copy = copy_seconds(sum(prof.layers[d.type][j].saved_bytes for j in p.swap[i]),
+                                d.host_gbps)
+            back = sum(lp.bwd_s for lp in lps)
+            fwd += unhidden_copy_s(copy, fwd)
+            bwd += unhidden_copy_s(copy, back)
         in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
         out_bytes = lps[-1].out_bytes
         send_act = 0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
