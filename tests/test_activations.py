@@ -420,3 +420,84 @@ def test_swap_memory_and_time_terms() -> None:
     assert unhidden_swap_s(1.0, 2.0, 3.0) == 0.0
     assert unhidden_swap_s(1.0, 0.25, 0.5) == pytest.approx(0.75 + 0.5)
     assert unhidden_swap_s(1.0, 0.25, 2.0) == pytest.approx(0.75)
+
+
+def saved_heavy(fwd_s: float, saved: int) -> ModelProfile:
+    """Four equal layers whose saved tensors dominate (parameters are tiny), two per stage."""
+    lp = LayerProfile(fwd_s, 2 * fwd_s, 1000, 0, 4000, saved, 4000)
+    return ModelProfile("choice", 32, 4000, {"t": (lp,) * 4})
+
+
+@pytest.mark.parametrize(
+    ("fwd_s", "host_gbps", "want"),
+    [(5e-3, 96.0, "swap"),  # a layer's 250 kB at 12 GB/s: ~21 us, hidden behind 10 ms
+     (1e-5, 0.08, "recompute")],  # at 10 MB/s: 25 ms each way; a forward again: 10 us
+)
+def test_auto_swaps_where_transfer_is_cheap_and_recomputes_where_compute_is(
+    fwd_s: float, host_gbps: float, want: str
+) -> None:
+    """One stage that keeping cannot fit: expensive compute and a fast host link swap (the
+    copies hide behind the compute, nothing added); cheap compute and a slow link
+    recompute (one more forward beats the unhidden copies). The stage time adds exactly the
+    chosen policy's cost."""
+    saved, nm = 250_000, 3
+    prof = saved_heavy(fwd_s, saved)
+    keep_need = stage_memory_of(prof, "t", (0, 2), 0, 2, nm, 1).total
+    devs = [cpu("g0", "t", keep_need - saved, host_gbps), cpu("g1", "t", 1 << 30, host_gbps)]
+    model = CostModel(prof, bw, 1, activations="auto")
+    p = model.describe(devs, [(0, 2), (2, 4)], nm)
+    keep = CostModel(prof, bw, 1).describe(devs, [(0, 2), (2, 4)], nm)
+    swaps = p.swap or ((), ())
+    assert p.memory[0].total <= devs[0].memory < p.keep_memory[0].total
+    if want == "swap":
+        assert swaps[0] and not p.recompute[0]
+        assert p.stage_times[0] == keep.stage_times[0]  # hidden: nothing added
+    else:
+        assert p.recompute[0] and not swaps[0]
+        lps = prof.layers["t"]
+        assert p.stage_times[0] == pytest.approx(
+            keep.stage_times[0] + sum(lps[j].fwd_s for j in p.recompute[0]))
+    assert not p.recompute[1] and not swaps[1]  # the roomy stage keeps
+
+
+def test_pinned_swap_charges_only_the_unhidden_copies() -> None:
+    """``swap`` pinned: every layer of every stage swapped; the stage time adds the copies'
+    excess over the forward and over the backward, and the activations leave the device."""
+    prof = saved_heavy(1e-4, 250_000)
+    devs = [cpu(f"g{i}", "t", 1 << 30, 0.8) for i in range(2)]
+    model = CostModel(prof, bw, 1, activations="swap")
+    p = model.describe(devs, [(0, 2), (2, 4)], 2)
+    keep = CostModel(prof, bw, 1).describe(devs, [(0, 2), (2, 4)], 2)
+    assert p.swap == ((0, 1), (2, 3)) and p.recompute == ((), ())
+    copy = copy_seconds(500_000, 0.8)  # 5 ms one way
+    for i in range(2):
+        assert p.stage_times[i] == pytest.approx(
+            keep.stage_times[i] + unhidden_swap_s(copy, 2e-4, 4e-4))
+        assert p.memory[i].activations < p.keep_memory[i].activations
+        assert p.memory[i].working == p.keep_memory[i].working + 250_000
+
+
+def test_make_plan_with_auto_swaps_over_a_fast_host_link_and_shows_it() -> None:
+    """The tight cluster of the recompute test, but with fast host links: auto swaps, the
+    table shows per stage what is kept, recomputed and swapped, and the plan round-trips."""
+    from hetpipe.config import ClusterConfig, NetworkSpec, NodeSpec, RuntimeSpec, ShardSpec
+    from hetpipe.planner import Plan, make_plan
+
+    prof = activation_heavy(3)
+    need = sum(lp.saved_bytes for lp in prof.layers["t"])
+    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
+                 for i in range(2))
+    cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
+                            NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
+                            RuntimeSpec())
+    kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1, "nm": 3, "num_vws": 1}
+    plan = make_plan(cluster, prof, activations="auto", **kw)
+    stages = [s for vw in plan.vws for s in vw.stages]
+    assert any(s.swap for s in stages)
+    for s in stages:
+        assert s.memory.total <= s.memory_cap
+        if s.swap:
+            assert s.keep_memory is not None and s.keep_memory.total > s.memory_cap
+    assert "recompute none, swap " in plan.table()
+    again = Plan.from_dict(plan.to_dict())
+    assert [s.swap for vw in again.vws for s in vw.stages] == [s.swap for s in stages]

@@ -527,8 +527,8 @@ def make_plan(
     times (default: long enough for a steady state). ``weights`` is the job's mode as
     :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps).
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
-    memory recomputes the cheapest run of layers that makes it fit, chosen with the cuts
-    (:mod:`hetpipe.planner.partition`). Raises :class:`PlanError` when the model fits on
+    memory recomputes the cheapest run of layers or swaps the layers that make it fit,
+    whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`). Raises :class:`PlanError` when the model fits on
     no group of devices.
     """
     if minibatch < 1:
