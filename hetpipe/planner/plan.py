@@ -528,8 +528,8 @@ def make_plan(
     :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps).
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
     memory recomputes the cheapest run of layers or swaps the layers that make it fit,
-    whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`). Raises :class:`PlanError` when the model fits on
-    no group of devices.
+    whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).
+    Raises :class:`PlanError` when the model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
