@@ -7,7 +7,8 @@ variant with every memory cap scaled by ``caps``:
 - ``keep``: the job planned keeping every activation. The case counts only if this job
   cannot be planned (no split of any device order fits at Nm = 4);
 - ``auto``: the same job with ``train.activations = "auto"``: the planner recomputes runs of
-  layers where a stage would not fit, and the job runs;
+  layers or swaps layers to host memory (at the devices' default ``host_gbps``) where a
+  stage would not fit, whichever costs less, and the job runs;
 - ``unconstrained``: the split ``auto`` chose, run keeping every activation on the same
   devices with caps large enough (1 GiB each): the throughput recompute is measured against.
 
@@ -139,6 +140,7 @@ def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], min
         predicted = sum(expected.values())
         stages.append({
             "device": s["device"], "layers": s["layers"], "recompute": ps["recompute"],
+            "swap": ps.get("swap", []),
             "predicted_bytes": predicted, "bound_bytes": ps["memory"],
             "measured_peak_bytes": s["peak_bytes"], "cap": ps["memory_cap"],
             "predicted_terms": expected, "bound_terms": ps["memory_terms"],
@@ -191,7 +193,7 @@ def main() -> None:
     rows = []
     for c in cases:
         for i, st in enumerate(c.get("stages", ())):
-            rec = st["recompute"]
+            rec, swp = st["recompute"], st["swap"]
             rows.append([
                 f"{c['model']} mb{c['minibatch']} x{c['caps']}" if i == 0 else "",
                 c["keep_state"] if i == 0 else "",
@@ -201,15 +203,16 @@ def main() -> None:
                 f"{c['throughput_ratio']:.2f}" if i == 0 else "",
                 st["device"], f"{st['layers'][0]}-{st['layers'][1] - 1}",
                 f"{rec[0]}-{rec[-1]}" if rec else "-",
+                ",".join(map(str, swp)) or "-",
                 format_size(st["predicted_bytes"]), format_size(st["measured_peak_bytes"]),
                 format_size(st["bound_bytes"]), format_size(st["cap"]), f"{st['error']:.3f}",
             ])
         if not c.get("stages"):
             rows.append([f"{c['model']} mb{c['minibatch']} x{c['caps']}", c["keep_state"],
-                         c.get("auto_error", "-"), "", "", "", "", "", "", "", "", "", ""])
+                         c.get("auto_error", "-"), "", "", "", "", "", "", "", "", "", "", ""])
     print()
     print_table(["case", "keep", "auto meas/pred", "unconstr.", "ratio", "device", "layers",
-                 "recompute", "predicted", "measured", "bound", "cap", "error"], rows)
+                 "recompute", "swap", "predicted", "measured", "bound", "cap", "error"], rows)
     ran = [c for c in cases if c.get("stages")]
     feasible = sum(1 for c in ran if c["feasible_only_with_plan"])
     worst = max((st["error"] for c in ran for st in c["stages"]), default=None)
