@@ -35,6 +35,7 @@ class DeviceDef:
     speed: float = 1.0
     device: str = "cpu"
     port: int = 0  # 0: ephemeral, chosen when the worker binds
+    host_gbps: float | None = None  # host copy bandwidth (None: the config's default)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -69,7 +70,8 @@ def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
     for d in devices:
         lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
                   f'type = "{d.type}"', f'memory = "{d.memory}"', f"speed = {d.speed}",
-                  f"port = {d.port}", ""]
+                  f"port = {d.port}",
+                  *([f"host_gbps = {d.host_gbps}"] if d.host_gbps is not None else []), ""]
     return "\n".join(lines)
 
 
