@@ -59,6 +59,9 @@ def wait_state(c: LocalCluster, job_id: str, states: set[str], timeout: float) -
                 info = await client.job(job_id)
                 if info["state"] in states:
                     return info
+                # a job that ended otherwise will not get there: say how it ended, at once
+                assert info["state"] not in ("done", "failed", "cancelled"), \
+                    f"{job_id} {info['state']}: {info.get('error')}"
                 assert time.monotonic() < deadline, f"{job_id} still {info['state']}"
                 await asyncio.sleep(0.2)
 
