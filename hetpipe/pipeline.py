@@ -271,16 +271,8 @@ class StageRunner:
                     else:
                         await self._merge(c, replies)
             case Forward() | Backward() | OptimizerStep() | Push():
-                await self._compute_run(self._fused(action))
-
-    def _fused(self, action: Action) -> list[Action]:
-        """``action`` and the compute actions that follow it in the same hand-off to the
-        compute thread (the schedule's rule: :meth:`StageSchedule.joins`)."""
-        run = [action]
-        while self.schedule.joins(run, nxt := self.schedule.next(self)):
-            self.schedule.done(nxt)
-            run.append(nxt)
-        return run
+                # with what joins it in one hand-off to the compute thread
+                await self._compute_run(self.schedule.trip(action, self))
 
     def _wait_for(self, kind: str, **what: Any) -> None:
         """Say what the stage waits for (the head diagnoses hangs from it)."""

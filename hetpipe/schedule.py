@@ -43,6 +43,7 @@ reported.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,6 +67,7 @@ __all__ = [
     "Wait",
     "check_order",
     "clock_cycles",
+    "iteration_trips",
     "microbatch_order",
     "stage_tables",
 ]
@@ -188,6 +190,27 @@ def microbatch_order(kind: str, k: int, stage: int, m: int) -> tuple[tuple[str, 
         f, b = f + 1, b + 1
     order += [("B", j) for j in range(b, m)]
     return tuple(order)
+
+
+@functools.lru_cache(maxsize=4096)
+def iteration_trips(k: int, stage: int, order: tuple[tuple[str, int], ...]
+                    ) -> tuple[tuple[Action, ...], ...]:
+    """One synchronous iteration of a stage of a virtual worker alone in its job (``order``:
+    its forwards and backwards), in its hand-offs to the compute thread (:meth:`StageSchedule.
+    trip`), the step and push included; the initial pull and merge are left out. What joins
+    a hand-off never waits for an input (a first stage's forward reads data, a last stage's
+    backward its loss, the step and push follow the last backward), so the grouping does not
+    depend on when inputs arrive: the planner's search prices an iteration from it without
+    simulating (:func:`hetpipe.planner.syncplan.iteration_time`)."""
+    m = sum(op == "F" for op, _ in order)
+    # the sync kinds differ only in their default order, given here
+    sched = StageSchedule(SYNC_KINDS[0], k=k, stage=stage, nm=m, total=m, order=order)
+    out: list[tuple[Action, ...]] = []
+    while not isinstance(a := sched.next(_EVERYTHING), Done):
+        sched.done(a)
+        if isinstance(a, Forward | Backward | OptimizerStep | Push):
+            out.append(tuple(sched.trip(a, _EVERYTHING)))
+    return tuple(out)
 
 
 def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
@@ -379,8 +402,8 @@ class StageSchedule:
         forward (its input is the data; a first stage's backward sends nothing, so nothing
         waits for the end of the run but that forward's own activation). A push that other
         virtual workers may wait for is not held back behind a forward. The runtime runs a
-        hand-off this way (:meth:`hetpipe.pipeline.StageRunner._fused`) and the simulator
-        times it so: one trip to the compute thread and back per hand-off."""
+        hand-off this way (:meth:`trip`) and the simulator times it so: one trip to the
+        compute thread and back per hand-off."""
         prev = run[-1]
         kind = type(nxt)
         return (
@@ -391,6 +414,16 @@ class StageSchedule:
             or (self.first and kind is Forward
                 and not any(type(a) is Forward for a in run)
                 and not (self.pulls and any(type(a) is Push for a in run))))
+
+    def trip(self, action: Action, inputs: Inputs) -> list[Action]:
+        """``action`` (just reported) and what :meth:`joins` it, each reported in turn: one
+        hand-off to the compute thread. The runtime runs it as one; the simulator and the
+        synchronous search (:func:`iteration_trips`) charge it one hop."""
+        run = [action]
+        while self.joins(run, nxt := self.next(inputs)):
+            self.done(nxt)
+            run.append(nxt)
+        return run
 
     def done(self, action: Action) -> None:
         """Record that ``action`` (the one :meth:`next` gave) has been run."""
@@ -436,6 +469,25 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
+
+
+class _Everything:
+    """Inputs where everything has arrived (to list a stage's actions without timing)."""
+
+    def has_activation(self, p: int) -> bool:
+        return True
+
+    def has_gradient(self, p: int) -> bool:
+        return True
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return True
+
+    def combined(self, p: int) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
 
 
 # -- whole tables ------------------------------------------------------------------------------

@@ -115,6 +115,26 @@ def test_an_ideal_runtime_predicts_what_the_simulator_does():
     assert pred.slowdown == ((1.0, 1.0),) and pred.rounds == 1
 
 
+@pytest.mark.parametrize("schedule", ["async", "gpipe", "1f1b"])
+def test_busy_time_counts_the_simulators_hand_offs(schedule):
+    """A stage's predicted busy time per minibatch is what the simulated stage was busy for:
+    a hop per hand-off to the compute thread as the schedule groups actions (the last
+    stage's forward and backward, a backward with its step and push, the first stage's
+    backward with its next forward), not one per action."""
+    prof = flat_profile({"a": 1.0})
+    model = CostModel(prof, bw, 0, dataclasses.replace(RuntimeCosts(), cold=0.0))
+    devs = (dev("x", "a"), dev("y", "a"), dev("z", "a"))
+    p = model.partition(devs, 4)
+    pred = predict(model, [(devs, p)], minibatch=8, staleness=0, cores=8, minibatches=32,
+                   schedule=schedule)
+    finish = pred.sim.vw_finish_s[0]
+    for i in range(3):
+        busy = pred.sim.busy[0][i] * finish / 32
+        assert pred.busy_s(0, i, 4) == pytest.approx(busy, rel=1e-9)
+    # the last stage makes fewer hand-offs than it runs forwards, backwards, steps and pushes
+    assert pred.sim.trips[0][2] < 2 + 2 / 4
+
+
 def test_devices_of_one_host_share_its_cores():
     prof = flat_profile({"a": 1.0})
     costs = dataclasses.replace(RuntimeCosts.zero(), hop_s=1e-9)  # some cost: iterate

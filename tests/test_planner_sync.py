@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from hetpipe.planner.partition import CostModel
+from hetpipe.planner.predict import _sim_vw, stage_costs
 from hetpipe.planner.profile import synthetic_profile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
@@ -57,13 +59,49 @@ def test_iteration_time_is_the_simulators(seed):
     k, m = rng.randint(1, 5), rng.randint(1, 6)
     kind = rng.choice(["gpipe", "1f1b"])
     stages = [SyncStage(rng.uniform(.5, 2), rng.uniform(.5, 3), rng.uniform(0, .3),
-                        rng.uniform(0, .2)) for _ in range(k)]
+                        rng.uniform(0, .2), rng.choice([0.0, rng.uniform(0, .4)]))
+              for _ in range(k)]
     links = [(rng.uniform(0, .5),) * 2 for _ in range(k - 1)]
     want = iteration_time(stages, links, [microbatch_order(kind, k, s, m) for s in range(k)])
-    sim = simulate([SimVW(tuple(SimStage(s.fwd_s, s.bwd_s, push_s=s.push_s, step_s=s.step_s)
+    sim = simulate([SimVW(tuple(SimStage(s.fwd_s, s.bwd_s, push_s=s.push_s, step_s=s.step_s,
+                                         handoff_s=s.handoff_s)
                                 for s in stages), m, tuple(SimLink(*x) for x in links),
                           schedule=kind)], 0, m)
     assert sim.makespan_s == pytest.approx(want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_searchs_iteration_time_is_the_simulators(seed):
+    """The search prices a pipeline (the runtime's costs on an idle host, a hand-off per trip
+    to the compute thread as the schedule groups them) as the predictor's simulator does with
+    no host sharing: random small jobs, any mapping, cuts and kind."""
+    rng = random.Random(seed)
+    speeds = {"a": 1.0, "b": 0.5, "c": 0.25}
+    types = rng.sample(list(speeds), rng.randint(1, 3))
+    layers, m = rng.randint(1, 8), rng.randint(1, 6)
+    prof = synthetic_profile(layers, {t: speeds[t] for t in types}, rng)
+    devs = [Dev(f"d{i}", t, 1 << 40, speeds[t])
+            for i, t in enumerate(rng.choice(types) for _ in range(rng.randint(1, 5)))]
+    bw = {(a, b): rng.choice([1e8, 1e9, 1e10]) for a in range(len(devs))
+          for b in range(a + 1, len(devs))}
+
+    def bandwidth(x, y):
+        i, j = sorted((int(x.name[1:]), int(y.name[1:])))
+        return bw[i, j]
+
+    costs = RuntimeCosts()
+    model = SyncModel(prof, devs, bandwidth, m, 1, costs)
+    k = rng.randint(1, min(len(devs), layers))
+    mapping = rng.sample(range(len(devs)), k)
+    bounds = [0, *sorted(rng.sample(range(1, layers), k - 1)), layers]
+    cuts = tuple(itertools.pairwise(bounds))
+    kind = rng.choice(["gpipe", "1f1b"])
+    cm = CostModel(prof, bandwidth, 1, costs, {t: speeds[t] for t in types})
+    chosen = [devs[i] for i in mapping]
+    part = cm.describe(chosen, cuts, m)
+    sc = stage_costs(cm, chosen, part, several_vws=False, shards=1, schedule=kind)
+    vw = _sim_vw(sc, [1.0] * k, [0.0] * k, [1.0] * k, part, 32, kind)
+    assert model.evaluate(mapping, cuts, kind) == pytest.approx(simulate([vw], 0, m).makespan_s)
 
 
 def test_more_microbatches_and_a_faster_order_on_unit_stages():

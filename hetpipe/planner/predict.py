@@ -84,11 +84,18 @@ class Prediction:
         return self.slowdown[v][i] * self.cold[v][i] * self.costs[v][i].compute_s
 
     def busy_s(self, v: int, i: int, nm: int) -> float:
-        """Predicted busy time per minibatch: compute, hand-offs, sends, push and merge."""
+        """Predicted busy time per minibatch: compute, sends, push, merge and step, and the
+        hand-offs to the compute thread the simulator made (a hop and two wake-ups each,
+        whatever actions went in it: :meth:`hetpipe.schedule.StageSchedule.trip`), which is
+        what the simulated stage was busy for."""
         c = self.costs[v][i]
-        loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm
-        wakes = 2 * (1 + (c.compute_bwd_s > 0)) + 2 * ((c.push_s > 0) + (c.merge_s > 0)) / nm
-        return self.compute_s(v, i) + self.slowdown[v][i] * loop + wakes * self.wake[v][i]
+        # each of loop_fwd_s, loop_bwd_s (where not 0) and push_s holds one hand-off's hop
+        hops = c.hop_s * (1 + (c.loop_bwd_s > 0) + (c.push_s > 0) / nm)
+        loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm - hops
+        trips = self.sim.trips[v][i]
+        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm
+        return (self.compute_s(v, i) + self.slowdown[v][i] * (loop + trips * c.hop_s)
+                + wakes * self.wake[v][i])
 
 
 def sim_minibatches(nms: Sequence[int]) -> int:

@@ -12,7 +12,7 @@ only times the actions and delivers the inputs. Timing:
   (async: the step is part of ``bwd_s`` as profiled, so ``step_s`` is 0); a push takes
   ``push_s``, a merge of pulled weights ``merge_s`` (wave >= 1). A stage runs one action at
   a time. Forwards, backwards, steps and pushes go to the compute thread in hand-offs as the
-  runtime makes them (:meth:`hetpipe.schedule.StageSchedule.joins`): each hand-off costs
+  runtime makes them (:meth:`hetpipe.schedule.StageSchedule.trip`): each hand-off costs
   ``handoff_s`` once, and what its actions send leaves when the whole hand-off is done.
 * Each link between consecutive stages carries activations forward and gradients backward;
   each direction is a FIFO channel that moves one tensor at a time.
@@ -112,6 +112,8 @@ class SimResult:
     iteration_s: tuple[float, ...] = ()  # per VW, synchronous kinds: mean iteration time
     # per VW, per stage: (start time, action) in the order the stage ran them
     actions: tuple[tuple[tuple[tuple[float, Action], ...], ...], ...] = ()
+    # per VW, per stage: hand-offs to the compute thread per minibatch (each pays handoff_s)
+    trips: tuple[tuple[float, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +141,7 @@ class _Stage:
     now: float = 0.0  # the simulated time the schedule is asked at
     idle: bool = True
     busy_s: float = 0.0
+    trips: int = 0  # hand-offs to the compute thread
     gate_since: float | None = None
     log: list[tuple[float, Action]] = field(default_factory=list)
 
@@ -265,17 +268,14 @@ def simulate(
                 st.gate_since = None
             sched.done(a)
             if kind in HANDED:  # a hand-off: the actions that join it run with it
-                run = [a]
-                dur = sp.handoff_s
-                at = [now + sp.handoff_s / 2]  # there, then back after the last one
-                while True:
-                    dur += _compute_s(sp, run[-1])
-                    nxt = sched.next(st)
-                    if not sched.joins(run, nxt):
-                        break
-                    sched.done(nxt)
-                    at.append(now + dur - sp.handoff_s / 2)
-                    run.append(nxt)
+                run = sched.trip(a, st)
+                st.trips += 1
+                dur = sp.handoff_s / 2  # there, then back after the last one
+                at = []
+                for x in run:
+                    at.append(now + dur)
+                    dur += _compute_s(sp, x)
+                dur += sp.handoff_s / 2
                 if record:
                     st.log.extend(zip(at, run, strict=True))
                 if dur <= 0:
@@ -398,6 +398,8 @@ def simulate(
         N,
         tuple(_iteration_s(w.steps_at) for w in state),
         tuple(tuple(tuple(st.log) for st in w.stages) for w in state),
+        tuple(tuple(st.trips / n_v for st in w.stages) for w, n_v in zip(state, counts,
+                                                                          strict=True)),
     )
 
 

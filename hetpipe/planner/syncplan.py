@@ -47,7 +47,14 @@ import numpy as np
 from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
-from hetpipe.schedule import SYNC_KINDS, microbatch_order
+from hetpipe.schedule import (
+    SYNC_KINDS,
+    Backward,
+    Forward,
+    OptimizerStep,
+    iteration_trips,
+    microbatch_order,
+)
 
 __all__ = [
     "SyncChoice",
@@ -72,12 +79,16 @@ CAPS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, INF)
 
 @dataclass(frozen=True)
 class SyncStage:
-    """One stage's times: per microbatch (forward, backward) and per iteration (step, push)."""
+    """One stage's times: per microbatch (forward, backward, each with sending its output),
+    per iteration (step, push), and per hand-off to the compute thread and back, paid once
+    for all the actions that go in it (:meth:`hetpipe.schedule.StageSchedule.joins`), as the
+    simulator's :class:`~hetpipe.planner.simulate.SimStage`."""
 
     fwd_s: float
     bwd_s: float
     step_s: float = 0.0
     push_s: float = 0.0
+    handoff_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,58 +106,59 @@ def iteration_time(
     links: Sequence[tuple[float, float]],
     orders: Sequence[Sequence[tuple[str, int]]],
 ) -> float:
-    """Time of one iteration: every stage runs its order (one op at a time; an op starts when
-    its input is there), each link moves one tensor at a time in each direction, then each
-    stage steps and pushes, in the hand-off of its last backward (whose gradient leaves
-    after them, as in the runtime). The same timing as the simulator's, without its event
-    queue."""
+    """Time of one iteration: every stage runs its order, then steps and pushes, in the
+    hand-offs to its compute thread that the schedule makes
+    (:func:`hetpipe.schedule.iteration_trips`): one at a time, each starting when its first
+    action's input is there, costing ``handoff_s`` once and sending what its actions send
+    when it is done; each link moves one tensor at a time in each direction. The same timing
+    as the simulator's, without its event queue."""
     k = len(stages)
     m = sum(op == "F" for op, _ in orders[0])
+    trips = [iteration_trips(k, s, tuple(orders[s])) for s in range(k)]
     fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
     bwd_in: list[list[float | None]] = [[None] * m for _ in range(k)]
-    fwd_end: list[list[float]] = [[0.0] * m for _ in range(k)]
     free = [0.0] * k
     link_f = [0.0] * max(k - 1, 0)
     link_b = [0.0] * max(k - 1, 0)
     pos = [0] * k
-    total = sum(len(o) for o in orders)
+    total = sum(len(t) for t in trips)
     done = 0
     while done < total:
         moved = False
         for s in range(k):
-            order = orders[s]
-            while pos[s] < len(order):
-                op, j = order[pos[s]]
-                if op == "F":
-                    ready = fwd_in[s][j]
-                    if ready is None:
-                        break
-                    end = max(free[s], ready) + stages[s].fwd_s
-                    fwd_end[s][j] = end
-                    if s + 1 < k:
+            st = stages[s]
+            while pos[s] < len(trips[s]):
+                trip = trips[s][pos[s]]
+                head = trip[0]
+                # what joins a trip needs no input; the last stage's backward needs its
+                # forward only, run before it
+                ready = (fwd_in[s][head.p] if type(head) is Forward  # type: ignore[union-attr]
+                         else bwd_in[s][head.p] if type(head) is Backward  # type: ignore[union-attr]
+                         and s < k - 1 else 0.0)
+                if ready is None:
+                    break
+                end = max(free[s], ready) + st.handoff_s
+                for a in trip:
+                    kind = type(a)
+                    end += (st.fwd_s if kind is Forward else st.bwd_s if kind is Backward
+                            else st.step_s if kind is OptimizerStep else st.push_s)
+                for a in trip:  # sent once the hand-off is back
+                    kind = type(a)
+                    if kind is Forward and s + 1 < k:
                         t = max(end, link_f[s]) + links[s][0]
                         link_f[s] = t
-                        fwd_in[s + 1][j] = t
-                else:
-                    ready = fwd_end[s][j] if s == k - 1 else bwd_in[s][j]
-                    if ready is None:
-                        break
-                    end = max(free[s], ready) + stages[s].bwd_s
-                    if s > 0:
-                        # the iteration's last backward hands its gradient on after the step
-                        # and push that go to the compute thread with it (schedule.joins)
-                        sent = end if pos[s] + 1 < len(order) else \
-                            end + stages[s].step_s + stages[s].push_s
-                        t = max(sent, link_b[s - 1]) + links[s - 1][1]
+                        fwd_in[s + 1][a.p] = t  # type: ignore[union-attr]
+                    elif kind is Backward and s > 0:
+                        t = max(end, link_b[s - 1]) + links[s - 1][1]
                         link_b[s - 1] = t
-                        bwd_in[s - 1][j] = t
+                        bwd_in[s - 1][a.p] = t  # type: ignore[union-attr]
                 free[s] = end
                 pos[s] += 1
                 done += 1
                 moved = True
         if not moved:
             raise ValueError("iteration_time: the orders deadlock")
-    return max(free[s] + stages[s].step_s + stages[s].push_s for s in range(k))
+    return max(free)
 
 
 class SyncModel:
@@ -210,29 +222,41 @@ class SyncModel:
         return t
 
     def _task_s(self, d: Any) -> float:
-        return self.rt.task_s / min(1.0, float(getattr(d, "speed", 1.0))) + self.rt.hop_s
+        """A compute task's own cost inside the padded region (its hand-off is apart)."""
+        return self.rt.task_s / min(1.0, float(getattr(d, "speed", 1.0)))
 
-    def stage(self, i: int, a: int, b: int) -> SyncStage:
-        """Stage costs of layers ``[a, b)`` on device ``i``, with the runtime's per-task costs."""
+    def _send_s(self, nbytes: Any) -> Any:
+        """The sender's cost of a message of ``nbytes`` (a number or an array of them)."""
+        return self.rt.message_s + nbytes * self.rt.message_byte_s
+
+    def stage(self, i: int, a: int, b: int, first: bool = True, last: bool = True
+              ) -> SyncStage:
+        """Stage costs of layers ``[a, b)`` on device ``i`` (``first``/``last``: no gradient
+        / activation to send) with the runtime's costs on an idle host, as
+        :func:`hetpipe.planner.predict.stage_costs` and the simulator's stages have them
+        unslowed: a forward or backward with its task cost and sending its output, a step
+        and a push per iteration, a hop per hand-off."""
         d = self.devices[i]
         t = self._t(d.type)
+        rt = self.rt
         task = self._task_s(d)
-        pb = t["P"][b] - t["P"][a]
+        state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
         return SyncStage(
-            fwd_s=t["F"][b] - t["F"][a] + task,
-            bwd_s=t["B"][b] - t["B"][a] + task,
+            fwd_s=t["F"][b] - t["F"][a] + task + (0.0 if last else self._send_s(t["in"][b])),
+            bwd_s=t["B"][b] - t["B"][a] + task + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
-            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0)))
-            + self.rt.hop_s,
-            push_s=(self.rt.wave_s + pb * self.rt.wave_byte_s) if pb else 0.0,
+            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0))),
+            push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
+            handoff_s=rt.hop_s,
         )
 
     def link(self, i: int, j: int, b: int) -> float:
-        """Time to move the activation of layer ``b - 1`` from device i to j (and its
-        gradient back): the bytes over the link plus the runtime's per-message costs."""
+        """Flight of the activation of layer ``b - 1`` from device i to j (and of its
+        gradient back): the bytes over the link, the latency, the receiver's decoding (the
+        sender's cost is in its stage's)."""
         nbytes = self._t(self.devices[i].type)["in"][b]
         rt = self.rt
-        return nbytes / self.bw[i, j] + rt.message_s + rt.latency_s + 2 * nbytes * rt.message_byte_s
+        return nbytes / self.bw[i, j] + rt.latency_s + nbytes * rt.message_byte_s
 
     def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str,
                m: int | None = None) -> StageMemory:
@@ -294,13 +318,18 @@ class SyncModel:
         for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
             if self.memory(i, a, b, pos, k, kind).total > self.devices[i].memory:
                 return INF
-        stages = [self.stage(i, a, b) for i, (a, b) in zip(devs, cuts, strict=True)]
-        links = []
-        for s in range(k - 1):
-            t = self.link(devs[s], devs[s + 1], cuts[s][1])
-            links.append((t, t))
-        orders = [microbatch_order(kind, k, s, self.m) for s in range(k)]
-        return iteration_time(stages, links, orders)
+        return self.unchecked(devs, cuts, kind)
+
+    def unchecked(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str
+                  ) -> float:
+        """Predicted iteration time, memory caps aside (also to price a split the user
+        gave)."""
+        k = len(devs)
+        stages = [self.stage(i, a, b, pos == 0, pos == k - 1)
+                  for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True))]
+        links = [(self.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
+        return iteration_time(stages, links, [microbatch_order(kind, k, s, self.m)
+                                              for s in range(k)])
 
     def best_cuts(
         self, devs: Sequence[int], kind: str
@@ -327,15 +356,21 @@ class SyncModel:
         return out
 
     def _matrices(self, devs: Sequence[int], kind: str):
-        """Per position: compute time of [a, b) (fwd + bwd of one microbatch), where it fits,
-        and the link time after a stage ending at b."""
+        """Per position: busy time of [a, b) per microbatch (forward and backward with their
+        sends, and the position's hand-offs of an iteration shared out), where it fits, and
+        the link time after a stage ending at b."""
         k, L = len(devs), self.L
         cost, ok, link = [], [], []
         for pos, i in enumerate(devs):
             t = self._t(self.devices[i].type)
             F, B = t["F"], t["B"]
+            trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m)))
             c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + 2 * self._task_s(
-                self.devices[i])
+                self.devices[i]) + self.rt.hop_s * trips / self.m
+            if pos > 0:
+                c = c + self._send_s(t["in"][:, None])
+            if pos + 1 < k:
+                c = c + self._send_s(t["in"][None, :])
             mem = self._memory_matrix(i, pos, k, kind)
             ok.append(mem <= self.devices[i].memory)
             cost.append(c)
@@ -704,7 +739,7 @@ def sync_plan(
                         if need > usable[i].memory:
                             warnings.append(f"vw {v}: {usable[i].name} needs {need} bytes, "
                                             f"over its cap {usable[i].memory}")
-                    c = SyncChoice(devs, cuts, k, _unchecked(model, devs, cuts, k))
+                    c = SyncChoice(devs, cuts, k, model.unchecked(devs, cuts, k))
             chosen.append(c)
         ms = (m,) * len(chosen)
         exchange = max(model.exchange_s(c.devices, c.cuts) for c in chosen) if len(chosen) > 1 \
@@ -778,12 +813,3 @@ def sync_plan(
                 tuple(warnings), tuple(layer_shards), minibatch, 0, profile.model, details,
                 chosen[0].kind, iteration)
 
-
-def _unchecked(model: SyncModel, devs: Sequence[int], cuts: Sequence[tuple[int, int]],
-               kind: str) -> float:
-    """Iteration time ignoring memory caps (to price a split the user gave)."""
-    k = len(devs)
-    stages = [model.stage(i, a, b) for i, (a, b) in zip(devs, cuts, strict=True)]
-    links = [(model.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
-    return iteration_time(stages, links, [microbatch_order(kind, k, s, model.m)
-                                          for s in range(k)])
