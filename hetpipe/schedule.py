@@ -452,42 +452,28 @@ class StageSchedule:
             raise ScheduleError(f"{action!r} is not an action to report")
 
 
-class _Nothing:
-    """Inputs where nothing has arrived (to ask whether a schedule has anything left)."""
+class _Arrived:
+    """Inputs where nothing (``False``: to ask whether a schedule has anything left) or
+    everything (``True``: to list a stage's actions without timing) has arrived."""
+
+    def __init__(self, arrived: bool) -> None:
+        self.arrived = arrived
 
     def has_activation(self, p: int) -> bool:
-        return False
+        return self.arrived
 
     def has_gradient(self, p: int) -> bool:
-        return False
+        return self.arrived
 
     def pulled(self, c: int, grads: bool) -> bool:
-        return False
+        return self.arrived
 
     def combined(self, p: int) -> bool:
-        return False
+        return self.arrived
 
 
-_NOTHING = _Nothing()
-
-
-class _Everything:
-    """Inputs where everything has arrived (to list a stage's actions without timing)."""
-
-    def has_activation(self, p: int) -> bool:
-        return True
-
-    def has_gradient(self, p: int) -> bool:
-        return True
-
-    def pulled(self, c: int, grads: bool) -> bool:
-        return True
-
-    def combined(self, p: int) -> bool:
-        return True
-
-
-_EVERYTHING = _Everything()
+_NOTHING = _Arrived(False)
+_EVERYTHING = _Arrived(True)
 
 
 # -- whole tables ------------------------------------------------------------------------------
