@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from hetpipe.wire import dtype_name, dtype_named
+from hetpipe.wire import MAX_DIMS, dtype_name, dtype_named
 
 __all__ = ["Shared", "open_shared", "parse", "share"]
 
 _MAX_HANDLE_BYTES = 4096  # IPC and event handles are 64 bytes; the counter a file name
-_MAX_DIMS = 16
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,14 @@ def share(t: torch.Tensor) -> dict[str, Any]:
             "event": None if event is None else bytes(event), "sync": bool(sync)}
 
 
+def _is_count(v: Any) -> bool:
+    """A non-negative int (a bool is not a count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _index(d: dict[str, Any], key: str) -> int:
     v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not _is_count(v):
         raise ValueError(f"shared tensor: {key!r} must be a non-negative int, got {v!r}")
     return v
 
@@ -90,9 +94,8 @@ def _blob(d: dict[str, Any], key: str, optional: bool = False) -> bytes | None:
 
 def _dims(d: dict[str, Any], key: str) -> tuple[int, ...]:
     v = d.get(key)
-    if (not isinstance(v, list) or len(v) > _MAX_DIMS
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
-        raise ValueError(f"shared tensor: {key!r} must be a list of at most {_MAX_DIMS} "
+    if not isinstance(v, list) or len(v) > MAX_DIMS or not all(map(_is_count, v)):
+        raise ValueError(f"shared tensor: {key!r} must be a list of at most {MAX_DIMS} "
                          "non-negative ints")
     return tuple(v)
 

@@ -136,9 +136,6 @@ class StageRunner:
         self.stream = stream
         self.report_every_s = report_every_s
         self.snapshot = snapshot
-        # kinds (act, grad) whose tensors reach their neighbour device to device: the
-        # neighbour is a GPU of this host (hetpipe.cudaipc)
-        self.direct = direct
         self.schedule = stage_schedule(compute)
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
@@ -161,6 +158,10 @@ class StageRunner:
         # whether messages carry rows: a stage on either side of a link is replicated
         self.split = {Kind.ACT: task.replicated or len(task.next_group) > 1,
                       Kind.GRAD: task.replicated or len(task.prev_group) > 1}
+        # kinds (act, grad) whose tensors reach their neighbour device to device: the
+        # neighbour is a GPU of this host (hetpipe.cudaipc) and no rows are scattered (a
+        # whole-tensor handle does not scatter: pieces travel by host)
+        self.direct = frozenset(k for k in direct if not self.split[k])
         self.pieces: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self.replica_grads: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self.replica_copies: dict[int, HostCopy] = {}
@@ -382,9 +383,8 @@ class StageRunner:
     def _made(self, kind: str, name: str, t: torch.Tensor) -> HostCopy | dict[str, Any]:
         """On the compute thread: ``t`` on its way to the neighbour, shared by handle where
         it goes device to device (exported here, behind the kernels that made it), else
-        copied to the host (also where rows are scattered to replicas: pieces travel by
-        host)."""
-        if kind in self.direct and not self.split[kind] and t.is_cuda:
+        copied to the host."""
+        if kind in self.direct and t.is_cuda:
             return {name: share(t)}
         return self.compute.copier.to_host({name: t})
 

@@ -336,7 +336,7 @@ class StageCompute:
         work: list[int] = []
         def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor],
                     x: torch.Tensor) -> torch.Tensor:
-            own = {t.untyped_storage().data_ptr() for t in sub.values()}
+            own = _storages(sub)
             if i in self.swap:  # the swap counts what it parks the same way
                 before = self.swapper.bytes
                 with self.swapper.layer(own):
@@ -373,7 +373,7 @@ class StageCompute:
             if measure:
                 x = counted(j, layer, sub, x)
             elif j in self.swap and torch.is_grad_enabled():
-                with self.swapper.layer({t.untyped_storage().data_ptr() for t in sub.values()}):
+                with self.swapper.layer(_storages(sub)):
                     x = self._call(j, sub, x)
             else:
                 x = self._call(j, sub, x)
@@ -875,6 +875,12 @@ def _buffer_copies(
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _storages(state: Mapping[str, torch.Tensor]) -> set[int]:
+    """The storages of a layer's weights and buffers: state, never counted or swapped as
+    what the layer saves for its backward."""
+    return {t.untyped_storage().data_ptr() for t in state.values()}
 
 
 class _SavedBytes:

@@ -226,8 +226,7 @@ class Worker:
                                  direct=frozenset(kind for kind, group in (
                                      (Kind.ACT, job.task.next_group),
                                      (Kind.GRAD, job.task.prev_group))
-                                     if not job.task.replicated and len(group) == 1
-                                     and self._shares_gpu_with(group[0])))
+                                     if len(group) == 1 and self._shares_gpu_with(group[0])))
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()
