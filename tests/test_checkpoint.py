@@ -232,12 +232,20 @@ def _cluster(root: Path) -> LocalCluster:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """The test accuracy of the same job run without a fault."""
+    """The test accuracy of the same job run without a fault: the lower of two runs.
+
+    Two VWs interleave their pushes differently every run, so runs without any fault
+    differ by themselves: seven of them ended at 0.983-0.994 on the 180 test samples (two
+    samples, more than one point, apart). A resumed run is held to one point of the
+    uninterrupted runs' range, not of whichever end of it a single run landed on."""
+    accuracies = []
     with _cluster(tmp_path_factory.mktemp("calm")) as c:
-        info = c.submit(_durable_job("calm"), timeout=300)
-    assert info["state"] == "done", info.get("error")
-    _assert_applied_once(info, [0, 0])
-    return info["test_accuracy"]
+        for run in range(2):
+            info = c.submit(_durable_job(f"calm{run}"), timeout=300)
+            assert info["state"] == "done", info.get("error")
+            _assert_applied_once(info, [0, 0])
+            accuracies.append(info["test_accuracy"])
+    return min(accuracies)
 
 
 def _assert_applied_once(info: dict[str, Any], starts: list[int]) -> None:
