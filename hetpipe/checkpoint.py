@@ -6,13 +6,14 @@ truncated or damaged file. A checkpoint is a folder ``<job dir>/checkpoints/<seq
 files are written and fsynced in a private temporary folder, then a ``MANIFEST.json`` naming
 every file with its size and SHA-256 is written last, and the folder is renamed into place.
 :func:`latest` returns the newest checkpoint whose manifest matches its files, so a damaged
-one is skipped for the previous complete one. Tensors are read with ``weights_only=True``:
-nothing is unpickled.
+one is skipped for the previous complete one. Tensor files are in the wire's encoding
+(:mod:`hetpipe.tensorfile`): nothing is unpickled, and each file is read once, hashed and
+decoded from the same bytes.
 
 What one holds, all of one *cut* (wave c of each virtual worker, see :mod:`hetpipe.shard`):
 
-- ``weights.pt``: the global weights with exactly the pushes of waves < c of every stage;
-- ``stage-v<vw>-s<stage>.pt``: each stage's state right after its own push of wave c - 1
+- ``weights.tensors``: the global weights with exactly the pushes of waves < c of every stage;
+- ``stage-v<vw>-s<stage>.tensors``: each stage's state right after its own push of wave c - 1
   (:meth:`hetpipe.stage.StageCompute.state`): local weights ``param/<name>``, buffers
   ``buffer/<name>`` and ``local/<name>``, optimizer state ``opt/<key>/<name>``, and the
   accumulators it still kept ``acc/<wave>/<name>`` (pushed, all inside the cut);
@@ -24,7 +25,6 @@ What one holds, all of one *cut* (wave c of each virtual worker, see :mod:`hetpi
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -36,10 +36,12 @@ from typing import Any
 
 import torch
 
+from hetpipe import tensorfile
+
 __all__ = ["Checkpoint", "cut_after", "is_cut", "latest", "next_seq", "stage_file", "write"]
 
 MANIFEST = "MANIFEST.json"
-WEIGHTS = "weights.pt"
+WEIGHTS = "weights.tensors"
 META = "meta.json"
 KEEP = 3  # complete checkpoints kept per job (older ones are removed)
 
@@ -70,7 +72,7 @@ def is_cut(c: int, every: int, last: int) -> bool:
 
 def stage_file(vw: int, stage: int) -> str:
     """The file of one stage's state in a checkpoint."""
-    return f"stage-v{vw}-s{stage}.pt"
+    return f"stage-v{vw}-s{stage}.tensors"
 
 
 def next_seq(job_dir: Path) -> int:
@@ -79,18 +81,12 @@ def next_seq(job_dir: Path) -> int:
     return max(seqs, default=0) + 1
 
 
-def _sha256(path: Path) -> str:
+def _entry(pieces: list[bytes | memoryview]) -> dict[str, Any]:
+    """A file's manifest entry, from the pieces it is written from (nothing read back)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _saved(tensors: dict[str, torch.Tensor]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(tensors, buf)
-    return buf.getvalue()
+    for piece in pieces:
+        h.update(piece)
+    return {"bytes": sum(memoryview(p).nbytes for p in pieces), "sha256": h.hexdigest()}
 
 
 def _fsync(path: Path) -> None:
@@ -111,15 +107,17 @@ def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[st
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{seq:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{seq:06d}-", dir=root))
-    contents = {WEIGHTS: _saved({k: v.detach().cpu() for k, v in state.items()}),
-                META: json.dumps(meta).encode()}
-    contents.update({name: _saved(tensors) for name, tensors in (stages or {}).items()})
+    contents = {WEIGHTS: tensorfile.dumps({k: v.detach().cpu() for k, v in state.items()}),
+                META: [json.dumps(meta).encode()]}
+    contents.update({name: tensorfile.dumps(tensors)
+                     for name, tensors in (stages or {}).items()})
     try:
-        files = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                 for name, data in contents.items()}  # hashed in memory: nothing read back
-        contents[MANIFEST] = json.dumps({"seq": seq, "files": files}).encode()
-        for name, data in contents.items():
-            (tmp / name).write_bytes(data)
+        files = {name: _entry(pieces) for name, pieces in contents.items()}
+        contents[MANIFEST] = [json.dumps({"seq": seq, "files": files}).encode()]
+        for name, pieces in contents.items():
+            with open(tmp / name, "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
         # The files and their folder are made durable at once, their fsyncs in parallel (the
         # file system commits them together), not one after another. No order among them is
         # needed: the manifest proves its files, so one that reached the disk before a file
@@ -151,17 +149,22 @@ def verify(path: Path) -> Checkpoint:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
+        if WEIGHTS not in files and any(name.endswith(".pt") for name in files):
+            raise ValueError(f"{path}: written by an older hetpipe (torch.save files); "
+                             "resume it with that version")
+        data = {}
         for name in {WEIGHTS, META, *files}:
             entry = files[name]
             f = path / name
-            if "/" in name or f.stat().st_size != entry["bytes"] or \
-                    _sha256(f) != entry["sha256"]:
+            raw = None if "/" in name else bytearray(f.read_bytes())
+            if raw is None or len(raw) != entry["bytes"] or \
+                    hashlib.sha256(raw).hexdigest() != entry["sha256"]:
                 raise ValueError(f"{f}: does not match the manifest (truncated or damaged)")
-        state = torch.load(path / WEIGHTS, map_location="cpu", weights_only=True)
-        meta = json.loads((path / META).read_text())
-        stages = {name: torch.load(path / name, map_location="cpu", weights_only=True)
-                  for name in files if name not in (WEIGHTS, META)}
-        return Checkpoint(path, int(manifest["seq"]), state, meta, stages)
+            data[name] = raw
+        meta = json.loads(data.pop(META))
+        tensors = {name: tensorfile.loads(raw, str(path / name)) for name, raw in data.items()}
+        state = tensors.pop(WEIGHTS)
+        return Checkpoint(path, int(manifest["seq"]), state, meta, tensors)
     except ValueError:
         raise
     except Exception as exc:  # missing file, bad JSON, bad keys: all "not a whole checkpoint"

@@ -111,6 +111,7 @@ class Kind(StrEnum):
     PLAN = "plan"
     MEASURE = "measure"
     TRACE = "trace"
+    TENSORS = "tensors"
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.PLAN: {"rid": _INT, "job": _DICT},  # client -> head: the plan the head would run
     Kind.MEASURE: {"rid": _INT, "job": _DICT},  # head -> worker: profile the job's layers here
     Kind.TRACE: {"rid": _INT, "job": _STR},  # client -> head: a finished job's Chrome trace
+    # tensors by name in a file (hetpipe.tensorfile: checkpoints), never sent to a daemon
+    Kind.TENSORS: {},
 }
 
 _missing_schemas = set(Kind) - set(SCHEMAS)

@@ -70,12 +70,12 @@ def test_a_half_written_checkpoint_is_not_one(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_holds_its_stage_files(tmp_path: Path) -> None:
-    stages = {checkpoint.stage_file(0, 1): {"param/3.weight": torch.ones(2)}}
+    name = checkpoint.stage_file(0, 1)
+    stages = {name: {"param/3.weight": torch.ones(2)}}
     path = checkpoint.write(tmp_path, 1, _state(1), {"n": 1}, stages=stages)
     ck = checkpoint.latest(tmp_path)
-    assert ck is not None and torch.equal(ck.stages["stage-v0-s1.pt"]["param/3.weight"],
-                                          torch.ones(2))
-    (path / "stage-v0-s1.pt").write_bytes(b"damaged")  # a stage file is checked too
+    assert ck is not None and torch.equal(ck.stages[name]["param/3.weight"], torch.ones(2))
+    (path / name).write_bytes(b"damaged")  # a stage file is checked too
     assert checkpoint.latest(tmp_path) is None
     assert checkpoint.next_seq(tmp_path) == 2
 
