@@ -421,6 +421,25 @@ def test_gpu_handles_from_a_peer_that_is_no_gpu_of_this_host_are_refused(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_weight_gradients_from_a_device_that_is_no_replica_of_the_stage_are_refused(
+        guarded: LocalCluster, running: dict[str, Any]) -> None:
+    """gpu2 (gpu1's successor, keyed, the one peer allowed to send it gradients) sends
+    weight gradients as if it were a replica of gpu1's stage: the worker refuses them (a
+    stage's replicas are the only senders of ``replica_grad``), logs it, and the job runs on."""
+    c = guarded
+    gpu2 = curve_of(Path(c.cluster.security.keys), "worker-gpu2")
+    c.run(push_data(c.ready["worker-gpu1"]["address"], gpu2, Kind.REPLICA_GRAD,
+                    {"job": running["id"], "vw": 0, "stage": 1, "p": 10**6, "replica": 1},
+                    {"2.weight": torch.full((4, 4), 1e6)}))
+    log = wait_log(c.run_dir / "logs" / "worker-gpu1.log", "worker-gpu2 sent replica_grad")
+    line = next(ln for ln in log.splitlines() if "worker-gpu2 sent replica_grad" in ln)
+    assert "data refused: not from this stage's neighbour" in line
+    state = next(j for j in c.status()["jobs"] if j["id"] == running["id"])
+    assert state["state"] in ("running", "done"), state.get("error")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_disallowed_code_and_bad_names_are_refused_at_submit(
         guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
     c = guarded
