@@ -92,16 +92,14 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
                          num_vws=spec.num_vws, policy=spec.policy)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
-    if spec.vws:
-        plan = explicit_plan(cluster, profile,
-                             [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-                             nm=spec.nm, replicas={d for v in spec.vws for d in v.all_devices()
-                                                   if d not in v.devices}, **common)
-        orders = [v.all_devices() for v in spec.vws]
-    else:
-        plan = make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                         nm=spec.nm, **common)
-        orders = [v.devices for v in plan.vws]
+    if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
+        return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
+                         nm=spec.nm, max_replicas=spec.max_replicas, **common)
+    plan = explicit_plan(cluster, profile,
+                         [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
+                         nm=spec.nm, replicas={d for v in spec.vws for d in v.all_devices()
+                                               if d not in v.devices}, **common)
+    orders = [v.all_devices() for v in spec.vws]
     given = [(tuple(v.group(s) for s in range(len(v.devices))), v.layers)
              if v.replicas and v.layers else None for v in spec.vws]
     if spec.max_replicas > 1 or any(given):
@@ -127,7 +125,7 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     errors = []
     try:
         plans.append(make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                               nm=spec.nm, **common))
+                               nm=spec.nm, max_replicas=spec.max_replicas, **common))
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
@@ -164,7 +162,9 @@ def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     chosen = plan.schedule == "async"
     return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
                         recompute=tuple(s.recompute for s in v.stages) if chosen else None,
-                        swap=tuple(s.swap for s in v.stages) if chosen else None)
+                        swap=tuple(s.swap for s in v.stages) if chosen else None,
+                        replicas=(tuple(s.replicas for s in v.stages)
+                                  if any(s.replicas for s in v.stages) else None))
                  for v in plan.vws)
 
 
@@ -183,7 +183,8 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                              "memory_terms": s.memory.to_dict(),
                              "expected_memory": (s.expected_memory.to_dict()
                                                  if s.expected_memory else None),
-                             "recompute": list(s.recompute), "swap": list(s.swap)}
+                             "recompute": list(s.recompute), "swap": list(s.swap),
+                             "replicas": list(s.replicas), "exchange_s": s.exchange_s}
                             for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),

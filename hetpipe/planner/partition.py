@@ -126,6 +126,12 @@ class Partition:
     recompute: tuple[tuple[int, ...], ...] = ()
     keep_memory: tuple[StageMemory, ...] = ()
     swap: tuple[tuple[int, ...], ...] = ()  # per stage: the global layers swapped to host
+    # stage replicas (:mod:`hetpipe.planner.replicas`), empty where no stage is replicated;
+    # else per stage: its devices (leader first, the objects), the minibatch's row bounds
+    # over them, and their gradient exchange per minibatch (0 on one device)
+    groups: tuple[tuple[Any, ...], ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
+    exchange_s: tuple[float, ...] = ()
 
     @property
     def k(self) -> int:
@@ -135,6 +141,14 @@ class Partition:
     def sizes(self) -> tuple[int, ...]:
         """Layers per stage, the job file's ``layers = [...]`` form."""
         return tuple(b - a for a, b in self.cuts)
+
+    def group_of(self, i: int, leader: Any) -> tuple[Any, ...]:
+        """Stage ``i``'s devices, leader first (``(leader,)`` where it is not replicated)."""
+        return self.groups[i] if self.groups else (leader,)
+
+    def rows_of(self, i: int, minibatch: int) -> tuple[int, ...]:
+        """Stage ``i``'s row bounds over its devices (``(0, minibatch)`` on one)."""
+        return self.rows[i] if self.rows else (0, minibatch)
 
     @property
     def latency(self) -> float:

@@ -34,9 +34,15 @@ from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
-from hetpipe.planner.replicas import Replicated, describe_groups, partition_replicated
+from hetpipe.planner.replicas import (
+    Replicated,
+    describe_groups,
+    partition_replicated,
+    replicate,
+)
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
+from hetpipe.replicas import check_group
 from hetpipe.schedule import Backward, Forward
 
 __all__ = [
@@ -76,9 +82,18 @@ class StagePlan:
     # stage: a slow successor lets forwards queue); successors that keep pace hold fewer.
     expected_memory: StageMemory | None = None
     swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
+    # stage replicas (hetpipe.replicas): the devices beside ``device`` that run the stage on
+    # their rows (``rows``: the minibatch's row bounds over leader and replicas) and the
+    # gradient exchange between them per minibatch; () / 0 for a stage on one device
+    replicas: tuple[str, ...] = ()
+    rows: tuple[int, ...] = ()
+    exchange_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "replicas": list(self.replicas),
+            "rows": list(self.rows),
+            "exchange_s": self.exchange_s,
             "recompute": list(self.recompute),
             "swap": list(self.swap),
             "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
@@ -111,6 +126,9 @@ class StagePlan:
             StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
             StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
             tuple(int(j) for j in d.get("swap", ())),
+            tuple(str(x) for x in d.get("replicas", ())),
+            tuple(int(x) for x in d.get("rows", ())),
+            float(d.get("exchange_s", 0.0)),
         )
 
 
@@ -211,8 +229,10 @@ class Plan:
             f"{'host':>7}{'memory / cap':>24}{'use':>6}{'shard':>7}"
         )
         for v, vw in enumerate(self.vws):
+            order = (s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
+                     for s in vw.stages)
             lines.append(
-                f"VW {v}: {' > '.join(vw.devices)}   Nm={vw.nm}   "
+                f"VW {v}: {' > '.join(order)}   Nm={vw.nm}   "
                 f"predicted {vw.samples_per_s:.1f} samples/s"
             )
             lines.append(head)
@@ -226,6 +246,12 @@ class Plan:
                     f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
                     f"{s.shard:>7}"
                 )
+                if s.replicas:
+                    spans = ", ".join(
+                        f"{dev} rows {lo}-{hi - 1}" for dev, lo, hi in
+                        zip((s.device, *s.replicas), s.rows, s.rows[1:], strict=False))
+                    lines.append(f"  {'':<6}replicated: {spans}; gradient exchange "
+                                 f"{_ms(s.exchange_s)} per minibatch (memory: the leader's)")
                 if s.recompute or s.swap:
                     before = s.keep_memory.total if s.keep_memory else s.memory.total
                     kept = _ranges([j for j in range(a, b)
@@ -236,6 +262,7 @@ class Plan:
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
+        lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
             groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
                                for g in r["groups"])
@@ -289,6 +316,26 @@ def _ranges(layers: list[int]) -> str:
 
 def _ms(t: float) -> str:
     return f"{t * 1e3:.2f}ms" if t < 10 else f"{t:.2f}s"
+
+
+def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the planner weighed per VW with ``train.max_replicas`` (see
+    :func:`hetpipe.planner.replicas.replicate`), in words."""
+    lines = []
+    for n in notes:
+        if "groups" not in n:
+            lines.append(f"replicas, VW {n['vw']}: none ({n['why']})")
+            continue
+        groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
+                           for g in n["groups"])
+        lines.append(
+            f"replicas, VW {n['vw']}: {'chosen' if n['chosen'] else 'not chosen'}: devices "
+            f"[{groups}] layers {n['layers']} predicts {_ms(n['minibatch_s'])} per minibatch "
+            f"(gradient exchange {_ms(max(n['exchange_s']))}) and "
+            f"{n['samples_per_s']:.1f} samples/s, against "
+            f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
+            f"samples/s without replicas")
+    return lines
 
 
 # --------------------------------------------------------------------------- placement
@@ -513,6 +560,7 @@ def make_plan(
     minibatches: int | None = None,
     weights: str = "stash",
     activations: str = "keep",
+    max_replicas: int = 1,
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -529,7 +577,10 @@ def make_plan(
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
     memory recomputes the cheapest run of layers or swaps the layers that make it fit,
     whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).
-    Raises :class:`PlanError` when the model fits on no group of devices.
+    ``max_replicas`` (> 1): each VW may run a stage on up to that many consecutive devices
+    of its order, where the predictor says the job is faster so
+    (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]`` says what was
+    weighed). Raises :class:`PlanError` when the model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -586,7 +637,7 @@ def make_plan(
             (d.name, f"its VW ({','.join(x.name for x in g)}) cannot hold the model: {why}")
             for d in g
         ]
-    details = {
+    details: dict[str, Any] = {
         "formations_evaluated": search.formations,
         "formations_considered": len(cands),
         "orders_evaluated": search.orders,
@@ -594,6 +645,16 @@ def make_plan(
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
     }
+    if max_replicas > 1:
+        if activations in ("keep", "auto"):
+            kept, pred, notes = replicate(
+                model, kept, search.predict, minibatch=minibatch, max_replicas=max_replicas,
+                may_group=may_replicate(cluster, minibatch))
+        else:  # the replica DP prices every activation as kept
+            notes = [{"vw": v, "chosen": False, "why": f"train.activations = {activations!r} "
+                      "(replicas are planned keeping every activation)"}
+                     for v in range(len(kept))]
+        details["replica_choice"] = notes
     return _assemble(
         cluster,
         model,
@@ -773,6 +834,21 @@ def _cost_model(
     return model
 
 
+def may_replicate(cluster: Any, minibatch: int) -> Callable[[Sequence[Any]], bool]:
+    """Whether the runtime would run a stage on these devices
+    (:func:`hetpipe.replicas.check_group`: a row each, and on one node or joined by a
+    ``[[network.link]]``)."""
+
+    def ok(group: Sequence[Any]) -> bool:
+        try:
+            check_group(cluster, group, minibatch)
+        except ValueError:
+            return False
+        return True
+
+    return ok
+
+
 def _shard_hosts(cluster: Any) -> tuple[str, ...]:
     return tuple(str(s.host) for s in getattr(cluster, "ps", ()) or ())
 
@@ -837,6 +913,9 @@ def _assemble(
                 p.keep_memory[i] if p.keep_memory else None,
                 _expected_memory(model, devs, p, i, sim.actions[v][i] if sim.actions else ()),
                 p.swap[i] if p.swap else (),
+                tuple(x.name for x in p.group_of(i, d)[1:]),
+                p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),
+                p.exchange_s[i] if p.exchange_s else 0.0,
             )
             for i, d in enumerate(devs)
         )
