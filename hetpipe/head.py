@@ -179,6 +179,7 @@ class JobState:
             out["samples_per_s"] = sum(v["samples_per_s"] for v in vws)
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
+                 "replicas": list(st.replicas),  # the devices beside it (hetpipe.replicas)
                  **{k: self.progress.get((v, s), {}).get(k) for k in
                     ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory", "shares",
                      "waiting")},
@@ -1154,7 +1155,8 @@ class Head:
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
-        stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
+        stages = {f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
+                  for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)

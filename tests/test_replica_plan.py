@@ -5,11 +5,12 @@ faster, and never where the runtime would refuse it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import job
+from conftest import job, start_cluster
 
 from hetpipe.config import ClusterConfig, load_cluster
 from hetpipe.job import JobSpec
@@ -182,3 +183,45 @@ def test_no_replicas_across_nodes_without_a_link(tmp_path: Path) -> None:
     for s in plan.vws[0].stages:
         nodes = {cluster.device(d).node for d in (s.device, *s.replicas)}
         assert len(nodes) == 1, plan.table()
+
+
+# -- real daemons ----------------------------------------------------------------------------
+
+# one fast device and two 20x slower ones: alone, a slow device's stage holds the pipeline
+# back; the two together run it on half the rows each
+E2E_DEVICES = (
+    DeviceDef("a0", "fast", "256MiB", 1.0),
+    DeviceDef("s0", "slow", "256MiB", 0.05),
+    DeviceDef("s1", "slow", "256MiB", 0.05),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_planned_job_runs_its_replicated_stage(tmp_path: Path) -> None:
+    """A job with ``train.max_replicas = 2`` and no split: the head plans a replicated
+    stage, runs it to the end, and its status and ``stages.json`` name the replicas."""
+    cluster = start_cluster(tmp_path, E2E_DEVICES, shards=1)
+    try:
+        spec = job("planned-replicas", minibatches=60)
+        spec["train"].pop("nm")
+        spec["train"].update({"vws": 1, "max_replicas": 2})
+        info = cluster.submit(spec, timeout=380)
+    finally:
+        cluster.stop()
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]
+    replicated = [s for s in info["stages"] if s["replicas"]]
+    assert len(replicated) == 1, (info["stages"], pred)
+    (st,) = replicated
+    group = {st["device"], *st["replicas"]}
+    assert group == {"s0", "s1"}, info["stages"]
+    # the planner's figures are those of the split that ran, replicas included
+    ps = pred["vws"][0]["stages"][st["stage"]]
+    assert ps["replicas"] == st["replicas"] and ps["exchange_s"] > 0
+    assert [s["device"] for s in pred["vws"][0]["stages"]] == info["vws"][0]["devices"]
+    assert info["minibatches"] == 60
+    stages = json.loads(Path(info["stages_path"]).read_text())
+    assert stages[f"vw0/stage{st['stage']}"]["replicas"] == st["replicas"]
+    assert all(not stages[f"vw0/stage{s['stage']}"]["replicas"] for s in info["stages"]
+               if s is not st)

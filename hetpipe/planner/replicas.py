@@ -37,7 +37,8 @@ only where a ``[[network.link]]`` joins them).
 max(f(u, a), time(u, v, a, b))``; :func:`brute_force_replicated` checks it.
 
 **Deciding** (:func:`replicate`): for each virtual worker of the plan the search chose, the
-DP's best grouping of its order is turned into a split (:func:`as_partition`) and the whole
+DP's best grouping of its order (or of that order with alike devices made consecutive,
+:func:`candidate_orders`) is turned into a split (:func:`as_partition`) and the whole
 job is predicted again with it (:func:`hetpipe.planner.predict.predict`, the predictor every
 plan is compared by: the replicated stage's compute at its slowest replica's rows, its
 exchange, each replica a process sharing its host); it replaces the unreplicated split where
@@ -45,8 +46,8 @@ the job's predicted rate is higher by at least 1% (:data:`GAIN`).
 
 What this does not do: every layer's activations are priced as kept (so replicas are only
 considered under ``train.activations`` "keep" or "auto", and a replicated stage keeps
-everything); device orders and formations are searched without replicas in mind, and the
-grouping is of consecutive devices of the chosen order.
+everything); formations are searched without replicas in mind, and orders only as
+:func:`candidate_orders` says, a group being consecutive devices of one of them.
 """
 
 from __future__ import annotations
@@ -62,9 +63,19 @@ from hetpipe.planner.memory import StageMemory
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.replicas import pieces_for, split_rows
 
-__all__ = ["Replicated", "as_partition", "brute_force_replicated", "describe_groups",
-           "exchange_time", "flight_time", "group_time", "partition_replicated",
-           "replica_memory", "replicate"]
+__all__ = [
+    "Replicated",
+    "as_partition",
+    "brute_force_replicated",
+    "candidate_orders",
+    "describe_groups",
+    "exchange_time",
+    "flight_time",
+    "group_time",
+    "partition_replicated",
+    "replica_memory",
+    "replicate",
+]
 
 INF = math.inf
 # a replicated split replaces the plain one only where the job predicts at least this much
@@ -315,10 +326,16 @@ def replicate(
     notes: list[dict[str, Any]] = []
     for v, (order, p) in enumerate(kept):
         note: dict[str, Any] = {"vw": v, "chosen": False}
-        r = partition_replicated(model, order, p.nm, minibatch, max_replicas, may_group)
-        if not isinstance(r, Replicated) or not r.replicated:
-            note["why"] = ("no grouping with a replicated stage lowers the bottleneck"
-                           if isinstance(r, Replicated) else r.reason)
+        found = [(x, partition_replicated(model, x, p.nm, minibatch, max_replicas, may_group))
+                 for x in candidate_orders(order)]
+        ok = [(x, r) for x, r in found if isinstance(r, Replicated)]
+        if not ok:
+            note["why"] = found[0][1].reason  # type: ignore[union-attr]
+            notes.append(note)
+            continue
+        order, r = min(ok, key=lambda xr: xr[1].bottleneck)  # type: ignore[union-attr]
+        if not r.replicated:
+            note["why"] = "no grouping with a replicated stage lowers the bottleneck"
             notes.append(note)
             continue
         leaders, q = as_partition(model, order, r, p.nm, minibatch)
@@ -339,6 +356,22 @@ def replicate(
             chosen, pred = trial, got
         notes.append(note)
     return chosen, pred, notes
+
+
+def candidate_orders(order: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """The orders whose groupings are weighed for one VW: its plan's order (searched without
+    replicas), and the same devices with alike ones (same node and type) next to each other,
+    in the order each kind first appears and reversed, so that devices that could replicate
+    one stage are consecutive. Duplicates dropped; the plan's order first (it wins ties)."""
+    kinds: dict[tuple[str, str], list[Any]] = {}
+    for d in order:
+        kinds.setdefault((str(getattr(d, "node", "")), d.type), []).append(d)
+    alike = tuple(d for devs in kinds.values() for d in devs)
+    out: list[tuple[Any, ...]] = []
+    for x in (tuple(order), alike, alike[::-1]):
+        if x not in out:
+            out.append(x)
+    return out
 
 
 def _per_minibatch(sim: Any, v: int, minibatch: int) -> float:
