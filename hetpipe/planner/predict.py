@@ -95,7 +95,7 @@ class Prediction:
         hops = c.hop_s * (1 + (c.loop_bwd_s > 0) + (c.push_s > 0) / nm)
         loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm - hops
         trips = self.sim.trips[v][i]
-        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm
+        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm + 2 * (c.exchange_s > 0)
         return (self.compute_s(v, i) + self.slowdown[v][i] * (loop + trips * c.hop_s)
                 + wakes * self.wake[v][i] + c.exchange_s)
 
@@ -251,12 +251,14 @@ def _sim_vw(
     for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
         bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
         # a replicated stage's exchange follows its backward (the last async stage's one
-        # task), before the step: time on the links, not the host's cores
-        after_fwd = c.exchange_s if not c.compute_bwd_s else 0.0
+        # task), before the step: time on the links, not the host's cores, and the wake-ups
+        # of the replica waiting for the others' gradients (as a pull's)
+        exchange = c.exchange_s + 2 * w if c.exchange_s else 0.0
+        after_fwd = exchange if not c.compute_bwd_s else 0.0
         stages.append(
             SimStage(
                 k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s) + after_fwd,
-                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop) + c.exchange_s - after_fwd,
+                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop) + exchange - after_fwd,
                 k * (c.push_s - c.hop_s) if c.push_s else 0.0,
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),

@@ -14,7 +14,7 @@ rows' share ``s_j`` of every minibatch, split as the runtime splits it
 
     time = max over j of  stage_time(type_j, a, b, bw_in_j, bw_out_j, share = s_j) + exchange
     exchange = 2 (r - 1) (param_bytes(a, b) / min bandwidth between two replicas
-                          + message_s + param_bytes(a, b) message_byte_s)         (r > 1)
+                          + message_s + param_bytes(a, b) message_byte_s) + latency_s (r > 1)
 
 ``stage_time`` is the unreplicated stage's (forward, backward and boundary bytes scaled by
 the share; the update and per-message costs whole). A replica's boundary link is the one to
@@ -22,8 +22,9 @@ the device before the group in the order (``u - 1``) and after it (``v``): the o
 neighbours the order fixes, so the DP stays exact for this model. The exchange counts every
 replica sending its whole gradient to each other one and receiving as much (both ends
 charged, as boundary transfers are), the runtime's direct exchange
-(:mod:`hetpipe.replicas`); :func:`exchange_time` is its one formula, which the predictor
-(:mod:`hetpipe.planner.predict`) charges too.
+(:mod:`hetpipe.replicas`), and the others' messages' flight (``latency_s``, once: they travel
+at once); :func:`exchange_time` is its one formula, which the predictor
+(:mod:`hetpipe.planner.predict`) charges too, with the wake-up of the waiting replica.
 
 **Memory:** every replica holds the whole stage (weights, optimizer state, stashes) and the
 activations and working memory of its rows only (:func:`replica_memory`); it must fit each
@@ -121,7 +122,7 @@ def exchange_time(model: CostModel, group: Sequence[Any], param_bytes: float) ->
     rt = model.runtime
     slowest = min(model.link(x, y) for x, y in itertools.combinations(group, 2))
     return 2.0 * (r - 1) * (param_bytes / slowest + rt.message_s
-                            + param_bytes * rt.message_byte_s)
+                            + param_bytes * rt.message_byte_s) + rt.latency_s
 
 
 def flight_time(model: CostModel, senders: Sequence[Any], send_rows: Sequence[int],
