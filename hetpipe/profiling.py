@@ -97,8 +97,9 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
                          nm=spec.nm, max_replicas=spec.max_replicas, **common)
     plan = explicit_plan(cluster, profile,
                          [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-                         nm=spec.nm, replicas={d for v in spec.vws for d in v.all_devices()
-                                               if d not in v.devices}, **common)
+                         nm=spec.nm, groups=[[v.group(s) for s in range(len(v.devices))]
+                                             if v.replicas else None for v in spec.vws],
+                         **common)
     orders = [v.all_devices() for v in spec.vws]
     given = [(tuple(v.group(s) for s in range(len(v.devices))), v.layers)
              if v.replicas and v.layers else None for v in spec.vws]

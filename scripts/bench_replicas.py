@@ -21,10 +21,12 @@ Two figures on this host:
   ``train.max_replicas = 2`` (the planner decides where replicas pay) against the same job
   planned without replicas (``max_replicas = 1``), ``--repeats`` times interleaved: medians
   of minibatches per second, their ratio, the planner's predicted ratio, the splits it chose,
-  and the host's load average (``os.getloadavg``) around each run.
+  and the host's load average (``os.getloadavg``) around each run. ``--planned-speeds``
+  plans on a cluster of its own instead (one device per speed given).
 
     python scripts/bench_replicas.py [--json] [--params N] [--rounds N] [--minibatches N]
                                      [--repeats N] [--speed S] [--parts exchange,job,planned]
+                                     [--planned-speeds S,S,..]
 """
 
 from __future__ import annotations
@@ -229,6 +231,9 @@ def main() -> None:
                     help="emulated speed of the second stage's devices")
     ap.add_argument("--parts", default="exchange,job,planned",
                     help="which figures to measure (comma-separated)")
+    ap.add_argument("--planned-speeds", default=None, metavar="S,S,..",
+                    help="planned: a cluster of one device per speed (one type per speed) "
+                         "instead of the job's (one fast device, two at --speed)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     # the second stage's devices are slow: their compute is mostly padding (sleep), so two
@@ -251,10 +256,21 @@ def main() -> None:
                     "ps_over_direct": median(ps) / median(direct)})
             if "job" in parts:
                 result.update(_fixed(c, args.minibatches, args.repeats))
-            if "planned" in parts:
+            if "planned" in parts and args.planned_speeds is None:
                 result.update(_planned(c, args.minibatches, args.repeats))
         finally:
             c.stop()
+        if "planned" in parts and args.planned_speeds is not None:
+            speeds = [float(x) for x in args.planned_speeds.split(",")]
+            own = tuple(DeviceDef(f"p{i}", f"speed{x:g}", "512MiB", x)
+                        for i, x in enumerate(speeds))
+            path.write_text(cluster_toml(own, shards=2, curve=False))
+            c = LocalCluster(path, Path(tmp) / "run-planned", timeout=60).__enter__()
+            try:
+                result.update(_planned(c, args.minibatches, args.repeats),
+                              planned_speeds=speeds)
+            finally:
+                c.stop()
     result["machine"] = machine()
     if "exchange" in parts:
         print_table(["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],

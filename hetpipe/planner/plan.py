@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.replicas import (
     Replicated,
+    as_partition,
     describe_groups,
     partition_replicated,
     replicate,
@@ -685,11 +686,13 @@ def explicit_plan(
     minibatches: int | None = None,
     weights: str = "stash",
     activations: str = "keep",
-    replicas: Collection[str] = (),
+    groups: Sequence[Sequence[Sequence[str]] | None] = (),
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
-    None, Nm or None)`` per VW; ``replicas``: devices replicating a stage of it (used, though
-    the figures here are the stages' leaders', :func:`replica_proposals` prices them).
+    None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
+    devices, leader first, a replicated stage's several (its layers given): priced as the
+    planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
+    or as the leaders alone, with a warning, where the runtime would refuse the group.
     Missing layers are split optimally for that order; a missing
     Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
     fills the pipeline). Memory over a cap is a warning here
@@ -739,6 +742,24 @@ def explicit_plan(
                     f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
                     f"{format_size(d.memory)}"
                 )
+        given = groups[v] if v < len(groups) else None
+        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
+            for n in (n for g in given for n in g[1:]):
+                if n in used:
+                    raise PlanError(f"vw {v}: device {n!r} is used twice")
+                used.add(n)
+            try:
+                group_devs = [[by_name[n] for n in g] for g in given]
+            except KeyError as e:
+                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+            r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
+            if math.isfinite(r.bottleneck):
+                devs, p = as_partition(model, [d for g in group_devs for d in g], r, p.nm,
+                                       minibatch)
+            else:
+                warnings.append(f"vw {v}: a replicated stage does not fit its devices or "
+                                "may not run on them (batch norm, rows, nodes): predicted "
+                                "as its leaders alone")
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
@@ -752,7 +773,7 @@ def explicit_plan(
         minibatches=minibatches,
     )
     unused = [(d.name, "not in the explicit split") for d in cluster.devices
-              if d.name not in used and d.name not in replicas]
+              if d.name not in used]
     return _assemble(
         cluster,
         model,
