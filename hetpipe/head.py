@@ -52,6 +52,7 @@ from hetpipe.profiling import (
     plan_for,
     plan_vws,
     predicted_summary,
+    replica_rows,
 )
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import CLIENT, CodeError, shard_user, worker_user
@@ -424,7 +425,8 @@ class Head:
             if msg.kind == Kind.PLAN:
                 loop = asyncio.get_running_loop()
                 cluster = live_cluster(self.cluster, self._idle())
-                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                rows = await self._row_profiles(spec)
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 info = {"plan": plan.to_dict(), "table": plan.table()}
         except (JobError, CodeError, PlanError, _JobFailed) as exc:
             await self.channel.reply_error(peer, str(exc), msg["rid"])
@@ -433,6 +435,12 @@ class Head:
 
     def _idle(self) -> set[str]:
         return {d for d, w in self._alive().items() if w.job is None}
+
+    async def _row_profiles(self, spec: JobSpec) -> dict[int, ModelProfile]:
+        """The job's model profiled at the rows its stage replicas may hold
+        (:func:`hetpipe.profiling.replica_rows`; stored like every profile)."""
+        return {rows: await self._profile(dataclasses.replace(spec, minibatch=rows))
+                for rows in replica_rows(spec)}
 
     async def _profile(self, spec: JobSpec) -> ModelProfile:
         """Profiles of the job's model for every device type with a live worker.
@@ -735,8 +743,9 @@ class Head:
             needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
             try:
                 profile = await self._profile(spec)
+                rows = await self._row_profiles(spec)
                 cluster = live_cluster(self.cluster, self._idle())
-                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 if spec.schedule == "auto":  # the planner chose: the job runs its choice
                     spec = js.spec = dataclasses.replace(
                         spec, schedule=plan.schedule, nm=plan.vws[0].nm)
@@ -1016,8 +1025,9 @@ class Head:
         spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
         try:
             profile = await self._profile(spec)
+            rows = await self._row_profiles(spec)
             cluster = live_cluster(self.cluster, self._idle())
-            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             wire = f"{js.id}.r{len(js.replans) + 1}"
             new = await loop.run_in_executor(

@@ -562,6 +562,7 @@ def make_plan(
     weights: str = "stash",
     activations: str = "keep",
     max_replicas: int = 1,
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -581,7 +582,9 @@ def make_plan(
     ``max_replicas`` (> 1): each VW may run a stage on up to that many consecutive devices
     of its order, where the predictor says the job is faster so
     (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]`` says what was
-    weighed). Raises :class:`PlanError` when the model fits on no group of devices.
+    weighed); ``row_profiles``: the model profiled at a replica's fewer rows (by rows), for
+    its compute (:meth:`CostModel.compute_at`; else proportional to its rows). Raises
+    :class:`PlanError` when the model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -601,7 +604,8 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
+                        row_profiles)
     search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
@@ -687,12 +691,14 @@ def explicit_plan(
     weights: str = "stash",
     activations: str = "keep",
     groups: Sequence[Sequence[Sequence[str]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
     devices, leader first, a replicated stage's several (its layers given): priced as the
     planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
-    or as the leaders alone, with a warning, where the runtime would refuse the group.
+    or as the leaders alone, with a warning, where the runtime would refuse the group
+    (``row_profiles`` as for :func:`make_plan`).
     Missing layers are split optimally for that order; a missing
     Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
     fills the pipeline). Memory over a cap is a warning here
@@ -700,7 +706,8 @@ def explicit_plan(
     ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
+                        row_profiles)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -794,13 +801,15 @@ def replica_proposals(
     *, max_replicas: int, optimizer_state_factor: int, weights: str = "stash",
     activations: str = "keep", given: Sequence[tuple[Sequence[Sequence[str]],
                                                      Sequence[int]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> list[dict[str, Any]]:
     """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
     best grouping of its order into replicated stages (at most ``max_replicas`` devices
     each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
     each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
     profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations,
+                        row_profiles)
     by_name = {d.name: d for d in cluster.devices}
     out: list[dict[str, Any]] = []
     for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
@@ -843,13 +852,14 @@ def _cost_model(
     cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None,
     weights: str = "stash",
     activations: str = "keep",
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> CostModel:
     net = cluster.network
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
     model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds,
-                      weights, activations)
+                      weights, activations, row_profiles)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model

@@ -134,14 +134,15 @@ def stage_costs(
     for i, (leader, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
         group = p.group_of(i, leader)
         rows = p.rows_of(i, minibatch)
-        d, share = _slowest(prof, group, rows, a, b)
+        d, share = _slowest(model, group, rows, a, b)
         lps = prof.layers[d.type][a:b]
         first, last = i == 0, i == k - 1
         task = rt.task_s / model.speed(d.type)
         sync = schedule != "async"
-        fwd = sum(lp.fwd_s for lp in lps) * share
+        fwd, bwd = ((sum(lp.fwd_s for lp in lps), sum(lp.bwd_s for lp in lps))
+                    if share == 1.0 else model.compute_at(d.type, a, b, share))
         update = sum(lp.update_s for lp in lps)
-        bwd = sum(lp.bwd_s for lp in lps) * share + (0.0 if sync else update)
+        bwd += 0.0 if sync else update
         step = update * min(1.0, model.speed(d.type)) if sync else 0.0
         # recomputed layers run their forward again inside the backward; swapped layers'
         # copies show where they exceed the forward and the backward they run beside
@@ -217,7 +218,7 @@ def stage_costs(
     return tuple(out)
 
 
-def _slowest(prof: Any, group: Sequence[Any], rows: Sequence[int], a: int, b: int
+def _slowest(model: CostModel, group: Sequence[Any], rows: Sequence[int], a: int, b: int
              ) -> tuple[Any, float]:
     """The device of a stage's group whose rows take longest on layers ``[a, b)``, and its
     share of the rows (the device itself and 1.0 for a stage on one device)."""
@@ -226,9 +227,9 @@ def _slowest(prof: Any, group: Sequence[Any], rows: Sequence[int], a: int, b: in
     n = rows[-1]
 
     def work(j: int) -> float:
-        lps = prof.layers[group[j].type][a:b]
-        return sum(lp.fwd_s + lp.bwd_s for lp in lps) * (rows[j + 1] - rows[j]) / n + sum(
-            lp.update_s for lp in lps)
+        dtype = group[j].type
+        return sum(model.compute_at(dtype, a, b, (rows[j + 1] - rows[j]) / n)) + sum(
+            lp.update_s for lp in model.profile.layers[dtype][a:b])
 
     j = max(range(len(group)), key=work)
     return group[j], (rows[j + 1] - rows[j]) / n
