@@ -22,11 +22,13 @@ Two figures on this host:
   planned without replicas (``max_replicas = 1``), ``--repeats`` times interleaved: medians
   of minibatches per second, their ratio, the planner's predicted ratio, the splits it chose,
   and the host's load average (``os.getloadavg``) around each run. ``--planned-speeds``
-  plans on a cluster of its own instead (one device per speed given).
+  plans on a cluster of its own instead (one device per speed given); ``--planned-hidden``
+  and ``--planned-minibatch`` choose the mlp and its minibatch (default: :func:`_job`'s).
 
     python scripts/bench_replicas.py [--json] [--params N] [--rounds N] [--minibatches N]
                                      [--repeats N] [--speed S] [--parts exchange,job,planned]
-                                     [--planned-speeds S,S,..]
+                                     [--planned-speeds S,S,..] [--planned-hidden W,W,..]
+                                     [--planned-minibatch N]
 """
 
 from __future__ import annotations
@@ -170,11 +172,14 @@ def _job(name: str, devices: list[Any], minibatches: int) -> dict[str, Any]:
             "vw": [{"devices": devices, "layers": [2, 4]}]}
 
 
-def _planned_job(name: str, max_replicas: int, minibatches: int) -> dict[str, Any]:
-    """The same model and data as :func:`_job`, no split: the head plans it."""
+def _planned_job(name: str, max_replicas: int, minibatches: int, hidden: list[int],
+                 minibatch: int) -> dict[str, Any]:
+    """An mlp of ``hidden`` widths on the same data as :func:`_job`, no split: the head
+    plans it."""
     job = _job(name, [], minibatches)
     del job["vw"], job["train"]["nm"]
-    job["train"].update({"vws": 1, "max_replicas": max_replicas})
+    job["model"]["args"]["hidden"] = hidden
+    job["train"].update({"vws": 1, "max_replicas": max_replicas, "minibatch": minibatch})
     return job
 
 
@@ -187,7 +192,8 @@ def _split(info: dict[str, Any]) -> str:
     return f"[{', '.join(groups)}] layers {layers}"
 
 
-def _planned(c: LocalCluster, minibatches: int, repeats: int) -> dict[str, Any]:
+def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
+             minibatch: int) -> dict[str, Any]:
     """Planned with replicas against planned without, interleaved (see the module docs)."""
     rates: dict[str, list[float]] = {"with": [], "without": []}
     predicted: dict[str, float] = {}
@@ -196,7 +202,8 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int) -> dict[str, Any]:
     for i in range(repeats):
         for key, r in (("without", 1), ("with", 2)):
             loads.append(os.getloadavg()[0])
-            info = c.submit(_planned_job(f"planned-{key}{i}", r, minibatches))
+            info = c.submit(_planned_job(f"planned-{key}{i}", r, minibatches, hidden,
+                                         minibatch))
             loads.append(os.getloadavg()[0])
             assert info["state"] == "done", info.get("error")
             rates[key].append(info["minibatches"] / info["seconds"])
@@ -210,6 +217,7 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int) -> dict[str, Any]:
         "planned_predicted_speedup": predicted["with"] / predicted["without"],
         "planned_predicted_samples_per_s": predicted, "planned_splits": splits,
         "planned_runs": rates, "planned_loadavg_1min": [min(loads), max(loads)],
+        "planned_model": {"hidden": hidden, "minibatch": minibatch},
     }
 
 
@@ -231,11 +239,15 @@ def main() -> None:
                     help="emulated speed of the second stage's devices")
     ap.add_argument("--parts", default="exchange,job,planned",
                     help="which figures to measure (comma-separated)")
+    ap.add_argument("--planned-hidden", default="512,512", metavar="W,W,..",
+                    help="planned: the mlp's hidden widths")
+    ap.add_argument("--planned-minibatch", type=int, default=64)
     ap.add_argument("--planned-speeds", default=None, metavar="S,S,..",
                     help="planned: a cluster of one device per speed (one type per speed) "
                          "instead of the job's (one fast device, two at --speed)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    planned = ([int(w) for w in args.planned_hidden.split(",")], args.planned_minibatch)
     # the second stage's devices are slow: their compute is mostly padding (sleep), so two
     # replicas really run side by side on this host's few cores, as two GPUs would
     devices = (DeviceDef("g0", "fast", "512MiB", 1.0),
@@ -257,7 +269,7 @@ def main() -> None:
             if "job" in parts:
                 result.update(_fixed(c, args.minibatches, args.repeats))
             if "planned" in parts and args.planned_speeds is None:
-                result.update(_planned(c, args.minibatches, args.repeats))
+                result.update(_planned(c, args.minibatches, args.repeats, *planned))
         finally:
             c.stop()
         if "planned" in parts and args.planned_speeds is not None:
@@ -267,7 +279,7 @@ def main() -> None:
             path.write_text(cluster_toml(own, shards=2, curve=False))
             c = LocalCluster(path, Path(tmp) / "run-planned", timeout=60).__enter__()
             try:
-                result.update(_planned(c, args.minibatches, args.repeats),
+                result.update(_planned(c, args.minibatches, args.repeats, *planned),
                               planned_speeds=speeds)
             finally:
                 c.stop()
