@@ -39,6 +39,7 @@ from hetpipe.planner.replicas import (
     as_partition,
     describe_groups,
     partition_replicated,
+    replica_memory,
     replicate,
 )
 from hetpipe.planner.runtime import RuntimeCosts
@@ -294,6 +295,10 @@ def _expected_memory(
     if not peak:
         return None
     a, b = p.cuts[i]
+    if p.groups and len(p.groups[i]) > 1:  # the leader's rows (as ``memory``)
+        rows = p.rows[i]
+        return replica_memory(model, devs[i].type, a, b, i, len(devs), peak,
+                              (rows[1] - rows[0]) / rows[-1])
     return model.stage_memory(devs[i].type, a, b, i, len(devs), peak,
                               recompute=p.recompute[i] if p.recompute else (),
                               swap=p.swap[i] if p.swap else ())
