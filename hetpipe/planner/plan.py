@@ -5,7 +5,9 @@ throughput under WSP) and returns a :class:`Plan` that the runtime executes and 
 read (:meth:`Plan.table`). Alike VWs (equal up to renaming devices and nodes) share one order
 search; formations whose throughput bound cannot beat the best so far are skipped. Because
 WSP couples VWs by *waves* of Nm minibatches, the search also tries raising the Nm of faster
-VWs so that every VW's wave takes about as long (:meth:`_Search.balance`).
+VWs so that every VW's wave takes about as long (:meth:`_Search.balance`). With
+``max_replicas`` > 1 it then weighs, per VW, running a stage on several of its devices
+(:func:`hetpipe.planner.replicas.replicate`) by the same prediction.
 
 :func:`explicit_plan` prices a split the user wrote in the job file, so predicted and
 measured figures can be compared.
