@@ -22,6 +22,7 @@ from hetpipe.planner.replicas import (
     as_partition,
     describe_groups,
     partition_replicated,
+    replica_memory,
 )
 from hetpipe.profiling import plan_for, plan_vws
 
@@ -175,6 +176,29 @@ def test_a_replica_computes_at_its_rows_profile(tmp_path: Path) -> None:
     assert len(_heavy_stage(plan).replicas) == 1, plan.table()
     (note,) = plan.details["replica_choice"]
     assert 0.85 < note["minibatch_s"] / note["unreplicated_minibatch_s"] < 0.97, note
+
+
+def test_each_replica_must_hold_its_rows_activations(tmp_path: Path) -> None:
+    """A replica holds the whole stage's state but only its rows' activations: a stage
+    whose minibatch's activations overflow a device runs on two of them, and not where
+    even half of them overflow."""
+    big = LayerProfile(fwd_s=0.01, bwd_s=0.02, param_bytes=1 << 20, buffer_bytes=0,
+                       out_bytes=4096, saved_bytes=64 << 20, work_bytes=4096)
+    prof = ModelProfile("m", 32, 4096, {"fast": (big,)})
+    cluster = _cluster(tmp_path)
+    model = CostModel(prof, cluster.network.bytes_per_s, 1)
+    whole = model.stage_memory("fast", 0, 1, 0, 1, 1).total
+    half = replica_memory(model, "fast", 0, 1, 0, 1, 1, 0.5).total
+    assert half < whole - (30 << 20)  # the activations halve, the state does not
+    for cap, fits in ((whole, True), ((whole + half) // 2, True), (half - 1, False)):
+        devs = [dataclasses.replace(d, memory=cap) for d in cluster.devices[:2]]
+        got = partition_replicated(model, devs, 1, 32, 2)
+        assert isinstance(got, Replicated) == fits, (cap, got)
+        if fits:
+            assert got.groups == (("g0", "g1"),)
+    # one device alone never fits below the whole stage's memory
+    one = [dataclasses.replace(cluster.devices[0], memory=(whole + half) // 2)]
+    assert not isinstance(partition_replicated(model, one, 1, 32, 1), Replicated)
 
 
 def test_no_replicas_on_batch_norm_or_synchronous_schedules(tmp_path: Path) -> None:
