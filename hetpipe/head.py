@@ -420,12 +420,14 @@ class Head:
             # the job checks start with the code policy (nothing is imported before it)
             await asyncio.get_running_loop().run_in_executor(
                 None, check_job, spec, self.cluster, "job")
-            profile = await self._profile(spec)
+            if msg.kind == Kind.PLAN:
+                profile, rows = await self._profiles(spec)
+            else:
+                profile = await self._profile(spec)
             info: dict[str, Any] = {"profile": profile.to_dict()}
             if msg.kind == Kind.PLAN:
                 loop = asyncio.get_running_loop()
                 cluster = live_cluster(self.cluster, self._idle())
-                rows = await self._row_profiles(spec)
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 info = {"plan": plan.to_dict(), "table": plan.table()}
         except (JobError, CodeError, PlanError, _JobFailed) as exc:
@@ -436,11 +438,20 @@ class Head:
     def _idle(self) -> set[str]:
         return {d for d, w in self._alive().items() if w.job is None}
 
-    async def _row_profiles(self, spec: JobSpec) -> dict[int, ModelProfile]:
-        """The job's model profiled at the rows its stage replicas may hold
-        (:func:`hetpipe.profiling.replica_rows`; stored like every profile)."""
-        return {rows: await self._profile(dataclasses.replace(spec, minibatch=rows))
-                for rows in replica_rows(spec)}
+    async def _profiles(self, spec: JobSpec) -> tuple[ModelProfile, dict[int, ModelProfile]]:
+        """The job's profile, and its model profiled at the rows its stage replicas may hold
+        (:func:`hetpipe.profiling.replica_rows`; stored like every profile). A replica's
+        compute is read off the latter against the former, so both are measured back to
+        back: where a row profile is missing, the stored full one is measured again, lest
+        the planner decide on two different moments' load on a shared host."""
+        rows = replica_rows(spec)
+        key = model_key(spec)
+        types = {w.type for w in self._alive().values()}
+        if any(self.profiles.get(key, r, t) is None for r in rows for t in types):
+            self.profiles.forget(key, spec.minibatch)
+        profile = await self._profile(spec)
+        return profile, {r: await self._profile(dataclasses.replace(spec, minibatch=r))
+                         for r in rows}
 
     async def _profile(self, spec: JobSpec) -> ModelProfile:
         """Profiles of the job's model for every device type with a live worker.
@@ -742,8 +753,7 @@ class Head:
                 raise JobPlanError(str(exc)) from None
             needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
             try:
-                profile = await self._profile(spec)
-                rows = await self._row_profiles(spec)
+                profile, rows = await self._profiles(spec)
                 cluster = live_cluster(self.cluster, self._idle())
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 if spec.schedule == "auto":  # the planner chose: the job runs its choice
@@ -1024,8 +1034,7 @@ class Head:
                 w.job = w.vw = w.stage = None
         spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
         try:
-            profile = await self._profile(spec)
-            rows = await self._row_profiles(spec)
+            profile, rows = await self._profiles(spec)
             cluster = live_cluster(self.cluster, self._idle())
             plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}

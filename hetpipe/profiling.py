@@ -207,5 +207,7 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                 for v in plan.vws],
         "warnings": list(plan.warnings),
         "unused": list(plan.unused),
+        # train.max_replicas: per VW, the replicated split weighed and why (not) chosen
+        "replica_choice": list(plan.details.get("replica_choice", ())),
     }
 

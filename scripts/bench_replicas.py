@@ -199,6 +199,7 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
     predicted: dict[str, float] = {}
     splits: dict[str, str] = {}
     loads: list[float] = []
+    notes: list[Any] = []
     for i in range(repeats):
         for key, r in (("without", 1), ("with", 2)):
             loads.append(os.getloadavg()[0])
@@ -209,6 +210,8 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
             rates[key].append(info["minibatches"] / info["seconds"])
             predicted[key] = info["predicted"]["samples_per_s"]
             splits[key] = _split(info)
+            if key == "with":
+                notes.append(info["predicted"]["replica_choice"])
     mbs = {k: median(v) for k, v in rates.items()}
     return {
         "planned_minibatches_per_s_with_replicas": mbs["with"],
@@ -218,6 +221,7 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
         "planned_predicted_samples_per_s": predicted, "planned_splits": splits,
         "planned_runs": rates, "planned_loadavg_1min": [min(loads), max(loads)],
         "planned_model": {"hidden": hidden, "minibatch": minibatch},
+        "planned_replica_choice": notes[-1] if notes else None,
     }
 
 
