@@ -52,6 +52,7 @@ from hetpipe.profiling import (
     plan_for,
     plan_vws,
     predicted_summary,
+    replica_rows,
 )
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import CLIENT, CodeError, shard_user, worker_user
@@ -179,6 +180,7 @@ class JobState:
             out["samples_per_s"] = sum(v["samples_per_s"] for v in vws)
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
+                 "replicas": list(st.replicas),  # the devices beside it (hetpipe.replicas)
                  **{k: self.progress.get((v, s), {}).get(k) for k in
                     ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory", "shares",
                      "waiting")},
@@ -418,12 +420,15 @@ class Head:
             # the job checks start with the code policy (nothing is imported before it)
             await asyncio.get_running_loop().run_in_executor(
                 None, check_job, spec, self.cluster, "job")
-            profile = await self._profile(spec)
+            if msg.kind == Kind.PLAN:
+                profile, rows = await self._profiles(spec)
+            else:
+                profile = await self._profile(spec)
             info: dict[str, Any] = {"profile": profile.to_dict()}
             if msg.kind == Kind.PLAN:
                 loop = asyncio.get_running_loop()
                 cluster = live_cluster(self.cluster, self._idle())
-                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 info = {"plan": plan.to_dict(), "table": plan.table()}
         except (JobError, CodeError, PlanError, _JobFailed) as exc:
             await self.channel.reply_error(peer, str(exc), msg["rid"])
@@ -432,6 +437,21 @@ class Head:
 
     def _idle(self) -> set[str]:
         return {d for d, w in self._alive().items() if w.job is None}
+
+    async def _profiles(self, spec: JobSpec) -> tuple[ModelProfile, dict[int, ModelProfile]]:
+        """The job's profile, and its model profiled at the rows its stage replicas may hold
+        (:func:`hetpipe.profiling.replica_rows`; stored like every profile). A replica's
+        compute is read off the latter against the former, so both are measured back to
+        back: where a row profile is missing, the stored full one is measured again, lest
+        the planner decide on two different moments' load on a shared host."""
+        rows = replica_rows(spec)
+        key = model_key(spec)
+        types = {w.type for w in self._alive().values()}
+        if any(self.profiles.get(key, r, t) is None for r in rows for t in types):
+            self.profiles.forget(key, spec.minibatch)
+        profile = await self._profile(spec)
+        return profile, {r: await self._profile(dataclasses.replace(spec, minibatch=r))
+                         for r in rows}
 
     async def _profile(self, spec: JobSpec) -> ModelProfile:
         """Profiles of the job's model for every device type with a live worker.
@@ -733,9 +753,9 @@ class Head:
                 raise JobPlanError(str(exc)) from None
             needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
             try:
-                profile = await self._profile(spec)
+                profile, rows = await self._profiles(spec)
                 cluster = live_cluster(self.cluster, self._idle())
-                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 if spec.schedule == "auto":  # the planner chose: the job runs its choice
                     spec = js.spec = dataclasses.replace(
                         spec, schedule=plan.schedule, nm=plan.vws[0].nm)
@@ -1014,9 +1034,9 @@ class Head:
                 w.job = w.vw = w.stage = None
         spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
         try:
-            profile = await self._profile(spec)
+            profile, rows = await self._profiles(spec)
             cluster = live_cluster(self.cluster, self._idle())
-            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile)
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             wire = f"{js.id}.r{len(js.replans) + 1}"
             new = await loop.run_in_executor(
@@ -1154,7 +1174,8 @@ class Head:
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
-        stages = {f"vw{v}/stage{s}": r for (v, s), r in sorted(js.stage_results.items())}
+        stages = {f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
+                  for (v, s), r in sorted(js.stage_results.items())}
         (out_dir / "stages.json").write_text(json.dumps(stages))
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)

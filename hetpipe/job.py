@@ -162,8 +162,9 @@ class JobSpec:
     # every wave/iteration whatever it says
     push_every: int = 0
     verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
-    # the most devices ``hetpipe plan`` may group into one replicated stage when it proposes
-    # replicas (hetpipe.planner.replicas); 1: none proposed
+    # the most devices the planner may group into one replicated stage of a split it makes
+    # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
+    # proposes beside a given split; 1: no replicas
     max_replicas: int = 1
 
     @property

@@ -34,7 +34,7 @@ from hetpipe.planner import (
     weights_mode,
 )
 
-__all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws"]
+__all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws", "replica_rows"]
 
 
 def model_key(spec: JobSpec) -> str:
@@ -78,13 +78,15 @@ def live_cluster(cluster: ClusterConfig, devices: set[str]) -> ClusterConfig:
     return dataclasses.replace(cluster, nodes=tuple(nodes))
 
 
-def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Plan:
-    """The planner's plan for a job without a split, or its prediction for the given split."""
+def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
+             row_profiles: Mapping[int, ModelProfile] | None = None) -> Plan:
+    """The planner's plan for a job without a split, or its prediction for the given split;
+    ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`)."""
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
               "optimizer_state_factor": factor, "minibatches": job_minibatches(spec),
               "weights": weights_mode(spec.weights, spec.predict_variant),
-              "activations": spec.activations}
+              "activations": spec.activations, "row_profiles": row_profiles}
     if spec.sync:
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
@@ -92,16 +94,15 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
                          num_vws=spec.num_vws, policy=spec.policy)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
-    if spec.vws:
-        plan = explicit_plan(cluster, profile,
-                             [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-                             nm=spec.nm, replicas={d for v in spec.vws for d in v.all_devices()
-                                                   if d not in v.devices}, **common)
-        orders = [v.all_devices() for v in spec.vws]
-    else:
-        plan = make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                         nm=spec.nm, **common)
-        orders = [v.devices for v in plan.vws]
+    if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
+        return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
+                         nm=spec.nm, max_replicas=spec.max_replicas, **common)
+    plan = explicit_plan(cluster, profile,
+                         [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
+                         nm=spec.nm, groups=[[v.group(s) for s in range(len(v.devices))]
+                                             if v.replicas else None for v in spec.vws],
+                         **common)
+    orders = [v.all_devices() for v in spec.vws]
     given = [(tuple(v.group(s) for s in range(len(v.devices))), v.layers)
              if v.replicas and v.layers else None for v in spec.vws]
     if spec.max_replicas > 1 or any(given):
@@ -110,12 +111,27 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile) -> Pl
         proposals = replica_proposals(
             cluster, profile, plan, orders, max_replicas=spec.max_replicas, given=given,
             optimizer_state_factor=factor, weights=common["weights"],
-            activations=spec.activations)
+            activations=spec.activations, row_profiles=row_profiles)
         plan = dataclasses.replace(plan, details={**plan.details, "replicas": proposals})
     return plan
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
+MAX_PROFILED_REPLICAS = 4  # replica counts profiled at their rows (more: interpolated)
+
+
+def replica_rows(spec: JobSpec) -> tuple[int, ...]:
+    """The minibatch sizes at which a job's model is profiled besides its own, so that the
+    planner prices a replica's compute at its rows (:meth:`CostModel.compute_at`): the rows
+    of r equal replicas, for r = 2 .. the most a stage may have (``train.max_replicas``, or
+    the largest group the job gives; at most :data:`MAX_PROFILED_REPLICAS`). None for a
+    synchronous job (no replicas)."""
+    if spec.sync:
+        return ()
+    most = max([spec.max_replicas, *(len(v.group(s)) for v in spec.vws
+                                     for s in range(len(v.devices)))])
+    return tuple(sorted({spec.minibatch // r for r in range(2, min(most, MAX_PROFILED_REPLICAS)
+                                                             + 1) if spec.minibatch // r >= 1}))
 
 
 def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, factor: int,
@@ -127,7 +143,7 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     errors = []
     try:
         plans.append(make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                               nm=spec.nm, **common))
+                               nm=spec.nm, max_replicas=spec.max_replicas, **common))
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
@@ -164,7 +180,9 @@ def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     chosen = plan.schedule == "async"
     return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
                         recompute=tuple(s.recompute for s in v.stages) if chosen else None,
-                        swap=tuple(s.swap for s in v.stages) if chosen else None)
+                        swap=tuple(s.swap for s in v.stages) if chosen else None,
+                        replicas=(tuple(s.replicas for s in v.stages)
+                                  if any(s.replicas for s in v.stages) else None))
                  for v in plan.vws)
 
 
@@ -183,10 +201,13 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                              "memory_terms": s.memory.to_dict(),
                              "expected_memory": (s.expected_memory.to_dict()
                                                  if s.expected_memory else None),
-                             "recompute": list(s.recompute), "swap": list(s.swap)}
+                             "recompute": list(s.recompute), "swap": list(s.swap),
+                             "replicas": list(s.replicas), "exchange_s": s.exchange_s}
                             for s in v.stages]}
                 for v in plan.vws],
         "warnings": list(plan.warnings),
         "unused": list(plan.unused),
+        # train.max_replicas: per VW, the replicated split weighed and why (not) chosen
+        "replica_choice": list(plan.details.get("replica_choice", ())),
     }
 

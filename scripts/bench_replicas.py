@@ -17,9 +17,18 @@ Two figures on this host:
   minibatches per second, and of the replicated stage's
   ``replicas`` share (sending its gradients and waiting for the other replica's) of its
   time.
+- ``planned``: on the same cluster, a 1-VW job with no split planned by the head with
+  ``train.max_replicas = 2`` (the planner decides where replicas pay) against the same job
+  planned without replicas (``max_replicas = 1``), ``--repeats`` times interleaved: medians
+  of minibatches per second, their ratio, the planner's predicted ratio, the splits it chose,
+  and the host's load average (``os.getloadavg``) around each run. ``--planned-speeds``
+  plans on a cluster of its own instead (one device per speed given); ``--planned-hidden``
+  and ``--planned-minibatch`` choose the mlp and its minibatch (default: :func:`_job`'s).
 
     python scripts/bench_replicas.py [--json] [--params N] [--rounds N] [--minibatches N]
-                                     [--repeats N] [--speed S]
+                                     [--repeats N] [--speed S] [--parts exchange,job,planned]
+                                     [--planned-speeds S,S,..] [--planned-hidden W,W,..]
+                                     [--planned-minibatch N]
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -162,6 +172,59 @@ def _job(name: str, devices: list[Any], minibatches: int) -> dict[str, Any]:
             "vw": [{"devices": devices, "layers": [2, 4]}]}
 
 
+def _planned_job(name: str, max_replicas: int, minibatches: int, hidden: list[int],
+                 minibatch: int) -> dict[str, Any]:
+    """An mlp of ``hidden`` widths on the same data as :func:`_job`, no split: the head
+    plans it."""
+    job = _job(name, [], minibatches)
+    del job["vw"], job["train"]["nm"]
+    job["model"]["args"]["hidden"] = hidden
+    job["train"].update({"vws": 1, "max_replicas": max_replicas, "minibatch": minibatch})
+    return job
+
+
+def _split(info: dict[str, Any]) -> str:
+    """The split a job ran, as a job file's ``devices`` and ``layers``."""
+    groups = [s["device"] if not s["replicas"] else "[" + ", ".join([s["device"],
+                                                                    *s["replicas"]]) + "]"
+              for s in info["stages"]]
+    layers = [b - a for a, b in (s["layers"] for s in info["stages"])]
+    return f"[{', '.join(groups)}] layers {layers}"
+
+
+def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
+             minibatch: int) -> dict[str, Any]:
+    """Planned with replicas against planned without, interleaved (see the module docs)."""
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    predicted: dict[str, float] = {}
+    splits: dict[str, str] = {}
+    loads: list[float] = []
+    notes: list[Any] = []
+    for i in range(repeats):
+        for key, r in (("without", 1), ("with", 2)):
+            loads.append(os.getloadavg()[0])
+            info = c.submit(_planned_job(f"planned-{key}{i}", r, minibatches, hidden,
+                                         minibatch))
+            loads.append(os.getloadavg()[0])
+            assert info["state"] == "done", info.get("error")
+            rates[key].append(info["minibatches"] / info["seconds"])
+            predicted[key] = info["predicted"]["samples_per_s"]
+            splits[key] = _split(info)
+            if key == "with":
+                notes.append(info["predicted"]["replica_choice"])
+    mbs = {k: median(v) for k, v in rates.items()}
+    return {
+        "planned_minibatches_per_s_with_replicas": mbs["with"],
+        "planned_minibatches_per_s_without_replicas": mbs["without"],
+        "planned_speedup": mbs["with"] / mbs["without"],
+        "planned_predicted_speedup": predicted["with"] / predicted["without"],
+        "planned_predicted_samples_per_s": predicted, "planned_splits": splits,
+        "planned_runs": rates, "planned_loadavg_1min": [min(loads), max(loads)],
+        "planned_model": {"hidden": hidden, "minibatch": minibatch},
+        "planned_replica_choice": notes[-1] if notes else None,
+    }
+
+
 def _replica_share(info: dict[str, Any]) -> tuple[float, float]:
     """(the replicated stage's replicas time per minibatch, its share of the stage's time)."""
     stages = json.loads(Path(info["stages_path"]).read_text())
@@ -178,52 +241,101 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each job, interleaved")
     ap.add_argument("--speed", type=float, default=0.1,
                     help="emulated speed of the second stage's devices")
+    ap.add_argument("--parts", default="exchange,job,planned",
+                    help="which figures to measure (comma-separated)")
+    ap.add_argument("--planned-hidden", default="512,512", metavar="W,W,..",
+                    help="planned: the mlp's hidden widths")
+    ap.add_argument("--planned-minibatch", type=int, default=64)
+    ap.add_argument("--planned-speeds", default=None, metavar="S,S,..",
+                    help="planned: a cluster of one device per speed (one type per speed) "
+                         "instead of the job's (one fast device, two at --speed)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    planned = ([int(w) for w in args.planned_hidden.split(",")], args.planned_minibatch)
     # the second stage's devices are slow: their compute is mostly padding (sleep), so two
     # replicas really run side by side on this host's few cores, as two GPUs would
     devices = (DeviceDef("g0", "fast", "512MiB", 1.0),
                *(DeviceDef(f"g{i}", "slow", "512MiB", args.speed) for i in (1, 2)))
+    result: dict[str, Any] = {"params": args.params, "speed": args.speed,
+                              "minibatches": args.minibatches}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cluster.toml"
         path.write_text(cluster_toml(devices, shards=2, curve=False))
         c = LocalCluster(path, Path(tmp) / "run", timeout=60).__enter__()
         try:
-            direct, ps = _exchange(c.ready["ps1"]["address"], args.params, args.rounds)
-            rates: dict[str, list[float]] = {"one": [], "two": []}
-            replicas: list[tuple[float, float]] = []
-            for i in range(args.repeats):  # interleaved: both see the same load
-                for key, devs in (("one", ["g0", "g1"]), ("two", ["g0", ["g1", "g2"]])):
-                    info = c.submit(_job(f"{key}{i}", devs, args.minibatches))
-                    assert info["state"] == "done", info.get("error")
-                    rates[key].append(info["minibatches"] / info["seconds"])
-                    if key == "two":
-                        replicas.append(_replica_share(info))
+            if "exchange" in parts:
+                direct, ps = _exchange(c.ready["ps1"]["address"], args.params, args.rounds)
+                mb = args.params * 4 / 2**20
+                result.update({
+                    "bytes_mib": mb, "exchange_direct_ms": 1e3 * median(direct),
+                    "exchange_ps_ms": 1e3 * median(ps),
+                    "ps_over_direct": median(ps) / median(direct)})
+            if "job" in parts:
+                result.update(_fixed(c, args.minibatches, args.repeats))
+            if "planned" in parts and args.planned_speeds is None:
+                result.update(_planned(c, args.minibatches, args.repeats, *planned))
         finally:
             c.stop()
+        if "planned" in parts and args.planned_speeds is not None:
+            speeds = [float(x) for x in args.planned_speeds.split(",")]
+            own = tuple(DeviceDef(f"p{i}", f"speed{x:g}", "512MiB", x)
+                        for i, x in enumerate(speeds))
+            path.write_text(cluster_toml(own, shards=2, curve=False))
+            c = LocalCluster(path, Path(tmp) / "run-planned", timeout=60).__enter__()
+            try:
+                result.update(_planned(c, args.minibatches, args.repeats, *planned),
+                              planned_speeds=speeds)
+            finally:
+                c.stop()
+    result["machine"] = machine()
+    if "exchange" in parts:
+        print_table(["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],
+                    [[f"{result['bytes_mib']:.1f} MiB x 2", f"{result['exchange_direct_ms']:.2f}",
+                      f"{result['exchange_ps_ms']:.2f}", f"{result['ps_over_direct']:.2f}"]])
+        print()
+    if "job" in parts:
+        print_table(["job", "minibatches/s", "replicas ms/minibatch", "replicas share"],
+                    [["stage 1 on one device",
+                      f"{result['job_minibatches_per_s_one_device']:.1f}", "-", "-"],
+                     ["stage 1 on two devices",
+                      f"{result['job_minibatches_per_s_replicated']:.1f}",
+                      f"{result['job_replicas_ms_per_minibatch']:.2f}",
+                      f"{result['job_replicas_share']:.1%}"]])
+        print()
+    if "planned" in parts:
+        splits = result["planned_splits"]
+        print_table(["planned", "split", "minibatches/s", "predicted samples/s"],
+                    [[f"max_replicas = {r}", splits[key],
+                      f"{result[f'planned_minibatches_per_s_{key}_replicas']:.1f}",
+                      f"{result['planned_predicted_samples_per_s'][key]:.0f}"]
+                     for key, r in (("without", 1), ("with", 2))])
+        lo, hi = result["planned_loadavg_1min"]
+        print(f"with / without: {result['planned_speedup']:.2f} measured, "
+              f"{result['planned_predicted_speedup']:.2f} predicted "
+              f"(load average {lo:.1f}-{hi:.1f})")
+    if args.json:
+        emit_json(result)
+
+
+def _fixed(c: LocalCluster, minibatches: int, repeats: int) -> dict[str, Any]:
+    """The given 2-stage split, its second stage on one device and on two (interleaved)."""
+    rates: dict[str, list[float]] = {"one": [], "two": []}
+    replicas: list[tuple[float, float]] = []
+    for i in range(repeats):  # interleaved: both see the same load
+        for key, devs in (("one", ["g0", "g1"]), ("two", ["g0", ["g1", "g2"]])):
+            info = c.submit(_job(f"{key}{i}", devs, minibatches))
+            assert info["state"] == "done", info.get("error")
+            rates[key].append(info["minibatches"] / info["seconds"])
+            if key == "two":
+                replicas.append(_replica_share(info))
     mbs = {k: median(v) for k, v in rates.items()}
-    per_mb, share = median([r[0] for r in replicas]), median([r[1] for r in replicas])
-    mb = args.params * 4 / 2**20
-    result = {
-        "params": args.params, "bytes_mib": mb,
-        "exchange_direct_ms": 1e3 * median(direct), "exchange_ps_ms": 1e3 * median(ps),
-        "ps_over_direct": median(ps) / median(direct),
+    return {
         "job_minibatches_per_s_one_device": mbs["one"],
         "job_minibatches_per_s_replicated": mbs["two"],
         "job_speedup": mbs["two"] / mbs["one"], "job_runs": rates,
-        "job_replicas_ms_per_minibatch": 1e3 * per_mb, "job_replicas_share": share,
-        "machine": machine(),
+        "job_replicas_ms_per_minibatch": 1e3 * median([r[0] for r in replicas]),
+        "job_replicas_share": median([r[1] for r in replicas]),
     }
-    print_table(["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],
-                [[f"{mb:.1f} MiB x 2", f"{result['exchange_direct_ms']:.2f}",
-                  f"{result['exchange_ps_ms']:.2f}", f"{result['ps_over_direct']:.2f}"]])
-    print()
-    print_table(["job", "minibatches/s", "replicas ms/minibatch", "replicas share"],
-                [["stage 1 on one device", f"{mbs['one']:.1f}", "-", "-"],
-                 ["stage 1 on two devices", f"{mbs['two']:.1f}", f"{1e3 * per_mb:.2f}",
-                  f"{share:.1%}"]])
-
-    if args.json:
-        emit_json(result)
 
 
 if __name__ == "__main__":

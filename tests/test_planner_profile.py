@@ -68,6 +68,11 @@ def test_store_round_trip(tmp_path):
     prof = again.model_profile("cnn", 32)
     assert prof is not None and prof.input_bytes == 256 and set(prof.layers) == {"fast", "slow"}
     assert again.model_profile("cnn", 32, ["fast"]).types == ("fast",)
+    # forgetting one minibatch drops every type's profile at it, and only those
+    again.put("cnn", 16, "fast", lps)
+    again.forget("cnn", 32)
+    assert again.get("cnn", 32, "fast") is None and again.get("cnn", 32, "slow") is None
+    assert again.get("cnn", 16, "fast") == lps
     path.write_text("not json")
     with pytest.raises(ValueError, match="unreadable"):
         ProfileStore(path)

@@ -12,6 +12,8 @@ Pure planning logic (no sockets; torch only to measure profiles):
 * :mod:`.simulate`   discrete-event simulation of pipelines under WSP (also a CLI:
   ``python -m hetpipe.planner.simulate``); its ``simulate()`` function is reached as
   ``hetpipe.planner.simulate.simulate`` since the module owns that name here
+* :mod:`.replicas`   stage replicas: the exact DP over device groups and cuts, and the
+  choice of a replicated split where the predictor says the job is faster
 * :mod:`.plan`       the plan the runtime executes, and the search that makes it
 * :mod:`.syncplan`   synchronous pipelines (gpipe, 1f1b): cuts, device mapping over the link
   matrix and microbatch order, searched together for the least iteration time

@@ -126,6 +126,12 @@ class Partition:
     recompute: tuple[tuple[int, ...], ...] = ()
     keep_memory: tuple[StageMemory, ...] = ()
     swap: tuple[tuple[int, ...], ...] = ()  # per stage: the global layers swapped to host
+    # stage replicas (:mod:`hetpipe.planner.replicas`), empty where no stage is replicated;
+    # else per stage: its devices (leader first, the objects), the minibatch's row bounds
+    # over them, and their gradient exchange per minibatch (0 on one device)
+    groups: tuple[tuple[Any, ...], ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
+    exchange_s: tuple[float, ...] = ()
 
     @property
     def k(self) -> int:
@@ -135,6 +141,14 @@ class Partition:
     def sizes(self) -> tuple[int, ...]:
         """Layers per stage, the job file's ``layers = [...]`` form."""
         return tuple(b - a for a, b in self.cuts)
+
+    def group_of(self, i: int, leader: Any) -> tuple[Any, ...]:
+        """Stage ``i``'s devices, leader first (``(leader,)`` where it is not replicated)."""
+        return self.groups[i] if self.groups else (leader,)
+
+    def rows_of(self, i: int, minibatch: int) -> tuple[int, ...]:
+        """Stage ``i``'s row bounds over its devices (``(0, minibatch)`` on one)."""
+        return self.rows[i] if self.rows else (0, minibatch)
 
     @property
     def latency(self) -> float:
@@ -224,9 +238,12 @@ class CostModel:
         speeds: Mapping[str, float] | None = None,
         weights: str = "stash",
         activations: str = "keep",
+        row_profiles: Mapping[int, ModelProfile] | None = None,
     ) -> None:
         """``weights``: the job's mode as :func:`memory.weights_mode` names it;
-        ``activations``: the policy (:data:`memory.ACTIVATION_POLICIES`)."""
+        ``activations``: the policy (:data:`memory.ACTIVATION_POLICIES`);
+        ``row_profiles``: the same model profiled at fewer rows than ``profile`` (by rows),
+        for the compute of stage replicas (:meth:`compute_at`)."""
         if activations not in ACTIVATION_POLICIES:
             raise ValueError(f"activations must be one of {ACTIVATION_POLICIES}, got "
                              f"{activations!r}")
@@ -240,6 +257,9 @@ class CostModel:
         self.runtime = costs or RuntimeCosts.zero()
         self.speeds = dict(speeds or {})
         self.L = profile.n_layers()
+        self.row_profiles = {m: p for m, p in (row_profiles or {}).items()
+                             if 0 < m < profile.minibatch and p.n_layers() == self.L}
+        self._at_rows: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         self._types: dict[str, _TypeCosts] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._memo: dict[tuple, Partition | Infeasible] = {}
@@ -306,9 +326,51 @@ class CostModel:
         const = self.tasks_time(dtype, bw_in is None, bw_out is None)
         compute = tc.cum[b] - tc.cum[a]
         if share != 1.0:  # a replica's update still steps every weight of the stage
-            update = tc.U[b] - tc.U[a]
-            compute = (compute - update) * share + update
+            fwd, bwd = self.compute_at(dtype, a, b, share)
+            compute = fwd + bwd + (tc.U[b] - tc.U[a])
         return compute + cin + cout + const
+
+    def compute_at(self, dtype: str, a: int, b: int, share: float) -> tuple[float, float]:
+        """Forward and backward time of ``[a, b)`` on ``dtype`` for ``share`` of the
+        minibatch's rows (a stage replica's). Where the model was profiled at fewer rows
+        too (``row_profiles``), interpolated between the two profiles around those rows
+        (proportional below the fewest): small batches under-use a device, so half the rows
+        rarely take half the time. Without them, proportional to the share."""
+        m = self.profile.minibatch
+        points = self._row_points(dtype)
+        x = share * m
+        lo = hi = points[-1]
+        for pt in points:
+            if pt[0] >= x:
+                hi = pt
+                break
+            lo = pt
+        if x >= points[-1][0] or x <= points[0][0]:  # proportional from the nearest
+            r, F, Bk = points[-1] if x >= points[-1][0] else points[0]
+            f = x / r
+            return float(F[b] - F[a]) * f, float(Bk[b] - Bk[a]) * f
+        w = (x - lo[0]) / (hi[0] - lo[0])
+
+        def at(pt: tuple[int, np.ndarray, np.ndarray], arr: int) -> float:
+            return float(pt[arr][b] - pt[arr][a])
+
+        return ((1 - w) * at(lo, 1) + w * at(hi, 1), (1 - w) * at(lo, 2) + w * at(hi, 2))
+
+    def _row_points(self, dtype: str) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(rows, forward prefix sums, backward prefix sums) of ``dtype`` at each profiled
+        row count, fewest first, the full minibatch last."""
+        pts = self._at_rows.get(dtype)
+        if pts is None:
+            pts = []
+            for m, prof in sorted(self.row_profiles.items()):
+                lps = prof.layers.get(dtype)
+                if lps:
+                    pts.append((m, np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)]),
+                                np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])))
+            tc = self.costs(dtype)
+            pts.append((self.profile.minibatch, tc.F, tc.Bk))
+            self._at_rows[dtype] = pts
+        return pts
 
     def time_matrix(self, dtype: str, bw_in: float | None, bw_out: float | None) -> np.ndarray:
         """``stage_time`` for every ``(a, b)`` at once (inf where ``a >= b``)."""

@@ -5,7 +5,9 @@ throughput under WSP) and returns a :class:`Plan` that the runtime executes and 
 read (:meth:`Plan.table`). Alike VWs (equal up to renaming devices and nodes) share one order
 search; formations whose throughput bound cannot beat the best so far are skipped. Because
 WSP couples VWs by *waves* of Nm minibatches, the search also tries raising the Nm of faster
-VWs so that every VW's wave takes about as long (:meth:`_Search.balance`).
+VWs so that every VW's wave takes about as long (:meth:`_Search.balance`). With
+``max_replicas`` > 1 it then weighs, per VW, running a stage on several of its devices
+(:func:`hetpipe.planner.replicas.replicate`) by the same prediction.
 
 :func:`explicit_plan` prices a split the user wrote in the job file, so predicted and
 measured figures can be compared.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +36,17 @@ from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
-from hetpipe.planner.replicas import Replicated, describe_groups, partition_replicated
+from hetpipe.planner.replicas import (
+    Replicated,
+    as_partition,
+    describe_groups,
+    partition_replicated,
+    replica_memory,
+    replicate,
+)
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
+from hetpipe.replicas import check_group
 from hetpipe.schedule import Backward, Forward
 
 __all__ = [
@@ -76,9 +86,18 @@ class StagePlan:
     # stage: a slow successor lets forwards queue); successors that keep pace hold fewer.
     expected_memory: StageMemory | None = None
     swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
+    # stage replicas (hetpipe.replicas): the devices beside ``device`` that run the stage on
+    # their rows (``rows``: the minibatch's row bounds over leader and replicas) and the
+    # gradient exchange between them per minibatch; () / 0 for a stage on one device
+    replicas: tuple[str, ...] = ()
+    rows: tuple[int, ...] = ()
+    exchange_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "replicas": list(self.replicas),
+            "rows": list(self.rows),
+            "exchange_s": self.exchange_s,
             "recompute": list(self.recompute),
             "swap": list(self.swap),
             "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
@@ -111,6 +130,9 @@ class StagePlan:
             StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
             StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
             tuple(int(j) for j in d.get("swap", ())),
+            tuple(str(x) for x in d.get("replicas", ())),
+            tuple(int(x) for x in d.get("rows", ())),
+            float(d.get("exchange_s", 0.0)),
         )
 
 
@@ -211,8 +233,10 @@ class Plan:
             f"{'host':>7}{'memory / cap':>24}{'use':>6}{'shard':>7}"
         )
         for v, vw in enumerate(self.vws):
+            order = (s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
+                     for s in vw.stages)
             lines.append(
-                f"VW {v}: {' > '.join(vw.devices)}   Nm={vw.nm}   "
+                f"VW {v}: {' > '.join(order)}   Nm={vw.nm}   "
                 f"predicted {vw.samples_per_s:.1f} samples/s"
             )
             lines.append(head)
@@ -226,6 +250,12 @@ class Plan:
                     f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
                     f"{s.shard:>7}"
                 )
+                if s.replicas:
+                    spans = ", ".join(
+                        f"{dev} rows {lo}-{hi - 1}" for dev, lo, hi in
+                        zip((s.device, *s.replicas), s.rows, s.rows[1:], strict=False))
+                    lines.append(f"  {'':<6}replicated: {spans}; gradient exchange "
+                                 f"{_ms(s.exchange_s)} per minibatch (memory: the leader's)")
                 if s.recompute or s.swap:
                     before = s.keep_memory.total if s.keep_memory else s.memory.total
                     kept = _ranges([j for j in range(a, b)
@@ -236,6 +266,7 @@ class Plan:
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
+        lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
             groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
                                for g in r["groups"])
@@ -266,6 +297,10 @@ def _expected_memory(
     if not peak:
         return None
     a, b = p.cuts[i]
+    if p.groups and len(p.groups[i]) > 1:  # the leader's rows (as ``memory``)
+        rows = p.rows[i]
+        return replica_memory(model, devs[i].type, a, b, i, len(devs), peak,
+                              (rows[1] - rows[0]) / rows[-1])
     return model.stage_memory(devs[i].type, a, b, i, len(devs), peak,
                               recompute=p.recompute[i] if p.recompute else (),
                               swap=p.swap[i] if p.swap else ())
@@ -289,6 +324,26 @@ def _ranges(layers: list[int]) -> str:
 
 def _ms(t: float) -> str:
     return f"{t * 1e3:.2f}ms" if t < 10 else f"{t:.2f}s"
+
+
+def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the planner weighed per VW with ``train.max_replicas`` (see
+    :func:`hetpipe.planner.replicas.replicate`), in words."""
+    lines = []
+    for n in notes:
+        if "groups" not in n:
+            lines.append(f"replicas, VW {n['vw']}: none ({n['why']})")
+            continue
+        groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
+                           for g in n["groups"])
+        lines.append(
+            f"replicas, VW {n['vw']}: {'chosen' if n['chosen'] else 'not chosen'}: devices "
+            f"[{groups}] layers {n['layers']} predicts {_ms(n['minibatch_s'])} per minibatch "
+            f"(gradient exchange {_ms(max(n['exchange_s']))}) and "
+            f"{n['samples_per_s']:.1f} samples/s, against "
+            f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
+            f"samples/s without replicas")
+    return lines
 
 
 # --------------------------------------------------------------------------- placement
@@ -513,6 +568,8 @@ def make_plan(
     minibatches: int | None = None,
     weights: str = "stash",
     activations: str = "keep",
+    max_replicas: int = 1,
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -529,7 +586,12 @@ def make_plan(
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
     memory recomputes the cheapest run of layers or swaps the layers that make it fit,
     whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).
-    Raises :class:`PlanError` when the model fits on no group of devices.
+    ``max_replicas`` (> 1): each VW may run a stage on up to that many consecutive devices
+    of its order, where the predictor says the job is faster so
+    (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]`` says what was
+    weighed); ``row_profiles``: the model profiled at a replica's fewer rows (by rows), for
+    its compute (:meth:`CostModel.compute_at`; else proportional to its rows). Raises
+    :class:`PlanError` when the model fits on no group of devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -549,7 +611,8 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
+                        row_profiles)
     search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
@@ -586,7 +649,7 @@ def make_plan(
             (d.name, f"its VW ({','.join(x.name for x in g)}) cannot hold the model: {why}")
             for d in g
         ]
-    details = {
+    details: dict[str, Any] = {
         "formations_evaluated": search.formations,
         "formations_considered": len(cands),
         "orders_evaluated": search.orders,
@@ -594,6 +657,16 @@ def make_plan(
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
     }
+    if max_replicas > 1:
+        if activations in ("keep", "auto"):
+            kept, pred, notes = replicate(
+                model, kept, search.predict, minibatch=minibatch, max_replicas=max_replicas,
+                may_group=may_replicate(cluster, minibatch))
+        else:  # the replica DP prices every activation as kept
+            notes = [{"vw": v, "chosen": False, "why": f"train.activations = {activations!r} "
+                      "(replicas are planned keeping every activation)"}
+                     for v in range(len(kept))]
+        details["replica_choice"] = notes
     return _assemble(
         cluster,
         model,
@@ -624,11 +697,15 @@ def explicit_plan(
     minibatches: int | None = None,
     weights: str = "stash",
     activations: str = "keep",
-    replicas: Collection[str] = (),
+    groups: Sequence[Sequence[Sequence[str]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
-    None, Nm or None)`` per VW; ``replicas``: devices replicating a stage of it (used, though
-    the figures here are the stages' leaders', :func:`replica_proposals` prices them).
+    None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
+    devices, leader first, a replicated stage's several (its layers given): priced as the
+    planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
+    or as the leaders alone, with a warning, where the runtime would refuse the group
+    (``row_profiles`` as for :func:`make_plan`).
     Missing layers are split optimally for that order; a missing
     Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
     fills the pipeline). Memory over a cap is a warning here
@@ -636,7 +713,8 @@ def explicit_plan(
     ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
+                        row_profiles)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -678,6 +756,24 @@ def explicit_plan(
                     f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
                     f"{format_size(d.memory)}"
                 )
+        given = groups[v] if v < len(groups) else None
+        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
+            for n in (n for g in given for n in g[1:]):
+                if n in used:
+                    raise PlanError(f"vw {v}: device {n!r} is used twice")
+                used.add(n)
+            try:
+                group_devs = [[by_name[n] for n in g] for g in given]
+            except KeyError as e:
+                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+            r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
+            if math.isfinite(r.bottleneck):
+                devs, p = as_partition(model, [d for g in group_devs for d in g], r, p.nm,
+                                       minibatch)
+            else:
+                warnings.append(f"vw {v}: a replicated stage does not fit its devices or "
+                                "may not run on them (batch norm, rows, nodes): predicted "
+                                "as its leaders alone")
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
@@ -691,7 +787,7 @@ def explicit_plan(
         minibatches=minibatches,
     )
     unused = [(d.name, "not in the explicit split") for d in cluster.devices
-              if d.name not in used and d.name not in replicas]
+              if d.name not in used]
     return _assemble(
         cluster,
         model,
@@ -712,13 +808,15 @@ def replica_proposals(
     *, max_replicas: int, optimizer_state_factor: int, weights: str = "stash",
     activations: str = "keep", given: Sequence[tuple[Sequence[Sequence[str]],
                                                      Sequence[int]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> list[dict[str, Any]]:
     """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
     best grouping of its order into replicated stages (at most ``max_replicas`` devices
     each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
     each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
     profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations)
+    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations,
+                        row_profiles)
     by_name = {d.name: d for d in cluster.devices}
     out: list[dict[str, Any]] = []
     for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
@@ -761,16 +859,32 @@ def _cost_model(
     cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None,
     weights: str = "stash",
     activations: str = "keep",
+    row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> CostModel:
     net = cluster.network
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
     model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds,
-                      weights, activations)
+                      weights, activations, row_profiles)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model
+
+
+def may_replicate(cluster: Any, minibatch: int) -> Callable[[Sequence[Any]], bool]:
+    """Whether the runtime would run a stage on these devices
+    (:func:`hetpipe.replicas.check_group`: a row each, and on one node or joined by a
+    ``[[network.link]]``)."""
+
+    def ok(group: Sequence[Any]) -> bool:
+        try:
+            check_group(cluster, group, minibatch)
+        except ValueError:
+            return False
+        return True
+
+    return ok
 
 
 def _shard_hosts(cluster: Any) -> tuple[str, ...]:
@@ -837,6 +951,9 @@ def _assemble(
                 p.keep_memory[i] if p.keep_memory else None,
                 _expected_memory(model, devs, p, i, sim.actions[v][i] if sim.actions else ()),
                 p.swap[i] if p.swap else (),
+                tuple(x.name for x in p.group_of(i, d)[1:]),
+                p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),
+                p.exchange_s[i] if p.exchange_s else 0.0,
             )
             for i, d in enumerate(devs)
         )

@@ -32,6 +32,7 @@ from typing import Any
 
 from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
+from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import all_busy, count_law, host_cores, slowdown_of, slowdowns
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
 from hetpipe.schedule import Backward, Forward, Merge, OptimizerStep, Push
@@ -62,6 +63,7 @@ class StageCost:
     on_cpu: bool = True  # computes on the host's cores (an emulated device)
     step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
     hop_s: float = 0.0  # a hand-off's own CPU, in each loop above that is not 0 and in push_s
+    exchange_s: float = 0.0  # a replicated stage: its replicas' gradient exchange
 
     @property
     def compute_s(self) -> float:
@@ -93,9 +95,9 @@ class Prediction:
         hops = c.hop_s * (1 + (c.loop_bwd_s > 0) + (c.push_s > 0) / nm)
         loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm - hops
         trips = self.sim.trips[v][i]
-        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm
+        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm + 2 * (c.exchange_s > 0)
         return (self.compute_s(v, i) + self.slowdown[v][i] * (loop + trips * c.hop_s)
-                + wakes * self.wake[v][i])
+                + wakes * self.wake[v][i] + c.exchange_s)
 
 
 def sim_minibatches(nms: Sequence[int]) -> int:
@@ -118,19 +120,29 @@ def stage_costs(
     gradient exchange of several VWs). A synchronous backward only adds to the iteration's
     gradient sum: the optimizer runs once per iteration (``step_s``), and unpadded, since the
     runtime pads forwards and backwards only (a profile's ``update_s`` is padded, per
-    minibatch)."""
+    minibatch).
+
+    A replicated stage (``p.groups``, :mod:`hetpipe.planner.replicas`) is its slowest
+    replica: that device's compute and messages at its rows' share (the update whole), its
+    rows' flights to the next stage's replicas (:func:`.replicas.flight_time`), plus the
+    replicas' gradient exchange (:func:`.replicas.exchange_time`, ``exchange_s``)."""
     rt = model.runtime
     prof = model.profile
     k = len(devices)
+    minibatch = prof.minibatch
     out = []
-    for i, (d, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
+    for i, (leader, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
+        group = p.group_of(i, leader)
+        rows = p.rows_of(i, minibatch)
+        d, share = _slowest(model, group, rows, a, b)
         lps = prof.layers[d.type][a:b]
         first, last = i == 0, i == k - 1
         task = rt.task_s / model.speed(d.type)
         sync = schedule != "async"
-        fwd = sum(lp.fwd_s for lp in lps)
+        fwd, bwd = ((sum(lp.fwd_s for lp in lps), sum(lp.bwd_s for lp in lps))
+                    if share == 1.0 else model.compute_at(d.type, a, b, share))
         update = sum(lp.update_s for lp in lps)
-        bwd = sum(lp.bwd_s for lp in lps) + (0.0 if sync else update)
+        bwd += 0.0 if sync else update
         step = update * min(1.0, model.speed(d.type)) if sync else 0.0
         # recomputed layers run their forward again inside the backward; swapped layers'
         # copies show where they exceed the forward and the backward they run beside
@@ -141,8 +153,8 @@ def stage_costs(
             back = sum(lp.bwd_s for lp in lps)
             fwd += unhidden_copy_s(copy, fwd)
             bwd += unhidden_copy_s(copy, back)
-        in_bytes = prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes
-        out_bytes = lps[-1].out_bytes
+        in_bytes = (prof.input_bytes if a == 0 else prof.layers[d.type][a - 1].out_bytes) * share
+        out_bytes = lps[-1].out_bytes * share
         send_act = 0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
         send_grad = 0.0 if first else rt.message_s + in_bytes * rt.message_byte_s
         recv = (0.0 if first else rt.message_s + in_bytes * rt.message_byte_s) + (
@@ -161,19 +173,27 @@ def stage_costs(
         merge = wave if pulls else 0.0
         pull = 2 * rt.latency_s + state * rt.wave_byte_s if pulls else 0.0
         shard_cpu = (
-            (1 + pulls) * (state * rt.shard_byte_s + max(1, shards) * rt.message_s)
+            (1 + pulls * len(group)) * (state * rt.shard_byte_s + max(1, shards) * rt.message_s)
             if state
             else 0.0
         )
         link = 0.0
         if not last:
-            bw = model.link(d, devices[i + 1])
-            link = out_bytes / bw + rt.latency_s + out_bytes * rt.message_byte_s
+            nxt = p.group_of(i + 1, devices[i + 1])
+            if len(group) == 1 and len(nxt) == 1:
+                flight = out_bytes / model.link(d, devices[i + 1])
+            else:
+                flight = flight_time(model, group, rows, nxt, p.rows_of(i + 1, minibatch),
+                                     float(lps[-1].out_bytes))
+            link = flight + rt.latency_s + out_bytes * rt.message_byte_s
+        pbytes = float(sum(lp.param_bytes for lp in lps))
+        exchange = exchange_time(model, group, pbytes)
+        exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
         speed = model.speed(d.type)
         padded = compute_fwd + compute_bwd
         on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
         compute_cpu = padded * speed if on_cpu else 0.0
-        cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm
+        cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm + exchange_cpu
         out.append(
             StageCost(
                 compute_fwd,
@@ -192,9 +212,27 @@ def stage_costs(
                 on_cpu,
                 step,
                 rt.hop_s,
+                exchange,
             )
         )
     return tuple(out)
+
+
+def _slowest(model: CostModel, group: Sequence[Any], rows: Sequence[int], a: int, b: int
+             ) -> tuple[Any, float]:
+    """The device of a stage's group whose rows take longest on layers ``[a, b)``, and its
+    share of the rows (the device itself and 1.0 for a stage on one device)."""
+    if len(group) == 1:
+        return group[0], 1.0
+    n = rows[-1]
+
+    def work(j: int) -> float:
+        dtype = group[j].type
+        return sum(model.compute_at(dtype, a, b, (rows[j + 1] - rows[j]) / n)) + sum(
+            lp.update_s for lp in model.profile.layers[dtype][a:b])
+
+    j = max(range(len(group)), key=work)
+    return group[j], (rows[j + 1] - rows[j]) / n
 
 
 def _sim_vw(
@@ -213,10 +251,15 @@ def _sim_vw(
     stages = []
     for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
         bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
+        # a replicated stage's exchange follows its backward (the last async stage's one
+        # task), before the step: time on the links, not the host's cores, and the wake-ups
+        # of the replica waiting for the others' gradients (as a pull's)
+        exchange = c.exchange_s + 2 * w if c.exchange_s else 0.0
+        after_fwd = exchange if not c.compute_bwd_s else 0.0
         stages.append(
             SimStage(
-                k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s),
-                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop),
+                k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s) + after_fwd,
+                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop) + exchange - after_fwd,
                 k * (c.push_s - c.hop_s) if c.push_s else 0.0,
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
@@ -259,15 +302,24 @@ def predict(
     n = minibatches or sim_minibatches([p.nm for _, p in chosen])
     # the fixed point needs rates, not the whole run: its rounds simulate a shorter one
     n_round = min(n, max(32, 8 * max(p.nm for _, p in chosen)))
-    # processes: one per worker, one per shard; grouped by host
+    # processes: one per worker (each replica of a replicated stage one), one per shard;
+    # grouped by host
     node_of_host: dict[str, str] = {}
     workers: list[tuple[int, int, str]] = []  # (vw, stage, host)
-    for v, (devs, _) in enumerate(chosen):
-        for i, d in enumerate(devs):
-            node = str(getattr(d, "node", ""))
-            host = str(getattr(d, "host", node))
-            workers.append((v, i, host))
-            node_of_host.setdefault(host, node)
+    procs_of: dict[tuple[int, int], list[int]] = {}  # a stage's workers, its leader first
+    for v, (devs, p) in enumerate(chosen):
+        for i, leader in enumerate(devs):
+            for d in p.group_of(i, leader):
+                node = str(getattr(d, "node", ""))
+                host = str(getattr(d, "host", node))
+                procs_of.setdefault((v, i), []).append(len(workers))
+                workers.append((v, i, host))
+                node_of_host.setdefault(host, node)
+
+    def per_stage(values: Sequence[float], v: int) -> list[float]:
+        """Per stage of VW ``v``: the worst of its workers' ``values`` (a replicated
+        stage waits for its slowest replica)."""
+        return [max(values[j] for j in procs_of[(v, i)]) for i in range(len(chosen[v][0]))]
     shard_list = list(shard_hosts)
     hosts: dict[str, list[int]] = {}  # host -> process indices (workers first, then shards)
     for j, (_, _, h) in enumerate(workers):
@@ -292,12 +344,13 @@ def predict(
     settled = False
     while True:
         rounds += 1
+        wake_of = [rt.wake_s * busy[h] for _, _, h in workers]
         sims = [
             _sim_vw(
                 costs[v],
-                [slow[j] for j, (u, _, _) in enumerate(workers) if u == v],
-                [rt.wake_s * busy[h] for u, _, h in workers if u == v],
-                [cold[j] for j, (u, _, _) in enumerate(workers) if u == v],
+                per_stage(slow, v),
+                per_stage(wake_of, v),
+                per_stage(cold, v),
                 p,
                 minibatch,
                 schedule,
@@ -316,7 +369,8 @@ def predict(
                 rate = 0.0
             c = costs[v][i]
             demand[j] = rate * (c.cpu_s + (cold[j] - 1.0) * c.compute_cpu_s)
-            shard_total += rate / chosen[v][1].nm * c.shard_cpu_s
+            if j == procs_of[(v, i)][0]:
+                shard_total += rate / chosen[v][1].nm * c.shard_cpu_s
         for j in range(len(shard_list)):
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
@@ -359,17 +413,12 @@ def predict(
             slow = [(x + y) / 2 for x, y in zip(new, slow, strict=True)]
             busy = {h: (new_busy[h] + busy[h]) / 2 for h in hosts}
             cold = [(x + y) / 2 for x, y in zip(new_cold, cold, strict=True)]
-    per_stage = tuple(
-        tuple(slow[j] for j, (v, _, _) in enumerate(workers) if v == u) for u in range(len(chosen))
-    )
-    wakes = tuple(
-        tuple(rt.wake_s * busy[h] for v, _, h in workers if v == u) for u in range(len(chosen))
-    )
-    colds = tuple(
-        tuple(cold[j] for j, (v, _, _) in enumerate(workers) if v == u) for u in range(len(chosen))
-    )
+    wake_of = [rt.wake_s * busy[h] for _, _, h in workers]
+    n_vws = range(len(chosen))
     assert sim is not None
-    return Prediction(sim, costs, per_stage, wakes, colds, rounds)
+    return Prediction(sim, costs, tuple(tuple(per_stage(slow, u)) for u in n_vws),
+                      tuple(tuple(per_stage(wake_of, u)) for u in n_vws),
+                      tuple(tuple(per_stage(cold, u)) for u in n_vws), rounds)
 
 
 def _timeline_laws(

@@ -405,6 +405,10 @@ class ProfileStore:
             entry["input_bytes"] = int(input_bytes)
         entry["types"][dtype] = [lp.to_dict() for lp in layers]
 
+    def forget(self, model_key: str, minibatch: int) -> None:
+        """Drop every type's profile at ``minibatch`` (to be measured again)."""
+        self._data["models"].get(model_key, {}).pop(str(minibatch), None)
+
     def model_profile(
         self, model_key: str, minibatch: int, types: Sequence[str] | None = None
     ) -> ModelProfile | None:
