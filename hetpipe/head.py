@@ -180,8 +180,8 @@ class JobState:
             out["stages"] = [
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
                  **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory", "shares",
-                     "waiting")},
+                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory",
+                     "peak_in_flight", "shares", "waiting")},
                  "time_s": _stage_time(self.progress.get((v, s), {}))}
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]

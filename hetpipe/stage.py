@@ -127,6 +127,10 @@ class StageStats:
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)  # peak of each StageMemory term
+    # the most minibatches held between a forward and its backward: the count the memory
+    # model charges is the schedule's maximum (hetpipe.schedule.max_in_flight); this is
+    # what this run's timing reached
+    peak_in_flight: int = 0
     # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe
     prediction_quality: list[float] = field(default_factory=list)
 
@@ -830,6 +834,7 @@ class StageCompute:
     def _check_memory(self) -> None:
         mem = self.memory()
         self.stats.peak_bytes = max(self.stats.peak_bytes, mem.total)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.in_flight))
         for name, value in mem.to_dict().items():
             self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
         mem.check(self.cap, self.where, len(self.in_flight))
