@@ -229,9 +229,10 @@ def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
             raise ScheduleError(f"order runs the backward of {j} before its forward")
 
 
-def max_in_flight(kind: str, k: int, stage: int, nm: int) -> int:
+def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False) -> int:
     """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
-    over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds).
+    over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
+    ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
 
     This is the count the memory model charges (:mod:`hetpipe.planner.memory`): a device cap
     must hold whatever the relative speeds and arrival times, so the count is the schedule's
@@ -243,8 +244,10 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int) -> int:
       does), and a timing reaches it: when each stage's successors lag (a slower device
       after it, a late gradient), stage 0 admits Nm at once and each stage forwards all of
       them before the first gradient returns. Stages whose successors keep pace hold fewer,
-      by timing only; a stage that runs a fixed ``sequence`` holds what that order holds,
-      at most Nm.
+      by timing only. A stage that runs the lock-step order as a fixed ``sequence``
+      (weights not stashed, :class:`hetpipe.staleness.StageTable`) holds what that order
+      holds, whatever the timing: ``min(Nm, 2 (k - stage) - 1)``, its forwards until the
+      first gradient returns after the round trip through the later stages.
     - ``gpipe``: all M microbatches of an iteration, at every stage.
     - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage)``, under any timing.
     """
@@ -257,6 +260,8 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int) -> int:
         return min(nm, k - stage)
     if kind != "async":
         raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
+    if fixed:
+        return min(nm, 2 * (k - stage) - 1)
     return 1 if stage == k - 1 else nm
 
 

@@ -17,6 +17,7 @@ from hetpipe.planner import (
     ModelProfile,
     Partition,
     brute_force,
+    in_flight,
     partition,
     partition_best_nm,
     stage_memory,
@@ -25,7 +26,6 @@ from hetpipe.planner import (
     weights_mode,
 )
 from hetpipe.planner.runtime import RuntimeCosts
-from hetpipe.schedule import max_in_flight
 
 
 def dev(name: str, dtype: str, memory: int, node: str = "n0", speed: float = 1.0) -> DeviceSpec:
@@ -94,7 +94,7 @@ def test_vectorised_memory_matches_the_memory_model(weights):
     for dtype in ("a", "b"):
         for k, nm in ((1, 1), (3, 2), (4, 5)):
             for pos in range(k):
-                flight = max_in_flight("async", k, pos, nm)
+                flight = in_flight(pos, k, nm, weights=weights)
                 totals = model.memory_total(dtype, flight)
                 for a in range(9):
                     for b in range(a + 1, 10):

@@ -419,6 +419,22 @@ def test_no_timing_holds_more_than_max_in_flight(seed):
         assert peaks[-1] == 1
 
 
+@pytest.mark.parametrize(("k", "nm", "seed"), [(1, 3, 0), (2, 4, 1), (3, 4, 2), (4, 2, 3),
+                                               (4, 8, 4), (5, 3, 5), (8, 8, 6), (3, 9, 7)])
+def test_a_fixed_order_holds_its_own_count_under_any_timing(k, nm, seed):
+    """A stage that runs the lock-step order as its sequence (weights not stashed) holds
+    exactly ``min(Nm, 2 (k - stage) - 1)``, the count max_in_flight gives it, whatever the
+    speeds and message delays."""
+    total = 4 * (nm + k)
+    tables = [StageTable(k, s, nm, total) for s in range(k)]
+    want = [max_in_flight("async", k, s, nm, fixed=True) for s in range(k)]
+    assert want == [min(nm, 2 * (k - s) - 1) for s in range(k)]
+    assert held_peaks([[t.op(n) for n in range(2 * total)] for t in tables]) == want
+    schedules = [StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                               sequence=tables[s].op) for s in range(k)]
+    assert held_peaks(_random_timing_orders(schedules, seed)) == want
+
+
 def test_max_in_flight_refuses_what_cannot_exist():
     with pytest.raises(ScheduleError, match="stage"):
         max_in_flight("async", 2, 2, 4)

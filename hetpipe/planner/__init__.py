@@ -30,6 +30,7 @@ from hetpipe.planner.formation import Formation, candidate_formations
 from hetpipe.planner.memory import (
     WEIGHT_MODES,
     StageMemory,
+    in_flight,
     stage_memory,
     stage_memory_of,
     weights_mode,
@@ -90,6 +91,7 @@ __all__ = [
     "brute_force",
     "candidate_formations",
     "explicit_plan",
+    "in_flight",
     "make_plan",
     "measure_layers",
     "partition",

@@ -44,9 +44,11 @@ one home of that rule). In the async kind the last stage holds one and any other
 a slow successor lets forwards queue, and admission (minibatch p enters only after p - Nm
 finished) bounds them by Nm. A cap must hold whatever the relative speeds, so the model
 charges that count, never what one simulated timing happens to reach: a plan that fits here
-fits at run time, and a run whose stages keep pace holds less. In the synchronous kinds the
-count is the fixed order's own: gpipe holds all M microbatches of an iteration at every
-stage, 1f1b at most ``k - position`` (its warm-up plus one).
+fits at run time, and a run whose stages keep pace holds less. Where the order is fixed the
+count is that order's own, under any timing: an async stage that does not stash weights runs
+the lock-step order (:func:`fixed_order`) and holds ``min(Nm, 2 (k - position) - 1)``;
+gpipe holds all M microbatches of an iteration at every stage, 1f1b at most
+``k - position`` (its warm-up plus one).
 
 Precision (``train.precision``): the weight terms (params, optimizer, stash,
 accumulators) are float32 in both precisions, since the weights, their updates and the
@@ -87,6 +89,8 @@ __all__ = [
     "StageMemory",
     "activation_bytes",
     "copy_seconds",
+    "fixed_order",
+    "in_flight",
     "param_copies",
     "recompute_runs",
     "stage_input_bytes",
@@ -168,6 +172,18 @@ class StageMemory:
             int(d["activations"]),
             int(d["working"]),
         )
+
+
+def fixed_order(schedule: str = "async", weights: str = "stash") -> bool:
+    """Whether a stage runs the lock-step order as a fixed sequence (async, weights not
+    stashed: its s is counted on that order, see :mod:`hetpipe.staleness`)."""
+    return schedule == "async" and weights != "stash"
+
+
+def in_flight(position: int, k: int, nm: int, schedule: str = "async",
+              weights: str = "stash") -> int:
+    """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage."""
+    return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights))
 
 
 def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int:
@@ -284,7 +300,7 @@ def stage_memory(
     ``recompute``/``swap``: stage-relative indices of the layers whose activations are
     recomputed/swapped to host memory.
     """
-    n = max_in_flight(schedule, k, position, nm)
+    n = in_flight(position, k, nm, schedule, weights)
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]

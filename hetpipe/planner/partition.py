@@ -81,6 +81,7 @@ from hetpipe.planner.memory import (
     StageMemory,
     activations,
     copy_seconds,
+    in_flight,
     param_copies,
     reruns,
     stage_memory,
@@ -90,7 +91,6 @@ from hetpipe.planner.memory import (
 )
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
-from hetpipe.schedule import max_in_flight
 
 __all__ = [
     "Bandwidth",
@@ -464,7 +464,7 @@ class CostModel:
         ``recompute``: global layers recomputed, one run ``[c, d)`` (or none); ``swap``:
         global layers swapped to host memory."""
         tc = self.costs(dtype)
-        n = max_in_flight(schedule, k, position, nm)
+        n = in_flight(position, k, nm, schedule, self.weights)
         pb = int(tc.P[b] - tc.P[a])
         kept = int(tc.S[b] - tc.S[a])
         working = int(tc.W[a, b])
@@ -532,7 +532,7 @@ class CostModel:
             sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
             hit = self._prefix.get(sig)
             if hit is None:
-                flight = max_in_flight("async", k, i, nm)
+                flight = in_flight(i, k, nm, weights=self.weights)
                 tm = self.masked_times(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps)
                 cand = np.maximum(f[:, None], tm)
                 best = cand.min(axis=0)
@@ -642,7 +642,8 @@ class CostModel:
         bws = self.links(devices) if bws is None else bws
         pairs = list(enumerate(zip(devices, cuts, strict=True)))
         policies = tuple(
-            self.chosen(d.type, a, b, max_in_flight("async", k, i, nm), d.memory, d.host_gbps)
+            self.chosen(d.type, a, b, in_flight(i, k, nm, weights=self.weights), d.memory,
+                        d.host_gbps)
             if self.activations != "keep" else ((), ())
             for i, (d, (a, b)) in pairs
         )
@@ -702,7 +703,7 @@ class CostModel:
         k, L = len(devices), self.L
 
         def need(d: Any, i: int, a: int, b: int) -> int:
-            return int(self.memory_total(d.type, max_in_flight("async", k, i, nm))[a, b])
+            return int(self.memory_total(d.type, in_flight(i, k, nm, weights=self.weights))[a, b])
 
         def desc(d: Any) -> str:
             return f"{d.name} ({d.type}, cap {format_size(d.memory)})"
