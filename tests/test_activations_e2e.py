@@ -79,15 +79,29 @@ def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
     (:func:`hetpipe.schedule.max_in_flight`), and its measured peak is the model's figure
     term by term. The accumulators are the exception, bounded only: a virtual worker alone
     in its job carries one wave's update at a time, the model keeps room for two (the wave
-    being pushed under WSP with several). The last stage holds one."""
+    being pushed under WSP with several). The last stage holds one.
+
+    With ``weights = "latest"`` the stages run the lock-step order whatever the timing, so
+    the same lagging successor leaves the first stage at that order's count, 3 of Nm = 4,
+    and the model charges exactly that."""
     devices = (DeviceDef("gpu0", "fast", "256MiB", 1.0), DeviceDef("gpu1", "slow", "256MiB", 0.05))
     cluster = start_cluster(tmp_path_factory.mktemp("lagging"), devices, shards=1)
     try:
         spec = job("lagging-keep", model="cnn", model_args={"width": 16}, minibatch=128, nm=3,
                    minibatches=9, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02)
         info = cluster.submit(spec, timeout=240)
+        latest = job("lagging-latest", model="cnn", model_args={"width": 16}, minibatch=128,
+                     nm=4, minibatches=12, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02,
+                     train={"weights": "latest"})
+        fixed = cluster.submit(latest, timeout=240)
     finally:
         cluster.stop()
+    assert fixed["state"] == "done", fixed.get("error")
+    first = min(fixed["stages"], key=lambda s: s["stage"])
+    pred = fixed["predicted"]["vws"][0]["stages"][0]
+    assert first["peak_in_flight"] == max_in_flight("async", 2, 0, 4, fixed=True) == 3
+    assert first["peak_memory"]["activations"] == pred["memory_terms"]["activations"]
+    assert first["peak_bytes"] <= pred["memory"]
     assert info["state"] == "done", info.get("error")
     pred = info["predicted"]["vws"][0]["stages"]
     first, last = sorted(info["stages"], key=lambda s: s["stage"])
