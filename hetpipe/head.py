@@ -182,8 +182,8 @@ class JobState:
                 {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
                  "replicas": list(st.replicas),  # the devices beside it (hetpipe.replicas)
                  **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory", "shares",
-                     "waiting")},
+                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory",
+                     "peak_in_flight", "shares", "waiting")},
                  "time_s": _stage_time(self.progress.get((v, s), {}))}
                 for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
             ]

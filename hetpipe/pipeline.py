@@ -588,6 +588,7 @@ class StageRunner:
             "backward_s": s.backward_s,
             "peak_bytes": s.peak_bytes,
             "peak_memory": dict(s.peak_memory),
+            "peak_in_flight": s.peak_in_flight,
             "clock": self.clock,
             "vw_clock": self.vw_clock,
             "wave": wave_of(max(self.schedule.nf - 1, 0), self.task.nm),

@@ -68,6 +68,7 @@ __all__ = [
     "check_order",
     "clock_cycles",
     "iteration_trips",
+    "max_in_flight",
     "microbatch_order",
     "stage_tables",
 ]
@@ -226,6 +227,42 @@ def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
             seen.add(j)
         elif j not in seen:
             raise ScheduleError(f"order runs the backward of {j} before its forward")
+
+
+def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False) -> int:
+    """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
+    over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
+    ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
+
+    This is the count the memory model charges (:mod:`hetpipe.planner.memory`): a device cap
+    must hold whatever the relative speeds and arrival times, so the count is the schedule's
+    maximum, never what one simulated timing happens to reach.
+
+    - ``async``: the last stage runs a backward right after its forward: 1. Any other stage:
+      Nm. Admission bounds it (stage 0 admits p after the backward of p - Nm there, and a
+      later stage forwards only what stage 0 admitted and differentiates p before stage 0
+      does), and a timing reaches it: when each stage's successors lag (a slower device
+      after it, a late gradient), stage 0 admits Nm at once and each stage forwards all of
+      them before the first gradient returns. Stages whose successors keep pace hold fewer,
+      by timing only. A stage that runs the lock-step order as a fixed ``sequence``
+      (weights not stashed, :class:`hetpipe.staleness.StageTable`) holds what that order
+      holds, whatever the timing: ``min(Nm, 2 (k - stage) - 1)``, its forwards until the
+      first gradient returns after the round trip through the later stages.
+    - ``gpipe``: all M microbatches of an iteration, at every stage.
+    - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage)``, under any timing.
+    """
+    _check_position(k, stage)
+    if nm < 1:
+        raise ScheduleError(f"nm: must be >= 1, got {nm}")
+    if kind == "gpipe":
+        return nm
+    if kind == "1f1b":
+        return min(nm, k - stage)
+    if kind != "async":
+        raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
+    if fixed:
+        return min(nm, 2 * (k - stage) - 1)
+    return 1 if stage == k - 1 else nm
 
 
 def _check_position(k: int, stage: int) -> None:
@@ -493,7 +530,7 @@ def clock_cycles(schedules: Sequence[StageSchedule], *, limit: int = 100_000) ->
     acts: list[set[int]] = [set() for _ in range(k)]
     grads: list[set[int]] = [set() for _ in range(k)]
     sent: list[set[tuple[int, bool]]] = [set() for _ in range(k)]
-    inputs = [_Arrived(acts[s], grads[s], sent[s]) for s in range(k)]
+    inputs = [_Ticked(acts[s], grads[s], sent[s]) for s in range(k)]
     for tick in range(limit):
         arriving: list[tuple[set[int], int]] = []
         for s, sch in enumerate(schedules):
@@ -532,7 +569,7 @@ def stage_tables(schedules: Sequence[StageSchedule]) -> list[list[Action]]:
     return out
 
 
-class _Arrived:
+class _Ticked:
     """Inputs of one stage under :func:`clock_cycles`."""
 
     def __init__(self, acts: set[int], grads: set[int], sent: set[tuple[int, bool]]) -> None:

@@ -58,6 +58,7 @@ from hetpipe.planner.memory import (
     StageMemory,
     activation_bytes,
     copy_seconds,
+    fixed_order,
     recompute_runs,
     unhidden_copy_s,
     working_bytes,
@@ -127,6 +128,10 @@ class StageStats:
     losses: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)  # peak of each StageMemory term
+    # the most minibatches held between a forward and its backward: the count the memory
+    # model charges is the schedule's maximum (hetpipe.schedule.max_in_flight); this is
+    # what this run's timing reached
+    peak_in_flight: int = 0
     # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe
     prediction_quality: list[float] = field(default_factory=list)
 
@@ -213,7 +218,7 @@ class StageCompute:
         # how stale weights are handled (async only): see hetpipe.staleness and the README
         self.weights = "stash" if self.spec.sync else self.spec.weights
         self.table = (StageTable(task.k, task.stage, task.nm, task.minibatches)
-                      if self.weights != "stash" else None)
+                      if fixed_order(self.spec.schedule, self.weights) else None)
         self.steps_taken = 0
         self.probe: _Probe | None = None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
@@ -806,7 +811,8 @@ class StageCompute:
         optimizer's state, the other weight versions in-flight backwards hold (and the
         predicted copy of ``predict`` paper), the update accumulators, the activations every
         in-flight minibatch keeps under its layers' policies (only its input where the
-        backward reruns the forward, plus room for one minibatch's rerun), and the working
+        backward reruns the forward, plus room for one minibatch's rerun, which a kept
+        graph's tensors make: the two never live at once), and the working
         peak of the largest layer (measured per input shape)."""
         versions = {id(f.params) for f in self.in_flight.values() if f.params} | {
             id(self.params)}
@@ -817,7 +823,12 @@ class StageCompute:
         acc += sum(_nbytes(t) for t in self.grad_sum.values())
         activations = sum(f.kept_bytes for f in self.in_flight.values())
         if any(f.recompute for f in self.in_flight.values()):
-            activations += self._rerun_bytes()
+            # a rerun's room is never used while a forward's graph is kept: a graph is kept
+            # only where no other update comes before its backward (fixed order), and a
+            # rerun backward brings one; so the room is the kept graph's where there is one
+            graphs = sum(f.kept_bytes - _nbytes(f.x) for f in self.in_flight.values()
+                         if not f.recompute)
+            activations += max(0, self._rerun_bytes() - graphs)
         return StageMemory(
             params=self.weight_bytes,
             optimizer=self.optimizer.state_bytes(),
@@ -830,6 +841,7 @@ class StageCompute:
     def _check_memory(self) -> None:
         mem = self.memory()
         self.stats.peak_bytes = max(self.stats.peak_bytes, mem.total)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.in_flight))
         for name, value in mem.to_dict().items():
             self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
         mem.check(self.cap, self.where, len(self.in_flight))

@@ -9,27 +9,31 @@ variant with every memory cap scaled by ``caps``:
 - ``auto``: the same job with ``train.activations = "auto"``: the planner recomputes runs of
   layers or swaps layers to host memory (at the devices' default ``host_gbps``) where a
   stage would not fit, whichever costs less, and the job runs;
-- ``unconstrained``: the split ``auto`` chose, run keeping every activation on the same
-  devices with caps large enough (1 GiB each): the throughput recompute is measured against.
+- ``recompute``: the same job with ``train.activations = "recompute"`` (every stage
+  recomputes its layers; the planner cuts for it): what recomputing costs, whatever ``auto``
+  picks at the devices' host links (at the default 96 Gbit/s it swaps);
+- ``unconstrained``: the split ``auto`` (and, where it differs, the one ``recompute``) chose,
+  run keeping every activation on the same devices with caps large enough (1 GiB each): the
+  throughput each policy is measured against.
 
-Per case the table gives the measured and predicted samples/s of ``auto`` and
-``unconstrained``, their ratio, and per stage the predicted memory (the planner's
-``StageMemory`` at the most minibatches in flight its simulation of the job reaches) against
-the measured peak (the runtime's count of its real tensors in the same terms), and the
-bound the plan fits under the cap. With ``--json`` the last line holds
-``feasible_only_with_plan`` (cases keep cannot plan and auto runs; target >= 3),
-``peak_memory_prediction_error`` (worst stage of any case, |predicted - measured| /
-predicted; target <= 0.10), ``peak_memory_bound_slack`` (worst (bound - measured) /
-bound), ``recompute_throughput_cost`` (1 - auto / unconstrained, measured, mean over the
-cases) beside ``predicted_recompute_cost`` (the same from the
-planner's predictions; target: measured <= predicted + 0.05), and every figure behind them.
+Per case the table gives the measured and predicted samples/s of ``auto``, ``recompute`` and
+``unconstrained``, the ratios, and per stage of ``auto`` the predicted memory against the
+measured peak (the runtime's count of its real tensors in the same terms). The predicted
+memory is the plan's: the planner's ``StageMemory`` at the most minibatches the schedule
+lets the stage hold under ANY timing (:func:`hetpipe.schedule.max_in_flight`: Nm before the
+last stage, one at it), the figure the plan fits under the cap; a run whose stages keep
+pace holds fewer (``in flight`` shows what each stage's run held against that count). With
+``--json`` the last line holds ``feasible_only_with_plan`` (cases keep cannot plan and auto
+runs; target >= 3), ``peak_memory_prediction_error`` (worst stage of auto in any case,
+|predicted - measured| / predicted; target <= 0.10), ``recompute_throughput_cost`` (1 -
+recompute / unconstrained, measured, mean over the cases) beside
+``predicted_recompute_cost`` (the same from the planner's predictions; target: measured <=
+predicted + 0.05), ``auto_throughput_cost`` and ``predicted_auto_cost`` (the same for
+``auto``, which swaps or recomputes as it chose), and every figure behind them.
 
 A short warm-up job runs on each cluster first, and each measured job runs ``--repeats``
-times (the fastest counts: the host's cores are shared with other processes). The bound
-of a stage that is not last assumes Nm minibatches in flight (a slow successor lets
-forwards queue); a run whose stages keep pace holds fewer, which the prediction takes from
-the planner's simulation. The per-term figures in the JSON (``predicted_terms``,
-``bound_terms``, ``measured_terms``) show where a gap comes from.
+times (the fastest counts: the host's cores are shared with other processes). The per-term
+figures in the JSON (``predicted_terms``, ``measured_terms``) show where a gap comes from.
 
     python scripts/bench_memory.py [--json] [--minibatches 32] [--repeats 2]
 """
@@ -46,6 +50,7 @@ from _bench import emit_json, machine, parser, print_table
 
 from hetpipe.config import format_size, load_cluster
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+from hetpipe.schedule import max_in_flight
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -91,14 +96,16 @@ def job(name: str, args: dict[str, Any], minibatch: int, steps: int, activations
 
 
 def warm_up(cluster: LocalCluster, name: str) -> None:
-    """A short job over every device: each worker pays its first-use costs (imports, thread
-    pools, allocator) here rather than in the first measured job."""
+    """Short jobs over every device, keeping and recomputing: each worker pays its first-use
+    costs (imports, thread pools, allocator; the first recomputed segment loads torch's
+    checkpoint machinery, seconds on this host) here rather than in the first measured job."""
     names = [d.name for d in devices(1.0)]
-    spec = job(name, {"width": 16}, 64, 8, "keep",
-               {"devices": names, "layers": [4] * len(names), "nm": NM})
-    info = cluster.submit(spec, timeout=900)
-    if info["state"] != "done":
-        raise RuntimeError(f"warm-up ended {info['state']}: {info.get('error')}")
+    for activations in ("keep", "recompute"):
+        spec = job(f"{name}-{activations}", {"width": 16}, 64, 8, activations,
+                   {"devices": names, "layers": [4] * len(names), "nm": NM})
+        info = cluster.submit(spec, timeout=900)
+        if info["state"] != "done":
+            raise RuntimeError(f"warm-up ended {info['state']}: {info.get('error')}")
 
 
 def fastest(cluster: LocalCluster, spec: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -115,6 +122,41 @@ def fastest(cluster: LocalCluster, spec: dict[str, Any], repeats: int) -> dict[s
     return best
 
 
+def split_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The devices and layer counts a finished job ran (a job file's ``vw`` entry)."""
+    pred = info["predicted"]["vws"][0]
+    return {"devices": info["vws"][0]["devices"],
+            "layers": [b - a for a, b in (s["layers"] for s in pred["stages"])], "nm": NM}
+
+
+def ratio(info: dict[str, Any], free: dict[str, Any]) -> tuple[float, float | None]:
+    """Measured and predicted samples/s of ``info`` over those of ``free``."""
+    free_pred = free["predicted"]["samples_per_s"] if free.get("predicted") else None
+    return (info["samples_per_s"] / free["samples_per_s"],
+            info["predicted"]["samples_per_s"] / free_pred if free_pred else None)
+
+
+def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per stage, the plan's memory (the peak under any timing) against the measured peak."""
+    pred = info["predicted"]["vws"][0]
+    k = len(pred["stages"])
+    rows = []
+    for s in info["stages"]:
+        ps = pred["stages"][s["stage"]]
+        predicted = ps["memory"]
+        rows.append({
+            "device": s["device"], "layers": s["layers"], "recompute": ps["recompute"],
+            "swap": ps.get("swap", []),
+            "predicted_bytes": predicted, "measured_peak_bytes": s["peak_bytes"],
+            "cap": ps["memory_cap"],
+            "max_in_flight": max_in_flight("async", k, s["stage"], NM),
+            "measured_in_flight": s.get("peak_in_flight"),
+            "predicted_terms": ps["memory_terms"], "measured_terms": s["peak_memory"],
+            "error": abs(predicted - s["peak_bytes"]) / predicted,
+        })
+    return rows
+
+
 def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], minibatch: int,
              scale: float, steps: int, repeats: int) -> dict[str, Any]:
     tag = f"w{args['width']}-mb{minibatch}-caps{scale}"
@@ -126,40 +168,41 @@ def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], min
     if auto["state"] != "done":
         case["auto_error"] = auto.get("error")
         return case
-    pred = auto["predicted"]["vws"][0]
-    split = {"devices": auto["vws"][0]["devices"],
-             "layers": [b - a for a, b in (s["layers"] for s in pred["stages"])], "nm": NM}
-    free = fastest(roomy, job(f"free-{tag}", args, minibatch, steps, "keep", split), repeats)
-    if free["state"] != "done":
-        raise RuntimeError(f"unconstrained run of {tag} ended {free['state']}: "
-                           f"{free.get('error')}")
-    stages = []
-    for s in auto["stages"]:
-        ps = pred["stages"][s["stage"]]
-        expected = ps["expected_memory"] or ps["memory_terms"]
-        predicted = sum(expected.values())
-        stages.append({
-            "device": s["device"], "layers": s["layers"], "recompute": ps["recompute"],
-            "swap": ps.get("swap", []),
-            "predicted_bytes": predicted, "bound_bytes": ps["memory"],
-            "measured_peak_bytes": s["peak_bytes"], "cap": ps["memory_cap"],
-            "predicted_terms": expected, "bound_terms": ps["memory_terms"],
-            "measured_terms": s["peak_memory"],
-            "error": abs(predicted - s["peak_bytes"]) / predicted,
-            "bound_slack": (ps["memory"] - s["peak_bytes"]) / ps["memory"],
-        })
-    free_pred = free["predicted"]["samples_per_s"] if free.get("predicted") else None
+    rec = fastest(tight, job(f"recompute-{tag}", args, minibatch, steps, "recompute"), repeats)
+    if rec["state"] != "done":
+        raise RuntimeError(f"recompute run of {tag} ended {rec['state']}: {rec.get('error')}")
+    frees: dict[str, dict[str, Any]] = {}
+    for info in (auto, rec):
+        split = split_of(info)
+        key = repr(split)
+        if key not in frees:
+            free = fastest(roomy, job(f"free{len(frees)}-{tag}", args, minibatch, steps, "keep",
+                                      split), repeats)
+            if free["state"] != "done":
+                raise RuntimeError(f"unconstrained run of {tag} ended {free['state']}: "
+                                   f"{free.get('error')}")
+            frees[key] = free
+    free_auto, free_rec = frees[repr(split_of(auto))], frees[repr(split_of(rec))]
+    auto_ratio, auto_pred = ratio(auto, free_auto)
+    rec_ratio, rec_pred = ratio(rec, free_rec)
     case.update({
         "feasible_only_with_plan": keep["state"] == "failed" and auto["state"] == "done",
         "auto_samples_per_s": auto["samples_per_s"],
         "auto_predicted_samples_per_s": auto["predicted"]["samples_per_s"],
-        "unconstrained_samples_per_s": free["samples_per_s"],
-        "unconstrained_predicted_samples_per_s": free_pred,
-        "throughput_ratio": auto["samples_per_s"] / free["samples_per_s"],
-        "predicted_ratio": (auto["predicted"]["samples_per_s"] / free_pred
-                            if free_pred else None),
+        "recompute_samples_per_s": rec["samples_per_s"],
+        "recompute_predicted_samples_per_s": rec["predicted"]["samples_per_s"],
+        "unconstrained_samples_per_s": free_auto["samples_per_s"],
+        "unconstrained_predicted_samples_per_s":
+            free_auto.get("predicted", {}).get("samples_per_s"),
+        "recompute_unconstrained_samples_per_s": free_rec["samples_per_s"],
+        "throughput_ratio": auto_ratio,
+        "predicted_ratio": auto_pred,
+        "recompute_ratio": rec_ratio,
+        "predicted_recompute_ratio": rec_pred,
+        "recompute_split": split_of(rec)["layers"],
         "test_accuracy": auto.get("test_accuracy"),
-        "stages": stages,
+        "stages": memory_rows(auto),
+        "recompute_stages": memory_rows(rec),
     })
     return case
 
@@ -199,41 +242,55 @@ def main() -> None:
                 c["keep_state"] if i == 0 else "",
                 f"{c['auto_samples_per_s']:.0f}/{c['auto_predicted_samples_per_s']:.0f}"
                 if i == 0 else "",
+                f"{c['recompute_samples_per_s']:.0f}/{c['recompute_predicted_samples_per_s']:.0f}"
+                if i == 0 else "",
                 f"{c['unconstrained_samples_per_s']:.0f}" if i == 0 else "",
-                f"{c['throughput_ratio']:.2f}" if i == 0 else "",
+                f"{c['throughput_ratio']:.2f} {c['recompute_ratio']:.2f}" if i == 0 else "",
                 st["device"], f"{st['layers'][0]}-{st['layers'][1] - 1}",
                 f"{rec[0]}-{rec[-1]}" if rec else "-",
                 ",".join(map(str, swp)) or "-",
+                f"{st['measured_in_flight']}/{st['max_in_flight']}",
                 format_size(st["predicted_bytes"]), format_size(st["measured_peak_bytes"]),
-                format_size(st["bound_bytes"]), format_size(st["cap"]), f"{st['error']:.3f}",
+                format_size(st["cap"]), f"{st['error']:.3f}",
             ])
         if not c.get("stages"):
             rows.append([f"{c['model']} mb{c['minibatch']} x{c['caps']}", c["keep_state"],
-                         c.get("auto_error", "-"), "", "", "", "", "", "", "", "", "", "", ""])
+                         c.get("auto_error", "-"), "", "", "", "", "", "", "", "", "", "", "",
+                         ""])
     print()
-    print_table(["case", "keep", "auto meas/pred", "unconstr.", "ratio", "device", "layers",
-                 "recompute", "swap", "predicted", "measured", "bound", "cap", "error"], rows)
+    print_table(["case", "keep", "auto meas/pred", "recompute meas/pred", "unconstr.",
+                 "ratio auto recompute", "device", "layers", "recompute", "swap", "in flight",
+                 "predicted", "measured", "cap", "error"], rows)
     ran = [c for c in cases if c.get("stages")]
     feasible = sum(1 for c in ran if c["feasible_only_with_plan"])
     worst = max((st["error"] for c in ran for st in c["stages"]), default=None)
-    slack = max((st["bound_slack"] for c in ran for st in c["stages"]), default=None)
-    cost = 1 - statistics.mean(c["throughput_ratio"] for c in ran) if ran else None
-    ratios = [c["predicted_ratio"] for c in ran if c["predicted_ratio"] is not None]
-    predicted_cost = 1 - statistics.mean(ratios) if ratios else None
+    worst_rec = max((st["error"] for c in ran for st in c["recompute_stages"]), default=None)
+
+    def cost(key: str) -> float | None:
+        values = [c[key] for c in ran if c[key] is not None]
+        return 1 - statistics.mean(values) if values else None
+
+    rec_cost, rec_pred = cost("recompute_ratio"), cost("predicted_recompute_ratio")
+    auto_cost, auto_pred = cost("throughput_ratio"), cost("predicted_ratio")
     print(f"\nfeasible only with the plan: {feasible} (target >= 3)")
     if worst is not None:
-        print(f"peak memory prediction error (worst stage): {worst:.3f} (target <= 0.10); "
-              f"bound over measured peak, worst: {slack:.3f}")
-    if cost is not None and predicted_cost is not None:
-        print(f"recompute throughput cost: measured {cost:.3f}, predicted {predicted_cost:.3f} "
+        print(f"peak memory prediction error (worst stage of auto): {worst:.3f} "
+              f"(target <= 0.10); of recompute: {worst_rec:.3f}")
+    if rec_cost is not None and rec_pred is not None:
+        print(f"recompute throughput cost: measured {rec_cost:.3f}, predicted {rec_pred:.3f} "
               "(target: measured <= predicted + 0.05)")
+    if auto_cost is not None and auto_pred is not None:
+        print(f"auto throughput cost (swaps or recomputes as planned): measured "
+              f"{auto_cost:.3f}, predicted {auto_pred:.3f}")
     if args.json:
         emit_json({
             "feasible_only_with_plan": feasible,
             "peak_memory_prediction_error": worst,
-            "peak_memory_bound_slack": slack,
-            "recompute_throughput_cost": cost,
-            "predicted_recompute_cost": predicted_cost,
+            "recompute_peak_memory_prediction_error": worst_rec,
+            "recompute_throughput_cost": rec_cost,
+            "predicted_recompute_cost": rec_pred,
+            "auto_throughput_cost": auto_cost,
+            "predicted_auto_cost": auto_pred,
             "minibatches": args.minibatches,
             "nm": NM,
             "cases": cases,

@@ -61,6 +61,9 @@ HIDDEN = [128] * 7 + [16] + [128] * 5  # wide, one narrow layer off the middle
 MINIBATCH = 256
 SPEED = 0.1  # every emulated device 10x slower than this host's core: cores stay idle
 UNSHAPED_GBPS = 10.0
+# heartbeats cross the slow link behind the DP job's pushes and pulls of the whole model
+# (seconds at a few Mbit/s): the default 3 s declared a live worker lost
+LOST_AFTER_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,8 @@ def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
         path = root / layout.name / "cluster.toml"
         path.parent.mkdir(parents=True)
         path.write_text(netns_cluster_toml(net, devices, shards=list(devices),
-                                           intra_gbps=UNSHAPED_GBPS, inter_gbps=UNSHAPED_GBPS))
+                                           intra_gbps=UNSHAPED_GBPS, inter_gbps=UNSHAPED_GBPS,
+                                           lost_after_s=LOST_AFTER_S))
         cluster = load_cluster(path)
         with NetnsCluster(net, path, path.parent / "run", timeout=120) as c:
             names = [d.name for d in cluster.devices]

@@ -317,9 +317,6 @@ def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None
     for s in stages:
         assert s.memory.total <= s.memory_cap
         assert s.keep_memory is not None
-        # the simulated run's peak in flight is at most the bound's Nm
-        assert s.expected_memory is not None
-        assert s.expected_memory.activations <= s.memory.activations
         if s.recompute:
             assert s.keep_memory.total > s.memory_cap
     table = plan.table()

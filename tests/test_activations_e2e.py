@@ -16,6 +16,7 @@ import pytest
 from conftest import job, start_cluster
 
 from hetpipe.localcluster import DeviceDef, LocalCluster
+from hetpipe.schedule import max_in_flight
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,51 @@ def test_auto_swaps_over_fast_host_links_within_the_predicted_memory(
     pred = info["predicted"]["vws"][0]["stages"]
     assert pred[0]["swap"] and not pred[0]["recompute"] and not pred[1]["swap"]
     assert_within_prediction(info)
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A first stage that keeps everything before a last stage 20x slower: its successor
+    lags, so it holds Nm minibatches in flight, the count the memory model charges
+    (:func:`hetpipe.schedule.max_in_flight`), and its measured peak is the model's figure
+    term by term. The accumulators are the exception, bounded only: a virtual worker alone
+    in its job carries one wave's update at a time, the model keeps room for two (the wave
+    being pushed under WSP with several). The last stage holds one.
+
+    With ``weights = "latest"`` the stages run the lock-step order whatever the timing, so
+    the same lagging successor leaves the first stage at that order's count, 3 of Nm = 4,
+    and the model charges exactly that."""
+    devices = (DeviceDef("gpu0", "fast", "256MiB", 1.0), DeviceDef("gpu1", "slow", "256MiB", 0.05))
+    cluster = start_cluster(tmp_path_factory.mktemp("lagging"), devices, shards=1)
+    try:
+        spec = job("lagging-keep", model="cnn", model_args={"width": 16}, minibatch=128, nm=3,
+                   minibatches=9, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02)
+        info = cluster.submit(spec, timeout=240)
+        latest = job("lagging-latest", model="cnn", model_args={"width": 16}, minibatch=128,
+                     nm=4, minibatches=12, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02,
+                     train={"weights": "latest"})
+        fixed = cluster.submit(latest, timeout=240)
+    finally:
+        cluster.stop()
+    assert fixed["state"] == "done", fixed.get("error")
+    first = min(fixed["stages"], key=lambda s: s["stage"])
+    pred = fixed["predicted"]["vws"][0]["stages"][0]
+    assert first["peak_in_flight"] == max_in_flight("async", 2, 0, 4, fixed=True) == 3
+    assert first["peak_memory"]["activations"] == pred["memory_terms"]["activations"]
+    assert first["peak_bytes"] <= pred["memory"]
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]["vws"][0]["stages"]
+    first, last = sorted(info["stages"], key=lambda s: s["stage"])
+    assert first["peak_in_flight"] == max_in_flight("async", 2, 0, 3) == 3
+    assert last["peak_in_flight"] == max_in_flight("async", 2, 1, 3) == 1
+    want, got = pred[0]["memory_terms"], first["peak_memory"]
+    for term in ("params", "optimizer", "stash", "activations", "working"):
+        assert got[term] == want[term], (term, got, want)
+    assert got["accumulators"] <= want["accumulators"]
+    for s in (first, last):
+        assert s["peak_bytes"] <= pred[s["stage"]]["memory"]
 
 
 def assert_within_prediction(info: dict) -> None:

@@ -19,6 +19,7 @@ from hetpipe.schedule import (
     StageSchedule,
     Wait,
     clock_cycles,
+    max_in_flight,
     microbatch_order,
     stage_tables,
 )
@@ -333,6 +334,114 @@ def test_a_fixed_sequence_runs_the_counted_order_under_any_timing(k, nm, total, 
     orders = _random_timing_orders(schedules, seed)
     for s in range(k):
         assert orders[s] == [tables[s].op(n) for n in range(2 * total)]
+
+
+# -- minibatches in flight: the count the memory model charges -------------------------------
+
+
+def held_peaks(orders: list[list[tuple]]) -> list[int]:
+    """Per stage, the most minibatches forwarded and not yet differentiated at once."""
+    peaks = []
+    for order in orders:
+        held = peak = 0
+        for op, _p in order:
+            held += 1 if op == "F" else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def _lagging_successors(schedules: list[StageSchedule]) -> list[list[tuple]]:
+    """Run one virtual worker where a stage acts whenever it can before any later stage does
+    (messages arrive at once): every stage's successors lag as far as the schedule lets them.
+    Return each stage's forwards and backwards in the order it ran them."""
+    k = len(schedules)
+    boxes = [_Boxes() for _ in range(k)]
+    orders: list[list[tuple]] = [[] for _ in range(k)]
+    while not all(s.finished for s in schedules):
+        for s, sch in enumerate(schedules):
+            a = sch.next(boxes[s])
+            if not isinstance(a, Wait | Done):
+                break
+        else:
+            raise AssertionError("deadlock")
+        sch.done(a)
+        if isinstance(a, Forward):
+            orders[s].append(("F", a.p))
+            if s + 1 < k:
+                boxes[s + 1].acts.add(a.p)
+        elif isinstance(a, Backward):
+            orders[s].append(("B", a.p))
+            if s > 0:
+                boxes[s - 1].grads.add(a.p)
+    return orders
+
+
+@pytest.mark.parametrize("kind", ["async", "gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "nm"), [(1, 1), (1, 4), (2, 1), (2, 4), (3, 4), (4, 2), (4, 8),
+                                       (5, 3)])
+def test_max_in_flight_is_what_a_stage_holds_when_its_successors_lag(kind, k, nm):
+    """The count the memory model charges is reached: with each stage's successors lagging,
+    an async stage before the last holds Nm, the last one; gpipe holds M everywhere, 1f1b
+    min(M, k - stage)."""
+    schedules = stages(kind, k, nm, 3 * nm)
+    want = {"async": [nm] * (k - 1) + [1], "gpipe": [nm] * k,
+            "1f1b": [min(nm, k - s) for s in range(k)]}[kind]
+    assert [max_in_flight(kind, k, s, nm) for s in range(k)] == want
+    assert held_peaks(_lagging_successors(schedules)) == want
+
+
+@pytest.mark.parametrize(("k", "nm", "want"), [(2, 4, [3, 1]), (3, 4, [4, 3, 1]),
+                                               (4, 2, [2, 2, 2, 1]), (4, 8, [7, 5, 3, 1])])
+def test_successors_that_keep_pace_hold_fewer(k, nm, want):
+    """In lock step (every compute one tick) an async stage holds min(Nm, 2 (k - stage) - 1):
+    a timing the schedule permits, but not its maximum, so no memory figure may rest on it."""
+    orders = [[(type(a).__name__[0], a.p) for a in table if isinstance(a, Forward | Backward)]
+              for table in stage_tables(stages("async", k, nm, 3 * nm))]
+    assert held_peaks(orders) == want
+    assert all(w <= max_in_flight("async", k, s, nm) for s, w in enumerate(want))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_timing_holds_more_than_max_in_flight(seed):
+    """Random speeds and message delays: no stage ever holds more than the count the memory
+    model charges; the synchronous kinds hold exactly that count under any timing."""
+    rng = random.Random(seed)
+    kind = rng.choice(["async", "async", "gpipe", "1f1b"])
+    k, nm = rng.randint(1, 6), rng.randint(1, 6)
+    peaks = held_peaks(_random_timing_orders(stages(kind, k, nm, rng.randint(nm, 4 * nm)),
+                                             seed))
+    bound = [max_in_flight(kind, k, s, nm) for s in range(k)]
+    assert all(p <= b for p, b in zip(peaks, bound, strict=True)), (kind, k, nm, peaks)
+    if kind != "async":
+        assert peaks == bound
+    else:
+        assert peaks[-1] == 1
+
+
+@pytest.mark.parametrize(("k", "nm", "seed"), [(1, 3, 0), (2, 4, 1), (3, 4, 2), (4, 2, 3),
+                                               (4, 8, 4), (5, 3, 5), (8, 8, 6), (3, 9, 7)])
+def test_a_fixed_order_holds_its_own_count_under_any_timing(k, nm, seed):
+    """A stage that runs the lock-step order as its sequence (weights not stashed) holds
+    exactly ``min(Nm, 2 (k - stage) - 1)``, the count max_in_flight gives it, whatever the
+    speeds and message delays."""
+    total = 4 * (nm + k)
+    tables = [StageTable(k, s, nm, total) for s in range(k)]
+    want = [max_in_flight("async", k, s, nm, fixed=True) for s in range(k)]
+    assert want == [min(nm, 2 * (k - s) - 1) for s in range(k)]
+    assert held_peaks([[t.op(n) for n in range(2 * total)] for t in tables]) == want
+    schedules = [StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                               sequence=tables[s].op) for s in range(k)]
+    assert held_peaks(_random_timing_orders(schedules, seed)) == want
+
+
+def test_max_in_flight_refuses_what_cannot_exist():
+    with pytest.raises(ScheduleError, match="stage"):
+        max_in_flight("async", 2, 2, 4)
+    with pytest.raises(ScheduleError, match="nm"):
+        max_in_flight("async", 2, 0, 0)
+    with pytest.raises(ScheduleError, match="unknown kind"):
+        max_in_flight("zigzag", 2, 0, 1)
 
 
 def handoffs(kind: str, k: int, nm: int, total: int, pulls: bool = False) -> list[list[str]]:

@@ -46,7 +46,8 @@ class StandInCompute:
         self.table = None  # stashes: greedy 1F1B
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
-                                     peak_bytes=0, prediction_quality=[], peak_memory={})
+                                     peak_bytes=0, prediction_quality=[], peak_memory={},
+                                     peak_in_flight=0)
 
     def state_names(self) -> list[str]:
         return []

@@ -38,13 +38,17 @@ choose per layer):
   its first layer's input, and its saved tensors live again, all at once, while its
   backward runs (the ``working`` term). The stage input is counted once, with the stage.
 
-``in_flight`` is how many minibatches a stage can hold between a forward and its backward.
-The last stage runs the backward right after the forward, so it holds one. Any other stage
-can hold up to Nm: under asynchronous 1F1B a slow successor lets forwards queue, and
-admission (minibatch p enters only after p - Nm finished) bounds them by Nm. That is the safe
-bound, so a plan that fits this model fits at run time whatever the relative speeds. In the
-synchronous kinds it is the schedule's own bound: gpipe holds all M microbatches of an
-iteration at every stage, 1f1b at most ``k - position`` (its warm-up plus one).
+``in_flight`` is how many minibatches a stage holds between a forward and its backward:
+the most the schedule permits under ANY timing (:func:`hetpipe.schedule.max_in_flight`, the
+one home of that rule). In the async kind the last stage holds one and any other stage Nm:
+a slow successor lets forwards queue, and admission (minibatch p enters only after p - Nm
+finished) bounds them by Nm. A cap must hold whatever the relative speeds, so the model
+charges that count, never what one simulated timing happens to reach: a plan that fits here
+fits at run time, and a run whose stages keep pace holds less. Where the order is fixed the
+count is that order's own, under any timing: an async stage that does not stash weights runs
+the lock-step order (:func:`fixed_order`) and holds ``min(Nm, 2 (k - position) - 1)``;
+gpipe holds all M microbatches of an iteration at every stage, 1f1b at most
+``k - position`` (its warm-up plus one).
 
 Precision (``train.precision``): the weight terms (params, optimizer, stash,
 accumulators) are float32 in both precisions, since the weights, their updates and the
@@ -70,6 +74,7 @@ from dataclasses import dataclass
 
 from hetpipe.config import format_size
 from hetpipe.planner.profile import LayerProfile, ModelProfile
+from hetpipe.schedule import max_in_flight
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 
@@ -84,6 +89,7 @@ __all__ = [
     "StageMemory",
     "activation_bytes",
     "copy_seconds",
+    "fixed_order",
     "in_flight",
     "param_copies",
     "recompute_runs",
@@ -168,18 +174,16 @@ class StageMemory:
         )
 
 
-def in_flight(position: int, k: int, nm: int, schedule: str = "async") -> int:
-    """Minibatches stage ``position`` of ``k`` can hold between forward and backward
-    (``nm`` is M, the microbatches per iteration, for the synchronous schedules)."""
-    if not 0 <= position < k:
-        raise ValueError(f"stage position {position} outside 0..{k - 1}")
-    if nm < 1:
-        raise ValueError(f"Nm must be >= 1, got {nm}")
-    if schedule == "gpipe":
-        return nm
-    if schedule == "1f1b":
-        return min(nm, k - position)
-    return 1 if position == k - 1 else nm
+def fixed_order(schedule: str = "async", weights: str = "stash") -> bool:
+    """Whether a stage runs the lock-step order as a fixed sequence (async, weights not
+    stashed: its s is counted on that order, see :mod:`hetpipe.staleness`)."""
+    return schedule == "async" and weights != "stash"
+
+
+def in_flight(position: int, k: int, nm: int, schedule: str = "async",
+              weights: str = "stash") -> int:
+    """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage."""
+    return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights))
 
 
 def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int:
@@ -296,7 +300,7 @@ def stage_memory(
     ``recompute``/``swap``: stage-relative indices of the layers whose activations are
     recomputed/swapped to host memory.
     """
-    n = in_flight(position, k, nm, schedule)
+    n = in_flight(position, k, nm, schedule, weights)
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]

@@ -526,7 +526,7 @@ class CostModel:
         ``recompute``: global layers recomputed, one run ``[c, d)`` (or none); ``swap``:
         global layers swapped to host memory."""
         tc = self.costs(dtype)
-        n = in_flight(position, k, nm, schedule)
+        n = in_flight(position, k, nm, schedule, self.weights)
         pb = int(tc.P[b] - tc.P[a])
         kept = int(tc.S[b] - tc.S[a])
         working = int(tc.W[a, b])
@@ -594,8 +594,8 @@ class CostModel:
             sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
             hit = self._prefix.get(sig)
             if hit is None:
-                tm = self.masked_times(d.type, bw_in, bw_out, in_flight(i, k, nm), d.memory,
-                                       d.host_gbps)
+                flight = in_flight(i, k, nm, weights=self.weights)
+                tm = self.masked_times(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps)
                 cand = np.maximum(f[:, None], tm)
                 best = cand.min(axis=0)
                 # among the a reaching the least bottleneck, the least sum of stage times
@@ -704,7 +704,8 @@ class CostModel:
         bws = self.links(devices) if bws is None else bws
         pairs = list(enumerate(zip(devices, cuts, strict=True)))
         policies = tuple(
-            self.chosen(d.type, a, b, in_flight(i, k, nm), d.memory, d.host_gbps)
+            self.chosen(d.type, a, b, in_flight(i, k, nm, weights=self.weights), d.memory,
+                        d.host_gbps)
             if self.activations != "keep" else ((), ())
             for i, (d, (a, b)) in pairs
         )
@@ -764,7 +765,7 @@ class CostModel:
         k, L = len(devices), self.L
 
         def need(d: Any, i: int, a: int, b: int) -> int:
-            return int(self.memory_total(d.type, in_flight(i, k, nm))[a, b])
+            return int(self.memory_total(d.type, in_flight(i, k, nm, weights=self.weights))[a, b])
 
         def desc(d: Any) -> str:
             return f"{d.name} ({d.type}, cap {format_size(d.memory)})"

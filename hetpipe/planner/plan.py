@@ -41,13 +41,11 @@ from hetpipe.planner.replicas import (
     as_partition,
     describe_groups,
     partition_replicated,
-    replica_memory,
     replicate,
 )
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
 from hetpipe.replicas import check_group
-from hetpipe.schedule import Backward, Forward
 
 __all__ = [
     "Plan",
@@ -74,6 +72,8 @@ class StagePlan:
     type: str
     layers: tuple[int, int]  # [first, last + 1)
     time_s: float  # predicted compute per minibatch: forward + backward + update, as run
+    # the peak under every timing the schedule permits (hetpipe.schedule.max_in_flight):
+    # what the stage is fitted with and what a user relies on to stay under the cap
     memory: StageMemory
     memory_cap: int
     shard: int  # PS shard holding (most of) this stage's parameters
@@ -81,10 +81,6 @@ class StagePlan:
     slowdown: float = 1.0  # how much sharing its host's cores stretches this stage's work
     recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
     keep_memory: StageMemory | None = None  # what ``memory`` would be keeping every layer
-    # ``memory`` at the most minibatches in flight the simulated run reaches: the expected
-    # peak. ``memory`` itself is the bound the plan must fit (Nm in flight before the last
-    # stage: a slow successor lets forwards queue); successors that keep pace hold fewer.
-    expected_memory: StageMemory | None = None
     swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
     # stage replicas (hetpipe.replicas): the devices beside ``device`` that run the stage on
     # their rows (``rows``: the minibatch's row bounds over leader and replicas) and the
@@ -101,7 +97,6 @@ class StagePlan:
             "recompute": list(self.recompute),
             "swap": list(self.swap),
             "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
-            "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
             "device": self.device,
             "type": self.type,
             "layers": list(self.layers),
@@ -128,7 +123,6 @@ class StagePlan:
             float(d.get("slowdown", 1.0)),
             tuple(int(j) for j in d.get("recompute", ())),
             StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
-            StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
             tuple(int(j) for j in d.get("swap", ())),
             tuple(str(x) for x in d.get("replicas", ())),
             tuple(int(x) for x in d.get("rows", ())),
@@ -280,30 +274,6 @@ class Plan:
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
-
-
-def _expected_memory(
-    model: CostModel, devs: Sequence[Any], p: Partition, i: int, log: Sequence[tuple[float, Any]]
-) -> StageMemory | None:
-    """Stage ``i``'s memory at the most minibatches its simulated run holds between a forward
-    and its backward (``log``: the simulator's actions of that stage, in order)."""
-    held = peak = 0
-    for _, action in log:
-        if isinstance(action, Forward):
-            held += 1
-            peak = max(peak, held)
-        elif isinstance(action, Backward):
-            held -= 1
-    if not peak:
-        return None
-    a, b = p.cuts[i]
-    if p.groups and len(p.groups[i]) > 1:  # the leader's rows (as ``memory``)
-        rows = p.rows[i]
-        return replica_memory(model, devs[i].type, a, b, i, len(devs), peak,
-                              (rows[1] - rows[0]) / rows[-1])
-    return model.stage_memory(devs[i].type, a, b, i, len(devs), peak,
-                              recompute=p.recompute[i] if p.recompute else (),
-                              swap=p.swap[i] if p.swap else ())
 
 
 def _ranges(layers: list[int]) -> str:
@@ -949,7 +919,6 @@ def _assemble(
                 pred.slowdown[v][i],
                 p.recompute[i] if p.recompute else (),
                 p.keep_memory[i] if p.keep_memory else None,
-                _expected_memory(model, devs, p, i, sim.actions[v][i] if sim.actions else ()),
                 p.swap[i] if p.swap else (),
                 tuple(x.name for x in p.group_of(i, d)[1:]),
                 p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
+from hetpipe.planner.memory import StageMemory, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.schedule import (
@@ -53,6 +53,7 @@ from hetpipe.schedule import (
     Forward,
     OptimizerStep,
     iteration_trips,
+    max_in_flight,
     microbatch_order,
 )
 
@@ -269,7 +270,7 @@ class SyncModel:
     def _memory_matrix(self, i: int, position: int, k: int, kind: str) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
         t = self._t(self.devices[i].type)
-        n = in_flight(position, k, self.m, kind)
+        n = max_in_flight(kind, k, position, self.m)
         L = self.L
         P, Bu, S = t["P"], t["Bu"], t["S"]
         pb = P[None, :] - P[:, None]
