@@ -262,10 +262,8 @@ class Plan:
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
-            groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
-                               for g in r["groups"])
             lines.append(
-                f"replicas, VW {r['vw']} ({r['what']}): devices [{groups}] layers "
+                f"replicas, VW {r['vw']} ({r['what']}): devices [{_groups(r['groups'])}] layers "
                 f"{r['layers']}: bottleneck {_ms(r['bottleneck'])} (gradient exchange "
                 f"{_ms(max(r['exchange_s']))}) vs {_ms(r['unreplicated'])} without replicas"
             )
@@ -296,6 +294,11 @@ def _ms(t: float) -> str:
     return f"{t * 1e3:.2f}ms" if t < 10 else f"{t:.2f}s"
 
 
+def _groups(groups: Sequence[Sequence[str]]) -> str:
+    """Devices by stage, a replicated stage's in brackets ("gpu0, [gpu1, gpu2]")."""
+    return ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]" for g in groups)
+
+
 def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
     """What the planner weighed per VW with ``train.max_replicas`` (see
     :func:`hetpipe.planner.replicas.replicate`), in words."""
@@ -304,11 +307,10 @@ def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
         if "groups" not in n:
             lines.append(f"replicas, VW {n['vw']}: none ({n['why']})")
             continue
-        groups = ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]"
-                           for g in n["groups"])
         lines.append(
             f"replicas, VW {n['vw']}: {'chosen' if n['chosen'] else 'not chosen'}: devices "
-            f"[{groups}] layers {n['layers']} predicts {_ms(n['minibatch_s'])} per minibatch "
+            f"[{_groups(n['groups'])}] layers {n['layers']} predicts "
+            f"{_ms(n['minibatch_s'])} per minibatch "
             f"(gradient exchange {_ms(max(n['exchange_s']))}) and "
             f"{n['samples_per_s']:.1f} samples/s, against "
             f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
