@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,20 @@ def hetero_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
     c = start_cluster(tmp_path_factory.mktemp("hetero"), HETERO)
     yield c
     c.stop()
+
+
+async def running_until(head: Any, job_id: str, reached: Callable[[dict[str, Any]], bool],
+                        timeout: float, every: float = 0.1) -> dict[str, Any]:
+    """Poll a job (through a head client) until ``reached(info)``; fail at once if it leaves
+    queued/planning/running (it will not get there then), or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await head.job(job_id)
+        if reached(info):
+            return info
+        assert info["state"] in ("queued", "planning", "running"), info
+        assert time.monotonic() < deadline, f"{job_id}: not there after {timeout} s: {info}"
+        await asyncio.sleep(every)
 
 
 def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | None = None,

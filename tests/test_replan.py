@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import UNIFORM, job, start_cluster
+from conftest import UNIFORM, job, running_until, start_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,9 @@ def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path, every: int) -> No
         async def go() -> tuple[dict[str, Any], str, float]:
             async with c.client() as head:
                 job_id = await head.submit(spec)
-                deadline = time.monotonic() + 120
-                while True:
-                    info = await head.job(job_id)
-                    if info.get("minibatches", 0) >= 60:
-                        break
-                    assert info["state"] in ("queued", "planning", "running"), info
-                    assert time.monotonic() < deadline, "the job never made progress"
-                    await asyncio.sleep(0.2)
+                info = await running_until(head, job_id,
+                                           lambda i: i.get("minibatches", 0) >= 60, 120,
+                                           every=0.2)
                 devices = info["vws"][0]["devices"]
                 assert len(devices) == 4, devices
                 victim = devices[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, running_until, start_cluster
 from test_pipeline_e2e import plain_training
 from test_wsp_e2e import check_invariants, load_records
 
@@ -340,14 +340,9 @@ def test_a_replicated_job_resumes_from_its_checkpoint(replica_cluster) -> None:
     async def run() -> dict[str, Any]:
         async with replica_cluster.client() as head:
             job_id = await head.submit(spec)
-            deadline = time.monotonic() + 120
-            while True:
-                info = await head.job(job_id)
-                if info.get("checkpoints", 0) >= 2:
-                    break
-                assert info["state"] in ("queued", "planning", "running"), info
-                assert time.monotonic() < deadline, info
-                await asyncio.sleep(0.05)
+            deadline = time.monotonic() + 120  # for the cancel below too
+            await running_until(head, job_id, lambda i: i.get("checkpoints", 0) >= 2, 120,
+                                every=0.05)
             await head.cancel(job_id)
             while (await head.job(job_id))["state"] not in ("cancelled", "done", "failed"):
                 assert time.monotonic() < deadline

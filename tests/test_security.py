@@ -24,7 +24,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from conftest import UNIFORM, job
+from conftest import UNIFORM, job, running_until
 
 from hetpipe import launch, security
 from hetpipe.cli import render_status
@@ -149,14 +149,9 @@ def running(guarded: LocalCluster) -> Iterator[dict[str, Any]]:
         async with c.client() as head:
             job_id = await head.submit(job("victim", model="mlp", split=SPLIT3, nm=2,
                                            epochs=5000))
-            deadline = time.monotonic() + 180  # generous: planning and start-up on a busy host
-            while True:
-                info = await head.job(job_id)
-                if info.get("minibatches", 0) >= 5:
-                    return info
-                assert info["state"] in ("queued", "planning", "running"), info
-                assert time.monotonic() < deadline, "the job never made progress"
-                await asyncio.sleep(0.2)
+            # generous: planning and start-up on a busy host
+            return await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 5,
+                                       180, every=0.2)
 
     info = c.run(start())
     yield info
