@@ -114,6 +114,11 @@ class Replicated:
         return True
 
 
+def _rows(group: Sequence[Any], minibatch: int) -> list[int]:
+    """A minibatch's row bounds over ``group`` as the runtime splits them (by speed)."""
+    return split_rows(minibatch, [float(getattr(d, "speed", 1.0)) for d in group])
+
+
 def exchange_time(model: CostModel, group: Sequence[Any], param_bytes: float) -> float:
     """The replicas' gradient exchange per minibatch (see the module docs; 0 alone)."""
     r = len(group)
@@ -161,7 +166,7 @@ def group_time(
     memory does not fit or a replica would get no row)."""
     group = devices[u:v]
     try:
-        rows = split_rows(minibatch, [float(getattr(d, "speed", 1.0)) for d in group])
+        rows = _rows(group, minibatch)
     except ValueError:
         return INF, INF
     tc = model.costs(group[0].type)
@@ -300,8 +305,7 @@ def as_partition(model: CostModel, devices: Sequence[Any], r: Replicated, nm: in
     groups = tuple(tuple(by_name[n] for n in g) for g in r.groups)
     leaders = tuple(g[0] for g in groups)
     k = len(groups)
-    rows = tuple(tuple(split_rows(minibatch, [float(getattr(d, "speed", 1.0)) for d in g]))
-                 for g in groups)
+    rows = tuple(tuple(_rows(g, minibatch)) for g in groups)
     memory = tuple(
         replica_memory(model, g[0].type, a, b, i, k, nm, (rw[1] - rw[0]) / minibatch)
         for i, (g, (a, b), rw) in enumerate(zip(groups, r.cuts, rows, strict=True)))
