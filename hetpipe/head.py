@@ -758,8 +758,11 @@ class Head:
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 if spec.schedule == "auto":  # the planner chose: the job runs its choice
                     spec = js.spec = dataclasses.replace(
-                        spec, schedule=plan.schedule, nm=plan.vws[0].nm)
+                        spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup)
                     log.info("schedule chosen", why=plan.details.get("schedule_choice"))
+                elif spec.warmup is None:  # train.warmup = "auto": the planner's order
+                    spec = js.spec = dataclasses.replace(spec, warmup=plan.warmup)
+                    log.info("warm-up chosen", warmup=plan.warmup)
                 predicted = predicted_summary(plan)
                 if needs_plan:
                     vws = plan_vws(plan)
@@ -772,6 +775,8 @@ class Head:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None
                 log.warning("no prediction for this split", error=str(exc))
+                if spec.warmup is None:  # nothing chose the order: 1F1B as published
+                    spec = js.spec = dataclasses.replace(spec, warmup=0)
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             js.plan = await loop.run_in_executor(
                 None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),

@@ -45,7 +45,7 @@ PRECISIONS = ("fp32", "bf16")
 MAX_MINIBATCH = 1 << 24
 MAX_COUNT = 1 << 40  # minibatches (per VW) and fault minibatch numbers
 MAX_EPOCHS = 1 << 20
-MAX_SMALL = 1 << 16  # nm, staleness, vws
+MAX_SMALL = 1 << 16  # nm, staleness, vws, warmup
 MAX_SECONDS = 86400.0 * 365
 
 
@@ -166,6 +166,10 @@ class JobSpec:
     # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
     # proposes beside a given split; 1: no replicas
     max_replicas: int = 1
+    # 1f1b: extra warm-up forwards of each stage before its first backward
+    # (hetpipe.schedule.microbatch_order); None: the planner picks ("auto"; the default with
+    # schedule "auto", where the head then fixes the job's schedule and warm-up together)
+    warmup: int | None = 0
 
     @property
     def sync(self) -> bool:
@@ -189,6 +193,7 @@ class JobSpec:
             "push_every": self.push_every,
             "verify": self.verify,
             "max_replicas": self.max_replicas,
+            "warmup": "auto" if self.warmup is None else self.warmup,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -272,6 +277,7 @@ class JobSpec:
                 "push_every",
                 "verify",
                 "max_replicas",
+                "warmup",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -322,6 +328,7 @@ class JobSpec:
         push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
         max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
         verify = train.flag("verify", False)
+        warmup = _warmup(train, schedule)
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -363,6 +370,7 @@ class JobSpec:
             push_every=push_every,
             verify=verify,
             max_replicas=max_replicas,
+            warmup=warmup,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),
@@ -373,6 +381,24 @@ class JobSpec:
                 for ft in root.tables("fault", ("vw", "stage", "minibatch", "seconds"))
             ),
         )
+
+
+def _warmup(train: Table, schedule: str) -> int | None:
+    """``train.warmup``: an integer >= 0 or "auto" (None), for the 1f1b order; the schedule
+    "auto" may pick it too (there it defaults to "auto", elsewhere to 0)."""
+    value = train.raw("warmup", "auto" if schedule == "auto" else 0)
+    if value == "auto":
+        if schedule not in ("1f1b", "auto"):
+            train.fail("warmup", f"auto picks 1f1b's warm-up; schedule {schedule!r} has none")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        train.fail("warmup", f"must be an integer >= 0 or \"auto\", got {value!r}")
+    if not 0 <= value <= MAX_SMALL:
+        train.fail("warmup", f"must be in 0..{MAX_SMALL}, got {value}")
+    if value and schedule not in ("1f1b", "auto"):
+        train.fail("warmup", f"extra warm-up forwards are for the 1f1b order; schedule "
+                   f"{schedule!r} has none")
+    return value
 
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:

@@ -106,6 +106,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         total=task.minibatches, staleness=task.staleness,
         pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
         sequence=table.op if table is not None else None, replicated=task.replicated,
+        warmup=compute.spec.warmup or 0,
     )
 
 

@@ -91,7 +91,7 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
         return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
                          optimizer_state_factor=factor, kind=spec.schedule,
                          vws=[(v.devices, v.layers) for v in spec.vws] or None,
-                         num_vws=spec.num_vws, policy=spec.policy)
+                         num_vws=spec.num_vws, policy=spec.policy, warmup=spec.warmup)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
@@ -149,7 +149,7 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     try:
         plans.append(sync_plan(cluster, profile, minibatch=spec.minibatch,
                                m=spec.nm or SYNC_M, optimizer_state_factor=factor,
-                               num_vws=spec.num_vws, policy=spec.policy))
+                               num_vws=spec.num_vws, policy=spec.policy, warmup=spec.warmup))
     except PlanError as exc:
         errors.append(f"synchronous: {exc}")
     if not plans:
@@ -192,6 +192,7 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
         "samples_per_s": plan.samples_per_s,
         "policy": plan.policy,
         "schedule": plan.schedule,
+        "warmup": plan.warmup,
         "iteration_s": plan.iteration_s,
         "vws": [{"samples_per_s": v.samples_per_s, "nm": v.nm,
                  # time_s: predicted compute per minibatch, comparable to the measured one

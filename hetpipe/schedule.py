@@ -28,7 +28,8 @@ Kinds:
   (:mod:`hetpipe.replicas`) waits before each step for its replicas' gradients of that
   minibatch (``Wait("replicas")``).
 - ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
-  a fixed per-stage order (:func:`microbatch_order`); gradients accumulate; after the
+  a fixed per-stage order (:func:`microbatch_order`; 1f1b with ``warmup`` extra warm-up
+  forwards spans the orders between the two); gradients accumulate; after the
   iteration's last backward the stage exchanges gradients with the other virtual workers
   through its shards (``Pull``/``Merge`` with ``grads=True``, only with several), steps its
   optimizer once on the mean gradient and pushes the update to the global weights.
@@ -169,21 +170,31 @@ class Inputs(Protocol):
 # -- microbatch order of the synchronous kinds -------------------------------------------------
 
 
-def microbatch_order(kind: str, k: int, stage: int, m: int) -> tuple[tuple[str, int], ...]:
+def microbatch_order(kind: str, k: int, stage: int, m: int, warmup: int = 0
+                     ) -> tuple[tuple[str, int], ...]:
     """The order of one iteration's forwards ``("F", j)`` and backwards ``("B", j)`` at a stage.
 
     ``gpipe``: all m forwards, then all m backwards, both in microbatch order. ``1f1b`` (with a
-    flush): ``k - stage - 1`` warm-up forwards (at most m), then one forward and one backward
-    in turn, then the remaining backwards; the last stage alternates from the start.
+    flush): ``k - stage - 1 + warmup`` warm-up forwards (at most m), then one forward and one
+    backward in turn, then the remaining backwards; with ``warmup`` 0 (1F1B as published) the
+    last stage alternates from the start.
+
+    ``warmup`` spans the orders between the two: each extra warm-up forward lets a stage run
+    ahead of a slower successor by one more microbatch (fewer bubbles where stage times
+    differ) at the memory of one more microbatch in flight; from ``m - 1`` on, every stage
+    runs gpipe's order. Every stage gets the same extra, so a stage always warms up one more
+    than its successor: the order never waits on itself (:func:`check_order`).
     """
     _check_position(k, stage)
     if m < 1:
         raise ScheduleError(f"microbatches per iteration: must be >= 1, got {m}")
+    if warmup < 0:
+        raise ScheduleError(f"warmup: must be >= 0, got {warmup}")
     if kind == "gpipe":
         return tuple([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
     if kind != "1f1b":
         raise ScheduleError(f"no microbatch order for schedule {kind!r}")
-    warm = min(k - stage - 1, m)
+    warm = min(k - stage - 1 + warmup, m)
     order = [("F", j) for j in range(warm)]
     f, b = warm, 0
     while f < m:
@@ -229,7 +240,8 @@ def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
             raise ScheduleError(f"order runs the backward of {j} before its forward")
 
 
-def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False) -> int:
+def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
+                  warmup: int = 0) -> int:
     """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
     ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
@@ -249,7 +261,8 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False) -
       holds, whatever the timing: ``min(Nm, 2 (k - stage) - 1)``, its forwards until the
       first gradient returns after the round trip through the later stages.
     - ``gpipe``: all M microbatches of an iteration, at every stage.
-    - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage)``, under any timing.
+    - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage + warmup)``, under
+      any timing (``warmup``: :func:`microbatch_order`'s extra warm-up forwards).
     """
     _check_position(k, stage)
     if nm < 1:
@@ -257,7 +270,7 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False) -
     if kind == "gpipe":
         return nm
     if kind == "1f1b":
-        return min(nm, k - stage)
+        return min(nm, k - stage + warmup)
     if kind != "async":
         raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
     if fixed:
@@ -282,10 +295,11 @@ class StageSchedule:
     and state on the shards); a virtual worker alone in its job needs no pull after the
     first (its global weights hold nothing but its own updates). ``pushes``: the stage has
     state on the shards. ``order``: a sync iteration's microbatch order for this stage
-    (default: the kind's own, from :func:`microbatch_order`). ``sequence`` (async only): the
-    n-th forward or backward this stage must run, ``("F", p)`` or ``("B", p)``, instead of
-    greedy 1F1B (a ready backward first); a stage that predicts weights runs the lock-step
-    order its s was counted on (:class:`hetpipe.staleness.StageTable`), whatever the timing.
+    (default: the kind's own, from :func:`microbatch_order` with ``warmup``). ``sequence``
+    (async only): the n-th forward or backward this stage must run, ``("F", p)`` or
+    ``("B", p)``, instead of greedy 1F1B (a ready backward first); a stage that predicts
+    weights runs the lock-step order its s was counted on
+    (:class:`hetpipe.staleness.StageTable`), whatever the timing.
     """
 
     def __init__(
@@ -302,6 +316,7 @@ class StageSchedule:
         order: Sequence[tuple[str, int]] | None = None,
         sequence: Callable[[int], tuple[str, int]] | None = None,
         replicated: bool = False,
+        warmup: int = 0,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -333,6 +348,11 @@ class StageSchedule:
         if replicated and self.sync:
             raise ScheduleError("replicated stages are for the async kind only")
         self.replicated = replicated
+        if warmup and kind != "1f1b":
+            raise ScheduleError(f"warmup: extra warm-up forwards are for 1f1b, not {kind}")
+        if warmup < 0:
+            raise ScheduleError(f"warmup: must be >= 0, got {warmup}")
+        self.warmup = warmup
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -346,7 +366,7 @@ class StageSchedule:
     def order(self, c: int) -> tuple[tuple[str, int], ...]:
         m = self.in_iteration(c)
         if m not in self._orders:
-            self._orders[m] = microbatch_order(self.kind, self.k, self.stage, m)
+            self._orders[m] = microbatch_order(self.kind, self.k, self.stage, m, self.warmup)
         return self._orders[m]
 
     @property

@@ -263,6 +263,14 @@ CASES = [
      "train.predict_variant", "unknown variant 'future' (one of: paper, consistent)"),
     ("bn-negative", "staleness = 1", "staleness = 1\nbn_recalibrate = -1",
      "train.bn_recalibrate", "must be >= 0"),
+    ("warmup-gpipe", "staleness = 1", 'staleness = 1\nschedule = "gpipe"\nwarmup = 2',
+     "train.warmup", "extra warm-up forwards are for the 1f1b order; schedule 'gpipe' has none"),
+    ("warmup-auto-async", "staleness = 1", 'staleness = 1\nwarmup = "auto"', "train.warmup",
+     "auto picks 1f1b's warm-up; schedule 'async' has none"),
+    ("warmup-negative", "staleness = 1", 'staleness = 1\nschedule = "1f1b"\nwarmup = -1',
+     "train.warmup", "must be in 0..65536, got -1"),
+    ("warmup-text", "staleness = 1", 'staleness = 1\nschedule = "1f1b"\nwarmup = "lots"',
+     "train.warmup", "must be an integer >= 0 or \"auto\", got 'lots'"),
 ]
 
 
@@ -353,6 +361,21 @@ def full_job() -> JobSpec:
         num_vws=2,
         policy="hd",
     )
+
+
+def test_warmup_is_an_integer_or_auto_and_auto_by_default_with_schedule_auto() -> None:
+    def spec(**train: object) -> JobSpec:
+        return JobSpec.from_dict({"name": "w", "model": {"name": "mlp"},
+                                  "train": {"minibatch": 4, "minibatches": 9, **train}})
+
+    assert spec(schedule="1f1b").warmup == 0
+    assert spec(schedule="1f1b", warmup=3).warmup == 3
+    assert spec(schedule="1f1b", warmup="auto").warmup is None
+    assert spec(schedule="auto").warmup is None
+    assert spec(schedule="auto", warmup=1).warmup == 1
+    assert spec().warmup == 0
+    for s in (spec(schedule="1f1b", warmup="auto"), spec(schedule="1f1b", warmup=2)):
+        assert JobSpec.from_dict(s.to_dict()) == s
 
 
 def test_round_trip() -> None:

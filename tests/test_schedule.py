@@ -28,8 +28,9 @@ from hetpipe.staleness import StageTable, lockstep_orders, version_gaps
 F, B, S = Forward, Backward, OptimizerStep
 
 
-def stages(kind: str, k: int, nm: int, total: int, pulls: bool = False) -> list[StageSchedule]:
-    return [StageSchedule(kind, k=k, stage=s, nm=nm, total=total, pulls=pulls)
+def stages(kind: str, k: int, nm: int, total: int, pulls: bool = False, warmup: int = 0
+           ) -> list[StageSchedule]:
+    return [StageSchedule(kind, k=k, stage=s, nm=nm, total=total, pulls=pulls, warmup=warmup)
             for s in range(k)]
 
 
@@ -63,6 +64,62 @@ def test_1f1b_order_warms_up_then_alternates_then_drains():
     ]
     # fewer microbatches than the warm-up: all forwards first
     assert microbatch_order("1f1b", 4, 0, 2) == (("F", 0), ("F", 1), ("B", 0), ("B", 1))
+
+
+def test_extra_warmup_spans_the_orders_from_1f1b_to_gpipe():
+    """Each extra warm-up forward moves every stage's first backward one microbatch later;
+    from m - 1 on, every stage runs gpipe's order."""
+    def text(w: int) -> list[str]:
+        return [" ".join(f"{op}{j}" for op, j in microbatch_order("1f1b", 3, s, 5, w))
+                for s in range(3)]
+
+    assert text(1) == [
+        "F0 F1 F2 F3 B0 F4 B1 B2 B3 B4",
+        "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 B4",
+    ]
+    assert text(2) == [
+        "F0 F1 F2 F3 F4 B0 B1 B2 B3 B4",
+        "F0 F1 F2 F3 B0 F4 B1 B2 B3 B4",
+        "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4",
+    ]
+    gpipe = [microbatch_order("gpipe", 3, s, 5) for s in range(3)]
+    for w in (4, 5, 9):
+        assert [microbatch_order("1f1b", 3, s, 5, w) for s in range(3)] == gpipe
+    assert [microbatch_order("1f1b", 3, s, 5, 3) for s in range(3)] != gpipe
+    with pytest.raises(ScheduleError, match="warmup: must be >= 0"):
+        microbatch_order("1f1b", 3, 0, 5, -1)
+
+
+def test_1f1b_table_with_extra_warmup_k3_m4():
+    t = stage_tables(stages("1f1b", 3, 4, 4, warmup=1))
+    assert t[0][2:] == [F(0), F(1), F(2), F(3), B(0), B(1), B(2), B(3), S(0), Push(0)]
+    assert t[1][2:] == [F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3), S(0), Push(0)]
+    assert t[2][2:] == [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3), S(0), Push(0)]
+
+
+@pytest.mark.parametrize(("k", "m", "warmup"), [(2, 4, 1), (3, 4, 1), (3, 6, 2), (4, 8, 3),
+                                                (4, 3, 5)])
+def test_extra_warmup_holds_its_count_under_any_timing_and_never_deadlocks(k, m, warmup):
+    """The memory model's count for 1f1b with extra warm-up, min(M, k - stage + warmup), is
+    what a stage holds whatever the speeds and message delays, and the orders always finish
+    (each stage warms up one more than its successor)."""
+    want = [min(m, k - s + warmup) for s in range(k)]
+    assert [max_in_flight("1f1b", k, s, m, warmup=warmup) for s in range(k)] == want
+    for seed in range(5):
+        orders = _random_timing_orders(stages("1f1b", k, m, 3 * m, warmup=warmup), seed)
+        assert held_peaks(orders) == want
+        assert all(sum(op == "B" for op, _ in o) == 3 * m for o in orders)
+
+
+def test_extra_warmup_is_for_1f1b_only():
+    with pytest.raises(ScheduleError, match="for 1f1b, not gpipe"):
+        StageSchedule("gpipe", k=2, stage=0, nm=2, total=2, warmup=1)
+    with pytest.raises(ScheduleError, match="for 1f1b, not async"):
+        StageSchedule("async", k=2, stage=0, nm=2, total=2, warmup=1)
+    with pytest.raises(ScheduleError, match="warmup: must be >= 0"):
+        StageSchedule("1f1b", k=2, stage=0, nm=2, total=2, warmup=-1)
+
 
 
 def test_bad_schedules_are_refused_with_one_line():

@@ -34,12 +34,14 @@ class InlineExecutor(Executor):
 class StandInCompute:
     """What a StageRunner calls on a stage's compute, without torch models."""
 
-    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int) -> None:
+    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int, warmup: int = 0
+                 ) -> None:
         self.task = StageTask(job="j", spec={}, vw=0, stage=stage, k=k, first=0, last=1,
                               nm=nm, staleness=0, minibatches=total, num_vws=1, prev=None,
                               next=None)
         self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", push_every=1,
-                                    checkpoint_every=0, eval_every_s=None, minibatch=1)
+                                    checkpoint_every=0, eval_every_s=None, minibatch=1,
+                                    warmup=warmup)
         self.copier = HostCopier("cpu")
         self.has_state = True
         self.restored = False  # not started from a checkpoint
@@ -76,12 +78,12 @@ class StandInCompute:
 
 
 def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
-              timed: list[tuple[float, Action]], arrivals: list[tuple[float, Message]]
-              ) -> list[Action]:
+              timed: list[tuple[float, Action]], arrivals: list[tuple[float, Message]],
+              warmup: int = 0) -> list[Action]:
     """Run the real StageRunner of one stage; before each of its decisions, deliver the
     inputs that had arrived in the simulation when the simulator's stage took its next
     action. Returns the actions the runner executed."""
-    compute = StandInCompute(kind, k, stage, nm, total)
+    compute = StandInCompute(kind, k, stage, nm, total, warmup)
     stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
 
     async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None, to: int = 0,
@@ -121,12 +123,13 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
     return executed
 
 
-def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random):
+def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random, warmup: int = 0):
     stages = tuple(SimStage(rng.uniform(0.5, 2), rng.uniform(0.5, 3), push_s=rng.uniform(0, .3),
                             step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0)
                    for _ in range(k))
     links = tuple(SimLink(rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)) for _ in range(k - 1))
-    return simulate([SimVW(stages, nm, links, schedule=kind)], 0, total, record=True)
+    return simulate([SimVW(stages, nm, links, schedule=kind, warmup=warmup)], 0, total,
+                    record=True)
 
 
 def _jobs(n: int):
@@ -145,6 +148,29 @@ def test_runtime_runs_what_the_simulator_predicts(seed, kind, k, nm, total):
         timed = list(res.actions[0][s])
         got = run_stage(kind, k, s, nm, total, timed, arrivals[s])
         assert got == [a for _t, a in timed], (kind, k, s, nm, total)
+
+
+def _warm_jobs(n: int):
+    rng = random.Random(11)
+    for i in range(n):
+        yield i, rng.randint(2, 4), rng.randint(2, 5), rng.randint(1, 10), rng.randint(1, 3)
+
+
+@pytest.mark.parametrize(("seed", "k", "nm", "total", "warmup"), list(_warm_jobs(16)))
+def test_runtime_runs_what_the_simulator_predicts_with_extra_warmup(seed, k, nm, total, warmup):
+    """1f1b with extra warm-up forwards: the runner and the simulator take their order from
+    the same schedule, so each stage runs the simulated actions, in order."""
+    rng = random.Random(seed)
+    res = simulated("1f1b", k, nm, total, rng, warmup)
+    arrivals = _arrivals_after_compute(res, k)
+    for s in range(k):
+        timed = list(res.actions[0][s])
+        got = run_stage("1f1b", k, s, nm, total, timed, arrivals[s], warmup)
+        assert got == [a for _t, a in timed], (k, s, nm, total, warmup)
+        # the order itself: k - s - 1 + warmup forwards, then F, B in turn (or all of them)
+        first_b = [type(a).__name__ for a in got].index("Backward")
+        forwards = sum(type(a).__name__ == "Forward" for a in got[:first_b])
+        assert forwards == min(k - s + warmup, nm, total)
 
 
 def _arrivals_after_compute(res, k: int) -> list[list[tuple[float, Message]]]:

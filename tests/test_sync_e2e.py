@@ -14,6 +14,7 @@ from test_pipeline_e2e import stage_records
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
+from hetpipe.schedule import microbatch_order
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +59,16 @@ def sync_job(name: str, kind: str, split: list, **kw) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("kind", "split"), [
-    ("gpipe", [(["gpu0", "gpu1"], [3, 3])]),
-    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])]),
-    ("gpipe", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])]),
-    ("1f1b", [(["gpu0", "gpu1"], [4, 2])]),
+@pytest.mark.parametrize(("kind", "split", "warmup"), [
+    ("gpipe", [(["gpu0", "gpu1"], [3, 3])], 0),
+    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])], 0),
+    ("gpipe", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 0),
+    ("1f1b", [(["gpu0", "gpu1"], [4, 2])], 0),
+    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 2),
 ])
-def test_sync_transparency_one_vw(uniform_cluster, kind, split) -> None:
-    spec = sync_job(f"sync-{kind}-{len(split[0][0])}", kind, split)
+def test_sync_transparency_one_vw(uniform_cluster, kind, split, warmup) -> None:
+    spec = sync_job(f"sync-{kind}-{len(split[0][0])}-{warmup}", kind, split)
+    spec["train"]["warmup"] = warmup
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, M, 1))
@@ -88,6 +91,13 @@ def test_sync_transparency_one_vw(uniform_cluster, kind, split) -> None:
             last_b = max(x[2] for x in spans if x[0] == "backward" and x[3] // M == i)
             next_f = min(x[1] for x in spans if x[0] == "forward" and x[3] // M == i + 1)
             assert last_b <= step[1] and step[2] <= next_f, (where, i)
+    # every stage ran its iteration in the schedule's order (warm-up included)
+    k = len(split[0][0])
+    for where, r in stages.items():
+        ran = sorted((x for x in r["stats"]["spans"] if x[0] in ("forward", "backward")
+                      and x[3] < M), key=lambda x: x[1])
+        want = microbatch_order(kind, k, int(where.split("stage")[1]), M, warmup)
+        assert [("F" if x[0] == "forward" else "B", x[3]) for x in ran] == list(want), where
 
 
 @pytest.mark.timeout(240)
@@ -122,7 +132,7 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
     of both VWs' samples of each iteration."""
     m = 3
     spec = job("sync-planned-2vw", model="mlp", nm=m, minibatches=m * ITERATIONS, lr=0.05)
-    spec["train"].update({"schedule": "1f1b", "vws": 2})
+    spec["train"].update({"schedule": "1f1b", "vws": 2, "warmup": "auto"})
     info = uniform_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
     pred = info["predicted"]
@@ -135,3 +145,12 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
     assert info["minibatches"] == m * ITERATIONS
     assert_same_weights(torch.load(info["model_path"]),
                  plain_sync_training(spec, ITERATIONS, ms, 2))
+    # the order the planner picked (train.warmup = "auto") is the order every stage ran
+    warmup = pred["warmup"]
+    stages = json.loads(Path(info["stages_path"]).read_text())
+    for where, r in stages.items():
+        v, s = (int(x) for x in where.replace("vw", "").split("/stage"))
+        ran = sorted((x for x in r["stats"]["spans"] if x[0] in ("forward", "backward")
+                      and x[3] < ms[v]), key=lambda x: x[1])
+        want = microbatch_order("1f1b", len(pred["vws"][v]["stages"]), s, ms[v], warmup)
+        assert [("F" if x[0] == "forward" else "B", x[3]) for x in ran] == list(want), where

@@ -181,9 +181,10 @@ def fixed_order(schedule: str = "async", weights: str = "stash") -> bool:
 
 
 def in_flight(position: int, k: int, nm: int, schedule: str = "async",
-              weights: str = "stash") -> int:
-    """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage."""
-    return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights))
+              weights: str = "stash", warmup: int = 0) -> int:
+    """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage
+    (``warmup``: 1f1b's extra warm-up forwards)."""
+    return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights), warmup)
 
 
 def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int:
@@ -292,6 +293,7 @@ def stage_memory(
     weights: str = "stash",
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
+    warmup: int = 0,
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -300,7 +302,7 @@ def stage_memory(
     ``recompute``/``swap``: stage-relative indices of the layers whose activations are
     recomputed/swapped to host memory.
     """
-    n = in_flight(position, k, nm, schedule, weights)
+    n = in_flight(position, k, nm, schedule, weights, warmup)
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]
@@ -333,6 +335,7 @@ def stage_memory_of(
     weights: str = "stash",
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
+    warmup: int = 0,
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``
     (``recompute``/``swap``: GLOBAL indices of the recomputed/swapped layers)."""
@@ -348,4 +351,5 @@ def stage_memory_of(
         weights,
         {j - a for j in recompute},
         {j - a for j in swap},
+        warmup,
     )

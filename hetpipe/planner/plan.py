@@ -174,6 +174,7 @@ class Plan:
     details: dict[str, Any] = field(default_factory=dict, compare=False)  # search statistics
     schedule: str = "async"  # hetpipe.schedule.KINDS; Nm is M for gpipe/1f1b
     iteration_s: float = 0.0  # gpipe/1f1b: predicted time of one iteration
+    warmup: int = 0  # 1f1b: extra warm-up forwards of its order (hetpipe.schedule)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/msgpack-able)."""
@@ -190,6 +191,7 @@ class Plan:
             "details": dict(self.details),
             "schedule": self.schedule,
             "iteration_s": self.iteration_s,
+            "warmup": self.warmup,
         }
 
     @classmethod
@@ -207,6 +209,7 @@ class Plan:
             dict(d.get("details", {})),
             str(d.get("schedule", "async")),
             float(d.get("iteration_s", 0.0)),
+            int(d.get("warmup", 0)),
         )
 
     def table(self) -> str:
@@ -219,7 +222,9 @@ class Plan:
             f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
             + (f"staleness D={self.staleness}" if self.schedule == "async" else
-               f"schedule {self.schedule}: {'+'.join(str(v.nm) for v in self.vws) or 0} "
+               f"schedule {self.schedule}"
+               + (f" with {self.warmup} extra warm-up forward(s)" if self.warmup else "")
+               + f": {'+'.join(str(v.nm) for v in self.vws) or 0} "
                f"microbatches per iteration, predicted iteration {_ms(self.iteration_s)}")
         ]
         head = (

@@ -243,6 +243,7 @@ def _sim_vw(
     p: Partition,
     minibatch: int,
     schedule: str = "async",
+    warmup: int = 0,
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
     plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
@@ -271,7 +272,8 @@ def _sim_vw(
         SimLink(costs[i].link_s * slow[i + 1] + wake[i + 1], costs[i].link_s * slow[i] + wake[i])
         for i in range(len(costs) - 1)
     )
-    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices), schedule)
+    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices), schedule,
+                 warmup=warmup)
 
 
 def predict(
@@ -284,13 +286,15 @@ def predict(
     shard_hosts: Sequence[str] = (),
     minibatches: int | None = None,
     schedule: str = "async",
+    warmup: int = 0,
 ) -> Prediction:
     """Simulate the chosen VWs with the runtime's costs, slowed by sharing their hosts.
 
     ``chosen`` holds each VW's devices in order (with ``name``, ``type``, ``node``, ``host``,
     ``device``) and split. ``cores`` gives each node's cores (one number for all, or by node
     name; default: this machine's). ``shard_hosts`` are the hosts of the parameter-server
-    shards (their work is spread evenly over them).
+    shards (their work is spread evenly over them). ``warmup``: 1f1b's extra warm-up
+    forwards (:func:`hetpipe.schedule.microbatch_order`).
     """
     rt = model.runtime
     several = len(chosen) > 1
@@ -354,6 +358,7 @@ def predict(
                 p,
                 minibatch,
                 schedule,
+                warmup,
             )
             for v, (_, p) in enumerate(chosen)
         ]

@@ -89,6 +89,7 @@ class SimVW:
     name: str = ""
     schedule: str = "async"  # hetpipe.schedule.KINDS; nm is M for the synchronous ones
     orders: tuple[tuple[tuple[str, int], ...], ...] | None = None  # per stage (sync)
+    warmup: int = 0  # 1f1b: extra warm-up forwards of the default orders
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -203,7 +204,7 @@ def simulate(
                 _Stage(st, StageSchedule(
                     v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=n_v, staleness=D,
                     pulls=several and st.state, pushes=True,
-                    order=v.orders[i] if v.orders else None))
+                    order=v.orders[i] if v.orders else None, warmup=v.warmup))
                 for i, st in enumerate(v.stages)
             ],
             [0.0] * (len(v.stages) - 1),

@@ -20,7 +20,9 @@ Search (:func:`plan_sync`):
    links (greedy from several starts, then 2-opt), then a local search over the mapping
    (swap two stages' devices, replace one by an unused device, drop one, add one), within a
    time budget;
-3. orders: every candidate is timed with each allowed kind; the faster one is kept;
+3. orders: every candidate is timed with each allowed order (gpipe; 1f1b, and with
+   ``warmup = "auto"`` 1f1b with each extra warm-up of :func:`warmup_ladder`, the orders
+   between the two); the fastest is kept;
 4. several virtual workers (:func:`search_formations`): groups of devices formed by the
    asynchronous planner's policies (:mod:`.formation`), each group's pipeline searched as
    above for every M it may get, the iteration's M shared out so that the slowest group is
@@ -69,6 +71,7 @@ __all__ = [
     "search_sync",
     "split_microbatches",
     "sync_plan",
+    "warmup_ladder",
 ]
 
 INF = math.inf
@@ -94,12 +97,21 @@ class SyncStage:
 
 @dataclass(frozen=True)
 class SyncChoice:
-    """A planned synchronous pipeline: devices (indices into the model's), cuts, kind."""
+    """A planned synchronous pipeline: devices (indices into the model's), cuts, kind, and
+    (1f1b) the extra warm-up forwards of its microbatch order."""
 
     devices: tuple[int, ...]
     cuts: tuple[tuple[int, int], ...]
     kind: str
     iteration_s: float
+    warmup: int = 0
+
+
+def warmup_ladder(m: int) -> tuple[int, ...]:
+    """The extra warm-ups of 1f1b the planner tries with ``m`` microbatches: every one below
+    ``m - 1`` (from there on the order is gpipe's) up to 4, then a geometric ladder, so that
+    a long iteration adds a few orders, not m."""
+    return tuple(w for w in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if w < max(m - 1, 1))
 
 
 def iteration_time(
@@ -178,6 +190,7 @@ class SyncModel:
         optimizer_state_factor: int,
         costs: RuntimeCosts | None = None,
         kinds: Sequence[str] = SYNC_KINDS,
+        warmups: Sequence[int] = (0,),
     ) -> None:
         if m < 1:
             raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
@@ -188,6 +201,15 @@ class SyncModel:
         self.devices = tuple(devices)
         self.m = m
         self.kinds = tuple(kinds)
+        if not warmups or min(warmups) < 0:
+            raise ValueError(f"warmups must be >= 0, got {list(warmups)}")
+        self.warmups = tuple(warmups)
+        # the microbatch orders tried: each kind; 1f1b with each extra warm-up that is not
+        # gpipe's order already
+        self.orders = tuple(dict.fromkeys(
+            (kind, w) for kind in self.kinds
+            for w in (self.warmups if kind == "1f1b" else (0,))
+            if not (kind == "1f1b" and w >= m - 1 and w > 0 and "gpipe" in self.kinds)))
         self.factor = optimizer_state_factor
         self.rt = costs or RuntimeCosts.zero()
         self.L = profile.n_layers()
@@ -260,17 +282,18 @@ class SyncModel:
         return nbytes / self.bw[i, j] + rt.latency_s + nbytes * rt.message_byte_s
 
     def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str,
-               m: int | None = None) -> StageMemory:
+               m: int | None = None, warmup: int = 0) -> StageMemory:
         """The one memory model (:func:`memory.stage_memory_of`) for layers ``[a, b)`` on
         device ``i`` (``m`` microbatches, default the model's); :meth:`_memory_matrix` is its
         vectorised total, the same integers."""
         return stage_memory_of(self.profile, self.devices[i].type, (a, b), position, k,
-                               m or self.m, self.factor, kind)
+                               m or self.m, self.factor, kind, warmup=warmup)
 
-    def _memory_matrix(self, i: int, position: int, k: int, kind: str) -> np.ndarray:
+    def _memory_matrix(self, i: int, position: int, k: int, kind: str, warmup: int = 0
+                       ) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
         t = self._t(self.devices[i].type)
-        n = max_in_flight(kind, k, position, self.m)
+        n = max_in_flight(kind, k, position, self.m, warmup=warmup)
         L = self.L
         P, Bu, S = t["P"], t["Bu"], t["S"]
         pb = P[None, :] - P[:, None]
@@ -282,15 +305,15 @@ class SyncModel:
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
 
-    def sub(self, indices: Sequence[int], m: int, kinds: Sequence[str] | None = None
-            ) -> SyncModel:
+    def sub(self, indices: Sequence[int], m: int, kinds: Sequence[str] | None = None,
+            warmups: Sequence[int] | None = None) -> SyncModel:
         """The same model on the devices ``indices`` only, with ``m`` microbatches (one
         virtual worker of several); its device indices are positions in ``indices``."""
         devs = [self.devices[i] for i in indices]
         where = {id(d): k for k, d in enumerate(devs)}
         bw = self.bw[np.ix_(list(indices), list(indices))]
         out = SyncModel(self.profile, devs, lambda a, b: bw[where[id(a)], where[id(b)]], m,
-                        self.factor, self.rt, kinds or self.kinds)
+                        self.factor, self.rt, kinds or self.kinds, warmups or self.warmups)
         out._type = self._type  # the per-type prefix sums do not depend on the devices
         return out
 
@@ -312,37 +335,38 @@ class SyncModel:
 
     # -- a mapping's iteration time -------------------------------------------------------
 
-    def evaluate(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str) -> float:
+    def evaluate(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str,
+                 warmup: int = 0) -> float:
         """Predicted iteration time, or inf where a stage does not fit its device."""
         self.evaluations += 1
         k = len(devs)
         for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
-            if self.memory(i, a, b, pos, k, kind).total > self.devices[i].memory:
+            if self.memory(i, a, b, pos, k, kind, warmup=warmup).total > self.devices[i].memory:
                 return INF
-        return self.unchecked(devs, cuts, kind)
+        return self.unchecked(devs, cuts, kind, warmup)
 
-    def unchecked(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str
-                  ) -> float:
+    def unchecked(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str,
+                  warmup: int = 0) -> float:
         """Predicted iteration time, memory caps aside (also to price a split the user
         gave)."""
         k = len(devs)
         stages = [self.stage(i, a, b, pos == 0, pos == k - 1)
                   for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True))]
         links = [(self.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
-        return iteration_time(stages, links, [microbatch_order(kind, k, s, self.m)
+        return iteration_time(stages, links, [microbatch_order(kind, k, s, self.m, warmup)
                                               for s in range(k)])
 
     def best_cuts(
-        self, devs: Sequence[int], kind: str
+        self, devs: Sequence[int], kind: str, warmup: int = 0
     ) -> tuple[float, tuple[tuple[int, int], ...]] | None:
-        """The best cuts the search finds for this mapping and kind (None: nothing fits)."""
-        key = (tuple(devs), kind)
+        """The best cuts the search finds for this mapping and order (None: nothing fits)."""
+        key = (tuple(devs), kind, warmup)
         if key in self._cut_memo:
             return self._cut_memo[key]
         k, L = len(devs), self.L
         out: tuple[float, tuple[tuple[int, int], ...]] | None = None
         if k <= L:
-            cost, ok, link = self._matrices(devs, kind)
+            cost, ok, link = self._matrices(devs, kind, warmup)
             cands = set()
             bstar = self._minmax(cost, ok, link)
             if bstar < INF:
@@ -350,13 +374,14 @@ class SyncModel:
                     cuts = self._minsum(cost, ok, link, bstar * f)
                     if cuts is not None:
                         cands.add(cuts)
-            best = min(((self.evaluate(devs, c, kind), c) for c in cands), default=None)
+            best = min(((self.evaluate(devs, c, kind, warmup), c) for c in cands),
+                       default=None)
             if best is not None and best[0] < INF:
-                out = self._refine(devs, kind, *best)
+                out = self._refine(devs, kind, warmup, *best)
         self._cut_memo[key] = out
         return out
 
-    def _matrices(self, devs: Sequence[int], kind: str):
+    def _matrices(self, devs: Sequence[int], kind: str, warmup: int = 0):
         """Per position: busy time of [a, b) per microbatch (forward and backward with their
         sends, and the position's hand-offs of an iteration shared out), where it fits, and
         the link time after a stage ending at b."""
@@ -365,14 +390,14 @@ class SyncModel:
         for pos, i in enumerate(devs):
             t = self._t(self.devices[i].type)
             F, B = t["F"], t["B"]
-            trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m)))
+            trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m, warmup)))
             c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + 2 * self._task_s(
                 self.devices[i]) + self.rt.hop_s * trips / self.m
             if pos > 0:
                 c = c + self._send_s(t["in"][:, None])
             if pos + 1 < k:
                 c = c + self._send_s(t["in"][None, :])
-            mem = self._memory_matrix(i, pos, k, kind)
+            mem = self._memory_matrix(i, pos, k, kind, warmup)
             ok.append(mem <= self.devices[i].memory)
             cost.append(c)
             if pos + 1 < k:
@@ -417,7 +442,7 @@ class SyncModel:
             b = a
         return tuple(reversed(cuts))
 
-    def _refine(self, devs, kind, t, cuts):
+    def _refine(self, devs, kind, warmup, t, cuts):
         """Move single cuts by up to two layers while the iteration gets faster."""
         cuts = list(cuts)
         improved = True
@@ -429,17 +454,18 @@ class SyncModel:
                     if not cuts[s][0] < b < cuts[s + 1][1]:
                         continue
                     trial = [*cuts[:s], (cuts[s][0], b), (b, cuts[s + 1][1]), *cuts[s + 2:]]
-                    tt = self.evaluate(devs, trial, kind)
+                    tt = self.evaluate(devs, trial, kind, warmup)
                     if tt < t * (1 - 1e-9):
                         t, cuts, improved = tt, trial, True
         return t, tuple(cuts)
 
     def best_kind(self, devs: Sequence[int]) -> SyncChoice | None:
+        """The fastest of :attr:`orders` on this mapping, each with its best cuts."""
         best = None
-        for kind in self.kinds:
-            r = self.best_cuts(devs, kind)
+        for kind, warmup in self.orders:
+            r = self.best_cuts(devs, kind, warmup)
             if r is not None and (best is None or r[0] < best.iteration_s):
-                best = SyncChoice(tuple(devs), r[1], kind, r[0])
+                best = SyncChoice(tuple(devs), r[1], kind, r[0], warmup)
         return best
 
 
@@ -562,11 +588,11 @@ def exhaustive(model: SyncModel) -> SyncChoice | None:
         partitions = [tuple(zip((0, *c), (*c, L), strict=True))
                       for c in itertools.combinations(range(1, L), k - 1)]
         for devs in itertools.permutations(range(n), k):
-            for kind in model.kinds:
+            for kind, warmup in model.orders:
                 for cuts in partitions:
-                    t = model.evaluate(devs, cuts, kind)
+                    t = model.evaluate(devs, cuts, kind, warmup)
                     if best is None or t < best.iteration_s:
-                        best = SyncChoice(devs, cuts, kind, t)
+                        best = SyncChoice(devs, cuts, kind, t, warmup)
     return best if best is not None and best.iteration_s < INF else None
 
 
@@ -612,18 +638,19 @@ def search_formations(
 ) -> list[SyncFormation]:
     """Every formation of two or more virtual workers (``(policy, groups of device
     indices)``), each group's pipeline searched at each M it may get, M split by
-    :func:`split_microbatches`, the exchange added; fastest first. One kind for all (the
-    runtime runs one schedule per job)."""
+    :func:`split_microbatches`, the exchange added; fastest first. One order for all (the
+    runtime runs one schedule and warm-up per job)."""
     deadline = time.monotonic() + budget_s
-    found: dict[tuple[tuple[int, ...], int, str], SyncChoice | None] = {}
+    found: dict[tuple[tuple[int, ...], int, str, int], SyncChoice | None] = {}
 
-    def best(group: tuple[int, ...], m: int, kind: str) -> SyncChoice | None:
-        key = (group, m, kind)
+    def best(group: tuple[int, ...], m: int, kind: str, warmup: int) -> SyncChoice | None:
+        key = (group, m, kind, warmup)
         if key not in found:
             left = deadline - time.monotonic()
-            c = plan_sync(model.sub(group, m, (kind,)), max(0.05, left / 4)) if left > 0 else None
+            sub = model.sub(group, m, (kind,), (warmup,))
+            c = plan_sync(sub, max(0.05, left / 4)) if left > 0 else None
             found[key] = None if c is None else SyncChoice(
-                tuple(group[i] for i in c.devices), c.cuts, c.kind, c.iteration_s)
+                tuple(group[i] for i in c.devices), c.cuts, c.kind, c.iteration_s, c.warmup)
         return found[key]
 
     out = []
@@ -631,20 +658,21 @@ def search_formations(
         n = len(groups)
         if not 2 <= n <= model.m:
             continue
-        for kind in model.kinds:
+        for kind, warmup in model.orders:
             if time.monotonic() > deadline:
                 break
             rows = []
             for g in groups:
                 row = []
                 for j in range(1, model.m - n + 2):
-                    c = best(tuple(g), j, kind)
+                    c = best(tuple(g), j, kind, warmup)
                     row.append(INF if c is None else c.iteration_s)
                 rows.append(row)
             ms = split_microbatches(rows, model.m)
             if ms is None:
                 continue
-            vws = tuple(best(tuple(g), mg, kind) for g, mg in zip(groups, ms, strict=True))
+            vws = tuple(best(tuple(g), mg, kind, warmup)
+                        for g, mg in zip(groups, ms, strict=True))
             assert all(c is not None for c in vws)
             x = max(model.exchange_s(c.devices, c.cuts) for c in vws)  # type: ignore[union-attr]
             slowest = max(c.iteration_s for c in vws)  # type: ignore[union-attr]
@@ -653,6 +681,51 @@ def search_formations(
 
 
 # -- plans the runtime executes ----------------------------------------------------------------
+
+
+def _explicit(model: SyncModel,
+              given: Sequence[tuple[tuple[int, ...], tuple[tuple[int, int], ...] | None]],
+              warnings: list[str]) -> list[SyncChoice]:
+    """The job's own virtual workers (devices, and cuts or None for the best ones), all in
+    the one order of :attr:`SyncModel.orders` whose slowest virtual worker is fastest (the
+    runtime runs one order per job). Given cuts over a memory cap are priced anyway, in the
+    first order, with a warning per stage over its cap."""
+    best: list[SyncChoice] | None = None
+    for kind, warmup in model.orders:
+        row = []
+        for devs, cuts in given:
+            if cuts is None:
+                r = model.best_cuts(devs, kind, warmup)
+                row.append(None if r is None else SyncChoice(devs, r[1], kind, r[0], warmup))
+            else:
+                row.append(SyncChoice(devs, cuts, kind, model.evaluate(devs, cuts, kind, warmup),
+                                      warmup))
+        if all(c is not None and c.iteration_s < INF for c in row) and (
+                best is None or max(c.iteration_s for c in row)  # type: ignore[union-attr]
+                < max(c.iteration_s for c in best)):
+            best = row  # type: ignore[assignment]
+    if best is not None:
+        return best
+    from hetpipe.planner.plan import PlanError
+
+    kind, warmup = model.orders[0]
+    out = []
+    for v, (devs, cuts) in enumerate(given):
+        if cuts is None:
+            r = model.best_cuts(devs, kind, warmup)
+            if r is None:
+                names = [model.devices[i].name for i in devs]
+                raise PlanError(f"vw {v}: the model fits on no split of {names}")
+            out.append(SyncChoice(devs, r[1], kind, r[0], warmup))
+            continue
+        for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
+            need = model.memory(i, a, b, pos, len(devs), kind, warmup=warmup).total
+            if need > model.devices[i].memory:
+                warnings.append(f"vw {v}: {model.devices[i].name} needs {need} bytes, "
+                                f"over its cap {model.devices[i].memory}")
+        out.append(SyncChoice(devs, cuts, kind, model.unchecked(devs, cuts, kind, warmup), warmup))
+    return out
+
 
 
 def sync_plan(
@@ -668,10 +741,13 @@ def sync_plan(
     policy: str = "auto",
     costs: RuntimeCosts | None = None,
     budget_s: float = 5.0,
+    warmup: int | None = 0,
 ) -> Any:
     """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
     (devices in order, layers per stage or None for the best cuts; each runs ``m``).
+    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.schedule.microbatch_order`);
+    None: the planner picks the order from :func:`warmup_ladder` too.
 
     Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever
     is predicted faster): several are formed by the asynchronous planner's policies
@@ -701,7 +777,8 @@ def sync_plan(
     if not usable:
         raise PlanError("no device has a profile")
     model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
-                      costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS)
+                      costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS,
+                      (warmup,) if warmup is not None else warmup_ladder(m))
     index = {d.name: i for i, d in enumerate(usable)}
     cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
 
@@ -713,35 +790,23 @@ def sync_plan(
                  for c, mv in zip(vws, ms, strict=True)]
         pred = predict(cm, parts, minibatch=minibatch, staleness=0,
                        shard_hosts=_shard_hosts(cluster), minibatches=PREDICT_ITERATIONS * ms[0],
-                       schedule=vws[0].kind)
+                       schedule=vws[0].kind, warmup=vws[0].warmup)
         return max(*pred.sim.iteration_s, 1e-12), pred
 
     chosen: list[SyncChoice] = []
     ms: tuple[int, ...] = ()
     exchange = 0.0
     if vws:
+        given = []
         for v, (names, layers) in enumerate(vws):
             try:
                 devs = tuple(index[n] for n in names)
             except KeyError as e:
                 raise PlanError(f"vw {v}: unknown or unprofiled device {e.args[0]!r}") from None
-            if layers is None:
-                c = model.best_kind(devs)
-                if c is None:
-                    raise PlanError(f"vw {v}: the model fits on no split of {list(names)}")
-            else:
-                bounds = list(itertools.accumulate(layers, initial=0))
-                cuts = tuple(itertools.pairwise(bounds))
-                k = kind or SYNC_KINDS[-1]
-                c = SyncChoice(devs, cuts, k, model.evaluate(devs, cuts, k))
-                if c.iteration_s == INF:  # over a cap: price it anyway, say so
-                    for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
-                        need = model.memory(i, a, b, pos, len(devs), k).total
-                        if need > usable[i].memory:
-                            warnings.append(f"vw {v}: {usable[i].name} needs {need} bytes, "
-                                            f"over its cap {usable[i].memory}")
-                    c = SyncChoice(devs, cuts, k, model.unchecked(devs, cuts, k))
-            chosen.append(c)
+            cuts = (None if layers is None
+                    else tuple(itertools.pairwise(itertools.accumulate(layers, initial=0))))
+            given.append((devs, cuts))
+        chosen = _explicit(model, given, warnings)
         ms = (m,) * len(chosen)
         exchange = max(model.exchange_s(c.devices, c.cuts) for c in chosen) if len(chosen) > 1 \
             else 0.0
@@ -777,9 +842,10 @@ def sync_plan(
             why = "predicted faster than one" if num_vws is None else "as asked (train.vws)"
             warnings.append(f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
                             f"per iteration {list(ms)}: {why}")
-    kinds = {c.kind for c in chosen}
+    kinds = {(c.kind, c.warmup) for c in chosen}
     if len(kinds) > 1:
-        raise PlanError(f"virtual workers would run different schedules {sorted(kinds)}")
+        raise PlanError(f"virtual workers would run different orders {sorted(kinds)}")
+    warm = chosen[0].warmup
     searched = max(c.iteration_s for c in chosen) + exchange
     iteration, pred = _predict(chosen, ms)
     any_type = next(iter(profile.layers))
@@ -795,7 +861,8 @@ def sync_plan(
         for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
             stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
                                     pred.compute_s(v, pos),
-                                    model.memory(i, a, b, pos, k, c.kind, mv), usable[i].memory,
+                                    model.memory(i, a, b, pos, k, c.kind, mv, warm),
+                                    usable[i].memory,
                                     stage_shards[v][pos], pred.busy_s(v, pos, mv),
                                     pred.slowdown[v][pos]))
         plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), mv,
@@ -803,14 +870,15 @@ def sync_plan(
     used = {n for p in plans for n in p.devices}
     unused = tuple(d.name for d in cluster.devices if d.name not in used)
     details = {"iteration_s": iteration, "searched_iteration_s": searched,
-               "kind": chosen[0].kind, "slowdown": [list(x) for x in pred.slowdown],
+               "kind": chosen[0].kind, "warmup": warm,
+               "slowdown": [list(x) for x in pred.slowdown],
                "evaluations": model.evaluations, "microbatches": list(ms),
                "exchange_s": exchange,
                "orders": {str(s): [f"{op}{j}" for op, j in
                                    microbatch_order(chosen[0].kind, len(chosen[0].devices), s,
-                                                    ms[0])]
+                                                    ms[0], warm)]
                           for s in range(len(chosen[0].devices))}}
     return Plan(tuple(plans), sum(p.samples_per_s for p in plans), how, unused,
                 tuple(warnings), tuple(layer_shards), minibatch, 0, profile.model, details,
-                chosen[0].kind, iteration)
+                chosen[0].kind, iteration, warm)
 
