@@ -87,11 +87,18 @@ def cluster_option(f: Any) -> Any:
                         help="Cluster description (overrides the group option).")(f)
 
 
+REACH_S = 10.0  # how long a request that may work for minutes waits for the head to answer
+
+
 def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One request to the head; its ``info``."""
+    """One request to the head; its ``info``. A request allowed longer than
+    :data:`REACH_S` (planning, profiling) first asks the head's status within that, so that
+    a cluster that is not up is said in seconds, not after the request's whole timeout."""
 
     async def go() -> dict[str, Any]:
         async with HeadClient(obj.head, timeout=timeout, curve=obj.curve) as client:
+            if timeout > REACH_S:
+                await client.call(Kind.CLUSTER_STATUS, timeout=REACH_S)
             return await client.call(kind, fields)
 
     return _run(go())

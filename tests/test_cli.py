@@ -245,6 +245,29 @@ def test_commands_fail_fast_when_the_head_is_not_running(
     assert elapsed < 5.0, elapsed
 
 
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_long_requests_say_at_once_that_the_head_is_not_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Planning and profiling may take minutes, so their requests wait long; a head that is
+    not there is still said within the time a status request waits (REACH_S)."""
+    monkeypatch.setattr(cli, "REACH_S", 0.5)
+    head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    job = tmp_path / "job.toml"
+    job.write_text(GOOD_JOB)
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    assert invoke("--cluster", cluster, "keys").exit_code == 0
+    start = time.monotonic()
+    result = invoke("--cluster", cluster, "--head", head, command, "--job", str(job))
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 1, result.output
+    assert error_lines(result) == [
+        f"Error: the head at {head} did not answer within 0.5 s: is the cluster up (`hetpipe up`), "
+        "and with these keys (a head refuses keys not its own)?"
+    ]
+    assert elapsed < 5.0, elapsed
+
+
 # -- logs -----------------------------------------------------------------------------------
 
 
