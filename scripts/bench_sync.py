@@ -24,6 +24,13 @@ Three parts, each against a baseline measured in the same run:
     instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
     ``optimality_gap_mean`` and ``optimality_gap_max`` (target <= 0.05); and the planning time
     for 200 layers on 32 devices (``plan_200x32_s``, target < 10).
+(d) Microbatch orders over a real slow link (network namespaces, ``hetpipe.netns``; only
+    with ``--parts d``, it needs root): two hosts of one device each, the link between them
+    shaped with ``tc`` so that an activation's transfer takes about as long as a stage's
+    forward, M = ``--order-m``; the same split run as 1F1B (``warmup = 0``), with the warm-up
+    the planner picks for it (``warmup = "auto"``) and as gpipe, interleaved ``--repeats``
+    times. Measured iteration time (as in (b)) and predicted per order, each stage's most
+    microbatches in flight, and ``order_speedup_vs_1f1b`` (the planner's order against 1F1B).
 
     python scripts/bench_sync.py [--json] [--parts abc] [--rounds 3] [--optimality 300]
 """
@@ -48,6 +55,7 @@ from bench_plan_quality import run_quietly
 from hetpipe.config import format_size, load_cluster
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.models import build_model
+from hetpipe.netns import Link, NetnsCluster, Network, measure_mbit, netns_cluster_toml, unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 M = 4
@@ -82,13 +90,13 @@ def part_a(args: Any) -> dict[str, Any]:
     return out
 
 
-def _iterations(info: dict[str, Any]) -> tuple[float, list[float]]:
+def _iterations(info: dict[str, Any], m: int = M) -> tuple[float, list[float]]:
     """Median time between the ends of consecutive iterations at stage 0 (first fifth out)."""
     data = json.loads(Path(info["stages_path"]).read_text())
     r = data["vw0/stage0"]
     fields = r["stats"]["record_fields"]
     rows = [dict(zip(fields, row, strict=True)) for row in r["records"]]
-    ends = [row["t_bwd"] for row in rows if row["p"] % M == M - 1]
+    ends = [row["t_bwd"] for row in rows if row["p"] % m == m - 1]
     gaps = [b - a for a, b in itertools.pairwise(ends)][len(ends) // 5:]
     return statistics.median(gaps), gaps
 
@@ -202,6 +210,76 @@ def part_c(args: Any) -> dict[str, Any]:
     return out
 
 
+ORDER_HIDDEN = [512] * 6  # (d): a stage's forward and its activation's transfer comparable
+
+
+def part_d(args: Any) -> dict[str, Any]:
+    why = unavailable()
+    if why:
+        print(f"(d) skipped: {why}")
+        return {"skipped": why}
+    m = args.order_m
+    hosts = {h: [DeviceDef(f"{h}0", "fast", "1GiB", args.order_speed)] for h in ("a", "b")}
+    n_layers = len(build_model("mlp", {"hidden": ORDER_HIDDEN}))
+
+    def job(name: str, kind: str, warmup: int | str, iterations: int) -> dict[str, Any]:
+        return {
+            "name": name, "model": {"name": "mlp", "args": {"hidden": ORDER_HIDDEN}},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+            "train": {"minibatch": args.order_microbatch, "nm": m, "seed": 0, "schedule": kind,
+                      "minibatches": iterations * m,
+                      **({"warmup": warmup} if kind == "1f1b" else {})},
+            "vw": [{"devices": ["a0", "b0"], "layers": [n_layers // 2, n_layers - n_layers // 2]}],
+        }
+
+    arms = (("1f1b", "1f1b", 0), ("planned", "1f1b", "auto"), ("gpipe", "gpipe", 0))
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a, _k, _w in arms}
+    with tempfile.TemporaryDirectory(prefix="hetpipe-bench-order-") as tmp, \
+            Network(list(hosts), [Link("a", "b", mbit=args.order_mbit)]) as net:
+        root = Path(tmp)
+        rate = measure_mbit(net, "a", "b", 2_000_000)
+        path = root / "cluster.toml"
+        path.write_text(netns_cluster_toml(net, hosts, shards=["a"], lost_after_s=30.0))
+        with NetnsCluster(net, path, root / "run", timeout=120) as cluster:
+            warm = cluster.submit(job("warm-up", "1f1b", 0, 2), timeout=600)
+            if warm.get("state") != "done":
+                raise RuntimeError(f"warm-up job: {warm.get('error')}")
+            for r in range(args.repeats):
+                for arm, kind, warmup in arms:
+                    busy0, t0 = _cpu_busy(), time.perf_counter()
+                    info = cluster.submit(job(f"{arm}-{r}", kind, warmup, args.order_iterations),
+                                          timeout=900)
+                    if info.get("state") != "done":
+                        raise RuntimeError(f"{arm}: {info.get('error')}")
+                    med, _gaps = _iterations(info, m)
+                    pred = info.get("predicted") or {}
+                    stages = json.loads(Path(info["stages_path"]).read_text())
+                    runs[arm].append({
+                        "iteration_s": med, "predicted_iteration_s": pred.get("iteration_s"),
+                        "warmup": pred.get("warmup", 0),
+                        "peak_in_flight": [st["stats"]["peak_in_flight"]
+                                           for _w, st in sorted(stages.items())],
+                        "host_cpu_cores_busy": (_cpu_busy() - busy0)
+                        / (time.perf_counter() - t0)})
+                    x = runs[arm][-1]
+                    print(f"  {arm} run {r + 1}: warm-up +{x['warmup']}, iteration "
+                          f"{med * 1e3:.1f} ms (predicted "
+                          f"{(x['predicted_iteration_s'] or 0) * 1e3:.1f} ms), in flight "
+                          f"{x['peak_in_flight']}, host {x['host_cpu_cores_busy']:.2f} cores "
+                          "busy", flush=True)
+    med = {a: sorted(v, key=lambda x: x["iteration_s"])[len(v) // 2] for a, v in runs.items()}
+    speedup = med["1f1b"]["iteration_s"] / med["planned"]["iteration_s"]
+    print(f"(d) orders over a {args.order_mbit:g} Mbit/s link (payload measured {rate:.0f}), "
+          f"mlp {ORDER_HIDDEN}, microbatch {args.order_microbatch}, M = {m}:")
+    print_table(["order", "warm-up", "iteration ms", "predicted ms", "in flight", "host busy"],
+                [[a, x["warmup"], x["iteration_s"] * 1e3, (x["predicted_iteration_s"] or 0) * 1e3,
+                  str(x["peak_in_flight"]), x["host_cpu_cores_busy"]] for a, x in med.items()])
+    print(f"planner's order vs 1F1B: {speedup:.2f}x")
+    return {"link_mbit": args.order_mbit, "measured_payload_mbit": rate, "m": m,
+            "median": med, "runs": runs, "order_speedup_vs_1f1b": speedup}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--parts", default="abc", help="which parts to run (a, b, c)")
@@ -220,6 +298,11 @@ def main() -> None:
                     help="(b) runs per measurement at most (the least disturbed one is kept)")
     ap.add_argument("--optimality", type=int, default=300, help="(c) random instances")
     ap.add_argument("--seed", type=int, default=0, help="(c) instance seed")
+    ap.add_argument("--order-m", type=int, default=8, help="(d) microbatches per iteration")
+    ap.add_argument("--order-mbit", type=float, default=200.0, help="(d) the link's rate")
+    ap.add_argument("--order-speed", type=float, default=0.25, help="(d) the devices' speed")
+    ap.add_argument("--order-microbatch", type=int, default=128, help="(d) samples each")
+    ap.add_argument("--order-iterations", type=int, default=30, help="(d) per job")
     args = ap.parse_args()
     if args.minibatches % M or args.warmup % M:
         ap.error(f"--minibatches and --warmup must be multiples of M = {M}")
@@ -237,6 +320,9 @@ def main() -> None:
         out.update(optimality_gap_mean=c["optimality_gap_mean"],
                    optimality_gap_max=c["optimality_gap_max"], plan_200x32_s=c["plan_200x32_s"],
                    optimality=c)
+    if "d" in args.parts:
+        d = part_d(args)
+        out.update(order_speedup_vs_1f1b=d.get("order_speedup_vs_1f1b"), orders=d)
     if args.json:
         emit_json(out)
 
