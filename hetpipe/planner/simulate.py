@@ -20,9 +20,11 @@ only times the actions and delivers the inputs. Timing:
   the global clock the minimum over VWs; a VW that has finished its minibatches no longer
   holds others back (its clock counts as infinite), as when the runtime retires it. A push
   counts on the shards ``push_flight_s`` after the stage sent it (its bytes' way over the
-  links to shards on other hosts; the stage goes on meanwhile, as the runtime awaits the
-  acknowledgements only at the end). A pull of wave c is answered ``pull_s`` after both it
-  was sent and the global clock reached ``c - 1 - D``.
+  links to shards on other hosts, one push after the other; the stage goes on meanwhile, as
+  the runtime awaits the acknowledgements only at the end). A pull of wave c is answered
+  ``pull_s`` after both it reached the shards and the global clock reached ``c - 1 - D``;
+  it reaches them behind the stage's pushes sent before it (one connection per shard
+  carries both, in order), so where pushes take a flight a pull waits for them to land.
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
@@ -146,6 +148,7 @@ class _Stage:
     busy_s: float = 0.0
     trips: int = 0  # hand-offs to the compute thread
     gate_since: float | None = None
+    landed: float = 0.0  # when its pushes sent so far have all reached the shards
     log: list[tuple[float, Action]] = field(default_factory=list)
 
     # the schedule's Inputs
@@ -302,7 +305,7 @@ def simulate(
                         for u, j, _t in reduces.pop(c):
                             answer(u, j, (c, True), at + state[u].stages[j].spec.pull_s)
                 else:
-                    pending.append((v, s, c, now))
+                    pending.append((v, s, c, max(now, st.landed)))
                     release_pulls(now)
                 continue
             if dur <= 0:
@@ -342,9 +345,11 @@ def simulate(
             if s == 0 and w.spec.schedule != "async":
                 w.steps_at.append(now)
         elif kind is Push:
-            flight = w.stages[s].spec.push_flight_s
+            st = w.stages[s]
+            flight = st.spec.push_flight_s
             if flight > 0:
-                push(now + flight, PUSHED, v, s, a.c + 1)
+                st.landed = max(now, st.landed) + flight
+                push(st.landed, PUSHED, v, s, a.c + 1)
             else:
                 w.pushed[s] = a.c + 1
                 advance(now)
