@@ -6,9 +6,8 @@ runtime does around the layers (:class:`.runtime.RuntimeCosts`: hand-offs to the
 thread, sending activations and gradients, per wave pushing the update and, with several
 virtual workers, pulling and merging the global weights; the bytes of a push and of a pull
 to a shard on another host also cross that link: :func:`.placement.shard_flights`), then
-finds how much the processes
-of each host slow each other down (:func:`.runtime.slowdowns`) as a fixed point with the
-simulated rates:
+finds how much the processes of each host slow each other down (:func:`.runtime.slowdowns`)
+as a fixed point with the simulated rates:
 
 1. every process starts unslowed (slowdown 1);
 2. the simulator gives each virtual worker's rate with stage times stretched by the current
