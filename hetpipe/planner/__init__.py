@@ -8,6 +8,7 @@ Pure planning logic (no sockets; torch only to measure profiles):
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
 * :mod:`.runtime`    the runtime's costs around the layers, and processes sharing a host
+* :mod:`.placement`  which PS shard holds each layer, and its pushes' and pulls' link time
 * :mod:`.predict`    a split's predicted times: runtime costs + host sharing + simulation
 * :mod:`.simulate`   discrete-event simulation of pipelines under WSP (also a CLI:
   ``python -m hetpipe.planner.simulate``); its ``simulate()`` function is reached as
@@ -56,6 +57,7 @@ from hetpipe.planner.profile import (
 from hetpipe.planner.runtime import RuntimeCosts
 
 if TYPE_CHECKING:
+    from hetpipe.planner.placement import place_stages
     from hetpipe.planner.plan import (
         Plan,
         PlanError,
@@ -63,7 +65,6 @@ if TYPE_CHECKING:
         VWPlan,
         explicit_plan,
         make_plan,
-        place_stages,
         replica_proposals,
     )
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
@@ -109,10 +110,11 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(
-        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan", "place_stages",
+        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan",
          "replica_proposals"),
         "plan",
     ),
+    "place_stages": "placement",
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
     "sync_plan": "syncplan",
 }

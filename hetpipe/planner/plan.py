@@ -12,13 +12,9 @@ VWs so that every VW's wave takes about as long (:meth:`_Search.balance`). With
 :func:`explicit_plan` prices a split the user wrote in the job file, so predicted and
 measured figures can be compared.
 
-Parameter placement (:func:`place_stages`): the PS holds one global copy of each layer, but
-VWs may cut the model differently, so placement is per *segment* (a maximal run of layers
-that every VW keeps inside one stage). A segment goes to a shard on the host of the stages
-holding it (the host most of those stages share), balancing bytes among that host's shards;
-where no shard shares a host with them, it goes to the least loaded shard. With one VW this
-is exactly "a stage's parameters go to the shard on its host". Each stage reports the shard
-holding most of its bytes; ``Plan.layer_shards`` has the full per-layer map.
+Parameter placement is :func:`hetpipe.planner.placement.place_stages` (its rule and what it
+costs on the links live there). Each stage reports the shard holding most of its bytes;
+``Plan.layer_shards`` has the full per-layer map.
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ from hetpipe.planner.formation import Formation, best_formation, candidate_forma
 from hetpipe.planner.memory import StageMemory
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
+from hetpipe.planner.placement import layer_state_bytes, place_stages
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.replicas import (
@@ -321,59 +318,6 @@ def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
             f"samples/s without replicas")
     return lines
-
-
-# --------------------------------------------------------------------------- placement
-
-
-def place_stages(
-    shards: Sequence[Any],
-    vws: Sequence[Sequence[tuple[str, tuple[int, int]]]],
-    layer_bytes: Sequence[int],
-) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """Shard of every layer, and of every stage, from stages given as ``(host, (a, b))``.
-
-    ``shards`` need ``index`` and ``host``. Returns ``(layer_shards, stage_shards)`` where
-    ``stage_shards[v][i]`` is the shard holding most of VW v's stage i (see module docs).
-    """
-    L = len(layer_bytes)
-    if not shards:
-        return (0,) * L, tuple((0,) * len(v) for v in vws)
-    bounds = sorted({0, L, *(x for v in vws for _, ab in v for x in ab)})
-    segments = [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
-
-    def host_of(v: Sequence[tuple[str, tuple[int, int]]], layer: int) -> str | None:
-        return next((h for h, (a, b) in v if a <= layer < b), None)
-
-    load = {s.index: 0 for s in shards}
-    layer_shards = [0] * L
-    seg_bytes = {seg: sum(layer_bytes[seg[0] : seg[1]]) for seg in segments}
-    for seg in sorted(segments, key=lambda s: (-seg_bytes[s], s)):
-        votes: dict[str, int] = {}
-        for v in vws:
-            h = host_of(v, seg[0])
-            if h is not None:
-                votes[h] = votes.get(h, 0) + 1
-        pool = list(shards)
-        for h in sorted(votes, key=lambda h: -votes[h]):
-            local = [s for s in shards if s.host == h]
-            if local:
-                pool = local
-                break
-        chosen = min(pool, key=lambda s: (load[s.index], s.index)).index
-        load[chosen] += seg_bytes[seg]
-        for j in range(*seg):
-            layer_shards[j] = chosen
-    stage_shards = []
-    for v in vws:
-        row = []
-        for _, (a, b) in v:
-            per: dict[int, int] = {}
-            for j in range(a, b):
-                per[layer_shards[j]] = per.get(layer_shards[j], 0) + layer_bytes[j]
-            row.append(min(per, key=lambda s: (-per[s], s)) if per else layer_shards[a])
-        stage_shards.append(tuple(row))
-    return tuple(layer_shards), tuple(stage_shards)
 
 
 # --------------------------------------------------------------------------- search
@@ -888,8 +832,7 @@ def _assemble(
     details: dict[str, Any],
 ) -> Plan:
     prof = model.profile
-    any_type = next(iter(prof.layers))
-    layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in prof.layers[any_type]]
+    layer_bytes = layer_state_bytes(prof)
     shards = tuple(getattr(cluster, "ps", ()) or ())
     stage_hosts = [[(d.host, ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen]
     layer_shards, stage_shards = place_stages(shards, stage_hosts, layer_bytes)

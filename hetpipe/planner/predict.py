@@ -4,9 +4,10 @@
 predicts what a job of those splits really gets. Per stage and minibatch it adds what the
 runtime does around the layers (:class:`.runtime.RuntimeCosts`: hand-offs to the compute
 thread, sending activations and gradients, per wave pushing the update and, with several
-virtual workers, pulling and merging the global weights), then finds how much the processes
-of each host slow each other down (:func:`.runtime.slowdowns`) as a fixed point with the
-simulated rates:
+virtual workers, pulling and merging the global weights; the bytes of a push and of a pull
+to a shard on another host also cross that link: :func:`.placement.shard_flights`), then
+finds how much the processes of each host slow each other down (:func:`.runtime.slowdowns`)
+as a fixed point with the simulated rates:
 
 1. every process starts unslowed (slowdown 1);
 2. the simulator gives each virtual worker's rate with stage times stretched by the current
@@ -32,6 +33,7 @@ from typing import Any
 
 from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
+from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import all_busy, count_law, host_cores, slowdown_of, slowdowns
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
@@ -64,6 +66,9 @@ class StageCost:
     step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
     hop_s: float = 0.0  # a hand-off's own CPU, in each loop above that is not 0 and in push_s
     exchange_s: float = 0.0  # a replicated stage: its replicas' gradient exchange
+    # per wave: its state's time on the links to shards on other hosts (a push's way there,
+    # and a pull's way back: :func:`.placement.shard_flights`); link time, not CPU
+    shard_link_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -113,6 +118,7 @@ def stage_costs(
     several_vws: bool,
     shards: int,
     schedule: str = "async",
+    shard_link_s: Sequence[float] = (),
 ) -> tuple[StageCost, ...]:
     """Per-stage costs of one VW's split on an idle host (see the module docs). In the
     async schedule the last stage runs forward and backward as one task; in the synchronous
@@ -125,7 +131,13 @@ def stage_costs(
     A replicated stage (``p.groups``, :mod:`hetpipe.planner.replicas`) is its slowest
     replica: that device's compute and messages at its rows' share (the update whole), its
     rows' flights to the next stage's replicas (:func:`.replicas.flight_time`), plus the
-    replicas' gradient exchange (:func:`.replicas.exchange_time`, ``exchange_s``)."""
+    replicas' gradient exchange (:func:`.replicas.exchange_time`, ``exchange_s``).
+
+    ``shard_link_s`` (per stage, default 0) is its state's time on the links to shards on
+    other hosts (:func:`.placement.shard_flights`): an async pull waits for the weights'
+    way back, a synchronous exchange for the gradients' way there and the mean's way back;
+    a push's way there is the simulator's (``SimStage.push_flight_s``: the shards count it
+    late, the stage does not wait)."""
     rt = model.runtime
     prof = model.profile
     k = len(devices)
@@ -171,7 +183,9 @@ def stage_costs(
         pulls = several_vws and state > 0
         push = wave
         merge = wave if pulls else 0.0
-        pull = 2 * rt.latency_s + state * rt.wave_byte_s if pulls else 0.0
+        to_shards = shard_link_s[i] if shard_link_s else 0.0
+        pull = (2 * rt.latency_s + state * rt.wave_byte_s + (1 + sync) * to_shards
+                if pulls else 0.0)
         shard_cpu = (
             (1 + pulls * len(group)) * (state * rt.shard_byte_s + max(1, shards) * rt.message_s)
             if state
@@ -213,6 +227,7 @@ def stage_costs(
                 step,
                 rt.hop_s,
                 exchange,
+                to_shards,
             )
         )
     return tuple(out)
@@ -266,6 +281,7 @@ def _sim_vw(
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
                 step_s=k * h * c.step_s,
                 handoff_s=k * c.hop_s + 2 * w,
+                push_flight_s=c.shard_link_s if schedule == "async" else 0.0,
             )
         )
     links = tuple(
@@ -293,15 +309,18 @@ def predict(
     ``chosen`` holds each VW's devices in order (with ``name``, ``type``, ``node``, ``host``,
     ``device``) and split. ``cores`` gives each node's cores (one number for all, or by node
     name; default: this machine's). ``shard_hosts`` are the hosts of the parameter-server
-    shards (their work is spread evenly over them). ``warmup``: 1f1b's extra warm-up
-    forwards (:func:`hetpipe.schedule.microbatch_order`).
+    shards (their work is spread evenly over them; each stage's state is placed on them as
+    the runtime places it, and its bytes to those on other hosts priced on the links).
+    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.schedule.microbatch_order`).
     """
     rt = model.runtime
     several = len(chosen) > 1
     n_shards = max(1, len(shard_hosts))
+    flights = shard_flights(model, chosen, shard_hosts)
     costs = tuple(
-        stage_costs(model, devs, p, several_vws=several, shards=n_shards, schedule=schedule)
-        for devs, p in chosen
+        stage_costs(model, devs, p, several_vws=several, shards=n_shards, schedule=schedule,
+                    shard_link_s=f)
+        for (devs, p), f in zip(chosen, flights, strict=True)
     )
     n = minibatches or sim_minibatches([p.nm for _, p in chosen])
     # the fixed point needs rates, not the whole run: its rounds simulate a shorter one

@@ -18,9 +18,13 @@ only times the actions and delivers the inputs. Timing:
   each direction is a FIFO channel that moves one tensor at a time.
 * WSP: a VW's clock is the number of waves every one of its stages with state has pushed,
   the global clock the minimum over VWs; a VW that has finished its minibatches no longer
-  holds others back (its clock counts as infinite), as when the runtime retires it. A pull
-  of wave c is answered ``pull_s`` after both it was sent and the global clock reached
-  ``c - 1 - D``.
+  holds others back (its clock counts as infinite), as when the runtime retires it. A push
+  counts on the shards ``push_flight_s`` after the stage sent it (its bytes' way over the
+  links to shards on other hosts, one push after the other; the stage goes on meanwhile, as
+  the runtime awaits the acknowledgements only at the end). A pull of wave c is answered
+  ``pull_s`` after both it reached the shards and the global clock reached ``c - 1 - D``;
+  it reaches them behind the stage's pushes sent before it (one connection per shard
+  carries both, in order), so where pushes take a flight a pull waits for them to land.
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
@@ -70,6 +74,7 @@ class SimStage:
     step_s: float = 0.0  # a synchronous iteration's optimizer step
     state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
     handoff_s: float = 0.0  # per hand-off to the compute thread and back (any actions in it)
+    push_flight_s: float = 0.0  # a push's way to the shards: they count it this much later
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class _Stage:
     busy_s: float = 0.0
     trips: int = 0  # hand-offs to the compute thread
     gate_since: float | None = None
+    landed: float = 0.0  # when its pushes sent so far have all reached the shards
     log: list[tuple[float, Action]] = field(default_factory=list)
 
     # the schedule's Inputs
@@ -215,7 +221,7 @@ def simulate(
     ]
     events: list[tuple[float, int, int, int, int, Any]] = []  # (time, seq, kind, vw, stage, x)
     seq = 0
-    FREE, ARRIVE_F, ARRIVE_B, WAKE = 0, 1, 2, 3
+    FREE, ARRIVE_F, ARRIVE_B, WAKE, PUSHED = 0, 1, 2, 3, 4
     glob = 0.0  # global clock
     glob_at = [0.0]  # glob_at[g]: when the global clock reached g
     pending: list[tuple[int, int, int, float]] = []  # weight pulls the clock still holds
@@ -300,7 +306,7 @@ def simulate(
                         for u, j, _t in reduces.pop(c):
                             answer(u, j, (c, True), at + state[u].stages[j].spec.pull_s)
                 else:
-                    pending.append((v, s, c, now))
+                    pending.append((v, s, c, max(now, st.landed)))
                     release_pulls(now)
                 continue
             if dur <= 0:
@@ -340,8 +346,14 @@ def simulate(
             if s == 0 and w.spec.schedule != "async":
                 w.steps_at.append(now)
         elif kind is Push:
-            w.pushed[s] = a.c + 1
-            advance(now)
+            st = w.stages[s]
+            flight = st.spec.push_flight_s
+            if flight > 0:
+                st.landed = max(now, st.landed) + flight
+                push(st.landed, PUSHED, v, s, a.c + 1)
+            else:
+                w.pushed[s] = a.c + 1
+                advance(now)
 
     def advance(now: float) -> None:
         nonlocal glob
@@ -367,6 +379,10 @@ def simulate(
             st.idle = True
             for a in x:
                 finish(now, v, s, a)
+        elif kind == PUSHED:
+            state[v].pushed[s] = max(state[v].pushed[s], x)
+            advance(now)
+            continue  # the stage itself did nothing: nothing new for it to run
         dispatch(now, v, s)
     unfinished = [(w.spec.name or f"vw{v}", s, st.schedule.next(st))
                   for v, w in enumerate(state) for s, st in enumerate(w.stages)
@@ -440,7 +456,8 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     def stage(x: Any) -> SimStage:
         if isinstance(x, dict):
-            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s", "step_s") if k in x}
+            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s", "step_s",
+                                                "push_flight_s") if k in x}
             return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
         return SimStage(*pair(x, "fwd_s", "bwd_s"))
 

@@ -1,0 +1,133 @@
+"""Where the parameter server keeps each layer's state, and what reaching it costs on the links.
+
+Placement (:func:`place_stages`): the PS holds one global copy of each layer, but VWs may
+cut the model differently, so placement is per *segment* (a maximal run of layers that
+every VW keeps inside one stage). A segment goes to a shard on the host of the stages
+holding it (the host most of those stages share), balancing bytes among that host's shards;
+where no shard shares a host with them, it goes to the least loaded shard. With one VW this
+is exactly "a stage's parameters go to the shard on its host". The runtime places a job's
+real tensors by this same function (:func:`hetpipe.jobplan.place_state`).
+
+Links (:func:`shard_flights`): every wave a stage pushes its update to each shard holding
+its state and, with several VWs, pulls the global weights back. Bytes for a shard on the
+stage's own host cross no link (their CPU is the runtime's ``wave_byte_s``); bytes for a
+shard on another host cross the link from the stage's device to that host, priced by the
+planner's one link model (:meth:`~hetpipe.planner.partition.CostModel.link`: a
+``[[network.link]]`` override, else the intra/inter node default) between the device and a
+device of the shard's host, where the plan has one (a shard shares its host's links); a
+shard on a host without such a device is reached over the inter-node default. A stage sends
+to its shards one after the other, so its flight is the sum over its remote shards.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from hetpipe.planner.partition import CostModel, Partition
+from hetpipe.planner.profile import ModelProfile
+
+__all__ = ["layer_state_bytes", "place_stages", "shard_flights"]
+
+
+def layer_state_bytes(profile: ModelProfile) -> list[int]:
+    """Bytes each layer keeps on the shards: its parameters and buffers (alike for every
+    device type, so any type's profile says it)."""
+    any_type = next(iter(profile.layers))
+    return [lp.param_bytes + lp.buffer_bytes for lp in profile.layers[any_type]]
+
+
+def place_stages(
+    shards: Sequence[Any],
+    vws: Sequence[Sequence[tuple[str, tuple[int, int]]]],
+    layer_bytes: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Shard of every layer, and of every stage, from stages given as ``(host, (a, b))``.
+
+    ``shards`` need ``index`` and ``host``. Returns ``(layer_shards, stage_shards)`` where
+    ``stage_shards[v][i]`` is the shard holding most of VW v's stage i (see module docs).
+    """
+    L = len(layer_bytes)
+    if not shards:
+        return (0,) * L, tuple((0,) * len(v) for v in vws)
+    bounds = sorted({0, L, *(x for v in vws for _, ab in v for x in ab)})
+    segments = [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
+
+    def host_of(v: Sequence[tuple[str, tuple[int, int]]], layer: int) -> str | None:
+        return next((h for h, (a, b) in v if a <= layer < b), None)
+
+    load = {s.index: 0 for s in shards}
+    layer_shards = [0] * L
+    seg_bytes = {seg: sum(layer_bytes[seg[0] : seg[1]]) for seg in segments}
+    for seg in sorted(segments, key=lambda s: (-seg_bytes[s], s)):
+        votes: dict[str, int] = {}
+        for v in vws:
+            h = host_of(v, seg[0])
+            if h is not None:
+                votes[h] = votes.get(h, 0) + 1
+        pool = list(shards)
+        for h in sorted(votes, key=lambda h: -votes[h]):
+            local = [s for s in shards if s.host == h]
+            if local:
+                pool = local
+                break
+        chosen = min(pool, key=lambda s: (load[s.index], s.index)).index
+        load[chosen] += seg_bytes[seg]
+        for j in range(*seg):
+            layer_shards[j] = chosen
+    stage_shards = []
+    for v in vws:
+        row = []
+        for _, (a, b) in v:
+            per: dict[int, int] = {}
+            for j in range(a, b):
+                per[layer_shards[j]] = per.get(layer_shards[j], 0) + layer_bytes[j]
+            row.append(min(per, key=lambda s: (-per[s], s)) if per else layer_shards[a])
+        stage_shards.append(tuple(row))
+    return tuple(layer_shards), tuple(stage_shards)
+
+
+def _host(d: Any) -> str:
+    return str(getattr(d, "host", getattr(d, "node", "")))
+
+
+def shard_flights(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    shard_hosts: Sequence[str],
+) -> tuple[tuple[float, ...], ...]:
+    """Per VW, per stage: the time on the links for the stage's state to reach the shards
+    :func:`place_stages` gives it on other hosts (see the module docs), which is also the
+    time of the global weights' way back in a pull. 0 where every shard of the stage shares
+    its host (or there are no shards)."""
+    if not shard_hosts:
+        return tuple((0.0,) * len(devs) for devs, _ in chosen)
+    layer_bytes = layer_state_bytes(model.profile)
+    shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
+    stage_hosts = [[(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)]
+                   for devs, p in chosen]
+    layer_shards, _ = place_stages(shards, stage_hosts, layer_bytes)
+    near: dict[str, Any] = {}  # host -> a device of the plan on it
+    for devs, p in chosen:
+        for i, leader in enumerate(devs):
+            for d in p.group_of(i, leader):
+                near.setdefault(_host(d), d)
+    out = []
+    for devs, p in chosen:
+        row = []
+        for d, (a, b) in zip(devs, p.cuts, strict=True):
+            by_shard: dict[int, int] = {}
+            for j in range(a, b):
+                by_shard[layer_shards[j]] = by_shard.get(layer_shards[j], 0) + layer_bytes[j]
+            t = 0.0
+            for shard, nbytes in by_shard.items():
+                host = shards[shard].host
+                if nbytes and host != _host(d):
+                    there = near.get(host) or SimpleNamespace(
+                        name=f"ps@{host}", node=f"ps@{host}", host=host, type="")
+                    t += nbytes / model.link(d, there)
+            row.append(t)
+        out.append(tuple(row))
+    return tuple(out)
