@@ -756,6 +756,7 @@ def sync_plan(
     faster get more); the iteration then waits for the gradient exchange. The few fastest
     candidates on an idle host are ranked again with the hosts' sharing simulated."""
     from hetpipe.planner.formation import candidate_formations
+    from hetpipe.planner.placement import layer_state_bytes, place_stages
     from hetpipe.planner.plan import (
         Plan,
         PlanError,
@@ -765,7 +766,6 @@ def sync_plan(
         _cost_model,
         _power,
         _shard_hosts,
-        place_stages,
     )
     from hetpipe.planner.predict import predict
 
@@ -848,12 +848,10 @@ def sync_plan(
     warm = chosen[0].warmup
     searched = max(c.iteration_s for c in chosen) + exchange
     iteration, pred = _predict(chosen, ms)
-    any_type = next(iter(profile.layers))
-    layer_bytes = [lp.param_bytes + lp.buffer_bytes for lp in profile.layers[any_type]]
     stage_hosts = [[(usable[i].host, ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
                    for c in chosen]
     layer_shards, stage_shards = place_stages(tuple(getattr(cluster, "ps", ()) or ()),
-                                              stage_hosts, layer_bytes)
+                                              stage_hosts, layer_state_bytes(profile))
     plans = []
     for v, (c, mv) in enumerate(zip(chosen, ms, strict=True)):
         k = len(c.devices)
