@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, job, running_until
+from conftest import UNIFORM, job, running_until, until_whole
 
 from hetpipe import checkpoint
 from hetpipe.config import DeviceSpec
@@ -234,24 +234,11 @@ def _cluster(root: Path) -> LocalCluster:
 @pytest.fixture(scope="module")
 def durable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One cluster for the uninterrupted runs and the kill matrix: each kill test starts the
-    daemon it killed again, and the next one starts once the cluster is whole (:func:`_whole`),
-    so a fresh cluster per test (start-up and profiling, ~10 s apiece) bought nothing."""
+    daemon it killed again, and the next one starts once the cluster is whole
+    (:func:`conftest.until_whole`), so a fresh cluster per test (start-up and profiling,
+    ~10 s apiece) bought nothing."""
     with _cluster(tmp_path_factory.mktemp("durable")) as c:
         yield c
-
-
-async def _whole(c: LocalCluster, timeout: float = 60) -> None:
-    """Until every worker is registered and idle and both shards are, none lost."""
-    async with c.client() as head:
-        deadline = time.monotonic() + timeout
-        while True:
-            status = await head.cluster()
-            if len(status["workers"]) == len(UNIFORM) and \
-                    all(w["state"] == "idle" for w in status["workers"]) and \
-                    len(status["shards"]) == 2 and not status["shards_lost"]:
-                return
-            assert time.monotonic() < deadline, status
-            await asyncio.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +282,7 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
     seed = random.randrange(1 << 16)
     target = random.Random(seed).randrange(TOTAL // 4, TOTAL * 2 // 3)
     c = durable
-    c.run(_whole(c))  # the previous test's victim is back
+    c.run(until_whole(c))  # the previous test's victim is back
 
     async def start() -> tuple[str, list[int]]:
         async with c.client() as head:
@@ -321,7 +308,7 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
 
     async def resume() -> dict[str, Any]:
         if victim != "ps0":  # everything registered (again) with the head
-            await _whole(c)
+            await until_whole(c)
         async with c.client() as head:
             deadline = time.monotonic() + 60
             if victim == "ps0":  # the restarted head resumes the job by itself
