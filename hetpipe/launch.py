@@ -89,7 +89,12 @@ def running(run_dir: Path) -> dict[str, int]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie child of ours is reaped and counts as gone)."""
+    """Whether process ``pid`` exists and has not exited: a zombie child of ours is reaped
+    and counts as gone, and so does anyone else's zombie (Linux: its ``/proc`` state).
+
+    The daemons of ``hetpipe up`` outlive the command that started them, so ``down`` finds
+    them re-parented to init: each has exited well before init reaps it (seconds, where
+    init reaps in rounds), and ``down`` waited for the reaping."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -101,7 +106,18 @@ def pid_alive(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to reap it (False where there is
+    no ``/proc`` to ask)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # pid (comm) state ...: the command name may hold spaces and parentheses
+    return stat[stat.rfind(")") + 2:].startswith("Z")
 
 
 def spawn(daemon: Daemon, run_dir: Path) -> subprocess.Popen[bytes]:

@@ -63,6 +63,22 @@ async def running_until(head: Any, job_id: str, reached: Callable[[dict[str, Any
         await asyncio.sleep(every)
 
 
+async def until_whole(c: LocalCluster, timeout: float = 60) -> None:
+    """Wait until every worker of ``c``'s file is registered and idle and every shard is,
+    none lost: a test that killed and restarted a daemon of a shared cluster leaves it so."""
+    want = {d.name for d in c.cluster.devices}
+    async with c.client() as head:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await head.cluster()
+            idle = {w["device"] for w in status["workers"] if w["state"] == "idle"}
+            if idle == want and len(status["shards"]) == len(c.cluster.ps) and \
+                    not status["shards_lost"]:
+                return
+            assert time.monotonic() < deadline, f"not whole after {timeout} s: {status}"
+            await asyncio.sleep(0.2)
+
+
 def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | None = None,
         split: list[tuple[list[str], list[int]]] | None = None, nm: int = 1,
         minibatches: int | None = 50, epochs: int | None = None, minibatch: int = 32,

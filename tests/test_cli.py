@@ -468,11 +468,12 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert [n for n, pid in pids.items() if not _gone(pid)] == []
         assert not (run_dir / "pids.json").exists()
-    finally:
-        with contextlib.suppress(Exception):
-            _hetpipe(cluster, run_dir, "down", timeout=30)
+    finally:  # a test that failed before its own down leaves pids.json: stop them then
         with contextlib.suppress(OSError, ValueError):
             pids.update(json.loads((run_dir / "pids.json").read_text()))
+        if (run_dir / "pids.json").exists():
+            with contextlib.suppress(Exception):
+                _hetpipe(cluster, run_dir, "down", timeout=30)
         for pid in pids.values():
             if not _gone(pid):
                 with contextlib.suppress(ProcessLookupError):

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import UNIFORM, job, start_cluster
+from conftest import job, until_whole
 
 from hetpipe.security import Curve, load_curve
 from hetpipe.transport import make_socket
@@ -22,9 +22,13 @@ SPLIT4 = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
 
 
 @pytest.mark.timeout(180)
-def test_worker_killed_mid_job(tmp_path) -> None:
-    """SIGKILL a worker mid-job: the job fails within 10 s naming it; the rest run on."""
-    cluster = start_cluster(tmp_path, UNIFORM)
+def test_worker_killed_mid_job(uniform_cluster) -> None:
+    """SIGKILL a worker mid-job: the job fails within 10 s naming it; the rest run on.
+
+    (On the module's cluster: the killed worker is started again at the end, so the next
+    test finds all four, as a cluster of its own would have had them.)"""
+    cluster = uniform_cluster
+    cluster.run(until_whole(cluster))
     try:
         async def go() -> tuple[dict, float]:
             async with cluster.client() as head:
@@ -51,7 +55,9 @@ def test_worker_killed_mid_job(tmp_path) -> None:
                                                                [2, 2, 2])], minibatches=40))
         assert nxt["state"] == "done", nxt.get("error")
     finally:
-        cluster.stop()
+        if not cluster.alive("worker-gpu2"):
+            cluster.restart("worker-gpu2")
+            cluster.run(until_whole(cluster))
 
 
 GARBAGE = [

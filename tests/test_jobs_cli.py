@@ -25,13 +25,20 @@ from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 pytestmark = pytest.mark.timeout(240)
 
 SPLIT = [(["gpu0", "gpu1"], [3, 3])]
+# The cancelled job only has to be running when ``cancel`` comes (a second after it is seen
+# running): 20 000 minibatches run a minute or more here. The head predicts the whole job
+# before it starts (~40 us of simulation per minibatch), so a million took ~40 s to plan.
+LONG = 20_000
 
 
 class QuickHeadClient(HeadClient):
-    """The CLI's client with a short request timeout, so a stopped head is noticed fast."""
+    """The CLI's client with a short request timeout, so a stopped head is noticed fast.
+
+    The CLI passes its own timeout (``QUICK_S``, 5 s); it is capped here, else each of the
+    three commands that ask the stopped head first waits it out."""
 
     def __init__(self, address: str, *, timeout: float = 1.0, curve: Any = None) -> None:
-        super().__init__(address, timeout=timeout, curve=curve)
+        super().__init__(address, timeout=min(timeout, 1.0), curve=curve)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,7 @@ def submit(c: LocalCluster, spec: dict[str, Any]) -> str:
 def ran(cluster: LocalCluster) -> dict[str, Any]:
     """A cancelled long job, then a short job that runs to its end on the freed workers."""
     out: dict[str, Any] = {}
-    long_id = submit(cluster, job("long", split=SPLIT, minibatches=1_000_000, nm=2))
+    long_id = submit(cluster, job("long", split=SPLIT, minibatches=LONG, nm=2))
     wait_state(cluster, long_id, {"running"}, 120)
     out["cancel"] = invoke(cluster, "cancel", long_id)
     out["cancelled"] = wait_state(cluster, long_id, {"done", "failed", "cancelled"}, 60)

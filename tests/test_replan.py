@@ -5,24 +5,38 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import UNIFORM, job, running_until, start_cluster
+from conftest import UNIFORM, job, running_until, start_cluster, until_whole
+
+from hetpipe.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def replan_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four devices, two shards, shared by the parameters: each test starts the worker it
+    killed again, and the next waits until the cluster is whole (a cluster per test spent
+    its start-up and the model's profiling again)."""
+    c = start_cluster(tmp_path_factory.mktemp("replan"), UNIFORM)
+    yield c
+    c.stop()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("every", [0, 5])
-def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path, every: int) -> None:
+def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
+                                               every: int) -> None:
     """SIGKILL one worker of a 4-device job: the head re-plans on the 3 others, starts them
     from the job's last checkpoint (``every`` > 0: the shards' cut, each stage's optimizer
     state put together per parameter, the data position; the work since it is reported
     lost) or, without checkpoints, from the shards' global weights, and the job finishes
     with a good accuracy."""
-    c = start_cluster(tmp_path, UNIFORM)
+    c = replan_cluster
+    c.run(until_whole(c))
     try:
         spec = job("keepgoing", model="cnn", minibatches=300, nm=4, lr=0.05)
         spec["train"].update(vws=1, on_worker_loss="replan", checkpoint_every=every)
@@ -69,5 +83,7 @@ def test_a_job_goes_on_without_a_killed_worker(tmp_path: Path, every: int) -> No
         print(f"kill -> training again: {back:.1f} s (lost_after_s {lost_after:g}), "
               f"re-plan {replan['planned_s']} s, {replan}")
         assert back < lost_after + 15.0, back
-    finally:
-        c.stop()
+    finally:  # the next test runs on all four again
+        for name in list(c.procs):
+            if name.startswith("worker-") and not c.alive(name):
+                c.restart(name)

@@ -82,7 +82,9 @@ def test_stalled_stage_is_diagnosed(uniform_cluster) -> None:
     spec = job("stall", model="mlp", split=[(["gpu0", "gpu1", "gpu2"], [2, 2, 2])], nm=2,
                minibatches=200)
     spec["train"]["hang_after_s"] = hang_after
-    spec["fault"] = [{"vw": 0, "stage": 1, "minibatch": 20, "seconds": 25.0}]
+    # the stall must outlast the diagnosis (at most hang_after + 7 s after it began, the
+    # bound below) and the status read after it; the test then waits the rest of it out
+    spec["fault"] = [{"vw": 0, "stage": 1, "minibatch": 20, "seconds": 16.0}]
 
     async def go() -> tuple[dict, float]:
         async with uniform_cluster.client() as head:
