@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile, explicit_plan
-from hetpipe.planner.predict import predict, stage_costs
+from hetpipe.planner import predict as predict_module
+from hetpipe.planner.predict import LONG_JOB, predict, stage_costs
 from hetpipe.planner.runtime import RuntimeCosts, all_busy, host_cores, slowdowns
 from hetpipe.planner.simulate import SimStage, SimVW, simulate
 
@@ -232,6 +234,25 @@ def test_explicit_plan_reports_predicted_compute_and_busy_time():
     assert ideal.vws[0].stages[0].time_s == pytest.approx(2 * 3e-3)
     assert ideal.samples_per_s > plan.samples_per_s
     assert plan.details["runtime_costs"] == RuntimeCosts().to_dict()
+
+
+def test_a_long_job_is_predicted_from_a_bounded_run_at_its_rate(monkeypatch):
+    """A job of a million minibatches is predicted at once (the head plans it before it
+    starts), within 0.1 % of the rate of a long job simulated to its end."""
+    prof = flat_profile({"a": 1.0})
+    devs = [dev(f"g{i}", "a") for i in range(3)]
+    cluster = type("C", (), {"devices": devs, "ps": (), "network": _Net()})()
+    common = {"minibatch": 8, "staleness": 0, "optimizer_state_factor": 1, "cores": 4}
+    vws = [(["g0", "g1"], [2, 2], 3), (["g2"], [4], 2)]
+    t0 = time.process_time()
+    long = explicit_plan(cluster, prof, vws, minibatches=1_000_000, **common)
+    assert time.process_time() - t0 < 5  # every minibatch simulated took ~40 s
+    monkeypatch.setattr(predict_module, "LONG_JOB", 1 << 40)  # every minibatch simulated
+    whole = explicit_plan(cluster, prof, vws, minibatches=4 * LONG_JOB, **common)
+    assert long.samples_per_s != whole.samples_per_s  # two different runs were simulated
+    assert long.samples_per_s == pytest.approx(whole.samples_per_s, rel=1e-3)
+    assert [v.samples_per_s for v in long.vws] == pytest.approx(
+        [v.samples_per_s for v in whole.vws], rel=1e-3)
 
 
 class _Net:
