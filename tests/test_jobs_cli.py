@@ -26,8 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 
 SPLIT = [(["gpu0", "gpu1"], [3, 3])]
 # The cancelled job only has to be running when ``cancel`` comes (a second after it is seen
-# running): 20 000 minibatches run a minute or more here. The head predicts the whole job
-# before it starts (~40 us of simulation per minibatch), so a million took ~40 s to plan.
+# running): 20 000 minibatches run a minute or more here.
 LONG = 20_000
 
 

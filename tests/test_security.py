@@ -147,11 +147,9 @@ def running(guarded: LocalCluster) -> Iterator[dict[str, Any]]:
 
     async def start() -> dict[str, Any]:
         async with c.client() as head:
-            # runs ~5 minutes here, longer than every test that needs it running; the head
-            # predicts a job before it starts it (~40 us a minibatch), so 5000 epochs
-            # (224 000 minibatches) took ~9 s to plan
+            # far longer than every test that needs it running, on any machine
             job_id = await head.submit(job("victim", model="mlp", split=SPLIT3, nm=2,
-                                           minibatches=100_000))
+                                           epochs=5000))
             # generous: planning and start-up on a busy host
             return await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 5,
                                        180, every=0.2)
@@ -550,8 +548,7 @@ def test_a_lost_shard_ends_its_job(tmp_path: Path) -> None:
 
         async def go() -> tuple[dict[str, Any], float]:
             async with c.client() as head:
-                # it stalls on its first pull from the killed shard, so it cannot end first;
-                # a longer job only took longer to plan (~40 us a minibatch)
+                # it stalls on its first pull from the killed shard, so it cannot end first
                 job_id = await head.submit(job("shardy", model="mlp",
                                                split=[(["gpu0", "gpu1"], [3, 3])], nm=2,
                                                minibatches=20_000))
