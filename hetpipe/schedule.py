@@ -183,7 +183,9 @@ def microbatch_order(kind: str, k: int, stage: int, m: int, warmup: int = 0
     ahead of a slower successor by one more microbatch (fewer bubbles where stage times
     differ) at the memory of one more microbatch in flight; from ``m - 1`` on, every stage
     runs gpipe's order. Every stage gets the same extra, so a stage always warms up one more
-    than its successor: the order never waits on itself (:func:`check_order`).
+    than its successor (or runs all m forwards): its first backward needs the successor's
+    first backward, which needs no forward this stage has not yet scheduled, so the stages'
+    orders never deadlock.
     """
     _check_position(k, stage)
     if m < 1:
