@@ -219,3 +219,19 @@ def test_alike_vws_share_a_search_without_changing_the_plan():
     assert shared.samples_per_s == pytest.approx(exact.samples_per_s, rel=1e-9)
     check_plan(shared, _multi_node(), 24)
     assert shared.details["orders_evaluated"] <= exact.details["orders_evaluated"]
+
+
+def test_the_plan_table_names_the_model_as_a_person_reads_it():
+    from hetpipe.job import JobSpec
+    from hetpipe.planner.plan import model_title
+    from hetpipe.profiling import model_key
+
+    spec = JobSpec.from_dict({"name": "t", "model": {"name": "cnn", "args": {"width": 8}},
+                              "data": {"name": "digits"},
+                              "train": {"minibatch": 4, "minibatches": 9}})
+    assert model_title(model_key(spec)) == "cnn (width=8) on digits"
+    bf16 = JobSpec.from_dict({**spec.to_dict(), "train": {**spec.to_dict()["train"],
+                                                          "precision": "bf16"}})
+    assert model_title(model_key(bf16)) == "cnn (width=8) on digits, bf16"
+    assert model_title("synthetic") == "synthetic"
+    assert model_title("") == "model"

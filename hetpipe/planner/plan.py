@@ -20,6 +20,7 @@ costs on the links live there). Each stage reports the shard holding most of its
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,29 @@ __all__ = [
 
 
 NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
+
+
+def model_title(key: str) -> str:
+    """A profile's model key (JSON of the model, its arguments, the data and theirs, as
+    :func:`hetpipe.profiling.model_key` writes it) as a person reads it: ``cnn (width=8) on
+    digits``; anything else as given."""
+    try:
+        d = json.loads(key)
+    except ValueError:
+        d = None
+    if not isinstance(d, dict) or "model" not in d:
+        return key or "model"
+
+    def args(a: Any) -> str:
+        return (f" ({', '.join(f'{k}={v}' for k, v in sorted(a.items()))})"
+                if isinstance(a, dict) and a else "")
+
+    text = f"{d['model']}{args(d.get('args'))}"
+    if d.get("data"):
+        text += f" on {d['data']}{args(d.get('data_args'))}"
+    if d.get("precision"):
+        text += f", {d['precision']}"
+    return text
 
 
 class PlanError(ValueError):
@@ -216,7 +240,7 @@ class Plan:
         job status measures as ``time_s``), ``busy`` adds the runtime's hand-offs, sends and
         per-wave push and merge, and ``host`` is how much sharing its host stretches it."""
         lines = [
-            f"plan for {self.model or 'model'}: policy {self.policy}, {len(self.vws)} virtual "
+            f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
             + (f"staleness D={self.staleness}" if self.schedule == "async" else
                f"schedule {self.schedule}"
