@@ -29,7 +29,7 @@ from typing import Any
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.profile import ModelProfile
 
-__all__ = ["layer_state_bytes", "place_stages", "shard_flights"]
+__all__ = ["layer_state_bytes", "place_plan", "place_stages", "shard_flights"]
 
 
 def layer_state_bytes(profile: ModelProfile) -> list[int]:
@@ -81,12 +81,29 @@ def place_stages(
     for v in vws:
         row = []
         for _, (a, b) in v:
-            per: dict[int, int] = {}
-            for j in range(a, b):
-                per[layer_shards[j]] = per.get(layer_shards[j], 0) + layer_bytes[j]
+            per = _bytes_by_shard(layer_shards, layer_bytes, a, b)
             row.append(min(per, key=lambda s: (-per[s], s)) if per else layer_shards[a])
         stage_shards.append(tuple(row))
     return tuple(layer_shards), tuple(stage_shards)
+
+
+def place_plan(
+    cluster: Any, profile: ModelProfile, vws: Sequence[Sequence[tuple[Any, tuple[int, int]]]]
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`place_stages` for a plan: its VWs' stages as ``(device, (a, b))`` on the
+    cluster's shards, the model's state bytes from ``profile``."""
+    return place_stages(tuple(getattr(cluster, "ps", ()) or ()),
+                        [[(d.host, ab) for d, ab in v] for v in vws],
+                        layer_state_bytes(profile))
+
+
+def _bytes_by_shard(layer_shards: Sequence[int], layer_bytes: Sequence[int], a: int, b: int
+                    ) -> dict[int, int]:
+    """State bytes of layers ``[a, b)`` on each shard that holds some of them."""
+    per: dict[int, int] = {}
+    for j in range(a, b):
+        per[layer_shards[j]] = per.get(layer_shards[j], 0) + layer_bytes[j]
+    return per
 
 
 def _host(d: Any) -> str:
@@ -118,11 +135,8 @@ def shard_flights(
     for devs, p in chosen:
         row = []
         for d, (a, b) in zip(devs, p.cuts, strict=True):
-            by_shard: dict[int, int] = {}
-            for j in range(a, b):
-                by_shard[layer_shards[j]] = by_shard.get(layer_shards[j], 0) + layer_bytes[j]
             t = 0.0
-            for shard, nbytes in by_shard.items():
+            for shard, nbytes in _bytes_by_shard(layer_shards, layer_bytes, a, b).items():
                 host = shards[shard].host
                 if nbytes and host != _host(d):
                     there = near.get(host) or SimpleNamespace(

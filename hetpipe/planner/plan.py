@@ -31,7 +31,7 @@ from hetpipe.planner.formation import Formation, best_formation, candidate_forma
 from hetpipe.planner.memory import StageMemory
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
-from hetpipe.planner.placement import layer_state_bytes, place_stages
+from hetpipe.planner.placement import place_plan, place_stages
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.replicas import (
@@ -856,16 +856,14 @@ def _assemble(
     details: dict[str, Any],
 ) -> Plan:
     prof = model.profile
-    layer_bytes = layer_state_bytes(prof)
-    shards = tuple(getattr(cluster, "ps", ()) or ())
-    stage_hosts = [[(d.host, ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen]
-    layer_shards, stage_shards = place_stages(shards, stage_hosts, layer_bytes)
+    layer_shards, stage_shards = place_plan(
+        cluster, prof, [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen])
     if shard_of_stage is not None:
         stage_shards = tuple(
             tuple(shard_of_stage(v, i, d) for i, d in enumerate(devs))
             for v, (devs, _) in enumerate(chosen)
         )
-        ls: list[int | None] = [None] * len(layer_bytes)
+        ls: list[int | None] = [None] * len(layer_shards)
         for v, (_, p) in enumerate(chosen):
             for i, (a, b) in enumerate(p.cuts):
                 for j in range(a, b):

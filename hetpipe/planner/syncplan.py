@@ -459,13 +459,18 @@ class SyncModel:
                         t, cuts, improved = tt, trial, True
         return t, tuple(cuts)
 
+    def choice(self, devs: Sequence[int], kind: str, warmup: int = 0) -> SyncChoice | None:
+        """This mapping in this order with its best cuts (None: nothing fits)."""
+        r = self.best_cuts(devs, kind, warmup)
+        return None if r is None else SyncChoice(tuple(devs), r[1], kind, r[0], warmup)
+
     def best_kind(self, devs: Sequence[int]) -> SyncChoice | None:
         """The fastest of :attr:`orders` on this mapping, each with its best cuts."""
         best = None
         for kind, warmup in self.orders:
-            r = self.best_cuts(devs, kind, warmup)
-            if r is not None and (best is None or r[0] < best.iteration_s):
-                best = SyncChoice(tuple(devs), r[1], kind, r[0], warmup)
+            c = self.choice(devs, kind, warmup)
+            if c is not None and (best is None or c.iteration_s < best.iteration_s):
+                best = c
         return best
 
 
@@ -695,8 +700,7 @@ def _explicit(model: SyncModel,
         row = []
         for devs, cuts in given:
             if cuts is None:
-                r = model.best_cuts(devs, kind, warmup)
-                row.append(None if r is None else SyncChoice(devs, r[1], kind, r[0], warmup))
+                row.append(model.choice(devs, kind, warmup))
             else:
                 row.append(SyncChoice(devs, cuts, kind, model.evaluate(devs, cuts, kind, warmup),
                                       warmup))
@@ -712,11 +716,11 @@ def _explicit(model: SyncModel,
     out = []
     for v, (devs, cuts) in enumerate(given):
         if cuts is None:
-            r = model.best_cuts(devs, kind, warmup)
-            if r is None:
+            c = model.choice(devs, kind, warmup)
+            if c is None:
                 names = [model.devices[i].name for i in devs]
                 raise PlanError(f"vw {v}: the model fits on no split of {names}")
-            out.append(SyncChoice(devs, r[1], kind, r[0], warmup))
+            out.append(c)
             continue
         for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
             need = model.memory(i, a, b, pos, len(devs), kind, warmup=warmup).total
@@ -725,7 +729,6 @@ def _explicit(model: SyncModel,
                                 f"over its cap {model.devices[i].memory}")
         out.append(SyncChoice(devs, cuts, kind, model.unchecked(devs, cuts, kind, warmup), warmup))
     return out
-
 
 
 def sync_plan(
@@ -756,7 +759,7 @@ def sync_plan(
     faster get more); the iteration then waits for the gradient exchange. The few fastest
     candidates on an idle host are ranked again with the hosts' sharing simulated."""
     from hetpipe.planner.formation import candidate_formations
-    from hetpipe.planner.placement import layer_state_bytes, place_stages
+    from hetpipe.planner.placement import place_plan
     from hetpipe.planner.plan import (
         Plan,
         PlanError,
@@ -848,10 +851,9 @@ def sync_plan(
     warm = chosen[0].warmup
     searched = max(c.iteration_s for c in chosen) + exchange
     iteration, pred = _predict(chosen, ms)
-    stage_hosts = [[(usable[i].host, ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
-                   for c in chosen]
-    layer_shards, stage_shards = place_stages(tuple(getattr(cluster, "ps", ()) or ()),
-                                              stage_hosts, layer_state_bytes(profile))
+    layer_shards, stage_shards = place_plan(
+        cluster, profile, [[(usable[i], ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
+                           for c in chosen])
     plans = []
     for v, (c, mv) in enumerate(zip(chosen, ms, strict=True)):
         k = len(c.devices)
