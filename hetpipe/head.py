@@ -121,6 +121,7 @@ class JobState:
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
     lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
     checkpoints: int = 0
+    checkpoints_superseded: int = 0  # cuts not written: a newer one was ready first
     checkpoint_s: float = 0.0  # head time spent fetching cuts and writing checkpoints
     checkpoint_stage_s: float = 0.0  # stages' time taking their state (slowest, per cut)
     last_checkpoint: dict[str, Any] | None = None
@@ -132,6 +133,7 @@ class JobState:
     states: dict[tuple[int, int], dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]] = \
         field(default_factory=dict)
     cut_next: int | None = None  # the next cut to write
+    cut_queued: int = -1  # the newest cut handed to a writer
     cut_writes: list[asyncio.Task[None]] = field(default_factory=list)
     cut_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time
 
@@ -203,6 +205,8 @@ class JobState:
             out["checkpoint_s"] = self.checkpoint_s
             out["checkpoint_stage_s"] = self.checkpoint_stage_s
             out["last_checkpoint"] = self.last_checkpoint
+        if self.checkpoints_superseded:
+            out["checkpoints_superseded"] = self.checkpoints_superseded
         if self.replans:
             out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
                               for r in self.replans]
@@ -897,6 +901,7 @@ class Head:
                 if got is None:
                     return
                 picks[(v, s)] = got
+            js.cut_queued = c
             js.cut_writes.append(asyncio.ensure_future(self._write_cut(js, plan, c, picks)))
             js.cut_next = checkpoint.cut_after(c, every, last)
             for (v, s) in picks:  # a VW at its end keeps its last state for the later cuts
@@ -910,6 +915,14 @@ class Head:
         """Fetch the shards' cut ``c``, check it against the stages' states, write both."""
         async with js.cut_lock:
             if js.plan is not plan:  # the attempt was given up meanwhile
+                return
+            if c < js.cut_queued:
+                # a newer cut is ready: writing this one would only delay that one, and a
+                # head that fell behind would ask the shards for cuts they no longer keep
+                # (they keep the newest JobShard.KEEP_CUTS), failing every write after
+                js.checkpoints_superseded += 1
+                self.log.info("checkpoint superseded", job=js.id, wave=c,
+                              newest=js.cut_queued)
                 return
             t0 = time.perf_counter()
             try:
@@ -979,6 +992,7 @@ class Head:
         js.cut_writes = []
         js.states.clear()
         js.cut_next = None
+        js.cut_queued = -1  # the next attempt counts its waves afresh
 
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""
@@ -1147,6 +1161,7 @@ class Head:
                              weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
         plan.release_initial_weights()
         js.states.clear()
+        js.cut_queued = -1
         js.cut_next = checkpoint.cut_after(0, js.spec.checkpoint_every,
                                            max(plan.waves(v) for v in range(len(plan.vws))))
         waits = []
@@ -1203,6 +1218,7 @@ class Head:
             "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
             "shard_clocks": clocks,
             "checkpoints": js.checkpoints,
+            "checkpoints_superseded": js.checkpoints_superseded,
             "checkpoint_s": js.checkpoint_s,
             "checkpoint_stage_s": js.checkpoint_stage_s,
         }

@@ -254,8 +254,19 @@ def uninterrupted(durable: LocalCluster) -> float:
         info = durable.submit(_durable_job(f"calm{run}"), timeout=300)
         assert info["state"] == "done", info.get("error")
         _assert_applied_once(info, [0, 0])
+        _assert_every_cut_written_or_superseded(info)
         accuracies.append(info["test_accuracy"])
+    log = (durable.run_dir / "logs" / "ps0.log").read_text()
+    assert "checkpoint failed" not in log, [x for x in log.splitlines() if "failed" in x][:3]
     return min(accuracies)
+
+
+def _assert_every_cut_written_or_superseded(info: dict[str, Any]) -> None:
+    """Each of the job's cuts was written, or passed over for a newer one that was ready
+    before the head got to it; the last one (the job's end) is always written."""
+    waves = -(-TOTAL // NM)
+    assert info["checkpoints"] + info.get("checkpoints_superseded", 0) == -(-waves // EVERY), info
+    assert info["checkpoints"] >= 1 and info["last_checkpoint"]["wave"] == waves, info
 
 
 def _assert_applied_once(info: dict[str, Any], starts: list[int]) -> None:
