@@ -22,7 +22,6 @@ from hetpipe import jobstore, launch, security
 from hetpipe.client import HeadClient, HeadError, client_curve
 from hetpipe.config import ClusterConfig, ConfigError, check_address, format_size, load_cluster
 from hetpipe.job import JobError, JobSpec, load_job
-from hetpipe.jobcheck import check_job
 from hetpipe.security import Curve
 from hetpipe.wire import Kind
 
@@ -106,7 +105,12 @@ def _ask(obj: Ctx, kind: Kind, fields: dict[str, Any], timeout: float) -> dict[s
 
 def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
     """The job file, checked on its own and against the cluster file (its code policy first)
-    before anything is sent (the head and the workers check again: this only fails sooner)."""
+    before anything is sent (the head and the workers check again: this only fails sooner).
+
+    The check builds the model and loads the data, so it imports torch (over a second):
+    imported here, not by every command."""
+    from hetpipe.jobcheck import check_job
+
     try:
         spec = load_job(job_file)
         check_job(spec, obj.cluster, job_file)

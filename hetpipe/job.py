@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
-from hetpipe.optim import unpredictable
 from hetpipe.planner.memory import ACTIVATION_POLICIES
 from hetpipe.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.schedule import SYNC_KINDS
@@ -308,6 +307,9 @@ class JobSpec:
             train.fail("predict_variant", f"unknown variant {predict_variant!r} "
                        f"(one of: {', '.join(PREDICT_VARIANTS)})")
         if weights == "predict":
+            # hetpipe.optim computes with torch: imported here, reading a job file does not
+            from hetpipe.optim import unpredictable
+
             why = unpredictable(optimizer)
             if why:
                 train.fail("weights", f"predict cannot extrapolate {why}")

@@ -16,9 +16,8 @@ import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 import zmq.asyncio
 
@@ -34,6 +33,9 @@ from hetpipe.wire import (
     encode,
     error_frames,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Channel",

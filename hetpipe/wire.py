@@ -27,16 +27,19 @@ tensors may alias read-only memory (a ``bytes`` frame): clone one before writing
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 import zmq
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -216,32 +219,35 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
 _missing_schemas = set(Kind) - set(SCHEMAS)
 assert not _missing_schemas, f"kinds without a schema: {sorted(_missing_schemas)}"
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8",
+                "bool")
 
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtypes the wire carries, by wire name: built on first use, so that a process that
+    sends no tensor (the command line) never imports torch (over a second)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in _DTYPE_NAMES}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dt: name for name, dt in _dtypes().items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire's name of a dtype (``WireError`` if the wire cannot carry it)."""
-    name = _DTYPE_NAMES.get(dtype)
+    name = _dtype_names().get(dtype)
     if name is None:
-        raise WireError(f"dtype {dtype} is not supported ({', '.join(_DTYPES)})")
+        raise WireError(f"dtype {dtype} is not supported ({', '.join(_DTYPE_NAMES)})")
     return name
 
 
 def dtype_named(name: str) -> torch.dtype | None:
     """The dtype of a wire name, or None for a name the wire does not know."""
-    return _DTYPES.get(name)
+    return _dtypes().get(name)
 
 
 _HEADER_KEYS = frozenset({"v", "kind", "f", "t"})
@@ -357,11 +363,13 @@ def _kind(kind: Any) -> Kind:
 
 def _tensor_frame(name: str, t: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
     """Describe a tensor and return its bytes: a view of its memory, or a copy if small."""
+    import torch
+
     if not isinstance(t, torch.Tensor):
         raise WireError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-    dtype = _DTYPE_NAMES.get(t.dtype)
+    dtype = _dtype_names().get(t.dtype)
     if dtype is None:
-        supported = ", ".join(_DTYPES)
+        supported = ", ".join(_DTYPE_NAMES)
         raise WireError(f"tensor {name!r}: dtype {t.dtype} is not supported ({supported})")
     if t.layout != torch.strided:
         raise WireError(f"tensor {name!r}: layout {t.layout} is not supported (dense only)")
@@ -471,6 +479,8 @@ def _tensor(
     desc: Any, i: int, frames: Sequence[memoryview], used: dict[int, str]
 ) -> tuple[str, torch.Tensor]:
     """Validate descriptor ``i`` against its frame and build the tensor."""
+    import torch
+
     if not isinstance(desc, dict):
         raise WireError(f"tensor descriptor {i} is not a map (got {type(desc).__name__})")
     for key in _DESCRIPTOR_KEYS:
@@ -483,7 +493,7 @@ def _tensor(
     if not isinstance(name, str):
         raise WireError(f"tensor descriptor {i}: name is a {type(name).__name__}, not a str")
     dtype_name = desc["dtype"]
-    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = _dtypes().get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireError(f"tensor {name!r}: unknown dtype {dtype_name!r}")
     shape = desc["shape"]

@@ -508,3 +508,22 @@ def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
                     "trace", "nosuch-1", "-o", str(tmp_path / "t.json"))
     assert result.exit_code == 1
     assert "did not answer" in result.stderr
+
+
+def test_commands_that_send_no_tensor_do_not_import_torch(tmp_path: Path) -> None:
+    """Importing torch takes over a second: ``hetpipe down``, ``keys``, ``status`` and the
+    rest must not pay it (checking a job, which builds its model, imports it when asked)."""
+    (tmp_path / "cluster.toml").write_text(good_cluster())
+    probe = (
+        "import sys\n"
+        "from hetpipe import cli\n"
+        "for args in (['down'], ['keys']):\n"
+        "    cli.main(['--cluster', 'cluster.toml', *args], standalone_mode=False)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+    assert "down: nothing running" in run.stdout and "keys: " in run.stdout, run.stdout
+    assert any((tmp_path / ".hetpipe" / "keys").iterdir())  # the commands did their work
