@@ -36,11 +36,12 @@ is every sample of the simulated run over its makespan (fill and drain included)
 
 Memory. ``peak_in_flight`` is, per stage, the most minibatches it held at once under this
 timing, a minibatch counting from its forward's start to its backward's end. The runtime
-holds one from its forward's end to its backward's start (:meth:`hetpipe.stage.StageCompute.
-forward`, ``backward``) and counts after each forward; a stage runs one action at a time, so
-the two counts agree at every moment the runtime looks, and both follow from the order of
-the stage's forwards and backwards alone. The planner prices it as the stage's expected peak
-memory (:func:`hetpipe.planner.memory.expected_in_flight`).
+holds one from its forward's end to its backward's start
+(:meth:`hetpipe.stage.StageCompute.forward` and ``backward``) and counts after each
+forward; a stage runs one action at a time, so the two counts agree at every moment the
+runtime looks, and both follow from the order of the stage's forwards and backwards alone.
+The planner prices it as the stage's expected peak memory
+(:func:`hetpipe.planner.memory.expected_in_flight`).
 """
 
 from __future__ import annotations
