@@ -200,6 +200,13 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                              "time_s": s.time_s, "busy_s": s.busy_s, "slowdown": s.slowdown,
                              "memory": s.memory.total, "memory_cap": s.memory_cap,
                              "memory_terms": s.memory.to_dict(),
+                             # the peak of the predicted timeline, beside the bound above
+                             "expected_memory": (s.expected_memory.total
+                                                 if s.expected_memory else None),
+                             "expected_memory_terms": (s.expected_memory.to_dict()
+                                                       if s.expected_memory else None),
+                             "expected_in_flight": s.expected_in_flight,
+                             "in_flight": s.in_flight,
                              "recompute": list(s.recompute), "swap": list(s.swap),
                              "replicas": list(s.replicas), "exchange_s": s.exchange_s}
                             for s in v.stages]}

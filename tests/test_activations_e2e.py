@@ -107,6 +107,9 @@ def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
     first, last = sorted(info["stages"], key=lambda s: s["stage"])
     assert first["peak_in_flight"] == max_in_flight("async", 2, 0, 3) == 3
     assert last["peak_in_flight"] == max_in_flight("async", 2, 1, 3) == 1
+    # the predicted timeline lags the same way: its expected peak is the bound here
+    assert [p["expected_in_flight"] for p in pred] == [3, 1]
+    assert [p["expected_memory_terms"] for p in pred] == [p["memory_terms"] for p in pred]
     want, got = pred[0]["memory_terms"], first["peak_memory"]
     for term in ("params", "optimizer", "stash", "activations", "working"):
         assert got[term] == want[term], (term, got, want)

@@ -15,6 +15,7 @@ from hetpipe.config import (
     NodeSpec,
     RuntimeSpec,
     ShardSpec,
+    format_size,
 )
 from hetpipe.planner import (
     LayerProfile,
@@ -26,6 +27,8 @@ from hetpipe.planner import (
     place_stages,
     synthetic_profile,
 )
+from hetpipe.planner.memory import stage_memory_of
+from hetpipe.schedule import max_in_flight
 
 MiB = 1 << 20
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
@@ -73,6 +76,25 @@ def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
     assert len(plan.layer_shards) == L
     # the job's rate (every sample / the time to the last VW's end) never beats the VWs' sum
     assert 0 < plan.samples_per_s <= sum(v.samples_per_s for v in plan.vws) * (1 + 1e-9)
+    check_expected(plan)
+
+
+def check_expected(plan: Plan) -> None:
+    """Every stage carries its expected peak beside the bound: at most the bound, priced by
+    the same model (only the in-flight terms differ; at the bound's count it IS the bound)."""
+    for vw in plan.vws:
+        for i, s in enumerate(vw.stages):
+            e = s.expected_memory
+            assert e is not None
+            assert 1 <= s.expected_in_flight <= s.in_flight
+            if plan.schedule == "async" and i == len(vw.stages) - 1:
+                assert s.expected_in_flight == s.in_flight == 1
+            if s.expected_in_flight == s.in_flight:
+                assert e == s.memory
+            else:
+                assert e.total < s.memory.total
+            assert (e.params, e.optimizer, e.accumulators, e.working) == (
+                s.memory.params, s.memory.optimizer, s.memory.accumulators, s.memory.working)
 
 
 def test_make_plan_uses_the_whimpy_device():
@@ -149,6 +171,40 @@ def test_table_and_round_trip():
     back = Plan.from_dict(d)
     assert back == plan
     assert back.table() == text
+
+
+def test_the_plan_carries_the_expected_peak_of_its_simulated_timeline():
+    """Two medium stages, Nm = 8: the second keeps pace with the first, so the first is
+    predicted to hold fewer than the 8 the bound charges, and its expected memory is the one
+    memory model at that count (stage_memory_of, the plain per-layer formula). The cap is
+    still checked with the bound; the table shows both; a plan round-trips them. With
+    weights = "latest" the stages run a fixed order: expected and bound agree."""
+    cluster, prof = repo_cluster(), profile16()
+    plan = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)
+    check_expected(plan)
+    first, last = plan.vws[0].stages
+    assert first.in_flight == max_in_flight("async", 2, 0, 8) == 8
+    assert 1 <= first.expected_in_flight < first.in_flight
+    for i, s in enumerate((first, last)):
+        assert s.memory == stage_memory_of(prof, "medium", s.layers, i, 2, 8, 1)
+        assert s.expected_memory == stage_memory_of(prof, "medium", s.layers, i, 2, 8, 1,
+                                                    flight=s.expected_in_flight)
+    # the cap is checked with the bound: over gpu1's cap by it (the explicit plan warns, the
+    # runtime would refuse), though the expected peak fits
+    assert first.expected_memory.total <= first.memory_cap < first.memory.total
+    assert any(w.startswith("vw 0: gpu1 needs") for w in plan.warnings), plan.warnings
+    row = next(line for line in plan.table().splitlines() if line.strip().startswith("0 "))
+    assert f"{first.expected_in_flight}/8" in row
+    assert format_size(first.expected_memory.total) in row
+    assert f"{format_size(first.memory.total)} / {format_size(first.memory_cap)}" in row
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back == plan and back.vws[0].stages[0].expected_memory == first.expected_memory
+    fixed = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], weights="latest",
+                          **KW)
+    check_expected(fixed)
+    for i, s in enumerate(fixed.vws[0].stages):
+        assert s.expected_in_flight == s.in_flight == max_in_flight("async", 2, i, 8, True)
+        assert s.expected_memory == s.memory
 
 
 def test_explicit_plan_prices_a_given_split():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
 import pytest
 
+from hetpipe.planner.memory import expected_in_flight
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, main, simulate
+from hetpipe.schedule import max_in_flight
 
 
 def vw(times, nm, links=(), minibatch=1):
@@ -150,3 +153,100 @@ def test_a_handoff_is_paid_once_whatever_joins_it():
     stage = SimStage(0.0, 0.0, push_s=0.25, step_s=0.5, handoff_s=1.0)
     sim = simulate([SimVW((stage,), 2, schedule="1f1b")], 0, 8)
     assert sim.iteration_s[0] == pytest.approx(2 * 1.0 + 0.5 + 0.25)
+
+
+# ------------------------------------------------------------- minibatches held at once
+# peak_in_flight: per stage, the most minibatches between a forward's start and its
+# backward's end under the simulated timing (the count the expected peak memory is priced at)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("times", [(1.0, 1.5), (0.2, 0.3)])
+def test_a_uniform_pipeline_holds_three_more_per_stage_back_from_the_last(k, times):
+    """Every stage forwards in 1 and differentiates in 1.5 (no links): stage s < k - 1 holds
+    ``min(Nm, 3 (k - 1 - s) + 1)``, the last one 1. By hand: stage 0 admits Nm at once and
+    forward p starts at stage s at s + p (the forwards run back to back until the first
+    gradient returns). The last stage runs F0 at k - 1, B0 until k + 1.5; the gradient then
+    reaches each earlier stage mid-forward (forwards end on whole numbers), waits for that
+    forward (0.5) and takes 1.5 there: stage k - 1 - j gets it at k + 2 j - 0.5, by when it
+    has started forwards 0 .. 3 j (s + p < k + 2 j - 0.5 with s = k - 1 - j). No two events
+    of a stage coincide, so the count does not rest on how ties are broken. With Nm = k the
+    stage j before the last holds min(k, 3 j + 1), so the one before the last 4 of k where
+    k > 4; a larger Nm leaves more stages short of the Nm the bound charges. Times scaled
+    by a constant change nothing."""
+    f, b = times
+    for nm in (1, 2, k, 2 * k, 3 * k):
+        r = simulate([vw([(f, b)] * k, nm=nm)], staleness=0, minibatches=8 * nm + 8)
+        want = (*(min(nm, 3 * (k - 1 - s) + 1) for s in range(k - 1)), 1)
+        assert r.peak_in_flight == (want,), (nm, r.peak_in_flight)
+        bound = tuple(max_in_flight("async", k, s, nm) for s in range(k))
+        assert all(x <= y for x, y in zip(want, bound, strict=True))
+
+
+def test_a_stage_before_a_much_slower_one_holds_the_bound():
+    """A 20x slower successor: every admitted minibatch is forwarded before the first
+    gradient returns, so the stages before it hold Nm, the schedule's maximum."""
+    for times in ([(1, 1), (20, 20)], [(1, 1), (1, 1), (20, 20)]):
+        r = simulate([vw(times, nm=4)], staleness=0, minibatches=32)
+        assert r.peak_in_flight == ((4,) * (len(times) - 1) + (1,),)
+
+
+def test_a_slow_head_holds_two_and_its_fast_successors_one():
+    """Stage 0 takes 20 per forward and per backward, the others 1: minibatch 0's round
+    trip through the rest (4) ends while stage 0 runs forward 1 (from 20 to 40), so at 40
+    the ready backward of 0 goes first, then that of 1 (back at 42): stage 0 holds two at
+    most, forwards and backwards in pairs. Each later stage finishes a minibatch's round
+    trip long before the next arrives: one."""
+    r = simulate([vw([(20, 20), (1, 1), (1, 1)], nm=4)], staleness=0, minibatches=32)
+    assert r.peak_in_flight == ((2, 1, 1),)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_synchronous_order_holds_its_own_count_under_the_simulated_timing(kind, seed):
+    """gpipe and 1f1b run a fixed order: whatever the stage times, each stage holds what
+    max_in_flight gives for that order (gpipe M, 1f1b its warm-up plus one)."""
+    rng = random.Random(seed)
+    k, m = rng.randint(1, 5), rng.randint(1, 6)
+    warmup = rng.randint(0, 2) if kind == "1f1b" else 0
+    times = [(rng.uniform(0.1, 2.0), rng.uniform(0.1, 2.0)) for _ in range(k)]
+    sim = SimVW(tuple(SimStage(f, b) for f, b in times), m, schedule=kind, warmup=warmup)
+    r = simulate([sim], staleness=0, minibatches=3 * m)
+    assert r.peak_in_flight == (tuple(max_in_flight(kind, k, s, m, warmup=warmup)
+                                      for s in range(k)),)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_no_simulated_stage_holds_more_than_the_bound(seed):
+    """Random small async jobs (stages, Nm, stage and link times, one or two virtual workers
+    under WSP): every stage holds at least one and at most max_in_flight, the last exactly
+    one; so the expected count never exceeds the one the caps are checked with."""
+    rng = random.Random(seed)
+    vws = []
+    for _ in range(rng.randint(1, 2)):
+        k, nm = rng.randint(1, 5), rng.randint(1, 8)
+        times = [(rng.uniform(0.05, 3.0), rng.uniform(0.05, 3.0)) for _ in range(k)]
+        links = [SimLink(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(k - 1)]
+        vws.append(vw(times, nm, links))
+    r = simulate(vws, staleness=rng.randint(0, 2), minibatches=rng.randint(1, 40))
+    for v, spec in enumerate(vws):
+        k = len(spec.stages)
+        peaks = r.peak_in_flight[v]
+        bound = [max_in_flight("async", k, s, spec.nm) for s in range(k)]
+        assert all(1 <= p <= b for p, b in zip(peaks, bound, strict=True)), (peaks, bound)
+        assert peaks[-1] == 1
+        for s in range(k):
+            assert expected_in_flight(peaks[s], s, k, spec.nm) == peaks[s]
+
+
+def test_expected_in_flight_is_the_bound_where_the_order_is_fixed():
+    """A fixed order (gpipe, 1f1b, async on the lock-step order) holds its own count under
+    every timing, so the expected count is the bound whatever was simulated; where it
+    depends on timing a count outside 1 .. bound is a broken simulation, refused."""
+    assert expected_in_flight(2, 0, 3, 8, weights="latest") == 5 == max_in_flight(
+        "async", 3, 0, 8, fixed=True)
+    assert expected_in_flight(1, 1, 3, 4, schedule="gpipe") == 4
+    assert expected_in_flight(3, 1, 3, 4) == 3
+    for held, stage in ((9, 0), (2, 2), (0, 0)):
+        with pytest.raises(ValueError, match="simulated"):
+            expected_in_flight(held, stage, 3, 8)

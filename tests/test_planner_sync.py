@@ -27,7 +27,7 @@ from hetpipe.planner.syncplan import (
     sync_plan,
     warmup_ladder,
 )
-from hetpipe.schedule import microbatch_order
+from hetpipe.schedule import max_in_flight, microbatch_order
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def test_formations_fewer_microbatches_than_workers_are_skipped():
 
 
 def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
-    from test_planner_plan import profile16, repo_cluster
+    from test_planner_plan import check_expected, profile16, repo_cluster
 
     cluster, prof = repo_cluster(), profile16()
     plan = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=2,
@@ -288,5 +288,12 @@ def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
     one = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=1,
                     budget_s=3)
     assert len(one.vws) == 1 and one.vws[0].nm == 6 and one.policy == "sync"
+    # a fixed order holds its own count under any timing: the expected peak is the bound
+    for p in (plan, one):
+        check_expected(p)
+        for v in p.vws:
+            k = len(v.stages)
+            assert [s.expected_in_flight for s in v.stages] == [
+                max_in_flight(p.schedule, k, i, v.nm, warmup=p.warmup) for i in range(k)]
     best = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, budget_s=3)
     assert best.iteration_s <= min(plan.iteration_s, one.iteration_s) * (1 + 1e-9)

@@ -87,6 +87,9 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     # half the rows of the 80 ms layer per replica: clearly faster, not a rounding win
     assert note["minibatch_s"] < 0.7 * note["unreplicated_minibatch_s"], note
     assert plan.samples_per_s > 1.3 * plain.samples_per_s
+    # the replicated stage's expected peak is priced as its leader's bound (its rows)
+    from test_planner_plan import check_expected
+    check_expected(plan)
     table = plan.table()
     assert "replicas, VW 0: chosen: devices" in table and "without replicas" in table
     assert f"[{heavy.device}, {heavy.replicas[0]}]" in table

@@ -50,6 +50,12 @@ the lock-step order (:func:`fixed_order`) and holds ``min(Nm, 2 (k - position) -
 gpipe holds all M microbatches of an iteration at every stage, 1f1b at most
 ``k - position`` (its warm-up plus one).
 
+Beside that bound the planner predicts what a stage is EXPECTED to hold: the peak count of the
+pipeline's simulated timeline (:func:`expected_in_flight`), priced by the same functions
+(``flight`` of :func:`stage_memory`). It is the peak a run of that timing reaches, to compare
+a run's measured peak with; a cap is never checked against it. Where the order is fixed the
+two are equal.
+
 Precision (``train.precision``): the weight terms (params, optimizer, stash,
 accumulators) are float32 in both precisions, since the weights, their updates and the
 optimizer state are kept in float32 (autocast casts per operation). In ``bf16`` the
@@ -89,6 +95,7 @@ __all__ = [
     "StageMemory",
     "activation_bytes",
     "copy_seconds",
+    "expected_in_flight",
     "fixed_order",
     "in_flight",
     "param_copies",
@@ -185,6 +192,26 @@ def in_flight(position: int, k: int, nm: int, schedule: str = "async",
     """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage
     (``warmup``: 1f1b's extra warm-up forwards)."""
     return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights), warmup)
+
+
+def expected_in_flight(simulated: int, position: int, k: int, nm: int,
+                       schedule: str = "async", weights: str = "stash",
+                       warmup: int = 0) -> int:
+    """The count a stage is expected to hold at its peak under the predicted timing:
+    ``simulated``, the most the planner's simulated timeline held at once
+    (:attr:`hetpipe.planner.simulate.SimResult.peak_in_flight`), where the count depends on
+    timing (async, weights stashed: a successor that keeps pace returns gradients before
+    all Nm are forwarded); the bound :func:`in_flight` where the order is fixed (gpipe,
+    1f1b, an async stage on the lock-step order), since a fixed order holds its own count
+    under every timing. Never more than the bound: a higher ``simulated`` is a simulator
+    that broke the schedule's rules, refused here."""
+    bound = in_flight(position, k, nm, schedule, weights, warmup)
+    if schedule != "async" or fixed_order(schedule, weights):
+        return bound
+    if not 1 <= simulated <= bound:
+        raise ValueError(f"stage {position} of {k}: simulated {simulated} in flight, outside "
+                         f"1..{bound} (the schedule's maximum at Nm={nm})")
+    return simulated
 
 
 def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int:
@@ -294,15 +321,18 @@ def stage_memory(
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
     warmup: int = 0,
+    flight: int | None = None,
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
     ``input_bytes`` is the size of the stage's input per minibatch: the model input for the
     first stage, else the previous layer's ``out_bytes`` (see :func:`stage_input_bytes`).
     ``recompute``/``swap``: stage-relative indices of the layers whose activations are
-    recomputed/swapped to host memory.
+    recomputed/swapped to host memory. ``flight``: the minibatches in flight to charge
+    (default :func:`in_flight`, the bound a cap is checked against; the expected peak
+    passes :func:`expected_in_flight`).
     """
-    n = in_flight(position, k, nm, schedule, weights, warmup)
+    n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
     pb = sum(lp.param_bytes for lp in layers)
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]
@@ -336,6 +366,7 @@ def stage_memory_of(
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
     warmup: int = 0,
+    flight: int | None = None,
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``
     (``recompute``/``swap``: GLOBAL indices of the recomputed/swapped layers)."""
@@ -352,4 +383,5 @@ def stage_memory_of(
         {j - a for j in recompute},
         {j - a for j in swap},
         warmup,
+        flight,
     )

@@ -521,12 +521,14 @@ class CostModel:
     def stage_memory(
         self, dtype: str, a: int, b: int, position: int, k: int, nm: int,
         schedule: str = "async", recompute: Sequence[int] = (), swap: Sequence[int] = (),
+        flight: int | None = None,
     ) -> StageMemory:
         """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers);
         ``recompute``: global layers recomputed, one run ``[c, d)`` (or none); ``swap``:
-        global layers swapped to host memory."""
+        global layers swapped to host memory; ``flight``: the count in flight to charge
+        (default the bound, :func:`memory.in_flight`)."""
         tc = self.costs(dtype)
-        n = in_flight(position, k, nm, schedule, self.weights)
+        n = in_flight(position, k, nm, schedule, self.weights) if flight is None else flight
         pb = int(tc.P[b] - tc.P[a])
         kept = int(tc.S[b] - tc.S[a])
         working = int(tc.W[a, b])

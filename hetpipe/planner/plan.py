@@ -15,6 +15,11 @@ measured figures can be compared.
 Parameter placement is :func:`hetpipe.planner.placement.place_stages` (its rule and what it
 costs on the links live there). Each stage reports the shard holding most of its bytes;
 ``Plan.layer_shards`` has the full per-layer map.
+
+Memory, two figures per stage, one model (:mod:`hetpipe.planner.memory`): ``memory`` at the
+most minibatches the schedule lets the stage hold under ANY timing, the bound every cap is
+checked against; ``expected_memory`` at the most its predicted timeline held
+(:func:`hetpipe.planner.memory.expected_in_flight`), the peak a run of that timing reaches.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 from hetpipe.config import format_size
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
-from hetpipe.planner.memory import StageMemory
+from hetpipe.planner.memory import StageMemory, expected_in_flight, in_flight
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
@@ -39,6 +44,7 @@ from hetpipe.planner.replicas import (
     as_partition,
     describe_groups,
     partition_replicated,
+    replica_memory,
     replicate,
 )
 from hetpipe.planner.runtime import RuntimeCosts
@@ -109,9 +115,19 @@ class StagePlan:
     replicas: tuple[str, ...] = ()
     rows: tuple[int, ...] = ()
     exchange_s: float = 0.0
+    # the peak of the predicted timeline: the same model at the most minibatches the
+    # simulated stage held at once (``expected_in_flight``, of the ``in_flight`` that
+    # ``memory`` charges); never above ``memory``, equal to it where the order fixes the
+    # count. None / 0 in a plan made before it was predicted
+    expected_memory: StageMemory | None = None
+    expected_in_flight: int = 0
+    in_flight: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
+            "expected_in_flight": self.expected_in_flight,
+            "in_flight": self.in_flight,
             "replicas": list(self.replicas),
             "rows": list(self.rows),
             "exchange_s": self.exchange_s,
@@ -148,6 +164,9 @@ class StagePlan:
             tuple(str(x) for x in d.get("replicas", ())),
             tuple(int(x) for x in d.get("rows", ())),
             float(d.get("exchange_s", 0.0)),
+            StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
+            int(d.get("expected_in_flight", 0)),
+            int(d.get("in_flight", 0)),
         )
 
 
@@ -238,7 +257,10 @@ class Plan:
 
         ``compute`` is a stage's predicted forward + backward + update per minibatch (what the
         job status measures as ``time_s``), ``busy`` adds the runtime's hand-offs, sends and
-        per-wave push and merge, and ``host`` is how much sharing its host stretches it."""
+        per-wave push and merge, and ``host`` is how much sharing its host stretches it.
+        ``expected`` is the memory peak of the predicted timeline (``in flight`` held of the
+        most the schedule permits), ``bound`` the peak under any timing, what ``use`` of the
+        cap counts."""
         lines = [
             f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
@@ -250,7 +272,8 @@ class Plan:
         ]
         head = (
             f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"
-            f"{'host':>7}{'memory / cap':>24}{'use':>6}{'shard':>7}"
+            f"{'host':>7}{'in flight':>11}{'expected':>11}{'bound / cap':>24}{'use':>6}"
+            f"{'shard':>7}"
         )
         for v, vw in enumerate(self.vws):
             order = (s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
@@ -265,10 +288,12 @@ class Plan:
                 rng = f"{a}-{b - 1} ({b - a})"
                 mem = f"{format_size(s.memory.total)} / {format_size(s.memory_cap)}"
                 use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
+                held = f"{s.expected_in_flight}/{s.in_flight}" if s.expected_memory else "-"
+                expected = format_size(s.expected_memory.total) if s.expected_memory else "-"
                 lines.append(
                     f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
-                    f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{mem:>24}{use:>6.0%}"
-                    f"{s.shard:>7}"
+                    f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{held:>11}{expected:>11}"
+                    f"{mem:>24}{use:>6.0%}{s.shard:>7}"
                 )
                 if s.replicas:
                     spans = ", ".join(
@@ -842,6 +867,20 @@ def _power(profile: ModelProfile) -> Callable[[Any], float]:
     return lambda d: 1.0 / totals[d.type] if totals.get(d.type, 0) > 0 else 0.0
 
 
+def _memory_at(model: CostModel, p: Partition, i: int, flight: int) -> StageMemory:
+    """Stage ``i``'s memory as ``p.memory[i]`` was priced (the same policy, rows and
+    route: a replicated stage's leader by :func:`replica_memory`), but with ``flight``
+    minibatches in flight: at the bound count it is ``p.memory[i]``."""
+    a, b = p.cuts[i]
+    if p.groups and len(p.groups[i]) > 1:
+        rows = p.rows[i]
+        return replica_memory(model, p.types[i], a, b, i, p.k, p.nm,
+                              (rows[1] - rows[0]) / rows[-1], flight)
+    return model.stage_memory(p.types[i], a, b, i, p.k, p.nm,
+                              recompute=p.recompute[i] if p.recompute else (),
+                              swap=p.swap[i] if p.swap else (), flight=flight)
+
+
 def _assemble(
     cluster: Any,
     model: CostModel,
@@ -878,6 +917,9 @@ def _assemble(
     sim = pred.sim
     vw_plans = []
     for v, (devs, p) in enumerate(chosen):
+        bound = [in_flight(i, p.k, p.nm, weights=model.weights) for i in range(p.k)]
+        held = [expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm,
+                                   weights=model.weights) for i in range(p.k)]
         stages = tuple(
             StagePlan(
                 d.name,
@@ -895,6 +937,9 @@ def _assemble(
                 tuple(x.name for x in p.group_of(i, d)[1:]),
                 p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),
                 p.exchange_s[i] if p.exchange_s else 0.0,
+                _memory_at(model, p, i, held[i]),
+                held[i],
+                bound[i],
             )
             for i, d in enumerate(devs)
         )

@@ -147,10 +147,11 @@ def flight_time(model: CostModel, senders: Sequence[Any], send_rows: Sequence[in
 
 
 def replica_memory(model: CostModel, dtype: str, a: int, b: int, position: int, k: int,
-                   nm: int, share: float) -> StageMemory:
+                   nm: int, share: float, flight: int | None = None) -> StageMemory:
     """A replica's memory: the whole stage's state, its rows' activations and working
-    memory (``share`` of the minibatch's rows)."""
-    mem = model.stage_memory(dtype, a, b, position, k, nm)
+    memory (``share`` of the minibatch's rows); ``flight`` as for
+    :meth:`CostModel.stage_memory`."""
+    mem = model.stage_memory(dtype, a, b, position, k, nm, flight=flight)
     if share >= 1.0:
         return mem
     return dataclasses.replace(mem, activations=math.ceil(mem.activations * share),

@@ -33,6 +33,15 @@ the first quarter (the pipeline's fill) and before the last Nm (the drain), divi
 time they took. ``samples_per_s`` is their sum, what a long job gets; ``job_samples_per_s``
 is every sample of the simulated run over its makespan (fill and drain included).
 ``iteration_s`` (synchronous kinds) is the mean time of one iteration after the first.
+
+Memory. ``peak_in_flight`` is, per stage, the most minibatches it held at once under this
+timing, a minibatch counting from its forward's start to its backward's end. The runtime
+holds one from its forward's end to its backward's start
+(:meth:`hetpipe.stage.StageCompute.forward` and ``backward``) and counts after each
+forward; a stage runs one action at a time, so the two counts agree at every moment the
+runtime looks, and both follow from the order of the stage's forwards and backwards alone.
+The planner prices it as the stage's expected peak memory
+(:func:`hetpipe.planner.memory.expected_in_flight`).
 """
 
 from __future__ import annotations
@@ -120,6 +129,11 @@ class SimResult:
     actions: tuple[tuple[tuple[tuple[float, Action], ...], ...], ...] = ()
     # per VW, per stage: hand-offs to the compute thread per minibatch (each pays handoff_s)
     trips: tuple[tuple[float, ...], ...] = ()
+    # per VW, per stage: the most minibatches it held at once under this timing (a
+    # minibatch counts from its forward's start to its backward's end, as the runtime holds
+    # it: hetpipe.stage.StageStats.peak_in_flight); at most the schedule's maximum
+    # (hetpipe.schedule.max_in_flight), which holds under ANY timing
+    peak_in_flight: tuple[tuple[int, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +146,7 @@ class SimResult:
             "gate_wait_s": list(self.gate_wait_s),
             "minibatches": self.minibatches,
             "iteration_s": list(self.iteration_s),
+            "peak_in_flight": [list(x) for x in self.peak_in_flight],
         }
 
 
@@ -148,6 +163,8 @@ class _Stage:
     idle: bool = True
     busy_s: float = 0.0
     trips: int = 0  # hand-offs to the compute thread
+    held: int = 0  # minibatches between a forward's start and its backward's end
+    peak_held: int = 0
     gate_since: float | None = None
     landed: float = 0.0  # when its pushes sent so far have all reached the shards
     log: list[tuple[float, Action]] = field(default_factory=list)
@@ -277,6 +294,13 @@ def simulate(
             if kind in HANDED:  # a hand-off: the actions that join it run with it
                 run = sched.trip(a, st)
                 st.trips += 1
+                for x in run:  # one at a time, in order: the count at each moment
+                    if type(x) is Forward:
+                        st.held += 1
+                        if st.held > st.peak_held:
+                            st.peak_held = st.held
+                    elif type(x) is Backward:
+                        st.held -= 1
                 dur = sp.handoff_s / 2  # there, then back after the last one
                 at = []
                 for x in run:
@@ -417,6 +441,7 @@ def simulate(
         tuple(tuple(tuple(st.log) for st in w.stages) for w in state),
         tuple(tuple(st.trips / n_v for st in w.stages) for w, n_v in zip(state, counts,
                                                                           strict=True)),
+        tuple(tuple(st.peak_held for st in w.stages) for w in state),
     )
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.planner.memory import StageMemory, param_copies, stage_memory_of
+from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.schedule import (
@@ -859,12 +859,15 @@ def sync_plan(
         k = len(c.devices)
         stages = []
         for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
+            # the order fixes what a stage holds, whatever the timing: the expected peak is
+            # the bound (hetpipe.planner.memory.expected_in_flight)
+            mem = model.memory(i, a, b, pos, k, c.kind, mv, warm)
+            n = in_flight(pos, k, mv, c.kind, warmup=warm)
             stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
-                                    pred.compute_s(v, pos),
-                                    model.memory(i, a, b, pos, k, c.kind, mv, warm),
-                                    usable[i].memory,
+                                    pred.compute_s(v, pos), mem, usable[i].memory,
                                     stage_shards[v][pos], pred.busy_s(v, pos, mv),
-                                    pred.slowdown[v][pos]))
+                                    pred.slowdown[v][pos], expected_memory=mem,
+                                    expected_in_flight=n, in_flight=n))
         plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), mv,
                             mv * minibatch / iteration))
     used = {n for p in plans for n in p.devices}
