@@ -27,7 +27,7 @@ bookkeeping. A stage runs all its layers in *one* forward task and *one* backwar
 sum of alone-timed layers charges that call once per layer, and a stage of many layers runs
 faster than the sum of its layers (measured on the bench's MLP at minibatch 256, speed 0.1:
 a 16-layer stage ran in 0.72 of the sum; fit over 1..16 layers, every further layer cost
-0.35 ms less in the forward and 1.1 ms less in the backward than profiled).
+0.35 ms less in the forward and 1.1 ms less in the backward and update than profiled).
 :func:`measure_model` therefore also times the whole model as one such call and keeps, per
 device type, a :class:`CallProfile`: the forward and backward call's own cost, with every
 layer's time net of it. A stage of layers ``[a, b)`` costs the sum of its layers plus the
@@ -101,20 +101,22 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class CallProfile:
-    """What one forward call and one backward call of a stage cost beyond its layers' own
-    (net) times, on one device type, padded like the layers (see the module docs).
+    """What one forward call, one backward call and one update of a stage cost beyond its
+    layers' own (net) times, on one device type, stored like the layers' (see the module
+    docs).
 
     Charged once per stage and minibatch whatever the stage's layer count: a stage runs its
-    layers as one forward task and differentiates them with one backward call. 0 for a
-    profile that never measured it.
+    layers as one forward task, differentiates them with one backward call and steps all
+    its weights in one optimizer call. 0 for a profile that never measured it.
     """
 
     fwd_s: float = 0.0
     bwd_s: float = 0.0
+    update_s: float = 0.0
 
     @property
     def time_s(self) -> float:
-        return self.fwd_s + self.bwd_s
+        return self.fwd_s + self.bwd_s + self.update_s
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -122,7 +124,8 @@ class CallProfile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> CallProfile:
         d = d or {}
-        return cls(float(d.get("fwd_s", 0.0)), float(d.get("bwd_s", 0.0)))
+        return cls(float(d.get("fwd_s", 0.0)), float(d.get("bwd_s", 0.0)),
+                   float(d.get("update_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ class ModelProfile:
         c = self.call(dtype)
         return StageTimes(sum(lp.fwd_s for lp in lps) + c.fwd_s,
                           sum(lp.bwd_s for lp in lps) + c.bwd_s,
-                          sum(lp.update_s for lp in lps))
+                          sum(lp.update_s for lp in lps) + c.update_s)
 
     def n_layers(self) -> int:
         return len(next(iter(self.layers.values()))) if self.layers else 0
@@ -204,13 +207,15 @@ class ModelProfile:
         """The profile at another minibatch size, assuming time and activations scale linearly.
 
         A first-order estimate (small minibatches under-use a GPU, so real times grow less than
-        linearly); re-profiling at the job's minibatch is better, and the plan says so.
+        linearly); re-profiling at the job's minibatch is better, and the plan says so. The call
+        term stays: a call's own cost does not grow with the rows.
         """
         if minibatch == self.minibatch:
             return self
         f = minibatch / self.minibatch
         layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
-        return ModelProfile(self.model, minibatch, math.ceil(self.input_bytes * f), layers)
+        return ModelProfile(self.model, minibatch, math.ceil(self.input_bytes * f), layers,
+                            dict(self.calls))
 
 
 def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:
@@ -266,7 +271,9 @@ def measure_model(
     beyond its layers (medians, like the layers; at least 0: a whole model slower than its
     layers is noise, not a call that saves time). Every layer's time is then net of one
     call, so a stage of any layers ``[a, b)`` costs ``sum f_i - (b - a - 1) c_f`` as
-    measured, exactly ``F`` for the whole model and a layer's own time for one layer.
+    measured, exactly ``F`` for the whole model and a layer's own time for one layer. The
+    update likewise: the state of every layer that has some, updated as one, against the
+    layers' updates one by one.
     """
     return _measure(model, example, device, speed=speed, warmup=warmup, repeats=repeats,
                     loss_fn=loss_fn, step=step, budget_s=budget_s, precision=precision,
@@ -376,6 +383,8 @@ def _measure(
         for layer in layers
     ]
     states = [_UpdateState(layer, step) for layer in layers]
+    whole_state = _UpdateState(model, step) if whole else None
+    whole_upd: list[float] = []
     started = 0.0
     for rep in range(warmup + repeats):
         if rep == warmup:
@@ -421,16 +430,26 @@ def _measure(
                 backs[i] = target.requires_grad
         if whole and n > 1:
             f_all, b_all = _time_whole(layers, inputs[0], loss_fn, autocast, device)
+            assert whole_state is not None
+            _sync(device)
+            t0 = time.perf_counter()
+            whole_state.run()
+            _sync(device)
             if rep >= warmup:
                 whole_fwd.append(f_all)
                 whole_bwd.append(b_all)
-    call_f = call_b = 0.0
+                whole_upd.append(time.perf_counter() - t0)
+    call_f = call_b = call_u = 0.0
+    stateful = [s.has_state for s in states]
     if whole and n > 1 and whole_fwd:
         f_med = [statistics.median(v) for v in fwd]
         b_med = [statistics.median(v) for i, v in enumerate(bwd) if backs[i]]
         call_f = max(0.0, (sum(f_med) - statistics.median(whole_fwd)) / (n - 1))
         if len(b_med) > 1:
             call_b = max(0.0, (sum(b_med) - statistics.median(whole_bwd)) / (len(b_med) - 1))
+        u_med = [statistics.median(v) for i, v in enumerate(upd) if stateful[i]]
+        if len(u_med) > 1:
+            call_u = max(0.0, (sum(u_med) - statistics.median(whole_upd)) / (len(u_med) - 1))
     out: list[LayerProfile] = []
     for i, layer in enumerate(layers):
         y, x = outs[i], inputs[i]
@@ -447,10 +466,10 @@ def _measure(
                 out_bytes,
                 saved[i],
                 out_bytes + in_grad,
-                statistics.median(upd[i]) / speed,
+                max(0.0, statistics.median(upd[i]) - (call_u if stateful[i] else 0.0)) / speed,
             )
         )
-    return Measured(tuple(out), CallProfile(call_f / speed, call_b / speed))
+    return Measured(tuple(out), CallProfile(call_f / speed, call_b / speed, call_u / speed))
 
 
 def _time_whole(layers: Sequence[Any], x: Any, loss_fn: Callable[[Any], Any] | None,
@@ -501,6 +520,11 @@ class _UpdateState:
         self.momentum: dict[str, Any] = {}
         self.step = step or self._sgd
 
+    @property
+    def has_state(self) -> bool:
+        """Whether there is anything to update (a layer without state costs nothing)."""
+        return bool(self.params or self.buffers)
+
     def _sgd(self, params: Mapping[str, Any], grads: Mapping[str, Any]) -> dict[str, Any]:
         import torch
 
@@ -518,7 +542,7 @@ class _UpdateState:
     def run(self) -> None:
         import torch
 
-        if not self.params and not self.buffers:
+        if not self.has_state:
             return
         with torch.no_grad():
             for b, acc in zip(self.buffers, self.buf_acc, strict=True):
@@ -648,12 +672,12 @@ def synthetic_profile(
     param_bytes: tuple[int, int] = (64 << 10, 512 << 10),
     out_bytes: tuple[int, int] = (16 << 10, 128 << 10),
     type_noise: float = 0.1,
-    call: tuple[float, float] = (0.0, 0.0),
+    call: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> ModelProfile:
     """A random but plausible profile for tests and benchmarks.
 
-    ``call``: the stage call term (forward, backward) at speed 1, divided by each type's
-    speed like the layers; none by default.
+    ``call``: the stage call term (forward, backward, update) at speed 1, divided by each
+    type's speed like the layers; none by default.
 
     ``types`` maps a device type to its relative speed: a layer's time on a type is its base
     time / speed, times a per-(layer, type) factor within +-``type_noise`` (layers do not all
@@ -687,6 +711,6 @@ def synthetic_profile(
             )
             prev_out = o
         layers[t] = tuple(lps)
-    calls = ({t: CallProfile(call[0] / speed, call[1] / speed) for t, speed in types.items()}
+    calls = ({t: CallProfile(*(c / speed for c in call)) for t, speed in types.items()}
              if any(call) else {})
     return ModelProfile(model, minibatch, input_bytes, layers, calls)

@@ -234,9 +234,11 @@ class SyncModel:
                 "F": pre(lp.fwd_s for lp in lps),
                 "B": pre(lp.bwd_s for lp in lps),
                 "U": pre(lp.update_s for lp in lps),
-                # the stage call term (profile.CallProfile): once per forward, per backward
+                # the stage call term (profile.CallProfile): once per forward, per backward,
+                # per step
                 "cf": np.float64(self.profile.call(dtype).fwd_s),
                 "cb": np.float64(self.profile.call(dtype).bwd_s),
+                "cu": np.float64(self.profile.call(dtype).update_s),
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
                 "S": pre(lp.saved_bytes for lp in lps),
@@ -273,7 +275,7 @@ class SyncModel:
             bwd_s=t["B"][b] - t["B"][a] + t["cb"] + task
             + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
-            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0))),
+            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * min(1.0, float(getattr(d, "speed", 1.0))),
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
             handoff_s=rt.hop_s,
         )
