@@ -508,3 +508,13 @@ def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
                     "trace", "nosuch-1", "-o", str(tmp_path / "t.json"))
     assert result.exit_code == 1
     assert "did not answer" in result.stderr
+
+
+def test_the_profile_table_shows_the_stage_call_term() -> None:
+    from hetpipe.planner import synthetic_profile
+
+    prof = synthetic_profile(3, {"a": 1.0, "b": 0.5}, 0, call=(1e-4, 2e-4, 5e-5)).to_dict()
+    last = cli.render_profile(prof).splitlines()[-1].split()
+    assert last == ["per", "stage", "0.300", "0.600"]  # forward + backward call, ms, per type
+    old = {k: v for k, v in prof.items() if k != "calls"}  # measured before the term
+    assert "per stage" not in cli.render_profile(old)
