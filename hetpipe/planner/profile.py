@@ -29,9 +29,10 @@ faster than the sum of its layers (measured on the bench's MLP at minibatch 256,
 a 16-layer stage ran in 0.72 of the sum; fit over 1..16 layers, every further layer cost
 0.35 ms less in the forward and 1.1 ms less in the backward and update than profiled).
 :func:`measure_model` therefore also times the whole model as one such call and keeps, per
-device type, a :class:`CallProfile`: the forward and backward call's own cost, with every
-layer's time net of it. A stage of layers ``[a, b)`` costs the sum of its layers plus the
-call term once (:meth:`ModelProfile.stage_times`, the one place the planner sums a stage).
+device type, a :class:`CallProfile`: the forward, backward and update call's own cost,
+with every layer's time net of it. A stage of layers ``[a, b)`` costs the sum of its layers
+plus the call term once (:meth:`ModelProfile.stage_times` for one stage; the partitioners'
+prefix sums add the same term to every ``[a, b)``).
 A profile stored before the term existed has none (0): its layers keep their gross times,
 which is what they were planned with then.
 """
