@@ -9,11 +9,17 @@ against the profile two ways:
 - ``gross``: the sum of the layers' :func:`~hetpipe.planner.profile.measure_layers` times
   (each layer timed alone: what the planner summed before the call term);
 - ``net``: :meth:`ModelProfile.stage_times` from :func:`~hetpipe.planner.profile.measure_model`
-  (the layers net of their call, plus the call term once).
+  (the layers net of their call, plus the call term once);
+- ``net, step unpadded``: the same with the update at the device's real speed, as the runtime
+  runs the optimizer step (it pads forwards and backwards only; the profile's update is
+  padded, and the async planner charges it so).
 
 Then a least-squares fit of ``stage - predicted = a + (n - 1) b``: ``b`` is the bias per
 layer a stage of more layers gets (0 for an unbiased profile), ``a`` what every stage pays
-beyond its layers (the runtime's per-task costs, ``RuntimeCosts.task_s`` and ``cold``).
+beyond its layers (the runtime's per-task costs, ``RuntimeCosts.task_s`` and ``cold``). The
+last two fits are of the planner's compute prediction itself (the default
+:class:`~hetpipe.planner.runtime.RuntimeCosts`: two tasks' ``task_s`` padded, times
+``1 + cold`` on a padded device, which starts every task cold), from each profile.
 
     python scripts/probe_call_term.py [--speed 0.1] [--repeats 25] [--sizes 1 2 4 8 16]
 """
@@ -35,6 +41,7 @@ from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.planner.profile import ModelProfile, measure_layers, measure_model
+from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
@@ -121,9 +128,11 @@ def main() -> int:
     print(f"load average {os.getloadavg()[0]:.2f}; speed {args.speed}; call term "
           f"fwd {got.call.fwd_s * 1e3:.3f} bwd {got.call.bwd_s * 1e3:.3f} "
           f"update {got.call.update_s * 1e3:.3f} ms")
-    print(f"{'n':>3}{'a':>3}{'stage ms':>10}{'gross ms':>10}{'ratio':>7}{'net ms':>9}{'ratio':>7}")
+    print(f"{'n':>3}{'a':>3}{'stage ms':>10}{'gross ms':>10}{'ratio':>7}{'net ms':>9}{'ratio':>7}"
+          f"{'unpadded ms':>13}{'ratio':>7}")
     old: list[tuple[int, float, float]] = []
     new: list[tuple[int, float, float]] = []
+    unpadded: list[tuple[int, float, float]] = []
     for n in args.sizes:
         for a in (1, 2):  # a stage starting on a Linear, and one on a ReLU
             b = a + n
@@ -132,12 +141,24 @@ def main() -> int:
             c = stage(job, state, a, b, n_layers, args.speed)
             measured = time_stage(c, acts[a], y0, torch.ones_like(acts[b]), args.repeats)
             g = sum(lp.time_s for lp in gross[a:b])
-            t = net.stage_times("t", a, b).time_s
+            times = net.stage_times("t", a, b)
+            t = times.time_s
+            u = t - times.update_s * (1 - min(1.0, args.speed))
             old.append((n, measured, g))
             new.append((n, measured, t))
+            unpadded.append((n, measured, u))
             print(f"{n:>3}{a:>3}{measured * 1e3:>10.3f}{g * 1e3:>10.3f}{measured / g:>7.2f}"
-                  f"{t * 1e3:>9.3f}{measured / t:>7.2f}")
-    for name, rows in (("gross (sum of layers)", old), ("net + call term", new)):
+                  f"{t * 1e3:>9.3f}{measured / t:>7.2f}{u * 1e3:>13.3f}{measured / u:>7.2f}")
+    rc = RuntimeCosts()
+
+    def planner(x: float) -> float:
+        return (x + 2 * rc.task_s / min(1.0, args.speed)) * (1 + rc.cold * (args.speed < 1))
+
+    fits = (("gross (sum of layers)", old), ("net + call term", new),
+            ("net + call term, step unpadded", unpadded),
+            ("the planner's compute from gross", [(n, m, planner(x)) for n, m, x in old]),
+            ("the planner's compute from net", [(n, m, planner(x)) for n, m, x in new]))
+    for name, rows in fits:
         a0, b1 = fit(rows)
         print(f"fit vs {name}: stage - predicted = {a0 * 1e3:.3f} ms + (n - 1) x "
               f"{b1 * 1e3:.3f} ms")

@@ -269,10 +269,10 @@ def measure_model(
     all, one backward call from its output. With the layers' times ``f_i`` (their backward
     ``b_i`` over the ``m`` layers whose backward ran) and the whole model's ``F`` and ``B``,
     a call costs ``c_f = (sum f_i - F) / (n - 1)`` and ``c_b = (sum b_i - B) / (m - 1)``
-    beyond its layers (medians, like the layers; at least 0: a whole model slower than its
-    layers is noise, not a call that saves time). Every layer's time is then net of one
-    call, so a stage of any layers ``[a, b)`` costs ``sum f_i - (b - a - 1) c_f`` as
-    measured, exactly ``F`` for the whole model and a layer's own time for one layer. The
+    beyond its layers (each from its fastest pass, where load from other processes spoiled
+    least; at least 0: a whole model slower than its layers is noise, not a call that saves
+    time). Every layer's (median) time is then net of one call, so a stage of layers
+    ``[a, b)`` costs ``sum f_i - (b - a - 1) c_f`` as measured. The
     update likewise: the state of every layer that has some, updated as one, against the
     layers' updates one by one.
     """
@@ -443,14 +443,17 @@ def _measure(
     call_f = call_b = call_u = 0.0
     stateful = [s.has_state for s in states]
     if whole and n > 1 and whole_fwd:
-        f_med = [statistics.median(v) for v in fwd]
-        b_med = [statistics.median(v) for i, v in enumerate(bwd) if backs[i]]
-        call_f = max(0.0, (sum(f_med) - statistics.median(whole_fwd)) / (n - 1))
-        if len(b_med) > 1:
-            call_b = max(0.0, (sum(b_med) - statistics.median(whole_bwd)) / (len(b_med) - 1))
-        u_med = [statistics.median(v) for i, v in enumerate(upd) if stateful[i]]
-        if len(u_med) > 1:
-            call_u = max(0.0, (sum(u_med) - statistics.median(whole_upd)) / (len(u_med) - 1))
+        # fastest samples: another process's burst only ever adds time, and it lands far
+        # more often in the whole model's one long interval than in a layer's short one (a
+        # median of the whole model taken under load can exceed the layers' sum)
+        f_min = [min(v) for v in fwd]
+        b_min = [min(v) for i, v in enumerate(bwd) if backs[i]]
+        call_f = max(0.0, (sum(f_min) - min(whole_fwd)) / (n - 1))
+        if len(b_min) > 1:
+            call_b = max(0.0, (sum(b_min) - min(whole_bwd)) / (len(b_min) - 1))
+        u_min = [min(v) for i, v in enumerate(upd) if stateful[i]]
+        if len(u_min) > 1:
+            call_u = max(0.0, (sum(u_min) - min(whole_upd)) / (len(u_min) - 1))
     out: list[LayerProfile] = []
     for i, layer in enumerate(layers):
         y, x = outs[i], inputs[i]
