@@ -543,7 +543,9 @@ def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
 
 
 def render_profile(prof: dict[str, Any]) -> str:
-    """Per device type: forward/backward ms of each layer, and bytes per layer."""
+    """Per device type: forward/backward ms of each layer, and bytes per layer; then each
+    stage's call term (paid once per stage, whatever its layers: see
+    :mod:`hetpipe.planner.profile`), where the profile has one."""
     types = sorted(prof["layers"])
     first = prof["layers"][types[0]]
     head = ["LAYER", *[f"{t} fwd+bwd ms" for t in types], "PARAMS", "OUTPUT"]
@@ -552,6 +554,10 @@ def render_profile(prof: dict[str, Any]) -> str:
         times = [prof["layers"][t][i]["fwd_s"] + prof["layers"][t][i]["bwd_s"] for t in types]
         rows.append([str(i), *[f"{1e3 * s:.3f}" for s in times],
                      format_size(first[i]["param_bytes"]), format_size(first[i]["out_bytes"])])
+    calls = prof.get("calls") or {}
+    if calls:
+        times = [calls[t]["fwd_s"] + calls[t]["bwd_s"] if t in calls else 0.0 for t in types]
+        rows.append(["per stage", *[f"{1e3 * s:.3f}" for s in times], "", ""])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"profile of {prof['model']} at minibatch {prof['minibatch']}"]
     lines += ["  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]

@@ -46,6 +46,7 @@ from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_res
 from hetpipe.modelstate import layer_of
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
 from hetpipe.profiling import (
+    call_from,
     layers_from,
     live_cluster,
     model_key,
@@ -485,7 +486,7 @@ class Head:
                     raise _JobFailed(f"profiling on {worker.device}: {exc}") from None
                 info = reply["info"]
                 self.profiles.put(key, spec.minibatch, dtype, layers_from(info),
-                                  input_bytes=info["input_bytes"])
+                                  input_bytes=info["input_bytes"], call=call_from(info))
             self.profiles.save()
             if not types:
                 raise _JobFailed("no live worker: start them (`hetpipe up`)")

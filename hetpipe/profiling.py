@@ -22,13 +22,14 @@ from hetpipe.job import JobSpec, VWSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner import (
+    CallProfile,
     LayerProfile,
     ModelProfile,
     Plan,
     PlanError,
     explicit_plan,
     make_plan,
-    measure_layers,
+    measure_model,
     replica_proposals,
     sync_plan,
     weights_mode,
@@ -58,14 +59,19 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     # (the first Linear or conv) would count that set's storage as its saved bytes
     x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
     loss = model_loss(spec.model.name)
-    layers = measure_layers(model, x, device.device, speed=device.speed,
-                            loss_fn=lambda out: loss(out, y), precision=spec.precision)
-    return {"layers": [dataclasses.asdict(lp) for lp in layers],
-            "input_bytes": x.numel() * x.element_size()}
+    got = measure_model(model, x, device.device, speed=device.speed,
+                        loss_fn=lambda out: loss(out, y), precision=spec.precision)
+    return {"layers": [dataclasses.asdict(lp) for lp in got.layers],
+            "call": got.call.to_dict(), "input_bytes": x.numel() * x.element_size()}
 
 
 def layers_from(info: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
     return tuple(LayerProfile(**d) for d in info["layers"])
+
+
+def call_from(info: Mapping[str, Any]) -> CallProfile | None:
+    """The stage call term a worker measured (None from a worker that measures none)."""
+    return CallProfile.from_dict(info["call"]) if info.get("call") is not None else None
 
 
 def live_cluster(cluster: ClusterConfig, devices: set[str]) -> ClusterConfig:

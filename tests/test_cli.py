@@ -527,3 +527,13 @@ def test_commands_that_send_no_tensor_do_not_import_torch(tmp_path: Path) -> Non
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
     assert "down: nothing running" in run.stdout and "keys: " in run.stdout, run.stdout
     assert any((tmp_path / ".hetpipe" / "keys").iterdir())  # the commands did their work
+
+
+def test_the_profile_table_shows_the_stage_call_term() -> None:
+    from hetpipe.planner import synthetic_profile
+
+    prof = synthetic_profile(3, {"a": 1.0, "b": 0.5}, 0, call=(1e-4, 2e-4, 5e-5)).to_dict()
+    last = cli.render_profile(prof).splitlines()[-1].split()
+    assert last == ["per", "stage", "0.300", "0.600"]  # forward + backward call, ms, per type
+    old = {k: v for k, v in prof.items() if k != "calls"}  # measured before the term
+    assert "per stage" not in cli.render_profile(old)

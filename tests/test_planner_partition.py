@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -11,6 +12,7 @@ import pytest
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import (
     WEIGHT_MODES,
+    CallProfile,
     CostModel,
     Infeasible,
     LayerProfile,
@@ -290,3 +292,56 @@ def test_runtime_costs_add_per_stage_time():
     lp = LayerProfile(1e-3, 2e-3, 100, 0, 10, 10, 10, update_s=5e-4)
     one = CostModel(ModelProfile("m", 1, 10, {"a": (lp, lp)}), bandwidth, 0)
     assert one.stage_time("a", 0, 2, None, None) == pytest.approx(2 * 3.5e-3)
+
+
+def test_the_call_term_is_charged_once_per_stage():
+    prof = synthetic_profile(6, {"a": 1.0}, 1)
+    call = CallProfile(1e-3, 2e-3, 5e-4)
+    bare = CostModel(prof, bandwidth, 0)
+    model = CostModel(dataclasses.replace(prof, calls={"a": call}), bandwidth, 0)
+    links = (None, 1e9)
+    for a, b in ((0, 1), (2, 4), (0, 6)):
+        for bw_in, bw_out in itertools.product(links, links):
+            extra = model.stage_time("a", a, b, bw_in, bw_out) - bare.stage_time(
+                "a", a, b, bw_in, bw_out)
+            assert extra == pytest.approx(call.time_s)  # whatever the stage's layer count
+    # the matrix the DP reads is the scalar stage time, float for float
+    t = model.time_matrix("a", 1e9, None)
+    for a in range(7):
+        for b in range(a + 1, 7):
+            assert t[a, b] == model.stage_time("a", a, b, 1e9, None)
+
+
+def test_a_large_call_term_moves_layers_to_the_type_without_one():
+    # ten 1 ms layers on two devices: alike they split 5/5; a device whose type pays 4 ms
+    # per stage call takes 3 layers (3 + 4 = 7 ms) and leaves 7 to the other (7 ms)
+    lp = LayerProfile(1e-3, 0.0, 0, 0, 1, 1, 1)
+    types = {"a": (lp,) * 10, "b": (lp,) * 10}
+    devs = [dev("g0", "a", 1 << 30), dev("g1", "b", 1 << 30)]
+    free = partition(ModelProfile("m", 8, 1, types), devs, 1, lambda a, b: float("inf"), 0)
+    assert isinstance(free, Partition) and free.sizes == (5, 5)
+    prof = ModelProfile("m", 8, 1, types, {"a": CallProfile(4e-3, 0.0, 0.0)})
+    p = partition(prof, devs, 1, lambda a, b: float("inf"), 0)
+    assert isinstance(p, Partition) and p.sizes == (3, 7)
+    assert p.bottleneck == pytest.approx(7e-3)
+    q = partition(prof, devs[::-1], 1, lambda a, b: float("inf"), 0)
+    assert isinstance(q, Partition) and q.sizes == (7, 3)
+
+
+def test_dp_equals_brute_force_with_call_terms():
+    costs = RuntimeCosts(task_s=2e-4, hop_s=4e-4, message_s=3e-4, message_byte_s=1e-8)
+    feasible = 0
+    for seed in range(60):
+        prof, devs, nm, factor = random_instance(7000 + seed)
+        r = random.Random(seed)
+        prof = dataclasses.replace(prof, calls={
+            t: CallProfile(r.uniform(0, 4e-3), r.uniform(0, 8e-3), r.uniform(0, 1e-3))
+            for t in prof.layers})
+        speeds = {t: 0.25 + 0.25 * i for i, t in enumerate(sorted(prof.layers))}
+        p = partition(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)
+        q = brute_force(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)
+        assert bool(p) == bool(q), seed
+        if isinstance(p, Partition):
+            feasible += 1
+            assert p.bottleneck == q.bottleneck, seed
+    assert feasible >= 15

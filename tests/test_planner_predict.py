@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hetpipe.config import DeviceSpec
-from hetpipe.planner import CostModel, LayerProfile, ModelProfile, explicit_plan
+from hetpipe.planner import CallProfile, CostModel, LayerProfile, ModelProfile, explicit_plan
 from hetpipe.planner import predict as predict_module
 from hetpipe.planner.predict import LONG_JOB, predict, stage_costs
 from hetpipe.planner.runtime import RuntimeCosts, all_busy, host_cores, slowdowns
@@ -203,6 +203,27 @@ def test_stage_costs_follow_the_runtime():
         + first.recv_s
         + (first.push_s + first.merge_s) / 2
     )
+
+
+def test_stage_costs_charge_the_call_term_once_per_task():
+    costs = RuntimeCosts(task_s=1e-3, hop_s=2e-3, message_s=3e-3, message_byte_s=0.0)
+    bare = flat_profile({"a": 0.5})
+    call = CallProfile(3e-4, 6e-4, 1e-4)
+    devs = (dev("x", "a", 0.5), dev("y", "a", 0.5), dev("z", "a", 0.5))
+    got = {}
+    for name, prof in (("bare", bare), ("call", dataclasses.replace(bare, calls={"a": call}))):
+        model = CostModel(prof, bw, 0, costs, {"a": 0.5})
+        p = model.describe(devs, [(0, 2), (2, 3), (3, 4)], 2)
+        got[name] = stage_costs(model, devs, p, several_vws=False, shards=1)
+    for i, (x, y) in enumerate(zip(got["bare"], got["call"], strict=True)):
+        if i < 2:  # a forward task, and a backward task with the update
+            assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(call.fwd_s)
+            assert y.compute_bwd_s - x.compute_bwd_s == pytest.approx(
+                call.bwd_s + call.update_s)
+        else:  # the last stage's one task runs the forward, the backward and the update
+            assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(call.time_s)
+            assert y.compute_bwd_s == x.compute_bwd_s == 0.0
+        assert y.loop_fwd_s == x.loop_fwd_s and y.push_s == x.push_s
 
 
 def test_explicit_plan_reports_predicted_compute_and_busy_time():

@@ -1,4 +1,5 @@
-"""Layer profiles: measurement on real tensors, the JSON store, synthetic profiles."""
+"""Layer profiles: measurement on real tensors, the stage call term, the JSON store, synthetic
+profiles."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from hetpipe.planner import LayerProfile, ModelProfile, ProfileStore, measure_layers
+from hetpipe.planner import (
+    CallProfile,
+    LayerProfile,
+    ModelProfile,
+    ProfileStore,
+    measure_layers,
+    measure_model,
+)
 from hetpipe.planner.profile import synthetic_profile
 
 
@@ -126,3 +134,81 @@ def test_old_profiles_without_update_times_still_load():
     assert LayerProfile.from_dict(d).update_s == 0.0005
     del d["update_s"]
     assert LayerProfile.from_dict(d).update_s == 0.0
+
+
+def test_measure_model_finds_a_call_term_and_nets_it_out_of_the_layers():
+    # many small layers: each layer timed alone pays its own forward and backward call,
+    # which one stage of them all pays once
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(8) for m in (nn.Linear(8, 8), nn.ReLU())))
+    x = torch.randn(8, 8)
+    got = measure_model(model, x, warmup=2, repeats=15)
+    assert got.call.fwd_s > 0 and got.call.bwd_s > 0 and got.call.update_s >= 0
+    prof = ModelProfile("m", 8, 256, {"cpu": got.layers}, {"cpu": got.call})
+    n = len(got.layers)
+    whole = prof.stage_times("cpu", 0, n)
+    ones = [prof.stage_times("cpu", i, i + 1) for i in range(n)]
+    # n one-layer stages pay n calls where one stage of every layer pays one; the first
+    # layer's input needs no gradient, so its backward is no call (alone or in a stage)
+    net_f = [max(0.0, o.fwd_s - got.call.fwd_s) for o in ones]
+    assert whole.fwd_s == pytest.approx(sum(net_f) + got.call.fwd_s)
+    assert sum(o.fwd_s for o in ones) > whole.fwd_s
+    assert sum(o.bwd_s for o in ones) > whole.bwd_s
+
+
+def test_measure_model_pads_the_call_term_like_the_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(8, 8), nn.ReLU())))
+    got = measure_model(model, torch.randn(8, 8), speed=0.25, warmup=1, repeats=9)
+    # a call alone costs tens of microseconds on any CPU; padded to 4x, it is over 10 us
+    assert got.call.fwd_s > 1e-5 and got.call.bwd_s > 1e-5
+    with pytest.raises(ValueError, match="speed"):
+        measure_model(model, torch.randn(8, 8), speed=0)
+
+
+def test_a_stage_is_its_layers_plus_the_call_term_once():
+    lp = LayerProfile(1e-3, 2e-3, 10, 0, 20, 30, 40, 5e-4)
+    call = CallProfile(3e-4, 7e-4, 1e-4)
+    prof = ModelProfile("m", 8, 20, {"x": (lp,) * 5}, {"x": call})
+    for a, b in ((0, 1), (1, 3), (0, 5)):
+        t = prof.stage_times("x", a, b)
+        n = b - a
+        assert t.fwd_s == pytest.approx(n * 1e-3 + 3e-4)
+        assert t.bwd_s == pytest.approx(n * 2e-3 + 7e-4)
+        assert t.update_s == pytest.approx(n * 5e-4 + 1e-4)
+        assert t.time_s == pytest.approx(n * lp.time_s + call.time_s)
+    # no term measured for a type: its stages are their layers alone
+    bare = ModelProfile("m", 8, 20, {"x": (lp,) * 5})
+    assert bare.stage_times("x", 0, 5).time_s == pytest.approx(5 * lp.time_s)
+    # the term stays when the profile is scaled to another minibatch
+    assert prof.scaled(16).call("x") == call
+    with pytest.raises(ValueError, match="unprofiled type"):
+        ModelProfile("m", 8, 20, {"x": (lp,)}, {"y": call})
+
+
+def test_profiles_without_a_call_term_still_load(tmp_path):
+    a = synthetic_profile(4, {"x": 1.0, "y": 0.5}, 2, call=(1e-4, 2e-4, 3e-5))
+    assert a.call("y") == CallProfile(2e-4, 4e-4, 6e-5)
+    assert ModelProfile.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    old = a.to_dict()
+    del old["calls"]
+    assert ModelProfile.from_dict(old).call("x") == CallProfile()
+    assert CallProfile.from_dict({"fwd_s": 1e-4}) == CallProfile(1e-4, 0.0, 0.0)
+    # a store written before the term: its types load with none; a measured one round trips
+    path = tmp_path / "profiles.json"
+    lps = a.layers["x"]
+    store = ProfileStore(path)
+    store.put("m", 32, "x", lps, input_bytes=64)
+    store.save()
+    data = json.loads(path.read_text())
+    del data["models"]["m"]["32"]["calls"]
+    path.write_text(json.dumps(data))
+    again = ProfileStore(path)
+    assert again.model_profile("m", 32).call("x") == CallProfile()
+    again.put("m", 32, "y", a.layers["y"], call=a.call("y"))
+    again.save()
+    prof = ProfileStore(path).model_profile("m", 32)
+    assert prof.call("y") == a.call("y") and prof.call("x") == CallProfile()
+    # measured again without a term (an old worker): the stale term goes with the layers
+    again.put("m", 32, "y", a.layers["y"])
+    assert again.get_call("m", 32, "y") == CallProfile()

@@ -3,6 +3,7 @@ the exhaustive optimum on small random instances, and it plans large clusters qu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -13,7 +14,7 @@ import pytest
 
 from hetpipe.planner.partition import CostModel
 from hetpipe.planner.predict import _sim_vw, stage_costs
-from hetpipe.planner.profile import LayerProfile, ModelProfile, synthetic_profile
+from hetpipe.planner.profile import CallProfile, LayerProfile, ModelProfile, synthetic_profile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
 from hetpipe.planner.syncplan import (
@@ -82,7 +83,9 @@ def test_the_searchs_iteration_time_is_the_simulators(seed):
     speeds = {"a": 1.0, "b": 0.5, "c": 0.25}
     types = rng.sample(list(speeds), rng.randint(1, 3))
     layers, m = rng.randint(1, 8), rng.randint(1, 6)
-    prof = synthetic_profile(layers, {t: speeds[t] for t in types}, rng)
+    # with a stage call term: both sides charge it once per forward, backward and step
+    call = (rng.uniform(0, 2e-3), rng.uniform(0, 4e-3), rng.uniform(0, 5e-4))
+    prof = synthetic_profile(layers, {t: speeds[t] for t in types}, rng, call=call)
     devs = [Dev(f"d{i}", t, 1 << 40, speeds[t])
             for i, t in enumerate(rng.choice(types) for _ in range(rng.randint(1, 5)))]
     bw = {(a, b): rng.choice([1e8, 1e9, 1e10]) for a in range(len(devs))
@@ -105,6 +108,22 @@ def test_the_searchs_iteration_time_is_the_simulators(seed):
     sc = stage_costs(cm, chosen, part, several_vws=False, shards=1, schedule=kind)
     vw = _sim_vw(sc, [1.0] * k, [0.0] * k, [1.0] * k, part, 32, kind)
     assert model.evaluate(mapping, cuts, kind) == pytest.approx(simulate([vw], 0, m).makespan_s)
+
+
+def test_a_stages_forward_backward_and_step_pay_the_call_term_once():
+    lp = LayerProfile(1e-3, 2e-3, 4096, 0, 1024, 1024, 1024, 5e-4)
+    bare = ModelProfile("m", 32, 1024, {"a": (lp,) * 4})
+    call = CallProfile(3e-4, 6e-4, 2e-4)
+    devs = [Dev("d0", "a", 1 << 40, 0.5), Dev("d1", "a", 1 << 40, 0.5)]
+    without, with_call = (SyncModel(prof, devs, lambda a, b: 1e9, 4, 1)
+                          for prof in (bare, dataclasses.replace(bare, calls={"a": call})))
+    for a, b in ((0, 1), (0, 3), (1, 4)):
+        x = without.stage(0, a, b, first=a == 0, last=b == 4)
+        y = with_call.stage(0, a, b, first=a == 0, last=b == 4)
+        assert y.fwd_s - x.fwd_s == pytest.approx(3e-4)
+        assert y.bwd_s - x.bwd_s == pytest.approx(6e-4)
+        assert y.step_s - x.step_s == pytest.approx(2e-4 * 0.5)  # the step is never padded
+        assert y.push_s == x.push_s
 
 
 def test_more_microbatches_and_a_faster_order_on_unit_stages():

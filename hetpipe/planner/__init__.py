@@ -48,10 +48,12 @@ from hetpipe.planner.partition import (
     partition_best_nm,
 )
 from hetpipe.planner.profile import (
+    CallProfile,
     LayerProfile,
     ModelProfile,
     ProfileStore,
     measure_layers,
+    measure_model,
     synthetic_profile,
 )
 from hetpipe.planner.runtime import RuntimeCosts
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WEIGHT_MODES",
+    "CallProfile",
     "CostModel",
     "Formation",
     "Infeasible",
@@ -97,6 +100,7 @@ __all__ = [
     "in_flight",
     "make_plan",
     "measure_layers",
+    "measure_model",
     "partition",
     "partition_best_nm",
     "place_stages",

@@ -13,6 +13,8 @@ Index letters used throughout:
 
     time(i, a, b) = compute + comm_in + comm_out + tasks
     compute  = sum over the layers of (fwd_s + bwd_s + update_s) on device i's type
+               + call, the type's stage call term, once per stage whatever its layers
+               (:class:`hetpipe.planner.profile.CallProfile`)
     comm_in  = in_bytes(a) * 2 / bw(device i-1, device i)      (0 for the first stage)
                + message_s + in_bytes(a) * message_byte_s      (sending the gradient back)
     comm_out = out_bytes(b-1) * 2 / bw(device i, device i+1)   (0 for the last stage)
@@ -199,6 +201,9 @@ class _TypeCosts:
         self.Bk = np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])
         self.U = [0.0, *itertools.accumulate(lp.update_s for lp in lps)]
         self.fwd = [lp.fwd_s for lp in lps]
+        # the stage call term: once per stage, so a constant of every [a, b), added where
+        # the runtime's per-task costs are (the same float in the scalar and matrix paths)
+        self.call = profile.call(dtype).time_s
         self.saved = [lp.saved_bytes for lp in lps]
         self.work = [lp.work_bytes for lp in lps]
         self.P = prefix(lp.param_bytes for lp in lps)
@@ -317,13 +322,13 @@ class CostModel:
         """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side.
         ``share``: the part of each minibatch's rows it runs (a stage replica,
         :mod:`hetpipe.planner.replicas`): forward, backward and bytes scale with it; the
-        update and the per-message and per-task costs do not."""
+        update, the call term and the per-message and per-task costs do not."""
         tc = self.costs(dtype)
         ms, mb = self.runtime.message_s, self.runtime.message_byte_s
         inb, outb = tc.inb[a] * share, tc.outb[b] * share
         cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else 0.0
         cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else 0.0
-        const = self.tasks_time(dtype, bw_in is None, bw_out is None)
+        const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
         compute = tc.cum[b] - tc.cum[a]
         if share != 1.0:  # a replica's update still steps every weight of the stage
             fwd, bwd = self.compute_at(dtype, a, b, share)
@@ -335,7 +340,8 @@ class CostModel:
         minibatch's rows (a stage replica's). Where the model was profiled at fewer rows
         too (``row_profiles``), interpolated between the two profiles around those rows
         (proportional below the fewest): small batches under-use a device, so half the rows
-        rarely take half the time. Without them, proportional to the share."""
+        rarely take half the time. Without them, proportional to the share. The layers
+        only: the stage call term is the caller's to add, once."""
         m = self.profile.minibatch
         points = self._row_points(dtype)
         x = share * m
@@ -384,7 +390,7 @@ class CostModel:
             outb = np.array(tc.outb, dtype=np.float64)
             cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
             cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
-            const = self.tasks_time(dtype, bw_in is None, bw_out is None)
+            const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
             t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :] + const
             t = np.where(tc.valid, t, INF)
             self._times[key] = t

@@ -378,10 +378,8 @@ def sim_vw(model: CostModel, devices: Sequence[Any], p: Partition, minibatch: in
     prof = model.profile
     stages = []
     for d, (a, b) in zip(devices, p.cuts, strict=True):
-        lps = prof.layers[d.type][a:b]
-        stages.append(
-            SimStage(sum(lp.fwd_s for lp in lps), sum(lp.bwd_s + lp.update_s for lp in lps))
-        )
+        t = prof.stage_times(d.type, a, b)
+        stages.append(SimStage(t.fwd_s, t.bwd_s + t.update_s))
     links = []
     for i in range(len(devices) - 1):
         out = prof.layers[devices[i].type][p.cuts[i][1] - 1].out_bytes
@@ -862,8 +860,9 @@ def _shard_hosts(cluster: Any) -> tuple[str, ...]:
 
 
 def _power(profile: ModelProfile) -> Callable[[Any], float]:
-    """Compute power of a device: 1 / the model's total time on its type."""
-    totals = {t: sum(lp.time_s for lp in lps) for t, lps in profile.layers.items()}
+    """Compute power of a device: 1 / the model's total time on its type (as one stage)."""
+    n = profile.n_layers()
+    totals = {t: profile.stage_times(t, 0, n).time_s for t in profile.layers}
     return lambda d: 1.0 / totals[d.type] if totals.get(d.type, 0) > 0 else 0.0
 
 

@@ -234,6 +234,11 @@ class SyncModel:
                 "F": pre(lp.fwd_s for lp in lps),
                 "B": pre(lp.bwd_s for lp in lps),
                 "U": pre(lp.update_s for lp in lps),
+                # the stage call term (profile.CallProfile): once per forward, per backward,
+                # per step
+                "cf": np.float64(self.profile.call(dtype).fwd_s),
+                "cb": np.float64(self.profile.call(dtype).bwd_s),
+                "cu": np.float64(self.profile.call(dtype).update_s),
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
                 "S": pre(lp.saved_bytes for lp in lps),
@@ -265,10 +270,12 @@ class SyncModel:
         task = self._task_s(d)
         state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
         return SyncStage(
-            fwd_s=t["F"][b] - t["F"][a] + task + (0.0 if last else self._send_s(t["in"][b])),
-            bwd_s=t["B"][b] - t["B"][a] + task + (0.0 if first else self._send_s(t["in"][a])),
+            fwd_s=t["F"][b] - t["F"][a] + t["cf"] + task
+            + (0.0 if last else self._send_s(t["in"][b])),
+            bwd_s=t["B"][b] - t["B"][a] + t["cb"] + task
+            + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
-            step_s=(t["U"][b] - t["U"][a]) * min(1.0, float(getattr(d, "speed", 1.0))),
+            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * min(1.0, float(getattr(d, "speed", 1.0))),
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
             handoff_s=rt.hop_s,
         )
@@ -391,8 +398,9 @@ class SyncModel:
             t = self._t(self.devices[i].type)
             F, B = t["F"], t["B"]
             trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m, warmup)))
-            c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + 2 * self._task_s(
-                self.devices[i]) + self.rt.hop_s * trips / self.m
+            c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + (
+                t["cf"] + t["cb"] + 2 * self._task_s(self.devices[i])
+            ) + self.rt.hop_s * trips / self.m
             if pos > 0:
                 c = c + self._send_s(t["in"][:, None])
             if pos + 1 < k:
@@ -510,7 +518,8 @@ def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
     """Every pipeline the search timed, fastest first (empty: the model fits nowhere)."""
     deadline = model.deadline = time.monotonic() + budget_s
     n, L = len(model.devices), model.L
-    power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]), 1e-12)
+    power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]
+                             + model._t(d.type)["cf"] + model._t(d.type)["cb"]), 1e-12)
              for d in model.devices]
     ranked = sorted(range(n), key=lambda i: (-power[i], -model.devices[i].memory, i))
     lengths = list(range(1, min(n, L) + 1))
