@@ -9,7 +9,10 @@ Weight stashing by out-of-place updates: the weights are a dict of leaf tensors,
 layers' slots, as :func:`torch.func.functional_call` would) and keeps a reference to that dict
 with the minibatch; the optimizer step builds a new
 dict of new tensors. So the backward of p differentiates exactly the weights its forward used,
-and an old version lives exactly as long as an in-flight minibatch needs it.
+and an old version lives exactly as long as an in-flight minibatch needs it. The stale-weight
+modes differ only in which weights a pass takes (:meth:`StageCompute._forward_weights`);
+``predict`` paper binds other weights to the forward's graph at the backward
+(:mod:`hetpipe.lateweights`).
 
 Every local change of the stage's state (optimizer steps and batch-norm statistics) is also
 added to the accumulator of its wave, which is what the stage pushes to the parameter server

@@ -16,6 +16,8 @@ from conftest import assert_same_weights, job
 from hetpipe.config import DeviceSpec
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
+from hetpipe.planner.memory import stage_memory_of
+from hetpipe.planner.profile import ModelProfile, measure_layers
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
@@ -153,3 +155,29 @@ def test_paper_is_the_same_job_under_every_activation_policy(precision: str) -> 
         for p in range(MINIBATCHES):
             torch.testing.assert_close(grads[p].float(), want_grads[p].float(), rtol=0,
                                        atol=1e-6, msg=f"{name} p={p}")
+
+
+def test_paper_memory_is_the_planner_formula() -> None:
+    """A middle stage with a recomputed run, Nm = 3: its peak activations are the planner's
+    (each in-flight minibatch keeps its graph, no rerun room), and its weight copies stay
+    within the planner's stash term (one predicted copy plus the run's prediction per
+    in-flight minibatch), which they exceed the one copy by. (No pushes here: the update
+    accumulators grow unlike a pipeline's, so the total is the end-to-end tests'.)"""
+    model, recompute = "usermodels:dropout_mlp", [1, 2, 3]
+    compute = middle_stage(model, {}, 1, 7, recompute=recompute)
+    xs, gs = feeds(64, 64)
+    run_order(compute, xs, gs)
+    torch.manual_seed(3)
+    full = build_model(model)
+    x = torch.randn(32, 1, 8, 8)
+    layers = measure_layers(full, x, repeats=1, warmup=0)
+    profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
+    want = stage_memory_of(profile, "fast", (1, 7), 1, 3, 3, 1, weights="predict",
+                           recompute=recompute)
+    peak = compute.stats.peak_memory
+    assert compute.stats.peak_in_flight == 3
+    assert peak["activations"] == want.activations
+    recomputed = sum(layers[j].param_bytes for j in recompute)
+    assert want.stash == compute.param_bytes + 3 * recomputed
+    assert compute.param_bytes + recomputed <= peak["stash"] <= want.stash
+    assert (peak["params"], peak["working"]) == (want.params, want.working)
