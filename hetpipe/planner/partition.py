@@ -39,7 +39,7 @@ run (it keeps only its input; the run's saved tensors live again during its back
 keeping everything keeps everything; one that does not recomputes the run of consecutive
 layers ``[c, d)`` with the least forward time that makes it fit (the memory a run frees is
 ``in_flight`` x its saved bytes less its input, minus its saved bytes once while it reruns,
-and under ``predict`` paper plus ``in_flight`` x its parameter bytes, the forward's
+and under ``predict`` paper minus ``in_flight`` x its parameter bytes: the forward's
 prediction every in-flight minibatch keeps for the rerun),
 so the extra time lands on the stages short of memory, and on their cheapest layers. The
 stage time adds that extra forward; the DP then balances the stages with it, so the cuts and
