@@ -9,7 +9,10 @@ Weight stashing by out-of-place updates: the weights are a dict of leaf tensors,
 layers' slots, as :func:`torch.func.functional_call` would) and keeps a reference to that dict
 with the minibatch; the optimizer step builds a new
 dict of new tensors. So the backward of p differentiates exactly the weights its forward used,
-and an old version lives exactly as long as an in-flight minibatch needs it.
+and an old version lives exactly as long as an in-flight minibatch needs it. The stale-weight
+modes differ only in which weights a pass takes (:meth:`StageCompute._forward_weights`);
+``predict`` paper binds other weights to the forward's graph at the backward
+(:mod:`hetpipe.lateweights`).
 
 Every local change of the stage's state (optimizer steps and batch-norm statistics) is also
 added to the accumulator of its wave, which is what the stage pushes to the parameter server
@@ -51,6 +54,7 @@ from hetpipe.config import DeviceSpec
 from hetpipe.cudaipc import Shared, open_shared
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
+from hetpipe.lateweights import LateWeights
 from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
@@ -108,10 +112,12 @@ class _InFlight:
     kept_bytes: int  # activations kept for the backward, stage input included
     samples: int = 1  # of the minibatch (sync schedules weight gradients by it)
     loss: torch.Tensor | None = None  # last stage: its backward starts here
-    # weights "latest"/"predict": the forward kept no graph; the backward reruns it (on
-    # the weights of that moment) from the kept input, ``s_bwd`` updates ahead for predict
+    # weights "latest": the forward kept no graph; the backward reruns it from the kept
+    # input on the weights of that moment
     recompute: bool = False
-    s_bwd: int = 0
+    # weights "predict" paper, an update in between: the graph's weights are bound at the
+    # backward to the weights predicted ``late`` updates ahead then (hetpipe.lateweights)
+    late: int | None = None
     swapped: int = 0  # bytes its swapped layers parked in host memory
 
 
@@ -143,6 +149,7 @@ class _Probe:
     target: int  # optimizer steps of this stage at which the prediction is judged
     predicted: dict[str, torch.Tensor]
     stale: dict[str, torch.Tensor]
+    late: bool = False  # a late-bound forward's: released once judged (StageCompute._release)
 
 
 class StageCompute:
@@ -209,6 +216,13 @@ class StageCompute:
         self.host_gbps = device.host_gbps
         self._layers = self._layer_states()
         self._slots = [_slots(layer, keys) for layer, keys in self._layers]
+        # each layer's trainable weights as (local name, global name): what a late backward
+        # binds (predict paper), and the names a recomputed run needs again in its backward
+        self._weight_keys = [[(local, name) for local, name, is_buffer in keys
+                              if not is_buffer] for _layer, keys in self._layers]
+        self._recomputed_names = {name for i in self.recompute
+                                  for _local, name in self._weight_keys[i]}
+        self.late = LateWeights()
         self._working = 0
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
@@ -264,7 +278,7 @@ class StageCompute:
         x = self._to_device(x)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
-        params, recompute, s_bwd = self._forward_weights(p)
+        params, recompute, late = self._forward_weights(p)
         state = {**params, **self.buffers, **self.local}
         self.seeds.p = p
         before = {n: b.clone() for n, b in self.buffers.items()}
@@ -272,12 +286,14 @@ class StageCompute:
         known = self._layer_bytes.get(shape)
         self.swapper.start()
         if recompute and known is not None:
-            # the backward reruns this forward (weights latest/predict): keep the input only
+            # the backward reruns this forward (weights latest): keep the input only
             with torch.no_grad(), self._autocast():
                 out, _ = self._run_layers(p, x, state, measure=False)
         else:
-            with self._autocast():
+            with self._autocast(), self.late.forward(late is not None):
                 out, measured = self._run_layers(p, x, state, measure=known is None)
+            if late is not None:
+                self._release(params)
         if known is None:
             known = self._layer_bytes[shape] = measured
             self._working = max(self._working, working_bytes(known[2], known[0], self.recompute,
@@ -294,7 +310,7 @@ class StageCompute:
                            version=self.version,
                            fingerprint=_fingerprint(params) if self.verify else 0.0,
                            kept_bytes=kept, samples=int(y.shape[0]) if y.dim() else 1,
-                           recompute=recompute, s_bwd=s_bwd, swapped=self.swapper.bytes)
+                           recompute=recompute, late=late, swapped=self.swapper.bytes)
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
@@ -409,6 +425,9 @@ class StageCompute:
         """
         for table, attr, local in self._slots[i]:
             table[attr] = sub[local]
+        if self.late.packing:  # a forward (or a recomputed run's rerun) bound late
+            with self.late.layer({name: sub[local] for local, name in self._weight_keys[i]}):
+                return self._layers[i][0](x)
         return self._layers[i][0](x)
 
     def _rerunnable(
@@ -442,6 +461,28 @@ class StageCompute:
         flight = self.in_flight.pop(p)
         if flight.recompute:
             self._rerun(p, flight)
+        # predict paper: the graph's saved weights are the ones predicted now
+        late = self._predicted(flight.late) if flight.late is not None else None
+        with self.late.backward(late) if late is not None else nullcontext():
+            grad_in, pgrads = self._differentiate(flight, grad)
+        # observable weight stashing: (forward's version, its weights' fingerprint then,
+        # version current at this backward, fingerprint of the weights differentiated now)
+        self.versions[p] = (flight.version, flight.fingerprint, self.version,
+                            _fingerprint(late if late is not None else flight.params)
+                            if self.verify else 0.0)
+        if self.spec.sync:
+            self._add_gradients(pgrads, flight.samples)
+        else:
+            self.pending[p] = pgrads
+        self.stats.backwards += 1
+        self.stats.backward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
+                                                   flight.swapped)
+        return grad_in
+
+    def _differentiate(self, flight: _InFlight, grad: torch.Tensor | None
+                       ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The gradients of a minibatch's input (as the previous stage takes it) and of its
+        weights, from its graph and the gradient of its output."""
         wants_input = flight.x.requires_grad
         names = [n for n in self.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
@@ -456,7 +497,7 @@ class StageCompute:
                 loss = loss * self.loss_scale
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
-            assert grad is not None, f"{self.where}: backward of {p} without a gradient"
+            assert grad is not None, f"{self.where}: backward without a gradient"
             grads = torch.autograd.grad(
                 flight.out, inputs, self._to_device(grad).to(flight.out.dtype),
                 allow_unused=True,
@@ -472,42 +513,41 @@ class StageCompute:
             grad_in = torch.zeros(0, device=self.dev)
         pgrads = {n: g for n, g in zip(names, grads[int(wants_input):], strict=True)
                   if g is not None}
-        # observable weight stashing: (forward's version, its weights' fingerprint then,
-        # version current at this backward, fingerprint of the weights differentiated now)
-        self.versions[p] = (flight.version, flight.fingerprint, self.version,
-                            _fingerprint(flight.params) if self.verify else 0.0)
-        if self.spec.sync:
-            self._add_gradients(pgrads, flight.samples)
-        else:
-            self.pending[p] = pgrads
-        self.stats.backwards += 1
-        self.stats.backward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
-                                                   flight.swapped)
-        return grad_in
+        return grad_in, pgrads
 
-    def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int]:
-        """The weights the forward of ``p`` runs on, whether its backward will rerun it, and
-        the backward's ``s``.
+    def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int | None]:
+        """The weights the forward of ``p`` runs on, whether its backward will rerun it, and,
+        where its backward binds other weights to the forward's graph, their ``s``.
 
         ``stash``: the current weights, differentiated by the backward (kept in the graph).
         ``latest``: the same forward, but where the schedule puts updates between this forward
         and its backward, none is kept: the backward reruns it on the newest weights.
         ``predict``: the weights ``s_fwd`` updates ahead (:meth:`StageOptimizer.predict`);
-        variant ``paper`` reruns the backward on weights predicted ``s_bwd`` ahead of the
-        weights of that moment, ``consistent`` differentiates the forward's own prediction.
-        Where the schedule puts no update in between (the last stage, Nm = 1) every mode keeps
-        the forward's graph, so with nothing stale the three modes are the same computation.
+        variant ``consistent`` differentiates the forward's own prediction; variant ``paper``
+        keeps the forward's graph (no second forward) and its backward runs on the weights
+        predicted ``s_bwd`` ahead of the weights of that moment: the graph saves its weights
+        as names that the backward binds then (:mod:`hetpipe.lateweights`), so input
+        gradients go through W_hat(s_bwd) and weight gradients come from the forward's
+        activations, as in the SpecTrain paper. Where the schedule puts no update in between
+        (the last stage, Nm = 1) every mode keeps the forward's graph on its own weights, so
+        with nothing stale the three modes are the same computation.
         """
         if self.table is None:
-            return self.params, False, 0
+            return self.params, False, None
         s_fwd, s_bwd = self.table.s(p)
         between = s_fwd > s_bwd and not self.task.is_last
         if self.weights == "latest":
-            return self.params, between, 0
+            return self.params, between, None
         params = self._predicted(s_fwd)
+        late = between and self.spec.predict_variant == "paper"
+        if late:
+            # tensors of its own (a name without optimizer state yet is not predicted), so
+            # that the forward can release them (:meth:`_release`)
+            params = {n: w.detach().clone().requires_grad_() if w is self.params[n]
+                      and w.requires_grad else w for n, w in params.items()}
         if s_fwd > 0 and self.probe is None:
-            self.probe = _Probe(self.steps_taken + s_fwd, params, self.params)
-        return params, between and self.spec.predict_variant == "paper", s_bwd
+            self.probe = _Probe(self.steps_taken + s_fwd, params, self.params, late)
+        return params, False, s_bwd if late else None
 
     def _predicted(self, s: int) -> dict[str, torch.Tensor]:
         """The current weights ``s`` updates ahead, as leaves that take gradients."""
@@ -518,10 +558,10 @@ class StageCompute:
                 for n, w in ahead.items()}
 
     def _rerun(self, p: int, flight: _InFlight) -> None:
-        """Rerun the forward of ``p`` from its kept input on the backward's weights (the
-        newest, or predicted ``s_bwd`` ahead of them), with the same dropout masks and
-        without moving the batch-norm statistics a second time."""
-        params = self._predicted(flight.s_bwd) if self.weights == "predict" else self.params
+        """Rerun the forward of ``p`` from its kept input on the newest weights (``latest``),
+        with the same dropout masks and without moving the batch-norm statistics a second
+        time."""
+        params = self.params
         buffers = {n: b.clone() for n, b in self.buffers.items()}
         self.seeds.p = p
         self.swapper.start()
@@ -531,6 +571,18 @@ class StageCompute:
                                              measure=False)
         flight.params = params
         flight.swapped = self.swapper.bytes
+
+    def _release(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Free the storage of a late-bound forward's predicted weights: its graph saved
+        them as names (:mod:`hetpipe.lateweights`) and keeps the tensors only as the leaves
+        its weight gradients are taken for, which needs their shapes, not their values.
+        Kept: the weights of recomputed layers (their rerun needs the forward's values),
+        the stage's own current weights, and the prediction a probe still judges."""
+        probed = self.probe is not None and self.probe.predicted is params
+        with torch.no_grad():
+            for n, w in params.items():
+                if not (probed or n in self._recomputed_names or w is self.params[n]):
+                    w.untyped_storage().resize_(0)
 
     def _rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
@@ -556,6 +608,8 @@ class StageCompute:
             old = torch._foreach_sub([probe.stale[n].detach() for n in names], now)
             num = float(torch.stack(torch._foreach_norm(hat)).norm())
             den = float(torch.stack(torch._foreach_norm(old)).norm())
+        if probe.late:  # its graph needs none of its values (a late forward's always differ)
+            self._release(probe.predicted)
         if den > 0:
             self.stats.prediction_quality.append(num / den)
 
@@ -808,17 +862,27 @@ class StageCompute:
     def memory(self) -> StageMemory:
         """What this stage keeps alive now, counted from its real tensors in the planner's
         terms (:class:`hetpipe.planner.memory.StageMemory`): the parameters and buffers, the
-        optimizer's state, the other weight versions in-flight backwards hold (and the
-        predicted copy of ``predict`` paper), the update accumulators, the activations every
-        in-flight minibatch keeps under its layers' policies (only its input where the
-        backward reruns the forward, plus room for one minibatch's rerun, which a kept
+        optimizer's state, the other weight versions in-flight backwards hold (``predict``
+        paper: the predicted copy a forward or backward computes, and the predicted weights
+        of recomputed layers every late-bound minibatch keeps for its rerun), the update
+        accumulators, the activations every in-flight minibatch keeps under its layers'
+        policies (only its input where the backward reruns the forward, ``latest``, plus
+        room for one minibatch's rerun, which a kept
         graph's tensors make: the two never live at once), and the working
         peak of the largest layer (measured per input shape)."""
-        versions = {id(f.params) for f in self.in_flight.values() if f.params} | {
-            id(self.params)}
+        versions = {id(f.params) for f in self.in_flight.values()
+                    if f.params and f.late is None} | {id(self.params)}
         n = len(versions)
+        held = 0
         if self.weights == "predict" and self.spec.predict_variant == "paper":
-            n = max(n, 2)  # the predicted copy a forward or a rerun runs on
+            n = max(n, 2)  # the predicted copy a pass computes (or a probe still judges)
+            probed = self.probe.predicted if self.probe is not None else None
+            # a late-bound forward's graph keeps its recomputed layers' predicted weights
+            kept = {w.untyped_storage().data_ptr(): _nbytes(w) for f in self.in_flight.values()
+                    if f.late is not None and f.params is not probed
+                    for name, w in f.params.items()
+                    if w.untyped_storage().nbytes() and w is not self.params[name]}
+            held = sum(kept.values())
         acc = sum(_nbytes(t) for a in self.acc.values() for t in a.values())
         acc += sum(_nbytes(t) for t in self.grad_sum.values())
         activations = sum(f.kept_bytes for f in self.in_flight.values())
@@ -832,7 +896,7 @@ class StageCompute:
         return StageMemory(
             params=self.weight_bytes,
             optimizer=self.optimizer.state_bytes(),
-            stash=(n - 1) * self.param_bytes,
+            stash=(n - 1) * self.param_bytes + held,
             accumulators=acc,
             activations=activations,
             working=self._working,

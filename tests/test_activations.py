@@ -246,9 +246,11 @@ def test_auto_plans_what_keep_cannot_and_matches_brute_force(
 @pytest.mark.parametrize("seed", range(6))
 def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
     """One formula for the weights mode and the activation policy together: where the
-    backward reruns the forward (latest, predict paper) only one minibatch's kept tensors
-    count (a recompute then only moves them into the working term, so auto keeps), and
-    auto's choice is the brute-force optimum priced by stage_memory_of."""
+    backward reruns the forward (latest) only one minibatch's kept tensors count (a
+    recompute then only moves them into the working term, so auto keeps); predict keeps
+    every in-flight minibatch's graph (paper: and a recomputed run's predicted weights), so
+    auto recomputes; and auto's choice is the brute-force optimum priced by
+    stage_memory_of."""
     prof = activation_heavy(seed)
     nm = 3
     keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
@@ -266,10 +268,10 @@ def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
         mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, weights=weights,
                               recompute=auto.recompute[i])
         assert mem == auto.memory[i] and mem.total <= d.memory
-    if weights == "predict-consistent":
-        assert any(auto.recompute)  # one weight copy per in-flight minibatch: tight
-    else:
+    if weights == "latest":
         assert not any(auto.recompute)
+    else:
+        assert any(auto.recompute)  # every in-flight minibatch's activations: tight
 
 
 def test_auto_is_keep_when_everything_fits() -> None:

@@ -117,18 +117,23 @@ def test_stage_memory_by_hand():
 
 
 def test_stage_memory_by_weights_mode():
-    """stash: a version per in-flight minibatch; latest: none; predict: one predicted copy
-    (paper; the backward reruns the forward, so only inputs stay) or one per in-flight
-    minibatch (consistent: each keeps its forward's graph)."""
+    """stash: a version per in-flight minibatch; latest: none (the backward reruns the
+    forward, so only inputs stay); predict: one predicted copy (paper: each in-flight
+    minibatch keeps its forward's graph, whose weights are bound at the backward, and its
+    recomputed layers' prediction) or one per in-flight minibatch (consistent)."""
     lps = [LayerProfile(0.1, 0.2, 100, 10, 50, 30, 70), LayerProfile(0.1, 0.2, 200, 0, 40, 20, 90)]
 
-    def mem(weights: str):
+    def mem(weights: str, recompute: tuple[int, ...] = ()):
         return stage_memory(lps, position=0, k=3, nm=4, optimizer_state_factor=1,
-                            input_bytes=8, weights=weights)
+                            input_bytes=8, weights=weights, recompute=recompute)
 
     assert mem("stash").stash == 3 * 300 and mem("stash").activations == 4 * (50 + 8)
     assert mem("latest").stash == 0 and mem("latest").activations == 4 * 8 + 50
-    assert mem("predict").stash == 300 and mem("predict").activations == 4 * 8 + 50
+    assert mem("predict").stash == 300 and mem("predict").activations == 4 * (50 + 8)
+    # layer 1 recomputed: its 200 parameter bytes stay with each of the 4 in flight
+    assert mem("predict", (1,)).stash == 300 + 4 * 200
+    assert mem("predict", (1,)).activations == 4 * (50 + 30 + 8)
+    assert mem("stash", (1,)).stash == mem("stash").stash
     pc = mem("predict-consistent")
     assert pc.stash == 4 * 300 and pc.activations == 4 * (50 + 8)
     assert mem("predict").total < mem("stash").total < pc.total
@@ -137,9 +142,13 @@ def test_stage_memory_by_weights_mode():
 
 
 def test_predict_lets_a_whimpy_device_hold_a_longer_pipeline():
-    """A cap that fits Nm = 2 with stashing fits Nm = 6 with prediction."""
+    """Prediction keeps one weight copy whatever Nm (stashing Nm - 1): a cap that fits
+    Nm = 2 with stashing, plus the activations of the three more minibatches the first
+    stage holds at Nm = 6 (prediction keeps each one's graph as stashing does), fits Nm = 6
+    with prediction and not with stashing."""
     prof = _uniform_profile(6, param=4000, out=100)
-    cap = stage_memory_of(prof, "x", (0, 2), 0, 3, 2, 1).total
+    two = stage_memory_of(prof, "x", (0, 2), 0, 3, 2, 1)
+    cap = two.total + 3 * (two.activations // 2)
     devs = [dev(f"g{i}", "x", cap) for i in range(3)]
     assert isinstance(partition(prof, devs, 2, bandwidth, 1), Partition)
     assert isinstance(partition(prof, devs, 6, bandwidth, 1), Infeasible)

@@ -273,11 +273,14 @@ def test_recomputing_or_swapping_every_layer_trains_the_same_weights_as_keeping_
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weights", ["latest", "predict"])
 def test_recompute_inside_the_rerun_forward_of_stale_weight_modes(cluster, weights) -> None:
-    """Async, Nm = 3, weights latest / predict (paper): the backward reruns the forward of
-    every minibatch an update came in between, and that rerun runs the layers under their
-    activation policy (recomputed runs stay checkpoints inside it). Every activation
-    recomputed trains the weights of the same job keeping them (<= 1e-6; the counted
-    order of a stale-weight mode is the same whatever the timing), and keeps less."""
+    """Async, Nm = 3, weights latest / predict (paper). latest: the backward reruns the
+    forward of every minibatch an update came in between, and that rerun runs the layers
+    under their activation policy (recomputed runs stay checkpoints inside it). predict
+    paper: the backward binds the weights predicted then to the forward's graph, and a
+    recomputed run recomputes on the forward's prediction before it differentiates on the
+    backward's. Every activation recomputed trains the weights of the same job keeping them
+    (<= 1e-6; the counted order of a stale-weight mode is the same whatever the timing),
+    and keeps less."""
     runs = {}
     for policy in ("keep", "recompute"):
         spec = user_job(f"rerun-{weights}-{policy}", "dropout_mlp", [4, 4], seed=5)

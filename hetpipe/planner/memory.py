@@ -10,7 +10,11 @@ optimizer     optimizer state: ``optimizer_state_factor`` x parameter bytes (SGD
 stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``stash`` keeps
               the older versions in-flight backwards need (out-of-place updates),
               ``in_flight - 1``; ``latest`` none; ``predict`` (paper variant) one, the
-              predicted weights a forward or a backward runs on; ``predict`` consistent
+              predicted weights a forward or a backward runs on (the forward's graph saves
+              its weights as names, bound to the backward's prediction at the backward:
+              :mod:`hetpipe.lateweights`), plus the recomputed layers' parameters once per
+              in-flight minibatch (:func:`held_predictions`: a recomputed run recomputes
+              its activations on its forward's prediction); ``predict`` consistent
               ``in_flight``, each in-flight minibatch's own prediction. None in gpipe/1f1b
               (the weights change only between iterations)
 accumulators  two update accumulators: the wave being built and the wave being pushed and
@@ -19,9 +23,10 @@ accumulators  two update accumulators: the wave being built and the wave being p
 activations   for every in-flight minibatch, what its layers keep for the backward under
               their policy (see below) plus the received stage input
               (``in_flight`` x (kept bytes + input bytes)); where the backward reruns the
-              forward (``latest`` and ``predict`` paper: it differentiates other weights
-              than the forward ran on) only the inputs stay, plus one minibatch's kept
-              tensors (``in_flight`` x input bytes + kept bytes)
+              forward (``latest``: it differentiates the newest weights, not the ones the
+              forward ran on) only the inputs stay, plus one minibatch's kept tensors
+              (``in_flight`` x input bytes + kept bytes). ``predict`` paper keeps the
+              forward's graph like ``stash``: no second forward
 working       the transient peak of one layer's forward/backward (max over the layers),
               plus the largest run of recomputed layers' saved tensors (they live again
               while its backward runs), plus the largest swapped layer's saved tensors
@@ -97,6 +102,7 @@ __all__ = [
     "copy_seconds",
     "expected_in_flight",
     "fixed_order",
+    "held_predictions",
     "in_flight",
     "param_copies",
     "recompute_runs",
@@ -124,8 +130,8 @@ def weights_mode(weights: str, variant: str = "paper") -> str:
 
 
 def reruns(schedule: str = "async", weights: str = "stash") -> bool:
-    """Whether the backward reruns the forward (it differentiates other weights)."""
-    return schedule == "async" and weights in ("latest", "predict")
+    """Whether the backward reruns the forward (it differentiates the newest weights)."""
+    return schedule == "async" and weights == "latest"
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,16 @@ def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int
         return 0
     return {"stash": flight - 1, "latest": 0, "predict": 1,
             "predict-consistent": flight}[weights]
+
+
+def held_predictions(flight: int, recomputed_params: int, schedule: str = "async",
+                     weights: str = "stash") -> int:
+    """Bytes of forward predictions kept for recomputed layers (``predict`` paper): every
+    in-flight minibatch keeps its recomputed layers' predicted weights (``recomputed_params``
+    bytes), on which its backward recomputes their activations, the forward's own."""
+    if schedule != "async" or weights != "predict":
+        return 0
+    return flight * recomputed_params
 
 
 def param_copies(factor: int, flight: int, schedule: str = "async",
@@ -337,10 +353,12 @@ def stage_memory(
     bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]
     inputs = [input_bytes] + [lp.out_bytes for lp in layers[:-1]]
+    recomputed = sum(layers[j].param_bytes for j in recompute)
     return StageMemory(
         params=pb + bb,
         optimizer=optimizer_state_factor * pb,
-        stash=stashed(n, schedule, weights) * pb,
+        stash=stashed(n, schedule, weights) * pb
+        + held_predictions(n, recomputed, schedule, weights),
         accumulators=2 * pb,
         activations=activations(n, activation_bytes(saved, inputs, recompute, swap),
                                 input_bytes, schedule, weights),

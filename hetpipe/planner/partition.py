@@ -40,7 +40,9 @@ run (it keeps only its input; the run's saved tensors live again during its back
 ``working`` term) and pays one more forward of its layers. Under ``auto`` a stage that fits
 keeping everything keeps everything; one that does not recomputes the run of consecutive
 layers ``[c, d)`` with the least forward time that makes it fit (the memory a run frees is
-``in_flight`` x its saved bytes less its input, minus its saved bytes once while it reruns),
+``in_flight`` x its saved bytes less its input, minus its saved bytes once while it reruns,
+and under ``predict`` paper minus ``in_flight`` x its parameter bytes: the forward's
+prediction every in-flight minibatch keeps for the rerun),
 so the extra time lands on the stages short of memory, and on their cheapest layers. The
 stage time adds that extra forward; the DP then balances the stages with it, so the cuts and
 the policy are chosen together. One run per stage is a restriction (several runs could free
@@ -83,6 +85,7 @@ from hetpipe.planner.memory import (
     StageMemory,
     activations,
     copy_seconds,
+    held_predictions,
     in_flight,
     param_copies,
     reruns,
@@ -441,7 +444,8 @@ class CostModel:
             for a, b in todo:
                 options = []
                 if self.activations in ("recompute", "auto"):
-                    options.append(self._recompute_option(tc, a, b, int(keep[a, b]), m, cap))
+                    options.append(self._recompute_option(tc, a, b, int(keep[a, b]), m, cap,
+                                                          flight))
                 if self.activations in ("swap", "auto"):
                     options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap,
                                                      host_gbps))
@@ -453,21 +457,26 @@ class CostModel:
         return extra, chosen
 
     def _recompute_option(
-        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int
+        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, flight: int
     ) -> tuple[float, Policy]:
         """The cheapest run ``[c, d)`` of ``[a, b)`` whose recompute makes it fit (all of it
-        when pinned): its extra forward time and the policy, or inf."""
-        S, inb = tc.S, tc.inb_np
+        when pinned): its extra forward time and the policy, or inf. (``predict`` paper: the
+        run's predicted weights stay with every in-flight minibatch, see
+        :func:`memory.held_predictions`.)"""
+        S, inb, P = tc.S, tc.inb_np, tc.P
         if self.activations == "recompute":
             sd = int(S[b] - S[a])
-            if keep - m * sd + sd <= cap:
+            held = held_predictions(flight, int(P[b] - P[a]), "async", self.weights)
+            if keep - m * sd + sd + held <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
         sub = S[None, a:b + 1] - S[a:b + 1, None]
         fd = tc.F[None, a:b + 1] - tc.F[a:b + 1, None]
         kept_in = np.where(np.arange(a, b + 1) > a, inb[a:b + 1], 0)[:, None]
+        held = held_predictions(flight, 1, "async", self.weights) * (
+            P[None, a:b + 1] - P[a:b + 1, None])
         # the largest layer's working memory is already in keep
-        need = keep - m * (sub - kept_in) + sub
+        need = keep - m * (sub - kept_in) + sub + held
         ok = (need <= cap) & tc.valid[a:b + 1, a:b + 1]
         if not ok.any():
             return INF, ((), ())
@@ -538,10 +547,12 @@ class CostModel:
         pb = int(tc.P[b] - tc.P[a])
         kept = int(tc.S[b] - tc.S[a])
         working = int(tc.W[a, b])
+        held = 0
         if recompute:
             c, d = recompute[0], recompute[-1] + 1
             assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
             kept += (tc.inb[c] if c > a else 0) - int(tc.S[d] - tc.S[c])
+            held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
         if recompute or swap:
             kept -= sum(tc.saved[j] for j in swap)
             working = working_bytes(tc.work[a:b], tc.saved[a:b], [j - a for j in recompute],
@@ -549,7 +560,7 @@ class CostModel:
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
-            stash=stashed(n, schedule, self.weights) * pb,
+            stash=stashed(n, schedule, self.weights) * pb + held,
             accumulators=2 * pb,
             activations=activations(n, kept, tc.inb[a], schedule, self.weights),
             working=working,
