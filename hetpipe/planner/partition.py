@@ -94,7 +94,7 @@ from hetpipe.planner.memory import (
     unhidden_swap_s,
     working_bytes,
 )
-from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.profile import ModelProfile, StageTimes
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -337,6 +337,18 @@ class CostModel:
             fwd, bwd = self.compute_at(dtype, a, b, share)
             compute = fwd + bwd + (tc.U[b] - tc.U[a])
         return compute + cin + cout + const
+
+    def stage_times_at(self, dtype: str, a: int, b: int, share: float = 1.0) -> StageTimes:
+        """Forward, backward and update of a stage of ``[a, b)`` on ``dtype`` running
+        ``share`` of the minibatch's rows: its layers (:meth:`compute_at` for a replica's
+        share) plus the stage call term once, since a replica's rows scale its layers, not
+        its one forward and one backward call."""
+        times = self.profile.stage_times(dtype, a, b)
+        if share == 1.0:
+            return times
+        call = self.profile.call(dtype)
+        fwd, bwd = self.compute_at(dtype, a, b, share)
+        return StageTimes(fwd + call.fwd_s, bwd + call.bwd_s, times.update_s)
 
     def compute_at(self, dtype: str, a: int, b: int, share: float) -> tuple[float, float]:
         """Forward and backward time of ``[a, b)`` on ``dtype`` for ``share`` of the

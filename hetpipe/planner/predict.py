@@ -160,14 +160,8 @@ def stage_costs(
         first, last = i == 0, i == k - 1
         task = rt.task_s / model.speed(d.type)
         sync = schedule != "async"
-        # the layers and the stage's call term (profile.StageTimes); a replica's rows
-        # scale its layers, not its one forward and one backward call
-        times = prof.stage_times(d.type, a, b)
+        times = model.stage_times_at(d.type, a, b, share)  # the layers and the call term
         fwd, bwd, update = times.fwd_s, times.bwd_s, times.update_s
-        if share != 1.0:
-            call = prof.call(d.type)
-            fwd, bwd = model.compute_at(d.type, a, b, share)
-            fwd, bwd = fwd + call.fwd_s, bwd + call.bwd_s
         bwd += 0.0 if sync else update
         step = update * min(1.0, model.speed(d.type)) if sync else 0.0
         # recomputed layers run their forward again inside the backward; swapped layers'
@@ -256,10 +250,7 @@ def _slowest(model: CostModel, group: Sequence[Any], rows: Sequence[int], a: int
     n = rows[-1]
 
     def work(j: int) -> float:
-        dtype = group[j].type
-        return sum(model.compute_at(dtype, a, b, (rows[j + 1] - rows[j]) / n)) + sum(
-            lp.update_s for lp in model.profile.layers[dtype][a:b]) + model.profile.call(
-            dtype).time_s
+        return model.stage_times_at(group[j].type, a, b, (rows[j + 1] - rows[j]) / n).time_s
 
     j = max(range(len(group)), key=work)
     return group[j], (rows[j + 1] - rows[j]) / n

@@ -411,11 +411,7 @@ def _measure(
                 target = loss_fn(y) if (i == n - 1 and loss_fn is not None) else y
             _sync(device)
             t1 = time.perf_counter()
-            if target.requires_grad:
-                if target.dim() == 0:
-                    target.backward()
-                else:
-                    target.backward(torch.ones_like(target))
+            _backward(target)
             _sync(device)
             t2 = time.perf_counter()
             states[i].run()
@@ -480,7 +476,6 @@ def _time_whole(layers: Sequence[Any], x: Any, loss_fn: Callable[[Any], Any] | N
                 autocast: Callable[[], Any], device: str) -> tuple[float, float]:
     """Forward and backward time of every layer run as one stage: one forward over them
     all (what the first stage receives: an input without gradient), one backward call."""
-    import torch
 
     inp = x.detach()
     _sync(device)
@@ -492,16 +487,24 @@ def _time_whole(layers: Sequence[Any], x: Any, loss_fn: Callable[[Any], Any] | N
         target = loss_fn(y) if loss_fn is not None else y
     _sync(device)
     t1 = time.perf_counter()
-    if target.requires_grad:
-        if target.dim() == 0:
-            target.backward()
-        else:
-            target.backward(torch.ones_like(target))
+    _backward(target)
     _sync(device)
     t2 = time.perf_counter()
     for layer in layers:
         layer.zero_grad(set_to_none=True)
     return t1 - t0, t2 - t1
+
+
+def _backward(target: Any) -> None:
+    """The backward a layer, or the whole model, is timed with: from the loss where
+    ``target`` is one, else from a gradient of ones; none for an output without gradient."""
+    import torch
+
+    if target.requires_grad:
+        if target.dim() == 0:
+            target.backward()
+        else:
+            target.backward(torch.ones_like(target))
 
 
 class _UpdateState:

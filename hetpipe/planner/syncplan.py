@@ -518,9 +518,11 @@ def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
     """Every pipeline the search timed, fastest first (empty: the model fits nowhere)."""
     deadline = model.deadline = time.monotonic() + budget_s
     n, L = len(model.devices), model.L
-    power = [1.0 / max(float(model._t(d.type)["F"][-1] + model._t(d.type)["B"][-1]
-                             + model._t(d.type)["cf"] + model._t(d.type)["cb"]), 1e-12)
-             for d in model.devices]
+
+    def whole_s(t: dict[str, np.ndarray]) -> float:  # the model as one stage on a type
+        return float(t["F"][-1] + t["B"][-1] + t["cf"] + t["cb"])
+
+    power = [1.0 / max(whole_s(model._t(d.type)), 1e-12) for d in model.devices]
     ranked = sorted(range(n), key=lambda i: (-power[i], -model.devices[i].memory, i))
     lengths = list(range(1, min(n, L) + 1))
     if len(lengths) > 12:  # long clusters: a geometric ladder of pipeline lengths
