@@ -10,6 +10,7 @@ import pytest
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import CallProfile, CostModel, LayerProfile, ModelProfile, explicit_plan
 from hetpipe.planner import predict as predict_module
+from hetpipe.planner.plan import sim_vw
 from hetpipe.planner.predict import LONG_JOB, predict, stage_costs
 from hetpipe.planner.runtime import RuntimeCosts, all_busy, host_cores, slowdowns
 from hetpipe.planner.simulate import SimStage, SimVW, simulate
@@ -205,6 +206,35 @@ def test_stage_costs_follow_the_runtime():
     )
 
 
+def test_an_async_update_is_charged_as_the_runtime_runs_it_unpadded():
+    """A padded device sleeps after its forwards and backwards, never after its optimizer
+    step, while the profile holds the update padded: stage costs, the partitioner's stage
+    time and the simulator's view all charge it at the device's speed, and the CPU it
+    wants counts it whole."""
+    costs = RuntimeCosts.zero()
+    base = flat_profile({"a": 0.25})
+    lps = tuple(dataclasses.replace(lp, update_s=4e-3) for lp in base.layers["a"])
+    prof = dataclasses.replace(base, layers={"a": lps})
+    devs = (dev("x", "a", 0.25), dev("y", "a", 0.25))
+    for name, profile in (("bare", base), ("update", prof)):
+        model = CostModel(profile, bw, 0, costs, {"a": 0.25})
+        p = model.describe(devs, [(0, 2), (2, 4)], 2)
+        c = stage_costs(model, devs, p, several_vws=False, shards=1)
+        if name == "bare":
+            bare, bare_time, bare_cpu = c, model.stage_time("a", 0, 2, None, 1.0), c[0].cpu_s
+            continue
+        # two layers' updates of 4 ms each, run at speed 0.25: 2 ms per stage
+        assert c[0].compute_bwd_s - bare[0].compute_bwd_s == pytest.approx(2e-3)
+        assert c[1].compute_fwd_s - bare[1].compute_fwd_s == pytest.approx(2e-3)
+        assert model.stage_time("a", 0, 2, None, 1.0) - bare_time == pytest.approx(2e-3)
+        assert c[0].cpu_s - bare_cpu == pytest.approx(2e-3)  # unpadded: all of it on a core
+        sim = sim_vw(model, devs, p, 16)
+        assert sim.stages[0].bwd_s == pytest.approx(
+            sum(lp.bwd_s for lp in lps[:2]) + 2e-3)
+        sync = stage_costs(model, devs, p, several_vws=False, shards=1, schedule="1f1b")
+        assert sync[0].step_s == pytest.approx(2e-3)  # the iteration's one step, unpadded
+
+
 def test_stage_costs_charge_the_call_term_once_per_task():
     costs = RuntimeCosts(task_s=1e-3, hop_s=2e-3, message_s=3e-3, message_byte_s=0.0)
     bare = flat_profile({"a": 0.5})
@@ -215,13 +245,15 @@ def test_stage_costs_charge_the_call_term_once_per_task():
         model = CostModel(prof, bw, 0, costs, {"a": 0.5})
         p = model.describe(devs, [(0, 2), (2, 3), (3, 4)], 2)
         got[name] = stage_costs(model, devs, p, several_vws=False, shards=1)
+    # the update runs unpadded: at the devices' speed (0.5) of its profiled (padded) time
+    update = call.update_s * 0.5
     for i, (x, y) in enumerate(zip(got["bare"], got["call"], strict=True)):
         if i < 2:  # a forward task, and a backward task with the update
             assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(call.fwd_s)
-            assert y.compute_bwd_s - x.compute_bwd_s == pytest.approx(
-                call.bwd_s + call.update_s)
+            assert y.compute_bwd_s - x.compute_bwd_s == pytest.approx(call.bwd_s + update)
         else:  # the last stage's one task runs the forward, the backward and the update
-            assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(call.time_s)
+            assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(
+                call.fwd_s + call.bwd_s + update)
             assert y.compute_bwd_s == x.compute_bwd_s == 0.0
         assert y.loop_fwd_s == x.loop_fwd_s and y.push_s == x.push_s
 
@@ -333,7 +365,8 @@ def test_the_synchronous_step_runs_once_per_iteration_unpadded():
     [asyn] = stage_costs(model, devs, p, several_vws=False, shards=1)
     assert sync.step_s == pytest.approx(4 * 1e-3 * 0.5)  # the profile's update is padded
     assert asyn.step_s == 0.0
-    assert asyn.compute_s - sync.compute_s == pytest.approx(4 * 1e-3)  # not in each backward
+    # async: in each backward, unpadded too; sync: not in any backward
+    assert asyn.compute_s - sync.compute_s == pytest.approx(4 * 1e-3 * 0.5)
 
 
 def test_a_wake_ups_wait_is_not_counted_as_wanting_a_core():

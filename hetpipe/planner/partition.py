@@ -12,9 +12,12 @@ Index letters used throughout:
 **Stage time** of device ``i`` running layers ``[a, b)``::
 
     time(i, a, b) = compute + comm_in + comm_out + tasks
-    compute  = sum over the layers of (fwd_s + bwd_s + update_s) on device i's type
-               + call, the type's stage call term, once per stage whatever its layers
-               (:class:`hetpipe.planner.profile.CallProfile`)
+    compute  = sum over the layers of (fwd_s + bwd_s + speed * update_s) on device i's
+               type + call, the type's stage call term, once per stage whatever its layers
+               (:class:`hetpipe.planner.profile.CallProfile`; its update part also times
+               ``speed``): an emulated device pads its forwards and backwards, never its
+               optimizer step, while a profile holds every time padded, so the update is
+               charged back at the speed the runtime runs it (:meth:`CostModel.step_scale`)
     comm_in  = in_bytes(a) * 2 / bw(device i-1, device i)      (0 for the first stage)
                + message_s + in_bytes(a) * message_byte_s      (sending the gradient back)
     comm_out = out_bytes(b-1) * 2 / bw(device i, device i+1)   (0 for the last stage)
@@ -187,12 +190,14 @@ class Infeasible:
 
 
 class _TypeCosts:
-    """Prefix sums of one device type's layer profile (computed once per type)."""
+    """Prefix sums of one device type's layer profile (computed once per type), its
+    updates at ``step_scale`` of their profiled time (:meth:`CostModel.step_scale`)."""
 
-    def __init__(self, profile: ModelProfile, dtype: str) -> None:
+    def __init__(self, profile: ModelProfile, dtype: str, step_scale: float = 1.0) -> None:
         lps = profile.layers[dtype]
         n = len(lps)
-        self.cum = [0.0, *itertools.accumulate(lp.time_s for lp in lps)]
+        self.cum = [0.0, *itertools.accumulate(lp.fwd_s + lp.bwd_s + lp.update_s * step_scale
+                                               for lp in lps)]
         self.cum_np = np.array(self.cum, dtype=np.float64)
         self.inb = [profile.input_bytes] + [lp.out_bytes for lp in lps[:-1]] + [0]
         self.outb = [0] + [lp.out_bytes for lp in lps]  # outb[b] = out_bytes of layer b-1
@@ -202,11 +207,12 @@ class _TypeCosts:
 
         self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
         self.Bk = np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])
-        self.U = [0.0, *itertools.accumulate(lp.update_s for lp in lps)]
+        self.U = [0.0, *itertools.accumulate(lp.update_s * step_scale for lp in lps)]
         self.fwd = [lp.fwd_s for lp in lps]
         # the stage call term: once per stage, so a constant of every [a, b), added where
         # the runtime's per-task costs are (the same float in the scalar and matrix paths)
-        self.call = profile.call(dtype).time_s
+        call = profile.call(dtype)
+        self.call = call.fwd_s + call.bwd_s + call.update_s * step_scale
         self.saved = [lp.saved_bytes for lp in lps]
         self.work = [lp.work_bytes for lp in lps]
         self.P = prefix(lp.param_bytes for lp in lps)
@@ -296,7 +302,7 @@ class CostModel:
     def costs(self, dtype: str) -> _TypeCosts:
         tc = self._types.get(dtype)
         if tc is None:
-            tc = self._types[dtype] = _TypeCosts(self.profile, dtype)
+            tc = self._types[dtype] = _TypeCosts(self.profile, dtype, self.step_scale(dtype))
         return tc
 
     def link(self, a: Any, b: Any) -> float:
@@ -311,6 +317,13 @@ class CostModel:
     def speed(self, dtype: str) -> float:
         """The emulation speed of ``dtype``'s devices as the runtime pads it (at most 1)."""
         return min(1.0, self.speeds.get(dtype, 1.0))
+
+    def step_scale(self, dtype: str) -> float:
+        """What share of a profiled update ``dtype``'s devices spend on it: the runtime pads
+        an emulated device's forwards and backwards but runs its optimizer step at the
+        host's speed, while the profile holds every time padded (:mod:`.profile`), so the
+        update is charged at ``speed`` of its profiled time (1 on an unslowed device)."""
+        return self.speed(dtype)
 
     def tasks_time(self, dtype: str, first: bool, last: bool) -> float:
         """The runtime's per-task costs of one stage per minibatch (``tasks`` above)."""
@@ -340,15 +353,17 @@ class CostModel:
 
     def stage_times_at(self, dtype: str, a: int, b: int, share: float = 1.0) -> StageTimes:
         """Forward, backward and update of a stage of ``[a, b)`` on ``dtype`` running
-        ``share`` of the minibatch's rows: its layers (:meth:`compute_at` for a replica's
-        share) plus the stage call term once, since a replica's rows scale its layers, not
-        its one forward and one backward call."""
+        ``share`` of the minibatch's rows, as the runtime runs them: its layers
+        (:meth:`compute_at` for a replica's share) plus the stage call term once, since a
+        replica's rows scale its layers, not its one forward and one backward call; the
+        update unpadded (:meth:`step_scale`)."""
         times = self.profile.stage_times(dtype, a, b)
+        update = times.update_s * self.step_scale(dtype)
         if share == 1.0:
-            return times
+            return StageTimes(times.fwd_s, times.bwd_s, update)
         call = self.profile.call(dtype)
         fwd, bwd = self.compute_at(dtype, a, b, share)
-        return StageTimes(fwd + call.fwd_s, bwd + call.bwd_s, times.update_s)
+        return StageTimes(fwd + call.fwd_s, bwd + call.bwd_s, update)
 
     def compute_at(self, dtype: str, a: int, b: int, share: float) -> tuple[float, float]:
         """Forward and backward time of ``[a, b)`` on ``dtype`` for ``share`` of the

@@ -378,7 +378,7 @@ def sim_vw(model: CostModel, devices: Sequence[Any], p: Partition, minibatch: in
     prof = model.profile
     stages = []
     for d, (a, b) in zip(devices, p.cuts, strict=True):
-        t = prof.stage_times(d.type, a, b)
+        t = model.stage_times_at(d.type, a, b)
         stages.append(SimStage(t.fwd_s, t.bwd_s + t.update_s))
     links = []
     for i in range(len(devices) - 1):

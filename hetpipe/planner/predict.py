@@ -50,7 +50,7 @@ class StageCost:
     """One stage's costs on an idle host, per minibatch unless said per wave."""
 
     compute_fwd_s: float  # forward task(s) as the runtime measures them (padded)
-    compute_bwd_s: float  # backward task and update (padded); 0 on the last stage
+    compute_bwd_s: float  # backward task (padded) and async update (not); 0 on the last stage
     loop_fwd_s: float  # hand-off and sending the activation (last stage: the gradient)
     loop_bwd_s: float  # hand-off and sending the gradient (0 where no backward task)
     recv_s: float  # decoding what arrives (overlaps compute: CPU, not stage time)
@@ -133,9 +133,9 @@ def stage_costs(
     async schedule the last stage runs forward and backward as one task; in the synchronous
     ones they are two, and the per-wave push and merge are per iteration (the merge is the
     gradient exchange of several VWs). A synchronous backward only adds to the iteration's
-    gradient sum: the optimizer runs once per iteration (``step_s``), and unpadded, since the
-    runtime pads forwards and backwards only (a profile's ``update_s`` is padded, per
-    minibatch).
+    gradient sum: the optimizer runs once per iteration (``step_s``). Either way the update
+    is charged unpadded, since the runtime pads forwards and backwards only
+    (:meth:`.CostModel.step_scale`).
 
     A replicated stage (``p.groups``, :mod:`hetpipe.planner.replicas`) is its slowest
     replica: that device's compute and messages at its rows' share (the update whole), its
@@ -163,7 +163,7 @@ def stage_costs(
         times = model.stage_times_at(d.type, a, b, share)  # the layers and the call term
         fwd, bwd, update = times.fwd_s, times.bwd_s, times.update_s
         bwd += 0.0 if sync else update
-        step = update * min(1.0, model.speed(d.type)) if sync else 0.0
+        step = update if sync else 0.0
         # recomputed layers run their forward again inside the backward; swapped layers'
         # copies show where they exceed the forward and the backward they run beside
         bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
@@ -212,9 +212,12 @@ def stage_costs(
         exchange = exchange_time(model, group, pbytes)
         exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
         speed = model.speed(d.type)
-        padded = compute_fwd + compute_bwd
+        # the CPU a task wants: a padded device sleeps all but ``speed`` of its forward and
+        # backward; the async update in its backward task runs unpadded, all of it on the CPU
+        unpadded = 0.0 if sync else update
         on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
-        compute_cpu = padded * speed if on_cpu else 0.0
+        compute_cpu = ((compute_fwd + compute_bwd - unpadded) * speed + unpadded
+                       if on_cpu else 0.0)
         cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm + exchange_cpu
         out.append(
             StageCost(
