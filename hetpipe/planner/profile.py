@@ -4,7 +4,10 @@ The planner never runs the model; it reasons from these numbers. A profile is ke
 *device type* because that is the unit the cluster file groups devices by: two devices of one
 type are assumed to behave the same. Times are stored *as measured for the type*: on an
 emulated device with ``speed = 0.25`` the profile holds the padded (4x longer) times, so the
-planner uses them as they are and never applies a device's speed a second time.
+planner uses its forwards and backwards as they are and never applies a device's speed a
+second time. The one exception is ``update_s``: the runtime pads an emulated device's
+forwards and backwards but not its optimizer step, so the planner charges the update at the
+device's speed of its profiled time (:meth:`hetpipe.planner.partition.CostModel.step_scale`).
 
 Byte counts are per minibatch at the profile's minibatch size:
 
