@@ -82,20 +82,22 @@ class LateWeights:
         if not self.packing or not weights:
             return nullcontext()
         storages = {w.untyped_storage().data_ptr(): n for n, w in weights.items()}
-        leaves = {id(w): n for n, w in weights.items() if w.requires_grad}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
 
         def pack(t: torch.Tensor) -> Any:
             name = storages.get(t.untyped_storage().data_ptr())
             if name is not None:
                 return _Token(name, None, t)
-            name = _cast_of(t, leaves)
-            if name is not None:
-                return _Token(name, t.dtype, t)
+            # a cast has a history (ToCopyBackward0 at or below views): a tensor without one,
+            # an activation's input or a buffer, needs no walk
+            if t.grad_fn is not None:
+                name = _cast_of(t, weights)
+                if name is not None:
+                    return _Token(name, t.dtype, t)
             return outer[0](t) if outer is not None else t
 
         def unpack(packed: Any) -> Any:
-            if isinstance(packed, _Token):
+            if type(packed) is _Token:
                 return self._resolve(packed)
             return outer[1](packed) if outer is not None else packed
 
@@ -113,15 +115,20 @@ class LateWeights:
         return w.as_strided(token.size, token.stride, token.offset)
 
 
-def _cast_of(t: torch.Tensor, leaves: Mapping[int, str]) -> str | None:
+def _cast_of(t: torch.Tensor, weights: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the weight ``t`` is a cast of (autocast's copy in the compute dtype, or a
-    view of it), found by walking its autograd history back to the weight's leaf."""
+    view of it), found by walking its autograd history back to the weight's leaf (compared
+    by identity with ``weights``' tensors: a layer has a few)."""
     node = t.grad_fn
     cast = False
     while node is not None:
         kind = type(node).__name__
         if kind == "AccumulateGrad":
-            return leaves.get(id(node.variable)) if cast else None
+            if not cast:
+                return None
+            leaf = node.variable
+            return next((n for n, w in weights.items() if w is leaf and w.requires_grad),
+                        None)
         if kind == "ToCopyBackward0" and not cast:
             cast = True
         elif kind not in _VIEWS:

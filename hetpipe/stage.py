@@ -75,7 +75,11 @@ from hetpipe.swap import HostSwap
 from hetpipe.task import StageTask
 from hetpipe.wsp import wave_of
 
-__all__ = ["StageCompute", "build_stage_module"]
+__all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
+
+# weights = "predict": a prediction is scored (StageCompute._judge) for at most one forward
+# in this many minibatches; every probe is judged in full, the others cost nothing
+PROBE_EVERY = 8
 
 
 def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.Sequential:
@@ -138,7 +142,8 @@ class StageStats:
     # model charges is the schedule's maximum (hetpipe.schedule.max_in_flight); this is
     # what this run's timing reached
     peak_in_flight: int = 0
-    # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe
+    # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe (at
+    # most one per PROBE_EVERY minibatches: StageCompute._judge)
     prediction_quality: list[float] = field(default_factory=list)
 
 
@@ -235,6 +240,10 @@ class StageCompute:
                       if fixed_order(self.spec.schedule, self.weights) else None)
         self.steps_taken = 0
         self.probe: _Probe | None = None
+        # a probe starts at most every ``probe_every`` minibatches (_judge): judging takes
+        # two passes over the stage's weights and a read to the host
+        self.probe_every = PROBE_EVERY
+        self._next_probe = 0  # the first minibatch that may start the next probe
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self.weight_bytes = self.param_bytes + sum(
             b.numel() * b.element_size() for b in self.module.buffers()
@@ -545,8 +554,9 @@ class StageCompute:
             # that the forward can release them (:meth:`_release`)
             params = {n: w.detach().clone().requires_grad_() if w is self.params[n]
                       and w.requires_grad else w for n, w in params.items()}
-        if s_fwd > 0 and self.probe is None:
+        if s_fwd > 0 and self.probe is None and p >= self._next_probe:
             self.probe = _Probe(self.steps_taken + s_fwd, params, self.params, late)
+            self._next_probe = p + self.probe_every
         return params, False, s_bwd if late else None
 
     def _predicted(self, s: int) -> dict[str, torch.Tensor]:
@@ -577,12 +587,14 @@ class StageCompute:
         them as names (:mod:`hetpipe.lateweights`) and keeps the tensors only as the leaves
         its weight gradients are taken for, which needs their shapes, not their values.
         Kept: the weights of recomputed layers (their rerun needs the forward's values),
-        the stage's own current weights, and the prediction a probe still judges."""
-        probed = self.probe is not None and self.probe.predicted is params
-        with torch.no_grad():
-            for n, w in params.items():
-                if not (probed or n in self._recomputed_names or w is self.params[n]):
-                    w.untyped_storage().resize_(0)
+        the stage's own current weights, and the prediction a probe still judges. (A
+        storage resize is no autograd op and bumps no version: no ``no_grad`` needed.)"""
+        if self.probe is not None and self.probe.predicted is params:
+            return
+        current, recomputed = self.params, self._recomputed_names
+        for n, w in params.items():
+            if w is not current[n] and n not in recomputed:
+                w.untyped_storage().resize_(0)
 
     def _rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
@@ -594,7 +606,13 @@ class StageCompute:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
         extrapolated: W(target) is the stage's weights ``s_fwd`` updates after the forward
         (on stages past 0 one of them is the minibatch's own, which the prediction leaves
-        out by design: a small, consistent handicap of the score)."""
+        out by design: a small, consistent handicap of the score).
+
+        Not every forward is probed: a probe starts at a forward with ``s_fwd > 0`` when
+        none is outstanding and :attr:`probe_every` minibatches have passed since the last
+        one started (:meth:`_forward_weights`), so judging (two passes over the weights,
+        one read to the host) costs a fraction of a step on average, while
+        ``prediction_quality`` stays the ratio of whole probes, spread over the run."""
         probe = self.probe
         if probe is None or self.steps_taken < probe.target:
             return
@@ -602,12 +620,16 @@ class StageCompute:
         names = [n for n in probe.predicted if probe.predicted[n] is not probe.stale[n]]
         if not names:
             return
+        k = len(names)
         with torch.no_grad():
-            now = [self.params[n].detach() for n in names]
-            hat = torch._foreach_sub([probe.predicted[n].detach() for n in names], now)
-            old = torch._foreach_sub([probe.stale[n].detach() for n in names], now)
-            num = float(torch.stack(torch._foreach_norm(hat)).norm())
-            den = float(torch.stack(torch._foreach_norm(old)).norm())
+            # both differences in one fused op, both norms in another, one read to the host
+            # (each tensor's result is the one separate calls give)
+            now = [self.params[n] for n in names]
+            diffs = torch._foreach_sub([probe.predicted[n] for n in names]
+                                       + [probe.stale[n] for n in names], now + now)
+            norms = torch._foreach_norm(diffs)
+            num, den = torch.stack([torch.stack(norms[:k]).norm(),
+                                    torch.stack(norms[k:]).norm()]).tolist()
         if probe.late:  # its graph needs none of its values (a late forward's always differ)
             self._release(probe.predicted)
         if den > 0:

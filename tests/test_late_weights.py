@@ -9,6 +9,8 @@ activation policy.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import assert_same_weights, job
@@ -173,3 +175,44 @@ def test_paper_memory_is_the_planner_formula() -> None:
     assert want.stash == compute.param_bytes + 3 * recomputed
     assert compute.param_bytes + recomputed <= peak["stash"] <= want.stash
     assert (peak["params"], peak["working"]) == (want.params, want.working)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_probes_are_spaced_and_each_is_scored_in_full(every: int) -> None:
+    """A prediction probe starts at most every ``probe_every`` minibatches (judging costs
+    passes over the weights), and each is scored exactly as separate differences, norms and
+    reads score it: ||W_hat - W_target|| / ||W_stale - W_target||."""
+    compute = middle_stage("mlp", {"hidden": [16, 16]}, 1, 2)
+    compute.probe_every = every
+    xs, gs = feeds(64, 16)
+    starts, want = [], []
+    real_forward, real_judge = compute.forward, compute._judge
+
+    def forward(p, x, y):
+        before = compute.probe
+        out = real_forward(p, x, y)
+        if compute.probe is not None and compute.probe is not before:
+            starts.append(p)
+        return out
+
+    def judge():
+        probe = compute.probe
+        if probe is not None and compute.steps_taken >= probe.target:
+            names = [n for n in probe.predicted if probe.predicted[n] is not probe.stale[n]]
+            with torch.no_grad():
+                now = [compute.params[n] for n in names]
+                hat = torch._foreach_sub([probe.predicted[n] for n in names], now)
+                old = torch._foreach_sub([probe.stale[n] for n in names], now)
+                num = float(torch.stack(torch._foreach_norm(hat)).norm())
+                den = float(torch.stack(torch._foreach_norm(old)).norm())
+            want.append(num / den)
+        real_judge()
+
+    compute.forward, compute._judge = forward, judge
+    run_order(compute, xs, gs)
+    assert len(starts) >= 2, starts
+    assert all(b - a >= every for a, b in itertools.pairwise(starts)), starts
+    assert compute.stats.prediction_quality == want
+    assert len(want) >= len(starts) - 1
+    if every == 1:  # a probe at every forward that finds none outstanding
+        assert len(starts) > MINIBATCHES // 4, starts
