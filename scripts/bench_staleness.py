@@ -209,8 +209,9 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
     ap.add_argument("--merge", type=Path, default=None, metavar="JSON",
-                    help="keep the arms not in --arms from this earlier run's JSON (same "
-                    "settings): re-run some arms, report and plot all")
+                    help="keep the arms this run does not repeat (arm, task and depth) "
+                    "from this earlier run's JSON (same settings): re-run some, report and "
+                    "plot all")
     args = ap.parse_args()
     args.lr = lr_overrides(ap, args.lr)
     # a stop (SIGTERM) unwinds like an error: the clusters' daemons are stopped on the way out
@@ -220,9 +221,11 @@ def main() -> None:
     except ImportError:
         ap.error("the plot needs matplotlib: pip install -e '.[plot]'")
 
-    # --merge: the other arms of an earlier run with the same settings are kept as measured
+    # --merge: the earlier run's arms (same settings) that this run does not repeat (another
+    # arm, task or depth) are kept as measured
     results = [r for r in json.loads(args.merge.read_text())["arms"]
-               if r["arm"] not in args.arms] if args.merge else []
+               if not (r["arm"] in args.arms and r["task"] in args.tasks
+                       and r["k"] in args.ks)] if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.ks:
             root = Path(tmp) / f"k{k}"
