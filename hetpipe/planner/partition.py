@@ -97,7 +97,7 @@ from hetpipe.planner.memory import (
     unhidden_swap_s,
     working_bytes,
 )
-from hetpipe.planner.profile import ModelProfile, StageTimes
+from hetpipe.planner.profile import ModelProfile, StageTimes, update_scale
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -319,11 +319,9 @@ class CostModel:
         return min(1.0, self.speeds.get(dtype, 1.0))
 
     def step_scale(self, dtype: str) -> float:
-        """What share of a profiled update ``dtype``'s devices spend on it: the runtime pads
-        an emulated device's forwards and backwards but runs its optimizer step at the
-        host's speed, while the profile holds every time padded (:mod:`.profile`), so the
-        update is charged at ``speed`` of its profiled time (1 on an unslowed device)."""
-        return self.speed(dtype)
+        """What share of a profiled update ``dtype``'s devices spend on it (unpadded:
+        :func:`.profile.update_scale`)."""
+        return update_scale(self.speed(dtype))
 
     def tasks_time(self, dtype: str, first: bool, last: bool) -> float:
         """The runtime's per-task costs of one stage per minibatch (``tasks`` above)."""

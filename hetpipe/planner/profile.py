@@ -7,7 +7,7 @@ emulated device with ``speed = 0.25`` the profile holds the padded (4x longer) t
 planner uses its forwards and backwards as they are and never applies a device's speed a
 second time. The one exception is ``update_s``: the runtime pads an emulated device's
 forwards and backwards but not its optimizer step, so the planner charges the update at the
-device's speed of its profiled time (:meth:`hetpipe.planner.partition.CostModel.step_scale`).
+device's speed of its profiled time (:func:`update_scale`).
 
 Byte counts are per minibatch at the profile's minibatch size:
 
@@ -65,6 +65,7 @@ __all__ = [
     "measure_model",
     "scale_layers",
     "synthetic_profile",
+    "update_scale",
 ]
 
 
@@ -220,6 +221,16 @@ class ModelProfile:
         layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
         return ModelProfile(self.model, minibatch, math.ceil(self.input_bytes * f), layers,
                             dict(self.calls))
+
+
+def update_scale(speed: float) -> float:
+    """The share of a profiled ``update_s`` a device of emulation ``speed`` spends on it.
+
+    The runtime pads an emulated device's forwards and backwards, never its optimizer step
+    (:mod:`hetpipe.emulate`), while a profile holds every time padded (``/ speed``, above):
+    so the update runs at ``speed`` of its profiled time (1 on an unslowed device). Every
+    planner path that charges an update takes it from here."""
+    return min(1.0, speed)
 
 
 def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
-from hetpipe.planner.profile import ModelProfile
+from hetpipe.planner.profile import ModelProfile, update_scale
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.schedule import (
     SYNC_KINDS,
@@ -275,7 +275,8 @@ class SyncModel:
             bwd_s=t["B"][b] - t["B"][a] + t["cb"] + task
             + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
-            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * min(1.0, float(getattr(d, "speed", 1.0))),
+            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * update_scale(float(getattr(d, "speed",
+                                                                                1.0))),
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
             handoff_s=rt.hop_s,
         )
