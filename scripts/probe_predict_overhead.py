@@ -9,22 +9,30 @@ each backward) on seeded inputs and output gradients, once per arm:
 - ``stash``: ``train.weights = "stash"``;
 - ``paper``: ``"predict"``, variant ``paper`` (the backward binds its own prediction to the
   forward's graph, :mod:`hetpipe.lateweights`);
-- ``consistent``: ``"predict"``, variant ``consistent``.
+- ``consistent``: ``"predict"``, variant ``consistent``;
+- with ``--unbound``, ``paper-unbound``: the ``paper`` arm with the late binding switched off
+  (no saved-tensor hooks, no release: its backward differentiates the forward's own
+  prediction, so its results are not the paper variant's and are neither saved nor checked).
+  It is what any cut of the binding machinery (:mod:`hetpipe.lateweights`,
+  :meth:`hetpipe.stage.StageCompute._release`) can win at most: ``paper`` minus it.
 
 The arms run interleaved, ``--repeats`` times each (a fresh stage every time), on one thread,
 timed by the thread's CPU time (``--clock wall`` for wall-clock time: on a shared host the
 CPU time leaves out what other processes take).
 Per minibatch the time of its forward, backward and step is summed; each repeat gives the
-median over the run's minibatches, and the figure printed is the median over repeats, per
-stage and arm. Then a breakdown of the prediction's pieces, timed inclusively around the
-functions that do them (per minibatch, totals over a run divided by its minibatches), and
-with ``--profile`` the top of a cProfile of the ``paper`` arm.
+median over the run's minibatches (``--stat mean``: their mean, which is what throughput
+follows: a rare slow minibatch moves the mean, not the median), and the figure printed is
+the median over repeats, per stage and arm. Then a breakdown of the prediction's pieces,
+timed inclusively around the functions that do them (per minibatch, totals over a run
+divided by its minibatches), and with ``--profile`` the top of a cProfile of the ``paper``
+arm.
 
 ``--save FILE`` writes every arm's final weights and input gradients; ``--check FILE``
 compares against such a file bit for bit (a change that must not move any result).
 
     python scripts/probe_predict_overhead.py [--stages 0 1] [--minibatches 200]
-        [--repeats 5] [--clock cpu|wall] [--profile] [--save F | --check F] [--json]
+        [--repeats 5] [--clock cpu|wall] [--stat median|mean] [--unbound] [--profile]
+        [--save F | --check F] [--json]
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +79,8 @@ FIGURES: dict[str, Callable[[list[float], float], float]] = {
     "step": lambda t, _speed: t[2],
     "padded": lambda t, speed: (t[0] + t[1]) / speed + t[2],
 }
+# timing-only arms: (the arm whose stage they build, what they switch off while they run)
+UNBOUND = {"paper-unbound": "paper"}
 DEVICE = DeviceSpec("gpu0", "cpu", "fast", 1 << 34, 1.0, 0, "node0", "127.0.0.1", 96.0)
 
 # (owner, attribute, label): what the breakdown times, inclusively
@@ -95,6 +105,7 @@ def even_split(n_layers: int, k: int) -> list[int]:
 
 def make_stage(arm: str, stage: int, k: int, minibatches: int) -> StageCompute:
     """Stage ``stage`` of ``k`` of the CNN, weights loaded from the seeded model."""
+    arm = UNBOUND.get(arm, arm)
     spec = JobSpec.from_dict({
         "name": "probe", "model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
         "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
@@ -164,6 +175,32 @@ def run(compute: StageCompute, xs: list[torch.Tensor], gs: list[torch.Tensor | N
 
 
 @contextmanager
+def unbound() -> Iterator[None]:
+    """The late binding off: no layer packs its weights as names, no forward releases them
+    (so every graph keeps its forward's weights, as ``consistent`` does)."""
+    layer, release = lateweights.LateWeights.layer, StageCompute._release
+
+    def no_layer(_self: Any, _weights: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def no_release(_self: Any, _params: Any) -> None:
+        return None
+
+    lateweights.LateWeights.layer = no_layer  # type: ignore[method-assign]
+    StageCompute._release = no_release  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        lateweights.LateWeights.layer = layer  # type: ignore[method-assign]
+        StageCompute._release = release  # type: ignore[method-assign]
+
+
+def arm_context(arm: str) -> AbstractContextManager[Any]:
+    """What the arm runs under: the late binding switched off for a timing-only arm."""
+    return unbound() if arm in UNBOUND else nullcontext()
+
+
+@contextmanager
 def timing_hooks(totals: dict[str, float]) -> Iterator[None]:
     """Wrap the functions of :data:`TIMED` with inclusive timers adding into ``totals``."""
     saved = []
@@ -198,6 +235,11 @@ def main() -> None:
                     help="the emulated speed of the padded figure (bench_staleness's default)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="this thread's CPU time (default: robust on a shared host) or wall")
+    ap.add_argument("--stat", choices=("median", "mean"), default="median",
+                    help="each repeat's figure over its minibatches (mean: what throughput "
+                         "follows)")
+    ap.add_argument("--unbound", action="store_true",
+                    help="add the timing-only arm paper-unbound (late binding off)")
     ap.add_argument("--profile", action="store_true", help="cProfile the paper arm")
     ap.add_argument("--save", type=Path, help="write final weights and input gradients")
     ap.add_argument("--check", type=Path, help="compare them bit for bit against --save's")
@@ -205,37 +247,39 @@ def main() -> None:
     torch.set_num_threads(1)
     CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     assert stage_mod.StageCompute is StageCompute
+    arms = [*ARMS, *(UNBOUND if args.unbound else ())]
+    over = statistics.median if args.stat == "median" else statistics.mean
 
     results: dict[str, Any] = {"machine": machine(), "k": args.k, "clock": args.clock,
                                "minibatches": args.minibatches, "repeats": args.repeats,
-                               "median_ms": {}, "breakdown_ms": {}}
+                               "stat": args.stat, "median_ms": {}, "breakdown_ms": {}}
     outcome: dict[str, torch.Tensor] = {}
     for st in args.stages:
         xs, gs, y = feeds(st, args.k, args.minibatches)
-        # per arm and figure, each repeat's median over the run's minibatches (ms)
+        # per arm and figure, each repeat's median (or mean) over the run's minibatches (ms)
         runs: dict[str, dict[str, list[float]]] = {arm: {f: [] for f in FIGURES}
-                                                   for arm in ARMS}
+                                                   for arm in arms}
         for r in range(args.repeats):
-            for arm in ARMS:  # interleaved: a disturbance hits every arm alike
+            for arm in arms:  # interleaved: a disturbance hits every arm alike
                 compute = make_stage(arm, st, args.k, args.minibatches)
-                spent, grads = run(compute, xs, gs, y)
+                with arm_context(arm):
+                    spent, grads = run(compute, xs, gs, y)
                 for f, fn in FIGURES.items():
-                    runs[arm][f].append(statistics.median(fn(t, args.speed) for t in spent)
-                                        * 1e3)
-                if r == 0:
+                    runs[arm][f].append(over([fn(t, args.speed) for t in spent]) * 1e3)
+                if r == 0 and arm not in UNBOUND:  # its results are no arm's to check
                     for name, t in compute.state_dict().items():
                         outcome[f"{st}/{arm}/w/{name}"] = t.clone()
                     for p, g in grads.items():
                         if g is not None:
                             outcome[f"{st}/{arm}/g/{p}"] = g.clone()
-        med = {arm: {f: statistics.median(v) for f, v in runs[arm].items()} for arm in ARMS}
+        med = {arm: {f: statistics.median(v) for f, v in runs[arm].items()} for arm in arms}
         results["median_ms"][str(st)] = med
         print(f"stage {st} of {args.k}: per-minibatch ms, median of {args.repeats} repeats "
-              f"(each the median of {args.minibatches} minibatches); padded: forward and "
+              f"(each the {args.stat} of {args.minibatches} minibatches); padded: forward and "
               f"backward at speed {args.speed}, as an emulated device pads them")
         print_table(["arm", *FIGURES, "total vs stash", "padded vs stash"],
                     [[a, *med[a].values(), med[a]["total"] / med["stash"]["total"],
-                      med[a]["padded"] / med["stash"]["padded"]] for a in ARMS])
+                      med[a]["padded"] / med["stash"]["padded"]] for a in arms])
 
         breakdown: dict[str, dict[str, float]] = {}
         for arm in ARMS:
