@@ -280,34 +280,61 @@ def _type_name(t: type | tuple[type, ...]) -> str:
     return t.__name__
 
 
+# scalars that are always plain (exact types: a subclass takes the general path below)
+_LEAF_TYPES = frozenset({type(None), bool, float, str, bytes})
+
+
+def _all_leaves(items: Iterable[Any]) -> bool:
+    """Whether every item is a plain scalar (an int in range included): a container of only
+    such items needs no walk of its own. Stage reports and records are mostly such rows, so
+    the walk pushes one entry per row instead of one per number."""
+    for item in items:
+        t = type(item)
+        if t in _LEAF_TYPES or (t is int and _INT_MIN <= item <= _UINT_MAX):
+            continue
+        return False
+    return True
+
+
+def _path(name: str, where: Any) -> str:
+    """The path of an item for an error message, from the chain of ``(parent, key, is_map)``
+    the walk keeps instead of formatting a path string for every item it visits."""
+    parts: list[str] = []
+    while where is not None:
+        where, key, is_map = where
+        parts.append(f"[{key!r}]" if is_map else f"[{key}]")
+    return name + "".join(reversed(parts))
+
+
 def _check_plain(kind: str, name: str, value: Any) -> None:
     """Check that a dict/list field holds plain msgpack data with str keys (iteratively,
     so hostile nesting cannot exhaust the Python stack)."""
-    stack: list[tuple[Any, str, int]] = [(value, name, 0)]
+    stack: list[tuple[Any, Any, int]] = [(value, None, 0)]
     while stack:
-        v, path, depth = stack.pop()
+        v, where, depth = stack.pop()
         if v is None or isinstance(v, bool | float | str | bytes):
             continue
         if isinstance(v, int):
             if not _INT_MIN <= v <= _UINT_MAX:
-                raise WireError(f"{kind}: field {name!r}: integer at {path} is out of range")
+                raise WireError(f"{kind}: field {name!r}: integer at {_path(name, where)} "
+                                "is out of range")
             continue
         if isinstance(v, dict | list | tuple):
             if depth >= MAX_NESTING:
                 raise WireError(f"{kind}: field {name!r}: nested deeper than {MAX_NESTING}")
             if isinstance(v, dict):
-                for key, item in v.items():
+                for key in v:
                     if not isinstance(key, str):
-                        raise WireError(
-                            f"{kind}: field {name!r}: map key {key!r} at {path} is not a str"
-                        )
-                    stack.append((item, f"{path}[{key!r}]", depth + 1))
-            else:
-                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
+                        raise WireError(f"{kind}: field {name!r}: map key {key!r} at "
+                                        f"{_path(name, where)} is not a str")
+                if not _all_leaves(v.values()):
+                    stack.extend((item, (where, key, True), depth + 1)
+                                 for key, item in v.items())
+            elif not _all_leaves(v):
+                stack.extend((item, (where, i, False), depth + 1) for i, item in enumerate(v))
             continue
-        raise WireError(
-            f"{kind}: field {name!r}: {type(v).__name__} at {path} is not plain msgpack data"
-        )
+        raise WireError(f"{kind}: field {name!r}: {type(v).__name__} at {_path(name, where)} "
+                        "is not plain msgpack data")
 
 
 def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> dict[str, Any]:
