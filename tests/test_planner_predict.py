@@ -211,28 +211,27 @@ def test_an_async_update_is_charged_as_the_runtime_runs_it_unpadded():
     step, while the profile holds the update padded: stage costs, the partitioner's stage
     time and the simulator's view all charge it at the device's speed, and the CPU it
     wants counts it whole."""
-    costs = RuntimeCosts.zero()
     base = flat_profile({"a": 0.25})
     lps = tuple(dataclasses.replace(lp, update_s=4e-3) for lp in base.layers["a"])
-    prof = dataclasses.replace(base, layers={"a": lps})
     devs = (dev("x", "a", 0.25), dev("y", "a", 0.25))
-    for name, profile in (("bare", base), ("update", prof)):
-        model = CostModel(profile, bw, 0, costs, {"a": 0.25})
+
+    def priced(profile: ModelProfile):
+        model = CostModel(profile, bw, 0, RuntimeCosts.zero(), {"a": 0.25})
         p = model.describe(devs, [(0, 2), (2, 4)], 2)
-        c = stage_costs(model, devs, p, several_vws=False, shards=1)
-        if name == "bare":
-            bare, bare_time, bare_cpu = c, model.stage_time("a", 0, 2, None, 1.0), c[0].cpu_s
-            continue
-        # two layers' updates of 4 ms each, run at speed 0.25: 2 ms per stage
-        assert c[0].compute_bwd_s - bare[0].compute_bwd_s == pytest.approx(2e-3)
-        assert c[1].compute_fwd_s - bare[1].compute_fwd_s == pytest.approx(2e-3)
-        assert model.stage_time("a", 0, 2, None, 1.0) - bare_time == pytest.approx(2e-3)
-        assert c[0].cpu_s - bare_cpu == pytest.approx(2e-3)  # unpadded: all of it on a core
-        sim = sim_vw(model, devs, p, 16)
-        assert sim.stages[0].bwd_s == pytest.approx(
-            sum(lp.bwd_s for lp in lps[:2]) + 2e-3)
-        sync = stage_costs(model, devs, p, several_vws=False, shards=1, schedule="1f1b")
-        assert sync[0].step_s == pytest.approx(2e-3)  # the iteration's one step, unpadded
+        return model, p, stage_costs(model, devs, p, several_vws=False, shards=1)
+
+    bare_model, _, bare = priced(base)
+    model, p, c = priced(dataclasses.replace(base, layers={"a": lps}))
+    # two layers' updates of 4 ms each, run at speed 0.25: 2 ms per stage
+    assert c[0].compute_bwd_s - bare[0].compute_bwd_s == pytest.approx(2e-3)
+    assert c[1].compute_fwd_s - bare[1].compute_fwd_s == pytest.approx(2e-3)
+    assert model.stage_time("a", 0, 2, None, 1.0) - bare_model.stage_time(
+        "a", 0, 2, None, 1.0) == pytest.approx(2e-3)
+    assert c[0].cpu_s - bare[0].cpu_s == pytest.approx(2e-3)  # unpadded: all of it on a core
+    sim = sim_vw(model, devs, p, 16)
+    assert sim.stages[0].bwd_s == pytest.approx(sum(lp.bwd_s for lp in lps[:2]) + 2e-3)
+    sync = stage_costs(model, devs, p, several_vws=False, shards=1, schedule="1f1b")
+    assert sync[0].step_s == pytest.approx(2e-3)  # the iteration's one step, unpadded
 
 
 def test_stage_costs_charge_the_call_term_once_per_task():

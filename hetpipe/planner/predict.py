@@ -162,8 +162,9 @@ def stage_costs(
         sync = schedule != "async"
         times = model.stage_times_at(d.type, a, b, share)  # the layers and the call term
         fwd, bwd, update = times.fwd_s, times.bwd_s, times.update_s
-        bwd += 0.0 if sync else update
-        step = update if sync else 0.0
+        # async: each backward task steps (unpadded); sync: one step per iteration
+        in_backward, step = (0.0, update) if sync else (update, 0.0)
+        bwd += in_backward
         # recomputed layers run their forward again inside the backward; swapped layers'
         # copies show where they exceed the forward and the backward they run beside
         bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
@@ -213,10 +214,9 @@ def stage_costs(
         exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
         speed = model.speed(d.type)
         # the CPU a task wants: a padded device sleeps all but ``speed`` of its forward and
-        # backward; the async update in its backward task runs unpadded, all of it on the CPU
-        unpadded = 0.0 if sync else update
+        # backward; the update in its backward task runs unpadded, all of it on the CPU
         on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
-        compute_cpu = ((compute_fwd + compute_bwd - unpadded) * speed + unpadded
+        compute_cpu = ((compute_fwd + compute_bwd - in_backward) * speed + in_backward
                        if on_cpu else 0.0)
         cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm + exchange_cpu
         out.append(

@@ -249,9 +249,14 @@ class SyncModel:
             self._type[dtype] = t
         return t
 
+    @staticmethod
+    def _speed(d: Any) -> float:
+        """``d``'s emulation speed as the runtime pads it (at most 1)."""
+        return min(1.0, float(getattr(d, "speed", 1.0)))
+
     def _task_s(self, d: Any) -> float:
         """A compute task's own cost inside the padded region (its hand-off is apart)."""
-        return self.rt.task_s / min(1.0, float(getattr(d, "speed", 1.0)))
+        return self.rt.task_s / self._speed(d)
 
     def _send_s(self, nbytes: Any) -> Any:
         """The sender's cost of a message of ``nbytes`` (a number or an array of them)."""
@@ -275,8 +280,7 @@ class SyncModel:
             bwd_s=t["B"][b] - t["B"][a] + t["cb"] + task
             + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
-            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * update_scale(float(getattr(d, "speed",
-                                                                                1.0))),
+            step_s=(t["U"][b] - t["U"][a] + t["cu"]) * update_scale(self._speed(d)),
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
             handoff_s=rt.hop_s,
         )
