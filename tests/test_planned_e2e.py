@@ -17,8 +17,12 @@ def planned_job(name: str, **kw) -> dict:
 
 @pytest.mark.timeout(400)
 def test_the_head_plans_two_vws_that_use_the_whimpy_device(hetero_cluster) -> None:
+    # HD, the policy that mixes device types in a VW: "auto" weighs it against ED's two
+    # medium devices alone, a predicted margin of 1.1-1.25 here that profiles of emulated
+    # devices measured at different moments of a busy 2-core host can flip (auto's choice
+    # of the whimpy device is asserted on a fixed profile in test_planner_plan.py)
     spec = planned_job("planned", model="cnn", epochs=12, minibatches=None, lr=0.025)
-    spec["train"].update({"vws": 2, "policy": "auto"})
+    spec["train"].update({"vws": 2, "policy": "hd"})
     info = hetero_cluster.submit(spec, timeout=380)
     assert info["state"] == "done", info.get("error")
     devices = [d for vw in info["vws"] for d in vw["devices"]]
