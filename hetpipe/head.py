@@ -45,8 +45,10 @@ from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
 from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_result
 from hetpipe.modelstate import layer_of
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
+from hetpipe.planner.profile import at_speed
 from hetpipe.profiling import (
     call_from,
+    computes_on_cores,
     layers_from,
     live_cluster,
     model_key,
@@ -462,35 +464,54 @@ class Head:
         """Profiles of the job's model for every device type with a live worker.
 
         Missing ones are measured by an idle worker of that type and stored, so each
-        (model, minibatch, type) is measured once per run directory.
+        (model, minibatch, type) is measured once per run directory; the emulated types of
+        one node are measured once, on one of them (:func:`computes_on_cores`).
         """
         assert self.channel is not None
         key = model_key(spec)
         async with self._profiling:
             types = sorted({w.type for w in self._alive().values()})
+            on_cores: dict[str, tuple[float, dict[str, Any]]] = {}  # node: (speed, measured)
             for dtype in types:
                 if self.profiles.get(key, spec.minibatch, dtype) is not None:
                     continue
-                worker = next((w for w in self._alive().values()
-                               if w.type == dtype and w.job is None), None)
-                if worker is None:
-                    raise _JobFailed(f"no idle worker of type {dtype} to profile "
-                                     f"{spec.model.name} on")
-                self.log.info("profiling", model=spec.model.name, type=dtype,
-                              device=worker.device)
-                try:
-                    reply = await self.channel.request(
-                        Kind.MEASURE, {"job": spec.to_dict()}, to=worker.ident,
-                        timeout=MEASURE_TIMEOUT_S, what=f"worker {worker.device}")
-                except (RemoteError, TimeoutError, ConnectionError) as exc:
-                    raise _JobFailed(f"profiling on {worker.device}: {exc}") from None
-                info = reply["info"]
-                self.profiles.put(key, spec.minibatch, dtype, layers_from(info),
-                                  input_bytes=info["input_bytes"], call=call_from(info))
+                of_type = [w for w in self._alive().values() if w.type == dtype]
+                twin = next((d for d in (self.cluster.device(w.device) for w in of_type)
+                             if d.node in on_cores and computes_on_cores(d)), None)
+                if twin is not None:  # its node's cores measured already: over its speed
+                    speed, info = on_cores[twin.node]
+                    layers, call = at_speed(layers_from(info), call_from(info), speed,
+                                            twin.speed)
+                    self.log.info("profile from the same cores", model=spec.model.name,
+                                  type=dtype, device=twin.name)
+                else:
+                    worker, info = await self._measure(spec, dtype, of_type)
+                    layers, call = layers_from(info), call_from(info)
+                    device = self.cluster.device(worker.device)
+                    if computes_on_cores(device):
+                        on_cores[device.node] = (device.speed, info)
+                self.profiles.put(key, spec.minibatch, dtype, layers,
+                                  input_bytes=info["input_bytes"], call=call)
             self.profiles.save()
             if not types:
                 raise _JobFailed("no live worker: start them (`hetpipe up`)")
             return self.profiles.model_profile(key, spec.minibatch, types)
+
+    async def _measure(self, spec: JobSpec, dtype: str, of_type: list[WorkerInfo]
+                       ) -> tuple[WorkerInfo, dict[str, Any]]:
+        """Profile ``spec``'s model on an idle worker of ``dtype``: the worker, its answer."""
+        assert self.channel is not None
+        worker = next((w for w in of_type if w.job is None), None)
+        if worker is None:
+            raise _JobFailed(f"no idle worker of type {dtype} to profile {spec.model.name} on")
+        self.log.info("profiling", model=spec.model.name, type=dtype, device=worker.device)
+        try:
+            reply = await self.channel.request(
+                Kind.MEASURE, {"job": spec.to_dict()}, to=worker.ident,
+                timeout=MEASURE_TIMEOUT_S, what=f"worker {worker.device}")
+        except (RemoteError, TimeoutError, ConnectionError) as exc:
+            raise _JobFailed(f"profiling on {worker.device}: {exc}") from None
+        return worker, reply["info"]
 
     def _shard_problem(self, msg: Message) -> str | None:
         """Why a ``shard_hello`` is refused, or None: only the cluster file's shards register.

@@ -35,7 +35,8 @@ from hetpipe.planner import (
     weights_mode,
 )
 
-__all__ = ["live_cluster", "measure", "model_key", "plan_for", "plan_vws", "replica_rows"]
+__all__ = ["computes_on_cores", "live_cluster", "measure", "model_key", "plan_for", "plan_vws",
+           "replica_rows"]
 
 
 def model_key(spec: JobSpec) -> str:
@@ -63,6 +64,16 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
                         loss_fn=lambda out: loss(out, y), precision=spec.precision)
     return {"layers": [dataclasses.asdict(lp) for lp in got.layers],
             "call": got.call.to_dict(), "input_bytes": x.numel() * x.element_size()}
+
+
+def computes_on_cores(device: DeviceSpec) -> bool:
+    """Whether ``device`` computes on its node's CPU cores (emulated, padded to its speed).
+
+    Such devices of one node run the same compute on the same cores, so the head measures
+    one and takes the others' profiles from it over their speeds
+    (:func:`hetpipe.planner.profile.at_speed`): exact ratios, where types measured one after
+    the other would each carry the host's load of their moment."""
+    return device.device.startswith("cpu")
 
 
 def layers_from(info: Mapping[str, Any]) -> tuple[LayerProfile, ...]:

@@ -243,14 +243,16 @@ def durable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(durable: LocalCluster) -> float:
-    """The test accuracy of the same job run without a fault: the lower of two runs.
+    """The test accuracy of the same job run without a fault: the lowest of three runs.
 
     Two VWs interleave their pushes differently every run, so runs without any fault
     differ by themselves: seven of them ended at 0.983-0.994 on the 180 test samples (two
     samples, more than one point, apart). A resumed run is held to one point of the
-    uninterrupted runs' range, not of whichever end of it a single run landed on."""
+    uninterrupted runs' range, not of whichever end of it a single run landed on; the
+    lower of two runs was 0.989 once, and a resumed run one sample under that range
+    (0.978) failed."""
     accuracies = []
-    for run in range(2):
+    for run in range(3):
         info = durable.submit(_durable_job(f"calm{run}"), timeout=300)
         assert info["state"] == "done", info.get("error")
         _assert_applied_once(info, [0, 0])

@@ -50,7 +50,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ __all__ = [
     "ModelProfile",
     "ProfileStore",
     "StageTimes",
+    "at_speed",
     "measure_layers",
     "measure_model",
     "scale_layers",
@@ -231,6 +232,23 @@ def update_scale(speed: float) -> float:
     so the update runs at ``speed`` of its profiled time (1 on an unslowed device). Every
     planner path that charges an update takes it from here."""
     return min(1.0, speed)
+
+
+def at_speed(layers: Sequence[LayerProfile], call: CallProfile | None, measured: float,
+             speed: float) -> tuple[tuple[LayerProfile, ...], CallProfile | None]:
+    """What a device of emulation ``speed`` measures, from what one of ``measured`` speed
+    measured on the same hardware (the emulated devices of one node share its cores).
+
+    A profile holds every time ``/ speed`` of the same compute (:func:`measure_model`), so
+    this is exact, where two types measured one after the other on a busy host differ by
+    its load at each moment (here up to a fifth, enough to swap the planner's formations).
+    Byte counts are the hardware's and stay."""
+    f = min(1.0, measured) / min(1.0, speed)
+    out = tuple(replace(lp, fwd_s=lp.fwd_s * f, bwd_s=lp.bwd_s * f, update_s=lp.update_s * f)
+                for lp in layers)
+    if call is None:
+        return out, None
+    return out, CallProfile(call.fwd_s * f, call.bwd_s * f, call.update_s * f)
 
 
 def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:
