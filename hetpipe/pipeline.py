@@ -556,11 +556,11 @@ class StageRunner:
         return list(await asyncio.gather(*waits))
 
     async def _merge(self, c: int, replies: list[Message]) -> None:
-        applied: dict[str, list[int]] = {}
+        applied: dict[str, list[list[int]]] = {}
         clock = vw_clock = None
         for r in replies:
             for name in r.tensors:
-                applied[name] = list(r["applied"])
+                applied[name] = r["applied"]  # [first, end) runs of waves, one list per shard
             clock = r["clock"] if clock is None else min(clock, r["clock"])
             vw_clock = r["vw_clock"] if vw_clock is None else min(vw_clock, r["vw_clock"])
         pulled = _union(replies)

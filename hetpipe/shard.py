@@ -28,20 +28,14 @@ import torch
 from hetpipe.checkpoint import cut_after
 from hetpipe.wsp import WaveClock
 
-__all__ = ["JobShard", "ShardError", "ShardStore", "wave_ranges"]
+__all__ = ["JobShard", "ShardError", "ShardStore"]
 
 T = TypeVar("T")
 
 
-def wave_ranges(waves: list[int]) -> list[list[int]]:
-    """Sorted waves as ``[first, end)`` runs: ``[[0, 5]]`` is waves 0..4, each once."""
-    out: list[list[int]] = []
-    for w in waves:
-        if out and out[-1][1] == w:
-            out[-1][1] = w + 1
-        else:
-            out.append([w, w + 1])
-    return out
+def _below(runs: list[list[int]], limit: int) -> list[list[int]]:
+    """The ``[first, end)`` runs cut at ``limit`` (the waves below it)."""
+    return [[lo, min(hi, limit)] for lo, hi in runs if lo < limit]
 
 
 class ShardError(ValueError):
@@ -120,9 +114,9 @@ class JobShard(Generic[T]):
             weights = self.open_cuts.pop(c, None)
             if weights is None:  # no push past c arrived yet: the weights are the cut
                 weights = dict(self.weights)
-            applied = {f"{vw}/{stage}": wave_ranges(
-                [w for w in self.clock.applied(vw, stage) if w < min(c, self.finals.get(vw, c))])
-                for vw, stage in sorted(self.names)}
+            applied = {f"{vw}/{stage}": _below(self.clock.applied_ranges(vw, stage),
+                                               min(c, self.finals.get(vw, c)))
+                       for vw, stage in sorted(self.names)}
             self.cuts[c] = (weights, {"wave": c, "applied": applied})
             for old in sorted(self.cuts)[:-self.KEEP_CUTS]:
                 del self.cuts[old]
@@ -209,8 +203,8 @@ class JobShard(Generic[T]):
         return True
 
     def applied_sets(self) -> dict[str, list[list[int]]]:
-        """Every stage's applied waves here, ``"vw/stage"`` -> :func:`wave_ranges`."""
-        return {f"{vw}/{stage}": wave_ranges(self.clock.applied(vw, stage)) for vw, stage in
+        """Every stage's applied waves here, ``"vw/stage"`` -> :func:`hetpipe.wsp.wave_ranges`."""
+        return {f"{vw}/{stage}": self.clock.applied_ranges(vw, stage) for vw, stage in
                 sorted(self.names)}
 
     def answer(self, vw: int, stage: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -221,7 +215,7 @@ class JobShard(Generic[T]):
         fields = {
             "clock": self.clock.global_clock(),
             "vw_clock": self.clock.vw_clock(vw),
-            "applied": self.clock.applied(vw, stage),
+            "applied": self.clock.applied_ranges(vw, stage),  # runs: flat over a long job
         }
         return fields, {n: self.weights[n] for n in names}
 

@@ -73,7 +73,7 @@ from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
 from hetpipe.swap import HostSwap
 from hetpipe.task import StageTask
-from hetpipe.wsp import wave_of
+from hetpipe.wsp import covers, wave_of
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
@@ -742,19 +742,21 @@ class StageCompute:
         if acc:
             self._accumulate(wave + 1, acc)
 
-    def load(self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[int]]) -> None:
+    def load(self, pulled: Mapping[str, torch.Tensor],
+             applied: Mapping[str, list[list[int]]]) -> None:
         """Set local state to pulled global state plus own updates the shard had not applied.
 
         ``applied`` maps each pulled global name to the waves of this stage the answering shard
-        had applied; accumulators confirmed for every name are dropped.
+        had applied, as ``[first, end)`` runs (:func:`hetpipe.wsp.wave_ranges`: a long job's
+        answer stays one run, not a list of every wave); accumulators confirmed for every
+        name are dropped.
         """
         params = dict(self.params)
         with torch.no_grad():
             for n, value in pulled.items():
-                done = set(applied[n])
                 t = self._to_device(value, copy=True)
                 for w, acc in self.acc.items():
-                    if w not in done and n in acc:
+                    if n in acc and not covers(applied[n], w):
                         t.add_(acc[n])
                 if n in self.buffer_names:
                     self.buffers[n] = t
@@ -762,7 +764,7 @@ class StageCompute:
                     params[n] = t.requires_grad_(n not in self.layout.frozen)
             for w in list(self.acc):
                 acc = self.acc[w]
-                for n in [n for n in acc if n in pulled and w in applied[n]]:
+                for n in [n for n in acc if n in pulled and covers(applied[n], w)]:
                     del acc[n]
                 if not acc:
                     del self.acc[w]

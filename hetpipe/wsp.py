@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 __all__ = [
     "WaveClock",
     "WspError",
+    "covers",
     "first_of_wave",
     "is_last_of_wave",
     "pull_need",
     "unincluded_waves",
     "wave_of",
+    "wave_ranges",
 ]
 
 T = TypeVar("T")
@@ -105,6 +107,22 @@ def unincluded_waves(local_waves: Iterable[int], applied: Iterable[int]) -> list
     return sorted({w for w in local_waves if w not in done})
 
 
+def wave_ranges(waves: Iterable[int]) -> list[list[int]]:
+    """Sorted waves as ``[first, end)`` runs: ``[[0, 5]]`` is waves 0..4, each once."""
+    out: list[list[int]] = []
+    for w in waves:
+        if out and out[-1][1] == w:
+            out[-1][1] = w + 1
+        else:
+            out.append([w, w + 1])
+    return out
+
+
+def covers(runs: Iterable[Sequence[int]], wave: int) -> bool:
+    """Whether ``wave`` is in one of the ``[first, end)`` runs (:func:`wave_ranges`)."""
+    return any(lo <= wave < hi for lo, hi in runs)
+
+
 class _StageLog:
     """The waves one stage of one VW has pushed: a gap-free prefix plus the ones pushed early.
 
@@ -131,6 +149,12 @@ class _StageLog:
 
     def waves(self) -> list[int]:
         return [*range(self.count), *sorted(self.ahead)]
+
+    def ranges(self) -> list[list[int]]:
+        """The waves as ``[first, end)`` runs (:func:`wave_ranges`), without listing them:
+        one run for the prefix, however long the job, and the few pushed early."""
+        # the early ones start after ``count`` + 1 (``count`` itself is not applied)
+        return ([[0, self.count]] if self.count else []) + wave_ranges(sorted(self.ahead))
 
 
 class WaveClock(Generic[T]):
@@ -200,6 +224,11 @@ class WaveClock(Generic[T]):
     def applied(self, vw: int, stage: int) -> list[int]:
         """The waves applied for that stage, sorted."""
         return self._log(vw, stage).waves()
+
+    def applied_ranges(self, vw: int, stage: int) -> list[list[int]]:
+        """The waves applied for that stage as ``[first, end)`` runs: what a pull answer
+        carries, of a size that does not grow with the job (:meth:`applied` would)."""
+        return self._log(vw, stage).ranges()
 
     def is_applied(self, vw: int, stage: int, wave: int) -> bool:
         """Whether the push of (vw, stage, wave) has been applied (cheaper than ``applied``)."""

@@ -21,7 +21,7 @@ from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster, cluster_toml, free_ports
 from hetpipe.models import build_model
-from hetpipe.shard import ShardStore, wave_ranges
+from hetpipe.shard import ShardStore
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
@@ -89,7 +89,6 @@ def test_cut_points() -> None:
         c = checkpoint.cut_after(c, 4, 10)
     assert cuts == [4, 8, 10]
     assert checkpoint.cut_after(0, 0, 10) is None
-    assert wave_ranges([0, 1, 2, 5, 6]) == [[0, 3], [5, 7]] and wave_ranges([]) == []
 
 
 def test_the_shards_cut_holds_exactly_the_waves_before_it() -> None:

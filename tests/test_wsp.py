@@ -11,11 +11,13 @@ import pytest
 from hetpipe.wsp import (
     WaveClock,
     WspError,
+    covers,
     first_of_wave,
     is_last_of_wave,
     pull_need,
     unincluded_waves,
     wave_of,
+    wave_ranges,
 )
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -125,6 +127,27 @@ def test_duplicate_push_is_applied_once() -> None:
     assert clock.record_push(0, 0, 2) is False
     assert clock.applied(0, 0) == [0, 2]
     assert clock.vw_clock(0) == 1
+
+
+def test_applied_waves_come_as_runs_whose_size_does_not_grow_with_the_job() -> None:
+    # what a pull answer carries: the same waves as ``applied``, as [first, end) runs
+    rng = random.Random(7)
+    for _ in range(200):
+        clock: WaveClock[str] = WaveClock({0: [0]}, 0)
+        waves = rng.sample(range(40), rng.randrange(41))
+        for w in waves:
+            clock.record_push(0, 0, w)
+            runs = clock.applied_ranges(0, 0)
+            assert runs == wave_ranges(clock.applied(0, 0))
+            assert all(covers(runs, x) == clock.is_applied(0, 0, x) for x in range(42))
+    # a long job pushing in order: one run, where the list of waves holds every one
+    clock = WaveClock({0: [0]}, 0)
+    for w in range(20000):
+        clock.record_push(0, 0, w)
+    clock.record_push(0, 0, 20002)
+    assert clock.applied_ranges(0, 0) == [[0, 20000], [20002, 20003]]
+    assert covers([[0, 3], [5, 6]], 5) and not covers([[0, 3], [5, 6]], 3)
+    assert wave_ranges([]) == [] and wave_ranges([0, 1, 2, 5, 6]) == [[0, 3], [5, 7]]
 
 
 def test_out_of_order_pushes_advance_only_when_contiguous() -> None:
