@@ -6,9 +6,11 @@ Three parts, each against a baseline measured in the same run:
     each) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``
     over gloo: the same model, split, microbatch size, M = 4 microbatches per iteration and
     one SGD step per iteration on both sides (exactly the same training). Steady-state
-    samples/s after the warm-up, median of ``--rounds`` runs per side, sides alternating (the
-    machinery of ``bench_pipeline.py``). ``ratio_vs_torch_gpipe``, ``ratio_vs_torch_1f1b``
-    (target >= 1.0).
+    samples/s after the warm-up, median of ``--rounds`` runs per side, sides taking turns
+    (the machinery of ``bench_pipeline.py``). ``ratio_vs_torch_gpipe``, ``ratio_vs_torch_1f1b``
+    (target >= 1.0): ours as it runs by default, every message encrypted by CurveZMQ; and
+    ``plaintext_ratio_vs_torch_*``: ours with ``[security] curve = false``, plaintext as
+    gloo is, measured in the same turns.
 (b) On a copy of the repository's heterogeneous ``cluster.toml`` (same devices, caps and
     speeds; ports 0): the job with no split (the head profiles it and the synchronous planner
     picks cuts, devices and their order) against one virtual worker over every device in file
@@ -63,29 +65,37 @@ M = 4
 
 def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    sides = {"ours": lambda job: run_ours(job, args.warmup, 1),
+             "torch": lambda job: run_torch(job, args.warmup),
+             # our daemons without CurveZMQ ([security] curve = false): plaintext, as gloo is
+             "plain": lambda job: run_ours(job, args.warmup, 1, curve=False)}
     for kind in ("gpipe", "1f1b"):
         job = job_dict(args.model, args.microbatch, args.minibatches, kind)
-        runs: dict[str, list[dict[str, Any]]] = {"ours": [], "torch": []}
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for r in range(args.rounds):
-            for side in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
-                runs[side].append(run_ours(job, args.warmup, 1) if side == "ours"
-                                  else run_torch(job, args.warmup))
+            for side in list(sides)[r % len(sides):] + list(sides)[:r % len(sides)]:
+                runs[side].append(sides[side](job))
         med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2]
                for k, v in runs.items()}
         out[kind] = {
             "ours_samples_per_s": med["ours"]["samples_per_s"],
             "torch_samples_per_s": med["torch"]["samples_per_s"],
+            "plain_samples_per_s": med["plain"]["samples_per_s"],
             "ours_cpu_ms_per_sample": med["ours"]["cpu_ms_per_sample"],
             "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
+            "plain_cpu_ms_per_sample": med["plain"]["cpu_ms_per_sample"],
             "ratio": med["ours"]["samples_per_s"] / med["torch"]["samples_per_s"],
+            "plain_ratio": med["plain"]["samples_per_s"] / med["torch"]["samples_per_s"],
             "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()},
         }
     print(f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
-          f"{args.minibatches} microbatches, median of {args.rounds}")
+          f"{args.minibatches} microbatches, median of {args.rounds}; ours with CurveZMQ (the "
+          "default) and plaintext ([security] curve = false, as gloo)")
     print_table(["schedule", "hetpipe samples/s", "torch samples/s", "ratio",
-                 "CPU ms/sample ours", "torch"],
+                 "plaintext samples/s", "ratio", "CPU ms/sample ours", "plaintext", "torch"],
                 [[k, v["ours_samples_per_s"], v["torch_samples_per_s"], v["ratio"],
-                  v["ours_cpu_ms_per_sample"], v["torch_cpu_ms_per_sample"]]
+                  v["plain_samples_per_s"], v["plain_ratio"], v["ours_cpu_ms_per_sample"],
+                  v["plain_cpu_ms_per_sample"], v["torch_cpu_ms_per_sample"]]
                  for k, v in out.items()])
     return out
 
@@ -310,7 +320,8 @@ def main() -> None:
     if "a" in args.parts:
         a = part_a(args)
         out.update(ratio_vs_torch_gpipe=a["gpipe"]["ratio"], ratio_vs_torch_1f1b=a["1f1b"]["ratio"],
-                   vs_torch=a)
+                   plaintext_ratio_vs_torch_gpipe=a["gpipe"]["plain_ratio"],
+                   plaintext_ratio_vs_torch_1f1b=a["1f1b"]["plain_ratio"], vs_torch=a)
     if "b" in args.parts:
         b = part_b(args)
         out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],
