@@ -73,7 +73,7 @@ from hetpipe.seeding import LayerSeeds
 from hetpipe.staleness import StageTable
 from hetpipe.swap import HostSwap
 from hetpipe.task import StageTask
-from hetpipe.wsp import covers, wave_of
+from hetpipe.wsp import covers, unincluded_waves, wave_of
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
@@ -755,9 +755,9 @@ class StageCompute:
         with torch.no_grad():
             for n, value in pulled.items():
                 t = self._to_device(value, copy=True)
-                for w, acc in self.acc.items():
-                    if n in acc and not covers(applied[n], w):
-                        t.add_(acc[n])
+                for w in unincluded_waves((w for w, acc in self.acc.items() if n in acc),
+                                          applied[n]):
+                    t.add_(self.acc[w][n])
                 if n in self.buffer_names:
                     self.buffers[n] = t
                 else:  # a frozen parameter never gets a gradient, so never an update

@@ -96,15 +96,15 @@ def pull_need(wave: int, staleness: int) -> int:
     return wave - 1 - staleness
 
 
-def unincluded_waves(local_waves: Iterable[int], applied: Iterable[int]) -> list[int]:
+def unincluded_waves(local_waves: Iterable[int], applied: Sequence[Sequence[int]]) -> list[int]:
     """The waves whose update a stage holds locally and the shard had not applied when it answered.
 
     After a pull the stage sets its weights to the pulled ones plus exactly these updates: a pushed
     update can still be on its way to the shard, and adding an already-applied one would count it
-    twice. ``applied`` is what the shard reported for that stage alongside the pulled weights.
+    twice. ``applied`` is what the shard reported for that stage alongside the pulled weights:
+    ``[first, end)`` runs (:func:`wave_ranges`), whose size does not grow with the job.
     """
-    done = set(applied)
-    return sorted({w for w in local_waves if w not in done})
+    return sorted(w for w in set(local_waves) if not covers(applied, w))
 
 
 def wave_ranges(waves: Iterable[int]) -> list[list[int]]:

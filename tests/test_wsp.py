@@ -56,12 +56,13 @@ def test_pull_need() -> None:
 
 
 def test_unincluded_waves() -> None:
-    assert unincluded_waves([3, 4, 5], [0, 1, 2, 3]) == [4, 5]
-    assert unincluded_waves([5, 3, 4], range(6)) == []
+    # the shard reports its applied waves as [first, end) runs
+    assert unincluded_waves([3, 4, 5], wave_ranges([0, 1, 2, 3])) == [4, 5]
+    assert unincluded_waves([5, 3, 4], [[0, 6]]) == []
     assert unincluded_waves([2], []) == [2]
-    assert unincluded_waves([], [0]) == []
+    assert unincluded_waves([], [[0, 1]]) == []
     # out-of-order applied set: 4 applied, 3 not yet.
-    assert unincluded_waves([3, 4, 5], [0, 1, 2, 4]) == [3, 5]
+    assert unincluded_waves([3, 4, 5], wave_ranges([0, 1, 2, 4])) == [3, 5]
 
 
 @pytest.mark.parametrize(
