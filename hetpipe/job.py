@@ -38,6 +38,9 @@ WEIGHTS = ("stash", "latest", "predict")
 PREDICT_VARIANTS = ("paper", "consistent")
 # train.precision: the compute dtype of forwards and backwards (master weights stay float32)
 PRECISIONS = ("fp32", "bf16")
+# train.in_flight: what bounds the minibatches an async stage holds between a forward and its
+# backward in a plan the planner made (hetpipe.planner.plan.limit_in_flight)
+IN_FLIGHT = ("plan", "nm")
 
 # Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
 # integers even after the runtime multiplies them (minibatch numbers across epochs and VWs).
@@ -116,6 +119,10 @@ class VWSpec:
     # per stage, the devices that replicate it beside ``devices[i]`` (its leader); () for a
     # stage on one device. None: no stage is replicated (hetpipe.replicas)
     replicas: tuple[tuple[str, ...], ...] | None = None
+    # per stage, the most minibatches it may hold between a forward and its backward (0:
+    # the schedule's own maximum): set by the planner under ``train.in_flight = "plan"``
+    # (never read from a job file); None = no stage is limited
+    in_flight: tuple[int, ...] | None = None
 
     def group(self, stage: int) -> tuple[str, ...]:
         """The devices of ``stage``: its leader, then its replicas."""
@@ -169,6 +176,9 @@ class JobSpec:
     # (hetpipe.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
     warmup: int | None = 0
+    # IN_FLIGHT: "plan": a planned async stage holds at most the minibatches its predicted
+    # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
+    in_flight: str = "plan"
 
     @property
     def sync(self) -> bool:
@@ -193,6 +203,7 @@ class JobSpec:
             "verify": self.verify,
             "max_replicas": self.max_replicas,
             "warmup": "auto" if self.warmup is None else self.warmup,
+            "in_flight": self.in_flight,
         }
         if self.nm is not None:
             train["nm"] = self.nm
@@ -277,6 +288,7 @@ class JobSpec:
                 "verify",
                 "max_replicas",
                 "warmup",
+                "in_flight",
             ),
         )
         minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
@@ -331,6 +343,10 @@ class JobSpec:
         max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
         verify = train.flag("verify", False)
         warmup = _warmup(train, schedule)
+        in_flight = train.text("in_flight", "plan")
+        if in_flight not in IN_FLIGHT:
+            train.fail("in_flight", f"unknown bound {in_flight!r} "
+                       f"(one of: {', '.join(IN_FLIGHT)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
@@ -373,6 +389,7 @@ class JobSpec:
             verify=verify,
             max_replicas=max_replicas,
             warmup=warmup,
+            in_flight=in_flight,
             faults=tuple(
                 FaultSpec(
                     ft.at_least("vw", 0, high=MAX_SMALL),

@@ -50,6 +50,7 @@ class RunStage:
     swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
     replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
     rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
+    limit: int = 0  # the most minibatches it holds in flight (0: the schedule's maximum)
 
     @property
     def group(self) -> tuple[str, ...]:
@@ -178,7 +179,7 @@ class JobPlan:
                         prev_device=prev["group"][0] if s > 0 else None,
                         next_device=nxt["group"][0] if s < k - 1 else None,
                         recompute=list(st.recompute), swap=list(st.swap),
-                        start=self.start_of(v), replica=r,
+                        start=self.start_of(v), replica=r, in_flight_limit=st.limit,
                         **own, **{f"prev_{key}": val for key, val in prev.items()},
                         **{f"next_{key}": val for key, val in nxt.items()},
                     ))
@@ -357,7 +358,8 @@ def plan_job(
         stages = tuple(
             RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]), tuple(swap[i]),
                      *_replicas(cluster, layout, vwspec, i, spec.minibatch,
-                                (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"))
+                                (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"),
+                     limit=vwspec.in_flight[i] if vwspec.in_flight else 0)
             for i, d in enumerate(vwspec.devices))
         try:
             layout.check_split([(st.first, st.last) for st in stages],

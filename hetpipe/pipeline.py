@@ -97,7 +97,8 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     synchronous iteration has nobody to average gradients with.
 
     A stage that does not stash (``train.weights``) runs the lock-step order its s was
-    counted on (:class:`hetpipe.staleness.StageTable`).
+    counted on (:class:`hetpipe.staleness.StageTable`). One the plan limits holds at most its
+    ``in_flight_limit`` minibatches (:func:`hetpipe.planner.plan.limit_in_flight`).
     """
     task = compute.task
     table = compute.table
@@ -106,7 +107,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         total=task.minibatches, staleness=task.staleness,
         pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
         sequence=table.op if table is not None else None, replicated=task.replicated,
-        warmup=compute.spec.warmup or 0,
+        warmup=compute.spec.warmup or 0, limit=task.in_flight_limit or None,
     )
 
 

@@ -28,6 +28,7 @@ from hetpipe.planner import (
     Plan,
     PlanError,
     explicit_plan,
+    limit_in_flight,
     make_plan,
     measure_model,
     replica_proposals,
@@ -112,8 +113,9 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
-        return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                         nm=spec.nm, max_replicas=spec.max_replicas, **common)
+        return _limited(spec, make_plan(cluster, profile, policy=spec.policy,
+                                        num_vws=spec.num_vws, nm=spec.nm,
+                                        max_replicas=spec.max_replicas, **common))
     plan = explicit_plan(cluster, profile,
                          [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
                          nm=spec.nm, groups=[[v.group(s) for s in range(len(v.devices))]
@@ -131,6 +133,12 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
             activations=spec.activations, row_profiles=row_profiles)
         plan = dataclasses.replace(plan, details={**plan.details, "replicas": proposals})
     return plan
+
+
+def _limited(spec: JobSpec, plan: Plan) -> Plan:
+    """A plan the planner made, its stages limited to their expected count under
+    ``train.in_flight = "plan"`` (a split the job gives runs as the job gives it)."""
+    return limit_in_flight(plan) if spec.in_flight == "plan" else plan
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
@@ -159,8 +167,9 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     plans: list[Plan] = []
     errors = []
     try:
-        plans.append(make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws,
-                               nm=spec.nm, max_replicas=spec.max_replicas, **common))
+        plans.append(_limited(spec, make_plan(cluster, profile, policy=spec.policy,
+                                              num_vws=spec.num_vws, nm=spec.nm,
+                                              max_replicas=spec.max_replicas, **common)))
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
@@ -199,7 +208,9 @@ def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
                         recompute=tuple(s.recompute for s in v.stages) if chosen else None,
                         swap=tuple(s.swap for s in v.stages) if chosen else None,
                         replicas=(tuple(s.replicas for s in v.stages)
-                                  if any(s.replicas for s in v.stages) else None))
+                                  if any(s.replicas for s in v.stages) else None),
+                        in_flight=(tuple(s.limit for s in v.stages)
+                                   if any(s.limit for s in v.stages) else None))
                  for v in plan.vws)
 
 
@@ -224,6 +235,7 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
                                                        if s.expected_memory else None),
                              "expected_in_flight": s.expected_in_flight,
                              "in_flight": s.in_flight,
+                             "limit": s.limit,
                              "recompute": list(s.recompute), "swap": list(s.swap),
                              "replicas": list(s.replicas), "exchange_s": s.exchange_s}
                             for s in v.stages]}

@@ -26,7 +26,9 @@ Kinds:
   ``need = c - 1 - D`` (sent as soon as that forward is admitted, so it overlaps the
   backwards still running) and merges the answer. A replicated stage
   (:mod:`hetpipe.replicas`) waits before each step for its replicas' gradients of that
-  minibatch (``Wait("replicas")``).
+  minibatch (``Wait("replicas")``). A stage given a ``limit`` forwards only while it holds
+  fewer minibatches than that between a forward and its backward (the plan's count,
+  ``train.in_flight = "plan"``), so what it holds no longer depends on timing.
 - ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
   a fixed per-stage order (:func:`microbatch_order`; 1f1b with ``warmup`` extra warm-up
   forwards spans the orders between the two); gradients accumulate; after the
@@ -243,7 +245,7 @@ def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
 
 
 def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
-                  warmup: int = 0) -> int:
+                  warmup: int = 0, limit: int | None = None) -> int:
     """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
     ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
@@ -261,7 +263,8 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
       by timing only. A stage that runs the lock-step order as a fixed ``sequence``
       (weights not stashed, :class:`hetpipe.staleness.StageTable`) holds what that order
       holds, whatever the timing: ``min(Nm, 2 (k - stage) - 1)``, its forwards until the
-      first gradient returns after the round trip through the later stages.
+      first gradient returns after the round trip through the later stages. A greedy stage
+      given a ``limit`` (:class:`StageSchedule`) holds at most that.
     - ``gpipe``: all M microbatches of an iteration, at every stage.
     - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage + warmup)``, under
       any timing (``warmup``: :func:`microbatch_order`'s extra warm-up forwards).
@@ -277,7 +280,8 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
         raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
     if fixed:
         return min(nm, 2 * (k - stage) - 1)
-    return 1 if stage == k - 1 else nm
+    most = 1 if stage == k - 1 else nm
+    return most if limit is None else min(most, limit)
 
 
 def _check_position(k: int, stage: int) -> None:
@@ -301,7 +305,12 @@ class StageSchedule:
     (async only): the n-th forward or backward this stage must run, ``("F", p)`` or
     ``("B", p)``, instead of greedy 1F1B (a ready backward first); a stage that predicts
     weights runs the lock-step order its s was counted on
-    (:class:`hetpipe.staleness.StageTable`), whatever the timing.
+    (:class:`hetpipe.staleness.StageTable`), whatever the timing. ``limit`` (async, greedy
+    order only): the most minibatches the stage holds between a forward and its backward; a
+    forward waits for a backward beyond it. None: the schedule's own maximum
+    (:func:`max_in_flight`). Any limit >= 1 is deadlock-free: the oldest minibatch a stage
+    holds is also the oldest its successor holds or the next it admits, so its gradient
+    always comes back.
     """
 
     def __init__(
@@ -319,6 +328,7 @@ class StageSchedule:
         sequence: Callable[[int], tuple[str, int]] | None = None,
         replicated: bool = False,
         warmup: int = 0,
+        limit: int | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -355,6 +365,14 @@ class StageSchedule:
         if warmup < 0:
             raise ScheduleError(f"warmup: must be >= 0, got {warmup}")
         self.warmup = warmup
+        if limit is not None and (kind != "async" or sequence is not None):
+            raise ScheduleError("an in-flight limit is for the async kind's greedy order only "
+                                "(a fixed order holds its own count)")
+        if limit is not None and limit < 1:
+            raise ScheduleError(f"in-flight limit: must be >= 1, got {limit}")
+        # nm bounds every async stage already (stage 0 admits so, and no later stage holds
+        # more than stage 0), so no limit is nm
+        self.limit = nm if limit is None else min(limit, nm)
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -402,21 +420,26 @@ class StageSchedule:
             return Backward(nb)  # the loss is here: its backward follows at once
         q = nf
         c = q // nm
-        admitted = not self.first or q - nm < nb
+        # the pull of a wave goes out, and its answer is merged, once stage 0 may admit the
+        # wave's first minibatch (a later stage: at once), so it overlaps the backwards still
+        # to run; the forward itself also waits for the stage's limit
+        prefetch = not self.first or q - nm < nb
+        admitted = q - nb < self.limit
         opens_wave = self.pulls and q < total and q % nm == 0 and c > self.merged
-        if opens_wave and admitted and (c, False) not in self.sent:
+        if opens_wave and prefetch and (c, False) not in self.sent:
             return Pull(c)  # prefetch: overlaps the backwards still to run
         n = nf + nb
         turn = self.sequence(n)[0] if self.sequence and n < 2 * total else None
         if nb < nf and inputs.has_gradient(nb) and turn != "F":
             return Backward(nb)
         blocked: Wait | None = None
-        if q < total and admitted and turn != "B":
+        if q < total and turn != "B":
             if opens_wave:
-                if inputs.pulled(c, False):
-                    return Merge(c)
-                blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
-            elif self.first or inputs.has_activation(q):
+                if prefetch:
+                    if inputs.pulled(c, False):
+                        return Merge(c)
+                    blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
+            elif admitted and (self.first or inputs.has_activation(q)):
                 return Forward(q)
         if nb >= total and self.pushed >= (self.waves if self.pushes else 0):
             return Done()

@@ -24,11 +24,16 @@ the planner's one ``StageMemory`` model:
 - ``expected``: the PREDICTED PEAK, at the most minibatches the stage held at once in the
   planner's simulated timeline of the plan (``expected_memory``, ``expected_in_flight``:
   :func:`hetpipe.planner.memory.expected_in_flight`);
-- ``bound``: at the most the schedule lets the stage hold under ANY timing
-  (:func:`hetpipe.schedule.max_in_flight`: Nm before the last stage, one at it), the figure
-  the plan fits under the cap (``memory``). A run whose stages keep pace holds fewer.
+- ``bound``: at the most the stage may hold under ANY timing, the plan's ``memory``: with
+  ``train.in_flight = "plan"`` (the default; ``--in-flight``) a stage whose count depends on
+  timing is limited to its expected count, so there the bound IS the expected figure
+  (:func:`hetpipe.planner.plan.limit_in_flight`); with ``"nm"`` it is the schedule's maximum
+  (:func:`hetpipe.schedule.max_in_flight`: Nm before the last stage, one at it), and a run
+  whose stages keep pace holds fewer. The cap is fitted at the schedule's maximum either way
+  (the planner limits after it has fitted), so which cases fit does not change.
 
 ``in flight`` shows per stage the count the run held / the simulated one / the bound.
+The ``unconstrained`` runs give their split in the job, so no stage of them is limited.
 ``peak_memory_prediction_error`` is "measured vs predicted peak memory per stage (worst
 stage)": the predicted peak is the expected figure, so the error is |expected - measured| /
 expected. The bound is a cap's guarantee, not a prediction of the peak; its error is still
@@ -47,7 +52,7 @@ times (the fastest counts: the host's cores are shared with other processes). Th
 figures in the JSON (``expected_terms``, ``bound_terms``, ``measured_terms``) show where a
 gap comes from.
 
-    python scripts/bench_memory.py [--json] [--minibatches 32] [--repeats 2]
+    python scripts/bench_memory.py [--json] [--minibatches 32] [--repeats 2] [--in-flight plan]
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ from _bench import emit_json, machine, parser, print_table
 
 from hetpipe.config import format_size, load_cluster
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
-from hetpipe.schedule import max_in_flight
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,9 +96,10 @@ def start(root: Path, scale: float | None) -> LocalCluster:
 
 
 def job(name: str, args: dict[str, Any], minibatch: int, steps: int, activations: str,
-        split: dict[str, Any] | None = None) -> dict[str, Any]:
+        split: dict[str, Any] | None = None, in_flight: str = "plan") -> dict[str, Any]:
     train: dict[str, Any] = {"minibatch": minibatch, "nm": NM, "staleness": 0, "seed": 0,
-                             "minibatches": steps, "activations": activations, "vws": 1}
+                             "minibatches": steps, "activations": activations, "vws": 1,
+                             "in_flight": in_flight}
     out: dict[str, Any] = {
         "name": name,
         "model": {"name": "cnn", "args": args},
@@ -152,7 +157,6 @@ def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
     """Per stage, the measured peak against the plan's expected peak (its simulated
     timeline's) and its bound (the peak under any timing)."""
     pred = info["predicted"]["vws"][0]
-    k = len(pred["stages"])
     rows = []
     for s in info["stages"]:
         ps = pred["stages"][s["stage"]]
@@ -162,7 +166,7 @@ def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
             "swap": ps.get("swap", []),
             "expected_bytes": expected, "bound_bytes": bound, "measured_peak_bytes": measured,
             "cap": ps["memory_cap"],
-            "max_in_flight": max_in_flight("async", k, s["stage"], NM),
+            "max_in_flight": ps["in_flight"], "limited": bool(ps.get("limit")),
             "expected_in_flight": ps["expected_in_flight"],
             "measured_in_flight": s.get("peak_in_flight"),
             "expected_terms": ps["expected_memory_terms"], "bound_terms": ps["memory_terms"],
@@ -174,17 +178,20 @@ def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], minibatch: int,
-             scale: float, steps: int, repeats: int) -> dict[str, Any]:
+             scale: float, steps: int, repeats: int, in_flight: str) -> dict[str, Any]:
     tag = f"w{args['width']}-mb{minibatch}-caps{scale}"
-    keep = tight.submit(job(f"keep-{tag}", args, minibatch, steps, "keep"), timeout=900)
+    keep = tight.submit(job(f"keep-{tag}", args, minibatch, steps, "keep",
+                            in_flight=in_flight), timeout=900)
     case: dict[str, Any] = {"model": f"cnn{args}", "minibatch": minibatch, "caps": scale,
                             "keep_state": keep["state"], "keep_error": keep.get("error")}
-    auto = fastest(tight, job(f"auto-{tag}", args, minibatch, steps, "auto"), repeats)
+    auto = fastest(tight, job(f"auto-{tag}", args, minibatch, steps, "auto",
+                              in_flight=in_flight), repeats)
     case["auto_state"] = auto["state"]
     if auto["state"] != "done":
         case["auto_error"] = auto.get("error")
         return case
-    rec = fastest(tight, job(f"recompute-{tag}", args, minibatch, steps, "recompute"), repeats)
+    rec = fastest(tight, job(f"recompute-{tag}", args, minibatch, steps, "recompute",
+                             in_flight=in_flight), repeats)
     if rec["state"] != "done":
         raise RuntimeError(f"recompute run of {tag} ended {rec['state']}: {rec.get('error')}")
     frees: dict[str, dict[str, Any]] = {}
@@ -228,6 +235,8 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=32, help="per job (default 32)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of each measured job; the fastest counts (default 2)")
+    ap.add_argument("--in-flight", choices=("plan", "nm"), default="plan",
+                    help="train.in_flight of the planned jobs (default plan)")
     args = ap.parse_args()
     cases = []
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
@@ -244,7 +253,8 @@ def main() -> None:
                         print(f"cnn{model_args} minibatch {minibatch}, caps x{scale} ...",
                               flush=True)
                         cases.append(run_case(tight, roomy, model_args, minibatch, scale,
-                                              args.minibatches, args.repeats))
+                                              args.minibatches, args.repeats,
+                                              args.in_flight))
                 finally:
                     tight.stop()
         finally:
@@ -318,6 +328,7 @@ def main() -> None:
             "predicted_auto_cost": auto_pred,
             "minibatches": args.minibatches,
             "nm": NM,
+            "in_flight": args.in_flight,
             "cases": cases,
             "machine": machine(),
         })

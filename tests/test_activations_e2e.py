@@ -118,6 +118,45 @@ def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
         assert s["peak_bytes"] <= pred[s["stage"]]["memory"]
 
 
+@pytest.mark.timeout(300)
+def test_a_planned_stage_holds_at_most_its_expected_count(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``train.in_flight = "plan"`` (the default): the planner limits a stage whose count
+    depends on timing to what its predicted timeline held, and that becomes its bound. With
+    Nm = 12 and two waves the first stage of two is predicted to hold fewer than 12 whatever
+    the cut (a slower successor lets it run ahead by a fraction of a minibatch per
+    minibatch). The last stage then stalls for a second in the second wave (as a slow day
+    would): the first stage, limited, waits with its expected count in flight; under
+    ``"nm"`` the same plan's first stage forwards all 12 meanwhile, the count the schedule
+    permits."""
+    devices = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(2))
+    cluster = start_cluster(tmp_path_factory.mktemp("limit"), devices, shards=1)
+    infos = {}
+    try:
+        for bound in ("plan", "nm"):
+            spec = job(f"limit-{bound}", minibatch=64, nm=12, minibatches=24, lr=0.02,
+                       train={"in_flight": bound, "policy": "np", "vws": 1})
+            spec["fault"] = [{"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
+            infos[bound] = cluster.submit(spec, timeout=240)
+    finally:
+        cluster.stop()
+    for bound, info in infos.items():
+        assert info["state"] == "done", (bound, info.get("error"))
+        assert len(info["predicted"]["vws"][0]["stages"]) == 2, info["predicted"]
+    limited, free = (sorted(infos[b]["stages"], key=lambda s: s["stage"]) for b in ("plan", "nm"))
+    pred = infos["plan"]["predicted"]["vws"][0]["stages"]
+    expected = pred[0]["expected_in_flight"]
+    assert 1 <= expected < 12 and pred[0]["limit"] == pred[0]["in_flight"] == expected, pred
+    assert pred[0]["memory"] == pred[0]["expected_memory"]
+    assert limited[0]["peak_in_flight"] == expected
+    assert limited[0]["peak_bytes"] <= pred[0]["memory"]
+    loose = infos["nm"]["predicted"]["vws"][0]["stages"]
+    assert loose[0]["limit"] == 0 and loose[0]["in_flight"] == 12
+    assert free[0]["peak_in_flight"] == 12
+    assert limited[1]["peak_in_flight"] == free[1]["peak_in_flight"] == 1
+
+
 def assert_within_prediction(info: dict) -> None:
     """Each stage's measured peak, in the planner's terms, within the bound and 10% of it."""
     pred = info["predicted"]["vws"][0]["stages"]

@@ -271,6 +271,8 @@ CASES = [
      "train.warmup", "must be in 0..65536, got -1"),
     ("warmup-text", "staleness = 1", 'staleness = 1\nschedule = "1f1b"\nwarmup = "lots"',
      "train.warmup", "must be an integer >= 0 or \"auto\", got 'lots'"),
+    ("in-flight", "staleness = 1", 'staleness = 1\nin_flight = "all"', "train.in_flight",
+     "unknown bound 'all' (one of: plan, nm)"),
 ]
 
 
@@ -361,6 +363,17 @@ def full_job() -> JobSpec:
         num_vws=2,
         policy="hd",
     )
+
+
+def test_in_flight_is_plan_by_default_and_round_trips() -> None:
+    def spec(**train: object) -> JobSpec:
+        return JobSpec.from_dict({"name": "f", "model": {"name": "mlp"},
+                                  "train": {"minibatch": 4, "minibatches": 9, **train}})
+
+    assert spec().in_flight == "plan"
+    for s in (spec(), spec(in_flight="nm")):
+        assert JobSpec.from_dict(s.to_dict()) == s
+    assert spec(in_flight="nm").in_flight == "nm"
 
 
 def test_warmup_is_an_integer_or_auto_and_auto_by_default_with_schedule_auto() -> None:

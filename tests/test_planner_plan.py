@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -23,11 +24,14 @@ from hetpipe.planner import (
     Plan,
     PlanError,
     explicit_plan,
+    limit_in_flight,
     make_plan,
     place_stages,
+    sync_plan,
     synthetic_profile,
 )
 from hetpipe.planner.memory import stage_memory_of
+from hetpipe.profiling import plan_vws
 from hetpipe.schedule import max_in_flight
 
 MiB = 1 << 20
@@ -205,6 +209,36 @@ def test_the_plan_carries_the_expected_peak_of_its_simulated_timeline():
     for i, s in enumerate(fixed.vws[0].stages):
         assert s.expected_in_flight == s.in_flight == max_in_flight("async", 2, i, 8, True)
         assert s.expected_memory == s.memory
+
+
+def test_limit_in_flight_makes_the_expected_peak_the_bound():
+    """``train.in_flight = "plan"``: a stage whose count depends on timing is limited to
+    what its predicted timeline held; its bound and memory become the expected figures,
+    which the runtime then enforces (plan_vws carries the limits). Fixed orders, the last
+    stage and synchronous plans are left as they are, and nothing else changes."""
+    cluster, prof = repo_cluster(), profile16()
+    plan = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)
+    limited = limit_in_flight(plan)
+    first, last = limited.vws[0].stages
+    was = plan.vws[0].stages[0]
+    assert first.limit == first.in_flight == first.expected_in_flight == was.expected_in_flight
+    assert first.memory == first.expected_memory == was.expected_memory
+    assert first.memory.total < was.memory.total
+    assert last == plan.vws[0].stages[1] and last.limit == 0
+    assert limited.samples_per_s == plan.samples_per_s
+    assert dataclasses.replace(first, memory=was.memory, in_flight=was.in_flight,
+                               limit=0) == was
+    row = next(line for line in limited.table().splitlines() if line.strip().startswith("0 "))
+    assert f"{first.expected_in_flight}/{first.expected_in_flight}!" in row
+    assert 'train.in_flight = "plan"' in limited.table()
+    assert Plan.from_dict(json.loads(json.dumps(limited.to_dict()))) == limited
+    assert plan_vws(limited)[0].in_flight == (first.limit, 0)
+    assert plan_vws(plan)[0].in_flight is None
+    fixed = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], weights="latest",
+                          **KW)
+    assert limit_in_flight(fixed) == fixed
+    sync = sync_plan(cluster, prof, minibatch=32, m=4, optimizer_state_factor=1, kind="1f1b")
+    assert limit_in_flight(sync) == sync
 
 
 def test_explicit_plan_prices_a_given_split():

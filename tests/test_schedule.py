@@ -492,6 +492,58 @@ def test_a_fixed_order_holds_its_own_count_under_any_timing(k, nm, seed):
     assert held_peaks(_random_timing_orders(schedules, seed)) == want
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_a_limited_stage_never_holds_more_and_never_deadlocks(seed):
+    """Random per-stage limits (``train.in_flight = "plan"``), random speeds and message
+    delays, with and without lagging successors: no stage holds more than its limit (the
+    count max_in_flight gives it then), and every job finishes."""
+    rng = random.Random(seed)
+    k, nm = rng.randint(1, 6), rng.randint(1, 6)
+    total = rng.randint(nm, 4 * nm)
+    limits = [rng.randint(1, nm + 1) for _ in range(k)]
+
+    def limited() -> list[StageSchedule]:
+        return [StageSchedule("async", k=k, stage=s, nm=nm, total=total, limit=limits[s])
+                for s in range(k)]
+
+    bound = [max_in_flight("async", k, s, nm, limit=limits[s]) for s in range(k)]
+    assert bound == [min(limits[s], nm, 1 if s == k - 1 else nm) for s in range(k)]
+    for orders in (_random_timing_orders(limited(), seed), _lagging_successors(limited())):
+        assert all(len(o) == 2 * total for o in orders)
+        peaks = held_peaks(orders)
+        assert all(p <= b for p, b in zip(peaks, bound, strict=True)), (k, nm, limits, peaks)
+    # lagging successors reach the limit where stage 0 admits that many
+    peaks = held_peaks(_lagging_successors(limited()))
+    assert peaks[0] == min(limits[0], nm, 1 if k == 1 else nm)
+
+
+def test_a_limit_at_the_lock_step_count_keeps_the_lock_step_tables():
+    """A limit that the timing never reaches changes nothing: in lock step an async stage
+    holds min(Nm, 2 (k - stage) - 1), and limiting each stage to that gives the same tables;
+    one less makes the stage wait for a gradient instead of forwarding."""
+    k, nm, total = 4, 8, 24
+    free = stage_tables(stages("async", k, nm, total))
+    held = [min(nm, 2 * (k - s) - 1) for s in range(k)]
+    same = stage_tables([StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                                       limit=held[s]) for s in range(k)])
+    assert same == free
+    tighter = [StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                             limit=max(1, held[s] - 1)) for s in range(k)]
+    orders = [[(type(a).__name__[0], a.p) for a in t if isinstance(a, Forward | Backward)]
+              for t in stage_tables(tighter)]
+    assert held_peaks(orders) == [max(1, h - 1) for h in held]
+
+
+def test_a_limit_is_refused_where_it_cannot_apply():
+    with pytest.raises(ScheduleError, match=">= 1"):
+        StageSchedule("async", k=2, stage=0, nm=2, total=4, limit=0)
+    with pytest.raises(ScheduleError, match="async"):
+        StageSchedule("1f1b", k=2, stage=0, nm=2, total=4, limit=1)
+    with pytest.raises(ScheduleError, match="fixed order"):
+        StageSchedule("async", k=2, stage=0, nm=2, total=4, limit=1,
+                      sequence=StageTable(2, 0, 2, 4).op)
+
+
 def test_max_in_flight_refuses_what_cannot_exist():
     with pytest.raises(ScheduleError, match="stage"):
         max_in_flight("async", 2, 2, 4)

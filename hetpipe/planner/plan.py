@@ -20,10 +20,14 @@ Memory, two figures per stage, one model (:mod:`hetpipe.planner.memory`): ``memo
 most minibatches the schedule lets the stage hold under ANY timing, the bound every cap is
 checked against; ``expected_memory`` at the most its predicted timeline held
 (:func:`hetpipe.planner.memory.expected_in_flight`), the peak a run of that timing reaches.
+:func:`limit_in_flight` makes the second the first: each stage is limited to the count its
+predicted timeline held (``train.in_flight = "plan"``), so its peak no longer depends on
+timing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -57,6 +61,7 @@ __all__ = [
     "StagePlan",
     "VWPlan",
     "explicit_plan",
+    "limit_in_flight",
     "make_plan",
     "place_stages",
     "sim_vw",
@@ -122,9 +127,13 @@ class StagePlan:
     expected_memory: StageMemory | None = None
     expected_in_flight: int = 0
     in_flight: int = 0
+    # the most minibatches the runtime lets this stage hold (hetpipe.schedule.StageSchedule's
+    # ``limit``, set by limit_in_flight); 0: none, the schedule's own maximum
+    limit: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "limit": self.limit,
             "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
             "expected_in_flight": self.expected_in_flight,
             "in_flight": self.in_flight,
@@ -167,6 +176,7 @@ class StagePlan:
             StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
             int(d.get("expected_in_flight", 0)),
             int(d.get("in_flight", 0)),
+            int(d.get("limit", 0)),
         )
 
 
@@ -260,7 +270,8 @@ class Plan:
         per-wave push and merge, and ``host`` is how much sharing its host stretches it.
         ``expected`` is the memory peak of the predicted timeline (``in flight`` held of the
         most the schedule permits), ``bound`` the peak under any timing, what ``use`` of the
-        cap counts."""
+        cap counts; a stage limited to its expected count (:func:`limit_in_flight`) shows
+        ``in flight`` with a ``!``."""
         lines = [
             f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
@@ -288,7 +299,8 @@ class Plan:
                 rng = f"{a}-{b - 1} ({b - a})"
                 mem = f"{format_size(s.memory.total)} / {format_size(s.memory_cap)}"
                 use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
-                held = f"{s.expected_in_flight}/{s.in_flight}" if s.expected_memory else "-"
+                held = (f"{s.expected_in_flight}/{s.in_flight}{'!' if s.limit else ''}"
+                        if s.expected_memory else "-")
                 expected = format_size(s.expected_memory.total) if s.expected_memory else "-"
                 lines.append(
                     f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
@@ -310,6 +322,9 @@ class Plan:
                         f"{_ranges(list(s.recompute))}, swap {_ranges(list(s.swap))}; memory "
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
+        if any(s.limit for vw in self.vws for s in vw.stages):
+            lines.append("!: the stage forwards only while it holds fewer minibatches than its "
+                         "expected count, so that is its bound (train.in_flight = \"plan\")")
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
@@ -518,6 +533,35 @@ class _Search:
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
         return math.inf if lb <= 0 else 1.02 * self.minibatch / lb
+
+
+def limit_in_flight(plan: Plan) -> Plan:
+    """``plan`` with every async stage whose held count depends on timing limited to the
+    count its predicted timeline held (``train.in_flight = "plan"``).
+
+    Such a stage (greedy order, weights stashed) holds anywhere from that count up to Nm,
+    depending on how its successors keep pace on the day: where the predicted round trip of
+    a minibatch sits near a multiple of the time between its forwards, one run holds one
+    more minibatch than the next. Limited (:class:`hetpipe.schedule.StageSchedule`'s
+    ``limit``), it forwards only while it holds fewer, so the expected peak becomes its
+    bound: ``in_flight`` and ``memory`` take the expected figures, and the cap is checked
+    against them. The prediction is unchanged: the simulated timeline never held more, so
+    the limit never binds there; a run slower than predicted waits for a gradient where it
+    would have forwarded ahead, which the stage would have done later anyway. A stage on a
+    fixed order already holds its own count and is left as it is.
+    """
+    if plan.schedule != "async":
+        return plan
+    vws = []
+    for vw in plan.vws:
+        stages = []
+        for s in vw.stages:
+            if s.expected_memory is not None and s.expected_in_flight < s.in_flight:
+                s = dataclasses.replace(s, memory=s.expected_memory, in_flight=s.expected_in_flight,
+                                        limit=s.expected_in_flight)
+            stages.append(s)
+        vws.append(dataclasses.replace(vw, stages=tuple(stages)))
+    return dataclasses.replace(plan, vws=tuple(vws))
 
 
 def make_plan(
