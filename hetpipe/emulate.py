@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["emulated", "pad", "synchronize"]
+__all__ = ["emulated", "pad", "padded_speed", "synchronize"]
 
 
 def emulated(speed: float) -> bool:
     """Whether a device of this ``speed`` is slowed on purpose (its compute is padded)."""
     return speed < 1.0
+
+
+def padded_speed(speed: float) -> float:
+    """The speed a device of config ``speed`` computes at once :func:`pad` has padded it:
+    ``speed`` where it is slowed, 1 otherwise (padding never speeds a device up). The one
+    home of that rule for every planner path that prices an emulated device."""
+    return min(1.0, speed)
 
 
 def synchronize(device: str) -> None:

@@ -83,6 +83,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import DeviceSpec, format_size
+from hetpipe.emulate import padded_speed
 from hetpipe.planner.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
@@ -316,7 +317,7 @@ class CostModel:
 
     def speed(self, dtype: str) -> float:
         """The emulation speed of ``dtype``'s devices as the runtime pads it (at most 1)."""
-        return min(1.0, self.speeds.get(dtype, 1.0))
+        return padded_speed(self.speeds.get(dtype, 1.0))
 
     def step_scale(self, dtype: str) -> float:
         """What share of a profiled update ``dtype``'s devices spend on it (unpadded:

@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hetpipe.emulate import padded_speed
+
 __all__ = [
     "CallProfile",
     "LayerProfile",
@@ -231,7 +233,7 @@ def update_scale(speed: float) -> float:
     (:mod:`hetpipe.emulate`), while a profile holds every time padded (``/ speed``, above):
     so the update runs at ``speed`` of its profiled time (1 on an unslowed device). Every
     planner path that charges an update takes it from here."""
-    return min(1.0, speed)
+    return padded_speed(speed)
 
 
 def at_speed(layers: Sequence[LayerProfile], call: CallProfile | None, measured: float,
@@ -243,7 +245,7 @@ def at_speed(layers: Sequence[LayerProfile], call: CallProfile | None, measured:
     this is exact, where two types measured one after the other on a busy host differ by
     its load at each moment (here up to a fifth, enough to swap the planner's formations).
     Byte counts are the hardware's and stay."""
-    f = min(1.0, measured) / min(1.0, speed)
+    f = padded_speed(measured) / padded_speed(speed)
     out = tuple(replace(lp, fwd_s=lp.fwd_s * f, bwd_s=lp.bwd_s * f, update_s=lp.update_s * f)
                 for lp in layers)
     if call is None:
@@ -384,7 +386,7 @@ def _measure(
 
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
-    speed = min(speed, 1.0)
+    speed = padded_speed(speed)
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     bf16 = precision == "bf16"

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe.emulate import padded_speed
 from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile, update_scale
 from hetpipe.planner.runtime import RuntimeCosts
@@ -252,7 +253,7 @@ class SyncModel:
     @staticmethod
     def _speed(d: Any) -> float:
         """``d``'s emulation speed as the runtime pads it (at most 1)."""
-        return min(1.0, float(getattr(d, "speed", 1.0)))
+        return padded_speed(float(getattr(d, "speed", 1.0)))
 
     def _task_s(self, d: Any) -> float:
         """A compute task's own cost inside the padded region (its hand-off is apart)."""
