@@ -113,9 +113,7 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
-        return _limited(spec, make_plan(cluster, profile, policy=spec.policy,
-                                        num_vws=spec.num_vws, nm=spec.nm,
-                                        max_replicas=spec.max_replicas, **common))
+        return _planned_async(spec, cluster, profile, common)
     plan = explicit_plan(cluster, profile,
                          [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
                          nm=spec.nm, groups=[[v.group(s) for s in range(len(v.devices))]
@@ -135,9 +133,13 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
     return plan
 
 
-def _limited(spec: JobSpec, plan: Plan) -> Plan:
-    """A plan the planner made, its stages limited to their expected count under
+def _planned_async(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
+                   common: dict[str, Any]) -> Plan:
+    """The planner's async plan for a job without a split (it decides the replicas too,
+    ``train.max_replicas``), its stages limited to their expected count under
     ``train.in_flight = "plan"`` (a split the job gives runs as the job gives it)."""
+    plan = make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
+                     max_replicas=spec.max_replicas, **common)
     return limit_in_flight(plan) if spec.in_flight == "plan" else plan
 
 
@@ -167,9 +169,7 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     plans: list[Plan] = []
     errors = []
     try:
-        plans.append(_limited(spec, make_plan(cluster, profile, policy=spec.policy,
-                                              num_vws=spec.num_vws, nm=spec.nm,
-                                              max_replicas=spec.max_replicas, **common)))
+        plans.append(_planned_async(spec, cluster, profile, common))
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
