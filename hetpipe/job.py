@@ -39,7 +39,7 @@ PREDICT_VARIANTS = ("paper", "consistent")
 # train.precision: the compute dtype of forwards and backwards (master weights stay float32)
 PRECISIONS = ("fp32", "bf16")
 # train.in_flight: what bounds the minibatches an async stage holds between a forward and its
-# backward in a plan the planner made (hetpipe.planner.plan.limit_in_flight)
+# backward in a plan the planner made (hetpipe.planner.plan.make_plan)
 IN_FLIGHT = ("plan", "nm")
 
 # Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit

@@ -30,6 +30,7 @@ from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
+from hetpipe.schedule import fill_counts
 from hetpipe.task import StageTask
 
 __all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
@@ -51,6 +52,7 @@ class RunStage:
     replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
     rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
     limit: int = 0  # the most minibatches it holds in flight (0: the schedule's maximum)
+    fill: int = 0  # forwards before its first backward (hetpipe.schedule.fill_counts)
 
     @property
     def group(self) -> tuple[str, ...]:
@@ -180,6 +182,7 @@ class JobPlan:
                         next_device=nxt["group"][0] if s < k - 1 else None,
                         recompute=list(st.recompute), swap=list(st.swap),
                         start=self.start_of(v), replica=r, in_flight_limit=st.limit,
+                        in_flight_fill=st.fill,
                         **own, **{f"prev_{key}": val for key, val in prev.items()},
                         **{f"next_{key}": val for key, val in nxt.items()},
                     ))
@@ -355,18 +358,21 @@ def plan_job(
             every if spec.activations == "recompute" and not chosen else none)
         swap = vwspec.swap if vwspec.swap is not None else (
             every if spec.activations == "swap" and not chosen else none)
+        nm = vwspec.nm or spec.nm or len(vwspec.devices)
+        limits = vwspec.in_flight or (0,) * len(vwspec.devices)
         stages = tuple(
             RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]), tuple(swap[i]),
                      *_replicas(cluster, layout, vwspec, i, spec.minibatch,
                                 (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"),
-                     limit=vwspec.in_flight[i] if vwspec.in_flight else 0)
-            for i, d in enumerate(vwspec.devices))
+                     limit=limit, fill=fill)
+            for i, (d, limit, fill) in enumerate(zip(vwspec.devices, limits,
+                                                     fill_counts(limits, nm), strict=True)))
         try:
             layout.check_split([(st.first, st.last) for st in stages],
                                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)])
         except LayoutError as exc:
             raise JobPlanError(f"vw[{v}].layers: {exc}") from None
-        run_vws.append(RunVW(stages=stages, nm=vwspec.nm or spec.nm or len(stages)))
+        run_vws.append(RunVW(stages=stages, nm=nm))
     stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
     if stream.per_epoch < 1:
         raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "

@@ -97,8 +97,9 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     synchronous iteration has nobody to average gradients with.
 
     A stage that does not stash (``train.weights``) runs the lock-step order its s was
-    counted on (:class:`hetpipe.staleness.StageTable`). One the plan limits holds at most its
-    ``in_flight_limit`` minibatches (:func:`hetpipe.planner.plan.limit_in_flight`).
+    counted on (:class:`hetpipe.staleness.StageTable`). One the plan limits runs its
+    ``in_flight_fill`` forwards before its first backward and holds at most its
+    ``in_flight_limit`` minibatches (:func:`hetpipe.planner.plan.make_plan`).
     """
     task = compute.task
     table = compute.table
@@ -108,6 +109,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
         sequence=table.op if table is not None else None, replicated=task.replicated,
         warmup=compute.spec.warmup or 0, limit=task.in_flight_limit or None,
+        fill=task.in_flight_fill,
     )
 
 

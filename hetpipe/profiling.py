@@ -28,7 +28,6 @@ from hetpipe.planner import (
     Plan,
     PlanError,
     explicit_plan,
-    limit_in_flight,
     make_plan,
     measure_model,
     replica_proposals,
@@ -138,9 +137,8 @@ def _planned_async(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
     """The planner's async plan for a job without a split (it decides the replicas too,
     ``train.max_replicas``), its stages limited to their expected count under
     ``train.in_flight = "plan"`` (a split the job gives runs as the job gives it)."""
-    plan = make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
-                     max_replicas=spec.max_replicas, **common)
-    return limit_in_flight(plan) if spec.in_flight == "plan" else plan
+    return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
+                     max_replicas=spec.max_replicas, in_flight=spec.in_flight, **common)
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)

@@ -28,7 +28,9 @@ Kinds:
   (:mod:`hetpipe.replicas`) waits before each step for its replicas' gradients of that
   minibatch (``Wait("replicas")``). A stage given a ``limit`` forwards only while it holds
   fewer minibatches than that between a forward and its backward (the plan's count,
-  ``train.in_flight = "plan"``), so what it holds no longer depends on timing.
+  ``train.in_flight = "plan"``), and given a ``fill`` runs that many forwards before its
+  first backward (:func:`fill_counts`), so it reaches that count whatever the timing:
+  what it holds at its peak no longer depends on timing.
 - ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
   a fixed per-stage order (:func:`microbatch_order`; 1f1b with ``warmup`` extra warm-up
   forwards spans the orders between the two); gradients accumulate; after the
@@ -70,6 +72,7 @@ __all__ = [
     "Wait",
     "check_order",
     "clock_cycles",
+    "fill_counts",
     "iteration_trips",
     "max_in_flight",
     "microbatch_order",
@@ -284,6 +287,26 @@ def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
     return most if limit is None else min(most, limit)
 
 
+def fill_counts(limits: Sequence[int], nm: int) -> tuple[int, ...]:
+    """Per stage of an async virtual worker whose stages are limited (``limits``, 0: none),
+    the forwards each limited stage runs before its first backward: the smallest limit of
+    that stage and every stage before it (0 where the stage has no limit, and on the last
+    stage, whose backward follows its forward at once).
+
+    Filled so, a limited stage holds exactly its fill at the end of its warm-up, whatever
+    the timing, instead of whatever count the first gradient's return happens to find; with
+    the limits non-increasing (the planner's usual case) that is its limit, the peak the
+    plan charges. Not more: before a stage's first backward no stage before it has run a
+    backward either (a gradient comes from the stage after), so stage j has forwarded at
+    most its limit, and a larger fill would wait for an activation that never comes."""
+    fills = []
+    low = nm
+    for i, limit in enumerate(limits):
+        low = min(low, limit or nm)
+        fills.append(low if limit and i < len(limits) - 1 else 0)
+    return tuple(fills)
+
+
 def _check_position(k: int, stage: int) -> None:
     if k < 1:
         raise ScheduleError(f"k: must be >= 1, got {k}")
@@ -310,7 +333,9 @@ class StageSchedule:
     forward waits for a backward beyond it. None: the schedule's own maximum
     (:func:`max_in_flight`). Any limit >= 1 is deadlock-free: the oldest minibatch a stage
     holds is also the oldest its successor holds or the next it admits, so its gradient
-    always comes back.
+    always comes back. ``fill`` (with a limit, at most it): the forwards the stage runs
+    before its first backward (of this run's minibatches; at most ``total``), deadlock-free
+    at the counts :func:`fill_counts` gives.
     """
 
     def __init__(
@@ -329,6 +354,7 @@ class StageSchedule:
         replicated: bool = False,
         warmup: int = 0,
         limit: int | None = None,
+        fill: int = 0,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -373,6 +399,10 @@ class StageSchedule:
         # nm bounds every async stage already (stage 0 admits so, and no later stage holds
         # more than stage 0), so no limit is nm
         self.limit = nm if limit is None else min(limit, nm)
+        if fill and (limit is None or not 1 <= fill <= self.limit):
+            raise ScheduleError(f"fill: forwards before the first backward need a limit and "
+                                f"1..limit ({self.limit}), got {fill}")
+        self.fill = min(fill, total)
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -430,7 +460,8 @@ class StageSchedule:
             return Pull(c)  # prefetch: overlaps the backwards still to run
         n = nf + nb
         turn = self.sequence(n)[0] if self.sequence and n < 2 * total else None
-        if nb < nf and inputs.has_gradient(nb) and turn != "F":
+        filling = nf < self.fill  # no backward before the warm-up's forwards
+        if nb < nf and inputs.has_gradient(nb) and turn != "F" and not filling:
             return Backward(nb)
         blocked: Wait | None = None
         if q < total and turn != "B":
@@ -445,7 +476,7 @@ class StageSchedule:
             return Done()
         if blocked is not None:
             return blocked
-        if nb < nf and turn != "F":
+        if nb < nf and turn != "F" and not filling:
             return Wait("gradient", p=nb)
         return Wait("activation", p=q)
 

@@ -38,9 +38,11 @@ class StageTask:
     # are recomputed in the backward instead of kept (hetpipe.planner.memory)
     swap: list[int] = field(default_factory=list)  # global layers whose activations wait
     # in host memory between the forward and the backward (hetpipe.swap)
-    # the most minibatches this stage holds between a forward and its backward (the plan's,
-    # hetpipe.planner.plan.limit_in_flight); 0: the schedule's own maximum
+    # the most minibatches this stage holds between a forward and its backward, and the
+    # forwards it runs before its first backward (the plan's, hetpipe.planner.plan.make_plan
+    # under train.in_flight = "plan"; hetpipe.schedule.fill_counts); 0: the schedule's own
     in_flight_limit: int = 0
+    in_flight_fill: int = 0
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its
     # meta (the tensors travel with the assignment; hetpipe.checkpoint)

@@ -26,8 +26,9 @@ the planner's one ``StageMemory`` model:
   :func:`hetpipe.planner.memory.expected_in_flight`);
 - ``bound``: at the most the stage may hold under ANY timing, the plan's ``memory``: with
   ``train.in_flight = "plan"`` (the default; ``--in-flight``) a stage whose count depends on
-  timing is limited to its expected count, so there the bound IS the expected figure
-  (:func:`hetpipe.planner.plan.limit_in_flight`); with ``"nm"`` it is the schedule's maximum
+  timing is limited to its expected count and runs that many forwards before its first
+  backward, so there the bound IS the expected figure, reached under any timing
+  (:func:`hetpipe.planner.plan.make_plan`); with ``"nm"`` it is the schedule's maximum
   (:func:`hetpipe.schedule.max_in_flight`: Nm before the last stage, one at it), and a run
   whose stages keep pace holds fewer. The cap is fitted at the schedule's maximum either way
   (the planner limits after it has fitted), so which cases fit does not change.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 
@@ -24,15 +23,13 @@ from hetpipe.planner import (
     Plan,
     PlanError,
     explicit_plan,
-    limit_in_flight,
     make_plan,
     place_stages,
-    sync_plan,
     synthetic_profile,
 )
 from hetpipe.planner.memory import stage_memory_of
 from hetpipe.profiling import plan_vws
-from hetpipe.schedule import max_in_flight
+from hetpipe.schedule import fill_counts, max_in_flight
 
 MiB = 1 << 20
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
@@ -211,34 +208,41 @@ def test_the_plan_carries_the_expected_peak_of_its_simulated_timeline():
         assert s.expected_memory == s.memory
 
 
-def test_limit_in_flight_makes_the_expected_peak_the_bound():
-    """``train.in_flight = "plan"``: a stage whose count depends on timing is limited to
-    what its predicted timeline held; its bound and memory become the expected figures,
-    which the runtime then enforces (plan_vws carries the limits). Fixed orders, the last
-    stage and synchronous plans are left as they are, and nothing else changes."""
+@pytest.mark.parametrize("nm", [4, 8])
+def test_in_flight_plan_makes_the_expected_peak_the_bound(nm):
+    """``train.in_flight = "plan"``: each stage whose count depends on timing is limited to
+    what the unlimited plan's timeline held and filled to it (fill_counts); its bound and
+    memory become that count's, the timeline is simulated again as the runtime runs it (so
+    it holds at least the fill and at most the limit), and plan_vws carries the limits to
+    the runtime. The last stage, fixed orders and given splits are left as they are; the
+    search's choice is the unlimited plan's."""
     cluster, prof = repo_cluster(), profile16()
-    plan = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)
-    limited = limit_in_flight(plan)
-    first, last = limited.vws[0].stages
-    was = plan.vws[0].stages[0]
-    assert first.limit == first.in_flight == first.expected_in_flight == was.expected_in_flight
-    assert first.memory == first.expected_memory == was.expected_memory
-    assert first.memory.total < was.memory.total
-    assert last == plan.vws[0].stages[1] and last.limit == 0
-    assert limited.samples_per_s == plan.samples_per_s
-    assert dataclasses.replace(first, memory=was.memory, in_flight=was.in_flight,
-                               limit=0) == was
+    kw = {**KW, "num_vws": 1, "policy": "np", "nm": nm}
+    free = make_plan(cluster, prof, **kw)
+    limited = make_plan(cluster, prof, **kw, in_flight="plan")
+    (vw,), (was_vw,) = limited.vws, free.vws
+    assert vw.devices == was_vw.devices and vw.layers == was_vw.layers and len(vw.devices) > 1
+    limits = [s.limit for s in vw.stages]
+    assert limits == [s.expected_in_flight for s in was_vw.stages[:-1]] + [0]
+    assert all(s.limit == 0 for s in was_vw.stages)
+    for s, was, fill in zip(vw.stages[:-1], was_vw.stages, fill_counts(limits, nm),
+                            strict=False):
+        assert s.in_flight == s.limit and fill <= s.expected_in_flight <= s.limit
+        assert s.memory.total <= was.memory.total
+        assert (s.memory == was.memory) == (s.limit == was.in_flight)
+    assert vw.stages[-1].limit == 0 and vw.stages[-1].in_flight == 1
+    assert abs(limited.samples_per_s / free.samples_per_s - 1) < 0.05
     row = next(line for line in limited.table().splitlines() if line.strip().startswith("0 "))
-    assert f"{first.expected_in_flight}/{first.expected_in_flight}!" in row
+    first = vw.stages[0]
+    assert f"{first.expected_in_flight}/{first.limit}!" in row
     assert 'train.in_flight = "plan"' in limited.table()
     assert Plan.from_dict(json.loads(json.dumps(limited.to_dict()))) == limited
-    assert plan_vws(limited)[0].in_flight == (first.limit, 0)
-    assert plan_vws(plan)[0].in_flight is None
-    fixed = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], weights="latest",
-                          **KW)
-    assert limit_in_flight(fixed) == fixed
-    sync = sync_plan(cluster, prof, minibatch=32, m=4, optimizer_state_factor=1, kind="1f1b")
-    assert limit_in_flight(sync) == sync
+    assert plan_vws(limited)[0].in_flight == tuple(limits)
+    assert plan_vws(free)[0].in_flight is None
+    fixed = make_plan(cluster, prof, **kw, weights="latest", in_flight="plan")
+    assert all(s.limit == 0 for v in fixed.vws for s in v.stages)
+    given = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)
+    assert all(s.limit == 0 for s in given.vws[0].stages)
 
 
 def test_explicit_plan_prices_a_given_split():

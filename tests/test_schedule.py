@@ -19,6 +19,7 @@ from hetpipe.schedule import (
     StageSchedule,
     Wait,
     clock_cycles,
+    fill_counts,
     max_in_flight,
     microbatch_order,
     stage_tables,
@@ -405,15 +406,20 @@ def held_peaks(orders: list[list[tuple]]) -> list[int]:
     return peaks
 
 
-def _lagging_successors(schedules: list[StageSchedule]) -> list[list[tuple]]:
+def _lagging_successors(schedules: list[StageSchedule], keeping_pace: bool = False
+                        ) -> list[list[tuple]]:
     """Run one virtual worker where a stage acts whenever it can before any later stage does
     (messages arrive at once): every stage's successors lag as far as the schedule lets them.
-    Return each stage's forwards and backwards in the order it ran them."""
+    ``keeping_pace``: the other way round, a later stage acts first, so gradients return as
+    early as they can. Return each stage's forwards and backwards in the order it ran them."""
     k = len(schedules)
     boxes = [_Boxes() for _ in range(k)]
     orders: list[list[tuple]] = [[] for _ in range(k)]
+    turns = list(enumerate(schedules))
+    if keeping_pace:
+        turns.reverse()
     while not all(s.finished for s in schedules):
-        for s, sch in enumerate(schedules):
+        for s, sch in turns:
             a = sch.next(boxes[s])
             if not isinstance(a, Wait | Done):
                 break
@@ -512,6 +518,44 @@ def test_a_limited_stage_never_holds_more_and_never_deadlocks(seed):
     # lagging successors reach the limit where stage 0 admits that many
     peaks = held_peaks(_lagging_successors(limited()))
     assert peaks[0] == min(limits[0], nm, 1 if k == 1 else nm)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_filled_stage_reaches_its_fill_under_any_timing(seed):
+    """With the fills of :func:`fill_counts`, a limited stage runs that many forwards before
+    its first backward: whatever the timing (random speeds and delays, successors lagging or
+    keeping pace) its peak is at least its fill and at most its limit, and nothing
+    deadlocks. With the limits non-increasing, the peak is exactly the limit."""
+    rng = random.Random(seed)
+    k, nm = rng.randint(1, 6), rng.randint(1, 6)
+    total = rng.randint(1, 4 * nm)
+    limits = [rng.choice((0, rng.randint(1, nm))) for _ in range(k)]
+    if seed % 2:  # the planner's usual case: later stages hold no more than earlier ones
+        limits = sorted((x or nm for x in limits), reverse=True)
+    fills = fill_counts(limits, nm)
+    assert fills[-1] == 0
+    assert all(f == (min(x or nm for x in limits[:s + 1]) if limits[s] else 0)
+               for s, f in enumerate(fills[:-1]))
+
+    def filled() -> list[StageSchedule]:
+        return [StageSchedule("async", k=k, stage=s, nm=nm, total=total,
+                              limit=limits[s] or None, fill=fills[s]) for s in range(k)]
+
+    bound = [max_in_flight("async", k, s, nm, limit=limits[s] or None) for s in range(k)]
+    for orders in (_random_timing_orders(filled(), seed), _lagging_successors(filled()),
+                   _lagging_successors(filled(), keeping_pace=True)):
+        assert all(len(o) == 2 * total for o in orders)
+        peaks = held_peaks(orders)
+        for s in range(k):
+            assert min(fills[s], total) <= peaks[s] <= bound[s], (k, nm, limits, peaks)
+            if seed % 2 and s < k - 1:
+                assert peaks[s] == min(bound[s], total)
+
+
+def test_fill_without_a_limit_or_above_it_is_refused():
+    for fill, limit in ((2, None), (3, 2), (-1, 2)):
+        with pytest.raises(ScheduleError, match="fill"):
+            StageSchedule("async", k=3, stage=0, nm=4, total=8, limit=limit, fill=fill)
 
 
 def test_a_limit_at_the_lock_step_count_keeps_the_lock_step_tables():

@@ -17,7 +17,7 @@ import torch
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
-from hetpipe.schedule import Action, Wait
+from hetpipe.schedule import Action, Wait, fill_counts
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
 
@@ -34,11 +34,11 @@ class InlineExecutor(Executor):
 class StandInCompute:
     """What a StageRunner calls on a stage's compute, without torch models."""
 
-    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int, warmup: int = 0
-                 ) -> None:
+    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int, warmup: int = 0,
+                 limit: int = 0, fill: int = 0) -> None:
         self.task = StageTask(job="j", spec={}, vw=0, stage=stage, k=k, first=0, last=1,
                               nm=nm, staleness=0, minibatches=total, num_vws=1, prev=None,
-                              next=None)
+                              next=None, in_flight_limit=limit, in_flight_fill=fill)
         self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", push_every=1,
                                     checkpoint_every=0, eval_every_s=None, minibatch=1,
                                     warmup=warmup)
@@ -79,11 +79,11 @@ class StandInCompute:
 
 def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
               timed: list[tuple[float, Action]], arrivals: list[tuple[float, Message]],
-              warmup: int = 0) -> list[Action]:
+              warmup: int = 0, limit: int = 0, fill: int = 0) -> list[Action]:
     """Run the real StageRunner of one stage; before each of its decisions, deliver the
     inputs that had arrived in the simulation when the simulator's stage took its next
     action. Returns the actions the runner executed."""
-    compute = StandInCompute(kind, k, stage, nm, total, warmup)
+    compute = StandInCompute(kind, k, stage, nm, total, warmup, limit, fill)
     stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
 
     async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None, to: int = 0,
@@ -123,13 +123,14 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
     return executed
 
 
-def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random, warmup: int = 0):
+def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random, warmup: int = 0,
+              limits: tuple[int, ...] = ()):
     stages = tuple(SimStage(rng.uniform(0.5, 2), rng.uniform(0.5, 3), push_s=rng.uniform(0, .3),
                             step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0)
                    for _ in range(k))
     links = tuple(SimLink(rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)) for _ in range(k - 1))
-    return simulate([SimVW(stages, nm, links, schedule=kind, warmup=warmup)], 0, total,
-                    record=True)
+    return simulate([SimVW(stages, nm, links, schedule=kind, warmup=warmup, limits=limits)],
+                    0, total, record=True)
 
 
 def _jobs(n: int):
@@ -191,3 +192,28 @@ def _arrivals_after_compute(res, k: int) -> list[list[tuple[float, Message]]]:
     for box in out:
         box.sort(key=lambda x: x[0])
     return out
+
+
+def _limited_jobs(n: int):
+    rng = random.Random(13)
+    for i in range(n):
+        k, nm = rng.randint(2, 4), rng.randint(1, 5)
+        yield i, k, nm, rng.randint(1, 12), tuple(rng.randint(0, nm) for _ in range(k))
+
+
+@pytest.mark.parametrize(("seed", "k", "nm", "total", "limits"), list(_limited_jobs(24)))
+def test_runtime_runs_what_the_simulator_predicts_with_limits(seed, k, nm, total, limits):
+    """``train.in_flight = "plan"``: limited and filled stages (fill_counts) run, in the
+    runner, the actions the simulator timed for them, in order; the fill's forwards come
+    before the first backward."""
+    rng = random.Random(seed)
+    res = simulated("async", k, nm, total, rng, limits=limits)
+    arrivals = _arrivals_after_compute(res, k)
+    for s, fill in enumerate(fill_counts(limits, nm)):
+        timed = list(res.actions[0][s])
+        got = run_stage("async", k, s, nm, total, timed, arrivals[s], limit=limits[s],
+                        fill=fill)
+        assert got == [a for _t, a in timed], (k, s, nm, total, limits)
+        if fill:
+            first_b = [type(a).__name__ for a in got].index("Backward")
+            assert sum(type(a).__name__ == "Forward" for a in got[:first_b]) >= min(fill, total)

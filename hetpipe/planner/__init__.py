@@ -66,7 +66,6 @@ if TYPE_CHECKING:
         StagePlan,
         VWPlan,
         explicit_plan,
-        limit_in_flight,
         make_plan,
         replica_proposals,
     )
@@ -99,7 +98,6 @@ __all__ = [
     "candidate_formations",
     "explicit_plan",
     "in_flight",
-    "limit_in_flight",
     "make_plan",
     "measure_layers",
     "measure_model",
@@ -116,8 +114,8 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(
-        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "limit_in_flight",
-         "make_plan", "replica_proposals"),
+        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan",
+         "replica_proposals"),
         "plan",
     ),
     "place_stages": "placement",

@@ -141,6 +141,10 @@ class Partition:
     groups: tuple[tuple[Any, ...], ...] = ()
     rows: tuple[tuple[int, ...], ...] = ()
     exchange_s: tuple[float, ...] = ()
+    # per stage, async: the most minibatches it holds, filled to that first (0: the
+    # schedule's maximum; empty: none limited); set by the planner under train.in_flight =
+    # "plan" (:func:`hetpipe.planner.plan.make_plan`), simulated as the runtime runs it
+    limits: tuple[int, ...] = ()
 
     @property
     def k(self) -> int:

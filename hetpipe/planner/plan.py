@@ -20,9 +20,8 @@ Memory, two figures per stage, one model (:mod:`hetpipe.planner.memory`): ``memo
 most minibatches the schedule lets the stage hold under ANY timing, the bound every cap is
 checked against; ``expected_memory`` at the most its predicted timeline held
 (:func:`hetpipe.planner.memory.expected_in_flight`), the peak a run of that timing reaches.
-:func:`limit_in_flight` makes the second the first: each stage is limited to the count its
-predicted timeline held (``train.in_flight = "plan"``), so its peak no longer depends on
-timing.
+Under ``train.in_flight = "plan"`` (:func:`_limited`) the second is the first: each stage is
+limited to the count its predicted timeline held, and reaches it under any timing.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import Any
 
 from hetpipe.config import format_size
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
-from hetpipe.planner.memory import StageMemory, expected_in_flight, in_flight
+from hetpipe.planner.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
@@ -61,7 +60,6 @@ __all__ = [
     "StagePlan",
     "VWPlan",
     "explicit_plan",
-    "limit_in_flight",
     "make_plan",
     "place_stages",
     "sim_vw",
@@ -127,8 +125,9 @@ class StagePlan:
     expected_memory: StageMemory | None = None
     expected_in_flight: int = 0
     in_flight: int = 0
-    # the most minibatches the runtime lets this stage hold (hetpipe.schedule.StageSchedule's
-    # ``limit``, set by limit_in_flight); 0: none, the schedule's own maximum
+    # the most minibatches the runtime lets this stage hold, filled to that first
+    # (hetpipe.schedule.StageSchedule's ``limit`` and ``fill``, set by make_plan under
+    # train.in_flight = "plan"); 0: none, the schedule's own maximum
     limit: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -270,7 +269,7 @@ class Plan:
         per-wave push and merge, and ``host`` is how much sharing its host stretches it.
         ``expected`` is the memory peak of the predicted timeline (``in flight`` held of the
         most the schedule permits), ``bound`` the peak under any timing, what ``use`` of the
-        cap counts; a stage limited to its expected count (:func:`limit_in_flight`) shows
+        cap counts; a stage limited to its expected count (``train.in_flight = "plan"``) shows
         ``in flight`` with a ``!``."""
         lines = [
             f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
@@ -323,8 +322,10 @@ class Plan:
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         if any(s.limit for vw in self.vws for s in vw.stages):
-            lines.append("!: the stage forwards only while it holds fewer minibatches than its "
-                         "expected count, so that is its bound (train.in_flight = \"plan\")")
+            lines.append("!: the stage runs its expected count of forwards (fewer where a stage "
+                         "before it holds fewer) before its first backward and never holds "
+                         "more, so that is its bound under any timing "
+                         "(train.in_flight = \"plan\")")
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
@@ -535,33 +536,36 @@ class _Search:
         return math.inf if lb <= 0 else 1.02 * self.minibatch / lb
 
 
-def limit_in_flight(plan: Plan) -> Plan:
-    """``plan`` with every async stage whose held count depends on timing limited to the
-    count its predicted timeline held (``train.in_flight = "plan"``).
+def _limited(model: CostModel, kept: Sequence[tuple[Sequence[Any], Partition]],
+             pred: Prediction,
+             predict_chosen: Callable[[Sequence[tuple[Sequence[Any], Partition]]], Prediction],
+             ) -> tuple[list[tuple[Sequence[Any], Partition]], Prediction]:
+    """``kept`` with every async stage whose held count depends on timing limited to the
+    count ``pred``'s timeline held (``train.in_flight = "plan"``), and the prediction of
+    that: what :func:`make_plan` returns under it.
 
-    Such a stage (greedy order, weights stashed) holds anywhere from that count up to Nm,
-    depending on how its successors keep pace on the day: where the predicted round trip of
-    a minibatch sits near a multiple of the time between its forwards, one run holds one
-    more minibatch than the next. Limited (:class:`hetpipe.schedule.StageSchedule`'s
-    ``limit``), it forwards only while it holds fewer, so the expected peak becomes its
-    bound: ``in_flight`` and ``memory`` take the expected figures, and the cap is checked
-    against them. The prediction is unchanged: the simulated timeline never held more, so
-    the limit never binds there; a run slower than predicted waits for a gradient where it
-    would have forwarded ahead, which the stage would have done later anyway. A stage on a
-    fixed order already holds its own count and is left as it is.
-    """
-    if plan.schedule != "async":
-        return plan
-    vws = []
-    for vw in plan.vws:
-        stages = []
-        for s in vw.stages:
-            if s.expected_memory is not None and s.expected_in_flight < s.in_flight:
-                s = dataclasses.replace(s, memory=s.expected_memory, in_flight=s.expected_in_flight,
-                                        limit=s.expected_in_flight)
-            stages.append(s)
-        vws.append(dataclasses.replace(vw, stages=tuple(stages)))
-    return dataclasses.replace(plan, vws=tuple(vws))
+    Such a stage (greedy order, weights stashed, not the last) holds anywhere from a few
+    minibatches up to Nm, depending on how its successors keep pace on the day: where a
+    minibatch's round trip sits near a multiple of the time between its forwards, one run
+    holds one more than the next. Limited and filled
+    (:class:`hetpipe.schedule.StageSchedule`'s ``limit`` and ``fill``,
+    :func:`hetpipe.schedule.fill_counts`), it runs that many forwards before its first
+    backward and never holds more, so the count is reached under any timing and is its
+    bound: the stage's ``in_flight`` and ``memory`` are those figures. The timeline is
+    simulated again as the runtime runs it, limits and fills included (the fill may hold a
+    backward back at the start); a stage after one limited lower is filled only to that
+    lower count, and its expected count is what the new timeline held. A stage on a fixed
+    order (weights not stashed) already holds its own count and is left as it is."""
+    if fixed_order("async", model.weights):
+        return list(kept), pred
+    out: list[tuple[Sequence[Any], Partition]] = []
+    for v, (devs, p) in enumerate(kept):
+        limits = tuple(
+            expected_in_flight(pred.sim.peak_in_flight[v][i], i, p.k, p.nm,
+                               weights=model.weights) if i < p.k - 1 else 0
+            for i in range(p.k))
+        out.append((devs, dataclasses.replace(p, limits=limits) if any(limits) else p))
+    return out, predict_chosen(out)
 
 
 def make_plan(
@@ -582,6 +586,7 @@ def make_plan(
     activations: str = "keep",
     max_replicas: int = 1,
     row_profiles: Mapping[int, ModelProfile] | None = None,
+    in_flight: str = "nm",
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
@@ -602,8 +607,11 @@ def make_plan(
     of its order, where the predictor says the job is faster so
     (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]`` says what was
     weighed); ``row_profiles``: the model profiled at a replica's fewer rows (by rows), for
-    its compute (:meth:`CostModel.compute_at`; else proportional to its rows). Raises
-    :class:`PlanError` when the model fits on no group of devices.
+    its compute (:meth:`CostModel.compute_at`; else proportional to its rows).
+    ``in_flight`` is the job's ``train.in_flight``: under "plan" each stage is limited to
+    the count its predicted timeline held (:func:`_limited`); under "nm" it may hold what
+    the schedule permits. Raises :class:`PlanError` when the model fits on no group of
+    devices.
     """
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
@@ -679,6 +687,8 @@ def make_plan(
                       "(replicas are planned keeping every activation)"}
                      for v in range(len(kept))]
         details["replica_choice"] = notes
+    if in_flight == "plan":
+        kept, pred = _limited(model, kept, pred, search.predict)
     return _assemble(
         cluster,
         model,
@@ -960,7 +970,9 @@ def _assemble(
     sim = pred.sim
     vw_plans = []
     for v, (devs, p) in enumerate(chosen):
-        bound = [in_flight(i, p.k, p.nm, weights=model.weights) for i in range(p.k)]
+        limits = p.limits or (0,) * p.k
+        bound = [limit or in_flight(i, p.k, p.nm, weights=model.weights)
+                 for i, limit in enumerate(limits)]
         held = [expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm,
                                    weights=model.weights) for i in range(p.k)]
         stages = tuple(
@@ -969,7 +981,7 @@ def _assemble(
                 d.type,
                 p.cuts[i],
                 pred.compute_s(v, i),
-                p.memory[i],
+                _memory_at(model, p, i, limits[i]) if limits[i] else p.memory[i],
                 d.memory,
                 stage_shards[v][i],
                 pred.busy_s(v, i, p.nm),
@@ -983,6 +995,7 @@ def _assemble(
                 _memory_at(model, p, i, held[i]),
                 held[i],
                 bound[i],
+                limits[i],
             )
             for i, d in enumerate(devs)
         )

@@ -298,7 +298,7 @@ def _sim_vw(
         for i in range(len(costs) - 1)
     )
     return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices), schedule,
-                 warmup=warmup)
+                 warmup=warmup, limits=p.limits)
 
 
 def predict(

@@ -65,6 +65,7 @@ from hetpipe.schedule import (
     Push,
     StageSchedule,
     Wait,
+    fill_counts,
 )
 from hetpipe.wsp import pull_need
 
@@ -104,6 +105,10 @@ class SimVW:
     schedule: str = "async"  # hetpipe.schedule.KINDS; nm is M for the synchronous ones
     orders: tuple[tuple[tuple[str, int], ...], ...] | None = None  # per stage (sync)
     warmup: int = 0  # 1f1b: extra warm-up forwards of the default orders
+    # async, per stage: the most minibatches it holds (0: the schedule's maximum), each
+    # limited stage filled to :func:`hetpipe.schedule.fill_counts` first, as the runtime
+    # runs a plan under train.in_flight = "plan"; empty: no stage is limited
+    limits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -112,6 +117,8 @@ class SimVW:
             raise ValueError(f"Nm must be >= 1, got {self.nm}")
         if self.links and len(self.links) != len(self.stages) - 1:
             raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} links")
+        if self.limits and len(self.limits) != len(self.stages):
+            raise ValueError(f"{len(self.stages)} stages need {len(self.stages)} limits")
 
 
 @dataclass(frozen=True)
@@ -227,14 +234,17 @@ def simulate(
                 _Stage(st, StageSchedule(
                     v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=n_v, staleness=D,
                     pulls=several and st.state, pushes=True,
-                    order=v.orders[i] if v.orders else None, warmup=v.warmup))
-                for i, st in enumerate(v.stages)
+                    order=v.orders[i] if v.orders else None, warmup=v.warmup,
+                    limit=limit or None, fill=fill))
+                for i, (st, limit, fill) in enumerate(zip(
+                    v.stages, limits, fill_counts(limits, v.nm), strict=True))
             ],
             [0.0] * (len(v.stages) - 1),
             [0.0] * (len(v.stages) - 1),
             pushed=[0] * len(v.stages),
         )
         for v, n_v in zip(vws, counts, strict=True)
+        for limits in [v.limits or (0,) * len(v.stages)]
     ]
     events: list[tuple[float, int, int, int, int, Any]] = []  # (time, seq, kind, vw, stage, x)
     seq = 0
@@ -490,7 +500,7 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
     links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
     return SimVW(
         stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}"),
-        str(d.get("schedule", "async")),
+        str(d.get("schedule", "async")), limits=tuple(int(x) for x in d.get("limits", ())),
     )
 
 
