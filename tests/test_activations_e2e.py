@@ -10,7 +10,9 @@ fast host links the planner swaps instead, and the same holds.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import job, start_cluster
@@ -123,7 +125,8 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """``train.in_flight = "plan"`` (the default): the planner limits a stage whose count
-    depends on timing to what its predicted timeline held, and that becomes its bound. With
+    depends on timing to what its predicted timeline held, and that becomes its bound; the
+    stage runs that many forwards before its first backward. With
     Nm = 12 and two waves the first stage of two is predicted to hold fewer than 12 whatever
     the cut (a slower successor lets it run ahead by a fraction of a minibatch per
     minibatch). The last stage then stalls for a second in the second wave (as a slow day
@@ -155,6 +158,13 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     assert loose[0]["limit"] == 0 and loose[0]["in_flight"] == 12
     assert free[0]["peak_in_flight"] == 12
     assert limited[1]["peak_in_flight"] == free[1]["peak_in_flight"] == 1
+    # filled: the limited stage ran its count of forwards before its first backward, so it
+    # reached that count whatever the timing (hetpipe.schedule.fill_counts)
+    stages = json.loads(Path(infos["plan"]["stages_path"]).read_text())
+    spans = sorted((x for x in stages["vw0/stage0"]["stats"]["spans"]
+                    if x[0] in ("forward", "backward")), key=lambda x: x[1])
+    ops = [x[0] for x in spans]
+    assert ops[:ops.index("backward")] == ["forward"] * expected, ops[:expected + 2]
 
 
 def assert_within_prediction(info: dict) -> None:
