@@ -126,7 +126,8 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
 ) -> None:
     """``train.in_flight = "plan"`` (the default): the planner limits a stage whose count
     depends on timing to what its predicted timeline held, and that becomes its bound; the
-    stage runs that many forwards before its first backward. With
+    stage runs that many forwards before its first backward, even where the first gradient
+    is back sooner (here the first stage stalls at its second forward). With
     Nm = 12 and two waves the first stage of two is predicted to hold fewer than 12 whatever
     the cut (a slower successor lets it run ahead by a fraction of a minibatch per
     minibatch). The last stage then stalls for a second in the second wave (as a slow day
@@ -140,7 +141,10 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
         for bound in ("plan", "nm"):
             spec = job(f"limit-{bound}", minibatch=64, nm=12, minibatches=24, lr=0.02,
                        train={"in_flight": bound, "policy": "np", "vws": 1})
-            spec["fault"] = [{"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
+            # the first stage stalls at its second forward, so the first gradient is back
+            # before it could run more: only the fill keeps it forwarding
+            spec["fault"] = [{"vw": 0, "stage": 0, "minibatch": 1, "seconds": 0.5},
+                             {"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
             infos[bound] = cluster.submit(spec, timeout=240)
     finally:
         cluster.stop()
