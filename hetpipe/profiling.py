@@ -105,10 +105,7 @@ def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
               "weights": weights_mode(spec.weights, spec.predict_variant),
               "activations": spec.activations, "row_profiles": row_profiles}
     if spec.sync:
-        return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
-                         optimizer_state_factor=factor, kind=spec.schedule,
-                         vws=[(v.devices, v.layers) for v in spec.vws] or None,
-                         num_vws=spec.num_vws, policy=spec.policy, warmup=spec.warmup)
+        return _planned_sync(spec, cluster, profile, factor)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
@@ -142,6 +139,17 @@ def _planned_async(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
+
+
+def _planned_sync(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
+                  factor: int) -> Plan:
+    """The synchronous plan of a job: its own kind and split where it gives them (priced),
+    else searched; under ``train.schedule = "auto"`` the search picks gpipe or 1f1b too."""
+    given = [(v.devices, v.layers) for v in spec.vws] if spec.sync else []
+    return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
+                     optimizer_state_factor=factor, kind=spec.schedule if spec.sync else None,
+                     vws=given or None, num_vws=spec.num_vws, policy=spec.policy,
+                     warmup=spec.warmup)
 MAX_PROFILED_REPLICAS = 4  # replica counts profiled at their rows (more: interpolated)
 
 
@@ -171,9 +179,7 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
-        plans.append(sync_plan(cluster, profile, minibatch=spec.minibatch,
-                               m=spec.nm or SYNC_M, optimizer_state_factor=factor,
-                               num_vws=spec.num_vws, policy=spec.policy, warmup=spec.warmup))
+        plans.append(_planned_sync(spec, cluster, profile, factor))
     except PlanError as exc:
         errors.append(f"synchronous: {exc}")
     if not plans:

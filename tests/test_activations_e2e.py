@@ -125,15 +125,18 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """``train.in_flight = "plan"`` (the default): the planner limits a stage whose count
-    depends on timing to what its predicted timeline held, and that becomes its bound; the
-    stage runs that many forwards before its first backward, even where the first gradient
-    is back sooner (here the first stage stalls at its second forward). With
+    depends on timing to what its predicted timeline held, and that becomes its bound. With
     Nm = 12 and two waves the first stage of two is predicted to hold fewer than 12 whatever
     the cut (a slower successor lets it run ahead by a fraction of a minibatch per
-    minibatch). The last stage then stalls for a second in the second wave (as a slow day
-    would): the first stage, limited, waits with its expected count in flight; under
-    ``"nm"`` the same plan's first stage forwards all 12 meanwhile, the count the schedule
-    permits."""
+    minibatch).
+
+    Under ``"plan"`` the first stage stalls at its second forward, so the first gradient is
+    back before it could run more: the stage still runs its expected count of forwards
+    before its first backward (the fill). The last stage then stalls for a second in the
+    second wave, as a slow day would: the first stage, limited, waits with its expected
+    count in flight. Under ``"nm"`` the last stage stalls for a second at its first forward:
+    the same plan's first stage forwards all 12 of the first wave meanwhile, the count the
+    schedule permits."""
     devices = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(2))
     cluster = start_cluster(tmp_path_factory.mktemp("limit"), devices, shards=1)
     infos = {}
@@ -141,10 +144,10 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
         for bound in ("plan", "nm"):
             spec = job(f"limit-{bound}", minibatch=64, nm=12, minibatches=24, lr=0.02,
                        train={"in_flight": bound, "policy": "np", "vws": 1})
-            # the first stage stalls at its second forward, so the first gradient is back
-            # before it could run more: only the fill keeps it forwarding
-            spec["fault"] = [{"vw": 0, "stage": 0, "minibatch": 1, "seconds": 0.5},
-                             {"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
+            spec["fault"] = ([{"vw": 0, "stage": 0, "minibatch": 1, "seconds": 0.5},
+                              {"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
+                             if bound == "plan" else
+                             [{"vw": 0, "stage": 1, "minibatch": 0, "seconds": 1.0}])
             infos[bound] = cluster.submit(spec, timeout=240)
     finally:
         cluster.stop()
