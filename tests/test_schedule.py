@@ -128,6 +128,10 @@ def test_extra_warmup_holds_its_count_under_any_timing_and_never_deadlocks(k, m,
     ("1f1b", {"total": 4, "limit": 1}, "for the async kind's greedy order only"),
     ("async", {"total": 4, "limit": 1, "sequence": StageTable(2, 0, 2, 4).op},
      "a fixed order holds its own count"),
+    # a fill needs a limit, and at most it
+    ("async", {"fill": 2}, "fill: forwards before the first backward need a limit"),
+    ("async", {"limit": 1, "fill": 2}, r"fill: .* 1\.\.limit \(1\), got 2"),
+    ("async", {"limit": 2, "fill": -1}, r"fill: .* 1\.\.limit \(2\), got -1"),
 ])
 def test_bad_schedules_are_refused_with_one_line(kind, args, problem):
     with pytest.raises(ScheduleError, match=problem) as info:
@@ -550,12 +554,6 @@ def test_a_filled_stage_reaches_its_fill_under_any_timing(seed):
             assert min(fills[s], total) <= peaks[s] <= bound[s], (k, nm, limits, peaks)
             if seed % 2 and s < k - 1:
                 assert peaks[s] == min(bound[s], total)
-
-
-def test_fill_without_a_limit_or_above_it_is_refused():
-    for fill, limit in ((2, None), (3, 2), (-1, 2)):
-        with pytest.raises(ScheduleError, match="fill"):
-            StageSchedule("async", k=3, stage=0, nm=4, total=8, limit=limit, fill=fill)
 
 
 def test_a_limit_at_the_lock_step_count_keeps_the_lock_step_tables():
