@@ -195,6 +195,7 @@ class RuntimeSpec:
     log_keep: int = 3  # rotated logs kept (name.log.1 .. name.log.N)
     jobs_kept: int = 20  # finished jobs the head keeps in memory; older ones live on disk
     cuda_ipc: bool = True  # stages on GPUs of one host pass tensors device to device
+    host_shm: bool = True  # stages of one host pass host tensors through shared memory
 
 
 @dataclass(frozen=True)
@@ -349,7 +350,7 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
     keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
-            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc")
+            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm")
     rt = root.table("runtime", keys)
     heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
                             high=MAX_DURATION_S)
@@ -368,6 +369,7 @@ def _runtime(root: Table) -> RuntimeSpec:
         rt.at_least("log_keep", 0, d.log_keep, high=100),
         rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
         rt.flag("cuda_ipc", d.cuda_ipc),
+        rt.flag("host_shm", d.host_shm),
     )
 
 

@@ -54,7 +54,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
                  shard_ports: Sequence[int] | None = None,
                  heartbeat_s: float = 0.5, lost_after_s: float = 3.0, curve: bool = True,
-                 allowed_modules: Sequence[str] = (), cuda_ipc: bool = True) -> str:
+                 allowed_modules: Sequence[str] = (), cuda_ipc: bool = True,
+                 host_shm: bool = True) -> str:
     """A cluster file for this host; ports are ephemeral unless given.
 
     Its keys live in ``.hetpipe/keys`` beside the file (made by :class:`LocalCluster`).
@@ -63,7 +64,8 @@ def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
     modules = ", ".join(f'"{m}"' for m in allowed_modules)
     lines = ["[ps]", "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]", "",
              "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}",
-             f"cuda_ipc = {'true' if cuda_ipc else 'false'}", "",
+             f"cuda_ipc = {'true' if cuda_ipc else 'false'}",
+             f"host_shm = {'true' if host_shm else 'false'}", "",
              "[security]", f"curve = {'true' if curve else 'false'}",
              f"allowed_modules = [{modules}]", "",
              "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]

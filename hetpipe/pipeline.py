@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hetpipe import hostshm
 from hetpipe.checkpoint import is_cut
 from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.data import MinibatchStream
@@ -625,10 +626,14 @@ def _union(replies: list[Message]) -> dict[str, torch.Tensor]:
 
 
 def _received(msg: Message, name: str) -> torch.Tensor | Shared:
-    """Tensor ``name`` of a received message: in its frames, or shared by handle (checked
-    here, opened by the stage on its compute thread)."""
+    """Tensor ``name`` of a received message: in its frames, in this host's shared memory
+    (checked and mapped here: hetpipe.hostshm), or shared by a GPU's handle (checked here,
+    opened by the stage on its compute thread)."""
     if name in msg.tensors:
         return msg.tensors[name]
+    placed = msg.get("shm") or {}
+    if name in placed:
+        return hostshm.take(hostshm.parse(placed[name]))
     shared = msg.get("ipc") or {}
     if name not in shared:
         raise ValueError(f"{msg.kind} {msg['p']} carries no tensor {name!r}")

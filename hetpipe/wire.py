@@ -165,9 +165,11 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # tensors: activation "x", labels "y"; rows: the minibatch's rows [lo, hi) they hold,
     # where a stage on either side is replicated (hetpipe.replicas); absent: all of them
-    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "rows": _OPT_LIST},
+    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "shm": _OPT_DICT,
+               "rows": _OPT_LIST},
     # tensors: gradient "g"; rows as for act
-    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "rows": _OPT_LIST},
+    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "shm": _OPT_DICT,
+                "rows": _OPT_LIST},
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)
     Kind.REPLICA_GRAD: {"job": _STR, "vw": _INT, "stage": _INT, "p": _INT, "replica": _INT},

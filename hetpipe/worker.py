@@ -21,6 +21,7 @@ import click
 import torch
 import zmq
 
+from hetpipe import hostshm
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
@@ -47,6 +48,7 @@ class _Job:
     def __init__(self, task: StageTask, compute: StageCompute) -> None:
         self.task = task
         self.compute = compute
+        self.outbox = hostshm.Outbox()  # tensors put in shared memory for this host's peers
         self.channels: list[Channel] = []
         self.shards: dict[int, Channel] = {}
         self.stream: MinibatchStream | None = None
@@ -61,6 +63,7 @@ class _Job:
                 await self.run_task
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
+        self.outbox.close()
 
 
 class Worker:
@@ -90,6 +93,9 @@ class Worker:
 
     async def start(self) -> None:
         rt = self.cluster.runtime
+        # shared-memory tensors that a killed worker of this host left behind
+        if rt.host_shm and hostshm.available() and (removed := hostshm.sweep()):
+            self.log.info("removed leftover shared-memory tensors", files=removed)
         data = make_socket(self.owner.ctx, zmq.PULL,
                            bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
                            max_frame_bytes=rt.max_frame_bytes,
@@ -237,6 +243,11 @@ class Worker:
         task = job.task
         groups = {Kind.ACT: task.next_peers, Kind.GRAD: task.prev_peers,
                   Kind.REPLICA_GRAD: task.peers}
+        # activations and gradients to a device of this host: large host tensors go through
+        # shared memory (hetpipe.hostshm), by destination index
+        by_host = {kind: {to for to, d in enumerate(group) if self._shares_host_with(d)}
+                   for kind, group in ((Kind.ACT, task.next_group),
+                                       (Kind.GRAD, task.prev_group))}
         fields = {"job": task.job, "vw": task.vw}
 
         async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
@@ -244,7 +255,13 @@ class Worker:
                        extra: dict[str, Any] | None = None) -> None:
             peers = groups[kind]
             assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
-            more = {"ipc": shared} if shared else {}
+            more: dict[str, Any] = {"ipc": shared} if shared else {}
+            if to in by_host.get(kind, ()):
+                placed = {n: job.outbox.put(t) for n, t in tensors.items()
+                          if t.device.type == "cpu" and t.nbytes >= hostshm.MIN_BYTES}
+                if placed:
+                    more["shm"] = placed
+                    tensors = {n: t for n, t in tensors.items() if n not in placed}
             await channels[f"to:{peers[to]}"].send(
                 kind, {**fields, "p": p, **more, **(extra or {})}, tensors)
 
@@ -284,6 +301,7 @@ class Worker:
                                                      f"{exc}" if str(exc) else repr(exc)})
         else:
             records = stats.pop("records")
+            stats["shared_memory_sent"] = job.outbox.sent  # tensors to peers of this host
             if t.leader:  # a replicated stage is done when its leader is: it waits for all
                 await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats,
                                                        "records": records})
@@ -328,6 +346,12 @@ class Worker:
                                   "not a GPU of this host", str(msg.user),
                                   f"{sender} sent {msg.kind} by handle", kind=str(msg.kind))
             return
+        if msg.get("shm") and not self._shares_host_with(sender):
+            self._refused.warning("data refused: a shared-memory tensor from a peer that is "
+                                  "not on this host", str(msg.user),
+                                  f"{sender} sent {msg.kind} in shared memory",
+                                  kind=str(msg.kind))
+            return
         if job.runner is None:
             job.early.append(msg)
         else:
@@ -353,6 +377,18 @@ class Worker:
             return False
         return (self.device.device.startswith("cuda") and other.device.startswith("cuda")
                 and other.host == self.device.host)
+
+    def _shares_host_with(self, peer: str | None) -> bool:
+        """Whether large host tensors to and from device ``peer`` go through this host's
+        shared memory: it is a device of this host and ``[runtime] host_shm`` allows it
+        (hetpipe.hostshm)."""
+        if peer is None or not self.cluster.runtime.host_shm or not hostshm.available():
+            return False
+        try:
+            other = self.cluster.device(peer)
+        except (KeyError, ValueError):
+            return False
+        return other.host == self.device.host
 
     async def close(self) -> None:
         await self._drop_job()

@@ -43,7 +43,11 @@ With ``--json`` the last line holds ``feasible_only_with_plan`` (cases keep cann
 auto runs; target >= 3), ``peak_memory_prediction_error`` (worst stage of auto in any case,
 against the expected figure; target <= 0.10), ``peak_memory_bound_error`` (the same against
 the bound; no target), ``recompute_throughput_cost`` (1 -
-recompute / unconstrained, measured, mean over the cases) beside
+recompute / unconstrained, measured, mean over the cases; per case the median of
+``--pairs`` ratios, each of a keep run and a recompute run of the recompute split on the roomy
+cluster back to back, the order alternating: the host's speed drifts over minutes, and a
+ratio of two runs minutes apart on two clusters measured that drift as well,
+``recompute_throughput_cost_two_clusters`` is that older figure) beside
 ``predicted_recompute_cost`` (the same from the planner's predictions, both jobs priced from
 one profile: the roomy cluster's, which ran the keep job; target: measured <= predicted +
 0.05; ``predicted_recompute_cost_two_profiles`` is the ratio of the two clusters' own
@@ -56,7 +60,8 @@ times (the fastest counts: the host's cores are shared with other processes). Th
 figures in the JSON (``expected_terms``, ``bound_terms``, ``measured_terms``) show where a
 gap comes from.
 
-    python scripts/bench_memory.py [--json] [--minibatches 32] [--repeats 2] [--in-flight plan]
+    python scripts/bench_memory.py [--json] [--minibatches 32] [--repeats 2] [--pairs 3]
+        [--in-flight plan]
 """
 
 from __future__ import annotations
@@ -156,6 +161,29 @@ def predicted_rate(cluster: LocalCluster, spec: dict[str, Any]) -> float:
     return cluster.run(go())
 
 
+def paired(cluster: LocalCluster, args: dict[str, Any], minibatch: int, steps: int,
+           split: dict[str, Any], tag: str, count: int) -> list[tuple[dict[str, Any],
+                                                                       dict[str, Any]]]:
+    """``count`` pairs of runs of one split on one cluster, keeping every activation and
+    recomputing every layer, back to back: (keep, recompute) per pair, the order alternating
+    pair by pair. The recompute cost is a ratio of two throughputs, and this host's speed
+    drifts over minutes; two runs seconds apart on the same workers see the same host, and
+    alternating the order cancels a steady drift within a pair. Every run must finish."""
+    out = []
+    for i in range(count):
+        runs: dict[str, dict[str, Any]] = {}
+        order = ("keep", "recompute") if i % 2 == 0 else ("recompute", "keep")
+        for activations in order:
+            info = cluster.submit(job(f"pair{i}-{activations}-{tag}", args, minibatch, steps,
+                                      activations, split), timeout=900)
+            if info["state"] != "done":
+                raise RuntimeError(f"{activations} run of {tag} (pair {i}) ended "
+                                   f"{info['state']}: {info.get('error')}")
+            runs[activations] = info
+        out.append((runs["keep"], runs["recompute"]))
+    return out
+
+
 def split_of(info: dict[str, Any]) -> dict[str, Any]:
     """The devices and layer counts a finished job ran (a job file's ``vw`` entry)."""
     pred = info["predicted"]["vws"][0]
@@ -195,7 +223,8 @@ def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], minibatch: int,
-             scale: float, steps: int, repeats: int, in_flight: str) -> dict[str, Any]:
+             scale: float, steps: int, repeats: int, pair_count: int,
+             in_flight: str) -> dict[str, Any]:
     tag = f"w{args['width']}-mb{minibatch}-caps{scale}"
     keep = tight.submit(job(f"keep-{tag}", args, minibatch, steps, "keep",
                             in_flight=in_flight), timeout=900)
@@ -211,20 +240,16 @@ def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], min
                              in_flight=in_flight), repeats)
     if rec["state"] != "done":
         raise RuntimeError(f"recompute run of {tag} ended {rec['state']}: {rec.get('error')}")
-    frees: dict[str, dict[str, Any]] = {}
-    for info in (auto, rec):
-        split = split_of(info)
-        key = repr(split)
-        if key not in frees:
-            free = fastest(roomy, job(f"free{len(frees)}-{tag}", args, minibatch, steps, "keep",
-                                      split), repeats)
-            if free["state"] != "done":
-                raise RuntimeError(f"unconstrained run of {tag} ended {free['state']}: "
-                                   f"{free.get('error')}")
-            frees[key] = free
-    free_auto, free_rec = frees[repr(split_of(auto))], frees[repr(split_of(rec))]
+    free_auto = fastest(roomy, job(f"free-{tag}", args, minibatch, steps, "keep",
+                                   split_of(auto)), repeats)
+    if free_auto["state"] != "done":
+        raise RuntimeError(f"unconstrained run of {tag} ended {free_auto['state']}: "
+                           f"{free_auto.get('error')}")
+    pairs = paired(roomy, args, minibatch, steps, split_of(rec), tag, max(pair_count, 1))
+    pair_ratios = [r["samples_per_s"] / k["samples_per_s"] for k, r in pairs]
+    free_rec = max((k for k, _ in pairs), key=lambda info: info["samples_per_s"])
     auto_ratio, auto_pred = ratio(auto, free_auto)
-    rec_ratio, rec_pred_two = ratio(rec, free_rec)
+    rec_ratio_two, rec_pred_two = ratio(rec, free_rec)
     # the predicted cost compares two jobs priced from ONE profile: the recompute run's split,
     # all recomputed, priced by the roomy cluster that ran (and predicted) its keep run; the
     # recompute run's own prediction comes from the tight cluster's profile, taken at another
@@ -244,7 +269,13 @@ def run_case(tight: LocalCluster, roomy: LocalCluster, args: dict[str, Any], min
         "recompute_unconstrained_samples_per_s": free_rec["samples_per_s"],
         "throughput_ratio": auto_ratio,
         "predicted_ratio": auto_pred,
-        "recompute_ratio": rec_ratio,
+        "recompute_ratio": statistics.median(pair_ratios),
+        "recompute_pair_ratios": pair_ratios,
+        "recompute_pair_samples_per_s": [[k["samples_per_s"], r["samples_per_s"]]
+                                         for k, r in pairs],
+        # the tight cluster's fastest recompute run over the roomy cluster's fastest keep run:
+        # two clusters, minutes apart (what this benchmark reported before 2026-11-26)
+        "recompute_ratio_two_clusters": rec_ratio_two,
         "predicted_recompute_ratio": rec_pred,
         # the same from the two clusters' own predictions (two profiles)
         "predicted_recompute_ratio_two_profiles": rec_pred_two,
@@ -261,6 +292,9 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=32, help="per job (default 32)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of each measured job; the fastest counts (default 2)")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="alternating keep/recompute run pairs per case on the roomy cluster; "
+                         "the median pair's ratio counts (default 3)")
     ap.add_argument("--in-flight", choices=("plan", "nm"), default="plan",
                     help="train.in_flight of the planned jobs (default plan)")
     args = ap.parse_args()
@@ -280,7 +314,7 @@ def main() -> None:
                               flush=True)
                         cases.append(run_case(tight, roomy, model_args, minibatch, scale,
                                               args.minibatches, args.repeats,
-                                              args.in_flight))
+                                              args.pairs, args.in_flight))
                 finally:
                     tight.stop()
         finally:
@@ -329,6 +363,7 @@ def main() -> None:
 
     rec_cost, rec_pred = cost("recompute_ratio"), cost("predicted_recompute_ratio")
     rec_pred_two = cost("predicted_recompute_ratio_two_profiles")
+    rec_cost_two = cost("recompute_ratio_two_clusters")
     auto_cost, auto_pred = cost("throughput_ratio"), cost("predicted_ratio")
     print(f"\nfeasible only with the plan: {feasible} (target >= 3)")
     if worst is not None:
@@ -340,6 +375,8 @@ def main() -> None:
         print(f"recompute throughput cost: measured {rec_cost:.3f}, predicted {rec_pred:.3f} "
               "(target: measured <= predicted + 0.05; from the two clusters' own profiles "
               + (f"{rec_pred_two:.3f})" if rec_pred_two is not None else "-)"))
+        print(f"  measured from the tight cluster's fastest recompute run over the roomy "
+              f"cluster's fastest keep run (two clusters, minutes apart): {rec_cost_two:.3f}")
     if auto_cost is not None and auto_pred is not None:
         print(f"auto throughput cost (swaps or recomputes as planned): measured "
               f"{auto_cost:.3f}, predicted {auto_pred:.3f}")
@@ -353,6 +390,7 @@ def main() -> None:
             "recompute_throughput_cost": rec_cost,
             "predicted_recompute_cost": rec_pred,
             "predicted_recompute_cost_two_profiles": rec_pred_two,
+            "recompute_throughput_cost_two_clusters": rec_cost_two,
             "auto_throughput_cost": auto_cost,
             "predicted_auto_cost": auto_pred,
             "minibatches": args.minibatches,

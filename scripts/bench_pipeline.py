@@ -78,18 +78,20 @@ def job_dict(model: str, minibatch: int, minibatches: int, schedule: str = "asyn
 # --------------------------------------------------------------------------- ours
 
 
-def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True
-             ) -> dict[str, Any]:
+def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True,
+             host_shm: bool = True) -> dict[str, Any]:
     """Run the job on a local cluster; steady-state samples/s from stage 0's records.
     ``curve``: the daemons speak CurveZMQ (the default; False: ``[security] curve = false``,
-    plaintext like gloo)."""
+    plaintext like gloo); ``host_shm``: activations and gradients between the stages (all on
+    this host) go through shared memory (the default; False: ``[runtime] host_shm = false``,
+    every byte through the sockets)."""
     minibatch = job["train"]["minibatch"]
     n = job["train"]["minibatches"]
     with tempfile.TemporaryDirectory(prefix="hetpipe-bench-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
         devices = [DeviceDef(f"gpu{i}", "fast", "1GiB", 1.0) for i in range(STAGES)]
-        path.write_text(cluster_toml(devices, shards=shards, curve=curve))
+        path.write_text(cluster_toml(devices, shards=shards, curve=curve, host_shm=host_shm))
         with LocalCluster(path, root / "run", timeout=60) as cluster:
             cpu0 = {name: _cpu_s(p.pid) for name, p in cluster.procs.items()}
             threads0 = {name: _thread_cpu_s(p.pid) for name, p in cluster.procs.items()}

@@ -8,9 +8,13 @@ Three parts, each against a baseline measured in the same run:
     one SGD step per iteration on both sides (exactly the same training). Steady-state
     samples/s after the warm-up, median of ``--rounds`` runs per side, sides taking turns
     (the machinery of ``bench_pipeline.py``). ``ratio_vs_torch_gpipe``, ``ratio_vs_torch_1f1b``
-    (target >= 1.0): ours as it runs by default, every message encrypted by CurveZMQ; and
-    ``plaintext_ratio_vs_torch_*``: ours with ``[security] curve = false``, plaintext as
-    gloo is, measured in the same turns.
+    (target >= 1.0): ours as it runs by default: every message encrypted by CurveZMQ, the
+    activations and gradients between these stages of one host through shared memory
+    (``[runtime] host_shm``, :mod:`hetpipe.hostshm`; the encrypted header names them);
+    ``tcp_ratio_vs_torch_*``: ours with ``host_shm = false``, every byte encrypted through
+    the sockets (the default before 2026-11-26); and ``plaintext_ratio_vs_torch_*``: ours
+    with ``[security] curve = false`` and ``host_shm = false``, plaintext through the
+    sockets as gloo is. All sides take turns in the same run.
 (b) On a copy of the repository's heterogeneous ``cluster.toml`` (same devices, caps and
     speeds; ports 0): the job with no split (the head profiles it and the synchronous planner
     picks cuts, devices and their order) against one virtual worker over every device in file
@@ -67,8 +71,10 @@ def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sides = {"ours": lambda job: run_ours(job, args.warmup, 1),
              "torch": lambda job: run_torch(job, args.warmup),
+             # every byte through the encrypted sockets ([runtime] host_shm = false)
+             "tcp": lambda job: run_ours(job, args.warmup, 1, host_shm=False),
              # our daemons without CurveZMQ ([security] curve = false): plaintext, as gloo is
-             "plain": lambda job: run_ours(job, args.warmup, 1, curve=False)}
+             "plain": lambda job: run_ours(job, args.warmup, 1, curve=False, host_shm=False)}
     for kind in ("gpipe", "1f1b"):
         job = job_dict(args.model, args.microbatch, args.minibatches, kind)
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -81,6 +87,9 @@ def part_a(args: Any) -> dict[str, Any]:
             "ours_samples_per_s": med["ours"]["samples_per_s"],
             "torch_samples_per_s": med["torch"]["samples_per_s"],
             "plain_samples_per_s": med["plain"]["samples_per_s"],
+            "tcp_samples_per_s": med["tcp"]["samples_per_s"],
+            "tcp_cpu_ms_per_sample": med["tcp"]["cpu_ms_per_sample"],
+            "tcp_ratio": med["tcp"]["samples_per_s"] / med["torch"]["samples_per_s"],
             "ours_cpu_ms_per_sample": med["ours"]["cpu_ms_per_sample"],
             "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
             "plain_cpu_ms_per_sample": med["plain"]["cpu_ms_per_sample"],
@@ -89,13 +98,18 @@ def part_a(args: Any) -> dict[str, Any]:
             "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()},
         }
     print(f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
-          f"{args.minibatches} microbatches, median of {args.rounds}; ours with CurveZMQ (the "
-          "default) and plaintext ([security] curve = false, as gloo)")
+          f"{args.minibatches} microbatches, median of {args.rounds}; ours as by default "
+          "(CurveZMQ, shared memory between the stages of this host), with every byte "
+          "encrypted through the sockets (host_shm = false), and plaintext through them "
+          "(curve = false, as gloo)")
     print_table(["schedule", "hetpipe samples/s", "torch samples/s", "ratio",
-                 "plaintext samples/s", "ratio", "CPU ms/sample ours", "plaintext", "torch"],
+                 "sockets samples/s", "ratio", "plaintext samples/s", "ratio",
+                 "CPU ms/sample ours", "sockets", "plaintext", "torch"],
                 [[k, v["ours_samples_per_s"], v["torch_samples_per_s"], v["ratio"],
+                  v["tcp_samples_per_s"], v["tcp_ratio"],
                   v["plain_samples_per_s"], v["plain_ratio"], v["ours_cpu_ms_per_sample"],
-                  v["plain_cpu_ms_per_sample"], v["torch_cpu_ms_per_sample"]]
+                  v["tcp_cpu_ms_per_sample"], v["plain_cpu_ms_per_sample"],
+                  v["torch_cpu_ms_per_sample"]]
                  for k, v in out.items()])
     return out
 
@@ -321,7 +335,9 @@ def main() -> None:
         a = part_a(args)
         out.update(ratio_vs_torch_gpipe=a["gpipe"]["ratio"], ratio_vs_torch_1f1b=a["1f1b"]["ratio"],
                    plaintext_ratio_vs_torch_gpipe=a["gpipe"]["plain_ratio"],
-                   plaintext_ratio_vs_torch_1f1b=a["1f1b"]["plain_ratio"], vs_torch=a)
+                   plaintext_ratio_vs_torch_1f1b=a["1f1b"]["plain_ratio"],
+                   tcp_ratio_vs_torch_gpipe=a["gpipe"]["tcp_ratio"],
+                   tcp_ratio_vs_torch_1f1b=a["1f1b"]["tcp_ratio"], vs_torch=a)
     if "b" in args.parts:
         b = part_b(args)
         out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],

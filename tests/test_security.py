@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 from conftest import UNIFORM, job, running_until
 
-from hetpipe import launch, security
+from hetpipe import hostshm, launch, security
 from hetpipe.cli import render_status
 from hetpipe.client import HeadError
 from hetpipe.config import ConfigError, load_cluster
@@ -416,6 +416,36 @@ def test_gpu_handles_from_a_peer_that_is_no_gpu_of_this_host_are_refused(
                     {"y": torch.zeros(1, dtype=torch.int64)}))
     wait_log(c.run_dir / "logs" / "worker-gpu1.log",
              "data refused: a shared GPU tensor from a peer that is not a GPU of this host")
+    state = next(j for j in c.status()["jobs"] if j["id"] == running["id"])
+    assert state["state"] in ("running", "done"), state.get("error")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_shared_memory_name_that_reaches_outside_is_refused(
+        guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
+    """gpu1's own predecessor (gpu0's key) names, as the file of an activation in shared
+    memory, a path out of it, then a file of this user that is readable by others: neither
+    is read, the second is left where it is, the worker logs both and the job runs on."""
+    c = guarded
+    gpu0 = curve_of(Path(c.cluster.security.keys), "worker-gpu0")
+    public = hostshm.DIRECTORY / f"hetpipe-{os.getpid()}-0-0000abcd"
+    public.write_bytes(b"\0" * 4)
+    public.chmod(0o644)
+    try:
+        for name in ("../../etc/passwd", public.name):
+            c.run(push_data(c.ready["worker-gpu1"]["address"], gpu0, Kind.ACT,
+                            {"job": running["id"], "vw": 0, "p": 10**6,
+                             "shm": {"x": {"file": name, "dtype": "float32", "shape": [1],
+                                           "nbytes": 4}}},
+                            {"y": torch.zeros(1, dtype=torch.int64)}))
+        log = c.run_dir / "logs" / "worker-gpu1.log"
+        wait_log(log, "is not a file name this runtime makes")
+        wait_log(log, "not a private file of this user")
+        assert "data refused: malformed" in log.read_text()
+        assert public.exists()
+    finally:
+        public.unlink()
     state = next(j for j in c.status()["jobs"] if j["id"] == running["id"])
     assert state["state"] in ("running", "done"), state.get("error")
 

@@ -1,0 +1,199 @@
+"""Activations and gradients between worker processes of one host, through shared memory.
+
+Between hosts a stage's output must cross the network, and CurveZMQ encrypts every byte of
+it. Between two worker processes of one host nothing crosses a network: encrypting there buys
+nothing that the operating system does not already give, and on a CPU-bound host it costs
+more than the copy itself (about a millisecond per megabyte on each side). So, as
+:mod:`hetpipe.cudaipc` does for GPU tensors, the sender puts the tensor's bytes where the
+receiver can map them, and ZeroMQ carries only their description in the (still encrypted and
+authenticated) message header: the sender writes the bytes into a new file of the host's
+shared memory (``/dev/shm``), and the receiver maps that file and removes its name. One copy
+in the sender, none in the receiver (a private mapping: its pages are the sender's until
+someone writes into them), no socket buffers.
+
+Trust. The file is created with ``O_EXCL`` and mode 0600: nobody else can read it, and
+nobody can have slipped a file in under its name first. The receiver opens a name only after
+checking it is of this module's shape (no path), then opens it without following links and
+takes it only if it is a regular file owned by this user with no group or other permission,
+exactly as large as its dtype and shape say; anything else raises ``ValueError`` with one
+line and the file is left alone. A peer must already hold the cluster's keys to send a
+header at all, and on its own it can only name files of this user that it could have sent
+over the socket anyway.
+
+Leftovers. The receiver removes a file's name when it maps it, so a file outlives its message
+only if the message is never taken (a job that ended or failed first). The sender keeps the
+names it made until they are gone and removes the rest when its job ends
+(:meth:`Outbox.close`); a worker that starts removes the files of processes of this user that
+no longer run (:func:`sweep`: the pid is in the name), which a killed worker left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetpipe.wire import MAX_DIMS, ZERO_COPY_MIN_BYTES, dtype_name, dtype_named
+
+__all__ = ["DIRECTORY", "MIN_BYTES", "Outbox", "Placed", "available", "parse", "sweep", "take"]
+
+DIRECTORY = Path("/dev/shm")
+# below this a tensor stays in the message's frames: a file's creation, mapping and removal
+# (tens of microseconds) cost more than encrypting a small frame
+MIN_BYTES = ZERO_COPY_MIN_BYTES
+_NAME = re.compile(r"hetpipe-(\d{1,10})-\d{1,20}-[0-9a-f]{8}")
+_KEYS = frozenset({"file", "dtype", "shape", "nbytes"})
+
+
+def available(directory: Path = DIRECTORY) -> bool:
+    """Whether this host has a shared-memory directory this process may write into."""
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A checked description of a tensor a peer of this host put in shared memory."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Outbox:
+    """The files one stage put in shared memory for its neighbours on this host."""
+
+    def __init__(self, directory: Path = DIRECTORY) -> None:
+        self.directory = directory
+        self.pending: collections.deque[str] = collections.deque()
+        self.sent = 0  # tensors put (the stage's report says how its data travelled)
+        self._counter = itertools.count()
+
+    def put(self, t: torch.Tensor) -> dict[str, Any]:
+        """Write ``t`` (a host tensor) into a new file; the plain map :func:`parse` reads."""
+        if t.device.type != "cpu":
+            raise ValueError(f"only host tensors go through shared memory, got one on {t.device}")
+        self._forget_taken()
+        flat = t.detach().contiguous().reshape(-1)
+        name = f"hetpipe-{os.getpid()}-{next(self._counter)}-{secrets.token_hex(4)}"
+        path = self.directory / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.pending.append(name)
+        self.sent += 1
+        return {"file": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                "nbytes": flat.numel() * t.element_size()}
+
+    def _forget_taken(self) -> None:
+        """Drop the names the receiver has taken (it takes them in about the order they
+        were made), so that a long job's list stays short."""
+        while self.pending and not (self.directory / self.pending[0]).exists():
+            self.pending.popleft()
+
+    def close(self) -> None:
+        """Remove every file not taken yet: its message will not be."""
+        while self.pending:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.directory / self.pending.popleft())
+
+
+def parse(d: Any) -> Placed:
+    """Check a description from a peer (``ValueError``, one line, if it is malformed)."""
+    if not isinstance(d, dict) or set(d) != _KEYS:
+        keys = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"shared-memory tensor: expected keys {sorted(_KEYS)}, got {keys}")
+    name = d["file"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"shared-memory tensor: {str(name)[:80]!r} is not a file name this "
+                         "runtime makes")
+    dtype = dtype_named(d["dtype"]) if isinstance(d["dtype"], str) else None
+    if dtype is None:
+        raise ValueError(f"shared-memory tensor: unknown dtype {d['dtype']!r}")
+    shape = d["shape"]
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                       for n in shape)):
+        raise ValueError(f"shared-memory tensor: shape must be a list of at most {MAX_DIMS} "
+                         f"non-negative ints, got {shape!r}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if d["nbytes"] != numel * dtype.itemsize:
+        raise ValueError(f"shared-memory tensor: {d['dtype']}{shape} needs "
+                         f"{numel * dtype.itemsize} bytes, the description says {d['nbytes']!r}")
+    return Placed(name, dtype, tuple(shape), numel * dtype.itemsize)
+
+
+def take(p: Placed, directory: Path = DIRECTORY) -> torch.Tensor:
+    """The tensor ``p`` describes, mapped from its file, whose name is then removed.
+    ``ValueError`` (one line) if the file is missing or not one this user's runtime made."""
+    path = directory / p.file
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"shared-memory tensor {p.file}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(f"shared-memory tensor {p.file}: not a private file of this user")
+        if st.st_size != p.nbytes:
+            raise ValueError(f"shared-memory tensor {p.file}: {st.st_size} bytes, expected "
+                             f"{p.nbytes}")
+        out = torch.empty(p.shape, dtype=p.dtype)
+        if p.nbytes:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < p.nbytes:
+                n = os.preadv(fd, [view[done:]], done)
+                if n == 0:
+                    raise ValueError(f"shared-memory tensor {p.file}: ends after {done} bytes")
+                done += n
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return out
+
+
+def sweep(directory: Path = DIRECTORY) -> int:
+    """Remove the files of this user's processes that no longer run; how many."""
+    removed = 0
+    if not directory.is_dir():
+        return 0
+    for entry in os.scandir(directory):
+        m = _NAME.fullmatch(entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive (and not ours to judge)
+        return True
+    return True

@@ -1,0 +1,152 @@
+"""Tensors between worker processes of one host through shared memory (hetpipe.hostshm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import UNIFORM, assert_same_weights, job, start_cluster
+
+from hetpipe import hostshm
+from hetpipe.hostshm import Outbox, parse, sweep, take
+
+pytestmark = pytest.mark.skipif(not hostshm.available(), reason="no /dev/shm on this host")
+
+
+def files(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("t", [
+    torch.randn(32, 64, 8, 8),
+    torch.randn(5, 7).to(torch.bfloat16),
+    torch.arange(12, dtype=torch.int64).reshape(3, 4),
+    torch.tensor([True, False, True]),
+    torch.tensor(3.5),
+    torch.zeros(0, 4),
+    torch.randn(6, 4).t(),  # not contiguous
+])
+def test_a_put_tensor_is_taken_back_equal_and_its_file_is_gone(tmp_path, t) -> None:
+    box = Outbox(tmp_path)
+    d = box.put(t)
+    assert files(tmp_path) == {d["file"]}
+    assert (os.stat(tmp_path / d["file"]).st_mode & 0o777) == 0o600
+    got = take(parse(d), tmp_path)
+    assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    assert files(tmp_path) == set()
+    got.zero_()  # writable: a private mapping, the sender's file is not touched
+    box.close()
+    assert box.sent == 1
+
+
+def test_the_outbox_forgets_taken_files_and_removes_the_rest_when_it_closes(tmp_path) -> None:
+    box = Outbox(tmp_path)
+    placed = [box.put(torch.full((1000,), float(i))) for i in range(5)]
+    for d in placed[:3]:
+        take(parse(d), tmp_path)
+    box.put(torch.ones(3))  # each put drops the taken names at the head of its list
+    assert list(box.pending) == [placed[3]["file"], placed[4]["file"], box.pending[-1]]
+    box.close()
+    assert files(tmp_path) == set() and not box.pending
+
+
+@pytest.mark.parametrize(("d", "says"), [
+    ("x", "expected keys"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1]}, "expected keys"),
+    ({"file": "../../etc/passwd", "dtype": "uint8", "shape": [1], "nbytes": 1},
+     "not a file name this runtime makes"),
+    ({"file": "hetpipe-1-2-0000abcd/x", "dtype": "uint8", "shape": [1], "nbytes": 1},
+     "not a file name this runtime makes"),
+    ({"file": 7, "dtype": "uint8", "shape": [1], "nbytes": 1}, "not a file name"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "complex4", "shape": [1], "nbytes": 1},
+     "unknown dtype"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [-1], "nbytes": 4},
+     "shape must be"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [True], "nbytes": 4},
+     "shape must be"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1] * 65, "nbytes": 4},
+     "shape must be"),
+    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [2, 3], "nbytes": 4},
+     "needs 24 bytes"),
+])
+def test_malformed_descriptions_are_refused_in_one_line(d, says) -> None:
+    with pytest.raises(ValueError, match=says) as e:
+        parse(d)
+    assert "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_private_to_this_user_is_refused_and_left_alone(tmp_path) -> None:
+    d = Outbox(tmp_path).put(torch.ones(4))
+    path = tmp_path / d["file"]
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="not a private file of this user"):
+        take(parse(d), tmp_path)
+    assert path.exists()
+
+
+def test_a_link_a_missing_file_and_a_wrong_size_are_refused(tmp_path) -> None:
+    box = Outbox(tmp_path)
+    d = box.put(torch.ones(4))
+    target = tmp_path / d["file"]
+    link = {**d, "file": "hetpipe-1-2-0000abcd"}
+    (tmp_path / link["file"]).symlink_to(target)
+    with pytest.raises(ValueError, match="hetpipe-1-2-0000abcd: "):
+        take(parse(link), tmp_path)
+    with pytest.raises(ValueError, match="No such file"):
+        take(parse({**d, "file": "hetpipe-1-3-0000abcd"}), tmp_path)
+    with pytest.raises(ValueError, match="16 bytes, expected 8"):
+        take(parse({**d, "shape": [2], "nbytes": 8}), tmp_path)
+    assert target.exists()
+
+
+def test_sweep_removes_the_files_of_processes_that_are_gone_only(tmp_path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f"hetpipe-{gone}-0-0000abcd").write_bytes(b"x")
+    (tmp_path / f"hetpipe-{os.getpid()}-0-0000abcd").write_bytes(b"x")
+    (tmp_path / "other-file").write_bytes(b"x")
+    assert sweep(tmp_path) == 1
+    assert files(tmp_path) == {f"hetpipe-{os.getpid()}-0-0000abcd", "other-file"}
+
+
+def _sent(info: dict) -> dict[str, int]:
+    data = json.loads(Path(info["stages_path"]).read_text())
+    return {where: r["stats"]["shared_memory_sent"] for where, r in data.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shared_memory_between_stages_of_one_host_changes_no_weight(tmp_path) -> None:
+    """The same job on one host with and without ``[runtime] host_shm``: every stage but the
+    last sent its activations (and every one but the first its gradients) through shared
+    memory in the first, none in the second, the weights are bit-identical, and no file is
+    left behind."""
+    split = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
+    # a synchronous schedule: its arithmetic does not depend on when messages arrive
+    spec = job("shm", model="cnn", split=split, nm=4, minibatches=24,
+               train={"schedule": "1f1b"})
+    out = {}
+    for on in (True, False):
+        cluster = start_cluster(tmp_path / f"shm-{on}", UNIFORM, host_shm=on)
+        try:
+            pids = {p.pid for p in cluster.procs.values()}
+            info = cluster.submit(spec, timeout=240)
+            assert info["state"] == "done", info.get("error")
+            out[on] = (torch.load(info["model_path"]), _sent(info))
+        finally:
+            cluster.stop()
+        left = {n for n in files(hostshm.DIRECTORY)
+                if n.startswith("hetpipe-") and int(n.split("-")[1]) in pids}
+        assert not left, left
+    (with_shm, sent_on), (without, sent_off) = out[True], out[False]
+    # activations to 3 successors and gradients to 3 predecessors, 24 minibatches each;
+    # the cnn's activations at minibatch 32 are all above the size that goes by file
+    assert sent_on == {"vw0/stage0": 24, "vw0/stage1": 48, "vw0/stage2": 48,
+                       "vw0/stage3": 24}, sent_on
+    assert set(sent_off.values()) == {0}
+    assert_same_weights(with_shm, without, tol=0.0)
