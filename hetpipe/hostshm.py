@@ -5,11 +5,13 @@ it. Between two worker processes of one host nothing crosses a network: encrypti
 nothing that the operating system does not already give, and on a CPU-bound host it costs
 more than the copy itself (about a millisecond per megabyte on each side). So, as
 :mod:`hetpipe.cudaipc` does for GPU tensors, the sender puts the tensor's bytes where the
-receiver can map them, and ZeroMQ carries only their description in the (still encrypted and
+receiver can read them, and ZeroMQ carries only their description in the (still encrypted and
 authenticated) message header: the sender writes the bytes into a new file of the host's
-shared memory (``/dev/shm``), and the receiver maps that file and removes its name. One copy
-in the sender, none in the receiver (a private mapping: its pages are the sender's until
-someone writes into them), no socket buffers.
+shared memory (``/dev/shm``), and the receiver reads that file into its own tensor and
+removes its name. One copy in each, no socket buffers, no encryption. (Mapping the file
+instead of reading it saves the receiver's copy but costs more on a virtual machine: every
+page faults in, and unmapping a freed tensor interrupts the other cores to flush their
+address caches; measured, reading was the faster of the two.)
 
 Trust. The file is created with ``O_EXCL`` and mode 0600: nobody else can read it, and
 nobody can have slipped a file in under its name first. The receiver opens a name only after
@@ -17,14 +19,17 @@ checking it is of this module's shape (no path), then opens it without following
 takes it only if it is a regular file owned by this user with no group or other permission,
 exactly as large as its dtype and shape say; anything else raises ``ValueError`` with one
 line and the file is left alone. A peer must already hold the cluster's keys to send a
-header at all, and on its own it can only name files of this user that it could have sent
-over the socket anyway.
+header at all, and then it can only make a worker read and remove a file of the runtime's
+naming owned by this user (another stage's untaken tensor at worst), never one elsewhere or
+another user's.
 
-Leftovers. The receiver removes a file's name when it maps it, so a file outlives its message
-only if the message is never taken (a job that ended or failed first). The sender keeps the
-names it made until they are gone and removes the rest when its job ends
-(:meth:`Outbox.close`); a worker that starts removes the files of processes of this user that
-no longer run (:func:`sweep`: the pid is in the name), which a killed worker left behind.
+Leftovers. The receiver removes a file's name when it reads it, so a file outlives its message
+only if the message is never taken (its job failed or was cancelled first). The sender keeps
+the names it made until they are gone, and removes the rest :data:`UNTAKEN_S` after its
+stage ends (:meth:`Outbox.close`): not at once, since a neighbour may still be about to take
+the stage's last message. A worker that starts removes the files of processes of this user
+that no longer run (:func:`sweep`: the pid is in the name), which a killed or stopped worker
+left behind.
 """
 
 from __future__ import annotations
@@ -44,12 +49,16 @@ import torch
 
 from hetpipe.wire import MAX_DIMS, ZERO_COPY_MIN_BYTES, dtype_name, dtype_named
 
-__all__ = ["DIRECTORY", "MIN_BYTES", "Outbox", "Placed", "available", "parse", "sweep", "take"]
+__all__ = ["DIRECTORY", "MIN_BYTES", "UNTAKEN_S", "Outbox", "Placed", "available", "parse",
+           "sweep", "take"]
 
 DIRECTORY = Path("/dev/shm")
 # below this a tensor stays in the message's frames: a file's creation, mapping and removal
 # (tens of microseconds) cost more than encrypting a small frame
 MIN_BYTES = ZERO_COPY_MIN_BYTES
+# how long after its stage ended a sender removes the files not taken: a receiver takes a
+# message within milliseconds of its arrival unless its job is gone
+UNTAKEN_S = 30.0
 _NAME = re.compile(r"hetpipe-(\d{1,10})-\d{1,20}-[0-9a-f]{8}")
 _KEYS = frozenset({"file", "dtype", "shape", "nbytes"})
 
@@ -76,6 +85,7 @@ class Outbox:
         self.directory = directory
         self.pending: collections.deque[str] = collections.deque()
         self.sent = 0  # tensors put (the stage's report says how its data travelled)
+        self.error = ""  # why shared memory refused a tensor: from then on none is put
         self._counter = itertools.count()
 
     def put(self, t: torch.Tensor) -> dict[str, Any]:
@@ -102,6 +112,21 @@ class Outbox:
         self.sent += 1
         return {"file": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                 "nbytes": flat.numel() * t.element_size()}
+
+    def place(self, tensors: dict[str, torch.Tensor]
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
+        """Put the host tensors of at least :data:`MIN_BYTES`: (their descriptions by name,
+        the tensors that stay in the message). Shared memory that refuses one (full, gone)
+        leaves it and the rest in the message, and says why in :attr:`error`."""
+        placed: dict[str, dict[str, Any]] = {}
+        for name, t in tensors.items():
+            if t.device.type != "cpu" or t.nbytes < MIN_BYTES or self.error:
+                continue
+            try:
+                placed[name] = self.put(t)
+            except OSError as exc:
+                self.error = f"{self.directory}: {exc.strerror or exc}"
+        return placed, {n: t for n, t in tensors.items() if n not in placed}
 
     def _forget_taken(self) -> None:
         """Drop the names the receiver has taken (it takes them in about the order they

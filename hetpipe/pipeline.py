@@ -627,7 +627,7 @@ def _union(replies: list[Message]) -> dict[str, torch.Tensor]:
 
 def _received(msg: Message, name: str) -> torch.Tensor | Shared:
     """Tensor ``name`` of a received message: in its frames, in this host's shared memory
-    (checked and mapped here: hetpipe.hostshm), or shared by a GPU's handle (checked here,
+    (checked and read here: hetpipe.hostshm), or shared by a GPU's handle (checked here,
     opened by the stage on its compute thread)."""
     if name in msg.tensors:
         return msg.tensors[name]

@@ -63,7 +63,9 @@ class _Job:
                 await self.run_task
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
-        self.outbox.close()
+        # what a neighbour has not taken yet it may still take (its last message may be in
+        # flight as this stage ends): removed once it is surely late (hetpipe.hostshm)
+        asyncio.get_running_loop().call_later(hostshm.UNTAKEN_S, self.outbox.close)
 
 
 class Worker:
@@ -249,6 +251,7 @@ class Worker:
                    for kind, group in ((Kind.ACT, task.next_group),
                                        (Kind.GRAD, task.prev_group))}
         fields = {"job": task.job, "vw": task.vw}
+        warned: list[bool] = []
 
         async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
                        shared: dict[str, Any] | None = None, to: int = 0,
@@ -257,11 +260,13 @@ class Worker:
             assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
             more: dict[str, Any] = {"ipc": shared} if shared else {}
             if to in by_host.get(kind, ()):
-                placed = {n: job.outbox.put(t) for n, t in tensors.items()
-                          if t.device.type == "cpu" and t.nbytes >= hostshm.MIN_BYTES}
+                placed, tensors = job.outbox.place(tensors)
                 if placed:
                     more["shm"] = placed
-                    tensors = {n: t for n, t in tensors.items() if n not in placed}
+                if job.outbox.error and not warned:
+                    warned.append(True)
+                    self.log.warning("shared memory refused a tensor; it goes through the "
+                                     "socket", error=job.outbox.error)
             await channels[f"to:{peers[to]}"].send(
                 kind, {**fields, "p": p, **more, **(extra or {})}, tensors)
 
@@ -346,7 +351,9 @@ class Worker:
                                   "not a GPU of this host", str(msg.user),
                                   f"{sender} sent {msg.kind} by handle", kind=str(msg.kind))
             return
-        if msg.get("shm") and not self._shares_host_with(sender):
+        # the sender by its key (any of the role's devices where Curve is off)
+        possible = [d for d in senders if msg.user is None or msg.user == worker_user(d)]
+        if msg.get("shm") and not all(map(self._shares_host_with, possible)):
             self._refused.warning("data refused: a shared-memory tensor from a peer that is "
                                   "not on this host", str(msg.user),
                                   f"{sender} sent {msg.kind} in shared memory",
@@ -366,29 +373,29 @@ class Worker:
         except ValueError as exc:
             self.log.warning("data refused: malformed", kind=str(msg.kind), error=excerpt(exc))
 
-    def _shares_gpu_with(self, peer: str | None) -> bool:
-        """Whether tensors to and from device ``peer`` move device to device: both are GPUs
-        of this host and ``[runtime] cuda_ipc`` allows it (hetpipe.cudaipc)."""
-        if peer is None or not self.cluster.runtime.cuda_ipc:
-            return False
+    def _on_this_host(self, peer: str | None) -> DeviceSpec | None:
+        """Device ``peer``'s spec if it is a device of this worker's host, else None."""
+        if peer is None:
+            return None
         try:
             other = self.cluster.device(peer)
         except (KeyError, ValueError):
-            return False
-        return (self.device.device.startswith("cuda") and other.device.startswith("cuda")
-                and other.host == self.device.host)
+            return None
+        return other if other.host == self.device.host else None
+
+    def _shares_gpu_with(self, peer: str | None) -> bool:
+        """Whether tensors to and from device ``peer`` move device to device: both are GPUs
+        of this host and ``[runtime] cuda_ipc`` allows it (hetpipe.cudaipc)."""
+        other = self._on_this_host(peer) if self.cluster.runtime.cuda_ipc else None
+        return (other is not None and self.device.device.startswith("cuda")
+                and other.device.startswith("cuda"))
 
     def _shares_host_with(self, peer: str | None) -> bool:
         """Whether large host tensors to and from device ``peer`` go through this host's
         shared memory: it is a device of this host and ``[runtime] host_shm`` allows it
         (hetpipe.hostshm)."""
-        if peer is None or not self.cluster.runtime.host_shm or not hostshm.available():
-            return False
-        try:
-            other = self.cluster.device(peer)
-        except (KeyError, ValueError):
-            return False
-        return other.host == self.device.host
+        return (self.cluster.runtime.host_shm and hostshm.available()
+                and self._on_this_host(peer) is not None)
 
     async def close(self) -> None:
         await self._drop_job()

@@ -55,6 +55,20 @@ def test_the_outbox_forgets_taken_files_and_removes_the_rest_when_it_closes(tmp_
     assert files(tmp_path) == set() and not box.pending
 
 
+def test_place_puts_large_host_tensors_only_and_falls_back_when_refused(tmp_path) -> None:
+    big, small = torch.zeros(hostshm.MIN_BYTES // 4), torch.zeros(hostshm.MIN_BYTES // 4 - 1)
+    box = Outbox(tmp_path)
+    placed, rest = box.place({"x": big, "y": small})
+    assert set(placed) == {"x"} and set(rest) == {"y"} and not box.error
+    gone = Outbox(tmp_path / "missing")  # shared memory that refuses: nothing is lost
+    placed, rest = gone.place({"x": big, "y": small})
+    assert placed == {} and set(rest) == {"x", "y"}
+    assert "missing" in gone.error and "\n" not in gone.error
+    placed, rest = gone.place({"x": big})  # and it is not tried again
+    assert placed == {} and rest["x"] is big
+    box.close()
+
+
 @pytest.mark.parametrize(("d", "says"), [
     ("x", "expected keys"),
     ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1]}, "expected keys"),
