@@ -195,7 +195,9 @@ class StageRunner:
             if got is not None:
                 self.grads[msg["p"]] = got["g"]
         elif msg.kind == Kind.REPLICA_GRAD:
-            self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = dict(msg.tensors)
+            grads = {name: _received(msg, name)
+                     for name in (*msg.tensors, *(msg.get("shm") or {}))}
+            self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
 
     def _piece(self, msg: Message, names: tuple[str, ...], theirs: list[int]

@@ -172,7 +172,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
                 "rows": _OPT_LIST},
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)
-    Kind.REPLICA_GRAD: {"job": _STR, "vw": _INT, "stage": _INT, "p": _INT, "replica": _INT},
+    Kind.REPLICA_GRAD: {"job": _STR, "vw": _INT, "stage": _INT, "p": _INT, "replica": _INT,
+                        "shm": _OPT_DICT},
     # tensors: summed deltas of the wave, by parameter name
     Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
     Kind.PULL: {

@@ -245,11 +245,12 @@ class Worker:
         task = job.task
         groups = {Kind.ACT: task.next_peers, Kind.GRAD: task.prev_peers,
                   Kind.REPLICA_GRAD: task.peers}
-        # activations and gradients to a device of this host: large host tensors go through
-        # shared memory (hetpipe.hostshm), by destination index
+        # activations, gradients and a replica's weight gradients to a device of this host:
+        # large host tensors go through shared memory (hetpipe.hostshm), by destination index
         by_host = {kind: {to for to, d in enumerate(group) if self._shares_host_with(d)}
                    for kind, group in ((Kind.ACT, task.next_group),
-                                       (Kind.GRAD, task.prev_group))}
+                                       (Kind.GRAD, task.prev_group),
+                                       (Kind.REPLICA_GRAD, task.group))}
         fields = {"job": task.job, "vw": task.vw}
         warned: list[bool] = []
 

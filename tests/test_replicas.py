@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import random
 import time
@@ -180,12 +181,20 @@ def replica_cluster(tmp_path_factory: pytest.TempPathFactory):
 ], ids=["middle-even", "ends-uneven"])
 def test_replicated_stage_is_transparent(replica_cluster, split) -> None:
     """Nm = 1: a virtual worker with replicated stages trains the weights plain PyTorch does
-    on the unsplit minibatches."""
+    on the unsplit minibatches. Its replicas, all on this host, pass their weight gradients
+    through shared memory (hetpipe.hostshm): every minibatch each replicated stage's
+    leader puts at least its largest weight's gradient (64 KiB or more) for each other
+    replica."""
     spec = job("replicas", split=split, nm=1, minibatches=40)
     info = replica_cluster.submit(spec, timeout=220)
     assert info["state"] == "done", info.get("error")
     got = torch.load(info["model_path"])
     assert_same_weights(got, plain_training(spec, 40))
+    stages = json.loads(Path(info["stages_path"]).read_text())
+    for i, devices in enumerate(split[0][0]):
+        if isinstance(devices, list):
+            sent = stages[f"vw0/stage{i}"]["stats"]["shared_memory_sent"]
+            assert sent >= 40 * (len(devices) - 1), (i, sent)
 
 
 @pytest.mark.slow
