@@ -22,7 +22,12 @@ def planned_job(name: str, **kw) -> dict:
 @pytest.mark.timeout(400)
 def test_the_head_plans_two_vws_that_use_the_whimpy_device(hetero_cluster) -> None:
     spec = planned_job("planned", model="cnn", epochs=12, minibatches=None, lr=0.025)
-    spec["train"].update({"vws": 2, "policy": "auto"})
+    # HD: each virtual worker gets a mix of device types, so the whimpy device has a place.
+    # Under "auto" the planner also weighs ED, which here is the two medium devices alone:
+    # a near tie on this cluster, decided by the moment's profile (this test failed 6 of 21
+    # runs on 2026-11-26 under "auto", as often before that day's change as after), so it
+    # cannot be asserted
+    spec["train"].update({"vws": 2, "policy": "hd"})
     info = hetero_cluster.submit(spec, timeout=380)
     assert info["state"] == "done", info.get("error")
     devices = [d for vw in info["vws"] for d in vw["devices"]]
