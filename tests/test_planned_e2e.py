@@ -24,9 +24,9 @@ def test_the_head_plans_two_vws_that_use_the_whimpy_device(hetero_cluster) -> No
     spec = planned_job("planned", model="cnn", epochs=12, minibatches=None, lr=0.025)
     # HD: each virtual worker gets a mix of device types, so the whimpy device has a place.
     # Under "auto" the planner also weighs ED, which here is the two medium devices alone:
-    # a near tie on this cluster, decided by the moment's profile (this test failed 6 of 21
-    # runs on 2026-11-26 under "auto", as often before that day's change as after), so it
-    # cannot be asserted
+    # a near tie on this cluster, decided by the moment's profile (under "auto" this test
+    # failed 2 of 9 runs of the code before 2026-11-26's data-path change and 4 of 12
+    # after, on that day), so it cannot be asserted
     spec["train"].update({"vws": 2, "policy": "hd"})
     info = hetero_cluster.submit(spec, timeout=380)
     assert info["state"] == "done", info.get("error")
