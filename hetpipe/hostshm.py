@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import os
 import re
 import secrets
@@ -159,9 +160,7 @@ def parse(d: Any) -> Placed:
                        for n in shape)):
         raise ValueError(f"shared-memory tensor: shape must be a list of at most {MAX_DIMS} "
                          f"non-negative ints, got {shape!r}")
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     if d["nbytes"] != numel * dtype.itemsize:
         raise ValueError(f"shared-memory tensor: {d['dtype']}{shape} needs "
                          f"{numel * dtype.itemsize} bytes, the description says {d['nbytes']!r}")
@@ -169,7 +168,7 @@ def parse(d: Any) -> Placed:
 
 
 def take(p: Placed, directory: Path = DIRECTORY) -> torch.Tensor:
-    """The tensor ``p`` describes, mapped from its file, whose name is then removed.
+    """The tensor ``p`` describes, read from its file, whose name is then removed.
     ``ValueError`` (one line) if the file is missing or not one this user's runtime made."""
     path = directory / p.file
     try:

@@ -150,6 +150,8 @@ def _planned_sync(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
                      optimizer_state_factor=factor, kind=spec.schedule if spec.sync else None,
                      vws=given or None, num_vws=spec.num_vws, policy=spec.policy,
                      warmup=spec.warmup)
+
+
 MAX_PROFILED_REPLICAS = 4  # replica counts profiled at their rows (more: interpolated)
 
 

@@ -86,6 +86,9 @@ class Worker:
         self.log = logmod.get("worker").bind(device=device.name)
         self.head: Channel | None = None
         self._refused = Throttle(self.log)  # data from peers outside their role
+        # whether this host's shared memory carries tensors between its devices: settled
+        # once, not checked per message (hetpipe.hostshm)
+        self._host_shm = cluster.runtime.host_shm and hostshm.available()
 
     @property
     def state(self) -> str:
@@ -96,7 +99,7 @@ class Worker:
     async def start(self) -> None:
         rt = self.cluster.runtime
         # shared-memory tensors that a killed worker of this host left behind
-        if rt.host_shm and hostshm.available() and (removed := hostshm.sweep()):
+        if self._host_shm and (removed := hostshm.sweep()):
             self.log.info("removed leftover shared-memory tensors", files=removed)
         data = make_socket(self.owner.ctx, zmq.PULL,
                            bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
@@ -252,7 +255,6 @@ class Worker:
                                        (Kind.GRAD, task.prev_group),
                                        (Kind.REPLICA_GRAD, task.group))}
         fields = {"job": task.job, "vw": task.vw}
-        warned: list[bool] = []
 
         async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
                        shared: dict[str, Any] | None = None, to: int = 0,
@@ -261,11 +263,11 @@ class Worker:
             assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
             more: dict[str, Any] = {"ipc": shared} if shared else {}
             if to in by_host.get(kind, ()):
+                refused_before = job.outbox.error
                 placed, tensors = job.outbox.place(tensors)
                 if placed:
                     more["shm"] = placed
-                if job.outbox.error and not warned:
-                    warned.append(True)
+                if job.outbox.error and not refused_before:  # once: no tensor is put after
                     self.log.warning("shared memory refused a tensor; it goes through the "
                                      "socket", error=job.outbox.error)
             await channels[f"to:{peers[to]}"].send(
@@ -395,8 +397,7 @@ class Worker:
         """Whether large host tensors to and from device ``peer`` go through this host's
         shared memory: it is a device of this host and ``[runtime] host_shm`` allows it
         (hetpipe.hostshm)."""
-        return (self.cluster.runtime.host_shm and hostshm.available()
-                and self._on_this_host(peer) is not None)
+        return self._host_shm and self._on_this_host(peer) is not None
 
     async def close(self) -> None:
         await self._drop_job()
