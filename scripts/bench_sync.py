@@ -25,7 +25,10 @@ Three parts, each against a baseline measured in the same run:
     during each job is reported: the emulated devices share this host's cores, and the plan
     prices the job's own processes only, so a run during which other processes used more
     than ``--quiet`` cores is run again (at most ``--attempts`` runs; the least disturbed is
-    kept, its ``outside_cores`` reported).
+    kept, its ``outside_cores`` reported). ``profile_compute_ratio``: the planned job's
+    slowest stage's compute per microbatch as the plan predicted it from the profile, over
+    the same measured in the job (1.0 where the host ran at the profile's speed): the part
+    of the error the host's drift since the profile explains.
 (c) ``--optimality N``: the search against exhaustive enumeration on N random small
     instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
     ``optimality_gap_mean`` and ``optimality_gap_max`` (target <= 0.05); and the planning time
@@ -131,6 +134,19 @@ def _cpu_busy() -> float:
     return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def _compute_per_microbatch(info: dict[str, Any]) -> dict[str, list[float]]:
+    """Per stage, the compute (forward and backward, padded) of a microbatch: measured, and
+    as the plan predicted it from the profile. The two differ where the host ran at another
+    speed than when the profile was taken (the emulated devices share its cores); the rest
+    of the iteration's error is the runtime's model."""
+    pred = [s["time_s"] for v in (info.get("predicted") or {}).get("vws", [])
+            for s in v["stages"]]
+    done = [(s["forward_s"] or 0.0) + (s["backward_s"] or 0.0) for s in info["stages"]]
+    counts = [s["done"] or 1 for s in info["stages"]]
+    return {"compute_s": [d / n for d, n in zip(done, counts, strict=True)],
+            "predicted_compute_s": pred}
+
+
 def part_b(args: Any) -> dict[str, Any]:
     source = load_cluster(args.cluster)
     devices = [DeviceDef(d.name, d.type, format_size(d.memory), d.speed, d.device)
@@ -173,6 +189,7 @@ def part_b(args: Any) -> dict[str, Any]:
                     results[name].append({
                         "iteration_s": med,
                         "predicted_iteration_s": pred.get("iteration_s"),
+                        **_compute_per_microbatch(info),
                         "devices": [s["device"] for v in pred.get("vws", [])
                                     for s in v["stages"]],
                         "layers": [s["layers"] for v in pred.get("vws", [])
@@ -190,6 +207,11 @@ def part_b(args: Any) -> dict[str, Any]:
     speedup = naive["iteration_s"] / planned["iteration_s"]
     error = abs(planned["iteration_s"] - planned["predicted_iteration_s"]) / planned[
         "iteration_s"]
+    # how far the profile was from the host's speed during the job: the bottleneck stage's
+    # compute, predicted over measured (1.0: the profile matched the host)
+    slowest = max(range(len(planned["compute_s"])), key=lambda i: planned["compute_s"][i])
+    profile_ratio = (planned["predicted_compute_s"][slowest] / planned["compute_s"][slowest]
+                     if planned["predicted_compute_s"] else None)
     print(f"(b) default cluster, cnn width {args.width}, 1f1b, M = {M}, minibatch "
           f"{args.microbatch}: planned {planned['devices']} {planned['layers']} vs naive "
           f"{naive['devices']} {even}")
@@ -198,8 +220,12 @@ def part_b(args: Any) -> dict[str, Any]:
                   x["host_cpu_cores_busy"], x["outside_cores"]]
                  for k, x in (("planned", planned), ("naive", naive))])
     print(f"measured speedup vs naive {speedup:.2f}x; iteration prediction error {error:.1%}")
+    if profile_ratio is not None:
+        print(f"planned job's slowest stage: compute per microbatch predicted / measured "
+              f"{profile_ratio:.3f} (the profile against the host's speed during the job)")
     return {"planned": planned, "naive": naive, "runs": results,
-            "measured_speedup_vs_naive": speedup, "iteration_prediction_error": error}
+            "measured_speedup_vs_naive": speedup, "iteration_prediction_error": error,
+            "profile_compute_ratio": profile_ratio}
 
 
 def part_c(args: Any) -> dict[str, Any]:
@@ -341,7 +367,8 @@ def main() -> None:
     if "b" in args.parts:
         b = part_b(args)
         out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],
-                   iteration_prediction_error=b["iteration_prediction_error"], plan_quality=b)
+                   iteration_prediction_error=b["iteration_prediction_error"],
+                   profile_compute_ratio=b["profile_compute_ratio"], plan_quality=b)
     if "c" in args.parts:
         c = part_c(args)
         out.update(optimality_gap_mean=c["optimality_gap_mean"],

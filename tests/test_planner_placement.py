@@ -80,16 +80,16 @@ def test_a_pull_waits_for_the_weights_way_back_and_a_push_costs_no_more_cpu():
     devs = tuple(cluster.device(n) for n in ("a0", "b0"))
     p = model.describe(devs, [(0, 3), (3, 8)], 2)
     flight = 3 * PARAM / SLOW_BPS
-    local = stage_costs(model, devs, p, several_vws=True, shards=1)
-    remote = stage_costs(model, devs, p, several_vws=True, shards=1, shard_link_s=(flight, 0.0))
+    local = stage_costs(model, devs, p, vws=2, shards=1)
+    remote = stage_costs(model, devs, p, vws=2, shards=1, shard_link_s=(flight, 0.0))
     assert remote[0].pull_s == pytest.approx(local[0].pull_s + flight)
     assert remote[0].shard_link_s == flight and remote[1] == local[1]
     # link time, not the worker's CPU: the push, the merge and the CPU stay as they were
     assert (remote[0].push_s, remote[0].merge_s, remote[0].cpu_s) == (
         local[0].push_s, local[0].merge_s, local[0].cpu_s)
     # a synchronous exchange waits for the gradients' way there and the mean's way back
-    sync_local = stage_costs(model, devs, p, several_vws=True, shards=1, schedule="1f1b")
-    sync_remote = stage_costs(model, devs, p, several_vws=True, shards=1, schedule="1f1b",
+    sync_local = stage_costs(model, devs, p, vws=2, shards=1, schedule="1f1b")
+    sync_remote = stage_costs(model, devs, p, vws=2, shards=1, schedule="1f1b",
                               shard_link_s=(flight, 0.0))
     assert sync_remote[0].pull_s == pytest.approx(sync_local[0].pull_s + 2 * flight)
 

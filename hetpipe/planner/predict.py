@@ -35,7 +35,14 @@ from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.replicas import exchange_time, flight_time
-from hetpipe.planner.runtime import all_busy, count_law, host_cores, slowdown_of, slowdowns
+from hetpipe.planner.runtime import (
+    all_busy,
+    count_law,
+    host_cores,
+    reduce_answer_s,
+    slowdown_of,
+    slowdowns,
+)
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
 from hetpipe.schedule import Backward, Forward, Merge, OptimizerStep, Push
 
@@ -124,7 +131,7 @@ def stage_costs(
     devices: Sequence[Any],
     p: Partition,
     *,
-    several_vws: bool,
+    vws: int,
     shards: int,
     schedule: str = "async",
     shard_link_s: Sequence[float] = (),
@@ -141,6 +148,8 @@ def stage_costs(
     replica: that device's compute and messages at its rows' share (the update whole), its
     rows' flights to the next stage's replicas (:func:`.replicas.flight_time`), plus the
     replicas' gradient exchange (:func:`.replicas.exchange_time`, ``exchange_s``).
+    ``vws``: the job's virtual workers (with several, a synchronous stage's exchange waits
+    for all of them: :func:`.runtime.reduce_answer_s`).
 
     ``shard_link_s`` (per stage, default 0) is its state's time on the links to shards on
     other hosts (:func:`.placement.shard_flights`): an async pull waits for the weights'
@@ -189,12 +198,16 @@ def stage_costs(
             loop_fwd, loop_bwd = rt.hop_s + send_act, rt.hop_s + send_grad
         state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
         wave = rt.hop_s + rt.wave_s + state * rt.wave_byte_s if state else 0.0
-        pulls = several_vws and state > 0
+        pulls = vws > 1 and state > 0
         push = wave
         merge = wave if pulls else 0.0
         to_shards = shard_link_s[i] if shard_link_s else 0.0
-        pull = (2 * rt.latency_s + state * rt.wave_byte_s + (1 + sync) * to_shards
-                if pulls else 0.0)
+        if not pulls:
+            pull = 0.0
+        elif sync:  # the answer waits for every virtual worker's sum and the shards' mean
+            pull = reduce_answer_s(rt, state, vws, shards) + 2 * to_shards
+        else:
+            pull = 2 * rt.latency_s + state * rt.wave_byte_s + to_shards
         shard_cpu = (
             (1 + pulls * len(group)) * (state * rt.shard_byte_s + max(1, shards) * rt.message_s)
             if state
@@ -324,11 +337,10 @@ def predict(
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.schedule.microbatch_order`).
     """
     rt = model.runtime
-    several = len(chosen) > 1
     n_shards = max(1, len(shard_hosts))
     flights = shard_flights(model, chosen, shard_hosts)
     costs = tuple(
-        stage_costs(model, devs, p, several_vws=several, shards=n_shards, schedule=schedule,
+        stage_costs(model, devs, p, vws=len(chosen), shards=n_shards, schedule=schedule,
                     shard_link_s=f)
         for (devs, p), f in zip(chosen, flights, strict=True)
     )
@@ -369,7 +381,9 @@ def predict(
     )
     synchronous = schedule != "async"
     slow = [1.0] * n_proc
-    busy = dict.fromkeys(hosts, 0.0)  # host -> chance that all its cores are taken
+    # per worker: the chance that a wake-up of one of its threads finds every core of its
+    # host taken (an asynchronous job: all its host's cores; a synchronous one: by others)
+    busy = [0.0] * len(workers)
     flat = [costs[v][i] for v, i, _ in workers]
     cold = [1.0 + rt.cold * (c.always_cold or c.on_cpu) for c in flat]  # refined below
     sim: SimResult | None = None
@@ -377,7 +391,7 @@ def predict(
     settled = False
     while True:
         rounds += 1
-        wake_of = [rt.wake_s * busy[h] for _, _, h in workers]
+        wake_of = [rt.wake_s * b for b in busy]
         sims = [
             _sim_vw(
                 costs[v],
@@ -408,26 +422,31 @@ def predict(
         for j in range(len(shard_list)):
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
-        new_busy = dict(busy)
-        laws = (_timeline_laws(sim, sims, costs, workers,
-                               [rt.wake_s * busy[h] for _, _, h in workers])
+        new_busy = list(busy)
+        laws = (_timeline_laws(sim, sims, costs, workers, [rt.wake_s * b for b in busy])
                 if synchronous else None)
         for h, procs in hosts.items():
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
                 new[j] = s
-            new_busy[h] = all_busy(want, host_n[h])
+            taken = all_busy(want, host_n[h])
+            for j in procs:
+                if j < len(workers):
+                    new_busy[j] = taken
             if laws is not None:
                 # a flush correlates the stages: who computes together comes from the
                 # simulated timeline, the shards (independent of it) are added as before
                 shard_want = [w for j, w in zip(procs, want, strict=True) if j >= len(workers)]
                 shard_law = count_law(shard_want)
-                occupied, per = laws([j for j in procs if j < len(workers)])
+                per, idle = laws([j for j in procs if j < len(workers)])
                 for j, law in per.items():
                     if law is not None:
                         new[j] = slowdown_of(count_law(shard_want, law), host_n[h], rt.corun)
-                new_busy[h] = sum(
-                    p * sum(shard_law[max(0, host_n[h] - c):]) for c, p in enumerate(occupied))
+                    # a wake-up that holds the stage up comes while the stage waits: its
+                    # thread finds every core taken when the others take them all then
+                    others = idle[j] if idle[j] is not None else law
+                    new_busy[j] = sum(p * sum(shard_law[max(0, host_n[h] - c):])
+                                      for c, p in enumerate(others or [1.0]))
         # a task starts cold after its thread idled: always on a padded device (it sleeps
         # after every task), else as often as the stage is not busy
         new_cold = [
@@ -438,16 +457,16 @@ def predict(
         ]
         settled = (
             all(abs(x - y) <= TOLERANCE * y for x, y in zip(new, slow, strict=True))
-            and all(abs(new_busy[h] - busy[h]) <= TOLERANCE for h in hosts)
+            and all(abs(x - y) <= TOLERANCE for x, y in zip(new_busy, busy, strict=True))
             and all(abs(x - y) <= TOLERANCE * y for x, y in zip(new_cold, cold, strict=True))
         )
         if settled:
             slow, busy, cold = new, new_busy, new_cold
         else:
             slow = [(x + y) / 2 for x, y in zip(new, slow, strict=True)]
-            busy = {h: (new_busy[h] + busy[h]) / 2 for h in hosts}
+            busy = [(x + y) / 2 for x, y in zip(new_busy, busy, strict=True)]
             cold = [(x + y) / 2 for x, y in zip(new_cold, cold, strict=True)]
-    wake_of = [rt.wake_s * busy[h] for _, _, h in workers]
+    wake_of = [rt.wake_s * b for b in busy]
     n_vws = range(len(chosen))
     assert sim is not None
     return Prediction(sim, costs, tuple(tuple(per_stage(slow, u)) for u in n_vws),
@@ -461,7 +480,8 @@ def _timeline_laws(
     costs: Sequence[Sequence[StageCost]],
     workers: Sequence[tuple[int, int, str]],
     wakes: Sequence[float],
-) -> Callable[[Sequence[int]], tuple[list[float], dict[int, list[float] | None]]]:
+) -> Callable[[Sequence[int]], tuple[dict[int, list[float] | None],
+                                        dict[int, list[float] | None]]]:
     """Who wants a core together, read off a synchronous run's simulated timeline.
 
     Independent processes (:func:`.runtime.slowdowns`) suit a full asynchronous pipeline,
@@ -474,8 +494,14 @@ def _timeline_laws(
     merge's, ``wakes[j]`` each) are not counted: the thread has no core then, and counting
     them as wanting one would feed back (more waits, cores seen busier, longer waits) until a
     contended flush is charged far more than it gets. Returns ``laws(procs)``: for those
-    worker indices (one host), P(c of them want a core) over the window, and per worker the
-    law of how many others want one while it does (None: it never does).
+    worker indices (one host), per worker the law of how many others want a core while it
+    computes (its slowdown), and while it does not (None: it never does, or always does).
+    The second prices its wake-ups: a hand-off that holds a synchronous stage up comes while
+    the stage waits, and its thread waits for a core only when the others take them all. A
+    stage's own compute does not count: a thread handing it work blocks next; two stages on
+    two cores, computing together in the 1F1B phase, wake each other without a wait
+    (measured: 0.1 ms between one action's end and the next one's start, the hop included,
+    against the 0.3 ms of waits that counting the stage itself charged per wake-up).
     """
     firsts = [next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0)
               for vw in sim.actions]
@@ -512,10 +538,11 @@ def _timeline_laws(
                 out.append((a0, a1))
         spans.append(out)
 
-    def laws(procs: Sequence[int]) -> tuple[list[float], dict[int, list[float] | None]]:
+    def laws(procs: Sequence[int]) -> tuple[dict[int, list[float] | None],
+                                            dict[int, list[float] | None]]:
         edges = sorted({lo, hi, *(x for j in procs for sp in spans[j] for x in sp)})
-        occupied = [0.0] * (len(procs) + 1)
         per = {j: [0.0] * len(procs) for j in procs}
+        idle = {j: [0.0] * len(procs) for j in procs}
         idx = dict.fromkeys(procs, 0)
         for a0, a1 in itertools.pairwise(edges):
             mid = (a0 + a1) / 2
@@ -526,15 +553,15 @@ def _timeline_laws(
                     idx[j] += 1
                 if idx[j] < len(sp) and sp[idx[j]][0] <= mid:
                     on.append(j)
-            occupied[len(on)] += a1 - a0
-            for j in on:
-                per[j][len(on) - 1] += a1 - a0
-        total = sum(occupied)
-        occ = [x / total for x in occupied] if total > 0 else [1.0] + [0.0] * len(procs)
-        out: dict[int, list[float] | None] = {}
-        for j in procs:
-            mass = sum(per[j])
-            out[j] = [x / mass for x in per[j]] if mass > 0 else None
-        return occ, out
+            for j in procs:
+                if j in on:
+                    per[j][len(on) - 1] += a1 - a0
+                else:
+                    idle[j][len(on)] += a1 - a0
+
+        def normed(law: list[float]) -> list[float] | None:
+            mass = sum(law)
+            return [x / mass for x in law] if mass > 0 else None
+        return ({j: normed(per[j]) for j in procs}, {j: normed(idle[j]) for j in procs})
 
     return laws

@@ -49,7 +49,7 @@ import numpy as np
 from hetpipe.emulate import padded_speed
 from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.profile import ModelProfile, update_scale
-from hetpipe.planner.runtime import RuntimeCosts
+from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 from hetpipe.schedule import (
     SYNC_KINDS,
     Backward,
@@ -192,6 +192,7 @@ class SyncModel:
         costs: RuntimeCosts | None = None,
         kinds: Sequence[str] = SYNC_KINDS,
         warmups: Sequence[int] = (0,),
+        shards: int = 1,
     ) -> None:
         if m < 1:
             raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
@@ -205,6 +206,7 @@ class SyncModel:
         if not warmups or min(warmups) < 0:
             raise ValueError(f"warmups must be >= 0, got {list(warmups)}")
         self.warmups = tuple(warmups)
+        self.shards = shards  # the parameter-server shards the gradient exchange goes through
         # the microbatch orders tried: each kind; 1f1b with each extra warm-up that is not
         # gpipe's order already
         self.orders = tuple(dict.fromkeys(
@@ -326,12 +328,14 @@ class SyncModel:
         where = {id(d): k for k, d in enumerate(devs)}
         bw = self.bw[np.ix_(list(indices), list(indices))]
         out = SyncModel(self.profile, devs, lambda a, b: bw[where[id(a)], where[id(b)]], m,
-                        self.factor, self.rt, kinds or self.kinds, warmups or self.warmups)
+                        self.factor, self.rt, kinds or self.kinds, warmups or self.warmups,
+                        self.shards)
         out._type = self._type  # the per-type prefix sums do not depend on the devices
         return out
 
-    def exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]]) -> float:
-        """The gradient exchange of several virtual workers at an iteration's end, as the
+    def exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]],
+                   vws: int) -> float:
+        """The gradient exchange of ``vws`` virtual workers at an iteration's end, as the
         runtime does it (and :mod:`.predict` prices it): each stage with parameters sends its
         gradient sum to its shards, which answer once every virtual worker's has arrived; the
         stage then adopts the mean. The slowest stage's exchange delays the iteration."""
@@ -341,7 +345,7 @@ class SyncModel:
             t = self._t(self.devices[i].type)
             state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
             if state:
-                answer = 2 * rt.latency_s + state * rt.wave_byte_s
+                answer = reduce_answer_s(rt, state, vws, self.shards)
                 merge = rt.hop_s + rt.wave_s + state * rt.wave_byte_s
                 out = max(out, answer + merge)
         return float(out)
@@ -696,7 +700,8 @@ def search_formations(
             vws = tuple(best(tuple(g), mg, kind, warmup)
                         for g, mg in zip(groups, ms, strict=True))
             assert all(c is not None for c in vws)
-            x = max(model.exchange_s(c.devices, c.cuts) for c in vws)  # type: ignore[union-attr]
+            x = max(model.exchange_s(c.devices, c.cuts, len(vws))  # type: ignore[union-attr]
+                    for c in vws)
             slowest = max(c.iteration_s for c in vws)  # type: ignore[union-attr]
             out.append(SyncFormation(vws, ms, x, slowest + x, policy))  # type: ignore[arg-type]
     return sorted(out, key=lambda f: f.iteration_s)
@@ -798,7 +803,8 @@ def sync_plan(
         raise PlanError("no device has a profile")
     model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
                       costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS,
-                      (warmup,) if warmup is not None else warmup_ladder(m))
+                      (warmup,) if warmup is not None else warmup_ladder(m),
+                      shards=len(_shard_hosts(cluster)))
     index = {d.name: i for i, d in enumerate(usable)}
     cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
 
@@ -828,8 +834,8 @@ def sync_plan(
             given.append((devs, cuts))
         chosen = _explicit(model, given, warnings)
         ms = (m,) * len(chosen)
-        exchange = max(model.exchange_s(c.devices, c.cuts) for c in chosen) if len(chosen) > 1 \
-            else 0.0
+        exchange = (max(model.exchange_s(c.devices, c.cuts, len(chosen)) for c in chosen)
+                    if len(chosen) > 1 else 0.0)
         how = "explicit"
     else:
         several = num_vws is None or num_vws > 1
