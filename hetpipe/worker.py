@@ -355,8 +355,9 @@ class Worker:
                                   f"{sender} sent {msg.kind} by handle", kind=str(msg.kind))
             return
         # the sender by its key (any of the role's devices where Curve is off)
-        possible = [d for d in senders if msg.user is None or msg.user == worker_user(d)]
-        if msg.get("shm") and not all(map(self._shares_host_with, possible)):
+        if msg.get("shm") and not all(
+                self._shares_host_with(d) for d in senders
+                if msg.user is None or msg.user == worker_user(d)):
             self._refused.warning("data refused: a shared-memory tensor from a peer that is "
                                   "not on this host", str(msg.user),
                                   f"{sender} sent {msg.kind} in shared memory",

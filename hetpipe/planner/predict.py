@@ -429,11 +429,12 @@ def predict(
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
                 new[j] = s
-            taken = all_busy(want, host_n[h])
-            for j in procs:
-                if j < len(workers):
-                    new_busy[j] = taken
-            if laws is not None:
+            if laws is None:  # asynchronous: independent processes, the stage's own included
+                taken = all_busy(want, host_n[h])
+                for j in procs:
+                    if j < len(workers):
+                        new_busy[j] = taken
+            else:
                 # a flush correlates the stages: who computes together comes from the
                 # simulated timeline, the shards (independent of it) are added as before
                 shard_want = [w for j, w in zip(procs, want, strict=True) if j >= len(workers)]
