@@ -2,9 +2,20 @@
 
 A CPU-only machine cannot show how a pipeline behaves on fast and slow GPUs unless the slow
 ones really are slow. A device with ``speed = s < 1`` pads every forward and backward so that
-it takes (measured time) / s, and its ``memory`` is a cap the runtime enforces on the bytes a
-stage keeps alive, counted by the planner's own memory model
+it takes (its work's time) / s, and its ``memory`` is a cap the runtime enforces on the bytes
+a stage keeps alive, counted by the planner's own memory model
 (:mod:`hetpipe.planner.memory`, :meth:`hetpipe.stage.StageCompute.memory`).
+
+**Which clock measures the work.** An emulated device on the host's CPU computes on one
+thread (the worker's torch runs one intra-op thread), so its work is that thread's CPU time
+(:func:`time.thread_time`): the cycles the layers took, co-running cores' cache and memory
+contention included. Time the thread spent descheduled or waiting for the GIL is the host's,
+not the modelled device's; padding the wall clock instead multiplied every such stall by
+1 / s (10x at 0.1), so a slowed device measured its host's contention more than its own
+speed. The pad now sleeps until the wall clock reaches the CPU time / s; a stall longer than
+that still shows (the host really was that slow). Where the CPU time does not cover the work
+(a CUDA device, whose kernels are not the thread's, or torch on several intra-op threads) the
+wall clock stays the measure.
 
 Only a padded device waits for its queued GPU work: measuring the time to pad needs the
 work to have finished. A device running at its own speed (``speed = 1``, every real GPU)
@@ -15,8 +26,40 @@ reports are then the host's (launch) times, not the kernels'.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-__all__ = ["emulated", "pad", "padded_speed", "synchronize"]
+__all__ = [
+    "Mark",
+    "emulated",
+    "mark",
+    "on_thread_clock",
+    "pad",
+    "padded_speed",
+    "synchronize",
+]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """When a piece of work began, on both clocks :func:`pad` may measure it with."""
+
+    wall: float  # time.perf_counter()
+    cpu: float  # time.thread_time() of the thread doing the work
+
+
+def mark() -> Mark:
+    """Start timing a forward or backward on the calling thread (see :func:`pad`)."""
+    return Mark(time.perf_counter(), time.thread_time())
+
+
+def on_thread_clock(device: str) -> bool:
+    """Whether the calling thread's CPU time is the whole of a pass's work on ``device``:
+    a host device with one torch intra-op thread. Else the pad measures the wall clock."""
+    if not device.startswith("cpu"):
+        return False
+    import torch
+
+    return torch.get_num_threads() == 1
 
 
 def emulated(speed: float) -> bool:
@@ -39,16 +82,20 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def pad(started: float, speed: float, device: str) -> float:
-    """Sleep so that the work begun at ``started`` takes (measured)/speed; return the total.
+def pad(started: Mark, speed: float, device: str) -> float:
+    """Sleep so that the work begun at ``started`` takes (its work's time) / speed, on the
+    clock that measures the work (:func:`on_thread_clock`); return its wall-clock time.
 
     Sleeping releases the CPU, so a slowed device does not steal compute from the others on
     the same host: the emulated cluster keeps the relative speeds the config asks for. An
     unslowed device returns at once, without synchronising with its GPU.
     """
     if not emulated(speed):
-        return time.perf_counter() - started
+        return time.perf_counter() - started.wall
     synchronize(device)
-    elapsed = time.perf_counter() - started
-    time.sleep(elapsed * (1.0 / speed - 1.0))
-    return elapsed / speed
+    elapsed = time.perf_counter() - started.wall
+    work = time.thread_time() - started.cpu if on_thread_clock(device) else elapsed
+    rest = work / speed - elapsed
+    if rest > 0:
+        time.sleep(rest)
+    return max(elapsed, work / speed)

@@ -283,7 +283,7 @@ class StageCompute:
         right after in the async kind)."""
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
-        started = time.perf_counter()
+        started = emulate.mark()
         x = self._to_device(x)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
@@ -466,7 +466,7 @@ class StageCompute:
         The weights' gradients wait for :meth:`step`: kept per minibatch (async) or summed
         over the iteration, weighted by samples (sync).
         """
-        started = time.perf_counter()
+        started = emulate.mark()
         flight = self.in_flight.pop(p)
         if flight.recompute:
             self._rerun(p, flight)

@@ -305,6 +305,7 @@ def _ddp_train(
     from torch.nn.parallel import DistributedDataParallel
 
     from hetpipe.data import MinibatchStream, evaluate, load_dataset
+    from hetpipe.emulate import mark as start
     from hetpipe.emulate import pad
     from hetpipe.models import build_model
 
@@ -321,16 +322,16 @@ def _ddp_train(
     )
     stream = MinibatchStream(ds, a["minibatch"], seed, rank, world)
     total = a["epochs"] * stream.per_epoch
-    mark = {"t": 0.0, "compute": 0.0}
+    mark: dict[str, Any] = {"t": start(), "compute": 0.0}
 
     # no annotations: DDP compares them literally with dist.GradBucket / Future[Tensor], and
     # this module's annotations are strings
     def hook(_state, bucket):  # type: ignore[no-untyped-def]
         # the bucket's gradients are computed: pad that compute, then all-reduce them
-        mark["compute"] += time.perf_counter() - mark["t"]
+        mark["compute"] += time.perf_counter() - mark["t"].wall
         pad(mark["t"], speed, "cpu")
         fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
-        mark["t"] = time.perf_counter()
+        mark["t"] = start()
         return fut
 
     ddp.register_comm_hook(None, hook)
@@ -342,16 +343,16 @@ def _ddp_train(
     step = 0
     while step < min(total, stop_at.value):
         x, y = stream.batch(step)
-        t0 = time.perf_counter()
+        t0 = start()
         loss = F.cross_entropy(ddp(x), y)
-        mark["compute"] += time.perf_counter() - t0
+        mark["compute"] += time.perf_counter() - t0.wall
         pad(t0, speed, "cpu")
-        mark["t"] = time.perf_counter()
+        mark["t"] = start()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = start()
         opt.step()
         opt.zero_grad()
-        mark["compute"] += time.perf_counter() - t2
+        mark["compute"] += time.perf_counter() - t2.wall
         pad(t2, speed, "cpu")
         step += 1
         if rank != 0:

@@ -49,6 +49,17 @@ def test_corun_slows_cores_that_compute_together():
     assert slowdowns([1.0], 2, corun=0.2) == [1.0]
 
 
+def test_padded_compute_sleeps_off_a_share_of_a_core():
+    """A device padded to its CPU time / speed (hetpipe.emulate.pad) loses nothing to a
+    share of a core down to its speed: four always-busy devices at 0.5 on two cores compute
+    at their own speed, at 0.75 they lose a third, unpadded half. Co-running cores' cache
+    and memory contention costs cycles, so it counts whatever the speed."""
+    assert slowdowns([1.0] * 4, 2, speeds=[0.5] * 4) == pytest.approx([1.0] * 4)
+    assert slowdowns([1.0] * 4, 2, speeds=[0.75] * 4) == pytest.approx([1.5] * 4)
+    assert slowdowns([1.0] * 4, 2, speeds=[1.0] * 4) == slowdowns([1.0] * 4, 2)
+    assert slowdowns([1.0] * 2, 2, corun=0.2, speeds=[0.5] * 2) == pytest.approx([1.2] * 2)
+
+
 def test_all_busy_is_the_chance_that_every_core_is_taken():
     assert all_busy([1.0, 1.0], 2) == pytest.approx(1.0)
     assert all_busy([0.5, 0.5], 2) == pytest.approx(0.25)
@@ -168,6 +179,23 @@ def test_padded_and_gpu_devices_want_less_of_the_host():
     gpus = [dev(f"c{i}", "slow", speed=0.25, device=f"cuda:{i}") for i in range(4)]
     pred = predict(model, one_stage(model, gpus), minibatch=8, staleness=0, cores=2)
     assert flat(pred.slowdown) == pytest.approx([1.0] * 4, abs=1e-6)
+
+
+def test_a_padded_device_computes_at_its_speed_while_the_cores_it_shares_suffice():
+    """Eight devices at speed 0.25 on two cores want two cores' worth of compute: their
+    event loops wait for a core, but their padded compute loses nothing (the pad sleeps
+    less), so the job runs at eight times one device's rate."""
+    prof = flat_profile({"slow": 0.25})
+    costs = dataclasses.replace(RuntimeCosts.zero(), hop_s=1e-9)
+    model = CostModel(prof, bw, 0, costs, {"slow": 0.25})
+    slow = [dev(f"s{i}", "slow", speed=0.25) for i in range(8)]
+    alone = predict(model, one_stage(model, slow[:1]), minibatch=8, staleness=0, cores=2)
+    eight = predict(model, one_stage(model, slow), minibatch=8, staleness=0, cores=2)
+    assert min(flat(eight.slowdown)) > 1.5
+    assert flat(eight.pad_slowdown) == pytest.approx([1.0] * 8)
+    assert eight.sim.job_samples_per_s == pytest.approx(8 * alone.sim.job_samples_per_s,
+                                                        rel=0.01)
+    assert eight.compute_s(0, 0) == pytest.approx(alone.compute_s(0, 0))
 
 
 def test_stage_costs_follow_the_runtime():

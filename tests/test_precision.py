@@ -6,7 +6,6 @@ the job runs, and the pushes of a virtual worker alone in its job batched by
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -195,8 +194,8 @@ def test_an_unslowed_device_never_waits_for_its_gpu(monkeypatch: pytest.MonkeyPa
 
     waited: list[str] = []
     monkeypatch.setattr(emulate, "synchronize", waited.append)
-    emulate.pad(0.0, 1.0, "cuda:0")
-    emulate.pad(0.0, 2.0, "cuda:0")
+    emulate.pad(emulate.mark(), 1.0, "cuda:0")
+    emulate.pad(emulate.mark(), 2.0, "cuda:0")
     assert waited == []
-    emulate.pad(time.perf_counter(), 0.5, "cuda:1")
+    emulate.pad(emulate.mark(), 0.5, "cuda:1")
     assert waited == ["cuda:1"]

@@ -16,9 +16,11 @@ as a fixed point with the simulated rates:
    sleeps) and its event loop's work, a shard for applying pushes and answering pulls; rate x
    CPU seconds per minibatch x slowdown is the fraction of time each wants a core;
 4. processor sharing on each host's cores gives new slowdowns; repeat (damped) until they
-   settle. The workers of a synchronous job are not independent (a flush decides who
-   computes at once): there the law of who else wants a core comes from the simulated
-   timeline (:func:`_timeline_laws`).
+   settle. A padded device's compute has its own: the runtime pads it to its CPU time /
+   speed (:func:`hetpipe.emulate.pad`), so a share of a core down to ``speed`` only fills
+   time the pad would sleep (:func:`.runtime.slowdown_of`). The workers of a synchronous
+   job are not independent (a flush decides who computes at once): there the law of who
+   else wants a core comes from the simulated timeline (:func:`_timeline_laws`).
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
 """
@@ -76,10 +78,26 @@ class StageCost:
     # per wave: its state's time on the links to shards on other hosts (a push's way there,
     # and a pull's way back: :func:`.placement.shard_flights`); link time, not CPU
     shard_link_s: float = 0.0
+    # the speed the runtime pads this stage's compute to on its thread's CPU time (1: no
+    # such pad; :func:`hetpipe.emulate.pad`), and the unpadded async update inside the
+    # backward task (the last async stage: its one task)
+    pad_speed: float = 1.0
+    update_in_task_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
         return self.compute_fwd_s + self.compute_bwd_s
+
+    def tasks_s(self, slow: float, pad_slow: float, cold: float) -> tuple[float, float]:
+        """The forward and backward tasks' compute when the worker's CPU work runs ``slow``
+        times slower, its padded compute ``pad_slow`` times (a share of a core down to
+        ``pad_speed`` only fills what the pad would sleep: :func:`.runtime.slowdown_of`) and
+        a cold start costs ``cold`` times the work."""
+        upd = self.update_in_task_s
+        in_fwd = upd if not self.compute_bwd_s else 0.0
+        in_bwd = upd - in_fwd
+        return (cold * (pad_slow * (self.compute_fwd_s - in_fwd) + slow * in_fwd),
+                cold * (pad_slow * (self.compute_bwd_s - in_bwd) + slow * in_bwd))
 
 
 @dataclass(frozen=True)
@@ -92,10 +110,13 @@ class Prediction:
     wake: tuple[tuple[float, ...], ...]  # per VW, per stage: the expected wait of a wake-up
     cold: tuple[tuple[float, ...], ...]  # per VW, per stage: compute stretch from cold starts
     rounds: int  # fixed-point rounds run
+    # per VW, per stage: its padded compute's slowdown (:meth:`StageCost.tasks_s`)
+    pad_slowdown: tuple[tuple[float, ...], ...] = ()
 
     def compute_s(self, v: int, i: int) -> float:
         """Predicted compute per minibatch of stage i of VW v (the runtime's ``time_s``)."""
-        return self.slowdown[v][i] * self.cold[v][i] * self.costs[v][i].compute_s
+        pad = self.pad_slowdown[v][i] if self.pad_slowdown else self.slowdown[v][i]
+        return sum(self.costs[v][i].tasks_s(self.slowdown[v][i], pad, self.cold[v][i]))
 
     def busy_s(self, v: int, i: int, nm: int) -> float:
         """Predicted busy time per minibatch: compute, sends, push, merge and step, and the
@@ -252,6 +273,8 @@ def stage_costs(
                 rt.hop_s,
                 exchange,
                 to_shards,
+                speed if on_cpu else 1.0,
+                in_backward,
             )
         )
     return tuple(out)
@@ -281,23 +304,27 @@ def _sim_vw(
     minibatch: int,
     schedule: str = "async",
     warmup: int = 0,
+    pad_slow: Sequence[float] | None = None,
 ) -> SimVW:
-    """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown,
-    plus the wait of each wake-up (two per hand-off to the compute thread and back, two per
-    pull, one per message). The hand-off's hop and wake-ups are ``handoff_s``, paid once per
-    hand-off whatever actions join it (the runtime's rule, which the simulator follows)."""
+    """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown
+    (padded compute by ``pad_slow``, default the same), plus the wait of each wake-up (two
+    per hand-off to the compute thread and back, two per pull, one per message). The
+    hand-off's hop and wake-ups are ``handoff_s``, paid once per hand-off whatever actions
+    join it (the runtime's rule, which the simulator follows)."""
     stages = []
-    for c, k, w, h in zip(costs, slow, wake, cold, strict=True):
+    pads = slow if pad_slow is None else pad_slow
+    for c, k, g, w, h in zip(costs, slow, pads, wake, cold, strict=True):
         bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
         # a replicated stage's exchange follows its backward (the last async stage's one
         # task), before the step: time on the links, not the host's cores, and the wake-ups
         # of the replica waiting for the others' gradients (as a pull's)
         exchange = c.exchange_s + 2 * w if c.exchange_s else 0.0
         after_fwd = exchange if not c.compute_bwd_s else 0.0
+        fwd, bwd = c.tasks_s(k, g, h)
         stages.append(
             SimStage(
-                k * (h * c.compute_fwd_s + c.loop_fwd_s - c.hop_s) + after_fwd,
-                k * (h * c.compute_bwd_s + c.loop_bwd_s - bwd_hop) + exchange - after_fwd,
+                fwd + k * (c.loop_fwd_s - c.hop_s) + after_fwd,
+                bwd + k * (c.loop_bwd_s - bwd_hop) + exchange - after_fwd,
                 k * (c.push_s - c.hop_s) if c.push_s else 0.0,
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
@@ -381,10 +408,12 @@ def predict(
     )
     synchronous = schedule != "async"
     slow = [1.0] * n_proc
+    pad_slow = [1.0] * n_proc  # of the padded compute (:meth:`StageCost.tasks_s`)
     # per worker: the chance that a wake-up of one of its threads finds every core of its
     # host taken (an asynchronous job: all its host's cores; a synchronous one: by others)
     busy = [0.0] * len(workers)
     flat = [costs[v][i] for v, i, _ in workers]
+    speeds = [c.pad_speed for c in flat] + [1.0] * len(shard_list)
     cold = [1.0 + rt.cold * (c.always_cold or c.on_cpu) for c in flat]  # refined below
     sim: SimResult | None = None
     rounds = 0
@@ -402,6 +431,7 @@ def predict(
                 minibatch,
                 schedule,
                 warmup,
+                per_stage(pad_slow, v),
             )
             for v, (_, p) in enumerate(chosen)
         ]
@@ -422,6 +452,7 @@ def predict(
         for j in range(len(shard_list)):
             demand[len(workers) + j] = shard_total / len(shard_list)
         new = list(slow)
+        new_pad = list(pad_slow)
         new_busy = list(busy)
         laws = (_timeline_laws(sim, sims, costs, workers, [rt.wake_s * b for b in busy])
                 if synchronous else None)
@@ -429,6 +460,9 @@ def predict(
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
                 new[j] = s
+            padded = slowdowns(want, host_n[h], rt.corun, [speeds[j] for j in procs])
+            for j, s in zip(procs, padded, strict=True):
+                new_pad[j] = s
             if laws is None:  # asynchronous: independent processes, the stage's own included
                 taken = all_busy(want, host_n[h])
                 for j in procs:
@@ -442,7 +476,9 @@ def predict(
                 per, idle = laws([j for j in procs if j < len(workers)])
                 for j, law in per.items():
                     if law is not None:
-                        new[j] = slowdown_of(count_law(shard_want, law), host_n[h], rt.corun)
+                        with_shards = count_law(shard_want, law)
+                        new[j] = slowdown_of(with_shards, host_n[h], rt.corun)
+                        new_pad[j] = slowdown_of(with_shards, host_n[h], rt.corun, speeds[j])
                     # a wake-up that holds the stage up comes while the stage waits: its
                     # thread finds every core taken when the others take them all then
                     others = idle[j] if idle[j] is not None else law
@@ -458,13 +494,15 @@ def predict(
         ]
         settled = (
             all(abs(x - y) <= TOLERANCE * y for x, y in zip(new, slow, strict=True))
+            and all(abs(x - y) <= TOLERANCE * y for x, y in zip(new_pad, pad_slow, strict=True))
             and all(abs(x - y) <= TOLERANCE for x, y in zip(new_busy, busy, strict=True))
             and all(abs(x - y) <= TOLERANCE * y for x, y in zip(new_cold, cold, strict=True))
         )
         if settled:
-            slow, busy, cold = new, new_busy, new_cold
+            slow, pad_slow, busy, cold = new, new_pad, new_busy, new_cold
         else:
             slow = [(x + y) / 2 for x, y in zip(new, slow, strict=True)]
+            pad_slow = [(x + y) / 2 for x, y in zip(new_pad, pad_slow, strict=True)]
             busy = [(x + y) / 2 for x, y in zip(new_busy, busy, strict=True)]
             cold = [(x + y) / 2 for x, y in zip(new_cold, cold, strict=True)]
     wake_of = [rt.wake_s * b for b in busy]
@@ -472,7 +510,8 @@ def predict(
     assert sim is not None
     return Prediction(sim, costs, tuple(tuple(per_stage(slow, u)) for u in n_vws),
                       tuple(tuple(per_stage(wake_of, u)) for u in n_vws),
-                      tuple(tuple(per_stage(cold, u)) for u in n_vws), rounds)
+                      tuple(tuple(per_stage(cold, u)) for u in n_vws), rounds,
+                      tuple(tuple(per_stage(pad_slow, u)) for u in n_vws))
 
 
 def _timeline_laws(

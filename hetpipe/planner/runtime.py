@@ -145,7 +145,12 @@ def host_cores(cores: int | Mapping[str, int] | None, node: str) -> int:
     return int(n)
 
 
-def slowdowns(activity: Sequence[float], cores: int, corun: float = 0.0) -> list[float]:
+def slowdowns(
+    activity: Sequence[float],
+    cores: int,
+    corun: float = 0.0,
+    speeds: Sequence[float] | None = None,
+) -> list[float]:
     """Each process's slowdown when processes share ``cores`` cores.
 
     Process i wants a core a fraction ``activity[i]`` of the time, independently of the
@@ -153,12 +158,15 @@ def slowdowns(activity: Sequence[float], cores: int, corun: float = 0.0) -> list
     and that core runs ``1 + corun * min(n, cores - 1) / (cores - 1)`` times slower for the
     other busy cores; its work stretches by the inverse of the share it gets on average. The
     count of others follows a Poisson-binomial law, computed exactly (O(n^2) per process).
+    ``speeds``: per process, the emulation speed its compute is padded to (see
+    :func:`slowdown_of`; default 1, the slowdown of unpadded work).
     """
     a = [min(1.0, max(0.0, float(x))) for x in activity]
     if len(a) <= cores and corun == 0.0:
         return [1.0] * len(a)
     return [
-        slowdown_of(count_law([aj for j, aj in enumerate(a) if j != i]), cores, corun)
+        slowdown_of(count_law([aj for j, aj in enumerate(a) if j != i]), cores, corun,
+                    speeds[i] if speeds is not None else 1.0)
         for i in range(len(a))
     ]
 
@@ -179,12 +187,17 @@ def count_law(activity: Sequence[float], base: Sequence[float] = (1.0,)) -> list
     return dist
 
 
-def slowdown_of(others: Sequence[float], cores: int, corun: float = 0.0) -> float:
+def slowdown_of(others: Sequence[float], cores: int, corun: float = 0.0,
+                speed: float = 1.0) -> float:
     """The slowdown of a process whose wanting a core meets ``others[n]`` = P(n others want
-    one then) (see :func:`slowdowns`; the law may come from a timeline, not independence)."""
+    one then) (see :func:`slowdowns`; the law may come from a timeline, not independence).
+
+    ``speed`` < 1: the slowdown of compute an emulated device pads to its CPU time / speed
+    (:func:`hetpipe.emulate.pad`): co-running cores' contention costs it cycles, so it still
+    counts, but a share of a core down to ``speed`` only fills time the pad would sleep."""
     spare = max(1, cores - 1)
     share = sum(
-        p * min(1.0, cores / (n + 1)) / (1.0 + corun * min(n, spare) / spare)
+        p / ((1.0 + corun * min(n, spare) / spare) * max(1.0, speed * max(1.0, (n + 1) / cores)))
         for n, p in enumerate(others)
     )
     return 1.0 / share if share > 0 else math.inf

@@ -1,0 +1,99 @@
+"""The emulation's pad: which clock measures a slowed device's work (hetpipe.emulate)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hetpipe import emulate
+
+
+@pytest.fixture
+def sleeps() -> list[float]:
+    """The pad's sleeps, once :func:`_record` has patched them (after the test's own)."""
+    return []
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, asked: list[float]) -> None:
+    """Record the pad's sleeps in ``asked`` instead of sleeping them."""
+    monkeypatch.setattr(emulate.time, "sleep", asked.append)
+
+
+def _spin(cpu_s: float) -> None:
+    """Compute (not wait) for ``cpu_s`` seconds of this thread's CPU time."""
+    until = time.thread_time() + cpu_s
+    x = 0
+    while time.thread_time() < until:
+        x += 1
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_host_device_does_not_pad_a_stall(
+    monkeypatch: pytest.MonkeyPatch, sleeps: list[float], one_thread: None
+) -> None:
+    """Time the compute thread did not run (descheduled, waiting for the GIL) is the host's,
+    not the emulated device's: the pad does not stretch it by 1 / speed."""
+    started = emulate.mark()
+    time.sleep(0.05)  # a stall: no CPU time
+    _record(monkeypatch, sleeps)
+    took = emulate.pad(started, 0.5, "cpu")
+    assert sleeps == []
+    assert took >= 0.05
+
+
+def test_a_host_device_pads_its_cpu_time(
+    monkeypatch: pytest.MonkeyPatch, sleeps: list[float], one_thread: None
+) -> None:
+    """The work's CPU time over the speed is the pass's time, however long the wall says."""
+    started = emulate.mark()
+    _spin(0.03)
+    _record(monkeypatch, sleeps)
+    took = emulate.pad(started, 0.25, "cpu")
+    work = time.thread_time() - started.cpu
+    assert len(sleeps) == 1
+    assert 0.03 / 0.25 <= took <= work / 0.25
+    # it slept the rest of the way from where the wall clock stood
+    assert sleeps[0] == pytest.approx(took - (time.perf_counter() - started.wall), abs=0.02)
+
+
+def test_the_wall_clock_measures_work_the_thread_does_not_do(
+    monkeypatch: pytest.MonkeyPatch, sleeps: list[float]
+) -> None:
+    """A CUDA device's kernels and torch's other intra-op threads are not this thread's CPU
+    time: there the wall clock measures the pass, stalls and all."""
+    monkeypatch.setattr(emulate, "synchronize", lambda device: None)
+    before = torch.get_num_threads()
+    try:
+        for device, threads in (("cuda:0", 1), ("cpu", 2)):
+            torch.set_num_threads(threads)
+            assert not emulate.on_thread_clock(device)
+            started = emulate.mark()
+            time.sleep(0.02)
+            with monkeypatch.context() as m:
+                asked: list[float] = []
+                m.setattr(emulate.time, "sleep", asked.append)
+                took = emulate.pad(started, 0.5, device)
+            assert len(asked) == 1 and asked[0] >= 0.02
+            assert took >= 0.04
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_unslowed_device_is_never_padded(
+    monkeypatch: pytest.MonkeyPatch, sleeps: list[float], one_thread: None
+) -> None:
+    started = emulate.mark()
+    _spin(0.01)
+    _record(monkeypatch, sleeps)
+    assert emulate.pad(started, 1.0, "cpu") >= 0.01
+    assert sleeps == []
