@@ -109,14 +109,14 @@ class Prediction:
     slowdown: tuple[tuple[float, ...], ...]  # per VW, per stage: its worker's slowdown
     wake: tuple[tuple[float, ...], ...]  # per VW, per stage: the expected wait of a wake-up
     cold: tuple[tuple[float, ...], ...]  # per VW, per stage: compute stretch from cold starts
-    rounds: int  # fixed-point rounds run
     # per VW, per stage: its padded compute's slowdown (:meth:`StageCost.tasks_s`)
-    pad_slowdown: tuple[tuple[float, ...], ...] = ()
+    pad_slowdown: tuple[tuple[float, ...], ...]
+    rounds: int  # fixed-point rounds run
 
     def compute_s(self, v: int, i: int) -> float:
         """Predicted compute per minibatch of stage i of VW v (the runtime's ``time_s``)."""
-        pad = self.pad_slowdown[v][i] if self.pad_slowdown else self.slowdown[v][i]
-        return sum(self.costs[v][i].tasks_s(self.slowdown[v][i], pad, self.cold[v][i]))
+        return sum(self.costs[v][i].tasks_s(self.slowdown[v][i], self.pad_slowdown[v][i],
+                                            self.cold[v][i]))
 
     def busy_s(self, v: int, i: int, nm: int) -> float:
         """Predicted busy time per minibatch: compute, sends, push, merge and step, and the
@@ -510,8 +510,8 @@ def predict(
     assert sim is not None
     return Prediction(sim, costs, tuple(tuple(per_stage(slow, u)) for u in n_vws),
                       tuple(tuple(per_stage(wake_of, u)) for u in n_vws),
-                      tuple(tuple(per_stage(cold, u)) for u in n_vws), rounds,
-                      tuple(tuple(per_stage(pad_slow, u)) for u in n_vws))
+                      tuple(tuple(per_stage(cold, u)) for u in n_vws),
+                      tuple(tuple(per_stage(pad_slow, u)) for u in n_vws), rounds)
 
 
 def _timeline_laws(
