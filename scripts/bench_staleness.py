@@ -162,6 +162,12 @@ def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> di
         "peak_bytes": [stages[w]["stats"]["peak_bytes"] for w in sorted(stages)],
         "prediction_quality": [stages[w]["stats"].get("prediction_quality")
                                for w in sorted(stages)],
+        # per stage, its padded forward and backward per minibatch: against 1000 / the
+        # arm's minibatches/s, how busy the bottleneck was and what it computed
+        "compute_ms": [1e3 * (st["forward_s"] + st["backward_s"]) / max(1, st["forwards"])
+                       for st in (stages[w]["stats"] for w in sorted(stages))],
+        # per stage, the share of its time it waited for an input (its schedule's bubbles)
+        "bubble": [stages[w]["stats"]["shares"].get("bubble") for w in sorted(stages)],
         "host_cpu": util, "own_cores": own, "wall_s": wall, "curve": curve,
     }
 

@@ -16,10 +16,11 @@ against the profile two ways:
 
 Then a least-squares fit of ``stage - predicted = a + (n - 1) b``: ``b`` is the bias per
 layer a stage of more layers gets (0 for an unbiased profile), ``a`` what every stage pays
-beyond its layers (the runtime's per-task costs, ``RuntimeCosts.task_s`` and ``cold``). The
-last two fits are of the planner's compute prediction itself (the default
-:class:`~hetpipe.planner.runtime.RuntimeCosts`: two tasks' ``task_s`` padded, times
-``1 + cold`` on a padded device, which starts every task cold), from each profile.
+beyond its layers (the runtime's per-task costs, ``RuntimeCosts.task_s``). The last two
+fits are of the planner's compute prediction itself (the default
+:class:`~hetpipe.planner.runtime.RuntimeCosts`: two tasks' ``task_s`` padded; a stage timed
+back to back, and a padded one, pays no ``cold``: :attr:`hetpipe.planner.predict.StageCost.cools`),
+from each profile.
 
     python scripts/probe_call_term.py [--speed 0.1] [--repeats 25] [--sizes 1 2 4 8 16]
 """
@@ -152,7 +153,7 @@ def main() -> int:
     rc = RuntimeCosts()
 
     def planner(x: float) -> float:
-        return (x + 2 * rc.task_s / min(1.0, args.speed)) * (1 + rc.cold * (args.speed < 1))
+        return x + 2 * rc.task_s / min(1.0, args.speed)
 
     fits = (("gross (sum of layers)", old), ("net + call term", new),
             ("net + call term, step unpadded", unpadded),

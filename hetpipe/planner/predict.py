@@ -70,7 +70,6 @@ class StageCost:
     cpu_s: float  # CPU seconds per minibatch of the worker on an idle host
     shard_cpu_s: float  # CPU seconds per wave of the shards for this stage
     compute_cpu_s: float = 0.0  # the part of cpu_s that is compute (cools down when idle)
-    always_cold: bool = False  # a padded device sleeps after every task: each starts cold
     on_cpu: bool = True  # computes on the host's cores (an emulated device)
     step_s: float = 0.0  # synchronous kinds: the iteration's optimizer step (unpadded)
     hop_s: float = 0.0  # a hand-off's own CPU, in each loop above that is not 0 and in push_s
@@ -87,6 +86,16 @@ class StageCost:
     @property
     def compute_s(self) -> float:
         return self.compute_fwd_s + self.compute_bwd_s
+
+    @property
+    def cools(self) -> bool:
+        """Whether a task of this stage costs more after its thread idled
+        (``RuntimeCosts.cold``): an unpadded device on the host's cores. A GPU's kernels do
+        not run on the host's caches and clocks; a padded device's pad counts its thread's
+        CPU time (:func:`hetpipe.emulate.pad`), and measured so, its compute shows no cold
+        start (0.79-0.94 of the prediction with one, mean 0.87 = 1 / 1.15, over nine
+        padded stages of the default cluster, where the wall-clock pad had shown one)."""
+        return self.on_cpu and self.pad_speed >= 1.0
 
     def tasks_s(self, slow: float, pad_slow: float, cold: float) -> tuple[float, float]:
         """The forward and backward tasks' compute when the worker's CPU work runs ``slow``
@@ -267,7 +276,6 @@ def stage_costs(
                 cpu + (push + merge) / p.nm,
                 shard_cpu,
                 compute_cpu,
-                on_cpu and speed < 1.0,
                 on_cpu,
                 step,
                 rt.hop_s,
@@ -414,7 +422,7 @@ def predict(
     busy = [0.0] * len(workers)
     flat = [costs[v][i] for v, i, _ in workers]
     speeds = [c.pad_speed for c in flat] + [1.0] * len(shard_list)
-    cold = [1.0 + rt.cold * (c.always_cold or c.on_cpu) for c in flat]  # refined below
+    cold = [1.0 + rt.cold * c.cools for c in flat]  # refined below
     sim: SimResult | None = None
     rounds = 0
     settled = False
@@ -484,12 +492,9 @@ def predict(
                     others = idle[j] if idle[j] is not None else law
                     new_busy[j] = sum(p * sum(shard_law[max(0, host_n[h] - c):])
                                       for c, p in enumerate(others or [1.0]))
-        # a task starts cold after its thread idled: always on a padded device (it sleeps
-        # after every task), else as often as the stage is not busy
+        # a task starts cold after its thread idled, as often as the stage is not busy
         new_cold = [
-            1.0 + rt.cold * (1.0 if c.always_cold else (1.0 - min(1.0, sim.busy[v][i])))
-            if c.on_cpu
-            else 1.0
+            1.0 + rt.cold * (1.0 - min(1.0, sim.busy[v][i])) if c.cools else 1.0
             for c, (v, i, _) in zip(flat, workers, strict=True)
         ]
         settled = (

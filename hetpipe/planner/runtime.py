@@ -71,8 +71,9 @@ class RuntimeCosts:
                             in proportion to the other cores busy when fewer are
     ``cold``                how much more a compute task costs when its thread was idle
                             before it (caches and clocks cool down; a profile times layers
-                            back to back): every task of a padded device, which sleeps
-                            after each, and the idle share of the others' tasks
+                            back to back): the idle share of an unpadded host device's
+                            tasks (a padded one's pad counts CPU time and shows none:
+                            :attr:`.predict.StageCost.cools`)
     ======================  ==============================================================
     """
 
