@@ -22,6 +22,10 @@ of its later speed). ``--repeats N`` runs the arms N times in turns (stash, pred
 stash, predict, ...); each arm's samples/s is then the median of its N runs, the rest is its
 first run's.
 
+**On a GPU** (``--device cuda:N``): all k stages on that one GPU at its own speed (no
+padding, no speed scale), as the staleness was first seen: ``--tasks gpt512`` is the GPT of
+``bench_gpu.py`` (dim 512, 8 blocks, seq 128) at SGD lr 0.01, momentum 0.9.
+
 **A global speed scale** (``--speed-scale``, default 0.1): every emulated device runs at
 that speed, i.e. each forward and backward is padded to (its CPU time) / scale
 (:func:`hetpipe.emulate.pad`), so the devices spend most of their time waiting as slower
@@ -87,8 +91,17 @@ TASKS: dict[str, dict[str, Any]] = {
                                                    "n_train": 4096, "n_test": 512}},
             "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
             "minibatch": 32, "target": 0.2},
+    # the GPT of bench_gpu.py (25.5 M parameters), at the settings the staleness was first
+    # seen with on one GPU (SGD lr 0.01, momentum 0.9): for --device cuda:N
+    "gpt512": {"model": {"name": "gpt", "args": {"vocab": 256, "seq": 128, "dim": 512,
+                                                 "heads": 8, "blocks": 8}},
+               "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": 128,
+                                                      "vocab": 256, "n_train": 4096,
+                                                      "n_test": 256}},
+               "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+               "minibatch": 32, "target": 0.2},
 }
-N_LAYERS = {"cnn": 16, "gpt": 11}
+N_LAYERS = {"cnn": 16, "gpt": 11, "gpt512": 11}
 
 
 def even_split(n_layers: int, k: int) -> list[int]:
@@ -235,12 +248,16 @@ def lr_overrides(ap: Any, items: list[str]) -> dict[str, float]:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=["cnn", "gpt"], choices=list(TASKS))
     ap.add_argument("--ks", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--minibatches", type=int, default=200, help="per arm (same samples)")
     ap.add_argument("--speed-scale", type=float, default=0.1,
                     help="every emulated device's speed (global scale; see the docs)")
+    ap.add_argument("--device", default="cpu",
+                    help="where every stage computes: emulated devices on the host's cores "
+                    "at --speed-scale (cpu), or all k stages on one GPU at its own speed "
+                    "(cuda:N; e.g. --tasks gpt512)")
     ap.add_argument("--eval-every", type=float, default=3.0)
     ap.add_argument("--bn-recalibrate", type=int, default=16,
                     help="cnn: batch-norm minibatches re-estimated before the evaluations")
@@ -257,6 +274,8 @@ def main() -> None:
                     "plot all")
     args = ap.parse_args()
     args.lr = lr_overrides(ap, args.lr)
+    if args.device != "cpu" and not args.device.startswith("cuda:"):
+        ap.error(f"--device: expected cpu or cuda:N, got {args.device!r}")
     if args.repeats < 1:
         ap.error(f"--repeats: expected at least 1, got {args.repeats}")
     # a stop (SIGTERM) unwinds like an error: the clusters' daemons are stopped on the way out
@@ -276,6 +295,8 @@ def main() -> None:
             root = Path(tmp) / f"k{k}"
             root.mkdir()
             devices = [DeviceDef(f"gpu{i}", "fast", "256MiB", args.speed_scale)
+                       if args.device == "cpu" else
+                       DeviceDef(f"gpu{i}", "gpu", "16GiB", 1.0, args.device)
                        for i in range(k)]
             (root / "cluster.toml").write_text(cluster_toml(devices, shards=1))
             with LocalCluster(root / "cluster.toml", root / "run", timeout=120) as cluster:
@@ -313,7 +334,8 @@ def main() -> None:
         print(f"{key}: {'n/a' if v is None else f'{v:.3f}'}")
     print(f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
           f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
-          f"{max(r['own_cores'] for r in results):.2f} cores (speed scale {args.speed_scale})")
+          f"{max(r['own_cores'] for r in results):.2f} cores ("
+          + (f"speed scale {args.speed_scale})" if args.device == "cpu" else f"{args.device})"))
     print(f"plot: {args.png} (figures beside it: {args.png.with_suffix('.json')})")
     if args.json:
         emit_json(summary(results, args))
@@ -321,7 +343,8 @@ def main() -> None:
 
 def summary(results: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """The JSON object of ``--json``: the headline figures, the settings and every arm."""
-    return {**headline(results), "speed_scale": args.speed_scale,
+    return {**headline(results), "device": args.device,
+            "speed_scale": args.speed_scale if args.device == "cpu" else None,
             "host_cpu_max": max(r["host_cpu"] for r in results),
             "own_cores_max": max(r["own_cores"] for r in results),
             "minibatches": args.minibatches, "arms": results, "machine": machine(),
