@@ -17,7 +17,7 @@ arms (``--png``), redrawn after every turn of the arms with the figures so far b
 (the same name ending ``.json``), so a study cut short keeps the arms it ran.
 
 Each fresh cluster first runs an untimed short job of each task (a fresh worker's first job
-pays imports and the model's first passes: the first timed arm would have run at 0.68-0.98
+pays imports and the model's first passes: the first timed arm would have run at 0.66-0.92
 of its later speed). ``--repeats N`` runs the arms N times in turns (stash, predict, ...,
 stash, predict, ...); each arm's samples/s is then the median of its N runs, the rest is its
 first run's.
@@ -139,7 +139,7 @@ def repeat(kept: dict[str, Any], again: dict[str, Any]) -> None:
 def warm_up(cluster: LocalCluster, task: str, k: int, args: Any) -> None:
     """An untimed short job of ``task`` before its timed arms: a fresh worker's first job
     pays imports, the data and the model's first passes, which would fall on whichever arm
-    ran first (measured: ``stash`` first on a fresh cluster ran at 0.68-0.98 of its speed
+    ran first (measured: ``stash`` first on a fresh cluster ran at 0.66-0.92 of its speed
     as a later arm)."""
     spec = job(task, "stash", k, args)
     spec["name"] += "-warm-up"
