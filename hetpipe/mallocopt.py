@@ -47,5 +47,4 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES)) and bool(
-        mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)
-    )
+        mallopt(M_MMAP_THRESHOLD, MMAP_BYTES))
