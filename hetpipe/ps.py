@@ -20,7 +20,6 @@ import zmq
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
-from hetpipe.mallocopt import keep_freed_memory
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import KeysError, shard_user
 from hetpipe.shard import ShardError, ShardStore
@@ -268,7 +267,6 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
     # one intra-op thread: shard updates are memory-bound, and idle OpenMP threads spinning
     # after each add would take cores from the workers on the same host
     torch.set_num_threads(1)
-    keep_freed_memory()
     try:
         cluster = load_cluster(cluster_path)
     except ConfigError as exc:

@@ -27,7 +27,6 @@ from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
-from hetpipe.mallocopt import keep_freed_memory
 from hetpipe.pipeline import StageRunner
 from hetpipe.profiling import measure
 from hetpipe.ratelog import Throttle, excerpt
@@ -472,7 +471,6 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
                                    "but this torch has no CUDA device")
     torch.set_num_threads(max(1, threads))
-    keep_freed_memory()
     try:
         asyncio.run(serve(cluster, spec, head=head, ready_file=ready_file))
     except KeysError as exc:
