@@ -73,7 +73,7 @@ def test_a_host_device_pads_its_cpu_time(
 
 
 def test_the_wall_clock_measures_work_the_thread_does_not_do(
-    monkeypatch: pytest.MonkeyPatch, sleeps: list[float]
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A CUDA device's kernels and torch's other intra-op threads are not this thread's CPU
     time: there the wall clock measures the pass, stalls and all."""
