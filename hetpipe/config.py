@@ -196,6 +196,8 @@ class RuntimeSpec:
     jobs_kept: int = 20  # finished jobs the head keeps in memory; older ones live on disk
     cuda_ipc: bool = True  # stages on GPUs of one host pass tensors device to device
     host_shm: bool = True  # stages of one host pass host tensors through shared memory
+    # a stage's compute runs shorter than this run on its event loop (hetpipe.computethread)
+    inline_ms: int = 20
 
 
 @dataclass(frozen=True)
@@ -350,7 +352,7 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
     keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
-            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm")
+            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm", "inline_ms")
     rt = root.table("runtime", keys)
     heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
                             high=MAX_DURATION_S)
@@ -361,6 +363,7 @@ def _runtime(root: Table) -> RuntimeSpec:
     if frame < MIN_FRAME_BYTES:  # also the limit on headers, which carry job specs and stats
         rt.fail("max_frame_bytes", f"must be >= {format_size(MIN_FRAME_BYTES)}, got {frame}")
     hwm = rt.at_least("hwm", 1, d.hwm, high=MAX_HWM)  # bounded queues give back-pressure
+    beat_ms = int(heartbeat * 1e3) // 4  # the longest a compute may hold the event loop
     log_max = _size(rt, "log_max_bytes", d.log_max_bytes)
     if log_max < MIN_LOG_BYTES:
         rt.fail("log_max_bytes", f"must be >= {format_size(MIN_LOG_BYTES)}, got {log_max}")
@@ -370,6 +373,8 @@ def _runtime(root: Table) -> RuntimeSpec:
         rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
         rt.flag("cuda_ipc", d.cuda_ipc),
         rt.flag("host_shm", d.host_shm),
+        # the event loop serves nothing else meanwhile: heartbeats must still go out
+        rt.at_least("inline_ms", 0, min(d.inline_ms, beat_ms), high=beat_ms),
     )
 
 

@@ -55,8 +55,9 @@ def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
                  shard_ports: Sequence[int] | None = None,
                  heartbeat_s: float = 0.5, lost_after_s: float = 3.0, curve: bool = True,
                  allowed_modules: Sequence[str] = (), cuda_ipc: bool = True,
-                 host_shm: bool = True) -> str:
-    """A cluster file for this host; ports are ephemeral unless given.
+                 host_shm: bool = True, inline_ms: int | None = None) -> str:
+    """A cluster file for this host; ports are ephemeral unless given (``inline_ms``: the
+    runtime's default unless given).
 
     Its keys live in ``.hetpipe/keys`` beside the file (made by :class:`LocalCluster`).
     """
@@ -65,7 +66,8 @@ def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
     lines = ["[ps]", "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]", "",
              "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}",
              f"cuda_ipc = {'true' if cuda_ipc else 'false'}",
-             f"host_shm = {'true' if host_shm else 'false'}", "",
+             f"host_shm = {'true' if host_shm else 'false'}",
+             *([f"inline_ms = {inline_ms}"] if inline_ms is not None else []), "",
              "[security]", f"curve = {'true' if curve else 'false'}",
              f"allowed_modules = [{modules}]", "",
              "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]

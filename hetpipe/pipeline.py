@@ -28,6 +28,7 @@ import torch
 
 from hetpipe import hostshm
 from hetpipe.checkpoint import is_cut
+from hetpipe.computethread import InlinePolicy
 from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.data import MinibatchStream
 from hetpipe.hostcopy import HostCopy
@@ -130,11 +131,16 @@ class StageRunner:
         copy_executor: Executor | None = None,
         snapshot: Snapshot | None = None,
         direct: frozenset[str] = frozenset(),
+        inline_s: float = 0.0,
     ) -> None:
+        """``inline_s``: compute runs the stage measured shorter than this run on the event
+        loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never)."""
         self.compute = compute
         self.task = compute.task
         self.sync = compute.spec.sync
         self.executor = executor
+        self.inline = InlinePolicy(executor, inline_s, device=compute.dev, speed=compute.speed,
+                                   stalls=bool(compute.stalls))
         self.send = send
         self.shards = shards
         self.report = report
@@ -145,7 +151,7 @@ class StageRunner:
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
         spec = compute.spec
-        self.push_every = 1 if self.schedule.pulls or self.sync or (
+        self.push_every = 1 if self.schedule.pulls or (
             not spec.push_every and spec.eval_every_s) else spec.push_every
         self.flushed = 0  # waves whose update has been sent to the shards
         self.copy_executor = copy_executor or executor
@@ -321,11 +327,16 @@ class StageRunner:
             else head.p
         kind = "forward" if isinstance(head, Forward) else "backward"
         self.doing = {"kind": kind, "p": p, "since": time.time()}
+        what = "+".join(type(a).__name__ for a in run)
         t0 = time.time()
         try:
-            outs, spans, losses = await self._run(self._compute, run, inputs)
+            if self.inline.inline(what):
+                outs, spans, losses = self._compute(run, inputs)
+            else:
+                outs, spans, losses = await self._run(self._compute, run, inputs)
         finally:
             self.doing = None
+        self.inline.ran(what, time.time() - t0)
         if spans:
             # the hand-off to and from the compute thread counts as the compute's own time
             spans[0][1], spans[-1][2] = t0, time.time()
@@ -449,12 +460,13 @@ class StageRunner:
         nm = self.task.nm
         if p % nm or p == 0:
             return
-        if not self.schedule.pulls and self.push_every != 1:
+        if self.sync:
+            # its weights are the global weights of the iteration, pushed or not yet
+            self.clock = self.vw_clock = p // nm
+        elif not self.schedule.pulls and self.push_every != 1:
             # a virtual worker alone, pushing its updates in batches: its clock (which the
             # head checkpoints on) counts the waves whose updates the shards hold
             self.clock = self.vw_clock = self.flushed
-        elif self.sync:
-            self.clock = self.vw_clock = p // nm
         elif not self.schedule.pulls:
             self.clock = self.vw_clock = self.schedule.nb // nm
 
@@ -616,6 +628,9 @@ class StageRunner:
         # minibatch aimed at than the stale ones were (mean over this stage's probes)
         out["prediction_quality"] = sum(q) / len(q) if q else None
         out["prediction_probes"] = len(q)
+        # compute runs on the event loop and on the compute thread (hetpipe.computethread)
+        out["inline_runs"] = self.inline.inline_runs
+        out["thread_runs"] = self.inline.thread_runs
         return out
 
 

@@ -23,6 +23,7 @@ import zmq
 
 from hetpipe import hostshm
 from hetpipe import log as logmod
+from hetpipe.computethread import ComputeThread
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
@@ -65,6 +66,7 @@ class _Job:
             await ch.close(linger_ms=LINGER_MS)
         # what a neighbour has not taken yet it may still take (its last message may be in
         # flight as this stage ends): removed once it is surely late (hetpipe.hostshm)
+        self.outbox.settle()
         asyncio.get_running_loop().call_later(hostshm.UNTAKEN_S, self.outbox.close)
 
 
@@ -77,7 +79,7 @@ class Worker:
         self.device = device
         self.owner = owner
         self.head_address = head or cluster.head.address
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"compute-{device.name}")
+        self.executor = ComputeThread(f"compute-{device.name}")
         # waits for device-to-host copies (hetpipe.hostcopy), so the compute never does
         self.copies = ThreadPoolExecutor(1, thread_name_prefix=f"copy-{device.name}")
         self.job: _Job | None = None
@@ -237,7 +239,8 @@ class Worker:
                                  direct=frozenset(kind for kind, group in (
                                      (Kind.ACT, job.task.next_group),
                                      (Kind.GRAD, job.task.prev_group))
-                                     if len(group) == 1 and self._shares_gpu_with(group[0])))
+                                     if len(group) == 1 and self._shares_gpu_with(group[0])),
+                                 inline_s=self.cluster.runtime.inline_ms / 1e3)
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()

@@ -79,19 +79,21 @@ def job_dict(model: str, minibatch: int, minibatches: int, schedule: str = "asyn
 
 
 def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True,
-             host_shm: bool = True) -> dict[str, Any]:
+             host_shm: bool = True, inline_ms: int | None = None) -> dict[str, Any]:
     """Run the job on a local cluster; steady-state samples/s from stage 0's records.
     ``curve``: the daemons speak CurveZMQ (the default; False: ``[security] curve = false``,
     plaintext like gloo); ``host_shm``: activations and gradients between the stages (all on
     this host) go through shared memory (the default; False: ``[runtime] host_shm = false``,
-    every byte through the sockets)."""
+    every byte through the sockets); ``inline_ms``: ``[runtime] inline_ms`` (None: the
+    default; 0: every compute on the compute thread)."""
     minibatch = job["train"]["minibatch"]
     n = job["train"]["minibatches"]
     with tempfile.TemporaryDirectory(prefix="hetpipe-bench-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
         devices = [DeviceDef(f"gpu{i}", "fast", "1GiB", 1.0) for i in range(STAGES)]
-        path.write_text(cluster_toml(devices, shards=shards, curve=curve, host_shm=host_shm))
+        path.write_text(cluster_toml(devices, shards=shards, curve=curve, host_shm=host_shm,
+                                     inline_ms=inline_ms))
         with LocalCluster(path, root / "run", timeout=60) as cluster:
             cpu0 = {name: _cpu_s(p.pid) for name, p in cluster.procs.items()}
             threads0 = {name: _thread_cpu_s(p.pid) for name, p in cluster.procs.items()}
@@ -130,6 +132,7 @@ def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True,
         "job_seconds": info["seconds"],
         "submit_to_done_s": wall,
         "window_s": t_end - t_start,
+        "window": [t_start, t_end],  # wall clock (time.time) of the steady state
         "stages": per_stage,
     }
 
@@ -203,7 +206,7 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
             data = load_dataset(job["data"]["name"], job["data"].get("args"))
             stream = MinibatchStream(data, train["minibatch"], train["seed"])
         steps = train["minibatches"] // NM
-        t_start = 0.0
+        t_start = wall_start = 0.0
         cpu_start = time.process_time()  # from the first step: warm-up included, as ours
         for step in range(steps):
             if stream is not None:
@@ -219,10 +222,11 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
             opt.step()
             opt.zero_grad()
             if (step + 1) * NM == warmup:
-                t_start = time.perf_counter()
+                t_start, wall_start = time.perf_counter(), time.time()
         t_end, cpu = time.perf_counter(), time.process_time() - cpu_start
         Path(f"{out_path}.{rank}").write_text(
-            json.dumps({"t_start": t_start, "t_end": t_end, "cpu_s": cpu})
+            json.dumps({"t_start": t_start, "t_end": t_end, "cpu_s": cpu,
+                        "window": [wall_start, time.time()]})
         )
         dist.barrier()
     finally:
@@ -263,6 +267,7 @@ def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
     return {
         "samples_per_s": (n - warmup) * minibatch / window,
         "window_s": window,
+        "window": ranks[0]["window"],  # wall clock (time.time) of the steady state
         "spawn_to_done_s": wall,
         "cpu_ms_per_sample": 1e3 * sum(r["cpu_s"] for r in ranks) / (n * minibatch),
         "cpu_s": [r["cpu_s"] for r in ranks],

@@ -8,11 +8,11 @@ Three parts, each against a baseline measured in the same run:
     one SGD step per iteration on both sides (exactly the same training). Steady-state
     samples/s after the warm-up, median of ``--rounds`` runs per side, sides taking turns
     (the machinery of ``bench_pipeline.py``). ``ratio_vs_torch_gpipe``, ``ratio_vs_torch_1f1b``
-    (target >= 1.0): ours as it runs by default: every message encrypted by CurveZMQ, the
-    activations and gradients between these stages of one host through shared memory
-    (``[runtime] host_shm``, :mod:`hetpipe.hostshm`; the encrypted header names them);
-    ``tcp_ratio_vs_torch_*``: ours with ``host_shm = false``, every byte encrypted through
-    the sockets (the default before 2026-11-26); and ``plaintext_ratio_vs_torch_*``: ours
+    (target >= 1.0): ours as it runs by default (every message encrypted by CurveZMQ,
+    activations and gradients between these stages of one host through shared memory,
+    compute runs shorter than ``[runtime] inline_ms`` on the event loop);
+    ``thread_ratio_vs_torch_*``: ours with ``inline_ms = 0``, every compute handed to the
+    compute thread (the default before 2026-11-26); ``plaintext_ratio_vs_torch_*``: ours
     with ``[security] curve = false`` and ``host_shm = false``, plaintext through the
     sockets as gloo is. All sides take turns in the same run.
 (b) On a copy of the repository's heterogeneous ``cluster.toml`` (same devices, caps and
@@ -70,14 +70,19 @@ REPO = Path(__file__).resolve().parent.parent
 M = 4
 
 
+# part (a)'s sides besides torch: (JSON prefix, run_ours arguments, what it is)
+SIDES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "ours": ("", {}, "as by default"),
+    "thread": ("thread_", {"inline_ms": 0}, "every compute on the compute thread"),
+    "plain": ("plaintext_", {"curve": False, "host_shm": False}, "plaintext through sockets"),
+}
+
+
 def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    sides = {"ours": lambda job: run_ours(job, args.warmup, 1),
-             "torch": lambda job: run_torch(job, args.warmup),
-             # every byte through the encrypted sockets ([runtime] host_shm = false)
-             "tcp": lambda job: run_ours(job, args.warmup, 1, host_shm=False),
-             # our daemons without CurveZMQ ([security] curve = false): plaintext, as gloo is
-             "plain": lambda job: run_ours(job, args.warmup, 1, curve=False, host_shm=False)}
+    sides: dict[str, Any] = {"torch": lambda job: run_torch(job, args.warmup)}
+    for side, (_prefix, kwargs, _what) in SIDES.items():
+        sides[side] = lambda job, kw=kwargs: run_ours(job, args.warmup, 1, **kw)
     for kind in ("gpipe", "1f1b"):
         job = job_dict(args.model, args.microbatch, args.minibatches, kind)
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -86,33 +91,23 @@ def part_a(args: Any) -> dict[str, Any]:
                 runs[side].append(sides[side](job))
         med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2]
                for k, v in runs.items()}
-        out[kind] = {
-            "ours_samples_per_s": med["ours"]["samples_per_s"],
-            "torch_samples_per_s": med["torch"]["samples_per_s"],
-            "plain_samples_per_s": med["plain"]["samples_per_s"],
-            "tcp_samples_per_s": med["tcp"]["samples_per_s"],
-            "tcp_cpu_ms_per_sample": med["tcp"]["cpu_ms_per_sample"],
-            "tcp_ratio": med["tcp"]["samples_per_s"] / med["torch"]["samples_per_s"],
-            "ours_cpu_ms_per_sample": med["ours"]["cpu_ms_per_sample"],
-            "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
-            "plain_cpu_ms_per_sample": med["plain"]["cpu_ms_per_sample"],
-            "ratio": med["ours"]["samples_per_s"] / med["torch"]["samples_per_s"],
-            "plain_ratio": med["plain"]["samples_per_s"] / med["torch"]["samples_per_s"],
-            "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()},
-        }
+        torch_sps = med["torch"]["samples_per_s"]
+        out[kind] = {"torch_samples_per_s": torch_sps,
+                     "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
+                     "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()}}
+        for side in SIDES:
+            out[kind][side] = {"samples_per_s": med[side]["samples_per_s"],
+                               "ratio": med[side]["samples_per_s"] / torch_sps,
+                               "cpu_ms_per_sample": med[side]["cpu_ms_per_sample"]}
     print(f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
-          f"{args.minibatches} microbatches, median of {args.rounds}; ours as by default "
-          "(CurveZMQ, shared memory between the stages of this host), with every byte "
-          "encrypted through the sockets (host_shm = false), and plaintext through them "
-          "(curve = false, as gloo)")
-    print_table(["schedule", "hetpipe samples/s", "torch samples/s", "ratio",
-                 "sockets samples/s", "ratio", "plaintext samples/s", "ratio",
-                 "CPU ms/sample ours", "sockets", "plaintext", "torch"],
-                [[k, v["ours_samples_per_s"], v["torch_samples_per_s"], v["ratio"],
-                  v["tcp_samples_per_s"], v["tcp_ratio"],
-                  v["plain_samples_per_s"], v["plain_ratio"], v["ours_cpu_ms_per_sample"],
-                  v["tcp_cpu_ms_per_sample"], v["plain_cpu_ms_per_sample"],
-                  v["torch_cpu_ms_per_sample"]]
+          f"{args.minibatches} microbatches, median of {args.rounds} alternated runs; ours "
+          + ", ".join(f"{side}: {what}" for side, (_p, _k, what) in SIDES.items())
+          + "; CPU ms per sample counts every process, start-up included")
+    print_table(["schedule", "torch samples/s", "torch CPU ms", *[
+                 f"{side} {col}" for side in SIDES for col in ("samples/s", "ratio", "CPU ms")]],
+                [[k, v["torch_samples_per_s"], v["torch_cpu_ms_per_sample"],
+                  *[v[side][col] for side in SIDES
+                    for col in ("samples_per_s", "ratio", "cpu_ms_per_sample")]]
                  for k, v in out.items()])
     return out
 
@@ -359,11 +354,9 @@ def main() -> None:
     out: dict[str, Any] = {"bench": "sync", "machine": machine()}
     if "a" in args.parts:
         a = part_a(args)
-        out.update(ratio_vs_torch_gpipe=a["gpipe"]["ratio"], ratio_vs_torch_1f1b=a["1f1b"]["ratio"],
-                   plaintext_ratio_vs_torch_gpipe=a["gpipe"]["plain_ratio"],
-                   plaintext_ratio_vs_torch_1f1b=a["1f1b"]["plain_ratio"],
-                   tcp_ratio_vs_torch_gpipe=a["gpipe"]["tcp_ratio"],
-                   tcp_ratio_vs_torch_1f1b=a["1f1b"]["tcp_ratio"], vs_torch=a)
+        out.update({f"{prefix}ratio_vs_torch_{kind}": a[kind][side]["ratio"]
+                    for side, (prefix, _kw, _what) in SIDES.items() for kind in a})
+        out["vs_torch"] = a
     if "b" in args.parts:
         b = part_b(args)
         out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],

@@ -25,11 +25,11 @@ UNIFORM = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(4))
 
 def start_cluster(root: Path, devices: tuple[DeviceDef, ...], shards: int = 2,
                   allowed_modules: tuple[str, ...] = (), cuda_ipc: bool = True,
-                  host_shm: bool = True) -> LocalCluster:
+                  host_shm: bool = True, inline_ms: int | None = None) -> LocalCluster:
     root.mkdir(parents=True, exist_ok=True)
     path = root / "cluster.toml"
     path.write_text(cluster_toml(devices, shards=shards, allowed_modules=allowed_modules,
-                                 cuda_ipc=cuda_ipc, host_shm=host_shm))
+                                 cuda_ipc=cuda_ipc, host_shm=host_shm, inline_ms=inline_ms))
     return LocalCluster(path, root / "run", timeout=60).__enter__()
 
 

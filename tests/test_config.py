@@ -296,6 +296,10 @@ CASES = [
         "must exceed heartbeat_s",
     ),
     ("runtime-hwm", "", "[runtime]\nhwm = 0\n", "runtime.hwm", "must be >= 1"),
+    ("runtime-inline", "", "[runtime]\ninline_ms = -1\n", "runtime.inline_ms", "must be >= 0"),
+    # a compute on the event loop may hold it at most a quarter of a heartbeat
+    ("runtime-inline-long", "", "[runtime]\ninline_ms = 300\n", "runtime.inline_ms",
+     "must be <= 250"),
     (
         "runtime-frame",
         "",
@@ -425,6 +429,13 @@ def test_runtime_section(tmp_path: Path) -> None:
     runtime += 'hwm = 8\nrun_dir = "/tmp/hp"\n'
     cluster = load_cluster(write(tmp_path, edit("", runtime)))
     assert cluster.runtime == RuntimeSpec(0.5, 2.0, 64 << 20, 8, "/tmp/hp")
+
+
+def test_inline_default_fits_a_short_heartbeat(tmp_path: Path) -> None:
+    """The default ``inline_ms`` shrinks to a quarter of a short heartbeat, not refused."""
+    cluster = load_cluster(write(tmp_path, edit("", "[runtime]\nheartbeat_s = 0.05\n")))
+    assert cluster.runtime.inline_ms == 12
+    assert load_cluster(write(tmp_path, edit("", ""))).runtime.inline_ms == 20
 
 
 def test_ipv6_shard(tmp_path: Path) -> None:

@@ -31,28 +31,62 @@ def files(directory: Path) -> set[str]:
     torch.zeros(0, 4),
     torch.randn(6, 4).t(),  # not contiguous
 ])
-def test_a_put_tensor_is_taken_back_equal_and_its_file_is_gone(tmp_path, t) -> None:
+def test_a_put_tensor_is_taken_back_equal_and_its_file_handed_back(tmp_path, t) -> None:
     box = Outbox(tmp_path)
     d = box.put(t)
     assert files(tmp_path) == {d["file"]}
     assert (os.stat(tmp_path / d["file"]).st_mode & 0o777) == 0o600
     got = take(parse(d), tmp_path)
     assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
-    assert files(tmp_path) == set()
-    got.zero_()  # writable: a private mapping, the sender's file is not touched
+    assert files(tmp_path) == {d["file"] + hostshm.FREE}  # its name is gone
+    got.zero_()  # its own memory: the sender's file is not touched
     box.close()
+    assert files(tmp_path) == set()
     assert box.sent == 1
 
 
-def test_the_outbox_forgets_taken_files_and_removes_the_rest_when_it_closes(tmp_path) -> None:
+def test_a_handed_back_file_carries_the_next_tensor_of_its_size(tmp_path) -> None:
     box = Outbox(tmp_path)
-    placed = [box.put(torch.full((1000,), float(i))) for i in range(5)]
-    for d in placed[:3]:
-        take(parse(d), tmp_path)
-    box.put(torch.ones(3))  # each put drops the taken names at the head of its list
-    assert list(box.pending) == [placed[3]["file"], placed[4]["file"], box.pending[-1]]
+    first = box.put(torch.full((1000,), 1.0))
+    inode = os.stat(tmp_path / first["file"]).st_ino
+    take(parse(first), tmp_path)
+    again = box.put(torch.full((1000,), 2.0))
+    other = box.put(torch.full((10,), 3.0))  # another size: a new file
+    assert again["file"] != first["file"]  # a new name: the old description reads nothing
+    assert os.stat(tmp_path / again["file"]).st_ino == inode and box.reused == 1
+    assert files(tmp_path) == {again["file"], other["file"]}
+    assert torch.equal(take(parse(again), tmp_path), torch.full((1000,), 2.0))
+    with pytest.raises(ValueError, match="No such file"):
+        take(parse(first), tmp_path)  # a replayed description
     box.close()
-    assert files(tmp_path) == set() and not box.pending
+    assert files(tmp_path) == set()
+
+
+def test_a_handed_back_file_that_fails_the_checks_is_removed_not_written(tmp_path) -> None:
+    box = Outbox(tmp_path)
+    d = box.put(torch.ones(1000))
+    take(parse(d), tmp_path)
+    os.chmod(tmp_path / (d["file"] + hostshm.FREE), 0o644)  # someone opened it up
+    again = box.put(torch.ones(1000))
+    assert box.reused == 0 and files(tmp_path) == {again["file"]}
+    assert (os.stat(tmp_path / again["file"]).st_mode & 0o777) == 0o600
+    box.close()
+
+
+def test_the_outbox_keeps_few_handed_back_files_and_removes_all_when_it_closes(
+        tmp_path) -> None:
+    box = Outbox(tmp_path)
+    placed = [box.put(torch.full((1000,), float(i))) for i in range(hostshm.KEEP_FREE + 3)]
+    for d in placed[:-1]:
+        take(parse(d), tmp_path)
+    box.put(torch.ones(3))  # each put collects what came back
+    assert [n for n, _ in box.pending] == [placed[-1]["file"], box.pending[-1][0]]
+    assert len(box.free[4000]) == hostshm.KEEP_FREE  # the rest were removed
+    assert len(files(tmp_path)) == hostshm.KEEP_FREE + 2
+    box.settle()  # the stage ended: what came back goes, what is untaken stays a while
+    assert files(tmp_path) == {n for n, _ in box.pending}
+    box.close()
+    assert files(tmp_path) == set() and not box.pending and not box.free
 
 
 def test_place_puts_large_host_tensors_only_and_falls_back_when_refused(tmp_path) -> None:
@@ -122,9 +156,10 @@ def test_sweep_removes_the_files_of_processes_that_are_gone_only(tmp_path) -> No
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     (tmp_path / f"hetpipe-{gone}-0-0000abcd").write_bytes(b"x")
+    (tmp_path / f"hetpipe-{gone}-1-0000abcd{hostshm.FREE}").write_bytes(b"x")
     (tmp_path / f"hetpipe-{os.getpid()}-0-0000abcd").write_bytes(b"x")
     (tmp_path / "other-file").write_bytes(b"x")
-    assert sweep(tmp_path) == 1
+    assert sweep(tmp_path) == 2
     assert files(tmp_path) == {f"hetpipe-{os.getpid()}-0-0000abcd", "other-file"}
 
 
