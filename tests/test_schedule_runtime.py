@@ -43,6 +43,7 @@ class StandInCompute:
                                     checkpoint_every=0, eval_every_s=None, minibatch=1,
                                     warmup=warmup)
         self.copier = HostCopier("cpu")
+        self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
         self.has_state = True
         self.restored = False  # not started from a checkpoint
         self.table = None  # stashes: greedy 1F1B
