@@ -42,7 +42,9 @@ def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")
     links = tuple(LinkSpec(f"a{i}", f"b{j}", slow_gbps) for i in range(2) for j in range(2))
     return ClusterConfig("two-hosts.toml",
                          tuple(ShardSpec(j, HOST[h], 0) for j, h in enumerate(shards)),
-                         NetworkSpec(10.0, 10.0, links), nodes, RuntimeSpec())
+                         # every task handed to the compute thread: the formations here
+                         # differ by their links, not by which tasks skip the hand-off
+                         NetworkSpec(10.0, 10.0, links), nodes, RuntimeSpec(inline_ms=0))
 
 
 def profile(t: float = 2e-3) -> ModelProfile:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from hetpipe.config import DeviceSpec
+from hetpipe.config import DeviceSpec, RuntimeSpec
 from hetpipe.planner import CallProfile, CostModel, LayerProfile, ModelProfile, explicit_plan
 from hetpipe.planner import predict as predict_module
 from hetpipe.planner.plan import sim_vw
@@ -232,6 +233,34 @@ def test_stage_costs_follow_the_runtime():
         + first.recv_s
         + (first.push_s + first.merge_s) / 2
     )
+
+
+def test_short_tasks_of_an_unslowed_cpu_device_skip_the_hand_off():
+    """As the runtime runs them (hetpipe.computethread): an unslowed CPU device's tasks
+    shorter than ``inline_s`` cost no hop and no hand-off wake-ups; a padded device's, a
+    GPU's and longer tasks do."""
+    prof = flat_profile({"a": 1.0})  # a stage of two layers: tasks of 2 and 4 ms
+    costs = dataclasses.replace(RuntimeCosts(), task_s=0.0, inline_s=5e-3)
+
+    def first(devs, rt=costs):
+        model = CostModel(prof, bw, 0, rt, {"a": min(d.speed for d in devs)})
+        p = model.describe(devs, [(0, 2), (2, 4)], 2)
+        return stage_costs(model, devs, p, vws=1, shards=1)[0]
+
+    on_loop = first((dev("x", "a"), dev("y", "a")))
+    assert on_loop.inline and on_loop.hop_s == 0.0
+    for devs, rt in [((dev("x", "a", 0.5), dev("y", "a", 0.5)), costs),  # padded
+                     ((dev("x", "a", device="cuda:0"), dev("y", "a", device="cuda:0")), costs),
+                     ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=4e-3)),
+                     ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=0.0))]:
+        handed = first(devs, rt)
+        assert not handed.inline and handed.hop_s == costs.hop_s, devs
+        # the same send, and the hop of its hand-off
+        assert handed.loop_fwd_s == pytest.approx(on_loop.loop_fwd_s + costs.hop_s)
+    # the cluster file's setting reaches the costs
+    spec = dataclasses.replace(RuntimeSpec(), inline_ms=7)
+    assert RuntimeCosts().with_runtime(SimpleNamespace(runtime=spec)).inline_s == 0.007
+    assert RuntimeCosts().with_runtime(object()) == RuntimeCosts()
 
 
 def test_an_async_update_is_charged_as_the_runtime_runs_it_unpadded():

@@ -887,7 +887,8 @@ def _cost_model(
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
-    model = CostModel(profile, net.bytes_per_s, factor, costs or RuntimeCosts(), speeds,
+    model = CostModel(profile, net.bytes_per_s, factor,
+                      (costs or RuntimeCosts()).with_runtime(cluster), speeds,
                       weights, activations, row_profiles)
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")

@@ -82,6 +82,9 @@ class StageCost:
     # backward task (the last async stage: its one task)
     pad_speed: float = 1.0
     update_in_task_s: float = 0.0
+    # its tasks run on the event loop, not handed to the compute thread (an unslowed CPU
+    # device's tasks shorter than ``RuntimeCosts.inline_s``): no hop, no hand-off wake-ups
+    inline: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -137,7 +140,7 @@ class Prediction:
         hops = c.hop_s * (1 + (c.loop_bwd_s > 0) + (c.push_s > 0) / nm)
         loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm - hops
         trips = self.sim.trips[v][i]
-        wakes = 2 * trips + 2 * (c.merge_s > 0) / nm + 2 * (c.exchange_s > 0)
+        wakes = 2 * trips * (not c.inline) + 2 * (c.merge_s > 0) / nm + 2 * (c.exchange_s > 0)
         return (self.compute_s(v, i) + self.slowdown[v][i] * (loop + trips * c.hop_s)
                 + wakes * self.wake[v][i] + c.exchange_s)
 
@@ -220,14 +223,21 @@ def stage_costs(
         recv = (0.0 if first else rt.message_s + in_bytes * rt.message_byte_s) + (
             0.0 if last else rt.message_s + out_bytes * rt.message_byte_s
         )
+        speed = model.speed(d.type)
+        on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
         if last and schedule == "async":
             compute_fwd, compute_bwd = fwd + bwd + task, 0.0
-            loop_fwd, loop_bwd = rt.hop_s + send_grad, 0.0
         else:
             compute_fwd, compute_bwd = fwd + task, bwd + task
-            loop_fwd, loop_bwd = rt.hop_s + send_act, rt.hop_s + send_grad
+        # short tasks of an unslowed CPU device skip the hand-off (hetpipe.computethread)
+        inline = on_cpu and speed >= 1.0 and max(compute_fwd, compute_bwd) < rt.inline_s
+        hop = 0.0 if inline else rt.hop_s
+        if last and schedule == "async":
+            loop_fwd, loop_bwd = hop + send_grad, 0.0
+        else:
+            loop_fwd, loop_bwd = hop + send_act, hop + send_grad
         state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
-        wave = rt.hop_s + rt.wave_s + state * rt.wave_byte_s if state else 0.0
+        wave = hop + rt.wave_s + state * rt.wave_byte_s if state else 0.0
         pulls = vws > 1 and state > 0
         push = wave
         merge = wave if pulls else 0.0
@@ -255,10 +265,8 @@ def stage_costs(
         pbytes = float(sum(lp.param_bytes for lp in lps))
         exchange = exchange_time(model, group, pbytes)
         exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
-        speed = model.speed(d.type)
         # the CPU a task wants: a padded device sleeps all but ``speed`` of its forward and
         # backward; the update in its backward task runs unpadded, all of it on the CPU
-        on_cpu = str(getattr(d, "device", "cpu")).startswith("cpu")
         compute_cpu = ((compute_fwd + compute_bwd - in_backward) * speed + in_backward
                        if on_cpu else 0.0)
         cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm + exchange_cpu
@@ -278,11 +286,12 @@ def stage_costs(
                 compute_cpu,
                 on_cpu,
                 step,
-                rt.hop_s,
+                hop,
                 exchange,
                 to_shards,
                 speed if on_cpu else 1.0,
                 in_backward,
+                inline,
             )
         )
     return tuple(out)
@@ -337,7 +346,7 @@ def _sim_vw(
                 k * c.merge_s + (2 * w if c.merge_s else 0.0),
                 k * c.pull_s + (2 * w if c.pull_s else 0.0),
                 step_s=k * h * c.step_s,
-                handoff_s=k * c.hop_s + 2 * w,
+                handoff_s=k * c.hop_s + (0.0 if c.inline else 2 * w),
                 push_flight_s=c.shard_link_s if schedule == "async" else 0.0,
             )
         )

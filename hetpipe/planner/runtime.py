@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 __all__ = ["RuntimeCosts", "all_busy", "count_law", "host_cores", "reduce_answer_s", "slowdown_of",
@@ -74,6 +74,11 @@ class RuntimeCosts:
                             back to back): the idle share of an unpadded host device's
                             tasks (a padded one's pad counts CPU time and shows none:
                             :attr:`.predict.StageCost.cools`)
+    ``inline_s``            not a cost: the runtime's ``[runtime] inline_ms``. An unslowed
+                            CPU device's tasks shorter than this run on its event loop, so
+                            their hand-offs cost no hop and no wake-ups
+                            (:mod:`hetpipe.computethread`; :func:`with_runtime` sets it
+                            from a cluster file)
     ======================  ==============================================================
     """
 
@@ -89,6 +94,7 @@ class RuntimeCosts:
     wake_s: float = 1.5e-3
     corun: float = 0.1
     cold: float = 0.15
+    inline_s: float = 0.02
 
     @classmethod
     def zero(cls) -> RuntimeCosts:
@@ -109,6 +115,14 @@ class RuntimeCosts:
         if bad:
             raise ValueError(f"runtime costs: {bad[0]} must be >= 0, got {values[bad[0]]}")
         return cls(**values)
+
+    def with_runtime(self, cluster: Any) -> RuntimeCosts:
+        """These costs for the runtime ``cluster``'s file sets up (its ``[runtime]
+        inline_ms``); a cluster without a runtime table keeps them."""
+        runtime = getattr(cluster, "runtime", None)
+        if runtime is None:
+            return self
+        return replace(self, inline_s=runtime.inline_ms / 1e3)
 
     @property
     def is_zero(self) -> bool:

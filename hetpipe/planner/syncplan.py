@@ -261,6 +261,14 @@ class SyncModel:
         """A compute task's own cost inside the padded region (its hand-off is apart)."""
         return self.rt.task_s / self._speed(d)
 
+    def _hop_s(self, d: Any, fwd: Any, bwd: Any) -> Any:
+        """A hand-off's hop on ``d`` for tasks of these costs (numbers or arrays): none
+        where they run on the event loop (an unslowed CPU device's tasks shorter than
+        ``inline_s``: :mod:`hetpipe.computethread`)."""
+        if not (str(getattr(d, "device", "cpu")).startswith("cpu") and self._speed(d) >= 1.0):
+            return self.rt.hop_s
+        return np.where(np.maximum(fwd, bwd) < self.rt.inline_s, 0.0, self.rt.hop_s)
+
     def _send_s(self, nbytes: Any) -> Any:
         """The sender's cost of a message of ``nbytes`` (a number or an array of them)."""
         return self.rt.message_s + nbytes * self.rt.message_byte_s
@@ -277,15 +285,15 @@ class SyncModel:
         rt = self.rt
         task = self._task_s(d)
         state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
+        fwd = t["F"][b] - t["F"][a] + t["cf"] + task
+        bwd = t["B"][b] - t["B"][a] + t["cb"] + task
         return SyncStage(
-            fwd_s=t["F"][b] - t["F"][a] + t["cf"] + task
-            + (0.0 if last else self._send_s(t["in"][b])),
-            bwd_s=t["B"][b] - t["B"][a] + t["cb"] + task
-            + (0.0 if first else self._send_s(t["in"][a])),
+            fwd_s=fwd + (0.0 if last else self._send_s(t["in"][b])),
+            bwd_s=bwd + (0.0 if first else self._send_s(t["in"][a])),
             # the runtime pads forwards and backwards, never the step (the profile's is)
             step_s=(t["U"][b] - t["U"][a] + t["cu"]) * update_scale(self._speed(d)),
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
-            handoff_s=rt.hop_s,
+            handoff_s=float(self._hop_s(d, fwd, bwd)),
         )
 
     def link(self, i: int, j: int, b: int) -> float:
@@ -408,9 +416,10 @@ class SyncModel:
             t = self._t(self.devices[i].type)
             F, B = t["F"], t["B"]
             trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m, warmup)))
-            c = (F[None, :] - F[:, None]) + (B[None, :] - B[:, None]) + (
-                t["cf"] + t["cb"] + 2 * self._task_s(self.devices[i])
-            ) + self.rt.hop_s * trips / self.m
+            task = self._task_s(self.devices[i])
+            fwd = (F[None, :] - F[:, None]) + t["cf"] + task
+            bwd = (B[None, :] - B[:, None]) + t["cb"] + task
+            c = fwd + bwd + self._hop_s(self.devices[i], fwd, bwd) * trips / self.m
             if pos > 0:
                 c = c + self._send_s(t["in"][:, None])
             if pos + 1 < k:
@@ -802,7 +811,8 @@ def sync_plan(
     if not usable:
         raise PlanError("no device has a profile")
     model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
-                      costs or RuntimeCosts(), (kind,) if kind else SYNC_KINDS,
+                      (costs or RuntimeCosts()).with_runtime(cluster),
+                      (kind,) if kind else SYNC_KINDS,
                       (warmup,) if warmup is not None else warmup_ladder(m),
                       shards=len(_shard_hosts(cluster)))
     index = {d.name: i for i, d in enumerate(usable)}
