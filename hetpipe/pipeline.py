@@ -139,8 +139,6 @@ class StageRunner:
         self.task = compute.task
         self.sync = compute.spec.sync
         self.executor = executor
-        self.inline = InlinePolicy(executor, inline_s, device=compute.dev, speed=compute.speed,
-                                   stalls=bool(compute.stalls))
         self.send = send
         self.shards = shards
         self.report = report
@@ -148,6 +146,8 @@ class StageRunner:
         self.report_every_s = report_every_s
         self.snapshot = snapshot
         self.schedule = stage_schedule(compute)
+        self.inline = InlinePolicy(executor, inline_s, device=compute.dev, speed=compute.speed,
+                                   pulls=self.schedule.pulls, stalls=bool(compute.stalls))
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
         spec = compute.spec

@@ -221,7 +221,8 @@ def main() -> None:
     ap.add_argument(
         "--cluster",
         default=str(REPO / "cluster.toml"),
-        help="cluster file whose devices to copy (default: the repository's)",
+        help="cluster file whose devices and [runtime] inline_ms to copy (default: the "
+        "repository's)",
     )
     ap.add_argument("--width", type=int, default=32, help="cnn width (compute grows ~ width^2)")
     ap.add_argument("--minibatch", type=int, default=32)
@@ -255,7 +256,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hetpipe-plan-quality-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
-        path.write_text(cluster_toml(devices, shards=len(source.ps)))
+        path.write_text(cluster_toml(devices, shards=len(source.ps),
+                                     inline_ms=source.runtime.inline_ms))
         with LocalCluster(path, root / "run", timeout=120) as cluster:
             t0 = time.perf_counter()
             warm = job_dict("warmup", args, n_layers, names)

@@ -81,7 +81,9 @@ def test_never_inline_where_it_is_unsafe_or_off(thread: ComputeThread) -> None:
     gpu = InlinePolicy(thread, 0.02, device="cuda:0", speed=1.0)
     # an injected stall rehearses a hang: the worker must keep answering meanwhile
     stalled = InlinePolicy(thread, 0.02, device="cpu", speed=1.0, stalls=True)
-    for policy in (slow, gpu, stalled):
+    # a stage that pulls weights decodes them on its loop, beside its computation
+    pulling = InlinePolicy(thread, 0.02, device="cpu", speed=1.0, pulls=True)
+    for policy in (slow, gpu, stalled, pulling):
         policy.ran("Forward", 1e-6)
         assert not policy.inline("Forward")
     # an executor that cannot say whether it is busy

@@ -238,14 +238,14 @@ def test_stage_costs_follow_the_runtime():
 def test_short_tasks_of_an_unslowed_cpu_device_skip_the_hand_off():
     """As the runtime runs them (hetpipe.computethread): an unslowed CPU device's tasks
     shorter than ``inline_s`` cost no hop and no hand-off wake-ups; a padded device's, a
-    GPU's and longer tasks do."""
+    GPU's, longer tasks and a stage that pulls weights every wave do."""
     prof = flat_profile({"a": 1.0})  # a stage of two layers: tasks of 2 and 4 ms
     costs = dataclasses.replace(RuntimeCosts(), task_s=0.0, inline_s=5e-3)
 
-    def first(devs, rt=costs):
+    def first(devs, rt=costs, vws=1):
         model = CostModel(prof, bw, 0, rt, {"a": min(d.speed for d in devs)})
         p = model.describe(devs, [(0, 2), (2, 4)], 2)
-        return stage_costs(model, devs, p, vws=1, shards=1)[0]
+        return stage_costs(model, devs, p, vws=vws, shards=1)[0]
 
     on_loop = first((dev("x", "a"), dev("y", "a")))
     assert on_loop.inline and on_loop.hop_s == 0.0
@@ -257,6 +257,8 @@ def test_short_tasks_of_an_unslowed_cpu_device_skip_the_hand_off():
         assert not handed.inline and handed.hop_s == costs.hop_s, devs
         # the same send, and the hop of its hand-off
         assert handed.loop_fwd_s == pytest.approx(on_loop.loop_fwd_s + costs.hop_s)
+    # several virtual workers: the stage pulls its weights every wave and keeps the hand-off
+    assert not first((dev("x", "a"), dev("y", "a")), vws=2).inline
     # the cluster file's setting reaches the costs
     spec = dataclasses.replace(RuntimeSpec(), inline_ms=7)
     assert RuntimeCosts().with_runtime(SimpleNamespace(runtime=spec)).inline_s == 0.007

@@ -170,6 +170,29 @@ def test_auto_pushes_land_before_each_checkpoint(uniform_cluster) -> None:
     assert len(cuts) >= 2 and all(c % 10 == 0 for c in cuts[:-1]), cuts
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lone_synchronous_virtual_worker_batches_its_pushes(uniform_cluster) -> None:
+    """A synchronous VW alone in its job pushes at checkpoint iterations and at the end
+    (``push_every = 0``): the same model as pushing every iteration, its records' clock still
+    the iteration (its weights are the iteration's global weights), every checkpoint a cut
+    the shards hold."""
+    split = [(["gpu0", "gpu1"], [3, 3])]
+    base = {"schedule": "1f1b", "checkpoint_every": 10}
+    runs = {every: uniform_cluster.submit(job(f"sync-push{every}", split=split, nm=4,
+                                              minibatches=4 * 30,
+                                              train={**base, "push_every": every}))
+            for every in (1, 0)}
+    for info in runs.values():
+        assert info["state"] == "done", info.get("error")
+        assert [r["clock"] for r in records(info, "vw0/stage0")] == [p // 4 for p in range(120)]
+    assert_same_weights(torch.load(runs[0]["model_path"]), torch.load(runs[1]["model_path"]))
+    job_dir = Path(runs[0]["model_path"]).parent
+    cuts = sorted(json.loads((d / "meta.json").read_text())["wave"]
+                  for d in (job_dir / "checkpoints").iterdir() if d.is_dir())
+    assert len(cuts) >= 2 and all(c % 10 == 0 for c in cuts), cuts
+
+
 def test_fingerprints_only_under_verify() -> None:
     """Weight fingerprints are read back from the device only with ``train.verify``."""
     for verify in (False, True):

@@ -229,16 +229,18 @@ def stage_costs(
             compute_fwd, compute_bwd = fwd + bwd + task, 0.0
         else:
             compute_fwd, compute_bwd = fwd + task, bwd + task
-        # short tasks of an unslowed CPU device skip the hand-off (hetpipe.computethread)
-        inline = on_cpu and speed >= 1.0 and max(compute_fwd, compute_bwd) < rt.inline_s
+        state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
+        pulls = vws > 1 and state > 0
+        # short tasks of an unslowed CPU device that pulls no weights skip the hand-off
+        # (hetpipe.computethread)
+        inline = (on_cpu and speed >= 1.0 and not pulls
+                  and max(compute_fwd, compute_bwd) < rt.inline_s)
         hop = 0.0 if inline else rt.hop_s
         if last and schedule == "async":
             loop_fwd, loop_bwd = hop + send_grad, 0.0
         else:
             loop_fwd, loop_bwd = hop + send_act, hop + send_grad
-        state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
         wave = hop + rt.wave_s + state * rt.wave_byte_s if state else 0.0
-        pulls = vws > 1 and state > 0
         push = wave
         merge = wave if pulls else 0.0
         to_shards = shard_link_s[i] if shard_link_s else 0.0

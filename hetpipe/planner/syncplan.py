@@ -264,7 +264,9 @@ class SyncModel:
     def _hop_s(self, d: Any, fwd: Any, bwd: Any) -> Any:
         """A hand-off's hop on ``d`` for tasks of these costs (numbers or arrays): none
         where they run on the event loop (an unslowed CPU device's tasks shorter than
-        ``inline_s``: :mod:`hetpipe.computethread`)."""
+        ``inline_s``: :mod:`hetpipe.computethread`). The search prices a virtual worker as if
+        alone; with several, whose stages exchange every iteration and so keep the hand-off,
+        the prediction that picks among formations (:func:`.predict.stage_costs`) knows."""
         if not (str(getattr(d, "device", "cpu")).startswith("cpu") and self._speed(d) >= 1.0):
             return self.rt.hop_s
         return np.where(np.maximum(fwd, bwd) < self.rt.inline_s, 0.0, self.rt.hop_s)
