@@ -94,10 +94,9 @@ def plain(job: dict[str, Any], device: str) -> float:
     return (n - warm) * spec.minibatch / (time.perf_counter() - t0)
 
 
-def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bool,
-         inline_ms: int | None = None) -> float:
+def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bool) -> float:
     """hetpipe on a local cluster of these devices (name -> cuda:N): steady-state samples/s
-    at stage 0 (``inline_ms``: ``[runtime] inline_ms``, None for the default)."""
+    at stage 0."""
     from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
     n = job["train"]["minibatches"]
@@ -106,7 +105,7 @@ def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bo
         root = Path(tmp)
         path = root / "cluster.toml"
         defs = [DeviceDef(name, "gpu", memory, 1.0, dev) for name, dev in devices.items()]
-        path.write_text(cluster_toml(defs, shards=1, cuda_ipc=cuda_ipc, inline_ms=inline_ms))
+        path.write_text(cluster_toml(defs, shards=1, cuda_ipc=cuda_ipc))
         with LocalCluster(path, root / "run", timeout=120) as cluster:
             info = cluster.submit(job, timeout=1800)
             if info.get("state") != "done":
@@ -128,9 +127,6 @@ def main() -> None:
     ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
     ap.add_argument("--no-cuda-ipc", action="store_true",
                     help="stages pass tensors through host memory ([runtime] cuda_ipc = false)")
-    ap.add_argument("--inline-ms", type=int, default=None,
-                    help="[runtime] inline_ms of our cluster (default: the runtime's; 0: every "
-                    "compute on the compute thread)")
     ap.add_argument("--cases", default="", help="comma-separated subset of the runs "
                     "(one_stage, four_stages_one_gpu, gpus); default all")
     args = ap.parse_args()
@@ -142,8 +138,6 @@ def main() -> None:
         return
     if args.minibatches < 10:
         ap.error("--minibatches must be >= 10")
-    if args.inline_ms is not None and args.inline_ms < 0:
-        ap.error("--inline-ms must be >= 0")
     gpus = torch.cuda.device_count()
     total = torch.cuda.get_device_properties(0).total_memory
     memory = f"{total // 2**20}MiB"
@@ -165,7 +159,7 @@ def main() -> None:
                            "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
                            "dim": args.dim, "blocks": args.blocks, "seq": SEQ,
                            "minibatch": args.minibatch, "minibatches": args.minibatches,
-                           "cuda_ipc": not args.no_cuda_ipc, "inline_ms": args.inline_ms}
+                           "cuda_ipc": not args.no_cuda_ipc}
     rows = []
     for precision in ("fp32",) if args.no_bf16 else ("fp32", "bf16"):
         suffix = "" if precision == "fp32" else "_bf16"
@@ -175,7 +169,7 @@ def main() -> None:
                            args, precision)
             if base is None:
                 base = plain(job, "cuda:0")
-            got = ours(job, devices, memory, not args.no_cuda_ipc, args.inline_ms)
+            got = ours(job, devices, memory, not args.no_cuda_ipc)
             ratio = got / (base * ideal)
             out[f"plain_samples_per_s{suffix}"] = base
             out[f"{name}_samples_per_s{suffix}"] = got
