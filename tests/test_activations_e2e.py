@@ -138,7 +138,10 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     the same plan's first stage forwards all 12 of the first wave meanwhile, the count the
     schedule permits."""
     devices = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(2))
-    cluster = start_cluster(tmp_path_factory.mktemp("limit"), devices, shards=1)
+    # every task handed to the compute thread (``inline_ms = 0``), as the planner then
+    # prices it: a stage with injected stalls never runs inline, and a first stage priced
+    # inline would be predicted to run far enough ahead to hold all 12
+    cluster = start_cluster(tmp_path_factory.mktemp("limit"), devices, shards=1, inline_ms=0)
     infos = {}
     try:
         for bound in ("plan", "nm"):
