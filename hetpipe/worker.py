@@ -62,11 +62,13 @@ class _Job:
             self.run_task.cancel()
             with contextlib.suppress(BaseException):
                 await self.run_task
+        # the files its neighbours handed back go now, before the sockets' linger (a daemon
+        # that stops may not outlive it)
+        self.outbox.settle()
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
         # what a neighbour has not taken yet it may still take (its last message may be in
         # flight as this stage ends): removed once it is surely late (hetpipe.hostshm)
-        self.outbox.settle()
         asyncio.get_running_loop().call_later(hostshm.UNTAKEN_S, self.outbox.close)
 
 
