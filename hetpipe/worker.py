@@ -46,10 +46,14 @@ LINGER_MS = 2000  # queued activations/gradients still leave when a stage ends
 class _Job:
     """What a worker holds for the job it is assigned: its stage and its job sockets."""
 
-    def __init__(self, task: StageTask, compute: StageCompute) -> None:
+    def __init__(self, task: StageTask, compute: StageCompute,
+                 closing: set[hostshm.Outbox] | None = None) -> None:
+        """``closing``: where a closed job's outbox waits for its late removal (the worker
+        removes what is there at once when it stops)."""
         self.task = task
         self.compute = compute
         self.outbox = hostshm.Outbox()  # tensors put in shared memory for this host's peers
+        self.closing = closing if closing is not None else set()
         self.channels: list[Channel] = []
         self.shards: dict[int, Channel] = {}
         self.stream: MinibatchStream | None = None
@@ -68,8 +72,14 @@ class _Job:
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
         # what a neighbour has not taken yet it may still take (its last message may be in
-        # flight as this stage ends): removed once it is surely late (hetpipe.hostshm)
-        asyncio.get_running_loop().call_later(hostshm.UNTAKEN_S, self.outbox.close)
+        # flight as this stage ends): removed once it is surely late (hetpipe.hostshm), or
+        # when the worker stops
+        self.closing.add(self.outbox)
+        asyncio.get_running_loop().call_later(hostshm.UNTAKEN_S, self._closed)
+
+    def _closed(self) -> None:
+        self.closing.discard(self.outbox)
+        self.outbox.close()
 
 
 class Worker:
@@ -85,6 +95,7 @@ class Worker:
         # waits for device-to-host copies (hetpipe.hostcopy), so the compute never does
         self.copies = ThreadPoolExecutor(1, thread_name_prefix=f"copy-{device.name}")
         self.job: _Job | None = None
+        self.closing: set[hostshm.Outbox] = set()  # outboxes of closed jobs (_Job.close)
         self.welcomed = asyncio.Event()
         self.address = ""
         self.log = logmod.get("worker").bind(device=device.name)
@@ -183,7 +194,7 @@ class Worker:
             loop = asyncio.get_running_loop()
             compute = await loop.run_in_executor(self.executor, _stage_compute, task,
                                                  self.device, msg.tensors)
-            job = _Job(task, compute)
+            job = _Job(task, compute, self.closing)
             rt = self.cluster.runtime
             for address in dict.fromkeys(_destinations(task)):
                 sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
@@ -407,6 +418,9 @@ class Worker:
 
     async def close(self) -> None:
         await self._drop_job()
+        for box in self.closing:  # stopping: nobody takes their files later
+            box.close()
+        self.closing.clear()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.copies.shutdown(wait=False, cancel_futures=True)
 
