@@ -31,8 +31,9 @@ anything else is removed and a new file made.
 
 Leftovers. The sender keeps the names it made, and at most :data:`KEEP_FREE` handed-back files
 per size. When its stage ends it removes the handed-back files (:meth:`Outbox.settle`), and
-the rest :data:`UNTAKEN_S` later (:meth:`Outbox.close`): not at once, since a neighbour may
-still be about to take the stage's last message. A worker that starts removes the files of
+the rest :data:`UNTAKEN_S` later, or when its worker stops (:meth:`Outbox.close`): not at
+once, since a neighbour may still be about to take (and hand back) the stage's last
+message. A worker that starts removes the files of
 processes of this user that no longer run (:func:`sweep`: the pid is in the name), which a
 killed or stopped worker left behind.
 """
