@@ -47,13 +47,13 @@ class _Job:
     """What a worker holds for the job it is assigned: its stage and its job sockets."""
 
     def __init__(self, task: StageTask, compute: StageCompute,
-                 closing: set[hostshm.Outbox] | None = None) -> None:
+                 closing: set[hostshm.Outbox]) -> None:
         """``closing``: where a closed job's outbox waits for its late removal (the worker
         removes what is there at once when it stops)."""
         self.task = task
         self.compute = compute
         self.outbox = hostshm.Outbox()  # tensors put in shared memory for this host's peers
-        self.closing = closing if closing is not None else set()
+        self.closing = closing
         self.channels: list[Channel] = []
         self.shards: dict[int, Channel] = {}
         self.stream: MinibatchStream | None = None

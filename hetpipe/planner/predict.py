@@ -231,10 +231,8 @@ def stage_costs(
             compute_fwd, compute_bwd = fwd + task, bwd + task
         state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
         pulls = vws > 1 and state > 0
-        # short tasks of an unslowed CPU device that pulls no weights skip the hand-off
-        # (hetpipe.computethread)
-        inline = (on_cpu and speed >= 1.0 and not pulls
-                  and max(compute_fwd, compute_bwd) < rt.inline_s)
+        inline = bool(rt.runs_inline(max(compute_fwd, compute_bwd), on_cpu=on_cpu,
+                                     speed=speed, pulls=pulls))
         hop = 0.0 if inline else rt.hop_s
         if last and schedule == "async":
             loop_fwd, loop_bwd = hop + send_grad, 0.0

@@ -124,6 +124,14 @@ class RuntimeCosts:
             return self
         return replace(self, inline_s=runtime.inline_ms / 1e3)
 
+    def runs_inline(self, task_s: Any, *, on_cpu: bool, speed: float, pulls: bool = False
+                    ) -> Any:
+        """Whether tasks of ``task_s`` (the longer of a stage's forward and backward; a
+        number or an array of them) run on the stage's event loop, skipping the hand-off
+        (:mod:`hetpipe.computethread`): on an unslowed CPU device, for a stage that pulls
+        no weights, when shorter than :attr:`inline_s`."""
+        return on_cpu and speed >= 1.0 and not pulls and task_s < self.inline_s
+
     @property
     def is_zero(self) -> bool:
         return not any(getattr(self, f.name) for f in fields(self))

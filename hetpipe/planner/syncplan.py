@@ -267,9 +267,9 @@ class SyncModel:
         ``inline_s``: :mod:`hetpipe.computethread`). The search prices a virtual worker as if
         alone; with several, whose stages exchange every iteration and so keep the hand-off,
         the prediction that picks among formations (:func:`.predict.stage_costs`) knows."""
-        if not (str(getattr(d, "device", "cpu")).startswith("cpu") and self._speed(d) >= 1.0):
-            return self.rt.hop_s
-        return np.where(np.maximum(fwd, bwd) < self.rt.inline_s, 0.0, self.rt.hop_s)
+        inline = self.rt.runs_inline(np.maximum(fwd, bwd), speed=self._speed(d),
+                                     on_cpu=str(getattr(d, "device", "cpu")).startswith("cpu"))
+        return np.where(inline, 0.0, self.rt.hop_s)
 
     def _send_s(self, nbytes: Any) -> Any:
         """The sender's cost of a message of ``nbytes`` (a number or an array of them)."""
