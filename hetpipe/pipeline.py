@@ -132,9 +132,12 @@ class StageRunner:
         snapshot: Snapshot | None = None,
         direct: frozenset[str] = frozenset(),
         inline_s: float = 0.0,
+        inbox: hostshm.Inbox | None = None,
     ) -> None:
         """``inline_s``: compute runs the stage measured shorter than this run on the event
-        loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never)."""
+        loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never). ``inbox``:
+        reads the tensors its neighbours of this host put in shared memory (its owner unmaps
+        it when the job ends; a new one if not given)."""
         self.compute = compute
         self.task = compute.task
         self.sync = compute.spec.sync
@@ -145,6 +148,7 @@ class StageRunner:
         self.stream = stream
         self.report_every_s = report_every_s
         self.snapshot = snapshot
+        self.inbox = inbox if inbox is not None else hostshm.Inbox()
         self.schedule = stage_schedule(compute)
         self.inline = InlinePolicy(executor, inline_s, device=compute.dev, speed=compute.speed,
                                    pulls=self.schedule.pulls, stalls=bool(compute.stalls))
@@ -201,16 +205,30 @@ class StageRunner:
             if got is not None:
                 self.grads[msg["p"]] = got["g"]
         elif msg.kind == Kind.REPLICA_GRAD:
-            grads = {name: _received(msg, name)
+            grads = {name: self._received(msg, name)
                      for name in (*msg.tensors, *(msg.get("shm") or {}))}
             self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
+
+    def _received(self, msg: Message, name: str) -> torch.Tensor | Shared:
+        """Tensor ``name`` of a received message: in its frames, in this host's shared memory
+        (checked and read here: hetpipe.hostshm), or shared by a GPU's handle (checked here,
+        opened by the stage on its compute thread)."""
+        if name in msg.tensors:
+            return msg.tensors[name]
+        placed = msg.get("shm") or {}
+        if name in placed:
+            return self.inbox.take(hostshm.parse(placed[name]))
+        shared = msg.get("ipc") or {}
+        if name not in shared:
+            raise ValueError(f"{msg.kind} {msg['p']} carries no tensor {name!r}")
+        return parse(shared[name])
 
     def _piece(self, msg: Message, names: tuple[str, ...], theirs: list[int]
                ) -> dict[str, Any] | None:
         """Keep one sender's rows of a message; once every overlapping sender's rows are here,
         the whole input by name (rows gathered in order), else None."""
-        tensors = {name: _received(msg, name) for name in names}
+        tensors = {name: self._received(msg, name) for name in names}
         rows = msg.get("rows")
         if rows is None:
             return tensors
@@ -640,18 +658,3 @@ def _union(replies: list[Message]) -> dict[str, torch.Tensor]:
     for r in replies:
         out.update(r.tensors)
     return out
-
-
-def _received(msg: Message, name: str) -> torch.Tensor | Shared:
-    """Tensor ``name`` of a received message: in its frames, in this host's shared memory
-    (checked and read here: hetpipe.hostshm), or shared by a GPU's handle (checked here,
-    opened by the stage on its compute thread)."""
-    if name in msg.tensors:
-        return msg.tensors[name]
-    placed = msg.get("shm") or {}
-    if name in placed:
-        return hostshm.take(hostshm.parse(placed[name]))
-    shared = msg.get("ipc") or {}
-    if name not in shared:
-        raise ValueError(f"{msg.kind} {msg['p']} carries no tensor {name!r}")
-    return parse(shared[name])

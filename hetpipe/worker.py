@@ -53,6 +53,7 @@ class _Job:
         self.task = task
         self.compute = compute
         self.outbox = hostshm.Outbox()  # tensors put in shared memory for this host's peers
+        self.inbox = hostshm.Inbox()  # the files they put there, kept mapped
         self.closing = closing
         self.channels: list[Channel] = []
         self.shards: dict[int, Channel] = {}
@@ -67,8 +68,9 @@ class _Job:
             with contextlib.suppress(BaseException):
                 await self.run_task
         # the files its neighbours handed back go now, before the sockets' linger (a daemon
-        # that stops may not outlive it)
+        # that stops may not outlive it); the stage reads no more
         self.outbox.settle()
+        self.inbox.close()
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
         # what a neighbour has not taken yet it may still take (its last message may be in
@@ -253,7 +255,8 @@ class Worker:
                                      (Kind.ACT, job.task.next_group),
                                      (Kind.GRAD, job.task.prev_group))
                                      if len(group) == 1 and self._shares_gpu_with(group[0])),
-                                 inline_s=self.cluster.runtime.inline_ms / 1e3)
+                                 inline_s=self.cluster.runtime.inline_ms / 1e3,
+                                 inbox=job.inbox)
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()

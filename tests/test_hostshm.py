@@ -13,7 +13,7 @@ import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
 
 from hetpipe import hostshm
-from hetpipe.hostshm import Outbox, parse, sweep, take
+from hetpipe.hostshm import Inbox, Outbox, parse, sweep
 
 pytestmark = pytest.mark.skipif(not hostshm.available(), reason="no /dev/shm on this host")
 
@@ -36,7 +36,7 @@ def test_a_put_tensor_is_taken_back_equal_and_its_file_handed_back(tmp_path, t) 
     d = box.put(t)
     assert files(tmp_path) == {d["file"]}
     assert (os.stat(tmp_path / d["file"]).st_mode & 0o777) == 0o600
-    got = take(parse(d), tmp_path)
+    got = Inbox(tmp_path).take(parse(d))
     assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
     assert files(tmp_path) == {d["file"] + hostshm.FREE}  # its name is gone
     got.zero_()  # its own memory: the sender's file is not touched
@@ -46,26 +46,92 @@ def test_a_put_tensor_is_taken_back_equal_and_its_file_handed_back(tmp_path, t) 
 
 
 def test_a_handed_back_file_carries_the_next_tensor_of_its_size(tmp_path) -> None:
-    box = Outbox(tmp_path)
+    box, inbox = Outbox(tmp_path), Inbox(tmp_path)
     first = box.put(torch.full((1000,), 1.0))
     inode = os.stat(tmp_path / first["file"]).st_ino
-    take(parse(first), tmp_path)
+    inbox.take(parse(first))
     again = box.put(torch.full((1000,), 2.0))
     other = box.put(torch.full((10,), 3.0))  # another size: a new file
     assert again["file"] != first["file"]  # a new name: the old description reads nothing
     assert os.stat(tmp_path / again["file"]).st_ino == inode and box.reused == 1
     assert files(tmp_path) == {again["file"], other["file"]}
-    assert torch.equal(take(parse(again), tmp_path), torch.full((1000,), 2.0))
+    # the receiver reads the rewritten file through the mapping it kept
+    assert torch.equal(inbox.take(parse(again)), torch.full((1000,), 2.0))
+    assert len(inbox.mapped) == 1
     with pytest.raises(ValueError, match="No such file"):
-        take(parse(first), tmp_path)  # a replayed description
+        inbox.take(parse(first))  # a replayed description
+    inbox.close()
     box.close()
+    assert files(tmp_path) == set() and not inbox.mapped
+
+
+def test_many_messages_through_kept_mappings_arrive_intact(tmp_path) -> None:
+    """Tensors of two sizes back and forth many times: each arrives as sent, though each
+    side writes and reads the same few files through the mappings it keeps."""
+    box, inbox = Outbox(tmp_path), Inbox(tmp_path)
+    for i in range(50):
+        shape = (64, 33) if i % 3 else (7, 1000)
+        sent = [torch.randn(shape) for _ in range(1 + i % 3)]  # a few in flight at once
+        got = [inbox.take(parse(d)) for d in [box.put(t) for t in sent]]
+        assert all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))
+    assert box.sent == sum(1 + i % 3 for i in range(50)) and box.reused == box.sent - 4
+    assert len(inbox.mapped) == 4  # the files in rotation: 3 of one size, 1 of the other
+    inbox.close()
+    box.close()
+    assert files(tmp_path) == set()
+
+
+def test_a_receiver_keeps_few_files_mapped(tmp_path) -> None:
+    box, inbox = Outbox(tmp_path), Inbox(tmp_path)
+    placed = [box.put(torch.full((100 + i,), float(i)))
+              for i in range(hostshm.KEEP_MAPPED + 4)]  # all sizes differ: all new files
+    for i, d in enumerate(placed):
+        assert torch.equal(inbox.take(parse(d)), torch.full((100 + i,), float(i)))
+    assert len(inbox.mapped) == hostshm.KEEP_MAPPED  # the least recently read went
+    last = os.stat(tmp_path / (placed[-1]["file"] + hostshm.FREE))
+    assert next(reversed(inbox.mapped)) == (last.st_dev, last.st_ino)
+    inbox.close()
+    box.close()
+
+
+def test_a_handed_back_file_replaced_by_another_is_removed_not_written(tmp_path) -> None:
+    """Under the handed-back name lies a private file of the right size, but not the one the
+    sender keeps mapped: writing the mapping would send bytes the receiver never reads."""
+    box = Outbox(tmp_path)
+    d = box.put(torch.ones(1000))
+    Inbox(tmp_path).take(parse(d))
+    back = tmp_path / (d["file"] + hostshm.FREE)
+    back.unlink()
+    fd = os.open(back, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"\0" * 4000)
+    os.close(fd)
+    again = box.put(torch.full((1000,), 5.0))
+    assert box.reused == 0 and files(tmp_path) == {again["file"]}
+    assert torch.equal(Inbox(tmp_path).take(parse(again)), torch.full((1000,), 5.0))
+    box.close()
+
+
+def test_shared_memory_that_cannot_hold_a_tensor_refuses_it_without_a_file(
+        tmp_path, monkeypatch) -> None:
+    """A full ``/dev/shm`` fails when the file's pages are allocated, before any is mapped
+    (a write into an unallocated mapping would kill the process): the tensor stays in the
+    message and no file is left."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    box = Outbox(tmp_path)
+    big = torch.zeros(hostshm.MIN_BYTES // 4)
+    placed, rest = box.place({"x": big})
+    assert placed == {} and rest["x"] is big
+    assert box.error == f"{tmp_path}: No space left on device"
     assert files(tmp_path) == set()
 
 
 def test_a_handed_back_file_that_fails_the_checks_is_removed_not_written(tmp_path) -> None:
     box = Outbox(tmp_path)
     d = box.put(torch.ones(1000))
-    take(parse(d), tmp_path)
+    Inbox(tmp_path).take(parse(d))
     os.chmod(tmp_path / (d["file"] + hostshm.FREE), 0o644)  # someone opened it up
     again = box.put(torch.ones(1000))
     assert box.reused == 0 and files(tmp_path) == {again["file"]}
@@ -78,13 +144,13 @@ def test_the_outbox_keeps_few_handed_back_files_and_removes_all_when_it_closes(
     box = Outbox(tmp_path)
     placed = [box.put(torch.full((1000,), float(i))) for i in range(hostshm.KEEP_FREE + 3)]
     for d in placed[:-1]:
-        take(parse(d), tmp_path)
+        Inbox(tmp_path).take(parse(d))
     box.put(torch.ones(3))  # each put collects what came back
-    assert [n for n, _ in box.pending] == [placed[-1]["file"], box.pending[-1][0]]
+    assert [e[0] for e in box.pending] == [placed[-1]["file"], box.pending[-1][0]]
     assert len(box.free[4000]) == hostshm.KEEP_FREE  # the rest were removed
     assert len(files(tmp_path)) == hostshm.KEEP_FREE + 2
     box.settle()  # the stage ended: what came back goes, what is untaken stays a while
-    assert files(tmp_path) == {n for n, _ in box.pending}
+    assert files(tmp_path) == {e[0] for e in box.pending}
     box.close()
     assert files(tmp_path) == set() and not box.pending and not box.free
 
@@ -133,7 +199,7 @@ def test_a_file_that_is_not_private_to_this_user_is_refused_and_left_alone(tmp_p
     path = tmp_path / d["file"]
     os.chmod(path, 0o644)
     with pytest.raises(ValueError, match="not a private file of this user"):
-        take(parse(d), tmp_path)
+        Inbox(tmp_path).take(parse(d))
     assert path.exists()
 
 
@@ -144,11 +210,11 @@ def test_a_link_a_missing_file_and_a_wrong_size_are_refused(tmp_path) -> None:
     link = {**d, "file": "hetpipe-1-2-0000abcd"}
     (tmp_path / link["file"]).symlink_to(target)
     with pytest.raises(ValueError, match="hetpipe-1-2-0000abcd: "):
-        take(parse(link), tmp_path)
+        Inbox(tmp_path).take(parse(link))
     with pytest.raises(ValueError, match="No such file"):
-        take(parse({**d, "file": "hetpipe-1-3-0000abcd"}), tmp_path)
+        Inbox(tmp_path).take(parse({**d, "file": "hetpipe-1-3-0000abcd"}))
     with pytest.raises(ValueError, match="16 bytes, expected 8"):
-        take(parse({**d, "shape": [2], "nbytes": 8}), tmp_path)
+        Inbox(tmp_path).take(parse({**d, "shape": [2], "nbytes": 8}))
     assert target.exists()
 
 
