@@ -269,8 +269,12 @@ class Channel:
 
     async def _reader(self) -> None:
         while True:
+            suspended = False
             try:
-                frames = await self.sock.recv_multipart(copy=False)
+                pending = self.sock.recv_multipart(copy=False)
+                if not pending.done():
+                    suspended = True
+                frames = await pending
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -286,8 +290,10 @@ class Channel:
             await self._dispatch(ident, frames, user)
             # A recv that finds a message waiting completes without suspending, so under a
             # flood this loop would never give the event loop back: heartbeats, job starts
-            # and the other sockets' readers would starve. Yield once per message.
-            await asyncio.sleep(0)
+            # and the other sockets' readers would starve. Yield once per message that did
+            # not wait (one that did already let the loop run).
+            if not suspended:
+                await asyncio.sleep(0)
 
     async def _slow_down_under_flood(self) -> None:
         """Past ``FLOOD_PER_S`` bad messages a second, pause after each one.
