@@ -85,7 +85,9 @@ _NAME = re.compile(r"hetpipe-(\d{1,10})-\d{1,20}-[0-9a-f]{8}")
 FREE = ".free"
 _ANY = re.compile(_NAME.pattern + f"(?:{re.escape(FREE)})?")  # what sweep may remove
 KEEP_FREE = 8  # handed-back files a sender keeps per size; more are removed
-KEEP_MAPPED = 16  # files a receiver keeps mapped; the least recently read are unmapped
+# files a receiver keeps mapped, the least recently read unmapped first (a replica's weight
+# gradients come one file per tensor)
+KEEP_MAPPED = 64
 _KEYS = frozenset({"file", "dtype", "shape", "nbytes"})
 
 
