@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +79,45 @@ def test_many_messages_through_kept_mappings_arrive_intact(tmp_path) -> None:
     assert box.sent == sum(1 + i % 3 for i in range(50)) and box.reused == box.sent - 4
     assert len(inbox.mapped) == 4  # the files in rotation: 3 of one size, 1 of the other
     inbox.close()
+    box.close()
+    assert files(tmp_path) == set()
+
+
+def _take_and_sum(directory: str, todo: Any, done: Any) -> None:
+    """A receiver process: take every description from ``todo``, answer its tensor's sum."""
+    inbox = Inbox(Path(directory))
+    while (d := todo.get(timeout=60)) is not None:
+        done.put(float(inbox.take(parse(d)).double().sum()))
+    inbox.close()
+
+
+@pytest.mark.timeout(120)
+def test_tensors_reach_another_process_intact_through_the_files_it_keeps_mapped(
+        tmp_path) -> None:
+    """Two processes, as two stages: each of many tensors of three sizes, some in flight at
+    once, arrives with its sum, though the sender rewrites the few files the receiver keeps
+    mapped."""
+    ctx = multiprocessing.get_context("spawn")
+    todo, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_take_and_sum, args=(str(tmp_path), todo, done))
+    proc.start()
+    try:
+        box, g = Outbox(tmp_path), torch.Generator().manual_seed(0)
+        shapes = [(32, 64, 8, 8), (32, 128, 4, 4), (7, 1000)]
+        for i in range(100):
+            sent = [torch.randn(shapes[(i + j) % 3], generator=g) for j in range(1 + i % 4)]
+            for t in sent:
+                todo.put(box.put(t))
+            got = [done.get(timeout=60) for _ in sent]
+            assert got == pytest.approx([float(t.double().sum()) for t in sent], abs=1e-6)
+        assert box.reused > 200  # the same files carried most of them
+        todo.put(None)
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
     box.close()
     assert files(tmp_path) == set()
 
