@@ -269,11 +269,9 @@ class Channel:
 
     async def _reader(self) -> None:
         while True:
-            suspended = False
             try:
                 pending = self.sock.recv_multipart(copy=False)
-                if not pending.done():
-                    suspended = True
+                suspended = not pending.done()
                 frames = await pending
             except asyncio.CancelledError:
                 raise
