@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["ComputeThread", "InlinePolicy"]
+__all__ = ["ComputeThread", "InlinePolicy", "may_run_inline"]
 
 
 class ComputeThread(ThreadPoolExecutor):
@@ -70,6 +70,15 @@ class ComputeThread(ThreadPoolExecutor):
         return self._queued == 0
 
 
+def may_run_inline(*, on_cpu: bool, speed: float, pulls: bool = False,
+                   stalls: bool = False) -> bool:
+    """Whether a stage's short runs may go on its event loop at all (see the module's doc):
+    on an unslowed CPU device, for a stage that pulls no weights and has no injected stalls.
+    The one home of that rule: :class:`InlinePolicy` runs by it and the planner prices by it
+    (:meth:`hetpipe.planner.runtime.RuntimeCosts.runs_inline`)."""
+    return on_cpu and speed >= 1.0 and not pulls and not stalls
+
+
 class InlinePolicy:
     """Whether a stage's next compute run goes on its event loop (see the module's doc).
 
@@ -83,9 +92,9 @@ class InlinePolicy:
         ``pulls``: whether the stage pulls weights every wave; ``stalls``: whether the job
         injects stalls into this stage."""
         self.executor = executor
-        on_cpu = device == "cpu"  # only there does a measured run bound the next one
-        alone = not pulls and not stalls  # the loop has little else to do
-        self.limit_s = limit_s if on_cpu and speed >= 1.0 and alone else 0.0
+        allowed = may_run_inline(on_cpu=device == "cpu", speed=speed, pulls=pulls,
+                                 stalls=stalls)
+        self.limit_s = limit_s if allowed else 0.0
         self._last_s: dict[str, float] = {}
         self.inline_runs = 0  # the stage's report says how its compute ran
         self.thread_runs = 0

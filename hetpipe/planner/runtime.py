@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from hetpipe.computethread import may_run_inline
+
 __all__ = ["RuntimeCosts", "all_busy", "count_law", "host_cores", "reduce_answer_s", "slowdown_of",
            "slowdowns"]
 
@@ -129,8 +131,9 @@ class RuntimeCosts:
         """Whether tasks of ``task_s`` (the longer of a stage's forward and backward; a
         number or an array of them) run on the stage's event loop, skipping the hand-off
         (:mod:`hetpipe.computethread`): on an unslowed CPU device, for a stage that pulls
-        no weights, when shorter than :attr:`inline_s`."""
-        return on_cpu and speed >= 1.0 and not pulls and task_s < self.inline_s
+        no weights (:func:`hetpipe.computethread.may_run_inline`), when shorter than
+        :attr:`inline_s`."""
+        return may_run_inline(on_cpu=on_cpu, speed=speed, pulls=pulls) and task_s < self.inline_s
 
     @property
     def is_zero(self) -> bool:
