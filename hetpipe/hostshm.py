@@ -310,7 +310,6 @@ class Inbox:
     the next tensor of its size into it again."""
 
     def __init__(self, directory: Path = DIRECTORY) -> None:
-        self.directory = directory
         self._in = _prefix(directory)
         self.mapped: collections.OrderedDict[tuple[int, int], _Mapped] = (
             collections.OrderedDict())
