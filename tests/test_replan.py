@@ -41,10 +41,10 @@ def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
         spec = job("keepgoing", model="cnn", minibatches=300, nm=4, lr=0.05)
         # Batch-norm statistics re-estimated before the evaluation: those accumulated while
         # training lag the pipeline's moving weights, and after a re-plan more so. Measured
-        # with two busy loops beside it, statistics as trained: 60 runs, 5 below 0.92 (0.817
-        # and 0.841 among them, one a CI failure; 12 of them on the code before the mapped
-        # shared-memory files, which had the 0.817), 12 runs of the same job without the kill
-        # all >= 0.95. Re-estimated over 20 minibatches: 32 runs, all >= 0.936.
+        # with two busy loops beside it, statistics as trained: 61 runs, 7 below 0.92 (0.817
+        # and 0.842 among them, the latter a CI failure; 12 runs were of the code before the
+        # mapped shared-memory files, and had the 0.817); 12 runs of the same job without the
+        # kill all >= 0.95. Re-estimated over 20 minibatches: 32 runs, all >= 0.936.
         spec["train"].update(vws=1, on_worker_loss="replan", checkpoint_every=every,
                              bn_recalibrate=20)
 
