@@ -24,6 +24,7 @@ import zmq.asyncio
 from hetpipe import log as logmod
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import Curve, apply_curve
+from hetpipe.sockio import SocketIO
 from hetpipe.wire import (
     ZERO_COPY_MIN_BYTES,
     Kind,
@@ -141,6 +142,10 @@ class Channel:
         routed: bool | None = None,
     ) -> None:
         self.sock = sock
+        self._io = SocketIO(sock)  # every send and receive: no future per message
+        # only a Curve socket's messages carry a ZAP user id: a plain socket's lookup would
+        # raise (and build a ZMQError) for every message
+        self._has_user = sock.getsockopt(zmq.MECHANISM) != zmq.NULL
         self.name = name
         self._handler = handler
         self._max_frame_bytes = max_frame_bytes
@@ -178,6 +183,7 @@ class Channel:
             if not fut.done():
                 fut.set_exception(ConnectionError(f"{self.name}: channel closed"))
         self._pending.clear()
+        self._io.close()
         self.sock.close(linger=linger_ms)
 
     # -- sending ----------------------------------------------------------------------------
@@ -205,7 +211,7 @@ class Channel:
             # for it would stall this socket's only reader, and with it every other peer.
             flags = zmq.NOBLOCK
         try:
-            await self.sock.send_multipart(frames, flags=flags, copy=not _large(frames))
+            await self._io.send(frames, flags=flags, copy=not _large(frames))
         except zmq.Again as exc:
             raise ConnectionError(f"{self.name}: peer {to!r} does not read (its queue is "
                                   f"full); message dropped") from exc
@@ -268,30 +274,35 @@ class Channel:
     # -- receiving --------------------------------------------------------------------------
 
     async def _reader(self) -> None:
+        waited = False
         while True:
             try:
-                pending = self.sock.recv_multipart(copy=False)
-                suspended = not pending.done()
-                frames = await pending
+                frames = self._io.recv_now()
+                if frames is None:
+                    await self._io.wait(zmq.POLLIN)
+                    waited = True
+                    continue
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
-                if self.closed or exc.errno == zmq.ETERM:
+                if self.closed or self.sock.closed or exc.errno == zmq.ETERM:
                     return
                 self._log.warning("recv failed", error=str(exc))
+                await asyncio.sleep(0.01)  # a socket that keeps failing must not spin
                 continue
             ident: bytes | None = None
-            user = _user_id(frames[-1])
+            user = _user_id(frames[-1]) if self._has_user else None
             if self._routed:
                 ident = frames[0].bytes
                 frames = frames[1:]
             await self._dispatch(ident, frames, user)
-            # A recv that finds a message waiting completes without suspending, so under a
-            # flood this loop would never give the event loop back: heartbeats, job starts
-            # and the other sockets' readers would starve. Yield once per message that did
-            # not wait (one that did already let the loop run).
-            if not suspended:
+            # A message already waiting is read without suspending, so under a flood this
+            # loop would never give the event loop back: heartbeats, job starts and the
+            # other sockets' readers would starve. Yield once per message that did not wait
+            # (one that did already let the loop run).
+            if not waited:
                 await asyncio.sleep(0)
+            waited = False
 
     async def _slow_down_under_flood(self) -> None:
         """Past ``FLOOD_PER_S`` bad messages a second, pause after each one.

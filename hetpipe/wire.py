@@ -129,6 +129,22 @@ class Field:
     type: type | tuple[type, ...]
     required: bool = True
 
+    @functools.cached_property
+    def types(self) -> tuple[type, ...]:
+        """The types a received value may have."""
+        return self.type if isinstance(self.type, tuple) else (self.type,)
+
+    @functools.cached_property
+    def types_out(self) -> tuple[type, ...]:
+        """The types a value to send may have: a tuple passes for a list."""
+        return (*self.types, tuple) if list in self.types else self.types
+
+    @functools.cached_property
+    def exact(self) -> frozenset[type]:
+        """Types whose exact instances pass as they are (bool only where a field takes it:
+        a flag is not a count; float's int is converted, so not here)."""
+        return frozenset(self.types)
+
 
 _STR, _INT, _FLOAT = Field(str), Field(int), Field(float)
 _DICT, _LIST = Field(dict), Field(list)
@@ -287,18 +303,6 @@ def _type_name(t: type | tuple[type, ...]) -> str:
 _LEAF_TYPES = frozenset({type(None), bool, float, str, bytes})
 
 
-def _all_leaves(items: Iterable[Any]) -> bool:
-    """Whether every item is a plain scalar (an int in range included): a container of only
-    such items needs no walk of its own. Stage reports and records are mostly such rows, so
-    the walk pushes one entry per row instead of one per number."""
-    for item in items:
-        t = type(item)
-        if t in _LEAF_TYPES or (t is int and _INT_MIN <= item <= _UINT_MAX):
-            continue
-        return False
-    return True
-
-
 def _path(name: str, where: Any) -> str:
     """The path of an item for an error message, from the chain of ``(parent, key, is_map)``
     the walk keeps instead of formatting a path string for every item it visits."""
@@ -309,35 +313,35 @@ def _path(name: str, where: Any) -> str:
     return name + "".join(reversed(parts))
 
 
-def _check_plain(kind: str, name: str, value: Any) -> None:
-    """Check that a dict/list field holds plain msgpack data with str keys (iteratively,
-    so hostile nesting cannot exhaust the Python stack)."""
-    stack: list[tuple[Any, Any, int]] = [(value, None, 0)]
-    while stack:
-        v, where, depth = stack.pop()
-        if v is None or isinstance(v, bool | float | str | bytes):
+def _check_plain(kind: str, name: str, value: Any, where: Any = None, depth: int = 0) -> None:
+    """Check that a dict/list field holds plain msgpack data with str keys.
+
+    Recursive, but only :data:`MAX_NESTING` deep (deeper raises first), so hostile nesting
+    cannot exhaust the Python stack. Exact types are tested first: every message's fields
+    pass through here, and most of their items are str, int or float."""
+    if depth >= MAX_NESTING:
+        raise WireError(f"{kind}: field {name!r}: nested deeper than {MAX_NESTING}")
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+        is_map = True
+    else:
+        items, is_map = enumerate(value), False
+    for key, v in items:
+        t = type(v)
+        if is_map and type(key) is not str and not isinstance(key, str):
+            raise WireError(f"{kind}: field {name!r}: map key {key!r} at "
+                            f"{_path(name, where)} is not a str")
+        if t in _LEAF_TYPES:
             continue
-        if isinstance(v, int):
+        if t is int or (isinstance(v, int) and t is not bool):
             if not _INT_MIN <= v <= _UINT_MAX:
-                raise WireError(f"{kind}: field {name!r}: integer at {_path(name, where)} "
-                                "is out of range")
-            continue
-        if isinstance(v, dict | list | tuple):
-            if depth >= MAX_NESTING:
-                raise WireError(f"{kind}: field {name!r}: nested deeper than {MAX_NESTING}")
-            if isinstance(v, dict):
-                for key in v:
-                    if not isinstance(key, str):
-                        raise WireError(f"{kind}: field {name!r}: map key {key!r} at "
-                                        f"{_path(name, where)} is not a str")
-                if not _all_leaves(v.values()):
-                    stack.extend((item, (where, key, True), depth + 1)
-                                 for key, item in v.items())
-            elif not _all_leaves(v):
-                stack.extend((item, (where, i, False), depth + 1) for i, item in enumerate(v))
-            continue
-        raise WireError(f"{kind}: field {name!r}: {type(v).__name__} at {_path(name, where)} "
-                        "is not plain msgpack data")
+                raise WireError(f"{kind}: field {name!r}: integer at "
+                                f"{_path(name, (where, key, is_map))} is out of range")
+        elif isinstance(v, dict | list | tuple):
+            _check_plain(kind, name, v, (where, key, is_map), depth + 1)
+        elif not (v is None or isinstance(v, bool | float | str | bytes)):
+            raise WireError(f"{kind}: field {name!r}: {t.__name__} at "
+                            f"{_path(name, (where, key, is_map))} is not plain msgpack data")
 
 
 def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> dict[str, Any]:
@@ -349,14 +353,21 @@ def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> d
     schema = SCHEMAS[kind]
     out: dict[str, Any] = {}
     for name, value in fields.items():
-        field = schema.get(name) if isinstance(name, str) else None
+        field = schema.get(name) if type(name) is str or isinstance(name, str) else None
         if field is None:
             raise WireError(f"{kind}: unexpected field {name!r}")
+        t = type(value)
+        if t in field.exact:  # the common case: exactly a type the field takes
+            if t is int:
+                if not _INT_MIN <= value <= _UINT_MAX:
+                    raise WireError(f"{kind}: field {name!r}: integer {value} is out of range")
+            elif (t is dict or t is list) and value:
+                _check_plain(kind, name, value)
+            out[name] = value
+            continue
         if value is None and outgoing and not field.required:
             continue
-        types = field.type if isinstance(field.type, tuple) else (field.type,)
-        if outgoing and list in types:
-            types = (*types, tuple)
+        types = field.types_out if outgoing else field.types
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
         if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
@@ -371,9 +382,10 @@ def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> d
         elif isinstance(value, dict | list | tuple):
             _check_plain(kind, name, value)
         out[name] = value
-    for name, field in schema.items():
-        if field.required and name not in out:
-            raise WireError(f"{kind}: missing required field {name!r}")
+    if len(out) < len(schema):
+        for name, field in schema.items():
+            if field.required and name not in out:
+                raise WireError(f"{kind}: missing required field {name!r}")
     return out
 
 
