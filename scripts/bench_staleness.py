@@ -19,8 +19,8 @@ arms (``--png``), redrawn after every turn of the arms with the figures so far b
 Each fresh cluster first runs an untimed short job of each task (a fresh worker's first job
 pays imports and the model's first passes: the first timed arm would have run at 0.66-0.92
 of its later speed). ``--repeats N`` runs the arms N times in turns (stash, predict, ...,
-stash, predict, ...); each arm's samples/s is then the median of its N runs, the rest is its
-first run's.
+stash, predict, ...); each arm's samples/s and accuracy are then the medians of its N runs
+(every run's in the JSON), the rest is its first run's.
 
 **On a GPU** (``--device cuda:N``): all k stages on that one GPU at its own speed (no
 padding, no speed scale), as the staleness was first seen: ``--tasks gpt512`` is the GPT of
@@ -126,12 +126,15 @@ def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
 
 
 def repeat(kept: dict[str, Any], again: dict[str, Any]) -> None:
-    """Add a repeated arm's samples/s to the first run's record, whose ``samples_per_s``
-    becomes the median over the turns (the turns alternate the arms: a drift of the host's
-    speed falls on all of them); accuracy, curve and memory stay the first run's."""
-    runs = kept.setdefault("samples_per_s_runs", [kept["samples_per_s"]])
-    runs.append(again["samples_per_s"])
-    kept["samples_per_s"] = statistics.median(runs)
+    """Add a repeated arm's figures to the first run's record: its ``samples_per_s`` and
+    ``accuracy`` become the medians over the turns (the turns alternate the arms: a drift of
+    the host's speed falls on all of them; an asynchronous arm's accuracy depends on when
+    each gradient lands, so one turn may be far from the others), every turn's kept in
+    ``samples_per_s_runs`` and ``accuracy_runs``; curve and memory stay the first run's."""
+    for key in ("samples_per_s", "accuracy"):
+        runs = kept.setdefault(f"{key}_runs", [kept[key]])
+        runs.append(again[key])
+        kept[key] = statistics.median(runs)
     kept["host_cpu"] = max(kept["host_cpu"], again["host_cpu"])
     kept["own_cores"] = max(kept["own_cores"], again["own_cores"])
 
@@ -266,7 +269,8 @@ def main() -> None:
                     help="a task's learning rate instead of its default (e.g. gpt=0.02)")
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="turns of every arm, alternated; samples/s is the median")
+                    help="turns of every arm, alternated; samples/s and accuracy are the "
+                         "medians")
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
     ap.add_argument("--merge", type=Path, default=None, metavar="JSON",
                     help="keep the arms this run does not repeat (arm, task and depth) "
