@@ -1,4 +1,4 @@
-"""Sockets and message channels on ``zmq.asyncio``.
+"""Sockets and message channels on the asyncio loop.
 
 One factory makes every socket, with its high-water mark and linger set at creation, so no
 socket in the project is ever left with an unbounded queue or a close that hangs. A
@@ -6,7 +6,9 @@ socket in the project is ever left with an unbounded queue or a close that hangs
 frame set with :mod:`hetpipe.wire`, answers malformed messages with an ``error`` reply where
 the pattern has a reply, matches replies to requests by ``rid``, and hands everything else to
 the owner's handler. Nothing here cancels an in-flight ``recv``: waits for replies are waits on
-futures, with deadlines whose errors say what to check.
+futures, with deadlines whose errors say what to check. The sockets are ``zmq.asyncio``'s,
+but a channel sends and receives through :class:`hetpipe.sockio.SocketIO` (no future per
+message).
 """
 
 from __future__ import annotations

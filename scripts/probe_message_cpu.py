@@ -8,7 +8,8 @@ trips a way, in alternated turns:
 
 - ``ours``: :func:`hetpipe.transport.make_socket` PUSH/PULL sockets and
   :class:`hetpipe.transport.Channel` (``hetpipe.wire`` encoding and schema checks, the
-  reader task on ``zmq.asyncio``), as a worker's data port runs;
+  reader task, sends and receives through :class:`hetpipe.sockio.SocketIO`), as a
+  worker's data port runs;
 - ``raw``: synchronous pyzmq PUSH/PULL and ``msgpack`` of the same fields.
 
 Each side's process CPU (all threads) over its round trips is divided by the messages it
