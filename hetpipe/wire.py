@@ -328,18 +328,18 @@ def _check_plain(kind: str, name: str, value: Any, where: Any = None, depth: int
         items, is_map = enumerate(value), False
     for key, v in items:
         t = type(v)
-        if is_map and type(key) is not str and not isinstance(key, str):
+        if is_map and not isinstance(key, str):
             raise WireError(f"{kind}: field {name!r}: map key {key!r} at "
                             f"{_path(name, where)} is not a str")
         if t in _LEAF_TYPES:
             continue
-        if t is int or (isinstance(v, int) and t is not bool):
+        if isinstance(v, int):  # (bool, an int too, is a leaf above)
             if not _INT_MIN <= v <= _UINT_MAX:
                 raise WireError(f"{kind}: field {name!r}: integer at "
                                 f"{_path(name, (where, key, is_map))} is out of range")
         elif isinstance(v, dict | list | tuple):
             _check_plain(kind, name, v, (where, key, is_map), depth + 1)
-        elif not (v is None or isinstance(v, bool | float | str | bytes)):
+        elif not isinstance(v, float | str | bytes):  # a subclass of a leaf type
             raise WireError(f"{kind}: field {name!r}: {t.__name__} at "
                             f"{_path(name, (where, key, is_map))} is not plain msgpack data")
 
@@ -353,29 +353,23 @@ def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> d
     schema = SCHEMAS[kind]
     out: dict[str, Any] = {}
     for name, value in fields.items():
-        field = schema.get(name) if type(name) is str or isinstance(name, str) else None
+        field = schema.get(name) if isinstance(name, str) else None
         if field is None:
             raise WireError(f"{kind}: unexpected field {name!r}")
-        t = type(value)
-        if t in field.exact:  # the common case: exactly a type the field takes
-            if t is int:
-                if not _INT_MIN <= value <= _UINT_MAX:
-                    raise WireError(f"{kind}: field {name!r}: integer {value} is out of range")
-            elif (t is dict or t is list) and value:
-                _check_plain(kind, name, value)
-            out[name] = value
-            continue
-        if value is None and outgoing and not field.required:
-            continue
-        types = field.types_out if outgoing else field.types
-        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-        if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise WireError(
-                f"{kind}: field {name!r} expects {_type_name(field.type)}, "
-                f"got {type(value).__name__}"
-            )
+        if type(value) not in field.exact:  # exactly a type the field takes: no more to ask
+            if value is None and outgoing and not field.required:
+                continue
+            types = field.types_out if outgoing else field.types
+            ok = isinstance(value, types) and not (isinstance(value, bool)
+                                                   and bool not in types)
+            if not ok and float in types and isinstance(value, int) \
+                    and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise WireError(
+                    f"{kind}: field {name!r} expects {_type_name(field.type)}, "
+                    f"got {type(value).__name__}"
+                )
         if isinstance(value, int) and not isinstance(value, bool):
             if not _INT_MIN <= value <= _UINT_MAX:
                 raise WireError(f"{kind}: field {name!r}: integer {value} is out of range")
