@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from hetpipe._toml import MISSING, Table, read_toml
+from hetpipe.hostmem import MAX_RETAIN_MIB
 from hetpipe.security import SecuritySpec
 
 __all__ = [
@@ -198,6 +199,9 @@ class RuntimeSpec:
     host_shm: bool = True  # stages of one host pass host tensors through shared memory
     # a stage's compute runs shorter than this run on its event loop (hetpipe.computethread)
     inline_ms: int = 20
+    # freed memory a daemon's C allocator keeps per heap for the next minibatch's tensors
+    # (hetpipe.hostmem; 0: the allocator's own behaviour)
+    retain_freed_mib: int = 256
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,8 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
     keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
-            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm", "inline_ms")
+            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm", "inline_ms",
+            "retain_freed_mib")
     rt = root.table("runtime", keys)
     heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
                             high=MAX_DURATION_S)
@@ -375,6 +380,7 @@ def _runtime(root: Table) -> RuntimeSpec:
         rt.flag("host_shm", d.host_shm),
         # the event loop serves nothing else meanwhile: heartbeats must still go out
         rt.at_least("inline_ms", 0, min(d.inline_ms, beat_ms), high=beat_ms),
+        rt.at_least("retain_freed_mib", 0, d.retain_freed_mib, high=MAX_RETAIN_MIB),
     )
 
 

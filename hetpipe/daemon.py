@@ -20,8 +20,8 @@ import click
 import zmq
 import zmq.asyncio
 
+from hetpipe import hostmem, security
 from hetpipe import log as logmod
-from hetpipe import security
 from hetpipe.config import ClusterConfig, check_address
 from hetpipe.security import Curve, SecuritySpec
 from hetpipe.transport import Channel
@@ -32,10 +32,12 @@ __all__ = ["Owner", "normal_host", "start_daemon", "wait_for_signal", "write_rea
 def start_daemon(name: str, cluster: ClusterConfig, log_file: str | None, log_level: str,
                  head: str | None) -> str | None:
     """What every daemon does once its cluster file loaded: take over its rotating log file
-    (when given one) and check ``--head``; returns the checked head address. A bad
-    ``--head`` is one line for the user (click), not a traceback."""
+    (when given one), have its allocator keep freed memory for the next minibatch's
+    tensors (:mod:`hetpipe.hostmem`) and check ``--head``; returns the checked head
+    address. A bad ``--head`` is one line for the user (click), not a traceback."""
+    rt = cluster.runtime
+    hostmem.retain_freed(rt.retain_freed_mib)
     if log_file is not None:
-        rt = cluster.runtime
         logmod.rotate_to(name, log_file, level=log_level, max_bytes=rt.log_max_bytes,
                          keep=rt.log_keep)
     if head is None:

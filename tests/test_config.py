@@ -297,6 +297,11 @@ CASES = [
     ),
     ("runtime-hwm", "", "[runtime]\nhwm = 0\n", "runtime.hwm", "must be >= 1"),
     ("runtime-inline", "", "[runtime]\ninline_ms = -1\n", "runtime.inline_ms", "must be >= 0"),
+    ("runtime-retain", "", "[runtime]\nretain_freed_mib = -1\n", "runtime.retain_freed_mib",
+     "must be >= 0"),
+    # glibc takes the threshold as an int of bytes
+    ("runtime-retain-big", "", "[runtime]\nretain_freed_mib = 4096\n",
+     "runtime.retain_freed_mib", "must be <= 2047"),
     # a compute on the event loop may hold it at most a quarter of a heartbeat
     ("runtime-inline-long", "", "[runtime]\ninline_ms = 300\n", "runtime.inline_ms",
      "must be <= 250"),
