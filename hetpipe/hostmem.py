@@ -6,9 +6,9 @@ until a freed mapped block raises it) is unmapped when freed, and a heap whose f
 exceeds its trim threshold is cut back. The next minibatch's tensors then land on fresh
 pages, and every 4 KiB of them costs a page fault (and the kernel's zeroing) at its first
 write, inside the kernel that writes it. A daemon that calls :func:`retain_freed` once at
-start keeps freed blocks in its heaps instead: the CNN stage of ``scripts/bench_sync.py``
-took about 2,000 page faults per iteration of 4 microbatches before and none after, and
-its compute ran 4-5 % faster in process.
+start keeps freed blocks in its heaps instead: the two wide stages of
+``scripts/bench_sync.py``'s CNN took 1,000-1,400 page faults per iteration of 4
+microbatches with glibc's defaults and none with it (``scripts/probe_stage_compute.py``).
 
 ``[runtime] retain_freed_mib`` (default 256) is the most freed memory a heap keeps at its
 top; blocks up to the smaller of that and 32 MiB (glibc's largest mmap threshold on 64-bit

@@ -177,14 +177,19 @@ def _by_kind(procs: dict[str, Any], before: dict[str, dict[int, tuple[str, float
 # --------------------------------------------------------------------------- torch
 
 
-def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str) -> None:
+def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str,
+                retain_freed: bool) -> None:
     """One stage of the torch.distributed.pipelining run (a spawned process)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from hetpipe import hostmem
+    from hetpipe.config import RuntimeSpec
     from hetpipe.data import MinibatchStream, load_dataset
     from hetpipe.models import build_model, cross_entropy
 
+    if retain_freed:
+        hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=STAGES
@@ -233,8 +238,10 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
         dist.destroy_process_group()
 
 
-def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Four spawned processes on gloo; steady-state samples/s measured at rank 0."""
+def run_torch(job: dict[str, Any], warmup: int, retain_freed: bool = False) -> dict[str, Any]:
+    """Four spawned processes on gloo; steady-state samples/s measured at rank 0.
+    ``retain_freed``: each keeps freed memory as our daemons do (:mod:`hetpipe.hostmem`,
+    the runtime's default), not glibc's defaults."""
     import torch.multiprocessing as tmp_mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
@@ -245,7 +252,7 @@ def run_torch(job: dict[str, Any], warmup: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         ctx = tmp_mp.start_processes(
             _torch_rank,
-            args=(job, free_port(HOST), warmup, out_path),
+            args=(job, free_port(HOST), warmup, out_path, retain_freed),
             nprocs=STAGES,
             join=False,
             start_method="spawn",

@@ -14,7 +14,10 @@ Three parts, each against a baseline measured in the same run:
     ``thread_ratio_vs_torch_*``: ours with ``inline_ms = 0``, every compute handed to the
     compute thread (the default before 2026-11-26); ``plaintext_ratio_vs_torch_*``: ours
     with ``[security] curve = false`` and ``host_shm = false``, plaintext through the
-    sockets as gloo is. All sides take turns in the same run.
+    sockets as gloo is. ``torch_retained_*``: torch's samples/s with each of its processes
+    keeping freed memory as our daemons do (``[runtime] retain_freed_mib``,
+    :mod:`hetpipe.hostmem`), and ``ratio_vs_torch_retained_*`` ours against that: what of
+    our ratio the allocator setting makes. All sides take turns in the same run.
 (b) On a copy of the repository's heterogeneous ``cluster.toml`` (same devices, caps and
     speeds; ports 0): the job with no split (the head profiles it and the synchronous planner
     picks cuts, devices and their order) against one virtual worker over every device in file
@@ -80,7 +83,9 @@ SIDES: dict[str, tuple[str, dict[str, Any], str]] = {
 
 def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    sides: dict[str, Any] = {"torch": lambda job: run_torch(job, args.warmup)}
+    sides: dict[str, Any] = {
+        "torch": lambda job: run_torch(job, args.warmup),
+        "torch_retained": lambda job: run_torch(job, args.warmup, retain_freed=True)}
     for side, (_prefix, kwargs, _what) in SIDES.items():
         sides[side] = lambda job, kw=kwargs: run_ours(job, args.warmup, 1, **kw)
     for kind in ("gpipe", "1f1b"):
@@ -93,6 +98,9 @@ def part_a(args: Any) -> dict[str, Any]:
                for k, v in runs.items()}
         torch_sps = med["torch"]["samples_per_s"]
         out[kind] = {"torch_samples_per_s": torch_sps,
+                     "torch_retained_samples_per_s": med["torch_retained"]["samples_per_s"],
+                     "ratio_vs_torch_retained": med["ours"]["samples_per_s"]
+                     / med["torch_retained"]["samples_per_s"],
                      "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
                      "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()}}
         for side in SIDES:
@@ -103,9 +111,11 @@ def part_a(args: Any) -> dict[str, Any]:
           f"{args.minibatches} microbatches, median of {args.rounds} alternated runs; ours "
           + ", ".join(f"{side}: {what}" for side, (_p, _k, what) in SIDES.items())
           + "; CPU ms per sample counts every process, start-up included")
-    print_table(["schedule", "torch samples/s", "torch CPU ms", *[
+    print_table(["schedule", "torch samples/s", "torch CPU ms", "torch retained samples/s",
+                 "ours / torch retained", *[
                  f"{side} {col}" for side in SIDES for col in ("samples/s", "ratio", "CPU ms")]],
                 [[k, v["torch_samples_per_s"], v["torch_cpu_ms_per_sample"],
+                  v["torch_retained_samples_per_s"], v["ratio_vs_torch_retained"],
                   *[v[side][col] for side in SIDES
                     for col in ("samples_per_s", "ratio", "cpu_ms_per_sample")]]
                  for k, v in out.items()])
@@ -356,6 +366,8 @@ def main() -> None:
         a = part_a(args)
         out.update({f"{prefix}ratio_vs_torch_{kind}": a[kind][side]["ratio"]
                     for side, (prefix, _kw, _what) in SIDES.items() for kind in a})
+        out.update({f"ratio_vs_torch_retained_{kind}": a[kind]["ratio_vs_torch_retained"]
+                    for kind in a})
         out["vs_torch"] = a
     if "b" in args.parts:
         b = part_b(args)
