@@ -28,9 +28,14 @@ MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX where long i
 MAX_RETAIN_MIB = 2047  # mallopt takes an int of bytes
 
 
+def is_glibc() -> bool:
+    """Whether this process's C library is glibc (the only one the setting is for)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def _mallopt() -> Any | None:
     """glibc's ``mallopt``, or None where the C library is another."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not is_glibc():
         return None
     try:
         fn = ctypes.CDLL(None).mallopt

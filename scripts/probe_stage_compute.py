@@ -32,6 +32,7 @@ from typing import Any
 
 from _bench import emit_json, machine, parser, print_table
 from bench_pipeline import MODELS, STAGES
+from probe_predict_overhead import DEVICE
 
 M = 4
 MICROBATCH = 32
@@ -48,7 +49,7 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     import torch
 
     from hetpipe import hostmem
-    from hetpipe.config import DeviceSpec, RuntimeSpec
+    from hetpipe.config import RuntimeSpec
     from hetpipe.job import JobSpec
     from hetpipe.models import build_model
     from hetpipe.stage import StageCompute
@@ -70,10 +71,9 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     task = StageTask(job="probe", spec=spec.to_dict(), vw=0, stage=stage, k=STAGES,
                      first=bounds[stage], last=bounds[stage + 1], nm=M, staleness=0,
                      minibatches=M * (iterations + 1), num_vws=1, prev=None, next=None)
-    device = DeviceSpec("gpu0", "cpu", "fast", 1 << 34, 1.0, 0, "node0", "127.0.0.1", 96.0)
     torch.manual_seed(0)
     model = build_model("cnn", args)
-    compute = StageCompute(task, device)
+    compute = StageCompute(task, DEVICE)
     state = model.state_dict()
     names = compute.state_names()
     compute.load({n: state[n] for n in names}, {n: [] for n in names})

@@ -4,7 +4,6 @@ started as a daemon does with ``[runtime] retain_freed_mib`` as given."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +32,7 @@ for _ in range(10):
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
-glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                           reason="the setting is glibc's")
+glibc = pytest.mark.skipif(not hostmem.is_glibc(), reason="the setting is glibc's")
 
 
 def _faults(tmp_path: Path, retain: int) -> int:
