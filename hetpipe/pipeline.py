@@ -281,6 +281,7 @@ class StageRunner:
                 await self._wait_pushes()
             if self.task.is_last:
                 self._losses(await self._run(self.compute.read_losses, True))
+            await self._run(self.compute.read_quality, True)
             self.waiting = None
         finally:
             reporter.cancel()
@@ -465,6 +466,7 @@ class StageRunner:
                     spans.append(["backward", t0, time.time(), None,
                                   wave_of(a.i, self.task.nm)])
             outs.append(made)
+        c.read_quality()
         return outs, spans, c.read_losses() if self.task.is_last else []
 
     def _losses(self, losses: list[tuple[int, float]]) -> None:

@@ -1,11 +1,14 @@
-"""Scalars made on a device (the last stage's losses), read back to the host in batches.
+"""Scalars made on a device (the last stage's losses, the prediction probes' scores), read
+back to the host in batches.
 
 Reading one scalar of a CUDA tensor into a Python float waits for every kernel queued before
 it: once per minibatch, that keeps the host from running ahead of the GPU. Here the values
 are stacked every :attr:`Readback.every` additions and copied to pinned host memory without
 blocking (``non_blocking``), an event marking the copy's end; :meth:`Readback.ready` returns
 the batches whose copy has finished and waits only when asked to (at the end of a job). On
-the CPU the values are there at once, so each batch is read when it is closed.
+the CPU the values are there at once, so each batch is read when it is closed. Values travel
+in double precision: a float32 or bf16 value reads back exactly as it would alone, and a
+ratio computed in double on the device keeps its last bits.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Readback:
     def _close(self) -> None:
         """Stack the open values and start their copy to the host."""
         keys = [k for k, _ in self._open]
-        stacked = torch.stack([v.reshape(()) for _, v in self._open]).float()
+        stacked = torch.stack([v.reshape(()).double() for _, v in self._open])
         self._open = []
         if self.device.type != "cuda":
             self._moving.append((keys, stacked, None))

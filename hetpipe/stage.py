@@ -39,6 +39,7 @@ is what the device's cap is checked against.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -143,7 +144,8 @@ class StageStats:
     # what this run's timing reached
     peak_in_flight: int = 0
     # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe (at
-    # most one per PROBE_EVERY minibatches: StageCompute._judge)
+    # most one per PROBE_EVERY minibatches: StageCompute._judge), as read back so far
+    # (StageCompute.read_quality)
     prediction_quality: list[float] = field(default_factory=list)
 
 
@@ -205,6 +207,7 @@ class StageCompute:
         self.loss_scale = (hi - lo) / self.spec.minibatch if task.replicated else 1.0
         self.stats = StageStats()
         self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
+        self._quality = Readback(self.dev)  # the same for the prediction probes' scores
         self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
         self.verify = self.spec.verify  # fingerprint the weights each pass used (costs reads)
         # train.precision = "bf16": forwards (and so backwards) under autocast; the weights,
@@ -611,8 +614,9 @@ class StageCompute:
         Not every forward is probed: a probe starts at a forward with ``s_fwd > 0`` when
         none is outstanding and :attr:`probe_every` minibatches have passed since the last
         one started (:meth:`_forward_weights`), so judging (two passes over the weights,
-        one read to the host) costs a fraction of a step on average, while
-        ``prediction_quality`` stays the ratio of whole probes, spread over the run."""
+        no wait for the device: the score is read back in a batch) costs a fraction of a
+        step on average, while ``prediction_quality`` stays the ratio of whole probes, spread
+        over the run."""
         probe = self.probe
         if probe is None or self.steps_taken < probe.target:
             return
@@ -622,18 +626,19 @@ class StageCompute:
             return
         k = len(names)
         with torch.no_grad():
-            # both differences in one fused op, both norms in another, one read to the host
-            # (each tensor's result is the one separate calls give)
+            # both differences in one fused op, both norms in another (each tensor's result
+            # is the one separate calls give); the ratio stays on the device until read back
+            # in a batch (read_quality): reading it here would wait for the queued kernels
             now = [self.params[n] for n in names]
             diffs = torch._foreach_sub([probe.predicted[n] for n in names]
                                        + [probe.stale[n] for n in names], now + now)
             norms = torch._foreach_norm(diffs)
             num, den = torch.stack([torch.stack(norms[:k]).norm(),
-                                    torch.stack(norms[k:]).norm()]).tolist()
+                                    torch.stack(norms[k:]).norm()]).double()
+            # a probe whose stale weights were the target's scores nothing (NaN, dropped)
+            self._quality.add(probe.target, torch.where(den > 0, num / den, torch.nan))
         if probe.late:  # its graph needs none of its values (a late forward's always differ)
             self._release(probe.predicted)
-        if den > 0:
-            self.stats.prediction_quality.append(num / den)
 
     def step(self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
              ) -> None:
@@ -780,6 +785,12 @@ class StageCompute:
             self.stats.losses.extend(v for _, v in got)
             self.stats.last_loss = got[-1][1]
         return got
+
+    def read_quality(self, block: bool = False) -> None:
+        """Move the prediction probes' scores read back since the previous call into
+        ``stats.prediction_quality`` (all of them with ``block``), as :meth:`read_losses`."""
+        self.stats.prediction_quality.extend(v for _, v in self._quality.ready(block)
+                                             if not math.isnan(v))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""

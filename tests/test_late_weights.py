@@ -181,7 +181,8 @@ def test_paper_memory_is_the_planner_formula() -> None:
 def test_probes_are_spaced_and_each_is_scored_in_full(every: int) -> None:
     """A prediction probe starts at most every ``probe_every`` minibatches (judging costs
     passes over the weights), and each is scored exactly as separate differences, norms and
-    reads score it: ||W_hat - W_target|| / ||W_stale - W_target||."""
+    reads score it: ||W_hat - W_target|| / ||W_stale - W_target||, read back in batches
+    (no wait for the device per probe)."""
     compute = middle_stage("mlp", {"hidden": [16, 16]}, 1, 2)
     compute.probe_every = every
     xs, gs = feeds(64, 16)
@@ -212,6 +213,10 @@ def test_probes_are_spaced_and_each_is_scored_in_full(every: int) -> None:
     run_order(compute, xs, gs)
     assert len(starts) >= 2, starts
     assert all(b - a >= every for a, b in itertools.pairwise(starts)), starts
+    # the scores wait on the device until read back in batches, in the order judged
+    compute.read_quality()
+    assert compute.stats.prediction_quality == want[:len(compute.stats.prediction_quality)]
+    compute.read_quality(block=True)
     assert compute.stats.prediction_quality == want
     assert len(want) >= len(starts) - 1
     if every == 1:  # a probe at every forward that finds none outstanding

@@ -68,6 +68,9 @@ class StandInCompute:
     def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
         return []
 
+    def read_quality(self, block: bool = False) -> None:
+        pass
+
     def push_deltas(self, wave: int, keep: bool) -> HostCopy:
         return HostCopy({})
 
