@@ -29,10 +29,13 @@ arm.
 
 ``--save FILE`` writes every arm's final weights and input gradients; ``--check FILE``
 compares against such a file bit for bit (a change that must not move any result).
+``--retained``: the process keeps freed memory as every daemon does
+(:mod:`hetpipe.hostmem`), so a minibatch's new tensors (a prediction is one per pass) land on
+warm pages as they do in a cluster.
 
     python scripts/probe_predict_overhead.py [--stages 0 1] [--minibatches 200]
         [--repeats 5] [--clock cpu|wall] [--stat median|mean] [--unbound] [--profile]
-        [--save F | --check F] [--json]
+        [--save F | --check F] [--retained] [--json]
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from _bench import emit_json, machine, parser, print_table
 
 import hetpipe.lateweights as lateweights
 import hetpipe.stage as stage_mod
-from hetpipe.config import DeviceSpec
+from hetpipe import hostmem
+from hetpipe.config import DeviceSpec, RuntimeSpec
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
@@ -243,14 +247,20 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the paper arm")
     ap.add_argument("--save", type=Path, help="write final weights and input gradients")
     ap.add_argument("--check", type=Path, help="compare them bit for bit against --save's")
+    ap.add_argument("--retained", action="store_true",
+                    help="keep freed memory as every daemon does ([runtime] retain_freed_mib, "
+                         "hetpipe.hostmem); default: the C allocator as it starts")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.retained:
+        hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
     CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     assert stage_mod.StageCompute is StageCompute
     arms = [*ARMS, *(UNBOUND if args.unbound else ())]
     over = statistics.median if args.stat == "median" else statistics.mean
 
     results: dict[str, Any] = {"machine": machine(), "k": args.k, "clock": args.clock,
+                               "retained": args.retained,
                                "minibatches": args.minibatches, "repeats": args.repeats,
                                "stat": args.stat, "median_ms": {}, "breakdown_ms": {}}
     outcome: dict[str, torch.Tensor] = {}

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from hetpipe.daemon import Owner
+from hetpipe.localcluster import free_ports
 from hetpipe.transport import Channel, bound_address, make_socket
 from hetpipe.wire import Kind, Message
 
@@ -63,9 +64,10 @@ def test_a_push_waits_for_its_peer_and_then_delivers() -> None:
     next send waits (no busy loop, no error) and goes on once the PULL side is there."""
 
     async def body(owner: Owner) -> None:
-        probe = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT)
-        address = bound_address(probe)
-        probe.close(linger=0)  # a free port: nobody listens there yet
+        # a free port: nobody listens there yet. Not a ZeroMQ socket bound and closed: its
+        # close is finished by ZeroMQ's I/O thread later, and on a busy host the PUSH below
+        # could still connect to its listener and lose the first messages into it
+        address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
         tx = owner.channel(Channel(make_socket(owner.ctx, zmq.PUSH, connect=address, hwm=2),
                                    None, name="tx", max_frame_bytes=MAX_FRAME))
 
