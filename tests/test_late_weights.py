@@ -223,3 +223,16 @@ def test_probes_are_spaced_and_each_is_scored_in_full(every: int) -> None:
     assert len(want) >= len(starts) - 1
     if every == 1:  # a probe at every forward that finds none outstanding
         assert len(starts) > MINIBATCHES // 4, starts
+
+
+def test_a_probe_with_nothing_to_score_adds_no_score() -> None:
+    """Where the weights did not move (lr 0), the stale weights are the target and the ratio
+    has no denominator: such probes are judged on the device and dropped when read back."""
+    compute = middle_stage("mlp", {"hidden": [16, 16]}, 1, 2)
+    compute.probe_every = 1
+    compute.optimizer.lr = 0.0
+    xs, gs = feeds(64, 16)
+    run_order(compute, xs, gs)
+    assert len(compute._quality) > 0  # probes were judged (their scores wait on the device)
+    compute.read_quality(block=True)
+    assert compute.stats.prediction_quality == []
