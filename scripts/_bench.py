@@ -18,7 +18,7 @@ from typing import Any
 from hetpipe.localcluster import free_ports
 
 __all__ = ["HostCpu", "cpu_seconds", "emit_json", "free_port", "machine", "median", "parser",
-           "print_table", "timed"]
+           "print_table", "retain_freed_as_daemons", "timed"]
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -99,6 +99,16 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bound to port 0, then released)."""
     return free_ports(1, host)[0]
+
+
+def retain_freed_as_daemons() -> None:
+    """Keep freed memory in this process as every daemon does by default (``[runtime]
+    retain_freed_mib``, :mod:`hetpipe.hostmem`): a side measured beside the runtime's, or a
+    probe of its stages, then runs with the same allocator."""
+    from hetpipe import hostmem
+    from hetpipe.config import RuntimeSpec
+
+    hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
 
 
 def machine() -> dict[str, Any]:

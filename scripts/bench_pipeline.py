@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _bench import emit_json, free_port, machine, parser, print_table
+from _bench import emit_json, free_port, machine, parser, print_table, retain_freed_as_daemons
 
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
@@ -183,13 +183,11 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from hetpipe import hostmem
-    from hetpipe.config import RuntimeSpec
     from hetpipe.data import MinibatchStream, load_dataset
     from hetpipe.models import build_model, cross_entropy
 
     if retain_freed:
-        hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
+        retain_freed_as_daemons()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=STAGES

@@ -51,12 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _bench import emit_json, machine, parser, print_table
+from _bench import emit_json, machine, parser, print_table, retain_freed_as_daemons
 
 import hetpipe.lateweights as lateweights
 import hetpipe.stage as stage_mod
-from hetpipe import hostmem
-from hetpipe.config import DeviceSpec, RuntimeSpec
+from hetpipe.config import DeviceSpec
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
@@ -253,7 +252,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.retained:
-        hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
+        retain_freed_as_daemons()
     CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     assert stage_mod.StageCompute is StageCompute
     arms = [*ARMS, *(UNBOUND if args.unbound else ())]

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from _bench import emit_json, machine, parser, print_table
+from _bench import emit_json, machine, parser, print_table, retain_freed_as_daemons
 from bench_pipeline import MODELS, STAGES
 from probe_predict_overhead import DEVICE
 
@@ -48,15 +48,13 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     """In a fresh process: both sides of one stage, alternated iteration by iteration."""
     import torch
 
-    from hetpipe import hostmem
-    from hetpipe.config import RuntimeSpec
     from hetpipe.job import JobSpec
     from hetpipe.models import build_model
     from hetpipe.stage import StageCompute
     from hetpipe.task import StageTask
 
     if setting == "retained":
-        hostmem.retain_freed(RuntimeSpec().retain_freed_mib)
+        retain_freed_as_daemons()
     torch.set_num_threads(1)  # as a worker runs
     args, data, split = MODELS["cnn"]
     bounds = [0]
