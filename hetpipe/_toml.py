@@ -160,9 +160,7 @@ class Table:
         """A finite float; integers are accepted and converted."""
         return self._typed(name, default, "number")
 
-    def at_least(
-        self, name: str, low: int, default: Any = MISSING, high: int | None = None
-    ) -> Any:
+    def at_least(self, name: str, low: int, default: Any = MISSING, high: int | None = None) -> Any:
         """An integer >= ``low`` (and <= ``high`` if given); ``None`` (absent) passes.
 
         ``high`` is where a library or the runtime stops accepting the value (a ZeroMQ
@@ -177,7 +175,11 @@ class Table:
         return value
 
     def positive(
-        self, name: str, default: Any = MISSING, *, low: float | None = None,
+        self,
+        name: str,
+        default: Any = MISSING,
+        *,
+        low: float | None = None,
         high: float | None = None,
     ) -> Any:
         """A finite number > 0 (>= ``low``, <= ``high`` if given); ``None`` (absent) passes."""

@@ -98,19 +98,26 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write(job_dir: Path, seq: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-          *, stages: dict[str, dict[str, torch.Tensor]] | None = None,
-          keep: int = KEEP) -> Path:
+def write(
+    job_dir: Path,
+    seq: int,
+    state: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    *,
+    stages: dict[str, dict[str, torch.Tensor]] | None = None,
+    keep: int = KEEP,
+) -> Path:
     """Write checkpoint ``seq`` of a job atomically (the global weights ``state``, each
     stage's tensors by file name, ``meta``); keep the newest ``keep``; return its path."""
     root = job_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{seq:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{seq:06d}-", dir=root))
-    contents = {WEIGHTS: tensorfile.dumps({k: v.detach().cpu() for k, v in state.items()}),
-                META: [json.dumps(meta).encode()]}
-    contents.update({name: tensorfile.dumps(tensors)
-                     for name, tensors in (stages or {}).items()})
+    contents = {
+        WEIGHTS: tensorfile.dumps({k: v.detach().cpu() for k, v in state.items()}),
+        META: [json.dumps(meta).encode()],
+    }
+    contents.update({name: tensorfile.dumps(tensors) for name, tensors in (stages or {}).items()})
     try:
         files = {name: _entry(pieces) for name, pieces in contents.items()}
         contents[MANIFEST] = [json.dumps({"seq": seq, "files": files}).encode()]
@@ -140,8 +147,11 @@ def _complete_dirs(root: Path) -> list[Path]:
     """Checkpoint folders, newest first (temporary ones, named with a dot, are not)."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                  key=lambda p: p.name, reverse=True)
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: p.name,
+        reverse=True,
+    )
 
 
 def verify(path: Path) -> Checkpoint:
@@ -150,15 +160,20 @@ def verify(path: Path) -> Checkpoint:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
         if WEIGHTS not in files and any(name.endswith(".pt") for name in files):
-            raise ValueError(f"{path}: written by an older hetpipe (torch.save files); "
-                             "resume it with that version")
+            raise ValueError(
+                f"{path}: written by an older hetpipe (torch.save files); "
+                "resume it with that version"
+            )
         data = {}
         for name in {WEIGHTS, META, *files}:
             entry = files[name]
             f = path / name
             raw = None if "/" in name else bytearray(f.read_bytes())
-            if raw is None or len(raw) != entry["bytes"] or \
-                    hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+            if (
+                raw is None
+                or len(raw) != entry["bytes"]
+                or hashlib.sha256(raw).hexdigest() != entry["sha256"]
+            ):
                 raise ValueError(f"{f}: does not match the manifest (truncated or damaged)")
             data[name] = raw
         meta = json.loads(data.pop(META))
@@ -168,8 +183,9 @@ def verify(path: Path) -> Checkpoint:
     except ValueError:
         raise
     except Exception as exc:  # missing file, bad JSON, bad keys: all "not a whole checkpoint"
-        raise ValueError(f"{path}: not a complete checkpoint: {type(exc).__name__}: "
-                         f"{exc}") from None
+        raise ValueError(
+            f"{path}: not a complete checkpoint: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def latest(job_dir: Path, skipped: list[str] | None = None) -> Checkpoint | None:
@@ -181,4 +197,3 @@ def latest(job_dir: Path, skipped: list[str] | None = None) -> Checkpoint | None
             if skipped is not None:
                 skipped.append(str(exc))
     return None
-

@@ -81,9 +81,15 @@ def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None
 
 def cluster_option(f: Any) -> Any:
     """``--cluster`` accepted after the command too (``hetpipe plan --cluster FILE``)."""
-    return click.option("--cluster", default=None, expose_value=False, is_eager=False,
-                        type=click.Path(dir_okay=False), callback=_cluster_here,
-                        help="Cluster description (overrides the group option).")(f)
+    return click.option(
+        "--cluster",
+        default=None,
+        expose_value=False,
+        is_eager=False,
+        type=click.Path(dir_okay=False),
+        callback=_cluster_here,
+        help="Cluster description (overrides the group option).",
+    )(f)
 
 
 REACH_S = 10.0  # how long a request that may work for minutes waits for the head to answer
@@ -127,13 +133,27 @@ def _run(coro: Any) -> Any:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
-              envvar="HETPIPE_CLUSTER", type=click.Path(dir_okay=False),
-              help="Cluster description.")
-@click.option("--run-dir", default=None, envvar="HETPIPE_RUN_DIR",
-              help="Where daemons keep pids, logs and job outputs (default: the file's).")
-@click.option("--head", default=None, envvar="HETPIPE_HEAD",
-              help="Head address tcp://host:port (default: shard 0 of the cluster file).")
+@click.option(
+    "--cluster",
+    "cluster_path",
+    default="cluster.toml",
+    show_default=True,
+    envvar="HETPIPE_CLUSTER",
+    type=click.Path(dir_okay=False),
+    help="Cluster description.",
+)
+@click.option(
+    "--run-dir",
+    default=None,
+    envvar="HETPIPE_RUN_DIR",
+    help="Where daemons keep pids, logs and job outputs (default: the file's).",
+)
+@click.option(
+    "--head",
+    default=None,
+    envvar="HETPIPE_HEAD",
+    help="Head address tcp://host:port (default: shard 0 of the cluster file).",
+)
 @click.version_option(package_name="hetpipe")
 @click.pass_context
 def main(ctx: click.Context, cluster_path: str, run_dir: str | None, head: str | None) -> None:
@@ -159,17 +179,19 @@ def up(obj: Ctx, timeout: float) -> None:
         launch.start(daemons, obj.run_dir, timeout=timeout)
     except launch.LaunchError as exc:
         raise click.ClickException(str(exc)) from None
-    expected = {d.name for d in cluster.devices if f"worker-{d.name}" in
-                {x.name for x in daemons}}
+    expected = {d.name for d in cluster.devices if f"worker-{d.name}" in {x.name for x in daemons}}
     _run(_wait_registered(obj.head, expected, timeout, obj.curve))
-    click.echo(f"up: {len(daemons)} daemons ({', '.join(d.name for d in daemons)}); "
-               f"logs in {obj.run_dir / 'logs'}")
+    click.echo(
+        f"up: {len(daemons)} daemons ({', '.join(d.name for d in daemons)}); "
+        f"logs in {obj.run_dir / 'logs'}"
+    )
     if not cluster.security.curve:
         click.echo(SECURITY_OFF, err=True)
 
 
-async def _wait_registered(head: str, devices: set[str], timeout: float,
-                           curve: Curve | None = None) -> None:
+async def _wait_registered(
+    head: str, devices: set[str], timeout: float, curve: Curve | None = None
+) -> None:
     async with HeadClient(head, curve=curve) as client:
         deadline = time.monotonic() + timeout
         while True:
@@ -178,8 +200,10 @@ async def _wait_registered(head: str, devices: set[str], timeout: float,
             if devices <= live:
                 return
             if time.monotonic() > deadline:
-                raise HeadError(f"workers not registered with the head within {timeout:g} s: "
-                                f"{', '.join(sorted(devices - live))}")
+                raise HeadError(
+                    f"workers not registered with the head within {timeout:g} s: "
+                    f"{', '.join(sorted(devices - live))}"
+                )
             await asyncio.sleep(0.2)
 
 
@@ -250,8 +274,17 @@ def render_status(info: dict[str, Any]) -> str:
         warnings.append("LOST SHARDS: " + ", ".join(f"ps{i}" for i in info["shards_lost"]))
     for w in info["workers"]:
         stage = f"vw{w['vw']}/stage{w['stage']}" if w.get("stage") is not None else "-"
-        rows.append((w["device"], w["type"], f"{w['speed']:g}", format_size(w["memory"]),
-                     w["state"], w.get("job") or "-", stage))
+        rows.append(
+            (
+                w["device"],
+                w["type"],
+                f"{w['speed']:g}",
+                format_size(w["memory"]),
+                w["state"],
+                w.get("job") or "-",
+                stage,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     lines = warnings + lines
@@ -321,8 +354,11 @@ def cancel(obj: Ctx, job: str) -> None:
     """Cancel a queued or running job (its stages stop, its workers become idle)."""
     info = _ask(obj, Kind.CANCEL, {"job": job}, timeout=QUICK_S * 2)
     state = info.get("state")
-    click.echo(f"cancel: {job} cancelled" if state == "cancelled"
-               else f"cancel: {job} is stopping (was {state})")
+    click.echo(
+        f"cancel: {job} cancelled"
+        if state == "cancelled"
+        else f"cancel: {job} is stopping (was {state})"
+    )
 
 
 @main.command()
@@ -352,8 +388,18 @@ def jobs(obj: Ctx, as_json: bool) -> None:
 
 
 def _brief(info: dict[str, Any]) -> dict[str, Any]:
-    keys = ("id", "name", "state", "error", "seconds", "total", "minibatches", "loss",
-            "samples_per_s", "test_accuracy")
+    keys = (
+        "id",
+        "name",
+        "state",
+        "error",
+        "seconds",
+        "total",
+        "minibatches",
+        "loss",
+        "samples_per_s",
+        "test_accuracy",
+    )
     return {k: info[k] for k in keys if info.get(k) is not None}
 
 
@@ -364,28 +410,53 @@ def _brief(info: dict[str, Any]) -> dict[str, Any]:
 @cluster_option
 @click.argument("job_file", type=click.Path(dir_okay=False), required=False)
 @click.option("--wait", is_flag=True, help="Follow the job to its end with a progress bar.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one final JSON line (implies --wait).")
+@click.option("--json", "as_json", is_flag=True, help="Print one final JSON line (implies --wait).")
 @click.option("--timeout", default=None, type=float, help="Give up waiting after this long.")
-@click.option("--resume", "resume", default=None, metavar="JOB",
-              help="Continue job JOB from its last complete checkpoint (JOB_FILE optional).")
+@click.option(
+    "--resume",
+    "resume",
+    default=None,
+    metavar="JOB",
+    help="Continue job JOB from its last complete checkpoint (JOB_FILE optional).",
+)
 @click.pass_obj
-def submit(obj: Ctx, job_file: str | None, wait: bool, as_json: bool, timeout: float | None,
-           resume: str | None) -> None:
+def submit(
+    obj: Ctx,
+    job_file: str | None,
+    wait: bool,
+    as_json: bool,
+    timeout: float | None,
+    resume: str | None,
+) -> None:
     """Send a job to the head; --wait follows it."""
     if job_file is None and resume is None:
         raise click.UsageError("give a JOB_FILE, or --resume JOB")
     job = _load_job_or_fail(obj, job_file).to_dict() if job_file is not None else None
-    info = _run(submit_and_follow(obj.head, job, wait=wait or as_json,
-                                  as_json=as_json, timeout=timeout, curve=obj.curve,
-                                  resume=resume))
+    info = _run(
+        submit_and_follow(
+            obj.head,
+            job,
+            wait=wait or as_json,
+            as_json=as_json,
+            timeout=timeout,
+            curve=obj.curve,
+            resume=resume,
+        )
+    )
     if info is not None and info["state"] != "done":
         raise click.ClickException(f"job {info['id']} {info['state']}: {info.get('error')}")
 
 
-async def submit_and_follow(head: str, job: dict[str, Any] | None, *, wait: bool,
-                            as_json: bool, timeout: float | None, curve: Curve | None = None,
-                            resume: str | None = None) -> dict[str, Any] | None:
+async def submit_and_follow(
+    head: str,
+    job: dict[str, Any] | None,
+    *,
+    wait: bool,
+    as_json: bool,
+    timeout: float | None,
+    curve: Curve | None = None,
+    resume: str | None = None,
+) -> dict[str, Any] | None:
     """Submit ``job`` (or resume one); with ``wait``, show progress and the result; return
     the final status."""
     async with HeadClient(head, curve=curve) as client:
@@ -425,11 +496,16 @@ def final_line(info: dict[str, Any]) -> dict[str, Any]:
 def render_result(info: dict[str, Any]) -> str:
     if info["state"] != "done":
         return f"{info['id']}: {info['state']}: {info.get('error')}"
-    lines = [f"{info['id']}: done in {info['seconds']:.1f} s, "
-             f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
-             f"test accuracy {info['test_accuracy']:.4f}"]
-    placement = ", ".join(f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
-                          for r in info.get("placement") or [] if r["shards"])
+    lines = [
+        f"{info['id']}: done in {info['seconds']:.1f} s, "
+        f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
+        f"test accuracy {info['test_accuracy']:.4f}"
+    ]
+    placement = ", ".join(
+        f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
+        for r in info.get("placement") or []
+        if r["shards"]
+    )
     if placement:
         lines.append(f"placement: {placement}")
     comparison = render_comparison(info)
@@ -484,17 +560,20 @@ def live_view(info: dict[str, Any]) -> list[str]:
     filled = int(width * done / total) if total else 0
     loss = f"loss {info['loss']:.3f}" if info.get("loss") is not None else "loss -"
     vws = info.get("vws") or []
-    per_vw = " ".join(f"vw{v['vw']} {v['samples_per_s']:.0f}/s clock {v['clock']}"
-                      for v in vws)
-    lines = [f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  {loss}  "
-             f"{info.get('samples_per_s', 0):.0f} samples/s  global clock "
-             f"{info.get('global_clock', 0)}" + (f"  ({per_vw})" if len(vws) > 1 else "")]
+    per_vw = " ".join(f"vw{v['vw']} {v['samples_per_s']:.0f}/s clock {v['clock']}" for v in vws)
+    lines = [
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  {loss}  "
+        f"{info.get('samples_per_s', 0):.0f} samples/s  global clock "
+        f"{info.get('global_clock', 0)}" + (f"  ({per_vw})" if len(vws) > 1 else "")
+    ]
     for st in info.get("stages") or []:
         sh = st.get("shares") or {}
         if sh:
-            lines.append(f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} "
-                         f"busy {sh['busy']:4.0%}  bubble {sh['bubble']:4.0%}  "
-                         f"gate {sh['gate']:4.0%}  comm {sh['comm']:4.0%}")
+            lines.append(
+                f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} "
+                f"busy {sh['busy']:4.0%}  bubble {sh['bubble']:4.0%}  "
+                f"gate {sh['gate']:4.0%}  comm {sh['comm']:4.0%}"
+            )
     for d in info.get("diagnosis") or []:
         lines.append(f"hang: {d}")
     return lines
@@ -512,10 +591,14 @@ def render_comparison(info: dict[str, Any]) -> str:
         except (IndexError, KeyError, TypeError):
             continue
         m = st.get("time_s")
-        lines.append(f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} compute "
-                     f"{_ms(m)} per minibatch, predicted {_ms(p)}")
-    lines.append(f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
-                 f"{pred['samples_per_s']:.0f} samples/s")
+        lines.append(
+            f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} compute "
+            f"{_ms(m)} per minibatch, predicted {_ms(p)}"
+        )
+    lines.append(
+        f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
+        f"{pred['samples_per_s']:.0f} samples/s"
+    )
     return "\n".join(lines)
 
 
@@ -528,8 +611,13 @@ def _ms(seconds: float | None) -> str:
 
 @main.command()
 @cluster_option
-@click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False),
-              help="Job file whose model and minibatch size to profile.")
+@click.option(
+    "--job",
+    "job_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Job file whose model and minibatch size to profile.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 @click.pass_obj
 def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
@@ -552,8 +640,14 @@ def render_profile(prof: dict[str, Any]) -> str:
     rows = [head]
     for i in range(len(first)):
         times = [prof["layers"][t][i]["fwd_s"] + prof["layers"][t][i]["bwd_s"] for t in types]
-        rows.append([str(i), *[f"{1e3 * s:.3f}" for s in times],
-                     format_size(first[i]["param_bytes"]), format_size(first[i]["out_bytes"])])
+        rows.append(
+            [
+                str(i),
+                *[f"{1e3 * s:.3f}" for s in times],
+                format_size(first[i]["param_bytes"]),
+                format_size(first[i]["out_bytes"]),
+            ]
+        )
     calls = prof.get("calls") or {}
     if calls:
         times = [calls[t]["fwd_s"] + calls[t]["bwd_s"] if t in calls else 0.0 for t in types]
@@ -566,8 +660,13 @@ def render_profile(prof: dict[str, Any]) -> str:
 
 @main.command()
 @cluster_option
-@click.option("--job", "job_file", required=True, type=click.Path(dir_okay=False),
-              help="Job file to plan (its [[vw]] split, if any, is evaluated instead).")
+@click.option(
+    "--job",
+    "job_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Job file to plan (its [[vw]] split, if any, is evaluated instead).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_obj
 def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
@@ -580,16 +679,32 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @main.command()
 @cluster_option
 @click.argument("job")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).",
+)
 @click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
-@click.option("--minibatches", "mb_range", default=None, metavar="A:B",
-              help="Gantt window: minibatches A to B-1 (default: three steady-state waves).")
-@click.option("--seconds", "s_range", default=None, metavar="A:B",
-              help="Gantt window: seconds A to B since the job's first event.")
+@click.option(
+    "--minibatches",
+    "mb_range",
+    default=None,
+    metavar="A:B",
+    help="Gantt window: minibatches A to B-1 (default: three steady-state waves).",
+)
+@click.option(
+    "--seconds",
+    "s_range",
+    default=None,
+    metavar="A:B",
+    help="Gantt window: seconds A to B since the job's first event.",
+)
 @click.pass_obj
-def trace(obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None,
-          s_range: str | None) -> None:
+def trace(
+    obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None, s_range: str | None
+) -> None:
     """Write a finished job's timeline: one track per device.
 
     Read from the job's directory when it is on this host (no head needed), else asked of
@@ -653,8 +768,14 @@ DEMO_JOB = Path(__file__).with_name("demo.toml")
 
 @main.command()
 @cluster_option
-@click.option("--job", "job_file", default=str(DEMO_JOB), show_default=False,
-              type=click.Path(dir_okay=False), help="Job file (default: the demo job).")
+@click.option(
+    "--job",
+    "job_file",
+    default=str(DEMO_JOB),
+    show_default=False,
+    type=click.Path(dir_okay=False),
+    help="Job file (default: the demo job).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Also print one final JSON line.")
 @click.option("--timeout", default=900.0, show_default=True, help="Give up after this long.")
 @click.pass_obj
@@ -666,8 +787,9 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     obj.ensure_keys()
     if started:
         daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
-        click.echo(f"demo: starting {len(daemons)} daemons of {obj.path} "
-                   f"(logs in {obj.run_dir / 'logs'})")
+        click.echo(
+            f"demo: starting {len(daemons)} daemons of {obj.path} (logs in {obj.run_dir / 'logs'})"
+        )
         try:
             launch.start(daemons, obj.run_dir, timeout=60)
         except launch.LaunchError as exc:
@@ -676,11 +798,16 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
         click.echo(f"demo: using the daemons already running in {obj.run_dir}")
     try:
         _run(_wait_registered(obj.head, {d.name for d in cluster.devices}, 60, obj.curve))
-        click.echo(f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
-                   f"staleness D = {spec.staleness}; profiling and planning ...")
+        click.echo(
+            f"demo: job {spec.name}: {spec.model.name} on {spec.data.name}, "
+            f"staleness D = {spec.staleness}; profiling and planning ..."
+        )
         click.echo(_ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)["table"])
-        info = _run(submit_and_follow(obj.head, spec.to_dict(), wait=True, as_json=False,
-                                      timeout=timeout, curve=obj.curve))
+        info = _run(
+            submit_and_follow(
+                obj.head, spec.to_dict(), wait=True, as_json=False, timeout=timeout, curve=obj.curve
+            )
+        )
     finally:
         if started:
             stopped, _ = launch.stop(obj.run_dir)
@@ -693,8 +820,10 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
 
 # -- keys (trust: hetpipe.security) ----------------------------------------------------------
 
-SECURITY_OFF = ("SECURITY OFF: [security] curve = false: the daemons authenticate and "
-                "encrypt nothing; any peer that reaches a port is trusted")
+SECURITY_OFF = (
+    "SECURITY OFF: [security] curve = false: the daemons authenticate and "
+    "encrypt nothing; any peer that reaches a port is trusted"
+)
 
 
 def make_keys(cluster: ClusterConfig, *, force: bool = False) -> list[str]:
@@ -703,22 +832,26 @@ def make_keys(cluster: ClusterConfig, *, force: bool = False) -> list[str]:
     try:
         return security.ensure_keys(cluster.security.keys, names, force=force)
     except OSError as exc:
-        raise click.ClickException(f"cannot write keys in {cluster.security.keys}: {exc}") \
-            from None
+        raise click.ClickException(f"cannot write keys in {cluster.security.keys}: {exc}") from None
 
 
 @main.command()
 @cluster_option
-@click.option("--force", is_flag=True,
-              help="Replace existing keys (rotation: restart every daemon and client).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace existing keys (rotation: restart every daemon and client).",
+)
 @click.pass_obj
 def keys(obj: Ctx, force: bool) -> None:
     """Create the cluster's CurveZMQ keys: server, client, one per shard and per device."""
     cluster = obj.cluster
     made = make_keys(cluster, force=force)
     total = len(security.key_names(len(cluster.ps), [d.name for d in cluster.devices]))
-    click.echo(f"keys: {len(made)} created, {total - len(made)} kept in "
-               f"{cluster.security.keys} (files 0600)")
+    click.echo(
+        f"keys: {len(made)} created, {total - len(made)} kept in "
+        f"{cluster.security.keys} (files 0600)"
+    )
     if not cluster.security.curve:
         click.echo(SECURITY_OFF, err=True)
 
@@ -739,8 +872,9 @@ def logs(obj: Ctx, daemon: str | None, lines: int) -> None:
         files = [f for f in files if f.stem == daemon]
         if not files:
             names = ", ".join(f.stem for f in sorted(logdir.glob("*.log"))) or "none"
-            raise click.BadParameter(f"no log for {daemon!r} in {logdir} (have: {names})",
-                                     param_hint="DAEMON")
+            raise click.BadParameter(
+                f"no log for {daemon!r} in {logdir} (have: {names})", param_hint="DAEMON"
+            )
     for f in files:
         click.echo(click.style(f"== {f.stem}", bold=True))
         for line in f.read_text(errors="replace").splitlines()[-lines:]:

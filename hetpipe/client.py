@@ -42,8 +42,7 @@ class HeadClient:
     a client without them in the handshake, so its requests then time out.
     """
 
-    def __init__(self, address: str, *, timeout: float = 10.0,
-                 curve: Curve | None = None) -> None:
+    def __init__(self, address: str, *, timeout: float = 10.0, curve: Curve | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.curve = curve
@@ -53,31 +52,42 @@ class HeadClient:
     async def __aenter__(self) -> HeadClient:
         self._owner = Owner()
         try:
-            sock = make_socket(self._owner.ctx, zmq.DEALER, connect=self.address,
-                               max_frame_bytes=1 << 30, curve=self.curve)
+            sock = make_socket(
+                self._owner.ctx,
+                zmq.DEALER,
+                connect=self.address,
+                max_frame_bytes=1 << 30,
+                curve=self.curve,
+            )
         except zmq.ZMQError as exc:
             await self._owner.close()
             raise HeadError(f"cannot connect to the head at {self.address!r}: {exc}") from None
-        self._ch = self._owner.channel(Channel(sock, None, name="head",
-                                               max_frame_bytes=1 << 30))
+        self._ch = self._owner.channel(Channel(sock, None, name="head", max_frame_bytes=1 << 30))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._owner is not None:
             await self._owner.close()
 
-    async def call(self, kind: Kind, fields: dict[str, Any] | None = None,
-                   timeout: float | None = None) -> dict[str, Any]:
+    async def call(
+        self, kind: Kind, fields: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
         """Send a request to the head and return the ``info`` of its answer."""
         assert self._ch is not None, "use `async with HeadClient(...)`"
         try:
-            reply = await self._ch.request(kind, fields or {}, timeout=timeout or self.timeout,
-                                           what=f"the head at {self.address}")
+            reply = await self._ch.request(
+                kind,
+                fields or {},
+                timeout=timeout or self.timeout,
+                what=f"the head at {self.address}",
+            )
         except TimeoutError:
             keys = ", and with these keys (a head refuses keys not its own)" if self.curve else ""
-            raise HeadError(f"the head at {self.address} did not answer within "
-                            f"{timeout or self.timeout:g} s: is the cluster up "
-                            f"(`hetpipe up`){keys}?") from None
+            raise HeadError(
+                f"the head at {self.address} did not answer within "
+                f"{timeout or self.timeout:g} s: is the cluster up "
+                f"(`hetpipe up`){keys}?"
+            ) from None
         except RemoteError as exc:
             raise HeadError(str(exc)) from None
         return reply.get("info") or {}
@@ -96,8 +106,14 @@ class HeadClient:
     async def cancel(self, job_id: str) -> None:
         await self.call(Kind.CANCEL, {"job": job_id})
 
-    async def follow(self, job_id: str, on_update: Callable[[dict[str, Any]], None] | None = None,
-                     *, every_s: float = 0.5, timeout: float | None = None) -> dict[str, Any]:
+    async def follow(
+        self,
+        job_id: str,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        every_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
         """Poll a job until it ends; call ``on_update`` with each status; return the last."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -108,6 +124,7 @@ class HeadClient:
             if info["state"] in TERMINAL:
                 return info
             if deadline is not None and loop.time() > deadline:
-                raise HeadError(f"job {job_id} did not finish within {timeout:g} s "
-                                f"(state {info['state']})")
+                raise HeadError(
+                    f"job {job_id} did not finish within {timeout:g} s (state {info['state']})"
+                )
             await asyncio.sleep(every_s)

@@ -70,8 +70,9 @@ class ComputeThread(ThreadPoolExecutor):
         return self._queued == 0
 
 
-def may_run_inline(*, on_cpu: bool, speed: float, pulls: bool = False,
-                   stalls: bool = False) -> bool:
+def may_run_inline(
+    *, on_cpu: bool, speed: float, pulls: bool = False, stalls: bool = False
+) -> bool:
     """Whether a stage's short runs may go on its event loop at all (see the module's doc):
     on an unslowed CPU device, for a stage that pulls no weights and has no injected stalls.
     The one home of that rule: :class:`InlinePolicy` runs by it and the planner prices by it
@@ -86,14 +87,21 @@ class InlinePolicy:
     A kind not measured yet goes to the thread: its first run says how long it takes.
     """
 
-    def __init__(self, executor: Executor, limit_s: float, *, device: str, speed: float,
-                 pulls: bool = False, stalls: bool = False) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        limit_s: float,
+        *,
+        device: str,
+        speed: float,
+        pulls: bool = False,
+        stalls: bool = False,
+    ) -> None:
         """``device``: the torch device the stage computes on; ``speed``: its emulated speed;
         ``pulls``: whether the stage pulls weights every wave; ``stalls``: whether the job
         injects stalls into this stage."""
         self.executor = executor
-        allowed = may_run_inline(on_cpu=device == "cpu", speed=speed, pulls=pulls,
-                                 stalls=stalls)
+        allowed = may_run_inline(on_cpu=device == "cpu", speed=speed, pulls=pulls, stalls=stalls)
         self.limit_s = limit_s if allowed else 0.0
         self._last_s: dict[str, float] = {}
         self.inline_runs = 0  # the stage's report says how its compute ran
@@ -101,8 +109,12 @@ class InlinePolicy:
 
     def inline(self, kind: str) -> bool:
         """Whether the next run of ``kind`` runs on the loop."""
-        ok = (self.limit_s > 0 and self._last_s.get(kind, math.inf) < self.limit_s
-              and isinstance(self.executor, ComputeThread) and self.executor.idle)
+        ok = (
+            self.limit_s > 0
+            and self._last_s.get(kind, math.inf) < self.limit_s
+            and isinstance(self.executor, ComputeThread)
+            and self.executor.idle
+        )
         if ok:
             self.inline_runs += 1
         else:

@@ -84,8 +84,7 @@ def check_host(text: str) -> str | None:
     except ValueError:
         pass
     if _HOST_PORT.fullmatch(text):
-        return (f"{text!r} has a port; give the host alone (ports are set per shard "
-                f"and per device)")
+        return f"{text!r} has a port; give the host alone (ports are set per shard and per device)"
     if len(text) > 253 or not _HOSTNAME.fullmatch(text):
         return f"{text!r} is not a host name or IP address"
     return None
@@ -239,14 +238,16 @@ class ClusterConfig:
 def load_cluster(path: str | os.PathLike[str]) -> ClusterConfig:
     """Read and validate a cluster file; raises ConfigError (one line) on any problem."""
     data, source = read_toml(path, ConfigError)
-    root = Table(data, source, ConfigError,
-                 allowed=("ps", "network", "runtime", "node", "security"))
+    root = Table(
+        data, source, ConfigError, allowed=("ps", "network", "runtime", "node", "security")
+    )
     ports: dict[tuple[str, int], str] = {}  # (host, port) -> who uses it; port 0 is never kept
     shards = _shards(root.table("ps", ("shards",)), ports)
     nodes = _nodes(root, ports)
     names = {d.name for node in nodes for d in node.devices}
-    return ClusterConfig(source, shards, _network(root, names), nodes, _runtime(root),
-                         _security(root, source))
+    return ClusterConfig(
+        source, shards, _network(root, names), nodes, _runtime(root), _security(root, source)
+    )
 
 
 def _claim(t: Table, key: str, host: str, port: int, who: str, ports: dict) -> None:
@@ -315,8 +316,9 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
             host_gbps = dt.positive("host_gbps", DeviceSpec.host_gbps)
             port = dt.integer("port", 0)
             _claim(dt, "port", host, port, f"device {name}", ports)
-            devices.append(DeviceSpec(name, device, kind, memory, speed, port, node, host,
-                                      host_gbps))
+            devices.append(
+                DeviceSpec(name, device, kind, memory, speed, port, node, host, host_gbps)
+            )
         if not devices:
             nt.fail("device", "node has no devices (add [[node.device]] tables)")
         nodes.append(NodeSpec(node, host, tuple(devices)))
@@ -355,12 +357,22 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
 
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
-    keys = ("heartbeat_s", "lost_after_s", "max_frame_bytes", "hwm", "run_dir",
-            "log_max_bytes", "log_keep", "jobs_kept", "cuda_ipc", "host_shm", "inline_ms",
-            "retain_freed_mib")
+    keys = (
+        "heartbeat_s",
+        "lost_after_s",
+        "max_frame_bytes",
+        "hwm",
+        "run_dir",
+        "log_max_bytes",
+        "log_keep",
+        "jobs_kept",
+        "cuda_ipc",
+        "host_shm",
+        "inline_ms",
+        "retain_freed_mib",
+    )
     rt = root.table("runtime", keys)
-    heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S,
-                            high=MAX_DURATION_S)
+    heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S, high=MAX_DURATION_S)
     lost = rt.positive("lost_after_s", d.lost_after_s, high=MAX_DURATION_S)
     if lost <= heartbeat:
         rt.fail("lost_after_s", f"must exceed heartbeat_s ({heartbeat}), got {lost}")
@@ -373,7 +385,12 @@ def _runtime(root: Table) -> RuntimeSpec:
     if log_max < MIN_LOG_BYTES:
         rt.fail("log_max_bytes", f"must be >= {format_size(MIN_LOG_BYTES)}, got {log_max}")
     return RuntimeSpec(
-        heartbeat, lost, frame, hwm, rt.text("run_dir", d.run_dir), log_max,
+        heartbeat,
+        lost,
+        frame,
+        hwm,
+        rt.text("run_dir", d.run_dir),
+        log_max,
         rt.at_least("log_keep", 0, d.log_keep, high=100),
         rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
         rt.flag("cuda_ipc", d.cuda_ipc),

@@ -62,13 +62,37 @@ def share(t: torch.Tensor) -> dict[str, Any]:
     if not t.is_cuda:
         raise ValueError(f"only CUDA tensors are shared, got one on {t.device}")
     _rebuild, args = reduce_tensor(t.detach())
-    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, nbytes, at, _grad,
-     counter, counter_at, event, sync) = args
-    return {"size": list(size), "stride": list(stride), "offset": int(offset),
-            "dtype": dtype_name(dtype), "device": int(device), "handle": bytes(handle),
-            "nbytes": int(nbytes), "at": int(at), "counter": bytes(counter),
-            "counter_at": int(counter_at),
-            "event": None if event is None else bytes(event), "sync": bool(sync)}
+    (
+        _cls,
+        size,
+        stride,
+        offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        nbytes,
+        at,
+        _grad,
+        counter,
+        counter_at,
+        event,
+        sync,
+    ) = args
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": dtype_name(dtype),
+        "device": int(device),
+        "handle": bytes(handle),
+        "nbytes": int(nbytes),
+        "at": int(at),
+        "counter": bytes(counter),
+        "counter_at": int(counter_at),
+        "event": None if event is None else bytes(event),
+        "sync": bool(sync),
+    }
 
 
 def _is_count(v: Any) -> bool:
@@ -95,13 +119,28 @@ def _blob(d: dict[str, Any], key: str, optional: bool = False) -> bytes | None:
 def _dims(d: dict[str, Any], key: str) -> tuple[int, ...]:
     v = d.get(key)
     if not isinstance(v, list) or len(v) > MAX_DIMS or not all(map(_is_count, v)):
-        raise ValueError(f"shared tensor: {key!r} must be a list of at most {MAX_DIMS} "
-                         "non-negative ints")
+        raise ValueError(
+            f"shared tensor: {key!r} must be a list of at most {MAX_DIMS} non-negative ints"
+        )
     return tuple(v)
 
 
-_KEYS = frozenset({"size", "stride", "offset", "dtype", "device", "handle", "nbytes", "at",
-                   "counter", "counter_at", "event", "sync"})
+_KEYS = frozenset(
+    {
+        "size",
+        "stride",
+        "offset",
+        "dtype",
+        "device",
+        "handle",
+        "nbytes",
+        "at",
+        "counter",
+        "counter_at",
+        "event",
+        "sync",
+    }
+)
 
 
 def parse(d: Any) -> Shared:
@@ -124,13 +163,26 @@ def parse(d: Any) -> Shared:
     if all(size):  # the last element the view reads must lie inside the storage
         end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
         if end * dtype.itemsize > nbytes:
-            raise ValueError(f"shared tensor: view of {end * dtype.itemsize} bytes reaches "
-                             f"past its storage of {nbytes}")
+            raise ValueError(
+                f"shared tensor: view of {end * dtype.itemsize} bytes reaches "
+                f"past its storage of {nbytes}"
+            )
     handle, counter = _blob(d, "handle"), _blob(d, "counter")
     assert handle is not None and counter is not None
-    return Shared(size, stride, offset, dtype, _index(d, "device"), handle, nbytes,
-                  _index(d, "at"), counter, _index(d, "counter_at"),
-                  _blob(d, "event", optional=True), d["sync"])
+    return Shared(
+        size,
+        stride,
+        offset,
+        dtype,
+        _index(d, "device"),
+        handle,
+        nbytes,
+        _index(d, "at"),
+        counter,
+        _index(d, "counter_at"),
+        _blob(d, "event", optional=True),
+        d["sync"],
+    )
 
 
 def open_shared(s: Shared, device: str | torch.device) -> torch.Tensor:
@@ -140,9 +192,25 @@ def open_shared(s: Shared, device: str | torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     if s.device >= torch.cuda.device_count():
-        raise ValueError(f"shared tensor on cuda:{s.device}, this process sees "
-                         f"{torch.cuda.device_count()} GPU(s)")
-    t = rebuild_cuda_tensor(torch.Tensor, s.size, s.stride, s.offset, torch.UntypedStorage,
-                            s.dtype, s.device, s.handle, s.nbytes, s.at, False, s.counter,
-                            s.counter_at, s.event, s.sync)
+        raise ValueError(
+            f"shared tensor on cuda:{s.device}, this process sees "
+            f"{torch.cuda.device_count()} GPU(s)"
+        )
+    t = rebuild_cuda_tensor(
+        torch.Tensor,
+        s.size,
+        s.stride,
+        s.offset,
+        torch.UntypedStorage,
+        s.dtype,
+        s.device,
+        s.handle,
+        s.nbytes,
+        s.at,
+        False,
+        s.counter,
+        s.counter_at,
+        s.event,
+        s.sync,
+    )
     return t.to(device)

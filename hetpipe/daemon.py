@@ -29,8 +29,9 @@ from hetpipe.transport import Channel
 __all__ = ["Owner", "normal_host", "start_daemon", "wait_for_signal", "write_ready"]
 
 
-def start_daemon(name: str, cluster: ClusterConfig, log_file: str | None, log_level: str,
-                 head: str | None) -> str | None:
+def start_daemon(
+    name: str, cluster: ClusterConfig, log_file: str | None, log_level: str, head: str | None
+) -> str | None:
     """What every daemon does once its cluster file loaded: take over its rotating log file
     (when given one), have its allocator keep freed memory for the next minibatch's
     tensors (:mod:`hetpipe.hostmem`) and check ``--head``; returns the checked head
@@ -38,8 +39,9 @@ def start_daemon(name: str, cluster: ClusterConfig, log_file: str | None, log_le
     rt = cluster.runtime
     hostmem.retain_freed(rt.retain_freed_mib)
     if log_file is not None:
-        logmod.rotate_to(name, log_file, level=log_level, max_bytes=rt.log_max_bytes,
-                         keep=rt.log_keep)
+        logmod.rotate_to(
+            name, log_file, level=log_level, max_bytes=rt.log_max_bytes, keep=rt.log_keep
+        )
     if head is None:
         return None
     try:
@@ -105,8 +107,9 @@ class Owner:
     def watch_handshakes(self, ch: Channel) -> None:
         """Log handshakes a Curve server socket refuses in libzmq (see :mod:`security`)."""
         if self.curve is not None and ch.sock.getsockopt(zmq.CURVE_SERVER):
-            self.spawn(security.log_refused_handshakes(ch.sock, self.curve.name),
-                       f"handshakes:{ch.name}")
+            self.spawn(
+                security.log_refused_handshakes(ch.sock, self.curve.name), f"handshakes:{ch.name}"
+            )
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)

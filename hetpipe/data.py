@@ -24,8 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DataError", "Dataset", "MinibatchStream", "evaluate", "load_dataset",
-           "recalibrate_bn"]
+__all__ = ["DataError", "Dataset", "MinibatchStream", "evaluate", "load_dataset", "recalibrate_bn"]
 
 DIGITS_SEED = 20200715
 DIGITS_TRAIN = 1437
@@ -259,8 +258,11 @@ def recalibrate_bn(model: nn.Module, stream: MinibatchStream, n: int) -> bool:
     as a plain average over the ``n`` minibatches (momentum None), in train mode under
     ``no_grad``; the weights are not touched.
     """
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats]
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
     if not norms or n < 1:
         return False
     first = next(itertools.chain(model.parameters(), model.buffers()))

@@ -114,9 +114,22 @@ class JobState:
     def summary(self) -> dict[str, Any]:
         """A few fields for listings: a finished job's whole ``info`` is kilobytes."""
         info = self.info()
-        return {k: info[k] for k in ("id", "name", "state", "error", "seconds", "total",
-                                     "minibatches", "loss", "samples_per_s", "test_accuracy")
-                if info.get(k) is not None}
+        return {
+            k: info[k]
+            for k in (
+                "id",
+                "name",
+                "state",
+                "error",
+                "seconds",
+                "total",
+                "minibatches",
+                "loss",
+                "samples_per_s",
+                "test_accuracy",
+            )
+            if info.get(k) is not None
+        }
 
     lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
     replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
@@ -131,10 +144,12 @@ class JobState:
     recovered: bool = False  # queued by a restarted head: wait for the cluster first
     # checkpointed state each stage of the next launch starts from: (meta, tensors)
     restores: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
     # stage states received for cuts not written yet: (vw, stage) -> wave -> (meta, tensors)
-    states: dict[tuple[int, int], dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]] = \
+    states: dict[tuple[int, int], dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]] = (
         field(default_factory=dict)
+    )
     cut_next: int | None = None  # the next cut to write
     cut_queued: int = -1  # the newest cut handed to a writer
     cut_writes: list[asyncio.Task[None]] = field(default_factory=list)
@@ -153,7 +168,10 @@ class JobState:
     def info(self) -> dict[str, Any]:
         """Plain data for ``job_status`` and the CLI."""
         out: dict[str, Any] = {
-            "id": self.id, "name": self.spec.name, "state": self.state, "error": self.error,
+            "id": self.id,
+            "name": self.spec.name,
+            "state": self.state,
+            "error": self.error,
             "minibatch": self.spec.minibatch,
         }
         now = self.finished or time.time()
@@ -168,13 +186,20 @@ class JobState:
                 last = self.progress.get((v, len(vwp.stages) - 1), {})
                 done = last.get("done", 0)
                 done_all += done
-                vws.append({
-                    "vw": v, "devices": [s.device for s in vwp.stages], "nm": vwp.nm,
-                    "done": done, "loss": last.get("loss"), "clock": last.get("vw_clock", 0),
-                    "wave": last.get("wave", 0),
-                    "samples_per_s": done * self.spec.minibatch / last["elapsed_s"]
-                    if last.get("elapsed_s") else 0.0,
-                })
+                vws.append(
+                    {
+                        "vw": v,
+                        "devices": [s.device for s in vwp.stages],
+                        "nm": vwp.nm,
+                        "done": done,
+                        "loss": last.get("loss"),
+                        "clock": last.get("vw_clock", 0),
+                        "wave": last.get("wave", 0),
+                        "samples_per_s": done * self.spec.minibatch / last["elapsed_s"]
+                        if last.get("elapsed_s")
+                        else 0.0,
+                    }
+                )
             out["vws"] = vws
             out["minibatches"] = done_all
             # each VW's place in the whole job (a resumed attempt starts further on)
@@ -184,25 +209,43 @@ class JobState:
             out["loss"] = sum(losses) / len(losses) if losses else None
             out["samples_per_s"] = sum(v["samples_per_s"] for v in vws)
             out["stages"] = [
-                {"vw": v, "stage": s, "device": st.device, "layers": [st.first, st.last],
-                 "replicas": list(st.replicas),  # the devices beside it (hetpipe.replicas)
-                 **{k: self.progress.get((v, s), {}).get(k) for k in
-                    ("done", "forward_s", "backward_s", "peak_bytes", "peak_memory",
-                     "peak_in_flight", "shares", "waiting")},
-                 "time_s": _stage_time(self.progress.get((v, s), {}))}
-                for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
+                {
+                    "vw": v,
+                    "stage": s,
+                    "device": st.device,
+                    "layers": [st.first, st.last],
+                    "replicas": list(st.replicas),  # the devices beside it (hetpipe.replicas)
+                    **{
+                        k: self.progress.get((v, s), {}).get(k)
+                        for k in (
+                            "done",
+                            "forward_s",
+                            "backward_s",
+                            "peak_bytes",
+                            "peak_memory",
+                            "peak_in_flight",
+                            "shares",
+                            "waiting",
+                        )
+                    },
+                    "time_s": _stage_time(self.progress.get((v, s), {})),
+                }
+                for v, vwp in enumerate(plan.vws)
+                for s, st in enumerate(vwp.stages)
             ]
             out["placement"] = plan.placement_summary()
             if "samples_per_s" in plan.predicted:
-                out["predicted"] = {k: v for k, v in plan.predicted.items()
-                                    if k != "state_bytes"}
+                out["predicted"] = {k: v for k, v in plan.predicted.items() if k != "state_bytes"}
         if self.resume is not None:
             meta = self.resume.meta
-            out["resumed_from"] = {"job": meta.get("job"), "checkpoint": str(self.resume.path),
-                                   "minibatches_done": meta.get("minibatches_done"),
-                                   "positions": meta.get("positions"),
-                                   "wave": meta.get("wave"),
-                                   **({"lost": self.lost} if self.lost is not None else {})}
+            out["resumed_from"] = {
+                "job": meta.get("job"),
+                "checkpoint": str(self.resume.path),
+                "minibatches_done": meta.get("minibatches_done"),
+                "positions": meta.get("positions"),
+                "wave": meta.get("wave"),
+                **({"lost": self.lost} if self.lost is not None else {}),
+            }
         if self.checkpoints:
             out["checkpoints"] = self.checkpoints
             out["checkpoint_s"] = self.checkpoint_s
@@ -211,8 +254,9 @@ class JobState:
         if self.checkpoints_superseded:
             out["checkpoints_superseded"] = self.checkpoints_superseded
         if self.replans:
-            out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")}
-                              for r in self.replans]
+            out["replans"] = [
+                {k: v for k, v in r.items() if not k.startswith("_")} for r in self.replans
+            ]
         if self.evals:
             out["evals"] = self.evals
         if self.diagnosis:
@@ -224,8 +268,9 @@ class JobState:
 class Head:
     """The cluster's head: lives in the shard-0 process and shares its ROUTER socket."""
 
-    def __init__(self, cluster: ClusterConfig, owner: Owner, address: str,
-                 run_dir: str | None = None) -> None:
+    def __init__(
+        self, cluster: ClusterConfig, owner: Owner, address: str, run_dir: str | None = None
+    ) -> None:
         self.cluster = cluster
         self.owner = owner
         self.address = address
@@ -261,8 +306,17 @@ class Head:
 
     # -- authority: who may send what (Curve user ids; None = security off, all trusted) ----
 
-    CLIENT_KINDS = frozenset({Kind.SUBMIT, Kind.JOB_STATUS, Kind.CLUSTER_STATUS, Kind.CANCEL,
-                              Kind.TRACE, Kind.PROFILE, Kind.PLAN})
+    CLIENT_KINDS = frozenset(
+        {
+            Kind.SUBMIT,
+            Kind.JOB_STATUS,
+            Kind.CLUSTER_STATUS,
+            Kind.CANCEL,
+            Kind.TRACE,
+            Kind.PROFILE,
+            Kind.PLAN,
+        }
+    )
 
     def _allowed(self, msg: Message) -> bool:
         """Clients submit, read and cancel jobs; a worker speaks only for its own device and
@@ -279,8 +333,11 @@ class Head:
         if k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED, Kind.STAGE_STATE):
             js = self._by_wire(msg["job"])
             return js is not None and any(
-                user == worker_user(w.device) and w.job == js.id
-                and (w.vw, w.stage) == (msg["vw"], msg["stage"]) for w in self.workers.values())
+                user == worker_user(w.device)
+                and w.job == js.id
+                and (w.vw, w.stage) == (msg["vw"], msg["stage"])
+                for w in self.workers.values()
+            )
         return True  # replies, and kinds the head refuses anyway
 
     # -- messages ---------------------------------------------------------------------------
@@ -291,12 +348,22 @@ class Head:
         if self._orphan(msg):
             # a stage of a job this head does not run (it restarted, or gave the attempt
             # up): tell its worker to drop it rather than let it wait for shards forever
-            await self.channel.send(Kind.ABORT, {"job": msg["job"], "reason": (
-                "the head does not run this job (it restarted or gave it up)")}, to=peer)
+            await self.channel.send(
+                Kind.ABORT,
+                {
+                    "job": msg["job"],
+                    "reason": ("the head does not run this job (it restarted or gave it up)"),
+                },
+                to=peer,
+            )
             return
         if not self._allowed(msg):
-            self._refused.warning("request refused: not this peer's role", str(msg.user),
-                                  f"{msg.user} may not send {k}", kind=str(k))
+            self._refused.warning(
+                "request refused: not this peer's role",
+                str(msg.user),
+                f"{msg.user} may not send {k}",
+                kind=str(k),
+            )
             await self.channel.reply_error(peer, f"{msg.user} may not send {k}", msg.get("rid"))
             return
         if k == Kind.HELLO:
@@ -305,9 +372,14 @@ class Head:
                 self._refused.warning("registration refused", _who(peer), problem)
                 await self.channel.reply_error(peer, problem)
                 return
-            await self.channel.send(Kind.WELCOME, {
-                "heartbeat_s": self.cluster.runtime.heartbeat_s,
-                "lost_after_s": self.cluster.runtime.lost_after_s}, to=peer)
+            await self.channel.send(
+                Kind.WELCOME,
+                {
+                    "heartbeat_s": self.cluster.runtime.heartbeat_s,
+                    "lost_after_s": self.cluster.runtime.lost_after_s,
+                },
+                to=peer,
+            )
         elif k == Kind.HEARTBEAT:
             w = self.workers.get(msg["device"])
             if w is None or w.ident != peer or w.lost:
@@ -341,16 +413,18 @@ class Head:
             else:
                 await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
         elif k == Kind.CLUSTER_STATUS:
-            await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": self.cluster_info()},
-                                    to=peer)
+            await self.channel.send(
+                Kind.OK, {"rid": msg["rid"], "info": self.cluster_info()}, to=peer
+            )
         elif k == Kind.CANCEL:
             js = self.jobs.get(msg["job"])
             if js is None:
                 await self.channel.reply_error(peer, f"no job {msg['job']!r}", msg["rid"])
                 return
             if js.state in FINISHED:
-                await self.channel.reply_error(peer, f"job {js.id} has already ended "
-                                               f"({js.state})", msg["rid"])
+                await self.channel.reply_error(
+                    peer, f"job {js.id} has already ended ({js.state})", msg["rid"]
+                )
                 return
             js.cancelled = True
             if js.state == "queued":
@@ -359,8 +433,9 @@ class Head:
                 self._retire(js)
             js.fail("cancelled by the user")
             self.log.info("job cancel requested", job=js.id)
-            await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"state": js.state}},
-                                    to=peer)
+            await self.channel.send(
+                Kind.OK, {"rid": msg["rid"], "info": {"state": js.state}}, to=peer
+            )
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
             self._stage_message(msg)
         elif k == Kind.STAGE_STATE:
@@ -390,8 +465,9 @@ class Head:
         d = job_dir(self.run_dir, job)
         path = d / TRACE if d is not None else None
         if path is not None and path.exists():
-            await self.channel.send(Kind.OK, {"rid": rid, "info": json.loads(
-                path.read_text())}, to=peer)
+            await self.channel.send(
+                Kind.OK, {"rid": rid, "info": json.loads(path.read_text())}, to=peer
+            )
             return
         js = self.jobs.get(job)
         if js is None and read_result(self.run_dir, job) is None:
@@ -415,7 +491,7 @@ class Head:
             self.log.warning("cannot write the job's result", job=js.id, error=str(exc))
         js.stage_results.clear()  # on disk in stages.json; the largest part of a job
         finished = [j for j in self.jobs.values() if j.state in FINISHED]
-        for old in finished[:max(0, len(finished) - self.cluster.runtime.jobs_kept)]:
+        for old in finished[: max(0, len(finished) - self.cluster.runtime.jobs_kept)]:
             if old is not self.current:
                 del self.jobs[old.id]
 
@@ -426,7 +502,8 @@ class Head:
             spec = JobSpec.from_dict(msg["job"], source="job")
             # the job checks start with the code policy (nothing is imported before it)
             await asyncio.get_running_loop().run_in_executor(
-                None, check_job, spec, self.cluster, "job")
+                None, check_job, spec, self.cluster, "job"
+            )
             if msg.kind == Kind.PLAN:
                 profile, rows = await self._profiles(spec)
             else:
@@ -457,8 +534,9 @@ class Head:
         if any(self.profiles.get(key, r, t) is None for r in rows for t in types):
             self.profiles.forget(key, spec.minibatch)
         profile = await self._profile(spec)
-        return profile, {r: await self._profile(dataclasses.replace(spec, minibatch=r))
-                         for r in rows}
+        return profile, {
+            r: await self._profile(dataclasses.replace(spec, minibatch=r)) for r in rows
+        }
 
     async def _profile(self, spec: JobSpec) -> ModelProfile:
         """Profiles of the job's model for every device type with a live worker.
@@ -476,29 +554,40 @@ class Head:
                 if self.profiles.get(key, spec.minibatch, dtype) is not None:
                     continue
                 of_type = [w for w in self._alive().values() if w.type == dtype]
-                twin = next((d for d in (self.cluster.device(w.device) for w in of_type)
-                             if d.node in on_cores and computes_on_cores(d)), None)
+                twin = next(
+                    (
+                        d
+                        for d in (self.cluster.device(w.device) for w in of_type)
+                        if d.node in on_cores and computes_on_cores(d)
+                    ),
+                    None,
+                )
                 if twin is not None:  # its node's cores measured already: over its speed
                     speed, info = on_cores[twin.node]
-                    layers, call = at_speed(layers_from(info), call_from(info), speed,
-                                            twin.speed)
-                    self.log.info("profile from the same cores", model=spec.model.name,
-                                  type=dtype, device=twin.name)
+                    layers, call = at_speed(layers_from(info), call_from(info), speed, twin.speed)
+                    self.log.info(
+                        "profile from the same cores",
+                        model=spec.model.name,
+                        type=dtype,
+                        device=twin.name,
+                    )
                 else:
                     worker, info = await self._measure(spec, dtype, of_type)
                     layers, call = layers_from(info), call_from(info)
                     device = self.cluster.device(worker.device)
                     if computes_on_cores(device):
                         on_cores[device.node] = (device.speed, info)
-                self.profiles.put(key, spec.minibatch, dtype, layers,
-                                  input_bytes=info["input_bytes"], call=call)
+                self.profiles.put(
+                    key, spec.minibatch, dtype, layers, input_bytes=info["input_bytes"], call=call
+                )
             self.profiles.save()
             if not types:
                 raise _JobFailed("no live worker: start them (`hetpipe up`)")
             return self.profiles.model_profile(key, spec.minibatch, types)
 
-    async def _measure(self, spec: JobSpec, dtype: str, of_type: list[WorkerInfo]
-                       ) -> tuple[WorkerInfo, dict[str, Any]]:
+    async def _measure(
+        self, spec: JobSpec, dtype: str, of_type: list[WorkerInfo]
+    ) -> tuple[WorkerInfo, dict[str, Any]]:
         """Profile ``spec``'s model on an idle worker of ``dtype``: the worker, its answer."""
         assert self.channel is not None
         worker = next((w for w in of_type if w.job is None), None)
@@ -507,8 +596,12 @@ class Head:
         self.log.info("profiling", model=spec.model.name, type=dtype, device=worker.device)
         try:
             reply = await self.channel.request(
-                Kind.MEASURE, {"job": spec.to_dict()}, to=worker.ident,
-                timeout=MEASURE_TIMEOUT_S, what=f"worker {worker.device}")
+                Kind.MEASURE,
+                {"job": spec.to_dict()},
+                to=worker.ident,
+                timeout=MEASURE_TIMEOUT_S,
+                what=f"worker {worker.device}",
+            )
         except (RemoteError, TimeoutError, ConnectionError) as exc:
             raise _JobFailed(f"profiling on {worker.device}: {exc}") from None
         return worker, reply["info"]
@@ -521,8 +614,10 @@ class Head:
         """
         index, n = msg["shard"], len(self.cluster.ps)
         if not 1 <= index < n:
-            return (f"shard_hello refused: shard {index} is not a shard of "
-                    f"{self.cluster.path} (1..{n - 1} register; 0 is this head)")
+            return (
+                f"shard_hello refused: shard {index} is not a shard of "
+                f"{self.cluster.path} (1..{n - 1} register; 0 is this head)"
+            )
         try:
             check_address(msg["address"])
         except ValueError as exc:
@@ -537,8 +632,10 @@ class Head:
         except ConfigError:
             return f"hello refused: {device!r} is not a device of {self.cluster.path}"
         if msg["type"] != spec.type:
-            return (f"hello refused: {device} is of type {spec.type!r} in "
-                    f"{self.cluster.path}, the worker says {msg['type']!r}")
+            return (
+                f"hello refused: {device} is of type {spec.type!r} in "
+                f"{self.cluster.path}, the worker says {msg['type']!r}"
+            )
         try:
             check_address(msg["address"])
         except ValueError as exc:
@@ -550,16 +647,26 @@ class Head:
                 js.lost_device = device
                 js.fail(f"worker {device} restarted (pid {old.pid} -> {msg['pid']})")
         self.workers[device] = WorkerInfo(
-            device=device, ident=peer, address=msg["address"], pid=msg["pid"],
-            host=msg["host"], type=spec.type, last_seen=time.monotonic())
-        self.log.info("worker registered", device=device, address=msg["address"],
-                      pid=msg["pid"])
+            device=device,
+            ident=peer,
+            address=msg["address"],
+            pid=msg["pid"],
+            host=msg["host"],
+            type=spec.type,
+            last_seen=time.monotonic(),
+        )
+        self.log.info("worker registered", device=device, address=msg["address"], pid=msg["pid"])
         return None
 
     def _orphan(self, msg: Message) -> bool:
         """A worker's message about a job (attempt) this head does not know."""
-        if msg.kind not in (Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED,
-                            Kind.STAGE_STATE):
+        if msg.kind not in (
+            Kind.HEARTBEAT,
+            Kind.REPORT,
+            Kind.STAGE_DONE,
+            Kind.STAGE_FAILED,
+            Kind.STAGE_STATE,
+        ):
             return False
         job = msg.get("job")
         if not job or self._by_wire(job) is not None:
@@ -641,8 +748,9 @@ class Head:
             skipped: list[str] = []
             ck = checkpoint.latest(record.parent, skipped)
             for why in skipped:
-                self.log.warning("damaged checkpoint skipped", job=old.get("id"),
-                                 error=excerpt(why, 300))
+                self.log.warning(
+                    "damaged checkpoint skipped", job=old.get("id"), error=excerpt(why, 300)
+                )
             try:
                 if ck is None:
                     raise JobError("no complete checkpoint")
@@ -652,14 +760,23 @@ class Head:
                 old.update(state="lost", error=f"the head restarted; cannot resume: {exc}")
                 record.write_text(json.dumps(old))
                 continue
-            js = JobState(id=self._new_id(spec.name), spec=spec, submitted=time.time(),
-                          resume=ck, recovered=True)
+            js = JobState(
+                id=self._new_id(spec.name),
+                spec=spec,
+                submitted=time.time(),
+                resume=ck,
+                recovered=True,
+            )
             self.jobs[js.id] = js
             self.queue.put_nowait(js)
             old.update(state="resumed", resumed_as=js.id)
             record.write_text(json.dumps(old))
-            self.log.warning("resuming a job the previous head was running", job=old["id"],
-                             new=js.id, checkpoint=str(ck.path))
+            self.log.warning(
+                "resuming a job the previous head was running",
+                job=old["id"],
+                new=js.id,
+                checkpoint=str(ck.path),
+            )
 
     async def _wait_for_cluster(self, timeout: float) -> None:
         """Until every device and shard of the cluster file has registered (or ``timeout``)."""
@@ -681,8 +798,9 @@ class Head:
         for why in skipped:
             self.log.warning("damaged checkpoint skipped", job=job_id, error=excerpt(why, 300))
         if ck is None:
-            raise _JobFailed(f"no complete checkpoint of job {job_id!r} in "
-                             f"{d.resolve() / 'checkpoints'}")
+            raise _JobFailed(
+                f"no complete checkpoint of job {job_id!r} in {d.resolve() / 'checkpoints'}"
+            )
         return ck
 
     def cluster_info(self) -> dict[str, Any]:
@@ -690,22 +808,31 @@ class Head:
         workers = []
         for dev in self.cluster.devices:
             w = self.workers.get(dev.name)
-            workers.append({
-                "device": dev.name, "type": dev.type, "speed": dev.speed,
-                "memory": dev.memory, "node": dev.node,
-                "state": "down" if w is None else ("lost" if w.lost else w.state),
-                "pid": None if w is None else w.pid,
-                "address": None if w is None else w.address,
-                "job": None if w is None else w.job,
-                "vw": None if w is None else w.vw, "stage": None if w is None else w.stage,
-                "seen_s_ago": None if w is None else now - w.last_seen,
-            })
-        jobs = [js.summary() if js.state in FINISHED else js.info()
-                for js in self.jobs.values()]
-        return {"workers": workers, "shards": {str(k): v for k, v in self.shards.items()},
-                "shards_lost": sorted(self.shards_lost),
-                "security": {"curve": self.cluster.security.curve},
-                "jobs": jobs, "current": self.current.id if self.current else None}
+            workers.append(
+                {
+                    "device": dev.name,
+                    "type": dev.type,
+                    "speed": dev.speed,
+                    "memory": dev.memory,
+                    "node": dev.node,
+                    "state": "down" if w is None else ("lost" if w.lost else w.state),
+                    "pid": None if w is None else w.pid,
+                    "address": None if w is None else w.address,
+                    "job": None if w is None else w.job,
+                    "vw": None if w is None else w.vw,
+                    "stage": None if w is None else w.stage,
+                    "seen_s_ago": None if w is None else now - w.last_seen,
+                }
+            )
+        jobs = [js.summary() if js.state in FINISHED else js.info() for js in self.jobs.values()]
+        return {
+            "workers": workers,
+            "shards": {str(k): v for k, v in self.shards.items()},
+            "shards_lost": sorted(self.shards_lost),
+            "security": {"curve": self.cluster.security.curve},
+            "jobs": jobs,
+            "current": self.current.id if self.current else None,
+        }
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -719,13 +846,15 @@ class Head:
                 if w.lost or silent <= lost_after:
                     continue
                 w.lost = True
-                self.log.warning("worker lost", device=w.device, pid=w.pid,
-                                 silent_s=round(silent, 1))
+                self.log.warning(
+                    "worker lost", device=w.device, pid=w.pid, silent_s=round(silent, 1)
+                )
                 if w.job is not None and w.job in self.jobs:
                     self.jobs[w.job].lost_device = w.device
                     self.jobs[w.job].fail(
                         f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
-                        f"no heartbeat for {silent:.1f} s")
+                        f"no heartbeat for {silent:.1f} s"
+                    )
             self._watch_shards(now, lost_after)
 
     def _watch_shards(self, now: float, lost_after: float) -> None:
@@ -742,8 +871,9 @@ class Head:
             self.log.warning("shard lost", shard=index, silent_s=round(silent, 1))
             js = self.current
             if js is not None and js.plan is not None and index in js.plan.shards_used():
-                js.fail(f"shard {index} ({self.shards.get(index)}) lost: no hello for "
-                        f"{silent:.1f} s")
+                js.fail(
+                    f"shard {index} ({self.shards.get(index)}) lost: no hello for {silent:.1f} s"
+                )
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -784,7 +914,8 @@ class Head:
                 plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
                 if spec.schedule == "auto":  # the planner chose: the job runs its choice
                     spec = js.spec = dataclasses.replace(
-                        spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup)
+                        spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup
+                    )
                     log.info("schedule chosen", why=plan.details.get("schedule_choice"))
                 elif spec.warmup is None:  # train.warmup = "auto": the planner's order
                     spec = js.spec = dataclasses.replace(spec, warmup=plan.warmup)
@@ -794,9 +925,10 @@ class Head:
                     vws = plan_vws(plan)
                     log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
                 elif spec.activations == "auto":  # the user's split, the planner's policy
-                    vws = tuple(dataclasses.replace(v, recompute=planned.recompute,
-                                                    swap=planned.swap)
-                                for v, planned in zip(spec.vws, plan_vws(plan), strict=True))
+                    vws = tuple(
+                        dataclasses.replace(v, recompute=planned.recompute, swap=planned.swap)
+                        for v, planned in zip(spec.vws, plan_vws(plan), strict=True)
+                    )
             except (PlanError, _JobFailed) as exc:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None
@@ -805,8 +937,11 @@ class Head:
                     spec = js.spec = dataclasses.replace(spec, warmup=0)
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             js.plan = await loop.run_in_executor(
-                None, lambda: plan_job(spec, js.id, self.cluster, self._alive(),
-                                       shards, vws=vws, predicted=predicted))
+                None,
+                lambda: plan_job(
+                    spec, js.id, self.cluster, self._alive(), shards, vws=vws, predicted=predicted
+                ),
+            )
             if js.resume is not None:
                 self._restore(js, js.plan, js.resume)
                 js.lost = self._lost_since(js.resume)
@@ -834,8 +969,11 @@ class Head:
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.state = "done"
-            log.info("job done", accuracy=js.result.get("test_accuracy"),
-                     seconds=round(js.finished - js.started, 2))
+            log.info(
+                "job done",
+                accuracy=js.result.get("test_accuracy"),
+                seconds=round(js.finished - js.started, 2),
+            )
         except _JobFailed as exc:
             js.state = "cancelled" if js.cancelled else "failed"
             js.error, js.finished = str(exc), time.time()
@@ -872,26 +1010,37 @@ class Head:
         n = len(plan.vws)
         done = int(meta.get("minibatches_done", 0))
         positions = [int(x) for x in meta.get("positions", [done])]
-        totals = [int(x) for x in meta.get("totals", [meta.get("minibatches_total",
-                                                                plan.minibatches)])]
+        totals = [
+            int(x) for x in meta.get("totals", [meta.get("minibatches_total", plan.minibatches)])
+        ]
         same = len(positions) == n and len(totals) == n
         starts = tuple(positions) if same else (min(positions),) * n
         js.totals = tuple(totals) if same else (totals[0],) * n
         owed = [t - p for t, p in zip(js.totals, starts, strict=True)]
         if max(owed) <= 0:
-            raise JobPlanError(f"checkpoint {ck.path} is the end of job {meta.get('job')}: "
-                               f"it has nothing left to train")
+            raise JobPlanError(
+                f"checkpoint {ck.path} is the end of job {meta.get('job')}: "
+                f"it has nothing left to train"
+            )
         plan.starts = starts
         if js.spec.sync:  # iterations stay aligned: every VW runs VW 0's count
             plan.minibatches = max(1, owed[0])
         else:
             plan.owed = tuple(max(1, o) for o in owed)
         js.restores = _stage_restores(plan, ck, same)
-        whole = sorted(f"vw{v}/stage{s}" for (v, s), (m, _) in js.restores.items()
-                       if m.get("weights"))
-        self.log.info("resuming", job=js.id, checkpoint=str(ck.path), wave=meta.get("wave"),
-                      positions=list(starts), owed=list(owed), stages_restored=whole,
-                      stages_from_global=len(js.restores) - len(whole))
+        whole = sorted(
+            f"vw{v}/stage{s}" for (v, s), (m, _) in js.restores.items() if m.get("weights")
+        )
+        self.log.info(
+            "resuming",
+            job=js.id,
+            checkpoint=str(ck.path),
+            wave=meta.get("wave"),
+            positions=list(starts),
+            owed=list(owed),
+            stages_restored=whole,
+            stages_from_global=len(js.restores) - len(whole),
+        )
 
     def _lost_since(self, ck: checkpoint.Checkpoint) -> list[int] | None:
         """Per VW, the minibatches the checkpointed job trained after ``ck`` (where its
@@ -913,8 +1062,12 @@ class Head:
         js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
         plan, every = js.plan, js.spec.checkpoint_every
         last = max(plan.waves(v) for v in range(len(plan.vws)))
-        expected = [(v, s) for v, vw in enumerate(plan.vws) for s in range(len(vw.stages))
-                    if plan.stage_names(v, s)]
+        expected = [
+            (v, s)
+            for v, vw in enumerate(plan.vws)
+            for s in range(len(vw.stages))
+            if plan.stage_names(v, s)
+        ]
         while js.cut_next is not None:
             c = js.cut_next
             picks = {}
@@ -926,14 +1079,18 @@ class Head:
             js.cut_queued = c
             js.cut_writes.append(asyncio.ensure_future(self._write_cut(js, plan, c, picks)))
             js.cut_next = checkpoint.cut_after(c, every, last)
-            for (v, s) in picks:  # a VW at its end keeps its last state for the later cuts
+            for v, s in picks:  # a VW at its end keeps its last state for the later cuts
                 held = js.states[(v, s)]
                 for w in [w for w in held if w < min(c, plan.waves(v))]:
                     del held[w]
 
-    async def _write_cut(self, js: JobState, plan: JobPlan, c: int,
-                         picks: dict[tuple[int, int], tuple[dict[str, Any],
-                                                            dict[str, torch.Tensor]]]) -> None:
+    async def _write_cut(
+        self,
+        js: JobState,
+        plan: JobPlan,
+        c: int,
+        picks: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]],
+    ) -> None:
         """Fetch the shards' cut ``c``, check it against the stages' states, write both."""
         async with js.cut_lock:
             if js.plan is not plan:  # the attempt was given up meanwhile
@@ -943,8 +1100,7 @@ class Head:
                 # head that fell behind would ask the shards for cuts they no longer keep
                 # (they keep the newest JobShard.KEEP_CUTS), failing every write after
                 js.checkpoints_superseded += 1
-                self.log.info("checkpoint superseded", job=js.id, wave=c,
-                              newest=js.cut_queued)
+                self.log.info("checkpoint superseded", job=js.id, wave=c, newest=js.cut_queued)
                 return
             t0 = time.perf_counter()
             try:
@@ -952,49 +1108,88 @@ class Head:
                 applied: dict[str, dict[str, list[list[int]]]] = {}
                 shards = plan.shards_used()
                 channels = [await self._shard(index) for index in shards]
-                replies = await asyncio.gather(*(
-                    ch.request(Kind.SHARD_CUT, {"job": plan.job, "wave": c},
-                               timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
-                    for index, ch in zip(shards, channels, strict=True)))
+                replies = await asyncio.gather(
+                    *(
+                        ch.request(
+                            Kind.SHARD_CUT,
+                            {"job": plan.job, "wave": c},
+                            timeout=SHARD_TIMEOUT_S,
+                            what=f"shard {index}",
+                        )
+                        for index, ch in zip(shards, channels, strict=True)
+                    )
+                )
                 for index, reply in zip(shards, replies, strict=True):
                     weights.update(reply.tensors)
                     applied[str(index)] = reply["info"]["applied"]
                 problem = _cut_problem(plan, c, applied, picks)
                 if problem is not None:
-                    self.log.warning("checkpoint not written: inconsistent cut", job=js.id,
-                                     wave=c, problem=problem)
+                    self.log.warning(
+                        "checkpoint not written: inconsistent cut",
+                        job=js.id,
+                        wave=c,
+                        problem=problem,
+                    )
                     return
                 n = len(plan.vws)
-                positions = [plan.start_of(v) + min(min(c, plan.waves(v)) * plan.vws[v].nm,
-                                                    plan.minibatches_of(v)) for v in range(n)]
+                positions = [
+                    plan.start_of(v)
+                    + min(min(c, plan.waves(v)) * plan.vws[v].nm, plan.minibatches_of(v))
+                    for v in range(n)
+                ]
                 stages = {}
                 files = {}
                 for (v, s), (m, tensors) in sorted(picks.items()):
                     name = checkpoint.stage_file(v, s)
                     st = plan.vws[v].stages[s]
                     stages[name] = tensors
-                    files[name] = {"vw": v, "stage": s, "device": st.device, "first": st.first,
-                                   "last": st.last, "meta": m}
-                meta = {"job": js.id, "attempt": plan.job, "spec": js.spec.to_dict(), "wave": c,
-                        "positions": positions, "totals": list(js.totals),
-                        "minibatches_done": min(positions),
-                        "minibatches_total": max(js.totals), "applied": applied,
-                        "plan": [{"nm": vw.nm, "stages": [[st.device, st.first, st.last]
-                                                          for st in vw.stages]}
-                                 for vw in plan.vws],
-                        "stages": files, "t": time.time()}
+                    files[name] = {
+                        "vw": v,
+                        "stage": s,
+                        "device": st.device,
+                        "first": st.first,
+                        "last": st.last,
+                        "meta": m,
+                    }
+                meta = {
+                    "job": js.id,
+                    "attempt": plan.job,
+                    "spec": js.spec.to_dict(),
+                    "wave": c,
+                    "positions": positions,
+                    "totals": list(js.totals),
+                    "minibatches_done": min(positions),
+                    "minibatches_total": max(js.totals),
+                    "applied": applied,
+                    "plan": [
+                        {
+                            "nm": vw.nm,
+                            "stages": [[st.device, st.first, st.last] for st in vw.stages],
+                        }
+                        for vw in plan.vws
+                    ],
+                    "stages": files,
+                    "t": time.time(),
+                }
                 out = self.job_dir(js)
                 loop = asyncio.get_running_loop()
                 seq = checkpoint.next_seq(out)
                 fetched = time.perf_counter()
-                path = await loop.run_in_executor(None, lambda: checkpoint.write(
-                    out, seq, weights, meta, stages=stages))
-                self.log.info("checkpoint written", job=js.id, wave=c, path=str(path),
-                              fetch_s=round(fetched - t0, 4),
-                              write_s=round(time.perf_counter() - fetched, 4))
+                path = await loop.run_in_executor(
+                    None, lambda: checkpoint.write(out, seq, weights, meta, stages=stages)
+                )
+                self.log.info(
+                    "checkpoint written",
+                    job=js.id,
+                    wave=c,
+                    path=str(path),
+                    fetch_s=round(fetched - t0, 4),
+                    write_s=round(time.perf_counter() - fetched, 4),
+                )
                 js.checkpoints += 1
-                js.checkpoint_stage_s += max((m.get("state_s", 0.0) for m, _ in
-                                              picks.values()), default=0.0)
+                js.checkpoint_stage_s += max(
+                    (m.get("state_s", 0.0) for m, _ in picks.values()), default=0.0
+                )
                 js.last_checkpoint = {"path": str(path), "wave": c, "positions": positions}
             except (RemoteError, TimeoutError, ConnectionError, OSError, _JobFailed) as exc:
                 self.log.warning("checkpoint failed", job=js.id, wave=c, error=excerpt(exc))
@@ -1023,8 +1218,7 @@ class Head:
             js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
         watchers = [asyncio.ensure_future(self._telemetry(js))]
         if js.spec.eval_every_s:
-            watchers.append(asyncio.ensure_future(
-                self._evaluate_every(js, js.spec.eval_every_s)))
+            watchers.append(asyncio.ensure_future(self._evaluate_every(js, js.spec.eval_every_s)))
         done = asyncio.ensure_future(js.all_done.wait())
         try:
             await self._race(js, done)
@@ -1038,8 +1232,12 @@ class Head:
     MAX_REPLANS = 3
 
     def _may_replan(self, js: JobState) -> bool:
-        return (js.spec.on_worker_loss == "replan" and js.lost_device is not None
-                and not js.cancelled and len(js.replans) < self.MAX_REPLANS)
+        return (
+            js.spec.on_worker_loss == "replan"
+            and js.lost_device is not None
+            and not js.cancelled
+            and len(js.replans) < self.MAX_REPLANS
+        )
 
     async def _replan(self, js: JobState, reason: str) -> None:
         """Go on without the lost worker: plan the job again on the live devices and start it
@@ -1066,8 +1264,7 @@ class Head:
             try:
                 state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
             except (RemoteError, TimeoutError, ConnectionError) as exc:
-                raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: "
-                                 f"{exc}") from None
+                raise _JobFailed(f"{reason}; cannot re-plan: the shards' weights: {exc}") from None
         await self._abort(js, reason)
         await self._drop_shards(js)
         for w in self.workers.values():
@@ -1081,8 +1278,17 @@ class Head:
             shards = {i: a for i, a in self.shards.items() if i not in self.shards_lost}
             wire = f"{js.id}.r{len(js.replans) + 1}"
             new = await loop.run_in_executor(
-                None, lambda: plan_job(spec, wire, self.cluster, self._alive(), shards,
-                                       vws=plan_vws(plan), predicted=predicted_summary(plan)))
+                None,
+                lambda: plan_job(
+                    spec,
+                    wire,
+                    self.cluster,
+                    self._alive(),
+                    shards,
+                    vws=plan_vws(plan),
+                    predicted=predicted_summary(plan),
+                ),
+            )
             if ck is not None:
                 self._restore(js, new, ck)
         except (PlanError, JobPlanError, _JobFailed) as exc:
@@ -1100,27 +1306,40 @@ class Head:
             lost_mb = None
         else:
             at = ck.meta.get("positions") or []
-            lost_mb = ([max(0, a - b) for a, b in zip(positions, at, strict=True)]
-                       if len(at) == len(positions) else None)
+            lost_mb = (
+                [max(0, a - b) for a, b in zip(positions, at, strict=True)]
+                if len(at) == len(positions)
+                else None
+            )
         js.plan = new
         js.failure = loop.create_future()
         js.lost_device = None
         js.progress.clear()
         js.stage_results.clear()
         js.all_done = asyncio.Event()
-        js.replans.append({
-            "lost": lost, "reason": reason, "after_minibatches": positions,
-            "checkpoint": str(ck.path) if ck is not None else None,
-            "checkpoint_positions": ck.meta.get("positions") if ck is not None else None,
-            "lost_minibatches": lost_mb,
-            "vws": [[s.device for s in vw.stages] for vw in new.vws],
-            "starts": list(new.starts),
-            "minibatches_left": [new.minibatches_of(v) for v in range(len(new.vws))],
-            "planned_s": round(time.monotonic() - t0, 2), "_t": t0,
-        })
-        log.warning("re-planned", lost=lost, vws=js.replans[-1]["vws"],
-                    checkpoint=js.replans[-1]["checkpoint"], lost_minibatches=lost_mb,
-                    minibatches_left=js.replans[-1]["minibatches_left"])
+        js.replans.append(
+            {
+                "lost": lost,
+                "reason": reason,
+                "after_minibatches": positions,
+                "checkpoint": str(ck.path) if ck is not None else None,
+                "checkpoint_positions": ck.meta.get("positions") if ck is not None else None,
+                "lost_minibatches": lost_mb,
+                "vws": [[s.device for s in vw.stages] for vw in new.vws],
+                "starts": list(new.starts),
+                "minibatches_left": [new.minibatches_of(v) for v in range(len(new.vws))],
+                "planned_s": round(time.monotonic() - t0, 2),
+                "_t": t0,
+            }
+        )
+        log.warning(
+            "re-planned",
+            lost=lost,
+            vws=js.replans[-1]["vws"],
+            checkpoint=js.replans[-1]["checkpoint"],
+            lost_minibatches=lost_mb,
+            minibatches_left=js.replans[-1]["minibatches_left"],
+        )
 
     def _latest_of(self, js: JobState) -> checkpoint.Checkpoint | None:
         """The newest complete checkpoint of the job: its own, else the one it resumed from."""
@@ -1153,14 +1372,24 @@ class Head:
         if ch is None:
             address = self.shards.get(index)
             if address is None:
-                raise _JobFailed(f"shard {index} has not registered with the head: "
-                                 f"is hetpipe-ps --shard {index} running?")
-            sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address,
-                               hwm=self.cluster.runtime.hwm,
-                               max_frame_bytes=self.cluster.runtime.max_frame_bytes,
-                               curve=self.owner.curve)
-            ch = Channel(sock, None, name=f"to-shard{index}",
-                         max_frame_bytes=self.cluster.runtime.max_frame_bytes).start()
+                raise _JobFailed(
+                    f"shard {index} has not registered with the head: "
+                    f"is hetpipe-ps --shard {index} running?"
+                )
+            sock = make_socket(
+                self.owner.ctx,
+                zmq.DEALER,
+                connect=address,
+                hwm=self.cluster.runtime.hwm,
+                max_frame_bytes=self.cluster.runtime.max_frame_bytes,
+                curve=self.owner.curve,
+            )
+            ch = Channel(
+                sock,
+                None,
+                name=f"to-shard{index}",
+                max_frame_bytes=self.cluster.runtime.max_frame_bytes,
+            ).start()
             self.owner.channels.append(ch)
             self.shard_channels[index] = ch
         return ch
@@ -1171,21 +1400,33 @@ class Head:
         assert plan is not None and self.channel is not None
         # "vw/stage" -> the worker whose pushes count; "vw/stage/r" -> replica r, which may
         # pull the stage's weights but never push them (hetpipe.replicas)
-        owners = {f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
-                  for v, vwp in enumerate(plan.vws) for s, st in enumerate(vwp.stages)
-                  for r, d in enumerate(st.group)}
+        owners = {
+            f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
+            for v, vwp in enumerate(plan.vws)
+            for s, st in enumerate(vwp.stages)
+            for r, d in enumerate(st.group)
+        }
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)
-            await ch.request(Kind.SHARD_INIT, {"job": plan.job, "members": members,
-                                               "staleness": js.spec.staleness,
-                                               "owners": owners,
-                                               "cut_every": js.spec.checkpoint_every},
-                             weights, timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+            await ch.request(
+                Kind.SHARD_INIT,
+                {
+                    "job": plan.job,
+                    "members": members,
+                    "staleness": js.spec.staleness,
+                    "owners": owners,
+                    "cut_every": js.spec.checkpoint_every,
+                },
+                weights,
+                timeout=SHARD_TIMEOUT_S,
+                what=f"shard {index}",
+            )
         plan.release_initial_weights()
         js.states.clear()
         js.cut_queued = -1
-        js.cut_next = checkpoint.cut_after(0, js.spec.checkpoint_every,
-                                           max(plan.waves(v) for v in range(len(plan.vws))))
+        js.cut_next = checkpoint.cut_after(
+            0, js.spec.checkpoint_every, max(plan.waves(v) for v in range(len(plan.vws)))
+        )
         waits = []
         for task in plan.tasks(self.shards, self.workers):
             w = self.workers[task.group[task.replica]]
@@ -1195,9 +1436,16 @@ class Head:
             if restore is not None:  # a resumed attempt: the stage's checkpointed state
                 task = dataclasses.replace(task, restore=restore[0])
                 tensors = {**tensors, **restore[1]}
-            waits.append(self.channel.request(
-                Kind.ASSIGN, {"job": plan.job, "task": task.to_dict()},
-                tensors, to=w.ident, timeout=ASSIGN_TIMEOUT_S, what=f"worker {w.device}"))
+            waits.append(
+                self.channel.request(
+                    Kind.ASSIGN,
+                    {"job": plan.job, "task": task.to_dict()},
+                    tensors,
+                    to=w.ident,
+                    timeout=ASSIGN_TIMEOUT_S,
+                    what=f"worker {w.device}",
+                )
+            )
         await asyncio.gather(*waits)
         js.restores = {}
         for w in self.workers.values():
@@ -1216,15 +1464,20 @@ class Head:
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
-        stages = {f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
-                  for (v, s), r in sorted(js.stage_results.items())}
+        stages = {
+            f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
+            for (v, s), r in sorted(js.stage_results.items())
+        }
         (out_dir / "stages.json").write_text(json.dumps(stages))
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
         (out_dir / "trace.json").write_text(json.dumps(trace))
         samples = plan.total_minibatches * js.spec.minibatch
-        quality = {k: r["stats"].get("prediction_quality") for k, r in stages.items()
-                   if r["stats"].get("prediction_quality") is not None}
+        quality = {
+            k: r["stats"].get("prediction_quality")
+            for k, r in stages.items()
+            if r["stats"].get("prediction_quality") is not None
+        }
         return {
             **({"prediction_quality": quality} if quality else {}),
             # train.bn_recalibrate: the accuracy with the running statistics as trained
@@ -1252,8 +1505,12 @@ class Head:
         clocks = {}
         for index in js.plan.shards_used():
             ch = await self._shard(index)
-            reply = await ch.request(Kind.SHARD_FETCH, {"job": js.wire_id},
-                                     timeout=SHARD_TIMEOUT_S, what=f"shard {index}")
+            reply = await ch.request(
+                Kind.SHARD_FETCH,
+                {"job": js.wire_id},
+                timeout=SHARD_TIMEOUT_S,
+                what=f"shard {index}",
+            )
             state.update({k: v.clone() for k, v in reply.tensors.items()})
             clocks[str(index)] = reply.get("info")
         return state, clocks
@@ -1275,8 +1532,10 @@ class Head:
         submit; :func:`hetpipe.jobstore.job_dir` refuses any id that is a path)."""
         d = job_dir(self.run_dir, js.id)  # None for anything that is not a job id
         if d is None:
-            raise _JobFailed(f"job id {excerpt(js.id, 80)!r} is not a job id: it would "
-                             f"write outside {self.run_dir / 'jobs'}")
+            raise _JobFailed(
+                f"job id {excerpt(js.id, 80)!r} is not a job id: it would "
+                f"write outside {self.run_dir / 'jobs'}"
+            )
         return d.resolve()
 
     async def _telemetry(self, js: JobState, every_s: float = 1.0) -> None:
@@ -1289,11 +1548,29 @@ class Head:
         path.parent.mkdir(parents=True, exist_ok=True)
         last_sig: tuple[Any, ...] = ()
         last_change = time.time()
+
         def record() -> dict[str, Any]:
             info = js.info()
-            metrics.write(json.dumps({"t": time.time(), **{k: info.get(k) for k in (
-                "minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages",
-                "evals")}}) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        **{
+                            k: info.get(k)
+                            for k in (
+                                "minibatches",
+                                "samples_per_s",
+                                "global_clock",
+                                "loss",
+                                "vws",
+                                "stages",
+                                "evals",
+                            )
+                        },
+                    }
+                )
+                + "\n"
+            )
             metrics.flush()
             return info
 
@@ -1303,21 +1580,24 @@ class Head:
                     await asyncio.sleep(every_s)
                     info = record()
                     now = time.time()
-                    sig = tuple((p.get("done"), p.get("forwards")) for _, p in
-                                sorted(js.progress.items()))
+                    sig = tuple(
+                        (p.get("done"), p.get("forwards")) for _, p in sorted(js.progress.items())
+                    )
                     if sig != last_sig:
                         last_sig, last_change = sig, now
                         if js.diagnosis:
                             self.log.info("job moving again", job=js.id)
                         js.diagnosis = []
                     elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
-                        diagnosis = diagnose(js.plan, js.progress, now,
-                                             info.get("global_clock"))
+                        diagnosis = diagnose(js.plan, js.progress, now, info.get("global_clock"))
                         if diagnosis != js.diagnosis:
                             js.diagnosis = diagnosis
-                            self.log.warning("job makes no progress", job=js.id,
-                                             silent_s=round(now - last_change, 1),
-                                             diagnosis=diagnosis)
+                            self.log.warning(
+                                "job makes no progress",
+                                job=js.id,
+                                silent_s=round(now - last_change, 1),
+                                diagnosis=diagnosis,
+                            )
             finally:
                 record()  # the last figures, also for a job shorter than one tick
 
@@ -1326,8 +1606,9 @@ class Head:
         for w in self.workers.values():
             if w.job == js.id and not w.lost:
                 with contextlib.suppress(ConnectionError, zmq.ZMQError):
-                    await self.channel.send(Kind.ABORT, {"job": js.wire_id, "reason": reason},
-                                            to=w.ident)
+                    await self.channel.send(
+                        Kind.ABORT, {"job": js.wire_id, "reason": reason}, to=w.ident
+                    )
 
     async def _drop_shards(self, js: JobState) -> None:
         if js.plan is None:
@@ -1337,12 +1618,17 @@ class Head:
                 continue  # nothing to drop there, and no answer to wait for
             with contextlib.suppress(Exception):
                 ch = await self._shard(index)
-                await ch.request(Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0,
-                                 what=f"shard {index}")
+                await ch.request(
+                    Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0, what=f"shard {index}"
+                )
 
 
-def diagnose(plan: JobPlan, progress: dict[tuple[int, int], dict[str, Any]], now: float,
-             global_clock: int | None) -> list[str]:
+def diagnose(
+    plan: JobPlan,
+    progress: dict[tuple[int, int], dict[str, Any]],
+    now: float,
+    global_clock: int | None,
+) -> list[str]:
     """One line per stage: what it has been waiting for (or computing), and how long."""
     lines = []
     for v, vw in enumerate(plan.vws):
@@ -1355,24 +1641,33 @@ def diagnose(plan: JobPlan, progress: dict[tuple[int, int], dict[str, Any]], now
             dt = now - w.get("since", now)
             kind, p = w.get("kind"), w.get("p")
             if kind in ("forward", "backward"):
-                lines.append(f"{where} has been running the {kind} of minibatch {p} "
-                             f"for {dt:.0f} s")
+                lines.append(f"{where} has been running the {kind} of minibatch {p} for {dt:.0f} s")
             elif kind == "activation":
-                lines.append(f"{where} waits {dt:.0f} s for the activation of minibatch {p} "
-                             f"from {plan.where(v, s - 1)}")
+                lines.append(
+                    f"{where} waits {dt:.0f} s for the activation of minibatch {p} "
+                    f"from {plan.where(v, s - 1)}"
+                )
             elif kind == "gradient":
-                lines.append(f"{where} waits {dt:.0f} s for the gradient of minibatch {p} "
-                             f"from {plan.where(v, s + 1)}")
+                lines.append(
+                    f"{where} waits {dt:.0f} s for the gradient of minibatch {p} "
+                    f"from {plan.where(v, s + 1)}"
+                )
             elif kind == "pull":
-                lines.append(f"{where} waits {dt:.0f} s at the WSP gate: the pull of wave "
-                             f"{w.get('wave')} needs global clock >= {w.get('need')}, "
-                             f"it is {global_clock}")
+                lines.append(
+                    f"{where} waits {dt:.0f} s at the WSP gate: the pull of wave "
+                    f"{w.get('wave')} needs global clock >= {w.get('need')}, "
+                    f"it is {global_clock}"
+                )
             elif kind == "reduce":
-                lines.append(f"{where} waits {dt:.0f} s for the other virtual workers' "
-                             f"gradients of iteration {w.get('wave')}")
+                lines.append(
+                    f"{where} waits {dt:.0f} s for the other virtual workers' "
+                    f"gradients of iteration {w.get('wave')}"
+                )
             elif kind == "replicas":
-                lines.append(f"{where} waits {dt:.0f} s for its replicas' gradients of "
-                             f"minibatch {p} ({', '.join(vw.stages[s].replicas)})")
+                lines.append(
+                    f"{where} waits {dt:.0f} s for its replicas' gradients of "
+                    f"minibatch {p} ({', '.join(vw.stages[s].replicas)})"
+                )
             else:
                 lines.append(f"{where} waits {dt:.0f} s for {kind}")
     return lines
@@ -1394,8 +1689,12 @@ class _JobFailed(Exception):
     """The running job must stop; the text is what the user reads."""
 
 
-def _cut_problem(plan: JobPlan, c: int, applied: dict[str, dict[str, list[int]]],
-                 picks: dict[tuple[int, int], tuple[dict[str, Any], Any]]) -> str | None:
+def _cut_problem(
+    plan: JobPlan,
+    c: int,
+    applied: dict[str, dict[str, list[int]]],
+    picks: dict[tuple[int, int], tuple[dict[str, Any], Any]],
+) -> str | None:
     """Why the shards' cut ``c`` and the stages' states are not one consistent checkpoint:
     every stage's applied set on every shard holding its state must be exactly waves
     0 .. min(c, its VW's waves) - 1, and cover the accumulators the stage still keeps."""
@@ -1405,8 +1704,10 @@ def _cut_problem(plan: JobPlan, c: int, applied: dict[str, dict[str, list[int]]]
         for index in sorted({plan.placement[n] for n in plan.stage_names(v, s)}):
             got = applied.get(str(index), {}).get(f"{v}/{s}")
             if got != want:
-                return (f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
-                        f"at cut {c}, not [0, {end})")
+                return (
+                    f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
+                    f"at cut {c}, not [0, {end})"
+                )
         if int(meta.get("wave", -1)) != min(c, plan.waves(v)):
             return f"vw{v}/stage{s} sent its state of wave {meta.get('wave')} for cut {c}"
         outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end]
@@ -1415,8 +1716,9 @@ def _cut_problem(plan: JobPlan, c: int, applied: dict[str, dict[str, list[int]]]
     return None
 
 
-def _stage_restores(plan: JobPlan, ck: checkpoint.Checkpoint, same_vws: bool
-                    ) -> dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+def _stage_restores(
+    plan: JobPlan, ck: checkpoint.Checkpoint, same_vws: bool
+) -> dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """What each stage of ``plan`` starts from (see :meth:`Head._restore`)."""
     old: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for name, info in ck.meta.get("stages", {}).items():
@@ -1428,8 +1730,14 @@ def _stage_restores(plan: JobPlan, ck: checkpoint.Checkpoint, same_vws: bool
         for s, st in enumerate(vw.stages):
             if not plan.stage_names(v, s):
                 continue
-            exact = next((n for n, info in source if same_vws and
-                          (info["first"], info["last"]) == (st.first, st.last)), None)
+            exact = next(
+                (
+                    n
+                    for n, info in source
+                    if same_vws and (info["first"], info["last"]) == (st.first, st.last)
+                ),
+                None,
+            )
             if exact is not None:
                 info = dict(ck.meta["stages"][exact]["meta"])
                 out[(v, s)] = ({**info, "weights": True}, ck.stages[exact])

@@ -56,5 +56,7 @@ def retain_freed(mib: int) -> bool:
     limit = min(mib, MAX_RETAIN_MIB) << 20
     # both: setting either switches glibc's own adjustment of them off, which would have
     # raised the trim threshold along with the mmap threshold
-    return (mallopt(M_TRIM_THRESHOLD, limit) == 1
-            and mallopt(M_MMAP_THRESHOLD, min(limit, MAX_MMAP_THRESHOLD)) == 1)
+    return (
+        mallopt(M_TRIM_THRESHOLD, limit) == 1
+        and mallopt(M_MMAP_THRESHOLD, min(limit, MAX_MMAP_THRESHOLD)) == 1
+    )

@@ -70,8 +70,20 @@ import torch
 
 from hetpipe.wire import MAX_DIMS, ZERO_COPY_MIN_BYTES, dtype_name, dtype_named
 
-__all__ = ["DIRECTORY", "FREE", "KEEP_FREE", "KEEP_MAPPED", "MIN_BYTES", "UNTAKEN_S", "Inbox",
-           "Outbox", "Placed", "available", "parse", "sweep"]
+__all__ = [
+    "DIRECTORY",
+    "FREE",
+    "KEEP_FREE",
+    "KEEP_MAPPED",
+    "MIN_BYTES",
+    "UNTAKEN_S",
+    "Inbox",
+    "Outbox",
+    "Placed",
+    "available",
+    "parse",
+    "sweep",
+]
 
 DIRECTORY = Path("/dev/shm")
 # below this a tensor stays in the message's frames: a file's creation, mapping and removal
@@ -113,8 +125,9 @@ class _Mapped:
     def __init__(self, fd: int, st: os.stat_result, writable: bool) -> None:
         self.inode = (st.st_dev, st.st_ino)
         self.nbytes = st.st_size
-        self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED,
-                             mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        self._mm = mmap.mmap(
+            fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        )
         with warnings.catch_warnings():
             # a reader's mapping is read-only, which torch cannot mark: only copied from
             warnings.simplefilter("ignore", UserWarning)
@@ -169,14 +182,17 @@ class Outbox:
             file.bytes.copy_(_bytes_of(flat))
         self.pending.append((name, nbytes, file))
         self.sent += 1
-        return {"file": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                "nbytes": nbytes}
+        return {
+            "file": name,
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "nbytes": nbytes,
+        }
 
     def _create(self, nbytes: int, path: str) -> _Mapped | None:
         """A new file of ``nbytes`` at ``path``, its pages allocated, mapped (None for an
         empty one: nothing to map)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             if not nbytes:
                 return None
@@ -203,15 +219,17 @@ class Outbox:
                     os.unlink(path)
                 _unmap(file)
                 continue
-            if _private(st) and (file.is_file(st) if file is not None
-                                 else st.st_size == nbytes == 0):
+            if _private(st) and (
+                file.is_file(st) if file is not None else st.st_size == nbytes == 0
+            ):
                 return True, file
             os.unlink(path)
             _unmap(file)
         return False, None
 
-    def place(self, tensors: dict[str, torch.Tensor]
-              ) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
+    def place(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
         """Put the host tensors of at least :data:`MIN_BYTES`: (their descriptions by name,
         the tensors that stay in the message). Shared memory that refuses one (full, gone)
         leaves it and the rest in the message, and says why in :attr:`error`."""
@@ -257,8 +275,7 @@ class Outbox:
     def close(self) -> None:
         """Remove every file not taken yet (its message will not be) and the handed-back
         ones."""
-        entries = ([(n, f) for n, _, f in self.pending]
-                   + [e for f in self.free.values() for e in f])
+        entries = [(n, f) for n, _, f in self.pending] + [e for f in self.free.values() for e in f]
         self.pending.clear()
         self.free.clear()
         for name, file in entries:
@@ -286,21 +303,28 @@ def parse(d: Any) -> Placed:
         raise ValueError(f"shared-memory tensor: expected keys {sorted(_KEYS)}, got {keys}")
     name = d["file"]
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"shared-memory tensor: {str(name)[:80]!r} is not a file name this "
-                         "runtime makes")
+        raise ValueError(
+            f"shared-memory tensor: {str(name)[:80]!r} is not a file name this runtime makes"
+        )
     dtype = dtype_named(d["dtype"]) if isinstance(d["dtype"], str) else None
     if dtype is None:
         raise ValueError(f"shared-memory tensor: unknown dtype {d['dtype']!r}")
     shape = d["shape"]
-    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                       for n in shape)):
-        raise ValueError(f"shared-memory tensor: shape must be a list of at most {MAX_DIMS} "
-                         f"non-negative ints, got {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    ):
+        raise ValueError(
+            f"shared-memory tensor: shape must be a list of at most {MAX_DIMS} "
+            f"non-negative ints, got {shape!r}"
+        )
     numel = math.prod(shape)
     if d["nbytes"] != numel * dtype.itemsize:
-        raise ValueError(f"shared-memory tensor: {d['dtype']}{shape} needs "
-                         f"{numel * dtype.itemsize} bytes, the description says {d['nbytes']!r}")
+        raise ValueError(
+            f"shared-memory tensor: {d['dtype']}{shape} needs "
+            f"{numel * dtype.itemsize} bytes, the description says {d['nbytes']!r}"
+        )
     return Placed(name, dtype, tuple(shape), numel * dtype.itemsize)
 
 
@@ -311,8 +335,7 @@ class Inbox:
 
     def __init__(self, directory: Path = DIRECTORY) -> None:
         self._in = _prefix(directory)
-        self.mapped: collections.OrderedDict[tuple[int, int], _Mapped] = (
-            collections.OrderedDict())
+        self.mapped: collections.OrderedDict[tuple[int, int], _Mapped] = collections.OrderedDict()
 
     def take(self, p: Placed) -> torch.Tensor:
         """The tensor ``p`` describes, copied from its file, which then goes back to its
@@ -326,11 +349,11 @@ class Inbox:
         try:
             st = os.fstat(fd)
             if not _private(st):
-                raise ValueError(f"shared-memory tensor {p.file}: not a private file of this "
-                                 "user")
+                raise ValueError(f"shared-memory tensor {p.file}: not a private file of this user")
             if st.st_size != p.nbytes:
-                raise ValueError(f"shared-memory tensor {p.file}: {st.st_size} bytes, "
-                                 f"expected {p.nbytes}")
+                raise ValueError(
+                    f"shared-memory tensor {p.file}: {st.st_size} bytes, expected {p.nbytes}"
+                )
             out = torch.empty(p.shape, dtype=p.dtype)
             if p.nbytes:
                 _bytes_of(out).copy_(self._mapping(fd, st).bytes)

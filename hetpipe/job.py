@@ -221,9 +221,12 @@ class JobSpec:
         train["checkpoint_every"] = self.checkpoint_every
         vws = []
         for vw in self.vws:
-            entry: dict[str, Any] = {"devices": [
-                list(vw.group(s)) if len(vw.group(s)) > 1 else d
-                for s, d in enumerate(vw.devices)]}
+            entry: dict[str, Any] = {
+                "devices": [
+                    list(vw.group(s)) if len(vw.group(s)) > 1 else d
+                    for s, d in enumerate(vw.devices)
+                ]
+            }
             if vw.layers is not None:
                 entry["layers"] = list(vw.layers)
             if vw.nm is not None:
@@ -306,18 +309,23 @@ class JobSpec:
         hang_after_s = train.positive("hang_after_s", 30.0, low=1.0, high=MAX_SECONDS)
         schedule = train.text("schedule", "async")
         if schedule not in (*SCHEDULE_KINDS, "auto"):
-            train.fail("schedule", f"unknown schedule {schedule!r} "
-                       f"(one of: {', '.join(SCHEDULE_KINDS)}, auto)")
+            train.fail(
+                "schedule",
+                f"unknown schedule {schedule!r} (one of: {', '.join(SCHEDULE_KINDS)}, auto)",
+            )
         weights = train.text("weights", "stash")
         if weights not in WEIGHTS:
             train.fail("weights", f"unknown mode {weights!r} (one of: {', '.join(WEIGHTS)})")
         if weights != "stash" and schedule in SYNC_KINDS:
-            train.fail("weights", f"{weights!r} needs the async schedule (in {schedule} "
-                       "nothing is stale)")
+            train.fail(
+                "weights", f"{weights!r} needs the async schedule (in {schedule} nothing is stale)"
+            )
         predict_variant = train.text("predict_variant", "paper")
         if predict_variant not in PREDICT_VARIANTS:
-            train.fail("predict_variant", f"unknown variant {predict_variant!r} "
-                       f"(one of: {', '.join(PREDICT_VARIANTS)})")
+            train.fail(
+                "predict_variant",
+                f"unknown variant {predict_variant!r} (one of: {', '.join(PREDICT_VARIANTS)})",
+            )
         if weights == "predict":
             # hetpipe.optim computes with torch: imported here, reading a job file does not
             from hetpipe.optim import unpredictable
@@ -328,37 +336,47 @@ class JobSpec:
         bn_recalibrate = train.at_least("bn_recalibrate", 0, 0, high=MAX_COUNT)
         on_worker_loss = train.text("on_worker_loss", "fail")
         if on_worker_loss not in ON_WORKER_LOSS:
-            train.fail("on_worker_loss", f"unknown value {on_worker_loss!r} (one of: "
-                       f"{', '.join(ON_WORKER_LOSS)})")
+            train.fail(
+                "on_worker_loss",
+                f"unknown value {on_worker_loss!r} (one of: {', '.join(ON_WORKER_LOSS)})",
+            )
         checkpoint_every = train.at_least("checkpoint_every", 0, 50, high=MAX_COUNT)
         activations = train.text("activations", "keep")
         if activations not in ACTIVATION_POLICIES:
-            train.fail("activations", f"unknown policy {activations!r} "
-                       f"(one of: {', '.join(ACTIVATION_POLICIES)})")
+            train.fail(
+                "activations",
+                f"unknown policy {activations!r} (one of: {', '.join(ACTIVATION_POLICIES)})",
+            )
         precision = train.text("precision", "fp32")
         if precision not in PRECISIONS:
-            train.fail("precision", f"unknown precision {precision!r} "
-                       f"(one of: {', '.join(PRECISIONS)})")
+            train.fail(
+                "precision", f"unknown precision {precision!r} (one of: {', '.join(PRECISIONS)})"
+            )
         push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
         max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
         verify = train.flag("verify", False)
         warmup = _warmup(train, schedule)
         in_flight = train.text("in_flight", "plan")
         if in_flight not in IN_FLIGHT:
-            train.fail("in_flight", f"unknown bound {in_flight!r} "
-                       f"(one of: {', '.join(IN_FLIGHT)})")
+            train.fail("in_flight", f"unknown bound {in_flight!r} (one of: {', '.join(IN_FLIGHT)})")
         policy = train.text("policy", "auto")
         if policy not in POLICIES:
             train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
 
         vws = _vws(root)
         if schedule == "auto" and vws:
-            train.fail("schedule", "auto needs a job without [[vw]] tables (the planner "
-                       "picks the schedule with the split)")
+            train.fail(
+                "schedule",
+                "auto needs a job without [[vw]] tables (the planner "
+                "picks the schedule with the split)",
+            )
         if schedule in SYNC_KINDS and any(v.replicas for v in vws):
-            train.fail("schedule", f"replicated stages need the async schedule ({schedule} "
-                       "would exchange gradients twice: within the stage and across virtual "
-                       "workers)")
+            train.fail(
+                "schedule",
+                f"replicated stages need the async schedule ({schedule} "
+                "would exchange gradients twice: within the stage and across virtual "
+                "workers)",
+            )
         if vws and num_vws is not None and num_vws != len(vws):
             train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
         return cls(
@@ -411,12 +429,14 @@ def _warmup(train: Table, schedule: str) -> int | None:
             train.fail("warmup", f"auto picks 1f1b's warm-up; schedule {schedule!r} has none")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        train.fail("warmup", f"must be an integer >= 0 or \"auto\", got {value!r}")
+        train.fail("warmup", f'must be an integer >= 0 or "auto", got {value!r}')
     if not 0 <= value <= MAX_SMALL:
         train.fail("warmup", f"must be in 0..{MAX_SMALL}, got {value}")
     if value and schedule not in ("1f1b", "auto"):
-        train.fail("warmup", f"extra warm-up forwards are for the 1f1b order; schedule "
-                   f"{schedule!r} has none")
+        train.fail(
+            "warmup",
+            f"extra warm-up forwards are for the 1f1b order; schedule {schedule!r} has none",
+        )
     return value
 
 
@@ -496,8 +516,9 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
         for i, group in enumerate(groups):
             for device in group:
                 if device in seen:
-                    vt.fail(f"devices[{i}]", f"duplicate device {device!r} (a device runs "
-                            f"one stage)")
+                    vt.fail(
+                        f"devices[{i}]", f"duplicate device {device!r} (a device runs one stage)"
+                    )
                 if device in owner:
                     vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
                 seen.append(device)
@@ -512,13 +533,16 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
                 if n > MAX_SMALL:
                     vt.fail(f"layers[{i}]", f"must be <= {MAX_SMALL}, got {n}")
         nm = vt.at_least("nm", 1, None, high=MAX_SMALL)
-        replicas = (tuple(tuple(g[1:]) for g in groups)
-                    if any(len(g) > 1 for g in groups) else None)
+        replicas = tuple(tuple(g[1:]) for g in groups) if any(len(g) > 1 for g in groups) else None
         if replicas is not None and layers is None:
-            vt.fail("layers", "a split with replicated stages gives its layers (the planner "
-                    "cuts only plain splits)")
-        vws.append(VWSpec(tuple(devices), None if layers is None else tuple(layers), nm,
-                          replicas=replicas))
+            vt.fail(
+                "layers",
+                "a split with replicated stages gives its layers (the planner "
+                "cuts only plain splits)",
+            )
+        vws.append(
+            VWSpec(tuple(devices), None if layers is None else tuple(layers), nm, replicas=replicas)
+        )
     return tuple(vws)
 
 
@@ -535,9 +559,15 @@ def _device_groups(vt: Table) -> list[list[str]]:
         if isinstance(item, str):
             groups.append([item])
             continue
-        if not isinstance(item, list | tuple) or not item or not all(
-                isinstance(d, str) for d in item):
-            vt.fail(f"devices[{i}]", f"expected a string (a device) or a non-empty array of "
-                    f"strings (a replicated stage's devices), got {kind(item)} {item!r}")
+        if (
+            not isinstance(item, list | tuple)
+            or not item
+            or not all(isinstance(d, str) for d in item)
+        ):
+            vt.fail(
+                f"devices[{i}]",
+                f"expected a string (a device) or a non-empty array of "
+                f"strings (a replicated stage's devices), got {kind(item)} {item!r}",
+            )
         groups.append(list(item))
     return groups

@@ -24,8 +24,14 @@ from hetpipe.security import check_job as check_code
 __all__ = ["JobFacts", "check_job"]
 
 # ModelError texts that are about the name (the rest are about the arguments)
-_NAME_PROBLEMS = ("unknown;", "expected 'package", "cannot import", "has no", "not callable",
-                  "model name")
+_NAME_PROBLEMS = (
+    "unknown;",
+    "expected 'package",
+    "cannot import",
+    "has no",
+    "not callable",
+    "model name",
+)
 
 
 @dataclass(frozen=True)
@@ -59,42 +65,61 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
 
     devices = {d.name for d in cluster.devices}
     if spec.num_vws is not None and spec.num_vws > len(devices):
-        raise fail("train.vws", f"{spec.num_vws} virtual workers need at least as many "
-                                f"devices; {cluster.path} has {len(devices)}")
+        raise fail(
+            "train.vws",
+            f"{spec.num_vws} virtual workers need at least as many "
+            f"devices; {cluster.path} has {len(devices)}",
+        )
     for v, vw in enumerate(spec.vws):
         for i in range(len(vw.devices)):
             for d in vw.group(i):
                 if d not in devices:
-                    raise fail(f"vw[{v}].devices[{i}]", f"{d!r} is not a device of "
-                               f"{cluster.path} (known: {', '.join(sorted(devices))})")
+                    raise fail(
+                        f"vw[{v}].devices[{i}]",
+                        f"{d!r} is not a device of "
+                        f"{cluster.path} (known: {', '.join(sorted(devices))})",
+                    )
             try:
                 check_group(cluster, [cluster.device(d) for d in vw.group(i)], spec.minibatch)
             except ValueError as exc:
                 raise fail(f"vw[{v}].devices[{i}]", str(exc)) from None
         if len(vw.devices) > n_layers:
-            raise fail(f"vw[{v}].devices", f"{len(vw.devices)} stages for a model of "
-                                           f"{n_layers} layers")
+            raise fail(
+                f"vw[{v}].devices", f"{len(vw.devices)} stages for a model of {n_layers} layers"
+            )
         if vw.layers is not None and sum(vw.layers) != n_layers:
-            raise fail(f"vw[{v}].layers", f"{list(vw.layers)} sums to {sum(vw.layers)}, the "
-                                          f"model has {n_layers} layers")
+            raise fail(
+                f"vw[{v}].layers",
+                f"{list(vw.layers)} sums to {sum(vw.layers)}, the model has {n_layers} layers",
+            )
 
     num_vws = len(spec.vws) or spec.num_vws
     n_train = len(dataset.train_y)
     per_epoch = (n_train // spec.minibatch) // (num_vws or 1)
     if per_epoch < 1:
-        raise fail("train.minibatch", f"{spec.minibatch} leaves no full minibatch per virtual "
-                                      f"worker in {n_train} training samples")
+        raise fail(
+            "train.minibatch",
+            f"{spec.minibatch} leaves no full minibatch per virtual "
+            f"worker in {n_train} training samples",
+        )
     total = spec.minibatches or (spec.epochs or 1) * per_epoch
 
     for f, fault in enumerate(spec.faults):
         if num_vws is not None and fault.vw >= num_vws:
-            raise fail(f"fault[{f}].vw", f"{fault.vw}: the job has {num_vws} virtual workers "
-                                         f"(0..{num_vws - 1})")
+            raise fail(
+                f"fault[{f}].vw",
+                f"{fault.vw}: the job has {num_vws} virtual workers (0..{num_vws - 1})",
+            )
         stages = len(spec.vws[fault.vw].devices) if spec.vws else min(n_layers, len(devices))
         if fault.stage >= stages:
-            raise fail(f"fault[{f}].stage", f"{fault.stage}: vw {fault.vw} has {stages} "
-                                            f"stages (0..{stages - 1})")
+            raise fail(
+                f"fault[{f}].stage",
+                f"{fault.stage}: vw {fault.vw} has {stages} stages (0..{stages - 1})",
+            )
         if fault.minibatch >= total:
-            raise fail(f"fault[{f}].minibatch", f"{fault.minibatch}: each virtual worker "
-                                                f"trains {total} minibatches (0..{total - 1})")
+            raise fail(
+                f"fault[{f}].minibatch",
+                f"{fault.minibatch}: each virtual worker "
+                f"trains {total} minibatches (0..{total - 1})",
+            )
     return JobFacts(n_layers, per_epoch)

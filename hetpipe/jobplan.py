@@ -158,8 +158,11 @@ class JobPlan:
         def side(st: RunStage | None) -> dict[str, Any]:
             if st is None:
                 return {"group": [], "peers": [], "rows": []}
-            return {"group": list(st.group), "peers": [workers[d].address for d in st.group],
-                    "rows": list(st.rows or (0, n))}
+            return {
+                "group": list(st.group),
+                "peers": [workers[d].address for d in st.group],
+                "rows": list(st.rows or (0, n)),
+            }
 
         for v, vwp in enumerate(self.vws):
             k = len(vwp.stages)
@@ -169,23 +172,38 @@ class JobPlan:
                 nxt = side(vwp.stages[s + 1] if s < k - 1 else None)
                 own = side(st)
                 for r in range(len(st.group)):
-                    out.append(StageTask(
-                        job=self.job, spec=spec, vw=v, stage=s, k=k, first=st.first,
-                        last=st.last, nm=vwp.nm, staleness=self.spec.staleness,
-                        minibatches=self.minibatches_of(v), num_vws=len(self.vws),
-                        prev=prev["peers"][0] if s > 0 else None,
-                        next=nxt["peers"][0] if s < k - 1 else None,
-                        shards={str(self.placement[n]): shards[self.placement[n]]
-                                for n in names},
-                        placement={n: self.placement[n] for n in names},
-                        prev_device=prev["group"][0] if s > 0 else None,
-                        next_device=nxt["group"][0] if s < k - 1 else None,
-                        recompute=list(st.recompute), swap=list(st.swap),
-                        start=self.start_of(v), replica=r, in_flight_limit=st.limit,
-                        in_flight_fill=st.fill,
-                        **own, **{f"prev_{key}": val for key, val in prev.items()},
-                        **{f"next_{key}": val for key, val in nxt.items()},
-                    ))
+                    out.append(
+                        StageTask(
+                            job=self.job,
+                            spec=spec,
+                            vw=v,
+                            stage=s,
+                            k=k,
+                            first=st.first,
+                            last=st.last,
+                            nm=vwp.nm,
+                            staleness=self.spec.staleness,
+                            minibatches=self.minibatches_of(v),
+                            num_vws=len(self.vws),
+                            prev=prev["peers"][0] if s > 0 else None,
+                            next=nxt["peers"][0] if s < k - 1 else None,
+                            shards={
+                                str(self.placement[n]): shards[self.placement[n]] for n in names
+                            },
+                            placement={n: self.placement[n] for n in names},
+                            prev_device=prev["group"][0] if s > 0 else None,
+                            next_device=nxt["group"][0] if s < k - 1 else None,
+                            recompute=list(st.recompute),
+                            swap=list(st.swap),
+                            start=self.start_of(v),
+                            replica=r,
+                            in_flight_limit=st.limit,
+                            in_flight_fill=st.fill,
+                            **own,
+                            **{f"prev_{key}": val for key, val in prev.items()},
+                            **{f"next_{key}": val for key, val in nxt.items()},
+                        )
+                    )
         return out
 
     def placement_summary(self) -> list[dict[str, Any]]:
@@ -194,10 +212,15 @@ class JobPlan:
         for v, vwp in enumerate(self.vws):
             for s, st in enumerate(vwp.stages):
                 names = self.stage_names(v, s)
-                rows.append({"vw": v, "stage": s, "device": st.device,
-                             "shards": sorted({self.placement[n] for n in names}),
-                             "bytes": self.predicted.get("state_bytes", {}).get(
-                                 f"{v}/{s}", 0)})
+                rows.append(
+                    {
+                        "vw": v,
+                        "stage": s,
+                        "device": st.device,
+                        "shards": sorted({self.placement[n] for n in names}),
+                        "bytes": self.predicted.get("state_bytes", {}).get(f"{v}/{s}", 0),
+                    }
+                )
         return rows
 
     def model_of(self, state: dict[str, torch.Tensor]) -> torch.nn.Sequential:
@@ -226,7 +249,8 @@ class JobPlan:
         model = self.model_of(state)
         before = None
         if self.spec.bn_recalibrate and any(
-                isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
+        ):
             before = evaluate(model, self.dataset)
             self._recalibrate(model)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,9 +272,15 @@ def _host_of(address: str) -> str:
     return normal_host(urlparse(address).hostname or "")
 
 
-def _replicas(cluster: ClusterConfig, layout: StateLayout, vwspec: VWSpec, stage: int,
-              minibatch: int, layers: tuple[int, int], key: str
-              ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _replicas(
+    cluster: ClusterConfig,
+    layout: StateLayout,
+    vwspec: VWSpec,
+    stage: int,
+    minibatch: int,
+    layers: tuple[int, int],
+    key: str,
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """A stage's replicas and its row split (in proportion to the devices' speeds), or
     ``((), ())`` for a stage on one device; a replicated stage holding running statistics
     (batch norm) is refused: each replica would keep its own, and they would drift apart."""
@@ -264,8 +294,10 @@ def _replicas(cluster: ClusterConfig, layout: StateLayout, vwspec: VWSpec, stage
         raise JobPlanError(f"{key}: {exc}") from None
     stats = [n for n in layout.buffers if layers[0] <= _layer(n) < layers[1]]
     if stats:
-        raise JobPlanError(f"{key}: a replicated stage may not hold running statistics "
-                           f"({stats[0]}: batch norm would keep one per replica)")
+        raise JobPlanError(
+            f"{key}: a replicated stage may not hold running statistics "
+            f"({stats[0]}: batch norm would keep one per replica)"
+        )
     return group[1:], tuple(split_rows(minibatch, [d.speed for d in devices]))
 
 
@@ -284,8 +316,9 @@ def place_state(
     for n, t in state.items():
         layer_bytes[_layer(n)] += t.numel() * t.element_size()
     shard_list = [SimpleNamespace(index=i, host=_host_of(a)) for i, a in sorted(shards.items())]
-    stages = [[(normal_host(device_hosts[s.device]), (s.first, s.last)) for s in vw.stages]
-              for vw in vws]
+    stages = [
+        [(normal_host(device_hosts[s.device]), (s.first, s.last)) for s in vw.stages] for vw in vws
+    ]
     layer_shards, _ = place_stages(shard_list, stages, layer_bytes)
     return {n: layer_shards[_layer(n)] for n in state}
 
@@ -324,28 +357,35 @@ def plan_job(
         raise JobPlanError("the job gives no [[vw]] split and no plan was made for it")
     missing = [i for i in range(len(cluster.ps)) if i not in shards]
     if missing:
-        raise JobPlanError(f"shard {missing[0]} has not registered with the head: "
-                           f"is hetpipe-ps --shard {missing[0]} running?")
+        raise JobPlanError(
+            f"shard {missing[0]} has not registered with the head: "
+            f"is hetpipe-ps --shard {missing[0]} running?"
+        )
     run_vws = []
     for v, vwspec in enumerate(split):
         for d in vwspec.all_devices():
             try:
                 cluster.device(d)
             except ConfigError:
-                raise JobPlanError(f"vw[{v}].devices: {d!r} is not a device of "
-                                   f"{cluster.path}") from None
+                raise JobPlanError(
+                    f"vw[{v}].devices: {d!r} is not a device of {cluster.path}"
+                ) from None
             w = workers.get(d)
             if w is None:
-                raise JobPlanError(f"vw[{v}].devices: no live hetpipe-worker for {d} "
-                                   f"(start it, or run `hetpipe up`)")
+                raise JobPlanError(
+                    f"vw[{v}].devices: no live hetpipe-worker for {d} "
+                    f"(start it, or run `hetpipe up`)"
+                )
             if w.job is not None:
                 raise JobPlanError(f"vw[{v}].devices: {d} is busy with job {w.job}")
         layers = vwspec.layers
         if layers is None:
             raise JobPlanError(f"vw[{v}].layers: missing (the split of the {n_layers} layers)")
         if sum(layers) != n_layers:
-            raise JobPlanError(f"vw[{v}].layers: {list(layers)} sums to {sum(layers)}, "
-                               f"the model has {n_layers} layers")
+            raise JobPlanError(
+                f"vw[{v}].layers: {list(layers)} sums to {sum(layers)}, "
+                f"the model has {n_layers} layers"
+            )
         bounds = [0]
         for n in layers:
             bounds.append(bounds[-1] + n)
@@ -354,29 +394,55 @@ def plan_job(
         # the planner's choice where it made one, else as train.activations pins it (keep;
         # "auto" without a plan has no choice to apply)
         chosen = vwspec.recompute is not None or vwspec.swap is not None
-        recompute = vwspec.recompute if vwspec.recompute is not None else (
-            every if spec.activations == "recompute" and not chosen else none)
-        swap = vwspec.swap if vwspec.swap is not None else (
-            every if spec.activations == "swap" and not chosen else none)
+        recompute = (
+            vwspec.recompute
+            if vwspec.recompute is not None
+            else (every if spec.activations == "recompute" and not chosen else none)
+        )
+        swap = (
+            vwspec.swap
+            if vwspec.swap is not None
+            else (every if spec.activations == "swap" and not chosen else none)
+        )
         nm = vwspec.nm or spec.nm or len(vwspec.devices)
         limits = vwspec.in_flight or (0,) * len(vwspec.devices)
         stages = tuple(
-            RunStage(d, bounds[i], bounds[i + 1], tuple(recompute[i]), tuple(swap[i]),
-                     *_replicas(cluster, layout, vwspec, i, spec.minibatch,
-                                (bounds[i], bounds[i + 1]), f"vw[{v}].devices[{i}]"),
-                     limit=limit, fill=fill)
-            for i, (d, limit, fill) in enumerate(zip(vwspec.devices, limits,
-                                                     fill_counts(limits, nm), strict=True)))
+            RunStage(
+                d,
+                bounds[i],
+                bounds[i + 1],
+                tuple(recompute[i]),
+                tuple(swap[i]),
+                *_replicas(
+                    cluster,
+                    layout,
+                    vwspec,
+                    i,
+                    spec.minibatch,
+                    (bounds[i], bounds[i + 1]),
+                    f"vw[{v}].devices[{i}]",
+                ),
+                limit=limit,
+                fill=fill,
+            )
+            for i, (d, limit, fill) in enumerate(
+                zip(vwspec.devices, limits, fill_counts(limits, nm), strict=True)
+            )
+        )
         try:
-            layout.check_split([(st.first, st.last) for st in stages],
-                               [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)])
+            layout.check_split(
+                [(st.first, st.last) for st in stages],
+                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)],
+            )
         except LayoutError as exc:
             raise JobPlanError(f"vw[{v}].layers: {exc}") from None
         run_vws.append(RunVW(stages=stages, nm=nm))
     stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
     if stream.per_epoch < 1:
-        raise JobPlanError(f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
-                           f"virtual worker in {len(dataset.train_y)} training samples")
+        raise JobPlanError(
+            f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
+            f"virtual worker in {len(dataset.train_y)} training samples"
+        )
     minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
     if spec.sync and not spec.vws and len(run_vws) > 1:
         # planned synchronous virtual workers share train.nm microbatches per iteration, so
@@ -390,11 +456,23 @@ def plan_job(
     hosts = {d.name: d.host for d in cluster.devices}
     placement = place_state(state, run_vws, hosts, shards)
     state_bytes = {
-        f"{v}/{s}": sum(state[n].numel() * state[n].element_size() for n in state
-                        if st.first <= _layer(n) < st.last)
-        for v, vw in enumerate(run_vws) for s, st in enumerate(vw.stages)
+        f"{v}/{s}": sum(
+            state[n].numel() * state[n].element_size()
+            for n in state
+            if st.first <= _layer(n) < st.last
+        )
+        for v, vw in enumerate(run_vws)
+        for s, st in enumerate(vw.stages)
     }
-    return JobPlan(job=job_id, spec=spec, vws=tuple(run_vws), minibatches=minibatches,
-                   placement=placement, initial=state, dataset=dataset,
-                   predicted={**(predicted or {}), "state_bytes": state_bytes},
-                   layout=layout, local=local)
+    return JobPlan(
+        job=job_id,
+        spec=spec,
+        vws=tuple(run_vws),
+        minibatches=minibatches,
+        placement=placement,
+        initial=state,
+        dataset=dataset,
+        predicted={**(predicted or {}), "state_bytes": state_bytes},
+        layout=layout,
+        local=local,
+    )

@@ -16,8 +16,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULT", "TRACE", "job_dir", "list_jobs", "next_number", "read_result",
-           "safe_name", "write_result"]
+__all__ = [
+    "RESULT",
+    "TRACE",
+    "job_dir",
+    "list_jobs",
+    "next_number",
+    "read_result",
+    "safe_name",
+    "write_result",
+]
 
 RESULT = "result.json"
 TRACE = "trace.json"

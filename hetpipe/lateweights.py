@@ -33,9 +33,18 @@ __all__: list[str] = []
 
 # autograd nodes of ops that return a view of their one input: a saved tensor reached from
 # a weight through these (and at most one dtype cast) is that weight's, seen another way
-_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                    "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0",
-                    "AsStridedBackward0"})
+_VIEWS = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "AliasBackward0",
+        "ExpandBackward0",
+        "AsStridedBackward0",
+    }
+)
 
 
 class _Token:
@@ -109,8 +118,7 @@ class LateWeights:
         w = self._now[token.name].detach()
         if token.dtype is not None:
             w = w.to(token.dtype)
-        if (w.size(), w.stride(), w.storage_offset()) == (token.size, token.stride,
-                                                          token.offset):
+        if (w.size(), w.stride(), w.storage_offset()) == (token.size, token.stride, token.offset):
             return w
         return w.as_strided(token.size, token.stride, token.offset)
 
@@ -127,8 +135,7 @@ def _cast_of(t: torch.Tensor, weights: Mapping[str, torch.Tensor]) -> str | None
             if not cast:
                 return None
             leaf = node.variable
-            return next((n for n, w in weights.items() if w is leaf and w.requires_grad),
-                        None)
+            return next((n for n, w in weights.items() if w is leaf and w.requires_grad), None)
         if kind == "ToCopyBackward0" and not cast:
             cast = True
         elif kind not in _VIEWS:

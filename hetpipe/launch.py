@@ -50,16 +50,30 @@ def _is_local(host: str) -> bool:
     return True
 
 
-def local_daemons(cluster: ClusterConfig, cluster_path: str, *, run_dir: Path,
-                  head: str | None = None,
-                  local: Callable[[str], bool] = _is_local) -> list[Daemon]:
+def local_daemons(
+    cluster: ClusterConfig,
+    cluster_path: str,
+    *,
+    run_dir: Path,
+    head: str | None = None,
+    local: Callable[[str], bool] = _is_local,
+) -> list[Daemon]:
     """The shards and workers of ``cluster`` whose host is ``local`` (default: this host)."""
     py = sys.executable
     out = []
     for spec in cluster.ps:
         if local(spec.host):
-            argv = [py, "-m", "hetpipe.ps", "--cluster", cluster_path, "--shard",
-                    str(spec.index), "--run-dir", str(run_dir)]
+            argv = [
+                py,
+                "-m",
+                "hetpipe.ps",
+                "--cluster",
+                cluster_path,
+                "--shard",
+                str(spec.index),
+                "--run-dir",
+                str(run_dir),
+            ]
             if head and spec.index != 0:
                 argv += ["--head", head]
             out.append(Daemon(f"ps{spec.index}", tuple(argv)))
@@ -117,7 +131,7 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return False
     # pid (comm) state ...: the command name may hold spaces and parentheses
-    return stat[stat.rfind(")") + 2:].startswith("Z")
+    return stat[stat.rfind(")") + 2 :].startswith("Z")
 
 
 def spawn(daemon: Daemon, run_dir: Path) -> subprocess.Popen[bytes]:
@@ -132,12 +146,16 @@ def spawn(daemon: Daemon, run_dir: Path) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:  # until the daemon takes its log over (and rotates it)
         return subprocess.Popen(
             [*daemon.argv, "--ready-file", str(rf), "--log-file", str(log_path)],
-            stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
-def wait_ready(procs: dict[str, subprocess.Popen[bytes]], run_dir: Path,
-               timeout: float) -> dict[str, dict]:
+def wait_ready(
+    procs: dict[str, subprocess.Popen[bytes]], run_dir: Path, timeout: float
+) -> dict[str, dict]:
     """Wait for each daemon's ready file; fail with the log tail of one that exited."""
     ready: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
@@ -149,12 +167,15 @@ def wait_ready(procs: dict[str, subprocess.Popen[bytes]], run_dir: Path,
             if rf.exists():
                 ready[name] = json.loads(rf.read_text())
             elif proc.poll() is not None:
-                raise LaunchError(f"{name} exited with code {proc.returncode}: "
-                                  f"{_tail(run_dir / 'logs' / f'{name}.log')}")
+                raise LaunchError(
+                    f"{name} exited with code {proc.returncode}: "
+                    f"{_tail(run_dir / 'logs' / f'{name}.log')}"
+                )
         if time.monotonic() > deadline:
             late = [n for n in procs if n not in ready]
-            raise LaunchError(f"not ready within {timeout:g} s: {', '.join(late)} "
-                              f"(see {run_dir / 'logs'})")
+            raise LaunchError(
+                f"not ready within {timeout:g} s: {', '.join(late)} (see {run_dir / 'logs'})"
+            )
         time.sleep(0.05)
     return ready
 
@@ -163,8 +184,9 @@ def start(daemons: list[Daemon], run_dir: Path, *, timeout: float = 60.0) -> dic
     """Start ``daemons``; wait for each ready file; return name -> ready info."""
     alive = running(run_dir)
     if alive:
-        raise LaunchError(f"daemons of {run_dir} are already running ({', '.join(alive)}): "
-                          f"`hetpipe down` first")
+        raise LaunchError(
+            f"daemons of {run_dir} are already running ({', '.join(alive)}): `hetpipe down` first"
+        )
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for d in daemons:

@@ -51,11 +51,19 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
-                 shard_ports: Sequence[int] | None = None,
-                 heartbeat_s: float = 0.5, lost_after_s: float = 3.0, curve: bool = True,
-                 allowed_modules: Sequence[str] = (), cuda_ipc: bool = True,
-                 host_shm: bool = True, inline_ms: int | None = None) -> str:
+def cluster_toml(
+    devices: Sequence[DeviceDef],
+    *,
+    shards: int = 2,
+    shard_ports: Sequence[int] | None = None,
+    heartbeat_s: float = 0.5,
+    lost_after_s: float = 3.0,
+    curve: bool = True,
+    allowed_modules: Sequence[str] = (),
+    cuda_ipc: bool = True,
+    host_shm: bool = True,
+    inline_ms: int | None = None,
+) -> str:
     """A cluster file for this host; ports are ephemeral unless given (``inline_ms``: the
     runtime's default unless given).
 
@@ -63,27 +71,52 @@ def cluster_toml(devices: Sequence[DeviceDef], *, shards: int = 2,
     """
     ports = list(shard_ports) if shard_ports is not None else [0] * shards
     modules = ", ".join(f'"{m}"' for m in allowed_modules)
-    lines = ["[ps]", "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]", "",
-             "[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}",
-             f"cuda_ipc = {'true' if cuda_ipc else 'false'}",
-             f"host_shm = {'true' if host_shm else 'false'}",
-             *([f"inline_ms = {inline_ms}"] if inline_ms is not None else []), "",
-             "[security]", f"curve = {'true' if curve else 'false'}",
-             f"allowed_modules = [{modules}]", "",
-             "[[node]]", 'name = "node0"', 'host = "127.0.0.1"', ""]
+    lines = [
+        "[ps]",
+        "shards = [" + ", ".join(f'"127.0.0.1:{p}"' for p in ports) + "]",
+        "",
+        "[runtime]",
+        f"heartbeat_s = {heartbeat_s}",
+        f"lost_after_s = {lost_after_s}",
+        f"cuda_ipc = {'true' if cuda_ipc else 'false'}",
+        f"host_shm = {'true' if host_shm else 'false'}",
+        *([f"inline_ms = {inline_ms}"] if inline_ms is not None else []),
+        "",
+        "[security]",
+        f"curve = {'true' if curve else 'false'}",
+        f"allowed_modules = [{modules}]",
+        "",
+        "[[node]]",
+        'name = "node0"',
+        'host = "127.0.0.1"',
+        "",
+    ]
     for d in devices:
-        lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
-                  f'type = "{d.type}"', f'memory = "{d.memory}"', f"speed = {d.speed}",
-                  f"port = {d.port}",
-                  *([f"host_gbps = {d.host_gbps}"] if d.host_gbps is not None else []), ""]
+        lines += [
+            "[[node.device]]",
+            f'name = "{d.name}"',
+            f'device = "{d.device}"',
+            f'type = "{d.type}"',
+            f'memory = "{d.memory}"',
+            f"speed = {d.speed}",
+            f"port = {d.port}",
+            *([f"host_gbps = {d.host_gbps}"] if d.host_gbps is not None else []),
+            "",
+        ]
     return "\n".join(lines)
 
 
 class LocalCluster:
     """Start the shards and workers of a cluster file; ``with LocalCluster(...) as c``."""
 
-    def __init__(self, cluster_path: str | Path, run_dir: str | Path, *,
-                 timeout: float = 60.0, worker_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        cluster_path: str | Path,
+        run_dir: str | Path,
+        *,
+        timeout: float = 60.0,
+        worker_args: Sequence[str] = (),
+    ) -> None:
         from hetpipe.config import load_cluster
 
         self.cluster_path = str(cluster_path)
@@ -97,8 +130,10 @@ class LocalCluster:
         self.head = ""
         self._finalizer = weakref.finalize(self, _reap, self.procs)
         if self.cluster.security.curve:
-            security.ensure_keys(self.cluster.security.keys, security.key_names(
-                len(self.cluster.ps), [d.name for d in self.cluster.devices]))
+            security.ensure_keys(
+                self.cluster.security.keys,
+                security.key_names(len(self.cluster.ps), [d.name for d in self.cluster.devices]),
+            )
         self.curve = client_curve(self.cluster)
 
     def client(self, *, timeout: float = 10.0) -> HeadClient:
@@ -110,8 +145,7 @@ class LocalCluster:
         head_d = next(d for d in daemons if d.name == "ps0")
         self.daemons["ps0"] = head_d
         self.procs["ps0"] = launch.spawn(head_d, self.run_dir)
-        self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir,
-                                            self.timeout))
+        self.ready.update(launch.wait_ready({"ps0": self.procs["ps0"]}, self.run_dir, self.timeout))
         self.head = self.ready["ps0"]["address"]
         rest = self._daemons(self.head)
         started = {}
@@ -120,8 +154,7 @@ class LocalCluster:
                 continue
             argv = d.argv + (self.worker_args if d.name.startswith("worker-") else ())
             self.daemons[d.name] = launch.Daemon(d.name, argv)
-            started[d.name] = self.procs[d.name] = launch.spawn(self.daemons[d.name],
-                                                                 self.run_dir)
+            started[d.name] = self.procs[d.name] = launch.spawn(self.daemons[d.name], self.run_dir)
         launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
         self.ready.update(launch.wait_ready(started, self.run_dir, self.timeout))
         self.run(self._registered())
@@ -129,8 +162,9 @@ class LocalCluster:
 
     def _daemons(self, head: str | None) -> list[launch.Daemon]:
         """The daemons to start (non-head shards and workers told ``head``)."""
-        return launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir,
-                                    head=head)
+        return launch.local_daemons(
+            self.cluster, self.cluster_path, run_dir=self.run_dir, head=head
+        )
 
     async def _registered(self) -> None:
         devices = {d.name for d in self.cluster.devices}
@@ -144,8 +178,10 @@ class LocalCluster:
                 if devices <= live and len(shards) == len(self.cluster.ps):
                     return
                 if loop.time() > deadline:
-                    raise TimeoutError(f"cluster not ready in {self.timeout:g} s: "
-                                       f"workers {sorted(live)}, shards {sorted(shards)}")
+                    raise TimeoutError(
+                        f"cluster not ready in {self.timeout:g} s: "
+                        f"workers {sorted(live)}, shards {sorted(shards)}"
+                    )
                 await asyncio.sleep(0.1)
 
     def __enter__(self) -> LocalCluster:
@@ -176,8 +212,7 @@ class LocalCluster:
         assert not self.alive(name), f"{name} is still running"
         self.procs[name] = launch.spawn(self.daemons[name], self.run_dir)
         launch.write_pids(self.run_dir, {n: p.pid for n, p in self.procs.items()})
-        self.ready.update(launch.wait_ready({name: self.procs[name]}, self.run_dir,
-                                            self.timeout))
+        self.ready.update(launch.wait_ready({name: self.procs[name]}, self.run_dir, self.timeout))
         if name == "ps0":
             self.head = self.ready["ps0"]["address"]
 

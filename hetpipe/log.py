@@ -76,8 +76,9 @@ class RotatingStderr:
         sys.stderr.flush()
 
 
-def configure(process: str, *, level: str = "info", json: bool | None = None,
-              file: Any = None) -> None:
+def configure(
+    process: str, *, level: str = "info", json: bool | None = None, file: Any = None
+) -> None:
     """Configure structlog for this process; ``json=None`` picks by whether stderr is a TTY.
 
     ``file`` is where lines go (default stderr; :func:`rotate_to` passes a rotating one).

@@ -43,8 +43,16 @@ from typing import Any
 from hetpipe import launch
 from hetpipe.localcluster import DeviceDef, LocalCluster
 
-__all__ = ["Link", "NetnsCluster", "NetnsError", "Network", "measure_mbit",
-           "netns_cluster_toml", "sweep_stale", "unavailable"]
+__all__ = [
+    "Link",
+    "NetnsCluster",
+    "NetnsError",
+    "Network",
+    "measure_mbit",
+    "netns_cluster_toml",
+    "sweep_stale",
+    "unavailable",
+]
 
 PREFIX = "hetpipe"  # namespace names: hetpipe-<pid>-<token>-<host>; link aliases: hetpipe-<pid>
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-")
@@ -74,12 +82,14 @@ class Link:
 
 def _ip() -> str | None:
     return shutil.which("ip") or next(
-        (p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None
+    )
 
 
 def _tc() -> str | None:
     return shutil.which("tc") or next(
-        (p for p in ("/usr/sbin/tc", "/sbin/tc") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/tc", "/sbin/tc") if os.access(p, os.X_OK)), None
+    )
 
 
 def unavailable(*, shaping: bool = True) -> str | None:
@@ -102,7 +112,6 @@ def unavailable(*, shaping: bool = True) -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
     subprocess.run([ip, "netns", "del", probe], capture_output=True)
     return None
-
 
 
 def sweep_stale() -> list[str]:
@@ -139,15 +148,18 @@ def _free_subnet() -> ipaddress.IPv4Network:
         with contextlib.suppress(ValueError):
             for entry in json.loads(out or "[]"):
                 for a in entry.get("addr_info", []):
-                    used.append(ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}",
-                                                     strict=False))
+                    used.append(
+                        ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
+                    )
                 dst = entry.get("dst")
                 if dst and dst != "default":
-                    used.append(ipaddress.ip_network(dst if "/" in dst else f"{dst}/32",
-                                                     strict=False))
+                    used.append(
+                        ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
+                    )
     for _ in range(100):
-        net = ipaddress.ip_network(f"10.{secrets.randbelow(200) + 50}."
-                                   f"{secrets.randbelow(254) + 1}.0/24")
+        net = ipaddress.ip_network(
+            f"10.{secrets.randbelow(200) + 50}.{secrets.randbelow(254) + 1}.0/24"
+        )
         if not any(net.overlaps(u) for u in used):
             return net
     raise NetnsError("no free 10.x.y.0/24 subnet for the hosts")
@@ -172,8 +184,10 @@ class Network:
             raise ValueError(f"at most 200 hosts, got {len(self.hosts)}")
         for h in self.hosts:
             if not _HOST_RE.match(h):
-                raise ValueError(f"host name {h!r}: lowercase letters and digits, "
-                                 "starting with a letter, at most 16")
+                raise ValueError(
+                    f"host name {h!r}: lowercase letters and digits, "
+                    "starting with a letter, at most 16"
+                )
         pairs = set()
         for link in self.links:
             for end in (link.a, link.b):
@@ -182,8 +196,10 @@ class Network:
             if link.a == link.b:
                 raise ValueError(f"link {link.a}-{link.b}: a link joins two different hosts")
             if not link.mbit > 0 or not link.delay_ms >= 0:
-                raise ValueError(f"link {link.a}-{link.b}: mbit must be > 0 and delay_ms "
-                                 f">= 0, got {link.mbit}, {link.delay_ms}")
+                raise ValueError(
+                    f"link {link.a}-{link.b}: mbit must be > 0 and delay_ms "
+                    f">= 0, got {link.mbit}, {link.delay_ms}"
+                )
             pair = frozenset((link.a, link.b))
             if pair in pairs:
                 raise ValueError(f"link {link.a}-{link.b} is given twice")
@@ -265,8 +281,15 @@ class Network:
             self._ip("link", "set", veth, "alias", alias)
             self._ip("link", "set", f"{veth}p", "netns", ns)
             self._ip("-n", ns, "link", "set", f"{veth}p", "name", "eth0")
-            self._ip("-n", ns, "addr", "add", f"{self.address(host)}/{self.subnet.prefixlen}",
-                     "dev", "eth0")
+            self._ip(
+                "-n",
+                ns,
+                "addr",
+                "add",
+                f"{self.address(host)}/{self.subnet.prefixlen}",
+                "dev",
+                "eth0",
+            )
             self._ip("-n", ns, "link", "set", "lo", "up")
             self._ip("-n", ns, "link", "set", "eth0", "up")
             self._ip("link", "set", veth, "master", self.bridge)
@@ -298,22 +321,83 @@ class Network:
         ns = self.namespace(src)
         tc = ["-n", ns]
         if src not in self._rooted:
-            self._tc(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
-                     "default", "1")
-            self._tc(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1",
-                     "htb", "rate", _UNSHAPED, "quantum", "60000")
+            self._tc(
+                *tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"
+            )
+            self._tc(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                "eth0",
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                _UNSHAPED,
+                "quantum",
+                "60000",
+            )
             self._rooted.add(src)
         cls = f"1:{k + 10:x}"
-        self._tc(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
-                 "rate", f"{link.mbit * 1000:.0f}kbit", "ceil", f"{link.mbit * 1000:.0f}kbit",
-                 "quantum", "1514")
+        self._tc(
+            *tc,
+            "class",
+            "add",
+            "dev",
+            "eth0",
+            "parent",
+            "1:",
+            "classid",
+            cls,
+            "htb",
+            "rate",
+            f"{link.mbit * 1000:.0f}kbit",
+            "ceil",
+            f"{link.mbit * 1000:.0f}kbit",
+            "quantum",
+            "1514",
+        )
         if link.delay_ms > 0:
-            self._tc(*tc, "qdisc", "add", "dev", "eth0", "parent", cls, "handle",
-                     f"{k + 10:x}:", "netem", "delay", f"{link.delay_ms}ms", "limit", "100000",
-                     hint="link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM)")
-        self._tc(*tc, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:",
-                 "prio", "1", "u32", "match", "ip", "dst", f"{self.address(dst)}/32",
-                 "flowid", cls)
+            self._tc(
+                *tc,
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "parent",
+                cls,
+                "handle",
+                f"{k + 10:x}:",
+                "netem",
+                "delay",
+                f"{link.delay_ms}ms",
+                "limit",
+                "100000",
+                hint="link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM)",
+            )
+        self._tc(
+            *tc,
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "protocol",
+            "ip",
+            "parent",
+            "1:",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "dst",
+            f"{self.address(dst)}/32",
+            "flowid",
+            cls,
+        )
 
     def _ip(self, *args: str) -> None:
         _check([_ip() or "ip", *args])
@@ -333,8 +417,10 @@ def _check(argv: list[str], hint: str = "") -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         err = done.stderr.strip().splitlines()
-        raise NetnsError(f"`{' '.join(argv)}` failed: {err[-1] if err else done.returncode}"
-                         + (f" ({hint})" if hint else ""))
+        raise NetnsError(
+            f"`{' '.join(argv)}` failed: {err[-1] if err else done.returncode}"
+            + (f" ({hint})" if hint else "")
+        )
 
 
 def _undo(made: list[tuple[str, str]]) -> None:
@@ -375,15 +461,21 @@ print(time.perf_counter() - t0)
 def measure_mbit(net: Network, src: str, dst: str, nbytes: int, timeout: float = 120.0) -> float:
     """Megabits per second of payload one TCP stream carries from host ``src`` to ``dst``
     (``nbytes`` sent, timed until the receiver has them all)."""
-    sink = net.popen(dst, [sys.executable, "-c", _SINK, net.address(dst)],
-                     stdout=subprocess.PIPE, text=True)
+    sink = net.popen(
+        dst, [sys.executable, "-c", _SINK, net.address(dst)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert sink.stdout is not None
         port = sink.stdout.readline().strip()
         if not port:
             raise NetnsError(f"the receiver in {dst} did not start")
-        done = net.run(src, [sys.executable, "-c", _SOURCE, net.address(dst), port,
-                             str(nbytes)], capture_output=True, text=True, timeout=timeout)
+        done = net.run(
+            src,
+            [sys.executable, "-c", _SOURCE, net.address(dst), port, str(nbytes)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0:
             raise NetnsError(f"sending {src} -> {dst} failed: {done.stderr.strip()[-200:]}")
         return nbytes * 8 / float(done.stdout) / 1e6
@@ -395,10 +487,17 @@ def measure_mbit(net: Network, src: str, dst: str, nbytes: int, timeout: float =
 # ---------------------------------------------------------------------- a cluster on it
 
 
-def netns_cluster_toml(net: Network, hosts: Mapping[str, Sequence[DeviceDef]], *,
-                       shards: Sequence[str], intra_gbps: float = 10.0,
-                       inter_gbps: float = 10.0, heartbeat_s: float = 0.5,
-                       lost_after_s: float = 3.0, curve: bool = True) -> str:
+def netns_cluster_toml(
+    net: Network,
+    hosts: Mapping[str, Sequence[DeviceDef]],
+    *,
+    shards: Sequence[str],
+    intra_gbps: float = 10.0,
+    inter_gbps: float = 10.0,
+    heartbeat_s: float = 0.5,
+    lost_after_s: float = 3.0,
+    curve: bool = True,
+) -> str:
     """A cluster file with one ``[[node]]`` per host (its namespace address) and, for every
     device pair across a shaped link, a ``[[network.link]]`` at that link's rate.
 
@@ -410,22 +509,47 @@ def netns_cluster_toml(net: Network, hosts: Mapping[str, Sequence[DeviceDef]], *
         if h not in net.hosts:
             raise ValueError(f"unknown host {h!r} (hosts: {', '.join(net.hosts)})")
     addrs = ", ".join(f'"{net.address(h)}:0"' for h in shards)
-    lines = ["[ps]", f"shards = [{addrs}]", "",
-             "[network]", f"intra_node_gbps = {intra_gbps}", f"inter_node_gbps = {inter_gbps}",
-             ""]
+    lines = [
+        "[ps]",
+        f"shards = [{addrs}]",
+        "",
+        "[network]",
+        f"intra_node_gbps = {intra_gbps}",
+        f"inter_node_gbps = {inter_gbps}",
+        "",
+    ]
     for link in net.links:
         for da in hosts.get(link.a, ()):
             for db in hosts.get(link.b, ()):
-                lines += ["[[network.link]]", f'a = "{da.name}"', f'b = "{db.name}"',
-                          f"gbps = {link.gbps}", ""]
-    lines += ["[runtime]", f"heartbeat_s = {heartbeat_s}", f"lost_after_s = {lost_after_s}", "",
-              "[security]", f"curve = {'true' if curve else 'false'}", ""]
+                lines += [
+                    "[[network.link]]",
+                    f'a = "{da.name}"',
+                    f'b = "{db.name}"',
+                    f"gbps = {link.gbps}",
+                    "",
+                ]
+    lines += [
+        "[runtime]",
+        f"heartbeat_s = {heartbeat_s}",
+        f"lost_after_s = {lost_after_s}",
+        "",
+        "[security]",
+        f"curve = {'true' if curve else 'false'}",
+        "",
+    ]
     for host, devices in hosts.items():
         lines += ["[[node]]", f'name = "{host}"', f'host = "{net.address(host)}"', ""]
         for d in devices:
-            lines += ["[[node.device]]", f'name = "{d.name}"', f'device = "{d.device}"',
-                      f'type = "{d.type}"', f'memory = "{d.memory}"', f"speed = {d.speed}",
-                      "port = 0", ""]
+            lines += [
+                "[[node.device]]",
+                f'name = "{d.name}"',
+                f'device = "{d.device}"',
+                f'type = "{d.type}"',
+                f'memory = "{d.memory}"',
+                f"speed = {d.speed}",
+                "port = 0",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -436,24 +560,31 @@ class NetnsCluster(LocalCluster):
     the client (this process) reaches the head through the bridge.
     """
 
-    def __init__(self, net: Network, cluster_path: str | Path, run_dir: str | Path,
-                 **kw: Any) -> None:
+    def __init__(
+        self, net: Network, cluster_path: str | Path, run_dir: str | Path, **kw: Any
+    ) -> None:
         self.net = net
         super().__init__(cluster_path, run_dir, **kw)
         self._host_of = {net.address(h): h for h in net.hosts}
         for where in [s.host for s in self.cluster.ps] + [d.host for d in self.cluster.devices]:
             if where not in self._host_of:
-                raise NetnsError(f"{cluster_path}: host {where} is not an address of the "
-                                 f"network's hosts ({', '.join(self._host_of)})")
+                raise NetnsError(
+                    f"{cluster_path}: host {where} is not an address of the "
+                    f"network's hosts ({', '.join(self._host_of)})"
+                )
 
     def _daemons(self, head: str | None) -> list[launch.Daemon]:
         out = []
-        for d in launch.local_daemons(self.cluster, self.cluster_path, run_dir=self.run_dir,
-                                      head=head, local=lambda host: True):
+        for d in launch.local_daemons(
+            self.cluster,
+            self.cluster_path,
+            run_dir=self.run_dir,
+            head=head,
+            local=lambda host: True,
+        ):
             if d.name.startswith("ps"):
                 host = self.cluster.ps[int(d.name[2:])].host
             else:
                 host = self.cluster.device(d.name.removeprefix("worker-")).host
-            out.append(launch.Daemon(d.name, (*self.net.exec_argv(self._host_of[host]),
-                                              *d.argv)))
+            out.append(launch.Daemon(d.name, (*self.net.exec_argv(self._host_of[host]), *d.argv)))
         return out

@@ -127,9 +127,11 @@ class StageOptimizer:
         if self.name == "sgd":
             names = [n for n in params if n in self.state]
             if names:
-                new = torch._foreach_add([params[n] for n in names],
-                                         [self.state[n]["momentum"] for n in names],
-                                         alpha=-s * self.lr)
+                new = torch._foreach_add(
+                    [params[n] for n in names],
+                    [self.state[n]["momentum"] for n in names],
+                    alpha=-s * self.lr,
+                )
                 out.update(zip(names, new, strict=True))
             return out
         beta1, beta2 = self.betas
@@ -142,8 +144,9 @@ class StageOptimizer:
             base = param
             if self.name == "adamw" and self.weight_decay:
                 base = param.mul((1 - self.lr * self.weight_decay) ** s)
-            out[name] = torch.addcdiv(base, state["exp_avg"], denom,
-                                      value=-s * self.lr / (1 - beta1**step))
+            out[name] = torch.addcdiv(
+                base, state["exp_avg"], denom, value=-s * self.lr / (1 - beta1**step)
+            )
         return out
 
     @torch.no_grad()
@@ -206,8 +209,12 @@ class StageOptimizer:
         return dict(zip(names, torch._foreach_add(ps, gs, alpha=-self.lr), strict=True))
 
     def _adam_all(
-        self, names: list[str], params: Mapping[str, Tensor], grads: Mapping[str, Tensor],
-        *, decoupled: bool,
+        self,
+        names: list[str],
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        *,
+        decoupled: bool,
     ) -> dict[str, Tensor]:
         """Adam or AdamW for parameters at the same step count with fused multi-tensor ops:
         :meth:`_adam`'s expressions element by element (so its bits), a few kernel launches
@@ -234,8 +241,9 @@ class StageOptimizer:
         denom = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
         torch._foreach_add_(denom, self.eps)
-        return dict(zip(names, torch._foreach_addcdiv(ps, exp_avg, denom, value=-step_size),
-                        strict=True))
+        return dict(
+            zip(names, torch._foreach_addcdiv(ps, exp_avg, denom, value=-step_size), strict=True)
+        )
 
     def _sgd(self, name: str, param: Tensor, grad: Tensor) -> Tensor:
         g = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad

@@ -61,8 +61,9 @@ Report = Callable[[dict[str, Any]], Awaitable[None]]
 # (kind, p, host tensors, device tensors of this host's GPUs shared by handle or None, the
 # receiver's place in its group: act to stage + 1, grad to stage - 1, replica_grad to this
 # stage's replicas (hetpipe.replicas), more header fields)
-Send = Callable[[str, int, dict[str, torch.Tensor], dict[str, Any] | None, int,
-                 dict[str, Any]], Awaitable[None]]
+Send = Callable[
+    [str, int, dict[str, torch.Tensor], dict[str, Any] | None, int, dict[str, Any]], Awaitable[None]
+]
 # a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
 Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
 
@@ -83,8 +84,19 @@ class Record:
     t_bwd: float = 0.0  # wall-clock end of its backward here
     loss: float | None = None  # last stage only
 
-    FIELDS = ("p", "wave", "clock", "vw_clock", "fwd_version", "fwd_fingerprint",
-              "bwd_version", "bwd_fingerprint", "t_fwd", "t_bwd", "loss")
+    FIELDS = (
+        "p",
+        "wave",
+        "clock",
+        "vw_clock",
+        "fwd_version",
+        "fwd_fingerprint",
+        "bwd_version",
+        "bwd_fingerprint",
+        "t_fwd",
+        "t_bwd",
+        "loss",
+    )
 
     def row(self) -> list[Any]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -106,11 +118,18 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     task = compute.task
     table = compute.table
     return StageSchedule(
-        compute.spec.schedule, k=task.k, stage=task.stage, nm=task.nm,
-        total=task.minibatches, staleness=task.staleness,
-        pulls=task.num_vws > 1 and compute.has_state, pushes=compute.has_state,
-        sequence=table.op if table is not None else None, replicated=task.replicated,
-        warmup=compute.spec.warmup or 0, limit=task.in_flight_limit or None,
+        compute.spec.schedule,
+        k=task.k,
+        stage=task.stage,
+        nm=task.nm,
+        total=task.minibatches,
+        staleness=task.staleness,
+        pulls=task.num_vws > 1 and compute.has_state,
+        pushes=compute.has_state,
+        sequence=table.op if table is not None else None,
+        replicated=task.replicated,
+        warmup=compute.spec.warmup or 0,
+        limit=task.in_flight_limit or None,
         fill=task.in_flight_fill,
     )
 
@@ -150,13 +169,22 @@ class StageRunner:
         self.snapshot = snapshot
         self.inbox = inbox if inbox is not None else hostshm.Inbox()
         self.schedule = stage_schedule(compute)
-        self.inline = InlinePolicy(executor, inline_s, device=compute.dev, speed=compute.speed,
-                                   pulls=self.schedule.pulls, stalls=bool(compute.stalls))
+        self.inline = InlinePolicy(
+            executor,
+            inline_s,
+            device=compute.dev,
+            speed=compute.speed,
+            pulls=self.schedule.pulls,
+            stalls=bool(compute.stalls),
+        )
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end
         spec = compute.spec
-        self.push_every = 1 if self.schedule.pulls or (
-            not spec.push_every and spec.eval_every_s) else spec.push_every
+        self.push_every = (
+            1
+            if self.schedule.pulls or (not spec.push_every and spec.eval_every_s)
+            else spec.push_every
+        )
         self.flushed = 0  # waves whose update has been sent to the shards
         self.copy_executor = copy_executor or executor
         if compute.restored:  # its checkpointed weights hold the first wave's merge
@@ -171,8 +199,10 @@ class StageRunner:
         self.prev_rows = task.prev_rows or [0, n]
         self.next_rows = task.next_rows or [0, n]
         # whether messages carry rows: a stage on either side of a link is replicated
-        self.split = {Kind.ACT: task.replicated or len(task.next_group) > 1,
-                      Kind.GRAD: task.replicated or len(task.prev_group) > 1}
+        self.split = {
+            Kind.ACT: task.replicated or len(task.next_group) > 1,
+            Kind.GRAD: task.replicated or len(task.prev_group) > 1,
+        }
         # kinds (act, grad) whose tensors reach their neighbour device to device: the
         # neighbour is a GPU of this host (hetpipe.cudaipc) and no rows are scattered (a
         # whole-tensor handle does not scatter: pieces travel by host)
@@ -205,8 +235,9 @@ class StageRunner:
             if got is not None:
                 self.grads[msg["p"]] = got["g"]
         elif msg.kind == Kind.REPLICA_GRAD:
-            grads = {name: self._received(msg, name)
-                     for name in (*msg.tensors, *(msg.get("shm") or {}))}
+            grads = {
+                name: self._received(msg, name) for name in (*msg.tensors, *(msg.get("shm") or {}))
+            }
             self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
 
@@ -224,8 +255,9 @@ class StageRunner:
             raise ValueError(f"{msg.kind} {msg['p']} carries no tensor {name!r}")
         return parse(shared[name])
 
-    def _piece(self, msg: Message, names: tuple[str, ...], theirs: list[int]
-               ) -> dict[str, Any] | None:
+    def _piece(
+        self, msg: Message, names: tuple[str, ...], theirs: list[int]
+    ) -> dict[str, Any] | None:
         """Keep one sender's rows of a message; once every overlapping sender's rows are here,
         the whole input by name (rows gathered in order), else None."""
         tensors = {name: self._received(msg, name) for name in names}
@@ -234,8 +266,10 @@ class StageRunner:
             return tensors
         expected = {(lo, hi) for _, lo, hi in pieces_for(self.mine, theirs)}
         if not isinstance(rows, list) or tuple(rows) not in expected:
-            raise ValueError(f"{msg.kind} {msg['p']} carries rows {rows!r}, none of this "
-                             f"stage's pieces {sorted(expected)}")
+            raise ValueError(
+                f"{msg.kind} {msg['p']} carries rows {rows!r}, none of this "
+                f"stage's pieces {sorted(expected)}"
+            )
         key = (msg.kind, msg["p"])
         got = self.pieces.setdefault(key, {})
         got[rows[0]] = tensors
@@ -268,8 +302,13 @@ class StageRunner:
             while not isinstance(action := self.schedule.next(self), Done):
                 if isinstance(action, Wait):
                     self._wait_for(action.what, p=action.p, wave=action.c, need=action.need)
-                    kind = ("gate" if action.what in ("pull", "reduce") else
-                            "replicas" if action.what == "replicas" else "bubble")
+                    kind = (
+                        "gate"
+                        if action.what in ("pull", "reduce")
+                        else "replicas"
+                        if action.what == "replicas"
+                        else "bubble"
+                    )
                     with self.timeline.span(kind, action.p, action.c):
                         await self.wakeup.wait()
                     self.wakeup.clear()
@@ -292,8 +331,9 @@ class StageRunner:
     async def _execute(self, action: Action) -> None:
         match action:
             case Pull(c, grads):
-                task = asyncio.create_task(self._reduce(c) if grads else self._pull(c),
-                                           name=f"pull:{c}:{grads}")
+                task = asyncio.create_task(
+                    self._reduce(c) if grads else self._pull(c), name=f"pull:{c}:{grads}"
+                )
                 task.add_done_callback(lambda _t: self.wakeup.set())
                 self.answers[c, grads] = task
             case Merge(c, grads):
@@ -310,8 +350,11 @@ class StageRunner:
     def _wait_for(self, kind: str, **what: Any) -> None:
         """Say what the stage waits for (the head diagnoses hangs from it)."""
         what = {k: v for k, v in what.items() if v is not None}
-        if self.waiting is None or self.waiting["kind"] != kind or any(
-                self.waiting.get(k) != v for k, v in what.items()):
+        if (
+            self.waiting is None
+            or self.waiting["kind"] != kind
+            or any(self.waiting.get(k) != v for k, v in what.items())
+        ):
             self.waiting = {"kind": kind, "since": time.time(), **what}
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -332,9 +375,10 @@ class StageRunner:
         for a in run:
             if isinstance(a, Forward):
                 self._opening(a.p)
-                batch = (self._my_batch(a.p) if self.task.is_first else self.acts.pop(a.p))
-                self.records[a.p] = Record(p=a.p, wave=wave_of(a.p, self.task.nm),
-                                           clock=self.clock, vw_clock=self.vw_clock)
+                batch = self._my_batch(a.p) if self.task.is_first else self.acts.pop(a.p)
+                self.records[a.p] = Record(
+                    p=a.p, wave=wave_of(a.p, self.task.nm), clock=self.clock, vw_clock=self.vw_clock
+                )
                 inputs.append(batch)
             elif isinstance(a, Backward) and not self.task.is_last:
                 inputs.append(self.grads.pop(a.p))
@@ -342,8 +386,13 @@ class StageRunner:
                 inputs.append(self.replica_grads.pop(a.i))
             else:
                 inputs.append(None)
-        p = head.i if isinstance(head, OptimizerStep) else head.c if isinstance(head, Push) \
+        p = (
+            head.i
+            if isinstance(head, OptimizerStep)
+            else head.c
+            if isinstance(head, Push)
             else head.p
+        )
         kind = "forward" if isinstance(head, Forward) else "backward"
         self.doing = {"kind": kind, "p": p, "since": time.time()}
         what = "+".join(type(a).__name__ for a in run)
@@ -368,13 +417,15 @@ class StageRunner:
             if isinstance(a, Forward) and made is not None:
                 with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
                     host, shared = await self._outgoing(made)
-                    await self._send_rows(Kind.ACT, a.p, {**host, "y": given[1]}, shared,
-                                          self.next_rows)
+                    await self._send_rows(
+                        Kind.ACT, a.p, {**host, "y": given[1]}, shared, self.next_rows
+                    )
             elif isinstance(a, Backward):
                 if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
-                        await self._send_rows(Kind.GRAD, a.p, *await self._outgoing(made),
-                                              self.prev_rows)
+                        await self._send_rows(
+                            Kind.GRAD, a.p, *await self._outgoing(made), self.prev_rows
+                        )
                 if self.task.replicated:
                     with self.timeline.span("replicas", a.p, wave_of(a.p, self.task.nm)):
                         await self._share_gradients(a.p)
@@ -391,8 +442,14 @@ class StageRunner:
         lo, hi = self.mine
         return x[lo:hi], y[lo:hi]
 
-    async def _send_rows(self, kind: str, p: int, host: dict[str, torch.Tensor],
-                         shared: dict[str, Any] | None, theirs: list[int]) -> None:
+    async def _send_rows(
+        self,
+        kind: str,
+        p: int,
+        host: dict[str, torch.Tensor],
+        shared: dict[str, Any] | None,
+        theirs: list[int],
+    ) -> None:
         """Send what a forward (``act``) or backward (``grad``) made to the neighbour, or, where
         either side is replicated, each of the neighbour's replicas its rows of it."""
         if not self.split[kind]:
@@ -410,8 +467,9 @@ class StageRunner:
             if r != self.task.replica:
                 await self.send(Kind.REPLICA_GRAD, p, grads, None, r, fields)
 
-    async def _outgoing(self, made: HostCopy | dict[str, Any]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    async def _outgoing(
+        self, made: HostCopy | dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """What a forward or backward made, as (host tensors, shared handles)."""
         if isinstance(made, dict):
             return {}, made
@@ -425,9 +483,9 @@ class StageRunner:
             return {name: share(t)}
         return self.compute.copier.to_host({name: t})
 
-    def _compute(self, run: list[Action], inputs: list[Any]
-                 ) -> tuple[list[HostCopy | dict[str, Any] | None], list,
-                            list[tuple[int, float]]]:
+    def _compute(
+        self, run: list[Action], inputs: list[Any]
+    ) -> tuple[list[HostCopy | dict[str, Any] | None], list, list[tuple[int, float]]]:
         """On the compute thread: run the actions in order. Returns what each made for
         sending (its copy to the host started, or its handle), the spans as (kind, t0, t1,
         p, wave), and the losses read back meanwhile (in batches, never waiting for the
@@ -463,8 +521,7 @@ class StageRunner:
                 elif spans:  # a local update belongs to the backward before it
                     spans[-1][2] = time.time()
                 else:
-                    spans.append(["backward", t0, time.time(), None,
-                                  wave_of(a.i, self.task.nm)])
+                    spans.append(["backward", t0, time.time(), None, wave_of(a.i, self.task.nm)])
             outs.append(made)
         c.read_quality()
         return outs, spans, c.read_losses() if self.task.is_last else []
@@ -515,9 +572,12 @@ class StageRunner:
         iteration's clock is its weights'); for an async virtual worker alone in its job
         every ``train.push_every`` waves, at every checkpoint and at the end."""
         every = self.push_every
-        return (every == 1 or wave + 1 >= self.schedule.waves
-                or (every > 1 and (wave + 1) % every == 0)
-                or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves))
+        return (
+            every == 1
+            or wave + 1 >= self.schedule.waves
+            or (every > 1 and (wave + 1) % every == 0)
+            or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves)
+        )
 
     def _push_copy(self, wave: int) -> HostCopy | None:
         """On the compute thread: start the copy of ``wave``'s update to the host, or carry
@@ -542,13 +602,19 @@ class StageRunner:
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}
             ch = self.shards[shard]
-            self.push_acks.append(await ch.send_request(
-                Kind.PUSH, {**self._ids(), "wave": wave}, part,
-                what=f"shard {shard} ({ch.name})"))
+            self.push_acks.append(
+                await ch.send_request(
+                    Kind.PUSH,
+                    {**self._ids(), "wave": wave},
+                    part,
+                    what=f"shard {shard} ({ch.name})",
+                )
+            )
         if copy is not None:
             self.flushed = wave + 1
-        if self.snapshot is not None and is_cut(wave + 1, self.compute.spec.checkpoint_every,
-                                                self.schedule.waves):
+        if self.snapshot is not None and is_cut(
+            wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves
+        ):
             await self._snapshot(wave + 1)
 
     async def _snapshot(self, cut: int) -> None:
@@ -573,8 +639,9 @@ class StageRunner:
             return []
         fields = {**self._ids(), "need": pull_need(c, self.task.staleness), "wave": c}
         waits = [
-            self.shards[shard].request(Kind.PULL, fields, timeout=PULL_TIMEOUT_S,
-                                       what=f"shard {shard}")
+            self.shards[shard].request(
+                Kind.PULL, fields, timeout=PULL_TIMEOUT_S, what=f"shard {shard}"
+            )
             for shard in self._shard_names()
         ]
         return list(await asyncio.gather(*waits))
@@ -587,8 +654,12 @@ class StageRunner:
         fields = {**self._ids(), "iteration": c, "samples": samples}
         waits = [
             self.shards[shard].request(
-                Kind.REDUCE, fields, {n: grads[n] for n in names if n in grads},
-                timeout=PULL_TIMEOUT_S, what=f"shard {shard}")
+                Kind.REDUCE,
+                fields,
+                {n: grads[n] for n in names if n in grads},
+                timeout=PULL_TIMEOUT_S,
+                what=f"shard {shard}",
+            )
             for shard, names in self._shard_names().items()
         ]
         return list(await asyncio.gather(*waits))

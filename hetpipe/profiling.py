@@ -35,15 +35,26 @@ from hetpipe.planner import (
     weights_mode,
 )
 
-__all__ = ["computes_on_cores", "live_cluster", "measure", "model_key", "plan_for", "plan_vws",
-           "replica_rows"]
+__all__ = [
+    "computes_on_cores",
+    "live_cluster",
+    "measure",
+    "model_key",
+    "plan_for",
+    "plan_vws",
+    "replica_rows",
+]
 
 
 def model_key(spec: JobSpec) -> str:
     """What a profile depends on besides minibatch and device type: model, input and the
     compute precision (a float32 profile keeps the key it always had)."""
-    key = {"model": spec.model.name, "args": spec.model.args, "data": spec.data.name,
-           "data_args": spec.data.args}
+    key = {
+        "model": spec.model.name,
+        "args": spec.model.args,
+        "data": spec.data.name,
+        "data_args": spec.data.args,
+    }
     if spec.precision != "fp32":
         key["precision"] = spec.precision
     return json.dumps(key, sort_keys=True)
@@ -60,10 +71,19 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     # (the first Linear or conv) would count that set's storage as its saved bytes
     x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
     loss = model_loss(spec.model.name)
-    got = measure_model(model, x, device.device, speed=device.speed,
-                        loss_fn=lambda out: loss(out, y), precision=spec.precision)
-    return {"layers": [dataclasses.asdict(lp) for lp in got.layers],
-            "call": got.call.to_dict(), "input_bytes": x.numel() * x.element_size()}
+    got = measure_model(
+        model,
+        x,
+        device.device,
+        speed=device.speed,
+        loss_fn=lambda out: loss(out, y),
+        precision=spec.precision,
+    )
+    return {
+        "layers": [dataclasses.asdict(lp) for lp in got.layers],
+        "call": got.call.to_dict(),
+        "input_bytes": x.numel() * x.element_size(),
+    }
 
 
 def computes_on_cores(device: DeviceSpec) -> bool:
@@ -95,61 +115,105 @@ def live_cluster(cluster: ClusterConfig, devices: set[str]) -> ClusterConfig:
     return dataclasses.replace(cluster, nodes=tuple(nodes))
 
 
-def plan_for(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
-             row_profiles: Mapping[int, ModelProfile] | None = None) -> Plan:
+def plan_for(
+    spec: JobSpec,
+    cluster: ClusterConfig,
+    profile: ModelProfile,
+    row_profiles: Mapping[int, ModelProfile] | None = None,
+) -> Plan:
     """The planner's plan for a job without a split, or its prediction for the given split;
     ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`)."""
     factor = StageOptimizer.state_factor(spec.optimizer)
-    common = {"minibatch": spec.minibatch, "staleness": spec.staleness,
-              "optimizer_state_factor": factor, "minibatches": job_minibatches(spec),
-              "weights": weights_mode(spec.weights, spec.predict_variant),
-              "activations": spec.activations, "row_profiles": row_profiles}
+    common = {
+        "minibatch": spec.minibatch,
+        "staleness": spec.staleness,
+        "optimizer_state_factor": factor,
+        "minibatches": job_minibatches(spec),
+        "weights": weights_mode(spec.weights, spec.predict_variant),
+        "activations": spec.activations,
+        "row_profiles": row_profiles,
+    }
     if spec.sync:
         return _planned_sync(spec, cluster, profile, factor)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, factor, common)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
         return _planned_async(spec, cluster, profile, common)
-    plan = explicit_plan(cluster, profile,
-                         [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-                         nm=spec.nm, groups=[[v.group(s) for s in range(len(v.devices))]
-                                             if v.replicas else None for v in spec.vws],
-                         **common)
+    plan = explicit_plan(
+        cluster,
+        profile,
+        [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
+        nm=spec.nm,
+        groups=[
+            [v.group(s) for s in range(len(v.devices))] if v.replicas else None for v in spec.vws
+        ],
+        **common,
+    )
     orders = [v.all_devices() for v in spec.vws]
-    given = [(tuple(v.group(s) for s in range(len(v.devices))), v.layers)
-             if v.replicas and v.layers else None for v in spec.vws]
+    given = [
+        (tuple(v.group(s) for s in range(len(v.devices))), v.layers)
+        if v.replicas and v.layers
+        else None
+        for v in spec.vws
+    ]
     if spec.max_replicas > 1 or any(given):
         # the explicit plan above predicts the stages' leaders alone; the replicated
         # groupings are priced by the replica DP's model (hetpipe.planner.replicas)
         proposals = replica_proposals(
-            cluster, profile, plan, orders, max_replicas=spec.max_replicas, given=given,
-            optimizer_state_factor=factor, weights=common["weights"],
-            activations=spec.activations, row_profiles=row_profiles)
+            cluster,
+            profile,
+            plan,
+            orders,
+            max_replicas=spec.max_replicas,
+            given=given,
+            optimizer_state_factor=factor,
+            weights=common["weights"],
+            activations=spec.activations,
+            row_profiles=row_profiles,
+        )
         plan = dataclasses.replace(plan, details={**plan.details, "replicas": proposals})
     return plan
 
 
-def _planned_async(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
-                   common: dict[str, Any]) -> Plan:
+def _planned_async(
+    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, common: dict[str, Any]
+) -> Plan:
     """The planner's async plan for a job without a split (it decides the replicas too,
     ``train.max_replicas``), its stages limited to their expected count under
     ``train.in_flight = "plan"`` (a split the job gives runs as the job gives it)."""
-    return make_plan(cluster, profile, policy=spec.policy, num_vws=spec.num_vws, nm=spec.nm,
-                     max_replicas=spec.max_replicas, in_flight=spec.in_flight, **common)
+    return make_plan(
+        cluster,
+        profile,
+        policy=spec.policy,
+        num_vws=spec.num_vws,
+        nm=spec.nm,
+        max_replicas=spec.max_replicas,
+        in_flight=spec.in_flight,
+        **common,
+    )
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
 
 
-def _planned_sync(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile,
-                  factor: int) -> Plan:
+def _planned_sync(
+    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, factor: int
+) -> Plan:
     """The synchronous plan of a job: its own kind and split where it gives them (priced),
     else searched; under ``train.schedule = "auto"`` the search picks gpipe or 1f1b too."""
     given = [(v.devices, v.layers) for v in spec.vws] if spec.sync else []
-    return sync_plan(cluster, profile, minibatch=spec.minibatch, m=spec.nm or SYNC_M,
-                     optimizer_state_factor=factor, kind=spec.schedule if spec.sync else None,
-                     vws=given or None, num_vws=spec.num_vws, policy=spec.policy,
-                     warmup=spec.warmup)
+    return sync_plan(
+        cluster,
+        profile,
+        minibatch=spec.minibatch,
+        m=spec.nm or SYNC_M,
+        optimizer_state_factor=factor,
+        kind=spec.schedule if spec.sync else None,
+        vws=given or None,
+        num_vws=spec.num_vws,
+        policy=spec.policy,
+        warmup=spec.warmup,
+    )
 
 
 MAX_PROFILED_REPLICAS = 4  # replica counts profiled at their rows (more: interpolated)
@@ -163,14 +227,27 @@ def replica_rows(spec: JobSpec) -> tuple[int, ...]:
     synchronous job (no replicas)."""
     if spec.sync:
         return ()
-    most = max([spec.max_replicas, *(len(v.group(s)) for v in spec.vws
-                                     for s in range(len(v.devices)))])
-    return tuple(sorted({spec.minibatch // r for r in range(2, min(most, MAX_PROFILED_REPLICAS)
-                                                             + 1) if spec.minibatch // r >= 1}))
+    most = max(
+        [spec.max_replicas, *(len(v.group(s)) for v in spec.vws for s in range(len(v.devices)))]
+    )
+    return tuple(
+        sorted(
+            {
+                spec.minibatch // r
+                for r in range(2, min(most, MAX_PROFILED_REPLICAS) + 1)
+                if spec.minibatch // r >= 1
+            }
+        )
+    )
 
 
-def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, factor: int,
-               common: dict[str, Any]) -> Plan:
+def _auto_plan(
+    spec: JobSpec,
+    cluster: ClusterConfig,
+    profile: ModelProfile,
+    factor: int,
+    common: dict[str, Any],
+) -> Plan:
     """``train.schedule = "auto"``: the async plan or the synchronous one, whichever the
     planner predicts trains faster (samples per second; the staleness of async weights is
     not priced, which the reason says)."""
@@ -188,12 +265,18 @@ def _auto_plan(spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, fac
         raise PlanError("; ".join(errors))
     best = max(plans, key=lambda p: p.samples_per_s)
     rates = ", ".join(f"{p.schedule} {p.samples_per_s:.1f}" for p in plans)
-    why = (f"schedule auto chose {best.schedule}: predicted samples/s {rates}"
-           + (f" ({'; '.join(errors)})" if errors else "")
-           + ("; async trains on stale weights, which this does not price"
-              if best.schedule == "async" else "; exact minibatch SGD"))
-    return dataclasses.replace(best, warnings=(*best.warnings, why),
-                               details={**best.details, "schedule_choice": why})
+    why = (
+        f"schedule auto chose {best.schedule}: predicted samples/s {rates}"
+        + (f" ({'; '.join(errors)})" if errors else "")
+        + (
+            "; async trains on stale weights, which this does not price"
+            if best.schedule == "async"
+            else "; exact minibatch SGD"
+        )
+    )
+    return dataclasses.replace(
+        best, warnings=(*best.warnings, why), details={**best.details, "schedule_choice": why}
+    )
 
 
 def job_minibatches(spec: JobSpec) -> int:
@@ -210,14 +293,22 @@ def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
     # the synchronous planner keeps every activation and chooses nothing: there the job's
     # train.activations applies as pinned (see jobplan)
     chosen = plan.schedule == "async"
-    return tuple(VWSpec(devices=tuple(v.devices), layers=tuple(v.layers), nm=v.nm,
-                        recompute=tuple(s.recompute for s in v.stages) if chosen else None,
-                        swap=tuple(s.swap for s in v.stages) if chosen else None,
-                        replicas=(tuple(s.replicas for s in v.stages)
-                                  if any(s.replicas for s in v.stages) else None),
-                        in_flight=(tuple(s.limit for s in v.stages)
-                                   if any(s.limit for s in v.stages) else None))
-                 for v in plan.vws)
+    return tuple(
+        VWSpec(
+            devices=tuple(v.devices),
+            layers=tuple(v.layers),
+            nm=v.nm,
+            recompute=tuple(s.recompute for s in v.stages) if chosen else None,
+            swap=tuple(s.swap for s in v.stages) if chosen else None,
+            replicas=(
+                tuple(s.replicas for s in v.stages) if any(s.replicas for s in v.stages) else None
+            ),
+            in_flight=(
+                tuple(s.limit for s in v.stages) if any(s.limit for s in v.stages) else None
+            ),
+        )
+        for v in plan.vws
+    )
 
 
 def predicted_summary(plan: Plan) -> dict[str, Any]:
@@ -228,27 +319,41 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
         "schedule": plan.schedule,
         "warmup": plan.warmup,
         "iteration_s": plan.iteration_s,
-        "vws": [{"samples_per_s": v.samples_per_s, "nm": v.nm,
-                 # time_s: predicted compute per minibatch, comparable to the measured one
-                 "stages": [{"device": s.device, "layers": list(s.layers),
-                             "time_s": s.time_s, "busy_s": s.busy_s, "slowdown": s.slowdown,
-                             "memory": s.memory.total, "memory_cap": s.memory_cap,
-                             "memory_terms": s.memory.to_dict(),
-                             # the peak of the predicted timeline, beside the bound above
-                             "expected_memory": (s.expected_memory.total
-                                                 if s.expected_memory else None),
-                             "expected_memory_terms": (s.expected_memory.to_dict()
-                                                       if s.expected_memory else None),
-                             "expected_in_flight": s.expected_in_flight,
-                             "in_flight": s.in_flight,
-                             "limit": s.limit,
-                             "recompute": list(s.recompute), "swap": list(s.swap),
-                             "replicas": list(s.replicas), "exchange_s": s.exchange_s}
-                            for s in v.stages]}
-                for v in plan.vws],
+        "vws": [
+            {
+                "samples_per_s": v.samples_per_s,
+                "nm": v.nm,
+                # time_s: predicted compute per minibatch, comparable to the measured one
+                "stages": [
+                    {
+                        "device": s.device,
+                        "layers": list(s.layers),
+                        "time_s": s.time_s,
+                        "busy_s": s.busy_s,
+                        "slowdown": s.slowdown,
+                        "memory": s.memory.total,
+                        "memory_cap": s.memory_cap,
+                        "memory_terms": s.memory.to_dict(),
+                        # the peak of the predicted timeline, beside the bound above
+                        "expected_memory": (s.expected_memory.total if s.expected_memory else None),
+                        "expected_memory_terms": (
+                            s.expected_memory.to_dict() if s.expected_memory else None
+                        ),
+                        "expected_in_flight": s.expected_in_flight,
+                        "in_flight": s.in_flight,
+                        "limit": s.limit,
+                        "recompute": list(s.recompute),
+                        "swap": list(s.swap),
+                        "replicas": list(s.replicas),
+                        "exchange_s": s.exchange_s,
+                    }
+                    for s in v.stages
+                ],
+            }
+            for v in plan.vws
+        ],
         "warnings": list(plan.warnings),
         "unused": list(plan.unused),
         # train.max_replicas: per VW, the replicated split weighed and why (not) chosen
         "replica_choice": list(plan.details.get("replica_choice", ())),
     }
-

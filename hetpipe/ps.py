@@ -41,10 +41,18 @@ class ShardServer:
     Without Curve (``msg.user`` None) every peer is trusted.
     """
 
-    KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.REDUCE, Kind.SHARD_INIT, Kind.SHARD_FETCH,
-                       Kind.SHARD_DROP, Kind.SHARD_CUT})
-    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP,
-                            Kind.SHARD_CUT})
+    KINDS = frozenset(
+        {
+            Kind.PUSH,
+            Kind.PULL,
+            Kind.REDUCE,
+            Kind.SHARD_INIT,
+            Kind.SHARD_FETCH,
+            Kind.SHARD_DROP,
+            Kind.SHARD_CUT,
+        }
+    )
+    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP, Kind.SHARD_CUT})
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -70,17 +78,23 @@ class ShardServer:
             return True
         # a stage's replicas pull the weights its leader pushes (hetpipe.replicas)
         return msg.kind == Kind.PULL and any(
-            key.startswith(stage + "/") and user == msg.user for key, user in owners.items())
+            key.startswith(stage + "/") and user == msg.user for key, user in owners.items()
+        )
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None
         rid = msg.get("rid")
         if not self._allowed(msg):
             what = f"{msg.kind} for {excerpt(msg.get('job'), 80)}"
-            self._refused.warning("request refused: not this peer's role", str(msg.user),
-                                  f"{msg.user} may not send {what}", kind=str(msg.kind))
+            self._refused.warning(
+                "request refused: not this peer's role",
+                str(msg.user),
+                f"{msg.user} may not send {what}",
+                kind=str(msg.kind),
+            )
             await self.channel.reply_error(
-                peer, f"shard {self.index}: {msg.user} may not send {what}", rid)
+                peer, f"shard {self.index}: {msg.user} may not send {what}", rid
+            )
             return
         try:
             if msg.kind == Kind.PUSH:
@@ -90,16 +104,27 @@ class ShardServer:
             elif msg.kind == Kind.REDUCE:
                 await self._reduce(peer, msg)
             elif msg.kind == Kind.SHARD_INIT:
-                js = self.store.init(msg["job"], msg["members"], msg["staleness"], msg.tensors,
-                                     cut_every=msg.get("cut_every") or 0)
-                self.owners[msg["job"]] = {str(k): str(v) for k, v in
-                                           (msg.get("owners") or {}).items()}
+                js = self.store.init(
+                    msg["job"],
+                    msg["members"],
+                    msg["staleness"],
+                    msg.tensors,
+                    cut_every=msg.get("cut_every") or 0,
+                )
+                self.owners[msg["job"]] = {
+                    str(k): str(v) for k, v in (msg.get("owners") or {}).items()
+                }
                 self.log.info("job held", job=msg["job"], tensors=len(js.weights))
                 await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
             elif msg.kind == Kind.SHARD_FETCH:
                 js = self.store.get(msg["job"])
-                info = {**js.clock.snapshot(), "pushes": js.pushes, "bytes": js.pushed_bytes,
-                        "duplicates": js.duplicates, "applied": js.applied_sets()}
+                info = {
+                    **js.clock.snapshot(),
+                    "pushes": js.pushes,
+                    "bytes": js.pushed_bytes,
+                    "duplicates": js.duplicates,
+                    "applied": js.applied_sets(),
+                }
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
             elif msg.kind == Kind.SHARD_CUT:
                 self.store.get(msg["job"])  # an unknown job is refused at once
@@ -120,8 +145,7 @@ class ShardServer:
         assert self.channel is not None
         js = self.store.get(msg["job"])
         applied = js.push(msg["vw"], msg["stage"], msg["wave"], msg.tensors)
-        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}},
-                                to=peer)
+        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}}, to=peer)
         for item in js.clock.release():
             await self._answer(msg["job"], item)
         if self.cut_waits.get(msg["job"]):
@@ -145,8 +169,7 @@ class ShardServer:
             try:
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, weights, to=peer)
             except ConnectionError as exc:
-                self.log.warning("cut answer undeliverable", job=job, wave=wave,
-                                 error=str(exc))
+                self.log.warning("cut answer undeliverable", job=job, wave=wave, error=str(exc))
         if waiting:  # (requests that came in during the sends above stay too)
             self.cut_waits.setdefault(job, []).extend(waiting)
 
@@ -161,14 +184,20 @@ class ShardServer:
         assert self.channel is not None
         js = self.store.get(msg["job"])
         item: Parked = (peer, msg["rid"], msg["vw"], msg["stage"])
-        answers = js.reduce(msg["vw"], msg["stage"], msg["iteration"], msg["samples"],
-                            msg.tensors, item)
+        answers = js.reduce(
+            msg["vw"], msg["stage"], msg["iteration"], msg["samples"], msg.tensors, item
+        )
         for (p, rid, vw, stage), fields, tensors in answers:
             try:
                 await self.channel.send(Kind.REDUCED, {"rid": rid, **fields}, tensors, to=p)
             except ConnectionError as exc:
-                self.log.warning("reduce answer undeliverable", job=msg["job"], vw=vw,
-                                 stage=stage, error=str(exc))
+                self.log.warning(
+                    "reduce answer undeliverable",
+                    job=msg["job"],
+                    vw=vw,
+                    stage=stage,
+                    error=str(exc),
+                )
 
     async def _answer(self, job: str, item: Parked) -> None:
         assert self.channel is not None
@@ -177,8 +206,9 @@ class ShardServer:
         try:
             await self.channel.send(Kind.PULLED, {"rid": rid, **fields}, tensors, to=peer)
         except ConnectionError as exc:
-            self.log.warning("pull answer undeliverable", job=job, vw=vw, stage=stage,
-                             error=str(exc))
+            self.log.warning(
+                "pull answer undeliverable", job=job, vw=vw, stage=stage, error=str(exc)
+            )
 
 
 async def serve(
@@ -195,10 +225,15 @@ async def serve(
     log = logmod.get("ps").bind(shard=index)
     try:
         owner.secure(cluster.security, shard_user(index), serve=True)
-        sock = make_socket(owner.ctx, zmq.ROUTER, bind=tcp(spec.host, spec.port),
-                           hwm=cluster.runtime.hwm * 16, router_mandatory=True,
-                           max_frame_bytes=cluster.runtime.max_frame_bytes,
-                           curve=owner.curve)
+        sock = make_socket(
+            owner.ctx,
+            zmq.ROUTER,
+            bind=tcp(spec.host, spec.port),
+            hwm=cluster.runtime.hwm * 16,
+            router_mandatory=True,
+            max_frame_bytes=cluster.runtime.max_frame_bytes,
+            curve=owner.curve,
+        )
         address = bound_address(sock)
         server = ShardServer(index)
         head_obj: Any = None
@@ -214,11 +249,16 @@ async def serve(
                 await head_obj.handle(peer, msg)
             else:
                 await channel.reply_error(
-                    peer, f"{msg.kind} goes to the head (shard 0), this is shard {index}",
-                    msg.get("rid"))
+                    peer,
+                    f"{msg.kind} goes to the head (shard 0), this is shard {index}",
+                    msg.get("rid"),
+                )
 
-        channel = owner.channel(Channel(sock, handle, name=f"shard{index}",
-                                        max_frame_bytes=cluster.runtime.max_frame_bytes))
+        channel = owner.channel(
+            Channel(
+                sock, handle, name=f"shard{index}", max_frame_bytes=cluster.runtime.max_frame_bytes
+            )
+        )
         server.channel = channel
         owner.watch_handshakes(channel)
         if head_obj is not None:
@@ -235,33 +275,56 @@ async def serve(
         await owner.close()
 
 
-async def _announce(owner: Owner, cluster: ClusterConfig, index: int, address: str,
-                    head: str | None) -> None:
+async def _announce(
+    owner: Owner, cluster: ClusterConfig, index: int, address: str, head: str | None
+) -> None:
     """Tell the head where this shard listens, again every few seconds (the head may restart)."""
     head_addr = head or cluster.head.address
-    sock = make_socket(owner.ctx, zmq.DEALER, connect=head_addr, hwm=cluster.runtime.hwm,
-                       max_frame_bytes=cluster.runtime.max_frame_bytes,
-                       curve=owner.curve)
-    ch = owner.channel(Channel(sock, None, name="head",
-                               max_frame_bytes=cluster.runtime.max_frame_bytes))
+    sock = make_socket(
+        owner.ctx,
+        zmq.DEALER,
+        connect=head_addr,
+        hwm=cluster.runtime.hwm,
+        max_frame_bytes=cluster.runtime.max_frame_bytes,
+        curve=owner.curve,
+    )
+    ch = owner.channel(
+        Channel(sock, None, name="head", max_frame_bytes=cluster.runtime.max_frame_bytes)
+    )
     while True:
         await ch.send(Kind.SHARD_HELLO, {"shard": index, "address": address, "pid": os.getpid()})
         await asyncio.sleep(max(cluster.runtime.heartbeat_s, 1.0))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
-              type=click.Path(dir_okay=False), help="Cluster description.")
+@click.option(
+    "--cluster",
+    "cluster_path",
+    default="cluster.toml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Cluster description.",
+)
 @click.option("--shard", type=int, required=True, help="Shard index; 0 is also the head.")
 @click.option("--head", default=None, help="Head address (tcp://host:port) if not the file's.")
 @click.option("--ready-file", default=None, help="Write the bound address here when ready.")
 @click.option("--run-dir", default=None, help="Where the head writes job outputs.")
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
-              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
-def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None,
-         run_dir: str | None, log_level: str,
-         log_file: str | None) -> None:
+@click.option(
+    "--log-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.",
+)
+def main(
+    cluster_path: str,
+    shard: int,
+    head: str | None,
+    ready_file: str | None,
+    run_dir: str | None,
+    log_level: str,
+    log_file: str | None,
+) -> None:
     """Run one parameter-server shard (shard 0 is also the head)."""
     logmod.configure(f"ps{shard}", level=log_level)
     # one intra-op thread: shard updates are memory-bound, and idle OpenMP threads spinning
@@ -275,7 +338,8 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
     if not 0 <= shard < len(cluster.ps):
         raise click.ClickException(
             f"--shard {shard}: {cluster_path} has {len(cluster.ps)} shards "
-            f"(0..{len(cluster.ps) - 1})")
+            f"(0..{len(cluster.ps) - 1})"
+        )
     try:
         asyncio.run(serve(cluster, shard, head=head, ready_file=ready_file, run_dir=run_dir))
     except KeysError as exc:
@@ -284,7 +348,8 @@ def main(cluster_path: str, shard: int, head: str | None, ready_file: str | None
         spec = cluster.ps[shard]
         raise click.ClickException(
             f"shard {shard} cannot listen on {spec.host}:{spec.port} on {socket.gethostname()}: "
-            f"{exc}") from None
+            f"{exc}"
+        ) from None
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -35,8 +35,15 @@ def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:
 class Throttle:
     """Once per key per ``interval_s``; at most ``lines_per_interval`` lines over all keys."""
 
-    def __init__(self, log: Any, *, interval_s: float = 10.0, lines_per_interval: int = 20,
-                 max_keys: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        log: Any,
+        *,
+        interval_s: float = 10.0,
+        lines_per_interval: int = 20,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.log = log
         self.interval_s = interval_s
         self.lines_per_interval = lines_per_interval

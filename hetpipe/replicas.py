@@ -51,8 +51,10 @@ def check_group(cluster: ClusterConfig, group: Sequence[DeviceSpec], minibatch: 
     declared = {frozenset((ln.a, ln.b)) for ln in cluster.network.links}
     for a, b in itertools.combinations(group, 2):
         if a.node != b.node and frozenset((a.name, b.name)) not in declared:
-            raise ValueError(f"{a.name} ({a.node}) and {b.name} ({b.node}) replicate one "
-                             f"stage on different nodes but no [[network.link]] joins them")
+            raise ValueError(
+                f"{a.name} ({a.node}) and {b.name} ({b.node}) replicate one "
+                f"stage on different nodes but no [[network.link]] joins them"
+            )
 
 
 def split_rows(n: int, speeds: Sequence[float]) -> list[int]:
@@ -60,12 +62,13 @@ def split_rows(n: int, speeds: Sequence[float]) -> list[int]:
     (largest remainders; ties to the earlier replica). ``ValueError`` where a replica would
     get no row."""
     if len(speeds) > n:
-        raise ValueError(f"{len(speeds)} replicas for a minibatch of {n} samples "
-                         f"(at least one sample each)")
+        raise ValueError(
+            f"{len(speeds)} replicas for a minibatch of {n} samples (at least one sample each)"
+        )
     total = sum(speeds)
     exact = [n * s / total for s in speeds]
     rows = [int(e) for e in exact]
-    for i in sorted(range(len(speeds)), key=lambda i: (rows[i] - exact[i], i))[:n - sum(rows)]:
+    for i in sorted(range(len(speeds)), key=lambda i: (rows[i] - exact[i], i))[: n - sum(rows)]:
         rows[i] += 1
     if min(rows) < 1:
         raise ValueError(f"speeds {list(speeds)} leave a replica no sample of {n}")
@@ -91,7 +94,7 @@ def piece(t: torch.Tensor, mine: tuple[int, int], lo: int, hi: int) -> torch.Ten
     (an empty "no gradient" marker) goes whole."""
     if t.dim() == 0 or t.shape[0] != mine[1] - mine[0]:
         return t
-    return t[lo - mine[0]:hi - mine[0]]
+    return t[lo - mine[0] : hi - mine[0]]
 
 
 def gather(pieces: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -103,8 +106,9 @@ def gather(pieces: Mapping[int, torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def combine(grads: Sequence[Mapping[str, torch.Tensor]], device: torch.device | str
-            ) -> dict[str, torch.Tensor]:
+def combine(
+    grads: Sequence[Mapping[str, torch.Tensor]], device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """The sum of the replicas' gradients, in replica order (the same on every replica, so
     their steps agree bit for bit)."""
     out: dict[str, torch.Tensor] = {}

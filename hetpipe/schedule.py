@@ -175,8 +175,9 @@ class Inputs(Protocol):
 # -- microbatch order of the synchronous kinds -------------------------------------------------
 
 
-def microbatch_order(kind: str, k: int, stage: int, m: int, warmup: int = 0
-                     ) -> tuple[tuple[str, int], ...]:
+def microbatch_order(
+    kind: str, k: int, stage: int, m: int, warmup: int = 0
+) -> tuple[tuple[str, int], ...]:
     """The order of one iteration's forwards ``("F", j)`` and backwards ``("B", j)`` at a stage.
 
     ``gpipe``: all m forwards, then all m backwards, both in microbatch order. ``1f1b`` (with a
@@ -212,8 +213,9 @@ def microbatch_order(kind: str, k: int, stage: int, m: int, warmup: int = 0
 
 
 @functools.lru_cache(maxsize=4096)
-def iteration_trips(k: int, stage: int, order: tuple[tuple[str, int], ...]
-                    ) -> tuple[tuple[Action, ...], ...]:
+def iteration_trips(
+    k: int, stage: int, order: tuple[tuple[str, int], ...]
+) -> tuple[tuple[Action, ...], ...]:
     """One synchronous iteration of a stage of a virtual worker alone in its job (``order``:
     its forwards and backwards), in its hand-offs to the compute thread (:meth:`StageSchedule.
     trip`), the step and push included; the initial pull and merge are left out. What joins
@@ -247,8 +249,15 @@ def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
             raise ScheduleError(f"order runs the backward of {j} before its forward")
 
 
-def max_in_flight(kind: str, k: int, stage: int, nm: int, fixed: bool = False,
-                  warmup: int = 0, limit: int | None = None) -> int:
+def max_in_flight(
+    kind: str,
+    k: int,
+    stage: int,
+    nm: int,
+    fixed: bool = False,
+    warmup: int = 0,
+    limit: int | None = None,
+) -> int:
     """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
     ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
@@ -392,16 +401,20 @@ class StageSchedule:
             raise ScheduleError(f"warmup: must be >= 0, got {warmup}")
         self.warmup = warmup
         if limit is not None and (kind != "async" or sequence is not None):
-            raise ScheduleError("an in-flight limit is for the async kind's greedy order only "
-                                "(a fixed order holds its own count)")
+            raise ScheduleError(
+                "an in-flight limit is for the async kind's greedy order only "
+                "(a fixed order holds its own count)"
+            )
         if limit is not None and limit < 1:
             raise ScheduleError(f"in-flight limit: must be >= 1, got {limit}")
         # nm bounds every async stage already (stage 0 admits so, and no later stage holds
         # more than stage 0), so no limit is nm
         self.limit = nm if limit is None else min(limit, nm)
         if fill and (limit is None or not 1 <= fill <= self.limit):
-            raise ScheduleError(f"fill: forwards before the first backward need a limit and "
-                                f"1..limit ({self.limit}), got {fill}")
+            raise ScheduleError(
+                f"fill: forwards before the first backward need a limit and "
+                f"1..limit ({self.limit}), got {fill}"
+            )
         self.fill = min(fill, total)
         if order is not None:
             check_order(order, nm)
@@ -522,11 +535,14 @@ class StageSchedule:
         return (
             kind is OptimizerStep
             or (kind is Push and type(prev) is OptimizerStep)
-            or (self.last and kind is Backward and type(prev) is Forward
-                and nxt.p == prev.p)  # type: ignore[union-attr]
-            or (self.first and kind is Forward
+            or (self.last and kind is Backward and type(prev) is Forward and nxt.p == prev.p)  # type: ignore[union-attr]
+            or (
+                self.first
+                and kind is Forward
                 and not any(type(a) is Forward for a in run)
-                and not (self.pulls and any(type(a) is Push for a in run))))
+                and not (self.pulls and any(type(a) is Push for a in run))
+            )
+        )
 
     def trip(self, action: Action, inputs: Inputs) -> list[Action]:
         """``action`` (just reported) and what :meth:`joins` it, each reported in turn: one
@@ -592,8 +608,9 @@ _EVERYTHING = _Arrived(True)
 # -- whole tables ------------------------------------------------------------------------------
 
 
-def clock_cycles(schedules: Sequence[StageSchedule], *, limit: int = 100_000) -> Iterator[
-        tuple[int, int, Action]]:
+def clock_cycles(
+    schedules: Sequence[StageSchedule], *, limit: int = 100_000
+) -> Iterator[tuple[int, int, Action]]:
     """Run one virtual worker's stages in lock step and yield ``(tick, stage, action)``.
 
     Each tick every stage runs at most one forward or backward; the actions around them
@@ -630,8 +647,11 @@ def clock_cycles(schedules: Sequence[StageSchedule], *, limit: int = 100_000) ->
         if all(sch.finished for sch in schedules):
             return
         if not arriving and not any(
-            isinstance(sch.next(inputs[s]), Forward | Backward | OptimizerStep | Push | Pull
-                       | Merge) for s, sch in enumerate(schedules)):
+            isinstance(
+                sch.next(inputs[s]), Forward | Backward | OptimizerStep | Push | Pull | Merge
+            )
+            for s, sch in enumerate(schedules)
+        ):
             waits = {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}
             raise ScheduleError(f"schedule deadlocks at tick {tick}: {waits}")
     raise ScheduleError(f"schedule did not finish in {limit} ticks")

@@ -114,15 +114,20 @@ def worker_user(device: str) -> str:
 
 def key_names(shards: int, devices: Iterable[str]) -> list[str]:
     """Every key a cluster needs, server first."""
-    return [SERVER, CLIENT, *(shard_user(i) for i in range(shards)),
-            *(worker_user(d) for d in devices)]
+    return [
+        SERVER,
+        CLIENT,
+        *(shard_user(i) for i in range(shards)),
+        *(worker_user(d) for d in devices),
+    ]
 
 
 # -- keys ------------------------------------------------------------------------------------
 
 
-def ensure_keys(keys_dir: str | os.PathLike[str], names: Sequence[str], *,
-                force: bool = False) -> list[str]:
+def ensure_keys(
+    keys_dir: str | os.PathLike[str], names: Sequence[str], *, force: bool = False
+) -> list[str]:
     """Create the missing key pairs of ``names`` in ``keys_dir``; return the names created.
 
     Each pair is made in a private temporary folder and renamed into place, so a secret key
@@ -174,8 +179,9 @@ def _read_pair(root: Path, name: str, *, secret: bool) -> tuple[bytes, bytes | N
     try:
         public, sec = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise KeysError(f"unusable key {path} ({type(exc).__name__}): re-create it with "
-                        f"`hetpipe keys --force`") from None
+        raise KeysError(
+            f"unusable key {path} ({type(exc).__name__}): re-create it with `hetpipe keys --force`"
+        ) from None
     if secret and sec is None:
         raise KeysError(f"{path} holds no secret key (create the keys with `hetpipe keys`)")
     return public, sec
@@ -253,9 +259,11 @@ class ZapAuthenticator(AsyncioAuthenticator):
         peer = (self._address, client_key)
         if peer not in self._refused and len(self._refused) < 10_000:
             self._refused.add(peer)
-            self._log.warning("peer refused: its key is not one of this cluster's",
-                              address=self._address,
-                              key=z85.encode(client_key).decode())
+            self._log.warning(
+                "peer refused: its key is not one of this cluster's",
+                address=self._address,
+                key=z85.encode(client_key).decode(),
+            )
         return False, b"Unknown key"
 
     def curve_user_id(self, client_public_key: bytes) -> str:
@@ -283,9 +291,12 @@ async def log_refused_handshakes(sock: zmq.Socket, who: str) -> None:
             event = parse_monitor_message(await mon.recv_multipart())
             count += 1
             if loop.time() - last >= SUMMARY_EVERY_S:
-                log.warning("handshakes refused: peers without this cluster's keys",
-                            count=count, endpoint=event["endpoint"].decode(errors="replace"),
-                            error=event["value"])
+                log.warning(
+                    "handshakes refused: peers without this cluster's keys",
+                    count=count,
+                    endpoint=event["endpoint"].decode(errors="replace"),
+                    error=event["value"],
+                )
                 count, last = 0, loop.time()
     finally:
         with contextlib.suppress(zmq.ZMQError):
@@ -300,8 +311,10 @@ def start_authenticator(ctx: zmq.Context, spec: SecuritySpec, who: str) -> ZapAu
     libzmq's Curve server would accept any client key.
     """
     if not spec.curve:
-        logmod.get("auth").warning("SECURITY OFF: [security] curve = false; every peer that "
-                                   "reaches a port is trusted", daemon=who)
+        logmod.get("auth").warning(
+            "SECURITY OFF: [security] curve = false; every peer that reaches a port is trusted",
+            daemon=who,
+        )
         return None
     auth = ZapAuthenticator(ctx, spec.keys, who)
     if not auth.users:
@@ -320,8 +333,10 @@ def check_job_name(name: Any) -> None:
     if len(name) > MAX_JOB_NAME:
         raise CodeError(f"job: name: longer than {MAX_JOB_NAME} characters ({len(name)})")
     if not safe_name(name):
-        raise CodeError(f"job: name: {excerpt(name, 80)!r} is not allowed (letters, digits, "
-                        f"'_', '.', '-'; no '..', path separators or control characters)")
+        raise CodeError(
+            f"job: name: {excerpt(name, 80)!r} is not allowed (letters, digits, "
+            f"'_', '.', '-'; no '..', path separators or control characters)"
+        )
 
 
 def _entry_point_modules(group: str) -> set[str]:
@@ -339,21 +354,22 @@ def module_allowed(module: str, allowed: Sequence[str], group: str) -> bool:
     return module in _entry_point_modules(group)
 
 
-def _check_code(what: str, name: Any, builtins: Iterable[str], allowed: Sequence[str],
-                group: str) -> None:
+def _check_code(
+    what: str, name: Any, builtins: Iterable[str], allowed: Sequence[str], group: str
+) -> None:
     if not isinstance(name, str) or name in builtins:
         return  # not a string: the job's own validation says what is wrong
     if ":" not in name:
         return  # an unknown builtin: the loader names the known ones
     module = name.split(":", 1)[0]
     if not _MODULE.fullmatch(module):
-        raise CodeError(f"job: {what}.name: {excerpt(name, 80)!r} is not "
-                        f"'package.module:function'")
+        raise CodeError(f"job: {what}.name: {excerpt(name, 80)!r} is not 'package.module:function'")
     if not module_allowed(module, allowed, group):
         raise CodeError(
             f"job: {what}.name: module {excerpt(module, 80)!r} is not allowed: list it in "
             f"cluster.toml [security] allowed_modules (or install it as a '{group}' "
-            f"entry point)")
+            f"entry point)"
+        )
 
 
 def check_job(job: Any, allowed_modules: Sequence[str]) -> None:
@@ -369,8 +385,10 @@ def check_job(job: Any, allowed_modules: Sequence[str]) -> None:
     if not isinstance(job, dict):
         raise CodeError("job: must be a table")
     check_job_name(job.get("name"))
-    for what, builtins, group in (("model", BUILTIN, "hetpipe.models"),
-                                  ("data", _LOADERS, "hetpipe.data")):
+    for what, builtins, group in (
+        ("model", BUILTIN, "hetpipe.models"),
+        ("data", _LOADERS, "hetpipe.data"),
+    ):
         table = job.get(what)
         if isinstance(table, dict):
             _check_code(what, table.get("name"), builtins, allowed_modules, group)

@@ -69,7 +69,8 @@ class JobShard(Generic[T]):
     next_cut: int | None = None  # the first cut point not complete yet
     open_cuts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     cuts: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = field(
-        default_factory=dict)  # complete cuts not yet taken by the head (the newest few)
+        default_factory=dict
+    )  # complete cuts not yet taken by the head (the newest few)
 
     KEEP_CUTS = 2
 
@@ -92,8 +93,10 @@ class JobShard(Generic[T]):
         return out
 
     def _cut_complete(self, c: int) -> bool:
-        return all(self.clock.contiguous(vw, stage) >= min(c, self.finals.get(vw, c))
-                   for vw, stage in self.names)
+        return all(
+            self.clock.contiguous(vw, stage) >= min(c, self.finals.get(vw, c))
+            for vw, stage in self.names
+        )
 
     def _before_apply(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
         """Keep the cuts a push of ``wave`` must not enter, and add it to those it belongs to."""
@@ -114,11 +117,14 @@ class JobShard(Generic[T]):
             weights = self.open_cuts.pop(c, None)
             if weights is None:  # no push past c arrived yet: the weights are the cut
                 weights = dict(self.weights)
-            applied = {f"{vw}/{stage}": _below(self.clock.applied_ranges(vw, stage),
-                                               min(c, self.finals.get(vw, c)))
-                       for vw, stage in sorted(self.names)}
+            applied = {
+                f"{vw}/{stage}": _below(
+                    self.clock.applied_ranges(vw, stage), min(c, self.finals.get(vw, c))
+                )
+                for vw, stage in sorted(self.names)
+            }
             self.cuts[c] = (weights, {"wave": c, "applied": applied})
-            for old in sorted(self.cuts)[:-self.KEEP_CUTS]:
+            for old in sorted(self.cuts)[: -self.KEEP_CUTS]:
                 del self.cuts[old]
             self.next_cut = self._cut_after(c)
 
@@ -127,13 +133,20 @@ class JobShard(Generic[T]):
         if c in self.cuts:
             return self.cuts[c]
         if c not in self._cut_points(c):
-            raise ShardError(f"job {self.job}: no cut at wave {c} here (kept: "
-                             f"{sorted(self.cuts)}, next {self.next_cut})")
+            raise ShardError(
+                f"job {self.job}: no cut at wave {c} here (kept: "
+                f"{sorted(self.cuts)}, next {self.next_cut})"
+            )
         return None
 
     def reduce(
-        self, vw: int, stage: int, iteration: int, samples: int,
-        grads: Mapping[str, torch.Tensor], item: T,
+        self,
+        vw: int,
+        stage: int,
+        iteration: int,
+        samples: int,
+        grads: Mapping[str, torch.Tensor],
+        item: T,
     ) -> list[tuple[T, dict[str, Any], dict[str, torch.Tensor]]]:
         """Take one stage's gradient sum of a synchronous iteration; once every stage holding
         state here has contributed, return each waiting requester's answer: the mean
@@ -147,8 +160,9 @@ class JobShard(Generic[T]):
             raise ShardError(f"job {self.job}: vw{vw}/stage{stage} reduced {samples} samples")
         red = self.reductions.setdefault(iteration, Reduction())
         if (vw, stage) in red.sums:
-            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} already contributed to "
-                             f"iteration {iteration}")
+            raise ShardError(
+                f"job {self.job}: vw{vw}/stage{stage} already contributed to iteration {iteration}"
+            )
         red.sums[(vw, stage)] = dict(grads)
         red.samples[(vw, stage)] = samples
         red.parked.append((item, vw, stage))
@@ -164,27 +178,31 @@ class JobShard(Generic[T]):
                     count[name] = count.get(name, 0) + red.samples[key]
             mean = {n: t / count[n] for n, t in total.items()}
         return [
-            (it, {"samples": max((count[n] for n in self.names[(v, s)] if n in count),
-                                 default=0)},
-             {n: mean[n] for n in self.names[(v, s)] if n in mean})
+            (
+                it,
+                {"samples": max((count[n] for n in self.names[(v, s)] if n in count), default=0)},
+                {n: mean[n] for n in self.names[(v, s)] if n in mean},
+            )
             for it, v, s in red.parked
         ]
 
-    def _check(self, vw: int, stage: int, tensors: Mapping[str, torch.Tensor],
-               what: str) -> None:
+    def _check(self, vw: int, stage: int, tensors: Mapping[str, torch.Tensor], what: str) -> None:
         """Refuse tensors a stage does not hold here, or of the wrong shape."""
         allowed = self.names.get((vw, stage))
         if allowed is None:
             raise ShardError(f"job {self.job}: vw{vw}/stage{stage} holds nothing on this shard")
         unknown = set(tensors) - set(allowed)
         if unknown:
-            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} pushed unknown "
-                             f"{what} {sorted(unknown)[:3]}")
+            raise ShardError(
+                f"job {self.job}: vw{vw}/stage{stage} pushed unknown {what} {sorted(unknown)[:3]}"
+            )
         for name, d in tensors.items():
             w = self.weights[name]
             if d.shape != w.shape:
-                raise ShardError(f"job {self.job}: {name}: {what} of shape {list(d.shape)} "
-                                 f"for a weight of shape {list(w.shape)}")
+                raise ShardError(
+                    f"job {self.job}: {name}: {what} of shape {list(d.shape)} "
+                    f"for a weight of shape {list(w.shape)}"
+                )
 
     def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, torch.Tensor]) -> bool:
         """Apply a stage's update of a wave exactly once; False for a duplicate."""
@@ -204,8 +222,10 @@ class JobShard(Generic[T]):
 
     def applied_sets(self) -> dict[str, list[list[int]]]:
         """Every stage's applied waves here, ``"vw/stage"`` -> :func:`hetpipe.wsp.wave_ranges`."""
-        return {f"{vw}/{stage}": self.clock.applied_ranges(vw, stage) for vw, stage in
-                sorted(self.names)}
+        return {
+            f"{vw}/{stage}": self.clock.applied_ranges(vw, stage)
+            for vw, stage in sorted(self.names)
+        }
 
     def answer(self, vw: int, stage: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The fields and tensors of a ``pulled`` reply for one stage, as of now."""

@@ -174,8 +174,9 @@ class StageCompute:
         self.spec = JobSpec.from_dict(task.spec)
         self.module = build_stage_module(self.spec, task.first, task.last, self.dev)
         self.module.train()
-        self.seeds = LayerSeeds(self.module, seed=self.spec.seed, vw=task.vw, first=task.first,
-                                device=self.dev)
+        self.seeds = LayerSeeds(
+            self.module, seed=self.spec.seed, vw=task.vw, first=task.first, device=self.dev
+        )
         self.seeds.start = task.start
         # started from a checkpoint's local weights that had merged the pull of the cut's
         # wave already (load_state): the attempt's first pull and merge are done
@@ -188,8 +189,9 @@ class StageCompute:
         local = local or {}
         missing = [n for n in self.layout.local if n not in local]
         if missing:
-            raise ValueError(f"{task.where}: no initial value for non-persistent buffer "
-                             f"{missing[0]!r}")
+            raise ValueError(
+                f"{task.where}: no initial value for non-persistent buffer {missing[0]!r}"
+            )
         # non-persistent buffers: the stage's own, never pushed, pulled or exported
         self.local = {n: local[n].to(self.dev, copy=True) for n in self.layout.local}
         self.version = 0
@@ -226,10 +228,13 @@ class StageCompute:
         self._slots = [_slots(layer, keys) for layer, keys in self._layers]
         # each layer's trainable weights as (local name, global name): what a late backward
         # binds (predict paper), and the names a recomputed run needs again in its backward
-        self._weight_keys = [[(local, name) for local, name, is_buffer in keys
-                              if not is_buffer] for _layer, keys in self._layers]
-        self._recomputed_names = {name for i in self.recompute
-                                  for _local, name in self._weight_keys[i]}
+        self._weight_keys = [
+            [(local, name) for local, name, is_buffer in keys if not is_buffer]
+            for _layer, keys in self._layers
+        ]
+        self._recomputed_names = {
+            name for i in self.recompute for _local, name in self._weight_keys[i]
+        }
         self.late = LateWeights()
         self._working = 0
         self.stalls: dict[int, list[float]] = {}
@@ -239,8 +244,11 @@ class StageCompute:
         self.versions: dict[int, tuple[int, float, int, float]] = {}
         # how stale weights are handled (async only): see hetpipe.staleness and the README
         self.weights = "stash" if self.spec.sync else self.spec.weights
-        self.table = (StageTable(task.k, task.stage, task.nm, task.minibatches)
-                      if fixed_order(self.spec.schedule, self.weights) else None)
+        self.table = (
+            StageTable(task.k, task.stage, task.nm, task.minibatches)
+            if fixed_order(self.spec.schedule, self.weights)
+            else None
+        )
         self.steps_taken = 0
         self.probe: _Probe | None = None
         # a probe starts at most every ``probe_every`` minibatches (_judge): judging takes
@@ -261,9 +269,12 @@ class StageCompute:
         out = []
         for child, layer in self.module.named_children():
             prefix = child + "."
-            keys = [(n[len(prefix):], n, n in buffers) for n in canonical if n.startswith(prefix)]
-            keys += [(a[len(prefix):], c, c in buffers) for a, c in aliases.items()
-                     if a.startswith(prefix)]
+            keys = [(n[len(prefix) :], n, n in buffers) for n in canonical if n.startswith(prefix)]
+            keys += [
+                (a[len(prefix) :], c, c in buffers)
+                for a, c in aliases.items()
+                if a.startswith(prefix)
+            ]
             out.append((layer, keys))
         return out
 
@@ -308,8 +319,9 @@ class StageCompute:
                 self._release(params)
         if known is None:
             known = self._layer_bytes[shape] = measured
-            self._working = max(self._working, working_bytes(known[2], known[0], self.recompute,
-                                                             self.swap))
+            self._working = max(
+                self._working, working_bytes(known[2], known[0], self.recompute, self.swap)
+            )
         if recompute:
             out = out.detach()  # a measuring forward's graph is dropped too
             kept = _nbytes(x)
@@ -318,11 +330,18 @@ class StageCompute:
         if before:
             self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
         self.stats.forwards += 1
-        flight = _InFlight(x=x, out=out, params={} if recompute else params,
-                           version=self.version,
-                           fingerprint=_fingerprint(params) if self.verify else 0.0,
-                           kept_bytes=kept, samples=int(y.shape[0]) if y.dim() else 1,
-                           recompute=recompute, late=late, swapped=self.swapper.bytes)
+        flight = _InFlight(
+            x=x,
+            out=out,
+            params={} if recompute else params,
+            version=self.version,
+            fingerprint=_fingerprint(params) if self.verify else 0.0,
+            kept_bytes=kept,
+            samples=int(y.shape[0]) if y.dim() else 1,
+            recompute=recompute,
+            late=late,
+            swapped=self.swapper.bytes,
+        )
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
@@ -330,13 +349,15 @@ class StageCompute:
             if self.bf16 and sent.is_floating_point():
                 sent = sent.to(torch.bfloat16)  # activations travel in the compute precision
             self.stats.forward_s += self._charge_swap(
-                emulate.pad(started, self.speed, self.dev), flight.swapped)
+                emulate.pad(started, self.speed, self.dev), flight.swapped
+            )
             return sent
         with self._autocast():
             flight.loss = self.loss_fn(out, self._to_device(y))
         self._losses.add(p, flight.loss)
-        self.stats.forward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
-                                                  flight.swapped)
+        self.stats.forward_s += self._charge_swap(
+            emulate.pad(started, self.speed, self.dev), flight.swapped
+        )
         return None
 
     def _charge_swap(self, compute_s: float, moved: int) -> float:
@@ -367,8 +388,10 @@ class StageCompute:
         saved: list[int] = []
         inputs: list[int] = []
         work: list[int] = []
-        def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor],
-                    x: torch.Tensor) -> torch.Tensor:
+
+        def counted(
+            i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: torch.Tensor
+        ) -> torch.Tensor:
             own = _storages(sub)
             if i in self.swap:  # the swap counts what it parks the same way
                 before = self.swapper.bytes
@@ -390,15 +413,18 @@ class StageCompute:
         while j < len(self._layers):
             end = runs.get(j)
             if end is not None and torch.is_grad_enabled():
-                subs = [(i, keys, {local: state[name] for local, name, _ in keys})
-                        for i, (_layer, keys) in enumerate(self._layers[j:end], start=j)]
+                subs = [
+                    (i, keys, {local: state[name] for local, name, _ in keys})
+                    for i, (_layer, keys) in enumerate(self._layers[j:end], start=j)
+                ]
                 if measure:  # a throwaway pass; the checkpoint reseeds the same masks
                     y = x
                     for i, keys, sub in subs:
                         y = counted(i, self._layers[i][0], _buffer_copies(keys, sub), y)
                     del y
-                x = checkpoint(self._rerunnable(subs, p), x,
-                               use_reentrant=False, preserve_rng_state=False)
+                x = checkpoint(
+                    self._rerunnable(subs, p), x, use_reentrant=False, preserve_rng_state=False
+                )
                 j = end
                 continue
             layer, keys = self._layers[j]
@@ -443,7 +469,8 @@ class StageCompute:
         return self._layers[i][0](x)
 
     def _rerunnable(
-        self, subs: list[tuple[int, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
+        self,
+        subs: list[tuple[int, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
         p: int,
     ) -> Any:
         """A run of layers' forward for :func:`checkpoint`: the first call is the real
@@ -479,20 +506,25 @@ class StageCompute:
             grad_in, pgrads = self._differentiate(flight, grad)
         # observable weight stashing: (forward's version, its weights' fingerprint then,
         # version current at this backward, fingerprint of the weights differentiated now)
-        self.versions[p] = (flight.version, flight.fingerprint, self.version,
-                            _fingerprint(late if late is not None else flight.params)
-                            if self.verify else 0.0)
+        self.versions[p] = (
+            flight.version,
+            flight.fingerprint,
+            self.version,
+            _fingerprint(late if late is not None else flight.params) if self.verify else 0.0,
+        )
         if self.spec.sync:
             self._add_gradients(pgrads, flight.samples)
         else:
             self.pending[p] = pgrads
         self.stats.backwards += 1
-        self.stats.backward_s += self._charge_swap(emulate.pad(started, self.speed, self.dev),
-                                                   flight.swapped)
+        self.stats.backward_s += self._charge_swap(
+            emulate.pad(started, self.speed, self.dev), flight.swapped
+        )
         return grad_in
 
-    def _differentiate(self, flight: _InFlight, grad: torch.Tensor | None
-                       ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    def _differentiate(
+        self, flight: _InFlight, grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """The gradients of a minibatch's input (as the previous stage takes it) and of its
         weights, from its graph and the gradient of its output."""
         wants_input = flight.x.requires_grad
@@ -511,7 +543,9 @@ class StageCompute:
         else:
             assert grad is not None, f"{self.where}: backward without a gradient"
             grads = torch.autograd.grad(
-                flight.out, inputs, self._to_device(grad).to(flight.out.dtype),
+                flight.out,
+                inputs,
+                self._to_device(grad).to(flight.out.dtype),
                 allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
@@ -523,8 +557,9 @@ class StageCompute:
             # an integer input has no gradient, but the previous stage still waits for the
             # end of this minibatch's backward: an empty tensor says "none"
             grad_in = torch.zeros(0, device=self.dev)
-        pgrads = {n: g for n, g in zip(names, grads[int(wants_input):], strict=True)
-                  if g is not None}
+        pgrads = {
+            n: g for n, g in zip(names, grads[int(wants_input) :], strict=True) if g is not None
+        }
         return grad_in, pgrads
 
     def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int | None]:
@@ -555,8 +590,12 @@ class StageCompute:
         if late:
             # tensors of its own (a name without optimizer state yet is not predicted), so
             # that the forward can release them (:meth:`_release`)
-            params = {n: w.detach().clone().requires_grad_() if w is self.params[n]
-                      and w.requires_grad else w for n, w in params.items()}
+            params = {
+                n: w.detach().clone().requires_grad_()
+                if w is self.params[n] and w.requires_grad
+                else w
+                for n, w in params.items()
+            }
         if s_fwd > 0 and self.probe is None and p >= self._next_probe:
             self.probe = _Probe(self.steps_taken + s_fwd, params, self.params, late)
             self._next_probe = p + self.probe_every
@@ -567,8 +606,7 @@ class StageCompute:
         if s <= 0:
             return self.params
         ahead = self.optimizer.predict(self.params, s)
-        return {n: w if w is self.params[n] else w.requires_grad_()
-                for n, w in ahead.items()}
+        return {n: w if w is self.params[n] else w.requires_grad_() for n, w in ahead.items()}
 
     def _rerun(self, p: int, flight: _InFlight) -> None:
         """Rerun the forward of ``p`` from its kept input on the newest weights (``latest``),
@@ -580,8 +618,9 @@ class StageCompute:
         self.swapper.start()
         # layer by layer under the activation policy: recomputed runs stay checkpoints
         with self._autocast():
-            flight.out, _ = self._run_layers(p, flight.x, {**params, **buffers, **self.local},
-                                             measure=False)
+            flight.out, _ = self._run_layers(
+                p, flight.x, {**params, **buffers, **self.local}, measure=False
+            )
         flight.params = params
         flight.swapped = self.swapper.bytes
 
@@ -602,8 +641,13 @@ class StageCompute:
     def _rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
         measured so far): the room the backward of a rerun forward needs."""
-        return max((activation_bytes(s, i, self.recompute, self.swap)
-                    for s, i, _ in self._layer_bytes.values()), default=0)
+        return max(
+            (
+                activation_bytes(s, i, self.recompute, self.swap)
+                for s, i, _ in self._layer_bytes.values()
+            ),
+            default=0,
+        )
 
     def _judge(self) -> None:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
@@ -630,18 +674,21 @@ class StageCompute:
             # is the one separate calls give); the ratio stays on the device until read back
             # in a batch (read_quality): reading it here would wait for the queued kernels
             now = [self.params[n] for n in names]
-            diffs = torch._foreach_sub([probe.predicted[n] for n in names]
-                                       + [probe.stale[n] for n in names], now + now)
+            diffs = torch._foreach_sub(
+                [probe.predicted[n] for n in names] + [probe.stale[n] for n in names], now + now
+            )
             norms = torch._foreach_norm(diffs)
-            num, den = torch.stack([torch.stack(norms[:k]).norm(),
-                                    torch.stack(norms[k:]).norm()]).double()
+            num, den = torch.stack(
+                [torch.stack(norms[:k]).norm(), torch.stack(norms[k:]).norm()]
+            ).double()
             # a probe whose stale weights were the target's scores nothing (NaN, dropped)
             self._quality.add(probe.target, torch.where(den > 0, num / den, torch.nan))
         if probe.late:  # its graph needs none of its values (a late forward's always differ)
             self._release(probe.predicted)
 
-    def step(self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
-             ) -> None:
+    def step(
+        self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
+    ) -> None:
         """The local optimizer step: after backward ``i`` (async), or at the end of iteration
         ``i`` on the mean gradient (sync: the virtual workers' mean once merged, else this
         stage's own). ``replicas``: the other replicas' gradients of ``i`` by replica, summed
@@ -690,8 +737,12 @@ class StageCompute:
         """
         n = self.task.num_vws
         with torch.no_grad():
-            return {name: (self.buffers[name] - b) / n if b.is_floating_point() and n > 1
-                    else self.buffers[name] - b for name, b in before.items()}
+            return {
+                name: (self.buffers[name] - b) / n
+                if b.is_floating_point() and n > 1
+                else self.buffers[name] - b
+                for name, b in before.items()
+            }
 
     def _step(self, wave: int, grads: Mapping[str, torch.Tensor]) -> None:
         """Local update out of place: a new version of the weights, the old one untouched;
@@ -703,8 +754,10 @@ class StageCompute:
         with torch.no_grad():
             new = [updated[n] for n in names]
             deltas = torch._foreach_sub(new, [self.params[n] for n in names])
-        self.params = {**self.params, **{n: w.requires_grad_() for n, w in zip(names, new,
-                                                                               strict=True)}}
+        self.params = {
+            **self.params,
+            **{n: w.requires_grad_() for n, w in zip(names, new, strict=True)},
+        }
         self.version += 1
         self.steps_taken += 1
         if self.probe is not None:
@@ -747,8 +800,9 @@ class StageCompute:
         if acc:
             self._accumulate(wave + 1, acc)
 
-    def load(self, pulled: Mapping[str, torch.Tensor],
-             applied: Mapping[str, list[list[int]]]) -> None:
+    def load(
+        self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[list[int]]]
+    ) -> None:
         """Set local state to pulled global state plus own updates the shard had not applied.
 
         ``applied`` maps each pulled global name to the waves of this stage the answering shard
@@ -760,8 +814,9 @@ class StageCompute:
         with torch.no_grad():
             for n, value in pulled.items():
                 t = self._to_device(value, copy=True)
-                for w in unincluded_waves((w for w, acc in self.acc.items() if n in acc),
-                                          applied[n]):
+                for w in unincluded_waves(
+                    (w for w, acc in self.acc.items() if n in acc), applied[n]
+                ):
                     t.add_(self.acc[w][n])
                 if n in self.buffer_names:
                     self.buffers[n] = t
@@ -789,8 +844,9 @@ class StageCompute:
     def read_quality(self, block: bool = False) -> None:
         """Move the prediction probes' scores read back since the previous call into
         ``stats.prediction_quality`` (all of them with ``block``), as :meth:`read_losses`."""
-        self.stats.prediction_quality.extend(v for _, v in self._quality.ready(block)
-                                             if not math.isnan(v))
+        self.stats.prediction_quality.extend(
+            v for _, v in self._quality.ready(block) if not math.isnan(v)
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""
@@ -820,8 +876,7 @@ class StageCompute:
                 if w < wave:
                     continue
                 for name, d in acc.items():
-                    raw = d * n if (name in self.buffers and d.is_floating_point()
-                                    and n > 1) else d
+                    raw = d * n if (name in self.buffers and d.is_floating_point() and n > 1) else d
                     later[name] = later[name] + raw if name in later else raw
 
             def copy(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -834,20 +889,27 @@ class StageCompute:
             tensors.update({f"buffer/{k}": copy(k, t) for k, t in self.buffers.items()})
             tensors.update({f"local/{k}": copy(k, t) for k, t in self.local.items()})
             for k, st in self.optimizer.state.items():
-                tensors.update({f"opt/{key}/{k}": t.detach().to("cpu", copy=True)
-                                for key, t in st.items()})
+                tensors.update(
+                    {f"opt/{key}/{k}": t.detach().to("cpu", copy=True) for key, t in st.items()}
+                )
             for w, acc in self.acc.items():
                 if w < wave:
-                    tensors.update({f"acc/{w}/{k}": t.detach().to("cpu", copy=True)
-                                    for k, t in acc.items()})
-        meta = {"wave": wave, "version": self.version, "steps_taken": self.steps_taken,
-                "optimizer": self.optimizer.name,
-                "opt_steps": {k: int(v) for k, v in self.optimizer.steps.items()},
-                "kept_waves": sorted(w for w in self.acc if w < wave)}
+                    tensors.update(
+                        {f"acc/{w}/{k}": t.detach().to("cpu", copy=True) for k, t in acc.items()}
+                    )
+        meta = {
+            "wave": wave,
+            "version": self.version,
+            "steps_taken": self.steps_taken,
+            "optimizer": self.optimizer.name,
+            "opt_steps": {k: int(v) for k, v in self.optimizer.steps.items()},
+            "kept_waves": sorted(w for w in self.acc if w < wave),
+        }
         return meta, tensors
 
-    def load_state(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                   *, weights: bool) -> None:
+    def load_state(
+        self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, weights: bool
+    ) -> None:
         """Start from a checkpointed state (:meth:`state`, or optimizer state put together
         per name from several stages of an earlier plan).
 
@@ -860,8 +922,10 @@ class StageCompute:
         """
         steps = meta.get("opt_steps", {})
         if meta.get("optimizer", self.optimizer.name) != self.optimizer.name:
-            raise ValueError(f"{self.where}: the checkpoint's optimizer is "
-                             f"{meta.get('optimizer')}, the job's {self.optimizer.name}")
+            raise ValueError(
+                f"{self.where}: the checkpoint's optimizer is "
+                f"{meta.get('optimizer')}, the job's {self.optimizer.name}"
+            )
         params, buffers, local = {}, {}, {}
         for key, t in tensors.items():
             kind, _, rest = key.partition("/")
@@ -878,12 +942,15 @@ class StageCompute:
                 local[rest] = t
         if not weights:
             return
-        missing = ([n for n in self.param_names if n not in params]
-                   + [n for n in self.buffer_names if n not in buffers])
+        missing = [n for n in self.param_names if n not in params] + [
+            n for n in self.buffer_names if n not in buffers
+        ]
         if missing:
             raise ValueError(f"{self.where}: the checkpoint has no {missing[:3]}")
-        self.params = {n: params[n].to(self.dev, copy=True).requires_grad_(
-            n not in self.layout.frozen) for n in self.param_names}
+        self.params = {
+            n: params[n].to(self.dev, copy=True).requires_grad_(n not in self.layout.frozen)
+            for n in self.param_names
+        }
         self.buffers = {n: buffers[n].to(self.dev, copy=True) for n in self.buffer_names}
         self.local.update({n: t.to(self.dev, copy=True) for n, t in local.items()})
         self.version = int(meta.get("version", 0))
@@ -905,18 +972,22 @@ class StageCompute:
         room for one minibatch's rerun, which a kept
         graph's tensors make: the two never live at once), and the working
         peak of the largest layer (measured per input shape)."""
-        versions = {id(f.params) for f in self.in_flight.values()
-                    if f.params and f.late is None} | {id(self.params)}
+        versions = {
+            id(f.params) for f in self.in_flight.values() if f.params and f.late is None
+        } | {id(self.params)}
         n = len(versions)
         held = 0
         if self.weights == "predict" and self.spec.predict_variant == "paper":
             n = max(n, 2)  # the predicted copy a pass computes (or a probe still judges)
             probed = self.probe.predicted if self.probe is not None else None
             # a late-bound forward's graph keeps its recomputed layers' predicted weights
-            kept = {w.untyped_storage().data_ptr(): _nbytes(w) for f in self.in_flight.values()
-                    if f.late is not None and f.params is not probed
-                    for name, w in f.params.items()
-                    if w.untyped_storage().nbytes() and w is not self.params[name]}
+            kept = {
+                w.untyped_storage().data_ptr(): _nbytes(w)
+                for f in self.in_flight.values()
+                if f.late is not None and f.params is not probed
+                for name, w in f.params.items()
+                if w.untyped_storage().nbytes() and w is not self.params[name]
+            }
             held = sum(kept.values())
         acc = sum(_nbytes(t) for a in self.acc.values() for t in a.values())
         acc += sum(_nbytes(t) for t in self.grad_sum.values())
@@ -925,8 +996,9 @@ class StageCompute:
             # a rerun's room is never used while a forward's graph is kept: a graph is kept
             # only where no other update comes before its backward (fixed order), and a
             # rerun backward brings one; so the room is the kept graph's where there is one
-            graphs = sum(f.kept_bytes - _nbytes(f.x) for f in self.in_flight.values()
-                         if not f.recompute)
+            graphs = sum(
+                f.kept_bytes - _nbytes(f.x) for f in self.in_flight.values() if not f.recompute
+            )
             activations += max(0, self._rerun_bytes() - graphs)
         return StageMemory(
             params=self.weight_bytes,
@@ -956,12 +1028,14 @@ def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
         return 0.0
     tensors = list(params.values())
     with torch.no_grad():
-        return float(tensors[0].reshape(-1)[:8].double().sum()
-                     + tensors[-1].reshape(-1)[:8].double().sum())
+        return float(
+            tensors[0].reshape(-1)[:8].double().sum() + tensors[-1].reshape(-1)[:8].double().sum()
+        )
 
 
-def _slots(layer: nn.Module, keys: list[tuple[str, str, bool]]
-           ) -> list[tuple[dict[str, Any], str, str]]:
+def _slots(
+    layer: nn.Module, keys: list[tuple[str, str, bool]]
+) -> list[tuple[dict[str, Any], str, str]]:
     """Where each of a layer's state tensors goes: ``(the owning module's parameter or buffer
     table, attribute, local name)`` for every local name of ``keys``."""
     out = []
@@ -970,8 +1044,10 @@ def _slots(layer: nn.Module, keys: list[tuple[str, str, bool]]
         owner = layer.get_submodule(path) if path else layer
         table = owner._buffers if is_buffer else owner._parameters
         if attr not in table:
-            raise ValueError(f"{local!r} is not a {'buffer' if is_buffer else 'parameter'} "
-                             f"of {type(layer).__name__}")
+            raise ValueError(
+                f"{local!r} is not a {'buffer' if is_buffer else 'parameter'} "
+                f"of {type(layer).__name__}"
+            )
         out.append((table, attr, local))
     return out
 

@@ -57,8 +57,9 @@ from hetpipe.schedule import Backward, Forward, OptimizerStep, StageSchedule, cl
 __all__ = ["StageTable", "lockstep_orders", "version_gaps"]
 
 
-def version_gaps(k: int, nm: int, total: int, *, own: bool = False
-                 ) -> list[dict[int, tuple[int, int]]]:
+def version_gaps(
+    k: int, nm: int, total: int, *, own: bool = False
+) -> list[dict[int, tuple[int, int]]]:
     """``(s_fwd, s_bwd)`` of every minibatch ``0 .. total - 1`` at every stage of a virtual
     worker alone in its job (async kind), counted from its lock-step action tables.
 
@@ -72,8 +73,9 @@ def version_gaps(k: int, nm: int, total: int, *, own: bool = False
 def lockstep_orders(k: int, nm: int, total: int) -> list[list[tuple[str, int, int]]]:
     """Each stage's forwards ``("F", p, tick)``, backwards ``("B", p, tick)`` and optimizer
     steps ``("S", p, tick)`` in the order the lock-step tables run them."""
-    schedules = [StageSchedule("async", k=k, stage=s, nm=nm, total=total, pushes=False)
-                 for s in range(k)]
+    schedules = [
+        StageSchedule("async", k=k, stage=s, nm=nm, total=total, pushes=False) for s in range(k)
+    ]
     out: list[list[tuple[str, int, int]]] = [[] for _ in range(k)]
     for tick, s, a in clock_cycles(schedules):
         if isinstance(a, Forward):
@@ -87,8 +89,9 @@ def lockstep_orders(k: int, nm: int, total: int) -> list[list[tuple[str, int, in
     return [[*ops, *(("E", p, t) for p, t in ends.items())] for ops in out]
 
 
-def _count_gaps(ops: Sequence[tuple[str, int, int]], total: int, own: bool
-                ) -> dict[int, tuple[int, int]]:
+def _count_gaps(
+    ops: Sequence[tuple[str, int, int]], total: int, own: bool
+) -> dict[int, tuple[int, int]]:
     fwd = {p: t for op, p, t in ops if op == "F"}
     bwd = {p: t for op, p, t in ops if op == "B"}
     end = {p: t for op, p, t in ops if op == "E"}

@@ -41,7 +41,7 @@ def loads(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.T
     naming ``where`` if the bytes are not such a file."""
     view = memoryview(data).cast("B")
     start = len(MAGIC) + _COUNT.size
-    if view.nbytes < start or bytes(view[:len(MAGIC)]) != MAGIC:
+    if view.nbytes < start or bytes(view[: len(MAGIC)]) != MAGIC:
         raise ValueError(f"{where}: not a tensor file (no {MAGIC!r} at its start)")
     (count,) = _COUNT.unpack_from(view, len(MAGIC))
     offset = start + count * _LENGTH.size
@@ -52,7 +52,7 @@ def loads(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.T
         (length,) = _LENGTH.unpack_from(view, start + i * _LENGTH.size)
         if offset + length > view.nbytes:
             raise ValueError(f"{where}: frame {i} ends past its {view.nbytes} bytes")
-        frames.append(view[offset:offset + length])
+        frames.append(view[offset : offset + length])
         offset += length
     if offset != view.nbytes:
         raise ValueError(f"{where}: {view.nbytes - offset} bytes after its last frame")

@@ -28,8 +28,7 @@ from typing import Any
 
 __all__ = ["BUSY", "KINDS", "Timeline", "shares"]
 
-KINDS = ("forward", "backward", "step", "send", "push", "merge", "gate", "bubble",
-         "replicas")
+KINDS = ("forward", "backward", "step", "send", "push", "merge", "gate", "bubble", "replicas")
 BUSY = ("forward", "backward", "step")
 
 
@@ -50,8 +49,9 @@ class Timeline:
         finally:
             self.add(kind, t0, time.time(), p, wave)
 
-    def add(self, kind: str, t0: float, t1: float, p: int | None = None,
-            wave: int | None = None) -> None:
+    def add(
+        self, kind: str, t0: float, t1: float, p: int | None = None, wave: int | None = None
+    ) -> None:
         """A span measured elsewhere (on the compute thread)."""
         self.totals[kind] += t1 - t0
         if self.keep_spans:

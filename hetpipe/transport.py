@@ -215,8 +215,9 @@ class Channel:
         try:
             await self._io.send(frames, flags=flags, copy=not _large(frames))
         except zmq.Again as exc:
-            raise ConnectionError(f"{self.name}: peer {to!r} does not read (its queue is "
-                                  f"full); message dropped") from exc
+            raise ConnectionError(
+                f"{self.name}: peer {to!r} does not read (its queue is full); message dropped"
+            ) from exc
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"{self.name}: peer {to!r} is not connected") from exc
@@ -322,14 +323,16 @@ class Channel:
         if self._flood[1] > FLOOD_PER_S:
             await asyncio.sleep(1.0 / FLOOD_PER_S)
 
-    async def _dispatch(self, ident: bytes | None, frames: list[Any],
-                        user: str | None = None) -> None:
+    async def _dispatch(
+        self, ident: bytes | None, frames: list[Any], user: str | None = None
+    ) -> None:
         try:
             msg = decode(frames, max_frame_bytes=self._max_frame_bytes)
         except WireError as exc:
-            if self._bad.warning("bad message dropped", str(_peer(ident)), str(exc),
-                                 user=user) or \
-                    self._bad.count(str(_peer(ident))) < MAX_ERROR_REPLIES:
+            if (
+                self._bad.warning("bad message dropped", str(_peer(ident)), str(exc), user=user)
+                or self._bad.count(str(_peer(ident))) < MAX_ERROR_REPLIES
+            ):
                 await self.reply_error(ident, f"bad message: {exc}")
             await self._slow_down_under_flood()
             return
@@ -349,11 +352,18 @@ class Channel:
         try:
             await self._handler(ident, msg)
         except ConnectionError as exc:  # a peer gone or not reading: its loss, not a bug
-            self._bad.warning("reply undeliverable", str(_peer(ident)), str(exc),
-                              kind=str(msg.kind))
+            self._bad.warning(
+                "reply undeliverable", str(_peer(ident)), str(exc), kind=str(msg.kind)
+            )
         except Exception as exc:  # a handler bug must not kill the reader
-            self._bad.warning("handler failed", str(_peer(ident)), f"{type(exc).__name__}: "
-                              f"{exc}", kind=str(msg.kind), user=msg.user, exc_info=True)
+            self._bad.warning(
+                "handler failed",
+                str(_peer(ident)),
+                f"{type(exc).__name__}: {exc}",
+                kind=str(msg.kind),
+                user=msg.user,
+                exc_info=True,
+            )
             await self.reply_error(ident, f"{msg.kind} failed: {exc}", rid)
 
 

@@ -181,15 +181,33 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # tensors: activation "x", labels "y"; rows: the minibatch's rows [lo, hi) they hold,
     # where a stage on either side is replicated (hetpipe.replicas); absent: all of them
-    Kind.ACT: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "shm": _OPT_DICT,
-               "rows": _OPT_LIST},
+    Kind.ACT: {
+        "job": _STR,
+        "vw": _INT,
+        "p": _INT,
+        "ipc": _OPT_DICT,
+        "shm": _OPT_DICT,
+        "rows": _OPT_LIST,
+    },
     # tensors: gradient "g"; rows as for act
-    Kind.GRAD: {"job": _STR, "vw": _INT, "p": _INT, "ipc": _OPT_DICT, "shm": _OPT_DICT,
-                "rows": _OPT_LIST},
+    Kind.GRAD: {
+        "job": _STR,
+        "vw": _INT,
+        "p": _INT,
+        "ipc": _OPT_DICT,
+        "shm": _OPT_DICT,
+        "rows": _OPT_LIST,
+    },
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)
-    Kind.REPLICA_GRAD: {"job": _STR, "vw": _INT, "stage": _INT, "p": _INT, "replica": _INT,
-                        "shm": _OPT_DICT},
+    Kind.REPLICA_GRAD: {
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "p": _INT,
+        "replica": _INT,
+        "shm": _OPT_DICT,
+    },
     # tensors: summed deltas of the wave, by parameter name
     Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
     Kind.PULL: {
@@ -216,8 +234,14 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # tensors: initial weights, by parameter name
     # owners: "vw/stage" -> user id of the worker assigned (the only one it takes pushes from)
     # cut_every: keep a cut of the weights every that many waves (checkpoints)
-    Kind.SHARD_INIT: {"rid": _INT, "job": _STR, "members": _DICT, "staleness": _INT,
-                      "owners": _OPT_DICT, "cut_every": _OPT_INT},
+    Kind.SHARD_INIT: {
+        "rid": _INT,
+        "job": _STR,
+        "members": _DICT,
+        "staleness": _INT,
+        "owners": _OPT_DICT,
+        "cut_every": _OPT_INT,
+    },
     # head -> shard: the weights of cut ``wave`` (answered once complete) and its applied sets
     Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
@@ -238,8 +262,17 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
 _missing_schemas = set(Kind) - set(SCHEMAS)
 assert not _missing_schemas, f"kinds without a schema: {sorted(_missing_schemas)}"
 
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8",
-                "bool")
+_DTYPE_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int8",
+    "uint8",
+    "bool",
+)
 
 
 @functools.cache
@@ -329,19 +362,24 @@ def _check_plain(kind: str, name: str, value: Any, where: Any = None, depth: int
     for key, v in items:
         t = type(v)
         if is_map and not isinstance(key, str):
-            raise WireError(f"{kind}: field {name!r}: map key {key!r} at "
-                            f"{_path(name, where)} is not a str")
+            raise WireError(
+                f"{kind}: field {name!r}: map key {key!r} at {_path(name, where)} is not a str"
+            )
         if t in _LEAF_TYPES:
             continue
         if isinstance(v, int):  # (bool, an int too, is a leaf above)
             if not _INT_MIN <= v <= _UINT_MAX:
-                raise WireError(f"{kind}: field {name!r}: integer at "
-                                f"{_path(name, (where, key, is_map))} is out of range")
+                raise WireError(
+                    f"{kind}: field {name!r}: integer at "
+                    f"{_path(name, (where, key, is_map))} is out of range"
+                )
         elif isinstance(v, dict | list | tuple):
             _check_plain(kind, name, v, (where, key, is_map), depth + 1)
         elif not isinstance(v, float | str | bytes):  # a subclass of a leaf type
-            raise WireError(f"{kind}: field {name!r}: {t.__name__} at "
-                            f"{_path(name, (where, key, is_map))} is not plain msgpack data")
+            raise WireError(
+                f"{kind}: field {name!r}: {t.__name__} at "
+                f"{_path(name, (where, key, is_map))} is not plain msgpack data"
+            )
 
 
 def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> dict[str, Any]:
@@ -360,10 +398,8 @@ def _check_fields(kind: Kind, fields: Mapping[str, Any], *, outgoing: bool) -> d
             if value is None and outgoing and not field.required:
                 continue
             types = field.types_out if outgoing else field.types
-            ok = isinstance(value, types) and not (isinstance(value, bool)
-                                                   and bool not in types)
-            if not ok and float in types and isinstance(value, int) \
-                    and not isinstance(value, bool):
+            ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+            if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
                 value, ok = float(value), True
             if not ok:
                 raise WireError(

@@ -46,8 +46,9 @@ LINGER_MS = 2000  # queued activations/gradients still leave when a stage ends
 class _Job:
     """What a worker holds for the job it is assigned: its stage and its job sockets."""
 
-    def __init__(self, task: StageTask, compute: StageCompute,
-                 closing: set[hostshm.Outbox]) -> None:
+    def __init__(
+        self, task: StageTask, compute: StageCompute, closing: set[hostshm.Outbox]
+    ) -> None:
         """``closing``: where a closed job's outbox waits for its late removal (the worker
         removes what is there at once when it stops)."""
         self.task = task
@@ -87,8 +88,9 @@ class _Job:
 class Worker:
     """One ``hetpipe-worker`` process."""
 
-    def __init__(self, cluster: ClusterConfig, device: DeviceSpec, owner: Owner,
-                 head: str | None) -> None:
+    def __init__(
+        self, cluster: ClusterConfig, device: DeviceSpec, owner: Owner, head: str | None
+    ) -> None:
         self.cluster = cluster
         self.device = device
         self.owner = owner
@@ -118,19 +120,33 @@ class Worker:
         # shared-memory tensors that a killed worker of this host left behind
         if self._host_shm and (removed := hostshm.sweep()):
             self.log.info("removed leftover shared-memory tensors", files=removed)
-        data = make_socket(self.owner.ctx, zmq.PULL,
-                           bind=tcp(self.device.host, self.device.port), hwm=rt.hwm,
-                           max_frame_bytes=rt.max_frame_bytes,
-                           curve=self.owner.curve)
+        data = make_socket(
+            self.owner.ctx,
+            zmq.PULL,
+            bind=tcp(self.device.host, self.device.port),
+            hwm=rt.hwm,
+            max_frame_bytes=rt.max_frame_bytes,
+            curve=self.owner.curve,
+        )
         self.address = bound_address(data)
-        self.owner.watch_handshakes(self.owner.channel(Channel(
-            data, self._on_data, name="data", max_frame_bytes=rt.max_frame_bytes)))
+        self.owner.watch_handshakes(
+            self.owner.channel(
+                Channel(data, self._on_data, name="data", max_frame_bytes=rt.max_frame_bytes)
+            )
+        )
         ident = f"{self.device.name}:{os.getpid()}".encode()
-        sock = make_socket(self.owner.ctx, zmq.DEALER, connect=self.head_address,
-                           identity=ident, hwm=rt.hwm, max_frame_bytes=rt.max_frame_bytes,
-                           curve=self.owner.curve)
-        self.head = self.owner.channel(Channel(sock, self._on_head, name="head",
-                                               max_frame_bytes=rt.max_frame_bytes))
+        sock = make_socket(
+            self.owner.ctx,
+            zmq.DEALER,
+            connect=self.head_address,
+            identity=ident,
+            hwm=rt.hwm,
+            max_frame_bytes=rt.max_frame_bytes,
+            curve=self.owner.curve,
+        )
+        self.head = self.owner.channel(
+            Channel(sock, self._on_head, name="head", max_frame_bytes=rt.max_frame_bytes)
+        )
         self.owner.spawn(self._heartbeat(), "heartbeat")
 
     async def hello(self, timeout: float | None = None) -> None:
@@ -140,14 +156,23 @@ class Worker:
         deadline = None if timeout is None else loop.time() + timeout
         self.welcomed.clear()
         while not self.welcomed.is_set():
-            await self.head.send(Kind.HELLO, {
-                "device": self.device.name, "address": self.address, "pid": os.getpid(),
-                "host": socket.gethostname(), "type": self.device.type})
+            await self.head.send(
+                Kind.HELLO,
+                {
+                    "device": self.device.name,
+                    "address": self.address,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "type": self.device.type,
+                },
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.welcomed.wait(), HELLO_RETRY_S)
             if deadline is not None and loop.time() > deadline:
-                raise TimeoutError(f"the head at {self.head_address} did not answer within "
-                                   f"{timeout:g} s: is `hetpipe-ps --shard 0` running?")
+                raise TimeoutError(
+                    f"the head at {self.head_address} did not answer within "
+                    f"{timeout:g} s: is `hetpipe-ps --shard 0` running?"
+                )
 
     async def _heartbeat(self) -> None:
         assert self.head is not None
@@ -157,8 +182,7 @@ class Worker:
                 continue
             fields: dict[str, Any] = {"device": self.device.name, "state": self.state}
             if self.job is not None:
-                fields.update(job=self.job.task.job, vw=self.job.task.vw,
-                              stage=self.job.task.stage)
+                fields.update(job=self.job.task.job, vw=self.job.task.vw, stage=self.job.task.stage)
             await self.head.send(Kind.HEARTBEAT, fields)
 
     # -- head messages ----------------------------------------------------------------------
@@ -194,38 +218,52 @@ class Worker:
             # the head checked the job at submit; a worker checks again before any import
             check_job(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
-            compute = await loop.run_in_executor(self.executor, _stage_compute, task,
-                                                 self.device, msg.tensors)
+            compute = await loop.run_in_executor(
+                self.executor, _stage_compute, task, self.device, msg.tensors
+            )
             job = _Job(task, compute, self.closing)
             rt = self.cluster.runtime
             for address in dict.fromkeys(_destinations(task)):
-                sock = make_socket(self.owner.ctx, zmq.PUSH, connect=address, hwm=rt.hwm,
-                                   max_frame_bytes=rt.max_frame_bytes,
-                                   curve=self.owner.curve)
-                job.channels.append(Channel(sock, None, name=f"to:{address}",
-                                            max_frame_bytes=rt.max_frame_bytes))
+                sock = make_socket(
+                    self.owner.ctx,
+                    zmq.PUSH,
+                    connect=address,
+                    hwm=rt.hwm,
+                    max_frame_bytes=rt.max_frame_bytes,
+                    curve=self.owner.curve,
+                )
+                job.channels.append(
+                    Channel(sock, None, name=f"to:{address}", max_frame_bytes=rt.max_frame_bytes)
+                )
             for index, address in task.shards.items():
-                sock = make_socket(self.owner.ctx, zmq.DEALER, connect=address, hwm=rt.hwm,
-                                   max_frame_bytes=rt.max_frame_bytes,
-                                   curve=self.owner.curve)
-                ch = Channel(sock, None, name=f"shard{index}",
-                             max_frame_bytes=rt.max_frame_bytes).start()
+                sock = make_socket(
+                    self.owner.ctx,
+                    zmq.DEALER,
+                    connect=address,
+                    hwm=rt.hwm,
+                    max_frame_bytes=rt.max_frame_bytes,
+                    curve=self.owner.curve,
+                )
+                ch = Channel(
+                    sock, None, name=f"shard{index}", max_frame_bytes=rt.max_frame_bytes
+                ).start()
                 job.channels.append(ch)
                 job.shards[int(index)] = ch
             if task.is_first:
                 spec = compute.spec
                 dataset = await loop.run_in_executor(
-                    self.executor, load_dataset, spec.data.name, spec.data.args)
-                job.stream = MinibatchStream(dataset, spec.minibatch, spec.seed, task.vw,
-                                             task.num_vws)
+                    self.executor, load_dataset, spec.data.name, spec.data.args
+                )
+                job.stream = MinibatchStream(
+                    dataset, spec.minibatch, spec.seed, task.vw, task.num_vws
+                )
             self.job = job
         except Exception as exc:
             self.log.warning("assignment refused", error=excerpt(exc))
             await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
             return
         logmod.structlog.contextvars.bind_contextvars(job=task.job, vw=task.vw, stage=task.stage)
-        self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k,
-                      nm=task.nm)
+        self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k, nm=task.nm)
         await self.head.send(Kind.OK, {"rid": rid})
 
     async def _measure(self, msg: Message) -> None:
@@ -238,8 +276,9 @@ class Worker:
             info = await loop.run_in_executor(self.executor, measure, spec, self.device)
         except Exception as exc:
             self.log.warning("profiling failed", error=excerpt(exc))
-            await self.head.reply_error(None, f"{self.device.name}: profiling failed: {exc}",
-                                        msg["rid"])
+            await self.head.reply_error(
+                None, f"{self.device.name}: profiling failed: {exc}", msg["rid"]
+            )
             return
         await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
 
@@ -247,16 +286,26 @@ class Worker:
         job = self.job
         if job is None or job.task.job != job_id or job.runner is not None:
             return
-        job.runner = StageRunner(job.compute, self.executor, send=self._sender(job),
-                                 shards=job.shards, report=self._reporter(job),
-                                 stream=job.stream, copy_executor=self.copies,
-                                 snapshot=self._snapshotter(job),
-                                 direct=frozenset(kind for kind, group in (
-                                     (Kind.ACT, job.task.next_group),
-                                     (Kind.GRAD, job.task.prev_group))
-                                     if len(group) == 1 and self._shares_gpu_with(group[0])),
-                                 inline_s=self.cluster.runtime.inline_ms / 1e3,
-                                 inbox=job.inbox)
+        job.runner = StageRunner(
+            job.compute,
+            self.executor,
+            send=self._sender(job),
+            shards=job.shards,
+            report=self._reporter(job),
+            stream=job.stream,
+            copy_executor=self.copies,
+            snapshot=self._snapshotter(job),
+            direct=frozenset(
+                kind
+                for kind, group in (
+                    (Kind.ACT, job.task.next_group),
+                    (Kind.GRAD, job.task.prev_group),
+                )
+                if len(group) == 1 and self._shares_gpu_with(group[0])
+            ),
+            inline_s=self.cluster.runtime.inline_ms / 1e3,
+            inbox=job.inbox,
+        )
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()
@@ -265,19 +314,31 @@ class Worker:
     def _sender(self, job: _Job) -> Any:
         channels = {c.name: c for c in job.channels}
         task = job.task
-        groups = {Kind.ACT: task.next_peers, Kind.GRAD: task.prev_peers,
-                  Kind.REPLICA_GRAD: task.peers}
+        groups = {
+            Kind.ACT: task.next_peers,
+            Kind.GRAD: task.prev_peers,
+            Kind.REPLICA_GRAD: task.peers,
+        }
         # activations, gradients and a replica's weight gradients to a device of this host:
         # large host tensors go through shared memory (hetpipe.hostshm), by destination index
-        by_host = {kind: {to for to, d in enumerate(group) if self._shares_host_with(d)}
-                   for kind, group in ((Kind.ACT, task.next_group),
-                                       (Kind.GRAD, task.prev_group),
-                                       (Kind.REPLICA_GRAD, task.group))}
+        by_host = {
+            kind: {to for to, d in enumerate(group) if self._shares_host_with(d)}
+            for kind, group in (
+                (Kind.ACT, task.next_group),
+                (Kind.GRAD, task.prev_group),
+                (Kind.REPLICA_GRAD, task.group),
+            )
+        }
         fields = {"job": task.job, "vw": task.vw}
 
-        async def send(kind: str, p: int, tensors: dict[str, torch.Tensor],
-                       shared: dict[str, Any] | None = None, to: int = 0,
-                       extra: dict[str, Any] | None = None) -> None:
+        async def send(
+            kind: str,
+            p: int,
+            tensors: dict[str, torch.Tensor],
+            shared: dict[str, Any] | None = None,
+            to: int = 0,
+            extra: dict[str, Any] | None = None,
+        ) -> None:
             peers = groups[kind]
             assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
             more: dict[str, Any] = {"ipc": shared} if shared else {}
@@ -287,22 +348,36 @@ class Worker:
                 if placed:
                     more["shm"] = placed
                 if job.outbox.error and not refused_before:  # once: no tensor is put after
-                    self.log.warning("shared memory refused a tensor; it goes through the "
-                                     "socket", error=job.outbox.error)
+                    self.log.warning(
+                        "shared memory refused a tensor; it goes through the socket",
+                        error=job.outbox.error,
+                    )
             await channels[f"to:{peers[to]}"].send(
-                kind, {**fields, "p": p, **more, **(extra or {})}, tensors)
+                kind, {**fields, "p": p, **more, **(extra or {})}, tensors
+            )
 
         return send
 
     def _snapshotter(self, job: _Job) -> Any:
         """The stage's state at each cut goes to the head, which writes the checkpoint (the
         job's directory is the head's; no file system is shared with the workers)."""
-        async def snapshot(wave: int, meta: dict[str, Any],
-                           tensors: dict[str, torch.Tensor]) -> None:
+
+        async def snapshot(
+            wave: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+        ) -> None:
             assert self.head is not None
-            await self.head.send(Kind.STAGE_STATE, {
-                "job": job.task.job, "vw": job.task.vw, "stage": job.task.stage,
-                "wave": wave, "meta": meta}, tensors)
+            await self.head.send(
+                Kind.STAGE_STATE,
+                {
+                    "job": job.task.job,
+                    "vw": job.task.vw,
+                    "stage": job.task.stage,
+                    "wave": wave,
+                    "meta": meta,
+                },
+                tensors,
+            )
+
         return snapshot
 
     def _reporter(self, job: _Job) -> Any:
@@ -310,8 +385,11 @@ class Worker:
             assert self.head is not None
             if not job.task.leader:
                 return  # a replicated stage's leader reports for it (hetpipe.replicas)
-            await self.head.send(Kind.REPORT, {"job": job.task.job, "vw": job.task.vw,
-                                               "stage": job.task.stage, "stats": stats})
+            await self.head.send(
+                Kind.REPORT,
+                {"job": job.task.job, "vw": job.task.vw, "stage": job.task.stage, "stats": stats},
+            )
+
         return report
 
     async def _run(self, job: _Job) -> None:
@@ -324,14 +402,15 @@ class Worker:
             raise
         except Exception as exc:
             self.log.exception("stage failed")
-            await self.head.send(Kind.STAGE_FAILED, {**ids, "error": f"{type(exc).__name__}: "
-                                                     f"{exc}" if str(exc) else repr(exc)})
+            await self.head.send(
+                Kind.STAGE_FAILED,
+                {**ids, "error": f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)},
+            )
         else:
             records = stats.pop("records")
             stats["shared_memory_sent"] = job.outbox.sent  # tensors to peers of this host
             if t.leader:  # a replicated stage is done when its leader is: it waits for all
-                await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats,
-                                                       "records": records})
+                await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats, "records": records})
             self.log.info("stage done", minibatches=stats["done"])
         finally:
             if self.job is job:
@@ -358,29 +437,43 @@ class Worker:
         # authority: activations only from stage - 1, gradients only from stage + 1, weight
         # gradients only from this stage's other replicas (each a group of devices)
         t = job.task
-        senders = {Kind.ACT: t.prev_group, Kind.GRAD: t.next_group,
-                   Kind.REPLICA_GRAD: [d for r, d in enumerate(t.group) if r != t.replica]
-                   }[msg.kind]
+        senders = {
+            Kind.ACT: t.prev_group,
+            Kind.GRAD: t.next_group,
+            Kind.REPLICA_GRAD: [d for r, d in enumerate(t.group) if r != t.replica],
+        }[msg.kind]
         if (msg.kind == Kind.REPLICA_GRAD and msg["stage"] != t.stage) or (
-                msg.user is not None and msg.user not in {worker_user(d) for d in senders}):
-            self._refused.warning("data refused: not from this stage's neighbour",
-                                  str(msg.user), f"{msg.user} sent {msg.kind}",
-                                  kind=str(msg.kind), expected=",".join(senders))
+            msg.user is not None and msg.user not in {worker_user(d) for d in senders}
+        ):
+            self._refused.warning(
+                "data refused: not from this stage's neighbour",
+                str(msg.user),
+                f"{msg.user} sent {msg.kind}",
+                kind=str(msg.kind),
+                expected=",".join(senders),
+            )
             return
         sender = senders[0] if len(senders) == 1 else None
         if msg.get("ipc") and not self._shares_gpu_with(sender):
-            self._refused.warning("data refused: a shared GPU tensor from a peer that is "
-                                  "not a GPU of this host", str(msg.user),
-                                  f"{sender} sent {msg.kind} by handle", kind=str(msg.kind))
+            self._refused.warning(
+                "data refused: a shared GPU tensor from a peer that is not a GPU of this host",
+                str(msg.user),
+                f"{sender} sent {msg.kind} by handle",
+                kind=str(msg.kind),
+            )
             return
         # the sender by its key (any of the role's devices where Curve is off)
         if msg.get("shm") and not all(
-                self._shares_host_with(d) for d in senders
-                if msg.user is None or msg.user == worker_user(d)):
-            self._refused.warning("data refused: a shared-memory tensor from a peer that is "
-                                  "not on this host", str(msg.user),
-                                  f"{sender} sent {msg.kind} in shared memory",
-                                  kind=str(msg.kind))
+            self._shares_host_with(d)
+            for d in senders
+            if msg.user is None or msg.user == worker_user(d)
+        ):
+            self._refused.warning(
+                "data refused: a shared-memory tensor from a peer that is not on this host",
+                str(msg.user),
+                f"{sender} sent {msg.kind} in shared memory",
+                kind=str(msg.kind),
+            )
             return
         if job.runner is None:
             job.early.append(msg)
@@ -410,8 +503,11 @@ class Worker:
         """Whether tensors to and from device ``peer`` move device to device: both are GPUs
         of this host and ``[runtime] cuda_ipc`` allows it (hetpipe.cudaipc)."""
         other = self._on_this_host(peer) if self.cluster.runtime.cuda_ipc else None
-        return (other is not None and self.device.device.startswith("cuda")
-                and other.device.startswith("cuda"))
+        return (
+            other is not None
+            and self.device.device.startswith("cuda")
+            and other.device.startswith("cuda")
+        )
 
     def _shares_host_with(self, peer: str | None) -> bool:
         """Whether large host tensors to and from device ``peer`` go through this host's
@@ -431,34 +527,52 @@ class Worker:
 def _destinations(task: StageTask) -> list[str]:
     """The data addresses a stage sends to: its neighbours' devices (every replica of a
     replicated neighbour) and its own replicas."""
-    return [*task.prev_peers, *task.next_peers,
-            *(a for r, a in enumerate(task.peers) if r != task.replica)]
+    return [
+        *task.prev_peers,
+        *task.next_peers,
+        *(a for r, a in enumerate(task.peers) if r != task.replica),
+    ]
 
 
-def _stage_compute(task: StageTask, device: DeviceSpec,
-                   tensors: dict[str, torch.Tensor]) -> StageCompute:
+def _stage_compute(
+    task: StageTask, device: DeviceSpec, tensors: dict[str, torch.Tensor]
+) -> StageCompute:
     """The stage of an assignment: its non-persistent buffers are named as in the model;
     the checkpointed state of a resumed job (names with a ``/``) is loaded into it."""
     local = {k: t for k, t in tensors.items() if "/" not in k}
     compute = StageCompute(task, device, local)
     if task.restore is not None:
-        compute.load_state(task.restore, {k: t for k, t in tensors.items() if "/" in k},
-                           weights=bool(task.restore.get("weights")))
+        compute.load_state(
+            task.restore,
+            {k: t for k, t in tensors.items() if "/" in k},
+            weights=bool(task.restore.get("weights")),
+        )
     return compute
 
 
-async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None = None,
-                ready_file: str | None = None) -> None:
+async def serve(
+    cluster: ClusterConfig,
+    device: DeviceSpec,
+    *,
+    head: str | None = None,
+    ready_file: str | None = None,
+) -> None:
     """Run the worker of ``device`` until SIGTERM/SIGINT."""
     owner = Owner()
     worker = Worker(cluster, device, owner, head)
     try:
         owner.secure(cluster.security, worker_user(device.name), serve=True)
         await worker.start()
-        write_ready(ready_file, {"role": "worker", "device": device.name,
-                                 "address": worker.address})
-        worker.log.info("ready", address=worker.address, device=device.device,
-                        speed=device.speed, curve=owner.curve is not None)
+        write_ready(
+            ready_file, {"role": "worker", "device": device.name, "address": worker.address}
+        )
+        worker.log.info(
+            "ready",
+            address=worker.address,
+            device=device.device,
+            speed=device.speed,
+            curve=owner.curve is not None,
+        )
         owner.spawn(worker.hello(), "hello")
         sig = await wait_for_signal()
         worker.log.info("stopping", signal=sig)
@@ -468,19 +582,39 @@ async def serve(cluster: ClusterConfig, device: DeviceSpec, *, head: str | None 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--cluster", "cluster_path", default="cluster.toml", show_default=True,
-              type=click.Path(dir_okay=False), help="Cluster description.")
+@click.option(
+    "--cluster",
+    "cluster_path",
+    default="cluster.toml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Cluster description.",
+)
 @click.option("--device", required=True, help="Device name in the cluster file (e.g. gpu0).")
 @click.option("--head", default=None, help="Head address (tcp://host:port) if not the file's.")
 @click.option("--ready-file", default=None, help="Write the bound address here when ready.")
-@click.option("--threads", default=1, show_default=True,
-              help="Torch intra-op threads (emulated devices share the host's cores).")
+@click.option(
+    "--threads",
+    default=1,
+    show_default=True,
+    help="Torch intra-op threads (emulated devices share the host's cores).",
+)
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--log-file", default=None, type=click.Path(dir_okay=False),
-              help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.")
-def main(cluster_path: str, device: str, head: str | None, ready_file: str | None,
-         threads: int, log_level: str,
-         log_file: str | None) -> None:
+@click.option(
+    "--log-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Log here (JSON lines), rotated by the cluster file's log_max_bytes.",
+)
+def main(
+    cluster_path: str,
+    device: str,
+    head: str | None,
+    ready_file: str | None,
+    threads: int,
+    log_level: str,
+    log_file: str | None,
+) -> None:
     """Run one worker daemon for one device of the cluster."""
     logmod.configure(f"worker:{device}", level=log_level)
     try:
@@ -490,8 +624,9 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         raise click.ClickException(str(exc)) from None
     head = start_daemon(f"worker:{device}", cluster, log_file, log_level, head)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.ClickException(f"{device} is {spec.device} in {cluster_path}, "
-                                   "but this torch has no CUDA device")
+        raise click.ClickException(
+            f"{device} is {spec.device} in {cluster_path}, but this torch has no CUDA device"
+        )
     torch.set_num_threads(max(1, threads))
     try:
         asyncio.run(serve(cluster, spec, head=head, ready_file=ready_file))
@@ -499,7 +634,8 @@ def main(cluster_path: str, device: str, head: str | None, ready_file: str | Non
         raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
         raise click.ClickException(
-            f"{device} cannot listen on {spec.host}:{spec.port}: {exc}") from None
+            f"{device} cannot listen on {spec.host}:{spec.port}: {exc}"
+        ) from None
     except KeyboardInterrupt:
         sys.exit(130)
 

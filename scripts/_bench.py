@@ -17,8 +17,18 @@ from typing import Any
 
 from hetpipe.localcluster import free_ports
 
-__all__ = ["HostCpu", "cpu_seconds", "emit_json", "free_port", "machine", "median", "parser",
-           "print_table", "retain_freed_as_daemons", "timed"]
+__all__ = [
+    "HostCpu",
+    "cpu_seconds",
+    "emit_json",
+    "free_port",
+    "machine",
+    "median",
+    "parser",
+    "print_table",
+    "retain_freed_as_daemons",
+    "timed",
+]
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

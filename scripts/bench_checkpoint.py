@@ -37,11 +37,21 @@ DEFAULT_EVERY = JobSpec.__dataclass_fields__["checkpoint_every"].default
 
 
 def _job(name: str, every: int, minibatches: int) -> dict[str, Any]:
-    return {"name": name, "model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
-            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
-            "train": {"minibatch": 32, "nm": 2, "staleness": 0, "seed": 0,
-                      "minibatches": minibatches, "checkpoint_every": every},
-            "vw": [{"devices": ["gpu0", "gpu1"], "layers": [8, 8]}]}
+    return {
+        "name": name,
+        "model": {"name": "cnn", "args": {}},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+        "train": {
+            "minibatch": 32,
+            "nm": 2,
+            "staleness": 0,
+            "seed": 0,
+            "minibatches": minibatches,
+            "checkpoint_every": every,
+        },
+        "vw": [{"devices": ["gpu0", "gpu1"], "layers": [8, 8]}],
+    }
 
 
 async def _ended(head: Any, job_id: str) -> dict[str, Any]:
@@ -90,8 +100,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
-        path.write_text(cluster_toml([DeviceDef("gpu0"), DeviceDef("gpu1")],
-                                     shard_ports=free_ports(2)))
+        path.write_text(
+            cluster_toml([DeviceDef("gpu0"), DeviceDef("gpu1")], shard_ports=free_ports(2))
+        )
         with LocalCluster(path, root / "run", timeout=120) as c:
             for i in range(args.repeats):
                 for way, n in (("off", 0), ("on", every)):
@@ -111,21 +122,36 @@ def main() -> None:
     per_ckpt = median([cost(r) / max(1, r["checkpoints"]) for r in runs["on"]])
     resume_s = median(resumes)
     count = median([r["checkpoints"] for r in runs["on"]])
-    print(f"checkpoints of a cnn job ({args.minibatches} minibatches, 2 stages, 2 shards) "
-          f"every {every} waves; median of {args.repeats} ({machine()['cores']} cores)")
-    print_table(["way", "train s", "checkpoints", "checkpoint s", "share of train"],
-                [["off", off, 0, 0.0, 0.0],
-                 [f"every {every}", on, count, overhead * on, overhead]])
-    print(f"checkpoint_overhead {overhead:.4f} (target <= 0.03; head {head_share:.4f}, "
-          f"stages {stage_share:.4f}), {per_ckpt * 1e3:.1f} ms per checkpoint; slowdown "
-          f"{on / off - 1:+.3f}; resume_s {resume_s:.2f} (submit --resume to the first "
-          f"minibatch trained again)")
+    print(
+        f"checkpoints of a cnn job ({args.minibatches} minibatches, 2 stages, 2 shards) "
+        f"every {every} waves; median of {args.repeats} ({machine()['cores']} cores)"
+    )
+    print_table(
+        ["way", "train s", "checkpoints", "checkpoint s", "share of train"],
+        [["off", off, 0, 0.0, 0.0], [f"every {every}", on, count, overhead * on, overhead]],
+    )
+    print(
+        f"checkpoint_overhead {overhead:.4f} (target <= 0.03; head {head_share:.4f}, "
+        f"stages {stage_share:.4f}), {per_ckpt * 1e3:.1f} ms per checkpoint; slowdown "
+        f"{on / off - 1:+.3f}; resume_s {resume_s:.2f} (submit --resume to the first "
+        f"minibatch trained again)"
+    )
     if args.json:
-        emit_json({"checkpoint_overhead": overhead, "checkpoint_overhead_head": head_share,
-                   "checkpoint_overhead_stages": stage_share, "checkpoint_ms": per_ckpt * 1e3,
-                   "checkpoints": count, "train_s_off": off, "train_s_on": on,
-                   "slowdown": on / off - 1, "resume_s": resume_s, "every_waves": every,
-                   "machine": machine()})
+        emit_json(
+            {
+                "checkpoint_overhead": overhead,
+                "checkpoint_overhead_head": head_share,
+                "checkpoint_overhead_stages": stage_share,
+                "checkpoint_ms": per_ckpt * 1e3,
+                "checkpoints": count,
+                "train_s_off": off,
+                "train_s_on": on,
+                "slowdown": on / off - 1,
+                "resume_s": resume_s,
+                "every_waves": every,
+                "machine": machine(),
+            }
+        )
 
 
 if __name__ == "__main__":

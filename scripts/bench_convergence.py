@@ -224,9 +224,7 @@ class Hetpipe:
         a = self.args
         pids = [p.pid for p in self.local.procs.values()]
         cpu0, t0 = cpu_seconds(pids), time.perf_counter()
-        info = asyncio.run(
-            _follow(self.local, job_dict(a, staleness, seed), a.target, a.max_s)
-        )
+        info = asyncio.run(_follow(self.local, job_dict(a, staleness, seed), a.target, a.max_s))
         cpu, wall = cpu_seconds(pids) - cpu0, time.perf_counter() - t0
         done = sum(v.get("done") or 0 for v in info.get("vws") or [])
         if info.get("error") and not info["stopped"]:
@@ -530,11 +528,19 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     ap.add_argument("--epochs", type=int, default=30, help="cap on data passes, both sides")
-    ap.add_argument("--max-s", type=float, default=None,
-                    help="cap on seconds per run (default 30 / speed scale)")
-    ap.add_argument("--speed-scale", type=float, default=0.25,
-                    help="global scale of every emulated device's speed, both sides: slow "
-                    "enough that the host's cores do not saturate (see host cpu)")
+    ap.add_argument(
+        "--max-s",
+        type=float,
+        default=None,
+        help="cap on seconds per run (default 30 / speed scale)",
+    )
+    ap.add_argument(
+        "--speed-scale",
+        type=float,
+        default=0.25,
+        help="global scale of every emulated device's speed, both sides: slow "
+        "enough that the host's cores do not saturate (see host cpu)",
+    )
     ap.add_argument("--repeats", type=int, default=7, help="runs per way (median), seeds differ")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 2], help="WSP D values")
     ap.add_argument("--lr", type=float, default=0.05, help="per-minibatch learning rate")
@@ -660,8 +666,10 @@ def main() -> None:
         )
     else:
         print("speedup_vs_ddp: n/a (a side missed the target; raise --epochs or --max-s)")
-    print(f"host cpu utilisation over the runs: {host_cpu:.2f} (speed scale {args.speed_scale}; "
-          "near 1.0 the figures measure this host's contention, not the cluster modelled)")
+    print(
+        f"host cpu utilisation over the runs: {host_cpu:.2f} (speed scale {args.speed_scale}; "
+        "near 1.0 the figures measure this host's contention, not the cluster modelled)"
+    )
     print(f"total {wall:.1f} s")
     if args.json:
         emit_json(

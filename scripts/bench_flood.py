@@ -82,10 +82,14 @@ def _rss_mb(pids: list[int]) -> float:
 
 
 def _job(minibatches: int, name: str) -> dict[str, Any]:
-    return {"name": name, "model": {"name": "mlp", "args": {}}, "data": {"name": "digits"},
-            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-            "train": {"minibatch": 32, "nm": 2, "minibatches": minibatches},
-            "vw": [{"devices": ["gpu0", "gpu1"], "layers": [3, 3]}]}
+    return {
+        "name": name,
+        "model": {"name": "mlp", "args": {}},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"minibatch": 32, "nm": 2, "minibatches": minibatches},
+        "vw": [{"devices": ["gpu0", "gpu1"], "layers": [3, 3]}],
+    }
 
 
 async def _run(head: str, job: dict[str, Any], pids: list[int]) -> dict[str, Any]:
@@ -106,16 +110,25 @@ async def _run(head: str, job: dict[str, Any], pids: list[int]) -> dict[str, Any
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{job_id} did not finish in {WAIT_S:g} s")
             await asyncio.sleep(0.05)
-    return {"state": info["state"], "error": info.get("error"), "start_s": start,
-            "samples_per_s": info.get("samples_per_s") or 0.0, "rss_peak_mb": peak}
+    return {
+        "state": info["state"],
+        "error": info.get("error"),
+        "start_s": start,
+        "samples_per_s": info.get("samples_per_s") or 0.0,
+        "rss_peak_mb": peak,
+    }
 
 
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--minibatches", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--flood-s-before", type=float, default=1.0,
-                    help="seconds of flood before the job is submitted")
+    ap.add_argument(
+        "--flood-s-before",
+        type=float,
+        default=1.0,
+        help="seconds of flood before the job is submitted",
+    )
     args = ap.parse_args()
     bases: list[dict[str, Any]] = []
     floodeds: list[dict[str, Any]] = []
@@ -126,26 +139,29 @@ def main() -> None:
         path = root / "cluster.toml"
         # security off: the flooders are plain sockets (with Curve, a keyless one is refused
         # in the handshake and floods nothing but libzmq)
-        path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1,
-                                     curve=False))
+        path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1, curve=False))
         with LocalCluster(path, root / "run", timeout=120) as c:
             pids = [p.pid for p in c.procs.values()]
             asyncio.run(_run(c.head, _job(20, "warmup"), pids))
-            targets = {"head": (c.head, zmq.DEALER),
-                       "worker": (c.ready["worker-gpu1"]["address"], zmq.PUSH)}
+            targets = {
+                "head": (c.head, zmq.DEALER),
+                "worker": (c.ready["worker-gpu1"]["address"], zmq.PUSH),
+            }
             for r in range(args.repeats):
                 bases.append(asyncio.run(_run(c.head, _job(args.minibatches, "base"), pids)))
                 rss_before = _rss_mb(pids)
                 stop = mp.Event()
                 sent = {k: mp.Value("d", 0.0) for k in targets}
-                floods = [mp.Process(target=_flood, args=(*targets[k], stop, sent[k]))
-                          for k in targets]
+                floods = [
+                    mp.Process(target=_flood, args=(*targets[k], stop, sent[k])) for k in targets
+                ]
                 for f in floods:
                     f.start()
                 try:
                     time.sleep(args.flood_s_before)
-                    floodeds.append(asyncio.run(
-                        _run(c.head, _job(args.minibatches, f"flooded{r}"), pids)))
+                    floodeds.append(
+                        asyncio.run(_run(c.head, _job(args.minibatches, f"flooded{r}"), pids))
+                    )
                 finally:
                     stop.set()
                     for f in floods:
@@ -162,32 +178,42 @@ def main() -> None:
     flooded["error"] = next((f["error"] for f in floodeds if f["state"] != "done"), None)
     ratio = flooded["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] else 0.0
     growth = max(growths)
-    print_table(["run", "state", "start s", "samples/s", "peak RSS MB"],
-                [[name, r["state"], r["start_s"], r["samples_per_s"], r["rss_peak_mb"]]
-                 for pair in zip(bases, floodeds, strict=True)
-                 for name, r in zip(("unflooded", "flooded"), pair, strict=True)])
-    print(f"flood: head {median(rates['head']):.0f} msgs/s, worker data port "
-          f"{median(rates['worker']):.0f} msgs/s (medians); daemons alive after: {alive}")
-    print(f"throughput_under_flood {ratio:.3f} (target >= 0.8), start_latency_s "
-          f"{flooded['start_s']:.3f} (target <= 5), rss_growth_mb {growth:.1f} (target <= 50)")
+    print_table(
+        ["run", "state", "start s", "samples/s", "peak RSS MB"],
+        [
+            [name, r["state"], r["start_s"], r["samples_per_s"], r["rss_peak_mb"]]
+            for pair in zip(bases, floodeds, strict=True)
+            for name, r in zip(("unflooded", "flooded"), pair, strict=True)
+        ],
+    )
+    print(
+        f"flood: head {median(rates['head']):.0f} msgs/s, worker data port "
+        f"{median(rates['worker']):.0f} msgs/s (medians); daemons alive after: {alive}"
+    )
+    print(
+        f"throughput_under_flood {ratio:.3f} (target >= 0.8), start_latency_s "
+        f"{flooded['start_s']:.3f} (target <= 5), rss_growth_mb {growth:.1f} (target <= 50)"
+    )
     if flooded["state"] != "done":
         print(f"flooded job {flooded['state']}: {flooded['error']}")
     if args.json:
-        emit_json({
-            "throughput_under_flood": ratio,
-            "start_latency_s": flooded["start_s"],
-            "start_latency_unflooded_s": base["start_s"],
-            "rss_growth_mb": growth,
-            "samples_per_s_unflooded": base["samples_per_s"],
-            "samples_per_s_flooded": flooded["samples_per_s"],
-            "flooded_job_states": flooded["state"],
-            "flood_msgs_per_s": {k: median(v) for k, v in rates.items()},
-            "repeats": args.repeats,
-            "daemons_alive": alive,
-            "minibatches": args.minibatches,
-            "machine": machine(),
-            "cpu_count": os.cpu_count(),
-        })
+        emit_json(
+            {
+                "throughput_under_flood": ratio,
+                "start_latency_s": flooded["start_s"],
+                "start_latency_unflooded_s": base["start_s"],
+                "rss_growth_mb": growth,
+                "samples_per_s_unflooded": base["samples_per_s"],
+                "samples_per_s_flooded": flooded["samples_per_s"],
+                "flooded_job_states": flooded["state"],
+                "flood_msgs_per_s": {k: median(v) for k, v in rates.items()},
+                "repeats": args.repeats,
+                "daemons_alive": alive,
+                "minibatches": args.minibatches,
+                "machine": machine(),
+                "cpu_count": os.cpu_count(),
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -39,19 +39,36 @@ from _bench import emit_json, machine, parser, print_table
 SEQ, VOCAB, HEADS, LR, MOMENTUM, SEED = 128, 256, 8, 0.01, 0.9, 0
 
 
-def job_dict(name: str, devices: list[str], layers: list[int], nm: int, args: Any,
-             precision: str) -> dict[str, Any]:
+def job_dict(
+    name: str, devices: list[str], layers: list[int], nm: int, args: Any, precision: str
+) -> dict[str, Any]:
     """The job hetpipe runs (plain PyTorch reads the same model, data and optimizer)."""
     return {
         "name": name,
-        "model": {"name": "gpt", "args": {"vocab": VOCAB, "seq": SEQ, "dim": args.dim,
-                                          "heads": HEADS, "blocks": args.blocks}},
-        "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": SEQ, "vocab": VOCAB,
-                                               "n_train": 4096, "n_test": 256}},
+        "model": {
+            "name": "gpt",
+            "args": {
+                "vocab": VOCAB,
+                "seq": SEQ,
+                "dim": args.dim,
+                "heads": HEADS,
+                "blocks": args.blocks,
+            },
+        },
+        "data": {
+            "name": "synthetic",
+            "args": {"kind": "tokens", "seq": SEQ, "vocab": VOCAB, "n_train": 4096, "n_test": 256},
+        },
         "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0},
-        "train": {"minibatch": args.minibatch, "nm": nm, "staleness": 0, "seed": SEED,
-                  "minibatches": args.minibatches, "checkpoint_every": 0,
-                  "precision": precision},
+        "train": {
+            "minibatch": args.minibatch,
+            "nm": nm,
+            "staleness": 0,
+            "seed": SEED,
+            "minibatches": args.minibatches,
+            "checkpoint_every": 0,
+            "precision": precision,
+        },
         "vw": [{"devices": devices, "layers": layers}],
     }
 
@@ -73,8 +90,9 @@ def plain(job: dict[str, Any], device: str) -> float:
     model = build_model(spec.model.name, spec.model.args).to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loss_fn = model_loss(spec.model.name)
-    stream = MinibatchStream(load_dataset(spec.data.name, spec.data.args), spec.minibatch,
-                             spec.seed, 0, 1)
+    stream = MinibatchStream(
+        load_dataset(spec.data.name, spec.data.args), spec.minibatch, spec.seed, 0, 1
+    )
     n = job["train"]["minibatches"]
     warm = n // 5
     bf16 = spec.precision == "bf16"
@@ -109,8 +127,7 @@ def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bo
         with LocalCluster(path, root / "run", timeout=120) as cluster:
             info = cluster.submit(job, timeout=1800)
             if info.get("state") != "done":
-                raise RuntimeError(f"{job['name']} ended {info.get('state')}: "
-                                   f"{info.get('error')}")
+                raise RuntimeError(f"{job['name']} ended {info.get('state')}: {info.get('error')}")
             stages = json.loads(Path(info["stages_path"]).read_text())
     r = stages["vw0/stage0"]
     rows = [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
@@ -125,10 +142,17 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
-    ap.add_argument("--no-cuda-ipc", action="store_true",
-                    help="stages pass tensors through host memory ([runtime] cuda_ipc = false)")
-    ap.add_argument("--cases", default="", help="comma-separated subset of the runs "
-                    "(one_stage, four_stages_one_gpu, gpus); default all")
+    ap.add_argument(
+        "--no-cuda-ipc",
+        action="store_true",
+        help="stages pass tensors through host memory ([runtime] cuda_ipc = false)",
+    )
+    ap.add_argument(
+        "--cases",
+        default="",
+        help="comma-separated subset of the runs "
+        "(one_stage, four_stages_one_gpu, gpus); default all",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         if args.json:
@@ -147,26 +171,33 @@ def main() -> None:
         ("four_stages_one_gpu", {f"gpu{i}": "cuda:0" for i in range(4)}, 4, 1.0),
     ]
     if gpus >= 2:
-        cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus,
-                      float(gpus)))
+        cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus, float(gpus)))
     if args.cases:
         wanted = set(args.cases.split(","))
         unknown = wanted - {"one_stage", "four_stages_one_gpu", "gpus"}
         if unknown:
             ap.error(f"--cases: unknown run(s) {', '.join(sorted(unknown))}")
         cases = [c for c in cases if c[0] in wanted]
-    out: dict[str, Any] = {"bench": "gpu", "machine": machine(),
-                           "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
-                           "dim": args.dim, "blocks": args.blocks, "seq": SEQ,
-                           "minibatch": args.minibatch, "minibatches": args.minibatches,
-                           "cuda_ipc": not args.no_cuda_ipc}
+    out: dict[str, Any] = {
+        "bench": "gpu",
+        "machine": machine(),
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": gpus,
+        "dim": args.dim,
+        "blocks": args.blocks,
+        "seq": SEQ,
+        "minibatch": args.minibatch,
+        "minibatches": args.minibatches,
+        "cuda_ipc": not args.no_cuda_ipc,
+    }
     rows = []
     for precision in ("fp32",) if args.no_bf16 else ("fp32", "bf16"):
         suffix = "" if precision == "fp32" else "_bf16"
         base = None
         for name, devices, k, ideal in cases:
-            job = job_dict(f"bench-gpu-{name}{suffix}", list(devices), split(n_layers, k), k,
-                           args, precision)
+            job = job_dict(
+                f"bench-gpu-{name}{suffix}", list(devices), split(n_layers, k), k, args, precision
+            )
             if base is None:
                 base = plain(job, "cuda:0")
             got = ours(job, devices, memory, not args.no_cuda_ipc)
@@ -175,10 +206,11 @@ def main() -> None:
             out[f"{name}_samples_per_s{suffix}"] = got
             out[f"ratio_{name}{suffix}"] = ratio
             rows.append([f"{name}{suffix}", k, base * ideal, got, ratio])
-    print(f"gpt dim {args.dim}, {args.blocks} blocks, seq {SEQ}, minibatch {args.minibatch}, "
-          f"{args.minibatches} minibatches (first fifth left out), on {out['gpu']} x {gpus}")
-    print_table(["run", "stages", "plain (x ideal) samples/s", "hetpipe samples/s", "ratio"],
-                rows)
+    print(
+        f"gpt dim {args.dim}, {args.blocks} blocks, seq {SEQ}, minibatch {args.minibatch}, "
+        f"{args.minibatches} minibatches (first fifth left out), on {out['gpu']} x {gpus}"
+    )
+    print_table(["run", "stages", "plain (x ideal) samples/s", "hetpipe samples/s", "ratio"], rows)
     if args.json:
         emit_json(out)
 

@@ -85,8 +85,9 @@ class Layout:
     slow: tuple[str, str]
 
     def devices(self) -> dict[str, list[DeviceDef]]:
-        return {h: [DeviceDef(d, "fast", "1GiB", SPEED) for d in ds]
-                for h, ds in self.hosts.items()}
+        return {
+            h: [DeviceDef(d, "fast", "1GiB", SPEED) for d in ds] for h, ds in self.hosts.items()
+        }
 
 
 LAYOUTS = (
@@ -95,10 +96,15 @@ LAYOUTS = (
 )
 
 
-def job(name: str, minibatches: int, *, vws: list[dict[str, Any]] | None = None,
-        num_vws: int | None = 1) -> dict[str, Any]:
-    train: dict[str, Any] = {"minibatch": MINIBATCH, "minibatches": minibatches,
-                             "staleness": 0, "seed": 0}
+def job(
+    name: str, minibatches: int, *, vws: list[dict[str, Any]] | None = None, num_vws: int | None = 1
+) -> dict[str, Any]:
+    train: dict[str, Any] = {
+        "minibatch": MINIBATCH,
+        "minibatches": minibatches,
+        "staleness": 0,
+        "seed": 0,
+    }
     if num_vws is not None:
         train["vws"] = num_vws
     out: dict[str, Any] = {
@@ -115,9 +121,14 @@ def job(name: str, minibatches: int, *, vws: list[dict[str, Any]] | None = None,
 
 def split(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """A plan's virtual workers as the job file's ``[[vw]]`` tables."""
-    return [{"devices": list(v["devices"]),
-             "layers": [b - a for a, b in (s["layers"] for s in v["stages"])], "nm": v["nm"]}
-            for v in plan["vws"]]
+    return [
+        {
+            "devices": list(v["devices"]),
+            "layers": [b - a for a, b in (s["layers"] for s in v["stages"])],
+            "nm": v["nm"],
+        }
+        for v in plan["vws"]
+    ]
 
 
 def run_job(cluster: NetnsCluster, spec: dict[str, Any]) -> dict[str, Any]:
@@ -129,11 +140,15 @@ def run_job(cluster: NetnsCluster, spec: dict[str, Any]) -> dict[str, Any]:
     busy, own = cpu.stop(), (cpu_seconds(pids) - own0) / (time.monotonic() - t0)
     if info["state"] != "done":
         raise RuntimeError(f"{spec['name']} ended {info['state']}: {info.get('error')}")
-    return {"samples_per_s": info["samples_per_s"],
-            "train_samples_per_s": sum(v["samples_per_s"] for v in info["vws"]),
-            "predicted_samples_per_s": info["predicted"]["samples_per_s"],
-            "host_cpu": busy, "cluster_cpu_cores": own, "load_average": os.getloadavg()[0],
-            "stage_compute_s": stage_compute(Path(info["stages_path"]))}
+    return {
+        "samples_per_s": info["samples_per_s"],
+        "train_samples_per_s": sum(v["samples_per_s"] for v in info["vws"]),
+        "predicted_samples_per_s": info["predicted"]["samples_per_s"],
+        "host_cpu": busy,
+        "cluster_cpu_cores": own,
+        "load_average": os.getloadavg()[0],
+        "stage_compute_s": stage_compute(Path(info["stages_path"])),
+    }
 
 
 def stage_compute(stages_path: Path) -> dict[str, float]:
@@ -148,9 +163,13 @@ def stage_compute(stages_path: Path) -> dict[str, float]:
     return out
 
 
-def at_measured_compute(spec: dict[str, Any], cluster: Any, profile: ModelProfile,
-                        plan: dict[str, Any], measured: dict[str, float]) -> tuple[
-                            float, list[float]]:
+def at_measured_compute(
+    spec: dict[str, Any],
+    cluster: Any,
+    profile: ModelProfile,
+    plan: dict[str, Any],
+    measured: dict[str, float],
+) -> tuple[float, list[float]]:
     """The predicted rate of ``spec`` (one virtual worker, ``plan``'s split) from ``profile``
     with each stage's layer times scaled by its measured compute over the plan's predicted
     ``time_s``, and those ratios. The predictor's host sharing and cold starts are computed
@@ -164,24 +183,35 @@ def at_measured_compute(spec: dict[str, Any], cluster: Any, profile: ModelProfil
         ratios.append(ratio)
         lps = layers[st["type"]]
         for j in range(*st["layers"]):
-            lps[j] = dataclasses.replace(lps[j], fwd_s=lps[j].fwd_s * ratio,
-                                         bwd_s=lps[j].bwd_s * ratio,
-                                         update_s=lps[j].update_s * ratio)
+            lps[j] = dataclasses.replace(
+                lps[j],
+                fwd_s=lps[j].fwd_s * ratio,
+                bwd_s=lps[j].bwd_s * ratio,
+                update_s=lps[j].update_s * ratio,
+            )
     scaled = dataclasses.replace(profile, layers={t: tuple(v) for t, v in layers.items()})
     again = plan_for(JobSpec.from_dict(spec, source="job"), cluster, scaled)
     return again.samples_per_s, ratios
 
 
-def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
-               repeats: int) -> dict[str, Any]:
+def run_layout(
+    layout: Layout, root: Path, mbit: float, minibatches: int, repeats: int
+) -> dict[str, Any]:
     devices = layout.devices()
     with Network(list(devices), [Link(*layout.slow, mbit=mbit)]) as net:
         slow_rate = measure_mbit(net, *layout.slow, 2_000_000)
         path = root / layout.name / "cluster.toml"
         path.parent.mkdir(parents=True)
-        path.write_text(netns_cluster_toml(net, devices, shards=list(devices),
-                                           intra_gbps=UNSHAPED_GBPS, inter_gbps=UNSHAPED_GBPS,
-                                           lost_after_s=LOST_AFTER_S))
+        path.write_text(
+            netns_cluster_toml(
+                net,
+                devices,
+                shards=list(devices),
+                intra_gbps=UNSHAPED_GBPS,
+                inter_gbps=UNSHAPED_GBPS,
+                lost_after_s=LOST_AFTER_S,
+            )
+        )
         cluster = load_cluster(path)
         with NetnsCluster(net, path, path.parent / "run", timeout=120) as c:
             names = [d.name for d in cluster.devices]
@@ -191,31 +221,37 @@ def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
                 async with c.client(timeout=600) as client:
                     prof = await client.call(Kind.PROFILE, {"job": base}, timeout=600)
                     aware = await client.call(Kind.PLAN, {"job": base}, timeout=600)
-                    free = await client.call(Kind.PLAN, {"job": job("free", minibatches,
-                                                                    num_vws=None)},
-                                             timeout=600)
+                    free = await client.call(
+                        Kind.PLAN, {"job": job("free", minibatches, num_vws=None)}, timeout=600
+                    )
                     return prof["profile"], aware["plan"], free["plan"]
 
             profile_d, aware_plan, free_plan = c.run(ask())
             profile_load = os.getloadavg()[0]
             profile = ModelProfile.from_dict(profile_d)
             uniform = dataclasses.replace(
-                cluster, network=NetworkSpec(UNSHAPED_GBPS, UNSHAPED_GBPS, ()))
-            uniform_plan = plan_for(JobSpec.from_dict(base, source="job"), uniform,
-                                    profile).to_dict()
+                cluster, network=NetworkSpec(UNSHAPED_GBPS, UNSHAPED_GBPS, ())
+            )
+            uniform_plan = plan_for(
+                JobSpec.from_dict(base, source="job"), uniform, profile
+            ).to_dict()
             nm = aware_plan["vws"][0]["nm"]
             n_layers = len(profile.layers["fast"])
             specs = {
                 "aware": job("aware", minibatches, vws=split(aware_plan)),
                 "uniform": job("uniform", minibatches, vws=split(uniform_plan)),
-                "dp": job("dp", minibatches // len(names), num_vws=len(names),
-                          vws=[{"devices": [d], "layers": [n_layers], "nm": nm}
-                               for d in names]),
+                "dp": job(
+                    "dp",
+                    minibatches // len(names),
+                    num_vws=len(names),
+                    vws=[{"devices": [d], "layers": [n_layers], "nm": nm} for d in names],
+                ),
             }
             # every worker pays its first-use costs here, not in a measured job
-            c.submit(job("warm-up", 8, vws=[{"devices": names,
-                                               "layers": _even(n_layers, len(names))}]),
-                     timeout=600)
+            c.submit(
+                job("warm-up", 8, vws=[{"devices": names, "layers": _even(n_layers, len(names))}]),
+                timeout=600,
+            )
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in specs}
             for r in range(repeats):
                 for kind, spec in specs.items():
@@ -224,18 +260,25 @@ def run_layout(layout: Layout, root: Path, mbit: float, minibatches: int,
     med = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in runs.items()}
     train = {k: statistics.median(x["train_samples_per_s"] for x in v) for k, v in runs.items()}
     pred = {k: v[0]["predicted_samples_per_s"] for k, v in runs.items()}
-    again = [at_measured_compute(specs["aware"], cluster, profile, aware_plan,
-                                 x["stage_compute_s"]) for x in runs["aware"]]
+    again = [
+        at_measured_compute(specs["aware"], cluster, profile, aware_plan, x["stage_compute_s"])
+        for x in runs["aware"]
+    ]
     pred_measured = statistics.median(rate for rate, _ in again)
     return {
         "layout": layout.name,
         "hosts": {h: list(ds) for h, ds in layout.hosts.items()},
-        "slow_link": {"hosts": list(layout.slow), "mbit": mbit,
-                      "measured_payload_mbit": slow_rate},
-        "plans": {"aware": split(aware_plan), "uniform": split(uniform_plan),
-                  "dp": specs["dp"]["vw"]},
-        "free_plan": {"policy": free_plan["policy"], "vws": split(free_plan),
-                      "predicted_samples_per_s": free_plan["samples_per_s"]},
+        "slow_link": {"hosts": list(layout.slow), "mbit": mbit, "measured_payload_mbit": slow_rate},
+        "plans": {
+            "aware": split(aware_plan),
+            "uniform": split(uniform_plan),
+            "dp": specs["dp"]["vw"],
+        },
+        "free_plan": {
+            "policy": free_plan["policy"],
+            "vws": split(free_plan),
+            "predicted_samples_per_s": free_plan["samples_per_s"],
+        },
         "samples_per_s": med,
         "train_samples_per_s": train,
         "predicted_samples_per_s": pred,
@@ -265,15 +308,20 @@ def _ratios(runs: list[list[float]]) -> str:
 
 
 def _plan_text(vws: list[dict[str, Any]]) -> str:
-    return " | ".join(",".join(f"{d}:{n}" for d, n in zip(v["devices"], v["layers"],
-                                                           strict=True)) for v in vws)
+    return " | ".join(
+        ",".join(f"{d}:{n}" for d, n in zip(v["devices"], v["layers"], strict=True)) for v in vws
+    )
 
 
 def main() -> int:
     ap = parser(__doc__)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each job (default 2)")
-    ap.add_argument("--minibatches", type=int, default=96,
-                    help="minibatches of every job, all its virtual workers together (96)")
+    ap.add_argument(
+        "--minibatches",
+        type=int,
+        default=96,
+        help="minibatches of every job, all its virtual workers together (96)",
+    )
     ap.add_argument("--mbit", type=float, default=4.0, help="the slow link's rate (4 Mbit/s)")
     args = ap.parse_args()
     why = unavailable()
@@ -283,45 +331,64 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-network-") as tmp:
         for layout in LAYOUTS:
-            results.append(run_layout(layout, Path(tmp), args.mbit, args.minibatches,
-                                      args.repeats))
+            results.append(run_layout(layout, Path(tmp), args.mbit, args.minibatches, args.repeats))
     rows = []
     for r in results:
         for kind in ("aware", "uniform", "dp"):
-            rows.append([r["layout"] if kind == "aware" else "", kind,
-                         _plan_text(r["plans"][kind]), r["samples_per_s"][kind],
-                         r["train_samples_per_s"][kind], r["predicted_samples_per_s"][kind]])
+            rows.append(
+                [
+                    r["layout"] if kind == "aware" else "",
+                    kind,
+                    _plan_text(r["plans"][kind]),
+                    r["samples_per_s"][kind],
+                    r["train_samples_per_s"][kind],
+                    r["predicted_samples_per_s"][kind],
+                ]
+            )
     print()
-    print_table(["layout", "plan", "devices:layers", "samples/s", "training", "predicted"],
-                rows)
+    print_table(["layout", "plan", "devices:layers", "samples/s", "training", "predicted"], rows)
     for r in results:
-        print(f"{r['layout']}: slow link {r['slow_link']['mbit']:g} Mbit/s (payload measured "
-              f"{r['slow_link']['measured_payload_mbit']:.1f}); speedup vs uniform plan "
-              f"{r['speedup_vs_uniform_plan']:.2f}, vs dp {r['speedup_vs_dp']:.2f}, prediction "
-              f"error {r['prediction_error']:.3f} (end to end "
-              f"{r['prediction_error_end_to_end']:.3f}; at the measured compute "
-              f"{r['prediction_error_at_measured_compute']:.3f}, compute measured/predicted "
-              f"per stage {_ratios(r['compute_ratio'])}, profile taken at load "
-              f"{r['profile_load_average']:.1f}), host CPU at most {r['host_cpu']:.0%} "
-              f"(this cluster's daemons at most {r['cluster_cpu_cores']:.2f} cores, load "
-              f"average up to {r['load_average']:.1f}); "
-              f"free plan: {r['free_plan']['policy']} {_plan_text(r['free_plan']['vws'])} "
-              f"predicted {r['free_plan']['predicted_samples_per_s']:.0f}")
+        print(
+            f"{r['layout']}: slow link {r['slow_link']['mbit']:g} Mbit/s (payload measured "
+            f"{r['slow_link']['measured_payload_mbit']:.1f}); speedup vs uniform plan "
+            f"{r['speedup_vs_uniform_plan']:.2f}, vs dp {r['speedup_vs_dp']:.2f}, prediction "
+            f"error {r['prediction_error']:.3f} (end to end "
+            f"{r['prediction_error_end_to_end']:.3f}; at the measured compute "
+            f"{r['prediction_error_at_measured_compute']:.3f}, compute measured/predicted "
+            f"per stage {_ratios(r['compute_ratio'])}, profile taken at load "
+            f"{r['profile_load_average']:.1f}), host CPU at most {r['host_cpu']:.0%} "
+            f"(this cluster's daemons at most {r['cluster_cpu_cores']:.2f} cores, load "
+            f"average up to {r['load_average']:.1f}); "
+            f"free plan: {r['free_plan']['policy']} {_plan_text(r['free_plan']['vws'])} "
+            f"predicted {r['free_plan']['predicted_samples_per_s']:.0f}"
+        )
     worst = {
         "speedup_vs_uniform_plan": min(r["speedup_vs_uniform_plan"] for r in results),
         "speedup_vs_dp": min(r["speedup_vs_dp"] for r in results),
         "prediction_error": max(r["prediction_error"] for r in results),
         # a diagnostic beside the figure, no target: see the module docs
         "prediction_error_at_measured_compute": max(
-            r["prediction_error_at_measured_compute"] for r in results),
+            r["prediction_error_at_measured_compute"] for r in results
+        ),
     }
-    print(f"\nworst layout: speedup vs uniform plan {worst['speedup_vs_uniform_plan']:.2f} "
-          f"(target >= 1.2), vs dp {worst['speedup_vs_dp']:.2f} (target >= 1.4), prediction "
-          f"error {worst['prediction_error']:.3f} (target <= 0.15)")
+    print(
+        f"\nworst layout: speedup vs uniform plan {worst['speedup_vs_uniform_plan']:.2f} "
+        f"(target >= 1.2), vs dp {worst['speedup_vs_dp']:.2f} (target >= 1.4), prediction "
+        f"error {worst['prediction_error']:.3f} (target <= 0.15)"
+    )
     if args.json:
-        emit_json({**worst, "layouts": results, "model": {"name": "mlp", "hidden": HIDDEN},
-                   "minibatch": MINIBATCH, "speed": SPEED, "minibatches": args.minibatches,
-                   "repeats": args.repeats, "machine": machine()})
+        emit_json(
+            {
+                **worst,
+                "layouts": results,
+                "model": {"name": "mlp", "hidden": HIDDEN},
+                "minibatch": MINIBATCH,
+                "speed": SPEED,
+                "minibatches": args.minibatches,
+                "repeats": args.repeats,
+                "machine": machine(),
+            }
+        )
     return 0
 
 

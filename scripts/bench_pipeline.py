@@ -53,8 +53,9 @@ LR, MOMENTUM, SEED = 0.05, 0.9, 0
 HOST = "127.0.0.1"
 
 
-def job_dict(model: str, minibatch: int, minibatches: int, schedule: str = "async"
-             ) -> dict[str, Any]:
+def job_dict(
+    model: str, minibatch: int, minibatches: int, schedule: str = "async"
+) -> dict[str, Any]:
     """The job both sides run, in the job file's shape (``schedule``: ours; torch runs
     ``Schedule1F1B``, or ``ScheduleGPipe`` for ``gpipe``)."""
     args, data, split = MODELS[model]
@@ -78,8 +79,14 @@ def job_dict(model: str, minibatch: int, minibatches: int, schedule: str = "asyn
 # --------------------------------------------------------------------------- ours
 
 
-def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True,
-             host_shm: bool = True, inline_ms: int | None = None) -> dict[str, Any]:
+def run_ours(
+    job: dict[str, Any],
+    warmup: int,
+    shards: int,
+    curve: bool = True,
+    host_shm: bool = True,
+    inline_ms: int | None = None,
+) -> dict[str, Any]:
     """Run the job on a local cluster; steady-state samples/s from stage 0's records.
     ``curve``: the daemons speak CurveZMQ (the default; False: ``[security] curve = false``,
     plaintext like gloo); ``host_shm``: activations and gradients between the stages (all on
@@ -92,8 +99,11 @@ def run_ours(job: dict[str, Any], warmup: int, shards: int, curve: bool = True,
         root = Path(tmp)
         path = root / "cluster.toml"
         devices = [DeviceDef(f"gpu{i}", "fast", "1GiB", 1.0) for i in range(STAGES)]
-        path.write_text(cluster_toml(devices, shards=shards, curve=curve, host_shm=host_shm,
-                                     inline_ms=inline_ms))
+        path.write_text(
+            cluster_toml(
+                devices, shards=shards, curve=curve, host_shm=host_shm, inline_ms=inline_ms
+            )
+        )
         with LocalCluster(path, root / "run", timeout=60) as cluster:
             cpu0 = {name: _cpu_s(p.pid) for name, p in cluster.procs.items()}
             threads0 = {name: _thread_cpu_s(p.pid) for name, p in cluster.procs.items()}
@@ -177,8 +187,9 @@ def _by_kind(procs: dict[str, Any], before: dict[str, dict[int, tuple[str, float
 # --------------------------------------------------------------------------- torch
 
 
-def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str,
-                retain_freed: bool) -> None:
+def _torch_rank(
+    rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str, retain_freed: bool
+) -> None:
     """One stage of the torch.distributed.pipelining run (a spawned process)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -228,8 +239,14 @@ def _torch_rank(rank: int, job: dict[str, Any], port: int, warmup: int, out_path
                 t_start, wall_start = time.perf_counter(), time.time()
         t_end, cpu = time.perf_counter(), time.process_time() - cpu_start
         Path(f"{out_path}.{rank}").write_text(
-            json.dumps({"t_start": t_start, "t_end": t_end, "cpu_s": cpu,
-                        "window": [wall_start, time.time()]})
+            json.dumps(
+                {
+                    "t_start": t_start,
+                    "t_end": t_end,
+                    "cpu_s": cpu,
+                    "window": [wall_start, time.time()],
+                }
+            )
         )
         dist.barrier()
     finally:

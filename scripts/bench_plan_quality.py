@@ -256,8 +256,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hetpipe-plan-quality-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
-        path.write_text(cluster_toml(devices, shards=len(source.ps),
-                                     inline_ms=source.runtime.inline_ms))
+        path.write_text(
+            cluster_toml(devices, shards=len(source.ps), inline_ms=source.runtime.inline_ms)
+        )
         with LocalCluster(path, root / "run", timeout=120) as cluster:
             t0 = time.perf_counter()
             warm = job_dict("warmup", args, n_layers, names)

@@ -46,8 +46,9 @@ def cluster(n: int) -> ClusterConfig:
             idx = 4 * j + i
             # real GPUs (cuda:i on each node): not emulated devices sharing this host's cores
             devs.append(
-                DeviceSpec(f"gpu{idx}", f"cuda:{i}", t, gib << 30, speed, 0, f"node{j}",
-                           f"10.0.0.{j}")
+                DeviceSpec(
+                    f"gpu{idx}", f"cuda:{i}", t, gib << 30, speed, 0, f"node{j}", f"10.0.0.{j}"
+                )
             )
         nodes.append(NodeSpec(f"node{j}", f"10.0.0.{j}", tuple(devs)))
     shards = tuple(ShardSpec(j, f"10.0.0.{j}", 7100) for j in range(n // 4))

@@ -105,8 +105,9 @@ class PsShards:
         self.path = self.root / "cluster.toml"
         self.path.write_text(
             # security off: the benchmark's own plain sockets drive the shards directly
-            cluster_toml([DeviceDef("gpu0")], shards=n, heartbeat_s=1.0, lost_after_s=60.0,
-                         curve=False)
+            cluster_toml(
+                [DeviceDef("gpu0")], shards=n, heartbeat_s=1.0, lost_after_s=60.0, curve=False
+            )
         )
         self.n = n
         self.procs: list[subprocess.Popen[bytes]] = []

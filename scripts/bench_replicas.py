@@ -55,8 +55,9 @@ MAX_FRAME = 1 << 30
 TIMEOUT_S = 60.0
 
 
-async def _replica(r: int, shard: str, params: int, rounds: int, barrier: Any,
-                   addresses: Any, times: Any) -> None:
+async def _replica(
+    r: int, shard: str, params: int, rounds: int, barrier: Any, addresses: Any, times: Any
+) -> None:
     """One replica, in its own process as in the runtime: per round, the direct exchange
     and then the exchange through the shard, each started together with the other replica
     (a barrier); its own times go to ``times``."""
@@ -86,12 +87,19 @@ async def _replica(r: int, shard: str, params: int, rounds: int, barrier: Any,
                 barrier.wait()
                 t0 = time.perf_counter()
                 if via_shard:
-                    await dealer.request(Kind.REDUCE, {"job": "bench", "vw": r, "stage": 0,
-                                                       "iteration": it, "samples": 16},
-                                         grads, timeout=TIMEOUT_S, what="shard")
+                    await dealer.request(
+                        Kind.REDUCE,
+                        {"job": "bench", "vw": r, "stage": 0, "iteration": it, "samples": 16},
+                        grads,
+                        timeout=TIMEOUT_S,
+                        what="shard",
+                    )
                 else:
-                    await push.send(Kind.REPLICA_GRAD, {"job": "b", "vw": 0, "stage": 0,
-                                                        "p": it, "replica": r}, grads)
+                    await push.send(
+                        Kind.REPLICA_GRAD,
+                        {"job": "b", "vw": 0, "stage": 0, "p": it, "replica": r},
+                        grads,
+                    )
                     got = await asyncio.wait_for(inbox.get(), TIMEOUT_S)
                     with torch.no_grad():  # the sum the replica takes
                         _ = grads["w"] + got.tensors["w"]
@@ -122,20 +130,23 @@ def _run_replica(*args: Any) -> None:
 
 def _exchange(shard: str, params: int, rounds: int) -> tuple[list[float], list[float]]:
     """Per round, the time until both replicas hold the sum: directly, and via the shard."""
+
     async def init(drop: bool) -> None:
         ctx = zmq.asyncio.Context()
         sock = make_socket(ctx, zmq.DEALER, connect=shard, max_frame_bytes=MAX_FRAME)
         ch = Channel(sock, None, name="head", max_frame_bytes=MAX_FRAME).start()
         try:
             if drop:
-                await ch.request(Kind.SHARD_DROP, {"job": "bench"}, timeout=TIMEOUT_S,
-                                 what="shard")
+                await ch.request(Kind.SHARD_DROP, {"job": "bench"}, timeout=TIMEOUT_S, what="shard")
             else:
-                members = {str(v): {"waves": rounds + 1, "stages": {"0": ["w"]}}
-                           for v in range(2)}
-                await ch.request(Kind.SHARD_INIT, {"job": "bench", "members": members,
-                                                   "staleness": 0},
-                                 {"w": torch.zeros(params)}, timeout=TIMEOUT_S, what="shard")
+                members = {str(v): {"waves": rounds + 1, "stages": {"0": ["w"]}} for v in range(2)}
+                await ch.request(
+                    Kind.SHARD_INIT,
+                    {"job": "bench", "members": members, "staleness": 0},
+                    {"w": torch.zeros(params)},
+                    timeout=TIMEOUT_S,
+                    what="shard",
+                )
         finally:
             await ch.close()
             ctx.term()
@@ -143,9 +154,10 @@ def _exchange(shard: str, params: int, rounds: int) -> tuple[list[float], list[f
     asyncio.run(init(False))
     mp = multiprocessing.get_context("spawn")
     barrier, addresses, times = mp.Barrier(2), mp.Queue(), mp.Queue()
-    procs = [mp.Process(target=_run_replica,
-                        args=(r, shard, params, rounds, barrier, addresses, times))
-             for r in range(2)]
+    procs = [
+        mp.Process(target=_run_replica, args=(r, shard, params, rounds, barrier, addresses, times))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     rows: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
@@ -164,16 +176,26 @@ def _exchange(shard: str, params: int, rounds: int) -> tuple[list[float], list[f
 
 
 def _job(name: str, devices: list[Any], minibatches: int) -> dict[str, Any]:
-    return {"name": name, "model": {"name": "mlp", "args": {"hidden": [512, 512]}},
-            "data": {"name": "digits"},
-            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
-            "train": {"minibatch": 64, "nm": 2, "staleness": 0, "seed": 0,
-                      "minibatches": minibatches, "checkpoint_every": 0},
-            "vw": [{"devices": devices, "layers": [2, 4]}]}
+    return {
+        "name": name,
+        "model": {"name": "mlp", "args": {"hidden": [512, 512]}},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+        "train": {
+            "minibatch": 64,
+            "nm": 2,
+            "staleness": 0,
+            "seed": 0,
+            "minibatches": minibatches,
+            "checkpoint_every": 0,
+        },
+        "vw": [{"devices": devices, "layers": [2, 4]}],
+    }
 
 
-def _planned_job(name: str, max_replicas: int, minibatches: int, hidden: list[int],
-                 minibatch: int) -> dict[str, Any]:
+def _planned_job(
+    name: str, max_replicas: int, minibatches: int, hidden: list[int], minibatch: int
+) -> dict[str, Any]:
     """An mlp of ``hidden`` widths on the same data as :func:`_job`, no split: the head
     plans it."""
     job = _job(name, [], minibatches)
@@ -185,15 +207,17 @@ def _planned_job(name: str, max_replicas: int, minibatches: int, hidden: list[in
 
 def _split(info: dict[str, Any]) -> str:
     """The split a job ran, as a job file's ``devices`` and ``layers``."""
-    groups = [s["device"] if not s["replicas"] else "[" + ", ".join([s["device"],
-                                                                    *s["replicas"]]) + "]"
-              for s in info["stages"]]
+    groups = [
+        s["device"] if not s["replicas"] else "[" + ", ".join([s["device"], *s["replicas"]]) + "]"
+        for s in info["stages"]
+    ]
     layers = [b - a for a, b in (s["layers"] for s in info["stages"])]
     return f"[{', '.join(groups)}] layers {layers}"
 
 
-def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
-             minibatch: int) -> dict[str, Any]:
+def _planned(
+    c: LocalCluster, minibatches: int, repeats: int, hidden: list[int], minibatch: int
+) -> dict[str, Any]:
     """Planned with replicas against planned without, interleaved (see the module docs)."""
     rates: dict[str, list[float]] = {"with": [], "without": []}
     predicted: dict[str, float] = {}
@@ -203,8 +227,7 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
     for i in range(repeats):
         for key, r in (("without", 1), ("with", 2)):
             loads.append(os.getloadavg()[0])
-            info = c.submit(_planned_job(f"planned-{key}{i}", r, minibatches, hidden,
-                                         minibatch))
+            info = c.submit(_planned_job(f"planned-{key}{i}", r, minibatches, hidden, minibatch))
             loads.append(os.getloadavg()[0])
             assert info["state"] == "done", info.get("error")
             rates[key].append(info["minibatches"] / info["seconds"])
@@ -218,8 +241,10 @@ def _planned(c: LocalCluster, minibatches: int, repeats: int, hidden: list[int],
         "planned_minibatches_per_s_without_replicas": mbs["without"],
         "planned_speedup": mbs["with"] / mbs["without"],
         "planned_predicted_speedup": predicted["with"] / predicted["without"],
-        "planned_predicted_samples_per_s": predicted, "planned_splits": splits,
-        "planned_runs": rates, "planned_loadavg_1min": [min(loads), max(loads)],
+        "planned_predicted_samples_per_s": predicted,
+        "planned_splits": splits,
+        "planned_runs": rates,
+        "planned_loadavg_1min": [min(loads), max(loads)],
         "planned_model": {"hidden": hidden, "minibatch": minibatch},
         "planned_replica_choice": notes[-1] if notes else None,
     }
@@ -239,25 +264,40 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--minibatches", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each job, interleaved")
-    ap.add_argument("--speed", type=float, default=0.1,
-                    help="emulated speed of the second stage's devices")
-    ap.add_argument("--parts", default="exchange,job,planned",
-                    help="which figures to measure (comma-separated)")
-    ap.add_argument("--planned-hidden", default="512,512", metavar="W,W,..",
-                    help="planned: the mlp's hidden widths")
+    ap.add_argument(
+        "--speed", type=float, default=0.1, help="emulated speed of the second stage's devices"
+    )
+    ap.add_argument(
+        "--parts", default="exchange,job,planned", help="which figures to measure (comma-separated)"
+    )
+    ap.add_argument(
+        "--planned-hidden",
+        default="512,512",
+        metavar="W,W,..",
+        help="planned: the mlp's hidden widths",
+    )
     ap.add_argument("--planned-minibatch", type=int, default=64)
-    ap.add_argument("--planned-speeds", default=None, metavar="S,S,..",
-                    help="planned: a cluster of one device per speed (one type per speed) "
-                         "instead of the job's (one fast device, two at --speed)")
+    ap.add_argument(
+        "--planned-speeds",
+        default=None,
+        metavar="S,S,..",
+        help="planned: a cluster of one device per speed (one type per speed) "
+        "instead of the job's (one fast device, two at --speed)",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     planned = ([int(w) for w in args.planned_hidden.split(",")], args.planned_minibatch)
     # the second stage's devices are slow: their compute is mostly padding (sleep), so two
     # replicas really run side by side on this host's few cores, as two GPUs would
-    devices = (DeviceDef("g0", "fast", "512MiB", 1.0),
-               *(DeviceDef(f"g{i}", "slow", "512MiB", args.speed) for i in (1, 2)))
-    result: dict[str, Any] = {"params": args.params, "speed": args.speed,
-                              "minibatches": args.minibatches}
+    devices = (
+        DeviceDef("g0", "fast", "512MiB", 1.0),
+        *(DeviceDef(f"g{i}", "slow", "512MiB", args.speed) for i in (1, 2)),
+    )
+    result: dict[str, Any] = {
+        "params": args.params,
+        "speed": args.speed,
+        "minibatches": args.minibatches,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cluster.toml"
         path.write_text(cluster_toml(devices, shards=2, curve=False))
@@ -266,10 +306,14 @@ def main() -> None:
             if "exchange" in parts:
                 direct, ps = _exchange(c.ready["ps1"]["address"], args.params, args.rounds)
                 mb = args.params * 4 / 2**20
-                result.update({
-                    "bytes_mib": mb, "exchange_direct_ms": 1e3 * median(direct),
-                    "exchange_ps_ms": 1e3 * median(ps),
-                    "ps_over_direct": median(ps) / median(direct)})
+                result.update(
+                    {
+                        "bytes_mib": mb,
+                        "exchange_direct_ms": 1e3 * median(direct),
+                        "exchange_ps_ms": 1e3 * median(ps),
+                        "ps_over_direct": median(ps) / median(direct),
+                    }
+                )
             if "job" in parts:
                 result.update(_fixed(c, args.minibatches, args.repeats))
             if "planned" in parts and args.planned_speeds is None:
@@ -278,41 +322,70 @@ def main() -> None:
             c.stop()
         if "planned" in parts and args.planned_speeds is not None:
             speeds = [float(x) for x in args.planned_speeds.split(",")]
-            own = tuple(DeviceDef(f"p{i}", f"speed{x:g}", "512MiB", x)
-                        for i, x in enumerate(speeds))
+            own = tuple(
+                DeviceDef(f"p{i}", f"speed{x:g}", "512MiB", x) for i, x in enumerate(speeds)
+            )
             path.write_text(cluster_toml(own, shards=2, curve=False))
             c = LocalCluster(path, Path(tmp) / "run-planned", timeout=60).__enter__()
             try:
-                result.update(_planned(c, args.minibatches, args.repeats, *planned),
-                              planned_speeds=speeds)
+                result.update(
+                    _planned(c, args.minibatches, args.repeats, *planned), planned_speeds=speeds
+                )
             finally:
                 c.stop()
     result["machine"] = machine()
     if "exchange" in parts:
-        print_table(["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],
-                    [[f"{result['bytes_mib']:.1f} MiB x 2", f"{result['exchange_direct_ms']:.2f}",
-                      f"{result['exchange_ps_ms']:.2f}", f"{result['ps_over_direct']:.2f}"]])
+        print_table(
+            ["exchange of", "direct (ms)", "via a shard (ms)", "ps / direct"],
+            [
+                [
+                    f"{result['bytes_mib']:.1f} MiB x 2",
+                    f"{result['exchange_direct_ms']:.2f}",
+                    f"{result['exchange_ps_ms']:.2f}",
+                    f"{result['ps_over_direct']:.2f}",
+                ]
+            ],
+        )
         print()
     if "job" in parts:
-        print_table(["job", "minibatches/s", "replicas ms/minibatch", "replicas share"],
-                    [["stage 1 on one device",
-                      f"{result['job_minibatches_per_s_one_device']:.1f}", "-", "-"],
-                     ["stage 1 on two devices",
-                      f"{result['job_minibatches_per_s_replicated']:.1f}",
-                      f"{result['job_replicas_ms_per_minibatch']:.2f}",
-                      f"{result['job_replicas_share']:.1%}"]])
+        print_table(
+            ["job", "minibatches/s", "replicas ms/minibatch", "replicas share"],
+            [
+                [
+                    "stage 1 on one device",
+                    f"{result['job_minibatches_per_s_one_device']:.1f}",
+                    "-",
+                    "-",
+                ],
+                [
+                    "stage 1 on two devices",
+                    f"{result['job_minibatches_per_s_replicated']:.1f}",
+                    f"{result['job_replicas_ms_per_minibatch']:.2f}",
+                    f"{result['job_replicas_share']:.1%}",
+                ],
+            ],
+        )
         print()
     if "planned" in parts:
         splits = result["planned_splits"]
-        print_table(["planned", "split", "minibatches/s", "predicted samples/s"],
-                    [[f"max_replicas = {r}", splits[key],
-                      f"{result[f'planned_minibatches_per_s_{key}_replicas']:.1f}",
-                      f"{result['planned_predicted_samples_per_s'][key]:.0f}"]
-                     for key, r in (("without", 1), ("with", 2))])
+        print_table(
+            ["planned", "split", "minibatches/s", "predicted samples/s"],
+            [
+                [
+                    f"max_replicas = {r}",
+                    splits[key],
+                    f"{result[f'planned_minibatches_per_s_{key}_replicas']:.1f}",
+                    f"{result['planned_predicted_samples_per_s'][key]:.0f}",
+                ]
+                for key, r in (("without", 1), ("with", 2))
+            ],
+        )
         lo, hi = result["planned_loadavg_1min"]
-        print(f"with / without: {result['planned_speedup']:.2f} measured, "
-              f"{result['planned_predicted_speedup']:.2f} predicted "
-              f"(load average {lo:.1f}-{hi:.1f})")
+        print(
+            f"with / without: {result['planned_speedup']:.2f} measured, "
+            f"{result['planned_predicted_speedup']:.2f} predicted "
+            f"(load average {lo:.1f}-{hi:.1f})"
+        )
     if args.json:
         emit_json(result)
 
@@ -332,7 +405,8 @@ def _fixed(c: LocalCluster, minibatches: int, repeats: int) -> dict[str, Any]:
     return {
         "job_minibatches_per_s_one_device": mbs["one"],
         "job_minibatches_per_s_replicated": mbs["two"],
-        "job_speedup": mbs["two"] / mbs["one"], "job_runs": rates,
+        "job_speedup": mbs["two"] / mbs["one"],
+        "job_runs": rates,
         "job_replicas_ms_per_minibatch": 1e3 * median([r[0] for r in replicas]),
         "job_replicas_share": median([r[1] for r in replicas]),
     }

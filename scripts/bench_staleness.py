@@ -81,25 +81,42 @@ ARMS: dict[str, dict[str, Any]] = {
 
 TASKS: dict[str, dict[str, Any]] = {
     # 16 layers; momentum 0.9 is where stale weights hurt (and what prediction follows)
-    "cnn": {"model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
-            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
-            "minibatch": 32, "target": 0.9},
+    "cnn": {
+        "model": {"name": "cnn", "args": {}},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
+        "minibatch": 32,
+        "target": 0.9,
+    },
     # 1 + 8 + 2 = 11 layers; next-token accuracy (4 equally likely successors: 0.25 at best)
-    "gpt": {"model": {"name": "gpt", "args": {"vocab": 64, "seq": 32, "dim": 64, "heads": 4,
-                                              "blocks": 8}},
-            "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": 32, "vocab": 64,
-                                                   "n_train": 4096, "n_test": 512}},
-            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
-            "minibatch": 32, "target": 0.2},
+    "gpt": {
+        "model": {
+            "name": "gpt",
+            "args": {"vocab": 64, "seq": 32, "dim": 64, "heads": 4, "blocks": 8},
+        },
+        "data": {
+            "name": "synthetic",
+            "args": {"kind": "tokens", "seq": 32, "vocab": 64, "n_train": 4096, "n_test": 512},
+        },
+        "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+        "minibatch": 32,
+        "target": 0.2,
+    },
     # the GPT of bench_gpu.py (25.5 M parameters), at the settings the staleness was first
     # seen with on one GPU (SGD lr 0.01, momentum 0.9): for --device cuda:N
-    "gpt512": {"model": {"name": "gpt", "args": {"vocab": 256, "seq": 128, "dim": 512,
-                                                 "heads": 8, "blocks": 8}},
-               "data": {"name": "synthetic", "args": {"kind": "tokens", "seq": 128,
-                                                      "vocab": 256, "n_train": 4096,
-                                                      "n_test": 256}},
-               "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-               "minibatch": 32, "target": 0.2},
+    "gpt512": {
+        "model": {
+            "name": "gpt",
+            "args": {"vocab": 256, "seq": 128, "dim": 512, "heads": 8, "blocks": 8},
+        },
+        "data": {
+            "name": "synthetic",
+            "args": {"kind": "tokens", "seq": 128, "vocab": 256, "n_train": 4096, "n_test": 256},
+        },
+        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "minibatch": 32,
+        "target": 0.2,
+    },
 }
 N_LAYERS = {"cnn": 16, "gpt": 11, "gpt512": 11}
 
@@ -114,15 +131,25 @@ def job(task: str, arm: str, k: int, args: Any) -> dict[str, Any]:
     t = TASKS[task]
     optimizer = {**t["optimizer"], **({"lr": args.lr[task]} if task in args.lr else {})}
     nm = 1 if arm == "sync" else k
-    train = {"minibatch": t["minibatch"], "nm": nm, "minibatches": args.minibatches,
-             "seed": args.seed, "eval_every_s": args.eval_every, "hang_after_s": 120.0,
-             **ARMS[arm]}
+    train = {
+        "minibatch": t["minibatch"],
+        "nm": nm,
+        "minibatches": args.minibatches,
+        "seed": args.seed,
+        "eval_every_s": args.eval_every,
+        "hang_after_s": 120.0,
+        **ARMS[arm],
+    }
     if task == "cnn" and args.bn_recalibrate:
         train["bn_recalibrate"] = args.bn_recalibrate
-    return {"name": f"{task}-k{k}-{arm}", "model": t["model"], "data": t["data"],
-            "optimizer": optimizer, "train": train,
-            "vw": [{"devices": [f"gpu{i}" for i in range(k)],
-                    "layers": even_split(N_LAYERS[task], k)}]}
+    return {
+        "name": f"{task}-k{k}-{arm}",
+        "model": t["model"],
+        "data": t["data"],
+        "optimizer": optimizer,
+        "train": train,
+        "vw": [{"devices": [f"gpu{i}" for i in range(k)], "layers": even_split(N_LAYERS[task], k)}],
+    }
 
 
 def repeat(kept: dict[str, Any], again: dict[str, Any]) -> None:
@@ -146,8 +173,10 @@ def warm_up(cluster: LocalCluster, task: str, k: int, args: Any) -> None:
     as a later arm)."""
     spec = job(task, "stash", k, args)
     spec["name"] += "-warm-up"
-    spec["train"] = {**{key: v for key, v in spec["train"].items() if key != "eval_every_s"},
-                     "minibatches": 4 * k}
+    spec["train"] = {
+        **{key: v for key, v in spec["train"].items() if key != "eval_every_s"},
+        "minibatches": 4 * k,
+    }
     info = cluster.submit(spec, timeout=args.max_s)
     if info.get("state") != "done":
         raise SystemExit(f"{task} k={k} warm-up: {info.get('state')}: {info.get('error')}")
@@ -164,11 +193,15 @@ def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> di
         raise SystemExit(f"{task} k={k} {arm}: {info.get('state')}: {info.get('error')}")
     mb = TASKS[task]["minibatch"]
     curve = [(n * mb, acc) for _s, n, acc in info.get("evals", [])]
-    reached = next((s for s, _n, acc in info.get("evals", []) if acc >= TASKS[task]["target"]),
-                   None)
+    reached = next(
+        (s for s, _n, acc in info.get("evals", []) if acc >= TASKS[task]["target"]), None
+    )
     stages = json.loads(Path(info["stages_path"]).read_text())
     return {
-        "task": task, "k": k, "arm": arm, "nm": 1 if arm == "sync" else k,
+        "task": task,
+        "k": k,
+        "arm": arm,
+        "nm": 1 if arm == "sync" else k,
         "lr": args.lr.get(task, TASKS[task]["optimizer"]["lr"]),
         "accuracy": info["test_accuracy"],
         "accuracy_trained_bn": info.get("test_accuracy_trained_bn"),
@@ -176,15 +209,21 @@ def run_arm(cluster: LocalCluster, task: str, arm: str, k: int, args: Any) -> di
         "samples_per_s": info["samples_per_s"],
         "samples": info["minibatches"] * mb,
         "peak_bytes": [stages[w]["stats"]["peak_bytes"] for w in sorted(stages)],
-        "prediction_quality": [stages[w]["stats"].get("prediction_quality")
-                               for w in sorted(stages)],
+        "prediction_quality": [
+            stages[w]["stats"].get("prediction_quality") for w in sorted(stages)
+        ],
         # per stage, its padded forward and backward per minibatch: against 1000 / the
         # arm's minibatches/s, how busy the bottleneck was and what it computed
-        "compute_ms": [1e3 * (st["forward_s"] + st["backward_s"]) / max(1, st["forwards"])
-                       for st in (stages[w]["stats"] for w in sorted(stages))],
+        "compute_ms": [
+            1e3 * (st["forward_s"] + st["backward_s"]) / max(1, st["forwards"])
+            for st in (stages[w]["stats"] for w in sorted(stages))
+        ],
         # per stage, the share of its time it waited for an input (its schedule's bubbles)
         "bubble": [stages[w]["stats"]["shares"].get("bubble") for w in sorted(stages)],
-        "host_cpu": util, "own_cores": own, "wall_s": wall, "curve": curve,
+        "host_cpu": util,
+        "own_cores": own,
+        "wall_s": wall,
+        "curve": curve,
     }
 
 
@@ -243,8 +282,9 @@ def lr_overrides(ap: Any, items: list[str]) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if task not in TASKS or not value > 0:
-            ap.error(f"--lr: expected TASK=LR with TASK in {', '.join(TASKS)} and LR > 0, "
-                     f"got {item!r}")
+            ap.error(
+                f"--lr: expected TASK=LR with TASK in {', '.join(TASKS)} and LR > 0, got {item!r}"
+            )
         out[task] = value
     return out
 
@@ -255,27 +295,51 @@ def main() -> None:
     ap.add_argument("--ks", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--minibatches", type=int, default=200, help="per arm (same samples)")
-    ap.add_argument("--speed-scale", type=float, default=0.1,
-                    help="every emulated device's speed (global scale; see the docs)")
-    ap.add_argument("--device", default="cpu",
-                    help="where every stage computes: emulated devices on the host's cores "
-                    "at --speed-scale (cpu), or all k stages on one GPU at its own speed "
-                    "(cuda:N; e.g. --tasks gpt512)")
+    ap.add_argument(
+        "--speed-scale",
+        type=float,
+        default=0.1,
+        help="every emulated device's speed (global scale; see the docs)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where every stage computes: emulated devices on the host's cores "
+        "at --speed-scale (cpu), or all k stages on one GPU at its own speed "
+        "(cuda:N; e.g. --tasks gpt512)",
+    )
     ap.add_argument("--eval-every", type=float, default=3.0)
-    ap.add_argument("--bn-recalibrate", type=int, default=16,
-                    help="cnn: batch-norm minibatches re-estimated before the evaluations")
+    ap.add_argument(
+        "--bn-recalibrate",
+        type=int,
+        default=16,
+        help="cnn: batch-norm minibatches re-estimated before the evaluations",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", nargs="+", default=[], metavar="TASK=LR",
-                    help="a task's learning rate instead of its default (e.g. gpt=0.02)")
+    ap.add_argument(
+        "--lr",
+        nargs="+",
+        default=[],
+        metavar="TASK=LR",
+        help="a task's learning rate instead of its default (e.g. gpt=0.02)",
+    )
     ap.add_argument("--max-s", type=float, default=900.0, help="per arm")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="turns of every arm, alternated; samples/s and accuracy are the "
-                         "medians")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="turns of every arm, alternated; samples/s and accuracy are the medians",
+    )
     ap.add_argument("--png", type=Path, default=Path("bench_staleness.png"))
-    ap.add_argument("--merge", type=Path, default=None, metavar="JSON",
-                    help="keep the arms this run does not repeat (arm, task and depth) "
-                    "from this earlier run's JSON (same settings): re-run some, report and "
-                    "plot all")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="keep the arms this run does not repeat (arm, task and depth) "
+        "from this earlier run's JSON (same settings): re-run some, report and "
+        "plot all",
+    )
     args = ap.parse_args()
     args.lr = lr_overrides(ap, args.lr)
     if args.device != "cpu" and not args.device.startswith("cuda:"):
@@ -291,17 +355,25 @@ def main() -> None:
 
     # --merge: the earlier run's arms (same settings) that this run does not repeat (another
     # arm, task or depth) are kept as measured
-    results = [r for r in json.loads(args.merge.read_text())["arms"]
-               if not (r["arm"] in args.arms and r["task"] in args.tasks
-                       and r["k"] in args.ks)] if args.merge else []
+    results = (
+        [
+            r
+            for r in json.loads(args.merge.read_text())["arms"]
+            if not (r["arm"] in args.arms and r["task"] in args.tasks and r["k"] in args.ks)
+        ]
+        if args.merge
+        else []
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.ks:
             root = Path(tmp) / f"k{k}"
             root.mkdir()
-            devices = [DeviceDef(f"gpu{i}", "fast", "256MiB", args.speed_scale)
-                       if args.device == "cpu" else
-                       DeviceDef(f"gpu{i}", "gpu", "16GiB", 1.0, args.device)
-                       for i in range(k)]
+            devices = [
+                DeviceDef(f"gpu{i}", "fast", "256MiB", args.speed_scale)
+                if args.device == "cpu"
+                else DeviceDef(f"gpu{i}", "gpu", "16GiB", 1.0, args.device)
+                for i in range(k)
+            ]
             (root / "cluster.toml").write_text(cluster_toml(devices, shards=1))
             with LocalCluster(root / "cluster.toml", root / "run", timeout=120) as cluster:
                 for task in args.tasks:
@@ -310,10 +382,13 @@ def main() -> None:
                     for turn in range(args.repeats):
                         for arm in args.arms:
                             r = run_arm(cluster, task, arm, k, args)
-                            print(f"{task} k={k} {arm} (turn {turn + 1}): accuracy "
-                                  f"{r['accuracy']:.3f} samples/s {r['samples_per_s']:.1f} "
-                                  f"host cpu {r['host_cpu']:.2f} (own {r['own_cores']:.2f} "
-                                  "cores)", flush=True)
+                            print(
+                                f"{task} k={k} {arm} (turn {turn + 1}): accuracy "
+                                f"{r['accuracy']:.3f} samples/s {r['samples_per_s']:.1f} "
+                                f"host cpu {r['host_cpu']:.2f} (own {r['own_cores']:.2f} "
+                                "cores)",
+                                flush=True,
+                            )
                             if turn == 0:
                                 first[arm] = r
                                 results.append(r)
@@ -322,24 +397,53 @@ def main() -> None:
                         # the arms so far, kept as they come: a long study cut short keeps them
                         plot(results, args.png)
                         args.png.with_suffix(".json").write_text(
-                            json.dumps(summary(results, args), indent=1) + "\n")
+                            json.dumps(summary(results, args), indent=1) + "\n"
+                        )
     order = list(ARMS)
     results.sort(key=lambda r: (r["k"], list(TASKS).index(r["task"]), order.index(r["arm"])))
-    rows = [[r["task"], r["k"], r["arm"], r["nm"], r["accuracy"],
-             r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
-             r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
-             r["samples_per_s"], max(r["peak_bytes"]) / 2**20,
-             " ".join(f"{q:.2f}" for q in r["prediction_quality"] if q is not None) or "-",
-             r["host_cpu"], r["own_cores"]] for r in results]
-    print_table(["task", "k", "arm", "Nm", "accuracy", "acc (trained bn)", "s to target",
-                 "samples/s", "peak MiB", "pred. quality", "host cpu", "own cores"], rows)
+    rows = [
+        [
+            r["task"],
+            r["k"],
+            r["arm"],
+            r["nm"],
+            r["accuracy"],
+            r["accuracy_trained_bn"] if r["accuracy_trained_bn"] is not None else "-",
+            r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
+            r["samples_per_s"],
+            max(r["peak_bytes"]) / 2**20,
+            " ".join(f"{q:.2f}" for q in r["prediction_quality"] if q is not None) or "-",
+            r["host_cpu"],
+            r["own_cores"],
+        ]
+        for r in results
+    ]
+    print_table(
+        [
+            "task",
+            "k",
+            "arm",
+            "Nm",
+            "accuracy",
+            "acc (trained bn)",
+            "s to target",
+            "samples/s",
+            "peak MiB",
+            "pred. quality",
+            "host cpu",
+            "own cores",
+        ],
+        rows,
+    )
     figures = headline(results)
     for key, v in figures.items():
         print(f"{key}: {'n/a' if v is None else f'{v:.3f}'}")
-    print(f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
-          f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
-          f"{max(r['own_cores'] for r in results):.2f} cores ("
-          + (f"speed scale {args.speed_scale})" if args.device == "cpu" else f"{args.device})"))
+    print(
+        f"host cpu utilisation: max {max(r['host_cpu'] for r in results):.2f} of "
+        f"{os.cpu_count()} cores, whoever used them; this benchmark's daemons: max "
+        f"{max(r['own_cores'] for r in results):.2f} cores ("
+        + (f"speed scale {args.speed_scale})" if args.device == "cpu" else f"{args.device})")
+    )
     print(f"plot: {args.png} (figures beside it: {args.png.with_suffix('.json')})")
     if args.json:
         emit_json(summary(results, args))
@@ -347,12 +451,17 @@ def main() -> None:
 
 def summary(results: list[dict[str, Any]], args: Any) -> dict[str, Any]:
     """The JSON object of ``--json``: the headline figures, the settings and every arm."""
-    return {**headline(results), "device": args.device,
-            "speed_scale": args.speed_scale if args.device == "cpu" else None,
-            "host_cpu_max": max(r["host_cpu"] for r in results),
-            "own_cores_max": max(r["own_cores"] for r in results),
-            "minibatches": args.minibatches, "arms": results, "machine": machine(),
-            "png": str(args.png)}
+    return {
+        **headline(results),
+        "device": args.device,
+        "speed_scale": args.speed_scale if args.device == "cpu" else None,
+        "host_cpu_max": max(r["host_cpu"] for r in results),
+        "own_cores_max": max(r["own_cores"] for r in results),
+        "minibatches": args.minibatches,
+        "arms": results,
+        "machine": machine(),
+        "png": str(args.png),
+    }
 
 
 if __name__ == "__main__":

@@ -85,40 +85,63 @@ def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sides: dict[str, Any] = {
         "torch": lambda job: run_torch(job, args.warmup),
-        "torch_retained": lambda job: run_torch(job, args.warmup, retain_freed=True)}
+        "torch_retained": lambda job: run_torch(job, args.warmup, retain_freed=True),
+    }
     for side, (_prefix, kwargs, _what) in SIDES.items():
         sides[side] = lambda job, kw=kwargs: run_ours(job, args.warmup, 1, **kw)
     for kind in ("gpipe", "1f1b"):
         job = job_dict(args.model, args.microbatch, args.minibatches, kind)
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for r in range(args.rounds):
-            for side in list(sides)[r % len(sides):] + list(sides)[:r % len(sides)]:
+            for side in list(sides)[r % len(sides) :] + list(sides)[: r % len(sides)]:
                 runs[side].append(sides[side](job))
-        med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2]
-               for k, v in runs.items()}
+        med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2] for k, v in runs.items()}
         torch_sps = med["torch"]["samples_per_s"]
-        out[kind] = {"torch_samples_per_s": torch_sps,
-                     "torch_retained_samples_per_s": med["torch_retained"]["samples_per_s"],
-                     "ratio_vs_torch_retained": med["ours"]["samples_per_s"]
-                     / med["torch_retained"]["samples_per_s"],
-                     "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
-                     "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()}}
+        out[kind] = {
+            "torch_samples_per_s": torch_sps,
+            "torch_retained_samples_per_s": med["torch_retained"]["samples_per_s"],
+            "ratio_vs_torch_retained": med["ours"]["samples_per_s"]
+            / med["torch_retained"]["samples_per_s"],
+            "torch_cpu_ms_per_sample": med["torch"]["cpu_ms_per_sample"],
+            "all_runs": {k: [x["samples_per_s"] for x in v] for k, v in runs.items()},
+        }
         for side in SIDES:
-            out[kind][side] = {"samples_per_s": med[side]["samples_per_s"],
-                               "ratio": med[side]["samples_per_s"] / torch_sps,
-                               "cpu_ms_per_sample": med[side]["cpu_ms_per_sample"]}
-    print(f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
-          f"{args.minibatches} microbatches, median of {args.rounds} alternated runs; ours "
-          + ", ".join(f"{side}: {what}" for side, (_p, _k, what) in SIDES.items())
-          + "; CPU ms per sample counts every process, start-up included")
-    print_table(["schedule", "torch samples/s", "torch CPU ms", "torch retained samples/s",
-                 "ours / torch retained", *[
-                 f"{side} {col}" for side in SIDES for col in ("samples/s", "ratio", "CPU ms")]],
-                [[k, v["torch_samples_per_s"], v["torch_cpu_ms_per_sample"],
-                  v["torch_retained_samples_per_s"], v["ratio_vs_torch_retained"],
-                  *[v[side][col] for side in SIDES
-                    for col in ("samples_per_s", "ratio", "cpu_ms_per_sample")]]
-                 for k, v in out.items()])
+            out[kind][side] = {
+                "samples_per_s": med[side]["samples_per_s"],
+                "ratio": med[side]["samples_per_s"] / torch_sps,
+                "cpu_ms_per_sample": med[side]["cpu_ms_per_sample"],
+            }
+    print(
+        f"(a) 4 unslowed CPU stages, {args.model}, microbatch {args.microbatch}, M = {M}, "
+        f"{args.minibatches} microbatches, median of {args.rounds} alternated runs; ours "
+        + ", ".join(f"{side}: {what}" for side, (_p, _k, what) in SIDES.items())
+        + "; CPU ms per sample counts every process, start-up included"
+    )
+    print_table(
+        [
+            "schedule",
+            "torch samples/s",
+            "torch CPU ms",
+            "torch retained samples/s",
+            "ours / torch retained",
+            *[f"{side} {col}" for side in SIDES for col in ("samples/s", "ratio", "CPU ms")],
+        ],
+        [
+            [
+                k,
+                v["torch_samples_per_s"],
+                v["torch_cpu_ms_per_sample"],
+                v["torch_retained_samples_per_s"],
+                v["ratio_vs_torch_retained"],
+                *[
+                    v[side][col]
+                    for side in SIDES
+                    for col in ("samples_per_s", "ratio", "cpu_ms_per_sample")
+                ],
+            ]
+            for k, v in out.items()
+        ],
+    )
     return out
 
 
@@ -129,7 +152,7 @@ def _iterations(info: dict[str, Any], m: int = M) -> tuple[float, list[float]]:
     fields = r["stats"]["record_fields"]
     rows = [dict(zip(fields, row, strict=True)) for row in r["records"]]
     ends = [row["t_bwd"] for row in rows if row["p"] % m == m - 1]
-    gaps = [b - a for a, b in itertools.pairwise(ends)][len(ends) // 5:]
+    gaps = [b - a for a, b in itertools.pairwise(ends)][len(ends) // 5 :]
     return statistics.median(gaps), gaps
 
 
@@ -144,29 +167,37 @@ def _compute_per_microbatch(info: dict[str, Any]) -> dict[str, list[float]]:
     as the plan predicted it from the profile. The two differ where the host ran at another
     speed than when the profile was taken (the emulated devices share its cores); the rest
     of the iteration's error is the runtime's model."""
-    pred = [s["time_s"] for v in (info.get("predicted") or {}).get("vws", [])
-            for s in v["stages"]]
+    pred = [s["time_s"] for v in (info.get("predicted") or {}).get("vws", []) for s in v["stages"]]
     done = [(s["forward_s"] or 0.0) + (s["backward_s"] or 0.0) for s in info["stages"]]
     counts = [s["done"] or 1 for s in info["stages"]]
-    return {"compute_s": [d / n for d, n in zip(done, counts, strict=True)],
-            "predicted_compute_s": pred}
+    return {
+        "compute_s": [d / n for d, n in zip(done, counts, strict=True)],
+        "predicted_compute_s": pred,
+    }
 
 
 def part_b(args: Any) -> dict[str, Any]:
     source = load_cluster(args.cluster)
-    devices = [DeviceDef(d.name, d.type, format_size(d.memory), d.speed, d.device)
-               for d in source.devices]
+    devices = [
+        DeviceDef(d.name, d.type, format_size(d.memory), d.speed, d.device) for d in source.devices
+    ]
     names = [d.name for d in devices]
     n_layers = len(build_model("cnn", {"width": args.width}))
     even = [n_layers // len(names) + (i < n_layers % len(names)) for i in range(len(names))]
 
     def job(name: str, split: list[str] | None, minibatches: int) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "name": name, "model": {"name": "cnn", "args": {"width": args.width}},
+            "name": name,
+            "model": {"name": "cnn", "args": {"width": args.width}},
             "data": {"name": "digits"},
             "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9},
-            "train": {"minibatch": args.microbatch, "nm": M, "seed": 0, "schedule": "1f1b",
-                      "minibatches": minibatches},
+            "train": {
+                "minibatch": args.microbatch,
+                "nm": M,
+                "seed": 0,
+                "schedule": "1f1b",
+                "minibatches": minibatches,
+            },
         }
         if split:
             d["vw"] = [{"devices": split, "layers": even}]
@@ -186,51 +217,82 @@ def part_b(args: Any) -> dict[str, Any]:
             for r in range(args.repeats):
                 for name, split in (("planned", None), ("naive", names)):
                     busy0, t0 = _cpu_busy(), time.perf_counter()
-                    info = run_quietly(cluster, job(f"{name}-{r}", split, args.iterations * M),
-                                       args.quiet, args.attempts)
+                    info = run_quietly(
+                        cluster,
+                        job(f"{name}-{r}", split, args.iterations * M),
+                        args.quiet,
+                        args.attempts,
+                    )
                     wall = time.perf_counter() - t0
                     med, _gaps = _iterations(info)
                     pred = info.get("predicted") or {}
-                    results[name].append({
-                        "iteration_s": med,
-                        "predicted_iteration_s": pred.get("iteration_s"),
-                        **_compute_per_microbatch(info),
-                        "devices": [s["device"] for v in pred.get("vws", [])
-                                    for s in v["stages"]],
-                        "layers": [s["layers"] for v in pred.get("vws", [])
-                                   for s in v["stages"]],
-                        "host_cpu_cores_busy": (_cpu_busy() - busy0) / wall,
-                        "outside_cores": info["outside_cores"],
-                        "accuracy": info.get("test_accuracy"),
-                    })
-                    print(f"  {name} run {r + 1}: iteration {med * 1e3:.1f} ms "
-                          f"(predicted {(pred.get('iteration_s') or 0) * 1e3:.1f} ms), "
-                          f"host {results[name][-1]['host_cpu_cores_busy']:.2f} cores busy, "
-                          f"{info['outside_cores']:.2f} by other processes", flush=True)
+                    results[name].append(
+                        {
+                            "iteration_s": med,
+                            "predicted_iteration_s": pred.get("iteration_s"),
+                            **_compute_per_microbatch(info),
+                            "devices": [
+                                s["device"] for v in pred.get("vws", []) for s in v["stages"]
+                            ],
+                            "layers": [
+                                s["layers"] for v in pred.get("vws", []) for s in v["stages"]
+                            ],
+                            "host_cpu_cores_busy": (_cpu_busy() - busy0) / wall,
+                            "outside_cores": info["outside_cores"],
+                            "accuracy": info.get("test_accuracy"),
+                        }
+                    )
+                    print(
+                        f"  {name} run {r + 1}: iteration {med * 1e3:.1f} ms "
+                        f"(predicted {(pred.get('iteration_s') or 0) * 1e3:.1f} ms), "
+                        f"host {results[name][-1]['host_cpu_cores_busy']:.2f} cores busy, "
+                        f"{info['outside_cores']:.2f} by other processes",
+                        flush=True,
+                    )
     planned = sorted(results["planned"], key=lambda x: x["iteration_s"])[args.repeats // 2]
     naive = sorted(results["naive"], key=lambda x: x["iteration_s"])[args.repeats // 2]
     speedup = naive["iteration_s"] / planned["iteration_s"]
-    error = abs(planned["iteration_s"] - planned["predicted_iteration_s"]) / planned[
-        "iteration_s"]
+    error = abs(planned["iteration_s"] - planned["predicted_iteration_s"]) / planned["iteration_s"]
     # how far the profile was from the host's speed during the job: the bottleneck stage's
     # compute, predicted over measured (1.0: the profile matched the host)
     slowest = max(range(len(planned["compute_s"])), key=lambda i: planned["compute_s"][i])
-    profile_ratio = (planned["predicted_compute_s"][slowest] / planned["compute_s"][slowest]
-                     if planned["predicted_compute_s"] else None)
-    print(f"(b) default cluster, cnn width {args.width}, 1f1b, M = {M}, minibatch "
-          f"{args.microbatch}: planned {planned['devices']} {planned['layers']} vs naive "
-          f"{naive['devices']} {even}")
-    print_table(["job", "iteration ms", "predicted ms", "host cores busy", "by others"],
-                [[k, x["iteration_s"] * 1e3, (x["predicted_iteration_s"] or 0) * 1e3,
-                  x["host_cpu_cores_busy"], x["outside_cores"]]
-                 for k, x in (("planned", planned), ("naive", naive))])
+    profile_ratio = (
+        planned["predicted_compute_s"][slowest] / planned["compute_s"][slowest]
+        if planned["predicted_compute_s"]
+        else None
+    )
+    print(
+        f"(b) default cluster, cnn width {args.width}, 1f1b, M = {M}, minibatch "
+        f"{args.microbatch}: planned {planned['devices']} {planned['layers']} vs naive "
+        f"{naive['devices']} {even}"
+    )
+    print_table(
+        ["job", "iteration ms", "predicted ms", "host cores busy", "by others"],
+        [
+            [
+                k,
+                x["iteration_s"] * 1e3,
+                (x["predicted_iteration_s"] or 0) * 1e3,
+                x["host_cpu_cores_busy"],
+                x["outside_cores"],
+            ]
+            for k, x in (("planned", planned), ("naive", naive))
+        ],
+    )
     print(f"measured speedup vs naive {speedup:.2f}x; iteration prediction error {error:.1%}")
     if profile_ratio is not None:
-        print(f"planned job's slowest stage: compute per microbatch predicted / measured "
-              f"{profile_ratio:.3f} (the profile against the host's speed during the job)")
-    return {"planned": planned, "naive": naive, "runs": results,
-            "measured_speedup_vs_naive": speedup, "iteration_prediction_error": error,
-            "profile_compute_ratio": profile_ratio}
+        print(
+            f"planned job's slowest stage: compute per microbatch predicted / measured "
+            f"{profile_ratio:.3f} (the profile against the host's speed during the job)"
+        )
+    return {
+        "planned": planned,
+        "naive": naive,
+        "runs": results,
+        "measured_speedup_vs_naive": speedup,
+        "iteration_prediction_error": error,
+        "profile_compute_ratio": profile_ratio,
+    }
 
 
 def part_c(args: Any) -> dict[str, Any]:
@@ -255,13 +317,20 @@ def part_c(args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     plan_sync(big, budget_s=6.0)
     t_big = time.perf_counter() - t0
-    out = {"instances": len(gaps), "optimality_gap_mean": statistics.fmean(gaps),
-           "optimality_gap_max": max(gaps), "plan_s_mean": t_plan / len(gaps),
-           "exhaustive_s_mean": t_exh / len(gaps), "plan_200x32_s": t_big}
-    print(f"(c) {len(gaps)} random instances: gap to the exhaustive optimum mean "
-          f"{out['optimality_gap_mean']:.2%}, max {out['optimality_gap_max']:.2%}; planning "
-          f"{out['plan_s_mean'] * 1e3:.0f} ms each (exhaustive {out['exhaustive_s_mean']:.2f} s);"
-          f" 200 layers on 32 devices planned in {t_big:.1f} s")
+    out = {
+        "instances": len(gaps),
+        "optimality_gap_mean": statistics.fmean(gaps),
+        "optimality_gap_max": max(gaps),
+        "plan_s_mean": t_plan / len(gaps),
+        "exhaustive_s_mean": t_exh / len(gaps),
+        "plan_200x32_s": t_big,
+    }
+    print(
+        f"(c) {len(gaps)} random instances: gap to the exhaustive optimum mean "
+        f"{out['optimality_gap_mean']:.2%}, max {out['optimality_gap_max']:.2%}; planning "
+        f"{out['plan_s_mean'] * 1e3:.0f} ms each (exhaustive {out['exhaustive_s_mean']:.2f} s);"
+        f" 200 layers on 32 devices planned in {t_big:.1f} s"
+    )
     return out
 
 
@@ -279,19 +348,27 @@ def part_d(args: Any) -> dict[str, Any]:
 
     def job(name: str, kind: str, warmup: int | str, iterations: int) -> dict[str, Any]:
         return {
-            "name": name, "model": {"name": "mlp", "args": {"hidden": ORDER_HIDDEN}},
+            "name": name,
+            "model": {"name": "mlp", "args": {"hidden": ORDER_HIDDEN}},
             "data": {"name": "digits"},
             "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-            "train": {"minibatch": args.order_microbatch, "nm": m, "seed": 0, "schedule": kind,
-                      "minibatches": iterations * m,
-                      **({"warmup": warmup} if kind == "1f1b" else {})},
+            "train": {
+                "minibatch": args.order_microbatch,
+                "nm": m,
+                "seed": 0,
+                "schedule": kind,
+                "minibatches": iterations * m,
+                **({"warmup": warmup} if kind == "1f1b" else {}),
+            },
             "vw": [{"devices": ["a0", "b0"], "layers": [n_layers // 2, n_layers - n_layers // 2]}],
         }
 
     arms = (("1f1b", "1f1b", 0), ("planned", "1f1b", "auto"), ("gpipe", "gpipe", 0))
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a, _k, _w in arms}
-    with tempfile.TemporaryDirectory(prefix="hetpipe-bench-order-") as tmp, \
-            Network(list(hosts), [Link("a", "b", mbit=args.order_mbit)]) as net:
+    with (
+        tempfile.TemporaryDirectory(prefix="hetpipe-bench-order-") as tmp,
+        Network(list(hosts), [Link("a", "b", mbit=args.order_mbit)]) as net,
+    ):
         root = Path(tmp)
         rate = measure_mbit(net, "a", "b", 2_000_000)
         path = root / "cluster.toml"
@@ -303,36 +380,64 @@ def part_d(args: Any) -> dict[str, Any]:
             for r in range(args.repeats):
                 for arm, kind, warmup in arms:
                     busy0, t0 = _cpu_busy(), time.perf_counter()
-                    info = cluster.submit(job(f"{arm}-{r}", kind, warmup, args.order_iterations),
-                                          timeout=900)
+                    info = cluster.submit(
+                        job(f"{arm}-{r}", kind, warmup, args.order_iterations), timeout=900
+                    )
                     if info.get("state") != "done":
                         raise RuntimeError(f"{arm}: {info.get('error')}")
                     med, _gaps = _iterations(info, m)
                     pred = info.get("predicted") or {}
                     stages = json.loads(Path(info["stages_path"]).read_text())
-                    runs[arm].append({
-                        "iteration_s": med, "predicted_iteration_s": pred.get("iteration_s"),
-                        "warmup": pred.get("warmup", 0),
-                        "peak_in_flight": [st["stats"]["peak_in_flight"]
-                                           for _w, st in sorted(stages.items())],
-                        "host_cpu_cores_busy": (_cpu_busy() - busy0)
-                        / (time.perf_counter() - t0)})
+                    runs[arm].append(
+                        {
+                            "iteration_s": med,
+                            "predicted_iteration_s": pred.get("iteration_s"),
+                            "warmup": pred.get("warmup", 0),
+                            "peak_in_flight": [
+                                st["stats"]["peak_in_flight"] for _w, st in sorted(stages.items())
+                            ],
+                            "host_cpu_cores_busy": (_cpu_busy() - busy0)
+                            / (time.perf_counter() - t0),
+                        }
+                    )
                     x = runs[arm][-1]
-                    print(f"  {arm} run {r + 1}: warm-up +{x['warmup']}, iteration "
-                          f"{med * 1e3:.1f} ms (predicted "
-                          f"{(x['predicted_iteration_s'] or 0) * 1e3:.1f} ms), in flight "
-                          f"{x['peak_in_flight']}, host {x['host_cpu_cores_busy']:.2f} cores "
-                          "busy", flush=True)
+                    print(
+                        f"  {arm} run {r + 1}: warm-up +{x['warmup']}, iteration "
+                        f"{med * 1e3:.1f} ms (predicted "
+                        f"{(x['predicted_iteration_s'] or 0) * 1e3:.1f} ms), in flight "
+                        f"{x['peak_in_flight']}, host {x['host_cpu_cores_busy']:.2f} cores "
+                        "busy",
+                        flush=True,
+                    )
     med = {a: sorted(v, key=lambda x: x["iteration_s"])[len(v) // 2] for a, v in runs.items()}
     speedup = med["1f1b"]["iteration_s"] / med["planned"]["iteration_s"]
-    print(f"(d) orders over a {args.order_mbit:g} Mbit/s link (payload measured {rate:.0f}), "
-          f"mlp {ORDER_HIDDEN}, microbatch {args.order_microbatch}, M = {m}:")
-    print_table(["order", "warm-up", "iteration ms", "predicted ms", "in flight", "host busy"],
-                [[a, x["warmup"], x["iteration_s"] * 1e3, (x["predicted_iteration_s"] or 0) * 1e3,
-                  str(x["peak_in_flight"]), x["host_cpu_cores_busy"]] for a, x in med.items()])
+    print(
+        f"(d) orders over a {args.order_mbit:g} Mbit/s link (payload measured {rate:.0f}), "
+        f"mlp {ORDER_HIDDEN}, microbatch {args.order_microbatch}, M = {m}:"
+    )
+    print_table(
+        ["order", "warm-up", "iteration ms", "predicted ms", "in flight", "host busy"],
+        [
+            [
+                a,
+                x["warmup"],
+                x["iteration_s"] * 1e3,
+                (x["predicted_iteration_s"] or 0) * 1e3,
+                str(x["peak_in_flight"]),
+                x["host_cpu_cores_busy"],
+            ]
+            for a, x in med.items()
+        ],
+    )
     print(f"planner's order vs 1F1B: {speedup:.2f}x")
-    return {"link_mbit": args.order_mbit, "measured_payload_mbit": rate, "m": m,
-            "median": med, "runs": runs, "order_speedup_vs_1f1b": speedup}
+    return {
+        "link_mbit": args.order_mbit,
+        "measured_payload_mbit": rate,
+        "m": m,
+        "median": med,
+        "runs": runs,
+        "order_speedup_vs_1f1b": speedup,
+    }
 
 
 def main() -> None:
@@ -347,10 +452,18 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32, help="(b) cnn width")
     ap.add_argument("--iterations", type=int, default=60, help="(b) iterations per job")
     ap.add_argument("--repeats", type=int, default=3, help="(b) runs per job (median)")
-    ap.add_argument("--quiet", type=float, default=0.3,
-                    help="(b) a run during which other processes used more cores is run again")
-    ap.add_argument("--attempts", type=int, default=4,
-                    help="(b) runs per measurement at most (the least disturbed one is kept)")
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=0.3,
+        help="(b) a run during which other processes used more cores is run again",
+    )
+    ap.add_argument(
+        "--attempts",
+        type=int,
+        default=4,
+        help="(b) runs per measurement at most (the least disturbed one is kept)",
+    )
     ap.add_argument("--optimality", type=int, default=300, help="(c) random instances")
     ap.add_argument("--seed", type=int, default=0, help="(c) instance seed")
     ap.add_argument("--order-m", type=int, default=8, help="(d) microbatches per iteration")
@@ -364,21 +477,33 @@ def main() -> None:
     out: dict[str, Any] = {"bench": "sync", "machine": machine()}
     if "a" in args.parts:
         a = part_a(args)
-        out.update({f"{prefix}ratio_vs_torch_{kind}": a[kind][side]["ratio"]
-                    for side, (prefix, _kw, _what) in SIDES.items() for kind in a})
-        out.update({f"ratio_vs_torch_retained_{kind}": a[kind]["ratio_vs_torch_retained"]
-                    for kind in a})
+        out.update(
+            {
+                f"{prefix}ratio_vs_torch_{kind}": a[kind][side]["ratio"]
+                for side, (prefix, _kw, _what) in SIDES.items()
+                for kind in a
+            }
+        )
+        out.update(
+            {f"ratio_vs_torch_retained_{kind}": a[kind]["ratio_vs_torch_retained"] for kind in a}
+        )
         out["vs_torch"] = a
     if "b" in args.parts:
         b = part_b(args)
-        out.update(measured_speedup_vs_naive=b["measured_speedup_vs_naive"],
-                   iteration_prediction_error=b["iteration_prediction_error"],
-                   profile_compute_ratio=b["profile_compute_ratio"], plan_quality=b)
+        out.update(
+            measured_speedup_vs_naive=b["measured_speedup_vs_naive"],
+            iteration_prediction_error=b["iteration_prediction_error"],
+            profile_compute_ratio=b["profile_compute_ratio"],
+            plan_quality=b,
+        )
     if "c" in args.parts:
         c = part_c(args)
-        out.update(optimality_gap_mean=c["optimality_gap_mean"],
-                   optimality_gap_max=c["optimality_gap_max"], plan_200x32_s=c["plan_200x32_s"],
-                   optimality=c)
+        out.update(
+            optimality_gap_mean=c["optimality_gap_mean"],
+            optimality_gap_max=c["optimality_gap_max"],
+            plan_200x32_s=c["plan_200x32_s"],
+            optimality=c,
+        )
     if "d" in args.parts:
         d = part_d(args)
         out.update(order_speedup_vs_1f1b=d.get("order_speedup_vs_1f1b"), orders=d)

@@ -103,8 +103,13 @@ async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
     ctl = ctx.socket(zmq.PAIR)
     ctl.setsockopt(zmq.LINGER, 0)
     ctl.connect(ctl_address)
-    data = make_socket(ctx, zmq.PULL, bind=f"tcp://{HOST}:0", hwm=HWM,
-                       curve=_curve("worker-rx", serve=True) if curve else None)
+    data = make_socket(
+        ctx,
+        zmq.PULL,
+        bind=f"tcp://{HOST}:0",
+        hwm=HWM,
+        curve=_curve("worker-rx", serve=True) if curve else None,
+    )
     left = 0
     nbytes = 0
     done = asyncio.Event()
@@ -206,8 +211,13 @@ class _OursSender:
     async def _open(self, address: str, curve: bool) -> Any:
         from hetpipe.transport import Channel, make_socket
 
-        sock = make_socket(self.ctx, zmq.PUSH, connect=address, hwm=HWM,
-                           curve=_curve("worker-tx", serve=False) if curve else None)
+        sock = make_socket(
+            self.ctx,
+            zmq.PUSH,
+            connect=address,
+            hwm=HWM,
+            curve=_curve("worker-tx", serve=False) if curve else None,
+        )
         return Channel(sock, None, name="bench-tx", max_frame_bytes=1 << 30)
 
     async def _stream(self, t: torch.Tensor, n: int) -> None:
@@ -394,8 +404,11 @@ def main() -> None:
         help="also time our sender alone and our receiver alone against raw zmq",
     )
     ap.add_argument("--round-s", type=float, default=0.2, help="target seconds per round")
-    ap.add_argument("--curve", action="store_true",
-                    help="also time the runtime's path with CurveZMQ on (ours-curve)")
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="also time the runtime's path with CurveZMQ on (ours-curve)",
+    )
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
     for s in sizes:

@@ -51,18 +51,37 @@ MINIBATCH = 256
 
 
 def spec() -> JobSpec:
-    return JobSpec.from_dict({
-        "name": "probe", "model": {"name": "mlp", "args": {"hidden": HIDDEN}},
-        "data": {"name": "digits"}, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "train": {"minibatch": MINIBATCH, "minibatches": 1 << 20, "nm": 1, "staleness": 0},
-    }, source="probe")
+    return JobSpec.from_dict(
+        {
+            "name": "probe",
+            "model": {"name": "mlp", "args": {"hidden": HIDDEN}},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+            "train": {"minibatch": MINIBATCH, "minibatches": 1 << 20, "nm": 1, "staleness": 0},
+        },
+        source="probe",
+    )
 
 
-def stage(job: JobSpec, state: dict[str, torch.Tensor], a: int, b: int, n_layers: int,
-          speed: float) -> StageCompute:
+def stage(
+    job: JobSpec, state: dict[str, torch.Tensor], a: int, b: int, n_layers: int, speed: float
+) -> StageCompute:
     """Layers ``[a, b)`` as the middle stage of three, its weights loaded."""
-    task = StageTask(job="probe", spec=job.to_dict(), vw=0, stage=1, k=3, first=a, last=b,
-                     nm=1, staleness=0, minibatches=1 << 20, num_vws=1, prev=None, next=None)
+    task = StageTask(
+        job="probe",
+        spec=job.to_dict(),
+        vw=0,
+        stage=1,
+        k=3,
+        first=a,
+        last=b,
+        nm=1,
+        staleness=0,
+        minibatches=1 << 20,
+        num_vws=1,
+        prev=None,
+        next=None,
+    )
     c = StageCompute(task, DeviceSpec("d", "cpu", "fast", 1 << 34, speed, 0, "n", "h"))
     names = c.state_names()
     c.load({k: state[k] for k in names}, {k: [] for k in names})
@@ -70,8 +89,9 @@ def stage(job: JobSpec, state: dict[str, torch.Tensor], a: int, b: int, n_layers
     return c
 
 
-def time_stage(c: StageCompute, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor,
-               repeats: int) -> float:
+def time_stage(
+    c: StageCompute, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, repeats: int
+) -> float:
     """Median padded forward + backward (as the stage's stats count them) + the unpadded
     optimizer step (which the backward's span holds), per minibatch."""
     out = []
@@ -117,8 +137,12 @@ def main() -> int:
     model = fresh()
     state = model.state_dict()
     n_layers = len(model)
-    kw: dict[str, Any] = {"speed": args.speed, "loss_fn": lambda o: loss(o, y0), "repeats": 40,
-                          "budget_s": 20.0}
+    kw: dict[str, Any] = {
+        "speed": args.speed,
+        "loss_fn": lambda o: loss(o, y0),
+        "repeats": 40,
+        "budget_s": 20.0,
+    }
     gross = measure_layers(fresh(), x0, **kw)
     got = measure_model(fresh(), x0, **kw)
     net = ModelProfile("mlp", MINIBATCH, 0, {"t": got.layers}, {"t": got.call})
@@ -126,11 +150,15 @@ def main() -> int:
     with torch.no_grad():
         for layer in model:
             acts.append(layer(acts[-1]))
-    print(f"load average {os.getloadavg()[0]:.2f}; speed {args.speed}; call term "
-          f"fwd {got.call.fwd_s * 1e3:.3f} bwd {got.call.bwd_s * 1e3:.3f} "
-          f"update {got.call.update_s * 1e3:.3f} ms")
-    print(f"{'n':>3}{'a':>3}{'stage ms':>10}{'gross ms':>10}{'ratio':>7}{'net ms':>9}{'ratio':>7}"
-          f"{'unpadded ms':>13}{'ratio':>7}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; speed {args.speed}; call term "
+        f"fwd {got.call.fwd_s * 1e3:.3f} bwd {got.call.bwd_s * 1e3:.3f} "
+        f"update {got.call.update_s * 1e3:.3f} ms"
+    )
+    print(
+        f"{'n':>3}{'a':>3}{'stage ms':>10}{'gross ms':>10}{'ratio':>7}{'net ms':>9}{'ratio':>7}"
+        f"{'unpadded ms':>13}{'ratio':>7}"
+    )
     old: list[tuple[int, float, float]] = []
     new: list[tuple[int, float, float]] = []
     unpadded: list[tuple[int, float, float]] = []
@@ -148,21 +176,25 @@ def main() -> int:
             old.append((n, measured, g))
             new.append((n, measured, t))
             unpadded.append((n, measured, u))
-            print(f"{n:>3}{a:>3}{measured * 1e3:>10.3f}{g * 1e3:>10.3f}{measured / g:>7.2f}"
-                  f"{t * 1e3:>9.3f}{measured / t:>7.2f}{u * 1e3:>13.3f}{measured / u:>7.2f}")
+            print(
+                f"{n:>3}{a:>3}{measured * 1e3:>10.3f}{g * 1e3:>10.3f}{measured / g:>7.2f}"
+                f"{t * 1e3:>9.3f}{measured / t:>7.2f}{u * 1e3:>13.3f}{measured / u:>7.2f}"
+            )
     rc = RuntimeCosts()
 
     def planner(x: float) -> float:
         return x + 2 * rc.task_s / min(1.0, args.speed)
 
-    fits = (("gross (sum of layers)", old), ("net + call term", new),
-            ("net + call term, step unpadded", unpadded),
-            ("the planner's compute from gross", [(n, m, planner(x)) for n, m, x in old]),
-            ("the planner's compute from net", [(n, m, planner(x)) for n, m, x in new]))
+    fits = (
+        ("gross (sum of layers)", old),
+        ("net + call term", new),
+        ("net + call term, step unpadded", unpadded),
+        ("the planner's compute from gross", [(n, m, planner(x)) for n, m, x in old]),
+        ("the planner's compute from net", [(n, m, planner(x)) for n, m, x in new]),
+    )
     for name, rows in fits:
         a0, b1 = fit(rows)
-        print(f"fit vs {name}: stage - predicted = {a0 * 1e3:.3f} ms + (n - 1) x "
-              f"{b1 * 1e3:.3f} ms")
+        print(f"fit vs {name}: stage - predicted = {a0 * 1e3:.3f} ms + (n - 1) x {b1 * 1e3:.3f} ms")
     print(f"load average {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -39,9 +39,17 @@ from hetpipe.wire import Kind
 HOST = "127.0.0.1"
 # an activation's header as a stage sends it when the tensor went through shared memory
 FIELDS: dict[str, Any] = {
-    "job": "probe", "vw": 0, "p": 0,
-    "shm": {"x": {"file": "hetpipe-123-4-deadbeef", "dtype": "float32",
-                  "shape": [32, 64, 4, 4], "nbytes": 131072}},
+    "job": "probe",
+    "vw": 0,
+    "p": 0,
+    "shm": {
+        "x": {
+            "file": "hetpipe-123-4-deadbeef",
+            "dtype": "float32",
+            "shape": [32, 64, 4, 4],
+            "nbytes": 131072,
+        }
+    },
 }
 
 
@@ -52,6 +60,7 @@ def _cpu_s() -> float:
 
 def _ours(mine: Any, theirs: Any, first: bool, n: int, out: Any) -> None:
     """One side of ``ours``: serve on a PULL channel, answer or start each round trip."""
+
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         got: asyncio.Queue[Any] = asyncio.Queue()
@@ -114,8 +123,10 @@ def _turn(side: Any, n: int) -> list[float]:
     """Both sides of one way for ``n`` round trips: each side's CPU us per message."""
     ctx = mp.get_context("spawn")
     a, b, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=side, args=(a, b, True, n, out)),
-             ctx.Process(target=side, args=(b, a, False, n, out))]
+    procs = [
+        ctx.Process(target=side, args=(a, b, True, n, out)),
+        ctx.Process(target=side, args=(b, a, False, n, out)),
+    ]
     for p in procs:
         p.start()
     try:
@@ -145,15 +156,27 @@ def main() -> None:
         for name, side in (("ours", _ours), ("raw", _raw)):
             us[name] += _turn(side, args.n)
     med = {k: statistics.median(v) for k, v in us.items()}
-    print(f"CPU per message sent or received, median of {args.turns} turns x 2 sides, "
-          f"{args.n} round trips each")
+    print(
+        f"CPU per message sent or received, median of {args.turns} turns x 2 sides, "
+        f"{args.n} round trips each"
+    )
     for k, v in med.items():
         print(f"  {k:5s} {v:6.1f} us   (all: {', '.join(f'{x:.1f}' for x in us[k])})")
     print(f"  ours / raw: {med['ours'] / med['raw']:.2f}")
     if args.json:
-        print(json.dumps({"probe": "message_cpu", "n": args.n, "turns": args.turns,
-                          "ours_us_per_message": med["ours"], "raw_us_per_message": med["raw"],
-                          "ours_over_raw": med["ours"] / med["raw"], "runs": us}))
+        print(
+            json.dumps(
+                {
+                    "probe": "message_cpu",
+                    "n": args.n,
+                    "turns": args.turns,
+                    "ours_us_per_message": med["ours"],
+                    "raw_us_per_message": med["raw"],
+                    "ours_over_raw": med["ours"] / med["raw"],
+                    "runs": us,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -109,18 +109,40 @@ def even_split(n_layers: int, k: int) -> list[int]:
 def make_stage(arm: str, stage: int, k: int, minibatches: int) -> StageCompute:
     """Stage ``stage`` of ``k`` of the CNN, weights loaded from the seeded model."""
     arm = UNBOUND.get(arm, arm)
-    spec = JobSpec.from_dict({
-        "name": "probe", "model": {"name": "cnn", "args": {}}, "data": {"name": "digits"},
-        "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
-        "train": {"minibatch": MINIBATCH, "nm": k, "minibatches": minibatches, "seed": 0,
-                  **ARMS[arm]},
-    }, source="probe")
+    spec = JobSpec.from_dict(
+        {
+            "name": "probe",
+            "model": {"name": "cnn", "args": {}},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4},
+            "train": {
+                "minibatch": MINIBATCH,
+                "nm": k,
+                "minibatches": minibatches,
+                "seed": 0,
+                **ARMS[arm],
+            },
+        },
+        source="probe",
+    )
     bounds = [0]
     for n in even_split(N_LAYERS, k):
         bounds.append(bounds[-1] + n)
-    task = StageTask(job="probe", spec=spec.to_dict(), vw=0, stage=stage, k=k,
-                     first=bounds[stage], last=bounds[stage + 1], nm=k, staleness=0,
-                     minibatches=minibatches, num_vws=1, prev=None, next=None)
+    task = StageTask(
+        job="probe",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=stage,
+        k=k,
+        first=bounds[stage],
+        last=bounds[stage + 1],
+        nm=k,
+        staleness=0,
+        minibatches=minibatches,
+        num_vws=1,
+        prev=None,
+        next=None,
+    )
     compute = StageCompute(task, DEVICE)
     torch.manual_seed(0)
     state = build_model("cnn").state_dict()
@@ -129,8 +151,9 @@ def make_stage(arm: str, stage: int, k: int, minibatches: int) -> StageCompute:
     return compute
 
 
-def feeds(stage: int, k: int, minibatches: int
-          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+def feeds(
+    stage: int, k: int, minibatches: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
     """Each minibatch's input and output gradient at ``stage`` (seeded), and the labels."""
     model = build_model("cnn")
     bounds = [0]
@@ -140,22 +163,25 @@ def feeds(stage: int, k: int, minibatches: int
     x0 = torch.randn(MINIBATCH, 1, 8, 8, generator=g)
     with torch.no_grad():
         model.eval()
-        x_in = model[:bounds[stage]](x0)
-        x_out = model[:bounds[stage + 1]](x0)
+        x_in = model[: bounds[stage]](x0)
+        x_out = model[: bounds[stage + 1]](x0)
     xs = [torch.randn(x_in.shape, generator=g) for _ in range(minibatches)]
     last = stage == k - 1
-    gs = [None if last else torch.randn(x_out.shape, generator=g) * 1e-2
-          for _ in range(minibatches)]
+    gs = [
+        None if last else torch.randn(x_out.shape, generator=g) * 1e-2 for _ in range(minibatches)
+    ]
     y = torch.randint(0, 10, (MINIBATCH,), generator=g)
     return xs, gs, y
 
 
-def run(compute: StageCompute, xs: list[torch.Tensor], gs: list[torch.Tensor | None],
-        y: torch.Tensor) -> tuple[list[list[float]], dict[int, torch.Tensor | None]]:
+def run(
+    compute: StageCompute, xs: list[torch.Tensor], gs: list[torch.Tensor | None], y: torch.Tensor
+) -> tuple[list[list[float]], dict[int, torch.Tensor | None]]:
     """The stage's lock-step order; per minibatch its forward, backward and step seconds,
     and its input gradients."""
-    table = compute.table or StageTable(compute.task.k, compute.task.stage, compute.task.nm,
-                                        compute.task.minibatches)  # stash keeps none
+    table = compute.table or StageTable(
+        compute.task.k, compute.task.stage, compute.task.nm, compute.task.minibatches
+    )  # stash keeps none
     spent = [[0.0, 0.0, 0.0] for _ in xs]
     grads: dict[int, torch.Tensor | None] = {}
     clock = CLOCK[0]
@@ -211,8 +237,7 @@ def timing_hooks(totals: dict[str, float]) -> Iterator[None]:
         fn = getattr(owner, attr)
         saved.append((owner, attr, fn))
 
-        def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label,
-                    **kw: Any) -> Any:
+        def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label, **kw: Any) -> Any:
             clock = CLOCK[0]
             t0 = clock()
             try:
@@ -234,21 +259,38 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--minibatches", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--speed", type=float, default=0.25,
-                    help="the emulated speed of the padded figure (bench_staleness's default)")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="this thread's CPU time (default: robust on a shared host) or wall")
-    ap.add_argument("--stat", choices=("median", "mean"), default="median",
-                    help="each repeat's figure over its minibatches (mean: what throughput "
-                         "follows)")
-    ap.add_argument("--unbound", action="store_true",
-                    help="add the timing-only arm paper-unbound (late binding off)")
+    ap.add_argument(
+        "--speed",
+        type=float,
+        default=0.25,
+        help="the emulated speed of the padded figure (bench_staleness's default)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="this thread's CPU time (default: robust on a shared host) or wall",
+    )
+    ap.add_argument(
+        "--stat",
+        choices=("median", "mean"),
+        default="median",
+        help="each repeat's figure over its minibatches (mean: what throughput follows)",
+    )
+    ap.add_argument(
+        "--unbound",
+        action="store_true",
+        help="add the timing-only arm paper-unbound (late binding off)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the paper arm")
     ap.add_argument("--save", type=Path, help="write final weights and input gradients")
     ap.add_argument("--check", type=Path, help="compare them bit for bit against --save's")
-    ap.add_argument("--retained", action="store_true",
-                    help="keep freed memory as every daemon does ([runtime] retain_freed_mib, "
-                         "hetpipe.hostmem); default: the C allocator as it starts")
+    ap.add_argument(
+        "--retained",
+        action="store_true",
+        help="keep freed memory as every daemon does ([runtime] retain_freed_mib, "
+        "hetpipe.hostmem); default: the C allocator as it starts",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.retained:
@@ -258,16 +300,22 @@ def main() -> None:
     arms = [*ARMS, *(UNBOUND if args.unbound else ())]
     over = statistics.median if args.stat == "median" else statistics.mean
 
-    results: dict[str, Any] = {"machine": machine(), "k": args.k, "clock": args.clock,
-                               "retained": args.retained,
-                               "minibatches": args.minibatches, "repeats": args.repeats,
-                               "stat": args.stat, "median_ms": {}, "breakdown_ms": {}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "k": args.k,
+        "clock": args.clock,
+        "retained": args.retained,
+        "minibatches": args.minibatches,
+        "repeats": args.repeats,
+        "stat": args.stat,
+        "median_ms": {},
+        "breakdown_ms": {},
+    }
     outcome: dict[str, torch.Tensor] = {}
     for st in args.stages:
         xs, gs, y = feeds(st, args.k, args.minibatches)
         # per arm and figure, each repeat's median (or mean) over the run's minibatches (ms)
-        runs: dict[str, dict[str, list[float]]] = {arm: {f: [] for f in FIGURES}
-                                                   for arm in arms}
+        runs: dict[str, dict[str, list[float]]] = {arm: {f: [] for f in FIGURES} for arm in arms}
         for r in range(args.repeats):
             for arm in arms:  # interleaved: a disturbance hits every arm alike
                 compute = make_stage(arm, st, args.k, args.minibatches)
@@ -283,12 +331,23 @@ def main() -> None:
                             outcome[f"{st}/{arm}/g/{p}"] = g.clone()
         med = {arm: {f: statistics.median(v) for f, v in runs[arm].items()} for arm in arms}
         results["median_ms"][str(st)] = med
-        print(f"stage {st} of {args.k}: per-minibatch ms, median of {args.repeats} repeats "
-              f"(each the {args.stat} of {args.minibatches} minibatches); padded: forward and "
-              f"backward at speed {args.speed}, as an emulated device pads them")
-        print_table(["arm", *FIGURES, "total vs stash", "padded vs stash"],
-                    [[a, *med[a].values(), med[a]["total"] / med["stash"]["total"],
-                      med[a]["padded"] / med["stash"]["padded"]] for a in arms])
+        print(
+            f"stage {st} of {args.k}: per-minibatch ms, median of {args.repeats} repeats "
+            f"(each the {args.stat} of {args.minibatches} minibatches); padded: forward and "
+            f"backward at speed {args.speed}, as an emulated device pads them"
+        )
+        print_table(
+            ["arm", *FIGURES, "total vs stash", "padded vs stash"],
+            [
+                [
+                    a,
+                    *med[a].values(),
+                    med[a]["total"] / med["stash"]["total"],
+                    med[a]["padded"] / med["stash"]["padded"],
+                ]
+                for a in arms
+            ],
+        )
 
         breakdown: dict[str, dict[str, float]] = {}
         for arm in ARMS:
@@ -300,8 +359,10 @@ def main() -> None:
         results["breakdown_ms"][str(st)] = breakdown
         labels = [label for _o, _a, label in TIMED]
         print(f"stage {st}: inclusive ms per minibatch (timed wrappers add their own cost)")
-        print_table(["function", *ARMS],
-                    [[label, *(breakdown[a].get(label, 0.0) for a in ARMS)] for label in labels])
+        print_table(
+            ["function", *ARMS],
+            [[label, *(breakdown[a].get(label, 0.0) for a in ARMS)] for label in labels],
+        )
 
         if args.profile:
             compute = make_stage("paper", st, args.k, args.minibatches)
@@ -317,8 +378,7 @@ def main() -> None:
         torch.save(outcome, args.save)
     if args.check is not None:
         want = torch.load(args.check)
-        differ = sorted(n for n in want if n not in outcome
-                        or not torch.equal(outcome[n], want[n]))
+        differ = sorted(n for n in want if n not in outcome or not torch.equal(outcome[n], want[n]))
         differ += sorted(n for n in outcome if n not in want)
         results["bit_identical"] = not differ
         print("bit-identical to", args.check, ":", not differ, differ[:5])

@@ -60,29 +60,51 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     bounds = [0]
     for n in split:
         bounds.append(bounds[-1] + n)
-    spec = JobSpec.from_dict({
-        "name": "probe", "model": {"name": "cnn", "args": args}, "data": {"name": data},
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.9, "weight_decay": 0.0},
-        "train": {"minibatch": MICROBATCH, "nm": M, "minibatches": M * (iterations + 1),
-                  "seed": 0, "schedule": "1f1b"},
-    }, source="probe")
-    task = StageTask(job="probe", spec=spec.to_dict(), vw=0, stage=stage, k=STAGES,
-                     first=bounds[stage], last=bounds[stage + 1], nm=M, staleness=0,
-                     minibatches=M * (iterations + 1), num_vws=1, prev=None, next=None)
+    spec = JobSpec.from_dict(
+        {
+            "name": "probe",
+            "model": {"name": "cnn", "args": args},
+            "data": {"name": data},
+            "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.9, "weight_decay": 0.0},
+            "train": {
+                "minibatch": MICROBATCH,
+                "nm": M,
+                "minibatches": M * (iterations + 1),
+                "seed": 0,
+                "schedule": "1f1b",
+            },
+        },
+        source="probe",
+    )
+    task = StageTask(
+        job="probe",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=stage,
+        k=STAGES,
+        first=bounds[stage],
+        last=bounds[stage + 1],
+        nm=M,
+        staleness=0,
+        minibatches=M * (iterations + 1),
+        num_vws=1,
+        prev=None,
+        next=None,
+    )
     torch.manual_seed(0)
     model = build_model("cnn", args)
     compute = StageCompute(task, DEVICE)
     state = model.state_dict()
     names = compute.state_names()
     compute.load({n: state[n] for n in names}, {n: [] for n in names})
-    layers = model[bounds[stage]:bounds[stage + 1]]
+    layers = model[bounds[stage] : bounds[stage + 1]]
     opt = torch.optim.SGD(layers.parameters(), lr=LR, momentum=0.9)
     last = stage == STAGES - 1
     g = torch.Generator().manual_seed(7)
     x0 = torch.randn(MICROBATCH, 1, 8, 8, generator=g)
     with torch.no_grad():
         model.eval()
-        x_in, x_out = model[:bounds[stage]](x0), model[:bounds[stage + 1]](x0)
+        x_in, x_out = model[: bounds[stage]](x0), model[: bounds[stage + 1]](x0)
     model.train()
     xs = [torch.randn(x_in.shape, generator=g) for _ in range(M)]
     grad = None if last else torch.randn(x_out.shape, generator=g) * 1e-2
@@ -110,21 +132,28 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     faults: dict[str, list[int]] = {"ours": [], "plain": []}
     sides = {"ours": ours, "plain": plain}
     for i in range(iterations):
-        for side in (("ours", "plain") if i % 2 else ("plain", "ours")):
+        for side in ("ours", "plain") if i % 2 else ("plain", "ours"):
             f0, t0 = _faults(), time.thread_time()
             sides[side](i)
             spent[side].append(time.thread_time() - t0)
             faults[side].append(_faults() - f0)
     skip = iterations // 5
-    out.put({side: {"ms_per_microbatch": 1e3 * statistics.median(spent[side][skip:]) / M,
-                    "faults_per_iteration": statistics.median(faults[side][skip:])}
-             for side in sides})
+    out.put(
+        {
+            side: {
+                "ms_per_microbatch": 1e3 * statistics.median(spent[side][skip:]) / M,
+                "faults_per_iteration": statistics.median(faults[side][skip:]),
+            }
+            for side in sides
+        }
+    )
 
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--stages", type=int, nargs="+", default=list(range(STAGES)),
-                    choices=range(STAGES))
+    ap.add_argument(
+        "--stages", type=int, nargs="+", default=list(range(STAGES)), choices=range(STAGES)
+    )
     ap.add_argument("--iterations", type=int, default=100)
     args = ap.parse_args()
     if args.iterations < 5:
@@ -140,14 +169,33 @@ def main() -> None:
             proc.join(60)
             ratio = got["ours"]["ms_per_microbatch"] / got["plain"]["ms_per_microbatch"]
             figures[f"stage{stage}_{setting}"] = {**got, "ratio": ratio}
-            rows.append([stage, setting, got["ours"]["ms_per_microbatch"],
-                         got["plain"]["ms_per_microbatch"], ratio,
-                         got["ours"]["faults_per_iteration"],
-                         got["plain"]["faults_per_iteration"]])
-    print(f"cnn split {MODELS['cnn'][2]}, microbatch {MICROBATCH}, M = {M}, "
-          f"{args.iterations} iterations a side, CPU time of the thread")
-    print_table(["stage", "allocator", "ours ms/microbatch", "plain ms/microbatch",
-                 "ours / plain", "ours faults/iteration", "plain faults/iteration"], rows)
+            rows.append(
+                [
+                    stage,
+                    setting,
+                    got["ours"]["ms_per_microbatch"],
+                    got["plain"]["ms_per_microbatch"],
+                    ratio,
+                    got["ours"]["faults_per_iteration"],
+                    got["plain"]["faults_per_iteration"],
+                ]
+            )
+    print(
+        f"cnn split {MODELS['cnn'][2]}, microbatch {MICROBATCH}, M = {M}, "
+        f"{args.iterations} iterations a side, CPU time of the thread"
+    )
+    print_table(
+        [
+            "stage",
+            "allocator",
+            "ours ms/microbatch",
+            "plain ms/microbatch",
+            "ours / plain",
+            "ours faults/iteration",
+            "plain faults/iteration",
+        ],
+        rows,
+    )
     if args.json:
         emit_json({"probe": "stage_compute", "machine": machine(), "stages": figures})
 

@@ -23,13 +23,27 @@ HETERO = (
 UNIFORM = tuple(DeviceDef(f"gpu{i}", "fast", "256MiB", 1.0) for i in range(4))
 
 
-def start_cluster(root: Path, devices: tuple[DeviceDef, ...], shards: int = 2,
-                  allowed_modules: tuple[str, ...] = (), cuda_ipc: bool = True,
-                  host_shm: bool = True, inline_ms: int | None = None) -> LocalCluster:
+def start_cluster(
+    root: Path,
+    devices: tuple[DeviceDef, ...],
+    shards: int = 2,
+    allowed_modules: tuple[str, ...] = (),
+    cuda_ipc: bool = True,
+    host_shm: bool = True,
+    inline_ms: int | None = None,
+) -> LocalCluster:
     root.mkdir(parents=True, exist_ok=True)
     path = root / "cluster.toml"
-    path.write_text(cluster_toml(devices, shards=shards, allowed_modules=allowed_modules,
-                                 cuda_ipc=cuda_ipc, host_shm=host_shm, inline_ms=inline_ms))
+    path.write_text(
+        cluster_toml(
+            devices,
+            shards=shards,
+            allowed_modules=allowed_modules,
+            cuda_ipc=cuda_ipc,
+            host_shm=host_shm,
+            inline_ms=inline_ms,
+        )
+    )
     return LocalCluster(path, root / "run", timeout=60).__enter__()
 
 
@@ -49,8 +63,13 @@ def hetero_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
     c.stop()
 
 
-async def running_until(head: Any, job_id: str, reached: Callable[[dict[str, Any]], bool],
-                        timeout: float, every: float = 0.1) -> dict[str, Any]:
+async def running_until(
+    head: Any,
+    job_id: str,
+    reached: Callable[[dict[str, Any]], bool],
+    timeout: float,
+    every: float = 0.1,
+) -> dict[str, Any]:
     """Poll a job (through a head client) until ``reached(info)``; fail at once if it leaves
     queued/planning/running (it will not get there then), or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -72,19 +91,35 @@ async def until_whole(c: LocalCluster, timeout: float = 60) -> None:
         while True:
             status = await head.cluster()
             idle = {w["device"] for w in status["workers"] if w["state"] == "idle"}
-            if idle == want and len(status["shards"]) == len(c.cluster.ps) and \
-                    not status["shards_lost"]:
+            if (
+                idle == want
+                and len(status["shards"]) == len(c.cluster.ps)
+                and not status["shards_lost"]
+            ):
                 return
             assert time.monotonic() < deadline, f"not whole after {timeout} s: {status}"
             await asyncio.sleep(0.2)
 
 
-def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | None = None,
-        split: list[tuple[list[str], list[int]]] | None = None, nm: int = 1,
-        minibatches: int | None = 50, epochs: int | None = None, minibatch: int = 32,
-        lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 1e-4,
-        optimizer: str = "sgd", staleness: int = 0, seed: int = 0,
-        data: str = "digits", train: dict[str, Any] | None = None) -> dict[str, Any]:
+def job(
+    name: str = "t",
+    *,
+    model: str = "mlp",
+    model_args: dict[str, Any] | None = None,
+    split: list[tuple[list[str], list[int]]] | None = None,
+    nm: int = 1,
+    minibatches: int | None = 50,
+    epochs: int | None = None,
+    minibatch: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+    optimizer: str = "sgd",
+    staleness: int = 0,
+    seed: int = 0,
+    data: str = "digits",
+    train: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A job dict in the job file's shape (``train``: more keys of its train table)."""
     extra = train or {}
     train = {"minibatch": minibatch, "nm": nm, "staleness": staleness, "seed": seed, **extra}
@@ -95,8 +130,13 @@ def job(name: str = "t", *, model: str = "mlp", model_args: dict[str, Any] | Non
     opt: dict[str, Any] = {"name": optimizer, "lr": lr, "weight_decay": weight_decay}
     if optimizer == "sgd":
         opt["momentum"] = momentum
-    out: dict[str, Any] = {"name": name, "model": {"name": model, "args": model_args or {}},
-                           "data": {"name": data}, "optimizer": opt, "train": train}
+    out: dict[str, Any] = {
+        "name": name,
+        "model": {"name": model, "args": model_args or {}},
+        "data": {"name": data},
+        "optimizer": opt,
+        "train": train,
+    }
     if split:
         out["vw"] = [{"devices": d, "layers": layers} for d, layers in split]
     return out
@@ -122,8 +162,7 @@ def edited(base: str, old: str, new: str) -> str:
     return base.replace(old, new, 1)
 
 
-def one_line_error(load: Any, error: type[Exception], path: Path, key: str,
-                   problem: str) -> str:
+def one_line_error(load: Any, error: type[Exception], path: Path, key: str, problem: str) -> str:
     """``load(path)`` must fail with ONE line naming the file, the key and the problem."""
     with pytest.raises(error) as info:
         load(path)

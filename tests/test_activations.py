@@ -37,15 +37,36 @@ def device(memory: int = 1 << 30, host_gbps: float = 96.0) -> DeviceSpec:
     return DeviceSpec("gpu0", "cpu", "fast", memory, 1.0, 0, "node0", "127.0.0.1", host_gbps)
 
 
-def whole_stage(model: str, recompute: list[int], *, nm: int = 3, memory: int = 1 << 30,
-                seed: int = 3, swap: list[int] | None = None,
-                host_gbps: float = 96.0) -> StageCompute:
+def whole_stage(
+    model: str,
+    recompute: list[int],
+    *,
+    nm: int = 3,
+    memory: int = 1 << 30,
+    seed: int = 3,
+    swap: list[int] | None = None,
+    host_gbps: float = 96.0,
+) -> StageCompute:
     """One stage holding the whole model (so also the loss), initial weights loaded."""
     spec = JobSpec.from_dict(job("unit", model=model, minibatches=12, nm=nm, seed=seed))
     n = len(build_model(spec.model.name, spec.model.args))
-    task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
-                     nm=nm, staleness=0, minibatches=12, num_vws=1, prev=None, next=None,
-                     recompute=recompute, swap=swap or [])
+    task = StageTask(
+        job="unit",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=0,
+        k=1,
+        first=0,
+        last=n,
+        nm=nm,
+        staleness=0,
+        minibatches=12,
+        num_vws=1,
+        prev=None,
+        next=None,
+        recompute=recompute,
+        swap=swap or [],
+    )
     compute = StageCompute(task, device(memory, host_gbps))
     torch.manual_seed(seed)
     state = build_model(spec.model.name, spec.model.args).state_dict()
@@ -155,16 +176,23 @@ def activation_heavy(seed: int, layers: int = 8) -> ModelProfile:
     """Few parameters, large saved activations: what recompute is for."""
     r = random.Random(seed)
     lps = tuple(
-        LayerProfile(r.uniform(1e-3, 4e-3), r.uniform(2e-3, 8e-3), r.randint(1, 8) * 1000, 0,
-                     r.randint(2, 20) * 1000, r.randint(20, 200) * 1000,
-                     r.randint(2, 20) * 1000)
+        LayerProfile(
+            r.uniform(1e-3, 4e-3),
+            r.uniform(2e-3, 8e-3),
+            r.randint(1, 8) * 1000,
+            0,
+            r.randint(2, 20) * 1000,
+            r.randint(20, 200) * 1000,
+            r.randint(2, 20) * 1000,
+        )
         for _ in range(layers)
     )
     return ModelProfile("heavy", 32, 8000, {"t": lps})
 
 
-def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec],
-                     nm: int, weights: str = "stash") -> float | None:
+def brute_force_auto(
+    model: CostModel, prof: ModelProfile, devs: list[DeviceSpec], nm: int, weights: str = "stash"
+) -> float | None:
     """Every split and, per stage short of memory, every run to recompute and every set of
     layers to swap, priced by the single formula (:func:`stage_memory_of`) and the stage
     time plus one more forward or the swap's unhidden copies."""
@@ -175,22 +203,35 @@ def brute_force_auto(model: CostModel, prof: ModelProfile, devs: list[DeviceSpec
         times = []
         for i, (a, b) in enumerate(itertools.pairwise((0, *inner, L))):
             d = devs[i]
-            base = model.stage_time("t", a, b, 1e9 if i > 0 else None,
-                                    1e9 if i < k - 1 else None)
+            base = model.stage_time("t", a, b, 1e9 if i > 0 else None, 1e9 if i < k - 1 else None)
             keep = stage_memory_of(prof, "t", (a, b), i, k, nm, 1, weights=weights)
-            options = [0.0] if keep.total <= d.memory else [
-                sum(lp.fwd_s for lp in lps[c:e])
-                for c in range(a, b) for e in range(c + 1, b + 1)
-                if stage_memory_of(prof, "t", (a, b), i, k, nm, 1, weights=weights,
-                                   recompute=range(c, e)).total <= d.memory
-            ] + [
-                unhidden_swap_s(copy_seconds(sum(lps[j].saved_bytes for j in swap),
-                                             d.host_gbps),
-                                sum(lp.fwd_s for lp in lps[a:b]), sum(lp.bwd_s for lp in lps[a:b]))
-                for n in range(1, b - a + 1) for swap in itertools.combinations(range(a, b), n)
-                if keep.total > d.memory and stage_memory_of(
-                    prof, "t", (a, b), i, k, nm, 1, weights=weights, swap=swap).total <= d.memory
-            ]
+            options = (
+                [0.0]
+                if keep.total <= d.memory
+                else [
+                    sum(lp.fwd_s for lp in lps[c:e])
+                    for c in range(a, b)
+                    for e in range(c + 1, b + 1)
+                    if stage_memory_of(
+                        prof, "t", (a, b), i, k, nm, 1, weights=weights, recompute=range(c, e)
+                    ).total
+                    <= d.memory
+                ]
+                + [
+                    unhidden_swap_s(
+                        copy_seconds(sum(lps[j].saved_bytes for j in swap), d.host_gbps),
+                        sum(lp.fwd_s for lp in lps[a:b]),
+                        sum(lp.bwd_s for lp in lps[a:b]),
+                    )
+                    for n in range(1, b - a + 1)
+                    for swap in itertools.combinations(range(a, b), n)
+                    if keep.total > d.memory
+                    and stage_memory_of(
+                        prof, "t", (a, b), i, k, nm, 1, weights=weights, swap=swap
+                    ).total
+                    <= d.memory
+                ]
+            )
             if not options:
                 break
             times.append(base + min(options))
@@ -227,8 +268,9 @@ def test_auto_plans_what_keep_cannot_and_matches_brute_force(
     assert auto.bottleneck == pytest.approx(want, rel=1e-9)
     swaps = auto.swap or ((),) * len(devs)
     for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
-        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i],
-                              swap=swaps[i])
+        mem = stage_memory_of(
+            prof, "t", (a, b), i, 3, nm, 1, recompute=auto.recompute[i], swap=swaps[i]
+        )
         assert mem == auto.memory[i] and mem.total <= d.memory
         assert auto.keep_memory[i] == stage_memory_of(prof, "t", (a, b), i, 3, nm, 1)
         assert not (auto.recompute[i] and swaps[i])  # one policy per stage
@@ -254,8 +296,7 @@ def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
     prof = activation_heavy(seed)
     nm = 3
     keep_need = sum(lp.saved_bytes for lp in prof.layers["t"]) * nm
-    devs = [cpu(f"g{i}", "t", int(keep_need * f), SLOW_HOST)
-            for i, f in enumerate((0.2, 0.2, 0.3))]
+    devs = [cpu(f"g{i}", "t", int(keep_need * f), SLOW_HOST) for i, f in enumerate((0.2, 0.2, 0.3))]
     model = CostModel(prof, bw, 1, weights=weights, activations="auto")
     auto = model.partition(devs, nm)
     want = brute_force_auto(model, prof, devs, nm, weights)
@@ -265,8 +306,9 @@ def test_auto_knows_the_weights_mode(seed: int, weights: str) -> None:
     assert isinstance(auto, Partition)
     assert auto.bottleneck == pytest.approx(want, rel=1e-9)
     for i, (d, (a, b)) in enumerate(zip(devs, auto.cuts, strict=True)):
-        mem = stage_memory_of(prof, "t", (a, b), i, 3, nm, 1, weights=weights,
-                              recompute=auto.recompute[i])
+        mem = stage_memory_of(
+            prof, "t", (a, b), i, 3, nm, 1, weights=weights, recompute=auto.recompute[i]
+        )
         assert mem == auto.memory[i] and mem.total <= d.memory
     if weights == "latest":
         assert not any(auto.recompute)
@@ -305,11 +347,17 @@ def test_make_plan_with_auto_fits_a_tight_cluster_and_shows_the_policy() -> None
 
     prof = activation_heavy(3)
     need = sum(lp.saved_bytes for lp in prof.layers["t"])
-    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1",
-                            SLOW_HOST) for i in range(2))
-    cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
-                            NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
-                            RuntimeSpec())
+    devs = tuple(
+        DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1", SLOW_HOST)
+        for i in range(2)
+    )
+    cluster = ClusterConfig(
+        "cluster.toml",
+        (ShardSpec(0, "127.0.0.1", 7100),),
+        NetworkSpec(100.0, 10.0, ()),
+        (NodeSpec("node0", "127.0.0.1", devs),),
+        RuntimeSpec(),
+    )
     kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1, "nm": 3, "num_vws": 1}
     with pytest.raises(PlanError):
         make_plan(cluster, prof, **kw)
@@ -357,7 +405,7 @@ def test_swap_keeps_less_on_the_device_and_the_cap_counts_it() -> None:
         keep.forward(p, *stream.batch(p))
         swapped.forward(p, *stream.batch(p))
     k, s = keep.memory(), swapped.memory()
-    (saved, _, _), = keep._layer_bytes.values()
+    ((saved, _, _),) = keep._layer_bytes.values()
     assert all(swapped.in_flight[p].swapped == sum(saved) for p in range(3))
     assert s.activations == k.activations - 3 * sum(saved)
     assert s.working == k.working + max(saved)
@@ -381,8 +429,9 @@ def test_runtime_memory_with_swap_equals_the_planner_formula(
     torch.manual_seed(3)
     layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
     profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
-    want = stage_memory_of(profile, "fast", (0, len(layers)), 0, 2, nm, 1,
-                           recompute=recompute, swap=swap)
+    want = stage_memory_of(
+        profile, "fast", (0, len(layers)), 0, 2, nm, 1, recompute=recompute, swap=swap
+    )
     for p in range(nm):
         compute.forward(p, *stream.batch(p))
     got = compute.memory()
@@ -429,8 +478,10 @@ def saved_heavy(fwd_s: float, saved: int) -> ModelProfile:
 
 @pytest.mark.parametrize(
     ("fwd_s", "host_gbps", "want"),
-    [(5e-3, 96.0, "swap"),  # a layer's 250 kB at 12 GB/s: ~21 us, hidden behind 10 ms
-     (1e-5, 0.08, "recompute")],  # at 10 MB/s: 25 ms each way; a forward again: 10 us
+    [
+        (5e-3, 96.0, "swap"),  # a layer's 250 kB at 12 GB/s: ~21 us, hidden behind 10 ms
+        (1e-5, 0.08, "recompute"),
+    ],  # at 10 MB/s: 25 ms each way; a forward again: 10 us
 )
 def test_auto_swaps_where_transfer_is_cheap_and_recomputes_where_compute_is(
     fwd_s: float, host_gbps: float, want: str
@@ -455,7 +506,8 @@ def test_auto_swaps_where_transfer_is_cheap_and_recomputes_where_compute_is(
         assert p.recompute[0] and not swaps[0]
         lps = prof.layers["t"]
         assert p.stage_times[0] == pytest.approx(
-            keep.stage_times[0] + sum(lps[j].fwd_s for j in p.recompute[0]))
+            keep.stage_times[0] + sum(lps[j].fwd_s for j in p.recompute[0])
+        )
     assert not p.recompute[1] and not swaps[1]  # the roomy stage keeps
 
 
@@ -471,7 +523,8 @@ def test_pinned_swap_charges_only_the_unhidden_copies() -> None:
     copy = copy_seconds(500_000, 0.8)  # 5 ms one way
     for i in range(2):
         assert p.stage_times[i] == pytest.approx(
-            keep.stage_times[i] + unhidden_swap_s(copy, 2e-4, 4e-4))
+            keep.stage_times[i] + unhidden_swap_s(copy, 2e-4, 4e-4)
+        )
         assert p.memory[i].activations < p.keep_memory[i].activations
         assert p.memory[i].working == p.keep_memory[i].working + 250_000
 
@@ -484,11 +537,17 @@ def test_make_plan_with_auto_swaps_over_a_fast_host_link_and_shows_it() -> None:
 
     prof = activation_heavy(3)
     need = sum(lp.saved_bytes for lp in prof.layers["t"])
-    devs = tuple(DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
-                 for i in range(2))
-    cluster = ClusterConfig("cluster.toml", (ShardSpec(0, "127.0.0.1", 7100),),
-                            NetworkSpec(100.0, 10.0, ()), (NodeSpec("node0", "127.0.0.1", devs),),
-                            RuntimeSpec())
+    devs = tuple(
+        DeviceSpec(f"gpu{i}", "cpu", "t", need, 1.0, 7200 + i, "node0", "127.0.0.1")
+        for i in range(2)
+    )
+    cluster = ClusterConfig(
+        "cluster.toml",
+        (ShardSpec(0, "127.0.0.1", 7100),),
+        NetworkSpec(100.0, 10.0, ()),
+        (NodeSpec("node0", "127.0.0.1", devs),),
+        RuntimeSpec(),
+    )
     kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1, "nm": 3, "num_vws": 1}
     plan = make_plan(cluster, prof, activations="auto", **kw)
     stages = [s for vw in plan.vws for s in vw.stages]

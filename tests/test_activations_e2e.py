@@ -34,8 +34,16 @@ def tight_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 
 
 def cnn_job(name: str, activations: str) -> dict:
-    spec = job(name, model="cnn", model_args={"width": 16}, minibatch=512, nm=3,
-               minibatches=12, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02)
+    spec = job(
+        name,
+        model="cnn",
+        model_args={"width": 16},
+        minibatch=512,
+        nm=3,
+        minibatches=12,
+        split=[(["gpu0", "gpu1"], [6, 10])],
+        lr=0.02,
+    )
     spec["train"]["activations"] = activations
     return spec
 
@@ -89,12 +97,28 @@ def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
     devices = (DeviceDef("gpu0", "fast", "256MiB", 1.0), DeviceDef("gpu1", "slow", "256MiB", 0.05))
     cluster = start_cluster(tmp_path_factory.mktemp("lagging"), devices, shards=1)
     try:
-        spec = job("lagging-keep", model="cnn", model_args={"width": 16}, minibatch=128, nm=3,
-                   minibatches=9, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02)
+        spec = job(
+            "lagging-keep",
+            model="cnn",
+            model_args={"width": 16},
+            minibatch=128,
+            nm=3,
+            minibatches=9,
+            split=[(["gpu0", "gpu1"], [6, 10])],
+            lr=0.02,
+        )
         info = cluster.submit(spec, timeout=240)
-        latest = job("lagging-latest", model="cnn", model_args={"width": 16}, minibatch=128,
-                     nm=4, minibatches=12, split=[(["gpu0", "gpu1"], [6, 10])], lr=0.02,
-                     train={"weights": "latest"})
+        latest = job(
+            "lagging-latest",
+            model="cnn",
+            model_args={"width": 16},
+            minibatch=128,
+            nm=4,
+            minibatches=12,
+            split=[(["gpu0", "gpu1"], [6, 10])],
+            lr=0.02,
+            train={"weights": "latest"},
+        )
         fixed = cluster.submit(latest, timeout=240)
     finally:
         cluster.stop()
@@ -145,12 +169,22 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     infos = {}
     try:
         for bound in ("plan", "nm"):
-            spec = job(f"limit-{bound}", minibatch=64, nm=12, minibatches=24, lr=0.02,
-                       train={"in_flight": bound, "policy": "np", "vws": 1})
-            spec["fault"] = ([{"vw": 0, "stage": 0, "minibatch": 1, "seconds": 0.5},
-                              {"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0}]
-                             if bound == "plan" else
-                             [{"vw": 0, "stage": 1, "minibatch": 0, "seconds": 1.0}])
+            spec = job(
+                f"limit-{bound}",
+                minibatch=64,
+                nm=12,
+                minibatches=24,
+                lr=0.02,
+                train={"in_flight": bound, "policy": "np", "vws": 1},
+            )
+            spec["fault"] = (
+                [
+                    {"vw": 0, "stage": 0, "minibatch": 1, "seconds": 0.5},
+                    {"vw": 0, "stage": 1, "minibatch": 13, "seconds": 1.0},
+                ]
+                if bound == "plan"
+                else [{"vw": 0, "stage": 1, "minibatch": 0, "seconds": 1.0}]
+            )
             infos[bound] = cluster.submit(spec, timeout=240)
     finally:
         cluster.stop()
@@ -171,10 +205,12 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     # filled: the limited stage ran its count of forwards before its first backward, so it
     # reached that count whatever the timing (hetpipe.schedule.fill_counts)
     stages = json.loads(Path(infos["plan"]["stages_path"]).read_text())
-    spans = sorted((x for x in stages["vw0/stage0"]["stats"]["spans"]
-                    if x[0] in ("forward", "backward")), key=lambda x: x[1])
+    spans = sorted(
+        (x for x in stages["vw0/stage0"]["stats"]["spans"] if x[0] in ("forward", "backward")),
+        key=lambda x: x[1],
+    )
     ops = [x[0] for x in spans]
-    assert ops[:ops.index("backward")] == ["forward"] * expected, ops[:expected + 2]
+    assert ops[: ops.index("backward")] == ["forward"] * expected, ops[: expected + 2]
 
 
 def assert_within_prediction(info: dict) -> None:

@@ -13,8 +13,14 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA, whatever the machine has
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
-                          text=True, timeout=120, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def test_json_skip_without_cuda() -> None:

@@ -16,8 +16,9 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 def bench() -> ModuleType:
     sys.path.insert(0, str(SCRIPTS))  # the script imports its sibling _bench
     try:
-        spec = importlib.util.spec_from_file_location("bench_staleness",
-                                                      SCRIPTS / "bench_staleness.py")
+        spec = importlib.util.spec_from_file_location(
+            "bench_staleness", SCRIPTS / "bench_staleness.py"
+        )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -27,8 +28,13 @@ def bench() -> ModuleType:
 
 
 def record(accuracy: float, samples_per_s: float) -> dict[str, object]:
-    return {"accuracy": accuracy, "samples_per_s": samples_per_s, "host_cpu": 0.2,
-            "own_cores": 1.0, "curve": [[10, accuracy]]}
+    return {
+        "accuracy": accuracy,
+        "samples_per_s": samples_per_s,
+        "host_cpu": 0.2,
+        "own_cores": 1.0,
+        "curve": [[10, accuracy]],
+    }
 
 
 def test_repeated_turns_report_the_median_accuracy_and_speed(bench: ModuleType) -> None:

@@ -41,8 +41,7 @@ def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest", "no-weights"])
-def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path,
-                                                              damage: str) -> None:
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path, damage: str) -> None:
     checkpoint.write(tmp_path, 1, _state(1), {"n": 1})
     newest = checkpoint.write(tmp_path, 2, _state(2), {"n": 2})
     weights = newest / checkpoint.WEIGHTS
@@ -96,12 +95,11 @@ def test_the_shards_cut_holds_exactly_the_waves_before_it() -> None:
     pushed wave 1, yet cut 2 holds exactly waves 0 and 1 of both, with those applied sets;
     a VW with fewer waves is cut at its end."""
     store: ShardStore[Any] = ShardStore()
-    members = {"0": {"waves": 5, "stages": {"0": ["w"]}},
-               "1": {"waves": 3, "stages": {"0": ["w"]}}}
+    members = {"0": {"waves": 5, "stages": {"0": ["w"]}}, "1": {"waves": 3, "stages": {"0": ["w"]}}}
     js = store.init("j", members, 1, {"w": torch.zeros(1)}, cut_every=2)
 
     def push(vw: int, wave: int) -> None:
-        assert js.push(vw, 0, wave, {"w": torch.tensor([10.0 ** vw * (wave + 1)])})
+        assert js.push(vw, 0, wave, {"w": torch.tensor([10.0**vw * (wave + 1)])})
 
     push(0, 0)
     push(1, 0)
@@ -132,14 +130,26 @@ CPU = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
 def _stage(total: int, nm: int, start: int = 0) -> StageCompute:
     spec = JobSpec.from_dict(job("unit", model="cnn", minibatches=total, nm=nm))
     n = len(build_model("cnn"))
-    task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
-                     nm=nm, staleness=0, minibatches=total - start, num_vws=2, prev=None,
-                     next=None, start=start)
+    task = StageTask(
+        job="unit",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=0,
+        k=1,
+        first=0,
+        last=n,
+        nm=nm,
+        staleness=0,
+        minibatches=total - start,
+        num_vws=2,
+        prev=None,
+        next=None,
+        start=start,
+    )
     return StageCompute(task, CPU)
 
 
-def _train(stage: StageCompute, begin: int, end: int, nm: int,
-           stop: int | None = None) -> None:
+def _train(stage: StageCompute, begin: int, end: int, nm: int, stop: int | None = None) -> None:
     """The async order with ``nm`` in flight, minibatches ``begin``..``end`` - 1 of this
     stage's attempt; with ``stop``, return right after the backward of ``stop`` - 1."""
     stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 2)
@@ -192,8 +202,9 @@ def test_a_stage_resumed_from_its_cut_state_goes_on_as_after_a_flush() -> None:
     for name in want:
         assert torch.allclose(want[name].float(), got[name].float(), atol=1e-5), name
     for name, st in drained.optimizer.state.items():
-        assert torch.allclose(st["momentum"], resumed.optimizer.state[name]["momentum"],
-                              atol=1e-5), name
+        assert torch.allclose(
+            st["momentum"], resumed.optimizer.state[name]["momentum"], atol=1e-5
+        ), name
     assert resumed.optimizer.steps == drained.optimizer.steps
 
 
@@ -203,8 +214,9 @@ def test_optimizer_state_alone_for_a_stage_whose_layers_moved() -> None:
     _train(whole, 0, 4, nm)
     meta, tensors = whole.state(2)
     moved = _stage(8, nm, start=4)
-    moved.load_state(meta, {k: t for k, t in tensors.items() if k.startswith("opt/")},
-                     weights=False)
+    moved.load_state(
+        meta, {k: t for k, t in tensors.items() if k.startswith("opt/")}, weights=False
+    )
     assert not moved.restored and not moved.params  # its weights come from the shards
     assert set(moved.optimizer.state) == set(whole.optimizer.state)
 
@@ -283,8 +295,9 @@ def _assert_applied_once(info: dict[str, Any], starts: list[int]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("victim", ["worker-gpu1", "ps1", "ps0"])
-def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, victim: str,
-                                                     uninterrupted: float) -> None:
+def test_kill_matrix_resume_from_the_last_checkpoint(
+    durable: LocalCluster, victim: str, uninterrupted: float
+) -> None:
     """SIGKILL a worker, a non-head shard or the head at a random point mid-job and start it
     again: the job continues from its last complete checkpoint (shards' cut and every
     stage's state), by ``submit --resume`` (worker, shard) or by the restarted head itself,
@@ -300,8 +313,11 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
         async with c.client() as head:
             job_id = await head.submit(_durable_job("durable"))
             info = await running_until(
-                head, job_id, lambda i: i.get("checkpoints", 0) >= 2
-                and min(i["positions"]) >= target, 180)
+                head,
+                job_id,
+                lambda i: i.get("checkpoints", 0) >= 2 and min(i["positions"]) >= target,
+                180,
+            )
             return job_id, info["positions"]
 
     job_id, at_kill = c.run(start())
@@ -313,8 +329,9 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
         (newest / checkpoint.WEIGHTS).write_bytes(b"damaged")  # the disk lost a block
     else:
         failed = c.run(_follow(c, job_id, timeout=60))
-        assert failed["state"] == "failed" and victim.removeprefix("worker-") in \
-            failed["error"].replace("shard 1", "ps1"), failed["error"]
+        assert failed["state"] == "failed" and victim.removeprefix("worker-") in failed[
+            "error"
+        ].replace("shard 1", "ps1"), failed["error"]
         at_kill = failed["positions"]  # the last progress the head heard of
     c.restart(victim)
 
@@ -326,8 +343,7 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
             if victim == "ps0":  # the restarted head resumes the job by itself
                 while True:
                     jobs = (await head.cluster())["jobs"]
-                    new = [j for j in jobs
-                           if j.get("resumed_from", {}).get("job") == job_id]
+                    new = [j for j in jobs if j.get("resumed_from", {}).get("job") == job_id]
                     if new:
                         new_id = new[0]["id"]
                         break
@@ -351,18 +367,19 @@ def test_kill_matrix_resume_from_the_last_checkpoint(durable: LocalCluster, vict
     # the cut: every stage's pushes of waves 0..wave-1 on every shard, nothing after
     for shard in ck.meta["applied"].values():
         assert all(waves == [[0, wave]] for waves in shard.values()), shard
-    assert sorted(ck.stages) == [checkpoint.stage_file(v, s) for v in (0, 1)
-                                 for s in (0, 1)]
+    assert sorted(ck.stages) == [checkpoint.stage_file(v, s) for v in (0, 1) for s in (0, 1)]
     # the resumed attempt: waves wave.. of the job, each pushed and applied once
     _assert_applied_once(info, starts)
     assert info["positions"] == [TOTAL, TOTAL]
     assert info["minibatches"] == 2 * TOTAL - sum(starts)
     # (a head killed reports nothing more: its last progress seen, up to 0.1 s old)
     lost = [max(0, a - b) for a, b in zip(at_kill, starts, strict=True)]
-    print(f"{victim} (seed {seed}): killed at {at_kill}, resumed from wave {wave} "
-          f"{starts}: lost {lost} minibatches per VW ({[x / NM for x in lost]} waves; "
-          f"checkpoint every {EVERY}); accuracy {info['test_accuracy']:.4f}, "
-          f"uninterrupted {uninterrupted:.4f}")
+    print(
+        f"{victim} (seed {seed}): killed at {at_kill}, resumed from wave {wave} "
+        f"{starts}: lost {lost} minibatches per VW ({[x / NM for x in lost]} waves; "
+        f"checkpoint every {EVERY}); accuracy {info['test_accuracy']:.4f}, "
+        f"uninterrupted {uninterrupted:.4f}"
+    )
     if victim != "ps0":  # the head knows how far the failed job got
         assert resumed["lost"] == lost, (resumed["lost"], lost)
     assert info["test_accuracy"] >= uninterrupted - 0.01  # within 1 point

@@ -27,12 +27,15 @@ from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
 pytestmark = pytest.mark.timeout(30)
 
 
-
 def good_cluster(p0: int = 7100, p1: int = 7101, p2: int = 7200, p3: int = 7201) -> str:
     """Two shards and two devices (a fast one and a whimpy one) on this host."""
-    return cluster_toml((DeviceDef("gpu0", "fast", "64MiB", 1.0, port=p2),
-                         DeviceDef("gpu1", "whimpy", "3MiB", 0.25, port=p3)),
-                        shard_ports=(p0, p1))
+    return cluster_toml(
+        (
+            DeviceDef("gpu0", "fast", "64MiB", 1.0, port=p2),
+            DeviceDef("gpu1", "whimpy", "3MiB", 0.25, port=p3),
+        ),
+        shard_ports=(p0, p1),
+    )
 
 
 GOOD_JOB = """\
@@ -164,7 +167,8 @@ def test_job_checked_against_the_cluster_before_anything_is_sent(
     result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), *args)
     assert result.exit_code == 1, result.output
     assert error_lines(result) == [
-        f"Error: {job}: vw[0].layers: [3, 4] sums to 7, the model has 6 layers"]
+        f"Error: {job}: vw[0].layers: [3, 4] sums to 7, the model has 6 layers"
+    ]
 
 
 def test_submit_out_of_range_integer_is_one_line(tmp_path: Path) -> None:
@@ -172,14 +176,15 @@ def test_submit_out_of_range_integer_is_one_line(tmp_path: Path) -> None:
     job.write_text(GOOD_JOB.replace("minibatches = 10", "minibatches = 99999999999999999999"))
     result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "submit", str(job))
     assert result.exit_code == 1
-    assert error_lines(result) == [f"Error: {job}: train.minibatches: integer "
-                                   f"99999999999999999999 is out of range (must fit in 64 bits)"]
+    assert error_lines(result) == [
+        f"Error: {job}: train.minibatches: integer "
+        f"99999999999999999999 is out of range (must fit in 64 bits)"
+    ]
 
 
 @pytest.mark.parametrize("head", ["not-a-url", "tcp://127.0.0.1:99999", "tcp://h:1:2"])
 def test_bad_head_address_is_one_line(tmp_path: Path, head: str) -> None:
-    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head,
-                    "status")
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "--head", head, "status")
     assert result.exit_code == 1, result.output
     lines = error_lines(result)
     assert len(lines) == 1 and lines[0].startswith("Error: --head: "), lines
@@ -189,27 +194,44 @@ def test_bad_head_address_is_one_line(tmp_path: Path, head: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "edit", "expected"),
     [
-        (["hetpipe.ps", "--shard", "0"], ("[runtime]", "[runtime]\nhwm = 99999999999"),
-         "runtime.hwm: must be <= 1048576"),
-        (["hetpipe.worker", "--device", "gpu0"],
-         ('host = "127.0.0.1"', 'host = "127.0.0.1:7000"'), "node[0].host: '127.0.0.1:7000'"),
-        (["hetpipe.ps", "--shard", "0", "--head", "not-a-url"], ("", ""),
-         "--head: 'not-a-url' is not an address"),
-        (["hetpipe.worker", "--device", "gpu0", "--head", "tcp://x"], ("", ""),
-         "--head: 'tcp://x' is not an address"),
+        (
+            ["hetpipe.ps", "--shard", "0"],
+            ("[runtime]", "[runtime]\nhwm = 99999999999"),
+            "runtime.hwm: must be <= 1048576",
+        ),
+        (
+            ["hetpipe.worker", "--device", "gpu0"],
+            ('host = "127.0.0.1"', 'host = "127.0.0.1:7000"'),
+            "node[0].host: '127.0.0.1:7000'",
+        ),
+        (
+            ["hetpipe.ps", "--shard", "0", "--head", "not-a-url"],
+            ("", ""),
+            "--head: 'not-a-url' is not an address",
+        ),
+        (
+            ["hetpipe.worker", "--device", "gpu0", "--head", "tcp://x"],
+            ("", ""),
+            "--head: 'tcp://x' is not an address",
+        ),
         (["hetpipe.ps", "--shard", "7"], ("", ""), "--shard 7: "),
         (["hetpipe.worker", "--device", "gpu9"], ("", ""), "device: unknown device 'gpu9'"),
     ],
     ids=["ps-hwm", "worker-host", "ps-head", "worker-head", "ps-shard", "worker-device"],
 )
-def test_daemon_config_errors_are_one_line(tmp_path: Path, argv: list[str],
-                                           edit: tuple[str, str], expected: str) -> None:
+def test_daemon_config_errors_are_one_line(
+    tmp_path: Path, argv: list[str], edit: tuple[str, str], expected: str
+) -> None:
     """The daemons refuse a bad file or --head at start-up with one line, no traceback."""
     path = tmp_path / "c.toml"
     text = good_cluster(0, 0, 0, 0)
     path.write_text(text.replace(*edit) if edit[0] else text)
-    proc = subprocess.run([sys.executable, "-m", *argv, "--cluster", str(path)],
-                          capture_output=True, text=True, timeout=25)
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv, "--cluster", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, lines
@@ -235,8 +257,12 @@ def test_commands_fail_fast_when_the_head_is_not_running(
     head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     job = tmp_path / "job.toml"
     job.write_text(GOOD_JOB)
-    args = {"submit": ["submit", str(job)], "status": ["status"],
-            "plan": ["plan", "--job", str(job)], "profile": ["profile", "--job", str(job)]}
+    args = {
+        "submit": ["submit", str(job)],
+        "status": ["status"],
+        "plan": ["plan", "--job", str(job)],
+        "profile": ["profile", "--job", str(job)],
+    }
     cluster = str(write_cluster(tmp_path / "c.toml"))
     assert invoke("--cluster", cluster, "keys").exit_code == 0
     start = time.monotonic()
@@ -490,22 +516,41 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
     ],
     ids=["not-a-range", "backwards", "both", "without-png"],
 )
-def test_trace_window_options_are_usage_errors(tmp_path: Path, args: list[str],
-                                               problem: str) -> None:
-    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "trace", "j-1",
-                    "-o", str(tmp_path / "t.json"), *args)
+def test_trace_window_options_are_usage_errors(
+    tmp_path: Path, args: list[str], problem: str
+) -> None:
+    result = invoke(
+        "--cluster",
+        str(write_cluster(tmp_path / "c.toml")),
+        "trace",
+        "j-1",
+        "-o",
+        str(tmp_path / "t.json"),
+        *args,
+    )
     assert result.exit_code == 2, result.output
     assert problem in result.stderr
 
 
-def test_trace_of_an_unknown_job_on_disk_asks_the_head(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trace_of_an_unknown_job_on_disk_asks_the_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(cli, "QUICK_S", 0.2)
     head = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     cluster = str(write_cluster(tmp_path / "c.toml"))
     assert invoke("--cluster", cluster, "keys").exit_code == 0
-    result = invoke("--cluster", cluster, "--run-dir", str(tmp_path / "run"), "--head", head,
-                    "trace", "nosuch-1", "-o", str(tmp_path / "t.json"))
+    result = invoke(
+        "--cluster",
+        cluster,
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--head",
+        head,
+        "trace",
+        "nosuch-1",
+        "-o",
+        str(tmp_path / "t.json"),
+    )
     assert result.exit_code == 1
     assert "did not answer" in result.stderr
 
@@ -521,8 +566,9 @@ def test_commands_that_send_no_tensor_do_not_import_torch(tmp_path: Path) -> Non
         "    cli.main(['--cluster', 'cluster.toml', *args], standalone_mode=False)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
     )
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
     assert "down: nothing running" in run.stdout and "keys: " in run.stdout, run.stdout

@@ -112,12 +112,18 @@ def test_compute_on_the_event_loop_trains_the_same_weights(tmp_path: Path) -> No
     """The same synchronous job with every run on the compute thread (``inline_ms = 0``) and
     with runs up to 125 ms on the event loop: bit-identical weights; the stages' reports say
     where their runs went."""
-    spec = job("inline", split=[(["gpu0", "gpu1", "gpu2"], [2, 2, 2])], nm=4, minibatches=48,
-               train={"schedule": "1f1b"})
+    spec = job(
+        "inline",
+        split=[(["gpu0", "gpu1", "gpu2"], [2, 2, 2])],
+        nm=4,
+        minibatches=48,
+        train={"schedule": "1f1b"},
+    )
     weights, runs = {}, {}
     for inline_ms in (0, 125):  # 125: a quarter of the local cluster's heartbeat
-        cluster = start_cluster(tmp_path / f"inline{inline_ms}", UNIFORM[:3], shards=1,
-                                inline_ms=inline_ms)
+        cluster = start_cluster(
+            tmp_path / f"inline{inline_ms}", UNIFORM[:3], shards=1, inline_ms=inline_ms
+        )
         try:
             info = cluster.submit(spec)
         finally:
@@ -125,8 +131,10 @@ def test_compute_on_the_event_loop_trains_the_same_weights(tmp_path: Path) -> No
         assert info["state"] == "done", info.get("error")
         weights[inline_ms] = torch.load(info["model_path"])
         stages = json.loads(Path(info["stages_path"]).read_text())
-        runs[inline_ms] = {where: (s["stats"]["inline_runs"], s["stats"]["thread_runs"])
-                           for where, s in stages.items()}
+        runs[inline_ms] = {
+            where: (s["stats"]["inline_runs"], s["stats"]["thread_runs"])
+            for where, s in stages.items()
+        }
     assert_same_weights(weights[125], weights[0], tol=0.0)
     assert all(inline == 0 and thread > 0 for inline, thread in runs[0].values()), runs[0]
     # runs of a few milliseconds stay far below 125 ms even on a busy host; every kind's

@@ -25,8 +25,13 @@ def test_transparency_on_cuda(tmp_path, cuda_ipc: bool) -> None:
     devices = tuple(DeviceDef(f"gpu{i}", "cuda", "8GiB", 1.0, "cuda:0") for i in range(4))
     cluster = start_cluster(tmp_path, devices, cuda_ipc=cuda_ipc)
     try:
-        spec = job("cuda", model="mlp", split=[(["gpu0", "gpu1", "gpu2", "gpu3"],
-                                                [1, 2, 2, 1])], nm=1, minibatches=50)
+        spec = job(
+            "cuda",
+            model="mlp",
+            split=[(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])],
+            nm=1,
+            minibatches=50,
+        )
         info = cluster.submit(spec)
         assert info["state"] == "done", info.get("error")
         got = torch.load(info["model_path"], map_location="cpu")

@@ -30,10 +30,10 @@ def test_worker_killed_mid_job(uniform_cluster) -> None:
     cluster = uniform_cluster
     cluster.run(until_whole(cluster))
     try:
+
         async def go() -> tuple[dict, float]:
             async with cluster.client() as head:
-                job_id = await head.submit(job("long", model="cnn", split=SPLIT4, nm=4,
-                                               epochs=200))
+                job_id = await head.submit(job("long", model="cnn", split=SPLIT4, nm=4, epochs=200))
                 deadline = time.monotonic() + 60
                 while (await head.job(job_id)).get("minibatches", 0) < 20:
                     assert time.monotonic() < deadline, "the job never made progress"
@@ -51,8 +51,9 @@ def test_worker_killed_mid_job(uniform_cluster) -> None:
             assert cluster.alive(name), name
         status = {w["device"]: w["state"] for w in cluster.status()["workers"]}
         assert status["gpu2"] == "lost"
-        nxt = cluster.submit(job("next", model="mlp", split=[(["gpu0", "gpu1", "gpu3"],
-                                                               [2, 2, 2])], minibatches=40))
+        nxt = cluster.submit(
+            job("next", model="mlp", split=[(["gpu0", "gpu1", "gpu3"], [2, 2, 2])], minibatches=40)
+        )
         assert nxt["state"] == "done", nxt.get("error")
     finally:
         if not cluster.alive("worker-gpu2"):
@@ -98,8 +99,9 @@ def test_garbage_frames_then_a_valid_job(uniform_cluster) -> None:
     worker = c.ready["worker-gpu1"]["address"]
     head_errors = c.run(_send_garbage(c.head, zmq.DEALER, c.curve))
     shard_errors = c.run(_send_garbage(shard1, zmq.DEALER, c.curve))
-    c.run(_send_garbage(worker, zmq.PUSH, load_curve(c.cluster.security, "worker-gpu0",
-                                                     serve=False)))
+    c.run(
+        _send_garbage(worker, zmq.PUSH, load_curve(c.cluster.security, "worker-gpu0", serve=False))
+    )
     for errors in (head_errors, shard_errors):
         assert len(errors) == len(GARBAGE)
         assert all(e.startswith("bad message: ") for e in errors)
@@ -108,7 +110,8 @@ def test_garbage_frames_then_a_valid_job(uniform_cluster) -> None:
     assert any("nosuch" in e for e in head_errors)
     assert any("extra frame" in e for e in head_errors)
     # a well-formed request of the wrong kind to a shard gets its own clear error
-    info = c.submit(job("after-garbage", model="mlp", split=[(["gpu0", "gpu1"], [3, 3])],
-                        minibatches=40))
+    info = c.submit(
+        job("after-garbage", model="mlp", split=[(["gpu0", "gpu1"], [3, 3])], minibatches=40)
+    )
     assert info["state"] == "done", info.get("error")
     assert all(c.alive(n) for n in c.procs)

@@ -43,36 +43,40 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     path = root / "cluster.toml"
     # security off: the flooders are plain sockets that must get through (with Curve on,
     # a keyless peer is refused in the handshake: tests/test_security.py)
-    path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1,
-                                 curve=False))
+    path.write_text(cluster_toml((DeviceDef("gpu0"), DeviceDef("gpu1")), shards=1, curve=False))
     with LocalCluster(path, root / "run", timeout=60) as c:
         yield c
 
 
 def flood(address: str, kind: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", FLOODER, address, kind],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, address, kind], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "flooding"
     return proc
 
 
-def test_flooded_head_starts_and_flooded_worker_finishes_a_job(cluster: LocalCluster,
-                                                              tmp_path: Path) -> None:
-    floods = [flood(cluster.head, "dealer"),
-              flood(cluster.ready["worker-gpu1"]["address"], "push")]
+def test_flooded_head_starts_and_flooded_worker_finishes_a_job(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    floods = [flood(cluster.head, "dealer"), flood(cluster.ready["worker-gpu1"]["address"], "push")]
     try:
         time.sleep(1.0)  # the flood is on before the job comes
 
         async def go() -> tuple[float, dict]:
             async with cluster.client(timeout=30) as client:
                 t0 = time.monotonic()
-                job_id = await client.submit(job("flooded", split=[(["gpu0", "gpu1"], [3, 3])],
-                                                 minibatches=150, nm=2))
+                job_id = await client.submit(
+                    job("flooded", split=[(["gpu0", "gpu1"], [3, 3])], minibatches=150, nm=2)
+                )
                 started = None
                 while True:
                     info = await client.job(job_id)
-                    if started is None and info["state"] != "queued" and \
-                            info["state"] != "planning":
+                    if (
+                        started is None
+                        and info["state"] != "queued"
+                        and info["state"] != "planning"
+                    ):
                         started = time.monotonic() - t0
                     if info["state"] in ("done", "failed", "cancelled"):
                         return started or 0.0, info
@@ -97,8 +101,7 @@ def _rss_mb(pid: int) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
-def test_a_client_that_never_reads_its_replies_costs_the_head_little(
-        cluster: LocalCluster) -> None:
+def test_a_client_that_never_reads_its_replies_costs_the_head_little(cluster: LocalCluster) -> None:
     import zmq
 
     from hetpipe.wire import Kind, encode

@@ -29,13 +29,14 @@ def stages(minibatches: int = 24) -> dict[str, dict[str, Any]]:
         first.append(["backward", t + 0.04, t + 0.05, p, wave])
         last.append(["gate", t + 0.04, t + 0.05, None, wave])
         t += 0.05
-    return {"vw0/stage0": {"spans": first, "forward_s": 0.01, "backward_s": 0.01},
-            "vw0/stage1": {"spans": last, "forward_s": 1.0, "backward_s": 2.0}}
+    return {
+        "vw0/stage0": {"spans": first, "forward_s": 0.01, "backward_s": 0.01},
+        "vw0/stage1": {"spans": last, "forward_s": 1.0, "backward_s": 2.0},
+    }
 
 
 def trace(minibatches: int = 24) -> dict[str, Any]:
-    return chrome_trace(stages(minibatches), {"vw0/stage0": "gpu0", "vw0/stage1": "gpu1"},
-                        "t-1")
+    return chrome_trace(stages(minibatches), {"vw0/stage0": "gpu0", "vw0/stage1": "gpu1"}, "t-1")
 
 
 def test_the_last_stage_backward_is_drawn_as_backward() -> None:

@@ -39,8 +39,9 @@ def _faults(tmp_path: Path, retain: int) -> int:
     path = tmp_path / f"cluster-{retain}.toml"
     text = cluster_toml([DeviceDef("gpu0", "fast", "1GiB", 1.0)], shards=1)
     path.write_text(text.replace("[runtime]", f"[runtime]\nretain_freed_mib = {retain}"))
-    out = subprocess.run([sys.executable, "-c", LOOP, str(path)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", LOOP, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return int(out.stdout.split()[-1])
 
@@ -66,6 +67,5 @@ def test_zero_leaves_the_allocator_alone() -> None:
 def test_glibc_takes_the_largest_setting() -> None:
     """In a process of its own: this one's allocator stays as it is."""
     code = "from hetpipe import hostmem; print(hostmem.retain_freed(hostmem.MAX_RETAIN_MIB + 1))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True"], out.stderr

@@ -24,15 +24,18 @@ def files(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir()}
 
 
-@pytest.mark.parametrize("t", [
-    torch.randn(32, 64, 8, 8),
-    torch.randn(5, 7).to(torch.bfloat16),
-    torch.arange(12, dtype=torch.int64).reshape(3, 4),
-    torch.tensor([True, False, True]),
-    torch.tensor(3.5),
-    torch.zeros(0, 4),
-    torch.randn(6, 4).t(),  # not contiguous
-])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(32, 64, 8, 8),
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        torch.tensor([True, False, True]),
+        torch.tensor(3.5),
+        torch.zeros(0, 4),
+        torch.randn(6, 4).t(),  # not contiguous
+    ],
+)
 def test_a_put_tensor_is_taken_back_equal_and_its_file_handed_back(tmp_path, t) -> None:
     box = Outbox(tmp_path)
     d = box.put(t)
@@ -92,8 +95,7 @@ def _take_and_sum(directory: str, todo: Any, done: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_tensors_reach_another_process_intact_through_the_files_it_keeps_mapped(
-        tmp_path) -> None:
+def test_tensors_reach_another_process_intact_through_the_files_it_keeps_mapped(tmp_path) -> None:
     """Two processes, as two stages: each of many tensors of three sizes, some in flight at
     once, arrives with its sum, though the sender rewrites the few files the receiver keeps
     mapped."""
@@ -124,8 +126,9 @@ def test_tensors_reach_another_process_intact_through_the_files_it_keeps_mapped(
 
 def test_a_receiver_keeps_few_files_mapped(tmp_path) -> None:
     box, inbox = Outbox(tmp_path), Inbox(tmp_path)
-    placed = [box.put(torch.full((100 + i,), float(i)))
-              for i in range(hostshm.KEEP_MAPPED + 4)]  # all sizes differ: all new files
+    placed = [
+        box.put(torch.full((100 + i,), float(i))) for i in range(hostshm.KEEP_MAPPED + 4)
+    ]  # all sizes differ: all new files
     for i, d in enumerate(placed):
         assert torch.equal(inbox.take(parse(d)), torch.full((100 + i,), float(i)))
     assert len(inbox.mapped) == hostshm.KEEP_MAPPED  # the least recently read went
@@ -153,10 +156,12 @@ def test_a_handed_back_file_replaced_by_another_is_removed_not_written(tmp_path)
 
 
 def test_shared_memory_that_cannot_hold_a_tensor_refuses_it_without_a_file(
-        tmp_path, monkeypatch) -> None:
+    tmp_path, monkeypatch
+) -> None:
     """A full ``/dev/shm`` fails when the file's pages are allocated, before any is mapped
     (a write into an unallocated mapping would kill the process): the tensor stays in the
     message and no file is left."""
+
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
@@ -180,8 +185,7 @@ def test_a_handed_back_file_that_fails_the_checks_is_removed_not_written(tmp_pat
     box.close()
 
 
-def test_the_outbox_keeps_few_handed_back_files_and_removes_all_when_it_closes(
-        tmp_path) -> None:
+def test_the_outbox_keeps_few_handed_back_files_and_removes_all_when_it_closes(tmp_path) -> None:
     box = Outbox(tmp_path)
     placed = [box.put(torch.full((1000,), float(i))) for i in range(hostshm.KEEP_FREE + 3)]
     for d in placed[:-1]:
@@ -210,25 +214,42 @@ def test_place_puts_large_host_tensors_only_and_falls_back_when_refused(tmp_path
     box.close()
 
 
-@pytest.mark.parametrize(("d", "says"), [
-    ("x", "expected keys"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1]}, "expected keys"),
-    ({"file": "../../etc/passwd", "dtype": "uint8", "shape": [1], "nbytes": 1},
-     "not a file name this runtime makes"),
-    ({"file": "hetpipe-1-2-0000abcd/x", "dtype": "uint8", "shape": [1], "nbytes": 1},
-     "not a file name this runtime makes"),
-    ({"file": 7, "dtype": "uint8", "shape": [1], "nbytes": 1}, "not a file name"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "complex4", "shape": [1], "nbytes": 1},
-     "unknown dtype"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [-1], "nbytes": 4},
-     "shape must be"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [True], "nbytes": 4},
-     "shape must be"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1] * 65, "nbytes": 4},
-     "shape must be"),
-    ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [2, 3], "nbytes": 4},
-     "needs 24 bytes"),
-])
+@pytest.mark.parametrize(
+    ("d", "says"),
+    [
+        ("x", "expected keys"),
+        ({"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1]}, "expected keys"),
+        (
+            {"file": "../../etc/passwd", "dtype": "uint8", "shape": [1], "nbytes": 1},
+            "not a file name this runtime makes",
+        ),
+        (
+            {"file": "hetpipe-1-2-0000abcd/x", "dtype": "uint8", "shape": [1], "nbytes": 1},
+            "not a file name this runtime makes",
+        ),
+        ({"file": 7, "dtype": "uint8", "shape": [1], "nbytes": 1}, "not a file name"),
+        (
+            {"file": "hetpipe-1-2-0000abcd", "dtype": "complex4", "shape": [1], "nbytes": 1},
+            "unknown dtype",
+        ),
+        (
+            {"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [-1], "nbytes": 4},
+            "shape must be",
+        ),
+        (
+            {"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [True], "nbytes": 4},
+            "shape must be",
+        ),
+        (
+            {"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [1] * 65, "nbytes": 4},
+            "shape must be",
+        ),
+        (
+            {"file": "hetpipe-1-2-0000abcd", "dtype": "float32", "shape": [2, 3], "nbytes": 4},
+            "needs 24 bytes",
+        ),
+    ],
+)
 def test_malformed_descriptions_are_refused_in_one_line(d, says) -> None:
     with pytest.raises(ValueError, match=says) as e:
         parse(d)
@@ -260,8 +281,12 @@ def test_a_link_a_missing_file_and_a_wrong_size_are_refused(tmp_path) -> None:
 
 
 def test_sweep_removes_the_files_of_processes_that_are_gone_only(tmp_path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (tmp_path / f"hetpipe-{gone}-0-0000abcd").write_bytes(b"x")
     (tmp_path / f"hetpipe-{gone}-1-0000abcd{hostshm.FREE}").write_bytes(b"x")
     (tmp_path / f"hetpipe-{os.getpid()}-0-0000abcd").write_bytes(b"x")
@@ -284,8 +309,7 @@ def test_shared_memory_between_stages_of_one_host_changes_no_weight(tmp_path) ->
     left behind."""
     split = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
     # a synchronous schedule: its arithmetic does not depend on when messages arrive
-    spec = job("shm", model="cnn", split=split, nm=4, minibatches=24,
-               train={"schedule": "1f1b"})
+    spec = job("shm", model="cnn", split=split, nm=4, minibatches=24, train={"schedule": "1f1b"})
     out = {}
     for on in (True, False):
         cluster = start_cluster(tmp_path / f"shm-{on}", UNIFORM, host_shm=on)
@@ -296,13 +320,17 @@ def test_shared_memory_between_stages_of_one_host_changes_no_weight(tmp_path) ->
             out[on] = (torch.load(info["model_path"]), _sent(info))
         finally:
             cluster.stop()
-        left = {n for n in files(hostshm.DIRECTORY)
-                if n.startswith("hetpipe-") and int(n.split("-")[1]) in pids}
+        left = {
+            n
+            for n in files(hostshm.DIRECTORY)
+            if n.startswith("hetpipe-") and int(n.split("-")[1]) in pids
+        }
         assert not left, left
     (with_shm, sent_on), (without, sent_off) = out[True], out[False]
     # activations to 3 successors and gradients to 3 predecessors, 24 minibatches each;
     # the cnn's activations at minibatch 32 are all above the size that goes by file
-    assert sent_on == {"vw0/stage0": 24, "vw0/stage1": 48, "vw0/stage2": 48,
-                       "vw0/stage3": 24}, sent_on
+    assert sent_on == {"vw0/stage0": 24, "vw0/stage1": 48, "vw0/stage2": 48, "vw0/stage3": 24}, (
+        sent_on
+    )
     assert set(sent_off.values()) == {0}
     assert_same_weights(with_shm, without, tol=0.0)

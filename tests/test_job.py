@@ -244,35 +244,99 @@ CASES = [
         "model.args.at",
         "unsupported value type date/time",
     ),
-    ("epochs-64-bit", "epochs = 3", "epochs = 99999999999999999999", "train.epochs",
-     "out of range (must fit in 64 bits)"),
+    (
+        "epochs-64-bit",
+        "epochs = 3",
+        "epochs = 99999999999999999999",
+        "train.epochs",
+        "out of range (must fit in 64 bits)",
+    ),
     ("epochs-huge", "epochs = 3", "epochs = 99999999999", "train.epochs", "must be <= 1048576"),
-    ("minibatch-huge", "minibatch = 16", "minibatch = 999999999", "train.minibatch",
-     "must be <= 16777216"),
-    ("hang-tiny", "staleness = 1", "staleness = 1\nhang_after_s = 0.001", "train.hang_after_s",
-     "must be >= 1"),
-    ("weights-unknown", "staleness = 1", 'staleness = 1\nweights = "guess"', "train.weights",
-     "unknown mode 'guess' (one of: stash, latest, predict)"),
-    ("weights-sync", "staleness = 1", 'staleness = 1\nweights = "predict"\nschedule = "1f1b"',
-     "train.weights", "'predict' needs the async schedule (in 1f1b nothing is stale)"),
-    ("predict-plain-sgd", "momentum = 0.9\n\n[train]\n",
-     'momentum = 0.0\n\n[train]\nweights = "predict"\n', "train.weights",
-     "predict cannot extrapolate plain sgd (no momentum to follow): set optimizer.momentum > 0 "
-     "or use adam"),
-    ("predict-variant", "staleness = 1", 'staleness = 1\npredict_variant = "future"',
-     "train.predict_variant", "unknown variant 'future' (one of: paper, consistent)"),
-    ("bn-negative", "staleness = 1", "staleness = 1\nbn_recalibrate = -1",
-     "train.bn_recalibrate", "must be >= 0"),
-    ("warmup-gpipe", "staleness = 1", 'staleness = 1\nschedule = "gpipe"\nwarmup = 2',
-     "train.warmup", "extra warm-up forwards are for the 1f1b order; schedule 'gpipe' has none"),
-    ("warmup-auto-async", "staleness = 1", 'staleness = 1\nwarmup = "auto"', "train.warmup",
-     "auto picks 1f1b's warm-up; schedule 'async' has none"),
-    ("warmup-negative", "staleness = 1", 'staleness = 1\nschedule = "1f1b"\nwarmup = -1',
-     "train.warmup", "must be in 0..65536, got -1"),
-    ("warmup-text", "staleness = 1", 'staleness = 1\nschedule = "1f1b"\nwarmup = "lots"',
-     "train.warmup", "must be an integer >= 0 or \"auto\", got 'lots'"),
-    ("in-flight", "staleness = 1", 'staleness = 1\nin_flight = "all"', "train.in_flight",
-     "unknown bound 'all' (one of: plan, nm)"),
+    (
+        "minibatch-huge",
+        "minibatch = 16",
+        "minibatch = 999999999",
+        "train.minibatch",
+        "must be <= 16777216",
+    ),
+    (
+        "hang-tiny",
+        "staleness = 1",
+        "staleness = 1\nhang_after_s = 0.001",
+        "train.hang_after_s",
+        "must be >= 1",
+    ),
+    (
+        "weights-unknown",
+        "staleness = 1",
+        'staleness = 1\nweights = "guess"',
+        "train.weights",
+        "unknown mode 'guess' (one of: stash, latest, predict)",
+    ),
+    (
+        "weights-sync",
+        "staleness = 1",
+        'staleness = 1\nweights = "predict"\nschedule = "1f1b"',
+        "train.weights",
+        "'predict' needs the async schedule (in 1f1b nothing is stale)",
+    ),
+    (
+        "predict-plain-sgd",
+        "momentum = 0.9\n\n[train]\n",
+        'momentum = 0.0\n\n[train]\nweights = "predict"\n',
+        "train.weights",
+        "predict cannot extrapolate plain sgd (no momentum to follow): set optimizer.momentum > 0 "
+        "or use adam",
+    ),
+    (
+        "predict-variant",
+        "staleness = 1",
+        'staleness = 1\npredict_variant = "future"',
+        "train.predict_variant",
+        "unknown variant 'future' (one of: paper, consistent)",
+    ),
+    (
+        "bn-negative",
+        "staleness = 1",
+        "staleness = 1\nbn_recalibrate = -1",
+        "train.bn_recalibrate",
+        "must be >= 0",
+    ),
+    (
+        "warmup-gpipe",
+        "staleness = 1",
+        'staleness = 1\nschedule = "gpipe"\nwarmup = 2',
+        "train.warmup",
+        "extra warm-up forwards are for the 1f1b order; schedule 'gpipe' has none",
+    ),
+    (
+        "warmup-auto-async",
+        "staleness = 1",
+        'staleness = 1\nwarmup = "auto"',
+        "train.warmup",
+        "auto picks 1f1b's warm-up; schedule 'async' has none",
+    ),
+    (
+        "warmup-negative",
+        "staleness = 1",
+        'staleness = 1\nschedule = "1f1b"\nwarmup = -1',
+        "train.warmup",
+        "must be in 0..65536, got -1",
+    ),
+    (
+        "warmup-text",
+        "staleness = 1",
+        'staleness = 1\nschedule = "1f1b"\nwarmup = "lots"',
+        "train.warmup",
+        "must be an integer >= 0 or \"auto\", got 'lots'",
+    ),
+    (
+        "in-flight",
+        "staleness = 1",
+        'staleness = 1\nin_flight = "all"',
+        "train.in_flight",
+        "unknown bound 'all' (one of: plan, nm)",
+    ),
 ]
 
 
@@ -367,8 +431,13 @@ def full_job() -> JobSpec:
 
 def test_in_flight_is_plan_by_default_and_round_trips() -> None:
     def spec(**train: object) -> JobSpec:
-        return JobSpec.from_dict({"name": "f", "model": {"name": "mlp"},
-                                  "train": {"minibatch": 4, "minibatches": 9, **train}})
+        return JobSpec.from_dict(
+            {
+                "name": "f",
+                "model": {"name": "mlp"},
+                "train": {"minibatch": 4, "minibatches": 9, **train},
+            }
+        )
 
     assert spec().in_flight == "plan"
     for s in (spec(), spec(in_flight="nm")):
@@ -378,8 +447,13 @@ def test_in_flight_is_plan_by_default_and_round_trips() -> None:
 
 def test_warmup_is_an_integer_or_auto_and_auto_by_default_with_schedule_auto() -> None:
     def spec(**train: object) -> JobSpec:
-        return JobSpec.from_dict({"name": "w", "model": {"name": "mlp"},
-                                  "train": {"minibatch": 4, "minibatches": 9, **train}})
+        return JobSpec.from_dict(
+            {
+                "name": "w",
+                "model": {"name": "mlp"},
+                "train": {"minibatch": 4, "minibatches": 9, **train},
+            }
+        )
 
     assert spec(schedule="1f1b").warmup == 0
     assert spec(schedule="1f1b", warmup=3).warmup == 3
@@ -440,7 +514,10 @@ def test_examples() -> None:
     assert (cnn.weights, cnn.predict_variant, cnn.bn_recalibrate) == ("stash", "paper", 0)
     predict = load_job(ROOT / "examples" / "digits_predict.toml")
     assert (predict.weights, predict.predict_variant, predict.bn_recalibrate) == (
-        "predict", "paper", 16)
+        "predict",
+        "paper",
+        16,
+    )
     assert JobSpec.from_dict(predict.to_dict()) == predict  # the new keys travel
     mlp = load_job(ROOT / "examples" / "digits_mlp.toml")
     assert mlp.model.name == "mlp" and mlp.epochs == 10

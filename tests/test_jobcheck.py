@@ -39,33 +39,74 @@ def check(tmp_path: Path) -> Callable[[Path], JobFacts]:
 
 
 CASES = [
-    ("layers-sum", "layers = [3, 3]", "layers = [3, 4]", "vw[0].layers",
-     "[3, 4] sums to 7, the model has 6 layers"),
-    ("unknown-device", '"gpu0", "gpu1"', '"gpu0", "gpu7"', "vw[0].devices[1]",
-     "'gpu7' is not a device of"),
+    (
+        "layers-sum",
+        "layers = [3, 3]",
+        "layers = [3, 4]",
+        "vw[0].layers",
+        "[3, 4] sums to 7, the model has 6 layers",
+    ),
+    (
+        "unknown-device",
+        '"gpu0", "gpu1"',
+        '"gpu0", "gpu7"',
+        "vw[0].devices[1]",
+        "'gpu7' is not a device of",
+    ),
     ("model-name", 'name = "mlp"', 'name = "nosuch"', "model.name", "model 'nosuch': unknown"),
-    ("model-args", 'name = "mlp"', 'name = "mlp"\nargs = { colour = 1 }', "model.args",
-     "bad args"),
+    ("model-args", 'name = "mlp"', 'name = "mlp"\nargs = { colour = 1 }', "model.args", "bad args"),
     ("data-name", 'name = "digits"', 'name = "imagenet"', "data.name", "data 'imagenet': unknown"),
-    ("data-args", 'name = "digits"', 'name = "digits"\nargs = { size = 3 }', "data.args",
-     "unknown args ['size']"),
-    ("minibatch-too-big", "minibatch = 32", "minibatch = 100000", "train.minibatch",
-     "leaves no full minibatch"),
-    ("vws-too-many", "[[vw]]\ndevices = [\"gpu0\", \"gpu1\"]\nlayers = [3, 3]\n",
-     "", "train.vws", "3 virtual workers need at least as many devices"),
-    ("fault-vw", "", "[[fault]]\nvw = 1\nstage = 0\nminibatch = 2\nseconds = 1.0\n",
-     "fault[0].vw", "1: the job has 1 virtual workers"),
-    ("fault-stage", "", "[[fault]]\nvw = 0\nstage = 2\nminibatch = 2\nseconds = 1.0\n",
-     "fault[0].stage", "2: vw 0 has 2 stages"),
-    ("fault-minibatch", "", "[[fault]]\nvw = 0\nstage = 1\nminibatch = 10\nseconds = 1.0\n",
-     "fault[0].minibatch", "each virtual worker trains 10 minibatches"),
+    (
+        "data-args",
+        'name = "digits"',
+        'name = "digits"\nargs = { size = 3 }',
+        "data.args",
+        "unknown args ['size']",
+    ),
+    (
+        "minibatch-too-big",
+        "minibatch = 32",
+        "minibatch = 100000",
+        "train.minibatch",
+        "leaves no full minibatch",
+    ),
+    (
+        "vws-too-many",
+        '[[vw]]\ndevices = ["gpu0", "gpu1"]\nlayers = [3, 3]\n',
+        "",
+        "train.vws",
+        "3 virtual workers need at least as many devices",
+    ),
+    (
+        "fault-vw",
+        "",
+        "[[fault]]\nvw = 1\nstage = 0\nminibatch = 2\nseconds = 1.0\n",
+        "fault[0].vw",
+        "1: the job has 1 virtual workers",
+    ),
+    (
+        "fault-stage",
+        "",
+        "[[fault]]\nvw = 0\nstage = 2\nminibatch = 2\nseconds = 1.0\n",
+        "fault[0].stage",
+        "2: vw 0 has 2 stages",
+    ),
+    (
+        "fault-minibatch",
+        "",
+        "[[fault]]\nvw = 0\nstage = 1\nminibatch = 10\nseconds = 1.0\n",
+        "fault[0].minibatch",
+        "each virtual worker trains 10 minibatches",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("old", "new", "key", "problem"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_rejects(tmp_path: Path, check: Callable[[Path], JobFacts], old: str, new: str,
-                 key: str, problem: str) -> None:
+@pytest.mark.parametrize(
+    ("old", "new", "key", "problem"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_rejects(
+    tmp_path: Path, check: Callable[[Path], JobFacts], old: str, new: str, key: str, problem: str
+) -> None:
     text = edited(JOB, old, new)
     if key == "train.vws":
         text = text.replace("minibatches = 10", "minibatches = 10\nvws = 3")
@@ -81,8 +122,13 @@ def test_more_stages_than_layers(tmp_path: Path) -> None:
     devices = ", ".join(f'"gpu{i}"' for i in range(7))
     path = tmp_path / "job.toml"
     path.write_text(edited(JOB, '"gpu0", "gpu1"', devices).replace("layers = [3, 3]\n", ""))
-    one_line_error(lambda p: check_job(load_job(p), cluster, str(p)), JobError, path,
-                   "vw[0].devices", "7 stages for a model of 6 layers")
+    one_line_error(
+        lambda p: check_job(load_job(p), cluster, str(p)),
+        JobError,
+        path,
+        "vw[0].devices",
+        "7 stages for a model of 6 layers",
+    )
 
 
 def test_a_good_job_passes(tmp_path: Path, check: Callable[[Path], JobFacts]) -> None:

@@ -52,9 +52,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 def invoke(c: LocalCluster, *args: str, head: str | None = None) -> Result:
     env = {"HETPIPE_CLUSTER": None, "HETPIPE_RUN_DIR": None, "HETPIPE_HEAD": None}
-    return CliRunner().invoke(cli.main, ["--cluster", c.cluster_path, "--run-dir",
-                                         str(c.run_dir), "--head", head or c.head, *args],
-                              env=env)
+    return CliRunner().invoke(
+        cli.main,
+        ["--cluster", c.cluster_path, "--run-dir", str(c.run_dir), "--head", head or c.head, *args],
+        env=env,
+    )
 
 
 def wait_state(c: LocalCluster, job_id: str, states: set[str], timeout: float) -> dict[str, Any]:
@@ -66,8 +68,9 @@ def wait_state(c: LocalCluster, job_id: str, states: set[str], timeout: float) -
                 if info["state"] in states:
                     return info
                 # a job that ended otherwise will not get there: say how it ended, at once
-                assert info["state"] not in ("done", "failed", "cancelled"), \
+                assert info["state"] not in ("done", "failed", "cancelled"), (
                     f"{job_id} {info['state']}: {info.get('error')}"
+                )
                 assert time.monotonic() < deadline, f"{job_id} still {info['state']}"
                 await asyncio.sleep(0.2)
 
@@ -103,8 +106,9 @@ def test_cancel_ends_a_running_job_and_frees_its_workers(ran: dict[str, Any]) ->
     assert ran["short"]["state"] == "done", ran["short"]  # the workers were freed
 
 
-def test_cancel_of_an_ended_or_unknown_job_says_so(cluster: LocalCluster,
-                                                   ran: dict[str, Any]) -> None:
+def test_cancel_of_an_ended_or_unknown_job_says_so(
+    cluster: LocalCluster, ran: dict[str, Any]
+) -> None:
     result = invoke(cluster, "cancel", ran["short_id"])
     assert result.exit_code == 1
     assert f"job {ran['short_id']} has already ended (done)" in result.stderr
@@ -120,14 +124,14 @@ def test_jobs_lists_the_head_and_the_disk(cluster: LocalCluster, ran: dict[str, 
     assert rows[ran["short_id"]]["state"] == "done"
     assert rows[ran["short_id"]]["source"] == "head"
     # jobs_kept = 1: the cancelled job left the head's memory, its record is on disk
-    assert rows[ran["long_id"]] == {**rows[ran["long_id"]], "state": "cancelled",
-                                    "source": "disk"}
+    assert rows[ran["long_id"]] == {**rows[ran["long_id"]], "state": "cancelled", "source": "disk"}
     text = invoke(cluster, "jobs")
     assert text.exit_code == 0 and ran["short_id"] in text.stdout
 
 
-def test_a_forgotten_job_is_read_from_disk_by_the_head(cluster: LocalCluster,
-                                                       ran: dict[str, Any]) -> None:
+def test_a_forgotten_job_is_read_from_disk_by_the_head(
+    cluster: LocalCluster, ran: dict[str, Any]
+) -> None:
     result = invoke(cluster, "status", ran["long_id"], "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
@@ -139,7 +143,9 @@ def test_a_forgotten_job_is_read_from_disk_by_the_head(cluster: LocalCluster,
 
 
 def test_status_and_trace_of_a_finished_job_without_a_head(
-    cluster: LocalCluster, ran: dict[str, Any], tmp_path: Path,
+    cluster: LocalCluster,
+    ran: dict[str, Any],
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cluster.stop()

@@ -26,15 +26,40 @@ from hetpipe.task import StageTask
 MINIBATCHES = 12
 
 
-def middle_stage(model: str, args: dict, first: int, last: int, *, recompute: list[int] = (),
-                 swap: list[int] = (), precision: str = "fp32") -> StageCompute:
+def middle_stage(
+    model: str,
+    args: dict,
+    first: int,
+    last: int,
+    *,
+    recompute: list[int] = (),
+    swap: list[int] = (),
+    precision: str = "fp32",
+) -> StageCompute:
     """Stage 1 of 3 holding layers ``first``..``last``-1, weights predict (paper), Nm = 3."""
     train = {"weights": "predict", "predict_variant": "paper", "precision": precision}
-    spec = JobSpec.from_dict(job("late", model=model, model_args=args, nm=3,
-                                 minibatches=MINIBATCHES, seed=4, train=train))
-    task = StageTask(job="late", spec=spec.to_dict(), vw=0, stage=1, k=3, first=first,
-                     last=last, nm=3, staleness=0, minibatches=MINIBATCHES, num_vws=1,
-                     prev=None, next=None, recompute=list(recompute), swap=list(swap))
+    spec = JobSpec.from_dict(
+        job(
+            "late", model=model, model_args=args, nm=3, minibatches=MINIBATCHES, seed=4, train=train
+        )
+    )
+    task = StageTask(
+        job="late",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=1,
+        k=3,
+        first=first,
+        last=last,
+        nm=3,
+        staleness=0,
+        minibatches=MINIBATCHES,
+        num_vws=1,
+        prev=None,
+        next=None,
+        recompute=list(recompute),
+        swap=list(swap),
+    )
     device = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1", 96.0)
     compute = StageCompute(task, device)
     torch.manual_seed(4)
@@ -52,8 +77,13 @@ def feeds(width_in: int, width_out: int) -> tuple[list[torch.Tensor], list[torch
     return xs, gs
 
 
-def run_order(compute: StageCompute, xs: list[torch.Tensor], gs: list[torch.Tensor],
-              before_backward=None, after_backward=None) -> dict[int, torch.Tensor]:
+def run_order(
+    compute: StageCompute,
+    xs: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    before_backward=None,
+    after_backward=None,
+) -> dict[int, torch.Tensor]:
     """The stage's lock-step order (forwards, backwards, a step after each backward); the
     input gradient of each minibatch. The callbacks see the stage around each backward."""
     y = torch.zeros(32, dtype=torch.long)
@@ -108,8 +138,9 @@ def test_paper_runs_each_forward_once_and_backpropagates_through_the_backward_pr
 
     def after_backward(p):
         if checked and checked[-1][0] == p:  # the weight gradient: the forward's input
-            torch.testing.assert_close(compute.pending[p]["1.weight"], gs[p].T @ xs[p],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                compute.pending[p]["1.weight"], gs[p].T @ xs[p], rtol=1e-5, atol=1e-5
+            )
             weighed.append(p)
 
     grads = run_order(compute, xs, gs, before_backward, after_backward)
@@ -131,15 +162,19 @@ def test_paper_is_the_same_job_under_every_activation_policy(precision: str) -> 
     them (<= 1e-6): a recomputed run recomputes its activations on the forward's prediction
     and differentiates on the backward's, as a kept layer does."""
     xs, gs = feeds(64, 64)
-    arms = {"keep": {}, "recompute": {"recompute": list(range(1, 7))},
-            "mixed": {"recompute": [1, 2, 3], "swap": [4, 5]}, "swap": {"swap": list(range(1, 7))}}
+    arms = {
+        "keep": {},
+        "recompute": {"recompute": list(range(1, 7))},
+        "mixed": {"recompute": [1, 2, 3], "swap": [4, 5]},
+        "swap": {"swap": list(range(1, 7))},
+    }
     results = {}
     for name, policy in arms.items():
-        compute = middle_stage("usermodels:dropout_mlp", {}, 1, 7, precision=precision,
-                               **policy)
+        compute = middle_stage("usermodels:dropout_mlp", {}, 1, 7, precision=precision, **policy)
         lates = []
-        grads = run_order(compute, xs, gs,
-                          lambda p, c=compute, acc=lates: acc.append(c.in_flight[p].late))
+        grads = run_order(
+            compute, xs, gs, lambda p, c=compute, acc=lates: acc.append(c.in_flight[p].late)
+        )
         assert sum(s is not None for s in lates) >= 3, lates
         results[name] = (compute.state_dict(), grads)
     want_state, want_grads = results["keep"]
@@ -147,8 +182,9 @@ def test_paper_is_the_same_job_under_every_activation_policy(precision: str) -> 
         state, grads = results[name]
         assert_same_weights(state, want_state, tol=1e-6)
         for p in range(MINIBATCHES):
-            torch.testing.assert_close(grads[p].float(), want_grads[p].float(), rtol=0,
-                                       atol=1e-6, msg=f"{name} p={p}")
+            torch.testing.assert_close(
+                grads[p].float(), want_grads[p].float(), rtol=0, atol=1e-6, msg=f"{name} p={p}"
+            )
 
 
 def test_paper_memory_is_the_planner_formula() -> None:
@@ -166,8 +202,9 @@ def test_paper_memory_is_the_planner_formula() -> None:
     x = torch.randn(32, 1, 8, 8)
     layers = measure_layers(full, x, repeats=1, warmup=0)
     profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
-    want = stage_memory_of(profile, "fast", (1, 7), 1, 3, 3, 1, weights="predict",
-                           recompute=recompute)
+    want = stage_memory_of(
+        profile, "fast", (1, 7), 1, 3, 3, 1, weights="predict", recompute=recompute
+    )
     peak = compute.stats.peak_memory
     assert compute.stats.peak_in_flight == 3
     assert peak["activations"] == want.activations

@@ -23,8 +23,9 @@ time.sleep(60)
 def test_an_exited_process_that_nobody_reaped_is_not_alive() -> None:
     """``down`` finds the daemons of ``up`` re-parented to init, which reaps them late: one
     that has exited is gone though its zombie is still there."""
-    parent = subprocess.Popen([sys.executable, "-c", _ZOMBIE_MAKER], stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ZOMBIE_MAKER], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())

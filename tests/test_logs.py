@@ -61,8 +61,9 @@ async def _flood(address: str, messages: int) -> None:
 def test_a_garbage_flood_leaves_a_few_counted_lines(tmp_path: Path) -> None:
     cpath = tmp_path / "cluster.toml"
     text = cluster_toml((DeviceDef("gpu0"),), shards=1, curve=False)  # a keyless flooder
-    cpath.write_text(text.replace("[runtime]\n", '[runtime]\nlog_max_bytes = "64KiB"\n'
-                                                 "log_keep = 1\n", 1))
+    cpath.write_text(
+        text.replace("[runtime]\n", '[runtime]\nlog_max_bytes = "64KiB"\nlog_keep = 1\n', 1)
+    )
     run_dir = tmp_path / "run"
     daemons = launch.local_daemons(load_cluster(cpath), str(cpath), run_dir=run_dir)
     daemon = next(d for d in daemons if d.name == "ps0")

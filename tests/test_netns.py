@@ -35,10 +35,12 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces:
 def leftovers(token: str) -> list[str]:
     """Namespaces and links of this machine whose name carries ``token``."""
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = json.loads(subprocess.run(["ip", "-j", "link", "show"], capture_output=True,
-                                      text=True).stdout or "[]")
-    return ([line.split()[0] for line in ns.splitlines() if token in line]
-            + [ln["ifname"] for ln in links if token in ln["ifname"]])
+    links = json.loads(
+        subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True).stdout or "[]"
+    )
+    return [line.split()[0] for line in ns.splitlines() if token in line] + [
+        ln["ifname"] for ln in links if token in ln["ifname"]
+    ]
 
 
 def test_shaped_link_near_its_rate_and_unshaped_much_faster() -> None:
@@ -66,15 +68,29 @@ def test_delay_is_shaped_or_refused_clearly() -> None:
     net = Network(["a", "b"], [Link("a", "b", mbit=100, delay_ms=25)])
     try:
         with net:
-            sink = net.popen("b", [sys.executable, "-c", "import socket, sys\n"
-                                   "s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)\n"
-                                   "print(s.getsockname()[1], flush=True); s.accept()",
-                                   net.address("b")], stdout=subprocess.PIPE, text=True)
+            sink = net.popen(
+                "b",
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket, sys\n"
+                    "s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)\n"
+                    "print(s.getsockname()[1], flush=True); s.accept()",
+                    net.address("b"),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             try:
                 assert sink.stdout is not None
                 port = sink.stdout.readline().strip()
-                done = net.run("a", [sys.executable, "-c", CONNECT, net.address("b"), port],
-                               capture_output=True, text=True, timeout=60)
+                done = net.run(
+                    "a",
+                    [sys.executable, "-c", CONNECT, net.address("b"), port],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
             finally:
                 sink.kill()
                 sink.wait(timeout=10)
@@ -98,8 +114,9 @@ def test_job_runs_across_two_hosts(tmp_path: Path) -> None:
             workers = {w["device"]: w["address"] for w in c.status()["workers"]}
             assert workers["d0"].startswith(f"tcp://{net.address('a')}:")
             assert workers["d1"].startswith(f"tcp://{net.address('b')}:")
-            info = c.submit(job("across", split=[(["d0", "d1"], [3, 3])], minibatches=20),
-                            timeout=240)
+            info = c.submit(
+                job("across", split=[(["d0", "d1"], [3, 3])], minibatches=20), timeout=240
+            )
         assert info["state"] == "done", info.get("error")
         assert [s["device"] for s in info["stages"]] == ["d0", "d1"]
         token = net.token
@@ -142,8 +159,12 @@ with Network(["a", "b"]) as net:
 
 
 def _owner() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWNER],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert proc.stdout is not None
     token = proc.stdout.readline().strip()
     assert token, "the owner process did not make its network"

@@ -234,8 +234,13 @@ def test_prediction_lands_nearer_the_weights_s_updates_later(name: str) -> None:
         w = params["w"].detach().requires_grad_()
         loss = ((x[idx] @ w - y[idx]) ** 2).mean()
         (grad,) = torch.autograd.grad(loss, w)
-        trajectory.append(({"w": w.detach()}, {n: t.clone() for n, t in opt.state["w"].items()}
-                           if opt.state else None, dict(opt.steps)))
+        trajectory.append(
+            (
+                {"w": w.detach()},
+                {n: t.clone() for n, t in opt.state["w"].items()} if opt.state else None,
+                dict(opt.steps),
+            )
+        )
         params = opt.step({"w": w.detach()}, {"w": grad})
     for s in range(1, 8):
         ratios = []

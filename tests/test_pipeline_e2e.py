@@ -28,9 +28,12 @@ def plain_training(spec_dict: dict, steps: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(spec.seed)
     model = build_model(spec.model.name, spec.model.args)
     stream = MinibatchStream(load_dataset(spec.data.name), spec.minibatch, spec.seed, 0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=spec.optimizer.lr,
-                          momentum=spec.optimizer.momentum,
-                          weight_decay=spec.optimizer.weight_decay)
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=spec.optimizer.lr,
+        momentum=spec.optimizer.momentum,
+        weight_decay=spec.optimizer.weight_decay,
+    )
     loss_fn = model_loss(spec.model.name)
     model.train()
     for p in range(steps):
@@ -52,11 +55,14 @@ def stage_records(info: dict) -> dict[str, list[dict]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("model", "split"), [
-    ("mlp", [(["gpu0", "gpu1"], [3, 3])]),
-    ("mlp", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])]),
-    ("cnn", [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]),
-])
+@pytest.mark.parametrize(
+    ("model", "split"),
+    [
+        ("mlp", [(["gpu0", "gpu1"], [3, 3])]),
+        ("mlp", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])]),
+        ("cnn", [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]),
+    ],
+)
 def test_transparency(uniform_cluster, model, split) -> None:
     """Nm = 1: the pipelined weights equal plain PyTorch training's after 50 minibatches."""
     spec = job(f"transparency-{model}", model=model, split=split, nm=1, minibatches=50)
@@ -72,8 +78,9 @@ def test_transparency(uniform_cluster, model, split) -> None:
 def test_weight_stashing(uniform_cluster) -> None:
     """Nm = k = 4: each backward differentiates the weights its forward used."""
     split = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
-    info = uniform_cluster.submit(job("stash", model="cnn", split=split, nm=4, epochs=6,
-                                      train={"verify": True}))
+    info = uniform_cluster.submit(
+        job("stash", model="cnn", split=split, nm=4, epochs=6, train={"verify": True})
+    )
     assert info["state"] == "done", info.get("error")
     records = stage_records(info)
     assert len(records) == 4
@@ -96,8 +103,7 @@ def test_weight_stashing(uniform_cluster) -> None:
 def test_heterogeneous_cnn_accuracy(hetero_cluster) -> None:
     """The default cluster's shape (whimpy device included) trains the CNN to >= 95%."""
     split = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
-    info = hetero_cluster.submit(job("hetero", model="cnn", split=split, nm=4, epochs=10,
-                                      lr=0.03))
+    info = hetero_cluster.submit(job("hetero", model="cnn", split=split, nm=4, epochs=10, lr=0.03))
     assert info["state"] == "done", info.get("error")
     assert info["test_accuracy"] >= 0.95
     # the exported state_dict loads strictly into the plain model and gives that accuracy
@@ -111,11 +117,11 @@ def test_heterogeneous_cnn_accuracy(hetero_cluster) -> None:
 @pytest.mark.timeout(120)
 def test_whimpy_device_cannot_hold_the_model(hetero_cluster) -> None:
     """The whole CNN on the 3 MiB device fails with the cap and the breakdown, by name."""
-    info = hetero_cluster.submit(job("too-big", model="cnn", split=[(["gpu3"], [16])], nm=4,
-                                     minibatches=20))
+    info = hetero_cluster.submit(
+        job("too-big", model="cnn", split=[(["gpu3"], [16])], nm=4, minibatches=20)
+    )
     assert info["state"] == "failed"
     assert "gpu3" in info["error"] and "memory cap 3.0MiB" in info["error"]
     # and the cluster goes on to the next job
-    ok = hetero_cluster.submit(job("after", model="mlp", split=[(["gpu0"], [6])],
-                                   minibatches=20))
+    ok = hetero_cluster.submit(job("after", model="mlp", split=[(["gpu0"], [6])], minibatches=20))
     assert ok["state"] == "done", ok.get("error")

@@ -55,7 +55,8 @@ def test_the_head_plans_two_vws_that_use_the_whimpy_device(hetero_cluster) -> No
     for t, f in (("medium", 2.0), ("whimpy", 4.0)):
         for a, b in zip(prof.layers["fast"], prof.layers[t], strict=True):
             assert (b.fwd_s, b.bwd_s, b.update_s) == pytest.approx(
-                (f * a.fwd_s, f * a.bwd_s, f * a.update_s), rel=1e-9)
+                (f * a.fwd_s, f * a.bwd_s, f * a.update_s), rel=1e-9
+            )
     # two VWs each apply their whole update to the global weights: asynchronous, but it
     # learns. Not to a fixed accuracy at its last wave: which update lands last depends on
     # the host's timing, and a class on the edge can flip there. Measured once in CI on a
@@ -88,7 +89,8 @@ def test_a_synchronous_job_is_planned_and_runs_its_plan(hetero_cluster) -> None:
     pred = info["predicted"]
     assert pred["schedule"] == "1f1b" and pred["iteration_s"] > 0
     assert len(info["vws"]) == 1 and info["vws"][0]["devices"] == [
-        s["device"] for s in pred["vws"][0]["stages"]]
+        s["device"] for s in pred["vws"][0]["stages"]
+    ]
     for s in info["stages"]:  # every stage within its cap, as the synchronous model said
         ps = pred["vws"][0]["stages"][s["stage"]]
         assert ps["memory"] <= ps["memory_cap"] and s["peak_bytes"] <= ps["memory_cap"]

@@ -100,8 +100,7 @@ def test_vectorised_memory_matches_the_memory_model(weights):
                 totals = model.memory_total(dtype, flight)
                 for a in range(9):
                     for b in range(a + 1, 10):
-                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2,
-                                              weights=weights)
+                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2, weights=weights)
                         assert int(totals[a, b]) == ref.total
                         assert model.stage_memory(dtype, a, b, pos, k, nm) == ref
 
@@ -124,8 +123,16 @@ def test_stage_memory_by_weights_mode():
     lps = [LayerProfile(0.1, 0.2, 100, 10, 50, 30, 70), LayerProfile(0.1, 0.2, 200, 0, 40, 20, 90)]
 
     def mem(weights: str, recompute: tuple[int, ...] = ()):
-        return stage_memory(lps, position=0, k=3, nm=4, optimizer_state_factor=1,
-                            input_bytes=8, weights=weights, recompute=recompute)
+        return stage_memory(
+            lps,
+            position=0,
+            k=3,
+            nm=4,
+            optimizer_state_factor=1,
+            input_bytes=8,
+            weights=weights,
+            recompute=recompute,
+        )
 
     assert mem("stash").stash == 3 * 300 and mem("stash").activations == 4 * (50 + 8)
     assert mem("latest").stash == 0 and mem("latest").activations == 4 * 8 + 50
@@ -312,7 +319,8 @@ def test_the_call_term_is_charged_once_per_stage():
     for a, b in ((0, 1), (2, 4), (0, 6)):
         for bw_in, bw_out in itertools.product(links, links):
             extra = model.stage_time("a", a, b, bw_in, bw_out) - bare.stage_time(
-                "a", a, b, bw_in, bw_out)
+                "a", a, b, bw_in, bw_out
+            )
             assert extra == pytest.approx(call.time_s)  # whatever the stage's layer count
     # the matrix the DP reads is the scalar stage time, float for float
     t = model.time_matrix("a", 1e9, None)
@@ -343,9 +351,13 @@ def test_dp_equals_brute_force_with_call_terms():
     for seed in range(60):
         prof, devs, nm, factor = random_instance(7000 + seed)
         r = random.Random(seed)
-        prof = dataclasses.replace(prof, calls={
-            t: CallProfile(r.uniform(0, 4e-3), r.uniform(0, 8e-3), r.uniform(0, 1e-3))
-            for t in prof.layers})
+        prof = dataclasses.replace(
+            prof,
+            calls={
+                t: CallProfile(r.uniform(0, 4e-3), r.uniform(0, 8e-3), r.uniform(0, 1e-3))
+                for t in prof.layers
+            },
+        )
         speeds = {t: 0.25 + 0.25 * i for i, t in enumerate(sorted(prof.layers))}
         p = partition(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)
         q = brute_force(prof, devs, nm, bandwidth, factor, costs=costs, speeds=speeds)

@@ -31,20 +31,27 @@ HOST = {"a": "10.0.0.1", "b": "10.0.0.2"}
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
 
 
-def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")
-              ) -> ClusterConfig:
+def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")) -> ClusterConfig:
     """Hosts a (a0, a1) and b (b0, b1), one shard on each named host, the a-b link at
     ``slow_gbps`` (every device pair across it overridden, as bench_network writes it)."""
     nodes = tuple(
-        NodeSpec(n, HOST[n], tuple(DeviceSpec(f"{n}{i}", "cpu", "fast", GiB, 1.0, 0, n, HOST[n])
-                                   for i in range(2)))
-        for n in ("a", "b"))
+        NodeSpec(
+            n,
+            HOST[n],
+            tuple(DeviceSpec(f"{n}{i}", "cpu", "fast", GiB, 1.0, 0, n, HOST[n]) for i in range(2)),
+        )
+        for n in ("a", "b")
+    )
     links = tuple(LinkSpec(f"a{i}", f"b{j}", slow_gbps) for i in range(2) for j in range(2))
-    return ClusterConfig("two-hosts.toml",
-                         tuple(ShardSpec(j, HOST[h], 0) for j, h in enumerate(shards)),
-                         # every task handed to the compute thread: the formations here
-                         # differ by their links, not by which tasks skip the hand-off
-                         NetworkSpec(10.0, 10.0, links), nodes, RuntimeSpec(inline_ms=0))
+    return ClusterConfig(
+        "two-hosts.toml",
+        tuple(ShardSpec(j, HOST[h], 0) for j, h in enumerate(shards)),
+        # every task handed to the compute thread: the formations here
+        # differ by their links, not by which tasks skip the hand-off
+        NetworkSpec(10.0, 10.0, links),
+        nodes,
+        RuntimeSpec(inline_ms=0),
+    )
 
 
 def profile(t: float = 2e-3) -> ModelProfile:
@@ -88,11 +95,15 @@ def test_a_pull_waits_for_the_weights_way_back_and_a_push_costs_no_more_cpu():
     assert remote[0].shard_link_s == flight and remote[1] == local[1]
     # link time, not the worker's CPU: the push, the merge and the CPU stay as they were
     assert (remote[0].push_s, remote[0].merge_s, remote[0].cpu_s) == (
-        local[0].push_s, local[0].merge_s, local[0].cpu_s)
+        local[0].push_s,
+        local[0].merge_s,
+        local[0].cpu_s,
+    )
     # a synchronous exchange waits for the gradients' way there and the mean's way back
     sync_local = stage_costs(model, devs, p, vws=2, shards=1, schedule="1f1b")
-    sync_remote = stage_costs(model, devs, p, vws=2, shards=1, schedule="1f1b",
-                              shard_link_s=(flight, 0.0))
+    sync_remote = stage_costs(
+        model, devs, p, vws=2, shards=1, schedule="1f1b", shard_link_s=(flight, 0.0)
+    )
     assert sync_remote[0].pull_s == pytest.approx(sync_local[0].pull_s + 2 * flight)
 
 
@@ -127,9 +138,13 @@ def test_a_pull_reaches_the_shard_behind_the_push_sent_before_it():
 
 def dp(cluster: ClusterConfig, nm: int = 4):
     """Data parallelism: one VW of one stage per device, each holding the whole model."""
-    return explicit_plan(cluster, profile(), [((d.name,), (LAYERS,), nm)
-                                              for d in cluster.devices],
-                         minibatches=64, **KW)
+    return explicit_plan(
+        cluster,
+        profile(),
+        [((d.name,), (LAYERS,), nm) for d in cluster.devices],
+        minibatches=64,
+        **KW,
+    )
 
 
 def test_data_parallelism_across_the_slow_link_is_priced_by_its_pushes_and_pulls():
@@ -156,9 +171,15 @@ def test_the_planner_leaves_data_parallelism_when_its_state_must_cross_the_slow_
     slow = make_plan(two_hosts(), profile(), minibatches=64, **KW)
     model = model_of(two_hosts())
     devices = {d.name: d for d in two_hosts().devices}
-    chosen = [(tuple(devices[n] for n in v.devices),
-               model.describe(tuple(devices[n] for n in v.devices),
-                              [s.layers for s in v.stages], v.nm)) for v in slow.vws]
+    chosen = [
+        (
+            tuple(devices[n] for n in v.devices),
+            model.describe(
+                tuple(devices[n] for n in v.devices), [s.layers for s in v.stages], v.nm
+            ),
+        )
+        for v in slow.vws
+    ]
     flights = shard_flights(model, chosen, [HOST["a"], HOST["b"]])
     assert all(f == 0.0 for row in flights for f in row)
     assert slow.samples_per_s > max(v.samples_per_s for v in dp(two_hosts()).vws) * 4
@@ -174,13 +195,21 @@ def test_a_single_vws_pushes_to_another_host_are_off_its_path():
     p = model.describe(devs, [(0, 2), (2, 4), (4, 6), (6, 8)], 4)
 
     def run(hosts: list[str]):
-        return predict(model, [(devs, p)], minibatch=32, staleness=0, cores=4,
-                       shard_hosts=hosts, minibatches=32)
+        return predict(
+            model,
+            [(devs, p)],
+            minibatch=32,
+            staleness=0,
+            cores=4,
+            shard_hosts=hosts,
+            minibatches=32,
+        )
 
     local, remote = run([HOST["a"], HOST["b"]]), run([HOST["a"], HOST["a"]])
     assert [c.shard_link_s for c in local.costs[0]] == [0.0] * 4
     assert [c.shard_link_s for c in remote.costs[0]] == pytest.approx(
-        [0.0, 0.0, 2 * PARAM / SLOW_BPS, 2 * PARAM / SLOW_BPS])
+        [0.0, 0.0, 2 * PARAM / SLOW_BPS, 2 * PARAM / SLOW_BPS]
+    )
     # (to a trace: the second shard's CPU moved to host a, beside a0's and a1's workers; a
     # push's flight on the path would add ~1 s per wave)
     assert remote.sim.vw_finish_s == pytest.approx(local.sim.vw_finish_s, rel=1e-3)

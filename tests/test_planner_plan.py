@@ -95,7 +95,11 @@ def check_expected(plan: Plan) -> None:
             else:
                 assert e.total < s.memory.total
             assert (e.params, e.optimizer, e.accumulators, e.working) == (
-                s.memory.params, s.memory.optimizer, s.memory.accumulators, s.memory.working)
+                s.memory.params,
+                s.memory.optimizer,
+                s.memory.accumulators,
+                s.memory.working,
+            )
 
 
 def test_make_plan_uses_the_whimpy_device():
@@ -188,8 +192,9 @@ def test_the_plan_carries_the_expected_peak_of_its_simulated_timeline():
     assert 1 <= first.expected_in_flight < first.in_flight
     for i, s in enumerate((first, last)):
         assert s.memory == stage_memory_of(prof, "medium", s.layers, i, 2, 8, 1)
-        assert s.expected_memory == stage_memory_of(prof, "medium", s.layers, i, 2, 8, 1,
-                                                    flight=s.expected_in_flight)
+        assert s.expected_memory == stage_memory_of(
+            prof, "medium", s.layers, i, 2, 8, 1, flight=s.expected_in_flight
+        )
     # the cap is checked with the bound: over gpu1's cap by it (the explicit plan warns, the
     # runtime would refuse), though the expected peak fits
     assert first.expected_memory.total <= first.memory_cap < first.memory.total
@@ -200,8 +205,7 @@ def test_the_plan_carries_the_expected_peak_of_its_simulated_timeline():
     assert f"{format_size(first.memory.total)} / {format_size(first.memory_cap)}" in row
     back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back == plan and back.vws[0].stages[0].expected_memory == first.expected_memory
-    fixed = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], weights="latest",
-                          **KW)
+    fixed = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], weights="latest", **KW)
     check_expected(fixed)
     for i, s in enumerate(fixed.vws[0].stages):
         assert s.expected_in_flight == s.in_flight == max_in_flight("async", 2, i, 8, True)
@@ -225,8 +229,7 @@ def test_in_flight_plan_makes_the_expected_peak_the_bound(nm):
     limits = [s.limit for s in vw.stages]
     assert limits == [s.expected_in_flight for s in was_vw.stages[:-1]] + [0]
     assert all(s.limit == 0 for s in was_vw.stages)
-    for s, was, fill in zip(vw.stages[:-1], was_vw.stages, fill_counts(limits, nm),
-                            strict=False):
+    for s, was, fill in zip(vw.stages[:-1], was_vw.stages, fill_counts(limits, nm), strict=False):
         assert s.in_flight == s.limit and fill <= s.expected_in_flight <= s.limit
         assert s.memory.total <= was.memory.total
         assert (s.memory == was.memory) == (s.limit == was.in_flight)
@@ -320,12 +323,18 @@ def test_the_plan_table_names_the_model_as_a_person_reads_it():
     from hetpipe.planner.plan import model_title
     from hetpipe.profiling import model_key
 
-    spec = JobSpec.from_dict({"name": "t", "model": {"name": "cnn", "args": {"width": 8}},
-                              "data": {"name": "digits"},
-                              "train": {"minibatch": 4, "minibatches": 9}})
+    spec = JobSpec.from_dict(
+        {
+            "name": "t",
+            "model": {"name": "cnn", "args": {"width": 8}},
+            "data": {"name": "digits"},
+            "train": {"minibatch": 4, "minibatches": 9},
+        }
+    )
     assert model_title(model_key(spec)) == "cnn (width=8) on digits"
-    bf16 = JobSpec.from_dict({**spec.to_dict(), "train": {**spec.to_dict()["train"],
-                                                          "precision": "bf16"}})
+    bf16 = JobSpec.from_dict(
+        {**spec.to_dict(), "train": {**spec.to_dict()["train"], "precision": "bf16"}}
+    )
     assert model_title(model_key(bf16)) == "cnn (width=8) on digits, bf16"
     assert model_title("synthetic") == "synthetic"
     assert model_title("") == "model"

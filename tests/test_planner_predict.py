@@ -140,8 +140,9 @@ def test_busy_time_counts_the_simulators_hand_offs(schedule):
     model = CostModel(prof, bw, 0, dataclasses.replace(RuntimeCosts(), cold=0.0))
     devs = (dev("x", "a"), dev("y", "a"), dev("z", "a"))
     p = model.partition(devs, 4)
-    pred = predict(model, [(devs, p)], minibatch=8, staleness=0, cores=8, minibatches=32,
-                   schedule=schedule)
+    pred = predict(
+        model, [(devs, p)], minibatch=8, staleness=0, cores=8, minibatches=32, schedule=schedule
+    )
     finish = pred.sim.vw_finish_s[0]
     for i in range(3):
         busy = pred.sim.busy[0][i] * finish / 32
@@ -194,8 +195,7 @@ def test_a_padded_device_computes_at_its_speed_while_the_cores_it_shares_suffice
     eight = predict(model, one_stage(model, slow), minibatch=8, staleness=0, cores=2)
     assert min(flat(eight.slowdown)) > 1.5
     assert flat(eight.pad_slowdown) == pytest.approx([1.0] * 8)
-    assert eight.sim.job_samples_per_s == pytest.approx(8 * alone.sim.job_samples_per_s,
-                                                        rel=0.01)
+    assert eight.sim.job_samples_per_s == pytest.approx(8 * alone.sim.job_samples_per_s, rel=0.01)
     assert eight.compute_s(0, 0) == pytest.approx(alone.compute_s(0, 0))
 
 
@@ -249,10 +249,12 @@ def test_short_tasks_of_an_unslowed_cpu_device_skip_the_hand_off():
 
     on_loop = first((dev("x", "a"), dev("y", "a")))
     assert on_loop.inline and on_loop.hop_s == 0.0
-    for devs, rt in [((dev("x", "a", 0.5), dev("y", "a", 0.5)), costs),  # padded
-                     ((dev("x", "a", device="cuda:0"), dev("y", "a", device="cuda:0")), costs),
-                     ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=4e-3)),
-                     ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=0.0))]:
+    for devs, rt in [
+        ((dev("x", "a", 0.5), dev("y", "a", 0.5)), costs),  # padded
+        ((dev("x", "a", device="cuda:0"), dev("y", "a", device="cuda:0")), costs),
+        ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=4e-3)),
+        ((dev("x", "a"), dev("y", "a")), dataclasses.replace(costs, inline_s=0.0)),
+    ]:
         handed = first(devs, rt)
         assert not handed.inline and handed.hop_s == costs.hop_s, devs
         # the same send, and the hop of its hand-off
@@ -285,7 +287,8 @@ def test_an_async_update_is_charged_as_the_runtime_runs_it_unpadded():
     assert c[0].compute_bwd_s - bare[0].compute_bwd_s == pytest.approx(2e-3)
     assert c[1].compute_fwd_s - bare[1].compute_fwd_s == pytest.approx(2e-3)
     assert model.stage_time("a", 0, 2, None, 1.0) - bare_model.stage_time(
-        "a", 0, 2, None, 1.0) == pytest.approx(2e-3)
+        "a", 0, 2, None, 1.0
+    ) == pytest.approx(2e-3)
     assert c[0].cpu_s - bare[0].cpu_s == pytest.approx(2e-3)  # unpadded: all of it on a core
     sim = sim_vw(model, devs, p, 16)
     assert sim.stages[0].bwd_s == pytest.approx(sum(lp.bwd_s for lp in lps[:2]) + 2e-3)
@@ -311,7 +314,8 @@ def test_stage_costs_charge_the_call_term_once_per_task():
             assert y.compute_bwd_s - x.compute_bwd_s == pytest.approx(call.bwd_s + update)
         else:  # the last stage's one task runs the forward, the backward and the update
             assert y.compute_fwd_s - x.compute_fwd_s == pytest.approx(
-                call.fwd_s + call.bwd_s + update)
+                call.fwd_s + call.bwd_s + update
+            )
             assert y.compute_bwd_s == x.compute_bwd_s == 0.0
         assert y.loop_fwd_s == x.loop_fwd_s and y.push_s == x.push_s
 
@@ -363,7 +367,8 @@ def test_a_long_job_is_predicted_from_a_bounded_run_at_its_rate(monkeypatch):
     assert long.samples_per_s != whole.samples_per_s  # two different runs were simulated
     assert long.samples_per_s == pytest.approx(whole.samples_per_s, rel=1e-3)
     assert [v.samples_per_s for v in long.vws] == pytest.approx(
-        [v.samples_per_s for v in whole.vws], rel=1e-3)
+        [v.samples_per_s for v in whole.vws], rel=1e-3
+    )
 
 
 class _Net:
@@ -383,8 +388,9 @@ def test_tasks_that_start_cold_cost_more():
     assert fast.compute_s(0, 0) == pytest.approx(fast.costs[0][0].compute_s, rel=0.02)
     # busy half the time, half its tasks start cold
     two = [dev("f", "a"), dev("s", "slow", speed=0.5)]
-    half = predict(model, [(tuple(two), model.partition(tuple(two), 1))], minibatch=8,
-                   staleness=0, cores=4)
+    half = predict(
+        model, [(tuple(two), model.partition(tuple(two), 1))], minibatch=8, staleness=0, cores=4
+    )
     assert 1.05 < half.cold[0][0] < 1.2
     # a padded device sleeps after every task, but its pad counts its thread's CPU time,
     # which shows no cold start (measured); on a GPU the host's caches and clocks do not
@@ -407,21 +413,25 @@ def test_a_flush_shares_a_core_by_the_timeline_not_by_independence():
     model = CostModel(prof, bw, 0, RuntimeCosts.zero())
     devs = (dev("x", "a"), dev("y", "a"))
     p = model.partition(devs, 1)
-    sync = predict(model, [(devs, p)], minibatch=8, staleness=0, cores=1, minibatches=12,
-                   schedule="gpipe")
+    sync = predict(
+        model, [(devs, p)], minibatch=8, staleness=0, cores=1, minibatches=12, schedule="gpipe"
+    )
     assert sync.slowdown[0] == pytest.approx((1.0, 1.0))
     busy = sync.sim.busy[0]
     assert max(slowdowns(list(busy), 1)) > 1.3  # what independence would have said
     two = model.partition(devs, 2)
-    pipelined = predict(model, [(devs, two)], minibatch=8, staleness=0, cores=1,
-                        minibatches=40)
+    pipelined = predict(model, [(devs, two)], minibatch=8, staleness=0, cores=1, minibatches=40)
     assert min(pipelined.slowdown[0]) > 1.3
 
 
 def test_the_synchronous_step_runs_once_per_iteration_unpadded():
     prof = flat_profile({"slow": 0.5})
-    prof = dataclasses.replace(prof, layers={"slow": tuple(
-        dataclasses.replace(lp, update_s=1e-3) for lp in prof.layers["slow"])})
+    prof = dataclasses.replace(
+        prof,
+        layers={
+            "slow": tuple(dataclasses.replace(lp, update_s=1e-3) for lp in prof.layers["slow"])
+        },
+    )
     model = CostModel(prof, bw, 0, RuntimeCosts.zero(), {"slow": 0.5})
     devs = (dev("s", "slow", speed=0.5),)
     p = model.partition(devs, 4)
@@ -448,8 +458,16 @@ def test_a_synchronous_wake_up_waits_only_for_the_other_stages_cores():
 
     def waits(devs, cores):
         p = model.partition(devs, 4)
-        return predict(model, [(devs, p)], minibatch=8, staleness=0, cores=cores,
-                       minibatches=48, schedule="1f1b").wake[0]
+        return predict(
+            model,
+            [(devs, p)],
+            minibatch=8,
+            staleness=0,
+            cores=cores,
+            minibatches=48,
+            schedule="1f1b",
+        ).wake[0]
+
     assert waits((x,), 1) == (0.0,)
     shared = waits((x, y), 1)
     assert all(0.1 * costs.wake_s < w < costs.wake_s for w in shared)

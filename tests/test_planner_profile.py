@@ -167,18 +167,27 @@ def test_measure_model_pads_the_call_term_like_the_layers():
 
 
 def test_a_profile_at_another_speed_of_the_same_cores_scales_its_times_only():
-    lps = (LayerProfile(1e-3, 2e-3, 10, 1, 20, 30, 40, 5e-4),
-           LayerProfile(4e-3, 6e-3, 0, 0, 8, 0, 16, 0.0))
+    lps = (
+        LayerProfile(1e-3, 2e-3, 10, 1, 20, 30, 40, 5e-4),
+        LayerProfile(4e-3, 6e-3, 0, 0, 8, 0, 16, 0.0),
+    )
     call = CallProfile(1e-4, 2e-4, 3e-5)
     # measured on an unslowed device; a 0.25 one pads the same compute to 4x
     got, got_call = at_speed(lps, call, 1.0, 0.25)
     for a, b in zip(lps, got, strict=True):
         assert (b.fwd_s, b.bwd_s, b.update_s) == pytest.approx(
-            (4 * a.fwd_s, 4 * a.bwd_s, 4 * a.update_s))
+            (4 * a.fwd_s, 4 * a.bwd_s, 4 * a.update_s)
+        )
         assert (b.param_bytes, b.buffer_bytes, b.out_bytes, b.saved_bytes, b.work_bytes) == (
-            a.param_bytes, a.buffer_bytes, a.out_bytes, a.saved_bytes, a.work_bytes)
+            a.param_bytes,
+            a.buffer_bytes,
+            a.out_bytes,
+            a.saved_bytes,
+            a.work_bytes,
+        )
     assert got_call is not None and (got_call.fwd_s, got_call.bwd_s, got_call.update_s) == (
-        pytest.approx((4e-4, 8e-4, 1.2e-4)))
+        pytest.approx((4e-4, 8e-4, 1.2e-4))
+    )
     # from a 0.5 device to a 0.25 one: twice; a speed above 1 is never divided by
     assert at_speed(lps, None, 0.5, 0.25)[0][0].fwd_s == pytest.approx(2e-3)
     assert at_speed(lps, None, 0.5, 2.0) == (at_speed(lps, None, 0.5, 1.0)[0], None)

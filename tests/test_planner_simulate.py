@@ -212,8 +212,9 @@ def test_a_synchronous_order_holds_its_own_count_under_the_simulated_timing(kind
     times = [(rng.uniform(0.1, 2.0), rng.uniform(0.1, 2.0)) for _ in range(k)]
     sim = SimVW(tuple(SimStage(f, b) for f, b in times), m, schedule=kind, warmup=warmup)
     r = simulate([sim], staleness=0, minibatches=3 * m)
-    assert r.peak_in_flight == (tuple(max_in_flight(kind, k, s, m, warmup=warmup)
-                                      for s in range(k)),)
+    assert r.peak_in_flight == (
+        tuple(max_in_flight(kind, k, s, m, warmup=warmup) for s in range(k)),
+    )
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -243,8 +244,11 @@ def test_expected_in_flight_is_the_bound_where_the_order_is_fixed():
     """A fixed order (gpipe, 1f1b, async on the lock-step order) holds its own count under
     every timing, so the expected count is the bound whatever was simulated; where it
     depends on timing a count outside 1 .. bound is a broken simulation, refused."""
-    assert expected_in_flight(2, 0, 3, 8, weights="latest") == 5 == max_in_flight(
-        "async", 3, 0, 8, fixed=True)
+    assert (
+        expected_in_flight(2, 0, 3, 8, weights="latest")
+        == 5
+        == max_in_flight("async", 3, 0, 8, fixed=True)
+    )
     assert expected_in_flight(1, 1, 3, 4, schedule="gpipe") == 4
     assert expected_in_flight(3, 1, 3, 4) == 3
     for held, stage in ((9, 0), (2, 2), (0, 0)):

@@ -45,16 +45,25 @@ def instance(rng: random.Random, n: int, layers: int, m: int, caps: bool = True)
     types = rng.sample(list(speeds), rng.randint(1, 3))
     prof = synthetic_profile(layers, {t: speeds[t] for t in types}, rng)
     need = sum(lp.param_bytes for lp in prof.layers[types[0]]) * 6
-    devs = [Dev(f"d{i}", rng.choice(types),
-                rng.randint(need // 4, need * 2) if caps else 1 << 40) for i in range(n)]
+    devs = [
+        Dev(f"d{i}", rng.choice(types), rng.randint(need // 4, need * 2) if caps else 1 << 40)
+        for i in range(n)
+    ]
     bw = {}
     for i in range(n):
         for j in range(i + 1, n):
             bw[i, j] = bw[j, i] = rng.choice([1e8, 1e9, 1e10]) * rng.uniform(0.5, 2)
     index = {d.name: i for i, d in enumerate(devs)}
     # the orders the planner tries when it picks the warm-up (train.warmup = "auto")
-    return SyncModel(prof, devs, lambda a, b: bw[index[a.name], index[b.name]], m, 1,
-                     kinds=("gpipe", "1f1b"), warmups=warmup_ladder(m))
+    return SyncModel(
+        prof,
+        devs,
+        lambda a, b: bw[index[a.name], index[b.name]],
+        m,
+        1,
+        kinds=("gpipe", "1f1b"),
+        warmups=warmup_ladder(m),
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -62,15 +71,35 @@ def test_iteration_time_is_the_simulators(seed):
     rng = random.Random(seed)
     k, m = rng.randint(1, 5), rng.randint(1, 6)
     kind = rng.choice(["gpipe", "1f1b"])
-    stages = [SyncStage(rng.uniform(.5, 2), rng.uniform(.5, 3), rng.uniform(0, .3),
-                        rng.uniform(0, .2), rng.choice([0.0, rng.uniform(0, .4)]))
-              for _ in range(k)]
-    links = [(rng.uniform(0, .5),) * 2 for _ in range(k - 1)]
+    stages = [
+        SyncStage(
+            rng.uniform(0.5, 2),
+            rng.uniform(0.5, 3),
+            rng.uniform(0, 0.3),
+            rng.uniform(0, 0.2),
+            rng.choice([0.0, rng.uniform(0, 0.4)]),
+        )
+        for _ in range(k)
+    ]
+    links = [(rng.uniform(0, 0.5),) * 2 for _ in range(k - 1)]
     want = iteration_time(stages, links, [microbatch_order(kind, k, s, m) for s in range(k)])
-    sim = simulate([SimVW(tuple(SimStage(s.fwd_s, s.bwd_s, push_s=s.push_s, step_s=s.step_s,
-                                         handoff_s=s.handoff_s)
-                                for s in stages), m, tuple(SimLink(*x) for x in links),
-                          schedule=kind)], 0, m)
+    sim = simulate(
+        [
+            SimVW(
+                tuple(
+                    SimStage(
+                        s.fwd_s, s.bwd_s, push_s=s.push_s, step_s=s.step_s, handoff_s=s.handoff_s
+                    )
+                    for s in stages
+                ),
+                m,
+                tuple(SimLink(*x) for x in links),
+                schedule=kind,
+            )
+        ],
+        0,
+        m,
+    )
     assert sim.makespan_s == pytest.approx(want)
 
 
@@ -86,10 +115,15 @@ def test_the_searchs_iteration_time_is_the_simulators(seed):
     # with a stage call term: both sides charge it once per forward, backward and step
     call = (rng.uniform(0, 2e-3), rng.uniform(0, 4e-3), rng.uniform(0, 5e-4))
     prof = synthetic_profile(layers, {t: speeds[t] for t in types}, rng, call=call)
-    devs = [Dev(f"d{i}", t, 1 << 40, speeds[t])
-            for i, t in enumerate(rng.choice(types) for _ in range(rng.randint(1, 5)))]
-    bw = {(a, b): rng.choice([1e8, 1e9, 1e10]) for a in range(len(devs))
-          for b in range(a + 1, len(devs))}
+    devs = [
+        Dev(f"d{i}", t, 1 << 40, speeds[t])
+        for i, t in enumerate(rng.choice(types) for _ in range(rng.randint(1, 5)))
+    ]
+    bw = {
+        (a, b): rng.choice([1e8, 1e9, 1e10])
+        for a in range(len(devs))
+        for b in range(a + 1, len(devs))
+    }
 
     def bandwidth(x, y):
         i, j = sorted((int(x.name[1:]), int(y.name[1:])))
@@ -115,8 +149,10 @@ def test_a_stages_forward_backward_and_step_pay_the_call_term_once():
     bare = ModelProfile("m", 32, 1024, {"a": (lp,) * 4})
     call = CallProfile(3e-4, 6e-4, 2e-4)
     devs = [Dev("d0", "a", 1 << 40, 0.5), Dev("d1", "a", 1 << 40, 0.5)]
-    without, with_call = (SyncModel(prof, devs, lambda a, b: 1e9, 4, 1)
-                          for prof in (bare, dataclasses.replace(bare, calls={"a": call})))
+    without, with_call = (
+        SyncModel(prof, devs, lambda a, b: 1e9, 4, 1)
+        for prof in (bare, dataclasses.replace(bare, calls={"a": call}))
+    )
     for a, b in ((0, 1), (0, 3), (1, 4)):
         x = without.stage(0, a, b, first=a == 0, last=b == 4)
         y = with_call.stage(0, a, b, first=a == 0, last=b == 4)
@@ -152,13 +188,21 @@ def _two_stages_over_a_slow_link(cap_in_flight: int) -> SyncModel:
     1 ms forward and 2 ms backward, M = 8, and a memory cap that lets the first stage hold
     ``cap_in_flight`` microbatches' activations, no more."""
     act = 1 << 20
-    layer = LayerProfile(1e-3, 2e-3, param_bytes=0, buffer_bytes=0, out_bytes=act,
-                         saved_bytes=act, work_bytes=0)
+    layer = LayerProfile(
+        1e-3, 2e-3, param_bytes=0, buffer_bytes=0, out_bytes=act, saved_bytes=act, work_bytes=0
+    )
     prof = ModelProfile("two", 32, act, {"a": (layer, layer)})
     need = cap_in_flight * 2 * act  # saved bytes and the input, per microbatch in flight
     devs = [Dev("d0", "a", need), Dev("d1", "a", need)]
-    return SyncModel(prof, devs, lambda a, b: act / 1.5e-3, 8, 1, kinds=("gpipe", "1f1b"),
-                     warmups=warmup_ladder(8))
+    return SyncModel(
+        prof,
+        devs,
+        lambda a, b: act / 1.5e-3,
+        8,
+        1,
+        kinds=("gpipe", "1f1b"),
+        warmups=warmup_ladder(8),
+    )
 
 
 def test_the_planner_finds_an_order_between_1f1b_and_gpipe():
@@ -196,7 +240,8 @@ def optimality_gaps(count: int, seed: int = 0, budget_s: float = 2.0) -> list[fl
             continue
         assert got is not None
         assert got.iteration_s == pytest.approx(
-            model.evaluate(got.devices, got.cuts, got.kind, got.warmup))
+            model.evaluate(got.devices, got.cuts, got.kind, got.warmup)
+        )
         gaps.append(got.iteration_s / opt.iteration_s - 1)
     return gaps
 
@@ -224,15 +269,19 @@ def test_split_microbatches_is_the_least_slowest_worker(seed):
     """Greedy sharing of M against every composition of M into n positive parts."""
     rng = random.Random(seed)
     n, m = rng.randint(1, 4), rng.randint(1, 9)
-    times = [list(itertools.accumulate(rng.uniform(0.1, 3.0) for _ in range(m)))
-             for _ in range(n)]  # non-decreasing in the microbatches
+    times = [
+        list(itertools.accumulate(rng.uniform(0.1, 3.0) for _ in range(m))) for _ in range(n)
+    ]  # non-decreasing in the microbatches
     got = split_microbatches(times, m)
     if n > m:
         assert got is None
         return
     assert got is not None and sum(got) == m and min(got) >= 1
-    best = min(max(times[g][c - 1] for g, c in enumerate(comp))
-               for comp in itertools.product(range(1, m + 1), repeat=n) if sum(comp) == m)
+    best = min(
+        max(times[g][c - 1] for g, c in enumerate(comp))
+        for comp in itertools.product(range(1, m + 1), repeat=n)
+        if sum(comp) == m
+    )
     assert max(times[g][c - 1] for g, c in enumerate(got)) == pytest.approx(best)
 
 
@@ -267,8 +316,10 @@ def test_the_faster_virtual_worker_gets_more_microbatches():
     for give, take in ((0, 1), (1, 0)):
         ms = list(form.ms)
         ms[give], ms[take] = ms[give] - 1, ms[take] + 1
-        moved = max(plan_sync(model.sub(g, mv, (form.vws[0].kind,)), 2).iteration_s
-                    for g, mv in zip([(0, 1), (2, 3)], ms, strict=True))
+        moved = max(
+            plan_sync(model.sub(g, mv, (form.vws[0].kind,)), 2).iteration_s
+            for g, mv in zip([(0, 1), (2, 3)], ms, strict=True)
+        )
         assert moved >= slowest * (1 - 1e-9)
 
 
@@ -309,22 +360,27 @@ def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
     from test_planner_plan import check_expected, profile16, repo_cluster
 
     cluster, prof = repo_cluster(), profile16()
-    plan = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=2,
-                     budget_s=3)
+    plan = sync_plan(
+        cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=2, budget_s=3
+    )
     assert len(plan.vws) == 2 and sum(v.nm for v in plan.vws) == 6
     assert plan.policy in ("np", "ed", "hd") and plan.details["exchange_s"] > 0
     used = [d for v in plan.vws for d in v.devices]
     assert len(used) == len(set(used)) and set(used) | set(plan.unused) == {
-        d.name for d in cluster.devices}
+        d.name for d in cluster.devices
+    }
     for v in plan.vws:
         assert v.stages[0].layers[0] == 0 and v.stages[-1].layers[1] == 16
         assert all(s.memory.total <= s.memory_cap for s in v.stages)
     # the faster virtual worker (more compute per iteration time) runs more microbatches
-    power = [sum(1 / sum(lp.time_s for lp in prof.layers[cluster.device(d).type])
-                 for d in v.devices) for v in plan.vws]
+    power = [
+        sum(1 / sum(lp.time_s for lp in prof.layers[cluster.device(d).type]) for d in v.devices)
+        for v in plan.vws
+    ]
     assert (plan.vws[0].nm - plan.vws[1].nm) * (power[0] - power[1]) >= 0
-    one = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=1,
-                    budget_s=3)
+    one = sync_plan(
+        cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=1, budget_s=3
+    )
     assert len(one.vws) == 1 and one.vws[0].nm == 6 and one.policy == "sync"
     # a fixed order holds its own count under any timing: the expected peak is the bound
     for p in (plan, one):
@@ -332,6 +388,7 @@ def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
         for v in p.vws:
             k = len(v.stages)
             assert [s.expected_in_flight for s in v.stages] == [
-                max_in_flight(p.schedule, k, i, v.nm, warmup=p.warmup) for i in range(k)]
+                max_in_flight(p.schedule, k, i, v.nm, warmup=p.warmup) for i in range(k)
+            ]
     best = sync_plan(cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, budget_s=3)
     assert best.iteration_s <= min(plan.iteration_s, one.iteration_s) * (1 + 1e-9)

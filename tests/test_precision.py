@@ -25,15 +25,28 @@ from hetpipe.task import StageTask
 
 def stages(precision: str, split: tuple[int, int] = (3, 3)) -> list[StageCompute]:
     """The two stages of the mlp, initial weights loaded, in one process."""
-    spec = JobSpec.from_dict(job("unit", model="mlp", minibatches=60, nm=1,
-                                 train={"precision": precision}))
+    spec = JobSpec.from_dict(
+        job("unit", model="mlp", minibatches=60, nm=1, train={"precision": precision})
+    )
     torch.manual_seed(0)
     state = build_model("mlp").state_dict()
     out = []
     for s, (first, last) in enumerate([(0, split[0]), (split[0], sum(split))]):
-        task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=s, k=2, first=first,
-                         last=last, nm=1, staleness=0, minibatches=60, num_vws=1, prev=None,
-                         next=None)
+        task = StageTask(
+            job="unit",
+            spec=spec.to_dict(),
+            vw=0,
+            stage=s,
+            k=2,
+            first=first,
+            last=last,
+            nm=1,
+            staleness=0,
+            minibatches=60,
+            num_vws=1,
+            prev=None,
+            next=None,
+        )
         c = StageCompute(task, DeviceSpec(f"gpu{s}", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         names = c.state_names()
         c.load({k: state[k] for k in names}, {k: [] for k in names})
@@ -56,8 +69,7 @@ def test_bf16_travels_between_stages_over_float32_weights() -> None:
         last.step(p)
     for c in (first, last):
         assert all(t.dtype == torch.float32 for t in c.state_dict().values())
-        assert all(t.dtype == torch.float32 for s in c.optimizer.state.values()
-                   for t in s.values())
+        assert all(t.dtype == torch.float32 for s in c.optimizer.state.values() for t in s.values())
     losses = [v for _, v in last.read_losses(block=True)]
     assert len(losses) == 60
     assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10  # it learns
@@ -125,8 +137,9 @@ def test_bf16_job_converges(uniform_cluster) -> None:
     # Six epochs: with two minibatches in flight a stage's weight versions follow the timing
     # of its neighbour's gradients. Measured with two busy loops beside it: after four
     # epochs 0.889-0.947 over 11 runs (one CI failure), after six 0.931-0.978 over 10.
-    info = uniform_cluster.submit(job("bf16", model="mlp", split=split, nm=2, epochs=6,
-                                      train={"precision": "bf16"}))
+    info = uniform_cluster.submit(
+        job("bf16", model="mlp", split=split, nm=2, epochs=6, train={"precision": "bf16"})
+    )
     assert info["state"] == "done", info.get("error")
     assert info["test_accuracy"] >= 0.9
     got = torch.load(info["model_path"])
@@ -142,10 +155,12 @@ def test_push_every_batches_a_lone_virtual_workers_pushes(uniform_cluster) -> No
     model is the same training as pushing every wave."""
     split = [(["gpu0", "gpu1"], [3, 3])]
     base = {"checkpoint_every": 0}
-    every = uniform_cluster.submit(job("push1", split=split, minibatches=40,
-                                       train={**base, "push_every": 1}))
-    batched = uniform_cluster.submit(job("push5", split=split, minibatches=40,
-                                         train={**base, "push_every": 5}))
+    every = uniform_cluster.submit(
+        job("push1", split=split, minibatches=40, train={**base, "push_every": 1})
+    )
+    batched = uniform_cluster.submit(
+        job("push5", split=split, minibatches=40, train={**base, "push_every": 5})
+    )
     for info in (every, batched):
         assert info["state"] == "done", info.get("error")
     clocks = {r["vw_clock"] for r in records(batched, "vw0/stage0")}
@@ -160,13 +175,17 @@ def test_auto_pushes_land_before_each_checkpoint(uniform_cluster) -> None:
     """push_every = 0 (the default): a lone virtual worker pushes at checkpoint waves and
     at the end; each checkpoint is taken at a clock the shards hold."""
     split = [(["gpu0", "gpu1"], [3, 3])]
-    info = uniform_cluster.submit(job("auto", split=split, minibatches=60,
-                                      train={"checkpoint_every": 10}))
+    info = uniform_cluster.submit(
+        job("auto", split=split, minibatches=60, train={"checkpoint_every": 10})
+    )
     assert info["state"] == "done", info.get("error")
     assert {r["vw_clock"] for r in records(info, "vw0/stage1")} <= {0, 10, 20, 30, 40, 50}
     job_dir = Path(info["model_path"]).parent
-    metas = [json.loads((d / "meta.json").read_text())
-             for d in sorted((job_dir / "checkpoints").iterdir()) if d.is_dir()]
+    metas = [
+        json.loads((d / "meta.json").read_text())
+        for d in sorted((job_dir / "checkpoints").iterdir())
+        if d.is_dir()
+    ]
     # each checkpoint is a cut the head found consistent (the shards hold exactly the waves
     # before it: the batched update was flushed there); the last one is the job's end
     cuts = sorted(m["wave"] for m in metas)
@@ -182,17 +201,28 @@ def test_a_lone_synchronous_virtual_worker_batches_its_pushes(uniform_cluster) -
     the shards hold."""
     split = [(["gpu0", "gpu1"], [3, 3])]
     base = {"schedule": "1f1b", "checkpoint_every": 10}
-    runs = {every: uniform_cluster.submit(job(f"sync-push{every}", split=split, nm=4,
-                                              minibatches=4 * 30,
-                                              train={**base, "push_every": every}))
-            for every in (1, 0)}
+    runs = {
+        every: uniform_cluster.submit(
+            job(
+                f"sync-push{every}",
+                split=split,
+                nm=4,
+                minibatches=4 * 30,
+                train={**base, "push_every": every},
+            )
+        )
+        for every in (1, 0)
+    }
     for info in runs.values():
         assert info["state"] == "done", info.get("error")
         assert [r["clock"] for r in records(info, "vw0/stage0")] == [p // 4 for p in range(120)]
     assert_same_weights(torch.load(runs[0]["model_path"]), torch.load(runs[1]["model_path"]))
     job_dir = Path(runs[0]["model_path"]).parent
-    cuts = sorted(json.loads((d / "meta.json").read_text())["wave"]
-                  for d in (job_dir / "checkpoints").iterdir() if d.is_dir())
+    cuts = sorted(
+        json.loads((d / "meta.json").read_text())["wave"]
+        for d in (job_dir / "checkpoints").iterdir()
+        if d.is_dir()
+    )
     assert len(cuts) >= 2 and all(c % 10 == 0 for c in cuts), cuts
 
 
@@ -201,8 +231,21 @@ def test_fingerprints_only_under_verify() -> None:
     for verify in (False, True):
         spec = JobSpec.from_dict(job("unit", minibatches=4, train={"verify": verify}))
         n = len(build_model("mlp"))
-        task = StageTask(job="unit", spec=spec.to_dict(), vw=0, stage=0, k=1, first=0, last=n,
-                         nm=1, staleness=0, minibatches=4, num_vws=1, prev=None, next=None)
+        task = StageTask(
+            job="unit",
+            spec=spec.to_dict(),
+            vw=0,
+            stage=0,
+            k=1,
+            first=0,
+            last=n,
+            nm=1,
+            staleness=0,
+            minibatches=4,
+            num_vws=1,
+            prev=None,
+            next=None,
+        )
         c = StageCompute(task, DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         torch.manual_seed(0)
         state = build_model("mlp").state_dict()

@@ -27,8 +27,11 @@ def test_float32_and_bf16_read_back_exactly_and_a_double_keeps_its_last_bits() -
     rb.add(1, torch.tensor(1.0 / 3.0, dtype=torch.bfloat16))
     rb.add(2, num.double() / den.double())
     got = [v for _, v in rb.ready()]
-    assert got == [float(num), float(torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)),
-                   float(num) / float(den)]
+    assert got == [
+        float(num),
+        float(torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)),
+        float(num) / float(den),
+    ]
 
 
 def test_a_batch_size_below_one_is_refused() -> None:

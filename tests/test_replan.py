@@ -28,8 +28,7 @@ def replan_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCl
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("every", [0, 5])
-def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
-                                               every: int) -> None:
+def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster, every: int) -> None:
     """SIGKILL one worker of a 4-device job: the head re-plans on the 3 others, starts them
     from the job's last checkpoint (``every`` > 0: the shards' cut, each stage's optimizer
     state put together per parameter, the data position; the work since it is reported
@@ -45,15 +44,16 @@ def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
         # and 0.842 among them, the latter a CI failure; 12 runs were of the code before the
         # mapped shared-memory files, and had the 0.817); 12 runs of the same job without the
         # kill all >= 0.95. Re-estimated over 20 minibatches: 32 runs, all >= 0.936.
-        spec["train"].update(vws=1, on_worker_loss="replan", checkpoint_every=every,
-                             bn_recalibrate=20)
+        spec["train"].update(
+            vws=1, on_worker_loss="replan", checkpoint_every=every, bn_recalibrate=20
+        )
 
         async def go() -> tuple[dict[str, Any], str, float]:
             async with c.client() as head:
                 job_id = await head.submit(spec)
-                info = await running_until(head, job_id,
-                                           lambda i: i.get("minibatches", 0) >= 60, 120,
-                                           every=0.2)
+                info = await running_until(
+                    head, job_id, lambda i: i.get("minibatches", 0) >= 60, 120, every=0.2
+                )
                 devices = info["vws"][0]["devices"]
                 assert len(devices) == 4, devices
                 victim = devices[1]
@@ -61,8 +61,11 @@ def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
                 killed = time.monotonic()
                 while True:  # training again: the new attempt's stages report progress
                     now = await head.job(job_id)
-                    if now.get("replans") and now["state"] == "running" and \
-                            now.get("minibatches", 0) > 0:
+                    if (
+                        now.get("replans")
+                        and now["state"] == "running"
+                        and now.get("minibatches", 0) > 0
+                    ):
                         break
                     assert now["state"] == "running", now.get("error")
                     assert time.monotonic() - killed < 60, now
@@ -87,8 +90,10 @@ def test_a_job_goes_on_without_a_killed_worker(replan_cluster: LocalCluster,
         else:
             assert replan["checkpoint"] is None
         lost_after = c.cluster.runtime.lost_after_s
-        print(f"kill -> training again: {back:.1f} s (lost_after_s {lost_after:g}), "
-              f"re-plan {replan['planned_s']} s, {replan}")
+        print(
+            f"kill -> training again: {back:.1f} s (lost_after_s {lost_after:g}), "
+            f"re-plan {replan['planned_s']} s, {replan}"
+        )
         assert back < lost_after + 15.0, back
     finally:  # the next test runs on all four again
         for name in list(c.procs):

@@ -30,8 +30,15 @@ CORES = 16  # the unit tests plan for a host whose cores the four devices do not
 
 
 def _layer(time_s: float, params: int, *, buffers: int = 0, out: int = 4096) -> LayerProfile:
-    return LayerProfile(fwd_s=time_s / 3, bwd_s=2 * time_s / 3, param_bytes=params,
-                        buffer_bytes=buffers, out_bytes=out, saved_bytes=out, work_bytes=out)
+    return LayerProfile(
+        fwd_s=time_s / 3,
+        bwd_s=2 * time_s / 3,
+        param_bytes=params,
+        buffer_bytes=buffers,
+        out_bytes=out,
+        saved_bytes=out,
+        work_bytes=out,
+    )
 
 
 def _bottleneck_profile(*, heavy_params: int = 256 << 10, buffers: int = 0) -> ModelProfile:
@@ -57,8 +64,17 @@ def _cluster(tmp_path: Path, links_gbps: float | None = None) -> ClusterConfig:
 
 
 def _plan(cluster: ClusterConfig, prof: ModelProfile, max_replicas: int, **kw: Any) -> Any:
-    return make_plan(cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1,
-                     num_vws=1, cores=CORES, max_replicas=max_replicas, **kw)
+    return make_plan(
+        cluster,
+        prof,
+        minibatch=32,
+        staleness=0,
+        optimizer_state_factor=1,
+        num_vws=1,
+        cores=CORES,
+        max_replicas=max_replicas,
+        **kw,
+    )
 
 
 def _heavy_stage(plan: Any) -> Any:
@@ -89,6 +105,7 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     assert plan.samples_per_s > 1.3 * plain.samples_per_s
     # the replicated stage's expected peak is priced as its leader's bound (its rows)
     from test_planner_plan import check_expected
+
     check_expected(plan)
     table = plan.table()
     assert "replicas, VW 0: chosen: devices" in table and "without replicas" in table
@@ -97,7 +114,8 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     (vw,) = plan_vws(plan)
     assert vw.replicas is not None
     assert [vw.group(i) for i in range(len(vw.devices))] == [
-        (s.device, *s.replicas) for s in plan.vws[0].stages]
+        (s.device, *s.replicas) for s in plan.vws[0].stages
+    ]
     # three may be grouped: the planner takes three where that predicts faster still
     three = _plan(cluster, prof, 3)
     assert len(_heavy_stage(three).replicas) == 2, three.table()
@@ -141,17 +159,27 @@ def test_predictor_prices_the_exchange_over_the_slowest_link(tmp_path: Path) -> 
     assert rates[0] > rates[1] > rates[2], rates
     # on fast links the DP finds that grouping too
     fast = _cluster(tmp_path)
-    r = partition_replicated(CostModel(prof, fast.network.bytes_per_s, 1, RuntimeCosts()),
-                             list(fast.devices), 2, 32, 2)
+    r = partition_replicated(
+        CostModel(prof, fast.network.bytes_per_s, 1, RuntimeCosts()), list(fast.devices), 2, 32, 2
+    )
     assert isinstance(r, Replicated) and r.replicated
 
 
 def _at_rows(prof: ModelProfile, rows: int, factor: float) -> ModelProfile:
     """``prof`` as if profiled at ``rows``: every forward and backward ``factor`` of the
     full minibatch's (bytes proportional to the rows)."""
-    return ModelProfile(prof.model, rows, prof.input_bytes * rows // prof.minibatch, {
-        t: tuple(dataclasses.replace(lp, fwd_s=lp.fwd_s * factor, bwd_s=lp.bwd_s * factor)
-                 for lp in lps) for t, lps in prof.layers.items()})
+    return ModelProfile(
+        prof.model,
+        rows,
+        prof.input_bytes * rows // prof.minibatch,
+        {
+            t: tuple(
+                dataclasses.replace(lp, fwd_s=lp.fwd_s * factor, bwd_s=lp.bwd_s * factor)
+                for lp in lps
+            )
+            for t, lps in prof.layers.items()
+        },
+    )
 
 
 def test_a_replica_computes_at_its_rows_profile(tmp_path: Path) -> None:
@@ -161,10 +189,10 @@ def test_a_replica_computes_at_its_rows_profile(tmp_path: Path) -> None:
     full = prof.layers["fast"][1]
     cluster = _cluster(tmp_path)
     linear = CostModel(prof, cluster.network.bytes_per_s, 1)
-    assert linear.compute_at("fast", 1, 2, 0.5) == pytest.approx(
-        (full.fwd_s / 2, full.bwd_s / 2))
-    model = CostModel(prof, cluster.network.bytes_per_s, 1,
-                      row_profiles={16: _at_rows(prof, 16, 0.9)})
+    assert linear.compute_at("fast", 1, 2, 0.5) == pytest.approx((full.fwd_s / 2, full.bwd_s / 2))
+    model = CostModel(
+        prof, cluster.network.bytes_per_s, 1, row_profiles={16: _at_rows(prof, 16, 0.9)}
+    )
     for share, factor in ((0.5, 0.9), (0.75, 0.95), (0.25, 0.45), (1.0, 1.0)):
         got = model.compute_at("fast", 1, 2, share)
         assert got == pytest.approx((full.fwd_s * factor, full.bwd_s * factor)), share
@@ -185,8 +213,15 @@ def test_each_replica_must_hold_its_rows_activations(tmp_path: Path) -> None:
     """A replica holds the whole stage's state but only its rows' activations: a stage
     whose minibatch's activations overflow a device runs on two of them, and not where
     even half of them overflow."""
-    big = LayerProfile(fwd_s=0.01, bwd_s=0.02, param_bytes=1 << 20, buffer_bytes=0,
-                       out_bytes=4096, saved_bytes=64 << 20, work_bytes=4096)
+    big = LayerProfile(
+        fwd_s=0.01,
+        bwd_s=0.02,
+        param_bytes=1 << 20,
+        buffer_bytes=0,
+        out_bytes=4096,
+        saved_bytes=64 << 20,
+        work_bytes=4096,
+    )
     prof = ModelProfile("m", 32, 4096, {"fast": (big,)})
     cluster = _cluster(tmp_path)
     model = CostModel(prof, cluster.network.bytes_per_s, 1)
@@ -217,8 +252,9 @@ def test_no_replicas_on_batch_norm_or_synchronous_schedules(tmp_path: Path) -> N
         assert not s.replicas or not (s.layers[0] <= 1 < s.layers[1])
     prof = _bottleneck_profile()
     for schedule in ("gpipe", "1f1b"):
-        spec = JobSpec.from_dict(job("sync", nm=4, train={"max_replicas": 2, "vws": 1,
-                                                          "schedule": schedule}))
+        spec = JobSpec.from_dict(
+            job("sync", nm=4, train={"max_replicas": 2, "vws": 1, "schedule": schedule})
+        )
         got = plan_for(spec, cluster, dataclasses.replace(prof, model="mlp"))
         assert got.schedule == schedule
         assert all(not s.replicas for v in got.vws for s in v.stages)
@@ -262,8 +298,7 @@ def test_a_planned_job_runs_its_replicated_stage(tmp_path: Path) -> None:
     stage, runs it to the end, and its status and ``stages.json`` name the replicas."""
     cluster = start_cluster(tmp_path, E2E_DEVICES, shards=1)
     try:
-        spec = job("planned-replicas", model_args={"hidden": [4096]}, minibatch=128,
-                   minibatches=40)
+        spec = job("planned-replicas", model_args={"hidden": [4096]}, minibatch=128, minibatches=40)
         spec["train"].pop("nm")
         spec["train"].update({"vws": 1, "max_replicas": 2})
         info = cluster.submit(spec, timeout=380)
@@ -282,5 +317,6 @@ def test_a_planned_job_runs_its_replicated_stage(tmp_path: Path) -> None:
     assert info["minibatches"] == 40
     stages = json.loads(Path(info["stages_path"]).read_text())
     assert stages[f"vw0/stage{st['stage']}"]["replicas"] == st["replicas"]
-    assert all(not stages[f"vw0/stage{s['stage']}"]["replicas"] for s in info["stages"]
-               if s is not st)
+    assert all(
+        not stages[f"vw0/stage{s['stage']}"]["replicas"] for s in info["stages"] if s is not st
+    )

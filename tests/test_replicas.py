@@ -103,8 +103,9 @@ def test_schedule_waits_for_the_replicas_before_each_step() -> None:
 # -- the job's groups ------------------------------------------------------------------------
 
 
-def _check(tmp_path: Path, vw: list, *, model: str = "mlp", minibatch: int = 32,
-           train: dict | None = None) -> None:
+def _check(
+    tmp_path: Path, vw: list, *, model: str = "mlp", minibatch: int = 32, train: dict | None = None
+) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text(cluster_toml(DEVICES, shards=1))
     spec = job("groups", model=model, minibatch=minibatch, train=train)
@@ -123,8 +124,10 @@ def test_groups_round_trip_and_bad_groups(tmp_path: Path) -> None:
     _check(tmp_path, [{"devices": ["r0", ["r1", "r2"], "r3"], "layers": [2, 2, 2]}])
     bad = [
         ([{"devices": ["r0", ["r1", "r0"]], "layers": [3, 3]}], "duplicate device 'r0'"),
-        ([{"devices": [["r0", "r1"]], "layers": [6]}, {"devices": ["r1"], "layers": [6]}],
-         "'r1' is already in vw[0]"),
+        (
+            [{"devices": [["r0", "r1"]], "layers": [6]}, {"devices": ["r1"], "layers": [6]}],
+            "'r1' is already in vw[0]",
+        ),
         ([{"devices": ["r0", []], "layers": [3, 3]}], "or a non-empty array of strings"),
         ([{"devices": ["r0", ["r1", "r9"]], "layers": [3, 3]}], "'r9' is not a device"),
         ([{"devices": ["r0", ["r1", "r2"]]}], "a split with replicated stages gives its layers"),
@@ -134,12 +137,14 @@ def test_groups_round_trip_and_bad_groups(tmp_path: Path) -> None:
             _check(tmp_path, vw_)
     # more replicas than samples in a minibatch
     with pytest.raises(JobError, match=r"vw\[0\]\.devices\[1\]: 3 replicas for a minibatch"):
-        _check(tmp_path, [{"devices": ["r0", ["r1", "r2", "r3"]], "layers": [3, 3]}],
-               minibatch=2)
+        _check(tmp_path, [{"devices": ["r0", ["r1", "r2", "r3"]], "layers": [3, 3]}], minibatch=2)
     # the synchronous kinds exchange gradients across virtual workers already
     with pytest.raises(JobError, match="replicated stages need the async schedule"):
-        _check(tmp_path, [{"devices": ["r0", ["r1", "r2"]], "layers": [3, 3]}],
-               train={"schedule": "gpipe"})
+        _check(
+            tmp_path,
+            [{"devices": ["r0", ["r1", "r2"]], "layers": [3, 3]}],
+            train={"schedule": "gpipe"},
+        )
 
 
 def test_replicas_on_two_nodes_need_a_link(tmp_path: Path) -> None:
@@ -172,13 +177,17 @@ def replica_cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("split", [
-    # a middle stage on two devices of one speed: even halves
-    [(["r0", ["r1", "r3"], "r4"], [2, 2, 2])],
-    # first and last stage replicated, speeds uneven: rows [0, 21, 32] scatter to
-    # [0, 13, 19, 32] and the gradients gather back
-    [([["r0", "r2"], ["r1", "r4", "r3"]], [3, 3])],
-], ids=["middle-even", "ends-uneven"])
+@pytest.mark.parametrize(
+    "split",
+    [
+        # a middle stage on two devices of one speed: even halves
+        [(["r0", ["r1", "r3"], "r4"], [2, 2, 2])],
+        # first and last stage replicated, speeds uneven: rows [0, 21, 32] scatter to
+        # [0, 13, 19, 32] and the gradients gather back
+        [([["r0", "r2"], ["r1", "r4", "r3"]], [3, 3])],
+    ],
+    ids=["middle-even", "ends-uneven"],
+)
 def test_replicated_stage_is_transparent(replica_cluster, split) -> None:
     """Nm = 1: a virtual worker with replicated stages trains the weights plain PyTorch does
     on the unsplit minibatches. Its replicas, all on this host, pass their weight gradients
@@ -212,8 +221,14 @@ def test_replicated_stage_refuses_batch_norm(replica_cluster) -> None:
 def test_wsp_with_a_replicated_stage(replica_cluster, staleness) -> None:
     """Two virtual workers, one with a replicated stage: WSP's invariant holds and the
     model learns."""
-    spec = job(f"replicas-wsp-d{staleness}", nm=2, epochs=12, staleness=staleness, lr=0.02,
-               split=[(["r0", ["r1", "r2"]], [3, 3]), (["r3", "r4"], [3, 3])])
+    spec = job(
+        f"replicas-wsp-d{staleness}",
+        nm=2,
+        epochs=12,
+        staleness=staleness,
+        lr=0.02,
+        split=[(["r0", ["r1", "r2"]], [3, 3]), (["r3", "r4"], [3, 3])],
+    )
     info = replica_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
     records = load_records(info)
@@ -239,10 +254,15 @@ def test_replica_dp_equals_brute_force() -> None:
         r = random.Random(seed)
         L, n = r.randint(2, 6), r.randint(1, 4)
         types = {f"t{j}": r.uniform(0.3, 1.0) for j in range(r.randint(1, 2))}
-        prof = synthetic_profile(L, types, r, param_bytes=(1000, 400000),
-                                 out_bytes=(100, 20000), time_s=(1e-3, 8e-3))
-        devs = [_pdev(f"g{i}", r.choice(list(types)), 1 << 30, f"n{r.randint(0, 1)}",
-                      r.choice([1.0, 0.5])) for i in range(n)]
+        prof = synthetic_profile(
+            L, types, r, param_bytes=(1000, 400000), out_bytes=(100, 20000), time_s=(1e-3, 8e-3)
+        )
+        devs = [
+            _pdev(
+                f"g{i}", r.choice(list(types)), 1 << 30, f"n{r.randint(0, 1)}", r.choice([1.0, 0.5])
+            )
+            for i in range(n)
+        ]
         model = CostModel(prof, lambda a, b: 1e9 if a.node == b.node else 1e8, 1)
         nm, max_r = r.randint(1, 3), r.randint(1, 3)
         got = partition_replicated(model, devs, nm, 32, max_r)
@@ -261,10 +281,24 @@ def test_replica_dp_equals_brute_force() -> None:
 def test_replicas_are_priced_by_their_link() -> None:
     """One heavy layer between two light ones on three devices: replicating it on the two
     pays on a fast link, not on a slow one (the gradient exchange is priced)."""
-    heavy = LayerProfile(fwd_s=0.03, bwd_s=0.06, param_bytes=4 << 20, buffer_bytes=0,
-                         out_bytes=4096, saved_bytes=4096, work_bytes=4096)
-    light = LayerProfile(fwd_s=0.001, bwd_s=0.002, param_bytes=1024, buffer_bytes=0,
-                         out_bytes=4096, saved_bytes=4096, work_bytes=4096)
+    heavy = LayerProfile(
+        fwd_s=0.03,
+        bwd_s=0.06,
+        param_bytes=4 << 20,
+        buffer_bytes=0,
+        out_bytes=4096,
+        saved_bytes=4096,
+        work_bytes=4096,
+    )
+    light = LayerProfile(
+        fwd_s=0.001,
+        bwd_s=0.002,
+        param_bytes=1024,
+        buffer_bytes=0,
+        out_bytes=4096,
+        saved_bytes=4096,
+        work_bytes=4096,
+    )
     prof = ModelProfile("m", 32, 4096, {"a": (light, heavy, light)})
     devs = [_pdev("g0", "a", 1 << 30), _pdev("g1", "a", 1 << 30), _pdev("g2", "a", 1 << 30)]
     for gbps, replicas in ((100.0, 2), (0.1, 1)):
@@ -285,8 +319,9 @@ def test_plan_shows_replicas(tmp_path: Path) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text(cluster_toml(DEVICES, shards=1))
     cluster = load_cluster(path)
-    prof = synthetic_profile(6, {"fast": 1.0, "half": 0.5}, 1, model="mlp",
-                             param_bytes=(1024, 8192))
+    prof = synthetic_profile(
+        6, {"fast": 1.0, "half": 0.5}, 1, model="mlp", param_bytes=(1024, 8192)
+    )
     spec = job("plan", train={"max_replicas": 2})
     spec["vw"] = [{"devices": ["r0", ["r1", "r2"], "r3"], "layers": [2, 2, 2]}]
     plan = plan_for(JobSpec.from_dict(spec), cluster, prof)
@@ -310,14 +345,25 @@ def test_runner_gathers_its_rows_and_refuses_foreign_ones() -> None:
     from test_schedule_runtime import InlineExecutor, StandInCompute
 
     compute = StandInCompute("async", 2, 1, 1, 4)
-    compute.task = dataclasses.replace(compute.task, group=["a", "b"], rows=[0, 21, 32],
-                                       prev_group=["p0", "p1"], prev_rows=[0, 13, 32])
+    compute.task = dataclasses.replace(
+        compute.task,
+        group=["a", "b"],
+        rows=[0, 21, 32],
+        prev_group=["p0", "p1"],
+        prev_rows=[0, 13, 32],
+    )
 
     async def nothing(*_args: Any) -> None:
         pass
 
-    runner = StageRunner(compute, InlineExecutor(), send=nothing, shards={},  # type: ignore[arg-type]
-                         report=nothing, stream=None)
+    runner = StageRunner(
+        compute,
+        InlineExecutor(),
+        send=nothing,
+        shards={},  # type: ignore[arg-type]
+        report=nothing,
+        stream=None,
+    )
     x = torch.arange(32.0).reshape(32, 1)
     y = torch.arange(32)
 
@@ -343,15 +389,21 @@ def test_a_replicated_job_resumes_from_its_checkpoint(replica_cluster) -> None:
     """Cancelled after two checkpoints and resumed: every replica starts from its stage's
     checkpointed state (the leader's), and the job still trains plain PyTorch's weights."""
     total = 150  # long enough that the cancel lands mid-job
-    spec = job("replicas-resume", split=[(["r0", ["r1", "r3"]], [3, 3])], nm=1,
-               minibatches=total, train={"checkpoint_every": 5})
+    spec = job(
+        "replicas-resume",
+        split=[(["r0", ["r1", "r3"]], [3, 3])],
+        nm=1,
+        minibatches=total,
+        train={"checkpoint_every": 5},
+    )
 
     async def run() -> dict[str, Any]:
         async with replica_cluster.client() as head:
             job_id = await head.submit(spec)
             deadline = time.monotonic() + 120  # for the cancel below too
-            await running_until(head, job_id, lambda i: i.get("checkpoints", 0) >= 2, 120,
-                                every=0.05)
+            await running_until(
+                head, job_id, lambda i: i.get("checkpoints", 0) >= 2, 120, every=0.05
+            )
             await head.cancel(job_id)
             while (await head.job(job_id))["state"] not in ("cancelled", "done", "failed"):
                 assert time.monotonic() < deadline

@@ -34,23 +34,59 @@ class InlineExecutor(Executor):
 class StandInCompute:
     """What a StageRunner calls on a stage's compute, without torch models."""
 
-    def __init__(self, kind: str, k: int, stage: int, nm: int, total: int, warmup: int = 0,
-                 limit: int = 0, fill: int = 0) -> None:
-        self.task = StageTask(job="j", spec={}, vw=0, stage=stage, k=k, first=0, last=1,
-                              nm=nm, staleness=0, minibatches=total, num_vws=1, prev=None,
-                              next=None, in_flight_limit=limit, in_flight_fill=fill)
-        self.spec = SimpleNamespace(schedule=kind, sync=kind != "async", push_every=1,
-                                    checkpoint_every=0, eval_every_s=None, minibatch=1,
-                                    warmup=warmup)
+    def __init__(
+        self,
+        kind: str,
+        k: int,
+        stage: int,
+        nm: int,
+        total: int,
+        warmup: int = 0,
+        limit: int = 0,
+        fill: int = 0,
+    ) -> None:
+        self.task = StageTask(
+            job="j",
+            spec={},
+            vw=0,
+            stage=stage,
+            k=k,
+            first=0,
+            last=1,
+            nm=nm,
+            staleness=0,
+            minibatches=total,
+            num_vws=1,
+            prev=None,
+            next=None,
+            in_flight_limit=limit,
+            in_flight_fill=fill,
+        )
+        self.spec = SimpleNamespace(
+            schedule=kind,
+            sync=kind != "async",
+            push_every=1,
+            checkpoint_every=0,
+            eval_every_s=None,
+            minibatch=1,
+            warmup=warmup,
+        )
         self.copier = HostCopier("cpu")
         self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
         self.has_state = True
         self.restored = False  # not started from a checkpoint
         self.table = None  # stashes: greedy 1F1B
         self.versions: dict[int, tuple[int, float, int, float]] = {}
-        self.stats = SimpleNamespace(last_loss=0.0, losses=[], forward_s=0.0, backward_s=0.0,
-                                     peak_bytes=0, prediction_quality=[], peak_memory={},
-                                     peak_in_flight=0)
+        self.stats = SimpleNamespace(
+            last_loss=0.0,
+            losses=[],
+            forward_s=0.0,
+            backward_s=0.0,
+            peak_bytes=0,
+            prediction_quality=[],
+            peak_memory={},
+            peak_in_flight=0,
+        )
 
     def state_names(self) -> list[str]:
         return []
@@ -81,24 +117,40 @@ class StandInCompute:
         pass
 
 
-def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
-              timed: list[tuple[float, Action]], arrivals: list[tuple[float, Message]],
-              warmup: int = 0, limit: int = 0, fill: int = 0) -> list[Action]:
+def run_stage(
+    kind: str,
+    k: int,
+    stage: int,
+    nm: int,
+    total: int,
+    timed: list[tuple[float, Action]],
+    arrivals: list[tuple[float, Message]],
+    warmup: int = 0,
+    limit: int = 0,
+    fill: int = 0,
+) -> list[Action]:
     """Run the real StageRunner of one stage; before each of its decisions, deliver the
     inputs that had arrived in the simulation when the simulator's stage took its next
     action. Returns the actions the runner executed."""
     compute = StandInCompute(kind, k, stage, nm, total, warmup, limit, fill)
     stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
 
-    async def send(kind_: str, p: int, tensors: dict, shared: dict | None = None, to: int = 0,
-                   extra: dict | None = None) -> None:
+    async def send(
+        kind_: str,
+        p: int,
+        tensors: dict,
+        shared: dict | None = None,
+        to: int = 0,
+        extra: dict | None = None,
+    ) -> None:
         pass
 
     async def report(stats: dict) -> None:
         pass
 
-    runner = StageRunner(compute, InlineExecutor(), send=send, shards={}, report=report,
-                         stream=stream)  # type: ignore[arg-type]
+    runner = StageRunner(
+        compute, InlineExecutor(), send=send, shards={}, report=report, stream=stream
+    )  # type: ignore[arg-type]
     sched = runner.schedule
     executed: list[Action] = []
     pending = list(arrivals)
@@ -114,8 +166,10 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
         a = ask(inputs)
         if isinstance(a, Wait) and a.what in ("activation", "gradient"):
             # every input the simulated stage needed was delivered: this is a mismatch
-            raise AssertionError(f"stage {stage} waits ({a}) after {executed}, "
-                                 f"expected {[x for _t, x in timed[i:i + 3]]}")
+            raise AssertionError(
+                f"stage {stage} waits ({a}) after {executed}, "
+                f"expected {[x for _t, x in timed[i : i + 3]]}"
+            )
         return a
 
     def done(a: Action) -> None:
@@ -127,21 +181,43 @@ def run_stage(kind: str, k: int, stage: int, nm: int, total: int,
     return executed
 
 
-def simulated(kind: str, k: int, nm: int, total: int, rng: random.Random, warmup: int = 0,
-              limits: tuple[int, ...] = ()):
-    stages = tuple(SimStage(rng.uniform(0.5, 2), rng.uniform(0.5, 3), push_s=rng.uniform(0, .3),
-                            step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0)
-                   for _ in range(k))
+def simulated(
+    kind: str,
+    k: int,
+    nm: int,
+    total: int,
+    rng: random.Random,
+    warmup: int = 0,
+    limits: tuple[int, ...] = (),
+):
+    stages = tuple(
+        SimStage(
+            rng.uniform(0.5, 2),
+            rng.uniform(0.5, 3),
+            push_s=rng.uniform(0, 0.3),
+            step_s=rng.uniform(0, 0.2) if kind != "async" else 0.0,
+        )
+        for _ in range(k)
+    )
     links = tuple(SimLink(rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5)) for _ in range(k - 1))
-    return simulate([SimVW(stages, nm, links, schedule=kind, warmup=warmup, limits=limits)],
-                    0, total, record=True)
+    return simulate(
+        [SimVW(stages, nm, links, schedule=kind, warmup=warmup, limits=limits)],
+        0,
+        total,
+        record=True,
+    )
 
 
 def _jobs(n: int):
     rng = random.Random(7)
     for i in range(n):
-        yield i, rng.choice(["async", "gpipe", "1f1b"]), rng.randint(1, 4), rng.randint(1, 4), \
-            rng.randint(1, 10)
+        yield (
+            i,
+            rng.choice(["async", "gpipe", "1f1b"]),
+            rng.randint(1, 4),
+            rng.randint(1, 4),
+            rng.randint(1, 10),
+        )
 
 
 @pytest.mark.parametrize(("seed", "kind", "k", "nm", "total"), list(_jobs(40)))
@@ -189,8 +265,9 @@ def _arrivals_after_compute(res, k: int) -> list[list[tuple[float, Message]]]:
         for t, a in log[s]:
             name = type(a).__name__
             if name == "Forward" and s > 0:
-                out[s].append((t, Message(Kind.ACT, {"p": a.p},
-                                          {"x": torch.zeros(1), "y": torch.zeros(1)})))
+                out[s].append(
+                    (t, Message(Kind.ACT, {"p": a.p}, {"x": torch.zeros(1), "y": torch.zeros(1)}))
+                )
             elif name == "Backward" and s < k - 1:
                 out[s].append((t, Message(Kind.GRAD, {"p": a.p}, {"g": torch.zeros(1)})))
     for box in out:
@@ -215,8 +292,7 @@ def test_runtime_runs_what_the_simulator_predicts_with_limits(seed, k, nm, total
     arrivals = _arrivals_after_compute(res, k)
     for s, fill in enumerate(fill_counts(limits, nm)):
         timed = list(res.actions[0][s])
-        got = run_stage("async", k, s, nm, total, timed, arrivals[s], limit=limits[s],
-                        fill=fill)
+        got = run_stage("async", k, s, nm, total, timed, arrivals[s], limit=limits[s], fill=fill)
         assert got == [a for _t, a in timed], (k, s, nm, total, limits)
         if fill:
             first_b = [type(a).__name__ for a in got].index("Backward")

@@ -50,7 +50,8 @@ def test_keys_are_private_files_and_created_once(tmp_path: Path) -> None:
         for path in (keys / f"{name}.key", keys / f"{name}.key_secret"):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert sorted(p.name for p in keys.iterdir()) == sorted(
-        f"{n}{ext}" for n in names for ext in (".key", ".key_secret"))  # no temporary left
+        f"{n}{ext}" for n in names for ext in (".key", ".key_secret")
+    )  # no temporary left
     before = (keys / "client.key").read_bytes()
     assert ensure_keys(keys, names) == []
     assert (keys / "client.key").read_bytes() == before
@@ -65,8 +66,9 @@ def test_missing_keys_say_how_to_make_them(tmp_path: Path) -> None:
     assert load_curve(security.SecuritySpec(curve=False), "client", serve=False) is None
 
 
-@pytest.mark.parametrize("model", ["subprocess:getoutput", "os:system", "evil.pkg:run",
-                                   "hetpipe.modelsx:mlp"])
+@pytest.mark.parametrize(
+    "model", ["subprocess:getoutput", "os:system", "evil.pkg:run", "hetpipe.modelsx:mlp"]
+)
 def test_code_outside_the_allow_list_is_refused(model: str) -> None:
     spec = job("j", model=model, model_args={"cmd": "true"})
     with pytest.raises(CodeError) as info:
@@ -78,7 +80,8 @@ def test_code_outside_the_allow_list_is_refused(model: str) -> None:
 
 
 def test_builtins_listed_modules_and_entry_points_are_allowed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     check_job(job("j", model="mlp"), [])
     check_job(job("j", model="hetpipe.models:mlp"), ["hetpipe.models"])
     check_job(job("j", model="mypkg.sub.models:build"), ["mypkg"])  # a listed package
@@ -86,15 +89,30 @@ def test_builtins_listed_modules_and_entry_points_are_allowed(
     class EP:
         value = "plugin.models:build"
 
-    monkeypatch.setattr(security.metadata, "entry_points",
-                        lambda group: [EP()] if group == "hetpipe.models" else [])
+    monkeypatch.setattr(
+        security.metadata, "entry_points", lambda group: [EP()] if group == "hetpipe.models" else []
+    )
     check_job(job("j", model="plugin.models:build"), [])
     with pytest.raises(CodeError):
         check_job(job("j", model="plugin.other:build"), [])
 
 
-@pytest.mark.parametrize("name", ["/tmp/x/evil", "../../../../tmp/y", "a/b", "a\\b", "..",
-                                  "a..b", "x\ny", "x\x00y", ".hidden", "", "n" * 65])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/tmp/x/evil",
+        "../../../../tmp/y",
+        "a/b",
+        "a\\b",
+        "..",
+        "a..b",
+        "x\ny",
+        "x\x00y",
+        ".hidden",
+        "",
+        "n" * 65,
+    ],
+)
 def test_job_names_that_could_leave_the_run_dir_are_refused(name: str) -> None:
     with pytest.raises(CodeError, match="job: name: "):
         check_job(job(name), [])
@@ -148,11 +166,11 @@ def running(guarded: LocalCluster) -> Iterator[dict[str, Any]]:
     async def start() -> dict[str, Any]:
         async with c.client() as head:
             # far longer than every test that needs it running, on any machine
-            job_id = await head.submit(job("victim", model="mlp", split=SPLIT3, nm=2,
-                                           epochs=5000))
+            job_id = await head.submit(job("victim", model="mlp", split=SPLIT3, nm=2, epochs=5000))
             # generous: planning and start-up on a busy host
-            return await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 5,
-                                       180, every=0.2)
+            return await running_until(
+                head, job_id, lambda i: i.get("minibatches", 0) >= 5, 180, every=0.2
+            )
 
     info = c.run(start())
     yield info
@@ -186,19 +204,32 @@ def curve_of(keys: Path, name: str, *, server_from: Path | None = None) -> Curve
     return Curve(name, own.public, own.secret, real.server_public)
 
 
-async def ask(address: str, curve: Curve | None, kind: Kind, fields: dict[str, Any],
-              tensors: dict[str, torch.Tensor] | None = None, *,
-              timeout: float = 5.0) -> Message:
+async def ask(
+    address: str,
+    curve: Curve | None,
+    kind: Kind,
+    fields: dict[str, Any],
+    tensors: dict[str, torch.Tensor] | None = None,
+    *,
+    timeout: float = 5.0,
+) -> Message:
     """One request from a raw peer with the given keys (None: plain TCP, no keys).
 
     The whole exchange is bounded: a peer whose handshake is refused may never get its
     request out of the socket (no pipe to send on), which is also "no reply"."""
-    return await asyncio.wait_for(_ask(address, curve, kind, fields, tensors, timeout),
-                                  timeout + 2.0)
+    return await asyncio.wait_for(
+        _ask(address, curve, kind, fields, tensors, timeout), timeout + 2.0
+    )
 
 
-async def _ask(address: str, curve: Curve | None, kind: Kind, fields: dict[str, Any],
-               tensors: dict[str, torch.Tensor] | None, timeout: float) -> Message:
+async def _ask(
+    address: str,
+    curve: Curve | None,
+    kind: Kind,
+    fields: dict[str, Any],
+    tensors: dict[str, torch.Tensor] | None,
+    timeout: float,
+) -> Message:
     owner = Owner()
     got: asyncio.Queue[Message] = asyncio.Queue()
 
@@ -219,8 +250,13 @@ async def _ask(address: str, curve: Curve | None, kind: Kind, fields: dict[str, 
         await owner.close()
 
 
-async def push_data(address: str, curve: Curve | None, kind: Kind, fields: dict[str, Any],
-                    tensors: dict[str, torch.Tensor]) -> None:
+async def push_data(
+    address: str,
+    curve: Curve | None,
+    kind: Kind,
+    fields: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+) -> None:
     """Send one activation or gradient to a worker's data port (PUSH: no reply)."""
     owner = Owner()
     try:
@@ -268,12 +304,27 @@ def attacks(c: LocalCluster, info: dict[str, Any]) -> list[tuple[str, str, Kind,
         ("submit", c.head, Kind.SUBMIT, {"job": job("stranger")}, {}),
         ("cancel", c.head, Kind.CANCEL, {"job": jid}, {}),
         ("read a job", c.head, Kind.JOB_STATUS, {"job": jid}, {}),
-        ("plan with a command", c.head, Kind.PLAN,
-         {"job": job("p", model="subprocess:getoutput", model_args={"cmd": "true"})}, {}),
-        ("hello as gpu1", c.head, Kind.HELLO, {"device": "gpu1", "address": "tcp://1.2.3.4:9",
-                                                "pid": 1, "host": "x", "type": "fast"}, {}),
-        ("shard_hello as shard 1", c.head, Kind.SHARD_HELLO,
-         {"shard": 1, "address": "tcp://1.2.3.4:9", "pid": 1}, {}),
+        (
+            "plan with a command",
+            c.head,
+            Kind.PLAN,
+            {"job": job("p", model="subprocess:getoutput", model_args={"cmd": "true"})},
+            {},
+        ),
+        (
+            "hello as gpu1",
+            c.head,
+            Kind.HELLO,
+            {"device": "gpu1", "address": "tcp://1.2.3.4:9", "pid": 1, "host": "x", "type": "fast"},
+            {},
+        ),
+        (
+            "shard_hello as shard 1",
+            c.head,
+            Kind.SHARD_HELLO,
+            {"shard": 1, "address": "tcp://1.2.3.4:9", "pid": 1},
+            {},
+        ),
         ("fetch weights", at, Kind.SHARD_FETCH, {"job": jid}, {}),
         ("drop a job", at, Kind.SHARD_DROP, {"job": jid}, {}),
         ("forged push", at, Kind.PUSH, {"job": jid, "vw": 0, "stage": 0, "wave": 10**6}, big),
@@ -285,23 +336,33 @@ def attacks(c: LocalCluster, info: dict[str, Any]) -> list[tuple[str, str, Kind,
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_strangers_are_refused_before_any_message_is_read(
-        guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
+    guarded: LocalCluster, running: dict[str, Any], tmp_path: Path
+) -> None:
     """No keys, a key of its own, another cluster's keys: no reply, no effect, one log line."""
     c = guarded
     other = other_cluster_keys(tmp_path)
     real = Path(c.cluster.security.keys)
     own = tmp_path / "own"
     ensure_keys(own, ["server", "client"])
-    strangers = {"no keys": None,
-                 "its own key": curve_of(own, "client", server_from=real),
-                 "another cluster's keys": curve_of(other, "client")}
+    strangers = {
+        "no keys": None,
+        "its own key": curve_of(own, "client", server_from=real),
+        "another cluster's keys": curve_of(other, "client"),
+    }
     before = c.status()
     gpu1 = c.ready["worker-gpu1"]["address"]
 
     tried = attacks(c, running)
 
-    async def unanswered(who: str, curve: Curve | None, what: str, address: str, kind: Kind,
-                         fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    async def unanswered(
+        who: str,
+        curve: Curve | None,
+        what: str,
+        address: str,
+        kind: Kind,
+        fields: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+    ) -> None:
         with pytest.raises(TimeoutError):
             await ask(address, curve, kind, fields, tensors, timeout=0.6)
             pytest.fail(f"{who}: {what} was answered")
@@ -311,8 +372,13 @@ def test_strangers_are_refused_before_any_message_is_read(
             # one stranger's attacks at once, each on its own socket, as they were one after
             # another: each must wait out its 0.6 s, and 33 of them in turn took 20 s
             await asyncio.gather(*(unanswered(who, curve, *attack) for attack in tried))
-            await push_data(gpu1, curve, Kind.ACT, {"job": running["id"], "vw": 0, "p": 10**6},
-                            {"x": torch.zeros(1), "y": torch.zeros(1)})
+            await push_data(
+                gpu1,
+                curve,
+                Kind.ACT,
+                {"job": running["id"], "vw": 0, "p": 10**6},
+                {"x": torch.zeros(1), "y": torch.zeros(1)},
+            )
 
     c.run(go())
     after = c.status()
@@ -333,8 +399,9 @@ def test_strangers_are_refused_before_any_message_is_read(
         assert text.count(key) == 1, (daemon, text.count(key))
     assert wait_log(logs / "worker-gpu1.log", key).count(key) == 1
     for daemon in ("ps0", "worker-gpu1"):  # no keys, or another cluster's: refused in libzmq
-        assert wait_log(logs / f"{daemon}.log", "handshakes refused").count(
-            "handshakes refused") == 1
+        assert (
+            wait_log(logs / f"{daemon}.log", "handshakes refused").count("handshakes refused") == 1
+        )
     # nothing a stranger sent reached a handler: no "bad message", no refusal by role
     for name in ("ps0", "ps1", "worker-gpu1"):
         text = (logs / f"{name}.log").read_text()
@@ -344,7 +411,8 @@ def test_strangers_are_refused_before_any_message_is_read(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_keyed_peers_outside_their_role_are_refused(
-        guarded: LocalCluster, running: dict[str, Any]) -> None:
+    guarded: LocalCluster, running: dict[str, Any]
+) -> None:
     """gpu3's worker key (an insider) and the users' key try every attack: each is refused."""
     c = guarded
     keys = Path(c.cluster.security.keys)
@@ -362,8 +430,14 @@ def test_keyed_peers_outside_their_role_are_refused(
             with pytest.raises(RemoteError, match="worker-gpu3 may not send"):
                 await ask(address, insider, kind, fields, tensors)
         for _what, address, kind, fields, tensors in tried:
-            if kind in (Kind.PUSH, Kind.PULL, Kind.SHARD_FETCH, Kind.SHARD_DROP, Kind.HELLO,
-                        Kind.SHARD_HELLO):
+            if kind in (
+                Kind.PUSH,
+                Kind.PULL,
+                Kind.SHARD_FETCH,
+                Kind.SHARD_DROP,
+                Kind.HELLO,
+                Kind.SHARD_HELLO,
+            ):
                 with pytest.raises(RemoteError, match="client may not send"):
                     await ask(address, c.curve, kind, fields, tensors)
         # a worker's key may not read, submit, or report in another stage's name
@@ -374,16 +448,21 @@ def test_keyed_peers_outside_their_role_are_refused(
         try:
             sock = make_socket(owner.ctx, zmq.DEALER, connect=c.head, curve=insider)
             ch = owner.channel(Channel(sock, None, name="peer", max_frame_bytes=1 << 20))
-            await ch.send(Kind.STAGE_FAILED, {"job": jid, "vw": 0, "stage": 1,
-                                              "error": "injected"})
-            await ch.send(Kind.STAGE_DONE, {"job": jid, "vw": 0, "stage": 2, "stats": {},
-                                            "records": []})
+            await ch.send(Kind.STAGE_FAILED, {"job": jid, "vw": 0, "stage": 1, "error": "injected"})
+            await ch.send(
+                Kind.STAGE_DONE, {"job": jid, "vw": 0, "stage": 2, "stats": {}, "records": []}
+            )
             await asyncio.sleep(0.5)
         finally:
             await owner.close()
         # an activation from a device that is not gpu1's predecessor: dropped, not run
-        await push_data(gpu1, insider, Kind.ACT, {"job": jid, "vw": 0, "p": 10**6},
-                        {"x": torch.zeros(1), "y": torch.zeros(1, dtype=torch.int64)})
+        await push_data(
+            gpu1,
+            insider,
+            Kind.ACT,
+            {"job": jid, "vw": 0, "p": 10**6},
+            {"x": torch.zeros(1), "y": torch.zeros(1, dtype=torch.int64)},
+        )
 
     c.run(go())
     logs = c.run_dir / "logs"
@@ -394,28 +473,49 @@ def test_keyed_peers_outside_their_role_are_refused(
     assert state["state"] == "running", state.get("error")
     assert not any(j["name"] == "x" for j in after["jobs"])
     assert after["shards"] == before["shards"]
-    assert {w["device"]: w["address"] for w in after["workers"]} == \
-        {w["device"]: w["address"] for w in before["workers"]}
+    assert {w["device"]: w["address"] for w in after["workers"]} == {
+        w["device"]: w["address"] for w in before["workers"]
+    }
     assert "request refused: not this peer's role" in (logs / "ps0.log").read_text()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpu_handles_from_a_peer_that_is_no_gpu_of_this_host_are_refused(
-        guarded: LocalCluster, running: dict[str, Any]) -> None:
+    guarded: LocalCluster, running: dict[str, Any]
+) -> None:
     """gpu1's own predecessor (gpu0's key, the one peer allowed to send it activations) sends
     an activation as a CUDA IPC handle: these devices are CPUs, so nothing is opened; the
     worker logs the refusal and the job runs on."""
     c = guarded
     gpu0 = curve_of(Path(c.cluster.security.keys), "worker-gpu0")
-    shared = {"size": [1], "stride": [1], "offset": 0, "dtype": "float32", "device": 0,
-              "handle": b"h" * 64, "nbytes": 4, "at": 0, "counter": b"/c", "counter_at": 0,
-              "event": None, "sync": False}
-    c.run(push_data(c.ready["worker-gpu1"]["address"], gpu0, Kind.ACT,
-                    {"job": running["id"], "vw": 0, "p": 10**6, "ipc": {"x": shared}},
-                    {"y": torch.zeros(1, dtype=torch.int64)}))
-    wait_log(c.run_dir / "logs" / "worker-gpu1.log",
-             "data refused: a shared GPU tensor from a peer that is not a GPU of this host")
+    shared = {
+        "size": [1],
+        "stride": [1],
+        "offset": 0,
+        "dtype": "float32",
+        "device": 0,
+        "handle": b"h" * 64,
+        "nbytes": 4,
+        "at": 0,
+        "counter": b"/c",
+        "counter_at": 0,
+        "event": None,
+        "sync": False,
+    }
+    c.run(
+        push_data(
+            c.ready["worker-gpu1"]["address"],
+            gpu0,
+            Kind.ACT,
+            {"job": running["id"], "vw": 0, "p": 10**6, "ipc": {"x": shared}},
+            {"y": torch.zeros(1, dtype=torch.int64)},
+        )
+    )
+    wait_log(
+        c.run_dir / "logs" / "worker-gpu1.log",
+        "data refused: a shared GPU tensor from a peer that is not a GPU of this host",
+    )
     state = next(j for j in c.status()["jobs"] if j["id"] == running["id"])
     assert state["state"] in ("running", "done"), state.get("error")
 
@@ -423,7 +523,8 @@ def test_gpu_handles_from_a_peer_that_is_no_gpu_of_this_host_are_refused(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_shared_memory_name_that_reaches_outside_is_refused(
-        guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
+    guarded: LocalCluster, running: dict[str, Any], tmp_path: Path
+) -> None:
     """gpu1's own predecessor (gpu0's key) names, as the file of an activation in shared
     memory, a path out of it, then a file of this user that is readable by others: neither
     is read, the second is left where it is, the worker logs both and the job runs on."""
@@ -434,11 +535,20 @@ def test_a_shared_memory_name_that_reaches_outside_is_refused(
     public.chmod(0o644)
     try:
         for name in ("../../etc/passwd", public.name):
-            c.run(push_data(c.ready["worker-gpu1"]["address"], gpu0, Kind.ACT,
-                            {"job": running["id"], "vw": 0, "p": 10**6,
-                             "shm": {"x": {"file": name, "dtype": "float32", "shape": [1],
-                                           "nbytes": 4}}},
-                            {"y": torch.zeros(1, dtype=torch.int64)}))
+            c.run(
+                push_data(
+                    c.ready["worker-gpu1"]["address"],
+                    gpu0,
+                    Kind.ACT,
+                    {
+                        "job": running["id"],
+                        "vw": 0,
+                        "p": 10**6,
+                        "shm": {"x": {"file": name, "dtype": "float32", "shape": [1], "nbytes": 4}},
+                    },
+                    {"y": torch.zeros(1, dtype=torch.int64)},
+                )
+            )
         log = c.run_dir / "logs" / "worker-gpu1.log"
         wait_log(log, "is not a file name this runtime makes")
         wait_log(log, "not a private file of this user")
@@ -453,15 +563,22 @@ def test_a_shared_memory_name_that_reaches_outside_is_refused(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_weight_gradients_from_a_device_that_is_no_replica_of_the_stage_are_refused(
-        guarded: LocalCluster, running: dict[str, Any]) -> None:
+    guarded: LocalCluster, running: dict[str, Any]
+) -> None:
     """gpu2 (gpu1's successor, keyed, the one peer allowed to send it gradients) sends
     weight gradients as if it were a replica of gpu1's stage: the worker refuses them (a
     stage's replicas are the only senders of ``replica_grad``), logs it, and the job runs on."""
     c = guarded
     gpu2 = curve_of(Path(c.cluster.security.keys), "worker-gpu2")
-    c.run(push_data(c.ready["worker-gpu1"]["address"], gpu2, Kind.REPLICA_GRAD,
-                    {"job": running["id"], "vw": 0, "stage": 1, "p": 10**6, "replica": 1},
-                    {"2.weight": torch.full((4, 4), 1e6)}))
+    c.run(
+        push_data(
+            c.ready["worker-gpu1"]["address"],
+            gpu2,
+            Kind.REPLICA_GRAD,
+            {"job": running["id"], "vw": 0, "stage": 1, "p": 10**6, "replica": 1},
+            {"2.weight": torch.full((4, 4), 1e6)},
+        )
+    )
     log = wait_log(c.run_dir / "logs" / "worker-gpu1.log", "worker-gpu2 sent replica_grad")
     line = next(ln for ln in log.splitlines() if "worker-gpu2 sent replica_grad" in ln)
     assert "data refused: not from this stage's neighbour" in line
@@ -472,7 +589,8 @@ def test_weight_gradients_from_a_device_that_is_no_replica_of_the_stage_are_refu
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_disallowed_code_and_bad_names_are_refused_at_submit(
-        guarded: LocalCluster, running: dict[str, Any], tmp_path: Path) -> None:
+    guarded: LocalCluster, running: dict[str, Any], tmp_path: Path
+) -> None:
     c = guarded
     marker = tmp_path / "ran"
     cmd = {"cmd": f"touch {marker}"}
@@ -509,15 +627,18 @@ def test_an_allowed_module_runs(guarded: LocalCluster, running: dict[str, Any]) 
             await head.follow(running["id"], timeout=60, every_s=0.2)
 
     guarded.run(cancel())
-    info = guarded.submit(job("allowed", model="hetpipe.models:mlp",
-                              split=[(["gpu3"], [6])], minibatches=10), timeout=240)
+    info = guarded.submit(
+        job("allowed", model="hetpipe.models:mlp", split=[(["gpu3"], [6])], minibatches=10),
+        timeout=240,
+    )
     assert info["state"] == "done", info.get("error")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_daemons_without_the_clusters_keys_cannot_join(guarded: LocalCluster,
-                                                        tmp_path: Path) -> None:
+def test_daemons_without_the_clusters_keys_cannot_join(
+    guarded: LocalCluster, tmp_path: Path
+) -> None:
     """An impostor worker (no keys; another cluster's keys) and shard cannot register."""
     c = guarded
     other = other_cluster_keys(tmp_path)
@@ -539,11 +660,29 @@ def test_daemons_without_the_clusters_keys_cannot_join(guarded: LocalCluster,
         for tag, text in files.items():
             path = tmp_path / f"{tag}.toml"
             path.write_text(text)
-            argv = (sys.executable, "-m", "hetpipe.worker", "--cluster", str(path),
-                    "--device", "gpu1", "--head", c.head)
+            argv = (
+                sys.executable,
+                "-m",
+                "hetpipe.worker",
+                "--cluster",
+                str(path),
+                "--device",
+                "gpu1",
+                "--head",
+                c.head,
+            )
             procs.append(launch.spawn(launch.Daemon(f"imp-worker-{tag}", argv), tmp_path))
-        argv = (sys.executable, "-m", "hetpipe.ps", "--cluster", str(tmp_path / "otherkeys.toml"),
-                "--shard", "1", "--head", c.head)
+        argv = (
+            sys.executable,
+            "-m",
+            "hetpipe.ps",
+            "--cluster",
+            str(tmp_path / "otherkeys.toml"),
+            "--shard",
+            "1",
+            "--head",
+            c.head,
+        )
         procs.append(launch.spawn(launch.Daemon("imp-ps1", argv), tmp_path))
         names = ("imp-worker-nokeys", "imp-worker-otherkeys", "imp-worker-wrongkey", "imp-ps1")
         launch.wait_ready(dict(zip(names, procs, strict=True)), tmp_path, 60)
@@ -579,9 +718,15 @@ def test_a_lost_shard_ends_its_job(tmp_path: Path) -> None:
         async def go() -> tuple[dict[str, Any], float]:
             async with c.client() as head:
                 # it stalls on its first pull from the killed shard, so it cannot end first
-                job_id = await head.submit(job("shardy", model="mlp",
-                                               split=[(["gpu0", "gpu1"], [3, 3])], nm=2,
-                                               minibatches=20_000))
+                job_id = await head.submit(
+                    job(
+                        "shardy",
+                        model="mlp",
+                        split=[(["gpu0", "gpu1"], [3, 3])],
+                        nm=2,
+                        minibatches=20_000,
+                    )
+                )
                 deadline = time.monotonic() + 60
                 while True:
                     info = await head.job(job_id)
@@ -630,8 +775,14 @@ def test_keys_command_writes_the_clusters_keys(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "keys: 6 created, 0 kept" in result.output
     keys = tmp_path / ".hetpipe" / "keys"
-    assert {p.stem for p in keys.glob("*.key")} == {"server", "client", "ps0", "ps1",
-                                                     "worker-gpu0", "worker-gpu1"}
+    assert {p.stem for p in keys.glob("*.key")} == {
+        "server",
+        "client",
+        "ps0",
+        "ps1",
+        "worker-gpu0",
+        "worker-gpu1",
+    }
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keys.iterdir())
     again = CliRunner().invoke(cli.main, ["--cluster", str(path), "keys"])
     assert "0 created, 6 kept" in again.output
@@ -645,15 +796,19 @@ def test_cli_refuses_disallowed_code_before_contacting_the_head(tmp_path: Path) 
     path = tmp_path / "c.toml"
     path.write_text(cluster_toml(UNIFORM[:1], shards=1))
     job_file = tmp_path / "job.toml"
-    job_file.write_text('name = "rce"\n[model]\nname = "subprocess:getoutput"\n'
-                        '[model.args]\ncmd = "true"\n[train]\nminibatch = 8\nminibatches = 1\n')
-    result = CliRunner().invoke(cli.main, ["--cluster", str(path), "--head",
-                                           "tcp://127.0.0.1:9", "submit", str(job_file)])
+    job_file.write_text(
+        'name = "rce"\n[model]\nname = "subprocess:getoutput"\n'
+        '[model.args]\ncmd = "true"\n[train]\nminibatch = 8\nminibatches = 1\n'
+    )
+    result = CliRunner().invoke(
+        cli.main, ["--cluster", str(path), "--head", "tcp://127.0.0.1:9", "submit", str(job_file)]
+    )
     assert result.exit_code == 1, result.output
     lines = [x for x in result.output.splitlines() if x]
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"Error: {job_file}: model.name: module 'subprocess' is not "
-                               "allowed"), lines[0]
+    assert lines[0].startswith(
+        f"Error: {job_file}: model.name: module 'subprocess' is not allowed"
+    ), lines[0]
     assert "[security] allowed_modules" in lines[0]
     assert os.path.exists(path)
 
@@ -668,8 +823,21 @@ def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> 
     cluster = load_cluster(path)
     marker = tmp_path / "ran"
     bad = job("rce", model="subprocess:getoutput", model_args={"cmd": f"touch {marker}"})
-    task = StageTask(job="rce-1", spec=bad, vw=0, stage=0, k=1, first=0, last=1, nm=1,
-                     staleness=0, minibatches=1, num_vws=1, prev=None, next=None)
+    task = StageTask(
+        job="rce-1",
+        spec=bad,
+        vw=0,
+        stage=0,
+        k=1,
+        first=0,
+        last=1,
+        nm=1,
+        staleness=0,
+        minibatches=1,
+        num_vws=1,
+        prev=None,
+        next=None,
+    )
 
     class FakeHead:
         def __init__(self) -> None:
@@ -688,8 +856,9 @@ def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> 
         worker.head = head  # type: ignore[assignment]
         try:
             await worker._measure(Message(Kind.MEASURE, {"rid": 1, "job": bad}, {}))
-            await worker._assign(Message(Kind.ASSIGN, {"rid": 2, "job": "rce-1",
-                                                       "task": task.to_dict()}, {}))
+            await worker._assign(
+                Message(Kind.ASSIGN, {"rid": 2, "job": "rce-1", "task": task.to_dict()}, {})
+            )
         finally:
             await worker.close()
             await owner.close()

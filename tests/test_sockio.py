@@ -44,14 +44,30 @@ def test_requests_both_ways_on_one_dealer_never_lose_a_wake_up() -> None:
 
         sock = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT, router_mandatory=True)
         server = owner.channel(Channel(sock, answer, name="server", max_frame_bytes=MAX_FRAME))
-        clients = [owner.channel(Channel(
-            make_socket(owner.ctx, zmq.DEALER, connect=bound_address(sock),
-                        identity=f"c{i}".encode()),
-            None, name=f"c{i}", max_frame_bytes=MAX_FRAME)) for i in range(3)]
+        clients = [
+            owner.channel(
+                Channel(
+                    make_socket(
+                        owner.ctx,
+                        zmq.DEALER,
+                        connect=bound_address(sock),
+                        identity=f"c{i}".encode(),
+                    ),
+                    None,
+                    name=f"c{i}",
+                    max_frame_bytes=MAX_FRAME,
+                )
+            )
+            for i in range(3)
+        ]
 
         async def ask(ch: Channel, n: int) -> list[str]:
-            return [(await ch.request(Kind.JOB_STATUS, {"job": str(i)}, timeout=10,
-                                      what="server"))["info"]["p"] for i in range(n)]
+            return [
+                (await ch.request(Kind.JOB_STATUS, {"job": str(i)}, timeout=10, what="server"))[
+                    "info"
+                ]["p"]
+                for i in range(n)
+            ]
 
         got = await asyncio.wait_for(asyncio.gather(*(ask(c, 1500) for c in clients)), 50)
         assert got == [[str(i) for i in range(1500)]] * 3
@@ -68,8 +84,14 @@ def test_a_push_waits_for_its_peer_and_then_delivers() -> None:
         # close is finished by ZeroMQ's I/O thread later, and on a busy host the PUSH below
         # could still connect to its listener and lose the first messages into it
         address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-        tx = owner.channel(Channel(make_socket(owner.ctx, zmq.PUSH, connect=address, hwm=2),
-                                   None, name="tx", max_frame_bytes=MAX_FRAME))
+        tx = owner.channel(
+            Channel(
+                make_socket(owner.ctx, zmq.PUSH, connect=address, hwm=2),
+                None,
+                name="tx",
+                max_frame_bytes=MAX_FRAME,
+            )
+        )
 
         async def send_all() -> None:
             for i in range(10):
@@ -83,11 +105,18 @@ def test_a_push_waits_for_its_peer_and_then_delivers() -> None:
         async def on(_peer: bytes | None, msg: Message) -> None:
             got.put_nowait(msg)
 
-        owner.channel(Channel(make_socket(owner.ctx, zmq.PULL, bind=address), on, name="rx",
-                              max_frame_bytes=MAX_FRAME))
+        owner.channel(
+            Channel(
+                make_socket(owner.ctx, zmq.PULL, bind=address),
+                on,
+                name="rx",
+                max_frame_bytes=MAX_FRAME,
+            )
+        )
         await asyncio.wait_for(sending, 20)
         assert [(await asyncio.wait_for(got.get(), 20))["job"] for _ in range(10)] == [
-            str(i) for i in range(10)]
+            str(i) for i in range(10)
+        ]
 
     run(body)
 
@@ -105,9 +134,14 @@ def test_a_full_queue_holds_the_sender_back_and_loses_nothing() -> None:
 
         pull = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, hwm=2)
         owner.channel(Channel(pull, slow, name="rx", max_frame_bytes=MAX_FRAME))
-        tx = owner.channel(Channel(make_socket(owner.ctx, zmq.PUSH, connect=bound_address(pull),
-                                               hwm=2),
-                                   None, name="tx", max_frame_bytes=MAX_FRAME))
+        tx = owner.channel(
+            Channel(
+                make_socket(owner.ctx, zmq.PUSH, connect=bound_address(pull), hwm=2),
+                None,
+                name="tx",
+                max_frame_bytes=MAX_FRAME,
+            )
+        )
         blob = "x" * 200_000  # fills the TCP buffers too, so the HWM is reached
         for i in range(300):
             await asyncio.wait_for(tx.send(Kind.ABORT, {"job": str(i), "reason": blob}), 20)
@@ -132,8 +166,12 @@ def test_a_closed_channel_refuses_to_send_and_its_peer_keeps_what_was_sent() -> 
 
         pull = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT)
         owner.channel(Channel(pull, on, name="rx", max_frame_bytes=MAX_FRAME))
-        tx = Channel(make_socket(owner.ctx, zmq.PUSH, connect=bound_address(pull),
-                                 linger_ms=5000), None, name="tx", max_frame_bytes=MAX_FRAME)
+        tx = Channel(
+            make_socket(owner.ctx, zmq.PUSH, connect=bound_address(pull), linger_ms=5000),
+            None,
+            name="tx",
+            max_frame_bytes=MAX_FRAME,
+        )
         await tx.send(Kind.START, {"job": "j"})
         await tx.close(linger_ms=5000)
         with pytest.raises(zmq.ZMQError):

@@ -22,8 +22,9 @@ M = 4
 ITERATIONS = 30
 
 
-def plain_sync_training(spec_dict: dict, iterations: int, m: int | list[int], vws: int
-                        ) -> dict[str, torch.Tensor]:
+def plain_sync_training(
+    spec_dict: dict, iterations: int, m: int | list[int], vws: int
+) -> dict[str, torch.Tensor]:
     """Plain PyTorch: one SGD step per iteration on the M minibatches of every virtual worker
     (their samples concatenated, mean loss), from the same weights and data order; ``m`` may
     be one M per virtual worker."""
@@ -35,14 +36,20 @@ def plain_sync_training(spec_dict: dict, iterations: int, m: int | list[int], vw
     model = build_model(spec.model.name, spec.model.args)
     data = load_dataset(spec.data.name)
     streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
-    opt = torch.optim.SGD(model.parameters(), lr=spec.optimizer.lr,
-                          momentum=spec.optimizer.momentum,
-                          weight_decay=spec.optimizer.weight_decay)
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=spec.optimizer.lr,
+        momentum=spec.optimizer.momentum,
+        weight_decay=spec.optimizer.weight_decay,
+    )
     loss_fn = model_loss(spec.model.name)
     model.train()
     for i in range(iterations):
-        batches = [s.batch(p) for s, mv in zip(streams, ms, strict=True)
-                   for p in range(i * mv, (i + 1) * mv)]
+        batches = [
+            s.batch(p)
+            for s, mv in zip(streams, ms, strict=True)
+            for p in range(i * mv, (i + 1) * mv)
+        ]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         opt.zero_grad()
@@ -59,13 +66,16 @@ def sync_job(name: str, kind: str, split: list, **kw) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("kind", "split", "warmup"), [
-    ("gpipe", [(["gpu0", "gpu1"], [3, 3])], 0),
-    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])], 0),
-    ("gpipe", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 0),
-    ("1f1b", [(["gpu0", "gpu1"], [4, 2])], 0),
-    ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 2),
-])
+@pytest.mark.parametrize(
+    ("kind", "split", "warmup"),
+    [
+        ("gpipe", [(["gpu0", "gpu1"], [3, 3])], 0),
+        ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [1, 2, 2, 1])], 0),
+        ("gpipe", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 0),
+        ("1f1b", [(["gpu0", "gpu1"], [4, 2])], 0),
+        ("1f1b", [(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])], 2),
+    ],
+)
 def test_sync_transparency_one_vw(uniform_cluster, kind, split, warmup) -> None:
     spec = sync_job(f"sync-{kind}-{len(split[0][0])}-{warmup}", kind, split)
     spec["train"]["warmup"] = warmup
@@ -94,8 +104,10 @@ def test_sync_transparency_one_vw(uniform_cluster, kind, split, warmup) -> None:
     # every stage ran its iteration in the schedule's order (warm-up included)
     k = len(split[0][0])
     for where, r in stages.items():
-        ran = sorted((x for x in r["stats"]["spans"] if x[0] in ("forward", "backward")
-                      and x[3] < M), key=lambda x: x[1])
+        ran = sorted(
+            (x for x in r["stats"]["spans"] if x[0] in ("forward", "backward") and x[3] < M),
+            key=lambda x: x[1],
+        )
         want = microbatch_order(kind, k, int(where.split("stage")[1]), M, warmup)
         assert [("F" if x[0] == "forward" else "B", x[3]) for x in ran] == list(want), where
 
@@ -121,8 +133,9 @@ def test_sync_vws_of_different_m_weight_gradients_by_samples(uniform_cluster) ->
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert info["minibatches"] == 6 * ITERATIONS
-    assert_same_weights(torch.load(info["model_path"]),
-                 plain_sync_training(spec, ITERATIONS, [2, 4], 2))
+    assert_same_weights(
+        torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, [2, 4], 2)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -140,17 +153,21 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
     assert len(ms) == 2 and sorted(ms) == [1, 2], pred
     assert pred["policy"] in ("np", "ed", "hd")
     assert [v["devices"] for v in info["vws"]] == [
-        [s["device"] for s in v["stages"]] for v in pred["vws"]]
+        [s["device"] for s in v["stages"]] for v in pred["vws"]
+    ]
     # train.minibatches counts the job's microbatches: ITERATIONS iterations of M in all
     assert info["minibatches"] == m * ITERATIONS
-    assert_same_weights(torch.load(info["model_path"]),
-                 plain_sync_training(spec, ITERATIONS, ms, 2))
+    assert_same_weights(
+        torch.load(info["model_path"]), plain_sync_training(spec, ITERATIONS, ms, 2)
+    )
     # the order the planner picked (train.warmup = "auto") is the order every stage ran
     warmup = pred["warmup"]
     stages = json.loads(Path(info["stages_path"]).read_text())
     for where, r in stages.items():
         v, s = (int(x) for x in where.replace("vw", "").split("/stage"))
-        ran = sorted((x for x in r["stats"]["spans"] if x[0] in ("forward", "backward")
-                      and x[3] < ms[v]), key=lambda x: x[1])
+        ran = sorted(
+            (x for x in r["stats"]["spans"] if x[0] in ("forward", "backward") and x[3] < ms[v]),
+            key=lambda x: x[1],
+        )
         want = microbatch_order("1f1b", len(pred["vws"][v]["stages"]), s, ms[v], warmup)
         assert [("F" if x[0] == "forward" else "B", x[3]) for x in ran] == list(want), where

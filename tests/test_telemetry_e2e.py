@@ -20,8 +20,9 @@ TWO_VWS = [(["gpu0", "gpu1"], [8, 8]), (["gpu2", "gpu3"], [8, 8])]
 
 @pytest.mark.timeout(240)
 def test_trace_of_two_vws_is_valid_and_ordered(uniform_cluster, tmp_path) -> None:
-    info = uniform_cluster.submit(job("traced", model="cnn", split=TWO_VWS, nm=2,
-                                      minibatches=40, lr=0.02, staleness=1))
+    info = uniform_cluster.submit(
+        job("traced", model="cnn", split=TWO_VWS, nm=2, minibatches=40, lr=0.02, staleness=1)
+    )
     assert info["state"] == "done", info.get("error")
 
     async def fetch() -> dict:
@@ -35,10 +36,15 @@ def test_trace_of_two_vws_is_valid_and_ordered(uniform_cluster, tmp_path) -> Non
     for e in events:
         assert {"name", "cat", "ph", "ts", "dur", "pid", "tid"} <= set(e)
         assert e["dur"] >= 0
-    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-               if e["name"] == "thread_name"}
+    threads = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
     assert sorted(threads.values()) == [
-        "gpu0 (vw0/stage0)", "gpu1 (vw0/stage1)", "gpu2 (vw1/stage0)", "gpu3 (vw1/stage1)"]
+        "gpu0 (vw0/stage0)",
+        "gpu1 (vw0/stage1)",
+        "gpu2 (vw1/stage0)",
+        "gpu3 (vw1/stage1)",
+    ]
     by_stage: dict[str, dict[tuple[str, int], dict]] = {}
     for e in events:
         stage = e["args"]["stage"]
@@ -61,8 +67,9 @@ def test_trace_of_two_vws_is_valid_and_ordered(uniform_cluster, tmp_path) -> Non
 
 @pytest.mark.timeout(240)
 def test_stage_shares_add_up_to_elapsed(uniform_cluster) -> None:
-    info = uniform_cluster.submit(job("shares", model="cnn", split=TWO_VWS, nm=2,
-                                      minibatches=60, lr=0.02, staleness=0))
+    info = uniform_cluster.submit(
+        job("shares", model="cnn", split=TWO_VWS, nm=2, minibatches=60, lr=0.02, staleness=0)
+    )
     assert info["state"] == "done", info.get("error")
     data = json.loads(Path(info["stages_path"]).read_text())
     for where, r in data.items():
@@ -79,8 +86,9 @@ def test_stage_shares_add_up_to_elapsed(uniform_cluster) -> None:
 def test_stalled_stage_is_diagnosed(uniform_cluster) -> None:
     """A stage stalled by fault injection is named, with what it and the others wait for."""
     hang_after = 3.0
-    spec = job("stall", model="mlp", split=[(["gpu0", "gpu1", "gpu2"], [2, 2, 2])], nm=2,
-               minibatches=200)
+    spec = job(
+        "stall", model="mlp", split=[(["gpu0", "gpu1", "gpu2"], [2, 2, 2])], nm=2, minibatches=200
+    )
     spec["train"]["hang_after_s"] = hang_after
     # the stall must outlast the diagnosis (at most hang_after + 7 s after it began, the
     # bound below) and the status read after it; the test then waits the rest of it out

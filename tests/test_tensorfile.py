@@ -49,7 +49,7 @@ def test_bytes_that_are_not_a_tensor_file_give_one_line(damage: str) -> None:
     elif damage == "extra":
         data += b"\0"
     elif damage == "count":
-        data[len(tensorfile.MAGIC):head] = (10 ** 6).to_bytes(4, "little")
+        data[len(tensorfile.MAGIC) : head] = (10**6).to_bytes(4, "little")
     elif damage == "header":
         data[head + 3 * 8] ^= 0xFF  # the wire header's first byte
     else:  # a frame length moved from one frame to the next: the shapes no longer fit
@@ -61,7 +61,8 @@ def test_bytes_that_are_not_a_tensor_file_give_one_line(damage: str) -> None:
 
 
 def test_a_file_with_a_matching_manifest_but_bad_contents_is_not_a_checkpoint(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Damage the checksums did not catch (a manifest rewritten to match) still gives a
     clear error and the previous checkpoint, not a crash."""
     checkpoint.write(tmp_path, 1, {"w": torch.ones(3)}, {"n": 1})
@@ -69,8 +70,10 @@ def test_a_file_with_a_matching_manifest_but_bad_contents_is_not_a_checkpoint(
     bad = b"HPTENS1\n" + b"\xff" * 20
     (newest / checkpoint.WEIGHTS).write_bytes(bad)
     manifest = json.loads((newest / checkpoint.MANIFEST).read_text())
-    manifest["files"][checkpoint.WEIGHTS] = {"bytes": len(bad),
-                                             "sha256": hashlib.sha256(bad).hexdigest()}
+    manifest["files"][checkpoint.WEIGHTS] = {
+        "bytes": len(bad),
+        "sha256": hashlib.sha256(bad).hexdigest(),
+    }
     (newest / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     skipped: list[str] = []
     ck = checkpoint.latest(tmp_path, skipped)
@@ -83,7 +86,8 @@ def test_a_checkpoint_of_torch_save_files_says_which_version_wrote_it(tmp_path: 
     path.mkdir(parents=True)
     torch.save({"w": torch.ones(2)}, path / "weights.pt")
     (path / "meta.json").write_text("{}")
-    (path / checkpoint.MANIFEST).write_text(json.dumps(
-        {"seq": 1, "files": {"weights.pt": {}, "meta.json": {}}}))
+    (path / checkpoint.MANIFEST).write_text(
+        json.dumps({"seq": 1, "files": {"weights.pt": {}, "meta.json": {}}})
+    )
     with pytest.raises(ValueError, match="older hetpipe"):
         checkpoint.verify(path)

@@ -345,8 +345,9 @@ def test_oversize_frame_is_dropped_by_zeromq_before_the_reader_sees_it() -> None
         address = bound_address(sock)
         owner.channel(Channel(sock, on, name="data", max_frame_bytes=MAX_FRAME))
         big = make_socket(owner.ctx, zmq.PUSH, connect=address)
-        await big.send_multipart([*encode(Kind.ACT, {"job": "j", "vw": 0, "p": 0}),
-                                  bytes(8 * MAX_FRAME)])
+        await big.send_multipart(
+            [*encode(Kind.ACT, {"job": "j", "vw": 0, "p": 0}), bytes(8 * MAX_FRAME)]
+        )
         small = make_socket(owner.ctx, zmq.PUSH, connect=address)
         await small.send_multipart(encode(Kind.ACT, {"job": "j", "vw": 0, "p": 1}))
         await asyncio.wait_for(arrived.wait(), 10)
@@ -368,13 +369,20 @@ def test_a_frame_of_exactly_max_frame_bytes_passes_under_curve() -> None:
     async def body(owner: Owner) -> None:
         got, arrived, on = collector()
 
-        sock = make_socket(owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME,
-                           curve=served)
+        sock = make_socket(
+            owner.ctx, zmq.PULL, bind=ANY_PORT, max_frame_bytes=MAX_FRAME, curve=served
+        )
         owner.channel(Channel(sock, on, name="data", max_frame_bytes=MAX_FRAME))
-        push = make_socket(owner.ctx, zmq.PUSH, connect=bound_address(sock), curve=sender,
-                           max_frame_bytes=MAX_FRAME)
-        frames = encode(Kind.ACT, {"job": "j", "vw": 0, "p": 0},
-                        {"x": torch.zeros(MAX_FRAME // 4)})  # one frame of exactly the limit
+        push = make_socket(
+            owner.ctx,
+            zmq.PUSH,
+            connect=bound_address(sock),
+            curve=sender,
+            max_frame_bytes=MAX_FRAME,
+        )
+        frames = encode(
+            Kind.ACT, {"job": "j", "vw": 0, "p": 0}, {"x": torch.zeros(MAX_FRAME // 4)}
+        )  # one frame of exactly the limit
         assert max(len(memoryview(f)) for f in frames) == MAX_FRAME
         await push.send_multipart(frames)
         await asyncio.wait_for(arrived.wait(), 10)
@@ -390,8 +398,9 @@ def test_router_send_to_a_peer_that_never_reads_fails_instead_of_blocking() -> N
     async def body(owner: Owner) -> None:
         sock = make_socket(owner.ctx, zmq.ROUTER, bind=ANY_PORT, hwm=2, router_mandatory=True)
         server = owner.channel(Channel(sock, None, name="server", max_frame_bytes=MAX_FRAME))
-        lazy = make_socket(owner.ctx, zmq.DEALER, connect=bound_address(sock),
-                           identity=b"lazy", hwm=2)
+        lazy = make_socket(
+            owner.ctx, zmq.DEALER, connect=bound_address(sock), identity=b"lazy", hwm=2
+        )
         await lazy.send_multipart(encode(Kind.CLUSTER_STATUS, {"rid": 1}))
         await asyncio.sleep(0.3)  # the router learns the identity on the first message
         payload = {"rid": 1, "info": {"blob": "x" * 65536}}

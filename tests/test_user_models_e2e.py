@@ -38,8 +38,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
         )
         # [security] allowed_modules: job code outside the builtins must be allowed
-        c = start_cluster(tmp_path_factory.mktemp("usermodels"), UNIFORM,
-                          allowed_modules=("usermodels",))
+        c = start_cluster(
+            tmp_path_factory.mktemp("usermodels"), UNIFORM, allowed_modules=("usermodels",)
+        )
     yield c
     c.stop()
 
@@ -249,7 +250,8 @@ def test_everything_with_two_virtual_workers(cluster) -> None:
 
 @pytest.mark.timeout(300)
 def test_recomputing_or_swapping_every_layer_trains_the_same_weights_as_keeping_them(
-        cluster) -> None:
+    cluster,
+) -> None:
     """Dropout in both stages, two microbatches in flight (gpipe: the same sequence of
     weights whatever the timing, unlike async with Nm > 1, where a forward may or may not
     see the previous minibatch's update): the job with every activation recomputed, and with
@@ -264,8 +266,9 @@ def test_recomputing_or_swapping_every_layer_trains_the_same_weights_as_keeping_
         runs[policy] = info
     kept = next(s for s in runs["keep"]["stages"] if s["stage"] == 0)
     for policy in ("recompute", "swap"):
-        assert_same_weights(torch.load(runs[policy]["model_path"]),
-                            torch.load(runs["keep"]["model_path"]), tol=1e-6)
+        assert_same_weights(
+            torch.load(runs[policy]["model_path"]), torch.load(runs["keep"]["model_path"]), tol=1e-6
+        )
         first = next(s for s in runs[policy]["stages"] if s["stage"] == 0)
         assert first["peak_memory"]["activations"] < kept["peak_memory"]["activations"], policy
 
@@ -288,8 +291,11 @@ def test_recompute_inside_the_rerun_forward_of_stale_weight_modes(cluster, weigh
         info = cluster.submit(spec)
         assert info["state"] == "done", info.get("error")
         runs[policy] = info
-    assert_same_weights(torch.load(runs["recompute"]["model_path"]),
-                        torch.load(runs["keep"]["model_path"]), tol=1e-6)
+    assert_same_weights(
+        torch.load(runs["recompute"]["model_path"]),
+        torch.load(runs["keep"]["model_path"]),
+        tol=1e-6,
+    )
     for s in runs["recompute"]["stages"]:
         pred = runs["recompute"]["predicted"]["vws"][0]["stages"][s["stage"]]
         assert s["peak_bytes"] <= pred["memory"], (s["stage"], s["peak_memory"], pred)

@@ -15,15 +15,20 @@ from hetpipe.staleness import version_gaps
 pytestmark = pytest.mark.slow
 
 SPLIT = [(["gpu0", "gpu1", "gpu2", "gpu3"], [4, 4, 4, 4])]
-MODES = [{"weights": "stash"}, {"weights": "latest"},
-         {"weights": "predict", "predict_variant": "paper"},
-         {"weights": "predict", "predict_variant": "consistent"}]
+MODES = [
+    {"weights": "stash"},
+    {"weights": "latest"},
+    {"weights": "predict", "predict_variant": "paper"},
+    {"weights": "predict", "predict_variant": "consistent"},
+]
 
 
 def records(info: dict) -> dict[str, list[dict]]:
     data = json.loads(Path(info["stages_path"]).read_text())
-    return {where: [dict(zip(r["stats"]["record_fields"], row, strict=True))
-                    for row in r["records"]] for where, r in data.items()}
+    return {
+        where: [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
+        for where, r in data.items()
+    }
 
 
 @pytest.mark.timeout(300)
@@ -34,9 +39,18 @@ def test_modes_are_bit_identical_without_staleness(uniform_cluster, optimizer) -
     lr = 0.05 if optimizer == "sgd" else 0.002
     models = []
     for mode in MODES:
-        info = uniform_cluster.submit(job(f"nm1-{mode['weights']}", model="cnn", split=SPLIT,
-                                          nm=1, minibatches=24, lr=lr, optimizer=optimizer,
-                                          train=mode))
+        info = uniform_cluster.submit(
+            job(
+                f"nm1-{mode['weights']}",
+                model="cnn",
+                split=SPLIT,
+                nm=1,
+                minibatches=24,
+                lr=lr,
+                optimizer=optimizer,
+                train=mode,
+            )
+        )
         assert info["state"] == "done", info.get("error")
         models.append(torch.load(info["model_path"]))
     for other in models[1:]:
@@ -51,9 +65,17 @@ def test_counted_gaps_are_the_updates_a_heterogeneous_run_observes(hetero_cluste
     minibatch's forward and backward at each stage are the counted s_fwd - s_bwd, and the
     prediction diagnostic reaches stages.json and the job's final status."""
     nm, total = 4, 40
-    info = hetero_cluster.submit(job("gaps", model="cnn", split=SPLIT, nm=nm,
-                                     minibatches=total, lr=0.03,
-                                     train={"weights": "predict", "bn_recalibrate": 8}))
+    info = hetero_cluster.submit(
+        job(
+            "gaps",
+            model="cnn",
+            split=SPLIT,
+            nm=nm,
+            minibatches=total,
+            lr=0.03,
+            train={"weights": "predict", "bn_recalibrate": 8},
+        )
+    )
     assert info["state"] == "done", info.get("error")
     gaps = version_gaps(len(SPLIT[0][0]), nm, total)
     for where, rows in records(info).items():

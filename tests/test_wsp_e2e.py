@@ -35,15 +35,17 @@ def load_records(info: dict) -> dict[tuple[int, int], list[dict]]:
     data = json.loads(Path(info["stages_path"]).read_text())
     out = {}
     for where, r in data.items():
-        vw, stage = (int(x[len(p):]) for x, p in zip(where.split("/"), ("vw", "stage"),
-                                                      strict=True))
+        vw, stage = (
+            int(x[len(p) :]) for x, p in zip(where.split("/"), ("vw", "stage"), strict=True)
+        )
         fields = r["stats"]["record_fields"]
         out[(vw, stage)] = [dict(zip(fields, row, strict=True)) for row in r["records"]]
     return out
 
 
-def check_invariants(records: dict[tuple[int, int], list[dict]], nm: dict[int, int],
-                     staleness: int) -> int:
+def check_invariants(
+    records: dict[tuple[int, int], list[dict]], nm: dict[int, int], staleness: int
+) -> int:
     """DESIGN.md's WSP invariant over every minibatch; return how many forwards were gated."""
     vws = sorted({vw for vw, _ in records})
     # when each VW finished each wave: its last backward at stage 0 (the last to finish)
@@ -80,8 +82,15 @@ def check_invariants(records: dict[tuple[int, int], list[dict]], nm: dict[int, i
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_two_vws_one_slow(wsp_cluster, staleness) -> None:
     # two VWs each apply their full update to the global weights: half the usual step
-    spec = job(f"wsp-d{staleness}", model="cnn", nm=2, epochs=10, staleness=staleness, lr=0.02,
-               split=[(["fast0", "fast1"], [8, 8]), (["slow0", "slow1"], [8, 8])])
+    spec = job(
+        f"wsp-d{staleness}",
+        model="cnn",
+        nm=2,
+        epochs=10,
+        staleness=staleness,
+        lr=0.02,
+        split=[(["fast0", "fast1"], [8, 8]), (["slow0", "slow1"], [8, 8])],
+    )
     info = wsp_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
     records = load_records(info)

@@ -114,8 +114,15 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(
-        ("Plan", "PlanError", "StagePlan", "VWPlan", "explicit_plan", "make_plan",
-         "replica_proposals"),
+        (
+            "Plan",
+            "PlanError",
+            "StagePlan",
+            "VWPlan",
+            "explicit_plan",
+            "make_plan",
+            "replica_proposals",
+        ),
         "plan",
     ),
     "place_stages": "placement",

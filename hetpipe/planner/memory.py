@@ -93,6 +93,7 @@ ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 class MemoryCapError(RuntimeError):
     """A stage needs more memory than its device's cap."""
 
+
 __all__ = [
     "ACTIVATION_POLICIES",
     "WEIGHT_MODES",
@@ -193,16 +194,23 @@ def fixed_order(schedule: str = "async", weights: str = "stash") -> bool:
     return schedule == "async" and weights != "stash"
 
 
-def in_flight(position: int, k: int, nm: int, schedule: str = "async",
-              weights: str = "stash", warmup: int = 0) -> int:
+def in_flight(
+    position: int, k: int, nm: int, schedule: str = "async", weights: str = "stash", warmup: int = 0
+) -> int:
     """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage
     (``warmup``: 1f1b's extra warm-up forwards)."""
     return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights), warmup)
 
 
-def expected_in_flight(simulated: int, position: int, k: int, nm: int,
-                       schedule: str = "async", weights: str = "stash",
-                       warmup: int = 0) -> int:
+def expected_in_flight(
+    simulated: int,
+    position: int,
+    k: int,
+    nm: int,
+    schedule: str = "async",
+    weights: str = "stash",
+    warmup: int = 0,
+) -> int:
     """The count a stage is expected to hold at its peak under the predicted timing:
     ``simulated``, the most the planner's simulated timeline held at once
     (:attr:`hetpipe.planner.simulate.SimResult.peak_in_flight`), where the count depends on
@@ -215,8 +223,10 @@ def expected_in_flight(simulated: int, position: int, k: int, nm: int,
     if schedule != "async" or fixed_order(schedule, weights):
         return bound
     if not 1 <= simulated <= bound:
-        raise ValueError(f"stage {position} of {k}: simulated {simulated} in flight, outside "
-                         f"1..{bound} (the schedule's maximum at Nm={nm})")
+        raise ValueError(
+            f"stage {position} of {k}: simulated {simulated} in flight, outside "
+            f"1..{bound} (the schedule's maximum at Nm={nm})"
+        )
     return simulated
 
 
@@ -224,12 +234,12 @@ def stashed(flight: int, schedule: str = "async", weights: str = "stash") -> int
     """Extra weight copies beside the current weights (async only; see the module docs)."""
     if schedule != "async":
         return 0
-    return {"stash": flight - 1, "latest": 0, "predict": 1,
-            "predict-consistent": flight}[weights]
+    return {"stash": flight - 1, "latest": 0, "predict": 1, "predict-consistent": flight}[weights]
 
 
-def held_predictions(flight: int, recomputed_params: int, schedule: str = "async",
-                     weights: str = "stash") -> int:
+def held_predictions(
+    flight: int, recomputed_params: int, schedule: str = "async", weights: str = "stash"
+) -> int:
     """Bytes of forward predictions kept for recomputed layers (``predict`` paper): every
     in-flight minibatch keeps its recomputed layers' predicted weights (``recomputed_params``
     bytes), on which its backward recomputes their activations, the forward's own."""
@@ -238,15 +248,15 @@ def held_predictions(flight: int, recomputed_params: int, schedule: str = "async
     return flight * recomputed_params
 
 
-def param_copies(factor: int, flight: int, schedule: str = "async",
-                 weights: str = "stash") -> int:
+def param_copies(factor: int, flight: int, schedule: str = "async", weights: str = "stash") -> int:
     """Parameter-sized copies a stage keeps: the weights, ``factor`` of optimizer state, two
     accumulators, and the extra copies of its ``weights`` mode."""
     return 1 + factor + 2 + stashed(flight, schedule, weights)
 
 
-def activations(flight: int, saved: int, input_bytes: int, schedule: str = "async",
-                weights: str = "stash") -> int:
+def activations(
+    flight: int, saved: int, input_bytes: int, schedule: str = "async", weights: str = "stash"
+) -> int:
     """Bytes of in-flight minibatches: inputs, and saved tensors unless the backward reruns."""
     if reruns(schedule, weights):
         return flight * input_bytes + saved
@@ -266,7 +276,9 @@ def recompute_runs(recompute: Collection[int]) -> list[tuple[int, int]]:
 
 
 def activation_bytes(
-    saved: Sequence[int], inputs: Sequence[int], recompute: Collection[int] = (),
+    saved: Sequence[int],
+    inputs: Sequence[int],
+    recompute: Collection[int] = (),
     swap: Collection[int] = (),
 ) -> int:
     """Bytes one in-flight minibatch keeps ON THE DEVICE in a stage's layers (not counting
@@ -284,7 +296,9 @@ def activation_bytes(
 
 
 def working_bytes(
-    work: Sequence[int], saved: Sequence[int], recompute: Collection[int] = (),
+    work: Sequence[int],
+    saved: Sequence[int],
+    recompute: Collection[int] = (),
     swap: Collection[int] = (),
 ) -> int:
     """The transient peak of a stage: the largest layer's working memory plus the largest
@@ -360,8 +374,9 @@ def stage_memory(
         stash=stashed(n, schedule, weights) * pb
         + held_predictions(n, recomputed, schedule, weights),
         accumulators=2 * pb,
-        activations=activations(n, activation_bytes(saved, inputs, recompute, swap),
-                                input_bytes, schedule, weights),
+        activations=activations(
+            n, activation_bytes(saved, inputs, recompute, swap), input_bytes, schedule, weights
+        ),
         working=working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
     )
 

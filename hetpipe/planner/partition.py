@@ -201,8 +201,10 @@ class _TypeCosts:
     def __init__(self, profile: ModelProfile, dtype: str, step_scale: float = 1.0) -> None:
         lps = profile.layers[dtype]
         n = len(lps)
-        self.cum = [0.0, *itertools.accumulate(lp.fwd_s + lp.bwd_s + lp.update_s * step_scale
-                                               for lp in lps)]
+        self.cum = [
+            0.0,
+            *itertools.accumulate(lp.fwd_s + lp.bwd_s + lp.update_s * step_scale for lp in lps),
+        ]
         self.cum_np = np.array(self.cum, dtype=np.float64)
         self.inb = [profile.input_bytes] + [lp.out_bytes for lp in lps[:-1]] + [0]
         self.outb = [0] + [lp.out_bytes for lp in lps]  # outb[b] = out_bytes of layer b-1
@@ -264,8 +266,9 @@ class CostModel:
         ``row_profiles``: the same model profiled at fewer rows than ``profile`` (by rows),
         for the compute of stage replicas (:meth:`compute_at`)."""
         if activations not in ACTIVATION_POLICIES:
-            raise ValueError(f"activations must be one of {ACTIVATION_POLICIES}, got "
-                             f"{activations!r}")
+            raise ValueError(
+                f"activations must be one of {ACTIVATION_POLICIES}, got {activations!r}"
+            )
         self.activations = activations
         if optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
@@ -276,8 +279,11 @@ class CostModel:
         self.runtime = costs or RuntimeCosts.zero()
         self.speeds = dict(speeds or {})
         self.L = profile.n_layers()
-        self.row_profiles = {m: p for m, p in (row_profiles or {}).items()
-                             if 0 < m < profile.minibatch and p.n_layers() == self.L}
+        self.row_profiles = {
+            m: p
+            for m, p in (row_profiles or {}).items()
+            if 0 < m < profile.minibatch and p.n_layers() == self.L
+        }
         self._at_rows: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         self._types: dict[str, _TypeCosts] = {}
         self._times: dict[tuple, np.ndarray] = {}
@@ -335,7 +341,12 @@ class CostModel:
         return n * (c.task_s / self.speed(dtype) + c.hop_s)
 
     def stage_time(
-        self, dtype: str, a: int, b: int, bw_in: float | None, bw_out: float | None,
+        self,
+        dtype: str,
+        a: int,
+        b: int,
+        bw_in: float | None,
+        bw_out: float | None,
         share: float = 1.0,
     ) -> float:
         """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side.
@@ -404,8 +415,13 @@ class CostModel:
             for m, prof in sorted(self.row_profiles.items()):
                 lps = prof.layers.get(dtype)
                 if lps:
-                    pts.append((m, np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)]),
-                                np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])))
+                    pts.append(
+                        (
+                            m,
+                            np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)]),
+                            np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)]),
+                        )
+                    )
             tc = self.costs(dtype)
             pts.append((self.profile.minibatch, tc.F, tc.Bk))
             self._at_rows[dtype] = pts
@@ -467,18 +483,17 @@ class CostModel:
         pinned = self.activations in ("recompute", "swap")
         if self.activations != "keep":
             n = self.L + 1
-            todo = [(a, b) for a in range(n) for b in range(a + 1, n)
-                    if pinned or not fits[a, b]]
+            todo = [(a, b) for a in range(n) for b in range(a + 1, n) if pinned or not fits[a, b]]
             # minibatches whose kept tensors stay: one where the backward reruns the forward
             m = 1 if reruns("async", self.weights) else flight
             for a, b in todo:
                 options = []
                 if self.activations in ("recompute", "auto"):
-                    options.append(self._recompute_option(tc, a, b, int(keep[a, b]), m, cap,
-                                                          flight))
+                    options.append(
+                        self._recompute_option(tc, a, b, int(keep[a, b]), m, cap, flight)
+                    )
                 if self.activations in ("swap", "auto"):
-                    options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap,
-                                                     host_gbps))
+                    options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap, host_gbps))
                 cost, policy = min(options, key=lambda o: o[0])  # recompute first on ties
                 if cost < INF:
                     extra[a, b] = cost
@@ -500,14 +515,15 @@ class CostModel:
             if keep - m * sd + sd + held <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
-        sub = S[None, a:b + 1] - S[a:b + 1, None]
-        fd = tc.F[None, a:b + 1] - tc.F[a:b + 1, None]
-        kept_in = np.where(np.arange(a, b + 1) > a, inb[a:b + 1], 0)[:, None]
+        sub = S[None, a : b + 1] - S[a : b + 1, None]
+        fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
+        kept_in = np.where(np.arange(a, b + 1) > a, inb[a : b + 1], 0)[:, None]
         held = held_predictions(flight, 1, "async", self.weights) * (
-            P[None, a:b + 1] - P[a:b + 1, None])
+            P[None, a : b + 1] - P[a : b + 1, None]
+        )
         # the largest layer's working memory is already in keep
         need = keep - m * (sub - kept_in) + sub + held
-        ok = (need <= cap) & tc.valid[a:b + 1, a:b + 1]
+        ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
         if not ok.any():
             return INF, ((), ())
         cost = np.where(ok, fd, INF)
@@ -519,8 +535,11 @@ class CostModel:
     ) -> tuple[float, Policy]:
         """The layers of ``[a, b)`` to swap (all when pinned, else the smallest first until
         the stage fits): their unhidden copy time and the policy, or inf."""
-        order = (list(range(a, b)) if self.activations == "swap"
-                 else sorted(range(a, b), key=lambda j: (tc.saved[j], j)))
+        order = (
+            list(range(a, b))
+            if self.activations == "swap"
+            else sorted(range(a, b), key=lambda j: (tc.saved[j], j))
+        )
         moved = largest = 0
         for n, j in enumerate(order, start=1):
             moved += tc.saved[j]
@@ -532,16 +551,20 @@ class CostModel:
                 return self.swap_time(tc, a, b, moved, host_gbps), ((), swap)
         return INF, ((), ())
 
-    def swap_time(
-        self, tc: _TypeCosts, a: int, b: int, moved: int, host_gbps: float
-    ) -> float:
+    def swap_time(self, tc: _TypeCosts, a: int, b: int, moved: int, host_gbps: float) -> float:
         """The unhidden time of swapping ``moved`` saved bytes of stage ``[a, b)``: the copies
         out beside its forward, in beside its backward (:func:`memory.unhidden_swap_s`)."""
-        return unhidden_swap_s(copy_seconds(moved, host_gbps), float(tc.F[b] - tc.F[a]),
-                               float(tc.Bk[b] - tc.Bk[a]))
+        return unhidden_swap_s(
+            copy_seconds(moved, host_gbps), float(tc.F[b] - tc.F[a]), float(tc.Bk[b] - tc.Bk[a])
+        )
 
     def chosen(
-        self, dtype: str, a: int, b: int, flight: int, cap: int,
+        self,
+        dtype: str,
+        a: int,
+        b: int,
+        flight: int,
+        cap: int,
         host_gbps: float = DEFAULT_HOST_GBPS,
     ) -> Policy:
         """The global layers of ``[a, b)`` the policy recomputes and swaps on a device of
@@ -549,7 +572,12 @@ class CostModel:
         return self.recompute_plan(dtype, flight, cap, host_gbps)[1].get((a, b), ((), ()))
 
     def masked_times(
-        self, dtype: str, bw_in: float | None, bw_out: float | None, flight: int, cap: int,
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
         host_gbps: float = DEFAULT_HOST_GBPS,
     ) -> np.ndarray:
         """``time_matrix`` with inf wherever the stage does not fit (one DP step's input)."""
@@ -564,8 +592,16 @@ class CostModel:
         return tm
 
     def stage_memory(
-        self, dtype: str, a: int, b: int, position: int, k: int, nm: int,
-        schedule: str = "async", recompute: Sequence[int] = (), swap: Sequence[int] = (),
+        self,
+        dtype: str,
+        a: int,
+        b: int,
+        position: int,
+        k: int,
+        nm: int,
+        schedule: str = "async",
+        recompute: Sequence[int] = (),
+        swap: Sequence[int] = (),
         flight: int | None = None,
     ) -> StageMemory:
         """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers);
@@ -585,8 +621,9 @@ class CostModel:
             held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
         if recompute or swap:
             kept -= sum(tc.saved[j] for j in swap)
-            working = working_bytes(tc.work[a:b], tc.saved[a:b], [j - a for j in recompute],
-                                    [j - a for j in swap])
+            working = working_bytes(
+                tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
+            )
         return StageMemory(
             params=pb + int(tc.B[b] - tc.B[a]),
             optimizer=self.factor * pb,
@@ -753,9 +790,11 @@ class CostModel:
         bws = self.links(devices) if bws is None else bws
         pairs = list(enumerate(zip(devices, cuts, strict=True)))
         policies = tuple(
-            self.chosen(d.type, a, b, in_flight(i, k, nm, weights=self.weights), d.memory,
-                        d.host_gbps)
-            if self.activations != "keep" else ((), ())
+            self.chosen(
+                d.type, a, b, in_flight(i, k, nm, weights=self.weights), d.memory, d.host_gbps
+            )
+            if self.activations != "keep"
+            else ((), ())
             for i, (d, (a, b)) in pairs
         )
         rec = tuple(r for r, _ in policies)
@@ -767,8 +806,10 @@ class CostModel:
             + self.extra_time(d, a, b, rec[i], swp[i])
             for i, (d, (a, b)) in pairs
         )
-        mem = tuple(self.stage_memory(d.type, a, b, i, k, nm, recompute=rec[i], swap=swp[i])
-                    for i, (d, (a, b)) in pairs)
+        mem = tuple(
+            self.stage_memory(d.type, a, b, i, k, nm, recompute=rec[i], swap=swp[i])
+            for i, (d, (a, b)) in pairs
+        )
         keep_mem = tuple(self.stage_memory(d.type, a, b, i, k, nm) for i, (d, (a, b)) in pairs)
         return Partition(
             tuple(d.name for d in devices),
@@ -804,8 +845,12 @@ class CostModel:
         activations (the least over device types; none when they may be recomputed)."""
         keeps = self.activations == "keep"
         return min(
-            sum((3 + self.factor) * lp.param_bytes + lp.buffer_bytes
-                + (lp.saved_bytes if keeps else 0) for lp in lps)
+            sum(
+                (3 + self.factor) * lp.param_bytes
+                + lp.buffer_bytes
+                + (lp.saved_bytes if keeps else 0)
+                for lp in lps
+            )
             for lps in self.profile.layers.values()
         )
 
@@ -962,8 +1007,7 @@ def brute_force(
         for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True)):
             lps = profile.layers[d.type]
             inb = profile.input_bytes if a == 0 else lps[a - 1].out_bytes
-            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb,
-                               weights=weights)
+            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb, weights=weights)
             if mem.total > d.memory:
                 ok = False
                 break

@@ -92,13 +92,16 @@ def place_plan(
 ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """:func:`place_stages` for a plan: its VWs' stages as ``(device, (a, b))`` on the
     cluster's shards, the model's state bytes from ``profile``."""
-    return place_stages(tuple(getattr(cluster, "ps", ()) or ()),
-                        [[(d.host, ab) for d, ab in v] for v in vws],
-                        layer_state_bytes(profile))
+    return place_stages(
+        tuple(getattr(cluster, "ps", ()) or ()),
+        [[(d.host, ab) for d, ab in v] for v in vws],
+        layer_state_bytes(profile),
+    )
 
 
-def _bytes_by_shard(layer_shards: Sequence[int], layer_bytes: Sequence[int], a: int, b: int
-                    ) -> dict[int, int]:
+def _bytes_by_shard(
+    layer_shards: Sequence[int], layer_bytes: Sequence[int], a: int, b: int
+) -> dict[int, int]:
     """State bytes of layers ``[a, b)`` on each shard that holds some of them."""
     per: dict[int, int] = {}
     for j in range(a, b):
@@ -123,8 +126,9 @@ def shard_flights(
         return tuple((0.0,) * len(devs) for devs, _ in chosen)
     layer_bytes = layer_state_bytes(model.profile)
     shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
-    stage_hosts = [[(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)]
-                   for devs, p in chosen]
+    stage_hosts = [
+        [(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen
+    ]
     layer_shards, _ = place_stages(shards, stage_hosts, layer_bytes)
     near: dict[str, Any] = {}  # host -> a device of the plan on it
     for devs, p in chosen:
@@ -140,7 +144,8 @@ def shard_flights(
                 host = shards[shard].host
                 if nbytes and host != _host(d):
                     there = near.get(host) or SimpleNamespace(
-                        name=f"ps@{host}", node=f"ps@{host}", host=host, type="")
+                        name=f"ps@{host}", node=f"ps@{host}", host=host, type=""
+                    )
                     t += nbytes / model.link(d, there)
             row.append(t)
         out.append(tuple(row))

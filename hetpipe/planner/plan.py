@@ -81,8 +81,11 @@ def model_title(key: str) -> str:
         return key or "model"
 
     def args(a: Any) -> str:
-        return (f" ({', '.join(f'{k}={v}' for k, v in sorted(a.items()))})"
-                if isinstance(a, dict) and a else "")
+        return (
+            f" ({', '.join(f'{k}={v}' for k, v in sorted(a.items()))})"
+            if isinstance(a, dict) and a
+            else ""
+        )
 
     text = f"{d['model']}{args(d.get('args'))}"
     if d.get("data"):
@@ -274,11 +277,14 @@ class Plan:
         lines = [
             f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
             f"worker(s), minibatch {self.minibatch}, "
-            + (f"staleness D={self.staleness}" if self.schedule == "async" else
-               f"schedule {self.schedule}"
-               + (f" with {self.warmup} extra warm-up forward(s)" if self.warmup else "")
-               + f": {'+'.join(str(v.nm) for v in self.vws) or 0} "
-               f"microbatches per iteration, predicted iteration {_ms(self.iteration_s)}")
+            + (
+                f"staleness D={self.staleness}"
+                if self.schedule == "async"
+                else f"schedule {self.schedule}"
+                + (f" with {self.warmup} extra warm-up forward(s)" if self.warmup else "")
+                + f": {'+'.join(str(v.nm) for v in self.vws) or 0} "
+                f"microbatches per iteration, predicted iteration {_ms(self.iteration_s)}"
+            )
         ]
         head = (
             f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"
@@ -286,8 +292,10 @@ class Plan:
             f"{'shard':>7}"
         )
         for v, vw in enumerate(self.vws):
-            order = (s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
-                     for s in vw.stages)
+            order = (
+                s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
+                for s in vw.stages
+            )
             lines.append(
                 f"VW {v}: {' > '.join(order)}   Nm={vw.nm}   "
                 f"predicted {vw.samples_per_s:.1f} samples/s"
@@ -298,8 +306,11 @@ class Plan:
                 rng = f"{a}-{b - 1} ({b - a})"
                 mem = f"{format_size(s.memory.total)} / {format_size(s.memory_cap)}"
                 use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
-                held = (f"{s.expected_in_flight}/{s.in_flight}{'!' if s.limit else ''}"
-                        if s.expected_memory else "-")
+                held = (
+                    f"{s.expected_in_flight}/{s.in_flight}{'!' if s.limit else ''}"
+                    if s.expected_memory
+                    else "-"
+                )
                 expected = format_size(s.expected_memory.total) if s.expected_memory else "-"
                 lines.append(
                     f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
@@ -308,24 +319,32 @@ class Plan:
                 )
                 if s.replicas:
                     spans = ", ".join(
-                        f"{dev} rows {lo}-{hi - 1}" for dev, lo, hi in
-                        zip((s.device, *s.replicas), s.rows, s.rows[1:], strict=False))
-                    lines.append(f"  {'':<6}replicated: {spans}; gradient exchange "
-                                 f"{_ms(s.exchange_s)} per minibatch (memory: the leader's)")
+                        f"{dev} rows {lo}-{hi - 1}"
+                        for dev, lo, hi in zip(
+                            (s.device, *s.replicas), s.rows, s.rows[1:], strict=False
+                        )
+                    )
+                    lines.append(
+                        f"  {'':<6}replicated: {spans}; gradient exchange "
+                        f"{_ms(s.exchange_s)} per minibatch (memory: the leader's)"
+                    )
                 if s.recompute or s.swap:
                     before = s.keep_memory.total if s.keep_memory else s.memory.total
-                    kept = _ranges([j for j in range(a, b)
-                                    if j not in set(s.recompute) | set(s.swap)])
+                    kept = _ranges(
+                        [j for j in range(a, b) if j not in set(s.recompute) | set(s.swap)]
+                    )
                     lines.append(
                         f"  {'':<6}activations: keep {kept}, recompute "
                         f"{_ranges(list(s.recompute))}, swap {_ranges(list(s.swap))}; memory "
                         f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
                     )
         if any(s.limit for vw in self.vws for s in vw.stages):
-            lines.append("!: the stage runs its expected count of forwards (fewer where a stage "
-                         "before it holds fewer) before its first backward and never holds "
-                         "more, so that is its bound under any timing "
-                         "(train.in_flight = \"plan\")")
+            lines.append(
+                "!: the stage runs its expected count of forwards (fewer where a stage "
+                "before it holds fewer) before its first backward and never holds "
+                "more, so that is its bound under any timing "
+                '(train.in_flight = "plan")'
+            )
         lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
         lines += _replica_choice_lines(self.details.get("replica_choice", ()))
         for r in self.details.get("replicas", ()):
@@ -381,7 +400,8 @@ def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
             f"(gradient exchange {_ms(max(n['exchange_s']))}) and "
             f"{n['samples_per_s']:.1f} samples/s, against "
             f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
-            f"samples/s without replicas")
+            f"samples/s without replicas"
+        )
     return lines
 
 
@@ -536,10 +556,12 @@ class _Search:
         return math.inf if lb <= 0 else 1.02 * self.minibatch / lb
 
 
-def _limited(model: CostModel, kept: Sequence[tuple[Sequence[Any], Partition]],
-             pred: Prediction,
-             predict_chosen: Callable[[Sequence[tuple[Sequence[Any], Partition]]], Prediction],
-             ) -> tuple[list[tuple[Sequence[Any], Partition]], Prediction]:
+def _limited(
+    model: CostModel,
+    kept: Sequence[tuple[Sequence[Any], Partition]],
+    pred: Prediction,
+    predict_chosen: Callable[[Sequence[tuple[Sequence[Any], Partition]]], Prediction],
+) -> tuple[list[tuple[Sequence[Any], Partition]], Prediction]:
     """``kept`` with every async stage whose held count depends on timing limited to the
     count ``pred``'s timeline held (``train.in_flight = "plan"``), and the prediction of
     that: what :func:`make_plan` returns under it.
@@ -561,9 +583,11 @@ def _limited(model: CostModel, kept: Sequence[tuple[Sequence[Any], Partition]],
     out: list[tuple[Sequence[Any], Partition]] = []
     for v, (devs, p) in enumerate(kept):
         limits = tuple(
-            expected_in_flight(pred.sim.peak_in_flight[v][i], i, p.k, p.nm,
-                               weights=model.weights) if i < p.k - 1 else 0
-            for i in range(p.k))
+            expected_in_flight(pred.sim.peak_in_flight[v][i], i, p.k, p.nm, weights=model.weights)
+            if i < p.k - 1
+            else 0
+            for i in range(p.k)
+        )
         out.append((devs, dataclasses.replace(p, limits=limits) if any(limits) else p))
     return out, predict_chosen(out)
 
@@ -631,8 +655,9 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
-                        row_profiles)
+    model = _cost_model(
+        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
+    )
     search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
@@ -680,12 +705,23 @@ def make_plan(
     if max_replicas > 1:
         if activations in ("keep", "auto"):
             kept, pred, notes = replicate(
-                model, kept, search.predict, minibatch=minibatch, max_replicas=max_replicas,
-                may_group=may_replicate(cluster, minibatch))
+                model,
+                kept,
+                search.predict,
+                minibatch=minibatch,
+                max_replicas=max_replicas,
+                may_group=may_replicate(cluster, minibatch),
+            )
         else:  # the replica DP prices every activation as kept
-            notes = [{"vw": v, "chosen": False, "why": f"train.activations = {activations!r} "
-                      "(replicas are planned keeping every activation)"}
-                     for v in range(len(kept))]
+            notes = [
+                {
+                    "vw": v,
+                    "chosen": False,
+                    "why": f"train.activations = {activations!r} "
+                    "(replicas are planned keeping every activation)",
+                }
+                for v in range(len(kept))
+            ]
         details["replica_choice"] = notes
     if in_flight == "plan":
         kept, pred = _limited(model, kept, pred, search.predict)
@@ -735,8 +771,9 @@ def explicit_plan(
     ``minibatches`` as for :func:`make_plan`."""
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(cluster, profile, optimizer_state_factor, costs, weights, activations,
-                        row_profiles)
+    model = _cost_model(
+        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
+    )
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     used: set[str] = set()
@@ -790,12 +827,15 @@ def explicit_plan(
                 raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
             r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
             if math.isfinite(r.bottleneck):
-                devs, p = as_partition(model, [d for g in group_devs for d in g], r, p.nm,
-                                       minibatch)
+                devs, p = as_partition(
+                    model, [d for g in group_devs for d in g], r, p.nm, minibatch
+                )
             else:
-                warnings.append(f"vw {v}: a replicated stage does not fit its devices or "
-                                "may not run on them (batch norm, rows, nodes): predicted "
-                                "as its leaders alone")
+                warnings.append(
+                    f"vw {v}: a replicated stage does not fit its devices or "
+                    "may not run on them (batch norm, rows, nodes): predicted "
+                    "as its leaders alone"
+                )
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
@@ -808,8 +848,7 @@ def explicit_plan(
         shard_hosts=_shard_hosts(cluster),
         minibatches=minibatches,
     )
-    unused = [(d.name, "not in the explicit split") for d in cluster.devices
-              if d.name not in used]
+    unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
     return _assemble(
         cluster,
         model,
@@ -826,10 +865,16 @@ def explicit_plan(
 
 
 def replica_proposals(
-    cluster: Any, profile: ModelProfile, plan: Plan, orders: Sequence[Sequence[str]],
-    *, max_replicas: int, optimizer_state_factor: int, weights: str = "stash",
-    activations: str = "keep", given: Sequence[tuple[Sequence[Sequence[str]],
-                                                     Sequence[int]] | None] = (),
+    cluster: Any,
+    profile: ModelProfile,
+    plan: Plan,
+    orders: Sequence[Sequence[str]],
+    *,
+    max_replicas: int,
+    optimizer_state_factor: int,
+    weights: str = "stash",
+    activations: str = "keep",
+    given: Sequence[tuple[Sequence[Sequence[str]], Sequence[int]] | None] = (),
     row_profiles: Mapping[int, ModelProfile] | None = None,
 ) -> list[dict[str, Any]]:
     """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
@@ -837,8 +882,9 @@ def replica_proposals(
     each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
     each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
     profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(cluster, profile, optimizer_state_factor, None, weights, activations,
-                        row_profiles)
+    model = _cost_model(
+        cluster, profile, optimizer_state_factor, None, weights, activations, row_profiles
+    )
     by_name = {d.name: d for d in cluster.devices}
     out: list[dict[str, Any]] = []
     for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
@@ -849,18 +895,38 @@ def replica_proposals(
         if v < len(given) and given[v] is not None:
             groups, layers = given[v]  # type: ignore[misc]
             bounds = list(itertools.accumulate(layers, initial=0))
-            found.append(("as given", describe_groups(
-                model, [[by_name[n] for n in g] for g in groups],
-                list(itertools.pairwise(bounds)), vw.nm, plan.minibatch)))
+            found.append(
+                (
+                    "as given",
+                    describe_groups(
+                        model,
+                        [[by_name[n] for n in g] for g in groups],
+                        list(itertools.pairwise(bounds)),
+                        vw.nm,
+                        plan.minibatch,
+                    ),
+                )
+            )
         if max_replicas > 1:
-            found.append((f"best with train.max_replicas = {max_replicas}",
-                          partition_replicated(model, devs, vw.nm, plan.minibatch,
-                                               max_replicas)))
+            found.append(
+                (
+                    f"best with train.max_replicas = {max_replicas}",
+                    partition_replicated(model, devs, vw.nm, plan.minibatch, max_replicas),
+                )
+            )
         for what, r in found:
             if isinstance(r, Replicated):
-                out.append({"vw": v, "what": what, "groups": [list(g) for g in r.groups],
-                            "layers": list(r.layers), "bottleneck": r.bottleneck,
-                            "exchange_s": list(r.exchange_s), "unreplicated": base})
+                out.append(
+                    {
+                        "vw": v,
+                        "what": what,
+                        "groups": [list(g) for g in r.groups],
+                        "layers": list(r.layers),
+                        "bottleneck": r.bottleneck,
+                        "exchange_s": list(r.exchange_s),
+                        "unreplicated": base,
+                    }
+                )
     return out
 
 
@@ -878,7 +944,10 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
 
 
 def _cost_model(
-    cluster: Any, profile: ModelProfile, factor: int, costs: RuntimeCosts | None,
+    cluster: Any,
+    profile: ModelProfile,
+    factor: int,
+    costs: RuntimeCosts | None,
     weights: str = "stash",
     activations: str = "keep",
     row_profiles: Mapping[int, ModelProfile] | None = None,
@@ -887,9 +956,16 @@ def _cost_model(
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))
-    model = CostModel(profile, net.bytes_per_s, factor,
-                      (costs or RuntimeCosts()).with_runtime(cluster), speeds,
-                      weights, activations, row_profiles)
+    model = CostModel(
+        profile,
+        net.bytes_per_s,
+        factor,
+        (costs or RuntimeCosts()).with_runtime(cluster),
+        speeds,
+        weights,
+        activations,
+        row_profiles,
+    )
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
     return model
@@ -928,11 +1004,20 @@ def _memory_at(model: CostModel, p: Partition, i: int, flight: int) -> StageMemo
     a, b = p.cuts[i]
     if p.groups and len(p.groups[i]) > 1:
         rows = p.rows[i]
-        return replica_memory(model, p.types[i], a, b, i, p.k, p.nm,
-                              (rows[1] - rows[0]) / rows[-1], flight)
-    return model.stage_memory(p.types[i], a, b, i, p.k, p.nm,
-                              recompute=p.recompute[i] if p.recompute else (),
-                              swap=p.swap[i] if p.swap else (), flight=flight)
+        return replica_memory(
+            model, p.types[i], a, b, i, p.k, p.nm, (rows[1] - rows[0]) / rows[-1], flight
+        )
+    return model.stage_memory(
+        p.types[i],
+        a,
+        b,
+        i,
+        p.k,
+        p.nm,
+        recompute=p.recompute[i] if p.recompute else (),
+        swap=p.swap[i] if p.swap else (),
+        flight=flight,
+    )
 
 
 def _assemble(
@@ -950,7 +1035,8 @@ def _assemble(
 ) -> Plan:
     prof = model.profile
     layer_shards, stage_shards = place_plan(
-        cluster, prof, [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen])
+        cluster, prof, [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen]
+    )
     if shard_of_stage is not None:
         stage_shards = tuple(
             tuple(shard_of_stage(v, i, d) for i, d in enumerate(devs))
@@ -972,10 +1058,14 @@ def _assemble(
     vw_plans = []
     for v, (devs, p) in enumerate(chosen):
         limits = p.limits or (0,) * p.k
-        bound = [limit or in_flight(i, p.k, p.nm, weights=model.weights)
-                 for i, limit in enumerate(limits)]
-        held = [expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm,
-                                   weights=model.weights) for i in range(p.k)]
+        bound = [
+            limit or in_flight(i, p.k, p.nm, weights=model.weights)
+            for i, limit in enumerate(limits)
+        ]
+        held = [
+            expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm, weights=model.weights)
+            for i in range(p.k)
+        ]
         stages = tuple(
             StagePlan(
                 d.name,

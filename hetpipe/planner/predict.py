@@ -108,8 +108,10 @@ class StageCost:
         upd = self.update_in_task_s
         in_fwd = upd if not self.compute_bwd_s else 0.0
         in_bwd = upd - in_fwd
-        return (cold * (pad_slow * (self.compute_fwd_s - in_fwd) + slow * in_fwd),
-                cold * (pad_slow * (self.compute_bwd_s - in_bwd) + slow * in_bwd))
+        return (
+            cold * (pad_slow * (self.compute_fwd_s - in_fwd) + slow * in_fwd),
+            cold * (pad_slow * (self.compute_bwd_s - in_bwd) + slow * in_bwd),
+        )
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ class Prediction:
 
     def compute_s(self, v: int, i: int) -> float:
         """Predicted compute per minibatch of stage i of VW v (the runtime's ``time_s``)."""
-        return sum(self.costs[v][i].tasks_s(self.slowdown[v][i], self.pad_slowdown[v][i],
-                                            self.cold[v][i]))
+        return sum(
+            self.costs[v][i].tasks_s(self.slowdown[v][i], self.pad_slowdown[v][i], self.cold[v][i])
+        )
 
     def busy_s(self, v: int, i: int, nm: int) -> float:
         """Predicted busy time per minibatch: compute, sends, push, merge and step, and the
@@ -141,8 +144,12 @@ class Prediction:
         loop = c.loop_fwd_s + c.loop_bwd_s + (c.push_s + c.merge_s + c.step_s) / nm - hops
         trips = self.sim.trips[v][i]
         wakes = 2 * trips * (not c.inline) + 2 * (c.merge_s > 0) / nm + 2 * (c.exchange_s > 0)
-        return (self.compute_s(v, i) + self.slowdown[v][i] * (loop + trips * c.hop_s)
-                + wakes * self.wake[v][i] + c.exchange_s)
+        return (
+            self.compute_s(v, i)
+            + self.slowdown[v][i] * (loop + trips * c.hop_s)
+            + wakes * self.wake[v][i]
+            + c.exchange_s
+        )
 
 
 # The most minibatches per VW a prediction simulates. A longer job's rate is that run's: the
@@ -211,8 +218,9 @@ def stage_costs(
         # copies show where they exceed the forward and the backward they run beside
         bwd += sum(prof.layers[d.type][j].fwd_s for j in (p.recompute[i] if p.recompute else ()))
         if p.swap and p.swap[i]:
-            copy = copy_seconds(sum(prof.layers[d.type][j].saved_bytes for j in p.swap[i]),
-                                d.host_gbps)
+            copy = copy_seconds(
+                sum(prof.layers[d.type][j].saved_bytes for j in p.swap[i]), d.host_gbps
+            )
             back = sum(lp.bwd_s for lp in lps)
             fwd += unhidden_copy_s(copy, fwd)
             bwd += unhidden_copy_s(copy, back)
@@ -231,8 +239,9 @@ def stage_costs(
             compute_fwd, compute_bwd = fwd + task, bwd + task
         state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
         pulls = vws > 1 and state > 0
-        inline = bool(rt.runs_inline(max(compute_fwd, compute_bwd), on_cpu=on_cpu,
-                                     speed=speed, pulls=pulls))
+        inline = bool(
+            rt.runs_inline(max(compute_fwd, compute_bwd), on_cpu=on_cpu, speed=speed, pulls=pulls)
+        )
         hop = 0.0 if inline else rt.hop_s
         if last and schedule == "async":
             loop_fwd, loop_bwd = hop + send_grad, 0.0
@@ -259,16 +268,18 @@ def stage_costs(
             if len(group) == 1 and len(nxt) == 1:
                 flight = out_bytes / model.link(d, devices[i + 1])
             else:
-                flight = flight_time(model, group, rows, nxt, p.rows_of(i + 1, minibatch),
-                                     float(lps[-1].out_bytes))
+                flight = flight_time(
+                    model, group, rows, nxt, p.rows_of(i + 1, minibatch), float(lps[-1].out_bytes)
+                )
             link = flight + rt.latency_s + out_bytes * rt.message_byte_s
         pbytes = float(sum(lp.param_bytes for lp in lps))
         exchange = exchange_time(model, group, pbytes)
         exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
         # the CPU a task wants: a padded device sleeps all but ``speed`` of its forward and
         # backward; the update in its backward task runs unpadded, all of it on the CPU
-        compute_cpu = ((compute_fwd + compute_bwd - in_backward) * speed + in_backward
-                       if on_cpu else 0.0)
+        compute_cpu = (
+            (compute_fwd + compute_bwd - in_backward) * speed + in_backward if on_cpu else 0.0
+        )
         cpu = compute_cpu + loop_fwd + loop_bwd + recv + step / p.nm + exchange_cpu
         out.append(
             StageCost(
@@ -297,8 +308,9 @@ def stage_costs(
     return tuple(out)
 
 
-def _slowest(model: CostModel, group: Sequence[Any], rows: Sequence[int], a: int, b: int
-             ) -> tuple[Any, float]:
+def _slowest(
+    model: CostModel, group: Sequence[Any], rows: Sequence[int], a: int, b: int
+) -> tuple[Any, float]:
     """The device of a stage's group whose rows take longest on layers ``[a, b)``, and its
     share of the rows (the device itself and 1.0 for a stage on one device)."""
     if len(group) == 1:
@@ -354,8 +366,16 @@ def _sim_vw(
         SimLink(costs[i].link_s * slow[i + 1] + wake[i + 1], costs[i].link_s * slow[i] + wake[i])
         for i in range(len(costs) - 1)
     )
-    return SimVW(tuple(stages), p.nm, links, minibatch, ",".join(p.devices), schedule,
-                 warmup=warmup, limits=p.limits)
+    return SimVW(
+        tuple(stages),
+        p.nm,
+        links,
+        minibatch,
+        ",".join(p.devices),
+        schedule,
+        warmup=warmup,
+        limits=p.limits,
+    )
 
 
 def predict(
@@ -384,8 +404,9 @@ def predict(
     n_shards = max(1, len(shard_hosts))
     flights = shard_flights(model, chosen, shard_hosts)
     costs = tuple(
-        stage_costs(model, devs, p, vws=len(chosen), shards=n_shards, schedule=schedule,
-                    shard_link_s=f)
+        stage_costs(
+            model, devs, p, vws=len(chosen), shards=n_shards, schedule=schedule, shard_link_s=f
+        )
         for (devs, p), f in zip(chosen, flights, strict=True)
     )
     n = min(minibatches, LONG_JOB) if minibatches else sim_minibatches([p.nm for _, p in chosen])
@@ -409,6 +430,7 @@ def predict(
         """Per stage of VW ``v``: the worst of its workers' ``values`` (a replicated
         stage waits for its slowest replica)."""
         return [max(values[j] for j in procs_of[(v, i)]) for i in range(len(chosen[v][0]))]
+
     shard_list = list(shard_hosts)
     hosts: dict[str, list[int]] = {}  # host -> process indices (workers first, then shards)
     for j, (_, _, h) in enumerate(workers):
@@ -471,8 +493,11 @@ def predict(
         new = list(slow)
         new_pad = list(pad_slow)
         new_busy = list(busy)
-        laws = (_timeline_laws(sim, sims, costs, workers, [rt.wake_s * b for b in busy])
-                if synchronous else None)
+        laws = (
+            _timeline_laws(sim, sims, costs, workers, [rt.wake_s * b for b in busy])
+            if synchronous
+            else None
+        )
         for h, procs in hosts.items():
             want = [min(1.0, slow[j] * demand[j]) for j in procs]
             for j, s in zip(procs, slowdowns(want, host_n[h], rt.corun), strict=True):
@@ -499,8 +524,10 @@ def predict(
                     # a wake-up that holds the stage up comes while the stage waits: its
                     # thread finds every core taken when the others take them all then
                     others = idle[j] if idle[j] is not None else law
-                    new_busy[j] = sum(p * sum(shard_law[max(0, host_n[h] - c):])
-                                      for c, p in enumerate(others or [1.0]))
+                    new_busy[j] = sum(
+                        p * sum(shard_law[max(0, host_n[h] - c) :])
+                        for c, p in enumerate(others or [1.0])
+                    )
         # a task starts cold after its thread idled, as often as the stage is not busy
         new_cold = [
             1.0 + rt.cold * (1.0 - min(1.0, sim.busy[v][i])) if c.cools else 1.0
@@ -522,10 +549,15 @@ def predict(
     wake_of = [rt.wake_s * b for b in busy]
     n_vws = range(len(chosen))
     assert sim is not None
-    return Prediction(sim, costs, tuple(tuple(per_stage(slow, u)) for u in n_vws),
-                      tuple(tuple(per_stage(wake_of, u)) for u in n_vws),
-                      tuple(tuple(per_stage(cold, u)) for u in n_vws),
-                      tuple(tuple(per_stage(pad_slow, u)) for u in n_vws), rounds)
+    return Prediction(
+        sim,
+        costs,
+        tuple(tuple(per_stage(slow, u)) for u in n_vws),
+        tuple(tuple(per_stage(wake_of, u)) for u in n_vws),
+        tuple(tuple(per_stage(cold, u)) for u in n_vws),
+        tuple(tuple(per_stage(pad_slow, u)) for u in n_vws),
+        rounds,
+    )
 
 
 def _timeline_laws(
@@ -534,8 +566,7 @@ def _timeline_laws(
     costs: Sequence[Sequence[StageCost]],
     workers: Sequence[tuple[int, int, str]],
     wakes: Sequence[float],
-) -> Callable[[Sequence[int]], tuple[dict[int, list[float] | None],
-                                        dict[int, list[float] | None]]]:
+) -> Callable[[Sequence[int]], tuple[dict[int, list[float] | None], dict[int, list[float] | None]]]:
     """Who wants a core together, read off a synchronous run's simulated timeline.
 
     Independent processes (:func:`.runtime.slowdowns`) suit a full asynchronous pipeline,
@@ -557,8 +588,9 @@ def _timeline_laws(
     (measured: 0.1 ms between one action's end and the next one's start, the hop included,
     against the 0.3 ms of waits that counting the stage itself charged per wake-up).
     """
-    firsts = [next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0)
-              for vw in sim.actions]
+    firsts = [
+        next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0) for vw in sim.actions
+    ]
     lo = max(firsts, default=0.0)
     hi = min(sim.vw_finish_s, default=0.0)
     if hi <= lo:
@@ -592,8 +624,9 @@ def _timeline_laws(
                 out.append((a0, a1))
         spans.append(out)
 
-    def laws(procs: Sequence[int]) -> tuple[dict[int, list[float] | None],
-                                            dict[int, list[float] | None]]:
+    def laws(
+        procs: Sequence[int],
+    ) -> tuple[dict[int, list[float] | None], dict[int, list[float] | None]]:
         edges = sorted({lo, hi, *(x for j in procs for sp in spans[j] for x in sp)})
         per = {j: [0.0] * len(procs) for j in procs}
         idle = {j: [0.0] * len(procs) for j in procs}
@@ -616,6 +649,7 @@ def _timeline_laws(
         def normed(law: list[float]) -> list[float] | None:
             mass = sum(law)
             return [x / mass for x in law] if mass > 0 else None
+
         return ({j: normed(per[j]) for j in procs}, {j: normed(idle[j]) for j in procs})
 
     return laws

@@ -132,8 +132,9 @@ class CallProfile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> CallProfile:
         d = d or {}
-        return cls(float(d.get("fwd_s", 0.0)), float(d.get("bwd_s", 0.0)),
-                   float(d.get("update_s", 0.0)))
+        return cls(
+            float(d.get("fwd_s", 0.0)), float(d.get("bwd_s", 0.0)), float(d.get("update_s", 0.0))
+        )
 
 
 @dataclass(frozen=True)
@@ -183,9 +184,11 @@ class ModelProfile:
         (:class:`hetpipe.planner.partition.CostModel`, :mod:`hetpipe.planner.syncplan`)."""
         lps = self.layers[dtype][a:b]
         c = self.call(dtype)
-        return StageTimes(sum(lp.fwd_s for lp in lps) + c.fwd_s,
-                          sum(lp.bwd_s for lp in lps) + c.bwd_s,
-                          sum(lp.update_s for lp in lps) + c.update_s)
+        return StageTimes(
+            sum(lp.fwd_s for lp in lps) + c.fwd_s,
+            sum(lp.bwd_s for lp in lps) + c.bwd_s,
+            sum(lp.update_s for lp in lps) + c.update_s,
+        )
 
     def n_layers(self) -> int:
         return len(next(iter(self.layers.values()))) if self.layers else 0
@@ -222,8 +225,9 @@ class ModelProfile:
             return self
         f = minibatch / self.minibatch
         layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
-        return ModelProfile(self.model, minibatch, math.ceil(self.input_bytes * f), layers,
-                            dict(self.calls))
+        return ModelProfile(
+            self.model, minibatch, math.ceil(self.input_bytes * f), layers, dict(self.calls)
+        )
 
 
 def update_scale(speed: float) -> float:
@@ -236,8 +240,9 @@ def update_scale(speed: float) -> float:
     return padded_speed(speed)
 
 
-def at_speed(layers: Sequence[LayerProfile], call: CallProfile | None, measured: float,
-             speed: float) -> tuple[tuple[LayerProfile, ...], CallProfile | None]:
+def at_speed(
+    layers: Sequence[LayerProfile], call: CallProfile | None, measured: float, speed: float
+) -> tuple[tuple[LayerProfile, ...], CallProfile | None]:
     """What a device of emulation ``speed`` measures, from what one of ``measured`` speed
     measured on the same hardware (the emulated devices of one node share its cores).
 
@@ -246,8 +251,10 @@ def at_speed(layers: Sequence[LayerProfile], call: CallProfile | None, measured:
     its load at each moment (here up to a fifth, enough to swap the planner's formations).
     Byte counts are the hardware's and stay."""
     f = padded_speed(measured) / padded_speed(speed)
-    out = tuple(replace(lp, fwd_s=lp.fwd_s * f, bwd_s=lp.bwd_s * f, update_s=lp.update_s * f)
-                for lp in layers)
+    out = tuple(
+        replace(lp, fwd_s=lp.fwd_s * f, bwd_s=lp.bwd_s * f, update_s=lp.update_s * f)
+        for lp in layers
+    )
     if call is None:
         return out, None
     return out, CallProfile(call.fwd_s * f, call.bwd_s * f, call.update_s * f)
@@ -310,9 +317,19 @@ def measure_model(
     update likewise: the state of every layer that has some, updated as one, against the
     layers' updates one by one.
     """
-    return _measure(model, example, device, speed=speed, warmup=warmup, repeats=repeats,
-                    loss_fn=loss_fn, step=step, budget_s=budget_s, precision=precision,
-                    whole=True)
+    return _measure(
+        model,
+        example,
+        device,
+        speed=speed,
+        warmup=warmup,
+        repeats=repeats,
+        loss_fn=loss_fn,
+        step=step,
+        budget_s=budget_s,
+        precision=precision,
+        whole=True,
+    )
 
 
 def measure_layers(
@@ -362,9 +379,19 @@ def measure_layers(
     The layers are moved to ``device`` in place and run in training mode, so batch-norm
     running statistics change: profile a fresh model, not one being trained.
     """
-    return _measure(model, example, device, speed=speed, warmup=warmup, repeats=repeats,
-                    loss_fn=loss_fn, step=step, budget_s=budget_s, precision=precision,
-                    whole=False).layers
+    return _measure(
+        model,
+        example,
+        device,
+        speed=speed,
+        warmup=warmup,
+        repeats=repeats,
+        loss_fn=loss_fn,
+        step=step,
+        budget_s=budget_s,
+        precision=precision,
+        whole=False,
+    ).layers
 
 
 def _measure(
@@ -506,8 +533,13 @@ def _measure(
     return Measured(tuple(out), CallProfile(call_f / speed, call_b / speed, call_u / speed))
 
 
-def _time_whole(layers: Sequence[Any], x: Any, loss_fn: Callable[[Any], Any] | None,
-                autocast: Callable[[], Any], device: str) -> tuple[float, float]:
+def _time_whole(
+    layers: Sequence[Any],
+    x: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    autocast: Callable[[], Any],
+    device: str,
+) -> tuple[float, float]:
     """Forward and backward time of every layer run as one stage: one forward over them
     all (what the first stage receives: an input without gradient), one backward call."""
 
@@ -686,8 +718,13 @@ class ProfileStore:
             return None
         layers = {t: self.get(model_key, minibatch, t) for t in wanted}
         calls = {t: self.get_call(model_key, minibatch, t) for t in wanted}
-        return ModelProfile(model_key, minibatch, int(entry["input_bytes"]), layers,  # type: ignore[arg-type]
-                            calls)
+        return ModelProfile(
+            model_key,
+            minibatch,
+            int(entry["input_bytes"]),
+            layers,  # type: ignore[arg-type]
+            calls,
+        )
 
     def save(self) -> None:
         """Write atomically (temp file + rename) so a crash never leaves half a file."""
@@ -752,6 +789,9 @@ def synthetic_profile(
             )
             prev_out = o
         layers[t] = tuple(lps)
-    calls = ({t: CallProfile(*(c / speed for c in call)) for t, speed in types.items()}
-             if any(call) else {})
+    calls = (
+        {t: CallProfile(*(c / speed for c in call)) for t, speed in types.items()}
+        if any(call)
+        else {}
+    )
     return ModelProfile(model, minibatch, input_bytes, layers, calls)

@@ -126,12 +126,20 @@ def exchange_time(model: CostModel, group: Sequence[Any], param_bytes: float) ->
         return 0.0
     rt = model.runtime
     slowest = min(model.link(x, y) for x, y in itertools.combinations(group, 2))
-    return 2.0 * (r - 1) * (param_bytes / slowest + rt.message_s
-                            + param_bytes * rt.message_byte_s) + rt.latency_s
+    return (
+        2.0 * (r - 1) * (param_bytes / slowest + rt.message_s + param_bytes * rt.message_byte_s)
+        + rt.latency_s
+    )
 
 
-def flight_time(model: CostModel, senders: Sequence[Any], send_rows: Sequence[int],
-                receivers: Sequence[Any], recv_rows: Sequence[int], nbytes: float) -> float:
+def flight_time(
+    model: CostModel,
+    senders: Sequence[Any],
+    send_rows: Sequence[int],
+    receivers: Sequence[Any],
+    recv_rows: Sequence[int],
+    nbytes: float,
+) -> float:
     """Time on the links for a minibatch's ``nbytes`` of boundary tensor to go from a stage
     split ``send_rows`` over ``senders`` to one split ``recv_rows`` over ``receivers``: each
     sender sends its rows' pieces one after the other, the senders at once (the slowest
@@ -146,21 +154,40 @@ def flight_time(model: CostModel, senders: Sequence[Any], send_rows: Sequence[in
     return worst
 
 
-def replica_memory(model: CostModel, dtype: str, a: int, b: int, position: int, k: int,
-                   nm: int, share: float, flight: int | None = None) -> StageMemory:
+def replica_memory(
+    model: CostModel,
+    dtype: str,
+    a: int,
+    b: int,
+    position: int,
+    k: int,
+    nm: int,
+    share: float,
+    flight: int | None = None,
+) -> StageMemory:
     """A replica's memory: the whole stage's state, its rows' activations and working
     memory (``share`` of the minibatch's rows); ``flight`` as for
     :meth:`CostModel.stage_memory`."""
     mem = model.stage_memory(dtype, a, b, position, k, nm, flight=flight)
     if share >= 1.0:
         return mem
-    return dataclasses.replace(mem, activations=math.ceil(mem.activations * share),
-                               working=math.ceil(mem.working * share))
+    return dataclasses.replace(
+        mem, activations=math.ceil(mem.activations * share), working=math.ceil(mem.working * share)
+    )
 
 
 def group_time(
-    model: CostModel, devices: Sequence[Any], u: int, v: int, a: int, b: int,
-    minibatch: int, nm: int, k: int, position: int, may_group: MayGroup | None = None,
+    model: CostModel,
+    devices: Sequence[Any],
+    u: int,
+    v: int,
+    a: int,
+    b: int,
+    minibatch: int,
+    nm: int,
+    k: int,
+    position: int,
+    may_group: MayGroup | None = None,
 ) -> tuple[float, float]:
     """(time, exchange) of devices ``[u, v)`` of the order running ``[a, b)`` as stage
     ``position`` of ``k`` (inf where the group may not replicate the stage, a replica's
@@ -188,6 +215,7 @@ def group_time(
 
 def _groupings(n: int, max_r: int) -> Iterator[tuple[int, ...]]:
     """Every way to cut ``n`` devices into runs of at most ``max_r``: run bounds."""
+
     def rest(u: int) -> Iterator[tuple[int, ...]]:
         if u == n:
             yield (n,)
@@ -195,11 +223,16 @@ def _groupings(n: int, max_r: int) -> Iterator[tuple[int, ...]]:
         for v in range(u + 1, min(n, u + max_r) + 1):
             for tail in rest(v):
                 yield (u, *tail)
+
     yield from rest(0)
 
 
 def partition_replicated(
-    model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, max_replicas: int,
+    model: CostModel,
+    devices: Sequence[Any],
+    nm: int,
+    minibatch: int,
+    max_replicas: int,
     may_group: MayGroup | None = None,
 ) -> Replicated | Infeasible:
     """The least-bottleneck grouping and cut of ``devices`` (in this order) under the model
@@ -220,8 +253,15 @@ def partition_replicated(
     return best
 
 
-def _dp(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, max_r: int,
-        k: int, may_group: MayGroup | None) -> Replicated | None:
+def _dp(
+    model: CostModel,
+    devices: Sequence[Any],
+    nm: int,
+    minibatch: int,
+    max_r: int,
+    k: int,
+    may_group: MayGroup | None,
+) -> Replicated | None:
     """Exactly ``k`` stages: f[i][(v, b)] = best bottleneck of stages 0..i-1 on devices
     ``[0, v)`` and layers ``[0, b)``."""
     n, L = len(devices), model.L
@@ -235,8 +275,7 @@ def _dp(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, max_r
                 for b in range(a + 1, L - (k - i - 1) + 1):
                     if i == k - 1 and (v != n or b != L):
                         continue
-                    t, _ = group_time(model, devices, u, v, a, b, minibatch, nm, k, i,
-                                      may_group)
+                    t, _ = group_time(model, devices, u, v, a, b, minibatch, nm, k, i, may_group)
                     cand = max(fa, t)
                     if cand < nxt.get((v, b), (INF, None))[0]:
                         nxt[(v, b)] = (cand, (u, a))
@@ -253,9 +292,15 @@ def _dp(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, max_r
     return _describe(model, devices, nm, minibatch, k, bounds, may_group)
 
 
-def _describe(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, k: int,
-              bounds: Sequence[tuple[int, int]], may_group: MayGroup | None = None
-              ) -> Replicated:
+def _describe(
+    model: CostModel,
+    devices: Sequence[Any],
+    nm: int,
+    minibatch: int,
+    k: int,
+    bounds: Sequence[tuple[int, int]],
+    may_group: MayGroup | None = None,
+) -> Replicated:
     groups, cuts, times, exch = [], [], [], []
     for i, ((u, a), (v, b)) in enumerate(itertools.pairwise(bounds)):
         t, x = group_time(model, devices, u, v, a, b, minibatch, nm, k, i, may_group)
@@ -266,18 +311,28 @@ def _describe(model: CostModel, devices: Sequence[Any], nm: int, minibatch: int,
     return Replicated(tuple(groups), tuple(cuts), tuple(times), tuple(exch), max(times))
 
 
-def describe_groups(model: CostModel, groups: Sequence[Sequence[Any]],
-                    cuts: Sequence[tuple[int, int]], nm: int, minibatch: int) -> Replicated:
+def describe_groups(
+    model: CostModel,
+    groups: Sequence[Sequence[Any]],
+    cuts: Sequence[tuple[int, int]],
+    nm: int,
+    minibatch: int,
+) -> Replicated:
     """Times of a given grouping (a job's ``devices`` with groups) and cut."""
     devices = [d for g in groups for d in g]
     starts = list(itertools.accumulate((len(g) for g in groups), initial=0))
-    bounds = [(u, a) for u, (a, _) in zip(starts, cuts, strict=False)] + [(len(devices),
-                                                                          cuts[-1][1])]
+    bounds = [(u, a) for u, (a, _) in zip(starts, cuts, strict=False)] + [
+        (len(devices), cuts[-1][1])
+    ]
     return _describe(model, devices, nm, minibatch, len(groups), bounds)
 
 
 def brute_force_replicated(
-    model: CostModel, devices: Sequence[Any], nm: int, minibatch: int, max_replicas: int,
+    model: CostModel,
+    devices: Sequence[Any],
+    nm: int,
+    minibatch: int,
+    max_replicas: int,
     may_group: MayGroup | None = None,
 ) -> float:
     """The least bottleneck over every grouping and cut (for tests; exponential)."""
@@ -289,15 +344,29 @@ def brute_force_replicated(
             continue
         for inner in itertools.combinations(range(1, L), k - 1):
             cuts = (0, *inner, L)
-            worst = max(group_time(model, devices, runs[i], runs[i + 1], cuts[i],
-                                   cuts[i + 1], minibatch, nm, k, i, may_group)[0]
-                        for i in range(k))
+            worst = max(
+                group_time(
+                    model,
+                    devices,
+                    runs[i],
+                    runs[i + 1],
+                    cuts[i],
+                    cuts[i + 1],
+                    minibatch,
+                    nm,
+                    k,
+                    i,
+                    may_group,
+                )[0]
+                for i in range(k)
+            )
             best = min(best, worst)
     return best
 
 
-def as_partition(model: CostModel, devices: Sequence[Any], r: Replicated, nm: int,
-                 minibatch: int) -> tuple[tuple[Any, ...], Partition]:
+def as_partition(
+    model: CostModel, devices: Sequence[Any], r: Replicated, nm: int, minibatch: int
+) -> tuple[tuple[Any, ...], Partition]:
     """A replicated split as the planner's :class:`Partition` of its stages' leaders (with
     ``groups``, ``rows`` and ``exchange_s``), and the leaders: what
     :func:`hetpipe.planner.predict.predict` and the plan take. A stage's memory is its
@@ -309,18 +378,35 @@ def as_partition(model: CostModel, devices: Sequence[Any], r: Replicated, nm: in
     rows = tuple(tuple(_rows(g, minibatch)) for g in groups)
     memory = tuple(
         replica_memory(model, g[0].type, a, b, i, k, nm, (rw[1] - rw[0]) / minibatch)
-        for i, (g, (a, b), rw) in enumerate(zip(groups, r.cuts, rows, strict=True)))
+        for i, (g, (a, b), rw) in enumerate(zip(groups, r.cuts, rows, strict=True))
+    )
     p = Partition(
-        tuple(d.name for d in leaders), tuple(d.type for d in leaders), r.cuts, r.stage_times,
-        memory, tuple(d.memory for d in leaders), nm, r.bottleneck, ((),) * k, memory, (),
-        groups, rows, r.exchange_s)
+        tuple(d.name for d in leaders),
+        tuple(d.type for d in leaders),
+        r.cuts,
+        r.stage_times,
+        memory,
+        tuple(d.memory for d in leaders),
+        nm,
+        r.bottleneck,
+        ((),) * k,
+        memory,
+        (),
+        groups,
+        rows,
+        r.exchange_s,
+    )
     return leaders, p
 
 
 def replicate(
-    model: CostModel, kept: Sequence[tuple[Sequence[Any], Partition]],
-    predict: Callable[[Sequence[tuple[Sequence[Any], Partition]]], Any], *,
-    minibatch: int, max_replicas: int, may_group: MayGroup | None = None,
+    model: CostModel,
+    kept: Sequence[tuple[Sequence[Any], Partition]],
+    predict: Callable[[Sequence[tuple[Sequence[Any], Partition]]], Any],
+    *,
+    minibatch: int,
+    max_replicas: int,
+    may_group: MayGroup | None = None,
 ) -> tuple[Chosen, Any, list[dict[str, Any]]]:
     """Per virtual worker of ``kept`` (its order and unreplicated split), the DP's best
     grouping of that order against the split without replicas, compared by ``predict`` on
@@ -332,8 +418,10 @@ def replicate(
     notes: list[dict[str, Any]] = []
     for v, (order, p) in enumerate(kept):
         note: dict[str, Any] = {"vw": v, "chosen": False}
-        found = [(x, partition_replicated(model, x, p.nm, minibatch, max_replicas, may_group))
-                 for x in candidate_orders(order)]
+        found = [
+            (x, partition_replicated(model, x, p.nm, minibatch, max_replicas, may_group))
+            for x in candidate_orders(order)
+        ]
         ok = [(x, r) for x, r in found if isinstance(r, Replicated)]
         if not ok:
             note["why"] = found[0][1].reason  # type: ignore[union-attr]
@@ -350,7 +438,8 @@ def replicate(
         got = predict(trial)
         before, after = pred.sim, got.sim
         note.update(
-            groups=[list(g) for g in r.groups], layers=list(r.layers),
+            groups=[list(g) for g in r.groups],
+            layers=list(r.layers),
             exchange_s=list(r.exchange_s),
             minibatch_s=_per_minibatch(after, v, minibatch),
             unreplicated_minibatch_s=_per_minibatch(before, v, minibatch),

@@ -32,8 +32,15 @@ from typing import Any
 
 from hetpipe.computethread import may_run_inline
 
-__all__ = ["RuntimeCosts", "all_busy", "count_law", "host_cores", "reduce_answer_s", "slowdown_of",
-           "slowdowns"]
+__all__ = [
+    "RuntimeCosts",
+    "all_busy",
+    "count_law",
+    "host_cores",
+    "reduce_answer_s",
+    "slowdown_of",
+    "slowdowns",
+]
 
 
 @dataclass(frozen=True)
@@ -126,8 +133,7 @@ class RuntimeCosts:
             return self
         return replace(self, inline_s=runtime.inline_ms / 1e3)
 
-    def runs_inline(self, task_s: Any, *, on_cpu: bool, speed: float, pulls: bool = False
-                    ) -> Any:
+    def runs_inline(self, task_s: Any, *, on_cpu: bool, speed: float, pulls: bool = False) -> Any:
         """Whether tasks of ``task_s`` (the longer of a stage's forward and backward; a
         number or an array of them) run on the stage's event loop, skipping the hand-off
         (:mod:`hetpipe.computethread`): on an unslowed CPU device, for a stage that pulls
@@ -157,8 +163,11 @@ def reduce_answer_s(rt: RuntimeCosts, state_bytes: float, vws: int, shards: int)
     if state_bytes <= 0:
         return 0.0
     per_shard = state_bytes / max(1, shards)
-    return (2 * rt.latency_s + state_bytes * rt.wave_byte_s
-            + (1 + vws) * (rt.message_s + per_shard * rt.reduce_byte_s))
+    return (
+        2 * rt.latency_s
+        + state_bytes * rt.wave_byte_s
+        + (1 + vws) * (rt.message_s + per_shard * rt.reduce_byte_s)
+    )
 
 
 def host_cores(cores: int | Mapping[str, int] | None, node: str) -> int:
@@ -191,8 +200,12 @@ def slowdowns(
     if len(a) <= cores and corun == 0.0:
         return [1.0] * len(a)
     return [
-        slowdown_of(count_law([aj for j, aj in enumerate(a) if j != i]), cores, corun,
-                    speeds[i] if speeds is not None else 1.0)
+        slowdown_of(
+            count_law([aj for j, aj in enumerate(a) if j != i]),
+            cores,
+            corun,
+            speeds[i] if speeds is not None else 1.0,
+        )
         for i in range(len(a))
     ]
 
@@ -213,8 +226,9 @@ def count_law(activity: Sequence[float], base: Sequence[float] = (1.0,)) -> list
     return dist
 
 
-def slowdown_of(others: Sequence[float], cores: int, corun: float = 0.0,
-                speed: float = 1.0) -> float:
+def slowdown_of(
+    others: Sequence[float], cores: int, corun: float = 0.0, speed: float = 1.0
+) -> float:
     """The slowdown of a process whose wanting a core meets ``others[n]`` = P(n others want
     one then) (see :func:`slowdowns`; the law may come from a timeline, not independence).
 

@@ -225,19 +225,31 @@ def simulate(
     # synchronous VWs exchange gradients every iteration, so all run as many iterations: N
     # counts the first one's microbatches, another with its own M runs that many of its M
     # (the runtime's rule, JobPlan.minibatches_of)
-    counts = [-(-N // vws[0].nm) * v.nm if several and v.schedule != "async" else N
-              for v in vws]
+    counts = [-(-N // vws[0].nm) * v.nm if several and v.schedule != "async" else N for v in vws]
     state = [
         _VW(
             v,
             [
-                _Stage(st, StageSchedule(
-                    v.schedule, k=len(v.stages), stage=i, nm=v.nm, total=n_v, staleness=D,
-                    pulls=several and st.state, pushes=True,
-                    order=v.orders[i] if v.orders else None, warmup=v.warmup,
-                    limit=limit or None, fill=fill))
-                for i, (st, limit, fill) in enumerate(zip(
-                    v.stages, limits, fill_counts(limits, v.nm), strict=True))
+                _Stage(
+                    st,
+                    StageSchedule(
+                        v.schedule,
+                        k=len(v.stages),
+                        stage=i,
+                        nm=v.nm,
+                        total=n_v,
+                        staleness=D,
+                        pulls=several and st.state,
+                        pushes=True,
+                        order=v.orders[i] if v.orders else None,
+                        warmup=v.warmup,
+                        limit=limit or None,
+                        fill=fill,
+                    ),
+                )
+                for i, (st, limit, fill) in enumerate(
+                    zip(v.stages, limits, fill_counts(limits, v.nm), strict=True)
+                )
             ],
             [0.0] * (len(v.stages) - 1),
             [0.0] * (len(v.stages) - 1),
@@ -418,9 +430,12 @@ def simulate(
             advance(now)
             continue  # the stage itself did nothing: nothing new for it to run
         dispatch(now, v, s)
-    unfinished = [(w.spec.name or f"vw{v}", s, st.schedule.next(st))
-                  for v, w in enumerate(state) for s, st in enumerate(w.stages)
-                  if not isinstance(st.schedule.next(st), Done)]
+    unfinished = [
+        (w.spec.name or f"vw{v}", s, st.schedule.next(st))
+        for v, w in enumerate(state)
+        for s, st in enumerate(w.stages)
+        if not isinstance(st.schedule.next(st), Done)
+    ]
     if unfinished:
         raise ValueError(f"simulation stalled: {unfinished[:3]}")
     finish_t = tuple(w.end for w in state)
@@ -449,8 +464,9 @@ def simulate(
         N,
         tuple(_iteration_s(w.steps_at) for w in state),
         tuple(tuple(tuple(st.log) for st in w.stages) for w in state),
-        tuple(tuple(st.trips / n_v for st in w.stages) for w, n_v in zip(state, counts,
-                                                                          strict=True)),
+        tuple(
+            tuple(st.trips / n_v for st in w.stages) for w, n_v in zip(state, counts, strict=True)
+        ),
         tuple(tuple(st.peak_held for st in w.stages) for w in state),
     )
 
@@ -491,16 +507,24 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     def stage(x: Any) -> SimStage:
         if isinstance(x, dict):
-            extra = {k: float(x[k]) for k in ("push_s", "merge_s", "pull_s", "step_s",
-                                                "push_flight_s") if k in x}
+            extra = {
+                k: float(x[k])
+                for k in ("push_s", "merge_s", "pull_s", "step_s", "push_flight_s")
+                if k in x
+            }
             return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
         return SimStage(*pair(x, "fwd_s", "bwd_s"))
 
     stages = tuple(stage(x) for x in d["stages"])
     links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
     return SimVW(
-        stages, int(d.get("nm", 1)), links, int(d.get("minibatch", 1)), d.get("name", f"vw{i}"),
-        str(d.get("schedule", "async")), limits=tuple(int(x) for x in d.get("limits", ())),
+        stages,
+        int(d.get("nm", 1)),
+        links,
+        int(d.get("minibatch", 1)),
+        d.get("name", f"vw{i}"),
+        str(d.get("schedule", "async")),
+        limits=tuple(int(x) for x in d.get("limits", ())),
     )
 
 

@@ -146,16 +146,28 @@ def iteration_time(
                 head = trip[0]
                 # what joins a trip needs no input; the last stage's backward needs its
                 # forward only, run before it
-                ready = (fwd_in[s][head.p] if type(head) is Forward  # type: ignore[union-attr]
-                         else bwd_in[s][head.p] if type(head) is Backward  # type: ignore[union-attr]
-                         and s < k - 1 else 0.0)
+                ready = (
+                    fwd_in[s][head.p]
+                    if type(head) is Forward  # type: ignore[union-attr]
+                    else bwd_in[s][head.p]
+                    if type(head) is Backward  # type: ignore[union-attr]
+                    and s < k - 1
+                    else 0.0
+                )
                 if ready is None:
                     break
                 end = max(free[s], ready) + st.handoff_s
                 for a in trip:
                     kind = type(a)
-                    end += (st.fwd_s if kind is Forward else st.bwd_s if kind is Backward
-                            else st.step_s if kind is OptimizerStep else st.push_s)
+                    end += (
+                        st.fwd_s
+                        if kind is Forward
+                        else st.bwd_s
+                        if kind is Backward
+                        else st.step_s
+                        if kind is OptimizerStep
+                        else st.push_s
+                    )
                 for a in trip:  # sent once the hand-off is back
                     kind = type(a)
                     if kind is Forward and s + 1 < k:
@@ -209,15 +221,23 @@ class SyncModel:
         self.shards = shards  # the parameter-server shards the gradient exchange goes through
         # the microbatch orders tried: each kind; 1f1b with each extra warm-up that is not
         # gpipe's order already
-        self.orders = tuple(dict.fromkeys(
-            (kind, w) for kind in self.kinds
-            for w in (self.warmups if kind == "1f1b" else (0,))
-            if not (kind == "1f1b" and w >= m - 1 and w > 0 and "gpipe" in self.kinds)))
+        self.orders = tuple(
+            dict.fromkeys(
+                (kind, w)
+                for kind in self.kinds
+                for w in (self.warmups if kind == "1f1b" else (0,))
+                if not (kind == "1f1b" and w >= m - 1 and w > 0 and "gpipe" in self.kinds)
+            )
+        )
         self.factor = optimizer_state_factor
         self.rt = costs or RuntimeCosts.zero()
         self.L = profile.n_layers()
-        self.bw = np.array([[float(bandwidth(a, b)) if a is not b else INF
-                             for b in self.devices] for a in self.devices])
+        self.bw = np.array(
+            [
+                [float(bandwidth(a, b)) if a is not b else INF for b in self.devices]
+                for a in self.devices
+            ]
+        )
         self._type: dict[str, dict[str, np.ndarray]] = {}
         self._cut_memo: dict[tuple, tuple[float, tuple[tuple[int, int], ...]] | None] = {}
         self.evaluations = 0
@@ -245,8 +265,9 @@ class SyncModel:
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
                 "S": pre(lp.saved_bytes for lp in lps),
-                "in": np.array([self.profile.input_bytes] + [lp.out_bytes for lp in lps],
-                               dtype=np.float64),  # in[a]: input bytes of a stage from a
+                "in": np.array(
+                    [self.profile.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.float64
+                ),  # in[a]: input bytes of a stage from a
                 "W": np.array([lp.work_bytes for lp in lps], dtype=np.float64),
             }
             self._type[dtype] = t
@@ -267,16 +288,18 @@ class SyncModel:
         ``inline_s``: :mod:`hetpipe.computethread`). The search prices a virtual worker as if
         alone; with several, whose stages exchange every iteration and so keep the hand-off,
         the prediction that picks among formations (:func:`.predict.stage_costs`) knows."""
-        inline = self.rt.runs_inline(np.maximum(fwd, bwd), speed=self._speed(d),
-                                     on_cpu=str(getattr(d, "device", "cpu")).startswith("cpu"))
+        inline = self.rt.runs_inline(
+            np.maximum(fwd, bwd),
+            speed=self._speed(d),
+            on_cpu=str(getattr(d, "device", "cpu")).startswith("cpu"),
+        )
         return np.where(inline, 0.0, self.rt.hop_s)
 
     def _send_s(self, nbytes: Any) -> Any:
         """The sender's cost of a message of ``nbytes`` (a number or an array of them)."""
         return self.rt.message_s + nbytes * self.rt.message_byte_s
 
-    def stage(self, i: int, a: int, b: int, first: bool = True, last: bool = True
-              ) -> SyncStage:
+    def stage(self, i: int, a: int, b: int, first: bool = True, last: bool = True) -> SyncStage:
         """Stage costs of layers ``[a, b)`` on device ``i`` (``first``/``last``: no gradient
         / activation to send) with the runtime's costs on an idle host, as
         :func:`hetpipe.planner.predict.stage_costs` and the simulator's stages have them
@@ -306,16 +329,35 @@ class SyncModel:
         rt = self.rt
         return nbytes / self.bw[i, j] + rt.latency_s + nbytes * rt.message_byte_s
 
-    def memory(self, i: int, a: int, b: int, position: int, k: int, kind: str,
-               m: int | None = None, warmup: int = 0) -> StageMemory:
+    def memory(
+        self,
+        i: int,
+        a: int,
+        b: int,
+        position: int,
+        k: int,
+        kind: str,
+        m: int | None = None,
+        warmup: int = 0,
+    ) -> StageMemory:
         """The one memory model (:func:`memory.stage_memory_of`) for layers ``[a, b)`` on
         device ``i`` (``m`` microbatches, default the model's); :meth:`_memory_matrix` is its
         vectorised total, the same integers."""
-        return stage_memory_of(self.profile, self.devices[i].type, (a, b), position, k,
-                               m or self.m, self.factor, kind, warmup=warmup)
+        return stage_memory_of(
+            self.profile,
+            self.devices[i].type,
+            (a, b),
+            position,
+            k,
+            m or self.m,
+            self.factor,
+            kind,
+            warmup=warmup,
+        )
 
-    def _memory_matrix(self, i: int, position: int, k: int, kind: str, warmup: int = 0
-                       ) -> np.ndarray:
+    def _memory_matrix(
+        self, i: int, position: int, k: int, kind: str, warmup: int = 0
+    ) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
         t = self._t(self.devices[i].type)
         n = max_in_flight(kind, k, position, self.m, warmup=warmup)
@@ -324,27 +366,43 @@ class SyncModel:
         pb = P[None, :] - P[:, None]
         W = np.zeros((L + 1, L + 1))
         for a in range(L):
-            W[a, a + 1:] = np.maximum.accumulate(t["W"][a:])
-        mem = (Bu[None, :] - Bu[:, None]) + W + param_copies(self.factor, n, kind) * pb \
-            + n * ((S[None, :] - S[:, None]) + t["in"][:L + 1][:, None])
+            W[a, a + 1 :] = np.maximum.accumulate(t["W"][a:])
+        mem = (
+            (Bu[None, :] - Bu[:, None])
+            + W
+            + param_copies(self.factor, n, kind) * pb
+            + n * ((S[None, :] - S[:, None]) + t["in"][: L + 1][:, None])
+        )
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
 
-    def sub(self, indices: Sequence[int], m: int, kinds: Sequence[str] | None = None,
-            warmups: Sequence[int] | None = None) -> SyncModel:
+    def sub(
+        self,
+        indices: Sequence[int],
+        m: int,
+        kinds: Sequence[str] | None = None,
+        warmups: Sequence[int] | None = None,
+    ) -> SyncModel:
         """The same model on the devices ``indices`` only, with ``m`` microbatches (one
         virtual worker of several); its device indices are positions in ``indices``."""
         devs = [self.devices[i] for i in indices]
         where = {id(d): k for k, d in enumerate(devs)}
         bw = self.bw[np.ix_(list(indices), list(indices))]
-        out = SyncModel(self.profile, devs, lambda a, b: bw[where[id(a)], where[id(b)]], m,
-                        self.factor, self.rt, kinds or self.kinds, warmups or self.warmups,
-                        self.shards)
+        out = SyncModel(
+            self.profile,
+            devs,
+            lambda a, b: bw[where[id(a)], where[id(b)]],
+            m,
+            self.factor,
+            self.rt,
+            kinds or self.kinds,
+            warmups or self.warmups,
+            self.shards,
+        )
         out._type = self._type  # the per-type prefix sums do not depend on the devices
         return out
 
-    def exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]],
-                   vws: int) -> float:
+    def exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], vws: int) -> float:
         """The gradient exchange of ``vws`` virtual workers at an iteration's end, as the
         runtime does it (and :mod:`.predict` prices it): each stage with parameters sends its
         gradient sum to its shards, which answer once every virtual worker's has arrived; the
@@ -362,8 +420,9 @@ class SyncModel:
 
     # -- a mapping's iteration time -------------------------------------------------------
 
-    def evaluate(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str,
-                 warmup: int = 0) -> float:
+    def evaluate(
+        self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str, warmup: int = 0
+    ) -> float:
         """Predicted iteration time, or inf where a stage does not fit its device."""
         self.evaluations += 1
         k = len(devs)
@@ -372,16 +431,20 @@ class SyncModel:
                 return INF
         return self.unchecked(devs, cuts, kind, warmup)
 
-    def unchecked(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str,
-                  warmup: int = 0) -> float:
+    def unchecked(
+        self, devs: Sequence[int], cuts: Sequence[tuple[int, int]], kind: str, warmup: int = 0
+    ) -> float:
         """Predicted iteration time, memory caps aside (also to price a split the user
         gave)."""
         k = len(devs)
-        stages = [self.stage(i, a, b, pos == 0, pos == k - 1)
-                  for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True))]
+        stages = [
+            self.stage(i, a, b, pos == 0, pos == k - 1)
+            for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True))
+        ]
         links = [(self.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
-        return iteration_time(stages, links, [microbatch_order(kind, k, s, self.m, warmup)
-                                              for s in range(k)])
+        return iteration_time(
+            stages, links, [microbatch_order(kind, k, s, self.m, warmup) for s in range(k)]
+        )
 
     def best_cuts(
         self, devs: Sequence[int], kind: str, warmup: int = 0
@@ -401,8 +464,7 @@ class SyncModel:
                     cuts = self._minsum(cost, ok, link, bstar * f)
                     if cuts is not None:
                         cands.add(cuts)
-            best = min(((self.evaluate(devs, c, kind, warmup), c) for c in cands),
-                       default=None)
+            best = min(((self.evaluate(devs, c, kind, warmup), c) for c in cands), default=None)
             if best is not None and best[0] < INF:
                 out = self._refine(devs, kind, warmup, *best)
         self._cut_memo[key] = out
@@ -430,8 +492,11 @@ class SyncModel:
             ok.append(mem <= self.devices[i].memory)
             cost.append(c)
             if pos + 1 < k:
-                link.append(np.array([self.link(i, devs[pos + 1], b) if b > 0 else INF
-                                      for b in range(L + 1)]))
+                link.append(
+                    np.array(
+                        [self.link(i, devs[pos + 1], b) if b > 0 else INF for b in range(L + 1)]
+                    )
+                )
         return cost, ok, link
 
     def _minmax(self, cost, ok, link) -> float:
@@ -482,7 +547,7 @@ class SyncModel:
                     b = cuts[s][1] + d
                     if not cuts[s][0] < b < cuts[s + 1][1]:
                         continue
-                    trial = [*cuts[:s], (cuts[s][0], b), (b, cuts[s + 1][1]), *cuts[s + 2:]]
+                    trial = [*cuts[:s], (cuts[s][0], b), (b, cuts[s + 1][1]), *cuts[s + 2 :]]
                     tt = self.evaluate(devs, trial, kind, warmup)
                     if tt < t * (1 - 1e-9):
                         t, cuts, improved = tt, trial, True
@@ -523,7 +588,7 @@ def _chain(model: SyncModel, subset: Sequence[int], start: int) -> list[int]:
         improved = False
         for i in range(1, len(path) - 1):
             for j in range(i + 1, len(path)):
-                trial = path[:i] + path[i:j + 1][::-1] + path[j + 1:]
+                trial = path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
                 if length(trial) < length(path) * (1 - 1e-12):
                     path, improved = trial, True
     return path
@@ -559,8 +624,10 @@ def search_sync(model: SyncModel, budget_s: float = 5.0) -> list[SyncChoice]:
     starts: list[SyncChoice] = []
     for k in lengths:
         for subset in (ranked[:k], sorted(ranked, key=lambda i: -model.devices[i].memory)[:k]):
-            orders = [_chain(model, subset, start)
-                      for start in dict.fromkeys((subset[0], max(subset, key=lambda i: power[i])))]
+            orders = [
+                _chain(model, subset, start)
+                for start in dict.fromkeys((subset[0], max(subset, key=lambda i: power[i])))
+            ]
             orders.append(sorted(subset, key=lambda i: -model.devices[i].memory))
             for order in orders:  # either direction: memory and links differ by position
                 for devs in (order, order[::-1]):
@@ -601,10 +668,13 @@ def _improve(model: SyncModel, cur: SyncChoice, try_, deadline: float) -> SyncCh
     unused = [i for i in range(len(model.devices)) if i not in devs]
     k = len(devs)
     moves: list[list[int]] = []
-    moves += [devs[:i] + devs[i + 1:] for i in range(k) if k > 1]
-    moves += [[*devs[:i], u, *devs[i + 1:]] for i in range(k) for u in unused]
-    moves += [[*devs[:i], devs[j], *devs[i + 1:j], devs[i], *devs[j + 1:]]
-              for i in range(k) for j in range(i + 1, k)]
+    moves += [devs[:i] + devs[i + 1 :] for i in range(k) if k > 1]
+    moves += [[*devs[:i], u, *devs[i + 1 :]] for i in range(k) for u in unused]
+    moves += [
+        [*devs[:i], devs[j], *devs[i + 1 : j], devs[i], *devs[j + 1 :]]
+        for i in range(k)
+        for j in range(i + 1, k)
+    ]
     if k < model.L:
         moves += [[*devs[:i], u, *devs[i:]] for i in range(k + 1) for u in unused]
     for mv in moves:
@@ -622,8 +692,10 @@ def exhaustive(model: SyncModel) -> SyncChoice | None:
     n, L = len(model.devices), model.L
     best: SyncChoice | None = None
     for k in range(1, min(n, L) + 1):
-        partitions = [tuple(zip((0, *c), (*c, L), strict=True))
-                      for c in itertools.combinations(range(1, L), k - 1)]
+        partitions = [
+            tuple(zip((0, *c), (*c, L), strict=True))
+            for c in itertools.combinations(range(1, L), k - 1)
+        ]
         for devs in itertools.permutations(range(n), k):
             for kind, warmup in model.orders:
                 for cuts in partitions:
@@ -686,8 +758,13 @@ def search_formations(
             left = deadline - time.monotonic()
             sub = model.sub(group, m, (kind,), (warmup,))
             c = plan_sync(sub, max(0.05, left / 4)) if left > 0 else None
-            found[key] = None if c is None else SyncChoice(
-                tuple(group[i] for i in c.devices), c.cuts, c.kind, c.iteration_s, c.warmup)
+            found[key] = (
+                None
+                if c is None
+                else SyncChoice(
+                    tuple(group[i] for i in c.devices), c.cuts, c.kind, c.iteration_s, c.warmup
+                )
+            )
         return found[key]
 
     out = []
@@ -708,11 +785,12 @@ def search_formations(
             ms = split_microbatches(rows, model.m)
             if ms is None:
                 continue
-            vws = tuple(best(tuple(g), mg, kind, warmup)
-                        for g, mg in zip(groups, ms, strict=True))
+            vws = tuple(best(tuple(g), mg, kind, warmup) for g, mg in zip(groups, ms, strict=True))
             assert all(c is not None for c in vws)
-            x = max(model.exchange_s(c.devices, c.cuts, len(vws))  # type: ignore[union-attr]
-                    for c in vws)
+            x = max(
+                model.exchange_s(c.devices, c.cuts, len(vws))  # type: ignore[union-attr]
+                for c in vws
+            )
             slowest = max(c.iteration_s for c in vws)  # type: ignore[union-attr]
             out.append(SyncFormation(vws, ms, x, slowest + x, policy))  # type: ignore[arg-type]
     return sorted(out, key=lambda f: f.iteration_s)
@@ -721,9 +799,11 @@ def search_formations(
 # -- plans the runtime executes ----------------------------------------------------------------
 
 
-def _explicit(model: SyncModel,
-              given: Sequence[tuple[tuple[int, ...], tuple[tuple[int, int], ...] | None]],
-              warnings: list[str]) -> list[SyncChoice]:
+def _explicit(
+    model: SyncModel,
+    given: Sequence[tuple[tuple[int, ...], tuple[tuple[int, int], ...] | None]],
+    warnings: list[str],
+) -> list[SyncChoice]:
     """The job's own virtual workers (devices, and cuts or None for the best ones), all in
     the one order of :attr:`SyncModel.orders` whose slowest virtual worker is fastest (the
     runtime runs one order per job). Given cuts over a memory cap are priced anyway, in the
@@ -735,11 +815,14 @@ def _explicit(model: SyncModel,
             if cuts is None:
                 row.append(model.choice(devs, kind, warmup))
             else:
-                row.append(SyncChoice(devs, cuts, kind, model.evaluate(devs, cuts, kind, warmup),
-                                      warmup))
+                row.append(
+                    SyncChoice(devs, cuts, kind, model.evaluate(devs, cuts, kind, warmup), warmup)
+                )
         if all(c is not None and c.iteration_s < INF for c in row) and (
-                best is None or max(c.iteration_s for c in row)  # type: ignore[union-attr]
-                < max(c.iteration_s for c in best)):
+            best is None
+            or max(c.iteration_s for c in row)  # type: ignore[union-attr]
+            < max(c.iteration_s for c in best)
+        ):
             best = row  # type: ignore[assignment]
     if best is not None:
         return best
@@ -758,8 +841,10 @@ def _explicit(model: SyncModel,
         for pos, (i, (a, b)) in enumerate(zip(devs, cuts, strict=True)):
             need = model.memory(i, a, b, pos, len(devs), kind, warmup=warmup).total
             if need > model.devices[i].memory:
-                warnings.append(f"vw {v}: {model.devices[i].name} needs {need} bytes, "
-                                f"over its cap {model.devices[i].memory}")
+                warnings.append(
+                    f"vw {v}: {model.devices[i].name} needs {need} bytes, "
+                    f"over its cap {model.devices[i].memory}"
+                )
         out.append(SyncChoice(devs, cuts, kind, model.unchecked(devs, cuts, kind, warmup), warmup))
     return out
 
@@ -812,23 +897,40 @@ def sync_plan(
     usable = [d for d in cluster.devices if d.type in profile.layers]
     if not usable:
         raise PlanError("no device has a profile")
-    model = SyncModel(profile, usable, cluster.network.bytes_per_s, m, optimizer_state_factor,
-                      (costs or RuntimeCosts()).with_runtime(cluster),
-                      (kind,) if kind else SYNC_KINDS,
-                      (warmup,) if warmup is not None else warmup_ladder(m),
-                      shards=len(_shard_hosts(cluster)))
+    model = SyncModel(
+        profile,
+        usable,
+        cluster.network.bytes_per_s,
+        m,
+        optimizer_state_factor,
+        (costs or RuntimeCosts()).with_runtime(cluster),
+        (kind,) if kind else SYNC_KINDS,
+        (warmup,) if warmup is not None else warmup_ladder(m),
+        shards=len(_shard_hosts(cluster)),
+    )
     index = {d.name: i for i, d in enumerate(usable)}
     cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
 
     def _predict(vws: Sequence[SyncChoice], ms: Sequence[int]) -> tuple[float, Any]:
         """Iteration time with the runtime's costs, the gradient exchange and the sharing of
         each host's cores, simulated (the search ranks with the idle-host costs alone)."""
-        parts = [(tuple(usable[i] for i in c.devices),
-                  cm.describe([usable[i] for i in c.devices], c.cuts, mv))
-                 for c, mv in zip(vws, ms, strict=True)]
-        pred = predict(cm, parts, minibatch=minibatch, staleness=0,
-                       shard_hosts=_shard_hosts(cluster), minibatches=PREDICT_ITERATIONS * ms[0],
-                       schedule=vws[0].kind, warmup=vws[0].warmup)
+        parts = [
+            (
+                tuple(usable[i] for i in c.devices),
+                cm.describe([usable[i] for i in c.devices], c.cuts, mv),
+            )
+            for c, mv in zip(vws, ms, strict=True)
+        ]
+        pred = predict(
+            cm,
+            parts,
+            minibatch=minibatch,
+            staleness=0,
+            shard_hosts=_shard_hosts(cluster),
+            minibatches=PREDICT_ITERATIONS * ms[0],
+            schedule=vws[0].kind,
+            warmup=vws[0].warmup,
+        )
         return max(*pred.sim.iteration_s, 1e-12), pred
 
     chosen: list[SyncChoice] = []
@@ -841,13 +943,19 @@ def sync_plan(
                 devs = tuple(index[n] for n in names)
             except KeyError as e:
                 raise PlanError(f"vw {v}: unknown or unprofiled device {e.args[0]!r}") from None
-            cuts = (None if layers is None
-                    else tuple(itertools.pairwise(itertools.accumulate(layers, initial=0))))
+            cuts = (
+                None
+                if layers is None
+                else tuple(itertools.pairwise(itertools.accumulate(layers, initial=0)))
+            )
             given.append((devs, cuts))
         chosen = _explicit(model, given, warnings)
         ms = (m,) * len(chosen)
-        exchange = (max(model.exchange_s(c.devices, c.cuts, len(chosen)) for c in chosen)
-                    if len(chosen) > 1 else 0.0)
+        exchange = (
+            max(model.exchange_s(c.devices, c.cuts, len(chosen)) for c in chosen)
+            if len(chosen) > 1
+            else 0.0
+        )
         how = "explicit"
     else:
         several = num_vws is None or num_vws > 1
@@ -858,28 +966,36 @@ def sync_plan(
             cands += [("sync", (c,), (m,), 0.0) for c in found[:RERANK]]
         if several:
             try:
-                forms = candidate_formations(usable, policy, num_vws if num_vws != 1 else None,
-                                             _power(profile))
+                forms = candidate_formations(
+                    usable, policy, num_vws if num_vws != 1 else None, _power(profile)
+                )
             except ValueError as e:
                 raise PlanError(str(e)) from None
-            groups = [(f.policy, [tuple(index[d.name] for d in g) for g in f.groups])
-                      for f in forms]
+            groups = [
+                (f.policy, [tuple(index[d.name] for d in g) for g in f.groups]) for f in forms
+            ]
             formed = search_formations(model, groups, budget_s / 2 if single else budget_s)
             cands += [(f.policy, f.vws, f.ms, f.exchange_s) for f in formed[:RERANK]]
         if not cands:
             if single:
-                raise PlanError("the model fits on no pipeline of the usable devices under the "
-                                "synchronous schedules' memory")
-            raise PlanError(f"no formation of {num_vws} synchronous virtual workers fits (each "
-                            f"needs a pipeline that fits and at least one of the {m} "
-                            f"microbatches per iteration)")
+                raise PlanError(
+                    "the model fits on no pipeline of the usable devices under the "
+                    "synchronous schedules' memory"
+                )
+            raise PlanError(
+                f"no formation of {num_vws} synchronous virtual workers fits (each "
+                f"needs a pipeline that fits and at least one of the {m} "
+                f"microbatches per iteration)"
+            )
         # the few fastest on an idle host, ranked again with the sharing of the hosts' cores
         how, best, ms, exchange = min(cands, key=lambda x: _predict(x[1], x[2])[0])
         chosen = list(best)
         if how != "sync":
             why = "predicted faster than one" if num_vws is None else "as asked (train.vws)"
-            warnings.append(f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
-                            f"per iteration {list(ms)}: {why}")
+            warnings.append(
+                f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
+                f"per iteration {list(ms)}: {why}"
+            )
     kinds = {(c.kind, c.warmup) for c in chosen}
     if len(kinds) > 1:
         raise PlanError(f"virtual workers would run different orders {sorted(kinds)}")
@@ -887,8 +1003,10 @@ def sync_plan(
     searched = max(c.iteration_s for c in chosen) + exchange
     iteration, pred = _predict(chosen, ms)
     layer_shards, stage_shards = place_plan(
-        cluster, profile, [[(usable[i], ab) for i, ab in zip(c.devices, c.cuts, strict=True)]
-                           for c in chosen])
+        cluster,
+        profile,
+        [[(usable[i], ab) for i, ab in zip(c.devices, c.cuts, strict=True)] for c in chosen],
+    )
     plans = []
     for v, (c, mv) in enumerate(zip(chosen, ms, strict=True)):
         k = len(c.devices)
@@ -898,25 +1016,63 @@ def sync_plan(
             # the bound (hetpipe.planner.memory.expected_in_flight)
             mem = model.memory(i, a, b, pos, k, c.kind, mv, warm)
             n = in_flight(pos, k, mv, c.kind, warmup=warm)
-            stages.append(StagePlan(usable[i].name, usable[i].type, (a, b),
-                                    pred.compute_s(v, pos), mem, usable[i].memory,
-                                    stage_shards[v][pos], pred.busy_s(v, pos, mv),
-                                    pred.slowdown[v][pos], expected_memory=mem,
-                                    expected_in_flight=n, in_flight=n))
-        plans.append(VWPlan(tuple(usable[i].name for i in c.devices), tuple(stages), mv,
-                            mv * minibatch / iteration))
+            stages.append(
+                StagePlan(
+                    usable[i].name,
+                    usable[i].type,
+                    (a, b),
+                    pred.compute_s(v, pos),
+                    mem,
+                    usable[i].memory,
+                    stage_shards[v][pos],
+                    pred.busy_s(v, pos, mv),
+                    pred.slowdown[v][pos],
+                    expected_memory=mem,
+                    expected_in_flight=n,
+                    in_flight=n,
+                )
+            )
+        plans.append(
+            VWPlan(
+                tuple(usable[i].name for i in c.devices),
+                tuple(stages),
+                mv,
+                mv * minibatch / iteration,
+            )
+        )
     used = {n for p in plans for n in p.devices}
     unused = tuple(d.name for d in cluster.devices if d.name not in used)
-    details = {"iteration_s": iteration, "searched_iteration_s": searched,
-               "kind": chosen[0].kind, "warmup": warm,
-               "slowdown": [list(x) for x in pred.slowdown],
-               "evaluations": model.evaluations, "microbatches": list(ms),
-               "exchange_s": exchange,
-               "orders": {str(s): [f"{op}{j}" for op, j in
-                                   microbatch_order(chosen[0].kind, len(chosen[0].devices), s,
-                                                    ms[0], warm)]
-                          for s in range(len(chosen[0].devices))}}
-    return Plan(tuple(plans), sum(p.samples_per_s for p in plans), how, unused,
-                tuple(warnings), tuple(layer_shards), minibatch, 0, profile.model, details,
-                chosen[0].kind, iteration, warm)
-
+    details = {
+        "iteration_s": iteration,
+        "searched_iteration_s": searched,
+        "kind": chosen[0].kind,
+        "warmup": warm,
+        "slowdown": [list(x) for x in pred.slowdown],
+        "evaluations": model.evaluations,
+        "microbatches": list(ms),
+        "exchange_s": exchange,
+        "orders": {
+            str(s): [
+                f"{op}{j}"
+                for op, j in microbatch_order(
+                    chosen[0].kind, len(chosen[0].devices), s, ms[0], warm
+                )
+            ]
+            for s in range(len(chosen[0].devices))
+        },
+    }
+    return Plan(
+        tuple(plans),
+        sum(p.samples_per_s for p in plans),
+        how,
+        unused,
+        tuple(warnings),
+        tuple(layer_shards),
+        minibatch,
+        0,
+        profile.model,
+        details,
+        chosen[0].kind,
+        iteration,
+        warm,
+    )
