@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.core.schedule import KINDS as SCHEDULE_KINDS
+from hetpipe.core.schedule import SYNC_KINDS
 from hetpipe.planner.memory import ACTIVATION_POLICIES
-from hetpipe.schedule import KINDS as SCHEDULE_KINDS
-from hetpipe.schedule import SYNC_KINDS
 
 __all__ = [
     "DataSpec",
@@ -156,7 +156,7 @@ class JobSpec:
     on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
     checkpoint_every: int = 50  # waves of the global clock between checkpoints; 0: none
     faults: tuple[FaultSpec, ...] = ()
-    schedule: str = "async"  # hetpipe.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
+    schedule: str = "async"  # hetpipe.core.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
     weights: str = "stash"  # WEIGHTS: what the async kind's forward and backward run on
     predict_variant: str = "paper"  # PREDICT_VARIANTS, with weights = "predict"
     bn_recalibrate: int = 0  # minibatches re-estimating batch-norm statistics before eval
@@ -173,7 +173,7 @@ class JobSpec:
     # proposes beside a given split; 1: no replicas
     max_replicas: int = 1
     # 1f1b: extra warm-up forwards of each stage before its first backward
-    # (hetpipe.schedule.microbatch_order); None: the planner picks ("auto"; the default with
+    # (hetpipe.core.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
     warmup: int | None = 0
     # IN_FLIGHT: "plan": a planned async stage holds at most the minibatches its predicted

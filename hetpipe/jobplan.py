@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from hetpipe.config import ClusterConfig, ConfigError
+from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
 from hetpipe.job import JobSpec, VWSpec
@@ -30,7 +31,6 @@ from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
-from hetpipe.schedule import fill_counts
 from hetpipe.task import StageTask
 
 __all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
@@ -52,7 +52,7 @@ class RunStage:
     replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
     rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
     limit: int = 0  # the most minibatches it holds in flight (0: the schedule's maximum)
-    fill: int = 0  # forwards before its first backward (hetpipe.schedule.fill_counts)
+    fill: int = 0  # forwards before its first backward (hetpipe.core.schedule.fill_counts)
 
     @property
     def group(self) -> tuple[str, ...]:

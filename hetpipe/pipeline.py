@@ -1,7 +1,7 @@
 """Runs one stage of one job: executes the actions its schedule gives, moves the messages.
 
 What the stage does next (admission, 1F1B, waves, pulls and pushes, the synchronous kinds'
-microbatch order and flushes) is decided by :class:`hetpipe.schedule.StageSchedule`, the
+microbatch order and flushes) is decided by :class:`hetpipe.core.schedule.StageSchedule`, the
 same object the planner's simulator asks; this module only executes: compute on the
 worker's single compute thread, messages on the event loop, so receives keep flowing while
 the stage computes.
@@ -29,11 +29,7 @@ import torch
 from hetpipe import hostshm
 from hetpipe.checkpoint import is_cut
 from hetpipe.computethread import InlinePolicy
-from hetpipe.cudaipc import Shared, parse, share
-from hetpipe.data import MinibatchStream
-from hetpipe.hostcopy import HostCopy
-from hetpipe.replicas import gather, piece, pieces_for
-from hetpipe.schedule import (
+from hetpipe.core.schedule import (
     Action,
     Backward,
     Done,
@@ -45,11 +41,15 @@ from hetpipe.schedule import (
     StageSchedule,
     Wait,
 )
+from hetpipe.core.wsp import pull_need, wave_of
+from hetpipe.cudaipc import Shared, parse, share
+from hetpipe.data import MinibatchStream
+from hetpipe.hostcopy import HostCopy
+from hetpipe.replicas import gather, piece, pieces_for
 from hetpipe.stage import StageCompute
 from hetpipe.timeline import Timeline, shares
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
-from hetpipe.wsp import pull_need, wave_of
 
 __all__ = ["PULL_TIMEOUT_S", "PUSH_TIMEOUT_S", "Record", "StageRunner", "stage_schedule"]
 
@@ -111,7 +111,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     synchronous iteration has nobody to average gradients with.
 
     A stage that does not stash (``train.weights``) runs the lock-step order its s was
-    counted on (:class:`hetpipe.staleness.StageTable`). One the plan limits runs its
+    counted on (:class:`hetpipe.core.staleness.StageTable`). One the plan limits runs its
     ``in_flight_fill`` forwards before its first backward and holds at most its
     ``in_flight_limit`` minibatches (:func:`hetpipe.planner.plan.make_plan`).
     """

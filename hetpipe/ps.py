@@ -2,7 +2,7 @@
 
 A shard holds the global weights of the layers placed on it, applies each pushed update of
 a (job, vw, stage, wave) exactly once, and parks pulls until the job's global clock meets
-their need (:mod:`hetpipe.wsp`). It never busy-waits: a push releases the pulls it unblocks.
+their need (:mod:`hetpipe.core.wsp`). It never busy-waits: a push releases the pulls it unblocks.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import zmq
 
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig, ConfigError, load_cluster
+from hetpipe.core.wsp import WspError
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import KeysError, shard_user
 from hetpipe.shard import ShardError, ShardStore
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
 from hetpipe.wire import Kind, Message
-from hetpipe.wsp import WspError
 
 __all__ = ["ShardServer", "main", "serve"]
 

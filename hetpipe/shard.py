@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from hetpipe.checkpoint import cut_after
-from hetpipe.wsp import WaveClock
+from hetpipe.core.wsp import WaveClock
 
 __all__ = ["JobShard", "ShardError", "ShardStore"]
 
@@ -221,7 +221,7 @@ class JobShard(Generic[T]):
         return True
 
     def applied_sets(self) -> dict[str, list[list[int]]]:
-        """Every stage's applied waves here, ``"vw/stage"`` -> :func:`hetpipe.wsp.wave_ranges`."""
+        """Every stage's applied waves here: ``"vw/stage"`` -> ranges (core.wsp.wave_ranges)."""
         return {
             f"{vw}/{stage}": self.clock.applied_ranges(vw, stage)
             for vw, stage in sorted(self.names)

@@ -52,6 +52,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate
 from hetpipe.config import DeviceSpec
+from hetpipe.core.staleness import StageTable
+from hetpipe.core.wsp import covers, unincluded_waves, wave_of
 from hetpipe.cudaipc import Shared, open_shared
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
@@ -71,10 +73,8 @@ from hetpipe.planner.memory import (
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
-from hetpipe.staleness import StageTable
 from hetpipe.swap import HostSwap
 from hetpipe.task import StageTask
-from hetpipe.wsp import covers, unincluded_waves, wave_of
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
@@ -140,7 +140,7 @@ class StageStats:
     peak_bytes: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)  # peak of each StageMemory term
     # the most minibatches held between a forward and its backward: the count the memory
-    # model charges is the schedule's maximum (hetpipe.schedule.max_in_flight); this is
+    # model charges is the schedule's maximum (hetpipe.core.schedule.max_in_flight); this is
     # what this run's timing reached
     peak_in_flight: int = 0
     # weights = "predict": ||W_hat - W_target|| / ||W_stale - W_target|| of each probe (at
@@ -242,7 +242,7 @@ class StageCompute:
             if (f.vw, f.stage) == (task.vw, task.stage):
                 self.stalls.setdefault(f.minibatch, []).append(f.seconds)
         self.versions: dict[int, tuple[int, float, int, float]] = {}
-        # how stale weights are handled (async only): see hetpipe.staleness and the README
+        # how stale weights are handled (async only): see hetpipe.core.staleness and the README
         self.weights = "stash" if self.spec.sync else self.spec.weights
         self.table = (
             StageTable(task.k, task.stage, task.nm, task.minibatches)
@@ -806,7 +806,7 @@ class StageCompute:
         """Set local state to pulled global state plus own updates the shard had not applied.
 
         ``applied`` maps each pulled global name to the waves of this stage the answering shard
-        had applied, as ``[first, end)`` runs (:func:`hetpipe.wsp.wave_ranges`: a long job's
+        had applied, as ``[first, end)`` runs (:func:`hetpipe.core.wsp.wave_ranges`: a long job's
         answer stays one run, not a list of every wave); accumulators confirmed for every
         name are dropped.
         """

@@ -40,7 +40,7 @@ class StageTask:
     # in host memory between the forward and the backward (hetpipe.swap)
     # the most minibatches this stage holds between a forward and its backward, and the
     # forwards it runs before its first backward (the plan's, hetpipe.planner.plan.make_plan
-    # under train.in_flight = "plan"; hetpipe.schedule.fill_counts); 0: the schedule's own
+    # under train.in_flight = "plan"; hetpipe.core.schedule.fill_counts); 0: the schedule's own
     in_flight_limit: int = 0
     in_flight_fill: int = 0
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)

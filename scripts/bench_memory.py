@@ -29,7 +29,7 @@ the planner's one ``StageMemory`` model:
   timing is limited to its expected count and runs that many forwards before its first
   backward, so there the bound IS the expected figure, reached under any timing
   (:func:`hetpipe.planner.plan.make_plan`); with ``"nm"`` it is the schedule's maximum
-  (:func:`hetpipe.schedule.max_in_flight`: Nm before the last stage, one at it), and a run
+  (:func:`hetpipe.core.schedule.max_in_flight`: Nm before the last stage, one at it), and a run
   whose stages keep pace holds fewer. The cap is fitted at the schedule's maximum either way
   (the planner limits after it has fitted), so which cases fit does not change.
 

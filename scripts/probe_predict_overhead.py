@@ -3,7 +3,7 @@
 A real :class:`hetpipe.stage.StageCompute` holding one stage of the digits CNN split as
 ``scripts/bench_staleness.py`` splits it (``--k`` uniform stages, Nm = k, minibatch 32, SGD
 lr 0.02 momentum 0.9), at its device's own speed (no padding), runs the stage's lock-step
-order (:class:`hetpipe.staleness.StageTable`: forwards, backwards, an optimizer step after
+order (:class:`hetpipe.core.staleness.StageTable`: forwards, backwards, an optimizer step after
 each backward) on seeded inputs and output gradients, once per arm:
 
 - ``stash``: ``train.weights = "stash"``;
@@ -56,13 +56,13 @@ from _bench import emit_json, machine, parser, print_table, retain_freed_as_daem
 import hetpipe.lateweights as lateweights
 import hetpipe.stage as stage_mod
 from hetpipe.config import DeviceSpec
+from hetpipe.core.staleness import StageTable
+from hetpipe.core.wsp import wave_of
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
 from hetpipe.stage import StageCompute
-from hetpipe.staleness import StageTable
 from hetpipe.task import StageTask
-from hetpipe.wsp import wave_of
 
 ARMS: dict[str, dict[str, Any]] = {
     "stash": {"weights": "stash"},

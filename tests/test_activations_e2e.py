@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import job, start_cluster
 
+from hetpipe.core.schedule import max_in_flight
 from hetpipe.localcluster import DeviceDef, LocalCluster
-from hetpipe.schedule import max_in_flight
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def test_a_stage_before_a_lagging_one_peaks_at_the_memory_models_figure(
 ) -> None:
     """A first stage that keeps everything before a last stage 20x slower: its successor
     lags, so it holds Nm minibatches in flight, the count the memory model charges
-    (:func:`hetpipe.schedule.max_in_flight`), and its measured peak is the model's figure
+    (:func:`hetpipe.core.schedule.max_in_flight`), and its measured peak is the model's figure
     term by term. The accumulators are the exception, bounded only: a virtual worker alone
     in its job carries one wave's update at a time, the model keeps room for two (the wave
     being pushed under WSP with several). The last stage holds one.
@@ -203,7 +203,7 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     assert free[0]["peak_in_flight"] == 12
     assert limited[1]["peak_in_flight"] == free[1]["peak_in_flight"] == 1
     # filled: the limited stage ran its count of forwards before its first backward, so it
-    # reached that count whatever the timing (hetpipe.schedule.fill_counts)
+    # reached that count whatever the timing (hetpipe.core.schedule.fill_counts)
     stages = json.loads(Path(infos["plan"]["stages_path"]).read_text())
     spans = sorted(
         (x for x in stages["vw0/stage0"]["stats"]["spans"] if x[0] in ("forward", "backward")),

@@ -17,6 +17,7 @@ from hetpipe.config import (
     ShardSpec,
     format_size,
 )
+from hetpipe.core.schedule import fill_counts, max_in_flight
 from hetpipe.planner import (
     LayerProfile,
     ModelProfile,
@@ -29,7 +30,6 @@ from hetpipe.planner import (
 )
 from hetpipe.planner.memory import stage_memory_of
 from hetpipe.profiling import plan_vws
-from hetpipe.schedule import fill_counts, max_in_flight
 
 MiB = 1 << 20
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from hetpipe.core.schedule import max_in_flight
 from hetpipe.planner.memory import expected_in_flight
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, main, simulate
-from hetpipe.schedule import max_in_flight
 
 
 def vw(times, nm, links=(), minibatch=1):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from hetpipe.core.schedule import max_in_flight, microbatch_order
 from hetpipe.planner.partition import CostModel
 from hetpipe.planner.predict import _sim_vw, stage_costs
 from hetpipe.planner.profile import CallProfile, LayerProfile, ModelProfile, synthetic_profile
@@ -28,7 +29,6 @@ from hetpipe.planner.syncplan import (
     sync_plan,
     warmup_ladder,
 )
-from hetpipe.schedule import max_in_flight, microbatch_order
 
 
 @dataclass(frozen=True)

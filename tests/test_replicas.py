@@ -19,6 +19,7 @@ from test_pipeline_e2e import plain_training
 from test_wsp_e2e import check_invariants, load_records
 
 from hetpipe.config import DeviceSpec, load_cluster
+from hetpipe.core.schedule import ScheduleError, StageSchedule, Wait
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.localcluster import DeviceDef, cluster_toml
@@ -27,7 +28,6 @@ from hetpipe.planner import CostModel, LayerProfile, ModelProfile, synthetic_pro
 from hetpipe.planner.replicas import Replicated, brute_force_replicated, partition_replicated
 from hetpipe.profiling import plan_for
 from hetpipe.replicas import gather, piece, pieces_for, split_rows
-from hetpipe.schedule import ScheduleError, StageSchedule, Wait
 from hetpipe.wire import Kind, Message
 
 # r2 and r4 run at half speed: a replica group holding one of them splits 2:1

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hetpipe.schedule import (
+from hetpipe.core.schedule import (
     Action,
     Backward,
     Done,
@@ -24,7 +24,7 @@ from hetpipe.schedule import (
     microbatch_order,
     stage_tables,
 )
-from hetpipe.staleness import StageTable, lockstep_orders, version_gaps
+from hetpipe.core.staleness import StageTable, lockstep_orders, version_gaps
 
 F, B, S = Forward, Backward, OptimizerStep
 
@@ -458,14 +458,14 @@ def test_finished_schedules_say_done():
     assert all(isinstance(sch.next(_Inputs()), Done) for sch in schedules)
 
 
-# -- version gaps for weight prediction (hetpipe.staleness) ---------------------------------
+# -- version gaps for weight prediction (hetpipe.core.staleness) ---------------------------------
 
 
 @pytest.mark.parametrize("k", range(2, 9))
 def test_version_gaps_match_the_paper_on_uniform_pipelines(k):
     """Counted from the action tables, with the stage's own step (the paper's convention):
     backward floor(k_i/2) exactly; forward the paper's floor(k_i/2) + N - k_i - 1 plus the
-    one update the paper's figure leaves out (see hetpipe.staleness)."""
+    one update the paper's figure leaves out (see hetpipe.core.staleness)."""
     total = 10 * k
     gaps = version_gaps(k, k, total, own=True)
     p = total // 2  # steady state

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from hetpipe.core.schedule import Action, Wait, fill_counts
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
-from hetpipe.schedule import Action, Wait, fill_counts
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
 

@@ -11,10 +11,10 @@ import torch
 from conftest import assert_same_weights, job
 from test_pipeline_e2e import stage_records
 
+from hetpipe.core.schedule import microbatch_order
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
-from hetpipe.schedule import microbatch_order
 
 pytestmark = pytest.mark.slow
 

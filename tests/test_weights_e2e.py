@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import job
 
-from hetpipe.staleness import version_gaps
+from hetpipe.core.staleness import version_gaps
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Tests of the WSP clock rules of one shard (hetpipe.wsp)."""
+"""Tests of the WSP clock rules of one shard (hetpipe.core.wsp)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hetpipe.wsp import (
+from hetpipe.core.wsp import (
     WaveClock,
     WspError,
     covers,

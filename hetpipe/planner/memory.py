@@ -44,7 +44,7 @@ choose per layer):
   backward runs (the ``working`` term). The stage input is counted once, with the stage.
 
 ``in_flight`` is how many minibatches a stage holds between a forward and its backward:
-the most the schedule permits under ANY timing (:func:`hetpipe.schedule.max_in_flight`, the
+the most the schedule permits under ANY timing (:func:`hetpipe.core.schedule.max_in_flight`, the
 one home of that rule). In the async kind the last stage holds one and any other stage Nm:
 a slow successor lets forwards queue, and admission (minibatch p enters only after p - Nm
 finished) bounds them by Nm. A cap must hold whatever the relative speeds, so the model
@@ -84,8 +84,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from hetpipe.config import format_size
+from hetpipe.core.schedule import max_in_flight
 from hetpipe.planner.profile import LayerProfile, ModelProfile
-from hetpipe.schedule import max_in_flight
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 
@@ -190,14 +190,14 @@ class StageMemory:
 
 def fixed_order(schedule: str = "async", weights: str = "stash") -> bool:
     """Whether a stage runs the lock-step order as a fixed sequence (async, weights not
-    stashed: its s is counted on that order, see :mod:`hetpipe.staleness`)."""
+    stashed: its s is counted on that order, see :mod:`hetpipe.core.staleness`)."""
     return schedule == "async" and weights != "stash"
 
 
 def in_flight(
     position: int, k: int, nm: int, schedule: str = "async", weights: str = "stash", warmup: int = 0
 ) -> int:
-    """The count the model charges: :func:`hetpipe.schedule.max_in_flight` for this stage
+    """The count the model charges: :func:`hetpipe.core.schedule.max_in_flight` for this stage
     (``warmup``: 1f1b's extra warm-up forwards)."""
     return max_in_flight(schedule, k, position, nm, fixed_order(schedule, weights), warmup)
 

@@ -105,7 +105,7 @@ class StagePlan:
     type: str
     layers: tuple[int, int]  # [first, last + 1)
     time_s: float  # predicted compute per minibatch: forward + backward + update, as run
-    # the peak under every timing the schedule permits (hetpipe.schedule.max_in_flight):
+    # the peak under every timing the schedule permits (hetpipe.core.schedule.max_in_flight):
     # what the stage is fitted with and what a user relies on to stay under the cap
     memory: StageMemory
     memory_cap: int
@@ -129,7 +129,7 @@ class StagePlan:
     expected_in_flight: int = 0
     in_flight: int = 0
     # the most minibatches the runtime lets this stage hold, filled to that first
-    # (hetpipe.schedule.StageSchedule's ``limit`` and ``fill``, set by make_plan under
+    # (hetpipe.core.schedule.StageSchedule's ``limit`` and ``fill``, set by make_plan under
     # train.in_flight = "plan"); 0: none, the schedule's own maximum
     limit: int = 0
 
@@ -224,9 +224,9 @@ class Plan:
     staleness: int = 0
     model: str = ""
     details: dict[str, Any] = field(default_factory=dict, compare=False)  # search statistics
-    schedule: str = "async"  # hetpipe.schedule.KINDS; Nm is M for gpipe/1f1b
+    schedule: str = "async"  # hetpipe.core.schedule.KINDS; Nm is M for gpipe/1f1b
     iteration_s: float = 0.0  # gpipe/1f1b: predicted time of one iteration
-    warmup: int = 0  # 1f1b: extra warm-up forwards of its order (hetpipe.schedule)
+    warmup: int = 0  # 1f1b: extra warm-up forwards of its order (hetpipe.core.schedule)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/msgpack-able)."""
@@ -570,8 +570,8 @@ def _limited(
     minibatches up to Nm, depending on how its successors keep pace on the day: where a
     minibatch's round trip sits near a multiple of the time between its forwards, one run
     holds one more than the next. Limited and filled
-    (:class:`hetpipe.schedule.StageSchedule`'s ``limit`` and ``fill``,
-    :func:`hetpipe.schedule.fill_counts`), it runs that many forwards before its first
+    (:class:`hetpipe.core.schedule.StageSchedule`'s ``limit`` and ``fill``,
+    :func:`hetpipe.core.schedule.fill_counts`), it runs that many forwards before its first
     backward and never holds more, so the count is reached under any timing and is its
     bound: the stage's ``in_flight`` and ``memory`` are those figures. The timeline is
     simulated again as the runtime runs it, limits and fills included (the fill may hold a

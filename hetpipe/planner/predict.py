@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.core.schedule import Backward, Forward, Merge, OptimizerStep, Push
 from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.placement import shard_flights
@@ -46,7 +47,6 @@ from hetpipe.planner.runtime import (
     slowdowns,
 )
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
-from hetpipe.schedule import Backward, Forward, Merge, OptimizerStep, Push
 
 __all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
 
@@ -136,7 +136,7 @@ class Prediction:
     def busy_s(self, v: int, i: int, nm: int) -> float:
         """Predicted busy time per minibatch: compute, sends, push, merge and step, and the
         hand-offs to the compute thread the simulator made (a hop and two wake-ups each,
-        whatever actions went in it: :meth:`hetpipe.schedule.StageSchedule.trip`), which is
+        whatever actions went in it: :meth:`hetpipe.core.schedule.StageSchedule.trip`), which is
         what the simulated stage was busy for."""
         c = self.costs[v][i]
         # each of loop_fwd_s, loop_bwd_s (where not 0) and push_s holds one hand-off's hop
@@ -398,7 +398,7 @@ def predict(
     most :data:`LONG_JOB` are simulated). ``shard_hosts`` are the hosts of the parameter-server
     shards (their work is spread evenly over them; each stage's state is placed on them as
     the runtime places it, and its bytes to those on other hosts priced on the links).
-    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.schedule.microbatch_order`).
+    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`).
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))

@@ -5,14 +5,14 @@ links, and WSP waits between virtual workers (VWs) of different speed shape what
 The planner compares formations by what this simulator predicts.
 
 What each stage does next is not decided here: every simulated stage asks a
-:class:`hetpipe.schedule.StageSchedule` (the object the runtime executes), and this module
+:class:`hetpipe.core.schedule.StageSchedule` (the object the runtime executes), and this module
 only times the actions and delivers the inputs. Timing:
 
 * Forward, backward and optimizer step take the stage's ``fwd_s``, ``bwd_s`` and ``step_s``
   (async: the step is part of ``bwd_s`` as profiled, so ``step_s`` is 0); a push takes
   ``push_s``, a merge of pulled weights ``merge_s`` (wave >= 1). A stage runs one action at
   a time. Forwards, backwards, steps and pushes go to the compute thread in hand-offs as the
-  runtime makes them (:meth:`hetpipe.schedule.StageSchedule.trip`): each hand-off costs
+  runtime makes them (:meth:`hetpipe.core.schedule.StageSchedule.trip`): each hand-off costs
   ``handoff_s`` once, and what its actions send leaves when the whole hand-off is done.
 * Each link between consecutive stages carries activations forward and gradients backward;
   each direction is a FIFO channel that moves one tensor at a time.
@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe.schedule import (
+from hetpipe.core.schedule import (
     Action,
     Backward,
     Done,
@@ -67,7 +67,7 @@ from hetpipe.schedule import (
     Wait,
     fill_counts,
 )
-from hetpipe.wsp import pull_need
+from hetpipe.core.wsp import pull_need
 
 __all__ = ["SimLink", "SimResult", "SimStage", "SimVW", "main", "simulate"]
 
@@ -102,11 +102,11 @@ class SimVW:
     links: tuple[SimLink, ...] = ()  # k - 1 links, or empty for free transfers
     minibatch: int = 1  # samples per minibatch
     name: str = ""
-    schedule: str = "async"  # hetpipe.schedule.KINDS; nm is M for the synchronous ones
+    schedule: str = "async"  # hetpipe.core.schedule.KINDS; nm is M for the synchronous ones
     orders: tuple[tuple[tuple[str, int], ...], ...] | None = None  # per stage (sync)
     warmup: int = 0  # 1f1b: extra warm-up forwards of the default orders
     # async, per stage: the most minibatches it holds (0: the schedule's maximum), each
-    # limited stage filled to :func:`hetpipe.schedule.fill_counts` first, as the runtime
+    # limited stage filled to :func:`hetpipe.core.schedule.fill_counts` first, as the runtime
     # runs a plan under train.in_flight = "plan"; empty: no stage is limited
     limits: tuple[int, ...] = ()
 
@@ -139,7 +139,7 @@ class SimResult:
     # per VW, per stage: the most minibatches it held at once under this timing (a
     # minibatch counts from its forward's start to its backward's end, as the runtime holds
     # it: hetpipe.stage.StageStats.peak_in_flight); at most the schedule's maximum
-    # (hetpipe.schedule.max_in_flight), which holds under ANY timing
+    # (hetpipe.core.schedule.max_in_flight), which holds under ANY timing
     peak_in_flight: tuple[tuple[int, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:

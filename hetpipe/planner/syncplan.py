@@ -2,7 +2,7 @@
 order chosen together to minimise the predicted time of one iteration.
 
 A synchronous iteration is a flush: M microbatches go forward and back through the stages in
-a fixed per-stage order (:func:`hetpipe.schedule.microbatch_order`), then every stage steps
+a fixed per-stage order (:func:`hetpipe.core.schedule.microbatch_order`), then every stage steps
 its optimizer once. Its time is not the bottleneck stage's alone: with few microbatches the
 fill and drain (every stage's forward and backward once, every link crossed twice) weigh as
 much as the slowest stage's M - 1 further microbatches, so a fast pipeline may use fewer,
@@ -46,11 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.emulate import padded_speed
-from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
-from hetpipe.planner.profile import ModelProfile, update_scale
-from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
-from hetpipe.schedule import (
+from hetpipe.core.schedule import (
     SYNC_KINDS,
     Backward,
     Forward,
@@ -59,6 +55,10 @@ from hetpipe.schedule import (
     max_in_flight,
     microbatch_order,
 )
+from hetpipe.emulate import padded_speed
+from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
+from hetpipe.planner.profile import ModelProfile, update_scale
+from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 
 __all__ = [
     "SyncChoice",
@@ -86,7 +86,7 @@ CAPS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, INF)
 class SyncStage:
     """One stage's times: per microbatch (forward, backward, each with sending its output),
     per iteration (step, push), and per hand-off to the compute thread and back, paid once
-    for all the actions that go in it (:meth:`hetpipe.schedule.StageSchedule.joins`), as the
+    for all the actions that go in it (:meth:`hetpipe.core.schedule.StageSchedule.joins`), as the
     simulator's :class:`~hetpipe.planner.simulate.SimStage`."""
 
     fwd_s: float
@@ -122,7 +122,7 @@ def iteration_time(
 ) -> float:
     """Time of one iteration: every stage runs its order, then steps and pushes, in the
     hand-offs to its compute thread that the schedule makes
-    (:func:`hetpipe.schedule.iteration_trips`): one at a time, each starting when its first
+    (:func:`hetpipe.core.schedule.iteration_trips`): one at a time, each starting when its first
     action's input is there, costing ``handoff_s`` once and sending what its actions send
     when it is done; each link moves one tensor at a time in each direction. The same timing
     as the simulator's, without its event queue."""
@@ -867,7 +867,7 @@ def sync_plan(
     """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
     (devices in order, layers per stage or None for the best cuts; each runs ``m``).
-    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.schedule.microbatch_order`);
+    ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`);
     None: the planner picks the order from :func:`warmup_ladder` too.
 
     Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever

@@ -4,7 +4,7 @@ Pure (no torch, asyncio or sockets). The runtime (:mod:`hetpipe.pipeline`) execu
 actions a :class:`StageSchedule` gives it, and the planner's simulator
 (:mod:`hetpipe.planner.simulate`) asks the same object what each simulated stage does next,
 so a prediction never follows other rules than a run. Clock rules (waves, the pull's need)
-stay in :mod:`hetpipe.wsp`.
+stay in :mod:`hetpipe.core.wsp`.
 
 Index letters used below:
 
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hetpipe.wsp import pull_need
+from hetpipe.core.wsp import pull_need
 
 __all__ = [
     "KINDS",
@@ -273,7 +273,7 @@ def max_in_flight(
       after it, a late gradient), stage 0 admits Nm at once and each stage forwards all of
       them before the first gradient returns. Stages whose successors keep pace hold fewer,
       by timing only. A stage that runs the lock-step order as a fixed ``sequence``
-      (weights not stashed, :class:`hetpipe.staleness.StageTable`) holds what that order
+      (weights not stashed, :class:`hetpipe.core.staleness.StageTable`) holds what that order
       holds, whatever the timing: ``min(Nm, 2 (k - stage) - 1)``, its forwards until the
       first gradient returns after the round trip through the later stages. A greedy stage
       given a ``limit`` (:class:`StageSchedule`) holds at most that.
@@ -337,7 +337,7 @@ class StageSchedule:
     (async only): the n-th forward or backward this stage must run, ``("F", p)`` or
     ``("B", p)``, instead of greedy 1F1B (a ready backward first); a stage that predicts
     weights runs the lock-step order its s was counted on
-    (:class:`hetpipe.staleness.StageTable`), whatever the timing. ``limit`` (async, greedy
+    (:class:`hetpipe.core.staleness.StageTable`), whatever the timing. ``limit`` (async, greedy
     order only): the most minibatches the stage holds between a forward and its backward; a
     forward waits for a backward beyond it. None: the schedule's own maximum
     (:func:`max_in_flight`). Any limit >= 1 is deadlock-free: the oldest minibatch a stage

@@ -3,8 +3,8 @@
 Weight prediction (``train.weights = "predict"``, the SpecTrain technique) runs the forward
 and the backward of minibatch p at a stage on weights extrapolated ``s`` updates ahead. ``s``
 is not taken from a closed formula: it is counted from the action sequence the stages of a
-virtual worker actually run (:mod:`hetpipe.schedule`, timed in lock step by
-:func:`hetpipe.schedule.clock_cycles`), so it is right for any k, Nm (they differ in hetpipe:
+virtual worker actually run (:mod:`hetpipe.core.schedule`, timed in lock step by
+:func:`hetpipe.core.schedule.clock_cycles`), so it is right for any k, Nm (they differ in hetpipe:
 a pipeline need not be full) and stage position, and for the last stage whose backward
 follows its forward at once.
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetpipe.schedule import Backward, Forward, OptimizerStep, StageSchedule, clock_cycles
+from hetpipe.core.schedule import Backward, Forward, OptimizerStep, StageSchedule, clock_cycles
 
 __all__ = ["StageTable", "lockstep_orders", "version_gaps"]
 
@@ -112,7 +112,7 @@ class StageTable:
     """One stage's lock-step compute order and ``(s_fwd, s_bwd)``, for runs of any length.
 
     A stage that predicts weights runs exactly this order of forwards and backwards
-    (:class:`hetpipe.schedule.StageSchedule` ``sequence``), whatever the relative speed of its
+    (:class:`hetpipe.core.schedule.StageSchedule` ``sequence``), whatever the relative speed of its
     neighbours: so the s it predicts with is the number of updates that really come, on a
     heterogeneous pipeline as on a uniform one (greedy 1F1B would let timing reorder them).
 
