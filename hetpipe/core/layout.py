@@ -1,0 +1,270 @@
+"""The layout of a job's virtual workers: which devices run which layers, with which Nm.
+
+One type for every place that speaks of a split: the job file's ``[[vw]]`` tables, the
+planner's result, what the head lays out and what a worker runs. A stage is a half-open
+layer range ``[first, last)`` on a group of devices (its leader first, then the devices
+replicating it); a virtual worker is its stages in pipeline order and its Nm.
+
+:func:`validate` is the one check of a split, so the job check, the planner's explicit
+plans and the head agree on what is refused and say it with the same words. It names the
+key a user wrote (``vw[0].layers``) so a message reads the same wherever it is raised.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = [
+    "SplitError",
+    "StageLayout",
+    "VWLayout",
+    "bounds_of",
+    "validate",
+]
+
+
+class SplitError(ValueError):
+    """A split that cannot run; ``key`` is the job-file key at fault (``vw[1].layers``)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One stage: layers ``first``..``last``-1 on ``devices`` (leader first).
+
+    ``recompute`` and ``swap`` list the global layers whose activations are recomputed in
+    the backward or wait in host memory; ``rows`` (replicated stages only) are the
+    minibatch's row bounds over the devices; ``in_flight_limit`` caps the minibatches the
+    stage holds between a forward and its backward (0: the schedule's own maximum) and
+    ``in_flight_fill`` is how many forwards it runs before its first backward.
+    """
+
+    devices: tuple[str, ...]
+    first: int
+    last: int
+    recompute: tuple[int, ...] = ()
+    swap: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
+    in_flight_limit: int = 0
+    in_flight_fill: int = 0
+
+    @property
+    def device(self) -> str:
+        """The leader: the device that speaks for the stage (pushes, checkpoints, reports)."""
+        return self.devices[0]
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The devices replicating the stage beside its leader; () for one device."""
+        return self.devices[1:]
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The half-open layer range ``(first, last)``."""
+        return (self.first, self.last)
+
+    @property
+    def n_layers(self) -> int:
+        return self.last - self.first
+
+    def holds(self, layer: int) -> bool:
+        return self.first <= layer < self.last
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (msgpack/JSON), the form an assignment carries."""
+        return {
+            "devices": list(self.devices),
+            "first": self.first,
+            "last": self.last,
+            "recompute": list(self.recompute),
+            "swap": list(self.swap),
+            "rows": list(self.rows),
+            "in_flight_limit": self.in_flight_limit,
+            "in_flight_fill": self.in_flight_fill,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageLayout:
+        try:
+            return cls(
+                devices=tuple(str(x) for x in d["devices"]),
+                first=int(d["first"]),
+                last=int(d["last"]),
+                recompute=tuple(int(x) for x in d.get("recompute", ())),
+                swap=tuple(int(x) for x in d.get("swap", ())),
+                rows=tuple(int(x) for x in d.get("rows", ())),
+                in_flight_limit=int(d.get("in_flight_limit", 0)),
+                in_flight_fill=int(d.get("in_flight_fill", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed stage layout: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class VWLayout:
+    """One virtual worker: its stages in pipeline order and its Nm."""
+
+    stages: tuple[StageLayout, ...]
+    nm: int
+
+    @classmethod
+    def from_counts(
+        cls,
+        groups: Sequence[Sequence[str]],
+        counts: Sequence[int],
+        nm: int,
+        *,
+        recompute: Sequence[Iterable[int]] | None = None,
+        swap: Sequence[Iterable[int]] | None = None,
+        limits: Sequence[int] | None = None,
+    ) -> VWLayout:
+        """A layout from per-stage device groups and layer counts (the job file's form)."""
+        bounds = bounds_of(counts)
+        stages = []
+        for i, group in enumerate(groups):
+            stages.append(
+                StageLayout(
+                    devices=tuple(group),
+                    first=bounds[i][0],
+                    last=bounds[i][1],
+                    recompute=tuple(recompute[i]) if recompute is not None else (),
+                    swap=tuple(swap[i]) if swap is not None else (),
+                    in_flight_limit=limits[i] if limits is not None else 0,
+                )
+            )
+        return cls(tuple(stages), nm)
+
+    @property
+    def k(self) -> int:
+        """Stages in this virtual worker."""
+        return len(self.stages)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Each stage's leader, in pipeline order."""
+        return tuple(s.device for s in self.stages)
+
+    def all_devices(self) -> tuple[str, ...]:
+        """Every device of this virtual worker, replicas included."""
+        return tuple(d for s in self.stages for d in s.devices)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Layers per stage (the job file's ``layers = [...]``)."""
+        return tuple(s.n_layers for s in self.stages)
+
+    def with_stages(self, **changes: Sequence[Any]) -> VWLayout:
+        """This layout with per-stage fields replaced, one value per stage."""
+        stages = list(self.stages)
+        for name, values in changes.items():
+            if len(values) != len(stages):
+                raise ValueError(f"{name}: {len(values)} values for {len(stages)} stages")
+            stages = [replace(s, **{name: v}) for s, v in zip(stages, values, strict=True)]
+        return replace(self, stages=tuple(stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": [s.to_dict() for s in self.stages], "nm": self.nm}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VWLayout:
+        try:
+            return cls(tuple(StageLayout.from_dict(s) for s in d["stages"]), int(d["nm"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed virtual-worker layout: {exc!r}") from None
+
+
+def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Half-open layer ranges of consecutive stages of ``counts`` layers each."""
+    edges = [0, *itertools.accumulate(counts)]
+    return list(itertools.pairwise(edges))
+
+
+def validate(
+    layouts: Sequence[VWLayout],
+    devices: Collection[str],
+    n_layers: int,
+    *,
+    known_as: str = "the cluster",
+) -> None:
+    """Raise :class:`SplitError` for the first problem of a job's split, naming its key.
+
+    Checked: every device is one of ``devices`` (``known_as`` names where they come from)
+    and runs one stage of one virtual worker; each virtual worker has at most as many
+    stages as the model has layers; its stages are non-empty, contiguous and cover the
+    model's ``n_layers`` exactly; Nm is at least 1; the layers a stage recomputes or swaps
+    are its own and never both; a replicated stage's row bounds rise from 0, one more than
+    its devices; an in-flight fill stays within its limit.
+    """
+    owner: dict[str, int] = {}
+    for v, vw in enumerate(layouts):
+        key = f"vw[{v}]"
+        if not vw.stages:
+            raise SplitError(f"{key}.devices", "must list at least one device")
+        for i, st in enumerate(vw.stages):
+            for d in st.devices:
+                if d not in devices:
+                    known = ", ".join(sorted(devices))
+                    raise SplitError(
+                        f"{key}.devices[{i}]",
+                        f"{d!r} is not a device of {known_as} (known: {known})",
+                    )
+                if d in owner:
+                    where = "this vw" if owner[d] == v else f"vw[{owner[d]}]"
+                    raise SplitError(f"{key}.devices[{i}]", f"device {d!r} is already in {where}")
+                owner[d] = v
+        if vw.k > n_layers:
+            raise SplitError(f"{key}.devices", f"{vw.k} stages for a model of {n_layers} layers")
+        counts = vw.counts
+        for i, n in enumerate(counts):
+            if n < 1:
+                raise SplitError(f"{key}.layers[{i}]", f"must be >= 1, got {n}")
+        if sum(counts) != n_layers or vw.stages[0].first != 0:
+            raise SplitError(
+                f"{key}.layers",
+                f"{list(counts)} sums to {sum(counts)}, the model has {n_layers} layers",
+            )
+        for i, (a, b) in enumerate(itertools.pairwise(vw.stages)):
+            if a.last != b.first:
+                raise SplitError(
+                    f"{key}.layers",
+                    f"stage {i} ends at layer {a.last} but stage {i + 1} starts at {b.first}",
+                )
+        if vw.nm < 1:
+            raise SplitError(f"{key}.nm", f"must be >= 1, got {vw.nm}")
+        for i, st in enumerate(vw.stages):
+            _check_stage(f"{key}.stages[{i}]", st)
+
+
+def _check_stage(key: str, st: StageLayout) -> None:
+    for name, layers in (("recompute", st.recompute), ("swap", st.swap)):
+        outside = [n for n in layers if not st.holds(n)]
+        if outside:
+            raise SplitError(
+                f"{key}.{name}",
+                f"layer {outside[0]} is not in the stage's layers {st.first}..{st.last - 1}",
+            )
+    both = sorted(set(st.recompute) & set(st.swap))
+    if both:
+        raise SplitError(f"{key}.swap", f"layer {both[0]} is also recomputed (one policy each)")
+    if st.rows:
+        rising = all(a < b for a, b in itertools.pairwise(st.rows))
+        if len(st.rows) != len(st.devices) + 1 or st.rows[0] != 0 or not rising:
+            raise SplitError(
+                f"{key}.rows",
+                f"{list(st.rows)} must rise from 0 with one bound more than its "
+                f"{len(st.devices)} devices",
+            )
+    if st.in_flight_limit < 0:
+        raise SplitError(f"{key}.in_flight", f"must be >= 0, got {st.in_flight_limit}")
+    if st.in_flight_limit and st.in_flight_fill > st.in_flight_limit:
+        raise SplitError(
+            f"{key}.in_flight",
+            f"fills {st.in_flight_fill} forwards past its limit {st.in_flight_limit}",
+        )
