@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
+import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -283,30 +286,124 @@ def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
 QUICK_S = 5.0  # how long a command that can also read the disk waits for the head
 
 
+_NUMBERED = re.compile(r"-(\d+)$")
+
+
+def match_job(query: str, ids: Iterable[str]) -> tuple[str | None, list[str]]:
+    """The job ``query`` means among the job ids ``ids``, and the candidates otherwise.
+
+    A job's id is its name and a number (``NAME-<n>``), so a user who submitted ``NAME``
+    says ``NAME``: an exact id wins, else the one job named ``query``. Returns ``(id, [])``
+    when that is one job; ``(None, candidates)`` otherwise, the candidates being every job
+    named ``query`` when there are several, else the ids closest in spelling (at most three,
+    none when nothing is close), oldest first.
+    """
+    known = sorted(set(ids), key=lambda i: (int(m[1]) if (m := _NUMBERED.search(i)) else 0, i))
+    if query in known:
+        return query, []
+    named = [i for i in known if _named(query, i)]
+    if len(named) == 1:
+        return named[0], []
+    if named:
+        return None, named
+    close = set(difflib.get_close_matches(query, known, n=3, cutoff=0.6))
+    return None, [i for i in known if i in close]
+
+
+def no_job(query: str, candidates: list[str], what: str = "job", where: str = "") -> str:
+    """``no job 'QUERY'`` (or ``no WHAT 'QUERY' WHERE``), naming the candidates
+    :func:`match_job` found, on one line."""
+    text = f"no {what} {query!r}{where}"
+    if not candidates:
+        return text
+    listed = ", ".join(candidates)
+    if all(_named(query, c) for c in candidates):
+        return f"{text}: {len(candidates)} jobs are named {query!r} ({listed}); give one id"
+    return f"{text} (closest: {listed})"
+
+
+def _named(name: str, job_id: str) -> bool:
+    """Whether ``job_id`` is the id of a job submitted as ``name`` (``NAME-<n>``)."""
+    return job_id.startswith(f"{name}-") and job_id[len(name) + 1 :].isdigit()
+
+
+def _job_ids(obj: Ctx, ask_head: bool) -> list[str]:
+    """Every job id this CLI can see: finished jobs on disk and, with ``ask_head``, the
+    head's (queued, running and the recent finished ones)."""
+    ids = [info["id"] for info in jobstore.list_jobs(obj.run_dir)]
+    if ask_head:
+        with contextlib.suppress(click.ClickException):
+            jobs = _ask(obj, Kind.CLUSTER_STATUS, {}, timeout=QUICK_S).get("jobs", [])
+            ids += [j["id"] for j in jobs if isinstance(j.get("id"), str)]
+    return ids
+
+
+def _unreachable(exc: click.ClickException) -> bool:
+    return "did not answer" in exc.message or "cannot connect" in exc.message
+
+
+T = TypeVar("T")
+
+
+def _find_job(
+    obj: Ctx, job: str, fetch: Callable[[str, bool], T | None], what: str = "job"
+) -> tuple[str, T]:
+    """``fetch(id, ask_head)`` for ``job``, else for the one job it names (:func:`match_job`).
+
+    ``fetch`` returns None when neither the head nor this host's run directory has the job,
+    and raises any other problem; the head's own problems (unreachable) come back as a
+    ClickException, after which only the disk is read. When nothing is found, a one-line
+    error names the candidates; ``what`` says what this host's directory lacks when the
+    head could not be asked (``job``, ``trace of job``).
+    """
+    head_problem = ""
+    try:
+        got = fetch(job, True)
+    except click.ClickException as exc:
+        if not _unreachable(exc):
+            raise
+        head_problem = exc.message
+        got = fetch(job, False)
+    if got is not None:
+        return job, got
+    found, candidates = match_job(job, _job_ids(obj, ask_head=not head_problem))
+    if found is not None and found != job:
+        got = fetch(found, not head_problem)
+        if got is not None:
+            return found, got
+    if not head_problem:
+        raise click.ClickException(no_job(job, candidates))
+    where = f" in {obj.run_dir / 'jobs'}"
+    raise click.ClickException(f"{no_job(job, candidates, what, where)}, and {head_problem}")
+
+
 def job_status(obj: Ctx, job: str) -> tuple[dict[str, Any], str]:
     """A job's status and where it came from: the head, or the job's directory.
 
     A finished job's directory answers when the head is down, restarted or has forgotten
-    the job; the head answers for queued and running jobs.
+    the job; the head answers for queued and running jobs. ``job`` may also be the name the
+    job was submitted as, when one job has it (:func:`match_job`).
     """
-    try:
-        info = _ask(obj, Kind.JOB_STATUS, {"job": job}, timeout=QUICK_S)
-        source = info.pop("source", "head")
-        if source == "disk":  # the head had forgotten it and read its run directory
-            return info, f"jobs/{job}/{jobstore.RESULT} via the head at {obj.head}"
-        return info, f"the head at {obj.head}"
-    except click.ClickException as exc:
-        unreachable = "did not answer" in exc.message or "cannot connect" in exc.message
-        if not unreachable and "no job " not in exc.message:
-            raise
-        head_problem = exc.message
-    info = jobstore.read_result(obj.run_dir, job)
-    if info is None:
-        if "no job " in head_problem:
-            raise click.ClickException(f"no job {job!r}")
-        raise click.ClickException(f"no job {job!r} in {obj.run_dir / 'jobs'}, and {head_problem}")
-    d = jobstore.job_dir(obj.run_dir, job)
-    return info, str(d / jobstore.RESULT) if d else str(obj.run_dir)
+
+    def fetch(job_id: str, ask_head: bool) -> tuple[dict[str, Any], str] | None:
+        if ask_head:
+            try:
+                info = _ask(obj, Kind.JOB_STATUS, {"job": job_id}, timeout=QUICK_S)
+            except click.ClickException as exc:
+                if "no job " not in exc.message:
+                    raise
+            else:
+                source = info.pop("source", "head")
+                if source == "disk":  # the head had forgotten it and read its run directory
+                    return info, f"jobs/{job_id}/{jobstore.RESULT} via the head at {obj.head}"
+                return info, f"the head at {obj.head}"
+        info = jobstore.read_result(obj.run_dir, job_id)
+        if info is None:
+            return None
+        d = jobstore.job_dir(obj.run_dir, job_id)
+        return info, str(d / jobstore.RESULT) if d else str(obj.run_dir)
+
+    return _find_job(obj, job, fetch)[1]
 
 
 @main.command()
@@ -474,11 +571,13 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @click.option(
     "-o",
     "--output",
-    required=True,
+    default=None,
     type=click.Path(dir_okay=False),
     help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).",
 )
-@click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
+@click.option(
+    "--png", type=click.Path(dir_okay=False), help="Gantt chart to draw (with or without -o)."
+)
 @click.option(
     "--minibatches",
     "mb_range",
@@ -495,38 +594,55 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 )
 @click.pass_obj
 def trace(
-    obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None, s_range: str | None
+    obj: Ctx,
+    job: str,
+    output: str | None,
+    png: str | None,
+    mb_range: str | None,
+    s_range: str | None,
 ) -> None:
-    """Write a finished job's timeline: one track per device.
+    """Write a finished job's timeline (-o, one track per device) or its Gantt chart (--png),
+    or both.
 
     Read from the job's directory when it is on this host (no head needed), else asked of
-    the head.
+    the head. JOB may be the name the job was submitted as, when one job has it.
     """
+    if output is None and png is None:
+        raise click.UsageError(
+            "give -o FILE (the trace JSON), --png FILE (its Gantt chart), or both"
+        )
     if mb_range and s_range:
         raise click.UsageError("give --minibatches or --seconds, not both")
     minibatches = _range(mb_range, "--minibatches", int)
     seconds = _range(s_range, "--seconds", float)
     if png is None and (minibatches or seconds):
         raise click.UsageError("--minibatches and --seconds choose the window of --png")
-    d = jobstore.job_dir(obj.run_dir, job)
-    local = d / jobstore.TRACE if d is not None else None
-    if local is not None and local.exists():
+
+    def fetch(job_id: str, ask_head: bool) -> tuple[dict[str, Any], str] | None:
+        d = jobstore.job_dir(obj.run_dir, job_id)
+        local = d / jobstore.TRACE if d is not None else None
+        if local is not None and local.exists():
+            try:
+                return json.loads(local.read_text()), str(local)
+            except (OSError, ValueError) as exc:
+                raise click.ClickException(f"{local}: cannot read the trace: {exc}") from None
+        if not ask_head:
+            return None
         try:
-            data = json.loads(local.read_text())
-        except (OSError, ValueError) as exc:
-            raise click.ClickException(f"{local}: cannot read the trace: {exc}") from None
-        source = str(local)
-    else:
-        try:
-            data = _ask(obj, Kind.TRACE, {"job": job}, timeout=QUICK_S * 6)
+            data = _ask(obj, Kind.TRACE, {"job": job_id}, timeout=QUICK_S * 6)
         except click.ClickException as exc:
             if "no job " in exc.message:
-                raise click.ClickException(f"no job {job!r}") from None
+                return None
             raise
-        source = f"the head at {obj.head}"
-    Path(output).write_text(json.dumps(data))
+        return data, f"the head at {obj.head}"
+
+    job, (data, source) = _find_job(obj, job, fetch, "trace of job")
     n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
-    click.echo(f"trace: {n} events of job {job} (from {source}) -> {output}")
+    if output is not None:
+        Path(output).write_text(json.dumps(data))
+    click.echo(
+        f"trace: {n} events of job {job} (from {source})" + (f" -> {output}" if output else "")
+    )
     if png:
         from hetpipe.gantt import gantt_png
 
