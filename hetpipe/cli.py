@@ -248,7 +248,8 @@ def down(obj: Ctx) -> None:
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 @click.pass_obj
 def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
-    """Show each worker's device, type, state, job and stage, and the jobs; or one JOB."""
+    """Show each worker's device, type, state, job and stage, and the jobs; or one JOB
+    (its id, or the name it was submitted as when one job has it)."""
     if job is not None:
         info, source = job_status(obj, job)
         if as_json:
