@@ -3,26 +3,44 @@
 One root group; the cluster file is loaded once into ``ctx.obj``. User errors are
 ``click.ClickException`` (one clear line, exit 1) or ``UsageError`` (exit 2); never a
 traceback for a mistake the user can fix.
+
+Each command asks the head (or reads a job's directory) and hands the answer to a renderer
+of :mod:`hetpipe.views`; what is printed is decided there. The commands stay in one file
+because they share the group's context, its request helpers and their timeouts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
-import sys
+import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from hetpipe import jobstore, launch, security
 from hetpipe.client import HeadClient, HeadError, client_curve
-from hetpipe.config import ClusterConfig, ConfigError, check_address, format_size, load_cluster
+from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
 from hetpipe.job import JobError, JobSpec, load_job
 from hetpipe.security import Curve
+from hetpipe.views import (
+    SECURITY_OFF,
+    Progress,
+    brief,
+    final_line,
+    job_line,
+    render_log_line,
+    render_profile,
+    render_result,
+    render_running,
+    render_status,
+)
 from hetpipe.wire import Kind
 
 __all__ = ["main"]
@@ -230,13 +248,14 @@ def down(obj: Ctx) -> None:
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 @click.pass_obj
 def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
-    """Show each worker's device, type, state, job and stage, and the jobs; or one JOB."""
+    """Show each worker's device, type, state, job and stage, and the jobs; or one JOB
+    (its id, or the name it was submitted as when one job has it)."""
     if job is not None:
         info, source = job_status(obj, job)
         if as_json:
             click.echo(json.dumps({**info, "source": source}))
             return
-        click.echo(render_result(info) if info["state"] == "done" else _job_line(info))
+        click.echo(render_result(info) if info["state"] == "done" else job_line(info))
         click.echo(f"(from {source})")
         return
 
@@ -248,10 +267,9 @@ def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
             if watch:
                 click.clear()
             click.echo(render_status(info))
-            running = [j for j in info.get("jobs", []) if j["state"] == "running"]
-            for j in running:
-                click.echo(f"\n{j['id']}:")
-                click.echo("\n".join(live_view(j)))
+            running = render_running(info)
+            if running:
+                click.echo("\n" + running)
 
     async def go() -> None:
         async with HeadClient(obj.head, curve=obj.curve) as client:
@@ -264,86 +282,129 @@ def status(obj: Ctx, job: str | None, as_json: bool, watch: bool) -> None:
         _run(go())
 
 
-def render_status(info: dict[str, Any]) -> str:
-    """The cluster status as a table a person reads."""
-    rows = [("DEVICE", "TYPE", "SPEED", "MEMORY", "STATE", "JOB", "STAGE")]
-    warnings = []
-    if info.get("security", {}).get("curve") is False:
-        warnings.append(SECURITY_OFF)
-    if info.get("shards_lost"):
-        warnings.append("LOST SHARDS: " + ", ".join(f"ps{i}" for i in info["shards_lost"]))
-    for w in info["workers"]:
-        stage = f"vw{w['vw']}/stage{w['stage']}" if w.get("stage") is not None else "-"
-        rows.append(
-            (
-                w["device"],
-                w["type"],
-                f"{w['speed']:g}",
-                format_size(w["memory"]),
-                w["state"],
-                w.get("job") or "-",
-                stage,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
-    lines = warnings + lines
-    jobs = info.get("jobs", [])
-    if jobs:
-        lines.append("")
-        lines.append("JOBS")
-        for j in jobs[-10:]:
-            lines.append("  " + _job_line(j))
-    return "\n".join(lines)
-
-
-def _job_line(j: dict[str, Any]) -> str:
-    parts = [f"{j['id']:<20} {j['state']:<9}"]
-    if j.get("total"):
-        parts.append(f"{j.get('minibatches', 0)}/{j['total']} minibatches")
-    if j.get("loss") is not None:
-        parts.append(f"loss {j['loss']:.3f}")
-    if j.get("samples_per_s"):
-        parts.append(f"{j['samples_per_s']:.0f} samples/s")
-    if j.get("vws"):
-        clocks = " ".join(f"vw{v['vw']}:{v['clock']}" for v in j["vws"])
-        parts.append(f"clocks {clocks} global {j.get('global_clock', 0)}")
-    if j.get("test_accuracy") is not None:
-        parts.append(f"test accuracy {j['test_accuracy']:.4f}")
-    if j.get("error"):
-        parts.append(f"error: {j['error']}")
-    return "  ".join(parts)
-
-
 # -- jobs: list, cancel, and finished jobs from their directories ---------------------------
 
 QUICK_S = 5.0  # how long a command that can also read the disk waits for the head
+
+
+_NUMBERED = re.compile(r"-(\d+)$")
+
+
+def match_job(query: str, ids: Iterable[str]) -> tuple[str | None, list[str]]:
+    """The job ``query`` means among the job ids ``ids``, and the candidates otherwise.
+
+    A job's id is its name and a number (``NAME-<n>``), so a user who submitted ``NAME``
+    says ``NAME``: an exact id wins, else the one job named ``query``. Returns ``(id, [])``
+    when that is one job; ``(None, candidates)`` otherwise, the candidates being every job
+    named ``query`` when there are several, else the ids closest in spelling (at most three,
+    none when nothing is close), oldest first.
+    """
+    known = sorted(set(ids), key=lambda i: (int(m[1]) if (m := _NUMBERED.search(i)) else 0, i))
+    if query in known:
+        return query, []
+    named = [i for i in known if _named(query, i)]
+    if len(named) == 1:
+        return named[0], []
+    if named:
+        return None, named
+    close = set(difflib.get_close_matches(query, known, n=3, cutoff=0.6))
+    return None, [i for i in known if i in close]
+
+
+def no_job(query: str, candidates: list[str], what: str = "job", where: str = "") -> str:
+    """``no job 'QUERY'`` (or ``no WHAT 'QUERY' WHERE``), naming the candidates
+    :func:`match_job` found, on one line."""
+    text = f"no {what} {query!r}{where}"
+    if not candidates:
+        return text
+    listed = ", ".join(candidates)
+    if all(_named(query, c) for c in candidates):
+        return f"{text}: {len(candidates)} jobs are named {query!r} ({listed}); give one id"
+    return f"{text} (closest: {listed})"
+
+
+def _named(name: str, job_id: str) -> bool:
+    """Whether ``job_id`` is the id of a job submitted as ``name`` (``NAME-<n>``)."""
+    return job_id.startswith(f"{name}-") and job_id[len(name) + 1 :].isdigit()
+
+
+def _job_ids(obj: Ctx, ask_head: bool) -> list[str]:
+    """Every job id this CLI can see: finished jobs on disk and, with ``ask_head``, the
+    head's (queued, running and the recent finished ones)."""
+    ids = [info["id"] for info in jobstore.list_jobs(obj.run_dir)]
+    if ask_head:
+        with contextlib.suppress(click.ClickException):
+            jobs = _ask(obj, Kind.CLUSTER_STATUS, {}, timeout=QUICK_S).get("jobs", [])
+            ids += [j["id"] for j in jobs if isinstance(j.get("id"), str)]
+    return ids
+
+
+def _unreachable(exc: click.ClickException) -> bool:
+    return "did not answer" in exc.message or "cannot connect" in exc.message
+
+
+T = TypeVar("T")
+
+
+def _find_job(
+    obj: Ctx, job: str, fetch: Callable[[str, bool], T | None], what: str = "job"
+) -> tuple[str, T]:
+    """``fetch(id, ask_head)`` for ``job``, else for the one job it names (:func:`match_job`).
+
+    ``fetch`` returns None when neither the head nor this host's run directory has the job,
+    and raises any other problem; the head's own problems (unreachable) come back as a
+    ClickException, after which only the disk is read. When nothing is found, a one-line
+    error names the candidates; ``what`` says what this host's directory lacks when the
+    head could not be asked (``job``, ``trace of job``).
+    """
+    head_problem = ""
+    try:
+        got = fetch(job, True)
+    except click.ClickException as exc:
+        if not _unreachable(exc):
+            raise
+        head_problem = exc.message
+        got = fetch(job, False)
+    if got is not None:
+        return job, got
+    found, candidates = match_job(job, _job_ids(obj, ask_head=not head_problem))
+    if found is not None and found != job:
+        got = fetch(found, not head_problem)
+        if got is not None:
+            return found, got
+    if not head_problem:
+        raise click.ClickException(no_job(job, candidates))
+    where = f" in {obj.run_dir / 'jobs'}"
+    raise click.ClickException(f"{no_job(job, candidates, what, where)}, and {head_problem}")
 
 
 def job_status(obj: Ctx, job: str) -> tuple[dict[str, Any], str]:
     """A job's status and where it came from: the head, or the job's directory.
 
     A finished job's directory answers when the head is down, restarted or has forgotten
-    the job; the head answers for queued and running jobs.
+    the job; the head answers for queued and running jobs. ``job`` may also be the name the
+    job was submitted as, when one job has it (:func:`match_job`).
     """
-    try:
-        info = _ask(obj, Kind.JOB_STATUS, {"job": job}, timeout=QUICK_S)
-        source = info.pop("source", "head")
-        if source == "disk":  # the head had forgotten it and read its run directory
-            return info, f"jobs/{job}/{jobstore.RESULT} via the head at {obj.head}"
-        return info, f"the head at {obj.head}"
-    except click.ClickException as exc:
-        unreachable = "did not answer" in exc.message or "cannot connect" in exc.message
-        if not unreachable and "no job " not in exc.message:
-            raise
-        head_problem = exc.message
-    info = jobstore.read_result(obj.run_dir, job)
-    if info is None:
-        if "no job " in head_problem:
-            raise click.ClickException(f"no job {job!r}")
-        raise click.ClickException(f"no job {job!r} in {obj.run_dir / 'jobs'}, and {head_problem}")
-    d = jobstore.job_dir(obj.run_dir, job)
-    return info, str(d / jobstore.RESULT) if d else str(obj.run_dir)
+
+    def fetch(job_id: str, ask_head: bool) -> tuple[dict[str, Any], str] | None:
+        if ask_head:
+            try:
+                info = _ask(obj, Kind.JOB_STATUS, {"job": job_id}, timeout=QUICK_S)
+            except click.ClickException as exc:
+                if "no job " not in exc.message:
+                    raise
+            else:
+                source = info.pop("source", "head")
+                if source == "disk":  # the head had forgotten it and read its run directory
+                    return info, f"jobs/{job_id}/{jobstore.RESULT} via the head at {obj.head}"
+                return info, f"the head at {obj.head}"
+        info = jobstore.read_result(obj.run_dir, job_id)
+        if info is None:
+            return None
+        d = jobstore.job_dir(obj.run_dir, job_id)
+        return info, str(d / jobstore.RESULT) if d else str(obj.run_dir)
+
+    return _find_job(obj, job, fetch)[1]
 
 
 @main.command()
@@ -370,10 +431,10 @@ def jobs(obj: Ctx, as_json: bool) -> None:
     rows: dict[str, dict[str, Any]] = {}
     note = ""
     for info in jobstore.list_jobs(obj.run_dir):
-        rows[info["id"]] = {**_brief(info), "source": "disk"}
+        rows[info["id"]] = {**brief(info), "source": "disk"}
     try:
         for info in _ask(obj, Kind.CLUSTER_STATUS, {}, timeout=QUICK_S).get("jobs", []):
-            rows[info["id"]] = {**_brief(info), "source": "head"}
+            rows[info["id"]] = {**brief(info), "source": "head"}
     except click.ClickException as exc:
         note = f"(head not reachable: {exc.message}; finished jobs from {obj.run_dir / 'jobs'})"
     if note:
@@ -384,23 +445,7 @@ def jobs(obj: Ctx, as_json: bool) -> None:
     if not rows:
         click.echo(f"no jobs (head and {obj.run_dir / 'jobs'})")
     for info in rows.values():
-        click.echo(f"{_job_line(info)}  [{info['source']}]")
-
-
-def _brief(info: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "id",
-        "name",
-        "state",
-        "error",
-        "seconds",
-        "total",
-        "minibatches",
-        "loss",
-        "samples_per_s",
-        "test_accuracy",
-    )
-    return {k: info[k] for k in keys if info.get(k) is not None}
+        click.echo(f"{job_line(info)}  [{info['source']}]")
 
 
 # -- submit ---------------------------------------------------------------------------------
@@ -479,133 +524,6 @@ async def submit_and_follow(
     return info
 
 
-def final_line(info: dict[str, Any]) -> dict[str, Any]:
-    """The one JSON line ``--json`` prints."""
-    return {
-        "job": info["id"],
-        "status": info["state"],
-        "test_accuracy": info.get("test_accuracy"),
-        "samples_per_s": info.get("samples_per_s"),
-        "minibatches": info.get("minibatches"),
-        "seconds": info.get("seconds"),
-        "model_path": info.get("model_path"),
-        "error": info.get("error"),
-    }
-
-
-def render_result(info: dict[str, Any]) -> str:
-    if info["state"] != "done":
-        return f"{info['id']}: {info['state']}: {info.get('error')}"
-    lines = [
-        f"{info['id']}: done in {info['seconds']:.1f} s, "
-        f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
-        f"test accuracy {info['test_accuracy']:.4f}"
-    ]
-    placement = ", ".join(
-        f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
-        for r in info.get("placement") or []
-        if r["shards"]
-    )
-    if placement:
-        lines.append(f"placement: {placement}")
-    comparison = render_comparison(info)
-    if comparison:
-        lines.append(comparison)
-    lines.append(f"model:   {info['model_path']}")
-    lines.append(f"metrics: {info['metrics_path']}")
-    lines.append(f"trace:   {info['trace_path']}  (open in https://ui.perfetto.dev)")
-    return "\n".join(lines)
-
-
-class Progress:
-    """The live view of a running job.
-
-    On a TTY: a block redrawn in place (progress bar, then per stage its busy / bubble /
-    gate shares, then a hang diagnosis if any). Otherwise one line every few seconds.
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-        self.drawn = 0
-
-    def update(self, info: dict[str, Any]) -> None:
-        if not self.enabled or info["state"] != "running" or not info.get("total"):
-            return
-        now = time.monotonic()
-        if not self.tty and now - self.last < 2.0:
-            return
-        self.last = now
-        lines = live_view(info)
-        if self.tty:
-            up = f"\x1b[{self.drawn}F" if self.drawn else ""
-            click.echo(up + "\n".join(line.ljust(100) for line in lines), err=True)
-            self.drawn = len(lines)
-        else:
-            click.echo(lines[0], err=True)
-            for line in lines[1:]:
-                if line.startswith("hang"):
-                    click.echo(line, err=True)
-
-    def close(self) -> None:
-        pass
-
-
-def live_view(info: dict[str, Any]) -> list[str]:
-    """Progress, throughput, clocks, per-stage shares and any hang diagnosis, as lines."""
-    total = info.get("total") or 0
-    done = info.get("minibatches") or 0
-    width = 30
-    filled = int(width * done / total) if total else 0
-    loss = f"loss {info['loss']:.3f}" if info.get("loss") is not None else "loss -"
-    vws = info.get("vws") or []
-    per_vw = " ".join(f"vw{v['vw']} {v['samples_per_s']:.0f}/s clock {v['clock']}" for v in vws)
-    lines = [
-        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} minibatches  {loss}  "
-        f"{info.get('samples_per_s', 0):.0f} samples/s  global clock "
-        f"{info.get('global_clock', 0)}" + (f"  ({per_vw})" if len(vws) > 1 else "")
-    ]
-    for st in info.get("stages") or []:
-        sh = st.get("shares") or {}
-        if sh:
-            lines.append(
-                f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} "
-                f"busy {sh['busy']:4.0%}  bubble {sh['bubble']:4.0%}  "
-                f"gate {sh['gate']:4.0%}  comm {sh['comm']:4.0%}"
-            )
-    for d in info.get("diagnosis") or []:
-        lines.append(f"hang: {d}")
-    return lines
-
-
-def render_comparison(info: dict[str, Any]) -> str:
-    """Measured per-stage time and throughput next to the planner's prediction."""
-    pred = info.get("predicted")
-    if not pred:
-        return ""
-    lines = ["measured vs predicted:"]
-    for st in info.get("stages") or []:
-        try:
-            p = pred["vws"][st["vw"]]["stages"][st["stage"]]["time_s"]
-        except (IndexError, KeyError, TypeError):
-            continue
-        m = st.get("time_s")
-        lines.append(
-            f"  vw{st['vw']}/stage{st['stage']} {st['device']:<8} compute "
-            f"{_ms(m)} per minibatch, predicted {_ms(p)}"
-        )
-    lines.append(
-        f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
-        f"{pred['samples_per_s']:.0f} samples/s"
-    )
-    return "\n".join(lines)
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
-
-
 # -- profile / plan -------------------------------------------------------------------------
 
 
@@ -628,34 +546,6 @@ def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
         click.echo(json.dumps(prof))
         return
     click.echo(render_profile(prof))
-
-
-def render_profile(prof: dict[str, Any]) -> str:
-    """Per device type: forward/backward ms of each layer, and bytes per layer; then each
-    stage's call term (paid once per stage, whatever its layers: see
-    :mod:`hetpipe.planner.profile`), where the profile has one."""
-    types = sorted(prof["layers"])
-    first = prof["layers"][types[0]]
-    head = ["LAYER", *[f"{t} fwd+bwd ms" for t in types], "PARAMS", "OUTPUT"]
-    rows = [head]
-    for i in range(len(first)):
-        times = [prof["layers"][t][i]["fwd_s"] + prof["layers"][t][i]["bwd_s"] for t in types]
-        rows.append(
-            [
-                str(i),
-                *[f"{1e3 * s:.3f}" for s in times],
-                format_size(first[i]["param_bytes"]),
-                format_size(first[i]["out_bytes"]),
-            ]
-        )
-    calls = prof.get("calls") or {}
-    if calls:
-        times = [calls[t]["fwd_s"] + calls[t]["bwd_s"] if t in calls else 0.0 for t in types]
-        rows.append(["per stage", *[f"{1e3 * s:.3f}" for s in times], "", ""])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"profile of {prof['model']} at minibatch {prof['minibatch']}"]
-    lines += ["  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
-    return "\n".join(lines)
 
 
 @main.command()
@@ -682,11 +572,13 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @click.option(
     "-o",
     "--output",
-    required=True,
+    default=None,
     type=click.Path(dir_okay=False),
     help="Chrome trace JSON to write (opens in Perfetto / chrome://tracing).",
 )
-@click.option("--png", type=click.Path(dir_okay=False), help="Also draw a Gantt chart.")
+@click.option(
+    "--png", type=click.Path(dir_okay=False), help="Gantt chart to draw (with or without -o)."
+)
 @click.option(
     "--minibatches",
     "mb_range",
@@ -703,38 +595,55 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 )
 @click.pass_obj
 def trace(
-    obj: Ctx, job: str, output: str, png: str | None, mb_range: str | None, s_range: str | None
+    obj: Ctx,
+    job: str,
+    output: str | None,
+    png: str | None,
+    mb_range: str | None,
+    s_range: str | None,
 ) -> None:
-    """Write a finished job's timeline: one track per device.
+    """Write a finished job's timeline (-o, one track per device) or its Gantt chart (--png),
+    or both.
 
     Read from the job's directory when it is on this host (no head needed), else asked of
-    the head.
+    the head. JOB may be the name the job was submitted as, when one job has it.
     """
+    if output is None and png is None:
+        raise click.UsageError(
+            "give -o FILE (the trace JSON), --png FILE (its Gantt chart), or both"
+        )
     if mb_range and s_range:
         raise click.UsageError("give --minibatches or --seconds, not both")
     minibatches = _range(mb_range, "--minibatches", int)
     seconds = _range(s_range, "--seconds", float)
     if png is None and (minibatches or seconds):
         raise click.UsageError("--minibatches and --seconds choose the window of --png")
-    d = jobstore.job_dir(obj.run_dir, job)
-    local = d / jobstore.TRACE if d is not None else None
-    if local is not None and local.exists():
+
+    def fetch(job_id: str, ask_head: bool) -> tuple[dict[str, Any], str] | None:
+        d = jobstore.job_dir(obj.run_dir, job_id)
+        local = d / jobstore.TRACE if d is not None else None
+        if local is not None and local.exists():
+            try:
+                return json.loads(local.read_text()), str(local)
+            except (OSError, ValueError) as exc:
+                raise click.ClickException(f"{local}: cannot read the trace: {exc}") from None
+        if not ask_head:
+            return None
         try:
-            data = json.loads(local.read_text())
-        except (OSError, ValueError) as exc:
-            raise click.ClickException(f"{local}: cannot read the trace: {exc}") from None
-        source = str(local)
-    else:
-        try:
-            data = _ask(obj, Kind.TRACE, {"job": job}, timeout=QUICK_S * 6)
+            data = _ask(obj, Kind.TRACE, {"job": job_id}, timeout=QUICK_S * 6)
         except click.ClickException as exc:
             if "no job " in exc.message:
-                raise click.ClickException(f"no job {job!r}") from None
+                return None
             raise
-        source = f"the head at {obj.head}"
-    Path(output).write_text(json.dumps(data))
+        return data, f"the head at {obj.head}"
+
+    job, (data, source) = _find_job(obj, job, fetch, "trace of job")
     n = sum(1 for e in data["traceEvents"] if e.get("ph") == "X")
-    click.echo(f"trace: {n} events of job {job} (from {source}) -> {output}")
+    if output is not None:
+        Path(output).write_text(json.dumps(data))
+    click.echo(
+        f"trace: {n} events of job {job} (from {source})" + (f" -> {output}" if output else "")
+    )
     if png:
         from hetpipe.gantt import gantt_png
 
@@ -820,11 +729,6 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
 
 # -- keys (trust: hetpipe.security) ----------------------------------------------------------
 
-SECURITY_OFF = (
-    "SECURITY OFF: [security] curve = false: the daemons authenticate and "
-    "encrypt nothing; any peer that reaches a port is trusted"
-)
-
 
 def make_keys(cluster: ClusterConfig, *, force: bool = False) -> list[str]:
     """Create the cluster's missing key pairs (all of them with ``force``)."""
@@ -879,21 +783,6 @@ def logs(obj: Ctx, daemon: str | None, lines: int) -> None:
         click.echo(click.style(f"== {f.stem}", bold=True))
         for line in f.read_text(errors="replace").splitlines()[-lines:]:
             click.echo(render_log_line(line))
-
-
-def render_log_line(line: str) -> str:
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return line
-    if not isinstance(rec, dict):
-        return line
-    ts = str(rec.pop("timestamp", ""))[11:23]
-    level = str(rec.pop("level", "")).upper()
-    event = rec.pop("event", "")
-    rec.pop("process", None)
-    rest = " ".join(f"{k}={v}" for k, v in rec.items())
-    return f"{ts} {level:<7} {event} {rest}".rstrip()
 
 
 if __name__ == "__main__":

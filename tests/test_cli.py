@@ -323,93 +323,6 @@ def test_logs_renders_the_tail_of_each_daemon(tmp_path: Path) -> None:
     assert both.stdout.splitlines() == ["== ps0", "plain text", "== ps1"]
 
 
-# -- rendering ------------------------------------------------------------------------------
-
-
-def worker(
-    device: str, type_: str, speed: float, memory: int, state: str, **extra: Any
-) -> dict[str, Any]:
-    return {
-        "device": device,
-        "type": type_,
-        "speed": speed,
-        "memory": memory,
-        "state": state,
-        "job": None,
-        "vw": None,
-        "stage": None,
-        **extra,
-    }
-
-
-def test_render_status_is_an_aligned_table() -> None:
-    info = {
-        "workers": [
-            worker("gpu0", "fast", 1.0, 64 << 20, "idle"),
-            worker("gpu3", "whimpy", 0.25, 3 << 20, "running", job="digits-1", vw=1, stage=2),
-            worker("gpu10", "medium", 0.5, 2 << 30, "lost"),
-        ],
-        "jobs": [],
-    }
-    assert cli.render_status(info).splitlines() == [
-        "DEVICE  TYPE    SPEED  MEMORY   STATE    JOB       STAGE",
-        "gpu0    fast    1      64.0MiB  idle     -         -",
-        "gpu3    whimpy  0.25   3.0MiB   running  digits-1  vw1/stage2",
-        "gpu10   medium  0.5    2.0GiB   lost     -         -",
-    ]
-
-
-def test_render_status_lists_the_last_ten_jobs() -> None:
-    running = {
-        "id": "digits-11",
-        "state": "running",
-        "total": 100,
-        "minibatches": 40,
-        "loss": 0.5,
-        "samples_per_s": 1234.4,
-        "vws": [{"vw": 0, "clock": 3}, {"vw": 1, "clock": 2}],
-        "global_clock": 2,
-    }
-    failed = {"id": "digits-10", "state": "failed", "error": "worker gpu1 lost"}
-    done = {"id": "old", "state": "done", "test_accuracy": 0.96125}
-    info = {
-        "workers": [worker("gpu0", "fast", 1.0, 64 << 20, "idle")],
-        "jobs": [{"id": f"early-{i}", "state": "done"} for i in range(5)]
-        + [done] * 4
-        + [failed, running],
-    }
-    lines = [line.rstrip() for line in cli.render_status(info).splitlines()]
-    assert lines[2:4] == ["", "JOBS"]
-    jobs = lines[4:]
-    assert len(jobs) == 10
-    assert jobs[0] == "  early-1              done"
-    assert jobs[-4] == "  old                  done       test accuracy 0.9613"
-    assert jobs[-2] == "  digits-10            failed     error: worker gpu1 lost"
-    assert jobs[-1] == (
-        "  digits-11            running    40/100 minibatches  loss 0.500  1234 samples/s  "
-        "clocks vw0:3 vw1:2 global 2"
-    )
-
-
-def test_render_log_line() -> None:
-    rec = {
-        "timestamp": "2025-06-07T08:09:10.123456",
-        "level": "warning",
-        "event": "worker lost",
-        "process": "ps0",
-        "device": "gpu2",
-        "silent_s": 5.1,
-    }
-    assert cli.render_log_line(json.dumps(rec)) == (
-        "08:09:10.123 WARNING worker lost device=gpu2 silent_s=5.1"
-    )
-    assert cli.render_log_line(json.dumps({"event": "ready", "level": "info"})) == (
-        " INFO    ready"
-    )
-    for raw in ("not json at all", "[1, 2]", "42", ""):
-        assert cli.render_log_line(raw) == raw
-
-
 def test_help_lists_the_commands() -> None:
     result = invoke("--help")
     assert result.exit_code == 0
@@ -575,11 +488,199 @@ def test_commands_that_send_no_tensor_do_not_import_torch(tmp_path: Path) -> Non
     assert any((tmp_path / ".hetpipe" / "keys").iterdir())  # the commands did their work
 
 
-def test_the_profile_table_shows_the_stage_call_term() -> None:
-    from hetpipe.planner import synthetic_profile
+# -- a job by the name it was submitted as ---------------------------------------------------
 
-    prof = synthetic_profile(3, {"a": 1.0, "b": 0.5}, 0, call=(1e-4, 2e-4, 5e-5)).to_dict()
-    last = cli.render_profile(prof).splitlines()[-1].split()
-    assert last == ["per", "stage", "0.300", "0.600"]  # forward + backward call, ms, per type
-    old = {k: v for k, v in prof.items() if k != "calls"}  # measured before the term
-    assert "per stage" not in cli.render_profile(old)
+
+@pytest.mark.parametrize(
+    ("query", "ids", "expected"),
+    [
+        ("demo-2", ["demo-1", "demo-2"], ("demo-2", [])),
+        ("demo", ["demo-1", "other-2"], ("demo-1", [])),
+        ("demo", ["demo-10", "demo-9", "demox-3"], (None, ["demo-9", "demo-10"])),
+        # job "run-2", number 5: not a job named "run", but close to it
+        ("run", ["run-2-5"], (None, ["run-2-5"])),
+        ("run-2", ["run-2-5"], ("run-2-5", [])),
+        ("dmeo-1", ["demo-1", "demo-12", "zzz-3"], (None, ["demo-1", "demo-12"])),
+        ("nosuch-9", ["long-1", "short-2"], (None, [])),
+        ("demo", [], (None, [])),
+    ],
+    ids=[
+        "exact",
+        "one-named",
+        "several-named",
+        "longer-name",
+        "name-with-digits",
+        "close",
+        "far",
+        "no-jobs",
+    ],
+)
+def test_match_job(query: str, ids: list[str], expected: tuple[str | None, list[str]]) -> None:
+    assert cli.match_job(query, ids) == expected
+
+
+def test_no_job_names_the_candidates_on_one_line() -> None:
+    assert cli.no_job("x", []) == "no job 'x'"
+    assert cli.no_job("demo", ["demo-1", "demo-2"]) == (
+        "no job 'demo': 2 jobs are named 'demo' (demo-1, demo-2); give one id"
+    )
+    assert cli.no_job("dmeo-1", ["demo-1"]) == "no job 'dmeo-1' (closest: demo-1)"
+    assert cli.no_job("t", ["t-1", "t-2"], "trace of job", " in run/jobs") == (
+        "no trace of job 't' in run/jobs: 2 jobs are named 't' (t-1, t-2); give one id"
+    )
+
+
+class FakeHead:
+    """What the head answers, without a head: its jobs by id (and their traces), "no job"
+    otherwise, as :func:`hetpipe.cli._ask` raises it."""
+
+    def __init__(self, jobs: dict[str, dict[str, Any]], traces: dict[str, Any] | None = None):
+        self.jobs = jobs
+        self.traces = traces or {}
+        self.asked: list[tuple[str, str | None]] = []
+
+    def __call__(self, obj: Any, kind: Any, fields: dict[str, Any], timeout: float) -> Any:
+        import click
+
+        from hetpipe.wire import Kind
+
+        job = fields.get("job")
+        self.asked.append((kind, job))
+        if kind == Kind.CLUSTER_STATUS:
+            return {"workers": [], "jobs": list(self.jobs.values())}
+        known = self.traces if kind == Kind.TRACE else self.jobs
+        if job not in known:
+            raise click.ClickException(f"no job {job!r}")
+        return json.loads(json.dumps(known[job]))
+
+
+def running(job_id: str) -> dict[str, Any]:
+    return {"id": job_id, "state": "running", "total": 10, "minibatches": 3}
+
+
+def test_status_of_a_job_by_the_name_it_was_submitted_as(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head = FakeHead({"demo-3": running("demo-3"), "other-4": running("other-4")})
+    monkeypatch.setattr(cli, "_ask", head)
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    run = ["--cluster", cluster, "--run-dir", str(tmp_path / "run")]
+    result = invoke(*run, "status", "demo", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["id"] == "demo-3"
+    result = invoke(*run, "status", "demo")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("demo-3 ")
+
+
+def test_status_of_an_ambiguous_or_unknown_name_names_the_candidates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head = FakeHead({"demo-3": running("demo-3"), "demo-5": running("demo-5")})
+    monkeypatch.setattr(cli, "_ask", head)
+    run_dir = tmp_path / "run"
+    finished = run_dir / "jobs" / "demo-1"
+    finished.mkdir(parents=True)  # a finished job the head has forgotten, on disk
+    (finished / "result.json").write_text(json.dumps({"id": "demo-1", "state": "done"}))
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    run = ["--cluster", cluster, "--run-dir", str(run_dir)]
+    result = invoke(*run, "status", "demo")
+    assert result.exit_code == 1
+    assert error_lines(result) == [
+        "Error: no job 'demo': 3 jobs are named 'demo' (demo-1, demo-3, demo-5); give one id"
+    ]
+    result = invoke(*run, "status", "demo-4")
+    assert result.exit_code == 1
+    assert error_lines(result) == ["Error: no job 'demo-4' (closest: demo-1, demo-3, demo-5)"]
+    result = invoke(*run, "status", "nosuch-9")
+    assert error_lines(result) == ["Error: no job 'nosuch-9'"]
+
+
+def test_status_by_name_reads_the_disk_when_the_head_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import click
+
+    def unreachable(*_args: Any, **_kw: Any) -> Any:
+        raise click.ClickException("the head at tcp://127.0.0.1:9 did not answer within 5 s")
+
+    monkeypatch.setattr(cli, "_ask", unreachable)
+    run_dir = tmp_path / "run"
+    for job_id in ("short-2", "long-1", "long-3"):
+        d = run_dir / "jobs" / job_id
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps({"id": job_id, "state": "cancelled"}))
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    run = ["--cluster", cluster, "--run-dir", str(run_dir)]
+    result = invoke(*run, "status", "short")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"{'short-2':<20} cancelled",
+        f"(from {run_dir / 'jobs' / 'short-2' / 'result.json'})",
+    ]
+    result = invoke(*run, "status", "long")
+    assert result.exit_code == 1
+    assert error_lines(result) == [
+        f"Error: no job 'long' in {run_dir / 'jobs'}: 2 jobs are named 'long' (long-1, long-3); "
+        "give one id, and the head at tcp://127.0.0.1:9 did not answer within 5 s"
+    ]
+
+
+# -- trace: -o, --png, or both ---------------------------------------------------------------
+
+
+def small_trace(job: str) -> dict[str, Any]:
+    """The trace of one stage that ran four minibatches (10 ms forward, 20 ms backward)."""
+    from hetpipe.trace import chrome_trace
+
+    spans = []
+    for p in range(4):
+        t = 100.0 + 0.03 * p
+        spans += [["forward", t, t + 0.01, p, p // 2], ["backward", t + 0.01, t + 0.03, p, p // 2]]
+    return chrome_trace({"vw0/stage0": {"spans": spans}}, {"vw0/stage0": "gpu0"}, job)
+
+
+def test_trace_needs_an_output_or_a_picture(tmp_path: Path) -> None:
+    result = invoke("--cluster", str(write_cluster(tmp_path / "c.toml")), "trace", "j-1")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: give -o FILE (the trace JSON), --png FILE (its Gantt chart), or both"
+    )
+
+
+def test_trace_draws_the_picture_without_writing_the_json(tmp_path: Path) -> None:
+    import os
+
+    if not os.environ.get("CI"):  # the test extra installs it: CI must not skip
+        pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "run"
+    (run_dir / "jobs" / "t-1").mkdir(parents=True)
+    (run_dir / "jobs" / "t-1" / "trace.json").write_text(json.dumps(small_trace("t-1")))
+    png = tmp_path / "g.png"
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    result = invoke(
+        "--cluster", cluster, "--run-dir", str(run_dir), "trace", "t-1", "--png", str(png)
+    )
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "g.png", "run"]
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0] == f"trace: 8 events of job t-1 (from {run_dir / 'jobs' / 't-1' / 'trace.json'})"
+    )
+    assert lines[1].startswith("gantt chart of ") and lines[1].endswith(f" -> {png}")
+
+
+def test_trace_of_a_job_by_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    head = FakeHead({"t-7": running("t-7")}, traces={"t-7": small_trace("t-7")})
+    monkeypatch.setattr(cli, "_ask", head)
+    out = tmp_path / "t.json"
+    cluster = str(write_cluster(tmp_path / "c.toml"))
+    run = ["--cluster", cluster, "--run-dir", str(tmp_path / "run")]
+    result = invoke(*run, "trace", "t", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("trace: 8 events of job t-7 (from the head at ")
+    assert json.loads(out.read_text())["otherData"]["job"] == "t-7"
+    result = invoke(*run, "trace", "u", "-o", str(out))
+    assert result.exit_code == 1
+    assert error_lines(result) == ["Error: no job 'u'"]

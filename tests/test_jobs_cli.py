@@ -142,6 +142,24 @@ def test_a_forgotten_job_is_read_from_disk_by_the_head(
     assert result.stderr.strip() == "Error: no job 'nosuch-9'"
 
 
+def test_status_of_a_job_by_the_name_it_was_submitted_as(
+    cluster: LocalCluster, ran: dict[str, Any]
+) -> None:
+    """``short`` is ``short-<n>`` (the head's); ``long`` the cancelled job the head forgot,
+    found on disk; a name no job has gets the plain one-line refusal."""
+    for name, job_id, state in (
+        ("short", ran["short_id"], "done"),
+        ("long", ran["long_id"], "cancelled"),
+    ):
+        result = invoke(cluster, "status", name, "--json")
+        assert result.exit_code == 0, result.output
+        info = json.loads(result.stdout)
+        assert (info["id"], info["state"]) == (job_id, state)
+    result = invoke(cluster, "status", "medium")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "Error: no job 'medium'"
+
+
 def test_status_and_trace_of_a_finished_job_without_a_head(
     cluster: LocalCluster,
     ran: dict[str, Any],
