@@ -13,15 +13,12 @@ that pulls no weights, on an unslowed CPU device, without injected stalls:
 
 - a stage that pulls (several virtual workers) receives and decodes a copy of its weights
   every wave on its event loop; beside a computation on the thread that work overlaps it,
-  on the loop it would wait for it. (Measured on the default cluster's plan of three
-  one-device virtual workers, the unslowed device's stage took 13.3 and 13.2 ms per
-  minibatch inline, 12.7 and 13.1 handed off: within the host's noise, so this rule rests
-  on the reasoning, not on a measured gain);
-
+  on the loop it would wait for it (the rule rests on that reasoning, not on a measured
+  gain);
 - on a GPU a run's time says nothing about the next one's: launches return at once until the
   device's queue is full, then wait for it, and a synchronising call waits for everything
-  queued. Measured: inline runs on an H100 held a worker's event loop past its heartbeat
-  deadline (the head declared it lost), and brought no speed there;
+  queued, so an inline run could hold the worker's event loop past its heartbeat deadline
+  (and the head would declare the worker lost);
 - an emulated slow device sleeps out its pad, which stands for a device computing while its
   host serves messages;
 - an injected stall (``[[fault]]``) rehearses a hang that the head must diagnose, from the

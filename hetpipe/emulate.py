@@ -10,10 +10,10 @@ a stage keeps alive, counted by the planner's own memory model
 thread (the worker's torch runs one intra-op thread), so its work is that thread's CPU time
 (:func:`time.thread_time`): the cycles the layers took, co-running cores' cache and memory
 contention included. Time the thread spent descheduled or waiting for the GIL is the host's,
-not the modelled device's; padding the wall clock instead multiplied every such stall by
-1 / s (10x at 0.1), so a slowed device measured its host's contention more than its own
-speed. The pad now sleeps until the wall clock reaches the CPU time / s; a stall longer than
-that still shows (the host really was that slow). Where the CPU time does not cover the work
+not the modelled device's: padding the wall clock would multiply every such stall by 1 / s,
+so a slowed device would measure its host's contention more than its own speed. The pad
+sleeps until the wall clock reaches the CPU time / s; a stall longer than that still shows
+(the host really was that slow). Where the CPU time does not cover the work
 (a CUDA device, whose kernels are not the thread's, or torch on several intra-op threads) the
 wall clock stays the measure.
 

@@ -33,7 +33,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 ADAMW_WEIGHT_DECAY = 1e-2
 ON_WORKER_LOSS = ("fail", "replan")
 POLICIES = ("auto", "np", "ed", "hd")
-# train.weights: how the async kind handles stale weights (see hetpipe.stage, README)
+# train.weights: how the async kind handles stale weights (see hetpipe.stage, docs/jobs-guide.md)
 WEIGHTS = ("stash", "latest", "predict")
 PREDICT_VARIANTS = ("paper", "consistent")
 # train.precision: the compute dtype of forwards and backwards (master weights stay float32)

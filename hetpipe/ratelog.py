@@ -1,7 +1,7 @@
 """Logging a recurring problem once per peer per interval, with a count and a short excerpt.
 
-A peer that sends garbage at 10,000 messages a second must not turn every message into a
-log line (the logs grew by hundreds of megabytes that way) nor spend the daemon's time on
+A peer that sends garbage at thousands of messages a second must not turn every message
+into a log line (the logs would grow without bound) nor spend the daemon's time on
 formatting. :class:`Throttle` logs the first occurrence per key (a peer) in each interval,
 counts the rest, and reports the count with the next line it writes for that key. The number
 of keys it remembers and the lines it writes per interval over all keys are bounded too, so
@@ -24,7 +24,7 @@ def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:
     """``str(text)`` cut to ``limit`` characters, saying how much was cut.
 
     Every error reply and log line that may quote peer input goes through here, so none
-    echoes it unbounded (a reply to a 16 MB garbage string was once 16 MB).
+    echoes it unbounded (a reply quoting a 16 MB garbage string would be 16 MB).
     """
     s = str(text)
     if len(s) <= limit:

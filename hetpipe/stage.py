@@ -242,7 +242,7 @@ class StageCompute:
             if (f.vw, f.stage) == (task.vw, task.stage):
                 self.stalls.setdefault(f.minibatch, []).append(f.seconds)
         self.versions: dict[int, tuple[int, float, int, float]] = {}
-        # how stale weights are handled (async only): see hetpipe.core.staleness and the README
+        # how stale weights are handled (async only): see hetpipe.core.staleness, docs/jobs-guide.md
         self.weights = "stash" if self.spec.sync else self.spec.weights
         self.table = (
             StageTable(task.k, task.stage, task.nm, task.minibatches)
