@@ -41,7 +41,7 @@ from hetpipe.config import ClusterConfig, ConfigError, check_address
 from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
-from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
 from hetpipe.jobstore import TRACE, job_dir, next_number, read_result, write_result
 from hetpipe.modelstate import layer_of
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
@@ -922,13 +922,10 @@ class Head:
                     log.info("warm-up chosen", warmup=plan.warmup)
                 predicted = predicted_summary(plan)
                 if needs_plan:
-                    vws = plan_vws(plan)
+                    vws = plan_vws(plan, spec.activations)
                     log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
                 elif spec.activations == "auto":  # the user's split, the planner's policy
-                    vws = tuple(
-                        dataclasses.replace(v, recompute=planned.recompute, swap=planned.swap)
-                        for v, planned in zip(spec.vws, plan_vws(plan), strict=True)
-                    )
+                    vws = requested_layouts(spec, policies=plan_vws(plan, spec.activations))
             except (PlanError, _JobFailed) as exc:
                 if needs_plan:
                     raise JobPlanError(f"cannot plan: {exc}") from None
@@ -1285,7 +1282,7 @@ class Head:
                     self.cluster,
                     self._alive(),
                     shards,
-                    vws=plan_vws(plan),
+                    vws=plan_vws(plan, spec.activations),
                     predicted=predicted_summary(plan),
                 ),
             )
@@ -1404,7 +1401,7 @@ class Head:
             f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
             for v, vwp in enumerate(plan.vws)
             for s, st in enumerate(vwp.stages)
-            for r, d in enumerate(st.group)
+            for r, d in enumerate(st.devices)
         }
         for index, (members, weights) in plan.shard_contents().items():
             ch = await self._shard(index)

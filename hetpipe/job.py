@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.core.layout import VWSpec
 from hetpipe.core.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.core.schedule import SYNC_KINDS
 from hetpipe.planner.memory import ACTIVATION_POLICIES
@@ -101,37 +102,6 @@ class FaultSpec:
     stage: int
     minibatch: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class VWSpec:
-    """One virtual worker: devices in pipeline order, layers per stage, optional own Nm."""
-
-    devices: tuple[str, ...]
-    layers: tuple[int, ...] | None = None
-    nm: int | None = None
-    # per stage, the global layers whose activations are recomputed: set by the planner
-    # (never read from a job file); None = as ``train.activations`` pins it
-    recompute: tuple[tuple[int, ...], ...] | None = None
-    # per stage, the global layers whose activations are swapped to host memory: set by the
-    # planner like ``recompute``; None = as ``train.activations`` pins it
-    swap: tuple[tuple[int, ...], ...] | None = None
-    # per stage, the devices that replicate it beside ``devices[i]`` (its leader); () for a
-    # stage on one device. None: no stage is replicated (hetpipe.replicas)
-    replicas: tuple[tuple[str, ...], ...] | None = None
-    # per stage, the most minibatches it may hold between a forward and its backward (0:
-    # the schedule's own maximum): set by the planner under ``train.in_flight = "plan"``
-    # (never read from a job file); None = no stage is limited
-    in_flight: tuple[int, ...] | None = None
-
-    def group(self, stage: int) -> tuple[str, ...]:
-        """The devices of ``stage``: its leader, then its replicas."""
-        extra = self.replicas[stage] if self.replicas is not None else ()
-        return (self.devices[stage], *extra)
-
-    def all_devices(self) -> tuple[str, ...]:
-        """Every device of this virtual worker, replicas included."""
-        return tuple(d for s in range(len(self.devices)) for d in self.group(s))
 
 
 @dataclass(frozen=True)

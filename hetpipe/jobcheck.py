@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpipe.config import ClusterConfig
+from hetpipe.core.layout import SplitError, validate
 from hetpipe.data import DataError, load_dataset
 from hetpipe.job import JobError, JobSpec
 from hetpipe.models import ModelError, build_model
@@ -70,28 +71,16 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
             f"{spec.num_vws} virtual workers need at least as many "
             f"devices; {cluster.path} has {len(devices)}",
         )
+    try:
+        validate(spec.vws, devices, n_layers, known_as=str(cluster.path))
+    except SplitError as exc:
+        raise fail(exc.key, exc.problem) from None
     for v, vw in enumerate(spec.vws):
-        for i in range(len(vw.devices)):
-            for d in vw.group(i):
-                if d not in devices:
-                    raise fail(
-                        f"vw[{v}].devices[{i}]",
-                        f"{d!r} is not a device of "
-                        f"{cluster.path} (known: {', '.join(sorted(devices))})",
-                    )
+        for i in range(vw.k):
             try:
                 check_group(cluster, [cluster.device(d) for d in vw.group(i)], spec.minibatch)
             except ValueError as exc:
                 raise fail(f"vw[{v}].devices[{i}]", str(exc)) from None
-        if len(vw.devices) > n_layers:
-            raise fail(
-                f"vw[{v}].devices", f"{len(vw.devices)} stages for a model of {n_layers} layers"
-            )
-        if vw.layers is not None and sum(vw.layers) != n_layers:
-            raise fail(
-                f"vw[{v}].layers",
-                f"{list(vw.layers)} sums to {sum(vw.layers)}, the model has {n_layers} layers",
-            )
 
     num_vws = len(spec.vws) or spec.num_vws
     n_train = len(dataset.train_y)

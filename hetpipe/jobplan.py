@@ -12,7 +12,6 @@ assignment; the export restores the names of tied tensors.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,50 +21,23 @@ from urllib.parse import urlparse
 
 import torch
 
-from hetpipe.config import ClusterConfig, ConfigError
+from hetpipe.config import ClusterConfig
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, bounds_of, validate
 from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
-from hetpipe.job import JobSpec, VWSpec
+from hetpipe.job import JobSpec
 from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
-__all__ = ["JobPlan", "JobPlanError", "RunStage", "RunVW", "plan_job"]
+__all__ = ["JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
 
 
 class JobPlanError(ValueError):
     """The job cannot run on this cluster now; the text says why."""
-
-
-@dataclass(frozen=True)
-class RunStage:
-    """One stage as the runtime runs it: a device and layers ``first``..``last``-1."""
-
-    device: str
-    first: int
-    last: int
-    recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
-    swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
-    replicas: tuple[str, ...] = ()  # devices replicating the stage beside ``device``
-    rows: tuple[int, ...] = ()  # replicated: the minibatch's row bounds per device
-    limit: int = 0  # the most minibatches it holds in flight (0: the schedule's maximum)
-    fill: int = 0  # forwards before its first backward (hetpipe.core.schedule.fill_counts)
-
-    @property
-    def group(self) -> tuple[str, ...]:
-        """The stage's devices, leader first (hetpipe.replicas)."""
-        return (self.device, *self.replicas)
-
-
-@dataclass(frozen=True)
-class RunVW:
-    """One virtual worker: its stages in pipeline order and its Nm."""
-
-    stages: tuple[RunStage, ...]
-    nm: int
 
 
 @dataclass
@@ -74,7 +46,7 @@ class JobPlan:
 
     job: str
     spec: JobSpec
-    vws: tuple[RunVW, ...]
+    vws: tuple[VWLayout, ...]
     minibatches: int  # per virtual worker
     placement: dict[str, int]  # global state name -> shard
     initial: dict[str, torch.Tensor] | None
@@ -150,28 +122,21 @@ class JobPlan:
         self.initial = None
 
     def tasks(self, shards: Mapping[int, str], workers: Mapping[str, Any]) -> list[StageTask]:
-        """The stage assignments, with neighbours' data addresses and shard addresses."""
+        """The stage assignments: each stage's layout with its neighbours' and the data
+        and shard addresses."""
         out = []
         spec = self.spec.to_dict()
-        n = self.spec.minibatch
 
-        def side(st: RunStage | None) -> dict[str, Any]:
-            if st is None:
-                return {"group": [], "peers": [], "rows": []}
-            return {
-                "group": list(st.group),
-                "peers": [workers[d].address for d in st.group],
-                "rows": list(st.rows or (0, n)),
-            }
+        def peers(st: StageLayout | None) -> list[str]:
+            return [] if st is None else [workers[d].address for d in st.devices]
 
-        for v, vwp in enumerate(self.vws):
-            k = len(vwp.stages)
-            for s, st in enumerate(vwp.stages):
+        for v, vw in enumerate(self.vws):
+            k = vw.k
+            for s, st in enumerate(vw.stages):
                 names = self.stage_names(v, s)
-                prev = side(vwp.stages[s - 1] if s > 0 else None)
-                nxt = side(vwp.stages[s + 1] if s < k - 1 else None)
-                own = side(st)
-                for r in range(len(st.group)):
+                prev = vw.stages[s - 1] if s > 0 else None
+                nxt = vw.stages[s + 1] if s < k - 1 else None
+                for r in range(len(st.devices)):
                     out.append(
                         StageTask(
                             job=self.job,
@@ -179,29 +144,22 @@ class JobPlan:
                             vw=v,
                             stage=s,
                             k=k,
-                            first=st.first,
-                            last=st.last,
-                            nm=vwp.nm,
+                            nm=vw.nm,
                             staleness=self.spec.staleness,
                             minibatches=self.minibatches_of(v),
                             num_vws=len(self.vws),
-                            prev=prev["peers"][0] if s > 0 else None,
-                            next=nxt["peers"][0] if s < k - 1 else None,
+                            layout=st,
                             shards={
                                 str(self.placement[n]): shards[self.placement[n]] for n in names
                             },
                             placement={n: self.placement[n] for n in names},
-                            prev_device=prev["group"][0] if s > 0 else None,
-                            next_device=nxt["group"][0] if s < k - 1 else None,
-                            recompute=list(st.recompute),
-                            swap=list(st.swap),
                             start=self.start_of(v),
                             replica=r,
-                            in_flight_limit=st.limit,
-                            in_flight_fill=st.fill,
-                            **own,
-                            **{f"prev_{key}": val for key, val in prev.items()},
-                            **{f"next_{key}": val for key, val in nxt.items()},
+                            peers=peers(st),
+                            prev=prev,
+                            prev_peers=peers(prev),
+                            next=nxt,
+                            next_peers=peers(nxt),
                         )
                     )
         return out
@@ -272,38 +230,31 @@ def _host_of(address: str) -> str:
     return normal_host(urlparse(address).hostname or "")
 
 
-def _replicas(
-    cluster: ClusterConfig,
-    layout: StateLayout,
-    vwspec: VWSpec,
-    stage: int,
-    minibatch: int,
-    layers: tuple[int, int],
-    key: str,
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """A stage's replicas and its row split (in proportion to the devices' speeds), or
-    ``((), ())`` for a stage on one device; a replicated stage holding running statistics
-    (batch norm) is refused: each replica would keep its own, and they would drift apart."""
-    group = vwspec.group(stage)
-    if len(group) < 2:
-        return (), ()
-    devices = [cluster.device(d) for d in group]
+def _rows(
+    cluster: ClusterConfig, layout: StateLayout, st: StageLayout, minibatch: int, key: str
+) -> tuple[int, ...]:
+    """A replicated stage's row split (in proportion to the devices' speeds), () for a
+    stage on one device; a replicated stage holding running statistics (batch norm) is
+    refused: each replica would keep its own, and they would drift apart."""
+    if not st.replicas:
+        return ()
+    devices = [cluster.device(d) for d in st.devices]
     try:
         check_group(cluster, devices, minibatch)
     except ValueError as exc:
         raise JobPlanError(f"{key}: {exc}") from None
-    stats = [n for n in layout.buffers if layers[0] <= _layer(n) < layers[1]]
+    stats = [n for n in layout.buffers if st.holds(_layer(n))]
     if stats:
         raise JobPlanError(
             f"{key}: a replicated stage may not hold running statistics "
             f"({stats[0]}: batch norm would keep one per replica)"
         )
-    return group[1:], tuple(split_rows(minibatch, [d.speed for d in devices]))
+    return tuple(split_rows(minibatch, [d.speed for d in devices]))
 
 
 def place_state(
     state: Mapping[str, torch.Tensor],
-    vws: Sequence[RunVW],
+    vws: Sequence[VWLayout],
     device_hosts: Mapping[str, str],
     shards: Mapping[int, str],
 ) -> dict[str, int]:
@@ -316,11 +267,35 @@ def place_state(
     for n, t in state.items():
         layer_bytes[_layer(n)] += t.numel() * t.element_size()
     shard_list = [SimpleNamespace(index=i, host=_host_of(a)) for i, a in sorted(shards.items())]
-    stages = [
-        [(normal_host(device_hosts[s.device]), (s.first, s.last)) for s in vw.stages] for vw in vws
-    ]
+    stages = [[(normal_host(device_hosts[s.device]), s.layers) for s in vw.stages] for vw in vws]
     layer_shards, _ = place_stages(shard_list, stages, layer_bytes)
     return {n: layer_shards[_layer(n)] for n in state}
+
+
+def requested_layouts(
+    spec: JobSpec, *, policies: Sequence[VWLayout] | None = None
+) -> tuple[VWLayout, ...]:
+    """The job's own ``[[vw]]`` split as layouts: Nm as the job gives it, and each layer's
+    activations as ``train.activations`` pins them, or as ``policies`` (the planner's
+    layouts of this same split) choose where given."""
+    out = []
+    for v, vw in enumerate(spec.vws):
+        if vw.layers is None:
+            raise JobPlanError(f"vw[{v}].layers: missing (the split is the planner's to make)")
+        nm = spec.nm or vw.k
+        if policies is not None:
+            chosen = policies[v].stages
+            layout = vw.layout(
+                nm, recompute=[s.recompute for s in chosen], swap=[s.swap for s in chosen]
+            )
+        else:
+            every = [range(a, b) for a, b in bounds_of(vw.layers)]
+            pinned = {"recompute": None, "swap": None}
+            if spec.activations in pinned:
+                pinned[spec.activations] = every
+            layout = vw.layout(nm, **pinned)
+        out.append(layout)
+    return tuple(out)
 
 
 def plan_job(
@@ -330,13 +305,14 @@ def plan_job(
     workers: Mapping[str, Any],
     shards: Mapping[int, str],
     *,
-    vws: Sequence[VWSpec] | None = None,
+    vws: Sequence[VWLayout] | None = None,
     predicted: dict[str, Any] | None = None,
 ) -> JobPlan:
     """Check the job against the cluster and live workers and lay out its run.
 
-    ``vws`` is the split to run when the job gives none (the planner's); ``predicted`` the
-    planner's figures, kept to report them next to the measured ones.
+    ``vws`` is the layout to run (the planner's, or the job's own split with the planner's
+    activation policies); without it the job's own ``[[vw]]`` split runs as it pins it.
+    ``predicted`` holds the planner's figures, kept to report them next to the measured ones.
     """
     try:
         torch.manual_seed(spec.seed)
@@ -352,24 +328,22 @@ def plan_job(
         dataset = load_dataset(spec.data.name, spec.data.args)
     except ValueError as exc:
         raise JobPlanError(f"data: {exc}") from None
-    split = tuple(vws) if vws is not None else spec.vws
-    if not split:
+    if vws is None and not spec.vws:
         raise JobPlanError("the job gives no [[vw]] split and no plan was made for it")
+    split = tuple(vws) if vws is not None else requested_layouts(spec)
     missing = [i for i in range(len(cluster.ps)) if i not in shards]
     if missing:
         raise JobPlanError(
             f"shard {missing[0]} has not registered with the head: "
             f"is hetpipe-ps --shard {missing[0]} running?"
         )
+    try:
+        validate(split, {d.name for d in cluster.devices}, n_layers, known_as=str(cluster.path))
+    except SplitError as exc:
+        raise JobPlanError(str(exc)) from None
     run_vws = []
-    for v, vwspec in enumerate(split):
-        for d in vwspec.all_devices():
-            try:
-                cluster.device(d)
-            except ConfigError:
-                raise JobPlanError(
-                    f"vw[{v}].devices: {d!r} is not a device of {cluster.path}"
-                ) from None
+    for v, vw in enumerate(split):
+        for d in vw.all_devices():
             w = workers.get(d)
             if w is None:
                 raise JobPlanError(
@@ -378,65 +352,22 @@ def plan_job(
                 )
             if w.job is not None:
                 raise JobPlanError(f"vw[{v}].devices: {d} is busy with job {w.job}")
-        layers = vwspec.layers
-        if layers is None:
-            raise JobPlanError(f"vw[{v}].layers: missing (the split of the {n_layers} layers)")
-        if sum(layers) != n_layers:
-            raise JobPlanError(
-                f"vw[{v}].layers: {list(layers)} sums to {sum(layers)}, "
-                f"the model has {n_layers} layers"
-            )
-        bounds = [0]
-        for n in layers:
-            bounds.append(bounds[-1] + n)
-        every = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
-        none = ((),) * len(layers)
-        # the planner's choice where it made one, else as train.activations pins it (keep;
-        # "auto" without a plan has no choice to apply)
-        chosen = vwspec.recompute is not None or vwspec.swap is not None
-        recompute = (
-            vwspec.recompute
-            if vwspec.recompute is not None
-            else (every if spec.activations == "recompute" and not chosen else none)
-        )
-        swap = (
-            vwspec.swap
-            if vwspec.swap is not None
-            else (every if spec.activations == "swap" and not chosen else none)
-        )
-        nm = vwspec.nm or spec.nm or len(vwspec.devices)
-        limits = vwspec.in_flight or (0,) * len(vwspec.devices)
-        stages = tuple(
-            RunStage(
-                d,
-                bounds[i],
-                bounds[i + 1],
-                tuple(recompute[i]),
-                tuple(swap[i]),
-                *_replicas(
-                    cluster,
-                    layout,
-                    vwspec,
-                    i,
-                    spec.minibatch,
-                    (bounds[i], bounds[i + 1]),
-                    f"vw[{v}].devices[{i}]",
-                ),
-                limit=limit,
-                fill=fill,
-            )
-            for i, (d, limit, fill) in enumerate(
-                zip(vwspec.devices, limits, fill_counts(limits, nm), strict=True)
-            )
+        limits = [st.in_flight_limit for st in vw.stages]
+        vw = vw.with_stages(
+            rows=[
+                _rows(cluster, layout, st, spec.minibatch, f"vw[{v}].devices[{i}]")
+                for i, st in enumerate(vw.stages)
+            ],
+            in_flight_fill=fill_counts(limits, vw.nm),
         )
         try:
             layout.check_split(
-                [(st.first, st.last) for st in stages],
-                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(stages)],
+                [st.layers for st in vw.stages],
+                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(vw.stages)],
             )
         except LayoutError as exc:
             raise JobPlanError(f"vw[{v}].layers: {exc}") from None
-        run_vws.append(RunVW(stages=stages, nm=nm))
+        run_vws.append(vw)
     stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
     if stream.per_epoch < 1:
         raise JobPlanError(

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from hetpipe.config import ClusterConfig, DeviceSpec
+from hetpipe.core.layout import VWLayout
 from hetpipe.data import load_dataset
-from hetpipe.job import JobSpec, VWSpec
+from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner import (
@@ -288,27 +289,32 @@ def job_minibatches(spec: JobSpec) -> int:
     return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
 
 
-def plan_vws(plan: Plan) -> tuple[VWSpec, ...]:
-    """A plan's virtual workers as the explicit split the runtime executes."""
-    # the synchronous planner keeps every activation and chooses nothing: there the job's
-    # train.activations applies as pinned (see jobplan)
-    chosen = plan.schedule == "async"
-    return tuple(
-        VWSpec(
-            devices=tuple(v.devices),
-            layers=tuple(v.layers),
-            nm=v.nm,
-            recompute=tuple(s.recompute for s in v.stages) if chosen else None,
-            swap=tuple(s.swap for s in v.stages) if chosen else None,
-            replicas=(
-                tuple(s.replicas for s in v.stages) if any(s.replicas for s in v.stages) else None
-            ),
-            in_flight=(
-                tuple(s.limit for s in v.stages) if any(s.limit for s in v.stages) else None
-            ),
+def plan_vws(plan: Plan, activations: str) -> tuple[VWLayout, ...]:
+    """A plan's virtual workers as the layouts the runtime executes.
+
+    The synchronous planner keeps every activation and chooses nothing: there the job's
+    ``train.activations`` (``activations``) applies as pinned."""
+    out = []
+    for v in plan.vws:
+        groups = [(s.device, *s.replicas) for s in v.stages]
+        every = [range(*s.layers) for s in v.stages]
+        if plan.schedule == "async":
+            recompute = [s.recompute for s in v.stages]
+            swap = [s.swap for s in v.stages]
+        else:
+            recompute = every if activations == "recompute" else None
+            swap = every if activations == "swap" else None
+        out.append(
+            VWLayout.from_counts(
+                groups,
+                v.layers,
+                v.nm,
+                recompute=recompute,
+                swap=swap,
+                limits=[s.limit for s in v.stages],
+            )
         )
-        for v in plan.vws
-    )
+    return tuple(out)
 
 
 def predicted_summary(plan: Plan) -> dict[str, Any]:

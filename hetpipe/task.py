@@ -1,8 +1,9 @@
-"""The assignment of one stage of one job to one worker.
+"""The assignment of one stage of one job to one worker: a layout plus addresses.
 
-The head builds a :class:`StageTask` per device of a plan and sends it in an ``assign``
-message; the worker rebuilds it from the plain dict. Everything a stage needs to run without
-asking again is here: its layers, its neighbours' data addresses, its shards and the job.
+The head builds a :class:`StageTask` per device of a job's layout and sends it in an
+``assign`` message; the worker rebuilds it from the plain dict. Everything a stage needs to
+run without asking again is here: its own stage layout and its neighbours' (the only senders
+of its activations and gradients), their data addresses, its shards and the job.
 """
 
 from __future__ import annotations
@@ -10,56 +11,91 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hetpipe.core.layout import StageLayout
+
 __all__ = ["StageTask"]
 
 
 @dataclass(frozen=True)
 class StageTask:
-    """One stage (layers ``first``..``last``-1) of virtual worker ``vw`` of ``job``."""
+    """Stage ``stage`` (its ``layout``) of virtual worker ``vw`` of ``job``, on device
+    ``layout.devices[replica]``."""
 
     job: str
     spec: dict[str, Any]  # JobSpec.to_dict()
     vw: int
     stage: int
     k: int  # stages in this virtual worker
-    first: int
-    last: int
     nm: int
     staleness: int
     minibatches: int  # per virtual worker
     num_vws: int
-    prev: str | None  # data address of stage - 1
-    next: str | None  # data address of stage + 1
+    layout: StageLayout
     shards: dict[str, str] = field(default_factory=dict)  # shard index -> address
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
-    prev_device: str | None = None  # device of stage - 1: the only sender of activations
-    next_device: str | None = None  # device of stage + 1: the only sender of gradients
-    recompute: list[int] = field(default_factory=list)  # global layers whose activations
-    # are recomputed in the backward instead of kept (hetpipe.planner.memory)
-    swap: list[int] = field(default_factory=list)  # global layers whose activations wait
-    # in host memory between the forward and the backward (hetpipe.swap)
-    # the most minibatches this stage holds between a forward and its backward, and the
-    # forwards it runs before its first backward (the plan's, hetpipe.planner.plan.make_plan
-    # under train.in_flight = "plan"; hetpipe.core.schedule.fill_counts); 0: the schedule's own
-    in_flight_limit: int = 0
-    in_flight_fill: int = 0
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its
     # meta (the tensors travel with the assignment; hetpipe.checkpoint)
-    # stage replicas (hetpipe.replicas). Each group lists a stage's devices, leader first,
-    # with their data addresses; each ``*_rows`` its split of the minibatch's rows. A stage on
-    # one device is a group of one holding every row. Empty lists: a task built without them
-    # (unit tests), read as that group of one.
-    replica: int = 0  # this device's place in ``group``
-    group: list[str] = field(default_factory=list)  # devices of this stage
-    peers: list[str] = field(default_factory=list)  # their data addresses
-    rows: list[int] = field(default_factory=list)
-    prev_group: list[str] = field(default_factory=list)  # devices of stage - 1 (the only
-    prev_peers: list[str] = field(default_factory=list)  # senders of activations)
-    prev_rows: list[int] = field(default_factory=list)
-    next_group: list[str] = field(default_factory=list)  # devices of stage + 1 (the only
-    next_peers: list[str] = field(default_factory=list)  # senders of gradients)
-    next_rows: list[int] = field(default_factory=list)
+    replica: int = 0  # this device's place in ``layout.devices`` (hetpipe.replicas)
+    # data addresses of this stage's devices and of its neighbours' (stage - 1 sends the
+    # activations, stage + 1 the gradients); a neighbour is None at either end
+    peers: list[str] = field(default_factory=list)
+    prev: StageLayout | None = None
+    prev_peers: list[str] = field(default_factory=list)
+    next: StageLayout | None = None
+    next_peers: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> int:
+        return self.layout.first
+
+    @property
+    def last(self) -> int:
+        return self.layout.last
+
+    @property
+    def recompute(self) -> tuple[int, ...]:
+        """Global layers whose activations are recomputed in the backward."""
+        return self.layout.recompute
+
+    @property
+    def swap(self) -> tuple[int, ...]:
+        """Global layers whose activations wait in host memory (hetpipe.swap)."""
+        return self.layout.swap
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.layout.in_flight_limit
+
+    @property
+    def in_flight_fill(self) -> int:
+        return self.layout.in_flight_fill
+
+    @property
+    def group(self) -> tuple[str, ...]:
+        """This stage's devices, leader first."""
+        return self.layout.devices
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Row bounds of the minibatch over ``group``; () on one device (every row)."""
+        return self.layout.rows
+
+    @property
+    def prev_group(self) -> tuple[str, ...]:
+        return self.prev.devices if self.prev is not None else ()
+
+    @property
+    def prev_rows(self) -> tuple[int, ...]:
+        return self.prev.rows if self.prev is not None else ()
+
+    @property
+    def next_group(self) -> tuple[str, ...]:
+        return self.next.devices if self.next is not None else ()
+
+    @property
+    def next_rows(self) -> tuple[int, ...]:
+        return self.next.rows if self.next is not None else ()
 
     @property
     def is_first(self) -> bool:
@@ -93,6 +129,12 @@ class StageTask:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageTask:
         try:
+            d = dict(d)
+            for key in ("layout", "prev", "next"):
+                if d.get(key) is not None:
+                    d[key] = StageLayout.from_dict(d[key])
+            if not isinstance(d.get("layout"), StageLayout):
+                raise TypeError("missing its stage layout")
             return cls(**d)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed stage task: {exc}") from None

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
@@ -73,14 +74,11 @@ def stage(
         vw=0,
         stage=1,
         k=3,
-        first=a,
-        last=b,
         nm=1,
         staleness=0,
         minibatches=1 << 20,
         num_vws=1,
-        prev=None,
-        next=None,
+        layout=StageLayout(("probe",), a, b),
     )
     c = StageCompute(task, DeviceSpec("d", "cpu", "fast", 1 << 34, speed, 0, "n", "h"))
     names = c.state_names()

@@ -56,6 +56,7 @@ from _bench import emit_json, machine, parser, print_table, retain_freed_as_daem
 import hetpipe.lateweights as lateweights
 import hetpipe.stage as stage_mod
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.staleness import StageTable
 from hetpipe.core.wsp import wave_of
 from hetpipe.job import JobSpec
@@ -134,14 +135,11 @@ def make_stage(arm: str, stage: int, k: int, minibatches: int) -> StageCompute:
         vw=0,
         stage=stage,
         k=k,
-        first=bounds[stage],
-        last=bounds[stage + 1],
         nm=k,
         staleness=0,
         minibatches=minibatches,
         num_vws=1,
-        prev=None,
-        next=None,
+        layout=StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
     )
     compute = StageCompute(task, DEVICE)
     torch.manual_seed(0)

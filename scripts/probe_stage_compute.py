@@ -48,6 +48,7 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
     """In a fresh process: both sides of one stage, alternated iteration by iteration."""
     import torch
 
+    from hetpipe.core.layout import StageLayout
     from hetpipe.job import JobSpec
     from hetpipe.models import build_model
     from hetpipe.stage import StageCompute
@@ -82,14 +83,11 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
         vw=0,
         stage=stage,
         k=STAGES,
-        first=bounds[stage],
-        last=bounds[stage + 1],
         nm=M,
         staleness=0,
         minibatches=M * (iterations + 1),
         num_vws=1,
-        prev=None,
-        next=None,
+        layout=StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
     )
     torch.manual_seed(0)
     model = build_model("cnn", args)

@@ -15,6 +15,7 @@ import torch
 from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
@@ -56,16 +57,11 @@ def whole_stage(
         vw=0,
         stage=0,
         k=1,
-        first=0,
-        last=n,
         nm=nm,
         staleness=0,
         minibatches=12,
         num_vws=1,
-        prev=None,
-        next=None,
-        recompute=recompute,
-        swap=swap or [],
+        layout=StageLayout(("gpu0",), 0, n, recompute=tuple(recompute), swap=tuple(swap or [])),
     )
     compute = StageCompute(task, device(memory, host_gbps))
     torch.manual_seed(seed)

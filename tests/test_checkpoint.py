@@ -17,6 +17,7 @@ from conftest import UNIFORM, job, running_until, until_whole
 
 from hetpipe import checkpoint
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster, cluster_toml, free_ports
@@ -136,14 +137,11 @@ def _stage(total: int, nm: int, start: int = 0) -> StageCompute:
         vw=0,
         stage=0,
         k=1,
-        first=0,
-        last=n,
         nm=nm,
         staleness=0,
         minibatches=total - start,
         num_vws=2,
-        prev=None,
-        next=None,
+        layout=StageLayout(("gpu0",), 0, n),
         start=start,
     )
     return StageCompute(task, CPU)

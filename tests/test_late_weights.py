@@ -16,6 +16,7 @@ import torch
 from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
 from hetpipe.planner.memory import stage_memory_of
@@ -49,16 +50,13 @@ def middle_stage(
         vw=0,
         stage=1,
         k=3,
-        first=first,
-        last=last,
         nm=3,
         staleness=0,
         minibatches=MINIBATCHES,
         num_vws=1,
-        prev=None,
-        next=None,
-        recompute=list(recompute),
-        swap=list(swap),
+        layout=StageLayout(
+            ("gpu0",), first, last, recompute=tuple(list(recompute)), swap=tuple(list(swap))
+        ),
     )
     device = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1", 96.0)
     compute = StageCompute(task, device)

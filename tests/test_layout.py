@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetpipe.core.layout import SplitError, StageLayout, VWLayout, bounds_of, validate
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, bounds_of, validate
 
 DEVICES = {"gpu0", "gpu1", "gpu2", "gpu3"}
 
@@ -81,8 +81,25 @@ def test_more_stages_than_layers_is_named_before_the_counts():
 
 
 def test_stages_must_meet_end_to_start():
-    gap = VWLayout((StageLayout(("gpu0",), 0, 3), StageLayout(("gpu1",), 4, 7)), 2)
-    assert "stage 0 ends at layer 3 but stage 1 starts at 4" in refused([gap], n_layers=6)
+    stages = (StageLayout(("gpu0",), 0, 2), StageLayout(("gpu1",), 3, 5))
+    gap = VWLayout((*stages, StageLayout(("gpu2",), 4, 6)), 2)
+    assert "stage 0 ends at layer 2 but stage 1 starts at 3" in refused([gap], n_layers=6)
+    short = VWLayout((StageLayout(("gpu0",), 1, 3), StageLayout(("gpu1",), 3, 5)), 2)
+    assert "stages cover layers 1..4, the model has layers 0..3" in refused([short], n_layers=4)
+
+
+def test_a_job_files_split_is_checked_as_far_as_it_goes():
+    planned = VWSpec(("gpu0", "gpu1"))  # layers and Nm left to the planner
+    validate([planned], DEVICES, 6)
+    assert "vw[0].devices: 2 stages for a model of 1 layers" in refused([planned], n_layers=1)
+    given = VWSpec(("gpu0", "gpu1"), layers=(2, 2), replicas=((), ("gpu2",)))
+    assert "vw[0].layers: [2, 2] sums to 4" in refused([given])
+    assert "device 'gpu2' is already in vw[0]" in refused([given, VWSpec(("gpu2",))], n_layers=4)
+    layout = VWSpec(("gpu0", "gpu1"), layers=(2, 4), nm=5).layout(2, recompute=[(), (3,)])
+    assert layout == vw(["gpu0", "gpu1"], [2, 4], nm=5, recompute=[(), (3,)])
+    assert VWSpec(("gpu0",), layers=(6,)).layout(2).nm == 2
+    with pytest.raises(ValueError, match="gives no layers"):
+        planned.layout(2)
 
 
 def test_replica_rows_and_in_flight_fill_are_checked():

@@ -10,6 +10,7 @@ from conftest import job
 from torch import nn
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.job import JobSpec
 from hetpipe.jobplan import place_state
 from hetpipe.models import build_model
@@ -39,14 +40,11 @@ def stage(
         vw=0,
         stage=stage,
         k=k,
-        first=first,
-        last=last,
         nm=1,
         staleness=0,
         minibatches=10,
         num_vws=1,
-        prev=None,
-        next=None,
+        layout=StageLayout(("gpu0",), first, last),
     )
     compute = StageCompute(task, CPU, local)
     torch.manual_seed(seed)

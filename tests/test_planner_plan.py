@@ -240,8 +240,8 @@ def test_in_flight_plan_makes_the_expected_peak_the_bound(nm):
     assert f"{first.expected_in_flight}/{first.limit}!" in row
     assert 'train.in_flight = "plan"' in limited.table()
     assert Plan.from_dict(json.loads(json.dumps(limited.to_dict()))) == limited
-    assert plan_vws(limited)[0].in_flight == tuple(limits)
-    assert plan_vws(free)[0].in_flight is None
+    assert [s.in_flight_limit for s in plan_vws(limited, "keep")[0].stages] == limits
+    assert all(s.in_flight_limit == 0 for s in plan_vws(free, "keep")[0].stages)
     fixed = make_plan(cluster, prof, **kw, weights="latest", in_flight="plan")
     assert all(s.limit == 0 for v in fixed.vws for s in v.stages)
     given = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)

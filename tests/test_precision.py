@@ -13,6 +13,7 @@ import torch
 from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.hostcopy import HostCopier
 from hetpipe.job import JobError, JobSpec
@@ -38,14 +39,11 @@ def stages(precision: str, split: tuple[int, int] = (3, 3)) -> list[StageCompute
             vw=0,
             stage=s,
             k=2,
-            first=first,
-            last=last,
             nm=1,
             staleness=0,
             minibatches=60,
             num_vws=1,
-            prev=None,
-            next=None,
+            layout=StageLayout(("gpu0",), first, last),
         )
         c = StageCompute(task, DeviceSpec(f"gpu{s}", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         names = c.state_names()
@@ -237,14 +235,11 @@ def test_fingerprints_only_under_verify() -> None:
             vw=0,
             stage=0,
             k=1,
-            first=0,
-            last=n,
             nm=1,
             staleness=0,
             minibatches=4,
             num_vws=1,
-            prev=None,
-            next=None,
+            layout=StageLayout(("gpu0",), 0, n),
         )
         c = StageCompute(task, DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         torch.manual_seed(0)

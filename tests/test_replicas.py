@@ -19,6 +19,7 @@ from test_pipeline_e2e import plain_training
 from test_wsp_e2e import check_invariants, load_records
 
 from hetpipe.config import DeviceSpec, load_cluster
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.schedule import ScheduleError, StageSchedule, Wait
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
@@ -347,10 +348,8 @@ def test_runner_gathers_its_rows_and_refuses_foreign_ones() -> None:
     compute = StandInCompute("async", 2, 1, 1, 4)
     compute.task = dataclasses.replace(
         compute.task,
-        group=["a", "b"],
-        rows=[0, 21, 32],
-        prev_group=["p0", "p1"],
-        prev_rows=[0, 13, 32],
+        layout=StageLayout(("a", "b"), 0, 1, rows=(0, 21, 32)),
+        prev=StageLayout(("p0", "p1"), 0, 1, rows=(0, 13, 32)),
     )
 
     async def nothing(*_args: Any) -> None:

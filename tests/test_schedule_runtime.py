@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.schedule import Action, Wait, fill_counts
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
@@ -51,16 +52,11 @@ class StandInCompute:
             vw=0,
             stage=stage,
             k=k,
-            first=0,
-            last=1,
             nm=nm,
             staleness=0,
             minibatches=total,
             num_vws=1,
-            prev=None,
-            next=None,
-            in_flight_limit=limit,
-            in_flight_fill=fill,
+            layout=StageLayout(("gpu0",), 0, 1, in_flight_limit=limit, in_flight_fill=fill),
         )
         self.spec = SimpleNamespace(
             schedule=kind,

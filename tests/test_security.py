@@ -815,6 +815,7 @@ def test_cli_refuses_disallowed_code_before_contacting_the_head(tmp_path: Path) 
 
 def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> None:
     """The head checks at submit; a worker checks again before it imports anything."""
+    from hetpipe.core.layout import StageLayout
     from hetpipe.task import StageTask
     from hetpipe.worker import Worker
 
@@ -829,14 +830,11 @@ def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> 
         vw=0,
         stage=0,
         k=1,
-        first=0,
-        last=1,
         nm=1,
         staleness=0,
         minibatches=1,
         num_vws=1,
-        prev=None,
-        next=None,
+        layout=StageLayout(("gpu0",), 0, 1),
     )
 
     class FakeHead:

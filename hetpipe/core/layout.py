@@ -1,9 +1,13 @@
 """The layout of a job's virtual workers: which devices run which layers, with which Nm.
 
-One type for every place that speaks of a split: the job file's ``[[vw]]`` tables, the
-planner's result, what the head lays out and what a worker runs. A stage is a half-open
+One type for every place that speaks of a split: the planner's result, what the head lays
+out and what a worker runs (a :class:`StageLayout` plus addresses). A stage is a half-open
 layer range ``[first, last)`` on a group of devices (its leader first, then the devices
 replicating it); a virtual worker is its stages in pipeline order and its Nm.
+
+A job file's ``[[vw]]`` table is a :class:`VWSpec`: what a user may ask for, which can leave
+the layers and Nm to the planner. It becomes a layout once (:meth:`VWSpec.layout`), where
+the split is complete.
 
 :func:`validate` is the one check of a split, so the job check, the planner's explicit
 plans and the head agree on what is refused and say it with the same words. It names the
@@ -21,6 +25,7 @@ __all__ = [
     "SplitError",
     "StageLayout",
     "VWLayout",
+    "VWSpec",
     "bounds_of",
     "validate",
 ]
@@ -180,6 +185,48 @@ class VWLayout:
             raise ValueError(f"malformed virtual-worker layout: {exc!r}") from None
 
 
+@dataclass(frozen=True)
+class VWSpec:
+    """One ``[[vw]]`` table of a job file: devices in pipeline order, and optionally the
+    layers per stage and the virtual worker's own Nm (None: the planner's or the job's)."""
+
+    devices: tuple[str, ...]  # each stage's leader
+    layers: tuple[int, ...] | None = None
+    nm: int | None = None
+    # per stage, the devices that replicate it beside ``devices[i]`` (its leader); () for a
+    # stage on one device. None: no stage is replicated (hetpipe.replicas)
+    replicas: tuple[tuple[str, ...], ...] | None = None
+
+    @property
+    def k(self) -> int:
+        return len(self.devices)
+
+    def group(self, stage: int) -> tuple[str, ...]:
+        """The devices of ``stage``: its leader, then its replicas."""
+        extra = self.replicas[stage] if self.replicas is not None else ()
+        return (self.devices[stage], *extra)
+
+    def all_devices(self) -> tuple[str, ...]:
+        """Every device of this virtual worker, replicas included."""
+        return tuple(d for s in range(self.k) for d in self.group(s))
+
+    def layout(
+        self,
+        nm: int,
+        *,
+        recompute: Sequence[Iterable[int]] | None = None,
+        swap: Sequence[Iterable[int]] | None = None,
+    ) -> VWLayout:
+        """This split as a layout, with ``nm`` where the table gives none; its layers must
+        be given (a split the planner completes comes back as a layout of its own)."""
+        if self.layers is None:
+            raise ValueError("the split gives no layers")
+        groups = [self.group(s) for s in range(self.k)]
+        return VWLayout.from_counts(
+            groups, self.layers, self.nm or nm, recompute=recompute, swap=swap
+        )
+
+
 def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
     """Half-open layer ranges of consecutive stages of ``counts`` layers each."""
     edges = [0, *itertools.accumulate(counts)]
@@ -187,7 +234,7 @@ def bounds_of(counts: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def validate(
-    layouts: Sequence[VWLayout],
+    vws: Sequence[VWLayout | VWSpec],
     devices: Collection[str],
     n_layers: int,
     *,
@@ -195,20 +242,27 @@ def validate(
 ) -> None:
     """Raise :class:`SplitError` for the first problem of a job's split, naming its key.
 
-    Checked: every device is one of ``devices`` (``known_as`` names where they come from)
-    and runs one stage of one virtual worker; each virtual worker has at most as many
-    stages as the model has layers; its stages are non-empty, contiguous and cover the
-    model's ``n_layers`` exactly; Nm is at least 1; the layers a stage recomputes or swaps
-    are its own and never both; a replicated stage's row bounds rise from 0, one more than
-    its devices; an in-flight fill stays within its limit.
+    Takes the layouts the head runs or the job file's ``[[vw]]`` tables (whose layers and
+    Nm may still be the planner's to choose; what is not given is not checked). Checked:
+    every device is one of ``devices`` (``known_as`` names where they come from) and runs
+    one stage of one virtual worker; each virtual worker has at most as many stages as the
+    model has layers; its stages are non-empty, contiguous and cover the model's
+    ``n_layers`` exactly; Nm is at least 1; the layers a stage recomputes or swaps are its
+    own and never both; a replicated stage's row bounds rise from 0, one more than its
+    devices; an in-flight fill stays within its limit.
     """
     owner: dict[str, int] = {}
-    for v, vw in enumerate(layouts):
+    for v, vw in enumerate(vws):
         key = f"vw[{v}]"
-        if not vw.stages:
+        groups = (
+            [s.devices for s in vw.stages]
+            if isinstance(vw, VWLayout)
+            else [vw.group(s) for s in range(vw.k)]
+        )
+        if not groups:
             raise SplitError(f"{key}.devices", "must list at least one device")
-        for i, st in enumerate(vw.stages):
-            for d in st.devices:
+        for i, group in enumerate(groups):
+            for d in group:
                 if d not in devices:
                     known = ", ".join(sorted(devices))
                     raise SplitError(
@@ -219,27 +273,47 @@ def validate(
                     where = "this vw" if owner[d] == v else f"vw[{owner[d]}]"
                     raise SplitError(f"{key}.devices[{i}]", f"device {d!r} is already in {where}")
                 owner[d] = v
-        if vw.k > n_layers:
-            raise SplitError(f"{key}.devices", f"{vw.k} stages for a model of {n_layers} layers")
-        counts = vw.counts
-        for i, n in enumerate(counts):
-            if n < 1:
-                raise SplitError(f"{key}.layers[{i}]", f"must be >= 1, got {n}")
-        if sum(counts) != n_layers or vw.stages[0].first != 0:
+        if len(groups) > n_layers:
+            raise SplitError(
+                f"{key}.devices", f"{len(groups)} stages for a model of {n_layers} layers"
+            )
+        counts = vw.counts if isinstance(vw, VWLayout) else vw.layers
+        if counts is not None:
+            _check_counts(key, counts, n_layers)
+        if isinstance(vw, VWLayout):
+            _check_layout(key, vw, n_layers)
+        elif vw.nm is not None and vw.nm < 1:
+            raise SplitError(f"{key}.nm", f"must be >= 1, got {vw.nm}")
+
+
+def _check_counts(key: str, counts: Sequence[int], n_layers: int) -> None:
+    for i, n in enumerate(counts):
+        if n < 1:
+            raise SplitError(f"{key}.layers[{i}]", f"must be >= 1, got {n}")
+    if sum(counts) != n_layers:
+        raise SplitError(
+            f"{key}.layers",
+            f"{list(counts)} sums to {sum(counts)}, the model has {n_layers} layers",
+        )
+
+
+def _check_layout(key: str, vw: VWLayout, n_layers: int) -> None:
+    if vw.stages[0].first != 0 or vw.stages[-1].last != n_layers:
+        raise SplitError(
+            f"{key}.layers",
+            f"stages cover layers {vw.stages[0].first}..{vw.stages[-1].last - 1}, "
+            f"the model has layers 0..{n_layers - 1}",
+        )
+    for i, (a, b) in enumerate(itertools.pairwise(vw.stages)):
+        if a.last != b.first:
             raise SplitError(
                 f"{key}.layers",
-                f"{list(counts)} sums to {sum(counts)}, the model has {n_layers} layers",
+                f"stage {i} ends at layer {a.last} but stage {i + 1} starts at {b.first}",
             )
-        for i, (a, b) in enumerate(itertools.pairwise(vw.stages)):
-            if a.last != b.first:
-                raise SplitError(
-                    f"{key}.layers",
-                    f"stage {i} ends at layer {a.last} but stage {i + 1} starts at {b.first}",
-                )
-        if vw.nm < 1:
-            raise SplitError(f"{key}.nm", f"must be >= 1, got {vw.nm}")
-        for i, st in enumerate(vw.stages):
-            _check_stage(f"{key}.stages[{i}]", st)
+    if vw.nm < 1:
+        raise SplitError(f"{key}.nm", f"must be >= 1, got {vw.nm}")
+    for i, st in enumerate(vw.stages):
+        _check_stage(f"{key}.stages[{i}]", st)
 
 
 def _check_stage(key: str, st: StageLayout) -> None:
