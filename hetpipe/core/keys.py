@@ -645,7 +645,12 @@ CLUSTER: Final = Schema(
                 Key("name", "string", "The device's name, unique in the cluster."),
                 Key("device", "string", 'Where it computes: "cpu" (emulated) or "cuda:N".'),
                 Key("type", "string", "Its device type: profiles are kept per type."),
-                Key("memory", "size", "The memory cap the planner and the runtime respect."),
+                Key(
+                    "memory",
+                    "size",
+                    "The memory cap the planner and the runtime respect.",
+                    above=0,
+                ),
                 Key(
                     "speed",
                     "float",
