@@ -50,10 +50,7 @@ _HOST_PORT = re.compile(r"[^:\s]+:\d*")
 _TCP = re.compile(r"tcp://(\[[^\]]+\]|[^:/\[\]\s]+):(\d+)")
 
 MAX_SIZE = 1 << 50  # 1 PiB: beyond any device or frame, and far inside a 64-bit integer
-# the bounds are declared with their keys (hetpipe.core.keys); the names stay importable here
-MAX_HWM = keys.MAX_HWM
-MIN_HEARTBEAT_S = keys.MIN_HEARTBEAT_S
-MAX_DURATION_S = keys.MAX_DURATION_S
+# each key's default, bounds and choices are declared in hetpipe.core.keys.CLUSTER
 _d = CLUSTER.default
 
 

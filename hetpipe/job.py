@@ -4,6 +4,11 @@ A job is written as a TOML file by the user and travels to the head as a plain d
 dict form *is* the file's shape: ``load_job`` parses the TOML and hands it to
 ``JobSpec.from_dict``, and the head validates what it receives with that same code. Every
 rejection is one line ``"<file>: <key>: <problem>"``.
+
+Each key (its type, default, bounds, choices, meaning and where it has an effect) is declared
+once in :data:`hetpipe.core.keys.JOB`; this module reads the tables through those
+declarations and adds the checks across keys. A file (:func:`load_job`) is also refused for
+a key it sets where that key has no effect.
 """
 
 from __future__ import annotations
@@ -28,21 +33,7 @@ __all__ = [
     "load_job",
 ]
 
-# The choices and bounds are declared with their keys (hetpipe.core.keys); the names stay
-# importable from here.
-OPTIMIZERS = keys.OPTIMIZERS
-ADAMW_WEIGHT_DECAY = keys.ADAMW_WEIGHT_DECAY
-ON_WORKER_LOSS = keys.ON_WORKER_LOSS
-POLICIES = keys.POLICIES
-WEIGHTS = keys.WEIGHTS
-PREDICT_VARIANTS = keys.PREDICT_VARIANTS
-PRECISIONS = keys.PRECISIONS
-IN_FLIGHT = keys.IN_FLIGHT
-MAX_MINIBATCH = keys.MAX_MINIBATCH
-MAX_COUNT = keys.MAX_COUNT
-MAX_EPOCHS = keys.MAX_EPOCHS
-MAX_SMALL = keys.MAX_SMALL
-MAX_SECONDS = keys.MAX_SECONDS
+# each key's default, bounds and choices are declared in hetpipe.core.keys.JOB
 _d = JOB.default
 
 
@@ -173,7 +164,7 @@ class JobSpec:
     # (hetpipe.core.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
     warmup: int | None = _d("train.warmup")
-    # IN_FLIGHT: "plan": a planned async stage holds at most the minibatches its predicted
+    # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
     in_flight: str = _d("train.in_flight")
 
@@ -464,7 +455,9 @@ def _optimizer(root: Table) -> OptimizerSpec:
     name = _read(ot, "name")
     lr, eps = _read(ot, "lr"), _read(ot, "eps")
     momentum = _read(ot, "momentum")
-    weight_decay = _read(ot, "weight_decay", ADAMW_WEIGHT_DECAY if name == "adamw" else DECLARED)
+    weight_decay = _read(
+        ot, "weight_decay", keys.ADAMW_WEIGHT_DECAY if name == "adamw" else DECLARED
+    )
     nesterov = _read(ot, "nesterov")
     if nesterov and momentum == 0:
         ot.fail("nesterov", "needs momentum > 0")
