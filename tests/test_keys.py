@@ -226,6 +226,10 @@ def test_docs_list_every_key_with_its_default_and_where_it_applies() -> None:
         '| `staleness` | integer | 0 | >= 0, <= 2^16 | train.schedule is "async" or "auto" |'
         in text
     )
+    assert (
+        '| `policy` | string | "auto" | "auto", "np", "ed", "hd" | no [[vw]] tables, or '
+        'train.on_worker_loss is "replan" |' in text
+    )
 
 
 def test_write_then_check(tmp_path: Path) -> None:

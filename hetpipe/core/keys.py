@@ -250,8 +250,8 @@ _FRACTION = {"low": 0.0, "below": 1.0}
 JOB: Final = Schema(
     "Job file keys",
     "A job is a TOML file (`hetpipe submit job.toml`) or the same tables as a dict. Unknown "
-    "keys are refused, and so is a key set where it has no effect (the column *applies* says "
-    "where it has one). Every refusal is one line `<file>: <key>: <problem>`.",
+    "keys are refused, and so is a key set where it has no effect (the column *has an effect "
+    "when* says where it has one). Every refusal is one line `<file>: <key>: <problem>`.",
     (
         Section(
             "",
@@ -363,7 +363,7 @@ JOB: Final = Schema(
                     high=MAX_SMALL,
                     applies=ASYNC,
                 ),
-                Key("seed", "integer", "Seeds the model's weights and the data order.", 0, low=0),
+                Key("seed", "integer", "Seeds the initial weights and the data order.", 0, low=0),
                 Key(
                     "epochs",
                     "integer",
@@ -402,7 +402,7 @@ JOB: Final = Schema(
                 Key(
                     "eval_every_s",
                     "float",
-                    "Evaluate the global weights this often while training. Unset: at the end.",
+                    "Evaluate the global weights this often while training; unset: never.",
                     None,
                     above=0.0,
                     low=0.1,
@@ -715,7 +715,9 @@ CLUSTER: Final = Schema(
                     low=1,
                     high=MAX_HWM,
                 ),
-                Key("run_dir", "string", "Where daemons keep logs, pids and state.", ".hetpipe"),
+                Key(
+                    "run_dir", "string", "Where the daemons keep their logs and state.", ".hetpipe"
+                ),
                 Key(
                     "log_max_bytes",
                     "size",
@@ -864,7 +866,10 @@ def render(schema: Schema) -> str:
         if not section.keys:
             continue
         out += ["", f"## {section.title}", "", section.meaning, ""]
-        out += ["| key | type | default | range | applies | meaning |", "| --- " * 6 + "|"]
+        out += [
+            "| key | type | default | range | has an effect when | meaning |",
+            "| --- " * 6 + "|",
+        ]
         for key in section.keys:
             cells = (
                 f"`{key.name}`",
