@@ -430,7 +430,7 @@ def _plain(value: Any) -> Any:
 
 def _args(t: Table) -> dict:
     """Free-form keyword arguments: any keys, but only values that survive the wire."""
-    args = t.raw("args", JOB["model.args"].default)
+    args = t.raw("args", JOB.default(f"{t.key}.args"))
     if not isinstance(args, dict):
         t.fail("args", f"expected a table of keyword arguments, got {kind(args)}")
 
