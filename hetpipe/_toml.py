@@ -16,12 +16,18 @@ import re
 import tomllib
 from collections.abc import Iterable
 from datetime import date, datetime, time
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
+
+if TYPE_CHECKING:
+    from hetpipe.core.keys import Key
 
 __all__: list[str] = []
 
 MISSING: Final = object()
 """Default marking a key as required."""
+
+DECLARED: Final = object()
+"""Default of :meth:`Table.read`: the key's declared default."""
 
 INT64_MIN: Final = -(1 << 63)
 INT64_MAX: Final = (1 << 63) - 1
@@ -203,6 +209,61 @@ class Table:
         if not isinstance(value, list | tuple):
             self.fail(name, f"expected an array, got {kind(value)} {value!r}")
         return [self._check(f"{name}[{i}]", item, of) for i, item in enumerate(value)]
+
+    def read(self, key: Key, default: Any = DECLARED) -> Any:
+        """A key as :mod:`hetpipe.core.keys` declares it: its type, its default (unless
+        ``default`` overrides one that depends on other keys), its bounds and choices.
+
+        Types read here: integer, float, string, boolean, and arrays of those (bounds apply
+        to each item); a parser reads other shapes (sizes, free tables) itself.
+        """
+        if default is DECLARED:
+            default = MISSING if key.required else key.default
+        name, kind_ = key.name, key.type
+        if kind_.startswith("array of "):
+            of = {"strings": "string", "integers": "integer", "floats": "number"}.get(
+                kind_.removeprefix("array of ").removeprefix("2 ")
+            )
+            if of is None:
+                raise TypeError(f"{key.path}: a parser reads type {kind_!r} itself")
+            items = self.array(name, of, list(default) if default is not None else None)
+            if items is not None:
+                for i, item in enumerate(items):
+                    self._bounds(f"{name}[{i}]", item, key)
+            return items
+        if kind_ == "string":
+            value = self.text(name, default)
+            if key.choices and value is not None and value not in key.choices:
+                self.fail(name, f"unknown {key.noun} {value!r} (one of: {', '.join(key.choices)})")
+            return value
+        if kind_ == "boolean":
+            return self.flag(name, default)
+        if kind_ == "float" and key.above == 0:
+            return self.positive(name, default, low=key.low, high=key.high)
+        value = self.integer(name, default) if kind_ == "integer" else self.number(name, default)
+        if kind_ not in ("integer", "float"):
+            raise TypeError(f"{key.path}: a parser reads type {kind_!r} itself")
+        if value is not None:
+            self._bounds(name, value, key)
+        return value
+
+    def _bounds(self, name: str, value: Any, key: Key) -> None:
+        """Refuse ``value`` outside ``key``'s declared bounds."""
+        low, high = key.low, key.high
+
+        def text(x: Any) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"
+
+        if key.below is not None:
+            if not (low is None or low <= value) or not value < key.below:
+                self.fail(name, f"must be in [{text(low)}, {text(key.below)}), got {value}")
+            return
+        if key.above is not None and value <= key.above:
+            self.fail(name, f"must be > {text(key.above)}, got {value}")
+        if low is not None and value < low:
+            self.fail(name, f"must be >= {text(low)}, got {text(value)}")
+        if high is not None and value > high:
+            self.fail(name, f"must be <= {text(high)}, got {text(value)}")
 
     def table(self, name: str, allowed: Iterable[str] | None = None) -> Table:
         """A sub-table; an absent one reads as empty so its own keys report what is missing."""

@@ -14,9 +14,11 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
-from hetpipe._toml import MISSING, Table, read_toml
-from hetpipe.hostmem import MAX_RETAIN_MIB
+from hetpipe._toml import DECLARED, MISSING, Table, read_toml
+from hetpipe.core import keys
+from hetpipe.core.keys import CLUSTER
 from hetpipe.security import SecuritySpec
 
 __all__ = [
@@ -48,11 +50,8 @@ _HOST_PORT = re.compile(r"[^:\s]+:\d*")
 _TCP = re.compile(r"tcp://(\[[^\]]+\]|[^:/\[\]\s]+):(\d+)")
 
 MAX_SIZE = 1 << 50  # 1 PiB: beyond any device or frame, and far inside a 64-bit integer
-MAX_HWM = 1 << 20  # ZeroMQ queues this many messages per peer at most (shards use 16x)
-MIN_HEARTBEAT_S = 0.05  # below this, heartbeats alone would keep every daemon busy
-MAX_DURATION_S = 86400.0
-MIN_LOG_BYTES = 64 << 10
-MIN_FRAME_BYTES = 1 << 20
+# each key's default, bounds and choices are declared in hetpipe.core.keys.CLUSTER
+_d = CLUSTER.default
 
 
 class ConfigError(ValueError):
@@ -130,7 +129,7 @@ class DeviceSpec:
     # host <-> device copy bandwidth (swapped activations, hetpipe.planner.memory); on an
     # emulated device the copy time is charged at this rate. Default: PCIe 3.0 x16 as
     # pinned copies reach it in practice (~12 GB/s)
-    host_gbps: float = 96.0
+    host_gbps: float = CLUSTER.default("node.device.host_gbps")
 
 
 @dataclass(frozen=True)
@@ -186,21 +185,19 @@ class ShardSpec:
 class RuntimeSpec:
     """Daemon timings and limits; defaults suit one host."""
 
-    heartbeat_s: float = 1.0
-    lost_after_s: float = 5.0
-    max_frame_bytes: int = GiB
-    hwm: int = 64
-    run_dir: str = ".hetpipe"
-    log_max_bytes: int = 16 << 20  # a daemon's log rotates past this size
-    log_keep: int = 3  # rotated logs kept (name.log.1 .. name.log.N)
-    jobs_kept: int = 20  # finished jobs the head keeps in memory; older ones live on disk
-    cuda_ipc: bool = True  # stages on GPUs of one host pass tensors device to device
-    host_shm: bool = True  # stages of one host pass host tensors through shared memory
-    # a stage's compute runs shorter than this run on its event loop (hetpipe.computethread)
-    inline_ms: int = 20
-    # freed memory a daemon's C allocator keeps per heap for the next minibatch's tensors
-    # (hetpipe.hostmem; 0: the allocator's own behaviour)
-    retain_freed_mib: int = 256
+    # each field is the key of its name, declared (default, meaning) in hetpipe.core.keys
+    heartbeat_s: float = _d("runtime.heartbeat_s")
+    lost_after_s: float = _d("runtime.lost_after_s")
+    max_frame_bytes: int = parse_size(_d("runtime.max_frame_bytes"))
+    hwm: int = _d("runtime.hwm")
+    run_dir: str = _d("runtime.run_dir")
+    log_max_bytes: int = parse_size(_d("runtime.log_max_bytes"))
+    log_keep: int = _d("runtime.log_keep")
+    jobs_kept: int = _d("runtime.jobs_kept")
+    cuda_ipc: bool = _d("runtime.cuda_ipc")
+    host_shm: bool = _d("runtime.host_shm")
+    inline_ms: int = _d("runtime.inline_ms")  # hetpipe.computethread
+    retain_freed_mib: int = _d("runtime.retain_freed_mib")  # hetpipe.hostmem
 
 
 @dataclass(frozen=True)
@@ -238,11 +235,9 @@ class ClusterConfig:
 def load_cluster(path: str | os.PathLike[str]) -> ClusterConfig:
     """Read and validate a cluster file; raises ConfigError (one line) on any problem."""
     data, source = read_toml(path, ConfigError)
-    root = Table(
-        data, source, ConfigError, allowed=("ps", "network", "runtime", "node", "security")
-    )
+    root = Table(data, source, ConfigError, allowed=CLUSTER.allowed(""))
     ports: dict[tuple[str, int], str] = {}  # (host, port) -> who uses it; port 0 is never kept
-    shards = _shards(root.table("ps", ("shards",)), ports)
+    shards = _shards(root.table("ps", CLUSTER.allowed("ps")), ports)
     nodes = _nodes(root, ports)
     names = {d.name for node in nodes for d in node.devices}
     return ClusterConfig(
@@ -260,7 +255,7 @@ def _claim(t: Table, key: str, host: str, port: int, who: str, ports: dict) -> N
 
 
 def _shards(ps: Table, ports: dict) -> tuple[ShardSpec, ...]:
-    addresses = ps.array("shards", "string", default=[])
+    addresses = _read(ps, "shards", [])
     if not addresses:
         ps.fail("shards", "missing: shard 0 is the head")
     shards = []
@@ -279,8 +274,19 @@ def _shards(ps: Table, ports: dict) -> tuple[ShardSpec, ...]:
     return tuple(shards)
 
 
+def _key(t: Table, name: str) -> keys.Key:
+    """The declaration of key ``name`` of table ``t`` (``node[0].device[1]``: node.device)."""
+    section = re.sub(r"\[\d+\]", "", t.key)
+    return CLUSTER[f"{section}.{name}" if section else name]
+
+
+def _read(t: Table, name: str, default: object = DECLARED) -> Any:
+    """Key ``name`` of table ``t`` as :data:`hetpipe.core.keys.CLUSTER` declares it."""
+    return t.read(_key(t, name), default)
+
+
 def _name(t: Table, key: str, what: str, seen: dict[str, str]) -> str:
-    name = t.text(key)
+    name = _read(t, key)
     if not _NAME.fullmatch(name):
         t.fail(key, f"bad {what} name {name!r} (letters, digits, '_', '.', '-')")
     if name in seen:
@@ -290,31 +296,27 @@ def _name(t: Table, key: str, what: str, seen: dict[str, str]) -> str:
 
 
 def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
-    node_keys, device_keys = ("name", "host", "device"), ("name", "device", "type", "memory")
-    device_keys += ("speed", "port", "host_gbps")
     node_names: dict[str, str] = {}
     device_names: dict[str, str] = {}
     nodes = []
-    for nt in root.tables("node", node_keys):
-        node, host = _name(nt, "name", "node", node_names), nt.text("host")
+    for nt in root.tables("node", CLUSTER.allowed("node")):
+        node, host = _name(nt, "name", "node", node_names), _read(nt, "host")
         problem = check_host(host)
         if problem is not None:
             nt.fail("host", problem)
         devices = []
-        for dt in nt.tables("device", device_keys):
+        for dt in nt.tables("device", CLUSTER.allowed("node.device")):
             name = _name(dt, "name", "device", device_names)
-            device = dt.text("device")
+            device = _read(dt, "device")
             if not _DEVICE.fullmatch(device):
                 dt.fail("device", f"expected 'cpu' or 'cuda:N', got {device!r}")
-            kind = dt.text("type")
+            kind = _read(dt, "type")
             if not _NAME.fullmatch(kind):
                 dt.fail("type", f"bad device type {kind!r} (letters, digits, '_', '.', '-')")
             memory = _size(dt, "memory")
-            if memory <= 0:
-                dt.fail("memory", f"must be > 0, got {dt.raw('memory')!r}")
-            speed = dt.positive("speed", 1.0, low=0.001)
-            host_gbps = dt.positive("host_gbps", DeviceSpec.host_gbps)
-            port = dt.integer("port", 0)
+            speed = _read(dt, "speed")
+            host_gbps = _read(dt, "host_gbps")
+            port = dt.integer("port", CLUSTER.default("node.device.port"))  # _claim: range
             _claim(dt, "port", host, port, f"device {name}", ports)
             devices.append(
                 DeviceSpec(name, device, kind, memory, speed, port, node, host, host_gbps)
@@ -327,23 +329,30 @@ def _nodes(root: Table, ports: dict) -> tuple[NodeSpec, ...]:
     return tuple(nodes)
 
 
-def _size(t: Table, key: str, default: object = MISSING) -> int:
-    value = t.raw(key, default)
+def _size(t: Table, name: str) -> int:
+    """A size key (bytes, or a text such as "2GiB") within its declared bounds."""
+    key = _key(t, name)
+    value = t.raw(name, MISSING if key.required else key.default)
     try:
         size = parse_size(value)
     except ValueError as e:
-        t.fail(key, str(e))
+        t.fail(name, str(e))
     if size > MAX_SIZE:
-        t.fail(key, f"{value!r} is too large (at most {format_size(MAX_SIZE)})")
+        t.fail(name, f"{value!r} is too large (at most {format_size(MAX_SIZE)})")
+    if key.above is not None and size <= key.above:
+        t.fail(name, f"must be > {key.above}, got {value!r}")
+    least = parse_size(key.low) if key.low is not None else None
+    if least is not None and size < least:
+        t.fail(name, f"must be >= {format_size(least)}, got {size}")
     return size
 
 
 def _network(root: Table, devices: set[str]) -> NetworkSpec:
-    net = root.table("network", ("intra_node_gbps", "inter_node_gbps", "link"))
-    intra, inter = net.positive("intra_node_gbps", 100.0), net.positive("inter_node_gbps", 10.0)
+    net = root.table("network", CLUSTER.allowed("network"))
+    intra, inter = _read(net, "intra_node_gbps"), _read(net, "inter_node_gbps")
     links: list[LinkSpec] = []
-    for lt in net.tables("link", ("a", "b", "gbps")):
-        a, b = lt.text("a"), lt.text("b")
+    for lt in net.tables("link", CLUSTER.allowed("network.link")):
+        a, b = _read(lt, "a"), _read(lt, "b")
         for key, name in (("a", a), ("b", b)):
             if name not in devices:
                 lt.fail(key, f"unknown device {name!r} (known: {', '.join(sorted(devices))})")
@@ -351,53 +360,38 @@ def _network(root: Table, devices: set[str]) -> NetworkSpec:
             lt.fail("b", f"a link needs two different devices, got {a!r} twice")
         if any({x.a, x.b} == {a, b} for x in links):
             lt.fail("b", f"duplicate link between {a!r} and {b!r}")
-        links.append(LinkSpec(a, b, lt.positive("gbps")))
+        links.append(LinkSpec(a, b, _read(lt, "gbps")))
     return NetworkSpec(intra, inter, tuple(links))
 
 
 def _runtime(root: Table) -> RuntimeSpec:
     d = RuntimeSpec()
-    keys = (
-        "heartbeat_s",
-        "lost_after_s",
-        "max_frame_bytes",
-        "hwm",
-        "run_dir",
-        "log_max_bytes",
-        "log_keep",
-        "jobs_kept",
-        "cuda_ipc",
-        "host_shm",
-        "inline_ms",
-        "retain_freed_mib",
-    )
-    rt = root.table("runtime", keys)
-    heartbeat = rt.positive("heartbeat_s", d.heartbeat_s, low=MIN_HEARTBEAT_S, high=MAX_DURATION_S)
-    lost = rt.positive("lost_after_s", d.lost_after_s, high=MAX_DURATION_S)
+    rt = root.table("runtime", CLUSTER.allowed("runtime"))
+    heartbeat = _read(rt, "heartbeat_s")
+    lost = _read(rt, "lost_after_s")
     if lost <= heartbeat:
         rt.fail("lost_after_s", f"must exceed heartbeat_s ({heartbeat}), got {lost}")
-    frame = _size(rt, "max_frame_bytes", d.max_frame_bytes)
-    if frame < MIN_FRAME_BYTES:  # also the limit on headers, which carry job specs and stats
-        rt.fail("max_frame_bytes", f"must be >= {format_size(MIN_FRAME_BYTES)}, got {frame}")
-    hwm = rt.at_least("hwm", 1, d.hwm, high=MAX_HWM)  # bounded queues give back-pressure
+    frame = _size(rt, "max_frame_bytes")
+    hwm = _read(rt, "hwm")  # bounded queues give back-pressure
     beat_ms = int(heartbeat * 1e3) // 4  # the longest a compute may hold the event loop
-    log_max = _size(rt, "log_max_bytes", d.log_max_bytes)
-    if log_max < MIN_LOG_BYTES:
-        rt.fail("log_max_bytes", f"must be >= {format_size(MIN_LOG_BYTES)}, got {log_max}")
+    log_max = _size(rt, "log_max_bytes")
+    inline_ms = _read(rt, "inline_ms", min(d.inline_ms, beat_ms))
+    # the event loop serves nothing else meanwhile: heartbeats must still go out
+    if inline_ms > beat_ms:
+        rt.fail("inline_ms", f"must be <= {beat_ms}, got {inline_ms}")
     return RuntimeSpec(
         heartbeat,
         lost,
         frame,
         hwm,
-        rt.text("run_dir", d.run_dir),
+        _read(rt, "run_dir"),
         log_max,
-        rt.at_least("log_keep", 0, d.log_keep, high=100),
-        rt.at_least("jobs_kept", 1, d.jobs_kept, high=100_000),
-        rt.flag("cuda_ipc", d.cuda_ipc),
-        rt.flag("host_shm", d.host_shm),
-        # the event loop serves nothing else meanwhile: heartbeats must still go out
-        rt.at_least("inline_ms", 0, min(d.inline_ms, beat_ms), high=beat_ms),
-        rt.at_least("retain_freed_mib", 0, d.retain_freed_mib, high=MAX_RETAIN_MIB),
+        _read(rt, "log_keep"),
+        _read(rt, "jobs_kept"),
+        _read(rt, "cuda_ipc"),
+        _read(rt, "host_shm"),
+        inline_ms,
+        _read(rt, "retain_freed_mib"),
     )
 
 
@@ -405,16 +399,15 @@ def _runtime(root: Table) -> RuntimeSpec:
 
 
 def _security(root: Table, source: str) -> SecuritySpec:
-    d = SecuritySpec()
-    st = root.table("security", ("curve", "keys", "allowed_modules"))
-    curve = st.raw("curve", d.curve)
+    st = root.table("security", CLUSTER.allowed("security"))
+    curve = st.raw("curve", CLUSTER.default("security.curve"))
     if not isinstance(curve, bool):
         st.fail("curve", f"expected true or false, got {curve!r}")
-    keys = Path(st.text("keys", d.keys)).expanduser()
-    if not keys.is_absolute():
-        keys = Path(source).resolve().parent / keys
-    modules = tuple(st.array("allowed_modules", "string", default=[]))
+    folder = Path(_read(st, "keys")).expanduser()
+    if not folder.is_absolute():
+        folder = Path(source).resolve().parent / folder
+    modules = tuple(_read(st, "allowed_modules"))
     for i, m in enumerate(modules):
         if not _MODULE.fullmatch(m):
             st.fail(f"allowed_modules[{i}]", f"not a module name: {m!r} (e.g. mypkg.models)")
-    return SecuritySpec(curve, str(keys), modules)
+    return SecuritySpec(curve, str(folder), modules)

@@ -4,6 +4,11 @@ A job is written as a TOML file by the user and travels to the head as a plain d
 dict form *is* the file's shape: ``load_job`` parses the TOML and hands it to
 ``JobSpec.from_dict``, and the head validates what it receives with that same code. Every
 rejection is one line ``"<file>: <key>: <problem>"``.
+
+Each key (its type, default, bounds, choices, meaning and where it has an effect) is declared
+once in :data:`hetpipe.core.keys.JOB`; this module reads the tables through those
+declarations and adds the checks across keys. A file (:func:`load_job`) is also refused for
+a key it sets where that key has no effect.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe._toml import Table, kind, read_toml
+from hetpipe._toml import DECLARED, Table, kind, read_toml
+from hetpipe.core import keys
+from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
-from hetpipe.core.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.core.schedule import SYNC_KINDS
-from hetpipe.planner.memory import ACTIVATION_POLICIES
 
 __all__ = [
     "DataSpec",
@@ -29,27 +34,8 @@ __all__ = [
     "load_job",
 ]
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-# torch.optim.AdamW's default decay: what a user writing name = "adamw" expects
-ADAMW_WEIGHT_DECAY = 1e-2
-ON_WORKER_LOSS = ("fail", "replan")
-POLICIES = ("auto", "np", "ed", "hd")
-# train.weights: how the async kind handles stale weights (see hetpipe.stage, docs/jobs-guide.md)
-WEIGHTS = ("stash", "latest", "predict")
-PREDICT_VARIANTS = ("paper", "consistent")
-# train.precision: the compute dtype of forwards and backwards (master weights stay float32)
-PRECISIONS = ("fp32", "bf16")
-# train.in_flight: what bounds the minibatches an async stage holds between a forward and its
-# backward in a plan the planner made (hetpipe.planner.plan.make_plan)
-IN_FLIGHT = ("plan", "nm")
-
-# Upper bounds of counts: far beyond any real job, and well inside the wire's 64-bit
-# integers even after the runtime multiplies them (minibatch numbers across epochs and VWs).
-MAX_MINIBATCH = 1 << 24
-MAX_COUNT = 1 << 40  # minibatches (per VW) and fault minibatch numbers
-MAX_EPOCHS = 1 << 20
-MAX_SMALL = 1 << 16  # nm, staleness, vws, warmup
-MAX_SECONDS = 86400.0 * 365
+# each key's default, bounds and choices are declared in hetpipe.core.keys.JOB
+_d = JOB.default
 
 
 class JobError(ValueError):
@@ -81,13 +67,13 @@ class OptimizerSpec:
     arithmetic of its ``torch.optim`` namesake.
     """
 
-    name: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    name: str = _d("optimizer.name")
+    lr: float = _d("optimizer.lr")
+    momentum: float = _d("optimizer.momentum")
+    weight_decay: float = _d("optimizer.weight_decay")
+    nesterov: bool = _d("optimizer.nesterov")
+    betas: tuple[float, float] = _d("optimizer.betas")
+    eps: float = _d("optimizer.eps")
 
 
 @dataclass(frozen=True)
@@ -117,38 +103,40 @@ class JobSpec:
     staleness: int
     epochs: int | None
     minibatches: int | None
-    seed: int = 0
+    # the defaults and meanings of these fields are declared with their keys in
+    # hetpipe.core.keys.JOB ("train.<field>", "train.vws" for num_vws)
+    seed: int = _d("train.seed")
     vws: tuple[VWSpec, ...] = ()
-    num_vws: int | None = None
-    policy: str = "auto"
-    eval_every_s: float | None = None  # evaluate the global weights this often while training
-    hang_after_s: float = 30.0  # no stage progressed this long: the head diagnoses a hang
-    on_worker_loss: str = "fail"  # "replan": go on without a lost worker (see hetpipe.head)
-    checkpoint_every: int = 50  # waves of the global clock between checkpoints; 0: none
+    num_vws: int | None = _d("train.vws")
+    policy: str = _d("train.policy")
+    eval_every_s: float | None = _d("train.eval_every_s")
+    hang_after_s: float = _d("train.hang_after_s")
+    on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
+    checkpoint_every: int = _d("train.checkpoint_every")
     faults: tuple[FaultSpec, ...] = ()
-    schedule: str = "async"  # hetpipe.core.schedule.KINDS or "auto"; in gpipe/1f1b nm is M
-    weights: str = "stash"  # WEIGHTS: what the async kind's forward and backward run on
-    predict_variant: str = "paper"  # PREDICT_VARIANTS, with weights = "predict"
-    bn_recalibrate: int = 0  # minibatches re-estimating batch-norm statistics before eval
-    activations: str = "keep"  # hetpipe.planner.memory.ACTIVATION_POLICIES
-    precision: str = "fp32"  # PRECISIONS: "bf16" runs forwards and backwards under autocast
+    schedule: str = _d("train.schedule")  # hetpipe.core.schedule.KINDS or "auto"
+    weights: str = _d("train.weights")
+    predict_variant: str = _d("train.predict_variant")
+    bn_recalibrate: int = _d("train.bn_recalibrate")
+    activations: str = _d("train.activations")
+    precision: str = _d("train.precision")
     # waves between the pushes of a virtual worker alone in its job (nothing reads its global
     # weights before a checkpoint or the end); 0: at checkpoints and the end only (every
     # wave with eval_every_s); several virtual workers, and the synchronous kinds, push
     # every wave/iteration whatever it says
-    push_every: int = 0
-    verify: bool = False  # fingerprint the weights each forward and backward used (stashing)
+    push_every: int = _d("train.push_every")
+    verify: bool = _d("train.verify")
     # the most devices the planner may group into one replicated stage of a split it makes
     # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
     # proposes beside a given split; 1: no replicas
-    max_replicas: int = 1
+    max_replicas: int = _d("train.max_replicas")
     # 1f1b: extra warm-up forwards of each stage before its first backward
     # (hetpipe.core.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
-    warmup: int | None = 0
-    # IN_FLIGHT: "plan": a planned async stage holds at most the minibatches its predicted
+    warmup: int | None = _d("train.warmup")
+    # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
-    in_flight: str = "plan"
+    in_flight: str = _d("train.in_flight")
 
     @property
     def sync(self) -> bool:
@@ -156,39 +144,20 @@ class JobSpec:
         return self.schedule in SYNC_KINDS
 
     def to_dict(self) -> dict:
-        """The job in its file's shape, as plain msgpack-able data (absent optionals omitted)."""
-        opt = self.optimizer
-        train: dict[str, Any] = {
-            "minibatch": self.minibatch,
-            "staleness": self.staleness,
-            "seed": self.seed,
-            "policy": self.policy,
-            "schedule": self.schedule,
-            "weights": self.weights,
-            "predict_variant": self.predict_variant,
-            "bn_recalibrate": self.bn_recalibrate,
-            "activations": self.activations,
-            "precision": self.precision,
-            "push_every": self.push_every,
-            "verify": self.verify,
-            "max_replicas": self.max_replicas,
-            "warmup": "auto" if self.warmup is None else self.warmup,
-            "in_flight": self.in_flight,
-        }
-        if self.nm is not None:
-            train["nm"] = self.nm
-        if self.epochs is not None:
-            train["epochs"] = self.epochs
-        if self.minibatches is not None:
-            train["minibatches"] = self.minibatches
-        if self.num_vws is not None:
-            train["vws"] = self.num_vws
-        if self.eval_every_s is not None:
-            train["eval_every_s"] = self.eval_every_s
-        train["hang_after_s"] = self.hang_after_s
-        if self.on_worker_loss != "fail":
-            train["on_worker_loss"] = self.on_worker_loss
-        train["checkpoint_every"] = self.checkpoint_every
+        """The job in its file's shape, as plain msgpack-able data.
+
+        Absent optionals are omitted, and so is a key that has no effect in this job while
+        it holds its default: the dict of a loaded job passes ``from_dict(strict=True)``.
+        """
+        tables = self._tables()
+        values = self.key_values()
+        for section, table in tables.items():
+            for name in list(table):
+                key = JOB[f"{section}.{name}"]
+                unset = table[name] is None
+                idle = key.applies is not None and not key.applies.holds(values)
+                if unset or (idle and table[name] == key.default):
+                    del table[name]
         vws = []
         for vw in self.vws:
             entry: dict[str, Any] = {
@@ -204,98 +173,48 @@ class JobSpec:
             vws.append(entry)
         return {
             "name": self.name,
-            "model": {"name": self.model.name, "args": _plain(self.model.args)},
-            "data": {"name": self.data.name, "args": _plain(self.data.args)},
-            "optimizer": {
-                "name": opt.name,
-                "lr": opt.lr,
-                "momentum": opt.momentum,
-                "weight_decay": opt.weight_decay,
-                "nesterov": opt.nesterov,
-                "betas": list(opt.betas),
-                "eps": opt.eps,
-            },
-            "train": train,
+            **tables,
             "vw": vws,
             "fault": [dataclasses.asdict(f) for f in self.faults],
         }
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "<job>") -> JobSpec:
-        """Validate a job dict (a parsed file or one received from the wire)."""
-        root = Table(
-            d,
-            source,
-            JobError,
-            allowed=("name", "model", "data", "optimizer", "train", "vw", "fault"),
-        )
-        name = root.text("name")
-        mt = root.table("model", ("name", "args"))
-        model = ModelSpec(mt.text("name"), _args(mt))
-        dt = root.table("data", ("name", "args"))
-        data = DataSpec(dt.text("name", "digits"), _args(dt))
+    def from_dict(cls, d: dict, source: str = "<job>", *, strict: bool = False) -> JobSpec:
+        """Validate a job dict (a parsed file or one received from the wire).
+
+        ``strict``: also refuse a key the dict sets where it has no effect (its rule in
+        :data:`hetpipe.core.keys.JOB`), as :func:`load_job` does for what a user wrote. Off
+        for dicts made by :meth:`to_dict`: a job built in code may hold such a value.
+        """
+        root = Table(d, source, JobError, allowed=JOB.allowed(""))
+        name = _read(root, "name")
+        mt = root.table("model", JOB.allowed("model"))
+        model = ModelSpec(_read(mt, "name"), _args(mt))
+        dt = root.table("data", JOB.allowed("data"))
+        data = DataSpec(_read(dt, "name"), _args(dt))
         optimizer = _optimizer(root)
 
-        train = root.table(
-            "train",
-            (
-                "minibatch",
-                "nm",
-                "staleness",
-                "seed",
-                "epochs",
-                "minibatches",
-                "vws",
-                "policy",
-                "eval_every_s",
-                "hang_after_s",
-                "schedule",
-                "weights",
-                "predict_variant",
-                "bn_recalibrate",
-                "on_worker_loss",
-                "checkpoint_every",
-                "activations",
-                "precision",
-                "push_every",
-                "verify",
-                "max_replicas",
-                "warmup",
-                "in_flight",
-            ),
-        )
-        minibatch = train.at_least("minibatch", 1, high=MAX_MINIBATCH)
-        nm = train.at_least("nm", 1, None, high=MAX_SMALL)
-        staleness = train.at_least("staleness", 0, 0, high=MAX_SMALL)
-        seed = train.at_least("seed", 0, 0)
-        epochs = train.at_least("epochs", 1, None, high=MAX_EPOCHS)
-        minibatches = train.at_least("minibatches", 1, None, high=MAX_COUNT)
+        train = root.table("train", JOB.allowed("train"))
+        minibatch = _read(train, "minibatch")
+        nm = _read(train, "nm")
+        staleness = _read(train, "staleness")
+        seed = _read(train, "seed")
+        epochs = _read(train, "epochs")
+        minibatches = _read(train, "minibatches")
         if epochs is None and minibatches is None:
             train.fail("epochs", "missing: give exactly one of epochs / minibatches")
         if epochs is not None and minibatches is not None:
             train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
-        num_vws = train.at_least("vws", 1, None, high=MAX_SMALL)
-        eval_every_s = train.positive("eval_every_s", None, low=0.1, high=MAX_SECONDS)
-        hang_after_s = train.positive("hang_after_s", 30.0, low=1.0, high=MAX_SECONDS)
-        schedule = train.text("schedule", "async")
-        if schedule not in (*SCHEDULE_KINDS, "auto"):
-            train.fail(
-                "schedule",
-                f"unknown schedule {schedule!r} (one of: {', '.join(SCHEDULE_KINDS)}, auto)",
-            )
-        weights = train.text("weights", "stash")
-        if weights not in WEIGHTS:
-            train.fail("weights", f"unknown mode {weights!r} (one of: {', '.join(WEIGHTS)})")
+        num_vws = _read(train, "vws")
+        eval_every_s = _read(train, "eval_every_s")
+        hang_after_s = _read(train, "hang_after_s")
+        schedule = _read(train, "schedule")
+        weights = _read(train, "weights")
         if weights != "stash" and schedule in SYNC_KINDS:
             train.fail(
                 "weights", f"{weights!r} needs the async schedule (in {schedule} nothing is stale)"
             )
-        predict_variant = train.text("predict_variant", "paper")
-        if predict_variant not in PREDICT_VARIANTS:
-            train.fail(
-                "predict_variant",
-                f"unknown variant {predict_variant!r} (one of: {', '.join(PREDICT_VARIANTS)})",
-            )
+        predict_variant = _read(train, "predict_variant")
         if weights == "predict":
             # hetpipe.optim computes with torch: imported here, reading a job file does not
             from hetpipe.optim import unpredictable
@@ -303,35 +222,17 @@ class JobSpec:
             why = unpredictable(optimizer)
             if why:
                 train.fail("weights", f"predict cannot extrapolate {why}")
-        bn_recalibrate = train.at_least("bn_recalibrate", 0, 0, high=MAX_COUNT)
-        on_worker_loss = train.text("on_worker_loss", "fail")
-        if on_worker_loss not in ON_WORKER_LOSS:
-            train.fail(
-                "on_worker_loss",
-                f"unknown value {on_worker_loss!r} (one of: {', '.join(ON_WORKER_LOSS)})",
-            )
-        checkpoint_every = train.at_least("checkpoint_every", 0, 50, high=MAX_COUNT)
-        activations = train.text("activations", "keep")
-        if activations not in ACTIVATION_POLICIES:
-            train.fail(
-                "activations",
-                f"unknown policy {activations!r} (one of: {', '.join(ACTIVATION_POLICIES)})",
-            )
-        precision = train.text("precision", "fp32")
-        if precision not in PRECISIONS:
-            train.fail(
-                "precision", f"unknown precision {precision!r} (one of: {', '.join(PRECISIONS)})"
-            )
-        push_every = train.at_least("push_every", 0, 0, high=MAX_COUNT)
-        max_replicas = train.at_least("max_replicas", 1, 1, high=MAX_SMALL)
-        verify = train.flag("verify", False)
+        bn_recalibrate = _read(train, "bn_recalibrate")
+        on_worker_loss = _read(train, "on_worker_loss")
+        checkpoint_every = _read(train, "checkpoint_every")
+        activations = _read(train, "activations")
+        precision = _read(train, "precision")
+        push_every = _read(train, "push_every")
+        max_replicas = _read(train, "max_replicas")
+        verify = _read(train, "verify")
         warmup = _warmup(train, schedule)
-        in_flight = train.text("in_flight", "plan")
-        if in_flight not in IN_FLIGHT:
-            train.fail("in_flight", f"unknown bound {in_flight!r} (one of: {', '.join(IN_FLIGHT)})")
-        policy = train.text("policy", "auto")
-        if policy not in POLICIES:
-            train.fail("policy", f"unknown policy {policy!r} (one of: {', '.join(POLICIES)})")
+        in_flight = _read(train, "in_flight")
+        policy = _read(train, "policy")
 
         vws = _vws(root)
         if schedule == "auto" and vws:
@@ -349,7 +250,7 @@ class JobSpec:
             )
         if vws and num_vws is not None and num_vws != len(vws):
             train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
-        return cls(
+        spec = cls(
             name=name,
             model=model,
             data=data,
@@ -379,29 +280,100 @@ class JobSpec:
             warmup=warmup,
             in_flight=in_flight,
             faults=tuple(
-                FaultSpec(
-                    ft.at_least("vw", 0, high=MAX_SMALL),
-                    ft.at_least("stage", 0, high=MAX_SMALL),
-                    ft.at_least("minibatch", 0, high=MAX_COUNT),
-                    ft.positive("seconds", high=MAX_SECONDS),
-                )
-                for ft in root.tables("fault", ("vw", "stage", "minibatch", "seconds"))
+                FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
+                for ft in root.tables("fault", JOB.allowed("fault"))
             ),
         )
+        if strict:
+            given = [
+                k.path
+                for k in JOB.declared()
+                if not JOB.section(k.section).array and _given(d, k.section, k.name)
+            ]
+            problem = keys.no_effect(JOB, spec.key_values(), given)
+            if problem is not None:
+                raise JobError(f"{source}: {problem}")
+        return spec
+
+    def key_values(self) -> dict[str, Any]:
+        """Each key of the job's tables (not of ``[[vw]]`` or ``[[fault]]``) by its path,
+        with the value it holds in this job (a default as much as a value given), and
+        ``"vw"``: the number of ``[[vw]]`` tables; what the rules of
+        :mod:`hetpipe.core.keys` read."""
+        out: dict[str, Any] = {"vw": len(self.vws)}
+        for section, table in self._tables().items():
+            out.update({f"{section}.{k}": v for k, v in table.items()})
+        out["name"] = self.name
+        return out
+
+    def _tables(self) -> dict[str, dict[str, Any]]:
+        """The job's tables in the file's shape, every key present (None: unset)."""
+        opt = self.optimizer
+        return {
+            "model": {"name": self.model.name, "args": _plain(self.model.args)},
+            "data": {"name": self.data.name, "args": _plain(self.data.args)},
+            "optimizer": {
+                "name": opt.name,
+                "lr": opt.lr,
+                "momentum": opt.momentum,
+                "weight_decay": opt.weight_decay,
+                "nesterov": opt.nesterov,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+            },
+            "train": {
+                "minibatch": self.minibatch,
+                "nm": self.nm,
+                "staleness": self.staleness,
+                "seed": self.seed,
+                "epochs": self.epochs,
+                "minibatches": self.minibatches,
+                "vws": self.num_vws,
+                "policy": self.policy,
+                "eval_every_s": self.eval_every_s,
+                "hang_after_s": self.hang_after_s,
+                "schedule": self.schedule,
+                "weights": self.weights,
+                "predict_variant": self.predict_variant,
+                "bn_recalibrate": self.bn_recalibrate,
+                "on_worker_loss": self.on_worker_loss,
+                "checkpoint_every": self.checkpoint_every,
+                "activations": self.activations,
+                "precision": self.precision,
+                "push_every": self.push_every,
+                "verify": self.verify,
+                "max_replicas": self.max_replicas,
+                "warmup": "auto" if self.warmup is None else self.warmup,
+                "in_flight": self.in_flight,
+            },
+        }
+
+
+def _read(t: Table, name: str, default: Any = DECLARED) -> Any:
+    """Key ``name`` of table ``t`` as :data:`hetpipe.core.keys.JOB` declares it."""
+    section = t.key.partition("[")[0] if t.key else ""
+    return t.read(JOB[f"{section}.{name}" if section else name], default)
+
+
+def _given(d: Any, section: str, name: str) -> bool:
+    """Whether the job dict ``d`` sets ``section.name`` (None counts as absent)."""
+    table = d.get(section) if section else d
+    return isinstance(table, dict) and table.get(name) is not None
 
 
 def _warmup(train: Table, schedule: str) -> int | None:
     """``train.warmup``: an integer >= 0 or "auto" (None), for the 1f1b order; the schedule
-    "auto" may pick it too (there it defaults to "auto", elsewhere to 0)."""
-    value = train.raw("warmup", "auto" if schedule == "auto" else 0)
+    "auto" may pick it too (there it defaults to "auto", elsewhere to the declared 0)."""
+    key = JOB["train.warmup"]
+    value = train.raw("warmup", "auto" if schedule == "auto" else key.default)
     if value == "auto":
         if schedule not in ("1f1b", "auto"):
             train.fail("warmup", f"auto picks 1f1b's warm-up; schedule {schedule!r} has none")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         train.fail("warmup", f'must be an integer >= 0 or "auto", got {value!r}')
-    if not 0 <= value <= MAX_SMALL:
-        train.fail("warmup", f"must be in 0..{MAX_SMALL}, got {value}")
+    if not key.low <= value <= key.high:
+        train.fail("warmup", f"must be in {key.low}..{key.high}, got {value}")
     if value and schedule not in ("1f1b", "auto"):
         train.fail(
             "warmup",
@@ -411,9 +383,10 @@ def _warmup(train: Table, schedule: str) -> int | None:
 
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
-    """Read and validate a job file; raises JobError (one line) on any problem."""
+    """Read and validate a job file; raises JobError (one line) on any problem, a key set
+    where it has no effect included."""
     data, source = read_toml(path, JobError)
-    return JobSpec.from_dict(data, source=source)
+    return JobSpec.from_dict(data, source=source, strict=True)
 
 
 def _plain(value: Any) -> Any:
@@ -427,7 +400,7 @@ def _plain(value: Any) -> Any:
 
 def _args(t: Table) -> dict:
     """Free-form keyword arguments: any keys, but only values that survive the wire."""
-    args = t.raw("args", {})
+    args = t.raw("args", JOB.default(f"{t.key}.args"))
     if not isinstance(args, dict):
         t.fail("args", f"expected a table of keyword arguments, got {kind(args)}")
 
@@ -448,38 +421,26 @@ def _args(t: Table) -> dict:
 
 
 def _optimizer(root: Table) -> OptimizerSpec:
-    d = OptimizerSpec()
-    ot = root.table(
-        "optimizer", ("name", "lr", "momentum", "weight_decay", "nesterov", "betas", "eps")
+    ot = root.table("optimizer", JOB.allowed("optimizer"))
+    name = _read(ot, "name")
+    lr, eps = _read(ot, "lr"), _read(ot, "eps")
+    momentum = _read(ot, "momentum")
+    weight_decay = _read(
+        ot, "weight_decay", keys.ADAMW_WEIGHT_DECAY if name == "adamw" else DECLARED
     )
-    name = ot.text("name", d.name)
-    if name not in OPTIMIZERS:
-        ot.fail("name", f"unknown optimizer {name!r} (one of: {', '.join(OPTIMIZERS)})")
-    lr, eps = ot.positive("lr", d.lr), ot.positive("eps", d.eps)
-    momentum = ot.number("momentum", d.momentum)
-    if not 0 <= momentum < 1:
-        ot.fail("momentum", f"must be in [0, 1), got {momentum}")
-    weight_decay = ot.number(
-        "weight_decay", ADAMW_WEIGHT_DECAY if name == "adamw" else d.weight_decay
-    )
-    if weight_decay < 0:
-        ot.fail("weight_decay", f"must be >= 0, got {weight_decay}")
-    nesterov = ot.flag("nesterov", d.nesterov)
+    nesterov = _read(ot, "nesterov")
     if nesterov and momentum == 0:
         ot.fail("nesterov", "needs momentum > 0")
-    betas = ot.array("betas", "number", list(d.betas))
+    betas = _read(ot, "betas")
     if len(betas) != 2:
         ot.fail("betas", f"expected 2 numbers, got {len(betas)}")
-    for i, beta in enumerate(betas):
-        if not 0 <= beta < 1:
-            ot.fail(f"betas[{i}]", f"must be in [0, 1), got {beta}")
     return OptimizerSpec(name, lr, momentum, weight_decay, nesterov, (betas[0], betas[1]), eps)
 
 
 def _vws(root: Table) -> tuple[VWSpec, ...]:
     owner: dict[str, str] = {}  # device -> the vw that holds it
     vws = []
-    for vt in root.tables("vw", ("devices", "layers", "nm")):
+    for vt in root.tables("vw", JOB.allowed("vw")):
         groups = _device_groups(vt)
         devices = [g[0] for g in groups]
         seen: list[str] = []
@@ -493,16 +454,10 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
                     vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
                 seen.append(device)
         owner.update(dict.fromkeys(seen, vt.key))
-        layers = vt.array("layers", "integer", None)
-        if layers is not None:
-            if len(layers) != len(devices):
-                vt.fail("layers", f"{len(layers)} entries for {len(devices)} devices (one each)")
-            for i, n in enumerate(layers):
-                if n < 1:
-                    vt.fail(f"layers[{i}]", f"must be >= 1, got {n}")
-                if n > MAX_SMALL:
-                    vt.fail(f"layers[{i}]", f"must be <= {MAX_SMALL}, got {n}")
-        nm = vt.at_least("nm", 1, None, high=MAX_SMALL)
+        layers = _read(vt, "layers")
+        if layers is not None and len(layers) != len(devices):
+            vt.fail("layers", f"{len(layers)} entries for {len(devices)} devices (one each)")
+        nm = _read(vt, "nm")
         replicas = tuple(tuple(g[1:]) for g in groups) if any(len(g) > 1 for g in groups) else None
         if replicas is not None and layers is None:
             vt.fail(
@@ -519,7 +474,7 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
 def _device_groups(vt: Table) -> list[list[str]]:
     """A ``[[vw]]``'s ``devices``, one group per stage: a device name, or an array of names
     (the stage replicated on them, its leader first; :mod:`hetpipe.replicas`)."""
-    value = vt.raw("devices")
+    value = vt.raw("devices")  # JOB["vw.devices"]: required
     if not isinstance(value, list | tuple):
         vt.fail("devices", f"expected an array, got {kind(value)} {value!r}")
     if not value:

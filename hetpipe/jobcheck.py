@@ -6,7 +6,9 @@ model or data set that cannot be built, or a fault naming a stage that does not 
 refused at once with one line ``"<file>: <key>: <problem>"`` instead of after a round trip
 to the head. The head runs the same function on what it receives (a client need not be
 this CLI), so the rule has one home. What needs the live cluster (workers up and idle,
-shards registered) stays in :mod:`hetpipe.jobplan`.
+shards registered) stays in :mod:`hetpipe.jobplan`; what needs only the job's own keys (types,
+ranges, choices, and a key set where it has no effect) is declared in
+:mod:`hetpipe.core.keys` and checked when the job is loaded (:func:`hetpipe.job.load_job`).
 """
 
 from __future__ import annotations

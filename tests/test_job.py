@@ -532,3 +532,142 @@ def test_example_splits_cover_their_models() -> None:
         model = build_model(job.model.name, job.model.args)
         for vw in job.vws:
             assert vw.layers is not None and sum(vw.layers) == len(model), name
+
+
+REPLAN = (
+    'the planner\'s {} applies only without one, or on a re-plan under on_worker_loss = "replan"'
+)
+
+# (id, old, new, the one line after "<file>: "): a key set where it has no effect
+NO_EFFECT = [
+    (
+        "staleness-gpipe",
+        "staleness = 1",
+        'staleness = 1\nschedule = "gpipe"',
+        "train.staleness: has no effect with schedule 'gpipe' (synchronous)",
+    ),
+    (
+        "staleness-1f1b",
+        "staleness = 1",
+        'staleness = 1\nschedule = "1f1b"',
+        "train.staleness: has no effect with schedule '1f1b' (synchronous)",
+    ),
+    (
+        "momentum-adam",
+        'name = "sgd"',
+        'name = "adam"',
+        "optimizer.momentum: has no effect with optimizer 'adam' (momentum is sgd's)",
+    ),
+    (
+        "momentum-adamw",
+        'name = "sgd"',
+        'name = "adamw"',
+        "optimizer.momentum: has no effect with optimizer 'adamw' (momentum is sgd's)",
+    ),
+    (
+        "nesterov-adam",
+        'name = "sgd"\nlr = 0.1\nmomentum = 0.9',
+        'name = "adam"\nlr = 0.1\nnesterov = false',
+        "optimizer.nesterov: has no effect with optimizer 'adam' (Nesterov momentum is sgd's)",
+    ),
+    (
+        "betas-sgd",
+        "momentum = 0.9",
+        "momentum = 0.9\nbetas = [0.8, 0.9]",
+        "optimizer.betas: has no effect with optimizer 'sgd' (betas are adam's)",
+    ),
+    (
+        "eps-sgd",
+        "momentum = 0.9",
+        "momentum = 0.9\neps = 1e-6",
+        "optimizer.eps: has no effect with optimizer 'sgd' (eps is adam's)",
+    ),
+    (
+        "predict-variant-stash",
+        "staleness = 1",
+        'staleness = 1\npredict_variant = "consistent"',
+        "train.predict_variant: has no effect with weights 'stash' "
+        '(it only tunes weights = "predict")',
+    ),
+    (
+        "predict-variant-latest",
+        "staleness = 1",
+        'staleness = 1\nweights = "latest"\npredict_variant = "paper"',
+        "train.predict_variant: has no effect with weights 'latest' "
+        '(it only tunes weights = "predict")',
+    ),
+    (
+        "policy-with-vw",
+        "staleness = 1",
+        'staleness = 1\npolicy = "hd"',
+        "train.policy: has no effect with [[vw]] tables (the job gives its own split; "
+        + REPLAN.format("policy")
+        + ")",
+    ),
+    (
+        "in-flight-with-vw",
+        "staleness = 1",
+        'staleness = 1\nin_flight = "nm"',
+        "train.in_flight: has no effect with [[vw]] tables (the job gives its own split; "
+        + REPLAN.format("bound")
+        + ")",
+    ),
+    (
+        "weights-gpipe",
+        "staleness = 1",
+        'schedule = "gpipe"\nweights = "stash"',
+        "train.weights: has no effect with schedule 'gpipe' (synchronous)",
+    ),
+    (
+        "warmup-async",
+        "staleness = 1",
+        "staleness = 1\nwarmup = 0",
+        "train.warmup: has no effect with schedule 'async' (warm-up forwards are 1f1b's)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line"), [c[1:] for c in NO_EFFECT], ids=[c[0] for c in NO_EFFECT]
+)
+def test_refuses_a_key_set_where_it_has_no_effect(
+    tmp_path: Path, old: str, new: str, line: str
+) -> None:
+    path = write(tmp_path, edit(old, new))
+    with pytest.raises(JobError) as info:
+        load_job(path)
+    assert str(info.value) == f"{path}: {line}"
+
+
+def test_a_key_set_where_it_has_an_effect_loads(tmp_path: Path) -> None:
+    # a re-plan (on_worker_loss = "replan") forms virtual workers under the policy
+    replan = 'staleness = 1\npolicy = "hd"\nin_flight = "nm"\non_worker_loss = "replan"'
+    job = load_job(write(tmp_path, edit("staleness = 1", replan)))
+    assert (job.policy, job.in_flight, len(job.vws)) == ("hd", "nm", 2)
+    adam = 'name = "adam"\nlr = 0.1\nbetas = [0.8, 0.9]\neps = 1e-6'
+    job = load_job(write(tmp_path, edit('name = "sgd"\nlr = 0.1\nmomentum = 0.9', adam)))
+    assert (job.optimizer.betas, job.optimizer.eps) == ((0.8, 0.9), 1e-6)
+    auto = {"name": "a", "model": {"name": "mlp"}}
+    auto["train"] = {"minibatch": 4, "minibatches": 9, "schedule": "auto", "staleness": 2}
+    assert JobSpec.from_dict(auto, strict=True).staleness == 2
+
+
+def test_a_dict_from_the_wire_may_carry_a_key_without_effect() -> None:
+    """Only what a user wrote is refused (``load_job``, ``strict=True``): a job made in code
+    travels as it is."""
+    d = full_job().to_dict()  # policy "hd" beside [[vw]] tables
+    assert JobSpec.from_dict(d) == full_job()
+    with pytest.raises(JobError, match=r"^<job>: train\.policy: has no effect with \[\[vw\]\]"):
+        JobSpec.from_dict(d, strict=True)
+
+
+def test_to_dict_leaves_out_defaults_without_effect() -> None:
+    """A loaded job's dict passes the strict load again: keys without effect that hold their
+    default are not written (absent, they read as that default)."""
+    for path in [*sorted((ROOT / "examples").glob("*.toml")), ROOT / "hetpipe" / "demo.toml"]:
+        job = load_job(path)
+        assert JobSpec.from_dict(job.to_dict(), strict=True) == job, path
+    d = full_job().to_dict()
+    assert "momentum" not in d["optimizer"] and "nesterov" not in d["optimizer"]  # adam's
+    assert d["optimizer"]["betas"] == [0.8, 0.99]
+    assert "in_flight" not in d["train"] and d["train"]["policy"] == "hd"  # not the default

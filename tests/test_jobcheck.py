@@ -144,3 +144,21 @@ def test_the_examples_pass_against_the_repository_cluster() -> None:
     cluster = load_cluster(root / "cluster.toml")
     for path in [*sorted((root / "examples").glob("*.toml")), root / "hetpipe" / "demo.toml"]:
         check_job(load_job(path), cluster, str(path))
+
+
+def test_a_key_without_effect_is_refused_before_the_model_is_built(
+    tmp_path: Path, check: Callable[[Path], JobFacts]
+) -> None:
+    """The checks the CLI runs begin with loading the file: a key set where it has no effect
+    is one line there, even in a job whose model could not be built."""
+    path = tmp_path / "job.toml"
+    path.write_text(
+        edited(JOB, 'name = "mlp"', 'name = "nosuch"').replace(
+            "minibatches = 10", 'minibatches = 10\nschedule = "gpipe"\nstaleness = 2'
+        )
+    )
+    with pytest.raises(JobError) as info:
+        check(path)
+    assert str(info.value) == (
+        f"{path}: train.staleness: has no effect with schedule 'gpipe' (synchronous)"
+    )
