@@ -200,6 +200,8 @@ class JobsPart:
         js.failure = loop.create_future()
         if js.recovered:
             await self.registry.wait_complete(self.cluster.runtime.lost_after_s * 6)
+            if js.state != JobStatus.QUEUED:  # cancelled while it waited
+                return
         js.move(JobStatus.PLANNING)
         log = self.log.bind(job=js.id)
         try:
