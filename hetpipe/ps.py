@@ -11,6 +11,7 @@ import asyncio
 import os
 import socket
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import click
@@ -22,7 +23,7 @@ from hetpipe.config import ClusterConfig, ConfigError, load_cluster
 from hetpipe.core.wsp import WspError
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.ratelog import Throttle, excerpt
-from hetpipe.security import KeysError, shard_user
+from hetpipe.security import ANYONE, Daemon, KeysError, Role, kinds_to, may_send, shard_user
 from hetpipe.shard import ShardError, ShardStore
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
 from hetpipe.wire import Kind, Message
@@ -35,24 +36,13 @@ Parked = tuple[bytes | None, int, int, int]  # (peer, rid, vw, stage)
 class ShardServer:
     """Serves push, pull and the head's shard requests from one ROUTER channel.
 
-    Authority: ``shard_init``/``fetch``/``drop`` come only from the head (key ``ps0``); a push,
-    pull or reduce for (job, vw, stage) only from the worker the head assigned to that stage (the
-    ``owners`` of ``shard_init``; a replicated stage's other devices may pull, never push).
-    Without Curve (``msg.user`` None) every peer is trusted.
+    Authority (:data:`hetpipe.security.AUTHORITY`): ``shard_init``/``fetch``/``cut``/``drop``
+    come only from the head (key ``ps0``); a push or reduce for (job, vw, stage) only from the
+    worker the head assigned to that stage (the ``owners`` of ``shard_init``), a pull also from
+    the stage's replicas. Without Curve (``msg.user`` None) every peer is trusted.
     """
 
-    KINDS = frozenset(
-        {
-            Kind.PUSH,
-            Kind.PULL,
-            Kind.REDUCE,
-            Kind.SHARD_INIT,
-            Kind.SHARD_FETCH,
-            Kind.SHARD_DROP,
-            Kind.SHARD_CUT,
-        }
-    )
-    HEAD_KINDS = frozenset({Kind.SHARD_INIT, Kind.SHARD_FETCH, Kind.SHARD_DROP, Kind.SHARD_CUT})
+    KINDS = kinds_to(Daemon.SHARD)
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -65,21 +55,22 @@ class ShardServer:
         self._refused = Throttle(self.log)  # requests outside a peer's role, once a while
 
     def _allowed(self, msg: Message) -> bool:
-        """Whether the sender may make this request (see the class docstring)."""
-        if msg.user is None:
-            return True
-        if msg.kind in self.HEAD_KINDS:
-            return msg.user == shard_user(0)
+        """Whether the sender may make this request (:func:`hetpipe.security.may_send`)."""
+        return may_send(msg.kind, msg.user, msg.fields, lambda role: self._holders(msg, role))
+
+    def _holders(self, msg: Message, role: Role) -> Collection[str]:
+        """Who holds a stage role for ``msg`` here: the ``owners`` of the job's ``shard_init``
+        ("vw/stage" the stage's leader, "vw/stage/r" its replica r)."""
         owners = self.owners.get(msg["job"])
         if owners is None:
-            return True  # an unknown job: the store refuses it with its own error
+            return ANYONE  # an unknown job: the store refuses it with its own error
         stage = f"{msg['vw']}/{msg['stage']}"
-        if owners.get(stage) == msg.user:
-            return True
-        # a stage's replicas pull the weights its leader pushes (hetpipe.replicas)
-        return msg.kind == Kind.PULL and any(
-            key.startswith(stage + "/") and user == msg.user for key, user in owners.items()
-        )
+        leader = {owners[stage]} if stage in owners else set()
+        if role == Role.STAGE_LEADER:
+            return leader
+        if role == Role.STAGE_GROUP:
+            return leader | {u for k, u in owners.items() if k.startswith(stage + "/")}
+        return ()
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None

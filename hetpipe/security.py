@@ -21,6 +21,15 @@ one ZAP authenticator per process (per ZeroMQ context) accepts only the public k
 keys directory, so a peer without a valid key never gets a message through to a handler. Each
 refused peer is logged once, not once per reconnect.
 
+**Authority.** :data:`AUTHORITY` declares, for every message kind, who may send it and which
+daemon takes it; :func:`may_send` is the one check the head, the shards and the workers make
+on every message they receive. Clients submit, read and cancel jobs; a worker speaks only for
+its own device, and about a stage only when the head assigned it that stage (its pushes count
+only as the stage's leader; its replicas may pull); a shard only for its own index; only the
+head initialises, fetches, cuts and drops a job's shards, and assigns stages. Activations
+come only from the previous stage, gradients only from the next, weight gradients only from
+the stage's other replicas.
+
 **Code.** A job may name builtin models and data sets; ``package.module:function`` only for
 modules listed in ``[security] allowed_modules`` or registered by an installed package as a
 ``hetpipe.models`` / ``hetpipe.data`` entry point. Anything else is refused before any import.
@@ -35,8 +44,9 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,12 +60,18 @@ from zmq.utils.monitor import parse_monitor_message
 from hetpipe import log as logmod
 from hetpipe.jobstore import safe_name
 from hetpipe.ratelog import excerpt
+from hetpipe.wire import Kind
 
 __all__ = [
+    "ANYONE",
+    "AUTHORITY",
     "CLIENT",
     "CodeError",
     "Curve",
+    "Daemon",
     "KeysError",
+    "Role",
+    "Rule",
     "SecuritySpec",
     "ZapAuthenticator",
     "apply_curve",
@@ -63,8 +79,10 @@ __all__ = [
     "check_job_name",
     "ensure_keys",
     "key_names",
+    "kinds_to",
     "load_curve",
     "log_refused_handshakes",
+    "may_send",
     "module_allowed",
     "shard_user",
     "start_authenticator",
@@ -120,6 +138,153 @@ def key_names(shards: int, devices: Iterable[str]) -> list[str]:
         *(shard_user(i) for i in range(shards)),
         *(worker_user(d) for d in devices),
     ]
+
+
+# -- authority: who may send which kind of message -------------------------------------------
+
+
+class Role(StrEnum):
+    """Who may send a kind of message, as the receiver can tell it from the sender's user id.
+
+    The first four are read off the user id and the message itself; the stage roles depend on
+    what the receiver knows of the message's (job, vw, stage), which it passes as ``holders``
+    to :func:`may_send`.
+    """
+
+    CLIENT = "client"  # the users' key (the CLI, scripts, tests)
+    HEAD = "head"  # shard 0's key: the head lives in that process
+    NAMED_WORKER = "named worker"  # the worker of the device the field ``device`` names
+    NAMED_SHARD = "named shard"  # the shard the field ``shard`` names
+    STAGE_LEADER = "stage leader"  # the worker whose pushes count for the message's stage
+    STAGE_GROUP = "stage group"  # that worker or one of the stage's replicas
+    PREVIOUS_STAGE = "previous stage"  # a device of stage - 1 of the receiver's VW
+    NEXT_STAGE = "next stage"  # a device of stage + 1 of the receiver's VW
+    OTHER_REPLICA = "other replica"  # another device of the receiver's (replicated) stage
+    PEER = "peer"  # any keyed peer: a reply, matched to its request by ``rid``
+    NOBODY = "nobody"  # never sent: the frame format of tensor files
+
+
+class Daemon(StrEnum):
+    """Which process takes a kind of message (the shard-0 process routes by it)."""
+
+    HEAD = "head"
+    SHARD = "shard"
+    WORKER = "worker"
+    ANY = "any"  # replies go back to whoever asked
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of :data:`AUTHORITY`: who may send a kind, and which daemon takes it."""
+
+    sender: Role
+    to: Daemon
+
+
+AUTHORITY: Mapping[Kind, Rule] = {
+    # to the head: the users' requests
+    Kind.SUBMIT: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.CANCEL: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.JOB_STATUS: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.CLUSTER_STATUS: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.TRACE: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.PROFILE: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.PLAN: Rule(Role.CLIENT, Daemon.HEAD),
+    # to the head: registration and liveness, each daemon only in its own name
+    Kind.HELLO: Rule(Role.NAMED_WORKER, Daemon.HEAD),
+    Kind.HEARTBEAT: Rule(Role.NAMED_WORKER, Daemon.HEAD),
+    Kind.SHARD_HELLO: Rule(Role.NAMED_SHARD, Daemon.HEAD),
+    # to the head: a stage's progress, result, failure and checkpointed state
+    Kind.REPORT: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.STAGE_DONE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.STAGE_FAILED: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.STAGE_STATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    # to a worker, from the head: registration, stage assignment, profiling, start, abort
+    Kind.WELCOME: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.ASSIGN: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.MEASURE: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.START: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.ABORT: Rule(Role.HEAD, Daemon.WORKER),
+    # to a worker's data port, from its neighbours in the pipeline
+    Kind.ACT: Rule(Role.PREVIOUS_STAGE, Daemon.WORKER),
+    Kind.GRAD: Rule(Role.NEXT_STAGE, Daemon.WORKER),
+    Kind.REPLICA_GRAD: Rule(Role.OTHER_REPLICA, Daemon.WORKER),
+    # to a shard: WSP traffic of the stage the head assigned, and the head's own requests
+    Kind.PUSH: Rule(Role.STAGE_LEADER, Daemon.SHARD),
+    Kind.REDUCE: Rule(Role.STAGE_LEADER, Daemon.SHARD),
+    Kind.PULL: Rule(Role.STAGE_GROUP, Daemon.SHARD),
+    Kind.SHARD_INIT: Rule(Role.HEAD, Daemon.SHARD),
+    Kind.SHARD_FETCH: Rule(Role.HEAD, Daemon.SHARD),
+    Kind.SHARD_DROP: Rule(Role.HEAD, Daemon.SHARD),
+    Kind.SHARD_CUT: Rule(Role.HEAD, Daemon.SHARD),
+    # replies
+    Kind.OK: Rule(Role.PEER, Daemon.ANY),
+    Kind.ERROR: Rule(Role.PEER, Daemon.ANY),
+    Kind.PULLED: Rule(Role.PEER, Daemon.ANY),
+    Kind.REDUCED: Rule(Role.PEER, Daemon.ANY),
+    Kind.TENSORS: Rule(Role.NOBODY, Daemon.ANY),
+}
+
+
+class _Anyone(Collection[str]):
+    """Every user id: what a receiver passes for a stage it keeps no record of."""
+
+    def __contains__(self, _user: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+ANYONE: Collection[str] = _Anyone()
+"""For ``holders``: the receiver keeps no record of the message's job (a shard asked about a
+job it does not hold); the message goes on to the receiver's own lookup, which refuses it with
+an error naming the job."""
+
+
+def kinds_to(daemon: Daemon) -> frozenset[Kind]:
+    """The kinds of message ``daemon`` takes (replies not included)."""
+    return frozenset(k for k, rule in AUTHORITY.items() if rule.to == daemon)
+
+
+def may_send(
+    kind: str,
+    user: str | None,
+    fields: Mapping[str, Any],
+    holders: Callable[[Role], Collection[str]] | None = None,
+) -> bool:
+    """Whether peer ``user`` may send a message of ``kind`` with ``fields`` (see
+    :data:`AUTHORITY`): the head, the shards and the workers all decide here.
+
+    ``user`` is the sender's Curve user id; None (security off) trusts every peer.
+    ``holders(role)`` gives the user ids that hold a stage role for this message, as the
+    receiver knows them (the head's registry, a shard's ``owners``, a worker's task); a role
+    it does not give is held by nobody. A kind the table does not declare is refused.
+    """
+    if user is None:
+        return True
+    rule = AUTHORITY.get(kind)  # type: ignore[call-overload]
+    if rule is None:
+        return False
+    role = rule.sender
+    if role == Role.PEER:
+        return True
+    if role == Role.NOBODY:
+        return False
+    if role == Role.CLIENT:
+        return user == CLIENT
+    if role == Role.HEAD:
+        return user == shard_user(0)
+    if role == Role.NAMED_WORKER:
+        device = fields.get("device")
+        return isinstance(device, str) and user == worker_user(device)
+    if role == Role.NAMED_SHARD:
+        shard = fields.get("shard")
+        return isinstance(shard, int) and user == shard_user(shard)
+    return holders is not None and user in holders(role)
 
 
 # -- keys ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from hetpipe.job import JobSpec
 from hetpipe.pipeline import StageRunner
 from hetpipe.profiling import measure
 from hetpipe.ratelog import Throttle, excerpt
-from hetpipe.security import KeysError, check_job, worker_user
+from hetpipe.security import AUTHORITY, KeysError, Role, check_job, may_send, worker_user
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -189,6 +189,16 @@ class Worker:
 
     async def _on_head(self, _peer: bytes | None, msg: Message) -> None:
         assert self.head is not None
+        # the head's socket: its messages carry no user id where this worker connects, so
+        # this holds by the connection; the table still says who may send each kind
+        if not may_send(msg.kind, msg.user, msg.fields):
+            self._refused.warning(
+                "request refused: not this peer's role",
+                str(msg.user),
+                f"{msg.user} may not send {msg.kind}",
+                kind=str(msg.kind),
+            )
+            return
         if msg.kind == Kind.WELCOME:
             self.welcomed.set()
             self.log.info("registered", head=self.head_address, address=self.address)
@@ -434,16 +444,21 @@ class Worker:
         if job is None or msg["job"] != job.task.job or msg["vw"] != job.task.vw:
             self.log.debug("stale data dropped", job=excerpt(msg["job"], 80))
             return
-        # authority: activations only from stage - 1, gradients only from stage + 1, weight
-        # gradients only from this stage's other replicas (each a group of devices)
+        # authority (hetpipe.security): activations only from stage - 1, gradients only from
+        # stage + 1, weight gradients only from this stage's other replicas
         t = job.task
-        senders = {
-            Kind.ACT: t.prev_group,
-            Kind.GRAD: t.next_group,
-            Kind.REPLICA_GRAD: [d for r, d in enumerate(t.group) if r != t.replica],
-        }[msg.kind]
-        if (msg.kind == Kind.REPLICA_GRAD and msg["stage"] != t.stage) or (
-            msg.user is not None and msg.user not in {worker_user(d) for d in senders}
+        neighbours = {
+            Role.PREVIOUS_STAGE: t.prev_group,
+            Role.NEXT_STAGE: t.next_group,
+            Role.OTHER_REPLICA: [d for r, d in enumerate(t.group) if r != t.replica],
+        }
+        senders = neighbours[AUTHORITY[msg.kind].sender]
+
+        def holders(role: Role) -> set[str]:
+            return {worker_user(d) for d in neighbours.get(role, ())}
+
+        if (msg.kind == Kind.REPLICA_GRAD and msg["stage"] != t.stage) or not may_send(
+            msg.kind, msg.user, msg.fields, holders
         ):
             self._refused.warning(
                 "data refused: not from this stage's neighbour",

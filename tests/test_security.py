@@ -142,6 +142,133 @@ def test_security_table_is_validated(tmp_path: Path) -> None:
     assert load_cluster(path).security.keys == "/k"
 
 
+# -- authority: who may send what (no daemons) ----------------------------------------------
+
+
+def test_every_message_kind_has_one_rule() -> None:
+    """The table declares every kind; the shard-0 process routes to its shard by it."""
+    from hetpipe.ps import ShardServer
+
+    assert set(security.AUTHORITY) == set(Kind)
+    assert {
+        Kind.PUSH,
+        Kind.PULL,
+        Kind.REDUCE,
+        Kind.SHARD_INIT,
+        Kind.SHARD_FETCH,
+        Kind.SHARD_DROP,
+        Kind.SHARD_CUT,
+    } == ShardServer.KINDS
+    to_head = security.kinds_to(security.Daemon.HEAD)
+    assert {Kind.SUBMIT, Kind.HELLO, Kind.STAGE_STATE} <= to_head
+    assert not to_head & ShardServer.KINDS
+    # only the head assigns stages, starts, aborts and asks for profiles
+    for kind in (Kind.ASSIGN, Kind.START, Kind.ABORT, Kind.MEASURE):
+        assert security.AUTHORITY[kind].sender == security.Role.HEAD
+
+
+STAGE = {"job": "j", "vw": 0, "stage": 1}
+HOLDERS = {
+    security.Role.STAGE_LEADER: {"worker-gpu1"},
+    security.Role.STAGE_GROUP: {"worker-gpu1", "worker-gpu2"},
+    security.Role.PREVIOUS_STAGE: {"worker-gpu0"},
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "user", "fields", "allowed"),
+    [
+        (Kind.SUBMIT, "client", {}, True),
+        (Kind.CANCEL, "worker-gpu0", {}, False),
+        (Kind.JOB_STATUS, "ps1", {}, False),
+        (Kind.HELLO, "worker-gpu0", {"device": "gpu0"}, True),
+        (Kind.HELLO, "worker-gpu0", {"device": "gpu1"}, False),  # another device's name
+        (Kind.HEARTBEAT, "client", {"device": "gpu0"}, False),
+        (Kind.SHARD_HELLO, "ps1", {"shard": 1}, True),
+        (Kind.SHARD_HELLO, "ps1", {"shard": 2}, False),
+        (Kind.SHARD_HELLO, "ps1", {"shard": "1"}, False),
+        (Kind.ASSIGN, "ps0", {}, True),  # the head
+        (Kind.ASSIGN, "ps1", {}, False),
+        (Kind.SHARD_INIT, "ps0", {}, True),
+        (Kind.SHARD_DROP, "client", {}, False),
+        (Kind.PUSH, "worker-gpu1", STAGE, True),
+        (Kind.PUSH, "worker-gpu2", STAGE, False),  # a replica pulls, never pushes
+        (Kind.REDUCE, "worker-gpu2", STAGE, False),
+        (Kind.PULL, "worker-gpu2", STAGE, True),
+        (Kind.PULL, "worker-gpu3", STAGE, False),
+        (Kind.REPORT, "worker-gpu2", STAGE, True),
+        (Kind.STAGE_FAILED, "worker-gpu3", STAGE, False),
+        (Kind.ACT, "worker-gpu0", {}, True),
+        (Kind.GRAD, "worker-gpu0", {}, False),  # nobody holds "next stage" here
+        (Kind.REPLICA_GRAD, "worker-gpu1", {}, False),
+        (Kind.OK, "worker-gpu3", {}, True),  # a reply: matched to its request by rid
+        (Kind.TENSORS, "ps0", {}, False),  # a file format, never a message
+        ("no such kind", "ps0", {}, False),
+    ],
+)
+def test_who_may_send_what(kind: str, user: str, fields: dict[str, Any], allowed: bool) -> None:
+    assert security.may_send(kind, user, fields, lambda role: HOLDERS.get(role, ())) is allowed
+    assert security.may_send(kind, None, fields) is True  # Curve off: every peer trusted
+
+
+def test_stage_roles_need_the_receivers_record() -> None:
+    """Without ``holders`` nobody holds a stage role; ``ANYONE`` lets a message about a job
+    the receiver does not hold reach its own lookup (which names the job)."""
+    assert not security.may_send(Kind.PUSH, "worker-gpu1", STAGE)
+    assert security.may_send(Kind.PUSH, "worker-gpu9", STAGE, lambda _role: security.ANYONE)
+    assert not security.may_send(Kind.SUBMIT, "worker-gpu9", {}, lambda _role: security.ANYONE)
+
+
+def test_a_shard_takes_pushes_from_the_stage_the_head_assigned() -> None:
+    from hetpipe.ps import ShardServer
+
+    server = ShardServer(1)
+    server.owners["j"] = {"0/1": "worker-gpu1", "0/1/1": "worker-gpu2"}
+
+    def msg(kind: Kind, user: str, **fields: Any) -> Message:
+        return Message(kind, {**STAGE, **fields}, {}, user=user)
+
+    assert server._allowed(msg(Kind.PUSH, "worker-gpu1"))
+    assert not server._allowed(msg(Kind.PUSH, "worker-gpu2"))
+    assert server._allowed(msg(Kind.PULL, "worker-gpu2"))
+    assert not server._allowed(msg(Kind.PULL, "worker-gpu1", stage=0))
+    assert server._allowed(msg(Kind.PUSH, "worker-gpu9", job="unknown"))  # the store refuses
+    assert not server._allowed(msg(Kind.SHARD_FETCH, "worker-gpu1"))
+    assert server._allowed(msg(Kind.SHARD_FETCH, "ps0"))
+
+
+def test_the_head_takes_a_stages_reports_from_its_workers_only(tmp_path: Path) -> None:
+    from hetpipe.head import Head, JobState
+    from hetpipe.head.registry import WorkerInfo
+    from hetpipe.job import JobSpec
+
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml(UNIFORM[:2], shards=1))
+
+    async def go() -> list[bool]:
+        owner = Owner()
+        try:
+            head = Head(load_cluster(path), owner, "tcp://127.0.0.1:1", run_dir=str(tmp_path))
+            spec = JobSpec.from_dict(job("j"), source="test")
+            head.jobs["j-1"] = JobState(id="j-1", spec=spec, submitted=0.0)
+            for d, stage in (("gpu0", 0), ("gpu1", 1)):
+                w = WorkerInfo(d, d.encode(), "tcp://127.0.0.1:9", 1, "h", "fast", 0.0)
+                w.job, w.vw, w.stage = "j-1", 0, stage
+                head.registry.workers[d] = w
+            report = {"job": "j-1", "vw": 0, "stage": 1, "stats": {}}
+            return [
+                head._allowed(Message(Kind.REPORT, report, {}, user="worker-gpu1")),
+                head._allowed(Message(Kind.REPORT, report, {}, user="worker-gpu0")),
+                head._allowed(Message(Kind.REPORT, {**report, "job": "x-1"}, {}, user="client")),
+                head._allowed(Message(Kind.CANCEL, {"job": "j-1"}, {}, user="client")),
+                head._allowed(Message(Kind.CANCEL, {"job": "j-1"}, {}, user="worker-gpu1")),
+            ]
+        finally:
+            await owner.close()
+
+    assert asyncio.run(go()) == [True, False, False, True, False]
+
+
 # -- real daemons ---------------------------------------------------------------------------
 
 SPLIT3 = [(["gpu0", "gpu1", "gpu2"], [2, 2, 2])]

@@ -1,0 +1,265 @@
+"""Checkpoint cuts: which wave to write, whether the shards' cut and the stages' states agree,
+and writing both as one checkpoint.
+
+Every ``train.checkpoint_every`` waves (and at the end) each stage sends the head its state
+right after its push of that wave, and the shards keep the cut of the global weights at the
+same wave (:mod:`hetpipe.shard`). Once every stage's state of a cut is in
+(:func:`ready_cuts`), the head fetches the shards' cut, checks that the shards' applied sets
+prove it whole (:func:`cut_problem`) and writes both (:mod:`hetpipe.checkpoint`). A virtual
+worker that ends before a cut keeps its last state for the later cuts.
+
+:class:`CutsPart` is the part of :class:`hetpipe.head.server.Head` that does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetpipe import checkpoint
+from hetpipe.head.registry import SHARD_TIMEOUT_S
+from hetpipe.head.states import JobFailed, JobStatus
+from hetpipe.jobplan import JobPlan
+from hetpipe.ratelog import excerpt
+from hetpipe.transport import RemoteError
+from hetpipe.wire import Kind, Message
+
+if TYPE_CHECKING:
+    from hetpipe.head.jobs import JobState
+
+__all__ = ["CutsPart", "cut_positions", "cut_problem", "expected_stages", "ready_cuts"]
+
+# a stage's state at a cut, as it sent it: (meta, tensors)
+Picks = dict[tuple[int, int], tuple[dict[str, Any], Any]]
+
+
+def expected_stages(plan: JobPlan) -> list[tuple[int, int]]:
+    """The (vw, stage) of every stage that holds state (a stage without parameters sends
+    none)."""
+    return [
+        (v, s)
+        for v, vw in enumerate(plan.vws)
+        for s in range(len(vw.stages))
+        if plan.stage_names(v, s)
+    ]
+
+
+def ready_cuts(
+    plan: JobPlan,
+    states: dict[tuple[int, int], dict[int, Any]],
+    first: int | None,
+    every: int,
+) -> tuple[list[tuple[int, Picks]], int | None]:
+    """The cuts from ``first`` on whose every stage state has come, in order, each with the
+    state of each stage; and the next cut still to wait for (None: no more).
+
+    ``states`` is (vw, stage) -> wave -> state, as the stages sent them; a VW that ends
+    before a cut gives the state of its last wave. The states older than a cut taken are
+    dropped from ``states`` (a VW at its end keeps its last for the later cuts).
+    """
+    last = max(plan.waves(v) for v in range(len(plan.vws)))
+    expected = expected_stages(plan)
+    out: list[tuple[int, Picks]] = []
+    c = first
+    while c is not None:
+        picks: Picks = {}
+        for v, s in expected:
+            got = states.get((v, s), {}).get(min(c, plan.waves(v)))
+            if got is None:
+                return out, c
+            picks[(v, s)] = got
+        out.append((c, picks))
+        for v, s in picks:
+            held = states[(v, s)]
+            for w in [w for w in held if w < min(c, plan.waves(v))]:
+                del held[w]
+        c = checkpoint.cut_after(c, every, last)
+    return out, None
+
+
+def cut_positions(plan: JobPlan, c: int) -> list[int]:
+    """Each VW's place in the whole job at cut ``c`` (where its data resumes)."""
+    return [
+        plan.start_of(v) + min(min(c, plan.waves(v)) * plan.vws[v].nm, plan.minibatches_of(v))
+        for v in range(len(plan.vws))
+    ]
+
+
+def cut_problem(
+    plan: JobPlan,
+    c: int,
+    applied: dict[str, dict[str, list[int]]],
+    picks: Picks,
+) -> str | None:
+    """Why the shards' cut ``c`` and the stages' states are not one consistent checkpoint:
+    every stage's applied set on every shard holding its state must be exactly waves
+    0 .. min(c, its VW's waves) - 1, and cover the accumulators the stage still keeps."""
+    for (v, s), (meta, _) in picks.items():
+        end = min(c, plan.waves(v))
+        want = [[0, end]] if end else []
+        for index in sorted({plan.placement[n] for n in plan.stage_names(v, s)}):
+            got = applied.get(str(index), {}).get(f"{v}/{s}")
+            if got != want:
+                return (
+                    f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
+                    f"at cut {c}, not [0, {end})"
+                )
+        if int(meta.get("wave", -1)) != min(c, plan.waves(v)):
+            return f"vw{v}/stage{s} sent its state of wave {meta.get('wave')} for cut {c}"
+        outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end]
+        if outside:
+            return f"vw{v}/stage{s} keeps updates of waves {outside[:3]} outside cut {c}"
+    return None
+
+
+def checkpoint_meta(
+    js: JobState,
+    plan: JobPlan,
+    c: int,
+    applied: dict[str, Any],
+    picks: Picks,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest of cut ``c`` of ``js`` and the stages' tensors by file name."""
+    positions = cut_positions(plan, c)
+    stages = {}
+    files = {}
+    for (v, s), (m, tensors) in sorted(picks.items()):
+        name = checkpoint.stage_file(v, s)
+        st = plan.vws[v].stages[s]
+        stages[name] = tensors
+        files[name] = {
+            "vw": v,
+            "stage": s,
+            "device": st.device,
+            "first": st.first,
+            "last": st.last,
+            "meta": m,
+        }
+    meta = {
+        "job": js.id,
+        "attempt": plan.job,
+        "spec": js.spec.to_dict(),
+        "wave": c,
+        "positions": positions,
+        "totals": list(js.totals),
+        "minibatches_done": min(positions),
+        "minibatches_total": max(js.totals),
+        "applied": applied,
+        "plan": [
+            {"nm": vw.nm, "stages": [[st.device, st.first, st.last] for st in vw.stages]}
+            for vw in plan.vws
+        ],
+        "stages": files,
+        "t": time.time(),
+    }
+    return meta, stages
+
+
+class CutsPart:
+    """Checkpoint cuts of the running job (a part of :class:`hetpipe.head.server.Head`)."""
+
+    def _stage_state(self, msg: Message) -> None:
+        """Keep a stage's state at a cut; once every stage's is in, write the checkpoint."""
+        js = self._by_wire(msg["job"])
+        if js is None or js.state != JobStatus.RUNNING or js.plan is None:
+            return
+        meta = dict(msg["meta"])
+        js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
+        plan = js.plan
+        cuts, js.cut_next = ready_cuts(plan, js.states, js.cut_next, js.spec.checkpoint_every)
+        for c, picks in cuts:
+            js.cut_queued = c
+            js.cut_writes.append(asyncio.ensure_future(self._write_cut(js, plan, c, picks)))
+
+    async def _write_cut(self, js: JobState, plan: JobPlan, c: int, picks: Picks) -> None:
+        """Fetch the shards' cut ``c``, check it against the stages' states, write both."""
+        async with js.cut_lock:
+            if js.plan is not plan:  # the attempt was given up meanwhile
+                return
+            if c < js.cut_queued:
+                # a newer cut is ready: writing this one would only delay that one, and a
+                # head that fell behind would ask the shards for cuts they no longer keep
+                # (they keep the newest JobShard.KEEP_CUTS), failing every write after
+                js.checkpoints_superseded += 1
+                self.log.info("checkpoint superseded", job=js.id, wave=c, newest=js.cut_queued)
+                return
+            t0 = time.perf_counter()
+            try:
+                weights, applied = await self._fetch_cut(plan, c)
+                problem = cut_problem(plan, c, applied, picks)
+                if problem is not None:
+                    self.log.warning(
+                        "checkpoint not written: inconsistent cut",
+                        job=js.id,
+                        wave=c,
+                        problem=problem,
+                    )
+                    return
+                meta, stages = checkpoint_meta(js, plan, c, applied, picks)
+                out = self.job_dir(js)
+                loop = asyncio.get_running_loop()
+                seq = checkpoint.next_seq(out)
+                fetched = time.perf_counter()
+                path = await loop.run_in_executor(
+                    None, lambda: checkpoint.write(out, seq, weights, meta, stages=stages)
+                )
+                self.log.info(
+                    "checkpoint written",
+                    job=js.id,
+                    wave=c,
+                    path=str(path),
+                    fetch_s=round(fetched - t0, 4),
+                    write_s=round(time.perf_counter() - fetched, 4),
+                )
+                js.checkpoints += 1
+                js.checkpoint_stage_s += max(
+                    (m.get("state_s", 0.0) for m, _ in picks.values()), default=0.0
+                )
+                js.last_checkpoint = {"path": str(path), "wave": c, "positions": meta["positions"]}
+            except (RemoteError, TimeoutError, ConnectionError, OSError, JobFailed) as exc:
+                self.log.warning("checkpoint failed", job=js.id, wave=c, error=excerpt(exc))
+            finally:
+                js.checkpoint_s += time.perf_counter() - t0
+
+    async def _fetch_cut(
+        self, plan: JobPlan, c: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[list[int]]]]]:
+        """The shards' cut ``c`` of the attempt's global weights, and each shard's applied
+        sets (by shard index, as text)."""
+        weights: dict[str, torch.Tensor] = {}
+        applied: dict[str, dict[str, list[list[int]]]] = {}
+        shards = plan.shards_used()
+        channels = [await self.registry.shard(index) for index in shards]
+        replies = await asyncio.gather(
+            *(
+                ch.request(
+                    Kind.SHARD_CUT,
+                    {"job": plan.job, "wave": c},
+                    timeout=SHARD_TIMEOUT_S,
+                    what=f"shard {index}",
+                )
+                for index, ch in zip(shards, channels, strict=True)
+            )
+        )
+        for index, reply in zip(shards, replies, strict=True):
+            weights.update(reply.tensors)
+            applied[str(index)] = reply["info"]["applied"]
+        return weights, applied
+
+    async def _cuts_written(self, js: JobState) -> None:
+        """Wait for the checkpoints under way (the last one is the job's end)."""
+        writes, js.cut_writes = js.cut_writes, []
+        if writes:
+            await asyncio.gather(*writes)
+
+    def _drop_cuts(self, js: JobState) -> None:
+        """An attempt ends: checkpoints under way are given up, states held dropped."""
+        for t in js.cut_writes:
+            t.cancel()
+        js.cut_writes = []
+        js.states.clear()
+        js.cut_next = None
+        js.cut_queued = -1  # the next attempt counts its waves afresh

@@ -1,0 +1,488 @@
+"""A job on the head, from queue to result: its record (:class:`JobState`) and its life cycle.
+
+Jobs run one after another: planned on the live devices, launched (the initial weights to the
+shards, an assignment to each stage's worker, then ``start``), followed until every stage is
+done (a lost worker, a stage's error or a cancel ends it first), then finished: the global
+weights gathered, evaluated and exported. Every change of state goes through
+:func:`hetpipe.head.states.transition`.
+
+:class:`JobsPart` is the part of :class:`hetpipe.head.server.Head` that runs them; it uses the
+head's ``registry``, ``channel``, ``profiler``, ``cluster``, ``run_dir`` and ``log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from hetpipe import checkpoint
+from hetpipe.head.registry import SHARD_TIMEOUT_S
+from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
+from hetpipe.head.views import job_summary, job_view, telemetry
+from hetpipe.job import JobError, JobSpec
+from hetpipe.jobcheck import check_job
+from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
+from hetpipe.jobstore import job_dir, write_result
+from hetpipe.planner import PlanError
+from hetpipe.profiling import live_cluster, plan_for, plan_vws, predicted_summary
+from hetpipe.ratelog import excerpt
+from hetpipe.security import worker_user
+from hetpipe.trace import chrome_trace
+from hetpipe.transport import RemoteError
+from hetpipe.wire import Kind
+
+__all__ = ["ASSIGN_TIMEOUT_S", "JobState", "JobsPart"]
+
+ASSIGN_TIMEOUT_S = 120.0
+
+# a stage's checkpointed state: (meta, tensors)
+StageState = tuple[dict[str, Any], dict[str, torch.Tensor]]
+
+
+@dataclass
+class JobState:
+    """One submitted job, from queue to result."""
+
+    id: str
+    spec: JobSpec
+    submitted: float
+    state: JobStatus = JobStatus.QUEUED
+    error: str | None = None
+    started: float | None = None
+    finished: float | None = None
+    plan: JobPlan | None = None
+    progress: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    stage_results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+    evals: list[list[float]] = field(default_factory=list)  # [seconds, minibatches, accuracy]
+    diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
+    failure: asyncio.Future[str] | None = None
+    all_done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False  # the user asked; the job ends "cancelled", not "failed"
+    lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
+    replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+    resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
+    totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
+    lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
+    checkpoints: int = 0
+    checkpoints_superseded: int = 0  # cuts not written: a newer one was ready first
+    checkpoint_s: float = 0.0  # head time spent fetching cuts and writing checkpoints
+    checkpoint_stage_s: float = 0.0  # stages' time taking their state (slowest, per cut)
+    last_checkpoint: dict[str, Any] | None = None
+    recovered: bool = False  # queued by a restarted head: wait for the cluster first
+    # checkpointed state each stage of the next launch starts from
+    restores: dict[tuple[int, int], StageState] = field(default_factory=dict)
+    # stage states received for cuts not written yet: (vw, stage) -> wave -> state
+    states: dict[tuple[int, int], dict[int, StageState]] = field(default_factory=dict)
+    cut_next: int | None = None  # the next cut to write
+    cut_queued: int = -1  # the newest cut handed to a writer
+    cut_writes: list[asyncio.Task[None]] = field(default_factory=list)
+    cut_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time
+
+    @property
+    def wire_id(self) -> str:
+        """The job's name on the wire: one per attempt, so that a stale activation, push or
+        report of an attempt given up is never taken for the current one's."""
+        return self.plan.job if self.plan is not None else self.id
+
+    def move(self, to: JobStatus, error: str | None = None) -> None:
+        """Go to state ``to`` (:func:`~hetpipe.head.states.transition` refuses a move the
+        life cycle does not have), with the error the user reads, if any."""
+        self.state = transition(self.state, to)
+        if error is not None:
+            self.error = error
+
+    def fail(self, reason: str) -> None:
+        """End the running attempt (its ``_race`` raises): a lost worker, an error, a cancel."""
+        if self.failure is not None and not self.failure.done():
+            self.failure.set_result(reason)
+
+    def info(self) -> dict[str, Any]:
+        """Plain data for ``job_status`` and the CLI (:func:`hetpipe.head.views.job_view`)."""
+        return job_view(self)
+
+    def summary(self) -> dict[str, Any]:
+        """A few fields for listings (:func:`hetpipe.head.views.job_summary`)."""
+        return job_summary(self)
+
+
+class JobsPart:
+    """The queue and the life cycle of jobs (a part of :class:`hetpipe.head.server.Head`)."""
+
+    # -- queue ------------------------------------------------------------------------------
+
+    def _new_id(self, name: str) -> str:
+        """A job id not used by this head nor by any job in its run directory (a restarted
+        head must not write over an earlier job's outputs and checkpoints)."""
+        return f"{name}-{next(self._ids)}"  # the count starts after the jobs on disk
+
+    def cancel(self, js: JobState) -> str | None:
+        """Cancel ``js``: why it cannot be, or None (a queued job ends now, a running one
+        as soon as its attempt stops)."""
+        if js.state in FINISHED:
+            return f"job {js.id} has already ended ({js.state})"
+        js.cancelled = True
+        if js.state == JobStatus.QUEUED:
+            js.move(JobStatus.CANCELLED, "cancelled by the user")
+            js.finished = time.time()
+            self._retire(js)
+        js.fail("cancelled by the user")
+        self.log.info("job cancel requested", job=js.id)
+        return None
+
+    def job_dir(self, js: JobState) -> Path:
+        """Where a job's outputs go: always under ``<run_dir>/jobs`` (names are validated at
+        submit; :func:`hetpipe.jobstore.job_dir` refuses any id that is a path)."""
+        d = job_dir(self.run_dir, js.id)  # None for anything that is not a job id
+        if d is None:
+            raise JobFailed(
+                f"job id {excerpt(js.id, 80)!r} is not a job id: it would "
+                f"write outside {self.run_dir / 'jobs'}"
+            )
+        return d.resolve()
+
+    def _record(self, js: JobState, **extra: Any) -> None:
+        """``<job dir>/job.json``: the job's state as the head last knew it (atomic)."""
+        path = self.job_dir(js) / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        record = {"id": js.id, "state": js.state.value, "error": js.error, **extra}
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)
+
+    def _retire(self, js: JobState) -> None:
+        """A job has ended: its final status to disk, and old finished jobs out of memory.
+
+        Only the last ``jobs_kept`` finished jobs stay in memory (with their per-stage
+        progress, a job's status is kilobytes and a long-running head runs many); the
+        others are answered from ``result.json``.
+        """
+        try:
+            write_result(self.run_dir, js.id, js.info())
+        except OSError as exc:
+            self.log.warning("cannot write the job's result", job=js.id, error=str(exc))
+        js.stage_results.clear()  # on disk in stages.json; the largest part of a job
+        finished = [j for j in self.jobs.values() if j.state in FINISHED]
+        for old in finished[: max(0, len(finished) - self.cluster.runtime.jobs_kept)]:
+            if old is not self.current:
+                del self.jobs[old.id]
+
+    async def _run_jobs(self) -> None:
+        while True:
+            js = await self.queue.get()
+            if js.state != JobStatus.QUEUED:
+                continue
+            self.current = js
+            try:
+                await self._run_job(js)
+            except Exception as exc:  # a bug in one job must not stop the queue
+                self.log.exception("job crashed", job=js.id)
+                if js.state not in FINISHED:
+                    js.move(JobStatus.FAILED, f"internal error: {exc}")
+            finally:
+                js.finished = js.finished or time.time()
+                self.current = None
+                self._retire(js)
+
+    # -- one job ----------------------------------------------------------------------------
+
+    async def _run_job(self, js: JobState) -> None:
+        loop = asyncio.get_running_loop()
+        js.failure = loop.create_future()
+        if js.recovered:
+            await self.registry.wait_complete(self.cluster.runtime.lost_after_s * 6)
+            if js.state != JobStatus.QUEUED:  # cancelled while it waited
+                return
+        js.move(JobStatus.PLANNING)
+        log = self.log.bind(job=js.id)
+        try:
+            await self._plan(js, log)
+        except JobPlanError as exc:
+            js.move(JobStatus.FAILED, str(exc))
+            log.warning("job refused", error=str(exc))
+            return
+        if js.cancelled:  # cancelled while it was being planned
+            js.move(JobStatus.CANCELLED, "cancelled by the user")
+            return
+        try:
+            js.move(JobStatus.RUNNING)
+            js.started = time.time()
+            self._record(js)
+            while True:
+                try:
+                    await self._run_attempt(js)
+                    break
+                except JobFailed as exc:
+                    if not self._may_replan(js):
+                        raise
+                    await self._replan(js, str(exc))
+            js.result = await self._race(js, self._finish(js))
+            js.finished = time.time()
+            js.move(JobStatus.DONE)
+            log.info(
+                "job done",
+                accuracy=js.result.get("test_accuracy"),
+                seconds=round(js.finished - js.started, 2),
+            )
+        except JobFailed as exc:
+            js.move(JobStatus.CANCELLED if js.cancelled else JobStatus.FAILED, str(exc))
+            js.finished = time.time()
+            log.warning("job failed", error=str(exc))
+            await self._abort(js, str(exc))
+        finally:
+            with contextlib.suppress(OSError, JobFailed):
+                extra = {}
+                if self._stopping and js.state == JobStatus.FAILED and not js.cancelled:
+                    # the head stops under it: a later head resumes it (:meth:`_recover`)
+                    extra["state"] = transition(js.state, JobStatus.INTERRUPTED).value
+                self._record(js, **extra)
+            self._drop_cuts(js)
+            await self._drop_shards(js)
+            self.registry.release(js.id)
+
+    async def _plan(self, js: JobState, log: Any) -> None:
+        """Plan ``js`` on the live devices (or check the user's split), and start it from
+        its checkpoint where it resumes one; :class:`JobPlanError` where it cannot run."""
+        loop = asyncio.get_running_loop()
+        vws, predicted = None, None
+        spec = js.spec
+        try:  # the CLI checked this already; other clients may not have
+            await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
+        except JobError as exc:
+            raise JobPlanError(str(exc)) from None
+        needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
+        try:
+            profile, rows = await self.profiler.profiles(spec)
+            cluster = live_cluster(self.cluster, self.registry.idle())
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
+            if spec.schedule == "auto":  # the planner chose: the job runs its choice
+                spec = js.spec = dataclasses.replace(
+                    spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup
+                )
+                log.info("schedule chosen", why=plan.details.get("schedule_choice"))
+            elif spec.warmup is None:  # train.warmup = "auto": the planner's order
+                spec = js.spec = dataclasses.replace(spec, warmup=plan.warmup)
+                log.info("warm-up chosen", warmup=plan.warmup)
+            predicted = predicted_summary(plan)
+            if needs_plan:
+                vws = plan_vws(plan, spec.activations)
+                log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
+            elif spec.activations == "auto":  # the user's split, the planner's policy
+                vws = requested_layouts(spec, policies=plan_vws(plan, spec.activations))
+        except (PlanError, JobFailed) as exc:
+            if needs_plan:
+                raise JobPlanError(f"cannot plan: {exc}") from None
+            log.warning("no prediction for this split", error=str(exc))
+            if spec.warmup is None:  # nothing chose the order: 1F1B as published
+                spec = js.spec = dataclasses.replace(spec, warmup=0)
+        shards = self.registry.live_shards()
+        alive = self.registry.alive()
+        js.plan = await loop.run_in_executor(
+            None,
+            lambda: plan_job(
+                spec, js.id, self.cluster, alive, shards, vws=vws, predicted=predicted
+            ),
+        )
+        if js.resume is not None:
+            self._restore(js, js.plan, js.resume)
+            js.lost = self._lost_since(js.resume)
+        else:
+            js.totals = tuple(js.plan.minibatches_of(v) for v in range(len(js.plan.vws)))
+
+    async def _run_attempt(self, js: JobState) -> None:
+        """Launch the job's current plan and follow it until every stage is done."""
+        await self._race(js, self._launch(js))
+        if js.replans and "resumed_s" not in js.replans[-1]:
+            js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
+        metrics = self.job_dir(js) / "metrics.jsonl"
+        watchers = [asyncio.ensure_future(telemetry(js, metrics, self.log))]
+        if js.spec.eval_every_s:
+            watchers.append(asyncio.ensure_future(self._evaluate_every(js, js.spec.eval_every_s)))
+        done = asyncio.ensure_future(js.all_done.wait())
+        try:
+            await self._race(js, done)
+        finally:
+            for w in watchers:
+                w.cancel()
+            js.diagnosis = []  # a diagnosis describes a running job only
+
+    async def _race(self, js: JobState, aw: Any) -> Any:
+        """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
+        assert js.failure is not None
+        task = asyncio.ensure_future(aw)
+        await asyncio.wait({task, js.failure}, return_when=asyncio.FIRST_COMPLETED)
+        if js.failure.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise JobFailed(js.failure.result())
+        try:
+            return task.result()
+        except (RemoteError, TimeoutError, ConnectionError, OSError) as exc:
+            raise JobFailed(str(exc)) from None
+
+    async def _launch(self, js: JobState) -> None:
+        """Initial weights to the shards, assignments to the workers, then start."""
+        plan = js.plan
+        assert plan is not None and self.channel is not None
+        # "vw/stage" -> the worker whose pushes count; "vw/stage/r" -> replica r, which may
+        # pull the stage's weights but never push them (hetpipe.replicas)
+        owners = {
+            f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
+            for v, vwp in enumerate(plan.vws)
+            for s, st in enumerate(vwp.stages)
+            for r, d in enumerate(st.devices)
+        }
+        for index, (members, weights) in plan.shard_contents().items():
+            ch = await self.registry.shard(index)
+            await ch.request(
+                Kind.SHARD_INIT,
+                {
+                    "job": plan.job,
+                    "members": members,
+                    "staleness": js.spec.staleness,
+                    "owners": owners,
+                    "cut_every": js.spec.checkpoint_every,
+                },
+                weights,
+                timeout=SHARD_TIMEOUT_S,
+                what=f"shard {index}",
+            )
+        plan.release_initial_weights()
+        js.states.clear()
+        js.cut_queued = -1
+        js.cut_next = checkpoint.cut_after(
+            0, js.spec.checkpoint_every, max(plan.waves(v) for v in range(len(plan.vws)))
+        )
+        workers = self.registry.workers
+        waits = []
+        for task in plan.tasks(self.registry.shards, workers):
+            w = workers[task.group[task.replica]]
+            w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            tensors = plan.local_state(task.vw, task.stage)
+            restore = js.restores.get((task.vw, task.stage))
+            if restore is not None:  # a resumed attempt: the stage's checkpointed state
+                task = dataclasses.replace(task, restore=restore[0])
+                tensors = {**tensors, **restore[1]}
+            waits.append(
+                self.channel.request(
+                    Kind.ASSIGN,
+                    {"job": plan.job, "task": task.to_dict()},
+                    tensors,
+                    to=w.ident,
+                    timeout=ASSIGN_TIMEOUT_S,
+                    what=f"worker {w.device}",
+                )
+            )
+        await asyncio.gather(*waits)
+        js.restores = {}
+        for w in workers.values():
+            if w.job == js.id:
+                await self.channel.send(Kind.START, {"job": plan.job}, to=w.ident)
+        self.log.info("job started", job=js.id, stages=plan.n_stages)
+
+    async def _finish(self, js: JobState) -> dict[str, Any]:
+        """Gather global weights, evaluate and export them; return the job's result."""
+        plan = js.plan
+        assert plan is not None and js.started is not None
+        train_s = time.time() - js.started
+        await self._cuts_written(js)  # the last checkpoint: the job's end
+        state, clocks = await self._fetch_state(js)
+        out_dir = self.job_dir(js)
+        loop = asyncio.get_running_loop()
+        accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
+        js.evals.append([train_s, plan.total_minibatches, accuracy])
+        stages = {
+            f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
+            for (v, s), r in sorted(js.stage_results.items())
+        }
+        (out_dir / "stages.json").write_text(json.dumps(stages))
+        devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
+        trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
+        (out_dir / "trace.json").write_text(json.dumps(trace))
+        samples = plan.total_minibatches * js.spec.minibatch
+        quality = {
+            k: r["stats"].get("prediction_quality")
+            for k, r in stages.items()
+            if r["stats"].get("prediction_quality") is not None
+        }
+        return {
+            **({"prediction_quality": quality} if quality else {}),
+            # train.bn_recalibrate: the accuracy with the running statistics as trained
+            **({"test_accuracy_trained_bn": trained_bn} if trained_bn is not None else {}),
+            "status": JobStatus.DONE.value,
+            "test_accuracy": accuracy,
+            "samples_per_s": samples / train_s,
+            "minibatches": plan.total_minibatches,
+            "seconds": train_s,
+            "model_path": str((out_dir / "model.pt").resolve()),
+            "stages_path": str((out_dir / "stages.json").resolve()),
+            "trace_path": str((out_dir / "trace.json").resolve()),
+            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
+            "shard_clocks": clocks,
+            "checkpoints": js.checkpoints,
+            "checkpoints_superseded": js.checkpoints_superseded,
+            "checkpoint_s": js.checkpoint_s,
+            "checkpoint_stage_s": js.checkpoint_stage_s,
+        }
+
+    async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The job's global weights, gathered from its shards, and each shard's clocks."""
+        assert js.plan is not None
+        state: dict[str, torch.Tensor] = {}
+        clocks = {}
+        for index in js.plan.shards_used():
+            ch = await self.registry.shard(index)
+            reply = await ch.request(
+                Kind.SHARD_FETCH,
+                {"job": js.wire_id},
+                timeout=SHARD_TIMEOUT_S,
+                what=f"shard {index}",
+            )
+            state.update({k: v.clone() for k, v in reply.tensors.items()})
+            clocks[str(index)] = reply.get("info")
+        return state, clocks
+
+    async def _evaluate_every(self, js: JobState, every_s: float) -> None:
+        """Test accuracy of the global weights while the job trains (time-to-accuracy)."""
+        assert js.plan is not None and js.started is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every_s)
+            seconds = time.time() - js.started
+            done = js.info().get("minibatches", 0)
+            state, _ = await self._fetch_state(js)
+            accuracy = await loop.run_in_executor(None, js.plan.evaluate, state)
+            js.evals.append([seconds, done, accuracy])
+
+    async def _abort(self, js: JobState, reason: str) -> None:
+        """Tell the live workers of ``js`` to drop it."""
+        assert self.channel is not None
+        for w in self.registry.workers.values():
+            if w.job == js.id and not w.lost:
+                with contextlib.suppress(ConnectionError, zmq.ZMQError):
+                    await self.channel.send(
+                        Kind.ABORT, {"job": js.wire_id, "reason": reason}, to=w.ident
+                    )
+
+    async def _drop_shards(self, js: JobState) -> None:
+        """Tell the shards of ``js`` to drop its state (the lost ones are skipped)."""
+        if js.plan is None:
+            return
+        for index in js.plan.shards_used():
+            if index in self.registry.shards_lost:
+                continue  # nothing to drop there, and no answer to wait for
+            with contextlib.suppress(Exception):
+                ch = await self.registry.shard(index)
+                await ch.request(
+                    Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0, what=f"shard {index}"
+                )

@@ -1,0 +1,375 @@
+"""Recovery: resuming a job from a checkpoint, re-planning it when a worker is lost, and
+queueing again, after a restart of the head, the jobs the previous head was running.
+
+``submit --resume`` (and a restarted head, by itself) starts a job from its last complete
+checkpoint: the shards get the cut, each stage its local weights and optimizer state, each
+virtual worker its data position (:func:`resume_plan`, :func:`stage_restores`). With
+``train.on_worker_loss = "replan"`` a lost worker starts a new *attempt* of the job on the
+live devices, from the last checkpoint where there is one; each attempt has its own wire id
+(``<job>.r<n>``), so nothing an abandoned attempt still sends is taken for the current one's.
+An attempt counts waves from 0 on fresh shard clocks; its stages read data from their
+virtual worker's position on.
+
+:class:`RecoveryPart` is the part of :class:`hetpipe.head.server.Head` that does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hetpipe import checkpoint
+from hetpipe.head.jobs import JobState, StageState
+from hetpipe.head.registry import SHARD_TIMEOUT_S
+from hetpipe.head.states import JobFailed, JobStatus, transition
+from hetpipe.job import JobError, JobSpec
+from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
+from hetpipe.jobstore import job_dir, read_result
+from hetpipe.modelstate import layer_of
+from hetpipe.planner import PlanError
+from hetpipe.profiling import live_cluster, plan_for, plan_vws, predicted_summary
+from hetpipe.ratelog import excerpt
+from hetpipe.security import CodeError
+from hetpipe.security import check_job as check_code
+from hetpipe.transport import RemoteError
+
+__all__ = [
+    "MAX_REPLANS",
+    "RecoveryPart",
+    "lost_since",
+    "restart_from_global",
+    "resume_plan",
+    "stage_restores",
+]
+
+MAX_REPLANS = 3  # a job re-planned this often without finishing fails
+
+
+# -- pure: what a plan starts from ------------------------------------------------------------
+
+
+def stage_restores(
+    plan: JobPlan, ck: checkpoint.Checkpoint, same_vws: bool
+) -> dict[tuple[int, int], StageState]:
+    """What each stage of ``plan`` starts from (see :func:`resume_plan`)."""
+    old: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for name, info in ck.meta.get("stages", {}).items():
+        if name in ck.stages:
+            old.setdefault(int(info["vw"]), []).append((name, info))
+    out = {}
+    for v, vw in enumerate(plan.vws):
+        source = old.get(v if same_vws else 0, [])
+        for s, st in enumerate(vw.stages):
+            if not plan.stage_names(v, s):
+                continue
+            exact = next(
+                (
+                    n
+                    for n, info in source
+                    if same_vws and (info["first"], info["last"]) == (st.first, st.last)
+                ),
+                None,
+            )
+            if exact is not None:
+                info = dict(ck.meta["stages"][exact]["meta"])
+                out[(v, s)] = ({**info, "weights": True}, ck.stages[exact])
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            steps: dict[str, int] = {}
+            optimizer = None
+            for name, info in source:
+                for key, t in ck.stages[name].items():
+                    if not key.startswith("opt/"):
+                        continue
+                    param = key.split("/", 2)[2]
+                    if st.first <= layer_of(param) < st.last:
+                        tensors[key] = t
+                        steps[param] = int(info["meta"].get("opt_steps", {}).get(param, 0))
+                        optimizer = info["meta"].get("optimizer")
+            meta: dict[str, Any] = {"weights": False, "opt_steps": steps}
+            if optimizer is not None:
+                meta["optimizer"] = optimizer
+            out[(v, s)] = (meta, tensors)
+    return out
+
+
+def resume_plan(
+    plan: JobPlan, ck: checkpoint.Checkpoint, sync: bool
+) -> tuple[tuple[int, ...], dict[tuple[int, int], StageState], list[int]]:
+    """Start ``plan`` from checkpoint ``ck``: the shards from its cut of the global weights
+    (``plan.initial``), every virtual worker from its data position (``plan.starts``, and
+    what it still owes), every stage from its state. Returns the minibatches each VW runs in
+    the whole job, each stage's state to start from, and what each VW owes.
+
+    A stage of the same virtual worker with the same layers as in the checkpoint's plan
+    takes its whole state (local weights, buffers, optimizer state). A stage whose layers
+    moved (a re-plan, another split) takes its weights from the shards' cut, as at a
+    job's start, and the optimizer state of each of its parameters from the stage of the
+    same virtual worker that held it (of virtual worker 0 where the count of virtual
+    workers changed). With another count of virtual workers the data is sharded
+    differently: each one starts at the smallest position of the old ones. A synchronous
+    job (``sync``) keeps its iterations aligned: every VW runs VW 0's count.
+    """
+    assert plan.initial is not None
+    missing = sorted(set(plan.initial) - set(ck.state))
+    if missing:
+        raise JobPlanError(f"checkpoint {ck.path} has no {missing[:3]}: another model?")
+    plan.initial = {k: ck.state[k] for k in plan.initial}
+    meta = ck.meta
+    n = len(plan.vws)
+    done = int(meta.get("minibatches_done", 0))
+    positions = [int(x) for x in meta.get("positions", [done])]
+    totals = [int(x) for x in meta.get("totals", [meta.get("minibatches_total", plan.minibatches)])]
+    same = len(positions) == n and len(totals) == n
+    starts = tuple(positions) if same else (min(positions),) * n
+    job_totals = tuple(totals) if same else (totals[0],) * n
+    owed = [t - p for t, p in zip(job_totals, starts, strict=True)]
+    if max(owed) <= 0:
+        raise JobPlanError(
+            f"checkpoint {ck.path} is the end of job {meta.get('job')}: "
+            f"it has nothing left to train"
+        )
+    plan.starts = starts
+    if sync:
+        plan.minibatches = max(1, owed[0])
+    else:
+        plan.owed = tuple(max(1, o) for o in owed)
+    return job_totals, stage_restores(plan, ck, same), owed
+
+
+def restart_from_global(
+    plan: JobPlan,
+    state: dict[str, torch.Tensor],
+    positions: Sequence[int],
+    total: int,
+    sync: bool,
+) -> tuple[int, ...]:
+    """Start ``plan`` without a checkpoint: from the global weights ``state`` the shards hold
+    now, every virtual worker from the slowest one's position; the minibatches each VW runs
+    in the whole job (``total`` each)."""
+    plan.initial = {k: state[k] for k in plan.initial or {}}
+    start = min(positions)
+    plan.starts = (start,) * len(plan.vws)
+    if sync:
+        plan.minibatches = max(1, total - start)
+    else:
+        plan.owed = (max(1, total - start),) * len(plan.vws)
+    return (total,) * len(plan.vws)
+
+
+def lost_since(got: Sequence[int] | None, at: Sequence[int] | None) -> list[int] | None:
+    """Per VW, the minibatches trained past a checkpoint at positions ``at`` by a run that
+    got to ``got``: the work a resume does again (None where the two do not compare)."""
+    if not got or not at or len(got) != len(at):
+        return None
+    return [max(0, int(a) - int(b)) for a, b in zip(got, at, strict=True)]
+
+
+# -- the head's part --------------------------------------------------------------------------
+
+
+class RecoveryPart:
+    """Resume, re-plan and restart recovery (a part of :class:`hetpipe.head.server.Head`)."""
+
+    def _restore(self, js: JobState, plan: JobPlan, ck: checkpoint.Checkpoint) -> None:
+        """Start ``plan`` of ``js`` from checkpoint ``ck`` (:func:`resume_plan`)."""
+        js.totals, js.restores, owed = resume_plan(plan, ck, js.spec.sync)
+        whole = sorted(
+            f"vw{v}/stage{s}" for (v, s), (m, _) in js.restores.items() if m.get("weights")
+        )
+        self.log.info(
+            "resuming",
+            job=js.id,
+            checkpoint=str(ck.path),
+            wave=ck.meta.get("wave"),
+            positions=list(plan.starts),
+            owed=list(owed),
+            stages_restored=whole,
+            stages_from_global=len(js.restores) - len(whole),
+        )
+
+    def _lost_since(self, ck: checkpoint.Checkpoint) -> list[int] | None:
+        """Per VW, the minibatches the checkpointed job trained after ``ck`` (where its
+        final status says how far it got): the work a resume does again."""
+        old = read_result(self.run_dir, str(ck.meta.get("job")))
+        return lost_since((old or {}).get("positions"), ck.meta.get("positions"))
+
+    def _checkpoint_of(self, job_id: str) -> checkpoint.Checkpoint:
+        """The last complete checkpoint of job ``job_id`` in this head's run directory."""
+        d = job_dir(self.run_dir, job_id)
+        if d is None:
+            raise JobFailed(f"resume: {excerpt(job_id, 80)!r} is not a job id")
+        ck = self._latest(d, job_id)
+        if ck is None:
+            raise JobFailed(
+                f"no complete checkpoint of job {job_id!r} in {d.resolve() / 'checkpoints'}"
+            )
+        return ck
+
+    def _latest_of(self, js: JobState) -> checkpoint.Checkpoint | None:
+        """The newest complete checkpoint of the job: its own, else the one it resumed from."""
+        ck = self._latest(self.job_dir(js), js.id)
+        return ck if ck is not None else js.resume
+
+    def _latest(self, d: Any, job: Any) -> checkpoint.Checkpoint | None:
+        """The newest complete checkpoint under job directory ``d``; damaged ones logged."""
+        skipped: list[str] = []
+        ck = checkpoint.latest(d, skipped)
+        for why in skipped:
+            self.log.warning("damaged checkpoint skipped", job=job, error=excerpt(why, 300))
+        return ck
+
+    # -- after a restart: jobs the previous head was running --------------------------------
+
+    def _recover(self) -> None:
+        """Queue again, from their last checkpoint, the jobs a previous head left running.
+
+        A job whose ``job.json`` still says ``running`` was cut off by the head's death (or
+        ``interrupted``, by its shutdown); one with a complete checkpoint is resumed as a new
+        job once the cluster is back (its old record then names the new id), one without is
+        recorded as lost.
+        """
+        for record in sorted((self.run_dir / "jobs").glob("*/job.json")):
+            try:
+                old = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            was = old.get("state")
+            if was not in (JobStatus.RUNNING, JobStatus.INTERRUPTED):
+                continue
+            ck = self._latest(record.parent, old.get("id"))
+            try:
+                if ck is None:
+                    raise JobError("no complete checkpoint")
+                spec = JobSpec.from_dict(ck.meta["spec"], source=str(ck.path))
+                check_code(spec, self.cluster.security.allowed_modules)
+            except (JobError, CodeError, KeyError) as exc:
+                old.update(
+                    state=transition(was, JobStatus.LOST).value,
+                    error=f"the head restarted; cannot resume: {exc}",
+                )
+                record.write_text(json.dumps(old))
+                continue
+            js = JobState(
+                id=self._new_id(spec.name),
+                spec=spec,
+                submitted=time.time(),
+                resume=ck,
+                recovered=True,
+            )
+            self.jobs[js.id] = js
+            self.queue.put_nowait(js)
+            old.update(state=transition(was, JobStatus.RESUMED).value, resumed_as=js.id)
+            record.write_text(json.dumps(old))
+            self.log.warning(
+                "resuming a job the previous head was running",
+                job=old["id"],
+                new=js.id,
+                checkpoint=str(ck.path),
+            )
+
+    # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
+
+    def _may_replan(self, js: JobState) -> bool:
+        return (
+            js.spec.on_worker_loss == "replan"
+            and js.lost_device is not None
+            and not js.cancelled
+            and len(js.replans) < MAX_REPLANS
+        )
+
+    async def _replan(self, js: JobState, reason: str) -> None:
+        """Go on without the lost worker: plan the job again on the live devices and start it
+        from the job's last complete checkpoint (:func:`resume_plan`: the shards' cut, each
+        stage's state where its layers stayed, the optimizer state per parameter where they
+        moved, each virtual worker's data position). The work since that checkpoint is done
+        again (``lost_minibatches`` of the re-plan says how much).
+
+        A job without a checkpoint yet starts from the global weights the shards hold now
+        (:func:`restart_from_global`): the lost stage's unpushed updates and every stage's
+        optimizer state are gone, and every virtual worker goes on from the slowest one's
+        position.
+        """
+        assert js.plan is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        old, lost = js.plan, js.lost_device
+        log = self.log.bind(job=js.id)
+        log.warning("worker lost: re-planning the job without it", device=lost, reason=reason)
+        positions = js.info().get("positions") or [0]
+        self._drop_cuts(js)
+        ck = self._latest_of(js)
+        state: dict[str, torch.Tensor] = {}
+        if ck is None:
+            try:
+                state, _ = await asyncio.wait_for(self._fetch_state(js), SHARD_TIMEOUT_S)
+            except (RemoteError, TimeoutError, ConnectionError) as exc:
+                raise JobFailed(f"{reason}; cannot re-plan: the shards' weights: {exc}") from None
+        await self._abort(js, reason)
+        await self._drop_shards(js)
+        self.registry.release(js.id)
+        spec = dataclasses.replace(js.spec, vws=(), num_vws=js.spec.num_vws or len(old.vws))
+        try:
+            profile, rows = await self.profiler.profiles(spec)
+            cluster = live_cluster(self.cluster, self.registry.idle())
+            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
+            shards = self.registry.live_shards()
+            alive = self.registry.alive()
+            wire = f"{js.id}.r{len(js.replans) + 1}"
+            new = await loop.run_in_executor(
+                None,
+                lambda: plan_job(
+                    spec,
+                    wire,
+                    self.cluster,
+                    alive,
+                    shards,
+                    vws=plan_vws(plan, spec.activations),
+                    predicted=predicted_summary(plan),
+                ),
+            )
+            if ck is not None:
+                self._restore(js, new, ck)
+        except (PlanError, JobPlanError, JobFailed) as exc:
+            raise JobFailed(f"{reason}; cannot re-plan without it: {exc}") from None
+        if ck is None:
+            total = js.totals[0] if js.totals else old.minibatches
+            js.totals = restart_from_global(new, state, positions, total, spec.sync)
+            lost_mb = None
+        else:
+            lost_mb = lost_since(positions, ck.meta.get("positions") or [])
+        js.plan = new
+        js.failure = loop.create_future()
+        js.lost_device = None
+        js.progress.clear()
+        js.stage_results.clear()
+        js.all_done = asyncio.Event()
+        js.replans.append(
+            {
+                "lost": lost,
+                "reason": reason,
+                "after_minibatches": positions,
+                "checkpoint": str(ck.path) if ck is not None else None,
+                "checkpoint_positions": ck.meta.get("positions") if ck is not None else None,
+                "lost_minibatches": lost_mb,
+                "vws": [[s.device for s in vw.stages] for vw in new.vws],
+                "starts": list(new.starts),
+                "minibatches_left": [new.minibatches_of(v) for v in range(len(new.vws))],
+                "planned_s": round(time.monotonic() - t0, 2),
+                "_t": t0,
+            }
+        )
+        log.warning(
+            "re-planned",
+            lost=lost,
+            vws=js.replans[-1]["vws"],
+            checkpoint=js.replans[-1]["checkpoint"],
+            lost_minibatches=lost_mb,
+            minibatches_left=js.replans[-1]["minibatches_left"],
+        )
