@@ -122,8 +122,9 @@ def job(
         "minibatches": steps,
         "activations": activations,
         "vws": 1,
-        "in_flight": in_flight,
     }
+    if split is None:  # the planner's own split: its in-flight bound applies
+        train["in_flight"] = in_flight
     out: dict[str, Any] = {
         "name": name,
         "model": {"name": "cnn", "args": args},

@@ -67,10 +67,10 @@ def job_dict(
         "train": {
             "minibatch": minibatch,
             "nm": NM,
-            "staleness": 0,
             "seed": SEED,
             "minibatches": minibatches,
             "schedule": schedule,
+            **({"staleness": 0} if schedule == "async" else {}),  # WSP's D: async only
         },
         "vw": [{"devices": [f"gpu{i}" for i in range(STAGES)], "layers": split}],
     }

@@ -122,7 +122,9 @@ def job(
 ) -> dict[str, Any]:
     """A job dict in the job file's shape (``train``: more keys of its train table)."""
     extra = train or {}
-    train = {"minibatch": minibatch, "nm": nm, "staleness": staleness, "seed": seed, **extra}
+    train = {"minibatch": minibatch, "nm": nm, "seed": seed, **extra}
+    if extra.get("schedule", "async") in ("async", "auto"):  # WSP's D: async only
+        train["staleness"] = staleness
     if epochs is not None:
         train["epochs"] = epochs
     else:

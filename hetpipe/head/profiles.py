@@ -54,7 +54,7 @@ class Profiler:
         run)."""
         assert self.channel is not None
         try:
-            spec = JobSpec.from_dict(msg["job"], source="job")
+            spec = JobSpec.from_dict(msg["job"], source="job", strict=True)
             # the job checks start with the code policy (nothing is imported before it)
             await asyncio.get_running_loop().run_in_executor(
                 None, check_job, spec, self.cluster, "job"

@@ -226,7 +226,9 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             if job is None:
                 raise CodeError("submit: give a job, or the id of one to resume")
             check_code(job, self.cluster.security.allowed_modules)
-            spec = JobSpec.from_dict(job, source="job")
+            # a job as a client wrote it is held to the job file's rules; a checkpoint's
+            # is the head's own record of one already running
+            spec = JobSpec.from_dict(job, source="job", strict=msg.get("job") is not None)
         except (JobError, CodeError, JobFailed) as exc:
             self.log.warning("job refused at submit", error=excerpt(exc))
             await self.channel.reply_error(peer, str(exc), msg["rid"])
