@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from hetpipe._toml import MISSING, Table, read_toml
+from hetpipe.core.units import format_size
 from hetpipe.hostmem import MAX_RETAIN_MIB
 from hetpipe.security import SecuritySpec
 
@@ -105,14 +106,6 @@ def check_address(text: str) -> str:
     if not 1 <= int(m[2]) <= 65535:
         raise ValueError(f"{text!r}: port {int(m[2])} out of range (1-65535)")
     return text.strip()
-
-
-def format_size(n: int) -> str:
-    """Human form in binary units: ``2147483648 -> "2.0GiB"``, ``512 -> "512B"``."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
 
 
 @dataclass(frozen=True)

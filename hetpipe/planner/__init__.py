@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hetpipe.core.profile import CallProfile, LayerProfile, ModelProfile
 from hetpipe.planner.formation import Formation, candidate_formations
 from hetpipe.planner.memory import (
     WEIGHT_MODES,
@@ -48,9 +49,6 @@ from hetpipe.planner.partition import (
     partition_best_nm,
 )
 from hetpipe.planner.profile import (
-    CallProfile,
-    LayerProfile,
-    ModelProfile,
     ProfileStore,
     measure_layers,
     measure_model,

@@ -83,9 +83,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from hetpipe.config import format_size
+from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.core.schedule import max_in_flight
-from hetpipe.planner.profile import LayerProfile, ModelProfile
+from hetpipe.core.units import format_size
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 

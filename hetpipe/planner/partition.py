@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import DeviceSpec, format_size
-from hetpipe.emulate import padded_speed
+from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
 from hetpipe.planner.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
@@ -98,7 +98,6 @@ from hetpipe.planner.memory import (
     unhidden_swap_s,
     working_bytes,
 )
-from hetpipe.planner.profile import ModelProfile, StageTimes, update_scale
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [

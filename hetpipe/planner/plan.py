@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe.config import format_size
+from hetpipe.core.profile import ModelProfile
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
 from hetpipe.planner.predict import Prediction, predict
-from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.replicas import (
     Replicated,
     as_partition,

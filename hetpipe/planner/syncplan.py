@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
     Backward,
@@ -55,9 +56,7 @@ from hetpipe.core.schedule import (
     max_in_flight,
     microbatch_order,
 )
-from hetpipe.emulate import padded_speed
 from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
-from hetpipe.planner.profile import ModelProfile, update_scale
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 
 __all__ = [
