@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import Table, kind, read_toml
+from hetpipe.core.memory import ACTIVATION_POLICIES
 from hetpipe.core.schedule import KINDS as SCHEDULE_KINDS
 from hetpipe.core.schedule import SYNC_KINDS
-from hetpipe.planner.memory import ACTIVATION_POLICIES
 
 __all__ = [
     "DataSpec",

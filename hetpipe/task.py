@@ -35,7 +35,7 @@ class StageTask:
     prev_device: str | None = None  # device of stage - 1: the only sender of activations
     next_device: str | None = None  # device of stage + 1: the only sender of gradients
     recompute: list[int] = field(default_factory=list)  # global layers whose activations
-    # are recomputed in the backward instead of kept (hetpipe.planner.memory)
+    # are recomputed in the backward instead of kept (hetpipe.core.memory)
     swap: list[int] = field(default_factory=list)  # global layers whose activations wait
     # in host memory between the forward and the backward (hetpipe.swap)
     # the most minibatches this stage holds between a forward and its backward, and the

@@ -17,6 +17,7 @@ from hetpipe.config import (
     ShardSpec,
     format_size,
 )
+from hetpipe.core.memory import stage_memory_of
 from hetpipe.core.schedule import fill_counts, max_in_flight
 from hetpipe.planner import (
     LayerProfile,
@@ -28,7 +29,6 @@ from hetpipe.planner import (
     place_stages,
     synthetic_profile,
 )
-from hetpipe.planner.memory import stage_memory_of
 from hetpipe.profiling import plan_vws
 
 MiB = 1 << 20

@@ -262,7 +262,7 @@ def max_in_flight(
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
     ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
 
-    This is the count the memory model charges (:mod:`hetpipe.planner.memory`): a device cap
+    This is the count the memory model charges (:mod:`hetpipe.core.memory`): a device cap
     must hold whatever the relative speeds and arrival times, so the count is the schedule's
     maximum, never what one simulated timing happens to reach.
 

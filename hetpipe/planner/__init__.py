@@ -3,7 +3,7 @@
 Pure planning logic (no sockets; torch only to measure profiles):
 
 * :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
-* :mod:`.memory`     the one memory model of a stage, shared with the runtime
+* (the one memory model of a stage, shared with the runtime, is :mod:`hetpipe.core.memory`)
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
@@ -29,9 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hetpipe.core.profile import CallProfile, LayerProfile, ModelProfile
-from hetpipe.planner.formation import Formation, candidate_formations
-from hetpipe.planner.memory import (
+from hetpipe.core.memory import (
     WEIGHT_MODES,
     StageMemory,
     in_flight,
@@ -39,6 +37,8 @@ from hetpipe.planner.memory import (
     stage_memory_of,
     weights_mode,
 )
+from hetpipe.core.profile import CallProfile, LayerProfile, ModelProfile
+from hetpipe.planner.formation import Formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import (
     CostModel,

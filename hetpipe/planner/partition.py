@@ -83,21 +83,20 @@ from typing import Any
 import numpy as np
 
 from hetpipe.config import DeviceSpec, format_size
-from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
-from hetpipe.planner.memory import (
+from hetpipe.core.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
-    activations,
     copy_seconds,
     held_predictions,
     in_flight,
+    kept_copies,
     param_copies,
-    reruns,
     stage_memory,
-    stashed,
+    stage_terms,
     unhidden_swap_s,
     working_bytes,
 )
+from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -232,12 +231,10 @@ class _TypeCosts:
         upper = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
         self.valid = upper  # a < b
         self.inb_np = np.array(self.inb, dtype=np.int64)
-        # bytes of [a, b) that do not depend on Nm, and the per-in-flight part
-        pb = self.P[None, :] - self.P[:, None]
-        bb = self.B[None, :] - self.B[:, None]
-        self.pb = pb
-        self.fixed = bb + self.W  # buffers + working
-        self.per_flight = (self.S[None, :] - self.S[:, None]) + self.inb_np[:, None]
+        # every [a, b) at once: its parameters, buffers and saved bytes
+        self.pb = self.P[None, :] - self.P[:, None]
+        self.bb = self.B[None, :] - self.B[:, None]
+        self.sb = self.S[None, :] - self.S[:, None]
 
 
 class CostModel:
@@ -449,15 +446,34 @@ class CostModel:
         key = (dtype, flight, schedule)
         m = self._totals.get(key)
         if m is None:
-            tc = self.costs(dtype)
-            copies = param_copies(self.factor, flight, schedule, self.weights)
-            if reruns(schedule, self.weights):  # inputs only, one minibatch's saved tensors
-                saved = tc.per_flight - tc.inb_np[:, None]
-                m = tc.fixed + copies * tc.pb + flight * tc.inb_np[:, None] + saved
-            else:
-                m = tc.fixed + copies * tc.pb + flight * tc.per_flight
-            self._totals[key] = m
+            m = self._totals[key] = self._terms(self.costs(dtype), flight, schedule).total
         return m
+
+    def _terms(
+        self,
+        tc: _TypeCosts,
+        flight: int,
+        schedule: str = "async",
+        kept: Any = None,
+        working: Any = None,
+        held: Any = 0,
+        rows: slice = slice(None),
+        cols: slice = slice(None),
+    ) -> StageMemory:
+        """:func:`memory.stage_terms` of every ``[a, b)`` (rows ``a``, columns ``b``) as
+        arrays, keeping every activation unless ``kept`` and ``working`` say otherwise."""
+        return stage_terms(
+            tc.pb[rows, cols],
+            tc.bb[rows, cols],
+            tc.sb[rows, cols] if kept is None else kept,
+            tc.inb_np[rows, None],
+            tc.W[rows, cols] if working is None else working,
+            factor=self.factor,
+            flight=flight,
+            schedule=schedule,
+            weights=self.weights,
+            held=held,
+        )
 
     def fit_mask(self, dtype: str, flight: int, cap: int) -> np.ndarray:
         """Where ``[a, b)`` fits a device of ``cap`` bytes (and ``a < b``), keeping all."""
@@ -484,13 +500,11 @@ class CostModel:
             n = self.L + 1
             todo = [(a, b) for a in range(n) for b in range(a + 1, n) if pinned or not fits[a, b]]
             # minibatches whose kept tensors stay: one where the backward reruns the forward
-            m = 1 if reruns("async", self.weights) else flight
+            m = kept_copies(flight, "async", self.weights)
             for a, b in todo:
                 options = []
                 if self.activations in ("recompute", "auto"):
-                    options.append(
-                        self._recompute_option(tc, a, b, int(keep[a, b]), m, cap, flight)
-                    )
+                    options.append(self._recompute_option(tc, a, b, cap, flight))
                 if self.activations in ("swap", "auto"):
                     options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap, host_gbps))
                 cost, policy = min(options, key=lambda o: o[0])  # recompute first on ties
@@ -501,33 +515,45 @@ class CostModel:
         return extra, chosen
 
     def _recompute_option(
-        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, flight: int
+        self, tc: _TypeCosts, a: int, b: int, cap: int, flight: int
     ) -> tuple[float, Policy]:
         """The cheapest run ``[c, d)`` of ``[a, b)`` whose recompute makes it fit (all of it
         when pinned): its extra forward time and the policy, or inf. (``predict`` paper: the
         run's predicted weights stay with every in-flight minibatch, see
         :func:`memory.held_predictions`.)"""
-        S, inb, P = tc.S, tc.inb_np, tc.P
         if self.activations == "recompute":
-            sd = int(S[b] - S[a])
-            held = held_predictions(flight, int(P[b] - P[a]), "async", self.weights)
-            if keep - m * sd + sd + held <= cap:
+            if self._recompute_need(tc, a, b, flight, a, b) <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
-        sub = S[None, a : b + 1] - S[a : b + 1, None]
+        runs = np.arange(a, b + 1)
+        need = self._recompute_need(tc, a, b, flight, runs[:, None], runs[None, :])
         fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
-        kept_in = np.where(np.arange(a, b + 1) > a, inb[a : b + 1], 0)[:, None]
-        held = held_predictions(flight, 1, "async", self.weights) * (
-            P[None, a : b + 1] - P[a : b + 1, None]
-        )
-        # the largest layer's working memory is already in keep
-        need = keep - m * (sub - kept_in) + sub + held
         ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
         if not ok.any():
             return INF, ((), ())
         cost = np.where(ok, fd, INF)
         c, d = np.unravel_index(int(cost.argmin()), cost.shape)
         return float(cost[c, d]), (tuple(range(a + int(c), a + int(d))), ())
+
+    def _recompute_need(self, tc: _TypeCosts, a: int, b: int, flight: int, c: Any, d: Any) -> Any:
+        """Total memory of stage ``[a, b)`` recomputing the run ``[c, d)``: its saved bytes
+        leave the kept ones (its first layer's input stays, unless it is the stage input)
+        and live again in the working term while it reruns; ``predict`` paper keeps the
+        run's predicted weights per in-flight minibatch. ``c`` and ``d`` are layer indices
+        or index arrays (every run at once, elementwise)."""
+        run = tc.S[d] - tc.S[c]
+        kept_in = np.where(c > a, tc.inb_np[c], 0)
+        return stage_terms(
+            int(tc.P[b] - tc.P[a]),
+            int(tc.B[b] - tc.B[a]),
+            int(tc.S[b] - tc.S[a]) - run + kept_in,
+            tc.inb[a],
+            int(tc.W[a, b]) + run,
+            factor=self.factor,
+            flight=flight,
+            weights=self.weights,
+            held=held_predictions(flight, tc.P[d] - tc.P[c], "async", self.weights),
+        ).total
 
     def _swap_option(
         self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, host_gbps: float
@@ -545,6 +571,9 @@ class CostModel:
             largest = max(largest, tc.saved[j])
             if self.activations == "swap" and n < len(order):
                 continue
+            # the keep total with ``moved`` saved bytes gone from the kept ones and the
+            # largest swapped layer's in the working term (memory.stage_terms is linear in
+            # both: a kept byte counts m times, memory.kept_copies)
             if keep - m * moved + largest <= cap:
                 swap = tuple(sorted(order[:n]))
                 return self.swap_time(tc, a, b, moved, host_gbps), ((), swap)
@@ -609,7 +638,6 @@ class CostModel:
         (default the bound, :func:`memory.in_flight`)."""
         tc = self.costs(dtype)
         n = in_flight(position, k, nm, schedule, self.weights) if flight is None else flight
-        pb = int(tc.P[b] - tc.P[a])
         kept = int(tc.S[b] - tc.S[a])
         working = int(tc.W[a, b])
         held = 0
@@ -623,13 +651,17 @@ class CostModel:
             working = working_bytes(
                 tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
             )
-        return StageMemory(
-            params=pb + int(tc.B[b] - tc.B[a]),
-            optimizer=self.factor * pb,
-            stash=stashed(n, schedule, self.weights) * pb + held,
-            accumulators=2 * pb,
-            activations=activations(n, kept, tc.inb[a], schedule, self.weights),
-            working=working,
+        return stage_terms(
+            int(tc.P[b] - tc.P[a]),
+            int(tc.B[b] - tc.B[a]),
+            kept,
+            tc.inb[a],
+            working,
+            factor=self.factor,
+            flight=n,
+            schedule=schedule,
+            weights=self.weights,
+            held=held,
         )
 
     # ---------------------------------------------------------------- partitioning
@@ -845,7 +877,7 @@ class CostModel:
         keeps = self.activations == "keep"
         return min(
             sum(
-                (3 + self.factor) * lp.param_bytes
+                param_copies(self.factor, 1, weights="latest") * lp.param_bytes
                 + lp.buffer_bytes
                 + (lp.saved_bytes if keeps else 0)
                 for lp in lps

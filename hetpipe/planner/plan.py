@@ -16,10 +16,10 @@ Parameter placement is :func:`hetpipe.planner.placement.place_stages` (its rule 
 costs on the links live there). Each stage reports the shard holding most of its bytes;
 ``Plan.layer_shards`` has the full per-layer map.
 
-Memory, two figures per stage, one model (:mod:`hetpipe.planner.memory`): ``memory`` at the
+Memory, two figures per stage, one model (:mod:`hetpipe.core.memory`): ``memory`` at the
 most minibatches the schedule lets the stage hold under ANY timing, the bound every cap is
 checked against; ``expected_memory`` at the most its predicted timeline held
-(:func:`hetpipe.planner.memory.expected_in_flight`), the peak a run of that timing reaches.
+(:func:`hetpipe.core.memory.expected_in_flight`), the peak a run of that timing reaches.
 Under ``train.in_flight = "plan"`` (:func:`_limited`) the second is the first: each stage is
 limited to the count its predicted timeline held, and reaches it under any timing.
 """
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe.config import format_size
+from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
-from hetpipe.planner.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
@@ -623,7 +623,7 @@ def make_plan(
     default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
     prediction includes filling and draining the pipelines and VWs that finish at different
     times (default: long enough for a steady state). ``weights`` is the job's mode as
-    :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps).
+    :func:`hetpipe.core.memory.weights_mode` names it (what each stage keeps).
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
     memory recomputes the cheapest run of layers or swaps the layers that make it fit,
     whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).

@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.core.memory import copy_seconds, unhidden_copy_s
 from hetpipe.core.schedule import Backward, Forward, Merge, OptimizerStep, Push
-from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.replicas import exchange_time, flight_time

@@ -41,7 +41,7 @@ holds one from its forward's end to its backward's start
 forward; a stage runs one action at a time, so the two counts agree at every moment the
 runtime looks, and both follow from the order of the stage's forwards and backwards alone.
 The planner prices it as the stage's expected peak memory
-(:func:`hetpipe.planner.memory.expected_in_flight`).
+(:func:`hetpipe.core.memory.expected_in_flight`).
 """
 
 from __future__ import annotations

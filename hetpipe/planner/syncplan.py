@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe.core.memory import StageMemory, in_flight, stage_memory_of, stage_terms
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
@@ -53,10 +54,8 @@ from hetpipe.core.schedule import (
     Forward,
     OptimizerStep,
     iteration_trips,
-    max_in_flight,
     microbatch_order,
 )
-from hetpipe.planner.memory import StageMemory, in_flight, param_copies, stage_memory_of
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 
 __all__ = [
@@ -359,19 +358,21 @@ class SyncModel:
     ) -> np.ndarray:
         """Total memory of every ``[a, b)`` on device ``i`` at ``position`` (inf if a >= b)."""
         t = self._t(self.devices[i].type)
-        n = max_in_flight(kind, k, position, self.m, warmup=warmup)
         L = self.L
         P, Bu, S = t["P"], t["Bu"], t["S"]
-        pb = P[None, :] - P[:, None]
         W = np.zeros((L + 1, L + 1))
         for a in range(L):
             W[a, a + 1 :] = np.maximum.accumulate(t["W"][a:])
-        mem = (
-            (Bu[None, :] - Bu[:, None])
-            + W
-            + param_copies(self.factor, n, kind) * pb
-            + n * ((S[None, :] - S[:, None]) + t["in"][: L + 1][:, None])
-        )
+        mem = stage_terms(
+            P[None, :] - P[:, None],
+            Bu[None, :] - Bu[:, None],
+            S[None, :] - S[:, None],
+            t["in"][: L + 1][:, None],
+            W,
+            factor=self.factor,
+            flight=in_flight(position, k, self.m, kind, warmup=warmup),
+            schedule=kind,
+        ).total
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
 
@@ -1012,7 +1013,7 @@ def sync_plan(
         stages = []
         for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
             # the order fixes what a stage holds, whatever the timing: the expected peak is
-            # the bound (hetpipe.planner.memory.expected_in_flight)
+            # the bound (hetpipe.core.memory.expected_in_flight)
             mem = model.memory(i, a, b, pos, k, c.kind, mv, warm)
             n = in_flight(pos, k, mv, c.kind, warmup=warm)
             stages.append(
