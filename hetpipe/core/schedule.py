@@ -222,7 +222,7 @@ def iteration_trips(
     a hand-off never waits for an input (a first stage's forward reads data, a last stage's
     backward its loss, the step and push follow the last backward), so the grouping does not
     depend on when inputs arrive: the planner's search prices an iteration from it without
-    simulating (:func:`hetpipe.planner.syncplan.iteration_time`)."""
+    simulating (:func:`hetpipe.planner.simulate.iteration_time`)."""
     m = sum(op == "F" for op, _ in order)
     # the sync kinds differ only in their default order, given here
     sched = StageSchedule(SYNC_KINDS[0], k=k, stage=stage, nm=m, total=m, order=order)

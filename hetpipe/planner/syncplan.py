@@ -14,7 +14,8 @@ Search (:func:`plan_sync`):
 
 1. cuts for a fixed mapping and order: a min-max dynamic program gives the least bottleneck
    B*; min-sum programs under caps B* x (1, 1.1, 1.25, 1.5, 2, 3, inf) trade the fill and
-   drain against the bottleneck; each candidate is timed exactly (:func:`iteration_time`),
+   drain against the bottleneck; each candidate is timed exactly by the simulator's rules
+   (:func:`hetpipe.planner.simulate.iteration_time`),
    and the best is refined by moving single cuts while that helps;
 2. mappings: for every pipeline length, the fastest devices chained along their fastest
    links (greedy from several starts, then 2-opt), then a local search over the mapping
@@ -50,13 +51,11 @@ from hetpipe.core.memory import StageMemory, in_flight, stage_memory_of, stage_t
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
-    Backward,
-    Forward,
-    OptimizerStep,
     iteration_trips,
     microbatch_order,
 )
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
+from hetpipe.planner.simulate import iteration_time
 
 __all__ = [
     "SyncChoice",
@@ -64,7 +63,7 @@ __all__ = [
     "SyncModel",
     "SyncStage",
     "exhaustive",
-    "iteration_time",
+    "iteration_time",  # the simulator's (hetpipe.planner.simulate), the search's timing
     "plan_sync",
     "search_formations",
     "search_sync",
@@ -85,13 +84,15 @@ class SyncStage:
     """One stage's times: per microbatch (forward, backward, each with sending its output),
     per iteration (step, push), and per hand-off to the compute thread and back, paid once
     for all the actions that go in it (:meth:`hetpipe.core.schedule.StageSchedule.joins`), as the
-    simulator's :class:`~hetpipe.planner.simulate.SimStage`."""
+    simulator's :class:`~hetpipe.planner.simulate.SimStage`, which times them
+    (:func:`~hetpipe.planner.simulate.iteration_time`)."""
 
     fwd_s: float
     bwd_s: float
     step_s: float = 0.0
     push_s: float = 0.0
     handoff_s: float = 0.0
+    state: bool = True  # as the simulator's: a stage without state pushes nothing
 
 
 @dataclass(frozen=True)
@@ -111,78 +112,6 @@ def warmup_ladder(m: int) -> tuple[int, ...]:
     ``m - 1`` (from there on the order is gpipe's) up to 4, then a geometric ladder, so that
     a long iteration adds a few orders, not m."""
     return tuple(w for w in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if w < max(m - 1, 1))
-
-
-def iteration_time(
-    stages: Sequence[SyncStage],
-    links: Sequence[tuple[float, float]],
-    orders: Sequence[Sequence[tuple[str, int]]],
-) -> float:
-    """Time of one iteration: every stage runs its order, then steps and pushes, in the
-    hand-offs to its compute thread that the schedule makes
-    (:func:`hetpipe.core.schedule.iteration_trips`): one at a time, each starting when its first
-    action's input is there, costing ``handoff_s`` once and sending what its actions send
-    when it is done; each link moves one tensor at a time in each direction. The same timing
-    as the simulator's, without its event queue."""
-    k = len(stages)
-    m = sum(op == "F" for op, _ in orders[0])
-    trips = [iteration_trips(k, s, tuple(orders[s])) for s in range(k)]
-    fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
-    bwd_in: list[list[float | None]] = [[None] * m for _ in range(k)]
-    free = [0.0] * k
-    link_f = [0.0] * max(k - 1, 0)
-    link_b = [0.0] * max(k - 1, 0)
-    pos = [0] * k
-    total = sum(len(t) for t in trips)
-    done = 0
-    while done < total:
-        moved = False
-        for s in range(k):
-            st = stages[s]
-            while pos[s] < len(trips[s]):
-                trip = trips[s][pos[s]]
-                head = trip[0]
-                # what joins a trip needs no input; the last stage's backward needs its
-                # forward only, run before it
-                ready = (
-                    fwd_in[s][head.p]
-                    if type(head) is Forward  # type: ignore[union-attr]
-                    else bwd_in[s][head.p]
-                    if type(head) is Backward  # type: ignore[union-attr]
-                    and s < k - 1
-                    else 0.0
-                )
-                if ready is None:
-                    break
-                end = max(free[s], ready) + st.handoff_s
-                for a in trip:
-                    kind = type(a)
-                    end += (
-                        st.fwd_s
-                        if kind is Forward
-                        else st.bwd_s
-                        if kind is Backward
-                        else st.step_s
-                        if kind is OptimizerStep
-                        else st.push_s
-                    )
-                for a in trip:  # sent once the hand-off is back
-                    kind = type(a)
-                    if kind is Forward and s + 1 < k:
-                        t = max(end, link_f[s]) + links[s][0]
-                        link_f[s] = t
-                        fwd_in[s + 1][a.p] = t  # type: ignore[union-attr]
-                    elif kind is Backward and s > 0:
-                        t = max(end, link_b[s - 1]) + links[s - 1][1]
-                        link_b[s - 1] = t
-                        bwd_in[s - 1][a.p] = t  # type: ignore[union-attr]
-                free[s] = end
-                pos[s] += 1
-                done += 1
-                moved = True
-        if not moved:
-            raise ValueError("iteration_time: the orders deadlock")
-    return max(free)
 
 
 class SyncModel:
