@@ -34,9 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe.config import format_size
 from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.core.profile import ModelProfile
+from hetpipe.core.replicas import check_group
+from hetpipe.core.units import format_size
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
@@ -52,7 +53,6 @@ from hetpipe.planner.replicas import (
 )
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
-from hetpipe.replicas import check_group
 
 __all__ = [
     "Plan",

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from hetpipe.computethread import may_run_inline
+from hetpipe.core.inline import may_run_inline
 
 __all__ = [
     "RuntimeCosts",
@@ -137,7 +137,7 @@ class RuntimeCosts:
         """Whether tasks of ``task_s`` (the longer of a stage's forward and backward; a
         number or an array of them) run on the stage's event loop, skipping the hand-off
         (:mod:`hetpipe.computethread`): on an unslowed CPU device, for a stage that pulls
-        no weights (:func:`hetpipe.computethread.may_run_inline`), when shorter than
+        no weights (:func:`hetpipe.core.inline.may_run_inline`), when shorter than
         :attr:`inline_s`."""
         return may_run_inline(on_cpu=on_cpu, speed=speed, pulls=pulls) and task_s < self.inline_s
 
