@@ -320,7 +320,7 @@ def test_alike_vws_share_a_search_without_changing_the_plan():
 
 def test_the_plan_table_names_the_model_as_a_person_reads_it():
     from hetpipe.job import JobSpec
-    from hetpipe.planner.plan import model_title
+    from hetpipe.planner.plans import model_title
     from hetpipe.profiling import model_key
 
     spec = JobSpec.from_dict(

@@ -15,11 +15,14 @@ Pure planning logic (no sockets; torch only to measure profiles):
   ``hetpipe.planner.simulate.simulate`` since the module owns that name here
 * :mod:`.replicas`   stage replicas: the exact DP over device groups and cuts, and the
   choice of a replicated split where the predictor says the job is faster
-* :mod:`.plan`       the plan the runtime executes, and the search that makes it
+* :mod:`.plans`      the plan the runtime executes (its types and its table)
+* :mod:`.plan`       the search that makes it (:func:`make_plan`)
+* :mod:`.explicit`   a plan of the user's own split, and replica proposals for a plan
 * :mod:`.syncplan`   synchronous pipelines (gpipe, 1f1b): cuts, device mapping over the link
   matrix and microbatch order, searched together for the least iteration time
 
-The names of :mod:`.plan` and :mod:`.simulate` are imported on first use, so that importing
+The names of :mod:`.plans`, :mod:`.plan`, :mod:`.explicit` and :mod:`.simulate` are
+imported on first use, so that importing
 the package does not load the simulator and ``python -m hetpipe.planner.simulate`` runs its
 module exactly once.
 """
@@ -57,16 +60,10 @@ from hetpipe.planner.profile import (
 from hetpipe.planner.runtime import RuntimeCosts
 
 if TYPE_CHECKING:
+    from hetpipe.planner.explicit import explicit_plan, replica_proposals
     from hetpipe.planner.placement import place_stages
-    from hetpipe.planner.plan import (
-        Plan,
-        PlanError,
-        StagePlan,
-        VWPlan,
-        explicit_plan,
-        make_plan,
-        replica_proposals,
-    )
+    from hetpipe.planner.plan import make_plan
+    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
     from hetpipe.planner.syncplan import sync_plan
 
@@ -111,18 +108,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "Plan",
-            "PlanError",
-            "StagePlan",
-            "VWPlan",
-            "explicit_plan",
-            "make_plan",
-            "replica_proposals",
-        ),
-        "plan",
-    ),
+    **dict.fromkeys(("Plan", "PlanError", "StagePlan", "VWPlan"), "plans"),
+    **dict.fromkeys(("explicit_plan", "replica_proposals"), "explicit"),
+    "make_plan": "plan",
     "place_stages": "placement",
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
     "sync_plan": "syncplan",

@@ -755,7 +755,7 @@ def _explicit(
             best = row  # type: ignore[assignment]
     if best is not None:
         return best
-    from hetpipe.planner.plan import PlanError
+    from hetpipe.planner.plans import PlanError
 
     kind, warmup = model.orders[0]
     out = []
@@ -793,7 +793,7 @@ def sync_plan(
     budget_s: float = 5.0,
     warmup: int | None = 0,
 ) -> Any:
-    """A :class:`~hetpipe.planner.plan.Plan` for a synchronous job of ``m`` microbatches per
+    """A :class:`~hetpipe.planner.plans.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
     (devices in order, layers per stage or None for the best cuts; each runs ``m``).
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`);
@@ -807,16 +807,8 @@ def sync_plan(
     candidates on an idle host are ranked again with the hosts' sharing simulated."""
     from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.placement import place_plan
-    from hetpipe.planner.plan import (
-        Plan,
-        PlanError,
-        StagePlan,
-        VWPlan,
-        _at_minibatch,
-        _cost_model,
-        _power,
-        _shard_hosts,
-    )
+    from hetpipe.planner.plan import _at_minibatch, _cost_model, _power, _shard_hosts
+    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
     from hetpipe.planner.predict import predict
 
     if m < 1:
