@@ -4,6 +4,7 @@ Pure planning logic (no sockets; torch only to measure profiles):
 
 * :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
 * (the one memory model of a stage, shared with the runtime, is :mod:`hetpipe.core.memory`)
+* :mod:`.costs`      stage time and memory of every layer range on every device type
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
