@@ -27,7 +27,7 @@ from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner.partition import CostModel
 from hetpipe.planner.profile import measure_layers, synthetic_profile
-from hetpipe.planner.syncplan import SyncModel
+from hetpipe.planner.syncmodel import SyncModel
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 

@@ -21,6 +21,7 @@ Pure planning logic (no sockets; torch only to measure profiles):
 * :mod:`.explicit`   a plan of the user's own split, and replica proposals for a plan
 * :mod:`.syncplan`   synchronous pipelines (gpipe, 1f1b): cuts, device mapping over the link
   matrix and microbatch order, searched together for the least iteration time
+  (:mod:`.syncmodel` their costs, :mod:`.syncsearch` the search)
 
 The names of :mod:`.plans`, :mod:`.plan`, :mod:`.explicit` and :mod:`.simulate` are
 imported on first use, so that importing
