@@ -175,7 +175,7 @@ class ModelProfile:
         """Forward, backward and update of a stage of layers ``[a, b)`` on ``dtype``: the
         layers' sums plus the call term once. The partitioners, which need every ``[a, b)``
         at once, add the same term to their prefix-sum differences
-        (:class:`hetpipe.planner.partition.CostModel`, :mod:`hetpipe.planner.syncplan`)."""
+        (:class:`hetpipe.planner.costs.CostTables`, :mod:`hetpipe.planner.syncmodel`)."""
         lps = self.layers[dtype][a:b]
         c = self.call(dtype)
         return StageTimes(

@@ -90,7 +90,7 @@ __all__ = [
 
 class Timed(Protocol):
     """What timing a stage's hand-offs reads of it (:class:`SimStage`, and the synchronous
-    planner's :class:`hetpipe.planner.syncplan.SyncStage`)."""
+    planner's :class:`hetpipe.planner.syncmodel.SyncStage`)."""
 
     @property
     def fwd_s(self) -> float: ...
