@@ -154,10 +154,8 @@ class Prediction:
 
 # The most minibatches per VW a prediction simulates. A longer job's rate is that run's: the
 # fill, the drain and the VWs' different finishing times are a fixed number of minibatches'
-# time, so past a few thousand minibatches their share is below 0.1 % (the default cluster,
-# two VWs: 595.79 samples/s simulated over 4096, 595.91 over 100 000), while simulating every
-# minibatch cost ~40 us each: a job of a million minibatches waited 37 s in the head before
-# it started.
+# time, so past a few thousand minibatches their share is negligible, while simulating every
+# minibatch of a long job would hold its start up in the head.
 LONG_JOB = 4096
 
 
@@ -585,8 +583,7 @@ def _timeline_laws(
     the stage waits, and its thread waits for a core only when the others take them all. A
     stage's own compute does not count: a thread handing it work blocks next; two stages on
     two cores, computing together in the 1F1B phase, wake each other without a wait
-    (measured: 0.1 ms between one action's end and the next one's start, the hop included,
-    against the 0.3 ms of waits that counting the stage itself charged per wake-up).
+    (counting the stage itself charged each wake-up a wait its timeline does not show).
     """
     firsts = [
         next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0) for vw in sim.actions

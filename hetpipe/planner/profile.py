@@ -417,8 +417,8 @@ class ProfileStore:
                                              "types": {"fast": [{"fwd_s": ..}, ..]},
                                              "calls": {"fast": {"fwd_s": .., "bwd_s": ..}}}}}}
 
-    ``calls`` (the stage call term per type) is absent from a file written before it
-    existed: those types load with no call term, as they were measured.
+    ``calls`` (the stage call term per type) may be absent: those types load with no call
+    term, their layers' times gross.
     """
 
     VERSION = 1
