@@ -44,6 +44,10 @@ A schedule is driven by two calls: :meth:`StageSchedule.next` says what to do no
 which inputs have arrived (an :class:`Inputs`), without changing anything; the caller
 executes it and reports it with :meth:`StageSchedule.done`. ``Wait`` and ``Done`` are never
 reported.
+
+One file on purpose: every kind shares the admission, hand-off and wave rules of one
+:class:`StageSchedule`, and the runtime, the simulator and the memory model must read them
+from one place (a copy per kind would drift).
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ as a fixed point with the simulated rates:
    else wants a core comes from the simulated timeline (:func:`_timeline_laws`).
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
+
+One file on purpose: the per-stage costs (:func:`stage_costs`), the simulated virtual
+workers built from them and the fixed point over host sharing (:func:`predict`) are one
+computation, each step feeding the next.
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ forward; a stage runs one action at a time, so the two counts agree at every mom
 runtime looks, and both follow from the order of the stage's forwards and backwards alone.
 The planner prices it as the stage's expected peak memory
 (:func:`hetpipe.core.memory.expected_in_flight`).
+
+One file on purpose: :func:`simulate` is one event loop whose handlers share its state, and
+:func:`iteration_time` is its event-free path, which must time by the very same rules
+(:func:`trip_s`, :func:`send`); the command line (``python -m hetpipe.planner.simulate``) is
+the rest.
 """
 
 from __future__ import annotations
