@@ -411,11 +411,12 @@ class CostTables:
         run's predicted weights stay with every in-flight minibatch, see
         :func:`memory.held_predictions`.)"""
         if self.activations == "recompute":
-            if self._recompute_need(tc, a, b, flight, a, b) <= cap:
+            if self._recompute_need(tc, a, b, flight, tc.sb[a, b], tc.pb[a, b], 0) <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
-        runs = np.arange(a, b + 1)
-        need = self._recompute_need(tc, a, b, flight, runs[:, None], runs[None, :])
+        w = slice(a, b + 1)  # runs [c, d) for c, d in [a, b]: rows c, columns d
+        kept_in = np.where(np.arange(a, b + 1) > a, tc.inb_np[w], 0)[:, None]
+        need = self._recompute_need(tc, a, b, flight, tc.sb[w, w], tc.pb[w, w], kept_in)
         fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
         ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
         if not ok.any():
@@ -424,24 +425,25 @@ class CostTables:
         c, d = np.unravel_index(int(cost.argmin()), cost.shape)
         return float(cost[c, d]), (tuple(range(a + int(c), a + int(d))), ())
 
-    def _recompute_need(self, tc: _TypeCosts, a: int, b: int, flight: int, c: Any, d: Any) -> Any:
-        """Total memory of stage ``[a, b)`` recomputing the run ``[c, d)``: its saved bytes
-        leave the kept ones (its first layer's input stays, unless it is the stage input)
-        and live again in the working term while it reruns; ``predict`` paper keeps the
-        run's predicted weights per in-flight minibatch. ``c`` and ``d`` are layer indices
-        or index arrays (every run at once, elementwise)."""
-        run = tc.S[d] - tc.S[c]
-        kept_in = np.where(c > a, tc.inb_np[c], 0)
+    def _recompute_need(
+        self, tc: _TypeCosts, a: int, b: int, flight: int, run: Any, params: Any, kept_in: Any
+    ) -> Any:
+        """Total memory of stage ``[a, b)`` recomputing a run of its layers that saves ``run``
+        bytes, holds ``params`` bytes of parameters and keeps ``kept_in`` bytes of its first
+        layer's input (0 where that is the stage input): the run's saved bytes leave the
+        kept ones and live again in the working term while it reruns; ``predict`` paper
+        keeps the run's predicted weights per in-flight minibatch. Numbers, or arrays over
+        every run at once (elementwise)."""
         return stage_terms(
-            int(tc.P[b] - tc.P[a]),
-            int(tc.B[b] - tc.B[a]),
-            int(tc.S[b] - tc.S[a]) - run + kept_in,
+            int(tc.pb[a, b]),
+            int(tc.bb[a, b]),
+            int(tc.sb[a, b]) - run + kept_in,
             tc.inb[a],
             int(tc.W[a, b]) + run,
             factor=self.factor,
             flight=flight,
             weights=self.weights,
-            held=held_predictions(flight, tc.P[d] - tc.P[c], "async", self.weights),
+            held=held_predictions(flight, params, "async", self.weights),
         ).total
 
     def _swap_option(
