@@ -57,6 +57,7 @@ the rest.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
@@ -561,7 +562,11 @@ def iteration_time(
     k = len(stages)
     m = sum(op == "F" for op, _ in orders[0])
     trips = [iteration_trips(k, s, tuple(orders[s])) for s in range(k)]
-    took = [[trip_s(stages[s], t) for t in trips[s]] for s in range(k)]
+    took = []  # per stage, per hand-off: how long it keeps the stage busy
+    for s in range(k):
+        reps, shape = _trip_shapes(k, s, tuple(orders[s]))
+        by_shape = [trip_s(stages[s], r) for r in reps]
+        took.append([by_shape[j] for j in shape])
     fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
     bwd_in: list[list[float | None]] = [[None] * m for _ in range(k)]
     free = [0.0] * k
@@ -601,6 +606,25 @@ def iteration_time(
         if not moved:
             raise ValueError("iteration_time: the orders deadlock")
     return max(free)
+
+
+@functools.lru_cache(maxsize=4096)
+def _trip_shapes(
+    k: int, stage: int, order: tuple[tuple[str, int], ...]
+) -> tuple[tuple[tuple[Action, ...], ...], tuple[int, ...]]:
+    """The stage's hand-offs of one iteration (:func:`iteration_trips`) by the kinds of
+    their actions: one hand-off of each such shape, and each hand-off's shape. Hand-offs of
+    one shape take equally long, so :func:`iteration_time` times each shape once."""
+    reps: list[tuple[Action, ...]] = []
+    index: dict[tuple[type, ...], int] = {}
+    shape = []
+    for trip in iteration_trips(k, stage, order):
+        key = tuple(type(a) for a in trip)
+        if key not in index:
+            index[key] = len(reps)
+            reps.append(trip)
+        shape.append(index[key])
+    return tuple(reps), tuple(shape)
 
 
 def _iteration_s(steps_at: list[float]) -> float:
