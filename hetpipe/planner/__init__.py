@@ -2,7 +2,8 @@
 
 Pure planning logic (no sockets; torch only to measure profiles):
 
-* :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
+* :mod:`.profile`    measuring, storing and synthesising per-layer profiles (their types:
+  :mod:`hetpipe.core.profile`)
 * (the one memory model of a stage, shared with the runtime, is :mod:`hetpipe.core.memory`)
 * :mod:`.costs`      stage time and memory of every layer range on every device type
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order

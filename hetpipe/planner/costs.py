@@ -15,7 +15,7 @@ Index letters used throughout:
     time(i, a, b) = compute + comm_in + comm_out + tasks
     compute  = sum over the layers of (fwd_s + bwd_s + speed * update_s) on device i's
                type + call, the type's stage call term, once per stage whatever its layers
-               (:class:`hetpipe.planner.profile.CallProfile`; its update part also times
+               (:class:`hetpipe.core.profile.CallProfile`; its update part also times
                ``speed``): an emulated device pads its forwards and backwards, never its
                optimizer step, while a profile holds every time padded, so the update is
                charged back at the speed the runtime runs it (:meth:`CostTables.step_scale`)
