@@ -33,6 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
+from hetpipe.core.inline import may_run_inline
+
 __all__ = ["ComputeThread", "InlinePolicy", "may_run_inline"]
 
 
@@ -65,16 +67,6 @@ class ComputeThread(ThreadPoolExecutor):
     def idle(self) -> bool:
         """Whether nothing is queued on or running in the thread."""
         return self._queued == 0
-
-
-def may_run_inline(
-    *, on_cpu: bool, speed: float, pulls: bool = False, stalls: bool = False
-) -> bool:
-    """Whether a stage's short runs may go on its event loop at all (see the module's doc):
-    on an unslowed CPU device, for a stage that pulls no weights and has no injected stalls.
-    The one home of that rule: :class:`InlinePolicy` runs by it and the planner prices by it
-    (:meth:`hetpipe.planner.runtime.RuntimeCosts.runs_inline`)."""
-    return on_cpu and speed >= 1.0 and not pulls and not stalls
 
 
 class InlinePolicy:

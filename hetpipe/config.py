@@ -19,6 +19,7 @@ from typing import Any
 from hetpipe._toml import DECLARED, MISSING, Table, read_toml
 from hetpipe.core import keys
 from hetpipe.core.keys import CLUSTER
+from hetpipe.core.units import format_size
 from hetpipe.security import SecuritySpec
 
 __all__ = [
@@ -106,14 +107,6 @@ def check_address(text: str) -> str:
     return text.strip()
 
 
-def format_size(n: int) -> str:
-    """Human form in binary units: ``2147483648 -> "2.0GiB"``, ``512 -> "512B"``."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
-
-
 @dataclass(frozen=True)
 class DeviceSpec:
     """One GPU, or one CPU-emulated device (``speed`` pads compute; ``memory`` is a hard cap)."""
@@ -126,7 +119,7 @@ class DeviceSpec:
     port: int
     node: str
     host: str
-    # host <-> device copy bandwidth (swapped activations, hetpipe.planner.memory); on an
+    # host <-> device copy bandwidth (swapped activations, hetpipe.core.memory); on an
     # emulated device the copy time is charged at this rate. Default: PCIe 3.0 x16 as
     # pinned copies reach it in practice (~12 GB/s)
     host_gbps: float = CLUSTER.default("node.device.host_gbps")

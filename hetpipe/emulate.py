@@ -4,7 +4,7 @@ A CPU-only machine cannot show how a pipeline behaves on fast and slow GPUs unle
 ones really are slow. A device with ``speed = s < 1`` pads every forward and backward so that
 it takes (its work's time) / s, and its ``memory`` is a cap the runtime enforces on the bytes
 a stage keeps alive, counted by the planner's own memory model
-(:mod:`hetpipe.planner.memory`, :meth:`hetpipe.stage.StageCompute.memory`).
+(:mod:`hetpipe.core.memory`, :meth:`hetpipe.stage.StageCompute.memory`).
 
 **Which clock measures the work.** An emulated device on the host's CPU computes on one
 thread (the worker's torch runs one intra-op thread), so its work is that thread's CPU time
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from hetpipe.core.profile import padded_speed
 
 __all__ = [
     "Mark",
@@ -65,13 +67,6 @@ def on_thread_clock(device: str) -> bool:
 def emulated(speed: float) -> bool:
     """Whether a device of this ``speed`` is slowed on purpose (its compute is padded)."""
     return speed < 1.0
-
-
-def padded_speed(speed: float) -> float:
-    """The speed a device of config ``speed`` computes at once :func:`pad` has padded it:
-    ``speed`` where it is slowed, 1 otherwise (padding never speeds a device up). The one
-    home of that rule for every planner path that prices an emulated device."""
-    return min(1.0, speed)
 
 
 def synchronize(device: str) -> None:

@@ -24,7 +24,7 @@ exported state_dict. Which names train, stay frozen, stay local or are tied is d
 :mod:`hetpipe.modelstate`; how dropout is seeded in :mod:`hetpipe.seeding`.
 
 Activations: the layers run one by one, each under the policy its task gives it
-(:mod:`hetpipe.planner.memory`). A run of *recomputed* layers runs under non-reentrant
+(:mod:`hetpipe.core.memory`). A run of *recomputed* layers runs under non-reentrant
 :func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
 backward runs it again before differentiating it. The seeding hooks draw the same dropout
 masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
@@ -52,6 +52,16 @@ from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate
 from hetpipe.config import DeviceSpec
+from hetpipe.core.memory import (
+    StageMemory,
+    activation_bytes,
+    compose,
+    copy_seconds,
+    fixed_order,
+    recompute_runs,
+    unhidden_copy_s,
+    working_bytes,
+)
 from hetpipe.core.staleness import StageTable
 from hetpipe.core.wsp import covers, unincluded_waves, wave_of
 from hetpipe.cudaipc import Shared, open_shared
@@ -61,15 +71,6 @@ from hetpipe.lateweights import LateWeights
 from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
-from hetpipe.planner.memory import (
-    StageMemory,
-    activation_bytes,
-    copy_seconds,
-    fixed_order,
-    recompute_runs,
-    unhidden_copy_s,
-    working_bytes,
-)
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
@@ -364,7 +365,7 @@ class StageCompute:
         """The pass's time with the swap copies of ``moved`` bytes that ran beside it: on an
         emulated device (the tensors never left host memory) it sleeps the part of the copy
         at ``host_gbps`` that ``compute_s`` does not hide
-        (:func:`hetpipe.planner.memory.unhidden_copy_s`, the planner's own charge); on a GPU
+        (:func:`hetpipe.core.memory.unhidden_copy_s`, the planner's own charge); on a GPU
         the copies are real and already in the measured time."""
         if not moved or self.swapper.cuda:
             return compute_s
@@ -962,16 +963,16 @@ class StageCompute:
     # -- memory -----------------------------------------------------------------------------
 
     def memory(self) -> StageMemory:
-        """What this stage keeps alive now, counted from its real tensors in the planner's
-        terms (:class:`hetpipe.planner.memory.StageMemory`): the parameters and buffers, the
-        optimizer's state, the other weight versions in-flight backwards hold (``predict``
-        paper: the predicted copy a forward or backward computes, and the predicted weights
-        of recomputed layers every late-bound minibatch keeps for its rerun), the update
-        accumulators, the activations every in-flight minibatch keeps under its layers'
-        policies (only its input where the backward reruns the forward, ``latest``, plus
-        room for one minibatch's rerun, which a kept
-        graph's tensors make: the two never live at once), and the working
-        peak of the largest layer (measured per input shape)."""
+        """What this stage keeps alive now, counted from its real tensors and composed as
+        the planner composes its prediction (:func:`hetpipe.core.memory.compose`): the
+        parameters and buffers, the optimizer's state, the other weight versions in-flight
+        backwards hold (``predict`` paper: the predicted copy a forward or backward computes,
+        and the predicted weights of recomputed layers every late-bound minibatch keeps for
+        its rerun), the update accumulators, the activations every in-flight minibatch keeps
+        under its layers' policies (only its input where the backward reruns the forward,
+        ``latest``, plus room for one minibatch's rerun, which a kept graph's tensors make:
+        the two never live at once), and the working peak of the largest layer (measured
+        per input shape)."""
         versions = {
             id(f.params) for f in self.in_flight.values() if f.params and f.late is None
         } | {id(self.params)}
@@ -1000,10 +1001,12 @@ class StageCompute:
                 f.kept_bytes - _nbytes(f.x) for f in self.in_flight.values() if not f.recompute
             )
             activations += max(0, self._rerun_bytes() - graphs)
-        return StageMemory(
-            params=self.weight_bytes,
+        return compose(
+            self.param_bytes,
+            self.weight_bytes - self.param_bytes,
             optimizer=self.optimizer.state_bytes(),
-            stash=(n - 1) * self.param_bytes + held,
+            copies=n - 1,
+            held=held,
             accumulators=acc,
             activations=activations,
             working=self._working,

@@ -1,6 +1,6 @@
 """Swapped activations: what a layer saves for its backward waits in host memory.
 
-A layer whose policy is ``swap`` (:mod:`hetpipe.planner.memory`) runs under
+A layer whose policy is ``swap`` (:mod:`hetpipe.core.memory`) runs under
 :func:`torch.autograd.graph.saved_tensors_hooks` whose pack moves each saved tensor to host
 memory and whose unpack brings it back, so autograd differentiates the very same values:
 a swapped job trains the weights a kept one trains.

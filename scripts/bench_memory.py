@@ -23,7 +23,7 @@ the planner's one ``StageMemory`` model:
 
 - ``expected``: the PREDICTED PEAK, at the most minibatches the stage held at once in the
   planner's simulated timeline of the plan (``expected_memory``, ``expected_in_flight``:
-  :func:`hetpipe.planner.memory.expected_in_flight`);
+  :func:`hetpipe.core.memory.expected_in_flight`);
 - ``bound``: at the most the stage may hold under ANY timing, the plan's ``memory``: with
   ``train.in_flight = "plan"`` (the default; ``--in-flight``) a stage whose count depends on
   timing is limited to its expected count and runs that many forwards before its first

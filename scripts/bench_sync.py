@@ -299,7 +299,7 @@ def part_c(args: Any) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_planner_sync import instance
 
-    from hetpipe.planner.syncplan import exhaustive, plan_sync
+    from hetpipe.planner.syncsearch import exhaustive, plan_sync
 
     rng = random.Random(args.seed)
     gaps, t_plan, t_exh = [], 0.0, 0.0

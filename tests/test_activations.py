@@ -16,10 +16,7 @@ from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
-from hetpipe.data import MinibatchStream, load_dataset
-from hetpipe.job import JobSpec
-from hetpipe.models import build_model
-from hetpipe.planner.memory import (
+from hetpipe.core.memory import (
     MemoryCapError,
     activation_bytes,
     copy_seconds,
@@ -28,6 +25,9 @@ from hetpipe.planner.memory import (
     unhidden_swap_s,
     working_bytes,
 )
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.profile import LayerProfile, ModelProfile, measure_layers
 from hetpipe.stage import StageCompute

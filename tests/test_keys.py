@@ -171,8 +171,8 @@ def test_the_spec_types_default_as_declared() -> None:
 
 
 def test_choices_and_bounds_kept_elsewhere_are_the_declared_ones() -> None:
+    from hetpipe.core.memory import ACTIVATION_POLICIES
     from hetpipe.hostmem import MAX_RETAIN_MIB
-    from hetpipe.planner.memory import ACTIVATION_POLICIES
 
     assert JOB["train.activations"].choices == ACTIVATION_POLICIES
     assert CLUSTER["runtime.retain_freed_mib"].high == MAX_RETAIN_MIB

@@ -17,9 +17,9 @@ from conftest import assert_same_weights, job
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
+from hetpipe.core.memory import stage_memory_of
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model
-from hetpipe.planner.memory import stage_memory_of
 from hetpipe.planner.profile import ModelProfile, measure_layers
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask

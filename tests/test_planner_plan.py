@@ -17,6 +17,7 @@ from hetpipe.config import (
     ShardSpec,
     format_size,
 )
+from hetpipe.core.memory import stage_memory_of
 from hetpipe.core.schedule import fill_counts, max_in_flight
 from hetpipe.planner import (
     LayerProfile,
@@ -28,7 +29,6 @@ from hetpipe.planner import (
     place_stages,
     synthetic_profile,
 )
-from hetpipe.planner.memory import stage_memory_of
 from hetpipe.profiling import plan_vws
 
 MiB = 1 << 20
@@ -320,7 +320,7 @@ def test_alike_vws_share_a_search_without_changing_the_plan():
 
 def test_the_plan_table_names_the_model_as_a_person_reads_it():
     from hetpipe.job import JobSpec
-    from hetpipe.planner.plan import model_title
+    from hetpipe.planner.plans import model_title
     from hetpipe.profiling import model_key
 
     spec = JobSpec.from_dict(

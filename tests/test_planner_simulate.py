@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from hetpipe.core.memory import expected_in_flight
 from hetpipe.core.schedule import max_in_flight
-from hetpipe.planner.memory import expected_in_flight
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, main, simulate
 
 

@@ -17,17 +17,14 @@ from hetpipe.planner.partition import CostModel
 from hetpipe.planner.predict import _sim_vw, stage_costs
 from hetpipe.planner.profile import CallProfile, LayerProfile, ModelProfile, synthetic_profile
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
-from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
-from hetpipe.planner.syncplan import (
-    SyncModel,
-    SyncStage,
+from hetpipe.planner.simulate import SimLink, SimStage, SimVW, iteration_time, simulate
+from hetpipe.planner.syncmodel import SyncModel, SyncStage, warmup_ladder
+from hetpipe.planner.syncplan import sync_plan
+from hetpipe.planner.syncsearch import (
     exhaustive,
-    iteration_time,
     plan_sync,
     search_formations,
     split_microbatches,
-    sync_plan,
-    warmup_ladder,
 )
 
 

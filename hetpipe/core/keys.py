@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from hetpipe.core.memory import ACTIVATION_POLICIES
 from hetpipe.core.schedule import KINDS
 
 __all__ = [
@@ -75,7 +76,7 @@ WEIGHTS: Final = ("stash", "latest", "predict")
 PREDICT_VARIANTS: Final = ("paper", "consistent")
 POLICIES: Final = ("auto", "np", "ed", "hd")
 ON_WORKER_LOSS: Final = ("fail", "replan")
-ACTIVATIONS: Final = ("keep", "recompute", "swap", "auto")  # hetpipe.planner.memory's, equal
+ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies it prices
 PRECISIONS: Final = ("fp32", "bf16")
 IN_FLIGHT: Final = ("plan", "nm")
 

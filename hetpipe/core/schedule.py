@@ -44,6 +44,10 @@ A schedule is driven by two calls: :meth:`StageSchedule.next` says what to do no
 which inputs have arrived (an :class:`Inputs`), without changing anything; the caller
 executes it and reports it with :meth:`StageSchedule.done`. ``Wait`` and ``Done`` are never
 reported.
+
+One file on purpose: every kind shares the admission, hand-off and wave rules of one
+:class:`StageSchedule`, and the runtime, the simulator and the memory model must read them
+from one place (a copy per kind would drift).
 """
 
 from __future__ import annotations
@@ -222,7 +226,7 @@ def iteration_trips(
     a hand-off never waits for an input (a first stage's forward reads data, a last stage's
     backward its loss, the step and push follow the last backward), so the grouping does not
     depend on when inputs arrive: the planner's search prices an iteration from it without
-    simulating (:func:`hetpipe.planner.syncplan.iteration_time`)."""
+    simulating (:func:`hetpipe.planner.simulate.iteration_time`)."""
     m = sum(op == "F" for op, _ in order)
     # the sync kinds differ only in their default order, given here
     sched = StageSchedule(SYNC_KINDS[0], k=k, stage=stage, nm=m, total=m, order=order)
@@ -262,7 +266,7 @@ def max_in_flight(
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
     ``fixed``: async, the stage runs the lock-step order as its ``sequence``).
 
-    This is the count the memory model charges (:mod:`hetpipe.planner.memory`): a device cap
+    This is the count the memory model charges (:mod:`hetpipe.core.memory`): a device cap
     must hold whatever the relative speeds and arrival times, so the count is the schedule's
     maximum, never what one simulated timing happens to reach.
 

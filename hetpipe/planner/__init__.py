@@ -2,8 +2,10 @@
 
 Pure planning logic (no sockets; torch only to measure profiles):
 
-* :mod:`.profile`    per-layer costs per device type (measured, stored, synthetic)
-* :mod:`.memory`     the one memory model of a stage, shared with the runtime
+* :mod:`.profile`    measuring, storing and synthesising per-layer profiles (their types:
+  :mod:`hetpipe.core.profile`)
+* (the one memory model of a stage, shared with the runtime, is :mod:`hetpipe.core.memory`)
+* :mod:`.costs`      stage time and memory of every layer range on every device type
 * :mod:`.partition`  exact min-bottleneck split of the layers for a fixed device order
 * :mod:`.order`      the device order inside a virtual worker
 * :mod:`.formation`  which devices form each virtual worker (NP, ED, HD, auto)
@@ -15,11 +17,15 @@ Pure planning logic (no sockets; torch only to measure profiles):
   ``hetpipe.planner.simulate.simulate`` since the module owns that name here
 * :mod:`.replicas`   stage replicas: the exact DP over device groups and cuts, and the
   choice of a replicated split where the predictor says the job is faster
-* :mod:`.plan`       the plan the runtime executes, and the search that makes it
+* :mod:`.plans`      the plan the runtime executes (its types and its table)
+* :mod:`.plan`       the search that makes it (:func:`make_plan`)
+* :mod:`.explicit`   a plan of the user's own split, and replica proposals for a plan
 * :mod:`.syncplan`   synchronous pipelines (gpipe, 1f1b): cuts, device mapping over the link
   matrix and microbatch order, searched together for the least iteration time
+  (:mod:`.syncmodel` their costs, :mod:`.syncsearch` the search)
 
-The names of :mod:`.plan` and :mod:`.simulate` are imported on first use, so that importing
+The names of :mod:`.plans`, :mod:`.plan`, :mod:`.explicit` and :mod:`.simulate` are
+imported on first use, so that importing
 the package does not load the simulator and ``python -m hetpipe.planner.simulate`` runs its
 module exactly once.
 """
@@ -29,8 +35,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hetpipe.planner.formation import Formation, candidate_formations
-from hetpipe.planner.memory import (
+from hetpipe.core.memory import (
     WEIGHT_MODES,
     StageMemory,
     in_flight,
@@ -38,6 +43,8 @@ from hetpipe.planner.memory import (
     stage_memory_of,
     weights_mode,
 )
+from hetpipe.core.profile import CallProfile, LayerProfile, ModelProfile
+from hetpipe.planner.formation import Formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import (
     CostModel,
@@ -48,9 +55,6 @@ from hetpipe.planner.partition import (
     partition_best_nm,
 )
 from hetpipe.planner.profile import (
-    CallProfile,
-    LayerProfile,
-    ModelProfile,
     ProfileStore,
     measure_layers,
     measure_model,
@@ -59,16 +63,10 @@ from hetpipe.planner.profile import (
 from hetpipe.planner.runtime import RuntimeCosts
 
 if TYPE_CHECKING:
+    from hetpipe.planner.explicit import explicit_plan, replica_proposals
     from hetpipe.planner.placement import place_stages
-    from hetpipe.planner.plan import (
-        Plan,
-        PlanError,
-        StagePlan,
-        VWPlan,
-        explicit_plan,
-        make_plan,
-        replica_proposals,
-    )
+    from hetpipe.planner.plan import make_plan
+    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
     from hetpipe.planner.syncplan import sync_plan
 
@@ -113,18 +111,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "Plan",
-            "PlanError",
-            "StagePlan",
-            "VWPlan",
-            "explicit_plan",
-            "make_plan",
-            "replica_proposals",
-        ),
-        "plan",
-    ),
+    **dict.fromkeys(("Plan", "PlanError", "StagePlan", "VWPlan"), "plans"),
+    **dict.fromkeys(("explicit_plan", "replica_proposals"), "explicit"),
+    "make_plan": "plan",
     "place_stages": "placement",
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
     "sync_plan": "syncplan",

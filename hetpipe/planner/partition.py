@@ -1,66 +1,13 @@
 """Cut a model into contiguous stages for a FIXED device order: exact dynamic programming.
 
-Index letters used throughout:
-
-=====  ==============================================================
-``L``  number of layers; layer ranges are half-open ``[a, b)``
-``k``  number of devices (= stages) of the virtual worker
-``i``  stage position, 0 .. k-1 (device ``i`` of the order runs stage ``i``)
-``a``  first layer of a stage; ``b`` one past its last layer
-=====  ==============================================================
-
-**Stage time** of device ``i`` running layers ``[a, b)``::
-
-    time(i, a, b) = compute + comm_in + comm_out + tasks
-    compute  = sum over the layers of (fwd_s + bwd_s + speed * update_s) on device i's
-               type + call, the type's stage call term, once per stage whatever its layers
-               (:class:`hetpipe.planner.profile.CallProfile`; its update part also times
-               ``speed``): an emulated device pads its forwards and backwards, never its
-               optimizer step, while a profile holds every time padded, so the update is
-               charged back at the speed the runtime runs it (:meth:`CostModel.step_scale`)
-    comm_in  = in_bytes(a) * 2 / bw(device i-1, device i)      (0 for the first stage)
-               + message_s + in_bytes(a) * message_byte_s      (sending the gradient back)
-    comm_out = out_bytes(b-1) * 2 / bw(device i, device i+1)   (0 for the last stage)
-               + message_s + out_bytes(b-1) * message_byte_s   (sending the activation on)
-    tasks    = n * (task_s / speed + hop_s), n = 1 for the last stage (its forward and
-               backward are one task), else 2
-
-``in_bytes(a)`` is the model input for ``a = 0`` else ``out_bytes`` of layer ``a-1``; the
-factor 2 is the activation forward plus the gradient of the same size backward. Both ends of
-a link charge it, a deliberately conservative choice: a stage's worker sends and receives on
-the same event loop as it computes. The ``message_s``, ``task_s`` and ``hop_s`` terms are the
-runtime's own costs (:class:`hetpipe.planner.runtime.RuntimeCosts`; zero unless given);
-``speed`` is the device type's emulation speed (capped at 1), since ``task_s`` is padded.
+Index letters and the stage time ``time(i, a, b)`` (compute, links, the runtime's per-task
+costs, and the activation policy's extra time) are :mod:`hetpipe.planner.costs`'s; here the
+search over them.
 
 **Objective:** minimise the bottleneck ``max_i time(i, a_i, b_i)`` subject to every stage
 fitting its device (``memory.stage_memory(...).total <= device.memory``) and every device
 getting at least one layer. Ties on the bottleneck are broken towards the lower sum of stage
 times (a heuristic second key; the bottleneck itself is exact).
-
-**Activations** (``activations``, the job's ``train.activations``): under ``keep`` every
-layer keeps what it saves. Under ``recompute`` every stage recomputes all its layers as one
-run (it keeps only its input; the run's saved tensors live again during its backward, the
-``working`` term) and pays one more forward of its layers. Under ``auto`` a stage that fits
-keeping everything keeps everything; one that does not recomputes the run of consecutive
-layers ``[c, d)`` with the least forward time that makes it fit (the memory a run frees is
-``in_flight`` x its saved bytes less its input, minus its saved bytes once while it reruns,
-and under ``predict`` paper minus ``in_flight`` x its parameter bytes: the forward's
-prediction every in-flight minibatch keeps for the rerun),
-so the extra time lands on the stages short of memory, and on their cheapest layers. The
-stage time adds that extra forward; the DP then balances the stages with it, so the cuts and
-the policy are chosen together. One run per stage is a restriction (several runs could free
-the same memory slightly cheaper), taken so the choice stays a small vectorised search.
-
-``swap`` (pinned) swaps every layer of every stage to host memory and ``auto`` weighs it
-against recomputing: a swapped set ``T`` frees ``in_flight`` x its saved bytes on the device
-but holds the largest one's as in-transit room (``memory.working_bytes``), and adds the
-copies' unhidden time at the device's ``host_gbps`` (``memory.unhidden_swap_s`` against the
-stage's forward and backward compute). ``auto`` tries the smallest layers first (the fewest
-bytes to move for the room they free: the prefix of the layers by saved bytes that makes the
-stage fit) and takes, per stage, the cheaper of that swap and the recompute run; the DP
-balances the cuts with either extra time, so the policy lands where it hurts the bottleneck
-least. One policy per stage (no mix of a recomputed run and swapped layers) is again a
-restriction that keeps the search small.
 
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
@@ -76,29 +23,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hetpipe.config import DeviceSpec, format_size
-from hetpipe.emulate import padded_speed
-from hetpipe.planner.memory import (
-    ACTIVATION_POLICIES,
+from hetpipe.config import format_size
+from hetpipe.core.memory import (
     StageMemory,
-    activations,
-    copy_seconds,
-    held_predictions,
     in_flight,
-    param_copies,
-    reruns,
     stage_memory,
-    stashed,
-    unhidden_swap_s,
-    working_bytes,
 )
-from hetpipe.planner.profile import ModelProfile, StageTimes, update_scale
+from hetpipe.core.profile import ModelProfile
+from hetpipe.planner.costs import INF, Bandwidth, CostTables
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -110,12 +48,6 @@ __all__ = [
     "partition",
     "partition_best_nm",
 ]
-
-Bandwidth = Callable[[Any, Any], float]
-INF = math.inf
-# per stage: the global layers it recomputes and those it swaps to host memory
-Policy = tuple[tuple[int, ...], tuple[int, ...]]
-DEFAULT_HOST_GBPS = DeviceSpec.host_gbps
 
 
 @dataclass(frozen=True)
@@ -194,444 +126,33 @@ class Infeasible:
         return False
 
 
-class _TypeCosts:
-    """Prefix sums of one device type's layer profile (computed once per type), its
-    updates at ``step_scale`` of their profiled time (:meth:`CostModel.step_scale`)."""
+class CostModel(CostTables):
+    """The cost tables of one profile under one network (:class:`CostTables`) and the exact
+    min-bottleneck partition over them, with caches.
 
-    def __init__(self, profile: ModelProfile, dtype: str, step_scale: float = 1.0) -> None:
-        lps = profile.layers[dtype]
-        n = len(lps)
-        self.cum = [
-            0.0,
-            *itertools.accumulate(lp.fwd_s + lp.bwd_s + lp.update_s * step_scale for lp in lps),
-        ]
-        self.cum_np = np.array(self.cum, dtype=np.float64)
-        self.inb = [profile.input_bytes] + [lp.out_bytes for lp in lps[:-1]] + [0]
-        self.outb = [0] + [lp.out_bytes for lp in lps]  # outb[b] = out_bytes of layer b-1
-
-        def prefix(values: Iterable[int]) -> np.ndarray:
-            return np.array([0, *itertools.accumulate(values)], dtype=np.int64)
-
-        self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
-        self.Bk = np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])
-        self.U = [0.0, *itertools.accumulate(lp.update_s * step_scale for lp in lps)]
-        self.fwd = [lp.fwd_s for lp in lps]
-        # the stage call term: once per stage, so a constant of every [a, b), added where
-        # the runtime's per-task costs are (the same float in the scalar and matrix paths)
-        call = profile.call(dtype)
-        self.call = call.fwd_s + call.bwd_s + call.update_s * step_scale
-        self.saved = [lp.saved_bytes for lp in lps]
-        self.work = [lp.work_bytes for lp in lps]
-        self.P = prefix(lp.param_bytes for lp in lps)
-        self.B = prefix(lp.buffer_bytes for lp in lps)
-        self.S = prefix(lp.saved_bytes for lp in lps)
-        work = np.array([lp.work_bytes for lp in lps], dtype=np.int64)
-        m = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], work[None, :], 0)
-        self.W = np.zeros((n + 1, n + 1), dtype=np.int64)  # W[a, b] = max work over [a, b)
-        if n:
-            self.W[:n, 1:] = np.maximum.accumulate(m, axis=1)
-        upper = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
-        self.valid = upper  # a < b
-        self.inb_np = np.array(self.inb, dtype=np.int64)
-        # bytes of [a, b) that do not depend on Nm, and the per-in-flight part
-        pb = self.P[None, :] - self.P[:, None]
-        bb = self.B[None, :] - self.B[:, None]
-        self.pb = pb
-        self.fixed = bb + self.W  # buffers + working
-        self.per_flight = (self.S[None, :] - self.S[:, None]) + self.inb_np[:, None]
-
-
-class CostModel:
-    """Stage times and memory of one profile under one network, with caches.
-
-    One instance is shared by every partition the planner tries, so per-type prefix sums,
-    time matrices (per type and link pair) and memory masks (per type, in-flight count and
-    cap) are computed once, and whole partitions of an identical device sequence (same types,
-    caps and link bandwidths) are memoised.
+    One instance is shared by every partition the planner tries, so besides the tables the
+    DP states of shared order prefixes are cached, and whole partitions of an identical
+    device sequence (same types, caps and link bandwidths) are memoised.
     """
 
-    def __init__(
-        self,
-        profile: ModelProfile,
-        bandwidth: Bandwidth,
-        optimizer_state_factor: int,
-        costs: RuntimeCosts | None = None,
-        speeds: Mapping[str, float] | None = None,
-        weights: str = "stash",
-        activations: str = "keep",
-        row_profiles: Mapping[int, ModelProfile] | None = None,
-    ) -> None:
-        """``weights``: the job's mode as :func:`memory.weights_mode` names it;
-        ``activations``: the policy (:data:`memory.ACTIVATION_POLICIES`);
-        ``row_profiles``: the same model profiled at fewer rows than ``profile`` (by rows),
-        for the compute of stage replicas (:meth:`compute_at`)."""
-        if activations not in ACTIVATION_POLICIES:
-            raise ValueError(
-                f"activations must be one of {ACTIVATION_POLICIES}, got {activations!r}"
-            )
-        self.activations = activations
-        if optimizer_state_factor < 0:
-            raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
-        self.profile = profile
-        self.bandwidth = bandwidth
-        self.factor = optimizer_state_factor
-        self.weights = weights
-        self.runtime = costs or RuntimeCosts.zero()
-        self.speeds = dict(speeds or {})
-        self.L = profile.n_layers()
-        self.row_profiles = {
-            m: p
-            for m, p in (row_profiles or {}).items()
-            if 0 < m < profile.minibatch and p.n_layers() == self.L
-        }
-        self._at_rows: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-        self._types: dict[str, _TypeCosts] = {}
-        self._times: dict[tuple, np.ndarray] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The tables' arguments (:class:`CostTables`)."""
+        super().__init__(*args, **kwargs)
         self._memo: dict[tuple, Partition | Infeasible] = {}
-        self._totals: dict[tuple, np.ndarray] = {}
-        self._masked: dict[tuple, np.ndarray] = {}
-        self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._prefix: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        # bound the caches to ~64 MiB of matrices and ~32 MiB of DP states
-        cells = (self.L + 1) ** 2
-        self._matrix_limit = max(16, (64 << 20) // (8 * cells))
+        # bound the DP states cached to ~32 MiB
         self._prefix_limit = max(256, (32 << 20) // (24 * (self.L + 1)))
         self._f0 = np.full(self.L + 1, INF)
         self._f0[0] = 0.0
         self._cols = np.arange(self.L + 1)
         self.dp_steps = 0  # DP stage steps computed (the rest came from the prefix cache)
-        self._ref_type = next(iter(profile.layers), "")
+        self._ref_type = next(iter(self.profile.layers), "")
         self._rest: dict[tuple, np.ndarray] = {}
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
-
-    # ---------------------------------------------------------------- primitives
-
-    def costs(self, dtype: str) -> _TypeCosts:
-        tc = self._types.get(dtype)
-        if tc is None:
-            tc = self._types[dtype] = _TypeCosts(self.profile, dtype, self.step_scale(dtype))
-        return tc
-
-    def link(self, a: Any, b: Any) -> float:
-        bw = float(self.bandwidth(a, b))
-        if not bw > 0:
-            raise ValueError(f"bandwidth between {a.name} and {b.name} must be > 0, got {bw}")
-        return bw
-
-    def links(self, devices: Sequence[Any]) -> tuple[float, ...]:
-        return tuple(self.link(x, y) for x, y in itertools.pairwise(devices))
-
-    def speed(self, dtype: str) -> float:
-        """The emulation speed of ``dtype``'s devices as the runtime pads it (at most 1)."""
-        return padded_speed(self.speeds.get(dtype, 1.0))
-
-    def step_scale(self, dtype: str) -> float:
-        """What share of a profiled update ``dtype``'s devices spend on it (unpadded:
-        :func:`.profile.update_scale`)."""
-        return update_scale(self.speed(dtype))
-
-    def tasks_time(self, dtype: str, first: bool, last: bool) -> float:
-        """The runtime's per-task costs of one stage per minibatch (``tasks`` above)."""
-        c = self.runtime
-        n = 1 if last else 2
-        return n * (c.task_s / self.speed(dtype) + c.hop_s)
-
-    def stage_time(
-        self,
-        dtype: str,
-        a: int,
-        b: int,
-        bw_in: float | None,
-        bw_out: float | None,
-        share: float = 1.0,
-    ) -> float:
-        """Time of a stage on ``dtype`` running ``[a, b)``; ``None`` = no link on that side.
-        ``share``: the part of each minibatch's rows it runs (a stage replica,
-        :mod:`hetpipe.planner.replicas`): forward, backward and bytes scale with it; the
-        update, the call term and the per-message and per-task costs do not."""
-        tc = self.costs(dtype)
-        ms, mb = self.runtime.message_s, self.runtime.message_byte_s
-        inb, outb = tc.inb[a] * share, tc.outb[b] * share
-        cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else 0.0
-        cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else 0.0
-        const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
-        compute = tc.cum[b] - tc.cum[a]
-        if share != 1.0:  # a replica's update still steps every weight of the stage
-            fwd, bwd = self.compute_at(dtype, a, b, share)
-            compute = fwd + bwd + (tc.U[b] - tc.U[a])
-        return compute + cin + cout + const
-
-    def stage_times_at(self, dtype: str, a: int, b: int, share: float = 1.0) -> StageTimes:
-        """Forward, backward and update of a stage of ``[a, b)`` on ``dtype`` running
-        ``share`` of the minibatch's rows, as the runtime runs them: its layers
-        (:meth:`compute_at` for a replica's share) plus the stage call term once, since a
-        replica's rows scale its layers, not its one forward and one backward call; the
-        update unpadded (:meth:`step_scale`)."""
-        times = self.profile.stage_times(dtype, a, b)
-        update = times.update_s * self.step_scale(dtype)
-        if share == 1.0:
-            return StageTimes(times.fwd_s, times.bwd_s, update)
-        call = self.profile.call(dtype)
-        fwd, bwd = self.compute_at(dtype, a, b, share)
-        return StageTimes(fwd + call.fwd_s, bwd + call.bwd_s, update)
-
-    def compute_at(self, dtype: str, a: int, b: int, share: float) -> tuple[float, float]:
-        """Forward and backward time of ``[a, b)`` on ``dtype`` for ``share`` of the
-        minibatch's rows (a stage replica's). Where the model was profiled at fewer rows
-        too (``row_profiles``), interpolated between the two profiles around those rows
-        (proportional below the fewest): small batches under-use a device, so half the rows
-        rarely take half the time. Without them, proportional to the share. The layers
-        only: the stage call term is the caller's to add, once."""
-        m = self.profile.minibatch
-        points = self._row_points(dtype)
-        x = share * m
-        lo = hi = points[-1]
-        for pt in points:
-            if pt[0] >= x:
-                hi = pt
-                break
-            lo = pt
-        if x >= points[-1][0] or x <= points[0][0]:  # proportional from the nearest
-            r, F, Bk = points[-1] if x >= points[-1][0] else points[0]
-            f = x / r
-            return float(F[b] - F[a]) * f, float(Bk[b] - Bk[a]) * f
-        w = (x - lo[0]) / (hi[0] - lo[0])
-
-        def at(pt: tuple[int, np.ndarray, np.ndarray], arr: int) -> float:
-            return float(pt[arr][b] - pt[arr][a])
-
-        return ((1 - w) * at(lo, 1) + w * at(hi, 1), (1 - w) * at(lo, 2) + w * at(hi, 2))
-
-    def _row_points(self, dtype: str) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(rows, forward prefix sums, backward prefix sums) of ``dtype`` at each profiled
-        row count, fewest first, the full minibatch last."""
-        pts = self._at_rows.get(dtype)
-        if pts is None:
-            pts = []
-            for m, prof in sorted(self.row_profiles.items()):
-                lps = prof.layers.get(dtype)
-                if lps:
-                    pts.append(
-                        (
-                            m,
-                            np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)]),
-                            np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)]),
-                        )
-                    )
-            tc = self.costs(dtype)
-            pts.append((self.profile.minibatch, tc.F, tc.Bk))
-            self._at_rows[dtype] = pts
-        return pts
-
-    def time_matrix(self, dtype: str, bw_in: float | None, bw_out: float | None) -> np.ndarray:
-        """``stage_time`` for every ``(a, b)`` at once (inf where ``a >= b``)."""
-        key = (dtype, bw_in, bw_out)
-        t = self._times.get(key)
-        if t is None:
-            tc = self.costs(dtype)
-            ms, mb = self.runtime.message_s, self.runtime.message_byte_s
-            n = self.L + 1
-            inb = tc.inb_np.astype(np.float64)
-            outb = np.array(tc.outb, dtype=np.float64)
-            cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
-            cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
-            const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
-            t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :] + const
-            t = np.where(tc.valid, t, INF)
-            self._times[key] = t
-        return t
-
-    def memory_total(self, dtype: str, flight: int, schedule: str = "async") -> np.ndarray:
-        """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""
-        key = (dtype, flight, schedule)
-        m = self._totals.get(key)
-        if m is None:
-            tc = self.costs(dtype)
-            copies = param_copies(self.factor, flight, schedule, self.weights)
-            if reruns(schedule, self.weights):  # inputs only, one minibatch's saved tensors
-                saved = tc.per_flight - tc.inb_np[:, None]
-                m = tc.fixed + copies * tc.pb + flight * tc.inb_np[:, None] + saved
-            else:
-                m = tc.fixed + copies * tc.pb + flight * tc.per_flight
-            self._totals[key] = m
-        return m
-
-    def fit_mask(self, dtype: str, flight: int, cap: int) -> np.ndarray:
-        """Where ``[a, b)`` fits a device of ``cap`` bytes (and ``a < b``), keeping all."""
-        return (self.memory_total(dtype, flight) <= cap) & self.costs(dtype).valid
-
-    def recompute_plan(
-        self, dtype: str, flight: int, cap: int, host_gbps: float = DEFAULT_HOST_GBPS
-    ) -> tuple[np.ndarray, dict[tuple[int, int], Policy]]:
-        """Under the model's activation policy, for every ``[a, b)``: the extra time of its
-        recompute or swap (inf where nothing fits) and the layers it recomputes and swaps.
-
-        A stage that fits keeping everything keeps everything; see the module docs."""
-        key = (dtype, flight, cap, host_gbps)
-        hit = self._extra.get(key)
-        if hit is not None:
-            return hit
-        tc = self.costs(dtype)
-        keep = self.memory_total(dtype, flight)
-        fits = (keep <= cap) & tc.valid
-        extra = np.where(fits, 0.0, INF)
-        chosen: dict[tuple[int, int], Policy] = {}
-        pinned = self.activations in ("recompute", "swap")
-        if self.activations != "keep":
-            n = self.L + 1
-            todo = [(a, b) for a in range(n) for b in range(a + 1, n) if pinned or not fits[a, b]]
-            # minibatches whose kept tensors stay: one where the backward reruns the forward
-            m = 1 if reruns("async", self.weights) else flight
-            for a, b in todo:
-                options = []
-                if self.activations in ("recompute", "auto"):
-                    options.append(
-                        self._recompute_option(tc, a, b, int(keep[a, b]), m, cap, flight)
-                    )
-                if self.activations in ("swap", "auto"):
-                    options.append(self._swap_option(tc, a, b, int(keep[a, b]), m, cap, host_gbps))
-                cost, policy = min(options, key=lambda o: o[0])  # recompute first on ties
-                if cost < INF:
-                    extra[a, b] = cost
-                    chosen[(a, b)] = policy
-        self._extra[key] = (extra, chosen)
-        return extra, chosen
-
-    def _recompute_option(
-        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, flight: int
-    ) -> tuple[float, Policy]:
-        """The cheapest run ``[c, d)`` of ``[a, b)`` whose recompute makes it fit (all of it
-        when pinned): its extra forward time and the policy, or inf. (``predict`` paper: the
-        run's predicted weights stay with every in-flight minibatch, see
-        :func:`memory.held_predictions`.)"""
-        S, inb, P = tc.S, tc.inb_np, tc.P
-        if self.activations == "recompute":
-            sd = int(S[b] - S[a])
-            held = held_predictions(flight, int(P[b] - P[a]), "async", self.weights)
-            if keep - m * sd + sd + held <= cap:
-                return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
-            return INF, ((), ())
-        sub = S[None, a : b + 1] - S[a : b + 1, None]
-        fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
-        kept_in = np.where(np.arange(a, b + 1) > a, inb[a : b + 1], 0)[:, None]
-        held = held_predictions(flight, 1, "async", self.weights) * (
-            P[None, a : b + 1] - P[a : b + 1, None]
-        )
-        # the largest layer's working memory is already in keep
-        need = keep - m * (sub - kept_in) + sub + held
-        ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
-        if not ok.any():
-            return INF, ((), ())
-        cost = np.where(ok, fd, INF)
-        c, d = np.unravel_index(int(cost.argmin()), cost.shape)
-        return float(cost[c, d]), (tuple(range(a + int(c), a + int(d))), ())
-
-    def _swap_option(
-        self, tc: _TypeCosts, a: int, b: int, keep: int, m: int, cap: int, host_gbps: float
-    ) -> tuple[float, Policy]:
-        """The layers of ``[a, b)`` to swap (all when pinned, else the smallest first until
-        the stage fits): their unhidden copy time and the policy, or inf."""
-        order = (
-            list(range(a, b))
-            if self.activations == "swap"
-            else sorted(range(a, b), key=lambda j: (tc.saved[j], j))
-        )
-        moved = largest = 0
-        for n, j in enumerate(order, start=1):
-            moved += tc.saved[j]
-            largest = max(largest, tc.saved[j])
-            if self.activations == "swap" and n < len(order):
-                continue
-            if keep - m * moved + largest <= cap:
-                swap = tuple(sorted(order[:n]))
-                return self.swap_time(tc, a, b, moved, host_gbps), ((), swap)
-        return INF, ((), ())
-
-    def swap_time(self, tc: _TypeCosts, a: int, b: int, moved: int, host_gbps: float) -> float:
-        """The unhidden time of swapping ``moved`` saved bytes of stage ``[a, b)``: the copies
-        out beside its forward, in beside its backward (:func:`memory.unhidden_swap_s`)."""
-        return unhidden_swap_s(
-            copy_seconds(moved, host_gbps), float(tc.F[b] - tc.F[a]), float(tc.Bk[b] - tc.Bk[a])
-        )
-
-    def chosen(
-        self,
-        dtype: str,
-        a: int,
-        b: int,
-        flight: int,
-        cap: int,
-        host_gbps: float = DEFAULT_HOST_GBPS,
-    ) -> Policy:
-        """The global layers of ``[a, b)`` the policy recomputes and swaps on a device of
-        ``cap`` and ``host_gbps``."""
-        return self.recompute_plan(dtype, flight, cap, host_gbps)[1].get((a, b), ((), ()))
-
-    def masked_times(
-        self,
-        dtype: str,
-        bw_in: float | None,
-        bw_out: float | None,
-        flight: int,
-        cap: int,
-        host_gbps: float = DEFAULT_HOST_GBPS,
-    ) -> np.ndarray:
-        """``time_matrix`` with inf wherever the stage does not fit (one DP step's input)."""
-        key = (dtype, bw_in, bw_out, flight, cap, host_gbps)
-        tm = self._masked.get(key)
-        if tm is None:
-            if len(self._masked) >= self._matrix_limit:
-                self._masked.clear()
-            extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
-            # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
-            tm = self._masked[key] = self.time_matrix(dtype, bw_in, bw_out) + extra
-        return tm
-
-    def stage_memory(
-        self,
-        dtype: str,
-        a: int,
-        b: int,
-        position: int,
-        k: int,
-        nm: int,
-        schedule: str = "async",
-        recompute: Sequence[int] = (),
-        swap: Sequence[int] = (),
-        flight: int | None = None,
-    ) -> StageMemory:
-        """:func:`memory.stage_memory` of ``[a, b)`` from the prefix sums (same integers);
-        ``recompute``: global layers recomputed, one run ``[c, d)`` (or none); ``swap``:
-        global layers swapped to host memory; ``flight``: the count in flight to charge
-        (default the bound, :func:`memory.in_flight`)."""
-        tc = self.costs(dtype)
-        n = in_flight(position, k, nm, schedule, self.weights) if flight is None else flight
-        pb = int(tc.P[b] - tc.P[a])
-        kept = int(tc.S[b] - tc.S[a])
-        working = int(tc.W[a, b])
-        held = 0
-        if recompute:
-            c, d = recompute[0], recompute[-1] + 1
-            assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
-            kept += (tc.inb[c] if c > a else 0) - int(tc.S[d] - tc.S[c])
-            held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
-        if recompute or swap:
-            kept -= sum(tc.saved[j] for j in swap)
-            working = working_bytes(
-                tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
-            )
-        return StageMemory(
-            params=pb + int(tc.B[b] - tc.B[a]),
-            optimizer=self.factor * pb,
-            stash=stashed(n, schedule, self.weights) * pb + held,
-            accumulators=2 * pb,
-            activations=activations(n, kept, tc.inb[a], schedule, self.weights),
-            working=working,
-        )
 
     # ---------------------------------------------------------------- partitioning
 
@@ -823,35 +344,6 @@ class CostModel:
             rec,
             keep_mem,
             swp if any(swp) else (),
-        )
-
-    def extra_time(
-        self, device: Any, a: int, b: int, recompute: Sequence[int], swap: Sequence[int]
-    ) -> float:
-        """What the policy adds to stage ``[a, b)`` on ``device`` per minibatch: the
-        recomputed run's forward, the swapped layers' unhidden copies (the very floats the
-        DP added)."""
-        tc = self.costs(device.type)
-        if recompute:
-            return float(tc.F[recompute[-1] + 1] - tc.F[recompute[0]])
-        if swap:
-            moved = sum(tc.saved[j] for j in swap)
-            return self.swap_time(tc, a, b, moved, device.host_gbps)
-        return 0.0
-
-    def min_total_memory(self) -> int:
-        """The least memory any split needs over all its devices together: parameters,
-        optimizer state, the two accumulators and one in-flight copy of every layer's saved
-        activations (the least over device types; none when they may be recomputed)."""
-        keeps = self.activations == "keep"
-        return min(
-            sum(
-                (3 + self.factor) * lp.param_bytes
-                + lp.buffer_bytes
-                + (lp.saved_bytes if keeps else 0)
-                for lp in lps
-            )
-            for lps in self.profile.layers.values()
         )
 
     def diagnose(self, devices: Sequence[Any], nm: int) -> str:

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from hetpipe.core.profile import ModelProfile
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.profile import ModelProfile
 
 __all__ = ["layer_state_bytes", "place_plan", "place_stages", "shard_flights"]
 

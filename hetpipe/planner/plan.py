@@ -9,17 +9,17 @@ VWs so that every VW's wave takes about as long (:meth:`_Search.balance`). With
 ``max_replicas`` > 1 it then weighs, per VW, running a stage on several of its devices
 (:func:`hetpipe.planner.replicas.replicate`) by the same prediction.
 
-:func:`explicit_plan` prices a split the user wrote in the job file, so predicted and
-measured figures can be compared.
+:func:`hetpipe.planner.explicit.explicit_plan` prices a split the user wrote in the job
+file with the same helpers; the plan's types and table are :mod:`hetpipe.planner.plans`.
 
 Parameter placement is :func:`hetpipe.planner.placement.place_stages` (its rule and what it
 costs on the links live there). Each stage reports the shard holding most of its bytes;
 ``Plan.layer_shards`` has the full per-layer map.
 
-Memory, two figures per stage, one model (:mod:`hetpipe.planner.memory`): ``memory`` at the
+Memory, two figures per stage, one model (:mod:`hetpipe.core.memory`): ``memory`` at the
 most minibatches the schedule lets the stage hold under ANY timing, the bound every cap is
 checked against; ``expected_memory`` at the most its predicted timeline held
-(:func:`hetpipe.planner.memory.expected_in_flight`), the peak a run of that timing reaches.
+(:func:`hetpipe.core.memory.expected_in_flight`), the peak a run of that timing reaches.
 Under ``train.in_flight = "plan"`` (:func:`_limited`) the second is the first: each stage is
 limited to the count its predicted timeline held, and reaches it under any timing.
 """
@@ -27,382 +27,31 @@ limited to the count its predicted timeline held, and reaches it under any timin
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe.config import format_size
+from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in_flight
+from hetpipe.core.profile import ModelProfile
+from hetpipe.core.replicas import check_group
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
-from hetpipe.planner.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
+from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
 from hetpipe.planner.predict import Prediction, predict
-from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.replicas import (
-    Replicated,
-    as_partition,
-    describe_groups,
-    partition_replicated,
     replica_memory,
     replicate,
 )
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
-from hetpipe.replicas import check_group
 
-__all__ = [
-    "Plan",
-    "PlanError",
-    "StagePlan",
-    "VWPlan",
-    "explicit_plan",
-    "make_plan",
-    "place_stages",
-    "sim_vw",
-]
+__all__ = ["make_plan", "place_stages", "sim_vw"]
 
 
 NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
-
-
-def model_title(key: str) -> str:
-    """A profile's model key (JSON of the model, its arguments, the data and theirs, as
-    :func:`hetpipe.profiling.model_key` writes it) as a person reads it: ``cnn (width=8) on
-    digits``; anything else as given."""
-    try:
-        d = json.loads(key)
-    except ValueError:
-        d = None
-    if not isinstance(d, dict) or "model" not in d:
-        return key or "model"
-
-    def args(a: Any) -> str:
-        return (
-            f" ({', '.join(f'{k}={v}' for k, v in sorted(a.items()))})"
-            if isinstance(a, dict) and a
-            else ""
-        )
-
-    text = f"{d['model']}{args(d.get('args'))}"
-    if d.get("data"):
-        text += f" on {d['data']}{args(d.get('data_args'))}"
-    if d.get("precision"):
-        text += f", {d['precision']}"
-    return text
-
-
-class PlanError(ValueError):
-    """No plan is possible (the model fits nowhere, a bad explicit split); one clear line."""
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    device: str
-    type: str
-    layers: tuple[int, int]  # [first, last + 1)
-    time_s: float  # predicted compute per minibatch: forward + backward + update, as run
-    # the peak under every timing the schedule permits (hetpipe.core.schedule.max_in_flight):
-    # what the stage is fitted with and what a user relies on to stay under the cap
-    memory: StageMemory
-    memory_cap: int
-    shard: int  # PS shard holding (most of) this stage's parameters
-    busy_s: float = 0.0  # time_s plus hand-offs, sends, and push/merge per minibatch
-    slowdown: float = 1.0  # how much sharing its host's cores stretches this stage's work
-    recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
-    keep_memory: StageMemory | None = None  # what ``memory`` would be keeping every layer
-    swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
-    # stage replicas (hetpipe.replicas): the devices beside ``device`` that run the stage on
-    # their rows (``rows``: the minibatch's row bounds over leader and replicas) and the
-    # gradient exchange between them per minibatch; () / 0 for a stage on one device
-    replicas: tuple[str, ...] = ()
-    rows: tuple[int, ...] = ()
-    exchange_s: float = 0.0
-    # the peak of the predicted timeline: the same model at the most minibatches the
-    # simulated stage held at once (``expected_in_flight``, of the ``in_flight`` that
-    # ``memory`` charges); never above ``memory``, equal to it where the order fixes the
-    # count. None / 0 in a plan made before it was predicted
-    expected_memory: StageMemory | None = None
-    expected_in_flight: int = 0
-    in_flight: int = 0
-    # the most minibatches the runtime lets this stage hold, filled to that first
-    # (hetpipe.core.schedule.StageSchedule's ``limit`` and ``fill``, set by make_plan under
-    # train.in_flight = "plan"); 0: none, the schedule's own maximum
-    limit: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "limit": self.limit,
-            "expected_memory": self.expected_memory.to_dict() if self.expected_memory else None,
-            "expected_in_flight": self.expected_in_flight,
-            "in_flight": self.in_flight,
-            "replicas": list(self.replicas),
-            "rows": list(self.rows),
-            "exchange_s": self.exchange_s,
-            "recompute": list(self.recompute),
-            "swap": list(self.swap),
-            "keep_memory": self.keep_memory.to_dict() if self.keep_memory else None,
-            "device": self.device,
-            "type": self.type,
-            "layers": list(self.layers),
-            "time_s": self.time_s,
-            "memory": self.memory.to_dict(),
-            "memory_cap": self.memory_cap,
-            "shard": self.shard,
-            "busy_s": self.busy_s,
-            "slowdown": self.slowdown,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
-        a, b = d["layers"]
-        return cls(
-            str(d["device"]),
-            str(d["type"]),
-            (int(a), int(b)),
-            float(d["time_s"]),
-            StageMemory.from_dict(d["memory"]),
-            int(d["memory_cap"]),
-            int(d["shard"]),
-            float(d.get("busy_s", 0.0)),
-            float(d.get("slowdown", 1.0)),
-            tuple(int(j) for j in d.get("recompute", ())),
-            StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
-            tuple(int(j) for j in d.get("swap", ())),
-            tuple(str(x) for x in d.get("replicas", ())),
-            tuple(int(x) for x in d.get("rows", ())),
-            float(d.get("exchange_s", 0.0)),
-            StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
-            int(d.get("expected_in_flight", 0)),
-            int(d.get("in_flight", 0)),
-            int(d.get("limit", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class VWPlan:
-    devices: tuple[str, ...]  # pipeline order
-    stages: tuple[StagePlan, ...]
-    nm: int
-    samples_per_s: float  # predicted rate of this VW over its run (its samples / its time)
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        """Layers per stage (the job file's ``layers = [...]``)."""
-        return tuple(b - a for a, b in (s.layers for s in self.stages))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "devices": list(self.devices),
-            "stages": [s.to_dict() for s in self.stages],
-            "nm": self.nm,
-            "samples_per_s": self.samples_per_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VWPlan:
-        return cls(
-            tuple(str(x) for x in d["devices"]),
-            tuple(StagePlan.from_dict(s) for s in d["stages"]),
-            int(d["nm"]),
-            float(d["samples_per_s"]),
-        )
-
-
-@dataclass(frozen=True)
-class Plan:
-    vws: tuple[VWPlan, ...]
-    samples_per_s: float  # predicted rate of the job: every sample / the time to the last
-    policy: str  # "np" | "ed" | "hd" | "explicit" (what auto chose, or what was asked)
-    unused: tuple[str, ...]  # device names no VW uses (reasons in ``warnings``)
-    warnings: tuple[str, ...]
-    layer_shards: tuple[int, ...] = ()  # PS shard of each layer's parameters
-    minibatch: int = 0
-    staleness: int = 0
-    model: str = ""
-    details: dict[str, Any] = field(default_factory=dict, compare=False)  # search statistics
-    schedule: str = "async"  # hetpipe.core.schedule.KINDS; Nm is M for gpipe/1f1b
-    iteration_s: float = 0.0  # gpipe/1f1b: predicted time of one iteration
-    warmup: int = 0  # 1f1b: extra warm-up forwards of its order (hetpipe.core.schedule)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON/msgpack-able)."""
-        return {
-            "vws": [v.to_dict() for v in self.vws],
-            "samples_per_s": self.samples_per_s,
-            "policy": self.policy,
-            "unused": list(self.unused),
-            "warnings": list(self.warnings),
-            "layer_shards": list(self.layer_shards),
-            "minibatch": self.minibatch,
-            "staleness": self.staleness,
-            "model": self.model,
-            "details": dict(self.details),
-            "schedule": self.schedule,
-            "iteration_s": self.iteration_s,
-            "warmup": self.warmup,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(
-            tuple(VWPlan.from_dict(v) for v in d["vws"]),
-            float(d["samples_per_s"]),
-            str(d["policy"]),
-            tuple(str(x) for x in d.get("unused", ())),
-            tuple(str(x) for x in d.get("warnings", ())),
-            tuple(int(x) for x in d.get("layer_shards", ())),
-            int(d.get("minibatch", 0)),
-            int(d.get("staleness", 0)),
-            str(d.get("model", "")),
-            dict(d.get("details", {})),
-            str(d.get("schedule", "async")),
-            float(d.get("iteration_s", 0.0)),
-            int(d.get("warmup", 0)),
-        )
-
-    def table(self) -> str:
-        """A readable table: per VW its devices in order, stages, times, memory, Nm, rates.
-
-        ``compute`` is a stage's predicted forward + backward + update per minibatch (what the
-        job status measures as ``time_s``), ``busy`` adds the runtime's hand-offs, sends and
-        per-wave push and merge, and ``host`` is how much sharing its host stretches it.
-        ``expected`` is the memory peak of the predicted timeline (``in flight`` held of the
-        most the schedule permits), ``bound`` the peak under any timing, what ``use`` of the
-        cap counts; a stage limited to its expected count (``train.in_flight = "plan"``) shows
-        ``in flight`` with a ``!``."""
-        lines = [
-            f"plan for {model_title(self.model)}: policy {self.policy}, {len(self.vws)} virtual "
-            f"worker(s), minibatch {self.minibatch}, "
-            + (
-                f"staleness D={self.staleness}"
-                if self.schedule == "async"
-                else f"schedule {self.schedule}"
-                + (f" with {self.warmup} extra warm-up forward(s)" if self.warmup else "")
-                + f": {'+'.join(str(v.nm) for v in self.vws) or 0} "
-                f"microbatches per iteration, predicted iteration {_ms(self.iteration_s)}"
-            )
-        ]
-        head = (
-            f"  {'stage':<6}{'device':<10}{'type':<10}{'layers':<12}{'compute':>10}{'busy':>10}"
-            f"{'host':>7}{'in flight':>11}{'expected':>11}{'bound / cap':>24}{'use':>6}"
-            f"{'shard':>7}"
-        )
-        for v, vw in enumerate(self.vws):
-            order = (
-                s.device if not s.replicas else f"[{', '.join((s.device, *s.replicas))}]"
-                for s in vw.stages
-            )
-            lines.append(
-                f"VW {v}: {' > '.join(order)}   Nm={vw.nm}   "
-                f"predicted {vw.samples_per_s:.1f} samples/s"
-            )
-            lines.append(head)
-            for i, s in enumerate(vw.stages):
-                a, b = s.layers
-                rng = f"{a}-{b - 1} ({b - a})"
-                mem = f"{format_size(s.memory.total)} / {format_size(s.memory_cap)}"
-                use = s.memory.total / s.memory_cap if s.memory_cap else math.inf
-                held = (
-                    f"{s.expected_in_flight}/{s.in_flight}{'!' if s.limit else ''}"
-                    if s.expected_memory
-                    else "-"
-                )
-                expected = format_size(s.expected_memory.total) if s.expected_memory else "-"
-                lines.append(
-                    f"  {i:<6}{s.device:<10}{s.type:<10}{rng:<12}{_ms(s.time_s):>10}"
-                    f"{_ms(s.busy_s):>10}{f'x{s.slowdown:.2f}':>7}{held:>11}{expected:>11}"
-                    f"{mem:>24}{use:>6.0%}{s.shard:>7}"
-                )
-                if s.replicas:
-                    spans = ", ".join(
-                        f"{dev} rows {lo}-{hi - 1}"
-                        for dev, lo, hi in zip(
-                            (s.device, *s.replicas), s.rows, s.rows[1:], strict=False
-                        )
-                    )
-                    lines.append(
-                        f"  {'':<6}replicated: {spans}; gradient exchange "
-                        f"{_ms(s.exchange_s)} per minibatch (memory: the leader's)"
-                    )
-                if s.recompute or s.swap:
-                    before = s.keep_memory.total if s.keep_memory else s.memory.total
-                    kept = _ranges(
-                        [j for j in range(a, b) if j not in set(s.recompute) | set(s.swap)]
-                    )
-                    lines.append(
-                        f"  {'':<6}activations: keep {kept}, recompute "
-                        f"{_ranges(list(s.recompute))}, swap {_ranges(list(s.swap))}; memory "
-                        f"{format_size(before)} keeping all -> {format_size(s.memory.total)}"
-                    )
-        if any(s.limit for vw in self.vws for s in vw.stages):
-            lines.append(
-                "!: the stage runs its expected count of forwards (fewer where a stage "
-                "before it holds fewer) before its first backward and never holds "
-                "more, so that is its bound under any timing "
-                '(train.in_flight = "plan")'
-            )
-        lines.append(f"total predicted: {self.samples_per_s:.1f} samples/s")
-        lines += _replica_choice_lines(self.details.get("replica_choice", ()))
-        for r in self.details.get("replicas", ()):
-            lines.append(
-                f"replicas, VW {r['vw']} ({r['what']}): devices [{_groups(r['groups'])}] layers "
-                f"{r['layers']}: bottleneck {_ms(r['bottleneck'])} (gradient exchange "
-                f"{_ms(max(r['exchange_s']))}) vs {_ms(r['unreplicated'])} without replicas"
-            )
-        if self.unused:
-            lines.append(f"unused devices: {', '.join(self.unused)}")
-        for w in self.warnings:
-            lines.append(f"warning: {w}")
-        return "\n".join(lines)
-
-
-def _ranges(layers: list[int]) -> str:
-    """Sorted layers as ranges ("0-2, 7", or "none")."""
-    if not layers:
-        return "none"
-    parts: list[str] = []
-    start = prev = layers[0]
-    for j in [*layers[1:], None]:
-        if j is not None and j == prev + 1:
-            prev = j
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if j is not None:
-            start = prev = j
-    return ", ".join(parts)
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1e3:.2f}ms" if t < 10 else f"{t:.2f}s"
-
-
-def _groups(groups: Sequence[Sequence[str]]) -> str:
-    """Devices by stage, a replicated stage's in brackets ("gpu0, [gpu1, gpu2]")."""
-    return ", ".join(g[0] if len(g) == 1 else "[" + ", ".join(g) + "]" for g in groups)
-
-
-def _replica_choice_lines(notes: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What the planner weighed per VW with ``train.max_replicas`` (see
-    :func:`hetpipe.planner.replicas.replicate`), in words."""
-    lines = []
-    for n in notes:
-        if "groups" not in n:
-            lines.append(f"replicas, VW {n['vw']}: none ({n['why']})")
-            continue
-        lines.append(
-            f"replicas, VW {n['vw']}: {'chosen' if n['chosen'] else 'not chosen'}: devices "
-            f"[{_groups(n['groups'])}] layers {n['layers']} predicts "
-            f"{_ms(n['minibatch_s'])} per minibatch "
-            f"(gradient exchange {_ms(max(n['exchange_s']))}) and "
-            f"{n['samples_per_s']:.1f} samples/s, against "
-            f"{_ms(n['unreplicated_minibatch_s'])} and {n['unreplicated_samples_per_s']:.1f} "
-            f"samples/s without replicas"
-        )
-    return lines
 
 
 # --------------------------------------------------------------------------- search
@@ -623,7 +272,7 @@ def make_plan(
     default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
     prediction includes filling and draining the pipelines and VWs that finish at different
     times (default: long enough for a steady state). ``weights`` is the job's mode as
-    :func:`hetpipe.planner.memory.weights_mode` names it (what each stage keeps).
+    :func:`hetpipe.core.memory.weights_mode` names it (what each stage keeps).
     ``activations`` is the job's ``train.activations``: under "auto" a stage short of
     memory recomputes the cheapest run of layers or swaps the layers that make it fit,
     whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).
@@ -738,196 +387,6 @@ def make_plan(
         shard_of_stage,
         details,
     )
-
-
-def explicit_plan(
-    cluster: Any,
-    profile: ModelProfile,
-    vws: Sequence[tuple[Sequence[str], Sequence[int] | None, int | None]],
-    *,
-    minibatch: int,
-    staleness: int,
-    optimizer_state_factor: int,
-    nm: int | None = None,
-    shard_of_stage: Callable[[int, int, Any], int] | None = None,
-    costs: RuntimeCosts | None = None,
-    cores: int | Mapping[str, int] | None = None,
-    minibatches: int | None = None,
-    weights: str = "stash",
-    activations: str = "keep",
-    groups: Sequence[Sequence[Sequence[str]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
-) -> Plan:
-    """Predicted figures for a user-given split: ``(devices in order, layers per stage or
-    None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
-    devices, leader first, a replicated stage's several (its layers given): priced as the
-    planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
-    or as the leaders alone, with a warning, where the runtime would refuse the group
-    (``row_profiles`` as for :func:`make_plan`).
-    Missing layers are split optimally for that order; a missing
-    Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
-    fills the pipeline). Memory over a cap is a warning here
-    (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
-    ``minibatches`` as for :func:`make_plan`."""
-    warnings: list[str] = []
-    profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
-    )
-    L = profile.n_layers()
-    by_name = {d.name: d for d in cluster.devices}
-    used: set[str] = set()
-    chosen: list[tuple[tuple[Any, ...], Partition]] = []
-    for v, (names, layers, vw_nm) in enumerate(vws):
-        try:
-            devs = tuple(by_name[n] for n in names)
-        except KeyError as e:
-            raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
-        for n in names:
-            if n in used:
-                raise PlanError(f"vw {v}: device {n!r} is used twice")
-            used.add(n)
-        missing = sorted({d.type for d in devs} - set(profile.layers))
-        if missing:
-            raise PlanError(f"vw {v}: no profile for device type(s) {', '.join(missing)}")
-        want = vw_nm if vw_nm is not None else nm
-        if layers is None:
-            p = model.best_nm(devs) if want is None else model.partition(devs, want)
-            if not isinstance(p, Partition):
-                raise PlanError(f"vw {v}: {p.reason}")
-        else:
-            if len(layers) != len(devs):
-                raise PlanError(f"vw {v}: {len(layers)} layer counts for {len(devs)} devices")
-            if any(n < 1 for n in layers) or sum(layers) != L:
-                raise PlanError(f"vw {v}: layers {list(layers)} must be >= 1 each and sum to {L}")
-            bounds = [0]
-            for n in layers:
-                bounds.append(bounds[-1] + n)
-            cuts = list(itertools.pairwise(bounds))
-            if want is None:  # the least Nm that fills this split's pipeline
-                p1 = model.describe(devs, cuts, 1)
-                fill = math.ceil(p1.latency / p1.bottleneck * (1 - 1e-12)) if p1.bottleneck else 1
-                want = min(len(devs), max(1, fill))
-            p = model.describe(devs, cuts, want)
-        for d, mem in zip(devs, p.memory, strict=True):
-            if mem.total > d.memory:
-                warnings.append(
-                    f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
-                    f"{format_size(d.memory)}"
-                )
-        given = groups[v] if v < len(groups) else None
-        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
-            for n in (n for g in given for n in g[1:]):
-                if n in used:
-                    raise PlanError(f"vw {v}: device {n!r} is used twice")
-                used.add(n)
-            try:
-                group_devs = [[by_name[n] for n in g] for g in given]
-            except KeyError as e:
-                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
-            r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
-            if math.isfinite(r.bottleneck):
-                devs, p = as_partition(
-                    model, [d for g in group_devs for d in g], r, p.nm, minibatch
-                )
-            else:
-                warnings.append(
-                    f"vw {v}: a replicated stage does not fit its devices or "
-                    "may not run on them (batch norm, rows, nodes): predicted "
-                    "as its leaders alone"
-                )
-        chosen.append((devs, p))
-    if not chosen:
-        raise PlanError("no virtual workers given")
-    pred = predict(
-        model,
-        chosen,
-        minibatch=minibatch,
-        staleness=staleness,
-        cores=cores,
-        shard_hosts=_shard_hosts(cluster),
-        minibatches=minibatches,
-    )
-    unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
-    return _assemble(
-        cluster,
-        model,
-        chosen,
-        pred,
-        "explicit",
-        unused,
-        warnings,
-        minibatch,
-        staleness,
-        shard_of_stage,
-        {},
-    )
-
-
-def replica_proposals(
-    cluster: Any,
-    profile: ModelProfile,
-    plan: Plan,
-    orders: Sequence[Sequence[str]],
-    *,
-    max_replicas: int,
-    optimizer_state_factor: int,
-    weights: str = "stash",
-    activations: str = "keep",
-    given: Sequence[tuple[Sequence[Sequence[str]], Sequence[int]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
-) -> list[dict[str, Any]]:
-    """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
-    best grouping of its order into replicated stages (at most ``max_replicas`` devices
-    each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
-    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
-    profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, None, weights, activations, row_profiles
-    )
-    by_name = {d.name: d for d in cluster.devices}
-    out: list[dict[str, Any]] = []
-    for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
-        devs = [by_name[n] for n in order]
-        alone = partition_replicated(model, devs, vw.nm, plan.minibatch, 1)
-        base = alone.bottleneck if isinstance(alone, Replicated) else math.inf
-        found: list[tuple[str, Replicated | Infeasible]] = []
-        if v < len(given) and given[v] is not None:
-            groups, layers = given[v]  # type: ignore[misc]
-            bounds = list(itertools.accumulate(layers, initial=0))
-            found.append(
-                (
-                    "as given",
-                    describe_groups(
-                        model,
-                        [[by_name[n] for n in g] for g in groups],
-                        list(itertools.pairwise(bounds)),
-                        vw.nm,
-                        plan.minibatch,
-                    ),
-                )
-            )
-        if max_replicas > 1:
-            found.append(
-                (
-                    f"best with train.max_replicas = {max_replicas}",
-                    partition_replicated(model, devs, vw.nm, plan.minibatch, max_replicas),
-                )
-            )
-        for what, r in found:
-            if isinstance(r, Replicated):
-                out.append(
-                    {
-                        "vw": v,
-                        "what": what,
-                        "groups": [list(g) for g in r.groups],
-                        "layers": list(r.layers),
-                        "bottleneck": r.bottleneck,
-                        "exchange_s": list(r.exchange_s),
-                        "unreplicated": base,
-                    }
-                )
-    return out
 
 
 # --------------------------------------------------------------------------- helpers

@@ -23,6 +23,10 @@ as a fixed point with the simulated rates:
    else wants a core comes from the simulated timeline (:func:`_timeline_laws`).
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
+
+One file on purpose: the per-stage costs (:func:`stage_costs`), the simulated virtual
+workers built from them and the fixed point over host sharing (:func:`predict`) are one
+computation, each step feeding the next.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.core.memory import copy_seconds, unhidden_copy_s
 from hetpipe.core.schedule import Backward, Forward, Merge, OptimizerStep, Push
-from hetpipe.planner.memory import copy_seconds, unhidden_copy_s
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.replicas import exchange_time, flight_time
@@ -154,10 +158,8 @@ class Prediction:
 
 # The most minibatches per VW a prediction simulates. A longer job's rate is that run's: the
 # fill, the drain and the VWs' different finishing times are a fixed number of minibatches'
-# time, so past a few thousand minibatches their share is below 0.1 % (the default cluster,
-# two VWs: 595.79 samples/s simulated over 4096, 595.91 over 100 000), while simulating every
-# minibatch cost ~40 us each: a job of a million minibatches waited 37 s in the head before
-# it started.
+# time, so past a few thousand minibatches their share is negligible, while simulating every
+# minibatch of a long job would hold its start up in the head.
 LONG_JOB = 4096
 
 
@@ -585,8 +587,7 @@ def _timeline_laws(
     the stage waits, and its thread waits for a core only when the others take them all. A
     stage's own compute does not count: a thread handing it work blocks next; two stages on
     two cores, computing together in the 1F1B phase, wake each other without a wait
-    (measured: 0.1 ms between one action's end and the next one's start, the hop included,
-    against the 0.3 ms of waits that counting the stage itself charged per wake-up).
+    (counting the stage itself charged each wake-up a wait its timeline does not show).
     """
     firsts = [
         next((t for t, a in vw[0] if isinstance(a, OptimizerStep)), 0.0) for vw in sim.actions

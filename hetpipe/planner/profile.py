@@ -1,62 +1,37 @@
-"""Per-layer profiles: what one layer costs on one device type, measured or synthetic.
+"""Measuring per-layer profiles, keeping them, and synthetic ones for tests.
 
-The planner never runs the model; it reasons from these numbers. A profile is kept per
-*device type* because that is the unit the cluster file groups devices by: two devices of one
-type are assumed to behave the same. Times are stored *as measured for the type*: on an
-emulated device with ``speed = 0.25`` the profile holds the padded (4x longer) times, so the
-planner uses its forwards and backwards as they are and never applies a device's speed a
-second time. The one exception is ``update_s``: the runtime pads an emulated device's
-forwards and backwards but not its optimizer step, so the planner charges the update at the
-device's speed of its profiled time (:func:`update_scale`).
-
-Byte counts are per minibatch at the profile's minibatch size:
-
-====================  =========================================================
-``param_bytes``       trainable parameters of the layer
-``buffer_bytes``      non-trainable buffers (batch-norm statistics)
-``out_bytes``         the layer's output: what crosses a cut after this layer
-``saved_bytes``       what autograd keeps for the backward (not counting parameters)
-``work_bytes``        transient peak beyond the saved tensors (output + input gradient)
-====================  =========================================================
-
-``update_s`` is the per-minibatch cost of what the runtime does with the layer's state besides
-its forward and backward: the out-of-place optimizer step, the update accumulated for the
-parameter server, the weight fingerprints, and the batch-norm statistics deltas. It is small
-for a layer of few large tensors and dominant for a stage of many tiny ones.
-
-**The call term.** A layer timed alone pays, every pass, for its own call: its own backward
-call (the autograd engine started for one node, a gradient of ones), its own timing and
-bookkeeping. A stage runs all its layers in *one* forward task and *one* backward call, so a
-sum of alone-timed layers charges that call once per layer, and a stage of many layers runs
-faster than the sum of its layers (measured on the bench's MLP at minibatch 256, speed 0.1:
-a 16-layer stage ran in 0.72 of the sum; fit over 1..16 layers, every further layer cost
-0.35 ms less in the forward and 1.1 ms less in the backward and update than profiled).
-:func:`measure_model` therefore also times the whole model as one such call and keeps, per
-device type, a :class:`CallProfile`: the forward, backward and update call's own cost,
-with every layer's time net of it. A stage of layers ``[a, b)`` costs the sum of its layers
-plus the call term once (:meth:`ModelProfile.stage_times` for one stage; the partitioners'
-prefix sums add the same term to every ``[a, b)``).
-A profile stored before the term existed has none (0): its layers keep their gross times,
-which is what they were planned with then.
+The profile types are pure and live in :mod:`hetpipe.core.profile` (what each field means,
+and the stage call term). Here: :func:`measure_model` and :func:`measure_layers` time a real
+model on a device with torch, :class:`ProfileStore` keeps what was measured in a JSON file,
+and :func:`synthetic_profile` makes plausible random ones.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetpipe.emulate import padded_speed
+from hetpipe.core.profile import (
+    CallProfile,
+    LayerProfile,
+    ModelProfile,
+    StageTimes,
+    at_speed,
+    padded_speed,
+    scale_layers,
+    update_scale,
+)
 
 __all__ = [
+    # re-exported from hetpipe.core.profile, their one home, for existing importers
     "CallProfile",
     "LayerProfile",
     "Measured",
@@ -70,212 +45,6 @@ __all__ = [
     "synthetic_profile",
     "update_scale",
 ]
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """Cost of one layer on one device type at the profile's minibatch size."""
-
-    fwd_s: float
-    bwd_s: float
-    param_bytes: int
-    buffer_bytes: int
-    out_bytes: int
-    saved_bytes: int
-    work_bytes: int
-    update_s: float = 0.0  # optimizer step and bookkeeping of the layer's state (see above)
-
-    @property
-    def time_s(self) -> float:
-        """Everything the layer costs a stage per minibatch: forward, backward, update."""
-        return self.fwd_s + self.bwd_s + self.update_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
-        return cls(
-            float(d["fwd_s"]),
-            float(d["bwd_s"]),
-            int(d["param_bytes"]),
-            int(d["buffer_bytes"]),
-            int(d["out_bytes"]),
-            int(d["saved_bytes"]),
-            int(d["work_bytes"]),
-            float(d.get("update_s", 0.0)),
-        )
-
-
-@dataclass(frozen=True)
-class CallProfile:
-    """What one forward call, one backward call and one update of a stage cost beyond its
-    layers' own (net) times, on one device type, stored like the layers' (see the module
-    docs).
-
-    Charged once per stage and minibatch whatever the stage's layer count: a stage runs its
-    layers as one forward task, differentiates them with one backward call and steps all
-    its weights in one optimizer call. 0 for a profile that never measured it.
-    """
-
-    fwd_s: float = 0.0
-    bwd_s: float = 0.0
-    update_s: float = 0.0
-
-    @property
-    def time_s(self) -> float:
-        return self.fwd_s + self.bwd_s + self.update_s
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> CallProfile:
-        d = d or {}
-        return cls(
-            float(d.get("fwd_s", 0.0)), float(d.get("bwd_s", 0.0)), float(d.get("update_s", 0.0))
-        )
-
-
-@dataclass(frozen=True)
-class StageTimes:
-    """A stage's compute per minibatch on one device type, from its layers and its call."""
-
-    fwd_s: float
-    bwd_s: float
-    update_s: float
-
-    @property
-    def time_s(self) -> float:
-        return self.fwd_s + self.bwd_s + self.update_s
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """A model's layers profiled on each device type (same layer count for every type).
-
-    ``input_bytes`` is the size of one minibatch of model input (what stage 0 receives).
-    ``calls``: per device type, the stage call term (:class:`CallProfile`); a type without
-    one has none (a profile measured before the term existed).
-    """
-
-    model: str
-    minibatch: int
-    input_bytes: int
-    layers: dict[str, tuple[LayerProfile, ...]]
-    calls: dict[str, CallProfile] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        counts = {t: len(v) for t, v in self.layers.items()}
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"profile {self.model!r}: layer counts differ by type: {counts}")
-        extra = sorted(set(self.calls) - set(self.layers))
-        if extra:
-            raise ValueError(f"profile {self.model!r}: call term of unprofiled type {extra[0]!r}")
-
-    def call(self, dtype: str) -> CallProfile:
-        """The stage call term of ``dtype`` (zero where none was measured)."""
-        return self.calls.get(dtype) or CallProfile()
-
-    def stage_times(self, dtype: str, a: int, b: int) -> StageTimes:
-        """Forward, backward and update of a stage of layers ``[a, b)`` on ``dtype``: the
-        layers' sums plus the call term once. The partitioners, which need every ``[a, b)``
-        at once, add the same term to their prefix-sum differences
-        (:class:`hetpipe.planner.partition.CostModel`, :mod:`hetpipe.planner.syncplan`)."""
-        lps = self.layers[dtype][a:b]
-        c = self.call(dtype)
-        return StageTimes(
-            sum(lp.fwd_s for lp in lps) + c.fwd_s,
-            sum(lp.bwd_s for lp in lps) + c.bwd_s,
-            sum(lp.update_s for lp in lps) + c.update_s,
-        )
-
-    def n_layers(self) -> int:
-        return len(next(iter(self.layers.values()))) if self.layers else 0
-
-    @property
-    def types(self) -> tuple[str, ...]:
-        return tuple(self.layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "minibatch": self.minibatch,
-            "input_bytes": self.input_bytes,
-            "layers": {t: [lp.to_dict() for lp in v] for t, v in self.layers.items()},
-            "calls": {t: c.to_dict() for t, c in self.calls.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelProfile:
-        layers = {
-            t: tuple(LayerProfile.from_dict(x) for x in v) for t, v in dict(d["layers"]).items()
-        }
-        calls = {t: CallProfile.from_dict(c) for t, c in dict(d.get("calls") or {}).items()}
-        return cls(str(d["model"]), int(d["minibatch"]), int(d["input_bytes"]), layers, calls)
-
-    def scaled(self, minibatch: int) -> ModelProfile:
-        """The profile at another minibatch size, assuming time and activations scale linearly.
-
-        A first-order estimate (small minibatches under-use a GPU, so real times grow less than
-        linearly); re-profiling at the job's minibatch is better, and the plan says so. The call
-        term stays: a call's own cost does not grow with the rows.
-        """
-        if minibatch == self.minibatch:
-            return self
-        f = minibatch / self.minibatch
-        layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
-        return ModelProfile(
-            self.model, minibatch, math.ceil(self.input_bytes * f), layers, dict(self.calls)
-        )
-
-
-def update_scale(speed: float) -> float:
-    """The share of a profiled ``update_s`` a device of emulation ``speed`` spends on it.
-
-    The runtime pads an emulated device's forwards and backwards, never its optimizer step
-    (:mod:`hetpipe.emulate`), while a profile holds every time padded (``/ speed``, above):
-    so the update runs at ``speed`` of its profiled time (1 on an unslowed device). Every
-    planner path that charges an update takes it from here."""
-    return padded_speed(speed)
-
-
-def at_speed(
-    layers: Sequence[LayerProfile], call: CallProfile | None, measured: float, speed: float
-) -> tuple[tuple[LayerProfile, ...], CallProfile | None]:
-    """What a device of emulation ``speed`` measures, from what one of ``measured`` speed
-    measured on the same hardware (the emulated devices of one node share its cores).
-
-    A profile holds every time ``/ speed`` of the same compute (:func:`measure_model`), so
-    this is exact, where two types measured one after the other on a busy host differ by
-    its load at each moment (here up to a fifth, enough to swap the planner's formations).
-    Byte counts are the hardware's and stay."""
-    f = padded_speed(measured) / padded_speed(speed)
-    out = tuple(
-        replace(lp, fwd_s=lp.fwd_s * f, bwd_s=lp.bwd_s * f, update_s=lp.update_s * f)
-        for lp in layers
-    )
-    if call is None:
-        return out, None
-    return out, CallProfile(call.fwd_s * f, call.bwd_s * f, call.update_s * f)
-
-
-def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerProfile, ...]:
-    """Scale times and per-minibatch activation bytes by ``factor``; parameters stay, and so
-    does the update cost (it depends on the parameters, not on the minibatch)."""
-    return tuple(
-        LayerProfile(
-            lp.fwd_s * factor,
-            lp.bwd_s * factor,
-            lp.param_bytes,
-            lp.buffer_bytes,
-            math.ceil(lp.out_bytes * factor),
-            math.ceil(lp.saved_bytes * factor),
-            math.ceil(lp.work_bytes * factor),
-            lp.update_s,
-        )
-        for lp in layers
-    )
 
 
 # --------------------------------------------------------------------------- measurement
@@ -648,8 +417,8 @@ class ProfileStore:
                                              "types": {"fast": [{"fwd_s": ..}, ..]},
                                              "calls": {"fast": {"fwd_s": .., "bwd_s": ..}}}}}}
 
-    ``calls`` (the stage call term per type) is absent from a file written before it
-    existed: those types load with no call term, as they were measured.
+    ``calls`` (the stage call term per type) may be absent: those types load with no call
+    term, their layers' times gross.
     """
 
     VERSION = 1

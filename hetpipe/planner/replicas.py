@@ -60,9 +60,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetpipe.planner.memory import StageMemory
+from hetpipe.core.memory import StageMemory
+from hetpipe.core.replicas import pieces_for, split_rows
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
-from hetpipe.replicas import pieces_for, split_rows
 
 __all__ = [
     "Replicated",

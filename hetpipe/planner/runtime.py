@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from hetpipe.computethread import may_run_inline
+from hetpipe.core.inline import may_run_inline
 
 __all__ = [
     "RuntimeCosts",
@@ -47,14 +47,12 @@ __all__ = [
 class RuntimeCosts:
     """Per-event costs of the runtime in seconds of one uncontended core.
 
-    The defaults were measured on this project's 2-core development host from the runtime's
-    own timeline (per stage: forward, backward, send, push, merge and gate spans, and the
-    compute inside them) over jobs of a one-layer-per-stage MLP split over 1..4 stages
-    (hand-offs, messages, per-task work), single-device CNN jobs with 1..4 virtual workers
-    on 2 cores (host sharing, ``wake_s``), a stage's compute timed back to back and with
-    idle gaps (``cold``), and 1- and 2-VW pipelines of the default cluster (``corun`` and
-    ``wake_s``, fitted with ``cold`` so that neither throughput nor stage time is biased).
-    Another host may differ: pass measured values to :func:`~hetpipe.planner.make_plan`.
+    The defaults are fitted to the runtime's own timeline (per stage: forward, backward,
+    send, push, merge and gate spans, and the compute inside them) on a small CPU host: the
+    hand-off, message and per-task terms from pipelines of one layer per stage, the sharing
+    terms (``wake_s``, ``corun``, ``cold``) from several virtual workers on fewer cores than
+    processes. Another host may differ: pass its own values to
+    :func:`~hetpipe.planner.make_plan`.
 
     ======================  ==============================================================
     ``task_s``              per compute task, inside the padded region (memory check, weight
@@ -107,7 +105,7 @@ class RuntimeCosts:
 
     @classmethod
     def zero(cls) -> RuntimeCosts:
-        """An ideal runtime: the layers alone (what the planner assumed before it knew)."""
+        """An ideal runtime: the layers alone."""
         return cls(**{f.name: 0.0 for f in fields(cls)})
 
     def to_dict(self) -> dict[str, float]:
@@ -137,7 +135,7 @@ class RuntimeCosts:
         """Whether tasks of ``task_s`` (the longer of a stage's forward and backward; a
         number or an array of them) run on the stage's event loop, skipping the hand-off
         (:mod:`hetpipe.computethread`): on an unslowed CPU device, for a stage that pulls
-        no weights (:func:`hetpipe.computethread.may_run_inline`), when shorter than
+        no weights (:func:`hetpipe.core.inline.may_run_inline`), when shorter than
         :attr:`inline_s`."""
         return may_run_inline(on_cpu=on_cpu, speed=speed, pulls=pulls) and task_s < self.inline_s
 
@@ -151,14 +149,7 @@ def reduce_answer_s(rt: RuntimeCosts, state_bytes: float, vws: int, shards: int)
     ``vws`` virtual workers to do so) until the mean is back: the way there and back, the
     stage's own encoding and decoding, and on each shard holding its part of the state
     (``shards`` of them, in parallel) the last gradient taken in and the ``vws`` answers
-    sent, each a message and its bytes.
-
-    Measured on the development host (2 cores; 2 virtual workers of one device each, 2
-    shards, CurveZMQ; the wait between the later virtual worker's last backward and the
-    answer, median over 48 iterations): 2.9, 4.1-4.6 and 11.2 ms for the digits CNN of
-    0.23, 0.64 and 2.0 MB of parameters, 4.7 ns per byte of the state and 1.8 ms besides.
-    This formula gives 2.6, 4.5 and 10.9; with 3 virtual workers 5.7 against 6.0 measured
-    for the 0.64 MB model. The parts of a stage's exchange that overlap its
+    sent, each a message and its bytes. The parts of a stage's exchange that overlap its
     compute (the shards taking the earlier virtual workers' sums) are not in it."""
     if state_bytes <= 0:
         return 0.0

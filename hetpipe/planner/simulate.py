@@ -28,6 +28,11 @@ only times the actions and delivers the inputs. Timing:
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
+One synchronous virtual worker alone needs no event queue: its stages' hand-offs are known
+in advance, and :func:`iteration_time` times one iteration of them by the same rules
+(:func:`trip_s`, :func:`send`), fast enough for the synchronous planner's search, which
+prices every candidate with it.
+
 Rates. ``vw_samples_per_s`` is each VW's steady rate: minibatches completed at stage 0 after
 the first quarter (the pipeline's fill) and before the last Nm (the drain), divided by the
 time they took. ``samples_per_s`` is their sum, what a long job gets; ``job_samples_per_s``
@@ -41,19 +46,25 @@ holds one from its forward's end to its backward's start
 forward; a stage runs one action at a time, so the two counts agree at every moment the
 runtime looks, and both follow from the order of the stage's forwards and backwards alone.
 The planner prices it as the stage's expected peak memory
-(:func:`hetpipe.planner.memory.expected_in_flight`).
+(:func:`hetpipe.core.memory.expected_in_flight`).
+
+One file on purpose: :func:`simulate` is one event loop whose handlers share its state, and
+:func:`iteration_time` is its event-free path, which must time by the very same rules
+(:func:`trip_s`, :func:`send`); the command line (``python -m hetpipe.planner.simulate``) is
+the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from hetpipe.core.schedule import (
     Action,
@@ -66,10 +77,39 @@ from hetpipe.core.schedule import (
     StageSchedule,
     Wait,
     fill_counts,
+    iteration_trips,
 )
 from hetpipe.core.wsp import pull_need
 
-__all__ = ["SimLink", "SimResult", "SimStage", "SimVW", "main", "simulate"]
+__all__ = [
+    "SimLink",
+    "SimResult",
+    "SimStage",
+    "SimVW",
+    "iteration_time",
+    "main",
+    "send",
+    "simulate",
+    "trip_s",
+]
+
+
+class Timed(Protocol):
+    """What timing a stage's hand-offs reads of it (:class:`SimStage`, and the synchronous
+    planner's :class:`hetpipe.planner.syncmodel.SyncStage`)."""
+
+    @property
+    def fwd_s(self) -> float: ...
+    @property
+    def bwd_s(self) -> float: ...
+    @property
+    def step_s(self) -> float: ...
+    @property
+    def push_s(self) -> float: ...
+    @property
+    def handoff_s(self) -> float: ...
+    @property
+    def state(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -323,14 +363,9 @@ def simulate(
                             st.peak_held = st.held
                     elif type(x) is Backward:
                         st.held -= 1
-                dur = sp.handoff_s / 2  # there, then back after the last one
-                at = []
-                for x in run:
-                    at.append(now + dur)
-                    dur += _compute_s(sp, x)
-                dur += sp.handoff_s / 2
+                dur = trip_s(sp, run)
                 if record:
-                    st.log.extend(zip(at, run, strict=True))
+                    st.log.extend(zip(_starts(sp, run, now), run, strict=True))
                 if dur <= 0:
                     for x in run:
                         finish(now, v, s, x)
@@ -363,11 +398,6 @@ def simulate(
             push(now + dur, FREE, v, s, [a])
             return
 
-    def link(free: list[float], i: int, now: float, dur: float) -> float:
-        start = max(now, free[i])
-        free[i] = start + dur
-        return start + dur
-
     def finish(now: float, v: int, s: int, a: Action) -> None:
         """The effects of action ``a`` of stage ``s`` completing at ``now``."""
         w = state[v]
@@ -378,11 +408,11 @@ def simulate(
         if kind is Forward:
             if s + 1 < len(w.stages):
                 dur = links[s].fwd_s if links else 0.0
-                push(link(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
+                push(send(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
         elif kind is Backward:
             if s > 0:
                 dur = links[s - 1].bwd_s if links else 0.0
-                push(link(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
+                push(send(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
             else:
                 w.done += 1
                 w.done_at.append(now)
@@ -474,7 +504,7 @@ def simulate(
 HANDED = (Forward, Backward, OptimizerStep, Push)  # actions run in hand-offs
 
 
-def _compute_s(sp: SimStage, a: Action) -> float:
+def _compute_s(sp: Timed, a: Action) -> float:
     """Time of a handed action in its hand-off (the hand-off's own cost aside)."""
     kind = type(a)
     if kind is Forward:
@@ -484,6 +514,117 @@ def _compute_s(sp: SimStage, a: Action) -> float:
     if kind is OptimizerStep:
         return sp.step_s
     return sp.push_s if sp.state else 0.0
+
+
+def trip_s(sp: Timed, run: Sequence[Action]) -> float:
+    """How long a hand-off to the compute thread keeps a stage busy: the hand-off's own cost
+    once (there, and back after the last action) and each of its actions in order. What its
+    actions send leaves when it is done. The one rule both timings use: :func:`simulate`
+    and :func:`iteration_time`."""
+    dur = sp.handoff_s
+    for a in run:
+        dur += _compute_s(sp, a)
+    return dur
+
+
+def _starts(sp: Timed, run: Sequence[Action], now: float) -> list[float]:
+    """When each action of a hand-off starting at ``now`` starts (half the hand-off's cost
+    is the way there)."""
+    at, t = [], now + sp.handoff_s / 2
+    for a in run:
+        at.append(t)
+        t += _compute_s(sp, a)
+    return at
+
+
+def send(free: list[float], i: int, now: float, dur: float) -> float:
+    """When a tensor sent at ``now`` over direction ``i`` of a link arrives: each direction
+    moves one tensor at a time (``free[i]``: when it is free again, updated), ``dur`` each."""
+    start = max(now, free[i])
+    free[i] = start + dur
+    return start + dur
+
+
+def iteration_time(
+    stages: Sequence[Timed],
+    links: Sequence[tuple[float, float]],
+    orders: Sequence[Sequence[tuple[str, int]]],
+) -> float:
+    """Time of one synchronous iteration of a virtual worker alone in its job, by the
+    simulator's rules (:func:`trip_s`, :func:`send`) without its event queue: every stage
+    runs its order, then steps and pushes, in the hand-offs the schedule makes
+    (:func:`hetpipe.core.schedule.iteration_trips`), one at a time, each starting when its
+    first action's input is there. The grouping never waits for an input past the first
+    action's, so each stage's hand-offs are known in advance and a sweep over the stages
+    times them: what :func:`simulate` gives for one such iteration (``makespan_s``), at the
+    speed the synchronous planner's search needs. ``links[s]``: the flight of an activation
+    and of a gradient between stages ``s`` and ``s + 1``."""
+    k = len(stages)
+    m = sum(op == "F" for op, _ in orders[0])
+    trips = [iteration_trips(k, s, tuple(orders[s])) for s in range(k)]
+    took = []  # per stage, per hand-off: how long it keeps the stage busy
+    for s in range(k):
+        reps, shape = _trip_shapes(k, s, tuple(orders[s]))
+        by_shape = [trip_s(stages[s], r) for r in reps]
+        took.append([by_shape[j] for j in shape])
+    fwd_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
+    bwd_in: list[list[float | None]] = [[None] * m for _ in range(k)]
+    free = [0.0] * k
+    link_f = [0.0] * max(k - 1, 0)
+    link_b = [0.0] * max(k - 1, 0)
+    pos = [0] * k
+    total = sum(len(t) for t in trips)
+    done = 0
+    while done < total:
+        moved = False
+        for s in range(k):
+            while pos[s] < len(trips[s]):
+                trip = trips[s][pos[s]]
+                head = trip[0]
+                # what joins a trip needs no input; the last stage's backward needs its
+                # forward only, run before it
+                ready = (
+                    fwd_in[s][head.p]  # type: ignore[union-attr]
+                    if type(head) is Forward
+                    else bwd_in[s][head.p]  # type: ignore[union-attr]
+                    if type(head) is Backward and s < k - 1
+                    else 0.0
+                )
+                if ready is None:
+                    break
+                end = max(free[s], ready) + took[s][pos[s]]
+                for a in trip:  # sent once the hand-off is back
+                    kind = type(a)
+                    if kind is Forward and s + 1 < k:
+                        fwd_in[s + 1][a.p] = send(link_f, s, end, links[s][0])  # type: ignore[union-attr]
+                    elif kind is Backward and s > 0:
+                        bwd_in[s - 1][a.p] = send(link_b, s - 1, end, links[s - 1][1])  # type: ignore[union-attr]
+                free[s] = end
+                pos[s] += 1
+                done += 1
+                moved = True
+        if not moved:
+            raise ValueError("iteration_time: the orders deadlock")
+    return max(free)
+
+
+@functools.lru_cache(maxsize=4096)
+def _trip_shapes(
+    k: int, stage: int, order: tuple[tuple[str, int], ...]
+) -> tuple[tuple[tuple[Action, ...], ...], tuple[int, ...]]:
+    """The stage's hand-offs of one iteration (:func:`iteration_trips`) by the kinds of
+    their actions: one hand-off of each such shape, and each hand-off's shape. Hand-offs of
+    one shape take equally long, so :func:`iteration_time` times each shape once."""
+    reps: list[tuple[Action, ...]] = []
+    index: dict[tuple[type, ...], int] = {}
+    shape = []
+    for trip in iteration_trips(k, stage, order):
+        key = tuple(type(a) for a in trip)
+        if key not in index:
+            index[key] = len(reps)
+            reps.append(trip)
+        shape.append(index[key])
+    return tuple(reps), tuple(shape)
 
 
 def _iteration_s(steps_at: list[float]) -> float:

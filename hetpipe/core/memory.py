@@ -72,20 +72,30 @@ the runtime counts its real tensors the same way.
 Buffers are not stashed or accumulated with the parameters here because they carry no
 gradient; batch-norm running statistics are small and accounted once in ``params``.
 
-The runtime (:meth:`hetpipe.stage.StageCompute.memory`) builds the same :class:`StageMemory`
-from its real tensors, per layer through :func:`activation_bytes` and :func:`working_bytes`,
-and enforces the cap with :meth:`StageMemory.check`: a plan that fits here fits there, and a
-run reports its peak in the terms the plan predicted.
+One composition, two sources. :func:`compose` turns a stage's quantities into the six
+terms: the planner's predicted ones (:func:`stage_terms`: ``factor`` x parameters of optimizer
+state, :func:`stashed` copies, two accumulators, :func:`activations` of ``flight``
+minibatches) and the runtime's counted ones (:meth:`hetpipe.stage.StageCompute.memory`: its
+optimizer's state, the weight versions in-flight backwards hold, its accumulators, what each
+in-flight minibatch keeps, per layer through :func:`activation_bytes` and
+:func:`working_bytes`). The runtime enforces the cap with :meth:`StageMemory.check`: a plan
+that fits here fits there, and a run reports its peak in the terms the plan predicted.
+
+**Scalar and vectorised forms.** :func:`stage_terms` is plain arithmetic, so the partitioners
+pass numpy arrays over every layer range ``[a, b)`` at once and get each term (and
+``total``) elementwise: the very expression of the scalar form, never a second copy of it.
+This module imports no numpy itself (the core stays pure).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from hetpipe.config import format_size
+from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.core.schedule import max_in_flight
-from hetpipe.planner.profile import LayerProfile, ModelProfile
+from hetpipe.core.units import format_size
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
 
@@ -100,16 +110,20 @@ __all__ = [
     "MemoryCapError",
     "StageMemory",
     "activation_bytes",
+    "activations",
+    "compose",
     "copy_seconds",
     "expected_in_flight",
     "fixed_order",
     "held_predictions",
     "in_flight",
+    "kept_copies",
     "param_copies",
     "recompute_runs",
     "stage_input_bytes",
     "stage_memory",
     "stage_memory_of",
+    "stage_terms",
     "stashed",
     "swap_seconds",
     "unhidden_copy_s",
@@ -248,19 +262,87 @@ def held_predictions(
     return flight * recomputed_params
 
 
+ACCUMULATORS = 2  # parameter-sized update accumulators (see the module docs)
+
+
 def param_copies(factor: int, flight: int, schedule: str = "async", weights: str = "stash") -> int:
     """Parameter-sized copies a stage keeps: the weights, ``factor`` of optimizer state, two
-    accumulators, and the extra copies of its ``weights`` mode."""
-    return 1 + factor + 2 + stashed(flight, schedule, weights)
+    accumulators, and the extra copies of its ``weights`` mode (:func:`stage_terms`' weight
+    terms, counted in parameter sizes)."""
+    return 1 + factor + ACCUMULATORS + stashed(flight, schedule, weights)
+
+
+def kept_copies(flight: int, schedule: str = "async", weights: str = "stash") -> int:
+    """How many minibatches' saved tensors a stage keeps at once: every in-flight one's, or
+    one where the backward reruns the forward (the rerun's room). So a byte a layer saves
+    costs this many bytes of the ``activations`` term (:func:`activations`)."""
+    return 1 if reruns(schedule, weights) else flight
 
 
 def activations(
-    flight: int, saved: int, input_bytes: int, schedule: str = "async", weights: str = "stash"
-) -> int:
-    """Bytes of in-flight minibatches: inputs, and saved tensors unless the backward reruns."""
-    if reruns(schedule, weights):
-        return flight * input_bytes + saved
-    return flight * (saved + input_bytes)
+    flight: Any, saved: Any, input_bytes: Any, schedule: str = "async", weights: str = "stash"
+) -> Any:
+    """Bytes of in-flight minibatches: every one's input, and the saved tensors of
+    :func:`kept_copies` of them (numbers or arrays, elementwise)."""
+    return flight * input_bytes + kept_copies(flight, schedule, weights) * saved
+
+
+def compose(
+    param_bytes: Any,
+    buffer_bytes: Any,
+    *,
+    optimizer: Any,
+    copies: Any,
+    held: Any,
+    accumulators: Any,
+    activations: Any,
+    working: Any,
+) -> StageMemory:
+    """The six terms of a stage from its quantities, predicted (:func:`stage_terms`) or
+    counted (:meth:`hetpipe.stage.StageCompute.memory`): the weights with their buffers,
+    ``copies`` further weight versions plus ``held`` bytes of kept predictions, and the
+    other terms as given. Numbers or arrays (elementwise)."""
+    return StageMemory(
+        params=param_bytes + buffer_bytes,
+        optimizer=optimizer,
+        stash=copies * param_bytes + held,
+        accumulators=accumulators,
+        activations=activations,
+        working=working,
+    )
+
+
+def stage_terms(
+    param_bytes: Any,
+    buffer_bytes: Any,
+    kept: Any,
+    input_bytes: Any,
+    working: Any,
+    *,
+    factor: int,
+    flight: int,
+    schedule: str = "async",
+    weights: str = "stash",
+    held: Any = 0,
+) -> StageMemory:
+    """What the planner predicts a stage keeps: :func:`compose` of ``factor`` x parameters
+    of optimizer state, :func:`stashed` weight copies, the two accumulators, and the
+    :func:`activations` of ``flight`` minibatches that each keep ``kept`` bytes in the
+    stage's layers (:func:`activation_bytes`) besides their ``input_bytes``.
+
+    The scalar form (:func:`stage_memory`) and the vectorised ones (the partitioners, with
+    numpy arrays over every ``[a, b)``: the fields, and ``total``, come back as arrays) are
+    this one expression."""
+    return compose(
+        param_bytes,
+        buffer_bytes,
+        optimizer=factor * param_bytes,
+        copies=stashed(flight, schedule, weights),
+        held=held,
+        accumulators=ACCUMULATORS * param_bytes,
+        activations=activations(flight, kept, input_bytes, schedule, weights),
+        working=working,
+    )
 
 
 def recompute_runs(recompute: Collection[int]) -> list[tuple[int, int]]:
@@ -363,21 +445,20 @@ def stage_memory(
     passes :func:`expected_in_flight`).
     """
     n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
-    pb = sum(lp.param_bytes for lp in layers)
-    bb = sum(lp.buffer_bytes for lp in layers)
     saved = [lp.saved_bytes for lp in layers]
     inputs = [input_bytes] + [lp.out_bytes for lp in layers[:-1]]
     recomputed = sum(layers[j].param_bytes for j in recompute)
-    return StageMemory(
-        params=pb + bb,
-        optimizer=optimizer_state_factor * pb,
-        stash=stashed(n, schedule, weights) * pb
-        + held_predictions(n, recomputed, schedule, weights),
-        accumulators=2 * pb,
-        activations=activations(
-            n, activation_bytes(saved, inputs, recompute, swap), input_bytes, schedule, weights
-        ),
-        working=working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
+    return stage_terms(
+        sum(lp.param_bytes for lp in layers),
+        sum(lp.buffer_bytes for lp in layers),
+        activation_bytes(saved, inputs, recompute, swap),
+        input_bytes,
+        working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
+        factor=optimizer_state_factor,
+        flight=n,
+        schedule=schedule,
+        weights=weights,
+        held=held_predictions(n, recomputed, schedule, weights),
     )
 
 

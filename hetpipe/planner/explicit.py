@@ -1,0 +1,222 @@
+"""Plans the search did not choose: a split the user wrote in the job file, priced so that
+predicted and measured figures can be compared (:func:`explicit_plan`), and the stage
+replicas the planner would propose for a plan's virtual workers (:func:`replica_proposals`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hetpipe.core.profile import ModelProfile
+from hetpipe.core.units import format_size
+from hetpipe.planner.partition import Infeasible, Partition
+from hetpipe.planner.plan import (
+    _assemble,
+    _at_minibatch,
+    _cost_model,
+    _shard_hosts,
+)
+from hetpipe.planner.plans import Plan, PlanError
+from hetpipe.planner.predict import predict
+from hetpipe.planner.replicas import (
+    Replicated,
+    as_partition,
+    describe_groups,
+    partition_replicated,
+)
+from hetpipe.planner.runtime import RuntimeCosts
+
+__all__ = ["explicit_plan", "replica_proposals"]
+
+
+def explicit_plan(
+    cluster: Any,
+    profile: ModelProfile,
+    vws: Sequence[tuple[Sequence[str], Sequence[int] | None, int | None]],
+    *,
+    minibatch: int,
+    staleness: int,
+    optimizer_state_factor: int,
+    nm: int | None = None,
+    shard_of_stage: Callable[[int, int, Any], int] | None = None,
+    costs: RuntimeCosts | None = None,
+    cores: int | Mapping[str, int] | None = None,
+    minibatches: int | None = None,
+    weights: str = "stash",
+    activations: str = "keep",
+    groups: Sequence[Sequence[Sequence[str]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
+) -> Plan:
+    """Predicted figures for a user-given split: ``(devices in order, layers per stage or
+    None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
+    devices, leader first, a replicated stage's several (its layers given): priced as the
+    planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
+    or as the leaders alone, with a warning, where the runtime would refuse the group
+    (``row_profiles`` as for :func:`make_plan`).
+    Missing layers are split optimally for that order; a missing
+    Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
+    fills the pipeline). Memory over a cap is a warning here
+    (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
+    ``minibatches`` as for :func:`make_plan`."""
+    warnings: list[str] = []
+    profile = _at_minibatch(profile, minibatch, warnings)
+    model = _cost_model(
+        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
+    )
+    L = profile.n_layers()
+    by_name = {d.name: d for d in cluster.devices}
+    used: set[str] = set()
+    chosen: list[tuple[tuple[Any, ...], Partition]] = []
+    for v, (names, layers, vw_nm) in enumerate(vws):
+        try:
+            devs = tuple(by_name[n] for n in names)
+        except KeyError as e:
+            raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+        for n in names:
+            if n in used:
+                raise PlanError(f"vw {v}: device {n!r} is used twice")
+            used.add(n)
+        missing = sorted({d.type for d in devs} - set(profile.layers))
+        if missing:
+            raise PlanError(f"vw {v}: no profile for device type(s) {', '.join(missing)}")
+        want = vw_nm if vw_nm is not None else nm
+        if layers is None:
+            p = model.best_nm(devs) if want is None else model.partition(devs, want)
+            if not isinstance(p, Partition):
+                raise PlanError(f"vw {v}: {p.reason}")
+        else:
+            if len(layers) != len(devs):
+                raise PlanError(f"vw {v}: {len(layers)} layer counts for {len(devs)} devices")
+            if any(n < 1 for n in layers) or sum(layers) != L:
+                raise PlanError(f"vw {v}: layers {list(layers)} must be >= 1 each and sum to {L}")
+            bounds = [0]
+            for n in layers:
+                bounds.append(bounds[-1] + n)
+            cuts = list(itertools.pairwise(bounds))
+            if want is None:  # the least Nm that fills this split's pipeline
+                p1 = model.describe(devs, cuts, 1)
+                fill = math.ceil(p1.latency / p1.bottleneck * (1 - 1e-12)) if p1.bottleneck else 1
+                want = min(len(devs), max(1, fill))
+            p = model.describe(devs, cuts, want)
+        for d, mem in zip(devs, p.memory, strict=True):
+            if mem.total > d.memory:
+                warnings.append(
+                    f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
+                    f"{format_size(d.memory)}"
+                )
+        given = groups[v] if v < len(groups) else None
+        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
+            for n in (n for g in given for n in g[1:]):
+                if n in used:
+                    raise PlanError(f"vw {v}: device {n!r} is used twice")
+                used.add(n)
+            try:
+                group_devs = [[by_name[n] for n in g] for g in given]
+            except KeyError as e:
+                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+            r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
+            if math.isfinite(r.bottleneck):
+                devs, p = as_partition(
+                    model, [d for g in group_devs for d in g], r, p.nm, minibatch
+                )
+            else:
+                warnings.append(
+                    f"vw {v}: a replicated stage does not fit its devices or "
+                    "may not run on them (batch norm, rows, nodes): predicted "
+                    "as its leaders alone"
+                )
+        chosen.append((devs, p))
+    if not chosen:
+        raise PlanError("no virtual workers given")
+    pred = predict(
+        model,
+        chosen,
+        minibatch=minibatch,
+        staleness=staleness,
+        cores=cores,
+        shard_hosts=_shard_hosts(cluster),
+        minibatches=minibatches,
+    )
+    unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
+    return _assemble(
+        cluster,
+        model,
+        chosen,
+        pred,
+        "explicit",
+        unused,
+        warnings,
+        minibatch,
+        staleness,
+        shard_of_stage,
+        {},
+    )
+
+
+def replica_proposals(
+    cluster: Any,
+    profile: ModelProfile,
+    plan: Plan,
+    orders: Sequence[Sequence[str]],
+    *,
+    max_replicas: int,
+    optimizer_state_factor: int,
+    weights: str = "stash",
+    activations: str = "keep",
+    given: Sequence[tuple[Sequence[Sequence[str]], Sequence[int]] | None] = (),
+    row_profiles: Mapping[int, ModelProfile] | None = None,
+) -> list[dict[str, Any]]:
+    """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
+    best grouping of its order into replicated stages (at most ``max_replicas`` devices
+    each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
+    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
+    profile = _at_minibatch(profile, plan.minibatch, [])
+    model = _cost_model(
+        cluster, profile, optimizer_state_factor, None, weights, activations, row_profiles
+    )
+    by_name = {d.name: d for d in cluster.devices}
+    out: list[dict[str, Any]] = []
+    for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):
+        devs = [by_name[n] for n in order]
+        alone = partition_replicated(model, devs, vw.nm, plan.minibatch, 1)
+        base = alone.bottleneck if isinstance(alone, Replicated) else math.inf
+        found: list[tuple[str, Replicated | Infeasible]] = []
+        if v < len(given) and given[v] is not None:
+            groups, layers = given[v]  # type: ignore[misc]
+            bounds = list(itertools.accumulate(layers, initial=0))
+            found.append(
+                (
+                    "as given",
+                    describe_groups(
+                        model,
+                        [[by_name[n] for n in g] for g in groups],
+                        list(itertools.pairwise(bounds)),
+                        vw.nm,
+                        plan.minibatch,
+                    ),
+                )
+            )
+        if max_replicas > 1:
+            found.append(
+                (
+                    f"best with train.max_replicas = {max_replicas}",
+                    partition_replicated(model, devs, vw.nm, plan.minibatch, max_replicas),
+                )
+            )
+        for what, r in found:
+            if isinstance(r, Replicated):
+                out.append(
+                    {
+                        "vw": v,
+                        "what": what,
+                        "groups": [list(g) for g in r.groups],
+                        "layers": list(r.layers),
+                        "bottleneck": r.bottleneck,
+                        "exchange_s": list(r.exchange_s),
+                        "unreplicated": base,
+                    }
+                )
+    return out

@@ -1,0 +1,157 @@
+"""The one memory model (:mod:`hetpipe.core.memory`): its scalar and vectorised forms are one
+expression, and the runtime's accounting of a real stage equals the planner's figure for the
+same stage, term by term."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from conftest import job
+
+from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
+from hetpipe.core.memory import (
+    StageMemory,
+    compose,
+    in_flight,
+    stage_memory,
+    stage_memory_of,
+    stage_terms,
+)
+from hetpipe.core.profile import ModelProfile
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model
+from hetpipe.optim import StageOptimizer
+from hetpipe.planner.partition import CostModel
+from hetpipe.planner.profile import measure_layers, synthetic_profile
+from hetpipe.planner.syncmodel import SyncModel
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
+
+MODES = [
+    ("async", "stash"),
+    ("async", "latest"),
+    ("async", "predict"),
+    ("async", "predict-consistent"),
+    ("gpipe", "stash"),
+    ("1f1b", "stash"),
+]
+
+
+def test_compose_is_the_six_terms() -> None:
+    m = compose(
+        100, 7, optimizer=100, copies=2, held=5, accumulators=200, activations=30, working=4
+    )
+    assert m == StageMemory(107, 100, 205, 200, 30, 4)
+    assert m.total == 107 + 100 + 205 + 200 + 30 + 4
+
+
+@pytest.mark.parametrize(("schedule", "weights"), MODES)
+def test_vectorised_terms_are_the_scalar_terms(schedule: str, weights: str) -> None:
+    """:func:`stage_terms` on arrays over every ``[a, b)`` gives, term by term, what the
+    scalar :func:`stage_memory` gives for each ``[a, b)`` alone."""
+    prof = synthetic_profile(7, {"t": 1.0}, 3)
+    lps = prof.layers["t"]
+    L = len(lps)
+
+    def prefix(vals: list[int]) -> np.ndarray:
+        return np.array([0, *itertools.accumulate(vals)], dtype=np.int64)
+
+    P = prefix([lp.param_bytes for lp in lps])
+    B = prefix([lp.buffer_bytes for lp in lps])
+    S = prefix([lp.saved_bytes for lp in lps])
+    inb = np.array([prof.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.int64)
+    W = np.zeros((L + 1, L + 1), dtype=np.int64)
+    for a in range(L):
+        W[a, a + 1 :] = np.maximum.accumulate([lp.work_bytes for lp in lps[a:]])
+    for flight in (1, 3):
+        terms = stage_terms(
+            P[None, :] - P[:, None],
+            B[None, :] - B[:, None],
+            S[None, :] - S[:, None],
+            inb[:, None],
+            W,
+            factor=2,
+            flight=flight,
+            schedule=schedule,
+            weights=weights,
+        )
+        for a, b in itertools.combinations(range(L + 1), 2):
+            want = stage_memory(lps[a:b], 0, 4, 3, 2, int(inb[a]), schedule, weights, flight=flight)
+            got = {k: int(v[a, b]) for k, v in terms.to_dict().items()}
+            assert got == want.to_dict(), (a, b)
+            assert int(terms.total[a, b]) == want.total
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_the_partitioners_price_every_range_by_the_one_model(kind: str) -> None:
+    """The asynchronous partitioner's and the synchronous planner's memory matrices are the
+    scalar model's totals (same integers)."""
+    prof = synthetic_profile(6, {"t": 1.0}, 5)
+    dev = DeviceSpec("d0", "cpu", "t", 1 << 30, 1.0, 0, "n0", "127.0.0.1")
+    cm = CostModel(prof, lambda _a, _b: 1e9, 1)
+    sync = SyncModel(prof, [dev, dev], lambda _a, _b: 1e9, 4, 1)
+    L = prof.n_layers()
+    for position, k in ((0, 2), (1, 2)):
+        flight = in_flight(position, k, 3)
+        async_totals = cm.memory_total("t", flight)
+        sync_totals = sync._memory_matrix(0, position, k, kind)
+        for a, b in itertools.combinations(range(L + 1), 2):
+            want = stage_memory_of(prof, "t", (a, b), position, k, 3, 1)
+            assert int(async_totals[a, b]) == want.total
+            assert cm.stage_memory("t", a, b, position, k, 3) == want
+            want = stage_memory_of(prof, "t", (a, b), position, k, 4, 1, kind)
+            assert sync_totals[a, b] == want.total
+
+
+def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
+    """A real stage (the whole model, async, weights stashed, SGD with momentum) holding Nm
+    minibatches of Nm weight versions, with two waves' updates accumulated, counts exactly
+    the planner's six terms for the same layers measured by the profiler."""
+    model, nm = "usermodels:dropout_mlp", 3
+    spec = JobSpec.from_dict(job("unit", model=model, minibatches=24, nm=nm, seed=3))
+    n = len(build_model(spec.model.name, spec.model.args))
+    task = StageTask(
+        job="unit",
+        spec=spec.to_dict(),
+        vw=0,
+        stage=0,
+        k=1,
+        nm=nm,
+        staleness=0,
+        minibatches=24,
+        num_vws=1,
+        layout=StageLayout(("gpu0",), 0, n),
+    )
+    dev = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
+    compute = StageCompute(task, dev)
+    torch.manual_seed(3)
+    state = build_model(spec.model.name, spec.model.args).state_dict()
+    names = compute.state_names()
+    compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    # the async order: Nm forwards ahead, then a backward and a step before each forward
+    for p in range(nm):
+        compute.forward(p, *stream.batch(p))
+    for p in range(nm, 2 * nm + 1):
+        q = p - nm
+        compute.backward(q, None)
+        compute.step(q)
+        compute.forward(p, *stream.batch(p))
+    assert len(compute.in_flight) == nm
+    assert sorted(compute.acc) == [0, 1]  # the wave being built and the one before
+    got = compute.memory()
+
+    x, _ = stream.batch(0)
+    torch.manual_seed(3)
+    layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
+    profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
+    factor = StageOptimizer.state_factor(spec.optimizer)
+    assert factor == 1  # SGD with momentum: one parameter-sized buffer
+    # position 0 of 2 holds Nm in flight (a pipeline's last stage holds one)
+    want = stage_memory_of(profile, "fast", (0, n), 0, 2, nm, factor)
+    assert got.to_dict() == want.to_dict()
