@@ -3,8 +3,10 @@
 The planner needs, for every device type of the cluster, each layer's forward and backward
 time at the job's minibatch size. Only a worker of that type can measure them honestly (an
 emulated device pads to its speed; a real GPU is itself), so the head asks one idle worker
-per type with a ``measure`` message and keeps the answers in a readable JSON file in its run
-directory, keyed by model, minibatch size and device type, so each is measured once.
+per type with a ``measure`` message (:mod:`hetpipe.measure`, on the worker) and keeps the
+answers in a readable JSON file in its run directory, keyed by model, minibatch size and
+device type, so each is measured once. This module is the head's side: reading answers,
+and the plan made from them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from hetpipe.config import ClusterConfig, DeviceSpec
 from hetpipe.core.layout import VWLayout
 from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
-from hetpipe.models import build_model, model_loss
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner import (
     CallProfile,
@@ -30,7 +29,6 @@ from hetpipe.planner import (
     PlanError,
     explicit_plan,
     make_plan,
-    measure_model,
     replica_proposals,
     sync_plan,
     weights_mode,
@@ -39,7 +37,6 @@ from hetpipe.planner import (
 __all__ = [
     "computes_on_cores",
     "live_cluster",
-    "measure",
     "model_key",
     "plan_for",
     "plan_vws",
@@ -59,32 +56,6 @@ def model_key(spec: JobSpec) -> str:
     if spec.precision != "fp32":
         key["precision"] = spec.precision
     return json.dumps(key, sort_keys=True)
-
-
-def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
-    """Profile the job's model on ``device`` (runs on a worker's compute thread)."""
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.model.name, spec.model.args)
-    dataset = load_dataset(spec.data.name, spec.data.args)
-    n = min(spec.minibatch, len(dataset.train_y))
-    # a minibatch of its own, as the runtime's stream gathers one (data.MinibatchStream): a
-    # slice would be a view of the whole training set, and a layer that saves its input
-    # (the first Linear or conv) would count that set's storage as its saved bytes
-    x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
-    loss = model_loss(spec.model.name)
-    got = measure_model(
-        model,
-        x,
-        device.device,
-        speed=device.speed,
-        loss_fn=lambda out: loss(out, y),
-        precision=spec.precision,
-    )
-    return {
-        "layers": [dataclasses.asdict(lp) for lp in got.layers],
-        "call": got.call.to_dict(),
-        "input_bytes": x.numel() * x.element_size(),
-    }
 
 
 def computes_on_cores(device: DeviceSpec) -> bool:

@@ -28,8 +28,8 @@ from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
+from hetpipe.measure import measure
 from hetpipe.pipeline import StageRunner
-from hetpipe.profiling import measure
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import AUTHORITY, KeysError, Role, check_job, may_send, worker_user
 from hetpipe.stage import StageCompute

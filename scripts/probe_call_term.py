@@ -41,8 +41,9 @@ from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
 from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
+from hetpipe.measure import measure_layers, measure_model
 from hetpipe.models import build_model, model_loss
-from hetpipe.planner.profile import ModelProfile, measure_layers, measure_model
+from hetpipe.planner.profile import ModelProfile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask

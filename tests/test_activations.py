@@ -27,9 +27,10 @@ from hetpipe.core.memory import (
 )
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
+from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
-from hetpipe.planner.profile import LayerProfile, ModelProfile, measure_layers
+from hetpipe.planner.profile import LayerProfile, ModelProfile
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 

@@ -24,10 +24,11 @@ from hetpipe.core.memory import (
 from hetpipe.core.profile import ModelProfile
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
+from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner.partition import CostModel
-from hetpipe.planner.profile import measure_layers, synthetic_profile
+from hetpipe.planner.profile import synthetic_profile
 from hetpipe.planner.syncmodel import SyncModel
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask

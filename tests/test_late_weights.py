@@ -19,8 +19,9 @@ from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import stage_memory_of
 from hetpipe.job import JobSpec
+from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
-from hetpipe.planner.profile import ModelProfile, measure_layers
+from hetpipe.planner.profile import ModelProfile
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 

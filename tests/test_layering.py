@@ -112,3 +112,23 @@ def test_the_planner_imports_no_runtime_module(name: str, path: Path) -> None:
 def test_the_runtime_does_not_import_the_planner(name: str, path: Path) -> None:
     bad = [(line, mod) for line, mod in imports(name, path) if under(mod, "hetpipe.planner")]
     assert bad == [], f"{name} imports the planner: {bad}"
+
+
+def closure(start: str) -> set[str]:
+    """Every hetpipe module ``start`` imports, directly or through others."""
+    paths = dict(modules())
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in paths:
+            continue
+        seen.add(name)
+        todo.extend(mod for _, mod in imports(name, paths[name]) if mod in paths)
+    return seen
+
+
+@pytest.mark.parametrize("daemon", ["hetpipe.worker", "hetpipe.stage", "hetpipe.pipeline"])
+def test_a_worker_never_loads_the_planner(daemon: str) -> None:
+    """A worker measures (hetpipe.measure) and runs stages; planning is the head's."""
+    reached = sorted(m for m in closure(daemon) if under(m, "hetpipe.planner", *PLANNER_CALLERS))
+    assert reached == [], f"{daemon} reaches {reached}"

@@ -10,14 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetpipe.planner import (
-    CallProfile,
-    LayerProfile,
-    ModelProfile,
-    ProfileStore,
-    measure_layers,
-    measure_model,
-)
+from hetpipe.measure import measure_layers, measure_model
+from hetpipe.planner import CallProfile, LayerProfile, ModelProfile, ProfileStore
 from hetpipe.planner.profile import at_speed, synthetic_profile
 
 

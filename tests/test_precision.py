@@ -17,8 +17,8 @@ from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.hostcopy import HostCopier
 from hetpipe.job import JobError, JobSpec
+from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
-from hetpipe.planner.profile import measure_layers
 from hetpipe.readback import Readback
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask

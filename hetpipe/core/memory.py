@@ -65,7 +65,7 @@ Precision (``train.precision``): the weight terms (params, optimizer, stash,
 accumulators) are float32 in both precisions, since the weights, their updates and the
 optimizer state are kept in float32 (autocast casts per operation). In ``bf16`` the
 activation and working terms shrink: they come from a profile measured under bfloat16
-autocast (:func:`hetpipe.planner.profile.measure_layers`, keyed by precision), whose layers
+autocast (:func:`hetpipe.measure.measure_layers`, keyed by precision), whose layers
 save bf16 tensors where autocast computes in bf16 and whose stage inputs arrive as bf16;
 the runtime counts its real tensors the same way.
 

@@ -240,7 +240,8 @@ def at_speed(
     """What a device of emulation ``speed`` measures, from what one of ``measured`` speed
     measured on the same hardware (the emulated devices of one node share its cores).
 
-    A profile holds every time ``/ speed`` of the same compute (:func:`measure_model`), so
+    A profile holds every time ``/ speed`` of the same compute
+    (:func:`hetpipe.measure.measure_model`), so
     this is exact, where two types measured one after the other on a busy host differ by
     its load at each moment (here up to a fifth, enough to swap the planner's formations).
     Byte counts are the hardware's and stay."""

@@ -56,8 +56,6 @@ from hetpipe.planner.partition import (
 )
 from hetpipe.planner.profile import (
     ProfileStore,
-    measure_layers,
-    measure_model,
     synthetic_profile,
 )
 from hetpipe.planner.runtime import RuntimeCosts
@@ -97,8 +95,6 @@ __all__ = [
     "explicit_plan",
     "in_flight",
     "make_plan",
-    "measure_layers",
-    "measure_model",
     "partition",
     "partition_best_nm",
     "place_stages",
