@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, validate
-from hetpipe.data import DataError, load_dataset
+from hetpipe.data import DataError, Dataset, load_dataset
 from hetpipe.job import JobError, JobSpec
 from hetpipe.models import ModelError, build_model
 from hetpipe.replicas import check_group
-from hetpipe.security import CodeError
-from hetpipe.security import check_job as check_code
+from hetpipe.security import CodeError, check_code
 
 __all__ = ["JobFacts", "check_job"]
 
@@ -39,10 +40,14 @@ _NAME_PROBLEMS = (
 
 @dataclass(frozen=True)
 class JobFacts:
-    """What the checks learnt, for callers that would otherwise compute it again."""
+    """What the checks learnt and built, for callers that would otherwise do it again: the
+    head plans and lays out the job from this model (built from the job's seed: its initial
+    weights) and data set, so it builds and loads each once per job."""
 
     layers: int  # the model's number of layers
     per_epoch: int  # minibatches per virtual worker and epoch
+    model: torch.nn.Sequential
+    dataset: Dataset
 
 
 def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
@@ -56,7 +61,9 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
     except CodeError as exc:
         raise JobError(f"{source}: {str(exc).removeprefix('job: ')}") from None
     try:
-        n_layers = len(build_model(spec.model.name, spec.model.args))
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model.name, spec.model.args)
+        n_layers = len(model)
     except ModelError as exc:
         key = "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
         raise fail(key, str(exc)) from None
@@ -113,4 +120,4 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
                 f"{fault.minibatch}: each virtual worker "
                 f"trains {total} minibatches (0..{total - 1})",
             )
-    return JobFacts(n_layers, per_epoch)
+    return JobFacts(n_layers, per_epoch, model, dataset)

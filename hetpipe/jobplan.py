@@ -27,6 +27,7 @@ from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
 from hetpipe.job import JobSpec
+from hetpipe.jobcheck import JobFacts
 from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
@@ -307,27 +308,33 @@ def plan_job(
     *,
     vws: Sequence[VWLayout] | None = None,
     predicted: dict[str, Any] | None = None,
+    facts: JobFacts | None = None,
 ) -> JobPlan:
     """Check the job against the cluster and live workers and lay out its run.
 
     ``vws`` is the layout to run (the planner's, or the job's own split with the planner's
     activation policies); without it the job's own ``[[vw]]`` split runs as it pins it.
     ``predicted`` holds the planner's figures, kept to report them next to the measured ones.
+    ``facts``: what the job check built (the model from the job's seed and the data set),
+    taken instead of building them again.
     """
-    try:
-        torch.manual_seed(spec.seed)
-        model = build_model(spec.model.name, spec.model.args)
-    except ModelError as exc:
-        raise JobPlanError(f"model: {exc}") from None
+    if facts is not None:
+        model, dataset = facts.model, facts.dataset
+    else:
+        try:
+            torch.manual_seed(spec.seed)
+            model = build_model(spec.model.name, spec.model.args)
+        except ModelError as exc:
+            raise JobPlanError(f"model: {exc}") from None
+        try:
+            dataset = load_dataset(spec.data.name, spec.data.args)
+        except ValueError as exc:
+            raise JobPlanError(f"data: {exc}") from None
     n_layers = len(model)
     try:
         layout = StateLayout.of(model)
     except LayoutError as exc:
         raise JobPlanError(f"model: {exc}") from None
-    try:
-        dataset = load_dataset(spec.data.name, spec.data.args)
-    except ValueError as exc:
-        raise JobPlanError(f"data: {exc}") from None
     if vws is None and not spec.vws:
         raise JobPlanError("the job gives no [[vw]] split and no plan was made for it")
     split = tuple(vws) if vws is not None else requested_layouts(spec)

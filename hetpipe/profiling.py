@@ -92,15 +92,18 @@ def plan_for(
     cluster: ClusterConfig,
     profile: ModelProfile,
     row_profiles: Mapping[int, ModelProfile] | None = None,
+    *,
+    n_train: int | None = None,
 ) -> Plan:
     """The planner's plan for a job without a split, or its prediction for the given split;
-    ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`)."""
+    ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`);
+    ``n_train``: the training samples, where the caller has loaded the data set already."""
     factor = StageOptimizer.state_factor(spec.optimizer)
     common = {
         "minibatch": spec.minibatch,
         "staleness": spec.staleness,
         "optimizer_state_factor": factor,
-        "minibatches": job_minibatches(spec),
+        "minibatches": job_minibatches(spec, n_train),
         "weights": weights_mode(spec.weights, spec.predict_variant),
         "activations": spec.activations,
         "row_profiles": row_profiles,
@@ -251,12 +254,17 @@ def _auto_plan(
     )
 
 
-def job_minibatches(spec: JobSpec) -> int:
-    """Minibatches per virtual worker the job will run (the prediction covers the whole job)."""
+def job_minibatches(spec: JobSpec, n_train: int | None = None) -> int:
+    """Minibatches per virtual worker the job will run (the prediction covers the whole job);
+    ``n_train``: the training samples, loaded here where not given."""
     if spec.minibatches:
         return spec.minibatches
     vws = len(spec.vws) or spec.num_vws or 1
-    train = len(load_dataset(spec.data.name, spec.data.args).train_y)
+    train = (
+        n_train
+        if n_train is not None
+        else len(load_dataset(spec.data.name, spec.data.args).train_y)
+    )
     return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
 
 

@@ -75,7 +75,7 @@ __all__ = [
     "SecuritySpec",
     "ZapAuthenticator",
     "apply_curve",
-    "check_job",
+    "check_code",
     "check_job_name",
     "ensure_keys",
     "key_names",
@@ -537,7 +537,7 @@ def _check_code(
         )
 
 
-def check_job(job: Any, allowed_modules: Sequence[str]) -> None:
+def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
     """Refuse a job (a dict in the job file's shape, or a JobSpec) before it imports anything.
 
     Raises :class:`CodeError` naming the module and the setting that would allow it.

@@ -31,7 +31,7 @@ from hetpipe.job import JobSpec
 from hetpipe.measure import measure
 from hetpipe.pipeline import StageRunner
 from hetpipe.ratelog import Throttle, excerpt
-from hetpipe.security import AUTHORITY, KeysError, Role, check_job, may_send, worker_user
+from hetpipe.security import AUTHORITY, KeysError, Role, check_code, may_send, worker_user
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
@@ -226,7 +226,7 @@ class Worker:
         try:
             task = StageTask.from_dict(msg["task"])
             # the head checked the job at submit; a worker checks again before any import
-            check_job(task.spec, self.cluster.security.allowed_modules)
+            check_code(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
             compute = await loop.run_in_executor(
                 self.executor, _stage_compute, task, self.device, msg.tensors
@@ -280,7 +280,7 @@ class Worker:
         """Profile the job's layers on this device for the planner."""
         assert self.head is not None
         try:
-            check_job(msg["job"], self.cluster.security.allowed_modules)
+            check_code(msg["job"], self.cluster.security.allowed_modules)
             spec = JobSpec.from_dict(msg["job"], source="job")
             loop = asyncio.get_running_loop()
             info = await loop.run_in_executor(self.executor, measure, spec, self.device)

@@ -33,7 +33,7 @@ from hetpipe.config import ConfigError, load_cluster
 from hetpipe.daemon import Owner
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.ratelog import excerpt
-from hetpipe.security import CodeError, Curve, check_job, ensure_keys, load_curve
+from hetpipe.security import CodeError, Curve, check_code, ensure_keys, load_curve
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind, Message
 
@@ -72,7 +72,7 @@ def test_missing_keys_say_how_to_make_them(tmp_path: Path) -> None:
 def test_code_outside_the_allow_list_is_refused(model: str) -> None:
     spec = job("j", model=model, model_args={"cmd": "true"})
     with pytest.raises(CodeError) as info:
-        check_job(spec, ["hetpipe.models", "mypkg"])
+        check_code(spec, ["hetpipe.models", "mypkg"])
     text = str(info.value)
     assert "\n" not in text
     assert f"module '{model.split(':')[0]}' is not allowed" in text
@@ -82,9 +82,9 @@ def test_code_outside_the_allow_list_is_refused(model: str) -> None:
 def test_builtins_listed_modules_and_entry_points_are_allowed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    check_job(job("j", model="mlp"), [])
-    check_job(job("j", model="hetpipe.models:mlp"), ["hetpipe.models"])
-    check_job(job("j", model="mypkg.sub.models:build"), ["mypkg"])  # a listed package
+    check_code(job("j", model="mlp"), [])
+    check_code(job("j", model="hetpipe.models:mlp"), ["hetpipe.models"])
+    check_code(job("j", model="mypkg.sub.models:build"), ["mypkg"])  # a listed package
 
     class EP:
         value = "plugin.models:build"
@@ -92,9 +92,9 @@ def test_builtins_listed_modules_and_entry_points_are_allowed(
     monkeypatch.setattr(
         security.metadata, "entry_points", lambda group: [EP()] if group == "hetpipe.models" else []
     )
-    check_job(job("j", model="plugin.models:build"), [])
+    check_code(job("j", model="plugin.models:build"), [])
     with pytest.raises(CodeError):
-        check_job(job("j", model="plugin.other:build"), [])
+        check_code(job("j", model="plugin.other:build"), [])
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_builtins_listed_modules_and_entry_points_are_allowed(
 )
 def test_job_names_that_could_leave_the_run_dir_are_refused(name: str) -> None:
     with pytest.raises(CodeError, match="job: name: "):
-        check_job(job(name), [])
+        check_code(job(name), [])
 
 
 def test_excerpt_bounds_echoed_input() -> None:

@@ -255,15 +255,19 @@ class JobsPart:
         loop = asyncio.get_running_loop()
         vws, predicted = None, None
         spec = js.spec
-        try:  # the CLI checked this already; other clients may not have
-            await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
+        try:  # the CLI checked this already; other clients may not have. Where the job's
+            # code is loaded on the head: its model and data, built once for the whole job
+            facts = await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
         except JobError as exc:
             raise JobPlanError(str(exc)) from None
+        n_train = len(facts.dataset.train_y)
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
             profile, rows = await self.profiler.profiles(spec)
             cluster = live_cluster(self.cluster, self.registry.idle())
-            plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
+            plan = await loop.run_in_executor(
+                None, lambda: plan_for(spec, cluster, profile, rows, n_train=n_train)
+            )
             if spec.schedule == "auto":  # the planner chose: the job runs its choice
                 spec = js.spec = dataclasses.replace(
                     spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup
@@ -289,7 +293,14 @@ class JobsPart:
         js.plan = await loop.run_in_executor(
             None,
             lambda: plan_job(
-                spec, js.id, self.cluster, alive, shards, vws=vws, predicted=predicted
+                spec,
+                js.id,
+                self.cluster,
+                alive,
+                shards,
+                vws=vws,
+                predicted=predicted,
+                facts=facts,
             ),
         )
         if js.resume is not None:

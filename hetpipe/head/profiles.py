@@ -56,7 +56,7 @@ class Profiler:
         try:
             spec = JobSpec.from_dict(msg["job"], source="job", strict=True)
             # the job checks start with the code policy (nothing is imported before it)
-            await asyncio.get_running_loop().run_in_executor(
+            facts = await asyncio.get_running_loop().run_in_executor(
                 None, check_job, spec, self.cluster, "job"
             )
             if msg.kind == Kind.PLAN:
@@ -67,7 +67,10 @@ class Profiler:
             if msg.kind == Kind.PLAN:
                 loop = asyncio.get_running_loop()
                 cluster = live_cluster(self.cluster, self.registry.idle())
-                plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
+                n_train = len(facts.dataset.train_y)
+                plan = await loop.run_in_executor(
+                    None, lambda: plan_for(spec, cluster, profile, rows, n_train=n_train)
+                )
                 info = {"plan": plan.to_dict(), "table": plan.table()}
         except (JobError, CodeError, PlanError, JobFailed) as exc:
             await self.channel.reply_error(peer, str(exc), msg["rid"])

@@ -35,8 +35,7 @@ from hetpipe.modelstate import layer_of
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, plan_vws, predicted_summary
 from hetpipe.ratelog import excerpt
-from hetpipe.security import CodeError
-from hetpipe.security import check_job as check_code
+from hetpipe.security import CodeError, check_code
 from hetpipe.transport import RemoteError
 
 __all__ = [

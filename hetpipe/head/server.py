@@ -31,8 +31,7 @@ from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobstore import next_number, read_result
 from hetpipe.ratelog import Throttle, excerpt
-from hetpipe.security import CodeError, Role, may_send, worker_user
-from hetpipe.security import check_job as check_code
+from hetpipe.security import CodeError, Role, check_code, may_send, worker_user
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
 
