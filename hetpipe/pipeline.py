@@ -13,6 +13,10 @@ before them, and on the first stage the next forward after them. What a run made
 afterwards in order, once its copy to the host is done (waited for on a copy thread, never
 on the compute thread). The clock a forward saw is recorded with it, so staleness is
 observable afterwards; the losses come back in batches (:mod:`hetpipe.readback`).
+
+One file on purpose: :class:`StageRunner` is one executor whose message handlers and
+actions share the minibatches in flight, their pieces and the wave's pushes; the compute
+itself is :mod:`hetpipe.stage`'s and the order :mod:`hetpipe.core.schedule`'s.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Why this shape:
 
 Extending: add a member to :class:`Kind` and its field schema to :data:`SCHEMAS`. Decoded
 tensors may alias read-only memory (a ``bytes`` frame): clone one before writing into it.
+
+One file on purpose: the kinds, their field schemas and the codec are the protocol, and a
+reader checks each against the others; a second home for any of them would drift.
 """
 
 from __future__ import annotations

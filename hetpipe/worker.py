@@ -5,6 +5,10 @@ sends a heartbeat every ``heartbeat_s``, and runs the stage the head assigns: it
 activations and gradients on its data port (a PULL socket), sends them on to its neighbours
 (PUSH sockets), and pushes/pulls its state to/from the parameter-server shards. Torch runs on
 one compute thread; the event loop only moves messages. Between jobs it stays up, idle.
+
+One file on purpose: the daemon is one object whose handlers (head channel, data port,
+heartbeat, the running job) share its sockets and its one job; the stage's compute
+(:mod:`hetpipe.stage`) and the schedule's execution (:mod:`hetpipe.pipeline`) live apart.
 """
 
 from __future__ import annotations

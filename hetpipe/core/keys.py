@@ -13,7 +13,8 @@ What a parser still writes itself is what no declaration can say: checks across 
 (``lost_after_s`` above ``heartbeat_s``, exactly one of ``epochs`` / ``minibatches``), and
 the shapes of a few values (sizes, device groups, ``warmup``'s integer-or-"auto").
 
-Pure: no torch, asyncio or zmq.
+Pure: no torch, asyncio or zmq. One file on purpose: it is the table of every key, read
+whole by the parsers, the applicability check and the generated reference.
 """
 
 from __future__ import annotations
