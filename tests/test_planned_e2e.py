@@ -82,8 +82,14 @@ def test_a_model_that_fits_nowhere_cannot_be_planned(hetero_cluster) -> None:
 
 @pytest.mark.timeout(400)
 def test_a_synchronous_job_is_planned_and_runs_its_plan(hetero_cluster) -> None:
-    spec = job("sync-planned", model="cnn", nm=4, minibatches=48, lr=0.05)
-    spec["train"].update({"schedule": "1f1b", "vws": 1})
+    spec = job(
+        "sync-planned",
+        model="cnn",
+        nm=4,
+        minibatches=48,
+        lr=0.05,
+        train={"schedule": "1f1b", "vws": 1},
+    )
     info = hetero_cluster.submit(spec, timeout=380)
     assert info["state"] == "done", info.get("error")
     pred = info["predicted"]

@@ -60,9 +60,15 @@ def plain_sync_training(
 
 
 def sync_job(name: str, kind: str, split: list, **kw) -> dict:
-    spec = job(name, model="mlp", split=split, nm=M, minibatches=M * ITERATIONS, **kw)
-    spec["train"]["schedule"] = kind
-    return spec
+    return job(
+        name,
+        model="mlp",
+        split=split,
+        nm=M,
+        minibatches=M * ITERATIONS,
+        train={"schedule": kind},
+        **kw,
+    )
 
 
 @pytest.mark.timeout(240)
@@ -144,8 +150,14 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
     microbatches (2 + 1), the runtime runs that plan, and the job is still SGD on the union
     of both VWs' samples of each iteration."""
     m = 3
-    spec = job("sync-planned-2vw", model="mlp", nm=m, minibatches=m * ITERATIONS, lr=0.05)
-    spec["train"].update({"schedule": "1f1b", "vws": 2, "warmup": "auto"})
+    spec = job(
+        "sync-planned-2vw",
+        model="mlp",
+        nm=m,
+        minibatches=m * ITERATIONS,
+        lr=0.05,
+        train={"schedule": "1f1b", "vws": 2, "warmup": "auto"},
+    )
     info = uniform_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
     pred = info["predicted"]
