@@ -32,9 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.replicas import check_group
+from hetpipe.core.schedule import fill_counts
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
@@ -525,33 +527,37 @@ def _assemble(
             expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm, weights=model.weights)
             for i in range(p.k)
         ]
+        fills = fill_counts(limits, p.nm)
         stages = tuple(
             StagePlan(
-                d.name,
+                StageLayout(
+                    devices=(d.name, *(x.name for x in p.group_of(i, d)[1:])),
+                    first=p.cuts[i][0],
+                    last=p.cuts[i][1],
+                    recompute=tuple(p.recompute[i]) if p.recompute else (),
+                    swap=tuple(p.swap[i]) if p.swap else (),
+                    rows=tuple(p.rows[i]) if p.groups and len(p.groups[i]) > 1 else (),
+                    in_flight_limit=limits[i],
+                    in_flight_fill=fills[i],
+                ),
                 d.type,
-                p.cuts[i],
                 pred.compute_s(v, i),
                 _memory_at(model, p, i, limits[i]) if limits[i] else p.memory[i],
                 d.memory,
                 stage_shards[v][i],
                 pred.busy_s(v, i, p.nm),
                 pred.slowdown[v][i],
-                p.recompute[i] if p.recompute else (),
                 p.keep_memory[i] if p.keep_memory else None,
-                p.swap[i] if p.swap else (),
-                tuple(x.name for x in p.group_of(i, d)[1:]),
-                p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),
                 p.exchange_s[i] if p.exchange_s else 0.0,
                 _memory_at(model, p, i, held[i]),
                 held[i],
                 bound[i],
-                limits[i],
             )
             for i, d in enumerate(devs)
         )
         finish = sim.vw_finish_s[v]
         rate = sim.minibatches * minibatch / finish if finish > 0 else math.inf
-        vw_plans.append(VWPlan(tuple(d.name for d in devs), stages, p.nm, rate))
+        vw_plans.append(VWPlan(stages, p.nm, rate))
         if p.nm < len(devs):
             warnings.append(
                 f"vw {v}: Nm={p.nm} < {len(devs)} stages: the pipeline cannot fill "

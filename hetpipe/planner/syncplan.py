@@ -45,6 +45,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.schedule import SYNC_KINDS, microbatch_order
@@ -272,9 +273,8 @@ def sync_plan(
             n = in_flight(pos, k, mv, c.kind, warmup=warm)
             stages.append(
                 StagePlan(
-                    usable[i].name,
+                    StageLayout((usable[i].name,), a, b),
                     usable[i].type,
-                    (a, b),
                     pred.compute_s(v, pos),
                     mem,
                     usable[i].memory,
@@ -288,7 +288,6 @@ def sync_plan(
             )
         plans.append(
             VWPlan(
-                tuple(usable[i].name for i in c.devices),
                 tuple(stages),
                 mv,
                 mv * minibatch / iteration,
