@@ -11,7 +11,7 @@ from test_planner_plan import KW, profile16, repo_cluster
 
 from hetpipe.core.layout import VWLayout, validate
 from hetpipe.core.schedule import fill_counts
-from hetpipe.planner import Plan, make_plan
+from hetpipe.planner import Plan, PlanError, explicit_plan, make_plan
 from hetpipe.planner.syncplan import sync_plan
 from hetpipe.profiling import plan_vws
 
@@ -76,3 +76,39 @@ def test_a_synchronous_plan_runs_the_jobs_pinned_policy(activations):
             assert s.swap == (every if activations == "swap" else ())
     free = make_plan(cluster, prof, **KW, num_vws=1)
     assert free.run_layouts(activations) == tuple(v.layout for v in free.vws)
+
+
+@pytest.mark.parametrize(
+    ("vws", "says"),
+    [
+        ([(("gpu9",), None, 1)], "vw[0].devices[0]: unknown device: 'gpu9' is not a device"),
+        (
+            [(("gpu0",), None, 1), (("gpu1", "gpu0"), None, 1)],
+            "vw[1].devices[1]: device used twice: device 'gpu0' is already in vw[0]",
+        ),
+        (
+            [(("gpu0", "gpu1"), (3, 3), 2)],
+            "vw[0].layers: layers must sum to 16: [3, 3] sums to 6, the model has 16 layers",
+        ),
+        ([(("gpu0", "gpu1"), (0, 16), 2)], "vw[0].layers[0]: must be >= 1, got 0"),
+        ([(("gpu0",), None, 0)], "vw[0].nm: must be >= 1, got 0"),
+    ],
+)
+def test_a_given_split_is_refused_as_the_one_validation_says(vws, says):
+    """explicit_plan checks a user's split with hetpipe.core.layout.validate: its key and
+    problem, led by the words explicit plans always used for the same problem."""
+    with pytest.raises(PlanError) as got:
+        explicit_plan(repo_cluster(), profile16(), vws, **KW)
+    assert str(got.value).startswith(says), got.value
+
+
+def test_a_given_synchronous_split_is_refused_as_the_one_validation_says():
+    with pytest.raises(PlanError, match=r"^vw\[0\]\.devices\[1\]: unknown device: 'gpu9'"):
+        sync_plan(
+            repo_cluster(),
+            profile16(),
+            minibatch=32,
+            m=4,
+            optimizer_state_factor=1,
+            vws=[(("gpu0", "gpu9"), None)],
+        )

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hetpipe.core.layout import VWSpec, bounds_of
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.units import format_size
 from hetpipe.planner.partition import Infeasible, Partition
@@ -19,7 +20,7 @@ from hetpipe.planner.plan import (
     _cost_model,
     _shard_hosts,
 )
-from hetpipe.planner.plans import Plan, PlanError
+from hetpipe.planner.plans import Plan, PlanError, check_split
 from hetpipe.planner.predict import predict
 from hetpipe.planner.replicas import (
     Replicated,
@@ -68,17 +69,25 @@ def explicit_plan(
     )
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
-    used: set[str] = set()
+    # a stage's replicas count where they are priced: given groups with the layers given
+    replicated = [
+        g if g is not None and any(len(x) > 1 for x in g) and layers is not None else None
+        for g, (_, layers, _) in itertools.zip_longest(groups[: len(vws)], vws)
+    ]
+    specs = [
+        VWSpec(
+            tuple(names),
+            tuple(layers) if layers is not None else None,
+            vw_nm,
+            tuple(tuple(x[1:]) for x in g) if g is not None else None,
+        )
+        for (names, layers, vw_nm), g in zip(vws, replicated, strict=True)
+    ]
+    check_split(specs, by_name, L)
+    used = {n for spec in specs for n in spec.all_devices()}
     chosen: list[tuple[tuple[Any, ...], Partition]] = []
     for v, (names, layers, vw_nm) in enumerate(vws):
-        try:
-            devs = tuple(by_name[n] for n in names)
-        except KeyError as e:
-            raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
-        for n in names:
-            if n in used:
-                raise PlanError(f"vw {v}: device {n!r} is used twice")
-            used.add(n)
+        devs = tuple(by_name[n] for n in names)
         missing = sorted({d.type for d in devs} - set(profile.layers))
         if missing:
             raise PlanError(f"vw {v}: no profile for device type(s) {', '.join(missing)}")
@@ -89,13 +98,10 @@ def explicit_plan(
                 raise PlanError(f"vw {v}: {p.reason}")
         else:
             if len(layers) != len(devs):
-                raise PlanError(f"vw {v}: {len(layers)} layer counts for {len(devs)} devices")
-            if any(n < 1 for n in layers) or sum(layers) != L:
-                raise PlanError(f"vw {v}: layers {list(layers)} must be >= 1 each and sum to {L}")
-            bounds = [0]
-            for n in layers:
-                bounds.append(bounds[-1] + n)
-            cuts = list(itertools.pairwise(bounds))
+                raise PlanError(
+                    f"vw[{v}].layers: {len(layers)} layer counts for {len(devs)} devices"
+                )
+            cuts = bounds_of(layers)
             if want is None:  # the least Nm that fills this split's pipeline
                 p1 = model.describe(devs, cuts, 1)
                 fill = math.ceil(p1.latency / p1.bottleneck * (1 - 1e-12)) if p1.bottleneck else 1
@@ -107,16 +113,9 @@ def explicit_plan(
                     f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
                     f"{format_size(d.memory)}"
                 )
-        given = groups[v] if v < len(groups) else None
-        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
-            for n in (n for g in given for n in g[1:]):
-                if n in used:
-                    raise PlanError(f"vw {v}: device {n!r} is used twice")
-                used.add(n)
-            try:
-                group_devs = [[by_name[n] for n in g] for g in given]
-            except KeyError as e:
-                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+        given = replicated[v]
+        if given is not None:
+            group_devs = [[by_name[n] for n in g] for g in given]
             r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
             if math.isfinite(r.bottleneck):
                 devs, p = as_partition(

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetpipe.core.layout import StageLayout, VWLayout
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, validate
 from hetpipe.core.memory import StageMemory
 from hetpipe.core.schedule import fill_counts
 from hetpipe.core.units import format_size
 
-__all__ = ["Plan", "PlanError", "StagePlan", "VWPlan", "model_title"]
+__all__ = ["Plan", "PlanError", "StagePlan", "VWPlan", "check_split", "model_title"]
 
 
 def model_title(key: str) -> str:
@@ -51,6 +51,31 @@ def model_title(key: str) -> str:
 
 class PlanError(ValueError):
     """No plan is possible (the model fits nowhere, a bad explicit split); one clear line."""
+
+
+# validate's problems that explicit plans have always named in these words (callers match
+# them): the words lead, validate's own text follows
+_SPLIT_WORDS = (
+    ("is not a device of", "unknown device"),
+    ("is already in", "device used twice"),
+    ("sums to", "layers must sum to {n_layers}"),
+)
+
+
+def check_split(vws: Sequence[VWSpec], devices: Collection[str], n_layers: int) -> None:
+    """Refuse a split a user gave (``vws``: its ``[[vw]]`` tables, layers and Nm where
+    given) as :func:`hetpipe.core.layout.validate` does, the one check of a split, raising
+    :class:`PlanError` with validate's text (the job-file key, then the problem), led by
+    the words these plans always used for the same problem ("unknown device", "device used
+    twice", "layers must sum to 16")."""
+    try:
+        validate(vws, devices, n_layers)
+    except SplitError as exc:
+        for problem, words in _SPLIT_WORDS:
+            if problem in exc.problem:
+                lead = words.format(n_layers=n_layers)
+                raise PlanError(f"{exc.key}: {lead}: {exc.problem}") from None
+        raise PlanError(str(exc)) from None
 
 
 @dataclass(frozen=True)

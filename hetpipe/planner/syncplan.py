@@ -45,7 +45,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from hetpipe.core.layout import StageLayout
+from hetpipe.core.layout import StageLayout, VWSpec
 from hetpipe.core.memory import in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.schedule import SYNC_KINDS, microbatch_order
@@ -142,7 +142,7 @@ def sync_plan(
     from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.placement import place_plan
     from hetpipe.planner.plan import _at_minibatch, _cost_model, _power, _shard_hosts
-    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
+    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan, check_split
     from hetpipe.planner.predict import predict
 
     if m < 1:
@@ -192,12 +192,17 @@ def sync_plan(
     ms: tuple[int, ...] = ()
     exchange = 0.0
     if vws:
+        check_split(
+            [VWSpec(tuple(n), tuple(x) if x is not None else None) for n, x in vws],
+            {d.name for d in cluster.devices},
+            profile.n_layers(),
+        )
         given = []
         for v, (names, layers) in enumerate(vws):
             try:
                 devs = tuple(index[n] for n in names)
             except KeyError as e:
-                raise PlanError(f"vw {v}: unknown or unprofiled device {e.args[0]!r}") from None
+                raise PlanError(f"vw {v}: no profile for device {e.args[0]!r}") from None
             cuts = (
                 None
                 if layers is None
