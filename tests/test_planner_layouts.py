@@ -11,7 +11,7 @@ from test_planner_plan import KW, profile16, repo_cluster
 
 from hetpipe.core.layout import VWLayout, validate
 from hetpipe.core.schedule import fill_counts
-from hetpipe.planner import Plan, PlanError, explicit_plan, make_plan
+from hetpipe.planner import Plan, PlanError, PlanInputs, explicit_plan, make_plan
 from hetpipe.planner.syncplan import sync_plan
 from hetpipe.profiling import plan_vws
 
@@ -112,3 +112,22 @@ def test_a_given_synchronous_split_is_refused_as_the_one_validation_says():
             optimizer_state_factor=1,
             vws=[(("gpu0", "gpu9"), None)],
         )
+
+
+def test_plan_inputs_say_once_what_the_keywords_say():
+    """make_plan and explicit_plan take the job's PlanInputs, or its fields as keywords,
+    or both (the keywords replace the fields); an unknown keyword is refused."""
+    cluster, prof = repo_cluster(), profile16()
+    inputs = PlanInputs(**KW, num_vws=1, policy="np", nm=4)
+    assert make_plan(cluster, prof, inputs) == make_plan(
+        cluster, prof, **KW, num_vws=1, policy="np", nm=4
+    )
+    assert make_plan(cluster, prof, inputs, nm=2) == make_plan(
+        cluster, prof, **KW, num_vws=1, policy="np", nm=2
+    )
+    split = [(("gpu1", "gpu2"), (8, 8), None)]
+    assert explicit_plan(cluster, prof, split, inputs) == explicit_plan(
+        cluster, prof, split, **KW, nm=4
+    )
+    with pytest.raises(TypeError):
+        make_plan(cluster, prof, inputs, nosuch=1)

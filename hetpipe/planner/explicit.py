@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hetpipe.core.layout import VWSpec, bounds_of
@@ -18,17 +18,16 @@ from hetpipe.planner.plan import (
     _assemble,
     _at_minibatch,
     _cost_model,
+    _predict,
     _shard_hosts,
 )
-from hetpipe.planner.plans import Plan, PlanError, check_split
-from hetpipe.planner.predict import predict
+from hetpipe.planner.plans import Plan, PlanError, PlanInputs, check_split
 from hetpipe.planner.replicas import (
     Replicated,
     as_partition,
     describe_groups,
     partition_replicated,
 )
-from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = ["explicit_plan", "replica_proposals"]
 
@@ -37,36 +36,27 @@ def explicit_plan(
     cluster: Any,
     profile: ModelProfile,
     vws: Sequence[tuple[Sequence[str], Sequence[int] | None, int | None]],
+    inputs: PlanInputs | None = None,
     *,
-    minibatch: int,
-    staleness: int,
-    optimizer_state_factor: int,
-    nm: int | None = None,
-    shard_of_stage: Callable[[int, int, Any], int] | None = None,
-    costs: RuntimeCosts | None = None,
-    cores: int | Mapping[str, int] | None = None,
-    minibatches: int | None = None,
-    weights: str = "stash",
-    activations: str = "keep",
     groups: Sequence[Sequence[Sequence[str]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
+    **options: Any,
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
     devices, leader first, a replicated stage's several (its layers given): priced as the
     planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
-    or as the leaders alone, with a warning, where the runtime would refuse the group
-    (``row_profiles`` as for :func:`make_plan`).
-    Missing layers are split optimally for that order; a missing
-    Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
-    fills the pipeline). Memory over a cap is a warning here
-    (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
-    ``minibatches`` as for :func:`make_plan`."""
+    or as the leaders alone, with a warning, where the runtime would refuse the group.
+    ``inputs`` (and ``options`` replacing its fields, or all of them without it) as for
+    :func:`make_plan`; the search's ``policy``, ``num_vws``, ``max_replicas`` and
+    ``in_flight`` do not apply. Missing layers are split optimally for that order; a missing
+    Nm falls back to ``inputs.nm``, else the best for the split (for given layers: the least
+    Nm that fills the pipeline). Memory over a cap is a warning here (the runtime refuses
+    it), so a user sees every problem at once."""
+    inputs = PlanInputs.of(inputs, options)
+    minibatch, nm = inputs.minibatch, inputs.nm
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
-    )
+    model = _cost_model(cluster, profile, inputs)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
     # a stage's replicas count where they are priced: given groups with the layers given
@@ -130,15 +120,7 @@ def explicit_plan(
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
-    pred = predict(
-        model,
-        chosen,
-        minibatch=minibatch,
-        staleness=staleness,
-        cores=cores,
-        shard_hosts=_shard_hosts(cluster),
-        minibatches=minibatches,
-    )
+    pred = _predict(model, chosen, inputs, _shard_hosts(cluster))
     unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
     return _assemble(
         cluster,
@@ -148,9 +130,7 @@ def explicit_plan(
         "explicit",
         unused,
         warnings,
-        minibatch,
-        staleness,
-        shard_of_stage,
+        inputs,
         {},
     )
 
@@ -160,22 +140,23 @@ def replica_proposals(
     profile: ModelProfile,
     plan: Plan,
     orders: Sequence[Sequence[str]],
+    inputs: PlanInputs | None = None,
     *,
-    max_replicas: int,
-    optimizer_state_factor: int,
-    weights: str = "stash",
-    activations: str = "keep",
     given: Sequence[tuple[Sequence[Sequence[str]], Sequence[int]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
+    **options: Any,
 ) -> list[dict[str, Any]]:
     """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
     best grouping of its order into replicated stages (at most ``max_replicas`` devices
     each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
-    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
-    profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, None, weights, activations, row_profiles
+    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`).
+    ``inputs`` and ``options`` as for :func:`make_plan`; the minibatch and staleness are the
+    plan's."""
+    inputs = PlanInputs.of(
+        inputs, {"minibatch": plan.minibatch, "staleness": plan.staleness, **options}
     )
+    max_replicas = inputs.max_replicas
+    profile = _at_minibatch(profile, plan.minibatch, [])
+    model = _cost_model(cluster, profile, inputs)
     by_name = {d.name: d for d in cluster.devices}
     out: list[dict[str, Any]] = []
     for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):

@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, validate
 from hetpipe.core.memory import StageMemory
+from hetpipe.core.profile import ModelProfile
 from hetpipe.core.schedule import fill_counts
 from hetpipe.core.units import format_size
+from hetpipe.planner.runtime import RuntimeCosts
 
-__all__ = ["Plan", "PlanError", "StagePlan", "VWPlan", "check_split", "model_title"]
+__all__ = [
+    "Plan",
+    "PlanError",
+    "PlanInputs",
+    "StagePlan",
+    "VWPlan",
+    "check_split",
+    "model_title",
+]
 
 
 def model_title(key: str) -> str:
@@ -51,6 +61,54 @@ def model_title(key: str) -> str:
 
 class PlanError(ValueError):
     """No plan is possible (the model fits nowhere, a bad explicit split); one clear line."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a job asks of the planner, said once: the figures every plan is priced with and
+    the search's options. :func:`hetpipe.planner.make_plan` takes it (or its fields as
+    keywords); :func:`hetpipe.planner.explicit_plan` and
+    :func:`hetpipe.planner.replica_proposals` take it too and read what pricing a given
+    split needs (the search's ``policy``, ``num_vws`` and ``in_flight`` are not theirs).
+
+    ``minibatch`` rows per minibatch, WSP's ``staleness`` D and the optimizer's
+    ``optimizer_state_factor`` (state tensors per parameter) price every stage. ``nm``
+    fixes Nm for every VW (None: chosen per VW). ``shard_of_stage(vw, stage, device) ->
+    shard`` overrides parameter placement. ``costs`` are the runtime's own costs (None:
+    :class:`hetpipe.planner.runtime.RuntimeCosts` as measured for this project) and
+    ``cores`` the cores of each node, shared by its emulated devices and daemons (one
+    number, or by node name; None: this machine's). ``minibatches`` (per VW) is how long
+    the job runs, so that the prediction includes filling and draining the pipelines (None:
+    long enough for a steady state). ``weights`` is the job's mode as
+    :func:`hetpipe.core.memory.weights_mode` names it, ``activations`` its
+    ``train.activations``, ``max_replicas`` its ``train.max_replicas``, ``row_profiles``
+    the model profiled at a replica's fewer rows (by rows), and ``in_flight`` its
+    ``train.in_flight``. ``policy`` and ``num_vws`` choose the formations searched.
+    """
+
+    minibatch: int
+    staleness: int
+    optimizer_state_factor: int
+    policy: str = "auto"
+    num_vws: int | None = None
+    nm: int | None = None
+    shard_of_stage: Callable[[int, int, Any], int] | None = None
+    costs: RuntimeCosts | None = None
+    cores: int | Mapping[str, int] | None = None
+    minibatches: int | None = None
+    weights: str = "stash"
+    activations: str = "keep"
+    max_replicas: int = 1
+    row_profiles: Mapping[int, ModelProfile] | None = None
+    in_flight: str = "nm"
+
+    @classmethod
+    def of(cls, inputs: PlanInputs | None, options: Mapping[str, Any]) -> PlanInputs:
+        """``inputs`` with ``options`` (field names) replacing its fields; without
+        ``inputs``, the options alone (a keyword call of the planner's functions)."""
+        if inputs is None:
+            return cls(**options)
+        return replace(inputs, **options) if options else inputs
 
 
 # validate's problems that explicit plans have always named in these words (callers match

@@ -142,7 +142,7 @@ def sync_plan(
     from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.placement import place_plan
     from hetpipe.planner.plan import _at_minibatch, _cost_model, _power, _shard_hosts
-    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan, check_split
+    from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan, check_split
     from hetpipe.planner.predict import predict
 
     if m < 1:
@@ -164,7 +164,9 @@ def sync_plan(
         shards=len(_shard_hosts(cluster)),
     )
     index = {d.name: i for i, d in enumerate(usable)}
-    cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
+    cm = _cost_model(
+        cluster, profile, PlanInputs(minibatch, 0, optimizer_state_factor, costs=costs)
+    )
 
     def _predict(vws: Sequence[SyncChoice], ms: Sequence[int]) -> tuple[float, Any]:
         """Iteration time with the runtime's costs, the gradient exchange and the sharing of
