@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from hetpipe.planner.explicit import explicit_plan, replica_proposals
     from hetpipe.planner.placement import place_stages
     from hetpipe.planner.plan import make_plan
-    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
+    from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
     from hetpipe.planner.syncplan import sync_plan
 
@@ -80,6 +80,7 @@ __all__ = [
     "Partition",
     "Plan",
     "PlanError",
+    "PlanInputs",
     "ProfileStore",
     "RuntimeCosts",
     "SimLink",
@@ -107,7 +108,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    **dict.fromkeys(("Plan", "PlanError", "StagePlan", "VWPlan"), "plans"),
+    **dict.fromkeys(("Plan", "PlanError", "PlanInputs", "StagePlan", "VWPlan"), "plans"),
     **dict.fromkeys(("explicit_plan", "replica_proposals"), "explicit"),
     "make_plan": "plan",
     "place_stages": "placement",

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from hetpipe.core.layout import VWSpec, bounds_of
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.units import format_size
 from hetpipe.planner.partition import Infeasible, Partition
@@ -17,17 +18,16 @@ from hetpipe.planner.plan import (
     _assemble,
     _at_minibatch,
     _cost_model,
+    _predict,
     _shard_hosts,
 )
-from hetpipe.planner.plans import Plan, PlanError
-from hetpipe.planner.predict import predict
+from hetpipe.planner.plans import Plan, PlanError, PlanInputs, check_split
 from hetpipe.planner.replicas import (
     Replicated,
     as_partition,
     describe_groups,
     partition_replicated,
 )
-from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = ["explicit_plan", "replica_proposals"]
 
@@ -36,49 +36,48 @@ def explicit_plan(
     cluster: Any,
     profile: ModelProfile,
     vws: Sequence[tuple[Sequence[str], Sequence[int] | None, int | None]],
+    inputs: PlanInputs | None = None,
     *,
-    minibatch: int,
-    staleness: int,
-    optimizer_state_factor: int,
-    nm: int | None = None,
-    shard_of_stage: Callable[[int, int, Any], int] | None = None,
-    costs: RuntimeCosts | None = None,
-    cores: int | Mapping[str, int] | None = None,
-    minibatches: int | None = None,
-    weights: str = "stash",
-    activations: str = "keep",
     groups: Sequence[Sequence[Sequence[str]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
+    **options: Any,
 ) -> Plan:
     """Predicted figures for a user-given split: ``(devices in order, layers per stage or
     None, Nm or None)`` per VW; ``groups[v]`` (where given and not None): VW v's stages'
     devices, leader first, a replicated stage's several (its layers given): priced as the
     planner prices the replicas it chooses (:func:`hetpipe.planner.replicas.as_partition`),
-    or as the leaders alone, with a warning, where the runtime would refuse the group
-    (``row_profiles`` as for :func:`make_plan`).
-    Missing layers are split optimally for that order; a missing
-    Nm falls back to ``nm``, else the best for the split (for given layers: the least Nm that
-    fills the pipeline). Memory over a cap is a warning here
-    (the runtime refuses it), so a user sees every problem at once. ``costs``, ``cores`` and
-    ``minibatches`` as for :func:`make_plan`."""
+    or as the leaders alone, with a warning, where the runtime would refuse the group.
+    ``inputs`` (and ``options`` replacing its fields, or all of them without it) as for
+    :func:`make_plan`; the search's ``policy``, ``num_vws``, ``max_replicas`` and
+    ``in_flight`` do not apply. Missing layers are split optimally for that order; a missing
+    Nm falls back to ``inputs.nm``, else the best for the split (for given layers: the least
+    Nm that fills the pipeline). Memory over a cap is a warning here (the runtime refuses
+    it), so a user sees every problem at once."""
+    inputs = PlanInputs.of(inputs, options)
+    minibatch, nm = inputs.minibatch, inputs.nm
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
-    )
+    model = _cost_model(cluster, profile, inputs)
     L = profile.n_layers()
     by_name = {d.name: d for d in cluster.devices}
-    used: set[str] = set()
+    # a stage's replicas count where they are priced: given groups with the layers given
+    replicated = [
+        g if g is not None and any(len(x) > 1 for x in g) and layers is not None else None
+        for g, (_, layers, _) in itertools.zip_longest(groups[: len(vws)], vws)
+    ]
+    specs = [
+        VWSpec(
+            tuple(names),
+            tuple(layers) if layers is not None else None,
+            vw_nm,
+            tuple(tuple(x[1:]) for x in g) if g is not None else None,
+        )
+        for (names, layers, vw_nm), g in zip(vws, replicated, strict=True)
+    ]
+    check_split(specs, by_name, L)
+    used = {n for spec in specs for n in spec.all_devices()}
     chosen: list[tuple[tuple[Any, ...], Partition]] = []
     for v, (names, layers, vw_nm) in enumerate(vws):
-        try:
-            devs = tuple(by_name[n] for n in names)
-        except KeyError as e:
-            raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
-        for n in names:
-            if n in used:
-                raise PlanError(f"vw {v}: device {n!r} is used twice")
-            used.add(n)
+        devs = tuple(by_name[n] for n in names)
         missing = sorted({d.type for d in devs} - set(profile.layers))
         if missing:
             raise PlanError(f"vw {v}: no profile for device type(s) {', '.join(missing)}")
@@ -89,13 +88,10 @@ def explicit_plan(
                 raise PlanError(f"vw {v}: {p.reason}")
         else:
             if len(layers) != len(devs):
-                raise PlanError(f"vw {v}: {len(layers)} layer counts for {len(devs)} devices")
-            if any(n < 1 for n in layers) or sum(layers) != L:
-                raise PlanError(f"vw {v}: layers {list(layers)} must be >= 1 each and sum to {L}")
-            bounds = [0]
-            for n in layers:
-                bounds.append(bounds[-1] + n)
-            cuts = list(itertools.pairwise(bounds))
+                raise PlanError(
+                    f"vw[{v}].layers: {len(layers)} layer counts for {len(devs)} devices"
+                )
+            cuts = bounds_of(layers)
             if want is None:  # the least Nm that fills this split's pipeline
                 p1 = model.describe(devs, cuts, 1)
                 fill = math.ceil(p1.latency / p1.bottleneck * (1 - 1e-12)) if p1.bottleneck else 1
@@ -107,16 +103,9 @@ def explicit_plan(
                     f"vw {v}: {d.name} needs {format_size(mem.total)}, over its cap "
                     f"{format_size(d.memory)}"
                 )
-        given = groups[v] if v < len(groups) else None
-        if given is not None and any(len(g) > 1 for g in given) and layers is not None:
-            for n in (n for g in given for n in g[1:]):
-                if n in used:
-                    raise PlanError(f"vw {v}: device {n!r} is used twice")
-                used.add(n)
-            try:
-                group_devs = [[by_name[n] for n in g] for g in given]
-            except KeyError as e:
-                raise PlanError(f"vw {v}: unknown device {e.args[0]!r}") from None
+        given = replicated[v]
+        if given is not None:
+            group_devs = [[by_name[n] for n in g] for g in given]
             r = describe_groups(model, group_devs, p.cuts, p.nm, minibatch)
             if math.isfinite(r.bottleneck):
                 devs, p = as_partition(
@@ -131,15 +120,7 @@ def explicit_plan(
         chosen.append((devs, p))
     if not chosen:
         raise PlanError("no virtual workers given")
-    pred = predict(
-        model,
-        chosen,
-        minibatch=minibatch,
-        staleness=staleness,
-        cores=cores,
-        shard_hosts=_shard_hosts(cluster),
-        minibatches=minibatches,
-    )
+    pred = _predict(model, chosen, inputs, _shard_hosts(cluster))
     unused = [(d.name, "not in the explicit split") for d in cluster.devices if d.name not in used]
     return _assemble(
         cluster,
@@ -149,9 +130,7 @@ def explicit_plan(
         "explicit",
         unused,
         warnings,
-        minibatch,
-        staleness,
-        shard_of_stage,
+        inputs,
         {},
     )
 
@@ -161,22 +140,23 @@ def replica_proposals(
     profile: ModelProfile,
     plan: Plan,
     orders: Sequence[Sequence[str]],
+    inputs: PlanInputs | None = None,
     *,
-    max_replicas: int,
-    optimizer_state_factor: int,
-    weights: str = "stash",
-    activations: str = "keep",
     given: Sequence[tuple[Sequence[Sequence[str]], Sequence[int]] | None] = (),
-    row_profiles: Mapping[int, ModelProfile] | None = None,
+    **options: Any,
 ) -> list[dict[str, Any]]:
     """Per virtual worker of ``plan`` (its devices in ``orders[v]``, replicas included): the
     best grouping of its order into replicated stages (at most ``max_replicas`` devices
     each), and a split given with groups (``given[v]``: groups, layers) priced the same way,
-    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`)."""
-    profile = _at_minibatch(profile, plan.minibatch, [])
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, None, weights, activations, row_profiles
+    each beside the same order without replicas (:mod:`hetpipe.planner.replicas`).
+    ``inputs`` and ``options`` as for :func:`make_plan`; the minibatch and staleness are the
+    plan's."""
+    inputs = PlanInputs.of(
+        inputs, {"minibatch": plan.minibatch, "staleness": plan.staleness, **options}
     )
+    max_replicas = inputs.max_replicas
+    profile = _at_minibatch(profile, plan.minibatch, [])
+    model = _cost_model(cluster, profile, inputs)
     by_name = {d.name: d for d in cluster.devices}
     out: list[dict[str, Any]] = []
     for v, (vw, order) in enumerate(zip(plan.vws, orders, strict=True)):

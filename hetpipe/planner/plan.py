@@ -28,18 +28,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.replicas import check_group
+from hetpipe.core.schedule import fill_counts
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 from hetpipe.planner.placement import place_plan, place_stages
-from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
+from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.replicas import (
     replica_memory,
@@ -78,12 +80,8 @@ class _Search:
     """Shared state of one planning run: caches across formations."""
 
     model: CostModel
-    nm: int | None
-    staleness: int
-    minibatch: int
-    cores: int | Mapping[str, int] | None = None
+    inputs: PlanInputs
     shard_hosts: tuple[str, ...] = ()
-    minibatches: int | None = None
     vw_memo: dict[tuple, OrderResult] = field(default_factory=dict)
     formations: int = 0
     orders: int = 0
@@ -108,7 +106,7 @@ class _Search:
         key, canon = self.canon(group)
         hit = self.vw_memo.get(key)
         if hit is None:
-            hit = best_order(self.model, canon, nm=self.nm)
+            hit = best_order(self.model, canon, nm=self.inputs.nm)
             self.orders += hit.evaluated
             self.vw_memo[key] = hit
             return hit
@@ -117,7 +115,7 @@ class _Search:
         order = tuple(mapping[id(d)] for d in hit.order)
         p = hit.partition
         # same device sequence key as the cached split: a memo hit, renamed to these devices
-        p = self.model.partition(order, p.nm if isinstance(p, Partition) else (self.nm or 1))
+        p = self.model.partition(order, p.nm if isinstance(p, Partition) else (self.inputs.nm or 1))
         return OrderResult(order, p, 0, hit.exhaustive)
 
     def evaluate(self, f: Formation) -> tuple[float, Any]:
@@ -137,7 +135,7 @@ class _Search:
             return -math.inf, (kept, None, dropped)
         best: tuple[float, Any] | None = None
         variants = [kept]
-        if self.nm is None and len(kept) > 1:
+        if self.inputs.nm is None and len(kept) > 1:
             balanced = self.balance(kept)
             if balanced != kept:
                 variants.append(balanced)
@@ -150,15 +148,7 @@ class _Search:
 
     def predict(self, chosen: Sequence[tuple[Sequence[Any], Partition]]) -> Prediction:
         """Simulated rates of the chosen VWs with the runtime's costs and host sharing."""
-        return predict(
-            self.model,
-            chosen,
-            minibatch=self.minibatch,
-            staleness=self.staleness,
-            cores=self.cores,
-            shard_hosts=self.shard_hosts,
-            minibatches=self.minibatches,
-        )
+        return _predict(self.model, chosen, self.inputs, self.shard_hosts)
 
     def balance(
         self, kept: Sequence[tuple[tuple[Any, ...], Partition]]
@@ -202,7 +192,7 @@ class _Search:
         ):
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
-        return math.inf if lb <= 0 else 1.02 * self.minibatch / lb
+        return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
 
 
 def _limited(
@@ -244,54 +234,34 @@ def _limited(
 def make_plan(
     cluster: Any,
     profile: ModelProfile,
-    *,
-    minibatch: int,
-    staleness: int,
-    optimizer_state_factor: int,
-    policy: str = "auto",
-    num_vws: int | None = None,
-    nm: int | None = None,
-    shard_of_stage: Callable[[int, int, Any], int] | None = None,
-    costs: RuntimeCosts | None = None,
-    cores: int | Mapping[str, int] | None = None,
-    minibatches: int | None = None,
-    weights: str = "stash",
-    activations: str = "keep",
-    max_replicas: int = 1,
-    row_profiles: Mapping[int, ModelProfile] | None = None,
-    in_flight: str = "nm",
+    inputs: PlanInputs | None = None,
+    **options: Any,
 ) -> Plan:
     """Search formations, orders, splits and Nm for the highest predicted throughput.
 
     ``cluster`` is a :class:`hetpipe.config.ClusterConfig` (or anything with ``devices``,
-    ``network.bytes_per_s(a, b)`` and ``ps``). ``nm`` fixes Nm for every VW (else chosen per
-    VW). ``shard_of_stage(vw, stage, device) -> shard`` overrides parameter placement.
-    ``costs`` are the runtime's own costs (default: :class:`RuntimeCosts` as measured for
-    this project; ``RuntimeCosts.zero()`` plans for an ideal runtime) and ``cores`` the cores
-    of each node, shared by its emulated devices and daemons (one number, or by node name;
-    default: this machine's). ``minibatches`` (per VW) is how long the job runs, so that the
-    prediction includes filling and draining the pipelines and VWs that finish at different
-    times (default: long enough for a steady state). ``weights`` is the job's mode as
-    :func:`hetpipe.core.memory.weights_mode` names it (what each stage keeps).
-    ``activations`` is the job's ``train.activations``: under "auto" a stage short of
-    memory recomputes the cheapest run of layers or swaps the layers that make it fit,
-    whichever adds less time, chosen with the cuts (:mod:`hetpipe.planner.partition`).
-    ``max_replicas`` (> 1): each VW may run a stage on up to that many consecutive devices
-    of its order, where the predictor says the job is faster so
-    (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]`` says what was
-    weighed); ``row_profiles``: the model profiled at a replica's fewer rows (by rows), for
-    its compute (:meth:`CostModel.compute_at`; else proportional to its rows).
-    ``in_flight`` is the job's ``train.in_flight``: under "plan" each stage is limited to
-    the count its predicted timeline held (:func:`_limited`); under "nm" it may hold what
-    the schedule permits. Raises :class:`PlanError` when the model fits on no group of
-    devices.
+    ``network.bytes_per_s(a, b)`` and ``ps``). ``inputs`` are the job's
+    (:class:`PlanInputs`, where each field is said); ``options`` (its field names as
+    keywords) replace them, or are all of them where ``inputs`` is None. Under
+    ``activations`` "auto" a stage short of memory recomputes the cheapest run of layers or
+    swaps the layers that make it fit, whichever adds less time, chosen with the cuts
+    (:mod:`hetpipe.planner.partition`). With ``max_replicas`` > 1 each VW may run a stage on
+    up to that many consecutive devices of its order, where the predictor says the job is
+    faster so (:func:`hetpipe.planner.replicas.replicate`; ``details["replica_choice"]``
+    says what was weighed), a replica's compute priced at its rows from ``row_profiles``
+    (:meth:`CostModel.compute_at`; else proportional to its rows). Under ``in_flight``
+    "plan" each stage is limited to the count its predicted timeline held
+    (:func:`_limited`); under "nm" it may hold what the schedule permits. Raises
+    :class:`PlanError` when the model fits on no group of devices.
     """
+    inputs = PlanInputs.of(inputs, options)
+    minibatch, policy, num_vws = inputs.minibatch, inputs.policy, inputs.num_vws
     if minibatch < 1:
         raise PlanError(f"minibatch must be >= 1, got {minibatch}")
-    if staleness < 0:
-        raise PlanError(f"staleness must be >= 0, got {staleness}")
-    if nm is not None and nm < 1:
-        raise PlanError(f"nm must be >= 1, got {nm}")
+    if inputs.staleness < 0:
+        raise PlanError(f"staleness must be >= 0, got {inputs.staleness}")
+    if inputs.nm is not None and inputs.nm < 1:
+        raise PlanError(f"nm must be >= 1, got {inputs.nm}")
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
     devices = tuple(cluster.devices)
@@ -304,10 +274,8 @@ def make_plan(
             f"no device has a profile: profiled types {', '.join(profile.layers) or '(none)'}, "
             f"cluster types {', '.join(dict.fromkeys(d.type for d in devices))}"
         )
-    model = _cost_model(
-        cluster, profile, optimizer_state_factor, costs, weights, activations, row_profiles
-    )
-    search = _Search(model, nm, staleness, minibatch, cores, _shard_hosts(cluster), minibatches)
+    model = _cost_model(cluster, profile, inputs)
+    search = _Search(model, inputs, _shard_hosts(cluster))
     try:
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
     except ValueError as e:
@@ -351,14 +319,14 @@ def make_plan(
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
     }
-    if max_replicas > 1:
-        if activations in ("keep", "auto"):
+    if inputs.max_replicas > 1:
+        if inputs.activations in ("keep", "auto"):
             kept, pred, notes = replicate(
                 model,
                 kept,
                 search.predict,
                 minibatch=minibatch,
-                max_replicas=max_replicas,
+                max_replicas=inputs.max_replicas,
                 may_group=may_replicate(cluster, minibatch),
             )
         else:  # the replica DP prices every activation as kept
@@ -366,13 +334,13 @@ def make_plan(
                 {
                     "vw": v,
                     "chosen": False,
-                    "why": f"train.activations = {activations!r} "
+                    "why": f"train.activations = {inputs.activations!r} "
                     "(replicas are planned keeping every activation)",
                 }
                 for v in range(len(kept))
             ]
         details["replica_choice"] = notes
-    if in_flight == "plan":
+    if inputs.in_flight == "plan":
         kept, pred = _limited(model, kept, pred, search.predict)
     return _assemble(
         cluster,
@@ -382,9 +350,7 @@ def make_plan(
         formation.policy,
         unused,
         warnings,
-        minibatch,
-        staleness,
-        shard_of_stage,
+        inputs,
         details,
     )
 
@@ -402,15 +368,8 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
     return profile
 
 
-def _cost_model(
-    cluster: Any,
-    profile: ModelProfile,
-    factor: int,
-    costs: RuntimeCosts | None,
-    weights: str = "stash",
-    activations: str = "keep",
-    row_profiles: Mapping[int, ModelProfile] | None = None,
-) -> CostModel:
+def _cost_model(cluster: Any, profile: ModelProfile, inputs: PlanInputs) -> CostModel:
+    """The cost model of ``profile`` on ``cluster`` as ``inputs`` price it."""
     net = cluster.network
     speeds: dict[str, float] = {}
     for d in cluster.devices:
@@ -418,12 +377,12 @@ def _cost_model(
     model = CostModel(
         profile,
         net.bytes_per_s,
-        factor,
-        (costs or RuntimeCosts()).with_runtime(cluster),
+        inputs.optimizer_state_factor,
+        (inputs.costs or RuntimeCosts()).with_runtime(cluster),
         speeds,
-        weights,
-        activations,
-        row_profiles,
+        inputs.weights,
+        inputs.activations,
+        inputs.row_profiles,
     )
     # bandwidth depends only on "same node or not": alike groups can share a search
     model.uniform_nodes = not getattr(net, "links", ()) and hasattr(net, "inter_node_gbps")
@@ -447,6 +406,25 @@ def may_replicate(cluster: Any, minibatch: int) -> Callable[[Sequence[Any]], boo
 
 def _shard_hosts(cluster: Any) -> tuple[str, ...]:
     return tuple(str(s.host) for s in getattr(cluster, "ps", ()) or ())
+
+
+def _predict(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    inputs: PlanInputs,
+    shard_hosts: Sequence[str],
+) -> Prediction:
+    """Simulated rates of the chosen VWs with the runtime's costs and host sharing, for the
+    job ``inputs`` describe."""
+    return predict(
+        model,
+        chosen,
+        minibatch=inputs.minibatch,
+        staleness=inputs.staleness,
+        cores=inputs.cores,
+        shard_hosts=tuple(shard_hosts),
+        minibatches=inputs.minibatches,
+    )
 
 
 def _power(profile: ModelProfile) -> Callable[[Any], float]:
@@ -487,12 +465,11 @@ def _assemble(
     policy: str,
     unused: Sequence[tuple[str, str]],
     warnings: list[str],
-    minibatch: int,
-    staleness: int,
-    shard_of_stage: Callable[[int, int, Any], int] | None,
+    inputs: PlanInputs,
     details: dict[str, Any],
 ) -> Plan:
     prof = model.profile
+    minibatch, staleness, shard_of_stage = inputs.minibatch, inputs.staleness, inputs.shard_of_stage
     layer_shards, stage_shards = place_plan(
         cluster, prof, [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen]
     )
@@ -525,33 +502,37 @@ def _assemble(
             expected_in_flight(sim.peak_in_flight[v][i], i, p.k, p.nm, weights=model.weights)
             for i in range(p.k)
         ]
+        fills = fill_counts(limits, p.nm)
         stages = tuple(
             StagePlan(
-                d.name,
+                StageLayout(
+                    devices=(d.name, *(x.name for x in p.group_of(i, d)[1:])),
+                    first=p.cuts[i][0],
+                    last=p.cuts[i][1],
+                    recompute=tuple(p.recompute[i]) if p.recompute else (),
+                    swap=tuple(p.swap[i]) if p.swap else (),
+                    rows=tuple(p.rows[i]) if p.groups and len(p.groups[i]) > 1 else (),
+                    in_flight_limit=limits[i],
+                    in_flight_fill=fills[i],
+                ),
                 d.type,
-                p.cuts[i],
                 pred.compute_s(v, i),
                 _memory_at(model, p, i, limits[i]) if limits[i] else p.memory[i],
                 d.memory,
                 stage_shards[v][i],
                 pred.busy_s(v, i, p.nm),
                 pred.slowdown[v][i],
-                p.recompute[i] if p.recompute else (),
                 p.keep_memory[i] if p.keep_memory else None,
-                p.swap[i] if p.swap else (),
-                tuple(x.name for x in p.group_of(i, d)[1:]),
-                p.rows[i] if p.groups and len(p.groups[i]) > 1 else (),
                 p.exchange_s[i] if p.exchange_s else 0.0,
                 _memory_at(model, p, i, held[i]),
                 held[i],
                 bound[i],
-                limits[i],
             )
             for i, d in enumerate(devs)
         )
         finish = sim.vw_finish_s[v]
         rate = sim.minibatches * minibatch / finish if finish > 0 else math.inf
-        vw_plans.append(VWPlan(tuple(d.name for d in devs), stages, p.nm, rate))
+        vw_plans.append(VWPlan(stages, p.nm, rate))
         if p.nm < len(devs):
             warnings.append(
                 f"vw {v}: Nm={p.nm} < {len(devs)} stages: the pipeline cannot fill "

@@ -1,22 +1,36 @@
 """The plan the runtime executes and a person reads: :class:`Plan`, its virtual workers
 (:class:`VWPlan`) and their stages (:class:`StagePlan`), their (de)serialisation, and the
-table ``hetpipe plan`` prints (:meth:`Plan.table`). Made by :mod:`hetpipe.planner.plan` (the
-search), :mod:`hetpipe.planner.explicit` (a split the user wrote) and
-:mod:`hetpipe.planner.syncplan` (synchronous jobs).
+table ``hetpipe plan`` prints (:meth:`Plan.table`). A planned stage is its layout
+(:class:`hetpipe.core.layout.StageLayout`, the one type of a split) plus the planner's
+predictions, so the plan's result is the layouts the runtime runs (:meth:`Plan.run_layouts`).
+Made by :mod:`hetpipe.planner.plan` (the search), :mod:`hetpipe.planner.explicit` (a split
+the user wrote) and :mod:`hetpipe.planner.syncplan` (synchronous jobs).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, validate
 from hetpipe.core.memory import StageMemory
+from hetpipe.core.profile import ModelProfile
+from hetpipe.core.schedule import fill_counts
 from hetpipe.core.units import format_size
+from hetpipe.planner.runtime import RuntimeCosts
 
-__all__ = ["Plan", "PlanError", "StagePlan", "VWPlan", "model_title"]
+__all__ = [
+    "Plan",
+    "PlanError",
+    "PlanInputs",
+    "StagePlan",
+    "VWPlan",
+    "check_split",
+    "model_title",
+]
 
 
 def model_title(key: str) -> str:
@@ -50,10 +64,87 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class PlanInputs:
+    """What a job asks of the planner, said once: the figures every plan is priced with and
+    the search's options. :func:`hetpipe.planner.make_plan` takes it (or its fields as
+    keywords); :func:`hetpipe.planner.explicit_plan` and
+    :func:`hetpipe.planner.replica_proposals` take it too and read what pricing a given
+    split needs (the search's ``policy``, ``num_vws`` and ``in_flight`` are not theirs).
+
+    ``minibatch`` rows per minibatch, WSP's ``staleness`` D and the optimizer's
+    ``optimizer_state_factor`` (state tensors per parameter) price every stage. ``nm``
+    fixes Nm for every VW (None: chosen per VW). ``shard_of_stage(vw, stage, device) ->
+    shard`` overrides parameter placement. ``costs`` are the runtime's own costs (None:
+    :class:`hetpipe.planner.runtime.RuntimeCosts` as measured for this project) and
+    ``cores`` the cores of each node, shared by its emulated devices and daemons (one
+    number, or by node name; None: this machine's). ``minibatches`` (per VW) is how long
+    the job runs, so that the prediction includes filling and draining the pipelines (None:
+    long enough for a steady state). ``weights`` is the job's mode as
+    :func:`hetpipe.core.memory.weights_mode` names it, ``activations`` its
+    ``train.activations``, ``max_replicas`` its ``train.max_replicas``, ``row_profiles``
+    the model profiled at a replica's fewer rows (by rows), and ``in_flight`` its
+    ``train.in_flight``. ``policy`` and ``num_vws`` choose the formations searched.
+    """
+
+    minibatch: int
+    staleness: int
+    optimizer_state_factor: int
+    policy: str = "auto"
+    num_vws: int | None = None
+    nm: int | None = None
+    shard_of_stage: Callable[[int, int, Any], int] | None = None
+    costs: RuntimeCosts | None = None
+    cores: int | Mapping[str, int] | None = None
+    minibatches: int | None = None
+    weights: str = "stash"
+    activations: str = "keep"
+    max_replicas: int = 1
+    row_profiles: Mapping[int, ModelProfile] | None = None
+    in_flight: str = "nm"
+
+    @classmethod
+    def of(cls, inputs: PlanInputs | None, options: Mapping[str, Any]) -> PlanInputs:
+        """``inputs`` with ``options`` (field names) replacing its fields; without
+        ``inputs``, the options alone (a keyword call of the planner's functions)."""
+        if inputs is None:
+            return cls(**options)
+        return replace(inputs, **options) if options else inputs
+
+
+# validate's problems that explicit plans have always named in these words (callers match
+# them): the words lead, validate's own text follows
+_SPLIT_WORDS = (
+    ("is not a device of", "unknown device"),
+    ("is already in", "device used twice"),
+    ("sums to", "layers must sum to {n_layers}"),
+)
+
+
+def check_split(vws: Sequence[VWSpec], devices: Collection[str], n_layers: int) -> None:
+    """Refuse a split a user gave (``vws``: its ``[[vw]]`` tables, layers and Nm where
+    given) as :func:`hetpipe.core.layout.validate` does, the one check of a split, raising
+    :class:`PlanError` with validate's text (the job-file key, then the problem), led by
+    the words these plans always used for the same problem ("unknown device", "device used
+    twice", "layers must sum to 16")."""
+    try:
+        validate(vws, devices, n_layers)
+    except SplitError as exc:
+        for problem, words in _SPLIT_WORDS:
+            if problem in exc.problem:
+                lead = words.format(n_layers=n_layers)
+                raise PlanError(f"{exc.key}: {lead}: {exc.problem}") from None
+        raise PlanError(str(exc)) from None
+
+
+@dataclass(frozen=True)
 class StagePlan:
-    device: str
+    """One planned stage: its layout (what runs where, :class:`hetpipe.core.layout.StageLayout`)
+    and the planner's predictions for it. The layout's fields read as before (``device``,
+    ``layers``, ``replicas``, ``rows``, ``recompute``, ``swap``, ``limit``) so that the
+    search, the table and the tests need not know where they live."""
+
+    layout: StageLayout
     type: str
-    layers: tuple[int, int]  # [first, last + 1)
     time_s: float  # predicted compute per minibatch: forward + backward + update, as run
     # the peak under every timing the schedule permits (hetpipe.core.schedule.max_in_flight):
     # what the stage is fitted with and what a user relies on to stay under the cap
@@ -62,14 +153,9 @@ class StagePlan:
     shard: int  # PS shard holding (most of) this stage's parameters
     busy_s: float = 0.0  # time_s plus hand-offs, sends, and push/merge per minibatch
     slowdown: float = 1.0  # how much sharing its host's cores stretches this stage's work
-    recompute: tuple[int, ...] = ()  # global layers whose activations are recomputed
     keep_memory: StageMemory | None = None  # what ``memory`` would be keeping every layer
-    swap: tuple[int, ...] = ()  # global layers whose activations wait in host memory
-    # stage replicas (hetpipe.replicas): the devices beside ``device`` that run the stage on
-    # their rows (``rows``: the minibatch's row bounds over leader and replicas) and the
-    # gradient exchange between them per minibatch; () / 0 for a stage on one device
-    replicas: tuple[str, ...] = ()
-    rows: tuple[int, ...] = ()
+    # the gradient exchange between a replicated stage's devices per minibatch; 0 for a
+    # stage on one device
     exchange_s: float = 0.0
     # the peak of the predicted timeline: the same model at the most minibatches the
     # simulated stage held at once (``expected_in_flight``, of the ``in_flight`` that
@@ -78,10 +164,44 @@ class StagePlan:
     expected_memory: StageMemory | None = None
     expected_in_flight: int = 0
     in_flight: int = 0
-    # the most minibatches the runtime lets this stage hold, filled to that first
-    # (hetpipe.core.schedule.StageSchedule's ``limit`` and ``fill``, set by make_plan under
-    # train.in_flight = "plan"); 0: none, the schedule's own maximum
-    limit: int = 0
+
+    @property
+    def device(self) -> str:
+        """The stage's leader."""
+        return self.layout.device
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The half-open layer range ``(first, last)``."""
+        return self.layout.layers
+
+    @property
+    def recompute(self) -> tuple[int, ...]:
+        """Global layers whose activations are recomputed in the backward."""
+        return self.layout.recompute
+
+    @property
+    def swap(self) -> tuple[int, ...]:
+        """Global layers whose activations wait in host memory."""
+        return self.layout.swap
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The devices beside the leader that run the stage on their rows
+        (:mod:`hetpipe.replicas`); () for a stage on one device."""
+        return self.layout.replicas
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """A replicated stage's row bounds over leader and replicas; () otherwise."""
+        return self.layout.rows
+
+    @property
+    def limit(self) -> int:
+        """The most minibatches the runtime lets this stage hold, filled to that first
+        (set by make_plan under ``train.in_flight = "plan"``); 0: the schedule's own
+        maximum."""
+        return self.layout.in_flight_limit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,42 +227,77 @@ class StagePlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+    def from_dict(cls, d: dict[str, Any], fill: int = 0) -> StagePlan:
+        """The stage :meth:`to_dict` wrote; ``fill``: its in-flight fill, which the JSON
+        does not hold (its virtual worker derives it from the limits and Nm)."""
         a, b = d["layers"]
+        layout = StageLayout(
+            devices=(str(d["device"]), *(str(x) for x in d.get("replicas", ()))),
+            first=int(a),
+            last=int(b),
+            recompute=tuple(int(j) for j in d.get("recompute", ())),
+            swap=tuple(int(j) for j in d.get("swap", ())),
+            rows=tuple(int(x) for x in d.get("rows", ())),
+            in_flight_limit=int(d.get("limit", 0)),
+            in_flight_fill=fill,
+        )
         return cls(
-            str(d["device"]),
+            layout,
             str(d["type"]),
-            (int(a), int(b)),
             float(d["time_s"]),
             StageMemory.from_dict(d["memory"]),
             int(d["memory_cap"]),
             int(d["shard"]),
             float(d.get("busy_s", 0.0)),
             float(d.get("slowdown", 1.0)),
-            tuple(int(j) for j in d.get("recompute", ())),
             StageMemory.from_dict(d["keep_memory"]) if d.get("keep_memory") else None,
-            tuple(int(j) for j in d.get("swap", ())),
-            tuple(str(x) for x in d.get("replicas", ())),
-            tuple(int(x) for x in d.get("rows", ())),
             float(d.get("exchange_s", 0.0)),
             StageMemory.from_dict(d["expected_memory"]) if d.get("expected_memory") else None,
             int(d.get("expected_in_flight", 0)),
             int(d.get("in_flight", 0)),
-            int(d.get("limit", 0)),
         )
 
 
 @dataclass(frozen=True)
 class VWPlan:
-    devices: tuple[str, ...]  # pipeline order
+    """One planned virtual worker: its stages (layouts plus predictions) in pipeline order,
+    its Nm and its predicted rate; its layout is :attr:`layout`."""
+
     stages: tuple[StagePlan, ...]
     nm: int
     samples_per_s: float  # predicted rate of this VW over its run (its samples / its time)
 
     @property
+    def layout(self) -> VWLayout:
+        """What this virtual worker runs: its stages' layouts and its Nm."""
+        return VWLayout(tuple(s.layout for s in self.stages), self.nm)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Each stage's leader, in pipeline order."""
+        return tuple(s.device for s in self.stages)
+
+    @property
     def layers(self) -> tuple[int, ...]:
         """Layers per stage (the job file's ``layers = [...]``)."""
         return tuple(b - a for a, b in (s.layers for s in self.stages))
+
+    def run_layout(self, schedule: str, activations: str) -> VWLayout:
+        """The layout the runtime runs for this virtual worker of a plan of ``schedule``.
+
+        An async plan's stages recompute and swap what the planner chose; the synchronous
+        planner keeps every activation and chooses nothing, so there the job's
+        ``train.activations`` (``activations``: "recompute" or "swap" pins every layer of
+        every stage, anything else keeps them all) applies as pinned."""
+        layout = self.layout
+        if schedule == "async":
+            return layout
+        every = [tuple(range(s.first, s.last)) for s in layout.stages]
+        none: list[tuple[int, ...]] = [() for _ in layout.stages]
+        return layout.with_stages(
+            recompute=every if activations == "recompute" else none,
+            swap=every if activations == "swap" else none,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -154,10 +309,11 @@ class VWPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VWPlan:
+        nm = int(d["nm"])
+        fills = fill_counts([int(s.get("limit", 0)) for s in d["stages"]], nm)
         return cls(
-            tuple(str(x) for x in d["devices"]),
-            tuple(StagePlan.from_dict(s) for s in d["stages"]),
-            int(d["nm"]),
+            tuple(StagePlan.from_dict(s, f) for s, f in zip(d["stages"], fills, strict=True)),
+            nm,
             float(d["samples_per_s"]),
         )
 
@@ -177,6 +333,11 @@ class Plan:
     schedule: str = "async"  # hetpipe.core.schedule.KINDS; Nm is M for gpipe/1f1b
     iteration_s: float = 0.0  # gpipe/1f1b: predicted time of one iteration
     warmup: int = 0  # 1f1b: extra warm-up forwards of its order (hetpipe.core.schedule)
+
+    def run_layouts(self, activations: str) -> tuple[VWLayout, ...]:
+        """The layouts the runtime runs, one per virtual worker (:meth:`VWPlan.run_layout`;
+        ``activations``: the job's ``train.activations``, pinned for a synchronous plan)."""
+        return tuple(v.run_layout(self.schedule, activations) for v in self.vws)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/msgpack-able)."""

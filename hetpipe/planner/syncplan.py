@@ -45,6 +45,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from hetpipe.core.layout import StageLayout, VWSpec
 from hetpipe.core.memory import in_flight
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.schedule import SYNC_KINDS, microbatch_order
@@ -141,7 +142,7 @@ def sync_plan(
     from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.placement import place_plan
     from hetpipe.planner.plan import _at_minibatch, _cost_model, _power, _shard_hosts
-    from hetpipe.planner.plans import Plan, PlanError, StagePlan, VWPlan
+    from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan, check_split
     from hetpipe.planner.predict import predict
 
     if m < 1:
@@ -163,7 +164,9 @@ def sync_plan(
         shards=len(_shard_hosts(cluster)),
     )
     index = {d.name: i for i, d in enumerate(usable)}
-    cm = _cost_model(cluster, profile, optimizer_state_factor, costs)
+    cm = _cost_model(
+        cluster, profile, PlanInputs(minibatch, 0, optimizer_state_factor, costs=costs)
+    )
 
     def _predict(vws: Sequence[SyncChoice], ms: Sequence[int]) -> tuple[float, Any]:
         """Iteration time with the runtime's costs, the gradient exchange and the sharing of
@@ -191,12 +194,17 @@ def sync_plan(
     ms: tuple[int, ...] = ()
     exchange = 0.0
     if vws:
+        check_split(
+            [VWSpec(tuple(n), tuple(x) if x is not None else None) for n, x in vws],
+            {d.name for d in cluster.devices},
+            profile.n_layers(),
+        )
         given = []
         for v, (names, layers) in enumerate(vws):
             try:
                 devs = tuple(index[n] for n in names)
             except KeyError as e:
-                raise PlanError(f"vw {v}: unknown or unprofiled device {e.args[0]!r}") from None
+                raise PlanError(f"vw {v}: no profile for device {e.args[0]!r}") from None
             cuts = (
                 None
                 if layers is None
@@ -272,9 +280,8 @@ def sync_plan(
             n = in_flight(pos, k, mv, c.kind, warmup=warm)
             stages.append(
                 StagePlan(
-                    usable[i].name,
+                    StageLayout((usable[i].name,), a, b),
                     usable[i].type,
-                    (a, b),
                     pred.compute_s(v, pos),
                     mem,
                     usable[i].memory,
@@ -288,7 +295,6 @@ def sync_plan(
             )
         plans.append(
             VWPlan(
-                tuple(usable[i].name for i in c.devices),
                 tuple(stages),
                 mv,
                 mv * minibatch / iteration,
