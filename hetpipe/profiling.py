@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetpipe.config import ClusterConfig, DeviceSpec
-from hetpipe.core.layout import VWLayout
 from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.optim import StageOptimizer
@@ -27,6 +26,7 @@ from hetpipe.planner import (
     ModelProfile,
     Plan,
     PlanError,
+    PlanInputs,
     explicit_plan,
     make_plan,
     replica_proposals,
@@ -39,7 +39,6 @@ __all__ = [
     "live_cluster",
     "model_key",
     "plan_for",
-    "plan_vws",
     "replica_rows",
 ]
 
@@ -98,31 +97,34 @@ def plan_for(
     """The planner's plan for a job without a split, or its prediction for the given split;
     ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`);
     ``n_train``: the training samples, where the caller has loaded the data set already."""
-    factor = StageOptimizer.state_factor(spec.optimizer)
-    common = {
-        "minibatch": spec.minibatch,
-        "staleness": spec.staleness,
-        "optimizer_state_factor": factor,
-        "minibatches": job_minibatches(spec, n_train),
-        "weights": weights_mode(spec.weights, spec.predict_variant),
-        "activations": spec.activations,
-        "row_profiles": row_profiles,
-    }
+    inputs = PlanInputs(
+        minibatch=spec.minibatch,
+        staleness=spec.staleness,
+        optimizer_state_factor=StageOptimizer.state_factor(spec.optimizer),
+        policy=spec.policy,
+        num_vws=spec.num_vws,
+        nm=spec.nm,
+        minibatches=job_minibatches(spec, n_train),
+        weights=weights_mode(spec.weights, spec.predict_variant),
+        activations=spec.activations,
+        max_replicas=spec.max_replicas,
+        row_profiles=row_profiles,
+        in_flight=spec.in_flight,
+    )
     if spec.sync:
-        return _planned_sync(spec, cluster, profile, factor)
+        return _planned_sync(spec, cluster, profile, inputs)
     if spec.schedule == "auto":
-        return _auto_plan(spec, cluster, profile, factor, common)
+        return _auto_plan(spec, cluster, profile, inputs)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
-        return _planned_async(spec, cluster, profile, common)
+        return make_plan(cluster, profile, inputs)
     plan = explicit_plan(
         cluster,
         profile,
         [(v.devices, v.layers, v.nm or spec.nm) for v in spec.vws],
-        nm=spec.nm,
+        inputs,
         groups=[
             [v.group(s) for s in range(len(v.devices))] if v.replicas else None for v in spec.vws
         ],
-        **common,
     )
     orders = [v.all_devices() for v in spec.vws]
     given = [
@@ -134,45 +136,16 @@ def plan_for(
     if spec.max_replicas > 1 or any(given):
         # the explicit plan above predicts the stages' leaders alone; the replicated
         # groupings are priced by the replica DP's model (hetpipe.planner.replicas)
-        proposals = replica_proposals(
-            cluster,
-            profile,
-            plan,
-            orders,
-            max_replicas=spec.max_replicas,
-            given=given,
-            optimizer_state_factor=factor,
-            weights=common["weights"],
-            activations=spec.activations,
-            row_profiles=row_profiles,
-        )
+        proposals = replica_proposals(cluster, profile, plan, orders, inputs, given=given)
         plan = dataclasses.replace(plan, details={**plan.details, "replicas": proposals})
     return plan
-
-
-def _planned_async(
-    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, common: dict[str, Any]
-) -> Plan:
-    """The planner's async plan for a job without a split (it decides the replicas too,
-    ``train.max_replicas``), its stages limited to their expected count under
-    ``train.in_flight = "plan"`` (a split the job gives runs as the job gives it)."""
-    return make_plan(
-        cluster,
-        profile,
-        policy=spec.policy,
-        num_vws=spec.num_vws,
-        nm=spec.nm,
-        max_replicas=spec.max_replicas,
-        in_flight=spec.in_flight,
-        **common,
-    )
 
 
 SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say (train.nm)
 
 
 def _planned_sync(
-    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, factor: int
+    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, inputs: PlanInputs
 ) -> Plan:
     """The synchronous plan of a job: its own kind and split where it gives them (priced),
     else searched; under ``train.schedule = "auto"`` the search picks gpipe or 1f1b too."""
@@ -182,7 +155,7 @@ def _planned_sync(
         profile,
         minibatch=spec.minibatch,
         m=spec.nm or SYNC_M,
-        optimizer_state_factor=factor,
+        optimizer_state_factor=inputs.optimizer_state_factor,
         kind=spec.schedule if spec.sync else None,
         vws=given or None,
         num_vws=spec.num_vws,
@@ -217,11 +190,7 @@ def replica_rows(spec: JobSpec) -> tuple[int, ...]:
 
 
 def _auto_plan(
-    spec: JobSpec,
-    cluster: ClusterConfig,
-    profile: ModelProfile,
-    factor: int,
-    common: dict[str, Any],
+    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, inputs: PlanInputs
 ) -> Plan:
     """``train.schedule = "auto"``: the async plan or the synchronous one, whichever the
     planner predicts trains faster (samples per second; the staleness of async weights is
@@ -229,11 +198,11 @@ def _auto_plan(
     plans: list[Plan] = []
     errors = []
     try:
-        plans.append(_planned_async(spec, cluster, profile, common))
+        plans.append(make_plan(cluster, profile, inputs))
     except PlanError as exc:
         errors.append(f"async: {exc}")
     try:
-        plans.append(_planned_sync(spec, cluster, profile, factor))
+        plans.append(_planned_sync(spec, cluster, profile, inputs))
     except PlanError as exc:
         errors.append(f"synchronous: {exc}")
     if not plans:
@@ -266,34 +235,6 @@ def job_minibatches(spec: JobSpec, n_train: int | None = None) -> int:
         else len(load_dataset(spec.data.name, spec.data.args).train_y)
     )
     return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
-
-
-def plan_vws(plan: Plan, activations: str) -> tuple[VWLayout, ...]:
-    """A plan's virtual workers as the layouts the runtime executes.
-
-    The synchronous planner keeps every activation and chooses nothing: there the job's
-    ``train.activations`` (``activations``) applies as pinned."""
-    out = []
-    for v in plan.vws:
-        groups = [(s.device, *s.replicas) for s in v.stages]
-        every = [range(*s.layers) for s in v.stages]
-        if plan.schedule == "async":
-            recompute = [s.recompute for s in v.stages]
-            swap = [s.swap for s in v.stages]
-        else:
-            recompute = every if activations == "recompute" else None
-            swap = every if activations == "swap" else None
-        out.append(
-            VWLayout.from_counts(
-                groups,
-                v.layers,
-                v.nm,
-                recompute=recompute,
-                swap=swap,
-                limits=[s.limit for s in v.stages],
-            )
-        )
-    return tuple(out)
 
 
 def predicted_summary(plan: Plan) -> dict[str, Any]:

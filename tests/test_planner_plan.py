@@ -29,7 +29,6 @@ from hetpipe.planner import (
     place_stages,
     synthetic_profile,
 )
-from hetpipe.profiling import plan_vws
 
 MiB = 1 << 20
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
@@ -217,7 +216,7 @@ def test_in_flight_plan_makes_the_expected_peak_the_bound(nm):
     """``train.in_flight = "plan"``: each stage whose count depends on timing is limited to
     what the unlimited plan's timeline held and filled to it (fill_counts); its bound and
     memory become that count's, the timeline is simulated again as the runtime runs it (so
-    it holds at least the fill and at most the limit), and plan_vws carries the limits to
+    it holds at least the fill and at most the limit), and its run layouts carry the limits to
     the runtime. The last stage, fixed orders and given splits are left as they are; the
     search's choice is the unlimited plan's."""
     cluster, prof = repo_cluster(), profile16()
@@ -240,8 +239,8 @@ def test_in_flight_plan_makes_the_expected_peak_the_bound(nm):
     assert f"{first.expected_in_flight}/{first.limit}!" in row
     assert 'train.in_flight = "plan"' in limited.table()
     assert Plan.from_dict(json.loads(json.dumps(limited.to_dict()))) == limited
-    assert [s.in_flight_limit for s in plan_vws(limited, "keep")[0].stages] == limits
-    assert all(s.in_flight_limit == 0 for s in plan_vws(free, "keep")[0].stages)
+    assert [s.in_flight_limit for s in limited.run_layouts("keep")[0].stages] == limits
+    assert all(s.in_flight_limit == 0 for s in free.run_layouts("keep")[0].stages)
     fixed = make_plan(cluster, prof, **kw, weights="latest", in_flight="plan")
     assert all(s.limit == 0 for v in fixed.vws for s in v.stages)
     given = explicit_plan(cluster, prof, [(("gpu1", "gpu2"), (8, 8), 8)], **KW)

@@ -24,7 +24,7 @@ from hetpipe.planner.replicas import (
     partition_replicated,
     replica_memory,
 )
-from hetpipe.profiling import plan_for, plan_vws
+from hetpipe.profiling import plan_for
 
 CORES = 16  # the unit tests plan for a host whose cores the four devices do not share
 
@@ -111,7 +111,7 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     assert "replicas, VW 0: chosen: devices" in table and "without replicas" in table
     assert f"[{heavy.device}, {heavy.replicas[0]}]" in table
     assert "replicated: " in table
-    (vw,) = plan_vws(plan, "keep")
+    (vw,) = plan.run_layouts("keep")
     assert any(s.replicas for s in vw.stages)
     assert [s.devices for s in vw.stages] == [(s.device, *s.replicas) for s in plan.vws[0].stages]
     # three may be grouped: the planner takes three where that predicts faster still
@@ -256,7 +256,7 @@ def test_no_replicas_on_batch_norm_or_synchronous_schedules(tmp_path: Path) -> N
         got = plan_for(spec, cluster, dataclasses.replace(prof, model="mlp"))
         assert got.schedule == schedule
         assert all(not s.replicas for v in got.vws for s in v.stages)
-        assert all(not s.replicas for v in plan_vws(got, "keep") for s in v.stages)
+        assert all(not s.replicas for v in got.run_layouts("keep") for s in v.stages)
     # the async schedule of the same job does replicate (the refusal is the schedule's)
     spec = JobSpec.from_dict(job("async", nm=2, train={"max_replicas": 2, "vws": 1}))
     got = plan_for(spec, cluster, dataclasses.replace(prof, model="mlp"))

@@ -33,7 +33,7 @@ from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
 from hetpipe.jobstore import job_dir, write_result
 from hetpipe.planner import PlanError
-from hetpipe.profiling import live_cluster, plan_for, plan_vws, predicted_summary
+from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
 from hetpipe.security import worker_user
 from hetpipe.trace import chrome_trace
@@ -278,10 +278,10 @@ class JobsPart:
                 log.info("warm-up chosen", warmup=plan.warmup)
             predicted = predicted_summary(plan)
             if needs_plan:
-                vws = plan_vws(plan, spec.activations)
+                vws = plan.run_layouts(spec.activations)
                 log.info("planned", policy=plan.policy, vws=[v.devices for v in plan.vws])
             elif spec.activations == "auto":  # the user's split, the planner's policy
-                vws = requested_layouts(spec, policies=plan_vws(plan, spec.activations))
+                vws = requested_layouts(spec, policies=plan.run_layouts(spec.activations))
         except (PlanError, JobFailed) as exc:
             if needs_plan:
                 raise JobPlanError(f"cannot plan: {exc}") from None

@@ -33,7 +33,7 @@ from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
 from hetpipe.jobstore import job_dir, read_result
 from hetpipe.modelstate import layer_of
 from hetpipe.planner import PlanError
-from hetpipe.profiling import live_cluster, plan_for, plan_vws, predicted_summary
+from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
 from hetpipe.security import CodeError, check_code
 from hetpipe.transport import RemoteError
@@ -329,7 +329,7 @@ class RecoveryPart:
                     self.cluster,
                     alive,
                     shards,
-                    vws=plan_vws(plan, spec.activations),
+                    vws=plan.run_layouts(spec.activations),
                     predicted=predicted_summary(plan),
                 ),
             )
