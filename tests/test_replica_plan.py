@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import job, start_cluster
+from helpers import check_expected
 
 from hetpipe.config import ClusterConfig, load_cluster
 from hetpipe.job import JobSpec
@@ -104,8 +105,6 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     assert note["minibatch_s"] < 0.7 * note["unreplicated_minibatch_s"], note
     assert plan.samples_per_s > 1.3 * plain.samples_per_s
     # the replicated stage's expected peak is priced as its leader's bound (its rows)
-    from test_planner_plan import check_expected
-
     check_expected(plan)
     table = plan.table()
     assert "replicas, VW 0: chosen: devices" in table and "without replicas" in table
