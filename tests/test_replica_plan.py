@@ -5,13 +5,12 @@ faster, and never where the runtime would refuse it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import job, start_cluster
-from helpers import check_expected
+from helpers import check_expected, stages_json
 
 from hetpipe.config import ClusterConfig, load_cluster
 from hetpipe.job import JobSpec
@@ -312,7 +311,7 @@ def test_a_planned_job_runs_its_replicated_stage(tmp_path: Path) -> None:
     assert ps["replicas"] == st["replicas"] and ps["exchange_s"] > 0
     assert [s["device"] for s in pred["vws"][0]["stages"]] == info["vws"][0]["devices"]
     assert info["minibatches"] == 40
-    stages = json.loads(Path(info["stages_path"]).read_text())
+    stages = stages_json(info)
     assert stages[f"vw0/stage{st['stage']}"]["replicas"] == st["replicas"]
     assert all(
         not stages[f"vw0/stage{s['stage']}"]["replicas"] for s in info["stages"] if s is not st
