@@ -35,7 +35,8 @@ def sync_job(name: str, kind: str, split: list, **kw) -> dict:
 )
 def test_sync_transparency_one_vw(uniform_cluster, kind, split, warmup) -> None:
     spec = sync_job(f"sync-{kind}-{len(split[0][0])}-{warmup}", kind, split)
-    spec["train"]["warmup"] = warmup
+    if kind == "1f1b":  # warm-up forwards are 1f1b's: the key is refused under gpipe
+        spec["train"]["warmup"] = warmup
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(
