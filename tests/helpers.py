@@ -182,6 +182,10 @@ def check_invariants(
 # -- the planner's inputs, shaped like the repository's cluster.toml --------------------------
 
 
+# make_plan's keywords beside repo_cluster() and profile16(), as the planner tests share them.
+KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
+
+
 def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
     """Shaped like cluster.toml: one node; fast 64MiB, medium x2 32MiB, whimpy 3MiB."""
     devs = (

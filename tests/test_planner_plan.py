@@ -6,7 +6,7 @@ import itertools
 import json
 
 import pytest
-from helpers import check_expected, profile16, repo_cluster
+from helpers import KW, check_expected, profile16, repo_cluster
 
 from hetpipe.config import (
     ClusterConfig,
@@ -33,7 +33,6 @@ from hetpipe.planner import (
 from hetpipe.profiling import plan_vws
 
 MiB = 1 << 20
-KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
 
 
 def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
