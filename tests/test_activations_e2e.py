@@ -10,12 +10,11 @@ fast host links the planner swaps instead, and the same holds.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import job, start_cluster
+from helpers import stages_json
 
 from hetpipe.core.schedule import max_in_flight
 from hetpipe.localcluster import DeviceDef, LocalCluster
@@ -204,7 +203,7 @@ def test_a_planned_stage_holds_at_most_its_expected_count(
     assert limited[1]["peak_in_flight"] == free[1]["peak_in_flight"] == 1
     # filled: the limited stage ran its count of forwards before its first backward, so it
     # reached that count whatever the timing (hetpipe.core.schedule.fill_counts)
-    stages = json.loads(Path(infos["plan"]["stages_path"]).read_text())
+    stages = stages_json(infos["plan"])
     spans = sorted(
         (x for x in stages["vw0/stage0"]["stats"]["spans"] if x[0] in ("forward", "backward")),
         key=lambda x: x[1],

@@ -3,7 +3,6 @@ where that is safe; and where they run changes nothing in what a job computes.""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from helpers import stages_json
 
 from hetpipe.computethread import ComputeThread, InlinePolicy
 
@@ -130,7 +130,7 @@ def test_compute_on_the_event_loop_trains_the_same_weights(tmp_path: Path) -> No
             cluster.stop()
         assert info["state"] == "done", info.get("error")
         weights[inline_ms] = torch.load(info["model_path"])
-        stages = json.loads(Path(info["stages_path"]).read_text())
+        stages = stages_json(info)
         runs[inline_ms] = {
             where: (s["stats"]["inline_runs"], s["stats"]["thread_runs"])
             for where, s in stages.items()

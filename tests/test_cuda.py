@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import job, start_cluster
-from test_pipeline_e2e import plain_training
+from helpers import plain_training
 
 from hetpipe.localcluster import DeviceDef
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import subprocess
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from helpers import stages_json
 
 from hetpipe import hostshm
 from hetpipe.hostshm import Inbox, Outbox, parse, sweep
@@ -296,7 +296,7 @@ def test_sweep_removes_the_files_of_processes_that_are_gone_only(tmp_path) -> No
 
 
 def _sent(info: dict) -> dict[str, int]:
-    data = json.loads(Path(info["stages_path"]).read_text())
+    data = stages_json(info)
     return {where: r["stats"]["shared_memory_sent"] for where, r in data.items()}
 
 

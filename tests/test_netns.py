@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import job
 
 from hetpipe.config import load_cluster
 from hetpipe.localcluster import DeviceDef
@@ -26,7 +27,6 @@ from hetpipe.netns import (
     sweep_stale,
     unavailable,
 )
-from tests.conftest import job
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces: {WHY}")

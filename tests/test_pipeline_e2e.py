@@ -2,56 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import assert_same_weights, job
+from helpers import plain_training, stage_records
 
-from hetpipe.data import MinibatchStream, load_dataset
-from hetpipe.job import JobSpec
-from hetpipe.models import build_model, model_loss
+from hetpipe.data import load_dataset
+from hetpipe.models import build_model
 
 pytestmark = pytest.mark.slow
-
-
-def plain_training(spec_dict: dict, steps: int) -> dict[str, torch.Tensor]:
-    """The same nn.Sequential trained by plain PyTorch from the same weights and data order.
-
-    One intra-op thread, as the workers use: a different thread count changes the order of
-    float reductions, and max-pooling after ReLU amplifies such rounding differences.
-    """
-    spec = JobSpec.from_dict(spec_dict)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.model.name, spec.model.args)
-    stream = MinibatchStream(load_dataset(spec.data.name), spec.minibatch, spec.seed, 0, 1)
-    opt = torch.optim.SGD(
-        model.parameters(),
-        lr=spec.optimizer.lr,
-        momentum=spec.optimizer.momentum,
-        weight_decay=spec.optimizer.weight_decay,
-    )
-    loss_fn = model_loss(spec.model.name)
-    model.train()
-    for p in range(steps):
-        x, y = stream.batch(p)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    torch.set_num_threads(threads)
-    return model.state_dict()
-
-
-def stage_records(info: dict) -> dict[str, list[dict]]:
-    data = json.loads(Path(info["stages_path"]).read_text())
-    out = {}
-    for where, r in data.items():
-        fields = r["stats"]["record_fields"]
-        out[where] = [dict(zip(fields, row, strict=True)) for row in r["records"]]
-    return out
 
 
 @pytest.mark.timeout(180)

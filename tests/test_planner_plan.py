@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from helpers import KW, check_expected, profile16, repo_cluster
 
 from hetpipe.config import (
     ClusterConfig,
@@ -31,34 +32,6 @@ from hetpipe.planner import (
 )
 
 MiB = 1 << 20
-KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
-
-
-def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
-    """Shaped like cluster.toml: one node; fast 64MiB, medium x2 32MiB, whimpy 3MiB."""
-    devs = (
-        DeviceSpec("gpu0", "cpu", "fast", 64 * MiB, 1.0, 7200, "node0", "127.0.0.1"),
-        DeviceSpec("gpu1", "cpu", "medium", 32 * MiB, 0.5, 7201, "node0", "127.0.0.1"),
-        DeviceSpec("gpu2", "cpu", "medium", 32 * MiB, 0.5, 7202, "node0", "127.0.0.1"),
-        DeviceSpec("gpu3", "cpu", "whimpy", 3 * MiB, 0.25, 7203, "node0", "127.0.0.1"),
-    )
-    return ClusterConfig(
-        "cluster.toml",
-        (ShardSpec(0, "127.0.0.1", 7100), ShardSpec(1, "127.0.0.1", 7101)),
-        NetworkSpec(100.0, 10.0, links),
-        (NodeSpec("node0", "127.0.0.1", devs),),
-        RuntimeSpec(),
-    )
-
-
-def profile16() -> ModelProfile:
-    return synthetic_profile(
-        16,
-        {"fast": 1.0, "medium": 0.5, "whimpy": 0.25},
-        0,
-        param_bytes=(64 << 10, 512 << 10),
-        out_bytes=(16 << 10, 128 << 10),
-    )
 
 
 def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
@@ -77,28 +50,6 @@ def check_plan(plan: Plan, cluster: ClusterConfig, L: int) -> None:
     # the job's rate (every sample / the time to the last VW's end) never beats the VWs' sum
     assert 0 < plan.samples_per_s <= sum(v.samples_per_s for v in plan.vws) * (1 + 1e-9)
     check_expected(plan)
-
-
-def check_expected(plan: Plan) -> None:
-    """Every stage carries its expected peak beside the bound: at most the bound, priced by
-    the same model (only the in-flight terms differ; at the bound's count it IS the bound)."""
-    for vw in plan.vws:
-        for i, s in enumerate(vw.stages):
-            e = s.expected_memory
-            assert e is not None
-            assert 1 <= s.expected_in_flight <= s.in_flight
-            if plan.schedule == "async" and i == len(vw.stages) - 1:
-                assert s.expected_in_flight == s.in_flight == 1
-            if s.expected_in_flight == s.in_flight:
-                assert e == s.memory
-            else:
-                assert e.total < s.memory.total
-            assert (e.params, e.optimizer, e.accumulators, e.working) == (
-                s.memory.params,
-                s.memory.optimizer,
-                s.memory.accumulators,
-                s.memory.working,
-            )
 
 
 def test_make_plan_uses_the_whimpy_device():

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from helpers import check_expected, profile16, repo_cluster
 
 from hetpipe.core.schedule import max_in_flight, microbatch_order
 from hetpipe.planner.partition import CostModel
@@ -354,8 +355,6 @@ def test_formations_fewer_microbatches_than_workers_are_skipped():
 
 
 def test_sync_plan_forms_the_asked_virtual_workers_sharing_m():
-    from test_planner_plan import check_expected, profile16, repo_cluster
-
     cluster, prof = repo_cluster(), profile16()
     plan = sync_plan(
         cluster, prof, minibatch=32, m=6, optimizer_state_factor=1, num_vws=2, budget_s=3

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_weights, job
+from helpers import stage_records
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
@@ -123,11 +124,6 @@ def test_host_copy_on_cpu_is_ready_and_shares_memory() -> None:
 # -- on real daemons ------------------------------------------------------------------------
 
 
-def records(info: dict, where: str) -> list[dict]:
-    r = json.loads(Path(info["stages_path"]).read_text())[where]
-    return [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bf16_job_converges(uniform_cluster) -> None:
@@ -142,7 +138,7 @@ def test_bf16_job_converges(uniform_cluster) -> None:
     assert info["test_accuracy"] >= 0.9
     got = torch.load(info["model_path"])
     assert all(t.dtype == torch.float32 for t in got.values() if t.is_floating_point())
-    losses = [r["loss"] for r in records(info, "vw0/stage1")]
+    losses = [r["loss"] for r in stage_records(info)["vw0/stage1"]]
     assert all(v is not None for v in losses)  # every loss was read back
 
 
@@ -161,9 +157,9 @@ def test_push_every_batches_a_lone_virtual_workers_pushes(uniform_cluster) -> No
     )
     for info in (every, batched):
         assert info["state"] == "done", info.get("error")
-    clocks = {r["vw_clock"] for r in records(batched, "vw0/stage0")}
+    clocks = {r["vw_clock"] for r in stage_records(batched)["vw0/stage0"]}
     assert clocks == {0, 5, 10, 15, 20, 25, 30, 35}
-    assert {r["vw_clock"] for r in records(every, "vw0/stage0")} == set(range(40))
+    assert {r["vw_clock"] for r in stage_records(every)["vw0/stage0"]} == set(range(40))
     assert_same_weights(torch.load(batched["model_path"]), torch.load(every["model_path"]))
 
 
@@ -177,7 +173,7 @@ def test_auto_pushes_land_before_each_checkpoint(uniform_cluster) -> None:
         job("auto", split=split, minibatches=60, train={"checkpoint_every": 10})
     )
     assert info["state"] == "done", info.get("error")
-    assert {r["vw_clock"] for r in records(info, "vw0/stage1")} <= {0, 10, 20, 30, 40, 50}
+    assert {r["vw_clock"] for r in stage_records(info)["vw0/stage1"]} <= {0, 10, 20, 30, 40, 50}
     job_dir = Path(info["model_path"]).parent
     metas = [
         json.loads((d / "meta.json").read_text())
@@ -213,7 +209,9 @@ def test_a_lone_synchronous_virtual_worker_batches_its_pushes(uniform_cluster) -
     }
     for info in runs.values():
         assert info["state"] == "done", info.get("error")
-        assert [r["clock"] for r in records(info, "vw0/stage0")] == [p // 4 for p in range(120)]
+        assert [r["clock"] for r in stage_records(info)["vw0/stage0"]] == [
+            p // 4 for p in range(120)
+        ]
     assert_same_weights(torch.load(runs[0]["model_path"]), torch.load(runs[1]["model_path"]))
     job_dir = Path(runs[0]["model_path"]).parent
     cuts = sorted(

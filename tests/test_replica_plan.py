@@ -5,12 +5,12 @@ faster, and never where the runtime would refuse it."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import job, start_cluster
+from helpers import check_expected, stages_json
 
 from hetpipe.config import ClusterConfig, load_cluster
 from hetpipe.job import JobSpec
@@ -104,8 +104,6 @@ def test_planner_replicates_a_slow_bottleneck_stage(tmp_path: Path) -> None:
     assert note["minibatch_s"] < 0.7 * note["unreplicated_minibatch_s"], note
     assert plan.samples_per_s > 1.3 * plain.samples_per_s
     # the replicated stage's expected peak is priced as its leader's bound (its rows)
-    from test_planner_plan import check_expected
-
     check_expected(plan)
     table = plan.table()
     assert "replicas, VW 0: chosen: devices" in table and "without replicas" in table
@@ -313,7 +311,7 @@ def test_a_planned_job_runs_its_replicated_stage(tmp_path: Path) -> None:
     assert ps["replicas"] == st["replicas"] and ps["exchange_s"] > 0
     assert [s["device"] for s in pred["vws"][0]["stages"]] == info["vws"][0]["devices"]
     assert info["minibatches"] == 40
-    stages = json.loads(Path(info["stages_path"]).read_text())
+    stages = stages_json(info)
     assert stages[f"vw0/stage{st['stage']}"]["replicas"] == st["replicas"]
     assert all(
         not stages[f"vw0/stage{s['stage']}"]["replicas"] for s in info["stages"] if s is not st

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import random
 import time
@@ -15,8 +14,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same_weights, job, running_until, start_cluster
-from test_pipeline_e2e import plain_training
-from test_wsp_e2e import check_invariants, load_records
+from helpers import (
+    InlineExecutor,
+    StandInCompute,
+    check_invariants,
+    plain_training,
+    records_by_index,
+    stages_json,
+)
 
 from hetpipe.config import DeviceSpec, load_cluster
 from hetpipe.core.layout import StageLayout
@@ -200,7 +205,7 @@ def test_replicated_stage_is_transparent(replica_cluster, split) -> None:
     assert info["state"] == "done", info.get("error")
     got = torch.load(info["model_path"])
     assert_same_weights(got, plain_training(spec, 40))
-    stages = json.loads(Path(info["stages_path"]).read_text())
+    stages = stages_json(info)
     for i, devices in enumerate(split[0][0]):
         if isinstance(devices, list):
             sent = stages[f"vw0/stage{i}"]["stats"]["shared_memory_sent"]
@@ -232,7 +237,7 @@ def test_wsp_with_a_replicated_stage(replica_cluster, staleness) -> None:
     )
     info = replica_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
-    records = load_records(info)
+    records = records_by_index(info)
     assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert all(len(rows) == info["minibatches"] // 2 for rows in records.values())
     assert check_invariants(records, {0: 2, 1: 2}, staleness) > 0
@@ -343,8 +348,6 @@ def test_runner_gathers_its_rows_and_refuses_foreign_ones() -> None:
     """A replica holding rows [0, 21) of 32 takes its activation from two senders split
     [0, 13, 32] and has it once both pieces are in, in row order; rows that are none of its
     pieces are refused as malformed."""
-    from test_schedule_runtime import InlineExecutor, StandInCompute
-
     compute = StandInCompute("async", 2, 1, 1, 4)
     compute.task = dataclasses.replace(
         compute.task,

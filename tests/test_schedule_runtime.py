@@ -7,110 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from helpers import InlineExecutor, StandInCompute
 
-from hetpipe.core.layout import StageLayout
 from hetpipe.core.schedule import Action, Wait, fill_counts
-from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
-from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
-
-
-class InlineExecutor(Executor):
-    """Runs compute at once on the caller's thread, so the order of events is the test's."""
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = Future()
-        fut.set_result(fn(*args, **kwargs))
-        return fut
-
-
-class StandInCompute:
-    """What a StageRunner calls on a stage's compute, without torch models."""
-
-    def __init__(
-        self,
-        kind: str,
-        k: int,
-        stage: int,
-        nm: int,
-        total: int,
-        warmup: int = 0,
-        limit: int = 0,
-        fill: int = 0,
-    ) -> None:
-        self.task = StageTask(
-            job="j",
-            spec={},
-            vw=0,
-            stage=stage,
-            k=k,
-            nm=nm,
-            staleness=0,
-            minibatches=total,
-            num_vws=1,
-            layout=StageLayout(("gpu0",), 0, 1, in_flight_limit=limit, in_flight_fill=fill),
-        )
-        self.spec = SimpleNamespace(
-            schedule=kind,
-            sync=kind != "async",
-            push_every=1,
-            checkpoint_every=0,
-            eval_every_s=None,
-            minibatch=1,
-            warmup=warmup,
-        )
-        self.copier = HostCopier("cpu")
-        self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
-        self.has_state = True
-        self.restored = False  # not started from a checkpoint
-        self.table = None  # stashes: greedy 1F1B
-        self.versions: dict[int, tuple[int, float, int, float]] = {}
-        self.stats = SimpleNamespace(
-            last_loss=0.0,
-            losses=[],
-            forward_s=0.0,
-            backward_s=0.0,
-            peak_bytes=0,
-            prediction_quality=[],
-            peak_memory={},
-            peak_in_flight=0,
-        )
-
-    def state_names(self) -> list[str]:
-        return []
-
-    def forward(self, p: int, x: Any, y: Any) -> torch.Tensor | None:
-        return None if self.task.is_last else torch.zeros(1)
-
-    def backward(self, p: int, grad: Any) -> torch.Tensor | None:
-        self.versions[p] = (0, 0.0, 0, 0.0)
-        return torch.zeros(1)
-
-    def step(self, i: int, replicas: Any = None) -> None:
-        pass
-
-    def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
-        return []
-
-    def read_quality(self, block: bool = False) -> None:
-        pass
-
-    def push_deltas(self, wave: int, keep: bool) -> HostCopy:
-        return HostCopy({})
-
-    def carry(self, wave: int) -> None:
-        pass
-
-    def load(self, pulled: Any, applied: Any) -> None:
-        pass
 
 
 def run_stage(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import job
+from helpers import stages_json
 
 from hetpipe.localcluster import LocalCluster
 from hetpipe.wire import Kind
@@ -71,7 +72,7 @@ def test_stage_shares_add_up_to_elapsed(uniform_cluster) -> None:
         job("shares", model="cnn", split=TWO_VWS, nm=2, minibatches=60, lr=0.02, staleness=0)
     )
     assert info["state"] == "done", info.get("error")
-    data = json.loads(Path(info["stages_path"]).read_text())
+    data = stages_json(info)
     for where, r in data.items():
         stats = r["stats"]
         total = sum(stats["timing"].values())

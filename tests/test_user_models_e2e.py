@@ -16,12 +16,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from helpers import plain_training
 
-from hetpipe.data import MinibatchStream, load_dataset
-from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
-from hetpipe.models import build_model, model_loss
-from hetpipe.seeding import layer_seed
+from hetpipe.models import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -68,52 +66,6 @@ def user_job(
     return spec
 
 
-def optimizer_of(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
-    o = spec.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
-        )
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-
-
-def plain_training(
-    spec_dict: dict, steps: int = STEPS, *, vw_seeds: int | None = None
-) -> torch.nn.Sequential:
-    """The model trained by plain PyTorch: same initial weights, data order and optimizer.
-
-    With ``vw_seeds`` set, every layer runs after ``torch.manual_seed(layer_seed(seed,
-    vw_seeds, layer, p))``: how a reference draws the dropout masks of virtual worker
-    ``vw_seeds``. One intra-op thread, as the workers use.
-    """
-    spec = JobSpec.from_dict(spec_dict)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(spec.seed)
-        model = build_model(spec.model.name, spec.model.args)
-        stream = MinibatchStream(load_dataset(spec.data.name), spec.minibatch, spec.seed, 0, 1)
-        opt = optimizer_of(spec, model.parameters())
-        loss_fn = model_loss(spec.model.name)
-        model.train()
-        for p in range(steps):
-            x, y = stream.batch(p)
-            opt.zero_grad()
-            if vw_seeds is None:
-                out = model(x)
-            else:
-                out = x
-                for i, layer in enumerate(model):
-                    torch.manual_seed(layer_seed(spec.seed, vw_seeds, i, p))
-                    out = layer(out)
-            loss_fn(out, y).backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    return model
-
-
 def run(cluster: LocalCluster, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     info = cluster.submit(spec, timeout=150)
     assert info["state"] == "done", info.get("error")
@@ -138,7 +90,7 @@ def test_tied_mlp_within_a_stage(cluster) -> None:
     """A tie inside stage 1 stays one tensor: one value, the summed gradient, one momentum."""
     spec = user_job("tied-mlp", "tied_mlp", [3, 5])
     got = run(cluster, spec)
-    assert_same_weights(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec, STEPS))
     assert_tied(got, spec, "3.weight", "5.weight")
 
 
@@ -149,7 +101,7 @@ def test_tied_lm_embedding_and_head(cluster) -> None:
     adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.05}
     spec = user_job("tied-lm", "tied_lm", [1, 3, 2], optimizer=adamw)
     got = run(cluster, spec)
-    assert_same_weights(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec, STEPS))
     assert_tied(got, spec, "1.weight", "3.weight")
 
 
@@ -174,7 +126,7 @@ def test_frozen_parameters_stay_frozen(cluster) -> None:
     nesterov = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}
     spec = user_job("frozen", "frozen_mlp", [3, 3], optimizer=nesterov)
     got = run(cluster, spec)
-    assert_same_weights(got, plain_training(spec).state_dict())
+    assert_same_weights(got, plain_training(spec, STEPS))
     torch.manual_seed(0)
     initial = build_model("usermodels:frozen_mlp").state_dict()
     for name in ("1.weight", "1.bias", "5.bias"):
@@ -193,7 +145,7 @@ def test_non_persistent_buffer(cluster) -> None:
         "local-buffer", "local_buffer_mlp", [3, 3], optimizer={"name": "adam", "lr": 0.01}
     )
     got = run(cluster, spec)
-    want = plain_training(spec).state_dict()
+    want = plain_training(spec, STEPS)
     assert "4.scale" not in want
     assert_same_weights(got, want)
 
@@ -210,8 +162,8 @@ def test_dropout_is_reproducible_and_matches_a_seeded_reference(cluster) -> None
     second = run(cluster, {**spec, "name": "dropout-again"})
     for name, w in first.items():
         assert torch.equal(second[name], w), name
-    assert_same_weights(first, plain_training(spec, vw_seeds=0).state_dict())
-    other = plain_training(spec, vw_seeds=1).state_dict()
+    assert_same_weights(first, plain_training(spec, STEPS, vw_seeds=0))
+    other = plain_training(spec, STEPS, vw_seeds=1)
     assert max((other[n] - first[n]).abs().max().item() for n in first) > 1e-3
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import job
+from helpers import stage_records, stages_json
 
 from hetpipe.core.staleness import version_gaps
 
@@ -21,14 +20,6 @@ MODES = [
     {"weights": "predict", "predict_variant": "paper"},
     {"weights": "predict", "predict_variant": "consistent"},
 ]
-
-
-def records(info: dict) -> dict[str, list[dict]]:
-    data = json.loads(Path(info["stages_path"]).read_text())
-    return {
-        where: [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
-        for where, r in data.items()
-    }
 
 
 @pytest.mark.timeout(300)
@@ -78,7 +69,7 @@ def test_counted_gaps_are_the_updates_a_heterogeneous_run_observes(hetero_cluste
     )
     assert info["state"] == "done", info.get("error")
     gaps = version_gaps(len(SPLIT[0][0]), nm, total)
-    for where, rows in records(info).items():
+    for where, rows in stage_records(info).items():
         stage = int(where.rsplit("stage", 1)[1])
         observed = [r["bwd_version"] - r["fwd_version"] for r in rows]
         counted = [gaps[stage][p][0] - gaps[stage][p][1] for p in range(total)]
@@ -88,7 +79,7 @@ def test_counted_gaps_are_the_updates_a_heterogeneous_run_observes(hetero_cluste
     assert all(math.isfinite(q) and q > 0 for q in quality.values())
     # following the momentum beats standing still, on the average of the job
     assert sum(quality.values()) / len(quality) < 1.0, quality
-    stages = json.loads(Path(info["stages_path"]).read_text())
+    stages = stages_json(info)
     assert stages["vw0/stage0"]["stats"]["prediction_quality"] == quality["vw0/stage0"]
     # batch-norm statistics re-estimated before the export; the trained ones reported too
     assert 0.0 <= info["test_accuracy_trained_bn"] <= 1.0

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import job, start_cluster
+from helpers import check_invariants, records_by_index
 
 from hetpipe.data import evaluate, load_dataset
 from hetpipe.localcluster import DeviceDef
@@ -31,53 +29,6 @@ def wsp_cluster(tmp_path_factory):
     c.stop()
 
 
-def load_records(info: dict) -> dict[tuple[int, int], list[dict]]:
-    data = json.loads(Path(info["stages_path"]).read_text())
-    out = {}
-    for where, r in data.items():
-        vw, stage = (
-            int(x[len(p) :]) for x, p in zip(where.split("/"), ("vw", "stage"), strict=True)
-        )
-        fields = r["stats"]["record_fields"]
-        out[(vw, stage)] = [dict(zip(fields, row, strict=True)) for row in r["records"]]
-    return out
-
-
-def check_invariants(
-    records: dict[tuple[int, int], list[dict]], nm: dict[int, int], staleness: int
-) -> int:
-    """DESIGN.md's WSP invariant over every minibatch; return how many forwards were gated."""
-    vws = sorted({vw for vw, _ in records})
-    # when each VW finished each wave: its last backward at stage 0 (the last to finish)
-    finished = {vw: {} for vw in vws}
-    for vw in vws:
-        for r in records[(vw, 0)]:
-            c = r["wave"]
-            finished[vw][c] = max(finished[vw].get(c, 0.0), r["t_bwd"])
-    gated = 0
-    for (vw, stage), rows in records.items():
-        for r in rows:
-            c, p = r["wave"], r["p"]
-            # the weights of wave c include every VW's updates of all waves < c - 1 - D
-            assert r["clock"] >= c - 1 - staleness, (vw, stage, r)
-            # ... and their own VW's updates up to p - Nm
-            if stage == 0 and p >= nm[vw]:
-                own = records[(vw, 0)][p - nm[vw]]
-                assert own["t_bwd"] <= r["t_fwd"], (vw, p)
-            if stage != 0 or p % nm[vw] != 0:
-                continue
-            # no VW starts wave c before every other VW finished wave c - 2 - D,
-            # i.e. it is never more than D + 1 waves ahead of the slowest one
-            for other in vws:
-                if other == vw or c - 2 - staleness < 0:
-                    continue
-                done_at = finished[other].get(c - 2 - staleness)
-                if done_at is not None:
-                    assert done_at <= r["t_fwd"], (vw, c, other)
-                    gated += 1
-    return gated
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_two_vws_one_slow(wsp_cluster, staleness) -> None:
@@ -93,7 +44,7 @@ def test_two_vws_one_slow(wsp_cluster, staleness) -> None:
     )
     info = wsp_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
-    records = load_records(info)
+    records = records_by_index(info)
     assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert all(len(rows) == info["minibatches"] // 2 for rows in records.values())
     assert check_invariants(records, {0: 2, 1: 2}, staleness) > 0

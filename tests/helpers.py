@@ -1,0 +1,329 @@
+"""Helpers shared by several test modules: the plain-PyTorch reference a pipeline is compared
+with, a finished job's stages.json, WSP's invariant, the planner's repository-shaped inputs and
+a stand-in stage compute.
+
+A plain module rather than ``conftest.py``: pytest loads ``conftest.py`` before every test, and
+one that fails to import stops the whole run. These helpers import the planner and the
+runtime's stage types, so a break there fails only the modules that use them. Fixtures, the
+daemons' clusters and the job dict stay in ``conftest.py``. Test modules import ``helpers``
+and ``conftest``, never each other (``test_test_layout.py`` checks).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from hetpipe.config import (
+    ClusterConfig,
+    DeviceSpec,
+    LinkSpec,
+    NetworkSpec,
+    NodeSpec,
+    RuntimeSpec,
+    ShardSpec,
+)
+from hetpipe.core.layout import StageLayout
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.hostcopy import HostCopier, HostCopy
+from hetpipe.job import JobSpec
+from hetpipe.models import build_model, model_loss
+from hetpipe.planner import ModelProfile, Plan, synthetic_profile
+from hetpipe.seeding import layer_seed
+from hetpipe.task import StageTask
+
+MiB = 1 << 20
+
+# -- the plain-PyTorch reference --------------------------------------------------------------
+
+
+def optimizer_of(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
+    """The torch optimizer of the job's optimizer table, with its settings."""
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
+        )
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def plain_training(
+    spec_dict: dict[str, Any],
+    steps: int,
+    *,
+    m: int | list[int] = 1,
+    vws: int = 1,
+    vw_seeds: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The job's model trained by plain PyTorch from the same initial weights, data order and
+    optimizer: the state_dict a transparent pipeline must reproduce.
+
+    ``steps`` optimizer steps, each on the next ``m`` minibatches of every one of ``vws``
+    virtual workers' streams (their samples concatenated, mean loss): one minibatch per step
+    for an asynchronous job of one virtual worker, an iteration of every virtual worker for a
+    synchronous one (minibatch SGD on the iteration's union); ``m`` may be one M per virtual
+    worker. With ``vw_seeds`` set (one minibatch per step), every layer runs after
+    ``torch.manual_seed(layer_seed(seed, vw_seeds, layer, p))``: how a reference draws the
+    dropout masks of virtual worker ``vw_seeds``.
+
+    One intra-op thread, as the workers use: a different thread count changes the order of
+    float reductions, and max-pooling after ReLU amplifies such rounding differences.
+    """
+    ms = m if isinstance(m, list) else [m] * vws
+    assert vw_seeds is None or ms == [1], "vw_seeds: one minibatch per step"
+    spec = JobSpec.from_dict(spec_dict)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model.name, spec.model.args)
+        data = load_dataset(spec.data.name)
+        streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
+        opt = optimizer_of(spec, model.parameters())
+        loss_fn = model_loss(spec.model.name)
+        model.train()
+        for i in range(steps):
+            batches = [
+                s.batch(p)
+                for s, mv in zip(streams, ms, strict=True)
+                for p in range(i * mv, (i + 1) * mv)
+            ]
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            opt.zero_grad()
+            if vw_seeds is None:
+                out = model(x)
+            else:
+                out = x
+                for j, layer in enumerate(model):
+                    torch.manual_seed(layer_seed(spec.seed, vw_seeds, j, i))
+                    out = layer(out)
+            loss_fn(out, y).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+# -- a finished job's stages.json -------------------------------------------------------------
+
+
+def stages_json(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The job's stages.json (``info["stages_path"]``): each stage's report (``stats``,
+    ``records``, ``replicas``...) by ``vw<V>/stage<S>``."""
+    return json.loads(Path(info["stages_path"]).read_text())
+
+
+def stage_records(info: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each stage's per-minibatch records by ``vw<V>/stage<S>``, one dict a minibatch: the
+    rows of stages.json named by the stage's ``stats.record_fields``."""
+    out = {}
+    for where, r in stages_json(info).items():
+        fields = r["stats"]["record_fields"]
+        out[where] = [dict(zip(fields, row, strict=True)) for row in r["records"]]
+    return out
+
+
+def records_by_index(info: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """:func:`stage_records` keyed by ``(vw, stage)``."""
+    out = {}
+    for where, rows in stage_records(info).items():
+        vw, stage = (
+            int(x[len(p) :]) for x, p in zip(where.split("/"), ("vw", "stage"), strict=True)
+        )
+        out[(vw, stage)] = rows
+    return out
+
+
+# -- WSP's invariant --------------------------------------------------------------------------
+
+
+def check_invariants(
+    records: dict[tuple[int, int], list[dict]], nm: dict[int, int], staleness: int
+) -> int:
+    """DESIGN.md's WSP invariant over every minibatch; return how many forwards were gated."""
+    vws = sorted({vw for vw, _ in records})
+    # when each VW finished each wave: its last backward at stage 0 (the last to finish)
+    finished = {vw: {} for vw in vws}
+    for vw in vws:
+        for r in records[(vw, 0)]:
+            c = r["wave"]
+            finished[vw][c] = max(finished[vw].get(c, 0.0), r["t_bwd"])
+    gated = 0
+    for (vw, stage), rows in records.items():
+        for r in rows:
+            c, p = r["wave"], r["p"]
+            # the weights of wave c include every VW's updates of all waves < c - 1 - D
+            assert r["clock"] >= c - 1 - staleness, (vw, stage, r)
+            # ... and their own VW's updates up to p - Nm
+            if stage == 0 and p >= nm[vw]:
+                own = records[(vw, 0)][p - nm[vw]]
+                assert own["t_bwd"] <= r["t_fwd"], (vw, p)
+            if stage != 0 or p % nm[vw] != 0:
+                continue
+            # no VW starts wave c before every other VW finished wave c - 2 - D,
+            # i.e. it is never more than D + 1 waves ahead of the slowest one
+            for other in vws:
+                if other == vw or c - 2 - staleness < 0:
+                    continue
+                done_at = finished[other].get(c - 2 - staleness)
+                if done_at is not None:
+                    assert done_at <= r["t_fwd"], (vw, c, other)
+                    gated += 1
+    return gated
+
+
+# -- the planner's inputs, shaped like the repository's cluster.toml --------------------------
+
+
+# make_plan's keywords beside repo_cluster() and profile16(), as the planner tests share them.
+KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
+
+
+def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
+    """Shaped like cluster.toml: one node; fast 64MiB, medium x2 32MiB, whimpy 3MiB."""
+    devs = (
+        DeviceSpec("gpu0", "cpu", "fast", 64 * MiB, 1.0, 7200, "node0", "127.0.0.1"),
+        DeviceSpec("gpu1", "cpu", "medium", 32 * MiB, 0.5, 7201, "node0", "127.0.0.1"),
+        DeviceSpec("gpu2", "cpu", "medium", 32 * MiB, 0.5, 7202, "node0", "127.0.0.1"),
+        DeviceSpec("gpu3", "cpu", "whimpy", 3 * MiB, 0.25, 7203, "node0", "127.0.0.1"),
+    )
+    return ClusterConfig(
+        "cluster.toml",
+        (ShardSpec(0, "127.0.0.1", 7100), ShardSpec(1, "127.0.0.1", 7101)),
+        NetworkSpec(100.0, 10.0, links),
+        (NodeSpec("node0", "127.0.0.1", devs),),
+        RuntimeSpec(),
+    )
+
+
+def profile16() -> ModelProfile:
+    """A synthetic profile of 16 layers on :func:`repo_cluster`'s three device types."""
+    return synthetic_profile(
+        16,
+        {"fast": 1.0, "medium": 0.5, "whimpy": 0.25},
+        0,
+        param_bytes=(64 << 10, 512 << 10),
+        out_bytes=(16 << 10, 128 << 10),
+    )
+
+
+def check_expected(plan: Plan) -> None:
+    """Every stage carries its expected peak beside the bound: at most the bound, priced by
+    the same model (only the in-flight terms differ; at the bound's count it IS the bound)."""
+    for vw in plan.vws:
+        for i, s in enumerate(vw.stages):
+            e = s.expected_memory
+            assert e is not None
+            assert 1 <= s.expected_in_flight <= s.in_flight
+            if plan.schedule == "async" and i == len(vw.stages) - 1:
+                assert s.expected_in_flight == s.in_flight == 1
+            if s.expected_in_flight == s.in_flight:
+                assert e == s.memory
+            else:
+                assert e.total < s.memory.total
+            assert (e.params, e.optimizer, e.accumulators, e.working) == (
+                s.memory.params,
+                s.memory.optimizer,
+                s.memory.accumulators,
+                s.memory.working,
+            )
+
+
+# -- a stage's runner without torch models ----------------------------------------------------
+
+
+class InlineExecutor(Executor):
+    """Runs compute at once on the caller's thread, so the order of events is the test's."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+class StandInCompute:
+    """What a StageRunner calls on a stage's compute, without torch models."""
+
+    def __init__(
+        self,
+        kind: str,
+        k: int,
+        stage: int,
+        nm: int,
+        total: int,
+        warmup: int = 0,
+        limit: int = 0,
+        fill: int = 0,
+    ) -> None:
+        self.task = StageTask(
+            job="j",
+            spec={},
+            vw=0,
+            stage=stage,
+            k=k,
+            nm=nm,
+            staleness=0,
+            minibatches=total,
+            num_vws=1,
+            layout=StageLayout(("gpu0",), 0, 1, in_flight_limit=limit, in_flight_fill=fill),
+        )
+        self.spec = SimpleNamespace(
+            schedule=kind,
+            sync=kind != "async",
+            push_every=1,
+            checkpoint_every=0,
+            eval_every_s=None,
+            minibatch=1,
+            warmup=warmup,
+        )
+        self.copier = HostCopier("cpu")
+        self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
+        self.has_state = True
+        self.restored = False  # not started from a checkpoint
+        self.table = None  # stashes: greedy 1F1B
+        self.versions: dict[int, tuple[int, float, int, float]] = {}
+        self.stats = SimpleNamespace(
+            last_loss=0.0,
+            losses=[],
+            forward_s=0.0,
+            backward_s=0.0,
+            peak_bytes=0,
+            prediction_quality=[],
+            peak_memory={},
+            peak_in_flight=0,
+        )
+
+    def state_names(self) -> list[str]:
+        return []
+
+    def forward(self, p: int, x: Any, y: Any) -> torch.Tensor | None:
+        return None if self.task.is_last else torch.zeros(1)
+
+    def backward(self, p: int, grad: Any) -> torch.Tensor | None:
+        self.versions[p] = (0, 0.0, 0, 0.0)
+        return torch.zeros(1)
+
+    def step(self, i: int, replicas: Any = None) -> None:
+        pass
+
+    def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
+        return []
+
+    def read_quality(self, block: bool = False) -> None:
+        pass
+
+    def push_deltas(self, wave: int, keep: bool) -> HostCopy:
+        return HostCopy({})
+
+    def carry(self, wave: int) -> None:
+        pass
+
+    def load(self, pulled: Any, applied: Any) -> None:
+        pass
