@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_planner_plan import KW, profile16, repo_cluster
+from helpers import KW, profile16, repo_cluster
 
 from hetpipe.core.layout import validate
 from hetpipe.core.schedule import fill_counts
