@@ -22,9 +22,9 @@ import zmq.asyncio
 
 from hetpipe import hostmem, security
 from hetpipe import log as logmod
-from hetpipe.config import ClusterConfig, check_address
+from hetpipe.config import ClusterConfig, RuntimeSpec, check_address
 from hetpipe.security import Curve, SecuritySpec
-from hetpipe.transport import Channel
+from hetpipe.transport import Channel, make_socket
 
 __all__ = ["Owner", "normal_host", "start_daemon", "wait_for_signal", "write_ready"]
 
@@ -103,6 +103,21 @@ class Owner:
     def channel(self, ch: Channel) -> Channel:
         self.channels.append(ch)
         return ch.start()
+
+    def connect(self, kind: int, address: str, name: str, runtime: RuntimeSpec) -> Channel:
+        """A channel on a new socket of ``kind`` (PUSH, DEALER) connected to ``address``
+        with the cluster's bounds and this process's keys; started where it reads replies
+        (DEALER). Its caller owns it: a job's channels close with the job."""
+        sock = make_socket(
+            self.ctx,
+            kind,
+            connect=address,
+            hwm=runtime.hwm,
+            max_frame_bytes=runtime.max_frame_bytes,
+            curve=self.curve,
+        )
+        ch = Channel(sock, None, name=name, max_frame_bytes=runtime.max_frame_bytes)
+        return ch.start() if kind == zmq.DEALER else ch
 
     def watch_handshakes(self, ch: Channel) -> None:
         """Log handshakes a Curve server socket refuses in libzmq (see :mod:`security`)."""

@@ -105,3 +105,24 @@ def list_jobs(run_dir: Path) -> list[dict[str, Any]]:
         return int(m[1]) if m else 0
 
     return sorted(out, key=number)
+
+
+# the fields of a job that a listing shows (a finished job's whole view is kilobytes): the
+# head's job list and ``hetpipe jobs`` on a result read from disk show the same ones
+SUMMARY_FIELDS = (
+    "id",
+    "name",
+    "state",
+    "error",
+    "seconds",
+    "total",
+    "minibatches",
+    "loss",
+    "samples_per_s",
+    "test_accuracy",
+)
+
+
+def summary(info: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a job's status or result that a listing shows (those that are set)."""
+    return {k: info[k] for k in SUMMARY_FIELDS if info.get(k) is not None}

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hetpipe.core.layout import StageLayout
+from hetpipe.core.layout import OnStage, StageLayout
 
 __all__ = ["StageTask"]
 
 
 @dataclass(frozen=True)
-class StageTask:
+class StageTask(OnStage):
     """Stage ``stage`` (its ``layout``) of virtual worker ``vw`` of ``job``, on device
     ``layout.devices[replica]``."""
 
@@ -46,40 +46,9 @@ class StageTask:
     next_peers: list[str] = field(default_factory=list)
 
     @property
-    def first(self) -> int:
-        return self.layout.first
-
-    @property
-    def last(self) -> int:
-        return self.layout.last
-
-    @property
-    def recompute(self) -> tuple[int, ...]:
-        """Global layers whose activations are recomputed in the backward."""
-        return self.layout.recompute
-
-    @property
-    def swap(self) -> tuple[int, ...]:
-        """Global layers whose activations wait in host memory (hetpipe.swap)."""
-        return self.layout.swap
-
-    @property
-    def in_flight_limit(self) -> int:
-        return self.layout.in_flight_limit
-
-    @property
-    def in_flight_fill(self) -> int:
-        return self.layout.in_flight_fill
-
-    @property
     def group(self) -> tuple[str, ...]:
         """This stage's devices, leader first."""
         return self.layout.devices
-
-    @property
-    def rows(self) -> tuple[int, ...]:
-        """Row bounds of the minibatch over ``group``; () on one device (every row)."""
-        return self.layout.rows
 
     @property
     def prev_group(self) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from hetpipe.config import format_size
+from hetpipe.jobstore import summary
 
 __all__ = [
     "SECURITY_OFF",
@@ -108,19 +109,7 @@ def render_running(info: dict[str, Any]) -> str:
 def brief(info: dict[str, Any]) -> dict[str, Any]:
     """The fields of a job's status that ``hetpipe jobs`` lists (those that are set), alike
     for a running job's status and a finished job's ``result.json``."""
-    keys = (
-        "id",
-        "name",
-        "state",
-        "error",
-        "seconds",
-        "total",
-        "minibatches",
-        "loss",
-        "samples_per_s",
-        "test_accuracy",
-    )
-    return {k: info[k] for k in keys if info.get(k) is not None}
+    return summary(info)
 
 
 # -- a job's result and live progress -------------------------------------------------------

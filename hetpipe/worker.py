@@ -238,29 +238,9 @@ class Worker:
             job = _Job(task, compute, self.closing)
             rt = self.cluster.runtime
             for address in dict.fromkeys(_destinations(task)):
-                sock = make_socket(
-                    self.owner.ctx,
-                    zmq.PUSH,
-                    connect=address,
-                    hwm=rt.hwm,
-                    max_frame_bytes=rt.max_frame_bytes,
-                    curve=self.owner.curve,
-                )
-                job.channels.append(
-                    Channel(sock, None, name=f"to:{address}", max_frame_bytes=rt.max_frame_bytes)
-                )
+                job.channels.append(self.owner.connect(zmq.PUSH, address, f"to:{address}", rt))
             for index, address in task.shards.items():
-                sock = make_socket(
-                    self.owner.ctx,
-                    zmq.DEALER,
-                    connect=address,
-                    hwm=rt.hwm,
-                    max_frame_bytes=rt.max_frame_bytes,
-                    curve=self.owner.curve,
-                )
-                ch = Channel(
-                    sock, None, name=f"shard{index}", max_frame_bytes=rt.max_frame_bytes
-                ).start()
+                ch = self.owner.connect(zmq.DEALER, address, f"shard{index}", rt)
                 job.channels.append(ch)
                 job.shards[int(index)] = ch
             if task.is_first:

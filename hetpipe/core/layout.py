@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
+    "OnStage",
     "SplitError",
     "StageLayout",
     "VWLayout",
@@ -110,6 +111,63 @@ class StageLayout:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed stage layout: {exc!r}") from None
+
+
+class OnStage:
+    """A mixin for what belongs to one stage and holds its :class:`StageLayout` as
+    ``layout`` (a planned stage, a stage's assignment): the layout's fields read through,
+    so each is stored once and named alike everywhere."""
+
+    layout: StageLayout
+
+    @property
+    def device(self) -> str:
+        """The stage's leader."""
+        return self.layout.device
+
+    @property
+    def first(self) -> int:
+        return self.layout.first
+
+    @property
+    def last(self) -> int:
+        return self.layout.last
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The half-open layer range ``(first, last)``."""
+        return self.layout.layers
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The devices beside the leader that run the stage on their rows; () for one."""
+        return self.layout.replicas
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """A replicated stage's row bounds over its devices; () on one device (every row)."""
+        return self.layout.rows
+
+    @property
+    def recompute(self) -> tuple[int, ...]:
+        """Global layers whose activations are recomputed in the backward."""
+        return self.layout.recompute
+
+    @property
+    def swap(self) -> tuple[int, ...]:
+        """Global layers whose activations wait in host memory."""
+        return self.layout.swap
+
+    @property
+    def in_flight_limit(self) -> int:
+        """The most minibatches the stage holds between a forward and its backward (0: the
+        schedule's own maximum)."""
+        return self.layout.in_flight_limit
+
+    @property
+    def in_flight_fill(self) -> int:
+        """The forwards the stage runs before its first backward."""
+        return self.layout.in_flight_fill
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import zmq
 from hetpipe.config import ClusterConfig, ConfigError, check_address
 from hetpipe.daemon import Owner
 from hetpipe.head.states import JobFailed
-from hetpipe.transport import Channel, make_socket
+from hetpipe.transport import Channel
 
 __all__ = ["SHARD_TIMEOUT_S", "Registry", "WorkerInfo", "hello_problem", "shard_problem"]
 
@@ -188,17 +188,7 @@ class Registry:
                     f"is hetpipe-ps --shard {index} running?"
                 )
             rt = self.cluster.runtime
-            sock = make_socket(
-                self.owner.ctx,
-                zmq.DEALER,
-                connect=address,
-                hwm=rt.hwm,
-                max_frame_bytes=rt.max_frame_bytes,
-                curve=self.owner.curve,
-            )
-            ch = Channel(
-                sock, None, name=f"to-shard{index}", max_frame_bytes=rt.max_frame_bytes
-            ).start()
+            ch = self.owner.connect(zmq.DEALER, address, f"to-shard{index}", rt)
             self.owner.channels.append(ch)
             self.shard_channels[index] = ch
         return ch

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from hetpipe.config import ClusterConfig
 from hetpipe.head.states import FINISHED
 from hetpipe.jobplan import JobPlan
-from hetpipe.jobstore import TRACE, job_dir, read_result
+from hetpipe.jobstore import TRACE, job_dir, read_result, summary
 
 if TYPE_CHECKING:
     from hetpipe.head.jobs import JobState
@@ -43,19 +43,6 @@ _STAGE_FIGURES = (
     "peak_in_flight",
     "shares",
     "waiting",
-)
-# the fields of a job a listing shows (a finished job's whole view is kilobytes)
-_SUMMARY = (
-    "id",
-    "name",
-    "state",
-    "error",
-    "seconds",
-    "total",
-    "minibatches",
-    "loss",
-    "samples_per_s",
-    "test_accuracy",
 )
 # the fields of each line of a job's metrics file
 _METRICS = ("minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages", "evals")
@@ -163,8 +150,7 @@ def _plan_view(js: JobState, plan: JobPlan) -> dict[str, Any]:
 
 def job_summary(js: JobState) -> dict[str, Any]:
     """A few fields for listings: a finished job's whole view is kilobytes."""
-    info = job_view(js)
-    return {k: info[k] for k in _SUMMARY if info.get(k) is not None}
+    return summary(job_view(js))
 
 
 def cluster_view(

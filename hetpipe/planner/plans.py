@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, validate
+from hetpipe.core.layout import OnStage, SplitError, StageLayout, VWLayout, VWSpec, validate
 from hetpipe.core.memory import StageMemory
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.schedule import fill_counts
@@ -137,7 +137,7 @@ def check_split(vws: Sequence[VWSpec], devices: Collection[str], n_layers: int) 
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StagePlan(OnStage):
     """One planned stage: its layout (what runs where, :class:`hetpipe.core.layout.StageLayout`)
     and the planner's predictions for it. The layout's fields read as before (``device``,
     ``layers``, ``replicas``, ``rows``, ``recompute``, ``swap``, ``limit``) so that the
@@ -164,37 +164,6 @@ class StagePlan:
     expected_memory: StageMemory | None = None
     expected_in_flight: int = 0
     in_flight: int = 0
-
-    @property
-    def device(self) -> str:
-        """The stage's leader."""
-        return self.layout.device
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        """The half-open layer range ``(first, last)``."""
-        return self.layout.layers
-
-    @property
-    def recompute(self) -> tuple[int, ...]:
-        """Global layers whose activations are recomputed in the backward."""
-        return self.layout.recompute
-
-    @property
-    def swap(self) -> tuple[int, ...]:
-        """Global layers whose activations wait in host memory."""
-        return self.layout.swap
-
-    @property
-    def replicas(self) -> tuple[str, ...]:
-        """The devices beside the leader that run the stage on their rows
-        (:mod:`hetpipe.replicas`); () for a stage on one device."""
-        return self.layout.replicas
-
-    @property
-    def rows(self) -> tuple[int, ...]:
-        """A replicated stage's row bounds over leader and replicas; () otherwise."""
-        return self.layout.rows
 
     @property
     def limit(self) -> int:
