@@ -1,42 +1,32 @@
-"""The compute of one pipeline stage: forward, backward and loss, and the orchestration of
-what it owns.
+"""The compute of one pipeline stage: forward, backward and loss, over the objects it owns.
 
 Every method here runs on the worker's single compute thread, never on the event loop, so
 sends and receives keep flowing while a stage computes. The scheduling (which minibatch, when)
 lives in :mod:`hetpipe.pipeline`; this module only does what it is told, in order.
 :class:`StageCompute` holds one object per job besides the compute, and delegates to it:
 
+- :mod:`hetpipe.stagelayers`: the layers, run one by one under their activation policies;
 - :mod:`hetpipe.versions`: the weight versions (weight stashing by out-of-place updates, the
   merge with pulled global weights) and each wave's accumulated update for the push;
 - :mod:`hetpipe.gradients`: the weight gradients between backward and optimizer step;
 - :mod:`hetpipe.probes`: the prediction probes of ``train.weights = "predict"``;
-- :mod:`hetpipe.stagememory`: the memory it keeps, counted in the planner's terms;
+- :mod:`hetpipe.stagememory`: the memory it keeps, counted in the planner's terms, which is
+  what the device's cap is checked against (:meth:`StageCompute.memory`);
 - :mod:`hetpipe.stagestate`: what it saves at a checkpoint's cut and restores.
 
-Weight stashing: a forward runs the layers on the current version (its tensors bound into
-the layers' slots, as :func:`torch.func.functional_call` would) and keeps a reference to that
-dict with the minibatch; the optimizer step builds a new dict of new tensors. So the backward
-of p differentiates exactly the weights its forward used. The stale-weight modes differ only
-in which weights a pass takes (:meth:`StageCompute._forward_weights`); ``predict`` paper
-binds other weights to the forward's graph at the backward (:mod:`hetpipe.lateweights`).
+Weight stashing: a forward runs the layers on the current version and keeps a reference to
+that dict with the minibatch; the optimizer step builds a new dict of new tensors. So the
+backward of p differentiates exactly the weights its forward used. The stale-weight modes
+differ only in which weights a pass takes (:meth:`StageCompute._forward_weights`);
+``predict`` paper binds other weights to the forward's graph at the backward
+(:mod:`hetpipe.lateweights`). A forward that the backward reruns (``latest``) keeps only its
+input. On an emulated device the copy time of swapped layers that the compute does not hide
+is charged at the device's ``host_gbps`` (:meth:`StageCompute._charge_swap`).
 
 Names: a slice of an ``nn.Sequential`` keeps the keys of the whole model, so a stage's state
 names (``"7.weight"``) are the global ones that travel to the shards and end up in the
 exported state_dict. Which names train, stay frozen, stay local or are tied is decided in
 :mod:`hetpipe.modelstate`; how dropout is seeded in :mod:`hetpipe.seeding`.
-
-Activations: the layers run one by one, each under the policy its task gives it
-(:mod:`hetpipe.core.memory`). A run of *recomputed* layers runs under non-reentrant
-:func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
-backward runs it again before differentiating it. The seeding hooks draw the same dropout
-masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
-of the batch-norm statistics, so a recomputed job is the same job as a kept one. A *swapped*
-layer runs under :class:`hetpipe.swap.HostSwap`'s hooks: what it saves waits in host memory
-until its backward (the same values come back, so it is the same job too); on an emulated
-device the copy time that the compute does not hide is charged at the device's
-``host_gbps`` (:meth:`StageCompute._charge_swap`). The memory a stage keeps is counted in the
-planner's own terms (:meth:`StageCompute.memory`) and that is what the device's cap is
-checked against.
 """
 
 from __future__ import annotations
@@ -45,11 +35,9 @@ import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from hetpipe import emulate, stagestate
 from hetpipe.config import DeviceSpec
@@ -57,7 +45,6 @@ from hetpipe.core.memory import (
     StageMemory,
     copy_seconds,
     fixed_order,
-    recompute_runs,
     unhidden_copy_s,
 )
 from hetpipe.core.staleness import StageTable
@@ -65,42 +52,21 @@ from hetpipe.core.wsp import wave_of
 from hetpipe.gradients import Gradients
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
-from hetpipe.lateweights import LateWeights
-from hetpipe.models import build_model, model_loss
+from hetpipe.models import model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
 from hetpipe.probes import PROBE_EVERY, Probe, Probes
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
-from hetpipe.stagememory import MemoryCount, SavedBytes, nbytes, storages
-from hetpipe.swap import HostSwap
+from hetpipe.stagelayers import StageLayers, build_stage_module
+from hetpipe.stagememory import LayerBytes, MemoryCount, nbytes
 from hetpipe.task import StageTask
-from hetpipe.versions import WeightVersions, to_device
+from hetpipe.versions import WeightVersions, fingerprint, to_device
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
-
-def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.Sequential:
-    """Build layers ``first``..``last``-1 on ``device`` without materialising the rest.
-
-    The whole model is constructed on the meta device (no memory), sliced, and only the
-    slice is allocated; its values come from the parameter server. ``to_empty`` gives every
-    use of a tied tensor its own new one, so the ties of the slice are restored after it.
-    """
-    with torch.device("meta"):
-        full = build_model(spec.model.name, spec.model.args)
-    if not 0 <= first < last <= len(full):
-        raise ValueError(f"layers {first}..{last - 1} out of range: the model has {len(full)}")
-    part = full[first:last]
-    ties = StateLayout.of(part).aliases
-    part.to_empty(device=device)
-    for alias, canonical in ties.items():
-        path, _, attr = alias.rpartition(".")
-        owner = part.get_submodule(path)
-        cpath, _, cattr = canonical.rpartition(".")
-        setattr(owner, attr, getattr(part.get_submodule(cpath), cattr))
-    return part
+T = TypeVar("T")
 
 
 @dataclass
@@ -145,6 +111,26 @@ class StageStats:
     # most one per PROBE_EVERY minibatches: StageCompute._judge), as read back so far
     # (StageCompute.read_quality)
     prediction_quality: list[float] = field(default_factory=list)
+
+
+class _Through(Generic[T]):
+    """A name of :class:`StageCompute` that reads (and sets) the attribute of an object it
+    owns: ``_Through("wv")`` as ``params`` is ``self.wv.params``."""
+
+    def __init__(self, owner: str, name: str = "") -> None:
+        self.owner = owner
+        self.name = name
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, cls: type | None = None) -> T:
+        if obj is None:  # on the class: the descriptor itself
+            return self  # type: ignore[return-value]
+        return getattr(getattr(obj, self.owner), self.name)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        setattr(getattr(obj, self.owner), self.name, value)
 
 
 class StageCompute:
@@ -201,23 +187,20 @@ class StageCompute:
         # their updates and the optimizer state stay float32, activations and gradients
         # between stages travel as bfloat16
         self.bf16 = self.spec.precision == "bf16"
-        self.recompute = frozenset(j - task.first for j in task.recompute)
+        recompute = frozenset(j - task.first for j in task.recompute)
         # a layer both recomputed and swapped is recomputed: it keeps nothing to swap
-        self.swap = frozenset(j - task.first for j in task.swap) - self.recompute
-        self.swapper = HostSwap(self.dev)
+        swap = frozenset(j - task.first for j in task.swap) - recompute
+        # the layers under their activation policies (hetpipe.stagelayers)
+        self.layers = StageLayers(
+            self.module,
+            layout,
+            self.seeds,
+            first=task.first,
+            recompute=recompute,
+            swap=swap,
+            dev=self.dev,
+        )
         self.host_gbps = device.host_gbps
-        self._layers = self._layer_states()
-        self._slots = [_slots(layer, keys) for layer, keys in self._layers]
-        # each layer's trainable weights as (local name, global name): what a late backward
-        # binds (predict paper), and the names a recomputed run needs again in its backward
-        self._weight_keys = [
-            [(local, name) for local, name, is_buffer in keys if not is_buffer]
-            for _layer, keys in self._layers
-        ]
-        self._recomputed_names = {
-            name for i in self.recompute for _local, name in self._weight_keys[i]
-        }
-        self.late = LateWeights()
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
             if (f.vw, f.stage) == (task.vw, task.stage):
@@ -232,94 +215,23 @@ class StageCompute:
         )
         self.probes = Probes(self.dev)  # weights = "predict" (hetpipe.probes)
         # the memory it keeps, counted in the planner's terms (hetpipe.stagememory)
-        self.mem = MemoryCount(self.module, self.recompute, self.swap, device.memory, self.where)
+        self.mem = MemoryCount(self.module, recompute, swap, device.memory, self.where)
 
-    # -- what it owns, read through (the runtime and tests read these by these names) -------
+    # -- what it owns, read through by the names the runtime and tests use -----------------
 
-    @property
-    def params(self) -> dict[str, torch.Tensor]:
-        """The current weight version."""
-        return self.wv.params
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The current buffers kept on the parameter server."""
-        return self.wv.buffers
-
-    @property
-    def local(self) -> dict[str, torch.Tensor]:
-        """The non-persistent buffers (never pushed, pulled or exported)."""
-        return self.wv.local
-
-    @property
-    def layout(self) -> StateLayout:
-        """Which of the stage's names train, stay frozen, stay local or are tied."""
-        return self.wv.layout
-
-    @property
-    def version(self) -> int:
-        """The current weight version's number."""
-        return self.wv.version
-
-    @property
-    def steps_taken(self) -> int:
-        """Optimizer steps this stage took."""
-        return self.wv.steps_taken
-
-    @property
-    def optimizer(self) -> StageOptimizer:
-        return self.wv.optimizer
-
-    @property
-    def acc(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Each wave's update not yet confirmed applied by the parameter server."""
-        return self.wv.acc
-
-    @property
-    def pending(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Async: each minibatch's weight gradients awaiting its step."""
-        return self.grads.pending
-
-    @property
-    def param_bytes(self) -> int:
-        return self.mem.param_bytes
-
-    @property
-    def probe(self) -> Probe | None:
-        """The outstanding prediction probe (weights = "predict")."""
-        return self.probes.probe
-
-    @property
-    def probe_every(self) -> int:
-        """A probe starts at most every this many minibatches."""
-        return self.probes.every
-
-    @probe_every.setter
-    def probe_every(self, every: int) -> None:
-        self.probes.every = every
-
-    @property
-    def _quality(self) -> Readback:
-        """The probes' scores on their way back from the device."""
-        return self.probes.quality
-
-    def _layer_states(self) -> list[tuple[nn.Module, list[tuple[str, str, bool]]]]:
-        """Each layer with the names it takes from the stage's state: ``(name in the layer,
-        global name, whether it is a buffer)``. Tied names map to their canonical tensor."""
-        aliases = dict(self.layout.aliases)
-        canonical = [*self.layout.params, *self.layout.buffers, *self.layout.local]
-        buffers = {*self.layout.buffers, *self.layout.local}
-        out = []
-        for child, layer in self.module.named_children():
-            prefix = child + "."
-            keys = [(n[len(prefix) :], n, n in buffers) for n in canonical if n.startswith(prefix)]
-            keys += [
-                (a[len(prefix) :], c, c in buffers)
-                for a, c in aliases.items()
-                if a.startswith(prefix)
-            ]
-            out.append((layer, keys))
-        return out
+    params: _Through[dict[str, torch.Tensor]] = _Through("wv")  # the current weight version
+    buffers: _Through[dict[str, torch.Tensor]] = _Through("wv")
+    local: _Through[dict[str, torch.Tensor]] = _Through("wv")  # non-persistent buffers
+    layout: _Through[StateLayout] = _Through("wv")
+    steps_taken: _Through[int] = _Through("wv")
+    optimizer: _Through[StageOptimizer] = _Through("wv")
+    acc: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("wv")  # wave -> its update
+    pending: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("grads")
+    param_bytes: _Through[int] = _Through("mem")
+    _layer_bytes: _Through[dict[tuple[int, ...], LayerBytes]] = _Through("mem", "layer_bytes")
+    probe: _Through[Probe | None] = _Through("probes")  # the outstanding prediction probe
+    probe_every: _Through[int] = _Through("probes", "every")
+    _quality: _Through[Readback] = _Through("probes", "quality")  # the probes' scores
 
     # -- state names ------------------------------------------------------------------------
 
@@ -345,19 +257,19 @@ class StageCompute:
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
         params, recompute, late = self._forward_weights(p)
-        state = {**params, **self.buffers, **self.local}
+        state = {**params, **self.wv.buffers, **self.wv.local}
         self.seeds.p = p
-        before = {n: b.clone() for n, b in self.buffers.items()}
+        before = {n: b.clone() for n, b in self.wv.buffers.items()}
         shape = tuple(x.shape)
         known = self.mem.layer_bytes.get(shape)
-        self.swapper.start()
+        self.layers.swapper.start()
         if recompute and known is not None:
             # the backward reruns this forward (weights latest): keep the input only
             with torch.no_grad(), self._autocast():
-                out, _ = self._run_layers(p, x, state, measure=False)
+                out, _ = self.layers.run(p, x, state, measure=False)
         else:
-            with self._autocast(), self.late.forward(late is not None):
-                out, measured = self._run_layers(p, x, state, measure=known is None)
+            with self._autocast(), self.layers.late.forward(late is not None):
+                out, measured = self.layers.run(p, x, state, measure=known is None)
             if late is not None:
                 self._release(params)
         if known is None:
@@ -375,13 +287,13 @@ class StageCompute:
             x=x,
             out=out,
             params={} if recompute else params,
-            version=self.version,
-            fingerprint=_fingerprint(params) if self.verify else 0.0,
+            version=self.wv.version,
+            fingerprint=fingerprint(params) if self.verify else 0.0,
             kept_bytes=kept,
             samples=int(y.shape[0]) if y.dim() else 1,
             recompute=recompute,
             late=late,
-            swapped=self.swapper.bytes,
+            swapped=self.layers.swapper.bytes,
         )
         self.in_flight[p] = flight
         self._check_memory()
@@ -407,118 +319,17 @@ class StageCompute:
         at ``host_gbps`` that ``compute_s`` does not hide
         (:func:`hetpipe.core.memory.unhidden_copy_s`, the planner's own charge); on a GPU
         the copies are real and already in the measured time."""
-        if not moved or self.swapper.cuda:
+        if not moved or self.layers.swapper.cuda:
             return compute_s
         extra = unhidden_copy_s(copy_seconds(moved, self.host_gbps), compute_s)
         time.sleep(extra)
         return compute_s + extra
-
-    def _run_layers(
-        self, p: int, x: torch.Tensor, state: Mapping[str, torch.Tensor], measure: bool
-    ) -> tuple[torch.Tensor, tuple[list[int], list[int], list[int]]]:
-        """The stage's layers on ``x``, each under its activation policy.
-
-        With ``measure`` (the first forward of each input shape) each layer's bytes are
-        recorded in the planner's terms (as :func:`hetpipe.planner.profile.measure_layers`
-        counts them): what autograd saves, deduplicated by storage and without the layer's
-        own state, its input, and its working memory (output plus input gradient); they come
-        back with the output. A recomputed run is measured by a throwaway pass on copies of
-        its buffers before its real, checkpointed one: its saved tensors live only during
-        that pass, which is the rerun the ``working`` term already holds room for.
-        """
-        saved: list[int] = []
-        inputs: list[int] = []
-        work: list[int] = []
-
-        def counted(
-            i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: torch.Tensor
-        ) -> torch.Tensor:
-            own = storages(sub)
-            if i in self.swap:  # the swap counts what it parks the same way
-                before = self.swapper.bytes
-                with self.swapper.layer(own):
-                    y = self._call(i, sub, x)
-                saved.append(self.swapper.bytes - before)
-            else:
-                counter = SavedBytes(own)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                    y = self._call(i, sub, x)
-                saved.append(counter.bytes)
-            inputs.append(nbytes(x))
-            grad_in = nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
-            work.append(nbytes(y) + grad_in)
-            return y
-
-        runs = dict(recompute_runs(self.recompute))
-        j = 0
-        while j < len(self._layers):
-            end = runs.get(j)
-            if end is not None and torch.is_grad_enabled():
-                subs = [
-                    (i, keys, {local: state[name] for local, name, _ in keys})
-                    for i, (_layer, keys) in enumerate(self._layers[j:end], start=j)
-                ]
-                if measure:  # a throwaway pass; the checkpoint reseeds the same masks
-                    y = x
-                    for i, keys, sub in subs:
-                        y = counted(i, self._layers[i][0], _buffer_copies(keys, sub), y)
-                    del y
-                x = checkpoint(
-                    self._rerunnable(subs, p), x, use_reentrant=False, preserve_rng_state=False
-                )
-                j = end
-                continue
-            layer, keys = self._layers[j]
-            sub = {local: state[name] for local, name, _ in keys}
-            if measure:
-                x = counted(j, layer, sub, x)
-            elif j in self.swap and torch.is_grad_enabled():
-                with self.swapper.layer(storages(sub)):
-                    x = self._call(j, sub, x)
-            else:
-                x = self._call(j, sub, x)
-            j += 1
-        return x, (saved, inputs, work)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         """The compute precision's autocast context (none in float32)."""
         if not self.bf16:
             return nullcontext()
         return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16)
-
-    def _call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
-        its parameter and buffer slots: what :func:`torch.func.functional_call` does, without
-        its per-call set-up and restore. The slots keep these tensors until the next call
-        (only this stage's compute thread runs its layers, and every call sets all of them).
-        """
-        for table, attr, local in self._slots[i]:
-            table[attr] = sub[local]
-        if self.late.packing:  # a forward (or a recomputed run's rerun) bound late
-            with self.late.layer({name: sub[local] for local, name in self._weight_keys[i]}):
-                return self._layers[i][0](x)
-        return self._layers[i][0](x)
-
-    def _rerunnable(
-        self,
-        subs: list[tuple[int, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
-        p: int,
-    ) -> Any:
-        """A run of layers' forward for :func:`checkpoint`: the first call is the real
-        forward; the rerun in the backward reseeds for minibatch ``p`` (same dropout masks)
-        and updates copies of the buffers, so batch-norm statistics move once per minibatch."""
-        calls = 0
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
-                self.seeds.p = p
-            for i, keys, sub in subs:
-                x = self._call(i, _buffer_copies(keys, sub) if calls > 1 else sub, x)
-            return x
-
-        return run
 
     def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Run the backward of minibatch ``p`` from the gradient of its output (None on the
@@ -533,15 +344,15 @@ class StageCompute:
             self._rerun(p, flight)
         # predict paper: the graph's saved weights are the ones predicted now
         late = self._predicted(flight.late) if flight.late is not None else None
-        with self.late.backward(late) if late is not None else nullcontext():
+        with self.layers.late.backward(late) if late is not None else nullcontext():
             grad_in, pgrads = self._differentiate(flight, grad)
         # observable weight stashing: (forward's version, its weights' fingerprint then,
         # version current at this backward, fingerprint of the weights differentiated now)
         self.versions[p] = (
             flight.version,
             flight.fingerprint,
-            self.version,
-            _fingerprint(late if late is not None else flight.params) if self.verify else 0.0,
+            self.wv.version,
+            fingerprint(late if late is not None else flight.params) if self.verify else 0.0,
         )
         if self.spec.sync:
             self.grads.add(pgrads, flight.samples)
@@ -611,11 +422,11 @@ class StageCompute:
         with nothing stale the three modes are the same computation.
         """
         if self.table is None:
-            return self.params, False, None
+            return self.wv.params, False, None
         s_fwd, s_bwd = self.table.s(p)
         between = s_fwd > s_bwd and not self.task.is_last
         if self.weights == "latest":
-            return self.params, between, None
+            return self.wv.params, between, None
         params = self._predicted(s_fwd)
         late = between and self.spec.predict_variant == "paper"
         if late:
@@ -623,36 +434,36 @@ class StageCompute:
             # that the forward can release them (:meth:`_release`)
             params = {
                 n: w.detach().clone().requires_grad_()
-                if w is self.params[n] and w.requires_grad
+                if w is self.wv.params[n] and w.requires_grad
                 else w
                 for n, w in params.items()
             }
         if s_fwd > 0:  # a probe of this prediction, if it is its turn (hetpipe.probes)
-            self.probes.offer(p, self.steps_taken + s_fwd, params, self.params, late)
+            self.probes.offer(p, self.wv.steps_taken + s_fwd, params, self.wv.params, late)
         return params, False, s_bwd if late else None
 
     def _predicted(self, s: int) -> dict[str, torch.Tensor]:
         """The current weights ``s`` updates ahead, as leaves that take gradients."""
         if s <= 0:
-            return self.params
-        ahead = self.optimizer.predict(self.params, s)
-        return {n: w if w is self.params[n] else w.requires_grad_() for n, w in ahead.items()}
+            return self.wv.params
+        ahead = self.wv.optimizer.predict(self.wv.params, s)
+        return {n: w if w is self.wv.params[n] else w.requires_grad_() for n, w in ahead.items()}
 
     def _rerun(self, p: int, flight: _InFlight) -> None:
         """Rerun the forward of ``p`` from its kept input on the newest weights (``latest``),
         with the same dropout masks and without moving the batch-norm statistics a second
         time."""
-        params = self.params
-        buffers = {n: b.clone() for n, b in self.buffers.items()}
+        params = self.wv.params
+        buffers = {n: b.clone() for n, b in self.wv.buffers.items()}
         self.seeds.p = p
-        self.swapper.start()
+        self.layers.swapper.start()
         # layer by layer under the activation policy: recomputed runs stay checkpoints
         with self._autocast():
-            flight.out, _ = self._run_layers(
-                p, flight.x, {**params, **buffers, **self.local}, measure=False
+            flight.out, _ = self.layers.run(
+                p, flight.x, {**params, **buffers, **self.wv.local}, measure=False
             )
         flight.params = params
-        flight.swapped = self.swapper.bytes
+        flight.swapped = self.layers.swapper.bytes
 
     def _release(self, params: Mapping[str, torch.Tensor]) -> None:
         """Free the storage of a late-bound forward's predicted weights: its graph saved
@@ -664,7 +475,7 @@ class StageCompute:
         probe = self.probes.probe
         if probe is not None and probe.predicted is params:
             return
-        current, recomputed = self.params, self._recomputed_names
+        current, recomputed = self.wv.params, self.layers.recomputed_names
         for n, w in params.items():
             if w is not current[n] and n not in recomputed:
                 w.untyped_storage().resize_(0)
@@ -673,7 +484,7 @@ class StageCompute:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
         extrapolated (:meth:`hetpipe.probes.Probes.judge`), and release a late-bound
         forward's prediction once scored."""
-        predicted = self.probes.judge(self.params, self.steps_taken)
+        predicted = self.probes.judge(self.wv.params, self.wv.steps_taken)
         if predicted is not None:
             self._release(predicted)
 
@@ -776,7 +587,7 @@ class StageCompute:
         the planner composes its prediction (:meth:`hetpipe.stagememory.MemoryCount.count`)."""
         return self.mem.count(
             self.in_flight,
-            self.params,
+            self.wv.params,
             acc=self.wv.acc,
             grad_sum=self.grads.sum,
             optimizer=self.wv.optimizer.state_bytes(),
@@ -791,45 +602,3 @@ class StageCompute:
         for name, value in mem.to_dict().items():
             self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
         mem.check(self.mem.cap, self.where, len(self.in_flight))
-
-
-def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
-    """A cheap digest of a weight version: a few elements of its first and last tensors.
-
-    Every update changes every parameter that has a gradient, so these few values tell
-    versions apart; reading them at backward time observes the weights actually used.
-    """
-    if not params:
-        return 0.0
-    tensors = list(params.values())
-    with torch.no_grad():
-        return float(
-            tensors[0].reshape(-1)[:8].double().sum() + tensors[-1].reshape(-1)[:8].double().sum()
-        )
-
-
-def _slots(
-    layer: nn.Module, keys: list[tuple[str, str, bool]]
-) -> list[tuple[dict[str, Any], str, str]]:
-    """Where each of a layer's state tensors goes: ``(the owning module's parameter or buffer
-    table, attribute, local name)`` for every local name of ``keys``."""
-    out = []
-    for local, _name, is_buffer in keys:
-        path, _, attr = local.rpartition(".")
-        owner = layer.get_submodule(path) if path else layer
-        table = owner._buffers if is_buffer else owner._parameters
-        if attr not in table:
-            raise ValueError(
-                f"{local!r} is not a {'buffer' if is_buffer else 'parameter'} "
-                f"of {type(layer).__name__}"
-            )
-        out.append((table, attr, local))
-    return out
-
-
-def _buffer_copies(
-    keys: list[tuple[str, str, bool]], sub: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """A layer's state with copies of its buffers: a pass that must not move batch-norm
-    statistics (a measurement, a recompute) updates the copies."""
-    return {local: sub[local].clone() if is_buffer else sub[local] for local, _, is_buffer in keys}

@@ -181,3 +181,18 @@ class WeightVersions:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""
         return {**{n: t.detach() for n, t in self.params.items()}, **self.buffers}
+
+
+def fingerprint(params: Mapping[str, torch.Tensor]) -> float:
+    """A cheap digest of a weight version: a few elements of its first and last tensors.
+
+    Every update changes every parameter that has a gradient, so these few values tell
+    versions apart; reading them at backward time observes the weights actually used.
+    """
+    if not params:
+        return 0.0
+    tensors = list(params.values())
+    with torch.no_grad():
+        return float(
+            tensors[0].reshape(-1)[:8].double().sum() + tensors[-1].reshape(-1)[:8].double().sum()
+        )
