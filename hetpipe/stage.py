@@ -1,109 +1,72 @@
-"""The compute of one pipeline stage: forward, backward, local update, weight stashing, merge.
+"""The compute of one pipeline stage: forward, backward and loss, over the objects it owns.
 
 Every method here runs on the worker's single compute thread, never on the event loop, so
 sends and receives keep flowing while a stage computes. The scheduling (which minibatch, when)
 lives in :mod:`hetpipe.pipeline`; this module only does what it is told, in order.
+:class:`StageCompute` holds one object per job besides the compute, and delegates to it:
 
-Weight stashing by out-of-place updates: the weights are a dict of leaf tensors, one dict per
-*version*. A forward runs the layers on the current version (its tensors bound into the
-layers' slots, as :func:`torch.func.functional_call` would) and keeps a reference to that dict
-with the minibatch; the optimizer step builds a new
-dict of new tensors. So the backward of p differentiates exactly the weights its forward used,
-and an old version lives exactly as long as an in-flight minibatch needs it. The stale-weight
-modes differ only in which weights a pass takes (:meth:`StageCompute._forward_weights`);
+- :mod:`hetpipe.stagelayers`: the layers, run one by one under their activation policies;
+- :mod:`hetpipe.versions`: the weight versions (weight stashing by out-of-place updates, the
+  merge with pulled global weights) and each wave's accumulated update for the push;
+- :mod:`hetpipe.gradients`: the weight gradients between backward and optimizer step;
+- :mod:`hetpipe.probes`: the prediction probes of ``train.weights = "predict"``;
+- :mod:`hetpipe.stagememory`: the memory it keeps, counted in the planner's terms, which is
+  what the device's cap is checked against (:meth:`StageCompute.memory`);
+- :mod:`hetpipe.stagestate`: what it saves at a checkpoint's cut and restores.
+
+Weight stashing: a forward runs the layers on the current version and keeps a reference to
+that dict with the minibatch; the optimizer step builds a new dict of new tensors. So the
+backward of p differentiates exactly the weights its forward used. The stale-weight modes
+differ only in which weights a pass takes (:meth:`StageCompute._forward_weights`);
 ``predict`` paper binds other weights to the forward's graph at the backward
-(:mod:`hetpipe.lateweights`).
-
-Every local change of the stage's state (optimizer steps and batch-norm statistics) is also
-added to the accumulator of its wave, which is what the stage pushes to the parameter server
-and re-adds on top of pulled weights until the server confirms it applied it.
+(:mod:`hetpipe.lateweights`). A forward that the backward reruns (``latest``) keeps only its
+input. On an emulated device the copy time of swapped layers that the compute does not hide
+is charged at the device's ``host_gbps`` (:meth:`StageCompute._charge_swap`).
 
 Names: a slice of an ``nn.Sequential`` keeps the keys of the whole model, so a stage's state
 names (``"7.weight"``) are the global ones that travel to the shards and end up in the
 exported state_dict. Which names train, stay frozen, stay local or are tied is decided in
 :mod:`hetpipe.modelstate`; how dropout is seeded in :mod:`hetpipe.seeding`.
-
-Activations: the layers run one by one, each under the policy its task gives it
-(:mod:`hetpipe.core.memory`). A run of *recomputed* layers runs under non-reentrant
-:func:`torch.utils.checkpoint.checkpoint`: its forward keeps only the run's input, and the
-backward runs it again before differentiating it. The seeding hooks draw the same dropout
-masks again (the minibatch is set before the rerun), and the rerun updates throwaway copies
-of the batch-norm statistics, so a recomputed job is the same job as a kept one. A *swapped*
-layer runs under :class:`hetpipe.swap.HostSwap`'s hooks: what it saves waits in host memory
-until its backward (the same values come back, so it is the same job too); on an emulated
-device the copy time that the compute does not hide is charged at the device's
-``host_gbps`` (:meth:`StageCompute._charge_swap`). The memory
-a stage keeps is counted in the planner's own terms (:meth:`StageCompute.memory`) and that
-is what the device's cap is checked against.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from hetpipe import emulate
+from hetpipe import emulate, stagestate
 from hetpipe.config import DeviceSpec
 from hetpipe.core.memory import (
     StageMemory,
-    activation_bytes,
-    compose,
     copy_seconds,
     fixed_order,
-    recompute_runs,
     unhidden_copy_s,
-    working_bytes,
 )
 from hetpipe.core.staleness import StageTable
-from hetpipe.core.wsp import covers, unincluded_waves, wave_of
-from hetpipe.cudaipc import Shared, open_shared
+from hetpipe.core.wsp import wave_of
+from hetpipe.gradients import Gradients
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
-from hetpipe.lateweights import LateWeights
-from hetpipe.models import build_model, model_loss
+from hetpipe.models import model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer
+from hetpipe.probes import PROBE_EVERY, Probe, Probes
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
-from hetpipe.swap import HostSwap
+from hetpipe.stagelayers import StageLayers, build_stage_module
+from hetpipe.stagememory import LayerBytes, MemoryCount, nbytes
 from hetpipe.task import StageTask
+from hetpipe.versions import WeightVersions, fingerprint, to_device
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
-# weights = "predict": a prediction is scored (StageCompute._judge) for at most one forward
-# in this many minibatches; every probe is judged in full, the others cost nothing
-PROBE_EVERY = 8
-
-
-def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.Sequential:
-    """Build layers ``first``..``last``-1 on ``device`` without materialising the rest.
-
-    The whole model is constructed on the meta device (no memory), sliced, and only the
-    slice is allocated; its values come from the parameter server. ``to_empty`` gives every
-    use of a tied tensor its own new one, so the ties of the slice are restored after it.
-    """
-    with torch.device("meta"):
-        full = build_model(spec.model.name, spec.model.args)
-    if not 0 <= first < last <= len(full):
-        raise ValueError(f"layers {first}..{last - 1} out of range: the model has {len(full)}")
-    part = full[first:last]
-    ties = StateLayout.of(part).aliases
-    part.to_empty(device=device)
-    for alias, canonical in ties.items():
-        path, _, attr = alias.rpartition(".")
-        owner = part.get_submodule(path)
-        cpath, _, cattr = canonical.rpartition(".")
-        setattr(owner, attr, getattr(part.get_submodule(cpath), cattr))
-    return part
+T = TypeVar("T")
 
 
 @dataclass
@@ -150,18 +113,29 @@ class StageStats:
     prediction_quality: list[float] = field(default_factory=list)
 
 
-@dataclass
-class _Probe:
-    """A forward's predicted and stale weights, waiting for the step count they aimed at."""
+class _Through(Generic[T]):
+    """A name of :class:`StageCompute` that reads (and sets) the attribute of an object it
+    owns: ``_Through("wv")`` as ``params`` is ``self.wv.params``."""
 
-    target: int  # optimizer steps of this stage at which the prediction is judged
-    predicted: dict[str, torch.Tensor]
-    stale: dict[str, torch.Tensor]
-    late: bool = False  # a late-bound forward's: released once judged (StageCompute._release)
+    def __init__(self, owner: str, name: str = "") -> None:
+        self.owner = owner
+        self.name = name
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, cls: type | None = None) -> T:
+        if obj is None:  # on the class: the descriptor itself
+            return self  # type: ignore[return-value]
+        return getattr(getattr(obj, self.owner), self.name)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        setattr(getattr(obj, self.owner), self.name, value)
 
 
 class StageCompute:
-    """Weights, optimizer, accumulators and in-flight minibatches of one stage."""
+    """One stage's compute (forward, backward, loss, local step) over the objects it owns:
+    its weight versions, gradients, prediction probes and memory count."""
 
     def __init__(
         self, task: StageTask, device: DeviceSpec, local: Mapping[str, torch.Tensor] | None = None
@@ -170,7 +144,6 @@ class StageCompute:
         self.task = task
         self.dev = device.device
         self.speed = device.speed
-        self.cap = device.memory
         self.where = f"{task.where} on {device.name} ({device.type})"
         self.spec = JobSpec.from_dict(task.spec)
         self.module = build_stage_module(self.spec, task.first, task.last, self.dev)
@@ -182,27 +155,26 @@ class StageCompute:
         # started from a checkpoint's local weights that had merged the pull of the cut's
         # wave already (load_state): the attempt's first pull and merge are done
         self.restored = False
-        self.layout = StateLayout.of(self.module)
-        self.param_names = list(self.layout.params)
-        self.buffer_names = list(self.layout.buffers)
-        self.params: dict[str, torch.Tensor] = {}
-        self.buffers: dict[str, torch.Tensor] = {}
+        layout = StateLayout.of(self.module)
         local = local or {}
-        missing = [n for n in self.layout.local if n not in local]
+        missing = [n for n in layout.local if n not in local]
         if missing:
             raise ValueError(
                 f"{task.where}: no initial value for non-persistent buffer {missing[0]!r}"
             )
-        # non-persistent buffers: the stage's own, never pushed, pulled or exported
-        self.local = {n: local[n].to(self.dev, copy=True) for n in self.layout.local}
-        self.version = 0
-        self.optimizer = StageOptimizer(self.spec.optimizer)
-        self.acc: dict[int, dict[str, torch.Tensor]] = {}
+        self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
+        # the weight versions, the optimizer and each wave's update (hetpipe.versions)
+        self.wv = WeightVersions(
+            layout,
+            StageOptimizer(self.spec.optimizer),
+            {n: local[n].to(self.dev, copy=True) for n in layout.local},
+            self.dev,
+            self.copier,
+            num_vws=task.num_vws,
+            sync=self.spec.sync,
+        )
         self.in_flight: dict[int, _InFlight] = {}
-        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # async: gradients awaiting step
-        self.grad_sum: dict[str, torch.Tensor] = {}  # sync: this iteration's, sample-weighted
-        self.grad_samples = 0
-        self.merged_grads: dict[str, torch.Tensor] | None = None  # sync: every VW's mean
+        self.grads = Gradients(self.dev, self.copier)  # awaiting the step (hetpipe.gradients)
         self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
         # a replica of the last stage: its rows' share of the whole minibatch's mean loss, so
         # that the replicas' gradients sum to the unsplit one (hetpipe.replicas)
@@ -210,34 +182,25 @@ class StageCompute:
         self.loss_scale = (hi - lo) / self.spec.minibatch if task.replicated else 1.0
         self.stats = StageStats()
         self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
-        self._quality = Readback(self.dev)  # the same for the prediction probes' scores
-        self.copier = HostCopier(self.dev)  # what goes out reaches the host off the compute
         self.verify = self.spec.verify  # fingerprint the weights each pass used (costs reads)
         # train.precision = "bf16": forwards (and so backwards) under autocast; the weights,
         # their updates and the optimizer state stay float32, activations and gradients
         # between stages travel as bfloat16
         self.bf16 = self.spec.precision == "bf16"
-        # per input shape: each layer's (saved bytes if kept, input bytes, working bytes),
-        # measured by the first forward of that shape, which keeps every layer
-        self._layer_bytes: dict[tuple[int, ...], tuple[list[int], list[int], list[int]]] = {}
-        self.recompute = frozenset(j - task.first for j in task.recompute)
+        recompute = frozenset(j - task.first for j in task.recompute)
         # a layer both recomputed and swapped is recomputed: it keeps nothing to swap
-        self.swap = frozenset(j - task.first for j in task.swap) - self.recompute
-        self.swapper = HostSwap(self.dev)
+        swap = frozenset(j - task.first for j in task.swap) - recompute
+        # the layers under their activation policies (hetpipe.stagelayers)
+        self.layers = StageLayers(
+            self.module,
+            layout,
+            self.seeds,
+            first=task.first,
+            recompute=recompute,
+            swap=swap,
+            dev=self.dev,
+        )
         self.host_gbps = device.host_gbps
-        self._layers = self._layer_states()
-        self._slots = [_slots(layer, keys) for layer, keys in self._layers]
-        # each layer's trainable weights as (local name, global name): what a late backward
-        # binds (predict paper), and the names a recomputed run needs again in its backward
-        self._weight_keys = [
-            [(local, name) for local, name, is_buffer in keys if not is_buffer]
-            for _layer, keys in self._layers
-        ]
-        self._recomputed_names = {
-            name for i in self.recompute for _local, name in self._weight_keys[i]
-        }
-        self.late = LateWeights()
-        self._working = 0
         self.stalls: dict[int, list[float]] = {}
         for f in self.spec.faults:
             if (f.vw, f.stage) == (task.vw, task.stage):
@@ -250,45 +213,36 @@ class StageCompute:
             if fixed_order(self.spec.schedule, self.weights)
             else None
         )
-        self.steps_taken = 0
-        self.probe: _Probe | None = None
-        # a probe starts at most every ``probe_every`` minibatches (_judge): judging takes
-        # two passes over the stage's weights and a read to the host
-        self.probe_every = PROBE_EVERY
-        self._next_probe = 0  # the first minibatch that may start the next probe
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        self.weight_bytes = self.param_bytes + sum(
-            b.numel() * b.element_size() for b in self.module.buffers()
-        )
+        self.probes = Probes(self.dev)  # weights = "predict" (hetpipe.probes)
+        # the memory it keeps, counted in the planner's terms (hetpipe.stagememory)
+        self.mem = MemoryCount(self.module, recompute, swap, device.memory, self.where)
 
-    def _layer_states(self) -> list[tuple[nn.Module, list[tuple[str, str, bool]]]]:
-        """Each layer with the names it takes from the stage's state: ``(name in the layer,
-        global name, whether it is a buffer)``. Tied names map to their canonical tensor."""
-        aliases = dict(self.layout.aliases)
-        canonical = [*self.layout.params, *self.layout.buffers, *self.layout.local]
-        buffers = {*self.layout.buffers, *self.layout.local}
-        out = []
-        for child, layer in self.module.named_children():
-            prefix = child + "."
-            keys = [(n[len(prefix) :], n, n in buffers) for n in canonical if n.startswith(prefix)]
-            keys += [
-                (a[len(prefix) :], c, c in buffers)
-                for a, c in aliases.items()
-                if a.startswith(prefix)
-            ]
-            out.append((layer, keys))
-        return out
+    # -- what it owns, read through by the names the runtime and tests use -----------------
+
+    params: _Through[dict[str, torch.Tensor]] = _Through("wv")  # the current weight version
+    buffers: _Through[dict[str, torch.Tensor]] = _Through("wv")
+    local: _Through[dict[str, torch.Tensor]] = _Through("wv")  # non-persistent buffers
+    layout: _Through[StateLayout] = _Through("wv")
+    steps_taken: _Through[int] = _Through("wv")
+    optimizer: _Through[StageOptimizer] = _Through("wv")
+    acc: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("wv")  # wave -> its update
+    pending: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("grads")
+    param_bytes: _Through[int] = _Through("mem")
+    _layer_bytes: _Through[dict[tuple[int, ...], LayerBytes]] = _Through("mem", "layer_bytes")
+    probe: _Through[Probe | None] = _Through("probes")  # the outstanding prediction probe
+    probe_every: _Through[int] = _Through("probes", "every")
+    _quality: _Through[Readback] = _Through("probes", "quality")  # the probes' scores
 
     # -- state names ------------------------------------------------------------------------
 
     @property
     def has_state(self) -> bool:
         """Whether this stage holds weights or buffers kept on the parameter server."""
-        return bool(self.param_names or self.buffer_names)
+        return bool(self.wv.param_names or self.wv.buffer_names)
 
     def state_names(self) -> list[str]:
         """Global names of everything this stage keeps on the parameter server."""
-        return self.param_names + self.buffer_names
+        return self.wv.param_names + self.wv.buffer_names
 
     # -- forward / backward -----------------------------------------------------------------
 
@@ -299,49 +253,47 @@ class StageCompute:
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = emulate.mark()
-        x = self._to_device(x)
+        x = to_device(x, self.dev)
         if not self.task.is_first and x.is_floating_point():
             x = x.detach().requires_grad_()
         params, recompute, late = self._forward_weights(p)
-        state = {**params, **self.buffers, **self.local}
+        state = {**params, **self.wv.buffers, **self.wv.local}
         self.seeds.p = p
-        before = {n: b.clone() for n, b in self.buffers.items()}
+        before = {n: b.clone() for n, b in self.wv.buffers.items()}
         shape = tuple(x.shape)
-        known = self._layer_bytes.get(shape)
-        self.swapper.start()
+        known = self.mem.layer_bytes.get(shape)
+        self.layers.swapper.start()
         if recompute and known is not None:
             # the backward reruns this forward (weights latest): keep the input only
             with torch.no_grad(), self._autocast():
-                out, _ = self._run_layers(p, x, state, measure=False)
+                out, _ = self.layers.run(p, x, state, measure=False)
         else:
-            with self._autocast(), self.late.forward(late is not None):
-                out, measured = self._run_layers(p, x, state, measure=known is None)
+            with self._autocast(), self.layers.late.forward(late is not None):
+                out, measured = self.layers.run(p, x, state, measure=known is None)
             if late is not None:
                 self._release(params)
         if known is None:
-            known = self._layer_bytes[shape] = measured
-            self._working = max(
-                self._working, working_bytes(known[2], known[0], self.recompute, self.swap)
-            )
+            known = measured
+            self.mem.measured(shape, known)
         if recompute:
             out = out.detach()  # a measuring forward's graph is dropped too
-            kept = _nbytes(x)
+            kept = nbytes(x)
         else:
-            kept = activation_bytes(known[0], known[1], self.recompute, self.swap) + _nbytes(x)
+            kept = self.mem.kept(known) + nbytes(x)
         if before:
-            self._accumulate(wave_of(p, self.task.nm), self._buffer_deltas(before))
+            self.wv.accumulate(wave_of(p, self.task.nm), self.wv.buffer_deltas(before))
         self.stats.forwards += 1
         flight = _InFlight(
             x=x,
             out=out,
             params={} if recompute else params,
-            version=self.version,
-            fingerprint=_fingerprint(params) if self.verify else 0.0,
+            version=self.wv.version,
+            fingerprint=fingerprint(params) if self.verify else 0.0,
             kept_bytes=kept,
             samples=int(y.shape[0]) if y.dim() else 1,
             recompute=recompute,
             late=late,
-            swapped=self.swapper.bytes,
+            swapped=self.layers.swapper.bytes,
         )
         self.in_flight[p] = flight
         self._check_memory()
@@ -354,7 +306,7 @@ class StageCompute:
             )
             return sent
         with self._autocast():
-            flight.loss = self.loss_fn(out, self._to_device(y))
+            flight.loss = self.loss_fn(out, to_device(y, self.dev))
         self._losses.add(p, flight.loss)
         self.stats.forward_s += self._charge_swap(
             emulate.pad(started, self.speed, self.dev), flight.swapped
@@ -367,128 +319,17 @@ class StageCompute:
         at ``host_gbps`` that ``compute_s`` does not hide
         (:func:`hetpipe.core.memory.unhidden_copy_s`, the planner's own charge); on a GPU
         the copies are real and already in the measured time."""
-        if not moved or self.swapper.cuda:
+        if not moved or self.layers.swapper.cuda:
             return compute_s
         extra = unhidden_copy_s(copy_seconds(moved, self.host_gbps), compute_s)
         time.sleep(extra)
         return compute_s + extra
-
-    def _run_layers(
-        self, p: int, x: torch.Tensor, state: Mapping[str, torch.Tensor], measure: bool
-    ) -> tuple[torch.Tensor, tuple[list[int], list[int], list[int]]]:
-        """The stage's layers on ``x``, each under its activation policy.
-
-        With ``measure`` (the first forward of each input shape) each layer's bytes are
-        recorded in the planner's terms (as :func:`hetpipe.planner.profile.measure_layers`
-        counts them): what autograd saves, deduplicated by storage and without the layer's
-        own state, its input, and its working memory (output plus input gradient); they come
-        back with the output. A recomputed run is measured by a throwaway pass on copies of
-        its buffers before its real, checkpointed one: its saved tensors live only during
-        that pass, which is the rerun the ``working`` term already holds room for.
-        """
-        saved: list[int] = []
-        inputs: list[int] = []
-        work: list[int] = []
-
-        def counted(
-            i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: torch.Tensor
-        ) -> torch.Tensor:
-            own = _storages(sub)
-            if i in self.swap:  # the swap counts what it parks the same way
-                before = self.swapper.bytes
-                with self.swapper.layer(own):
-                    y = self._call(i, sub, x)
-                saved.append(self.swapper.bytes - before)
-            else:
-                counter = _SavedBytes(own)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                    y = self._call(i, sub, x)
-                saved.append(counter.bytes)
-            inputs.append(_nbytes(x))
-            grad_in = _nbytes(x) if self.task.first + i > 0 and x.is_floating_point() else 0
-            work.append(_nbytes(y) + grad_in)
-            return y
-
-        runs = dict(recompute_runs(self.recompute))
-        j = 0
-        while j < len(self._layers):
-            end = runs.get(j)
-            if end is not None and torch.is_grad_enabled():
-                subs = [
-                    (i, keys, {local: state[name] for local, name, _ in keys})
-                    for i, (_layer, keys) in enumerate(self._layers[j:end], start=j)
-                ]
-                if measure:  # a throwaway pass; the checkpoint reseeds the same masks
-                    y = x
-                    for i, keys, sub in subs:
-                        y = counted(i, self._layers[i][0], _buffer_copies(keys, sub), y)
-                    del y
-                x = checkpoint(
-                    self._rerunnable(subs, p), x, use_reentrant=False, preserve_rng_state=False
-                )
-                j = end
-                continue
-            layer, keys = self._layers[j]
-            sub = {local: state[name] for local, name, _ in keys}
-            if measure:
-                x = counted(j, layer, sub, x)
-            elif j in self.swap and torch.is_grad_enabled():
-                with self.swapper.layer(_storages(sub)):
-                    x = self._call(j, sub, x)
-            else:
-                x = self._call(j, sub, x)
-            j += 1
-        return x, (saved, inputs, work)
-
-    def _to_device(self, t: torch.Tensor | Shared, copy: bool = False) -> torch.Tensor:
-        """A received tensor on the stage's device. A host tensor goes to a GPU through
-        pinned memory (a copy from pageable memory would wait for the work queued on the
-        device); one shared by a GPU of this host is opened in place (hetpipe.cudaipc)."""
-        if isinstance(t, Shared):
-            return open_shared(t, self.dev)
-        if self.dev.startswith("cuda") and t.device.type == "cpu":
-            return t.pin_memory().to(self.dev, non_blocking=True)
-        return t.to(self.dev, copy=copy)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         """The compute precision's autocast context (none in float32)."""
         if not self.bf16:
             return nullcontext()
         return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16)
-
-    def _call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
-        its parameter and buffer slots: what :func:`torch.func.functional_call` does, without
-        its per-call set-up and restore. The slots keep these tensors until the next call
-        (only this stage's compute thread runs its layers, and every call sets all of them).
-        """
-        for table, attr, local in self._slots[i]:
-            table[attr] = sub[local]
-        if self.late.packing:  # a forward (or a recomputed run's rerun) bound late
-            with self.late.layer({name: sub[local] for local, name in self._weight_keys[i]}):
-                return self._layers[i][0](x)
-        return self._layers[i][0](x)
-
-    def _rerunnable(
-        self,
-        subs: list[tuple[int, list[tuple[str, str, bool]], dict[str, torch.Tensor]]],
-        p: int,
-    ) -> Any:
-        """A run of layers' forward for :func:`checkpoint`: the first call is the real
-        forward; the rerun in the backward reseeds for minibatch ``p`` (same dropout masks)
-        and updates copies of the buffers, so batch-norm statistics move once per minibatch."""
-        calls = 0
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
-                self.seeds.p = p
-            for i, keys, sub in subs:
-                x = self._call(i, _buffer_copies(keys, sub) if calls > 1 else sub, x)
-            return x
-
-        return run
 
     def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Run the backward of minibatch ``p`` from the gradient of its output (None on the
@@ -503,20 +344,20 @@ class StageCompute:
             self._rerun(p, flight)
         # predict paper: the graph's saved weights are the ones predicted now
         late = self._predicted(flight.late) if flight.late is not None else None
-        with self.late.backward(late) if late is not None else nullcontext():
+        with self.layers.late.backward(late) if late is not None else nullcontext():
             grad_in, pgrads = self._differentiate(flight, grad)
         # observable weight stashing: (forward's version, its weights' fingerprint then,
         # version current at this backward, fingerprint of the weights differentiated now)
         self.versions[p] = (
             flight.version,
             flight.fingerprint,
-            self.version,
-            _fingerprint(late if late is not None else flight.params) if self.verify else 0.0,
+            self.wv.version,
+            fingerprint(late if late is not None else flight.params) if self.verify else 0.0,
         )
         if self.spec.sync:
-            self._add_gradients(pgrads, flight.samples)
+            self.grads.add(pgrads, flight.samples)
         else:
-            self.pending[p] = pgrads
+            self.grads.pending[p] = pgrads
         self.stats.backwards += 1
         self.stats.backward_s += self._charge_swap(
             emulate.pad(started, self.speed, self.dev), flight.swapped
@@ -529,7 +370,7 @@ class StageCompute:
         """The gradients of a minibatch's input (as the previous stage takes it) and of its
         weights, from its graph and the gradient of its output."""
         wants_input = flight.x.requires_grad
-        names = [n for n in self.param_names if flight.params[n].requires_grad]
+        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
         loss = flight.loss
         target = loss if loss is not None else flight.out
@@ -546,7 +387,7 @@ class StageCompute:
             grads = torch.autograd.grad(
                 flight.out,
                 inputs,
-                self._to_device(grad).to(flight.out.dtype),
+                to_device(grad, self.dev).to(flight.out.dtype),
                 allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
@@ -581,11 +422,11 @@ class StageCompute:
         with nothing stale the three modes are the same computation.
         """
         if self.table is None:
-            return self.params, False, None
+            return self.wv.params, False, None
         s_fwd, s_bwd = self.table.s(p)
         between = s_fwd > s_bwd and not self.task.is_last
         if self.weights == "latest":
-            return self.params, between, None
+            return self.wv.params, between, None
         params = self._predicted(s_fwd)
         late = between and self.spec.predict_variant == "paper"
         if late:
@@ -593,37 +434,36 @@ class StageCompute:
             # that the forward can release them (:meth:`_release`)
             params = {
                 n: w.detach().clone().requires_grad_()
-                if w is self.params[n] and w.requires_grad
+                if w is self.wv.params[n] and w.requires_grad
                 else w
                 for n, w in params.items()
             }
-        if s_fwd > 0 and self.probe is None and p >= self._next_probe:
-            self.probe = _Probe(self.steps_taken + s_fwd, params, self.params, late)
-            self._next_probe = p + self.probe_every
+        if s_fwd > 0:  # a probe of this prediction, if it is its turn (hetpipe.probes)
+            self.probes.offer(p, self.wv.steps_taken + s_fwd, params, self.wv.params, late)
         return params, False, s_bwd if late else None
 
     def _predicted(self, s: int) -> dict[str, torch.Tensor]:
         """The current weights ``s`` updates ahead, as leaves that take gradients."""
         if s <= 0:
-            return self.params
-        ahead = self.optimizer.predict(self.params, s)
-        return {n: w if w is self.params[n] else w.requires_grad_() for n, w in ahead.items()}
+            return self.wv.params
+        ahead = self.wv.optimizer.predict(self.wv.params, s)
+        return {n: w if w is self.wv.params[n] else w.requires_grad_() for n, w in ahead.items()}
 
     def _rerun(self, p: int, flight: _InFlight) -> None:
         """Rerun the forward of ``p`` from its kept input on the newest weights (``latest``),
         with the same dropout masks and without moving the batch-norm statistics a second
         time."""
-        params = self.params
-        buffers = {n: b.clone() for n, b in self.buffers.items()}
+        params = self.wv.params
+        buffers = {n: b.clone() for n, b in self.wv.buffers.items()}
         self.seeds.p = p
-        self.swapper.start()
+        self.layers.swapper.start()
         # layer by layer under the activation policy: recomputed runs stay checkpoints
         with self._autocast():
-            flight.out, _ = self._run_layers(
-                p, flight.x, {**params, **buffers, **self.local}, measure=False
+            flight.out, _ = self.layers.run(
+                p, flight.x, {**params, **buffers, **self.wv.local}, measure=False
             )
         flight.params = params
-        flight.swapped = self.swapper.bytes
+        flight.swapped = self.layers.swapper.bytes
 
     def _release(self, params: Mapping[str, torch.Tensor]) -> None:
         """Free the storage of a late-bound forward's predicted weights: its graph saved
@@ -632,60 +472,21 @@ class StageCompute:
         Kept: the weights of recomputed layers (their rerun needs the forward's values),
         the stage's own current weights, and the prediction a probe still judges. (A
         storage resize is no autograd op and bumps no version: no ``no_grad`` needed.)"""
-        if self.probe is not None and self.probe.predicted is params:
+        probe = self.probes.probe
+        if probe is not None and probe.predicted is params:
             return
-        current, recomputed = self.params, self._recomputed_names
+        current, recomputed = self.wv.params, self.layers.recomputed_names
         for n, w in params.items():
             if w is not current[n] and n not in recomputed:
                 w.untyped_storage().resize_(0)
 
-    def _rerun_bytes(self) -> int:
-        """What one minibatch's rerun keeps under the layers' policies (the largest shape
-        measured so far): the room the backward of a rerun forward needs."""
-        return max(
-            (
-                activation_bytes(s, i, self.recompute, self.swap)
-                for s, i, _ in self._layer_bytes.values()
-            ),
-            default=0,
-        )
-
     def _judge(self) -> None:
         """Score the outstanding prediction once this stage took the ``s_fwd`` updates it
-        extrapolated: W(target) is the stage's weights ``s_fwd`` updates after the forward
-        (on stages past 0 one of them is the minibatch's own, which the prediction leaves
-        out by design: a small, consistent handicap of the score).
-
-        Not every forward is probed: a probe starts at a forward with ``s_fwd > 0`` when
-        none is outstanding and :attr:`probe_every` minibatches have passed since the last
-        one started (:meth:`_forward_weights`), so judging (two passes over the weights,
-        no wait for the device: the score is read back in a batch) costs a fraction of a
-        step on average, while ``prediction_quality`` stays the ratio of whole probes, spread
-        over the run."""
-        probe = self.probe
-        if probe is None or self.steps_taken < probe.target:
-            return
-        self.probe = None
-        names = [n for n in probe.predicted if probe.predicted[n] is not probe.stale[n]]
-        if not names:
-            return
-        k = len(names)
-        with torch.no_grad():
-            # both differences in one fused op, both norms in another (each tensor's result
-            # is the one separate calls give); the ratio stays on the device until read back
-            # in a batch (read_quality): reading it here would wait for the queued kernels
-            now = [self.params[n] for n in names]
-            diffs = torch._foreach_sub(
-                [probe.predicted[n] for n in names] + [probe.stale[n] for n in names], now + now
-            )
-            norms = torch._foreach_norm(diffs)
-            num, den = torch.stack(
-                [torch.stack(norms[:k]).norm(), torch.stack(norms[k:]).norm()]
-            ).double()
-            # a probe whose stale weights were the target's scores nothing (NaN, dropped)
-            self._quality.add(probe.target, torch.where(den > 0, num / den, torch.nan))
-        if probe.late:  # its graph needs none of its values (a late forward's always differ)
-            self._release(probe.predicted)
+        extrapolated (:meth:`hetpipe.probes.Probes.judge`), and release a late-bound
+        forward's prediction once scored."""
+        predicted = self.probes.judge(self.wv.params, self.wv.steps_taken)
+        if predicted is not None:
+            self._release(predicted)
 
     def step(
         self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
@@ -695,142 +496,52 @@ class StageCompute:
         stage's own). ``replicas``: the other replicas' gradients of ``i`` by replica, summed
         with this one's in replica order first (hetpipe.replicas)."""
         if not self.spec.sync:
-            grads = self.pending.pop(i)
+            grads = self.grads.pending.pop(i)
             if replicas is not None:
                 every = {**replicas, self.task.replica: grads}
                 grads = combine([every[r] for r in sorted(every)], self.dev)
             self._step(wave_of(i, self.task.nm), grads)
             return
-        mean = self.merged_grads
-        if mean is None:
-            with torch.no_grad():
-                mean = {n: g / self.grad_samples for n, g in self.grad_sum.items()}
-        self.grad_sum, self.grad_samples, self.merged_grads = {}, 0, None
-        self._step(i, mean)
+        self._step(i, self.grads.take_mean())
 
-    def _add_gradients(self, grads: Mapping[str, torch.Tensor], samples: int) -> None:
-        """Add a microbatch's mean gradient times its samples to the iteration's sum."""
-        with torch.no_grad():
-            for n, g in grads.items():
-                if n in self.grad_sum:
-                    self.grad_sum[n].add_(g, alpha=samples)
-                else:
-                    self.grad_sum[n] = g * samples
-        self.grad_samples += samples
+    def _step(self, wave: int, grads: Mapping[str, torch.Tensor]) -> None:
+        """Local update out of place (:meth:`hetpipe.versions.WeightVersions.update`); a
+        probe is judged on the new weights, and the update joins what ``wave`` pushes."""
+        deltas = self.wv.update(grads)
+        if deltas is None:
+            return
+        if self.probes.probe is not None:
+            self._judge()
+        self.wv.accumulate(wave, deltas)
 
     def gradient_sum(self) -> tuple[HostCopy, int]:
         """This iteration's sample-weighted gradient sum, on its way to the host for the
         shards (a side-stream copy: the compute thread does not wait for it), and its
         samples."""
-        return self.copier.to_host(self.grad_sum), self.grad_samples
+        return self.grads.to_host()
 
     def merge_gradients(self, mean: Mapping[str, torch.Tensor]) -> None:
         """Adopt the mean gradient of every virtual worker's samples of the iteration."""
-        self.merged_grads = {n: g.to(self.dev) for n, g in mean.items()}
-
-    def _buffer_deltas(self, before: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This forward's change of the buffers, as it goes to the parameter server.
-
-        Running statistics (batch norm) are averages, not sums: every virtual worker moves
-        them towards its own batches, so their updates are averaged over the virtual workers.
-        Summed, n workers would take n steps towards the batch statistics at once and
-        overshoot (a running variance gone negative). Counters stay summed.
-        """
-        n = self.task.num_vws
-        with torch.no_grad():
-            return {
-                name: (self.buffers[name] - b) / n
-                if b.is_floating_point() and n > 1
-                else self.buffers[name] - b
-                for name, b in before.items()
-            }
-
-    def _step(self, wave: int, grads: Mapping[str, torch.Tensor]) -> None:
-        """Local update out of place: a new version of the weights, the old one untouched;
-        the update joins what ``wave`` pushes."""
-        if not grads:
-            return
-        updated = self.optimizer.step(self.params, grads)
-        names = list(updated)
-        with torch.no_grad():
-            new = [updated[n] for n in names]
-            deltas = torch._foreach_sub(new, [self.params[n] for n in names])
-        self.params = {
-            **self.params,
-            **{n: w.requires_grad_() for n, w in zip(names, new, strict=True)},
-        }
-        self.version += 1
-        self.steps_taken += 1
-        if self.probe is not None:
-            self._judge()
-        self._accumulate(wave, dict(zip(names, deltas, strict=True)))
-
-    def _accumulate(self, wave: int, deltas: Mapping[str, torch.Tensor]) -> None:
-        """Add ``deltas`` to the update of ``wave`` (one fused add for the names it has)."""
-        acc = self.acc.setdefault(wave, {})
-        with torch.no_grad():
-            have = [n for n in deltas if n in acc]
-            if have:
-                torch._foreach_add_([acc[n] for n in have], [deltas[n] for n in have])
-            for n, d in deltas.items():
-                if n not in acc:
-                    acc[n] = d.detach()  # a fresh tensor: it becomes the accumulator
+        self.grads.merge(mean)
 
     # -- parameter server -------------------------------------------------------------------
 
     def push_deltas(self, wave: int, keep: bool = True) -> HostCopy:
-        """The stage's update of ``wave``, on its way to host memory (:mod:`hetpipe.hostcopy`:
-        on a GPU the copy runs on a side stream while the next minibatch computes).
-
-        With ``keep`` it stays until a pull shows the shard applied it (a pull answered
-        before then lacks it and it must be re-added); without, it is released at once,
-        for a stage that never pulls again.
-        """
-        acc = self.acc.get(wave, {}) if keep else self.acc.pop(wave, {})
-        if self.spec.sync and self.task.num_vws > 1:
-            # every virtual worker took the same step: each contributes its share of it
-            n = self.task.num_vws
-            with torch.no_grad():
-                acc = {k: t / n if t.is_floating_point() else t for k, t in acc.items()}
-        return self.copier.to_host(acc)
+        """The stage's update of ``wave``, on its way to host memory
+        (:meth:`hetpipe.versions.WeightVersions.push_deltas`)."""
+        return self.wv.push_deltas(wave, keep)
 
     def carry(self, wave: int) -> None:
         """Move the update of ``wave`` into the next wave's, unpushed (a virtual worker alone
         in its job, between the pushes that carry its updates)."""
-        acc = self.acc.pop(wave, None)
-        if acc:
-            self._accumulate(wave + 1, acc)
+        self.wv.carry(wave)
 
     def load(
         self, pulled: Mapping[str, torch.Tensor], applied: Mapping[str, list[list[int]]]
     ) -> None:
-        """Set local state to pulled global state plus own updates the shard had not applied.
-
-        ``applied`` maps each pulled global name to the waves of this stage the answering shard
-        had applied, as ``[first, end)`` runs (:func:`hetpipe.core.wsp.wave_ranges`: a long job's
-        answer stays one run, not a list of every wave); accumulators confirmed for every
-        name are dropped.
-        """
-        params = dict(self.params)
-        with torch.no_grad():
-            for n, value in pulled.items():
-                t = self._to_device(value, copy=True)
-                for w in unincluded_waves(
-                    (w for w, acc in self.acc.items() if n in acc), applied[n]
-                ):
-                    t.add_(self.acc[w][n])
-                if n in self.buffer_names:
-                    self.buffers[n] = t
-                else:  # a frozen parameter never gets a gradient, so never an update
-                    params[n] = t.requires_grad_(n not in self.layout.frozen)
-            for w in list(self.acc):
-                acc = self.acc[w]
-                for n in [n for n in acc if n in pulled and covers(applied[n], w)]:
-                    del acc[n]
-                if not acc:
-                    del self.acc[w]
-        self.params = params
-        self.version += 1
+        """Set local state to pulled global state plus own updates the shard had not applied
+        (:meth:`hetpipe.versions.WeightVersions.load`)."""
+        self.wv.load(pulled, applied)
         self.stats.merges += 1
 
     def read_losses(self, block: bool = False) -> list[tuple[int, float]]:
@@ -845,171 +556,43 @@ class StageCompute:
     def read_quality(self, block: bool = False) -> None:
         """Move the prediction probes' scores read back since the previous call into
         ``stats.prediction_quality`` (all of them with ``block``), as :meth:`read_losses`."""
-        self.stats.prediction_quality.extend(
-            v for _, v in self._quality.ready(block) if not math.isnan(v)
-        )
+        self.stats.prediction_quality.extend(self.probes.read(block))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current local state (for tests and debugging)."""
-        return {**{n: t.detach() for n, t in self.params.items()}, **self.buffers}
+        return self.wv.state_dict()
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def state(self, wave: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """This stage's state at the cut ``wave``, called right after its push of
-        ``wave - 1``: plain data, and CPU copies of its tensors under the names of
-        :mod:`hetpipe.checkpoint` (``param/``, ``buffer/``, ``local/``, ``opt/<key>/``,
-        ``acc/<wave>/``).
-
-        Forwards of wave ``wave`` may be in flight (stage 0 admits them before that push);
-        a resumed job runs them again, so what they changed (batch-norm statistics, in the
-        accumulator of their wave) is taken out of the buffers here: the state is that of
-        the stage with its pipeline drained at the cut, and a resumed job differs from one
-        never stopped only in that those forwards run again on the newest weights, as
-        after a flush. The accumulators kept (pushed, not yet seen applied in a pull) are
-        saved to be checked against the shards' cut; nothing of a wave < ``wave`` is
-        unpushed at this point.
-        """
-        n = self.task.num_vws
-        later: dict[str, torch.Tensor] = {}  # local changes of waves >= wave, as applied here
-        with torch.no_grad():
-            for w, acc in self.acc.items():
-                if w < wave:
-                    continue
-                for name, d in acc.items():
-                    raw = d * n if (name in self.buffers and d.is_floating_point() and n > 1) else d
-                    later[name] = later[name] + raw if name in later else raw
-
-            def copy(name: str, t: torch.Tensor) -> torch.Tensor:
-                t = t.detach()
-                if name in later:
-                    t = t - later[name].to(t.dtype)
-                return t.to("cpu", copy=True)
-
-            tensors = {f"param/{k}": copy(k, t) for k, t in self.params.items()}
-            tensors.update({f"buffer/{k}": copy(k, t) for k, t in self.buffers.items()})
-            tensors.update({f"local/{k}": copy(k, t) for k, t in self.local.items()})
-            for k, st in self.optimizer.state.items():
-                tensors.update(
-                    {f"opt/{key}/{k}": t.detach().to("cpu", copy=True) for key, t in st.items()}
-                )
-            for w, acc in self.acc.items():
-                if w < wave:
-                    tensors.update(
-                        {f"acc/{w}/{k}": t.detach().to("cpu", copy=True) for k, t in acc.items()}
-                    )
-        meta = {
-            "wave": wave,
-            "version": self.version,
-            "steps_taken": self.steps_taken,
-            "optimizer": self.optimizer.name,
-            "opt_steps": {k: int(v) for k, v in self.optimizer.steps.items()},
-            "kept_waves": sorted(w for w in self.acc if w < wave),
-        }
-        return meta, tensors
+        ``wave - 1`` (:func:`hetpipe.stagestate.save`)."""
+        return stagestate.save(self.wv, wave)
 
     def load_state(
         self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, weights: bool
     ) -> None:
-        """Start from a checkpointed state (:meth:`state`, or optimizer state put together
-        per name from several stages of an earlier plan).
-
-        Optimizer state is taken for every parameter of this stage it names (the step count
-        with it). With ``weights`` the local weights, buffers and non-persistent buffers
-        are the checkpoint's too, all of them (a stage whose layers moved takes its weights
-        from the shards instead). Kept accumulators are not taken: the checkpoint's cut
-        holds every one of them (the head checks its applied sets), and the shards of a
-        resumed attempt count waves afresh.
-        """
-        steps = meta.get("opt_steps", {})
-        if meta.get("optimizer", self.optimizer.name) != self.optimizer.name:
-            raise ValueError(
-                f"{self.where}: the checkpoint's optimizer is "
-                f"{meta.get('optimizer')}, the job's {self.optimizer.name}"
-            )
-        params, buffers, local = {}, {}, {}
-        for key, t in tensors.items():
-            kind, _, rest = key.partition("/")
-            if kind == "opt":
-                okey, _, name = rest.partition("/")
-                if name in self.param_names:
-                    self.optimizer.state.setdefault(name, {})[okey] = t.to(self.dev, copy=True)
-                    self.optimizer.steps[name] = int(steps.get(name, 0))
-            elif kind == "param" and rest in self.param_names:
-                params[rest] = t
-            elif kind == "buffer" and rest in self.buffer_names:
-                buffers[rest] = t
-            elif kind == "local" and rest in self.local:
-                local[rest] = t
-        if not weights:
-            return
-        missing = [n for n in self.param_names if n not in params] + [
-            n for n in self.buffer_names if n not in buffers
-        ]
-        if missing:
-            raise ValueError(f"{self.where}: the checkpoint has no {missing[:3]}")
-        self.params = {
-            n: params[n].to(self.dev, copy=True).requires_grad_(n not in self.layout.frozen)
-            for n in self.param_names
-        }
-        self.buffers = {n: buffers[n].to(self.dev, copy=True) for n in self.buffer_names}
-        self.local.update({n: t.to(self.dev, copy=True) for n, t in local.items()})
-        self.version = int(meta.get("version", 0))
-        self.steps_taken = int(meta.get("steps_taken", 0))
-        # not merged at the cut: the first pull merges the cut's global weights, as the
-        # uninterrupted stage's pull of that wave would have (a merge replaces the weights)
-        self.restored = bool(meta.get("merged", True))
+        """Start from a checkpointed state (:func:`hetpipe.stagestate.restore`): optimizer
+        state always, and with ``weights`` the local weights and buffers too."""
+        stagestate.restore(self.wv, meta, tensors, weights=weights, where=self.where)
+        if weights:
+            # not merged at the cut: the first pull merges the cut's global weights, as the
+            # uninterrupted stage's pull of that wave would have (a merge replaces the weights)
+            self.restored = bool(meta.get("merged", True))
 
     # -- memory -----------------------------------------------------------------------------
 
     def memory(self) -> StageMemory:
         """What this stage keeps alive now, counted from its real tensors and composed as
-        the planner composes its prediction (:func:`hetpipe.core.memory.compose`): the
-        parameters and buffers, the optimizer's state, the other weight versions in-flight
-        backwards hold (``predict`` paper: the predicted copy a forward or backward computes,
-        and the predicted weights of recomputed layers every late-bound minibatch keeps for
-        its rerun), the update accumulators, the activations every in-flight minibatch keeps
-        under its layers' policies (only its input where the backward reruns the forward,
-        ``latest``, plus room for one minibatch's rerun, which a kept graph's tensors make:
-        the two never live at once), and the working peak of the largest layer (measured
-        per input shape)."""
-        versions = {
-            id(f.params) for f in self.in_flight.values() if f.params and f.late is None
-        } | {id(self.params)}
-        n = len(versions)
-        held = 0
-        if self.weights == "predict" and self.spec.predict_variant == "paper":
-            n = max(n, 2)  # the predicted copy a pass computes (or a probe still judges)
-            probed = self.probe.predicted if self.probe is not None else None
-            # a late-bound forward's graph keeps its recomputed layers' predicted weights
-            kept = {
-                w.untyped_storage().data_ptr(): _nbytes(w)
-                for f in self.in_flight.values()
-                if f.late is not None and f.params is not probed
-                for name, w in f.params.items()
-                if w.untyped_storage().nbytes() and w is not self.params[name]
-            }
-            held = sum(kept.values())
-        acc = sum(_nbytes(t) for a in self.acc.values() for t in a.values())
-        acc += sum(_nbytes(t) for t in self.grad_sum.values())
-        activations = sum(f.kept_bytes for f in self.in_flight.values())
-        if any(f.recompute for f in self.in_flight.values()):
-            # a rerun's room is never used while a forward's graph is kept: a graph is kept
-            # only where no other update comes before its backward (fixed order), and a
-            # rerun backward brings one; so the room is the kept graph's where there is one
-            graphs = sum(
-                f.kept_bytes - _nbytes(f.x) for f in self.in_flight.values() if not f.recompute
-            )
-            activations += max(0, self._rerun_bytes() - graphs)
-        return compose(
-            self.param_bytes,
-            self.weight_bytes - self.param_bytes,
-            optimizer=self.optimizer.state_bytes(),
-            copies=n - 1,
-            held=held,
-            accumulators=acc,
-            activations=activations,
-            working=self._working,
+        the planner composes its prediction (:meth:`hetpipe.stagememory.MemoryCount.count`)."""
+        return self.mem.count(
+            self.in_flight,
+            self.wv.params,
+            acc=self.wv.acc,
+            grad_sum=self.grads.sum,
+            optimizer=self.wv.optimizer.state_bytes(),
+            paper=self.weights == "predict" and self.spec.predict_variant == "paper",
+            probe=self.probes.probe,
         )
 
     def _check_memory(self) -> None:
@@ -1018,76 +601,4 @@ class StageCompute:
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.in_flight))
         for name, value in mem.to_dict().items():
             self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
-        mem.check(self.cap, self.where, len(self.in_flight))
-
-
-def _fingerprint(params: Mapping[str, torch.Tensor]) -> float:
-    """A cheap digest of a weight version: a few elements of its first and last tensors.
-
-    Every update changes every parameter that has a gradient, so these few values tell
-    versions apart; reading them at backward time observes the weights actually used.
-    """
-    if not params:
-        return 0.0
-    tensors = list(params.values())
-    with torch.no_grad():
-        return float(
-            tensors[0].reshape(-1)[:8].double().sum() + tensors[-1].reshape(-1)[:8].double().sum()
-        )
-
-
-def _slots(
-    layer: nn.Module, keys: list[tuple[str, str, bool]]
-) -> list[tuple[dict[str, Any], str, str]]:
-    """Where each of a layer's state tensors goes: ``(the owning module's parameter or buffer
-    table, attribute, local name)`` for every local name of ``keys``."""
-    out = []
-    for local, _name, is_buffer in keys:
-        path, _, attr = local.rpartition(".")
-        owner = layer.get_submodule(path) if path else layer
-        table = owner._buffers if is_buffer else owner._parameters
-        if attr not in table:
-            raise ValueError(
-                f"{local!r} is not a {'buffer' if is_buffer else 'parameter'} "
-                f"of {type(layer).__name__}"
-            )
-        out.append((table, attr, local))
-    return out
-
-
-def _buffer_copies(
-    keys: list[tuple[str, str, bool]], sub: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """A layer's state with copies of its buffers: a pass that must not move batch-norm
-    statistics (a measurement, a recompute) updates the copies."""
-    return {local: sub[local].clone() if is_buffer else sub[local] for local, _, is_buffer in keys}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _storages(state: Mapping[str, torch.Tensor]) -> set[int]:
-    """The storages of a layer's weights and buffers: state, never counted or swapped as
-    what the layer saves for its backward."""
-    return {t.untyped_storage().data_ptr() for t in state.values()}
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for one layer's backward, deduplicated by storage,
-    without the storages in ``own`` (the layer's weights and buffers, counted as state)."""
-
-    def __init__(self, own: set[int]) -> None:
-        self.bytes = 0
-        self._seen = set(own)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: Any) -> Any:
-        return t
+        mem.check(self.mem.cap, self.where, len(self.in_flight))

@@ -1,0 +1,172 @@
+"""What one stage keeps alive, counted from its real tensors in the planner's own terms.
+
+The planner predicts a stage's memory from its profile (:func:`hetpipe.core.memory.compose`);
+the runtime counts the same terms from what it holds: the weights and buffers, the
+optimizer's state, the weight versions in-flight backwards still hold, the update
+accumulators, the activations each in-flight minibatch keeps under its layers' policies,
+and the working peak of the largest layer. The activation bytes of each layer are measured
+by the first forward of each input shape (:class:`SavedBytes` counts what autograd saves)
+and kept per shape in :class:`MemoryCount`, which also checks the count against the
+device's cap. Its own module because it is the one place the runtime's accounting meets
+the memory model; the compute (:mod:`hetpipe.stage`) only hands it what it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hetpipe.core.memory import StageMemory, activation_bytes, compose, working_bytes
+from hetpipe.probes import Probe
+
+if TYPE_CHECKING:
+    from hetpipe.stage import _InFlight
+
+__all__: list[str] = []
+
+# per layer of a stage: (saved bytes if kept, input bytes, working bytes)
+LayerBytes = tuple[list[int], list[int], list[int]]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes of a tensor's elements."""
+    return t.numel() * t.element_size()
+
+
+def storages(state: Mapping[str, torch.Tensor]) -> set[int]:
+    """The storages of a layer's weights and buffers: state, never counted or swapped as
+    what the layer saves for its backward."""
+    return {t.untyped_storage().data_ptr() for t in state.values()}
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for one layer's backward, deduplicated by storage,
+    without the storages in ``own`` (the layer's weights and buffers, counted as state)."""
+
+    def __init__(self, own: set[int]) -> None:
+        self.bytes = 0
+        self._seen = set(own)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: Any) -> Any:
+        return t
+
+
+class MemoryCount:
+    """A stage's sizes, its layers' measured bytes per input shape, and its device's cap."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        recompute: frozenset[int],
+        swap: frozenset[int],
+        cap: int,
+        where: str,
+    ) -> None:
+        """``recompute`` and ``swap``: the stage's layers (from 0) under those policies."""
+        self.recompute = recompute
+        self.swap = swap
+        self.cap = cap
+        self.where = where
+        self.param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.weight_bytes = self.param_bytes + sum(
+            b.numel() * b.element_size() for b in module.buffers()
+        )
+        # per input shape: each layer's bytes, measured by the first forward of that shape,
+        # which keeps every layer
+        self.layer_bytes: dict[tuple[int, ...], LayerBytes] = {}
+        self.working = 0  # the largest layer's working peak of the shapes measured so far
+
+    def measured(self, shape: tuple[int, ...], known: LayerBytes) -> None:
+        """Record the layers' bytes the first forward of input ``shape`` measured."""
+        self.layer_bytes[shape] = known
+        self.working = max(
+            self.working, working_bytes(known[2], known[0], self.recompute, self.swap)
+        )
+
+    def kept(self, known: LayerBytes) -> int:
+        """What a minibatch's layers keep for its backward under their policies (its stage
+        input not included)."""
+        return activation_bytes(known[0], known[1], self.recompute, self.swap)
+
+    def rerun_bytes(self) -> int:
+        """What one minibatch's rerun keeps under the layers' policies (the largest shape
+        measured so far): the room the backward of a rerun forward needs."""
+        return max(
+            (
+                activation_bytes(s, i, self.recompute, self.swap)
+                for s, i, _ in self.layer_bytes.values()
+            ),
+            default=0,
+        )
+
+    def count(
+        self,
+        in_flight: Mapping[int, _InFlight],
+        params: Mapping[str, torch.Tensor],
+        *,
+        acc: Mapping[int, Mapping[str, torch.Tensor]],
+        grad_sum: Mapping[str, torch.Tensor],
+        optimizer: int,
+        paper: bool,
+        probe: Probe | None,
+    ) -> StageMemory:
+        """What the stage keeps alive now, composed as the planner composes its prediction:
+        ``params`` its current weights, ``in_flight`` its minibatches between forward and
+        backward, ``acc`` and ``grad_sum`` its update accumulators and gradient sum,
+        ``optimizer`` the optimizer state's bytes; ``paper``: weights ``predict`` variant
+        ``paper``, whose outstanding ``probe`` keeps its prediction.
+
+        The other weight versions in-flight backwards hold (``predict`` paper: the
+        predicted copy a forward or backward computes, and the predicted weights of
+        recomputed layers every late-bound minibatch keeps for its rerun), the activations
+        every in-flight minibatch keeps under its layers' policies (only its input where the
+        backward reruns the forward, ``latest``, plus room for one minibatch's rerun, which
+        a kept graph's tensors make: the two never live at once), and the working peak of
+        the largest layer (measured per input shape)."""
+        versions = {id(f.params) for f in in_flight.values() if f.params and f.late is None} | {
+            id(params)
+        }
+        n = len(versions)
+        held = 0
+        if paper:
+            n = max(n, 2)  # the predicted copy a pass computes (or a probe still judges)
+            probed = probe.predicted if probe is not None else None
+            # a late-bound forward's graph keeps its recomputed layers' predicted weights
+            kept = {
+                w.untyped_storage().data_ptr(): nbytes(w)
+                for f in in_flight.values()
+                if f.late is not None and f.params is not probed
+                for name, w in f.params.items()
+                if w.untyped_storage().nbytes() and w is not params[name]
+            }
+            held = sum(kept.values())
+        accumulators = sum(nbytes(t) for a in acc.values() for t in a.values())
+        accumulators += sum(nbytes(t) for t in grad_sum.values())
+        activations = sum(f.kept_bytes for f in in_flight.values())
+        if any(f.recompute for f in in_flight.values()):
+            # a rerun's room is never used while a forward's graph is kept: a graph is kept
+            # only where no other update comes before its backward (fixed order), and a
+            # rerun backward brings one; so the room is the kept graph's where there is one
+            graphs = sum(f.kept_bytes - nbytes(f.x) for f in in_flight.values() if not f.recompute)
+            activations += max(0, self.rerun_bytes() - graphs)
+        return compose(
+            self.param_bytes,
+            self.weight_bytes - self.param_bytes,
+            optimizer=optimizer,
+            copies=n - 1,
+            held=held,
+            accumulators=accumulators,
+            activations=activations,
+            working=self.working,
+        )
