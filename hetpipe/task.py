@@ -45,6 +45,36 @@ class StageTask(OnStage):
     next: StageLayout | None = None
     next_peers: list[str] = field(default_factory=list)
 
+    @classmethod
+    def standalone(
+        cls,
+        job: str,
+        spec: dict[str, Any],
+        layout: StageLayout,
+        *,
+        stage: int = 0,
+        k: int = 1,
+        nm: int = 1,
+        minibatches: int = 1,
+        num_vws: int = 1,
+        **more: Any,
+    ) -> StageTask:
+        """A stage of virtual worker 0 run in process on its own (the probes and the unit
+        tests): no neighbours, no shards, WSP's D of 0; ``more`` sets other fields."""
+        return cls(
+            job=job,
+            spec=spec,
+            vw=0,
+            stage=stage,
+            k=k,
+            nm=nm,
+            staleness=0,
+            minibatches=minibatches,
+            num_vws=num_vws,
+            layout=layout,
+            **more,
+        )
+
     @property
     def group(self) -> tuple[str, ...]:
         """This stage's devices, leader first."""

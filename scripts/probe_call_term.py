@@ -69,17 +69,8 @@ def stage(
     job: JobSpec, state: dict[str, torch.Tensor], a: int, b: int, n_layers: int, speed: float
 ) -> StageCompute:
     """Layers ``[a, b)`` as the middle stage of three, its weights loaded."""
-    task = StageTask(
-        job="probe",
-        spec=job.to_dict(),
-        vw=0,
-        stage=1,
-        k=3,
-        nm=1,
-        staleness=0,
-        minibatches=1 << 20,
-        num_vws=1,
-        layout=StageLayout(("probe",), a, b),
+    task = StageTask.standalone(
+        "probe", job.to_dict(), StageLayout(("probe",), a, b), stage=1, k=3, minibatches=1 << 20
     )
     c = StageCompute(task, DeviceSpec("d", "cpu", "fast", 1 << 34, speed, 0, "n", "h"))
     names = c.state_names()

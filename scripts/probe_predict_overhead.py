@@ -129,17 +129,14 @@ def make_stage(arm: str, stage: int, k: int, minibatches: int) -> StageCompute:
     bounds = [0]
     for n in even_split(N_LAYERS, k):
         bounds.append(bounds[-1] + n)
-    task = StageTask(
-        job="probe",
-        spec=spec.to_dict(),
-        vw=0,
+    task = StageTask.standalone(
+        "probe",
+        spec.to_dict(),
+        StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
         stage=stage,
         k=k,
         nm=k,
-        staleness=0,
         minibatches=minibatches,
-        num_vws=1,
-        layout=StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
     )
     compute = StageCompute(task, DEVICE)
     torch.manual_seed(0)

@@ -77,17 +77,14 @@ def _probe(stage: int, iterations: int, setting: str, out: Any) -> None:
         },
         source="probe",
     )
-    task = StageTask(
-        job="probe",
-        spec=spec.to_dict(),
-        vw=0,
+    task = StageTask.standalone(
+        "probe",
+        spec.to_dict(),
+        StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
         stage=stage,
         k=STAGES,
         nm=M,
-        staleness=0,
         minibatches=M * (iterations + 1),
-        num_vws=1,
-        layout=StageLayout(("probe",), bounds[stage], bounds[stage + 1]),
     )
     torch.manual_seed(0)
     model = build_model("cnn", args)

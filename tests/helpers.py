@@ -262,17 +262,14 @@ class StandInCompute:
         limit: int = 0,
         fill: int = 0,
     ) -> None:
-        self.task = StageTask(
-            job="j",
-            spec={},
-            vw=0,
+        self.task = StageTask.standalone(
+            "j",
+            {},
+            StageLayout(("gpu0",), 0, 1, in_flight_limit=limit, in_flight_fill=fill),
             stage=stage,
             k=k,
             nm=nm,
-            staleness=0,
             minibatches=total,
-            num_vws=1,
-            layout=StageLayout(("gpu0",), 0, 1, in_flight_limit=limit, in_flight_fill=fill),
         )
         self.spec = SimpleNamespace(
             schedule=kind,

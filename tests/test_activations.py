@@ -52,17 +52,12 @@ def whole_stage(
     """One stage holding the whole model (so also the loss), initial weights loaded."""
     spec = JobSpec.from_dict(job("unit", model=model, minibatches=12, nm=nm, seed=seed))
     n = len(build_model(spec.model.name, spec.model.args))
-    task = StageTask(
-        job="unit",
-        spec=spec.to_dict(),
-        vw=0,
-        stage=0,
-        k=1,
+    task = StageTask.standalone(
+        "unit",
+        spec.to_dict(),
+        StageLayout(("gpu0",), 0, n, recompute=tuple(recompute), swap=tuple(swap or [])),
         nm=nm,
-        staleness=0,
         minibatches=12,
-        num_vws=1,
-        layout=StageLayout(("gpu0",), 0, n, recompute=tuple(recompute), swap=tuple(swap or [])),
     )
     compute = StageCompute(task, device(memory, host_gbps))
     torch.manual_seed(seed)

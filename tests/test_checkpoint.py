@@ -131,17 +131,13 @@ CPU = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
 def _stage(total: int, nm: int, start: int = 0) -> StageCompute:
     spec = JobSpec.from_dict(job("unit", model="cnn", minibatches=total, nm=nm))
     n = len(build_model("cnn"))
-    task = StageTask(
-        job="unit",
-        spec=spec.to_dict(),
-        vw=0,
-        stage=0,
-        k=1,
+    task = StageTask.standalone(
+        "unit",
+        spec.to_dict(),
+        StageLayout(("gpu0",), 0, n),
         nm=nm,
-        staleness=0,
         minibatches=total - start,
         num_vws=2,
-        layout=StageLayout(("gpu0",), 0, n),
         start=start,
     )
     return StageCompute(task, CPU)

@@ -116,17 +116,8 @@ def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
     model, nm = "usermodels:dropout_mlp", 3
     spec = JobSpec.from_dict(job("unit", model=model, minibatches=24, nm=nm, seed=3))
     n = len(build_model(spec.model.name, spec.model.args))
-    task = StageTask(
-        job="unit",
-        spec=spec.to_dict(),
-        vw=0,
-        stage=0,
-        k=1,
-        nm=nm,
-        staleness=0,
-        minibatches=24,
-        num_vws=1,
-        layout=StageLayout(("gpu0",), 0, n),
+    task = StageTask.standalone(
+        "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), nm=nm, minibatches=24
     )
     dev = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
     compute = StageCompute(task, dev)

@@ -45,19 +45,16 @@ def middle_stage(
             "late", model=model, model_args=args, nm=3, minibatches=MINIBATCHES, seed=4, train=train
         )
     )
-    task = StageTask(
-        job="late",
-        spec=spec.to_dict(),
-        vw=0,
+    task = StageTask.standalone(
+        "late",
+        spec.to_dict(),
+        StageLayout(
+            ("gpu0",), first, last, recompute=tuple(list(recompute)), swap=tuple(list(swap))
+        ),
         stage=1,
         k=3,
         nm=3,
-        staleness=0,
         minibatches=MINIBATCHES,
-        num_vws=1,
-        layout=StageLayout(
-            ("gpu0",), first, last, recompute=tuple(list(recompute)), swap=tuple(list(swap))
-        ),
     )
     device = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1", 96.0)
     compute = StageCompute(task, device)

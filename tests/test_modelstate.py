@@ -34,17 +34,13 @@ def stage(
 ) -> StageCompute:
     """A stage of ``usermodels:<model>`` with the job's initial weights loaded."""
     spec = job("unit", model=f"usermodels:{model}", minibatches=10, seed=seed)
-    task = StageTask(
-        job="unit",
-        spec=JobSpec.from_dict(spec).to_dict(),
-        vw=0,
+    task = StageTask.standalone(
+        "unit",
+        JobSpec.from_dict(spec).to_dict(),
+        StageLayout(("gpu0",), first, last),
         stage=stage,
         k=k,
-        nm=1,
-        staleness=0,
         minibatches=10,
-        num_vws=1,
-        layout=StageLayout(("gpu0",), first, last),
     )
     compute = StageCompute(task, CPU, local)
     torch.manual_seed(seed)

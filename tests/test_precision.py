@@ -34,17 +34,13 @@ def stages(precision: str, split: tuple[int, int] = (3, 3)) -> list[StageCompute
     state = build_model("mlp").state_dict()
     out = []
     for s, (first, last) in enumerate([(0, split[0]), (split[0], sum(split))]):
-        task = StageTask(
-            job="unit",
-            spec=spec.to_dict(),
-            vw=0,
+        task = StageTask.standalone(
+            "unit",
+            spec.to_dict(),
+            StageLayout(("gpu0",), first, last),
             stage=s,
             k=2,
-            nm=1,
-            staleness=0,
             minibatches=60,
-            num_vws=1,
-            layout=StageLayout(("gpu0",), first, last),
         )
         c = StageCompute(task, DeviceSpec(f"gpu{s}", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         names = c.state_names()
@@ -227,17 +223,8 @@ def test_fingerprints_only_under_verify() -> None:
     for verify in (False, True):
         spec = JobSpec.from_dict(job("unit", minibatches=4, train={"verify": verify}))
         n = len(build_model("mlp"))
-        task = StageTask(
-            job="unit",
-            spec=spec.to_dict(),
-            vw=0,
-            stage=0,
-            k=1,
-            nm=1,
-            staleness=0,
-            minibatches=4,
-            num_vws=1,
-            layout=StageLayout(("gpu0",), 0, n),
+        task = StageTask.standalone(
+            "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), minibatches=4
         )
         c = StageCompute(task, DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h"))
         torch.manual_seed(0)

@@ -951,18 +951,7 @@ def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> 
     cluster = load_cluster(path)
     marker = tmp_path / "ran"
     bad = job("rce", model="subprocess:getoutput", model_args={"cmd": f"touch {marker}"})
-    task = StageTask(
-        job="rce-1",
-        spec=bad,
-        vw=0,
-        stage=0,
-        k=1,
-        nm=1,
-        staleness=0,
-        minibatches=1,
-        num_vws=1,
-        layout=StageLayout(("gpu0",), 0, 1),
-    )
+    task = StageTask.standalone("rce-1", bad, StageLayout(("gpu0",), 0, 1))
 
     class FakeHead:
         def __init__(self) -> None:
