@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 MODULE = "hp_stale"
-WIDTH = "    return nn.Sequential(nn.Flatten(), nn.Linear(64, {w}), nn.ReLU(), nn.Linear({w}, 10))\n"
+WIDTH = (
+    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, {w}), nn.ReLU(), nn.Linear({w}, 10))\n"
+)
 
 
 def source(width: int, extra: str = "") -> str:
@@ -129,7 +131,10 @@ def test_a_tied_head_ending_the_model_runs_as_one_stage(cluster: LocalCluster) -
     """``Embedding, LayerNorm, Linear, GELU, Linear`` with the head tied to the embedding, one
     stage: it plans, trains, and the file keeps the tie."""
     spec = job(
-        "tied-gpt", model="usermodels:tied_gpt", split=[(["gpu0"], [5])], minibatch=8,
+        "tied-gpt",
+        model="usermodels:tied_gpt",
+        split=[(["gpu0"], [5])],
+        minibatch=8,
         minibatches=6,
     )
     spec["data"] = {
@@ -138,4 +143,6 @@ def test_a_tied_head_ending_the_model_runs_as_one_stage(cluster: LocalCluster) -
     }
     got = run(cluster, spec)
     assert sorted(got) == ["0.weight", "1.bias", "1.weight", "2.bias", "2.weight", "4.weight"]
-    assert got["0.weight"].untyped_storage().data_ptr() == got["4.weight"].untyped_storage().data_ptr()
+    assert (
+        got["0.weight"].untyped_storage().data_ptr() == got["4.weight"].untyped_storage().data_ptr()
+    )

@@ -15,11 +15,11 @@ import torch
 from conftest import UNIFORM, job
 
 from hetpipe.config import load_cluster
-from hetpipe.jobplan import place_state, plan_job, requested_layouts
 from hetpipe.job import JobSpec
+from hetpipe.jobplan import place_state, plan_job, requested_layouts
 from hetpipe.localcluster import cluster_toml
-from hetpipe.modelstate import StateLayout
 from hetpipe.models import build_model
+from hetpipe.modelstate import StateLayout
 from hetpipe.planner import place_stages
 
 SHARDS = {0: "tcp://127.0.0.1:7100", 1: "tcp://127.0.0.1:7101"}

@@ -28,7 +28,9 @@ from hetpipe.task import StageTask
 from hetpipe.usercode import UserCodeError, check_user_code, named_code
 from hetpipe.wire import Kind, Message
 
-WIDTH = "    return nn.Sequential(nn.Flatten(), nn.Linear(64, {w}), nn.ReLU(), nn.Linear({w}, 10))\n"
+WIDTH = (
+    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, {w}), nn.ReLU(), nn.Linear({w}, 10))\n"
+)
 
 
 def source(width: int, extra: str = "") -> str:
@@ -153,8 +155,11 @@ def test_a_module_this_host_cannot_find_says_where_it_looked(folder: Path) -> No
 def test_a_broken_module_and_a_missing_factory_name_the_file(folder: Path) -> None:
     broken = folder / "hp_uc_broken.py"
     broken.write_text("def build(:\n")
-    with pytest.raises(UserCodeError, match=rf"^cannot import module 'hp_uc_broken' "
-                       rf"\(SyntaxError: .*\); from {broken}: fix the file$"):
+    with pytest.raises(
+        UserCodeError,
+        match=rf"^cannot import module 'hp_uc_broken' "
+        rf"\(SyntaxError: .*\); from {broken}: fix the file$",
+    ):
         check_user_code(job("j", model="hp_uc_broken:build"))
     assert "hp_uc_broken" not in sys.modules
     good = folder / "hp_uc_nofactory.py"
@@ -233,7 +238,8 @@ def test_the_cli_names_a_module_it_cannot_import_without_a_policy_word(
         "minibatches = 1\n"
     )
     result = CliRunner().invoke(
-        cli.main, ["--cluster", str(cluster), "--head", "tcp://127.0.0.1:9", "submit", str(job_file)]
+        cli.main,
+        ["--cluster", str(cluster), "--head", "tcp://127.0.0.1:9", "submit", str(job_file)],
     )
     assert result.exit_code == 1, result.output
     assert result.output.startswith(
