@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import json
 import re
@@ -131,16 +132,20 @@ def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
     """The job file, checked on its own and against the cluster file (its code policy first)
     before anything is sent (the head and the workers check again: this only fails sooner).
 
+    The job goes on carrying the hash of each user module's source as checked here (the job
+    key ``code``): the head and every worker refuse it where their copy differs
+    (:mod:`hetpipe.usercode`), and never train a stale one.
+
     The check builds the model and loads the data, so it imports torch (over a second):
     imported here, not by every command."""
     from hetpipe.jobcheck import check_job
 
     try:
         spec = load_job(job_file)
-        check_job(spec, obj.cluster, job_file)
+        facts = check_job(spec, obj.cluster, job_file)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
-    return spec
+    return dataclasses.replace(spec, code={**spec.code, **facts.code}) if facts.code else spec
 
 
 def _run(coro: Any) -> Any:

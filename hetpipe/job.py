@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,8 @@ class JobSpec:
     # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
     in_flight: str = _d("train.in_flight")
+    # module -> sha256 of its source as submitted (hetpipe.usercode); empty: not compared
+    code: dict[str, str] = field(default_factory=dict)
 
     @property
     def sync(self) -> bool:
@@ -173,6 +176,7 @@ class JobSpec:
             vws.append(entry)
         return {
             "name": self.name,
+            **({"code": dict(self.code)} if self.code else {}),
             **tables,
             "vw": vws,
             "fault": [dataclasses.asdict(f) for f in self.faults],
@@ -188,6 +192,7 @@ class JobSpec:
         """
         root = Table(d, source, JobError, allowed=JOB.allowed(""))
         name = _read(root, "name")
+        code = _code(root)
         mt = root.table("model", JOB.allowed("model"))
         model = ModelSpec(_read(mt, "name"), _args(mt))
         dt = root.table("data", JOB.allowed("data"))
@@ -279,6 +284,7 @@ class JobSpec:
             max_replicas=max_replicas,
             warmup=warmup,
             in_flight=in_flight,
+            code=code,
             faults=tuple(
                 FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
                 for ft in root.tables("fault", JOB.allowed("fault"))
@@ -304,6 +310,7 @@ class JobSpec:
         for section, table in self._tables().items():
             out.update({f"{section}.{k}": v for k, v in table.items()})
         out["name"] = self.name
+        out["code"] = dict(self.code)
         return out
 
     def _tables(self) -> dict[str, dict[str, Any]]:
@@ -387,6 +394,23 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
     where it has no effect included."""
     data, source = read_toml(path, JobError)
     return JobSpec.from_dict(data, source=source, strict=True)
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _code(root: Table) -> dict[str, str]:
+    """``code``: module name -> the sha256 (64 lowercase hex digits) of its source."""
+    code = root.raw("code", JOB.default("code"))
+    if not isinstance(code, dict):
+        root.fail("code", f"expected a table of module = sha256, got {kind(code)}")
+    for module, value in code.items():
+        if not isinstance(module, str) or not _MODULE.fullmatch(module):
+            root.fail("code", f"{module!r} is not a module name")
+        if not isinstance(value, str) or not _SHA256.fullmatch(value):
+            root.fail(f"code.{module}", "expected a sha256 as 64 lowercase hex digits")
+    return dict(code)
 
 
 def _plain(value: Any) -> Any:

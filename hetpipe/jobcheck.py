@@ -1,7 +1,8 @@
 """Every check of a job that needs only the job file and the cluster file.
 
 The CLI runs these before it sends a job anywhere, so that code the cluster does not
-allow (:mod:`hetpipe.security`, checked first), a wrong layer split, an unknown device, a
+allow (:mod:`hetpipe.security`, checked first), the user's module missing or differing from
+the copy submitted (:mod:`hetpipe.usercode`), a wrong layer split, an unknown device, a
 model or data set that cannot be built, or a fault naming a stage that does not exist is
 refused at once with one line ``"<file>: <key>: <problem>"`` instead of after a round trip
 to the head. The head runs the same function on what it receives (a client need not be
@@ -13,7 +14,7 @@ ranges, choices, and a key set where it has no effect) is declared in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +25,7 @@ from hetpipe.job import JobError, JobSpec
 from hetpipe.models import ModelError, build_model
 from hetpipe.replicas import check_group
 from hetpipe.security import CodeError, check_code
+from hetpipe.usercode import UserCodeError, check_user_code
 
 __all__ = ["JobFacts", "check_job"]
 
@@ -48,10 +50,18 @@ class JobFacts:
     per_epoch: int  # minibatches per virtual worker and epoch
     model: torch.nn.Sequential
     dataset: Dataset
+    # module -> sha256 of the source of each user module the job names, as imported here
+    code: dict[str, str] = field(default_factory=dict)
 
 
-def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
-    """Raise :class:`JobError` (one line naming ``source`` and the key) on any problem."""
+def check_job(
+    spec: JobSpec, cluster: ClusterConfig, source: str, *, host: str | None = None
+) -> JobFacts:
+    """Raise :class:`JobError` (one line naming ``source`` and the key) on any problem.
+
+    The job's own modules are made current on this host first, and compared with the hashes
+    it carries (:func:`hetpipe.usercode.check_user_code`); ``host`` names this process in
+    what that says (``"head"``)."""
 
     def fail(key: str, problem: str) -> JobError:
         return JobError(" ".join(f"{source}: {key}: {problem}".split()))
@@ -60,6 +70,10 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
         check_code(spec, cluster.security.allowed_modules)
     except CodeError as exc:
         raise JobError(f"{source}: {str(exc).removeprefix('job: ')}") from None
+    try:  # then the user's own modules: this host's copy, current, as submitted
+        code = check_user_code(spec, host)
+    except UserCodeError as exc:
+        raise fail(exc.key, str(exc)) from None
     try:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model.name, spec.model.args)
@@ -120,4 +134,4 @@ def check_job(spec: JobSpec, cluster: ClusterConfig, source: str) -> JobFacts:
                 f"{fault.minibatch}: each virtual worker "
                 f"trains {total} minibatches (0..{total - 1})",
             )
-    return JobFacts(n_layers, per_epoch, model, dataset)
+    return JobFacts(n_layers, per_epoch, model, dataset, code)

@@ -260,10 +260,17 @@ def place_state(
     shards: Mapping[int, str],
 ) -> dict[str, int]:
     """Each state tensor's shard: the planner's rule (a stage's layers on a shard of its
-    host where there is one, shards balanced by bytes), applied to the job's real tensors."""
+    host where there is one, shards balanced by bytes), applied to the job's real tensors.
+
+    The layers are counted from the stages, not from the state's names: layers without state
+    of their own (an activation, a head whose only weight is tied to an earlier layer's)
+    hold none, and may end the model."""
     if not state:  # nothing for the shards: a model of parameter-free layers
         return {}
-    n_layers = 1 + max(_layer(n) for n in state)
+    n_layers = max(
+        1 + max(_layer(n) for n in state),
+        max((st.last for vw in vws for st in vw.stages), default=0),
+    )
     layer_bytes = [0] * n_layers
     for n, t in state.items():
         layer_bytes[_layer(n)] += t.numel() * t.element_size()

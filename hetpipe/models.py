@@ -12,7 +12,9 @@ deterministic.
 
 A user model is named ``"package.module:function"``; ``function(**args)`` must return a
 non-empty ``nn.Sequential``. If that function has a callable ``loss`` attribute,
-:func:`model_loss` uses it instead of the default cross entropy.
+:func:`model_loss` uses it instead of the default cross entropy. The module is taken from
+``sys.modules`` as imported: the CLI, the head and each worker make it current with its file
+(and compare it with the submitted copy) before a job starts, in :mod:`hetpipe.usercode`.
 """
 
 from __future__ import annotations

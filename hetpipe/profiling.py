@@ -54,6 +54,8 @@ def model_key(spec: JobSpec) -> str:
     }
     if spec.precision != "fp32":
         key["precision"] = spec.precision
+    if spec.code:  # the user's model as submitted: an edited module is profiled anew
+        key["code"] = spec.code
     return json.dumps(key, sort_keys=True)
 
 

@@ -39,6 +39,7 @@ from hetpipe.security import AUTHORITY, KeysError, Role, check_code, may_send, w
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
+from hetpipe.usercode import check_user_code
 from hetpipe.wire import Kind, Message
 
 __all__ = ["Worker", "main", "serve"]
@@ -232,6 +233,8 @@ class Worker:
             # the head checked the job at submit; a worker checks again before any import
             check_code(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
+            # the job's own modules: this worker's copy as submitted, re-imported if edited
+            await loop.run_in_executor(self.executor, check_user_code, task.spec)
             compute = await loop.run_in_executor(
                 self.executor, _stage_compute, task, self.device, msg.tensors
             )
@@ -267,6 +270,7 @@ class Worker:
             check_code(msg["job"], self.cluster.security.allowed_modules)
             spec = JobSpec.from_dict(msg["job"], source="job")
             loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, check_user_code, spec)
             info = await loop.run_in_executor(self.executor, measure, spec, self.device)
         except Exception as exc:
             self.log.warning("profiling failed", error=excerpt(exc))

@@ -192,7 +192,7 @@ CASES = [
         'name = "t"',
         'name = "t"\nowner = "me"',
         "owner",
-        "unknown key (allowed: data, fault, model, name, optimizer, train, vw)",
+        "unknown key (allowed: code, data, fault, model, name, optimizer, train, vw)",
     ),
     (
         "unknown-model",

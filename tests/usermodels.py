@@ -1,7 +1,8 @@
 """Models as users write them, for the tests: tied weights, frozen layers, local buffers, dropout.
 
 Jobs name them ``usermodels:<function>``; the tests put this directory on the daemons'
-``PYTHONPATH``. Every model takes the 8x8 digits (``[B, 1, 8, 8]``, values in [0, 1]).
+``PYTHONPATH``. Every model takes the 8x8 digits (``[B, 1, 8, 8]``, values in [0, 1]), but
+``tied_gpt``, which takes tokens.
 """
 
 from __future__ import annotations
@@ -145,4 +146,22 @@ def everything() -> nn.Sequential:
     )
     model[1].requires_grad_(False)
     model[7].weight = model[4].weight
+    return model
+
+
+def tied_gpt(vocab: int = 17, dim: int = 16) -> nn.Sequential:
+    """GPT's tie in its plainest shape: the output head shares the input embedding's weight.
+
+    Layers: 0 Embedding (tied), 1 LayerNorm, 2 Linear, 3 GELU, 4 head Linear (tied, no bias).
+    The last two layers hold no state of their own. Input int64 tokens ``[B, S]`` (the
+    ``synthetic`` data set's ``kind = "tokens"``), output logits ``[B, S, vocab]``.
+    """
+    model = nn.Sequential(
+        nn.Embedding(vocab, dim),
+        nn.LayerNorm(dim),
+        nn.Linear(dim, dim),
+        nn.GELU(),
+        nn.Linear(dim, vocab, bias=False),
+    )
+    model[4].weight = model[0].weight
     return model

@@ -258,7 +258,18 @@ JOB: Final = Schema(
         Section(
             "",
             "The job's own keys; its tables follow.",
-            (Key("name", "string", "The job's name; its id is `<name>-<n>`."),),
+            (
+                Key("name", "string", "The job's name; its id is `<name>-<n>`."),
+                Key(
+                    "code",
+                    "table",
+                    "The sha256 of each user module's source the job names, by module name "
+                    '(`{ mymodel = "9f86..." }`); `hetpipe submit` fills it in, and the head '
+                    "and each worker refuse the job where their copy differs. Empty: not "
+                    "compared.",
+                    default={},
+                ),
+            ),
         ),
         Section(
             "model",

@@ -257,7 +257,9 @@ class JobsPart:
         spec = js.spec
         try:  # the CLI checked this already; other clients may not have. Where the job's
             # code is loaded on the head: its model and data, built once for the whole job
-            facts = await loop.run_in_executor(None, check_job, spec, self.cluster, "job")
+            facts = await loop.run_in_executor(
+                None, lambda: check_job(spec, self.cluster, "job", host="head")
+            )
         except JobError as exc:
             raise JobPlanError(str(exc)) from None
         n_train = len(facts.dataset.train_y)

@@ -57,7 +57,7 @@ class Profiler:
             spec = JobSpec.from_dict(msg["job"], source="job", strict=True)
             # the job checks start with the code policy (nothing is imported before it)
             facts = await asyncio.get_running_loop().run_in_executor(
-                None, check_job, spec, self.cluster, "job"
+                None, lambda: check_job(spec, self.cluster, "job", host="head")
             )
             if msg.kind == Kind.PLAN:
                 profile, rows = await self.profiles(spec)

@@ -50,6 +50,10 @@ def place_stages(
     ``stage_shards[v][i]`` is the shard holding most of VW v's stage i (see module docs).
     """
     L = len(layer_bytes)
+    outside = [ab for v in vws for _, ab in v if not 0 <= ab[0] <= ab[1] <= L]
+    if outside:  # a caller's count of layers that misses some: say so, not an IndexError
+        a, b = outside[0]
+        raise ValueError(f"stage layers {a}..{b - 1} lie outside the {L} layers given")
     if not shards:
         return (0,) * L, tuple((0,) * len(v) for v in vws)
     bounds = sorted({0, L, *(x for v in vws for _, ab in v for x in ab)})

@@ -1,0 +1,301 @@
+"""The user's own code a job names: its content hash, a fresh import of it, and errors that
+say where.
+
+Why one home: the CLI, the head and every worker import the module a job names
+(``model.name = "pkg.module:function"``), each in its own long-lived process. Python's import
+cache would keep the first copy each daemon imported, so a job submitted after the user
+edited the file would silently train the old code, or fail on the cluster for a function
+the CLI found. So each of them calls :func:`check_user_code` before the job starts:
+
+- the module's file is located the way an import would find it (the import system's finders,
+  without executing the module; a package above it is imported, as any import would);
+- its source is hashed (sha256 of the file's bytes). Where the job carries the hash of the
+  user's copy (the job key ``code``, which ``hetpipe submit`` fills in), a host whose copy
+  differs refuses the job in one line naming the host, the file and both hashes;
+- a module not yet loaded from exactly these bytes is (re-)executed from them, so the next
+  job trains the edited code without ``hetpipe down``/``up``. The code run is compiled from
+  the very bytes that were hashed (never a cached ``.pyc``);
+- an import failure (no such module, an error in it, the factory missing) says which module,
+  and where this host looked (its ``sys.path``) or which file it found; never a policy
+  refusal (that is :func:`hetpipe.security.check_code`'s, checked before anything here).
+
+Only the named module's own file is hashed and reloaded, not the modules it imports. A job
+running keeps the code it started with: nothing here runs between a job's check and its end,
+and ``build_model`` takes the module from ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+__all__ = ["SHOWN", "UserCodeError", "check_user_code", "digest", "named_code"]
+
+SHOWN = 12  # hex digits of a hash that messages show
+_PATHS_SHOWN = 4  # sys.path entries an import failure lists
+
+# module name -> (hash of the source it was executed from, the module object executed)
+_LOADED: dict[str, tuple[str, ModuleType]] = {}
+_LOCK = threading.Lock()  # a head checks jobs on several executor threads
+_STARTED = time.time()  # a file older than this was imported as it is (see below)
+
+
+class UserCodeError(ValueError):
+    """A job's own code cannot be used on this host; ``str(e)`` is one line, ``key`` the job
+    key naming the code (``"model.name"``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Named:
+    """One piece of user code a job names: ``key`` = ``"module:function"``."""
+
+    key: str  # the job key, "model.name"
+    module: str
+    function: str
+
+
+def named_code(job: Any) -> list[Named]:
+    """The user code ``job`` names (a job dict in the file's shape, or a ``JobSpec``): each
+    ``"module:function"`` value of a code-naming key; builtins (no colon) are not user code."""
+    if hasattr(job, "to_dict"):
+        job = job.to_dict()
+    out = []
+    for section in ("model", "data"):
+        table = job.get(section) if isinstance(job, Mapping) else None
+        name = table.get("name") if isinstance(table, Mapping) else None
+        if isinstance(name, str) and name.count(":") == 1:
+            module, function = name.split(":")
+            if module and function:
+                out.append(Named(f"{section}.name", module, function))
+    return out
+
+
+def digest(source: bytes) -> str:
+    """The content hash of a module's source: sha256, hex."""
+    return hashlib.sha256(source).hexdigest()
+
+
+def check_user_code(job: Any, host: str | None = None) -> dict[str, str]:
+    """Make every user module ``job`` names current on this host; return each one's hash.
+
+    Compares this host's source with the hash the job carries (its ``code`` table), re-imports
+    a module whose file changed since it was imported here, and checks that the named function
+    exists. ``host`` names this process in messages (``"head"``); None leaves that to the
+    caller (a worker prefixes its device). Raises :class:`UserCodeError`. A module without a
+    source file (an extension module) is imported as usual, and has no hash to compare.
+    """
+    wanted = _wanted(job)
+    got: dict[str, str] = {}
+    with _LOCK:
+        for named in named_code(job):
+            module, have = _current(named, host, wanted.get(named.module))
+            if have is not None:
+                got[named.module] = have
+            if not hasattr(module, named.function):
+                raise UserCodeError(
+                    named.key,
+                    f"{_prefix(host)}module {named.module!r} ({_where(module)}) has no "
+                    f"{named.function}",
+                )
+    return got
+
+
+def _wanted(job: Any) -> Mapping[str, str]:
+    code = getattr(job, "code", None)
+    if code is None and isinstance(job, Mapping):
+        code = job.get("code")
+    return code if isinstance(code, Mapping) else {}
+
+
+def _prefix(host: str | None) -> str:
+    return f"{host}: " if host else ""
+
+
+def _where(module: ModuleType) -> str:
+    return str(getattr(module, "__file__", None) or "no file")
+
+
+def _current(named: Named, host: str | None, want: str | None) -> tuple[ModuleType, str | None]:
+    """The module, current with its file here, and the hash of the source it runs."""
+    name = named.module
+    importlib.invalidate_caches()  # a file added since the last import is found
+    try:
+        spec = _find_spec(name)
+    except Exception as exc:  # a package above it failed to import
+        raise _failure(named, host, exc) from None
+    if spec is None:
+        raise _failure(named, host, ModuleNotFoundError(f"No module named {name!r}"))
+    origin = spec.origin
+    if not (spec.has_location and origin and origin.endswith(".py") and os.path.isfile(origin)):
+        if want is not None:
+            raise UserCodeError(
+                named.key,
+                f"{_prefix(host)}module {name!r} ({origin or 'no file'}) has no source "
+                f"file to compare with the submitted hash {want[:SHOWN]}",
+            )
+        try:
+            return importlib.import_module(name), None
+        except Exception as exc:
+            raise _failure(named, host, exc, origin) from None
+    try:
+        with open(origin, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        raise _failure(named, host, exc, origin) from None
+    have = digest(source)
+    if want is not None and have != want:
+        raise UserCodeError(
+            named.key,
+            f"{_prefix(host)}{origin}: this host's copy of module {name!r} has sha256 "
+            f"{have[:SHOWN]}, the job was submitted with {want[:SHOWN]}: put the same file on "
+            f"every host (or submit from the copy the cluster has)",
+        )
+    loaded = _LOADED.get(name)
+    if loaded is not None and loaded[0] == have and sys.modules.get(name) is loaded[1]:
+        return loaded[1], have
+    if loaded is None and _unchanged_since_imported(name, origin):
+        _LOADED[name] = (have, sys.modules[name])
+        return sys.modules[name], have
+    try:
+        module = _execute(name, spec, origin, source)
+    except Exception as exc:
+        raise _failure(named, host, exc, origin) from None
+    _LOADED[name] = (have, module)
+    return module, have
+
+
+def _unchanged_since_imported(name: str, origin: str) -> bool:
+    """Whether a module imported here by a plain ``import`` (not by :func:`check_user_code`)
+    surely runs its file as it is now: hetpipe's own modules (the daemon's code: running
+    them again would make new copies of its classes; a changed hetpipe needs a restart), or
+    a file last written before this process started to check code. Otherwise it is run
+    again, once."""
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if module is None or not file or os.path.realpath(file) != os.path.realpath(origin):
+        return False
+    if name == "hetpipe" or name.startswith("hetpipe."):
+        return True
+    try:
+        return os.stat(origin).st_mtime < _STARTED
+    except OSError:
+        return False
+
+
+def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """Where an import of ``name`` would load it from now, without executing it: the import
+    system's finders asked afresh (``importlib.util.find_spec`` answers a module already
+    imported with the spec it was imported by, which is not where a new import would look)."""
+    parent, _, _ = name.rpartition(".")
+    path = None
+    if parent:
+        path = getattr(importlib.import_module(parent), "__path__", None)
+        if path is None:
+            raise ModuleNotFoundError(f"{parent!r} is not a package")
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        spec = find(name, path)
+        if spec is not None:
+            return spec
+    return None
+
+
+class _ExactLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the bytes it is given, never a cached ``.pyc``: a file edited within the
+    same second at the same size would otherwise load its old bytecode, and the code run is
+    exactly the code whose hash was checked."""
+
+    def __init__(self, name: str, path: str, source: bytes) -> None:
+        super().__init__(name, path)
+        self.source = source
+
+    def get_data(self, path: str) -> bytes:
+        return self.source if path == self.path else super().get_data(path)
+
+    def get_code(self, fullname: str) -> Any:
+        return self.source_to_code(self.source, self.path)
+
+
+def _execute(
+    name: str, found: importlib.machinery.ModuleSpec, origin: str, source: bytes
+) -> ModuleType:
+    """Execute ``source`` as module ``name`` and put it in ``sys.modules`` (and on its
+    parent package); on failure the module imported before stays."""
+    loader = _ExactLoader(name, origin, source)
+    spec = importlib.util.spec_from_file_location(
+        name, origin, loader=loader, submodule_search_locations=found.submodule_search_locations
+    )
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    before = sys.modules.get(name)
+    sys.modules[name] = module
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        if before is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = before
+        raise
+    parent, _, child = name.rpartition(".")
+    if parent and parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+    return module
+
+
+def _failure(
+    named: Named, host: str | None, exc: BaseException, origin: str | None = None
+) -> UserCodeError:
+    """The one line of an import failure: which module, why, and where this host looked."""
+    why = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if origin is not None:
+        where = f"from {origin}"
+        hint = "fix the file"
+    else:
+        where = f"looked in {_search_path()}"
+        hint = (
+            "a job's own module must be on the PYTHONPATH of the head and of every worker "
+            "before `hetpipe up`"
+        )
+    return UserCodeError(
+        named.key,
+        f"{_prefix(host)}cannot import module {named.module!r} ({why}); {where}: {hint}",
+    )
+
+
+def _search_path() -> str:
+    """This process's ``sys.path``, briefly: the entries outside the Python installation
+    (the user's folders), then the installation as one item."""
+    install = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, *sysconfig.get_paths().values())
+        if p
+    }
+    mine: list[str] = []
+    for entry in sys.path:
+        real = os.path.realpath(entry or os.getcwd())
+        path = os.path.abspath(entry or os.getcwd())
+        if any(real == p or real.startswith(p + os.sep) for p in install) or path in mine:
+            continue
+        mine.append(path)
+    shown = mine[:_PATHS_SHOWN]
+    if len(mine) > len(shown):
+        shown.append(f"{len(mine) - len(shown)} more")
+    return ", ".join([*shown, "the Python installation"])
