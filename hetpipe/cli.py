@@ -86,10 +86,31 @@ class Ctx:
         except HeadError as exc:
             raise click.ClickException(str(exc)) from None
 
-    def ensure_keys(self) -> None:
-        """Create the cluster's missing keys (``up``/``demo`` on first use)."""
-        if self.cluster.security.curve:
-            make_keys(self.cluster)
+    def ensure_keys(self, daemons: list[launch.Daemon]) -> None:
+        """Create the cluster's missing keys (``up``/``demo`` on first use) where the whole
+        cluster lives on this host. A cluster of several hosts shares one key set, made once
+        (``hetpipe keys``) and copied to every host: a host that lacks its part refuses in
+        one line, and never makes a new set the other hosts would not know."""
+        cluster = self.cluster
+        if not cluster.security.curve:
+            return
+        hosts = {s.host for s in cluster.ps} | {d.host for d in cluster.devices}
+        if all(launch.is_local(h) for h in hosts):
+            make_keys(cluster)
+            return
+        names = security.key_names(len(cluster.ps), [d.name for d in cluster.devices])
+        # a daemon's key pair is named as the daemon (security.shard_user, worker_user)
+        own = {security.SERVER, *(d.name for d in daemons)}
+        missing = security.missing_keys(cluster.security.keys, names, own)
+        if missing:
+            shown = ", ".join(missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            )
+            raise click.ClickException(
+                f"{self.path}: this host lacks the cluster's keys {shown} in "
+                f"{cluster.security.keys}; the cluster spans several hosts, so its keys are "
+                f"made once (hetpipe keys, on one host) and copied to each (docs/several-hosts.md)"
+            )
 
 
 def _cluster_here(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
@@ -197,7 +218,7 @@ def up(obj: Ctx, timeout: float) -> None:
     daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
     if not daemons:
         raise click.ClickException(f"{obj.path}: no shard or device lives on this host")
-    obj.ensure_keys()
+    obj.ensure_keys(daemons)
     try:
         launch.start(daemons, obj.run_dir, timeout=timeout)
     except launch.LaunchError as exc:
@@ -698,9 +719,9 @@ def demo(obj: Ctx, job_file: str, as_json: bool, timeout: float) -> None:
     spec = _load_job_or_fail(obj, job_file)
     cluster = obj.cluster
     started = not launch.running(obj.run_dir)
-    obj.ensure_keys()
+    daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
+    obj.ensure_keys(daemons)
     if started:
-        daemons = launch.local_daemons(cluster, obj.path, run_dir=obj.run_dir)
         click.echo(
             f"demo: starting {len(daemons)} daemons of {obj.path} (logs in {obj.run_dir / 'logs'})"
         )

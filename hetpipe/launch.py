@@ -38,7 +38,7 @@ class Daemon:
     argv: tuple[str, ...]
 
 
-def _is_local(host: str) -> bool:
+def is_local(host: str) -> bool:
     """Whether ``host`` names this machine: a known name, or an address it can bind."""
     if normal_host(host) in {"127.0.0.1", socket.gethostname(), socket.getfqdn()}:
         return True
@@ -56,7 +56,7 @@ def local_daemons(
     *,
     run_dir: Path,
     head: str | None = None,
-    local: Callable[[str], bool] = _is_local,
+    local: Callable[[str], bool] = is_local,
 ) -> list[Daemon]:
     """The shards and workers of ``cluster`` whose host is ``local`` (default: this host)."""
     py = sys.executable

@@ -83,6 +83,7 @@ __all__ = [
     "load_curve",
     "log_refused_handshakes",
     "may_send",
+    "missing_keys",
     "module_allowed",
     "shard_user",
     "start_authenticator",
@@ -321,6 +322,16 @@ def ensure_keys(
             shutil.rmtree(tmp, ignore_errors=True)
         made.append(name)
     return made
+
+
+def missing_keys(
+    keys_dir: str | os.PathLike[str], names: Sequence[str], secret: Collection[str]
+) -> list[str]:
+    """The key files of ``names`` that ``keys_dir`` lacks: every public key, and the secret
+    key of each of ``secret`` (the server and this host's own daemons)."""
+    root = Path(keys_dir)
+    wanted = [f"{n}.key" for n in names] + [f"{n}.key_secret" for n in names if n in secret]
+    return [f for f in wanted if not (root / f).is_file()]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from hetpipe import cli
+from hetpipe import cli, config, launch, security
 from hetpipe.client import HeadClient
 from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
 
@@ -116,6 +116,35 @@ def test_up_refuses_a_cluster_with_nothing_on_this_host(tmp_path: Path) -> None:
     result = invoke("--cluster", str(path), "--run-dir", str(tmp_path / "run"), "up")
     assert result.exit_code == 1
     assert error_lines(result) == [f"Error: {path}: no shard or device lives on this host"]
+
+
+def test_up_on_one_host_of_several_never_makes_a_new_key_set(tmp_path: Path) -> None:
+    """A cluster spread over hosts shares the key set made once by ``hetpipe keys``: a host
+    without it refuses in one line naming what it lacks, and writes no keys of its own."""
+    text = good_cluster().replace(
+        '[[node.device]]\nname = "gpu1"',
+        '[[node]]\nname = "node1"\nhost = "192.0.2.1"\n\n[[node.device]]\nname = "gpu1"',
+    )
+    path = tmp_path / "two-hosts.toml"
+    path.write_text(text)
+    keys = tmp_path / ".hetpipe" / "keys"
+    result = invoke("--cluster", str(path), "--run-dir", str(tmp_path / "run"), "up")
+    assert result.exit_code == 1
+    (line,) = error_lines(result)
+    assert line.startswith(f"Error: {path}: this host lacks the cluster's keys server.key, ")
+    assert f"in {keys}; the cluster spans several hosts" in line
+    assert not keys.exists() or not any(keys.iterdir())
+    assert not (tmp_path / "run" / "pids.json").exists()  # nothing was started
+    # with the set made once (and, on a real cluster, copied here) the check passes: what
+    # follows is starting this host's daemons (not run here)
+    assert invoke("--cluster", str(path), "keys").exit_code == 0
+    ctx = cli.Ctx(str(path), None, None)
+    cluster = config.load_cluster(path)
+    daemons = launch.local_daemons(cluster, str(path), run_dir=tmp_path / "run")
+    assert {d.name for d in daemons} == {"ps0", "ps1", "worker-gpu0"}
+    names = security.key_names(2, ["gpu0", "gpu1"])
+    assert security.missing_keys(keys, names, {"server", "ps0", "ps1", "worker-gpu0"}) == []
+    ctx.ensure_keys(daemons)  # no error: the set is there
 
 
 def test_down_with_nothing_running_says_so(tmp_path: Path) -> None:
