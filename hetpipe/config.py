@@ -191,6 +191,7 @@ class RuntimeSpec:
     host_shm: bool = _d("runtime.host_shm")
     inline_ms: int = _d("runtime.inline_ms")  # hetpipe.computethread
     retain_freed_mib: int = _d("runtime.retain_freed_mib")  # hetpipe.hostmem
+    records_every: int = _d("runtime.records_every")  # hetpipe.pipeline.RecordsOut
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,7 @@ def _runtime(root: Table) -> RuntimeSpec:
         _read(rt, "host_shm"),
         inline_ms,
         _read(rt, "retain_freed_mib"),
+        _read(rt, "records_every"),
     )
 
 

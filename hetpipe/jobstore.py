@@ -2,7 +2,10 @@
 
 The head keeps only the last few finished jobs in memory (``[runtime] jobs_kept``); the rest,
 and every job of an earlier head process, live here: ``result.json`` (the job's final status),
-``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``. The head and the CLI both
+``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``; while the job runs,
+``records/vw<V>-stage<S>.jsonl`` gathers each stage's per-minibatch records and timeline
+spans as they stream in (one JSON line a chunk), and ``stages.json`` and ``trace.json`` are
+written from them at its end, one chunk at a time. The head and the CLI both
 read this directory, so ``status``/``trace`` of a finished job work with the head forgotten,
 restarted or down. Job ids are checked before they become paths: an id is a name plus
 ``-<n>``, never a path.
@@ -13,22 +16,31 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = [
+    "RECORDS",
     "RESULT",
+    "STAGES",
     "TRACE",
+    "append_records",
     "job_dir",
     "list_jobs",
     "next_number",
+    "read_chunks",
     "read_result",
+    "records_path",
     "safe_name",
     "write_result",
+    "write_stages",
 ]
 
 RESULT = "result.json"
 TRACE = "trace.json"
+STAGES = "stages.json"
+RECORDS = "records"  # the folder of the per-stage streams
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 _NUMBER = re.compile(r"-(\d+)$")
@@ -126,3 +138,60 @@ SUMMARY_FIELDS = (
 def summary(info: dict[str, Any]) -> dict[str, Any]:
     """The fields of a job's status or result that a listing shows (those that are set)."""
     return {k: info[k] for k in SUMMARY_FIELDS if info.get(k) is not None}
+
+
+# -- a stage's streamed records --------------------------------------------------------------
+
+
+def records_path(d: Path, vw: int, stage: int) -> Path:
+    """The stream of stage ``stage`` of virtual worker ``vw`` in job directory ``d``."""
+    return d / RECORDS / f"vw{vw}-stage{stage}.jsonl"
+
+
+def append_records(
+    d: Path, vw: int, stage: int, records: list[list[Any]], spans: list[list[Any]]
+) -> None:
+    """Append one chunk (records as rows, spans) to the stage's stream in ``d``."""
+    path = records_path(d, vw, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({"records": records, "spans": spans}) + "\n")
+
+
+def read_chunks(path: Path) -> Iterator[dict[str, list[list[Any]]]]:
+    """The chunks of one stage's stream in the order they arrived (none if it is absent)."""
+    if not path.exists():
+        return
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _items(f: TextIO, rows: Iterable[Any]) -> None:
+    """Write ``rows`` as the items of a JSON list (the brackets are the caller's)."""
+    for i, row in enumerate(rows):
+        f.write(("," if i else "") + json.dumps(row))
+
+
+def write_stages(d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]) -> None:
+    """Write ``stages.json`` in ``d``: each stage (``"vw0/stage1"`` -> its report without
+    records and spans, its stream) as ``{**report, "records": [...]}`` with its spans in
+    ``report["stats"]["spans"]``, one chunk in memory at a time."""
+    tmp = d / f".{STAGES}.tmp"
+    with tmp.open("w") as f:
+        f.write("{")
+        for n, (where, (report, stream)) in enumerate(stages.items()):
+            stats = {k: v for k, v in report["stats"].items() if k != "spans"}
+            rest = {k: v for k, v in report.items() if k not in ("stats", "records")}
+            f.write(("," if n else "") + json.dumps(where) + ':{"stats":')
+            f.write(json.dumps(stats)[:-1] + ("," if stats else "") + '"spans":[')
+            _items(f, (s for c in read_chunks(stream) for s in c["spans"]))
+            f.write(']},"records":[')
+            _items(f, (r for c in read_chunks(stream) for r in c["records"]))
+            f.write("]")
+            for k, v in rest.items():
+                f.write("," + json.dumps(k) + ":" + json.dumps(v))
+            f.write("}")
+        f.write("}")
+    os.replace(tmp, d / STAGES)

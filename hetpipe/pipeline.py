@@ -70,6 +70,12 @@ Send = Callable[
 ]
 # a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
 Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
+# a chunk of finished minibatches' records (rows of Record.FIELDS, ascending p) and the
+# timeline spans since the previous chunk: to the head while the stage trains, so no message
+# and no daemon's memory grows with the length of the job
+RecordsOut = Callable[[list[list[Any]], list[list[Any]]], Awaitable[None]]
+# while finished records wait, a chunk goes at least this often (else every records_every)
+RECORDS_EVERY_S = 2.0
 
 
 @dataclass
@@ -156,11 +162,15 @@ class StageRunner:
         direct: frozenset[str] = frozenset(),
         inline_s: float = 0.0,
         inbox: hostshm.Inbox | None = None,
+        records_out: RecordsOut | None = None,
+        records_every: int = 1024,
     ) -> None:
         """``inline_s``: compute runs the stage measured shorter than this run on the event
         loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never). ``inbox``:
         reads the tensors its neighbours of this host put in shared memory (its owner unmaps
-        it when the job ends; a new one if not given)."""
+        it when the job ends; a new one if not given). ``records_out``: where finished
+        records and spans go in chunks of at most ``records_every`` records while the stage
+        trains (None: all of them stay for :meth:`final_stats`)."""
         self.compute = compute
         self.task = compute.task
         self.sync = compute.spec.sync
@@ -218,6 +228,11 @@ class StageRunner:
         self.answers: dict[tuple[int, bool], asyncio.Task[list[Message]]] = {}
         self.push_acks: list[asyncio.Future[Message]] = []
         self.records: dict[int, Record] = {}
+        self.records_out = records_out
+        self.records_every = max(1, records_every)
+        self.records_finished = 0  # backwards since the last chunk
+        self.records_sent_at = 0.0  # monotonic time of the last chunk
+        self.records_lock = asyncio.Lock()  # chunks leave in order (main loop and reporter)
         self.clock = 0
         self.vw_clock = 0
         self.started = 0.0
@@ -325,6 +340,7 @@ class StageRunner:
             if self.task.is_last:
                 self._losses(await self._run(self.compute.read_losses, True))
             await self._run(self.compute.read_quality, True)
+            await self._send_records(final=True)
             self.waiting = None
         finally:
             reporter.cancel()
@@ -434,6 +450,8 @@ class StageRunner:
                     with self.timeline.span("replicas", a.p, wave_of(a.p, self.task.nm)):
                         await self._share_gradients(a.p)
                 self._after_backward(a.p)
+                if self.records_finished >= self.records_every:
+                    await self._send_records()
             elif isinstance(a, Push):
                 with self.timeline.span("push", None, a.c):
                     await self._push(a.c, made)
@@ -557,6 +575,38 @@ class StageRunner:
         rec.fwd_version, rec.fwd_fingerprint = fv, ffp
         rec.bwd_version, rec.bwd_fingerprint = bv, bfp
         rec.t_bwd = time.time()
+        self.records_finished += 1
+
+    def _finished(self, rec: Record) -> bool:
+        """Whether nothing more will be written into ``rec``: its backward ran and, at the
+        last stage, its loss was read back."""
+        return rec.t_bwd > 0.0 and (not self.task.is_last or rec.loss is not None)
+
+    async def _send_records(self, final: bool = False) -> None:
+        """Send the finished records in ascending ``p`` up to the first unfinished one (all
+        of them when ``final``), with the spans so far, in chunks of ``records_every``."""
+        if self.records_out is None:
+            return
+        async with self.records_lock:
+            await self._send_records_locked(self.records_out, final)
+
+    async def _send_records_locked(self, out: RecordsOut, final: bool) -> None:
+        rows: list[list[Any]] = []
+        for p in sorted(self.records):
+            rec = self.records[p]
+            if not final and not self._finished(rec):
+                break
+            rows.append(rec.row())
+            del self.records[p]
+        spans, self.timeline.spans = self.timeline.spans, []
+        self.records_finished = 0
+        self.records_sent_at = time.monotonic()
+        n = self.records_every
+        for i in range(0, max(len(rows), 1), n):
+            chunk = rows[i : i + n]
+            if chunk or spans:
+                await out(chunk, spans)
+            spans = []
 
     # -- parameter server -------------------------------------------------------------------
 
@@ -712,6 +762,8 @@ class StageRunner:
         while True:
             await asyncio.sleep(self.report_every_s)
             await self.report(self.progress())
+            if time.monotonic() - self.records_sent_at >= RECORDS_EVERY_S:
+                await self._send_records()
 
     def final_stats(self) -> dict[str, Any]:
         out = self.progress()

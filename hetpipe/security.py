@@ -198,6 +198,7 @@ AUTHORITY: Mapping[Kind, Rule] = {
     # to the head: a stage's progress, result, failure and checkpointed state
     Kind.REPORT: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_DONE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.STAGE_RECORDS: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_FAILED: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_STATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     # to a worker, from the head: registration, stage assignment, profiling, start, abort

@@ -12,11 +12,14 @@ microbatches, flushes and steps show as they ran.
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["chrome_trace"]
+__all__ = ["chrome_trace", "write_chrome_trace"]
 
 _WHERE = re.compile(r"vw(\d+)/stage(\d+)")
 
@@ -25,45 +28,71 @@ def chrome_trace(
     stages: Mapping[str, Mapping[str, Any]], devices: Mapping[str, str], job: str
 ) -> dict[str, Any]:
     """Trace events of every stage; ``stages`` maps ``"vw0/stage1"`` to its final stats."""
-    events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"hetpipe job {job}"}}
-    ]
-    t0 = min((s[1] for st in stages.values() for s in st.get("spans", [])), default=0.0)
-    for tid, (where, st) in enumerate(sorted(stages.items()), start=1):
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": 1,
-                "tid": tid,
-                "args": {"name": f"{devices.get(where, '?')} ({where})"},
-            }
-        )
-        events.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "pid": 1,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
-        for kind, start, end, p, wave in st.get("spans", []):
-            args = {"minibatch": p, "wave": wave, "stage": where}
-            events.append(
-                {
-                    "name": kind if p is None else f"{kind} {p}",
-                    "cat": kind,
-                    "ph": "X",
-                    "pid": 1,
-                    "tid": tid,
-                    "ts": (start - t0) * 1e6,
-                    "dur": max(end - start, 0.0) * 1e6,
-                    "args": args,
-                }
-            )
+    spans = {where: (lambda st=st: st.get("spans", [])) for where, st in stages.items()}
+    t0 = _start(spans)
     return {
-        "traceEvents": events,
+        "traceEvents": list(_events(spans, devices, job, t0)),
         "displayTimeUnit": "ms",
         "otherData": {"job": job, "t0_unix_s": t0},
     }
+
+
+def write_chrome_trace(
+    path: Path,
+    spans: Mapping[str, Callable[[], Iterable[list[Any]]]],
+    devices: Mapping[str, str],
+    job: str,
+) -> None:
+    """Write :func:`chrome_trace`'s document to ``path`` from each stage's spans as
+    ``spans[where]()`` yields them (read twice: the start, then the events), one event in
+    memory at a time."""
+    t0 = _start(spans)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write('{"traceEvents":[')
+        for i, event in enumerate(_events(spans, devices, job, t0)):
+            f.write(("," if i else "") + json.dumps(event))
+        f.write('],"displayTimeUnit":"ms","otherData":')
+        f.write(json.dumps({"job": job, "t0_unix_s": t0}) + "}")
+    os.replace(tmp, path)
+
+
+def _start(spans: Mapping[str, Callable[[], Iterable[list[Any]]]]) -> float:
+    """The earliest start of any span (0 where there is none)."""
+    return min((s[1] for of in spans.values() for s in of()), default=0.0)
+
+
+def _events(
+    spans: Mapping[str, Callable[[], Iterable[list[Any]]]],
+    devices: Mapping[str, str],
+    job: str,
+    t0: float,
+) -> Iterator[dict[str, Any]]:
+    yield {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"hetpipe job {job}"}}
+    for tid, (where, of) in enumerate(sorted(spans.items()), start=1):
+        yield {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 1,
+            "tid": tid,
+            "args": {"name": f"{devices.get(where, '?')} ({where})"},
+        }
+        yield {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": 1,
+            "tid": tid,
+            "args": {"sort_index": tid},
+        }
+        for kind, start, end, p, wave in of():
+            args = {"minibatch": p, "wave": wave, "stage": where}
+            yield {
+                "name": kind if p is None else f"{kind} {p}",
+                "cat": kind,
+                "ph": "X",
+                "pid": 1,
+                "tid": tid,
+                "ts": (start - t0) * 1e6,
+                "dur": max(end - start, 0.0) * 1e6,
+                "args": args,
+            }

@@ -65,9 +65,9 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
-# A stage's final report (per-minibatch records and timeline spans of a long job) and a
-# job's trace travel in headers, so the bound is generous; decoding work and memory stay
-# proportional to the bytes actually received.
+# A job's trace travels in one header (a stage's per-minibatch records and spans travel in
+# bounded stage_records chunks while it trains), so the bound is generous; decoding work and
+# memory stay proportional to the bytes actually received.
 MAX_HEADER_BYTES = 64 << 20
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying beats zero-copy
 MAX_DIMS = 16
@@ -95,6 +95,7 @@ class Kind(StrEnum):
     ABORT = "abort"
     REPORT = "report"
     STAGE_DONE = "stage_done"
+    STAGE_RECORDS = "stage_records"
     STAGE_FAILED = "stage_failed"
     STAGE_STATE = "stage_state"
     ACT = "act"
@@ -172,12 +173,16 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.START: {"job": _STR},
     Kind.ABORT: {"job": _STR, "reason": _STR},
     Kind.REPORT: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
-    Kind.STAGE_DONE: {
+    # a stage's summary; its records and spans came before in stage_records
+    Kind.STAGE_DONE: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
+    # a chunk of a stage's per-minibatch records (rows of stats.record_fields, ascending p)
+    # and timeline spans, sent while it trains (hetpipe.pipeline.RecordsOut)
+    Kind.STAGE_RECORDS: {
         "job": _STR,
         "vw": _INT,
         "stage": _INT,
-        "stats": _DICT,
         "records": _LIST,
+        "spans": _LIST,
     },
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)

@@ -303,6 +303,8 @@ class Worker:
             ),
             inline_s=self.cluster.runtime.inline_ms / 1e3,
             inbox=job.inbox,
+            records_out=self._records_sender(job),
+            records_every=self.cluster.runtime.records_every,
         )
         for msg in job.early:
             self._take(job, msg)
@@ -390,6 +392,22 @@ class Worker:
 
         return report
 
+    def _records_sender(self, job: _Job) -> Any:
+        """Finished records and spans go to the head in chunks while the stage trains (the
+        head appends them to the job's directory); a replica's are its leader's to send."""
+
+        async def out(records: list[list[Any]], spans: list[list[Any]]) -> None:
+            assert self.head is not None
+            if not job.task.leader:
+                return  # a replicated stage's leader reports for it (hetpipe.replicas)
+            t = job.task
+            await self.head.send(
+                Kind.STAGE_RECORDS,
+                {"job": t.job, "vw": t.vw, "stage": t.stage, "records": records, "spans": spans},
+            )
+
+        return out
+
     async def _run(self, job: _Job) -> None:
         assert self.head is not None and job.runner is not None
         t = job.task
@@ -405,10 +423,13 @@ class Worker:
                 {**ids, "error": f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)},
             )
         else:
-            records = stats.pop("records")
+            # its records and spans went to the head while it trained: the summary is left
+            records, spans = stats.pop("records"), stats.pop("spans")
             stats["shared_memory_sent"] = job.outbox.sent  # tensors to peers of this host
+            if records or spans:
+                await self._records_sender(job)(records, spans)
             if t.leader:  # a replicated stage is done when its leader is: it waits for all
-                await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats, "records": records})
+                await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats})
             self.log.info("stage done", minibatches=stats["done"])
         finally:
             if self.job is job:

@@ -755,6 +755,14 @@ CLUSTER: Final = Schema(
                     high=100_000,
                 ),
                 Key(
+                    "records_every",
+                    "integer",
+                    "Per-minibatch records a stage sends the head in one message as it trains.",
+                    1024,
+                    low=1,
+                    high=16384,
+                ),
+                Key(
                     "cuda_ipc",
                     "boolean",
                     "Stages on GPUs of one host pass tensors device to device.",

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +32,21 @@ from hetpipe.head.views import job_summary, job_view, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
-from hetpipe.jobstore import job_dir, write_result
+from hetpipe.jobstore import (
+    RECORDS,
+    STAGES,
+    TRACE,
+    job_dir,
+    read_chunks,
+    records_path,
+    write_result,
+    write_stages,
+)
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
 from hetpipe.security import worker_user
-from hetpipe.trace import chrome_trace
+from hetpipe.trace import write_chrome_trace
 from hetpipe.transport import RemoteError
 from hetpipe.wire import Kind
 
@@ -371,6 +381,8 @@ class JobsPart:
                 what=f"shard {index}",
             )
         plan.release_initial_weights()
+        # this attempt's stages stream their records afresh (as stage_results start empty)
+        shutil.rmtree(self.job_dir(js) / RECORDS, ignore_errors=True)
         js.states.clear()
         js.cut_queued = -1
         js.cut_next = checkpoint.cut_after(
@@ -414,14 +426,15 @@ class JobsPart:
         loop = asyncio.get_running_loop()
         accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
         js.evals.append([train_s, plan.total_minibatches, accuracy])
+        # each stage's records and spans streamed into the job's directory while it ran:
+        # stages.json and the trace are written from there, a chunk at a time
         stages = {
             f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
             for (v, s), r in sorted(js.stage_results.items())
         }
-        (out_dir / "stages.json").write_text(json.dumps(stages))
+        streams = {f"vw{v}/stage{s}": records_path(out_dir, v, s) for v, s in js.stage_results}
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
-        trace = chrome_trace({k: r["stats"] for k, r in stages.items()}, devices, js.id)
-        (out_dir / "trace.json").write_text(json.dumps(trace))
+        await loop.run_in_executor(None, _write_outputs, out_dir, stages, streams, devices, js.id)
         samples = plan.total_minibatches * js.spec.minibatch
         quality = {
             k: r["stats"].get("prediction_quality")
@@ -438,8 +451,8 @@ class JobsPart:
             "minibatches": plan.total_minibatches,
             "seconds": train_s,
             "model_path": str((out_dir / "model.pt").resolve()),
-            "stages_path": str((out_dir / "stages.json").resolve()),
-            "trace_path": str((out_dir / "trace.json").resolve()),
+            "stages_path": str((out_dir / STAGES).resolve()),
+            "trace_path": str((out_dir / TRACE).resolve()),
             "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
             "shard_clocks": clocks,
             "checkpoints": js.checkpoints,
@@ -499,3 +512,25 @@ class JobsPart:
                 await ch.request(
                     Kind.SHARD_DROP, {"job": js.wire_id}, timeout=10.0, what=f"shard {index}"
                 )
+
+
+def _write_outputs(
+    out_dir: Path,
+    stages: dict[str, dict[str, Any]],
+    streams: dict[str, Path],
+    devices: dict[str, str],
+    job: str,
+) -> None:
+    """A finished job's ``stages.json`` and trace from its stages' streams (then dropped:
+    both files hold all they held)."""
+    write_stages(out_dir, {where: (r, streams[where]) for where, r in stages.items()})
+    write_chrome_trace(
+        out_dir / TRACE,
+        {
+            where: (lambda p=p: (s for c in read_chunks(p) for s in c["spans"]))
+            for where, p in streams.items()
+        },
+        devices,
+        job,
+    )
+    shutil.rmtree(out_dir / RECORDS, ignore_errors=True)

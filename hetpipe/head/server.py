@@ -29,7 +29,7 @@ from hetpipe.head.registry import Registry, hello_problem, shard_problem
 from hetpipe.head.states import JobFailed, JobStatus
 from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
-from hetpipe.jobstore import next_number, read_result
+from hetpipe.jobstore import append_records, next_number, read_result
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import CodeError, Role, check_code, may_send, worker_user
 from hetpipe.transport import Channel
@@ -39,7 +39,14 @@ __all__ = ["Head"]
 
 # a worker's messages about a job (attempt); one the head does not run is an orphan
 _JOB_KINDS = frozenset(
-    {Kind.HEARTBEAT, Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED, Kind.STAGE_STATE}
+    {
+        Kind.HEARTBEAT,
+        Kind.REPORT,
+        Kind.STAGE_DONE,
+        Kind.STAGE_RECORDS,
+        Kind.STAGE_FAILED,
+        Kind.STAGE_STATE,
+    }
 )
 
 
@@ -177,7 +184,7 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             await self.channel.send(
                 Kind.OK, {"rid": msg["rid"], "info": {"state": js.state.value}}, to=peer
             )
-        elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_FAILED):
+        elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_RECORDS, Kind.STAGE_FAILED):
             self._stage_message(msg)
         elif k == Kind.STAGE_STATE:
             self._stage_state(msg)
@@ -247,9 +254,15 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         key = (msg["vw"], msg["stage"])
         if msg.kind == Kind.REPORT:
             js.progress[key] = msg["stats"]
+        elif msg.kind == Kind.STAGE_RECORDS:
+            # appended to the job's directory as it arrives: the head keeps none in memory
+            try:
+                append_records(self.job_dir(js), *key, msg["records"], msg["spans"])
+            except (OSError, JobFailed) as exc:
+                js.fail(f"records of vw{key[0]}/stage{key[1]} not written: {exc}")
         elif msg.kind == Kind.STAGE_DONE:
             js.progress[key] = msg["stats"]
-            js.stage_results[key] = {"stats": msg["stats"], "records": msg["records"]}
+            js.stage_results[key] = {"stats": msg["stats"]}
             assert js.plan is not None
             if len(js.stage_results) == js.plan.n_stages:
                 js.all_done.set()
