@@ -173,8 +173,15 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.START: {"job": _STR},
     Kind.ABORT: {"job": _STR, "reason": _STR},
     Kind.REPORT: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
-    # a stage's summary; its records and spans came before in stage_records
-    Kind.STAGE_DONE: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
+    # a stage's summary; its records and spans came before in stage_records (records: any
+    # last rows that did not, appended after them; this runtime's workers send none here)
+    Kind.STAGE_DONE: {
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "stats": _DICT,
+        "records": _OPT_LIST,
+    },
     # a chunk of a stage's per-minibatch records (rows of stats.record_fields, ascending p)
     # and timeline spans, sent while it trains (hetpipe.pipeline.RecordsOut)
     Kind.STAGE_RECORDS: {

@@ -256,11 +256,10 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             js.progress[key] = msg["stats"]
         elif msg.kind == Kind.STAGE_RECORDS:
             # appended to the job's directory as it arrives: the head keeps none in memory
-            try:
-                append_records(self.job_dir(js), *key, msg["records"], msg["spans"])
-            except (OSError, JobFailed) as exc:
-                js.fail(f"records of vw{key[0]}/stage{key[1]} not written: {exc}")
+            self._append_records(js, key, msg["records"], msg["spans"])
         elif msg.kind == Kind.STAGE_DONE:
+            if msg.get("records"):
+                self._append_records(js, key, msg["records"], [])
             js.progress[key] = msg["stats"]
             js.stage_results[key] = {"stats": msg["stats"]}
             assert js.plan is not None
@@ -269,6 +268,16 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         else:
             where = js.plan.where(*key) if js.plan else f"vw{key[0]}/stage{key[1]}"
             js.fail(f"{where} failed: {msg['error']}")
+
+    def _append_records(
+        self, js: JobState, key: tuple[int, int], records: list[Any], spans: list[Any]
+    ) -> None:
+        """Append a chunk of a stage's records and spans to its stream in the job's
+        directory (:func:`hetpipe.jobstore.append_records`); one not written fails the job."""
+        try:
+            append_records(self.job_dir(js), *key, records, spans)
+        except (OSError, JobFailed) as exc:
+            js.fail(f"records of vw{key[0]}/stage{key[1]} not written: {exc}")
 
     # -- views ------------------------------------------------------------------------------
 
