@@ -11,6 +11,7 @@ and ``conftest``, never each other (``test_test_layout.py`` checks).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -27,6 +28,7 @@ from hetpipe.config import (
     NodeSpec,
     RuntimeSpec,
     ShardSpec,
+    load_cluster,
 )
 from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_dataset
@@ -36,6 +38,7 @@ from hetpipe.models import build_model, model_loss
 from hetpipe.planner import ModelProfile, Plan, synthetic_profile
 from hetpipe.seeding import layer_seed
 from hetpipe.task import StageTask
+from hetpipe.wire import Kind, Message
 
 MiB = 1 << 20
 
@@ -324,3 +327,45 @@ class StandInCompute:
 
     def load(self, pulled: Any, applied: Any) -> None:
         pass
+
+
+class _FakeHead:
+    """Takes a worker's replies to the head; a job the worker accepts fails the test."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
+        self.errors.append(message)
+
+    async def send(self, *_args: object, **_kw: object) -> None:
+        raise AssertionError("the worker accepted the job")
+
+
+def worker_errors(
+    cluster_file: Path, spec: dict[str, Any], job_id: str, layout: StageLayout
+) -> list[str]:
+    """What a worker of the file's first device answers, in process, to ``measure`` of
+    ``spec`` and to ``assign`` of its stage ``layout`` as job ``job_id``: its refusals."""
+    from hetpipe.daemon import Owner
+    from hetpipe.worker import Worker
+
+    cluster = load_cluster(cluster_file)
+    task = StageTask.standalone(job_id, spec, layout)
+
+    async def go() -> list[str]:
+        owner = Owner()
+        worker = Worker(cluster, cluster.devices[0], owner, None)
+        head = _FakeHead()
+        worker.head = head  # type: ignore[assignment]
+        try:
+            await worker._measure(Message(Kind.MEASURE, {"rid": 1, "job": spec}, {}))
+            await worker._assign(
+                Message(Kind.ASSIGN, {"rid": 2, "job": job_id, "task": task.to_dict()}, {})
+            )
+        finally:
+            await worker.close()
+            await owner.close()
+        return head.errors
+
+    return asyncio.run(go())

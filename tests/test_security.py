@@ -25,11 +25,13 @@ import torch
 import zmq
 import zmq.asyncio
 from conftest import UNIFORM, job, running_until
+from helpers import worker_errors
 
 from hetpipe import hostshm, launch, security
 from hetpipe.cli import render_status
 from hetpipe.client import HeadError
 from hetpipe.config import ConfigError, load_cluster
+from hetpipe.core.layout import StageLayout
 from hetpipe.daemon import Owner
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.ratelog import excerpt
@@ -942,43 +944,11 @@ def test_cli_refuses_disallowed_code_before_contacting_the_head(tmp_path: Path) 
 
 def test_a_worker_refuses_disallowed_code_even_from_the_head(tmp_path: Path) -> None:
     """The head checks at submit; a worker checks again before it imports anything."""
-    from hetpipe.core.layout import StageLayout
-    from hetpipe.task import StageTask
-    from hetpipe.worker import Worker
-
     path = tmp_path / "c.toml"
     path.write_text(cluster_toml(UNIFORM[:1], shards=1))
-    cluster = load_cluster(path)
     marker = tmp_path / "ran"
     bad = job("rce", model="subprocess:getoutput", model_args={"cmd": f"touch {marker}"})
-    task = StageTask.standalone("rce-1", bad, StageLayout(("gpu0",), 0, 1))
-
-    class FakeHead:
-        def __init__(self) -> None:
-            self.errors: list[str] = []
-
-        async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
-            self.errors.append(message)
-
-        async def send(self, *_args: object, **_kw: object) -> None:
-            raise AssertionError("the worker accepted the job")
-
-    async def go() -> list[str]:
-        owner = Owner()
-        worker = Worker(cluster, cluster.devices[0], owner, None)
-        head = FakeHead()
-        worker.head = head  # type: ignore[assignment]
-        try:
-            await worker._measure(Message(Kind.MEASURE, {"rid": 1, "job": bad}, {}))
-            await worker._assign(
-                Message(Kind.ASSIGN, {"rid": 2, "job": "rce-1", "task": task.to_dict()}, {})
-            )
-        finally:
-            await worker.close()
-            await owner.close()
-        return head.errors
-
-    errors = asyncio.run(go())
+    errors = worker_errors(path, bad, "rce-1", StageLayout(("gpu0",), 0, 1))
     assert len(errors) == 2
     assert all("module 'subprocess' is not allowed" in e for e in errors), errors
     assert not marker.exists()

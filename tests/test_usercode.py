@@ -4,29 +4,25 @@ failures that say where this host looked. The daemons' side is tests/test_stale_
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from conftest import UNIFORM, job
+from helpers import worker_errors
 
 from hetpipe import cli, usercode
 from hetpipe.config import load_cluster
 from hetpipe.core.layout import StageLayout
-from hetpipe.daemon import Owner
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.localcluster import cluster_toml
 from hetpipe.models import build_model
 from hetpipe.profiling import model_key
-from hetpipe.task import StageTask
 from hetpipe.usercode import UserCodeError, check_user_code, named_code
-from hetpipe.wire import Kind, Message
 
 WIDTH = (
     "    return nn.Sequential(nn.Flatten(), nn.Linear(64, {w}), nn.ReLU(), nn.Linear({w}, 10))\n"
@@ -251,45 +247,6 @@ def test_the_cli_names_a_module_it_cannot_import_without_a_policy_word(
 # -- a worker, before it builds anything ---------------------------------------------------
 
 
-class FakeHead:
-    """Takes a worker's replies to the head."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
-        self.errors.append(message)
-
-    async def send(self, *_args: object, **_kw: object) -> None:
-        raise AssertionError("the worker accepted the job")
-
-
-def worker_errors(cluster_file: Path, spec: dict[str, Any]) -> list[str]:
-    """What a worker of the file's first device answers to ``measure`` and ``assign`` of
-    ``spec``, in process."""
-    from hetpipe.worker import Worker
-
-    cluster = load_cluster(cluster_file)
-    task = StageTask.standalone("j-1", spec, StageLayout(("gpu0",), 0, 4))
-
-    async def go() -> list[str]:
-        owner = Owner()
-        worker = Worker(cluster, cluster.devices[0], owner, None)
-        head = FakeHead()
-        worker.head = head  # type: ignore[assignment]
-        try:
-            await worker._measure(Message(Kind.MEASURE, {"rid": 1, "job": spec}, {}))
-            await worker._assign(
-                Message(Kind.ASSIGN, {"rid": 2, "job": "j-1", "task": task.to_dict()}, {})
-            )
-        finally:
-            await worker.close()
-            await owner.close()
-        return head.errors
-
-    return asyncio.run(go())
-
-
 def test_a_worker_refuses_a_copy_that_differs_and_names_a_module_it_cannot_import(
     folder: Path, tmp_path: Path
 ) -> None:
@@ -301,14 +258,16 @@ def test_a_worker_refuses_a_copy_that_differs_and_names_a_module_it_cannot_impor
     )
     theirs = "0" * 64
     tampered = {**job("j", model="hp_uc_worker:build"), "code": {"hp_uc_worker": theirs}}
-    errors = worker_errors(cluster, tampered)
+    errors = worker_errors(cluster, tampered, "j-1", StageLayout(("gpu0",), 0, 4))
     assert len(errors) == 2, errors
     for error in errors:
         assert "\n" not in error
         assert error.startswith("gpu0: ")
         assert f"{path}: this host's copy of module 'hp_uc_worker' has sha256 " in error
         assert f"{sha(path)[:12]}, the job was submitted with {theirs[:12]}" in error
-    errors = worker_errors(cluster, job("j", model="hp_uc_lost:build"))
+    errors = worker_errors(
+        cluster, job("j", model="hp_uc_lost:build"), "j-1", StageLayout(("gpu0",), 0, 4)
+    )
     assert len(errors) == 2, errors
     for error in errors:
         assert "gpu0: " in error and "cannot import module 'hp_uc_lost'" in error
