@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 
 from hetpipe.config import ClusterConfig
-from hetpipe.core.layout import SplitError, StageLayout, VWLayout, bounds_of, validate
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
@@ -297,11 +297,7 @@ def requested_layouts(
                 nm, recompute=[s.recompute for s in chosen], swap=[s.swap for s in chosen]
             )
         else:
-            every = [range(a, b) for a, b in bounds_of(vw.layers)]
-            pinned = {"recompute": None, "swap": None}
-            if spec.activations in pinned:
-                pinned[spec.activations] = every
-            layout = vw.layout(nm, **pinned)
+            layout = vw.layout(nm).pinned(spec.activations)
         out.append(layout)
     return tuple(out)
 

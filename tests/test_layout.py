@@ -114,3 +114,13 @@ def test_replica_rows_and_in_flight_fill_are_checked():
 def test_with_stages_wants_one_value_per_stage():
     with pytest.raises(ValueError, match="1 values for 2 stages"):
         vw(["gpu0", "gpu1"], [3, 3]).with_stages(rows=[()])
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute", "swap", "auto"])
+def test_a_pinned_policy_covers_every_layer_of_every_stage(activations):
+    layout = vw(["gpu0", "gpu1"], [2, 4], recompute=[(1,), ()]).pinned(activations)
+    every = [(0, 1), (2, 3, 4, 5)]
+    assert [s.recompute for s in layout.stages] == (
+        every if activations == "recompute" else [(), ()]
+    )
+    assert [s.swap for s in layout.stages] == (every if activations == "swap" else [(), ()])

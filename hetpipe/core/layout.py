@@ -232,6 +232,17 @@ class VWLayout:
             stages = [replace(s, **{name: v}) for s, v in zip(stages, values, strict=True)]
         return replace(self, stages=tuple(stages))
 
+    def pinned(self, activations: str) -> VWLayout:
+        """This layout with the activations of every layer as ``train.activations`` pins
+        them where nothing chose per layer: "recompute" or "swap" every layer of every
+        stage, anything else ("keep", "auto" with no plan to choose) keeps them all."""
+        every = [tuple(range(s.first, s.last)) for s in self.stages]
+        none: list[tuple[int, ...]] = [() for _ in self.stages]
+        return self.with_stages(
+            recompute=every if activations == "recompute" else none,
+            swap=every if activations == "swap" else none,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {"stages": [s.to_dict() for s in self.stages], "nm": self.nm}
 

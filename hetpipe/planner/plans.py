@@ -258,15 +258,7 @@ class VWPlan:
         planner keeps every activation and chooses nothing, so there the job's
         ``train.activations`` (``activations``: "recompute" or "swap" pins every layer of
         every stage, anything else keeps them all) applies as pinned."""
-        layout = self.layout
-        if schedule == "async":
-            return layout
-        every = [tuple(range(s.first, s.last)) for s in layout.stages]
-        none: list[tuple[int, ...]] = [() for _ in layout.stages]
-        return layout.with_stages(
-            recompute=every if activations == "recompute" else none,
-            swap=every if activations == "swap" else none,
-        )
+        return self.layout if schedule == "async" else self.layout.pinned(activations)
 
     def to_dict(self) -> dict[str, Any]:
         return {
