@@ -23,12 +23,15 @@ from hetpipe._toml import DECLARED, Table, kind, read_toml
 from hetpipe.core import keys
 from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
+from hetpipe.core.lr import LrSchedule
 from hetpipe.core.schedule import SYNC_KINDS
 
 __all__ = [
     "DataSpec",
     "JobError",
     "JobSpec",
+    "LossScaleSpec",
+    "LrSchedule",
     "ModelSpec",
     "OptimizerSpec",
     "VWSpec",
@@ -75,6 +78,21 @@ class OptimizerSpec:
     nesterov: bool = _d("optimizer.nesterov")
     betas: tuple[float, float] = _d("optimizer.betas")
     eps: float = _d("optimizer.eps")
+    # the gradients' L2 norm bound (sync: global over the iteration's stages; async: per
+    # stage and minibatch); None: no clipping
+    clip_norm: float | None = _d("optimizer.clip_norm")
+    # how the shards combine the virtual workers' pushed updates (async): "sum" or "mean"
+    merge: str = _d("optimizer.merge")
+
+
+@dataclass(frozen=True)
+class LossScaleSpec:
+    """``[loss_scale]``: ``torch.amp.GradScaler``'s settings for ``precision = "fp16"``."""
+
+    init: float = _d("loss_scale.init")
+    growth_factor: float = _d("loss_scale.growth_factor")
+    backoff_factor: float = _d("loss_scale.backoff_factor")
+    growth_interval: int = _d("loss_scale.growth_interval")
 
 
 @dataclass(frozen=True)
@@ -131,15 +149,20 @@ class JobSpec:
     # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
     # proposes beside a given split; 1: no replicas
     max_replicas: int = _d("train.max_replicas")
-    # 1f1b: extra warm-up forwards of each stage before its first backward
+    # 1f1b: extra pipeline warm-up forwards of each stage before its first backward
     # (hetpipe.core.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
-    warmup: int | None = _d("train.warmup")
+    warmup_forwards: int | None = _d("train.warmup_forwards")
     # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
     in_flight: str = _d("train.in_flight")
     # module -> sha256 of its source as submitted (hetpipe.usercode); empty: not compared
     code: dict[str, str] = field(default_factory=dict)
+    # [lr_schedule]: the learning rate's factor per step (hetpipe.core.lr); total_steps as
+    # the file gives it (None: the job's length, filled in by the stage)
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
+    # [loss_scale]: precision "fp16"'s dynamic loss scale
+    loss_scale: LossScaleSpec = field(default_factory=LossScaleSpec)
 
     @property
     def sync(self) -> bool:
@@ -174,6 +197,9 @@ class JobSpec:
             if vw.nm is not None:
                 entry["nm"] = vw.nm
             vws.append(entry)
+        for section in ("lr_schedule", "loss_scale"):  # a table left at its defaults
+            if not tables[section]:
+                del tables[section]
         return {
             "name": self.name,
             **({"code": dict(self.code)} if self.code else {}),
@@ -198,7 +224,17 @@ class JobSpec:
         dt = root.table("data", JOB.allowed("data"))
         data = DataSpec(_read(dt, "name"), _args(dt))
         optimizer = _optimizer(root)
+        lr_schedule = _lr_schedule(root)
+        lt = root.table("loss_scale", JOB.allowed("loss_scale"))
+        loss_scale = LossScaleSpec(*(_read(lt, f.name) for f in dataclasses.fields(LossScaleSpec)))
 
+        raw_train = d.get("train")
+        if isinstance(raw_train, dict) and "warmup" in raw_train:
+            raise JobError(
+                f"{source}: train.warmup: renamed train.warmup_forwards (the 1f1b order's "
+                "pipeline warm-up forwards; a learning-rate warm-up is "
+                "lr_schedule.warmup_steps)"
+            )
         train = root.table("train", JOB.allowed("train"))
         minibatch = _read(train, "minibatch")
         nm = _read(train, "nm")
@@ -232,10 +268,17 @@ class JobSpec:
         checkpoint_every = _read(train, "checkpoint_every")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
+        if precision == "fp16" and schedule not in SYNC_KINDS:
+            train.fail(
+                "precision",
+                f"fp16 needs schedule gpipe or 1f1b, not {schedule!r} (its loss scale "
+                "skips a step on every stage at once, which only an iteration's one step "
+                "can agree on)",
+            )
         push_every = _read(train, "push_every")
         max_replicas = _read(train, "max_replicas")
         verify = _read(train, "verify")
-        warmup = _warmup(train, schedule)
+        warmup_forwards = _warmup_forwards(train, schedule)
         in_flight = _read(train, "in_flight")
         policy = _read(train, "policy")
 
@@ -282,9 +325,11 @@ class JobSpec:
             push_every=push_every,
             verify=verify,
             max_replicas=max_replicas,
-            warmup=warmup,
+            warmup_forwards=warmup_forwards,
             in_flight=in_flight,
             code=code,
+            lr_schedule=lr_schedule,
+            loss_scale=loss_scale,
             faults=tuple(
                 FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
                 for ft in root.tables("fault", JOB.allowed("fault"))
@@ -327,7 +372,13 @@ class JobSpec:
                 "nesterov": opt.nesterov,
                 "betas": list(opt.betas),
                 "eps": opt.eps,
+                "clip_norm": opt.clip_norm,
+                "merge": opt.merge,
             },
+            "lr_schedule": {
+                f.name: getattr(self.lr_schedule, f.name) for f in dataclasses.fields(LrSchedule)
+            },
+            "loss_scale": dataclasses.asdict(self.loss_scale),
             "train": {
                 "minibatch": self.minibatch,
                 "nm": self.nm,
@@ -350,7 +401,7 @@ class JobSpec:
                 "push_every": self.push_every,
                 "verify": self.verify,
                 "max_replicas": self.max_replicas,
-                "warmup": "auto" if self.warmup is None else self.warmup,
+                "warmup_forwards": "auto" if self.warmup_forwards is None else self.warmup_forwards,
                 "in_flight": self.in_flight,
             },
         }
@@ -368,25 +419,43 @@ def _given(d: Any, section: str, name: str) -> bool:
     return isinstance(table, dict) and table.get(name) is not None
 
 
-def _warmup(train: Table, schedule: str) -> int | None:
-    """``train.warmup``: an integer >= 0 or "auto" (None), for the 1f1b order; the schedule
-    "auto" may pick it too (there it defaults to "auto", elsewhere to the declared 0)."""
-    key = JOB["train.warmup"]
-    value = train.raw("warmup", "auto" if schedule == "auto" else key.default)
+def _warmup_forwards(train: Table, schedule: str) -> int | None:
+    """``train.warmup_forwards``: an integer >= 0 or "auto" (None), for the 1f1b order; the
+    schedule "auto" may pick it too (there it defaults to "auto", elsewhere to the declared
+    0)."""
+    name = "warmup_forwards"
+    key = JOB[f"train.{name}"]
+    value = train.raw(name, "auto" if schedule == "auto" else key.default)
     if value == "auto":
         if schedule not in ("1f1b", "auto"):
-            train.fail("warmup", f"auto picks 1f1b's warm-up; schedule {schedule!r} has none")
+            train.fail(name, f"auto picks 1f1b's warm-up; schedule {schedule!r} has none")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        train.fail("warmup", f'must be an integer >= 0 or "auto", got {value!r}')
+        train.fail(name, f'must be an integer >= 0 or "auto", got {value!r}')
     if not key.low <= value <= key.high:
-        train.fail("warmup", f"must be in {key.low}..{key.high}, got {value}")
+        train.fail(name, f"must be in {key.low}..{key.high}, got {value}")
     if value and schedule not in ("1f1b", "auto"):
         train.fail(
-            "warmup",
+            name,
             f"extra warm-up forwards are for the 1f1b order; schedule {schedule!r} has none",
         )
     return value
+
+
+def _lr_schedule(root: Table) -> LrSchedule:
+    """``[lr_schedule]``: the factor of ``optimizer.lr`` per step (:mod:`hetpipe.core.lr`)."""
+    lt = root.table("lr_schedule", JOB.allowed("lr_schedule"))
+    values = {f.name: _read(lt, f.name) for f in dataclasses.fields(LrSchedule)}
+    if values["kind"] == "step" and values["step_every"] is None:
+        lt.fail("step_every", "missing: kind 'step' decays every step_every steps")
+    total = values["total_steps"]
+    if total is not None and total <= values["warmup_steps"]:
+        lt.fail(
+            "total_steps",
+            f"is {total}, not more than warmup_steps {values['warmup_steps']} (cosine "
+            "needs steps after the warm-up)",
+        )
+    return LrSchedule(**values)
 
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
@@ -458,7 +527,17 @@ def _optimizer(root: Table) -> OptimizerSpec:
     betas = _read(ot, "betas")
     if len(betas) != 2:
         ot.fail("betas", f"expected 2 numbers, got {len(betas)}")
-    return OptimizerSpec(name, lr, momentum, weight_decay, nesterov, (betas[0], betas[1]), eps)
+    return OptimizerSpec(
+        name,
+        lr,
+        momentum,
+        weight_decay,
+        nesterov,
+        (betas[0], betas[1]),
+        eps,
+        _read(ot, "clip_norm"),
+        _read(ot, "merge"),
+    )
 
 
 def _vws(root: Table) -> tuple[VWSpec, ...]:

@@ -138,7 +138,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         pushes=compute.has_state,
         sequence=table.op if table is not None else None,
         replicated=task.replicated,
-        warmup=compute.spec.warmup or 0,
+        warmup=compute.spec.warmup_forwards or 0,
         limit=task.in_flight_limit or None,
         fill=task.in_flight_fill,
     )

@@ -162,7 +162,7 @@ def _planned_sync(
         vws=given or None,
         num_vws=spec.num_vws,
         policy=spec.policy,
-        warmup=spec.warmup,
+        warmup=spec.warmup_forwards,
     )
 
 

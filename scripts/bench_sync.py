@@ -39,8 +39,8 @@ Three parts, each against a baseline measured in the same run:
 (d) Microbatch orders over a real slow link (network namespaces, ``hetpipe.netns``; only
     with ``--parts d``, it needs root): two hosts of one device each, the link between them
     shaped with ``tc`` so that an activation's transfer takes about as long as a stage's
-    forward, M = ``--order-m``; the same split run as 1F1B (``warmup = 0``), with the warm-up
-    the planner picks for it (``warmup = "auto"``) and as gpipe, interleaved ``--repeats``
+    forward, M = ``--order-m``; the same split run as 1F1B (``warmup_forwards = 0``), with the warm-up
+    the planner picks for it (``warmup_forwards = "auto"``) and as gpipe, interleaved ``--repeats``
     times. Measured iteration time (as in (b)) and predicted per order, each stage's most
     microbatches in flight, and ``order_speedup_vs_1f1b`` (the planner's order against 1F1B).
 
@@ -358,7 +358,7 @@ def part_d(args: Any) -> dict[str, Any]:
                 "seed": 0,
                 "schedule": kind,
                 "minibatches": iterations * m,
-                **({"warmup": warmup} if kind == "1f1b" else {}),
+                **({"warmup_forwards": warmup} if kind == "1f1b" else {}),
             },
             "vw": [{"devices": ["a0", "b0"], "layers": [n_layers // 2, n_layers - n_layers // 2]}],
         }

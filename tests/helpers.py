@@ -281,7 +281,7 @@ class StandInCompute:
             checkpoint_every=0,
             eval_every_s=None,
             minibatch=1,
-            warmup=warmup,
+            warmup_forwards=warmup,
         )
         self.copier = HostCopier("cpu")
         self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device

@@ -192,7 +192,7 @@ CASES = [
         'name = "t"',
         'name = "t"\nowner = "me"',
         "owner",
-        "unknown key (allowed: code, data, fault, model, name, optimizer, train, vw)",
+        "unknown key (allowed: code, data, fault, loss_scale, lr_schedule, model, name, optimizer, train, vw)",
     ),
     (
         "unknown-model",
@@ -305,29 +305,29 @@ CASES = [
     (
         "warmup-gpipe",
         "staleness = 1",
-        'staleness = 1\nschedule = "gpipe"\nwarmup = 2',
-        "train.warmup",
+        'staleness = 1\nschedule = "gpipe"\nwarmup_forwards = 2',
+        "train.warmup_forwards",
         "extra warm-up forwards are for the 1f1b order; schedule 'gpipe' has none",
     ),
     (
         "warmup-auto-async",
         "staleness = 1",
-        'staleness = 1\nwarmup = "auto"',
-        "train.warmup",
+        'staleness = 1\nwarmup_forwards = "auto"',
+        "train.warmup_forwards",
         "auto picks 1f1b's warm-up; schedule 'async' has none",
     ),
     (
         "warmup-negative",
         "staleness = 1",
-        'staleness = 1\nschedule = "1f1b"\nwarmup = -1',
-        "train.warmup",
+        'staleness = 1\nschedule = "1f1b"\nwarmup_forwards = -1',
+        "train.warmup_forwards",
         "must be in 0..65536, got -1",
     ),
     (
         "warmup-text",
         "staleness = 1",
-        'staleness = 1\nschedule = "1f1b"\nwarmup = "lots"',
-        "train.warmup",
+        'staleness = 1\nschedule = "1f1b"\nwarmup_forwards = "lots"',
+        "train.warmup_forwards",
         "must be an integer >= 0 or \"auto\", got 'lots'",
     ),
     (
@@ -455,13 +455,16 @@ def test_warmup_is_an_integer_or_auto_and_auto_by_default_with_schedule_auto() -
             }
         )
 
-    assert spec(schedule="1f1b").warmup == 0
-    assert spec(schedule="1f1b", warmup=3).warmup == 3
-    assert spec(schedule="1f1b", warmup="auto").warmup is None
-    assert spec(schedule="auto").warmup is None
-    assert spec(schedule="auto", warmup=1).warmup == 1
-    assert spec().warmup == 0
-    for s in (spec(schedule="1f1b", warmup="auto"), spec(schedule="1f1b", warmup=2)):
+    assert spec(schedule="1f1b").warmup_forwards == 0
+    assert spec(schedule="1f1b", warmup_forwards=3).warmup_forwards == 3
+    assert spec(schedule="1f1b", warmup_forwards="auto").warmup_forwards is None
+    assert spec(schedule="auto").warmup_forwards is None
+    assert spec(schedule="auto", warmup_forwards=1).warmup_forwards == 1
+    assert spec().warmup_forwards == 0
+    for s in (
+        spec(schedule="1f1b", warmup_forwards="auto"),
+        spec(schedule="1f1b", warmup_forwards=2),
+    ):
         assert JobSpec.from_dict(s.to_dict()) == s
 
 
@@ -621,8 +624,8 @@ NO_EFFECT = [
     (
         "warmup-async",
         "staleness = 1",
-        "staleness = 1\nwarmup = 0",
-        "train.warmup: has no effect with schedule 'async' (warm-up forwards are 1f1b's)",
+        "staleness = 1\nwarmup_forwards = 0",
+        "train.warmup_forwards: has no effect with schedule 'async' (warm-up forwards are 1f1b's)",
     ),
 ]
 

@@ -42,7 +42,7 @@ def sync_job(name: str, kind: str, split: list, **kw) -> dict:
 def test_sync_transparency_one_vw(uniform_cluster, kind, split, warmup) -> None:
     spec = sync_job(f"sync-{kind}-{len(split[0][0])}-{warmup}", kind, split)
     if kind == "1f1b":  # warm-up forwards are 1f1b's: the key is refused under gpipe
-        spec["train"]["warmup"] = warmup
+        spec["train"]["warmup_forwards"] = warmup
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(
@@ -118,7 +118,7 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
         nm=m,
         minibatches=m * ITERATIONS,
         lr=0.05,
-        train={"schedule": "1f1b", "vws": 2, "warmup": "auto"},
+        train={"schedule": "1f1b", "vws": 2, "warmup_forwards": "auto"},
     )
     info = uniform_cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
@@ -134,7 +134,7 @@ def test_planned_sync_vws_share_m_unevenly_and_stay_transparent(uniform_cluster)
     assert_same_weights(
         torch.load(info["model_path"]), plain_training(spec, ITERATIONS, m=ms, vws=2)
     )
-    # the order the planner picked (train.warmup = "auto") is the order every stage ran
+    # the order the planner picked (train.warmup_forwards = "auto") is the order every stage ran
     warmup = pred["warmup"]
     stages = stages_json(info)
     for where, r in stages.items():

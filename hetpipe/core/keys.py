@@ -11,7 +11,7 @@ cannot drift apart.
 
 What a parser still writes itself is what no declaration can say: checks across keys
 (``lost_after_s`` above ``heartbeat_s``, exactly one of ``epochs`` / ``minibatches``), and
-the shapes of a few values (sizes, device groups, ``warmup``'s integer-or-"auto").
+the shapes of a few values (sizes, device groups, ``warmup_forwards``'s integer-or-"auto").
 
 Pure: no torch, asyncio or zmq. One file on purpose: it is the table of every key, read
 whole by the parsers, the applicability check and the generated reference.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from hetpipe.core.lr import KINDS as LR_SCHEDULE_KINDS
 from hetpipe.core.memory import ACTIVATION_POLICIES
 from hetpipe.core.schedule import KINDS
 
@@ -59,7 +60,7 @@ REQUIRED: Final = _Required()
 MAX_MINIBATCH: Final = 1 << 24
 MAX_COUNT: Final = 1 << 40  # minibatches (per VW) and fault minibatch numbers
 MAX_EPOCHS: Final = 1 << 20
-MAX_SMALL: Final = 1 << 16  # nm, staleness, vws, warmup
+MAX_SMALL: Final = 1 << 16  # nm, staleness, vws, warmup_forwards
 MAX_SECONDS: Final = 86400.0 * 365
 
 # Cluster bounds: where a library or a daemon stops accepting the value.
@@ -78,7 +79,9 @@ PREDICT_VARIANTS: Final = ("paper", "consistent")
 POLICIES: Final = ("auto", "np", "ed", "hd")
 ON_WORKER_LOSS: Final = ("fail", "replan")
 ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies it prices
-PRECISIONS: Final = ("fp32", "bf16")
+PRECISIONS: Final = ("fp32", "bf16", "fp16")
+MERGES: Final = ("sum", "mean")
+LR_KINDS: Final = LR_SCHEDULE_KINDS
 IN_FLIGHT: Final = ("plan", "nm")
 
 ADAMW_WEIGHT_DECAY: Final = 1e-2  # torch.optim.AdamW's default: what name = "adamw" expects
@@ -344,6 +347,142 @@ JOB: Final = Schema(
                     above=0.0,
                     applies=when("optimizer.name", ("adam", "adamw"), "eps is adam's"),
                 ),
+                Key(
+                    "clip_norm",
+                    "float",
+                    "Clip the gradients to this L2 norm before each step: under gpipe and 1f1b "
+                    "the global norm over every stage of the iteration (as `clip_grad_norm_` "
+                    "on the plain model), under async each stage's own norm of its "
+                    "minibatch. Unset: no clipping.",
+                    None,
+                    above=0.0,
+                ),
+                Key(
+                    "merge",
+                    "string",
+                    "How the shards combine the virtual workers' updates: sum (each VW's "
+                    "update added, HetPipe's rule) or mean (each divided by the number of "
+                    "VWs). gpipe and 1f1b always average the VWs' gradients.",
+                    "sum",
+                    choices=MERGES,
+                    noun="merge",
+                    applies=ASYNC,
+                ),
+            ),
+        ),
+        Section(
+            "lr_schedule",
+            "The learning rate's factor per step, on one clock per virtual worker: the "
+            "iteration under gpipe and 1f1b, the virtual worker's minibatch under async.",
+            (
+                Key(
+                    "kind",
+                    "string",
+                    "constant, cosine (to min_factor at total_steps) or step (times gamma "
+                    "every step_every steps); each after the warm-up.",
+                    "constant",
+                    choices=LR_KINDS,
+                    noun="schedule kind",
+                ),
+                Key(
+                    "warmup_steps",
+                    "integer",
+                    "Steps of linear warm-up from warmup_start x lr to lr (torch's LinearLR).",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "warmup_start",
+                    "float",
+                    "The factor the warm-up starts from.",
+                    0.0,
+                    low=0.0,
+                    high=1.0,
+                    applies=Rule(
+                        holds=lambda v: v["lr_schedule.warmup_steps"] > 0,
+                        where="lr_schedule.warmup_steps > 0",
+                        why=lambda v: "has no effect with warmup_steps 0 (no warm-up)",
+                    ),
+                ),
+                Key(
+                    "total_steps",
+                    "integer",
+                    "Steps the cosine schedule spans, warm-up included. Unset: the job's "
+                    "length (iterations, or minibatches per virtual worker under async).",
+                    None,
+                    low=1,
+                    high=MAX_COUNT,
+                    applies=when("lr_schedule.kind", ("cosine",), "only cosine has an end"),
+                ),
+                Key(
+                    "min_factor",
+                    "float",
+                    "The factor cosine ends at (torch's eta_min / lr).",
+                    0.0,
+                    low=0.0,
+                    high=1.0,
+                    applies=when("lr_schedule.kind", ("cosine",), "cosine's floor"),
+                ),
+                Key(
+                    "step_every",
+                    "integer",
+                    "Steps between two decays of kind step (required there).",
+                    None,
+                    low=1,
+                    high=MAX_COUNT,
+                    applies=when("lr_schedule.kind", ("step",), "step's period"),
+                ),
+                Key(
+                    "gamma",
+                    "float",
+                    "The factor each decay of kind step multiplies by.",
+                    0.1,
+                    above=0.0,
+                    high=1.0,
+                    applies=when("lr_schedule.kind", ("step",), "step's decay"),
+                ),
+            ),
+        ),
+        Section(
+            "loss_scale",
+            'Dynamic loss scaling of train.precision = "fp16", as `torch.amp.GradScaler`: a '
+            "step whose gradients hold an inf or NaN on any stage is applied on none.",
+            (
+                Key(
+                    "init",
+                    "float",
+                    "The initial scale.",
+                    65536.0,
+                    above=0.0,
+                    applies=when("train.precision", ("fp16",), "only fp16 scales the loss"),
+                ),
+                Key(
+                    "growth_factor",
+                    "float",
+                    "The scale's factor after growth_interval applied steps in a row.",
+                    2.0,
+                    above=1.0,
+                    applies=when("train.precision", ("fp16",), "only fp16 scales the loss"),
+                ),
+                Key(
+                    "backoff_factor",
+                    "float",
+                    "The scale's factor after a skipped step.",
+                    0.5,
+                    above=0.0,
+                    below=1.0,
+                    applies=when("train.precision", ("fp16",), "only fp16 scales the loss"),
+                ),
+                Key(
+                    "growth_interval",
+                    "integer",
+                    "Applied steps in a row before the scale grows.",
+                    2000,
+                    low=1,
+                    high=MAX_COUNT,
+                    applies=when("train.precision", ("fp16",), "only fp16 scales the loss"),
+                ),
             ),
         ),
         Section(
@@ -499,8 +638,9 @@ JOB: Final = Schema(
                 Key(
                     "precision",
                     "string",
-                    "Compute dtype of forwards and backwards (bf16: under autocast); master "
-                    "weights stay float32.",
+                    "Compute dtype of forwards and backwards (bf16, fp16: under autocast; "
+                    "fp16 with dynamic loss scaling, [loss_scale]); master weights stay "
+                    "float32.",
                     "fp32",
                     choices=PRECISIONS,
                     noun="precision",
@@ -531,10 +671,11 @@ JOB: Final = Schema(
                     high=MAX_SMALL,
                 ),
                 Key(
-                    "warmup",
+                    "warmup_forwards",
                     'integer or "auto"',
-                    "Extra warm-up forwards of each 1f1b stage before its first backward; "
-                    "auto: the planner picks.",
+                    "Extra pipeline warm-up forwards of each 1f1b stage before its first "
+                    "backward (not a learning-rate warm-up: that is "
+                    "lr_schedule.warmup_steps); auto: the planner picks.",
                     0,
                     low=0,
                     high=MAX_SMALL,

@@ -282,11 +282,13 @@ class JobsPart:
             )
             if spec.schedule == "auto":  # the planner chose: the job runs its choice
                 spec = js.spec = dataclasses.replace(
-                    spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup=plan.warmup
+                    spec, schedule=plan.schedule, nm=plan.vws[0].nm, warmup_forwards=plan.warmup
                 )
                 log.info("schedule chosen", why=plan.details.get("schedule_choice"))
-            elif spec.warmup is None:  # train.warmup = "auto": the planner's order
-                spec = js.spec = dataclasses.replace(spec, warmup=plan.warmup)
+            elif (
+                spec.warmup_forwards is None
+            ):  # train.warmup_forwards = "auto": the planner's order
+                spec = js.spec = dataclasses.replace(spec, warmup_forwards=plan.warmup)
                 log.info("warm-up chosen", warmup=plan.warmup)
             predicted = predicted_summary(plan)
             if needs_plan:
@@ -298,8 +300,8 @@ class JobsPart:
             if needs_plan:
                 raise JobPlanError(f"cannot plan: {exc}") from None
             log.warning("no prediction for this split", error=str(exc))
-            if spec.warmup is None:  # nothing chose the order: 1F1B as published
-                spec = js.spec = dataclasses.replace(spec, warmup=0)
+            if spec.warmup_forwards is None:  # nothing chose the order: 1F1B as published
+                spec = js.spec = dataclasses.replace(spec, warmup_forwards=0)
         shards = self.registry.live_shards()
         alive = self.registry.alive()
         js.plan = await loop.run_in_executor(
