@@ -21,13 +21,14 @@ what keeps a pipeline transparent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["OptimizerLike", "StageOptimizer", "unpredictable"]
+__all__ = ["OptimizerLike", "StageOptimizer", "grad_stats", "unpredictable"]
 
 
 class OptimizerLike(Protocol):
@@ -43,6 +44,23 @@ class OptimizerLike(Protocol):
 
 
 NAMES = ("sgd", "adam", "adamw")
+
+
+@torch.no_grad()
+def grad_stats(grads: Mapping[str, Tensor]) -> tuple[float, bool]:
+    """The squared L2 norm of ``grads`` together (float64 on the host) and whether all of
+    their values are finite: what a stage contributes to its virtual worker's agreement on
+    clipping and on skipping a step (one read back from the device per step).
+
+    Each tensor's norm is taken as ``clip_grad_norm_`` takes it (float32 ``vector_norm``);
+    their squares are summed in float64 in the order given. An inf or NaN anywhere makes the
+    norm non-finite, so the norm says both.
+    """
+    if not grads:
+        return 0.0, True
+    norms = torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads.values()])
+    sq = sum(float(n) ** 2 for n in norms.double().tolist())
+    return sq, math.isfinite(sq)
 
 
 def unpredictable(spec: OptimizerLike) -> str:

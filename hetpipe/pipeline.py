@@ -239,13 +239,76 @@ class StageRunner:
         self.timeline = Timeline()
         self.waiting: dict[str, Any] | None = None  # what the stage waits for, since when
         self.doing: dict[str, Any] | None = None  # the compute running now, since when
+        # the stages' agreement on each step's gradient norm and verdict (_agree): step ->
+        # stage -> (squared norm, finite), as this stage learnt them
+        self.agrees = compute.agrees
+        self.agreement: dict[int, dict[int, tuple[float, bool]]] = {}
+
+    # -- agreement across the stages of a virtual worker -----------------------------------
+
+    def _take_agreement(self, msg: Message) -> None:
+        """Keep the stages' entries an ``agree`` field of a neighbour's message carries:
+        ``[step, [[stage, squared norm, finite], ...]]`` (``ValueError``, one line, if
+        malformed)."""
+        try:
+            step, entries = msg["agree"]
+            got = {int(st): (float(sq), bool(ok)) for st, sq, ok in entries}
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{msg.kind} carries a malformed agree field: {exc}") from None
+        if not all(0 <= st < self.task.k for st in got):
+            raise ValueError(f"{msg.kind} agrees for stages {sorted(got)} of k = {self.task.k}")
+        self.agreement.setdefault(int(step), {}).update(got)
+
+    async def _agree(self, i: int) -> None:
+        """Before the step of iteration ``i``: agree with the other stages of the virtual
+        worker on the iteration's global gradient norm and on whether it is finite
+        everywhere, and leave the verdict in the compute's ``agreed``.
+
+        Each stage contributes its squared norm (:meth:`StageCompute.step_stats`). The
+        entries travel along the pipeline's own links both ways at once: down (to stage - 1)
+        go the entries of this stage and of every stage after it, once known; up (to stage
+        + 1) those of this stage and every stage before it. So every stage holds all k
+        after at most k - 1 hops, and each sums the same entries in stage order: every stage
+        computes the same bits. A stage has sent both its messages before it has all k
+        entries, so no stage waits on one that already stepped."""
+        sq, finite = await self._run(self.compute.step_stats, i)
+        k, stage = self.task.k, self.task.stage
+        got = self.agreement.setdefault(i, {})
+        got[stage] = (sq, finite)
+        down = stage == 0  # sent (or nothing to send)
+        up = stage == k - 1
+        self._wait_for("agree", c=i)
+        with self.timeline.span("gate", None, i):
+            while True:
+                if not down and all(s in got for s in range(stage, k)):
+                    await self._send_agreement(Kind.GRAD, i, range(stage, k))
+                    down = True
+                if not up and all(s in got for s in range(stage + 1)):
+                    await self._send_agreement(Kind.ACT, i, range(stage + 1))
+                    up = True
+                if len(got) == k:
+                    break
+                await self.wakeup.wait()
+                self.wakeup.clear()
+        del self.agreement[i]
+        total = sum(got[s][0] for s in range(k))
+        self.compute.agreed[i] = (total, all(got[s][1] for s in range(k)))
+
+    async def _send_agreement(self, kind: str, i: int, stages: range) -> None:
+        got = self.agreement[i]
+        entries = [[s, got[s][0], got[s][1]] for s in stages]
+        group = self.task.next_group if kind == Kind.ACT else self.task.prev_group
+        for j in range(len(group)):
+            await self.send(kind, i, {}, None, j, {"agree": [i, entries]})
 
     # -- inbox (the schedule's Inputs) -----------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
         """Take an activation or a gradient addressed to this stage (``ValueError``, one
         line, if it lacks its tensor or carries a malformed handle)."""
-        if msg.kind == Kind.ACT:
+        if msg.get("agree") is not None:
+            self._take_agreement(msg)
+        elif msg.kind == Kind.ACT:
             got = self._piece(msg, ("x", "y"), self.prev_rows)
             if got is not None:
                 self.acts[msg["p"]] = (got["x"], got["y"])
@@ -389,7 +452,18 @@ class StageRunner:
 
     async def _compute_run(self, run: list[Action]) -> None:
         """Execute forwards, backwards, steps and pushes' copies in one hand-off; then send
-        what they made, in order."""
+        what they made, in order. A step the stages agree on first (:meth:`_agree`) splits
+        the hand-off: what comes before it runs and is sent before the agreement."""
+        if self.agrees:
+            at = next((j for j, a in enumerate(run) if isinstance(a, OptimizerStep)), None)
+            if at is not None:
+                if at:
+                    await self._compute_run_now(run[:at])
+                await self._agree(run[at].i)  # type: ignore[attr-defined]
+                run = run[at:]
+        await self._compute_run_now(run)
+
+    async def _compute_run_now(self, run: list[Action]) -> None:
         head = run[0]
         inputs: list[Any] = []
         for a in run:
@@ -775,6 +849,12 @@ class StageRunner:
         # minibatch aimed at than the stale ones were (mean over this stage's probes)
         out["prediction_quality"] = sum(q) / len(q) if q else None
         out["prediction_probes"] = len(q)
+        # fp16: the steps skipped for an inf or NaN in some stage's gradients, and the loss
+        # scale at the end (hetpipe.core.lr.LossScale)
+        scaler = getattr(self.compute, "scaler", None)
+        if scaler is not None:
+            out["skipped_steps"] = list(self.compute.stats.skipped)
+            out["loss_scale"] = scaler.scale
         # compute runs on the event loop and on the compute thread (hetpipe.computethread)
         out["inline_runs"] = self.inline.inline_runs
         out["thread_runs"] = self.inline.thread_runs

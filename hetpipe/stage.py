@@ -31,6 +31,8 @@ exported state_dict. Which names train, stay frozen, stay local or are tied is d
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -41,6 +43,7 @@ import torch
 
 from hetpipe import emulate, stagestate
 from hetpipe.config import DeviceSpec
+from hetpipe.core.lr import LossScale, step_index
 from hetpipe.core.memory import (
     StageMemory,
     copy_seconds,
@@ -54,7 +57,7 @@ from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import model_loss
 from hetpipe.modelstate import StateLayout
-from hetpipe.optim import StageOptimizer
+from hetpipe.optim import StageOptimizer, grad_stats
 from hetpipe.probes import PROBE_EVERY, Probe, Probes
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
@@ -67,6 +70,9 @@ from hetpipe.versions import WeightVersions, fingerprint, to_device
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
 
 T = TypeVar("T")
+
+# train.precision -> the dtype of autocast and of what travels between stages
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -111,6 +117,8 @@ class StageStats:
     # most one per PROBE_EVERY minibatches: StageCompute._judge), as read back so far
     # (StageCompute.read_quality)
     prediction_quality: list[float] = field(default_factory=list)
+    # fp16: the steps skipped for a gradient with an inf or NaN on some stage
+    skipped: list[int] = field(default_factory=list)
 
 
 class _Through(Generic[T]):
@@ -183,10 +191,34 @@ class StageCompute:
         self.stats = StageStats()
         self._losses = Readback(self.dev)  # read back in batches: no wait per minibatch
         self.verify = self.spec.verify  # fingerprint the weights each pass used (costs reads)
-        # train.precision = "bf16": forwards (and so backwards) under autocast; the weights,
-        # their updates and the optimizer state stay float32, activations and gradients
-        # between stages travel as bfloat16
-        self.bf16 = self.spec.precision == "bf16"
+        # train.precision = "bf16" or "fp16": forwards (and so backwards) under autocast in
+        # that dtype; the weights, their updates and the optimizer state stay float32,
+        # activations and gradients between stages travel in it
+        self.half = _HALF.get(self.spec.precision)
+        # fp16: the loss is scaled by GradScaler's dynamic scale, which every stage of the
+        # virtual worker steps on the same agreed verdicts (hetpipe.core.lr.LossScale)
+        ls = self.spec.loss_scale
+        self.scaler = (
+            LossScale(ls.init, ls.growth_factor, ls.backoff_factor, ls.growth_interval)
+            if self.spec.precision == "fp16"
+            else None
+        )
+        # the learning rate's schedule on the virtual worker's clock (hetpipe.core.lr); its
+        # length defaults to the job's: steps of this attempt after the ones before it
+        steps = -(-task.minibatches // task.nm) if self.spec.sync else task.minibatches
+        sched = self.spec.lr_schedule
+        self.lr_schedule = (
+            dataclasses.replace(
+                sched, total_steps=step_index(self.spec.sync, steps, task.nm, task.start)
+            )
+            if sched.total_steps is None
+            else sched
+        )
+        self.base_lr = self.spec.optimizer.lr
+        # sync steps with an agreement: each iteration's gradient, taken by step_stats
+        # before the stages agree on its norm and verdict (set in agreed by the runner)
+        self.ready: dict[int, dict[str, torch.Tensor]] = {}
+        self.agreed: dict[int, tuple[float, bool]] = {}
         recompute = frozenset(j - task.first for j in task.recompute)
         # a layer both recomputed and swapped is recomputed: it keeps nothing to swap
         swap = frozenset(j - task.first for j in task.swap) - recompute
@@ -299,8 +331,8 @@ class StageCompute:
         self._check_memory()
         if self.loss_fn is None:
             sent = out.detach()
-            if self.bf16 and sent.is_floating_point():
-                sent = sent.to(torch.bfloat16)  # activations travel in the compute precision
+            if self.half is not None and sent.is_floating_point():
+                sent = sent.to(self.half)  # activations travel in the compute precision
             self.stats.forward_s += self._charge_swap(
                 emulate.pad(started, self.speed, self.dev), flight.swapped
             )
@@ -327,9 +359,9 @@ class StageCompute:
 
     def _autocast(self) -> AbstractContextManager[Any]:
         """The compute precision's autocast context (none in float32)."""
-        if not self.bf16:
+        if self.half is None:
             return nullcontext()
-        return torch.autocast(torch.device(self.dev).type, dtype=torch.bfloat16)
+        return torch.autocast(torch.device(self.dev).type, dtype=self.half)
 
     def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Run the backward of minibatch ``p`` from the gradient of its output (None on the
@@ -379,8 +411,9 @@ class StageCompute:
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         elif loss is not None:
-            if self.loss_scale != 1.0:
-                loss = loss * self.loss_scale
+            scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
+            if scale != 1.0:
+                loss = loss * scale
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         else:
             assert grad is not None, f"{self.where}: backward without a gradient"
@@ -391,8 +424,8 @@ class StageCompute:
                 allow_unused=True,
             )
         grad_in = grads[0] if wants_input else None
-        if grad_in is not None and self.bf16:
-            grad_in = grad_in.to(torch.bfloat16)  # gradients travel in the compute precision
+        if grad_in is not None and self.half is not None:
+            grad_in = grad_in.to(self.half)  # gradients travel in the compute precision
         if grad_in is None and wants_input:
             grad_in = torch.zeros_like(flight.x)
         elif not self.task.is_first and not wants_input:
@@ -488,21 +521,95 @@ class StageCompute:
         if predicted is not None:
             self._release(predicted)
 
+    @property
+    def agrees(self) -> bool:
+        """Whether each step waits for the stages of the virtual worker to agree on the
+        iteration's gradient norm and verdict (finite or not): a synchronous schedule with
+        ``optimizer.clip_norm`` or fp16 (:meth:`step_stats`, then :meth:`step`)."""
+        return self.spec.sync and (
+            self.spec.optimizer.clip_norm is not None or self.scaler is not None
+        )
+
+    def step_stats(self, i: int) -> tuple[float, bool]:
+        """Before an agreed step (:attr:`agrees`): take iteration ``i``'s mean gradient
+        (unscaled under fp16) for :meth:`step`; return its squared L2 norm and whether
+        every value is finite, what this stage contributes to the agreement."""
+        grads = self._unscaled(self.grads.take_mean())
+        self.ready[i] = grads
+        return grad_stats(grads)
+
     def step(
         self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
     ) -> None:
         """The local optimizer step: after backward ``i`` (async), or at the end of iteration
         ``i`` on the mean gradient (sync: the virtual workers' mean once merged, else this
         stage's own). ``replicas``: the other replicas' gradients of ``i`` by replica, summed
-        with this one's in replica order first (hetpipe.replicas)."""
+        with this one's in replica order first (hetpipe.replicas).
+
+        The rate is ``optimizer.lr`` times the schedule's factor at the virtual worker's
+        step (:func:`hetpipe.core.lr.step_index`). With ``clip_norm`` the gradients are
+        scaled by ``min(1, clip_norm / (norm + 1e-6))`` as ``clip_grad_norm_`` does: ``norm``
+        the iteration's over every stage (sync: as agreed in :attr:`agreed`), or this
+        stage's own of the minibatch (async). Under fp16 a step whose gradients hold an inf
+        or NaN on any stage is skipped (no update, optimizer state untouched) and the loss
+        scale follows GradScaler's rule."""
         if not self.spec.sync:
             grads = self.grads.pending.pop(i)
             if replicas is not None:
                 every = {**replicas, self.task.replica: grads}
                 grads = combine([every[r] for r in sorted(every)], self.dev)
+            if self.spec.optimizer.clip_norm is not None:
+                grads = self._clipped(grads, grad_stats(grads)[0])
+            self._set_lr(i)
             self._step(wave_of(i, self.task.nm), grads)
             return
-        self._step(i, self.grads.take_mean())
+        if not self.agrees:
+            self._set_lr(i)
+            self._step(i, self.grads.take_mean())
+            return
+        if i not in self.ready:  # no runner asked for the stats: this stage's own
+            self.agreed.setdefault(i, self.step_stats(i))
+        grads = self.ready.pop(i)
+        sq, finite = self.agreed.pop(i) if i in self.agreed else grad_stats(grads)
+        if self.scaler is not None:
+            self.scaler.update(finite)
+            if not finite:
+                self.stats.skipped.append(i)
+                return
+        if self.spec.optimizer.clip_norm is not None:
+            grads = self._clipped(grads, sq)
+        self._set_lr(i)
+        self._step(i, grads)
+
+    def _set_lr(self, i: int) -> None:
+        """The optimizer's rate for its step ``i`` (an iteration, or a minibatch in async)."""
+        if self.lr_schedule.constant:
+            return
+        step = step_index(self.spec.sync, i, self.task.nm, self.task.start)
+        self.wv.optimizer.lr = self.base_lr * self.lr_schedule.factor(step)
+
+    def _unscaled(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """fp16: the gradients divided by the loss scale they were taken at (GradScaler's
+        unscale: times the float32 reciprocal); as they are otherwise."""
+        if self.scaler is None or not grads:
+            return grads
+        inv = float(torch.tensor(self.scaler.scale, dtype=torch.float64).reciprocal().float())
+        names = list(grads)
+        with torch.no_grad():
+            out = torch._foreach_mul([grads[n] for n in names], inv)
+        return dict(zip(names, out, strict=True))
+
+    def _clipped(self, grads: dict[str, torch.Tensor], sq: float) -> dict[str, torch.Tensor]:
+        """The gradients scaled by ``clip_grad_norm_``'s clamped coefficient for the norm
+        ``sqrt(sq)``."""
+        assert self.spec.optimizer.clip_norm is not None
+        coef = min(self.spec.optimizer.clip_norm / (math.sqrt(sq) + 1e-6), 1.0)
+        if not grads:
+            return grads
+        names = list(grads)
+        with torch.no_grad():
+            out = torch._foreach_mul([grads[n] for n in names], coef)
+        return dict(zip(names, out, strict=True))
 
     def _step(self, wave: int, grads: Mapping[str, torch.Tensor]) -> None:
         """Local update out of place (:meth:`hetpipe.versions.WeightVersions.update`); a
@@ -528,8 +635,20 @@ class StageCompute:
 
     def push_deltas(self, wave: int, keep: bool = True) -> HostCopy:
         """The stage's update of ``wave``, on its way to host memory
-        (:meth:`hetpipe.versions.WeightVersions.push_deltas`)."""
-        return self.wv.push_deltas(wave, keep)
+        (:meth:`hetpipe.versions.WeightVersions.push_deltas`).
+
+        ``optimizer.merge = "mean"`` (async, several virtual workers): the weights' part
+        is divided by the number of virtual workers, so the shards add the mean of the
+        virtual workers' updates instead of their sum (buffers' updates are averaged
+        already). The stage's own weights keep its whole update until the next pull."""
+        n = self.task.num_vws
+        if self.spec.sync or self.spec.optimizer.merge != "mean" or n == 1:
+            return self.wv.push_deltas(wave, keep)
+        acc = self.wv.acc.get(wave, {}) if keep else self.wv.acc.pop(wave, {})
+        params = set(self.wv.param_names)
+        with torch.no_grad():
+            share = {name: t / n if name in params else t for name, t in acc.items()}
+        return self.copier.to_host(share)
 
     def carry(self, wave: int) -> None:
         """Move the update of ``wave`` into the next wave's, unpushed (a virtual worker alone

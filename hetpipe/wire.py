@@ -195,7 +195,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # tensors: activation "x", labels "y"; rows: the minibatch's rows [lo, hi) they hold,
-    # where a stage on either side is replicated (hetpipe.replicas); absent: all of them
+    # where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
+    # agree (then no tensors): [step, [[stage, squared norm, finite], ...]], the stages'
+    # agreement before a step (hetpipe.pipeline.StageRunner._agree)
     Kind.ACT: {
         "job": _STR,
         "vw": _INT,
@@ -203,8 +205,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "ipc": _OPT_DICT,
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,
+        "agree": _OPT_LIST,
     },
-    # tensors: gradient "g"; rows as for act
+    # tensors: gradient "g"; rows and agree as for act
     Kind.GRAD: {
         "job": _STR,
         "vw": _INT,
@@ -212,6 +215,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "ipc": _OPT_DICT,
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,
+        "agree": _OPT_LIST,
     },
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)

@@ -63,6 +63,10 @@ def plain_training(
     m: int | list[int] = 1,
     vws: int = 1,
     vw_seeds: int | None = None,
+    scheduler: Any = None,
+    clip_norm: float | None = None,
+    scaler: Any = None,
+    skipped: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The job's model trained by plain PyTorch from the same initial weights, data order and
     optimizer: the state_dict a transparent pipeline must reproduce.
@@ -74,6 +78,11 @@ def plain_training(
     worker. With ``vw_seeds`` set (one minibatch per step), every layer runs after
     ``torch.manual_seed(layer_seed(seed, vw_seeds, layer, p))``: how a reference draws the
     dropout masks of virtual worker ``vw_seeds``.
+
+    The training loop people write, optionally: ``scheduler(opt)`` makes a
+    ``torch.optim.lr_scheduler`` stepped after every step; ``clip_norm`` clips with
+    ``clip_grad_norm_``; ``scaler`` (a ``torch.amp.GradScaler`` on "cpu") runs forwards under
+    fp16 autocast with its loss scaling, and the steps it skips are appended to ``skipped``.
 
     One intra-op thread, as the workers use: a different thread count changes the order of
     float reductions, and max-pooling after ReLU amplifies such rounding differences.
@@ -89,6 +98,7 @@ def plain_training(
         data = load_dataset(spec.data.name)
         streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
         opt = optimizer_of(spec, model.parameters())
+        sched = scheduler(opt) if scheduler is not None else None
         loss_fn = model_loss(spec.model.name)
         model.train()
         for i in range(steps):
@@ -100,15 +110,32 @@ def plain_training(
             x = torch.cat([b[0] for b in batches])
             y = torch.cat([b[1] for b in batches])
             opt.zero_grad()
-            if vw_seeds is None:
-                out = model(x)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                if vw_seeds is None:
+                    out = model(x)
+                else:
+                    out = x
+                    for j, layer in enumerate(model):
+                        torch.manual_seed(layer_seed(spec.seed, vw_seeds, j, i))
+                        out = layer(out)
+                loss = loss_fn(out, y)
+            if scaler is None:
+                loss.backward()
+                if clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                opt.step()
             else:
-                out = x
-                for j, layer in enumerate(model):
-                    torch.manual_seed(layer_seed(spec.seed, vw_seeds, j, i))
-                    out = layer(out)
-            loss_fn(out, y).backward()
-            opt.step()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                if scaler.get_scale() < before and skipped is not None:
+                    skipped.append(i)
+            if sched is not None:
+                sched.step()
     finally:
         torch.set_num_threads(threads)
     return model.state_dict()
@@ -286,6 +313,7 @@ class StandInCompute:
         self.copier = HostCopier("cpu")
         self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
         self.has_state = True
+        self.agrees = False  # no step waits for an agreement of the stages
         self.restored = False  # not started from a checkpoint
         self.table = None  # stashes: greedy 1F1B
         self.versions: dict[int, tuple[int, float, int, float]] = {}

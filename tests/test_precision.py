@@ -94,8 +94,8 @@ def test_job_keys_checked_and_carried() -> None:
     spec = JobSpec.from_dict(job(train={"precision": "bf16", "push_every": 4, "verify": True}))
     assert (spec.precision, spec.push_every, spec.verify) == ("bf16", 4, True)
     assert JobSpec.from_dict(spec.to_dict()) == spec
-    with pytest.raises(JobError, match=r"^j.toml: train.precision: unknown precision .fp16."):
-        JobSpec.from_dict(job(train={"precision": "fp16"}), source="j.toml")
+    with pytest.raises(JobError, match=r"^j.toml: train.precision: unknown precision .fp8."):
+        JobSpec.from_dict(job(train={"precision": "fp8"}), source="j.toml")
     with pytest.raises(JobError, match="push_every"):
         JobSpec.from_dict(job(train={"push_every": -1}))
 
