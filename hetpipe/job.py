@@ -197,8 +197,11 @@ class JobSpec:
             if vw.nm is not None:
                 entry["nm"] = vw.nm
             vws.append(entry)
-        for section in ("lr_schedule", "loss_scale"):  # a table left at its defaults
-            if not tables[section]:
+        for section in ("lr_schedule", "loss_scale"):  # only what differs from the defaults
+            table = tables[section]
+            for name in [n for n, v in table.items() if v == JOB[f"{section}.{n}"].default]:
+                del table[name]
+            if not table:
                 del tables[section]
         return {
             "name": self.name,

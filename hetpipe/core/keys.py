@@ -470,7 +470,7 @@ JOB: Final = Schema(
                     "float",
                     "The scale's factor after a skipped step.",
                     0.5,
-                    above=0.0,
+                    low=0.01,
                     below=1.0,
                     applies=when("train.precision", ("fp16",), "only fp16 scales the loss"),
                 ),
