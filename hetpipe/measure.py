@@ -188,12 +188,13 @@ def _measure(
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     speed = padded_speed(speed)
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    bf16 = precision == "bf16"
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    bf16 = precision != "fp32"  # a half precision: its dtype below
+    half = torch.float16 if precision == "fp16" else torch.bfloat16
 
     def autocast() -> Any:
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+        return torch.autocast(torch.device(device).type, dtype=half, enabled=bf16)
 
     layers = [layer.to(device) for layer in model]
     n = len(layers)
@@ -205,7 +206,7 @@ def _measure(
         with torch.no_grad(), autocast():
             x = layer(x)
         if bf16 and x.is_floating_point():
-            x = x.to(torch.bfloat16)
+            x = x.to(half)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     upd: list[list[float]] = [[] for _ in range(n)]
