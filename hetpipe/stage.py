@@ -685,8 +685,12 @@ class StageCompute:
 
     def state(self, wave: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """This stage's state at the cut ``wave``, called right after its push of
-        ``wave - 1`` (:func:`hetpipe.stagestate.save`)."""
-        return stagestate.save(self.wv, wave)
+        ``wave - 1`` (:func:`hetpipe.stagestate.save`), with fp16's loss scale (a resumed
+        job goes on with the scale the uninterrupted one had)."""
+        meta, tensors = stagestate.save(self.wv, wave)
+        if self.scaler is not None:
+            meta["loss_scale"] = [self.scaler.scale, self.scaler.tracker, self.scaler.skipped]
+        return meta, tensors
 
     def load_state(
         self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, weights: bool
@@ -694,6 +698,9 @@ class StageCompute:
         """Start from a checkpointed state (:func:`hetpipe.stagestate.restore`): optimizer
         state always, and with ``weights`` the local weights and buffers too."""
         stagestate.restore(self.wv, meta, tensors, weights=weights, where=self.where)
+        scale = meta.get("loss_scale")
+        if self.scaler is not None and scale is not None:
+            self.scaler.scale, self.scaler.tracker, self.scaler.skipped = scale
         if weights:
             # not merged at the cut: the first pull merges the cut's global weights, as the
             # uninterrupted stage's pull of that wave would have (a merge replaces the weights)

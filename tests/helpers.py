@@ -12,6 +12,7 @@ and ``conftest``, never each other (``test_test_layout.py`` checks).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -65,6 +66,7 @@ def plain_training(
     vw_seeds: int | None = None,
     scheduler: Any = None,
     clip_norm: float | None = None,
+    clip_stages: list[int] | None = None,
     scaler: Any = None,
     skipped: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -81,8 +83,10 @@ def plain_training(
 
     The training loop people write, optionally: ``scheduler(opt)`` makes a
     ``torch.optim.lr_scheduler`` stepped after every step; ``clip_norm`` clips with
-    ``clip_grad_norm_``; ``scaler`` (a ``torch.amp.GradScaler`` on "cpu") runs forwards under
-    fp16 autocast with its loss scaling, and the steps it skips are appended to ``skipped``.
+    ``clip_grad_norm_`` (the whole model's norm, or with ``clip_stages``, layers per stage,
+    each stage's parameters by their own norm: an async job's rule); ``scaler`` (a
+    ``torch.amp.GradScaler`` on "cpu") runs forwards under fp16 autocast with its loss
+    scaling, and the steps it skips are appended to ``skipped``.
 
     One intra-op thread, as the workers use: a different thread count changes the order of
     float reductions, and max-pooling after ReLU amplifies such rounding differences.
@@ -99,6 +103,17 @@ def plain_training(
         streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
         opt = optimizer_of(spec, model.parameters())
         sched = scheduler(opt) if scheduler is not None else None
+        bounds = [0, *itertools.accumulate(clip_stages or [len(model)])]
+        groups = [
+            [p for layer in list(model)[a:b] for p in layer.parameters()]
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+        def clip() -> None:
+            for group in groups:
+                if clip_norm is not None and group:
+                    torch.nn.utils.clip_grad_norm_(group, clip_norm)
+
         loss_fn = model_loss(spec.model.name)
         model.train()
         for i in range(steps):
@@ -121,14 +136,12 @@ def plain_training(
                 loss = loss_fn(out, y)
             if scaler is None:
                 loss.backward()
-                if clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                clip()
                 opt.step()
             else:
                 scaler.scale(loss).backward()
                 scaler.unscale_(opt)
-                if clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+                clip()
                 before = scaler.get_scale()
                 scaler.step(opt)
                 scaler.update()

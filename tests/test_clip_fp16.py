@@ -34,20 +34,24 @@ def _warmup_cosine(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSch
 
 
 @pytest.mark.timeout(240)
-def test_schedule_and_clipping_equal_torchs_loop(uniform_cluster) -> None:
+@pytest.mark.parametrize("vws", [1, 2])
+def test_schedule_and_clipping_equal_torchs_loop(uniform_cluster, vws) -> None:
     """k = 2, 1f1b, M = 4: the warm-up-then-cosine rate on the iteration clock and the
-    global norm of the iteration's gradient over both stages, clipped at 0.3 (about half of
-    the iterations' norms are above it)."""
+    global norm of the iteration's gradient over both stages, clipped below about half of
+    the iterations' norms; with 2 VWs the norm of their merged mean gradient (plain
+    PyTorch on the union of their samples, whose norms are smaller)."""
+    clip = 0.3 if vws == 1 else 0.15
+    split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])][:vws]
     spec = job(
-        "loop-clip",
+        f"loop-clip-{vws}",
         model="mlp",
-        split=[(["gpu0", "gpu1"], [3, 3])],
+        split=split,
         nm=M,
         minibatches=M * ITERATIONS,
         lr=0.05,
         train={"schedule": "1f1b"},
     )
-    spec["optimizer"]["clip_norm"] = 0.3
+    spec["optimizer"]["clip_norm"] = clip
     spec["lr_schedule"] = {
         "kind": "cosine",
         "warmup_steps": WARMUP,
@@ -56,11 +60,44 @@ def test_schedule_and_clipping_equal_torchs_loop(uniform_cluster) -> None:
     }
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
-    want = plain_training(spec, ITERATIONS, m=M, scheduler=_warmup_cosine, clip_norm=0.3)
+    want = plain_training(spec, ITERATIONS, m=M, vws=vws, scheduler=_warmup_cosine, clip_norm=clip)
     assert_same_weights(torch.load(info["model_path"]), want)
     # without clipping the weights differ: the clip did something
-    unclipped = plain_training(spec, ITERATIONS, m=M, scheduler=_warmup_cosine)
+    unclipped = plain_training(spec, ITERATIONS, m=M, vws=vws, scheduler=_warmup_cosine)
     assert max((unclipped[n] - want[n]).abs().max().item() for n in want) > 1e-3
+
+
+@pytest.mark.timeout(240)
+def test_async_schedule_follows_the_minibatch_and_clips_per_stage(uniform_cluster) -> None:
+    """One async VW, k = 2, Nm = 1 (nothing stale: plain SGD a minibatch per step): the
+    step schedule with warm-up on the VW's minibatch number, each stage clipping its own
+    gradient by its own norm, equal torch's loop clipping each stage's parameters apart."""
+    steps = 16
+    spec = job(
+        "loop-async",
+        model="mlp",
+        split=[(["gpu0", "gpu1"], [3, 3])],
+        nm=1,
+        minibatches=steps,
+    )
+    spec["optimizer"]["clip_norm"] = 0.3
+    spec["lr_schedule"] = {"kind": "step", "warmup_steps": 2, "step_every": 5, "gamma": 0.5}
+    info = uniform_cluster.submit(spec)
+    assert info["state"] == "done", info.get("error")
+    lrs = torch.optim.lr_scheduler
+
+    def warm_step(opt: torch.optim.Optimizer) -> lrs.LRScheduler:
+        return lrs.SequentialLR(
+            opt,
+            [
+                lrs.LinearLR(opt, start_factor=1e-12, total_iters=2),
+                lrs.StepLR(opt, step_size=5, gamma=0.5),
+            ],
+            milestones=[2],
+        )
+
+    want = plain_training(spec, steps, scheduler=warm_step, clip_norm=0.3, clip_stages=[3, 3])
+    assert_same_weights(torch.load(info["model_path"]), want)
 
 
 @pytest.mark.timeout(240)
