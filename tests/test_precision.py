@@ -87,7 +87,7 @@ def test_bf16_profile_counts_what_travels_in_bf16() -> None:
     assert [b.out_bytes * 2 for b in bf16] == [a.out_bytes for a in fp32]
     assert sum(b.saved_bytes for b in bf16) < sum(a.saved_bytes for a in fp32)
     with pytest.raises(ValueError, match="precision"):
-        measure_layers(build_model("mlp"), x, precision="fp16")
+        measure_layers(build_model("mlp"), x, precision="fp8")
 
 
 def test_job_keys_checked_and_carried() -> None:
