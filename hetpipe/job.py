@@ -23,7 +23,8 @@ from hetpipe._toml import DECLARED, Table, kind, read_toml
 from hetpipe.core import keys
 from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
-from hetpipe.core.lr import LrSchedule
+from hetpipe.core.lr import KINDS as LR_KINDS
+from hetpipe.core.lr import LrSchedule, is_function
 from hetpipe.core.schedule import SYNC_KINDS
 
 __all__ = [
@@ -379,7 +380,9 @@ class JobSpec:
                 "merge": opt.merge,
             },
             "lr_schedule": {
-                f.name: getattr(self.lr_schedule, f.name) for f in dataclasses.fields(LrSchedule)
+                f.name: _plain(getattr(self.lr_schedule, f.name))
+                for f in dataclasses.fields(LrSchedule)
+                if f.name != "function"
             },
             "loss_scale": dataclasses.asdict(self.loss_scale),
             "train": {
@@ -448,7 +451,19 @@ def _warmup_forwards(train: Table, schedule: str) -> int | None:
 def _lr_schedule(root: Table) -> LrSchedule:
     """``[lr_schedule]``: the factor of ``optimizer.lr`` per step (:mod:`hetpipe.core.lr`)."""
     lt = root.table("lr_schedule", JOB.allowed("lr_schedule"))
-    values = {f.name: _read(lt, f.name) for f in dataclasses.fields(LrSchedule)}
+    values = {
+        f.name: _read(lt, f.name)
+        for f in dataclasses.fields(LrSchedule)
+        if f.name not in ("args", "function")
+    }
+    kind = values["kind"]
+    if kind not in LR_KINDS and not is_function(kind):
+        lt.fail(
+            "kind",
+            f"unknown schedule kind {kind!r} (one of: {', '.join(LR_KINDS)}, or "
+            "'package.module:function')",
+        )
+    values["args"] = _args(lt)
     if values["kind"] == "step" and values["step_every"] is None:
         lt.fail("step_every", "missing: kind 'step' decays every step_every steps")
     total = values["total_steps"]

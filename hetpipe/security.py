@@ -532,7 +532,12 @@ def module_allowed(module: str, allowed: Sequence[str], group: str) -> bool:
 
 
 def _check_code(
-    what: str, name: Any, builtins: Iterable[str], allowed: Sequence[str], group: str
+    what: str,
+    name: Any,
+    builtins: Iterable[str],
+    allowed: Sequence[str],
+    group: str,
+    key: str = "name",
 ) -> None:
     if not isinstance(name, str) or name in builtins:
         return  # not a string: the job's own validation says what is wrong
@@ -540,10 +545,12 @@ def _check_code(
         return  # an unknown builtin: the loader names the known ones
     module = name.split(":", 1)[0]
     if not _MODULE.fullmatch(module):
-        raise CodeError(f"job: {what}.name: {excerpt(name, 80)!r} is not 'package.module:function'")
+        raise CodeError(
+            f"job: {what}.{key}: {excerpt(name, 80)!r} is not 'package.module:function'"
+        )
     if not module_allowed(module, allowed, group):
         raise CodeError(
-            f"job: {what}.name: module {excerpt(module, 80)!r} is not allowed: list it in "
+            f"job: {what}.{key}: module {excerpt(module, 80)!r} is not allowed: list it in "
             f"cluster.toml [security] allowed_modules (or install it as a '{group}' "
             f"entry point)"
         )
@@ -554,6 +561,7 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
 
     Raises :class:`CodeError` naming the module and the setting that would allow it.
     """
+    from hetpipe.core.lr import KINDS
     from hetpipe.data import _LOADERS
     from hetpipe.models import BUILTIN
 
@@ -569,3 +577,8 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
         table = job.get(what)
         if isinstance(table, dict):
             _check_code(what, table.get("name"), builtins, allowed_modules, group)
+    table = job.get("lr_schedule")  # a schedule function: "hetpipe.lr_schedules" entry points
+    if isinstance(table, dict):
+        _check_code(
+            "lr_schedule", table.get("kind"), KINDS, allowed_modules, "hetpipe.lr_schedules", "kind"
+        )

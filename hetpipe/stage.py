@@ -32,6 +32,7 @@ exported state_dict. Which names train, stay frozen, stay local or are tied is d
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import time
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ import torch
 
 from hetpipe import emulate, stagestate
 from hetpipe.config import DeviceSpec
-from hetpipe.core.lr import LossScale, step_index
+from hetpipe.core.lr import LossScale, is_function, step_index
 from hetpipe.core.memory import (
     StageMemory,
     copy_seconds,
@@ -207,6 +208,11 @@ class StageCompute:
         # length defaults to the job's: steps of this attempt after the ones before it
         steps = -(-task.minibatches // task.nm) if self.spec.sync else task.minibatches
         sched = self.spec.lr_schedule
+        if is_function(sched.kind):  # checked current on this host (hetpipe.usercode)
+            module, name = sched.kind.split(":")
+            sched = dataclasses.replace(
+                sched, function=getattr(importlib.import_module(module), name)
+            )
         self.lr_schedule = (
             dataclasses.replace(
                 sched, total_steps=step_index(self.spec.sync, steps, task.nm, task.start)

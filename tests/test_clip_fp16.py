@@ -7,11 +7,16 @@ mean of the virtual workers' updates instead of their sum."""
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_weights, job
+from conftest import UNIFORM, assert_same_weights, job, start_cluster
 from helpers import plain_training, stages_json
+
+from hetpipe.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -159,3 +164,58 @@ def test_merge_mean_adds_half_of_what_sum_adds_with_two_vws(uniform_cluster) -> 
     assert not math.isclose(
         float(final["sum"]["1.weight"].sum()), float(final["mean"]["1.weight"].sum())
     )
+
+
+@pytest.fixture(scope="module")
+def allowing_schedules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Two devices whose daemons may import the schedule functions of ``userschedules``."""
+    here = Path(__file__).resolve().parent
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p),
+        )
+        c = start_cluster(
+            tmp_path_factory.mktemp("schedules"),
+            UNIFORM[:2],
+            shards=1,
+            allowed_modules=("userschedules",),
+        )
+    yield c
+    c.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_schedule_function_of_the_users_own(allowing_schedules) -> None:
+    """``lr_schedule.kind = "userschedules:halving"`` with its args after a warm-up, in a
+    synchronous job: equal torch's loop with the same factors (a LambdaLR); a function
+    returning no number fails the job naming it."""
+    steps = 6
+    spec = job(
+        "loop-fn", model="mlp", split=[(["gpu0", "gpu1"], [3, 3])], nm=2, minibatches=2 * steps
+    )
+    spec["train"]["schedule"] = "1f1b"
+    spec["train"].pop("staleness", None)
+    spec["lr_schedule"] = {
+        "kind": "userschedules:halving",
+        "warmup_steps": 2,
+        "args": {"every": 2},
+    }
+    info = allowing_schedules.submit(spec)
+    assert info["state"] == "done", info.get("error")
+
+    def factor(i: int) -> float:
+        return i / 2 if i < 2 else 0.5 ** ((i - 2) // 2)
+
+    want = plain_training(
+        spec,
+        steps,
+        m=2,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+    )
+    assert_same_weights(torch.load(info["model_path"]), want)
+    spec["name"] = "loop-fn-broken"
+    spec["lr_schedule"] = {"kind": "userschedules:broken"}
+    info = allowing_schedules.submit(spec)
+    assert info["state"] == "failed"
+    assert "userschedules:broken returned 'fast'" in info["error"], info["error"]

@@ -192,7 +192,8 @@ CASES = [
         'name = "t"',
         'name = "t"\nowner = "me"',
         "owner",
-        "unknown key (allowed: code, data, fault, loss_scale, lr_schedule, model, name, optimizer, train, vw)",
+        "unknown key (allowed: code, data, fault, loss_scale, lr_schedule, model, name, "
+        "optimizer, train, vw)",
     ),
     (
         "unknown-model",

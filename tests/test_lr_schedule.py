@@ -13,6 +13,8 @@ from conftest import job, one_line_error
 from hetpipe.core.lr import LossScale, LrSchedule, step_index
 from hetpipe.job import JobError, JobSpec, load_job
 from hetpipe.optim import grad_stats
+from hetpipe.security import CodeError, check_code
+from hetpipe.usercode import named_code
 
 
 def _torch_factors(make, steps: int, lr: float = 0.1) -> list[float]:
@@ -54,6 +56,33 @@ def test_step_and_constant_are_torchs() -> None:
     assert [warm.factor(i) for i in range(6)] == pytest.approx([0, 0.5, 1, 1, 1, 0.5])
     assert LrSchedule().constant and LrSchedule().factor(7) == 1.0
     assert not LrSchedule(warmup_steps=1).constant
+
+
+def test_a_function_gives_the_factor_after_the_warm_up() -> None:
+    sched = LrSchedule(
+        "pkg.mod:f", warmup_steps=2, args={"k": 3}, function=lambda t, k: 1.0 / (k + t)
+    )
+    assert [sched.factor(i) for i in range(4)] == pytest.approx([0, 0.5, 1 / 3, 1 / 4])
+    with pytest.raises(ValueError, match="not resolved"):
+        LrSchedule("pkg.mod:f").factor(0)
+    with pytest.raises(ValueError, match=r"pkg.mod:f returned nan for step 0, not a finite"):
+        LrSchedule("pkg.mod:f", function=lambda t: float("nan")).factor(0)
+
+
+def test_a_schedule_function_is_user_code_the_cluster_must_allow() -> None:
+    d = job(train={"schedule": "1f1b"})
+    d["lr_schedule"] = {"kind": "mysched:warm", "args": {"a": 1}}
+    spec = JobSpec.from_dict(d)
+    assert spec.lr_schedule.args == {"a": 1}
+    assert [(n.key, n.module, n.function) for n in named_code(spec)] == [
+        ("lr_schedule.kind", "mysched", "warm")
+    ]
+    check_code(spec, ["mysched"])
+    with pytest.raises(CodeError) as info:
+        check_code(spec, [])
+    assert str(info.value).startswith(
+        "job: lr_schedule.kind: module 'mysched' is not allowed: list it in cluster.toml"
+    )
 
 
 def test_step_index_is_the_iteration_or_the_vws_minibatch_across_a_resume() -> None:
@@ -147,6 +176,14 @@ ASYNC = "[train]\nminibatch = 8\nminibatches = 8\n"
         ),
         (SYNC, "[lr_schedule]\ngamma = 0.5\n", "lr_schedule.gamma", "no effect"),
         (SYNC, "[lr_schedule]\nsteps = 5\n", "lr_schedule.steps", "unknown key"),
+        (SYNC, '[lr_schedule]\nkind = "mod:"\n', "lr_schedule.kind", "unknown schedule kind"),
+        (SYNC, "[lr_schedule]\nargs = { a = 1 }\n", "lr_schedule.args", "no effect"),
+        (
+            SYNC,
+            '[lr_schedule]\nkind = "m:f"\nargs = 3\n',
+            "lr_schedule.args",
+            "expected a table",
+        ),
         (SYNC, "[optimizer]\nclip_norm = 0.0\n", "optimizer.clip_norm", "> 0"),
         (SYNC, '[optimizer]\nclip_norm = "big"\n', "optimizer.clip_norm", "expected"),
         (ASYNC, '[optimizer]\nmerge = "avg"\n', "optimizer.merge", "unknown merge 'avg'"),

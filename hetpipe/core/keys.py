@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from hetpipe.core.lr import KINDS as LR_SCHEDULE_KINDS
 from hetpipe.core.memory import ACTIVATION_POLICIES
 from hetpipe.core.schedule import KINDS
 
@@ -81,7 +80,6 @@ ON_WORKER_LOSS: Final = ("fail", "replan")
 ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies it prices
 PRECISIONS: Final = ("fp32", "bf16", "fp16")
 MERGES: Final = ("sum", "mean")
-LR_KINDS: Final = LR_SCHEDULE_KINDS
 IN_FLIGHT: Final = ("plan", "nm")
 
 ADAMW_WEIGHT_DECAY: Final = 1e-2  # torch.optim.AdamW's default: what name = "adamw" expects
@@ -378,11 +376,11 @@ JOB: Final = Schema(
                 Key(
                     "kind",
                     "string",
-                    "constant, cosine (to min_factor at total_steps) or step (times gamma "
-                    "every step_every steps); each after the warm-up.",
+                    "constant, cosine (to min_factor at total_steps), step (times gamma "
+                    'every step_every steps) or "package.module:function" (called as '
+                    "function(t, **args) with t the step after the warm-up, returning the "
+                    "factor); each after the warm-up.",
                     "constant",
-                    choices=LR_KINDS,
-                    noun="schedule kind",
                 ),
                 Key(
                     "warmup_steps",
@@ -441,6 +439,20 @@ JOB: Final = Schema(
                     above=0.0,
                     high=1.0,
                     applies=when("lr_schedule.kind", ("step",), "step's decay"),
+                ),
+                Key(
+                    "args",
+                    "table",
+                    "Keyword arguments of a schedule function.",
+                    default={},
+                    applies=Rule(
+                        holds=lambda v: ":" in str(v["lr_schedule.kind"]),
+                        where='lr_schedule.kind is "package.module:function"',
+                        why=lambda v: (
+                            f"has no effect with schedule kind {v['lr_schedule.kind']!r} (only "
+                            "a function takes arguments)"
+                        ),
+                    ),
                 ),
             ),
         ),

@@ -2,7 +2,9 @@
 worker evaluates on the same clock, so that all stages of a minibatch (or an iteration) use
 the same rate and the same loss scale.
 
-A schedule is a factor of ``optimizer.lr`` per *step*: the step's index on the virtual
+A schedule is a factor of ``optimizer.lr`` per *step* (or a user's function
+``"package.module:function"``, called as ``function(t, **args)`` with ``t`` the step after the
+warm-up, which returns the factor): the step's index on the virtual
 worker's one clock (:func:`step_index`), not a count kept by each stage. In the synchronous
 schedules (gpipe, 1f1b) step ``i`` is iteration ``i``, the same on every stage and every
 virtual worker; in the asynchronous one it is the minibatch number ``p`` of the virtual
@@ -23,11 +25,20 @@ Pure: no torch, asyncio or zmq.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["KINDS", "LossScale", "LrSchedule", "step_index"]
+__all__ = ["KINDS", "LossScale", "LrSchedule", "is_function", "step_index"]
 
 KINDS = ("constant", "cosine", "step")
+_FUNCTION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def is_function(kind: str) -> bool:
+    """Whether a schedule kind names a user's function (``"package.module:function"``)."""
+    return bool(_FUNCTION.fullmatch(kind))
 
 
 def step_index(sync: bool, i: int, nm: int, start: int) -> int:
@@ -53,10 +64,15 @@ class LrSchedule:
     min_factor: float = 0.0
     step_every: int | None = None
     gamma: float = 0.1
+    args: dict[str, Any] = field(default_factory=dict)  # of a user's function
+    # a user's function, resolved by the runtime (a job spec holds only its name)
+    function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"lr_schedule: kind must be one of {', '.join(KINDS)}")
+        if self.kind not in KINDS and not is_function(self.kind):
+            raise ValueError(
+                f"lr_schedule: kind must be one of {', '.join(KINDS)} or 'package.module:function'"
+            )
         if self.kind == "step" and not self.step_every:
             raise ValueError("lr_schedule: kind 'step' needs step_every")
 
@@ -75,7 +91,16 @@ class LrSchedule:
         if self.kind == "step":
             assert self.step_every
             return self.gamma ** (t // self.step_every)
-        return 1.0
+        if self.kind in KINDS:
+            return 1.0
+        if self.function is None:
+            raise ValueError(f"lr_schedule: function {self.kind} is not resolved")
+        got = self.function(t, **self.args)
+        if isinstance(got, bool) or not isinstance(got, int | float) or not math.isfinite(got):
+            raise ValueError(
+                f"lr_schedule: {self.kind} returned {got!r} for step {step}, not a finite number"
+            )
+        return float(got)
 
     @property
     def constant(self) -> bool:
