@@ -39,10 +39,11 @@ Three parts, each against a baseline measured in the same run:
 (d) Microbatch orders over a real slow link (network namespaces, ``hetpipe.netns``; only
     with ``--parts d``, it needs root): two hosts of one device each, the link between them
     shaped with ``tc`` so that an activation's transfer takes about as long as a stage's
-    forward, M = ``--order-m``; the same split run as 1F1B (``warmup_forwards = 0``), with the warm-up
-    the planner picks for it (``warmup_forwards = "auto"``) and as gpipe, interleaved ``--repeats``
-    times. Measured iteration time (as in (b)) and predicted per order, each stage's most
-    microbatches in flight, and ``order_speedup_vs_1f1b`` (the planner's order against 1F1B).
+    forward, M = ``--order-m``; the same split run as 1F1B (``warmup_forwards = 0``), with
+    the warm-up the planner picks for it (``warmup_forwards = "auto"``) and as gpipe,
+    interleaved ``--repeats`` times. Measured iteration time (as in (b)) and predicted per
+    order, each stage's most microbatches in flight, and ``order_speedup_vs_1f1b`` (the
+    planner's order against 1F1B).
 
     python scripts/bench_sync.py [--json] [--parts abc] [--rounds 3] [--optimality 300]
 """
