@@ -22,7 +22,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, validate
 from hetpipe.data import DataError, Dataset, load_dataset
 from hetpipe.job import JobError, JobSpec
-from hetpipe.models import ModelError, build_model
+from hetpipe.models import ModelError, build_model, model_loss
 from hetpipe.replicas import check_group
 from hetpipe.security import CodeError, check_code
 from hetpipe.usercode import UserCodeError, check_user_code
@@ -76,11 +76,17 @@ def check_job(
         raise fail(exc.key, str(exc)) from None
     try:
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model.name, spec.model.args)
+        model = build_model(spec.model)
         n_layers = len(model)
     except ModelError as exc:
-        key = "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
+        key = exc.key or (
+            "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
+        )
         raise fail(key, str(exc)) from None
+    try:
+        model_loss(spec.model)
+    except ModelError as exc:
+        raise fail(exc.key or "model.loss", str(exc)) from None
     try:
         dataset = load_dataset(spec.data.name, spec.data.args)
     except DataError as exc:

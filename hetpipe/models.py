@@ -10,11 +10,13 @@ runtime builds on meta, slices out its stage, then ``to_empty`` and loads the we
 Construction draws from torch's global generator only, so ``torch.manual_seed`` makes it
 deterministic.
 
-A user model is named ``"package.module:function"``; ``function(**args)`` must return a
-non-empty ``nn.Sequential``. If that function has a callable ``loss`` attribute,
-:func:`model_loss` uses it instead of the default cross entropy. The module is taken from
-``sys.modules`` as imported: the CLI, the head and each worker make it current with its file
-(and compare it with the submitted copy) before a job starts, in :mod:`hetpipe.usercode`.
+A user model is named ``"package.module:function"``; ``function(**args)`` returns a non-empty
+``nn.Sequential`` (cut between its elements, as today) or any other ``nn.Module``, which
+:mod:`hetpipe.capture` turns into an ``nn.Sequential`` of blocks (at ``model.split_points``,
+or at its natural units). The loss: ``model.loss``, else the loss the model returns, else the
+function's ``loss`` attribute, else cross entropy (:func:`model_loss`). The module is taken
+from ``sys.modules`` as imported: the CLI, the head and each worker make it current with its
+file (and compare it with the submitted copy) before a job starts, in :mod:`hetpipe.usercode`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hetpipe.capture import CaptureError, capture
 
 __all__ = [
     "BUILTIN",
@@ -51,7 +55,15 @@ _CUSTOM = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class ModelError(ValueError):
-    """A model cannot be built; ``str(e)`` is one line naming the model and the problem."""
+    """A model cannot be built; ``str(e)`` is one line naming the model and the problem.
+
+    ``key``: the job key the problem is about (``"model.name"``, ...), where the text alone
+    does not say it; ``None`` lets the caller tell from the text.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _check_positive(model: str, **values: int) -> None:
@@ -313,36 +325,46 @@ BUILTIN: dict[str, Callable[..., nn.Sequential]] = {
 }
 
 
-def _resolve(name: str) -> Callable[..., Any]:
-    """The builder a model name stands for: a builtin, or an imported ``module:function``."""
+def _resolve(name: str, what: str = "model") -> Callable[..., Any]:
+    """The builder a model name stands for: a builtin, or an imported ``module:function``;
+    ``what`` names the kind of name in the errors (``"loss"``: no builtins)."""
     if not isinstance(name, str):
-        raise ModelError(f"model name must be a string, got {name!r}")
-    if name in BUILTIN:
+        raise ModelError(f"{what} name must be a string, got {name!r}")
+    if what == "model" and name in BUILTIN:
         return BUILTIN[name]
     if ":" not in name:
-        raise ModelError(
-            f"model '{name}': unknown; use one of {', '.join(BUILTIN)} or 'package.module:function'"
-        )
+        builtins = f"use one of {', '.join(BUILTIN)} or " if what == "model" else "use "
+        raise ModelError(f"{what} '{name}': unknown; {builtins}'package.module:function'")
     if not _CUSTOM.match(name):
-        raise ModelError(f"model '{name}': expected 'package.module:function'")
+        raise ModelError(f"{what} '{name}': expected 'package.module:function'")
     module_name, func_name = name.split(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise ModelError(
-            f"model '{name}': cannot import {module_name}: {type(e).__name__}: {e}"
+            f"{what} '{name}': cannot import {module_name}: {type(e).__name__}: {e}"
         ) from e
     try:
         func = getattr(module, func_name)
     except AttributeError:
-        raise ModelError(f"model '{name}': module {module_name} has no {func_name}") from None
+        raise ModelError(f"{what} '{name}': module {module_name} has no {func_name}") from None
     if not callable(func):
-        raise ModelError(f"model '{name}': {func_name} is not callable")
+        raise ModelError(f"{what} '{name}': {func_name} is not callable")
     return func
 
 
-def build_model(name: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
-    """Build model ``name`` with keyword ``args``; any failure is one :class:`ModelError`."""
+def build_model(
+    name: Any, args: Mapping[str, Any] | None = None, split_points: Sequence[str] = ()
+) -> nn.Sequential:
+    """Build model ``name`` with keyword ``args``; any failure is one :class:`ModelError`.
+
+    ``name`` may also be a job's model spec (:class:`hetpipe.job.ModelSpec`: its name, args
+    and split points). A builder's ``nn.Sequential`` comes back as it is; any other module
+    comes back captured (:func:`hetpipe.capture.capture`), cut at ``split_points`` or at its
+    natural units. Construction runs no forward, so this works under ``torch.device("meta")``.
+    """
+    if not isinstance(name, str) and hasattr(name, "args"):  # a ModelSpec
+        name, args, split_points = name.name, name.args, getattr(name, "split_points", ())
     func = _resolve(name)
     args = {} if args is None else args
     if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
@@ -355,23 +377,78 @@ def build_model(name: str, args: Mapping[str, Any] | None = None) -> nn.Sequenti
         raise ModelError(f"model '{name}': bad args {dict(args)!r}: {e}") from e
     except Exception as e:
         raise ModelError(f"model '{name}': build failed: {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Sequential):
-        raise ModelError(f"model '{name}': returned {type(model).__name__}, not nn.Sequential")
-    if len(model) == 0:
-        raise ModelError(f"model '{name}': returned an empty nn.Sequential")
-    return model
+    if isinstance(model, nn.Sequential):
+        if len(model) == 0:
+            raise ModelError(f"model '{name}': returned an empty nn.Sequential")
+        if split_points:
+            raise ModelError(
+                f"model '{name}': split_points are for captured models; an nn.Sequential is "
+                "cut between its elements ([[vw]] layers)",
+                key="model.split_points",
+            )
+        return model
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model '{name}': returned {type(model).__name__}, not an nn.Module",
+            key="model.name",
+        )
+    try:
+        return capture(model, tuple(split_points))
+    except CaptureError as e:
+        key = "model.split_points" if str(e).startswith("split_points") else "model.name"
+        raise ModelError(
+            f"model '{name}': cannot capture {type(model).__name__}: {e}; name model.split_points"
+            " around it, or return an nn.Sequential of one-tensor layers",
+            key=key,
+        ) from None
 
 
-def cross_entropy(output: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross entropy; ``[B, S, C]`` outputs against ``[B, S]`` labels are flattened first."""
+def cross_entropy(output: Any, labels: Tensor) -> Tensor:
+    """Mean cross entropy; ``[B, S, C]`` outputs against ``[B, S]`` labels are flattened first.
+
+    An output that carries its own loss is taken as it is: a scalar Tensor, an object with a
+    ``loss`` attribute or a mapping with a ``"loss"`` key (a ``ModelOutput``), or a tuple
+    whose first element is a scalar (``return_dict=False``). Another mapping or object is
+    scored on its ``logits``, a tuple on its first element.
+    """
+    own = _own_loss(output)
+    if own is not None:
+        return own
+    if isinstance(output, Mapping) and "logits" in output:
+        output = output["logits"]
+    elif not isinstance(output, Tensor) and isinstance(getattr(output, "logits", None), Tensor):
+        output = output.logits
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
     if output.dim() > 2:
         output = output.reshape(-1, output.shape[-1])
         labels = labels.reshape(-1)
     return F.cross_entropy(output, labels)
 
 
-def model_loss(name: str) -> LossFn:
-    """The loss of model ``name``'s output against its labels (cross entropy by default)."""
+def _own_loss(output: Any) -> Tensor | None:
+    """The loss a model's output carries, else ``None``."""
+    if isinstance(output, Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        loss = output[0] if output and isinstance(output[0], Tensor) else None
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, Tensor) and loss.dim() == 0 else None
+
+
+def model_loss(model: Any) -> LossFn:
+    """The loss the last stage applies to (output, labels): ``model.loss`` where the job
+    names one, else the builder's ``loss`` attribute, else :func:`cross_entropy` (which takes
+    the loss a model returns itself). ``model``: a model name, or a job's model spec."""
+    name, named = (model, None) if isinstance(model, str) else (model.name, model.loss)
+    if named is not None:
+        loss = _resolve(named, "loss")
+        if isinstance(loss, type):
+            raise ModelError(f"loss '{named}': is a class; name a function", key="model.loss")
+        return loss
     func = _resolve(name)
     loss = getattr(func, "loss", None)
     if name not in BUILTIN and loss is not None:

@@ -540,10 +540,10 @@ def _check_code(
         return  # an unknown builtin: the loader names the known ones
     module = name.split(":", 1)[0]
     if not _MODULE.fullmatch(module):
-        raise CodeError(f"job: {what}.name: {excerpt(name, 80)!r} is not 'package.module:function'")
+        raise CodeError(f"job: {what}: {excerpt(name, 80)!r} is not 'package.module:function'")
     if not module_allowed(module, allowed, group):
         raise CodeError(
-            f"job: {what}.name: module {excerpt(module, 80)!r} is not allowed: list it in "
+            f"job: {what}: module {excerpt(module, 80)!r} is not allowed: list it in "
             f"cluster.toml [security] allowed_modules (or install it as a '{group}' "
             f"entry point)"
         )
@@ -568,4 +568,6 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
     ):
         table = job.get(what)
         if isinstance(table, dict):
-            _check_code(what, table.get("name"), builtins, allowed_modules, group)
+            _check_code(f"{what}.name", table.get("name"), builtins, allowed_modules, group)
+            if what == "model":  # a loss function of the user's: the same policy
+                _check_code("model.loss", table.get("loss"), (), allowed_modules, group)
