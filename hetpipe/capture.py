@@ -100,21 +100,31 @@ def user_state(model: nn.Sequential, state: Mapping[str, Tensor]) -> dict[str, T
 # --------------------------------------------------------------------------- units
 
 
-def _opens(module: nn.Module) -> bool:
-    """Whether ``module`` is opened into its children: a container, or one that holds one."""
-    if isinstance(module, (nn.ModuleList, nn.Sequential)):
-        return True
-    return any(isinstance(m, (nn.ModuleList, nn.Sequential)) for m in module.modules())
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
 def natural_units(module: nn.Module) -> list[str]:
-    """The default units of ``module``, as submodule paths in module order."""
+    """The default units of ``module``, as submodule paths in module order: its children,
+    each element of a container (``ModuleList``/``Sequential``) among them, and the children
+    of a child that holds a container (``transformer.h.3``); an element is never opened."""
     units: list[str] = []
+
+    def holds_container(m: nn.Module) -> bool:
+        return any(isinstance(d, _CONTAINERS) for d in m.modules())
+
+    def elements(c: nn.Module, prefix: str) -> None:
+        for name, e in c.named_children():
+            if isinstance(e, _CONTAINERS):
+                elements(e, f"{prefix}{name}.")
+            else:
+                units.append(f"{prefix}{name}")
 
     def walk(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():
             path = f"{prefix}{name}"
-            if _opens(child) and any(True for _ in child.children()):
+            if isinstance(child, _CONTAINERS):
+                elements(child, path + ".")
+            elif holds_container(child):
                 walk(child, path + ".")
             else:
                 units.append(path)
@@ -171,7 +181,9 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
         units = natural_units(module)
         leaves = set(units)
         starts_at = units
-    inside = {".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 1)}
+    inside = {
+        ".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 1)
+    }
     concrete = {n: p.default for n, p in params.items() if p.default not in (None, p.empty)}
     tracer = _Tracer(leaves, inside)
     try:
@@ -259,68 +271,51 @@ def _cut(
     recompute: dict[fx.Node, bool] = {}
     for n in nodes:
         recompute[n] = _recomputable(n, recompute)
-    home: dict[fx.Node, int] = {}
+    tensor: dict[fx.Node, bool] = {}  # of the recomputed: whether it is a tensor
+    for n in nodes:
+        tensor[n] = recompute[n] and _tensor_valued(n, tensor)
+    at: dict[fx.Node, int] = {}  # each node's block in program order
+    home: dict[fx.Node, int] = {}  # the block that computes a node that is not recomputed
     starts: list[str] = [""]
     seen: set[str] = set()
-    ran: list[int] = []  # the blocks of the computing nodes so far
     block = 0
     for n in nodes:
-        if n.op == "placeholder":
-            home[n] = 0
-            continue
-        if recompute[n]:
-            continue
         if n.op == "call_module":
             unit = _unit_of(str(n.target), starts_at)
             if unit is not None and unit not in seen:
                 seen.add(unit)
-                if len(seen) > 1 or (split and any(h == block for h in ran)):
+                ran = any(
+                    at[m] == block and not recompute[m] for m in home if m.op != "placeholder"
+                )
+                if len(seen) > 1 or (split and ran):
                     block += 1
                     starts.append(unit)
                 else:
                     starts[0] = unit
-        if n.target is operator.getitem and n.args[0].op == "call_module":
+        at[n] = block
+        if n.op == "placeholder":
+            home[n] = 0
+        elif n.target is operator.getitem and n.args[0].op == "call_module":
             home[n] = home[n.args[0]]  # an element of a unit's tuple stays with the unit
         else:
             home[n] = block
-        ran.append(home[n])
     missing = [p for p in starts_at if p not in seen]
-    if missing:
+    if split and missing:
         raise CaptureError(f"split_points: forward never calls {', '.join(map(repr, missing))}")
     n_blocks = block + 1
-
-    # the tensors each block needs from earlier ones, and the recomputed values it needs
-    last_use: dict[fx.Node, int] = {}
-    again: list[set[fx.Node]] = [set() for _ in range(n_blocks)]
-    pending: list[tuple[fx.Node, fx.Node, int]] = []
-
-    def need(a: fx.Node, b: int, via: fx.Node | None) -> None:
-        if recompute[a]:
-            if a not in again[b]:
-                again[b].add(a)
-                for x in _inputs(a):
-                    need(x, b, via or a)
-        elif via is not None:
-            pending.append((a, via, b))
-        elif home[a] < b:
-            last_use[a] = max(last_use.get(a, b), b)
-
-    for n in nodes:
-        if n.op == "placeholder" or recompute[n]:
-            continue
-        b = home[n] if n.op != "output" else n_blocks - 1
-        for a in _inputs(n):
-            need(a, b, None)
-    carry_in: list[list[fx.Node]] = [
-        [t for t in nodes if t in last_use and home[t] < b <= last_use[t]] for b in range(n_blocks)
-    ]
-    for a, via, b in pending:
-        if home[a] != b and a not in carry_in[b]:
+    while True:  # a tensor that cannot be computed again where it is used is carried there
+        again, carry_in, failed = _needs(nodes, recompute, home, n_blocks)
+        if failed is None:
+            break
+        root, via, b = failed
+        if not tensor[via]:
             raise CaptureError(
-                f"{via.name} ({_text(via)}) in the block starting at {starts[b] or 'the inputs'} "
-                f"needs {a.name}, a tensor that does not reach that block; compute it there, "
-                "or name split points around it"
+                f"{via.name} ({_text(via)}), used in the block starting at "
+                f"{starts[b] or 'the inputs'}, is computed from {root.name}, a tensor that "
+                "does not reach that block; compute it from a tensor there"
             )
+        recompute[via] = False
+        home[via] = at[via]
 
     blocks: list[tuple[int, fx.Graph]] = []
     for b in range(n_blocks):
@@ -348,10 +343,10 @@ def _cut(
             if n.op in ("placeholder", "output"):
                 continue
             if n in again[b] or (not recompute[n] and home[n] == b):
-                env[n] = g.node_copy(n, lambda a: env[a])
+                env[n] = g.node_copy(n, env.__getitem__)
         if b == n_blocks - 1:
             out = next(n for n in nodes if n.op == "output")
-            g.output(fx.map_arg(out.args[0], lambda a: env[a]))
+            g.output(fx.map_arg(out.args[0], env.__getitem__))
         else:
             outs = [env[t] for t in carry_in[b + 1]]
             g.output(outs[0] if len(outs) == 1 else tuple(outs))
@@ -360,6 +355,59 @@ def _cut(
     carries = [tuple(n for n in names if n not in concrete)]
     carries += [tuple(t.name for t in carry_in[b]) for b in range(1, n_blocks)]
     return blocks, tuple(starts), tuple(carries)
+
+
+def _needs(
+    nodes: list[fx.Node], recompute: dict[fx.Node, bool], home: dict[fx.Node, int], n_blocks: int
+) -> tuple[list[set[fx.Node]], list[list[fx.Node]], tuple[fx.Node, fx.Node, int] | None]:
+    """The values each block computes again, the tensors entering each block (program
+    order), and the first recomputed value that cannot be computed where it is used:
+    (the tensor it needs, the outermost recomputed value, the block), or ``None``."""
+    last_use: dict[fx.Node, int] = {}
+    again: list[set[fx.Node]] = [set() for _ in range(n_blocks)]
+    pending: list[tuple[fx.Node, fx.Node, int]] = []
+
+    def need(a: fx.Node, b: int, via: fx.Node | None) -> None:
+        if recompute[a]:
+            if a not in again[b]:
+                again[b].add(a)
+                for x in _inputs(a):
+                    need(x, b, via or a)
+        elif via is not None:
+            pending.append((a, via, b))
+        elif home[a] < b:
+            last_use[a] = max(last_use.get(a, b), b)
+
+    for n in nodes:
+        if n.op == "placeholder" or recompute[n]:
+            continue
+        b = home[n] if n.op != "output" else n_blocks - 1
+        for a in _inputs(n):
+            need(a, b, None)
+    carry_in = [
+        [t for t in nodes if t in last_use and home[t] < b <= last_use[t]] for b in range(n_blocks)
+    ]
+    for a, via, b in pending:
+        if home[a] != b and a not in carry_in[b]:
+            return again, carry_in, (a, via, b)
+    return again, carry_in, None
+
+
+def _tensor_valued(node: fx.Node, tensor: dict[fx.Node, bool]) -> bool:
+    """Whether recomputed ``node`` is a tensor (a parameter, a torch function of shapes, or
+    an operation on such a tensor), not a shape, a size or a dtype."""
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_method":
+        return (
+            node.target not in _META_METHODS and bool(node.args) and tensor.get(node.args[0], False)
+        )
+    if node.op != "call_function" or node.target is builtins.getattr:
+        return False
+    module = getattr(node.target, "__module__", "") or ""
+    if module == "torch" or module.startswith("torch."):
+        return True
+    return any(tensor.get(a, False) for a in _inputs(node))
 
 
 def _required_of(graph: fx.Graph, names: list[str]) -> set[str]:
@@ -375,9 +423,7 @@ def _text(node: fx.Node) -> str:
     return f"{node.op} {name}"
 
 
-def bind_inputs(
-    batch: Any, names: tuple[str, ...], required: tuple[str, ...], model: str
-) -> tuple:
+def bind_inputs(batch: Any, names: tuple[str, ...], required: tuple[str, ...], model: str) -> tuple:
     """The first block's inputs in forward's order, from a Tensor, a tuple or a Mapping by
     parameter name; a parameter left out takes ``None`` (its default). ``model``: the
     module's class, for the errors."""

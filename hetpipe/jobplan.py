@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from hetpipe.capture import user_state
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
@@ -28,7 +29,6 @@ from hetpipe.daemon import normal_host
 from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
 from hetpipe.job import JobSpec
 from hetpipe.jobcheck import JobFacts
-from hetpipe.capture import user_state
 from hetpipe.models import ModelError, build_model
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
