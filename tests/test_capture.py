@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import UNIFORM, job
 from torch import Tensor, nn
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
+from hetpipe.config import load_cluster
+from hetpipe.job import JobSpec
+from hetpipe.jobplan import plan_job
+from hetpipe.localcluster import cluster_toml
 from hetpipe.models import ModelError, build_model, cross_entropy, model_loss
 
 HERE = __name__  # the factories below are named "<this module>:<function>"
@@ -382,6 +388,23 @@ def test_a_tensor_forward_never_uses_is_exported_as_built() -> None:
     state = user_state(seq, seq.state_dict())
     assert torch.equal(state["spare.weight"], cap.source.spare.weight)
     Unused().load_state_dict(state, strict=True)
+
+
+def test_the_head_exports_the_users_keys(tmp_path: Path) -> None:
+    """The head's model.pt of a captured model loads strict into the factory's module."""
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml(UNIFORM[:2], shards=2))
+    spec = JobSpec.from_dict(job("res", model=f"{HERE}:resnetish", split=[(["gpu0"], [6])]))
+    workers = {d: SimpleNamespace(job=None) for d in ("gpu0", "gpu1")}
+    plan = plan_job(spec, "res-1", load_cluster(path), workers, {0: "tcp://a:1", 1: "tcp://a:2"})
+    assert set(plan.placement) == {k for k in build_model(spec.model).state_dict()}
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in plan.initial.items()}
+    plan.export(state, tmp_path / "out")
+    saved = torch.load(tmp_path / "out" / "model.pt")
+    assert "stem.0.weight" in saved and "0.stem.0.weight" not in saved
+    model = ResNetish()
+    model.load_state_dict(saved, strict=True)
+    assert torch.equal(model.fc.weight, state["5.fc.weight"])
 
 
 # --------------------------------------------------------------------------- loss
