@@ -20,6 +20,7 @@ With ``--json`` the last line is one JSON object of the figures.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from typing import Any
@@ -54,7 +55,7 @@ class Decoder(nn.Module):
 def stages(n: int, k: int) -> list[tuple[int, int]]:
     """``k`` contiguous, nearly equal ranges of ``n`` blocks."""
     cuts = [round(i * n / k) for i in range(k + 1)]
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
+    return list(itertools.pairwise(cuts))
 
 
 def capture_time(cfg: dict[str, int], k: int) -> tuple[float, int]:
