@@ -407,6 +407,31 @@ def test_the_head_exports_the_users_keys(tmp_path: Path) -> None:
     assert torch.equal(model.fc.weight, state["5.fc.weight"])
 
 
+def test_cli_exports_the_same_tensors_as_safetensors(tmp_path: Path) -> None:
+    """``hetpipe export JOB --format safetensors``: the names and values of model.pt, ties
+    written as equal tensors, and the file loads strict into the user's module."""
+    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors not installed")
+    from click.testing import CliRunner
+
+    from hetpipe import cli
+
+    seq = build_model(f"{HERE}:decoder")
+    state = user_state(seq, seq.state_dict())
+    out = tmp_path / "run" / "jobs" / "lm-1"
+    out.mkdir(parents=True)
+    torch.save(state, out / "model.pt")
+    args = ["--run-dir", str(tmp_path / "run"), "--head", "tcp://127.0.0.1:1", "export", "lm-1"]
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith(f"-> {out / 'model.safetensors'}")
+    loaded = safetensors.load_file(str(out / "model.safetensors"))
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    Decoder().load_state_dict(loaded, strict=True)
+    missing = CliRunner().invoke(cli.main, [*args[:4], "export", "nosuch-1"])
+    assert missing.exit_code == 1 and "nosuch-1" in missing.output
+
+
 # --------------------------------------------------------------------------- loss
 
 
