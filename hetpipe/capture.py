@@ -184,13 +184,26 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
     inside = {
         ".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 1)
     }
-    concrete = {n: p.default for n, p in params.items() if p.default not in (None, p.empty)}
+    concrete = {
+        n: p.default
+        for n, p in params.items()
+        if p.default is not None and p.default is not p.empty
+    }
+    for n, value in concrete.items():
+        if not _plain(value):
+            raise CaptureError(
+                f"forward's parameter {n!r} defaults to a {type(value).__name__}; a captured "
+                "model's defaults are None or plain values (bool, int, float, str)"
+            )
     tracer = _Tracer(leaves, inside)
     try:
         graph = tracer.trace(module, concrete_args=concrete or None)
     except Exception as exc:  # any trace failure is the model's: say where it happened
         raise CaptureError(f"torch.fx cannot trace it{_where(exc)}: {_short(exc)}") from None
-    root = fx.GraphModule(tracer.root, graph)
+    try:
+        root = fx.GraphModule(tracer.root, graph)
+    except Exception as exc:  # the trace holds what fx cannot turn back into code
+        raise CaptureError(f"torch.fx cannot rebuild the traced code: {_short(exc)}") from None
     blocks, starts, carries = _cut(
         root.graph, starts_at, bool(points), list(params), set(concrete), type(module).__name__
     )
@@ -198,6 +211,13 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
     keys, user_keys = _key_maps(seq, module)
     seq.__dict__["_hetpipe_capture"] = Capture(module, starts, carries, keys, user_keys)
     return seq
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` can be written into a block's code as it is."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str))
 
 
 def _parameters(module: nn.Module) -> dict[str, inspect.Parameter]:

@@ -498,6 +498,19 @@ class Varargs(nn.Module):
         return self.a(xs[0])
 
 
+class TensorDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor, scale: Tensor = torch.tensor(2.0)) -> Tensor:  # noqa: B008
+        return self.a(x) * scale
+
+
+def tensor_default() -> nn.Module:
+    return TensorDefault()
+
+
 def tensor_branch() -> nn.Module:
     return TensorBranch()
 
@@ -532,6 +545,7 @@ def a_number() -> int:
             r"size \(call_method size\), used in the block starting at b",
         ),
         ("varargs", (), "model.name", r"forward takes \*xs"),
+        ("tensor_default", (), "model.name", r"parameter 'scale' defaults to a Tensor"),
         ("a_number", (), "model.name", r"returned int, not an nn.Module"),
         ("decoder", ("layers.9",), "model.split_points", r"has no submodule 'layers.9'"),
         ("decoder", ("layers.0", "layers.0"), "model.split_points", r"names a submodule twice"),
