@@ -658,3 +658,21 @@ def test_a_block_that_cannot_run_on_meta_is_checked_on_the_cpu_without_side_effe
         ModelError, match=r"layer 0 \(NeedsValues\) fails on the data: given \[2, 5\]"
     ):
         check_sample("m", seq, torch.randn(2, 5), torch.zeros(2, dtype=torch.long), cross_entropy)
+
+
+# --------------------------------------------------------------------------- job keys
+
+
+def test_model_keys_parse_round_trip_and_are_policed() -> None:
+    from hetpipe.security import CodeError, check_code
+    from hetpipe.usercode import named_code
+
+    d = job("lm", model=f"{HERE}:decoder")
+    d["model"].update(split_points=["layers.1"], loss="mylosses:half_mse")
+    spec = JobSpec.from_dict(d)
+    assert spec.model.split_points == ("layers.1",) and spec.model.loss == "mylosses:half_mse"
+    assert JobSpec.from_dict(spec.to_dict()).model == spec.model
+    assert [n.key for n in named_code(spec)] == ["model.name", "model.loss"]
+    with pytest.raises(CodeError, match=r"^job: model.loss: module 'mylosses' is not allowed"):
+        check_code(spec, [HERE])
+    check_code(spec, [HERE, "mylosses"])
