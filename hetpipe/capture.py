@@ -463,7 +463,7 @@ def bind_inputs(batch: Any, names: tuple[str, ...], required: tuple[str, ...], m
         raise CaptureError(
             f"{model}: forward takes {len(required)}..{len(names)} inputs ({', '.join(names)}), "
             f"got {type(batch).__name__}"
-            + (f" of {len(values)}" if isinstance(values, (tuple, list)) else "")
+            + (f" of {len(values)}" if isinstance(batch, (tuple, list)) else "")
         )
     return tuple(values) + (None,) * (len(names) - len(values))
 

@@ -585,7 +585,8 @@ def test_split_points_on_a_sequential_are_refused() -> None:
         ({"x": 1, "z": 2, "y": 3}, r"TwoInputs: the batch has 'z', which forward does not take"),
         ({"x": 1}, r"TwoInputs: the batch lacks input 'y'"),
         ((torch.ones(1, 6),), r"TwoInputs: forward takes 2..2 inputs \(x, y\), got tuple of 1"),
-        ("text", r"forward takes 2..2 inputs \(x, y\), got str"),
+        ("text", r"forward takes 2..2 inputs \(x, y\), got str$"),
+        (torch.ones(1, 6), r"forward takes 2..2 inputs \(x, y\), got Tensor$"),
     ],
 )
 def test_bad_batches_are_one_line(batch: Any, match: str) -> None:
