@@ -596,6 +596,69 @@ def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
 @cluster_option
 @click.argument("job")
 @click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors"]),
+    default="safetensors",
+    show_default=True,
+    help="The file format to write.",
+)
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The file to write (default: model.safetensors beside the job's model.pt).",
+)
+@click.pass_obj
+def export(obj: Ctx, job: str, fmt: str, output: str | None) -> None:
+    """Write a finished job's trained weights (its model.pt, keyed as the module the model's
+    builder returns) in another format: the same names and the same values.
+
+    Reads the job's directory on this host (the head's run directory). JOB may be the name
+    the job was submitted as, when one job has it. Needs the ``safetensors`` package.
+    """
+
+    def fetch(job_id: str, _ask_head: bool) -> Path | None:
+        d = jobstore.job_dir(obj.run_dir, job_id)
+        return d / "model.pt" if d is not None and (d / "model.pt").exists() else None
+
+    job, source = _find_job(obj, job, fetch, "model.pt of job")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise click.ClickException(
+            "--format safetensors needs the safetensors package (pip install safetensors)"
+        ) from None
+    import torch
+
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise click.ClickException(f"{source}: cannot read: {type(exc).__name__}: {exc}") from None
+    target = Path(output) if output else source.with_name(f"model.{fmt}")
+    save_file(unshared(state), str(target))
+    click.echo(f"export: {len(state)} tensors of job {job} ({source}) -> {target}")
+
+
+def unshared(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor contiguous and owning its storage: safetensors stores no
+    two names over one storage, so a tie is written as two equal tensors (loading both into
+    the tied module gives it the one value)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        ptr = t.untyped_storage().data_ptr()
+        whole = t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+        out[name] = t if whole and ptr not in seen else t.contiguous().clone()
+        seen.add(ptr)
+    return out
+
+
+@main.command()
+@cluster_option
+@click.argument("job")
+@click.option(
     "-o",
     "--output",
     default=None,

@@ -53,6 +53,8 @@ class ModelSpec:
 
     name: str
     args: dict = field(default_factory=dict)
+    split_points: tuple[str, ...] = ()  # submodules of a captured model that start a block
+    loss: str | None = None  # "pkg.module:function" (outputs, labels) -> scalar; None: default
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,9 @@ class JobSpec:
         name = _read(root, "name")
         code = _code(root)
         mt = root.table("model", JOB.allowed("model"))
-        model = ModelSpec(_read(mt, "name"), _args(mt))
+        model = ModelSpec(
+            _read(mt, "name"), _args(mt), tuple(_read(mt, "split_points")), _read(mt, "loss")
+        )
         dt = root.table("data", JOB.allowed("data"))
         data = DataSpec(_read(dt, "name"), _args(dt))
         optimizer = _optimizer(root)
@@ -366,7 +370,12 @@ class JobSpec:
         """The job's tables in the file's shape, every key present (None: unset)."""
         opt = self.optimizer
         return {
-            "model": {"name": self.model.name, "args": _plain(self.model.args)},
+            "model": {
+                "name": self.model.name,
+                "args": _plain(self.model.args),
+                "split_points": list(self.model.split_points),
+                "loss": self.model.loss,
+            },
             "data": {"name": self.data.name, "args": _plain(self.data.args)},
             "optimizer": {
                 "name": opt.name,

@@ -22,7 +22,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, validate
 from hetpipe.data import DataError, Dataset, load_dataset
 from hetpipe.job import JobError, JobSpec
-from hetpipe.models import ModelError, build_model
+from hetpipe.models import ModelError, build_model, check_sample, model_loss
 from hetpipe.replicas import check_group
 from hetpipe.security import CodeError, check_code
 from hetpipe.usercode import UserCodeError, check_user_code
@@ -76,16 +76,27 @@ def check_job(
         raise fail(exc.key, str(exc)) from None
     try:
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model.name, spec.model.args)
+        model = build_model(spec.model)
         n_layers = len(model)
     except ModelError as exc:
-        key = "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
+        key = exc.key or (
+            "model.name" if any(w in str(exc) for w in _NAME_PROBLEMS) else "model.args"
+        )
         raise fail(key, str(exc)) from None
+    try:
+        loss = model_loss(spec.model)
+    except ModelError as exc:
+        raise fail(exc.key or "model.loss", str(exc)) from None
     try:
         dataset = load_dataset(spec.data.name, spec.data.args)
     except DataError as exc:
         key = "data.args" if "args" in str(exc) else "data.name"
         raise fail(key, str(exc)) from None
+
+    try:  # one forward of two samples on the meta device: the model fits its data
+        check_sample(spec.model.name, model, dataset.train_x[:2], dataset.train_y[:2], loss)
+    except ModelError as exc:
+        raise fail(exc.key or "model.args", str(exc)) from None
 
     devices = {d.name for d in cluster.devices}
     if spec.num_vws is not None and spec.num_vws > len(devices):

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from hetpipe.capture import user_state
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
@@ -186,9 +187,13 @@ class JobPlan:
         """The plain model holding ``state``; ``strict=True`` proves the state is whole.
 
         The names of tied tensors are filled in from their canonical one, so the model's
-        ties hold one value and its ``state_dict()`` lists every name, as torch's does.
+        ties hold one value and its ``state_dict()`` lists every name, as torch's does. Built
+        from the job's seed, so a captured model's tensors that forward never uses (and so
+        never train) hold their initial values.
         """
-        model = build_model(self.spec.model.name, self.spec.model.args)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed)
+            model = build_model(self.spec.model)
         if self.layout is not None:
             state = self.layout.with_aliases(state)
         model.load_state_dict(state, strict=True)
@@ -204,7 +209,10 @@ class JobPlan:
     def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> tuple[float, float | None]:
         """Write the global weights as one state_dict; return their test accuracy, and (where
         batch-norm statistics were re-estimated before the export) the accuracy with the
-        statistics as trained, for comparison."""
+        statistics as trained, for comparison.
+
+        A captured model's state dict is keyed as the user's own module (ties as it has
+        them), so it loads with ``strict=True`` into the module the factory returns."""
         model = self.model_of(state)
         before = None
         if self.spec.bn_recalibrate and any(
@@ -213,7 +221,7 @@ class JobPlan:
             before = evaluate(model, self.dataset)
             self._recalibrate(model)
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), out_dir / "model.pt")
+        torch.save(user_state(model, model.state_dict()), out_dir / "model.pt")
         return evaluate(model, self.dataset), before
 
     def _recalibrate(self, model: torch.nn.Module) -> None:
@@ -326,7 +334,7 @@ def plan_job(
     else:
         try:
             torch.manual_seed(spec.seed)
-            model = build_model(spec.model.name, spec.model.args)
+            model = build_model(spec.model)
         except ModelError as exc:
             raise JobPlanError(f"model: {exc}") from None
         try:

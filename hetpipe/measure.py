@@ -31,14 +31,14 @@ __all__ = ["Measured", "measure", "measure_layers", "measure_model"]
 def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     """Profile the job's model on ``device`` (runs on a worker's compute thread)."""
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model.name, spec.model.args)
+    model = build_model(spec.model)
     dataset = load_dataset(spec.data.name, spec.data.args)
     n = min(spec.minibatch, len(dataset.train_y))
     # a minibatch of its own, as the runtime's stream gathers one (data.MinibatchStream): a
     # slice would be a view of the whole training set, and a layer that saves its input
     # (the first Linear or conv) would count that set's storage as its saved bytes
     x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
-    loss = model_loss(spec.model.name)
+    loss = model_loss(spec.model)
     got = measure_model(
         model,
         x,

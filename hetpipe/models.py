@@ -10,11 +10,13 @@ runtime builds on meta, slices out its stage, then ``to_empty`` and loads the we
 Construction draws from torch's global generator only, so ``torch.manual_seed`` makes it
 deterministic.
 
-A user model is named ``"package.module:function"``; ``function(**args)`` must return a
-non-empty ``nn.Sequential``. If that function has a callable ``loss`` attribute,
-:func:`model_loss` uses it instead of the default cross entropy. The module is taken from
-``sys.modules`` as imported: the CLI, the head and each worker make it current with its file
-(and compare it with the submitted copy) before a job starts, in :mod:`hetpipe.usercode`.
+A user model is named ``"package.module:function"``; ``function(**args)`` returns a non-empty
+``nn.Sequential`` (cut between its elements, as today) or any other ``nn.Module``, which
+:mod:`hetpipe.capture` turns into an ``nn.Sequential`` of blocks (at ``model.split_points``,
+or at its natural units). The loss: ``model.loss``, else the loss the model returns, else the
+function's ``loss`` attribute, else cross entropy (:func:`model_loss`). The module is taken
+from ``sys.modules`` as imported: the CLI, the head and each worker make it current with its
+file (and compare it with the submitted copy) before a job starts, in :mod:`hetpipe.usercode`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hetpipe.capture import CaptureError, capture, capture_of
+
 __all__ = [
     "BUILTIN",
     "Bottleneck",
@@ -36,6 +40,7 @@ __all__ = [
     "TokenEmbedding",
     "TransformerBlock",
     "build_model",
+    "check_sample",
     "cnn",
     "cross_entropy",
     "gpt",
@@ -51,7 +56,15 @@ _CUSTOM = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class ModelError(ValueError):
-    """A model cannot be built; ``str(e)`` is one line naming the model and the problem."""
+    """A model cannot be built; ``str(e)`` is one line naming the model and the problem.
+
+    ``key``: the job key the problem is about (``"model.name"``, ...), where the text alone
+    does not say it; ``None`` lets the caller tell from the text.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _check_positive(model: str, **values: int) -> None:
@@ -313,36 +326,46 @@ BUILTIN: dict[str, Callable[..., nn.Sequential]] = {
 }
 
 
-def _resolve(name: str) -> Callable[..., Any]:
-    """The builder a model name stands for: a builtin, or an imported ``module:function``."""
+def _resolve(name: str, what: str = "model") -> Callable[..., Any]:
+    """The builder a model name stands for: a builtin, or an imported ``module:function``;
+    ``what`` names the kind of name in the errors (``"loss"``: no builtins)."""
     if not isinstance(name, str):
-        raise ModelError(f"model name must be a string, got {name!r}")
-    if name in BUILTIN:
+        raise ModelError(f"{what} name must be a string, got {name!r}")
+    if what == "model" and name in BUILTIN:
         return BUILTIN[name]
     if ":" not in name:
-        raise ModelError(
-            f"model '{name}': unknown; use one of {', '.join(BUILTIN)} or 'package.module:function'"
-        )
+        builtins = f"use one of {', '.join(BUILTIN)} or " if what == "model" else "use "
+        raise ModelError(f"{what} '{name}': unknown; {builtins}'package.module:function'")
     if not _CUSTOM.match(name):
-        raise ModelError(f"model '{name}': expected 'package.module:function'")
+        raise ModelError(f"{what} '{name}': expected 'package.module:function'")
     module_name, func_name = name.split(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise ModelError(
-            f"model '{name}': cannot import {module_name}: {type(e).__name__}: {e}"
+            f"{what} '{name}': cannot import {module_name}: {type(e).__name__}: {e}"
         ) from e
     try:
         func = getattr(module, func_name)
     except AttributeError:
-        raise ModelError(f"model '{name}': module {module_name} has no {func_name}") from None
+        raise ModelError(f"{what} '{name}': module {module_name} has no {func_name}") from None
     if not callable(func):
-        raise ModelError(f"model '{name}': {func_name} is not callable")
+        raise ModelError(f"{what} '{name}': {func_name} is not callable")
     return func
 
 
-def build_model(name: str, args: Mapping[str, Any] | None = None) -> nn.Sequential:
-    """Build model ``name`` with keyword ``args``; any failure is one :class:`ModelError`."""
+def build_model(
+    name: Any, args: Mapping[str, Any] | None = None, split_points: Sequence[str] = ()
+) -> nn.Sequential:
+    """Build model ``name`` with keyword ``args``; any failure is one :class:`ModelError`.
+
+    ``name`` may also be a job's model spec (:class:`hetpipe.job.ModelSpec`: its name, args
+    and split points). A builder's ``nn.Sequential`` comes back as it is; any other module
+    comes back captured (:func:`hetpipe.capture.capture`), cut at ``split_points`` or at its
+    natural units. Construction runs no forward, so this works under ``torch.device("meta")``.
+    """
+    if not isinstance(name, str) and hasattr(name, "args"):  # a ModelSpec
+        name, args, split_points = name.name, name.args, getattr(name, "split_points", ())
     func = _resolve(name)
     args = {} if args is None else args
     if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
@@ -355,23 +378,169 @@ def build_model(name: str, args: Mapping[str, Any] | None = None) -> nn.Sequenti
         raise ModelError(f"model '{name}': bad args {dict(args)!r}: {e}") from e
     except Exception as e:
         raise ModelError(f"model '{name}': build failed: {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Sequential):
-        raise ModelError(f"model '{name}': returned {type(model).__name__}, not nn.Sequential")
-    if len(model) == 0:
-        raise ModelError(f"model '{name}': returned an empty nn.Sequential")
-    return model
+    if isinstance(model, nn.Sequential):
+        if len(model) == 0:
+            raise ModelError(f"model '{name}': returned an empty nn.Sequential")
+        if split_points:
+            raise ModelError(
+                f"model '{name}': split_points are for captured models; an nn.Sequential is "
+                "cut between its elements ([[vw]] layers)",
+                key="model.split_points",
+            )
+        return model
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model '{name}': returned {type(model).__name__}, not an nn.Module",
+            key="model.name",
+        )
+    try:
+        return capture(model, tuple(split_points))
+    except CaptureError as e:
+        key = "model.split_points" if str(e).startswith("split_points") else "model.name"
+        raise ModelError(
+            f"model '{name}': cannot capture {type(model).__name__}: {e}; name model.split_points"
+            " around it, or return an nn.Sequential of one-tensor layers",
+            key=key,
+        ) from None
 
 
-def cross_entropy(output: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross entropy; ``[B, S, C]`` outputs against ``[B, S]`` labels are flattened first."""
+def check_sample(name: str, model: nn.Sequential, x: Any, y: Tensor, loss: LossFn) -> None:
+    """Run a minibatch of a sample or two (``x``, labels ``y``) through ``model``'s blocks one
+    by one and into ``loss``, so that a model that does not fit its data is refused at submit.
+
+    On the meta device (no compute, and the model's own buffers untouched); where a block
+    cannot run there (``.item()``, a data-dependent shape), the check is run again on the CPU
+    in eval mode without gradients. Raises :class:`ModelError` naming the block (its index,
+    and its first submodule or its class), the shapes it was given and the failure.
+    """
+    try:
+        _run_sample(model, x, y, loss, meta=True)
+        return
+    except _SampleError:
+        pass
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _run_sample(model, x, y, loss, meta=False)
+    except _SampleError as e:
+        cap = capture_of(model)
+        if e.block is None:
+            where = "the loss"
+        elif cap is not None:
+            where = f"block {e.block} ({cap.starts[e.block] or 'the inputs'})"
+        else:
+            where = f"layer {e.block} ({type(model[e.block]).__name__})"
+        raise ModelError(
+            f"model '{name}': {where} fails on the data: given {e.given}: {e.problem}",
+            key="model.args",
+        ) from None
+    finally:
+        model.train(was_training)
+
+
+class _SampleError(Exception):
+    def __init__(self, block: int | None, given: str, problem: str) -> None:
+        super().__init__(problem)
+        self.block, self.given, self.problem = block, given, problem
+
+
+def _shapes(value: Any) -> str:
+    """``[2, 1, 8, 8] float32``; a tuple or mapping of such."""
+    if isinstance(value, Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_shapes(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_shapes(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _to(value: Any, device: str) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _run_sample(model: nn.Sequential, x: Any, y: Tensor, loss: LossFn, *, meta: bool) -> None:
+    """One pass of ``x`` through the blocks and ``loss``; :class:`_SampleError` on a failure."""
+    from torch.func import functional_call
+
+    carry = _to(x, "meta") if meta else x
+    for i, block in enumerate(model):
+        given = _shapes(carry)
+        try:
+            if meta:
+                named = dict(block.named_parameters(remove_duplicate=False))
+                named.update(block.named_buffers(remove_duplicate=False))
+                state = {k: t.to("meta") for k, t in named.items()}
+                carry = functional_call(block, state, (carry,), tie_weights=False)
+            else:
+                carry = block(carry)
+        except Exception as e:
+            raise _SampleError(i, given, _first_line(e)) from None
+    try:
+        loss(carry, _to(y, "meta") if meta else y)
+    except Exception as e:
+        given = f"{_shapes(carry)} against labels {_shapes(y)}"
+        raise _SampleError(None, given, _first_line(e)) from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def cross_entropy(output: Any, labels: Tensor) -> Tensor:
+    """Mean cross entropy; ``[B, S, C]`` outputs against ``[B, S]`` labels are flattened first.
+
+    An output that carries its own loss is taken as it is: a scalar Tensor, an object with a
+    ``loss`` attribute or a mapping with a ``"loss"`` key (a ``ModelOutput``), or a tuple
+    whose first element is a scalar (``return_dict=False``). Another mapping or object is
+    scored on its ``logits``, a tuple on its first element.
+    """
+    own = _own_loss(output)
+    if own is not None:
+        return own
+    if isinstance(output, Mapping) and "logits" in output:
+        output = output["logits"]
+    elif not isinstance(output, Tensor) and isinstance(getattr(output, "logits", None), Tensor):
+        output = output.logits
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
     if output.dim() > 2:
         output = output.reshape(-1, output.shape[-1])
         labels = labels.reshape(-1)
     return F.cross_entropy(output, labels)
 
 
-def model_loss(name: str) -> LossFn:
-    """The loss of model ``name``'s output against its labels (cross entropy by default)."""
+def _own_loss(output: Any) -> Tensor | None:
+    """The loss a model's output carries, else ``None``."""
+    if isinstance(output, Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        loss = output[0] if output and isinstance(output[0], Tensor) else None
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, Tensor) and loss.dim() == 0 else None
+
+
+def model_loss(model: Any) -> LossFn:
+    """The loss the last stage applies to (output, labels): ``model.loss`` where the job
+    names one, else the builder's ``loss`` attribute, else :func:`cross_entropy` (which takes
+    the loss a model returns itself). ``model``: a model name, or a job's model spec."""
+    name, named = (model, None) if isinstance(model, str) else (model.name, model.loss)
+    if named is not None:
+        loss = _resolve(named, "loss")
+        if isinstance(loss, type):
+            raise ModelError(f"loss '{named}': is a class; name a function", key="model.loss")
+        return loss
     func = _resolve(name)
     loss = getattr(func, "loss", None)
     if name not in BUILTIN and loss is not None:

@@ -577,6 +577,8 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
         table = job.get(what)
         if isinstance(table, dict):
             _check_code(what, table.get("name"), builtins, allowed_modules, group)
+            if what == "model":  # a loss function of the user's: the same policy
+                _check_code("model", table.get("loss"), (), allowed_modules, group, "loss")
     table = job.get("lr_schedule")  # a schedule function: "hetpipe.lr_schedules" entry points
     if isinstance(table, dict):
         _check_code(

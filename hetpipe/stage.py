@@ -184,7 +184,7 @@ class StageCompute:
         )
         self.in_flight: dict[int, _InFlight] = {}
         self.grads = Gradients(self.dev, self.copier)  # awaiting the step (hetpipe.gradients)
-        self.loss_fn = model_loss(self.spec.model.name) if task.is_last else None
+        self.loss_fn = model_loss(self.spec.model) if task.is_last else None
         # a replica of the last stage: its rows' share of the whole minibatch's mean loss, so
         # that the replicas' gradients sum to the unsplit one (hetpipe.replicas)
         lo, hi = task.my_rows(self.spec.minibatch)

@@ -46,7 +46,7 @@ def build_stage_module(spec: JobSpec, first: int, last: int, device: str) -> nn.
     use of a tied tensor its own new one, so the ties of the slice are restored after it.
     """
     with torch.device("meta"):
-        full = build_model(spec.model.name, spec.model.args)
+        full = build_model(spec.model)
     if not 0 <= first < last <= len(full):
         raise ValueError(f"layers {first}..{last - 1} out of range: the model has {len(full)}")
     part = full[first:last]

@@ -75,13 +75,14 @@ def named_code(job: Any) -> list[Named]:
     if hasattr(job, "to_dict"):
         job = job.to_dict()
     out = []
-    for section, key in (("model", "name"), ("data", "name"), ("lr_schedule", "kind")):
+    for key in ("model.name", "model.loss", "data.name", "lr_schedule.kind"):
+        section, _, field = key.partition(".")
         table = job.get(section) if isinstance(job, Mapping) else None
-        name = table.get(key) if isinstance(table, Mapping) else None
+        name = table.get(field) if isinstance(table, Mapping) else None
         if isinstance(name, str) and name.count(":") == 1:
             module, function = name.split(":")
             if module and function:
-                out.append(Named(f"{section}.{key}", module, function))
+                out.append(Named(key, module, function))
     return out
 
 

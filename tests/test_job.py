@@ -200,7 +200,7 @@ CASES = [
         'name = "cnn"',
         'name = "cnn"\nwidth = 8',
         "model.width",
-        "unknown key (allowed: args, name)",
+        "unknown key (allowed: args, loss, name, split_points)",
     ),
     ("unknown-data", 'name = "digits"', 'name = "digits"\nsplit = 1', "data.split", "unknown key"),
     ("unknown-optimizer", "lr = 0.1", "lr = 0.1\nbeta = 0.9", "optimizer.beta", "unknown key"),

@@ -169,6 +169,9 @@ def user_module(tmp_path, monkeypatch) -> str:
             def not_sequential():
                 return nn.Linear(2, 2)
 
+            def not_a_module():
+                return 3
+
             def empty():
                 return nn.Sequential()
 
@@ -201,7 +204,7 @@ def test_user_module(user_module: str) -> None:
         ("hp_user_broken:fn", None, "cannot import.*import boom"),
         ("hetpipe.models:no_such_fn", None, "has no no_such_fn"),
         ("hp_user_models:NOT_CALLABLE", None, "not callable"),
-        ("hp_user_models:not_sequential", None, "returned Linear, not nn.Sequential"),
+        ("hp_user_models:not_a_module", None, "returned int, not an nn.Module"),
         ("hp_user_models:empty", None, "empty"),
         ("hp_user_models:broken", None, "build failed: RuntimeError: boom"),
         ("hp_user_models:good", {"nope": 1}, "bad args"),

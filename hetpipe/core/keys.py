@@ -274,14 +274,32 @@ JOB: Final = Schema(
         ),
         Section(
             "model",
-            "The model to train: a sequence of layers the planner cuts into stages.",
+            "The model to train: a sequence of blocks the planner cuts into stages.",
             (
                 Key(
                     "name",
                     "string",
-                    'A builtin model ("mlp", "cnn", ...) or "pkg.module:function" returning one.',
+                    'A builtin model ("mlp", "cnn", ...) or "pkg.module:function" returning an '
+                    "`nn.Sequential` (cut between its elements) or any `nn.Module` (captured "
+                    "into blocks, see docs/own-models.md).",
                 ),
                 Key("args", "table", "Keyword arguments of the model's builder.", default={}),
+                Key(
+                    "split_points",
+                    "array of strings",
+                    'Submodules of a captured model that each start a block (`["layers.4"]`). '
+                    "Empty: a block per natural unit (each top-level child, each element of a "
+                    "`ModuleList` or `Sequential`).",
+                    default=[],
+                ),
+                Key(
+                    "loss",
+                    "string",
+                    '"pkg.module:function" taking (outputs, labels) and returning a scalar. '
+                    "Unset: the loss the model returns (a scalar output, a `loss` attribute or "
+                    "key), else the builder's `loss` attribute, else cross entropy.",
+                    default=None,
+                ),
             ),
         ),
         Section(
