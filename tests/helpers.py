@@ -98,7 +98,7 @@ def plain_training(
     torch.set_num_threads(1)
     try:
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model.name, spec.model.args)
+        model = build_model(spec.model)
         data = load_dataset(spec.data.name)
         streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
         opt = optimizer_of(spec, model.parameters())
@@ -114,7 +114,7 @@ def plain_training(
                 if clip_norm is not None and group:
                     torch.nn.utils.clip_grad_norm_(group, clip_norm)
 
-        loss_fn = model_loss(spec.model.name)
+        loss_fn = model_loss(spec.model)
         model.train()
         for i in range(steps):
             batches = [
