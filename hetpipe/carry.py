@@ -35,26 +35,33 @@ Batch = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 Target = Tensor | dict[str, Tensor] | None
 
 
-def tensors(c: Any) -> list[Tensor]:
-    """The tensors of a carry, batch or target, in order (a dict's in its key order)."""
+def tensors(c: Any) -> list[Any]:
+    """The tensors of a carry, batch or target, in order (a dict's in its key order). A
+    tensor still to be opened (one shared by a GPU's handle, :class:`hetpipe.cudaipc.Shared`)
+    counts as a tensor."""
     if isinstance(c, Tensor):
         return [c]
     if c is None:
         return []
     if isinstance(c, Mapping):
         return list(c.values())
-    return list(c)
+    if isinstance(c, (tuple, list)):
+        return list(c)
+    return [c]
 
 
-def mapped(c: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """``fn`` applied to each tensor of a carry, batch or target, in the same structure."""
+def mapped(c: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to each tensor of a carry, batch or target, in the same structure (a
+    list becomes a tuple: a carry)."""
     if isinstance(c, Tensor):
         return fn(c)
     if c is None:
         return None
     if isinstance(c, Mapping):
         return {k: fn(t) for k, t in c.items()}
-    return tuple(fn(t) for t in c)
+    if isinstance(c, (tuple, list)):
+        return tuple(fn(t) for t in c)
+    return fn(c)
 
 
 def nbytes(c: Any) -> int:
@@ -98,7 +105,9 @@ def names(c: Any, base: str) -> dict[str, Tensor]:
         return {}
     if isinstance(c, Mapping):
         return {f"{base}.{k}": t for k, t in c.items()}
-    return {f"{base}.{i}": t for i, t in enumerate(c)}
+    if isinstance(c, (tuple, list)):
+        return {f"{base}.{i}": t for i, t in enumerate(c)}
+    return {base: c}
 
 
 def carry_of(got: Mapping[str, Any], base: str, what: str) -> Any:

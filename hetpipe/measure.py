@@ -151,6 +151,12 @@ def measure_layers(
     input as a stage receives it, and a floating output counted in bfloat16 bytes (what
     travels to the next stage and what it keeps as its input); the parameters stay float32.
 
+    A layer's input and output may be carries (:mod:`hetpipe.carry`: a tuple of tensors, and
+    the model's input a dict too): its ``out_bytes`` count every tensor of its output, which
+    is what the runtime sends at a cut after it (so a cut inside a residual block is priced
+    for the branch and the skip), its input gradient every floating tensor of its input, and
+    its backward starts from a gradient of ones for each output tensor that takes one.
+
     The layers are moved to ``device`` in place and run in training mode, so batch-norm
     running statistics change: profile a fresh model, not one being trained.
     """

@@ -50,6 +50,7 @@ from hetpipe.core.memory import (
 )
 from hetpipe.core.staleness import StageTable
 from hetpipe.core.wsp import wave_of
+from hetpipe.cudaipc import Shared
 from hetpipe.gradients import Gradients
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
@@ -258,7 +259,7 @@ class StageCompute:
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = emulate.mark()
-        if isinstance(x, torch.Tensor):  # one tensor: the plain case, nothing walked
+        if isinstance(x, (torch.Tensor, Shared)):  # one tensor: the plain case, nothing walked
             x = to_device(x, self.dev)
             if not self.task.is_first and x.is_floating_point():
                 x = x.detach().requires_grad_()

@@ -396,7 +396,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         ("residual_net", {}, [2, 3, 2, 1], "async"),
         ("residual_net", {"norm": False}, [3, 5], "1f1b"),
         ("residual_net", {"norm": False}, [2, 1, 3, 2], "1f1b"),
-        ("masked_seq", {}, [2, 3], "async"),  # (h, pos, mask)
+        ("masked_seq", {}, [2, 4], "async"),  # (h, pos, mask)
         ("masked_seq", {}, [1, 1, 2, 2], "async"),  # an integer-only carry too
         ("masked_seq", {}, [1, 2, 1, 2], "1f1b"),
     ],
@@ -424,10 +424,12 @@ def test_carries_train_plain_pytorchs_weights(cluster, model, args, layers, sche
 @pytest.mark.timeout(240)
 def test_carries_through_a_replicated_stage(cluster) -> None:
     """A stage replicated on two devices splits and gathers a tuple carry by rows (its
-    gradients as well) and still trains plain PyTorch's weights."""
+    gradients as well; position ids of one row for the minibatch travel whole) and still
+    trains plain PyTorch's weights."""
     spec = job(
         "carries-replicas",
         model="usermodels:masked_seq",
+        model_args={"per_row": False},
         split=[(["gpu0", ["gpu1", "gpu2"], "gpu3"], [2, 2, 2])],
         nm=1,
         minibatches=STEPS,

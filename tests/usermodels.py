@@ -234,7 +234,12 @@ class Tokenize(nn.Module):
     ``[B, 1, 8, 8]`` -> ``(int64 [B, 64] tokens, int64 [B, 64] positions, bool [B, 64])``.
 
     Takes the batch as a tensor, a tuple (its first tensor) or a dict (``"x"``), so that the
-    same model serves every shape a first stage's input may have."""
+    same model serves every shape a first stage's input may have. Without ``per_row`` the
+    position ids are one ``[64]`` row for the whole minibatch (not split by replica rows)."""
+
+    def __init__(self, per_row: bool = True) -> None:
+        super().__init__()
+        self.per_row = per_row
 
     def forward(self, x: Any) -> tuple[Tensor, Tensor, Tensor]:
         if isinstance(x, dict):
@@ -242,7 +247,9 @@ class Tokenize(nn.Module):
         elif isinstance(x, tuple):
             x = x[0]
         tokens = (x.flatten(1) * 16).round().long()
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if self.per_row:
+            positions = positions.expand_as(tokens)
         return tokens, positions, tokens > 0
 
 
@@ -283,16 +290,17 @@ class MaskedPool(nn.Module):
         return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def masked_seq(dim: int = 16, mixes: int = 2) -> nn.Sequential:
+def masked_seq(dim: int = 16, mixes: int = 2, per_row: bool = True) -> nn.Sequential:
     """A sequence model whose elements pass a hidden state with integer position ids and a
     boolean mask: layers 0 Tokenize (no parameters; its output is integer and boolean only),
     1 Embed, 2.. PosMix (``mixes`` of them), then MaskedPool and a Linear to 10 classes.
 
     Its loss (:func:`masked_seq_loss`) takes a target as a tensor of labels, a dict
     (``"labels"``) or None (then the output's own mean square: a model that makes its loss).
+    ``per_row = False``: the position ids are one row for the whole minibatch.
     """
     return nn.Sequential(
-        Tokenize(),
+        Tokenize(per_row),
         Embed(dim),
         *(PosMix(dim) for _ in range(mixes)),
         MaskedPool(),
