@@ -32,6 +32,8 @@ from hetpipe.localcluster import LocalCluster
 from hetpipe.measure import measure_layers
 from hetpipe.models import build_model, model_loss
 from hetpipe.pipeline import StageRunner
+from hetpipe.planner import ProfileStore
+from hetpipe.profiling import model_key
 from hetpipe.replicas import gather, piece
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
@@ -154,6 +156,7 @@ def test_carry_names_round_trip_and_refusals() -> None:
         ("residual_net", [2]),  # after a Branch: (a, skip)
         ("residual_net", [1, 3, 5]),  # a bare tensor, then two tuples
         ("residual_net", [2, 6, 7]),
+        ("residual_net", [2, 4]),  # a tuple in, one tensor out
         ("masked_seq", [2]),  # (h, pos, mask): one gradient, for h
         ("masked_seq", [1, 3]),  # stage 1's input is integer and boolean only
     ],
@@ -437,3 +440,23 @@ def test_carries_through_a_replicated_stage(cluster) -> None:
     info = cluster.submit(spec, timeout=200)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(torch.load(info["model_path"]), plain_training(spec, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_planned_job_prices_every_tensor_of_a_cut(cluster) -> None:
+    """Without a split, the workers profile the model for the head's planner: the profile's
+    bytes after a layer that opens a residual block count the branch and the skip, and the
+    planned job trains."""
+    spec = job("carries-planned", model="usermodels:residual_net", minibatches=20)
+    spec["train"].pop("nm")
+    spec["train"]["vws"] = 1
+    info = cluster.submit(spec, timeout=280)
+    assert info["state"] == "done", info.get("error")
+    store = ProfileStore(cluster.run_dir / "profiles.json")
+    prof = store.model_profile(model_key(JobSpec.from_dict(spec)), 32)
+    assert prof is not None
+    one = 32 * 32 * 4  # a [32, 32] float32 activation
+    # layers 0 Stem, 1 Branch -> (a, skip), 2 BranchMore -> (a, skip), 3 Join, ...
+    assert [lp.out_bytes for lp in prof.layers["fast"][:4]] == [one, 2 * one, 2 * one, one]
+    assert prof.input_bytes == 32 * 64 * 4
