@@ -260,12 +260,10 @@ class StageRunner:
             if not plain:  # refused before any piece of it is kept
                 carry.message_parts(dict.fromkeys(names), f"{msg.kind} {msg['p']}")
             got = self._piece(msg, names, self.prev_rows)
-            if got is None:
-                pass
-            elif plain:
-                self.acts[msg["p"]] = (got["x"], got["y"])
-            else:
-                self.acts[msg["p"]] = carry.message_parts(got, "")
+            if got is not None:
+                self.acts[msg["p"]] = (
+                    (got["x"], got["y"]) if plain else carry.message_parts(got, "")
+                )
         elif msg.kind == Kind.GRAD:
             names = self._names(msg)
             plain = names == _GRAD_NAMES
