@@ -42,7 +42,8 @@ __all__ = ["check_group", "combine", "gather", "piece", "pieces_for", "split_row
 
 def piece(t: torch.Tensor, mine: tuple[int, int], lo: int, hi: int) -> torch.Tensor:
     """Rows ``[lo, hi)`` of ``t``, which holds rows ``mine``. A tensor without those rows
-    (an empty "no gradient" marker) goes whole."""
+    (an empty "no gradient" marker, a tensor of a carry that is not row-major) goes whole;
+    :func:`gather` puts each back by its name (each tensor of a carry is pieced alone)."""
     if t.dim() == 0 or t.shape[0] != mine[1] - mine[0]:
         return t
     return t[lo - mine[0] : hi - mine[0]]
