@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hetpipe import carry
 from hetpipe.config import DeviceSpec
 from hetpipe.core.profile import CallProfile, LayerProfile, padded_speed
 from hetpipe.data import load_dataset
@@ -50,7 +51,7 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     return {
         "layers": [dataclasses.asdict(lp) for lp in got.layers],
         "call": got.call.to_dict(),
-        "input_bytes": x.numel() * x.element_size(),
+        "input_bytes": carry.nbytes(x),
     }
 
 
@@ -150,6 +151,12 @@ def measure_layers(
     input as a stage receives it, and a floating output counted in bfloat16 bytes (what
     travels to the next stage and what it keeps as its input); the parameters stay float32.
 
+    A layer's input and output may be carries (:mod:`hetpipe.carry`: a tuple of tensors, and
+    the model's input a dict too): its ``out_bytes`` count every tensor of its output, which
+    is what the runtime sends at a cut after it (so a cut inside a residual block is priced
+    for the branch and the skip), its input gradient every floating tensor of its input, and
+    its backward starts from a gradient of ones for each output tensor that takes one.
+
     The layers are moved to ``device`` in place and run in training mode, so batch-norm
     running statistics change: profile a fresh model, not one being trained.
     """
@@ -198,15 +205,16 @@ def _measure(
 
     layers = [layer.to(device) for layer in model]
     n = len(layers)
-    # inputs of every layer, from one untimed pass
+    # inputs of every layer, from one untimed pass; a layer's input and output may be carries
+    # (hetpipe.carry: a tuple of tensors; the model's input also a dict)
     inputs = []
-    x = example.to(device)
+    x = carry.mapped(example, lambda t: t.to(device))
     for layer in layers:
         inputs.append(x)
         with torch.no_grad(), autocast():
             x = layer(x)
-        if bf16 and x.is_floating_point():
-            x = x.to(half)
+        if bf16:
+            x = carry.to_half(x, half)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     upd: list[list[float]] = [[] for _ in range(n)]
@@ -229,9 +237,7 @@ def _measure(
         elif rep - warmup >= min(3, repeats) and time.perf_counter() - started > budget_s:
             break
         for i, layer in enumerate(layers):
-            inp = inputs[i].detach()
-            if i > 0 and inp.is_floating_point():
-                inp.requires_grad_(True)
+            inp = _input(inputs[i], i > 0)
             seen: dict[int, int] = {}
 
             def pack(t: Any, seen: dict[int, int] = seen, own: set[int] = owns[i]) -> Any:
@@ -260,7 +266,7 @@ def _measure(
                 bwd[i].append(t2 - t1)
                 upd[i].append(t3 - t2)
                 saved[i] = sum(seen.values())
-                backs[i] = target.requires_grad
+                backs[i] = any(t.requires_grad for t in carry.tensors(target))
         if whole and n > 1:
             f_all, b_all = _time_whole(layers, inputs[0], loss_fn, autocast, device)
             assert whole_state is not None
@@ -291,8 +297,13 @@ def _measure(
         y, x = outs[i], inputs[i]
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
-        out_bytes = y.numel() * (2 if bf16 and y.is_floating_point() else y.element_size())
-        in_grad = x.numel() * x.element_size() if i > 0 and x.is_floating_point() else 0
+        # every tensor of the carry crosses a cut after this layer (and travels in bfloat16
+        # where it is floating under bf16); its floating ones take gradients
+        out_bytes = sum(
+            t.numel() * (2 if bf16 and t.is_floating_point() else t.element_size())
+            for t in carry.tensors(y)
+        )
+        in_grad = carry.float_bytes(x) if i > 0 else 0
         out.append(
             LayerProfile(
                 max(0.0, statistics.median(fwd[i]) - call_f) / speed,
@@ -318,7 +329,7 @@ def _time_whole(
     """Forward and backward time of every layer run as one stage: one forward over them
     all (what the first stage receives: an input without gradient), one backward call."""
 
-    inp = x.detach()
+    inp = _input(x, False)
     _sync(device)
     t0 = time.perf_counter()
     with autocast():
@@ -336,16 +347,33 @@ def _time_whole(
     return t1 - t0, t2 - t1
 
 
+def _input(x: Any, grad: bool) -> Any:
+    """A layer's input as a stage gets it: detached, and with ``grad`` (any layer but the
+    model's first) each floating tensor a leaf that takes a gradient."""
+    if isinstance(x, torch.Tensor):
+        inp = x.detach()
+        if grad and inp.is_floating_point():
+            inp.requires_grad_(True)
+        return inp
+    return carry.requiring_grad(x) if grad else carry.mapped(x, torch.Tensor.detach)
+
+
 def _backward(target: Any) -> None:
     """The backward a layer, or the whole model, is timed with: from the loss where
-    ``target`` is one, else from a gradient of ones; none for an output without gradient."""
+    ``target`` is one, else from a gradient of ones (for each tensor of a carry that takes
+    one); none for an output without gradient."""
     import torch
 
-    if target.requires_grad:
-        if target.dim() == 0:
-            target.backward()
-        else:
-            target.backward(torch.ones_like(target))
+    if isinstance(target, torch.Tensor):
+        if target.requires_grad:
+            if target.dim() == 0:
+                target.backward()
+            else:
+                target.backward(torch.ones_like(target))
+        return
+    outs = [t for t in carry.tensors(target) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 class _UpdateState:

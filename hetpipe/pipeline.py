@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from hetpipe import hostshm
+from hetpipe import carry, hostshm
+from hetpipe.carry import Carry, Target
 from hetpipe.checkpoint import is_cut
 from hetpipe.computethread import InlinePolicy
 from hetpipe.core.schedule import (
@@ -70,6 +71,9 @@ Send = Callable[
 ]
 # a stage's state at a cut (wave, meta, tensors): to the head, for a checkpoint
 Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[None]]
+# the names of an activation of one tensor with its target, and of its gradient (sorted)
+_ACT_NAMES = ("x", "y")
+_GRAD_NAMES = ("g",)
 # a chunk of finished minibatches' records (rows of Record.FIELDS, ascending p) and the
 # timeline spans since the previous chunk: to the head while the stage trains, so no message
 # and no daemon's memory grows with the length of the job
@@ -204,8 +208,9 @@ class StageRunner:
         if compute.restored:  # its checkpointed weights hold the first wave's merge
             self.schedule.done(Pull(0))
             self.schedule.done(Merge(0))
-        self.acts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grads: dict[int, torch.Tensor] = {}
+        # received carries (hetpipe.carry) with their targets, and gradients, by minibatch
+        self.acts: dict[int, tuple[Carry, Target]] = {}
+        self.grads: dict[int, Carry] = {}
         # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
         task = self.task
         n = compute.spec.minibatch
@@ -305,23 +310,47 @@ class StageRunner:
 
     def on_message(self, msg: Message) -> None:
         """Take an activation or a gradient addressed to this stage (``ValueError``, one
-        line, if it lacks its tensor or carries a malformed handle)."""
+        line, if its tensors' names form no carry, or it carries a malformed handle).
+
+        An activation's tensors are its carry (``x``, or ``x.0`` ... for a tuple) and the
+        minibatch's target (``y``, ``y.<key>`` for a dict, none for a model that computes its
+        own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
         if msg.get("agree") is not None:
             self._take_agreement(msg)
         elif msg.kind == Kind.ACT:
-            got = self._piece(msg, ("x", "y"), self.prev_rows)
+            names = self._names(msg)
+            plain = names == _ACT_NAMES  # one activation and its target: nothing to walk
+            if not plain:  # refused before any piece of it is kept
+                carry.message_parts(dict.fromkeys(names), f"{msg.kind} {msg['p']}")
+            got = self._piece(msg, names, self.prev_rows)
             if got is not None:
-                self.acts[msg["p"]] = (got["x"], got["y"])
+                self.acts[msg["p"]] = (
+                    (got["x"], got["y"]) if plain else carry.message_parts(got, "")
+                )
         elif msg.kind == Kind.GRAD:
-            got = self._piece(msg, ("g",), self.next_rows)
+            names = self._names(msg)
+            plain = names == _GRAD_NAMES
+            if not plain:
+                carry.gradient_of(dict.fromkeys(names), f"{msg.kind} {msg['p']}")
+            got = self._piece(msg, names, self.next_rows)
             if got is not None:
-                self.grads[msg["p"]] = got["g"]
+                self.grads[msg["p"]] = got["g"] if plain else carry.gradient_of(got, "")
         elif msg.kind == Kind.REPLICA_GRAD:
             grads = {
                 name: self._received(msg, name) for name in (*msg.tensors, *(msg.get("shm") or {}))
             }
             self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
+
+    @staticmethod
+    def _names(msg: Message) -> tuple[str, ...]:
+        """The names of a message's tensors, wherever they travel (frames, shared memory, a
+        GPU's handle), sorted."""
+        placed = msg.get("shm")
+        shared = msg.get("ipc")
+        if not placed and not shared:
+            return tuple(sorted(msg.tensors))
+        return tuple(sorted({*msg.tensors, *(placed or {}), *(shared or {})}))
 
     def _received(self, msg: Message, name: str) -> torch.Tensor | Shared:
         """Tensor ``name`` of a received message: in its frames, in this host's shared memory
@@ -358,7 +387,13 @@ class StageRunner:
         if len(got) < len(expected):
             return None
         del self.pieces[key]
-        return {name: gather({lo: t[name] for lo, t in got.items()}) for name in names}
+        # a tensor that is not row-major (it travelled whole to every replica): an activation
+        # is the same in every piece; a gradient is the sum of the replicas' parts of it
+        ends = dict(expected)
+        add = msg.kind == Kind.GRAD
+        return {
+            name: gather({lo: t[name] for lo, t in got.items()}, ends, add=add) for name in names
+        }
 
     def combined(self, p: int) -> bool:
         return len(self.replica_grads.get(p, ())) >= len(self.task.group) - 1
@@ -511,9 +546,9 @@ class StageRunner:
             if isinstance(a, Forward) and made is not None:
                 with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
                     host, shared = await self._outgoing(made)
-                    await self._send_rows(
-                        Kind.ACT, a.p, {**host, "y": given[1]}, shared, self.next_rows
-                    )
+                    y = given[1]
+                    target = {"y": y} if isinstance(y, torch.Tensor) else carry.names(y, "y")
+                    await self._send_rows(Kind.ACT, a.p, {**host, **target}, shared, self.next_rows)
             elif isinstance(a, Backward):
                 if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
@@ -571,13 +606,19 @@ class StageRunner:
             return {}, made
         return await self._host(made), None
 
-    def _made(self, kind: str, name: str, t: torch.Tensor) -> HostCopy | dict[str, Any]:
-        """On the compute thread: ``t`` on its way to the neighbour, shared by handle where
-        it goes device to device (exported here, behind the kernels that made it), else
-        copied to the host."""
-        if kind in self.direct and t.is_cuda:
-            return {name: share(t)}
-        return self.compute.copier.to_host({name: t})
+    def _made(self, kind: str, name: str, t: Carry) -> HostCopy | dict[str, Any]:
+        """On the compute thread: carry ``t`` on its way to the neighbour, its tensors named
+        after ``name`` (:func:`hetpipe.carry.names`), shared by handle where they go device
+        to device (exported here, behind the kernels that made them), else copied to the
+        host."""
+        if isinstance(t, torch.Tensor):
+            if kind in self.direct and t.is_cuda:
+                return {name: share(t)}
+            return self.compute.copier.to_host({name: t})
+        named = carry.names(t, name)
+        if kind in self.direct and named and all(v.is_cuda for v in named.values()):
+            return {n: share(v) for n, v in named.items()}
+        return self.compute.copier.to_host(named)
 
     def _compute(
         self, run: list[Action], inputs: list[Any]

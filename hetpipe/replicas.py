@@ -42,18 +42,33 @@ __all__ = ["check_group", "combine", "gather", "piece", "pieces_for", "split_row
 
 def piece(t: torch.Tensor, mine: tuple[int, int], lo: int, hi: int) -> torch.Tensor:
     """Rows ``[lo, hi)`` of ``t``, which holds rows ``mine``. A tensor without those rows
-    (an empty "no gradient" marker) goes whole."""
+    (an empty "no gradient" marker, a tensor of a carry that is not row-major) goes whole;
+    :func:`gather` puts each back by its name (each tensor of a carry is pieced alone)."""
     if t.dim() == 0 or t.shape[0] != mine[1] - mine[0]:
         return t
     return t[lo - mine[0] : hi - mine[0]]
 
 
-def gather(pieces: Mapping[int, torch.Tensor]) -> torch.Tensor:
+def gather(
+    pieces: Mapping[int, torch.Tensor],
+    ends: Mapping[int, int] | None = None,
+    *,
+    add: bool = False,
+) -> torch.Tensor:
     """One tensor of pieces keyed by their first row (a single piece is returned as is; empty
-    markers stay one marker)."""
+    markers stay one marker).
+
+    ``ends``: each piece's end row by its first. Where no piece has its rows (a tensor of a
+    carry that is not row-major, which :func:`piece` sends whole: position ids of one
+    sequence, a mask), the pieces are one whole tensor: the first of them, or with ``add``
+    their sum (the replicas' gradients of a tensor each of them used whole)."""
     parts = [pieces[lo] for lo in sorted(pieces)]
     if len(parts) == 1 or all(p.numel() == 0 for p in parts):
         return parts[0]
+    if ends is not None and not any(
+        t.dim() and t.shape[0] == ends[lo] - lo for lo, t in sorted(pieces.items())
+    ):
+        return torch.stack(parts).sum(0) if add else parts[0]
     return torch.cat(parts)
 
 

@@ -35,14 +35,15 @@ import dataclasses
 import importlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from hetpipe import emulate, stagestate
+from hetpipe import carry, emulate, stagestate
+from hetpipe.carry import Batch, Carry, Target
 from hetpipe.config import DeviceSpec
 from hetpipe.core.lr import LossScale, is_function, step_index
 from hetpipe.core.memory import (
@@ -53,6 +54,7 @@ from hetpipe.core.memory import (
 )
 from hetpipe.core.staleness import StageTable
 from hetpipe.core.wsp import wave_of
+from hetpipe.cudaipc import Shared
 from hetpipe.gradients import Gradients
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
@@ -80,8 +82,8 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class _InFlight:
     """What the backward of one minibatch needs: its input, output and weight version."""
 
-    x: torch.Tensor
-    out: torch.Tensor
+    x: Batch  # a carry (hetpipe.carry), or the first stage's batch input
+    out: Carry
     params: dict[str, torch.Tensor]
     version: int
     fingerprint: float  # of the weights the forward used, taken at forward time
@@ -266,7 +268,7 @@ class StageCompute:
     acc: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("wv")  # wave -> its update
     pending: _Through[dict[int, dict[str, torch.Tensor]]] = _Through("grads")
     param_bytes: _Through[int] = _Through("mem")
-    _layer_bytes: _Through[dict[tuple[int, ...], LayerBytes]] = _Through("mem", "layer_bytes")
+    _layer_bytes: _Through[dict[Hashable, LayerBytes]] = _Through("mem", "layer_bytes")
     probe: _Through[Probe | None] = _Through("probes")  # the outstanding prediction probe
     probe_every: _Through[int] = _Through("probes", "every")
     _quality: _Through[Readback] = _Through("probes", "quality")  # the probes' scores
@@ -284,21 +286,31 @@ class StageCompute:
 
     # -- forward / backward -----------------------------------------------------------------
 
-    def forward(self, p: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Run the forward of minibatch ``p``: the activation for the next stage, or, on the
-        last stage, None after the loss (kept for :meth:`backward`, which the schedule runs
-        right after in the async kind)."""
+    def forward(self, p: int, x: Batch, y: Target) -> Carry | None:
+        """Run the forward of minibatch ``p``: the carry for the next stage (a tensor or a
+        tuple of tensors, :mod:`hetpipe.carry`), or, on the last stage, None after the loss
+        (kept for :meth:`backward`, which the schedule runs right after in the async kind).
+
+        ``x``: the carry from the previous stage, or on the first stage the batch's input (a
+        tensor, a tuple or a dict of tensors, which the first element takes as it is); ``y``:
+        the target the last stage's loss takes (a tensor, a dict of tensors, or None)."""
         for fault in self.stalls.get(p, ()):
             time.sleep(fault)  # injected: a stuck kernel or device, for hang diagnosis
         started = emulate.mark()
-        x = to_device(x, self.dev)
-        if not self.task.is_first and x.is_floating_point():
-            x = x.detach().requires_grad_()
+        if isinstance(x, (torch.Tensor, Shared)):  # one tensor: the plain case, nothing walked
+            x = to_device(x, self.dev)
+            if not self.task.is_first and x.is_floating_point():
+                x = x.detach().requires_grad_()
+            shape: Hashable = tuple(x.shape)
+        else:
+            x = carry.mapped(x, lambda t: to_device(t, self.dev))
+            if not self.task.is_first:
+                x = carry.requiring_grad(x)
+            shape = carry.shape_of(x)
         params, recompute, late = self._forward_weights(p)
         state = {**params, **self.wv.buffers, **self.wv.local}
         self.seeds.p = p
         before = {n: b.clone() for n, b in self.wv.buffers.items()}
-        shape = tuple(x.shape)
         known = self.mem.layer_bytes.get(shape)
         self.layers.swapper.start()
         if recompute and known is not None:
@@ -314,7 +326,7 @@ class StageCompute:
             known = measured
             self.mem.measured(shape, known)
         if recompute:
-            out = out.detach()  # a measuring forward's graph is dropped too
+            out = carry.mapped(out, torch.Tensor.detach)  # a measuring forward's graph too
             kept = nbytes(x)
         else:
             kept = self.mem.kept(known) + nbytes(x)
@@ -328,7 +340,9 @@ class StageCompute:
             version=self.wv.version,
             fingerprint=fingerprint(params) if self.verify else 0.0,
             kept_bytes=kept,
-            samples=int(y.shape[0]) if y.dim() else 1,
+            samples=(int(y.shape[0]) if y.dim() else 1)
+            if isinstance(y, torch.Tensor)
+            else carry.samples(y, x),
             recompute=recompute,
             late=late,
             swapped=self.layers.swapper.bytes,
@@ -336,15 +350,25 @@ class StageCompute:
         self.in_flight[p] = flight
         self._check_memory()
         if self.loss_fn is None:
-            sent = out.detach()
-            if self.half is not None and sent.is_floating_point():
-                sent = sent.to(self.half)  # activations travel in the compute precision
+            if isinstance(out, torch.Tensor):
+                sent = out.detach()
+                if self.half is not None and sent.is_floating_point():
+                    sent = sent.to(self.half)  # activations travel in the compute precision
+            else:
+                sent = carry.mapped(out, torch.Tensor.detach)
+                if self.half is not None:
+                    sent = carry.to_half(sent, self.half)
             self.stats.forward_s += self._charge_swap(
                 emulate.pad(started, self.speed, self.dev), flight.swapped
             )
             return sent
         with self._autocast():
-            flight.loss = self.loss_fn(out, to_device(y, self.dev))
+            target = (
+                to_device(y, self.dev)
+                if isinstance(y, torch.Tensor)
+                else carry.mapped(y, lambda t: to_device(t, self.dev))
+            )
+            flight.loss = self.loss_fn(out, target)
         self._losses.add(p, flight.loss)
         self.stats.forward_s += self._charge_swap(
             emulate.pad(started, self.speed, self.dev), flight.swapped
@@ -369,9 +393,15 @@ class StageCompute:
             return nullcontext()
         return torch.autocast(torch.device(self.dev).type, dtype=self.half)
 
-    def backward(self, p: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, p: int, grad: Carry | None) -> Carry | None:
         """Run the backward of minibatch ``p`` from the gradient of its output (None on the
         last stage: from its loss); return the gradient of its input for the previous stage.
+
+        A carry's gradient (:mod:`hetpipe.carry`): for a bare tensor, one tensor; for a
+        tuple, a tuple of one gradient per floating tensor, in order (integer and boolean
+        tensors take none). Where there is no gradient to give (an input without a floating
+        tensor), an empty tensor says so: the previous stage still waits for the end of this
+        backward.
 
         The weights' gradients wait for :meth:`step`: kept per minibatch (async) or summed
         over the iteration, weighted by samples (sync).
@@ -383,7 +413,10 @@ class StageCompute:
         # predict paper: the graph's saved weights are the ones predicted now
         late = self._predicted(flight.late) if flight.late is not None else None
         with self.layers.late.backward(late) if late is not None else nullcontext():
-            grad_in, pgrads = self._differentiate(flight, grad)
+            if isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor):
+                grad_in, pgrads = self._differentiate(flight, grad)
+            else:
+                grad_in, pgrads = self._differentiate_carry(flight, grad)
         # observable weight stashing: (forward's version, its weights' fingerprint then,
         # version current at this backward, fingerprint of the weights differentiated now)
         self.versions[p] = (
@@ -402,11 +435,18 @@ class StageCompute:
         )
         return grad_in
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: times the fixed ``loss_scale`` and, under fp16,
+        the dynamic loss scale (undone on the gradients before the step)."""
+        scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
+        return loss * scale if scale != 1.0 else loss
+
     def _differentiate(
         self, flight: _InFlight, grad: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """The gradients of a minibatch's input (as the previous stage takes it) and of its
-        weights, from its graph and the gradient of its output."""
+        weights, from its graph and the gradient of its output: one tensor in, one out."""
+        assert isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor)
         wants_input = flight.x.requires_grad
         names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
@@ -417,10 +457,7 @@ class StageCompute:
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         elif loss is not None:
-            scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
-            if scale != 1.0:
-                loss = loss * scale
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+            grads = torch.autograd.grad(self._scaled(loss), inputs, allow_unused=True)
         else:
             assert grad is not None, f"{self.where}: backward without a gradient"
             grads = torch.autograd.grad(
@@ -442,6 +479,59 @@ class StageCompute:
             n: g for n, g in zip(names, grads[int(wants_input) :], strict=True) if g is not None
         }
         return grad_in, pgrads
+
+    def _differentiate_carry(
+        self, flight: _InFlight, grad: Carry | None
+    ) -> tuple[Carry | None, dict[str, torch.Tensor]]:
+        """:meth:`_differentiate` where a tuple (or the first stage's dict) goes in or out.
+
+        The outputs differentiated are the floating output tensors that require a gradient,
+        each from its own incoming gradient (``grad`` holds one per floating output, in
+        order; a single empty tensor: the next stage had none to give); the inputs, every
+        floating input tensor (all of them require one on a stage past the first). The
+        gradient returned: one per floating input in a tuple (a bare tensor's for a bare
+        input), an input that took none getting zeros; an empty tensor where no input is
+        floating."""
+        floats_in = [t for t in carry.tensors(flight.x) if t.is_floating_point()]
+        ins = [t for t in floats_in if t.requires_grad]
+        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        inputs = ins + [flight.params[n] for n in names]
+        loss = flight.loss
+        outs: list[torch.Tensor] = []
+        grad_outs: list[torch.Tensor] = []
+        if loss is not None:
+            if loss.requires_grad:
+                outs = [self._scaled(loss)]
+                grad_outs = [torch.ones_like(loss)]
+        else:
+            assert grad is not None, f"{self.where}: backward without a gradient"
+            floats_out = [t for t in carry.tensors(flight.out) if t.is_floating_point()]
+            given = carry.tensors(grad)
+            if len(given) == len(floats_out):  # else an empty "none" from the next stage
+                for t, g in zip(floats_out, given, strict=True):
+                    if t.requires_grad:
+                        outs.append(t)
+                        grad_outs.append(to_device(g, self.dev).to(t.dtype))
+        if inputs and outs:
+            grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+                outs, inputs, grad_outs, allow_unused=True
+            )
+        else:  # nothing to differentiate (see _differentiate)
+            grads = (None,) * len(inputs)
+        pgrads = {n: g for n, g in zip(names, grads[len(ins) :], strict=True) if g is not None}
+        if self.task.is_first:
+            return None, pgrads
+        if not floats_in:
+            return torch.zeros(0, device=self.dev), pgrads
+        taken = dict(zip(map(id, ins), grads, strict=False))
+        back = []
+        for t in floats_in:
+            g = taken.get(id(t))
+            g = torch.zeros_like(t) if g is None else g
+            back.append(g.to(self.half) if self.half is not None else g)
+        if isinstance(flight.x, torch.Tensor):
+            return back[0], pgrads
+        return tuple(back), pgrads
 
     def _forward_weights(self, p: int) -> tuple[dict[str, torch.Tensor], bool, int | None]:
         """The weights the forward of ``p`` runs on, whether its backward will rerun it, and,

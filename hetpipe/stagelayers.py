@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetpipe.carry import Carry, float_bytes
 from hetpipe.core.memory import recompute_runs
 from hetpipe.job import JobSpec
 from hetpipe.lateweights import LateWeights
@@ -93,9 +94,12 @@ class StageLayers:
         self.recomputed_names = {name for i in recompute for _local, name in self.weight_keys[i]}
 
     def run(
-        self, p: int, x: torch.Tensor, state: Mapping[str, torch.Tensor], measure: bool
-    ) -> tuple[torch.Tensor, LayerBytes]:
-        """The stage's layers on ``x``, each under its activation policy.
+        self, p: int, x: Any, state: Mapping[str, torch.Tensor], measure: bool
+    ) -> tuple[Carry, LayerBytes]:
+        """The stage's layers on ``x``, each under its activation policy. ``x`` and what each
+        layer returns are carries (:mod:`hetpipe.carry`: a tensor or a tuple of tensors; the
+        first stage's input may be a dict), passed on as they are; a carry's bytes are the
+        sum of its tensors'.
 
         With ``measure`` (the first forward of each input shape) each layer's bytes are
         recorded in the planner's terms (as :func:`hetpipe.planner.profile.measure_layers`
@@ -109,9 +113,7 @@ class StageLayers:
         inputs: list[int] = []
         work: list[int] = []
 
-        def counted(
-            i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: torch.Tensor
-        ) -> torch.Tensor:
+        def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: Any) -> Any:
             own = storages(sub)
             if i in self.swap:  # the swap counts what it parks the same way
                 before = self.swapper.bytes
@@ -124,7 +126,12 @@ class StageLayers:
                     y = self.call(i, sub, x)
                 saved.append(counter.bytes)
             inputs.append(nbytes(x))
-            grad_in = nbytes(x) if self.first + i > 0 and x.is_floating_point() else 0
+            if self.first + i == 0:  # the model's input takes no gradient
+                grad_in = 0
+            elif isinstance(x, torch.Tensor):
+                grad_in = nbytes(x) if x.is_floating_point() else 0
+            else:  # a carry: its floating tensors take one each
+                grad_in = float_bytes(x)
             work.append(nbytes(y) + grad_in)
             return y
 
@@ -159,7 +166,7 @@ class StageLayers:
             j += 1
         return x, (saved, inputs, work)
 
-    def call(self, i: int, sub: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def call(self, i: int, sub: Mapping[str, torch.Tensor], x: Any) -> Any:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in
         its parameter and buffer slots: what :func:`torch.func.functional_call` does, without
         its per-call set-up and restore. The slots keep these tensors until the next call
@@ -182,7 +189,7 @@ class StageLayers:
         and updates copies of the buffers, so batch-norm statistics move once per minibatch."""
         calls = 0
 
-        def run(x: torch.Tensor) -> torch.Tensor:
+        def run(x: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls > 1:

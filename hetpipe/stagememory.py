@@ -13,12 +13,13 @@ the memory model; the compute (:mod:`hetpipe.stage`) only hands it what it holds
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from hetpipe.carry import nbytes as carry_bytes
 from hetpipe.core.memory import StageMemory, activation_bytes, compose, working_bytes
 from hetpipe.probes import Probe
 
@@ -31,9 +32,12 @@ __all__: list[str] = []
 LayerBytes = tuple[list[int], list[int], list[int]]
 
 
-def nbytes(t: torch.Tensor) -> int:
-    """The bytes of a tensor's elements."""
-    return t.numel() * t.element_size()
+def nbytes(t: Any) -> int:
+    """The bytes of a tensor's elements, or of every tensor of a carry (a stage's input or
+    output: :mod:`hetpipe.carry`)."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return carry_bytes(t)
 
 
 def storages(state: Mapping[str, torch.Tensor]) -> set[int]:
@@ -82,12 +86,12 @@ class MemoryCount:
         self.weight_bytes = self.param_bytes + sum(
             b.numel() * b.element_size() for b in module.buffers()
         )
-        # per input shape: each layer's bytes, measured by the first forward of that shape,
-        # which keeps every layer
-        self.layer_bytes: dict[tuple[int, ...], LayerBytes] = {}
+        # per input shape (of each tensor of a carry: hetpipe.carry.shape_of): each layer's
+        # bytes, measured by the first forward of that shape, which keeps every layer
+        self.layer_bytes: dict[Hashable, LayerBytes] = {}
         self.working = 0  # the largest layer's working peak of the shapes measured so far
 
-    def measured(self, shape: tuple[int, ...], known: LayerBytes) -> None:
+    def measured(self, shape: Hashable, known: LayerBytes) -> None:
         """Record the layers' bytes the first forward of input ``shape`` measured."""
         self.layer_bytes[shape] = known
         self.working = max(

@@ -194,8 +194,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
-    # tensors: activation "x", labels "y"; rows: the minibatch's rows [lo, hi) they hold,
-    # where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
+    # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"
+    # (a dict: "y.<key>"; none: the model makes its loss); rows: the minibatch's rows [lo, hi)
+    # they hold, where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
     # agree (then no tensors): [step, [[stage, squared norm, finite], ...]], the stages'
     # agreement before a step (hetpipe.pipeline.StageRunner._agree)
     Kind.ACT: {
@@ -207,7 +208,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
     },
-    # tensors: gradient "g"; rows and agree as for act
+    # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows and
+    # agree as for act
     Kind.GRAD: {
         "job": _STR,
         "vw": _INT,

@@ -7,6 +7,8 @@ Jobs name them ``usermodels:<function>``; the tests put this directory on the da
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -165,3 +167,155 @@ def tied_gpt(vocab: int = 17, dim: int = 16) -> nn.Sequential:
     )
     model[4].weight = model[0].weight
     return model
+
+
+# -- several tensors crossing a cut (hetpipe.carry) ---------------------------------------
+
+
+class Stem(nn.Module):
+    """The digits flattened and projected: ``[B, 1, 8, 8]`` -> ``[B, dim]``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.fc(x.flatten(1)))
+
+
+class Branch(nn.Module):
+    """Opens a residual block: ``h`` -> ``(branch(h), h)``, the skip travelling beside."""
+
+    def __init__(self, dim: int, norm: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim) if norm else nn.Identity()
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.relu(self.norm(self.fc(h))), h
+
+
+class BranchMore(nn.Module):
+    """The residual branch's second layer: ``(a, skip)`` -> ``(fc(a), skip)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, carry: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        a, skip = carry
+        return self.fc(a), skip
+
+
+class Join(nn.Module):
+    """Closes a residual block: ``(a, skip)`` -> ``relu(a + skip)``."""
+
+    def forward(self, carry: tuple[Tensor, Tensor]) -> Tensor:
+        a, skip = carry
+        return torch.relu(a + skip)
+
+
+def residual_net(dim: int = 32, blocks: int = 2, norm: bool = True) -> nn.Sequential:
+    """A residual MLP whose blocks are split into elements, so that a cut inside a block has
+    two tensors cross it: the branch's activation and the skip.
+
+    Layers: 0 Stem, then per block ``Branch`` (a BatchNorm1d inside with ``norm``),
+    ``BranchMore``, ``Join`` (layers 1-3, 4-6, ...), then the Linear head to 10 classes.
+    A cut after a ``Branch`` or a ``BranchMore`` carries ``(a, skip)``.
+    """
+    layers: list[nn.Module] = [Stem(dim)]
+    for _ in range(blocks):
+        layers += [Branch(dim, norm), BranchMore(dim), Join()]
+    return nn.Sequential(*layers, nn.Linear(dim, 10))
+
+
+class Tokenize(nn.Module):
+    """Pixel intensities as tokens, with their position ids and a mask of the lit pixels:
+    ``[B, 1, 8, 8]`` -> ``(int64 [B, 64] tokens, int64 [B, 64] positions, bool [B, 64])``.
+
+    Takes the batch as a tensor, a tuple (its first tensor) or a dict (``"x"``), so that the
+    same model serves every shape a first stage's input may have. Without ``per_row`` the
+    position ids are one ``[64]`` row for the whole minibatch (not split by replica rows)."""
+
+    def __init__(self, per_row: bool = True) -> None:
+        super().__init__()
+        self.per_row = per_row
+
+    def forward(self, x: Any) -> tuple[Tensor, Tensor, Tensor]:
+        if isinstance(x, dict):
+            x = x["x"]
+        elif isinstance(x, tuple):
+            x = x[0]
+        tokens = (x.flatten(1) * 16).round().long()
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if self.per_row:
+            positions = positions.expand_as(tokens)
+        return tokens, positions, tokens > 0
+
+
+class Embed(nn.Module):
+    """Tokens to vectors; the position ids and mask travel on:
+    ``(tokens, pos, mask)`` -> ``(h [B, S, dim], pos, mask)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(17, dim)
+
+    def forward(self, carry: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        tokens, pos, mask = carry
+        return self.tokens(tokens), pos, mask
+
+
+class PosMix(nn.Module):
+    """A residual mixing layer that reads the position ids and masks its update:
+    ``(h, pos, mask)`` -> ``(h + mask * gelu(fc(h + pos_emb(pos))), pos, mask)``."""
+
+    def __init__(self, dim: int, seq: int = 64) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(seq, dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, carry: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        h, pos, mask = carry
+        update = torch.nn.functional.gelu(self.fc(h + self.pos(pos)))
+        return h + update * mask.unsqueeze(-1).to(h.dtype), pos, mask
+
+
+class MaskedPool(nn.Module):
+    """The mean over the masked positions: ``(h, pos, mask)`` -> ``[B, dim]``."""
+
+    def forward(self, carry: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        h, _pos, mask = carry
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def masked_seq(dim: int = 16, mixes: int = 2, per_row: bool = True) -> nn.Sequential:
+    """A sequence model whose elements pass a hidden state with integer position ids and a
+    boolean mask: layers 0 Tokenize (no parameters; its output is integer and boolean only),
+    1 Embed, 2.. PosMix (``mixes`` of them), then MaskedPool and a Linear to 10 classes.
+
+    Its loss (:func:`masked_seq_loss`) takes a target as a tensor of labels, a dict
+    (``"labels"``) or None (then the output's own mean square: a model that makes its loss).
+    ``per_row = False``: the position ids are one row for the whole minibatch.
+    """
+    return nn.Sequential(
+        Tokenize(per_row),
+        Embed(dim),
+        *(PosMix(dim) for _ in range(mixes)),
+        MaskedPool(),
+        nn.Linear(dim, 10),
+    )
+
+
+def masked_seq_loss(output: Tensor, target: Any) -> Tensor:
+    """Cross entropy against the labels (a tensor, or ``target["labels"]``); with no target,
+    the output's mean square."""
+    if target is None:
+        return output.pow(2).mean()
+    if isinstance(target, dict):
+        target = target["labels"]
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+masked_seq.loss = masked_seq_loss  # type: ignore[attr-defined]
