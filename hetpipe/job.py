@@ -53,10 +53,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    """A dataset name (``"digits"`` or ``"synthetic"``) and its keyword arguments."""
+    """A data set name (see :mod:`hetpipe.data.source`), its keyword arguments, the collate
+    function batching its samples, and how each first stage's ``DataLoader`` reads it."""
 
     name: str
     args: dict = field(default_factory=dict)
+    collate: str | None = None
+    workers: int = 0
+    prefetch: int = 2
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,13 @@ class JobSpec:
         mt = root.table("model", JOB.allowed("model"))
         model = ModelSpec(_read(mt, "name"), _args(mt))
         dt = root.table("data", JOB.allowed("data"))
-        data = DataSpec(_read(dt, "name"), _args(dt))
+        data = DataSpec(
+            _read(dt, "name"),
+            _args(dt),
+            _read(dt, "collate"),
+            _read(dt, "workers"),
+            _read(dt, "prefetch"),
+        )
         optimizer = _optimizer(root)
 
         train = root.table("train", JOB.allowed("train"))
@@ -318,7 +328,13 @@ class JobSpec:
         opt = self.optimizer
         return {
             "model": {"name": self.model.name, "args": _plain(self.model.args)},
-            "data": {"name": self.data.name, "args": _plain(self.data.args)},
+            "data": {
+                "name": self.data.name,
+                "args": _plain(self.data.args),
+                "collate": self.data.collate,
+                "workers": self.data.workers,
+                "prefetch": self.data.prefetch,
+            },
             "optimizer": {
                 "name": opt.name,
                 "lr": opt.lr,

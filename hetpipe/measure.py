@@ -21,7 +21,7 @@ import torch
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.profile import CallProfile, LayerProfile, padded_speed
-from hetpipe.data import load_dataset
+from hetpipe.data import first_batch, load_data, to_device
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 
@@ -32,12 +32,14 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     """Profile the job's model on ``device`` (runs on a worker's compute thread)."""
     torch.manual_seed(spec.seed)
     model = build_model(spec.model.name, spec.model.args)
-    dataset = load_dataset(spec.data.name, spec.data.args)
-    n = min(spec.minibatch, len(dataset.train_y))
-    # a minibatch of its own, as the runtime's stream gathers one (data.MinibatchStream): a
-    # slice would be a view of the whole training set, and a layer that saves its input
-    # (the first Linear or conv) would count that set's storage as its saved bytes
-    x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
+    source = load_data(spec.data.name, spec.data.args, spec.data.collate)
+    # the first samples as a minibatch of its own, as the runtime's stream gathers one
+    # (data.MinibatchStream): a slice would be a view of the whole training set, and a layer
+    # that saves its input (the first Linear or conv) would count that set's storage as its
+    # saved bytes; only these samples are read
+    x, y = first_batch(source, spec.minibatch)
+    x = _own(x)
+    y = to_device(y, device.device)
     loss = model_loss(spec.model.name)
     got = measure_model(
         model,
@@ -50,8 +52,29 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     return {
         "layers": [dataclasses.asdict(lp) for lp in got.layers],
         "call": got.call.to_dict(),
-        "input_bytes": x.numel() * x.element_size(),
+        "input_bytes": _bytes(x),
     }
+
+
+def _own(part: Any) -> Any:
+    """Tensors of a minibatch part copied into storage of their own."""
+    if isinstance(part, torch.Tensor):
+        return part.clone()
+    if isinstance(part, dict):
+        return {k: _own(v) for k, v in part.items()}
+    if isinstance(part, tuple):
+        return tuple(_own(v) for v in part)
+    return part
+
+
+def _bytes(part: Any) -> int:
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    if isinstance(part, dict):
+        return sum(_bytes(v) for v in part.values())
+    if isinstance(part, tuple):
+        return sum(_bytes(v) for v in part)
+    return 0
 
 
 Step = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]]

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetpipe.config import ClusterConfig, DeviceSpec
-from hetpipe.data import load_dataset
+from hetpipe.data import load_data
 from hetpipe.job import JobSpec
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner import (
@@ -234,7 +234,7 @@ def job_minibatches(spec: JobSpec, n_train: int | None = None) -> int:
     train = (
         n_train
         if n_train is not None
-        else len(load_dataset(spec.data.name, spec.data.args).train_y)
+        else load_data(spec.data.name, spec.data.args, spec.data.collate).train_len() or 0
     )
     return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
 

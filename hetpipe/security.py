@@ -532,18 +532,25 @@ def module_allowed(module: str, allowed: Sequence[str], group: str) -> bool:
 
 
 def _check_code(
-    what: str, name: Any, builtins: Iterable[str], allowed: Sequence[str], group: str
+    what: str,
+    name: Any,
+    builtins: Iterable[str],
+    allowed: Sequence[str],
+    group: str,
+    key: str = "name",
 ) -> None:
     if not isinstance(name, str) or name in builtins:
         return  # not a string: the job's own validation says what is wrong
     if ":" not in name:
-        return  # an unknown builtin: the loader names the known ones
+        return  # an unknown builtin or an entry point's name: the loader looks it up
     module = name.split(":", 1)[0]
     if not _MODULE.fullmatch(module):
-        raise CodeError(f"job: {what}.name: {excerpt(name, 80)!r} is not 'package.module:function'")
+        raise CodeError(
+            f"job: {what}.{key}: {excerpt(name, 80)!r} is not 'package.module:function'"
+        )
     if not module_allowed(module, allowed, group):
         raise CodeError(
-            f"job: {what}.name: module {excerpt(module, 80)!r} is not allowed: list it in "
+            f"job: {what}.{key}: module {excerpt(module, 80)!r} is not allowed: list it in "
             f"cluster.toml [security] allowed_modules (or install it as a '{group}' "
             f"entry point)"
         )
@@ -569,3 +576,6 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
         table = job.get(what)
         if isinstance(table, dict):
             _check_code(what, table.get("name"), builtins, allowed_modules, group)
+    data = job.get("data")
+    if isinstance(data, dict):  # the data set's own collate function, by the same rule
+        _check_code("data", data.get("collate"), (), allowed_modules, "hetpipe.data", "collate")

@@ -75,13 +75,13 @@ def named_code(job: Any) -> list[Named]:
     if hasattr(job, "to_dict"):
         job = job.to_dict()
     out = []
-    for section in ("model", "data"):
+    for section, key in (("model", "name"), ("data", "name"), ("data", "collate")):
         table = job.get(section) if isinstance(job, Mapping) else None
-        name = table.get("name") if isinstance(table, Mapping) else None
+        name = table.get(key) if isinstance(table, Mapping) else None
         if isinstance(name, str) and name.count(":") == 1:
             module, function = name.split(":")
             if module and function:
-                out.append(Named(f"{section}.name", module, function))
+                out.append(Named(f"{section}.{key}", module, function))
     return out
 
 

@@ -280,5 +280,3 @@ def load_dataset(name: str, args: Mapping[str, Any] | None = None) -> Dataset:
     if not isinstance(args, Mapping):
         raise DataError(f"data '{name}': args must be a table, got {args!r}")
     return _IN_MEMORY[name](args)
-
-

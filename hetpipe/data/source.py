@@ -24,6 +24,7 @@ torch's ``default_collate``, and what that makes is read as:
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -180,8 +181,10 @@ def _check_part(value: Any, who: str, what: str, key: str, *, allow_tuple: bool)
                     f"{who}: the minibatch's {what}[{i}] is {_kind(v)}, not a Tensor", key
                 )
         return
-    shapes = "a Tensor, a tuple of Tensors or a dict of Tensors" if allow_tuple else (
-        "a Tensor, a dict of Tensors or None"
+    shapes = (
+        "a Tensor, a tuple of Tensors or a dict of Tensors"
+        if allow_tuple
+        else ("a Tensor, a dict of Tensors or None")
     )
     raise DataError(f"{who}: the minibatch's {what} is {_kind(value)}, not {shapes}", key)
 
@@ -281,11 +284,15 @@ def load_data(
         return DataSource(name, train, val, batcher)
     func = resolve(name)
     try:
+        inspect.signature(func).bind(**args)
+    except TypeError as exc:
+        raise DataError(f"data '{name}': bad args {dict(args)!r}: {exc}", "data.args") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the call says
+    try:
         made = func(**args)
     except DataError:
         raise
-    except TypeError as exc:
-        raise DataError(f"data '{name}': bad args {dict(args)!r}: {_say(exc)}", "data.args") from None
     except Exception as exc:
         raise DataError(f"data '{name}': raised {_say(exc)}") from None
     train, val = _sets(made, name)

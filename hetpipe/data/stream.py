@@ -94,9 +94,9 @@ class MinibatchStream:
         for s in shares:
             _positive("shares", s)
         source = (
-            data if isinstance(data, DataSource) else DataSource(
-                data.name, data.train, data.val, Batcher(data.name)
-            )
+            data
+            if isinstance(data, DataSource)
+            else DataSource(data.name, data.train, data.val, Batcher(data.name))
         )
         if source.train is None:
             raise DataError(f"data '{source.name}': this process holds no training set")
@@ -157,9 +157,11 @@ class MinibatchStream:
     def state_dict(self, p: int) -> dict[str, int]:
         """Where minibatch ``p`` is: its epoch and its place in the VW's share of it (what a
         sampler's state would hold; ``p`` alone determines it)."""
-        return {"minibatch": p, "epoch": self.epoch(p), "in_epoch": p - self.epoch(p) * (
-            self.per_epoch or 0
-        )}
+        return {
+            "minibatch": p,
+            "epoch": self.epoch(p),
+            "in_epoch": p - self.epoch(p) * (self.per_epoch or 0),
+        }
 
     # ------------------------------------------------------------------ read
 
@@ -215,9 +217,7 @@ class MinibatchStream:
         if self.iterable:
             shard = _IterableShard(self.source.train, self.source.name, self.vw, self.num_vws)
             return tud.DataLoader(shard, batch_size=self.minibatch, **common)
-        return tud.DataLoader(
-            self.source.train, batch_sampler=_ShardBatches(self, start), **common
-        )
+        return tud.DataLoader(self.source.train, batch_sampler=_ShardBatches(self, start), **common)
 
 
 class _ShardBatches:
@@ -272,9 +272,7 @@ class Reader:
         self._loader_it: Any = None
         self._it: Iterator[Batch] | None = None
         # minibatches gathered in this process by index: no loader needed
-        self._direct = (
-            not stream.iterable and workers == 0 and not stream.pin_memory
-        )
+        self._direct = not stream.iterable and workers == 0 and not stream.pin_memory
 
     def _open(self, start: int) -> None:
         self.close()
