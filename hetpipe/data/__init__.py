@@ -25,6 +25,7 @@ from hetpipe.data.evaluate import call_model, evaluate, recalibrate_bn
 from hetpipe.data.source import (
     ENTRY_POINTS,
     Batch,
+    Batcher,
     DataSource,
     as_batch,
     first_batch,
@@ -38,6 +39,7 @@ __all__ = [
     "ENTRY_POINTS",
     "_LOADERS",
     "Batch",
+    "Batcher",
     "DataError",
     "DataSource",
     "Dataset",
