@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import UNIFORM, assert_same_weights, job, running_until, start_cluster
 from helpers import plain_training
 
 from hetpipe.localcluster import LocalCluster
@@ -61,3 +61,47 @@ def test_sync_two_vws_train_on_the_union_of_their_shards(cluster: LocalCluster) 
     info = cluster.submit(spec, timeout=200)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(torch.load(info["model_path"]), plain_training(spec, 4, m=2, vws=2))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "async"])
+def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
+    cluster: LocalCluster, schedule: str
+) -> None:
+    """Cancelled after its first checkpoints, mid-epoch, and resumed: each first stage opens
+    its loader at the checkpoint's data position, so the job ends with the weights of the
+    uninterrupted one (plain PyTorch over the same order), every sample of each epoch read
+    once in what the weights hold."""
+    nm = 2 if schedule == "1f1b" else 1
+    total = 60  # minibatches; an epoch is 10 (160 samples of 16)
+    spec = data_job(
+        f"data-resume-{schedule}",
+        [(["gpu0", "gpu1"], [3, 3])],
+        nm=nm,
+        minibatches=total,
+        train={"schedule": schedule, "checkpoint_every": 2},
+    )
+
+    async def stop_then_resume() -> tuple[dict[str, Any], list[int]]:
+        async with cluster.client() as head:
+            job_id = await head.submit(spec)
+            await running_until(
+                head,
+                job_id,
+                lambda i: i.get("checkpoints", 0) >= 2 and min(i.get("positions") or [0]) >= 4,
+                120,
+                every=0.02,
+            )
+            await head.cancel(job_id)
+            stopped = await head.follow(job_id, every_s=0.1, timeout=60)
+            assert stopped["state"] == "cancelled", stopped.get("error")
+            new_id = await head.submit(None, resume=job_id)
+            info = await head.follow(new_id, every_s=0.2, timeout=200)
+            return info, info["resumed_from"]["positions"]
+
+    info, starts = cluster.run(stop_then_resume())
+    assert info["state"] == "done", info.get("error")
+    assert 0 < starts[0] < total and starts[0] % nm == 0, starts  # it stopped mid-job
+    steps = total // nm
+    want = plain_training(spec, steps, m=nm) if nm > 1 else plain_training(spec, steps)
+    assert_same_weights(torch.load(info["model_path"]), want)

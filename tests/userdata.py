@@ -2,7 +2,7 @@
 put on the path; not a test module).
 
 Every sample is a pure function of its index, so a test can say which samples a minibatch
-holds: sample ``i``'s input carries ``i`` in its first element (``ident``).
+holds: sample ``i``'s input carries ``i / 1000`` in its first element (``ident``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from torch.utils.data import Dataset, IterableDataset
 def _image(i: int, shape: tuple[int, ...]) -> torch.Tensor:
     g = torch.Generator().manual_seed(1_000 + i)
     x = torch.randn(shape, generator=g)
-    x.view(-1)[0] = float(i)  # the sample's identity, read back by ident()
+    x.view(-1)[0] = i / 1000  # the sample's identity, read back by ident()
     return x
 
 
 def ident(x: torch.Tensor) -> list[int]:
     """The sample indices of a minibatch of inputs made here."""
-    return [int(v) for v in x.reshape(len(x), -1)[:, 0].round().tolist()]
+    return [int(v) for v in (x.reshape(len(x), -1)[:, 0].double() * 1000).round().tolist()]
 
 
 class Pairs(Dataset):
