@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from hetpipe.data.builtin import DataError
 from hetpipe.data.evaluate import call_model
-from hetpipe.data.source import DataSource, first_batch
+from hetpipe.data.source import DataSource, _say, first_batch
 
 __all__ = ["check_fit", "describe"]
 
@@ -43,10 +43,6 @@ def expects(layer: nn.Module) -> str:
     if isinstance(layer, nn.modules.batchnorm._BatchNorm):
         return f"{name} taking [N, {layer.num_features}, ...] float"
     return name
-
-
-def _say(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 @torch.no_grad()
