@@ -181,3 +181,20 @@ class _Ids(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return input_ids
+
+
+def test_the_guides_own_data_example_passes_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/own-data.md's few lines of Python and job file are a job the check accepts."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "own-data.md").read_text()
+    python = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    toml = guide.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert len(python.splitlines()) + len(toml.splitlines()) <= 15
+    (tmp_path / "mydata.py").write_text(python)
+    (tmp_path / "job.toml").write_text(toml)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cpath = tmp_path / "cluster.toml"
+    cpath.write_text(cluster_toml((DeviceDef("gpu0"),), allowed_modules=("mydata",)))
+    facts = check_job(load_job(tmp_path / "job.toml"), load_cluster(cpath), "job.toml")
+    assert facts.n_train == 8192 and len(facts.data.val) == 512
