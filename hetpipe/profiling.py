@@ -52,6 +52,8 @@ def model_key(spec: JobSpec) -> str:
         "data": spec.data.name,
         "data_args": spec.data.args,
     }
+    if spec.data.collate:  # a collate shapes the input the first layer is profiled with
+        key["data_collate"] = spec.data.collate
     if spec.precision != "fp32":
         key["precision"] = spec.precision
     if spec.code:  # the user's model as submitted: an edited module is profiled anew

@@ -14,6 +14,7 @@ from conftest import UNIFORM, assert_same_weights, job, running_until, start_clu
 from helpers import plain_training
 
 from hetpipe.localcluster import LocalCluster
+from hetpipe.views import render_result
 
 pytestmark = pytest.mark.slow
 
@@ -105,3 +106,13 @@ def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
     steps = total // nm
     want = plain_training(spec, steps, m=nm) if nm > 1 else plain_training(spec, steps)
     assert_same_weights(torch.load(info["model_path"]), want)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_set_without_validation_set_trains_and_says_so(cluster: LocalCluster) -> None:
+    spec = data_job("data-no-val", [(["gpu0", "gpu1"], [3, 3])], minibatches=4)
+    spec["data"] = {"name": "userdata:train_only", "args": {"n": 64}}
+    info = cluster.submit(spec, timeout=100)
+    assert info["state"] == "done", info.get("error")
+    assert info["test_accuracy"] is None
+    assert "no validation set" in render_result(info)
