@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import userdata
 
-from hetpipe.data import DataError, MinibatchStream, load_data
+from hetpipe.data import DataError, MinibatchStream, first_batch, load_data
 
 
 def samples_of(batch: tuple) -> list[int]:
@@ -161,3 +163,34 @@ def test_loader_settings_are_checked() -> None:
         MinibatchStream(src, 2, seed=0, prefetch=0)
     with pytest.raises(DataError, match="no training set"):
         MinibatchStream(src.without_train(), 2, seed=0)
+
+
+def _anon_bytes() -> int:
+    """This process's own resident memory (``RssAnon``): memory-mapped file pages it maps
+    are the file's page cache (``RssFile``), shared and reclaimable, not its own."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("RssAnon:"))
+    return int(line.split()[1]) << 10
+
+
+def test_a_memory_mapped_set_is_read_by_the_minibatch(tmp_path: Path) -> None:
+    """A 256 MiB array file: loading it, checking a sample and reading 40 minibatches (40 MiB)
+    leave this process's own memory where it was: only the samples read are copied in."""
+    n, shape = 8192, (8, 32, 32)  # 32 KiB per sample
+    x = np.lib.format.open_memmap(tmp_path / "x.npy", "w+", np.float32, (n, *shape))
+    for start in range(0, n, 1024):
+        x[start : start + 1024] = start
+    x.flush()
+    del x
+    np.save(tmp_path / "y.npy", np.arange(n) % 10)
+    src = load_data("tensors", {"x": str(tmp_path / "x.npy"), "y": str(tmp_path / "y.npy")})
+    first_batch(src)
+    stream = MinibatchStream(src, 32, seed=0)
+    stream.batch(0)  # the first gather's allocations
+    before = _anon_bytes()
+    with stream.reader(1) as reader:
+        for p in range(1, 41):
+            bx, _ = reader.get(p)
+            assert bx.shape == (32, *shape)
+    grown = _anon_bytes() - before
+    assert grown < 16 << 20, f"own memory grew {grown >> 20} MiB reading 40 MiB of 256 MiB"
