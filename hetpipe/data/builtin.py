@@ -172,7 +172,9 @@ def _synthetic(args: Mapping[str, Any]) -> Dataset:
             tokens[:, t + 1] = successors[tokens[:, t], pick]
         x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
         shape, classes = (seq,), vocab
-    return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:], shape, classes, "synthetic")
+    # the test split copied out: a process that keeps only it (the head) holds no training set
+    test_x, test_y = x[n_train:].clone(), y[n_train:].clone()
+    return Dataset(x[:n_train], y[:n_train], test_x, test_y, shape, classes, "synthetic")
 
 
 def _check_int(key: str, value: Any, least: int) -> None:
