@@ -20,11 +20,12 @@ says it as epoch and place.
 ``n`` keeps the samples ``i`` with ``i % n == v`` of each pass over the data set, and loader
 worker ``w`` of ``W`` the ones of those with ``(i // n) % W == w`` (each worker reads the whole
 stream and keeps its share). A pass that ends starts the next epoch (``set_epoch(e)`` is
-called where the data set has it) and minibatches run on across it. Resuming at ``q`` reads the
-VW's stream from its start again and drops the first ``q`` minibatches: every sample is still
-seen once across a stop when the data set yields the same samples in the same order each time
-(shuffle inside it by ``set_epoch``), at the cost of reading the skipped ones again. The order
-depends on ``data.workers`` (loader workers take turns by minibatch).
+called where the data set has it) and minibatches run on across it (each loader worker runs
+its own passes, so a minibatch near a pass's end may hold samples of two). Resuming at ``q``
+reads the VW's stream from its start again and drops the first ``q`` minibatches: every sample
+is still seen once across a stop when the data set yields the same samples in the same order
+each time (shuffle inside it by ``set_epoch``), at the cost of reading the skipped ones again.
+The order depends on ``data.workers`` (loader workers take turns by minibatch).
 
 **Loading.** :meth:`MinibatchStream.reader` opens one ``torch.utils.data.DataLoader`` over
 the VW's minibatches from ``q`` on: ``data.workers`` processes (0: in the stage's own
