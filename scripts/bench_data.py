@@ -14,9 +14,11 @@ and the same compute. Figures, per ``data.workers`` (0 and 2):
 - ``samples_per_s`` of the stage and of the plain loop, and ``ratio_vs_torch`` (ours over
   plain; 1.0: the stage reads as fast as PyTorch does).
 
-The first ``--warmup`` minibatches (the loader's worker processes starting) are not counted.
+The first ``--warmup`` minibatches (the loader's worker processes starting) are not counted;
+each figure is the median of ``--repeats`` runs, the stage's and the plain loop's alternated.
+Loader workers need cores of their own: on a host whose cores are busy the wait stays.
 
-    python scripts/bench_data.py [--json] [--minibatches N] [--minibatch B]
+    python scripts/bench_data.py [--json] [--minibatches N] [--minibatch B] [--repeats N]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _bench import emit_json, machine, parser, print_table
+from _bench import emit_json, machine, median, parser, print_table
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -156,14 +158,21 @@ def main() -> int:
     ap.add_argument("--minibatch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3, help="alternated runs; medians reported")
     args = ap.parse_args()
     torch.set_num_threads(1)
     data = CompressedImages(args.samples)
     figures: dict[str, Any] = {"machine": machine(), "minibatch": args.minibatch}
     rows = []
     for workers in (0, 2):
-        ours = run_stage(data, workers, args)
-        plain = run_plain(data, workers, args)
+        runs: dict[str, list[dict[str, float]]] = {"stage": [], "plain": []}
+        for _ in range(args.repeats):  # alternated turns: a busy host's drift hits both
+            runs["stage"].append(run_stage(data, workers, args))
+            runs["plain"].append(run_plain(data, workers, args))
+        ours, plain = (
+            {k: median([r[k] for r in runs[side]]) for k in runs[side][0]}
+            for side in ("stage", "plain")
+        )
         ratio = ours["samples_per_s"] / plain["samples_per_s"]
         figures[f"workers{workers}"] = {"stage": ours, "plain": plain, "ratio_vs_torch": ratio}
         rows.append(
