@@ -177,10 +177,11 @@ def test_check_fit_names_the_layer_and_leaves_the_model_as_it_was() -> None:
 
 
 class _Ids(torch.nn.Module):
-    """Takes a tokenizer's mapping and gives its ``input_ids``."""
+    """A first block taking a tokenizer's mapping (the minibatch's inputs, as one argument)
+    and giving its ``input_ids``."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return input_ids
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["input_ids"] * batch["attention_mask"]
 
 
 def test_the_guides_own_data_example_passes_the_check(

@@ -61,11 +61,13 @@ def check_fit(
     was_training = model.training
     model.eval()
     try:
-        layers = list(model) if isinstance(model, nn.Sequential) else [model]
+        # an nn.Sequential layer by layer, its first taking the inputs as one argument
+        sequential = isinstance(model, nn.Sequential)
+        layers = list(model) if sequential else [model]
         x: Any = inputs
         for i, layer in enumerate(layers):
             try:
-                x = call_model(layer, x) if i == 0 else layer(x)
+                x = layer(x) if sequential else call_model(layer, x)
             except Exception as exc:
                 where = f"layer {i} ({expects(layer)})" if len(layers) > 1 else "the model"
                 raise DataError(

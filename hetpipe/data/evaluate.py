@@ -19,8 +19,12 @@ __all__ = ["call_model", "evaluate", "recalibrate_bn"]
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model`` applied to a minibatch's inputs: a Tensor as the argument, a tuple as the
-    arguments, a dict as keyword arguments."""
+    """``model`` applied to a minibatch's inputs. A model of hetpipe's (an ``nn.Sequential``
+    of blocks) takes them as its one argument, whatever their shape: its first block binds a
+    tuple or a mapping to forward's parameters. Any other module takes a tuple as its
+    positional arguments and a mapping as keyword arguments."""
+    if isinstance(model, nn.Sequential):
+        return model(inputs)
     if isinstance(inputs, tuple):
         return model(*inputs)
     if isinstance(inputs, dict):
