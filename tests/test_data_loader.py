@@ -194,3 +194,20 @@ def test_a_memory_mapped_set_is_read_by_the_minibatch(tmp_path: Path) -> None:
             assert bx.shape == (32, *shape)
     grown = _anon_bytes() - before
     assert grown < 16 << 20, f"own memory grew {grown >> 20} MiB reading 40 MiB of 256 MiB"
+
+
+def test_random_augmentation_in_loader_workers_is_reproducible() -> None:
+    """Loader workers draw from seeds of the job's seed and the VW: the same job augments
+    the same way, another VW otherwise."""
+
+    def read(vw: int, seed: int) -> list[torch.Tensor]:
+        stream = MinibatchStream(
+            load_data("userdata:noisy"), 4, seed=seed, vw=vw, num_vws=2, workers=2
+        )
+        with stream.reader(0) as reader:
+            return [reader.get(p)[0] for p in range(4)]
+
+    a, b = read(0, 1), read(0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    c = read(1, 1)
+    assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))

@@ -190,3 +190,15 @@ def broken_sample() -> Broken:
 
 def empty() -> Pairs:
     return Pairs(0)
+
+
+class Noisy(Pairs):
+    """Pairs with random augmentation: noise drawn from torch's generator per sample."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = super().__getitem__(i)
+        return x + torch.rand(x.shape), y
+
+
+def noisy(n: int = 64) -> Noisy:
+    return Noisy(n)
