@@ -31,7 +31,7 @@ __all__: list[str] = []
 # a carry: what an element returns and the next one takes
 Carry = Tensor | tuple[Tensor, ...]
 # what the first stage takes from the data, and the target the last stage's loss takes
-Batch = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
+Inputs = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 Target = Tensor | dict[str, Tensor] | None
 
 

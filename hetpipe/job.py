@@ -59,10 +59,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    """A dataset name (``"digits"`` or ``"synthetic"``) and its keyword arguments."""
+    """A data set name (see :mod:`hetpipe.data.source`), its keyword arguments, the collate
+    function batching its samples, and how each first stage's ``DataLoader`` reads it."""
 
     name: str
     args: dict = field(default_factory=dict)
+    collate: str | None = None
+    workers: int = 0
+    prefetch: int = 2
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,13 @@ class JobSpec:
             _read(mt, "name"), _args(mt), tuple(_read(mt, "split_points")), _read(mt, "loss")
         )
         dt = root.table("data", JOB.allowed("data"))
-        data = DataSpec(_read(dt, "name"), _args(dt))
+        data = DataSpec(
+            _read(dt, "name"),
+            _args(dt),
+            _read(dt, "collate"),
+            _read(dt, "workers"),
+            _read(dt, "prefetch"),
+        )
         optimizer = _optimizer(root)
         lr_schedule = _lr_schedule(root)
         lt = root.table("loss_scale", JOB.allowed("loss_scale"))
@@ -376,7 +386,13 @@ class JobSpec:
                 "split_points": list(self.model.split_points),
                 "loss": self.model.loss,
             },
-            "data": {"name": self.data.name, "args": _plain(self.data.args)},
+            "data": {
+                "name": self.data.name,
+                "args": _plain(self.data.args),
+                "collate": self.data.collate,
+                "workers": self.data.workers,
+                "prefetch": self.data.prefetch,
+            },
             "optimizer": {
                 "name": opt.name,
                 "lr": opt.lr,

@@ -20,9 +20,10 @@ import torch
 
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, validate
-from hetpipe.data import DataError, Dataset, load_dataset
+from hetpipe.data import DataError, DataSource, load_data
+from hetpipe.data.check import check_fit
 from hetpipe.job import JobError, JobSpec
-from hetpipe.models import ModelError, build_model, check_sample, model_loss
+from hetpipe.models import ModelError, build_model, model_loss
 from hetpipe.replicas import check_group
 from hetpipe.security import CodeError, check_code
 from hetpipe.usercode import UserCodeError, check_user_code
@@ -44,12 +45,15 @@ _NAME_PROBLEMS = (
 class JobFacts:
     """What the checks learnt and built, for callers that would otherwise do it again: the
     head plans and lays out the job from this model (built from the job's seed: its initial
-    weights) and data set, so it builds and loads each once per job."""
+    weights), so it builds it once per job. Of the data set only the validation set is kept
+    (``data``, for the head's accuracy) and the training set's size: the head never reads
+    training samples beyond the one the check feeds the model."""
 
     layers: int  # the model's number of layers
     per_epoch: int  # minibatches per virtual worker and epoch
     model: torch.nn.Sequential
-    dataset: Dataset
+    data: DataSource  # its validation set only
+    n_train: int | None  # training samples; None for a stream of unknown length
     # module -> sha256 of the source of each user module the job names, as imported here
     code: dict[str, str] = field(default_factory=dict)
 
@@ -87,16 +91,14 @@ def check_job(
         loss = model_loss(spec.model)
     except ModelError as exc:
         raise fail(exc.key or "model.loss", str(exc)) from None
-    try:
-        dataset = load_dataset(spec.data.name, spec.data.args)
+    try:  # the data set object (not its samples), and one sample through the model
+        data = load_data(spec.data.name, spec.data.args, spec.data.collate)
+        check_fit(data, model, loss)
     except DataError as exc:
-        key = "data.args" if "args" in str(exc) else "data.name"
-        raise fail(key, str(exc)) from None
-
-    try:  # one forward of two samples on the meta device: the model fits its data
-        check_sample(spec.model.name, model, dataset.train_x[:2], dataset.train_y[:2], loss)
+        raise fail(exc.key, str(exc)) from None
     except ModelError as exc:
-        raise fail(exc.key or "model.args", str(exc)) from None
+        raise fail("model.name", str(exc)) from None
+    n_train = data.train_len()
 
     devices = {d.name for d in cluster.devices}
     if spec.num_vws is not None and spec.num_vws > len(devices):
@@ -117,9 +119,16 @@ def check_job(
                 raise fail(f"vw[{v}].devices[{i}]", str(exc)) from None
 
     num_vws = len(spec.vws) or spec.num_vws
-    n_train = len(dataset.train_y)
-    per_epoch = (n_train // spec.minibatch) // (num_vws or 1)
-    if per_epoch < 1:
+    if n_train is None and not spec.minibatches:
+        raise fail(
+            "train.minibatches",
+            f"data '{spec.data.name}' is a stream of unknown length (an IterableDataset "
+            f"without __len__): give train.minibatches, epochs cannot be counted",
+        )
+    per_epoch = ((n_train or 0) // spec.minibatch) // (num_vws or 1)
+    if n_train is None:
+        per_epoch = spec.minibatches or 1
+    elif per_epoch < 1:
         raise fail(
             "train.minibatch",
             f"{spec.minibatch} leaves no full minibatch per virtual "
@@ -145,4 +154,4 @@ def check_job(
                 f"{fault.minibatch}: each virtual worker "
                 f"trains {total} minibatches (0..{total - 1})",
             )
-    return JobFacts(n_layers, per_epoch, model, dataset, code)
+    return JobFacts(n_layers, per_epoch, model, data.without_train(), n_train, code)

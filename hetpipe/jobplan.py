@@ -26,7 +26,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
-from hetpipe.data import Dataset, MinibatchStream, evaluate, load_dataset, recalibrate_bn
+from hetpipe.data import DataSource, MinibatchStream, evaluate, load_data, recalibrate_bn
 from hetpipe.job import JobSpec
 from hetpipe.jobcheck import JobFacts
 from hetpipe.models import ModelError, build_model
@@ -52,7 +52,7 @@ class JobPlan:
     minibatches: int  # per virtual worker
     placement: dict[str, int]  # global state name -> shard
     initial: dict[str, torch.Tensor] | None
-    dataset: Dataset
+    dataset: DataSource  # its validation set only: the head reads no training samples
     predicted: dict[str, Any] = field(default_factory=dict)
     layout: StateLayout | None = None  # None: the plain state_dict, nothing tied or local
     local: dict[str, torch.Tensor] = field(default_factory=dict)  # non-persistent buffers
@@ -226,9 +226,12 @@ class JobPlan:
 
     def _recalibrate(self, model: torch.nn.Module) -> None:
         """Re-estimate batch-norm statistics over ``train.bn_recalibrate`` minibatches of the
-        training set (VW 0's order), with the global weights."""
+        training set (VW 0's order), with the global weights: the one time the head reads
+        training samples (those minibatches only), where the job asks for it."""
         if self.spec.bn_recalibrate:
-            stream = MinibatchStream(self.dataset, self.spec.minibatch, self.spec.seed)
+            d = self.spec.data
+            source = load_data(d.name, d.args, d.collate)
+            stream = MinibatchStream(source, self.spec.minibatch, self.spec.seed)
             recalibrate_bn(model, stream, self.spec.bn_recalibrate)
 
 
@@ -330,7 +333,7 @@ def plan_job(
     taken instead of building them again.
     """
     if facts is not None:
-        model, dataset = facts.model, facts.dataset
+        model, dataset, n_train = facts.model, facts.data, facts.n_train
     else:
         try:
             torch.manual_seed(spec.seed)
@@ -338,9 +341,10 @@ def plan_job(
         except ModelError as exc:
             raise JobPlanError(f"model: {exc}") from None
         try:
-            dataset = load_dataset(spec.data.name, spec.data.args)
+            source = load_data(spec.data.name, spec.data.args, spec.data.collate)
         except ValueError as exc:
             raise JobPlanError(f"data: {exc}") from None
+        dataset, n_train = source.without_train(), source.train_len()
     n_layers = len(model)
     try:
         layout = StateLayout.of(model)
@@ -386,17 +390,22 @@ def plan_job(
         except LayoutError as exc:
             raise JobPlanError(f"vw[{v}].layers: {exc}") from None
         run_vws.append(vw)
-    stream = MinibatchStream(dataset, spec.minibatch, spec.seed, 0, len(run_vws))
-    if stream.per_epoch < 1:
+    # minibatches per VW and epoch, as each VW's stream deals them (hetpipe.data.stream)
+    per_epoch = (n_train // spec.minibatch) // len(run_vws) if n_train is not None else 0
+    if n_train is not None and per_epoch < 1:
         raise JobPlanError(
             f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
-            f"virtual worker in {len(dataset.train_y)} training samples"
+            f"virtual worker in {n_train} training samples"
         )
-    minibatches = spec.minibatches or (spec.epochs or 1) * stream.per_epoch
+    if n_train is None and not spec.minibatches:
+        raise JobPlanError(
+            "train.minibatches: the data set is a stream of unknown length; give its number"
+        )
+    minibatches = spec.minibatches or (spec.epochs or 1) * per_epoch
     if spec.sync and not spec.vws and len(run_vws) > 1:
         # planned synchronous virtual workers share train.nm microbatches per iteration, so
         # train.minibatches counts the job's; the runtime counts the first worker's
-        total = spec.minibatches or (spec.epochs or 1) * stream.per_epoch * len(run_vws)
+        total = spec.minibatches or (spec.epochs or 1) * per_epoch * len(run_vws)
         minibatches = -(-total // sum(v.nm for v in run_vws)) * run_vws[0].nm
     everything = model.state_dict()
     state = {n: everything[n].detach().clone() for n in layout.shared}

@@ -22,7 +22,7 @@ import torch
 from hetpipe import carry
 from hetpipe.config import DeviceSpec
 from hetpipe.core.profile import CallProfile, LayerProfile, padded_speed
-from hetpipe.data import load_dataset
+from hetpipe.data import first_batch, load_data, to_device
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 
@@ -33,12 +33,14 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
     """Profile the job's model on ``device`` (runs on a worker's compute thread)."""
     torch.manual_seed(spec.seed)
     model = build_model(spec.model)
-    dataset = load_dataset(spec.data.name, spec.data.args)
-    n = min(spec.minibatch, len(dataset.train_y))
-    # a minibatch of its own, as the runtime's stream gathers one (data.MinibatchStream): a
-    # slice would be a view of the whole training set, and a layer that saves its input
-    # (the first Linear or conv) would count that set's storage as its saved bytes
-    x, y = dataset.train_x[:n].clone(), dataset.train_y[:n].to(device.device)
+    source = load_data(spec.data.name, spec.data.args, spec.data.collate)
+    # the first samples as a minibatch of its own, as the runtime's stream gathers one
+    # (data.MinibatchStream): a slice would be a view of the whole training set, and a layer
+    # that saves its input (the first Linear or conv) would count that set's storage as its
+    # saved bytes; only these samples are read
+    x, y = first_batch(source, spec.minibatch)
+    x = carry.mapped(x, torch.Tensor.clone)
+    y = to_device(y, device.device)
     loss = model_loss(spec.model)
     got = measure_model(
         model,

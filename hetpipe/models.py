@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetpipe.capture import CaptureError, capture, capture_of
+from hetpipe.capture import CaptureError, capture
 
 __all__ = [
     "BUILTIN",
@@ -40,7 +40,6 @@ __all__ = [
     "TokenEmbedding",
     "TransformerBlock",
     "build_model",
-    "check_sample",
     "cnn",
     "cross_entropy",
     "gpt",
@@ -402,97 +401,6 @@ def build_model(
             " around it, or return an nn.Sequential of one-tensor layers",
             key=key,
         ) from None
-
-
-def check_sample(name: str, model: nn.Sequential, x: Any, y: Tensor, loss: LossFn) -> None:
-    """Run a minibatch of a sample or two (``x``, labels ``y``) through ``model``'s blocks one
-    by one and into ``loss``, so that a model that does not fit its data is refused at submit.
-
-    On the meta device (no compute, and the model's own buffers untouched); where a block
-    cannot run there (``.item()``, a data-dependent shape), the check is run again on the CPU
-    in eval mode without gradients. Raises :class:`ModelError` naming the block (its index,
-    and its first submodule or its class), the shapes it was given and the failure.
-    """
-    try:
-        _run_sample(model, x, y, loss, meta=True)
-        return
-    except _SampleError:
-        pass
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            _run_sample(model, x, y, loss, meta=False)
-    except _SampleError as e:
-        cap = capture_of(model)
-        if e.block is None:
-            where = "the loss"
-        elif cap is not None:
-            where = f"block {e.block} ({cap.starts[e.block] or 'the inputs'})"
-        else:
-            where = f"layer {e.block} ({type(model[e.block]).__name__})"
-        raise ModelError(
-            f"model '{name}': {where} fails on the data: given {e.given}: {e.problem}",
-            key="model.args",
-        ) from None
-    finally:
-        model.train(was_training)
-
-
-class _SampleError(Exception):
-    def __init__(self, block: int | None, given: str, problem: str) -> None:
-        super().__init__(problem)
-        self.block, self.given, self.problem = block, given, problem
-
-
-def _shapes(value: Any) -> str:
-    """``[2, 1, 8, 8] float32``; a tuple or mapping of such."""
-    if isinstance(value, Tensor):
-        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_shapes(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_shapes(v) for v in value) + ")"
-    return type(value).__name__
-
-
-def _to(value: Any, device: str) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
-def _run_sample(model: nn.Sequential, x: Any, y: Tensor, loss: LossFn, *, meta: bool) -> None:
-    """One pass of ``x`` through the blocks and ``loss``; :class:`_SampleError` on a failure."""
-    from torch.func import functional_call
-
-    carry = _to(x, "meta") if meta else x
-    for i, block in enumerate(model):
-        given = _shapes(carry)
-        try:
-            if meta:
-                named = dict(block.named_parameters(remove_duplicate=False))
-                named.update(block.named_buffers(remove_duplicate=False))
-                state = {k: t.to("meta") for k, t in named.items()}
-                carry = functional_call(block, state, (carry,), tie_weights=False)
-            else:
-                carry = block(carry)
-        except Exception as e:
-            raise _SampleError(i, given, _first_line(e)) from None
-    try:
-        loss(carry, _to(y, "meta") if meta else y)
-    except Exception as e:
-        given = f"{_shapes(carry)} against labels {_shapes(y)}"
-        raise _SampleError(None, given, _first_line(e)) from None
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
 
 def cross_entropy(output: Any, labels: Tensor) -> Tensor:

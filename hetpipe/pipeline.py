@@ -48,7 +48,7 @@ from hetpipe.core.schedule import (
 )
 from hetpipe.core.wsp import pull_need, wave_of
 from hetpipe.cudaipc import Shared, parse, share
-from hetpipe.data import MinibatchStream
+from hetpipe.data import Batch, MinibatchStream, rows_of
 from hetpipe.hostcopy import HostCopy
 from hetpipe.replicas import gather, piece, pieces_for
 from hetpipe.stage import StageCompute
@@ -565,13 +565,19 @@ class StageRunner:
                 with self.timeline.span("push", None, a.c):
                     await self._push(a.c, made)
 
-    def _my_batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first stage's input of minibatch ``p``: this replica's rows of it."""
-        x, y = self.stream.batch(self.task.start + p)  # type: ignore[union-attr]
+    def _my_batch(self, p: int) -> Batch:
+        """The first stage's input of minibatch ``p`` as ``(inputs, target)``: this replica's
+        rows of it. Read in order through the stream's ``DataLoader`` (one reader for the
+        run, opened at the VW's data position ``task.start``: a restarted stage reads on
+        from where the stopped one was)."""
+        reader = getattr(self, "_reader", None)
+        if reader is None:
+            reader = self._reader = self.stream.reader(self.task.start)  # type: ignore[union-attr]
+        batch = reader.get(self.task.start + p)
         if not self.task.replicated:
-            return x, y
+            return batch
         lo, hi = self.mine
-        return x[lo:hi], y[lo:hi]
+        return rows_of(batch, lo, hi)
 
     async def _send_rows(
         self,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetpipe.config import ClusterConfig, DeviceSpec
-from hetpipe.data import load_dataset
+from hetpipe.data import load_data
 from hetpipe.job import JobSpec
 from hetpipe.optim import StageOptimizer
 from hetpipe.planner import (
@@ -52,6 +52,8 @@ def model_key(spec: JobSpec) -> str:
         "data": spec.data.name,
         "data_args": spec.data.args,
     }
+    if spec.data.collate:  # a collate shapes the input the first layer is profiled with
+        key["data_collate"] = spec.data.collate
     if spec.precision != "fp32":
         key["precision"] = spec.precision
     if spec.code:  # the user's model as submitted: an edited module is profiled anew
@@ -234,7 +236,7 @@ def job_minibatches(spec: JobSpec, n_train: int | None = None) -> int:
     train = (
         n_train
         if n_train is not None
-        else len(load_dataset(spec.data.name, spec.data.args).train_y)
+        else load_data(spec.data.name, spec.data.args, spec.data.collate).train_len() or 0
     )
     return max(1, (spec.epochs or 1) * (train // spec.minibatch // vws))
 

@@ -542,7 +542,7 @@ def _check_code(
     if not isinstance(name, str) or name in builtins:
         return  # not a string: the job's own validation says what is wrong
     if ":" not in name:
-        return  # an unknown builtin: the loader names the known ones
+        return  # an unknown builtin or an entry point's name: the loader looks it up
     module = name.split(":", 1)[0]
     if not _MODULE.fullmatch(module):
         raise CodeError(
@@ -584,3 +584,6 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
         _check_code(
             "lr_schedule", table.get("kind"), KINDS, allowed_modules, "hetpipe.lr_schedules", "kind"
         )
+    data = job.get("data")
+    if isinstance(data, dict):  # the data set's own collate function, by the same rule
+        _check_code("data", data.get("collate"), (), allowed_modules, "hetpipe.data", "collate")

@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from hetpipe import carry, emulate, stagestate
-from hetpipe.carry import Batch, Carry, Target
+from hetpipe.carry import Carry, Inputs, Target
 from hetpipe.config import DeviceSpec
 from hetpipe.core.lr import LossScale, is_function, step_index
 from hetpipe.core.memory import (
@@ -82,7 +82,7 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class _InFlight:
     """What the backward of one minibatch needs: its input, output and weight version."""
 
-    x: Batch  # a carry (hetpipe.carry), or the first stage's batch input
+    x: Inputs  # a carry (hetpipe.carry), or the first stage's batch input
     out: Carry
     params: dict[str, torch.Tensor]
     version: int
@@ -286,7 +286,7 @@ class StageCompute:
 
     # -- forward / backward -----------------------------------------------------------------
 
-    def forward(self, p: int, x: Batch, y: Target) -> Carry | None:
+    def forward(self, p: int, x: Inputs, y: Target) -> Carry | None:
         """Run the forward of minibatch ``p``: the carry for the next stage (a tensor or a
         tuple of tensors, :mod:`hetpipe.carry`), or, on the last stage, None after the loss
         (kept for :meth:`backward`, which the schedule runs right after in the async kind).

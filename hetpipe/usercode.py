@@ -75,7 +75,7 @@ def named_code(job: Any) -> list[Named]:
     if hasattr(job, "to_dict"):
         job = job.to_dict()
     out = []
-    for key in ("model.name", "model.loss", "data.name", "lr_schedule.kind"):
+    for key in ("model.name", "model.loss", "data.name", "data.collate", "lr_schedule.kind"):
         section, _, field = key.partition(".")
         table = job.get(section) if isinstance(job, Mapping) else None
         name = table.get(field) if isinstance(table, Mapping) else None

@@ -134,10 +134,11 @@ def render_result(info: dict[str, Any]) -> str:
     parameters live, measured against predicted, and the paths of its outputs."""
     if info["state"] != "done":
         return f"{info['id']}: {info['state']}: {info.get('error')}"
+    accuracy = info.get("test_accuracy")  # None: the data set gave no validation set
     lines = [
         f"{info['id']}: done in {info['seconds']:.1f} s, "
         f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
-        f"test accuracy {info['test_accuracy']:.4f}"
+        + ("no validation set" if accuracy is None else f"test accuracy {accuracy:.4f}")
     ]
     placement = ", ".join(
         f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"

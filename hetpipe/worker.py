@@ -30,7 +30,7 @@ from hetpipe import log as logmod
 from hetpipe.computethread import ComputeThread
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
-from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.data import MinibatchStream, load_data
 from hetpipe.job import JobSpec
 from hetpipe.measure import measure
 from hetpipe.pipeline import StageRunner
@@ -77,6 +77,8 @@ class _Job:
         # that stops may not outlive it); the stage reads no more
         self.outbox.settle()
         self.inbox.close()
+        if self.stream is not None:  # the first stage's loader workers stop with the stage
+            self.stream.close()
         for ch in self.channels:
             await ch.close(linger_ms=LINGER_MS)
         # what a neighbour has not taken yet it may still take (its last message may be in
@@ -247,12 +249,20 @@ class Worker:
                 job.channels.append(ch)
                 job.shards[int(index)] = ch
             if task.is_first:
+                # the data set object only (a lazy one reads its samples as the loader asks)
                 spec = compute.spec
-                dataset = await loop.run_in_executor(
-                    self.executor, load_dataset, spec.data.name, spec.data.args
+                source = await loop.run_in_executor(
+                    self.executor, load_data, spec.data.name, spec.data.args, spec.data.collate
                 )
                 job.stream = MinibatchStream(
-                    dataset, spec.minibatch, spec.seed, task.vw, task.num_vws
+                    source,
+                    spec.minibatch,
+                    spec.seed,
+                    task.vw,
+                    task.num_vws,
+                    workers=spec.data.workers,
+                    prefetch=spec.data.prefetch,
+                    pin_memory=str(self.device.device).startswith("cuda"),
                 )
             self.job = job
         except Exception as exc:

@@ -87,9 +87,9 @@ def plain(job: dict[str, Any], device: str) -> float:
 
     spec = JobSpec.from_dict(job)
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model.name, spec.model.args).to(device).train()
+    model = build_model(spec.model).to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    loss_fn = model_loss(spec.model.name)
+    loss_fn = model_loss(spec.model)
     stream = MinibatchStream(
         load_dataset(spec.data.name, spec.data.args), spec.minibatch, spec.seed, 0, 1
     )

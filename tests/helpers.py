@@ -32,7 +32,7 @@ from hetpipe.config import (
     load_cluster,
 )
 from hetpipe.core.layout import StageLayout
-from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.data import MinibatchStream, load_data
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
@@ -71,7 +71,8 @@ def plain_training(
     skipped: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The job's model trained by plain PyTorch from the same initial weights, data order and
-    optimizer: the state_dict a transparent pipeline must reproduce.
+    optimizer: the state_dict a transparent pipeline must reproduce. The data order is each
+    VW's stream (:class:`hetpipe.data.MinibatchStream`, the order its ``DataLoader`` reads).
 
     ``steps`` optimizer steps, each on the next ``m`` minibatches of every one of ``vws``
     virtual workers' streams (their samples concatenated, mean loss): one minibatch per step
@@ -99,7 +100,7 @@ def plain_training(
     try:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model)
-        data = load_dataset(spec.data.name)
+        data = load_data(spec.data.name, spec.data.args, spec.data.collate)
         streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
         opt = optimizer_of(spec, model.parameters())
         sched = scheduler(opt) if scheduler is not None else None

@@ -23,10 +23,12 @@ from torch import Tensor, nn
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
 from hetpipe.config import load_cluster
+from hetpipe.data import DataError
+from hetpipe.data.check import check_batch
 from hetpipe.job import JobSpec
 from hetpipe.jobplan import plan_job
 from hetpipe.localcluster import cluster_toml
-from hetpipe.models import ModelError, build_model, check_sample, cross_entropy, model_loss
+from hetpipe.models import ModelError, build_model, cross_entropy, model_loss
 
 HERE = __name__  # the factories below are named "<this module>:<function>"
 
@@ -612,53 +614,38 @@ def test_this_module_is_importable_by_name() -> None:
 def test_a_model_that_does_not_fit_its_data_names_the_block_and_both_shapes() -> None:
     seq = build_model(f"{HERE}:two_inputs")
     x, y = torch.randn(2, 5), torch.randn(2, 3)  # the first input is 5 wide, not 6
-    with pytest.raises(ModelError) as info:
-        check_sample("m:two", seq, (x, y), torch.zeros(2, dtype=torch.long), cross_entropy)
+    with pytest.raises(DataError) as info:
+        check_batch("data 'd'", seq, (x, y), torch.zeros(2, dtype=torch.long), cross_entropy)
     text = str(info.value)
-    assert text.startswith("model 'm:two': block 0 (a) fails on the data: given ([2, 5] float32")
+    assert text.startswith(
+        "data 'd': a sample of ([2, 5] float32, [2, 3] float32) does not fit: block 0 (a) got"
+    )
     assert "2x5 and 6x8" in text and "\n" not in text
-    assert info.value.key == "model.args"
     fits = CASES["two_inputs"]()
-    check_sample("m:two", seq, fits, torch.zeros(5, dtype=torch.long), cross_entropy)
+    check_batch("data 'd'", seq, fits, torch.zeros(5, dtype=torch.long), cross_entropy)
     seq = build_model(f"{HERE}:resnetish")  # three channels where the stem takes one
-    with pytest.raises(ModelError, match=r"block 0 \(stem.0\) fails on the data: given \[2, 3"):
-        check_sample("m:res", seq, torch.randn(2, 3, 8, 8), torch.zeros(2).long(), cross_entropy)
+    with pytest.raises(DataError, match=r"block 0 \(stem.0\) got \[2, 3, 8, 8\] float32"):
+        check_batch("data 'd'", seq, torch.randn(2, 3, 8, 8), torch.zeros(2).long(), cross_entropy)
 
 
 def test_the_loss_is_checked_against_the_labels() -> None:
     seq = build_model("mlp", {"hidden": [8]})
     with pytest.raises(
-        ModelError,
-        match=r"the loss fails on the data: given \[3, 10\] float32 "
-        r"against labels \[4\] int64",
+        DataError,
+        match=r"the target \[4\] int64 does not fit the loss of the model's output "
+        r"\[3, 10\] float32",
     ):
-        check_sample(
-            "mlp", seq, torch.rand(3, 1, 8, 8), torch.zeros(4, dtype=torch.long), cross_entropy
+        check_batch(
+            "data 'd'", seq, torch.rand(3, 1, 8, 8), torch.zeros(4, dtype=torch.long), cross_entropy
         )
 
 
-class NeedsValues(nn.Module):
-    """Reads a value (``.item()``): cannot run on meta, so the check runs on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bn = nn.BatchNorm1d(4)
-        self.a = nn.Linear(4, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.a(self.bn(x)) * (x.abs().max().item() > -1)
-
-
-def test_a_block_that_cannot_run_on_meta_is_checked_on_the_cpu_without_side_effects() -> None:
-    seq = nn.Sequential(NeedsValues())
+def test_the_check_moves_no_running_statistic_and_keeps_the_mode() -> None:
+    seq = build_model(f"{HERE}:resnetish")
     before = {k: v.clone() for k, v in seq.state_dict().items()}
-    check_sample("m", seq, torch.randn(2, 4), torch.zeros(2, dtype=torch.long), cross_entropy)
+    check_batch("data 'd'", seq, torch.randn(2, 1, 8, 8), torch.zeros(2).long(), cross_entropy)
     assert seq.training
     assert all(torch.equal(before[k], v) for k, v in seq.state_dict().items())
-    with pytest.raises(
-        ModelError, match=r"layer 0 \(NeedsValues\) fails on the data: given \[2, 5\]"
-    ):
-        check_sample("m", seq, torch.randn(2, 5), torch.zeros(2, dtype=torch.long), cross_entropy)
 
 
 # --------------------------------------------------------------------------- job keys

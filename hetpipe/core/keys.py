@@ -306,8 +306,40 @@ JOB: Final = Schema(
             "data",
             "The data set; each virtual worker reads its own shard of it.",
             (
-                Key("name", "string", 'A data set name ("digits" or "synthetic").', "digits"),
+                Key(
+                    "name",
+                    "string",
+                    'A builtin ("digits", "synthetic", "tensors"), an entry point of the '
+                    '`hetpipe.data` group, or "pkg.module:function" returning a '
+                    "`torch.utils.data` Dataset or IterableDataset, a (train, val) pair or "
+                    '`{"train": ..., "val": ...}`.',
+                    "digits",
+                ),
                 Key("args", "table", "Keyword arguments of the data set.", default={}),
+                Key(
+                    "collate",
+                    "string",
+                    '"pkg.module:function" batching a list of samples; unset: torch\'s '
+                    "`default_collate`.",
+                    None,
+                ),
+                Key(
+                    "workers",
+                    "integer",
+                    "Loader worker processes of each first stage's `DataLoader`; 0 reads in "
+                    "the stage's own process.",
+                    0,
+                    low=0,
+                    high=MAX_SMALL,
+                ),
+                Key(
+                    "prefetch",
+                    "integer",
+                    "Minibatches each loader worker prepares ahead.",
+                    2,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
             ),
         ),
         Section(

@@ -272,7 +272,7 @@ class JobsPart:
             )
         except JobError as exc:
             raise JobPlanError(str(exc)) from None
-        n_train = len(facts.dataset.train_y)
+        n_train = facts.n_train
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
             profile, rows = await self.profiler.profiles(spec)

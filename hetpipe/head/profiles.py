@@ -67,7 +67,7 @@ class Profiler:
             if msg.kind == Kind.PLAN:
                 loop = asyncio.get_running_loop()
                 cluster = live_cluster(self.cluster, self.registry.idle())
-                n_train = len(facts.dataset.train_y)
+                n_train = facts.n_train
                 plan = await loop.run_in_executor(
                     None, lambda: plan_for(spec, cluster, profile, rows, n_train=n_train)
                 )

@@ -1,0 +1,118 @@
+"""A user's own data set trained on real daemons, read through a shuffling ``DataLoader`` with
+two loader workers: the weights equal plain PyTorch over the same order (<= 1e-5)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import UNIFORM, assert_same_weights, job, running_until, start_cluster
+from helpers import plain_training
+
+from hetpipe.localcluster import LocalCluster
+from hetpipe.views import render_result
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four devices, two shards; the daemons can (and may) import ``userdata``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+        )
+        c = start_cluster(
+            tmp_path_factory.mktemp("userdata"), UNIFORM, allowed_modules=("userdata",)
+        )
+    yield c
+    c.stop()
+
+
+def data_job(name: str, split: list, **kw: Any) -> dict[str, Any]:
+    spec = job(name, model="mlp", split=split, minibatch=16, **kw)
+    spec["data"] = {"name": "userdata:pairs", "args": {"n": 160, "n_val": 32}, "workers": 2}
+    return spec
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("k", [2, 4])
+def test_async_transparency_with_a_real_loader(cluster: LocalCluster, k: int) -> None:
+    """One VW, Nm = 1: 14 minibatches of an epoch of 10 (the second epoch reshuffled)."""
+    layers = {2: [3, 3], 4: [1, 2, 2, 1]}[k]
+    spec = data_job(f"data-async-{k}", [([f"gpu{i}" for i in range(k)], layers)], minibatches=14)
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, 14))
+    assert info["test_accuracy"] is not None  # the head's accuracy on the user's val set
+
+
+@pytest.mark.timeout(240)
+def test_sync_two_vws_train_on_the_union_of_their_shards(cluster: LocalCluster) -> None:
+    """1f1b, two VWs of M = 2: SGD on the union of both VWs' disjoint shards per iteration."""
+    split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])]
+    spec = data_job("data-sync", split, nm=2, minibatches=8, train={"schedule": "1f1b"})
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, 4, m=2, vws=2))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "async"])
+def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
+    cluster: LocalCluster, schedule: str
+) -> None:
+    """Cancelled after its first checkpoints, mid-epoch, and resumed: each first stage opens
+    its loader at the checkpoint's data position, so the job ends with the weights of the
+    uninterrupted one (plain PyTorch over the same order), every sample of each epoch read
+    once in what the weights hold."""
+    nm = 2 if schedule == "1f1b" else 1
+    total = 60  # minibatches; an epoch is 10 (160 samples of 16)
+    spec = data_job(
+        f"data-resume-{schedule}",
+        [(["gpu0", "gpu1"], [3, 3])],
+        nm=nm,
+        minibatches=total,
+        train={"schedule": schedule, "checkpoint_every": 2},
+    )
+
+    async def stop_then_resume() -> tuple[dict[str, Any], list[int]]:
+        async with cluster.client() as head:
+            job_id = await head.submit(spec)
+            await running_until(
+                head,
+                job_id,
+                lambda i: i.get("checkpoints", 0) >= 2 and min(i.get("positions") or [0]) >= 4,
+                120,
+                every=0.02,
+            )
+            await head.cancel(job_id)
+            stopped = await head.follow(job_id, every_s=0.1, timeout=60)
+            assert stopped["state"] == "cancelled", stopped.get("error")
+            new_id = await head.submit(None, resume=job_id)
+            info = await head.follow(new_id, every_s=0.2, timeout=200)
+            return info, info["resumed_from"]["positions"]
+
+    info, starts = cluster.run(stop_then_resume())
+    assert info["state"] == "done", info.get("error")
+    assert 0 < starts[0] < total and starts[0] % nm == 0, starts  # it stopped mid-job
+    steps = total // nm
+    want = plain_training(spec, steps, m=nm) if nm > 1 else plain_training(spec, steps)
+    assert_same_weights(torch.load(info["model_path"]), want)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_set_without_validation_set_trains_and_says_so(cluster: LocalCluster) -> None:
+    spec = data_job("data-no-val", [(["gpu0", "gpu1"], [3, 3])], minibatches=4)
+    spec["data"] = {"name": "userdata:train_only", "args": {"n": 64}}
+    info = cluster.submit(spec, timeout=100)
+    assert info["state"] == "done", info.get("error")
+    assert info["test_accuracy"] is None
+    assert "no validation set" in render_result(info)
