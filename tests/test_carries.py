@@ -359,7 +359,10 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
         (first, _rest) = stages("residual_net", [cut], precision=precision)
         r = runner(stage=0, k=2)
         r.compute, r.task = first, first.task  # type: ignore[assignment]
-        r.stream = SimpleNamespace(batch=lambda _p: (x, y))  # type: ignore[assignment]
+        # a stand-in stream whose reader gives this minibatch
+        r.stream = SimpleNamespace(  # type: ignore[assignment]
+            reader=lambda _start: SimpleNamespace(get=lambda _p: (x, y))
+        )
         sent: list[dict[str, torch.Tensor]] = []
 
         async def send(kind: str, p: int, tensors: dict, *_more: Any, out: list = sent) -> None:
