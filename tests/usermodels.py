@@ -319,3 +319,50 @@ def masked_seq_loss(output: Tensor, target: Any) -> Tensor:
 
 
 masked_seq.loss = masked_seq_loss  # type: ignore[attr-defined]
+
+
+# -- an nn.Module subclass as people write it (captured by hetpipe.capture) ---------------
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm and the identity skip."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + x)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet for the 8x8 digits, written as an ``nn.Module`` subclass (not a Sequential):
+    a convolutional stem, a residual stack (an ``nn.ModuleList`` of :class:`BasicBlock`) and
+    a pooled linear head. Its natural units are ``stem.0`` .. ``stem.2``, ``layers.0`` ..
+    and ``head``; a split point inside a block (``layers.1.conv2``) has two tensors cross
+    the cut: the branch's activation and the skip ``x``."""
+
+    def __init__(self, width: int = 8, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        self.layers = nn.ModuleList(BasicBlock(width) for _ in range(blocks))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.layers:
+            x = block(x)
+        return self.head(torch.flatten(self.pool(x), 1))
+
+
+def small_resnet(width: int = 8, blocks: int = 3) -> nn.Module:
+    """:class:`SmallResNet` as its factory: the only user code a job names."""
+    return SmallResNet(width, blocks)
