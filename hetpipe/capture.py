@@ -27,7 +27,10 @@ construction does not have): control flow on tensor values cannot be traced; a p
 with a default other than ``None`` (a flag) is fixed at its default; a ``None``-default
 parameter is traced as given (a batch that leaves it out passes ``None``); ``self.training``
 branches outside the leaf modules are taken as they are at capture; ``*args``/``**kwargs``
-are refused.
+are refused. Hugging Face transformers models are refused up front (see :func:`capture`):
+their forward takes ``**kwargs`` and builds its attention masks by control flow on shapes,
+and transformers 5 has no torch.fx tracer (the ``HFTracer`` of transformers 4 fails in its
+own mask code, a ``vmap`` over its proxies).
 """
 
 from __future__ import annotations
@@ -162,6 +165,12 @@ class _Tracer(fx.Tracer):
 def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequential:
     """``module`` as an ``nn.Sequential`` of blocks (the carry contract above); raises
     :class:`CaptureError` naming the failing operation where it cannot be captured."""
+    if _hugging_face(module):
+        raise CaptureError(
+            "Hugging Face transformers models are not captured yet: torch.fx cannot trace their "
+            "forward (**kwargs, attention masks built by control flow on tensor shapes) and "
+            "transformers 5 has no torch.fx tracer of its own"
+        )
     params = _parameters(module)
     points = list(split_points)
     if points:
@@ -211,6 +220,15 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
     keys, user_keys = _key_maps(seq, module)
     seq.__dict__["_hetpipe_capture"] = Capture(module, starts, carries, keys, user_keys)
     return seq
+
+
+def _hugging_face(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (told by its classes' modules,
+    so that transformers is never imported here)."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
 
 
 def _plain(value: Any) -> bool:

@@ -21,8 +21,9 @@ import pytest
 import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
 from helpers import plain_training
+from torch import nn
 
-from hetpipe.capture import capture_of, user_state
+from hetpipe.capture import CaptureError, capture, capture_of, user_state
 from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
@@ -112,9 +113,33 @@ def test_torchvision_resnet18_trains_at_k4(
 @needs_transformers
 def test_a_hugging_face_causal_lm_is_refused_in_one_line() -> None:
     """transformers' models take ``**kwargs`` and build their attention masks with control
-    flow on shapes, which ``torch.fx`` cannot trace: refused naming the model and the route."""
+    flow on shapes, which ``torch.fx`` cannot trace: refused at submit in one line naming the
+    model and why, before any trace."""
     spec = JobSpec.from_dict(job("t", model="libmodels:tiny_gpt2"))
     with pytest.raises(ModelError) as info:
         build_model(spec.model)
     text = str(info.value)
-    assert "\n" not in text and "GPT2LMHeadModel" in text and "nn.Sequential" in text, text
+    assert "\n" not in text and info.value.key == "model.name", text
+    assert "cannot capture GPT2LMHeadModel: Hugging Face transformers models" in text, text
+
+
+def test_hugging_face_models_are_told_by_their_base_class() -> None:
+    """Without transformers installed: a subclass of a class named ``PreTrainedModel`` from
+    a ``transformers.`` module is refused up front; any other module is traced."""
+
+    def model(home: str) -> nn.Module:
+        base = type("PreTrainedModel", (nn.Module,), {"__module__": home})
+
+        class Lm(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(2, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc(x)
+
+        return Lm()
+
+    with pytest.raises(CaptureError, match=r"^Hugging Face transformers models are not captured"):
+        capture(model("transformers.modeling_utils"))
+    assert len(capture(model("mypkg.models"))) == 1
