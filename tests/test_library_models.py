@@ -70,6 +70,10 @@ def test_resnet18_is_captured_as_torchvision_builds_it() -> None:
         out = block(out)
     assert torch.equal(out, cap.source(x))
     assert set(user_state(seq, seq.state_dict())) == set(libmodels.resnet18().state_dict())
+    # a split point inside a basic block: its input (for the skip's downsample) crosses the
+    # cut beside the branch
+    inside = capture(libmodels.resnet18(), ["layer2.0.conv2"])
+    assert [len(c) for c in capture_of(inside).carries] == [1, 2]
 
 
 @pytest.fixture(scope="module")
