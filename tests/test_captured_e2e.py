@@ -6,28 +6,43 @@ captures it into blocks at the job's ``model.split_points``, chosen so that a cu
 inside a residual block and two tensors (the branch's activation and the skip) cross it.
 Trained at k = 2 and 4, asynchronously with Nm = 1 and with the ``1f1b`` schedule, the
 weights equal plain PyTorch training of the same module within 1e-5, and ``model.pt`` loads
-strict into a fresh instance of the user's class.
+strict into a fresh instance of the user's class. The planner prices each cut at the bytes
+the runtime sends there, both tensors of a cut inside a block.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
-from helpers import plain_training
+from helpers import InlineExecutor, plain_training
 from usermodels import SmallResNet
 
+from hetpipe import carry
 from hetpipe.capture import capture_of, user_state
+from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
+from hetpipe.core.schedule import Forward
+from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
+from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
+from hetpipe.pipeline import StageRunner
+from hetpipe.planner import ModelProfile
+from hetpipe.planner.partition import CostModel
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
 
 HERE = Path(__file__).resolve().parent
+CPU = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "n", "h")
 STEPS = 20
 
 # split points -> the blocks: k = 2 cuts inside layers.1 (before its second convolution);
@@ -87,6 +102,48 @@ def test_blocks_apply_as_the_users_module() -> None:
     user(x).square().sum().backward()
     for n, p in user.named_parameters():
         assert torch.allclose(p.grad, grads[n], atol=1e-6), n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
+    """The profile's ``out_bytes`` of the block before each cut (what the planner prices the
+    cut at) equals the bytes the first stage sends there: both tensors of a cut inside a
+    residual block, one tensor at a cut between blocks."""
+    spec = resnet_job("t", K4_TWICE, "async")
+    spec["train"]["precision"] = precision
+    job_spec = JobSpec.from_dict(spec)
+    x, y = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1).batch(0)
+    torch.manual_seed(0)
+    model = build_model(job_spec.model)
+    layers = measure_layers(model, x, repeats=1, warmup=0, precision=precision)
+    profile = ModelProfile("small_resnet", 32, carry.nbytes(x), {"fast": layers})
+    planned = CostModel(profile, lambda _a, _b: 1.0, 1).costs("fast").outb
+    state = model.state_dict()
+    for cut, tensors in [(1, 2), (2, 2), (3, 1)]:
+        task = StageTask.standalone(
+            "unit", job_spec.to_dict(), StageLayout(("gpu0",), 0, cut), stage=0, k=2
+        )
+        first = StageCompute(task, CPU)
+        names = first.state_names()
+        first.load({n: state[n] for n in names}, {n: [] for n in names})
+        sent: list[dict[str, torch.Tensor]] = []
+
+        async def send(_kind: str, _p: int, out: dict, *_more: Any, into: list = sent) -> None:
+            into.append(out)
+
+        r = StageRunner(
+            first,
+            InlineExecutor(),
+            send=send,
+            shards={},  # type: ignore[arg-type]
+            report=send,
+            stream=SimpleNamespace(batch=lambda _p: (x, y)),  # type: ignore[arg-type]
+        )
+        asyncio.run(r._compute_run([Forward(0)]))
+        (out,) = sent
+        acts = {n: t for n, t in out.items() if n != "y"}
+        assert len(acts) == tensors, sorted(acts)
+        assert sum(carry.nbytes(t) for t in acts.values()) == planned[cut]
 
 
 @pytest.fixture(scope="module")
