@@ -137,7 +137,10 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
             send=send,
             shards={},  # type: ignore[arg-type]
             report=send,
-            stream=SimpleNamespace(batch=lambda _p: (x, y)),  # type: ignore[arg-type]
+            # a stand-in stream whose reader gives this minibatch
+            stream=SimpleNamespace(  # type: ignore[arg-type]
+                reader=lambda _start: SimpleNamespace(get=lambda _p: (x, y))
+            ),
         )
         asyncio.run(r._compute_run([Forward(0)]))
         (out,) = sent

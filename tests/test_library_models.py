@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import helpers
 import libmodels
 import pytest
 import torch
@@ -24,7 +23,6 @@ from helpers import plain_training
 from torch import nn
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
-from hetpipe.data import load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
 from hetpipe.models import ModelError, build_model
@@ -94,9 +92,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @needs_torchvision
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchvision_resnet18_trains_at_k4(
-    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_torchvision_resnet18_trains_at_k4(cluster: LocalCluster) -> None:
     """k = 4: the exported weights equal plain PyTorch training of the same resnet18 and load
     strict into a freshly built one."""
     spec = resnet_job("torchvision-resnet18")
@@ -105,8 +101,6 @@ def test_torchvision_resnet18_trains_at_k4(
     got = torch.load(info["model_path"])
     fresh = libmodels.resnet18()
     fresh.load_state_dict(got, strict=True)
-    # plain training on the job's data set (its args: three-channel images)
-    monkeypatch.setattr(helpers, "load_dataset", lambda name: load_dataset(name, IMAGES))
     torch.manual_seed(0)
     seq = build_model(JobSpec.from_dict(spec).model)
     initial = user_state(seq, seq.state_dict())
