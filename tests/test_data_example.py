@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from libmodels import missing
 
 from hetpipe.config import load_cluster
 from hetpipe.data import MinibatchStream, load_data
@@ -70,7 +71,9 @@ def make_images(root: Path, classes: int = 3, per_class: int = 12) -> None:
 def test_the_example_trains_on_a_generated_folder(
     check: Callable[[str], JobFacts], tmp_path: Path
 ) -> None:
-    pytest.importorskip("torchvision", reason="examples/imagefolder needs torchvision")
+    reason = missing("torchvision")  # examples/imagefolder reads with torchvision
+    if reason is not None:
+        pytest.skip(reason)
     root = tmp_path / "images"
     make_images(root)
     facts = check(str(root))
