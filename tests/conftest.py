@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +46,18 @@ def start_cluster(
         )
     )
     return LocalCluster(path, root / "run", timeout=60).__enter__()
+
+
+def user_code_cluster(tmp_path_factory: pytest.TempPathFactory, module: str) -> LocalCluster:
+    """Four uniform devices and two shards whose daemons may import the tests' own ``module``
+    (``usermodels``, ``userdata``, ...): this directory on their ``PYTHONPATH`` and the module
+    in ``[security] allowed_modules``."""
+    with pytest.MonkeyPatch.context() as mp:
+        here = str(Path(__file__).resolve().parent)
+        mp.setenv(
+            "PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        )
+        return start_cluster(tmp_path_factory.mktemp(module), UNIFORM, allowed_modules=(module,))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ the runtime sends there, both tensors of a cut inside a block.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, user_code_cluster
 from helpers import InlineExecutor, plain_training
 from usermodels import SmallResNet
 
@@ -152,14 +151,7 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons may import ``usermodels``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(
-            tmp_path_factory.mktemp("captured"), UNIFORM, allowed_modules=("usermodels",)
-        )
+    c = user_code_cluster(tmp_path_factory, "usermodels")
     yield c
     c.stop()
 

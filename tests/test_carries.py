@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, user_code_cluster
 from helpers import InlineExecutor, StandInCompute, plain_training
 
 from hetpipe import carry
@@ -385,14 +384,7 @@ M = 2
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons may import ``usermodels``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(
-            tmp_path_factory.mktemp("carries"), UNIFORM, allowed_modules=("usermodels",)
-        )
+    c = user_code_cluster(tmp_path_factory, "usermodels")
     yield c
     c.stop()
 

@@ -3,14 +3,13 @@ two loader workers: the weights equal plain PyTorch over the same order (<= 1e-5
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, running_until, start_cluster
+from conftest import assert_same_weights, job, running_until, user_code_cluster
 from helpers import plain_training
 
 from hetpipe.localcluster import LocalCluster
@@ -24,14 +23,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons can (and may) import ``userdata``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(
-            tmp_path_factory.mktemp("userdata"), UNIFORM, allowed_modules=("userdata",)
-        )
+    c = user_code_cluster(tmp_path_factory, "userdata")
     yield c
     c.stop()
 

@@ -10,7 +10,6 @@ test skips, saying why, where its library is absent or does not import.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import libmodels
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, user_code_cluster
 from helpers import plain_training
 from torch import nn
 
@@ -77,14 +76,7 @@ def test_resnet18_is_captured_as_torchvision_builds_it() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons may import ``libmodels``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(
-            tmp_path_factory.mktemp("libmodels"), UNIFORM, allowed_modules=("libmodels",)
-        )
+    c = user_code_cluster(tmp_path_factory, "libmodels")
     yield c
     c.stop()
 

@@ -8,14 +8,13 @@ one line.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, user_code_cluster
 from helpers import plain_training
 
 from hetpipe.localcluster import LocalCluster
@@ -30,15 +29,7 @@ STEPS = 40
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons can (and may) import ``usermodels``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        # [security] allowed_modules: job code outside the builtins must be allowed
-        c = start_cluster(
-            tmp_path_factory.mktemp("usermodels"), UNIFORM, allowed_modules=("usermodels",)
-        )
+    c = user_code_cluster(tmp_path_factory, "usermodels")
     yield c
     c.stop()
 
