@@ -21,9 +21,7 @@ file (and compare it with the submitted copy) before a job starts, in :mod:`hetp
 
 from __future__ import annotations
 
-import importlib
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetpipe.capture import CaptureError, capture
+from hetpipe.usercode import FunctionError, load_function
 
 __all__ = [
     "BUILTIN",
@@ -50,8 +49,6 @@ __all__ = [
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-_CUSTOM = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class ModelError(ValueError):
@@ -335,22 +332,10 @@ def _resolve(name: str, what: str = "model") -> Callable[..., Any]:
     if ":" not in name:
         builtins = f"use one of {', '.join(BUILTIN)} or " if what == "model" else "use "
         raise ModelError(f"{what} '{name}': unknown; {builtins}'package.module:function'")
-    if not _CUSTOM.match(name):
-        raise ModelError(f"{what} '{name}': expected 'package.module:function'")
-    module_name, func_name = name.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ModelError(
-            f"{what} '{name}': cannot import {module_name}: {type(e).__name__}: {e}"
-        ) from e
-    try:
-        func = getattr(module, func_name)
-    except AttributeError:
-        raise ModelError(f"{what} '{name}': module {module_name} has no {func_name}") from None
-    if not callable(func):
-        raise ModelError(f"{what} '{name}': {func_name} is not callable")
-    return func
+        return load_function(name, what)
+    except FunctionError as e:
+        raise ModelError(str(e)) from None
 
 
 def build_model(

@@ -32,7 +32,6 @@ exported state_dict. Which names train, stay frozen, stay local or are tied is d
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
 from collections.abc import Hashable, Mapping
@@ -68,6 +67,7 @@ from hetpipe.seeding import LayerSeeds
 from hetpipe.stagelayers import StageLayers, build_stage_module
 from hetpipe.stagememory import LayerBytes, MemoryCount, nbytes
 from hetpipe.task import StageTask
+from hetpipe.usercode import load_function
 from hetpipe.versions import WeightVersions, fingerprint, to_device
 
 __all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
@@ -211,10 +211,7 @@ class StageCompute:
         steps = -(-task.minibatches // task.nm) if self.spec.sync else task.minibatches
         sched = self.spec.lr_schedule
         if is_function(sched.kind):  # checked current on this host (hetpipe.usercode)
-            module, name = sched.kind.split(":")
-            sched = dataclasses.replace(
-                sched, function=getattr(importlib.import_module(module), name)
-            )
+            sched = dataclasses.replace(sched, function=load_function(sched.kind, "lr_schedule"))
         self.lr_schedule = (
             dataclasses.replace(
                 sched, total_steps=step_index(self.spec.sync, steps, task.nm, task.start)

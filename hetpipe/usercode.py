@@ -31,16 +31,25 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-__all__ = ["SHOWN", "UserCodeError", "check_user_code", "digest", "named_code"]
+__all__ = [
+    "SHOWN",
+    "FunctionError",
+    "UserCodeError",
+    "check_user_code",
+    "digest",
+    "load_function",
+    "named_code",
+]
 
 SHOWN = 12  # hex digits of a hash that messages show
 _PATHS_SHOWN = 4  # sys.path entries an import failure lists
@@ -84,6 +93,37 @@ def named_code(job: Any) -> list[Named]:
             if module and function:
                 out.append(Named(key, module, function))
     return out
+
+
+# "package.module:function", as a job names its user code
+FUNCTION = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+class FunctionError(ValueError):
+    """A named function cannot be had; ``str(e)`` is one line naming it and why (the caller
+    raises it again as its own kind of error, with the job key it belongs to)."""
+
+
+def load_function(name: Any, what: str) -> Callable[..., Any]:
+    """The callable ``"package.module:function"`` stands for, imported as the module is now
+    (:func:`check_user_code` makes it current first). ``what`` begins each error's line:
+    ``"model"``, ``"loss"``, ``"data"``, ``"data.collate"``."""
+    if not isinstance(name, str):
+        raise FunctionError(f"{what} name must be a string, got {name!r}")
+    if not FUNCTION.fullmatch(name):
+        raise FunctionError(f"{what} '{name}': expected 'package.module:function'")
+    module_name, func_name = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        said = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise FunctionError(f"{what} '{name}': cannot import {module_name}: {said}") from None
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise FunctionError(f"{what} '{name}': module {module_name} has no {func_name}")
+    if not callable(func):
+        raise FunctionError(f"{what} '{name}': {func_name} is not callable")
+    return func
 
 
 def digest(source: bytes) -> str:

@@ -23,9 +23,7 @@ torch's ``default_collate``, and what that makes is read as:
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from importlib import metadata
@@ -37,6 +35,7 @@ from torch.utils import data as tud
 
 from hetpipe import carry
 from hetpipe.data.builtin import DataError, TensorPairs, load_dataset, load_tensors
+from hetpipe.usercode import FunctionError, load_function
 
 __all__ = [
     "ENTRY_POINTS",
@@ -52,7 +51,6 @@ __all__ = [
 
 ENTRY_POINTS = "hetpipe.data"  # the entry-point group a package publishes data sets in
 BUILTINS = ("digits", "synthetic", "tensors")
-_CUSTOM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 Batch = tuple[Any, Any]  # (inputs, target), as the module's docstring says
 
@@ -234,18 +232,10 @@ def resolve(name: Any, key: str = "data.name") -> Callable[..., Any]:
         except Exception as exc:
             raise DataError(f"{what} '{name}': entry point cannot load: {_say(exc)}", key) from None
     else:
-        if not _CUSTOM.fullmatch(name):
-            raise DataError(f"{what} '{name}': expected 'package.module:function'", key)
-        module_name, func_name = name.split(":")
         try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            raise DataError(
-                f"{what} '{name}': cannot import {module_name}: {_say(exc)}", key
-            ) from None
-        func = getattr(module, func_name, None)
-        if func is None:
-            raise DataError(f"{what} '{name}': module {module_name} has no {func_name}", key)
+            func = load_function(name, what)
+        except FunctionError as exc:
+            raise DataError(str(exc), key) from None
     if not callable(func):
         raise DataError(f"{what} '{name}': {type(func).__name__} is not callable", key)
     return func
