@@ -74,6 +74,8 @@ Snapshot = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], Awaitable[No
 # the names of an activation of one tensor with its target, and of its gradient (sorted)
 _ACT_NAMES = ("x", "y")
 _GRAD_NAMES = ("g",)
+# in a run's inputs: the first stage's minibatch, read on the compute thread (StageRunner._compute)
+_READ = object()
 # a chunk of finished minibatches' records (rows of Record.FIELDS, ascending p) and the
 # timeline spans since the previous chunk: to the head while the stage trains, so no message
 # and no daemon's memory grows with the length of the job
@@ -504,7 +506,7 @@ class StageRunner:
         for a in run:
             if isinstance(a, Forward):
                 self._opening(a.p)
-                batch = self._my_batch(a.p) if self.task.is_first else self.acts.pop(a.p)
+                batch = _READ if self.task.is_first else self.acts.pop(a.p)
                 self.records[a.p] = Record(
                     p=a.p, wave=wave_of(a.p, self.task.nm), clock=self.clock, vw_clock=self.vw_clock
                 )
@@ -635,12 +637,17 @@ class StageRunner:
         device).
 
         An async optimizer step counts as part of the backward before it (one span); a
-        push's copy is the push's own time (its span is taken around the send).
+        push's copy is the push's own time (its span is taken around the send). The first
+        stage's minibatches are read here too: waiting for the data loader stalls the
+        compute, never the event loop that answers heartbeats and messages.
         """
         c = self.compute
         outs: list[HostCopy | dict[str, Any] | None] = []
         spans: list[list[Any]] = []
-        for a, given in zip(run, inputs, strict=True):
+        for i, a in enumerate(run):
+            given = inputs[i]
+            if given is _READ:  # read here, so the event loop never waits for the data loader
+                given = inputs[i] = self._my_batch(a.p)
             t0 = time.time()
             made: HostCopy | dict[str, Any] | None = None
             if isinstance(a, Forward):
