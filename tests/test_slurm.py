@@ -179,8 +179,13 @@ class Slurm:
 
     def run(self, args: list[str], check: bool = True, **kw: Any) -> Any:
         return subprocess.run(
-            args, env={**self.env, **kw.pop("env", {})}, capture_output=True, text=True,
-            timeout=60, check=check, **kw,
+            args,
+            env={**self.env, **kw.pop("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=check,
+            **kw,
         )
 
     def job_state(self, job: str) -> dict[str, str]:
@@ -192,8 +197,14 @@ class Slurm:
     def wait_ended(self, job: str, timeout: float) -> dict[str, str]:
         def ended() -> dict[str, str] | None:
             state = self.job_state(job)
-            pending = state.get("JobState") in (None, "PENDING", "RUNNING", "COMPLETING",
-                                                "CONFIGURING", "SUSPENDED")
+            pending = state.get("JobState") in (
+                None,
+                "PENDING",
+                "RUNNING",
+                "COMPLETING",
+                "CONFIGURING",
+                "SUSPENDED",
+            )
             steps = self.run(["squeue", "-h", "-s", "-j", job], check=False).stdout.strip()
             return None if pending or steps else state
 
@@ -208,8 +219,11 @@ class Slurm:
     def stop(self) -> None:
         self.run(["scancel", "--full", "-u", getpass.getuser()], check=False)
         with _suppress():
-            _wait("the jobs to leave the queue",
-                  lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), 40)
+            _wait(
+                "the jobs to leave the queue",
+                lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(),
+                40,
+            )
         for c in self.children:
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
@@ -234,10 +248,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     missing = _missing()
     if missing:
         if os.environ.get("CI"):
-            pytest.fail(f"CI is set but the Slurm binaries {missing} are absent (.ci/run installs"
-                        " slurm-wlm)")
-        pytest.skip(f"Slurm is not installed here ({', '.join(missing)} absent; "
-                    "apt-get install slurm-wlm)")
+            pytest.fail(
+                f"CI is set but the Slurm binaries {missing} are absent (.ci/run installs"
+                " slurm-wlm)"
+            )
+        pytest.skip(
+            f"Slurm is not installed here ({', '.join(missing)} absent; apt-get install slurm-wlm)"
+        )
     s = Slurm(tmp_path_factory.mktemp("slurm"))
     try:
         s.start()
@@ -307,10 +324,33 @@ def _submit(slurm: Slurm, tmp: Path, job_file: Path | None) -> tuple[str, Path, 
     one = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]
     r = slurm.run(
         [
-            "sbatch", "--parsable", f"--output={tmp}/slurm-%j.out", f"--chdir={tmp}",
-            "-p", "debug", "-w", "n0", "-N1", "-n2", *one, ":",
-            "-p", "debug", "-w", "n1", "-N1", "--ntasks-per-node=2", *one, ":",
-            "-p", "debug", "-w", "n2", "-N1", "--ntasks-per-node=1", *one,
+            "sbatch",
+            "--parsable",
+            f"--output={tmp}/slurm-%j.out",
+            f"--chdir={tmp}",
+            "-p",
+            "debug",
+            "-w",
+            "n0",
+            "-N1",
+            "-n2",
+            *one,
+            ":",
+            "-p",
+            "debug",
+            "-w",
+            "n1",
+            "-N1",
+            "--ntasks-per-node=2",
+            *one,
+            ":",
+            "-p",
+            "debug",
+            "-w",
+            "n2",
+            "-N1",
+            "--ntasks-per-node=1",
+            *one,
             str(SCRIPT),
         ],
         env=env,
