@@ -307,7 +307,9 @@ layers = [6]
     return path
 
 
-def _submit(slurm: Slurm, tmp: Path, job_file: Path | None) -> tuple[str, Path, dict[str, str]]:
+def _submit(
+    slurm: Slurm, tmp: Path, job_file: Path | None, drain: bool = False
+) -> tuple[str, Path, dict[str, str]]:
     run_dir = tmp / "run"
     env = {
         "HETPIPE_VENV": sys.prefix,
@@ -320,6 +322,7 @@ def _submit(slurm: Slurm, tmp: Path, job_file: Path | None) -> tuple[str, Path, 
         "HETPIPE_EMULATE": EMULATE,
         "HETPIPE_REGISTER_S": "150",
         "HETPIPE_JOB": str(job_file) if job_file else "",
+        "HETPIPE_DRAIN": "1" if drain else "",
     }
     one = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]
     r = slurm.run(
@@ -394,11 +397,11 @@ def test_sbatch_trains_a_job_and_stops_every_daemon(slurm: Slurm, tmp_path: Path
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
 
 
-@pytest.mark.timeout(420)
-def test_scancel_midway_stops_every_daemon_and_leaves_a_checkpoint(
+@pytest.mark.timeout(600)
+def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
     slurm: Slurm, tmp_path: Path
 ) -> None:
-    job_file = _job_file(tmp_path / "job.toml", minibatches=200_000, checkpoint_every=50)
+    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
     job, run_dir, _ = _submit(slurm, tmp_path, job_file)
 
     def checkpointed() -> list[Path]:
@@ -421,3 +424,18 @@ def test_scancel_midway_stops_every_daemon_and_leaves_a_checkpoint(
 
     ck = checkpoint.latest(job_dir)
     assert ck is not None and ck.state, sorted(job_dir.rglob("*"))
+    assert (job_dir / "records").is_dir()  # what streamed before the cancel is kept
+
+    # the next allocation on the same run directory resumes it and stops once it is done
+    again, _, _ = _submit(slurm, tmp_path, None, drain=True)
+    state = slurm.wait_ended(again, 360)
+    why = f"{state}\n{_output(tmp_path, again)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    results = [
+        json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json") if p.parent != job_dir
+    ]
+    (result,) = results
+    assert result["state"] == "done", result
+    assert result["resumed_from"]["job"] == record["id"], result
+    assert result["resumed_from"]["minibatches_done"] > 0, result
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
