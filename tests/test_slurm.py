@@ -37,6 +37,7 @@ SCRIPT = ROOT / "workers" / "slurm" / "hetpipe.sbatch"
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
 NODES = ("n0", "n1", "n2")  # n0: the shards; n1: two "fast" devices; n2: one "slow" one
 EMULATE = "fast:1.0:256MiB:2 slow:0.5:256MiB:1"
+ONE = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]  # per component
 
 pytestmark = pytest.mark.slow
 
@@ -279,10 +280,23 @@ def _daemons_of(marker: str) -> list[str]:
     return found
 
 
-def _job_file(path: Path, minibatches: int, checkpoint_every: int | None = None) -> Path:
-    """Two virtual workers over both device types: vw0 pipelines n1-gpu0 -> n2-gpu0, vw1 is
-    n1-gpu1 alone; they meet at the shards on n0."""
+# vw0 pipelines n1-gpu0 -> n2-gpu0 (both device types), vw1 is n1-gpu1 alone; they meet at
+# the shards on n0
+TWO_TYPES = [(["n1-gpu0", "n2-gpu0"], [3, 3]), (["n1-gpu1"], [6])]
+
+
+def _job_file(
+    path: Path,
+    minibatches: int,
+    checkpoint_every: int | None = None,
+    vws: list[tuple[list[str], list[int]]] = TWO_TYPES,
+) -> Path:
+    """The builtin mlp on digits over the virtual workers ``vws`` (devices, layers)."""
     extra = f"checkpoint_every = {checkpoint_every}\n" if checkpoint_every else ""
+    split = "".join(
+        f"\n[[vw]]\ndevices = {json.dumps(devices)}\nlayers = {json.dumps(layers)}\n"
+        for devices, layers in vws
+    )
     path.write_text(
         f"""name = "slurm-mlp"
 model = {{ name = "mlp" }}
@@ -294,21 +308,27 @@ minibatch = 32
 nm = 2
 minibatches = {minibatches}
 staleness = 0
-{extra}
-[[vw]]
-devices = ["n1-gpu0", "n2-gpu0"]
-layers = [3, 3]
-
-[[vw]]
-devices = ["n1-gpu1"]
-layers = [6]
-"""
+{extra}{split}"""
     )
     return path
 
 
+HET = [
+    *("-p", "debug", "-w", "n0", "-N1", "-n2", *ONE, ":"),
+    *("-p", "debug", "-w", "n1", "-N1", "--ntasks-per-node=2", *ONE, ":"),
+    *("-p", "debug", "-w", "n2", "-N1", "--ntasks-per-node=1", *ONE),
+]
+
+
 def _submit(
-    slurm: Slurm, tmp: Path, job_file: Path | None, drain: bool = False
+    slurm: Slurm,
+    tmp: Path,
+    job_file: Path | None,
+    drain: bool = False,
+    *,
+    script: Path = SCRIPT,
+    components: list[str] = HET,
+    emulate: str = EMULATE,
 ) -> tuple[str, Path, dict[str, str]]:
     run_dir = tmp / "run"
     env = {
@@ -319,42 +339,19 @@ def _submit(
         "HETPIPE_WORKER_PORT": "0",
         "HETPIPE_IFACE": "lo",
         "HETPIPE_SHARDS": "2",
-        "HETPIPE_EMULATE": EMULATE,
+        "HETPIPE_EMULATE": emulate,
         "HETPIPE_REGISTER_S": "150",
         "HETPIPE_JOB": str(job_file) if job_file else "",
         "HETPIPE_DRAIN": "1" if drain else "",
     }
-    one = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]
     r = slurm.run(
         [
             "sbatch",
             "--parsable",
             f"--output={tmp}/slurm-%j.out",
             f"--chdir={tmp}",
-            "-p",
-            "debug",
-            "-w",
-            "n0",
-            "-N1",
-            "-n2",
-            *one,
-            ":",
-            "-p",
-            "debug",
-            "-w",
-            "n1",
-            "-N1",
-            "--ntasks-per-node=2",
-            *one,
-            ":",
-            "-p",
-            "debug",
-            "-w",
-            "n2",
-            "-N1",
-            "--ntasks-per-node=1",
-            *one,
-            str(SCRIPT),
+            *components,
+            str(script),
         ],
         env=env,
     )
@@ -439,3 +436,29 @@ def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
     assert result["resumed_from"]["job"] == record["id"], result
     assert result["resumed_from"]["minibatches_done"] > 0, result
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+
+@pytest.mark.timeout(420)
+def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
+    """The script without its heterogeneous components (as its header says: drop the
+    ``hetjob`` lines and the first component's): shards and workers share one node."""
+    keep = ("#SBATCH --job-name", "#SBATCH --output", "#SBATCH --time", "#SBATCH --signal")
+    lines = SCRIPT.read_text().splitlines()
+    plain = tmp_path / "hetpipe-plain.sbatch"
+    plain.write_text(
+        "\n".join(ln for ln in lines if not ln.startswith("#SBATCH") or ln.startswith(keep))
+    )
+    job_file = _job_file(
+        tmp_path / "job.toml", minibatches=40, vws=[(["n1-gpu0", "n1-gpu1"], [3, 3])]
+    )
+    components = ["-p", "debug", "-w", "n1", "-N1", "--ntasks-per-node=2", *ONE]
+    job, run_dir, _ = _submit(
+        slurm, tmp_path, job_file, script=plain, components=components, emulate="fast:1:256MiB:2"
+    )
+    state = slurm.wait_ended(job, 360)
+    why = f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    assert not [ln for ln in plain.read_text().splitlines() if ln.startswith("#SBATCH hetjob")]
+    (result,) = [json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json")]
+    assert result["state"] == "done" and result["minibatches"] == 40, result
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
