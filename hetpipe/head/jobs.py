@@ -223,6 +223,7 @@ class JobsPart:
         if js.cancelled:  # cancelled while it was being planned
             js.move(JobStatus.CANCELLED, "cancelled by the user")
             return
+        kept = False  # whether the ended job's records were folded (once, never twice)
         try:
             js.move(JobStatus.RUNNING)
             js.started = time.time()
@@ -245,13 +246,16 @@ class JobsPart:
             )
         except JobFailed as exc:
             await self._abort(js, str(exc))
-            # before the job is seen to end: what its stages streamed, kept and folded
-            await self._keep_records(js)
+            if not self._stopping:  # a stopping head has no time to spare: records/ stay
+                # before the job is seen to end: what its stages streamed, kept and folded
+                kept = True
+                await self._keep_records(js)
             js.move(JobStatus.CANCELLED if js.cancelled else JobStatus.FAILED, str(exc))
             js.finished = time.time()
             log.warning("job failed", error=str(exc))
         finally:
-            if js.state != JobStatus.DONE and "records_path" not in js.result:
+            if not (kept or self._stopping or js.state == JobStatus.DONE):
+                kept = True
                 await self._keep_records(js)  # an unexpected error
             with contextlib.suppress(OSError, JobFailed):
                 extra = {}
