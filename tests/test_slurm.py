@@ -43,8 +43,13 @@ ONE = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]  # per component
 pytestmark = pytest.mark.slow
 
 
+def _which(name: str) -> str | None:
+    """A Slurm binary's path (the daemons live in /usr/sbin, often off a user's PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
 def _missing() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None]
+    return [b for b in BINARIES if _which(b) is None]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -166,9 +171,9 @@ class Slurm:
 
     def start(self) -> None:
         self.write_conf()
-        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmctld", [str(_which("slurmctld")), "-D", "-i", "-f", str(self.conf)])
         for n in NODES:
-            self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)])
+            self._spawn(f"slurmd-{n}", [str(_which("slurmd")), "-D", "-N", n, "-f", str(self.conf)])
 
         def idle() -> bool:
             for c in self.children:
