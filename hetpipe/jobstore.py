@@ -5,7 +5,9 @@ and every job of an earlier head process, live here: ``result.json`` (the job's 
 ``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``; while the job runs,
 ``records/vw<V>-stage<S>.jsonl`` gathers each stage's per-minibatch records and timeline
 spans as they stream in (one JSON line a chunk), and ``stages.json`` and ``trace.json`` are
-written from them at its end, one chunk at a time. The head and the CLI both
+written from them at its end, one chunk at a time. A job that ends otherwise (failed,
+cancelled, interrupted) keeps ``records/`` beside the ``stages.json`` and ``trace.json``
+written from what had streamed. The head and the CLI both
 read this directory, so ``status``/``trace`` of a finished job work with the head forgotten,
 restarted or down. Job ids are checked before they become paths: an id is a name plus
 ``-<n>``, never a path.
@@ -159,12 +161,16 @@ def append_records(
 
 
 def read_chunks(path: Path) -> Iterator[dict[str, list[list[Any]]]]:
-    """The chunks of one stage's stream in the order they arrived (none if it is absent)."""
+    """The chunks of one stage's stream in the order they arrived (none if it is absent).
+
+    A last line without its newline is a chunk still being appended (or cut off by a head
+    that died mid-write): it is left out, so a stream can be read while it grows.
+    """
     if not path.exists():
         return
     with path.open() as f:
         for line in f:
-            if line.strip():
+            if line.strip() and line.endswith("\n"):
                 yield json.loads(line)
 
 

@@ -223,6 +223,7 @@ class JobsPart:
         if js.cancelled:  # cancelled while it was being planned
             js.move(JobStatus.CANCELLED, "cancelled by the user")
             return
+        kept = False  # whether the ended job's records were folded (once, never twice)
         try:
             js.move(JobStatus.RUNNING)
             js.started = time.time()
@@ -244,11 +245,18 @@ class JobsPart:
                 seconds=round(js.finished - js.started, 2),
             )
         except JobFailed as exc:
+            await self._abort(js, str(exc))
+            if not self._stopping:  # a stopping head has no time to spare: records/ stay
+                # before the job is seen to end: what its stages streamed, kept and folded
+                kept = True
+                await self._keep_records(js)
             js.move(JobStatus.CANCELLED if js.cancelled else JobStatus.FAILED, str(exc))
             js.finished = time.time()
             log.warning("job failed", error=str(exc))
-            await self._abort(js, str(exc))
         finally:
+            if not (kept or self._stopping or js.state == JobStatus.DONE):
+                kept = True
+                await self._keep_records(js)  # an unexpected error
             with contextlib.suppress(OSError, JobFailed):
                 extra = {}
                 if self._stopping and js.state == JobStatus.FAILED and not js.cancelled:
@@ -463,6 +471,42 @@ class JobsPart:
             "checkpoint_stage_s": js.checkpoint_stage_s,
         }
 
+    async def _keep_records(self, js: JobState) -> None:
+        """A job that ended without finishing (failed, cancelled, interrupted by a stopping
+        head): its ``stages.json`` and trace written from what its stages streamed, and the
+        streams kept in ``records/`` (what a resume or a post-mortem reads). Never raises: a
+        failure here must not hide the job's own error."""
+        plan = js.plan
+        if plan is None:
+            return
+        try:
+            out_dir = self.job_dir(js)
+            keys = [(v, s) for v, vwp in enumerate(plan.vws) for s in range(len(vwp.stages))]
+            streams = {f"vw{v}/stage{s}": records_path(out_dir, v, s) for v, s in keys}
+            if not any(p.exists() for p in streams.values()):
+                return
+            stages = {
+                f"vw{v}/stage{s}": {
+                    # a stage that did not finish: its last progress report stands in
+                    **js.stage_results.get((v, s), {"stats": dict(js.progress.get((v, s), {}))}),
+                    "replicas": list(plan.vws[v].stages[s].replicas),
+                }
+                for v, s in keys
+            }
+            devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in keys}
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                None, _write_outputs, out_dir, stages, streams, devices, js.id, True
+            )
+            js.result = {
+                **js.result,
+                "stages_path": str((out_dir / STAGES).resolve()),
+                "trace_path": str((out_dir / TRACE).resolve()),
+                "records_path": str((out_dir / RECORDS).resolve()),
+            }
+        except Exception as exc:  # best effort: logged, never hides the job's own error
+            self.log.warning("cannot write the ended job's records", job=js.id, error=str(exc))
+
     async def _fetch_state(self, js: JobState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The job's global weights, gathered from its shards, and each shard's clocks."""
         assert js.plan is not None
@@ -522,9 +566,10 @@ def _write_outputs(
     streams: dict[str, Path],
     devices: dict[str, str],
     job: str,
+    keep: bool = False,
 ) -> None:
-    """A finished job's ``stages.json`` and trace from its stages' streams (then dropped:
-    both files hold all they held)."""
+    """A job's ``stages.json`` and trace from its stages' streams; a finished job's streams
+    are then dropped (both files hold all they held), an ended one's ``keep`` them."""
     write_stages(out_dir, {where: (r, streams[where]) for where, r in stages.items()})
     write_chrome_trace(
         out_dir / TRACE,
@@ -535,4 +580,5 @@ def _write_outputs(
         devices,
         job,
     )
-    shutil.rmtree(out_dir / RECORDS, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out_dir / RECORDS, ignore_errors=True)

@@ -1,0 +1,468 @@
+"""The shipped batch script ``workers/slurm/hetpipe.sbatch`` under a real Slurm.
+
+A fixture runs Debian's ``slurm-wlm`` on this host from a ``slurm.conf`` it writes in a
+temporary directory it owns: one ``slurmctld`` and three ``slurmd`` (nodes ``n0``..``n2``, all
+on this host with their own ports, ``AuthType=auth/none`` so no munge daemon or key is
+needed), every state, spool and log directory under that directory, its children reaped at
+the end. Three nodes because the components of a heterogeneous job never share a node: the
+script is submitted as a heterogeneous job of three components (the shards on ``n0``, two
+emulated devices of one type on ``n1``, one of another type on ``n2``) and must bring up the
+daemons on loopback, train the builtin mlp on digits across both device types, write the
+model and stop every daemon; a second case cancels it midway and finds nothing left running
+and a usable checkpoint.
+
+Skipped, with its reason, only where the Slurm binaries are absent and ``CI`` is not set;
+``.ci/run`` installs them, and under ``CI=true`` a missing binary fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "workers" / "slurm" / "hetpipe.sbatch"
+BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
+NODES = ("n0", "n1", "n2")  # n0: the shards; n1: two "fast" devices; n2: one "slow" one
+EMULATE = "fast:1.0:256MiB:2 slow:0.5:256MiB:1"
+ONE = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]  # per component
+
+pytestmark = pytest.mark.slow
+
+
+def _which(name: str) -> str | None:
+    """A Slurm binary's path (the daemons live in /usr/sbin, often off a user's PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+def _missing() -> list[str]:
+    return [b for b in BINARIES if _which(b) is None]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports free on loopback now (each bound and released; Slurm binds them itself)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _free_run(n: int) -> int:
+    """The first of ``n`` consecutive ports free on loopback (the script's shard ports)."""
+    for _ in range(200):
+        (base,) = _free_ports(1)
+        if base + n > 65535:
+            continue
+        try:
+            held = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on loopback")
+
+
+def _wait(what: str, check: Any, timeout: float, every: float = 0.5) -> Any:
+    """Poll ``check()`` until it returns a true value; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+class Slurm:
+    """A one-host Slurm of three nodes, in ``root``, run as this user."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.env.pop("SLURM_JOB_ID", None)  # never inherit an enclosing allocation
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def write_conf(self) -> None:
+        user = getpass.getuser()
+        ctld, *nodes = _free_ports(1 + len(NODES))
+        # the machine's CPUs, at least 2 (the shards' component asks for 2 tasks; the
+        # daemons of these tests are mostly idle): config_overrides lets a node declare more
+        cpus = max(os.cpu_count() or 1, 2)
+        for sub in ("state", "log", *(f"spool/{n}" for n in NODES)):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        r = self.root
+        lines = [
+            "ClusterName=hetpipetest",
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldPort={ctld}",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            # no munge: the controller and the nodes trust each other on this one host
+            "AuthType=auth/none",
+            "CredType=cred/none",
+            f"StateSaveLocation={r}/state",
+            f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmctldPidFile={r}/slurmctld.pid",
+            f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log",
+            f"SlurmdLogFile={r}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/pgid",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            # heterogeneous jobs need the backfill scheduler; a pass a second keeps it quick
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=bf_interval=1",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "ReturnToService=2",
+            "SlurmdParameters=config_overrides",
+            "KillWait=20",
+            "MinJobAge=600",
+        ]
+        for name, port in zip(NODES, nodes, strict=True):
+            lines.append(
+                f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 "
+                f"Port={port} CPUs={cpus} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE "
+            "State=UP OverSubscribe=YES"
+        )
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        out = (self.root / "log" / f"{name}.out").open("wb")
+        self.children.append(
+            subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
+        out.close()
+
+    def start(self) -> None:
+        self.write_conf()
+        self._spawn("slurmctld", [str(_which("slurmctld")), "-D", "-i", "-f", str(self.conf)])
+        for n in NODES:
+            self._spawn(f"slurmd-{n}", [str(_which("slurmd")), "-D", "-N", n, "-f", str(self.conf)])
+
+        def idle() -> bool:
+            for c in self.children:
+                if c.poll() is not None:
+                    raise AssertionError(f"{c.args[0]} exited with {c.returncode}: {self.logs()}")
+            r = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False)
+            states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
+            return set(states) == set(NODES) and all(s == "idle" for s in states.values())
+
+        _wait("the three slurmd nodes to be idle", idle, 60)
+
+    def run(self, args: list[str], check: bool = True, **kw: Any) -> Any:
+        """Run a Slurm client command against this cluster (``env``: more variables)."""
+        return subprocess.run(
+            args,
+            env={**self.env, **kw.pop("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=check,
+            **kw,
+        )
+
+    def job_state(self, job: str) -> dict[str, str]:
+        """``scontrol show job``'s fields of the job's first component."""
+        r = self.run(["scontrol", "-o", "show", "job", job], check=False)
+        line = r.stdout.splitlines()[0] if r.stdout.strip() else ""
+        return dict(w.split("=", 1) for w in line.split() if "=" in w)
+
+    def wait_ended(self, job: str, timeout: float) -> dict[str, str]:
+        """Wait until the job and all its steps have ended; its final fields."""
+
+        def ended() -> dict[str, str] | None:
+            state = self.job_state(job)
+            pending = state.get("JobState") in (
+                None,
+                "PENDING",
+                "RUNNING",
+                "COMPLETING",
+                "CONFIGURING",
+                "SUSPENDED",
+            )
+            steps = self.run(["squeue", "-h", "-s", "-j", job], check=False).stdout.strip()
+            return None if pending or steps else state
+
+        return _wait(f"Slurm job {job} to end", ended, timeout, every=1.0)
+
+    def logs(self) -> str:
+        """The tail of every Slurm daemon's log, for a failure's message."""
+        out = []
+        for f in sorted((self.root / "log").glob("*")):
+            out.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        """Cancel what is left, then stop the Slurm daemons (SIGTERM, then SIGKILL)."""
+        self.run(["scancel", "--full", "-u", getpass.getuser()], check=False)
+        with contextlib.suppress(AssertionError):
+            _wait(
+                "the jobs to leave the queue",
+                lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(),
+                40,
+            )
+        for c in self.children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in self.children:
+            try:
+                c.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(c.pid, signal.SIGKILL)
+                c.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    missing = _missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(
+                f"CI is set but the Slurm binaries {missing} are absent (.ci/run installs"
+                " slurm-wlm)"
+            )
+        pytest.skip(
+            f"Slurm is not installed here ({', '.join(missing)} absent; apt-get install slurm-wlm)"
+        )
+    s = Slurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _daemons_of(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (the run's cluster file)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{p.name}: {cmd}")
+    return found
+
+
+# vw0 pipelines n1-gpu0 -> n2-gpu0 (both device types), vw1 is n1-gpu1 alone; they meet at
+# the shards on n0
+TWO_TYPES = [(["n1-gpu0", "n2-gpu0"], [3, 3]), (["n1-gpu1"], [6])]
+
+
+def _job_file(
+    path: Path,
+    minibatches: int,
+    checkpoint_every: int | None = None,
+    vws: list[tuple[list[str], list[int]]] = TWO_TYPES,
+) -> Path:
+    """The builtin mlp on digits over the virtual workers ``vws`` (devices, layers)."""
+    extra = f"checkpoint_every = {checkpoint_every}\n" if checkpoint_every else ""
+    split = "".join(
+        f"\n[[vw]]\ndevices = {json.dumps(devices)}\nlayers = {json.dumps(layers)}\n"
+        for devices, layers in vws
+    )
+    path.write_text(
+        f"""name = "slurm-mlp"
+model = {{ name = "mlp" }}
+data = {{ name = "digits" }}
+optimizer = {{ name = "sgd", lr = 0.05, momentum = 0.9 }}
+
+[train]
+minibatch = 32
+nm = 2
+minibatches = {minibatches}
+staleness = 0
+{extra}{split}"""
+    )
+    return path
+
+
+HET = [
+    *("-p", "debug", "-w", "n0", "-N1", "-n2", *ONE, ":"),
+    *("-p", "debug", "-w", "n1", "-N1", "--ntasks-per-node=2", *ONE, ":"),
+    *("-p", "debug", "-w", "n2", "-N1", "--ntasks-per-node=1", *ONE),
+]
+
+
+def _submit(
+    slurm: Slurm,
+    tmp: Path,
+    job_file: Path | None,
+    drain: bool = False,
+    *,
+    script: Path = SCRIPT,
+    components: list[str] = HET,
+    emulate: str = EMULATE,
+) -> tuple[str, Path, dict[str, str]]:
+    run_dir = tmp / "run"
+    env = {
+        "HETPIPE_VENV": sys.prefix,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "HETPIPE_RUN_DIR": str(run_dir),
+        "HETPIPE_PS_PORT": str(_free_run(2)),
+        "HETPIPE_WORKER_PORT": "0",
+        "HETPIPE_IFACE": "lo",
+        "HETPIPE_SHARDS": "2",
+        "HETPIPE_EMULATE": emulate,
+        "HETPIPE_REGISTER_S": "150",
+        "HETPIPE_JOB": str(job_file) if job_file else "",
+        "HETPIPE_DRAIN": "1" if drain else "",
+    }
+    r = slurm.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={tmp}/slurm-%j.out",
+            f"--chdir={tmp}",
+            *components,
+            str(script),
+        ],
+        env=env,
+    )
+    return r.stdout.strip().split(";")[0], run_dir, env
+
+
+def _output(tmp: Path, job: str) -> str:
+    f = tmp / f"slurm-{job}.out"
+    return f.read_text(errors="replace") if f.exists() else "(no output)"
+
+
+def _run_logs(run_dir: Path) -> str:
+    return "\n".join(
+        f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
+        for f in sorted((run_dir / "logs").glob("*.log"))
+    )
+
+
+@pytest.mark.timeout(420)
+def test_sbatch_trains_a_job_and_stops_every_daemon(slurm: Slurm, tmp_path: Path) -> None:
+    job_file = _job_file(tmp_path / "job.toml", minibatches=60)
+    job, run_dir, _ = _submit(slurm, tmp_path, job_file)
+    state = slurm.wait_ended(job, 360)
+    why = f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}\n{slurm.logs()}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+
+    # the generated cluster file: both device types, the shards on the first component's node
+    cluster = (run_dir / "cluster.toml").read_text()
+    assert 'type = "fast"' in cluster and 'type = "slow"' in cluster, cluster
+    (job_dir,) = [d for d in (run_dir / "jobs").iterdir() if d.is_dir()]
+    result = json.loads((job_dir / "result.json").read_text())
+    assert result["state"] == "done", result
+    assert result["minibatches"] >= 60, result
+    assert result["test_accuracy"] > 0.5, result
+    assert (job_dir / "model.pt").stat().st_size > 0
+    out = _output(tmp_path, job)
+    assert "hetpipe: daemons stopped" in out, out
+    assert "Killed" not in out, out  # stopped by SIGTERM, not killed
+    # every daemon is gone once the Slurm job has ended
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
+
+
+@pytest.mark.timeout(600)
+def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
+    job, run_dir, _ = _submit(slurm, tmp_path, job_file)
+
+    def checkpointed() -> list[Path]:
+        state = slurm.job_state(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
+            f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
+        )
+        return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
+
+    _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+    slurm.run(["scancel", job])
+    state = slurm.wait_ended(job, 120)
+    assert state.get("JobState") == "CANCELLED", state
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+    (job_dir,) = [d for d in (run_dir / "jobs").iterdir() if d.is_dir()]
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["state"] == "interrupted", record  # a later head resumes it
+    from hetpipe import checkpoint
+
+    ck = checkpoint.latest(job_dir)
+    assert ck is not None and ck.state, sorted(job_dir.rglob("*"))
+    assert (job_dir / "records").is_dir()  # what streamed before the cancel is kept
+
+    # the next allocation on the same run directory resumes it and stops once it is done
+    again, _, _ = _submit(slurm, tmp_path, None, drain=True)
+    state = slurm.wait_ended(again, 360)
+    why = f"{state}\n{_output(tmp_path, again)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    results = [
+        json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json") if p.parent != job_dir
+    ]
+    (result,) = results
+    assert result["state"] == "done", result
+    assert result["resumed_from"]["job"] == record["id"], result
+    assert result["resumed_from"]["minibatches_done"] > 0, result
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+
+@pytest.mark.timeout(420)
+def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
+    """The script without its heterogeneous components (as its header says: drop the
+    ``hetjob`` lines and the first component's): shards and workers share one node."""
+    keep = ("#SBATCH --job-name", "#SBATCH --output", "#SBATCH --time", "#SBATCH --signal")
+    lines = SCRIPT.read_text().splitlines()
+    plain = tmp_path / "hetpipe-plain.sbatch"
+    plain.write_text(
+        "\n".join(ln for ln in lines if not ln.startswith("#SBATCH") or ln.startswith(keep))
+    )
+    job_file = _job_file(
+        tmp_path / "job.toml", minibatches=40, vws=[(["n1-gpu0", "n1-gpu1"], [3, 3])]
+    )
+    components = ["-p", "debug", "-w", "n1", "-N1", "--ntasks-per-node=2", *ONE]
+    job, run_dir, _ = _submit(
+        slurm, tmp_path, job_file, script=plain, components=components, emulate="fast:1:256MiB:2"
+    )
+    state = slurm.wait_ended(job, 360)
+    why = f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    assert not [ln for ln in plain.read_text().splitlines() if ln.startswith("#SBATCH hetjob")]
+    (result,) = [json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json")]
+    assert result["state"] == "done" and result["minibatches"] == 40, result
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
