@@ -864,7 +864,7 @@ class StageRunner:
 
     def progress(self) -> dict[str, Any]:
         s = self.compute.stats
-        recent = s.losses[-20:]
+        recent = s.losses
         elapsed = self.timeline.elapsed()
         return {
             "timing": dict(self.timeline.totals),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -99,6 +100,9 @@ class _InFlight:
     swapped: int = 0  # bytes its swapped layers parked in host memory
 
 
+RECENT_LOSSES = 20  # how many of the last losses the live mean takes
+
+
 @dataclass
 class StageStats:
     """Counters a stage reports to the head."""
@@ -109,7 +113,8 @@ class StageStats:
     backward_s: float = 0.0
     merges: int = 0
     last_loss: float | None = None
-    losses: list[float] = field(default_factory=list)
+    # the last losses read back, for the live mean; bounded, as a job may run for weeks
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_LOSSES))
     peak_bytes: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)  # peak of each StageMemory term
     # the most minibatches held between a forward and its backward: the count the memory
