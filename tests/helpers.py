@@ -99,7 +99,7 @@ def plain_training(
     try:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model)
-        data = load_dataset(spec.data.name)
+        data = load_dataset(spec.data.name, spec.data.args)
         streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
         opt = optimizer_of(spec, model.parameters())
         sched = scheduler(opt) if scheduler is not None else None
