@@ -395,12 +395,8 @@ def plan_job(
             in_flight_fill=fill_counts(limits, vw.nm),
         )
         spans = layout.spanning([st.layers for st in vw.stages])
-        if spans and any(
-            st.replicas
-            for st in vw.stages[
-                min(min(s) for s in spans.values()) : max(map(max, spans.values())) + 1
-            ]
-        ):
+        holders = [s for stages in spans.values() for s in stages]
+        if holders and any(st.replicas for st in vw.stages[min(holders) : max(holders) + 1]):
             # a tie's copies are kept equal along the pipeline's links, one device a stage
             try:
                 layout.check_split(

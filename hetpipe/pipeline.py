@@ -261,9 +261,10 @@ class StageRunner:
         self.agrees = compute.agrees
         self.agreement: dict[int, dict[int, tuple[float, bool]]] = {}
         # sync: the ties' gradient sums each stage holding a copy contributed (_exchange):
-        # iteration -> (stage, tie) -> its sum, as this stage learnt them; the iterations done
+        # iteration -> (stage, tie) -> its sum, as this stage learnt them; the last iteration
+        # exchanged
         self.tie_sums: dict[int, dict[Key, torch.Tensor]] = {}
-        self.exchanged: set[int] = set()
+        self.exchanged = -1
         self.tie_route = TieRoute(self.task.ties, self.task.stage) if self.sync else None
 
     # -- agreement across the stages of a virtual worker -----------------------------------
@@ -352,9 +353,9 @@ class StageRunner:
         stage between two copies only passes them on. Each copy adds the sums in stage order,
         so every copy has the same bits."""
         route = self.tie_route
-        if route is None or i in self.exchanged or not route.takes_part:
+        if route is None or i <= self.exchanged or not route.takes_part:
             return
-        self.exchanged.add(i)
+        self.exchanged = i
         got = self.tie_sums.setdefault(i, {})
         if self.task.tied:
             own = await self._host(await self._run(self.compute.tie_gradients))

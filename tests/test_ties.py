@@ -22,7 +22,7 @@ from helpers import plain_training
 
 from hetpipe.config import load_cluster
 from hetpipe.job import JobSpec
-from hetpipe.jobplan import plan_job
+from hetpipe.jobplan import JobPlanError, plan_job
 from hetpipe.localcluster import LocalCluster, cluster_toml
 from hetpipe.models import build_model
 from hetpipe.modelstate import StateLayout
@@ -188,3 +188,34 @@ def test_async_copies_push_to_one_entry(cluster, layers) -> None:
     got = run(cluster, spec)
     assert_same_weights(got, plain_training(spec, steps))
     assert_tie_exported(got)
+
+
+def test_a_replicated_stage_holding_a_copy_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml(UNIFORM, shards=2))
+    spec = tied_job("tied-replicated", [[2, 3]], nm=1, minibatches=4)
+    spec["vw"][0]["devices"] = ["gpu0", ["gpu1", "gpu2"]]
+    workers = {f"gpu{i}": SimpleNamespace(job=None, address=f"tcp://h:{i}") for i in range(4)}
+    with pytest.raises(JobPlanError) as info:
+        plan_job(JobSpec.from_dict(spec), "tied-r-1", load_cluster(path), workers, SHARDS)
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith("vw[0].layers: tied parameters 0.weight (vw0/stage0 (gpu0))")
+    assert text.endswith("(a replicated stage holds no copy of a tie)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_async_tie_with_two_virtual_workers(cluster) -> None:
+    """WSP with two VWs, Adam (not linear in the gradient, so the rule is not the tied
+    model's step): every copy pushes to the one entry and the job trains and exports the
+    tie."""
+    spec = tied_job("tied-async-2vw", [[2, 3], [3, 2]], nm=2, minibatches=12, staleness=1)
+    spec["optimizer"] = {"name": "adam", "lr": 0.01}
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    got = torch.load(info["model_path"])
+    assert_tie_exported(got)
+    torch.manual_seed(spec["train"]["seed"])
+    initial = build_model("usermodels:tied_gpt").state_dict()
+    assert not torch.equal(got[TIE], initial[TIE])
