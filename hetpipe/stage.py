@@ -166,10 +166,14 @@ class StageCompute:
         # started from a checkpoint's local weights that had merged the pull of the cut's
         # wave already (load_state): the attempt's first pull and merge are done
         self.restored = False
-        # the stage's part of the whole model's layout: a copy of each tie it uses whose
-        # canonical name lies in an earlier stage is held under that name (hetpipe.modelstate)
-        with torch.device("meta"):
-            layout = StateLayout.of(build_model(self.spec.model)).on_stage(task.first, task.last)
+        layout = StateLayout.of(self.module)
+        if task.ties:
+            # a tie spanning stages: the stage's part of the whole model's layout, where a
+            # copy of a tie whose canonical name lies in an earlier stage is held under that
+            # name (hetpipe.modelstate)
+            with torch.device("meta"):
+                full = StateLayout.of(build_model(self.spec.model))
+            layout = full.on_stage(task.first, task.last)
         local = local or {}
         missing = [n for n in layout.local if n not in local]
         if missing:

@@ -20,7 +20,9 @@ import torch
 from conftest import UNIFORM, assert_same_weights, job, start_cluster
 from helpers import plain_training
 
+from hetpipe.checkpoint import Checkpoint, stage_file
 from hetpipe.config import load_cluster
+from hetpipe.head.recovery import stage_restores
 from hetpipe.job import JobSpec
 from hetpipe.jobplan import JobPlanError, plan_job
 from hetpipe.localcluster import LocalCluster, cluster_toml
@@ -219,3 +221,35 @@ def test_async_tie_with_two_virtual_workers(cluster) -> None:
     torch.manual_seed(spec["train"]["seed"])
     initial = build_model("usermodels:tied_gpt").state_dict()
     assert not torch.equal(got[TIE], initial[TIE])
+
+
+def test_a_moved_copy_takes_the_ties_optimizer_state(tmp_path: Path) -> None:
+    """Re-planned with the layers moved (2 + 3 stages -> 1 + 3 + 1): the tie's new copy takes
+    the tie's optimizer state by name, as every parameter does, and its value from the one
+    entry of the shards' cut."""
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml(UNIFORM, shards=2))
+    cluster = load_cluster(path)
+    workers = {f"gpu{i}": SimpleNamespace(job=None, address=f"tcp://h:{i}") for i in range(4)}
+
+    def plan_of(layers: list[int]) -> Any:
+        spec = JobSpec.from_dict(tied_job("tied-moved", [layers], nm=1, minibatches=8))
+        return plan_job(spec, "tied-moved-1", cluster, workers, SHARDS)
+
+    old = plan_of([2, 3])
+    stages, files = {}, {}
+    for s, st in enumerate(old.vws[0].stages):
+        names = old.stage_names(0, s)
+        tensors = {f"opt/momentum/{n}": torch.full((2,), float(s)) for n in names}
+        files[stage_file(0, s)] = {"vw": 0, "stage": s, "first": st.first, "last": st.last}
+        files[stage_file(0, s)]["meta"] = {"optimizer": "sgd", "opt_steps": dict.fromkeys(names, 4)}
+        stages[stage_file(0, s)] = tensors
+    state = {n: torch.zeros(1) for n in old.placement}
+    meta = {"positions": [4], "totals": [8], "minibatches_done": 4, "stages": files}
+    ck = Checkpoint(Path("ck"), 0, state, meta, stages)
+    new = plan_of([1, 3, 1])
+    restores = stage_restores(new, ck, same_vws=True)
+    assert f"opt/momentum/{TIE}" in restores[(0, 0)][1]
+    assert f"opt/momentum/{TIE}" in restores[(0, 2)][1]
+    assert restores[(0, 2)][0]["opt_steps"] == {TIE: 4}
+    assert restores[(0, 2)][0]["weights"] is False  # its value: the shards' one entry
