@@ -746,6 +746,8 @@ class StageCompute:
         out = {}
         with torch.no_grad():
             for tie in self.task.tied:
+                if tie in self.wv.layout.frozen:  # its zeros travelled; it takes no step
+                    continue
                 total = None
                 for stage in self.task.ties[tie]:
                     g = to_device(sums[(stage, tie)], self.dev)
