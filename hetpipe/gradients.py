@@ -6,8 +6,11 @@ sent to the other replicas from there). Synchronous schedules step once per iter
 the mean gradient: the backwards add their microbatch's gradients, weighted by its samples,
 to one sum (:meth:`Gradients.add`), which goes to the shards (:meth:`Gradients.to_host`) and
 comes back as every virtual worker's mean (:meth:`Gradients.merge`) where several share the
-iteration. Kept apart from the weights (:mod:`hetpipe.versions`) because it is what the
-schedule's kind changes, not what a weight version is.
+iteration. A tie whose copies sit on several stages (:mod:`hetpipe.modelstate`) has its part
+of the sum replaced by the sum over every copy's (:meth:`Gradients.tied` out,
+:meth:`Gradients.set_tied` in) before any of it is used. Kept apart from the weights
+(:mod:`hetpipe.versions`) because it is what the schedule's kind changes, not what a weight
+version is.
 """
 
 from __future__ import annotations
@@ -41,6 +44,20 @@ class Gradients:
                 else:
                     self.sum[n] = g * samples
         self.samples += samples
+
+    def tied(
+        self, names: tuple[str, ...], like: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """This stage's part of the iteration's sum for the ties ``names``: zeros shaped as
+        ``like`` where its use of one took no gradient."""
+        with torch.no_grad():
+            return {n: self.sum[n] if n in self.sum else torch.zeros_like(like[n]) for n in names}
+
+    def set_tied(self, summed: Mapping[str, torch.Tensor]) -> None:
+        """Take the sum over every copy of each tie as this stage's part of the iteration's
+        sum (the same bits on every copy: each added them in stage order)."""
+        for n, g in summed.items():
+            self.sum[n] = g.to(self.dev)
 
     def take_mean(self) -> dict[str, torch.Tensor]:
         """The iteration's mean gradient (every virtual worker's once merged, else this

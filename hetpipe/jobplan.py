@@ -7,7 +7,10 @@ each stage's state on a parameter-server shard, and produces the stage tasks.
 
 Only the tensors :mod:`hetpipe.modelstate` calls *shared* go to the shards (one entry per tied
 tensor, frozen parameters included); non-persistent buffers go to their stages with the
-assignment; the export restores the names of tied tensors.
+assignment; the export restores the names of tied tensors. A tie whose names fall in several
+stages lives on the shard of its canonical name's layer; every stage that uses it holds a copy,
+pulls it from that one entry, and learns which other stages of its virtual worker hold one
+(``StageTask.ties``: the runtime keeps the copies equal, :mod:`hetpipe.pipeline`).
 """
 
 from __future__ import annotations
@@ -72,8 +75,19 @@ class JobPlan:
         return self.vws[vw].stages[stage].device
 
     def stage_names(self, vw: int, stage: int) -> list[str]:
+        """The shared state names the stage holds: those of its layers, and the canonical
+        name of every tie one of its layers uses (a copy, where the tie spans stages)."""
         st = self.vws[vw].stages[stage]
-        return [n for n in self.placement if st.first <= _layer(n) < st.last]
+        if self.layout is None:
+            return [n for n in self.placement if st.first <= _layer(n) < st.last]
+        return [n for n in self.placement if self.layout.holds(n, st.first, st.last)]
+
+    def ties(self, vw: int) -> dict[str, list[int]]:
+        """The ties of virtual worker ``vw`` that span stages: canonical name -> the stages
+        holding a copy, the owner (the stage of the canonical name's layer) first."""
+        if self.layout is None:
+            return {}
+        return self.layout.spanning([st.layers for st in self.vws[vw].stages])
 
     def local_state(self, vw: int, stage: int) -> dict[str, torch.Tensor]:
         """Initial values of the non-persistent buffers of one stage (sent with its task)."""
@@ -134,6 +148,7 @@ class JobPlan:
 
         for v, vw in enumerate(self.vws):
             k = vw.k
+            ties = self.ties(v)
             for s, st in enumerate(vw.stages):
                 names = self.stage_names(v, s)
                 prev = vw.stages[s - 1] if s > 0 else None
@@ -162,6 +177,7 @@ class JobPlan:
                             prev_peers=peers(prev),
                             next=nxt,
                             next_peers=peers(nxt),
+                            ties=ties,
                         )
                     )
         return out
@@ -382,13 +398,19 @@ def plan_job(
             ],
             in_flight_fill=fill_counts(limits, vw.nm),
         )
-        try:
-            layout.check_split(
-                [st.layers for st in vw.stages],
-                [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(vw.stages)],
-            )
-        except LayoutError as exc:
-            raise JobPlanError(f"vw[{v}].layers: {exc}") from None
+        spans = layout.spanning([st.layers for st in vw.stages])
+        holders = [s for stages in spans.values() for s in stages]
+        if holders and any(st.replicas for st in vw.stages[min(holders) : max(holders) + 1]):
+            # a tie's copies are kept equal along the pipeline's links, one device a stage
+            try:
+                layout.check_split(
+                    [st.layers for st in vw.stages],
+                    [f"vw{v}/stage{i} ({st.device})" for i, st in enumerate(vw.stages)],
+                )
+            except LayoutError as exc:
+                raise JobPlanError(
+                    f"vw[{v}].layers: {exc} (a replicated stage holds no copy of a tie)"
+                ) from None
         run_vws.append(vw)
     # minibatches per VW and epoch, as each VW's stream deals them (hetpipe.data.stream)
     per_epoch = (n_train // spec.minibatch) // len(run_vws) if n_train is not None else 0
@@ -417,7 +439,7 @@ def plan_job(
         f"{v}/{s}": sum(
             state[n].numel() * state[n].element_size()
             for n in state
-            if st.first <= _layer(n) < st.last
+            if layout.holds(n, st.first, st.last)
         )
         for v, vw in enumerate(run_vws)
         for s, st in enumerate(vw.stages)

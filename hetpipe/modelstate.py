@@ -15,8 +15,17 @@ on the server and in a stage's weights, so a tie has one value, one gradient (th
 its uses) and one optimizer state. The other names are *aliases*, restored on export so the
 written state_dict has every name ``state_dict()`` would give, sharing one storage.
 
-A tie whose names fall in two stages would need one tensor on two devices; it is refused
-(:meth:`StateLayout.check_split`) with one line naming the tensors and the stages.
+A tie whose names fall in several stages (GPT's input embedding on the first stage, its
+output head on the last) is one tensor on several devices: each stage that uses it holds its
+own *copy* under the canonical name (:meth:`StateLayout.on_stage`), all initialised from the
+one entry on the shards. The stage holding the canonical name's layer is the tie's *owner*;
+the others hold copies (:meth:`StateLayout.spanning` says which stages hold which tie). How
+the copies are kept equal is the runtime's (:mod:`hetpipe.pipeline`): in the synchronous
+schedules the gradient of the tie is summed over the stages that use it before each steps, as
+Megatron does; in the asynchronous one each stage steps on its own use's gradient and every
+copy pushes its updates to the one entry on the shards. Where copies cannot be kept (a
+replicated stage) the split is refused (:meth:`StateLayout.check_split`) with one line naming
+the tensors and the stages.
 
 Names are global (``"3.weight"``): the leading integer is the layer of the ``nn.Sequential``.
 """
@@ -104,7 +113,8 @@ class StateLayout:
     # -- stages -----------------------------------------------------------------------------
 
     def check_split(self, bounds: Sequence[tuple[int, int]], where: Sequence[str]) -> None:
-        """Refuse a split that puts the names of one tied tensor in different stages.
+        """Refuse a split that puts the names of one tied tensor in different stages: where
+        a stage cannot hold a copy of it (a replicated stage, :mod:`hetpipe.replicas`).
 
         ``bounds`` are the stages' layer ranges ``(first, last)``; ``where`` names each stage.
         """
@@ -117,6 +127,40 @@ class StateLayout:
                     f"must share one stage: put layers {min(layer_of(n) for n in names)}.."
                     f"{max(layer_of(n) for n in names)} in one stage"
                 )
+
+    def spanning(self, bounds: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+        """Canonical name -> the stages holding a name of it (ascending: the owner first), for
+        every tie whose names fall in more than one of the stages ``bounds``."""
+        out: dict[str, list[int]] = {}
+        for canonical, names in self.ties().items():
+            stages = sorted({_stage_of(layer_of(n), bounds) for n in names})
+            if len(stages) > 1:
+                out[canonical] = stages
+        return out
+
+    def holds(self, name: str, first: int, last: int) -> bool:
+        """Whether the stage of layers ``first``..``last``-1 holds canonical ``name`` (its
+        layer, or the layer of one of its aliases, is in the stage)."""
+        if first <= layer_of(name) < last:
+            return True
+        return any(first <= layer_of(a) < last for a, c in self.aliases.items() if c == name)
+
+    def on_stage(self, first: int, last: int) -> StateLayout:
+        """The layout of the stage of layers ``first``..``last``-1, a copy of every tie it
+        uses included: a tie whose canonical name lies in an earlier stage is held here under
+        that name (in module order), its names in this stage being aliases of it."""
+        held = {c for a, c in self.aliases.items() if first <= layer_of(a) < last}
+
+        def keep(names: Iterable[str]) -> tuple[str, ...]:
+            return tuple(n for n in names if first <= layer_of(n) < last or n in held)
+
+        return StateLayout(
+            params=keep(self.params),
+            frozen=frozenset(keep(self.frozen)),
+            buffers=keep(self.buffers),
+            local=keep(self.local),
+            aliases={a: c for a, c in self.aliases.items() if first <= layer_of(a) < last},
+        )
 
     def within(self, first: int, last: int) -> StateLayout:
         """The part of this layout in layers ``first``..``last``-1."""

@@ -56,7 +56,14 @@ from hetpipe.timeline import Timeline, shares
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
 
-__all__ = ["PULL_TIMEOUT_S", "PUSH_TIMEOUT_S", "Record", "StageRunner", "stage_schedule"]
+__all__ = [
+    "PULL_TIMEOUT_S",
+    "PUSH_TIMEOUT_S",
+    "Record",
+    "StageRunner",
+    "TieRoute",
+    "stage_schedule",
+]
 
 PUSH_TIMEOUT_S = 120.0
 # A pull may be parked for as long as the slowest virtual worker needs to finish a wave.
@@ -130,9 +137,14 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     counted on (:class:`hetpipe.core.staleness.StageTable`). One the plan limits runs its
     ``in_flight_fill`` forwards before its first backward and holds at most its
     ``in_flight_limit`` minibatches (:func:`hetpipe.planner.plan.make_plan`).
+
+    A stage holding a copy of a tie that spans stages pulls every wave in the asynchronous
+    kind even alone: the other copies' updates reach it only through the shards
+    (:meth:`StageRunner._pull`).
     """
     task = compute.task
     table = compute.table
+    tied = bool(task.tied) and not compute.spec.sync
     return StageSchedule(
         compute.spec.schedule,
         k=task.k,
@@ -140,7 +152,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         nm=task.nm,
         total=task.minibatches,
         staleness=task.staleness,
-        pulls=task.num_vws > 1 and compute.has_state,
+        pulls=(task.num_vws > 1 or tied) and compute.has_state,
         pushes=compute.has_state,
         sequence=table.op if table is not None else None,
         replicated=task.replicated,
@@ -250,6 +262,12 @@ class StageRunner:
         # stage -> (squared norm, finite), as this stage learnt them
         self.agrees = compute.agrees
         self.agreement: dict[int, dict[int, tuple[float, bool]]] = {}
+        # sync: the ties' gradient sums each stage holding a copy contributed (_exchange):
+        # iteration -> (stage, tie) -> its sum, as this stage learnt them; the last iteration
+        # exchanged
+        self.tie_sums: dict[int, dict[Key, torch.Tensor]] = {}
+        self.exchanged = -1
+        self.tie_route = TieRoute(self.task.ties, self.task.stage) if self.sync else None
 
     # -- agreement across the stages of a virtual worker -----------------------------------
 
@@ -308,6 +326,66 @@ class StageRunner:
         for j in range(len(group)):
             await self.send(kind, i, {}, None, j, {"agree": [i, entries]})
 
+    # -- a tie's gradient, summed over the stages that hold a copy -------------------------
+
+    def _take_tied(self, msg: Message) -> None:
+        """Keep the ties' gradient sums a neighbour's message carries (``tied``: the
+        iteration; tensors ``<stage>/<tie>``); ``ValueError``, one line, for one this stage
+        neither uses nor passes on."""
+        i = int(msg["tied"])
+        got = self.tie_sums.setdefault(i, {})
+        route = self.tie_route
+        for name in self._names(msg):
+            stage, _, tie = name.partition("/")
+            key = (int(stage) if stage.isdigit() else -1, tie)
+            if route is None or key not in route.wanted:
+                raise ValueError(f"{msg.kind} {i} carries a tie's gradient {name!r} not for here")
+            got[key] = self._received(msg, name)  # type: ignore[assignment]
+
+    async def _exchange(self, i: int) -> None:
+        """Before the step of iteration ``i`` (several virtual workers: before its reduce),
+        in the synchronous kinds: sum the gradient of every tie spanning stages over the
+        stages holding a copy, so that every copy steps on the tied model's gradient (the sum
+        of all its uses) and the copies stay equal, as Megatron's all-reduce of the embedding
+        does.
+
+        Each copy's sample-weighted sum travels along the pipeline's own links, as the
+        agreement (:meth:`_agree`) does: down (to stage - 1) go the sums of this stage and the
+        stages after it that a stage before it holds a copy for, once known; up, likewise. A
+        stage between two copies only passes them on. Each copy adds the sums in stage order,
+        so every copy has the same bits."""
+        route = self.tie_route
+        if route is None or i <= self.exchanged or not route.takes_part:
+            return
+        self.exchanged = i
+        got = self.tie_sums.setdefault(i, {})
+        if self.task.tied:
+            own = await self._host(await self._run(self.compute.tie_gradients))
+            for tie, g in own.items():
+                got[(self.task.stage, tie)] = g
+        down, up = not route.down, not route.up
+        self._wait_for("tie", c=i)
+        with self.timeline.span("gate", None, i):
+            while True:
+                if not down and route.down <= got.keys():
+                    await self._send_tied(Kind.GRAD, i, route.down)
+                    down = True
+                if not up and route.up <= got.keys():
+                    await self._send_tied(Kind.ACT, i, route.up)
+                    up = True
+                if down and up and route.used <= got.keys():
+                    break
+                await self.wakeup.wait()
+                self.wakeup.clear()
+        del self.tie_sums[i]
+        if self.task.tied:
+            await self._run(self.compute.sum_tied, {key: got[key] for key in route.used})
+
+    async def _send_tied(self, kind: str, i: int, keys: frozenset[Key]) -> None:
+        got = self.tie_sums[i]
+        tensors = {f"{stage}/{tie}": got[(stage, tie)] for stage, tie in sorted(keys)}
+        await self.send(kind, i, tensors, None, 0, {"tied": i})
+
     # -- inbox (the schedule's Inputs) -----------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
@@ -319,6 +397,8 @@ class StageRunner:
         own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
         if msg.get("agree") is not None:
             self._take_agreement(msg)
+        elif msg.get("tied") is not None:
+            self._take_tied(msg)
         elif msg.kind == Kind.ACT:
             names = self._names(msg)
             plain = names == _ACT_NAMES  # one activation and its target: nothing to walk
@@ -451,6 +531,8 @@ class StageRunner:
     async def _execute(self, action: Action) -> None:
         match action:
             case Pull(c, grads):
+                if grads:  # the ties' copies sum their gradients before the shards see one
+                    await self._exchange(c)
                 task = asyncio.create_task(
                     self._reduce(c) if grads else self._pull(c), name=f"pull:{c}:{grads}"
                 )
@@ -491,12 +573,15 @@ class StageRunner:
         """Execute forwards, backwards, steps and pushes' copies in one hand-off; then send
         what they made, in order. A step the stages agree on first (:meth:`_agree`) splits
         the hand-off: what comes before it runs and is sent before the agreement."""
-        if self.agrees:
+        if self.agrees or (self.tie_route is not None and self.tie_route.takes_part):
             at = next((j for j, a in enumerate(run) if isinstance(a, OptimizerStep)), None)
             if at is not None:
                 if at:
                     await self._compute_run_now(run[:at])
-                await self._agree(run[at].i)  # type: ignore[attr-defined]
+                i = run[at].i  # type: ignore[attr-defined]
+                await self._exchange(i)
+                if self.agrees:
+                    await self._agree(i)
                 run = run[at:]
         await self._compute_run_now(run)
 
@@ -816,10 +901,18 @@ class StageRunner:
         self.push_acks.clear()
 
     async def _pull(self, c: int) -> list[Message]:
-        """Ask each shard for this stage's weights of wave ``c`` (parked until WSP allows)."""
+        """Ask each shard for this stage's weights of wave ``c`` (parked until WSP allows).
+
+        A virtual worker alone in its job whose stage holds a copy of a tie spanning stages
+        waits for every stage's push of wave ``c - 1`` (its own clock is the global one):
+        the copy then holds every copy's updates of the waves before ``c``, as WSP's rule
+        for a virtual worker's own updates asks (with Nm = 1, the tied model's own steps)."""
         if not self.compute.has_state:
             return []
-        fields = {**self._ids(), "need": pull_need(c, self.task.staleness), "wave": c}
+        need = pull_need(c, self.task.staleness)
+        if self.task.tied and self.task.num_vws == 1:
+            need = c
+        fields = {**self._ids(), "need": need, "wave": c}
         waits = [
             self.shards[shard].request(
                 Kind.PULL, fields, timeout=PULL_TIMEOUT_S, what=f"shard {shard}"
@@ -834,11 +927,12 @@ class StageRunner:
         copy, samples = await self._run(self.compute.gradient_sum)
         grads = await self._host(copy)
         fields = {**self._ids(), "iteration": c, "samples": samples}
+        copies = self.task.copies  # a tie's summed gradient counts once: the owner's
         waits = [
             self.shards[shard].request(
                 Kind.REDUCE,
                 fields,
-                {n: grads[n] for n in names if n in grads},
+                {n: grads[n] for n in names if n in grads and n not in copies},
                 timeout=PULL_TIMEOUT_S,
                 what=f"shard {shard}",
             )
@@ -913,6 +1007,34 @@ class StageRunner:
         out["inline_runs"] = self.inline.inline_runs
         out["thread_runs"] = self.inline.thread_runs
         return out
+
+
+Key = tuple[int, str]  # a copy's gradient sum: (the stage holding the copy, the tie)
+
+
+class TieRoute:
+    """Which ties' gradient sums one stage sends each way and uses (:meth:`StageRunner._exchange`),
+    from its virtual worker's ties (canonical name -> the stages holding a copy)."""
+
+    def __init__(self, ties: dict[str, list[int]], stage: int) -> None:
+        def keys(want: Callable[[list[int], int], bool]) -> frozenset[Key]:
+            return frozenset(
+                (t, tie) for tie, holders in ties.items() for t in holders if want(holders, t)
+            )
+
+        # to stage - 1: the sums of this stage and later ones that an earlier stage holds
+        self.down = keys(lambda h, t: t >= stage and min(h) < stage)
+        # to stage + 1: the sums of this stage and earlier ones that a later stage holds
+        self.up = keys(lambda h, t: t <= stage and max(h) > stage)
+        # every copy's sum of each tie this stage holds
+        self.used = keys(lambda h, _t: stage in h)
+        # what may reach it from a neighbour
+        self.wanted = (self.down | self.up | self.used) - keys(lambda _h, t: t == stage)
+
+    @property
+    def takes_part(self) -> bool:
+        """Whether the stage holds a copy or passes one on."""
+        return bool(self.down or self.up or self.used)
 
 
 def _union(replies: list[Message]) -> dict[str, torch.Tensor]:

@@ -58,7 +58,7 @@ from hetpipe.cudaipc import Shared
 from hetpipe.gradients import Gradients
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
-from hetpipe.models import model_loss
+from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout
 from hetpipe.optim import StageOptimizer, grad_stats
 from hetpipe.probes import PROBE_EVERY, Probe, Probes
@@ -172,6 +172,13 @@ class StageCompute:
         # wave already (load_state): the attempt's first pull and merge are done
         self.restored = False
         layout = StateLayout.of(self.module)
+        if task.ties:
+            # a tie spanning stages: the stage's part of the whole model's layout, where a
+            # copy of a tie whose canonical name lies in an earlier stage is held under that
+            # name (hetpipe.modelstate)
+            with torch.device("meta"):
+                full = StateLayout.of(build_model(self.spec.model))
+            layout = full.on_stage(task.first, task.last)
         local = local or {}
         missing = [n for n in layout.local if n not in local]
         if missing:
@@ -188,6 +195,7 @@ class StageCompute:
             self.copier,
             num_vws=task.num_vws,
             sync=self.spec.sync,
+            copies=task.copies,
         )
         self.in_flight: dict[int, _InFlight] = {}
         self.grads = Gradients(self.dev, self.copier)  # awaiting the step (hetpipe.gradients)
@@ -634,7 +642,9 @@ class StageCompute:
         every value is finite, what this stage contributes to the agreement."""
         grads = self._unscaled(self.grads.take_mean())
         self.ready[i] = grads
-        return grad_stats(grads)
+        # a tie's copies hold one gradient: the owner counts it in the norm, once
+        copies = self.task.copies
+        return grad_stats({n: g for n, g in grads.items() if n not in copies} if copies else grads)
 
     def step(
         self, i: int, replicas: Mapping[int, Mapping[str, torch.Tensor]] | None = None
@@ -724,6 +734,28 @@ class StageCompute:
         shards (a side-stream copy: the compute thread does not wait for it), and its
         samples."""
         return self.grads.to_host()
+
+    def tie_gradients(self) -> HostCopy:
+        """Sync: this stage's part of the iteration's sample-weighted gradient sum for each
+        tie spanning stages it holds a copy of, on its way to the host (for the other
+        copies: :meth:`hetpipe.pipeline.StageRunner._exchange`)."""
+        return self.copier.to_host(self.grads.tied(self.task.tied, self.wv.params))
+
+    def sum_tied(self, sums: Mapping[tuple[int, str], torch.Tensor]) -> None:
+        """Sync: take the sum over every copy of each tie this stage holds, added in stage
+        order (the same bits on every copy), as its part of the iteration's gradient sum.
+        ``sums``: ``(stage, tie)`` -> that copy's sum."""
+        out = {}
+        with torch.no_grad():
+            for tie in self.task.tied:
+                if tie in self.wv.layout.frozen:  # its zeros travelled; it takes no step
+                    continue
+                total = None
+                for stage in self.task.ties[tie]:
+                    g = to_device(sums[(stage, tie)], self.dev)
+                    total = g.clone() if total is None else total.add_(g)
+                out[tie] = total
+        self.grads.set_tied(out)
 
     def merge_gradients(self, mean: Mapping[str, torch.Tensor]) -> None:
         """Adopt the mean gradient of every virtual worker's samples of the iteration."""

@@ -44,6 +44,9 @@ class StageTask(OnStage):
     prev_peers: list[str] = field(default_factory=list)
     next: StageLayout | None = None
     next_peers: list[str] = field(default_factory=list)
+    # the ties of this virtual worker that span stages: canonical name -> the stages that
+    # hold a copy, ascending (the first owns it: hetpipe.modelstate)
+    ties: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def standalone(
@@ -117,6 +120,17 @@ class StageTask(OnStage):
     def leader(self) -> bool:
         """Whether this device speaks for its stage: pushes, checkpoints, reports."""
         return self.replica == 0
+
+    @property
+    def tied(self) -> tuple[str, ...]:
+        """The canonical names of the spanning ties this stage holds a copy of."""
+        return tuple(n for n, stages in self.ties.items() if self.stage in stages)
+
+    @property
+    def copies(self) -> frozenset[str]:
+        """The spanning ties this stage holds but does not own: their one entry on the
+        shards is the owner's to push and reduce in the synchronous schedules."""
+        return frozenset(n for n, stages in self.ties.items() if self.stage in stages[1:])
 
     def my_rows(self, n: int) -> tuple[int, int]:
         """The rows of an ``n``-row minibatch this device holds."""

@@ -56,10 +56,12 @@ class WeightVersions:
         *,
         num_vws: int,
         sync: bool,
+        copies: frozenset[str] = frozenset(),
     ) -> None:
         """``local``: the non-persistent buffers, on ``dev`` already; ``copier`` takes a
         wave's update to the host; ``num_vws`` virtual workers share the global weights, in
-        a synchronous schedule (``sync``) or not."""
+        a synchronous schedule (``sync``) or not; ``copies``: the ties spanning stages this
+        stage holds but another owns (:mod:`hetpipe.modelstate`)."""
         self.layout = layout
         self.param_names = list(layout.params)
         self.buffer_names = list(layout.buffers)
@@ -75,6 +77,7 @@ class WeightVersions:
         self.copier = copier
         self.num_vws = num_vws
         self.sync = sync
+        self.copies = copies
 
     def update(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Local update out of place: a new version of the weights, the old one untouched.
@@ -128,11 +131,16 @@ class WeightVersions:
         """The stage's update of ``wave``, on its way to host memory (:mod:`hetpipe.hostcopy`:
         on a GPU the copy runs on a side stream while the next minibatch computes).
 
-        With ``keep`` it stays until a pull shows the shard applied it (a pull answered
-        before then lacks it and it must be re-added); without, it is released at once,
-        for a stage that never pulls again.
+        In the synchronous schedules a tie's copy (:attr:`copies`) is left out: the owner
+        pushes the step every copy took. With ``keep`` it stays until a pull shows the shard
+        applied it (a pull answered before then lacks it and it must be re-added); without,
+        it is released at once, for a stage that never pulls again.
         """
         acc = self.acc.get(wave, {}) if keep else self.acc.pop(wave, {})
+        if self.sync and self.copies:
+            # a synchronous step of a tie is the same on every copy (its gradient summed over
+            # them first): the owner's push carries it, once
+            acc = {k: t for k, t in acc.items() if k not in self.copies}
         if self.sync and self.num_vws > 1:
             # every virtual worker took the same step: each contributes its share of it
             n = self.num_vws

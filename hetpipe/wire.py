@@ -199,6 +199,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # they hold, where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
     # agree (then no tensors): [step, [[stage, squared norm, finite], ...]], the stages'
     # agreement before a step (hetpipe.pipeline.StageRunner._agree)
+    # tied (then the tensors are "<stage>/<tie>"): the iteration whose gradient sums of the
+    # copies of a tie spanning stages they are (hetpipe.pipeline.StageRunner._exchange)
     Kind.ACT: {
         "job": _STR,
         "vw": _INT,
@@ -207,9 +209,10 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
+        "tied": _OPT_INT,
     },
-    # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows and
-    # agree as for act
+    # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows,
+    # agree and tied as for act
     Kind.GRAD: {
         "job": _STR,
         "vw": _INT,
@@ -218,6 +221,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
+        "tied": _OPT_INT,
     },
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)

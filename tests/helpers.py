@@ -105,8 +105,8 @@ def plain_training(
         opt = optimizer_of(spec, model.parameters())
         sched = scheduler(opt) if scheduler is not None else None
         bounds = [0, *itertools.accumulate(clip_stages or [len(model)])]
-        groups = [
-            [p for layer in list(model)[a:b] for p in layer.parameters()]
+        groups = [  # a tied tensor once (as model.parameters() gives it)
+            list({id(p): p for layer in list(model)[a:b] for p in layer.parameters()}.values())
             for a, b in itertools.pairwise(bounds)
         ]
 

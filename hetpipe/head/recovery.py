@@ -31,7 +31,6 @@ from hetpipe.head.states import JobFailed, JobStatus, transition
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
 from hetpipe.jobstore import job_dir, read_result
-from hetpipe.modelstate import layer_of
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
@@ -65,7 +64,8 @@ def stage_restores(
     for v, vw in enumerate(plan.vws):
         source = old.get(v if same_vws else 0, [])
         for s, st in enumerate(vw.stages):
-            if not plan.stage_names(v, s):
+            held = set(plan.stage_names(v, s))  # a tie's copy included
+            if not held:
                 continue
             exact = next(
                 (
@@ -87,7 +87,7 @@ def stage_restores(
                     if not key.startswith("opt/"):
                         continue
                     param = key.split("/", 2)[2]
-                    if st.first <= layer_of(param) < st.last:
+                    if param in held:
                         tensors[key] = t
                         steps[param] = int(info["meta"].get("opt_steps", {}).get(param, 0))
                         optimizer = info["meta"].get("optimizer")
