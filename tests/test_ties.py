@@ -9,7 +9,6 @@ an optimizer linear in the gradient is again plain PyTorch's (docs/own-models.md
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import UNIFORM, assert_same_weights, job, user_code_cluster
 from helpers import plain_training
 
 from hetpipe.checkpoint import Checkpoint, stage_file
@@ -120,12 +119,7 @@ def test_plan_keeps_one_entry_and_tells_every_copy(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons can (and may) import ``usermodels``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(tmp_path_factory.mktemp("ties"), UNIFORM, allowed_modules=("usermodels",))
+    c = user_code_cluster(tmp_path_factory, "usermodels")
     yield c
     c.stop()
 
