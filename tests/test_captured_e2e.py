@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from conftest import assert_same_weights, job, user_code_cluster
-from helpers import InlineExecutor, plain_training
+from helpers import InlineExecutor, plain_training, stand_in_stream
 from usermodels import SmallResNet
 
 from hetpipe import carry
@@ -136,10 +135,7 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
             send=send,
             shards={},  # type: ignore[arg-type]
             report=send,
-            # a stand-in stream whose reader gives this minibatch
-            stream=SimpleNamespace(  # type: ignore[arg-type]
-                reader=lambda _start: SimpleNamespace(get=lambda _p: (x, y))
-            ),
+            stream=stand_in_stream((x, y)),
         )
         asyncio.run(r._compute_run([Forward(0)]))
         (out,) = sent

@@ -13,13 +13,12 @@ import asyncio
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from conftest import assert_same_weights, job, user_code_cluster
-from helpers import InlineExecutor, StandInCompute, plain_training
+from helpers import InlineExecutor, StandInCompute, plain_training, stand_in_stream
 
 from hetpipe import carry
 from hetpipe.config import DeviceSpec
@@ -358,10 +357,7 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
         (first, _rest) = stages("residual_net", [cut], precision=precision)
         r = runner(stage=0, k=2)
         r.compute, r.task = first, first.task  # type: ignore[assignment]
-        # a stand-in stream whose reader gives this minibatch
-        r.stream = SimpleNamespace(  # type: ignore[assignment]
-            reader=lambda _start: SimpleNamespace(get=lambda _p: (x, y))
-        )
+        r.stream = stand_in_stream((x, y))  # type: ignore[assignment]
         sent: list[dict[str, torch.Tensor]] = []
 
         async def send(kind: str, p: int, tensors: dict, *_more: Any, out: list = sent) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from helpers import InlineExecutor, StandInCompute
+from helpers import InlineExecutor, StandInCompute, stand_in_stream
 
 from hetpipe.core.schedule import Action, Wait, fill_counts
 from hetpipe.pipeline import StageRunner
@@ -36,7 +35,7 @@ def run_stage(
     inputs that had arrived in the simulation when the simulator's stage took its next
     action. Returns the actions the runner executed."""
     compute = StandInCompute(kind, k, stage, nm, total, warmup, limit, fill)
-    stream = SimpleNamespace(batch=lambda p: (torch.zeros(1), torch.zeros(1)))
+    stream = stand_in_stream((torch.zeros(1), torch.zeros(1)))
 
     async def send(
         kind_: str,
