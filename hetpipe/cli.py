@@ -925,6 +925,30 @@ def list_users(obj: Ctx) -> None:
         click.echo(name)
 
 
+@keys.command("bundle")
+@cluster_option
+@click.argument("out", type=click.Path(file_okay=False))
+@click.pass_obj
+def bundle(obj: Ctx, out: str) -> None:
+    """Split the keys into what each host and user needs: OUT/hosts/<host>/ (the daemons
+    there), OUT/admin/, OUT/users/<name>/; copy each folder to its host as [security] keys."""
+    root = _keys_dir(obj)
+    cluster = obj.cluster
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise click.ClickException(f"{out} is not empty: bundle into a new folder")
+    hosts: dict[str, list[str]] = {}
+    for i, shard in enumerate(cluster.ps):
+        hosts.setdefault(shard.host, []).append(security.shard_user(i))
+    for dev in cluster.devices:
+        hosts.setdefault(dev.host, []).append(security.worker_user(dev.name))
+    try:
+        plan = security.bundle_keys(root, out, hosts, cluster.ps[0].host)
+    except (security.KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for folder, files in plan.items():
+        click.echo(f"{Path(out) / folder}: {len(files)} files")
+
+
 # -- logs -----------------------------------------------------------------------------------
 
 

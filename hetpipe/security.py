@@ -85,6 +85,7 @@ __all__ = [
     "ZapAuthenticator",
     "add_user",
     "apply_curve",
+    "bundle_keys",
     "check_code",
     "check_job_name",
     "check_user_name",
@@ -459,6 +460,52 @@ def list_users(keys_dir: str | os.PathLike[str]) -> list[str]:
     root = Path(keys_dir)
     users = sorted(p.stem.removeprefix(USER_PREFIX) for p in root.glob(f"{USER_PREFIX}*.key"))
     return ([ADMIN] if (root / f"{CLIENT}.key").is_file() else []) + users
+
+
+def bundle_keys(
+    keys_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    hosts: Mapping[str, Sequence[str]],
+    head_host: str,
+) -> dict[str, list[str]]:
+    """Copy into ``out`` one folder per host and per user with exactly the key files each
+    needs; return folder -> file names. Nothing is written when a file is missing.
+
+    ``hosts`` maps each host to the key names of the daemons it runs (``ps<i>``,
+    ``worker-<dev>``). ``hosts/<host>/``: the server pair, every public key but the users',
+    and the secret key of each of its daemons; the head's host also the users' public keys
+    (it alone accepts users). ``admin/``: the ``client`` pair and the server's public key.
+    ``users/<name>/``: that user's pair (where the keys folder holds its secret; one handed
+    out with ``add-user --out`` is not) and the server's public key.
+    """
+    root, dest = Path(keys_dir), Path(out)
+    publics = sorted(p.name for p in root.glob("*.key") if not p.name.startswith(USER_PREFIX))
+    users = sorted(p.stem for p in root.glob(f"{USER_PREFIX}*.key"))
+    plan: dict[str, list[str]] = {}
+    for host, daemons in hosts.items():
+        files = [f"{SERVER}.key_secret", *publics, *(f"{d}.key_secret" for d in daemons)]
+        if host == head_host:
+            files += [f"{u}.key" for u in users]
+        plan[f"hosts/{host.replace(':', '_')}"] = files
+    plan["admin"] = [f"{CLIENT}.key_secret", f"{SERVER}.key"]
+    for u in users:
+        if (root / f"{u}.key_secret").exists():
+            name = u.removeprefix(USER_PREFIX)
+            plan[f"users/{name}"] = [f"{u}.key_secret", f"{u}.key", f"{SERVER}.key"]
+    missing = sorted({f for files in plan.values() for f in files if not (root / f).is_file()})
+    if missing:
+        raise KeysError(
+            f"cannot bundle: {root} lacks {', '.join(missing[:4])}"
+            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            + " (create the cluster's keys with `hetpipe keys` on this host)"
+        )
+    for folder, files in plan.items():
+        d = dest / folder
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for f in files:
+            shutil.copyfile(root / f, d / f)
+            os.chmod(d / f, 0o600)
+    return plan
 
 
 @dataclass(frozen=True)

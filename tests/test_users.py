@@ -198,6 +198,50 @@ def test_a_user_without_a_key_is_told_in_one_line(tmp_path: Path) -> None:
     assert "no key of user 'carol'" in line and "keys add-user carol" in line
 
 
+def test_bundle_gives_each_host_and_user_only_the_files_it_needs(tmp_path: Path) -> None:
+    keys, out = tmp_path / "keys", tmp_path / "out"
+    ensure_keys(keys, security.key_names(2, ["gpu0", "gpu1"]))
+    security.add_user(keys, "alice")
+    security.add_user(keys, "bob", out=tmp_path / "bob")  # handed out: not bundled again
+    hosts = {"h0": ["ps0", "worker-gpu0"], "h1": ["ps1", "worker-gpu1"]}
+    plan = security.bundle_keys(keys, out, hosts, "h0")
+    assert set(plan) == {"hosts/h0", "hosts/h1", "admin", "users/alice"}
+
+    def names(folder: str) -> set[str]:
+        return {p.name for p in (out / folder).iterdir()}
+
+    publics = {f"{n}.key" for n in ("server", "client", "ps0", "ps1", "worker-gpu0", "worker-gpu1")}
+    assert names("hosts/h0") == publics | {
+        "server.key_secret",
+        "ps0.key_secret",
+        "worker-gpu0.key_secret",
+        "user-alice.key",
+        "user-bob.key",
+    }
+    assert names("hosts/h1") == publics | {
+        "server.key_secret",
+        "ps1.key_secret",
+        "worker-gpu1.key_secret",
+    }
+    assert names("admin") == {"client.key_secret", "server.key"}
+    assert names("users/alice") == {"user-alice.key_secret", "user-alice.key", "server.key"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in out.rglob("*") if p.is_file())
+    (keys / "ps1.key_secret").unlink()
+    with pytest.raises(KeysError, match=r"lacks ps1\.key_secret") as err:
+        security.bundle_keys(keys, tmp_path / "again", hosts, "h0")
+    assert "\n" not in str(err.value) and not (tmp_path / "again").exists()
+
+
+def test_keys_bundle_command(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml([DeviceDef("gpu0")], shards=1))
+    keys_cli(path)
+    result = keys_cli(path, "bundle", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert f"{tmp_path / 'out' / 'hosts' / '127.0.0.1'}: " in result.output
+    assert "not empty" in one_line_error(keys_cli(path, "bundle", str(tmp_path / "out")))
+
+
 # -- real daemons, Curve on ------------------------------------------------------------------
 
 LONG = job("long", model="mlp", epochs=5000)  # runs far longer than these tests
