@@ -152,6 +152,8 @@ def render_result(info: dict[str, Any]) -> str:
     comparison = render_comparison(info)
     if comparison:
         lines.append(comparison)
+    if info.get("owner"):
+        lines.append(f"owner:   {info['owner']}")
     lines.append(f"model:   {info['model_path']}")
     lines.append(f"metrics: {info['metrics_path']}")
     lines.append(f"trace:   {info['trace_path']}  (open in https://ui.perfetto.dev)")

@@ -28,6 +28,7 @@ from hetpipe.config import load_cluster
 from hetpipe.jobstore import read_result
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.security import KeysError, ensure_keys, may_act, may_send, owner_of
+from hetpipe.views import render_result
 from hetpipe.wire import Kind
 
 # -- rules and key files (no daemons) --------------------------------------------------------
@@ -145,6 +146,21 @@ def test_a_removed_or_replaced_users_key_is_refused_at_the_next_handshake(tmp_pa
 
     ok, refused = (True, b"OK"), (False, b"Unknown key")
     assert asyncio.run(go()) == [ok, ok, refused, refused, ok]
+
+
+def test_a_finished_jobs_result_names_its_owner() -> None:
+    done = {
+        "id": "a-1",
+        "state": "done",
+        "owner": "alice",
+        "seconds": 1.0,
+        "minibatches": 2,
+        "samples_per_s": 64.0,
+        "model_path": "m",
+        "metrics_path": "x",
+        "trace_path": "t",
+    }
+    assert "owner:   alice" in render_result(done).splitlines()
 
 
 def keys_cli(path: Path, *args: str) -> Result:
