@@ -10,6 +10,7 @@ cluster without Curve, where nothing changes (every job ``local``, no refusal).
 from __future__ import annotations
 
 import asyncio
+import json
 import stat
 import time
 from collections.abc import Iterator
@@ -161,6 +162,75 @@ def test_a_finished_jobs_result_names_its_owner() -> None:
         "trace_path": "t",
     }
     assert "owner:   alice" in render_result(done).splitlines()
+
+
+class _Replies:
+    """Stands for the head's channel: keeps the errors and answers it would send."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.sent: list[dict[str, Any]] = []
+
+    async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
+        self.errors.append(message)
+
+    async def send(self, _kind: object, fields: dict[str, Any], **_kw: object) -> None:
+        self.sent.append(fields)
+
+
+def test_the_head_checks_the_owner_of_a_job_it_knows_only_from_disk(tmp_path: Path) -> None:
+    """Resume by the owner recorded in the job's directory; a job recorded without an owner
+    (or a recovered one whose record had none) is the admin's alone."""
+    from hetpipe.daemon import Owner
+    from hetpipe.head import Head, JobState
+    from hetpipe.job import JobSpec
+    from hetpipe.wire import Message
+
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml([DeviceDef("gpu0")], shards=1))
+    for job_id, record in (("old-1", {"owner": "alice"}), ("legacy-2", {})):
+        d = tmp_path / "run" / "jobs" / job_id
+        d.mkdir(parents=True)
+        (d / "job.json").write_text(json.dumps({"id": job_id, "state": "failed", **record}))
+
+    async def go() -> tuple[list[str], list[dict[str, Any]]]:
+        owner = Owner()
+        try:
+            head = Head(load_cluster(str(path)), owner, "tcp://127.0.0.1:1", str(tmp_path / "run"))
+            replies = _Replies()
+            head.channel = replies  # type: ignore[assignment]
+            for user, job_id in (
+                ("user-bob", "old-1"),  # not his
+                ("user-alice", "old-1"),  # hers: on to its checkpoint (there is none)
+                ("client", "old-1"),  # the admin's: likewise
+                ("user-alice", "legacy-2"),  # no owner recorded
+                ("client", "legacy-2"),
+            ):
+                fields = {"rid": 1, "job": None, "resume": job_id}
+                await head._submit(b"p", Message(Kind.SUBMIT, fields, {}, user=user))
+            spec = JobSpec.from_dict(job("r"), source="test")
+            head.jobs["r-3"] = JobState(id="r-3", spec=spec, submitted=0.0)  # owner None
+            for user in ("user-alice", "client"):
+                fields = {"rid": 2, "job": "r-3"}
+                await head.handle(b"p", Message(Kind.CANCEL, fields, {}, user=user))
+            return replies.errors, replies.sent
+        finally:
+            await owner.close()
+
+    errors, sent = asyncio.run(go())
+    no_checkpoint = "no complete checkpoint of job"
+    assert [e.split(";")[0] for e in errors[:5]] == [
+        "resume: job old-1 belongs to alice",
+        f"{no_checkpoint} 'old-1' in {tmp_path / 'run' / 'jobs' / 'old-1' / 'checkpoints'}",
+        f"{no_checkpoint} 'old-1' in {tmp_path / 'run' / 'jobs' / 'old-1' / 'checkpoints'}",
+        "resume: job legacy-2 has no recorded owner (the admin's alone)",
+        f"{no_checkpoint} 'legacy-2' in {tmp_path / 'run' / 'jobs' / 'legacy-2' / 'checkpoints'}",
+    ]
+    assert errors[5] == (
+        "cancel: job r-3 has no recorded owner (the admin's alone); "
+        "user alice may cancel only their own jobs"
+    )
+    assert len(errors) == 6 and sent == [{"rid": 2, "info": {"state": "cancelled"}}]
 
 
 def keys_cli(path: Path, *args: str) -> Result:

@@ -138,10 +138,9 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         self.log.warning(
             "request refused: not the job's owner", job=job, owner=owner, user=user, act=act
         )
-        return (
-            f"{act}: job {excerpt(job, 80)} belongs to {owner or 'nobody recorded'}; "
-            f"user {owner_of(user)} may {act} only their own jobs"
-        )
+        whose = f"belongs to {owner}" if owner else "has no recorded owner (the admin's alone)"
+        who = owner_of(user)
+        return f"{act}: job {excerpt(job, 80)} {whose}; user {who} may {act} only their own jobs"
 
     def _owner_of(self, job: str) -> str | None:
         """The owner of job ``job``: in memory, else as its directory records it (its final
@@ -271,10 +270,13 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             resume = None
             if msg.get("resume"):
                 # a resumed job stays its first owner's: only they and the admin may resume it
-                owner = self._owner_of(msg["resume"]) or owner
-                problem = self._refusal("resume", msg.user, msg["resume"], owner)
-                if problem is not None:
-                    raise JobFailed(problem)
+                recorded = self._owner_of(msg["resume"])
+                d = job_dir(self.run_dir, msg["resume"])
+                if recorded is not None or (d is not None and d.exists()):
+                    problem = self._refusal("resume", msg.user, msg["resume"], recorded)
+                    if problem is not None:
+                        raise JobFailed(problem)
+                owner = recorded or owner
                 resume = self._checkpoint_of(msg["resume"])
             job = msg.get("job") or (resume.meta["spec"] if resume is not None else None)
             if job is None:
