@@ -54,6 +54,7 @@ class Ctx:
     path: str
     run_dir_opt: str | None
     head_opt: str | None
+    user_opt: str | None = None  # whose key talks to the head (None: the admin's client key)
     _cluster: ClusterConfig | None = None
 
     @property
@@ -82,7 +83,7 @@ class Ctx:
     def curve(self) -> Curve | None:
         """This user's Curve keys for the cluster (None when its security is off)."""
         try:
-            return client_curve(self.cluster)
+            return client_curve(self.cluster, self.user_opt)
         except HeadError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -198,11 +199,20 @@ def _run(coro: Any) -> Any:
     envvar="HETPIPE_HEAD",
     help="Head address tcp://host:port (default: shard 0 of the cluster file).",
 )
+@click.option(
+    "--user",
+    default=None,
+    envvar="HETPIPE_USER",
+    help="Talk to the head with this user's own key (default: the cluster's client key, "
+    "the admin's).",
+)
 @click.version_option(package_name="hetpipe")
 @click.pass_context
-def main(ctx: click.Context, cluster_path: str, run_dir: str | None, head: str | None) -> None:
+def main(
+    ctx: click.Context, cluster_path: str, run_dir: str | None, head: str | None, user: str | None
+) -> None:
     """Train PyTorch models on mixed GPUs: pipelined virtual workers under WSP."""
-    ctx.obj = Ctx(cluster_path, run_dir, head)
+    ctx.obj = Ctx(cluster_path, run_dir, head, user)
 
 
 # -- up / down ------------------------------------------------------------------------------
@@ -828,16 +838,22 @@ def make_keys(cluster: ClusterConfig, *, force: bool = False) -> list[str]:
         raise click.ClickException(f"cannot write keys in {cluster.security.keys}: {exc}") from None
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @cluster_option
 @click.option(
     "--force",
     is_flag=True,
     help="Replace existing keys (rotation: restart every daemon and client).",
 )
-@click.pass_obj
-def keys(obj: Ctx, force: bool) -> None:
-    """Create the cluster's CurveZMQ keys: server, client, one per shard and per device."""
+@click.pass_context
+def keys(ctx: click.Context, force: bool) -> None:
+    """Create the cluster's CurveZMQ keys: server, client (the admin's), one per shard and
+    per device; or manage the users' own keys (add-user, remove-user, list-users)."""
+    if ctx.invoked_subcommand is not None:
+        if force:
+            raise click.UsageError("--force goes after the subcommand (keys add-user --force)")
+        return
+    obj: Ctx = ctx.obj
     cluster = obj.cluster
     made = make_keys(cluster, force=force)
     total = len(security.key_names(len(cluster.ps), [d.name for d in cluster.devices]))
@@ -847,6 +863,90 @@ def keys(obj: Ctx, force: bool) -> None:
     )
     if not cluster.security.curve:
         click.echo(SECURITY_OFF, err=True)
+
+
+def _keys_dir(obj: Ctx) -> Path:
+    """The cluster's keys folder; a user's key means nothing where Curve is off."""
+    cluster = obj.cluster
+    if not cluster.security.curve:
+        raise click.ClickException(
+            f"{obj.path}: [security] curve = false: the head cannot tell users apart "
+            "(turn Curve on to give users their own keys)"
+        )
+    return Path(cluster.security.keys)
+
+
+@keys.command("add-user")
+@cluster_option
+@click.argument("name")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write the user's files (their secret key, the server's public key) into this "
+    "folder only, for handing to them; the keys folder keeps their public key alone.",
+)
+@click.option("--force", is_flag=True, help="Replace the user's key (the old one is refused).")
+@click.pass_obj
+def add_user(obj: Ctx, name: str, out: str | None, force: bool) -> None:
+    """Give user NAME a client key of their own: they may act on their own jobs only."""
+    root = _keys_dir(obj)
+    try:
+        files = security.add_user(root, name, out=out, force=force)
+    except (security.KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    shown = " and ".join(str(f) for f in files)
+    click.echo(
+        f"keys: user {name} added; the head accepts {root / (security.user_key(name) + '.key')}; "
+        f"the user keeps {shown} (files 0600) and runs `hetpipe --user {name} ...`"
+    )
+
+
+@keys.command("remove-user")
+@cluster_option
+@click.argument("name")
+@click.pass_obj
+def remove_user(obj: Ctx, name: str) -> None:
+    """Remove user NAME's key: the head refuses it from its next connection on."""
+    root = _keys_dir(obj)
+    try:
+        security.remove_user(root, name)
+    except (security.KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"keys: user {name} removed from {root}; the head refuses their next connection")
+
+
+@keys.command("list-users")
+@cluster_option
+@click.pass_obj
+def list_users(obj: Ctx) -> None:
+    """List the users whose keys the cluster's keys folder holds (admin: the client key)."""
+    for name in security.list_users(_keys_dir(obj)):
+        click.echo(name)
+
+
+@keys.command("bundle")
+@cluster_option
+@click.argument("out", type=click.Path(file_okay=False))
+@click.pass_obj
+def bundle(obj: Ctx, out: str) -> None:
+    """Split the keys into what each host and user needs: OUT/hosts/<host>/ (the daemons
+    there), OUT/admin/, OUT/users/<name>/; copy each folder to its host as [security] keys."""
+    root = _keys_dir(obj)
+    cluster = obj.cluster
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise click.ClickException(f"{out} is not empty: bundle into a new folder")
+    hosts: dict[str, list[str]] = {}
+    for i, shard in enumerate(cluster.ps):
+        hosts.setdefault(shard.host, []).append(security.shard_user(i))
+    for dev in cluster.devices:
+        hosts.setdefault(dev.host, []).append(security.worker_user(dev.name))
+    try:
+        plan = security.bundle_keys(root, out, hosts, cluster.ps[0].host)
+    except (security.KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for folder, files in plan.items():
+        click.echo(f"{Path(out) / folder}: {len(files)} files")
 
 
 # -- logs -----------------------------------------------------------------------------------

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
-from hetpipe.security import CLIENT, Curve, KeysError, load_curve
+from hetpipe.security import (
+    ADMIN,
+    Curve,
+    KeysError,
+    check_user_name,
+    load_curve,
+    user_key,
+)
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind
 
@@ -27,10 +35,27 @@ class HeadError(RuntimeError):
     """The head refused a request or could not be reached."""
 
 
-def client_curve(cluster: ClusterConfig) -> Curve | None:
-    """The users' Curve keys of ``cluster`` (None when its ``[security] curve`` is off)."""
+def client_curve(cluster: ClusterConfig, user: str | None = None) -> Curve | None:
+    """User ``user``'s Curve keys for ``cluster`` (None when its ``[security] curve`` is off).
+
+    ``user`` None or ``admin`` is the cluster's ``client`` key (the admin: every job); any
+    other name is that user's own key ``user-<name>`` (``hetpipe keys add-user``), read from
+    the keys folder of this host's cluster file.
+    """
     try:
-        return load_curve(cluster.security, CLIENT, serve=False)
+        if user is None or user == ADMIN:
+            return load_curve(cluster.security, user_key(ADMIN), serve=False)
+        check_user_name(user)
+        if not cluster.security.curve:
+            return None
+        key = user_key(user)
+        secret = Path(cluster.security.keys) / f"{key}.key_secret"
+        if not secret.exists():
+            raise KeysError(
+                f"no key of user {user!r}: {secret} is missing (the cluster's admin makes it "
+                f"with `hetpipe keys add-user {user}`; keep it in [security] keys)"
+            )
+        return load_curve(cluster.security, key, serve=False)
     except KeysError as exc:
         raise HeadError(str(exc)) from None
 

@@ -126,6 +126,7 @@ def list_jobs(run_dir: Path) -> list[dict[str, Any]]:
 SUMMARY_FIELDS = (
     "id",
     "name",
+    "owner",
     "state",
     "error",
     "seconds",

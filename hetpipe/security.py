@@ -8,13 +8,20 @@ CurveZMQ certificates into the ``[security] keys`` directory (0700, every file 0
 
 =================  ===========================================================================
 ``server``         held by every daemon; its sockets that bind serve with it (one cluster key)
-``client``         the users' key: the CLI, scripts and tests talking to the head
+``client``         the admin's key (user ``admin``): may act on every job
+``user-<name>``    user ``name``'s own key (``hetpipe keys add-user NAME``): their own jobs
 ``ps<i>``          shard ``i``'s own key when it connects (shard 0's is the head's)
 ``worker-<dev>``   the worker of device ``dev``'s own key when it connects
 =================  ===========================================================================
 
 A key's file name is the *user id* ZAP gives the peer: every received message carries it
 (``Message.user``), so the daemons decide by who sent a message, not by what it claims.
+
+**Users.** Every client key is a user: ``client`` is the admin, ``user-<name>`` is user
+``name``. The head records the user who submits a job as its owner (:func:`owner_of`) and lets
+only the owner or the admin cancel or resume it (:func:`may_act`); every user may read every
+job's status. Without Curve there is no user to tell apart: every job's owner is ``local`` and
+nothing is refused.
 
 **Authentication** happens in the handshake: a socket that binds runs as a Curve server, and
 one ZAP authenticator per process (per ZeroMQ context) accepts only the public keys of the
@@ -63,9 +70,11 @@ from hetpipe.ratelog import excerpt
 from hetpipe.wire import Kind
 
 __all__ = [
+    "ADMIN",
     "ANYONE",
     "AUTHORITY",
     "CLIENT",
+    "LOCAL",
     "CodeError",
     "Curve",
     "Daemon",
@@ -74,25 +83,38 @@ __all__ = [
     "Rule",
     "SecuritySpec",
     "ZapAuthenticator",
+    "add_user",
     "apply_curve",
+    "bundle_keys",
     "check_code",
     "check_job_name",
+    "check_user_name",
     "ensure_keys",
     "key_names",
     "kinds_to",
+    "list_users",
     "load_curve",
     "log_refused_handshakes",
+    "may_act",
     "may_send",
     "missing_keys",
     "module_allowed",
+    "owner_of",
+    "remove_user",
     "shard_user",
     "start_authenticator",
+    "user_key",
     "worker_user",
 ]
 
 CLIENT = "client"
 SERVER = "server"
+ADMIN = "admin"  # the user the key ``client`` stands for
+LOCAL = "local"  # the owner of every job where Curve is off
+USER_PREFIX = "user-"
 MAX_JOB_NAME = 64
+MAX_USER_NAME = 32
+_USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -131,6 +153,35 @@ def worker_user(device: str) -> str:
     return f"worker-{device}"
 
 
+def user_key(name: str) -> str:
+    """The key name (user id) of user ``name``; the admin's is the cluster's ``client`` key."""
+    return CLIENT if name == ADMIN else f"{USER_PREFIX}{name}"
+
+
+def owner_of(user: str | None) -> str:
+    """The user a peer's user id stands for, as a job's owner: ``admin`` for the ``client``
+    key, ``name`` for ``user-<name>``, ``local`` without Curve (no user id to go by; no
+    user may be called ``local``, so a job recorded without an owner is the admin's alone)."""
+    if user is None:
+        return LOCAL
+    if user == CLIENT:
+        return ADMIN
+    return user.removeprefix(USER_PREFIX)
+
+
+def may_act(user: str | None, owner: str | None) -> bool:
+    """Whether peer ``user`` may act on (cancel, resume) a job of ``owner``: its owner and
+    the admin may; without Curve (``user`` None) everyone may. A job with no recorded owner
+    (None, or ``local``) is the admin's alone."""
+    if user is None or user == CLIENT:
+        return True
+    return owner is not None and owner_of(user) == owner
+
+
+def _is_user(user: str) -> bool:
+    return user == CLIENT or user.startswith(USER_PREFIX)
+
+
 def key_names(shards: int, devices: Iterable[str]) -> list[str]:
     """Every key a cluster needs, server first."""
     return [
@@ -152,7 +203,7 @@ class Role(StrEnum):
     to :func:`may_send`.
     """
 
-    CLIENT = "client"  # the users' key (the CLI, scripts, tests)
+    CLIENT = "client"  # a user's key: the admin's (client) or one's own (user-<name>)
     HEAD = "head"  # shard 0's key: the head lives in that process
     NAMED_WORKER = "named worker"  # the worker of the device the field ``device`` names
     NAMED_SHARD = "named shard"  # the shard the field ``shard`` names
@@ -277,7 +328,7 @@ def may_send(
     if role == Role.NOBODY:
         return False
     if role == Role.CLIENT:
-        return user == CLIENT
+        return _is_user(user)
     if role == Role.HEAD:
         return user == shard_user(0)
     if role == Role.NAMED_WORKER:
@@ -333,6 +384,128 @@ def missing_keys(
     root = Path(keys_dir)
     wanted = [f"{n}.key" for n in names] + [f"{n}.key_secret" for n in names if n in secret]
     return [f for f in wanted if not (root / f).is_file()]
+
+
+# -- users: one client key each ---------------------------------------------------------------
+
+
+def check_user_name(name: Any) -> None:
+    """A user's name is part of a key file's name: letters, digits, ``_ . -`` (starting with
+    a letter or digit), at most 32; ``admin`` is the cluster's ``client`` key, not a user."""
+    if not isinstance(name, str) or not _USER.fullmatch(name) or len(name) > MAX_USER_NAME:
+        raise KeysError(
+            f"user name {excerpt(str(name), 80)!r} is not allowed (letters, digits, '_', '.', "
+            f"'-', starting with a letter or digit, at most {MAX_USER_NAME})"
+        )
+    if name == ADMIN:
+        raise KeysError("user name 'admin' is taken: the admin's key is the cluster's client key")
+    if name == LOCAL:
+        raise KeysError("user name 'local' is taken: it owns the jobs of a cluster without Curve")
+
+
+def add_user(
+    keys_dir: str | os.PathLike[str],
+    name: str,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    force: bool = False,
+) -> list[Path]:
+    """Give user ``name`` a key pair of their own; return the files the user keeps.
+
+    The head accepts the public key ``user-<name>.key`` of ``keys_dir``. The user keeps their
+    secret key and the server's public key: in ``keys_dir`` itself by default (one host, or a
+    keys folder the users share), or, with ``out``, only in that folder (then handed to the
+    user), ``keys_dir`` keeping the public key alone. An existing user is refused unless
+    ``force`` (a new key: the old one is refused from its next connection on).
+    """
+    check_user_name(name)
+    root = Path(keys_dir)
+    key = user_key(name)
+    public = root / f"{key}.key"
+    if public.exists() and not force:
+        raise KeysError(f"user {name!r} already has a key ({public}); --force replaces it")
+    server = root / f"{SERVER}.key"
+    if not server.is_file():
+        raise KeysError(f"missing key {server}: create the cluster's keys with `hetpipe keys`")
+    if out is None:
+        ensure_keys(root, [key], force=True)
+        return [root / f"{key}.key_secret", server]
+    dest = Path(out)
+    ensure_keys(dest, [key], force=True)
+    shutil.copyfile(server, dest / f"{SERVER}.key")
+    os.chmod(dest / f"{SERVER}.key", 0o600)
+    tmp = root / f".{key}.key.tmp"
+    shutil.copyfile(dest / f"{key}.key", tmp)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, public)
+    (root / f"{key}.key_secret").unlink(missing_ok=True)  # an older pair kept here
+    return [dest / f"{key}.key_secret", dest / f"{SERVER}.key"]
+
+
+def remove_user(keys_dir: str | os.PathLike[str], name: str) -> None:
+    """Remove user ``name``'s key from ``keys_dir``: the head refuses it from its next
+    connection on (:class:`ZapAuthenticator` checks a known key's file at each handshake)."""
+    check_user_name(name)
+    root = Path(keys_dir)
+    key = user_key(name)
+    public = root / f"{key}.key"
+    if not public.exists():
+        raise KeysError(f"no user {name!r} in {root} (hetpipe keys list-users)")
+    (root / f"{key}.key_secret").unlink(missing_ok=True)
+    public.unlink()
+
+
+def list_users(keys_dir: str | os.PathLike[str]) -> list[str]:
+    """The users whose keys ``keys_dir`` accepts, ``admin`` first when its key is there."""
+    root = Path(keys_dir)
+    users = sorted(p.stem.removeprefix(USER_PREFIX) for p in root.glob(f"{USER_PREFIX}*.key"))
+    return ([ADMIN] if (root / f"{CLIENT}.key").is_file() else []) + users
+
+
+def bundle_keys(
+    keys_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    hosts: Mapping[str, Sequence[str]],
+    head_host: str,
+) -> dict[str, list[str]]:
+    """Copy into ``out`` one folder per host and per user with exactly the key files each
+    needs; return folder -> file names. Nothing is written when a file is missing.
+
+    ``hosts`` maps each host to the key names of the daemons it runs (``ps<i>``,
+    ``worker-<dev>``). ``hosts/<host>/``: the server pair, every public key but the users',
+    and the secret key of each of its daemons; the head's host also the users' public keys
+    (it alone accepts users). ``admin/``: the ``client`` pair and the server's public key.
+    ``users/<name>/``: that user's pair (where the keys folder holds its secret; one handed
+    out with ``add-user --out`` is not) and the server's public key.
+    """
+    root, dest = Path(keys_dir), Path(out)
+    publics = sorted(p.name for p in root.glob("*.key") if not p.name.startswith(USER_PREFIX))
+    users = sorted(p.stem for p in root.glob(f"{USER_PREFIX}*.key"))
+    plan: dict[str, list[str]] = {}
+    for host, daemons in hosts.items():
+        files = [f"{SERVER}.key_secret", *publics, *(f"{d}.key_secret" for d in daemons)]
+        if host == head_host:
+            files += [f"{u}.key" for u in users]
+        plan[f"hosts/{host.replace(':', '_')}"] = files
+    plan["admin"] = [f"{CLIENT}.key_secret", f"{SERVER}.key"]
+    for u in users:
+        if (root / f"{u}.key_secret").exists():
+            name = u.removeprefix(USER_PREFIX)
+            plan[f"users/{name}"] = [f"{u}.key_secret", f"{u}.key", f"{SERVER}.key"]
+    missing = sorted({f for files in plan.values() for f in files if not (root / f).is_file()})
+    if missing:
+        raise KeysError(
+            f"cannot bundle: {root} lacks {', '.join(missing[:4])}"
+            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            + " (create the cluster's keys with `hetpipe keys` on this host)"
+        )
+    for folder, files in plan.items():
+        d = dest / folder
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for f in files:
+            shutil.copyfile(root / f, d / f)
+            os.chmod(d / f, 0o600)
+    return plan
 
 
 @dataclass(frozen=True)
@@ -394,6 +567,12 @@ def apply_curve(sock: zmq.Socket, curve: Curve | None, *, server: bool) -> None:
 class ZapAuthenticator(AsyncioAuthenticator):
     """Accepts the keys of one keys directory; their file names become the peers' user ids.
 
+    A key is checked at each handshake (each new connection): one whose file is gone or
+    replaced since it was read makes the handler read the folder again, so a removed user
+    (``hetpipe keys remove-user``) is refused from their next connection on; connections
+    already open stay open until they close. A key not known yet is looked up again at most
+    every :attr:`RELOAD_EVERY_S` (a device or user added later joins without a restart).
+
     A refused peer (address and key) is logged once: ZeroMQ reconnects every 100 ms, and a
     log line per attempt would drown the log.
     """
@@ -404,6 +583,8 @@ class ZapAuthenticator(AsyncioAuthenticator):
         super().__init__(context)
         self.keys_dir = keys_dir
         self.users: dict[bytes, str] = {}
+        # user id -> its public file's (inode, mtime) when read
+        self._stamps: dict[str, tuple[int, int]] = {}
         self._address = ""
         self._refused: set[tuple[str, bytes]] = set()
         self._loaded = 0.0
@@ -413,15 +594,27 @@ class ZapAuthenticator(AsyncioAuthenticator):
     def _load(self) -> None:
         """Read the keys directory (again): a device added later gets its key with
         ``hetpipe keys``, and its worker can join without restarting every daemon."""
-        users = {}
+        users, stamps = {}, {}
         for path in sorted(Path(self.keys_dir).glob("*.key")):
             if path.stem == SERVER:
                 continue
             with contextlib.suppress(OSError, ValueError):
+                st = path.stat()
+                stamp = (st.st_ino, st.st_mtime_ns)
                 public, _ = zmq.auth.load_certificate(str(path))  # z85 text
                 users[z85.decode(public)] = path.stem  # ZAP hands over binary keys
+                stamps[path.stem] = stamp
         self.users = users
+        self._stamps = stamps
         self._loaded = time.monotonic()
+
+    def _current(self, user: str) -> bool:
+        """Whether ``user``'s key file is still the one read (not removed nor replaced)."""
+        try:
+            st = (Path(self.keys_dir) / f"{user}.key").stat()
+        except OSError:
+            return False
+        return (st.st_ino, st.st_mtime_ns) == self._stamps.get(user)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         if len(msg) > 3:
@@ -429,7 +622,10 @@ class ZapAuthenticator(AsyncioAuthenticator):
         await super().handle_zap_message(msg)
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
-        if client_key not in self.users and time.monotonic() - self._loaded > self.RELOAD_EVERY_S:
+        user = self.users.get(client_key)
+        if user is not None and not self._current(user):
+            self._load()  # removed or replaced since read: what the folder holds now decides
+        elif user is None and time.monotonic() - self._loaded > self.RELOAD_EVERY_S:
             self._load()
         if client_key in self.users:
             return True, b"OK"

@@ -79,6 +79,8 @@ def job_line(j: dict[str, Any]) -> str:
     """One job on one line: id, state, then whatever of progress, loss, throughput, WSP
     clocks, accuracy and error its status has."""
     parts = [f"{j['id']:<20} {j['state']:<9}"]
+    if j.get("owner"):
+        parts.append(f"owner {j['owner']}")
     if j.get("total"):
         parts.append(f"{j.get('minibatches', 0)}/{j['total']} minibatches")
     if j.get("loss") is not None:
@@ -150,6 +152,8 @@ def render_result(info: dict[str, Any]) -> str:
     comparison = render_comparison(info)
     if comparison:
         lines.append(comparison)
+    if info.get("owner"):
+        lines.append(f"owner:   {info['owner']}")
     lines.append(f"model:   {info['model_path']}")
     lines.append(f"metrics: {info['metrics_path']}")
     lines.append(f"trace:   {info['trace_path']}  (open in https://ui.perfetto.dev)")

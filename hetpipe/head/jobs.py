@@ -65,6 +65,9 @@ class JobState:
     id: str
     spec: JobSpec
     submitted: float
+    # the user who submitted it (hetpipe.security.owner_of; ``local`` without Curve); None:
+    # not recorded (a job recovered from a record older than owners), the admin's alone
+    owner: str | None = None
     state: JobStatus = JobStatus.QUEUED
     error: str | None = None
     started: float | None = None
@@ -165,7 +168,8 @@ class JobsPart:
         path = self.job_dir(js) / "job.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        record = {"id": js.id, "state": js.state.value, "error": js.error, **extra}
+        record = {"id": js.id, "owner": js.owner, "state": js.state.value, "error": js.error}
+        record.update(extra)
         tmp.write_text(json.dumps(record))
         tmp.replace(path)
 

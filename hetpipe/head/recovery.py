@@ -259,6 +259,7 @@ class RecoveryPart:
                 id=self._new_id(spec.name),
                 spec=spec,
                 submitted=time.time(),
+                owner=old.get("owner"),
                 resume=ck,
                 recovered=True,
             )

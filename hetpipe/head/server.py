@@ -12,7 +12,9 @@ views and diagnosis (:mod:`~hetpipe.head.views`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -29,9 +31,17 @@ from hetpipe.head.registry import Registry, hello_problem, shard_problem
 from hetpipe.head.states import JobFailed, JobStatus
 from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
-from hetpipe.jobstore import append_records, next_number, read_result
+from hetpipe.jobstore import append_records, job_dir, next_number, read_result
 from hetpipe.ratelog import Throttle, excerpt
-from hetpipe.security import CodeError, Role, check_code, may_send, worker_user
+from hetpipe.security import (
+    CodeError,
+    Role,
+    check_code,
+    may_act,
+    may_send,
+    owner_of,
+    worker_user,
+)
 from hetpipe.transport import Channel
 from hetpipe.wire import Kind, Message
 
@@ -120,6 +130,32 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         js = self.jobs.get(wire_id.rpartition(".r")[0]) or self.jobs.get(wire_id)
         return js if js is not None and js.wire_id == wire_id else None
 
+    def _refusal(self, act: str, user: str | None, job: str, owner: str | None) -> str | None:
+        """Why peer ``user`` may not ``act`` on job ``job`` of ``owner`` (one line), or None
+        (:func:`hetpipe.security.may_act`: its owner and the admin may)."""
+        if may_act(user, owner):
+            return None
+        self.log.warning(
+            "request refused: not the job's owner", job=job, owner=owner, user=user, act=act
+        )
+        whose = f"belongs to {owner}" if owner else "has no recorded owner (the admin's alone)"
+        who = owner_of(user)
+        return f"{act}: job {excerpt(job, 80)} {whose}; user {who} may {act} only their own jobs"
+
+    def _owner_of(self, job: str) -> str | None:
+        """The owner of job ``job``: in memory, else as its directory records it (its final
+        status, else ``job.json``); None when nothing names one (no such job, or one recorded
+        before owners were)."""
+        js = self.jobs.get(job)
+        if js is not None:
+            return js.owner
+        owner = (read_result(self.run_dir, job) or {}).get("owner")
+        d = job_dir(self.run_dir, job)
+        if owner is None and d is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                owner = json.loads((d / "job.json").read_text()).get("owner")
+        return owner if isinstance(owner, str) else None
+
     # -- messages ---------------------------------------------------------------------------
 
     async def handle(self, peer: bytes | None, msg: Message) -> None:
@@ -176,7 +212,10 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             )
         elif k == Kind.CANCEL:
             js = self.jobs.get(msg["job"])
-            problem = f"no job {msg['job']!r}" if js is None else self.cancel(js)
+            if js is None:
+                problem: str | None = f"no job {msg['job']!r}"
+            else:
+                problem = self._refusal("cancel", msg.user, js.id, js.owner) or self.cancel(js)
             if problem is not None:
                 await self.channel.reply_error(peer, problem, msg["rid"])
                 return
@@ -226,8 +265,19 @@ class Head(JobsPart, CutsPart, RecoveryPart):
 
     async def _submit(self, peer: bytes, msg: Message) -> None:
         assert self.channel is not None
+        owner = owner_of(msg.user)
         try:
-            resume = self._checkpoint_of(msg["resume"]) if msg.get("resume") else None
+            resume = None
+            if msg.get("resume"):
+                # a resumed job stays its first owner's: only they and the admin may resume it
+                recorded = self._owner_of(msg["resume"])
+                d = job_dir(self.run_dir, msg["resume"])
+                if recorded is not None or (d is not None and d.exists()):
+                    problem = self._refusal("resume", msg.user, msg["resume"], recorded)
+                    if problem is not None:
+                        raise JobFailed(problem)
+                owner = recorded or owner
+                resume = self._checkpoint_of(msg["resume"])
             job = msg.get("job") or (resume.meta["spec"] if resume is not None else None)
             if job is None:
                 raise CodeError("submit: give a job, or the id of one to resume")
@@ -240,10 +290,10 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             await self.channel.reply_error(peer, str(exc), msg["rid"])
             return
         job_id = self._new_id(spec.name)
-        js = JobState(id=job_id, spec=spec, submitted=time.time(), resume=resume)
+        js = JobState(id=job_id, spec=spec, submitted=time.time(), owner=owner, resume=resume)
         self.jobs[job_id] = js
         await self.queue.put(js)
-        self.log.info("job queued", job=job_id)
+        self.log.info("job queued", job=job_id, owner=owner)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
 
     def _stage_message(self, msg: Message) -> None:

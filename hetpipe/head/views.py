@@ -61,6 +61,7 @@ def job_view(js: JobState) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": js.id,
         "name": js.spec.name,
+        "owner": js.owner,
         "state": js.state.value,
         "error": js.error,
         "minibatch": js.spec.minibatch,
