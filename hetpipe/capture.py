@@ -466,7 +466,8 @@ def bind_inputs(batch: Any, names: tuple[str, ...], required: tuple[str, ...], m
     parameter name; a parameter left out takes ``None`` (its default). ``model``: the
     module's class, for the errors."""
     if isinstance(batch, Mapping):
-        unknown = [k for k in batch if k not in names]
+        # a batch's labels are its target too: an input only where forward takes them
+        unknown = [k for k in batch if k not in names and k != "labels"]
         if unknown:
             raise CaptureError(
                 f"{model}: the batch has {', '.join(map(repr, unknown))}, which forward does "

@@ -113,9 +113,11 @@ def test_samples_become_inputs_and_target() -> None:
     # several inputs: a tuple of them, the last element is the target
     (a, b), t = first_batch(load_data("userdata:triples"), 3)
     assert a.shape == (3, 3) and b.shape == (3, 2) and t.tolist() == [0, 1, 0]
-    # mappings: inputs are the mapping without its labels, the target its labels
+    # mappings: inputs are the mapping (its labels too, for a forward that takes them), the
+    # target its labels
     inputs, target = first_batch(load_data("userdata:tokens"), 2)
-    assert set(inputs) == {"input_ids", "attention_mask"} and inputs["input_ids"].shape == (2, 6)
+    assert set(inputs) == {"input_ids", "attention_mask", "labels"}
+    assert inputs["input_ids"].shape == (2, 6) and inputs["labels"] is target
     assert torch.equal(target, torch.stack([(torch.arange(i, i + 6) + 1) % 50 for i in (0, 1)]))
     inputs, target = first_batch(load_data("userdata:tokens", {"labels": False}), 2)
     assert target is None and set(inputs) == {"input_ids", "attention_mask"}
@@ -130,7 +132,7 @@ def test_samples_become_inputs_and_target() -> None:
 def test_a_users_collate() -> None:
     src = load_data("userdata:pairs", {"n": 8}, "userdata:pad_collate")
     inputs, target = first_batch(src, 3)
-    assert set(inputs) == {"x"} and inputs["x"].shape == (3, 1, 8, 8)
+    assert set(inputs) == {"x", "labels"} and inputs["x"].shape == (3, 1, 8, 8)
     assert target.tolist() == [0, 1, 2]
     stream = MinibatchStream(src, 4, seed=0)
     got, _ = stream.batch(1)

@@ -133,7 +133,9 @@ def as_batch(made: Any, who: str, key: str = "data.name") -> Batch:
     """``made`` (a collated minibatch) as ``(inputs, target)``; ``who`` names the function in
     the one-line :class:`DataError` a minibatch of another shape gets."""
     if isinstance(made, Mapping):
-        inputs: Any = {k: v for k, v in made.items() if k != "labels"}
+        # labels stay among the inputs for a forward that takes them (one that returns its
+        # own loss); a captured model's first block leaves them out where forward does not
+        inputs: Any = dict(made)
         target = made.get("labels")
     elif isinstance(made, tuple | list) and len(made) >= 2:
         inputs = made[0] if len(made) == 2 else tuple(made[:-1])
