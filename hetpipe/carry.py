@@ -20,7 +20,8 @@ read the names back and refuse, in one line, a set that forms neither.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -64,16 +65,33 @@ def mapped(c: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(c)
 
 
+def leaves(c: Any) -> Iterator[Tensor]:
+    """Every tensor in a carry, batch, target or model output, however nested: tuples, lists,
+    mappings and ``ModelOutput``-style dataclasses (the last stage's output may be any of
+    them); what is not a tensor (a flag, a count) is skipped."""
+    if isinstance(c, Tensor):
+        yield c
+    elif isinstance(c, Mapping):
+        for v in c.values():
+            yield from leaves(v)
+    elif isinstance(c, (tuple, list)):
+        for v in c:
+            yield from leaves(v)
+    elif dataclasses.is_dataclass(c) and not isinstance(c, type):
+        for f in dataclasses.fields(c):
+            yield from leaves(getattr(c, f.name))
+
+
 def nbytes(c: Any) -> int:
-    """The bytes of the elements of a tensor, or of every tensor of a carry."""
+    """The bytes of the elements of a tensor, or of every tensor of a carry or output."""
     if isinstance(c, Tensor):
         return c.numel() * c.element_size()
-    return sum(t.numel() * t.element_size() for t in tensors(c))
+    return sum(t.numel() * t.element_size() for t in leaves(c))
 
 
 def float_bytes(c: Any) -> int:
     """The bytes of the floating tensors of a carry: what its gradient takes."""
-    return sum(t.numel() * t.element_size() for t in tensors(c) if t.is_floating_point())
+    return sum(t.numel() * t.element_size() for t in leaves(c) if t.is_floating_point())
 
 
 def shape_of(c: Any) -> Hashable:

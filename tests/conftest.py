@@ -48,16 +48,16 @@ def start_cluster(
     return LocalCluster(path, root / "run", timeout=60).__enter__()
 
 
-def user_code_cluster(tmp_path_factory: pytest.TempPathFactory, module: str) -> LocalCluster:
-    """Four uniform devices and two shards whose daemons may import the tests' own ``module``
-    (``usermodels``, ``userdata``, ...): this directory on their ``PYTHONPATH`` and the module
+def user_code_cluster(tmp_path_factory: pytest.TempPathFactory, *modules: str) -> LocalCluster:
+    """Four uniform devices and two shards whose daemons may import the tests' own ``modules``
+    (``usermodels``, ``userdata``, ...): this directory on their ``PYTHONPATH`` and the modules
     in ``[security] allowed_modules``."""
     with pytest.MonkeyPatch.context() as mp:
         here = str(Path(__file__).resolve().parent)
         mp.setenv(
             "PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         )
-        return start_cluster(tmp_path_factory.mktemp(module), UNIFORM, allowed_modules=(module,))
+        return start_cluster(tmp_path_factory.mktemp(modules[0]), UNIFORM, allowed_modules=modules)
 
 
 @pytest.fixture(scope="module")

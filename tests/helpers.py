@@ -123,8 +123,8 @@ def plain_training(
                 for s, mv in zip(streams, ms, strict=True)
                 for p in range(i * mv, (i + 1) * mv)
             ]
-            x = torch.cat([b[0] for b in batches])
-            y = torch.cat([b[1] for b in batches])
+            x = _cat([b[0] for b in batches])
+            y = _cat([b[1] for b in batches])
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
                 if vw_seeds is None:
@@ -417,3 +417,15 @@ def stand_in_stream(batch: Any) -> Any:
     """A first stage's data stream that gives ``batch`` for every minibatch, through a
     reader as :meth:`hetpipe.data.MinibatchStream.reader` opens one."""
     return SimpleNamespace(reader=lambda _start: SimpleNamespace(get=lambda _p: batch))
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Minibatch parts (Tensors, tuples or dicts of them, or None) joined along their rows."""
+    first = parts[0]
+    if first is None or len(parts) == 1:
+        return first
+    if isinstance(first, dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(torch.cat(col) for col in zip(*parts, strict=True))
+    return torch.cat(parts)

@@ -10,7 +10,6 @@ outputs and gradients as the module itself.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import UNIFORM, job
 from torch import Tensor, nn
+from usermodels import Decoder, LMOutput
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
 from hetpipe.config import load_cluster
@@ -64,71 +64,6 @@ class ResNetish(nn.Module):
                 x = x + skip
         x = x.mean((2, 3))
         return self.fc(x.reshape(x.size(0), -1))
-
-
-@dataclass
-class LMOutput:
-    """A ``ModelOutput``-style result: the loss and the logits."""
-
-    loss: Tensor
-    logits: Tensor
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        b, s, d = x.shape
-        k, v = self.kv(x).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (self.q(x), k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
-class Layer(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x), mask)
-        return x + self.mlp(self.ln2(x))
-
-
-class Decoder(nn.Module):
-    """Decoder-only LM: token + position embeddings, layers, norm, head tied to the embedding;
-    takes ``input_ids``, ``attention_mask`` and ``labels`` and returns its own loss."""
-
-    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(64, dim)
-        self.layers = nn.ModuleList(Layer(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor | None = None
-    ) -> LMOutput:
-        s = input_ids.size(1)
-        positions = torch.arange(s, device=input_ids.device)
-        x = self.embed(input_ids) + self.pos(positions)
-        causal = positions[None, :] <= positions[:, None]
-        mask = causal[None, None] & attention_mask[:, None, None, :].bool()
-        for layer in self.layers:
-            x = layer(x, mask)
-        logits = self.head(self.norm(x))
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        return LMOutput(loss, logits)
 
 
 class TwoInputs(nn.Module):

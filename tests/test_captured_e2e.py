@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import assert_same_weights, job, user_code_cluster
 from helpers import InlineExecutor, plain_training, stand_in_stream
-from usermodels import SmallResNet
+from usermodels import Decoder, SmallResNet
 
 from hetpipe import carry
 from hetpipe.capture import capture_of, user_state
@@ -147,7 +147,7 @@ def test_planned_cut_bytes_are_the_bytes_sent(precision: str) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons may import ``usermodels``."""
-    c = user_code_cluster(tmp_path_factory, "usermodels")
+    c = user_code_cluster(tmp_path_factory, "usermodels", "userdata")
     yield c
     c.stop()
 
@@ -179,3 +179,56 @@ def test_captured_resnet_trains_plain_pytorchs_weights(
     fresh = SmallResNet()
     fresh.load_state_dict(got, strict=True)
     assert torch.equal(fresh.layers[1].conv2.weight, got["layers.1.conv2.weight"])
+
+
+# -- a decoder-only transformer: a tie across the first and last stage, a dict batch -----------
+
+# usermodels:decoder's blocks: embed, pos, layers.0, layers.1, layers.2, norm, head; every
+# split below puts the embedding and the head it is tied to on the first and last stage
+DECODER_SPLITS = {2: [4, 3], 4: [2, 2, 2, 1]}
+
+
+def decoder_job(k: int, schedule: str) -> dict[str, Any]:
+    """``usermodels:decoder`` on ``userdata:tokens`` (mappings of input_ids, attention_mask
+    and labels): the model takes the whole mapping and returns its own loss."""
+    spec = job(
+        f"decoder-{k}-{schedule}",
+        model="usermodels:decoder",
+        split=[([f"gpu{i}" for i in range(k)], DECODER_SPLITS[k])],
+        nm=1,
+        minibatch=4,
+        minibatches=STEPS,
+        train={"schedule": schedule},
+        # asynchronously each copy of the tie steps on its own use's gradient: exact for SGD
+        # without weight decay, which each copy would add once (docs/own-models.md)
+        weight_decay=0,
+    )
+    spec["model"]["args"] = {"vocab": 50}
+    spec["data"] = {"name": "userdata:tokens", "args": {}}
+    return spec
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("schedule", ["async", "1f1b"])
+def test_tied_decoder_on_dict_batches_trains_plain_pytorchs_weights(
+    cluster: LocalCluster, k: int, schedule: str
+) -> None:
+    """A decoder-only transformer written as an ``nn.Module``: its input embedding tied to
+    its output head across the first and last stage, an attention mask and the labels in a
+    dict batch, the loss the model returns. The weights equal plain PyTorch training of the
+    same module, and ``model.pt`` has the tie as the module does."""
+    spec = decoder_job(k, schedule)
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    got = torch.load(info["model_path"])
+    torch.manual_seed(0)
+    seq = build_model(JobSpec.from_dict(spec).model)
+    initial = user_state(seq, seq.state_dict())
+    want = user_state(seq, plain_training(spec, STEPS))
+    assert_same_weights(got, want)
+    assert torch.equal(got["head.weight"], got["embed.weight"])
+    assert not torch.allclose(got["embed.weight"], initial["embed.weight"])
+    fresh = Decoder(vocab=50)
+    fresh.load_state_dict(got, strict=True)
