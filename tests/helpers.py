@@ -429,3 +429,34 @@ def _cat(parts: list[Any]) -> Any:
     if isinstance(first, tuple):
         return tuple(torch.cat(col) for col in zip(*parts, strict=True))
     return torch.cat(parts)
+
+
+def job_toml(spec: dict[str, Any]) -> str:
+    """A job dict (as ``conftest.job`` makes) written as the TOML job file a user would
+    write: top-level values, one table per section (its nested tables inline), and each list
+    of tables (``vw``) as ``[[vw]]`` entries."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        raise TypeError(f"no TOML for {v!r}")
+
+    tops = [f"{k} = {value(v)}" for k, v in spec.items() if not isinstance(v, (dict, list))]
+    out = ["\n".join(tops)] if tops else []
+    for k, v in spec.items():
+        if isinstance(v, dict):
+            out.append(f"[{k}]\n" + "\n".join(f"{kk} = {value(x)}" for kk, x in v.items()))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for entry in v:
+                out.append(
+                    f"[[{k}]]\n" + "\n".join(f"{kk} = {value(x)}" for kk, x in entry.items())
+                )
+    return "\n\n".join(out) + "\n"

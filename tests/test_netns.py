@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import job
+from helpers import job_toml
 
 from hetpipe.config import load_cluster
 from hetpipe.localcluster import DeviceDef
@@ -119,6 +120,63 @@ def test_job_runs_across_two_hosts(tmp_path: Path) -> None:
             )
         assert info["state"] == "done", info.get("error")
         assert [s["device"] for s in info["stages"]] == ["d0", "d1"]
+        token = net.token
+    assert leftovers(token) == []
+
+
+def test_two_vws_over_two_hosts_driven_from_a_third(tmp_path: Path) -> None:
+    """Two virtual workers, each with a stage on host a and one on host b, train to the
+    usual accuracy; the CLI on a third host (no daemons of its own, the cluster file and the
+    client key only) submits, sees every worker, and cancels a second job."""
+    hosts = {
+        "a": [DeviceDef("d0", memory="256MiB"), DeviceDef("d1", memory="256MiB")],
+        "b": [DeviceDef("d2", memory="256MiB"), DeviceDef("d3", memory="256MiB")],
+    }
+    with Network(["a", "b", "c"], [Link("a", "b", mbit=200)]) as net:
+        path = tmp_path / "cluster.toml"
+        path.write_text(netns_cluster_toml(net, hosts, shards=["a", "b"]))
+        run = tmp_path / "run"
+        CLI = (sys.executable, "-m", "hetpipe.cli")
+
+        head = ""  # the head's address, bound when the cluster starts
+
+        def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+            return net.run(
+                "c",
+                [*CLI, "--cluster", str(path), "--run-dir", str(run), "--head", head, *argv],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+
+        with NetnsCluster(net, path, run, timeout=60) as c:
+            head = c.head
+            split = [(["d0", "d2"], [3, 3]), (["d1", "d3"], [3, 3])]
+            two = tmp_path / "two.toml"
+            spec = job("two-hosts", split=split, nm=2, epochs=6)
+            spec["optimizer"]["merge"] = "mean"  # the rate tuned for one VW (docs/jobs-guide.md)
+            two.write_text(job_toml(spec))
+            done = cli("submit", str(two), "--json", timeout=300)
+            assert done.returncode == 0, done.stderr
+            info = json.loads(done.stdout.strip().splitlines()[-1])
+            assert info["status"] == "done", info
+            assert info["test_accuracy"] >= 0.9, info
+            long = tmp_path / "long.toml"
+            long.write_text(job_toml(job("long", split=split[:1], minibatches=100_000)))
+            sent = cli("submit", str(long))
+            assert sent.returncode == 0, sent.stderr
+            seen = json.loads(cli("status", "--json").stdout)
+            assert {w["device"] for w in seen["workers"]} == {"d0", "d1", "d2", "d3"}
+            long_id = sent.stdout.strip()
+            stopped = cli("cancel", long_id)
+            assert stopped.returncode == 0, stopped.stderr
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                jobs = {j["id"]: j for j in json.loads(cli("jobs", "--json").stdout)}
+                if jobs.get(long_id, {}).get("state") == "cancelled":
+                    break
+                time.sleep(0.5)
+            assert jobs[long_id]["state"] == "cancelled", jobs.get(long_id)
         token = net.token
     assert leftovers(token) == []
 
