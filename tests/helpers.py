@@ -460,3 +460,11 @@ def job_toml(spec: dict[str, Any]) -> str:
                     f"[[{k}]]\n" + "\n".join(f"{kk} = {value(x)}" for kk, x in entry.items())
                 )
     return "\n\n".join(out) + "\n"
+
+
+def rss_mb(pid: int) -> float:
+    """Process ``pid``'s resident memory in MiB (Linux ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")

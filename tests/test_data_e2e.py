@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same_weights, job, running_until, user_code_cluster
-from helpers import plain_training
+from helpers import plain_training, rss_mb
 
 from hetpipe.localcluster import LocalCluster
 from hetpipe.views import render_result
@@ -108,3 +108,26 @@ def test_a_data_set_without_validation_set_trains_and_says_so(cluster: LocalClus
     assert info["state"] == "done", info.get("error")
     assert info["test_accuracy"] is None
     assert "no validation set" in render_result(info)
+
+
+@pytest.mark.timeout(240)
+def test_a_10_gib_data_set_trains_in_little_memory(cluster: LocalCluster) -> None:
+    """10 GiB of training samples made on the fly: no process holds the data set (each
+    daemon stays under 1 GiB resident), and the head keeps only the validation set, so its
+    memory is the same as for a data set a thousand times smaller."""
+    heads = {}
+    for gib in (10.0, 0.01):
+        spec = job(f"generated-{gib}", model="mlp", split=[(["gpu0", "gpu1"], [2, 2])])
+        spec["model"]["args"] = {
+            "in_features": 3 * 64 * 64,
+            "hidden": [16],
+            "in_shape": [3, 64, 64],
+        }
+        spec["data"] = {"name": "userdata:generated", "args": {"gib": gib}, "workers": 2}
+        spec["train"].update(minibatch=16, minibatches=12)
+        info = cluster.submit(spec, timeout=200)
+        assert info["state"] == "done", info.get("error")
+        sizes = {name: rss_mb(proc.pid) for name, proc in cluster.procs.items()}
+        assert max(sizes.values()) < 1024, sizes
+        heads[gib] = sizes["ps0"]
+    assert heads[10.0] < heads[0.01] + 64, heads

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import job
+from helpers import rss_mb
 
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
@@ -93,13 +94,6 @@ def test_flooded_head_starts_and_flooded_worker_finishes_a_job(
     assert all(cluster.alive(n) for n in cluster.procs)
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_a_client_that_never_reads_its_replies_costs_the_head_little(cluster: LocalCluster) -> None:
     import zmq
@@ -107,7 +101,7 @@ def test_a_client_that_never_reads_its_replies_costs_the_head_little(cluster: Lo
     from hetpipe.wire import Kind, encode
 
     head_pid = cluster.procs["ps0"].pid
-    before = _rss_mb(head_pid)
+    before = rss_mb(head_pid)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -121,7 +115,7 @@ def test_a_client_that_never_reads_its_replies_costs_the_head_little(cluster: Lo
             except zmq.Again:
                 break
         time.sleep(1.0)
-        growth = _rss_mb(head_pid) - before
+        growth = rss_mb(head_pid) - before
         assert growth < 50, growth
         assert cluster.status()["workers"]  # the head still answers everyone else
     finally:

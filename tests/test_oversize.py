@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from helpers import rss_mb
 
 from hetpipe import launch
 from hetpipe.config import load_cluster
@@ -16,13 +17,6 @@ from hetpipe.wire import Kind, encode
 pytestmark = pytest.mark.timeout(90)
 
 MiB = 1 << 20
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")

@@ -123,6 +123,30 @@ def tokens(labels: bool = True) -> Tokens:
     return Tokens(labels)
 
 
+class Generated(Dataset):
+    """``gib`` GiB of ``[3, 64, 64]`` float32 images made on the fly from their index (never
+    held anywhere): what a data set far larger than any process's memory looks like."""
+
+    SHAPE = (3, 64, 64)
+
+    def __init__(self, gib: float, n: int | None = None) -> None:
+        sample = 4 * int(np.prod(self.SHAPE))
+        self.n = n if n is not None else int(gib * (1 << 30)) // sample
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return _image(i, self.SHAPE), i % 10
+
+
+def generated(gib: float = 10.0) -> dict[str, Dataset]:
+    """:class:`Generated` for training, a small validation set beside it."""
+    return {"train": Generated(gib), "val": Generated(0, n=32)}
+
+
 def arrays(n: int = 64) -> list[tuple[np.ndarray, int]]:
     """A plain list of (numpy array, int) samples: a map-style data set too."""
     return [(np.full((1, 8, 8), i, dtype=np.float32), i % 10) for i in range(n)]
