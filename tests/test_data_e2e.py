@@ -98,6 +98,12 @@ def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
     steps = total // nm
     want = plain_training(spec, steps, m=nm) if nm > 1 else plain_training(spec, steps)
     assert_same_weights(torch.load(info["model_path"]), want)
+    if schedule == "1f1b":  # synchronous: the uninterrupted job's own weights, within 1e-6
+        whole = cluster.submit({**spec, "name": "data-whole-1f1b"}, timeout=200)
+        assert whole["state"] == "done", whole.get("error")
+        assert_same_weights(
+            torch.load(info["model_path"]), torch.load(whole["model_path"]), tol=1e-6
+        )
 
 
 @pytest.mark.timeout(120)
