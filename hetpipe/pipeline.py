@@ -200,7 +200,8 @@ class StageRunner:
         spec = compute.spec
         self.push_every = (
             1
-            if self.schedule.pulls or (not spec.push_every and spec.eval_every_s)
+            if self.schedule.pulls
+            or (not spec.push_every and (spec.eval_every_s or spec.eval_every))
             else spec.push_every
         )
         self.flushed = 0  # waves whose update has been sent to the shards

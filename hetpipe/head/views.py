@@ -46,6 +46,7 @@ _STAGE_FIGURES = (
 )
 # the fields of each line of a job's metrics file
 _METRICS = ("minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages", "evals")
+# a job's metrics file also has a line {"t", "validation"} per evaluation (hetpipe.head.jobs)
 
 
 def stage_time(progress: dict[str, Any]) -> float | None:
@@ -92,6 +93,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.replans]
     if js.evals:
         out["evals"] = js.evals
+    if js.validation:
+        out["validation"] = js.validation
     if js.diagnosis:
         out["diagnosis"] = js.diagnosis
     out.update(js.result)
