@@ -126,8 +126,9 @@ def test_user_metric_number_mapping_and_errors(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(MetricError) as info:
         broken.add(out, y, 0.0, 2)
     assert str(info.value) == "metric 'broken' raised RuntimeError: metric bug on purpose"
-    with pytest.raises(MetricError, match="train.metrics: metric 'usermetrics:nope'"):
+    with pytest.raises(MetricError) as info:
         resolve(["usermetrics:nope"])
+    assert str(info.value).startswith("train.metrics: metric 'usermetrics:nope'")
 
 
 def test_a_metric_function_goes_through_the_allowlist_and_hashes() -> None:
@@ -157,7 +158,7 @@ def test_a_metric_function_goes_through_the_allowlist_and_hashes() -> None:
         ),
         ("stop_after_no_gain = 2", "train.stop_after_no_gain", "has no effect without"),
         ("eval_every = 2\nstop_after_no_gain = -1", "train.stop_after_no_gain", "must be >= 0"),
-        ('eval_every = 2\neval_every_s = 3.0', "train.eval_every", "not both"),
+        ("eval_every = 2\neval_every_s = 3.0", "train.eval_every", "not both"),
     ],
 )
 def test_bad_values_refused_in_one_line(tmp_path: Path, line: str, key: str, problem: str) -> None:
@@ -230,13 +231,13 @@ SPLIT = [(["gpu0", "gpu1"], [3, 3])]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_figures_of_a_two_stage_job_equal_plain_pytorch(cluster: LocalCluster) -> None:
-    """Every 2 waves and at the end; the end's figures are those of model.pt."""
+    """Every 50 waves and at the end; the end's figures are those of model.pt."""
     spec = job(
         "evals",
         split=SPLIT,
-        minibatches=8,
+        minibatches=300,
         train={
-            "eval_every": 2,
+            "eval_every": 50,
             "metrics": ["accuracy", "perplexity", "usermetrics:top_logit"],
         },
     )
@@ -248,7 +249,9 @@ def test_figures_of_a_two_stage_job_equal_plain_pytorch(cluster: LocalCluster) -
     assert info["test_accuracy"] == info["accuracy"]  # kept for its readers
     lines = validation_lines(info)
     assert len(lines) >= 2  # at least one while training, and the end
-    assert lines[-1][LOSS] == info[LOSS] and lines[-1]["minibatches"] == 8
+    assert lines[-1][LOSS] == info[LOSS] and lines[-1]["minibatches"] == 300
+    assert lines[-1]["wave"] == 300
+    assert all(v["wave"] >= 50 for v in lines)
     assert info["validation"] == lines
 
 
@@ -258,13 +261,14 @@ def test_keep_best_writes_the_best_model(cluster: LocalCluster) -> None:
     spec = job(
         "best",
         split=SPLIT,
-        minibatches=12,
+        minibatches=300,
         lr=0.5,
-        train={"eval_every": 1, "metrics": ["accuracy"], "keep_best": "val_loss"},
+        train={"eval_every": 30, "metrics": ["accuracy"], "keep_best": "val_loss"},
     )
     info = cluster.submit(spec, timeout=200)
     assert info["state"] == "done", info.get("error")
     best = info["best"]
+    assert len(info["validation"]) >= 2
     assert best["metric"] == LOSS
     assert best["value"] == min(v[LOSS] for v in info["validation"])
     assert Path(info["best_model_path"]).name == "model_best.pt"
@@ -275,12 +279,13 @@ def test_keep_best_writes_the_best_model(cluster: LocalCluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stop_after_no_gain_ends_the_job_early(cluster: LocalCluster) -> None:
-    """A learning rate of 0: nothing improves after the first evaluation."""
+    """A learning rate too small to move a weight: nothing improves after the first
+    evaluation."""
     spec = job(
         "nogain",
         split=SPLIT,
         minibatches=4000,
-        lr=0.0,
+        lr=1e-30,  # below every weight's ulp: no update changes a weight
         momentum=0.0,
         weight_decay=0.0,
         train={"eval_every": 1, "stop_after_no_gain": 2},

@@ -760,7 +760,7 @@ JOB: Final = Schema(
                     "What each evaluation reports beside the validation loss: accuracy, "
                     'perplexity, or a function of the user\'s "package.module:function" '
                     "taking (outputs, target) and returning a number or a mapping of them.",
-                    ("accuracy",),
+                    ["accuracy"],
                 ),
                 Key(
                     "keep_best",

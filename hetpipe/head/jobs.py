@@ -446,7 +446,7 @@ class JobsPart:
         except MetricError as exc:
             raise JobFailed(str(exc)) from None
         accuracy = figures.get("accuracy")
-        wave = min(c.get("clock", 0) for c in clocks.values()) if clocks else None
+        wave = min(c.get("global", 0) for c in clocks.values()) if clocks else None
         await self._took_figures(js, figures, train_s, done, wave, state)
         # each stage's records and spans streamed into the job's directory while it ran:
         # stages.json and the trace are written from there, a chunk at a time
