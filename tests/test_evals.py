@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from conftest import UNIFORM, edited, job, one_line_error, start_cluster
 
+from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
 from hetpipe.data import load_data
-from hetpipe.job import JobError, load_job
+from hetpipe.job import JobError, JobSpec, load_job
 from hetpipe.localcluster import LocalCluster
 from hetpipe.metrics import (
     LOSS,
@@ -31,6 +33,8 @@ from hetpipe.metrics import (
 )
 from hetpipe.models import build_model
 from hetpipe.security import CodeError, check_code
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
 from hetpipe.usercode import named_code
 
 HERE = Path(__file__).resolve().parent
@@ -179,6 +183,48 @@ def test_keys_round_trip(tmp_path: Path) -> None:
         3,
     )
     assert type(spec).from_dict(spec.to_dict()) == spec
+
+
+# -- a stage's validation forward, in process -------------------------------------------------
+
+CPU = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
+
+
+def test_eval_forward_of_two_stages_is_the_model_in_eval_mode() -> None:
+    """The cnn (batch norm) cut in two: each stage's eval forward, chained, gives the plain
+    model's eval-mode output; no running statistic and no weight moves; a snapshot taken
+    before a training step keeps the weights it held."""
+    spec = JobSpec.from_dict(job("unit", model="cnn", minibatches=4))
+    n = len(build_model("cnn"))
+    cut = 5
+    stages = [
+        StageCompute(
+            StageTask.standalone(
+                "unit", spec.to_dict(), StageLayout(("gpu0",), lo, hi), stage=s, k=2
+            ),
+            CPU,
+        )
+        for s, (lo, hi) in enumerate(((0, cut), (cut, n)))
+    ]
+    torch.manual_seed(spec.seed)
+    plain = build_model("cnn")
+    init = plain.state_dict()
+    for st in stages:  # the shards' initial weights, as a first pull gives them
+        names = st.state_names()
+        st.load({k: init[k] for k in names}, {k: [] for k in names})
+    x = load_data("digits", {}, None).val[0][0].unsqueeze(0).repeat(4, 1, 1, 1)
+    before = [dict(st.state_dict()) for st in stages]
+    snaps = [st.eval_state() for st in stages]
+    got = stages[1].eval_forward(stages[0].eval_forward(x, snaps[0]), snaps[1])
+    plain.eval()
+    with torch.no_grad():
+        want = plain(x)
+    assert torch.allclose(got, want, atol=1e-6)
+    for st, b in zip(stages, before, strict=True):
+        after = st.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in b.items())
+        assert st.module.training  # back in train mode for training
+    assert not got.requires_grad
 
 
 # -- jobs on real daemons ---------------------------------------------------------------------
