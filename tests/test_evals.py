@@ -296,6 +296,8 @@ def test_figures_of_a_two_stage_job_equal_plain_pytorch(cluster: LocalCluster) -
     lines = validation_lines(info)
     assert len(lines) >= 2  # at least one while training, and the end
     assert lines[-1][LOSS] == info[LOSS] and lines[-1]["minibatches"] == 300
+    last = json.loads(Path(info["metrics_path"]).read_text().splitlines()[-1])
+    assert last["validation"] == lines[-1] and "stages" in last  # a telemetry line's shape
     assert lines[-1]["wave"] == 300
     assert all(v["wave"] >= 50 for v in lines)
     assert info["validation"] == lines

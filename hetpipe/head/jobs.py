@@ -28,7 +28,7 @@ import zmq
 from hetpipe import checkpoint
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
-from hetpipe.head.views import job_summary, job_view, telemetry
+from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
@@ -468,7 +468,7 @@ class JobsPart:
             # train.bn_recalibrate: the accuracy with the running statistics as trained
             **({"test_accuracy_trained_bn": trained_bn} if trained_bn is not None else {}),
             "status": JobStatus.DONE.value,
-            **({"test_accuracy": accuracy} if accuracy is not None or not figures else {}),
+            "test_accuracy": accuracy,  # the final accuracy under its earlier name
             **figures,
             **self._best_result(js, out_dir),
             **({"stopped": js.stopped} if js.stopped is not None else {}),
@@ -554,8 +554,8 @@ class JobsPart:
             js.evals.append([seconds, done, figures.get("accuracy")])
         path = self.job_dir(js) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:  # one short line per evaluation, beside the telemetry's
-            f.write(json.dumps({"t": time.time(), "validation": entry}) + "\n")
+        with open(path, "a") as f:  # a line of the telemetry's shape, with the figures
+            f.write(json.dumps(metrics_line(js.info(), validation=entry)) + "\n")
         if not figures or not (spec.keep_best or spec.stop_after_no_gain):
             return
         if js.best is None:

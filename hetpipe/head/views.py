@@ -27,6 +27,7 @@ __all__ = [
     "diagnose",
     "job_summary",
     "job_view",
+    "metrics_line",
     "progress_signature",
     "stage_time",
     "telemetry",
@@ -46,7 +47,7 @@ _STAGE_FIGURES = (
 )
 # the fields of each line of a job's metrics file
 _METRICS = ("minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages", "evals")
-# a job's metrics file also has a line {"t", "validation"} per evaluation (hetpipe.head.jobs)
+# (and, on the line written at each evaluation, "validation": its figures, hetpipe.head.jobs)
 
 
 def stage_time(progress: dict[str, Any]) -> float | None:
@@ -271,6 +272,12 @@ def diagnose(
     return lines
 
 
+def metrics_line(info: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One line of a job's metrics file from its view ``info``: the live figures, and
+    ``extra`` (an evaluation's ``validation`` entry, hetpipe.head.jobs)."""
+    return {"t": time.time(), **{k: info.get(k) for k in _METRICS}, **extra}
+
+
 async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) -> None:
     """Append the live figures of ``js`` to its metrics file ``path`` every ``every_s``;
     diagnose a hang.
@@ -284,7 +291,7 @@ async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) ->
 
     def record() -> dict[str, Any]:
         info = job_view(js)
-        line = {"t": time.time(), **{k: info.get(k) for k in _METRICS}}
+        line = metrics_line(info)
         metrics.write(json.dumps(line) + "\n")
         metrics.flush()
         return info
