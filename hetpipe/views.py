@@ -98,7 +98,7 @@ def job_line(j: dict[str, Any]) -> str:
 
 
 # what an evaluation's entry holds beside its figures (hetpipe.head.jobs)
-_NOT_FIGURES = ("seconds", "minibatches", "wave")
+_NOT_FIGURES = ("seconds", "minibatches", "wave", "on")
 
 
 def figures_text(entry: dict[str, Any]) -> str:

@@ -198,7 +198,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # (a dict: "y.<key>"; none: the model makes its loss); rows: the minibatch's rows [lo, hi)
     # they hold, where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
     # agree (then no tensors): [step, [[stage, squared norm, finite], ...]], the stages'
-    # agreement before a step (hetpipe.pipeline.StageRunner._agree)
+    # agreement before a step (hetpipe.pipeline.StageRunner._agree); eval: [i, n], minibatch
+    # i of n of the job's validation pass (no tensors with n = 0: no validation set)
     Kind.ACT: {
         "job": _STR,
         "vw": _INT,
@@ -207,6 +208,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
+        "eval": _OPT_LIST,
     },
     # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows and
     # agree as for act

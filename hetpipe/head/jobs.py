@@ -445,9 +445,17 @@ class JobsPart:
             )
         except MetricError as exc:
             raise JobFailed(str(exc)) from None
-        accuracy = figures.get("accuracy")
+        accuracy = figures.get("accuracy")  # of model.pt: the result's test_accuracy
+        # the validation pass the workers ran (virtual worker 0's last stage, on its weights
+        # at its last wave: with one virtual worker, model.pt's); the head's figures of
+        # model.pt where none came (a job stopped early, no validation set)
+        last = js.stage_results.get((0, len(plan.vws[0].stages) - 1), {})
+        on_workers = last.get("stats", {}).get("validation") if js.stopped is None else None
+        if on_workers:
+            figures = dict(on_workers)
         wave = min(c.get("global", 0) for c in clocks.values()) if clocks else None
-        await self._took_figures(js, figures, train_s, done, wave, state)
+        on = "workers" if on_workers else "head"
+        await self._took_figures(js, figures, train_s, done, wave, state, on)
         # each stage's records and spans streamed into the job's directory while it ran:
         # stages.json and the trace are written from there, a chunk at a time
         stages = {
@@ -542,13 +550,16 @@ class JobsPart:
         done: int,
         wave: int | None,
         state: dict[str, torch.Tensor],
+        on: str = "head",
     ) -> None:
         """One evaluation's figures: into the job's status and ``metrics.jsonl``; the best
         model written where it improves ``train.keep_best``; the job told to stop after
-        ``train.stop_after_no_gain`` evaluations without a gain."""
+        ``train.stop_after_no_gain`` evaluations without a gain. ``on``: where the figures
+        were computed (``"workers"``: the validation pass through the pipeline; ``"head"``:
+        the global weights gathered from the shards)."""
         assert js.plan is not None
         spec = js.spec
-        entry = {"seconds": seconds, "minibatches": done, "wave": wave, **figures}
+        entry = {"seconds": seconds, "minibatches": done, "wave": wave, "on": on, **figures}
         js.validation.append(entry)
         if figures.get("accuracy") is not None or not figures:
             js.evals.append([seconds, done, figures.get("accuracy")])
