@@ -873,8 +873,13 @@ class StageRunner:
     @property
     def validates(self) -> bool:
         """Whether this stage takes part in the job's validation pass: the leaders of virtual
-        worker 0's stages (a replica holds its leader's weights; other VWs' are not run)."""
-        return self.task.vw == 0 and self.task.replica == 0
+        worker 0's stages (a replica holds its leader's weights), where that virtual worker's
+        final weights are the job's global weights: alone in its job, or synchronous (every
+        virtual worker steps on the same merged gradient). Otherwise the head scores the
+        global weights it gathers from the shards."""
+        return (
+            self.task.vw == 0 and self.task.replica == 0 and (self.task.num_vws == 1 or self.sync)
+        )
 
     async def _validate(self) -> None:
         """The validation set through this virtual worker's pipeline, forward only, on each

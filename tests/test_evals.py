@@ -307,6 +307,27 @@ def test_figures_of_a_two_stage_job_equal_plain_pytorch(cluster: LocalCluster) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_a_synchronous_job_of_two_vws_is_scored_on_the_workers(cluster: LocalCluster) -> None:
+    """1f1b, two virtual workers: VW 0's final weights are the global ones, so its pipeline
+    runs the validation pass; the figures are model.pt's."""
+    split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])]
+    spec = job(
+        "evals-sync",
+        split=split,
+        nm=2,
+        minibatches=8,
+        train={"schedule": "1f1b", "metrics": ["accuracy", "perplexity"]},
+    )
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert info["validation"][-1]["on"] == "workers"
+    want = plain_figures(info["model_path"])
+    for name in (LOSS, "accuracy", "perplexity"):
+        assert info[name] == pytest.approx(want[name], abs=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_keep_best_writes_the_best_model(cluster: LocalCluster) -> None:
     spec = job(
         "best",

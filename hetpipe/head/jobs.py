@@ -447,10 +447,12 @@ class JobsPart:
             raise JobFailed(str(exc)) from None
         accuracy = figures.get("accuracy")  # of model.pt: the result's test_accuracy
         # the validation pass the workers ran (virtual worker 0's last stage, on its weights
-        # at its last wave: with one virtual worker, model.pt's); the head's figures of
-        # model.pt where none came (a job stopped early, no validation set)
+        # at its last wave: model.pt's); the head's figures of model.pt where none came (a
+        # job stopped early, several async VWs) or where batch norm was re-estimated for it
         last = js.stage_results.get((0, len(plan.vws[0].stages) - 1), {})
-        on_workers = last.get("stats", {}).get("validation") if js.stopped is None else None
+        on_workers = last.get("stats", {}).get("validation")
+        if js.stopped is not None or trained_bn is not None:  # model.pt's are not the VW's
+            on_workers = None
         if on_workers:
             figures = dict(on_workers)
         wave = min(c.get("global", 0) for c in clocks.values()) if clocks else None
