@@ -211,6 +211,10 @@ class StageRunner:
             self.schedule.done(Merge(0))
         # received carries (hetpipe.carry) with their targets, and gradients, by minibatch
         self.acts: dict[int, tuple[Carry, Target]] = {}
+        # the validation pass at the job's end (_validate): minibatch i -> (count, tensors)
+        # as the previous stage sent them; the last stage's figures
+        self.eval_in: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.validation: dict[str, float] | None = None
         self.grads: dict[int, Carry] = {}
         # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
         task = self.task
@@ -249,10 +253,6 @@ class StageRunner:
         # stage -> (squared norm, finite), as this stage learnt them
         self.agrees = compute.agrees
         self.agreement: dict[int, dict[int, tuple[float, bool]]] = {}
-        # the validation pass at the job's end (hetpipe.metrics): minibatch i -> (count,
-        # tensors) as the previous stage sent them; the last stage's figures
-        self.eval_in: dict[int, tuple[int, dict[str, Any]]] = {}
-        self.validation: dict[str, float] | None = None
 
     # -- agreement across the stages of a virtual worker -----------------------------------
 
@@ -320,14 +320,14 @@ class StageRunner:
         An activation's tensors are its carry (``x``, or ``x.0`` ... for a tuple) and the
         minibatch's target (``y``, ``y.<key>`` for a dict, none for a model that computes its
         own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
+        if msg.get("eval") is not None:  # a minibatch of the validation pass (_validate)
+            i, n = msg["eval"]
+            names = self._names(msg)
+            self.eval_in[int(i)] = (int(n), {name: self._received(msg, name) for name in names})
+            self.wakeup.set()
+            return
         if msg.get("agree") is not None:
             self._take_agreement(msg)
-        elif msg.get("eval") is not None:
-            i, n = msg["eval"]
-            self.eval_in[int(i)] = (
-                int(n),
-                {name: self._received(msg, name) for name in self._names(msg)},
-            )
         elif msg.kind == Kind.ACT:
             names = self._names(msg)
             plain = names == _ACT_NAMES  # one activation and its target: nothing to walk
