@@ -215,6 +215,7 @@ class StageRunner:
         # as the previous stage sent them; the last stage's figures
         self.eval_in: dict[int, tuple[int, dict[str, Any]]] = {}
         self.validation: dict[str, float] | None = None
+        self.validation_s = 0.0  # this stage's time in the pass, after its training
         self.grads: dict[int, Carry] = {}
         # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
         task = self.task
@@ -450,7 +451,9 @@ class StageRunner:
                 self._losses(await self._run(self.compute.read_losses, True))
             await self._run(self.compute.read_quality, True)
             if self.validates:  # after the timeline's last span: no share of training time
+                t0 = time.monotonic()
                 await self._validate()
+                self.validation_s = time.monotonic() - t0
             await self._send_records(final=True)
             self.waiting = None
         finally:
@@ -985,6 +988,8 @@ class StageRunner:
         out["thread_runs"] = self.inline.thread_runs
         if self.validation is not None:  # the last stage's figures of the validation pass
             out["validation"] = self.validation
+        if self.validation_s:
+            out["validation_s"] = self.validation_s
         return out
 
 

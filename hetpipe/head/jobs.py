@@ -433,7 +433,10 @@ class JobsPart:
         """Gather global weights, evaluate and export them; return the job's result."""
         plan = js.plan
         assert plan is not None and js.started is not None
-        train_s = time.time() - js.started
+        # training time: the validation pass after it is not (timed at the first stage, which
+        # ends its training last; the other stages pass its minibatches on meanwhile)
+        first = js.stage_results.get((0, 0), {}).get("stats", {})
+        train_s = time.time() - js.started - first.get("validation_s", 0.0)
         await self._cuts_written(js)  # the last checkpoint: the job's end
         state, clocks = await self._fetch_state(js)
         out_dir = self.job_dir(js)
