@@ -136,6 +136,11 @@ class JobSpec:
     num_vws: int | None = _d("train.vws")
     policy: str = _d("train.policy")
     eval_every_s: float | None = _d("train.eval_every_s")
+    # train.eval_every as given: waves (an int, 0: only at the end) or "<seconds>s"
+    eval_every: int | str = _d("train.eval_every")
+    metrics: tuple[str, ...] = _d("train.metrics")
+    keep_best: str | None = _d("train.keep_best")
+    stop_after_no_gain: int = _d("train.stop_after_no_gain")
     hang_after_s: float = _d("train.hang_after_s")
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
     checkpoint_every: int = _d("train.checkpoint_every")
@@ -266,6 +271,7 @@ class JobSpec:
             train.fail("minibatches", "give exactly one of epochs / minibatches, not both")
         num_vws = _read(train, "vws")
         eval_every_s = _read(train, "eval_every_s")
+        eval_every, metrics, keep_best, stop_after_no_gain = _evals(train, eval_every_s)
         hang_after_s = _read(train, "hang_after_s")
         schedule = _read(train, "schedule")
         weights = _read(train, "weights")
@@ -331,6 +337,10 @@ class JobSpec:
             num_vws=num_vws,
             policy=policy,
             eval_every_s=eval_every_s,
+            eval_every=eval_every,
+            metrics=metrics,
+            keep_best=keep_best,
+            stop_after_no_gain=stop_after_no_gain,
             hang_after_s=hang_after_s,
             schedule=schedule,
             weights=weights,
@@ -420,6 +430,10 @@ class JobSpec:
                 "vws": self.num_vws,
                 "policy": self.policy,
                 "eval_every_s": self.eval_every_s,
+                "eval_every": self.eval_every,
+                "metrics": list(self.metrics),
+                "keep_best": self.keep_best,
+                "stop_after_no_gain": self.stop_after_no_gain,
                 "hang_after_s": self.hang_after_s,
                 "schedule": self.schedule,
                 "weights": self.weights,
@@ -448,6 +462,41 @@ def _given(d: Any, section: str, name: str) -> bool:
     """Whether the job dict ``d`` sets ``section.name`` (None counts as absent)."""
     table = d.get(section) if section else d
     return isinstance(table, dict) and table.get(name) is not None
+
+
+def _evals(
+    train: Table, eval_every_s: float | None
+) -> tuple[int | str, tuple[str, ...], str | None, int]:
+    """``train.eval_every``, ``metrics``, ``keep_best`` and ``stop_after_no_gain``, each
+    refused in one line naming the key (:mod:`hetpipe.metrics` holds their rules)."""
+    from hetpipe.metrics import best_rule, check_metrics, parse_every
+
+    every = train.raw("eval_every", JOB["train.eval_every"].default)
+    try:
+        waves, _seconds = parse_every(every)
+    except ValueError as exc:
+        train.fail("eval_every", str(exc))
+    if waves > JOB["train.eval_every"].high:
+        train.fail("eval_every", f"must be <= {JOB['train.eval_every'].high}, got {waves}")
+    if every and eval_every_s is not None:
+        train.fail("eval_every", "give one of eval_every / eval_every_s, not both")
+    metrics = tuple(_read(train, "metrics"))
+    try:
+        check_metrics(metrics)
+    except ValueError as exc:
+        train.fail("metrics", str(exc))
+    keep_best = _read(train, "keep_best")
+    try:
+        best_rule(keep_best, metrics)
+    except ValueError as exc:
+        train.fail("keep_best", str(exc))
+    no_gain = _read(train, "stop_after_no_gain")
+    if no_gain and not every and eval_every_s is None:
+        train.fail(
+            "stop_after_no_gain",
+            "has no effect without train.eval_every (the job evaluates only at its end)",
+        )
+    return every, metrics, keep_best, no_gain
 
 
 def _warmup_forwards(train: Table, schedule: str) -> int | None:

@@ -24,21 +24,25 @@ from urllib.parse import urlparse
 
 import torch
 
+from hetpipe import metrics
 from hetpipe.capture import user_state
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
 from hetpipe.daemon import normal_host
 from hetpipe.data import DataSource, MinibatchStream, evaluate, load_data, recalibrate_bn
+from hetpipe.data.evaluate import val_batches
 from hetpipe.job import JobSpec
 from hetpipe.jobcheck import JobFacts
-from hetpipe.models import ModelError, build_model
+from hetpipe.models import ModelError, build_model, model_loss
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
 from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
-__all__ = ["JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
+__all__ = ["VAL_BATCH", "JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
+
+VAL_BATCH = 512  # rows per validation minibatch (the figures are per sample, whatever it is)
 
 
 class JobPlanError(ValueError):
@@ -215,17 +219,45 @@ class JobPlan:
         model.load_state_dict(state, strict=True)
         return model
 
-    def evaluate(self, state: dict[str, torch.Tensor]) -> float:
+    def evaluate(self, state: dict[str, torch.Tensor]) -> float | None:
         """Test accuracy of global weights ``state`` (batch-norm statistics re-estimated
         first where the job asks, ``train.bn_recalibrate``)."""
         model = self.model_of(state)
         self._recalibrate(model)
         return evaluate(model, self.dataset)
 
+    def validate(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The validation figures of global weights ``state``: ``val_loss`` and each metric
+        of ``train.metrics`` (:mod:`hetpipe.metrics`); empty without a validation set."""
+        model = self.model_of(state)
+        self._recalibrate(model)
+        return self.figures(model)
+
+    def figures(self, model: torch.nn.Module) -> dict[str, float]:
+        """``val_loss`` and ``train.metrics`` of ``model`` over the validation set, in the
+        job's validation minibatches (:data:`VAL_BATCH` rows), scored with the job's loss."""
+        if self.dataset.val is None:
+            return {}
+        return metrics.evaluate(
+            model,
+            val_batches(self.dataset, VAL_BATCH),
+            model_loss(self.spec.model),
+            metrics.resolve(self.spec.metrics),
+        )
+
     def export(self, state: dict[str, torch.Tensor], out_dir: Path) -> tuple[float, float | None]:
         """Write the global weights as one state_dict; return their test accuracy, and (where
         batch-norm statistics were re-estimated before the export) the accuracy with the
-        statistics as trained, for comparison.
+        statistics as trained, for comparison (:meth:`export_figures` for every figure)."""
+        figures, before = self.export_figures(state, out_dir)
+        return figures.get("accuracy"), before  # type: ignore[return-value]
+
+    def export_figures(
+        self, state: dict[str, torch.Tensor], out_dir: Path, name: str = "model.pt"
+    ) -> tuple[dict[str, float], float | None]:
+        """Write the global weights as one state_dict ``out_dir/name``; return their
+        validation figures (:meth:`figures`), and (where batch-norm statistics were
+        re-estimated before the export) the accuracy with the statistics as trained.
 
         A captured model's state dict is keyed as the user's own module (ties as it has
         them), so it loads with ``strict=True`` into the module the factory returns."""
@@ -236,9 +268,22 @@ class JobPlan:
         ):
             before = evaluate(model, self.dataset)
             self._recalibrate(model)
+        self.save(model, out_dir, name)
+        return self.figures(model), before
+
+    def save(self, model: torch.nn.Module, out_dir: Path, name: str) -> None:
+        """``model``'s state dict as the user's module keys it, written atomically."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(user_state(model, model.state_dict()), out_dir / "model.pt")
-        return evaluate(model, self.dataset), before
+        tmp = out_dir / f".{name}.tmp"
+        torch.save(user_state(model, model.state_dict()), tmp)
+        tmp.replace(out_dir / name)
+
+    def save_state(self, state: dict[str, torch.Tensor], out_dir: Path, name: str) -> None:
+        """Global weights ``state`` as a state dict file ``out_dir/name`` (``model_best.pt``),
+        batch-norm statistics re-estimated first where the job asks."""
+        model = self.model_of(state)
+        self._recalibrate(model)
+        self.save(model, out_dir, name)
 
     def _recalibrate(self, model: torch.nn.Module) -> None:
         """Re-estimate batch-norm statistics over ``train.bn_recalibrate`` minibatches of the

@@ -214,7 +214,8 @@ class StageRunner:
         spec = compute.spec
         self.push_every = (
             1
-            if self.schedule.pulls or (not spec.push_every and spec.eval_every_s)
+            if self.schedule.pulls
+            or (not spec.push_every and (spec.eval_every_s or spec.eval_every))
             else spec.push_every
         )
         self.flushed = 0  # waves whose update has been sent to the shards
@@ -224,6 +225,11 @@ class StageRunner:
             self.schedule.done(Merge(0))
         # received carries (hetpipe.carry) with their targets, and gradients, by minibatch
         self.acts: dict[int, tuple[Carry, Target]] = {}
+        # the validation pass at the job's end (_validate): minibatch i -> (count, tensors)
+        # as the previous stage sent them; the last stage's figures
+        self.eval_in: dict[int, tuple[int, dict[str, Any]]] = {}
+        self.validation: dict[str, float] | None = None
+        self.validation_s = 0.0  # this stage's time in the pass, after its training
         self.grads: dict[int, Carry] = {}
         # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
         task = self.task
@@ -395,6 +401,12 @@ class StageRunner:
         An activation's tensors are its carry (``x``, or ``x.0`` ... for a tuple) and the
         minibatch's target (``y``, ``y.<key>`` for a dict, none for a model that computes its
         own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
+        if msg.get("eval") is not None:  # a minibatch of the validation pass (_validate)
+            i, n = msg["eval"]
+            names = self._names(msg)
+            self.eval_in[int(i)] = (int(n), {name: self._received(msg, name) for name in names})
+            self.wakeup.set()
+            return
         if msg.get("agree") is not None:
             self._take_agreement(msg)
         elif msg.get("tied") is not None:
@@ -520,6 +532,10 @@ class StageRunner:
             if self.task.is_last:
                 self._losses(await self._run(self.compute.read_losses, True))
             await self._run(self.compute.read_quality, True)
+            if self.validates:  # after the timeline's last span: no share of training time
+                t0 = time.monotonic()
+                await self._validate()
+                self.validation_s = time.monotonic() - t0
             await self._send_records(final=True)
             self.waiting = None
         finally:
@@ -956,6 +972,71 @@ class StageRunner:
 
     # -- reporting --------------------------------------------------------------------------
 
+    # -- validation on the workers (train.metrics) -----------------------------------------
+
+    @property
+    def validates(self) -> bool:
+        """Whether this stage takes part in the job's validation pass: the leaders of virtual
+        worker 0's stages (a replica holds its leader's weights), where that virtual worker's
+        final weights are the job's global weights: alone in its job, or synchronous (every
+        virtual worker steps on the same merged gradient). Otherwise the head scores the
+        global weights it gathers from the shards."""
+        return (
+            self.task.vw == 0 and self.task.replica == 0 and (self.task.num_vws == 1 or self.sync)
+        )
+
+    async def _validate(self) -> None:
+        """The validation set through this virtual worker's pipeline, forward only, on each
+        stage's weights at the job's end (:meth:`StageCompute.eval_forward`: eval mode,
+        ``no_grad``): the first stage reads the validation minibatches in order and sends each
+        output on (tagged ``eval = [i, n]`` on an activation message, the target with it);
+        a middle stage passes each on; the last scores them with the job's loss and
+        ``train.metrics`` (:class:`hetpipe.metrics.Tally`) into :attr:`validation`, which its
+        final stats carry to the head. A first stage without a validation set sends ``n = 0``."""
+        from hetpipe.data.evaluate import val_batches
+        from hetpipe.jobplan import VAL_BATCH
+        from hetpipe.metrics import Tally, resolve
+
+        tally = Tally(resolve(self.compute.spec.metrics)) if self.task.is_last else None
+        self._wait_for("validation")
+
+        async def through(i: int, n: int, x: Any, y: Any) -> None:
+            out = await self._run(self.compute.eval_forward, x)
+            if tally is None:
+                host = {n_: t.cpu() for n_, t in carry.names(out, "x").items()}
+                target = {n_: t.cpu() for n_, t in carry.names(y, "y").items()}
+                await self.send(Kind.ACT, i, {**host, **target}, None, 0, {"eval": [i, n]})
+                return
+            target = carry.mapped(y, lambda t: t.to(self.compute.dev)) if y is not None else None
+            loss = await self._run(self.compute.loss_fn, out, target)
+            await self._run(tally.add, out, target, float(loss), carry.samples(y, x))
+
+        if self.task.is_first:
+            source = self.stream.source if self.stream is not None else None
+            val = getattr(source, "val", None)
+            batches = list(val_batches(source, VAL_BATCH)) if val is not None else []
+            if not batches and tally is None:
+                await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
+            for i, (x, y) in enumerate(batches):
+                await through(i, len(batches), x, y)
+        else:
+            i, n = 0, 1
+            while i < n:
+                if i not in self.eval_in:
+                    await self.wakeup.wait()
+                    self.wakeup.clear()
+                    continue
+                n, got = self.eval_in.pop(i)
+                if n == 0:  # no validation set: said on
+                    if tally is None:
+                        await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
+                    break
+                x, y = carry.message_parts(got, f"validation minibatch {i}")
+                await through(i, n, x, y)
+                i += 1
+        if tally is not None:
+            self.validation = tally.result() or None
+
     def progress(self) -> dict[str, Any]:
         s = self.compute.stats
         recent = s.losses
@@ -1006,6 +1087,10 @@ class StageRunner:
         # compute runs on the event loop and on the compute thread (hetpipe.computethread)
         out["inline_runs"] = self.inline.inline_runs
         out["thread_runs"] = self.inline.thread_runs
+        if self.validation is not None:  # the last stage's figures of the validation pass
+            out["validation"] = self.validation
+        if self.validation_s:
+            out["validation_s"] = self.validation_s
         return out
 
 

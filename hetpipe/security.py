@@ -783,3 +783,9 @@ def check_code(job: Any, allowed_modules: Sequence[str]) -> None:
     data = job.get("data")
     if isinstance(data, dict):  # the data set's own collate function, by the same rule
         _check_code("data", data.get("collate"), (), allowed_modules, "hetpipe.data", "collate")
+    train = job.get("train")  # a metric function of the user's (train.metrics), likewise
+    metrics = train.get("metrics") if isinstance(train, dict) else None
+    for name in metrics if isinstance(metrics, list | tuple) else ():
+        _check_code(
+            "train", name, ("accuracy", "perplexity"), allowed_modules, "hetpipe.metrics", "metrics"
+        )

@@ -385,6 +385,34 @@ class StageCompute:
         )
         return None
 
+    def eval_state(self) -> dict[str, torch.Tensor]:
+        """A copy of this stage's weights and buffers as they are now (at a wave boundary):
+        what a validation pass of ``train.eval_every`` runs on while training goes on."""
+        return {
+            n: t.detach().clone()
+            for n, t in {**self.wv.params, **self.wv.buffers, **self.wv.local}.items()
+        }
+
+    def eval_forward(self, x: Inputs, state: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """A validation forward: this stage's layers on ``x`` in eval mode under
+        ``no_grad``, with ``state`` (:meth:`eval_state`) or the current weights. Nothing
+        trains and nothing is kept: no running statistic moves (eval mode), no weight
+        version, optimizer state, memory count or loss changes. Returns the stage's output
+        as the model makes it (the last stage's goes to the loss and the metrics; another
+        stage's is what the next one takes, :mod:`hetpipe.carry`)."""
+        x = carry.mapped(x, lambda t: to_device(t, self.dev))
+        if state is None:
+            state = {**self.wv.params, **self.wv.buffers, **self.wv.local}
+        p = self.seeds.p
+        self.module.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                out, _ = self.layers.run(p, x, state, measure=False)
+        finally:
+            self.module.train()
+            self.seeds.p = p
+        return out
+
     def _charge_swap(self, compute_s: float, moved: int) -> float:
         """The pass's time with the swap copies of ``moved`` bytes that ran beside it: on an
         emulated device (the tensors never left host memory) it sleeps the part of the copy

@@ -92,6 +92,11 @@ def named_code(job: Any) -> list[Named]:
             module, function = name.split(":")
             if module and function:
                 out.append(Named(key, module, function))
+    train = job.get("train") if isinstance(job, Mapping) else None
+    metrics = train.get("metrics") if isinstance(train, Mapping) else None
+    for name in metrics if isinstance(metrics, list | tuple) else ():  # train.metrics' functions
+        if isinstance(name, str) and name.count(":") == 1 and all(name.split(":")):
+            out.append(Named("train.metrics", *name.split(":")))
     return out
 
 

@@ -90,11 +90,24 @@ def job_line(j: dict[str, Any]) -> str:
     if j.get("vws"):
         clocks = " ".join(f"vw{v['vw']}:{v['clock']}" for v in j["vws"])
         parts.append(f"clocks {clocks} global {j.get('global_clock', 0)}")
-    if j.get("test_accuracy") is not None:
+    if j.get("validation"):
+        parts.append(figures_text(j["validation"][-1]))
+    elif j.get("test_accuracy") is not None:
         parts.append(f"test accuracy {j['test_accuracy']:.4f}")
     if j.get("error"):
         parts.append(f"error: {j['error']}")
     return "  ".join(parts)
+
+
+# what an evaluation's entry holds beside its figures (hetpipe.head.jobs)
+_NOT_FIGURES = ("seconds", "minibatches", "wave", "on")
+
+
+def figures_text(entry: dict[str, Any]) -> str:
+    """One evaluation's figures (``val_loss``, then ``train.metrics``'s) on one line."""
+    return "  ".join(
+        f"{k} {v:.4g}" for k, v in entry.items() if k not in _NOT_FIGURES and v is not None
+    )
 
 
 def render_running(info: dict[str, Any]) -> str:
@@ -147,6 +160,13 @@ def render_result(info: dict[str, Any]) -> str:
         for r in info.get("placement") or []
         if r["shards"]
     )
+    if info.get("validation"):
+        lines.append(f"validation: {figures_text(info['validation'][-1])}")
+    if info.get("best"):
+        b = info["best"]
+        lines.append(f"best:    {b['metric']} {b['value']:.4g} at wave {b.get('wave')}")
+    if info.get("stopped"):
+        lines.append(f"stopped early: {info['stopped']}")
     if placement:
         lines.append(f"placement: {placement}")
     comparison = render_comparison(info)
@@ -155,6 +175,8 @@ def render_result(info: dict[str, Any]) -> str:
     if info.get("owner"):
         lines.append(f"owner:   {info['owner']}")
     lines.append(f"model:   {info['model_path']}")
+    if info.get("best_model_path"):
+        lines.append(f"best:    {info['best_model_path']}")
     lines.append(f"metrics: {info['metrics_path']}")
     lines.append(f"trace:   {info['trace_path']}  (open in https://ui.perfetto.dev)")
     return "\n".join(lines)
@@ -217,6 +239,9 @@ def live_view(info: dict[str, Any]) -> list[str]:
                 f"busy {sh['busy']:4.0%}  bubble {sh['bubble']:4.0%}  "
                 f"gate {sh['gate']:4.0%}  comm {sh['comm']:4.0%}"
             )
+    if info.get("validation"):
+        last = info["validation"][-1]
+        lines.append(f"validation (wave {last.get('wave')}): {figures_text(last)}")
     for d in info.get("diagnosis") or []:
         lines.append(f"hang: {d}")
     return lines

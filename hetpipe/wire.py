@@ -194,6 +194,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
+    # eval (on an activation): [i, n], minibatch i of n of the job's validation pass
+    # (hetpipe.pipeline.StageRunner._validate; no tensors with n = 0: no validation set)
     # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"
     # (a dict: "y.<key>"; none: the model makes its loss); rows: the minibatch's rows [lo, hi)
     # they hold, where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
@@ -205,6 +207,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "job": _STR,
         "vw": _INT,
         "p": _INT,
+        "eval": _OPT_LIST,
         "ipc": _OPT_DICT,
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,

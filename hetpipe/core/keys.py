@@ -745,6 +745,41 @@ JOB: Final = Schema(
                     applies=when("train.schedule", ("1f1b", "auto"), "warm-up forwards are 1f1b's"),
                 ),
                 Key(
+                    "eval_every",
+                    'integer or string "<seconds>s"',
+                    "Run the validation set this often while training: every N waves "
+                    '(iterations under gpipe and 1f1b) of the global clock, or "30s" every '
+                    "30 seconds; 0: only at the end.",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "metrics",
+                    "array of strings",
+                    "What each evaluation reports beside the validation loss: accuracy, "
+                    'perplexity, or a function of the user\'s "package.module:function" '
+                    "taking (outputs, target) and returning a number or a mapping of them.",
+                    ["accuracy"],
+                ),
+                Key(
+                    "keep_best",
+                    "string",
+                    'Export the weights of the best evaluation as model_best.pt: "val_loss", '
+                    'a metric of train.metrics, or "-name" / "+name" to say lower / higher is '
+                    "better (needed for a function's metric); unset: no best model.",
+                    None,
+                ),
+                Key(
+                    "stop_after_no_gain",
+                    "integer",
+                    "End the job early after this many evaluations in a row that do not "
+                    "improve train.keep_best's metric (val_loss where unset); 0: never.",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
                     "in_flight",
                     "string",
                     "What bounds the minibatches a planned async stage holds: plan (the "

@@ -15,7 +15,7 @@ from hetpipe.data.builtin import Dataset, TensorPairs
 from hetpipe.data.source import Batch, Batcher, DataSource, is_iterable, to_device
 from hetpipe.data.stream import MinibatchStream
 
-__all__ = ["call_model", "evaluate", "recalibrate_bn"]
+__all__ = ["call_model", "evaluate", "recalibrate_bn", "val_batches"]
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -51,6 +51,9 @@ def _val_batches(data: DataSource | Dataset, batch: int) -> Iterator[Batch]:
         collate_fn=data.batcher,
     )
     yield from loader
+
+
+val_batches = _val_batches  # the validation set's minibatches in order (hetpipe.metrics)
 
 
 @torch.no_grad()

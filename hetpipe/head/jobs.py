@@ -28,7 +28,7 @@ import zmq
 from hetpipe import checkpoint
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
-from hetpipe.head.views import job_summary, job_view, telemetry
+from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
@@ -42,6 +42,7 @@ from hetpipe.jobstore import (
     write_result,
     write_stages,
 )
+from hetpipe.metrics import Best, MetricError, best_rule, parse_every
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
@@ -50,9 +51,10 @@ from hetpipe.trace import write_chrome_trace
 from hetpipe.transport import RemoteError
 from hetpipe.wire import Kind
 
-__all__ = ["ASSIGN_TIMEOUT_S", "JobState", "JobsPart"]
+__all__ = ["ASSIGN_TIMEOUT_S", "BEST_MODEL", "JobState", "JobsPart"]
 
 ASSIGN_TIMEOUT_S = 120.0
+BEST_MODEL = "model_best.pt"  # train.keep_best: the best evaluation's weights, beside model.pt
 
 # a stage's checkpointed state: (meta, tensors)
 StageState = tuple[dict[str, Any], dict[str, torch.Tensor]]
@@ -77,6 +79,12 @@ class JobState:
     stage_results: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
     evals: list[list[float]] = field(default_factory=list)  # [seconds, minibatches, accuracy]
+    # each evaluation (train.eval_every and the end): seconds, minibatches, wave, val_loss
+    # and train.metrics' figures (hetpipe.metrics)
+    validation: list[dict[str, Any]] = field(default_factory=list)
+    best: Best | None = None  # train.keep_best / stop_after_no_gain: the best evaluation
+    stopped: str | None = None  # why the job ended before its last minibatch (no gain)
+    best_entry: dict[str, Any] = field(default_factory=dict)  # the evaluation ``best`` took
     diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -342,8 +350,10 @@ class JobsPart:
             js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
         metrics = self.job_dir(js) / "metrics.jsonl"
         watchers = [asyncio.ensure_future(telemetry(js, metrics, self.log))]
-        if js.spec.eval_every_s:
-            watchers.append(asyncio.ensure_future(self._evaluate_every(js, js.spec.eval_every_s)))
+        waves, seconds = parse_every(js.spec.eval_every)
+        seconds = seconds or js.spec.eval_every_s
+        if waves or seconds:
+            watchers.append(asyncio.ensure_future(self._evaluate_every(js, waves, seconds)))
         done = asyncio.ensure_future(js.all_done.wait())
         try:
             await self._race(js, done)
@@ -351,6 +361,8 @@ class JobsPart:
             for w in watchers:
                 w.cancel()
             js.diagnosis = []  # a diagnosis describes a running job only
+        if js.stopped is not None:  # no gain: the workers drop the job; its weights stay
+            await self._abort(js, js.stopped)
 
     async def _race(self, js: JobState, aw: Any) -> Any:
         """Await ``aw`` unless the job fails first (lost worker, stage error, cancel)."""
@@ -433,13 +445,34 @@ class JobsPart:
         """Gather global weights, evaluate and export them; return the job's result."""
         plan = js.plan
         assert plan is not None and js.started is not None
-        train_s = time.time() - js.started
+        # training time: the validation pass after it is not (timed at the first stage, which
+        # ends its training last; the other stages pass its minibatches on meanwhile)
+        first = js.stage_results.get((0, 0), {}).get("stats", {})
+        train_s = time.time() - js.started - first.get("validation_s", 0.0)
         await self._cuts_written(js)  # the last checkpoint: the job's end
         state, clocks = await self._fetch_state(js)
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
-        accuracy, trained_bn = await loop.run_in_executor(None, plan.export, state, out_dir)
-        js.evals.append([train_s, plan.total_minibatches, accuracy])
+        done = plan.total_minibatches if js.stopped is None else js.info().get("minibatches", 0)
+        try:
+            figures, trained_bn = await loop.run_in_executor(
+                None, plan.export_figures, state, out_dir
+            )
+        except MetricError as exc:
+            raise JobFailed(str(exc)) from None
+        accuracy = figures.get("accuracy")  # of model.pt: the result's test_accuracy
+        # the validation pass the workers ran (virtual worker 0's last stage, on its weights
+        # at its last wave: model.pt's); the head's figures of model.pt where none came (a
+        # job stopped early, several async VWs) or where batch norm was re-estimated for it
+        last = js.stage_results.get((0, len(plan.vws[0].stages) - 1), {})
+        on_workers = last.get("stats", {}).get("validation")
+        if js.stopped is not None or trained_bn is not None:  # model.pt's are not the VW's
+            on_workers = None
+        if on_workers:
+            figures = dict(on_workers)
+        wave = min(c.get("global", 0) for c in clocks.values()) if clocks else None
+        on = "workers" if on_workers else "head"
+        await self._took_figures(js, figures, train_s, done, wave, state, on)
         # each stage's records and spans streamed into the job's directory while it ran:
         # stages.json and the trace are written from there, a chunk at a time
         stages = {
@@ -449,7 +482,7 @@ class JobsPart:
         streams = {f"vw{v}/stage{s}": records_path(out_dir, v, s) for v, s in js.stage_results}
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         await loop.run_in_executor(None, _write_outputs, out_dir, stages, streams, devices, js.id)
-        samples = plan.total_minibatches * js.spec.minibatch
+        samples = done * js.spec.minibatch
         quality = {
             k: r["stats"].get("prediction_quality")
             for k, r in stages.items()
@@ -460,9 +493,12 @@ class JobsPart:
             # train.bn_recalibrate: the accuracy with the running statistics as trained
             **({"test_accuracy_trained_bn": trained_bn} if trained_bn is not None else {}),
             "status": JobStatus.DONE.value,
-            "test_accuracy": accuracy,
+            "test_accuracy": accuracy,  # the final accuracy under its earlier name
+            **figures,
+            **self._best_result(js, out_dir),
+            **({"stopped": js.stopped} if js.stopped is not None else {}),
             "samples_per_s": samples / train_s,
-            "minibatches": plan.total_minibatches,
+            "minibatches": done,
             "seconds": train_s,
             "model_path": str((out_dir / "model.pt").resolve()),
             "stages_path": str((out_dir / STAGES).resolve()),
@@ -528,17 +564,96 @@ class JobsPart:
             clocks[str(index)] = reply.get("info")
         return state, clocks
 
-    async def _evaluate_every(self, js: JobState, every_s: float) -> None:
-        """Test accuracy of the global weights while the job trains (time-to-accuracy)."""
+    async def _evaluate_every(self, js: JobState, waves: int, seconds: float | None) -> None:
+        """Validation figures of the global weights while the job trains: every ``waves``
+        waves (iterations) of the global clock, or every ``seconds``
+        (``train.eval_every``). A metric that raises fails the job, naming it."""
         assert js.plan is not None and js.started is not None
         loop = asyncio.get_running_loop()
+        next_wave = waves
         while True:
-            await asyncio.sleep(every_s)
-            seconds = time.time() - js.started
-            done = js.info().get("minibatches", 0)
+            if seconds:
+                await asyncio.sleep(seconds)
+            else:
+                await asyncio.sleep(0.05)
+                if js.info().get("global_clock", 0) < next_wave:
+                    continue
+            info = js.info()
+            wave = info.get("global_clock", 0)
+            if waves:
+                next_wave = (wave // waves + 1) * waves
             state, _ = await self._fetch_state(js)
-            accuracy = await loop.run_in_executor(None, js.plan.evaluate, state)
-            js.evals.append([seconds, done, accuracy])
+            try:
+                figures = await loop.run_in_executor(None, js.plan.validate, state)
+            except MetricError as exc:
+                js.fail(str(exc))
+                return
+            await self._took_figures(
+                js, figures, time.time() - js.started, info.get("minibatches", 0), wave, state
+            )
+            if js.stopped is not None:
+                js.all_done.set()  # a clean end: _finish exports the weights evaluated last
+                return
+
+    async def _took_figures(
+        self,
+        js: JobState,
+        figures: dict[str, float],
+        seconds: float,
+        done: int,
+        wave: int | None,
+        state: dict[str, torch.Tensor],
+        on: str = "head",
+    ) -> None:
+        """One evaluation's figures: into the job's status and ``metrics.jsonl``; the best
+        model written where it improves ``train.keep_best``; the job told to stop after
+        ``train.stop_after_no_gain`` evaluations without a gain. ``on``: where the figures
+        were computed (``"workers"``: the validation pass through the pipeline; ``"head"``:
+        the global weights gathered from the shards)."""
+        assert js.plan is not None
+        spec = js.spec
+        entry = {"seconds": seconds, "minibatches": done, "wave": wave, "on": on, **figures}
+        js.validation.append(entry)
+        if figures.get("accuracy") is not None or not figures:
+            js.evals.append([seconds, done, figures.get("accuracy")])
+        path = self.job_dir(js) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # a line of the telemetry's shape, with the figures
+            f.write(json.dumps(metrics_line(js.info(), validation=entry)) + "\n")
+        if not figures or not (spec.keep_best or spec.stop_after_no_gain):
+            return
+        if js.best is None:
+            js.best = Best(*best_rule(spec.keep_best, spec.metrics))
+        if js.best.offer(figures):
+            js.best_entry = entry
+            if spec.keep_best:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(
+                    None, js.plan.save_state, state, self.job_dir(js), BEST_MODEL
+                )
+        elif (
+            spec.stop_after_no_gain
+            and js.best.since >= spec.stop_after_no_gain
+            and js.stopped is None
+            and not js.all_done.is_set()  # the job's end: nothing left to stop
+        ):
+            js.stopped = (
+                f"no gain in {js.best.name} for {js.best.since} evaluations "
+                f"(train.stop_after_no_gain = {spec.stop_after_no_gain}; best "
+                f"{js.best.value:.6g})"
+            )
+            self.log.info("job stops early", job=js.id, why=js.stopped)
+
+    def _best_result(self, js: JobState, out_dir: Path) -> dict[str, Any]:
+        """The result's ``best`` (the best evaluation, its metric and the model's path)."""
+        if js.best is None or js.best.value is None:
+            return {}
+        out: dict[str, Any] = {
+            "best": {"metric": js.best.name, "value": js.best.value, **js.best_entry}
+        }
+        if js.spec.keep_best:
+            out["best_model_path"] = str((out_dir / BEST_MODEL).resolve())
+        return out
 
     async def _abort(self, js: JobState, reason: str) -> None:
         """Tell the live workers of ``js`` to drop it."""

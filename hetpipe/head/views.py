@@ -27,6 +27,7 @@ __all__ = [
     "diagnose",
     "job_summary",
     "job_view",
+    "metrics_line",
     "progress_signature",
     "stage_time",
     "telemetry",
@@ -46,6 +47,7 @@ _STAGE_FIGURES = (
 )
 # the fields of each line of a job's metrics file
 _METRICS = ("minibatches", "samples_per_s", "global_clock", "loss", "vws", "stages", "evals")
+# (and, on the line written at each evaluation, "validation": its figures, hetpipe.head.jobs)
 
 
 def stage_time(progress: dict[str, Any]) -> float | None:
@@ -93,6 +95,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.replans]
     if js.evals:
         out["evals"] = js.evals
+    if js.validation:
+        out["validation"] = js.validation
     if js.diagnosis:
         out["diagnosis"] = js.diagnosis
     out.update(js.result)
@@ -269,6 +273,12 @@ def diagnose(
     return lines
 
 
+def metrics_line(info: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One line of a job's metrics file from its view ``info``: the live figures, and
+    ``extra`` (an evaluation's ``validation`` entry, hetpipe.head.jobs)."""
+    return {"t": time.time(), **{k: info.get(k) for k in _METRICS}, **extra}
+
+
 async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) -> None:
     """Append the live figures of ``js`` to its metrics file ``path`` every ``every_s``;
     diagnose a hang.
@@ -282,7 +292,7 @@ async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) ->
 
     def record() -> dict[str, Any]:
         info = job_view(js)
-        line = {"t": time.time(), **{k: info.get(k) for k in _METRICS}}
+        line = metrics_line(info)
         metrics.write(json.dumps(line) + "\n")
         metrics.flush()
         return info
