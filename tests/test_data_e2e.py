@@ -66,7 +66,9 @@ def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
     uninterrupted one (plain PyTorch over the same order), every sample of each epoch read
     once in what the weights hold."""
     nm = 2 if schedule == "1f1b" else 1
-    total = 60  # minibatches; an epoch is 10 (160 samples of 16)
+    # minibatches (an epoch is 10: 160 samples of 16); long enough that the cancel below
+    # lands before the job could end, on a busy machine too
+    total = 300
     spec = data_job(
         f"data-resume-{schedule}",
         [(["gpu0", "gpu1"], [3, 3])],
