@@ -40,9 +40,7 @@ from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
-__all__ = ["VAL_BATCH", "JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
-
-VAL_BATCH = 512  # rows per validation minibatch (the figures are per sample, whatever it is)
+__all__ = ["JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
 
 
 class JobPlanError(ValueError):
@@ -235,12 +233,13 @@ class JobPlan:
 
     def figures(self, model: torch.nn.Module) -> dict[str, float]:
         """``val_loss`` and ``train.metrics`` of ``model`` over the validation set, in the
-        job's validation minibatches (:data:`VAL_BATCH` rows), scored with the job's loss."""
+        job's validation minibatches (:data:`hetpipe.data.evaluate.VAL_BATCH` rows), scored
+        with the job's loss."""
         if self.dataset.val is None:
             return {}
         return metrics.evaluate(
             model,
-            val_batches(self.dataset, VAL_BATCH),
+            val_batches(self.dataset),
             model_loss(self.spec.model),
             metrics.resolve(self.spec.metrics),
         )

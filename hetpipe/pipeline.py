@@ -994,7 +994,6 @@ class StageRunner:
         ``train.metrics`` (:class:`hetpipe.metrics.Tally`) into :attr:`validation`, which its
         final stats carry to the head. A first stage without a validation set sends ``n = 0``."""
         from hetpipe.data.evaluate import val_batches
-        from hetpipe.jobplan import VAL_BATCH
         from hetpipe.metrics import Tally, resolve
 
         tally = Tally(resolve(self.compute.spec.metrics)) if self.task.is_last else None
@@ -1014,7 +1013,7 @@ class StageRunner:
         if self.task.is_first:
             source = self.stream.source if self.stream is not None else None
             val = getattr(source, "val", None)
-            batches = list(val_batches(source, VAL_BATCH)) if val is not None else []
+            batches = list(val_batches(source)) if val is not None else []
             if not batches and tally is None:
                 await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
             for i, (x, y) in enumerate(batches):

@@ -321,6 +321,7 @@ class StandInCompute:
             push_every=1,
             checkpoint_every=0,
             eval_every_s=None,
+            metrics=(),  # the job's validation pass: only its loss
             minibatch=1,
             warmup_forwards=warmup,
         )
@@ -415,8 +416,11 @@ def worker_errors(
 
 def stand_in_stream(batch: Any) -> Any:
     """A first stage's data stream that gives ``batch`` for every minibatch, through a
-    reader as :meth:`hetpipe.data.MinibatchStream.reader` opens one."""
-    return SimpleNamespace(reader=lambda _start: SimpleNamespace(get=lambda _p: batch))
+    reader as :meth:`hetpipe.data.MinibatchStream.reader` opens one; it has no validation set."""
+    return SimpleNamespace(
+        reader=lambda _start: SimpleNamespace(get=lambda _p: batch),
+        source=SimpleNamespace(val=None),
+    )
 
 
 def _cat(parts: list[Any]) -> Any:

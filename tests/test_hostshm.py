@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import subprocess
@@ -15,6 +16,7 @@ from conftest import UNIFORM, assert_same_weights, job, start_cluster
 from helpers import stages_json
 
 from hetpipe import hostshm
+from hetpipe.data.evaluate import VAL_BATCH
 from hetpipe.hostshm import Inbox, Outbox, parse, sweep
 
 pytestmark = pytest.mark.skipif(not hostshm.available(), reason="no /dev/shm on this host")
@@ -327,10 +329,12 @@ def test_shared_memory_between_stages_of_one_host_changes_no_weight(tmp_path) ->
         }
         assert not left, left
     (with_shm, sent_on), (without, sent_off) = out[True], out[False]
-    # activations to 3 successors and gradients to 3 predecessors, 24 minibatches each;
-    # the cnn's activations at minibatch 32 are all above the size that goes by file
-    assert sent_on == {"vw0/stage0": 24, "vw0/stage1": 48, "vw0/stage2": 48, "vw0/stage3": 24}, (
-        sent_on
-    )
+    # activations to 3 successors and gradients to 3 predecessors, 24 minibatches each, and
+    # the job's end-of-job validation pass (the digits' 360 validation samples, in minibatches
+    # of VAL_BATCH) forward through the first three; the cnn's activations at minibatch 32 are
+    # all above the size that goes by file
+    val = math.ceil(360 / VAL_BATCH)
+    want = {"vw0/stage0": 24 + val, "vw0/stage1": 48 + val, "vw0/stage2": 48 + val}
+    assert sent_on == {**want, "vw0/stage3": 24}, sent_on
     assert set(sent_off.values()) == {0}
     assert_same_weights(with_shm, without, tol=0.0)

@@ -15,7 +15,9 @@ from hetpipe.data.builtin import Dataset, TensorPairs
 from hetpipe.data.source import Batch, Batcher, DataSource, is_iterable, to_device
 from hetpipe.data.stream import MinibatchStream
 
-__all__ = ["call_model", "evaluate", "recalibrate_bn", "val_batches"]
+__all__ = ["VAL_BATCH", "call_model", "evaluate", "recalibrate_bn", "val_batches"]
+
+VAL_BATCH = 512  # rows per validation minibatch (the figures are per sample, whatever it is)
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -32,7 +34,7 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def _val_batches(data: DataSource | Dataset, batch: int) -> Iterator[Batch]:
+def val_batches(data: DataSource | Dataset, batch: int = VAL_BATCH) -> Iterator[Batch]:
     if isinstance(data, Dataset):
         data = DataSource(data.name, None, data.val, Batcher(data.name))
     val = data.val
@@ -53,9 +55,6 @@ def _val_batches(data: DataSource | Dataset, batch: int) -> Iterator[Batch]:
     yield from loader
 
 
-val_batches = _val_batches  # the validation set's minibatches in order (hetpipe.metrics)
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, data: DataSource | Dataset, batch: int = 512) -> float | None:
     """Accuracy of ``model`` on the validation set (per token for sequence outputs): the
@@ -73,7 +72,7 @@ def evaluate(model: nn.Module, data: DataSource | Dataset, batch: int = 512) -> 
     model.eval()
     try:
         correct = total = 0
-        for inputs, target in _val_batches(data, batch):
+        for inputs, target in val_batches(data, batch):
             if not isinstance(target, torch.Tensor):
                 return None
             out = call_model(model, to_device(inputs, device))
