@@ -1013,7 +1013,8 @@ class StageRunner:
         if self.task.is_first:
             source = self.stream.source if self.stream is not None else None
             val = getattr(source, "val", None)
-            batches = list(val_batches(source)) if val is not None else []
+            # read on the compute thread, as training minibatches are: never on the loop
+            batches = await self._run(lambda: list(val_batches(source))) if val is not None else []
             if not batches and tally is None:
                 await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
             for i, (x, y) in enumerate(batches):
