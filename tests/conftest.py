@@ -48,16 +48,22 @@ def start_cluster(
     return LocalCluster(path, root / "run", timeout=60).__enter__()
 
 
-def user_code_cluster(tmp_path_factory: pytest.TempPathFactory, *modules: str) -> LocalCluster:
-    """Four uniform devices and two shards whose daemons may import the tests' own ``modules``
-    (``usermodels``, ``userdata``, ...): this directory on their ``PYTHONPATH`` and the modules
-    in ``[security] allowed_modules``."""
+def user_code_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    *modules: str,
+    devices: tuple[DeviceDef, ...] = UNIFORM,
+    shards: int = 2,
+) -> LocalCluster:
+    """``devices`` (four uniform ones) and ``shards`` whose daemons may import the tests' own
+    ``modules`` (``usermodels``, ``userdata``, ...): this directory on their ``PYTHONPATH``
+    and the modules in ``[security] allowed_modules``."""
     with pytest.MonkeyPatch.context() as mp:
         here = str(Path(__file__).resolve().parent)
         mp.setenv(
             "PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         )
-        return start_cluster(tmp_path_factory.mktemp(modules[0]), UNIFORM, allowed_modules=modules)
+        root = tmp_path_factory.mktemp(modules[0])
+        return start_cluster(root, devices, shards=shards, allowed_modules=modules)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ mean of the virtual workers' updates instead of their sum."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import UNIFORM, assert_same_weights, job, start_cluster
+from conftest import UNIFORM, assert_same_weights, job, user_code_cluster
 from helpers import plain_training, stages_json
 
 from hetpipe.localcluster import LocalCluster
@@ -171,18 +169,7 @@ def test_merge_mean_adds_half_of_what_sum_adds_with_two_vws(uniform_cluster) -> 
 @pytest.fixture(scope="module")
 def allowing_schedules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two devices whose daemons may import the schedule functions of ``userschedules``."""
-    here = Path(__file__).resolve().parent
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        c = start_cluster(
-            tmp_path_factory.mktemp("schedules"),
-            UNIFORM[:2],
-            shards=1,
-            allowed_modules=("userschedules",),
-        )
+    c = user_code_cluster(tmp_path_factory, "userschedules", devices=UNIFORM[:2], shards=1)
     yield c
     c.stop()
 
