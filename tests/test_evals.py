@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import UNIFORM, edited, job, one_line_error, start_cluster
+from conftest import edited, job, one_line_error, user_code_cluster
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
@@ -233,16 +232,8 @@ def test_eval_forward_of_two_stages_is_the_model_in_eval_mode() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Four devices, two shards; the daemons can (and may) import ``usermetrics``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-        )
-        mp.syspath_prepend(str(HERE))
-        c = start_cluster(
-            tmp_path_factory.mktemp("evals"), UNIFORM, allowed_modules=("usermetrics",)
-        )
-        yield c
+    c = user_code_cluster(tmp_path_factory, "usermetrics")
+    yield c
     c.stop()
 
 
