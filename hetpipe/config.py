@@ -192,6 +192,8 @@ class RuntimeSpec:
     inline_ms: int = _d("runtime.inline_ms")  # hetpipe.computethread
     retain_freed_mib: int = _d("runtime.retain_freed_mib")  # hetpipe.hostmem
     records_every: int = _d("runtime.records_every")  # hetpipe.pipeline.RecordsOut
+    records_max_bytes: int = parse_size(_d("runtime.records_max_bytes"))  # hetpipe.rotation
+    metrics_max_bytes: int = parse_size(_d("runtime.metrics_max_bytes"))  # hetpipe.rotation
 
 
 @dataclass(frozen=True)
@@ -387,6 +389,8 @@ def _runtime(root: Table) -> RuntimeSpec:
         inline_ms,
         _read(rt, "retain_freed_mib"),
         _read(rt, "records_every"),
+        _size(rt, "records_max_bytes"),
+        _size(rt, "metrics_max_bytes"),
     )
 
 

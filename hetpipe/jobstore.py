@@ -4,8 +4,9 @@ The head keeps only the last few finished jobs in memory (``[runtime] jobs_kept`
 and every job of an earlier head process, live here: ``result.json`` (the job's final status),
 ``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``; while the job runs,
 ``records/vw<V>-stage<S>.jsonl`` gathers each stage's per-minibatch records and timeline
-spans as they stream in (one JSON line a chunk), and ``stages.json`` and ``trace.json`` are
-written from them at its end, one chunk at a time. A job that ends otherwise (failed,
+spans as they stream in (one JSON line a chunk; thinned to stay under a size,
+:mod:`hetpipe.rotation`), and ``stages.json`` and ``trace.json`` are written from them at
+its end, one chunk at a time. A job that ends otherwise (failed,
 cancelled, interrupted) keeps ``records/`` beside the ``stages.json`` and ``trace.json``
 written from what had streamed. The head and the CLI both
 read this directory, so ``status``/``trace`` of a finished job work with the head forgotten,
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "METRICS",
     "RECORDS",
     "RESULT",
     "STAGES",
@@ -42,6 +44,7 @@ __all__ = [
 RESULT = "result.json"
 TRACE = "trace.json"
 STAGES = "stages.json"
+METRICS = "metrics.jsonl"  # rotated: hetpipe.rotation
 RECORDS = "records"  # the folder of the per-stage streams
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
@@ -152,16 +155,25 @@ def records_path(d: Path, vw: int, stage: int) -> Path:
 
 
 def append_records(
-    d: Path, vw: int, stage: int, records: list[list[Any]], spans: list[list[Any]]
+    d: Path,
+    vw: int,
+    stage: int,
+    records: list[list[Any]],
+    spans: list[list[Any]],
+    every: int = 1,
 ) -> None:
-    """Append one chunk (records as rows, spans) to the stage's stream in ``d``."""
+    """Append one chunk (records as rows, spans) to the stage's stream in ``d``; ``every``:
+    the chunk stands for that many (a thinned stream, :mod:`hetpipe.rotation`)."""
     path = records_path(d, vw, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
+    chunk: dict[str, Any] = {"records": records, "spans": spans}
+    if every > 1:
+        chunk["every"] = every
     with path.open("a") as f:
-        f.write(json.dumps({"records": records, "spans": spans}) + "\n")
+        f.write(json.dumps(chunk) + "\n")
 
 
-def read_chunks(path: Path) -> Iterator[dict[str, list[list[Any]]]]:
+def read_chunks(path: Path) -> Iterator[dict[str, Any]]:
     """The chunks of one stage's stream in the order they arrived (none if it is absent).
 
     A last line without its newline is a chunk still being appended (or cut off by a head
@@ -184,7 +196,8 @@ def _items(f: TextIO, rows: Iterable[Any]) -> None:
 def write_stages(d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]) -> None:
     """Write ``stages.json`` in ``d``: each stage (``"vw0/stage1"`` -> its report without
     records and spans, its stream) as ``{**report, "records": [...]}`` with its spans in
-    ``report["stats"]["spans"]``, one chunk in memory at a time."""
+    ``report["stats"]["spans"]``, one chunk in memory at a time; a stream thinned to stay under
+    its budget adds ``"records_every"``, the widest stride its chunks were kept at."""
     tmp = d / f".{STAGES}.tmp"
     with tmp.open("w") as f:
         f.write("{")
@@ -195,8 +208,17 @@ def write_stages(d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]) -> 
             f.write(json.dumps(stats)[:-1] + ("," if stats else "") + '"spans":[')
             _items(f, (s for c in read_chunks(stream) for s in c["spans"]))
             f.write(']},"records":[')
-            _items(f, (r for c in read_chunks(stream) for r in c["records"]))
+            every = [1]  # the widest stride the stream was thinned to (1: every chunk)
+
+            def rows(stream: Path = stream, every: list[int] = every) -> Iterator[list[Any]]:
+                for c in read_chunks(stream):
+                    every[0] = max(every[0], int(c.get("every", 1)))
+                    yield from c["records"]
+
+            _items(f, rows())
             f.write("]")
+            if every[0] > 1:
+                f.write(',"records_every":' + json.dumps(every[0]))
             for k, v in rest.items():
                 f.write("," + json.dumps(k) + ":" + json.dumps(v))
             f.write("}")

@@ -21,6 +21,8 @@ from typing import Any
 
 import structlog
 
+from hetpipe.rotation import shift
+
 __all__ = ["RotatingStderr", "configure", "get", "rotate_to"]
 
 
@@ -54,12 +56,7 @@ class RotatingStderr:
         if self.keep == 0:
             os.ftruncate(2, 0)
             return
-        for i in range(self.keep - 1, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{i}")
-            if older.exists():
-                older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-        if self.path.exists():
-            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        shift(self.path, self.keep)
         self._attach()
 
     def write(self, text: str) -> int:

@@ -6,6 +6,7 @@ ones (unit)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -139,3 +140,47 @@ def test_streamed_stages_json_and_trace_equal_in_memory(tmp_path) -> None:
         tmp_path / "trace.json", {w: spans_of(p) for w, p in streams.items()}, devices, "j-1"
     )
     assert json.loads((tmp_path / "trace.json").read_text()) == want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_records_and_metrics_stay_under_their_budgets(tmp_path) -> None:
+    """A job whose records would pass ``records_max_bytes`` thins its streams (halved, then
+    every 2nd chunk kept, ...) and still ends with its stages.json: records from the first
+    minibatch to near the last."""
+    minibatches = 600
+    path = tmp_path / "cluster.toml"
+    budget = 64 << 10
+    text = cluster_toml(UNIFORM[:2], shards=1).replace(
+        "[runtime]\n",
+        '[runtime]\nrecords_every = 2\nrecords_max_bytes = "64KiB"\nmetrics_max_bytes = "64KiB"\n',
+    )
+    path.write_text(text)
+    sizes: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.02):
+            for f in (tmp_path / "run").rglob(f"{RECORDS}/*.jsonl"):
+                try:
+                    sizes.append(f.stat().st_size)
+                except OSError:
+                    continue
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    with LocalCluster(path, tmp_path / "run", timeout=60) as c:
+        info = c.submit(job("budget", split=SPLIT, nm=1, minibatches=minibatches))
+    stop.set()
+    poller.join()
+    assert info["state"] == "done", info.get("error")
+    assert sizes and max(sizes) <= budget + (16 << 10), max(sizes)  # + at most one chunk
+    reports = stages_json(info)
+    for where, records in stage_records(info).items():
+        ps = [r["p"] for r in records]
+        # thinned: fewer records than minibatches, in order, from the start to near the end
+        assert 0 < len(ps) < minibatches, where
+        assert ps == sorted(ps) and ps[0] < 16 and ps[-1] >= minibatches - 16, (where, str(ps))
+        assert max(b - a for a, b in itertools.pairwise(ps)) <= minibatches // 8, str(ps)
+        assert reports[where]["records_every"] >= 2, where
+    assert Path(info["metrics_path"]).stat().st_size <= budget

@@ -1001,6 +1001,23 @@ CLUSTER: Final = Schema(
                     high=16384,
                 ),
                 Key(
+                    "records_max_bytes",
+                    "size",
+                    "A stage's per-minibatch record stream in the job's directory stays under "
+                    "this: past it the stream drops every 2nd chunk and keeps every 2nd from "
+                    "then on; past it again every 4th, and so on.",
+                    "64MiB",
+                    low=MIN_LOG_BYTES,
+                ),
+                Key(
+                    "metrics_max_bytes",
+                    "size",
+                    "A job's metrics.jsonl rotates past this size (metrics.jsonl.1 .. "
+                    "metrics.jsonl.N, N = log_keep).",
+                    "64MiB",
+                    low=MIN_LOG_BYTES,
+                ),
+                Key(
                     "cuda_ipc",
                     "boolean",
                     "Stages on GPUs of one host pass tensors device to device.",

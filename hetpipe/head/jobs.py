@@ -33,6 +33,7 @@ from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
 from hetpipe.jobstore import (
+    METRICS,
     RECORDS,
     STAGES,
     TRACE,
@@ -46,6 +47,7 @@ from hetpipe.metrics import Best, MetricError, best_rule, parse_every
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
+from hetpipe.rotation import RotatingJsonl, Thinning
 from hetpipe.security import worker_user
 from hetpipe.trace import write_chrome_trace
 from hetpipe.transport import RemoteError
@@ -94,6 +96,7 @@ class JobState:
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
     lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
+    chunks: dict[tuple[int, int], Thinning] = field(default_factory=dict)  # record streams
     checkpoints: int = 0
     checkpoints_superseded: int = 0  # cuts not written: a newer one was ready first
     checkpoint_s: float = 0.0  # head time spent fetching cuts and writing checkpoints
@@ -170,6 +173,11 @@ class JobsPart:
                 f"write outside {self.run_dir / 'jobs'}"
             )
         return d.resolve()
+
+    def metrics_file(self, js: JobState) -> RotatingJsonl:
+        """The job's ``metrics.jsonl``, rotated by ``[runtime] metrics_max_bytes``."""
+        rt = self.cluster.runtime
+        return RotatingJsonl(self.job_dir(js) / METRICS, rt.metrics_max_bytes, rt.log_keep)
 
     def _record(self, js: JobState, **extra: Any) -> None:
         """``<job dir>/job.json``: the job's state as the head last knew it (atomic)."""
@@ -348,8 +356,7 @@ class JobsPart:
         await self._race(js, self._launch(js))
         if js.replans and "resumed_s" not in js.replans[-1]:
             js.replans[-1]["resumed_s"] = round(time.monotonic() - js.replans[-1]["_t"], 2)
-        metrics = self.job_dir(js) / "metrics.jsonl"
-        watchers = [asyncio.ensure_future(telemetry(js, metrics, self.log))]
+        watchers = [asyncio.ensure_future(telemetry(js, self.metrics_file(js), self.log))]
         waves, seconds = parse_every(js.spec.eval_every)
         seconds = seconds or js.spec.eval_every_s
         if waves or seconds:
@@ -503,7 +510,7 @@ class JobsPart:
             "model_path": str((out_dir / "model.pt").resolve()),
             "stages_path": str((out_dir / STAGES).resolve()),
             "trace_path": str((out_dir / TRACE).resolve()),
-            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
+            "metrics_path": str((out_dir / METRICS).resolve()),
             "shard_clocks": clocks,
             "checkpoints": js.checkpoints,
             "checkpoints_superseded": js.checkpoints_superseded,
@@ -616,10 +623,8 @@ class JobsPart:
         js.validation.append(entry)
         if figures.get("accuracy") is not None or not figures:
             js.evals.append([seconds, done, figures.get("accuracy")])
-        path = self.job_dir(js) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:  # a line of the telemetry's shape, with the figures
-            f.write(json.dumps(metrics_line(js.info(), validation=entry)) + "\n")
+        # a line of the telemetry's shape, with the figures
+        self.metrics_file(js).append(metrics_line(js.info(), validation=entry))
         if not figures or not (spec.keep_best or spec.stop_after_no_gain):
             return
         if js.best is None:

@@ -31,8 +31,9 @@ from hetpipe.head.registry import Registry, hello_problem, shard_problem
 from hetpipe.head.states import JobFailed, JobStatus
 from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
-from hetpipe.jobstore import append_records, job_dir, next_number, read_result
+from hetpipe.jobstore import append_records, job_dir, next_number, read_result, records_path
 from hetpipe.ratelog import Throttle, excerpt
+from hetpipe.rotation import Thinning
 from hetpipe.security import (
     CodeError,
     Role,
@@ -323,9 +324,18 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         self, js: JobState, key: tuple[int, int], records: list[Any], spans: list[Any]
     ) -> None:
         """Append a chunk of a stage's records and spans to its stream in the job's
-        directory (:func:`hetpipe.jobstore.append_records`); one not written fails the job."""
+        directory (:func:`hetpipe.jobstore.append_records`), thinned to stay under
+        ``[runtime] records_max_bytes`` (:mod:`hetpipe.rotation`); one not written fails the
+        job."""
+        stream = js.chunks.get(key)
+        if stream is None:
+            stream = js.chunks[key] = Thinning(self.cluster.runtime.records_max_bytes)
+        if not stream.keep():
+            return
         try:
-            append_records(self.job_dir(js), *key, records, spans)
+            d = self.job_dir(js)
+            append_records(d, *key, records, spans, every=stream.every)
+            stream.written(records_path(d, *key))
         except (OSError, JobFailed) as exc:
             js.fail(f"records of vw{key[0]}/stage{key[1]} not written: {exc}")
 

@@ -17,6 +17,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.head.states import FINISHED
 from hetpipe.jobplan import JobPlan
 from hetpipe.jobstore import TRACE, job_dir, read_result, summary
+from hetpipe.rotation import RotatingJsonl
 
 if TYPE_CHECKING:
     from hetpipe.head.jobs import JobState
@@ -279,45 +280,41 @@ def metrics_line(info: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"t": time.time(), **{k: info.get(k) for k in _METRICS}, **extra}
 
 
-async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) -> None:
-    """Append the live figures of ``js`` to its metrics file ``path`` every ``every_s``;
-    diagnose a hang.
+async def telemetry(js: JobState, metrics: RotatingJsonl, log: Any, every_s: float = 1.0) -> None:
+    """Append the live figures of ``js`` to its metrics file every ``every_s``; diagnose a
+    hang.
 
     A job hangs when no stage ran a forward or a backward for ``hang_after_s``; the
     diagnosis says, for each stage, what it has been waiting for and since when.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     last_sig: tuple[Any, ...] = ()
     last_change = time.time()
 
     def record() -> dict[str, Any]:
         info = job_view(js)
-        line = metrics_line(info)
-        metrics.write(json.dumps(line) + "\n")
-        metrics.flush()
+        metrics.append(metrics_line(info))
         return info
 
-    with open(path, "a") as metrics:
-        try:
-            while True:
-                await asyncio.sleep(every_s)
-                info = record()
-                now = time.time()
-                sig = progress_signature(js.progress)
-                if sig != last_sig:
-                    last_sig, last_change = sig, now
-                    if js.diagnosis:
-                        log.info("job moving again", job=js.id)
-                    js.diagnosis = []
-                elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
-                    diagnosis = diagnose(js.plan, js.progress, now, info.get("global_clock"))
-                    if diagnosis != js.diagnosis:
-                        js.diagnosis = diagnosis
-                        log.warning(
-                            "job makes no progress",
-                            job=js.id,
-                            silent_s=round(now - last_change, 1),
-                            diagnosis=diagnosis,
-                        )
-        finally:
-            record()  # the last figures, also for a job shorter than one tick
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            info = record()
+            now = time.time()
+            sig = progress_signature(js.progress)
+            if sig != last_sig:
+                last_sig, last_change = sig, now
+                if js.diagnosis:
+                    log.info("job moving again", job=js.id)
+                js.diagnosis = []
+            elif now - last_change >= js.spec.hang_after_s and js.plan is not None:
+                diagnosis = diagnose(js.plan, js.progress, now, info.get("global_clock"))
+                if diagnosis != js.diagnosis:
+                    js.diagnosis = diagnosis
+                    log.warning(
+                        "job makes no progress",
+                        job=js.id,
+                        silent_s=round(now - last_change, 1),
+                        diagnosis=diagnosis,
+                    )
+    finally:
+        record()  # the last figures, also for a job shorter than one tick
