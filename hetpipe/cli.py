@@ -156,18 +156,25 @@ def _load_job_or_fail(obj: Ctx, job_file: str) -> JobSpec:
 
     The job goes on carrying the hash of each user module's source as checked here (the job
     key ``code``): the head and every worker refuse it where their copy differs
-    (:mod:`hetpipe.usercode`), and never train a stale one.
+    (:mod:`hetpipe.usercode`), and never train a stale one. Where the cluster ships code
+    (``[security] ship_code``) it carries the sources too, and the hosts run them.
 
     The check builds the model and loads the data, so it imports torch (over a second):
     imported here, not by every command."""
     from hetpipe.jobcheck import check_job
+    from hetpipe.usercode import digest, ship_sources
 
     try:
         spec = load_job(job_file)
         facts = check_job(spec, obj.cluster, job_file)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
-    return dataclasses.replace(spec, code={**spec.code, **facts.code}) if facts.code else spec
+    spec = dataclasses.replace(spec, code={**spec.code, **facts.code}) if facts.code else spec
+    if obj.cluster.security.ship_code:  # the hosts run these very bytes (hetpipe.usercode)
+        sources = ship_sources(spec)
+        code = {m: digest(text.encode()) for m, text in sources.items()}
+        spec = dataclasses.replace(spec, code={**spec.code, **code}, sources=sources)
+    return spec
 
 
 def _run(coro: Any) -> Any:

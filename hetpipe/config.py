@@ -409,4 +409,14 @@ def _security(root: Table, source: str) -> SecuritySpec:
     for i, m in enumerate(modules):
         if not _MODULE.fullmatch(m):
             st.fail(f"allowed_modules[{i}]", f"not a module name: {m!r} (e.g. mypkg.models)")
-    return SecuritySpec(curve, str(folder), modules)
+    ship = st.raw("ship_code", CLUSTER.default("security.ship_code"))
+    if not isinstance(ship, bool):
+        st.fail("ship_code", f"expected true or false, got {ship!r}")
+    if ship and not curve:
+        # shipped code runs on every host: only an authenticated client may send it
+        st.fail(
+            "ship_code",
+            "needs curve = true: without keys anyone who reaches the head "
+            "could run code on every host",
+        )
+    return SecuritySpec(curve, str(folder), modules, ship)

@@ -26,6 +26,7 @@ from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
 from hetpipe.core.lr import LrSchedule, is_function
 from hetpipe.core.schedule import SYNC_KINDS
+from hetpipe.usercode import digest
 
 __all__ = [
     "DataSpec",
@@ -170,6 +171,8 @@ class JobSpec:
     in_flight: str = _d("train.in_flight")
     # module -> sha256 of its source as submitted (hetpipe.usercode); empty: not compared
     code: dict[str, str] = field(default_factory=dict)
+    # module -> its source, shipped with the job ([security] ship_code); empty: not shipped
+    sources: dict[str, str] = field(default_factory=dict)
     # [lr_schedule]: the learning rate's factor per step (hetpipe.core.lr); total_steps as
     # the file gives it (None: the job's length, filled in by the stage)
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
@@ -218,6 +221,7 @@ class JobSpec:
         return {
             "name": self.name,
             **({"code": dict(self.code)} if self.code else {}),
+            **({"sources": dict(self.sources)} if self.sources else {}),
             **tables,
             "vw": vws,
             "fault": [dataclasses.asdict(f) for f in self.faults],
@@ -234,6 +238,7 @@ class JobSpec:
         root = Table(d, source, JobError, allowed=JOB.allowed(""))
         name = _read(root, "name")
         code = _code(root)
+        sources = _sources(root, code)
         mt = root.table("model", JOB.allowed("model"))
         model = ModelSpec(
             _read(mt, "name"), _args(mt), tuple(_read(mt, "split_points")), _read(mt, "loss")
@@ -356,6 +361,7 @@ class JobSpec:
             warmup_forwards=warmup_forwards,
             in_flight=in_flight,
             code=code,
+            sources=sources,
             lr_schedule=lr_schedule,
             loss_scale=loss_scale,
             faults=tuple(
@@ -384,6 +390,7 @@ class JobSpec:
             out.update({f"{section}.{k}": v for k, v in table.items()})
         out["name"] = self.name
         out["code"] = dict(self.code)
+        out["sources"] = dict(self.sources)
         return out
 
     def _tables(self) -> dict[str, dict[str, Any]]:
@@ -572,6 +579,34 @@ def _code(root: Table) -> dict[str, str]:
         if not isinstance(value, str) or not _SHA256.fullmatch(value):
             root.fail(f"code.{module}", "expected a sha256 as 64 lowercase hex digits")
     return dict(code)
+
+
+MAX_SOURCES_BYTES = 4 << 20  # the user modules a job ships, together
+
+
+def _sources(root: Table, code: dict[str, str]) -> dict[str, str]:
+    """``sources``: module name -> its source text, each matching its ``code`` hash (so what a
+    host runs is what the job was checked with), at most :data:`MAX_SOURCES_BYTES` in all."""
+    sources = root.raw("sources", JOB.default("sources"))
+    if not isinstance(sources, dict):
+        root.fail("sources", f"expected a table of module = source text, got {kind(sources)}")
+    total = 0
+    for module, text in sources.items():
+        if not isinstance(module, str) or not _MODULE.fullmatch(module):
+            root.fail("sources", f"{module!r} is not a module name")
+        if not isinstance(text, str):
+            root.fail(f"sources.{module}", f"expected the module's source text, got {kind(text)}")
+        data = text.encode()
+        total += len(data)
+        want = code.get(module)
+        if want is None or digest(data) != want:
+            root.fail(
+                f"sources.{module}",
+                "does not match the module's hash in `code` (ship a source with its hash)",
+            )
+    if total > MAX_SOURCES_BYTES:
+        root.fail("sources", f"{total} bytes of source: at most {MAX_SOURCES_BYTES} may be shipped")
+    return dict(sources)
 
 
 def _plain(value: Any) -> Any:

@@ -63,6 +63,7 @@ def cluster_toml(
     cuda_ipc: bool = True,
     host_shm: bool = True,
     inline_ms: int | None = None,
+    ship_code: bool = False,
 ) -> str:
     """A cluster file for this host; ports are ephemeral unless given (``inline_ms``: the
     runtime's default unless given).
@@ -85,6 +86,7 @@ def cluster_toml(
         "[security]",
         f"curve = {'true' if curve else 'false'}",
         f"allowed_modules = [{modules}]",
+        *(["ship_code = true"] if ship_code else []),
         "",
         "[[node]]",
         'name = "node0"',

@@ -130,6 +130,7 @@ class SecuritySpec:
     curve: bool = True
     keys: str = ".hetpipe/keys"
     allowed_modules: tuple[str, ...] = ()
+    ship_code: bool = False  # jobs carry their user modules' sources (hetpipe.usercode)
 
 
 class KeysError(RuntimeError):

@@ -19,6 +19,10 @@ the CLI found. So each of them calls :func:`check_user_code` before the job star
   and where this host looked (its ``sys.path``) or which file it found; never a policy
   refusal (that is :func:`hetpipe.security.check_code`'s, checked before anything here).
 
+A job may carry its modules' sources (the job key ``sources``, filled in by ``hetpipe submit``
+where the cluster sets ``[security] ship_code``): a host then runs those bytes, written to a
+content-addressed file of its own, instead of looking for a copy; each must match its hash.
+
 Only the named module's own file is hashed and reloaded, not the modules it imports. A job
 running keeps the code it started with: nothing here runs between a job's check and its end,
 and ``build_model`` takes the module from ``sys.modules``.
@@ -34,6 +38,7 @@ import os
 import re
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -146,10 +151,15 @@ def check_user_code(job: Any, host: str | None = None) -> dict[str, str]:
     source file (an extension module) is imported as usual, and has no hash to compare.
     """
     wanted = _wanted(job)
+    shipped = _table(job, "sources")
     got: dict[str, str] = {}
     with _LOCK:
         for named in named_code(job):
-            module, have = _current(named, host, wanted.get(named.module))
+            source = shipped.get(named.module)
+            if source is not None:
+                module, have = _shipped(named, host, source.encode(), wanted.get(named.module))
+            else:
+                module, have = _current(named, host, wanted.get(named.module))
             if have is not None:
                 got[named.module] = have
             if not hasattr(module, named.function):
@@ -162,10 +172,69 @@ def check_user_code(job: Any, host: str | None = None) -> dict[str, str]:
 
 
 def _wanted(job: Any) -> Mapping[str, str]:
-    code = getattr(job, "code", None)
-    if code is None and isinstance(job, Mapping):
-        code = job.get("code")
-    return code if isinstance(code, Mapping) else {}
+    return _table(job, "code")
+
+
+def _table(job: Any, key: str) -> Mapping[str, str]:
+    """The job's ``code`` or ``sources`` table (a ``JobSpec`` or a job dict)."""
+    table = getattr(job, key, None)
+    if table is None and isinstance(job, Mapping):
+        table = job.get(key)
+    return table if isinstance(table, Mapping) else {}
+
+
+def ship_sources(spec: Any) -> dict[str, str]:
+    """The source of each user module ``spec`` names, as this host has it, to ship with the
+    job (``[security] ship_code``); the job's ``code`` must then hold these bytes' hashes
+    (:func:`check_user_code` on this host, just before, returns them)."""
+    out: dict[str, str] = {}
+    for named in named_code(spec):
+        found = _find_spec(named.module)
+        origin = found.origin if found is not None else None
+        if origin and origin.endswith(".py") and os.path.isfile(origin):
+            with open(origin, "rb") as f:
+                out[named.module] = f.read().decode()
+    return out
+
+
+def _cache_dir() -> str:
+    """Where this host writes shipped modules (content-addressed, per user), so tracebacks
+    and ``inspect`` find a file with the very bytes that run."""
+    return os.path.join(tempfile.gettempdir(), f"hetpipe-code-{os.getuid()}")
+
+
+def _shipped(
+    named: Named, host: str | None, source: bytes, want: str | None
+) -> tuple[ModuleType, str]:
+    """The module run from the source the job shipped (never this host's own copy)."""
+    name = named.module
+    have = digest(source)
+    if want is not None and have != want:  # the job parser refuses this before; kept cheap
+        raise UserCodeError(
+            named.key,
+            f"{_prefix(host)}the shipped source of module {name!r} has sha256 {have[:SHOWN]}, "
+            f"the job was submitted with {want[:SHOWN]}",
+        )
+    loaded = _LOADED.get(name)
+    if loaded is not None and loaded[0] == have and sys.modules.get(name) is loaded[1]:
+        return loaded[1], have
+    folder = os.path.join(_cache_dir(), have)
+    origin = os.path.join(folder, *name.split(".")) + ".py"
+    try:
+        if not os.path.isfile(origin):
+            os.makedirs(os.path.dirname(origin), mode=0o700, exist_ok=True)
+            tmp = f"{origin}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(source)
+            os.replace(tmp, origin)
+        parent = name.rpartition(".")[0]
+        if parent:
+            importlib.import_module(parent)  # the package itself must be installed here
+        module = _execute(name, None, origin, source)
+    except Exception as exc:
+        raise _failure(named, host, exc, f"{origin} (shipped with the job)") from None
+    _LOADED[name] = (have, module)
+    return module, have
 
 
 def _prefix(host: str | None) -> str:
@@ -280,13 +349,15 @@ class _ExactLoader(importlib.machinery.SourceFileLoader):
 
 
 def _execute(
-    name: str, found: importlib.machinery.ModuleSpec, origin: str, source: bytes
+    name: str, found: importlib.machinery.ModuleSpec | None, origin: str, source: bytes
 ) -> ModuleType:
     """Execute ``source`` as module ``name`` and put it in ``sys.modules`` (and on its
-    parent package); on failure the module imported before stays."""
+    parent package); on failure the module imported before stays. ``found``: where an
+    import found it (None: a shipped module, never a package)."""
     loader = _ExactLoader(name, origin, source)
+    search = found.submodule_search_locations if found is not None else None
     spec = importlib.util.spec_from_file_location(
-        name, origin, loader=loader, submodule_search_locations=found.submodule_search_locations
+        name, origin, loader=loader, submodule_search_locations=search
     )
     assert spec is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,8 @@
 """Never stale code, on real daemons: a running cluster trains the user's module as it is
-when the job is submitted, refuses a job whose copy differs from the one submitted, and says
-where it looked for a module it cannot import. And GPT's tied head, run as one stage.
+when the job is submitted, refuses a job where the head's or a worker's copy differs from the
+one submitted, and says where it looked for a module it cannot import; with `[security]
+ship_code` a job runs its shipped module on hosts that do not have it. And GPT's tied head,
+run as one stage.
 
 The daemons import user modules from a folder on their ``PYTHONPATH`` that the tests edit
 between jobs; a job's ``code`` holds the hash ``hetpipe submit`` would send (the CLI's side is
@@ -18,7 +20,8 @@ import pytest
 import torch
 from conftest import UNIFORM, job, start_cluster
 
-from hetpipe.localcluster import LocalCluster
+from hetpipe import cli
+from hetpipe.localcluster import LocalCluster, cluster_toml
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +149,60 @@ def test_a_tied_head_ending_the_model_runs_as_one_stage(cluster: LocalCluster) -
     assert (
         got["0.weight"].untyped_storage().data_ptr() == got["4.weight"].untyped_storage().data_ptr()
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_workers_copy_that_differs_refuses_the_job_naming_that_worker(
+    cluster: LocalCluster, code_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head and gpu0 have the submitted copy; gpu1 (restarted with another folder first
+    on its PYTHONPATH) has another: the job is refused in one line naming gpu1's file and
+    both hashes. gpu1 gets its old folder back afterwards."""
+    path = code_dir / f"{MODULE}.py"
+    path.write_text(source(8))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / f"{MODULE}.py").write_text(source(24))
+    before = os.environ.get("PYTHONPATH", "")
+    try:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(other), before) if p))
+        cluster.kill("worker-gpu1")
+        cluster.restart("worker-gpu1")
+        info = cluster.submit(user_job("stale-worker", code={MODULE: sha(path)}), timeout=150)
+    finally:
+        monkeypatch.setenv("PYTHONPATH", before)
+        cluster.kill("worker-gpu1")
+        cluster.restart("worker-gpu1")
+    assert info["state"] == "failed"
+    error = info["error"]
+    assert "\n" not in error
+    assert f"gpu1: {other / f'{MODULE}.py'}: this host's copy of module '{MODULE}'" in error
+    assert f"{sha(other / f'{MODULE}.py')[:12]}, the job was submitted with " in error
+    assert sha(path)[:12] in error
+
+
+@pytest.mark.timeout(300)
+def test_a_shipped_module_trains_on_hosts_that_do_not_have_it(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ship_code = true``: the module exists only where the job is submitted from; the CLI
+    ships it, the head and both workers run it, and model.pt has its shapes."""
+    here = tmp_path_factory.mktemp("submitter")
+    (here / "hp_shipped.py").write_text(source(20))
+    monkeypatch.syspath_prepend(str(here))  # the submitting side only
+    root = tmp_path_factory.mktemp("ship")
+    path = root / "cluster.toml"
+    path.write_text(
+        cluster_toml(UNIFORM[:2], shards=1, allowed_modules=["hp_shipped"], ship_code=True)
+    )
+    job_file = root / "job.toml"
+    job_file.write_text(
+        'name = "shipped"\n[model]\nname = "hp_shipped:build"\n[train]\nminibatch = 8\n'
+        'minibatches = 4\n[[vw]]\ndevices = ["gpu0", "gpu1"]\nlayers = [2, 2]\n'
+    )
+    spec = cli._load_job_or_fail(cli.Ctx(str(path), None, None), str(job_file))
+    assert set(spec.sources) == {"hp_shipped"}
+    with LocalCluster(path, root / "run", timeout=60) as c:
+        info = c.submit(spec.to_dict(), timeout=150)
+    assert info["state"] == "done", info.get("error")
+    assert torch.load(info["model_path"])["1.weight"].shape == (20, 64)

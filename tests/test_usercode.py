@@ -15,7 +15,7 @@ from conftest import UNIFORM, job
 from helpers import worker_errors
 
 from hetpipe import cli, usercode
-from hetpipe.config import load_cluster
+from hetpipe.config import ConfigError, load_cluster
 from hetpipe.core.layout import StageLayout
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
@@ -273,3 +273,76 @@ def test_a_worker_refuses_a_copy_that_differs_and_names_a_module_it_cannot_impor
         assert "gpu0: " in error and "cannot import module 'hp_uc_lost'" in error
         assert f"looked in {folder}" in error
         assert "not allowed" not in error
+
+
+# -- code shipped with the job ([security] ship_code) -------------------------------------
+
+
+def test_a_shipped_source_runs_instead_of_this_hosts_copy(folder: Path) -> None:
+    """The host has another copy (width 8), or none: the shipped bytes (width 12) run, from a
+    content-addressed file of this host's, and the job's hash is theirs."""
+    shipped = source(12)
+    code = {"hp_uc_ship": hashlib.sha256(shipped.encode()).hexdigest()}
+    spec = JobSpec.from_dict(
+        {**job("j", model="hp_uc_ship:build"), "code": code, "sources": {"hp_uc_ship": shipped}}
+    )
+    assert check_user_code(spec, "gpu1") == code  # no copy on this host at all
+    assert width_of("hp_uc_ship:build") == 12
+    (folder / "hp_uc_ship.py").write_text(source(8))  # a copy that differs appears
+    assert check_user_code(spec, "gpu1") == code
+    assert width_of("hp_uc_ship:build") == 12
+    ran = Path(sys.modules["hp_uc_ship"].__file__)
+    assert ran.read_text() == shipped and code["hp_uc_ship"] in str(ran)
+
+
+def test_a_shipped_source_must_match_its_hash(folder: Path) -> None:
+    bad = {
+        **job("j", model="hp_uc_ship2:build"),
+        "code": {"hp_uc_ship2": "0" * 64},
+        "sources": {"hp_uc_ship2": source(8)},
+    }
+    with pytest.raises(JobError, match=r"sources\.hp_uc_ship2: does not match the module's hash"):
+        JobSpec.from_dict(bad)
+    with pytest.raises(JobError, match=r"sources\.hp_uc_ship2: does not match"):
+        JobSpec.from_dict({**bad, "code": {}})  # a source without its hash
+    with pytest.raises(JobError, match=r"sources: expected a table of module = source text"):
+        JobSpec.from_dict({**bad, "sources": "x"})
+
+
+def test_a_shipped_module_that_fails_names_the_shipped_file(folder: Path) -> None:
+    broken = "raise RuntimeError('boom')\n"
+    spec = {
+        **job("j", model="hp_uc_ship3:build"),
+        "code": {"hp_uc_ship3": hashlib.sha256(broken.encode()).hexdigest()},
+        "sources": {"hp_uc_ship3": broken},
+    }
+    with pytest.raises(UserCodeError) as info:
+        check_user_code(JobSpec.from_dict(spec), "gpu2")
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("gpu2: cannot import module 'hp_uc_ship3'")
+    assert "RuntimeError: boom" in text and "(shipped with the job)" in text
+
+
+def test_the_cli_ships_sources_where_the_cluster_says_so(folder: Path, tmp_path: Path) -> None:
+    path = folder / "hp_uc_cliship.py"
+    path.write_text(source(8))
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(
+        cluster_toml(UNIFORM[:1], shards=1, allowed_modules=["hp_uc_cliship"], ship_code=True)
+    )
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(
+        'name = "j"\n[model]\nname = "hp_uc_cliship:build"\n[train]\nminibatch = 8\n'
+        "minibatches = 1\n"
+    )
+    spec = cli._load_job_or_fail(cli.Ctx(str(cluster), None, None), str(job_file))
+    assert spec.sources == {"hp_uc_cliship": source(8)}
+    assert spec.code == {"hp_uc_cliship": sha(path)}
+    assert JobSpec.from_dict(spec.to_dict()).sources == spec.sources  # travels on the wire
+
+
+def test_shipping_code_needs_curve(tmp_path: Path) -> None:
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(cluster_toml(UNIFORM[:1], shards=1, curve=False, ship_code=True))
+    with pytest.raises(ConfigError, match=r"ship_code: needs curve = true"):
+        load_cluster(cluster)

@@ -270,6 +270,15 @@ JOB: Final = Schema(
                     "compared.",
                     default={},
                 ),
+                Key(
+                    "sources",
+                    "table",
+                    "The source of each user module the job names, by module name; `hetpipe "
+                    "submit` fills it in where the cluster sets `[security] ship_code`, and the "
+                    "head and each worker run these bytes (each must match its `code` hash) "
+                    "instead of a copy of their own. Empty: each host imports its own copy.",
+                    default={},
+                ),
             ),
         ),
         Section(
@@ -1071,6 +1080,16 @@ CLUSTER: Final = Schema(
                     "Modules a job's model or data may import besides builtins and installed "
                     "entry points.",
                     [],
+                ),
+                Key(
+                    "ship_code",
+                    "boolean",
+                    "`hetpipe submit` sends the source of each user module a job names with "
+                    "the job, and the head and workers run it (checked against its hash), so "
+                    "the code need not be installed on every host. Needs `curve = true`: only "
+                    "a holder of a client key may submit. Allowed modules still apply; what "
+                    "the shipped modules import must be installed.",
+                    False,
                 ),
             ),
         ),
