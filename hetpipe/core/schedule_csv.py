@@ -52,6 +52,7 @@ __all__ = [
     "microbatches",
     "order_value",
     "parse_rows",
+    "rows",
 ]
 
 Order = tuple[tuple[str, int], ...]  # one stage's actions of one iteration, in order
@@ -120,10 +121,10 @@ def _cell(text: str, stage: int, where: str) -> list[tuple[str, int]]:
 def loads(text: str, source: str = "<csv>") -> tuple[Order, ...]:
     """The stages' orders of a CSV text in torch's format (one row per stage)."""
     try:
-        rows = list(csv.reader(io.StringIO(text)))
+        table = list(csv.reader(io.StringIO(text), strict=True))
     except csv.Error as exc:
         raise ScheduleCsvError(f"{source}: not CSV ({exc})") from None
-    return parse_rows(rows, source)
+    return parse_rows(table, source)
 
 
 def load(path: str | os.PathLike[str]) -> tuple[Order, ...]:
