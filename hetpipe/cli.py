@@ -29,6 +29,7 @@ from hetpipe import jobstore, launch, security
 from hetpipe.client import HeadClient, HeadError, client_curve
 from hetpipe.config import ClusterConfig, ConfigError, check_address, load_cluster
 from hetpipe.job import JobError, JobSpec, load_job
+from hetpipe.schedulecli import schedule
 from hetpipe.security import Curve
 from hetpipe.views import (
     SECURITY_OFF,
@@ -980,6 +981,8 @@ def logs(obj: Ctx, daemon: str | None, lines: int) -> None:
         for line in f.read_text(errors="replace").splitlines()[-lines:]:
             click.echo(render_log_line(line))
 
+
+main.add_command(schedule)
 
 if __name__ == "__main__":
     main()

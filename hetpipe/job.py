@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe._toml import DECLARED, Table, kind, read_toml
-from hetpipe.core import keys
+from hetpipe.core import keys, schedule_csv
 from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
@@ -169,6 +169,8 @@ class JobSpec:
     # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
     in_flight: str = _d("train.in_flight")
+    # each stage's order of an iteration (hetpipe.core.schedule_csv); None: the kind's own
+    order: tuple[schedule_csv.Order, ...] | None = _d("train.order")
     # module -> sha256 of its source as submitted (hetpipe.usercode); empty: not compared
     code: dict[str, str] = field(default_factory=dict)
     # module -> its source, shipped with the job ([security] ship_code); empty: not shipped
@@ -312,6 +314,7 @@ class JobSpec:
         policy = _read(train, "policy")
 
         vws = _vws(root)
+        order = _order(train, source, schedule, warmup_forwards, vws, nm)
         if schedule == "auto" and vws:
             train.fail(
                 "schedule",
@@ -360,6 +363,7 @@ class JobSpec:
             max_replicas=max_replicas,
             warmup_forwards=warmup_forwards,
             in_flight=in_flight,
+            order=order,
             code=code,
             sources=sources,
             lr_schedule=lr_schedule,
@@ -455,6 +459,7 @@ class JobSpec:
                 "max_replicas": self.max_replicas,
                 "warmup_forwards": "auto" if self.warmup_forwards is None else self.warmup_forwards,
                 "in_flight": self.in_flight,
+                "order": schedule_csv.rows(self.order) if self.order else None,
             },
         }
 
@@ -527,6 +532,36 @@ def _warmup_forwards(train: Table, schedule: str) -> int | None:
             f"extra warm-up forwards are for the 1f1b order; schedule {schedule!r} has none",
         )
     return value
+
+
+def _order(
+    train: Table,
+    source: str,
+    schedule: str,
+    warmup: int | None,
+    vws: tuple[VWSpec, ...],
+    nm: int | None,
+) -> tuple[schedule_csv.Order, ...] | None:
+    """``train.order``: a CSV file (relative to the job file) or its rows, refused in one
+    line where the job cannot run it (:func:`hetpipe.core.schedule_csv.job_order_problem`)."""
+    value = train.raw("order", None)
+    if value is None:
+        return None
+    try:
+        orders = schedule_csv.order_value(value, os.path.dirname(source) or ".")
+    except schedule_csv.ScheduleCsvError as exc:
+        train.fail("order", str(exc))
+    if schedule in SYNC_KINDS:
+        problem = schedule_csv.job_order_problem(
+            orders,
+            kind=schedule,
+            warmup=warmup or 0,
+            stages=[len(v.devices) for v in vws],
+            ms=[v.nm or nm for v in vws],
+        )
+        if problem is not None:
+            train.fail("order", problem)
+    return orders
 
 
 def _lr_schedule(root: Table) -> LrSchedule:

@@ -43,6 +43,7 @@ from hetpipe.core.schedule import (
     OptimizerStep,
     Pull,
     Push,
+    ScheduleError,
     StageSchedule,
     Wait,
 )
@@ -145,6 +146,9 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     task = compute.task
     table = compute.table
     tied = bool(task.tied) and not compute.spec.sync
+    orders = compute.spec.order  # train.order: checked against the job's split at submit
+    if orders is not None and len(orders) != task.k:
+        raise ScheduleError(f"train.order has {len(orders)} stages, this virtual worker {task.k}")
     return StageSchedule(
         compute.spec.schedule,
         k=task.k,
@@ -159,6 +163,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         warmup=compute.spec.warmup_forwards or 0,
         limit=task.in_flight_limit or None,
         fill=task.in_flight_fill,
+        order=orders[task.stage] if orders is not None else None,
     )
 
 

@@ -324,6 +324,7 @@ class StandInCompute:
             metrics=(),  # the job's validation pass: only its loss
             minibatch=1,
             warmup_forwards=warmup,
+            order=None,  # train.order unset: the schedule's own order
         )
         self.copier = HostCopier("cpu")
         self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device

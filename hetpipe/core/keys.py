@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from hetpipe.core.memory import ACTIVATION_POLICIES
-from hetpipe.core.schedule import KINDS
+from hetpipe.core.schedule import KINDS, SYNC_KINDS
 
 __all__ = [
     "CLUSTER",
@@ -752,6 +752,16 @@ JOB: Final = Schema(
                     high=MAX_SMALL,
                     default_doc='0 ("auto" under schedule "auto")',
                     applies=when("train.schedule", ("1f1b", "auto"), "warm-up forwards are 1f1b's"),
+                ),
+                Key(
+                    "order",
+                    "string or array of arrays of strings",
+                    "Each stage's order of an iteration's forwards and backwards, in "
+                    "`torch.distributed.pipelining`'s CSV action format: the file's path "
+                    "(relative to the job file) or its rows inline; checked by a dry run "
+                    "before the job starts (docs/schedules.md). Unset: the schedule's own order.",
+                    None,
+                    applies=when("train.schedule", SYNC_KINDS, "an order is a synchronous one's"),
                 ),
                 Key(
                     "eval_every",
