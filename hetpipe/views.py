@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from hetpipe.config import format_size
-from hetpipe.jobstore import summary
+from hetpipe.jobstore import links, summary
 
 __all__ = [
     "SECURITY_OFF",
@@ -94,6 +94,7 @@ def job_line(j: dict[str, Any]) -> str:
         parts.append(figures_text(j["validation"][-1]))
     elif j.get("test_accuracy") is not None:
         parts.append(f"test accuracy {j['test_accuracy']:.4f}")
+    parts.extend(links(j))  # resumed from / as, what a paused job waits for
     if j.get("error"):
         parts.append(f"error: {j['error']}")
     return "  ".join(parts)
