@@ -149,13 +149,14 @@ def render_result(info: dict[str, Any]) -> str:
     """A finished job for a person: time, throughput, accuracy, where each stage's
     parameters live, measured against predicted, and the paths of its outputs."""
     if info["state"] != "done":
-        return f"{info['id']}: {info['state']}: {info.get('error')}"
+        return "  ".join([f"{info['id']}: {info['state']}: {info.get('error')}", *links(info)])
     accuracy = info.get("test_accuracy")  # None: the data set gave no validation set
     lines = [
         f"{info['id']}: done in {info['seconds']:.1f} s, "
         f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
         + ("no validation set" if accuracy is None else f"test accuracy {accuracy:.4f}")
     ]
+    lines.extend(links(info))  # resumed from / as
     placement = ", ".join(
         f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
         for r in info.get("placement") or []
