@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from hetpipe.config import format_size
-from hetpipe.jobstore import links, summary
+from hetpipe.jobstore import links, summary, waiting_text
 
 __all__ = [
     "SECURITY_OFF",
@@ -212,7 +212,7 @@ class Progress:
         else:
             click.echo(lines[0], err=True)
             for line in lines[1:]:
-                if line.startswith("hang"):
+                if line.startswith(("hang", "paused")):
                     click.echo(line, err=True)
 
     def close(self) -> None:
@@ -246,6 +246,8 @@ def live_view(info: dict[str, Any]) -> list[str]:
         lines.append(f"validation (wave {last.get('wave')}): {figures_text(last)}")
     for d in info.get("diagnosis") or []:
         lines.append(f"hang: {d}")
+    if info.get("waiting"):  # a lost shard paused it (hetpipe.head.shardwait)
+        lines.append(f"paused: {waiting_text(info['waiting'])}")
     return lines
 
 

@@ -22,7 +22,7 @@ from hetpipe.head.registry import Registry
 from hetpipe.head.shardwait import gave_up, waiting_view
 from hetpipe.jobstore import links, waiting_text
 from hetpipe.localcluster import LocalCluster
-from hetpipe.views import job_line
+from hetpipe.views import job_line, live_view
 
 # -- pure -------------------------------------------------------------------------------------
 
@@ -37,6 +37,7 @@ def test_a_paused_jobs_status_says_what_it_waits_for_and_since_when() -> None:
     line = job_line({"id": "j-1", "state": "running", "waiting": waiting})
     assert "waiting for shard 1" in line
     assert links({"id": "j-1", "state": "running"}) == []
+    assert live_view({"waiting": waiting})[-1].startswith("paused: waiting for shard 1")
 
 
 def test_a_job_that_waited_in_vain_fails_naming_the_shard() -> None:
