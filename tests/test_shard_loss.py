@@ -177,3 +177,51 @@ def test_a_shard_nobody_restarts_fails_the_job_after_the_bound(cluster: LocalClu
     assert error.startswith("shard 1 (tcp://") and "not registered again within 4 s" in error
     assert "train.shard_wait_s" in error, error
     assert lost_after + wait_s - 1 <= seconds <= lost_after + wait_s + 15, seconds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_shard_restarted_at_once_still_resumes_the_job(cluster: LocalCluster) -> None:
+    """A supervisor may restart the shard before the head has missed it: its hello from a
+    new process ends the attempt all the same (the job's state there is gone)."""
+    c = cluster
+    c.run(until_whole(c))
+
+    async def kill() -> str:
+        async with c.client() as head:
+            return await _kill_mid_job(c, head, "quick", 120.0)
+
+    job_id = c.run(kill())
+    c.restart("ps1")
+
+    async def follow() -> dict[str, Any]:
+        async with c.client() as head:
+            return await head.follow(job_id, every_s=0.2, timeout=180)
+
+    info = c.run(follow())
+    assert info["state"] == "done", info.get("error")
+    (pause,) = info["shard_waits"]
+    assert pause["checkpoint"] is not None and "shard 1" in pause["reason"], pause
+    assert info["positions"] == [TOTAL]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_paused_job_can_be_cancelled(cluster: LocalCluster) -> None:
+    c = cluster
+    c.run(until_whole(c))
+
+    async def go() -> dict[str, Any]:
+        async with c.client() as head:
+            job_id = await _kill_mid_job(c, head, "given-up", 120.0)
+            await running_until(head, job_id, lambda i: "waiting" in i, 60, every=0.2)
+            await head.cancel(job_id)
+            return await head.follow(job_id, every_s=0.2, timeout=30)
+
+    try:
+        info = c.run(go())
+    finally:
+        if not c.alive("ps1"):
+            c.restart("ps1")
+    assert info["state"] == "cancelled" and info["error"] == "cancelled by the user", info
+    assert "waiting" not in info
