@@ -137,7 +137,7 @@ class ShardWaitPart:
                 if self._stopping:
                     raise JobFailed("the head is shutting down")
                 if time.monotonic() - t0 > wait_s:
-                    raise JobFailed(gave_up(lost | {js.lost_shard}, addresses, wait_s))
+                    raise JobFailed(gave_up(lost, addresses, wait_s))
                 ever |= lost
                 js.waiting["shards"] = {str(i): addresses.get(i) for i in sorted(lost)}
                 await asyncio.sleep(POLL_S)
