@@ -242,25 +242,27 @@ def up(obj: Ctx, timeout: float) -> None:
     except launch.LaunchError as exc:
         raise click.ClickException(str(exc)) from None
     expected = {d.name for d in cluster.devices if f"worker-{d.name}" in {x.name for x in daemons}}
-    _run(_wait_registered(obj.head, expected, timeout, obj.curve))
+    info = _run(_wait_registered(obj.head, expected, timeout, obj.curve))
     click.echo(
         f"up: {len(daemons)} daemons ({', '.join(d.name for d in daemons)}); "
         f"logs in {obj.run_dir / 'logs'}"
     )
+    for entry in info.get("recovered", []):  # jobs the head was running when it stopped
+        click.echo(f"up: {jobstore.recovered_line(entry)}")
     if not cluster.security.curve:
         click.echo(SECURITY_OFF, err=True)
 
 
 async def _wait_registered(
     head: str, devices: set[str], timeout: float, curve: Curve | None = None
-) -> None:
+) -> dict[str, Any]:
     async with HeadClient(head, curve=curve) as client:
         deadline = time.monotonic() + timeout
         while True:
             info = await client.cluster()
             live = {w["device"] for w in info["workers"] if w["state"] not in ("down", "lost")}
             if devices <= live:
-                return
+                return info
             if time.monotonic() > deadline:
                 raise HeadError(
                     f"workers not registered with the head within {timeout:g} s: "

@@ -144,6 +144,7 @@ class JobSpec:
     stop_after_no_gain: int = _d("train.stop_after_no_gain")
     hang_after_s: float = _d("train.hang_after_s")
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
+    shard_wait_s: float = _d("train.shard_wait_s")  # a lost shard: hetpipe.head.shardwait
     checkpoint_every: int = _d("train.checkpoint_every")
     faults: tuple[FaultSpec, ...] = ()
     schedule: str = _d("train.schedule")  # hetpipe.core.schedule.KINDS or "auto"
@@ -296,6 +297,7 @@ class JobSpec:
                 train.fail("weights", f"predict cannot extrapolate {why}")
         bn_recalibrate = _read(train, "bn_recalibrate")
         on_worker_loss = _read(train, "on_worker_loss")
+        shard_wait_s = _read(train, "shard_wait_s")
         checkpoint_every = _read(train, "checkpoint_every")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
@@ -355,6 +357,7 @@ class JobSpec:
             predict_variant=predict_variant,
             bn_recalibrate=bn_recalibrate,
             on_worker_loss=on_worker_loss,
+            shard_wait_s=shard_wait_s,
             checkpoint_every=checkpoint_every,
             activations=activations,
             precision=precision,
@@ -451,6 +454,7 @@ class JobSpec:
                 "predict_variant": self.predict_variant,
                 "bn_recalibrate": self.bn_recalibrate,
                 "on_worker_loss": self.on_worker_loss,
+                "shard_wait_s": self.shard_wait_s,
                 "checkpoint_every": self.checkpoint_every,
                 "activations": self.activations,
                 "precision": self.precision,

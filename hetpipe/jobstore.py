@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -31,12 +32,16 @@ __all__ = [
     "TRACE",
     "append_records",
     "job_dir",
+    "links",
     "list_jobs",
     "next_number",
     "read_chunks",
     "read_result",
     "records_path",
+    "recovered_line",
     "safe_name",
+    "update_result",
+    "waiting_text",
     "write_result",
     "write_stages",
 ]
@@ -94,6 +99,13 @@ def write_result(run_dir: Path, job: str, info: dict[str, Any]) -> None:
     os.replace(tmp, d / RESULT)
 
 
+def update_result(run_dir: Path, job: str, base: Mapping[str, Any], **fields: Any) -> None:
+    """Set ``fields`` in a job's final status on disk (atomically); where it has none yet,
+    write ``base`` with them (a job whose head died before it wrote one)."""
+    info = read_result(run_dir, job)
+    write_result(run_dir, job, {**(info if info is not None else base), **fields})
+
+
 def read_result(run_dir: Path, job: str) -> dict[str, Any] | None:
     """A finished job's final status from disk, or None when there is none (or it is bad)."""
     d = job_dir(run_dir, job)
@@ -138,12 +150,59 @@ SUMMARY_FIELDS = (
     "loss",
     "samples_per_s",
     "test_accuracy",
+    "resumed_from",  # the job this one continues (hetpipe.head.recovery)
+    "resumed_as",  # the job that continues this one
+    "waiting",  # what a paused job waits for (hetpipe.head.shardwait)
 )
 
 
 def summary(info: dict[str, Any]) -> dict[str, Any]:
     """The fields of a job's status or result that a listing shows (those that are set)."""
     return {k: info[k] for k in SUMMARY_FIELDS if info.get(k) is not None}
+
+
+def waiting_text(waiting: Mapping[str, Any], now: float | None = None) -> str:
+    """One line for a person: what a paused job waits for (its status's ``waiting``), since
+    when, and how long it still waits before it fails."""
+    now = time.time() if now is None else now
+    shards = ", ".join(
+        f"shard {i} ({a})" if a else f"shard {i}" for i, a in waiting.get("shards", {}).items()
+    )
+    since = time.strftime("%H:%M:%S", time.localtime(waiting["since"]))
+    left = max(0.0, waiting["until"] - now)
+    return (
+        f"waiting for {shards} to register again since {since} "
+        f"({now - waiting['since']:.0f} s; fails in {left:.0f} s)"
+    )
+
+
+def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
+    """What a job's status says of its lineage and pauses, for a person: the job it resumed
+    (and from which wave), the job that resumed it, and what it waits for."""
+    out = []
+    came = info.get("resumed_from")
+    if isinstance(came, Mapping) and came.get("job"):
+        wave = came.get("wave")
+        out.append(
+            f"resumed from {came['job']}"
+            + (f" at wave {wave}" if wave is not None else " (its last checkpoint)")
+        )
+    if info.get("resumed_as"):
+        out.append(f"resumed as {info['resumed_as']}")
+    if isinstance(info.get("waiting"), Mapping):
+        out.append(waiting_text(info["waiting"], now))
+    return out
+
+
+def recovered_line(entry: Mapping[str, Any]) -> str:
+    """What a restarted head did with a job its predecessor was running (one line):
+    ``resumed job OLD as NEW from wave N``, or why it could not."""
+    if entry.get("as"):
+        wave = entry.get("wave")
+        return f"resumed job {entry['job']} as {entry['as']} from " + (
+            f"wave {wave}" if wave is not None else "its last checkpoint"
+        )
+    return f"job {entry['job']} not resumed: {entry.get('error')}"
 
 
 # -- a stage's streamed records --------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from hetpipe.config import format_size
-from hetpipe.jobstore import summary
+from hetpipe.jobstore import links, summary, waiting_text
 
 __all__ = [
     "SECURITY_OFF",
@@ -94,6 +94,7 @@ def job_line(j: dict[str, Any]) -> str:
         parts.append(figures_text(j["validation"][-1]))
     elif j.get("test_accuracy") is not None:
         parts.append(f"test accuracy {j['test_accuracy']:.4f}")
+    parts.extend(links(j))  # resumed from / as, what a paused job waits for
     if j.get("error"):
         parts.append(f"error: {j['error']}")
     return "  ".join(parts)
@@ -148,13 +149,14 @@ def render_result(info: dict[str, Any]) -> str:
     """A finished job for a person: time, throughput, accuracy, where each stage's
     parameters live, measured against predicted, and the paths of its outputs."""
     if info["state"] != "done":
-        return f"{info['id']}: {info['state']}: {info.get('error')}"
+        return "  ".join([f"{info['id']}: {info['state']}: {info.get('error')}", *links(info)])
     accuracy = info.get("test_accuracy")  # None: the data set gave no validation set
     lines = [
         f"{info['id']}: done in {info['seconds']:.1f} s, "
         f"{info['minibatches']} minibatches, {info['samples_per_s']:.0f} samples/s, "
         + ("no validation set" if accuracy is None else f"test accuracy {accuracy:.4f}")
     ]
+    lines.extend(links(info))  # resumed from / as
     placement = ", ".join(
         f"vw{r['vw']}/stage{r['stage']}->shard{'+'.join(map(str, r['shards']))}"
         for r in info.get("placement") or []
@@ -210,7 +212,7 @@ class Progress:
         else:
             click.echo(lines[0], err=True)
             for line in lines[1:]:
-                if line.startswith("hang"):
+                if line.startswith(("hang", "paused")):
                     click.echo(line, err=True)
 
     def close(self) -> None:
@@ -244,6 +246,8 @@ def live_view(info: dict[str, Any]) -> list[str]:
         lines.append(f"validation (wave {last.get('wave')}): {figures_text(last)}")
     for d in info.get("diagnosis") or []:
         lines.append(f"hang: {d}")
+    if info.get("waiting"):  # a lost shard paused it (hetpipe.head.shardwait)
+        lines.append(f"paused: {waiting_text(info['waiting'])}")
     return lines
 
 

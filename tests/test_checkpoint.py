@@ -225,6 +225,7 @@ def _durable_job(name: str) -> dict[str, Any]:
     # while, so that its accuracy depends on its timing more than on any resume
     spec = job(name, model="cnn", split=SPLIT, nm=NM, minibatches=TOTAL, lr=0.02)
     spec["train"]["checkpoint_every"] = EVERY
+    spec["train"]["shard_wait_s"] = 0  # a lost shard fails it (test_shard_loss: the wait)
     return spec
 
 

@@ -854,6 +854,7 @@ def test_a_lost_shard_ends_its_job(tmp_path: Path) -> None:
                         split=[(["gpu0", "gpu1"], [3, 3])],
                         nm=2,
                         minibatches=20_000,
+                        train={"shard_wait_s": 0},  # fail at once: no wait for it
                     )
                 )
                 deadline = time.monotonic() + 60

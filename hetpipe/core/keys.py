@@ -689,6 +689,16 @@ JOB: Final = Schema(
                     choices=ON_WORKER_LOSS,
                 ),
                 Key(
+                    "shard_wait_s",
+                    "float",
+                    "When a parameter-server shard is lost: wait this long for a shard of its "
+                    "index to register again (restarted by its supervisor), then resume the "
+                    "job from its last checkpoint; 0: fail the job at once.",
+                    300.0,
+                    low=0.0,
+                    high=MAX_SECONDS,
+                ),
+                Key(
                     "checkpoint_every",
                     "integer",
                     "Waves (or iterations) of the global clock between checkpoints; 0: none.",

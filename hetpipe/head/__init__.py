@@ -15,6 +15,7 @@ One job per module:
 ``states``      the one enum of job states and the one transition function
 ``cuts``        checkpoint cuts: selection, consistency, writing
 ``recovery``    resume from a checkpoint, re-plan after a lost worker, restart of the head
+``shardwait``   a lost shard pauses the job until it registers again, then it resumes
 ``profiles``    profiling requests and the profiles they keep
 ``views``       status views, telemetry and hang diagnosis
 ==============  ===============================================================================

@@ -93,7 +93,11 @@ class JobState:
     cancelled: bool = False  # the user asked; the job ends "cancelled", not "failed"
     lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
     replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+    lost_shard: int | None = None  # set when the failure is a lost shard (may wait for it)
+    waiting: dict[str, Any] | None = None  # what a paused job waits for (shardwait)
+    shard_waits: list[dict[str, Any]] = field(default_factory=list)  # each pause, as it went
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
+    resumed_of: str | None = None  # the job this one continues (hetpipe.head.recovery)
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
     lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
     chunks: dict[tuple[int, int], Thinning] = field(default_factory=dict)  # record streams
@@ -253,9 +257,12 @@ class JobsPart:
                     await self._run_attempt(js)
                     break
                 except JobFailed as exc:
-                    if not self._may_replan(js):
+                    if self._may_wait_shard(js):  # a lost shard: wait for it, then resume
+                        await self._wait_shard(js, str(exc))
+                    elif self._may_replan(js):
+                        await self._replan(js, str(exc))
+                    else:
                         raise
-                    await self._replan(js, str(exc))
             js.result = await self._race(js, self._finish(js))
             js.finished = time.time()
             js.move(JobStatus.DONE)

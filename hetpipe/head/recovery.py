@@ -20,6 +20,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +28,10 @@ import torch
 from hetpipe import checkpoint
 from hetpipe.head.jobs import JobState, StageState
 from hetpipe.head.registry import SHARD_TIMEOUT_S
-from hetpipe.head.states import JobFailed, JobStatus, transition
+from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
-from hetpipe.jobstore import job_dir, read_result
+from hetpipe.jobstore import job_dir, read_result, safe_name, update_result
 from hetpipe.planner import PlanError
 from hetpipe.profiling import live_cluster, plan_for, predicted_summary
 from hetpipe.ratelog import excerpt
@@ -205,11 +206,28 @@ class RecoveryPart:
         if d is None:
             raise JobFailed(f"resume: {excerpt(job_id, 80)!r} is not a job id")
         ck = self._latest(d, job_id)
+        if ck is None:  # a resumed job that wrote none: the one it started from
+            ck = self._origin_of(job_id)
         if ck is None:
             raise JobFailed(
                 f"no complete checkpoint of job {job_id!r} in {d.resolve() / 'checkpoints'}"
             )
         return ck
+
+    def _origin_of(self, job_id: str) -> checkpoint.Checkpoint | None:
+        """The checkpoint job ``job_id`` was resumed from, where it was (None otherwise, or
+        where that checkpoint is gone or damaged)."""
+        js = self.jobs.get(job_id)
+        if js is not None:
+            return js.resume
+        came = (read_result(self.run_dir, job_id) or {}).get("resumed_from")
+        if not isinstance(came, dict) or not isinstance(came.get("checkpoint"), str):
+            return None
+        try:
+            return checkpoint.verify(Path(came["checkpoint"]))
+        except Exception as exc:  # any damage: there is nothing to resume from
+            self.log.warning("damaged checkpoint skipped", job=job_id, error=excerpt(exc, 300))
+            return None
 
     def _latest_of(self, js: JobState) -> checkpoint.Checkpoint | None:
         """The newest complete checkpoint of the job: its own, else the one it resumed from."""
@@ -224,6 +242,66 @@ class RecoveryPart:
             self.log.warning("damaged checkpoint skipped", job=job, error=excerpt(why, 300))
         return ck
 
+    # -- resuming by hand: one successor per job ------------------------------------------
+
+    def _resume_source(self, job_id: str) -> checkpoint.Checkpoint:
+        """The checkpoint ``submit --resume JOB`` starts from (:meth:`_checkpoint_of`);
+        refused in one line where JOB has not ended or was already resumed (a second
+        resume would train the same job twice, side by side)."""
+        js = self.jobs.get(job_id)
+        if js is not None and js.state not in FINISHED:
+            raise JobFailed(f"resume: job {job_id} is {js.state}, not ended: nothing to resume")
+        successor = self._successor_of(job_id)
+        if successor is not None:
+            now = self.jobs.get(successor)
+            state = now.state.value if now is not None else _recorded_state(self, successor)
+            raise JobFailed(
+                f"resume: job {job_id} was already resumed as {successor}"
+                + (f" ({state})" if state else "")
+                + f": follow {successor}, or resume it once it has ended"
+            )
+        return self._checkpoint_of(job_id)
+
+    def _successor_of(self, job_id: str) -> str | None:
+        """The job that continues ``job_id`` (resumed by hand or by a restarted head), as
+        the head holds it or the job's records on disk say; None when none does."""
+        for js in self.jobs.values():
+            if js.resumed_of == job_id:
+                return js.id
+        old = self.jobs.get(job_id)
+        if old is not None and old.result.get("resumed_as"):
+            return str(old.result["resumed_as"])
+        for info in (read_result(self.run_dir, job_id), _job_record(self.run_dir, job_id)):
+            if info and isinstance(info.get("resumed_as"), str):
+                return str(info["resumed_as"])
+        return None
+
+    def _link(self, old_id: str, js: JobState) -> None:
+        """Job ``js`` continues ``old_id``: each names the other, in the head's memory and
+        in ``old_id``'s records on disk (``resumed_as``), so that ``status`` and ``jobs``
+        show the link whatever answers them."""
+        js.resumed_of = old_id
+        old = self.jobs.get(old_id)
+        if old is not None:
+            old.result["resumed_as"] = js.id
+        d = job_dir(self.run_dir, old_id)
+        if d is None or not d.is_dir():
+            return
+        record = _job_record(self.run_dir, old_id) or {"id": old_id}
+        base = {
+            "id": old_id,
+            "name": _name_of(old_id),
+            "owner": record.get("owner"),
+            "state": record.get("state"),
+            "error": record.get("error"),
+        }
+        try:
+            update_result(self.run_dir, old_id, base, resumed_as=js.id)
+            if (d / "job.json").exists():
+                _write_record(d, {**record, "resumed_as": js.id})
+        except OSError as exc:
+            self.log.warning("cannot record the resumed job's link", job=old_id, error=str(exc))
+
     # -- after a restart: jobs the previous head was running --------------------------------
 
     def _recover(self) -> None:
@@ -232,28 +310,42 @@ class RecoveryPart:
         A job whose ``job.json`` still says ``running`` was cut off by the head's death (or
         ``interrupted``, by its shutdown); one with a complete checkpoint is resumed as a new
         job once the cluster is back (its old record then names the new id), one without is
-        recorded as lost.
+        recorded as lost, and its final status says it failed and why. A job still queued
+        (or being planned) when the head died is recorded as failed: nothing of it ran. So a
+        job the previous head knew is never unknown to this one; what was done with each is
+        in ``self.recovered`` (``hetpipe up`` prints it).
         """
+        self.recovered: list[dict[str, Any]] = []
         for record in sorted((self.run_dir / "jobs").glob("*/job.json")):
             try:
                 old = json.loads(record.read_text())
             except (OSError, ValueError):
                 continue
+            if not isinstance(old, dict) or not safe_name(old.get("id")):
+                continue
             was = old.get("state")
+            job_id = old["id"]
+            if was in (JobStatus.QUEUED, JobStatus.PLANNING):
+                if read_result(self.run_dir, job_id) is None:  # it never ended: never ran
+                    self._recovered_lost(
+                        record, old, JobStatus.FAILED, "the head restarted before the job ran"
+                    )
+                continue
             if was not in (JobStatus.RUNNING, JobStatus.INTERRUPTED):
                 continue
-            ck = self._latest(record.parent, old.get("id"))
+            ck = self._latest(record.parent, job_id)
             try:
                 if ck is None:
                     raise JobError("no complete checkpoint")
                 spec = JobSpec.from_dict(ck.meta["spec"], source=str(ck.path))
                 check_code(spec, self.cluster.security.allowed_modules)
             except (JobError, CodeError, KeyError) as exc:
-                old.update(
-                    state=transition(was, JobStatus.LOST).value,
-                    error=f"the head restarted; cannot resume: {exc}",
+                self._recovered_lost(
+                    record,
+                    old,
+                    transition(was, JobStatus.LOST),
+                    f"the head restarted; cannot resume: {exc}",
                 )
-                record.write_text(json.dumps(old))
                 continue
             js = JobState(
                 id=self._new_id(spec.name),
@@ -262,17 +354,55 @@ class RecoveryPart:
                 owner=old.get("owner"),
                 resume=ck,
                 recovered=True,
+                resumed_of=job_id,
             )
             self.jobs[js.id] = js
             self.queue.put_nowait(js)
             old.update(state=transition(was, JobStatus.RESUMED).value, resumed_as=js.id)
-            record.write_text(json.dumps(old))
+            try:
+                _write_record(record.parent, old)
+                update_result(
+                    self.run_dir,
+                    job_id,
+                    _base(old, spec.name),
+                    state=JobStatus.RESUMED.value,
+                    resumed_as=js.id,
+                )
+            except OSError as exc:
+                self.log.warning("cannot record the resumed job", job=job_id, error=str(exc))
+            self.recovered.append(
+                {
+                    "job": job_id,
+                    "as": js.id,
+                    "wave": ck.meta.get("wave"),
+                    "checkpoint": str(ck.path),
+                }
+            )
             self.log.warning(
                 "resuming a job the previous head was running",
-                job=old["id"],
+                job=job_id,
                 new=js.id,
                 checkpoint=str(ck.path),
             )
+
+    def _recovered_lost(self, record: Any, old: dict[str, Any], state: JobStatus, why: str) -> None:
+        """A job of the previous head that cannot go on: its record in ``state``, its
+        final status ``failed`` with ``why`` (and the error it had, if any)."""
+        error = why if not old.get("error") else f"{why} (it had stopped: {old['error']})"
+        old.update(state=state.value, error=error)
+        try:
+            _write_record(record.parent, old)
+            update_result(
+                self.run_dir,
+                old["id"],
+                _base(old, _name_of(old["id"])),
+                state=JobStatus.FAILED.value,
+                error=error,
+            )
+        except OSError as exc:
+            self.log.warning("cannot record the lost job", job=old["id"], error=str(exc))
+        self.recovered.append({"job": old["id"], "error": error})
+        self.log.warning("a job of the previous head is lost", job=old["id"], error=error)
 
     # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
 
@@ -321,7 +451,7 @@ class RecoveryPart:
             plan = await loop.run_in_executor(None, plan_for, spec, cluster, profile, rows)
             shards = self.registry.live_shards()
             alive = self.registry.alive()
-            wire = f"{js.id}.r{len(js.replans) + 1}"
+            wire = self._next_wire(js)  # hetpipe.head.shardwait: one count of attempts
             new = await loop.run_in_executor(
                 None,
                 lambda: plan_job(
@@ -373,3 +503,46 @@ class RecoveryPart:
             lost_minibatches=lost_mb,
             minibatches_left=js.replans[-1]["minibatches_left"],
         )
+
+
+def _job_record(run_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """A job's ``job.json`` (its state as the head last knew it), or None."""
+    d = job_dir(run_dir, job_id)
+    if d is None:
+        return None
+    try:
+        record = json.loads((d / "job.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_record(d: Path, record: dict[str, Any]) -> None:
+    """Write a job's ``job.json`` atomically."""
+    tmp = d / ".job.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(d / "job.json")
+
+
+def _recorded_state(head: Any, job_id: str) -> str | None:
+    """A job's state as its final status on disk records it, or None."""
+    info = read_result(head.run_dir, job_id) or _job_record(head.run_dir, job_id) or {}
+    state = info.get("state")
+    return state if isinstance(state, str) else None
+
+
+def _name_of(job_id: str) -> str:
+    """The name a job was submitted as: its id without the ``-<n>``."""
+    name, dash, n = job_id.rpartition("-")
+    return name if dash and n.isdigit() else job_id
+
+
+def _base(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """A final status for a job whose head died before it wrote one: its record's fields."""
+    return {
+        "id": record["id"],
+        "name": name,
+        "owner": record.get("owner"),
+        "state": record.get("state"),
+        "error": record.get("error"),
+    }

@@ -93,6 +93,7 @@ class Registry:
         self.workers: dict[str, WorkerInfo] = {}
         self.shards: dict[int, str] = {0: address}
         self.shard_seen: dict[int, float] = {}  # monotonic time of each shard's last hello
+        self.shard_pids: dict[int, int] = {}  # the process of each shard's last hello
         self.shards_lost: set[int] = set()
         self.shard_channels: dict[int, Channel] = {}
 
@@ -158,10 +159,17 @@ class Registry:
 
     async def shard_hello(self, fields: dict[str, Any]) -> list[str]:
         """Note a shard's hello (one that passed :func:`shard_problem`); what changed, for
-        the log: ``back`` (it was lost) and/or ``registered`` (a new address)."""
+        the log: ``back`` (it was lost), ``restarted`` (another process than before, which
+        holds none of the state the previous one held) and/or ``registered`` (a new
+        address)."""
         index, address = fields["shard"], fields["address"]
         said = []
         self.shard_seen[index] = time.monotonic()
+        pid = fields.get("pid")
+        if isinstance(pid, int):
+            if self.shard_pids.get(index, pid) != pid:
+                said.append("restarted")
+            self.shard_pids[index] = pid
         if index in self.shards_lost:
             self.shards_lost.discard(index)
             said.append("back")

@@ -28,6 +28,7 @@ from hetpipe.head.jobs import JobsPart, JobState
 from hetpipe.head.profiles import Profiler
 from hetpipe.head.recovery import RecoveryPart
 from hetpipe.head.registry import Registry, hello_problem, shard_problem
+from hetpipe.head.shardwait import ShardWaitPart
 from hetpipe.head.states import JobFailed, JobStatus
 from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
@@ -61,7 +62,7 @@ _JOB_KINDS = frozenset(
 )
 
 
-class Head(JobsPart, CutsPart, RecoveryPart):
+class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart):
     """The cluster's head: lives in the shard-0 process and shares its ROUTER socket."""
 
     def __init__(
@@ -82,6 +83,7 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         self._stopping = False
         # refused registrations and requests outside a peer's role, once per peer a while
         self._refused = Throttle(self.log)
+        self.recovered: list[dict[str, Any]] = []  # what _recover did with the last head's jobs
 
     async def start(self, channel: Channel) -> None:
         self.channel = channel
@@ -197,6 +199,8 @@ class Head(JobsPart, CutsPart, RecoveryPart):
             for change in await self.registry.shard_hello(msg.fields):
                 if change == "back":
                     self.log.info("shard back", shard=msg["shard"])
+                elif change == "restarted":  # back before it was missed: its state is gone
+                    self._shard_restarted(msg["shard"], msg["pid"])
                 else:
                     self.log.info("shard registered", shard=msg["shard"], address=msg["address"])
         elif k == Kind.SUBMIT:
@@ -278,7 +282,7 @@ class Head(JobsPart, CutsPart, RecoveryPart):
                     if problem is not None:
                         raise JobFailed(problem)
                 owner = recorded or owner
-                resume = self._checkpoint_of(msg["resume"])
+                resume = self._resume_source(msg["resume"])  # refused: one successor a job
             job = msg.get("job") or (resume.meta["spec"] if resume is not None else None)
             if job is None:
                 raise CodeError("submit: give a job, or the id of one to resume")
@@ -293,6 +297,10 @@ class Head(JobsPart, CutsPart, RecoveryPart):
         job_id = self._new_id(spec.name)
         js = JobState(id=job_id, spec=spec, submitted=time.time(), owner=owner, resume=resume)
         self.jobs[job_id] = js
+        if resume is not None:
+            self._link(msg["resume"], js)  # each names the other (hetpipe.head.recovery)
+        with contextlib.suppress(OSError, JobFailed):
+            self._record(js)  # known to a head that restarts before it runs
         await self.queue.put(js)
         self.log.info("job queued", job=job_id, owner=owner)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
@@ -353,7 +361,8 @@ class Head(JobsPart, CutsPart, RecoveryPart):
 
     def cluster_info(self) -> dict[str, Any]:
         """The cluster's status (:func:`hetpipe.head.views.cluster_view`)."""
-        return cluster_view(self.cluster, self.registry, self.jobs, self.current)
+        view = cluster_view(self.cluster, self.registry, self.jobs, self.current)
+        return {**view, "recovered": self.recovered}
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -378,6 +387,8 @@ class Head(JobsPart, CutsPart, RecoveryPart):
                 self.log.warning("shard lost", shard=index, silent_s=round(silent, 1))
                 js = self.current
                 if js is not None and js.plan is not None and index in js.plan.shards_used():
+                    if js.lost_shard is None:  # the job may wait for it (shardwait)
+                        js.lost_shard = index
                     js.fail(
                         f"shard {index} ({self.registry.shards.get(index)}) lost: "
                         f"no hello for {silent:.1f} s"

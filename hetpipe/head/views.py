@@ -78,7 +78,7 @@ def job_view(js: JobState) -> dict[str, Any]:
     if js.resume is not None:
         meta = js.resume.meta
         out["resumed_from"] = {
-            "job": meta.get("job"),
+            "job": js.resumed_of or meta.get("job"),
             "checkpoint": str(js.resume.path),
             "minibatches_done": meta.get("minibatches_done"),
             "positions": meta.get("positions"),
@@ -92,6 +92,10 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["last_checkpoint"] = js.last_checkpoint
     if js.checkpoints_superseded:
         out["checkpoints_superseded"] = js.checkpoints_superseded
+    if js.waiting is not None:  # paused for a lost shard (hetpipe.head.shardwait)
+        out["waiting"] = dict(js.waiting)
+    if js.shard_waits:
+        out["shard_waits"] = js.shard_waits
     if js.replans:
         out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.replans]
     if js.evals:

@@ -1,0 +1,207 @@
+"""Resuming as a person follows it, at the CLI on real daemons: ``hetpipe down`` mid-job and
+``hetpipe up`` say which job was resumed as which, from which wave; ``jobs`` and ``status``
+show the link both ways; a second resume of the same job is refused in one line naming its
+successor; a job without a checkpoint is still known after the restart, as failed with the
+reason, never ``no job``. The pure parts (the texts, the head's restart records) without
+processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import UNIFORM, job
+from helpers import job_toml
+
+from hetpipe.jobstore import links, read_result, recovered_line, summary, update_result
+from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
+from hetpipe.views import job_line, render_result
+
+# -- pure -------------------------------------------------------------------------------------
+
+
+def test_the_link_reads_both_ways() -> None:
+    new = {
+        "id": "t-2",
+        "state": "running",
+        "resumed_from": {"job": "t-1", "wave": 10, "checkpoint": "/x"},
+    }
+    old = {"id": "t-1", "state": "resumed", "error": "the head is shutting down"}
+    old["resumed_as"] = "t-2"
+    assert links(new) == ["resumed from t-1 at wave 10"]
+    assert links(old) == ["resumed as t-2"]
+    assert "resumed from t-1 at wave 10" in job_line(summary(new))
+    assert "resumed as t-2" in job_line(summary(old))
+    assert render_result(old).endswith("resumed as t-2")
+
+
+def test_what_up_says_of_the_previous_heads_jobs() -> None:
+    assert recovered_line({"job": "t-1", "as": "t-3", "wave": 20}) == (
+        "resumed job t-1 as t-3 from wave 20"
+    )
+    assert recovered_line({"job": "t-2", "error": "no complete checkpoint"}) == (
+        "job t-2 not resumed: no complete checkpoint"
+    )
+
+
+def test_a_result_is_updated_or_made_from_the_record(tmp_path: Path) -> None:
+    update_result(tmp_path, "t-1", {"id": "t-1", "state": "failed"}, resumed_as="t-2")
+    assert read_result(tmp_path, "t-1") == {"id": "t-1", "state": "failed", "resumed_as": "t-2"}
+    update_result(tmp_path, "t-1", {"id": "other"}, state="resumed")
+    assert read_result(tmp_path, "t-1") == {"id": "t-1", "state": "resumed", "resumed_as": "t-2"}
+
+
+# -- real daemons through the CLI -------------------------------------------------------------
+
+
+def _hetpipe(cluster: Path, run_dir: Path, *args: str, timeout: float = 90) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "hetpipe.cli"),
+            *("--cluster", str(cluster), "--run-dir", str(run_dir)),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cluster.parent,
+    )
+
+
+def _status(cluster: Path, run_dir: Path, job_id: str) -> dict[str, Any]:
+    got = _hetpipe(cluster, run_dir, "status", job_id, "--json")
+    assert got.returncode == 0, got.stdout + got.stderr
+    return json.loads(got.stdout)
+
+
+def _until(
+    cluster: Path, run_dir: Path, job_id: str, reached: Any, timeout: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = _status(cluster, run_dir, job_id)
+        if reached(info):
+            return info
+        assert info["state"] in ("queued", "planning", "running"), info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.3)
+
+
+def _job_file(path: Path, name: str, every: int) -> Path:
+    spec = job(
+        name,
+        model="mlp",
+        split=[(["gpu0", "gpu1"], [3, 3])],
+        nm=2,
+        minibatches=200_000,  # still running whenever the test stops it
+        train={"checkpoint_every": every},
+    )
+    path.write_text(job_toml(spec))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> None:
+    ports = free_ports(4)
+    devices = tuple(
+        DeviceDef(d.name, d.type, d.memory, d.speed, port=p)
+        for d, p in zip(UNIFORM[:2], ports[2:], strict=True)
+    )
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(cluster_toml(devices, shard_ports=ports[:2]))
+    run_dir = tmp_path / "run"
+    pids: dict[str, int] = {}
+
+    def up() -> str:
+        got = _hetpipe(cluster, run_dir, "up", "--timeout", "60")
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(json.loads((run_dir / "pids.json").read_text()))
+        assert got.returncode == 0, got.stdout + got.stderr
+        return got.stdout
+
+    def down() -> None:
+        got = _hetpipe(cluster, run_dir, "down")
+        assert got.returncode == 0, got.stdout + got.stderr
+
+    try:
+        up()
+        sub = _hetpipe(cluster, run_dir, "submit", str(_job_file(tmp_path / "a.toml", "ux", 5)))
+        assert sub.returncode == 0, sub.stderr
+        old = sub.stdout.strip()
+        _until(cluster, run_dir, old, lambda i: i.get("checkpoints", 0) >= 1, 120)
+        down()
+        said = up()
+        resumed = [x for x in said.splitlines() if x.startswith(f"up: resumed job {old} as ")]
+        assert len(resumed) == 1, said
+        new = resumed[0].split(" as ")[1].split()[0]
+        assert new != old and " from wave " in resumed[0], resumed
+        wave = int(resumed[0].rsplit(" ", 1)[1])
+
+        # the new job names the old one, and from where it went on
+        info = _status(cluster, run_dir, new)
+        assert info["resumed_from"]["job"] == old and info["resumed_from"]["wave"] == wave
+        text = _hetpipe(cluster, run_dir, "status", new)
+        assert f"resumed from {old} at wave {wave}" in text.stdout, text.stdout
+        # the old job names its successor, in its status and in the listing
+        info = _status(cluster, run_dir, old)
+        assert info["resumed_as"] == new and info["state"] == "resumed", info
+        text = _hetpipe(cluster, run_dir, "status", old)
+        assert f"resumed as {new}" in text.stdout, text.stdout
+        listing = _hetpipe(cluster, run_dir, "jobs").stdout.splitlines()
+        assert any(x.startswith(old) and f"resumed as {new}" in x for x in listing), listing
+        assert any(x.startswith(new) and f"resumed from {old}" in x for x in listing), listing
+
+        # resuming the old job again would train it twice: refused, naming the successor
+        again = _hetpipe(cluster, run_dir, "submit", "--resume", old)
+        assert again.returncode == 1
+        lines = again.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"already resumed as {new}" in lines[0], again.stderr
+        assert _hetpipe(cluster, run_dir, "cancel", new).returncode == 0
+        _until(cluster, run_dir, new, lambda i: i["state"] == "cancelled", 60)
+
+        # a job without a checkpoint when the head stops: known after, failed and why
+        sub = _hetpipe(cluster, run_dir, "submit", str(_job_file(tmp_path / "b.toml", "nock", 0)))
+        assert sub.returncode == 0, sub.stderr
+        bare = sub.stdout.strip()
+        _until(cluster, run_dir, bare, lambda i: i.get("minibatches", 0) >= 4, 120)
+        os.kill(pids["ps0"], signal.SIGKILL)  # the head dies under it, writing nothing
+        time.sleep(0.5)
+        down()
+        said = up()
+        assert f"up: job {bare} not resumed: " in said and "no complete checkpoint" in said, said
+        info = _status(cluster, run_dir, bare)
+        assert info["state"] == "failed" and "no complete checkpoint" in info["error"], info
+        text = _hetpipe(cluster, run_dir, "status", bare)
+        assert text.returncode == 0 and "no job" not in text.stdout + text.stderr
+        down()
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(json.loads((run_dir / "pids.json").read_text()))
+        if (run_dir / "pids.json").exists():
+            with contextlib.suppress(Exception):
+                _hetpipe(cluster, run_dir, "down", timeout=30)
+        for pid in pids.values():
+            if _ours(pid, run_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _ours(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` is still a daemon this test started (never another process that
+    took the number since)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(run_dir).encode() in cmdline
