@@ -251,7 +251,9 @@ def _capture_exported(module: nn.Module, starts_at: Sequence[str], split: bool) 
     root, blocks, starts, carries = found
     root = capture_export.rebind(root, module, [g for _, g in blocks])
     copies = [(i, capture_export.copy_graph(g)) for i, g in blocks]
-    return _sequential(module, root, copies, starts, carries)
+    seq = _sequential(module, root, copies, starts, carries)
+    capture_export.own_constants(seq, module)
+    return seq
 
 
 # exported cuts by capture_export.cache_key: (root, blocks, starts, carries)

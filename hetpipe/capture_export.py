@@ -209,3 +209,16 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     out = new.graph_copy(graph, env)
     new.output(out)
     return new
+
+
+def own_constants(seq: nn.Sequential, module: nn.Module) -> None:
+    """Give each block its own copy of a buffer the user's state does not hold (a
+    non-persistent constant such as rotary frequencies): the blocks share no such tensor, so
+    no tie is made of it; each copy is the block's own state."""
+    persistent = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    for block in seq:
+        for name, buf in list(block.named_buffers()):
+            if id(buf) in persistent:
+                continue
+            path, _, field = name.rpartition(".")
+            block.get_submodule(path)._buffers[field] = buf.clone()
