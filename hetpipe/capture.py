@@ -473,9 +473,7 @@ def _needs(
     home: dict[fx.Node, int],
     n_blocks: int,
     resized: Mapping[tuple[fx.Node, int], tuple[fx.Node, int]],
-) -> tuple[
-    list[set[fx.Node]], list[list[fx.Node]], tuple[fx.Node, fx.Node, int, fx.Node] | None
-]:
+) -> tuple[list[set[fx.Node]], list[list[fx.Node]], tuple[fx.Node, fx.Node, int, fx.Node] | None]:
     """The values each block computes again, the tensors entering each block (program
     order), and the first recomputed value that cannot be computed where it is used:
     (the tensor it needs, the outermost recomputed value, the block, the recomputed value

@@ -12,6 +12,7 @@ test skips, saying why, where its library is absent or does not import.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ from helpers import plain_training
 from torch import nn
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
+from hetpipe.cli import unshared
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
-from hetpipe.models import ModelError, build_model
+from hetpipe.models import build_model
 
 HERE = Path(__file__).resolve().parent
 STEPS = 8
@@ -189,10 +191,11 @@ def test_a_batch_the_export_does_not_take_is_refused_in_one_line() -> None:
 @needs_transformers
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_hugging_face_llama_trains_at_k4(cluster: LocalCluster) -> None:
+def test_hugging_face_llama_trains_at_k4(cluster: LocalCluster, tmp_path: Path) -> None:
     """k = 4, the tie across the first and last stage: the exported weights equal plain
     PyTorch training of the same model and load strict into a fresh
-    ``AutoModelForCausalLM.from_config``."""
+    ``AutoModelForCausalLM.from_config``, from model.pt and as ``hetpipe export`` writes
+    them in safetensors (where that package is installed)."""
     spec = llama_job("hf-llama")
     info = cluster.submit(spec, timeout=280)
     assert info["state"] == "done", info.get("error")
@@ -208,6 +211,12 @@ def test_hugging_face_llama_trains_at_k4(cluster: LocalCluster) -> None:
     assert_same_weights(got, user_state(seq, plain_training(spec, STEPS)))
     key = "model.layers.3.mlp.down_proj.weight"
     assert not torch.allclose(got[key], initial[key])
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(unshared(got), str(tmp_path / "model.safetensors"))
+        fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+        assert_same_weights(fresh.state_dict(), got)
 
 
 def test_hugging_face_models_are_told_by_their_base_class() -> None:
