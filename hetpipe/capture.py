@@ -22,15 +22,20 @@ Values that are not tensors (``x.size(0)``, shapes, dtypes), parameters and cons
 cross a cut: each block that uses one computes it again from what it has, and a capture where
 that is impossible is refused.
 
-Limits of the route (``torch.export`` is not tried: it needs example inputs, which the meta
-construction does not have): control flow on tensor values cannot be traced; a parameter
+Limits of the fx route: control flow on tensor values cannot be traced; a parameter
 with a default other than ``None`` (a flag) is fixed at its default; a ``None``-default
 parameter is traced as given (a batch that leaves it out passes ``None``); ``self.training``
 branches outside the leaf modules are taken as they are at capture; ``*args``/``**kwargs``
-are refused. Hugging Face transformers models are refused up front (see :func:`capture`):
-their forward takes ``**kwargs`` and builds its attention masks by control flow on shapes,
-and transformers 5 has no torch.fx tracer (the ``HFTracer`` of transformers 4 fails in its
-own mask code, a ``vmap`` over its proxies).
+are refused. fx is the route for the user's own modules because it needs no example inputs,
+which the meta construction does not have.
+
+**The torch.export route** (:mod:`hetpipe.capture_export`): Hugging Face transformers models
+take ``**kwargs`` and build their attention masks by control flow on shapes, which fx cannot
+trace (transformers 5 has no fx tracer of its own). They are exported with an example batch
+made from their configuration, with a dynamic batch size and sequence length, and the ATen
+graph is cut by the same rules at the same units, each operation's unit told by the
+submodule it ran in; a symbolic size a block needs is read again from a tensor entering
+that block.
 """
 
 from __future__ import annotations
@@ -244,10 +249,12 @@ def _capture_exported(module: nn.Module, starts_at: Sequence[str], split: bool) 
         for _, g in blocks:
             capture_export.place_on_inputs(g)
         found = (root, blocks, starts, carries)
+        graphs = [g for _, g in blocks]
+        kept = (capture_export.rebind(root, module, graphs, own=False), blocks, starts, carries)
         if key is not None:
             while len(_EXPORTED) >= 8:
                 _EXPORTED.pop(next(iter(_EXPORTED)))
-            _EXPORTED[key] = found
+            _EXPORTED[key] = kept
     root, blocks, starts, carries = found
     root = capture_export.rebind(root, module, [g for _, g in blocks])
     copies = [(i, capture_export.copy_graph(g)) for i, g in blocks]

@@ -171,10 +171,13 @@ def cache_key(module: nn.Module, starts_at: Sequence[str], split: bool) -> Any:
     return (cls.__module__, cls.__qualname__, to_json(), tuple(starts_at), split, module.training)
 
 
-def rebind(root: nn.Module, module: nn.Module, graphs: Sequence[fx.Graph]) -> nn.Module:
+def rebind(
+    root: nn.Module, module: nn.Module, graphs: Sequence[fx.Graph], *, own: bool = True
+) -> nn.Module:
     """A root for the blocks of ``graphs``: each attribute they read is ``module``'s own tensor
     of that name where it has one (a new build of the same model), else ``root``'s (what
-    export made: no-grad subgraphs, the output's structure)."""
+    export made: no-grad subgraphs, the output's structure). With ``own=False`` the module's
+    tensors are left out: what a kept cut holds, so that it keeps no model's weights alive."""
     fresh = nn.Module()
     for g in graphs:
         for n in g.nodes:
@@ -186,6 +189,8 @@ def rebind(root: nn.Module, module: nn.Module, graphs: Sequence[fx.Graph]) -> nn
                 value = getattr(module.get_submodule(path), field)
                 if not isinstance(value, Tensor):
                     raise AttributeError(target)
+                if not own:
+                    continue
             except AttributeError:
                 value = getattr(root.get_submodule(path), field)
             owner = fresh
