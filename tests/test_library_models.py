@@ -179,6 +179,19 @@ def test_a_hugging_face_model_is_captured_on_the_meta_device() -> None:
 
 
 @needs_transformers
+def test_split_points_cut_a_hugging_face_model_where_named() -> None:
+    """``model.split_points`` starts blocks at the named submodules, as for any module."""
+    model = libmodels.tiny_llama()
+    seq = capture(model, ["model.layers.2", "lm_head"])
+    assert capture_of(seq).starts == ("", "model.layers.2", "lm_head")
+    ids = torch.randint(0, 64, (2, 6))
+    out: Any = {"input_ids": ids, "labels": ids}
+    for block in seq:
+        out = block(out)
+    assert torch.allclose(out.logits, model(input_ids=ids, labels=ids).logits, atol=1e-6)
+
+
+@needs_transformers
 def test_a_batch_the_export_does_not_take_is_refused_in_one_line() -> None:
     """The exported inputs are ``input_ids`` and ``labels``: another key is named."""
     seq = capture(libmodels.tiny_llama())
