@@ -134,7 +134,9 @@ def test_a_hugging_face_causal_lm_is_captured_by_torch_export(build: str) -> Non
     make = getattr(libmodels, build)
     torch.manual_seed(0)
     model = make()
+    rng = torch.get_rng_state()
     seq = capture(model)
+    assert torch.equal(torch.get_rng_state(), rng)  # builds stay deterministic
     cap = capture_of(seq)
     assert cap is not None
     layers = "transformer.h" if build == "tiny_gpt2" else "model.layers"
