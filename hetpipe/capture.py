@@ -22,15 +22,20 @@ Values that are not tensors (``x.size(0)``, shapes, dtypes), parameters and cons
 cross a cut: each block that uses one computes it again from what it has, and a capture where
 that is impossible is refused.
 
-Limits of the route (``torch.export`` is not tried: it needs example inputs, which the meta
-construction does not have): control flow on tensor values cannot be traced; a parameter
+Limits of the fx route: control flow on tensor values cannot be traced; a parameter
 with a default other than ``None`` (a flag) is fixed at its default; a ``None``-default
 parameter is traced as given (a batch that leaves it out passes ``None``); ``self.training``
 branches outside the leaf modules are taken as they are at capture; ``*args``/``**kwargs``
-are refused. Hugging Face transformers models are refused up front (see :func:`capture`):
-their forward takes ``**kwargs`` and builds its attention masks by control flow on shapes,
-and transformers 5 has no torch.fx tracer (the ``HFTracer`` of transformers 4 fails in its
-own mask code, a ``vmap`` over its proxies).
+are refused. fx is the route for the user's own modules because it needs no example inputs,
+which the meta construction does not have.
+
+**The torch.export route** (:mod:`hetpipe.capture_export`): Hugging Face transformers models
+take ``**kwargs`` and build their attention masks by control flow on shapes, which fx cannot
+trace (transformers 5 has no fx tracer of its own). They are exported with an example batch
+made from their configuration, with a dynamic batch size and sequence length, and the ATen
+graph is cut by the same rules at the same units, each operation's unit told by the
+submodule it ran in; a symbolic size a block needs is read again from a tensor entering
+that block.
 """
 
 from __future__ import annotations
@@ -40,12 +45,14 @@ import inspect
 import linecache
 import operator
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
+
+from hetpipe import capture_export
 
 __all__ = ["Capture", "CaptureError", "capture", "capture_of", "user_state"]
 
@@ -165,13 +172,8 @@ class _Tracer(fx.Tracer):
 def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequential:
     """``module`` as an ``nn.Sequential`` of blocks (the carry contract above); raises
     :class:`CaptureError` naming the failing operation where it cannot be captured."""
-    if _hugging_face(module):
-        raise CaptureError(
-            "Hugging Face transformers models are not captured yet: torch.fx cannot trace their "
-            "forward (**kwargs, attention masks built by control flow on tensor shapes) and "
-            "transformers 5 has no torch.fx tracer of its own"
-        )
-    params = _parameters(module)
+    exported = _hugging_face(module)
+    params = {} if exported else _parameters(module)
     points = list(split_points)
     if points:
         if len(set(points)) != len(points):
@@ -190,6 +192,8 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
         units = natural_units(module)
         leaves = set(units)
         starts_at = units
+    if exported:
+        return _capture_exported(module, starts_at, bool(points))
     inside = {
         ".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 1)
     }
@@ -216,10 +220,70 @@ def capture(module: nn.Module, split_points: Sequence[str] = ()) -> nn.Sequentia
     blocks, starts, carries = _cut(
         root.graph, starts_at, bool(points), list(params), set(concrete), type(module).__name__
     )
+    return _sequential(module, root, blocks, starts, carries)
+
+
+def _capture_exported(module: nn.Module, starts_at: Sequence[str], split: bool) -> nn.Sequential:
+    """The :mod:`torch.export` route (:mod:`hetpipe.capture_export`): a Hugging Face model
+    exported with an example batch made from its configuration, cut at the same units.
+
+    Exporting takes seconds and a process builds the same model several times (the plan,
+    each stage, on the meta device): the cut is kept per model class, configuration and
+    units, and a new build's blocks hold that build's own tensors."""
+    key = capture_export.cache_key(module, starts_at, split)
+    found = _EXPORTED.get(key) if key is not None else None
+    if found is None:
+        try:
+            root, names, constant = capture_export.export_graph(module)
+        except capture_export.ExportFailure as exc:
+            raise CaptureError(str(exc)) from None
+        blocks, starts, carries = _cut(
+            root.graph,
+            starts_at,
+            split,
+            names,
+            constant,
+            type(module).__name__,
+            path_of=capture_export.unit_of_node,
+        )
+        for _, g in blocks:
+            capture_export.place_on_inputs(g)
+        found = (root, blocks, starts, carries)
+        graphs = [g for _, g in blocks]
+        kept = (capture_export.rebind(root, module, graphs, own=False), blocks, starts, carries)
+        if key is not None:
+            while len(_EXPORTED) >= 8:
+                _EXPORTED.pop(next(iter(_EXPORTED)))
+            _EXPORTED[key] = kept
+    root, blocks, starts, carries = found
+    root = capture_export.rebind(root, module, [g for _, g in blocks])
+    copies = [(i, capture_export.copy_graph(g)) for i, g in blocks]
+    seq = _sequential(module, root, copies, starts, carries)
+    capture_export.own_constants(seq, module)
+    return seq
+
+
+# exported cuts by capture_export.cache_key: (root, blocks, starts, carries)
+_EXPORTED: dict[Any, tuple[nn.Module, list[tuple[int, fx.Graph]], tuple, tuple]] = {}
+
+
+def _sequential(
+    module: nn.Module,
+    root: nn.Module,
+    blocks: list[tuple[int, fx.Graph]],
+    starts: tuple[str, ...],
+    carries: tuple[tuple[str, ...], ...],
+) -> nn.Sequential:
+    """The blocks as one ``nn.Sequential``, its :class:`Capture` beside it."""
     seq = nn.Sequential(*(fx.GraphModule(root, g, class_name=f"Block{i}") for i, g in blocks))
     keys, user_keys = _key_maps(seq, module)
     seq.__dict__["_hetpipe_capture"] = Capture(module, starts, carries, keys, user_keys)
     return seq
+
+
+def _called_module(node: fx.Node) -> str | None:
+    """The submodule a traced ``node`` calls (a unit, or inside one), else ``None``."""
+    return str(node.target) if node.op == "call_module" else None
 
 
 def _hugging_face(module: nn.Module) -> bool:
@@ -284,6 +348,8 @@ def _recomputable(node: fx.Node, known: dict[fx.Node, bool]) -> bool:
     target = node.target
     if node.op == "call_method" and target in _META_METHODS:
         return True
+    if str(target).startswith("aten.sym_"):  # an exported graph's size of a tensor
+        return True
     if target is builtins.getattr and node.args[1] in _META_ATTRS:
         return True
     name = getattr(target, "__name__", str(target))
@@ -299,12 +365,14 @@ def _cut(
     names: list[str],
     concrete: set[str],
     model: str,
+    path_of: Callable[[fx.Node], str | None] = _called_module,
 ) -> tuple[list[tuple[int, fx.Graph]], tuple[str, ...], tuple[tuple[str, ...], ...]]:
     """Cut the traced ``graph`` into block graphs: (index, graph) each, the submodule each
     block starts at, and the names of the values entering each block.
 
-    A block starts at the first call of each of ``starts_at``; with ``split`` (the user's
-    split points) also the first one, where anything was computed before it."""
+    A block starts at the first operation run in each of ``starts_at`` (``path_of`` says
+    which submodule a node runs in); with ``split`` (the user's split points) also the first
+    one, where anything was computed before it."""
     nodes = list(graph.nodes)
     recompute: dict[fx.Node, bool] = {}
     for n in nodes:
@@ -318,8 +386,9 @@ def _cut(
     seen: set[str] = set()
     block = 0
     for n in nodes:
-        if n.op == "call_module":
-            unit = _unit_of(str(n.target), starts_at)
+        path = None if recompute[n] else path_of(n)
+        if path is not None:
+            unit = _unit_of(path, starts_at)
             if unit is not None and unit not in seen:
                 seen.add(unit)
                 ran = any(
@@ -333,7 +402,7 @@ def _cut(
         at[n] = block
         if n.op == "placeholder":
             home[n] = 0
-        elif n.target is operator.getitem and n.args[0].op == "call_module":
+        elif n.target is operator.getitem and _tuple_of_unit(n.args[0]):
             home[n] = home[n.args[0]]  # an element of a unit's tuple stays with the unit
         else:
             home[n] = block
@@ -341,11 +410,18 @@ def _cut(
     if split and missing:
         raise CaptureError(f"split_points: forward never calls {', '.join(map(repr, missing))}")
     n_blocks = block + 1
+    # a size read again in a block from a tensor entering it (an exported graph's symbolic
+    # sizes): (size, block) -> (tensor, dim)
+    resized: dict[tuple[fx.Node, int], tuple[fx.Node, int]] = {}
     while True:  # a tensor that cannot be computed again where it is used is carried there
-        again, carry_in, failed = _needs(nodes, recompute, home, n_blocks)
+        again, carry_in, failed = _needs(nodes, recompute, home, n_blocks, resized)
         if failed is None:
             break
-        root, via, b = failed
+        root, via, b, reader = failed
+        found = _same_size(reader, carry_in[b])
+        if found is not None:
+            resized[(reader, b)] = found
+            continue
         if not tensor[via]:
             raise CaptureError(
                 f"{via.name} ({_text(via)}), used in the block starting at "
@@ -377,6 +453,9 @@ def _cut(
             ins = carry_in[b]
             for i, t in enumerate(ins):
                 env[t] = carry if len(ins) == 1 else g.call_function(operator.getitem, (carry, i))
+            for (size, at_b), (t, dim) in resized.items():
+                if at_b == b:
+                    env[size] = g.call_function(size.target, (env[t], dim))
         for n in nodes:
             if n.op in ("placeholder", "output"):
                 continue
@@ -396,23 +475,30 @@ def _cut(
 
 
 def _needs(
-    nodes: list[fx.Node], recompute: dict[fx.Node, bool], home: dict[fx.Node, int], n_blocks: int
-) -> tuple[list[set[fx.Node]], list[list[fx.Node]], tuple[fx.Node, fx.Node, int] | None]:
+    nodes: list[fx.Node],
+    recompute: dict[fx.Node, bool],
+    home: dict[fx.Node, int],
+    n_blocks: int,
+    resized: Mapping[tuple[fx.Node, int], tuple[fx.Node, int]],
+) -> tuple[list[set[fx.Node]], list[list[fx.Node]], tuple[fx.Node, fx.Node, int, fx.Node] | None]:
     """The values each block computes again, the tensors entering each block (program
     order), and the first recomputed value that cannot be computed where it is used:
-    (the tensor it needs, the outermost recomputed value, the block), or ``None``."""
+    (the tensor it needs, the outermost recomputed value, the block, the recomputed value
+    reading that tensor), or ``None``. ``resized``: sizes a block reads from another tensor."""
     last_use: dict[fx.Node, int] = {}
     again: list[set[fx.Node]] = [set() for _ in range(n_blocks)]
-    pending: list[tuple[fx.Node, fx.Node, int]] = []
+    pending: list[tuple[fx.Node, fx.Node, int, fx.Node]] = []
 
-    def need(a: fx.Node, b: int, via: fx.Node | None) -> None:
-        if recompute[a]:
+    def need(a: fx.Node, b: int, via: fx.Node | None, reader: fx.Node | None = None) -> None:
+        if recompute[a] and (a, b) in resized:
+            need(resized[(a, b)][0], b, None)
+        elif recompute[a]:
             if a not in again[b]:
                 again[b].add(a)
                 for x in _inputs(a):
-                    need(x, b, via or a)
-        elif via is not None:
-            pending.append((a, via, b))
+                    need(x, b, via or a, a)
+        elif via is not None and reader is not None:
+            pending.append((a, via, b, reader))
         elif home[a] < b:
             last_use[a] = max(last_use.get(a, b), b)
 
@@ -425,15 +511,45 @@ def _needs(
     carry_in = [
         [t for t in nodes if t in last_use and home[t] < b <= last_use[t]] for b in range(n_blocks)
     ]
-    for a, via, b in pending:
+    for a, via, b, reader in pending:
         if home[a] != b and a not in carry_in[b]:
-            return again, carry_in, (a, via, b)
+            return again, carry_in, (a, via, b, reader)
     return again, carry_in, None
+
+
+def _tuple_of_unit(node: fx.Node) -> bool:
+    """Whether ``node`` gives a tuple that is one unit's result: a traced submodule call, or
+    an exported operation with several results."""
+    if not isinstance(node, fx.Node):
+        return False
+    return node.op == "call_module" or (
+        node.op == "call_function" and isinstance(node.meta.get("val"), (tuple, list))
+    )
+
+
+def _same_size(reader: fx.Node, entering: Sequence[fx.Node]) -> tuple[fx.Node, int] | None:
+    """Where ``reader`` is the symbolic size of a tensor that does not reach a block (an
+    exported graph's ``aten.sym_size``): a tensor entering that block, and its dimension, of
+    the same size; else ``None``."""
+    if not str(reader.target).startswith("aten.sym_size"):
+        return None
+    size = reader.meta.get("val")
+    if not isinstance(size, torch.SymInt):
+        return None
+    for t in entering:
+        value = t.meta.get("val")
+        if isinstance(value, Tensor):
+            for dim, s in enumerate(value.shape):
+                if isinstance(s, torch.SymInt) and str(s) == str(size):
+                    return t, dim
+    return None
 
 
 def _tensor_valued(node: fx.Node, tensor: dict[fx.Node, bool]) -> bool:
     """Whether recomputed ``node`` is a tensor (a parameter, a torch function of shapes, or
     an operation on such a tensor), not a shape, a size or a dtype."""
+    if "val" in node.meta:  # an exported graph says what each value is
+        return isinstance(node.meta["val"], Tensor)
     if node.op == "get_attr":
         return True
     if node.op == "call_method":

@@ -13,8 +13,13 @@ Two figures, both in plain PyTorch in this one process:
   threads, and the figure is the median over ``--repeats`` pairs of each pair's ratio, so
   that load from other processes on a shared host falls on both sides of a ratio alike.
   1.0: the capture costs nothing; below 1: the captured blocks are slower.
+- ``hf_export_s`` and ``hf_cached_s``, where transformers imports: the time to capture a
+  Hugging Face Llama of ``--hf-layers`` layers (hidden 32) on the meta device through the
+  ``torch.export`` route, the first time (the export) and again (a new build of the same
+  configuration, which reuses the cut); ``None`` without transformers.
 
     python scripts/bench_capture.py [--json] [--layers 48] [--repeats 21] [--threads 1]
+        [--hf-layers 4]
 
 With ``--json`` the last line is one JSON object of the figures.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +75,29 @@ def capture_time(cfg: dict[str, int], k: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(seq)
 
 
+def hf_capture_times(layers: int) -> tuple[float, float] | None:
+    """Seconds to capture a tiny Hugging Face Llama on meta through ``torch.export``: the
+    first time, and for a second build of the same configuration; ``None`` without
+    transformers."""
+    # tests/libmodels.py imports transformers where a CPU torch cannot load torchvision's
+    # operators (see there), and holds the tiny Llama the tests train
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import libmodels
+
+    if libmodels.missing("transformers") is not None:
+        return None
+    config = libmodels.tiny_llama_config(vocab=256, layers=layers, seq=64)
+    auto = libmodels._transformers().AutoModelForCausalLM
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            seq = capture(auto.from_config(config))
+        times.append(time.perf_counter() - t0)
+        assert len(seq) == layers + 3
+    return times[0], times[1]
+
+
 def step(model: nn.Module, x: Tensor, y: Tensor) -> None:
     """One forward and backward of ``model`` on ``x`` against next-token labels ``y``."""
     out = x
@@ -89,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hf-layers", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = {"vocab": 256, "seq": args.seq, "dim": args.dim, "heads": 4, "layers": args.layers}
@@ -124,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step(models[name], x, y)
             runs[name].append(time.perf_counter() - t0)
     hand_s, cap_s = median(runs["handwritten"]), median(runs["captured"])
+    hf = hf_capture_times(args.hf_layers)
     ratio = median([h / c for h, c in zip(runs["handwritten"], runs["captured"], strict=True)])
     figures = {
         "layers": args.layers,
@@ -134,6 +165,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "captured_step_s": cap_s,
         "captured_vs_handwritten": ratio,
         "captured_vs_handwritten_target": 0.97,
+        "hf_layers": args.hf_layers,
+        "hf_export_s": hf[0] if hf else None,
+        "hf_cached_s": hf[1] if hf else None,
         "repeats": args.repeats,
         "threads": args.threads,
         "machine": machine(),
@@ -145,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ["handwritten step (s)", hand_s, ""],
             ["captured step (s)", cap_s, ""],
             ["captured_vs_handwritten", ratio, ">= 0.97"],
+            [f"HF Llama ({args.hf_layers} layers) export + cut (s)", hf[0] if hf else "-", ""],
+            ["HF Llama again, same config (s)", hf[1] if hf else "-", ""],
         ],
     )
     if args.json:

@@ -77,7 +77,9 @@ def resnet18(classes: int = 10) -> nn.Module:
 # -- Hugging Face transformers --------------------------------------------------------------
 
 
-def tiny_gpt2(vocab: int = 64, dim: int = 32, layers: int = 4, seq: int = 16) -> nn.Module:
+def tiny_gpt2(
+    vocab: int = 64, dim: int = 32, layers: int = 4, seq: int = 16, dropout: float = 0.0
+) -> nn.Module:
     """A Hugging Face GPT-2 causal language model of a tiny configuration, as transformers
     builds it (the output head tied to the token embedding)."""
     t = _transformers()
@@ -89,5 +91,51 @@ def tiny_gpt2(vocab: int = 64, dim: int = 32, layers: int = 4, seq: int = 16) ->
         n_head=2,
         bos_token_id=0,
         eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return t.GPT2LMHeadModel(config)
+
+
+def tiny_llama_config(vocab: int = 64, dim: int = 32, layers: int = 4, seq: int = 16) -> Any:
+    """The configuration of :func:`tiny_llama`."""
+    return _transformers().LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_llama(vocab: int = 64, dim: int = 32, layers: int = 4, seq: int = 16) -> nn.Module:
+    """A Hugging Face Llama causal language model of a tiny configuration, built as
+    ``AutoModelForCausalLM.from_config`` builds it (its output head tied to the token
+    embedding). Its natural units: ``model.embed_tokens``, ``model.layers.0`` .. ``3``,
+    ``model.norm``, ``lm_head`` (7 blocks)."""
+    config = tiny_llama_config(vocab, dim, layers, seq)
+    return _transformers().AutoModelForCausalLM.from_config(config)
+
+
+class TokenIds(torch.utils.data.Dataset):
+    """Mappings of ``input_ids`` and ``labels`` (a causal language model's batch: the model
+    shifts the labels itself), rows of ``length`` token ids below ``vocab``."""
+
+    def __init__(self, vocab: int = 64, length: int = 8, n: int = 64) -> None:
+        self.vocab, self.length, self.n = vocab, length, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(self.length) * (i % 7 + 1) + i) % self.vocab
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def token_ids(vocab: int = 64, length: int = 8) -> TokenIds:
+    """:class:`TokenIds`: the data of the Hugging Face jobs (``libmodels:token_ids``)."""
+    return TokenIds(vocab, length)

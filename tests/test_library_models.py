@@ -3,13 +3,16 @@ a factory function (``tests/libmodels.py``).
 
 torchvision's ``resnet18`` is captured as any ``nn.Module`` (14 blocks), trained at k = 4 on
 real daemons, equal to plain PyTorch training of the same module, and its ``model.pt`` loads
-strict into a freshly built ``resnet18``. A Hugging Face causal language model is refused at
-submit in one line (see ``docs/own-models.md``). The libraries are the ``libs`` extra; each
+strict into a freshly built ``resnet18``. A Hugging Face causal language model (tiny Llama,
+its head tied to its embedding) is captured by ``torch.export`` (7 blocks), trained at k = 4
+equal to plain PyTorch training, and its ``model.pt`` loads strict into a fresh
+``AutoModelForCausalLM.from_config``. The libraries are the ``libs`` extra; each
 test skips, saying why, where its library is absent or does not import.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,10 @@ from helpers import plain_training
 from torch import nn
 
 from hetpipe.capture import CaptureError, capture, capture_of, user_state
+from hetpipe.cli import unshared
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import LocalCluster
-from hetpipe.models import ModelError, build_model
+from hetpipe.models import build_model
 
 HERE = Path(__file__).resolve().parent
 STEPS = 8
@@ -100,22 +104,140 @@ def test_torchvision_resnet18_trains_at_k4(cluster: LocalCluster) -> None:
     assert not torch.allclose(got["layer4.1.conv2.weight"], initial["layer4.1.conv2.weight"])
 
 
+def llama_job(name: str, schedule: str = "1f1b") -> dict[str, Any]:
+    """``libmodels:tiny_llama`` on four stages (7 blocks: the embedding, four decoder layers,
+    the final norm, the head tied to the embedding, so the tie spans the first and last
+    stage), Nm = 1, on ``libmodels:token_ids`` (mappings of input_ids and labels); the loss
+    is the one the model returns."""
+    spec = job(
+        name,
+        model="libmodels:tiny_llama",
+        split=[([f"gpu{i}" for i in range(4)], [2, 2, 2, 1])],
+        nm=1,
+        minibatch=4,
+        minibatches=STEPS,
+        train={"schedule": schedule},
+        # each copy of the tie steps on the summed gradient; weight decay would be added by
+        # each copy (docs/own-models.md)
+        weight_decay=0,
+    )
+    spec["data"] = {"name": "libmodels:token_ids", "args": {}}
+    return spec
+
+
 @needs_transformers
-def test_a_hugging_face_causal_lm_is_refused_in_one_line() -> None:
-    """transformers' models take ``**kwargs`` and build their attention masks with control
-    flow on shapes, which ``torch.fx`` cannot trace: refused at submit in one line naming the
-    model and why, before any trace."""
-    spec = JobSpec.from_dict(job("t", model="libmodels:tiny_gpt2"))
-    with pytest.raises(ModelError) as info:
-        build_model(spec.model)
-    text = str(info.value)
-    assert "\n" not in text and info.value.key == "model.name", text
-    assert "cannot capture GPT2LMHeadModel: Hugging Face transformers models" in text, text
+@pytest.mark.parametrize("build", ["tiny_gpt2", "tiny_llama"])
+def test_a_hugging_face_causal_lm_is_captured_by_torch_export(build: str) -> None:
+    """torch.fx cannot trace it; torch.export can: its blocks are its natural units, and on a
+    batch of another shape than the export's example they give the model's own loss, logits
+    and gradients. The state keys are the model's own and load strict into a fresh build."""
+    make = getattr(libmodels, build)
+    torch.manual_seed(0)
+    model = make()
+    rng = torch.get_rng_state()
+    seq = capture(model)
+    assert torch.equal(torch.get_rng_state(), rng)  # builds stay deterministic
+    cap = capture_of(seq)
+    assert cap is not None
+    layers = "transformer.h" if build == "tiny_gpt2" else "model.layers"
+    assert [f"{layers}.{i}" for i in range(4)] == [s for s in cap.starts if s.startswith(layers)]
+    assert cap.starts[-1] == "lm_head" and cap.carries[0] == ("input_ids", "labels")
+    ids = torch.randint(0, 64, (3, 11))
+    batch = {"input_ids": ids, "labels": torch.randint(0, 64, (3, 11))}
+    want = model(**batch)
+    out: Any = batch
+    for block in seq:
+        out = block(out)
+    assert type(out) is type(want)
+    assert torch.allclose(out.logits, want.logits, atol=1e-6)
+    assert torch.allclose(out.loss, want.loss, atol=1e-6)
+    params = list(model.parameters())
+    for got, ref in zip(
+        torch.autograd.grad(out.loss, params), torch.autograd.grad(want.loss, params), strict=True
+    ):
+        assert torch.allclose(got, ref, atol=1e-6)
+    state = user_state(seq, seq.state_dict())
+    assert set(state) == set(model.state_dict())
+    make().load_state_dict(state, strict=True)
+    # a second build of the same configuration reuses the export, with its own tensors
+    again = capture(make())
+    assert len(again) == len(seq) and capture_of(again).starts == cap.starts
+    assert all(a is not b for a, b in zip(again.parameters(), seq.parameters(), strict=True))
+
+
+@needs_transformers
+def test_a_hugging_face_model_is_captured_on_the_meta_device() -> None:
+    """The runtime builds models on the meta device: the export runs there too, and the
+    blocks, materialised on the CPU, run where they are placed."""
+    with torch.device("meta"):
+        seq = build_model(JobSpec.from_dict(llama_job("t")).model)
+    assert len(seq) == 7
+    seq.to_empty(device="cpu")
+    out: Any = {"input_ids": torch.zeros(2, 5, dtype=torch.long)}
+    out["labels"] = out["input_ids"]
+    for block in seq:
+        out = block(out)
+    assert out.logits.shape == (2, 5, 64) and out.logits.device.type == "cpu"
+
+
+@needs_transformers
+def test_split_points_cut_a_hugging_face_model_where_named() -> None:
+    """``model.split_points`` starts blocks at the named submodules, as for any module."""
+    model = libmodels.tiny_llama()
+    seq = capture(model, ["model.layers.2", "lm_head"])
+    assert capture_of(seq).starts == ("", "model.layers.2", "lm_head")
+    ids = torch.randint(0, 64, (2, 6))
+    out: Any = {"input_ids": ids, "labels": ids}
+    for block in seq:
+        out = block(out)
+    assert torch.allclose(out.logits, model(input_ids=ids, labels=ids).logits, atol=1e-6)
+
+
+@needs_transformers
+def test_a_batch_the_export_does_not_take_is_refused_in_one_line() -> None:
+    """The exported inputs are ``input_ids`` and ``labels``: another key is named."""
+    seq = capture(libmodels.tiny_llama())
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(CaptureError) as info:
+        seq[0]({"input_ids": ids, "labels": ids, "attention_mask": ids})
+    assert "'attention_mask'" in str(info.value) and "\n" not in str(info.value)
+
+
+@needs_transformers
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hugging_face_llama_trains_at_k4(cluster: LocalCluster, tmp_path: Path) -> None:
+    """k = 4, the tie across the first and last stage: the exported weights equal plain
+    PyTorch training of the same model and load strict into a fresh
+    ``AutoModelForCausalLM.from_config``, from model.pt and as ``hetpipe export`` writes
+    them in safetensors (where that package is installed)."""
+    spec = llama_job("hf-llama")
+    info = cluster.submit(spec, timeout=280)
+    assert info["state"] == "done", info.get("error")
+    got = torch.load(info["model_path"])
+    fresh = libmodels._transformers().AutoModelForCausalLM.from_config(
+        libmodels.tiny_llama_config()
+    )
+    fresh.load_state_dict(got, strict=True)
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    torch.manual_seed(0)
+    seq = build_model(JobSpec.from_dict(spec).model)
+    initial = user_state(seq, seq.state_dict())
+    assert_same_weights(got, user_state(seq, plain_training(spec, STEPS)))
+    key = "model.layers.3.mlp.down_proj.weight"
+    assert not torch.allclose(got[key], initial[key])
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(unshared(got), str(tmp_path / "model.safetensors"))
+        fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+        assert_same_weights(fresh.state_dict(), got)
 
 
 def test_hugging_face_models_are_told_by_their_base_class() -> None:
     """Without transformers installed: a subclass of a class named ``PreTrainedModel`` from
-    a ``transformers.`` module is refused up front; any other module is traced."""
+    a ``transformers.`` module takes the torch.export route (this one's forward does not take
+    a causal language model's batch: refused in one line); any other module is traced."""
 
     def model(home: str) -> nn.Module:
         base = type("PreTrainedModel", (nn.Module,), {"__module__": home})
@@ -130,6 +252,7 @@ def test_hugging_face_models_are_told_by_their_base_class() -> None:
 
         return Lm()
 
-    with pytest.raises(CaptureError, match=r"^Hugging Face transformers models are not captured"):
+    with pytest.raises(CaptureError, match=r"^torch.export cannot export it: ") as info:
         capture(model("transformers.modeling_utils"))
+    assert "\n" not in str(info.value)
     assert len(capture(model("mypkg.models"))) == 1
