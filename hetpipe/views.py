@@ -244,6 +244,8 @@ def live_view(info: dict[str, Any]) -> list[str]:
         lines.append(f"validation (wave {last.get('wave')}): {figures_text(last)}")
     for d in info.get("diagnosis") or []:
         lines.append(f"hang: {d}")
+    for r in (info.get("replan_decisions") or [])[-3:]:  # [replan]: hetpipe.head.drift
+        lines.append(f"replan: {r['line']}")
     return lines
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetpipe.config import ClusterConfig
+from hetpipe.head import drift
 from hetpipe.head.states import FINISHED
 from hetpipe.jobplan import JobPlan
 from hetpipe.jobstore import TRACE, job_dir, read_result, summary
@@ -99,6 +100,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["validation"] = js.validation
     if js.diagnosis:
         out["diagnosis"] = js.diagnosis
+    if js.watch is not None and js.watch.decisions:
+        out["replan_decisions"] = js.watch.records()
     out.update(js.result)
     return out
 
@@ -302,6 +305,8 @@ async def telemetry(js: JobState, path: Path, log: Any, every_s: float = 1.0) ->
             while True:
                 await asyncio.sleep(every_s)
                 info = record()
+                for decision in drift.tick(js, log):  # [replan]: hetpipe.head.drift
+                    metrics.write(json.dumps(metrics_line(info, replan=decision)) + "\n")
                 now = time.time()
                 sig = progress_signature(js.progress)
                 if sig != last_sig:

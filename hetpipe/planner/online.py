@@ -303,6 +303,7 @@ def replan(
         layout=layout,
         samples_per_s=rate,
         alternative=alternative,
+        details={"stage_times": cand.stage_times},
     )
     over = _over_cap(cand)
     if over is not None:
