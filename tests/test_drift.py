@@ -188,3 +188,9 @@ def test_a_spike_shorter_than_a_window_is_no_drift() -> None:
     det, run = detector(window=6), Run(per_tick=3)
     for i in range(40):  # one tick 4x slower (a pause of the host), then as before
         assert det.observe(run.tick({(0, 1): 4.0} if i == 15 else None)) == []
+
+
+def test_the_host_slowing_every_stage_at_once_is_no_drift() -> None:
+    det, run = detector(), Run()
+    for i in range(60):  # the host's load doubles for a while, for every stage alike
+        assert det.observe(run.tick({k: 2.5 for k in PRED} if 15 <= i < 35 else None)) == []

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -77,21 +78,42 @@ class Drift:
 
 @dataclass
 class _Stage:
-    """One stage's samples ``(done, compute seconds)`` and its settled ratio."""
+    """One stage's samples ``(done, compute seconds)``, where its settled span begins
+    (``anchor``) and, while a change awaits confirmation, where it was first seen."""
 
     predicted_s: float
     warmup: int  # minibatches done before anything counts (from ``start``)
     start: int = 0  # minibatches done when this watch (re)began
     samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
-    settled: float | None = None
-    suspect: int | None = None  # minibatches done when the ratio first crossed the threshold
+    anchor: tuple[int, float] | None = None  # the first sample past the warm-up
+    # while a change awaits confirmation: the minibatches done when the ratio first crossed
+    # the threshold, and where that window began (the settled span ends there)
+    suspect: tuple[int, int] | None = None
+
+    def spent_at(self, done: int) -> float | None:
+        """The compute seconds reported at ``done`` minibatches (None: not kept)."""
+        for d, s in reversed(self.samples):
+            if d == done:
+                return s
+            if d < done:
+                return None
+        return None
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
 
 
 class DriftDetector:
-    """Per stage, the measured / predicted ratio over a window, against its settled value.
+    """Per stage, the measured / predicted ratio over the latest window against its settled
+    ratio (the mean since the warm-up), and that relative to the job's other stages.
 
-    ``predicted[(vw, stage)]``: the plan's compute seconds per minibatch; ``devices``: each
-    stage's device; ``nms[vw]``: each VW's Nm (its warm-up)."""
+    The host's load moves every stage at once (emulated devices share its cores; a real
+    host's data loading and network are shared too), so each stage's change is divided by
+    the median change of the job's other stages: a common slowdown is no drift of a device
+    and a device's own change stands out. ``predicted[(vw, stage)]``: the plan's compute
+    seconds per minibatch; ``devices``: each stage's device; ``nms[vw]``: each VW's Nm (its
+    warm-up)."""
 
     def __init__(
         self,
@@ -116,16 +138,16 @@ class DriftDetector:
                 self.stages[(vw, s)] = _Stage(t, nm + self.window, start=done)
 
     def settle(self, vw: int) -> None:
-        """Settle each stage of ``vw`` again on its next whole window (a drift seen and
-        decided on: what it measures from now on is the new normal)."""
+        """Settle each stage of ``vw`` again from now on (a drift seen and decided on: what
+        it measures from now on is the new normal)."""
         for (v, _), st in self.stages.items():
             if v == vw:
-                st.settled, st.suspect, st.warmup = None, None, 0
+                st.anchor, st.suspect, st.warmup = None, None, 0
                 st.start = st.samples[-1][0] if st.samples else st.start
 
-    def _ratio(self, st: _Stage, floor: int) -> float | None:
-        """Measured / predicted over the latest window that starts at ``floor`` minibatches
-        or later; None before one is complete."""
+    def _window(self, st: _Stage, floor: int) -> tuple[int, float] | None:
+        """``(first minibatch, measured / predicted)`` of the latest window that starts at
+        ``floor`` minibatches or later; None before one is complete."""
         if not st.samples:
             return None
         done, spent = st.samples[-1]
@@ -133,13 +155,21 @@ class DriftDetector:
             if done - d >= self.window:
                 if d < floor:
                     return None  # the window reaches back before the floor
-                return (spent - s) / (done - d) / st.predicted_s
+                return d, (spent - s) / (done - d) / st.predicted_s
         return None
 
-    def observe(self, progress: Mapping[tuple[int, int], Mapping[str, Any]]) -> list[Drift]:
-        """Take each stage's latest report; the drifts seen now, at most one per virtual
-        worker (its stage furthest from its settled ratio)."""
-        worst: dict[int, Drift] = {}
+    def _settled(self, st: _Stage, until: int) -> float | None:
+        """Measured / predicted from the anchor to ``until`` minibatches (at least a
+        window of them), None before that."""
+        if st.anchor is None or until - st.anchor[0] < self.window:
+            return None
+        spent = st.spent_at(until)
+        if spent is None:
+            return None
+        return (spent - st.anchor[1]) / (until - st.anchor[0]) / st.predicted_s
+
+    def _take(self, progress: Mapping[tuple[int, int], Mapping[str, Any]]) -> None:
+        """Append each stage's new report to its samples."""
         for key, st in self.stages.items():
             report = progress.get(key)
             if not report or not report.get("done"):
@@ -150,40 +180,66 @@ class DriftDetector:
                 continue
             if st.samples and done < st.samples[-1][0]:  # a restarted stage counts anew
                 st.samples.clear()
-                st.settled, st.suspect, st.start = None, None, 0
+                st.anchor, st.suspect, st.start = None, None, 0
             st.samples.append((done, spent))
-            now = self._ratio(st, st.start + st.warmup)
-            if now is None:
+
+    def _changes(self) -> dict[tuple[int, int], tuple[int, float, float]]:
+        """Per stage: ``(first minibatch of its window, change, settled ratio)``, the change
+        being the window's ratio / the settled one (the settled span ends where a change
+        awaiting confirmation began)."""
+        out = {}
+        for key, st in self.stages.items():
+            w = self._window(st, st.start + st.warmup)
+            if w is None:
                 continue
-            if st.settled is None:  # the first complete window past the warm-up
-                st.settled = now
+            if st.anchor is None:
+                spent = st.spent_at(w[0])
+                st.anchor = (w[0], spent) if spent is not None else None
                 continue
-            rel = now / st.settled
-            crossed = rel > self.threshold or rel < 1.0 / self.threshold
+            settled = self._settled(st, w[0] if st.suspect is None else st.suspect[1])
+            if settled:
+                out[key] = (w[0], w[1] / settled, settled)
+        return out
+
+    def _drifts(self, rel: float) -> bool:
+        return rel > self.threshold or rel < 1.0 / self.threshold
+
+    def observe(self, progress: Mapping[tuple[int, int], Mapping[str, Any]]) -> list[Drift]:
+        """Take each stage's latest report; the drifts seen now, at most one per virtual
+        worker (its stage furthest from its settled ratio)."""
+        self._take(progress)
+        changes = self._changes()
+        worst: dict[int, Drift] = {}
+        for key, (first, change, settled) in changes.items():
+            st = self.stages[key]
+            others = [c for k, (_, c, _) in changes.items() if k != key]
+            common = _median(others) if others else 1.0
+            done = st.samples[-1][0]
             if st.suspect is None:
                 # a window partly before the change: confirmed (and measured) on the next
                 # window wholly after it, so a spike is no drift and the ratio is the new one
-                st.suspect = done if crossed else None
+                st.suspect = (done, first) if self._drifts(change / common) else None
                 continue
-            now = self._ratio(st, st.suspect)
-            if now is None:
+            w = self._window(st, st.suspect[0])
+            if w is None:
                 continue
-            rel = now / st.settled
             st.suspect = None
-            if rel > self.threshold or rel < 1.0 / self.threshold:
-                vw, stage = key
-                d = Drift(
-                    vw,
-                    stage,
-                    self.devices.get(key, "?"),
-                    rel,
-                    now * st.predicted_s,
-                    st.predicted_s,
-                    done,
-                )
-                old = worst.get(vw)
-                if old is None or abs(math.log(rel)) > abs(math.log(old.ratio)):
-                    worst[vw] = d
+            rel = w[1] / settled / common
+            if not self._drifts(rel):
+                continue
+            vw, stage = key
+            d = Drift(
+                vw,
+                stage,
+                self.devices.get(key, "?"),
+                rel,
+                w[1] * st.predicted_s,
+                st.predicted_s,
+                done,
+            )
+            old = worst.get(vw)
+            if old is None or abs(math.log(rel)) > abs(math.log(old.ratio)):
+                worst[vw] = d
         return [worst[v] for v in sorted(worst)]
 
 
