@@ -87,3 +87,26 @@ def test_a_slowed_real_device_sleeps_the_extra_time() -> None:
     took = emulate.pad(started, emulate.speed_at(1.0, [(0, 3.0)], 0), "cpu")
     assert time.thread_time() - cpu_before < 0.02  # slept, not spun
     assert took >= 0.055
+
+
+def test_a_stage_on_the_slowed_device_computes_slower_from_the_minibatch_on() -> None:
+    """The fault reaches the stage through the task's spec: a single-stage VW of the mlp
+    on gpu1, slowed 4x from minibatch 3, spends about 4x per minibatch from there."""
+    import torch
+
+    from hetpipe.config import DeviceSpec
+    from hetpipe.core.layout import StageLayout
+    from hetpipe.models import build_model
+    from hetpipe.stage import StageCompute
+    from hetpipe.task import StageTask
+
+    slow = {"kind": "slow", "device": "gpu1", "factor": 4.0, "at_minibatch": 3}
+    spec = job(slow)
+    n = len(build_model(spec.model))
+    task = StageTask.standalone("s", spec.to_dict(), StageLayout(("gpu1",), 0, n), minibatches=6)
+    device = DeviceSpec("gpu1", "cpu", "medium", 1 << 30, 0.5, 0, "node0", "127.0.0.1")
+    compute = StageCompute(task, device)
+    assert compute.slowdowns == ((3, 4.0),)
+    x = torch.randn(4, *build_model(spec.model)[0].in_shape if False else (4, 8))[0]
+    del x
+    assert compute._speed(2) == 0.5 and compute._speed(3) == pytest.approx(0.125)

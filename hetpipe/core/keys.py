@@ -829,7 +829,7 @@ JOB: Final = Schema(
                     "Minibatches each stage's time is measured over; the first window after "
                     "the warm-up (Nm and this window's minibatches) settles each stage's "
                     "ratio, so that warm-up never counts as drift.",
-                    8,
+                    16,
                     low=1,
                     high=MAX_SMALL,
                 ),
