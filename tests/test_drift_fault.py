@@ -89,9 +89,13 @@ def test_a_slowed_real_device_sleeps_the_extra_time() -> None:
     assert took >= 0.055
 
 
-def test_a_stage_on_the_slowed_device_computes_slower_from_the_minibatch_on() -> None:
+def test_a_stage_on_the_slowed_device_computes_slower_from_the_minibatch_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fault reaches the stage through the task's spec: a single-stage VW of the mlp
-    on gpu1, slowed 4x from minibatch 3, spends about 4x per minibatch from there."""
+    on gpu1 (speed 0.5), slowed 4x from minibatch 3, pads its passes at a quarter of its
+    speed from there (how long a pad then takes: the test above); a stage on another
+    device is not slowed."""
     import torch
 
     from hetpipe.config import DeviceSpec
@@ -103,10 +107,26 @@ def test_a_stage_on_the_slowed_device_computes_slower_from_the_minibatch_on() ->
     slow = {"kind": "slow", "device": "gpu1", "factor": 4.0, "at_minibatch": 3}
     spec = job(slow)
     n = len(build_model(spec.model))
-    task = StageTask.standalone("s", spec.to_dict(), StageLayout(("gpu1",), 0, n), minibatches=6)
-    device = DeviceSpec("gpu1", "cpu", "medium", 1 << 30, 0.5, 0, "node0", "127.0.0.1")
-    compute = StageCompute(task, device)
-    assert compute.slowdowns == ((3, 4.0),)
-    x = torch.randn(4, *build_model(spec.model)[0].in_shape if False else (4, 8))[0]
-    del x
-    assert compute._speed(2) == 0.5 and compute._speed(3) == pytest.approx(0.125)
+
+    def stage(name: str) -> StageCompute:
+        task = StageTask.standalone("s", spec.to_dict(), StageLayout((name,), 0, n), minibatches=8)
+        compute = StageCompute(task, DeviceSpec(name, "cpu", "m", 1 << 30, 0.5, 0, "n0", "h"))
+        state = build_model(spec.model).state_dict()
+        names = compute.state_names()
+        compute.load({k: state[k] for k in names}, {k: [] for k in names})
+        return compute
+
+    other, slowed = stage("gpu2"), stage("gpu1")
+    assert other.slowdowns == () and slowed.slowdowns == ((3, 4.0),)
+    assert slowed._speed(2) == 0.5 and slowed._speed(3) == pytest.approx(0.125)
+    speeds: list[float] = []
+    real = emulate.pad
+    monkeypatch.setattr(emulate, "pad", lambda m, speed, d: speeds.append(speed) or real(m, 1.0, d))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+    for p in range(5):
+        slowed.forward(p, x, y)
+        slowed.backward(p, None)
+        slowed.step(p)
+    # each forward and backward is padded at its minibatch's speed
+    assert speeds == [0.5] * 6 + [pytest.approx(0.125)] * 4
