@@ -2,9 +2,10 @@
 
 On real daemons on this host, a :class:`hetpipe.localcluster.LocalCluster` of the default
 cluster.toml's four emulated devices (their types, caps and speeds; ports of its own) runs
-the same planned job (cnn on digits, the planner forming the virtual workers) twice: first
-undisturbed, then with ``[[fault]] kind = "slow"`` making gpu1 ``--factor`` times slower from
-minibatch ``--at`` on. ``[replan]`` is at its defaults.
+the same job (cnn on digits; two virtual workers, gpu0 + gpu3 and gpu1 + gpu2, the planner
+cutting the layers and picking Nm) twice: first undisturbed, then with ``[[fault]] kind =
+"slow"`` making gpu1 ``--factor`` times slower from minibatch ``--at`` on. ``[replan]`` is at
+its defaults.
 
 Every device's speed is multiplied by ``--speed-scale`` (relative speeds kept): an emulated
 device pads its compute thread's CPU time to (CPU time) / speed, so on a host whose cores are
@@ -26,6 +27,7 @@ need live layer migration, which this head does not have yet: they are null, wit
 reason in ``needs``.
 
     python scripts/bench_replan.py [--json] [--minibatches N] [--at N] [--factor F]
+                                   [--speed-scale S]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from hetpipe.planner.online import replan
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOWED = "gpu1"
+VWS = (("gpu0", "gpu3"), ("gpu1", "gpu2"))
 NEEDS_MIGRATION = "needs live migration"
 
 
@@ -65,6 +68,10 @@ def _job(name: str, minibatches: int, slow: tuple[int, float] | None) -> dict[st
         "data": {"name": "digits"},
         "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9, "weight_decay": 1e-4},
         "train": {"minibatch": 32, "minibatches": minibatches, "staleness": 1, "seed": 0},
+        # the planner cuts (and picks Nm); the devices are fixed so that the slowed device
+        # shares its virtual worker and a re-split can help (the planner's own formation
+        # varies with the profiles it measures)
+        "vw": [{"devices": list(VWS[0])}, {"devices": list(VWS[1])}],
     }
     if slow is not None:
         at, factor = slow

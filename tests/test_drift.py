@@ -194,3 +194,17 @@ def test_the_host_slowing_every_stage_at_once_is_no_drift() -> None:
     det, run = detector(), Run()
     for i in range(60):  # the host's load doubles for a while, for every stage alike
         assert det.observe(run.tick({k: 2.5 for k in PRED} if 15 <= i < 35 else None)) == []
+
+
+def test_an_error_in_the_watch_stops_it_not_the_telemetry() -> None:
+    log = SimpleNamespace(lines=[])
+    log.info = log.warning = lambda *a, **k: log.lines.append(k)
+    w = watch()
+
+    def broken(progress: Any, now: float | None = None) -> list[Any]:
+        raise ValueError("boom")
+
+    w.tick = broken  # type: ignore[method-assign]
+    js = SimpleNamespace(id="j-1", watch=w, progress={})
+    assert drift.tick(js, log) == [] and w.stopped == "ValueError: boom"
+    assert drift.tick(js, log) == [] and len(log.lines) == 1  # said once

@@ -279,6 +279,7 @@ class Watch:
         )
         self.decisions: list[Decision] = []
         self.drifts: list[Drift] = []
+        self.stopped: str | None = None  # why the watch gave up (an unexpected error)
 
     def tick(
         self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float | None = None
@@ -366,10 +367,16 @@ def tick(js: Any, log: Any) -> list[dict[str, Any]]:
     """The telemetry loop's hook: a running job's new decisions, each logged in one line,
     as the records the metrics file takes (empty where the job has no watch)."""
     watch = getattr(js, "watch", None)
-    if watch is None:
+    if watch is None or watch.stopped is not None:
         return []
     out = []
-    for d in watch.tick(js.progress):
+    try:
+        made = watch.tick(js.progress)
+    except Exception as exc:  # a bug here must never stop the job's telemetry
+        watch.stopped = f"{type(exc).__name__}: {exc}"
+        log.warning("replan watch stopped", job=js.id, error=watch.stopped)
+        return []
+    for d in made:
         (log.info if d.take else log.warning)("replan", job=js.id, decision=d.line())
         out.append({**d.to_dict(), "line": d.line()})
     return out
