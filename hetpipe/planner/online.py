@@ -303,7 +303,11 @@ def replan(
         layout=layout,
         samples_per_s=rate,
         alternative=alternative,
-        details={"stage_times": cand.stage_times},
+        details={
+            "stage_times": cand.stage_times,
+            "static_stage_times": static[vw].stage_times,
+            "types": cand.types,
+        },
     )
     over = _over_cap(cand)
     if over is not None:
