@@ -136,6 +136,7 @@ class ReplanSpec:
     threshold: float = _d("replan.threshold")
     window: int = _d("replan.window")
     min_gain: float = _d("replan.min_gain")
+    window_s: float = _d("replan.window_s")
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def test_a_restarted_stage_counts_anew() -> None:
 def watch(migrate: Any = None, min_gain: float = 1.1) -> Watch:
     layouts = [VWLayout.from_counts([("gpu0",), ("gpu1",), ("gpu2",)], (6, 5, 5), 2)]
     return Watch(
-        ReplanSpec(True, 1.5, 6, min_gain),
+        ReplanSpec(True, 1.5, 6, min_gain, window_s=0.0),
         layouts,
         PRED,
         repo_cluster(),
@@ -158,7 +158,8 @@ def test_the_head_hooks() -> None:
         vws=watch().layouts,
         predicted={"vws": [{"stages": [{"time_s": t} for t in PRED.values()]}]},
     )
-    spec = SimpleNamespace(replan=ReplanSpec(), nm=2, vws=(), schedule="async")
+    replan = ReplanSpec(window=6, window_s=0.0)  # ticks come at once here
+    spec = SimpleNamespace(replan=replan, nm=2, vws=(), schedule="async")
     w = drift.watch_for(spec, plan, repo_cluster(), profile16(), PlanInputs(**KW, nm=2))
     assert w is not None and w.detector.stages.keys() == PRED.keys()
     off = dataclasses.replace(spec.replan, enabled=False)
@@ -208,3 +209,21 @@ def test_an_error_in_the_watch_stops_it_not_the_telemetry() -> None:
     js = SimpleNamespace(id="j-1", watch=w, progress={})
     assert drift.tick(js, log) == [] and w.stopped == "ValueError: boom"
     assert drift.tick(js, log) == [] and len(log.lines) == 1  # said once
+
+
+def test_a_window_spans_window_s_seconds_at_least() -> None:
+    """Ticks 1 s apart, 6 minibatches each: a window of 6 minibatches would be one tick, but
+    with window_s = 4 it spans four, so a burst of two ticks is no drift, a lasting
+    slowdown is."""
+    det, run = DriftDetector(PRED, DEVICES, [2], 1.5, 6, window_s=4.0), Run(per_tick=6)
+    t = 0.0
+    for i in range(40):
+        t += 1.0
+        burst = {(0, 1): 3.0} if i in (15, 16) else None
+        assert det.observe(run.tick(burst), now=t) == []
+    found = []
+    for _ in range(12):
+        t += 1.0
+        found = found or det.observe(run.tick({(0, 1): 3.0}), now=t)
+    # the settled mean holds the burst: the change reads a little under 3
+    assert found and found[0].stage == 1 and found[0].ratio == pytest.approx(3.0, rel=0.15)

@@ -834,6 +834,15 @@ JOB: Final = Schema(
                     high=MAX_SMALL,
                 ),
                 Key(
+                    "window_s",
+                    "float",
+                    "Seconds a window spans at least: a burst of the host's load shorter "
+                    "than two windows is no drift.",
+                    2.0,
+                    low=0.0,
+                    high=MAX_SECONDS,
+                ),
+                Key(
                     "min_gain",
                     "float",
                     "The least predicted speed-up (re-planned / static throughput) a re-plan "

@@ -4,7 +4,8 @@ plan said, and the re-plan decided for it (``[replan]``, :mod:`hetpipe.planner.o
 **What is compared.** Each stage reports, with its progress, the minibatches it has done and
 the time its forwards and backwards took (``done``, ``forward_s``, ``backward_s``); the plan
 predicted that time per minibatch (``time_s`` of each stage in the plan's ``predicted``).
-Over a window of ``window`` minibatches the stage's measured / predicted ratio is taken.
+Over a window of ``window`` minibatches (spanning ``window_s`` seconds at least) the stage's
+measured / predicted ratio is taken.
 
 **Warm-up and the settled ratio.** A stage's first minibatches pay for allocations and
 first calls, and a plan's prediction is off by a constant of its own (the host shares its
@@ -84,7 +85,8 @@ class _Stage:
     predicted_s: float
     warmup: int  # minibatches done before anything counts (from ``start``)
     start: int = 0  # minibatches done when this watch (re)began
-    samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    # (minibatches done, compute seconds, when it was taken: time.monotonic())
+    samples: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     anchor: tuple[int, float] | None = None  # the first sample past the warm-up
     # while a change awaits confirmation: the minibatches done when the ratio first crossed
     # the threshold, and where that window began (the settled span ends there)
@@ -92,7 +94,7 @@ class _Stage:
 
     def spent_at(self, done: int) -> float | None:
         """The compute seconds reported at ``done`` minibatches (None: not kept)."""
-        for d, s in reversed(self.samples):
+        for d, s, _ in reversed(self.samples):
             if d == done:
                 return s
             if d < done:
@@ -122,9 +124,11 @@ class DriftDetector:
         nms: Sequence[int],
         threshold: float,
         window: int,
+        window_s: float = 0.0,
     ) -> None:
         self.threshold = threshold
         self.window = window
+        self.window_s = window_s
         self.devices = dict(devices)
         self.stages = {
             key: _Stage(t, nms[key[0]] + window) for key, t in predicted.items() if t > 0
@@ -150,9 +154,9 @@ class DriftDetector:
         ``floor`` minibatches or later; None before one is complete."""
         if not st.samples:
             return None
-        done, spent = st.samples[-1]
-        for d, s in reversed(st.samples):
-            if done - d >= self.window:
+        done, spent, now = st.samples[-1]
+        for d, s, t in reversed(st.samples):
+            if done - d >= self.window and now - t >= self.window_s:
                 if d < floor:
                     return None  # the window reaches back before the floor
                 return d, (spent - s) / (done - d) / st.predicted_s
@@ -168,7 +172,7 @@ class DriftDetector:
             return None
         return (spent - st.anchor[1]) / (until - st.anchor[0]) / st.predicted_s
 
-    def _take(self, progress: Mapping[tuple[int, int], Mapping[str, Any]]) -> None:
+    def _take(self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float) -> None:
         """Append each stage's new report to its samples."""
         for key, st in self.stages.items():
             report = progress.get(key)
@@ -181,7 +185,7 @@ class DriftDetector:
             if st.samples and done < st.samples[-1][0]:  # a restarted stage counts anew
                 st.samples.clear()
                 st.anchor, st.suspect, st.start = None, None, 0
-            st.samples.append((done, spent))
+            st.samples.append((done, spent, now))
 
     def _changes(self) -> dict[tuple[int, int], tuple[int, float, float]]:
         """Per stage: ``(first minibatch of its window, change, settled ratio)``, the change
@@ -204,10 +208,13 @@ class DriftDetector:
     def _drifts(self, rel: float) -> bool:
         return rel > self.threshold or rel < 1.0 / self.threshold
 
-    def observe(self, progress: Mapping[tuple[int, int], Mapping[str, Any]]) -> list[Drift]:
-        """Take each stage's latest report; the drifts seen now, at most one per virtual
-        worker (its stage furthest from its settled ratio)."""
-        self._take(progress)
+    def observe(
+        self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float | None = None
+    ) -> list[Drift]:
+        """Take each stage's latest report (``now``: when, on a monotonic clock); the drifts
+        seen now, at most one per virtual worker (its stage furthest from its settled
+        ratio)."""
+        self._take(progress, time.monotonic() if now is None else now)
         changes = self._changes()
         worst: dict[int, Drift] = {}
         for key, (first, change, settled) in changes.items():
@@ -275,7 +282,12 @@ class Watch:
             (v, s): st.device for v, lay in enumerate(layouts) for s, st in enumerate(lay.stages)
         }
         self.detector = DriftDetector(
-            predicted, devices, [lay.nm for lay in layouts], spec.threshold, spec.window
+            predicted,
+            devices,
+            [lay.nm for lay in layouts],
+            spec.threshold,
+            spec.window,
+            spec.window_s,
         )
         self.decisions: list[Decision] = []
         self.drifts: list[Drift] = []
