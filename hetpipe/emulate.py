@@ -17,6 +17,12 @@ sleeps until the wall clock reaches the CPU time / s; a stall longer than that s
 (a CUDA device, whose kernels are not the thread's, or torch on several intra-op threads) the
 wall clock stays the measure.
 
+**A slowed device** (``[[fault]] kind = "slow"``, :func:`speed_at`) rehearses a GPU that
+throttles or is shared mid-job: from a given minibatch on, the device computes at its speed
+divided by the fault's factor. The same pad does it on every device: an emulated one's
+padding stretches, and a real one (speed 1) becomes padded, i.e. waits for its GPU work and
+sleeps the extra time after each forward and backward.
+
 Only a padded device waits for its queued GPU work: measuring the time to pad needs the
 work to have finished. A device running at its own speed (``speed = 1``, every real GPU)
 never synchronises here, so the host keeps queueing kernels ahead of the GPU; the times it
@@ -26,6 +32,7 @@ reports are then the host's (launch) times, not the kernels'.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.profile import padded_speed
@@ -37,6 +44,7 @@ __all__ = [
     "on_thread_clock",
     "pad",
     "padded_speed",
+    "speed_at",
     "synchronize",
 ]
 
@@ -67,6 +75,18 @@ def on_thread_clock(device: str) -> bool:
 def emulated(speed: float) -> bool:
     """Whether a device of this ``speed`` is slowed on purpose (its compute is padded)."""
     return speed < 1.0
+
+
+def speed_at(speed: float, slowdowns: Sequence[tuple[int, float]], p: int) -> float:
+    """The speed minibatch ``p`` computes at on a device of config ``speed`` under the
+    slowdowns ``(at_minibatch, factor)`` it is given (``[[fault]] kind = "slow"``): each one
+    from its minibatch on divides the device's padded speed by its factor (several
+    compound). Unslowed, ``speed`` as configured."""
+    factor = 1.0
+    for at, f in slowdowns:
+        if p >= at:
+            factor *= f
+    return speed if factor == 1.0 else padded_speed(speed) / factor
 
 
 def synchronize(device: str) -> None:

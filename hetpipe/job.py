@@ -118,6 +118,29 @@ class FaultSpec:
 
 
 @dataclass(frozen=True)
+class SlowSpec:
+    """``[[fault]] kind = "slow"``: device ``device`` runs each forward and backward
+    ``factor`` times longer from minibatch ``at_minibatch`` (of each virtual worker) on, as a
+    throttled or shared GPU would; the head's drift detection must then notice it
+    (:mod:`hetpipe.head.drift`)."""
+
+    device: str
+    factor: float
+    at_minibatch: int
+
+
+@dataclass(frozen=True)
+class ReplanSpec:
+    """``[replan]``: drift detection and online re-planning (:mod:`hetpipe.head.drift`)."""
+
+    enabled: bool = _d("replan.enabled")
+    threshold: float = _d("replan.threshold")
+    window: int = _d("replan.window")
+    min_gain: float = _d("replan.min_gain")
+    window_s: float = _d("replan.window_s")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """A validated job. ``minibatches`` counts per virtual worker; ``staleness`` is WSP's D."""
 
@@ -147,6 +170,8 @@ class JobSpec:
     shard_wait_s: float = _d("train.shard_wait_s")  # a lost shard: hetpipe.head.shardwait
     checkpoint_every: int = _d("train.checkpoint_every")
     faults: tuple[FaultSpec, ...] = ()
+    slowdowns: tuple[SlowSpec, ...] = ()  # [[fault]] kind = "slow"
+    replan: ReplanSpec = field(default_factory=ReplanSpec)
     schedule: str = _d("train.schedule")  # hetpipe.core.schedule.KINDS or "auto"
     weights: str = _d("train.weights")
     predict_variant: str = _d("train.predict_variant")
@@ -215,7 +240,7 @@ class JobSpec:
             if vw.nm is not None:
                 entry["nm"] = vw.nm
             vws.append(entry)
-        for section in ("lr_schedule", "loss_scale"):  # only what differs from the defaults
+        for section in ("lr_schedule", "loss_scale", "replan"):  # only what differs from defaults
             table = tables[section]
             for name in [n for n, v in table.items() if v == JOB[f"{section}.{n}"].default]:
                 del table[name]
@@ -227,7 +252,8 @@ class JobSpec:
             **({"sources": dict(self.sources)} if self.sources else {}),
             **tables,
             "vw": vws,
-            "fault": [dataclasses.asdict(f) for f in self.faults],
+            "fault": [dataclasses.asdict(f) for f in self.faults]
+            + [{"kind": "slow", **dataclasses.asdict(f)} for f in self.slowdowns],
         }
 
     @classmethod
@@ -317,6 +343,7 @@ class JobSpec:
 
         vws = _vws(root)
         order = _order(train, source, schedule, warmup_forwards, vws, nm)
+        faults = [_fault(ft) for ft in root.tables("fault", JOB.allowed("fault"))]
         if schedule == "auto" and vws:
             train.fail(
                 "schedule",
@@ -371,10 +398,9 @@ class JobSpec:
             sources=sources,
             lr_schedule=lr_schedule,
             loss_scale=loss_scale,
-            faults=tuple(
-                FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
-                for ft in root.tables("fault", JOB.allowed("fault"))
-            ),
+            faults=tuple(f for f in faults if isinstance(f, FaultSpec)),
+            slowdowns=tuple(f for f in faults if isinstance(f, SlowSpec)),
+            replan=_replan(root),
         )
         if strict:
             given = [
@@ -434,6 +460,7 @@ class JobSpec:
                 if f.name != "function"
             },
             "loss_scale": dataclasses.asdict(self.loss_scale),
+            "replan": dataclasses.asdict(self.replan),
             "train": {
                 "minibatch": self.minibatch,
                 "nm": self.nm,
@@ -472,6 +499,28 @@ def _read(t: Table, name: str, default: Any = DECLARED) -> Any:
     """Key ``name`` of table ``t`` as :data:`hetpipe.core.keys.JOB` declares it."""
     section = t.key.partition("[")[0] if t.key else ""
     return t.read(JOB[f"{section}.{name}" if section else name], default)
+
+
+def _fault(t: Table) -> FaultSpec | SlowSpec:
+    """One ``[[fault]]`` table: each key read (a wrong type refused naming it), then the
+    keys of its kind required and the other kind's refused."""
+    kind = _read(t, "kind")
+    values = {k: _read(t, k) for kinds in keys.FAULT_KEYS.values() for k in kinds}
+    for name, value in values.items():
+        if value is not None and name not in keys.FAULT_KEYS[kind]:
+            t.fail(name, f'has no effect with kind "{kind}"')
+    for name in keys.FAULT_KEYS[kind]:
+        if values[name] is None:
+            t.fail(name, f'missing: kind "{kind}" needs it')
+    if kind == "slow":
+        return SlowSpec(values["device"], values["factor"], values["at_minibatch"])
+    return FaultSpec(values["vw"], values["stage"], values["minibatch"], values["seconds"])
+
+
+def _replan(root: Table) -> ReplanSpec:
+    """The ``[replan]`` table (every key has a default)."""
+    rt = root.table("replan", JOB.allowed("replan"))
+    return ReplanSpec(*(_read(rt, f.name) for f in dataclasses.fields(ReplanSpec)))
 
 
 def _given(d: Any, section: str, name: str) -> bool:

@@ -154,4 +154,13 @@ def check_job(
                 f"{fault.minibatch}: each virtual worker "
                 f"trains {total} minibatches (0..{total - 1})",
             )
+    for slow in spec.slowdowns:  # [[fault]] kind = "slow" (named by key: kept apart from stalls)
+        if slow.device not in devices:
+            raise fail("fault.device", f"no device {slow.device!r} in {cluster.path}")
+        if slow.at_minibatch >= total:
+            raise fail(
+                "fault.at_minibatch",
+                f"{slow.at_minibatch}: each virtual worker "
+                f"trains {total} minibatches (0..{total - 1})",
+            )
     return JobFacts(n_layers, per_epoch, model, data.without_train(), n_train, code)

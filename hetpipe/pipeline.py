@@ -212,7 +212,7 @@ class StageRunner:
             device=compute.dev,
             speed=compute.speed,
             pulls=self.schedule.pulls,
-            stalls=bool(compute.stalls),
+            stalls=bool(compute.stalls or compute.slowdowns),
         )
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end

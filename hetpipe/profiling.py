@@ -39,6 +39,7 @@ __all__ = [
     "live_cluster",
     "model_key",
     "plan_for",
+    "plan_inputs",
     "replica_rows",
 ]
 
@@ -90,18 +91,13 @@ def live_cluster(cluster: ClusterConfig, devices: set[str]) -> ClusterConfig:
     return dataclasses.replace(cluster, nodes=tuple(nodes))
 
 
-def plan_for(
+def plan_inputs(
     spec: JobSpec,
-    cluster: ClusterConfig,
-    profile: ModelProfile,
     row_profiles: Mapping[int, ModelProfile] | None = None,
-    *,
     n_train: int | None = None,
-) -> Plan:
-    """The planner's plan for a job without a split, or its prediction for the given split;
-    ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`);
-    ``n_train``: the training samples, where the caller has loaded the data set already."""
-    inputs = PlanInputs(
+) -> PlanInputs:
+    """What the planner prices ``spec`` with (also the online re-plan, hetpipe.head.drift)."""
+    return PlanInputs(
         minibatch=spec.minibatch,
         staleness=spec.staleness,
         optimizer_state_factor=StageOptimizer.state_factor(spec.optimizer),
@@ -115,6 +111,20 @@ def plan_for(
         row_profiles=row_profiles,
         in_flight=spec.in_flight,
     )
+
+
+def plan_for(
+    spec: JobSpec,
+    cluster: ClusterConfig,
+    profile: ModelProfile,
+    row_profiles: Mapping[int, ModelProfile] | None = None,
+    *,
+    n_train: int | None = None,
+) -> Plan:
+    """The planner's plan for a job without a split, or its prediction for the given split;
+    ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`);
+    ``n_train``: the training samples, where the caller has loaded the data set already."""
+    inputs = plan_inputs(spec, row_profiles, n_train)
     if spec.sync:
         return _planned_sync(spec, cluster, profile, inputs)
     if spec.schedule == "auto":

@@ -252,6 +252,10 @@ class StageCompute:
         )
         self.host_gbps = device.host_gbps
         self.stalls: dict[int, list[float]] = {}
+        # [[fault]] kind = "slow" on this device: (at_minibatch, factor), see emulate.speed_at
+        self.slowdowns = tuple(
+            (f.at_minibatch, f.factor) for f in self.spec.slowdowns if f.device == device.name
+        )
         for f in self.spec.faults:
             if (f.vw, f.stage) == (task.vw, task.stage):
                 self.stalls.setdefault(f.minibatch, []).append(f.seconds)
@@ -282,6 +286,10 @@ class StageCompute:
     probe: _Through[Probe | None] = _Through("probes")  # the outstanding prediction probe
     probe_every: _Through[int] = _Through("probes", "every")
     _quality: _Through[Readback] = _Through("probes", "quality")  # the probes' scores
+
+    def _speed(self, p: int) -> float:
+        """The speed minibatch ``p`` computes at (slowed by a ``[[fault]] kind = "slow"``)."""
+        return emulate.speed_at(self.speed, self.slowdowns, p) if self.slowdowns else self.speed
 
     # -- state names ------------------------------------------------------------------------
 
@@ -369,7 +377,7 @@ class StageCompute:
                 if self.half is not None:
                     sent = carry.to_half(sent, self.half)
             self.stats.forward_s += self._charge_swap(
-                emulate.pad(started, self.speed, self.dev), flight.swapped
+                emulate.pad(started, self._speed(p), self.dev), flight.swapped
             )
             return sent
         with self._autocast():
@@ -381,7 +389,7 @@ class StageCompute:
             flight.loss = self.loss_fn(out, target)
         self._losses.add(p, flight.loss)
         self.stats.forward_s += self._charge_swap(
-            emulate.pad(started, self.speed, self.dev), flight.swapped
+            emulate.pad(started, self._speed(p), self.dev), flight.swapped
         )
         return None
 
@@ -469,7 +477,7 @@ class StageCompute:
             self.grads.pending[p] = pgrads
         self.stats.backwards += 1
         self.stats.backward_s += self._charge_swap(
-            emulate.pad(started, self.speed, self.dev), flight.swapped
+            emulate.pad(started, self._speed(p), self.dev), flight.swapped
         )
         return grad_in
 

@@ -42,16 +42,22 @@ def write_chrome_trace(
     spans: Mapping[str, Callable[[], Iterable[list[Any]]]],
     devices: Mapping[str, str],
     job: str,
+    marks: Iterable[Mapping[str, Any]] = (),
 ) -> None:
     """Write :func:`chrome_trace`'s document to ``path`` from each stage's spans as
     ``spans[where]()`` yields them (read twice: the start, then the events), one event in
-    memory at a time."""
+    memory at a time; ``marks``: the job's re-plan decisions (:mod:`hetpipe.head.drift`),
+    each an instant event at its time ``at``."""
     t0 = _start(spans)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
         f.write('{"traceEvents":[')
         for i, event in enumerate(_events(spans, devices, job, t0)):
             f.write(("," if i else "") + json.dumps(event))
+        for m in marks:  # a global instant event: it concerns a whole virtual worker
+            event = {"name": f"replan vw{m['vw']}", "cat": "replan", "ph": "i", "s": "g"}
+            event.update(pid=1, tid=0, ts=(m["at"] - t0) * 1e6, args=dict(m))
+            f.write("," + json.dumps(event))
         f.write('],"displayTimeUnit":"ms","otherData":')
         f.write(json.dumps({"job": job, "t0_unix_s": t0}) + "}")
     os.replace(tmp, path)

@@ -248,6 +248,8 @@ def live_view(info: dict[str, Any]) -> list[str]:
         lines.append(f"hang: {d}")
     if info.get("waiting"):  # a lost shard paused it (hetpipe.head.shardwait)
         lines.append(f"paused: {waiting_text(info['waiting'])}")
+    for r in (info.get("replan_decisions") or [])[-3:]:  # [replan]: hetpipe.head.drift
+        lines.append(f"replan: {r['line']}")
     return lines
 
 

@@ -328,6 +328,7 @@ class StandInCompute:
         )
         self.copier = HostCopier("cpu")
         self.dev, self.speed, self.stalls = "cpu", 1.0, {}  # an unslowed CPU device
+        self.slowdowns = ()  # nor slowed by a [[fault]] kind = "slow"
         self.has_state = True
         self.agrees = False  # no step waits for an agreement of the stages
         self.restored = False  # not started from a checkpoint

@@ -193,7 +193,7 @@ CASES = [
         'name = "t"\nowner = "me"',
         "owner",
         "unknown key (allowed: code, data, fault, loss_scale, lr_schedule, model, name, "
-        "optimizer, sources, train, vw)",
+        "optimizer, replan, sources, train, vw)",
     ),
     (
         "unknown-model",

@@ -81,6 +81,13 @@ ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies 
 PRECISIONS: Final = ("fp32", "bf16", "fp16")
 MERGES: Final = ("sum", "mean")
 IN_FLIGHT: Final = ("plan", "nm")
+FAULT_KINDS: Final = ("stall", "slow")
+# the keys each fault kind takes besides ``kind`` (hetpipe.job reads them)
+FAULT_KEYS: Final = {
+    "stall": ("vw", "stage", "minibatch", "seconds"),
+    "slow": ("device", "factor", "at_minibatch"),
+}
+MAX_SLOW_FACTOR: Final = 1000.0
 
 ADAMW_WEIGHT_DECAY: Final = 1e-2  # torch.optim.AdamW's default: what name = "adamw" expects
 
@@ -822,6 +829,60 @@ JOB: Final = Schema(
             ),
         ),
         Section(
+            "replan",
+            "Online re-planning (hetpipe.head.drift, hetpipe.planner.online): the head compares "
+            "each stage's measured compute time per minibatch with the plan's prediction, and "
+            "where a virtual worker's stage drifts from it, re-splits that virtual worker's "
+            "layers over its devices with the drifted device's profile scaled by what it "
+            "measured. Each decision, carried out or refused, is logged and recorded "
+            "(metrics.jsonl, stages.json, the trace, `hetpipe status`). Watching is safe "
+            "everywhere (it reads telemetry and prices plans on the head), so it is on by "
+            "default; it watches only jobs whose plan was priced (a split the planner could "
+            "not predict has nothing to compare with). A decision is carried out only where "
+            "the head can migrate layers between live stages; elsewhere it is recorded as "
+            "refused, with that reason.",
+            (
+                Key("enabled", "boolean", "Watch for drift and decide re-plans.", True),
+                Key(
+                    "threshold",
+                    "float",
+                    "A stage drifts when its measured / predicted time, over the window, is "
+                    "this many times what it was once settled (or that many times less).",
+                    1.5,
+                    above=1.0,
+                    high=MAX_SLOW_FACTOR,
+                ),
+                Key(
+                    "window",
+                    "integer",
+                    "Minibatches each stage's time is measured over; the first window after "
+                    "the warm-up (Nm and this window's minibatches) settles each stage's "
+                    "ratio, so that warm-up never counts as drift.",
+                    16,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
+                Key(
+                    "window_s",
+                    "float",
+                    "Seconds a window spans at least: a burst of the host's load shorter "
+                    "than two windows is no drift.",
+                    2.0,
+                    low=0.0,
+                    high=MAX_SECONDS,
+                ),
+                Key(
+                    "min_gain",
+                    "float",
+                    "The least predicted speed-up (re-planned / static throughput) a re-plan "
+                    "must promise to be carried out.",
+                    1.1,
+                    low=1.0,
+                    high=MAX_SLOW_FACTOR,
+                ),
+            ),
+        ),
+        Section(
             "vw",
             "An explicit split: one table per virtual worker (without any, the planner "
             "forms them).",
@@ -853,15 +914,55 @@ JOB: Final = Schema(
         ),
         Section(
             "fault",
-            "Deterministic fault injection for tests and drills: stall a stage's compute "
-            "before the forward of a minibatch.",
+            'Deterministic fault injection for tests and drills. `kind = "stall"` stalls a '
+            "stage's compute before the forward of a minibatch (`vw`, `stage`, `minibatch`, "
+            '`seconds`); `kind = "slow"` makes a device `factor` times slower from a minibatch '
+            "on (`device`, `factor`, `at_minibatch`): an emulated device's padding stretches, a "
+            "real one sleeps the extra time after each forward and backward.",
             (
-                Key("vw", "integer", "The virtual worker.", low=0, high=MAX_SMALL),
-                Key("stage", "integer", "The stage in it.", low=0, high=MAX_SMALL),
                 Key(
-                    "minibatch", "integer", "The minibatch to stall before.", low=0, high=MAX_COUNT
+                    "kind",
+                    "string",
+                    "What goes wrong: a stalled stage or a slowed device.",
+                    "stall",
+                    choices=FAULT_KINDS,
+                    noun="fault kind",
                 ),
-                Key("seconds", "float", "How long to stall.", above=0.0, high=MAX_SECONDS),
+                Key("vw", "integer", "stall: the virtual worker.", None, low=0, high=MAX_SMALL),
+                Key("stage", "integer", "stall: the stage in it.", None, low=0, high=MAX_SMALL),
+                Key(
+                    "minibatch",
+                    "integer",
+                    "stall: the minibatch to stall before.",
+                    None,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "seconds",
+                    "float",
+                    "stall: how long to stall.",
+                    None,
+                    above=0.0,
+                    high=MAX_SECONDS,
+                ),
+                Key("device", "string", "slow: the device (its name in cluster.toml).", None),
+                Key(
+                    "factor",
+                    "float",
+                    "slow: how many times longer each forward and backward takes.",
+                    None,
+                    above=1.0,
+                    high=MAX_SLOW_FACTOR,
+                ),
+                Key(
+                    "at_minibatch",
+                    "integer",
+                    "slow: the first minibatch (of each virtual worker) it runs slowed.",
+                    None,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
             ),
             array=True,
         ),

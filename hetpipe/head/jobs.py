@@ -18,6 +18,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 import zmq
 
 from hetpipe import checkpoint
+from hetpipe.head import drift
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
@@ -45,7 +47,7 @@ from hetpipe.jobstore import (
 )
 from hetpipe.metrics import Best, MetricError, best_rule, parse_every
 from hetpipe.planner import PlanError
-from hetpipe.profiling import live_cluster, plan_for, predicted_summary
+from hetpipe.profiling import live_cluster, plan_for, plan_inputs, predicted_summary
 from hetpipe.ratelog import excerpt
 from hetpipe.rotation import RotatingJsonl, Thinning
 from hetpipe.security import worker_user
@@ -96,6 +98,7 @@ class JobState:
     lost_shard: int | None = None  # set when the failure is a lost shard (may wait for it)
     waiting: dict[str, Any] | None = None  # what a paused job waits for (shardwait)
     shard_waits: list[dict[str, Any]] = field(default_factory=list)  # each pause, as it went
+    watch: drift.Watch | None = None  # [replan]: drift detection and online re-plans
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
     resumed_of: str | None = None  # the job this one continues (hetpipe.head.recovery)
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
@@ -352,6 +355,8 @@ class JobsPart:
                 facts=facts,
             ),
         )
+        if predicted is not None:  # [replan]: watched against the plan's predictions
+            js.watch = drift.watch_for(spec, js.plan, cluster, profile, plan_inputs(spec, rows))
         if js.resume is not None:
             self._restore(js, js.plan, js.resume)
             js.lost = self._lost_since(js.resume)
@@ -490,12 +495,19 @@ class JobsPart:
         # each stage's records and spans streamed into the job's directory while it ran:
         # stages.json and the trace are written from there, a chunk at a time
         stages = {
-            f"vw{v}/stage{s}": {**r, "replicas": list(plan.vws[v].stages[s].replicas)}
+            f"vw{v}/stage{s}": {
+                **r,
+                "replicas": list(plan.vws[v].stages[s].replicas),
+                **drift.stage_record(js, v),
+            }
             for (v, s), r in sorted(js.stage_results.items())
         }
         streams = {f"vw{v}/stage{s}": records_path(out_dir, v, s) for v, s in js.stage_results}
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
-        await loop.run_in_executor(None, _write_outputs, out_dir, stages, streams, devices, js.id)
+        marks = drift.decisions_of(js)  # the trace's re-plan events
+        await loop.run_in_executor(
+            None, _write_outputs, out_dir, stages, streams, devices, js.id, False, marks
+        )
         samples = done * js.spec.minibatch
         quality = {
             k: r["stats"].get("prediction_quality")
@@ -523,6 +535,7 @@ class JobsPart:
             "checkpoints_superseded": js.checkpoints_superseded,
             "checkpoint_s": js.checkpoint_s,
             "checkpoint_stage_s": js.checkpoint_stage_s,
+            **drift.result_of(js),  # the final plan and each re-plan decision
         }
 
     async def _keep_records(self, js: JobState) -> None:
@@ -544,13 +557,15 @@ class JobsPart:
                     # a stage that did not finish: its last progress report stands in
                     **js.stage_results.get((v, s), {"stats": dict(js.progress.get((v, s), {}))}),
                     "replicas": list(plan.vws[v].stages[s].replicas),
+                    **drift.stage_record(js, v),
                 }
                 for v, s in keys
             }
             devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in keys}
             loop = asyncio.get_running_loop()
+            marks = drift.decisions_of(js)
             await loop.run_in_executor(
-                None, _write_outputs, out_dir, stages, streams, devices, js.id, True
+                None, _write_outputs, out_dir, stages, streams, devices, js.id, True, marks
             )
             js.result = {
                 **js.result,
@@ -698,6 +713,7 @@ def _write_outputs(
     devices: dict[str, str],
     job: str,
     keep: bool = False,
+    marks: Sequence[dict[str, Any]] = (),
 ) -> None:
     """A job's ``stages.json`` and trace from its stages' streams; a finished job's streams
     are then dropped (both files hold all they held), an ended one's ``keep`` them."""
@@ -710,6 +726,7 @@ def _write_outputs(
         },
         devices,
         job,
+        marks,
     )
     if not keep:
         shutil.rmtree(out_dir / RECORDS, ignore_errors=True)

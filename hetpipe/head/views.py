@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetpipe.config import ClusterConfig
+from hetpipe.head import drift
 from hetpipe.head.states import FINISHED
 from hetpipe.jobplan import JobPlan
 from hetpipe.jobstore import TRACE, job_dir, read_result, summary
@@ -104,6 +105,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["validation"] = js.validation
     if js.diagnosis:
         out["diagnosis"] = js.diagnosis
+    if js.watch is not None and js.watch.decisions:
+        out["replan_decisions"] = js.watch.records()
     out.update(js.result)
     return out
 
@@ -303,6 +306,8 @@ async def telemetry(js: JobState, metrics: RotatingJsonl, log: Any, every_s: flo
         while True:
             await asyncio.sleep(every_s)
             info = record()
+            for decision in drift.tick(js, log):  # [replan]: hetpipe.head.drift
+                metrics.append(metrics_line(info, replan=decision))
             now = time.time()
             sig = progress_signature(js.progress)
             if sig != last_sig:
