@@ -98,6 +98,9 @@ class _InFlight:
     # backward to the weights predicted ``late`` updates ahead then (hetpipe.lateweights)
     late: int | None = None
     swapped: int = 0  # bytes its swapped layers parked in host memory
+    # a split backward (zero-bubble kinds): the gradient of the output its input gradient
+    # was taken from, on the device, kept for the weight gradient
+    grad: Carry | None = None
 
 
 RECENT_LOSSES = 20  # how many of the last losses the live mean takes
@@ -473,6 +476,56 @@ class StageCompute:
         )
         return grad_in
 
+    def backward_input(self, p: int, grad: Carry | None) -> Carry | None:
+        """The first half of a split backward (:class:`hetpipe.core.schedule.BackwardInput`):
+        the gradient of minibatch ``p``'s input only, returned as :meth:`backward` returns
+        it, at once, for the previous stage. Its graph and ``grad`` stay with the minibatch
+        (counted in its kept activations) for :meth:`backward_weight`. The first stage has
+        no input gradient to give: it only keeps ``grad``."""
+        started = emulate.mark()
+        flight = self.in_flight[p]
+        if grad is not None:
+            grad = (
+                to_device(grad, self.dev)
+                if isinstance(grad, (torch.Tensor, Shared))
+                else carry.mapped(grad, lambda t: to_device(t, self.dev))
+            )
+        flight.grad = grad
+        if self.task.is_first:
+            return None
+        grad_in = self._gradients(flight, grad, "input")[0]
+        self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
+        return grad_in
+
+    def backward_weight(self, p: int) -> None:
+        """The second half of a split backward (:class:`hetpipe.core.schedule.
+        BackwardWeight`): the weights' gradient of minibatch ``p`` from the graph and output
+        gradient :meth:`backward_input` kept, summed into the iteration's as :meth:`backward`
+        does; the minibatch's graph is freed. Together the two give what :meth:`backward`
+        gives."""
+        started = emulate.mark()
+        flight = self.in_flight.pop(p)
+        pgrads = self._gradients(flight, flight.grad, "weight")[1]
+        flight.grad = None
+        self.versions[p] = (
+            flight.version,
+            flight.fingerprint,
+            self.wv.version,
+            fingerprint(flight.params) if self.verify else 0.0,
+        )
+        self.grads.add(pgrads, flight.samples)
+        self.stats.backwards += 1
+        self.stats.backward_s += self._charge_swap(
+            emulate.pad(started, self.speed, self.dev), flight.swapped
+        )
+
+    def _gradients(
+        self, flight: _InFlight, grad: Carry | None, part: str
+    ) -> tuple[Carry | None, dict[str, torch.Tensor]]:
+        if isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor):
+            return self._differentiate(flight, grad, part)  # type: ignore[arg-type]
+        return self._differentiate_carry(flight, grad, part)
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the backward starts from: times the fixed ``loss_scale`` and, under fp16,
         the dynamic loss scale (undone on the gradients before the step)."""
@@ -480,13 +533,20 @@ class StageCompute:
         return loss * scale if scale != 1.0 else loss
 
     def _differentiate(
-        self, flight: _InFlight, grad: torch.Tensor | None
+        self, flight: _InFlight, grad: torch.Tensor | None, part: str = "all"
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """The gradients of a minibatch's input (as the previous stage takes it) and of its
-        weights, from its graph and the gradient of its output: one tensor in, one out."""
+        weights, from its graph and the gradient of its output: one tensor in, one out.
+        ``part``: ``all``, or of a split backward ``input`` (the graph kept for the rest) or
+        ``weight`` (no input gradient: None)."""
         assert isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor)
-        wants_input = flight.x.requires_grad
-        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        wants_input = flight.x.requires_grad and part != "weight"
+        names = (
+            []
+            if part == "input"
+            else [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        )
+        retain = part == "input"
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
         loss = flight.loss
         target = loss if loss is not None else flight.out
@@ -495,7 +555,9 @@ class StageCompute:
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         elif loss is not None:
-            grads = torch.autograd.grad(self._scaled(loss), inputs, allow_unused=True)
+            grads = torch.autograd.grad(
+                self._scaled(loss), inputs, allow_unused=True, retain_graph=retain
+            )
         else:
             assert grad is not None, f"{self.where}: backward without a gradient"
             grads = torch.autograd.grad(
@@ -503,7 +565,10 @@ class StageCompute:
                 inputs,
                 to_device(grad, self.dev).to(flight.out.dtype),
                 allow_unused=True,
+                retain_graph=retain,
             )
+        if part == "weight":
+            return None, {n: g for n, g in zip(names, grads, strict=True) if g is not None}
         grad_in = grads[0] if wants_input else None
         if grad_in is not None and self.half is not None:
             grad_in = grad_in.to(self.half)  # gradients travel in the compute precision
@@ -519,7 +584,7 @@ class StageCompute:
         return grad_in, pgrads
 
     def _differentiate_carry(
-        self, flight: _InFlight, grad: Carry | None
+        self, flight: _InFlight, grad: Carry | None, part: str = "all"
     ) -> tuple[Carry | None, dict[str, torch.Tensor]]:
         """:meth:`_differentiate` where a tuple (or the first stage's dict) goes in or out.
 
@@ -531,8 +596,12 @@ class StageCompute:
         input), an input that took none getting zeros; an empty tensor where no input is
         floating."""
         floats_in = [t for t in carry.tensors(flight.x) if t.is_floating_point()]
-        ins = [t for t in floats_in if t.requires_grad]
-        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        ins = [t for t in floats_in if t.requires_grad] if part != "weight" else []
+        names = (
+            []
+            if part == "input"
+            else [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        )
         inputs = ins + [flight.params[n] for n in names]
         loss = flight.loss
         outs: list[torch.Tensor] = []
@@ -552,12 +621,12 @@ class StageCompute:
                         grad_outs.append(to_device(g, self.dev).to(t.dtype))
         if inputs and outs:
             grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-                outs, inputs, grad_outs, allow_unused=True
+                outs, inputs, grad_outs, allow_unused=True, retain_graph=part == "input"
             )
         else:  # nothing to differentiate (see _differentiate)
             grads = (None,) * len(inputs)
         pgrads = {n: g for n, g in zip(names, grads[len(ins) :], strict=True) if g is not None}
-        if self.task.is_first:
+        if self.task.is_first or part == "weight":
             return None, pgrads
         if not floats_in:
             return torch.zeros(0, device=self.dev), pgrads

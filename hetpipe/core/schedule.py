@@ -66,8 +66,10 @@ from typing import Protocol
 from hetpipe.core.wsp import pull_need
 
 __all__ = [
+    "INPUT_GRAD_SHARE",
     "KINDS",
     "SYNC_KINDS",
+    "ZB_KINDS",
     "Action",
     "Backward",
     "BackwardInput",
@@ -312,6 +314,12 @@ def _zb_h2(k: int, stage: int) -> tuple[int, int]:
     # first stage); the weight gradients deferred as in zb-h1
     return 2 * (k - stage - 1), stage
 
+
+# The share of a backward's time its input gradient takes (the weight gradient the rest),
+# by which the planner prices a split backward: a linear or convolution layer's input and
+# weight gradients are each one product the size of its forward, so 1:1. (The first stage
+# has no input gradient to give; priced alike all the same.)
+INPUT_GRAD_SHARE = 0.5
 
 # per zero-bubble kind: (warm-up forwards, weight gradients deferred) of a stage
 ZB_SHAPES: dict[str, Callable[[int, int], tuple[int, int]]] = {"zb-h1": _zb_h1, "zb-h2": _zb_h2}
