@@ -65,6 +65,7 @@ from hetpipe.probes import PROBE_EVERY, Probe, Probes
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
+from hetpipe.splitbackward import Kept, input_gradients, weight_gradients
 from hetpipe.stagelayers import StageLayers, build_stage_module
 from hetpipe.stagememory import LayerBytes, MemoryCount, nbytes
 from hetpipe.task import StageTask
@@ -101,6 +102,7 @@ class _InFlight:
     # a split backward (zero-bubble kinds): the gradient of the output its input gradient
     # was taken from, on the device, kept for the weight gradient
     grad: Carry | None = None
+    kept: Kept | None = None  # what its input gradient left for the weights' (splitbackward)
 
 
 RECENT_LOSSES = 20  # how many of the last losses the live mean takes
@@ -526,6 +528,35 @@ class StageCompute:
             return self._differentiate(flight, grad, part)  # type: ignore[arg-type]
         return self._differentiate_carry(flight, grad, part)
 
+    @property
+    def _splits(self) -> bool:
+        """Whether a split backward's halves go through :mod:`hetpipe.splitbackward` (its
+        weight half walks only the weights' branches). Not under recomputed layers, whose
+        checkpoints rerun at each pass: there the weight half differentiates the kept graph
+        from the outputs again."""
+        return not self.task.recompute
+
+    def _split(
+        self,
+        flight: _InFlight,
+        outs: list[torch.Tensor],
+        grad_outs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        weights: list[str],
+        part: str,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """One half of a split backward (``part``: ``input`` or ``weight``), the gradients
+        of ``inputs`` as :meth:`_differentiate` takes them (``weights``: the names of the
+        weights that take a gradient; the input half keeps what the weight half needs)."""
+        if part == "input":
+            params = [flight.params[n] for n in weights]
+            grads, flight.kept = input_gradients(outs, grad_outs, inputs, params)
+            return grads
+        kept, flight.kept = flight.kept, None
+        if kept is None:  # the first stage: no input half ran before
+            return torch.autograd.grad(outs, inputs, grad_outs, allow_unused=True)
+        return weight_gradients(kept, inputs)
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the backward starts from: times the fixed ``loss_scale`` and, under fp16,
         the dynamic loss scale (undone on the gradients before the step)."""
@@ -541,11 +572,8 @@ class StageCompute:
         ``weight`` (no input gradient: None)."""
         assert isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor)
         wants_input = flight.x.requires_grad and part != "weight"
-        names = (
-            []
-            if part == "input"
-            else [n for n in self.wv.param_names if flight.params[n].requires_grad]
-        )
+        weights = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        names = [] if part == "input" else weights
         retain = part == "input"
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
         loss = flight.loss
@@ -554,6 +582,17 @@ class StageCompute:
             # nothing to differentiate: a parameter-free first stage, or an output that
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        elif part != "all" and self._splits:
+            grads = self._split(
+                flight,
+                [self._scaled(loss)] if loss is not None else [flight.out],
+                [torch.ones_like(loss)]
+                if loss is not None
+                else [to_device(grad, self.dev).to(flight.out.dtype)],  # type: ignore[arg-type]
+                inputs,
+                weights,
+                part,
+            )
         elif loss is not None:
             grads = torch.autograd.grad(
                 self._scaled(loss), inputs, allow_unused=True, retain_graph=retain
@@ -597,11 +636,8 @@ class StageCompute:
         floating."""
         floats_in = [t for t in carry.tensors(flight.x) if t.is_floating_point()]
         ins = [t for t in floats_in if t.requires_grad] if part != "weight" else []
-        names = (
-            []
-            if part == "input"
-            else [n for n in self.wv.param_names if flight.params[n].requires_grad]
-        )
+        weights = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        names = [] if part == "input" else weights
         inputs = ins + [flight.params[n] for n in names]
         loss = flight.loss
         outs: list[torch.Tensor] = []
@@ -619,8 +655,12 @@ class StageCompute:
                     if t.requires_grad:
                         outs.append(t)
                         grad_outs.append(to_device(g, self.dev).to(t.dtype))
-        if inputs and outs:
-            grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+        if part != "all" and self._splits and outs:
+            grads: tuple[torch.Tensor | None, ...] = self._split(
+                flight, outs, grad_outs, inputs, weights, part
+            )
+        elif inputs and outs:
+            grads = torch.autograd.grad(
                 outs, inputs, grad_outs, allow_unused=True, retain_graph=part == "input"
             )
         else:  # nothing to differentiate (see _differentiate)
