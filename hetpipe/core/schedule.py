@@ -86,9 +86,11 @@ __all__ = [
     "Wait",
     "check_order",
     "clock_cycles",
+    "deferred_peak",
     "fill_counts",
     "held_peak",
     "iteration_trips",
+    "max_deferred",
     "max_in_flight",
     "microbatch_order",
     "stage_tables",
@@ -336,6 +338,26 @@ def held_peak(order: Sequence[tuple[str, int]]) -> int:
         elif op in ("B", "W"):
             held -= 1
     return peak
+
+
+def deferred_peak(order: Sequence[tuple[str, int]]) -> int:
+    """The most microbatches an order holds at once between an input gradient (``I``) and
+    its weight gradient (``W``): each keeps the gradients the weight gradient starts from."""
+    held = peak = 0
+    for op, _j in order:
+        if op == "I":
+            held += 1
+            peak = max(peak, held)
+        elif op == "W":
+            held -= 1
+    return peak
+
+
+def max_deferred(kind: str, k: int, stage: int, nm: int) -> int:
+    """What :func:`deferred_peak` charges a stage of ``kind``: 0 where backwards are whole."""
+    if kind not in ZB_KINDS:
+        return 0
+    return deferred_peak(microbatch_order(kind, k, stage, nm))
 
 
 @functools.lru_cache(maxsize=4096)

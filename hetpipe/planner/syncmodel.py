@@ -16,11 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.core.memory import StageMemory, in_flight, stage_memory_of, stage_terms
+from hetpipe.core.memory import (
+    StageMemory,
+    deferred_grads,
+    in_flight,
+    stage_memory_of,
+    stage_terms,
+)
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
     iteration_trips,
+    max_deferred,
     microbatch_order,
 )
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
@@ -145,6 +152,7 @@ class SyncModel:
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
                 "S": pre(lp.saved_bytes for lp in lps),
+                "O": pre(lp.out_bytes for lp in lps),
                 "in": np.array(
                     [self.profile.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.float64
                 ),  # in[a]: input bytes of a stage from a
@@ -254,6 +262,9 @@ class SyncModel:
             factor=self.factor,
             flight=in_flight(position, k, self.m, kind, warmup=warmup),
             schedule=kind,
+            deferred=deferred_grads(
+                max_deferred(kind, k, position, self.m), t["O"][None, :] - t["O"][:, None]
+            ),
         ).total
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
