@@ -493,9 +493,9 @@ class StageCompute:
                 else carry.mapped(grad, lambda t: to_device(t, self.dev))
             )
         flight.grad = grad
-        if self.task.is_first:
-            return None
-        grad_in = self._gradients(flight, grad, "input")[0]
+        grad_in = None if self.task.is_first else self._gradients(flight, grad, "input")[0]
+        # what it keeps until its weight gradient is the most a split backward holds
+        self._check_memory()
         self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
         return grad_in
 

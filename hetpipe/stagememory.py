@@ -160,7 +160,7 @@ class MemoryCount:
         activations = sum(f.kept_bytes for f in in_flight.values())
         # a split backward between its halves: the output gradient and the gradients its
         # weight half starts from (hetpipe.splitbackward)
-        activations += sum(_split_bytes(f) for f in in_flight.values() if f.grad is not None)
+        activations += sum(_split_bytes(f) for f in in_flight.values())
         if any(f.recompute for f in in_flight.values()):
             # a rerun's room is never used while a forward's graph is kept: a graph is kept
             # only where no other update comes before its backward (fixed order), and a
@@ -180,7 +180,8 @@ class MemoryCount:
 
 
 def _split_bytes(flight: _InFlight) -> int:
-    """Bytes a minibatch keeps between the input and weight halves of its backward."""
+    """Bytes a minibatch keeps between the input and weight halves of its backward (none
+    outside a split backward)."""
     out = nbytes(flight.grad) if flight.grad is not None else 0
     if flight.kept is not None:
         for _meets, _members, captured in flight.kept.groups:

@@ -78,8 +78,9 @@ def test_unit_stages_zb_fills_what_1f1b_leaves_idle():
 
 def test_zb_memory_holds_the_graph_until_the_weight_gradient():
     """A stage holds each microbatch's activations until its W (the order's held peak) and,
-    between its I and W, about one output of each layer in gradients."""
-    layer = LayerProfile(1e-3, 2e-3, 0, 0, ACT, 3 * ACT, 0)
+    between its I and W, its output's gradient and one per other layer with weights (the
+    first stage, whose input takes none, its output's alone)."""
+    layer = LayerProfile(1e-3, 2e-3, 4096, 0, ACT, 3 * ACT, 0)
     layers = (layer, layer)
 
     def mem(kind: str, pos: int):
@@ -89,7 +90,8 @@ def test_zb_memory_holds_the_graph_until_the_weight_gradient():
         n = max_in_flight("zb-h1", 4, pos, 8)
         deferred = max_deferred("zb-h1", 4, pos, 8)
         assert (n, deferred) == (4, pos + 1)
-        assert mem("zb-h1", pos).activations == n * (ACT + 2 * 3 * ACT) + deferred * 2 * ACT
+        grads = ACT if pos == 0 else 2 * ACT  # the first stage keeps its output's gradient
+        assert mem("zb-h1", pos).activations == n * (ACT + 2 * 3 * ACT) + deferred * grads
         assert max_deferred("1f1b", 4, pos, 8) == 0
         assert mem("1f1b", pos).activations == (4 - pos) * (ACT + 2 * 3 * ACT)
 
@@ -147,3 +149,16 @@ def test_search_with_zb_kinds_is_within_5_percent_of_the_exhaustive_optimum():
         assert got is not None
         gaps.append(got.iteration_s / opt.iteration_s - 1)
     assert max(gaps) <= 0.05, sorted(gaps)[-3:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vectorised_memory_is_the_scalar_models(kind):
+    """The partitioner's memory over every [a, b) is the one model's, zb terms included."""
+    rng = random.Random(5)
+    prof = synthetic_profile(5, {"a": 1.0}, rng)
+    model = SyncModel(prof, [Dev("d0", "a", 1 << 40)], lambda a, b: 1e9, 6, 1, kinds=KINDS)
+    for pos in range(3):
+        grid = model._memory_matrix(0, pos, 3, kind)
+        for a in range(5):
+            for b in range(a + 1, 6):
+                assert grid[a, b] == model.memory(0, a, b, pos, 3, kind).total

@@ -4,12 +4,15 @@ with two virtual workers (see hetpipe/core/schedule.py, StageCompute.backward_in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
-from conftest import assert_same_weights, job
+from conftest import assert_same_weights, job, user_code_cluster
 from helpers import plain_training, stages_json
 
-from hetpipe.core.schedule import microbatch_order
+from hetpipe.core.schedule import max_in_flight, microbatch_order
+from hetpipe.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +76,65 @@ def test_zb_transparency_two_vws(uniform_cluster) -> None:
     assert_same_weights(
         torch.load(info["model_path"]), plain_training(spec, ITERATIONS, m=M, vws=2)
     )
+
+
+@pytest.fixture(scope="module")
+def user_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Four devices, two shards; the daemons may import ``usermodels``."""
+    c = user_code_cluster(tmp_path_factory, "usermodels")
+    yield c
+    c.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("kind", "model", "args", "layers"),
+    [
+        ("zb-h1", "residual_net", {"norm": False}, [3, 5]),  # (a, skip) crosses the cut
+        ("zb-h2", "masked_seq", {}, [1, 2, 1, 2]),  # (h, pos, mask): an integer carry too
+    ],
+)
+def test_zb_carries_train_plain_pytorchs_weights(user_cluster, kind, model, args, layers) -> None:
+    """Tuples cross the cuts: each floating tensor's input gradient goes back at I, the
+    weights' at W."""
+    devices = [f"gpu{i}" for i in range(len(layers))]
+    spec = job(
+        f"zb-carries-{model}-{kind}",
+        model=f"usermodels:{model}",
+        model_args=args,
+        split=[(devices, layers)],
+        nm=M,
+        minibatches=M * 6,
+        train={"schedule": kind},
+    )
+    info = user_cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, 6, m=M))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2"])
+def test_zb_memory_predicted_against_counted(uniform_cluster, kind) -> None:
+    """Each stage holds the order's count of microbatches until their weight gradients, and
+    its peak activations (graphs kept until W, gradients kept between I and W) come within
+    10% of the memory model's."""
+    k = 4
+    spec = job(
+        f"zb-mem-{kind}",
+        model="cnn",
+        model_args={"width": 16},
+        minibatch=64,
+        nm=8,
+        minibatches=16,
+        split=[([f"gpu{i}" for i in range(k)], [5, 4, 4, 3])],
+        train={"schedule": kind},
+    )
+    info = uniform_cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    pred = info["predicted"]["vws"][0]["stages"]
+    for s in sorted(info["stages"], key=lambda x: x["stage"]):
+        i = s["stage"]
+        assert s["peak_in_flight"] == max_in_flight(kind, k, i, 8), i
+        want = pred[i]["memory_terms"]["activations"]
+        got = s["peak_memory"]["activations"]
+        assert abs(got - want) <= 0.10 * want, (i, got, want)

@@ -30,8 +30,9 @@ activations   for every in-flight minibatch, what its layers keep for the backwa
               (zb-h1, zb-h2) keeps a minibatch's graph until its weight gradient (the
               in-flight count runs to the ``W``: :func:`hetpipe.core.schedule.held_peak`)
               and, between its input and weight gradients, the gradients the weight pass
-              starts from, about one output of each of its layers
-              (:func:`deferred_grads`, for the order's most such minibatches at once)
+              starts from: its output's and one output of each other layer with weights
+              (the first stage: its output's alone; :func:`split_grad_bytes`, for the
+              order's most such minibatches at once)
 working       the transient peak of one layer's forward/backward (max over the layers),
               plus the largest run of recomputed layers' saved tensors (they live again
               while its backward runs), plus the largest swapped layer's saved tensors
@@ -319,10 +320,22 @@ def compose(
 
 def deferred_grads(deferred: int, out_bytes: Any) -> Any:
     """Bytes of the gradients ``deferred`` minibatches keep between their input and weight
-    gradients, each about one output of each of the stage's layers (``out_bytes``: their
-    sum; numbers or arrays): the gradients where the weights' branches join the input's
-    path (:mod:`hetpipe.splitbackward`), the stage's output gradient among them."""
+    gradients, each ``out_bytes`` (:func:`split_grad_bytes`; numbers or arrays)."""
     return deferred * out_bytes
+
+
+def split_grad_bytes(out_bytes: Sequence[int], param_bytes: Sequence[int], position: int) -> int:
+    """Bytes of gradients one minibatch keeps between the halves of a split backward, for
+    a stage whose layers output ``out_bytes`` and hold ``param_bytes``: its output's
+    gradient, and the gradient of each other layer's output where that layer has weights
+    (where their branch joins the input's path, :mod:`hetpipe.splitbackward`); on the
+    first stage, whose input takes no gradient, the output's alone (its weight half
+    differentiates from the output)."""
+    if not out_bytes:
+        return 0
+    if position == 0:
+        return out_bytes[-1]
+    return out_bytes[-1] + sum(o for o, p in zip(out_bytes[:-1], param_bytes, strict=False) if p)
 
 
 def stage_terms(
@@ -475,7 +488,10 @@ def stage_memory(
         weights=weights,
         held=held_predictions(n, recomputed, schedule, weights),
         deferred=deferred_grads(
-            max_deferred(schedule, k, position, nm), sum(lp.out_bytes for lp in layers)
+            max_deferred(schedule, k, position, nm),
+            split_grad_bytes(
+                [lp.out_bytes for lp in layers], [lp.param_bytes for lp in layers], position
+            ),
         ),
     )
 
