@@ -553,6 +553,8 @@ class StageCompute:
             grads, flight.kept = input_gradients(outs, grad_outs, inputs, params)
             return grads
         kept, flight.kept = flight.kept, None
+        if not inputs:  # no weight takes a gradient
+            return ()
         if kept is None:  # the first stage: no input half ran before
             return torch.autograd.grad(outs, inputs, grad_outs, allow_unused=True)
         return weight_gradients(kept, inputs)

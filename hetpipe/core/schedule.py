@@ -320,7 +320,8 @@ def _zb_h2(k: int, stage: int) -> tuple[int, int]:
 # The share of a backward's time its input gradient takes (the weight gradient the rest),
 # by which the planner prices a split backward: a linear or convolution layer's input and
 # weight gradients are each one product the size of its forward, so 1:1. (The first stage
-# has no input gradient to give; priced alike all the same.)
+# has no input gradient to give and runs its whole backward at W; it is priced alike, which
+# moves time between its two halves, not its total.)
 INPUT_GRAD_SHARE = 0.5
 
 # per zero-bubble kind: (warm-up forwards, weight gradients deferred) of a stage
@@ -740,7 +741,7 @@ class StageSchedule:
             self.nb = action.p + 1  # type: ignore[union-attr]
             self.pos += self.sync
         elif kind is BackwardInput:
-            self.pos += 1
+            self.pos += self.sync
         elif kind is OptimizerStep:
             self.steps += 1
             if self.sync:
@@ -791,12 +792,12 @@ def clock_cycles(
 ) -> Iterator[tuple[int, int, Action]]:
     """Run one virtual worker's stages in lock step and yield ``(tick, stage, action)``.
 
-    Each tick every stage runs at most one forward or backward (or half of a split one); the
-    actions around them
-    (optimizer step, push, pull, merge) take no time. What a stage sends in tick t arrives at
-    its neighbour for tick t + 1, and pulls are answered at once (no other virtual worker
-    holds the clock back). This is the timing the exact action tables in the tests are
-    written for; the planner's simulator times the same schedules with measured costs.
+    Each tick every stage runs at most one forward or backward (or one half of a split
+    backward); the actions around them (optimizer step, push, pull, merge) take no time.
+    What a stage sends in tick t arrives at its neighbour for tick t + 1, and pulls are
+    answered at once (no other virtual worker holds the clock back). This is the timing the
+    exact action tables in the tests are written for; the planner's simulator times the same
+    schedules with measured costs.
     """
     k = len(schedules)
     acts: list[set[int]] = [set() for _ in range(k)]
