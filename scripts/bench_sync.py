@@ -610,7 +610,7 @@ def main() -> None:
         default=4,
         help="(b) runs per measurement at most (the least disturbed one is kept)",
     )
-    ap.add_argument("--zb-m", type=int, default=8, help="(e) microbatches per iteration")
+    ap.add_argument("--zb-m", type=int, default=M, help="(e) microbatches per iteration")
     ap.add_argument("--zb-iterations", type=int, default=40, help="(e) iterations per job")
     ap.add_argument("--optimality", type=int, default=300, help="(c) random instances")
     ap.add_argument("--seed", type=int, default=0, help="(c) instance seed")
