@@ -37,6 +37,8 @@ from hetpipe.computethread import InlinePolicy
 from hetpipe.core.schedule import (
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Done,
     Forward,
     Merge,
@@ -566,7 +568,14 @@ class StageRunner:
                         await self._run(self.compute.merge_gradients, _union(replies))
                     else:
                         await self._merge(c, replies)
-            case Forward() | Backward() | OptimizerStep() | Push():
+            case (
+                Forward()
+                | Backward()
+                | BackwardInput()
+                | BackwardWeight()
+                | OptimizerStep()
+                | Push()
+            ):
                 # with what joins it in one hand-off to the compute thread
                 await self._compute_run(self.schedule.trip(action, self))
 
@@ -617,7 +626,7 @@ class StageRunner:
                     p=a.p, wave=wave_of(a.p, self.task.nm), clock=self.clock, vw_clock=self.vw_clock
                 )
                 inputs.append(batch)
-            elif isinstance(a, Backward) and not self.task.is_last:
+            elif isinstance(a, Backward | BackwardInput) and not self.task.is_last:
                 inputs.append(self.grads.pop(a.p))
             elif isinstance(a, OptimizerStep) and self.task.replicated:
                 inputs.append(self.replica_grads.pop(a.i))
@@ -657,6 +666,16 @@ class StageRunner:
                     y = given[1]
                     target = {"y": y} if isinstance(y, torch.Tensor) else carry.names(y, "y")
                     await self._send_rows(Kind.ACT, a.p, {**host, **target}, shared, self.next_rows)
+            elif isinstance(a, BackwardInput):  # its gradient goes out before any W runs
+                if not self.task.is_first and made is not None:
+                    with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
+                        await self._send_rows(
+                            Kind.GRAD, a.p, *await self._outgoing(made), self.prev_rows
+                        )
+            elif isinstance(a, BackwardWeight):
+                self._after_backward(a.p)
+                if self.records_finished >= self.records_every:
+                    await self._send_records()
             elif isinstance(a, Backward):
                 if not self.task.is_first and made is not None:
                     with self.timeline.span("send", a.p, wave_of(a.p, self.task.nm)):
@@ -767,6 +786,14 @@ class StageRunner:
                     made = self._made(Kind.GRAD, "g", grad_in)
                 if self.task.replicated:  # on its way to the other replicas meanwhile
                     self.replica_copies[a.p] = c.copier.to_host(c.pending[a.p])
+                spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
+            elif isinstance(a, BackwardInput):
+                grad_in = c.backward_input(a.p, given)
+                if grad_in is not None and not self.task.is_first:
+                    made = self._made(Kind.GRAD, "g", grad_in)
+                spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
+            elif isinstance(a, BackwardWeight):
+                c.backward_weight(a.p)
                 spans.append(["backward", t0, time.time(), a.p, wave_of(a.p, self.task.nm)])
             elif isinstance(a, Push):
                 made = self._push_copy(a.c)

@@ -65,6 +65,7 @@ from hetpipe.probes import PROBE_EVERY, Probe, Probes
 from hetpipe.readback import Readback
 from hetpipe.replicas import combine
 from hetpipe.seeding import LayerSeeds
+from hetpipe.splitbackward import Kept, input_gradients, weight_gradients
 from hetpipe.stagelayers import StageLayers, build_stage_module
 from hetpipe.stagememory import LayerBytes, MemoryCount, nbytes
 from hetpipe.task import StageTask
@@ -98,6 +99,10 @@ class _InFlight:
     # backward to the weights predicted ``late`` updates ahead then (hetpipe.lateweights)
     late: int | None = None
     swapped: int = 0  # bytes its swapped layers parked in host memory
+    # a split backward (zero-bubble kinds): the gradient of the output its input gradient
+    # was taken from, on the device, kept for the weight gradient
+    grad: Carry | None = None
+    kept: Kept | None = None  # what its input gradient left for the weights' (splitbackward)
 
 
 RECENT_LOSSES = 20  # how many of the last losses the live mean takes
@@ -481,6 +486,87 @@ class StageCompute:
         )
         return grad_in
 
+    def backward_input(self, p: int, grad: Carry | None) -> Carry | None:
+        """The first half of a split backward (:class:`hetpipe.core.schedule.BackwardInput`):
+        the gradient of minibatch ``p``'s input only, returned as :meth:`backward` returns
+        it, at once, for the previous stage. Its graph and ``grad`` stay with the minibatch
+        (counted in its kept activations) for :meth:`backward_weight`. The first stage has
+        no input gradient to give: it only keeps ``grad``."""
+        started = emulate.mark()
+        flight = self.in_flight[p]
+        if grad is not None:
+            grad = (
+                to_device(grad, self.dev)
+                if isinstance(grad, (torch.Tensor, Shared))
+                else carry.mapped(grad, lambda t: to_device(t, self.dev))
+            )
+        flight.grad = grad
+        grad_in = None if self.task.is_first else self._gradients(flight, grad, "input")[0]
+        # what it keeps until its weight gradient is the most a split backward holds
+        self._check_memory()
+        self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
+        return grad_in
+
+    def backward_weight(self, p: int) -> None:
+        """The second half of a split backward (:class:`hetpipe.core.schedule.
+        BackwardWeight`): the weights' gradient of minibatch ``p`` from the graph and output
+        gradient :meth:`backward_input` kept, summed into the iteration's as :meth:`backward`
+        does; the minibatch's graph is freed. Together the two give what :meth:`backward`
+        gives."""
+        started = emulate.mark()
+        flight = self.in_flight.pop(p)
+        pgrads = self._gradients(flight, flight.grad, "weight")[1]
+        flight.grad = None
+        self.versions[p] = (
+            flight.version,
+            flight.fingerprint,
+            self.wv.version,
+            fingerprint(flight.params) if self.verify else 0.0,
+        )
+        self.grads.add(pgrads, flight.samples)
+        self.stats.backwards += 1
+        self.stats.backward_s += self._charge_swap(
+            emulate.pad(started, self.speed, self.dev), flight.swapped
+        )
+
+    def _gradients(
+        self, flight: _InFlight, grad: Carry | None, part: str
+    ) -> tuple[Carry | None, dict[str, torch.Tensor]]:
+        if isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor):
+            return self._differentiate(flight, grad, part)  # type: ignore[arg-type]
+        return self._differentiate_carry(flight, grad, part)
+
+    @property
+    def _splits(self) -> bool:
+        """Whether a split backward's halves go through :mod:`hetpipe.splitbackward` (its
+        weight half walks only the weights' branches). Not under recomputed layers, whose
+        checkpoints rerun at each pass: there the weight half differentiates the kept graph
+        from the outputs again."""
+        return not self.task.recompute
+
+    def _split(
+        self,
+        flight: _InFlight,
+        outs: list[torch.Tensor],
+        grad_outs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        weights: list[str],
+        part: str,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """One half of a split backward (``part``: ``input`` or ``weight``), the gradients
+        of ``inputs`` as :meth:`_differentiate` takes them (``weights``: the names of the
+        weights that take a gradient; the input half keeps what the weight half needs)."""
+        if part == "input":
+            params = [flight.params[n] for n in weights]
+            grads, flight.kept = input_gradients(outs, grad_outs, inputs, params)
+            return grads
+        kept, flight.kept = flight.kept, None
+        if not inputs:  # no weight takes a gradient
+            return ()
+        if kept is None:  # the first stage: no input half ran before
+            return torch.autograd.grad(outs, inputs, grad_outs, allow_unused=True)
+        return weight_gradients(kept, inputs)
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the backward starts from: times the fixed ``loss_scale`` and, under fp16,
         the dynamic loss scale (undone on the gradients before the step)."""
@@ -488,13 +574,17 @@ class StageCompute:
         return loss * scale if scale != 1.0 else loss
 
     def _differentiate(
-        self, flight: _InFlight, grad: torch.Tensor | None
+        self, flight: _InFlight, grad: torch.Tensor | None, part: str = "all"
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """The gradients of a minibatch's input (as the previous stage takes it) and of its
-        weights, from its graph and the gradient of its output: one tensor in, one out."""
+        weights, from its graph and the gradient of its output: one tensor in, one out.
+        ``part``: ``all``, or of a split backward ``input`` (the graph kept for the rest) or
+        ``weight`` (no input gradient: None)."""
         assert isinstance(flight.x, torch.Tensor) and isinstance(flight.out, torch.Tensor)
-        wants_input = flight.x.requires_grad
-        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        wants_input = flight.x.requires_grad and part != "weight"
+        weights = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        names = [] if part == "input" else weights
+        retain = part == "input"
         inputs = ([flight.x] if wants_input else []) + [flight.params[n] for n in names]
         loss = flight.loss
         target = loss if loss is not None else flight.out
@@ -502,8 +592,21 @@ class StageCompute:
             # nothing to differentiate: a parameter-free first stage, or an output that
             # depends on no trainable tensor (integer tokens, a wholly frozen stage)
             grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        elif part != "all" and self._splits:
+            grads = self._split(
+                flight,
+                [self._scaled(loss)] if loss is not None else [flight.out],
+                [torch.ones_like(loss)]
+                if loss is not None
+                else [to_device(grad, self.dev).to(flight.out.dtype)],  # type: ignore[arg-type]
+                inputs,
+                weights,
+                part,
+            )
         elif loss is not None:
-            grads = torch.autograd.grad(self._scaled(loss), inputs, allow_unused=True)
+            grads = torch.autograd.grad(
+                self._scaled(loss), inputs, allow_unused=True, retain_graph=retain
+            )
         else:
             assert grad is not None, f"{self.where}: backward without a gradient"
             grads = torch.autograd.grad(
@@ -511,7 +614,10 @@ class StageCompute:
                 inputs,
                 to_device(grad, self.dev).to(flight.out.dtype),
                 allow_unused=True,
+                retain_graph=retain,
             )
+        if part == "weight":
+            return None, {n: g for n, g in zip(names, grads, strict=True) if g is not None}
         grad_in = grads[0] if wants_input else None
         if grad_in is not None and self.half is not None:
             grad_in = grad_in.to(self.half)  # gradients travel in the compute precision
@@ -527,7 +633,7 @@ class StageCompute:
         return grad_in, pgrads
 
     def _differentiate_carry(
-        self, flight: _InFlight, grad: Carry | None
+        self, flight: _InFlight, grad: Carry | None, part: str = "all"
     ) -> tuple[Carry | None, dict[str, torch.Tensor]]:
         """:meth:`_differentiate` where a tuple (or the first stage's dict) goes in or out.
 
@@ -539,8 +645,9 @@ class StageCompute:
         input), an input that took none getting zeros; an empty tensor where no input is
         floating."""
         floats_in = [t for t in carry.tensors(flight.x) if t.is_floating_point()]
-        ins = [t for t in floats_in if t.requires_grad]
-        names = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        ins = [t for t in floats_in if t.requires_grad] if part != "weight" else []
+        weights = [n for n in self.wv.param_names if flight.params[n].requires_grad]
+        names = [] if part == "input" else weights
         inputs = ins + [flight.params[n] for n in names]
         loss = flight.loss
         outs: list[torch.Tensor] = []
@@ -558,14 +665,18 @@ class StageCompute:
                     if t.requires_grad:
                         outs.append(t)
                         grad_outs.append(to_device(g, self.dev).to(t.dtype))
-        if inputs and outs:
-            grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-                outs, inputs, grad_outs, allow_unused=True
+        if part != "all" and self._splits and outs:
+            grads: tuple[torch.Tensor | None, ...] = self._split(
+                flight, outs, grad_outs, inputs, weights, part
+            )
+        elif inputs and outs:
+            grads = torch.autograd.grad(
+                outs, inputs, grad_outs, allow_unused=True, retain_graph=part == "input"
             )
         else:  # nothing to differentiate (see _differentiate)
             grads = (None,) * len(inputs)
         pgrads = {n: g for n, g in zip(names, grads[len(ins) :], strict=True) if g is not None}
-        if self.task.is_first:
+        if self.task.is_first or part == "weight":
             return None, pgrads
         if not floats_in:
             return torch.zeros(0, device=self.dev), pgrads

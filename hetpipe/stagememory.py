@@ -158,6 +158,9 @@ class MemoryCount:
         accumulators = sum(nbytes(t) for a in acc.values() for t in a.values())
         accumulators += sum(nbytes(t) for t in grad_sum.values())
         activations = sum(f.kept_bytes for f in in_flight.values())
+        # a split backward between its halves: the output gradient and the gradients its
+        # weight half starts from (hetpipe.splitbackward)
+        activations += sum(_split_bytes(f) for f in in_flight.values())
         if any(f.recompute for f in in_flight.values()):
             # a rerun's room is never used while a forward's graph is kept: a graph is kept
             # only where no other update comes before its backward (fixed order), and a
@@ -174,3 +177,14 @@ class MemoryCount:
             activations=activations,
             working=self.working,
         )
+
+
+def _split_bytes(flight: _InFlight) -> int:
+    """Bytes a minibatch keeps between the input and weight halves of its backward (none
+    outside a split backward)."""
+    out = nbytes(flight.grad) if flight.grad is not None else 0
+    if flight.kept is not None:
+        for _meets, _members, captured in flight.kept.groups:
+            for got in captured:
+                out += sum(nbytes(g) for g in got or () if g is not None)
+    return out

@@ -32,6 +32,16 @@ Three parts, each against a baseline measured in the same run:
     slowest stage's compute per microbatch as the plan predicted it from the profile, over
     the same measured in the job (1.0 where the host ran at the profile's speed): the part
     of the error the host's drift since the profile explains.
+(e) Zero bubble on the default heterogeneous cluster (the copy of (b)): the job with no split
+    planned as ``zb-h1``, as ``zb-h2`` and as ``1f1b`` (the planner picks cuts, devices and
+    their order for each), M = ``--zb-m``, interleaved ``--repeats`` times. The planned best
+    zero-bubble schedule is the zb kind whose plan predicts the shorter iteration;
+    ``zero_bubble_speedup_measured`` (target >= 1.15) is planned 1f1b's measured iteration
+    time (as in (b)) over that kind's, ``zero_bubble_speedup_predicted`` the same of the
+    predictions. Per stage, the bubble share of the iteration, measured (1 - the stage's
+    forward, backward and step spans over the steady window at stage 0, as in (b)) against
+    predicted (1 - M x the stage's predicted compute per microbatch over the predicted
+    iteration time).
 (c) ``--optimality N``: the search against exhaustive enumeration on N random small
     instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
     ``optimality_gap_mean`` and ``optimality_gap_max`` (target <= 0.05); and the planning time
@@ -45,13 +55,14 @@ Three parts, each against a baseline measured in the same run:
     order, each stage's most microbatches in flight, and ``order_speedup_vs_1f1b`` (the
     planner's order against 1F1B).
 
-    python scripts/bench_sync.py [--json] [--parts abc] [--rounds 3] [--optimality 300]
+    python scripts/bench_sync.py [--json] [--parts abce] [--rounds 3] [--optimality 300]
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -296,6 +307,140 @@ def part_b(args: Any) -> dict[str, Any]:
     }
 
 
+def _bubble_shares(info: dict[str, Any], m: int) -> tuple[list[float], list[float]]:
+    """Per stage of the planned job: the bubble share of an iteration measured over the
+    steady window (the iterations after the first fifth, timed at stage 0) and predicted
+    from the plan (1 - M x compute per microbatch / iteration time)."""
+    data = json.loads(Path(info["stages_path"]).read_text())
+    r0 = data["vw0/stage0"]
+    fields = r0["stats"]["record_fields"]
+    rows = [dict(zip(fields, row, strict=True)) for row in r0["records"]]
+    ends = [row["t_bwd"] for row in rows if row["p"] % m == m - 1]
+    lo, hi = ends[len(ends) // 5], ends[-1]
+    measured = []
+    for where in sorted(data, key=lambda w: int(w.split("stage")[1])):
+        busy = sum(
+            max(0.0, min(t1, hi) - max(t0, lo))
+            for kind, t0, t1, *_ in data[where]["stats"]["spans"]
+            if kind in ("forward", "backward", "step")
+        )
+        measured.append(1.0 - busy / (hi - lo))
+    pred = info.get("predicted") or {}
+    it = pred.get("iteration_s") or 0.0
+    predicted = [
+        1.0 - m * st["time_s"] / it if it else float("nan")
+        for v in pred.get("vws", [])
+        for st in v["stages"]
+    ]
+    return measured, predicted
+
+
+ZB_ARMS = ("1f1b", "zb-h1", "zb-h2")
+
+
+def part_e(args: Any) -> dict[str, Any]:
+    source = load_cluster(args.cluster)
+    devices = [
+        DeviceDef(d.name, d.type, format_size(d.memory), d.speed, d.device) for d in source.devices
+    ]
+    m = args.zb_m
+
+    def job(name: str, kind: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "model": {"name": "cnn", "args": {"width": args.width}},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9},
+            "train": {
+                "minibatch": args.microbatch,
+                "nm": m,
+                "seed": 0,
+                "schedule": kind,
+                "minibatches": args.zb_iterations * m,
+                "vws": 1,
+            },
+        }
+
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ZB_ARMS}
+    with tempfile.TemporaryDirectory(prefix="hetpipe-bench-zb-") as tmp:
+        root = Path(tmp)
+        path = root / "cluster.toml"
+        path.write_text(cluster_toml(devices, shards=len(source.ps)))
+        with LocalCluster(path, root / "run", timeout=120) as cluster:
+            warm = cluster.submit(job("warmup", "1f1b"), timeout=900)
+            if warm.get("state") != "done":
+                raise RuntimeError(f"warm-up job: {warm.get('error')}")
+            for r in range(args.repeats):
+                for kind in ZB_ARMS:
+                    info = run_quietly(cluster, job(f"{kind}-{r}", kind), args.quiet, args.attempts)
+                    if info.get("state") != "done":
+                        raise RuntimeError(f"{kind}: {info.get('error')}")
+                    med, _gaps = _iterations(info, m)
+                    pred = info.get("predicted") or {}
+                    measured, predicted = _bubble_shares(info, m)
+                    runs[kind].append(
+                        {
+                            "iteration_s": med,
+                            "predicted_iteration_s": pred.get("iteration_s"),
+                            "devices": [
+                                s["device"] for v in pred.get("vws", []) for s in v["stages"]
+                            ],
+                            "layers": [
+                                s["layers"] for v in pred.get("vws", []) for s in v["stages"]
+                            ],
+                            "bubble_measured": measured,
+                            "bubble_predicted": predicted,
+                            "outside_cores": info["outside_cores"],
+                        }
+                    )
+                    print(
+                        f"  {kind} run {r + 1}: iteration {med * 1e3:.1f} ms (predicted "
+                        f"{(pred.get('iteration_s') or 0) * 1e3:.1f} ms) on "
+                        f"{runs[kind][-1]['devices']}, bubbles "
+                        + " ".join(f"{x:.0%}" for x in measured)
+                        + f", {info['outside_cores']:.2f} cores by other processes",
+                        flush=True,
+                    )
+    med = {k: sorted(v, key=lambda x: x["iteration_s"])[len(v) // 2] for k, v in runs.items()}
+    best = min(("zb-h1", "zb-h2"), key=lambda k: med[k]["predicted_iteration_s"] or math.inf)
+    speedup = med["1f1b"]["iteration_s"] / med[best]["iteration_s"]
+    predicted = (med["1f1b"]["predicted_iteration_s"] or 0.0) / (
+        med[best]["predicted_iteration_s"] or math.inf
+    )
+    print(
+        f"(e) default cluster, cnn width {args.width}, M = {m}, minibatch {args.microbatch}: "
+        f"planned {best} against planned 1f1b"
+    )
+    print_table(
+        ["schedule", "iteration ms", "predicted ms", "devices", "bubble measured", "predicted"],
+        [
+            [
+                k,
+                x["iteration_s"] * 1e3,
+                (x["predicted_iteration_s"] or 0) * 1e3,
+                str(x["devices"]),
+                " ".join(f"{b:.0%}" for b in x["bubble_measured"]),
+                " ".join(f"{b:.0%}" for b in x["bubble_predicted"]),
+            ]
+            for k, x in med.items()
+        ],
+    )
+    verdict = "met" if speedup >= 1.15 else "MISSED"
+    print(
+        f"zero-bubble speedup vs planned 1f1b: measured {speedup:.2f}x (target >= 1.15: "
+        f"{verdict}), predicted {predicted:.2f}x"
+    )
+    return {
+        "m": m,
+        "best": best,
+        "median": med,
+        "runs": runs,
+        "zero_bubble_speedup_measured": speedup,
+        "zero_bubble_speedup_predicted": predicted,
+        "target_met": speedup >= 1.15,
+    }
+
+
 def part_c(args: Any) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_planner_sync import instance
@@ -443,7 +588,7 @@ def part_d(args: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--parts", default="abc", help="which parts to run (a, b, c)")
+    ap.add_argument("--parts", default="abce", help="which parts to run (a, b, c, d, e)")
     ap.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="(a) model")
     ap.add_argument("--microbatch", type=int, default=32)
     ap.add_argument("--minibatches", type=int, default=400, help="(a) microbatches per side")
@@ -465,6 +610,8 @@ def main() -> None:
         default=4,
         help="(b) runs per measurement at most (the least disturbed one is kept)",
     )
+    ap.add_argument("--zb-m", type=int, default=M, help="(e) microbatches per iteration")
+    ap.add_argument("--zb-iterations", type=int, default=40, help="(e) iterations per job")
     ap.add_argument("--optimality", type=int, default=300, help="(c) random instances")
     ap.add_argument("--seed", type=int, default=0, help="(c) instance seed")
     ap.add_argument("--order-m", type=int, default=8, help="(d) microbatches per iteration")
@@ -504,6 +651,17 @@ def main() -> None:
             optimality_gap_max=c["optimality_gap_max"],
             plan_200x32_s=c["plan_200x32_s"],
             optimality=c,
+        )
+    if "e" in args.parts:
+        e = part_e(args)
+        out.update(
+            zero_bubble_speedup_measured=e["zero_bubble_speedup_measured"],
+            zero_bubble_speedup_predicted=e["zero_bubble_speedup_predicted"],
+            zero_bubble_bubbles={
+                k: {"measured": x["bubble_measured"], "predicted": x["bubble_predicted"]}
+                for k, x in e["median"].items()
+            },
+            zero_bubble=e,
         )
     if "d" in args.parts:
         d = part_d(args)

@@ -650,8 +650,9 @@ JOB: Final = Schema(
                 Key(
                     "schedule",
                     "string",
-                    "async (HetPipe: Nm in flight, WSP across virtual workers), gpipe or 1f1b "
-                    "(synchronous: exactly minibatch SGD), or auto (the planner picks).",
+                    "async (HetPipe: Nm in flight, WSP across virtual workers), gpipe, 1f1b, "
+                    "zb-h1 or zb-h2 (synchronous: exactly minibatch SGD; zb-* split each "
+                    "backward to fill bubbles), or auto (the planner picks).",
                     "async",
                     choices=SCHEDULES,
                     noun="schedule",

@@ -26,7 +26,13 @@ activations   for every in-flight minibatch, what its layers keep for the backwa
               forward (``latest``: it differentiates the newest weights, not the ones the
               forward ran on) only the inputs stay, plus one minibatch's kept tensors
               (``in_flight`` x input bytes + kept bytes). ``predict`` paper keeps the
-              forward's graph like ``stash``: no second forward
+              forward's graph like ``stash``: no second forward. A split backward
+              (zb-h1, zb-h2) keeps a minibatch's graph until its weight gradient (the
+              in-flight count runs to the ``W``: :func:`hetpipe.core.schedule.held_peak`)
+              and, between its input and weight gradients, the gradients the weight pass
+              starts from: its output's and one output of each other layer with weights
+              (the first stage: its output's alone; :func:`split_grad_bytes`, for the
+              order's most such minibatches at once)
 working       the transient peak of one layer's forward/backward (max over the layers),
               plus the largest run of recomputed layers' saved tensors (they live again
               while its backward runs), plus the largest swapped layer's saved tensors
@@ -94,7 +100,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetpipe.core.profile import LayerProfile, ModelProfile
-from hetpipe.core.schedule import max_in_flight
+from hetpipe.core.schedule import max_deferred, max_in_flight
 from hetpipe.core.units import format_size
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
@@ -312,6 +318,26 @@ def compose(
     )
 
 
+def deferred_grads(deferred: int, out_bytes: Any) -> Any:
+    """Bytes of the gradients ``deferred`` minibatches keep between their input and weight
+    gradients, each ``out_bytes`` (:func:`split_grad_bytes`; numbers or arrays)."""
+    return deferred * out_bytes
+
+
+def split_grad_bytes(out_bytes: Sequence[int], param_bytes: Sequence[int], position: int) -> int:
+    """Bytes of gradients one minibatch keeps between the halves of a split backward, for
+    a stage whose layers output ``out_bytes`` and hold ``param_bytes``: its output's
+    gradient, and the gradient of each other layer's output where that layer has weights
+    (where their branch joins the input's path, :mod:`hetpipe.splitbackward`); on the
+    first stage, whose input takes no gradient, the output's alone (its weight half
+    differentiates from the output)."""
+    if not out_bytes:
+        return 0
+    if position == 0:
+        return out_bytes[-1]
+    return out_bytes[-1] + sum(o for o, p in zip(out_bytes[:-1], param_bytes, strict=False) if p)
+
+
 def stage_terms(
     param_bytes: Any,
     buffer_bytes: Any,
@@ -324,11 +350,13 @@ def stage_terms(
     schedule: str = "async",
     weights: str = "stash",
     held: Any = 0,
+    deferred: Any = 0,
 ) -> StageMemory:
     """What the planner predicts a stage keeps: :func:`compose` of ``factor`` x parameters
     of optimizer state, :func:`stashed` weight copies, the two accumulators, and the
     :func:`activations` of ``flight`` minibatches that each keep ``kept`` bytes in the
-    stage's layers (:func:`activation_bytes`) besides their ``input_bytes``.
+    stage's layers (:func:`activation_bytes`) besides their ``input_bytes``, plus the
+    ``deferred`` bytes of a split backward's gradients (:func:`deferred_grads`).
 
     The scalar form (:func:`stage_memory`) and the vectorised ones (the partitioners, with
     numpy arrays over every ``[a, b)``: the fields, and ``total``, come back as arrays) are
@@ -340,7 +368,7 @@ def stage_terms(
         copies=stashed(flight, schedule, weights),
         held=held,
         accumulators=ACCUMULATORS * param_bytes,
-        activations=activations(flight, kept, input_bytes, schedule, weights),
+        activations=activations(flight, kept, input_bytes, schedule, weights) + deferred,
         working=working,
     )
 
@@ -459,6 +487,12 @@ def stage_memory(
         schedule=schedule,
         weights=weights,
         held=held_predictions(n, recomputed, schedule, weights),
+        deferred=deferred_grads(
+            max_deferred(schedule, k, position, nm),
+            split_grad_bytes(
+                [lp.out_bytes for lp in layers], [lp.param_bytes for lp in layers], position
+            ),
+        ),
     )
 
 

@@ -37,6 +37,12 @@ Kinds:
   iteration's last backward the stage exchanges gradients with the other virtual workers
   through its shards (``Pull``/``Merge`` with ``grads=True``, only with several), steps its
   optimizer once on the mean gradient and pushes the update to the global weights.
+- ``zb-h1`` and ``zb-h2`` (synchronous, zero bubble, Qi et al. ICLR'24): as ``1f1b``, but each
+  backward is split in two actions, :class:`BackwardInput` (the gradient of the stage's
+  input, which the previous stage waits for, sent at once) and :class:`BackwardWeight` (the
+  weights' gradient, deferred to fill what would be a bubble). Their orders hold ``("I", j)``
+  and ``("W", j)`` entries instead of ``("B", j)``; a microbatch's activations stay until its
+  weight step.
 
 Every stage starts with ``Pull(0)`` and ``Merge(0)``: the initial weights.
 
@@ -60,10 +66,14 @@ from typing import Protocol
 from hetpipe.core.wsp import pull_need
 
 __all__ = [
+    "INPUT_GRAD_SHARE",
     "KINDS",
     "SYNC_KINDS",
+    "ZB_KINDS",
     "Action",
     "Backward",
+    "BackwardInput",
+    "BackwardWeight",
     "Done",
     "Forward",
     "Inputs",
@@ -76,15 +86,19 @@ __all__ = [
     "Wait",
     "check_order",
     "clock_cycles",
+    "deferred_peak",
     "fill_counts",
+    "held_peak",
     "iteration_trips",
+    "max_deferred",
     "max_in_flight",
     "microbatch_order",
     "stage_tables",
 ]
 
-KINDS = ("async", "gpipe", "1f1b")
-SYNC_KINDS = ("gpipe", "1f1b")
+KINDS = ("async", "gpipe", "1f1b", "zb-h1", "zb-h2")
+SYNC_KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+ZB_KINDS = ("zb-h1", "zb-h2")  # the synchronous kinds whose backwards are split
 
 
 class ScheduleError(ValueError):
@@ -104,6 +118,23 @@ class Forward:
 @dataclass(frozen=True, slots=True)
 class Backward:
     """Run the backward of minibatch ``p``."""
+
+    p: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardInput:
+    """Run the first half of the backward of microbatch ``p``: the gradient of the stage's
+    input only (what the previous stage waits for); the graph is kept for
+    :class:`BackwardWeight`."""
+
+    p: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardWeight:
+    """Run the second half of the backward of microbatch ``p``: the weights' gradient from
+    the graph :class:`BackwardInput` kept, accumulated for the step; frees the graph."""
 
     p: int
 
@@ -157,8 +188,28 @@ class Done:
     """Every action of this stage has been given (push acknowledgements may be outstanding)."""
 
 
-Action = Forward | Backward | OptimizerStep | Push | Pull | Merge | Wait | Done
-COMPUTE = (Forward, Backward, OptimizerStep)
+Action = (
+    Forward
+    | Backward
+    | BackwardInput
+    | BackwardWeight
+    | OptimizerStep
+    | Push
+    | Pull
+    | Merge
+    | Wait
+    | Done
+)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, OptimizerStep)
+# the actions that run on the compute thread and take time, one tick each in clock_cycles
+PASSES = (Forward, Backward, BackwardInput, BackwardWeight)
+# what each order entry's letter runs
+ORDER_ACTIONS: dict[str, type] = {
+    "F": Forward,
+    "B": Backward,
+    "I": BackwardInput,
+    "W": BackwardWeight,
+}
 
 
 class Inputs(Protocol):
@@ -204,6 +255,10 @@ def microbatch_order(
         raise ScheduleError(f"warmup: must be >= 0, got {warmup}")
     if kind == "gpipe":
         return tuple([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+    if kind in ZB_KINDS:
+        if warmup:
+            raise ScheduleError(f"warmup: extra warm-up forwards are for 1f1b, not {kind}")
+        return zb_order(k, stage, m, *ZB_SHAPES[kind](k, stage))
     if kind != "1f1b":
         raise ScheduleError(f"no microbatch order for schedule {kind!r}")
     warm = min(k - stage - 1 + warmup, m)
@@ -214,6 +269,96 @@ def microbatch_order(
         f, b = f + 1, b + 1
     order += [("B", j) for j in range(b, m)]
     return tuple(order)
+
+
+def zb_order(k: int, stage: int, m: int, warm: int, defer: int) -> tuple[tuple[str, int], ...]:
+    """A zero-bubble order with split backwards: ``warm`` warm-up forwards (at most m), then
+    one forward and one input gradient in turn, then the remaining input gradients; the
+    weight gradients run in microbatch order, one after each forward/input-gradient step
+    from the ``defer``-th step of that steady part on (one per step after the last
+    forward), and the rest at the end.
+
+    A deferred weight gradient fills the time the stage would otherwise wait for a gradient
+    from the next stage; each one deferred holds one more microbatch's activations. The
+    orders are deadlock-free when each stage warms up at least one more than its successor
+    (as 1f1b): the input gradient of j at a stage needs the successor's, which comes after
+    forwards the stage has already run, and a weight gradient waits for nothing.
+    """
+    _check_position(k, stage)
+    if m < 1:
+        raise ScheduleError(f"microbatches per iteration: must be >= 1, got {m}")
+    w = min(warm, m)
+    order = [("F", j) for j in range(w)]
+    f, i, done, step = w, 0, 0, 0  # next forward, input gradient, weight gradient; steps
+    while i < m:
+        if f < m:
+            order.append(("F", f))
+            f += 1
+        order.append(("I", i))
+        i += 1
+        if step >= defer and done < i:
+            order.append(("W", done))
+            done += 1
+        step += 1
+    order += [("W", j) for j in range(done, m)]
+    return tuple(order)
+
+
+def _zb_h1(k: int, stage: int) -> tuple[int, int]:
+    # 1f1b's warm-up; stage s defers s weight gradients (torch's ZB1P, Qi et al.'s ZB-H1):
+    # every stage then holds at most k microbatches, the first stage's count in 1f1b
+    return k - stage - 1, stage
+
+
+def _zb_h2(k: int, stage: int) -> tuple[int, int]:
+    # twice 1f1b's warm-up, 2 (k - s - 1) forwards: a stage runs ahead of a slower
+    # successor by that many more microbatches (Qi et al.'s ZB-H2 memory, 2k - 1 on the
+    # first stage); the weight gradients deferred as in zb-h1
+    return 2 * (k - stage - 1), stage
+
+
+# The share of a backward's time its input gradient takes (the weight gradient the rest),
+# by which the planner prices a split backward: a linear or convolution layer's input and
+# weight gradients are each one product the size of its forward, so 1:1. (The first stage
+# has no input gradient to give and runs its whole backward at W; it is priced alike, which
+# moves time between its two halves, not its total.)
+INPUT_GRAD_SHARE = 0.5
+
+# per zero-bubble kind: (warm-up forwards, weight gradients deferred) of a stage
+ZB_SHAPES: dict[str, Callable[[int, int], tuple[int, int]]] = {"zb-h1": _zb_h1, "zb-h2": _zb_h2}
+
+
+def held_peak(order: Sequence[tuple[str, int]]) -> int:
+    """The most microbatches an order holds at once between a forward and the end of its
+    backward (``B``, or ``W`` where the backward is split): what the memory model charges."""
+    held = peak = 0
+    for op, _j in order:
+        if op == "F":
+            held += 1
+            peak = max(peak, held)
+        elif op in ("B", "W"):
+            held -= 1
+    return peak
+
+
+def deferred_peak(order: Sequence[tuple[str, int]]) -> int:
+    """The most microbatches an order holds at once between an input gradient (``I``) and
+    its weight gradient (``W``): each keeps the gradients the weight gradient starts from."""
+    held = peak = 0
+    for op, _j in order:
+        if op == "I":
+            held += 1
+            peak = max(peak, held)
+        elif op == "W":
+            held -= 1
+    return peak
+
+
+def max_deferred(kind: str, k: int, stage: int, nm: int) -> int:
+    """What :func:`deferred_peak` charges a stage of ``kind``: 0 where backwards are whole."""
+    if kind not in ZB_KINDS:
+        return 0
+    return deferred_peak(microbatch_order(kind, k, stage, nm))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -233,24 +378,41 @@ def iteration_trips(
     out: list[tuple[Action, ...]] = []
     while not isinstance(a := sched.next(_EVERYTHING), Done):
         sched.done(a)
-        if isinstance(a, Forward | Backward | OptimizerStep | Push):
+        if isinstance(a, (*COMPUTE, Push)):
             out.append(tuple(sched.trip(a, _EVERYTHING)))
     return tuple(out)
 
 
 def check_order(order: Sequence[tuple[str, int]], m: int) -> None:
-    """Refuse an order that is not a valid iteration: each microbatch forward once and backward
-    once, forwards and backwards each in microbatch order, a backward after its forward."""
+    """Refuse an order that is not a valid iteration: each microbatch forward once and
+    backward once, either whole (``B``) or split (``I`` then ``W``); forwards, backwards (or
+    input gradients) and weight gradients each in microbatch order; a backward after its
+    forward, a weight gradient after its input gradient."""
+    bad = [op for op, _j in order if op not in ORDER_ACTIONS]
+    if bad:
+        raise ScheduleError(f"order entry {bad[0]!r}: must be one of F, B, I, W")
     fwd = [j for op, j in order if op == "F"]
-    bwd = [j for op, j in order if op == "B"]
+    bwd = [j for op, j in order if op in ("B", "I")]
     if fwd != list(range(m)) or bwd != list(range(m)):
         raise ScheduleError(f"order must run forwards and backwards of 0..{m - 1} in order")
+    split = {j for op, j in order if op == "I"}
+    weights = [j for op, j in order if op == "W"]
+    if weights != sorted(split):
+        raise ScheduleError(
+            "order must run one weight gradient (W) per input gradient (I), in order"
+        )
     seen: set[int] = set()
+    inputs: set[int] = set()
     for op, j in order:
         if op == "F":
             seen.add(j)
+        elif op == "W":
+            if j not in inputs:
+                raise ScheduleError(f"order runs the weight gradient of {j} before its input's")
         elif j not in seen:
             raise ScheduleError(f"order runs the backward of {j} before its forward")
+        else:
+            inputs.add(j)
 
 
 def max_in_flight(
@@ -284,6 +446,8 @@ def max_in_flight(
     - ``gpipe``: all M microbatches of an iteration, at every stage.
     - ``1f1b``: its fixed order's warm-up plus one, ``min(M, k - stage + warmup)``, under
       any timing (``warmup``: :func:`microbatch_order`'s extra warm-up forwards).
+    - ``zb-h1``, ``zb-h2``: what the fixed order holds until each weight gradient
+      (:func:`held_peak`): a microbatch's graph stays until its ``W``.
     """
     _check_position(k, stage)
     if nm < 1:
@@ -292,6 +456,8 @@ def max_in_flight(
         return nm
     if kind == "1f1b":
         return min(nm, k - stage + warmup)
+    if kind in ZB_KINDS:
+        return held_peak(microbatch_order(kind, k, stage, nm))
     if kind != "async":
         raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
     if fixed:
@@ -513,8 +679,10 @@ class StageSchedule:
                 if self.first or inputs.has_activation(p):
                     return Forward(p)
                 return Wait("activation", p=p)
+            if op == "W":
+                return BackwardWeight(p)  # its input gradient ran: it waits for nothing
             if self.last or inputs.has_gradient(p):
-                return Backward(p)
+                return Backward(p) if op == "B" else BackwardInput(p)
             return Wait("gradient", p=p)
         if self.pulls and self.reduced < c:
             if (c, True) not in self.sent:
@@ -539,7 +707,12 @@ class StageSchedule:
         return (
             kind is OptimizerStep
             or (kind is Push and type(prev) is OptimizerStep)
-            or (self.last and kind is Backward and type(prev) is Forward and nxt.p == prev.p)  # type: ignore[union-attr]
+            or (
+                self.last
+                and kind in (Backward, BackwardInput)
+                and type(prev) is Forward
+                and nxt.p == prev.p  # type: ignore[union-attr]
+            )
             or (
                 self.first
                 and kind is Forward
@@ -564,8 +737,10 @@ class StageSchedule:
         if kind is Forward:
             self.nf = action.p + 1  # type: ignore[union-attr]
             self.pos += self.sync
-        elif kind is Backward:
+        elif kind is Backward or kind is BackwardWeight:
             self.nb = action.p + 1  # type: ignore[union-attr]
+            self.pos += self.sync
+        elif kind is BackwardInput:
             self.pos += self.sync
         elif kind is OptimizerStep:
             self.steps += 1
@@ -617,11 +792,12 @@ def clock_cycles(
 ) -> Iterator[tuple[int, int, Action]]:
     """Run one virtual worker's stages in lock step and yield ``(tick, stage, action)``.
 
-    Each tick every stage runs at most one forward or backward; the actions around them
-    (optimizer step, push, pull, merge) take no time. What a stage sends in tick t arrives at
-    its neighbour for tick t + 1, and pulls are answered at once (no other virtual worker
-    holds the clock back). This is the timing the exact action tables in the tests are
-    written for; the planner's simulator times the same schedules with measured costs.
+    Each tick every stage runs at most one forward or backward (or one half of a split
+    backward); the actions around them (optimizer step, push, pull, merge) take no time.
+    What a stage sends in tick t arrives at its neighbour for tick t + 1, and pulls are
+    answered at once (no other virtual worker holds the clock back). This is the timing the
+    exact action tables in the tests are written for; the planner's simulator times the same
+    schedules with measured costs.
     """
     k = len(schedules)
     acts: list[set[int]] = [set() for _ in range(k)]
@@ -634,26 +810,24 @@ def clock_cycles(
             computed = False
             while True:
                 a = sch.next(inputs[s])
-                if isinstance(a, Wait | Done) or (computed and isinstance(a, Forward | Backward)):
+                if isinstance(a, Wait | Done) or (computed and isinstance(a, PASSES)):
                     break
                 sch.done(a)
                 yield tick, s, a
                 if isinstance(a, Pull):
                     sent[s].add((a.c, a.grads))
-                elif isinstance(a, Forward | Backward):
+                elif isinstance(a, PASSES):
                     computed = True
                     if isinstance(a, Forward) and s + 1 < k:
                         arriving.append((acts[s + 1], a.p))
-                    elif isinstance(a, Backward) and s > 0:
+                    elif isinstance(a, Backward | BackwardInput) and s > 0:
                         arriving.append((grads[s - 1], a.p))
         for box, p in arriving:
             box.add(p)
         if all(sch.finished for sch in schedules):
             return
         if not arriving and not any(
-            isinstance(
-                sch.next(inputs[s]), Forward | Backward | OptimizerStep | Push | Pull | Merge
-            )
+            isinstance(sch.next(inputs[s]), (*COMPUTE, Push, Pull, Merge))
             for s, sch in enumerate(schedules)
         ):
             waits = {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}

@@ -38,7 +38,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetpipe.core.memory import copy_seconds, unhidden_copy_s
-from hetpipe.core.schedule import Backward, Forward, Merge, OptimizerStep, Push
+from hetpipe.core.schedule import (
+    INPUT_GRAD_SHARE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Merge,
+    OptimizerStep,
+    Push,
+)
 from hetpipe.planner.partition import CostModel, Partition
 from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.replicas import exchange_time, flight_time
@@ -608,9 +617,13 @@ def _timeline_laws(
         for t, a in sim.actions[v][i]:
             if isinstance(a, Forward):
                 length = st.fwd_s * part(c.compute_fwd_s, c.loop_fwd_s - c.hop_s)
-            elif isinstance(a, Backward):
+            elif isinstance(a, Backward | BackwardInput | BackwardWeight):
                 bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
                 length = st.bwd_s * part(c.compute_bwd_s, c.loop_bwd_s - bwd_hop)
+                if isinstance(a, BackwardInput):  # a split backward's halves
+                    length *= INPUT_GRAD_SHARE
+                elif isinstance(a, BackwardWeight):
+                    length *= 1.0 - INPUT_GRAD_SHARE
             elif isinstance(a, OptimizerStep):
                 length = st.step_s
             elif isinstance(a, Push):

@@ -67,8 +67,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hetpipe.core.schedule import (
+    INPUT_GRAD_SHARE,
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Done,
     Forward,
     Merge,
@@ -361,7 +364,7 @@ def simulate(
                         st.held += 1
                         if st.held > st.peak_held:
                             st.peak_held = st.held
-                    elif type(x) is Backward:
+                    elif type(x) is Backward or type(x) is BackwardWeight:
                         st.held -= 1
                 dur = trip_s(sp, run)
                 if record:
@@ -409,11 +412,12 @@ def simulate(
             if s + 1 < len(w.stages):
                 dur = links[s].fwd_s if links else 0.0
                 push(send(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
-        elif kind is Backward:
+        elif kind is Backward or kind is BackwardInput or kind is BackwardWeight:
             if s > 0:
-                dur = links[s - 1].bwd_s if links else 0.0
-                push(send(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
-            else:
+                if kind is not BackwardWeight:
+                    dur = links[s - 1].bwd_s if links else 0.0
+                    push(send(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
+            elif kind is not BackwardInput:  # a minibatch is done once its weights' gradient is
                 w.done += 1
                 w.done_at.append(now)
                 if w.done >= counts[v]:
@@ -501,16 +505,23 @@ def simulate(
     )
 
 
-HANDED = (Forward, Backward, OptimizerStep, Push)  # actions run in hand-offs
+# actions run in hand-offs
+HANDED = (Forward, Backward, BackwardInput, BackwardWeight, OptimizerStep, Push)
 
 
 def _compute_s(sp: Timed, a: Action) -> float:
-    """Time of a handed action in its hand-off (the hand-off's own cost aside)."""
+    """Time of a handed action in its hand-off (the hand-off's own cost aside). A split
+    backward's halves take :data:`hetpipe.core.schedule.INPUT_GRAD_SHARE` of the backward
+    and the rest."""
     kind = type(a)
     if kind is Forward:
         return sp.fwd_s
     if kind is Backward:
         return sp.bwd_s
+    if kind is BackwardInput:
+        return sp.bwd_s * INPUT_GRAD_SHARE
+    if kind is BackwardWeight:
+        return sp.bwd_s * (1.0 - INPUT_GRAD_SHARE)
     if kind is OptimizerStep:
         return sp.step_s
     return sp.push_s if sp.state else 0.0
@@ -587,7 +598,7 @@ def iteration_time(
                     fwd_in[s][head.p]  # type: ignore[union-attr]
                     if type(head) is Forward
                     else bwd_in[s][head.p]  # type: ignore[union-attr]
-                    if type(head) is Backward and s < k - 1
+                    if (type(head) is Backward or type(head) is BackwardInput) and s < k - 1
                     else 0.0
                 )
                 if ready is None:
@@ -597,7 +608,7 @@ def iteration_time(
                     kind = type(a)
                     if kind is Forward and s + 1 < k:
                         fwd_in[s + 1][a.p] = send(link_f, s, end, links[s][0])  # type: ignore[union-attr]
-                    elif kind is Backward and s > 0:
+                    elif (kind is Backward or kind is BackwardInput) and s > 0:
                         bwd_in[s - 1][a.p] = send(link_b, s - 1, end, links[s - 1][1])  # type: ignore[union-attr]
                 free[s] = end
                 pos[s] += 1

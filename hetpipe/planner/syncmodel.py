@@ -16,11 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.core.memory import StageMemory, in_flight, stage_memory_of, stage_terms
+from hetpipe.core.memory import (
+    StageMemory,
+    deferred_grads,
+    in_flight,
+    stage_memory_of,
+    stage_terms,
+)
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
     iteration_trips,
+    max_deferred,
     microbatch_order,
 )
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
@@ -145,6 +152,8 @@ class SyncModel:
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
                 "S": pre(lp.saved_bytes for lp in lps),
+                # outputs of the layers with weights (memory.split_grad_bytes)
+                "Ow": pre(lp.out_bytes if lp.param_bytes else 0 for lp in lps),
                 "in": np.array(
                     [self.profile.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.float64
                 ),  # in[a]: input bytes of a stage from a
@@ -254,9 +263,23 @@ class SyncModel:
             factor=self.factor,
             flight=in_flight(position, k, self.m, kind, warmup=warmup),
             schedule=kind,
+            deferred=deferred_grads(
+                max_deferred(kind, k, position, self.m), self._split_grads(t, position)
+            ),
         ).total
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
         return np.where(upper, mem, INF)
+
+    def _split_grads(self, t: dict[str, np.ndarray], position: int) -> np.ndarray:
+        """:func:`memory.split_grad_bytes` of every ``[a, b)``: the output's gradient, and
+        past the first stage each other layer's with weights (``b <= a``: meaningless)."""
+        L = self.L
+        out = np.broadcast_to(t["in"][None, : L + 1], (L + 1, L + 1))
+        if position == 0:
+            return out
+        ow = t["Ow"]
+        before_last = ow[np.maximum(np.arange(L + 1) - 1, 0)]  # layers a .. b - 2
+        return out + before_last[None, :] - ow[:, None]
 
     def sub(
         self,
