@@ -337,3 +337,14 @@ def test_order_value_reads_a_path_or_rows(tmp_path: Path) -> None:
     assert order_value([["0F0", "0B0"]]) == ((("F", 0), ("B", 0)),)
     with pytest.raises(ScheduleCsvError, match="expected a CSV file's path"):
         order_value({"x": 1})
+
+
+def test_torchs_zero_bubble_order_is_a_job_order(tmp_path: Path) -> None:
+    """torch's zero-bubble CSV (one stage per rank) passes the job's checks under zb-h1's
+    memory charge: the split backward runs it."""
+    k, m = 2, 4
+    sched = torch_schedules.ScheduleInterleavedZeroBubble([torch_stage(k)], m, loss_fn=loss)
+    orders = loads(torch_csv(sched, tmp_path / "zb.csv"))
+    assert job_order_problem(orders, stages=[k], ms=[m], kind="zb-h1", warmup=0) is None
+    spec = JobSpec.from_dict(_job_dict([r.split(",") for r in dumps(orders).split()], "zb-h1"))
+    assert spec.order == orders
