@@ -409,4 +409,4 @@ def _security(root: Table, source: str) -> SecuritySpec:
     for i, m in enumerate(modules):
         if not _MODULE.fullmatch(m):
             st.fail(f"allowed_modules[{i}]", f"not a module name: {m!r} (e.g. mypkg.models)")
-    return SecuritySpec(curve, str(folder), modules)
+    return SecuritySpec(curve, str(folder), modules, _read(st, "data_path"))

@@ -1060,6 +1060,19 @@ CLUSTER: Final = Schema(
                     True,
                 ),
                 Key(
+                    "data_path",
+                    "string",
+                    "With curve on, how tensors between daemons travel: `mac` on plain TCP "
+                    "with a keyed MAC (HMAC-SHA256) per message under a key agreed over "
+                    "Curve: authenticated, replay-proof, readable on the link; near the "
+                    "link's speed, so the default for clusters on their own network. "
+                    "`curve`: encrypted too, at a CPU cost per byte; for links others can "
+                    "read. With mac, a daemon's port P also needs P + 1000 open.",
+                    "mac",
+                    choices=("mac", "curve"),
+                    noun="data path",
+                ),
+                Key(
                     "keys",
                     "string",
                     "The key folder (`hetpipe keys`), relative to the cluster file's folder.",
