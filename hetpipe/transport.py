@@ -90,6 +90,7 @@ class _Link:
     address: str
     sealer: Sealer
     replies: Session  # what came back on the twin (direction TO_CONNECTOR)
+    monitor: zmq.asyncio.Socket  # the Curve socket's handshakes, watched from before connect
     connected: bool = False
 
 
@@ -199,17 +200,21 @@ def make_socket(
             else:
                 sock.bind(bind)
         if connect is not None:
+            if mac and mac_link:  # before connecting: its first handshake must be seen
+                _LINKS[sock] = _twin(sock, kind, connect, hwm, linger_ms, max_frame_bytes)
             sock.connect(connect)
-            if mac and mac_link:
-                _LINKS[sock] = _twin(ctx, kind, connect, hwm, linger_ms, max_frame_bytes)
     except BaseException:
+        link = _LINKS.pop(sock, None)
+        if link is not None:
+            link.monitor.close(linger=0)
+            link.data.close(linger=0)
         sock.close(linger=0)
         raise
     return sock
 
 
 def _twin(
-    ctx: zmq.asyncio.Context,
+    sock: zmq.asyncio.Socket,
     kind: int,
     connect: str,
     hwm: int,
@@ -218,9 +223,12 @@ def _twin(
 ) -> _Link:
     """A plain socket of ``kind`` for a data channel's tagged messages, and a new session.
     It connects only when the Curve socket's handshake has sent the key (:class:`Channel`)."""
+    ctx = sock.context
     data = make_socket(ctx, kind, hwm=hwm, linger_ms=linger_ms, max_frame_bytes=max_frame_bytes)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sid, key = framemac.new_session()
-    return _Link(data, data_address(connect), Sealer(sid, key, TO_BINDER), Session(sid, key, None))
+    session = Session(sid, key, None)
+    return _Link(data, data_address(connect), Sealer(sid, key, TO_BINDER), session, monitor)
 
 
 def bound_address(sock: zmq.asyncio.Socket) -> str:
@@ -315,7 +323,7 @@ class Channel:
         knows no session); connect the twin after the first, so the key leads the data."""
         link = self._link
         assert link is not None
-        mon = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        mon = link.monitor
         try:
             while True:
                 parse_monitor_message(await mon.recv_multipart())
@@ -354,6 +362,8 @@ class Channel:
         if self._link is not None and self._data_io is not None:
             self._data_io.close()
             self._link.data.close(linger=linger_ms)
+            if self._keyer is None:  # never started: its monitor is closed here
+                self._link.monitor.close(linger=0)
 
     # -- sending ----------------------------------------------------------------------------
 
