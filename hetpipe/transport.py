@@ -139,6 +139,9 @@ def _bind_with_data_port(sock: zmq.Socket, bind: str, curve: Curve) -> None:
                     f'[security] data_path = "mac") is unusable: {exc.strerror}',
                 ) from None
             continue
+        # the socket reads as a Curve server again (its plain listener keeps the options it
+        # was bound with): handshake monitors and user ids go by that
+        apply_curve(sock, curve, server=True)
         _BOUND[sock] = _Bound(endpoint)
         return
     raise zmq.ZMQError(zmq.EADDRINUSE, f"no free port pair (p, p + {DATA_PORT_OFFSET}) for {bind}")
