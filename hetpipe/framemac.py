@@ -123,16 +123,24 @@ def key_frames(sid: bytes, key: bytes) -> list[bytes]:
 
 @dataclass
 class Sealer:
-    """One direction of one session, sending: numbers and tags each message."""
+    """One direction of one session, sending: numbers and tags each message.
+
+    ``clock``: numbers also never fall below the wall clock in microseconds. The binding
+    side's replies are numbered so: a restarted daemon knows nothing of the numbers it sent
+    before, while its peer's session (and the last number it accepted) lives on.
+    """
 
     sid: bytes
     key: bytes
     direction: int
     seq: int = 0
+    clock: bool = False
 
     def head(self) -> bytes:
         """The next message's tag head (takes its sequence number)."""
         self.seq += 1
+        if self.clock:
+            self.seq = max(self.seq, time.time_ns() // 1000)
         return _HEAD.pack(DATA_MAGIC, self.sid, self.direction, self.seq)
 
     def seal(self, frames: Sequence[Any]) -> bytes:

@@ -566,7 +566,7 @@ class Channel:
             return
         if ident is not None:
             if session.reply is None:
-                session.reply = Sealer(session.sid, session.key, TO_CONNECTOR)
+                session.reply = Sealer(session.sid, session.key, TO_CONNECTOR, clock=True)
             self._reply_sessions[ident] = session
             while len(self._reply_sessions) > inbox.max_sessions:
                 del self._reply_sessions[next(iter(self._reply_sessions))]

@@ -120,6 +120,17 @@ def test_a_session_waits_for_its_key_and_cannot_be_taken_over() -> None:
         inbox.register([sid[:3], key], "worker-a")
 
 
+def test_replies_of_a_restarted_binder_are_numbered_above_its_earlier_ones() -> None:
+    sid, key = framemac.new_session()
+    before = Sealer(sid, key, framemac.TO_CONNECTOR, clock=True)
+    first = framemac.parse_tag(before.seal([b"x"]))[2]
+    for _ in range(1000):
+        before.seal([b"x"])
+    restarted = Sealer(sid, key, framemac.TO_CONNECTOR, clock=True)
+    time.sleep(0.002)
+    assert framemac.parse_tag(restarted.seal([b"x"]))[2] > before.seq > first
+
+
 def test_held_messages_expire() -> None:
     inbox = Inbox(hold_s=0.0)
     sid, _key = framemac.new_session()
