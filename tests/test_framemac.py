@@ -19,8 +19,10 @@ import torch
 import zmq
 
 from hetpipe import framemac, security
+from hetpipe.config import ConfigError, load_cluster
 from hetpipe.daemon import Owner
 from hetpipe.framemac import TO_BINDER, Inbox, MacError, Sealer
+from hetpipe.localcluster import DeviceDef, cluster_toml
 from hetpipe.security import SecuritySpec, data_address, load_curve
 from hetpipe.transport import Channel, bound_address, make_socket
 from hetpipe.wire import Kind, Message, encode
@@ -137,6 +139,19 @@ def test_held_messages_expire() -> None:
     inbox.hold(sid, ["m"])
     time.sleep(0.01)
     assert inbox.expire() == 1 and inbox.refused["unknown"] == 1
+
+
+def test_data_path_is_read_and_checked(tmp_path: Path) -> None:
+    base = cluster_toml([DeviceDef("gpu0")], shards=1)
+    path = tmp_path / "c.toml"
+    path.write_text(base)
+    assert load_cluster(path).security.data_path == "mac"  # the default
+    path.write_text(base.replace("[security]", '[security]\ndata_path = "curve"'))
+    spec = load_cluster(path).security
+    assert spec.data_path == "curve"
+    path.write_text(base.replace("[security]", '[security]\ndata_path = "plain"'))
+    with pytest.raises(ConfigError, match=r"security\.data_path.*plain"):
+        load_cluster(path)
 
 
 def test_data_port_is_the_curve_port_plus_the_offset() -> None:
