@@ -174,20 +174,28 @@ class Inbox:
 
     The key travels on the Curve connection and the data on the plain one, two TCP
     connections whose messages the socket reads in no set order, so a session's first
-    messages may come before its key: they are held (at most ``max_held`` messages, for at
-    most ``hold_s`` seconds) and handed back when the key comes. ``refused`` counts every
+    messages may come before its key: they are held (at most ``max_held`` messages and
+    ``max_held_bytes`` in all, for at most ``hold_s`` seconds: anyone who reaches the port
+    can send such messages) and handed back when the key comes. ``refused`` counts every
     message dropped, by reason.
     """
 
     def __init__(
-        self, *, max_sessions: int = 4096, max_held: int = 256, hold_s: float = 10.0
+        self,
+        *,
+        max_sessions: int = 4096,
+        max_held: int = 256,
+        max_held_bytes: int = 256 << 20,
+        hold_s: float = 10.0,
     ) -> None:
         self.sessions: dict[bytes, Session] = {}
         self.refused: Counter[str] = Counter()
         self.max_sessions = max_sessions
         self.max_held = max_held
+        self.max_held_bytes = max_held_bytes
         self.hold_s = hold_s
-        self._held: deque[tuple[float, bytes, Any]] = deque()
+        self._held: deque[tuple[float, bytes, Any, int]] = deque()
+        self._held_bytes = 0
 
     def register(self, frames: Sequence[Any], user: str | None) -> tuple[Session, list[Any]]:
         """Take a key message from ``user`` (after its magic: ``[sid, key]``); return the
@@ -209,9 +217,10 @@ class Inbox:
             while len(self.sessions) > self.max_sessions:  # the least recently used goes
                 oldest = min(self.sessions.values(), key=lambda s: s.used)
                 del self.sessions[oldest.sid]
-        held = [m for _t, s, m in self._held if s == sid]
+        held = [m for _t, s, m, _n in self._held if s == sid]
         if held:
             self._held = deque(h for h in self._held if h[1] != sid)
+            self._held_bytes = sum(h[3] for h in self._held)
         return session, held
 
     def check(self, tag: Any, direction: int = TO_BINDER) -> tuple[Session, bytes, bytes]:
@@ -247,20 +256,22 @@ class Inbox:
         self.accept(session, head)
         return session, body
 
-    def hold(self, sid: bytes, message: Any) -> bool:
-        """Keep a message of a session not keyed yet; False (and counted) when full."""
+    def hold(self, sid: bytes, message: Any, nbytes: int = 0) -> bool:
+        """Keep a message (of ``nbytes``) of a session not keyed yet; False (and counted)
+        when that would pass the bounds."""
         self.expire()
-        if len(self._held) >= self.max_held:
+        if len(self._held) >= self.max_held or self._held_bytes + nbytes > self.max_held_bytes:
             self.refused["unknown"] += 1
             return False
-        self._held.append((time.monotonic(), sid, message))
+        self._held.append((time.monotonic(), sid, message, nbytes))
+        self._held_bytes += nbytes
         return True
 
     def expire(self) -> int:
         """Drop held messages older than ``hold_s`` (their key never came); how many."""
         now, n = time.monotonic(), 0
         while self._held and now - self._held[0][0] > self.hold_s:
-            self._held.popleft()
+            self._held_bytes -= self._held.popleft()[3]
             n += 1
         self.refused["unknown"] += n
         return n

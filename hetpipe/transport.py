@@ -556,7 +556,7 @@ class Channel:
         except MacError as exc:
             if exc.reason == "unknown":  # its key may still be on its way (Curve)
                 sid = framemac.parse_tag(frames[0])[0]
-                if inbox.hold(sid, (ident, frames)):
+                if inbox.hold(sid, (ident, frames), sum(len(f) for f in frames)):
                     return
                 exc = MacError("unknown", "no key for its session, and no room to wait")
                 self._mac_refused(ident, exc, None)  # hold() counted it

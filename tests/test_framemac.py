@@ -113,6 +113,8 @@ def test_a_session_waits_for_its_key_and_cannot_be_taken_over() -> None:
     _refused(inbox, early, "unknown")
     assert inbox.hold(sid, early) and inbox.hold(sid, early)
     assert not inbox.hold(sid, early) and inbox.refused["unknown"] == 1  # full: dropped
+    big = Inbox(max_held_bytes=100)
+    assert big.hold(sid, ["m"], 60) and not big.hold(sid, ["m"], 60)  # bounded in bytes too
     session, held = inbox.register([sid, key], "worker-a")
     assert held == [early, early]
     with pytest.raises(MacError, match="already keyed by worker-a"):
