@@ -28,6 +28,11 @@ one ZAP authenticator per process (per ZeroMQ context) accepts only the public k
 keys directory, so a peer without a valid key never gets a message through to a handler. Each
 refused peer is logged once, not once per reconnect.
 
+**Data path.** With ``[security] data_path = "mac"`` the daemons' tensors travel on plain TCP
+at each serving port + 1000 (:func:`data_address`), every message tagged under a session key
+that its sender handed over Curve (:mod:`hetpipe.framemac`, :mod:`hetpipe.transport`): the
+key's owner is the message's user id, so the rules below apply as on Curve.
+
 **Authority.** :data:`AUTHORITY` declares, for every message kind, who may send it and which
 daemon takes it; :func:`may_send` is the one check the head, the shards and the workers make
 on every message they receive. Clients submit, read and cancel jobs; a worker speaks only for
