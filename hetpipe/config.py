@@ -419,4 +419,4 @@ def _security(root: Table, source: str) -> SecuritySpec:
             "needs curve = true: without keys anyone who reaches the head "
             "could run code on every host",
         )
-    return SecuritySpec(curve, str(folder), modules, ship)
+    return SecuritySpec(curve, str(folder), modules, ship, _read(st, "data_path"))

@@ -115,6 +115,7 @@ class Owner:
             hwm=runtime.hwm,
             max_frame_bytes=runtime.max_frame_bytes,
             curve=self.curve,
+            mac_link=True,  # a data channel: tagged on plain TCP where data_path = "mac"
         )
         ch = Channel(sock, None, name=name, max_frame_bytes=runtime.max_frame_bytes)
         return ch.start() if kind == zmq.DEALER else ch

@@ -28,6 +28,11 @@ one ZAP authenticator per process (per ZeroMQ context) accepts only the public k
 keys directory, so a peer without a valid key never gets a message through to a handler. Each
 refused peer is logged once, not once per reconnect.
 
+**Data path.** With ``[security] data_path = "mac"`` the daemons' tensors travel on plain TCP
+at each serving port + 1000 (:func:`data_address`), every message tagged under a session key
+that its sender handed over Curve (:mod:`hetpipe.framemac`, :mod:`hetpipe.transport`): the
+key's owner is the message's user id, so the rules below apply as on Curve.
+
 **Authority.** :data:`AUTHORITY` declares, for every message kind, who may send it and which
 daemon takes it; :func:`may_send` is the one check the head, the shards and the workers make
 on every message they receive. Clients submit, read and cancel jobs; a worker speaks only for
@@ -74,6 +79,8 @@ __all__ = [
     "ANYONE",
     "AUTHORITY",
     "CLIENT",
+    "DATA_PATHS",
+    "DATA_PORT_OFFSET",
     "LOCAL",
     "CodeError",
     "Curve",
@@ -89,6 +96,7 @@ __all__ = [
     "check_code",
     "check_job_name",
     "check_user_name",
+    "data_address",
     "ensure_keys",
     "key_names",
     "kinds_to",
@@ -124,6 +132,10 @@ class SecuritySpec:
 
     ``curve = false`` turns authentication and encryption off: every peer that can reach a
     port is then trusted with everything (``status`` and every daemon's log say so).
+    ``data_path`` (with Curve on) says how the bulk tensors between daemons travel: ``curve``
+    encrypts them like everything else; ``mac`` sends them on plain TCP with a keyed MAC per
+    message under a key agreed over Curve (:mod:`hetpipe.framemac`): authenticated, not
+    encrypted.
     ``keys`` is absolute once loaded (a relative path is taken from the cluster file's folder).
     """
 
@@ -131,6 +143,7 @@ class SecuritySpec:
     keys: str = ".hetpipe/keys"
     allowed_modules: tuple[str, ...] = ()
     ship_code: bool = False  # jobs carry their user modules' sources (hetpipe.usercode)
+    data_path: str = "curve"  # DATA_PATHS: how the daemons' data sockets carry tensors
 
 
 class KeysError(RuntimeError):
@@ -514,6 +527,9 @@ class Curve:
     """What one process needs for CurveZMQ: its own key pair and the cluster's server key.
 
     ``server_secret`` is set for daemons only (their binding sockets serve with it).
+    ``data_path`` is the cluster's ``[security] data_path`` (:func:`load_curve` sets it):
+    with ``mac`` a daemon's binding sockets also take MAC-tagged data on a plain port
+    (:func:`data_address`), and its data channels send on it.
     """
 
     name: str
@@ -521,6 +537,7 @@ class Curve:
     secret: bytes
     server_public: bytes
     server_secret: bytes | None = None
+    data_path: str = "curve"
 
 
 def _read_pair(root: Path, name: str, *, secret: bool) -> tuple[bytes, bytes | None]:
@@ -546,7 +563,21 @@ def load_curve(spec: SecuritySpec, name: str, *, serve: bool) -> Curve | None:
     public, secret = _read_pair(root, name, secret=True)
     server_public, server_secret = _read_pair(root, SERVER, secret=serve)
     assert secret is not None
-    return Curve(name, public, secret, server_public, server_secret if serve else None)
+    return Curve(
+        name, public, secret, server_public, server_secret if serve else None, spec.data_path
+    )
+
+
+DATA_PATHS = ("mac", "curve")
+DATA_PORT_OFFSET = 1000
+"""With ``data_path = "mac"``, a daemon that serves on port P takes its MAC-tagged data on
+port P + 1000 (both must be open between the hosts)."""
+
+
+def data_address(address: str) -> str:
+    """The plain data endpoint beside a daemon's Curve endpoint ``tcp://host:port``."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + DATA_PORT_OFFSET}"
 
 
 def apply_curve(sock: zmq.Socket, curve: Curve | None, *, server: bool) -> None:

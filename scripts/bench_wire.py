@@ -24,11 +24,22 @@ our sender into the raw receiver and the raw sender into our receiver, to tell w
 costs what. ``--curve`` adds ``ours-curve``: ``ours`` with CurveZMQ as the daemons run it
 (authenticated and encrypted, the receiver's ZAP handler on), to show what security costs.
 
+**Cross-host** (after the loopback figures, unless ``--no-cross-host``): two network
+namespaces joined by veth pairs and a bridge (:class:`hetpipe.netns.Network`), the sender in
+one, the receivers in the other, 4 MiB tensors (``--cross-sizes``) over that link, rounds
+interleaved as above: ``zmq`` (plain ZeroMQ), ``ours`` (the runtime without security),
+``ours-curve`` (``[security] data_path = "curve"``: every byte encrypted) and ``ours-mac``
+(``data_path = "mac"``: plain TCP, every message HMAC-tagged under a key handed over Curve,
+checked before decoding; :mod:`hetpipe.framemac`). Where namespaces cannot be made (not
+root, no ``ip``) the case is skipped with the reason.
+
     python scripts/bench_wire.py [--json] [--sizes 64KiB 4MiB ...] [--repeats N] [--diagnose]
-                                 [--curve]
+                                 [--curve] [--no-cross-host] [--cross-sizes 4MiB ...]
 
 With ``--json`` the last line is one JSON object: per-size figures and ``ratio_vs_zmq_4mib``,
-``ratio_vs_gloo_4mib``.
+``ratio_vs_gloo_4mib``; the cross-host case under ``cross_host`` and, at 4 MiB,
+``ratio_authenticated_vs_plain_4mib`` (ours-mac against plain ZeroMQ on the same link;
+target >= 0.8), ``ratio_mac_vs_ours_plain_4mib`` and ``ratio_curve_vs_plain_4mib``.
 """
 
 from __future__ import annotations
@@ -57,6 +68,15 @@ WAYS = {"ours": ("ours", "ours"), "zmq": ("zmq", "zmq"), "gloo": ("gloo", "gloo"
 DIAGNOSE = {"ours-tx": ("ours", "zmq"), "ours-rx": ("zmq", "ours")}
 # --curve: the runtime's path with CurveZMQ (keys made in a temporary folder, named in the env)
 CURVE = {"ours-curve": ("ours-curve", "ours-curve")}
+# cross-host: plain ZeroMQ, the runtime plain, with Curve, with the MAC data path
+CROSS = {
+    "zmq": ("zmq", "zmq"),
+    "ours": ("ours", "ours"),
+    "ours-curve": ("ours-curve", "ours-curve"),
+    "ours-mac": ("ours-mac", "ours-mac"),
+}
+CROSS_TARGET = 0.8  # ratio_authenticated_vs_plain_4mib
+CLONE_NEWNET = 0x40000000
 KEYS_ENV = "HETPIPE_BENCH_KEYS"
 HOST = "127.0.0.1"
 HWM = 64  # RuntimeSpec.hwm, what the runtime's data sockets use
@@ -74,31 +94,58 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _receiver(way: str, ctl_address: str, gloo_port: int) -> None:
+def enter_netns(path: str | int) -> None:
+    """Move the calling thread (and the threads it starts later: ZeroMQ's I/O threads) into
+    the network namespace at ``path`` (or an open descriptor of one)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY) if isinstance(path, str) else path
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        if isinstance(path, str):
+            os.close(fd)
+
+
+def _receiver(
+    way: str, ctl_address: str, gloo_port: int, host: str = HOST, netns: str | None = None
+) -> None:
     """Child process: bind (or join gloo), then serve rounds until told to stop."""
+    if netns is not None:  # before any socket or thread
+        enter_netns(netns)
     torch.set_num_threads(1)
-    if way in ("ours", "ours-curve"):
-        asyncio.run(_receive_ours(ctl_address, curve=way == "ours-curve"))
+    if way.startswith("ours"):
+        asyncio.run(_receive_ours(ctl_address, way, host))
     elif way == "zmq":
-        _receive_zmq(ctl_address)
+        _receive_zmq(ctl_address, host)
     else:
         _receive_gloo(ctl_address, gloo_port)
 
 
-def _curve(name: str, *, serve: bool) -> Any:
+def _curve(name: str, *, serve: bool, data_path: str = "curve") -> Any:
     from hetpipe.security import SecuritySpec, load_curve
 
-    return load_curve(SecuritySpec(keys=os.environ[KEYS_ENV]), name, serve=serve)
+    spec = SecuritySpec(keys=os.environ[KEYS_ENV], data_path=data_path)
+    return load_curve(spec, name, serve=serve)
 
 
-async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
+def _security(way: str) -> str | None:
+    """The data path of a way of ours: None (no security), ``curve`` or ``mac``."""
+    return {"ours-curve": "curve", "ours-mac": "mac"}.get(way)
+
+
+async def _receive_ours(ctl_address: str, way: str, host: str = HOST) -> None:
     from hetpipe.security import SecuritySpec, start_authenticator
     from hetpipe.transport import Channel, bound_address, make_socket
     from hetpipe.wire import Kind, Message
 
     ctx = zmq.asyncio.Context()
     auth = None
-    if curve:  # as a worker's data port: Curve server, the process's ZAP handler on
+    data_path = _security(way)
+    if data_path:  # as a worker's data port: Curve server, the process's ZAP handler on
         auth = start_authenticator(ctx, SecuritySpec(keys=os.environ[KEYS_ENV]), "bench-rx")
     ctl = ctx.socket(zmq.PAIR)
     ctl.setsockopt(zmq.LINGER, 0)
@@ -106,9 +153,10 @@ async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
     data = make_socket(
         ctx,
         zmq.PULL,
-        bind=f"tcp://{HOST}:0",
+        bind=f"tcp://{host}:0",
         hwm=HWM,
-        curve=_curve("worker-rx", serve=True) if curve else None,
+        max_frame_bytes=1 << 30,
+        curve=_curve("worker-rx", serve=True, data_path=data_path) if data_path else None,
     )
     left = 0
     nbytes = 0
@@ -134,7 +182,8 @@ async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
             cpu0 = _cpu_s()
             await ctl.send_json({"armed": True})
             await done.wait()
-            await ctl.send_json({"bytes": nbytes, "cpu_s": _cpu_s() - cpu0})
+            refused = sum(ch.mac_refused.values())
+            await ctl.send_json({"bytes": nbytes, "cpu_s": _cpu_s() - cpu0, "refused": refused})
     finally:
         await ch.close()
         ctl.close(linger=0)
@@ -143,7 +192,7 @@ async def _receive_ours(ctl_address: str, *, curve: bool = False) -> None:
         ctx.term()
 
 
-def _receive_zmq(ctl_address: str) -> None:
+def _receive_zmq(ctl_address: str, host: str = HOST) -> None:
     ctx = zmq.Context()
     ctl = ctx.socket(zmq.PAIR)
     ctl.setsockopt(zmq.LINGER, 0)
@@ -151,7 +200,7 @@ def _receive_zmq(ctl_address: str) -> None:
     data = ctx.socket(zmq.PULL)
     data.setsockopt(zmq.LINGER, 0)
     data.setsockopt(zmq.RCVHWM, HWM)
-    data.bind(f"tcp://{HOST}:0")
+    data.bind(f"tcp://{host}:0")
     try:
         ctl.send_json({"address": data.getsockopt_string(zmq.LAST_ENDPOINT)})
         while True:
@@ -203,20 +252,22 @@ def _receive_gloo(ctl_address: str, port: int) -> None:
 class _OursSender:
     """The runtime's send path: a Channel on a PUSH socket, driven by an asyncio loop."""
 
-    def __init__(self, address: str, *, curve: bool = False) -> None:
+    def __init__(self, address: str, *, data_path: str | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.ctx = zmq.asyncio.Context()
-        self.ch = self.loop.run_until_complete(self._open(address, curve))
+        self.ch = self.loop.run_until_complete(self._open(address, data_path))
 
-    async def _open(self, address: str, curve: bool) -> Any:
+    async def _open(self, address: str, data_path: str | None) -> Any:
         from hetpipe.transport import Channel, make_socket
 
+        # as a worker's data channel (hetpipe.daemon.Owner.connect): a MAC link where asked
         sock = make_socket(
             self.ctx,
             zmq.PUSH,
             connect=address,
             hwm=HWM,
-            curve=_curve("worker-tx", serve=False) if curve else None,
+            curve=_curve("worker-tx", serve=False, data_path=data_path) if data_path else None,
+            mac_link=True,
         )
         return Channel(sock, None, name="bench-tx", max_frame_bytes=1 << 30)
 
@@ -282,17 +333,32 @@ class _GlooSender:
 class Link:
     """One way of sending: a receiver child process, its control socket, and our sender."""
 
-    def __init__(self, way: str, tx: str, rx: str) -> None:
+    def __init__(
+        self,
+        way: str,
+        tx: str,
+        rx: str,
+        *,
+        host: str = HOST,
+        ctl_host: str = HOST,
+        netns: str | None = None,
+    ) -> None:
+        """``host``: where the receiver binds; ``ctl_host``: where this process binds the
+        control socket; ``netns``: the receiver's network namespace (cross-host)."""
         self.way, self.tx, self.rx = way, tx, rx
+        self.refused = 0  # messages the receiver's MAC check dropped (must stay 0)
         self.ctx = zmq.Context()
         self.ctl = self.ctx.socket(zmq.PAIR)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.RCVTIMEO, CTL_TIMEOUT_MS)
-        self.ctl.bind(f"tcp://{HOST}:0")
+        self.ctl.bind(f"tcp://{ctl_host}:0")
         ctl_address = self.ctl.getsockopt_string(zmq.LAST_ENDPOINT)
         gloo_port = free_port(HOST) if rx == "gloo" else 0
         self.proc = mp.get_context("spawn").Process(
-            target=_receiver, args=(rx, ctl_address, gloo_port), name=f"rx-{way}", daemon=True
+            target=_receiver,
+            args=(rx, ctl_address, gloo_port, host, netns),
+            name=f"rx-{way}",
+            daemon=True,
         )
         self.proc.start()
         self.sender: Any = None
@@ -304,8 +370,8 @@ class Link:
             )
             self.sender = _GlooSender()
         self.address: str | None = self.ctl.recv_json()["address"]  # the receiver's data port
-        if tx in ("ours", "ours-curve"):
-            self.sender = _OursSender(self.address, curve=tx == "ours-curve")
+        if tx.startswith("ours"):
+            self.sender = _OursSender(self.address, data_path=_security(tx))
         elif tx == "zmq":
             self.sender = _ZmqSender(self.address)
 
@@ -322,6 +388,7 @@ class Link:
         got = self.ctl.recv_json()
         elapsed = time.perf_counter() - t0
         cpu = _cpu_s() - cpu0
+        self.refused += got.get("refused", 0)
         if got["bytes"] != n * t.nbytes:
             raise RuntimeError(
                 f"{self.way}: receiver got {got['bytes']} bytes, sent {n * t.nbytes}"
@@ -350,15 +417,20 @@ class Link:
 
 
 def measure(
-    ways: dict[str, tuple[str, str]], sizes: list[int], repeats: int, round_s: float
+    ways: dict[str, tuple[str, str]],
+    sizes: list[int],
+    repeats: int,
+    round_s: float,
+    **where: Any,
 ) -> dict[str, dict[int, dict]]:
     """Every way on every size, rounds interleaved across ways so that load from other
-    processes on the host disturbs all ways alike; medians of ``repeats`` rounds."""
+    processes on the host disturbs all ways alike; medians of ``repeats`` rounds.
+    ``where``: :class:`Link`'s placement (host, ctl_host, netns) for every way."""
     links: dict[str, Link] = {}
     out: dict[str, dict[int, dict]] = {w: {} for w in ways}
     try:
         for way, (tx, rx) in ways.items():
-            links[way] = Link(way, tx, rx)
+            links[way] = Link(way, tx, rx, **where)
         for size in sizes:
             t = torch.randn(size // 4, dtype=torch.float32)
             counts = {}
@@ -382,11 +454,43 @@ def measure(
                     # CPU seconds per GB moved, each side: robust to other load on the host
                     "tx_cpu_s_per_gb": median([tx / gb for _, tx, _ in rounds[way]]),
                     "rx_cpu_s_per_gb": median([rx / gb for _, _, rx in rounds[way]]),
+                    "refused": links[way].refused,
                 }
     finally:
         for link in links.values():
             link.close()
     return out
+
+
+def cross_host(sizes: list[int], repeats: int, round_s: float) -> dict[str, Any]:
+    """The cross-host case: sender in namespace ``a``, receivers in ``b``, over the veth
+    link between them; the figures of :func:`measure` by way and size, or the reason it
+    could not run. Keys must be in ``$HETPIPE_BENCH_KEYS``."""
+    from hetpipe import netns
+
+    why = netns.unavailable(shaping=False)
+    if why is not None:
+        return {"skipped": why}
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        with netns.Network(["a", "b"]) as net:
+            # this process (the senders, and the ZeroMQ threads they start) moves to host a
+            enter_netns(f"/run/netns/{net.namespace('a')}")
+            try:
+                figures = measure(
+                    CROSS,
+                    sizes,
+                    repeats,
+                    round_s,
+                    host=net.address("b"),
+                    ctl_host=net.address("a"),
+                    netns=f"/run/netns/{net.namespace('b')}",
+                )
+            finally:
+                enter_netns(home)  # back, so that the network can be taken down
+    finally:
+        os.close(home)
+    return {"figures": figures, "link": "veth pair + bridge between two namespaces"}
 
 
 def main() -> None:
@@ -409,6 +513,17 @@ def main() -> None:
         action="store_true",
         help="also time the runtime's path with CurveZMQ on (ours-curve)",
     )
+    ap.add_argument(
+        "--no-cross-host",
+        action="store_true",
+        help="skip the cross-host case (two network namespaces)",
+    )
+    ap.add_argument(
+        "--cross-sizes",
+        nargs="+",
+        default=["4MiB"],
+        help="tensor sizes of the cross-host case (default: 4MiB)",
+    )
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes]
     for s in sizes:
@@ -421,14 +536,20 @@ def main() -> None:
     if args.diagnose:
         ways.update(DIAGNOSE)
     started = time.perf_counter()
+    cross_sizes = [parse_size(s) for s in args.cross_sizes]
     with tempfile.TemporaryDirectory() as keys:
-        if args.curve:
-            from hetpipe.security import ensure_keys
+        from hetpipe.security import ensure_keys
 
-            ensure_keys(keys, ["server", "worker-rx", "worker-tx"])
-            os.environ[KEYS_ENV] = keys  # the receiver processes are spawned with this env
+        ensure_keys(keys, ["server", "worker-rx", "worker-tx"])
+        os.environ[KEYS_ENV] = keys  # the receiver processes are spawned with this env
+        if args.curve:
             ways.update(CURVE)
         figures = measure(ways, sizes, args.repeats, args.round_s)
+        cross: dict[str, Any] = (
+            {"skipped": "--no-cross-host"}
+            if args.no_cross_host
+            else cross_host(cross_sizes, args.repeats, args.round_s)
+        )
     wall = time.perf_counter() - started
 
     print(
@@ -494,6 +615,7 @@ def main() -> None:
             for s in sizes
         ],
     )
+    cross_json = _report_cross(cross, cross_sizes)
     print(f"total {wall:.1f} s")
     if args.json:
         key = format_size(4 << 20)
@@ -507,7 +629,61 @@ def main() -> None:
         if key in per_size:
             out["ratio_vs_zmq_4mib"] = per_size[key]["ratio_vs_zmq"]
             out["ratio_vs_gloo_4mib"] = per_size[key]["ratio_vs_gloo"]
+        out.update(cross_json)
         emit_json(out)
+
+
+def _report_cross(cross: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+    """Print the cross-host table; its JSON keys (the 4 MiB ratios at the top level)."""
+    if "skipped" in cross:
+        print(f"cross-host case skipped: {cross['skipped']}")
+        return {"cross_host": cross}
+    figures = cross["figures"]
+    print(
+        "\ncross-host: one-way tensor throughput between two network namespaces (veth +"
+        " bridge), sender in one, receiver in the other; GB/s (CPU s/GB tx|rx)"
+    )
+    rows, per_size = [], {}
+    for s in sizes:
+        f = {w: figures[w][s] for w in CROSS}
+        plain, ours, curve, mac = (f[w]["gbps"] for w in CROSS)
+        rows.append(
+            [
+                format_size(s),
+                *(
+                    f"{f[w]['gbps']:.3f} ({f[w]['tx_cpu_s_per_gb']:.2f}|"
+                    f"{f[w]['rx_cpu_s_per_gb']:.2f})"
+                    for w in CROSS
+                ),
+                mac / plain,
+                curve / plain,
+            ]
+        )
+        per_size[format_size(s)] = {
+            "bytes": s,
+            **{f"{w}_gbps": f[w]["gbps"] for w in CROSS},
+            **{f"{w}_runs": [round(x, 4) for x in f[w]["runs"]] for w in CROSS},
+            **{f"{w}_tx_cpu_s_per_gb": f[w]["tx_cpu_s_per_gb"] for w in CROSS},
+            **{f"{w}_rx_cpu_s_per_gb": f[w]["rx_cpu_s_per_gb"] for w in CROSS},
+            "mac_refused": f["ours-mac"]["refused"],
+            "ratio_mac_vs_plain": mac / plain,
+            "ratio_mac_vs_ours_plain": mac / ours,
+            "ratio_curve_vs_plain": curve / plain,
+        }
+    print_table(["size", *(f"{w}" for w in CROSS), "mac / plain", "curve / plain"], rows)
+    out: dict[str, Any] = {"cross_host": {"link": cross["link"], "sizes": per_size}}
+    key = format_size(4 << 20)
+    if key in per_size:
+        ratio = per_size[key]["ratio_mac_vs_plain"]
+        out["ratio_authenticated_vs_plain_4mib"] = ratio
+        out["ratio_mac_vs_ours_plain_4mib"] = per_size[key]["ratio_mac_vs_ours_plain"]
+        out["ratio_curve_vs_plain_4mib"] = per_size[key]["ratio_curve_vs_plain"]
+        out["target_authenticated_vs_plain_4mib"] = CROSS_TARGET
+        print(
+            f"ratio_authenticated_vs_plain_4mib = {ratio:.3f} (target >= {CROSS_TARGET}: "
+            f"{'met' if ratio >= CROSS_TARGET else 'MISSED'})"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -1191,6 +1191,20 @@ CLUSTER: Final = Schema(
                     True,
                 ),
                 Key(
+                    "data_path",
+                    "string",
+                    "With curve on, how tensors between daemons travel: `curve` encrypted "
+                    "like everything else, at a CPU cost per byte (the default: nothing on "
+                    "the link is readable, and no other port is used); `mac` on plain TCP "
+                    "with a keyed MAC (HMAC-SHA256) per message under a key agreed over "
+                    "Curve: authenticated and replay-proof but readable on the link, for "
+                    "clusters on their own network. With mac, a daemon's port P also needs "
+                    "P + 1000 open.",
+                    "curve",
+                    choices=("mac", "curve"),
+                    noun="data path",
+                ),
+                Key(
                     "keys",
                     "string",
                     "The key folder (`hetpipe keys`), relative to the cluster file's folder.",
