@@ -147,10 +147,10 @@ def test_data_path_is_read_and_checked(tmp_path: Path) -> None:
     base = cluster_toml([DeviceDef("gpu0")], shards=1)
     path = tmp_path / "c.toml"
     path.write_text(base)
-    assert load_cluster(path).security.data_path == "mac"  # the default
-    path.write_text(base.replace("[security]", '[security]\ndata_path = "curve"'))
+    assert load_cluster(path).security.data_path == "curve"  # the default
+    path.write_text(base.replace("[security]", '[security]\ndata_path = "mac"'))
     spec = load_cluster(path).security
-    assert spec.data_path == "curve"
+    assert spec.data_path == "mac"
     path.write_text(base.replace("[security]", '[security]\ndata_path = "plain"'))
     with pytest.raises(ConfigError, match=r"security\.data_path.*plain"):
         load_cluster(path)
