@@ -1,0 +1,618 @@
+"""Live layer migration inside one virtual worker: a new split carried out while it trains.
+
+A migration moves the layers that change stage between the live stages of a virtual worker,
+with everything that belongs to them: their weights and buffers (and non-persistent
+buffers), the optimizer state and step count of each parameter, and the update accumulated
+per wave that the shards have not confirmed yet (:class:`hetpipe.versions.WeightVersions`).
+Nothing restarts: the job, its attempt, its data position, its clocks and the other virtual
+workers go on; only the stages of this virtual worker pause.
+
+**Where.** At the *boundary* ``at`` (a minibatch that opens a wave in ``async``, an
+iteration in ``gpipe``/``1f1b``: ``at % nm == 0``), the schedule's own cut between waves:
+
+1. each stage runs every action of the waves before: the backwards of the minibatches
+   ``< at``, their optimizer steps and the pushes of the waves they close, and waits for the
+   shards to acknowledge those pushes; stage 0 admits no minibatch ``>= at`` until its
+   pipeline is empty (:meth:`Migrator.at`, a hook the runner calls before each action);
+2. each stage packs the state of the layers it gives away (:func:`pack`), the stages
+   exchange those parcels (a :class:`Bus`), and each builds the compute of its new layer
+   range from what it keeps and what it receives (:func:`prepare`), checking the result
+   against its device's memory cap;
+3. the stages agree: if any stage's new layers would not fit, every stage keeps its old
+   compute (nothing was given away yet: parcels are copies) and the refusal, with its
+   reason, is recorded; else every stage takes its new compute at once;
+4. admission resumes with the first minibatch of the boundary's wave. A pull of that wave
+   already sent with the old layers' names is dropped and sent again with the new ones.
+
+**Lossless.** No update is lost or applied twice: every step before the boundary was taken
+(and its wave pushed) by the old owner, every step after it by the new one, and what the
+shards have not confirmed travels with the layer. In the synchronous kinds and in ``async``
+with Nm = 1 nothing is in flight at a wave boundary anyway, so a migrating job runs exactly
+the same computation as one that does not migrate, and ends with the same weights. In
+``async`` with Nm > 1 the schedule normally admits the first minibatches of wave ``c``
+before the last backwards of wave ``c - 1`` ran, so that the forward of ``p`` sees the
+updates up to ``p - Nm``; draining at the boundary makes those forwards see more recent
+weights instead (as a flush, or a resumed checkpoint, does). The boundary is therefore a
+*flush point* of the schedule whether or not a layer moves: a migration whose split equals
+the current one (a ``[[migration]]`` with the same ``layers``) is the comparable job
+without migration, drained at the same point; the two end with the same weights.
+
+**Refused** (:class:`MigrationError`, before anything moves): another count of stages or
+layers, a stage left without layers, a boundary that does not open a wave, replicated
+stages, ties spanning stages, ``train.weights`` other than ``stash`` (the prediction's
+step counts follow the stage's own order), or a split after which a stage that held no
+state would hold some or the reverse (its schedule pushes and pulls by that). A split that
+would not fit a device's memory is refused at the boundary, by the stage that would hold
+it, and every stage keeps its layers.
+
+The shards keep the placement of each state name (every virtual worker pushes a name to
+the same shard, so the global weights of a moved layer never move); what follows the
+migration is which stage of this virtual worker pushes and pulls each name there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
+from hetpipe.core.schedule import Action, Forward, Merge, Pull, Wait, max_in_flight
+from hetpipe.core.wsp import wave_of
+from hetpipe.modelstate import layer_of
+from hetpipe.task import StageTask
+
+if TYPE_CHECKING:
+    from hetpipe.pipeline import StageRunner
+    from hetpipe.stage import StageCompute
+
+__all__ = [
+    "Bus",
+    "LocalBus",
+    "MigrationError",
+    "Migrator",
+    "Move",
+    "Order",
+    "Parcel",
+    "check_order",
+    "cut_points",
+    "moves",
+    "pack",
+    "prepare",
+]
+
+# how long a stage waits at the boundary for the other stages' parcels and verdicts: a lost
+# stage must end the migration (and the job's attempt) with an error naming it, not a hang
+EXCHANGE_TIMEOUT_S = 120.0
+
+
+class MigrationError(ValueError):
+    """A migration that cannot be carried out; ``str(e)`` is one line saying why."""
+
+
+@dataclass(frozen=True)
+class Order:
+    """Carry out the split ``layers`` (layers per stage) before minibatch ``at``."""
+
+    at: int
+    layers: tuple[int, ...]
+    reason: str = "job"
+
+
+@dataclass(frozen=True)
+class Move:
+    """Layers ``first``..``last``-1 go from stage ``src`` to stage ``dst``."""
+
+    first: int
+    last: int
+    src: int
+    dst: int
+
+
+def cut_points(layers: Sequence[int]) -> tuple[int, ...]:
+    """The stage boundaries of a split given as layers per stage: ``(0, a, a + b, ...)``."""
+    return (0, *itertools.accumulate(layers))
+
+
+def moves(old: Sequence[int], new: Sequence[int]) -> tuple[Move, ...]:
+    """The layer ranges that change stage from split ``old`` to split ``new`` (layers per
+    stage), in layer order, each range with one source and one destination."""
+    a, b = cut_points(old), cut_points(new)
+    if a[-1] != b[-1]:
+        raise MigrationError(f"the splits hold {a[-1]} and {b[-1]} layers")
+
+    def owner(bounds: tuple[int, ...], j: int) -> int:
+        return next(s for s in range(len(bounds) - 1) if bounds[s] <= j < bounds[s + 1])
+
+    out: list[Move] = []
+    for j in range(a[-1]):
+        src, dst = owner(a, j), owner(b, j)
+        if src == dst:
+            continue
+        if out and (out[-1].last, out[-1].src, out[-1].dst) == (j, src, dst):
+            out[-1] = dataclasses.replace(out[-1], last=j + 1)
+        else:
+            out.append(Move(j, j + 1, src, dst))
+    return tuple(out)
+
+
+def check_order(order: Order, current: Sequence[int], nm: int, *, what: str = "") -> None:
+    """Refuse (:class:`MigrationError`) a split that cannot replace ``current`` at its
+    boundary: another count of stages or layers, an empty stage, a boundary inside a wave
+    or iteration of ``nm`` minibatches."""
+    where = f"{what}: " if what else ""
+    if len(order.layers) != len(current):
+        raise MigrationError(
+            f"{where}the new split has {len(order.layers)} stages, the virtual worker "
+            f"{len(current)}"
+        )
+    if any(n < 1 for n in order.layers):
+        raise MigrationError(f"{where}every stage keeps at least one layer: {list(order.layers)}")
+    if sum(order.layers) != sum(current):
+        raise MigrationError(
+            f"{where}the new split holds {sum(order.layers)} layers, the model {sum(current)}"
+        )
+    if order.at <= 0 or order.at % nm:
+        raise MigrationError(
+            f"{where}minibatch {order.at} opens no wave or iteration (nm = {nm}): a "
+            f"migration happens at a multiple of nm above 0"
+        )
+
+
+# -- the state that travels --------------------------------------------------------------------
+
+
+@dataclass
+class Parcel:
+    """The state of the layers ``move`` gives away, as the stage held it at the boundary:
+    tensors under :mod:`hetpipe.stagestate`'s names (``param/``, ``buffer/``, ``local/``,
+    ``opt/<key>/``, ``acc/<wave>/``), CPU copies; ``meta``: each parameter's optimizer step
+    count, each name's shard, the layers' activation policies and their measured bytes."""
+
+    move: Move
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _saved_per_layer(compute: StageCompute) -> dict[int, int]:
+    """Global layer -> the activation bytes it keeps per minibatch (the largest input shape
+    measured so far; a layer never run yet: absent)."""
+    first = compute.task.first
+    out: dict[int, int] = {}
+    for saved, inputs, _working in compute.mem.layer_bytes.values():
+        for j, (s, i) in enumerate(zip(saved, inputs, strict=True)):
+            out[first + j] = max(out.get(first + j, 0), s + i)
+    return out
+
+
+def pack(compute: StageCompute, move: Move) -> Parcel:
+    """On the compute thread, at the boundary: the state of layers ``move.first`` ..
+    ``move.last - 1`` of ``compute`` (copies: ``compute`` is unchanged, so a refused
+    migration goes on with it)."""
+    wv = compute.wv
+
+    def mine(name: str) -> bool:
+        return move.first <= layer_of(name) < move.last
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for kind, held in (("param", wv.params), ("buffer", wv.buffers), ("local", wv.local)):
+            tensors.update({f"{kind}/{n}": cpu(t) for n, t in held.items() if mine(n)})
+        for n, st in wv.optimizer.state.items():
+            if mine(n):
+                tensors.update({f"opt/{key}/{n}": cpu(t) for key, t in st.items()})
+        for w, acc in wv.acc.items():
+            tensors.update({f"acc/{w}/{n}": cpu(t) for n, t in acc.items() if mine(n)})
+    task = compute.task
+    saved = _saved_per_layer(compute)
+    meta = {
+        "opt_steps": {n: int(s) for n, s in wv.optimizer.steps.items() if mine(n)},
+        "placement": {n: s for n, s in task.placement.items() if mine(n)},
+        "recompute": [j for j in task.recompute if move.first <= j < move.last],
+        "swap": [j for j in task.swap if move.first <= j < move.last],
+        "saved": {str(j): b for j, b in saved.items() if move.first <= j < move.last},
+    }
+    return Parcel(move, meta, tensors)
+
+
+def _pack_all(compute: StageCompute, mine: Sequence[Move]) -> list[Parcel]:
+    return [pack(compute, m) for m in mine]
+
+
+def relaid(task: StageTask, bounds: Sequence[int], parcels: Sequence[Parcel]) -> StageTask:
+    """``task`` with the layers of ``bounds`` (stage cut points): its own and its neighbours'
+    ranges, the activation policies of what it keeps and receives, the placement of each
+    name it holds."""
+    s = task.stage
+    first, last = bounds[s], bounds[s + 1]
+
+    def within(js: Sequence[int]) -> tuple[int, ...]:
+        return tuple(j for j in js if first <= j < last)
+
+    recompute = set(within(task.recompute))
+    swap = set(within(task.swap))
+    placement = {n: v for n, v in task.placement.items() if first <= layer_of(n) < last}
+    for parcel in parcels:
+        recompute.update(parcel.meta["recompute"])
+        swap.update(parcel.meta["swap"])
+        placement.update(parcel.meta["placement"])
+    layout = dataclasses.replace(
+        task.layout, first=first, last=last, recompute=tuple(sorted(recompute)),
+        swap=tuple(sorted(swap)),
+    )
+
+    def side(lay: StageLayout | None, t: int) -> StageLayout | None:
+        if lay is None:
+            return None
+        return dataclasses.replace(
+            lay,
+            first=bounds[t],
+            last=bounds[t + 1],
+            recompute=tuple(j for j in lay.recompute if bounds[t] <= j < bounds[t + 1]),
+            swap=tuple(j for j in lay.swap if bounds[t] <= j < bounds[t + 1]),
+        )
+
+    return dataclasses.replace(
+        task,
+        layout=layout,
+        prev=side(task.prev, s - 1),
+        next=side(task.next, s + 1),
+        placement=placement,
+    )
+
+
+def prepare(
+    old: StageCompute,
+    device: DeviceSpec,
+    bounds: Sequence[int],
+    parcels: Sequence[Parcel],
+) -> tuple[StageCompute | None, str | None]:
+    """On the compute thread, at the boundary: the compute of this stage's new layer range
+    (``bounds``: every stage's cut points) from the state ``old`` keeps and the ``parcels``
+    it receives, and None; or None and why it would not fit the device's memory. ``old`` is
+    unchanged."""
+    from hetpipe.stage import StageCompute
+
+    task = relaid(old.task, bounds, parcels)
+    got: dict[str, dict[str, torch.Tensor]] = {"param": {}, "buffer": {}, "local": {}}
+    opt: dict[str, dict[str, torch.Tensor]] = {}
+    acc: dict[int, dict[str, torch.Tensor]] = {}
+    steps: dict[str, int] = {}
+    for parcel in parcels:
+        steps.update(parcel.meta["opt_steps"])
+        for key, t in parcel.tensors.items():
+            kind, _, rest = key.partition("/")
+            if kind == "opt":
+                okey, _, name = rest.partition("/")
+                opt.setdefault(name, {})[okey] = t
+            elif kind == "acc":
+                w, _, name = rest.partition("/")
+                acc.setdefault(int(w), {})[name] = t
+            else:
+                got[kind][rest] = t
+    wv = old.wv
+    dev = old.dev
+    local = {
+        **{n: t for n, t in wv.local.items() if task.first <= layer_of(n) < task.last},
+        **got["local"],
+    }
+    # building the stage's module initialises weights it never uses (the state it runs on is
+    # installed below): the global generator must not move, so dropout and data order after
+    # the boundary are those of a job that never migrated
+    with torch.random.fork_rng(devices=[]):
+        new = StageCompute(task, device, local)
+    nw = new.wv
+
+    def take(kind: str, name: str, held: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if name in held:
+            return held[name]  # kept: the very tensor, its version included
+        if name not in got[kind]:
+            raise MigrationError(f"{task.where}: no parcel brought {kind} {name!r}")
+        return got[kind][name].to(dev, copy=True)
+
+    with torch.no_grad():
+        nw.params = {
+            n: take("param", n, wv.params).requires_grad_(n not in nw.layout.frozen)
+            for n in nw.param_names
+        }
+        nw.buffers = {n: take("buffer", n, wv.buffers) for n in nw.buffer_names}
+    optimizer = nw.optimizer
+    optimizer.lr = wv.optimizer.lr
+    for n in nw.param_names:
+        if n in wv.optimizer.state:
+            optimizer.state[n] = wv.optimizer.state[n]
+        elif n in opt:
+            optimizer.state[n] = {k: t.to(dev, copy=True) for k, t in opt[n].items()}
+        if n in wv.optimizer.steps:
+            optimizer.steps[n] = wv.optimizer.steps[n]
+        elif n in steps:
+            optimizer.steps[n] = steps[n]
+    names = set(nw.param_names) | set(nw.buffer_names)
+    for w, held in wv.acc.items():
+        kept = {n: t for n, t in held.items() if n in names}
+        if kept:
+            nw.acc.setdefault(w, {}).update(kept)
+    for w, held in acc.items():
+        nw.acc.setdefault(w, {}).update({n: t.to(dev, copy=True) for n, t in held.items()})
+    nw.version, nw.steps_taken = wv.version, wv.steps_taken
+    # what the stage keeps across its layer sets: counters, read-back losses not read yet,
+    # the weight versions of finished backwards (for their records), the loss scale
+    new.stats = old.stats
+    new._losses = old._losses
+    new.versions = old.versions
+    new.scaler = old.scaler
+    new.agreed, new.ready = old.agreed, old.ready
+    refusal = _fits(new, old, parcels)
+    return (None, refusal) if refusal is not None else (new, None)
+
+
+def _fits(new: StageCompute, old: StageCompute, parcels: Sequence[Parcel]) -> str | None:
+    """Why ``new`` would not fit its device's memory, or None: its state counted from its
+    real tensors (weights, optimizer state, accumulators) plus, for the most minibatches
+    its schedule may hold, the activation bytes its layers kept per minibatch where they
+    ran before (:func:`_saved_per_layer`; a layer not run yet counts nothing)."""
+    state = new.memory().total
+    saved = _saved_per_layer(old)
+    for parcel in parcels:
+        saved.update({int(j): b for j, b in parcel.meta["saved"].items()})
+    task = new.task
+    per = sum(b for j, b in saved.items() if task.first <= j < task.last)
+    held = max_in_flight(
+        new.spec.schedule,
+        task.k,
+        task.stage,
+        task.nm,
+        warmup=new.spec.warmup_forwards or 0,
+        limit=task.in_flight_limit or None,
+    )
+    need = state + per * held
+    cap = new.mem.cap
+    if need <= cap:
+        return None
+    return (
+        f"{task.where}: layers {task.first}..{task.last - 1} would need {need} bytes "
+        f"({state} of state, {per} of activations per minibatch for {held} in flight) on "
+        f"a device with a cap of {cap}"
+    )
+
+
+# -- the exchange between the stages -----------------------------------------------------------
+
+
+class Bus(Protocol):
+    """How the stages of a virtual worker swap parcels and agree on a migration."""
+
+    async def exchange(self, stage: int, out: Sequence[Parcel]) -> list[Parcel]:
+        """Give this stage's parcels; get the ones addressed to it once every stage gave."""
+        ...
+
+    async def verdict(self, stage: int, refusal: str | None) -> str | None:
+        """Give this stage's refusal (None: it fits); get the first refusal of any stage."""
+        ...
+
+
+class LocalBus:
+    """A :class:`Bus` for stages that run in one process on one event loop (tests, and a
+    worker serving several stages of one virtual worker)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._given: dict[int, list[Parcel]] = {}
+        self._refusals: dict[int, str | None] = {}
+        self._round = 0
+        self._all_given = asyncio.Event()
+        self._all_judged = asyncio.Event()
+
+    async def exchange(self, stage: int, out: Sequence[Parcel]) -> list[Parcel]:
+        self._given[stage] = list(out)
+        if len(self._given) == self.k:
+            self._all_given.set()
+        await self._all_given.wait()
+        return [p for given in self._given.values() for p in given if p.move.dst == stage]
+
+    async def verdict(self, stage: int, refusal: str | None) -> str | None:
+        self._refusals[stage] = refusal
+        if len(self._refusals) == self.k:
+            self._all_judged.set()
+        await self._all_judged.wait()
+        first = next((r for _, r in sorted(self._refusals.items()) if r is not None), None)
+        self._done(stage)
+        return first
+
+    def _done(self, stage: int) -> None:
+        """Once every stage read the verdict, the bus is ready for the next migration."""
+        self._round += 1
+        if self._round == self.k:
+            self._given, self._refusals, self._round = {}, {}, 0
+            self._all_given = asyncio.Event()
+            self._all_judged = asyncio.Event()
+
+
+# -- the hook in the runner ----------------------------------------------------------------------
+
+Record = Callable[[dict[str, Any]], Awaitable[None] | None]
+
+
+class Migrator:
+    """Carries out one stage's part of the migrations of its virtual worker, in order: the
+    runner asks :meth:`at` before each action (:meth:`hetpipe.pipeline.StageRunner.run`)."""
+
+    def __init__(
+        self,
+        orders: Sequence[Order],
+        bus: Bus,
+        device: DeviceSpec,
+        current: Sequence[int],
+        *,
+        record: Record | None = None,
+        timeout_s: float = EXCHANGE_TIMEOUT_S,
+    ) -> None:
+        """``current``: the virtual worker's split now (layers per stage); ``record`` gets
+        one dict per migration carried out or refused (:meth:`_carry_out`)."""
+        self.orders = sorted(orders, key=lambda o: o.at)
+        self.bus = bus
+        self.device = device
+        self.layers = tuple(current)
+        self.record = record
+        self.timeout_s = timeout_s
+        self.held_since: float | None = None  # when this stage first held at the boundary
+        self.done: list[dict[str, Any]] = []  # what each migration did, as recorded
+
+    @staticmethod
+    def validate(compute: StageCompute, orders: Sequence[Order], current: Sequence[int]) -> None:
+        """Refuse (:class:`MigrationError`) orders this stage's job cannot carry out."""
+        task = compute.task
+        if task.replicated or task.prev_group[1:] or task.next_group[1:]:
+            raise MigrationError(f"{task.where}: replicated stages do not migrate layers")
+        if task.ties or compute.layout.aliases:
+            raise MigrationError(f"{task.where}: a model with tied weights does not migrate")
+        if compute.weights != "stash":
+            raise MigrationError(
+                f"{task.where}: train.weights = {compute.weights!r} does not migrate (stash does)"
+            )
+        layers = tuple(current)
+        for order in sorted(orders, key=lambda o: o.at):
+            check_order(order, layers, task.nm, what=task.where)
+            if order.at >= task.minibatches:
+                raise MigrationError(
+                    f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"
+                )
+            layers = order.layers
+
+    def install(self, runner: StageRunner) -> None:
+        """Attach to ``runner``: its schedule's answers that belong to a pending boundary's
+        wave or later become ``Wait("migration")`` until the migration is carried out (also
+        inside a hand-off, :meth:`hetpipe.core.schedule.StageSchedule.trip`), and the runner
+        calls :meth:`at` before each action."""
+        ask = runner.schedule.next
+
+        def next_(inputs: Any) -> Action:
+            action = ask(inputs)
+            if self.orders:
+                at = self.orders[0].at
+                c = at // runner.task.nm
+                if self._concerns(action, at, c):
+                    if self.held_since is None:
+                        self.held_since = time.monotonic()
+                    return Wait("migration", p=at, c=c)
+            return action
+
+        runner.schedule.next = next_  # type: ignore[method-assign]
+        runner.migration = self
+
+    def _drained(self, runner: StageRunner, at: int) -> bool:
+        """Whether this stage ran everything of the waves before ``at`` and nothing after."""
+        sched = runner.schedule
+        c = at // runner.task.nm
+        return (
+            sched.nb >= at
+            and sched.nf == at
+            and not runner.compute.in_flight
+            and sched.steps >= (c if runner.sync else at)
+            and (not sched.pushes or sched.pushed >= c)
+        )
+
+    @staticmethod
+    def _concerns(action: Action, at: int, c: int) -> bool:
+        """Whether ``action`` belongs to the boundary's wave or later (a pull may go out
+        before the boundary: it is sent again after, :meth:`_carry_out`; a wait for a
+        gradient or a pull answer stays what it is)."""
+        if isinstance(action, Forward):
+            return action.p >= at
+        if isinstance(action, Merge):
+            return not action.grads and action.c >= c
+        if isinstance(action, Wait):
+            return action.what == "activation" and action.p is not None and action.p >= at
+        return False
+
+    async def at(self, runner: StageRunner, action: Action) -> bool:
+        """Before ``action``: carry out the pending migration if ``action`` is its wait and
+        this stage is drained. True when it did (the runner asks its schedule again); False
+        otherwise (a wait not drained yet: the runner waits as for any other)."""
+        if not (isinstance(action, Wait) and action.what == "migration" and self.orders):
+            return False
+        if not self._drained(runner, self.orders[0].at):
+            return False
+        await self._carry_out(runner, self.orders[0])
+        return True
+
+    async def _carry_out(self, runner: StageRunner, order: Order) -> None:
+        """Steps 2-4 of the module's sequence at a drained boundary."""
+        task = runner.task
+        stage = task.stage
+        c = order.at // task.nm
+        runner._wait_for("migration", p=order.at, wave=c)
+        drained = time.monotonic()
+        held = drained - (self.held_since or drained)
+        with runner.timeline.span("bubble", order.at, c):  # nothing computes meanwhile
+            await runner._wait_pushes()  # the shards hold every push of the waves before
+            plan = moves(self.layers, order.layers)
+            mine = [m for m in plan if m.src == stage]
+            # one hand-off to the compute thread whatever moves: the stages resume in the
+            # same order whatever they exchanged
+            out = await runner._run(_pack_all, runner.compute, mine)
+            incoming = await asyncio.wait_for(
+                self.bus.exchange(stage, out), self.timeout_s
+            )
+            new, refusal = await runner._run(
+                prepare, runner.compute, self.device, cut_points(order.layers), incoming
+            )
+            if new is not None and new.has_state != runner.compute.has_state:
+                refusal = (
+                    f"{task.where}: layers {new.task.first}..{new.task.last - 1} would "
+                    f"{'hold' if new.has_state else 'hold no'} state, its schedule was made "
+                    f"for the other"
+                )
+            refusal = await asyncio.wait_for(self.bus.verdict(stage, refusal), self.timeout_s)
+            if refusal is None:
+                assert new is not None
+                runner.compute = new
+                runner.task = new.task
+                # a pull of the boundary's wave already sent asked for the old names
+                for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
+                    runner.answers.pop(key).cancel()
+                    runner.schedule.sent.discard(key)
+                self.layers = order.layers
+        self.orders.pop(0)
+        self.held_since = None
+        resumed = time.monotonic()
+        rec = {
+            "event": "migration" if refusal is None else "migration_refused",
+            "vw": task.vw,
+            "stage": stage,
+            "at": order.at,
+            "wave": wave_of(order.at, task.nm),
+            "reason": order.reason,
+            "layers": list(order.layers),
+            "moves": [dataclasses.asdict(m) for m in plan],
+            "range": [runner.task.first, runner.task.last],
+            "bytes_out": sum(p.nbytes for p in out),
+            "bytes_in": sum(p.nbytes for p in incoming),
+            "drain_s": held,
+            "exchange_s": resumed - drained,
+            # the pause of this stage's admission: from the first action it held back to
+            # the resumption (stage 0's is the virtual worker's migration_stall_s)
+            "migration_stall_s": held + (resumed - drained),
+            "time": time.time(),
+        }
+        if refusal is not None:
+            rec["refused"] = refusal
+        self.done.append(rec)
+        if self.record is not None:
+            res = self.record(rec)
+            if asyncio.iscoroutine(res):
+                await res

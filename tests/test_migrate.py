@@ -1,0 +1,324 @@
+"""Live layer migration (hetpipe.migrate): the pure split arithmetic, and a virtual worker's
+real stages (StageCompute and StageRunner, one process, messages delivered between them)
+that change their split at a wave or iteration boundary while they train.
+
+Lossless: with the same seed and data order, a virtual worker that migrates layers ends with
+the same weights (<= 1e-6) as the same job that does not; in ``async`` with Nm > 1 the job
+without migration is the one drained at the same boundary (a migration to its own split:
+the module docstring of hetpipe.migrate says why)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import job
+from helpers import InlineExecutor
+
+from hetpipe import stagestate
+from hetpipe.config import DeviceSpec
+from hetpipe.core.layout import StageLayout
+from hetpipe.job import JobSpec
+from hetpipe.migrate import (
+    LocalBus,
+    MigrationError,
+    Migrator,
+    Move,
+    Order,
+    check_order,
+    cut_points,
+    moves,
+)
+from hetpipe.models import build_model
+from hetpipe.pipeline import StageRunner
+from hetpipe.stage import StageCompute
+from hetpipe.task import StageTask
+from hetpipe.wire import Kind, Message
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def no_validation_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These runners exchange only the schedule's messages: no job-end validation pass."""
+    monkeypatch.setattr(StageRunner, "validates", property(lambda self: False))
+
+
+# -- pure ---------------------------------------------------------------------------------------
+
+
+def test_moves_name_each_range_that_changes_stage() -> None:
+    assert cut_points([4, 8, 4]) == (0, 4, 12, 16)
+    assert moves([4, 8, 4], [4, 8, 4]) == ()
+    assert moves([4, 8, 4], [6, 4, 6]) == (Move(4, 6, 1, 0), Move(10, 12, 1, 2))
+    assert moves([8, 4, 4], [2, 4, 10]) == (Move(2, 6, 0, 1), Move(6, 8, 0, 2), Move(8, 12, 1, 2))
+    with pytest.raises(MigrationError, match="hold 16 and 15"):
+        moves([8, 8], [8, 7])
+
+
+@pytest.mark.parametrize(
+    ("order", "match"),
+    [
+        (Order(4, (8, 8, 0)), "at least one layer"),
+        (Order(4, (8, 8)), "2 stages"),
+        (Order(4, (8, 4, 5)), "17 layers"),
+        (Order(6, (8, 4, 4)), "opens no wave"),
+        (Order(0, (8, 4, 4)), "opens no wave"),
+    ],
+)
+def test_an_order_that_cannot_replace_the_split_is_refused(order: Order, match: str) -> None:
+    with pytest.raises(MigrationError, match=match):
+        check_order(order, (4, 8, 4), 4, what="vw0")
+
+
+# -- a virtual worker in one process ------------------------------------------------------------
+
+MODEL = "cnn"  # 16 layers: convolutions, batch norm (buffers), linear
+LAYERS = (6, 6, 4)
+
+
+def device(s: int, memory: int = 1 << 30) -> DeviceSpec:
+    return DeviceSpec(f"gpu{s}", "cpu", "fast", memory, 1.0, 0, "n", "h")
+
+
+def batch(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + p)
+    return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+class Shard:
+    """An in-process parameter-server shard for one virtual worker: answers pulls of the
+    initial weights and adds every push to its global weights."""
+
+    def __init__(self, state: dict[str, torch.Tensor], names: dict[int, list[str]]) -> None:
+        self.weights = {n: t.clone() for n, t in state.items()}
+        self.names = names  # stage -> names it pulls
+        self.pushes: list[tuple[int, int, list[str]]] = []
+        self.name = "shard0"
+
+    async def request(self, kind: Any, fields: dict, *_a: Any, **_k: Any) -> Message:
+        assert kind == Kind.PULL and fields["wave"] == 0, (kind, fields)
+        names = self.names[fields["stage"]]
+        out = {n: self.weights[n].clone() for n in names}
+        return Message(Kind.PULLED, {"applied": [], "clock": 0, "vw_clock": 0}, out)
+
+    async def send_request(self, kind: Any, fields: dict, tensors: dict, **_k: Any):
+        assert kind == Kind.PUSH
+        self.pushes.append((fields["stage"], fields["wave"], sorted(tensors)))
+        with torch.no_grad():
+            for n, d in tensors.items():
+                self.weights[n] = self.weights[n] + d.to(self.weights[n].dtype)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(Message(Kind.OK, {}, {}))
+        return fut
+
+
+def run_vw(
+    kind: str,
+    nm: int,
+    total: int,
+    orders: list[Order],
+    *,
+    optimizer: str = "sgd",
+    memory: dict[int, int] | None = None,
+    layers: tuple[int, ...] = (),
+    start: int = 0,
+    initial: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, torch.Tensor] | None = None,
+    opt_steps: dict[str, int] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[StageRunner]]:
+    """Train one virtual worker of ``len(LAYERS)`` stages for ``total`` minibatches with the
+    migrations ``orders``; its stages' local weights at the end, the shard's, its runners.
+
+    A resumed attempt (the offline path a migration replaces): ``layers`` its split, from
+    minibatch ``start`` of the data on, from the global weights ``initial``, each parameter's
+    optimizer state from ``optimizer_state`` (checkpoint names, any stage's) and
+    ``opt_steps``."""
+    layers = layers or LAYERS
+    train: dict[str, Any] = {"schedule": kind, "push_every": 0}
+    spec = JobSpec.from_dict(
+        job("mig", model=MODEL, nm=nm, minibatches=total, optimizer=optimizer, train=train)
+    ).to_dict()
+    torch.manual_seed(0)
+    state = initial if initial is not None else build_model(MODEL).state_dict()
+    k = len(layers)
+    bounds = cut_points(layers)
+    layouts = [StageLayout((f"gpu{s}",), bounds[s], bounds[s + 1]) for s in range(k)]
+    computes = []
+    for s in range(k):
+        task = StageTask.standalone(
+            "mig",
+            spec,
+            layouts[s],
+            stage=s,
+            k=k,
+            nm=nm,
+            minibatches=total,
+            placement=dict.fromkeys(state, 0),
+            prev=layouts[s - 1] if s else None,
+            next=layouts[s + 1] if s + 1 < k else None,
+            start=start,
+        )
+        c = StageCompute(task, device(s, (memory or {}).get(s, 1 << 30)))
+        if optimizer_state is not None:
+            c.load_state({"opt_steps": opt_steps or {}}, optimizer_state, weights=False)
+        computes.append(c)
+    shard = Shard(state, {s: c.state_names() for s, c in enumerate(computes)})
+    runners: list[StageRunner] = []
+    bus = LocalBus(k)
+    stream = SimpleNamespace(
+        reader=lambda _start: SimpleNamespace(get=batch), source=SimpleNamespace(val=None)
+    )
+
+    async def main() -> None:
+        for s, c in enumerate(computes):
+
+            async def send(
+                kind_: str, p: int, tensors: dict, _shared: Any = None, _to: int = 0,
+                extra: dict | None = None, s: int = s,
+            ) -> None:
+                dst = s + 1 if kind_ == Kind.ACT else s - 1
+                tensors = {n: t.clone() for n, t in tensors.items()}
+                runners[dst].on_message(Message(Kind(kind_), {"p": p, **(extra or {})}, tensors))
+
+            async def report(_stats: dict) -> None:
+                pass
+
+            r = StageRunner(
+                c,
+                InlineExecutor(),
+                send=send,
+                shards={0: shard},  # type: ignore[dict-item]
+                report=report,
+                stream=stream if s == 0 else None,  # type: ignore[arg-type]
+            )
+            runners.append(r)
+            if orders:
+                Migrator(orders, bus, device(s, (memory or {}).get(s, 1 << 30)), layers).install(r)
+        await asyncio.wait_for(asyncio.gather(*(r.run() for r in runners)), 60)
+
+    asyncio.run(main())
+    local = {n: t.detach().clone() for r in runners for n, t in r.compute.state_dict().items()}
+    return local, shard.weights, runners
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.allclose(a[n].float(), b[n].float(), atol=1e-6, rtol=0), (
+            n,
+            (a[n].float() - b[n].float()).abs().max().item(),
+        )
+
+
+def test_a_migration_in_async_with_nm_1_is_lossless() -> None:
+    plain_local, plain_shard, _ = run_vw("async", 1, 12, [])
+    local, shard, runners = run_vw("async", 1, 12, [Order(5, (3, 9, 4)), Order(9, (8, 2, 6))])
+    assert_same(local, plain_local)
+    assert_same(shard, plain_shard)
+    assert [(r.task.first, r.task.last) for r in runners] == [(0, 8), (8, 10), (10, 16)]
+    # the moved layers train on their new stage: its pushes carry them
+    rec = runners[0].final_stats()["migrations"]
+    assert [m["event"] for m in rec] == ["migration", "migration"]
+    assert rec[0]["moves"] == [{"first": 3, "last": 6, "src": 0, "dst": 1}]
+    assert rec[0]["bytes_out"] > 0 and rec[0]["migration_stall_s"] >= 0
+
+
+def stopped_and_resumed(
+    kind: str, nm: int, total: int, at: int, new: tuple[int, ...], optimizer: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The job without migration that changes its split at ``at`` by the offline path: it
+    stops there (every update pushed), and a new attempt on split ``new`` starts from the
+    weights at the cut with each parameter's optimizer state (as a checkpoint's restore
+    gives it, hetpipe.head.recovery.stage_restores) and the data from ``at`` on. The weights
+    are the stages' own: a lone virtual worker's global weights hold the same updates,
+    summed in another order, and Adam turns that rounding into whole steps on a parameter
+    whose gradient is rounding alone (a convolution's bias before batch norm)."""
+    local, _, runners = run_vw(kind, nm, at, [], optimizer=optimizer)
+    opt: dict[str, torch.Tensor] = {}
+    steps: dict[str, int] = {}
+    for r in runners:
+        meta, tensors = stagestate.save(r.compute.wv, at // nm)
+        opt.update({k: t for k, t in tensors.items() if k.startswith("opt/")})
+        steps.update(meta["opt_steps"])
+    return run_vw(
+        kind,
+        nm,
+        total - at,
+        [],
+        optimizer=optimizer,
+        layers=new,
+        start=at,
+        initial=local,
+        optimizer_state=opt,
+        opt_steps=steps,
+    )[:2]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_migration_in_async_with_weight_stashing_is_lossless(optimizer: str) -> None:
+    # Nm = 4: the staleness a layer trains with depends on its stage, so the comparable job
+    # changes its split at the same boundary by stopping and resuming (hetpipe.migrate)
+    new = (8, 4, 4)
+    want_local, _ = stopped_and_resumed("async", 4, 16, 8, new, optimizer)
+    local, shard, runners = run_vw("async", 4, 16, [Order(8, new)], optimizer=optimizer)
+    assert_same(local, want_local)
+    # the shard holds every update once: the stages' weights, summed in its own order
+    for n, t in local.items():
+        assert torch.allclose(shard[n], t, rtol=1e-6, atol=1e-6), n
+    assert runners[0].task.last == 8
+    # before the boundary the pipeline held several minibatches at once (stashed versions)
+    assert runners[0].compute.stats.peak_in_flight > 1
+
+
+def test_a_migration_in_1f1b_is_lossless() -> None:
+    plain_local, plain_shard, _ = run_vw("1f1b", 4, 16, [])
+    local, shard, runners = run_vw("1f1b", 4, 16, [Order(8, (2, 7, 7))], optimizer="adam")
+    plain_local_adam, plain_shard_adam, _ = run_vw("1f1b", 4, 16, [], optimizer="adam")
+    assert_same(local, plain_local_adam)
+    assert_same(shard, plain_shard_adam)
+    local, shard, _ = run_vw("1f1b", 4, 16, [Order(4, (8, 5, 3)), Order(12, (5, 5, 6))])
+    assert_same(local, plain_local)
+    assert_same(shard, plain_shard)
+
+
+def test_a_split_that_would_not_fit_is_refused_and_training_goes_on() -> None:
+    plain_local, _, _ = run_vw("async", 1, 8, [])
+    # stage 2's device holds its 4 layers, not 12 of them
+    local, _, runners = run_vw("async", 1, 8, [Order(4, (2, 2, 12))], memory={2: 800_000})
+    assert_same(local, plain_local)
+    assert [(r.task.first, r.task.last) for r in runners] == [(0, 6), (6, 12), (12, 16)]
+    for r in runners:
+        (rec,) = r.final_stats()["migrations"]
+        assert rec["event"] == "migration_refused"
+        assert "vw0/stage2: layers 4..15 would need" in rec["refused"]
+    # a stage that held state would hold none (layers 9..11: ReLU and pools): refused too
+    local, _, runners = run_vw("async", 1, 8, [Order(4, (9, 3, 4))])
+    assert_same(local, plain_local)
+    assert "layers 9..11 would hold no state" in runners[1].final_stats()["migrations"][0]["refused"]
+
+
+def test_orders_a_stage_cannot_carry_out_are_refused() -> None:
+    _, _, runners = run_vw("async", 2, 4, [])
+    c = runners[0].compute
+    with pytest.raises(MigrationError, match="past the job's 4"):
+        Migrator.validate(c, [Order(4, (8, 4, 4))], LAYERS)
+    with pytest.raises(MigrationError, match="opens no wave"):
+        Migrator.validate(c, [Order(3, (8, 4, 4))], LAYERS)
+    Migrator.validate(c, [Order(2, (8, 4, 4))], LAYERS)
+
+
+def test_every_layer_ends_on_one_stage() -> None:
+    for old, new in itertools.product([(4, 8, 4), (1, 1, 14)], [(14, 1, 1), (5, 5, 6)]):
+        owner = {}
+        for m in moves(old, new):
+            for j in range(m.first, m.last):
+                assert j not in owner
+                owner[j] = m.dst
+        b = cut_points(new)
+        for j, dst in owner.items():
+            assert b[dst] <= j < b[dst + 1]
