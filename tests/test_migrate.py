@@ -289,7 +289,7 @@ def test_a_migration_in_1f1b_is_lossless() -> None:
 def test_a_split_that_would_not_fit_is_refused_and_training_goes_on() -> None:
     plain_local, _, _ = run_vw("async", 1, 8, [])
     # stage 2's device holds its 4 layers, not 12 of them
-    local, _, runners = run_vw("async", 1, 8, [Order(4, (2, 2, 12))], memory={2: 800_000})
+    local, _, runners = run_vw("async", 1, 8, [Order(4, (2, 2, 12))], memory={2: 1_200_000})
     assert_same(local, plain_local)
     assert [(r.task.first, r.task.last) for r in runners] == [(0, 6), (6, 12), (12, 16)]
     for r in runners:
