@@ -68,6 +68,7 @@ from hetpipe.core.schedule import Action, Forward, Merge, Pull, Wait, max_in_fli
 from hetpipe.core.wsp import wave_of
 from hetpipe.modelstate import layer_of
 from hetpipe.task import StageTask
+from hetpipe.wire import Kind
 
 if TYPE_CHECKING:
     from hetpipe.pipeline import StageRunner
@@ -550,6 +551,31 @@ class Migrator:
         await self._carry_out(runner, self.orders[0])
         return True
 
+    async def _rekey(self, runner: StageRunner, before: dict[int, list[str]], c: int) -> None:
+        """Tell each shard which names this stage pushes and pulls there from wave ``c`` on:
+        first where it holds names now, then, once every stage did (a barrier on the bus,
+        so that a virtual worker is never without a stage on a shard), where it holds none
+        any more (:meth:`hetpipe.shard.JobShard.migrate`)."""
+        from hetpipe.pipeline import PUSH_TIMEOUT_S
+
+        after = runner._shard_names() if runner.compute.has_state else {}
+        fields = {"job": runner.task.job, "vw": runner.task.vw, "stage": runner.task.stage}
+
+        async def tell(shard: int, names: list[str]) -> None:
+            await runner.shards[shard].request(
+                Kind.REKEY,
+                {**fields, "wave": c, "names": names},
+                timeout=PUSH_TIMEOUT_S,
+                what=f"shard {shard}",
+            )
+
+        for shard, names in sorted(after.items()):
+            if sorted(names) != sorted(before.get(shard, [])):
+                await tell(shard, names)
+        await asyncio.wait_for(self.bus.verdict(runner.task.stage, None), self.timeout_s)
+        for shard in sorted(set(before) - set(after)):
+            await tell(shard, [])
+
     async def _carry_out(self, runner: StageRunner, order: Order) -> None:
         """Steps 2-4 of the module's sequence at a drained boundary."""
         task = runner.task
@@ -580,8 +606,10 @@ class Migrator:
             refusal = await asyncio.wait_for(self.bus.verdict(stage, refusal), self.timeout_s)
             if refusal is None:
                 assert new is not None
+                before = runner._shard_names() if runner.compute.has_state else {}
                 runner.compute = new
                 runner.task = new.task
+                await self._rekey(runner, before, c)
                 # a pull of the boundary's wave already sent asked for the old names
                 for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
                     runner.answers.pop(key).cancel()

@@ -94,6 +94,12 @@ class ShardServer:
                 await self._pull(peer, msg)
             elif msg.kind == Kind.REDUCE:
                 await self._reduce(peer, msg)
+            elif msg.kind == Kind.REKEY:  # a live migration (hetpipe.migrate)
+                js = self.store.get(msg["job"])
+                js.migrate(msg["vw"], msg["stage"], [str(n) for n in msg["names"]], msg["wave"])
+                await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
+                for item in js.clock.release():  # a stage that left may have held the clock
+                    await self._answer(msg["job"], item)
             elif msg.kind == Kind.SHARD_INIT:
                 js = self.store.init(
                     msg["job"],

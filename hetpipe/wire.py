@@ -103,6 +103,7 @@ class Kind(StrEnum):
     REPLICA_GRAD = "replica_grad"
     PUSH = "push"
     PULL = "pull"
+    REKEY = "rekey"
     PULLED = "pulled"
     REDUCE = "reduce"
     REDUCED = "reduced"
@@ -238,6 +239,16 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     },
     # tensors: summed deltas of the wave, by parameter name
     Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
+    # a live migration (hetpipe.migrate): the names this stage holds on the shard from
+    # ``wave`` on (none: it leaves the shard)
+    Kind.REKEY: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "wave": _INT,
+        "names": _LIST,
+    },
     Kind.PULL: {
         "rid": _INT,
         "job": _STR,

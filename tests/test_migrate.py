@@ -10,6 +10,7 @@ the module docstring of hetpipe.migrate says why)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import job
-from helpers import InlineExecutor
+from helpers import InlineExecutor, check_invariants
 
 from hetpipe import stagestate
 from hetpipe.config import DeviceSpec
@@ -35,6 +36,7 @@ from hetpipe.migrate import (
 )
 from hetpipe.models import build_model
 from hetpipe.pipeline import StageRunner
+from hetpipe.shard import JobShard, ShardStore
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
@@ -91,38 +93,52 @@ def batch(p: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Shard:
-    """An in-process parameter-server shard for one virtual worker: answers pulls of the
-    initial weights and adds every push to its global weights."""
+    """A parameter-server shard in process: the real :class:`hetpipe.shard.JobShard` behind
+    the two calls a stage makes on its channel (``request``, ``send_request``), pulls parked
+    under WSP until the global clock allows them, as :mod:`hetpipe.ps` serves them."""
 
-    def __init__(self, state: dict[str, torch.Tensor], names: dict[int, list[str]]) -> None:
-        self.weights = {n: t.clone() for n, t in state.items()}
-        self.names = names  # stage -> names it pulls
-        self.pushes: list[tuple[int, int, list[str]]] = []
+    def __init__(self, js: JobShard) -> None:
+        self.js = js
         self.name = "shard0"
 
+    def _answer(self, vw: int, stage: int) -> Message:
+        fields, tensors = self.js.answer(vw, stage)
+        return Message(Kind.PULLED, fields, {n: t.clone() for n, t in tensors.items()})
+
+    def _release(self) -> None:
+        for fut, vw, stage in self.js.clock.release():
+            fut.set_result(self._answer(vw, stage))
+
     async def request(self, kind: Any, fields: dict, *_a: Any, **_k: Any) -> Message:
-        assert kind == Kind.PULL and fields["wave"] == 0, (kind, fields)
-        names = self.names[fields["stage"]]
-        out = {n: self.weights[n].clone() for n in names}
-        return Message(Kind.PULLED, {"applied": [], "clock": 0, "vw_clock": 0}, out)
+        vw, stage = fields["vw"], fields["stage"]
+        if kind == Kind.REKEY:
+            self.js.migrate(vw, stage, list(fields["names"]), fields["wave"])
+            self._release()
+            return Message(Kind.OK, {}, {})
+        assert kind == Kind.PULL, kind
+        self.js.answer(vw, stage)
+        fut = asyncio.get_running_loop().create_future()
+        if self.js.clock.park(fields["need"], (fut, vw, stage)):
+            return self._answer(vw, stage)
+        return await fut
 
     async def send_request(self, kind: Any, fields: dict, tensors: dict, **_k: Any):
         assert kind == Kind.PUSH
-        self.pushes.append((fields["stage"], fields["wave"], sorted(tensors)))
-        with torch.no_grad():
-            for n, d in tensors.items():
-                self.weights[n] = self.weights[n] + d.to(self.weights[n].dtype)
+        self.js.push(fields["vw"], fields["stage"], fields["wave"], tensors)
+        self._release()
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(Message(Kind.OK, {}, {}))
         return fut
 
 
-def run_vw(
+def run_job(
     kind: str,
     nm: int,
     total: int,
-    orders: list[Order],
+    orders: dict[int, list[Order]],
     *,
+    vws: int = 1,
+    staleness: int = 0,
     optimizer: str = "sgd",
     memory: dict[int, int] | None = None,
     layers: tuple[int, ...] = (),
@@ -130,80 +146,127 @@ def run_vw(
     initial: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, torch.Tensor] | None = None,
     opt_steps: dict[str, int] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[StageRunner]]:
-    """Train one virtual worker of ``len(LAYERS)`` stages for ``total`` minibatches with the
-    migrations ``orders``; its stages' local weights at the end, the shard's, its runners.
+) -> tuple[list[dict[str, torch.Tensor]], JobShard, list[list[StageRunner]]]:
+    """Train ``vws`` virtual workers of ``len(layers)`` stages each (split ``layers``, else
+    ``LAYERS``) for ``total`` minibatches each under WSP's ``staleness`` through one
+    shard, virtual worker ``v`` with the migrations ``orders[v]``; each virtual worker's
+    stages' local weights at the end, the shard, the runners by virtual worker.
 
-    A resumed attempt (the offline path a migration replaces): ``layers`` its split, from
-    minibatch ``start`` of the data on, from the global weights ``initial``, each parameter's
-    optimizer state from ``optimizer_state`` (checkpoint names, any stage's) and
-    ``opt_steps``."""
+    A resumed attempt (the offline path a migration replaces): from minibatch ``start`` of
+    the data on, from the weights ``initial``, each parameter's optimizer state from
+    ``optimizer_state`` (checkpoint names, any stage's) and ``opt_steps``. ``memory``: the
+    cap of stage ``s``'s device."""
     layers = layers or LAYERS
     train: dict[str, Any] = {"schedule": kind, "push_every": 0}
     spec = JobSpec.from_dict(
-        job("mig", model=MODEL, nm=nm, minibatches=total, optimizer=optimizer, train=train)
+        job(
+            "mig",
+            model=MODEL,
+            nm=nm,
+            minibatches=total,
+            optimizer=optimizer,
+            train=train,
+            staleness=staleness,
+        )
     ).to_dict()
     torch.manual_seed(0)
     state = initial if initial is not None else build_model(MODEL).state_dict()
     k = len(layers)
     bounds = cut_points(layers)
     layouts = [StageLayout((f"gpu{s}",), bounds[s], bounds[s + 1]) for s in range(k)]
-    computes = []
-    for s in range(k):
-        task = StageTask.standalone(
-            "mig",
-            spec,
-            layouts[s],
-            stage=s,
-            k=k,
-            nm=nm,
-            minibatches=total,
-            placement=dict.fromkeys(state, 0),
-            prev=layouts[s - 1] if s else None,
-            next=layouts[s + 1] if s + 1 < k else None,
-            start=start,
-        )
-        c = StageCompute(task, device(s, (memory or {}).get(s, 1 << 30)))
-        if optimizer_state is not None:
-            c.load_state({"opt_steps": opt_steps or {}}, optimizer_state, weights=False)
-        computes.append(c)
-    shard = Shard(state, {s: c.state_names() for s, c in enumerate(computes)})
-    runners: list[StageRunner] = []
-    bus = LocalBus(k)
-    stream = SimpleNamespace(
-        reader=lambda _start: SimpleNamespace(get=batch), source=SimpleNamespace(val=None)
-    )
+    computes: list[list[StageCompute]] = []
+    for v in range(vws):
+        computes.append([])
+        for s in range(k):
+            task = dataclasses.replace(
+                StageTask.standalone(
+                    "mig",
+                    spec,
+                    layouts[s],
+                    stage=s,
+                    k=k,
+                    nm=nm,
+                    minibatches=total,
+                    num_vws=vws,
+                    placement=dict.fromkeys(state, 0),
+                    prev=layouts[s - 1] if s else None,
+                    next=layouts[s + 1] if s + 1 < k else None,
+                    start=start,
+                ),
+                vw=v,
+                staleness=staleness,
+            )
+            c = StageCompute(task, device(s, (memory or {}).get(s, 1 << 30)))
+            if optimizer_state is not None:
+                c.load_state({"opt_steps": opt_steps or {}}, optimizer_state, weights=False)
+            computes[v].append(c)
+    members = {
+        str(v): {
+            "waves": -(-total // nm),
+            "stages": {str(s): c.state_names() for s, c in enumerate(computes[v])},
+        }
+        for v in range(vws)
+    }
+    shard = Shard(ShardStore().init("mig", members, staleness, state))
+    runners: list[list[StageRunner]] = [[] for _ in range(vws)]
 
     async def main() -> None:
-        for s, c in enumerate(computes):
-
-            async def send(
-                kind_: str, p: int, tensors: dict, _shared: Any = None, _to: int = 0,
-                extra: dict | None = None, s: int = s,
-            ) -> None:
-                dst = s + 1 if kind_ == Kind.ACT else s - 1
-                tensors = {n: t.clone() for n, t in tensors.items()}
-                runners[dst].on_message(Message(Kind(kind_), {"p": p, **(extra or {})}, tensors))
-
-            async def report(_stats: dict) -> None:
-                pass
-
-            r = StageRunner(
-                c,
-                InlineExecutor(),
-                send=send,
-                shards={0: shard},  # type: ignore[dict-item]
-                report=report,
-                stream=stream if s == 0 else None,  # type: ignore[arg-type]
+        for v in range(vws):
+            bus = LocalBus(k)
+            # each virtual worker reads its own minibatches
+            stream = SimpleNamespace(
+                reader=lambda _start, v=v: SimpleNamespace(get=lambda p: batch(p + 1000 * v)),
+                source=SimpleNamespace(val=None),
             )
-            runners.append(r)
-            if orders:
-                Migrator(orders, bus, device(s, (memory or {}).get(s, 1 << 30)), layers).install(r)
-        await asyncio.wait_for(asyncio.gather(*(r.run() for r in runners)), 60)
+            for s, c in enumerate(computes[v]):
+
+                async def send(
+                    kind_: str,
+                    p: int,
+                    tensors: dict,
+                    _shared: Any = None,
+                    _to: int = 0,
+                    extra: dict | None = None,
+                    s: int = s,
+                    v: int = v,
+                ) -> None:
+                    dst = s + 1 if kind_ == Kind.ACT else s - 1
+                    tensors = {n: t.clone() for n, t in tensors.items()}
+                    msg = Message(Kind(kind_), {"p": p, **(extra or {})}, tensors)
+                    runners[v][dst].on_message(msg)
+
+                async def report(_stats: dict) -> None:
+                    pass
+
+                r = StageRunner(
+                    c,
+                    InlineExecutor(),
+                    send=send,
+                    shards={0: shard},  # type: ignore[dict-item]
+                    report=report,
+                    stream=stream if s == 0 else None,  # type: ignore[arg-type]
+                )
+                runners[v].append(r)
+                if orders.get(v):
+                    cap = (memory or {}).get(s, 1 << 30)
+                    Migrator(orders[v], bus, device(s, cap), layers).install(r)
+        every = [r.run() for rs in runners for r in rs]
+        await asyncio.wait_for(asyncio.gather(*every), 60)
 
     asyncio.run(main())
-    local = {n: t.detach().clone() for r in runners for n, t in r.compute.state_dict().items()}
-    return local, shard.weights, runners
+    local = [
+        {n: t.detach().clone() for r in rs for n, t in r.compute.state_dict().items()}
+        for rs in runners
+    ]
+    return local, shard.js, runners
+
+
+def run_vw(
+    kind: str, nm: int, total: int, orders: list[Order], **kw: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[StageRunner]]:
+    """:func:`run_job` of one virtual worker: its local weights, the shard's, its runners."""
+    local, js, runners = run_job(kind, nm, total, {0: orders}, **kw)
+    return local[0], js.weights, runners[0]
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -322,3 +385,28 @@ def test_every_layer_ends_on_one_stage() -> None:
         b = cut_points(new)
         for j, dst in owner.items():
             assert b[dst] <= j < b[dst + 1]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_wsp_invariant_holds_with_a_migration_in_one_of_two_virtual_workers(staleness) -> None:
+    nm, total = 2, 12
+    orders = {1: [Order(4, (8, 4, 4)), Order(8, (3, 9, 4))]}
+    local, js, runners = run_job("async", nm, total, orders, vws=2, staleness=staleness)
+    records = {}
+    for v, rs in enumerate(runners):
+        for s, r in enumerate(rs):
+            stats = r.final_stats()
+            fields = stats["record_fields"]
+            records[(v, s)] = [dict(zip(fields, row, strict=True)) for row in stats["records"]]
+            assert [row["p"] for row in records[(v, s)]] == list(range(total))
+    check_invariants(records, {0: nm, 1: nm}, staleness)
+    assert [(r.task.first, r.task.last) for r in runners[1]] == [(0, 3), (3, 12), (12, 16)]
+    assert [(r.task.first, r.task.last) for r in runners[0]] == [(0, 6), (6, 12), (12, 16)]
+    assert [m["event"] for m in runners[1][0].final_stats()["migrations"]] == ["migration"] * 2
+    # the shard applied every wave of every stage once, under the names each stage held then
+    waves = total // nm
+    for v in range(2):
+        assert js.clock.vw_clock(v) == waves
+    assert sorted(js.names[(1, 1)]) == sorted(runners[1][1].compute.state_names())
+    assert all(torch.isfinite(t).all() for t in js.weights.values())
+    assert all(torch.isfinite(t).all() for w in local for t in w.values())
