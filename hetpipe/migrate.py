@@ -64,7 +64,7 @@ import torch
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
-from hetpipe.core.schedule import Action, Forward, Merge, Pull, Wait, max_in_flight
+from hetpipe.core.schedule import Action, Forward, Merge, Wait, max_in_flight
 from hetpipe.core.wsp import wave_of
 from hetpipe.modelstate import layer_of
 from hetpipe.task import StageTask
@@ -252,7 +252,10 @@ def relaid(task: StageTask, bounds: Sequence[int], parcels: Sequence[Parcel]) ->
         swap.update(parcel.meta["swap"])
         placement.update(parcel.meta["placement"])
     layout = dataclasses.replace(
-        task.layout, first=first, last=last, recompute=tuple(sorted(recompute)),
+        task.layout,
+        first=first,
+        last=last,
+        recompute=tuple(sorted(recompute)),
         swap=tuple(sorted(swap)),
     )
 
@@ -434,6 +437,11 @@ class LocalBus:
         self._done(stage)
         return first
 
+    def missing(self) -> list[int]:
+        """The stages that have not reached the step the others wait at."""
+        waiting = self._refusals if self._refusals else self._given
+        return [s for s in range(self.k) if s not in waiting]
+
     def _done(self, stage: int) -> None:
         """Once every stage read the verdict, the bus is ready for the next migration."""
         self._round += 1
@@ -551,7 +559,23 @@ class Migrator:
         await self._carry_out(runner, self.orders[0])
         return True
 
-    async def _rekey(self, runner: StageRunner, before: dict[int, list[str]], c: int) -> None:
+    async def _meet(self, runner: StageRunner, at: int, step: Awaitable[Any]) -> Any:
+        """Wait for the other stages at one step of the migration at ``at``: a stage lost
+        meanwhile ends this one with a :class:`MigrationError` naming it (the head then
+        re-plans or fails the job, as for any failed stage), never a hang."""
+        try:
+            return await asyncio.wait_for(step, self.timeout_s)
+        except TimeoutError:
+            missing = getattr(self.bus, "missing", lambda: [])()
+            who = ", ".join(f"stage {s}" for s in missing) or "another stage"
+            raise MigrationError(
+                f"{runner.task.where}: {who} of vw{runner.task.vw} did not reach the "
+                f"migration at minibatch {at} within {self.timeout_s:g}s (lost?)"
+            ) from None
+
+    async def _rekey(
+        self, runner: StageRunner, before: dict[int, list[str]], c: int, at: int
+    ) -> None:
         """Tell each shard which names this stage pushes and pulls there from wave ``c`` on:
         first where it holds names now, then, once every stage did (a barrier on the bus,
         so that a virtual worker is never without a stage on a shard), where it holds none
@@ -572,7 +596,7 @@ class Migrator:
         for shard, names in sorted(after.items()):
             if sorted(names) != sorted(before.get(shard, [])):
                 await tell(shard, names)
-        await asyncio.wait_for(self.bus.verdict(runner.task.stage, None), self.timeout_s)
+        await self._meet(runner, at, self.bus.verdict(runner.task.stage, None))
         for shard in sorted(set(before) - set(after)):
             await tell(shard, [])
 
@@ -591,9 +615,7 @@ class Migrator:
             # one hand-off to the compute thread whatever moves: the stages resume in the
             # same order whatever they exchanged
             out = await runner._run(_pack_all, runner.compute, mine)
-            incoming = await asyncio.wait_for(
-                self.bus.exchange(stage, out), self.timeout_s
-            )
+            incoming = await self._meet(runner, order.at, self.bus.exchange(stage, out))
             new, refusal = await runner._run(
                 prepare, runner.compute, self.device, cut_points(order.layers), incoming
             )
@@ -603,13 +625,13 @@ class Migrator:
                     f"{'hold' if new.has_state else 'hold no'} state, its schedule was made "
                     f"for the other"
                 )
-            refusal = await asyncio.wait_for(self.bus.verdict(stage, refusal), self.timeout_s)
+            refusal = await self._meet(runner, order.at, self.bus.verdict(stage, refusal))
             if refusal is None:
                 assert new is not None
                 before = runner._shard_names() if runner.compute.has_state else {}
                 runner.compute = new
                 runner.task = new.task
-                await self._rekey(runner, before, c)
+                await self._rekey(runner, before, c, order.at)
                 # a pull of the boundary's wave already sent asked for the old names
                 for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
                     runner.answers.pop(key).cancel()

@@ -23,6 +23,7 @@ from helpers import InlineExecutor, check_invariants
 from hetpipe import stagestate
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
+from hetpipe.core.wsp import WspError
 from hetpipe.job import JobSpec
 from hetpipe.migrate import (
     LocalBus,
@@ -36,7 +37,7 @@ from hetpipe.migrate import (
 )
 from hetpipe.models import build_model
 from hetpipe.pipeline import StageRunner
-from hetpipe.shard import JobShard, ShardStore
+from hetpipe.shard import JobShard, ShardError, ShardStore
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
@@ -146,6 +147,8 @@ def run_job(
     initial: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, torch.Tensor] | None = None,
     opt_steps: dict[str, int] | None = None,
+    lose: int | None = None,
+    errors: list[BaseException] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], JobShard, list[list[StageRunner]]]:
     """Train ``vws`` virtual workers of ``len(layers)`` stages each (split ``layers``, else
     ``LAYERS``) for ``total`` minibatches each under WSP's ``staleness`` through one
@@ -155,7 +158,8 @@ def run_job(
     A resumed attempt (the offline path a migration replaces): from minibatch ``start`` of
     the data on, from the weights ``initial``, each parameter's optimizer state from
     ``optimizer_state`` (checkpoint names, any stage's) and ``opt_steps``. ``memory``: the
-    cap of stage ``s``'s device."""
+    cap of stage ``s``'s device. ``lose``: that stage of virtual worker 0 is lost as it
+    reaches its migration; each stage's error goes to ``errors``."""
     layers = layers or LAYERS
     train: dict[str, Any] = {"schedule": kind, "push_every": 0}
     spec = JobSpec.from_dict(
@@ -249,9 +253,20 @@ def run_job(
                 runners[v].append(r)
                 if orders.get(v):
                     cap = (memory or {}).get(s, 1 << 30)
-                    Migrator(orders[v], bus, device(s, cap), layers).install(r)
+                    m = Migrator(orders[v], bus, device(s, cap), layers, timeout_s=2.0)
+                    m.install(r)
+                    if (v, s) == (0, lose):
+                        m._carry_out = lost  # type: ignore[method-assign]
         every = [r.run() for rs in runners for r in rs]
-        await asyncio.wait_for(asyncio.gather(*every), 60)
+        got = await asyncio.wait_for(asyncio.gather(*every, return_exceptions=True), 60)
+        failed = [e for e in got if isinstance(e, BaseException)]
+        if errors is None and failed:
+            raise failed[0]
+        if errors is not None:
+            errors.extend(failed)
+
+    async def lost(*_a: Any) -> None:
+        raise ConnectionError("worker lost")
 
     asyncio.run(main())
     local = [
@@ -340,7 +355,7 @@ def test_a_migration_in_async_with_weight_stashing_is_lossless(optimizer: str) -
 
 def test_a_migration_in_1f1b_is_lossless() -> None:
     plain_local, plain_shard, _ = run_vw("1f1b", 4, 16, [])
-    local, shard, runners = run_vw("1f1b", 4, 16, [Order(8, (2, 7, 7))], optimizer="adam")
+    local, shard, _ = run_vw("1f1b", 4, 16, [Order(8, (2, 7, 7))], optimizer="adam")
     plain_local_adam, plain_shard_adam, _ = run_vw("1f1b", 4, 16, [], optimizer="adam")
     assert_same(local, plain_local_adam)
     assert_same(shard, plain_shard_adam)
@@ -362,7 +377,9 @@ def test_a_split_that_would_not_fit_is_refused_and_training_goes_on() -> None:
     # a stage that held state would hold none (layers 9..11: ReLU and pools): refused too
     local, _, runners = run_vw("async", 1, 8, [Order(4, (9, 3, 4))])
     assert_same(local, plain_local)
-    assert "layers 9..11 would hold no state" in runners[1].final_stats()["migrations"][0]["refused"]
+    assert (
+        "layers 9..11 would hold no state" in runners[1].final_stats()["migrations"][0]["refused"]
+    )
 
 
 def test_orders_a_stage_cannot_carry_out_are_refused() -> None:
@@ -410,3 +427,35 @@ def test_wsp_invariant_holds_with_a_migration_in_one_of_two_virtual_workers(stal
     assert sorted(js.names[(1, 1)]) == sorted(runners[1][1].compute.state_names())
     assert all(torch.isfinite(t).all() for t in js.weights.values())
     assert all(torch.isfinite(t).all() for w in local for t in w.values())
+
+
+def test_a_stage_lost_during_a_migration_fails_the_others_naming_it() -> None:
+    errors: list[BaseException] = []
+    run_job("async", 1, 8, {0: [Order(4, (8, 4, 4))]}, lose=1, errors=errors)
+    assert any(isinstance(e, ConnectionError) for e in errors)
+    named = [str(e) for e in errors if isinstance(e, MigrationError)]
+    assert named and all(
+        "stage 1 of vw0 did not reach the migration at minibatch 4" in m for m in named
+    )
+
+
+def test_the_shard_follows_a_stage_that_gains_or_loses_names() -> None:
+    w = {n: torch.zeros(2) for n in ("0.w", "1.w", "2.w")}
+    members = {"0": {"waves": 4, "stages": {"0": ["0.w"], "1": ["1.w", "2.w"]}}}
+    js = ShardStore().init("j", members, 0, w)
+    for wave in range(2):
+        for stage in (0, 1):
+            js.push(0, stage, wave, {})
+    js.migrate(0, 2, ["2.w"], 2)  # a stage new on this shard: waves 0, 1 count as pushed
+    js.migrate(0, 1, ["1.w"], 2)
+    assert js.clock.vw_clock(0) == 2
+    js.push(0, 2, 2, {"2.w": torch.ones(2)})
+    with pytest.raises(ShardError, match="unknown update"):
+        js.push(0, 1, 2, {"2.w": torch.ones(2)})
+    js.migrate(0, 0, [], 2)  # stage 0 leaves: its clock no longer counts here
+    js.push(0, 1, 2, {})
+    assert js.clock.vw_clock(0) == 3
+    with pytest.raises(ShardError, match="migrated unknown"):
+        js.migrate(0, 1, ["9.w"], 3)
+    with pytest.raises(WspError, match="would hold nothing"):
+        js.migrate(0, 1, [], 3) or js.migrate(0, 2, [], 3)
