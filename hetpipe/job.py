@@ -33,6 +33,7 @@ __all__ = [
     "JobSpec",
     "LossScaleSpec",
     "LrSchedule",
+    "MigrationSpec",
     "ModelSpec",
     "OptimizerSpec",
     "VWSpec",
@@ -117,6 +118,16 @@ class FaultSpec:
 
 
 @dataclass(frozen=True)
+class MigrationSpec:
+    """A live layer migration of virtual worker ``vw`` to split ``layers`` (layers per
+    stage) before ``minibatch`` (:mod:`hetpipe.migrate`)."""
+
+    vw: int
+    minibatch: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """A validated job. ``minibatches`` counts per virtual worker; ``staleness`` is WSP's D."""
 
@@ -145,6 +156,7 @@ class JobSpec:
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
     checkpoint_every: int = _d("train.checkpoint_every")
     faults: tuple[FaultSpec, ...] = ()
+    migrations: tuple[MigrationSpec, ...] = ()
     schedule: str = _d("train.schedule")  # hetpipe.core.schedule.KINDS or "auto"
     weights: str = _d("train.weights")
     predict_variant: str = _d("train.predict_variant")
@@ -221,6 +233,15 @@ class JobSpec:
             **tables,
             "vw": vws,
             "fault": [dataclasses.asdict(f) for f in self.faults],
+            **(
+                {
+                    "migration": [
+                        dataclasses.asdict(m) | {"layers": list(m.layers)} for m in self.migrations
+                    ]
+                }
+                if self.migrations
+                else {}
+            ),
         }
 
     @classmethod
@@ -362,6 +383,9 @@ class JobSpec:
                 FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
                 for ft in root.tables("fault", JOB.allowed("fault"))
             ),
+            migrations=tuple(
+                _migration(mt) for mt in root.tables("migration", JOB.allowed("migration"))
+            ),
         )
         if strict:
             given = [
@@ -450,6 +474,14 @@ class JobSpec:
                 "in_flight": self.in_flight,
             },
         }
+
+
+def _migration(t: Table) -> MigrationSpec:
+    """A ``[[migration]]`` table (:mod:`hetpipe.migrate` checks it against the split)."""
+    layers = _read(t, "layers")
+    if not layers:
+        t.fail("layers", "required: the new split, layers per stage")
+    return MigrationSpec(_read(t, "vw"), _read(t, "minibatch"), tuple(layers))
 
 
 def _read(t: Table, name: str, default: Any = DECLARED) -> Any:

@@ -85,6 +85,7 @@ __all__ = [
     "check_order",
     "cut_points",
     "moves",
+    "outgoing",
     "pack",
     "prepare",
 ]
@@ -144,27 +145,42 @@ def moves(old: Sequence[int], new: Sequence[int]) -> tuple[Move, ...]:
     return tuple(out)
 
 
-def check_order(order: Order, current: Sequence[int], nm: int, *, what: str = "") -> None:
-    """Refuse (:class:`MigrationError`) a split that cannot replace ``current`` at its
-    boundary: another count of stages or layers, an empty stage, a boundary inside a wave
-    or iteration of ``nm`` minibatches."""
+def check_order(order: Order, k: int, nm: int, *, total: int | None = None, what: str = "") -> None:
+    """Refuse (:class:`MigrationError`) a split that cannot replace one of ``k`` stages (of
+    ``total`` layers, where known) at its boundary: another count of stages or layers, an
+    empty stage, a boundary inside a wave or iteration of ``nm`` minibatches."""
     where = f"{what}: " if what else ""
-    if len(order.layers) != len(current):
+    if len(order.layers) != k:
         raise MigrationError(
-            f"{where}the new split has {len(order.layers)} stages, the virtual worker "
-            f"{len(current)}"
+            f"{where}the new split has {len(order.layers)} stages, the virtual worker {k}"
         )
     if any(n < 1 for n in order.layers):
         raise MigrationError(f"{where}every stage keeps at least one layer: {list(order.layers)}")
-    if sum(order.layers) != sum(current):
+    if total is not None and sum(order.layers) != total:
         raise MigrationError(
-            f"{where}the new split holds {sum(order.layers)} layers, the model {sum(current)}"
+            f"{where}the new split holds {sum(order.layers)} layers, the model {total}"
         )
     if order.at <= 0 or order.at % nm:
         raise MigrationError(
             f"{where}minibatch {order.at} opens no wave or iteration (nm = {nm}): a "
             f"migration happens at a multiple of nm above 0"
         )
+
+
+def outgoing(stage: int, first: int, last: int, bounds: Sequence[int]) -> list[Move]:
+    """What stage ``stage`` holding layers ``first``..``last``-1 gives away under the new
+    cut points ``bounds``: each range with its new owner (what a stage knows alone; the
+    whole list is :func:`moves`, the union over the stages)."""
+    out: list[Move] = []
+    for j in range(first, last):
+        dst = next(t for t in range(len(bounds) - 1) if bounds[t] <= j < bounds[t + 1])
+        if dst == stage:
+            continue
+        if out and (out[-1].last, out[-1].dst) == (j, dst):
+            out[-1] = dataclasses.replace(out[-1], last=j + 1)
+        else:
+            out.append(Move(j, j + 1, stage, dst))
+    return out
 
 
 # -- the state that travels --------------------------------------------------------------------
@@ -465,24 +481,22 @@ class Migrator:
         orders: Sequence[Order],
         bus: Bus,
         device: DeviceSpec,
-        current: Sequence[int],
         *,
         record: Record | None = None,
         timeout_s: float = EXCHANGE_TIMEOUT_S,
     ) -> None:
-        """``current``: the virtual worker's split now (layers per stage); ``record`` gets
-        one dict per migration carried out or refused (:meth:`_carry_out`)."""
+        """``record`` gets one dict per migration carried out or refused
+        (:meth:`_carry_out`); ``timeout_s`` bounds each wait for the other stages."""
         self.orders = sorted(orders, key=lambda o: o.at)
         self.bus = bus
         self.device = device
-        self.layers = tuple(current)
         self.record = record
         self.timeout_s = timeout_s
         self.held_since: float | None = None  # when this stage first held at the boundary
         self.done: list[dict[str, Any]] = []  # what each migration did, as recorded
 
     @staticmethod
-    def validate(compute: StageCompute, orders: Sequence[Order], current: Sequence[int]) -> None:
+    def validate(compute: StageCompute, orders: Sequence[Order]) -> None:
         """Refuse (:class:`MigrationError`) orders this stage's job cannot carry out."""
         task = compute.task
         if task.replicated or task.prev_group[1:] or task.next_group[1:]:
@@ -493,14 +507,12 @@ class Migrator:
             raise MigrationError(
                 f"{task.where}: train.weights = {compute.weights!r} does not migrate (stash does)"
             )
-        layers = tuple(current)
-        for order in sorted(orders, key=lambda o: o.at):
-            check_order(order, layers, task.nm, what=task.where)
+        for order in orders:
+            check_order(order, task.k, task.nm, what=task.where)
             if order.at >= task.minibatches:
                 raise MigrationError(
                     f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"
                 )
-            layers = order.layers
 
     def install(self, runner: StageRunner) -> None:
         """Attach to ``runner``: its schedule's answers that belong to a pending boundary's
@@ -610,15 +622,21 @@ class Migrator:
         held = drained - (self.held_since or drained)
         with runner.timeline.span("bubble", order.at, c):  # nothing computes meanwhile
             await runner._wait_pushes()  # the shards hold every push of the waves before
-            plan = moves(self.layers, order.layers)
-            mine = [m for m in plan if m.src == stage]
+            bounds = cut_points(order.layers)
+            mine = outgoing(stage, task.first, task.last, bounds)
             # one hand-off to the compute thread whatever moves: the stages resume in the
             # same order whatever they exchanged
             out = await runner._run(_pack_all, runner.compute, mine)
             incoming = await self._meet(runner, order.at, self.bus.exchange(stage, out))
-            new, refusal = await runner._run(
-                prepare, runner.compute, self.device, cut_points(order.layers), incoming
-            )
+            new, refusal = await runner._run(prepare, runner.compute, self.device, bounds, incoming)
+            if task.is_last and bounds[-1] != task.last:
+                new, refusal = (
+                    None,
+                    (
+                        f"{task.where}: the new split holds {bounds[-1]} layers, the model "
+                        f"{task.last}"
+                    ),
+                )
             if new is not None and new.has_state != runner.compute.has_state:
                 refusal = (
                     f"{task.where}: layers {new.task.first}..{new.task.last - 1} would "
@@ -636,7 +654,6 @@ class Migrator:
                 for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
                     runner.answers.pop(key).cancel()
                     runner.schedule.sent.discard(key)
-                self.layers = order.layers
         self.orders.pop(0)
         self.held_since = None
         resumed = time.monotonic()
@@ -648,7 +665,12 @@ class Migrator:
             "wave": wave_of(order.at, task.nm),
             "reason": order.reason,
             "layers": list(order.layers),
-            "moves": [dataclasses.asdict(m) for m in plan],
+            # what this stage gave and took (the virtual worker's moves: the union over its
+            # stages, :func:`moves`)
+            "moves": [
+                dataclasses.asdict(m)
+                for m in sorted([*mine, *(p.move for p in incoming)], key=lambda m: m.first)
+            ],
             "range": [runner.task.first, runner.task.last],
             "bytes_out": sum(p.nbytes for p in out),
             "bytes_in": sum(p.nbytes for p in incoming),

@@ -34,6 +34,7 @@ from hetpipe.migrate import (
     check_order,
     cut_points,
     moves,
+    outgoing,
 )
 from hetpipe.models import build_model
 from hetpipe.pipeline import StageRunner
@@ -75,7 +76,7 @@ def test_moves_name_each_range_that_changes_stage() -> None:
 )
 def test_an_order_that_cannot_replace_the_split_is_refused(order: Order, match: str) -> None:
     with pytest.raises(MigrationError, match=match):
-        check_order(order, (4, 8, 4), 4, what="vw0")
+        check_order(order, 3, 4, total=16, what="vw0")
 
 
 # -- a virtual worker in one process ------------------------------------------------------------
@@ -253,7 +254,7 @@ def run_job(
                 runners[v].append(r)
                 if orders.get(v):
                     cap = (memory or {}).get(s, 1 << 30)
-                    m = Migrator(orders[v], bus, device(s, cap), layers, timeout_s=2.0)
+                    m = Migrator(orders[v], bus, device(s, cap), timeout_s=2.0)
                     m.install(r)
                     if (v, s) == (0, lose):
                         m._carry_out = lost  # type: ignore[method-assign]
@@ -386,10 +387,17 @@ def test_orders_a_stage_cannot_carry_out_are_refused() -> None:
     _, _, runners = run_vw("async", 2, 4, [])
     c = runners[0].compute
     with pytest.raises(MigrationError, match="past the job's 4"):
-        Migrator.validate(c, [Order(4, (8, 4, 4))], LAYERS)
+        Migrator.validate(c, [Order(4, (8, 4, 4))])
     with pytest.raises(MigrationError, match="opens no wave"):
-        Migrator.validate(c, [Order(3, (8, 4, 4))], LAYERS)
-    Migrator.validate(c, [Order(2, (8, 4, 4))], LAYERS)
+        Migrator.validate(c, [Order(3, (8, 4, 4))])
+    Migrator.validate(c, [Order(2, (8, 4, 4))])
+
+
+def test_each_stage_knows_alone_what_it_gives_away() -> None:
+    for old, new in itertools.product([(4, 8, 4), (1, 1, 14), (6, 6, 4)], [(14, 1, 1), (5, 5, 6)]):
+        a, b = cut_points(old), cut_points(new)
+        mine = [m for s in range(3) for m in outgoing(s, a[s], a[s + 1], b)]
+        assert tuple(sorted(mine, key=lambda m: m.first)) == moves(old, new)
 
 
 def test_every_layer_ends_on_one_stage() -> None:

@@ -836,6 +836,34 @@ JOB: Final = Schema(
             ),
             array=True,
         ),
+        Section(
+            "migration",
+            "A live layer migration, carried out by a virtual worker while it trains "
+            "(hetpipe.migrate): before a minibatch that opens a wave (async) or an iteration "
+            "(gpipe, 1f1b), its stages drain, move the layers that change stage with their "
+            "weights, optimizer state and accumulators, and go on; refused with its reason "
+            "where a stage would not fit its device.",
+            (
+                Key("vw", "integer", "The virtual worker.", low=0, high=MAX_SMALL),
+                Key(
+                    "minibatch",
+                    "integer",
+                    "The boundary: a multiple of the virtual worker's Nm (M), above 0.",
+                    low=1,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "layers",
+                    "array of integers",
+                    "The new split: layers per stage, as many stages as the virtual worker "
+                    "has, summing to the model's. Required.",
+                    None,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
+            ),
+            array=True,
+        ),
     ),
 )
 
