@@ -76,12 +76,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Bus",
+    "HeadBus",
     "LocalBus",
     "MigrationError",
     "Migrator",
     "Move",
     "Order",
     "Parcel",
+    "attach",
     "check_order",
     "cut_points",
     "moves",
@@ -239,6 +241,7 @@ def pack(compute: StageCompute, move: Move) -> Parcel:
     meta = {
         "opt_steps": {n: int(s) for n, s in wv.optimizer.steps.items() if mine(n)},
         "placement": {n: s for n, s in task.placement.items() if mine(n)},
+        "shards": dict(task.shards),
         "recompute": [j for j in task.recompute if move.first <= j < move.last],
         "swap": [j for j in task.swap if move.first <= j < move.last],
         "saved": {str(j): b for j, b in saved.items() if move.first <= j < move.last},
@@ -263,10 +266,14 @@ def relaid(task: StageTask, bounds: Sequence[int], parcels: Sequence[Parcel]) ->
     recompute = set(within(task.recompute))
     swap = set(within(task.swap))
     placement = {n: v for n, v in task.placement.items() if first <= layer_of(n) < last}
+    shards = dict(task.shards)
     for parcel in parcels:
         recompute.update(parcel.meta["recompute"])
         swap.update(parcel.meta["swap"])
         placement.update(parcel.meta["placement"])
+        shards.update(parcel.meta.get("shards", {}))
+    used = {str(v) for v in placement.values()}
+    shards = {i: a for i, a in shards.items() if i in used or i in task.shards}
     layout = dataclasses.replace(
         task.layout,
         first=first,
@@ -292,6 +299,7 @@ def relaid(task: StageTask, bounds: Sequence[int], parcels: Sequence[Parcel]) ->
         prev=side(task.prev, s - 1),
         next=side(task.next, s + 1),
         placement=placement,
+        shards=shards,
     )
 
 
@@ -416,6 +424,10 @@ def _fits(new: StageCompute, old: StageCompute, parcels: Sequence[Parcel]) -> st
 class Bus(Protocol):
     """How the stages of a virtual worker swap parcels and agree on a migration."""
 
+    def begin(self, order: Order) -> None:
+        """A migration begins at this stage (before its first :meth:`exchange`)."""
+        ...
+
     async def exchange(self, stage: int, out: Sequence[Parcel]) -> list[Parcel]:
         """Give this stage's parcels; get the ones addressed to it once every stage gave."""
         ...
@@ -436,6 +448,9 @@ class LocalBus:
         self._round = 0
         self._all_given = asyncio.Event()
         self._all_judged = asyncio.Event()
+
+    def begin(self, order: Order) -> None:
+        pass
 
     async def exchange(self, stage: int, out: Sequence[Parcel]) -> list[Parcel]:
         self._given[stage] = list(out)
@@ -467,6 +482,109 @@ class LocalBus:
             self._all_judged = asyncio.Event()
 
 
+class HeadBus:
+    """A :class:`Bus` through the head, for stages on workers of their own: each step is a
+    ``migrate`` request the head answers once every stage of the virtual worker sent its
+    own (:mod:`hetpipe.head.migration`)."""
+
+    def __init__(self, head: Any, job: str, vw: int, timeout_s: float = EXCHANGE_TIMEOUT_S):
+        """``head``: the worker's channel to the head (:class:`hetpipe.transport.Channel`)."""
+        self.head = head
+        self.job = job
+        self.vw = vw
+        self.timeout_s = timeout_s
+        self.order: Order | None = None
+        self.round = -1  # the migrations begun, counted alike on every stage
+        self.verdicts = 0  # the verdicts of this migration asked so far
+
+    def begin(self, order: Order) -> None:
+        self.order = order
+        self.round += 1
+        self.verdicts = 0
+
+    def _fields(self, stage: int, step: str) -> dict[str, Any]:
+        assert self.order is not None
+        return {
+            "job": self.job,
+            "vw": self.vw,
+            "stage": stage,
+            "at": self.order.at,
+            "step": f"{step}:{self.round}",
+            "layers": list(self.order.layers),
+            "reason": self.order.reason,
+        }
+
+    async def exchange(self, stage: int, out: Sequence[Parcel]) -> list[Parcel]:
+        described = [
+            {
+                "move": [p.move.first, p.move.last, p.move.src, p.move.dst],
+                "meta": p.meta,
+                "names": list(p.tensors),
+            }
+            for p in out
+        ]
+        tensors = {f"{i}/{n}": t for i, p in enumerate(out) for n, t in p.tensors.items()}
+        reply = await self.head.request(
+            Kind.MIGRATE,
+            {**self._fields(stage, "parcels"), "parcels": described},
+            tensors,
+            timeout=self.timeout_s,
+            what="the head",
+        )
+        return [
+            Parcel(Move(*d["move"]), d["meta"], {n: reply.tensors[f"{j}/{n}"] for n in d["names"]})
+            for j, d in enumerate(reply["info"]["parcels"])
+        ]
+
+    async def verdict(self, stage: int, refusal: str | None) -> str | None:
+        fields = self._fields(stage, "verdict")
+        fields["step"] += f":{self.verdicts}"
+        self.verdicts += 1
+        if refusal is not None:
+            fields["refusal"] = refusal
+        reply = await self.head.request(
+            Kind.MIGRATE, fields, timeout=self.timeout_s, what="the head"
+        )
+        return reply["info"].get("refusal")
+
+
+class _Refused:
+    """Stands for a :class:`Migrator` whose orders this stage cannot carry out: the stage
+    fails at its first action with the reason (the head reports it as for any failure)."""
+
+    def __init__(self, error: MigrationError) -> None:
+        self.error = error
+        self.done: list[dict[str, Any]] = []
+
+    async def at(self, _runner: StageRunner, _action: Action) -> bool:
+        raise self.error
+
+
+def attach(
+    runner: StageRunner,
+    device: DeviceSpec,
+    head: Any,
+    connect: Callable[[int, str], Any] | None = None,
+) -> None:
+    """Give ``runner`` its virtual worker's ``[[migration]]`` orders (none: nothing), met
+    through the head (:class:`HeadBus`); orders it cannot carry out fail the stage.
+    ``connect``: as :class:`Migrator` takes it."""
+    task = runner.task
+    orders = [
+        Order(m.minibatch, tuple(m.layers), "job")
+        for m in runner.compute.spec.migrations
+        if m.vw == task.vw
+    ]
+    if not orders:
+        return
+    try:
+        Migrator.validate(runner.compute, orders)
+    except MigrationError as exc:
+        runner.migration = _Refused(exc)
+        return
+    Migrator(orders, HeadBus(head, task.job, task.vw), device, connect=connect).install(runner)
+
+
 # -- the hook in the runner ----------------------------------------------------------------------
 
 Record = Callable[[dict[str, Any]], Awaitable[None] | None]
@@ -484,9 +602,13 @@ class Migrator:
         *,
         record: Record | None = None,
         timeout_s: float = EXCHANGE_TIMEOUT_S,
+        connect: Callable[[int, str], Any] | None = None,
     ) -> None:
         """``record`` gets one dict per migration carried out or refused
-        (:meth:`_carry_out`); ``timeout_s`` bounds each wait for the other stages."""
+        (:meth:`_carry_out`); ``timeout_s`` bounds each wait for the other stages;
+        ``connect(index, address)`` opens a channel to a shard the stage did not use before
+        (a worker's; None: the runner has a channel to every shard)."""
+        self.connect = connect
         self.orders = sorted(orders, key=lambda o: o.at)
         self.bus = bus
         self.device = device
@@ -622,6 +744,7 @@ class Migrator:
         held = drained - (self.held_since or drained)
         with runner.timeline.span("bubble", order.at, c):  # nothing computes meanwhile
             await runner._wait_pushes()  # the shards hold every push of the waves before
+            self.bus.begin(order)
             bounds = cut_points(order.layers)
             mine = outgoing(stage, task.first, task.last, bounds)
             # one hand-off to the compute thread whatever moves: the stages resume in the
@@ -649,6 +772,9 @@ class Migrator:
                 before = runner._shard_names() if runner.compute.has_state else {}
                 runner.compute = new
                 runner.task = new.task
+                for index, address in new.task.shards.items():
+                    if int(index) not in runner.shards and self.connect is not None:
+                        runner.shards[int(index)] = self.connect(int(index), address)
                 await self._rekey(runner, before, c, order.at)
                 # a pull of the boundary's wave already sent asked for the old names
                 for key in [k for k in runner.answers if not k[1] and k[0] >= c]:

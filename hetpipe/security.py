@@ -252,6 +252,7 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.STAGE_RECORDS: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_FAILED: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_STATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.MIGRATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     # to a worker, from the head: registration, stage assignment, profiling, start, abort
     Kind.WELCOME: Rule(Role.HEAD, Daemon.WORKER),
     Kind.ASSIGN: Rule(Role.HEAD, Daemon.WORKER),

@@ -104,6 +104,7 @@ class Kind(StrEnum):
     PUSH = "push"
     PULL = "pull"
     REKEY = "rekey"
+    MIGRATE = "migrate"
     PULLED = "pulled"
     REDUCE = "reduce"
     REDUCED = "reduced"
@@ -195,6 +196,20 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
+    # a stage at one step of a live migration (hetpipe.migrate.HeadBus): ``parcels`` its
+    # parcels' descriptions (tensors: ``<index>/<name>``), or ``refusal`` its verdict
+    Kind.MIGRATE: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "at": _INT,
+        "step": _STR,
+        "layers": _OPT_LIST,
+        "reason": _OPT_STR,
+        "parcels": _OPT_LIST,
+        "refusal": _OPT_STR,
+    },
     # eval (on an activation): [i, n], minibatch i of n of the job's validation pass
     # (hetpipe.pipeline.StageRunner._validate; no tensors with n = 0: no validation set)
     # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"

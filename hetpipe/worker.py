@@ -25,7 +25,7 @@ import click
 import torch
 import zmq
 
-from hetpipe import hostshm
+from hetpipe import hostshm, migrate
 from hetpipe import log as logmod
 from hetpipe.computethread import ComputeThread
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
@@ -316,6 +316,13 @@ class Worker:
             records_out=self._records_sender(job),
             records_every=self.cluster.runtime.records_every,
         )
+
+        def connect(index: int, address: str) -> Channel:  # a shard a migration needs
+            ch = self.owner.connect(zmq.DEALER, address, f"shard{index}", self.cluster.runtime)
+            job.channels.append(ch)
+            return ch
+
+        migrate.attach(job.runner, self.device, self.head, connect)  # [[migration]]
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()

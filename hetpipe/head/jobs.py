@@ -91,6 +91,7 @@ class JobState:
     cancelled: bool = False  # the user asked; the job ends "cancelled", not "failed"
     lost_device: str | None = None  # set when the failure is a lost worker (may re-plan)
     replans: list[dict[str, Any]] = field(default_factory=list)  # what each re-plan did
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # live (hetpipe.migrate)
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
     lost: list[int] | None = None  # per VW, minibatches trained after the checkpoint resumed
