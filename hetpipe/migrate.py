@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hetpipe.checkpoint import is_cut
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
 from hetpipe.core.schedule import Action, Forward, Merge, Wait, max_in_flight
@@ -87,6 +88,7 @@ __all__ = [
     "check_order",
     "cut_points",
     "moves",
+    "order",
     "outgoing",
     "pack",
     "prepare",
@@ -566,8 +568,10 @@ def attach(
     head: Any,
     connect: Callable[[int, str], Any] | None = None,
 ) -> None:
-    """Give ``runner`` its virtual worker's ``[[migration]]`` orders (none: nothing), met
-    through the head (:class:`HeadBus`); orders it cannot carry out fail the stage.
+    """Give ``runner`` a :class:`Migrator` met through the head (:class:`HeadBus`), with its
+    virtual worker's ``[[migration]]`` orders; the head may add orders while it trains
+    (:func:`order`). Orders it cannot carry out fail the stage; a stage that cannot migrate
+    at all (replicated, tied, not stashing) gets no migrator and refuses later orders.
     ``connect``: as :class:`Migrator` takes it."""
     task = runner.task
     orders = [
@@ -575,14 +579,33 @@ def attach(
         for m in runner.compute.spec.migrations
         if m.vw == task.vw
     ]
-    if not orders:
-        return
     try:
         Migrator.validate(runner.compute, orders)
     except MigrationError as exc:
-        runner.migration = _Refused(exc)
+        if orders:
+            runner.migration = _Refused(exc)
         return
-    Migrator(orders, HeadBus(head, task.job, task.vw), device, connect=connect).install(runner)
+    migrator = Migrator(orders, HeadBus(head, task.job, task.vw), device, connect=connect)
+    migrator.install(runner)
+
+
+def order(runner: StageRunner, new: Order) -> None:
+    """Add a migration the head decided while the stage trains (:func:`attach` gave it a
+    :class:`Migrator`); :class:`MigrationError` if this stage cannot carry it out, among
+    others because it already admitted minibatch ``new.at``."""
+    migrator = runner.migration
+    where = runner.task.where
+    if not isinstance(migrator, Migrator):
+        raise MigrationError(f"{where}: this stage does not migrate layers")
+    if runner.schedule.nf > new.at:
+        raise MigrationError(
+            f"{where}: minibatch {new.at} is behind this stage (it admitted "
+            f"{runner.schedule.nf - 1})"
+        )
+    Migrator.validate(runner.compute, [new])
+    if any(o.at == new.at for o in migrator.orders):
+        raise MigrationError(f"{where}: a migration at minibatch {new.at} is pending already")
+    migrator.orders = sorted([*migrator.orders, new], key=lambda o: o.at)
 
 
 # -- the hook in the runner ----------------------------------------------------------------------
@@ -629,8 +652,16 @@ class Migrator:
             raise MigrationError(
                 f"{task.where}: train.weights = {compute.weights!r} does not migrate (stash does)"
             )
+        spec = compute.spec
+        waves = -(-task.minibatches // task.nm)
         for order in orders:
             check_order(order, task.k, task.nm, what=task.where)
+            if is_cut(order.at // task.nm, spec.checkpoint_every, waves):
+                raise MigrationError(
+                    f"{task.where}: minibatch {order.at} opens wave {order.at // task.nm}, a "
+                    f"checkpoint's cut (train.checkpoint_every = {spec.checkpoint_every}): "
+                    f"a migration takes another boundary"
+                )
             if order.at >= task.minibatches:
                 raise MigrationError(
                     f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"

@@ -258,6 +258,7 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.ASSIGN: Rule(Role.HEAD, Daemon.WORKER),
     Kind.MEASURE: Rule(Role.HEAD, Daemon.WORKER),
     Kind.START: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.MIGRATE_ORDER: Rule(Role.HEAD, Daemon.WORKER),
     Kind.ABORT: Rule(Role.HEAD, Daemon.WORKER),
     # to a worker's data port, from its neighbours in the pipeline
     Kind.ACT: Rule(Role.PREVIOUS_STAGE, Daemon.WORKER),

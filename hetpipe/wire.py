@@ -105,6 +105,7 @@ class Kind(StrEnum):
     PULL = "pull"
     REKEY = "rekey"
     MIGRATE = "migrate"
+    MIGRATE_ORDER = "migrate_order"
     PULLED = "pulled"
     REDUCE = "reduce"
     REDUCED = "reduced"
@@ -198,6 +199,16 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
     # a stage at one step of a live migration (hetpipe.migrate.HeadBus): ``parcels`` its
     # parcels' descriptions (tensors: ``<index>/<name>``), or ``refusal`` its verdict
+    # the head to each stage of a virtual worker: carry out split ``layers`` before
+    # minibatch ``at`` (hetpipe.head.migration.MigrationPart.migrate)
+    Kind.MIGRATE_ORDER: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "at": _INT,
+        "layers": _LIST,
+        "reason": _STR,
+    },
     Kind.MIGRATE: {
         "rid": _INT,
         "job": _STR,

@@ -20,10 +20,11 @@ import torch
 from conftest import job
 from helpers import InlineExecutor, check_invariants
 
-from hetpipe import stagestate
+from hetpipe import migrate, stagestate
 from hetpipe.config import DeviceSpec
-from hetpipe.core.layout import StageLayout
+from hetpipe.core.layout import StageLayout, VWLayout
 from hetpipe.core.wsp import WspError
+from hetpipe.head.migration import relaid_plan
 from hetpipe.job import JobSpec
 from hetpipe.migrate import (
     LocalBus,
@@ -150,6 +151,7 @@ def run_job(
     opt_steps: dict[str, int] | None = None,
     lose: int | None = None,
     errors: list[BaseException] | None = None,
+    later: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], JobShard, list[list[StageRunner]]]:
     """Train ``vws`` virtual workers of ``len(layers)`` stages each (split ``layers``, else
     ``LAYERS``) for ``total`` minibatches each under WSP's ``staleness`` through one
@@ -160,7 +162,10 @@ def run_job(
     the data on, from the weights ``initial``, each parameter's optimizer state from
     ``optimizer_state`` (checkpoint names, any stage's) and ``opt_steps``. ``memory``: the
     cap of stage ``s``'s device. ``lose``: that stage of virtual worker 0 is lost as it
-    reaches its migration; each stage's error goes to ``errors``."""
+    reaches its migration; each stage's error goes to ``errors``. ``later``: ``(vw, after,
+    layers)``, a migration ordered while the job trains, once stage 0 of ``vw`` admitted
+    ``after`` minibatches, at the boundary and in the order the head's ``migrate`` takes
+    (stage 0 first: hetpipe.head.migration)."""
     layers = layers or LAYERS
     train: dict[str, Any] = {"schedule": kind, "push_every": 0}
     spec = JobSpec.from_dict(
@@ -252,19 +257,28 @@ def run_job(
                     stream=stream if s == 0 else None,  # type: ignore[arg-type]
                 )
                 runners[v].append(r)
-                if orders.get(v):
+                if orders.get(v) or later:
                     cap = (memory or {}).get(s, 1 << 30)
-                    m = Migrator(orders[v], bus, device(s, cap), timeout_s=2.0)
+                    m = Migrator(orders.get(v, []), bus, device(s, cap), timeout_s=2.0)
                     m.install(r)
                     if (v, s) == (0, lose):
                         m._carry_out = lost  # type: ignore[method-assign]
         every = [r.run() for rs in runners for r in rs]
+        for v, after, split in later or []:
+            every.append(order_later(runners[v], after, split))
         got = await asyncio.wait_for(asyncio.gather(*every, return_exceptions=True), 60)
         failed = [e for e in got if isinstance(e, BaseException)]
         if errors is None and failed:
             raise failed[0]
         if errors is not None:
             errors.extend(failed)
+
+    async def order_later(rs: list[StageRunner], after: int, split: tuple[int, ...]) -> None:
+        while rs[0].schedule.nf < after:
+            await asyncio.sleep(0)
+        at = (rs[0].schedule.nf // nm + 2) * nm
+        for r in rs:
+            migrate.order(r, Order(at, split, "test"))
 
     async def lost(*_a: Any) -> None:
         raise ConnectionError("worker lost")
@@ -467,3 +481,44 @@ def test_the_shard_follows_a_stage_that_gains_or_loses_names() -> None:
         js.migrate(0, 1, ["9.w"], 3)
     with pytest.raises(WspError, match="would hold nothing"):
         js.migrate(0, 1, [], 3) or js.migrate(0, 2, [], 3)
+
+
+@pytest.mark.parametrize(("kind", "nm"), [("async", 1), ("1f1b", 2)])
+def test_a_migration_ordered_while_training_is_lossless(kind: str, nm: int) -> None:
+    plain_local, plain_shard, _ = run_vw(kind, nm, 16, [])
+    local, shard, runners = run_vw(kind, nm, 16, [], later=[(0, 3, (8, 4, 4))])
+    assert_same(local, plain_local)
+    assert_same(shard, plain_shard)
+    assert [(r.task.first, r.task.last) for r in runners] == [(0, 8), (8, 12), (12, 16)]
+    (rec,) = runners[0].final_stats()["migrations"]
+    assert rec["reason"] == "test" and rec["at"] % nm == 0
+
+
+def test_an_order_a_stage_has_passed_is_refused() -> None:
+    _, _, runners = run_vw("async", 1, 8, [Order(4, (8, 4, 4))])
+    with pytest.raises(MigrationError, match="minibatch 6 is behind this stage"):
+        migrate.order(runners[1], Order(6, (6, 6, 4)))
+    runners[1].migration = None
+    with pytest.raises(MigrationError, match="does not migrate layers"):
+        migrate.order(runners[1], Order(6, (6, 6, 4)))
+
+
+def test_the_heads_plan_follows_a_migration() -> None:
+    vws = (
+        VWLayout(
+            (
+                StageLayout(("a",), 0, 6, recompute=(1, 4)),
+                StageLayout(("b",), 6, 12, swap=(7,)),
+                StageLayout(("c",), 12, 16),
+            ),
+            2,
+        ),
+        VWLayout((StageLayout(("d",), 0, 16),), 1),
+    )
+    got = relaid_plan(vws, 0, [3, 9, 4])
+    assert [(s.first, s.last, s.recompute, s.swap) for s in got[0].stages] == [
+        (0, 3, (1,), ()),
+        (3, 12, (4,), (7,)),
+        (12, 16, (), ()),
+    ]
+    assert got[1] == vws[1]
