@@ -7,47 +7,59 @@ per wave that the shards have not confirmed yet (:class:`hetpipe.versions.Weight
 Nothing restarts: the job, its attempt, its data position, its clocks and the other virtual
 workers go on; only the stages of this virtual worker pause.
 
+**Who asks.** ``[[migration]]`` tables of the job (:func:`attach`, orders known from the
+start), or the head while the job trains (:meth:`hetpipe.head.migration.MigrationPart.
+migrate`, the online re-plan's entry point, which sends each stage an order: :func:`order`).
+
 **Where.** At the *boundary* ``at`` (a minibatch that opens a wave in ``async``, an
-iteration in ``gpipe``/``1f1b``: ``at % nm == 0``), the schedule's own cut between waves:
+iteration in ``gpipe``/``1f1b``: ``at % nm == 0``; not a checkpoint's cut), the
+schedule's own cut between waves:
 
 1. each stage runs every action of the waves before: the backwards of the minibatches
    ``< at``, their optimizer steps and the pushes of the waves they close, and waits for the
    shards to acknowledge those pushes; stage 0 admits no minibatch ``>= at`` until its
-   pipeline is empty (:meth:`Migrator.at`, a hook the runner calls before each action);
-2. each stage packs the state of the layers it gives away (:func:`pack`), the stages
-   exchange those parcels (a :class:`Bus`), and each builds the compute of its new layer
-   range from what it keeps and what it receives (:func:`prepare`), checking the result
-   against its device's memory cap;
-3. the stages agree: if any stage's new layers would not fit, every stage keeps its old
-   compute (nothing was given away yet: parcels are copies) and the refusal, with its
-   reason, is recorded; else every stage takes its new compute at once;
-4. admission resumes with the first minibatch of the boundary's wave. A pull of that wave
-   already sent with the old layers' names is dropped and sent again with the new ones.
+   pipeline is empty (:meth:`Migrator.install` turns the schedule's answers of the new
+   wave into a wait; :meth:`Migrator.at`, which the runner calls before each action,
+   carries the migration out once drained);
+2. each stage packs the state of the layers it gives away (:func:`pack`; which ones it
+   knows from its own range and the new split alone: :func:`outgoing`), the stages swap
+   those parcels (a :class:`Bus`: in one process :class:`LocalBus`, across workers the
+   head, :class:`HeadBus`), and each builds the compute of its new layer range from what it
+   keeps and what it receives (:func:`prepare`), checking it against its device's memory;
+3. the stages agree: if any stage's new layers would not fit (or would hold state where the
+   stage held none, or the reverse: its schedule pushes and pulls by that), every stage
+   keeps its old compute (nothing was given away: parcels are copies) and the refusal,
+   with its reason, is recorded; else every stage takes its new compute;
+4. each stage tells its shards which names it pushes and pulls there from the boundary's
+   wave on (a ``push`` with ``migrate``: :meth:`hetpipe.shard.JobShard.migrate`), and
+   admission resumes. A pull of the boundary's wave sent before with the old names is
+   dropped and sent again.
+
+The shards keep the placement of each state name (every virtual worker pushes a name to
+the same shard, so the global weights of a moved layer never move); what follows the
+migration is which stage of this virtual worker pushes and pulls each name there, and WSP's
+clock of the virtual worker counts on without a gap.
 
 **Lossless.** No update is lost or applied twice: every step before the boundary was taken
 (and its wave pushed) by the old owner, every step after it by the new one, and what the
 shards have not confirmed travels with the layer. In the synchronous kinds and in ``async``
-with Nm = 1 nothing is in flight at a wave boundary anyway, so a migrating job runs exactly
-the same computation as one that does not migrate, and ends with the same weights. In
-``async`` with Nm > 1 the schedule normally admits the first minibatches of wave ``c``
-before the last backwards of wave ``c - 1`` ran, so that the forward of ``p`` sees the
-updates up to ``p - Nm``; draining at the boundary makes those forwards see more recent
-weights instead (as a flush, or a resumed checkpoint, does). The boundary is therefore a
-*flush point* of the schedule whether or not a layer moves: a migration whose split equals
-the current one (a ``[[migration]]`` with the same ``layers``) is the comparable job
-without migration, drained at the same point; the two end with the same weights.
+with Nm = 1 nothing is in flight at a boundary, so a job that migrates runs the same
+computation as one that does not and ends with the same weights. In ``async`` with Nm > 1
+a layer's staleness depends on its stage: stage 0's forward of ``p`` sees its virtual
+worker's updates up to ``p - Nm``, a later stage's (1F1B: its backwards come sooner) more
+recent ones, the last stage's up to ``p - 1``. Any job whose split changes therefore trains
+otherwise than one whose split never does, whether it migrates or not. The comparable job
+is the one that changes its split at the same boundary by the path that exists without
+migration: it stops there (its pipeline drained, every update pushed) and a new attempt
+runs on the new split from the weights and per-parameter optimizer state at the cut
+(:func:`hetpipe.head.recovery.stage_restores`); the two end with the same weights.
 
-**Refused** (:class:`MigrationError`, before anything moves): another count of stages or
-layers, a stage left without layers, a boundary that does not open a wave, replicated
-stages, ties spanning stages, ``train.weights`` other than ``stash`` (the prediction's
-step counts follow the stage's own order), or a split after which a stage that held no
-state would hold some or the reverse (its schedule pushes and pulls by that). A split that
-would not fit a device's memory is refused at the boundary, by the stage that would hold
-it, and every stage keeps its layers.
-
-The shards keep the placement of each state name (every virtual worker pushes a name to
-the same shard, so the global weights of a moved layer never move); what follows the
-migration is which stage of this virtual worker pushes and pulls each name there.
+**Refused** (:class:`MigrationError`, when the order is taken): another count of stages, a
+stage left without layers, a boundary that does not open a wave or lies on a checkpoint's
+cut, replicated stages, ties spanning stages, ``train.weights`` other than ``stash`` (the
+prediction's step counts follow the stage's own order). A stage lost during a migration
+ends the others' wait after ``timeout_s`` with an error naming it (:meth:`Migrator._meet`):
+the attempt then ends as for any failed stage (re-planned or failed).
 """
 
 from __future__ import annotations
@@ -656,15 +668,15 @@ class Migrator:
         waves = -(-task.minibatches // task.nm)
         for order in orders:
             check_order(order, task.k, task.nm, what=task.where)
+            if order.at >= task.minibatches:
+                raise MigrationError(
+                    f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"
+                )
             if is_cut(order.at // task.nm, spec.checkpoint_every, waves):
                 raise MigrationError(
                     f"{task.where}: minibatch {order.at} opens wave {order.at // task.nm}, a "
                     f"checkpoint's cut (train.checkpoint_every = {spec.checkpoint_every}): "
                     f"a migration takes another boundary"
-                )
-            if order.at >= task.minibatches:
-                raise MigrationError(
-                    f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"
                 )
 
     def install(self, runner: StageRunner) -> None:
@@ -752,8 +764,8 @@ class Migrator:
 
         async def tell(shard: int, names: list[str]) -> None:
             await runner.shards[shard].request(
-                Kind.REKEY,
-                {**fields, "wave": c, "names": names},
+                Kind.PUSH,  # with ``migrate``: no update, the names from wave c on
+                {**fields, "wave": c, "migrate": names},
                 timeout=PUSH_TIMEOUT_S,
                 what=f"shard {shard}",
             )

@@ -94,12 +94,6 @@ class ShardServer:
                 await self._pull(peer, msg)
             elif msg.kind == Kind.REDUCE:
                 await self._reduce(peer, msg)
-            elif msg.kind == Kind.REKEY:  # a live migration (hetpipe.migrate)
-                js = self.store.get(msg["job"])
-                js.migrate(msg["vw"], msg["stage"], [str(n) for n in msg["names"]], msg["wave"])
-                await self.channel.send(Kind.OK, {"rid": rid}, to=peer)
-                for item in js.clock.release():  # a stage that left may have held the clock
-                    await self._answer(msg["job"], item)
             elif msg.kind == Kind.SHARD_INIT:
                 js = self.store.init(
                     msg["job"],
@@ -141,6 +135,13 @@ class ShardServer:
     async def _push(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None
         js = self.store.get(msg["job"])
+        if msg.get("migrate") is not None:  # a live migration (hetpipe.migrate)
+            names = [str(n) for n in msg["migrate"]]
+            js.migrate(msg["vw"], msg["stage"], names, msg["wave"])
+            await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
+            for item in js.clock.release():  # a stage that left may have held the clock
+                await self._answer(msg["job"], item)
+            return
         applied = js.push(msg["vw"], msg["stage"], msg["wave"], msg.tensors)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}}, to=peer)
         for item in js.clock.release():

@@ -268,7 +268,6 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.PUSH: Rule(Role.STAGE_LEADER, Daemon.SHARD),
     Kind.REDUCE: Rule(Role.STAGE_LEADER, Daemon.SHARD),
     Kind.PULL: Rule(Role.STAGE_GROUP, Daemon.SHARD),
-    Kind.REKEY: Rule(Role.STAGE_LEADER, Daemon.SHARD),
     Kind.SHARD_INIT: Rule(Role.HEAD, Daemon.SHARD),
     Kind.SHARD_FETCH: Rule(Role.HEAD, Daemon.SHARD),
     Kind.SHARD_DROP: Rule(Role.HEAD, Daemon.SHARD),

@@ -103,7 +103,6 @@ class Kind(StrEnum):
     REPLICA_GRAD = "replica_grad"
     PUSH = "push"
     PULL = "pull"
-    REKEY = "rekey"
     MIGRATE = "migrate"
     MIGRATE_ORDER = "migrate_order"
     PULLED = "pulled"
@@ -264,16 +263,15 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "shm": _OPT_DICT,
     },
     # tensors: summed deltas of the wave, by parameter name
-    Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
-    # a live migration (hetpipe.migrate): the names this stage holds on the shard from
-    # ``wave`` on (none: it leaves the shard)
-    Kind.REKEY: {
+    # with ``migrate`` (a live migration, hetpipe.migrate): no update, but the names this
+    # stage pushes and pulls on the shard from ``wave`` on (none: it leaves the shard)
+    Kind.PUSH: {
         "rid": _INT,
         "job": _STR,
         "vw": _INT,
         "stage": _INT,
         "wave": _INT,
-        "names": _LIST,
+        "migrate": _OPT_LIST,
     },
     Kind.PULL: {
         "rid": _INT,

@@ -1,11 +1,12 @@
-"""Live layer migration (hetpipe.migrate): the pure split arithmetic, and a virtual worker's
-real stages (StageCompute and StageRunner, one process, messages delivered between them)
-that change their split at a wave or iteration boundary while they train.
+"""Live layer migration (hetpipe.migrate): the pure split arithmetic, the shard following a
+migration, and a virtual worker's real stages (StageCompute and StageRunner in one process,
+messages delivered between them, the real JobShard behind their shard channel) that change
+their split at a wave or iteration boundary while they train.
 
 Lossless: with the same seed and data order, a virtual worker that migrates layers ends with
-the same weights (<= 1e-6) as the same job that does not; in ``async`` with Nm > 1 the job
-without migration is the one drained at the same boundary (a migration to its own split:
-the module docstring of hetpipe.migrate says why)."""
+the same weights (<= 1e-6) as the same job that does not; in ``async`` with Nm > 1, where a
+layer's staleness depends on its stage, as the job that changes its split at the same
+boundary by stopping there and resuming on the new split (hetpipe.migrate says why)."""
 
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ class Shard:
 
     async def request(self, kind: Any, fields: dict, *_a: Any, **_k: Any) -> Message:
         vw, stage = fields["vw"], fields["stage"]
-        if kind == Kind.REKEY:
-            self.js.migrate(vw, stage, list(fields["names"]), fields["wave"])
+        if kind == Kind.PUSH:  # a migration's: the names this stage holds from a wave on
+            self.js.migrate(vw, stage, list(fields["migrate"]), fields["wave"])
             self._release()
             return Message(Kind.OK, {}, {})
         assert kind == Kind.PULL, kind
@@ -405,6 +406,9 @@ def test_orders_a_stage_cannot_carry_out_are_refused() -> None:
     with pytest.raises(MigrationError, match="opens no wave"):
         Migrator.validate(c, [Order(3, (8, 4, 4))])
     Migrator.validate(c, [Order(2, (8, 4, 4))])
+    c.spec = dataclasses.replace(c.spec, checkpoint_every=1)
+    with pytest.raises(MigrationError, match="opens wave 1, a checkpoint's cut"):
+        Migrator.validate(c, [Order(2, (8, 4, 4))])
 
 
 def test_each_stage_knows_alone_what_it_gives_away() -> None:
