@@ -155,8 +155,12 @@ class JobSpec:
     hang_after_s: float = _d("train.hang_after_s")
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
     checkpoint_every: int = _d("train.checkpoint_every")
+    # a live layer migration to drill (hetpipe.migrate): before minibatch migrate_at (0:
+    # none) of virtual worker migrate_vw, to the split migrate_to
+    migrate_at: int = _d("train.migrate_at")
+    migrate_to: tuple[int, ...] | None = _d("train.migrate_to")
+    migrate_vw: int = _d("train.migrate_vw")
     faults: tuple[FaultSpec, ...] = ()
-    migrations: tuple[MigrationSpec, ...] = ()
     schedule: str = _d("train.schedule")  # hetpipe.core.schedule.KINDS or "auto"
     weights: str = _d("train.weights")
     predict_variant: str = _d("train.predict_variant")
@@ -233,15 +237,6 @@ class JobSpec:
             **tables,
             "vw": vws,
             "fault": [dataclasses.asdict(f) for f in self.faults],
-            **(
-                {
-                    "migration": [
-                        dataclasses.asdict(m) | {"layers": list(m.layers)} for m in self.migrations
-                    ]
-                }
-                if self.migrations
-                else {}
-            ),
         }
 
     @classmethod
@@ -311,6 +306,10 @@ class JobSpec:
         bn_recalibrate = _read(train, "bn_recalibrate")
         on_worker_loss = _read(train, "on_worker_loss")
         checkpoint_every = _read(train, "checkpoint_every")
+        migrate_at = _read(train, "migrate_at")
+        migrate_to = _read(train, "migrate_to")
+        if migrate_at and not migrate_to:
+            train.fail("migrate_at", "needs train.migrate_to, the split to carry out")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
         if precision == "fp16" and schedule not in SYNC_KINDS:
@@ -369,6 +368,9 @@ class JobSpec:
             bn_recalibrate=bn_recalibrate,
             on_worker_loss=on_worker_loss,
             checkpoint_every=checkpoint_every,
+            migrate_at=migrate_at,
+            migrate_to=tuple(migrate_to) if migrate_to is not None else None,
+            migrate_vw=_read(train, "migrate_vw"),
             activations=activations,
             precision=precision,
             push_every=push_every,
@@ -383,9 +385,6 @@ class JobSpec:
                 FaultSpec(*(_read(ft, k) for k in ("vw", "stage", "minibatch", "seconds")))
                 for ft in root.tables("fault", JOB.allowed("fault"))
             ),
-            migrations=tuple(
-                _migration(mt) for mt in root.tables("migration", JOB.allowed("migration"))
-            ),
         )
         if strict:
             given = [
@@ -397,6 +396,13 @@ class JobSpec:
             if problem is not None:
                 raise JobError(f"{source}: {problem}")
         return spec
+
+    @property
+    def migrations(self) -> tuple[MigrationSpec, ...]:
+        """The live layer migrations the job asks for (``train.migrate_at``)."""
+        if not self.migrate_at or self.migrate_to is None:
+            return ()
+        return (MigrationSpec(self.migrate_vw, self.migrate_at, self.migrate_to),)
 
     def key_values(self) -> dict[str, Any]:
         """Each key of the job's tables (not of ``[[vw]]`` or ``[[fault]]``) by its path,
@@ -465,6 +471,9 @@ class JobSpec:
                 "bn_recalibrate": self.bn_recalibrate,
                 "on_worker_loss": self.on_worker_loss,
                 "checkpoint_every": self.checkpoint_every,
+                "migrate_at": self.migrate_at,
+                "migrate_to": list(self.migrate_to) if self.migrate_to is not None else None,
+                "migrate_vw": self.migrate_vw,
                 "activations": self.activations,
                 "precision": self.precision,
                 "push_every": self.push_every,
@@ -474,14 +483,6 @@ class JobSpec:
                 "in_flight": self.in_flight,
             },
         }
-
-
-def _migration(t: Table) -> MigrationSpec:
-    """A ``[[migration]]`` table (:mod:`hetpipe.migrate` checks it against the split)."""
-    layers = _read(t, "layers")
-    if not layers:
-        t.fail("layers", "required: the new split, layers per stage")
-    return MigrationSpec(_read(t, "vw"), _read(t, "minibatch"), tuple(layers))
 
 
 def _read(t: Table, name: str, default: Any = DECLARED) -> Any:

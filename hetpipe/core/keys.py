@@ -680,6 +680,33 @@ JOB: Final = Schema(
                     choices=ON_WORKER_LOSS,
                 ),
                 Key(
+                    "migrate_at",
+                    "integer",
+                    "A live layer migration before this minibatch of virtual worker "
+                    "migrate_vw, to the split migrate_to (a drill of the online re-plan's; a "
+                    "multiple of its Nm, M under gpipe and 1f1b); 0: none.",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "migrate_to",
+                    "array of integers",
+                    "The split migrate_at carries out: layers per stage, as many stages as the "
+                    "virtual worker has, summing to the model's. Unset: none.",
+                    None,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
+                Key(
+                    "migrate_vw",
+                    "integer",
+                    "The virtual worker migrate_at moves layers in.",
+                    0,
+                    low=0,
+                    high=MAX_SMALL,
+                ),
+                Key(
                     "checkpoint_every",
                     "integer",
                     "Waves (or iterations) of the global clock between checkpoints; 0: none.",
@@ -833,34 +860,6 @@ JOB: Final = Schema(
                     "minibatch", "integer", "The minibatch to stall before.", low=0, high=MAX_COUNT
                 ),
                 Key("seconds", "float", "How long to stall.", above=0.0, high=MAX_SECONDS),
-            ),
-            array=True,
-        ),
-        Section(
-            "migration",
-            "A live layer migration, carried out by a virtual worker while it trains "
-            "(hetpipe.migrate): before a minibatch that opens a wave (async) or an iteration "
-            "(gpipe, 1f1b), its stages drain, move the layers that change stage with their "
-            "weights, optimizer state and accumulators, and go on; refused with its reason "
-            "where a stage would not fit its device.",
-            (
-                Key("vw", "integer", "The virtual worker.", low=0, high=MAX_SMALL),
-                Key(
-                    "minibatch",
-                    "integer",
-                    "The boundary: a multiple of the virtual worker's Nm (M), above 0.",
-                    low=1,
-                    high=MAX_COUNT,
-                ),
-                Key(
-                    "layers",
-                    "array of integers",
-                    "The new split: layers per stage, as many stages as the virtual worker "
-                    "has, summing to the model's. Required.",
-                    None,
-                    low=1,
-                    high=MAX_SMALL,
-                ),
             ),
             array=True,
         ),
