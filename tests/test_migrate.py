@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,7 +27,8 @@ from hetpipe import migrate, stagestate
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout, VWLayout
 from hetpipe.core.wsp import WspError
-from hetpipe.head.migration import relaid_plan
+from hetpipe.head.migration import MigrationPart, relaid_plan
+from hetpipe.head.states import JobStatus
 from hetpipe.job import JobSpec
 from hetpipe.migrate import (
     LocalBus,
@@ -43,6 +46,7 @@ from hetpipe.pipeline import StageRunner
 from hetpipe.shard import JobShard, ShardError, ShardStore
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
+from hetpipe.transport import RemoteError
 from hetpipe.wire import Kind, Message
 
 pytestmark = pytest.mark.timeout(120)
@@ -526,3 +530,109 @@ def test_the_heads_plan_follows_a_migration() -> None:
         (12, 16, (), ()),
     ]
     assert got[1] == vws[1]
+
+
+# -- the head's part, without a process -------------------------------------------------------
+
+
+class FakeHead(MigrationPart):
+    """MigrationPart over stand-ins for the head's channel, registry and jobs."""
+
+    def __init__(self, tmp: Path, refuse: int | None = None) -> None:
+        stages = (
+            StageLayout(("a",), 0, 6),
+            StageLayout(("b",), 6, 12),
+            StageLayout(("c",), 12, 16),
+        )
+        plan = SimpleNamespace(vws=(VWLayout(stages, 2),), job="j.r1", minibatches_of=lambda _v: 40)
+        self.js = SimpleNamespace(
+            id="j",
+            plan=plan,
+            state=JobStatus.RUNNING,
+            progress={(0, 0): {"forwards": 5}},
+            spec=SimpleNamespace(checkpoint_every=0),
+            migrations=[],
+        )
+        self.jobs = {"j": self.js}
+        workers = {
+            d: SimpleNamespace(job="j", vw=0, stage=s, ident=d.encode(), device=d)
+            for s, d in enumerate("abc")
+        }
+        self.registry = SimpleNamespace(workers=workers)
+        self.sent: list[tuple[Any, dict, dict, Any]] = []
+        self.refuse = refuse
+        self.tmp = tmp
+        self.log = SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
+        head = self
+
+        class Channel:
+            async def request(self, kind: Any, fields: dict, **kw: Any) -> Message:
+                head.sent.append((kind, fields, {}, kw["to"]))
+                if head.refuse is not None and kw["to"] == "abc"[head.refuse].encode():
+                    raise RemoteError("vw0/stage1: minibatch 8 is behind this stage")
+                return Message(Kind.OK, {}, {})
+
+            async def send(self, kind: Any, fields: dict, tensors: Any = None, to: Any = None):
+                head.sent.append((kind, fields, tensors or {}, to))
+
+            async def reply_error(self, to: Any, message: str, rid: Any = None) -> None:
+                head.sent.append((Kind.ERROR, {"message": message}, {}, to))
+
+        self.channel = Channel()
+
+    def _by_wire(self, wire: str) -> Any:
+        return self.js if wire == "j.r1" else None
+
+    def job_dir(self, _js: Any) -> Path:
+        return self.tmp
+
+
+def test_the_head_orders_a_migration_at_the_next_free_boundary(tmp_path: Path) -> None:
+    head = FakeHead(tmp_path)
+    got = asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
+    # stage 0 admitted 5 (nm = 2): the boundary opens a whole wave later, stage 0 told first
+    assert got == {"at": 8}
+    assert [(f["at"], to) for _k, f, _t, to in head.sent] == [(8, b"a"), (8, b"b"), (8, b"c")]
+    assert all(k == Kind.MIGRATE_ORDER for k, *_ in head.sent)
+    with pytest.raises(MigrationError, match="2 stages"):
+        asyncio.run(head.migrate("j", 0, [8, 8], "drift"))
+    with pytest.raises(MigrationError, match="job k is not running"):
+        asyncio.run(head.migrate("k", 0, [8, 4, 4], "drift"))
+    head = FakeHead(tmp_path, refuse=1)
+    with pytest.raises(MigrationError, match=r"vw0/stage1: .*behind this stage"):
+        asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
+
+
+def test_the_head_meets_the_stages_and_records_the_migration(tmp_path: Path) -> None:
+    head = FakeHead(tmp_path)
+    t = torch.ones(2)
+
+    def msg(stage: int, step: str, **more: Any) -> Message:
+        fields = {"rid": stage, "job": "j.r1", "vw": 0, "stage": stage, "at": 8, "step": step}
+        fields.update(layers=[8, 4, 4], reason="drift", **more)
+        tensors = more.pop("tensors", {}) if "tensors" in more else {}
+        return Message(Kind.MIGRATE, fields, tensors)
+
+    async def main() -> None:
+        move = {"move": [6, 8, 1, 0], "meta": {"x": 1}, "names": ["param/7.weight"]}
+        await head._on_migrate(b"a", msg(0, "parcels:0", parcels=[]))
+        m1 = msg(1, "parcels:0", parcels=[move])
+        m1.tensors["0/param/7.weight"] = t
+        await head._on_migrate(b"b", m1)
+        assert head.sent == []  # parked until every stage came
+        await head._on_migrate(b"c", msg(2, "parcels:0", parcels=[]))
+        replies = {to: (f, ts) for _k, f, ts, to in head.sent}
+        assert replies[b"a"][0]["info"]["parcels"] == [move]
+        assert replies[b"a"][1]["0/param/7.weight"] is t
+        assert replies[b"b"][0]["info"]["parcels"] == []
+        head.sent.clear()
+        for s, d in enumerate(b"abc"):
+            await head._on_migrate(bytes([d]), msg(s, "verdict:0:0"))
+        assert [f["info"]["refusal"] for _k, f, _t, _to in head.sent] == [None] * 3
+
+    asyncio.run(main())
+    (entry,) = head.js.migrations
+    assert (entry["event"], entry["at"], entry["layers"]) == ("migration", 8, [8, 4, 4])
+    assert [(s.first, s.last) for s in head.js.plan.vws[0].stages] == [(0, 8), (8, 12), (12, 16)]
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["event"] == "migration"

@@ -120,13 +120,17 @@ class MigrationPart:
             raise MigrationError(f"migrate: job {job_id} has no vw{vw}")
         nm = plan.vws[vw].nm
         total = plan.minibatches_of(vw)
-        order = Order(0, tuple(int(n) for n in layers), reason)
-        check_order(order, len(plan.vws[vw].stages), nm, what=f"vw{vw}")
         admitted = int(js.progress.get((vw, 0), {}).get("forwards", 0))
         waves = -(-total // nm)
         at = (admitted // nm + 2) * nm
         while is_cut(at // nm, js.spec.checkpoint_every, waves):
             at += nm
+        check_order(
+            Order(at, tuple(int(n) for n in layers), reason),
+            len(plan.vws[vw].stages),
+            nm,
+            what=f"vw{vw}",
+        )
         if at >= total:
             raise MigrationError(
                 f"migrate: vw{vw} has no boundary left (minibatch {at} of {total})"
