@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_weights, job, start_cluster
-from helpers import stages_json
+from helpers import check_invariants, records_by_index, stages_json
 
 from hetpipe.localcluster import DeviceDef
 
@@ -60,3 +60,33 @@ def test_a_migration_a_stage_cannot_carry_out_fails_the_job_with_its_reason(clus
     info = cluster.submit(spec("bad", 4, [8, 8]), timeout=140)
     assert info["state"] == "failed"
     assert "the new split has 2 stages, the virtual worker 3" in info["error"]
+
+
+@pytest.mark.timeout(300)
+def test_wsp_invariant_holds_on_daemons_with_a_migration_in_one_virtual_worker(
+    tmp_path_factory,
+) -> None:
+    devices = tuple(DeviceDef(f"w{i}", "fast", "256MiB", 1.0) for i in range(4))
+    c = start_cluster(tmp_path_factory.mktemp("migrate-wsp"), devices)
+    try:
+        spec = job(
+            "wsp-mig",
+            model="cnn",
+            nm=2,
+            minibatches=16,
+            staleness=0,
+            split=[(["w0", "w1"], [8, 8]), (["w2", "w3"], [8, 8])],
+            train={"migrate_at": 6, "migrate_to": [5, 11], "migrate_vw": 1},
+        )
+        info = c.submit(spec, timeout=250)
+    finally:
+        c.stop()
+    assert info["state"] == "done", info.get("error")
+    records = records_by_index(info)
+    assert all(len(rows) == 16 for rows in records.values())
+    assert check_invariants(records, {0: 2, 1: 2}, 0) > 0
+    assert [m["event"] for m in info["migrations"]] == ["migration"]
+    moved = stages_json(info)["vw1/stage0"]["stats"]["migrations"][0]
+    assert moved["range"] == [0, 5] and moved["moves"] == [
+        {"first": 5, "last": 8, "src": 0, "dst": 1}
+    ]
