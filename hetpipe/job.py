@@ -34,6 +34,7 @@ __all__ = [
     "JobSpec",
     "LossScaleSpec",
     "LrSchedule",
+    "MigrationSpec",
     "ModelSpec",
     "OptimizerSpec",
     "VWSpec",
@@ -141,6 +142,16 @@ class ReplanSpec:
 
 
 @dataclass(frozen=True)
+class MigrationSpec:
+    """A live layer migration of virtual worker ``vw`` to split ``layers`` (layers per
+    stage) before ``minibatch`` (:mod:`hetpipe.migrate`)."""
+
+    vw: int
+    minibatch: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """A validated job. ``minibatches`` counts per virtual worker; ``staleness`` is WSP's D."""
 
@@ -169,6 +180,11 @@ class JobSpec:
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
     shard_wait_s: float = _d("train.shard_wait_s")  # a lost shard: hetpipe.head.shardwait
     checkpoint_every: int = _d("train.checkpoint_every")
+    # a live layer migration to drill (hetpipe.migrate): before minibatch migrate_at (0:
+    # none) of virtual worker migrate_vw, to the split migrate_to
+    migrate_at: int = _d("train.migrate_at")
+    migrate_to: tuple[int, ...] | None = _d("train.migrate_to")
+    migrate_vw: int = _d("train.migrate_vw")
     faults: tuple[FaultSpec, ...] = ()
     slowdowns: tuple[SlowSpec, ...] = ()  # [[fault]] kind = "slow"
     replan: ReplanSpec = field(default_factory=ReplanSpec)
@@ -325,6 +341,10 @@ class JobSpec:
         on_worker_loss = _read(train, "on_worker_loss")
         shard_wait_s = _read(train, "shard_wait_s")
         checkpoint_every = _read(train, "checkpoint_every")
+        migrate_at = _read(train, "migrate_at")
+        migrate_to = _read(train, "migrate_to")
+        if migrate_at and not migrate_to:
+            train.fail("migrate_at", "needs train.migrate_to, the split to carry out")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
         if precision == "fp16" and schedule not in SYNC_KINDS:
@@ -386,6 +406,9 @@ class JobSpec:
             on_worker_loss=on_worker_loss,
             shard_wait_s=shard_wait_s,
             checkpoint_every=checkpoint_every,
+            migrate_at=migrate_at,
+            migrate_to=tuple(migrate_to) if migrate_to is not None else None,
+            migrate_vw=_read(train, "migrate_vw"),
             activations=activations,
             precision=precision,
             push_every=push_every,
@@ -412,6 +435,13 @@ class JobSpec:
             if problem is not None:
                 raise JobError(f"{source}: {problem}")
         return spec
+
+    @property
+    def migrations(self) -> tuple[MigrationSpec, ...]:
+        """The live layer migrations the job asks for (``train.migrate_at``)."""
+        if not self.migrate_at or self.migrate_to is None:
+            return ()
+        return (MigrationSpec(self.migrate_vw, self.migrate_at, self.migrate_to),)
 
     def key_values(self) -> dict[str, Any]:
         """Each key of the job's tables (not of ``[[vw]]`` or ``[[fault]]``) by its path,
@@ -483,6 +513,9 @@ class JobSpec:
                 "on_worker_loss": self.on_worker_loss,
                 "shard_wait_s": self.shard_wait_s,
                 "checkpoint_every": self.checkpoint_every,
+                "migrate_at": self.migrate_at,
+                "migrate_to": list(self.migrate_to) if self.migrate_to is not None else None,
+                "migrate_vw": self.migrate_vw,
                 "activations": self.activations,
                 "precision": self.precision,
                 "push_every": self.push_every,

@@ -281,6 +281,8 @@ class StageRunner:
         self.tie_sums: dict[int, dict[Key, torch.Tensor]] = {}
         self.exchanged = -1
         self.tie_route = TieRoute(self.task.ties, self.task.stage) if self.sync else None
+        # live layer migration at a wave or iteration boundary (hetpipe.migrate.Migrator)
+        self.migration: Any = None
 
     # -- agreement across the stages of a virtual worker -----------------------------------
 
@@ -518,6 +520,8 @@ class StageRunner:
         reporter = asyncio.create_task(self._report_loop())
         try:
             while not isinstance(action := self.schedule.next(self), Done):
+                if self.migration is not None and await self.migration.at(self, action):
+                    continue
                 if isinstance(action, Wait):
                     self._wait_for(action.what, p=action.p, wave=action.c, need=action.need)
                     kind = (
@@ -1123,6 +1127,8 @@ class StageRunner:
             out["validation"] = self.validation
         if self.validation_s:
             out["validation_s"] = self.validation_s
+        if self.migration is not None and self.migration.done:
+            out["migrations"] = list(self.migration.done)
         return out
 
 

@@ -135,6 +135,13 @@ class ShardServer:
     async def _push(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None
         js = self.store.get(msg["job"])
+        if msg.get("migrate") is not None:  # a live migration (hetpipe.migrate)
+            names = [str(n) for n in msg["migrate"]]
+            js.migrate(msg["vw"], msg["stage"], names, msg["wave"])
+            await self.channel.send(Kind.OK, {"rid": msg["rid"]}, to=peer)
+            for item in js.clock.release():  # a stage that left may have held the clock
+                await self._answer(msg["job"], item)
+            return
         applied = js.push(msg["vw"], msg["stage"], msg["wave"], msg.tensors)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}}, to=peer)
         for item in js.clock.release():

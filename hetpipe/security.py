@@ -266,11 +266,13 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.STAGE_RECORDS: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_FAILED: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     Kind.STAGE_STATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
+    Kind.MIGRATE: Rule(Role.STAGE_GROUP, Daemon.HEAD),
     # to a worker, from the head: registration, stage assignment, profiling, start, abort
     Kind.WELCOME: Rule(Role.HEAD, Daemon.WORKER),
     Kind.ASSIGN: Rule(Role.HEAD, Daemon.WORKER),
     Kind.MEASURE: Rule(Role.HEAD, Daemon.WORKER),
     Kind.START: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.MIGRATE_ORDER: Rule(Role.HEAD, Daemon.WORKER),
     Kind.ABORT: Rule(Role.HEAD, Daemon.WORKER),
     # to a worker's data port, from its neighbours in the pipeline
     Kind.ACT: Rule(Role.PREVIOUS_STAGE, Daemon.WORKER),

@@ -220,6 +220,23 @@ class JobShard(Generic[T]):
         self._close_cuts()
         return True
 
+    def migrate(self, vw: int, stage: int, names: list[str], wave: int) -> None:
+        """From wave ``wave`` on, stage ``stage`` of ``vw`` holds ``names`` here (none: it
+        leaves this shard): a live migration moved layers between the stages of ``vw`` at
+        that boundary (:mod:`hetpipe.migrate`). The weights stay (every virtual worker pushes
+        a name to the same shard); the pushes and pulls of the name are the new stage's. A
+        stage new here counts the waves before as pushed: their updates came from the
+        stages that held the names then, all applied before the boundary."""
+        missing = [n for n in names if n not in self.weights]
+        if missing:
+            raise ShardError(f"job {self.job}: vw{vw}/stage{stage} migrated unknown {missing[:3]}")
+        if names:
+            self.names[(vw, stage)] = list(names)
+            self.clock.join(vw, stage, wave)
+        elif (vw, stage) in self.names:
+            self.clock.leave(vw, stage)
+            del self.names[(vw, stage)]
+
     def applied_sets(self) -> dict[str, list[list[int]]]:
         """Every stage's applied waves here: ``"vw/stage"`` -> ranges (core.wsp.wave_ranges)."""
         return {

@@ -103,6 +103,8 @@ class Kind(StrEnum):
     REPLICA_GRAD = "replica_grad"
     PUSH = "push"
     PULL = "pull"
+    MIGRATE = "migrate"
+    MIGRATE_ORDER = "migrate_order"
     PULLED = "pulled"
     REDUCE = "reduce"
     REDUCED = "reduced"
@@ -194,6 +196,30 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.STAGE_FAILED: {"job": _STR, "vw": _INT, "stage": _INT, "error": _STR},
     # tensors: a stage's state right after its push of wave - 1 (hetpipe.checkpoint names)
     Kind.STAGE_STATE: {"job": _STR, "vw": _INT, "stage": _INT, "wave": _INT, "meta": _DICT},
+    # a stage at one step of a live migration (hetpipe.migrate.HeadBus): ``parcels`` its
+    # parcels' descriptions (tensors: ``<index>/<name>``), or ``refusal`` its verdict
+    # the head to each stage of a virtual worker: carry out split ``layers`` before
+    # minibatch ``at`` (hetpipe.head.migration.MigrationPart.migrate)
+    Kind.MIGRATE_ORDER: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "at": _INT,
+        "layers": _LIST,
+        "reason": _STR,
+    },
+    Kind.MIGRATE: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "at": _INT,
+        "step": _STR,
+        "layers": _OPT_LIST,
+        "reason": _OPT_STR,
+        "parcels": _OPT_LIST,
+        "refusal": _OPT_STR,
+    },
     # eval (on an activation): [i, n], minibatch i of n of the job's validation pass
     # (hetpipe.pipeline.StageRunner._validate; no tensors with n = 0: no validation set)
     # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"
@@ -237,7 +263,16 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "shm": _OPT_DICT,
     },
     # tensors: summed deltas of the wave, by parameter name
-    Kind.PUSH: {"rid": _INT, "job": _STR, "vw": _INT, "stage": _INT, "wave": _INT},
+    # with ``migrate`` (a live migration, hetpipe.migrate): no update, but the names this
+    # stage pushes and pulls on the shard from ``wave`` on (none: it leaves the shard)
+    Kind.PUSH: {
+        "rid": _INT,
+        "job": _STR,
+        "vw": _INT,
+        "stage": _INT,
+        "wave": _INT,
+        "migrate": _OPT_LIST,
+    },
     Kind.PULL: {
         "rid": _INT,
         "job": _STR,

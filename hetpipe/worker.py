@@ -25,7 +25,7 @@ import click
 import torch
 import zmq
 
-from hetpipe import hostshm
+from hetpipe import hostshm, migrate
 from hetpipe import log as logmod
 from hetpipe.computethread import ComputeThread
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
@@ -221,6 +221,8 @@ class Worker:
             asyncio.get_running_loop().create_task(self._measure(msg))
         elif msg.kind == Kind.START:
             self._start(msg["job"])
+        elif msg.kind == Kind.MIGRATE_ORDER:  # the head's re-plan (hetpipe.migrate.order)
+            await self._migrate_order(msg)
         elif msg.kind == Kind.ABORT and self.job is not None and self.job.task.job == msg["job"]:
             self.log.warning("job aborted", job=msg["job"], reason=msg["reason"])
             await self._drop_job()
@@ -316,10 +318,30 @@ class Worker:
             records_out=self._records_sender(job),
             records_every=self.cluster.runtime.records_every,
         )
+
+        def connect(index: int, address: str) -> Channel:  # a shard a migration needs
+            ch = self.owner.connect(zmq.DEALER, address, f"shard{index}", self.cluster.runtime)
+            job.channels.append(ch)
+            return ch
+
+        migrate.attach(job.runner, self.device, self.head, connect)  # train.migrate_at
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()
         job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
+
+    async def _migrate_order(self, msg: Message) -> None:
+        assert self.head is not None
+        job = self.job
+        try:
+            if job is None or job.runner is None or job.task.job != msg["job"]:
+                raise migrate.MigrationError(f"{self.device.name} runs no stage of {msg['job']}")
+            new = migrate.Order(msg["at"], tuple(int(n) for n in msg["layers"]), msg["reason"])
+            migrate.order(job.runner, new)
+        except migrate.MigrationError as exc:
+            await self.head.reply_error(None, str(exc), msg["rid"])
+            return
+        await self.head.send(Kind.OK, {"rid": msg["rid"]})
 
     def _sender(self, job: _Job) -> Any:
         channels = {c.name: c for c in job.channels}

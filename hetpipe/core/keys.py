@@ -707,6 +707,33 @@ JOB: Final = Schema(
                     high=MAX_SECONDS,
                 ),
                 Key(
+                    "migrate_at",
+                    "integer",
+                    "A live layer migration before this minibatch of virtual worker "
+                    "migrate_vw, to the split migrate_to (a drill of the online re-plan's; a "
+                    "multiple of its Nm, M under gpipe and 1f1b); 0: none.",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "migrate_to",
+                    "array of integers",
+                    "The split migrate_at carries out: layers per stage, as many stages as the "
+                    "virtual worker has, summing to the model's. Unset: none.",
+                    None,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
+                Key(
+                    "migrate_vw",
+                    "integer",
+                    "The virtual worker migrate_at moves layers in.",
+                    0,
+                    low=0,
+                    high=MAX_SMALL,
+                ),
+                Key(
                     "checkpoint_every",
                     "integer",
                     "Waves (or iterations) of the global clock between checkpoints; 0: none.",

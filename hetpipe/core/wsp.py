@@ -219,6 +219,29 @@ class WaveClock(Generic[T]):
             raise WspError(f"finish: vw {vw}: waves must be >= 0, got {waves}")
         self._final[vw] = waves
 
+    def join(self, vw: int, stage: int, applied_below: int) -> None:
+        """Make ``stage`` of ``vw`` a member here, its waves ``0 .. applied_below - 1`` counted
+        as pushed: a live migration gave it state on this shard at that wave boundary, and
+        the waves before were pushed by the stages that held the state then
+        (:mod:`hetpipe.migrate`). A member already stays as it is."""
+        stages = self._logs.get(vw)
+        if stages is None:
+            raise WspError(f"join: unknown vw {vw}")
+        if stage not in stages:
+            log = _StageLog()
+            log.count = applied_below
+            stages[stage] = log
+
+    def leave(self, vw: int, stage: int) -> None:
+        """``stage`` of ``vw`` holds no state here any more (a live migration); the virtual
+        worker keeps its other stages here."""
+        stages = self._logs.get(vw)
+        if stages is None or stage not in stages:
+            return
+        if len(stages) == 1:
+            raise WspError(f"leave: vw {vw} would hold nothing on this shard")
+        del stages[stage]
+
     # -- clocks -----------------------------------------------------------------------------
 
     def applied(self, vw: int, stage: int) -> list[int]:

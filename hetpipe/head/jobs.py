@@ -99,6 +99,7 @@ class JobState:
     waiting: dict[str, Any] | None = None  # what a paused job waits for (shardwait)
     shard_waits: list[dict[str, Any]] = field(default_factory=list)  # each pause, as it went
     watch: drift.Watch | None = None  # [replan]: drift detection and online re-plans
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # live (hetpipe.migrate)
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
     resumed_of: str | None = None  # the job this one continues (hetpipe.head.recovery)
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job

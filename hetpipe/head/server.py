@@ -25,6 +25,7 @@ from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
 from hetpipe.head.cuts import CutsPart
 from hetpipe.head.jobs import JobsPart, JobState
+from hetpipe.head.migration import MigrationPart
 from hetpipe.head.profiles import Profiler
 from hetpipe.head.recovery import RecoveryPart
 from hetpipe.head.registry import Registry, hello_problem, shard_problem
@@ -58,11 +59,12 @@ _JOB_KINDS = frozenset(
         Kind.STAGE_RECORDS,
         Kind.STAGE_FAILED,
         Kind.STAGE_STATE,
+        Kind.MIGRATE,
     }
 )
 
 
-class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart):
+class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
     """The cluster's head: lives in the shard-0 process and shares its ROUTER socket."""
 
     def __init__(
@@ -232,6 +234,8 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart):
             self._stage_message(msg)
         elif k == Kind.STAGE_STATE:
             self._stage_state(msg)
+        elif k == Kind.MIGRATE:
+            await self._on_migrate(peer, msg)
         elif k == Kind.TRACE:
             trace, problem = trace_of(self.run_dir, self.jobs, msg["job"])
             if problem is not None:

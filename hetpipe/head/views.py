@@ -99,6 +99,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["shard_waits"] = js.shard_waits
     if js.replans:
         out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.replans]
+    if js.migrations:
+        out["migrations"] = js.migrations
     if js.evals:
         out["evals"] = js.evals
     if js.validation:

@@ -1,0 +1,214 @@
+"""The head's part of a live layer migration (:mod:`hetpipe.migrate`): where the stages of a
+virtual worker meet at a migration's boundary, and the record of each migration.
+
+A stage at a drained boundary sends a ``migrate`` request for each step of the migration
+(its parcels, then its verdict, then the barrier before the shards forget the names it
+gave away: :class:`hetpipe.migrate.HeadBus`). The head parks the requests of one step
+until every stage of the virtual worker sent its own, then answers each: the parcels
+addressed to it, or the first refusal. Nothing is computed or stored here beyond the
+parcels in transit; a stage that never comes (a lost worker) leaves the others to their
+timeout, whose error names the migration, and the job's attempt ends as for any failed
+stage (re-planned or failed, ``train.on_worker_loss``).
+
+Each migration carried out or refused is a line of the job's ``metrics.jsonl`` (``event``:
+``migration`` or ``migration_refused``, with its boundary, split and reason) and an entry of
+the job's status (``migrations``); each stage's own account (what it gave and took, its
+stall) is in its stats in ``stages.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hetpipe.checkpoint import is_cut
+from hetpipe.core.layout import StageLayout, VWLayout
+from hetpipe.head.states import JobStatus
+from hetpipe.migrate import MigrationError, Order, check_order, cut_points
+from hetpipe.transport import RemoteError
+from hetpipe.wire import Kind, Message
+
+__all__ = ["MigrationPart"]
+
+ORDER_TIMEOUT_S = 10.0  # a worker answers an order at once (it only queues it)
+
+# (wire id of the attempt, vw, step) -> stage -> (peer, its request)
+Meets = dict[tuple[str, int, str], dict[int, tuple[bytes | None, Message]]]
+
+
+def _parcels_for(
+    stage: int, got: dict[int, tuple[bytes | None, Message]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The parcels the stages sent that go to ``stage``: their descriptions, renumbered,
+    and their tensors under ``<index>/<name>``."""
+    out: list[dict[str, Any]] = []
+    tensors: dict[str, Any] = {}
+    for src in sorted(got):
+        msg = got[src][1]
+        for i, parcel in enumerate(msg["parcels"] or []):
+            if parcel["move"][3] != stage:
+                continue
+            j = len(out)
+            out.append(parcel)
+            for name in parcel["names"]:
+                tensors[f"{j}/{name}"] = msg.tensors[f"{i}/{name}"]
+    return out, tensors
+
+
+def relaid_plan(vws: tuple[VWLayout, ...], vw: int, layers: list[int]) -> tuple[VWLayout, ...]:
+    """The job's virtual-worker layouts with ``vw`` on split ``layers`` (layers per stage),
+    each layer's activation policy going with it (as :func:`hetpipe.migrate.relaid` does on
+    the workers)."""
+    bounds = cut_points(layers)
+    recompute = sorted(j for st in vws[vw].stages for j in st.recompute)
+    swap = sorted(j for st in vws[vw].stages for j in st.swap)
+
+    def stage(st: StageLayout, s: int) -> StageLayout:
+        lo, hi = bounds[s], bounds[s + 1]
+        return dataclasses.replace(
+            st,
+            first=lo,
+            last=hi,
+            recompute=tuple(j for j in recompute if lo <= j < hi),
+            swap=tuple(j for j in swap if lo <= j < hi),
+        )
+
+    return tuple(
+        dataclasses.replace(v, stages=tuple(stage(st, s) for s, st in enumerate(v.stages)))
+        if i == vw
+        else v
+        for i, v in enumerate(vws)
+    )
+
+
+class MigrationPart:
+    """The part of :class:`hetpipe.head.server.Head` that serves migrations."""
+
+    channel: Any
+    log: Any
+    jobs: Any
+
+    @property
+    def _meets(self) -> Meets:
+        meets = getattr(self, "_migration_meets", None)
+        if meets is None:
+            meets = self._migration_meets = {}
+        return meets
+
+    async def migrate(
+        self, job_id: str, vw: int, layers: Sequence[int], reason: str
+    ) -> dict[str, Any]:
+        """Carry out split ``layers`` (layers per stage) on virtual worker ``vw`` of the
+        running job ``job_id`` at its next free boundary, for ``reason`` (in the records):
+        the entry point of the online re-plan.
+
+        The boundary is the first wave (iteration) that opens at least one whole wave
+        after what stage 0 has admitted, and is no checkpoint's cut. Each stage is told,
+        stage 0 first: stage 0 is the furthest ahead of its virtual worker, so once it
+        took the order no stage can have passed the boundary. Returns ``{"at": N}`` once
+        every stage took it; the migration happens when the stages reach ``N``, and its
+        outcome (carried out, or refused with its reason) is in the job's ``migrations``.
+        :class:`hetpipe.migrate.MigrationError` says why it was not ordered."""
+        js = self.jobs.get(job_id)  # type: ignore[attr-defined]
+        if js is None or js.plan is None or js.state != JobStatus.RUNNING:
+            raise MigrationError(f"migrate: job {job_id} is not running")
+        plan = js.plan
+        if not 0 <= vw < len(plan.vws):
+            raise MigrationError(f"migrate: job {job_id} has no vw{vw}")
+        nm = plan.vws[vw].nm
+        total = plan.minibatches_of(vw)
+        admitted = int(js.progress.get((vw, 0), {}).get("forwards", 0))
+        waves = -(-total // nm)
+        at = (admitted // nm + 2) * nm
+        while is_cut(at // nm, js.spec.checkpoint_every, waves):
+            at += nm
+        check_order(
+            Order(at, tuple(int(n) for n in layers), reason),
+            len(plan.vws[vw].stages),
+            nm,
+            what=f"vw{vw}",
+        )
+        if at >= total:
+            raise MigrationError(
+                f"migrate: vw{vw} has no boundary left (minibatch {at} of {total})"
+            )
+        workers = {
+            w.stage: w
+            for w in self.registry.workers.values()  # type: ignore[attr-defined]
+            if w.job == js.id and w.vw == vw
+        }
+        for s in range(len(plan.vws[vw].stages)):
+            w = workers.get(s)
+            if w is None:
+                raise MigrationError(f"migrate: no worker runs vw{vw}/stage{s}")
+            try:
+                await self.channel.request(
+                    Kind.MIGRATE_ORDER,
+                    {"job": plan.job, "vw": vw, "at": at, "layers": list(layers), "reason": reason},
+                    to=w.ident,
+                    timeout=ORDER_TIMEOUT_S,
+                    what=f"worker {w.device}",
+                )
+            except (RemoteError, TimeoutError) as exc:
+                raise MigrationError(f"migrate: vw{vw}/stage{s}: {exc}") from None
+        self.log.info("migration ordered", job=job_id, vw=vw, at=at, layers=list(layers))
+        return {"at": at}
+
+    async def _on_migrate(self, peer: bytes | None, msg: Message) -> None:
+        """One stage's request at one step of a migration: parked until the virtual
+        worker's every stage sent theirs, then each answered."""
+        js = self._by_wire(msg["job"])  # type: ignore[attr-defined]
+        if js is None or js.plan is None:
+            await self.channel.reply_error(peer, f"no running job {msg['job']}", msg["rid"])
+            return
+        vw, stage, step = msg["vw"], msg["stage"], msg["step"]
+        k = len(js.plan.vws[vw].stages)
+        key = (msg["job"], vw, step)
+        got = self._meets.setdefault(key, {})
+        got[stage] = (peer, msg)
+        if len(got) < k:
+            return
+        del self._meets[key]
+        if step.startswith("parcels"):
+            for s, (p, m) in sorted(got.items()):
+                parcels, tensors = _parcels_for(s, got)
+                await self.channel.send(
+                    Kind.OK, {"rid": m["rid"], "info": {"parcels": parcels}}, tensors, to=p
+                )
+            return
+        refusal = next(
+            (m.get("refusal") for _s, (_p, m) in sorted(got.items()) if m.get("refusal")), None
+        )
+        for _s, (p, m) in sorted(got.items()):
+            await self.channel.send(Kind.OK, {"rid": m["rid"], "info": {"refusal": refusal}}, to=p)
+        if step.startswith("verdict") and step.endswith(":0"):
+            self._record_migration(js, vw, msg, refusal)
+
+    def _record_migration(self, js: Any, vw: int, msg: Message, refusal: str | None) -> None:
+        """A migration decided (carried out, or refused with ``refusal``): into the job's
+        status and a line of its ``metrics.jsonl``."""
+        entry = {
+            "event": "migration" if refusal is None else "migration_refused",
+            "time": time.time(),
+            "vw": vw,
+            "at": msg["at"],
+            "layers": list(msg.get("layers") or []),
+            "reason": msg.get("reason") or "",
+        }
+        if refusal is not None:
+            entry["refused"] = refusal
+        else:
+            # the plan says where each layer is now: checkpoints after this one record the
+            # new ranges, and a re-plan restores from them
+            js.plan.vws = relaid_plan(js.plan.vws, vw, entry["layers"])
+        js.migrations.append(entry)
+        (self.log.info if refusal is None else self.log.warning)(
+            "migration", job=js.id, **{k: v for k, v in entry.items() if k != "event"}
+        )
+        path = self.job_dir(js) / "metrics.jsonl"  # type: ignore[attr-defined]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")

@@ -1,0 +1,92 @@
+"""A live layer migration on real daemons: a virtual worker of three workers moves layers
+between them while it trains (train.migrate_at), ends with the weights of the same job that
+does not migrate, and records the migration in stages.json, metrics.jsonl and its status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_weights, job, start_cluster
+from helpers import check_invariants, records_by_index, stages_json
+
+from hetpipe.localcluster import DeviceDef
+
+pytestmark = pytest.mark.slow
+
+DEVICES = (
+    DeviceDef("m0", "fast", "256MiB", 1.0),
+    DeviceDef("m1", "fast", "256MiB", 1.0),
+    DeviceDef("m2", "fast", "256MiB", 1.0),
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("migrate"), DEVICES)
+    yield c
+    c.stop()
+
+
+def spec(name: str, at: int = 0, to: list[int] | None = None) -> dict:
+    train = {"migrate_at": at, "migrate_to": to} if at else {}
+    split = [(["m0", "m1", "m2"], [6, 6, 4])]
+    return job(name, model="cnn", nm=1, minibatches=12, split=split, train=train)
+
+
+@pytest.mark.timeout(300)
+def test_a_live_migration_is_lossless_and_recorded(cluster) -> None:
+    plain = cluster.submit(spec("plain"), timeout=140)
+    assert plain["state"] == "done", plain.get("error")
+    moved = cluster.submit(spec("moved", 4, [3, 9, 4]), timeout=140)
+    assert moved["state"] == "done", moved.get("error")
+    assert_same_weights(torch.load(moved["model_path"]), torch.load(plain["model_path"]), 1e-6)
+    assert [m["event"] for m in moved["migrations"]] == ["migration"]
+    stages = stages_json(moved)
+    first = stages["vw0/stage0"]["stats"]["migrations"]
+    assert [m["at"] for m in first] == [4]
+    assert first[0]["moves"] == [{"first": 3, "last": 6, "src": 0, "dst": 1}]
+    assert all(m["migration_stall_s"] >= 0 for m in first)
+    lines = [json.loads(x) for x in Path(moved["metrics_path"]).read_text().splitlines()]
+    assert [x["at"] for x in lines if x.get("event") == "migration"] == [4]
+    # the moved layers trained on their new stages: the last stage's records go on
+    assert stages["vw0/stage1"]["stats"]["migrations"][0]["range"] == [3, 12]
+
+
+@pytest.mark.timeout(200)
+def test_a_migration_a_stage_cannot_carry_out_fails_the_job_with_its_reason(cluster) -> None:
+    info = cluster.submit(spec("bad", 4, [8, 8]), timeout=140)
+    assert info["state"] == "failed"
+    assert "the new split has 2 stages, the virtual worker 3" in info["error"]
+
+
+@pytest.mark.timeout(300)
+def test_wsp_invariant_holds_on_daemons_with_a_migration_in_one_virtual_worker(
+    tmp_path_factory,
+) -> None:
+    devices = tuple(DeviceDef(f"w{i}", "fast", "256MiB", 1.0) for i in range(4))
+    c = start_cluster(tmp_path_factory.mktemp("migrate-wsp"), devices)
+    try:
+        spec = job(
+            "wsp-mig",
+            model="cnn",
+            nm=2,
+            minibatches=16,
+            staleness=0,
+            split=[(["w0", "w1"], [8, 8]), (["w2", "w3"], [8, 8])],
+            train={"migrate_at": 6, "migrate_to": [5, 11], "migrate_vw": 1},
+        )
+        info = c.submit(spec, timeout=250)
+    finally:
+        c.stop()
+    assert info["state"] == "done", info.get("error")
+    records = records_by_index(info)
+    assert all(len(rows) == 16 for rows in records.values())
+    assert check_invariants(records, {0: 2, 1: 2}, 0) > 0
+    assert [m["event"] for m in info["migrations"]] == ["migration"]
+    moved = stages_json(info)["vw1/stage0"]["stats"]["migrations"][0]
+    assert moved["range"] == [0, 5] and moved["moves"] == [
+        {"first": 5, "last": 8, "src": 0, "dst": 1}
+    ]
