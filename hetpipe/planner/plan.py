@@ -280,7 +280,8 @@ def make_plan(
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
     except ValueError as e:
         raise PlanError(str(e)) from e
-    found = best_formation(cands, search.evaluate, search.upper_bound)
+    trace: list[dict[str, Any]] = []  # every candidate's figure, for `hetpipe plan --explain`
+    found = best_formation(cands, search.evaluate, search.upper_bound, trace)
     if found is None:
         raise PlanError(
             f"policy {policy!r}"
@@ -318,6 +319,7 @@ def make_plan(
         "dp_runs": model.dp_runs,
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
+        "candidates": trace,
     }
     if inputs.max_replicas > 1:
         if inputs.activations in ("keep", "auto"):
