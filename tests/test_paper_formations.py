@@ -258,3 +258,25 @@ def test_every_device_in_exactly_one_vw_of_each_paper_formation():
         assert len(names) == len(set(names)) == 16
         for a, b in itertools.combinations(f.groups, 2):
             assert not set(a) & set(b)
+
+
+def test_plan_explain_prints_the_candidates(paper_plan, monkeypatch):
+    """``hetpipe plan --explain`` renders the head's plan (no head here: its reply is faked)."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from hetpipe import cli
+
+    reply = {"plan": paper_plan.to_dict(), "table": "TABLE"}
+    monkeypatch.setattr(cli, "_load_job_or_fail", lambda obj, f: SimpleNamespace(to_dict=dict))
+    monkeypatch.setattr(cli, "_ask", lambda obj, kind, fields, timeout: reply)
+    env = {"HETPIPE_CLUSTER": None, "HETPIPE_RUN_DIR": None, "HETPIPE_HEAD": None}
+    args = ["plan", "--job", "job.toml"]
+    plain = CliRunner().invoke(cli.main, args, env=env)
+    assert plain.exit_code == 0, plain.output
+    assert plain.output == "TABLE\n"
+    explained = CliRunner().invoke(cli.main, [*args, "--explain"], env=env)
+    assert explained.exit_code == 0, explained.output
+    assert explained.output.startswith("TABLE\ncandidate formations (")
+    assert "hd-paper" in explained.output and "chosen: " in explained.output
