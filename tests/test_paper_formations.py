@@ -225,7 +225,8 @@ def test_explain_lists_every_candidate_and_why_one_won(paper_plan):
     assert "over the best other candidate" in text
     assert "parameter placements" in text and "round-robin" in text
     assert explain_lines({}) == [
-        "explain: this plan records no candidates (a split given in the job file)"
+        "explain: this plan records no candidate formations (a split from the job file, "
+        "or a synchronous plan)"
     ]
 
 

@@ -20,7 +20,10 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
     chosen one won: the runner-up and the margin, and how many were skipped by bound."""
     cands: Sequence[Mapping[str, Any]] = details.get("candidates") or ()
     if not cands:
-        return ["explain: this plan records no candidates (a split given in the job file)"]
+        return [
+            "explain: this plan records no candidate formations (a split from the job file, "
+            "or a synchronous plan)"
+        ]
     lines = [f"candidate formations ({len(cands)}), predicted samples/s:"]
     for i, c in enumerate(cands):
         mark = "*" if c.get("chosen") else " "
