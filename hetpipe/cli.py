@@ -604,12 +604,19 @@ def profile(obj: Ctx, job_file: str, as_json: bool) -> None:
     help="Job file to plan (its [[vw]] split, if any, is evaluated instead).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option(
+    "--explain", is_flag=True, help="Also list every candidate formation and why one won."
+)
 @click.pass_obj
-def plan(obj: Ctx, job_file: str, as_json: bool) -> None:
+def plan(obj: Ctx, job_file: str, as_json: bool, explain: bool) -> None:
     """Show the plan the head would run: VWs, stages, predicted times, memory, Nm."""
     spec = _load_job_or_fail(obj, job_file)
     info = _ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
+    if explain and not as_json:
+        from hetpipe.planner.explain import explain_lines
+
+        click.echo("\n".join(explain_lines(info["plan"].get("details", {}))))
 
 
 @main.command()

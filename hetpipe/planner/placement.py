@@ -1,10 +1,25 @@
 """Where the parameter server keeps each layer's state, and what reaching it costs on the links.
 
-Placement (:func:`place_stages`): the PS holds one global copy of each layer, but VWs may
+Two placements, the HetPipe paper's (:data:`PLACEMENTS`, :func:`place_layers`):
+
+* **default**: layer j's state on shard ``j mod S`` of the S shards (by shard index),
+  round-robin as TensorFlow's default device setter places variables on PS tasks; it
+  ignores where the stages run, so most bytes cross a link.
+* **local**: each layer's state on a shard on the host of the stage that runs it
+  (:func:`place_stages`, below). Under ED every VW runs stage i on a device of the same node
+  (its VWs are alike, so they share one order), so every layer is on its own node for
+  every VW that runs it: the paper's ED-local, whose pushes and pulls cross no link.
+
+The runtime places by **local**; the planner prices both (:func:`shard_flights`'s
+``placement``) so that ``hetpipe plan --explain`` can show what local saves.
+
+Local placement (:func:`place_stages`): the PS holds one global copy of each layer, but VWs may
 cut the model differently, so placement is per *segment* (a maximal run of layers that
 every VW keeps inside one stage). A segment goes to a shard on the host of the stages
-holding it (the host most of those stages share), balancing bytes among that host's shards;
-where no shard shares a host with them, it goes to the least loaded shard. With one VW this
+holding it (the host most of those stages share; where several hosts tie, any of theirs),
+balancing bytes among those shards; where no shard shares a host with them, it goes to the
+least loaded shard. So under NP, where every VW runs a layer on its own node, the layers are
+spread over the nodes' shards rather than piled on the first. With one VW this
 is exactly "a stage's parameters go to the shard on its host". The runtime places a job's
 real tensors by this same function (:func:`hetpipe.jobplan.place_state`).
 
@@ -22,14 +37,29 @@ to its shards one after the other, so its flight is the sum over its remote shar
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from hetpipe.core.profile import ModelProfile
 from hetpipe.planner.partition import CostModel, Partition
 
-__all__ = ["layer_state_bytes", "place_plan", "place_stages", "shard_flights"]
+__all__ = [
+    "PLACEMENTS",
+    "compare_placements",
+    "default_placement",
+    "layer_state_bytes",
+    "place_layers",
+    "place_plan",
+    "place_stages",
+    "shard_flights",
+]
+
+PLACEMENTS = ("local", "default")  # the runtime's first
+RULES = {
+    "local": "each layer on a shard on the host of the stage that runs it",
+    "default": "layer j on shard j mod S, round-robin, wherever its stage runs",
+}
 
 
 def layer_state_bytes(profile: ModelProfile) -> list[int]:
@@ -72,9 +102,9 @@ def place_stages(
             if h is not None:
                 votes[h] = votes.get(h, 0) + 1
         pool = list(shards)
-        for h in sorted(votes, key=lambda h: -votes[h]):
-            local = [s for s in shards if s.host == h]
-            if local:
+        for n in sorted(set(votes.values()), reverse=True):
+            local = [s for s in shards if votes.get(s.host) == n]
+            if local:  # the shards of the hosts most of the stages share (tied: all of them)
                 pool = local
                 break
         chosen = min(pool, key=lambda s: (load[s.index], s.index)).index
@@ -89,6 +119,39 @@ def place_stages(
             row.append(min(per, key=lambda s: (-per[s], s)) if per else layer_shards[a])
         stage_shards.append(tuple(row))
     return tuple(layer_shards), tuple(stage_shards)
+
+
+def default_placement(shards: Sequence[Any], n_layers: int) -> tuple[int, ...]:
+    """The paper's default placement: layer j on the ``j mod S``-th of the shards in index
+    order (shard 0 for every layer where there are none)."""
+    order = sorted(s.index for s in shards)
+    if not order:
+        return (0,) * n_layers
+    return tuple(order[j % len(order)] for j in range(n_layers))
+
+
+def place_layers(
+    placement: str,
+    shards: Sequence[Any],
+    vws: Sequence[Sequence[tuple[str, tuple[int, int]]]],
+    layer_bytes: Sequence[int],
+) -> tuple[int, ...]:
+    """The shard of every layer under ``placement`` ("local": :func:`place_stages`;
+    "default": :func:`default_placement`), stages given as for :func:`place_stages`."""
+    if placement == "local":
+        return place_stages(shards, vws, layer_bytes)[0]
+    if placement == "default":
+        return default_placement(shards, len(layer_bytes))
+    raise ValueError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
+
+
+def compare_placements(figure: Callable[[str], float]) -> list[dict[str, Any]]:
+    """Each placement with its predicted samples/s (``figure(placement)``), for ``hetpipe
+    plan --explain``. The chosen one is always local: the runtime places by it."""
+    return [
+        {"name": pl, "score": figure(pl), "rule": RULES[pl], "chosen": pl == PLACEMENTS[0]}
+        for pl in PLACEMENTS
+    ]
 
 
 def place_plan(
@@ -121,11 +184,12 @@ def shard_flights(
     model: CostModel,
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     shard_hosts: Sequence[str],
+    placement: str = "local",
 ) -> tuple[tuple[float, ...], ...]:
     """Per VW, per stage: the time on the links for the stage's state to reach the shards
-    :func:`place_stages` gives it on other hosts (see the module docs), which is also the
-    time of the global weights' way back in a pull. 0 where every shard of the stage shares
-    its host (or there are no shards)."""
+    ``placement`` (:func:`place_layers`) gives it on other hosts (see the module docs), which
+    is also the time of the global weights' way back in a pull. 0 where every shard of the
+    stage shares its host (or there are no shards)."""
     if not shard_hosts:
         return tuple((0.0,) * len(devs) for devs, _ in chosen)
     layer_bytes = layer_state_bytes(model.profile)
@@ -133,7 +197,7 @@ def shard_flights(
     stage_hosts = [
         [(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen
     ]
-    layer_shards, _ = place_stages(shards, stage_hosts, layer_bytes)
+    layer_shards = place_layers(placement, shards, stage_hosts, layer_bytes)
     near: dict[str, Any] = {}  # host -> a device of the plan on it
     for devs, p in chosen:
         for i, leader in enumerate(devs):

@@ -40,7 +40,7 @@ from hetpipe.core.schedule import fill_counts
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
-from hetpipe.planner.placement import place_plan, place_stages
+from hetpipe.planner.placement import compare_placements, place_plan, place_stages
 from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan
 from hetpipe.planner.predict import Prediction, predict
 from hetpipe.planner.replicas import (
@@ -280,7 +280,8 @@ def make_plan(
         cands = candidate_formations(usable, policy, num_vws, power=_power(profile))
     except ValueError as e:
         raise PlanError(str(e)) from e
-    found = best_formation(cands, search.evaluate, search.upper_bound)
+    trace: list[dict[str, Any]] = []  # every candidate's figure, for `hetpipe plan --explain`
+    found = best_formation(cands, search.evaluate, search.upper_bound, trace)
     if found is None:
         raise PlanError(
             f"policy {policy!r}"
@@ -318,6 +319,7 @@ def make_plan(
         "dp_runs": model.dp_runs,
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
+        "candidates": trace,
     }
     if inputs.max_replicas > 1:
         if inputs.activations in ("keep", "auto"):
@@ -342,6 +344,12 @@ def make_plan(
         details["replica_choice"] = notes
     if inputs.in_flight == "plan":
         kept, pred = _limited(model, kept, pred, search.predict)
+
+    def placed(pl: str) -> float:  # the plan's samples/s with its parameters placed by pl
+        at = pred if pl == "local" else _predict(model, kept, inputs, search.shard_hosts, pl)
+        return at.sim.job_samples_per_s
+
+    details["placements"] = compare_placements(placed)
     return _assemble(
         cluster,
         model,
@@ -413,9 +421,10 @@ def _predict(
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     inputs: PlanInputs,
     shard_hosts: Sequence[str],
+    placement: str = "local",
 ) -> Prediction:
     """Simulated rates of the chosen VWs with the runtime's costs and host sharing, for the
-    job ``inputs`` describe."""
+    job ``inputs`` describe, its parameters placed by ``placement``."""
     return predict(
         model,
         chosen,
@@ -424,6 +433,7 @@ def _predict(
         cores=inputs.cores,
         shard_hosts=tuple(shard_hosts),
         minibatches=inputs.minibatches,
+        placement=placement,
     )
 
 

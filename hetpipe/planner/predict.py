@@ -400,6 +400,7 @@ def predict(
     minibatches: int | None = None,
     schedule: str = "async",
     warmup: int = 0,
+    placement: str = "local",
 ) -> Prediction:
     """Simulate the chosen VWs with the runtime's costs, slowed by sharing their hosts.
 
@@ -410,10 +411,11 @@ def predict(
     shards (their work is spread evenly over them; each stage's state is placed on them as
     the runtime places it, and its bytes to those on other hosts priced on the links).
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`).
+    ``placement``: the parameter placement priced (:data:`.placement.PLACEMENTS`).
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))
-    flights = shard_flights(model, chosen, shard_hosts)
+    flights = shard_flights(model, chosen, shard_hosts, placement)
     costs = tuple(
         stage_costs(
             model, devs, p, vws=len(chosen), shards=n_shards, schedule=schedule, shard_link_s=f
