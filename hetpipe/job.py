@@ -139,6 +139,11 @@ class ReplanSpec:
     window: int = _d("replan.window")
     min_gain: float = _d("replan.min_gain")
     window_s: float = _d("replan.window_s")
+    # a live layer migration to drill (hetpipe.migrate): before minibatch migrate_at (0:
+    # none) of virtual worker migrate_vw, to the split migrate_to
+    migrate_at: int = _d("replan.migrate_at")
+    migrate_to: tuple[int, ...] | None = _d("replan.migrate_to")
+    migrate_vw: int = _d("replan.migrate_vw")
 
 
 @dataclass(frozen=True)
@@ -180,11 +185,6 @@ class JobSpec:
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
     shard_wait_s: float = _d("train.shard_wait_s")  # a lost shard: hetpipe.head.shardwait
     checkpoint_every: int = _d("train.checkpoint_every")
-    # a live layer migration to drill (hetpipe.migrate): before minibatch migrate_at (0:
-    # none) of virtual worker migrate_vw, to the split migrate_to
-    migrate_at: int = _d("train.migrate_at")
-    migrate_to: tuple[int, ...] | None = _d("train.migrate_to")
-    migrate_vw: int = _d("train.migrate_vw")
     faults: tuple[FaultSpec, ...] = ()
     slowdowns: tuple[SlowSpec, ...] = ()  # [[fault]] kind = "slow"
     replan: ReplanSpec = field(default_factory=ReplanSpec)
@@ -341,10 +341,6 @@ class JobSpec:
         on_worker_loss = _read(train, "on_worker_loss")
         shard_wait_s = _read(train, "shard_wait_s")
         checkpoint_every = _read(train, "checkpoint_every")
-        migrate_at = _read(train, "migrate_at")
-        migrate_to = _read(train, "migrate_to")
-        if migrate_at and not migrate_to:
-            train.fail("migrate_at", "needs train.migrate_to, the split to carry out")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
         if precision == "fp16" and schedule not in SYNC_KINDS:
@@ -406,9 +402,6 @@ class JobSpec:
             on_worker_loss=on_worker_loss,
             shard_wait_s=shard_wait_s,
             checkpoint_every=checkpoint_every,
-            migrate_at=migrate_at,
-            migrate_to=tuple(migrate_to) if migrate_to is not None else None,
-            migrate_vw=_read(train, "migrate_vw"),
             activations=activations,
             precision=precision,
             push_every=push_every,
@@ -438,10 +431,11 @@ class JobSpec:
 
     @property
     def migrations(self) -> tuple[MigrationSpec, ...]:
-        """The live layer migrations the job asks for (``train.migrate_at``)."""
-        if not self.migrate_at or self.migrate_to is None:
+        """The live layer migrations the job asks for (``replan.migrate_at``)."""
+        r = self.replan
+        if not r.migrate_at or r.migrate_to is None:
             return ()
-        return (MigrationSpec(self.migrate_vw, self.migrate_at, self.migrate_to),)
+        return (MigrationSpec(r.migrate_vw, r.migrate_at, r.migrate_to),)
 
     def key_values(self) -> dict[str, Any]:
         """Each key of the job's tables (not of ``[[vw]]`` or ``[[fault]]``) by its path,
@@ -513,9 +507,6 @@ class JobSpec:
                 "on_worker_loss": self.on_worker_loss,
                 "shard_wait_s": self.shard_wait_s,
                 "checkpoint_every": self.checkpoint_every,
-                "migrate_at": self.migrate_at,
-                "migrate_to": list(self.migrate_to) if self.migrate_to is not None else None,
-                "migrate_vw": self.migrate_vw,
                 "activations": self.activations,
                 "precision": self.precision,
                 "push_every": self.push_every,
@@ -553,7 +544,12 @@ def _fault(t: Table) -> FaultSpec | SlowSpec:
 def _replan(root: Table) -> ReplanSpec:
     """The ``[replan]`` table (every key has a default)."""
     rt = root.table("replan", JOB.allowed("replan"))
-    return ReplanSpec(*(_read(rt, f.name) for f in dataclasses.fields(ReplanSpec)))
+    values = {f.name: _read(rt, f.name) for f in dataclasses.fields(ReplanSpec)}
+    if values["migrate_at"] and not values["migrate_to"]:
+        rt.fail("migrate_at", "needs replan.migrate_to, the split to carry out")
+    if values["migrate_to"] is not None:
+        values["migrate_to"] = tuple(values["migrate_to"])
+    return ReplanSpec(**values)
 
 
 def _given(d: Any, section: str, name: str) -> bool:

@@ -7,7 +7,7 @@ per wave that the shards have not confirmed yet (:class:`hetpipe.versions.Weight
 Nothing restarts: the job, its attempt, its data position, its clocks and the other virtual
 workers go on; only the stages of this virtual worker pause.
 
-**Who asks.** The job's ``train.migrate_at`` / ``migrate_to`` / ``migrate_vw`` (a drill:
+**Who asks.** The job's ``replan.migrate_at`` / ``migrate_to`` / ``migrate_vw`` (a drill:
 :func:`attach`, the order known from the start), or the head while the job trains
 (:meth:`hetpipe.head.migration.MigrationPart.migrate`, the online re-plan's entry point,
 which sends each stage an order: :func:`order`).
@@ -582,7 +582,7 @@ def attach(
     connect: Callable[[int, str], Any] | None = None,
 ) -> None:
     """Give ``runner`` a :class:`Migrator` met through the head (:class:`HeadBus`), with its
-    virtual worker's order from ``train.migrate_at``, if any; the head may add orders while
+    virtual worker's order from ``replan.migrate_at``, if any; the head may add orders while
     it trains (:func:`order`). Orders it cannot carry out fail the stage; a stage that
     cannot migrate at all (replicated, tied, not stashing) gets no migrator and refuses
     later orders.

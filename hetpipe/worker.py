@@ -324,7 +324,7 @@ class Worker:
             job.channels.append(ch)
             return ch
 
-        migrate.attach(job.runner, self.device, self.head, connect)  # train.migrate_at
+        migrate.attach(job.runner, self.device, self.head, connect)  # replan.migrate_at
         for msg in job.early:
             self._take(job, msg)
         job.early.clear()

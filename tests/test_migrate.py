@@ -43,6 +43,8 @@ from hetpipe.migrate import (
 )
 from hetpipe.models import build_model
 from hetpipe.pipeline import StageRunner
+from hetpipe.planner.online import Decision
+from hetpipe.rotation import RotatingJsonl
 from hetpipe.shard import JobShard, ShardError, ShardStore
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
@@ -586,6 +588,9 @@ class FakeHead(MigrationPart):
     def job_dir(self, _js: Any) -> Path:
         return self.tmp
 
+    def metrics_file(self, _js: Any) -> RotatingJsonl:
+        return RotatingJsonl(self.tmp / "metrics.jsonl", 1 << 20, 1)
+
 
 def test_the_head_orders_a_migration_at_the_next_free_boundary(tmp_path: Path) -> None:
     head = FakeHead(tmp_path)
@@ -601,6 +606,35 @@ def test_the_head_orders_a_migration_at_the_next_free_boundary(tmp_path: Path) -
     head = FakeHead(tmp_path, refuse=1)
     with pytest.raises(MigrationError, match=r"vw0/stage1: .*behind this stage"):
         asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
+
+
+def test_an_online_replan_decision_is_ordered_as_a_migration(tmp_path: Path) -> None:
+    """The drift watch's hook: a decision's split goes to the stages as a migration order
+    (Nm kept); one that changes Nm, or whose order a stage refuses, is recorded refused."""
+    bounds = ((0, 8), (8, 12), (12, 16))
+    d = Decision(0, "b", 1, 3.0, True, "gpu b 3x slower", 1.5, nm=2, old_nm=2, bounds=bounds)
+
+    async def order(head: FakeHead, decision: Decision) -> str | None:
+        why = head.order_migration(head.js, decision)
+        await asyncio.sleep(0.05)  # the order runs as a task of the head's loop
+        return why
+
+    head = FakeHead(tmp_path)
+    assert asyncio.run(order(head, d)) is None
+    assert [(f["at"], f["layers"], to) for _k, f, _t, to in head.sent] == [
+        (8, [8, 4, 4], b"a"),
+        (8, [8, 4, 4], b"b"),
+        (8, [8, 4, 4], b"c"),
+    ]
+    assert head.js.migrations == []  # its outcome comes when the stages reach minibatch 8
+    head = FakeHead(tmp_path)
+    why = asyncio.run(order(head, dataclasses.replace(d, nm=4)))
+    assert why == "not carried out: a live migration keeps Nm 2, the re-plan wants 4"
+    assert head.sent == []
+    head = FakeHead(tmp_path, refuse=1)
+    assert asyncio.run(order(head, d)) is None
+    (entry,) = head.js.migrations
+    assert entry["event"] == "migration_refused" and "behind this stage" in entry["refused"]
 
 
 def test_the_head_meets_the_stages_and_records_the_migration(tmp_path: Path) -> None:

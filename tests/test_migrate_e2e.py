@@ -1,5 +1,5 @@
 """A live layer migration on real daemons: a virtual worker of three workers moves layers
-between them while it trains (train.migrate_at), ends with the weights of the same job that
+between them while it trains (replan.migrate_at), ends with the weights of the same job that
 does not migrate, and records the migration in stages.json, metrics.jsonl and its status."""
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ def cluster(tmp_path_factory):
 
 
 def spec(name: str, at: int = 0, to: list[int] | None = None) -> dict:
-    train = {"migrate_at": at, "migrate_to": to} if at else {}
     split = [(["m0", "m1", "m2"], [6, 6, 4])]
-    return job(name, model="cnn", nm=1, minibatches=12, split=split, train=train)
+    d = job(name, model="cnn", nm=1, minibatches=12, split=split)
+    if at:
+        d["replan"] = {"migrate_at": at, "migrate_to": to}
+    return d
 
 
 @pytest.mark.timeout(300)
@@ -76,8 +78,8 @@ def test_wsp_invariant_holds_on_daemons_with_a_migration_in_one_virtual_worker(
             minibatches=16,
             staleness=0,
             split=[(["w0", "w1"], [8, 8]), (["w2", "w3"], [8, 8])],
-            train={"migrate_at": 6, "migrate_to": [5, 11], "migrate_vw": 1},
         )
+        spec["replan"] = {"migrate_at": 6, "migrate_to": [5, 11], "migrate_vw": 1}
         info = c.submit(spec, timeout=250)
     finally:
         c.stop()

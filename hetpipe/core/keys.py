@@ -707,33 +707,6 @@ JOB: Final = Schema(
                     high=MAX_SECONDS,
                 ),
                 Key(
-                    "migrate_at",
-                    "integer",
-                    "A live layer migration before this minibatch of virtual worker "
-                    "migrate_vw, to the split migrate_to (a drill of the online re-plan's; a "
-                    "multiple of its Nm, M under gpipe and 1f1b); 0: none.",
-                    0,
-                    low=0,
-                    high=MAX_COUNT,
-                ),
-                Key(
-                    "migrate_to",
-                    "array of integers",
-                    "The split migrate_at carries out: layers per stage, as many stages as the "
-                    "virtual worker has, summing to the model's. Unset: none.",
-                    None,
-                    low=1,
-                    high=MAX_SMALL,
-                ),
-                Key(
-                    "migrate_vw",
-                    "integer",
-                    "The virtual worker migrate_at moves layers in.",
-                    0,
-                    low=0,
-                    high=MAX_SMALL,
-                ),
-                Key(
                     "checkpoint_every",
                     "integer",
                     "Waves (or iterations) of the global clock between checkpoints; 0: none.",
@@ -866,9 +839,10 @@ JOB: Final = Schema(
             "(metrics.jsonl, stages.json, the trace, `hetpipe status`). Watching is safe "
             "everywhere (it reads telemetry and prices plans on the head), so it is on by "
             "default; it watches only jobs whose plan was priced (a split the planner could "
-            "not predict has nothing to compare with). A decision is carried out only where "
-            "the head can migrate layers between live stages; elsewhere it is recorded as "
-            "refused, with that reason.",
+            "not predict has nothing to compare with). A decision is carried out by a live "
+            "layer migration at the virtual worker's next free wave (iteration) boundary, "
+            "its Nm kept; one the migration cannot carry out is recorded as refused, with "
+            "the reason.",
             (
                 Key("enabled", "boolean", "Watch for drift and decide re-plans.", True),
                 Key(
@@ -907,6 +881,33 @@ JOB: Final = Schema(
                     1.1,
                     low=1.0,
                     high=MAX_SLOW_FACTOR,
+                ),
+                Key(
+                    "migrate_at",
+                    "integer",
+                    "A live layer migration before this minibatch of virtual worker "
+                    "migrate_vw, to the split migrate_to (a drill of what a re-plan does; a "
+                    "multiple of its Nm, M under gpipe and 1f1b); 0: none.",
+                    0,
+                    low=0,
+                    high=MAX_COUNT,
+                ),
+                Key(
+                    "migrate_to",
+                    "array of integers",
+                    "The split migrate_at carries out: layers per stage, as many stages as the "
+                    "virtual worker has, summing to the model's. Unset: none.",
+                    None,
+                    low=1,
+                    high=MAX_SMALL,
+                ),
+                Key(
+                    "migrate_vw",
+                    "integer",
+                    "The virtual worker migrate_at moves layers in.",
+                    0,
+                    low=0,
+                    high=MAX_SMALL,
                 ),
             ),
         ),

@@ -18,8 +18,9 @@ stall) is in its stats in ``stages.json``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from hetpipe.checkpoint import is_cut
 from hetpipe.core.layout import StageLayout, VWLayout
 from hetpipe.head.states import JobStatus
 from hetpipe.migrate import MigrationError, Order, check_order, cut_points
+from hetpipe.planner.online import Decision
 from hetpipe.transport import RemoteError
 from hetpipe.wire import Kind, Message
 
@@ -187,6 +189,41 @@ class MigrationPart:
         if step.startswith("verdict") and step.endswith(":0"):
             self._record_migration(js, vw, msg, refusal)
 
+    def order_migration(self, js: Any, decision: Decision) -> str | None:
+        """The online re-plan's hook (:mod:`hetpipe.head.drift`): order ``decision``'s split
+        as a live migration of its virtual worker at the next free boundary; None once
+        ordered, else why not. A migration keeps the virtual worker's Nm. Whether the order
+        reached every stage, and the migration's outcome, land in the job's ``migrations``
+        (an order that fails is recorded there as refused)."""
+        if decision.nm != decision.old_nm:
+            return (
+                f"not carried out: a live migration keeps Nm {decision.old_nm}, the re-plan "
+                f"wants {decision.nm}"
+            )
+        layers = [last - first for first, last in decision.bounds]
+        reason = f"replan: {decision.reason}"
+        task = asyncio.ensure_future(self.migrate(js.id, decision.vw, layers, reason))
+
+        def ordered(t: asyncio.Future[Any]) -> None:
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                entry = {
+                    "event": "migration_refused",
+                    "time": time.time(),
+                    "vw": decision.vw,
+                    "at": None,
+                    "layers": layers,
+                    "reason": reason,
+                    "refused": str(exc),
+                }
+                js.migrations.append(entry)
+                self.log.warning("migration not ordered", job=js.id, error=str(exc))
+                with contextlib.suppress(OSError):
+                    self.metrics_file(js).append(entry)  # type: ignore[attr-defined]
+
+        task.add_done_callback(ordered)
+        return None
+
     def _record_migration(self, js: Any, vw: int, msg: Message, refusal: str | None) -> None:
         """A migration decided (carried out, or refused with ``refusal``): into the job's
         status and a line of its ``metrics.jsonl``."""
@@ -208,7 +245,4 @@ class MigrationPart:
         (self.log.info if refusal is None else self.log.warning)(
             "migration", job=js.id, **{k: v for k, v in entry.items() if k != "event"}
         )
-        path = self.job_dir(js) / "metrics.jsonl"  # type: ignore[attr-defined]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        self.metrics_file(js).append(entry)  # type: ignore[attr-defined]
