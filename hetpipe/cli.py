@@ -35,6 +35,7 @@ from hetpipe.views import (
     SECURITY_OFF,
     Progress,
     brief,
+    explain_lines,
     final_line,
     job_line,
     render_log_line,
@@ -614,8 +615,6 @@ def plan(obj: Ctx, job_file: str, as_json: bool, explain: bool) -> None:
     info = _ask(obj, Kind.PLAN, {"job": spec.to_dict()}, timeout=900)
     click.echo(json.dumps(info["plan"]) if as_json else info["table"])
     if explain and not as_json:
-        from hetpipe.planner.explain import explain_lines
-
         click.echo("\n".join(explain_lines(info["plan"].get("details", {}))))
 
 

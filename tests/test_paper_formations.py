@@ -19,7 +19,6 @@ from hetpipe.config import (
     ShardSpec,
 )
 from hetpipe.planner import make_plan, synthetic_profile
-from hetpipe.planner.explain import explain_lines
 from hetpipe.planner.formation import (
     candidate_formations,
     ed_formation,
@@ -33,6 +32,7 @@ from hetpipe.planner.placement import (
     place_layers,
     shard_flights,
 )
+from hetpipe.views import explain_lines
 
 GB = 1 << 30
 # type: (memory, relative speed); V = TITAN V, R = TITAN RTX, G = RTX 2060, Q = Quadro P4000
