@@ -17,8 +17,9 @@ what the drifted device's profile is scaled by for the re-plan.
 
 **After a decision.** A refused decision acknowledges the drift: the stages of that VW
 settle again at what they measure now, so one slowdown makes one decision, not one per
-telemetry tick. A decision handed to live migration (the ``migrate`` hook; while there is
-none, a decision is recorded as not carried out) changes the VW's split: its stages are
+telemetry tick. A decision handed to live migration (the ``migrate`` hook, which the head sets to
+:meth:`hetpipe.head.migration.MigrationPart.order_migration`; without one, a decision is
+recorded as not carried out) changes the VW's split: its stages are
 watched anew against the new split's predicted times, after a new warm-up.
 
 :class:`DriftDetector` is pure (it reads progress dicts); :class:`Watch` adds the re-plan and
