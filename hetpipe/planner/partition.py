@@ -7,7 +7,19 @@ search over them.
 **Objective:** minimise the bottleneck ``max_i time(i, a_i, b_i)`` subject to every stage
 fitting its device (``memory.stage_memory(...).total <= device.memory``) and every device
 getting at least one layer. Ties on the bottleneck are broken towards the lower sum of stage
-times (a heuristic second key; the bottleneck itself is exact).
+times (the latency), exactly: a second pass (:meth:`CostModel._least_latency`) minimises the
+sum of stage times over the splits whose every stage takes at most the optimal bottleneck.
+
+**Joint split and Nm** (:meth:`CostModel.best_rate`, :meth:`CostModel.best_nm`): the
+estimated rate ``min(1 / bottleneck, Nm / latency)`` (:attr:`Partition.minibatches_per_s`)
+is maximised over the cuts at each Nm, not only the bottleneck. With ``h(T)`` the least
+latency of a split whose every stage takes at most ``T``, the best rate is
+``max_T min(1 / T, Nm / h(T))`` over the stage times ``T`` (a split of bottleneck ``B`` and
+latency ``l`` has ``h(B) <= l``). ``1 / T`` falls and ``Nm / h(T)`` rises with ``T``, so
+the maximum sits at the smallest ``T`` whose least-latency split fills the pipeline
+(``Nm * T >= h(T)``) or the stage time just below it: a binary search over the sorted stage
+times between the least bottleneck ``B*`` and ``h(B*) / Nm`` finds both, exact for
+contiguous cuts.
 
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
@@ -150,6 +162,7 @@ class CostModel(CostTables):
         self._rest: dict[tuple, np.ndarray] = {}
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
+        self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -286,18 +299,58 @@ class CostModel(CostTables):
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
-        f, choice = self._run(devices, bws, nm, k, k)
+        f, _ = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
             return Infeasible(self.diagnose(devices, nm))
+        # the DP's tie-break is per prefix; the least latency at this bottleneck, exactly
+        best = self._least_latency(self._matrices(devices, bws, nm), float(f[L]))
+        assert best is not None, "the DP's own split meets its bottleneck"
+        return self.describe(devices, best[0], nm, bws)
+
+    def _matrices(
+        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int
+    ) -> list[np.ndarray]:
+        """Each stage's masked time matrix (inf where ``[a, b)`` does not fit it)."""
+        k = len(devices)
+        return [
+            self.masked_times(
+                d.type,
+                bws[i - 1] if i > 0 else None,
+                bws[i] if i < k - 1 else None,
+                in_flight(i, k, nm, weights=self.weights),
+                d.memory,
+                d.host_gbps,
+            )
+            for i, d in enumerate(devices)
+        ]
+
+    def _least_latency(
+        self, mats: Sequence[np.ndarray], limit: float
+    ) -> tuple[list[tuple[int, int]], float] | None:
+        """The split with the least sum of stage times among those whose every stage takes
+        at most ``limit`` (and fits its device), and that sum; None where none does.
+
+        ``g_i(b) = min_a g_{i-1}(a) + time(i, a, b)`` over ``time(i, a, b) <= limit``: the
+        same O(L^2 k) vectorised step as the bottleneck DP, with a sum for the max.
+        """
+        g = self._f0
+        choice: list[np.ndarray] = []
+        for tm in mats:
+            cand = g[:, None] + np.where(tm <= limit, tm, INF)
+            arg = cand.argmin(axis=0)
+            g = cand[arg, self._cols]
+            choice.append(arg)
+        if not math.isfinite(g[self.L]):
+            return None
         cuts: list[tuple[int, int]] = []
-        b = L
-        for i in range(k - 1, -1, -1):
-            a = int(choice[i][b])
+        b = self.L
+        for arg in reversed(choice):
+            a = int(arg[b])
             cuts.append((a, b))
             b = a
         cuts.reverse()
         assert b == 0
-        return self.describe(devices, cuts, nm, bws)
+        return cuts, float(g[self.L])
 
     def describe(
         self,
@@ -383,17 +436,70 @@ class CostModel(CostTables):
             f"{format_size(total_cap)})"
         )
 
+    def best_rate(self, devices: Sequence[Any], nm: int) -> Partition | Infeasible:
+        """The split with the highest estimated rate at this Nm (``minibatches_per_s``),
+        exact over contiguous splits (module docs); among equal rates the lower bottleneck,
+        then the lower latency. Where the least-bottleneck split fills the pipeline it is
+        that split; memoised like :meth:`partition`."""
+        p = self.partition(devices, nm)
+        if not isinstance(p, Partition) or _full(p):
+            return p
+        bws = self.links(devices)
+        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        hit = self._joint.get(key)
+        if hit is None:
+            hit = self._joint[key] = self._joint_split(devices, bws, nm, p)
+        names = tuple(d.name for d in devices)
+        return hit if hit.devices == names else dataclasses.replace(hit, devices=names)
+
+    def _joint_split(
+        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int, least: Partition
+    ) -> Partition:
+        """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
+        search over stage times of the module docs."""
+        mats = self._matrices(devices, bws, nm)
+        lo, top = least.bottleneck, least.latency / nm
+        # the stage times above the least bottleneck up to ``top`` (where the least latency
+        # split fills: h(top) <= least.latency), and the first above it
+        inside = [tm[(tm > lo) & (tm <= top)] for tm in mats]
+        over = [tm[(tm > top) & (tm < INF)] for tm in mats]
+        first_over = [float(x.min()) for x in over if x.size]
+        inside.append(np.array([min(first_over)] if first_over else [], dtype=np.float64))
+        limits = np.unique(np.concatenate(inside))
+        # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
+        # limits[fills] does (len: none known to)
+        below, fills = -1, len(limits)
+        found: dict[int, tuple[list[tuple[int, int]], float]] = {}
+        while fills - below > 1:
+            mid = (below + fills) // 2
+            hit = self._least_latency(mats, float(limits[mid]))
+            assert hit is not None, "a limit above the least bottleneck admits a split"
+            found[mid] = hit
+            if nm * float(limits[mid]) >= hit[1]:
+                fills = mid
+            else:
+                below = mid
+        options = [least] if below < 0 else []
+        for j in (below, fills):
+            if 0 <= j < len(limits):
+                hit = found.get(j) or self._least_latency(mats, float(limits[j]))
+                assert hit is not None
+                options.append(self.describe(devices, hit[0], nm, bws))
+        return max(options, key=lambda q: (q.minibatches_per_s, -q.bottleneck, -q.latency))
+
     def best_nm(
         self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
     ) -> Partition | Infeasible:
-        """The partition and Nm with the best estimated throughput (see ``minibatches_per_s``).
+        """The split and Nm with the best estimated throughput (see ``minibatches_per_s``),
+        chosen together: exact over contiguous splits and the candidates.
 
-        More Nm never lowers the bottleneck (memory grows with Nm, so the feasible splits
-        shrink), and once ``Nm / latency >= 1 / bottleneck`` the pipeline is full: larger Nm
-        cannot raise the estimate. So the scan goes up from the smallest candidate and stops
-        at the first Nm that fills. First it tries a shortcut: the Nm = 1 split has the least
-        bottleneck of all; if the smallest Nm that would fill it keeps that bottleneck, no Nm
-        can do better. Among equal estimates the smaller Nm wins (less memory, fresher weights).
+        More Nm never lowers the least bottleneck ``B*(Nm)`` (memory grows with Nm, so the
+        feasible splits shrink), and no split at Nm beats ``1 / B*(Nm)``; so the scan goes
+        up from the smallest candidate, takes each Nm's best split (:meth:`best_rate`), and
+        stops once the best so far reaches ``1 / B*`` of the next Nm, or no split fits. A
+        shortcut first: the smallest Nm's least-bottleneck split has the least bottleneck of
+        all; if the smallest Nm that would fill it keeps that bottleneck, no Nm can do
+        better. Among equal estimates the smaller Nm wins (less memory, fresher weights).
         """
         k = len(devices)
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
@@ -407,15 +513,18 @@ class CostModel(CostTables):
             p = self.partition(devices, fill)
             if isinstance(p, Partition) and p.bottleneck == first.bottleneck and _full(p):
                 return p
-        best = first
-        for n in cands[1:]:
+        best: Partition | None = None
+        for n in cands:
             p = self.partition(devices, n)
             if not isinstance(p, Partition):
                 break  # more Nm only needs more memory
-            if p.minibatches_per_s > best.minibatches_per_s:
-                best = p
-            if _full(p):
-                break
+            if best is not None and best.minibatches_per_s >= 1.0 / p.bottleneck:
+                break  # no split at this Nm or above beats the best so far
+            q = self.best_rate(devices, n)
+            assert isinstance(q, Partition)
+            if best is None or q.minibatches_per_s > best.minibatches_per_s:
+                best = q
+        assert best is not None
         return best
 
 

@@ -115,7 +115,9 @@ class _Search:
         order = tuple(mapping[id(d)] for d in hit.order)
         p = hit.partition
         # same device sequence key as the cached split: a memo hit, renamed to these devices
-        p = self.model.partition(order, p.nm if isinstance(p, Partition) else (self.inputs.nm or 1))
+        nm = p.nm if isinstance(p, Partition) else (self.inputs.nm or 1)
+        split = self.model.partition if self.inputs.nm is not None else self.model.best_rate
+        p = split(order, nm)
         return OrderResult(order, p, 0, hit.exhaustive)
 
     def evaluate(self, f: Formation) -> tuple[float, Any]:
