@@ -48,7 +48,8 @@ from hetpipe.core.memory import (
     stage_memory,
 )
 from hetpipe.core.profile import ModelProfile
-from hetpipe.planner.costs import INF, Bandwidth, CostTables
+from hetpipe.planner.costs import INF, Bandwidth, CostTables, check_devices
+from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -175,7 +176,7 @@ class CostModel(CostTables):
         if k == 0:
             return Infeasible("no devices")
         if nm < 1:
-            raise ValueError(f"Nm must be >= 1, got {nm}")
+            raise PlanError(f"Nm must be >= 1, got {nm}")
         missing = sorted({d.type for d in devices} - set(self.profile.layers))
         if missing:
             return Infeasible(f"no profile for device type(s) {', '.join(missing)}")
@@ -504,7 +505,7 @@ class CostModel(CostTables):
         k = len(devices)
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
         if not cands or cands[0] < 1:
-            raise ValueError(f"Nm candidates must be >= 1, got {cands}")
+            raise PlanError(f"Nm candidates must be >= 1, got {cands}")
         first = self.partition(devices, cands[0])
         if not isinstance(first, Partition) or _full(first):
             return first
@@ -551,8 +552,10 @@ def partition(
 
     ``devices`` need ``name``, ``type`` and ``memory`` (bytes); ``bandwidth(a, b)`` gives the
     bytes/s of the link between two of them. ``costs`` and ``speeds`` (by device type) add
-    the runtime's per-stage costs (see the module docs).
+    the runtime's per-stage costs (see the module docs). Raises :class:`PlanError` naming
+    the device, link or layer whose figures cannot be priced (:func:`costs.check_devices`).
     """
+    check_devices(devices, bandwidth)
     model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.partition(devices, nm)
 
@@ -571,8 +574,10 @@ def partition_best_nm(
     """:func:`partition` with Nm chosen from ``nm_candidates`` (default 1..k) for throughput.
 
     A pipeline of k stages fills at Nm = k at the latest (its round trip is at most k
-    bottlenecks), so larger candidates only cost memory under this estimate.
+    bottlenecks), so larger candidates only cost memory under this estimate. Inputs are
+    checked as :func:`partition` checks them.
     """
+    check_devices(devices, bandwidth)
     model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.best_nm(devices, nm_candidates)
 
