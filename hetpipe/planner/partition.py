@@ -172,6 +172,11 @@ class CostModel(CostTables):
 
     def partition(self, devices: Sequence[Any], nm: int) -> Partition | Infeasible:
         """The exact min-bottleneck split of the model over ``devices`` in this order."""
+        return self._partition(devices, nm, why=True)
+
+    def _partition(self, devices: Sequence[Any], nm: int, why: bool) -> Partition | Infeasible:
+        """:meth:`partition`; ``why`` False leaves a memory-infeasible reason empty (the
+        diagnosis costs more than the DP, and a scan over Nm only needs to know)."""
         k, L = len(devices), self.L
         if k == 0:
             return Infeasible("no devices")
@@ -190,9 +195,9 @@ class CostModel(CostTables):
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = self._solve(devices, bws, nm)
-        elif isinstance(hit, Partition) and hit.devices != names:
+        if isinstance(hit, Partition) and hit.devices != names:
             hit = dataclasses.replace(hit, devices=names)
-        elif isinstance(hit, Infeasible):
+        elif isinstance(hit, Infeasible) and why:
             hit = Infeasible(self.diagnose(devices, nm))  # name these devices
         return hit
 
@@ -302,7 +307,7 @@ class CostModel(CostTables):
         k, L = len(devices), self.L
         f, _ = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
-            return Infeasible(self.diagnose(devices, nm))
+            return Infeasible("")  # diagnosed by partition(), for the devices it is given
         # the DP's tie-break is per prefix; the least latency at this bottleneck, exactly
         best = self._least_latency(self._matrices(devices, bws, nm), float(f[L]))
         assert best is not None, "the DP's own split meets its bottleneck"
@@ -326,32 +331,36 @@ class CostModel(CostTables):
         ]
 
     def _least_latency(
-        self, mats: Sequence[np.ndarray], limit: float
+        self, mats: Sequence[np.ndarray], limit: float, cuts: bool = True
     ) -> tuple[list[tuple[int, int]], float] | None:
         """The split with the least sum of stage times among those whose every stage takes
         at most ``limit`` (and fits its device), and that sum; None where none does.
 
         ``g_i(b) = min_a g_{i-1}(a) + time(i, a, b)`` over ``time(i, a, b) <= limit``: the
         same O(L^2 k) vectorised step as the bottleneck DP, with a sum for the max.
+        ``cuts`` False: the sum alone (the cuts are an empty list), about half the work.
         """
         g = self._f0
         choice: list[np.ndarray] = []
         for tm in mats:
-            cand = g[:, None] + np.where(tm <= limit, tm, INF)
-            arg = cand.argmin(axis=0)
-            g = cand[arg, self._cols]
-            choice.append(arg)
+            cand = g[:, None] + (tm if limit == INF else np.where(tm <= limit, tm, INF))
+            if cuts:
+                arg = cand.argmin(axis=0)
+                g = cand[arg, self._cols]
+                choice.append(arg)
+            else:
+                g = cand.min(axis=0)
         if not math.isfinite(g[self.L]):
             return None
-        cuts: list[tuple[int, int]] = []
+        out: list[tuple[int, int]] = []
         b = self.L
         for arg in reversed(choice):
             a = int(arg[b])
-            cuts.append((a, b))
+            out.append((a, b))
             b = a
-        cuts.reverse()
-        assert b == 0
-        return cuts, float(g[self.L])
+        out.reverse()
+        assert b == 0 or not cuts
+        return out, float(g[self.L])
 
     def describe(
         self,
@@ -437,11 +446,15 @@ class CostModel(CostTables):
             f"{format_size(total_cap)})"
         )
 
-    def best_rate(self, devices: Sequence[Any], nm: int) -> Partition | Infeasible:
+    def best_rate(
+        self, devices: Sequence[Any], nm: int, floor: float = 0.0
+    ) -> Partition | Infeasible:
         """The split with the highest estimated rate at this Nm (``minibatches_per_s``),
         exact over contiguous splits (module docs); among equal rates the lower bottleneck,
         then the lower latency. Where the least-bottleneck split fills the pipeline it is
-        that split; memoised like :meth:`partition`."""
+        that split; memoised like :meth:`partition`. ``floor``: a rate the caller already
+        has; where no split at this Nm can beat it, the least-bottleneck split is returned
+        without the search."""
         p = self.partition(devices, nm)
         if not isinstance(p, Partition) or _full(p):
             return p
@@ -449,33 +462,53 @@ class CostModel(CostTables):
         key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         hit = self._joint.get(key)
         if hit is None:
-            hit = self._joint[key] = self._joint_split(devices, bws, nm, p)
+            hit = self._joint_split(devices, bws, nm, p, floor)
+            if hit is None:
+                return p  # cannot beat ``floor``
+            self._joint[key] = hit
         names = tuple(d.name for d in devices)
         return hit if hit.devices == names else dataclasses.replace(hit, devices=names)
 
     def _joint_split(
-        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int, least: Partition
-    ) -> Partition:
+        self,
+        devices: Sequence[Any],
+        bws: tuple[float, ...],
+        nm: int,
+        least: Partition,
+        floor: float,
+    ) -> Partition | None:
         """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
-        search over stage times of the module docs."""
+        search over stage times of the module docs; None where even the bound
+        ``min(1 / B*, Nm / least latency)`` is at most ``floor``."""
         mats = self._matrices(devices, bws, nm)
+        shortest = self._least_latency(mats, INF, cuts=False)
+        assert shortest is not None
+        bound = min(1.0 / least.bottleneck, nm / shortest[1])
+        if bound <= least.minibatches_per_s:
+            return least
+        if bound <= floor:
+            return None
+        # Only stage times in [start, top] can be the least limit whose least-latency split
+        # fills: below start even the shortest split does not, at top the split of ``least``
+        # does (h(top) <= least.latency). Also the largest below start (the last that does
+        # not fill, if it is the answer) and the first above top.
         lo, top = least.bottleneck, least.latency / nm
-        # the stage times above the least bottleneck up to ``top`` (where the least latency
-        # split fills: h(top) <= least.latency), and the first above it
-        inside = [tm[(tm > lo) & (tm <= top)] for tm in mats]
+        start = max(lo, shortest[1] / nm)
+        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm in mats]
+        under = [tm[(tm > lo) & (tm < start)] for tm in mats]
         over = [tm[(tm > top) & (tm < INF)] for tm in mats]
-        first_over = [float(x.min()) for x in over if x.size]
-        inside.append(np.array([min(first_over)] if first_over else [], dtype=np.float64))
+        under_max = [float(x.max()) for x in under if x.size]
+        over_min = [float(x.min()) for x in over if x.size]
+        inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
+        inside.append(np.array([min(over_min)] if over_min else [], dtype=np.float64))
         limits = np.unique(np.concatenate(inside))
         # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
         # limits[fills] does (len: none known to)
         below, fills = -1, len(limits)
-        found: dict[int, tuple[list[tuple[int, int]], float]] = {}
         while fills - below > 1:
             mid = (below + fills) // 2
-            hit = self._least_latency(mats, float(limits[mid]))
+            hit = self._least_latency(mats, float(limits[mid]), cuts=False)
             assert hit is not None, "a limit above the least bottleneck admits a split"
-            found[mid] = hit
             if nm * float(limits[mid]) >= hit[1]:
                 fills = mid
             else:
@@ -483,7 +516,7 @@ class CostModel(CostTables):
         options = [least] if below < 0 else []
         for j in (below, fills):
             if 0 <= j < len(limits):
-                hit = found.get(j) or self._least_latency(mats, float(limits[j]))
+                hit = self._least_latency(mats, float(limits[j]))
                 assert hit is not None
                 options.append(self.describe(devices, hit[0], nm, bws))
         return max(options, key=lambda q: (q.minibatches_per_s, -q.bottleneck, -q.latency))
@@ -496,11 +529,12 @@ class CostModel(CostTables):
 
         More Nm never lowers the least bottleneck ``B*(Nm)`` (memory grows with Nm, so the
         feasible splits shrink), and no split at Nm beats ``1 / B*(Nm)``; so the scan goes
-        up from the smallest candidate, takes each Nm's best split (:meth:`best_rate`), and
-        stops once the best so far reaches ``1 / B*`` of the next Nm, or no split fits. A
-        shortcut first: the smallest Nm's least-bottleneck split has the least bottleneck of
-        all; if the smallest Nm that would fill it keeps that bottleneck, no Nm can do
-        better. Among equal estimates the smaller Nm wins (less memory, fresher weights).
+        up from the smallest candidate, takes each Nm's best split (:meth:`best_rate`, told
+        the best rate so far so that it can skip a search that cannot beat it), and stops
+        once the best so far reaches ``1 / B*`` of this Nm, or no split fits. A shortcut
+        first: the smallest Nm's least-bottleneck split has the least bottleneck of all; if
+        the smallest Nm that would fill it keeps that bottleneck, no Nm can do better.
+        Among equal estimates the smaller Nm wins (less memory, fresher weights).
         """
         k = len(devices)
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
@@ -511,21 +545,23 @@ class CostModel(CostTables):
             return first
         fill = next((n for n in cands if n * first.bottleneck >= first.latency), None)
         if fill is not None:
-            p = self.partition(devices, fill)
+            p = self._partition(devices, fill, why=False)
             if isinstance(p, Partition) and p.bottleneck == first.bottleneck and _full(p):
                 return p
-        best: Partition | None = None
+        best = first
         for n in cands:
-            p = self.partition(devices, n)
+            p = self._partition(devices, n, why=False)
             if not isinstance(p, Partition):
                 break  # more Nm only needs more memory
-            if best is not None and best.minibatches_per_s >= 1.0 / p.bottleneck:
-                break  # no split at this Nm or above beats the best so far
-            q = self.best_rate(devices, n)
+            ceiling = 1.0 / p.bottleneck  # no split at this Nm or above beats it
+            if n > cands[0] and best.minibatches_per_s >= ceiling:
+                break
+            q = self.best_rate(devices, n, best.minibatches_per_s if n > cands[0] else 0.0)
             assert isinstance(q, Partition)
-            if best is None or q.minibatches_per_s > best.minibatches_per_s:
+            if q.minibatches_per_s > best.minibatches_per_s:
                 best = q
-        assert best is not None
+            if best.minibatches_per_s >= ceiling:
+                break
         return best
 
 
