@@ -233,7 +233,9 @@ def test_best_nm_maximises_the_estimate():
             assert not best
             continue
         assert isinstance(best, Partition)
-        assert best.minibatches_per_s == pytest.approx(max(rates), rel=1e-12)
+        # cuts and Nm are chosen together: at least every Nm's least-bottleneck split
+        # (equality with the best over all splits: tests/test_planner_joint.py)
+        assert best.minibatches_per_s >= max(rates) * (1 - 1e-12)
 
 
 def test_a_pipeline_fills_at_nm_equal_k():

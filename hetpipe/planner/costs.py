@@ -86,15 +86,96 @@ from hetpipe.core.memory import (
     working_bytes,
 )
 from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
+from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
-__all__ = ["Bandwidth", "CostTables", "Policy"]
+__all__ = ["Bandwidth", "CostTables", "Policy", "check_devices", "check_profile"]
 
 Bandwidth = Callable[[Any, Any], float]
 INF = math.inf
 # per stage: the global layers it recomputes and those it swaps to host memory
 Policy = tuple[tuple[int, ...], tuple[int, ...]]
 DEFAULT_HOST_GBPS = DeviceSpec.host_gbps
+
+
+_LAYER_FIGURES = (
+    "fwd_s",
+    "bwd_s",
+    "update_s",
+    "param_bytes",
+    "buffer_bytes",
+    "out_bytes",
+    "saved_bytes",
+    "work_bytes",
+)
+
+
+def _not_number(value: Any, least: float, strict: bool) -> bool:
+    """True unless ``value`` is a number above ``least`` (at least it, unless ``strict``);
+    NaN never is."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return True
+    return not (v > least if strict else v >= least)
+
+
+def check_devices(devices: Sequence[Any], bandwidth: Bandwidth | None = None) -> None:
+    """Raise :class:`PlanError` naming the first device (or link) the planner cannot price:
+    an empty list; a speed that is not a finite number > 0; a memory cap that is negative,
+    NaN or infinite; a ``host_gbps`` that is not > 0; with ``bandwidth``, a link between
+    two of the devices whose bytes/s is not > 0 (NaN included). Every figure divides or
+    caps a stage time, so one bad value would silently price every split wrong."""
+    if not devices:
+        raise PlanError("no devices to plan on: the device list is empty")
+    for d in devices:
+        speed = getattr(d, "speed", 1.0)
+        if _not_number(speed, 0.0, True) or not math.isfinite(float(speed)):
+            raise PlanError(f"device {d.name}: speed must be a finite number > 0, got {speed!r}")
+        if _not_number(d.memory, 0.0, False) or not math.isfinite(float(d.memory)):
+            raise PlanError(
+                f"device {d.name}: memory must be a finite number >= 0, got {d.memory!r}"
+            )
+        gbps = getattr(d, "host_gbps", DEFAULT_HOST_GBPS)
+        if _not_number(gbps, 0.0, True):
+            raise PlanError(f"device {d.name}: host_gbps must be > 0, got {gbps!r}")
+    if bandwidth is not None:
+        for x, y in itertools.permutations(devices, 2):
+            bw = bandwidth(x, y)
+            if _not_number(bw, 0.0, True):
+                raise PlanError(f"bandwidth between {x.name} and {y.name} must be > 0, got {bw!r}")
+
+
+def check_profile(profile: ModelProfile, speeds: Mapping[str, float] | None = None) -> None:
+    """Raise :class:`PlanError` naming the layer and device type of the first figure of
+    ``profile`` that is negative, NaN or infinite (times, bytes, the stage call term, the
+    input), or the type of a speed in ``speeds`` that is not a finite number > 0."""
+    name = f"profile {profile.model!r}"
+    if _not_number(profile.input_bytes, 0.0, False) or not math.isfinite(profile.input_bytes):
+        raise PlanError(f"{name}: input_bytes must be >= 0, got {profile.input_bytes!r}")
+    for dtype, lps in profile.layers.items():
+        if not lps:
+            continue
+        table = np.array(
+            [[float(getattr(lp, f)) for f in _LAYER_FIGURES] for lp in lps], dtype=np.float64
+        )
+        bad = ~(np.isfinite(table) & (table >= 0))
+        if bad.any():
+            j, f = (int(x[0]) for x in np.nonzero(bad))
+            raise PlanError(
+                f"{name}: layer {j} on {dtype}: {_LAYER_FIGURES[f]} must be a finite number "
+                f">= 0, got {table[j, f]!r}"
+            )
+    for dtype, call in profile.calls.items():
+        for f in ("fwd_s", "bwd_s", "update_s"):
+            v = getattr(call, f)
+            if _not_number(v, 0.0, False) or not math.isfinite(v):
+                raise PlanError(f"{name}: call term on {dtype}: {f} must be >= 0, got {v!r}")
+    for dtype, speed in (speeds or {}).items():
+        if _not_number(speed, 0.0, True) or not math.isfinite(float(speed)):
+            raise PlanError(
+                f"device type {dtype}: speed must be a finite number > 0, got {speed!r}"
+            )
 
 
 class _TypeCosts:
@@ -164,13 +245,14 @@ class CostTables:
         ``activations``: the policy (:data:`memory.ACTIVATION_POLICIES`);
         ``row_profiles``: the same model profiled at fewer rows than ``profile`` (by rows),
         for the compute of stage replicas (:meth:`compute_at`)."""
+        check_profile(profile, speeds)
         if activations not in ACTIVATION_POLICIES:
-            raise ValueError(
+            raise PlanError(
                 f"activations must be one of {ACTIVATION_POLICIES}, got {activations!r}"
             )
         self.activations = activations
         if optimizer_state_factor < 0:
-            raise ValueError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
+            raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor}")
         self.profile = profile
         self.bandwidth = bandwidth
         self.factor = optimizer_state_factor
@@ -204,7 +286,7 @@ class CostTables:
     def link(self, a: Any, b: Any) -> float:
         bw = float(self.bandwidth(a, b))
         if not bw > 0:
-            raise ValueError(f"bandwidth between {a.name} and {b.name} must be > 0, got {bw}")
+            raise PlanError(f"bandwidth between {a.name} and {b.name} must be > 0, got {bw}")
         return bw
 
     def links(self, devices: Sequence[Any]) -> tuple[float, ...]:

@@ -7,7 +7,19 @@ search over them.
 **Objective:** minimise the bottleneck ``max_i time(i, a_i, b_i)`` subject to every stage
 fitting its device (``memory.stage_memory(...).total <= device.memory``) and every device
 getting at least one layer. Ties on the bottleneck are broken towards the lower sum of stage
-times (a heuristic second key; the bottleneck itself is exact).
+times (the latency), exactly: a second pass (:meth:`CostModel._least_latency`) minimises the
+sum of stage times over the splits whose every stage takes at most the optimal bottleneck.
+
+**Joint split and Nm** (:meth:`CostModel.best_rate`, :meth:`CostModel.best_nm`): the
+estimated rate ``min(1 / bottleneck, Nm / latency)`` (:attr:`Partition.minibatches_per_s`)
+is maximised over the cuts at each Nm, not only the bottleneck. With ``h(T)`` the least
+latency of a split whose every stage takes at most ``T``, the best rate is
+``max_T min(1 / T, Nm / h(T))`` over the stage times ``T`` (a split of bottleneck ``B`` and
+latency ``l`` has ``h(B) <= l``). ``1 / T`` falls and ``Nm / h(T)`` rises with ``T``, so
+the maximum sits at the smallest ``T`` whose least-latency split fills the pipeline
+(``Nm * T >= h(T)``) or the stage time just below it: a binary search over the sorted stage
+times between the least bottleneck ``B*`` and ``h(B*) / Nm`` finds both, exact for
+contiguous cuts.
 
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
@@ -36,7 +48,8 @@ from hetpipe.core.memory import (
     stage_memory,
 )
 from hetpipe.core.profile import ModelProfile
-from hetpipe.planner.costs import INF, Bandwidth, CostTables
+from hetpipe.planner.costs import INF, Bandwidth, CostTables, check_devices
+from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
@@ -150,6 +163,7 @@ class CostModel(CostTables):
         self._rest: dict[tuple, np.ndarray] = {}
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
+        self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -158,11 +172,16 @@ class CostModel(CostTables):
 
     def partition(self, devices: Sequence[Any], nm: int) -> Partition | Infeasible:
         """The exact min-bottleneck split of the model over ``devices`` in this order."""
+        return self._partition(devices, nm, why=True)
+
+    def _partition(self, devices: Sequence[Any], nm: int, why: bool) -> Partition | Infeasible:
+        """:meth:`partition`; ``why`` False leaves a memory-infeasible reason empty (the
+        diagnosis costs more than the DP, and a scan over Nm only needs to know)."""
         k, L = len(devices), self.L
         if k == 0:
             return Infeasible("no devices")
         if nm < 1:
-            raise ValueError(f"Nm must be >= 1, got {nm}")
+            raise PlanError(f"Nm must be >= 1, got {nm}")
         missing = sorted({d.type for d in devices} - set(self.profile.layers))
         if missing:
             return Infeasible(f"no profile for device type(s) {', '.join(missing)}")
@@ -176,9 +195,9 @@ class CostModel(CostTables):
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = self._solve(devices, bws, nm)
-        elif isinstance(hit, Partition) and hit.devices != names:
+        if isinstance(hit, Partition) and hit.devices != names:
             hit = dataclasses.replace(hit, devices=names)
-        elif isinstance(hit, Infeasible):
+        elif isinstance(hit, Infeasible) and why:
             hit = Infeasible(self.diagnose(devices, nm))  # name these devices
         return hit
 
@@ -286,18 +305,62 @@ class CostModel(CostTables):
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
-        f, choice = self._run(devices, bws, nm, k, k)
+        f, _ = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
-            return Infeasible(self.diagnose(devices, nm))
-        cuts: list[tuple[int, int]] = []
-        b = L
-        for i in range(k - 1, -1, -1):
-            a = int(choice[i][b])
-            cuts.append((a, b))
+            return Infeasible("")  # diagnosed by partition(), for the devices it is given
+        # the DP's tie-break is per prefix; the least latency at this bottleneck, exactly
+        best = self._least_latency(self._matrices(devices, bws, nm), float(f[L]))
+        assert best is not None, "the DP's own split meets its bottleneck"
+        return self.describe(devices, best[0], nm, bws)
+
+    def _matrices(
+        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int
+    ) -> list[np.ndarray]:
+        """Each stage's masked time matrix (inf where ``[a, b)`` does not fit it)."""
+        k = len(devices)
+        return [
+            self.masked_times(
+                d.type,
+                bws[i - 1] if i > 0 else None,
+                bws[i] if i < k - 1 else None,
+                in_flight(i, k, nm, weights=self.weights),
+                d.memory,
+                d.host_gbps,
+            )
+            for i, d in enumerate(devices)
+        ]
+
+    def _least_latency(
+        self, mats: Sequence[np.ndarray], limit: float, cuts: bool = True
+    ) -> tuple[list[tuple[int, int]], float] | None:
+        """The split with the least sum of stage times among those whose every stage takes
+        at most ``limit`` (and fits its device), and that sum; None where none does.
+
+        ``g_i(b) = min_a g_{i-1}(a) + time(i, a, b)`` over ``time(i, a, b) <= limit``: the
+        same O(L^2 k) vectorised step as the bottleneck DP, with a sum for the max.
+        ``cuts`` False: the sum alone (the cuts are an empty list), about half the work.
+        """
+        g = self._f0
+        choice: list[np.ndarray] = []
+        for tm in mats:
+            cand = g[:, None] + (tm if limit == INF else np.where(tm <= limit, tm, INF))
+            if cuts:
+                arg = cand.argmin(axis=0)
+                g = cand[arg, self._cols]
+                choice.append(arg)
+            else:
+                g = cand.min(axis=0)
+        if not math.isfinite(g[self.L]):
+            return None
+        out: list[tuple[int, int]] = []
+        b = self.L
+        for arg in reversed(choice):
+            a = int(arg[b])
+            out.append((a, b))
             b = a
-        cuts.reverse()
-        assert b == 0
-        return self.describe(devices, cuts, nm, bws)
+        out.reverse()
+        assert b == 0 or not cuts
+        return out, float(g[self.L])
 
     def describe(
         self,
@@ -383,38 +446,121 @@ class CostModel(CostTables):
             f"{format_size(total_cap)})"
         )
 
+    def best_rate(
+        self, devices: Sequence[Any], nm: int, floor: float = 0.0
+    ) -> Partition | Infeasible:
+        """The split with the highest estimated rate at this Nm (``minibatches_per_s``),
+        exact over contiguous splits (module docs); among equal rates the lower bottleneck,
+        then the lower latency. Where the least-bottleneck split fills the pipeline it is
+        that split; memoised like :meth:`partition`. ``floor``: a rate the caller already
+        has; where no split at this Nm can beat it, the least-bottleneck split is returned
+        without the search."""
+        p = self.partition(devices, nm)
+        if not isinstance(p, Partition) or _full(p):
+            return p
+        bws = self.links(devices)
+        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        hit = self._joint.get(key)
+        if hit is None:
+            hit = self._joint_split(devices, bws, nm, p, floor)
+            if hit is None:
+                return p  # cannot beat ``floor``
+            self._joint[key] = hit
+        names = tuple(d.name for d in devices)
+        return hit if hit.devices == names else dataclasses.replace(hit, devices=names)
+
+    def _joint_split(
+        self,
+        devices: Sequence[Any],
+        bws: tuple[float, ...],
+        nm: int,
+        least: Partition,
+        floor: float,
+    ) -> Partition | None:
+        """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
+        search over stage times of the module docs; None where even the bound
+        ``min(1 / B*, Nm / least latency)`` is at most ``floor``."""
+        mats = self._matrices(devices, bws, nm)
+        shortest = self._least_latency(mats, INF, cuts=False)
+        assert shortest is not None
+        bound = min(1.0 / least.bottleneck, nm / shortest[1])
+        if bound <= least.minibatches_per_s:
+            return least
+        if bound <= floor:
+            return None
+        # Only stage times in [start, top] can be the least limit whose least-latency split
+        # fills: below start even the shortest split does not, at top the split of ``least``
+        # does (h(top) <= least.latency). Also the largest below start (the last that does
+        # not fill, if it is the answer) and the first above top.
+        lo, top = least.bottleneck, least.latency / nm
+        start = max(lo, shortest[1] / nm)
+        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm in mats]
+        under = [tm[(tm > lo) & (tm < start)] for tm in mats]
+        over = [tm[(tm > top) & (tm < INF)] for tm in mats]
+        under_max = [float(x.max()) for x in under if x.size]
+        over_min = [float(x.min()) for x in over if x.size]
+        inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
+        inside.append(np.array([min(over_min)] if over_min else [], dtype=np.float64))
+        limits = np.unique(np.concatenate(inside))
+        # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
+        # limits[fills] does (len: none known to)
+        below, fills = -1, len(limits)
+        while fills - below > 1:
+            mid = (below + fills) // 2
+            hit = self._least_latency(mats, float(limits[mid]), cuts=False)
+            assert hit is not None, "a limit above the least bottleneck admits a split"
+            if nm * float(limits[mid]) >= hit[1]:
+                fills = mid
+            else:
+                below = mid
+        options = [least] if below < 0 else []
+        for j in (below, fills):
+            if 0 <= j < len(limits):
+                hit = self._least_latency(mats, float(limits[j]))
+                assert hit is not None
+                options.append(self.describe(devices, hit[0], nm, bws))
+        return max(options, key=lambda q: (q.minibatches_per_s, -q.bottleneck, -q.latency))
+
     def best_nm(
         self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
     ) -> Partition | Infeasible:
-        """The partition and Nm with the best estimated throughput (see ``minibatches_per_s``).
+        """The split and Nm with the best estimated throughput (see ``minibatches_per_s``),
+        chosen together: exact over contiguous splits and the candidates.
 
-        More Nm never lowers the bottleneck (memory grows with Nm, so the feasible splits
-        shrink), and once ``Nm / latency >= 1 / bottleneck`` the pipeline is full: larger Nm
-        cannot raise the estimate. So the scan goes up from the smallest candidate and stops
-        at the first Nm that fills. First it tries a shortcut: the Nm = 1 split has the least
-        bottleneck of all; if the smallest Nm that would fill it keeps that bottleneck, no Nm
-        can do better. Among equal estimates the smaller Nm wins (less memory, fresher weights).
+        More Nm never lowers the least bottleneck ``B*(Nm)`` (memory grows with Nm, so the
+        feasible splits shrink), and no split at Nm beats ``1 / B*(Nm)``; so the scan goes
+        up from the smallest candidate, takes each Nm's best split (:meth:`best_rate`, told
+        the best rate so far so that it can skip a search that cannot beat it), and stops
+        once the best so far reaches ``1 / B*`` of this Nm, or no split fits. A shortcut
+        first: the smallest Nm's least-bottleneck split has the least bottleneck of all; if
+        the smallest Nm that would fill it keeps that bottleneck, no Nm can do better.
+        Among equal estimates the smaller Nm wins (less memory, fresher weights).
         """
         k = len(devices)
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
         if not cands or cands[0] < 1:
-            raise ValueError(f"Nm candidates must be >= 1, got {cands}")
+            raise PlanError(f"Nm candidates must be >= 1, got {cands}")
         first = self.partition(devices, cands[0])
         if not isinstance(first, Partition) or _full(first):
             return first
         fill = next((n for n in cands if n * first.bottleneck >= first.latency), None)
         if fill is not None:
-            p = self.partition(devices, fill)
+            p = self._partition(devices, fill, why=False)
             if isinstance(p, Partition) and p.bottleneck == first.bottleneck and _full(p):
                 return p
         best = first
-        for n in cands[1:]:
-            p = self.partition(devices, n)
+        for n in cands:
+            p = self._partition(devices, n, why=False)
             if not isinstance(p, Partition):
                 break  # more Nm only needs more memory
-            if p.minibatches_per_s > best.minibatches_per_s:
-                best = p
-            if _full(p):
+            ceiling = 1.0 / p.bottleneck  # no split at this Nm or above beats it
+            if n > cands[0] and best.minibatches_per_s >= ceiling:
+                break
+            q = self.best_rate(devices, n, best.minibatches_per_s if n > cands[0] else 0.0)
+            assert isinstance(q, Partition)
+            if q.minibatches_per_s > best.minibatches_per_s:
+                best = q
+            if best.minibatches_per_s >= ceiling:
                 break
         return best
 
@@ -442,8 +588,10 @@ def partition(
 
     ``devices`` need ``name``, ``type`` and ``memory`` (bytes); ``bandwidth(a, b)`` gives the
     bytes/s of the link between two of them. ``costs`` and ``speeds`` (by device type) add
-    the runtime's per-stage costs (see the module docs).
+    the runtime's per-stage costs (see the module docs). Raises :class:`PlanError` naming
+    the device, link or layer whose figures cannot be priced (:func:`costs.check_devices`).
     """
+    check_devices(devices, bandwidth)
     model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.partition(devices, nm)
 
@@ -462,8 +610,10 @@ def partition_best_nm(
     """:func:`partition` with Nm chosen from ``nm_candidates`` (default 1..k) for throughput.
 
     A pipeline of k stages fills at Nm = k at the latest (its round trip is at most k
-    bottlenecks), so larger candidates only cost memory under this estimate.
+    bottlenecks), so larger candidates only cost memory under this estimate. Inputs are
+    checked as :func:`partition` checks them.
     """
+    check_devices(devices, bandwidth)
     model = model or CostModel(profile, bandwidth, optimizer_state_factor, costs, speeds)
     return model.best_nm(devices, nm_candidates)
 

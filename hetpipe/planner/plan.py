@@ -37,6 +37,7 @@ from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.replicas import check_group
 from hetpipe.core.schedule import fill_counts
+from hetpipe.planner.costs import check_devices
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
@@ -115,7 +116,9 @@ class _Search:
         order = tuple(mapping[id(d)] for d in hit.order)
         p = hit.partition
         # same device sequence key as the cached split: a memo hit, renamed to these devices
-        p = self.model.partition(order, p.nm if isinstance(p, Partition) else (self.inputs.nm or 1))
+        nm = p.nm if isinstance(p, Partition) else (self.inputs.nm or 1)
+        split = self.model.partition if self.inputs.nm is not None else self.model.best_rate
+        p = split(order, nm)
         return OrderResult(order, p, 0, hit.exhaustive)
 
     def evaluate(self, f: Formation) -> tuple[float, Any]:
@@ -265,6 +268,7 @@ def make_plan(
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
     devices = tuple(cluster.devices)
+    check_devices(devices, cluster.network.bytes_per_s)
     usable = tuple(d for d in devices if d.type in profile.layers)
     unused: list[tuple[str, str]] = [
         (d.name, f"no profile for its type {d.type!r}") for d in devices if d not in usable
@@ -377,8 +381,10 @@ def _at_minibatch(profile: ModelProfile, minibatch: int, warnings: list[str]) ->
 
 
 def _cost_model(cluster: Any, profile: ModelProfile, inputs: PlanInputs) -> CostModel:
-    """The cost model of ``profile`` on ``cluster`` as ``inputs`` price it."""
+    """The cost model of ``profile`` on ``cluster`` as ``inputs`` price it; raises
+    :class:`PlanError` naming a device, link or layer it cannot price."""
     net = cluster.network
+    check_devices(tuple(cluster.devices), net.bytes_per_s)
     speeds: dict[str, float] = {}
     for d in cluster.devices:
         speeds[d.type] = min(speeds.get(d.type, math.inf), float(getattr(d, "speed", 1.0)))

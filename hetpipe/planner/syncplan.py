@@ -139,6 +139,7 @@ def sync_plan(
     microbatches are shared out so that the virtual workers end their parts together (the
     faster get more); the iteration then waits for the gradient exchange. The few fastest
     candidates on an idle host are ranked again with the hosts' sharing simulated."""
+    from hetpipe.planner.costs import check_devices, check_profile
     from hetpipe.planner.formation import candidate_formations
     from hetpipe.planner.placement import place_plan
     from hetpipe.planner.plan import _at_minibatch, _cost_model, _power, _shard_hosts
@@ -147,6 +148,8 @@ def sync_plan(
 
     if m < 1:
         raise PlanError(f"microbatches per iteration must be >= 1, got {m}")
+    check_devices(tuple(cluster.devices), cluster.network.bytes_per_s)
+    check_profile(profile)
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
     usable = [d for d in cluster.devices if d.type in profile.layers]
