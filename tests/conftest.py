@@ -163,6 +163,20 @@ def job(
     return out
 
 
+def sync_job(name: str, kind: str, split: list, m: int = 4, iterations: int = 30, **kw) -> dict:
+    """A synchronous job of the builtin mlp: ``iterations`` iterations of ``m`` microbatches
+    under schedule ``kind`` on ``split``."""
+    return job(
+        name,
+        model="mlp",
+        split=split,
+        nm=m,
+        minibatches=m * iterations,
+        train={"schedule": kind},
+        **kw,
+    )
+
+
 def assert_same_weights(got: dict[str, Any], want: dict[str, Any], tol: float = 1e-5) -> None:
     """The same state_dict names; floating values within ``tol`` (max abs difference, taken
     in float64), other values exactly equal."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import check_expected, profile16, repo_cluster
 
-from hetpipe.core.schedule import max_in_flight, microbatch_order
+from hetpipe.core.schedule import SYNC_KINDS, max_in_flight, microbatch_order
 from hetpipe.planner.partition import CostModel
 from hetpipe.planner.predict import _sim_vw, stage_costs
 from hetpipe.planner.profile import CallProfile, LayerProfile, ModelProfile, synthetic_profile
@@ -64,11 +64,11 @@ def instance(rng: random.Random, n: int, layers: int, m: int, caps: bool = True)
     )
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(24))
 def test_iteration_time_is_the_simulators(seed):
     rng = random.Random(seed)
-    k, m = rng.randint(1, 5), rng.randint(1, 6)
-    kind = rng.choice(["gpipe", "1f1b"])
+    k, m = rng.randint(1, 5), rng.randint(1, 8)
+    kind = rng.choice(SYNC_KINDS)
     stages = [
         SyncStage(
             rng.uniform(0.5, 2),

@@ -18,7 +18,7 @@ from hetpipe.core.schedule import (
     microbatch_order,
 )
 from hetpipe.planner.profile import LayerProfile, ModelProfile, synthetic_profile
-from hetpipe.planner.simulate import SimLink, SimStage, SimVW, iteration_time, simulate
+from hetpipe.planner.simulate import iteration_time
 from hetpipe.planner.syncmodel import SyncModel, SyncStage, warmup_ladder
 from hetpipe.planner.syncsearch import exhaustive, plan_sync
 
@@ -32,35 +32,6 @@ class Dev:
     type: str
     memory: int
     speed: float = 1.0
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_zb_iteration_time_is_the_simulators(seed):
-    rng = random.Random(seed)
-    k, m = rng.randint(1, 5), rng.randint(1, 8)
-    kind = rng.choice(["zb-h1", "zb-h2"])
-    stages = [
-        SyncStage(
-            rng.uniform(0.5, 2),
-            rng.uniform(0.5, 3),
-            rng.uniform(0, 0.3),
-            rng.uniform(0, 0.2),
-            rng.choice([0.0, rng.uniform(0, 0.4)]),
-        )
-        for _ in range(k)
-    ]
-    links = [(rng.uniform(0, 0.5),) * 2 for _ in range(k - 1)]
-    want = iteration_time(stages, links, [microbatch_order(kind, k, s, m) for s in range(k)])
-    vw = SimVW(
-        tuple(
-            SimStage(s.fwd_s, s.bwd_s, push_s=s.push_s, step_s=s.step_s, handoff_s=s.handoff_s)
-            for s in stages
-        ),
-        m,
-        tuple(SimLink(*x) for x in links),
-        schedule=kind,
-    )
-    assert simulate([vw], 0, m).makespan_s == pytest.approx(want)
 
 
 def test_unit_stages_zb_fills_what_1f1b_leaves_idle():

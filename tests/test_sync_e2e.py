@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_weights, job
+from conftest import assert_same_weights, job, sync_job
 from helpers import plain_training, stage_records, stages_json
 
 from hetpipe.core.schedule import microbatch_order
@@ -14,18 +14,6 @@ pytestmark = pytest.mark.slow
 
 M = 4
 ITERATIONS = 30
-
-
-def sync_job(name: str, kind: str, split: list, **kw) -> dict:
-    return job(
-        name,
-        model="mlp",
-        split=split,
-        nm=M,
-        minibatches=M * ITERATIONS,
-        train={"schedule": kind},
-        **kw,
-    )
 
 
 @pytest.mark.timeout(240)

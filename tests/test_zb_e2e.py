@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import assert_same_weights, job, user_code_cluster
+from conftest import assert_same_weights, job, sync_job, user_code_cluster
 from helpers import plain_training, stages_json
 
 from hetpipe.core.schedule import max_in_flight, microbatch_order
@@ -18,18 +18,6 @@ pytestmark = pytest.mark.slow
 
 M = 4
 ITERATIONS = 20
-
-
-def zb_job(name: str, kind: str, split: list, **kw) -> dict:
-    return job(
-        name,
-        model="mlp",
-        split=split,
-        nm=M,
-        minibatches=M * ITERATIONS,
-        train={"schedule": kind},
-        **kw,
-    )
 
 
 @pytest.mark.timeout(240)
@@ -43,7 +31,7 @@ def zb_job(name: str, kind: str, split: list, **kw) -> dict:
     ],
 )
 def test_zb_transparency_one_vw(uniform_cluster, kind, split) -> None:
-    spec = zb_job(f"{kind}-{len(split[0][0])}", kind, split)
+    spec = sync_job(f"{kind}-{len(split[0][0])}", kind, split, iterations=ITERATIONS)
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(
@@ -70,7 +58,7 @@ def test_zb_transparency_one_vw(uniform_cluster, kind, split) -> None:
 def test_zb_transparency_two_vws(uniform_cluster) -> None:
     """Two VWs of different depth under zb-h1: SGD on the union of both VWs' samples."""
     split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])]
-    spec = zb_job("zb2-h1", "zb-h1", split, lr=0.05)
+    spec = sync_job("zb2-h1", "zb-h1", split, lr=0.05, iterations=ITERATIONS)
     info = uniform_cluster.submit(spec)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(
