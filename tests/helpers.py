@@ -474,3 +474,25 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class ScheduleInputs:
+    """What has arrived at a stage, for driving a :class:`hetpipe.core.schedule.
+    StageSchedule` by hand: activations and gradients by minibatch, answered pulls."""
+
+    def __init__(self) -> None:
+        self.acts: set[int] = set()
+        self.grads: set[int] = set()
+        self.answered: set[tuple[int, bool]] = set()
+
+    def has_activation(self, p: int) -> bool:
+        return p in self.acts
+
+    def has_gradient(self, p: int) -> bool:
+        return p in self.grads
+
+    def pulled(self, c: int, grads: bool) -> bool:
+        return (c, grads) in self.answered
+
+    def combined(self, p: int) -> bool:
+        return True

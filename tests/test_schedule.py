@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import ScheduleInputs
 
 from hetpipe.core.schedule import (
     Action,
@@ -369,7 +370,7 @@ def test_sync_iteration_takes_2_m_plus_k_minus_1_cycles(kind, k, m):
 
 def test_waits_say_what_for():
     sch = StageSchedule("async", k=3, stage=1, nm=2, total=4, pulls=True, staleness=1)
-    nothing = _Inputs()
+    nothing = ScheduleInputs()
     assert sch.next(nothing) == Pull(0)
     sch.done(Pull(0))
     assert sch.next(nothing) == Wait("pull", p=0, c=0, need=-2)
@@ -381,22 +382,6 @@ def test_waits_say_what_for():
     assert sch.next(nothing) == Wait("gradient", p=0)
     with pytest.raises(ScheduleError):
         sch.done(Wait("gradient", p=0))
-
-
-class _Inputs:
-    def __init__(self) -> None:
-        self.acts: set[int] = set()
-        self.grads: set[int] = set()
-        self.answered: set[tuple[int, bool]] = set()
-
-    def has_activation(self, p: int) -> bool:
-        return p in self.acts
-
-    def has_gradient(self, p: int) -> bool:
-        return p in self.grads
-
-    def pulled(self, c: int, grads: bool) -> bool:
-        return (c, grads) in self.answered
 
 
 # -- properties on random jobs ---------------------------------------------------------------
@@ -455,7 +440,7 @@ def test_rules_hold_on_random_jobs(kind, k, nm, total, pulls):
 def test_finished_schedules_say_done():
     schedules = stages("1f1b", 2, 2, 2)
     list(clock_cycles(schedules))
-    assert all(isinstance(sch.next(_Inputs()), Done) for sch in schedules)
+    assert all(isinstance(sch.next(ScheduleInputs()), Done) for sch in schedules)
 
 
 # -- version gaps for weight prediction (hetpipe.core.staleness) ---------------------------------

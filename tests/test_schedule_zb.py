@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import ScheduleInputs
 
 from hetpipe.core.schedule import (
     SYNC_KINDS,
@@ -167,7 +168,7 @@ def test_zb_takes_no_extra_warmup():
 
 def test_weight_gradient_never_waits_and_input_gradient_waits_for_its_gradient():
     sch = StageSchedule("zb-h1", k=2, stage=0, nm=1, total=1)
-    arrived = _Inputs()
+    arrived = ScheduleInputs()
     for _ in range(2):  # the initial pull and merge
         a = sch.next(arrived)
         sch.done(a)
@@ -205,32 +206,13 @@ def test_zb_with_several_vws_reduces_after_the_last_weight_gradient():
 # -- properties: memory and deadlock freedom over many (k, m) -------------------------------------
 
 
-class _Inputs:
-    def __init__(self) -> None:
-        self.acts: set[int] = set()
-        self.grads: set[int] = set()
-        self.answered: set[tuple[int, bool]] = set()
-
-    def has_activation(self, p: int) -> bool:
-        return p in self.acts
-
-    def has_gradient(self, p: int) -> bool:
-        return p in self.grads
-
-    def pulled(self, c: int, grads: bool) -> bool:
-        return (c, grads) in self.answered
-
-    def combined(self, p: int) -> bool:
-        return True
-
-
 def _random_run(schedules: list[StageSchedule], seed: int) -> list[list[tuple[str, int]]]:
     """Run the stages under a random timing (random stage picked, messages delivered after
     random delays); a deadlock is a state where no stage can act and nothing is on the way.
     Returns each stage's passes as ("F"/"I"/"W"/"B", p)."""
     rng = random.Random(seed)
     k = len(schedules)
-    inputs = [_Inputs() for _ in schedules]
+    inputs = [ScheduleInputs() for _ in schedules]
     flying: list[tuple[int, str, int, int]] = []  # (due, stage, what, p)
     passes: list[list[tuple[str, int]]] = [[] for _ in schedules]
     now = 0
