@@ -136,7 +136,7 @@ def _rates(info: dict[str, Any], t_slow: float) -> tuple[float, float]:
 
 def _replan_ms() -> float:
     """Median time to price a re-plan of 16 stages x 200 layers (as the unit test does)."""
-    from tests.test_online_replan import INPUTS, big
+    from test_online_replan import INPUTS, big
 
     cluster, profile, vws = big()
     inputs = dataclasses.replace(INPUTS, nm=4)
@@ -157,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     import sys
 
-    sys.path.insert(0, str(ROOT))  # tests.test_online_replan's 16 x 200 case
+    sys.path.insert(0, str(ROOT / "tests"))  # test_online_replan's 16 x 200 case
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"

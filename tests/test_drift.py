@@ -7,13 +7,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import KW, profile16, repo_cluster
 
 from hetpipe.core.layout import VWLayout
 from hetpipe.head import drift
 from hetpipe.head.drift import NO_MIGRATION, DriftDetector, Watch
 from hetpipe.job import ReplanSpec
 from hetpipe.planner.plans import PlanInputs
-from tests.helpers import KW, profile16, repo_cluster
 
 PRED = {(0, 0): 0.010, (0, 1): 0.020, (0, 2): 0.010}
 DEVICES = {(0, 0): "gpu0", (0, 1): "gpu1", (0, 2): "gpu2"}

@@ -6,6 +6,7 @@ import dataclasses
 import statistics
 
 import pytest
+from helpers import KW, profile16, repo_cluster
 
 from hetpipe.config import ClusterConfig, DeviceSpec, NetworkSpec, NodeSpec, RuntimeSpec, ShardSpec
 from hetpipe.core.layout import VWLayout
@@ -14,7 +15,6 @@ from hetpipe.planner.partition import Partition
 from hetpipe.planner.plan import _cost_model
 from hetpipe.planner.plans import PlanInputs
 from hetpipe.planner.profile import synthetic_profile
-from tests.helpers import KW, profile16, repo_cluster
 
 MiB = 1 << 20
 INPUTS = PlanInputs(**KW, nm=2)
