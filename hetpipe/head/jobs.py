@@ -133,6 +133,15 @@ class JobState:
         if error is not None:
             self.error = error
 
+    def start_attempt(self, plan: JobPlan) -> None:
+        """Make ``plan`` the job's next attempt (after a re-plan or a lost shard's return):
+        a fresh failure to race, and nothing of the last attempt's progress or results."""
+        self.plan = plan
+        self.failure = asyncio.get_running_loop().create_future()
+        self.progress.clear()
+        self.stage_results.clear()
+        self.all_done = asyncio.Event()
+
     def fail(self, reason: str) -> None:
         """End the running attempt (its ``_race`` raises): a lost worker, an error, a cancel."""
         if self.failure is not None and not self.failure.done():

@@ -474,12 +474,8 @@ class RecoveryPart:
             lost_mb = None
         else:
             lost_mb = lost_since(positions, ck.meta.get("positions") or [])
-        js.plan = new
-        js.failure = loop.create_future()
+        js.start_attempt(new)
         js.lost_device = None
-        js.progress.clear()
-        js.stage_results.clear()
-        js.all_done = asyncio.Event()
         js.replans.append(
             {
                 "lost": lost,

@@ -167,12 +167,8 @@ class ShardWaitPart:
             ) from None
         if ck is None:  # nothing written yet: the job starts again from its beginning
             js.totals = tuple(new.minibatches_of(v) for v in range(len(new.vws)))
-        js.plan = new
-        js.failure = loop.create_future()
+        js.start_attempt(new)
         js.lost_shard = None
-        js.progress.clear()
-        js.stage_results.clear()
-        js.all_done = asyncio.Event()
         js.shard_waits.append(
             {
                 "lost": sorted(ever),
