@@ -12,8 +12,14 @@ and ``conftest``, never each other (``test_test_layout.py`` checks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -496,3 +502,60 @@ class ScheduleInputs:
 
     def combined(self, p: int) -> bool:
         return True
+
+
+def collector() -> tuple[list[Message], asyncio.Event, Callable[..., Awaitable[None]]]:
+    """A channel handler that keeps what it is given, and an event set at each arrival."""
+    got: list[Message] = []
+    arrived = asyncio.Event()
+
+    async def on(_peer: bytes | None, msg: Message) -> None:
+        got.append(msg)
+        arrived.set()
+
+    return got, arrived, on
+
+
+def hetpipe_cli(
+    cluster: Path, run_dir: Path, *args: str, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """``hetpipe --cluster CLUSTER --run-dir RUN_DIR ARGS`` in a process of its own, from the
+    cluster file's folder, with no ``HETPIPE_*`` variable of the test's environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "hetpipe.cli"),
+            *("--cluster", str(cluster), "--run-dir", str(run_dir)),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cluster.parent,
+    )
+
+
+def daemon_of(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` is still a daemon of ``run_dir`` (never another process that took the
+    number since; a zombie has no command line, so it is none)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return str(run_dir).encode() in cmdline
+
+
+def stop_up_daemons(cluster: Path, run_dir: Path, pids: dict[str, int]) -> None:
+    """After a test of ``hetpipe up``, however it ended: ``hetpipe down`` where the run
+    directory still lists daemons, then SIGKILL to any of ``pids`` (and of ``pids.json``)
+    still running as a daemon of ``run_dir``."""
+    with contextlib.suppress(OSError, ValueError):
+        pids.update(json.loads((run_dir / "pids.json").read_text()))
+    if (run_dir / "pids.json").exists():
+        with contextlib.suppress(Exception):
+            hetpipe_cli(cluster, run_dir, "down", timeout=30)
+    for pid in pids.values():
+        if daemon_of(pid, run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

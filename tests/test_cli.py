@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from helpers import hetpipe_cli, stop_up_daemons
 
 from hetpipe import cli, config, launch, security
 from hetpipe.client import HeadClient
@@ -377,29 +377,6 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
-def _hetpipe(
-    cluster: Path, run_dir: Path, *args: str, timeout: float = 90
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetpipe.cli",
-            "--cluster",
-            str(cluster),
-            "--run-dir",
-            str(run_dir),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cluster.parent,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
@@ -407,28 +384,28 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     pids: dict[str, int] = {}
     try:
-        up = _hetpipe(cluster, run_dir, "up", "--timeout", "60")
+        up = hetpipe_cli(cluster, run_dir, "up", "--timeout", "60")
         with contextlib.suppress(OSError, ValueError):
             pids = json.loads((run_dir / "pids.json").read_text())
         assert up.returncode == 0, up.stdout + up.stderr
         assert up.stdout.startswith("up: 4 daemons (ps0, ps1, worker-gpu0, worker-gpu1)")
         assert set(pids) == {"ps0", "ps1", "worker-gpu0", "worker-gpu1"}
 
-        status = _hetpipe(cluster, run_dir, "status")
+        status = hetpipe_cli(cluster, run_dir, "status")
         assert status.returncode == 0, status.stderr
         rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
         assert rows["DEVICE"][:5] == ["DEVICE", "TYPE", "SPEED", "MEMORY", "STATE"]
         assert rows["gpu0"][:5] == ["gpu0", "fast", "1", "64.0MiB", "idle"]
         assert rows["gpu1"][:5] == ["gpu1", "whimpy", "0.25", "3.0MiB", "idle"]
 
-        again = _hetpipe(cluster, run_dir, "up")
+        again = hetpipe_cli(cluster, run_dir, "up")
         assert again.returncode == 1
         lines = again.stderr.strip().splitlines()
         assert len(lines) == 1, again.stderr
         assert "already running" in lines[0] and "hetpipe down" in lines[0]
         assert all(not _gone(pid) for pid in pids.values())  # the refusal touched nothing
 
-        down = _hetpipe(cluster, run_dir, "down")
+        down = hetpipe_cli(cluster, run_dir, "down")
         assert down.returncode == 0, down.stderr
         assert down.stdout.strip() == "down: stopped 4 daemons"
         deadline = time.monotonic() + 5
@@ -437,15 +414,7 @@ def test_up_status_down_on_real_daemons(tmp_path: Path) -> None:
         assert [n for n, pid in pids.items() if not _gone(pid)] == []
         assert not (run_dir / "pids.json").exists()
     finally:  # a test that failed before its own down leaves pids.json: stop them then
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(json.loads((run_dir / "pids.json").read_text()))
-        if (run_dir / "pids.json").exists():
-            with contextlib.suppress(Exception):
-                _hetpipe(cluster, run_dir, "down", timeout=30)
-        for pid in pids.values():
-            if not _gone(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        stop_up_daemons(cluster, run_dir, pids)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from helpers import collector
 
 from hetpipe import framemac, security
 from hetpipe.config import ConfigError, load_cluster
@@ -183,17 +184,6 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mac") / "keys"
     security.ensure_keys(root, security.key_names(2, ["a", "b"]))
     return root
-
-
-def collector() -> tuple[list[Message], asyncio.Event, Callable[..., Awaitable[None]]]:
-    got: list[Message] = []
-    arrived = asyncio.Event()
-
-    async def on(_peer: bytes | None, msg: Message) -> None:
-        got.append(msg)
-        arrived.set()
-
-    return got, arrived, on
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:

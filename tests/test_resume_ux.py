@@ -11,15 +11,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import job_toml
+from helpers import hetpipe_cli, job_toml, stop_up_daemons
 
 from hetpipe.jobstore import links, read_result, recovered_line, summary, update_result
 from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
@@ -62,24 +60,8 @@ def test_a_result_is_updated_or_made_from_the_record(tmp_path: Path) -> None:
 # -- real daemons through the CLI -------------------------------------------------------------
 
 
-def _hetpipe(cluster: Path, run_dir: Path, *args: str, timeout: float = 90) -> Any:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
-    return subprocess.run(
-        [
-            *(sys.executable, "-m", "hetpipe.cli"),
-            *("--cluster", str(cluster), "--run-dir", str(run_dir)),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cluster.parent,
-    )
-
-
 def _status(cluster: Path, run_dir: Path, job_id: str) -> dict[str, Any]:
-    got = _hetpipe(cluster, run_dir, "status", job_id, "--json")
+    got = hetpipe_cli(cluster, run_dir, "status", job_id, "--json")
     assert got.returncode == 0, got.stdout + got.stderr
     return json.loads(got.stdout)
 
@@ -124,19 +106,19 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
     pids: dict[str, int] = {}
 
     def up() -> str:
-        got = _hetpipe(cluster, run_dir, "up", "--timeout", "60")
+        got = hetpipe_cli(cluster, run_dir, "up", "--timeout", "60")
         with contextlib.suppress(OSError, ValueError):
             pids.update(json.loads((run_dir / "pids.json").read_text()))
         assert got.returncode == 0, got.stdout + got.stderr
         return got.stdout
 
     def down() -> None:
-        got = _hetpipe(cluster, run_dir, "down")
+        got = hetpipe_cli(cluster, run_dir, "down")
         assert got.returncode == 0, got.stdout + got.stderr
 
     try:
         up()
-        sub = _hetpipe(cluster, run_dir, "submit", str(_job_file(tmp_path / "a.toml", "ux", 5)))
+        sub = hetpipe_cli(cluster, run_dir, "submit", str(_job_file(tmp_path / "a.toml", "ux", 5)))
         assert sub.returncode == 0, sub.stderr
         old = sub.stdout.strip()
         _until(cluster, run_dir, old, lambda i: i.get("checkpoints", 0) >= 1, 120)
@@ -151,27 +133,29 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         # the new job names the old one, and from where it went on
         info = _status(cluster, run_dir, new)
         assert info["resumed_from"]["job"] == old and info["resumed_from"]["wave"] == wave
-        text = _hetpipe(cluster, run_dir, "status", new)
+        text = hetpipe_cli(cluster, run_dir, "status", new)
         assert f"resumed from {old} at wave {wave}" in text.stdout, text.stdout
         # the old job names its successor, in its status and in the listing
         info = _status(cluster, run_dir, old)
         assert info["resumed_as"] == new and info["state"] == "resumed", info
-        text = _hetpipe(cluster, run_dir, "status", old)
+        text = hetpipe_cli(cluster, run_dir, "status", old)
         assert f"resumed as {new}" in text.stdout, text.stdout
-        listing = _hetpipe(cluster, run_dir, "jobs").stdout.splitlines()
+        listing = hetpipe_cli(cluster, run_dir, "jobs").stdout.splitlines()
         assert any(x.startswith(old) and f"resumed as {new}" in x for x in listing), listing
         assert any(x.startswith(new) and f"resumed from {old}" in x for x in listing), listing
 
         # resuming the old job again would train it twice: refused, naming the successor
-        again = _hetpipe(cluster, run_dir, "submit", "--resume", old)
+        again = hetpipe_cli(cluster, run_dir, "submit", "--resume", old)
         assert again.returncode == 1
         lines = again.stderr.strip().splitlines()
         assert len(lines) == 1 and f"already resumed as {new}" in lines[0], again.stderr
-        assert _hetpipe(cluster, run_dir, "cancel", new).returncode == 0
+        assert hetpipe_cli(cluster, run_dir, "cancel", new).returncode == 0
         _until(cluster, run_dir, new, lambda i: i["state"] == "cancelled", 60)
 
         # a job without a checkpoint when the head stops: known after, failed and why
-        sub = _hetpipe(cluster, run_dir, "submit", str(_job_file(tmp_path / "b.toml", "nock", 0)))
+        sub = hetpipe_cli(
+            cluster, run_dir, "submit", str(_job_file(tmp_path / "b.toml", "nock", 0))
+        )
         assert sub.returncode == 0, sub.stderr
         bare = sub.stdout.strip()
         _until(cluster, run_dir, bare, lambda i: i.get("minibatches", 0) >= 4, 120)
@@ -182,26 +166,8 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         assert f"up: job {bare} not resumed: " in said and "no complete checkpoint" in said, said
         info = _status(cluster, run_dir, bare)
         assert info["state"] == "failed" and "no complete checkpoint" in info["error"], info
-        text = _hetpipe(cluster, run_dir, "status", bare)
+        text = hetpipe_cli(cluster, run_dir, "status", bare)
         assert text.returncode == 0 and "no job" not in text.stdout + text.stderr
         down()
     finally:
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(json.loads((run_dir / "pids.json").read_text()))
-        if (run_dir / "pids.json").exists():
-            with contextlib.suppress(Exception):
-                _hetpipe(cluster, run_dir, "down", timeout=30)
-        for pid in pids.values():
-            if _ours(pid, run_dir):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-
-def _ours(pid: int, run_dir: Path) -> bool:
-    """Whether ``pid`` is still a daemon this test started (never another process that
-    took the number since)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return str(run_dir).encode() in cmdline
+        stop_up_daemons(cluster, run_dir, pids)

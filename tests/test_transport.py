@@ -17,11 +17,12 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from helpers import collector
 
 from hetpipe.daemon import Owner
 from hetpipe.localcluster import free_ports
 from hetpipe.security import Curve
-from hetpipe.transport import Channel, Handler, RemoteError, bound_address, make_socket
+from hetpipe.transport import Channel, RemoteError, bound_address, make_socket
 from hetpipe.wire import Kind, Message, decode, encode
 
 MAX_FRAME = 1 << 20
@@ -71,18 +72,6 @@ class Server:
 def client(owner: Owner, address: str, identity: bytes = b"client") -> Channel:
     sock = make_socket(owner.ctx, zmq.DEALER, connect=address, identity=identity)
     return owner.channel(Channel(sock, None, name="client", max_frame_bytes=MAX_FRAME))
-
-
-def collector() -> tuple[list[Message], asyncio.Event, Handler]:
-    """A handler that keeps what it is given, and an event set at each arrival."""
-    got: list[Message] = []
-    arrived = asyncio.Event()
-
-    async def on(_peer: bytes | None, msg: Message) -> None:
-        got.append(msg)
-        arrived.set()
-
-    return got, arrived, on
 
 
 async def echo(server: Server, peer: bytes | None, msg: Message) -> None:
