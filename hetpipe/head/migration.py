@@ -187,7 +187,8 @@ class MigrationPart:
         for _s, (p, m) in sorted(got.items()):
             await self.channel.send(Kind.OK, {"rid": m["rid"], "info": {"refusal": refusal}}, to=p)
         if step.startswith("verdict") and step.endswith(":0"):
-            self._record_migration(js, vw, msg, refusal)
+            layers = list(msg.get("layers") or [])
+            self._record_migration(js, vw, msg["at"], layers, msg.get("reason") or "", refusal)
 
     def order_migration(self, js: Any, decision: Decision) -> str | None:
         """The online re-plan's hook (:mod:`hetpipe.head.drift`): order ``decision``'s split
@@ -206,34 +207,32 @@ class MigrationPart:
 
         def ordered(t: asyncio.Future[Any]) -> None:
             exc = None if t.cancelled() else t.exception()
-            if exc is not None:
-                entry = {
-                    "event": "migration_refused",
-                    "time": time.time(),
-                    "vw": decision.vw,
-                    "at": None,
-                    "layers": layers,
-                    "reason": reason,
-                    "refused": str(exc),
-                }
-                js.migrations.append(entry)
-                self.log.warning("migration not ordered", job=js.id, error=str(exc))
+            if exc is not None:  # no boundary was agreed: "at" stays None
                 with contextlib.suppress(OSError):
-                    self.metrics_file(js).append(entry)  # type: ignore[attr-defined]
+                    self._record_migration(js, decision.vw, None, layers, reason, str(exc))
 
         task.add_done_callback(ordered)
         return None
 
-    def _record_migration(self, js: Any, vw: int, msg: Message, refusal: str | None) -> None:
-        """A migration decided (carried out, or refused with ``refusal``): into the job's
-        status and a line of its ``metrics.jsonl``."""
-        entry = {
+    def _record_migration(
+        self,
+        js: Any,
+        vw: int,
+        at: int | None,
+        layers: list[int],
+        reason: str,
+        refusal: str | None,
+    ) -> None:
+        """A migration decided (carried out, or refused with ``refusal``; ``at`` None: its
+        order never reached every stage): into the job's status and a line of its
+        ``metrics.jsonl``."""
+        entry: dict[str, Any] = {
             "event": "migration" if refusal is None else "migration_refused",
             "time": time.time(),
             "vw": vw,
-            "at": msg["at"],
-            "layers": list(msg.get("layers") or []),
-            "reason": msg.get("reason") or "",
+            "at": at,
+            "layers": layers,
+            "reason": reason,
         }
         if refusal is not None:
             entry["refused"] = refusal
