@@ -348,10 +348,13 @@ def watch_for(
     cluster: Any,
     profile: ModelProfile,
     inputs: PlanInputs,
+    migrate: Callable[[Decision], str | None] | None = None,
 ) -> Watch | None:
     """The watch of a job about to run (its :class:`~hetpipe.jobplan.JobPlan` ``plan``,
     planned on ``cluster`` from ``profile`` with ``inputs``), or None where ``[replan]``
-    is off or the plan has no predicted stage times to compare with."""
+    is off or the plan has no predicted stage times to compare with. ``migrate``: what
+    carries a decision out (:class:`Watch`); a live migration keeps Nm, so with one the
+    re-plan never changes it."""
     if not spec.replan.enabled:
         return None
     vws = (plan.predicted or {}).get("vws") or []
@@ -371,7 +374,8 @@ def watch_for(
         cluster,
         profile,
         inputs,
-        pick_nm=spec.nm is None and not any(v.nm for v in spec.vws),
+        migrate=migrate,
+        pick_nm=migrate is None and spec.nm is None and not any(v.nm for v in spec.vws),
         schedule=spec.schedule,
     )
 

@@ -366,10 +366,14 @@ class JobsPart:
             ),
         )
         if predicted is not None:  # [replan]: watched against the plan's predictions
-            js.watch = drift.watch_for(spec, js.plan, cluster, profile, plan_inputs(spec, rows))
-            if js.watch is not None:  # decisions carried out by live migration (Nm kept)
-                js.watch.migrate = lambda d, js=js: self.order_migration(js, d)  # type: ignore[attr-defined]
-                js.watch.pick_nm = False
+            js.watch = drift.watch_for(  # decisions carried out by live migration
+                spec,
+                js.plan,
+                cluster,
+                profile,
+                plan_inputs(spec, rows),
+                migrate=lambda d, js=js: self.order_migration(js, d),  # type: ignore[attr-defined]
+            )
         if js.resume is not None:
             self._restore(js, js.plan, js.resume)
             js.lost = self._lost_since(js.resume)
