@@ -19,11 +19,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import normal_host
 
-__all__ = ["Daemon", "LaunchError", "local_daemons", "spawn", "start", "stop", "wait_ready"]
+__all__ = [
+    "Daemon",
+    "LaunchError",
+    "checkpoint_before_limit",
+    "local_daemons",
+    "slurm_end_time",
+    "spawn",
+    "start",
+    "stop",
+    "wait_ready",
+]
 
 
 class LaunchError(RuntimeError):
@@ -235,3 +246,145 @@ def stop(run_dir: Path, timeout: float = 10.0) -> tuple[list[str], list[str]]:
     killed = _terminate(pids, timeout)
     _pids_file(run_dir).unlink(missing_ok=True)
     return sorted(pids), killed
+
+
+# -- Slurm: the allocation's time limit ------------------------------------------------------
+#
+# workers/slurm/hetpipe.sbatch asks Slurm for a warning signal before the time limit
+# (``--signal=B:USR1@SECONDS``); on it, ``python -m hetpipe.launch slurm-time-limit`` waits
+# until each running job has written its next checkpoint (or until little enough time is left
+# to stop the daemons), and the script then stops them: the head records the job as
+# interrupted and the next allocation on the same run directory resumes it from that
+# checkpoint. The head takes cuts at the job's ``train.checkpoint_every`` waves only, so the
+# wait is for the next of those; a job without them has none to wait for and is given up when
+# the time runs out.
+
+Status = Callable[[], "dict[str, Any] | None"]
+
+
+def slurm_end_time(show_job: str) -> float | None:
+    """The earliest ``EndTime`` in ``scontrol -o show job`` output (one line per component of
+    a heterogeneous job; each component has its own limit, and the first to end ends the
+    job), as seconds since the epoch; None where no line has a known end."""
+    ends = []
+    for line in show_job.splitlines():
+        for word in line.split():
+            key, _, value = word.partition("=")
+            if key != "EndTime":
+                continue
+            with contextlib.suppress(ValueError, OverflowError):
+                ends.append(time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")))
+    return min(ends, default=None)
+
+
+def running_checkpoints(status: dict[str, Any]) -> dict[str, int]:
+    """Job id -> checkpoints written so far, for each job of ``hetpipe status --json`` that
+    is running (a queued job has nothing to checkpoint yet)."""
+    return {
+        j["id"]: int(j.get("checkpoints") or 0)
+        for j in status.get("jobs", [])
+        if j.get("state") == "running" and "id" in j
+    }
+
+
+def awaiting_checkpoint(before: dict[str, int], status: dict[str, Any]) -> list[str]:
+    """The jobs of ``before`` (job -> checkpoints at the warning) that still run without a
+    checkpoint newer than those: the ones the stop must still wait for."""
+    now = running_checkpoints(status)
+    return sorted(j for j, n in before.items() if j in now and now[j] <= n)
+
+
+def checkpoint_before_limit(
+    status: Status,
+    until: float,
+    *,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+    every: float = 1.0,
+    say: Callable[[str], None] = print,
+) -> dict[str, bool]:
+    """Wait until each job running now has written its next checkpoint (or ended), but not
+    past ``until`` (seconds since the epoch); job -> whether it did.
+
+    ``status`` asks the head (``hetpipe status --json``), None where it did not answer; a
+    head that never answers before ``until`` leaves nothing to wait for."""
+    before: dict[str, int] | None = None
+    waiting: list[str] = []
+    last: dict[str, Any] = {}
+    while True:
+        got = status()
+        if got is not None:
+            last = got
+            if before is None:
+                before = running_checkpoints(got)
+                if before:
+                    say(
+                        "hetpipe: the time limit is near: waiting for the next checkpoint of "
+                        + ", ".join(f"{j} ({n} so far)" for j, n in sorted(before.items()))
+                    )
+            waiting = awaiting_checkpoint(before, got)
+            if not waiting:
+                break
+        if clock() + every > until:
+            break
+        sleep(every)
+    if before is None:
+        say("hetpipe: the head did not answer: no checkpoint to wait for")
+        return {}
+    if waiting:
+        say(f"hetpipe: no new checkpoint before the time limit: {', '.join(waiting)}")
+    views = {j.get("id"): j for j in last.get("jobs", [])}
+    for j in sorted(set(before) - set(waiting)):
+        view = views.get(j, {})
+        if view.get("state") == "running":
+            wave = (view.get("last_checkpoint") or {}).get("wave")
+            say(f"hetpipe: checkpoint before the time limit: {j} at wave {wave}")
+        else:
+            say(f"hetpipe: {j} ended before the time limit ({view.get('state', 'gone')})")
+    return {j: j not in waiting for j in before}
+
+
+def _status_json() -> dict[str, Any] | None:
+    """``hetpipe status --json`` (the cluster from ``HETPIPE_CLUSTER``), None where the head
+    did not answer."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "hetpipe.cli", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return json.loads(r.stdout) if r.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return None
+
+
+def slurm_time_limit(job_id: str, reserve_s: float) -> int:
+    """The time-limit warning of Slurm job ``job_id``: wait for each running job's next
+    checkpoint until ``reserve_s`` seconds before the job's end (what stopping the daemons
+    needs); 0 when every running job wrote one (or none ran), 1 otherwise."""
+    r = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30
+    )
+    end = slurm_end_time(r.stdout)
+    if end is None:
+        print(f"hetpipe: job {job_id} has no known end time: no checkpoint to wait for")
+        return 1
+    left = end - time.time()
+    print(f"hetpipe: {left:.0f} s left before the time limit, {reserve_s:g} s kept to stop")
+    done = checkpoint_before_limit(_status_json, end - reserve_s)
+    return 0 if all(done.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hetpipe.launch slurm-time-limit JOB_ID RESERVE_S`` (the batch script's
+    handler of Slurm's time-limit warning)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "slurm-time-limit":
+        print("usage: python -m hetpipe.launch slurm-time-limit JOB_ID RESERVE_S", file=sys.stderr)
+        return 2
+    return slurm_time_limit(args[1], float(args[2]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,9 @@ script is submitted as a heterogeneous job of three components (the shards on ``
 emulated devices of one type on ``n1``, one of another type on ``n2``) and must bring up the
 daemons on loopback, train the builtin mlp on digits across both device types, write the
 model and stop every daemon; a second case cancels it midway and finds nothing left running
-and a usable checkpoint.
+and a usable checkpoint; a third lets it reach its time limit (Slurm's warning signal first:
+the job checkpoints, every daemon stops, the job ends as ``TIMEOUT``) and the next allocation
+resumes it.
 
 Skipped, with its reason, only where the Slurm binaries are absent and ``CI`` is not set;
 ``.ci/run`` installs them, and under ``CI=true`` a missing binary fails the test.
@@ -39,8 +41,6 @@ BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinf
 NODES = ("n0", "n1", "n2")  # n0: the shards; n1: two "fast" devices; n2: one "slow" one
 EMULATE = "fast:1.0:256MiB:2 slow:0.5:256MiB:1"
 ONE = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15"]  # per component
-
-pytestmark = pytest.mark.slow
 
 
 def _which(name: str) -> str | None:
@@ -147,6 +147,9 @@ class Slurm:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "KillWait=20",
+            # a job is killed at its first time-limit check past its limit (slurmctld checks
+            # every 30 s, a fixed interval)
+            "OverTimeLimit=0",
             "MinJobAge=600",
         ]
         for name, port in zip(NODES, nodes, strict=True):
@@ -333,6 +336,7 @@ def _submit(
     script: Path = SCRIPT,
     components: list[str] = HET,
     emulate: str = EMULATE,
+    extra: dict[str, str] | None = None,
 ) -> tuple[str, Path, dict[str, str]]:
     run_dir = tmp / "run"
     env = {
@@ -347,6 +351,7 @@ def _submit(
         "HETPIPE_REGISTER_S": "150",
         "HETPIPE_JOB": str(job_file) if job_file else "",
         "HETPIPE_DRAIN": "1" if drain else "",
+        **(extra or {}),
     }
     r = slurm.run(
         [
@@ -374,6 +379,7 @@ def _run_logs(run_dir: Path) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sbatch_trains_a_job_and_stops_every_daemon(slurm: Slurm, tmp_path: Path) -> None:
     job_file = _job_file(tmp_path / "job.toml", minibatches=60)
@@ -398,6 +404,7 @@ def test_sbatch_trains_a_job_and_stops_every_daemon(slurm: Slurm, tmp_path: Path
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
     slurm: Slurm, tmp_path: Path
@@ -442,6 +449,7 @@ def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
     """The script without its heterogeneous components (as its header says: drop the
@@ -466,3 +474,177 @@ def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
     (result,) = [json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json")]
     assert result["state"] == "done" and result["minibatches"] == 40, result
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
+
+
+def _seconds(text: str) -> int:
+    """Slurm's ``[days-]hours:minutes:seconds`` (``RunTime``) in seconds."""
+    days, _, rest = text.rpartition("-")
+    total = 0
+    for part in rest.split(":"):
+        total = total * 60 + int(part)
+    return total + int(days or 0) * 86400
+
+
+WARN_S = 30  # the time limit's warning (--signal=B:USR1@WARN_S on the shards' component)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resumes(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    """A job longer than its allocation: Slurm's warning before the limit makes the running
+    job write its next checkpoint and every daemon stop; the job ends as ``TIMEOUT``, nothing
+    is left running, and the next allocation resumes the job from that checkpoint.
+
+    The devices are slowed (emulated speeds) so that the job cannot end in the first
+    allocation. The limit is set once the job trains (``scontrol update TimeLimit``, in
+    minutes, the smallest that still leaves the warning a time-limit check before the end):
+    a limit given at submission would also count the daemons' start-up, whose length a
+    loaded host does not bound."""
+    job_file = _job_file(tmp_path / "job.toml", minibatches=2000, checkpoint_every=5)
+    first = ["-p", "debug", "-w", "n0", "-N1", "-n2", *ONE, f"--signal=B:USR1@{WARN_S}"]
+    components = [*first, *HET[HET.index(":") :]]
+    job, run_dir, _ = _submit(
+        slurm,
+        tmp_path,
+        job_file,
+        components=components,
+        emulate="fast:0.01:256MiB:2 slow:0.005:256MiB:1",
+        extra={"HETPIPE_STOP_S": "15"},
+    )
+
+    def checkpointed() -> list[Path]:
+        state = slurm.job_state(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
+            f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
+        )
+        return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
+
+    _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+    # the warning comes at slurmctld's first time-limit check (every 30 s) less than
+    # WARN_S + 30 s before the end: an end at least 60 s away leaves it 30 s or more
+    ran = _seconds(slurm.job_state(job)["RunTime"])
+    minutes = -(-(ran + WARN_S + 30) // 60)
+    slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"])
+    state = slurm.wait_ended(job, minutes * 60 - ran + 120)
+    out = _output(tmp_path, job)
+    why = f"{state}\n{out}\n{_run_logs(run_dir)}\n{slurm.logs()}"
+    assert state.get("JobState") == "TIMEOUT", why
+    assert "hetpipe: the time limit is near" in out, why
+    assert "hetpipe: checkpoint before the time limit: slurm-mlp-1 at wave" in out, why
+    assert "hetpipe: daemons stopped" in out, why
+    assert "Killed" not in out, why  # stopped by SIGTERM, before the limit's kill
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+    (job_dir,) = [d for d in (run_dir / "jobs").iterdir() if d.is_dir()]
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["state"] == "interrupted", record  # a later head resumes it
+    from hetpipe import checkpoint
+
+    ck = checkpoint.latest(job_dir)
+    assert ck is not None and ck.state, sorted(job_dir.rglob("*"))
+    saved = ck.meta["minibatches_done"]
+    assert 0 < saved < 2000, ck.meta
+
+    # the next allocation (devices at full speed) resumes it and stops once it is done
+    again, _, _ = _submit(slurm, tmp_path, None, drain=True)
+    state = slurm.wait_ended(again, 360)
+    why = f"{state}\n{_output(tmp_path, again)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    results = [
+        json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json") if p.parent != job_dir
+    ]
+    (result,) = results
+    assert result["state"] == "done", result
+    assert result["resumed_from"]["job"] == record["id"], result
+    assert result["resumed_from"]["minibatches_done"] == saved, result
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+
+# -- the time limit's handler (hetpipe.launch), without Slurm ---------------------------------
+
+
+def test_slurm_end_time_is_the_first_components_end() -> None:
+    from hetpipe.launch import slurm_end_time
+
+    lines = (
+        "JobId=7 HetJobId=7 HetJobOffset=0 JobState=RUNNING EndTime=2026-11-27T18:02:00 X=1\n"
+        "JobId=8 HetJobId=7 HetJobOffset=1 JobState=RUNNING EndTime=2026-11-27T18:01:00\n"
+        "JobId=9 HetJobId=7 HetJobOffset=2 JobState=RUNNING EndTime=Unknown\n"
+    )
+    expect = time.mktime(time.strptime("2026-11-27T18:01:00", "%Y-%m-%dT%H:%M:%S"))
+    assert slurm_end_time(lines) == expect
+    assert slurm_end_time("JobId=7 EndTime=Unknown") is None
+    assert slurm_end_time("") is None
+
+
+def _jobs(*jobs: tuple[str, str, int]) -> dict[str, Any]:
+    return {
+        "jobs": [
+            {"id": i, "state": st, "checkpoints": n, "last_checkpoint": {"wave": 5 * n}}
+            for i, st, n in jobs
+        ]
+    }
+
+
+def test_the_time_limit_waits_for_each_running_jobs_next_checkpoint() -> None:
+    from hetpipe.launch import checkpoint_before_limit
+
+    answers = iter(
+        [
+            None,  # the head did not answer this time
+            _jobs(("a", "running", 2), ("b", "running", 0), ("c", "done", 3)),
+            _jobs(("a", "running", 3), ("b", "running", 0), ("c", "done", 3)),
+            _jobs(("a", "running", 3), ("b", "done", 0), ("c", "done", 3)),
+        ]
+    )
+    now = [0.0]
+    said: list[str] = []
+    done = checkpoint_before_limit(
+        lambda: next(answers),
+        100.0,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+        say=said.append,
+    )
+    assert done == {"a": True, "b": True}  # a checkpointed, b ended; c was not running
+    assert now[0] == 3.0
+    assert "hetpipe: checkpoint before the time limit: a at wave 15" in said, said
+    assert "hetpipe: b ended before the time limit (done)" in said, said
+
+
+def test_the_time_limit_gives_up_a_checkpoint_that_does_not_come_in_time() -> None:
+    from hetpipe.launch import checkpoint_before_limit
+
+    now = [0.0]
+    said: list[str] = []
+    done = checkpoint_before_limit(
+        lambda: _jobs(("a", "running", 1), ("b", "running", 4)),
+        10.0,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+        every=2.0,
+        say=said.append,
+    )
+    assert done == {"a": False, "b": False}
+    assert now[0] <= 10.0
+    assert "hetpipe: no new checkpoint before the time limit: a, b" in said, said
+
+
+def test_the_time_limit_without_a_head_waits_for_nothing() -> None:
+    from hetpipe.launch import checkpoint_before_limit
+
+    now = [0.0]
+    said: list[str] = []
+    assert (
+        checkpoint_before_limit(
+            lambda: None,
+            5.0,
+            clock=lambda: now[0],
+            sleep=lambda s: now.__setitem__(0, now[0] + s),
+            say=said.append,
+        )
+        == {}
+    )
+    assert now[0] <= 5.0 and said == ["hetpipe: the head did not answer: no checkpoint to wait for"]
