@@ -4,6 +4,9 @@ Each daemon runs in its own session (it outlives the CLI), writes its log to
 ``<run_dir>/logs/<name>.log`` and a ready file once it listens; the pids go to
 ``<run_dir>/pids.json`` so ``down`` can stop exactly what ``up`` started. ``up`` returns only
 when the head sees every local worker, or fails with the log tail of the daemon that died.
+
+Also the Slurm batch script's handler of the time limit's warning
+(``python -m hetpipe.launch slurm-time-limit JOB_ID RESERVE_S``): see the section below.
 """
 
 from __future__ import annotations
