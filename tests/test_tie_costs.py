@@ -32,7 +32,9 @@ from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
 from hetpipe.pipeline import StageRunner
 from hetpipe.planner.partition import CostModel, Partition, brute_force
+from hetpipe.planner.predict import stage_costs
 from hetpipe.planner.profile import ProfileStore, synthetic_profile
+from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import SyncModel
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
@@ -379,3 +381,26 @@ def test_planned_tie_bytes_are_the_bytes_sent(layers: list[int], tie_layers: tup
     ties = prof.spanning(bounds)
     assert ties  # the cut spans the tie
     assert exchanged(len(layers), ties, {TIE: shape}) == prof.tie_link_bytes(bounds)
+
+
+def test_the_async_prediction_charges_the_copy_each_wave() -> None:
+    """The prediction the plan reports (:func:`predict.stage_costs`) adds the copy's push and
+    pull to its stage's per-wave push, and a stage holding every layer of a tie pushes the
+    tensor once."""
+    tie = TieProfile("w", (1, 2), 64 << 20)
+    rt = RuntimeCosts()  # the runtime's own costs: a push's bytes take time
+    tied = CostModel(profile([1, 10, 10, 1], 80 << 20, (tie,)), bw(10), 1, rt)
+    plain = CostModel(profile([1, 10, 10, 1], 80 << 20, ()), bw(10), 1, rt)
+    devices = [dev(0), dev(1)]
+    spans = tied.describe(devices, ((0, 2), (2, 4)), 2)
+    got = stage_costs(tied, devices, spans, vws=1, shards=1)
+    want = stage_costs(plain, devices, plain.describe(devices, spans.cuts, 2), vws=1, shards=1)
+    assert got[0].push_s == want[0].push_s
+    link = bw(10)(0, 0)
+    copy = 2 * ((64 << 20) / link + rt.message_s + (64 << 20) * rt.message_byte_s)
+    assert tied.tie_time(2, 4, link, 1) == pytest.approx(copy)
+    assert got[1].push_s == pytest.approx(want[1].push_s + copy)
+    keeps = ((0, 3), (3, 4))
+    got = stage_costs(tied, devices, tied.describe(devices, keeps, 2), vws=1, shards=1)
+    want = stage_costs(plain, devices, plain.describe(devices, keeps, 2), vws=1, shards=1)
+    assert got[0].push_s < want[0].push_s and got[1].push_s == want[1].push_s
