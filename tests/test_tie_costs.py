@@ -20,7 +20,14 @@ from conftest import job
 from helpers import InlineExecutor, StandInCompute
 
 from hetpipe import carry
-from hetpipe.config import DeviceSpec
+from hetpipe.config import (
+    ClusterConfig,
+    DeviceSpec,
+    NetworkSpec,
+    NodeSpec,
+    RuntimeSpec,
+    ShardSpec,
+)
 from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import stage_memory_of
 from hetpipe.core.profile import LayerProfile, ModelProfile, TieProfile
@@ -36,6 +43,7 @@ from hetpipe.planner.predict import stage_costs
 from hetpipe.planner.profile import ProfileStore, synthetic_profile
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import SyncModel
+from hetpipe.planner.syncplan import sync_plan
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
@@ -404,3 +412,46 @@ def test_the_async_prediction_charges_the_copy_each_wave() -> None:
     got = stage_costs(tied, devices, tied.describe(devices, keeps, 2), vws=1, shards=1)
     want = stage_costs(plain, devices, plain.describe(devices, keeps, 2), vws=1, shards=1)
     assert got[0].push_s < want[0].push_s and got[1].push_s == want[1].push_s
+
+
+def two_fast_devices() -> ClusterConfig:
+    devs = tuple(
+        DeviceSpec(f"gpu{i}", "cpu", "t", GIB, 1.0, 7200 + i, "node0", "127.0.0.1")
+        for i in range(2)
+    )
+    return ClusterConfig(
+        "c.toml",
+        (ShardSpec(0, "127.0.0.1", 7100),),
+        NetworkSpec(100.0, 10.0, ()),
+        (NodeSpec("node0", "127.0.0.1", devs),),
+        RuntimeSpec(),
+    )
+
+
+def test_a_sync_plan_spans_a_tie_where_much_faster_and_predicts_its_exchange() -> None:
+    """The two heavy layers share a tensor: the synchronous plan still splits them over two
+    devices (faster than one, the exchange paid), its predicted iteration holds the tie's
+    exchange, and its details the bytes each link carries, as the runtime sends them."""
+    nbytes = 8 << 20
+    times = [1e-3, 20e-3, 20e-3, 1e-3]
+    tied = profile(times, 16 << 20, (TieProfile("w", (1, 2), nbytes),))
+    plain = profile(times, 16 << 20, ())
+    cluster = two_fast_devices()
+    kw: dict[str, Any] = {"minibatch": 8, "m": 4, "optimizer_state_factor": 1, "kind": "1f1b"}
+    plan = sync_plan(cluster, tied, budget_s=2, **kw)
+    (vw,) = plan.vws
+    assert [s.layers for s in vw.stages] == [(0, 2), (2, 4)]
+    assert plan.details["tie_bytes"] == [[(nbytes, nbytes)]]
+    given = [(["gpu0", "gpu1"], [2, 2])]
+    with_tie = sync_plan(cluster, tied, vws=given, **kw)
+    without = sync_plan(cluster, plain, vws=given, **kw)
+    usable = list(cluster.devices)
+    model = SyncModel(
+        tied, usable, cluster.network.bytes_per_s, 4, 1, RuntimeCosts().with_runtime(cluster)
+    )
+    exchange = model.tie_exchange_s((0, 1), ((0, 2), (2, 4)))
+    assert exchange > nbytes / cluster.network.bytes_per_s(usable[0], usable[1])
+    assert with_tie.iteration_s == pytest.approx(without.iteration_s + exchange, rel=1e-9)
+    assert plan.iteration_s == pytest.approx(with_tie.iteration_s, rel=1e-9)
+    one = sync_plan(cluster, tied, vws=[(["gpu0"], [4])], **kw)
+    assert one.iteration_s > plan.iteration_s and one.details["tie_bytes"] == [[]]
