@@ -42,6 +42,7 @@ from hetpipe.planner.partition import CostModel, Partition, brute_force
 from hetpipe.planner.predict import stage_costs
 from hetpipe.planner.profile import ProfileStore, synthetic_profile
 from hetpipe.planner.runtime import RuntimeCosts
+from hetpipe.planner.simulate import SimStage, SimVW, simulate
 from hetpipe.planner.syncmodel import SyncModel
 from hetpipe.planner.syncplan import sync_plan
 from hetpipe.stage import StageCompute
@@ -408,6 +409,9 @@ def test_the_async_prediction_charges_the_copy_each_wave() -> None:
     copy = 2 * ((64 << 20) / link + rt.message_s + (64 << 20) * rt.message_byte_s)
     assert tied.tie_time(2, 4, link, 1) == pytest.approx(copy)
     assert got[1].push_s == pytest.approx(want[1].push_s + copy)
+    # both hold the tie: they pull every wave, alone too (SimStage.tied)
+    assert [c.tied for c in got] == [True, True] and all(c.pull_s > 0 for c in got)
+    assert [c.tied for c in want] == [False, False] and all(c.pull_s == 0 for c in want)
     keeps = ((0, 3), (3, 4))
     got = stage_costs(tied, devices, tied.describe(devices, keeps, 2), vws=1, shards=1)
     want = stage_costs(plain, devices, plain.describe(devices, keeps, 2), vws=1, shards=1)
@@ -455,3 +459,31 @@ def test_a_sync_plan_spans_a_tie_where_much_faster_and_predicts_its_exchange() -
     assert plan.iteration_s == pytest.approx(with_tie.iteration_s, rel=1e-9)
     one = sync_plan(cluster, tied, vws=[(["gpu0"], [4])], **kw)
     assert one.iteration_s > plan.iteration_s and one.details["tie_bytes"] == [[]]
+
+
+def test_a_lone_async_virtual_worker_with_a_spanning_tie_waits_at_each_wave() -> None:
+    """The simulator follows the runtime: a stage holding a tie's copy pulls every wave,
+    alone in its job after every stage's push of the wave before; so stage 0 starts no wave
+    before the previous wave's minibatches are done everywhere, where an untied pipeline
+    keeps Nm in flight across waves."""
+    nm, n = 2, 16
+
+    def vw(tied: bool) -> SimVW:
+        stages = tuple(SimStage(1.0, 2.0, tied=tied) for _ in range(2))
+        return SimVW(stages, nm, schedule="async")
+
+    free = simulate([vw(False)], 0, n, record=True)
+    held = simulate([vw(True)], 0, n, record=True)
+    assert held.makespan_s > free.makespan_s * 1.2
+
+    def gaps(result: Any) -> list[float]:
+        """Per wave c >= 1: stage 0's forward of its first minibatch, less the end of stage
+        0's backward of the wave before's last (its last action on it, 2 s long)."""
+        first = {(type(a).__name__, getattr(a, "p", None)): t for t, a in result.actions[0][0]}
+        return [
+            first[("Forward", c * nm)] - (first[("Backward", c * nm - 1)] + 2.0)
+            for c in range(1, n // nm)
+        ]
+
+    assert min(gaps(held)) >= 0.0  # the wave before is done everywhere first
+    assert min(gaps(free)) < 0.0  # Nm in flight across waves

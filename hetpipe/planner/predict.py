@@ -98,6 +98,8 @@ class StageCost:
     # its tasks run on the event loop, not handed to the compute thread (an unslowed CPU
     # device's tasks shorter than ``RuntimeCosts.inline_s``): no hop, no hand-off wake-ups
     inline: bool = False
+    # async: holds a copy of a tie spanning stages (pulls every wave: SimStage.tied)
+    tied: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -212,6 +214,7 @@ def stage_costs(
     k = len(devices)
     minibatch = prof.minibatch
     out = []
+    copies = {i for held in prof.spanning(p.cuts).values() for i in held}
     for i, (leader, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
         group = p.group_of(i, leader)
         rows = p.rows_of(i, minibatch)
@@ -250,7 +253,8 @@ def stage_costs(
             compute_fwd, compute_bwd = fwd + task, bwd + task
         # a tie its layers share is one tensor on the stage (ModelProfile.duplicate_bytes)
         state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps) - prof.duplicate_bytes(a, b)
-        pulls = vws > 1 and state > 0
+        tied = schedule == "async" and i in copies
+        pulls = (vws > 1 or tied) and state > 0
         inline = bool(
             rt.runs_inline(max(compute_fwd, compute_bwd), on_cpu=on_cpu, speed=speed, pulls=pulls)
         )
@@ -317,6 +321,7 @@ def stage_costs(
                 speed if on_cpu else 1.0,
                 in_backward,
                 inline,
+                tied,
             )
         )
     return tuple(out)
@@ -374,6 +379,7 @@ def _sim_vw(
                 step_s=k * h * c.step_s,
                 handoff_s=k * c.hop_s + (0.0 if c.inline else 2 * w),
                 push_flight_s=c.shard_link_s if schedule == "async" else 0.0,
+                tied=c.tied,
             )
         )
     links = tuple(
