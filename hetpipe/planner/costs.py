@@ -73,8 +73,11 @@ pays, per wave, its copy's push and pull::
 
 the link into the stage standing for its way to the owner's shard (on the owner's host). A
 split keeping a tie on one stage pays nothing, so at an equal bottleneck it wins; a tie spans
-where that is faster, and its stage times hold the cost. (The synchronous schedules' exchange
-along the pipeline's links is priced by :mod:`hetpipe.planner.syncmodel`.)
+where that is faster, and its stage times hold the cost. A virtual worker alone in its job
+also waits at each such pull for every stage's push of the wave before: a flush, which the
+simulator times (:class:`hetpipe.planner.simulate.SimStage` ``tied``) and a per-stage term
+cannot. (The synchronous schedules' exchange along the pipeline's links is priced by
+:mod:`hetpipe.planner.syncmodel`.)
 
 The memory of a stage is the one model (:mod:`hetpipe.core.memory`): its scalar form
 (:meth:`CostTables.stage_memory`) and its matrices (:meth:`CostTables.memory_total`, the
