@@ -21,12 +21,13 @@ import torch
 
 from hetpipe import carry
 from hetpipe.config import DeviceSpec
-from hetpipe.core.profile import CallProfile, LayerProfile, padded_speed
+from hetpipe.core.profile import CallProfile, LayerProfile, TieProfile, padded_speed
 from hetpipe.data import first_batch, load_data, to_device
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
+from hetpipe.modelstate import StateLayout, layer_of
 
-__all__ = ["Measured", "measure", "measure_layers", "measure_model"]
+__all__ = ["Measured", "measure", "measure_layers", "measure_model", "ties_of"]
 
 
 def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
@@ -54,7 +55,22 @@ def measure(spec: JobSpec, device: DeviceSpec) -> dict[str, Any]:
         "layers": [dataclasses.asdict(lp) for lp in got.layers],
         "call": got.call.to_dict(),
         "input_bytes": carry.nbytes(x),
+        "ties": [t.to_dict() for t in ties_of(model)],
     }
+
+
+def ties_of(model: Any) -> tuple[TieProfile, ...]:
+    """The parameters several layers of ``model`` (a flat ``nn.Sequential``) share, each
+    counted in every such layer's ``param_bytes``: what the planner needs to count it once
+    per stage (:class:`hetpipe.core.profile.TieProfile`)."""
+    params = dict(model.named_parameters())
+    out = []
+    for name, names in StateLayout.of(model).ties().items():
+        layers = tuple(sorted({layer_of(n) for n in names}))
+        if name in params and len(layers) > 1:
+            t = params[name]
+            out.append(TieProfile(name, layers, t.numel() * t.element_size()))
+    return tuple(out)
 
 
 Step = Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]]

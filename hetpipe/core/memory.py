@@ -78,6 +78,13 @@ the runtime counts its real tensors the same way.
 Buffers are not stashed or accumulated with the parameters here because they carry no
 gradient; batch-norm running statistics are small and accounted once in ``params``.
 
+A tied tensor (:class:`hetpipe.core.profile.TieProfile`) is in the parameters of every stage
+that holds one of its layers, with all four weight terms: a stage holding a copy steps it,
+keeps its optimizer state, its versions and its updates like its own weights. On one stage it
+is one tensor however many of the stage's layers use it, while each of those layers' profiled
+``param_bytes`` counts it: the bytes counted twice (``shared``,
+:meth:`ModelProfile.duplicate_bytes`) leave the stage's parameters before any term is made.
+
 One composition, two sources. :func:`compose` turns a stage's quantities into the six
 terms: the planner's predicted ones (:func:`stage_terms`: ``factor`` x parameters of optimizer
 state, :func:`stashed` copies, two accumulators, :func:`activations` of ``flight``
@@ -462,6 +469,7 @@ def stage_memory(
     swap: Collection[int] = (),
     warmup: int = 0,
     flight: int | None = None,
+    shared: int = 0,
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -470,14 +478,15 @@ def stage_memory(
     ``recompute``/``swap``: stage-relative indices of the layers whose activations are
     recomputed/swapped to host memory. ``flight``: the minibatches in flight to charge
     (default :func:`in_flight`, the bound a cap is checked against; the expected peak
-    passes :func:`expected_in_flight`).
+    passes :func:`expected_in_flight`). ``shared``: bytes of tied tensors the layers'
+    ``param_bytes`` count more than once (:meth:`ModelProfile.duplicate_bytes`).
     """
     n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
     saved = [lp.saved_bytes for lp in layers]
     inputs = [input_bytes] + [lp.out_bytes for lp in layers[:-1]]
     recomputed = sum(layers[j].param_bytes for j in recompute)
     return stage_terms(
-        sum(lp.param_bytes for lp in layers),
+        sum(lp.param_bytes for lp in layers) - shared,
         sum(lp.buffer_bytes for lp in layers),
         activation_bytes(saved, inputs, recompute, swap),
         input_bytes,
@@ -517,7 +526,8 @@ def stage_memory_of(
     flight: int | None = None,
 ) -> StageMemory:
     """:func:`stage_memory` for layers ``[a, b)`` of ``profile`` on device type ``dtype``
-    (``recompute``/``swap``: GLOBAL indices of the recomputed/swapped layers)."""
+    (``recompute``/``swap``: GLOBAL indices of the recomputed/swapped layers), a tensor tied
+    between its layers counted once."""
     a, b = layers
     return stage_memory(
         profile.layers[dtype][a:b],
@@ -532,4 +542,5 @@ def stage_memory_of(
         {j - a for j in swap},
         warmup,
         flight,
+        profile.duplicate_bytes(a, b),
     )

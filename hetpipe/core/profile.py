@@ -37,6 +37,14 @@ call's own cost, with every layer's time net of it. A stage of layers ``[a, b)``
 of its layers plus the call term once (:meth:`ModelProfile.stage_times` for one stage; the
 partitioners' prefix sums add the same term to every ``[a, b)``). A profile without the term
 has none (0): its layers keep their gross times.
+
+**Ties.** A tensor several layers share (GPT's input embedding and output head) is in each of
+those layers' ``param_bytes``: each layer was measured alone. :attr:`ModelProfile.ties` says
+which layers share which tensor and its bytes (:class:`TieProfile`), so that the planner counts
+it once on a stage holding several of its layers (:meth:`ModelProfile.duplicate_bytes`), once
+more on every other stage holding a copy, and prices the copies' exchange
+(:meth:`ModelProfile.tie_link_bytes`: the bytes each link carries per exchange, as the runtime's
+:class:`hetpipe.pipeline.TieRoute` routes them).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ __all__ = [
     "LayerProfile",
     "ModelProfile",
     "StageTimes",
+    "TieProfile",
     "at_speed",
     "padded_speed",
     "scale_layers",
@@ -132,6 +141,41 @@ class CallProfile:
 
 
 @dataclass(frozen=True)
+class TieProfile:
+    """One tensor several layers share: its canonical name (the name the shards keep), the
+    layers using it (ascending, distinct) and its bytes.
+
+    A stage holding any of ``layers`` holds the whole tensor (a copy where other stages hold
+    some of them too: :mod:`hetpipe.modelstate`), and each of those layers counts it in its
+    ``param_bytes``."""
+
+    name: str
+    layers: tuple[int, ...]
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(
+                f"tie {self.name!r}: layers must be two or more distinct ones, ascending, "
+                f"got {list(self.layers)}"
+            )
+        if self.nbytes < 0 or self.layers[0] < 0:
+            raise ValueError(f"tie {self.name!r}: negative bytes or layer")
+
+    def holders(self, bounds: Sequence[tuple[int, int]]) -> list[int]:
+        """The stages (ascending) of the split ``bounds`` (each stage's ``[a, b)``) that hold
+        a layer of this tie."""
+        return [i for i, (a, b) in enumerate(bounds) if any(a <= j < b for j in self.layers)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layers": list(self.layers), "nbytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TieProfile:
+        return cls(str(d["name"]), tuple(int(j) for j in d["layers"]), int(d["nbytes"]))
+
+
+@dataclass(frozen=True)
 class StageTimes:
     """A stage's compute per minibatch on one device type, from its layers and its call."""
 
@@ -150,7 +194,9 @@ class ModelProfile:
 
     ``input_bytes`` is the size of one minibatch of model input (what stage 0 receives).
     ``calls``: per device type, the stage call term (:class:`CallProfile`); a type without
-    one has none (a profile measured before the term existed).
+    one has none (a profile measured before the term existed). ``ties``: the tensors several
+    layers share (the module docs), none for a model without ties or a profile measured
+    before they were kept.
     """
 
     model: str
@@ -158,6 +204,7 @@ class ModelProfile:
     input_bytes: int
     layers: dict[str, tuple[LayerProfile, ...]]
     calls: dict[str, CallProfile] = field(default_factory=dict)
+    ties: tuple[TieProfile, ...] = ()
 
     def __post_init__(self) -> None:
         counts = {t: len(v) for t, v in self.layers.items()}
@@ -166,6 +213,50 @@ class ModelProfile:
         extra = sorted(set(self.calls) - set(self.layers))
         if extra:
             raise ValueError(f"profile {self.model!r}: call term of unprofiled type {extra[0]!r}")
+        n = self.n_layers()
+        for tie in self.ties:
+            if self.layers and tie.layers[-1] >= n:
+                raise ValueError(
+                    f"profile {self.model!r}: tie {tie.name!r} uses layer {tie.layers[-1]} of {n}"
+                )
+
+    def duplicate_bytes(self, a: int, b: int) -> int:
+        """Bytes the layers ``[a, b)`` count more than once in their ``param_bytes``: a tie
+        two or more of them use is one tensor on the stage, counted once."""
+        out = 0
+        for tie in self.ties:
+            n = sum(1 for j in tie.layers if a <= j < b)
+            if n > 1:
+                out += (n - 1) * tie.nbytes
+        return out
+
+    def spanning(self, bounds: Sequence[tuple[int, int]]) -> dict[str, list[int]]:
+        """Canonical name -> the stages holding a copy (ascending), for every tie whose layers
+        fall in more than one stage of the split ``bounds`` (:meth:`StateLayout.spanning`'s
+        answer, from the profile)."""
+        out = {}
+        for tie in self.ties:
+            holders = tie.holders(bounds)
+            if len(holders) > 1:
+                out[tie.name] = holders
+        return out
+
+    def tie_link_bytes(self, bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Per link of the split ``bounds`` (link ``s`` joins stages ``s`` and ``s + 1``): the
+        bytes of the ties' gradient sums it carries up (towards the last stage) and down,
+        per exchange. The runtime's route (:class:`hetpipe.pipeline.TieRoute`): each copy's
+        sum goes to every other copy, along the pipeline, so the link after stage ``s``
+        carries up the sum of every holder at or before ``s`` and down that of every
+        holder after it, for a tie with holders on both sides."""
+        out = [[0, 0] for _ in range(max(0, len(bounds) - 1))]
+        for tie in self.ties:
+            holders = tie.holders(bounds)
+            if len(holders) < 2:
+                continue
+            for s in range(holders[0], holders[-1]):
+                out[s][0] += tie.nbytes * sum(1 for h in holders if h <= s)
+                out[s][1] += tie.nbytes * sum(1 for h in holders if h > s)
+        return [(u, d) for u, d in out]
 
     def call(self, dtype: str) -> CallProfile:
         """The stage call term of ``dtype`` (zero where none was measured)."""
@@ -198,6 +289,7 @@ class ModelProfile:
             "input_bytes": self.input_bytes,
             "layers": {t: [lp.to_dict() for lp in v] for t, v in self.layers.items()},
             "calls": {t: c.to_dict() for t, c in self.calls.items()},
+            "ties": [tie.to_dict() for tie in self.ties],
         }
 
     @classmethod
@@ -206,7 +298,8 @@ class ModelProfile:
             t: tuple(LayerProfile.from_dict(x) for x in v) for t, v in dict(d["layers"]).items()
         }
         calls = {t: CallProfile.from_dict(c) for t, c in dict(d.get("calls") or {}).items()}
-        return cls(str(d["model"]), int(d["minibatch"]), int(d["input_bytes"]), layers, calls)
+        ties = tuple(TieProfile.from_dict(x) for x in d.get("ties") or ())
+        return cls(str(d["model"]), int(d["minibatch"]), int(d["input_bytes"]), layers, calls, ties)
 
     def scaled(self, minibatch: int) -> ModelProfile:
         """The profile at another minibatch size, assuming time and activations scale linearly.
@@ -220,7 +313,12 @@ class ModelProfile:
         f = minibatch / self.minibatch
         layers = {t: scale_layers(v, f) for t, v in self.layers.items()}
         return ModelProfile(
-            self.model, minibatch, math.ceil(self.input_bytes * f), layers, dict(self.calls)
+            self.model,
+            minibatch,
+            math.ceil(self.input_bytes * f),
+            layers,
+            dict(self.calls),
+            self.ties,
         )
 
 

@@ -19,7 +19,7 @@ from hetpipe.head.states import JobFailed
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
 from hetpipe.planner import ModelProfile, PlanError, ProfileStore
-from hetpipe.planner.profile import at_speed
+from hetpipe.planner.profile import TieProfile, at_speed
 from hetpipe.profiling import (
     call_from,
     computes_on_cores,
@@ -131,8 +131,15 @@ class Profiler:
                     device = self.cluster.device(worker.device)
                     if computes_on_cores(device):
                         on_cores[device.node] = (device.speed, info)
+                ties = [TieProfile.from_dict(t) for t in info.get("ties") or ()]
                 self.store.put(
-                    key, spec.minibatch, dtype, layers, input_bytes=info["input_bytes"], call=call
+                    key,
+                    spec.minibatch,
+                    dtype,
+                    layers,
+                    input_bytes=info["input_bytes"],
+                    call=call,
+                    ties=ties,
                 )
             self.store.save()
             if not types:

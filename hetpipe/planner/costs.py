@@ -58,6 +58,27 @@ balances the cuts with either extra time, so the policy lands where it hurts the
 least. One policy per stage (no mix of a recomputed run and swapped layers) is again a
 restriction that keeps the search small.
 
+**Ties** (:attr:`ModelProfile.ties`, a tensor several layers share). A stage holding several
+of a tie's layers holds the tensor once (its memory drops the bytes its layers' profiles count
+twice: :meth:`ModelProfile.duplicate_bytes`); a tie whose layers fall in several stages is a
+copy on each, counted in full on each. The asynchronous runtime keeps the copies together
+through the shards: each copy steps on its own use's gradient and pushes its update to the one
+entry, and pulls that entry every wave. A copy's stage (one holding a layer of the tie after
+a stage that holds an earlier one: not the owner, which pushes its weights anyway) therefore
+pays, per wave, its copy's push and pull::
+
+    tie(i, a, b) = sum over the ties with a layer in [a, b) and one before a of
+                   2 * (nbytes / bw(device i-1, device i) + message_s + nbytes * message_byte_s)
+                   / Nm
+
+the link into the stage standing for its way to the owner's shard (on the owner's host). A
+split keeping a tie on one stage pays nothing, so at an equal bottleneck it wins; a tie spans
+where that is faster, and its stage times hold the cost. A virtual worker alone in its job
+also waits at each such pull for every stage's push of the wave before: a flush, which the
+simulator times (:class:`hetpipe.planner.simulate.SimStage` ``tied``) and a per-stage term
+cannot. (The synchronous schedules' exchange along the pipeline's links is priced by
+:mod:`hetpipe.planner.syncmodel`.)
+
 The memory of a stage is the one model (:mod:`hetpipe.core.memory`): its scalar form
 (:meth:`CostTables.stage_memory`) and its matrices (:meth:`CostTables.memory_total`, the
 recompute search) are :func:`~hetpipe.core.memory.stage_terms` on numbers or on arrays.
@@ -178,11 +199,45 @@ def check_profile(profile: ModelProfile, speeds: Mapping[str, float] | None = No
             )
 
 
+def duplicate_matrix(profile: ModelProfile) -> Any:
+    """:meth:`ModelProfile.duplicate_bytes` of every ``[a, b)`` (rows ``a``, columns ``b``;
+    0 where the profile has no ties)."""
+    if not profile.ties:
+        return 0
+    n = profile.n_layers() + 1
+    out = np.zeros((n, n), dtype=np.int64)
+    for tie in profile.ties:
+        before = np.searchsorted(np.array(tie.layers), np.arange(n))  # its layers below x
+        count = before[None, :] - before[:, None]
+        out += np.maximum(count - 1, 0) * tie.nbytes
+    return out
+
+
+def tie_copy_matrices(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray] | None:
+    """For every ``[a, b)``: how many ties a stage of those layers holds a copy of past the
+    first holder (a layer in ``[a, b)`` and one before ``a``), and their bytes; None where
+    the profile has no ties."""
+    if not profile.ties:
+        return None
+    n = profile.n_layers() + 1
+    count = np.zeros((n, n), dtype=np.int64)
+    nbytes = np.zeros((n, n), dtype=np.int64)
+    for tie in profile.ties:
+        before = np.searchsorted(np.array(tie.layers), np.arange(n))
+        copy = ((before[None, :] - before[:, None]) > 0) & (before[:, None] > 0)
+        count += copy
+        nbytes += copy * tie.nbytes
+    return count, nbytes
+
+
 class _TypeCosts:
     """Prefix sums of one device type's layer profile (computed once per type), its
     updates at ``step_scale`` of their profiled time (:meth:`CostTables.step_scale`)."""
 
-    def __init__(self, profile: ModelProfile, dtype: str, step_scale: float = 1.0) -> None:
+    def __init__(
+        self, profile: ModelProfile, dtype: str, step_scale: float = 1.0, dup: Any = 0
+    ) -> None:
+        """``dup``: the tied bytes every ``[a, b)`` counts twice (:func:`duplicate_matrix`)."""
         lps = profile.layers[dtype]
         n = len(lps)
         self.cum = [
@@ -217,8 +272,8 @@ class _TypeCosts:
         upper = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
         self.valid = upper  # a < b
         self.inb_np = np.array(self.inb, dtype=np.int64)
-        # every [a, b) at once: its parameters, buffers and saved bytes
-        self.pb = self.P[None, :] - self.P[:, None]
+        # every [a, b) at once: its parameters (a tie once), buffers and saved bytes
+        self.pb = self.P[None, :] - self.P[:, None] - dup
         self.bb = self.B[None, :] - self.B[:, None]
         self.sb = self.S[None, :] - self.S[:, None]
 
@@ -267,6 +322,9 @@ class CostTables:
         }
         self._at_rows: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = {}
         self._types: dict[str, _TypeCosts] = {}
+        self._dup = duplicate_matrix(profile)
+        self._tie_copies = tie_copy_matrices(profile)
+        self._tie_times: dict[tuple, np.ndarray] = {}
         self._times: dict[tuple, np.ndarray] = {}
         self._totals: dict[tuple, np.ndarray] = {}
         self._masked: dict[tuple, np.ndarray] = {}
@@ -280,7 +338,9 @@ class CostTables:
     def costs(self, dtype: str) -> _TypeCosts:
         tc = self._types.get(dtype)
         if tc is None:
-            tc = self._types[dtype] = _TypeCosts(self.profile, dtype, self.step_scale(dtype))
+            tc = self._types[dtype] = _TypeCosts(
+                self.profile, dtype, self.step_scale(dtype), self._dup
+            )
         return tc
 
     def link(self, a: Any, b: Any) -> float:
@@ -331,6 +391,32 @@ class CostTables:
             fwd, bwd = self.compute_at(dtype, a, b, share)
             compute = fwd + bwd + (tc.U[b] - tc.U[a])
         return compute + cin + cout + const
+
+    def tie_time(self, a: int, b: int, bw_in: float | None, nm: int) -> float:
+        """Per minibatch, what the copies of ties a stage of ``[a, b)`` holds past their first
+        holder cost it (``tie`` in the module docs; 0 without such a copy)."""
+        if self._tie_copies is None or bw_in is None:
+            return 0.0
+        count, nbytes = self._tie_copies
+        n, nb = float(count[a, b]), float(nbytes[a, b])
+        if n == 0.0:
+            return 0.0
+        ms, mb = self.runtime.message_s, self.runtime.message_byte_s
+        return (nb * 2.0 / bw_in + 2.0 * (n * ms + nb * mb)) / nm
+
+    def tie_matrix(self, bw_in: float | None, nm: int) -> Any:
+        """:meth:`tie_time` of every ``[a, b)`` (0 where the profile has no ties)."""
+        if self._tie_copies is None or bw_in is None:
+            return 0.0
+        key = (bw_in, nm)
+        t = self._tie_times.get(key)
+        if t is None:
+            count, nbytes = self._tie_copies
+            n, nb = count.astype(np.float64), nbytes.astype(np.float64)
+            ms, mb = self.runtime.message_s, self.runtime.message_byte_s
+            t = (nb * 2.0 / bw_in + 2.0 * (n * ms + nb * mb)) / nm
+            t = self._tie_times[key] = np.where(n == 0.0, 0.0, t)
+        return t
 
     def stage_times_at(self, dtype: str, a: int, b: int, share: float = 1.0) -> StageTimes:
         """Forward, backward and update of a stage of ``[a, b)`` on ``dtype`` running
@@ -493,12 +579,14 @@ class CostTables:
         run's predicted weights stay with every in-flight minibatch, see
         :func:`memory.held_predictions`.)"""
         if self.activations == "recompute":
-            if self._recompute_need(tc, a, b, flight, tc.sb[a, b], tc.pb[a, b], 0) <= cap:
+            run = int(tc.P[b] - tc.P[a])  # its parameters as memory.stage_memory holds them
+            if self._recompute_need(tc, a, b, flight, tc.sb[a, b], run, 0) <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
         w = slice(a, b + 1)  # runs [c, d) for c, d in [a, b]: rows c, columns d
         kept_in = np.where(np.arange(a, b + 1) > a, tc.inb_np[w], 0)[:, None]
-        need = self._recompute_need(tc, a, b, flight, tc.sb[w, w], tc.pb[w, w], kept_in)
+        params = tc.P[None, w] - tc.P[w, None]  # as memory.stage_memory holds a run's
+        need = self._recompute_need(tc, a, b, flight, tc.sb[w, w], params, kept_in)
         fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
         ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
         if not ok.any():
@@ -580,16 +668,22 @@ class CostTables:
         flight: int,
         cap: int,
         host_gbps: float = DEFAULT_HOST_GBPS,
+        nm: int = 1,
     ) -> np.ndarray:
-        """``time_matrix`` with inf wherever the stage does not fit (one DP step's input)."""
-        key = (dtype, bw_in, bw_out, flight, cap, host_gbps)
+        """``time_matrix`` with inf wherever the stage does not fit (one DP step's input),
+        plus its ties' copies at ``nm`` minibatches a wave (:meth:`tie_matrix`)."""
+        ties = self._tie_copies is not None and bw_in is not None
+        key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
         tm = self._masked.get(key)
         if tm is None:
             if len(self._masked) >= self._matrix_limit:
                 self._masked.clear()
             extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
             # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
-            tm = self._masked[key] = self.time_matrix(dtype, bw_in, bw_out) + extra
+            tm = self.time_matrix(dtype, bw_in, bw_out) + extra
+            if ties:
+                tm = tm + self.tie_matrix(bw_in, nm)
+            self._masked[key] = tm
         return tm
 
     def stage_memory(
@@ -625,7 +719,7 @@ class CostTables:
                 tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
             )
         return stage_terms(
-            int(tc.P[b] - tc.P[a]),
+            int(tc.pb[a, b]),
             int(tc.B[b] - tc.B[a]),
             kept,
             tc.inb[a],
@@ -656,7 +750,9 @@ class CostTables:
         optimizer state, the two accumulators and one in-flight copy of every layer's saved
         activations (the least over device types; none when they may be recomputed)."""
         keeps = self.activations == "keep"
-        return min(
+        # a tie is one tensor: every layer using it counted it
+        tied = sum((len(t.layers) - 1) * t.nbytes for t in self.profile.ties)
+        return -param_copies(self.factor, 1, weights="latest") * tied + min(
             sum(
                 param_copies(self.factor, 1, weights="latest") * lp.param_bytes
                 + lp.buffer_bytes

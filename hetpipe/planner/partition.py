@@ -21,6 +21,12 @@ the maximum sits at the smallest ``T`` whose least-latency split fills the pipel
 times between the least bottleneck ``B*`` and ``h(B*) / Nm`` finds both, exact for
 contiguous cuts.
 
+**Ties** (a tensor several layers share): a stage's memory counts it once however many of its
+layers use it, and a stage holding a copy past the tie's first holder pays the copy's push and
+pull each wave (:mod:`hetpipe.planner.costs`, ``tie``): both are per-stage terms of ``[a, b)``,
+so the DP stays exact, and a split that keeps a tie on one stage wins where spanning it is not
+faster.
+
 **Exactness.** The DP is ``f_i(b) = min_a max(f_{i-1}(a), time(i, a, b))`` over feasible
 ``[a, b)``, O(L^2 k) with prefix sums (vectorised over ``(a, b)`` with numpy). A bottleneck
 is always the maximum of some stage times, so the DP and the brute force compare the very
@@ -221,7 +227,7 @@ class CostModel(CostTables):
             hit = self._prefix.get(sig)
             if hit is None:
                 flight = in_flight(i, k, nm, weights=self.weights)
-                tm = self.masked_times(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps)
+                tm = self.masked_times(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
                 cand = np.maximum(f[:, None], tm)
                 best = cand.min(axis=0)
                 # among the a reaching the least bottleneck, the least sum of stage times
@@ -326,6 +332,7 @@ class CostModel(CostTables):
                 in_flight(i, k, nm, weights=self.weights),
                 d.memory,
                 d.host_gbps,
+                nm,
             )
             for i, d in enumerate(devices)
         ]
@@ -388,6 +395,7 @@ class CostModel(CostTables):
                 d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
             )
             + self.extra_time(d, a, b, rec[i], swp[i])
+            + self.tie_time(a, b, bws[i - 1] if i > 0 else None, nm)
             for i, (d, (a, b)) in pairs
         )
         mem = tuple(
@@ -649,14 +657,23 @@ def brute_force(
         for i, (d, (a, b)) in enumerate(zip(devices, cuts, strict=True)):
             lps = profile.layers[d.type]
             inb = profile.input_bytes if a == 0 else lps[a - 1].out_bytes
-            mem = stage_memory(lps[a:b], i, k, nm, optimizer_state_factor, inb, weights=weights)
+            mem = stage_memory(
+                lps[a:b],
+                i,
+                k,
+                nm,
+                optimizer_state_factor,
+                inb,
+                weights=weights,
+                shared=profile.duplicate_bytes(a, b),
+            )
             if mem.total > d.memory:
                 ok = False
                 break
+            bw_in = bws[i - 1] if i > 0 else None
             times.append(
-                model.stage_time(
-                    d.type, a, b, bws[i - 1] if i > 0 else None, bws[i] if i < k - 1 else None
-                )
+                model.stage_time(d.type, a, b, bw_in, bws[i] if i < k - 1 else None)
+                + model.tie_time(a, b, bw_in, nm)
             )
         if not ok:
             continue

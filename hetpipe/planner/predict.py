@@ -98,6 +98,8 @@ class StageCost:
     # its tasks run on the event loop, not handed to the compute thread (an unslowed CPU
     # device's tasks shorter than ``RuntimeCosts.inline_s``): no hop, no hand-off wake-ups
     inline: bool = False
+    # async: holds a copy of a tie spanning stages (pulls every wave: SimStage.tied)
+    tied: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -212,6 +214,7 @@ def stage_costs(
     k = len(devices)
     minibatch = prof.minibatch
     out = []
+    copies = {i for held in prof.spanning(p.cuts).values() for i in held}
     for i, (leader, (a, b)) in enumerate(zip(devices, p.cuts, strict=True)):
         group = p.group_of(i, leader)
         rows = p.rows_of(i, minibatch)
@@ -248,8 +251,10 @@ def stage_costs(
             compute_fwd, compute_bwd = fwd + bwd + task, 0.0
         else:
             compute_fwd, compute_bwd = fwd + task, bwd + task
-        state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps)
-        pulls = vws > 1 and state > 0
+        # a tie its layers share is one tensor on the stage (ModelProfile.duplicate_bytes)
+        state = sum(lp.param_bytes + lp.buffer_bytes for lp in lps) - prof.duplicate_bytes(a, b)
+        tied = schedule == "async" and i in copies
+        pulls = (vws > 1 or tied) and state > 0
         inline = bool(
             rt.runs_inline(max(compute_fwd, compute_bwd), on_cpu=on_cpu, speed=speed, pulls=pulls)
         )
@@ -260,6 +265,8 @@ def stage_costs(
             loop_fwd, loop_bwd = hop + send_act, hop + send_grad
         wave = hop + rt.wave_s + state * rt.wave_byte_s if state else 0.0
         push = wave
+        if not sync and i > 0:  # a tie's copy: its push and pull each wave (costs.py, ``tie``)
+            push += model.tie_time(a, b, model.link(devices[i - 1], leader), 1)
         merge = wave if pulls else 0.0
         to_shards = shard_link_s[i] if shard_link_s else 0.0
         if not pulls:
@@ -283,7 +290,7 @@ def stage_costs(
                     model, group, rows, nxt, p.rows_of(i + 1, minibatch), float(lps[-1].out_bytes)
                 )
             link = flight + rt.latency_s + out_bytes * rt.message_byte_s
-        pbytes = float(sum(lp.param_bytes for lp in lps))
+        pbytes = float(sum(lp.param_bytes for lp in lps) - prof.duplicate_bytes(a, b))
         exchange = exchange_time(model, group, pbytes)
         exchange_cpu = 2 * (len(group) - 1) * (rt.message_s + pbytes * rt.message_byte_s)
         # the CPU a task wants: a padded device sleeps all but ``speed`` of its forward and
@@ -314,6 +321,7 @@ def stage_costs(
                 speed if on_cpu else 1.0,
                 in_backward,
                 inline,
+                tied,
             )
         )
     return tuple(out)
@@ -371,6 +379,7 @@ def _sim_vw(
                 step_s=k * h * c.step_s,
                 handoff_s=k * c.hop_s + (0.0 if c.inline else 2 * w),
                 push_flight_s=c.shard_link_s if schedule == "async" else 0.0,
+                tied=c.tied,
             )
         )
     links = tuple(

@@ -21,6 +21,7 @@ from hetpipe.core.profile import (
     LayerProfile,
     ModelProfile,
     StageTimes,
+    TieProfile,
     at_speed,
     scale_layers,
     update_scale,
@@ -33,6 +34,7 @@ __all__ = [
     "ModelProfile",
     "ProfileStore",
     "StageTimes",
+    "TieProfile",
     "at_speed",
     "scale_layers",
     "synthetic_profile",
@@ -55,7 +57,8 @@ class ProfileStore:
                                              "calls": {"fast": {"fwd_s": .., "bwd_s": ..}}}}}}
 
     ``calls`` (the stage call term per type) may be absent: those types load with no call
-    term, their layers' times gross.
+    term, their layers' times gross. ``ties`` (the tensors several layers share, the model's
+    whatever the type: :class:`TieProfile`) may be absent too: none.
     """
 
     VERSION = 1
@@ -90,12 +93,16 @@ class ProfileStore:
         *,
         input_bytes: int | None = None,
         call: CallProfile | None = None,
+        ties: Sequence[TieProfile] | None = None,
     ) -> None:
-        """Keep ``dtype``'s layers (and its call term, when measured: else none)."""
+        """Keep ``dtype``'s layers (and its call term, when measured: else none); ``ties``,
+        the model's, where given."""
         models = self._data["models"].setdefault(model_key, {})
         entry = models.setdefault(str(minibatch), {"input_bytes": 0, "types": {}})
         if input_bytes is not None:
             entry["input_bytes"] = int(input_bytes)
+        if ties is not None:
+            entry["ties"] = [t.to_dict() for t in ties]
         entry["types"][dtype] = [lp.to_dict() for lp in layers]
         calls = entry.setdefault("calls", {})
         if call is None:
@@ -130,6 +137,7 @@ class ProfileStore:
             int(entry["input_bytes"]),
             layers,  # type: ignore[arg-type]
             calls,
+            tuple(TieProfile.from_dict(t) for t in entry.get("ties") or ()),
         )
 
     def save(self) -> None:
@@ -157,8 +165,13 @@ def synthetic_profile(
     out_bytes: tuple[int, int] = (16 << 10, 128 << 10),
     type_noise: float = 0.1,
     call: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    ties: Sequence[tuple[int, ...]] = (),
 ) -> ModelProfile:
     """A random but plausible profile for tests and benchmarks.
+
+    ``ties``: groups of layers sharing one tensor (each a :class:`TieProfile` of the
+    smallest ``param_bytes`` among its layers, named ``tie<i>``); each layer keeps its own
+    ``param_bytes``, which then counts the tensor, as a layer measured alone does.
 
     ``call``: the stage call term (forward, backward, update) at speed 1, divided by each
     type's speed like the layers; none by default.
@@ -200,4 +213,8 @@ def synthetic_profile(
         if any(call)
         else {}
     )
-    return ModelProfile(model, minibatch, input_bytes, layers, calls)
+    tied = tuple(
+        TieProfile(f"tie{i}", tuple(sorted(set(group))), min(base[j][2] for j in group))
+        for i, group in enumerate(ties)
+    )
+    return ModelProfile(model, minibatch, input_bytes, layers, calls, tied)

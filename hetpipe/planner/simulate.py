@@ -128,6 +128,9 @@ class SimStage:
     state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
     handoff_s: float = 0.0  # per hand-off to the compute thread and back (any actions in it)
     push_flight_s: float = 0.0  # a push's way to the shards: they count it this much later
+    # async: holds a copy of a tie spanning stages, so it pulls every wave even in a VW
+    # alone, and then after every stage's push of the wave before (the runtime's rule)
+    tied: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,7 @@ def simulate(
                         nm=v.nm,
                         total=n_v,
                         staleness=D,
-                        pulls=several and st.state,
+                        pulls=(several or st.tied) and st.state,
                         pushes=True,
                         order=v.orders[i] if v.orders else None,
                         warmup=v.warmup,
@@ -326,7 +329,7 @@ def simulate(
     def release_pulls(now: float) -> None:
         keep = []
         for v, s, c, sent in pending:
-            need = pull_need(c, D)
+            need = c if not several and state[v].stages[s].spec.tied else pull_need(c, D)
             if glob >= need:
                 ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
                 # the initial weights are loaded before the run starts: not timed

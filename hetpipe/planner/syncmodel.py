@@ -3,6 +3,18 @@ stage's times and memory on each device, the iteration time of a mapping with gi
 (timed by the simulator's rules, :func:`hetpipe.planner.simulate.iteration_time`), and the
 best cuts for a mapping and order (:meth:`SyncModel.best_cuts`). The search over mappings is
 :mod:`hetpipe.planner.syncsearch`; the plan, :mod:`hetpipe.planner.syncplan`.
+
+**Ties** (:attr:`ModelProfile.ties`). A stage counts a tied tensor once however many of its
+layers use it. A tie whose layers fall in several stages is a copy on each, and before each
+step the runtime sums its gradient over the copies along the pipeline's links
+(:class:`hetpipe.pipeline.TieRoute`): every copy's sum goes to every other copy, passed on
+by the stages between. The link after stage ``s`` carries, each iteration, the sums of the
+holders at or before ``s`` up and of those after it down
+(:meth:`ModelProfile.tie_link_bytes`); a stage passes a sum on once it has it, so each
+direction's hops add up, and the steps wait for the slower direction
+(:meth:`SyncModel.tie_exchange_s`), which the iteration time includes. The cut search also
+tries the best cuts that keep every tie on one stage, so the exchange is paid only where
+spanning a tie is faster.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from hetpipe.core.schedule import (
     max_deferred,
     microbatch_order,
 )
+from hetpipe.planner.costs import duplicate_matrix
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 from hetpipe.planner.simulate import iteration_time
 
@@ -126,6 +139,7 @@ class SyncModel:
             ]
         )
         self._type: dict[str, dict[str, np.ndarray]] = {}
+        self._dup = duplicate_matrix(profile)  # tied bytes every [a, b) counts twice
         self._cut_memo: dict[tuple, tuple[float, tuple[tuple[int, int], ...]] | None] = {}
         self.evaluations = 0
         self.deadline = INF  # time.monotonic() after which refinement stops early
@@ -198,7 +212,7 @@ class SyncModel:
         t = self._t(d.type)
         rt = self.rt
         task = self._task_s(d)
-        state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
+        state = self._state(t, a, b)
         fwd = t["F"][b] - t["F"][a] + t["cf"] + task
         bwd = t["B"][b] - t["B"][a] + t["cb"] + task
         return SyncStage(
@@ -209,6 +223,42 @@ class SyncModel:
             push_s=(rt.wave_s + state * rt.wave_byte_s) if state else 0.0,
             handoff_s=float(self._hop_s(d, fwd, bwd)),
         )
+
+    def _state(self, t: dict[str, np.ndarray], a: int, b: int) -> float:
+        """Bytes of the state a stage of ``[a, b)`` holds: parameters (a tie once) and
+        buffers."""
+        dup = self.profile.duplicate_bytes(a, b) if self.profile.ties else 0
+        return (t["P"][b] - t["P"][a]) - dup + (t["Bu"][b] - t["Bu"][a])
+
+    def tie_bytes(self, cuts: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Per link after each stage but the last: the ties' gradient bytes it carries up
+        and down each iteration (:meth:`ModelProfile.tie_link_bytes`)."""
+        return self.profile.tie_link_bytes(cuts)
+
+    def tie_exchange_s(self, devs: Sequence[int], cuts: Sequence[tuple[int, int]]) -> float:
+        """The time the ties' gradient sums add to an iteration of this mapping (0 where no
+        tie spans stages): each direction's hops one after the other (a stage passes a sum
+        on once it has it), each the bytes over the link, its latency and both ends'
+        per-message costs; the steps wait for the slower direction."""
+        if not self.profile.ties:
+            return 0.0
+        rt = self.rt
+        up = down = 0.0
+        for s, (u, d) in enumerate(self.tie_bytes(cuts)):
+            bw = self.bw[devs[s], devs[s + 1]]
+            for nbytes, side in ((u, 0), (d, 1)):
+                if nbytes:
+                    hop = (
+                        nbytes / bw
+                        + rt.latency_s
+                        + self._send_s(nbytes)
+                        + nbytes * rt.message_byte_s
+                    )
+                    if side == 0:
+                        up += hop
+                    else:
+                        down += hop
+        return float(max(up, down))
 
     def link(self, i: int, j: int, b: int) -> float:
         """Flight of the activation of layer ``b - 1`` from device i to j (and of its
@@ -255,7 +305,7 @@ class SyncModel:
         for a in range(L):
             W[a, a + 1 :] = np.maximum.accumulate(t["W"][a:])
         mem = stage_terms(
-            P[None, :] - P[:, None],
+            P[None, :] - P[:, None] - self._dup,
             Bu[None, :] - Bu[:, None],
             S[None, :] - S[:, None],
             t["in"][: L + 1][:, None],
@@ -315,8 +365,7 @@ class SyncModel:
         rt = self.rt
         out = 0.0
         for i, (a, b) in zip(devs, cuts, strict=True):
-            t = self._t(self.devices[i].type)
-            state = (t["P"][b] - t["P"][a]) + (t["Bu"][b] - t["Bu"][a])
+            state = self._state(self._t(self.devices[i].type), a, b)
             if state:
                 answer = reduce_answer_s(rt, state, vws, self.shards)
                 merge = rt.hop_s + rt.wave_s + state * rt.wave_byte_s
@@ -349,7 +398,7 @@ class SyncModel:
         links = [(self.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
         return iteration_time(
             stages, links, [microbatch_order(kind, k, s, self.m, warmup) for s in range(k)]
-        )
+        ) + self.tie_exchange_s(devs, cuts)
 
     def best_cuts(
         self, devs: Sequence[int], kind: str, warmup: int = 0
@@ -363,12 +412,13 @@ class SyncModel:
         if k <= L:
             cost, ok, link = self._matrices(devs, kind, warmup)
             cands = set()
-            bstar = self._minmax(cost, ok, link)
-            if bstar < INF:
-                for f in CAPS:
-                    cuts = self._minsum(cost, ok, link, bstar * f)
-                    if cuts is not None:
-                        cands.add(cuts)
+            for fits in (ok, self._ties_kept(ok)):
+                bstar = self._minmax(cost, fits, link) if fits is not None else INF
+                if bstar < INF:
+                    for f in CAPS:
+                        cuts = self._minsum(cost, fits, link, bstar * f)
+                        if cuts is not None:
+                            cands.add(cuts)
             best = min(((self.evaluate(devs, c, kind, warmup), c) for c in cands), default=None)
             if best is not None and best[0] < INF:
                 out = self._refine(devs, kind, warmup, *best)
@@ -403,6 +453,17 @@ class SyncModel:
                     )
                 )
         return cost, ok, link
+
+    def _ties_kept(self, ok: list[np.ndarray]) -> list[np.ndarray] | None:
+        """``ok`` with every stage but the last forbidden to end inside a tie (after its
+        first layer, up to its last): the splits that keep every tie on one stage (None
+        where the profile has no ties or none could span)."""
+        inside = np.zeros(self.L + 1, dtype=bool)
+        for tie in self.profile.ties:
+            inside[tie.layers[0] + 1 : tie.layers[-1] + 1] = True
+        if not inside.any() or len(ok) < 2:
+            return None
+        return [o & ~inside[None, :] if pos + 1 < len(ok) else o for pos, o in enumerate(ok)]
 
     def _minmax(self, cost, ok, link) -> float:
         L = self.L

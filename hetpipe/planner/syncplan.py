@@ -191,7 +191,9 @@ def sync_plan(
             schedule=vws[0].kind,
             warmup=vws[0].warmup,
         )
-        return max(*pred.sim.iteration_s, 1e-12), pred
+        # the ties' gradient sums along each pipeline's links (SyncModel.tie_exchange_s)
+        ties = max(model.tie_exchange_s(c.devices, c.cuts) for c in vws)
+        return max(*pred.sim.iteration_s, 1e-12) + ties, pred
 
     chosen: list[SyncChoice] = []
     ms: tuple[int, ...] = ()
@@ -314,6 +316,7 @@ def sync_plan(
         "evaluations": model.evaluations,
         "microbatches": list(ms),
         "exchange_s": exchange,
+        "tie_bytes": [model.tie_bytes(c.cuts) for c in chosen],
         "orders": {
             str(s): [
                 f"{op}{j}"
