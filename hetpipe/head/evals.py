@@ -48,8 +48,6 @@ class WorkerEvals:
     """The figures of one attempt's passes on the workers, and the stages' weights of the
     passes that improved ``train.keep_best`` (virtual worker 0's ``k`` stages)."""
 
-    KEEP = 2  # boundaries whose weights are kept at most (the head takes the newest)
-
     def __init__(self, k: int, of: Any = None) -> None:
         self.k = k
         self.of = of  # the attempt's plan: a new attempt starts afresh
@@ -76,16 +74,28 @@ class WorkerEvals:
         if not 0 <= stage < self.k or not tensors:
             raise ValueError(f"weights of stage {stage} of a pass at wave {wave}: not expected")
         self.weights.setdefault(wave, {})[stage] = dict(tensors)
-        for old in sorted(self.weights)[: -self.KEEP]:
-            del self.weights[old]
+        complete = [w for w, got in self.weights.items() if len(got) == self.k]
+        for old in [w for w in self.weights if complete and w < max(complete)]:
+            del self.weights[old]  # a later best is whole: the head writes that one
         self.arrived.set()
 
-    async def state(self, wave: int, timeout: float = WEIGHTS_TIMEOUT_S) -> dict[str, torch.Tensor]:
+    def _superseded(self, wave: int) -> bool:
+        return any(w > wave for w in self.weights)
+
+    async def state(
+        self, wave: int, timeout: float = WEIGHTS_TIMEOUT_S
+    ) -> dict[str, torch.Tensor] | None:
         """Every stage's weights of the pass at ``wave``, as one state (by global names);
-        those of earlier passes are dropped. ``TimeoutError`` naming the stages missing."""
+        those of earlier passes are dropped. None where a later pass's weights have begun to
+        come: its figures improved too (the stages' verdicts are the head's), so that is the
+        best model to write, and the head, behind the workers, skips this one.
+        ``TimeoutError`` naming the stages missing."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while len(self.weights.get(wave, {})) < self.k:
+            if self._superseded(wave):
+                self.weights.pop(wave, None)
+                return None
             self.arrived.clear()
             left = deadline - loop.time()
             try:
@@ -96,6 +106,9 @@ class WorkerEvals:
                     f"the best model's weights of wave {wave} did not come from "
                     f"stage(s) {missing} of vw0 in {timeout:.0f} s"
                 ) from None
+        if self._superseded(wave):
+            del self.weights[wave]
+            return None
         got = self.weights.pop(wave)
         for old in [w for w in self.weights if w < wave]:
             del self.weights[old]

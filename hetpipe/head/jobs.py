@@ -711,7 +711,7 @@ class JobsPart:
         seconds: float,
         done: int,
         wave: int | None,
-        state: dict[str, torch.Tensor] | Callable[[], Awaitable[dict[str, torch.Tensor]]],
+        state: dict[str, torch.Tensor] | Callable[[], Awaitable[dict[str, torch.Tensor] | None]],
         on: str = "head",
         validation_s: float | None = None,
     ) -> None:
@@ -730,6 +730,7 @@ class JobsPart:
         if ev is not None and not callable(state):  # the job's end: the passes' figures first
             for item in await ev.drain():
                 await self._took_pass(js, ev, item)
+            js.worker_evals = None  # no weights held past the job
         spec = js.spec
         entry = {"seconds": seconds, "minibatches": done, "wave": wave, "on": on, **figures}
         if validation_s is not None:
@@ -748,14 +749,15 @@ class JobsPart:
             if spec.keep_best:
                 if callable(state):
                     try:
-                        state = await state()
+                        state = await state()  # None: a later pass's weights supersede these
                     except TimeoutError as exc:
                         js.fail(str(exc))
                         return
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(
-                    None, js.plan.save_state, state, self.job_dir(js), BEST_MODEL
-                )
+                if state is not None:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(
+                        None, js.plan.save_state, state, self.job_dir(js), BEST_MODEL
+                    )
         elif (
             spec.stop_after_no_gain
             and js.best.since >= spec.stop_after_no_gain
