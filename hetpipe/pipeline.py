@@ -556,6 +556,8 @@ class StageRunner:
     async def run(self) -> dict[str, Any]:
         """Train this stage through all minibatches of the job; return its final stats."""
         self.started = time.monotonic()
+        if self.passes is not None:  # train.eval_every in seconds counts from here
+            self.passes.last_t = self.started
         self.timeline = Timeline()
         reporter = asyncio.create_task(self._report_loop())
         try:
@@ -1056,11 +1058,12 @@ class StageRunner:
 
     @property
     def validates(self) -> bool:
-        """Whether this stage takes part in the job's validation pass: the leaders of virtual
-        worker 0's stages (a replica holds its leader's weights), where that virtual worker's
-        final weights are the job's global weights: alone in its job, or synchronous (every
-        virtual worker steps on the same merged gradient). Otherwise the head scores the
-        global weights it gathers from the shards."""
+        """Whether this stage takes part in the job's validation pass at its end: the leaders
+        of virtual worker 0's stages (a replica holds its leader's weights), where that
+        virtual worker's final weights are the job's global weights: alone in its job, or
+        synchronous (every virtual worker steps on the same merged gradient). Otherwise the
+        head scores the global weights it gathers from the shards. The passes while training
+        run on the same stages, where :func:`hetpipe.evalpass.on_workers` holds."""
         return (
             self.task.vw == 0 and self.task.replica == 0 and (self.task.num_vws == 1 or self.sync)
         )
@@ -1107,7 +1110,7 @@ class StageRunner:
             evaluation = {"wave": c, "figures": figures or {}, "seconds": time.monotonic() - t0}
             await self.report({"evaluation": evaluation})
         elif ps.best is not None:
-            self._wait_for("verdict", c=c)
+            self._wait_for("validation verdict", c=c)
             while c not in ps.verdicts:
                 await self.wakeup.wait()
                 self.wakeup.clear()
@@ -1129,7 +1132,8 @@ class StageRunner:
         job's last wave: its end), forward only, on each stage's current weights
         (:meth:`StageCompute.eval_forward`: eval mode, ``no_grad``): the first stage reads
         the validation minibatches in order and sends each output on (tagged ``eval = [i, n,
-        c]`` on an activation message, the target with it); a middle stage passes each on;
+        c]`` on an activation message, the target with it; ``n`` the count on the last, -1 on
+        the others); a middle stage passes each on;
         the last scores them with the job's loss and ``train.metrics``
         (:class:`hetpipe.metrics.Tally`) and returns the figures (None elsewhere, and where
         there is no validation set). A first stage without a validation set sends ``n = 0``.
@@ -1138,7 +1142,7 @@ class StageRunner:
         from hetpipe.metrics import Tally, resolve
 
         tally = Tally(resolve(self.compute.spec.metrics)) if self.task.is_last else None
-        self._wait_for("validation", c=c)
+        self._wait_for("validation pass", c=c)
 
         async def through(i: int, n: int, x: Any, y: Any) -> None:
             out = await self._run(self.compute.eval_forward, x)
@@ -1154,15 +1158,21 @@ class StageRunner:
         if self.task.is_first:
             source = self.stream.source if self.stream is not None else None
             val = getattr(source, "val", None)
-            # read on the compute thread, as training minibatches are: never on the loop
-            batches = await self._run(lambda: list(val_batches(source))) if val is not None else []
-            if not batches and tally is None:
+            # read on the compute thread one minibatch ahead, as training minibatches are
+            # (never on the loop, never the whole set at once): the last carries the count,
+            # the others -1 (more follow)
+            batches = iter(val_batches(source) if val is not None else ())
+            cur = await self._run(next, batches, None)
+            if cur is None and tally is None:
                 await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0, c]})
-            for i, (x, y) in enumerate(batches):
-                await through(i, len(batches), x, y)
+            i = 0
+            while cur is not None:
+                nxt = await self._run(next, batches, None)
+                await through(i, -1 if nxt is not None else i + 1, *cur)
+                cur, i = nxt, i + 1
         else:
-            i, n = 0, 1
-            while i < n:
+            i, n = 0, -1
+            while n < 0 or i < n:
                 if (c, i) not in self.eval_in:
                     await self.wakeup.wait()
                     self.wakeup.clear()

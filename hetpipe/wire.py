@@ -222,8 +222,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "parcels": _OPT_LIST,
         "refusal": _OPT_STR,
     },
-    # eval (on an activation): [i, n, c], minibatch i of n of the validation pass at wave
-    # boundary c ([i, n]: the job's end; no tensors with n = 0: no validation set); [c] (no
+    # eval (on an activation): [i, n, c], minibatch i of the validation pass at wave boundary
+    # c, n the count on the last one and -1 on the others ([i, n]: the job's end; no tensors
+    # with n = 0: no validation set); [c] (no
     # tensors): a pass at boundary c is announced (hetpipe.evalpass,
     # hetpipe.pipeline.StageRunner._validation_pass)
     # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"

@@ -110,8 +110,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def validation_lines(info: dict[str, Any]) -> list[dict[str, Any]]:
-    lines = Path(info["metrics_path"]).read_text().splitlines()
-    return [json.loads(line)["validation"] for line in lines if '"validation"' in line]
+    lines = map(json.loads, Path(info["metrics_path"]).read_text().splitlines())
+    return [d["validation"] for d in lines if "validation" in d]
 
 
 def stage_stats(info: dict[str, Any], where: str) -> dict[str, Any]:
