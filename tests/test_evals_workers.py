@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_same_weights, job, user_code_cluster
 
+from hetpipe.data import load_data
 from hetpipe.evalpass import Passes, on_workers
 from hetpipe.head.evals import WorkerEvals
 from hetpipe.localcluster import LocalCluster
 from hetpipe.metrics import LOSS
+from hetpipe.models import build_model
 
 # -- the rules, no process ------------------------------------------------------------------
 
@@ -129,8 +132,10 @@ def weights(info: dict[str, Any]) -> dict[str, torch.Tensor]:
     [
         ("async", [(["gpu0", "gpu1"], [3, 3])], 1, 40),
         ("1f1b", [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])], 2, 24),
+        # the last stage replicated: its leader takes part, its replica trains on meanwhile
+        ("async", [(["gpu0", ["gpu1", "gpu2"]], [3, 3])], 1, 30),
     ],
-    ids=["async", "sync-2vw"],
+    ids=["async", "sync-2vw", "async-replicas"],
 )
 def test_passes_while_training_leave_the_weights_as_they_were(
     cluster: LocalCluster, kind: str, split: list, nm: int, minibatches: int
@@ -168,6 +173,21 @@ def test_passes_while_training_leave_the_weights_as_they_were(
     assert "validations" not in stage_stats(evald, "vw1/stage0") if len(split) > 1 else True
     best = evald["best"]
     assert best["value"] == min(v[LOSS] for v in lines)
+    # model_best.pt holds the weights the best pass scored
+    assert best_loss(evald["best_model_path"]) == pytest.approx(best["value"], abs=1e-5)
+
+
+def best_loss(path: str) -> float:
+    """val_loss of the weights in ``path``, by plain PyTorch over the digits validation
+    set."""
+    model = build_model("mlp")
+    model.load_state_dict(torch.load(path), strict=True)
+    model.eval()
+    val = load_data("digits", {}, None).val
+    x = torch.stack([val[i][0] for i in range(len(val))])
+    y = torch.stack([torch.as_tensor(val[i][1]) for i in range(len(val))])
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x), y))
 
 
 @pytest.mark.slow
