@@ -220,9 +220,8 @@ class StageRunner:
             pulls=self.schedule.pulls,
             stalls=bool(compute.stalls or compute.slowdowns),
         )
-        # waves between the pushes that carry this stage's update (see _flushes): 0 for
-        # only at checkpoints and the end
         spec = compute.spec
+        # train.eval_every, and whether its passes run on the workers (hetpipe.evalpass)
         waves, seconds = parse_every(spec.eval_every)
         seconds = seconds or spec.eval_every_s
         workers = on_workers(
@@ -231,7 +230,9 @@ class StageRunner:
             ties=bool(compute.task.ties),
             bn_recalibrate=spec.bn_recalibrate,
         )
-        # where the head scores the shards' weights while training, they must be fresh
+        # waves between the pushes that carry this stage's update (see _flushes): 0 for
+        # only at checkpoints and the end; every wave where the head scores the shards'
+        # weights while training (they must hold what was trained)
         self.push_every = (
             1
             if self.schedule.pulls or (not spec.push_every and (waves or seconds) and not workers)
