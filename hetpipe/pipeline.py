@@ -232,10 +232,16 @@ class StageRunner:
         )
         # waves between the pushes that carry this stage's update (see _flushes): 0 for
         # only at checkpoints and the end; every wave where the head scores the shards'
-        # weights while training (they must hold what was trained)
+        # weights while training, or exports them when the job stops for lack of gain (they
+        # must hold what was trained)
         self.push_every = (
             1
-            if self.schedule.pulls or (not spec.push_every and (waves or seconds) and not workers)
+            if self.schedule.pulls
+            or (
+                not spec.push_every
+                and (waves or seconds)
+                and (not workers or spec.stop_after_no_gain)
+            )
             else spec.push_every
         )
         self.flushed = 0  # waves whose update has been sent to the shards

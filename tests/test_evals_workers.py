@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_weights, job, user_code_cluster
+from helpers import InlineExecutor, StandInCompute, stand_in_stream
 
 from hetpipe.data import load_data
 from hetpipe.evalpass import Passes, on_workers
@@ -21,6 +22,7 @@ from hetpipe.head.evals import WorkerEvals
 from hetpipe.localcluster import LocalCluster
 from hetpipe.metrics import LOSS
 from hetpipe.models import build_model
+from hetpipe.pipeline import StageRunner
 
 # -- the rules, no process ------------------------------------------------------------------
 
@@ -99,6 +101,38 @@ def test_the_head_takes_figures_and_assembles_the_best_weights() -> None:
         assert [i["wave"] for i in await ev.drain()] == [6]
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("every", "stop", "workers", "want"),
+    [
+        (0, 0, True, 0),  # no evaluation: pushes at checkpoints and the end
+        (2, 0, True, 0),  # passes on the workers read the stages' own weights
+        (2, 3, True, 1),  # a stop for lack of gain exports the shards' weights
+        ("1s", 0, False, 1),  # the head scores the shards' weights while training
+    ],
+)
+def test_a_lone_vw_pushes_every_wave_only_where_the_shards_are_read(
+    monkeypatch: pytest.MonkeyPatch, every: int | str, stop: int, workers: bool, want: int
+) -> None:
+    compute = StandInCompute("async", 2, 0, 1, 8)
+    spec = compute.spec
+    spec.push_every, spec.eval_every, spec.stop_after_no_gain = 0, every, stop
+    spec.bn_recalibrate = 0 if workers else 4
+
+    async def nothing(*_a: Any) -> None:
+        pass
+
+    runner = StageRunner(
+        compute,  # type: ignore[arg-type]
+        InlineExecutor(),
+        send=nothing,
+        shards={},
+        report=nothing,
+        stream=stand_in_stream((torch.zeros(1), torch.zeros(1))),
+    )
+    assert runner.push_every == want
+    assert (runner.passes is not None) == (workers and every != 0)
 
 
 # -- jobs on real daemons ---------------------------------------------------------------------
