@@ -645,9 +645,8 @@ class JobsPart:
         Where virtual worker 0's weights are the global ones (:func:`~hetpipe.head.evals.
         workers_evaluate`), its pipeline runs the passes on the workers at its wave
         boundaries (:mod:`hetpipe.evalpass`) and the figures are taken here as they come;
-        else the head
-        gathers the global weights from the shards at the global clock's boundaries (or every
-        ``seconds``) and scores them on its copy of the model."""
+        else the head gathers the global weights from the shards at the global clock's
+        boundaries (or every ``seconds``) and scores them on its copy of the model."""
         assert js.plan is not None and js.started is not None
         if workers_evaluate(js.spec, js.plan):
             ev = self._worker_evals(js)
