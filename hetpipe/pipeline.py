@@ -52,7 +52,9 @@ from hetpipe.core.schedule import (
 from hetpipe.core.wsp import pull_need, wave_of
 from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.data import Batch, MinibatchStream, rows_of
+from hetpipe.evalpass import Passes, on_workers
 from hetpipe.hostcopy import HostCopy
+from hetpipe.metrics import parse_every
 from hetpipe.replicas import gather, piece, pieces_for
 from hetpipe.stage import StageCompute
 from hetpipe.timeline import Timeline, shares
@@ -72,7 +74,9 @@ PUSH_TIMEOUT_S = 120.0
 # A pull may be parked for as long as the slowest virtual worker needs to finish a wave.
 PULL_TIMEOUT_S = 3600.0
 
-Report = Callable[[dict[str, Any]], Awaitable[None]]
+# a report to the head: stats, and the tensors some carry (a stage's weights for the best
+# model of train.keep_best: hetpipe.evalpass); a report without tensors passes none
+Report = Callable[..., Awaitable[None]]
 # (kind, p, host tensors, device tensors of this host's GPUs shared by handle or None, the
 # receiver's place in its group: act to stage + 1, grad to stage - 1, replica_grad to this
 # stage's replicas (hetpipe.replicas), more header fields)
@@ -216,13 +220,28 @@ class StageRunner:
             pulls=self.schedule.pulls,
             stalls=bool(compute.stalls or compute.slowdowns),
         )
-        # waves between the pushes that carry this stage's update (see _flushes): 0 for
-        # only at checkpoints and the end
         spec = compute.spec
+        # train.eval_every, and whether its passes run on the workers (hetpipe.evalpass)
+        waves, seconds = parse_every(spec.eval_every)
+        seconds = seconds or spec.eval_every_s
+        workers = on_workers(
+            sync=self.sync,
+            num_vws=compute.task.num_vws,
+            ties=bool(compute.task.ties),
+            bn_recalibrate=spec.bn_recalibrate,
+        )
+        # waves between the pushes that carry this stage's update (see _flushes): 0 for
+        # only at checkpoints and the end; every wave where the head scores the shards'
+        # weights while training, or exports them when the job stops for lack of gain (they
+        # must hold what was trained)
         self.push_every = (
             1
             if self.schedule.pulls
-            or (not spec.push_every and (spec.eval_every_s or spec.eval_every))
+            or (
+                not spec.push_every
+                and (waves or seconds)
+                and (not workers or spec.stop_after_no_gain)
+            )
             else spec.push_every
         )
         self.flushed = 0  # waves whose update has been sent to the shards
@@ -232,11 +251,19 @@ class StageRunner:
             self.schedule.done(Merge(0))
         # received carries (hetpipe.carry) with their targets, and gradients, by minibatch
         self.acts: dict[int, tuple[Carry, Target]] = {}
-        # the validation pass at the job's end (_validate): minibatch i -> (count, tensors)
-        # as the previous stage sent them; the last stage's figures
-        self.eval_in: dict[int, tuple[int, dict[str, Any]]] = {}
+        # validation passes (_validation_pass): (boundary, minibatch i) -> (count, tensors)
+        # as the previous stage sent them; the last stage's figures of the job's end pass
+        self.eval_in: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}
         self.validation: dict[str, float] | None = None
-        self.validation_s = 0.0  # this stage's time in the pass, after its training
+        self.validation_s = 0.0  # this stage's time in validation passes (left out of training)
+        # the validation passes while training (hetpipe.evalpass): where this stage takes
+        # part in them, their bookkeeping; the passes it ran
+        self.passes: Passes | None = None
+        if workers and self.validates and (waves or seconds):
+            self.passes = Passes(
+                waves, seconds, self.schedule.waves, spec.keep_best, tuple(spec.metrics)
+            )
+        self.validations = 0
         self.grads: dict[int, Carry] = {}
         # stage replicas (hetpipe.replicas): the rows this device holds, and each side's split
         task = self.task
@@ -410,10 +437,8 @@ class StageRunner:
         An activation's tensors are its carry (``x``, or ``x.0`` ... for a tuple) and the
         minibatch's target (``y``, ``y.<key>`` for a dict, none for a model that computes its
         own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
-        if msg.get("eval") is not None:  # a minibatch of the validation pass (_validate)
-            i, n = msg["eval"]
-            names = self._names(msg)
-            self.eval_in[int(i)] = (int(n), {name: self._received(msg, name) for name in names})
+        if msg.get("eval") is not None:  # a validation pass's message (_validation_pass)
+            self._take_eval(msg)
             self.wakeup.set()
             return
         if msg.get("agree") is not None:
@@ -444,6 +469,28 @@ class StageRunner:
             }
             self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
+
+    def _take_eval(self, msg: Message) -> None:
+        """A validation pass's message (``ValueError``, one line, if malformed): on an
+        activation, ``[c]`` announces a pass at boundary ``c``, ``[i, n, c]`` is its minibatch
+        ``i`` of ``n`` (``[i, n]``: the pass at the job's end); on a gradient, ``[c,
+        improved]`` is the last stage's verdict on the pass's figures (``train.keep_best``)."""
+        ev = msg["eval"]
+        try:
+            got = [int(v) for v in ev]
+        except (TypeError, ValueError):
+            raise ValueError(f"{msg.kind} carries a malformed eval field: {ev!r}") from None
+        if msg.kind == Kind.GRAD and len(got) == 2 and self.passes is not None:
+            self.passes.verdicts[got[0]] = bool(got[1])
+        elif msg.kind == Kind.ACT and len(got) == 1 and self.passes is not None:
+            self.passes.announce(got[0])
+        elif msg.kind == Kind.ACT and len(got) in (2, 3):
+            i, n = got[0], got[1]
+            c = got[2] if len(got) == 3 else self.schedule.waves
+            names = self._names(msg)
+            self.eval_in[(c, i)] = (n, {name: self._received(msg, name) for name in names})
+        else:
+            raise ValueError(f"{msg.kind} carries an eval field {ev!r} this stage does not take")
 
     @staticmethod
     def _names(msg: Message) -> tuple[str, ...]:
@@ -516,10 +563,14 @@ class StageRunner:
     async def run(self) -> dict[str, Any]:
         """Train this stage through all minibatches of the job; return its final stats."""
         self.started = time.monotonic()
+        if self.passes is not None:  # train.eval_every in seconds counts from here
+            self.passes.last_t = self.started
         self.timeline = Timeline()
         reporter = asyncio.create_task(self._report_loop())
         try:
             while not isinstance(action := self.schedule.next(self), Done):
+                if self.passes is not None and await self._pass_at_boundary():
+                    continue
                 if self.migration is not None and await self.migration.at(self, action):
                     continue
                 if isinstance(action, Wait):
@@ -545,8 +596,8 @@ class StageRunner:
             await self._run(self.compute.read_quality, True)
             if self.validates:  # after the timeline's last span: no share of training time
                 t0 = time.monotonic()
-                await self._validate()
-                self.validation_s = time.monotonic() - t0
+                self.validation = await self._validation_pass(self.schedule.waves)
+                self.validation_s += time.monotonic() - t0
             await self._send_records(final=True)
             self.waiting = None
         finally:
@@ -620,6 +671,8 @@ class StageRunner:
         await self._compute_run_now(run)
 
     async def _compute_run_now(self, run: list[Action]) -> None:
+        if self.passes is not None and self.task.is_first:
+            await self._decide_passes(run)
         head = run[0]
         inputs: list[Any] = []
         for a in run:
@@ -1012,35 +1065,98 @@ class StageRunner:
 
     @property
     def validates(self) -> bool:
-        """Whether this stage takes part in the job's validation pass: the leaders of virtual
-        worker 0's stages (a replica holds its leader's weights), where that virtual worker's
-        final weights are the job's global weights: alone in its job, or synchronous (every
-        virtual worker steps on the same merged gradient). Otherwise the head scores the
-        global weights it gathers from the shards."""
+        """Whether this stage takes part in the job's validation pass at its end: the leaders
+        of virtual worker 0's stages (a replica holds its leader's weights), where that
+        virtual worker's final weights are the job's global weights: alone in its job, or
+        synchronous (every virtual worker steps on the same merged gradient). Otherwise the
+        head scores the global weights it gathers from the shards. The passes while training
+        run on the same stages, where :func:`hetpipe.evalpass.on_workers` holds."""
         return (
             self.task.vw == 0 and self.task.replica == 0 and (self.task.num_vws == 1 or self.sync)
         )
 
-    async def _validate(self) -> None:
-        """The validation set through this virtual worker's pipeline, forward only, on each
-        stage's weights at the job's end (:meth:`StageCompute.eval_forward`: eval mode,
-        ``no_grad``): the first stage reads the validation minibatches in order and sends each
-        output on (tagged ``eval = [i, n]`` on an activation message, the target with it);
-        a middle stage passes each on; the last scores them with the job's loss and
-        ``train.metrics`` (:class:`hetpipe.metrics.Tally`) into :attr:`validation`, which its
-        final stats carry to the head. A first stage without a validation set sends ``n = 0``."""
+    async def _decide_passes(self, run: list[Action]) -> None:
+        """Stage 0, before a run holding the forward that opens wave ``c``: whether a
+        validation pass runs at boundary ``c`` (:meth:`hetpipe.evalpass.Passes.decide`);
+        announced down the pipeline ahead of that forward's activation."""
+        assert self.passes is not None
+        nm = self.task.nm
+        for a in run:
+            if isinstance(a, Forward) and a.p % nm == 0:
+                self.passes.decide(a.p // nm, time.monotonic())
+        await self._pass_on_announcements()
+
+    async def _pass_on_announcements(self) -> None:
+        assert self.passes is not None
+        for c in self.passes.passing_on():
+            if not self.task.is_last:
+                await self.send(Kind.ACT, c * self.task.nm, {}, None, 0, {"eval": [c]})
+
+    async def _pass_at_boundary(self) -> bool:
+        """Before each action: pass announced validation passes on, and run one whose
+        boundary this stage has reached (the steps of every minibatch before it taken, none
+        after: :meth:`hetpipe.evalpass.Passes.due`); True where one ran. Training waits
+        meanwhile, so the pass scores the weights as they were at the boundary.
+
+        The last stage reports the figures to the head (a report with ``evaluation``:
+        boundary, figures, the pass's seconds here). With ``train.keep_best`` the verdict goes
+        back up the pipeline, and each stage, holding its weights until the verdict, sends
+        them to the head where the figures improved (:mod:`hetpipe.evalpass`)."""
+        ps = self.passes
+        assert ps is not None
+        await self._pass_on_announcements()
+        c = ps.due(self.schedule.steps, 1 if self.sync else self.task.nm)
+        if c is None:
+            return False
+        ps.ran(c)
+        t0 = time.monotonic()
+        figures = await self._validation_pass(c)
+        improved = False
+        if self.task.is_last:
+            improved = ps.best is not None and ps.offer(figures or {})
+            evaluation = {"wave": c, "figures": figures or {}, "seconds": time.monotonic() - t0}
+            await self.report({"evaluation": evaluation})
+        elif ps.best is not None:
+            self._wait_for("validation verdict", c=c)
+            while c not in ps.verdicts:
+                await self.wakeup.wait()
+                self.wakeup.clear()
+            improved = ps.verdicts.pop(c)
+        if ps.best is not None:
+            if not self.task.is_first:
+                await self.send(
+                    Kind.GRAD, c * self.task.nm, {}, None, 0, {"eval": [c, int(improved)]}
+                )
+            if improved:
+                weights = await self._run(self.compute.best_weights)
+                await self.report({"evaluation": {"wave": c, "stage": self.task.stage}}, weights)
+        self.validation_s += time.monotonic() - t0
+        self.validations += 1
+        return True
+
+    async def _validation_pass(self, c: int) -> dict[str, float] | None:
+        """The validation set through this virtual worker's pipeline at boundary ``c`` (the
+        job's last wave: its end), forward only, on each stage's current weights
+        (:meth:`StageCompute.eval_forward`: eval mode, ``no_grad``): the first stage reads
+        the validation minibatches in order and sends each output on (tagged ``eval = [i, n,
+        c]`` on an activation message, the target with it; ``n`` the count on the last, -1 on
+        the others); a middle stage passes each on;
+        the last scores them with the job's loss and ``train.metrics``
+        (:class:`hetpipe.metrics.Tally`) and returns the figures (None elsewhere, and where
+        there is no validation set). A first stage without a validation set sends ``n = 0``.
+        A metric that raises ends the stage with its :class:`~hetpipe.metrics.MetricError`."""
         from hetpipe.data.evaluate import val_batches
         from hetpipe.metrics import Tally, resolve
 
         tally = Tally(resolve(self.compute.spec.metrics)) if self.task.is_last else None
-        self._wait_for("validation")
+        self._wait_for("validation pass", c=c)
 
         async def through(i: int, n: int, x: Any, y: Any) -> None:
             out = await self._run(self.compute.eval_forward, x)
             if tally is None:
                 host = {n_: t.cpu() for n_, t in carry.names(out, "x").items()}
                 target = {n_: t.cpu() for n_, t in carry.names(y, "y").items()}
-                await self.send(Kind.ACT, i, {**host, **target}, None, 0, {"eval": [i, n]})
+                await self.send(Kind.ACT, i, {**host, **target}, None, 0, {"eval": [i, n, c]})
                 return
             target = carry.mapped(y, lambda t: t.to(self.compute.dev)) if y is not None else None
             loss = await self._run(self.compute.loss_fn, out, target)
@@ -1049,29 +1165,34 @@ class StageRunner:
         if self.task.is_first:
             source = self.stream.source if self.stream is not None else None
             val = getattr(source, "val", None)
-            # read on the compute thread, as training minibatches are: never on the loop
-            batches = await self._run(lambda: list(val_batches(source))) if val is not None else []
-            if not batches and tally is None:
-                await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
-            for i, (x, y) in enumerate(batches):
-                await through(i, len(batches), x, y)
+            # read on the compute thread one minibatch ahead, as training minibatches are
+            # (never on the loop, never the whole set at once): the last carries the count,
+            # the others -1 (more follow)
+            batches = iter(val_batches(source) if val is not None else ())
+            cur = await self._run(next, batches, None)
+            if cur is None and tally is None:
+                await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0, c]})
+            i = 0
+            while cur is not None:
+                nxt = await self._run(next, batches, None)
+                await through(i, -1 if nxt is not None else i + 1, *cur)
+                cur, i = nxt, i + 1
         else:
-            i, n = 0, 1
-            while i < n:
-                if i not in self.eval_in:
+            i, n = 0, -1
+            while n < 0 or i < n:
+                if (c, i) not in self.eval_in:
                     await self.wakeup.wait()
                     self.wakeup.clear()
                     continue
-                n, got = self.eval_in.pop(i)
+                n, got = self.eval_in.pop((c, i))
                 if n == 0:  # no validation set: said on
                     if tally is None:
-                        await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0]})
+                        await self.send(Kind.ACT, 0, {}, None, 0, {"eval": [0, 0, c]})
                     break
                 x, y = carry.message_parts(got, f"validation minibatch {i}")
                 await through(i, n, x, y)
                 i += 1
-        if tally is not None:
-            self.validation = tally.result() or None
+        return (tally.result() or None) if tally is not None else None
 
     def progress(self) -> dict[str, Any]:
         s = self.compute.stats
@@ -1125,8 +1246,10 @@ class StageRunner:
         out["thread_runs"] = self.inline.thread_runs
         if self.validation is not None:  # the last stage's figures of the validation pass
             out["validation"] = self.validation
-        if self.validation_s:
+        if self.validation_s:  # every validation pass's time here, the end's included
             out["validation_s"] = self.validation_s
+        if self.validations:  # the passes while training
+            out["validations"] = self.validations
         if self.migration is not None and self.migration.done:
             out["migrations"] = list(self.migration.done)
         return out

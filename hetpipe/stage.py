@@ -406,6 +406,15 @@ class StageCompute:
             for n, t in {**self.wv.params, **self.wv.buffers, **self.wv.local}.items()
         }
 
+    def best_weights(self) -> dict[str, torch.Tensor]:
+        """A host copy of this stage's weights and buffers kept on the shards, by their global
+        names, as they are now: its part of ``model_best.pt`` where a validation pass while
+        training improved ``train.keep_best`` (:mod:`hetpipe.evalpass`)."""
+        return {
+            n: t.detach().to("cpu", copy=True)
+            for n, t in {**self.wv.params, **self.wv.buffers}.items()
+        }
+
     def eval_forward(self, x: Inputs, state: Mapping[str, torch.Tensor] | None = None) -> Any:
         """A validation forward: this stage's layers on ``x`` in eval mode under
         ``no_grad``, with ``state`` (:meth:`eval_state`) or the current weights. Nothing

@@ -174,6 +174,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.ASSIGN: {"rid": _INT, "job": _STR, "task": _DICT},
     Kind.START: {"job": _STR},
     Kind.ABORT: {"job": _STR, "reason": _STR},
+    # stats: a stage's progress; or (stats.evaluation) a validation pass's figures from vw0's
+    # last stage, or a stage's weights (tensors) for train.keep_best (hetpipe.head.evals)
     Kind.REPORT: {"job": _STR, "vw": _INT, "stage": _INT, "stats": _DICT},
     # a stage's summary; its records and spans came before in stage_records (records: any
     # last rows that did not, appended after them; this runtime's workers send none here)
@@ -220,8 +222,11 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "parcels": _OPT_LIST,
         "refusal": _OPT_STR,
     },
-    # eval (on an activation): [i, n], minibatch i of n of the job's validation pass
-    # (hetpipe.pipeline.StageRunner._validate; no tensors with n = 0: no validation set)
+    # eval (on an activation): [i, n, c], minibatch i of the validation pass at wave boundary
+    # c, n the count on the last one and -1 on the others ([i, n]: the job's end; no tensors
+    # with n = 0: no validation set); [c] (no
+    # tensors): a pass at boundary c is announced (hetpipe.evalpass,
+    # hetpipe.pipeline.StageRunner._validation_pass)
     # tensors: activation "x" (a tuple carry: "x.0", "x.1", ...: hetpipe.carry), target "y"
     # (a dict: "y.<key>"; none: the model makes its loss); rows: the minibatch's rows [lo, hi)
     # they hold, where a stage on either side is replicated (hetpipe.replicas); absent: all of them.
@@ -241,11 +246,13 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "tied": _OPT_INT,
     },
     # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows,
-    # agree and tied as for act
+    # agree and tied as for act; eval (then no tensors): [c, improved], the last stage's
+    # verdict on the pass at boundary c for train.keep_best (hetpipe.evalpass)
     Kind.GRAD: {
         "job": _STR,
         "vw": _INT,
         "p": _INT,
+        "eval": _OPT_LIST,
         "ipc": _OPT_DICT,
         "shm": _OPT_DICT,
         "rows": _OPT_LIST,

@@ -413,13 +413,16 @@ class Worker:
         return snapshot
 
     def _reporter(self, job: _Job) -> Any:
-        async def report(stats: dict[str, Any]) -> None:
+        async def report(
+            stats: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+        ) -> None:
             assert self.head is not None
             if not job.task.leader:
                 return  # a replicated stage's leader reports for it (hetpipe.replicas)
             await self.head.send(
                 Kind.REPORT,
                 {"job": job.task.job, "vw": job.task.vw, "stage": job.task.stage, "stats": stats},
+                tensors,
             )
 
         return report

@@ -327,6 +327,9 @@ class StandInCompute:
             push_every=1,
             checkpoint_every=0,
             eval_every_s=None,
+            eval_every=0,  # no validation pass while training
+            keep_best=None,
+            bn_recalibrate=0,
             metrics=(),  # the job's validation pass: only its loss
             minibatch=1,
             warmup_forwards=warmup,

@@ -287,7 +287,7 @@ def test_figures_of_a_two_stage_job_equal_plain_pytorch(cluster: LocalCluster) -
     lines = validation_lines(info)
     assert len(lines) >= 2  # at least one while training, and the end
     assert lines[-1]["on"] == "workers"  # the validation pass through the pipeline
-    assert all(v["on"] == "head" for v in lines[:-1])  # while training: the shards' weights
+    assert all(v["on"] == "workers" for v in lines[:-1])  # while training: VW 0's pipeline
     assert lines[-1][LOSS] == info[LOSS] and lines[-1]["minibatches"] == 300
     last = json.loads(Path(info["metrics_path"]).read_text().splitlines()[-1])
     assert last["validation"] == lines[-1] and "stages" in last  # a telemetry line's shape

@@ -1,5 +1,6 @@
-"""Accuracy of a whole model on a validation set, and batch-norm recalibration; what the head
-runs on the global weights."""
+"""The validation minibatches (:func:`val_batches`: what a first stage's validation pass reads,
+:mod:`hetpipe.evalpass`, and what the head reads where it scores the global weights itself),
+accuracy of a whole model on a validation set, and batch-norm recalibration."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
 
 
 def val_batches(data: DataSource | Dataset, batch: int = VAL_BATCH) -> Iterator[Batch]:
+    """The validation set in order, in minibatches of ``batch`` rows (the last may be
+    short), read as they are asked for."""
     if isinstance(data, Dataset):
         data = DataSource(data.name, None, data.val, Batcher(data.name))
     val = data.val

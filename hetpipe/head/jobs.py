@@ -18,7 +18,7 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import zmq
 
 from hetpipe import checkpoint
 from hetpipe.head import drift
+from hetpipe.head.evals import WorkerEvals, workers_evaluate
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
@@ -89,6 +90,7 @@ class JobState:
     best: Best | None = None  # train.keep_best / stop_after_no_gain: the best evaluation
     stopped: str | None = None  # why the job ended before its last minibatch (no gain)
     best_entry: dict[str, Any] = field(default_factory=dict)  # the evaluation ``best`` took
+    worker_evals: WorkerEvals | None = None  # the passes on the workers (hetpipe.head.evals)
     diagnosis: list[str] = field(default_factory=list)  # what each stage waits for, if hung
     failure: asyncio.Future[str] | None = None
     all_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -610,11 +612,52 @@ class JobsPart:
             clocks[str(index)] = reply.get("info")
         return state, clocks
 
+    def _worker_evals(self, js: JobState) -> WorkerEvals:
+        """The current attempt's :class:`~hetpipe.head.evals.WorkerEvals` (a new one for a
+        new attempt)."""
+        assert js.plan is not None
+        ev = js.worker_evals
+        if ev is None or ev.of is not js.plan:
+            ev = js.worker_evals = WorkerEvals(len(js.plan.vws[0].stages), of=js.plan)
+        return ev
+
+    def _took_evaluation(
+        self,
+        js: JobState,
+        key: tuple[int, int],
+        evaluation: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+    ) -> None:
+        """A stage's report of a validation pass while training (figures, or its weights for
+        the best model): kept for :meth:`_evaluate_every` (:mod:`hetpipe.head.evals`)."""
+        if js.plan is None or key[0] != 0 or not workers_evaluate(js.spec, js.plan):
+            return
+        try:
+            self._worker_evals(js).took(key[1], evaluation, tensors)
+        except ValueError as exc:
+            self.log.warning("validation report refused", job=js.id, error=str(exc))
+
     async def _evaluate_every(self, js: JobState, waves: int, seconds: float | None) -> None:
-        """Validation figures of the global weights while the job trains: every ``waves``
-        waves (iterations) of the global clock, or every ``seconds``
-        (``train.eval_every``). A metric that raises fails the job, naming it."""
+        """Validation figures while the job trains, every ``waves`` waves (iterations) or
+        every ``seconds`` (``train.eval_every``). A metric that raises fails the job, naming
+        it.
+
+        Where virtual worker 0's weights are the global ones (:func:`~hetpipe.head.evals.
+        workers_evaluate`), its pipeline runs the passes on the workers at its wave
+        boundaries (:mod:`hetpipe.evalpass`) and the figures are taken here as they come;
+        else the head gathers the global weights from the shards at the global clock's
+        boundaries (or every ``seconds``) and scores them on its copy of the model."""
         assert js.plan is not None and js.started is not None
+        if workers_evaluate(js.spec, js.plan):
+            ev = self._worker_evals(js)
+            while True:
+                item = await ev.queue.get()
+                ev.taking = asyncio.ensure_future(self._took_pass(js, ev, item))
+                await asyncio.shield(ev.taking)  # a job that ends meanwhile waits for it
+                if js.stopped is not None:
+                    js.all_done.set()  # a clean end: the workers drop the job
+                    return
+        js.worker_evals = None
         loop = asyncio.get_running_loop()
         next_wave = waves
         while True:
@@ -641,6 +684,25 @@ class JobsPart:
                 js.all_done.set()  # a clean end: _finish exports the weights evaluated last
                 return
 
+    async def _took_pass(self, js: JobState, ev: WorkerEvals, item: dict[str, Any]) -> None:
+        """One pass's figures from the workers (:meth:`_took_figures`, ``on = "workers"``):
+        the minibatches every virtual worker had trained at its boundary; the best model
+        from the stages' weights of that boundary."""
+        plan = js.plan
+        assert plan is not None and js.started is not None
+        c = item["wave"]
+        done = sum(min(c * vw.nm, plan.minibatches_of(v)) for v, vw in enumerate(plan.vws))
+        await self._took_figures(
+            js,
+            item["figures"],
+            item["t"] - js.started,
+            done,
+            c,
+            lambda: ev.state(c),
+            "workers",
+            item["seconds"],
+        )
+
     async def _took_figures(
         self,
         js: JobState,
@@ -648,17 +710,30 @@ class JobsPart:
         seconds: float,
         done: int,
         wave: int | None,
-        state: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor] | Callable[[], Awaitable[dict[str, torch.Tensor] | None]],
         on: str = "head",
+        validation_s: float | None = None,
     ) -> None:
         """One evaluation's figures: into the job's status and ``metrics.jsonl``; the best
         model written where it improves ``train.keep_best``; the job told to stop after
         ``train.stop_after_no_gain`` evaluations without a gain. ``on``: where the figures
-        were computed (``"workers"``: the validation pass through the pipeline; ``"head"``:
-        the global weights gathered from the shards)."""
+        were computed (``"workers"``: a validation pass through virtual worker 0's pipeline;
+        ``"head"``: the global weights gathered from the shards). ``state``: the weights
+        evaluated, or (a pass on the workers) how to get them, asked for only where they
+        improve ``keep_best``; ``validation_s``: the pass's seconds at the last stage.
+
+        The job's final figures (``state`` the weights themselves) come after every pass's
+        the workers reported (:meth:`hetpipe.head.evals.WorkerEvals.drain`)."""
         assert js.plan is not None
+        ev = js.worker_evals
+        if ev is not None and not callable(state):  # the job's end: the passes' figures first
+            for item in await ev.drain():
+                await self._took_pass(js, ev, item)
+            js.worker_evals = None  # no weights held past the job
         spec = js.spec
         entry = {"seconds": seconds, "minibatches": done, "wave": wave, "on": on, **figures}
+        if validation_s is not None:
+            entry["validation_s"] = validation_s
         js.validation.append(entry)
         if figures.get("accuracy") is not None or not figures:
             js.evals.append([seconds, done, figures.get("accuracy")])
@@ -671,10 +746,17 @@ class JobsPart:
         if js.best.offer(figures):
             js.best_entry = entry
             if spec.keep_best:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(
-                    None, js.plan.save_state, state, self.job_dir(js), BEST_MODEL
-                )
+                if callable(state):
+                    try:
+                        state = await state()  # None: a later pass's weights supersede these
+                    except TimeoutError as exc:
+                        js.fail(str(exc))
+                        return
+                if state is not None:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(
+                        None, js.plan.save_state, state, self.job_dir(js), BEST_MODEL
+                    )
         elif (
             spec.stop_after_no_gain
             and js.best.since >= spec.stop_after_no_gain

@@ -315,7 +315,10 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
         if js is None or js.state != JobStatus.RUNNING:
             return
         key = (msg["vw"], msg["stage"])
-        if msg.kind == Kind.REPORT:
+        if msg.kind == Kind.REPORT and "evaluation" in msg["stats"]:
+            # a validation pass's figures, or a stage's weights for the best model
+            self._took_evaluation(js, key, msg["stats"]["evaluation"], msg.tensors)
+        elif msg.kind == Kind.REPORT:
             js.progress[key] = msg["stats"]
         elif msg.kind == Kind.STAGE_RECORDS:
             # appended to the job's directory as it arrives: the head keeps none in memory
