@@ -14,6 +14,7 @@ import torch
 import userdata
 
 from hetpipe.data import DataError, MinibatchStream, first_batch, load_data
+from hetpipe.jobplan import data_shares
 
 
 def samples_of(batch: tuple) -> list[int]:
@@ -292,3 +293,21 @@ def test_a_state_a_checkpoint_cannot_store_is_one_line_naming_the_data() -> None
         reader.get(0)
         with pytest.raises(DataError, match=r"data 'userdata:stateful_stream': state_dict\(\)"):
             reader.state(1)
+
+
+def test_synchronous_vws_of_different_m_read_one_block_of_the_epoch_an_iteration() -> None:
+    """VWs of M = 2 and M = 4 (a synchronous job's shares, hetpipe.jobplan.data_shares): each
+    iteration reads the next 6 minibatches of the epoch's permutation, 2 to the first VW and 4
+    to the second, and an epoch ends for both at the same iteration."""
+    assert data_shares(True, [2, 4]) == [2, 4]
+    assert data_shares(True, [3, 3]) == [] and data_shares(False, [1, 2]) == []
+    src = load_data("userdata:pairs", {"n": 100})
+    shares = data_shares(True, [2, 4])
+    a, b = (MinibatchStream(src, 4, seed=5, vw=v, num_vws=2, shares=shares) for v in range(2))
+    assert (a.per_epoch, b.per_epoch) == (8, 16)  # 25 minibatches: 4 blocks of 6, 1 dropped
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()
+    for i in range(4):
+        got = [j for p in (2 * i, 2 * i + 1) for j in a.indices(p).tolist()]
+        got += [j for p in range(4 * i, 4 * i + 4) for j in b.indices(p).tolist()]
+        assert got == perm[24 * i : 24 * (i + 1)]
+    assert a.epoch(8) == b.epoch(16) == 1

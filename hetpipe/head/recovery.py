@@ -95,6 +95,9 @@ def stage_restores(
             meta: dict[str, Any] = {"weights": False, "opt_steps": steps}
             if optimizer is not None:
                 meta["optimizer"] = optimizer
+            if s == 0 and same_vws:  # the VW's stream position (hetpipe.data.stream)
+                first = [i["meta"].get("data") for _, i in source if int(i["stage"]) == 0]
+                meta["data"] = first[0] if first else None
             out[(v, s)] = (meta, tensors)
     return out
 
