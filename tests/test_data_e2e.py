@@ -13,7 +13,7 @@ import pytest
 import torch
 import userdata
 from conftest import UNIFORM, assert_same_weights, edited, job, running_until
-from helpers import plain_training, rss_mb
+from helpers import plain_training, records_by_index, rss_mb
 
 from hetpipe import checkpoint
 from hetpipe.data import MinibatchStream, load_data
@@ -126,8 +126,11 @@ def test_a_job_stopped_mid_epoch_and_resumed_reads_on_where_it_stopped(
 
 def _global_positions(info: dict[str, Any], starts: list[int]) -> dict[int, list[int]]:
     """Per VW, the job-wide positions of the minibatches its first stage trained, from the
-    records its job directory streamed (an attempt's ``p`` counts from its VW's data
-    position ``starts``)."""
+    records (an attempt's ``p`` counts from its VW's data position ``starts``): a finished
+    job's in its stages.json, a cancelled one's as its stages streamed them."""
+    if info["state"] == "done":
+        rows = records_by_index(info)
+        return {v: [start + int(r["p"]) for r in rows[(v, 0)]] for v, start in enumerate(starts)}
     d = Path(info["stages_path"]).parent
     out = {}
     for v, start in enumerate(starts):
