@@ -946,9 +946,9 @@ class StageRunner:
         meta, tensors = await self._run(self.compute.state, cut)
         meta["merged"] = self.sync or not self.schedule.pulls or self.schedule.merged >= cut
         reader = getattr(self, "_reader", None)
-        if reader is not None:  # a stateful stream's position at the cut (hetpipe.data.stream)
-            at = self.task.start + min(cut * self.task.nm, self.task.minibatches)
-            meta["data"] = reader.state(at)
+        at = self.task.start + min(cut * self.task.nm, self.task.minibatches)
+        if reader is not None and (data := reader.state(at)) is not None:
+            meta["data"] = data  # a stateful stream's position at the cut (hetpipe.data.stream)
         meta["state_s"] = time.perf_counter() - t0
         await self.snapshot(cut, meta, tensors)
 

@@ -95,9 +95,9 @@ def stage_restores(
             meta: dict[str, Any] = {"weights": False, "opt_steps": steps}
             if optimizer is not None:
                 meta["optimizer"] = optimizer
-            if s == 0 and same_vws:  # the VW's stream position (hetpipe.data.stream)
-                first = [i["meta"].get("data") for _, i in source if int(i["stage"]) == 0]
-                meta["data"] = first[0] if first else None
+            data = [i["meta"].get("data") for _, i in source if s == 0 and int(i["stage"]) == 0]
+            if same_vws and data and data[0] is not None:  # its stream's position there
+                meta["data"] = data[0]  # (hetpipe.data.stream)
             out[(v, s)] = (meta, tensors)
     return out
 
