@@ -704,7 +704,8 @@ class StageRunner:
         reader = getattr(self, "_reader", None)
         if reader is None:
             state = (self.task.restore or {}).get("data")
-            reader = self._reader = self.stream.reader(self.task.start, state=state)  # type: ignore[union-attr]
+            kw = {} if state is None else {"state": state}
+            reader = self._reader = self.stream.reader(self.task.start, **kw)  # type: ignore[union-attr]
         batch = reader.get(self.task.start + p)
         if not self.task.replicated:
             return batch
