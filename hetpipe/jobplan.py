@@ -40,11 +40,19 @@ from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
-__all__ = ["JobPlan", "JobPlanError", "plan_job", "requested_layouts"]
+__all__ = ["JobPlan", "JobPlanError", "data_shares", "plan_job", "requested_layouts"]
 
 
 class JobPlanError(ValueError):
     """The job cannot run on this cluster now; the text says why."""
+
+
+def data_shares(sync: bool, nms: list[int]) -> list[int]:
+    """Each virtual worker's share of an epoch's minibatches (``shares`` of
+    :class:`hetpipe.data.MinibatchStream`): synchronous VWs of different M run M each an
+    iteration, so each takes its M of every block of the epoch's minibatches; VWs that run
+    the same amounts deal them in turn (empty: equal shares)."""
+    return list(nms) if sync and len(set(nms)) > 1 else []
 
 
 @dataclass
@@ -173,6 +181,7 @@ class JobPlan:
                             },
                             placement={n: self.placement[n] for n in names},
                             start=self.start_of(v),
+                            shares=data_shares(self.spec.sync, [w.nm for w in self.vws]),
                             replica=r,
                             peers=peers(st),
                             prev=prev,
@@ -456,8 +465,10 @@ def plan_job(
                     f"vw[{v}].layers: {exc} (a replicated stage holds no copy of a tie)"
                 ) from None
         run_vws.append(vw)
-    # minibatches per VW and epoch, as each VW's stream deals them (hetpipe.data.stream)
-    per_epoch = (n_train // spec.minibatch) // len(run_vws) if n_train is not None else 0
+    # the first VW's minibatches per epoch, as the streams deal them (hetpipe.data.stream)
+    shares = data_shares(spec.sync, [vw.nm for vw in run_vws]) or [1] * len(run_vws)
+    blocks = (n_train // spec.minibatch) // sum(shares) if n_train is not None else 0
+    per_epoch = blocks * shares[0]
     if n_train is not None and per_epoch < 1:
         raise JobPlanError(
             f"train.minibatch: {spec.minibatch} leaves no full minibatch per "
@@ -471,7 +482,7 @@ def plan_job(
     if spec.sync and not spec.vws and len(run_vws) > 1:
         # planned synchronous virtual workers share train.nm microbatches per iteration, so
         # train.minibatches counts the job's; the runtime counts the first worker's
-        total = spec.minibatches or (spec.epochs or 1) * per_epoch * len(run_vws)
+        total = spec.minibatches or (spec.epochs or 1) * blocks * sum(shares)
         minibatches = -(-total // sum(v.nm for v in run_vws)) * run_vws[0].nm
     everything = model.state_dict()
     state = {n: everything[n].detach().clone() for n in layout.shared}

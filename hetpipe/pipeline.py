@@ -752,11 +752,13 @@ class StageRunner:
     def _my_batch(self, p: int) -> Batch:
         """The first stage's input of minibatch ``p`` as ``(inputs, target)``: this replica's
         rows of it. Read in order through the stream's ``DataLoader`` (one reader for the
-        run, opened at the VW's data position ``task.start``: a restarted stage reads on
-        from where the stopped one was)."""
+        run, opened at the VW's data position ``task.start``, and a stateful stream's state
+        there: a restarted stage reads on from where the stopped one was)."""
         reader = getattr(self, "_reader", None)
         if reader is None:
-            reader = self._reader = self.stream.reader(self.task.start)  # type: ignore[union-attr]
+            state = (self.task.restore or {}).get("data")
+            kw = {} if state is None else {"state": state}
+            reader = self._reader = self.stream.reader(self.task.start, **kw)  # type: ignore[union-attr]
         batch = reader.get(self.task.start + p)
         if not self.task.replicated:
             return batch
@@ -997,6 +999,10 @@ class StageRunner:
         t0 = time.perf_counter()
         meta, tensors = await self._run(self.compute.state, cut)
         meta["merged"] = self.sync or not self.schedule.pulls or self.schedule.merged >= cut
+        reader = getattr(self, "_reader", None)
+        at = self.task.start + min(cut * self.task.nm, self.task.minibatches)
+        if reader is not None and (data := reader.state(at)) is not None:
+            meta["data"] = data  # a stateful stream's position at the cut (hetpipe.data.stream)
         meta["state_s"] = time.perf_counter() - t0
         await self.snapshot(cut, meta, tensors)
 

@@ -34,6 +34,8 @@ class StageTask(OnStage):
     shards: dict[str, str] = field(default_factory=dict)  # shard index -> address
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
+    shares: list[int] = field(default_factory=list)  # every VW's share of an epoch (empty:
+    # equal; hetpipe.jobplan.data_shares)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its
     # meta (the tensors travel with the assignment; hetpipe.checkpoint)
     replica: int = 0  # this device's place in ``layout.devices`` (hetpipe.replicas)

@@ -265,6 +265,7 @@ class Worker:
                     workers=spec.data.workers,
                     prefetch=spec.data.prefetch,
                     pin_memory=str(self.device.device).startswith("cuda"),
+                    shares=task.shares or None,
                 )
             self.job = job
         except Exception as exc:

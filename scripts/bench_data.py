@@ -18,13 +18,22 @@ The first ``--warmup`` minibatches (the loader's worker processes starting) are 
 each figure is the median of ``--repeats`` runs, the stage's and the plain loop's alternated.
 Loader workers need cores of their own: on a host whose cores are busy the wait stays.
 
+``--memory``: instead, the resident memory of every process of a local cluster (the head, two
+workers, their loader worker processes) while a job trains on a data set of ``--gib`` GiB of
+3 x 64 x 64 images made on the fly from their index (nothing on disk), against one a thousand
+times smaller: ``max_rss_mib`` per kind of process (target: every process under 1024 MiB) and
+``head_growth_mib``, the head's extra memory for the large set (target: about 0, the head
+never loads the training set).
+
     python scripts/bench_data.py [--json] [--minibatches N] [--minibatch B] [--repeats N]
+    python scripts/bench_data.py --memory [--json] [--gib G]
 """
 
 from __future__ import annotations
 
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,6 +161,164 @@ def run_plain(data: Dataset, workers: int, args: Any) -> dict[str, float]:
     }
 
 
+# -- memory: a data set far larger than any process's memory --------------------------------
+
+GENERATED = '''"""Images made on the fly from their index (written by scripts/bench_data.py)."""
+import torch
+from torch.utils.data import Dataset
+
+
+class Generated(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn((3, 64, 64), generator=g), i % 10
+
+
+def generated(gib):
+    sample = 4 * 3 * 64 * 64
+    return {"train": Generated(int(gib * (1 << 30)) // sample), "val": Generated(32)}
+'''
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` in MiB (0 where it has ended)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def children(pids: set[int]) -> set[int]:
+    """The processes whose parent is one of ``pids`` (the loader workers of a worker)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid in pids:
+            out.add(int(stat.parent.name))
+    return out
+
+
+async def train_and_watch(
+    cluster: Any, spec: dict[str, Any], pids: dict[str, int], peak: dict[str, float]
+) -> dict[str, Any]:
+    """Run ``spec`` on ``cluster`` to its end, keeping each process's peak RSS in ``peak``
+    (the daemons ``pids`` by name, their children as ``loader<pid>``); its final status."""
+    import asyncio
+
+    async with cluster.client() as client:
+        job_id = await client.submit(spec)
+        while True:
+            loaders = children({pid for name, pid in pids.items() if name != "ps0"})
+            seen = {name: rss_mib(pid) for name, pid in pids.items()}
+            seen.update({f"loader{pid}": rss_mib(pid) for pid in loaders})
+            for name, mib in seen.items():
+                peak[name] = max(peak.get(name, 0.0), mib)
+            info = await client.job(job_id)
+            if info["state"] in ("done", "failed", "cancelled"):
+                return info
+            await asyncio.sleep(0.2)
+
+
+def run_memory(args: Any) -> dict[str, Any]:
+    """Peak RSS per kind of process while a job trains on ``args.gib`` GiB and on a thousandth
+    of it, each on a fresh cluster (so neither inherits the other's memory)."""
+    import asyncio
+    import os
+    import tempfile
+
+    from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-data-memory-") as tmp:
+        root = Path(tmp)
+        (root / "benchgen.py").write_text(GENERATED)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH")) if p
+        )
+        for gib in (args.gib, args.gib / 1000):
+            run = root / f"run-{gib}"
+            run.mkdir()
+            (run / "cluster.toml").write_text(
+                cluster_toml(
+                    [DeviceDef("gpu0", memory="1GiB"), DeviceDef("gpu1", memory="1GiB")],
+                    shards=1,
+                    allowed_modules=("benchgen",),
+                )
+            )
+            spec = {
+                "name": f"generated-{gib:g}",
+                "model": {
+                    "name": "mlp",
+                    "args": {"in_features": 3 * 64 * 64, "hidden": [16], "in_shape": [3, 64, 64]},
+                },
+                "data": {"name": "benchgen:generated", "args": {"gib": gib}, "workers": 2},
+                "optimizer": {"name": "sgd", "lr": 0.01},
+                "train": {"minibatch": 16, "minibatches": args.memory_minibatches, "nm": 1},
+                "vw": [{"devices": ["gpu0", "gpu1"], "layers": [2, 2]}],
+            }
+            with LocalCluster(run / "cluster.toml", run / "run", timeout=120) as cluster:
+                pids = {name: proc.pid for name, proc in cluster.procs.items()}
+                peak: dict[str, float] = {}
+                info = asyncio.run(train_and_watch(cluster, spec, pids, peak))
+            if info["state"] != "done":
+                raise SystemExit(
+                    f"memory bench: job {info['id']} {info['state']}: {info.get('error')}"
+                )
+            kinds = {
+                "head": [v for n, v in peak.items() if n == "ps0"],
+                "workers": [v for n, v in peak.items() if not n.startswith(("ps", "loader"))],
+                "loader_workers": [v for n, v in peak.items() if n.startswith("loader")],
+            }
+            out[f"{gib:g}GiB"] = {
+                "train_samples": int(gib * (1 << 30)) // (4 * 3 * 64 * 64),
+                "max_rss_mib": {k: max(v, default=0.0) for k, v in kinds.items()},
+                "loader_workers_seen": len(kinds["loader_workers"]),
+            }
+    big, small = out[f"{args.gib:g}GiB"], out[f"{args.gib / 1000:g}GiB"]
+    out["max_rss_mib"] = max(max(d["max_rss_mib"].values()) for d in (big, small))
+    out["head_growth_mib"] = big["max_rss_mib"]["head"] - small["max_rss_mib"]["head"]
+    return out
+
+
+def main_memory(args: Any) -> int:
+    figures: dict[str, Any] = {"machine": machine(), **run_memory(args)}
+    rows = []
+    for size in (f"{args.gib:g}GiB", f"{args.gib / 1000:g}GiB"):
+        d = figures[size]
+        m = d["max_rss_mib"]
+        rows.append(
+            [
+                size,
+                d["train_samples"],
+                f"{m['head']:.0f}",
+                f"{m['workers']:.0f}",
+                f"{m['loader_workers']:.0f} ({d['loader_workers_seen']})",
+            ]
+        )
+    print_table(["data set", "samples", "head MiB", "worker MiB", "loader worker MiB (seen)"], rows)
+    print(
+        f"largest process: {figures['max_rss_mib']:.0f} MiB (target < 1024); head grew "
+        f"{figures['head_growth_mib']:+.0f} MiB for {args.gib:g} GiB of data (target: about 0)"
+    )
+    if args.json:
+        emit_json(figures)
+    return 0
+
+
 def main() -> int:
     ap = parser(__doc__)
     ap.add_argument("--minibatches", type=int, default=60, help="minibatches timed per run")
@@ -159,7 +326,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3, help="alternated runs; medians reported")
+    ap.add_argument("--memory", action="store_true", help="measure processes' RSS instead")
+    ap.add_argument("--gib", type=float, default=10.0, help="--memory: the large data set")
+    ap.add_argument("--memory-minibatches", type=int, default=40, help="--memory: per job")
     args = ap.parse_args()
+    if args.memory:
+        return main_memory(args)
     torch.set_num_threads(1)
     data = CompressedImages(args.samples)
     figures: dict[str, Any] = {"machine": machine(), "minibatch": args.minibatch}

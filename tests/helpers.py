@@ -107,7 +107,11 @@ def plain_training(
         torch.manual_seed(spec.seed)
         model = build_model(spec.model)
         data = load_data(spec.data.name, spec.data.args, spec.data.collate)
-        streams = [MinibatchStream(data, spec.minibatch, spec.seed, v, vws) for v in range(vws)]
+        shares = ms if len(set(ms)) > 1 else None  # as a synchronous job deals the epoch
+        streams = [
+            MinibatchStream(data, spec.minibatch, spec.seed, v, vws, shares=shares)
+            for v in range(vws)
+        ]
         opt = optimizer_of(spec, model.parameters())
         sched = scheduler(opt) if scheduler is not None else None
         bounds = [0, *itertools.accumulate(clip_stages or [len(model)])]

@@ -14,6 +14,7 @@ import torch
 import userdata
 
 from hetpipe.data import DataError, MinibatchStream, first_batch, load_data
+from hetpipe.jobplan import data_shares
 
 
 def samples_of(batch: tuple) -> list[int]:
@@ -211,3 +212,102 @@ def test_random_augmentation_in_loader_workers_is_reproducible() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     c = read(1, 1)
     assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+# -- a stateful stream's position in checkpoints ----------------------------------------------
+
+
+def _read(stream: MinibatchStream, start: int, stop: int, state: dict | None = None) -> list:
+    with stream.reader(start, state=state) as reader:
+        return [samples_of(reader.get(p)) for p in range(start, stop)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_stream_resumes_from_its_state_and_reads_nothing_twice(workers: int) -> None:
+    """Two VWs of a stream that keeps its own position (torchdata's Stateful) stop mid-pass
+    and at a pass's end, and resume from the state their readers recorded: together they read
+    what the uninterrupted VWs read, every sample of each pass once, and the resumed data set
+    reads on from the state instead of from its start."""
+    n, b = 40, 4  # a VW's 20 samples a pass: 5 minibatches
+    counts: Counter[tuple[int, int]] = Counter()
+    for v in range(2):
+        stream = MinibatchStream(
+            load_data("userdata:stateful_stream", {"n": n}), b, 0, v, 2, workers=workers
+        )
+        assert stream.stateful
+        whole = _read(stream, 0, 10)  # two passes
+        alone = MinibatchStream(load_data("userdata:stateful_stream", {"n": n}), b, 0, v, 2)
+        assert _read(alone, 0, 10) == whole  # the same minibatches without loader workers
+        reads = alone.source.train.reads  # what reading them yields in process
+        for stop in (3, 5):  # mid-pass; a pass's end
+            with stream.reader(0) as first:
+                before = [samples_of(first.get(p)) for p in range(stop)]
+                state = first.state(stop)
+            assert state is not None and state["position"] == stop
+            assert state["data"] == {"epoch": 0, "i": 2 * b * stop - (1 - v)}
+            resumed = MinibatchStream(
+                load_data("userdata:stateful_stream", {"n": n}), b, 0, v, 2, workers=0
+            )
+            after = _read(resumed, stop, 10, state)
+            assert before + after == whole
+            # in process: what the resumed data set yielded starts at its state
+            assert resumed.source.train.reads == reads - state["data"]["i"]
+        stream.close()
+        for p, batch in enumerate(whole):
+            counts.update((p // 5, i) for i in batch)  # (pass, sample)
+    assert len(counts) == 2 * n and set(counts.values()) == {1}
+
+
+def test_a_streams_order_does_not_depend_on_loader_workers() -> None:
+    got = [
+        _read(MinibatchStream(load_data("userdata:stream", {"n": 30}), 4, 0, 1, 2, workers=w), 0, 8)
+        for w in (0, 1, 2)
+    ]
+    assert got[0] == got[1] == got[2]
+    flat = [i for batch in got[0] for i in batch]
+    assert flat == [i for i in range(1, 30, 2)] * 2 + [1, 3]  # VW 1's samples, across passes
+
+
+def test_a_state_of_another_place_or_vw_count_resumes_by_skipping() -> None:
+    src = load_data("userdata:stateful_stream", {"n": 40})
+    stream = MinibatchStream(src, 4, 0, 0, 2)
+    whole = _read(stream, 0, 8)
+    with stream.reader(0) as reader:
+        for p in range(3):
+            reader.get(p)
+        state = reader.state(3)
+    assert state is not None
+    for other in (MinibatchStream(src, 4, 0, 0, 1), MinibatchStream(src, 2, 0, 0, 2)):
+        assert not other.resumable(state, 3)
+    assert not stream.resumable(state, 4) and stream.resumable(state, 3)
+    assert _read(stream, 4, 8, state) == whole[4:]  # the state is not of 4: skipped to it
+    plain = MinibatchStream(load_data("userdata:stream", {"n": 40}), 4, 0, 0, 2)
+    assert not plain.stateful and plain.reader(0).state(0) is None
+
+
+def test_a_state_a_checkpoint_cannot_store_is_one_line_naming_the_data() -> None:
+    stream = MinibatchStream(
+        load_data("userdata:stateful_stream", {"n": 16, "bad_state": True}), 4, 0
+    )
+    with stream.reader(0) as reader:
+        reader.get(0)
+        with pytest.raises(DataError, match=r"data 'userdata:stateful_stream': state_dict\(\)"):
+            reader.state(1)
+
+
+def test_synchronous_vws_of_different_m_read_one_block_of_the_epoch_an_iteration() -> None:
+    """VWs of M = 2 and M = 4 (a synchronous job's shares, hetpipe.jobplan.data_shares): each
+    iteration reads the next 6 minibatches of the epoch's permutation, 2 to the first VW and 4
+    to the second, and an epoch ends for both at the same iteration."""
+    assert data_shares(True, [2, 4]) == [2, 4]
+    assert data_shares(True, [3, 3]) == [] and data_shares(False, [1, 2]) == []
+    src = load_data("userdata:pairs", {"n": 100})
+    shares = data_shares(True, [2, 4])
+    a, b = (MinibatchStream(src, 4, seed=5, vw=v, num_vws=2, shares=shares) for v in range(2))
+    assert (a.per_epoch, b.per_epoch) == (8, 16)  # 25 minibatches: 4 blocks of 6, 1 dropped
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()
+    for i in range(4):
+        got = [j for p in (2 * i, 2 * i + 1) for j in a.indices(p).tolist()]
+        got += [j for p in range(4 * i, 4 * i + 4) for j in b.indices(p).tolist()]
+        assert got == perm[24 * i : 24 * (i + 1)]
+    assert a.epoch(8) == b.epoch(16) == 1

@@ -64,6 +64,44 @@ class SizedStream(Stream):
         return self.n
 
 
+class StatefulStream(IterableDataset):
+    """The samples of :class:`Pairs` as a stream shuffled by ``set_epoch``, keeping its own
+    position (torchdata's ``Stateful``: ``state_dict`` and ``load_state_dict``). ``reads``
+    counts the samples it yielded (in this process), so a test can see a resume re-reads
+    nothing; ``bad_state``: its state is not plain values."""
+
+    def __init__(self, n: int, bad_state: bool = False) -> None:
+        self.n, self.bad_state = n, bad_state
+        self.epoch, self.i, self.reads = 0, 0, 0
+        self._from: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.bad_state:
+            return {"i": torch.tensor(self.i)}
+        return {"epoch": self.epoch, "i": self.i}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self._from = int(state["epoch"]), int(state["i"])
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        start, self._from = self._from or 0, None
+        for k in range(start, self.n):
+            self.i = k + 1
+            self.reads += 1
+            i = int(order[k])
+            yield _image(i, (1, 8, 8)), i % 10
+
+
+def stateful_stream(n: int = 256, n_val: int = 0, bad_state: bool = False) -> Any:
+    """:class:`StatefulStream` for training (with a map-style validation set of ``n_val``)."""
+    train = StatefulStream(n, bad_state)
+    return {"train": train, "val": Pairs(n_val)} if n_val else train
+
+
 def pairs(n: int = 256, n_val: int = 64, shape: list[int] | None = None) -> dict[str, Any]:
     """Map-style training and validation sets, as a mapping."""
     s = tuple(shape or (1, 8, 8))

@@ -17,15 +17,26 @@ checkpoint records per VW) is the sampler's whole state; :meth:`MinibatchStream.
 says it as epoch and place.
 
 **Iterable data sets** (``torch.utils.data.IterableDataset``) have no index: VW ``v`` of
-``n`` keeps the samples ``i`` with ``i % n == v`` of each pass over the data set, and loader
-worker ``w`` of ``W`` the ones of those with ``(i // n) % W == w`` (each worker reads the whole
-stream and keeps its share). A pass that ends starts the next epoch (``set_epoch(e)`` is
-called where the data set has it) and minibatches run on across it (each loader worker runs
-its own passes, so a minibatch near a pass's end may hold samples of two). Resuming at ``q``
-reads the VW's stream from its start again and drops the first ``q`` minibatches: every sample
-is still seen once across a stop when the data set yields the same samples in the same order
-each time (shuffle inside it by ``set_epoch``), at the cost of reading the skipped ones again.
-The order depends on ``data.workers`` (loader workers take turns by minibatch).
+``n`` keeps the samples ``i`` with ``i % n == v`` of each pass over the data set. A pass that
+ends starts the next epoch (``set_epoch(e)`` is called where the data set has it) and the
+VW's samples run on across it: minibatch ``q`` is the VW's samples ``q * B .. (q + 1) * B - 1``
+counted over all passes (a minibatch near a pass's end may hold samples of two). Loader
+worker ``w`` of ``W`` makes the minibatches ``q`` with ``q % W == w`` (each worker reads the
+whole stream and keeps its minibatches' samples), so the order does not depend on
+``data.workers``.
+
+**Resuming a stream.** Where the data set is *stateful* (``state_dict()`` and
+``load_state_dict(state)``, as torchdata's ``Stateful`` protocol: after ``load_state_dict``
+the next ``iter()`` goes on from where ``state_dict()`` was taken), every minibatch comes
+with the data set's state right after its last sample, and the position the checkpoint
+records at minibatch ``q`` holds that state (:meth:`Reader.state`): a resumed reader loads it
+into each loader worker's copy of the data set and reads on from there, reading nothing
+twice. The state must be plain values (numbers, strings, lists, dicts): it is stored in the
+checkpoint's JSON. Without one (or where the state is of another VW count, minibatch or
+position), resuming at ``q`` reads the VW's stream from its start again and drops the first
+``q`` minibatches unread by the batcher: every sample is still seen once across a stop when
+the data set yields the same samples in the same order each time (shuffle inside it by
+``set_epoch``), at the cost of reading the skipped ones again.
 
 **Loading.** :meth:`MinibatchStream.reader` opens one ``torch.utils.data.DataLoader`` over
 the VW's minibatches from ``q`` on: ``data.workers`` processes (0: in the stage's own
@@ -39,6 +50,7 @@ for a run; a run resumed at ``q`` draws afresh.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -182,12 +194,43 @@ class MinibatchStream:
                 return got
         return self.source.batcher([train[i] for i in idx])
 
-    def reader(self, start: int = 0, *, workers: int | None = None) -> Reader:
+    def reader(
+        self,
+        start: int = 0,
+        *,
+        workers: int | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> Reader:
         """Minibatches ``start``, ``start + 1``, ... in order, through a ``DataLoader``;
-        :meth:`close` (or the reader's own) stops its worker processes."""
+        :meth:`close` (or the reader's own) stops its worker processes. ``state``: the
+        position a checkpoint recorded at ``start`` (:meth:`Reader.state`), which a stateful
+        stream resumes from (see the module's docstring)."""
         reader = Reader(self, start, self.workers if workers is None else workers)
+        if state is not None and self.resumable(state, start):
+            reader.states[start] = state
         self._readers.append(reader)
         return reader
+
+    @property
+    def stateful(self) -> bool:
+        """Whether this is a stream whose data set keeps its own position (``state_dict``
+        and ``load_state_dict``), which a checkpoint records."""
+        data = self.source.train
+        return self.iterable and all(
+            callable(getattr(data, m, None)) for m in ("state_dict", "load_state_dict")
+        )
+
+    def resumable(self, state: Any, start: int) -> bool:
+        """Whether ``state`` is this VW's position at minibatch ``start`` (a state of another
+        VW count, minibatch or place is not: such a resume reads on by skipping)."""
+        return (
+            self.stateful
+            and isinstance(state, dict)
+            and state.get("position") == start
+            and state.get("vw") == self.vw
+            and state.get("num_vws") == self.num_vws
+            and state.get("minibatch") == self.minibatch
+        )
 
     def close(self) -> None:
         """Stop the loader worker processes of every reader this stream opened."""
@@ -201,9 +244,12 @@ class MinibatchStream:
 
     # ------------------------------------------------------------------ loader
 
-    def loader(self, start: int, workers: int) -> tud.DataLoader:
-        """The ``DataLoader`` over this VW's minibatches from ``start`` on (endless; a stream
-        skips its first ``start`` minibatches when read)."""
+    def loader(
+        self, start: int, workers: int, state: dict[str, Any] | None = None
+    ) -> tud.DataLoader:
+        """The ``DataLoader`` over this VW's minibatches from ``start`` on (endless). A stream
+        yields ``(minibatch, position after it)`` and goes on from ``state`` (its position at
+        ``start``), or else skips its first ``start`` minibatches unbatched."""
         gen = torch.Generator().manual_seed(
             (self.seed * 1_000_003 + 7_919 * self.vw + start) % (2**63)
         )
@@ -216,8 +262,9 @@ class MinibatchStream:
         if workers:
             common.update(prefetch_factor=self.prefetch, persistent_workers=True)
         if self.iterable:
-            shard = _IterableShard(self.source.train, self.source.name, self.vw, self.num_vws)
-            return tud.DataLoader(shard, batch_size=self.minibatch, **common)
+            shard = _IterableShard(self, start, state)
+            common["collate_fn"] = _as_is  # the shard batches: a minibatch and its position
+            return tud.DataLoader(shard, batch_size=None, **common)
         return tud.DataLoader(self.source.train, batch_sampler=_ShardBatches(self, start), **common)
 
 
@@ -234,35 +281,80 @@ class _ShardBatches:
             yield self.stream.indices(p).tolist()
 
 
+def _as_is(item: Any) -> Any:
+    return item
+
+
 class _IterableShard(tud.IterableDataset):
-    """VW ``vw``'s share of an iterable data set, split again among loader workers, endless
-    across epochs (see :mod:`hetpipe.data.stream`)."""
+    """VW ``vw``'s minibatches of an iterable data set from ``start`` on, each loader worker
+    making its own (see :mod:`hetpipe.data.stream`), endless across epochs. Yields
+    ``(minibatch, position)``: the position after the minibatch (:meth:`Reader.state`) for a
+    stateful data set, else None. ``state``: the position at ``start`` to go on from."""
 
-    def __init__(self, data: Any, name: str, vw: int, num_vws: int) -> None:
-        self.data, self.name, self.vw, self.num_vws = data, name, vw, num_vws
+    def __init__(self, stream: MinibatchStream, start: int, state: dict[str, Any] | None) -> None:
+        self.data = stream.source.train
+        self.batcher = stream.source.batcher
+        self.name = stream.source.name
+        self.vw, self.num_vws, self.minibatch = stream.vw, stream.num_vws, stream.minibatch
+        self.start, self.state = start, state
+        self.stateful = stream.stateful
 
-    def __iter__(self) -> Iterator[Any]:
+    def _position(self, q: int, epoch: int, index: int) -> dict[str, Any] | None:
+        """The position after minibatch ``q - 1``, whose last sample was ``index`` of the
+        pass of ``epoch``."""
+        if not self.stateful:
+            return None
+        return {
+            "position": q,
+            "epoch": epoch,
+            "index": index,
+            "vw": self.vw,
+            "num_vws": self.num_vws,
+            "minibatch": self.minibatch,
+            "data": self.data.state_dict(),
+        }
+
+    def __iter__(self) -> Iterator[tuple[Batch, dict[str, Any] | None]]:
         info = tud.get_worker_info()
         w, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for epoch in itertools.count():
-            if hasattr(self.data, "set_epoch"):
-                self.data.set_epoch(epoch)
+        b, n, data = self.minibatch, self.num_vws, self.data
+        state = self.state
+        # the VW's samples so far (over all passes), where this reader's first pass begins
+        if state is not None:
+            epoch, first, taken = int(state["epoch"]), int(state["index"]) + 1, self.start * b
+        else:
+            epoch, first, taken = 0, 0, 0
+        samples: list[Any] = []
+        while True:
+            if hasattr(data, "set_epoch"):
+                data.set_epoch(epoch)
+            if state is not None:
+                data.load_state_dict(state["data"])
             got = False
-            for i, sample in enumerate(self.data):
-                if i % self.num_vws == self.vw and (i // self.num_vws) % n_workers == w:
-                    got = True
-                    yield sample
-            if not got:
-                raise DataError(
-                    f"data '{self.name}': a pass gave no sample to VW {self.vw} "
-                    f"(loader worker {w} of {n_workers})"
-                )
+            for i, sample in enumerate(data, first):
+                if i % n != self.vw:
+                    continue
+                got = True
+                q, j = divmod(taken, b)
+                taken += 1
+                if q < self.start or (q - self.start) % n_workers != w:
+                    continue
+                samples.append(sample)
+                if j == b - 1:
+                    position = self._position(q + 1, epoch, i)
+                    yield self.batcher(samples), position
+                    samples = []
+            if not got and state is None:
+                raise DataError(f"data '{self.name}': a pass gave no sample to VW {self.vw} of {n}")
+            epoch, first, state = epoch + 1, 0, None
 
 
 class Reader:
     """Reads a stream's minibatches in order through one ``DataLoader``; :meth:`get` of any
     other minibatch than the next reopens it there. ``waited_s``: time spent waiting for a
     minibatch (the input wait a first stage sees)."""
+
+    KEEP = 4096  # positions of a stateful stream kept behind the next minibatch
 
     def __init__(self, stream: MinibatchStream, start: int, workers: int) -> None:
         self.stream = stream
@@ -271,18 +363,16 @@ class Reader:
         self.waited_s = 0.0
         self.read = 0
         self._loader_it: Any = None
-        self._it: Iterator[Batch] | None = None
+        self._it: Iterator[Any] | None = None
         # minibatches gathered in this process by index: no loader needed
         self._direct = not stream.iterable and workers == 0 and not stream.pin_memory
+        # a stateful stream's position at each minibatch read up to (see state())
+        self.states: dict[int, dict[str, Any]] = {}
 
     def _open(self, start: int) -> None:
         self.close()
-        self._loader_it = iter(self.stream.loader(start, self.workers))
-        self._it = (
-            itertools.islice(self._loader_it, start, None)
-            if self.stream.iterable
-            else self._loader_it
-        )
+        self._loader_it = iter(self.stream.loader(start, self.workers, self.states.get(start)))
+        self._it = self._loader_it
         self.next = start
 
     def get(self, p: int) -> Batch:
@@ -295,9 +385,35 @@ class Reader:
                 self._open(p)
             assert self._it is not None
             got = next(self._it)
+            if self.stream.iterable:
+                got, position = got
+                if position is not None:
+                    self.states[p + 1] = position
+                    for old in [q for q in self.states if q < p + 1 - self.KEEP]:
+                        del self.states[old]
         self.waited_s += time.perf_counter() - t0
         self.next = p + 1
         self.read += 1
+        return got
+
+    def state(self, q: int) -> dict[str, Any] | None:
+        """The position a checkpoint records at minibatch ``q`` (this reader has read up to
+        it): a stateful stream's data set state after minibatch ``q - 1``, which
+        :meth:`MinibatchStream.reader` resumes from; None for a map-style data set (``q``
+        is its whole state) or a stream without state. Positions before ``q`` are dropped.
+        Raises :class:`DataError` where the data set's state is not plain values."""
+        for old in [k for k in self.states if k < q]:
+            del self.states[old]
+        got = self.states.get(q)
+        if got is None:
+            return None
+        try:
+            json.dumps(got)
+        except (TypeError, ValueError) as exc:
+            raise DataError(
+                f"data '{self.stream.source.name}': state_dict() gave what a checkpoint "
+                f"cannot store ({exc}); return numbers, strings, lists and dicts"
+            ) from None
         return got
 
     def close(self) -> None:

@@ -95,6 +95,9 @@ def stage_restores(
             meta: dict[str, Any] = {"weights": False, "opt_steps": steps}
             if optimizer is not None:
                 meta["optimizer"] = optimizer
+            data = [i["meta"].get("data") for _, i in source if s == 0 and int(i["stage"]) == 0]
+            if same_vws and data and data[0] is not None:  # its stream's position there
+                meta["data"] = data[0]  # (hetpipe.data.stream)
             out[(v, s)] = (meta, tensors)
     return out
 
