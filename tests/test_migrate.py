@@ -266,7 +266,10 @@ def run_job(
                 runners[v].append(r)
                 if orders.get(v) or later:
                     cap = (memory or {}).get(s, 1 << 30)
-                    m = Migrator(orders.get(v, []), bus, device(s, cap), timeout_s=2.0)
+                    # short only where a stage is lost on purpose: elsewhere a loaded host
+                    # must not turn a slow stage into a "lost" one
+                    wait_s = 2.0 if lose is not None else 60.0
+                    m = Migrator(orders.get(v, []), bus, device(s, cap), timeout_s=wait_s)
                     m.install(r)
                     if (v, s) == (0, lose):
                         m._carry_out = lost  # type: ignore[method-assign]
