@@ -407,8 +407,10 @@ class RecoveryPart:
     # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
 
     def _may_replan(self, js: JobState) -> bool:
+        # "reform" where a VW cannot be re-formed alone: a synchronous job (hetpipe.head.reform)
+        reform = js.spec.on_worker_loss == "reform" and js.spec.sync
         return (
-            js.spec.on_worker_loss == "replan"
+            (js.spec.on_worker_loss == "replan" or reform)
             and js.lost_device is not None
             and not js.cancelled
             and len(js.replans) < MAX_REPLANS
