@@ -215,14 +215,18 @@ class ReformPart:
             )
             clocks.append(int((reply.get("info") or {}).get("clock", 0)))
         left_at = time.monotonic()
-        done_before = js.progress.get((v, len(plan.vws[v].stages) - 1), {}).get("done", 0)
+        # how far it had got: the furthest stage's last report (reports lag a little)
+        done_before = max(
+            (js.progress.get((v, s), {}).get("done", 0) for s in range(len(plan.vws[v].stages))),
+            default=0,
+        )
         for key in [k for k in js.progress if k[0] == v]:
             del js.progress[key]
         for key in [k for k in js.stage_results if k[0] == v]:
             del js.stage_results[key]
         total = js.totals[v] if v < len(js.totals) else plan.minibatches_of(v)
         position = restart_position(plan.start_of(v), clocks, plan.vws[v].nm, total)
-        trained = plan.start_of(v) + done_before  # how far its last stage had got
+        trained = max(position, plan.start_of(v) + done_before)
         # 2. re-plan on the survivors, once they said they dropped the job
         await self._idle(survivors, IDLE_WAIT_S)
         alive = self.registry.alive()
