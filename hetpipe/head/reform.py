@@ -142,7 +142,12 @@ class ReformPart:
         if pending is not None:  # a second worker of a VW being re-formed: one re-form
             pending["lost"].append(w.device)
             return True
-        js.reforming[v] = {"lost": [w.device], "reason": reason, "detected": time.monotonic()}
+        js.reforming[v] = {
+            "lost": [w.device],
+            "reason": reason,
+            "detected": time.monotonic(),
+            "detected_at": time.time(),  # wall clock: comparable with the stages' records
+        }
         task = asyncio.ensure_future(self._reform(js, v))
         js.reform_tasks.append(task)
         return True
@@ -265,6 +270,7 @@ class ReformPart:
             "trained_to": trained,
             "restart_at": position,
             "minibatches_redone": max(0, trained - position),
+            "detected_at": pending["detected_at"],
             "left_s": round(left_at - pending["detected"], 3),
             "_t": pending["detected"],
         }
