@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import job, running_until, start_cluster, until_whole
+from helpers import check_invariants, records_by_index
 
 from hetpipe.localcluster import DeviceDef, LocalCluster
 
@@ -68,6 +69,23 @@ async def _kill_and_watch(
         return info, gaps, killed
 
 
+def _check_wsp(info: dict[str, Any], reform: dict[str, Any], staleness: int, nm: int) -> None:
+    """DESIGN.md's WSP invariant over every minibatch of the job: VW 0 and VW 2 as they ran,
+    the re-formed VW 1 from its first minibatch on, its waves counted on the shards' clock
+    (its own wave c is the shards' offset + c; the smallest offset binds both ways)."""
+    records = records_by_index(info)
+    offset = min(reform["wave_offsets"])
+    new = sorted(
+        (r for r in records[(1, 0)] if r["t_fwd"] > reform["detected_at"]), key=lambda r: r["p"]
+    )
+    assert [r["p"] for r in new] == list(range(len(new))), "the re-formed VW's minibatches"
+    assert len(new) == reform["minibatches_left"]
+    runs = {k: rows for k, rows in records.items() if k[0] != 1}
+    runs[(1, 0)] = [{**r, "wave": r["wave"] + offset} for r in new]
+    # its own minibatches count from 0: p - Nm is the row Nm before (check_invariants' rule)
+    assert check_invariants(runs, {0: nm, 1: nm, 2: nm}, staleness) > 0
+
+
 @pytest.mark.timeout(400)
 def test_a_killed_worker_stops_only_its_own_virtual_worker(six: LocalCluster) -> None:
     """Three VWs of two devices; SIGKILL one worker of VW 1: VW 0 and VW 2 keep training
@@ -93,6 +111,7 @@ def test_a_killed_worker_stops_only_its_own_virtual_worker(six: LocalCluster) ->
         assert all(o >= reform["restart_at"] // 2 for o in reform["wave_offsets"]), reform
         for clocks in info["shard_clocks"].values():
             assert sorted(clocks["done"]) == [0, 1, 2], clocks
+        _check_wsp(info, reform, staleness=4, nm=2)
         lost_after = c.cluster.runtime.lost_after_s
         others = max(gaps.get(0, 0.0), gaps.get(2, 0.0))
         print(f"others' longest gap {others:.2f} s, lost_after_s {lost_after}, {reform}")

@@ -281,9 +281,7 @@ class ReformPart:
             js.fail(line)
             return
         if layout is None:  # left out (or at its end): the others finish the job
-            new = dataclasses.replace(
-                plan, owed=_owed(plan, v, 0), starts=_starts(plan, v, position)
-            )
+            new = _with_vw(js.plan, v, None, position, 0)
             js.plan = new
             for s in range(len(plan.vws[v].stages)):
                 js.stage_results[(v, s)] = {"stats": {"done": 0, "left_out": line}}
@@ -294,14 +292,7 @@ class ReformPart:
                 js.all_done.set()
             return
         # 3. join again on the survivors, from the shards' current weights
-        vws = list(plan.vws)
-        vws[v] = layout
-        new = dataclasses.replace(
-            plan,
-            vws=tuple(vws),
-            owed=_owed(plan, v, total - position),
-            starts=_starts(plan, v, position),
-        )
+        new = _with_vw(plan, v, layout, position, total - position)
         owners = {
             f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
             for s, st in enumerate(layout.stages)
@@ -323,6 +314,8 @@ class ReformPart:
                 what=f"shard {shard}",
             )
             offsets.append(int((reply.get("info") or {}).get("offset", 0)))
+        # from the job's plan as it is now: another VW may have been re-formed meanwhile
+        new = _with_vw(js.plan, v, layout, position, total - position)
         js.plan = new
         if js.watch is not None:
             js.watch.layouts[v] = layout
@@ -412,6 +405,20 @@ ASSIGN_S = 120.0  # as hetpipe.head.jobs.ASSIGN_TIMEOUT_S: a stage builds its la
 def _dropped(js: JobState, u: int) -> bool:
     """Whether VW ``u`` was left out of the job by an earlier loss."""
     return any(r["vw"] == u and r["outcome"] in ("dropped", "finished") for r in js.reforms)
+
+
+def _with_vw(
+    plan: JobPlan | None, v: int, layout: VWLayout | None, position: int, left: int
+) -> JobPlan:
+    """``plan`` with VW ``v`` re-formed as ``layout`` (None: as it was, left out), reading
+    its data on from ``position`` for ``left`` more minibatches; the other VWs unchanged."""
+    assert plan is not None
+    vws = list(plan.vws)
+    if layout is not None:
+        vws[v] = layout
+    return dataclasses.replace(
+        plan, vws=tuple(vws), owed=_owed(plan, v, left), starts=_starts(plan, v, position)
+    )
 
 
 def _owed(plan: JobPlan, v: int, left: int) -> tuple[int, ...]:
