@@ -186,11 +186,12 @@ class ReformPart:
         log = self.log.bind(job=js.id, vw=v)
         log.warning("worker lost: re-forming its virtual worker", lost=pending["lost"])
         old_devices = list(plan.vws[v].all_devices())
-        # 1. leave: the survivors drop the job, the shards the VW
+        # 1. leave: the survivors drop the job, the shards the VW; the lost workers are told
+        # too (one silent past lost_after_s on a loaded host may be alive, and would train on)
         survivors = [
             w for w in self.registry.workers.values() if w.job == js.id and w.vw == v and not w.lost
         ]
-        for w in survivors:
+        for w in [w for w in self.registry.workers.values() if w.job == js.id and w.vw == v]:
             with contextlib.suppress(ConnectionError, zmq.ZMQError):
                 await self.channel.send(
                     Kind.ABORT,
