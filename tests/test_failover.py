@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hetpipe.core.wsp import WaveClock, WspError
-from hetpipe.head.reform import reform_outcome, restart_position
+from hetpipe.head.reform import reform_outcome, restart_position, without_migration
 from hetpipe.shard import ShardError, ShardStore
 
 
@@ -131,3 +131,15 @@ def test_reform_outcome_names_the_lost_worker() -> None:
     assert what == "dropped" and "gpu1" in line and "128 MiB" in line and "2 other" in line
     what, line = reform_outcome("gpu1", 0, [], 0, "none survived")
     assert what == "failed" and line.startswith("worker gpu1 lost")
+
+
+def test_a_reformed_vw_does_not_carry_the_jobs_pinned_migration() -> None:
+    from conftest import job
+
+    from hetpipe.job import JobSpec
+
+    d = job("x")
+    d["replan"] = {"migrate_at": 40, "migrate_to": [2, 4], "migrate_vw": 1, "threshold": 2.0}
+    spec = without_migration(JobSpec.from_dict(d, source="job").to_dict())
+    replan = JobSpec.from_dict(spec, source="task").replan
+    assert replan.migrate_at == 0 and replan.migrate_to is None and replan.threshold == 2.0

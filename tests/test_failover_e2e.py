@@ -96,7 +96,7 @@ def test_a_killed_worker_stops_only_its_own_virtual_worker(six: LocalCluster) ->
     c.run(until_whole(c))
     try:
         split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [3, 3]), (["gpu4", "gpu5"], [3, 3])]
-        spec = job("failover", split=split, minibatches=240, nm=2, staleness=4, lr=0.05)
+        spec = job("failover", split=split, minibatches=240, nm=2, staleness=4, lr=0.02)
         spec["train"].update(on_worker_loss="reform")
         info, gaps, _ = c.run(_kill_and_watch(c, spec, "gpu3", 60))
         assert info["state"] == "done", info.get("error")
@@ -130,7 +130,7 @@ def test_a_vw_whose_survivors_cannot_hold_the_model_is_left_out(six: LocalCluste
     c.run(until_whole(c))
     try:
         split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2"], [6])]
-        spec = job("leftout", split=split, minibatches=200, nm=2, staleness=2, lr=0.05)
+        spec = job("leftout", split=split, minibatches=200, nm=2, staleness=2, lr=0.02)
         spec["train"].update(on_worker_loss="reform")
         info, _, _ = c.run(_kill_and_watch(c, spec, "gpu2", 40))
         assert info["state"] == "done", info.get("error")
@@ -153,5 +153,43 @@ def test_a_one_vw_job_with_no_survivor_fails_naming_the_worker(six: LocalCluster
         info, _, _ = c.run(_kill_and_watch(c, spec, "gpu4", 20))
         assert info["state"] == "failed", info
         assert "worker gpu4 lost" in info["error"] and "cannot hold" in info["error"], info
+    finally:
+        _restart_killed(c)
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_lost_at_a_migration_ends_reformed_or_failed_naming_it(
+    six: LocalCluster,
+) -> None:
+    """VW 1 migrates layers at minibatch 40; its second stage's worker is SIGKILLed as the
+    VW reaches that boundary: the migration's meeting is given up with the VW, which is
+    re-formed (or the job fails naming the worker); nothing hangs."""
+    c = six
+    c.run(until_whole(c))
+    try:
+        split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [3, 3])]
+        spec = job("migrating", split=split, minibatches=200, nm=2, staleness=2, lr=0.02)
+        spec["train"].update(on_worker_loss="reform")
+        spec["replan"] = {"migrate_at": 40, "migrate_to": [2, 4], "migrate_vw": 1}
+
+        async def go() -> dict[str, Any]:
+            async with c.client() as head:
+                job_id = await head.submit(spec)
+                await running_until(
+                    head,
+                    job_id,
+                    lambda i: len(i.get("vws", [])) > 1 and i["vws"][1]["done"] >= 36,
+                    120,
+                )
+                c.kill("worker-gpu3", signal.SIGKILL)
+                return await head.follow(job_id, every_s=0.2, timeout=240)
+
+        info = c.run(go())
+        if info["state"] == "done":
+            (reform,) = info["reforms"]
+            assert reform["outcome"] == "reformed" and reform["lost"] == ["gpu3"], reform
+            assert info["positions"] == [200, 200], info["positions"]
+        else:
+            assert info["state"] == "failed" and "gpu3" in info["error"], info
     finally:
         _restart_killed(c)

@@ -65,7 +65,14 @@ if TYPE_CHECKING:
     from hetpipe.head.jobs import JobState
     from hetpipe.head.registry import WorkerInfo
 
-__all__ = ["IDLE_WAIT_S", "MAX_REFORMS", "ReformPart", "reform_outcome", "restart_position"]
+__all__ = [
+    "IDLE_WAIT_S",
+    "MAX_REFORMS",
+    "ReformPart",
+    "reform_outcome",
+    "restart_position",
+    "without_migration",
+]
 
 MAX_REFORMS = 8  # a job that lost this many workers fails at the next loss
 IDLE_WAIT_S = 5.0  # how long the head waits for the survivors to say they dropped the job
@@ -259,7 +266,8 @@ class ReformPart:
             ", ".join(pending["lost"]), v, devices, others, why_not if layout is None else None
         )
         if position >= total and layout is None:
-            what, line = "finished", f"vw{v} had pushed every wave when worker was lost"
+            lost = ", ".join(pending["lost"])
+            what, line = "finished", f"vw{v} had pushed every wave when worker {lost} was lost"
         record: dict[str, Any] = {
             "vw": v,
             "lost": list(pending["lost"]),
@@ -384,6 +392,7 @@ class ReformPart:
                 continue
             w = workers[task.group[task.replica]]
             w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            task = dataclasses.replace(task, spec=without_migration(task.spec))
             waits.append(
                 self.channel.request(
                     Kind.ASSIGN,
@@ -401,6 +410,13 @@ class ReformPart:
 
 
 ASSIGN_S = 120.0  # as hetpipe.head.jobs.ASSIGN_TIMEOUT_S: a stage builds its layers first
+
+
+def without_migration(spec: dict[str, Any]) -> dict[str, Any]:
+    """A job's spec (``JobSpec.to_dict()``) for a re-formed VW's stages: without the job's
+    pinned live migration (``replan.migrate_*``), a split of the layout that is gone."""
+    replan = {k: v for k, v in (spec.get("replan") or {}).items() if not k.startswith("migrate")}
+    return {**spec, "replan": replan}
 
 
 def _dropped(js: JobState, u: int) -> bool:
