@@ -9,7 +9,11 @@ its process restarted), the job's attempt goes on: only the lost worker's virtua
    global clock back no longer, so the other VWs' pulls it was holding are answered at once,
    its own parked pulls and later pushes are refused. Each shard says ``v``'s clock there:
    the waves every stage of ``v`` has pushed, i.e. what the global weights hold of it.
-2. **Re-plan.** The planner plans one VW on ``v``'s surviving devices
+   The lost worker is told too (one silent past ``lost_after_s`` may be alive), and the
+   head waits (up to :data:`IDLE_WAIT_S`) until the survivors' heartbeats say they dropped
+   it, so that no stage of the old VW still pushes once the new one joins.
+2. **Re-plan.** The planner plans one VW on ``v``'s surviving devices (a worker restarted by
+   its supervisor, idle again under the same device, is one of them)
    (:func:`hetpipe.profiling.plan_for` on the cluster restricted to them: split, Nm and
    activation policy, under each device's memory cap).
 3. **Join.** Where they hold the model, ``v`` is re-formed on them: every shard makes it a
