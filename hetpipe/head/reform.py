@@ -143,8 +143,8 @@ class ReformPart:
         ):
             return False
         v = int(w.vw)
-        if not js.progress:  # still launching: the attempt ends, as for any other loss
-            return False
+        if not js.progress and w.state != "running":  # still launching: the attempt ends
+            return False  # (as for any other loss; a started stage says "running")
         plan = js.plan
         if all((v, s) in js.stage_results for s in range(len(plan.vws[v].stages))):
             self.log.info("worker lost after its VW finished", job=js.id, device=w.device)
