@@ -407,10 +407,11 @@ class RecoveryPart:
     # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
 
     def _may_replan(self, js: JobState) -> bool:
-        # "reform" where a VW cannot be re-formed alone: a synchronous job (hetpipe.head.reform)
-        reform = js.spec.on_worker_loss == "reform" and js.spec.sync
+        # "reform" where the loss is not its VW's alone to take (hetpipe.head.reform): a
+        # synchronous job, or stages not started yet; a VW it could not re-form sets no
+        # lost_device (its line names the worker)
         return (
-            (js.spec.on_worker_loss == "replan" or reform)
+            js.spec.on_worker_loss in ("replan", "reform")
             and js.lost_device is not None
             and not js.cancelled
             and len(js.replans) < MAX_REPLANS

@@ -36,7 +36,8 @@ shards hold them while they live; a lost *shard* pauses the job instead
 (:mod:`hetpipe.head.shardwait`), and resumes from the last cut.
 
 Limits: synchronous schedules (``gpipe``, ``1f1b``) reduce every VW's gradients each
-iteration, so a lost worker there re-plans the whole job as ``"replan"`` does; after a
+iteration, so a lost worker there re-plans the whole job as ``"replan"`` does, and so does a
+loss before the lost worker's stage started (the attempt is still being launched); after a
 re-form the job writes no further checkpoints (the re-formed VW counts its waves from 0, so
 the stages' states no longer meet at one cut), and the drift watch stops (its plan is gone).
 Merging the survivors into another VW's pipeline is not done.
@@ -186,7 +187,6 @@ class ReformPart:
             pending = js.reforming.pop(v, None) or {}
             lost = ", ".join(pending.get("lost") or ["?"])
             self.log.exception("re-form failed", job=js.id, vw=v)
-            js.lost_device = (pending.get("lost") or [None])[0]
             js.fail(f"worker {lost} lost; vw{v} could not be re-formed: {exc}")
 
     async def _reform_vw(self, js: JobState, v: int) -> None:
@@ -287,10 +287,9 @@ class ReformPart:
             "left_s": round(left_at - pending["detected"], 3),
             "_t": pending["detected"],
         }
-        if what == "failed":
+        if what == "failed":  # (no lost_device: the job fails, it is not re-planned)
             js.reforms.append(record)
             js.reforming.pop(v, None)
-            js.lost_device = pending["lost"][0]
             js.fail(line)
             return
         if layout is None:  # left out (or at its end): the others finish the job
