@@ -94,6 +94,8 @@ class ShardServer:
                 await self._pull(peer, msg)
             elif msg.kind == Kind.REDUCE:
                 await self._reduce(peer, msg)
+            elif msg.kind == Kind.SHARD_INIT and msg.get("reform") is not None:
+                await self._reform(peer, msg)
             elif msg.kind == Kind.SHARD_INIT:
                 js = self.store.init(
                     msg["job"],
@@ -131,6 +133,39 @@ class ShardServer:
         except (ShardError, WspError) as exc:
             self.log.warning("request refused", kind=str(msg.kind), error=str(exc))
             await self.channel.reply_error(peer, f"shard {self.index}: {exc}", rid)
+
+    async def _reform(self, peer: bytes | None, msg: Message) -> None:
+        """A virtual worker leaves the job here (``reform = {"vw": v, "leave": true}``: a
+        worker of it was lost), or joins it again re-formed (``{"vw": v, "waves": n}``, its
+        stages' names in ``members[str(v)]``, its workers in ``owners``):
+        :mod:`hetpipe.head.reform`. Leaving answers the pulls its clock held back and
+        refuses its own; the reply's ``info`` says its clock (leave) or its offset (join)."""
+        assert self.channel is not None
+        job, reform = msg["job"], msg["reform"]
+        js = self.store.get(job)
+        vw = int(reform["vw"])
+        owners = self.owners.setdefault(job, {})
+        for key in [k for k in owners if k.split("/")[0] == str(vw)]:
+            del owners[key]
+        if reform.get("leave"):
+            clock, parked = js.remove_vw(vw, lambda item: item[2] == vw)
+            info: dict[str, Any] = {"clock": clock}
+            self.log.info("vw left the job", job=job, vw=vw, clock=clock)
+        else:
+            member = msg["members"].get(str(vw)) or {}
+            stages = {int(s): [str(n) for n in held] for s, held in member["stages"].items()}
+            offset = js.rejoin_vw(vw, stages, int(reform["waves"]))
+            owners.update({str(k): str(v) for k, v in (msg.get("owners") or {}).items()})
+            parked = []
+            info = {"offset": offset}
+            self.log.info("vw joined the job again", job=job, vw=vw, offset=offset)
+        await self.channel.send(Kind.OK, {"rid": msg.get("rid"), "info": info}, to=peer)
+        for p, prid, _vw, _stage in parked:
+            await self.channel.reply_error(p, f"job {job}: vw{vw} left the job (re-formed)", prid)
+        for item in js.clock.release():
+            await self._answer(job, item)
+        if self.cut_waits.get(job):
+            await self._answer_cuts(job)
 
     async def _push(self, peer: bytes | None, msg: Message) -> None:
         assert self.channel is not None
@@ -175,7 +210,7 @@ class ShardServer:
         js = self.store.get(msg["job"])
         js.answer(msg["vw"], msg["stage"])  # validates the stage before parking it
         item: Parked = (peer, msg["rid"], msg["vw"], msg["stage"])
-        if js.clock.park(msg["need"], item):
+        if js.clock.park(js.need_of(msg["vw"], msg["need"]), item):
             await self._answer(msg["job"], item)
 
     async def _reduce(self, peer: bytes | None, msg: Message) -> None:

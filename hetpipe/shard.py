@@ -71,6 +71,9 @@ class JobShard(Generic[T]):
     cuts: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = field(
         default_factory=dict
     )  # complete cuts not yet taken by the head (the newest few)
+    # vw -> the wave here of its own wave 0: a VW re-formed after a loss counts its waves
+    # from 0 again, and its clock restarts at the global clock (:meth:`rejoin_vw`)
+    offsets: dict[int, int] = field(default_factory=dict)
 
     KEEP_CUTS = 2
 
@@ -205,8 +208,10 @@ class JobShard(Generic[T]):
                 )
 
     def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, torch.Tensor]) -> bool:
-        """Apply a stage's update of a wave exactly once; False for a duplicate."""
+        """Apply a stage's update of a wave exactly once; False for a duplicate. ``wave`` is
+        the VW's own number (:attr:`offsets` maps a re-formed VW's to this shard's)."""
         self._check(vw, stage, deltas, "update")
+        wave += self.offsets.get(vw, 0)
         if not self.clock.record_push(vw, stage, wave):
             self.duplicates += 1
             return False
@@ -237,6 +242,45 @@ class JobShard(Generic[T]):
             self.clock.leave(vw, stage)
             del self.names[(vw, stage)]
 
+    def need_of(self, vw: int, need: int) -> int:
+        """A pull's ``need`` (a global clock in the VW's own wave numbers) in this shard's."""
+        return need + self.offsets.get(vw, 0)
+
+    def remove_vw(self, vw: int, of_vw: Any) -> tuple[int, list[T]]:
+        """``vw`` leaves the job here (a worker of it was lost; :mod:`hetpipe.head.reform`):
+        its stages hold no names, its clock holds nobody back, its later pushes are refused.
+        Returns its clock in its own wave numbers (the waves every one of its stages here
+        has pushed: what the global weights hold of it) and its parked pulls (``of_vw``
+        tells them), to be refused."""
+        if not any(v == vw for v, _ in self.names):
+            raise ShardError(f"job {self.job}: vw{vw} holds nothing on this shard")
+        clock, parked = self.clock.remove_vw(vw, of_vw)
+        for key in [k for k in self.names if k[0] == vw]:
+            del self.names[key]
+        self.finals.pop(vw, None)
+        own = clock - self.offsets.pop(vw, 0)
+        self._close_cuts()  # it holds no cut back either
+        return max(0, own), parked
+
+    def rejoin_vw(self, vw: int, stages: Mapping[int, list[str]], waves: int) -> int:
+        """``vw``, re-formed on other devices with stages ``stages`` (stage -> the names it
+        holds here), joins the job again and pushes ``waves`` waves, counted from its own 0:
+        its clock restarts at the global clock ``g``, so the staleness bound stays one
+        bound for every VW (its pull before its own wave ``c`` waits for ``g + c - 1 - D``).
+        Returns ``g``."""
+        if any(v == vw for v, _ in self.names):
+            raise ShardError(f"job {self.job}: vw{vw} is a member here already")
+        for stage, held in stages.items():
+            missing = [n for n in held if n not in self.weights]
+            if missing:
+                raise ShardError(f"job {self.job}: vw{vw}/stage{stage}: no {missing[:3]} here")
+        g = self.clock.add_vw(vw, list(stages), waves)
+        for stage, held in stages.items():
+            self.names[(vw, int(stage))] = list(held)
+        self.offsets[vw] = g
+        self.finals[vw] = g + waves
+        return g
+
     def applied_sets(self) -> dict[str, list[list[int]]]:
         """Every stage's applied waves here: ``"vw/stage"`` -> ranges (core.wsp.wave_ranges)."""
         return {
@@ -249,10 +293,15 @@ class JobShard(Generic[T]):
         names = self.names.get((vw, stage))
         if names is None:
             raise ShardError(f"job {self.job}: vw{vw}/stage{stage} holds nothing on this shard")
+        off = self.offsets.get(vw, 0)
+        applied = self.clock.applied_ranges(vw, stage)  # runs: flat over a long job
+        if off:  # in the VW's own wave numbers (those before its own 0 are not its)
+            applied = [[lo - off, hi - off] for lo, hi in applied if hi > off]
+            applied = [[max(0, lo), hi] for lo, hi in applied]
         fields = {
             "clock": self.clock.global_clock(),
             "vw_clock": self.clock.vw_clock(vw),
-            "applied": self.clock.applied_ranges(vw, stage),  # runs: flat over a long job
+            "applied": applied,
         }
         return fields, {n: self.weights[n] for n in names}
 

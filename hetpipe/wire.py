@@ -311,6 +311,8 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "staleness": _INT,
         "owners": _OPT_DICT,
         "cut_every": _OPT_INT,
+        # a VW leaves or joins a held job again (hetpipe.ps.ShardServer._reform)
+        "reform": _OPT_DICT,
     },
     # head -> shard: the weights of cut ``wave`` (answered once complete) and its applied sets
     Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT},

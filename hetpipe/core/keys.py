@@ -76,7 +76,7 @@ SCHEDULES: Final = (*KINDS, "auto")
 WEIGHTS: Final = ("stash", "latest", "predict")
 PREDICT_VARIANTS: Final = ("paper", "consistent")
 POLICIES: Final = ("auto", "np", "ed", "hd")
-ON_WORKER_LOSS: Final = ("fail", "replan")
+ON_WORKER_LOSS: Final = ("fail", "replan", "reform")
 ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies it prices
 PRECISIONS: Final = ("fp32", "bf16", "fp16")
 MERGES: Final = ("sum", "mean")
@@ -691,8 +691,10 @@ JOB: Final = Schema(
                 Key(
                     "on_worker_loss",
                     "string",
-                    "When a worker is lost: fail the job, or re-plan on the remaining devices "
-                    "and go on.",
+                    "When a worker is lost: fail the job, re-plan it on the remaining devices "
+                    "from its last checkpoint (replan), or re-form only the lost worker's "
+                    "virtual worker on its surviving devices from the shards' weights while "
+                    "the others train on (reform; a synchronous job re-plans).",
                     "fail",
                     choices=ON_WORKER_LOSS,
                 ),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 __all__ = [
@@ -178,6 +178,7 @@ class WaveClock(Generic[T]):
         if not self._logs:
             raise WspError("members: no virtual workers on this shard")
         self._final: dict[int, int] = {}  # vw -> number of waves it will push in all
+        self._floor = 0  # the global clock never goes below it (a VW removed: remove_vw)
         self._heap: list[tuple[int, int, T]] = []
         self._arrival = itertools.count()
 
@@ -242,6 +243,45 @@ class WaveClock(Generic[T]):
             raise WspError(f"leave: vw {vw} would hold nothing on this shard")
         del stages[stage]
 
+    def remove_vw(self, vw: int, of_vw: Callable[[T], bool]) -> tuple[int, list[T]]:
+        """``vw`` is no member any more (its worker was lost: :mod:`hetpipe.head.reform`):
+        it holds the global clock back no longer. Returns its clock as it was and its parked
+        pulls (``of_vw`` says which items are its), to be refused; the pulls of the other
+        VWs its clock held back are then answered by :meth:`release`. The global clock
+        keeps its value where no VW is left (a one-VW job, until :meth:`add_vw`)."""
+        if vw not in self._logs:
+            raise WspError(f"remove: unknown vw {vw}")
+        self._floor = max(self._floor, self.global_clock())
+        clock = self.vw_clock(vw)
+        del self._logs[vw]
+        self._final.pop(vw, None)
+        mine = [entry for entry in self._heap if of_vw(entry[2])]
+        if mine:
+            self._heap = [entry for entry in self._heap if not of_vw(entry[2])]
+            heapq.heapify(self._heap)
+        return clock, [item for _, _, item in sorted(mine, key=lambda e: e[1])]
+
+    def add_vw(self, vw: int, stages: Iterable[int], waves: int) -> int:
+        """Make ``vw`` a member again (re-formed after a loss), its clock starting at the
+        global clock ``g`` as of now: every one of its stages counts waves ``0 .. g - 1`` as
+        pushed, it pushes ``waves`` more (``g .. g + waves - 1``), and the global clock does
+        not go back. Returns ``g``, the offset of the VW's own wave numbers here."""
+        if vw in self._logs:
+            raise WspError(f"add: vw {vw} is a member already")
+        if waves < 0:
+            raise WspError(f"add: vw {vw}: waves must be >= 0, got {waves}")
+        g = self.global_clock()
+        logs = {}
+        for stage in stages:
+            log = _StageLog()
+            log.count = g
+            logs[stage] = log
+        if not logs:
+            raise WspError(f"add: vw {vw} has no stages on this shard")
+        self._logs[vw] = logs
+        self._final[vw] = g + waves
+        return g
+
     # -- clocks -----------------------------------------------------------------------------
 
     def applied(self, vw: int, stage: int) -> list[int]:
@@ -277,15 +317,16 @@ class WaveClock(Generic[T]):
         """Minimum of the clocks of the VWs that are not done.
 
         When every VW is done it is the largest clock (nothing is held back any more); either
-        way it never decreases.
+        way it never decreases (nor where a VW leaves and joins again: :meth:`remove_vw`).
         """
         clocks = {vw: self.vw_clock(vw) for vw in self._logs}
         active = [c for vw, c in clocks.items() if not self.done(vw)]
-        return min(active) if active else max(clocks.values())
+        now = min(active) if active else max(clocks.values(), default=self._floor)
+        return max(now, self._floor)
 
     def _horizon(self) -> int | None:
         """The largest need answered now; None when every VW is done (then all are answered)."""
-        if all(self.done(vw) for vw in self._logs):
+        if self._logs and all(self.done(vw) for vw in self._logs):
             return None
         return self.global_clock()
 

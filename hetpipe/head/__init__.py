@@ -15,6 +15,7 @@ One job per module:
 ``states``      the one enum of job states and the one transition function
 ``cuts``        checkpoint cuts: selection, consistency, writing
 ``recovery``    resume from a checkpoint, re-plan after a lost worker, restart of the head
+``reform``      a lost worker's VW alone re-formed on its survivors while the others train
 ``shardwait``   a lost shard pauses the job until it registers again, then it resumes
 ``profiles``    profiling requests and the profiles they keep
 ``views``       status views, telemetry and hang diagnosis
@@ -24,7 +25,8 @@ Durability: every ``train.checkpoint_every`` waves (and at the end) each stage s
 head its state and the head writes a checkpoint once the shards prove the cut whole
 (:mod:`hetpipe.head.cuts`); a job resumes from its last complete one, and with
 ``train.on_worker_loss = "replan"`` goes on without a lost worker
-(:mod:`hetpipe.head.recovery`).
+(:mod:`hetpipe.head.recovery`), with ``"reform"`` re-forms only its virtual worker
+(:mod:`hetpipe.head.reform`).
 """
 
 from hetpipe.head.jobs import JobState

@@ -164,8 +164,8 @@ class CutsPart:
     def _stage_state(self, msg: Message) -> None:
         """Keep a stage's state at a cut; once every stage's is in, write the checkpoint."""
         js = self._by_wire(msg["job"])
-        if js is None or js.state != JobStatus.RUNNING or js.plan is None:
-            return
+        if js is None or js.state != JobStatus.RUNNING or js.plan is None or js.cut_next is None:
+            return  # (no cut waited for: none is written from it, so none is kept)
         meta = dict(msg["meta"])
         js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
         plan = js.plan

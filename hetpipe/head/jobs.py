@@ -102,6 +102,11 @@ class JobState:
     shard_waits: list[dict[str, Any]] = field(default_factory=list)  # each pause, as it went
     watch: drift.Watch | None = None  # [replan]: drift detection and online re-plans
     migrations: list[dict[str, Any]] = field(default_factory=list)  # live (hetpipe.migrate)
+    # on_worker_loss = "reform" (hetpipe.head.reform): each VW re-formed or left out, the VWs
+    # being re-formed now (vw -> lost devices, reason, when) and the tasks doing it
+    reforms: list[dict[str, Any]] = field(default_factory=list)
+    reforming: dict[int, dict[str, Any]] = field(default_factory=dict)
+    reform_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     resume: checkpoint.Checkpoint | None = None  # submitted with --resume: start from it
     resumed_of: str | None = None  # the job this one continues (hetpipe.head.recovery)
     totals: tuple[int, ...] = ()  # minibatches each VW runs in the whole job
@@ -306,6 +311,7 @@ class JobsPart:
                     extra["state"] = transition(js.state, JobStatus.INTERRUPTED).value
                 self._record(js, **extra)
             self._drop_cuts(js)
+            self._end_reforms(js)  # type: ignore[attr-defined]  # hetpipe.head.reform
             await self._drop_shards(js)
             self.registry.release(js.id)
 

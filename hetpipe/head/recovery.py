@@ -410,8 +410,11 @@ class RecoveryPart:
     # -- keep going when a worker dies (train.on_worker_loss = "replan") ----------------------
 
     def _may_replan(self, js: JobState) -> bool:
+        # "reform" where the loss is not its VW's alone to take (hetpipe.head.reform): a
+        # synchronous job, or stages not started yet; a VW it could not re-form sets no
+        # lost_device (its line names the worker)
         return (
-            js.spec.on_worker_loss == "replan"
+            js.spec.on_worker_loss in ("replan", "reform")
             and js.lost_device is not None
             and not js.cancelled
             and len(js.replans) < MAX_REPLANS

@@ -28,6 +28,7 @@ from hetpipe.head.jobs import JobsPart, JobState
 from hetpipe.head.migration import MigrationPart
 from hetpipe.head.profiles import Profiler
 from hetpipe.head.recovery import RecoveryPart
+from hetpipe.head.reform import ReformPart
 from hetpipe.head.registry import Registry, hello_problem, shard_problem
 from hetpipe.head.shardwait import ShardWaitPart
 from hetpipe.head.states import JobFailed, JobStatus
@@ -64,7 +65,7 @@ _JOB_KINDS = frozenset(
 )
 
 
-class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
+class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, ReformPart):
     """The cluster's head: lives in the shard-0 process and shares its ROUTER socket."""
 
     def __init__(
@@ -258,8 +259,10 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
             return
         old = self.registry.register(peer, msg.fields)
         if old is not None and old.job is not None and (js := self.jobs.get(old.job)):
-            js.lost_device = old.device
-            js.fail(f"worker {old.device} restarted (pid {old.pid} -> {msg['pid']})")
+            why = f"worker {old.device} restarted (pid {old.pid} -> {msg['pid']})"
+            if not self._reform_on_loss(js, old, why):  # only its VW stops (head.reform)
+                js.lost_device = old.device
+                js.fail(why)
         self.log.info(
             "worker registered", device=msg["device"], address=msg["address"], pid=msg["pid"]
         )
@@ -331,7 +334,7 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
             assert js.plan is not None
             if len(js.stage_results) == js.plan.n_stages:
                 js.all_done.set()
-        else:
+        elif not self._reform_ignores(js, key[0]):  # its VW is being re-formed: no failure
             where = js.plan.where(*key) if js.plan else f"vw{key[0]}/stage{key[1]}"
             js.fail(f"{where} failed: {msg['error']}")
 
@@ -385,11 +388,13 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart):
                     "worker lost", device=w.device, pid=w.pid, silent_s=round(silent, 1)
                 )
                 if w.job is not None and w.job in self.jobs:
-                    self.jobs[w.job].lost_device = w.device
-                    self.jobs[w.job].fail(
+                    why = (
                         f"worker {w.device} (pid {w.pid}, vw{w.vw}/stage{w.stage}) lost: "
                         f"no heartbeat for {silent:.1f} s"
                     )
+                    if not self._reform_on_loss(self.jobs[w.job], w, why):  # head.reform
+                        self.jobs[w.job].lost_device = w.device
+                        self.jobs[w.job].fail(why)
             for index, silent in shards:
                 self.log.warning("shard lost", shard=index, silent_s=round(silent, 1))
                 js = self.current

@@ -101,6 +101,8 @@ def job_view(js: JobState) -> dict[str, Any]:
         out["replans"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.replans]
     if js.migrations:
         out["migrations"] = js.migrations
+    if js.reforms:  # VWs re-formed or left out after a lost worker (hetpipe.head.reform)
+        out["reforms"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in js.reforms]
     if js.evals:
         out["evals"] = js.evals
     if js.validation:
