@@ -63,7 +63,7 @@ __all__ = ["make_plan", "place_stages", "sim_vw"]
 
 NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
 TRIM_MAX = 16  # the largest VW from which the search tries leaving a device out
-TRIM_GAIN = 1e-3  # the least relative gain of a VW's rate that leaves a device out
+TRIM_GAIN = 0.01  # the least relative gain of a VW's rate that leaves a device out
 
 
 # --------------------------------------------------------------------------- search
@@ -190,6 +190,27 @@ class _Search:
                         "without_samples_per_s": best[1][1].sim.job_samples_per_s,
                     }
                 )
+        while len(kept) > 1:  # a whole VW whose waves hold the others back
+            v = min(range(len(kept)), key=lambda u: kept[u][1].minibatches_per_s)
+            rest = kept[:v] + kept[v + 1 :]
+            if _estimate(rest, self.inputs.minibatch) <= best[0] * (1 + TRIM_GAIN):
+                break  # the others alone cannot beat the job's rate with it
+            without = self.variants(rest)
+            if without[0] <= best[0] * (1 + TRIM_GAIN):
+                break
+            for d in kept[v][0]:
+                left.append(
+                    {
+                        "device": d.name,
+                        "type": d.type,
+                        "node": d.node,
+                        "vw_devices": [x.name for x in kept[v][0]],
+                        "with_samples_per_s": best[1][1].sim.job_samples_per_s,
+                        "without_samples_per_s": without[1][1].sim.job_samples_per_s,
+                        "whole_vw": True,
+                    }
+                )
+            kept, best = rest, without
         score, (chosen, res) = best
         self.raw[f.describe()] = res.sim.job_samples_per_s
         return score, (chosen, res, dropped, left)
@@ -232,6 +253,18 @@ class _Search:
             return -math.inf
         return p.minibatches_per_s * factor(p.nm, self.inputs.weights)
 
+    def gains_without(self, r: OrderResult, d: Any, here: float) -> bool:
+        """Whether ``r``'s order with ``d`` taken out, at the same Nm, has a least-bottleneck
+        split (one DP, no order or Nm search) that scores above ``here``: the cheap test a
+        device passes before its VW's order is searched without it."""
+        assert isinstance(r.partition, Partition)
+        order = [x for x in r.order if x is not d]
+        nm = min(r.partition.nm, len(order))
+        p = self.model.partition(order, nm)
+        if not isinstance(p, Partition):
+            return False
+        return p.minibatches_per_s * factor(p.nm, self.inputs.weights) > here * (1 + TRIM_GAIN)
+
     def trimmed(self, group: Sequence[Any]) -> tuple[OrderResult, list[Any]]:
         """The group's best VW (:meth:`vw`) after leaving out, one at a time, each device
         whose VW estimates a higher rate without it (:meth:`vw_score`), and the devices left
@@ -241,7 +274,9 @@ class _Search:
         (or too small) for even the least layer it could take can cost its VW more than it
         adds. Each round tries one device of every class (type, memory, speed, node: the
         others of a class are interchangeable with it) and skips one whose VW without it is
-        bounded (:meth:`vw_bound`) below the rate already reached; the best improvement
+        bounded (:meth:`vw_bound`) below the rate already reached, or whose VW in the same
+        order without it estimates no gain (:meth:`gains_without`: a heuristic filter, so
+        a device that pays only after the order changes is kept); the best improvement
         wins, until none improves. VWs of more than :data:`TRIM_MAX` devices keep every
         device (the order search of each trial is the heuristic one there), and so does
         every VW of a job that fixes Nm (``train.nm``): it chose how deep its pipelines are,
@@ -269,6 +304,8 @@ class _Search:
                 rest = [x for x in cur if x is not d]
                 if self.vw_bound(rest) <= here * self.inputs.minibatch * (1 + 1e-9):
                     continue  # cannot beat the rate with d
+                if not self.gains_without(r, d, here):
+                    continue
                 q = self.vw(rest)
                 s = self.vw_score(q)
                 if s > here * (1 + TRIM_GAIN) and (found is None or s > found[0]):
@@ -327,6 +364,12 @@ class _Search:
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
         return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
+
+
+def _estimate(kept: Sequence[tuple[Sequence[Any], Partition]], minibatch: int) -> float:
+    """The VWs' summed steady-state estimates (:attr:`Partition.minibatches_per_s`) in
+    samples/s, 2% slack: about the most the simulator gives them with no WSP waits."""
+    return 1.02 * minibatch * sum(p.minibatches_per_s for _, p in kept)
 
 
 def _limited(
@@ -450,9 +493,18 @@ def make_plan(
     unused += list(formation.unused)
     for e in left:
         e["why"] = (
-            f"left out of its VW ({','.join(e['vw_devices'])}): predicted "
-            f"{e['with_samples_per_s']:.1f} samples/s with it, {e['without_samples_per_s']:.1f} "
-            "without (the slowest stage bounds a pipeline)"
+            (
+                f"left out with its whole VW ({','.join(e['vw_devices'])}): predicted "
+                if e.get("whole_vw")
+                else f"left out of its VW ({','.join(e['vw_devices'])}): predicted "
+            )
+            + f"{e['with_samples_per_s']:.1f} samples/s with it, "
+            + f"{e['without_samples_per_s']:.1f} without "
+            + (
+                "(its waves hold the other VWs back at the WSP gate)"
+                if e.get("whole_vw")
+                else "(the slowest stage bounds a pipeline)"
+            )
         )
         unused.append((e["device"], e["why"]))
     for g, why in dropped:

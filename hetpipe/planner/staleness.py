@@ -99,21 +99,31 @@ def best_effective_nm(
 ) -> Partition:
     """The split of ``order`` with the best effective rate (:func:`factor` times
     ``minibatches_per_s``) over Nm 1..``p.nm`` (``p``: the best raw rate's split, whose Nm
-    already obeys the job's cap ``cap``). Exact for this order: for each Nm the best split
-    (:meth:`CostModel.best_rate`); among equal effective rates the smaller Nm. Where ``p``
-    is not deep, or the mode is not penalised, ``p`` itself."""
+    already obeys the job's cap; ``cap`` lowers it further). Exact for this order: up to
+    :data:`SHALLOW_NM` (no penalty) the best split and Nm together
+    (:meth:`CostModel.best_nm`), then each deeper Nm's best split
+    (:meth:`CostModel.best_rate`) while ``p``'s rate, the most any Nm reaches, at that
+    Nm's factor could still beat the best so far. Among equal effective rates the smaller
+    Nm. Where ``p`` is not deep, or the mode is not penalised, ``p`` itself."""
     top = p.nm if cap is None else min(p.nm, cap)
-    if top == p.nm and (factor(p.nm, weights) == 1.0):
+    if top == p.nm and factor(p.nm, weights) == 1.0:
         return p
-    best, best_score = None, -math.inf
-    for n in range(1, top + 1):
-        q = p if n == p.nm else model.best_rate(order, n)
+    shallow = model.best_nm(order, range(1, min(top, SHALLOW_NM) + 1))
+    best, best_score = p, -math.inf
+    if isinstance(shallow, Partition):
+        best, best_score = shallow, shallow.minibatches_per_s
+    ceiling = p.minibatches_per_s
+    for n in range(SHALLOW_NM + 1, top + 1):
+        f = factor(n, weights)
+        if ceiling * f <= best_score * (1 + 1e-12):
+            break  # deeper Nm only lowers the factor
+        q = p if n == p.nm else model.best_rate(order, n, best_score / f)
         if not isinstance(q, Partition):
-            continue
-        s = q.minibatches_per_s * factor(n, weights)
+            break  # more Nm only needs more memory
+        s = q.minibatches_per_s * f
         if s > best_score * (1 + 1e-12):
             best, best_score = q, s
-    return best if best is not None else p
+    return best
 
 
 def summary(rates: Sequence[float], nms: Sequence[int], weights: str) -> dict[str, Any]:
