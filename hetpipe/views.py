@@ -275,6 +275,11 @@ def render_comparison(info: dict[str, Any]) -> str:
         f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
         f"{pred['samples_per_s']:.0f} samples/s"
     )
+    for e in pred.get("left_out") or ():  # devices the planner chose not to use, and why
+        lines.append(
+            f"  left out: {e['device']}: predicted {float(e['with_samples_per_s']):.0f} "
+            f"samples/s with it, {float(e['without_samples_per_s']):.0f} without"
+        )
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from hetpipe.config import (
 )
 from hetpipe.planner import make_plan, synthetic_profile
 from hetpipe.profiling import predicted_summary
-from hetpipe.views import explain_lines
+from hetpipe.views import explain_lines, render_comparison
 
 GiB = 1 << 30
 KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
@@ -65,6 +65,8 @@ def test_a_device_so_slow_it_costs_its_vw_more_than_it_adds_is_left_out(seed):
     assert any(line.startswith(f"left out: {slow} (w, n0)") for line in explain_lines(plan.details))
     summary = predicted_summary(plan)
     assert slow in summary["unused"] and summary["left_out"][0]["device"] == slow
+    result = render_comparison({"predicted": summary, "stages": [], "samples_per_s": 1.0})
+    assert f"  left out: {slow}: predicted " in result  # the finished job's result says it
     # and the plan with it is what the figure says: slower
     kept = make_plan(c, prof, num_vws=1, nm=len(c.devices), **KW)  # a fixed Nm keeps all
     assert slow in {d for vw in kept.vws for d in vw.devices}
