@@ -97,6 +97,7 @@ class _Search:
     orders: int = 0
     trim_memo: dict[tuple, tuple[OrderResult, list[Any]]] = field(default_factory=dict)
     raw: dict[str, float] = field(default_factory=dict)  # formation -> its samples/s
+    incumbent: float = -math.inf  # the best score of a formation evaluated so far
 
     def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """A key equal for groups alike up to renaming devices and nodes, and an order of
@@ -149,7 +150,11 @@ class _Search:
         """Effective rate of a formation (:meth:`score`): each VW's best order, split and Nm,
         less any device whose VW predicts faster without it (:meth:`trimmed`, each such
         choice confirmed by the simulator); then, unless Nm is fixed, the same with Nm
-        re-balanced across VWs (see :meth:`balance`), keeping whichever scores higher."""
+        re-balanced across VWs (see :meth:`balance`), keeping whichever scores higher.
+        Last, the slowest VW is left out whole where the job then simulates faster (its
+        waves held the others at the WSP gate), tried only where the others' rates without
+        their gate waits (:func:`_unwaited`) could beat both this formation and the best
+        one so far; repeated while it pays."""
         self.formations += 1
         kept: list[tuple[tuple[Any, ...], Partition]] = []
         dropped: list[tuple[tuple[Any, ...], str]] = []
@@ -193,8 +198,9 @@ class _Search:
         while len(kept) > 1:  # a whole VW whose waves hold the others back
             v = min(range(len(kept)), key=lambda u: kept[u][1].minibatches_per_s)
             rest = kept[:v] + kept[v + 1 :]
-            if _estimate(rest, self.inputs.minibatch) <= best[0] * (1 + TRIM_GAIN):
-                break  # the others alone cannot beat the job's rate with it
+            bar = max(best[0], self.incumbent) * (1 + TRIM_GAIN)
+            if _unwaited(best[1][1].sim, v) <= bar:
+                break  # the others, never held at the gate, cannot beat it or the best so far
             without = self.variants(rest)
             if without[0] <= best[0] * (1 + TRIM_GAIN):
                 break
@@ -213,6 +219,7 @@ class _Search:
             kept, best = rest, without
         score, (chosen, res) = best
         self.raw[f.describe()] = res.sim.job_samples_per_s
+        self.incumbent = max(self.incumbent, score)
         return score, (chosen, res, dropped, left)
 
     def variants(
@@ -366,10 +373,18 @@ class _Search:
         return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
 
 
-def _estimate(kept: Sequence[tuple[Sequence[Any], Partition]], minibatch: int) -> float:
-    """The VWs' summed steady-state estimates (:attr:`Partition.minibatches_per_s`) in
-    samples/s, 2% slack: about the most the simulator gives them with no WSP waits."""
-    return 1.02 * minibatch * sum(p.minibatches_per_s for _, p in kept)
+def _unwaited(sim: Any, v: int) -> float:
+    """The samples/s of every VW but ``v`` as simulated, each with the time it waited at the
+    WSP gate taken off: about the most they reach once ``v`` no longer holds them back
+    (without v only the gate's waits can shrink; a filter, the simulator decides)."""
+    total = 0.0
+    for u, rate in enumerate(sim.vw_samples_per_s):
+        if u == v:
+            continue
+        finish = sim.vw_finish_s[u]
+        busy = finish - sim.gate_wait_s[u]
+        total += rate * (finish / busy if busy > 0 else math.inf)
+    return total
 
 
 def _limited(
