@@ -204,6 +204,9 @@ class JobSpec:
     # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
     # proposes beside a given split; 1: no replicas
     max_replicas: int = _d("train.max_replicas")
+    # the most Nm the planner may give a virtual worker (hetpipe.planner.staleness); None:
+    # its own limit
+    max_nm: int | None = _d("train.max_nm")
     # 1f1b: extra pipeline warm-up forwards of each stage before its first backward
     # (hetpipe.core.schedule.microbatch_order); None: the planner picks ("auto"; the default with
     # schedule "auto", where the head then fixes the job's schedule and warm-up together)
@@ -352,12 +355,16 @@ class JobSpec:
             )
         push_every = _read(train, "push_every")
         max_replicas = _read(train, "max_replicas")
+        max_nm = _read(train, "max_nm")
         verify = _read(train, "verify")
         warmup_forwards = _warmup_forwards(train, schedule)
         in_flight = _read(train, "in_flight")
         policy = _read(train, "policy")
 
         vws = _vws(root)
+        for given in (nm, *(v.nm for v in vws)):
+            if max_nm is not None and given is not None and given > max_nm:
+                train.fail("max_nm", f"is {max_nm} but the job gives nm = {given}")
         order = _order(train, source, schedule, warmup_forwards, vws, nm)
         faults = [_fault(ft) for ft in root.tables("fault", JOB.allowed("fault"))]
         if schedule == "auto" and vws:
@@ -407,6 +414,7 @@ class JobSpec:
             push_every=push_every,
             verify=verify,
             max_replicas=max_replicas,
+            max_nm=max_nm,
             warmup_forwards=warmup_forwards,
             in_flight=in_flight,
             order=order,
@@ -512,6 +520,7 @@ class JobSpec:
                 "push_every": self.push_every,
                 "verify": self.verify,
                 "max_replicas": self.max_replicas,
+                "max_nm": self.max_nm,
                 "warmup_forwards": "auto" if self.warmup_forwards is None else self.warmup_forwards,
                 "in_flight": self.in_flight,
                 "order": schedule_csv.rows(self.order) if self.order else None,

@@ -33,6 +33,7 @@ from hetpipe.planner import (
     sync_plan,
     weights_mode,
 )
+from hetpipe.planner.staleness import choose_schedule
 
 __all__ = [
     "computes_on_cores",
@@ -110,6 +111,7 @@ def plan_inputs(
         max_replicas=spec.max_replicas,
         row_profiles=row_profiles,
         in_flight=spec.in_flight,
+        max_nm=spec.max_nm,
     )
 
 
@@ -207,8 +209,8 @@ def _auto_plan(
     spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, inputs: PlanInputs
 ) -> Plan:
     """``train.schedule = "auto"``: the async plan or the synchronous one, whichever the
-    planner predicts trains faster (samples per second; the staleness of async weights is
-    not priced, which the reason says)."""
+    planner predicts trains faster (samples per second, an async plan's weighted by the
+    staleness rule of :mod:`hetpipe.planner.staleness`, which the reason states)."""
     plans: list[Plan] = []
     errors = []
     try:
@@ -221,17 +223,7 @@ def _auto_plan(
         errors.append(f"synchronous: {exc}")
     if not plans:
         raise PlanError("; ".join(errors))
-    best = max(plans, key=lambda p: p.samples_per_s)
-    rates = ", ".join(f"{p.schedule} {p.samples_per_s:.1f}" for p in plans)
-    why = (
-        f"schedule auto chose {best.schedule}: predicted samples/s {rates}"
-        + (f" ({'; '.join(errors)})" if errors else "")
-        + (
-            "; async trains on stale weights, which this does not price"
-            if best.schedule == "async"
-            else "; exact minibatch SGD"
-        )
-    )
+    best, why = choose_schedule(plans, errors)  # the staleness rule weighs async
     return dataclasses.replace(
         best, warnings=(*best.warnings, why), details={**best.details, "schedule_choice": why}
     )
@@ -296,4 +288,6 @@ def predicted_summary(plan: Plan) -> dict[str, Any]:
         "unused": list(plan.unused),
         # train.max_replicas: per VW, the replicated split weighed and why (not) chosen
         "replica_choice": list(plan.details.get("replica_choice", ())),
+        # devices the search left out, with the predicted samples/s with and without each
+        "left_out": list(plan.details.get("left_out", ())),
     }

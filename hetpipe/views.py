@@ -275,6 +275,11 @@ def render_comparison(info: dict[str, Any]) -> str:
         f"  throughput {info.get('samples_per_s', 0):.0f} samples/s, predicted "
         f"{pred['samples_per_s']:.0f} samples/s"
     )
+    for e in pred.get("left_out") or ():  # devices the planner chose not to use, and why
+        lines.append(
+            f"  left out: {e['device']}: predicted {float(e['with_samples_per_s']):.0f} "
+            f"samples/s with it, {float(e['without_samples_per_s']):.0f} without"
+        )
     return "\n".join(lines)
 
 
@@ -341,11 +346,17 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
             "explain: this plan records no candidate formations (a split from the job file, "
             "or a synchronous plan)"
         ]
-    lines = [f"candidate formations ({len(cands)}), predicted samples/s:"]
+    lines = [
+        f"candidate formations ({len(cands)}), predicted samples/s "
+        "(staleness-weighted where a VW is deep; plain in brackets):"
+    ]
     for i, c in enumerate(cands):
         mark = "*" if c.get("chosen") else " "
         score = c.get("score")
         figure = f"{score:10.2f}" if score is not None else f"{'-':>10}"
+        plain = c.get("samples_per_s")
+        if score is not None and plain is not None and abs(plain - score) > 1e-9 * abs(plain):
+            figure += f" [{plain:.2f}]"
         why = f"  ({c['skipped']})" if c.get("skipped") else ""
         lines.append(f" {mark} {i:2d} {c['name']:<9} {figure}  {c['formation']}{why}")
     scored = sorted(
@@ -366,10 +377,47 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
         if pruned:
             msg += f"; {pruned} skipped whose throughput bound could not beat the best so far"
         lines.append(msg)
+    lines += _choice_lines(details)
     places: Sequence[Mapping[str, Any]] = details.get("placements") or ()
     if places:
         lines.append("parameter placements of the chosen formation, predicted samples/s:")
         for p in places:
             mark = "*" if p.get("chosen") else " "
             lines.append(f" {mark} {p['name']:<9} {float(p['score']):10.2f}  {p['rule']}")
+    return lines
+
+
+def _choice_lines(details: Mapping[str, Any]) -> list[str]:
+    """The devices the search left out (with the predicted samples/s with and without
+    each), each VW's rate and share of the job's samples, and the staleness rule's verdict
+    per VW (:mod:`hetpipe.planner.staleness`)."""
+    lines = []
+    for e in details.get("left_out") or ():
+        lines.append(
+            f"left out: {e['device']} ({e['type']}, {e['node']}) from VW "
+            f"{','.join(e['vw_devices'])}: predicted {float(e['with_samples_per_s']):.2f} "
+            f"samples/s with it, {float(e['without_samples_per_s']):.2f} without"
+        )
+    shares: Sequence[Mapping[str, Any]] = details.get("vw_shares") or ()
+    st: Mapping[str, Any] = details.get("staleness") or {}
+    factors = st.get("factors") or ()
+    if shares:
+        lines.append(
+            "virtual workers, predicted samples/s and share of the job's samples "
+            "(under WSP each VW runs at its own pace, so a faster VW trains on more of the data):"
+        )
+        for s in shares:
+            v = int(s["vw"])
+            f = float(factors[v]) if v < len(factors) else 1.0
+            weight = f"  staleness x{f:.2f}" if f < 1.0 else ""
+            lines.append(
+                f"  VW {v}: {float(s['samples_per_s']):10.2f} {float(s['share']):6.1%}  "
+                f"Nm={s['nm']}{weight}  {','.join(s['devices'])}"
+            )
+    if st:
+        lines.append(
+            f"staleness rule: {st.get('rule')}; effective "
+            f"{float(st.get('effective_samples_per_s', 0.0)):.2f} samples/s"
+            + (f"; train.max_nm = {st['max_nm']}" if st.get("max_nm") is not None else "")
+        )
     return lines

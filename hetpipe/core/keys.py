@@ -753,6 +753,17 @@ JOB: Final = Schema(
                     False,
                 ),
                 Key(
+                    "max_nm",
+                    "integer",
+                    "The most minibatches in flight the planner may give a virtual worker "
+                    "(a cap on Nm, and so on how stale its weights get). Unset: the planner's "
+                    "own limit, with deep pipelines weighed by its staleness rule.",
+                    None,
+                    low=1,
+                    high=MAX_SMALL,
+                    applies=ASYNC,
+                ),
+                Key(
                     "max_replicas",
                     "integer",
                     "The most devices the planner may group into one replicated stage; 1: "

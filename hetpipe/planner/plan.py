@@ -50,11 +50,20 @@ from hetpipe.planner.replicas import (
 )
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW
+from hetpipe.planner.staleness import (
+    best_effective_nm,
+    deep_warnings,
+    effective_rate,
+    factor,
+    summary,
+)
 
 __all__ = ["make_plan", "place_stages", "sim_vw"]
 
 
 NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
+TRIM_MAX = 16  # the largest VW from which the search tries leaving a device out
+TRIM_GAIN = 0.01  # the least relative gain of a VW's rate that leaves a device out
 
 
 # --------------------------------------------------------------------------- search
@@ -86,6 +95,9 @@ class _Search:
     vw_memo: dict[tuple, OrderResult] = field(default_factory=dict)
     formations: int = 0
     orders: int = 0
+    trim_memo: dict[tuple, tuple[OrderResult, list[Any]]] = field(default_factory=dict)
+    raw: dict[str, float] = field(default_factory=dict)  # formation -> its samples/s
+    incumbent: float = -math.inf  # the best score of a formation evaluated so far
 
     def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """A key equal for groups alike up to renaming devices and nodes, and an order of
@@ -103,11 +115,24 @@ class _Search:
         blocks.sort(key=lambda x: x[0])
         return ("iso", tuple(k for k, _ in blocks)), [d for _, devs in blocks for d in devs]
 
+    def nm_cap(self, k: int) -> int | None:
+        """The most Nm a VW of ``k`` devices may get: the job's ``max_nm`` where it is
+        below the order search's own limit (k), else None (no extra cap)."""
+        cap = self.inputs.max_nm
+        return cap if cap is not None and cap < k else None
+
     def vw(self, group: Sequence[Any]) -> OrderResult:
+        """The best order of ``group`` and its split, Nm chosen for the best effective rate
+        (:func:`hetpipe.planner.staleness.best_effective_nm`) under the job's ``max_nm``."""
         key, canon = self.canon(group)
         hit = self.vw_memo.get(key)
         if hit is None:
-            hit = best_order(self.model, canon, nm=self.inputs.nm)
+            cap = self.nm_cap(len(canon))
+            cands = range(1, cap + 1) if cap is not None and self.inputs.nm is None else None
+            hit = best_order(self.model, canon, nm=self.inputs.nm, nm_candidates=cands)
+            if isinstance(hit.partition, Partition) and self.inputs.nm is None:
+                p = best_effective_nm(self.model, hit.order, hit.partition, self.inputs.weights)
+                hit = dataclasses.replace(hit, partition=p)
             self.orders += hit.evaluated
             self.vw_memo[key] = hit
             return hit
@@ -122,32 +147,182 @@ class _Search:
         return OrderResult(order, p, 0, hit.exhaustive)
 
     def evaluate(self, f: Formation) -> tuple[float, Any]:
-        """Simulated total rate of a formation: each VW's best order, split and Nm; then,
-        unless Nm is fixed, the same with Nm re-balanced across VWs (see :meth:`balance`),
-        keeping whichever simulates faster."""
+        """Effective rate of a formation (:meth:`score`): each VW's best order, split and Nm,
+        less any device whose VW predicts faster without it (:meth:`trimmed`, each such
+        choice confirmed by the simulator); then, unless Nm is fixed, the same with Nm
+        re-balanced across VWs (see :meth:`balance`), keeping whichever scores higher.
+        Last, the slowest VW is left out whole where the job then simulates faster (its
+        waves held the others at the WSP gate), tried only where the others' rates without
+        their gate waits (:func:`_unwaited`) could beat both this formation and the best
+        one so far; repeated while it pays."""
         self.formations += 1
         kept: list[tuple[tuple[Any, ...], Partition]] = []
         dropped: list[tuple[tuple[Any, ...], str]] = []
+        trims: list[tuple[int, tuple[Any, ...], list[Any]]] = []  # (kept index, group, out)
         for g in f.groups:
-            r = self.vw(g)
+            r, out = self.trimmed(g)
             if isinstance(r.partition, Partition):
+                if out:
+                    trims.append((len(kept), tuple(g), out))
                 kept.append((r.order, r.partition))
             else:
                 dropped.append((tuple(g), r.partition.reason))
         if not kept:
-            return -math.inf, (kept, None, dropped)
-        best: tuple[float, Any] | None = None
-        variants = [kept]
+            return -math.inf, (kept, None, dropped, [])
+        best = self.variants(kept)
+        left: list[dict[str, Any]] = []
+        for v, g, out in trims:
+            for d in out:
+                # the VW as it is, with d put back: the simulator's figure with it
+                names = {x.name for x in kept[v][0]} | {d.name}
+                back = [x for x in g if x.name in names]
+                r = self.vw(back)
+                if not isinstance(r.partition, Partition):
+                    continue
+                alt = list(kept)
+                alt[v] = (r.order, r.partition)
+                with_d = self.variants(alt)
+                if with_d[0] > best[0]:  # the simulator disagrees: keep the device
+                    kept, best = alt, with_d
+                    continue
+                left.append(
+                    {
+                        "device": d.name,
+                        "type": d.type,
+                        "node": d.node,
+                        "vw_devices": [x.name for x in g],
+                        "with_samples_per_s": with_d[1][1].sim.job_samples_per_s,
+                        "without_samples_per_s": best[1][1].sim.job_samples_per_s,
+                    }
+                )
+        while len(kept) > 1:  # a whole VW whose waves hold the others back
+            v = min(range(len(kept)), key=lambda u: kept[u][1].minibatches_per_s)
+            rest = kept[:v] + kept[v + 1 :]
+            bar = max(best[0], self.incumbent) * (1 + TRIM_GAIN)
+            if _unwaited(best[1][1].sim, v) <= bar:
+                break  # the others, never held at the gate, cannot beat it or the best so far
+            without = self.variants(rest)
+            if without[0] <= best[0] * (1 + TRIM_GAIN):
+                break
+            for d in kept[v][0]:
+                left.append(
+                    {
+                        "device": d.name,
+                        "type": d.type,
+                        "node": d.node,
+                        "vw_devices": [x.name for x in kept[v][0]],
+                        "with_samples_per_s": best[1][1].sim.job_samples_per_s,
+                        "without_samples_per_s": without[1][1].sim.job_samples_per_s,
+                        "whole_vw": True,
+                    }
+                )
+            kept, best = rest, without
+        score, (chosen, res) = best
+        self.raw[f.describe()] = res.sim.job_samples_per_s
+        self.incumbent = max(self.incumbent, score)
+        return score, (chosen, res, dropped, left)
+
+    def variants(
+        self, kept: list[tuple[tuple[Any, ...], Partition]]
+    ) -> tuple[float, tuple[list[tuple[tuple[Any, ...], Partition]], Prediction]]:
+        """The better-scoring (:meth:`score`) of ``kept`` and, unless Nm is fixed, ``kept``
+        with Nm balanced across its VWs: ``(score, (chosen, prediction))``."""
+        options = [kept]
         if self.inputs.nm is None and len(kept) > 1:
             balanced = self.balance(kept)
             if balanced != kept:
-                variants.append(balanced)
-        for chosen in variants:
+                options.append(balanced)
+        best: tuple[float, Any] | None = None
+        for chosen in options:
             res = self.predict(chosen)
-            if best is None or res.sim.job_samples_per_s > best[0]:
-                best = (res.sim.job_samples_per_s, (chosen, res, dropped))
+            s = self.score(chosen, res)
+            if best is None or s > best[0]:
+                best = (s, (chosen, res))
         assert best is not None
         return best
+
+    def score(self, chosen: Sequence[tuple[Sequence[Any], Partition]], res: Prediction) -> float:
+        """The job's predicted samples/s weighted by the staleness rule
+        (:func:`hetpipe.planner.staleness.effective_rate`): each VW's share of the job's
+        rate counted at its Nm's factor."""
+        rates = res.sim.vw_samples_per_s
+        total = sum(rates)
+        if not total > 0 or not math.isfinite(total):
+            return res.sim.job_samples_per_s
+        eff = effective_rate(rates, [p.nm for _, p in chosen], self.inputs.weights)
+        return res.sim.job_samples_per_s * eff / total
+
+    def vw_score(self, r: OrderResult) -> float:
+        """A VW's estimated minibatches/s at its Nm's staleness factor; -inf where no split
+        fits."""
+        p = r.partition
+        if not isinstance(p, Partition):
+            return -math.inf
+        return p.minibatches_per_s * factor(p.nm, self.inputs.weights)
+
+    def gains_without(self, r: OrderResult, d: Any, here: float) -> bool:
+        """Whether ``r``'s order with ``d`` taken out, at the same Nm, has a least-bottleneck
+        split (one DP, no order or Nm search) that scores above ``here``: the cheap test a
+        device passes before its VW's order is searched without it."""
+        assert isinstance(r.partition, Partition)
+        order = [x for x in r.order if x is not d]
+        nm = min(r.partition.nm, len(order))
+        p = self.model.partition(order, nm)
+        if not isinstance(p, Partition):
+            return False
+        return p.minibatches_per_s * factor(p.nm, self.inputs.weights) > here * (1 + TRIM_GAIN)
+
+    def trimmed(self, group: Sequence[Any]) -> tuple[OrderResult, list[Any]]:
+        """The group's best VW (:meth:`vw`) after leaving out, one at a time, each device
+        whose VW estimates a higher rate without it (:meth:`vw_score`), and the devices left
+        out in that order.
+
+        The slowest stage bounds a pipeline, and every device is a stage: a device too slow
+        (or too small) for even the least layer it could take can cost its VW more than it
+        adds. Each round tries one device of every class (type, memory, speed, node: the
+        others of a class are interchangeable with it) and skips one whose VW without it is
+        bounded (:meth:`vw_bound`) below the rate already reached, or whose VW in the same
+        order without it estimates no gain (:meth:`gains_without`: a heuristic filter, so
+        a device that pays only after the order changes is kept); the best improvement
+        wins, until none improves. VWs of more than :data:`TRIM_MAX` devices keep every
+        device (the order search of each trial is the heuristic one there), and so does
+        every VW of a job that fixes Nm (``train.nm``): it chose how deep its pipelines are,
+        and the plan warns where one cannot fill instead."""
+        key = tuple(sorted(d.name for d in group))
+        hit = self.trim_memo.get(key)
+        if hit is not None:
+            return hit
+        cur = list(group)
+        r = self.vw(cur)
+        out: list[Any] = []
+        while (
+            self.inputs.nm is None
+            and 1 < len(cur) <= TRIM_MAX
+            and isinstance(r.partition, Partition)
+        ):
+            here = self.vw_score(r)
+            found: tuple[float, Any, OrderResult, list[Any]] | None = None
+            seen: set[tuple] = set()
+            for d in cur:
+                cls = (d.type, d.memory, float(getattr(d, "speed", 1.0)), d.node)
+                if cls in seen:
+                    continue
+                seen.add(cls)
+                rest = [x for x in cur if x is not d]
+                if self.vw_bound(rest) <= here * self.inputs.minibatch * (1 + 1e-9):
+                    continue  # cannot beat the rate with d
+                if not self.gains_without(r, d, here):
+                    continue
+                q = self.vw(rest)
+                s = self.vw_score(q)
+                if s > here * (1 + TRIM_GAIN) and (found is None or s > found[0]):
+                    found = (s, d, q, rest)
+            if found is None:
+                break
+            _, d, r, cur = found
+            out.append(d)
+        self.trim_memo[key] = (r, out)
+        return r, out
 
     def predict(self, chosen: Sequence[tuple[Sequence[Any], Partition]]) -> Prediction:
         """Simulated rates of the chosen VWs with the runtime's costs and host sharing."""
@@ -169,7 +344,7 @@ class _Search:
         wave = max(p.nm / r for (_, p), r in zip(kept, rates, strict=True))
         out = []
         for (order, p), r in zip(kept, rates, strict=True):
-            want = min(NM_MAX, int(wave * r * (1 + 1e-9)))
+            want = min(self.inputs.max_nm or NM_MAX, NM_MAX, int(wave * r * (1 + 1e-9)))
             choice = p
             for n in dict.fromkeys((want, (want + p.nm) // 2)):
                 if n <= p.nm:
@@ -196,6 +371,20 @@ class _Search:
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
         return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
+
+
+def _unwaited(sim: Any, v: int) -> float:
+    """The samples/s of every VW but ``v`` as simulated, each with the time it waited at the
+    WSP gate taken off: about the most they reach once ``v`` no longer holds them back
+    (without v only the gate's waits can shrink; a filter, the simulator decides)."""
+    total = 0.0
+    for u, rate in enumerate(sim.vw_samples_per_s):
+        if u == v:
+            continue
+        finish = sim.vw_finish_s[u]
+        busy = finish - sim.gate_wait_s[u]
+        total += rate * (finish / busy if busy > 0 else math.inf)
+    return total
 
 
 def _limited(
@@ -265,6 +454,10 @@ def make_plan(
         raise PlanError(f"staleness must be >= 0, got {inputs.staleness}")
     if inputs.nm is not None and inputs.nm < 1:
         raise PlanError(f"nm must be >= 1, got {inputs.nm}")
+    if inputs.max_nm is not None and inputs.max_nm < 1:
+        raise PlanError(f"max_nm must be >= 1, got {inputs.max_nm}")
+    if inputs.nm is not None and inputs.max_nm is not None and inputs.nm > inputs.max_nm:
+        raise PlanError(f"nm {inputs.nm} is above max_nm {inputs.max_nm}")
     warnings: list[str] = []
     profile = _at_minibatch(profile, minibatch, warnings)
     devices = tuple(cluster.devices)
@@ -292,7 +485,9 @@ def make_plan(
             + (f" with {num_vws} VWs" if num_vws is not None else "")
             + f" forms no virtual worker from the {len(usable)} usable devices"
         )
-    formation, _, (kept, pred, dropped) = found
+    formation, _, (kept, pred, dropped, left) = found
+    for e in trace:  # the candidates' plain samples/s beside their staleness-weighted score
+        e["samples_per_s"] = search.raw.get(e["formation"]) if e.get("score") is not None else None
     if not kept:
         group, why = max(dropped, key=lambda x: sum(d.memory for d in x[0]))
         if len(usable) <= model.L:
@@ -311,6 +506,22 @@ def make_plan(
             f"the model fits on no virtual worker; on {','.join(d.name for d in group)}: {why}"
         )
     unused += list(formation.unused)
+    for e in left:
+        e["why"] = (
+            (
+                f"left out with its whole VW ({','.join(e['vw_devices'])}): predicted "
+                if e.get("whole_vw")
+                else f"left out of its VW ({','.join(e['vw_devices'])}): predicted "
+            )
+            + f"{e['with_samples_per_s']:.1f} samples/s with it, "
+            + f"{e['without_samples_per_s']:.1f} without "
+            + (
+                "(its waves hold the other VWs back at the WSP gate)"
+                if e.get("whole_vw")
+                else "(the slowest stage bounds a pipeline)"
+            )
+        )
+        unused.append((e["device"], e["why"]))
     for g, why in dropped:
         unused += [
             (d.name, f"its VW ({','.join(x.name for x in g)}) cannot hold the model: {why}")
@@ -324,6 +535,7 @@ def make_plan(
         "dp_steps": model.dp_steps,
         "formation": formation.describe(),
         "candidates": trace,
+        "left_out": left,
     }
     if inputs.max_replicas > 1:
         if inputs.activations in ("keep", "auto"):
@@ -348,6 +560,13 @@ def make_plan(
         details["replica_choice"] = notes
     if inputs.in_flight == "plan":
         kept, pred = _limited(model, kept, pred, search.predict)
+
+    nms = [p.nm for _, p in kept]
+    details["staleness"] = summary(pred.sim.vw_samples_per_s, nms, inputs.weights)
+    details["staleness"]["effective_samples_per_s"] = search.score(kept, pred)
+    if inputs.max_nm is not None:
+        details["staleness"]["max_nm"] = inputs.max_nm
+    warnings.extend(deep_warnings(nms, inputs.weights))
 
     def placed(pl: str) -> float:  # the plan's samples/s with its parameters placed by pl
         at = pred if pl == "local" else _predict(model, kept, inputs, search.shard_hosts, pl)
@@ -564,8 +783,21 @@ def _assemble(
     for name, why in unused:
         warnings.append(f"{name} unused: {why}")
     total = sim.job_samples_per_s
+    rate_sum = sum(v.samples_per_s for v in vw_plans)
     details = {
         **details,
+        # per VW its predicted rate and share of the job's samples: under WSP each VW runs
+        # at its own pace, so a faster VW trains on a larger share of the data
+        "vw_shares": [
+            {
+                "vw": v,
+                "devices": list(vw.devices),
+                "nm": vw.nm,
+                "samples_per_s": vw.samples_per_s,
+                "share": vw.samples_per_s / rate_sum if rate_sum > 0 else 0.0,
+            }
+            for v, vw in enumerate(vw_plans)
+        ],
         "slowdown": [list(x) for x in pred.slowdown],
         "fixed_point_rounds": pred.rounds,
         "runtime_costs": model.runtime.to_dict(),

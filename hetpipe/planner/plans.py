@@ -84,6 +84,9 @@ class PlanInputs:
     ``train.activations``, ``max_replicas`` its ``train.max_replicas``, ``row_profiles``
     the model profiled at a replica's fewer rows (by rows), and ``in_flight`` its
     ``train.in_flight``. ``policy`` and ``num_vws`` choose the formations searched.
+    ``max_nm`` (``train.max_nm``) caps the Nm the search gives any VW (None: no cap but
+    the search's own; the staleness rule of :mod:`hetpipe.planner.staleness` still
+    weighs deep pipelines).
     """
 
     minibatch: int
@@ -101,6 +104,7 @@ class PlanInputs:
     max_replicas: int = 1
     row_profiles: Mapping[int, ModelProfile] | None = None
     in_flight: str = "nm"
+    max_nm: int | None = None
 
     @classmethod
     def of(cls, inputs: PlanInputs | None, options: Mapping[str, Any]) -> PlanInputs:
