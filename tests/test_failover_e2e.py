@@ -43,7 +43,8 @@ async def _kill_and_watch(
     kill was (monotonic)."""
     async with c.client() as head:
         job_id = await head.submit(spec)
-        await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= at, 120)
+        info = await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= at, 120)
+        assert info["state"] == "running", f"{job_id} ended before the kill: {info}"
         c.kill(f"worker-{victim}", signal.SIGKILL)
         killed = time.monotonic()
         last: dict[int, tuple[int, float]] = {}
@@ -148,7 +149,9 @@ def test_a_one_vw_job_with_no_survivor_fails_naming_the_worker(six: LocalCluster
     c = six
     c.run(until_whole(c))
     try:
-        spec = job("alone", split=[(["gpu4"], [6])], minibatches=400, nm=2, lr=0.05)
+        # far more minibatches than it can run before the loss is detected: the job can
+        # only end by failing, however fast the host
+        spec = job("alone", split=[(["gpu4"], [6])], minibatches=100_000, nm=2, lr=0.05)
         spec["train"].update(on_worker_loss="reform")
         info, _, _ = c.run(_kill_and_watch(c, spec, "gpu4", 20))
         assert info["state"] == "failed", info
