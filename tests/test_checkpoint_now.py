@@ -196,13 +196,13 @@ TOTAL, NM = 400, 2
 
 
 def _sync_job(name: str) -> dict[str, Any]:
-    """A synchronous job of two stages without train.checkpoint_every."""
+    """A synchronous job of two stages without periodic checkpoints (checkpoint_every = 0)."""
     return job(
         name,
         split=[(["gpu0", "gpu1"], [3, 3])],
         nm=NM,
         minibatches=TOTAL,
-        train={"schedule": "1f1b"},
+        train={"schedule": "1f1b", "checkpoint_every": 0},
     )
 
 
@@ -253,10 +253,9 @@ def test_a_job_without_periodic_cuts_checkpointed_now_resumes_to_the_same_weight
 
     # the error cases, one line each
     unknown = invoke(cluster, "checkpoint", "no-such-job")
-    assert unknown.exit_code == 1
-    assert unknown.output.strip().splitlines() == ["Error: checkpoint: no job 'no-such-job'"]
+    (line,) = unknown.output.strip().splitlines()
+    assert unknown.exit_code == 1 and line.endswith("checkpoint: no job 'no-such-job'"), line
     ended = invoke(cluster, "checkpoint", whole["id"])
+    (line,) = ended.output.strip().splitlines()
     assert ended.exit_code == 1
-    assert ended.output.strip().splitlines() == [
-        f"Error: checkpoint: job {whole['id']} is not running (done)"
-    ], ended.output
+    assert line.endswith(f"checkpoint: job {whole['id']} is not running (done)"), line
