@@ -259,3 +259,50 @@ def test_a_job_without_periodic_cuts_checkpointed_now_resumes_to_the_same_weight
     (line,) = ended.output.strip().splitlines()
     assert ended.exit_code == 1
     assert line.endswith(f"checkpoint: job {whole['id']} is not running (done)"), line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_async_job_of_two_vws_checkpointed_now_resumes_from_that_wave(
+    cluster: LocalCluster,
+) -> None:
+    """Two asynchronous VWs (WSP), no periodic checkpoints: the cut asked for holds every
+    stage of both at the wave the command names (each shard applied exactly the waves before
+    it) and the job resumed from it runs to its end."""
+    total = 600
+    spec = job(
+        "cutnow-async",
+        split=[(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [2, 4])],
+        minibatches=total,
+        lr=0.02,
+        train={"checkpoint_every": 0},
+    )
+
+    async def checkpointed() -> tuple[str, dict[str, Any]]:
+        async with cluster.client() as head:
+            job_id = await head.submit(spec)
+            await running_until(
+                head, job_id, lambda i: min(i.get("positions") or [0]) >= 4, 120, every=0.02
+            )
+            return job_id, await head.checkpoint(job_id, wait=True, timeout=120)
+
+    job_id, got = cluster.run(checkpointed())
+    wave = got["wave"]
+    ck = checkpoint.verify(Path(got["path"]))
+    assert ck.meta["wave"] == wave and 0 < wave < total // 2, ck.meta
+    assert sorted(ck.stages) == [checkpoint.stage_file(v, s) for v in (0, 1) for s in (0, 1)]
+    for shard in ck.meta["applied"].values():
+        assert all(waves == [[0, wave]] for waves in shard.values()), shard
+    assert ck.meta["positions"] == [wave, wave]  # Nm = 1; each VW from its own start
+
+    async def stop_then_resume() -> dict[str, Any]:
+        async with cluster.client() as head:
+            await head.cancel(job_id)
+            stopped = await head.follow(job_id, every_s=0.1, timeout=60)
+            assert stopped["state"] == "cancelled", stopped.get("error")
+            new_id = await head.submit(None, resume=job_id)
+            return await head.follow(new_id, every_s=0.2, timeout=200)
+
+    info = cluster.run(stop_then_resume())
+    assert info["state"] == "done", info.get("error")
+    assert info["resumed_from"]["positions"] == ck.meta["positions"]

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 ASK_TIMEOUT_S = 10.0  # a shard or a worker answers a cut's request at once
-ASK_TRIES = 8  # proposals before an on-demand cut is given up (each one is past the last)
+ASK_TRIES = 8  # proposals before an on-demand cut is given up (each further past the last)
 
 
 class CutRefused(Exception):
@@ -348,7 +348,7 @@ class CutsPart:
             for w in self.registry.workers.values()
             if w.job == js.id and not getattr(w, "lost", False)
         ]
-        for _ in range(ASK_TRIES):
+        for attempt in range(ASK_TRIES):
             if c > last:
                 if js.spec.checkpoint_every > 0:  # the job's end is a cut already
                     return last
@@ -365,7 +365,8 @@ class CutsPart:
                 self.log.info("checkpoint asked", job=js.id, wave=c)
                 self._take_ready(js, plan)  # every state of it may be in already
                 return c
-            c = propose_cut(plan, admitted, later)
+            # the stages went on while the asks travelled: leave them more room each time
+            c = propose_cut(plan, admitted, later + 2 ** (attempt + 1))
         raise CutRefused(f"checkpoint: job {js.id} ran past every wave proposed (last {c})")
 
     async def _ask_cut(self, js: JobState, plan: JobPlan, c: int, workers: list[Any]) -> int | None:
