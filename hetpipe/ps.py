@@ -117,13 +117,13 @@ class ShardServer:
                     "applied": js.applied_sets(),
                 }
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
+            elif msg.kind == Kind.SHARD_CUT and msg.get("keep"):  # on demand (head/cuts.py)
+                info = {"earliest": self.store.get(msg["job"]).ask_cut(msg["wave"])}
+                await self.channel.send(Kind.OK, {"rid": rid, "info": info}, to=peer)
             elif msg.kind == Kind.SHARD_CUT:
                 self.store.get(msg["job"])  # an unknown job is refused at once
                 self.cut_waits.setdefault(msg["job"], []).append((peer, rid, msg["wave"]))
                 await self._answer_cuts(msg["job"])
-            elif msg.kind == Kind.SHARD_CUT_AT:  # an on-demand checkpoint (head/cuts.py)
-                info = {"earliest": self.store.get(msg["job"]).ask_cut(msg["wave"])}
-                await self.channel.send(Kind.OK, {"rid": rid, "info": info}, to=peer)
             elif msg.kind == Kind.SHARD_DROP:
                 self.owners.pop(msg["job"], None)
                 for p, prid, _vw, _stage in self.store.drop(msg["job"]):

@@ -288,7 +288,6 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.SHARD_FETCH: Rule(Role.HEAD, Daemon.SHARD),
     Kind.SHARD_DROP: Rule(Role.HEAD, Daemon.SHARD),
     Kind.SHARD_CUT: Rule(Role.HEAD, Daemon.SHARD),
-    Kind.SHARD_CUT_AT: Rule(Role.HEAD, Daemon.SHARD),
     # replies
     Kind.OK: Rule(Role.PEER, Daemon.ANY),
     Kind.ERROR: Rule(Role.PEER, Daemon.ANY),

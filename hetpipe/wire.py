@@ -112,7 +112,6 @@ class Kind(StrEnum):
     SHARD_FETCH = "shard_fetch"
     SHARD_DROP = "shard_drop"
     SHARD_CUT = "shard_cut"
-    SHARD_CUT_AT = "shard_cut_at"
     CUT_AT = "cut_at"
     CHECKPOINT = "checkpoint"
     SUBMIT = "submit"
@@ -316,9 +315,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "cut_every": _OPT_INT,
     },
     # head -> shard: the weights of cut ``wave`` (answered once complete) and its applied sets
-    Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT},
-    # head -> shard / worker: keep a cut at ``wave`` too (an on-demand checkpoint)
-    Kind.SHARD_CUT_AT: {"rid": _INT, "job": _STR, "wave": _INT},
+    # ``keep`` 1: keep a cut at ``wave`` too (an on-demand checkpoint), answered at once
+    Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT, "keep": _OPT_INT},
+    # head -> worker: send the stage's state at cut ``wave`` too (an on-demand checkpoint)
     Kind.CUT_AT: {"rid": _INT, "job": _STR, "wave": _INT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},

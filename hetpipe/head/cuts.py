@@ -375,14 +375,19 @@ class CutsPart:
         asks: list[tuple[Any, dict[str, Any], str]] = []
         for index in plan.shards_used():
             asks.append((await self.registry.shard(index), {}, f"shard {index}"))
-        earliest = await self._asks(Kind.SHARD_CUT_AT, plan.job, c, asks)
+        earliest = await self._asks(Kind.SHARD_CUT, plan.job, c, asks, keep=1)
         if earliest is not None:
             return earliest
         stage_asks = [(self.channel, {"to": w.ident}, f"worker {w.device}") for w in workers]
         return await self._asks(Kind.CUT_AT, plan.job, c, stage_asks)
 
     async def _asks(
-        self, kind: Kind, job: str, c: int, asks: list[tuple[Any, dict[str, Any], str]]
+        self,
+        kind: Kind,
+        job: str,
+        c: int,
+        asks: list[tuple[Any, dict[str, Any], str]],
+        **more: Any,
     ) -> int | None:
         """Send ``kind`` for cut ``c`` to each peer of ``asks`` at once; the largest earliest
         wave among the refusals, or None."""
@@ -390,7 +395,11 @@ class CutsPart:
             replies = await asyncio.gather(
                 *(
                     ch.request(
-                        kind, {"job": job, "wave": c}, timeout=ASK_TIMEOUT_S, what=what, **to
+                        kind,
+                        {"job": job, "wave": c, **more},
+                        timeout=ASK_TIMEOUT_S,
+                        what=what,
+                        **to,
                     )
                     for ch, to, what in asks
                 )
