@@ -348,6 +348,10 @@ class CutsPart:
             for w in self.registry.workers.values()
             if w.job == js.id and not getattr(w, "lost", False)
         ]
+        missing = set(expected_stages(plan)) - {(w.vw, w.stage) for w in workers}
+        if missing:
+            v, s = min(missing)
+            raise CutRefused(f"checkpoint: job {js.id} has no worker running vw{v}/stage{s}")
         for attempt in range(ASK_TRIES):
             if c > last:
                 if js.spec.checkpoint_every > 0:  # the job's end is a cut already
