@@ -1005,6 +1005,8 @@ class StageRunner:
             at = min(c, self.schedule.waves)
             if at - 1 <= self.copying:
                 return self.copying + 2
+            if any(o.at // self.task.nm == at for o in getattr(self.migration, "orders", ())):
+                return at + 1  # a migration's boundary is no cut (hetpipe.migrate)
             self.asked.add(at)
         return None
 

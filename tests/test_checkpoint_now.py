@@ -306,3 +306,26 @@ def test_an_async_job_of_two_vws_checkpointed_now_resumes_from_that_wave(
     info = cluster.run(stop_then_resume())
     assert info["state"] == "done", info.get("error")
     assert info["resumed_from"]["positions"] == ck.meta["positions"]
+
+
+def test_a_stage_takes_an_asked_cut_only_before_it_decided_the_push_before_it() -> None:
+    """A stage sends its state at cut c right after its push of wave c - 1: it takes c while
+    that push is still to be decided, else names the earliest cut it could; past its last
+    wave it is cut at its end; a pending migration's boundary is no cut."""
+    import threading
+    from types import SimpleNamespace
+
+    from hetpipe.pipeline import StageRunner
+
+    runner: Any = SimpleNamespace(
+        cut_lock=threading.Lock(),
+        copying=4,
+        asked=set(),
+        schedule=SimpleNamespace(waves=10),
+        task=SimpleNamespace(nm=2),
+        migration=SimpleNamespace(orders=[SimpleNamespace(at=16)]),
+    )
+    assert StageRunner.ask_cut(runner, 5) == 6  # its push of wave 4 is decided
+    assert StageRunner.ask_cut(runner, 6) is None and runner.asked == {6}
+    assert StageRunner.ask_cut(runner, 8) == 9  # minibatch 16 opens wave 8: a migration
+    assert StageRunner.ask_cut(runner, 40) is None and runner.asked == {6, 10}
