@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,17 +58,23 @@ class Checkpoint:
     stages: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by file name
 
 
-def cut_after(c: int, every: int, last: int) -> int | None:
+def cut_after(c: int, every: int, last: int, extra: Collection[int] = ()) -> int | None:
     """The cut point after wave ``c``: the next multiple of ``every`` or, past the last
-    multiple, the job's last wave ``last``; None after the last (or without cuts)."""
+    multiple, the job's last wave ``last``, or the next of the cuts asked for on demand
+    (``extra``, ``hetpipe checkpoint``); None after the last (or without cuts)."""
+    asked = min((e for e in extra if c < e <= last), default=None)
     if every <= 0 or c >= last:
-        return None
-    return min(c + every - c % every, last)
+        return asked
+    periodic = min(c + every - c % every, last)
+    return periodic if asked is None else min(periodic, asked)
 
 
-def is_cut(c: int, every: int, last: int) -> bool:
-    """Whether the end of wave ``c - 1`` is a cut of a virtual worker with ``last`` waves."""
-    return every > 0 and 0 < c <= last and (c % every == 0 or c == last)
+def is_cut(c: int, every: int, last: int, extra: Collection[int] = ()) -> bool:
+    """Whether the end of wave ``c - 1`` is a cut of a virtual worker with ``last`` waves
+    (periodic, its end, or asked for on demand in ``extra``)."""
+    if not 0 < c <= last:
+        return False
+    return (every > 0 and (c % every == 0 or c == last)) or c in extra
 
 
 def stage_file(vw: int, stage: int) -> str:

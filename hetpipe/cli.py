@@ -471,6 +471,34 @@ def cancel(obj: Ctx, job: str) -> None:
 
 @main.command()
 @cluster_option
+@click.argument("job")
+@click.option("--wait", is_flag=True, help="Return once the checkpoint is written.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds --wait waits for the checkpoint.",
+)
+@click.pass_obj
+def checkpoint(obj: Ctx, job: str, wait: bool, timeout: float) -> None:
+    """Checkpoint a running job now: at the next wave boundary all its stages can reach
+    (a job without train.checkpoint_every too). Prints the cut's wave; `hetpipe resume`
+    continues from it."""
+
+    async def go() -> dict[str, Any]:
+        async with HeadClient(obj.head, timeout=QUICK_S, curve=obj.curve) as client:
+            return await client.checkpoint(job, wait=wait, timeout=timeout)
+
+    info = _run(go())
+    if wait:
+        click.echo(f"checkpoint: {job} at wave {info['wave']}: {info.get('path')}")
+    else:
+        click.echo(f"checkpoint: {job} at wave {info['wave']} (asked; written when reached)")
+
+
+@main.command()
+@cluster_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
 @click.pass_obj
 def jobs(obj: Ctx, as_json: bool) -> None:

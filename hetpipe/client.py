@@ -26,7 +26,7 @@ from hetpipe.security import (
 from hetpipe.transport import Channel, RemoteError, make_socket
 from hetpipe.wire import Kind
 
-__all__ = ["TERMINAL", "HeadClient", "HeadError", "client_curve"]
+__all__ = ["TERMINAL", "HeadClient", "HeadError", "checkpoint_reached", "client_curve"]
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 
@@ -131,6 +131,33 @@ class HeadClient:
     async def cancel(self, job_id: str) -> None:
         await self.call(Kind.CANCEL, {"job": job_id})
 
+    async def checkpoint(
+        self, job_id: str, *, wait: bool = False, every_s: float = 0.5, timeout: float = 600.0
+    ) -> dict[str, Any]:
+        """Ask the head for a checkpoint of running job ``job_id`` at the next wave boundary
+        its every stage can reach: ``{"wave": N, ...}``. With ``wait``, return once the
+        checkpoint of wave N (or a later one) is written, with its ``path``; a job that ends
+        first, or a wait past ``timeout`` seconds, raises :class:`HeadError`."""
+        info = await self.call(Kind.CHECKPOINT, {"job": job_id}, timeout=60.0)
+        if not wait:
+            return info
+        wave = int(info["wave"])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            view = await self.job(job_id)
+            done, problem = checkpoint_reached(job_id, view, wave)
+            if problem is not None:
+                raise HeadError(problem)
+            if done:
+                return {**info, **(view.get("last_checkpoint") or {}), "wave": wave}
+            if loop.time() > deadline:
+                raise HeadError(
+                    f"checkpoint: job {job_id} wrote no checkpoint of wave {wave} "
+                    f"within {timeout:g} s"
+                )
+            await asyncio.sleep(every_s)
+
     async def follow(
         self,
         job_id: str,
@@ -153,3 +180,17 @@ class HeadClient:
                     f"job {job_id} did not finish within {timeout:g} s (state {info['state']})"
                 )
             await asyncio.sleep(every_s)
+
+
+def checkpoint_reached(job_id: str, view: dict[str, Any], wave: int) -> tuple[bool, str | None]:
+    """Whether job status ``view`` shows a checkpoint of ``wave`` or later written; and why it
+    never will (one line), where the job is no longer running."""
+    last = (view.get("last_checkpoint") or {}).get("wave")
+    if last is not None and int(last) >= wave:
+        return True, None
+    if view.get("state") != "running":
+        return False, (
+            f"checkpoint: job {job_id} ended ({view.get('state')}) before its checkpoint "
+            f"at wave {wave}"
+        )
+    return False, None

@@ -254,15 +254,16 @@ def stop(run_dir: Path, timeout: float = 10.0) -> tuple[list[str], list[str]]:
 # -- Slurm: the allocation's time limit ------------------------------------------------------
 #
 # workers/slurm/hetpipe.sbatch asks Slurm for a warning signal before the time limit
-# (``--signal=B:USR1@SECONDS``); on it, ``python -m hetpipe.launch slurm-time-limit`` waits
-# until each running job has written its next checkpoint (or until little enough time is left
-# to stop the daemons), and the script then stops them: the head records the job as
+# (``--signal=B:USR1@SECONDS``); on it, ``python -m hetpipe.launch slurm-time-limit`` asks the
+# head for a checkpoint of each running job now (``hetpipe checkpoint JOB``: a cut at the next
+# wave boundary all its stages can reach, whether or not the job has
+# ``train.checkpoint_every``), waits until each has written it (or until little enough time
+# is left to stop the daemons), and the script then stops them: the head records the job as
 # interrupted and the next allocation on the same run directory resumes it from that
-# checkpoint. The head takes cuts at the job's ``train.checkpoint_every`` waves only, so the
-# wait is for the next of those; a job without them has none to wait for and is given up when
-# the time runs out.
+# checkpoint.
 
 Status = Callable[[], "dict[str, Any] | None"]
+Ask = Callable[[str], "str | None"]  # job -> why no checkpoint could be asked for, or None
 
 
 def slurm_end_time(show_job: str) -> float | None:
@@ -301,16 +302,19 @@ def checkpoint_before_limit(
     status: Status,
     until: float,
     *,
+    ask: Ask | None = None,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     every: float = 1.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, bool]:
-    """Wait until each job running now has written its next checkpoint (or ended), but not
-    past ``until`` (seconds since the epoch); job -> whether it did.
+    """Ask for a checkpoint of each job running now (``ask``: ``hetpipe checkpoint JOB``;
+    without it, only the periodic ones are waited for) and wait until each has written a new
+    one (or ended), but not past ``until`` (seconds since the epoch); job -> whether it did.
 
     ``status`` asks the head (``hetpipe status --json``), None where it did not answer; a
-    head that never answers before ``until`` leaves nothing to wait for."""
+    head that never answers before ``until`` leaves nothing to wait for. A job that could not
+    be asked is still waited for (a periodic checkpoint may come, or its end)."""
     before: dict[str, int] | None = None
     waiting: list[str] = []
     last: dict[str, Any] = {}
@@ -322,9 +326,18 @@ def checkpoint_before_limit(
                 before = running_checkpoints(got)
                 if before:
                     say(
-                        "hetpipe: the time limit is near: waiting for the next checkpoint of "
+                        "hetpipe: the time limit is near: "
+                        + (
+                            "asking for a checkpoint of "
+                            if ask
+                            else "waiting for the next checkpoint of "
+                        )
                         + ", ".join(f"{j} ({n} so far)" for j, n in sorted(before.items()))
                     )
+                for j in sorted(before) if ask else []:
+                    problem = ask(j)
+                    if problem is not None:
+                        say(f"hetpipe: {problem}")
             waiting = awaiting_checkpoint(before, got)
             if not waiting:
                 break
@@ -362,9 +375,27 @@ def _status_json() -> dict[str, Any] | None:
         return None
 
 
+def _ask_checkpoint(job: str) -> str | None:
+    """``hetpipe checkpoint JOB`` (the cluster from ``HETPIPE_CLUSTER``): None once the head
+    took the request, else its one-line error."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "hetpipe.cli", "checkpoint", job],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return f"checkpoint: {job}: {exc}"
+    if r.returncode == 0:
+        return None
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return lines[-1].removeprefix("Error: ") if lines else f"checkpoint: {job}: exit {r.returncode}"
+
+
 def slurm_time_limit(job_id: str, reserve_s: float) -> int:
-    """The time-limit warning of Slurm job ``job_id``: wait for each running job's next
-    checkpoint until ``reserve_s`` seconds before the job's end (what stopping the daemons
+    """The time-limit warning of Slurm job ``job_id``: ask each running job for a checkpoint
+    now and wait for it until ``reserve_s`` seconds before the job's end (what stopping the daemons
     needs); 0 when every running job wrote one (or none ran), 1 otherwise."""
     r = subprocess.run(
         ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30
@@ -375,7 +406,7 @@ def slurm_time_limit(job_id: str, reserve_s: float) -> int:
         return 1
     left = end - time.time()
     print(f"hetpipe: {left:.0f} s left before the time limit, {reserve_s:g} s kept to stop")
-    done = checkpoint_before_limit(_status_json, end - reserve_s)
+    done = checkpoint_before_limit(_status_json, end - reserve_s, ask=_ask_checkpoint)
     return 0 if all(done.values()) else 1
 
 

@@ -22,6 +22,7 @@ itself is :mod:`hetpipe.stage`'s and the order :mod:`hetpipe.core.schedule`'s.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -245,6 +246,9 @@ class StageRunner:
             else spec.push_every
         )
         self.flushed = 0  # waves whose update has been sent to the shards
+        self.asked: set[int] = set()  # cuts asked for on demand (hetpipe checkpoint)
+        self.copying = -1  # the last wave whose push was decided (on the compute thread)
+        self.cut_lock = threading.Lock()  # orders the two
         self.copy_executor = copy_executor or executor
         if compute.restored:  # its checkpointed weights hold the first wave's merge
             self.schedule.done(Pull(0))
@@ -950,14 +954,16 @@ class StageRunner:
             every == 1
             or wave + 1 >= self.schedule.waves
             or (every > 1 and (wave + 1) % every == 0)
-            or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves)
+            or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves, self.asked)
         )
 
     def _push_copy(self, wave: int) -> HostCopy | None:
         """On the compute thread: start the copy of ``wave``'s update to the host, or carry
         it into the next wave's (None). The update stays until a pull shows it applied only
         where weights are pulled again."""
-        if not self._flushes(wave):
+        with self.cut_lock:
+            self.copying, flushes = wave, self._flushes(wave)
+        if not flushes:
             self.compute.carry(wave)
             return None
         keep = self.schedule.pulls and not self.sync
@@ -987,9 +993,22 @@ class StageRunner:
         if copy is not None:
             self.flushed = wave + 1
         if self.snapshot is not None and is_cut(
-            wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves
+            wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves, self.asked
         ):
             await self._snapshot(wave + 1)
+
+    def ask_cut(self, c: int) -> int | None:
+        """Send this stage's state at cut ``c`` too (its last wave where it ends before):
+        None where it still can, else the earliest cut it could (past its end: its end + 1).
+        """
+        with self.cut_lock:
+            at = min(c, self.schedule.waves)
+            if at - 1 <= self.copying:
+                return self.copying + 2
+            if any(o.at // self.task.nm == at for o in getattr(self.migration, "orders", ())):
+                return at + 1  # a migration's boundary is no cut (hetpipe.migrate)
+            self.asked.add(at)
+        return None
 
     async def _snapshot(self, cut: int) -> None:
         """This stage's state right after its push of wave ``cut - 1``, to the head: with the

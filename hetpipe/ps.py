@@ -119,6 +119,9 @@ class ShardServer:
                     "applied": js.applied_sets(),
                 }
                 await self.channel.send(Kind.OK, {"rid": rid, "info": info}, js.weights, to=peer)
+            elif msg.kind == Kind.SHARD_CUT and msg.get("keep"):  # on demand (head/cuts.py)
+                info = {"earliest": self.store.get(msg["job"]).ask_cut(msg["wave"])}
+                await self.channel.send(Kind.OK, {"rid": rid, "info": info}, to=peer)
             elif msg.kind == Kind.SHARD_CUT:
                 self.store.get(msg["job"])  # an unknown job is refused at once
                 self.cut_waits.setdefault(msg["job"], []).append((peer, rid, msg["wave"]))

@@ -251,6 +251,7 @@ AUTHORITY: Mapping[Kind, Rule] = {
     # to the head: the users' requests
     Kind.SUBMIT: Rule(Role.CLIENT, Daemon.HEAD),
     Kind.CANCEL: Rule(Role.CLIENT, Daemon.HEAD),
+    Kind.CHECKPOINT: Rule(Role.CLIENT, Daemon.HEAD),
     Kind.JOB_STATUS: Rule(Role.CLIENT, Daemon.HEAD),
     Kind.CLUSTER_STATUS: Rule(Role.CLIENT, Daemon.HEAD),
     Kind.TRACE: Rule(Role.CLIENT, Daemon.HEAD),
@@ -273,6 +274,7 @@ AUTHORITY: Mapping[Kind, Rule] = {
     Kind.MEASURE: Rule(Role.HEAD, Daemon.WORKER),
     Kind.START: Rule(Role.HEAD, Daemon.WORKER),
     Kind.MIGRATE_ORDER: Rule(Role.HEAD, Daemon.WORKER),
+    Kind.CUT_AT: Rule(Role.HEAD, Daemon.WORKER),
     Kind.ABORT: Rule(Role.HEAD, Daemon.WORKER),
     # to a worker's data port, from its neighbours in the pipeline
     Kind.ACT: Rule(Role.PREVIOUS_STAGE, Daemon.WORKER),

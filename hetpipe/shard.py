@@ -74,6 +74,7 @@ class JobShard(Generic[T]):
     # vw -> the wave here of its own wave 0: a VW re-formed after a loss counts its waves
     # from 0 again, and its clock restarts at the global clock (:meth:`rejoin_vw`)
     offsets: dict[int, int] = field(default_factory=dict)
+    asked: set[int] = field(default_factory=set)  # cuts asked for on demand (hetpipe checkpoint)
 
     KEEP_CUTS = 2
 
@@ -85,7 +86,25 @@ class JobShard(Generic[T]):
         return max(self.finals.values(), default=0)
 
     def _cut_after(self, c: int) -> int | None:
-        return cut_after(c, self.cut_every, self._last_wave())
+        return cut_after(c, self.cut_every, self._last_wave(), self.asked)
+
+    def ask_cut(self, c: int) -> int | None:
+        """Keep a cut at wave ``c`` as well (the head's on-demand checkpoint); None where it
+        can, else the earliest wave it could: a cut takes the weights before any push of its
+        wave or later lands, so every stage's applied waves here must all lie below ``c``."""
+        past = max(
+            (end for key in self.names for _first, end in self.clock.applied_ranges(*key)),
+            default=0,
+        )
+        if not 0 < c <= self._last_wave():
+            raise ShardError(f"job {self.job}: no wave {c} to cut at (last {self._last_wave()})")
+        if past > c:
+            return past
+        self.asked.add(c)
+        if self.next_cut is None or c < self.next_cut:
+            self.next_cut = c
+        self._close_cuts()  # every push below c may be in already
+        return None
 
     def _cut_points(self, upto: int) -> list[int]:
         """The incomplete cut points <= ``upto``."""

@@ -112,6 +112,8 @@ class Kind(StrEnum):
     SHARD_FETCH = "shard_fetch"
     SHARD_DROP = "shard_drop"
     SHARD_CUT = "shard_cut"
+    CUT_AT = "cut_at"
+    CHECKPOINT = "checkpoint"
     SUBMIT = "submit"
     JOB_STATUS = "job_status"
     CLUSTER_STATUS = "cluster_status"
@@ -315,7 +317,10 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "reform": _OPT_DICT,
     },
     # head -> shard: the weights of cut ``wave`` (answered once complete) and its applied sets
-    Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT},
+    # ``keep`` 1: keep a cut at ``wave`` too (an on-demand checkpoint), answered at once
+    Kind.SHARD_CUT: {"rid": _INT, "job": _STR, "wave": _INT, "keep": _OPT_INT},
+    # head -> worker: send the stage's state at cut ``wave`` too (an on-demand checkpoint)
+    Kind.CUT_AT: {"rid": _INT, "job": _STR, "wave": _INT},
     Kind.SHARD_FETCH: {"rid": _INT, "job": _STR},
     Kind.SHARD_DROP: {"rid": _INT, "job": _STR},
     # resume: the id of a job to continue from its last complete checkpoint (job optional then)
@@ -323,6 +328,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     Kind.JOB_STATUS: {"rid": _INT, "job": _STR},
     Kind.CLUSTER_STATUS: {"rid": _INT},
     Kind.CANCEL: {"rid": _INT, "job": _STR},
+    Kind.CHECKPOINT: {"rid": _INT, "job": _STR},  # client -> head: checkpoint at the next cut
     Kind.PROFILE: {"rid": _INT, "job": _DICT},  # client -> head: profile every device type
     Kind.PLAN: {"rid": _INT, "job": _DICT},  # client -> head: the plan the head would run
     Kind.MEASURE: {"rid": _INT, "job": _DICT},  # head -> worker: profile the job's layers here

@@ -223,6 +223,13 @@ class Worker:
             self._start(msg["job"])
         elif msg.kind == Kind.MIGRATE_ORDER:  # the head's re-plan (hetpipe.migrate.order)
             await self._migrate_order(msg)
+        elif msg.kind == Kind.CUT_AT:  # an on-demand checkpoint (hetpipe.head.cuts)
+            job = self.job
+            if job is None or job.runner is None or job.task.job != msg["job"]:
+                await self.head.reply_error(None, f"no stage of {msg['job']} here", msg["rid"])
+            else:
+                info = {"earliest": job.runner.ask_cut(msg["wave"])}
+                await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
         elif msg.kind == Kind.ABORT and self.job is not None and self.job.task.job == msg["job"]:
             self.log.warning("job aborted", job=msg["job"], reason=msg["reason"])
             await self._drop_job()

@@ -8,6 +8,13 @@ same wave (:mod:`hetpipe.shard`). Once every stage's state of a cut is in
 prove it whole (:func:`cut_problem`) and writes both (:mod:`hetpipe.checkpoint`). A virtual
 worker that ends before a cut keeps its last state for the later cuts.
 
+``hetpipe checkpoint JOB`` asks for a cut now (:meth:`CutsPart.checkpoint_now`): the head
+proposes the first wave boundary past what every first stage has admitted
+(:func:`propose_cut`), tells the shards first (each keeps the cut only if no push of that wave
+or later has landed) and then every stage (each sends its state there only if it has not yet
+decided its push of the wave before); where one is already past, it proposes a later wave
+and asks again. A wave every shard and stage took becomes one of the job's cuts.
+
 :class:`CutsPart` is the part of :class:`hetpipe.head.server.Head` that does it.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +38,23 @@ from hetpipe.wire import Kind, Message
 if TYPE_CHECKING:
     from hetpipe.head.jobs import JobState
 
-__all__ = ["CutsPart", "cut_positions", "cut_problem", "expected_stages", "ready_cuts"]
+__all__ = [
+    "CutRefused",
+    "CutsPart",
+    "cut_positions",
+    "cut_problem",
+    "expected_stages",
+    "propose_cut",
+    "ready_cuts",
+]
+
+ASK_TIMEOUT_S = 10.0  # a shard or a worker answers a cut's request at once
+ASK_TRIES = 8  # proposals before an on-demand cut is given up (each further past the last)
+
+
+class CutRefused(Exception):
+    """An on-demand cut that cannot be taken; ``str(e)`` is one line saying why."""
+
 
 # a stage's state at a cut, as it sent it: (meta, tensors)
 Picks = dict[tuple[int, int], tuple[dict[str, Any], Any]]
@@ -52,13 +76,15 @@ def ready_cuts(
     states: dict[tuple[int, int], dict[int, Any]],
     first: int | None,
     every: int,
+    asked: Collection[int] = (),
 ) -> tuple[list[tuple[int, Picks]], int | None]:
     """The cuts from ``first`` on whose every stage state has come, in order, each with the
     state of each stage; and the next cut still to wait for (None: no more).
 
     ``states`` is (vw, stage) -> wave -> state, as the stages sent them; a VW that ends
     before a cut gives the state of its last wave. The states older than a cut taken are
-    dropped from ``states`` (a VW at its end keeps its last for the later cuts).
+    dropped from ``states`` (a VW at its end keeps its last for the later cuts). ``asked``
+    holds the cuts asked for on demand, between the periodic ones.
     """
     last = max(plan.waves(v) for v in range(len(plan.vws)))
     expected = expected_stages(plan)
@@ -76,8 +102,17 @@ def ready_cuts(
             held = states[(v, s)]
             for w in [w for w in held if w < min(c, plan.waves(v))]:
                 del held[w]
-        c = checkpoint.cut_after(c, every, last)
+        c = checkpoint.cut_after(c, every, last, asked)
     return out, None
+
+
+def propose_cut(plan: JobPlan, admitted: list[int], at_least: int = 0) -> int:
+    """The wave an on-demand cut is first proposed at: one whole wave past what each virtual
+    worker's first stage has admitted (``admitted``: minibatches, by VW; it is the furthest
+    ahead of its VW, so no stage has decided that wave's push yet), and no earlier than
+    ``at_least`` (a wave some shard or stage said it could still take)."""
+    waves = [-(-n // plan.vws[v].nm) for v, n in enumerate(admitted)]
+    return max([*waves, at_least - 1, 0]) + 1
 
 
 def cut_positions(plan: JobPlan, c: int) -> list[int]:
@@ -169,7 +204,13 @@ class CutsPart:
         meta = dict(msg["meta"])
         js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
         plan = js.plan
-        cuts, js.cut_next = ready_cuts(plan, js.states, js.cut_next, js.spec.checkpoint_every)
+        self._take_ready(js, plan)
+
+    def _take_ready(self, js: JobState, plan: JobPlan) -> None:
+        """Hand every cut whose stage states are all in to a writer."""
+        cuts, js.cut_next = ready_cuts(
+            plan, js.states, js.cut_next, js.spec.checkpoint_every, js.cut_asked
+        )
         for c, picks in cuts:
             js.cut_queued = c
             js.cut_writes.append(asyncio.ensure_future(self._write_cut(js, plan, c, picks)))
@@ -262,4 +303,112 @@ class CutsPart:
         js.cut_writes = []
         js.states.clear()
         js.cut_next = None
+        js.cut_asked.clear()
         js.cut_queued = -1  # the next attempt counts its waves afresh
+
+    def _checkpoint_request(self, peer: bytes | None, msg: Message) -> None:
+        """Answer ``hetpipe checkpoint`` in a task of its own: its asks wait on the shards
+        and the workers, whose answers come through the loop that called this."""
+        tasks = getattr(self, "_checkpoint_tasks", None)
+        if tasks is None:
+            tasks = self._checkpoint_tasks = set()
+        task = asyncio.ensure_future(self._on_checkpoint(peer, msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _on_checkpoint(self, peer: bytes | None, msg: Message) -> None:
+        """``hetpipe checkpoint``: a cut of the running job at the next wave it can reach."""
+        js = self.jobs.get(msg["job"])
+        try:
+            if js is None:
+                raise CutRefused(f"checkpoint: no job {msg['job']!r}")
+            refusal = self._refusal("checkpoint", msg.user, js.id, js.owner)
+            if refusal is not None:
+                raise CutRefused(refusal)
+            info = {"wave": await self.checkpoint_now(js), "checkpoints": js.checkpoints}
+        except CutRefused as exc:
+            await self.channel.reply_error(peer, str(exc), msg["rid"])
+            return
+        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": info}, to=peer)
+
+    async def checkpoint_now(self, js: JobState) -> int:
+        """Take a cut of running job ``js`` at the first wave boundary every stage and shard
+        can still reach; its wave (the checkpoint is written once the stages get there).
+        :class:`CutRefused` says why none can be taken."""
+        plan = js.plan
+        if js.state != JobStatus.RUNNING or plan is None:
+            raise CutRefused(f"checkpoint: job {js.id} is not running ({js.state})")
+        last = max(plan.waves(v) for v in range(len(plan.vws)))
+        admitted = [
+            int(js.progress.get((v, 0), {}).get("forwards", 0)) for v in range(len(plan.vws))
+        ]
+        c = propose_cut(plan, admitted)
+        workers = [
+            w
+            for w in self.registry.workers.values()
+            if w.job == js.id and not getattr(w, "lost", False)
+        ]
+        missing = set(expected_stages(plan)) - {(w.vw, w.stage) for w in workers}
+        if missing:
+            v, s = min(missing)
+            raise CutRefused(f"checkpoint: job {js.id} has no worker running vw{v}/stage{s}")
+        for attempt in range(ASK_TRIES):
+            if c > last:
+                if js.spec.checkpoint_every > 0:  # the job's end is a cut already
+                    return last
+                raise CutRefused(
+                    f"checkpoint: job {js.id} ends (wave {last}) before a cut can be taken"
+                )
+            later = await self._ask_cut(js, plan, c, workers)
+            if js.plan is not plan or js.state != JobStatus.RUNNING:
+                raise CutRefused(f"checkpoint: job {js.id} ended before wave {c} ({js.state})")
+            if later is None:
+                js.cut_asked.add(c)
+                if js.cut_next is None or c < js.cut_next:
+                    js.cut_next = c
+                self.log.info("checkpoint asked", job=js.id, wave=c)
+                self._take_ready(js, plan)  # every state of it may be in already
+                return c
+            # the stages went on while the asks travelled: leave them more room each time
+            c = propose_cut(plan, admitted, later + 2 ** (attempt + 1))
+        raise CutRefused(f"checkpoint: job {js.id} ran past every wave proposed (last {c})")
+
+    async def _ask_cut(self, js: JobState, plan: JobPlan, c: int, workers: list[Any]) -> int | None:
+        """Ask the shards, then every stage, to keep cut ``c``: None where all took it, else
+        the earliest wave the furthest one could."""
+        asks: list[tuple[Any, dict[str, Any], str]] = []
+        for index in plan.shards_used():
+            asks.append((await self.registry.shard(index), {}, f"shard {index}"))
+        earliest = await self._asks(Kind.SHARD_CUT, plan.job, c, asks, keep=1)
+        if earliest is not None:
+            return earliest
+        stage_asks = [(self.channel, {"to": w.ident}, f"worker {w.device}") for w in workers]
+        return await self._asks(Kind.CUT_AT, plan.job, c, stage_asks)
+
+    async def _asks(
+        self,
+        kind: Kind,
+        job: str,
+        c: int,
+        asks: list[tuple[Any, dict[str, Any], str]],
+        **more: Any,
+    ) -> int | None:
+        """Send ``kind`` for cut ``c`` to each peer of ``asks`` at once; the largest earliest
+        wave among the refusals, or None."""
+        try:
+            replies = await asyncio.gather(
+                *(
+                    ch.request(
+                        kind,
+                        {"job": job, "wave": c, **more},
+                        timeout=ASK_TIMEOUT_S,
+                        what=what,
+                        **to,
+                    )
+                    for ch, to, what in asks
+                )
+            )
+        except (RemoteError, TimeoutError, ConnectionError) as exc:
+            raise CutRefused(f"checkpoint: {excerpt(exc, 200)}") from None
+        refused = [int(r["info"]["earliest"]) for r in replies if r["info"].get("earliest")]
+        return max(refused, default=None)

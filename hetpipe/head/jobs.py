@@ -123,6 +123,7 @@ class JobState:
     # stage states received for cuts not written yet: (vw, stage) -> wave -> state
     states: dict[tuple[int, int], dict[int, StageState]] = field(default_factory=dict)
     cut_next: int | None = None  # the next cut to write
+    cut_asked: set[int] = field(default_factory=set)  # cuts asked for on demand (checkpoint)
     cut_queued: int = -1  # the newest cut handed to a writer
     cut_writes: list[asyncio.Task[None]] = field(default_factory=list)
     cut_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time

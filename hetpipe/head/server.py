@@ -231,6 +231,8 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
             await self.channel.send(
                 Kind.OK, {"rid": msg["rid"], "info": {"state": js.state.value}}, to=peer
             )
+        elif k == Kind.CHECKPOINT:
+            self._checkpoint_request(peer, msg)
         elif k in (Kind.REPORT, Kind.STAGE_DONE, Kind.STAGE_RECORDS, Kind.STAGE_FAILED):
             self._stage_message(msg)
         elif k == Kind.STAGE_STATE:
