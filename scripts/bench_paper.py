@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_convergence
 import torch
 from _bench import HostCpu, cpu_seconds, emit_json, machine, parser, print_table
 from bench_convergence import Ddp, _follow
@@ -97,9 +98,10 @@ TINY = {
 # --------------------------------------------------------------------------- the testbed
 
 
-def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int]:
+def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int, int]:
     """Bytes the whole model needs on one device with one minibatch (the planner's memory
-    model: weights, gradients, SGD momentum, activations), and its number of elements."""
+    model: weights, gradients, SGD momentum, activations), its number of elements and its
+    parameter bytes."""
     import torch.nn.functional as F
 
     from hetpipe.core.memory import stage_memory
@@ -114,7 +116,8 @@ def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int]:
         model, x, repeats=3, warmup=1, budget_s=0.2, loss_fn=lambda o: F.cross_entropy(o, y)
     )
     need = stage_memory(layers, 0, 1, 1, 1, x.numel() * x.element_size()).total
-    return need, len(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return need, len(model), params
 
 
 def testbed(
@@ -185,7 +188,13 @@ def job_dict(args: Any, spec: dict[str, Any], data: dict[str, str], **train: Any
 
 
 def run_hetpipe(
-    local: Any, args: Any, spec: dict[str, Any], data: dict[str, str], policy: str, d: int
+    local: Any,
+    args: Any,
+    spec: dict[str, Any],
+    data: dict[str, str],
+    policy: str,
+    d: int,
+    param_bytes: int,
 ) -> dict[str, Any]:
     """One planned job to the target; its time, curve, throughput and CPU figures."""
     job = job_dict(
@@ -231,20 +240,19 @@ def run_hetpipe(
         "own_cpu_share": round(cpu / wall / (os.cpu_count() or 1), 3),
         "state": info.get("state"),
         "error": None if info.get("stopped") else info.get("error"),
-        "push_bytes": _push_bytes(info),
+        "ps_bytes_per_mb": ps_bytes_per_minibatch(param_bytes, vws),
     }
     return out
 
 
-def _push_bytes(info: dict[str, Any]) -> int | None:
-    """Bytes the stages pushed to and pulled from the shards, where the status counts them."""
-    total, seen = 0, False
-    for st in info.get("stages") or []:
-        for key in ("push_bytes", "pull_bytes"):
-            if isinstance(st.get(key), int | float):
-                total += int(st[key])
-                seen = True
-    return total if seen else None
+def ps_bytes_per_minibatch(param_bytes: int, vws: list[dict[str, Any]]) -> float | None:
+    """Bytes every minibatch moves to and from the parameter server under WSP: each VW
+    pushes its wave's update of every layer and pulls the global weights back once per wave
+    of Nm minibatches, so 2 x the model's parameter bytes per wave, over the VWs' waves."""
+    waves = [v["nm"] for v in vws if v.get("nm")]
+    if not waves:
+        return None
+    return 2 * param_bytes * len(waves) / sum(waves)
 
 
 def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
@@ -262,7 +270,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         n_train=args.n_train,
         n_test=args.n_test,
     )
-    need, n_layers = whole_model_bytes(spec, args.minibatch)
+    need, n_layers, param_bytes = whole_model_bytes(spec, args.minibatch)
     text, speeds, caps = testbed(load_cluster(args.cluster), need, args.speed_scale, args.tiny)
     path = tmp / key / "cluster.toml"
     path.write_text(text)
@@ -293,7 +301,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
                 if policy in NOT_RUN:
                     runs[name] = {"skipped": NOT_RUN[policy]}
                     continue
-                runs[name] = r = run_hetpipe(local, args, spec, data, policy, d)
+                runs[name] = r = run_hetpipe(local, args, spec, data, policy, d, param_bytes)
                 print(
                     f"  hetpipe {name}: "
                     + (f"{r['seconds']:.1f} s" if r["reached"] else "target missed")
@@ -302,7 +310,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
                     f"{r['host_utilisation']:.2f}, own {r['own_cpu_share']:.2f}",
                     flush=True,
                 )
-    dp = run_dp(args, spec, data, speeds, dp_devices, n_layers)
+    dp = run_dp(args, spec, data, speeds, dp_devices, n_layers, param_bytes)
     print(
         f"  DP W={len(dp_devices)}: "
         + (f"{dp['seconds']:.1f} s" if dp["reached"] else "target missed")
@@ -318,6 +326,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         "noise": spec["noise"],
         "image": spec["image"],
         "whole_model_bytes": need,
+        "param_bytes": param_bytes,
         "caps": caps,
         "speeds": speeds,
         "dp_devices": list(dp_devices),
@@ -333,6 +342,7 @@ def run_dp(
     speeds: dict[str, float],
     devices: tuple[str, ...],
     n_layers: int,
+    param_bytes: int,
 ) -> dict[str, Any]:
     """DDP over gloo on ``devices``, each rank padded to its speed (``bench_convergence``)."""
     if not devices:
@@ -347,6 +357,8 @@ def run_dp(
         "n_layers": n_layers,
         "target": spec["target"],
     }
+    # a run may take max_s of training plus its evaluations: wait for its ranks that long
+    bench_convergence.WAIT_S = max(bench_convergence.WAIT_S, 2 * args.max_s + 120.0)
     ddp = Ddp(args, speeds, math.nan, devices, job).start()
     try:
         host = HostCpu().start()
@@ -364,6 +376,8 @@ def run_dp(
         "host_utilisation": round(util, 3),
         "own_cpu_share": round(r["cpu_cores"] / (os.cpu_count() or 1), 3),
         "world": len(devices),
+        # a ring all-reduce sends and receives 2 (W - 1) / W of the gradients per rank
+        "allreduce_bytes_per_mb": 2 * (len(devices) - 1) / len(devices) * param_bytes,
     }
 
 
@@ -413,7 +427,13 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 4, 32], help="WSP D values")
     ap.add_argument("--tiny", action="store_true", help="two nodes of two devices, small models")
     ap.add_argument("--target", type=float, default=None, help="test accuracy (default: per model)")
-    ap.add_argument("--speed-scale", type=float, default=0.05, help="x every device's speed")
+    ap.add_argument(
+        "--speed-scale",
+        type=float,
+        default=None,
+        help="x every device's speed (default 0.05; --tiny 0.25): low enough that the "
+        "emulated devices mostly sleep",
+    )
     ap.add_argument("--epochs", type=int, default=20, help="cap on data passes, both sides")
     ap.add_argument("--max-s", type=float, default=None, help="cap on seconds per run")
     ap.add_argument("--lr", type=float, default=0.005, help="per-minibatch learning rate")
@@ -426,10 +446,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cluster", default=str(TESTBED))
     args = ap.parse_args()
+    if args.speed_scale is None:
+        args.speed_scale = 0.25 if args.tiny else 0.05
     if not 0 < args.speed_scale <= 1:
         ap.error("--speed-scale must be in (0, 1]")
     if args.max_s is None:
-        args.max_s = 240.0 if args.tiny else 600.0
+        args.max_s = 60.0 if args.tiny else 600.0
     torch.set_num_threads(1)
     started = time.perf_counter()
     results: dict[str, Any] = {}
