@@ -74,7 +74,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "args": {},
         "image": 8,
         "noise": 1.0,
-        "target": 0.8,
+        "target": 0.6,
     },
 }
 TINY = {
