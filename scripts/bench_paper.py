@@ -68,13 +68,21 @@ NOT_RUN = {
 
 # model key -> (builtin, args, image side, noise, target accuracy); --tiny overrides
 MODELS: dict[str, dict[str, Any]] = {
-    "vgg19": {"name": "paper_vgg19", "args": {}, "image": 32, "noise": 1.5, "target": 0.8},
+    "vgg19": {
+        "name": "paper_vgg19",
+        "args": {},
+        "image": 32,
+        "noise": 1.5,
+        "target": 0.8,
+        "lr": 0.002,
+    },
     "resnet152": {
         "name": "paper_resnet152",
         "args": {},
         "image": 8,
         "noise": 1.0,
         "target": 0.6,
+        "lr": 0.01,
     },
 }
 TINY = {
@@ -84,6 +92,7 @@ TINY = {
         "image": 32,
         "noise": 1.0,
         "target": 0.5,
+        "lr": 0.005,
     },
     "resnet152": {
         "name": "paper_resnet152",
@@ -91,6 +100,7 @@ TINY = {
         "image": 8,
         "noise": 0.5,
         "target": 0.5,
+        "lr": 0.01,
     },
 }
 
@@ -263,6 +273,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
     spec = (TINY if args.tiny else MODELS)[key]
     if args.target is not None:
         spec = {**spec, "target": args.target}
+    args = argparse.Namespace(**{**vars(args), "lr": args.lr or spec["lr"]})
     data = write_paper_images(
         tmp / key / "data",
         image=spec["image"],
@@ -321,6 +332,7 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
     return {
         "model": spec["name"],
         "model_args": spec["args"],
+        "lr": args.lr,
         "layers": n_layers,
         "target": spec["target"],
         "noise": spec["noise"],
@@ -441,7 +453,9 @@ def main() -> None:
     )
     ap.add_argument("--epochs", type=int, default=20, help="cap on data passes, both sides")
     ap.add_argument("--max-s", type=float, default=None, help="cap on seconds per run")
-    ap.add_argument("--lr", type=float, default=0.005, help="per-minibatch learning rate")
+    ap.add_argument(
+        "--lr", type=float, default=None, help="per-minibatch learning rate (default: per model)"
+    )
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--minibatch", type=int, default=32)
@@ -480,7 +494,6 @@ def main() -> None:
         "speed_scale": args.speed_scale,
         "tiny": args.tiny,
         "minibatch": args.minibatch,
-        "lr": args.lr,
         "momentum": args.momentum,
         "weight_decay": args.weight_decay,
         "eval_every_s": args.eval_every,
