@@ -74,7 +74,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "image": 32,
         "noise": 1.5,
         "target": 0.8,
-        "lr": 0.002,
+        "lr": 0.005,
     },
     "resnet152": {
         "name": "paper_resnet152",
