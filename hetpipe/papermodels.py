@@ -9,9 +9,9 @@ minutes:
 
 - :func:`paper_vgg19`: VGG-19's 16 convolutions (5 blocks, channels ``width / 64`` of the
   original) and three fully connected layers of ``hidden`` units, which hold most of the
-  parameters as in the original (at the defaults, over 90 %). He (fan-out) initialisation of
-  the convolutions, as torchvision's VGG, since a deep plain network without batch norm does
-  not start learning from PyTorch's default initialisation.
+  parameters as in the original (at the defaults, over 90 %). Batch norm after each
+  convolution (torchvision's VGG-19-BN) and He (fan-out) initialisation: the plain deep
+  stack stays on its initial plateau for long, the longer the staler its weights.
 - :func:`paper_resnet152`: :func:`hetpipe.models.resnet152` at a narrow width and a small
   image (one pipeline element per bottleneck block).
 
