@@ -402,15 +402,48 @@ def run_dp(
 
 
 def ranking(runs: dict[str, Any]) -> list[str]:
-    """Policies (with their best D) fastest to target first; those that missed it last."""
-    best: dict[str, float] = {}
+    """Policies (each at its best D) fastest to target first; those that missed it after,
+    highest accuracy reached first."""
+    best: dict[str, tuple[float, float]] = {}
     for name, r in runs.items():
         if "skipped" in r:
             continue
         policy = name.split(" D=")[0]
         s = r["seconds"] if r["seconds"] is not None else math.inf
-        best[policy] = min(best.get(policy, math.inf), s)
+        key = (s, -(r.get("best_accuracy") or 0.0))
+        best[policy] = min(best.get(policy, key), key)
     return sorted(best, key=lambda p: best[p])
+
+
+def first_reach(curve: list[list[float]], accuracy: float) -> float | None:
+    """Seconds at which a ``[seconds, minibatches, accuracy]`` curve first reaches
+    ``accuracy``, None if it never does."""
+    return next((s for s, _n, acc in curve if acc >= accuracy), None)
+
+
+def at_common_accuracy(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the target was missed: the highest accuracy both the best hetpipe way and DP
+    reached, and each side's time to it (a secondary figure, never the target)."""
+    runs = [r for r in result["hetpipe"].values() if r.get("curve")]
+    dp_curve = result["dp"].get("curve") or []
+    if not runs or not dp_curve:
+        return None
+    dp_best = max(acc for _s, _n, acc in dp_curve)
+    best = None
+    for r in runs:
+        level = min(dp_best, max(acc for _s, _n, acc in r["curve"]))
+        het_s = first_reach(r["curve"], level)
+        if best is None or level > best[0] or (level == best[0] and het_s < best[1]):
+            best = (level, het_s)
+    assert best is not None
+    level, het_s = best
+    dp_s = first_reach(dp_curve, level)
+    return {
+        "accuracy": level,
+        "hetpipe_seconds": het_s,
+        "dp_seconds": dp_s,
+        "speedup": dp_s / het_s if het_s and dp_s else None,
+    }
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -430,6 +463,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "dp_seconds_to_target": dp_s,
         "speedup_vs_dp": speedup,
         "ranking": ranking(runs),
+        "at_common_accuracy": at_common_accuracy(result),
         "host_utilisation_max": max(utils),
         "own_cpu_share_max": max(own),
     }

@@ -74,13 +74,28 @@ def test_testbed_caps_let_only_the_large_gpus_hold_the_whole_model(bench: Module
 
 def test_ranking_puts_missed_targets_last(bench: ModuleType) -> None:
     runs = {
-        "NP D=0": {"seconds": None},
+        "NP D=0": {"seconds": None, "best_accuracy": 0.7},
         "NP D=4": {"seconds": 30.0},
         "ED-local D=4": {"seconds": 20.0},
-        "HD D=4": {"seconds": None},
+        "HD D=4": {"seconds": None, "best_accuracy": 0.6},
+        "HD D=0": {"seconds": None, "best_accuracy": 0.5},
         "ED D=4": {"skipped": "runs as ED-local"},
     }
     assert bench.ranking(runs) == ["ED-local", "NP", "HD"]
+    missed = {"NP D=4": runs["HD D=0"], "HD D=4": runs["HD D=4"]}
+    assert bench.ranking(missed) == ["HD", "NP"]  # the higher accuracy reached first
+
+
+def test_common_accuracy_compares_where_both_sides_got(bench: ModuleType) -> None:
+    result = {
+        "hetpipe": {
+            "ED-local D=4": {"curve": [[10, 100, 0.3], [20, 200, 0.6], [30, 300, 0.7]]},
+            "NP D=4": {"curve": [[10, 100, 0.5], [20, 200, 0.6]]},
+        },
+        "dp": {"curve": [[15, 100, 0.4], [40, 300, 0.65]]},
+    }
+    got = bench.at_common_accuracy(result)
+    assert got == {"accuracy": 0.65, "hetpipe_seconds": 30, "dp_seconds": 40, "speedup": 40 / 30}
 
 
 def test_paper_models_keep_the_papers_shapes() -> None:
