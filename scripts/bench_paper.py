@@ -217,6 +217,7 @@ def run_hetpipe(
         staleness=d,
         epochs=args.epochs,
         eval_every_s=args.eval_every,
+        bn_recalibrate=args.bn_recalibrate,
     )
     pids = [p.pid for p in local.procs.values()]
     host = HostCpu().start()
@@ -494,6 +495,13 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--minibatch", type=int, default=32)
     ap.add_argument("--eval-every", type=float, default=2.0, help="seconds between evals")
+    ap.add_argument(
+        "--bn-recalibrate",
+        type=int,
+        default=0,
+        help="hetpipe: minibatches re-estimating the global weights' batch-norm statistics "
+        "before each evaluation (train.bn_recalibrate)",
+    )
     ap.add_argument("--n-train", type=int, default=8192)
     ap.add_argument("--n-test", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -531,6 +539,7 @@ def main() -> None:
         "momentum": args.momentum,
         "weight_decay": args.weight_decay,
         "eval_every_s": args.eval_every,
+        "bn_recalibrate": args.bn_recalibrate,
         "policies": args.policies,
         "staleness": args.staleness,
         "models": results,
