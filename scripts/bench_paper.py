@@ -389,11 +389,8 @@ def run_dp(
         "host_utilisation": round(util, 3),
         "own_cpu_share": round(r["cpu_cores"] / (os.cpu_count() or 1), 3),
         "world": len(devices),
-        # each rank's compute per step as it ran (CPU time, before padding): DP's pace
-        # without waiting would be W / max(compute / speed)
+        # each rank's forward + backward per step on the wall clock (host stalls included)
         "rank_compute_ms": [round(st["compute_ms"], 2) for st in r["stages"]],
-        "unpadded_pace_mb_per_s": len(devices)
-        / max([st["compute_ms"] / 1e3 / speeds[st["device"]] for st in r["stages"]] + [1e-9]),
         # a ring all-reduce sends and receives 2 (W - 1) / W of the gradients per rank
         "allreduce_bytes_per_mb": 2 * (len(devices) - 1) / len(devices) * param_bytes,
     }
