@@ -57,6 +57,7 @@ D), and the contention figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -159,7 +160,7 @@ def job_dict(args: Any, staleness: int, seed: int) -> dict[str, Any]:
 async def _follow(local: Any, job: dict[str, Any], target: float, max_s: float) -> dict[str, Any]:
     """Submit and poll; once an evaluation reaches ``target`` (or ``max_s`` passes) cancel the
     rest of the job: it has told us what we came for."""
-    from hetpipe.client import TERMINAL
+    from hetpipe.client import TERMINAL, HeadError
 
     async with local.client(timeout=30.0) as client:
         job_id = await client.submit(job)
@@ -173,7 +174,9 @@ async def _follow(local: Any, job: dict[str, Any], target: float, max_s: float) 
             hit = any(acc >= target for _s, _n, acc in info.get("evals", []))
             if snapshot is None and (hit or info.get("seconds", 0.0) > max_s):
                 snapshot = info
-                await client.cancel(job_id)
+                # it may have ended between the poll and the cancel: nothing to stop then
+                with contextlib.suppress(HeadError):
+                    await client.cancel(job_id)
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job_id} still {info['state']} after {max_s + 120:g} s")
             await asyncio.sleep(0.1)
