@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetpipe.capture import CaptureError, capture
+from hetpipe.papermodels import paper_resnet152, paper_vgg19
 from hetpipe.usercode import FunctionError, load_function
 
 __all__ = [
@@ -319,6 +320,9 @@ BUILTIN: dict[str, Callable[..., nn.Sequential]] = {
     "vgg19": vgg19,
     "resnet152": resnet152,
     "gpt": gpt,
+    # the HetPipe paper's two models, narrowed for a CPU (hetpipe.papermodels)
+    "paper_vgg19": paper_vgg19,
+    "paper_resnet152": paper_resnet152,
 }
 
 

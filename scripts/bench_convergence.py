@@ -57,6 +57,7 @@ D), and the contention figures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -159,7 +160,7 @@ def job_dict(args: Any, staleness: int, seed: int) -> dict[str, Any]:
 async def _follow(local: Any, job: dict[str, Any], target: float, max_s: float) -> dict[str, Any]:
     """Submit and poll; once an evaluation reaches ``target`` (or ``max_s`` passes) cancel the
     rest of the job: it has told us what we came for."""
-    from hetpipe.client import TERMINAL
+    from hetpipe.client import TERMINAL, HeadError
 
     async with local.client(timeout=30.0) as client:
         job_id = await client.submit(job)
@@ -173,7 +174,9 @@ async def _follow(local: Any, job: dict[str, Any], target: float, max_s: float) 
             hit = any(acc >= target for _s, _n, acc in info.get("evals", []))
             if snapshot is None and (hit or info.get("seconds", 0.0) > max_s):
                 snapshot = info
-                await client.cancel(job_id)
+                # it may have ended between the poll and the cancel: nothing to stop then
+                with contextlib.suppress(HeadError):
+                    await client.cancel(job_id)
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job_id} still {info['state']} after {max_s + 120:g} s")
             await asyncio.sleep(0.1)
@@ -308,10 +311,16 @@ def _ddp_train(
     from hetpipe.models import build_model
 
     torch.manual_seed(seed)
-    ds = load_dataset("digits")
+    if "data" in a:  # another benchmark's model and data (bench_paper.py)
+        from hetpipe.data import load_data
+
+        ds: Any = load_data(a["data"], a["data_args"])
+        model = build_model(a["model"], a["model_args"])
+    else:
+        ds, model = load_dataset("digits"), build_model("cnn")
     with warnings.catch_warnings():  # its successor still syncs buffers at init
         warnings.simplefilter("ignore", FutureWarning)
-        ddp = DistributedDataParallel(build_model("cnn"), broadcast_buffers=False)
+        ddp = DistributedDataParallel(model, broadcast_buffers=False)
     opt = torch.optim.SGD(
         ddp.parameters(),
         lr=a["lr"] * a["lr_scale"],
@@ -376,11 +385,22 @@ def _ddp_train(
 
 
 class Ddp:
-    """Three DDP ranks (gpu0, gpu1, gpu2), kept for every DDP run; always reaped."""
+    """One DDP rank per device (default gpu0, gpu1, gpu2), kept for every DDP run; always
+    reaped. ``job``: another model and data than the digits cnn, as ``{"model",
+    "model_args", "data", "data_args", "n_layers"}`` (``data`` a name :func:`hetpipe.data.
+    load_data` knows)."""
 
-    def __init__(self, args: Any, speeds: dict[str, float], alone: float) -> None:
-        self.args, self.alone = args, alone
-        self.world = len(DDP_DEVICES)
+    def __init__(
+        self,
+        args: Any,
+        speeds: dict[str, float],
+        alone: float,
+        devices: tuple[str, ...] = DDP_DEVICES,
+        job: dict[str, Any] | None = None,
+    ) -> None:
+        self.args, self.alone, self.devices = args, alone, devices
+        self.n_layers = job["n_layers"] if job else N_LAYERS
+        self.world = len(devices)
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.stop_at = ctx.Value("q", 1 << 62)
@@ -396,8 +416,10 @@ class Ddp:
             "target": args.target,
             "max_s": args.max_s,
         }
+        if job:
+            a.update({k: v for k, v in job.items() if k != "n_layers"})
         port = free_port()
-        self.cmds = [ctx.Queue() for _ in DDP_DEVICES]
+        self.cmds = [ctx.Queue() for _ in devices]
         self.procs = [
             ctx.Process(
                 target=_ddp_rank,
@@ -414,7 +436,7 @@ class Ddp:
                     self.results,
                 ),
             )
-            for r, dev in enumerate(DDP_DEVICES)
+            for r, dev in enumerate(devices)
         ]
 
     def start(self) -> Ddp:
@@ -450,8 +472,8 @@ class Ddp:
             "curve": [[round(s, 2), n, round(acc, 3)] for s, n, acc in evals],
             "stages": [
                 {
-                    "device": DDP_DEVICES[r],
-                    "layers": f"0:{N_LAYERS}",
+                    "device": self.devices[r],
+                    "layers": f"0:{self.n_layers}",
                     "compute_ms": got[r]["compute_ms"],
                     "inflation": got[r]["compute_ms"] / (self.alone * 1e3),
                 }

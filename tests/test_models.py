@@ -26,6 +26,8 @@ SMALL = {
     "cnn": ({}, lambda: torch.rand(3, 1, 8, 8), (3, 10)),
     "vgg19": ({"width": 8, "classes": 7}, lambda: torch.rand(2, 3, 32, 32), (2, 7)),
     "resnet152": ({"width": 4, "classes": 5}, lambda: torch.rand(2, 3, 16, 16), (2, 5)),
+    "paper_vgg19": ({"width": 2, "hidden": 32}, lambda: torch.rand(2, 3, 32, 32), (2, 10)),
+    "paper_resnet152": ({"classes": 5}, lambda: torch.rand(2, 3, 8, 8), (2, 5)),
     "gpt": (
         {"vocab": 32, "seq": 16, "dim": 32, "heads": 4, "blocks": 2},
         lambda: torch.randint(32, (2, 16)),

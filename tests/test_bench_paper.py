@@ -1,0 +1,159 @@
+"""``scripts/bench_paper.py``: the paper's testbed, its models, and the benchmark at a tiny size.
+
+The pure parts (the testbed file, the ranking) are checked without processes; one test runs
+the whole benchmark at ``--tiny`` (two nodes of two emulated devices, a narrow VGG-19, a few
+hundred minibatches at most) and checks what its JSON reports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from hetpipe.config import load_cluster
+from hetpipe.models import build_model
+from hetpipe.papermodels import paper_images, write_paper_images
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(SCRIPTS))  # the script imports its siblings
+    try:
+        spec = importlib.util.spec_from_file_location("bench_paper", SCRIPTS / "bench_paper.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_the_testbed_file_is_the_papers_cluster() -> None:
+    cluster = load_cluster(ROOT / "examples" / "paper_testbed.toml")
+    assert len(cluster.nodes) == 4 and len(cluster.ps) == 4
+    assert [len(n.devices) for n in cluster.nodes] == [4, 4, 4, 4]
+    assert len({n.host for n in cluster.nodes}) == 4  # placement sees four hosts
+    types = [{d.type for d in n.devices} for n in cluster.nodes]
+    assert all(len(t) == 1 for t in types)  # one GPU type per node
+    speed = {d.type: d.speed for d in cluster.devices}
+    memory = {d.type: d.memory for d in cluster.devices}
+    # FP32 throughput's ratio: TITAN RTX > TITAN V > RTX 2060 > Quadro P4000
+    assert speed["titan-rtx"] > speed["titan-v"] > speed["rtx-2060"] > speed["p4000"]
+    assert speed["titan-v"] / speed["p4000"] == pytest.approx(14.9 / 5.3, rel=0.01)
+    # memory's ratio 24 : 12 : 8 : 6
+    assert memory["titan-rtx"] / memory["rtx-2060"] == pytest.approx(4.0, rel=0.01)
+    assert memory["titan-v"] / memory["p4000"] == pytest.approx(1.5, rel=0.01)
+    # PCIe inside a node faster than InfiniBand between nodes, the paper's ratio
+    net = cluster.network
+    assert net.intra_node_gbps / net.inter_node_gbps == pytest.approx(126 / 56)
+
+
+def test_testbed_caps_let_only_the_large_gpus_hold_the_whole_model(bench: ModuleType) -> None:
+    base = load_cluster(ROOT / "examples" / "paper_testbed.toml")
+    need = 10 << 20
+    text, speeds, caps = bench.testbed(base, need, 0.1, tiny=False)
+    assert len(caps) == 16 and "port = 0" in text
+    holds = {d for d, cap in caps.items() if cap >= need}
+    assert holds == {d.name for d in base.devices if d.type in ("titan-v", "titan-rtx")}
+    assert speeds["r0"] == pytest.approx(0.1) and speeds["q0"] == pytest.approx(0.0325)
+    _, _, tiny = bench.testbed(base, need, 0.1, tiny=True)
+    assert sorted(tiny) == ["g0", "g1", "v0", "v1"]
+
+
+def test_ranking_puts_missed_targets_last(bench: ModuleType) -> None:
+    runs = {
+        "NP D=0": {"seconds": None, "best_accuracy": 0.7},
+        "NP D=4": {"seconds": 30.0},
+        "ED-local D=4": {"seconds": 20.0},
+        "HD D=4": {"seconds": None, "best_accuracy": 0.6},
+        "HD D=0": {"seconds": None, "best_accuracy": 0.5},
+        "ED D=4": {"skipped": "runs as ED-local"},
+    }
+    assert bench.ranking(runs) == ["ED-local", "NP", "HD"]
+    missed = {"NP D=4": runs["HD D=0"], "HD D=4": runs["HD D=4"]}
+    assert bench.ranking(missed) == ["HD", "NP"]  # the higher accuracy reached first
+
+
+def test_common_accuracy_compares_where_both_sides_got(bench: ModuleType) -> None:
+    result = {
+        "hetpipe": {
+            "ED-local D=4": {"curve": [[10, 100, 0.3], [20, 200, 0.6], [30, 300, 0.7]]},
+            "NP D=4": {"curve": [[10, 100, 0.5], [20, 200, 0.6]]},
+        },
+        "dp": {"curve": [[15, 100, 0.4], [40, 300, 0.65]]},
+    }
+    got = bench.at_common_accuracy(result)
+    assert got == {"accuracy": 0.65, "hetpipe_seconds": 30, "dp_seconds": 40, "speedup": 40 / 30}
+
+
+def test_paper_models_keep_the_papers_shapes() -> None:
+    vgg = build_model("paper_vgg19")
+    convs = [m for m in vgg if isinstance(m, torch.nn.Conv2d)]
+    fcs = [m for m in vgg if isinstance(m, torch.nn.Linear)]
+    assert len(convs) == 16 and len(fcs) == 3
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in vgg) == 5
+    total = sum(p.numel() for p in vgg.parameters())
+    assert sum(p.numel() for m in fcs for p in m.parameters()) > 0.8 * total
+    from hetpipe.models import Bottleneck
+
+    resnet = build_model("paper_resnet152")
+    assert sum(isinstance(m, Bottleneck) for m in resnet) == 3 + 8 + 36 + 3
+    x, y = paper_images(4, 8)
+    assert tuple(resnet(x).shape) == (4, 10) and y.dtype == torch.int64
+
+
+def test_paper_images_are_one_task_across_splits(tmp_path: Path) -> None:
+    a, ya = paper_images(64, 32, seed=1)
+    b, yb = paper_images(64, 32, seed=1)
+    assert torch.equal(a, b) and torch.equal(ya, yb)
+    args = write_paper_images(tmp_path, image=32, n_train=16, n_test=8)
+    assert set(args) == {"path", "val_path"}
+    from hetpipe.data import load_data
+
+    source = load_data("tensors", args)
+    assert source.val is not None and len(source.val) == 8
+
+
+@pytest.mark.timeout(400)
+def test_tiny_benchmark_reports_every_figure() -> None:
+    """The benchmark end to end at its tiny size: hetpipe (ED-local, D = 4) on two nodes of
+    two devices against DP on the two that hold the model."""
+    cmd = [sys.executable, str(SCRIPTS / "bench_paper.py"), "--tiny", "--json"]
+    cmd += ["--models", "vgg19", "--policies", "ED-local", "--staleness", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=380, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("speedup_vs_dp_vgg19", "ranking_vgg19", "host_utilisation_max", "models"):
+        assert key in out
+    assert math.isfinite(out["host_utilisation_max"]) and 0 <= out["host_utilisation_max"] <= 1
+    res = out["models"]["vgg19"]
+    run = res["hetpipe"]["ED-local D=4"]
+    assert math.isfinite(run["mb_per_s"]) and run["mb_per_s"] > 0
+    assert run["predicted_mb_per_s"] > 0
+    assert math.isfinite(run["host_utilisation"]) and math.isfinite(run["own_cpu_share"])
+    # reached its target, or says it did not (and how far it got)
+    if run["reached"]:
+        assert run["seconds"] > 0 and run["minibatches"] > 0
+    else:
+        assert run["seconds"] is None and run["best_accuracy"] is not None
+    assert out["ranking_vgg19"] == ["ED-local"]
+    # DP used exactly the devices whose cap holds the whole model: the two TITAN Vs
+    assert res["dp_devices"] == ["v0", "v1"]
+    assert all(res["caps"][d] >= res["whole_model_bytes"] for d in res["dp_devices"])
+    assert all(res["caps"][d] < res["whole_model_bytes"] for d in ("g0", "g1"))
+    assert res["dp"]["world"] == 2 and res["dp"]["mb_per_s"] > 0
+    if out["speedup_vs_dp_vgg19"] is not None:
+        assert math.isfinite(out["speedup_vs_dp_vgg19"]) and out["speedup_vs_dp_vgg19"] > 0
