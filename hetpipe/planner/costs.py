@@ -724,7 +724,7 @@ class CostTables:
                 pad, shape=(n, w), strides=((n + 1) * step, n * step), writeable=False
             )
             hit = (np.ascontiguousarray(view), w)
-            if self._band_cells + n * w > self._matrix_limit * n * n:
+            if self._band_cells + n * w > 4 * self._matrix_limit * n * n:
                 self._bands.clear()
                 self._band_cells = 0
             self._bands[key] = hit

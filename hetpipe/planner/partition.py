@@ -170,6 +170,7 @@ class CostModel(CostTables):
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
+        self._values: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _band_values's
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -352,18 +353,34 @@ class CostModel(CostTables):
         max; among equal sums the first ``a``, as over the whole matrix.
         ``cuts`` False: the sum alone (the cuts are an empty list), about half the work.
         """
+        L, n = self.L, self.L + 1
         g = self._f0
         cols = self._cols
         choice: list[np.ndarray] = []
-        for band, w in bands:
-            t = band if limit == INF else np.where(band <= limit, band, INF)
-            cand = _windows(g, w) + t
-            if cuts:
-                j = cand.argmin(axis=1)
-                g = cand[cols, j]
-                choice.append(cols - w + j)
-            else:
-                g = cand.min(axis=1)
+        # boundaries from which the stages still to come can reach L (each at most its
+        # band's width, at least one layer): other states never lead to the end
+        reach = [0] * len(bands)
+        for i in range(len(bands) - 2, -1, -1):
+            reach[i] = reach[i + 1] + bands[i + 1][1]
+        for i, (band, w) in enumerate(bands):
+            live = np.flatnonzero(g < INF)
+            out_g = np.full(n, INF)
+            arg = np.zeros(n, dtype=np.intp)
+            if live.size:
+                lo = max(int(live[0]) + 1, L - reach[i])
+                hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
+                if lo <= hi:
+                    rows = band[lo : hi + 1]
+                    t = rows if limit == INF else np.where(rows <= limit, rows, INF)
+                    cand = _windows(g, w)[lo : hi + 1] + t
+                    if cuts:
+                        j = cand.argmin(axis=1)
+                        out_g[lo : hi + 1] = cand[np.arange(hi + 1 - lo), j]
+                        arg[lo : hi + 1] = cols[lo : hi + 1] - w + j
+                    else:
+                        out_g[lo : hi + 1] = cand.min(axis=1)
+            g = out_g
+            choice.append(arg)
         if not math.isfinite(g[self.L]):
             return None
         out: list[tuple[int, int]] = []
@@ -509,9 +526,10 @@ class CostModel(CostTables):
         # not fill, if it is the answer) and the first above top.
         lo, top = least.bottleneck, least.latency / nm
         start = max(lo, shortest[1] / nm)
-        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm, _ in mats]
-        under = [tm[(tm > lo) & (tm < start)] for tm, _ in mats]
-        over = [tm[(tm > top) & (tm < INF)] for tm, _ in mats]
+        values = [self._band_values(tm) for tm, _ in mats]  # each band's distinct times
+        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm in values]
+        under = [tm[(tm > lo) & (tm < start)] for tm in values]
+        over = [tm[(tm > top) & (tm < INF)] for tm in values]
         under_max = [float(x.max()) for x in under if x.size]
         over_min = [float(x.min()) for x in over if x.size]
         inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
@@ -535,6 +553,16 @@ class CostModel(CostTables):
                 assert hit is not None
                 options.append(self.describe(devices, hit[0], nm, bws))
         return max(options, key=lambda q: (q.minibatches_per_s, -q.bottleneck, -q.latency))
+
+    def _band_values(self, band: np.ndarray) -> np.ndarray:
+        """The distinct finite stage times of a band (:meth:`CostTables.band`), sorted; kept
+        while the band is cached, since the joint search asks for them at every Nm."""
+        hit = self._values.get(id(band))
+        if hit is None or hit[0] is not band:
+            if len(self._values) >= 4 * self._matrix_limit:
+                self._values.clear()
+            hit = self._values[id(band)] = (band, np.unique(band[band < INF]))
+        return hit[1]
 
     def best_nm(
         self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
@@ -583,8 +611,11 @@ class CostModel(CostTables):
 def _windows(f: np.ndarray, w: int) -> np.ndarray:
     """``out[b, j] = f[b - w + j]`` (inf where ``b - w + j < 0``) for every ``b`` of ``f``: the
     states a band row (:meth:`CostTables.band`) pairs with, as a view."""
-    padded = np.concatenate((np.full(w, INF), f))
-    return np.lib.stride_tricks.sliding_window_view(padded, w)[: len(f)]
+    padded = np.empty(len(f) + w)
+    padded[:w] = INF
+    padded[w:] = f
+    step = padded.strides[0]
+    return np.ndarray((len(f), w), dtype=padded.dtype, buffer=padded, strides=(step, step))
 
 
 def _full(p: Partition) -> bool:
