@@ -100,17 +100,20 @@ def test_dp_state_is_the_full_matrix_min_max() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_auto_on_400_layers_and_32_devices_is_bounded() -> None:
     """``auto`` on 400 layers x 32 devices of four types plans within a bound generous for a
-    loaded two-core host (the benchmark's ``seconds_1000x64`` is the figure to watch)."""
+    loaded two-core host (the benchmark's ``seconds_1000x64`` is the figure to watch). The
+    bound is on this process's CPU time: on a host shared with a test run, the wall clock
+    says more about the other processes than about the planner."""
     prof, cluster = _profile(400), _cluster(32)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = make_plan(cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert plan.vws and plan.samples_per_s > 0
     for vw in plan.vws:
         cuts = [(s.layout.first, s.layout.last) for s in vw.stages]
         assert cuts[0][0] == 0 and cuts[-1][1] == 400
         assert all(x[1] == y[0] for x, y in itertools.pairwise(cuts))
         assert all(s.memory.total <= s.memory_cap for s in vw.stages)
-    assert took < 240, f"auto on 400 x 32 took {took:.1f}s"
+    assert took < 90, f"auto on 400 x 32 took {took:.1f}s of CPU"
