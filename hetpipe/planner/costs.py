@@ -331,6 +331,9 @@ class CostTables:
         self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._bands: dict[tuple, tuple[np.ndarray, int]] = {}
         self._band_cells = 0  # cells held in ``_bands``, bounded like the matrices
+        # a band's distinct finite times by the band's id, with the band (the joint search's,
+        # :meth:`hetpipe.planner.partition.CostModel._band_values`); cleared with the bands
+        self._band_vals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # bound the caches to ~64 MiB of matrices
         cells = (self.L + 1) ** 2
         self._matrix_limit = max(16, (64 << 20) // (8 * cells))
@@ -726,6 +729,7 @@ class CostTables:
             hit = (np.ascontiguousarray(view), w)
             if self._band_cells + n * w > 4 * self._matrix_limit * n * n:
                 self._bands.clear()
+                self._band_vals.clear()
                 self._band_cells = 0
             self._bands[key] = hit
             self._band_cells += n * w

@@ -170,7 +170,6 @@ class CostModel(CostTables):
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
-        self._values: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _band_values's
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -557,11 +556,10 @@ class CostModel(CostTables):
     def _band_values(self, band: np.ndarray) -> np.ndarray:
         """The distinct finite stage times of a band (:meth:`CostTables.band`), sorted; kept
         while the band is cached, since the joint search asks for them at every Nm."""
-        hit = self._values.get(id(band))
+        hit = self._band_vals.get(id(band))
         if hit is None or hit[0] is not band:
-            if len(self._values) >= 4 * self._matrix_limit:
-                self._values.clear()
-            hit = self._values[id(band)] = (band, np.unique(band[band < INF]))
+            # cleared with the bands (CostTables.band), so it holds no more than they do
+            hit = self._band_vals[id(band)] = (band, np.unique(band[band < INF]))
         return hit[1]
 
     def best_nm(
