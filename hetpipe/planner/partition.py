@@ -526,9 +526,16 @@ class CostModel(CostTables):
         lo, top = least.bottleneck, least.latency / nm
         start = max(lo, shortest[1] / nm)
         values = [self._band_values(tm) for tm, _ in mats]  # each band's distinct times
-        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm in values]
-        under = [tm[(tm > lo) & (tm < start)] for tm in values]
-        over = [tm[(tm > top) & (tm < INF)] for tm in values]
+        # sorted, so each range is a slice: (lo, start) below, [start, top] inside (above
+        # lo), (top, inf) over
+        inside, under, over = [], [], []
+        for v in values:
+            above_lo = int(np.searchsorted(v, lo, "right"))
+            from_start = int(np.searchsorted(v, start, "left"))
+            past_top = int(np.searchsorted(v, top, "right"))
+            inside.append(v[max(above_lo, from_start) : past_top])
+            under.append(v[above_lo:from_start])
+            over.append(v[past_top:])
         under_max = [float(x.max()) for x in under if x.size]
         over_min = [float(x.min()) for x in over if x.size]
         inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
