@@ -329,6 +329,11 @@ class CostTables:
         self._totals: dict[tuple, np.ndarray] = {}
         self._masked: dict[tuple, np.ndarray] = {}
         self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
+        self._bands: dict[tuple, tuple[np.ndarray, int]] = {}
+        self._band_cells = 0  # cells held in ``_bands``, bounded like the matrices
+        # a band's distinct finite times by the band's id, with the band (the joint search's,
+        # :meth:`hetpipe.planner.partition.CostModel._band_values`); cleared with the bands
+        self._band_vals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # bound the caches to ~64 MiB of matrices
         cells = (self.L + 1) ** 2
         self._matrix_limit = max(16, (64 << 20) // (8 * cells))
@@ -685,6 +690,50 @@ class CostTables:
                 tm = tm + self.tie_matrix(bw_in, nm)
             self._masked[key] = tm
         return tm
+
+    def band(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float = DEFAULT_HOST_GBPS,
+        nm: int = 1,
+    ) -> tuple[np.ndarray, int]:
+        """:meth:`masked_times` skewed to the band the DP steps over, and its width ``w``.
+
+        Row ``b`` holds ``time[b - w + j, b]`` for ``j`` in ``0 .. w-1`` (inf where
+        ``b - w + j < 0``), first ``a`` first, and ``w`` is the longest stage that fits
+        (``b - a`` of any finite entry): every finite entry of the matrix is in the band
+        exactly once, so a minimum over a band row is the minimum over the matrix column,
+        the same floats. A memory cap bounds a stage's layers, so the band is usually much
+        narrower than the matrix, and the DP's steps cost ``L x w`` instead of ``L^2``."""
+        ties = self._tie_copies is not None and bw_in is not None
+        key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
+        hit = self._bands.get(key)
+        if hit is None:
+            tm = self.masked_times(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
+            n = self.L + 1
+            finite = np.isfinite(tm)
+            cols = finite.any(axis=0)
+            first = finite.argmax(axis=0)
+            w = max(1, int((np.arange(n) - first)[cols].max())) if cols.any() else 1
+            pad = np.full((n + w, n), INF)
+            pad[w:] = tm
+            step = pad.strides[1]
+            # pad[b + j, b] = time[b - w + j, b]: a diagonal walk over the padded matrix
+            view = np.lib.stride_tricks.as_strided(
+                pad, shape=(n, w), strides=((n + 1) * step, n * step), writeable=False
+            )
+            hit = (np.ascontiguousarray(view), w)
+            if self._band_cells + n * w > 4 * self._matrix_limit * n * n:
+                self._bands.clear()
+                self._band_vals.clear()
+                self._band_cells = 0
+            self._bands[key] = hit
+            self._band_cells += n * w
+        return hit
 
     def stage_memory(
         self,

@@ -158,9 +158,9 @@ class CostModel(CostTables):
         """The tables' arguments (:class:`CostTables`)."""
         super().__init__(*args, **kwargs)
         self._memo: dict[tuple, Partition | Infeasible] = {}
-        self._prefix: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._prefix: dict[tuple, np.ndarray] = {}
         # bound the DP states cached to ~32 MiB
-        self._prefix_limit = max(256, (32 << 20) // (24 * (self.L + 1)))
+        self._prefix_limit = max(256, (32 << 20) // (8 * (self.L + 1)))
         self._f0 = np.full(self.L + 1, INF)
         self._f0[0] = 0.0
         self._cols = np.arange(self.L + 1)
@@ -209,16 +209,19 @@ class CostModel(CostTables):
 
     def _run(
         self, devices: Sequence[Any], bws: tuple[float, ...], nm: int, k: int, stages: int
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """DP states after the first ``stages`` stages of a ``k``-stage order.
+    ) -> np.ndarray:
+        """DP states (least bottleneck per boundary ``b``) after the first ``stages`` stages
+        of a ``k``-stage order.
 
         The state after stage i depends only on devices 0..i+1 (types, caps and the links
         between them), so states are cached by that prefix: orders searched one after
-        another share most of their prefixes and skip those steps.
+        another share most of their prefixes and skip those steps. A step runs over the
+        stage's band (:meth:`CostTables.band`), only for the boundaries some finite state
+        reaches; the latency tie-break is :meth:`_least_latency`'s, on the final bottleneck.
         """
-        f = g = self._f0
-        choice: list[np.ndarray] = []
+        f = self._f0
         sig: tuple = (k, nm)
+        n = self.L + 1
         for i in range(stages):
             d = devices[i]
             bw_in = bws[i - 1] if i > 0 else None
@@ -227,22 +230,22 @@ class CostModel(CostTables):
             hit = self._prefix.get(sig)
             if hit is None:
                 flight = in_flight(i, k, nm, weights=self.weights)
-                tm = self.masked_times(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
-                cand = np.maximum(f[:, None], tm)
-                best = cand.min(axis=0)
-                # among the a reaching the least bottleneck, the least sum of stage times
-                tie = np.where(cand == best[None, :], g[:, None] + tm, INF)
-                arg = tie.argmin(axis=0)
-                g = tie[arg, self._cols]
+                band, w = self.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
+                best = np.full(n, INF)
+                live = np.flatnonzero(np.isfinite(f))
+                if live.size:
+                    lo, hi = int(live[0]) + 1, min(n, int(live[-1]) + w + 1)
+                    if lo < hi:
+                        win = _windows(f, w)[lo:hi]
+                        best[lo:hi] = np.maximum(win, band[lo:hi]).min(axis=1)
                 f = best
                 self.dp_steps += 1
                 if len(self._prefix) >= self._prefix_limit:
                     self._prefix.clear()
-                self._prefix[sig] = (f, g, arg)
+                self._prefix[sig] = f
             else:
-                f, g, arg = hit
-            choice.append(arg)
-        return f, choice
+                f = hit
+        return f
 
     def prefix_bound(
         self, prefix: Sequence[Any], k: int, nm: int, rest: Sequence[Any] = ()
@@ -259,7 +262,7 @@ class CostModel(CostTables):
         done = k if m == k else m - 1
         if done <= 0:
             return 0.0
-        f, _ = self._run(prefix, self.links(prefix), nm, k, done)
+        f = self._run(prefix, self.links(prefix), nm, k, done)
         left = [*prefix[done:], *rest]
         stop = self.L - len(left) + 1  # each remaining stage needs at least one layer
         if not left:
@@ -311,21 +314,22 @@ class CostModel(CostTables):
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
-        f, _ = self._run(devices, bws, nm, k, k)
+        f = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
             return Infeasible("")  # diagnosed by partition(), for the devices it is given
         # the DP's tie-break is per prefix; the least latency at this bottleneck, exactly
-        best = self._least_latency(self._matrices(devices, bws, nm), float(f[L]))
+        best = self._least_latency(self._stage_bands(devices, bws, nm), float(f[L]))
         assert best is not None, "the DP's own split meets its bottleneck"
         return self.describe(devices, best[0], nm, bws)
 
-    def _matrices(
+    def _stage_bands(
         self, devices: Sequence[Any], bws: tuple[float, ...], nm: int
-    ) -> list[np.ndarray]:
-        """Each stage's masked time matrix (inf where ``[a, b)`` does not fit it)."""
+    ) -> list[tuple[np.ndarray, int]]:
+        """Each stage's masked time matrix (inf where ``[a, b)`` does not fit it) as its band
+        (:meth:`CostTables.band`)."""
         k = len(devices)
         return [
-            self.masked_times(
+            self.band(
                 d.type,
                 bws[i - 1] if i > 0 else None,
                 bws[i] if i < k - 1 else None,
@@ -338,25 +342,44 @@ class CostModel(CostTables):
         ]
 
     def _least_latency(
-        self, mats: Sequence[np.ndarray], limit: float, cuts: bool = True
+        self, bands: Sequence[tuple[np.ndarray, int]], limit: float, cuts: bool = True
     ) -> tuple[list[tuple[int, int]], float] | None:
         """The split with the least sum of stage times among those whose every stage takes
         at most ``limit`` (and fits its device), and that sum; None where none does.
 
         ``g_i(b) = min_a g_{i-1}(a) + time(i, a, b)`` over ``time(i, a, b) <= limit``: the
-        same O(L^2 k) vectorised step as the bottleneck DP, with a sum for the max.
+        same vectorised step as the bottleneck DP over each stage's band, with a sum for the
+        max; among equal sums the first ``a``, as over the whole matrix.
         ``cuts`` False: the sum alone (the cuts are an empty list), about half the work.
         """
+        L, n = self.L, self.L + 1
         g = self._f0
+        cols = self._cols
         choice: list[np.ndarray] = []
-        for tm in mats:
-            cand = g[:, None] + (tm if limit == INF else np.where(tm <= limit, tm, INF))
-            if cuts:
-                arg = cand.argmin(axis=0)
-                g = cand[arg, self._cols]
-                choice.append(arg)
-            else:
-                g = cand.min(axis=0)
+        # boundaries from which the stages still to come can reach L (each at most its
+        # band's width, at least one layer): other states never lead to the end
+        reach = [0] * len(bands)
+        for i in range(len(bands) - 2, -1, -1):
+            reach[i] = reach[i + 1] + bands[i + 1][1]
+        for i, (band, w) in enumerate(bands):
+            live = np.flatnonzero(g < INF)
+            out_g = np.full(n, INF)
+            arg = np.zeros(n, dtype=np.intp)
+            if live.size:
+                lo = max(int(live[0]) + 1, L - reach[i])
+                hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
+                if lo <= hi:
+                    rows = band[lo : hi + 1]
+                    t = rows if limit == INF else np.where(rows <= limit, rows, INF)
+                    cand = _windows(g, w)[lo : hi + 1] + t
+                    if cuts:
+                        j = cand.argmin(axis=1)
+                        out_g[lo : hi + 1] = cand[np.arange(hi + 1 - lo), j]
+                        arg[lo : hi + 1] = cols[lo : hi + 1] - w + j
+                    else:
+                        out_g[lo : hi + 1] = cand.min(axis=1)
+            g = out_g
+            choice.append(arg)
         if not math.isfinite(g[self.L]):
             return None
         out: list[tuple[int, int]] = []
@@ -488,7 +511,7 @@ class CostModel(CostTables):
         """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
         search over stage times of the module docs; None where even the bound
         ``min(1 / B*, Nm / least latency)`` is at most ``floor``."""
-        mats = self._matrices(devices, bws, nm)
+        mats = self._stage_bands(devices, bws, nm)
         shortest = self._least_latency(mats, INF, cuts=False)
         assert shortest is not None
         bound = min(1.0 / least.bottleneck, nm / shortest[1])
@@ -502,9 +525,17 @@ class CostModel(CostTables):
         # not fill, if it is the answer) and the first above top.
         lo, top = least.bottleneck, least.latency / nm
         start = max(lo, shortest[1] / nm)
-        inside = [tm[(tm >= start) & (tm <= top) & (tm > lo)] for tm in mats]
-        under = [tm[(tm > lo) & (tm < start)] for tm in mats]
-        over = [tm[(tm > top) & (tm < INF)] for tm in mats]
+        values = [self._band_values(tm) for tm, _ in mats]  # each band's distinct times
+        # sorted, so each range is a slice: (lo, start) below, [start, top] inside (above
+        # lo), (top, inf) over
+        inside, under, over = [], [], []
+        for v in values:
+            above_lo = int(np.searchsorted(v, lo, "right"))
+            from_start = int(np.searchsorted(v, start, "left"))
+            past_top = int(np.searchsorted(v, top, "right"))
+            inside.append(v[max(above_lo, from_start) : past_top])
+            under.append(v[above_lo:from_start])
+            over.append(v[past_top:])
         under_max = [float(x.max()) for x in under if x.size]
         over_min = [float(x.min()) for x in over if x.size]
         inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
@@ -528,6 +559,15 @@ class CostModel(CostTables):
                 assert hit is not None
                 options.append(self.describe(devices, hit[0], nm, bws))
         return max(options, key=lambda q: (q.minibatches_per_s, -q.bottleneck, -q.latency))
+
+    def _band_values(self, band: np.ndarray) -> np.ndarray:
+        """The distinct finite stage times of a band (:meth:`CostTables.band`), sorted; kept
+        while the band is cached, since the joint search asks for them at every Nm."""
+        hit = self._band_vals.get(id(band))
+        if hit is None or hit[0] is not band:
+            # cleared with the bands (CostTables.band), so it holds no more than they do
+            hit = self._band_vals[id(band)] = (band, np.unique(band[band < INF]))
+        return hit[1]
 
     def best_nm(
         self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
@@ -571,6 +611,16 @@ class CostModel(CostTables):
             if best.minibatches_per_s >= ceiling:
                 break
         return best
+
+
+def _windows(f: np.ndarray, w: int) -> np.ndarray:
+    """``out[b, j] = f[b - w + j]`` (inf where ``b - w + j < 0``) for every ``b`` of ``f``: the
+    states a band row (:meth:`CostTables.band`) pairs with, as a view."""
+    padded = np.empty(len(f) + w)
+    padded[:w] = INF
+    padded[w:] = f
+    step = padded.strides[0]
+    return np.ndarray((len(f), w), dtype=padded.dtype, buffer=padded, strides=(step, step))
 
 
 def _full(p: Partition) -> bool:

@@ -318,8 +318,11 @@ def simulate(
         seq += 1
         heapq.heappush(events, (t, seq, kind, v, s, x))
 
+    # each VW's clock, recomputed only when one of its stages pushed or it finished
+    clocks = [w.clock(n_v) for w, n_v in zip(state, counts, strict=True)]
+
     def global_clock() -> float:
-        return min(w.clock(n_v) for w, n_v in zip(state, counts, strict=True))
+        return min(clocks)
 
     def answer(v: int, s: int, key: tuple[int, bool], at: float) -> None:
         st = state[v].stages[s]
@@ -424,7 +427,7 @@ def simulate(
                 w.done += 1
                 w.done_at.append(now)
                 if w.done >= counts[v]:
-                    advance(now)
+                    advance(now, v)
         elif kind is OptimizerStep:
             if s == 0 and w.spec.schedule != "async":
                 w.steps_at.append(now)
@@ -436,10 +439,12 @@ def simulate(
                 push(st.landed, PUSHED, v, s, a.c + 1)
             else:
                 w.pushed[s] = a.c + 1
-                advance(now)
+                advance(now, v)
 
-    def advance(now: float) -> None:
+    def advance(now: float, v: int) -> None:
+        """VW ``v``'s clock may have moved: move the global clock where it does."""
         nonlocal glob
+        clocks[v] = state[v].clock(counts[v])
         g = global_clock()
         if g > glob:
             glob = g
@@ -464,7 +469,7 @@ def simulate(
                 finish(now, v, s, a)
         elif kind == PUSHED:
             state[v].pushed[s] = max(state[v].pushed[s], x)
-            advance(now)
+            advance(now, v)
             continue  # the stage itself did nothing: nothing new for it to run
         dispatch(now, v, s)
     unfinished = [
