@@ -156,8 +156,24 @@ def vgg19(
     plain run of the same model compute the same thing.
     """
     _check_positive("vgg19", image=image, classes=classes, in_channels=in_channels, width=width)
+    return vgg_layers("vgg19", image, classes, in_channels, width, 64 * width)
+
+
+def vgg_layers(
+    model: str,
+    image: int,
+    classes: int,
+    in_channels: int,
+    width: int,
+    hidden: int,
+    batch_norm: bool = False,
+    kaiming: bool = False,
+) -> nn.Sequential:
+    """VGG-19's layers, flat: one builder for ``vgg19`` and the paper's ``paper_vgg19``
+    (:mod:`hetpipe.papermodels`), which adds batch norm after each convolution and He
+    initialisation. ``model`` names the builtin in errors."""
     if image < 32:
-        raise ModelError(f"model 'vgg19': image must be >= 32 (five 2x2 pools), got {image}")
+        raise ModelError(f"model '{model}': image must be >= 32 (five 2x2 pools), got {image}")
     layers: list[nn.Module] = []
     channels = in_channels
     for item in _VGG19:
@@ -165,10 +181,13 @@ def vgg19(
             layers.append(nn.MaxPool2d(2))
             continue
         out = max(1, int(item) * width // 64)
-        layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU()]
+        conv = nn.Conv2d(channels, out, 3, padding=1)
+        if kaiming:
+            nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(conv.bias)
+        layers += [conv, nn.BatchNorm2d(out), nn.ReLU()] if batch_norm else [conv, nn.ReLU()]
         channels = out
     side = image // 32
-    hidden = 64 * width
     layers += [
         nn.Flatten(),
         nn.Linear(channels * side * side, hidden),

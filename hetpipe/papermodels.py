@@ -34,19 +34,13 @@ from torch import Tensor, nn
 
 __all__ = ["paper_images", "paper_resnet152", "paper_vgg19", "write_paper_images"]
 
-# VGG-19's 16 convolutions at width 64; "M" is a 2x2 max pool closing each of the 5 blocks
-_VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M")
-_VGG19 += (512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
-
 TEMPLATE_SEED = 20200715  # the classes' patterns: alike for every split and every seed
 
 
 def _positive(model: str, **values: int) -> None:
-    from hetpipe.models import ModelError
+    from hetpipe.models import _check_positive  # models imports this module
 
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ModelError(f"model '{model}': {key} must be a positive int, got {value!r}")
+    _check_positive(model, **values)
 
 
 def paper_vgg19(
@@ -70,32 +64,11 @@ def paper_vgg19(
         classes=classes,
         in_channels=in_channels,
     )
-    if image < 32:
-        from hetpipe.models import ModelError
+    from hetpipe.models import vgg_layers  # models imports this module
 
-        raise ModelError(f"model 'paper_vgg19': image must be >= 32 (five 2x2 pools), got {image}")
-    layers: list[nn.Module] = []
-    channels = in_channels
-    for item in _VGG19:
-        if item == "M":
-            layers.append(nn.MaxPool2d(2))
-            continue
-        out = max(1, int(item) * width // 64)
-        conv = nn.Conv2d(channels, out, 3, padding=1)
-        nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
-        nn.init.zeros_(conv.bias)
-        layers += [conv, nn.BatchNorm2d(out), nn.ReLU()] if batch_norm else [conv, nn.ReLU()]
-        channels = out
-    side = image // 32
-    layers += [
-        nn.Flatten(),
-        nn.Linear(channels * side * side, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, classes),
-    ]
-    return nn.Sequential(*layers)
+    return vgg_layers(
+        "paper_vgg19", image, classes, in_channels, width, hidden, batch_norm, kaiming=True
+    )
 
 
 def paper_resnet152(
