@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -566,3 +567,14 @@ def stop_up_daemons(cluster: Path, run_dir: Path, pids: dict[str, int]) -> None:
         if daemon_of(pid, run_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def example_files() -> tuple[list[Path], list[Path]]:
+    """The repository's example job files (``examples/*.toml`` and the demo's) and its example
+    cluster files (those with ``[[node]]`` tables, such as ``examples/paper_testbed.toml``)."""
+    root = Path(__file__).resolve().parent.parent
+    jobs: list[Path] = []
+    clusters: list[Path] = []
+    for path in [*sorted((root / "examples").glob("*.toml")), root / "hetpipe" / "demo.toml"]:
+        (clusters if "node" in tomllib.loads(path.read_text()) else jobs).append(path)
+    return jobs, clusters

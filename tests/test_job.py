@@ -7,6 +7,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from conftest import edited, one_line_error
+from helpers import example_files
 
 from hetpipe.job import (
     DataSpec,
@@ -668,7 +669,7 @@ def test_a_dict_from_the_wire_may_carry_a_key_without_effect() -> None:
 def test_to_dict_leaves_out_defaults_without_effect() -> None:
     """A loaded job's dict passes the strict load again: keys without effect that hold their
     default are not written (absent, they read as that default)."""
-    for path in [*sorted((ROOT / "examples").glob("*.toml")), ROOT / "hetpipe" / "demo.toml"]:
+    for path in example_files()[0]:
         job = load_job(path)
         assert JobSpec.from_dict(job.to_dict(), strict=True) == job, path
     d = full_job().to_dict()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import edited, one_line_error
+from helpers import example_files
 
 from hetpipe.config import load_cluster
 from hetpipe.job import JobError, load_job
@@ -142,17 +142,15 @@ def test_a_good_job_passes(tmp_path: Path, check: Callable[[Path], JobFacts]) ->
 
 def test_the_examples_pass_against_the_repository_cluster() -> None:
     """Every example job passes the job check against the repository's cluster file, and
-    every example cluster file (one with ``[[node]]`` tables) loads."""
+    every example cluster file loads."""
     root = Path(__file__).resolve().parent.parent
     cluster = load_cluster(root / "cluster.toml")
-    clusters = 0
-    for path in [*sorted((root / "examples").glob("*.toml")), root / "hetpipe" / "demo.toml"]:
-        if "node" in tomllib.loads(path.read_text()):
-            assert load_cluster(path).devices, path
-            clusters += 1
-            continue
+    jobs, clusters = example_files()
+    for path in jobs:
         check_job(load_job(path), cluster, str(path))
-    assert clusters >= 1  # examples/paper_testbed.toml
+    assert clusters  # examples/paper_testbed.toml
+    for path in clusters:
+        assert load_cluster(path).devices, path
 
 
 def test_a_key_without_effect_is_refused_before_the_model_is_built(
