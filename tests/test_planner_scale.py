@@ -3,53 +3,35 @@ model and cluster finishes in a bounded time."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import time
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
-from hetpipe.config import ClusterConfig, DeviceSpec, NetworkSpec, NodeSpec, RuntimeSpec, ShardSpec
 from hetpipe.core.memory import in_flight
-from hetpipe.planner import make_plan, synthetic_profile
+from hetpipe.planner import make_plan
 from hetpipe.planner.partition import CostModel
 
-TYPES = {"t1": (1.0, 16), "t2": (0.7, 12), "t3": (0.5, 8), "t4": (0.25, 4)}  # speed, GiB
 
-
-def _cluster(n: int) -> ClusterConfig:
-    """``n // 4`` nodes of four GPUs, one of every type each (the planner benchmark's)."""
-    names = list(TYPES)
-    nodes = []
-    for j in range(n // 4):
-        devs = tuple(
-            DeviceSpec(
-                f"gpu{4 * j + i}",
-                f"cuda:{i}",
-                names[i],
-                TYPES[names[i]][1] << 30,
-                TYPES[names[i]][0],
-                0,
-                f"node{j}",
-                f"10.0.0.{j}",
-            )
-            for i in range(4)
-        )
-        nodes.append(NodeSpec(f"node{j}", f"10.0.0.{j}", devs))
-    shards = tuple(ShardSpec(j, f"10.0.0.{j}", 7100) for j in range(n // 4))
-    return ClusterConfig("<scale>", shards, NetworkSpec(100.0, 10.0), tuple(nodes), RuntimeSpec())
-
-
-def _profile(n_layers: int):
-    return synthetic_profile(
-        n_layers,
-        {t: s for t, (s, _) in TYPES.items()},
-        n_layers,
-        minibatch=32,
-        param_bytes=(1 << 20, 16 << 20),
-        out_bytes=(1 << 20, 8 << 20),
+def _bench() -> ModuleType:
+    """``scripts/bench_planner.py``: its cluster and model are the cases planned here."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_planner", Path(__file__).resolve().parent.parent / "scripts" / "bench_planner.py"
     )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+_cluster = BENCH.cluster  # n // 4 nodes of four GPUs, one of every type each
+_profile = BENCH.profile_of
 
 
 @pytest.mark.parametrize("cap_gib", [1, 2, 16])
