@@ -52,6 +52,7 @@ from hetpipe.core.schedule import (
 )
 from hetpipe.core.wsp import pull_need, wave_of
 from hetpipe.cudaipc import Shared, parse, share
+from hetpipe.cudapeak import allocator_peaks, reset_allocator_peaks
 from hetpipe.data import Batch, MinibatchStream, rows_of
 from hetpipe.evalpass import Passes, on_workers
 from hetpipe.hostcopy import HostCopy
@@ -213,6 +214,7 @@ class StageRunner:
         self.snapshot = snapshot
         self.inbox = inbox if inbox is not None else hostshm.Inbox()
         self.schedule = stage_schedule(compute)
+        reset_allocator_peaks(compute.dev)  # its weights are live: the peak counts them
         self.inline = InlinePolicy(
             executor,
             inline_s,
@@ -1238,6 +1240,7 @@ class StageRunner:
             "peak_bytes": s.peak_bytes,
             "peak_memory": dict(s.peak_memory),
             "peak_in_flight": s.peak_in_flight,
+            "allocator_peak": allocator_peaks(self.compute.dev),
             "clock": self.clock,
             "vw_clock": self.vw_clock,
             "wave": wave_of(max(self.schedule.nf - 1, 0), self.task.nm),

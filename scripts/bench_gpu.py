@@ -13,10 +13,18 @@ stage 0, when the backward of the window's last minibatch finishes there, as
 - with two or more GPUs, one stage per GPU (Nm = the number of stages) against plain PyTorch
   on one GPU times the pipeline's ideal speed-up, the number of GPUs (``ratio_gpus``);
 - each again in bfloat16 (``train.precision = "bf16"`` against plain PyTorch under
-  ``torch.autocast``): the same fields with ``_bf16``.
+  ``torch.autocast``): the same fields with ``_bf16``;
+- ``memory``: the four-stage run again under each activation policy (``keep``,
+  ``recompute``, ``swap``), and per stage three peaks side by side: the plan's predicted
+  peak (``expected_memory``), hetpipe's own count of the stage's tensors (``peak_bytes``,
+  what the cap is enforced on) and what the CUDA caching allocator held for that stage's
+  process (``torch.cuda.max_memory_allocated``, and ``max_memory_reserved``). The JSON
+  gives ``memory_error_<policy>``, the worst stage's |predicted - allocated| / allocated
+  (target <= 0.10), and ``swap_vs_keep``, the swap run's samples/s over the keep run's
+  (target >= 0.8).
 
     python scripts/bench_gpu.py [--json] [--minibatches N] [--dim D] [--blocks B] [--no-bf16]
-                                [--no-cuda-ipc] [--cases one_stage,four_stages_one_gpu]
+                                [--no-cuda-ipc] [--cases one_stage,four_stages_one_gpu,memory]
 
 Stages on GPUs of this host pass activations and gradients by CUDA IPC handle (no copy on
 one GPU); ``--no-cuda-ipc`` sends them through host memory instead, for comparison.
@@ -40,7 +48,13 @@ SEQ, VOCAB, HEADS, LR, MOMENTUM, SEED = 128, 256, 8, 0.01, 0.9, 0
 
 
 def job_dict(
-    name: str, devices: list[str], layers: list[int], nm: int, args: Any, precision: str
+    name: str,
+    devices: list[str],
+    layers: list[int],
+    nm: int,
+    args: Any,
+    precision: str,
+    activations: str = "keep",
 ) -> dict[str, Any]:
     """The job hetpipe runs (plain PyTorch reads the same model, data and optimizer)."""
     return {
@@ -68,6 +82,7 @@ def job_dict(
             "minibatches": args.minibatches,
             "checkpoint_every": 0,
             "precision": precision,
+            "activations": activations,
         },
         "vw": [{"devices": devices, "layers": layers}],
     }
@@ -115,6 +130,13 @@ def plain(job: dict[str, Any], device: str) -> float:
 def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bool) -> float:
     """hetpipe on a local cluster of these devices (name -> cuda:N): steady-state samples/s
     at stage 0."""
+    return run_ours(job, devices, memory, cuda_ipc)[0]
+
+
+def run_ours(
+    job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bool
+) -> tuple[float, dict[str, Any]]:
+    """:func:`ours`, and the finished job's status (its stages' figures and predictions)."""
     from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
     n = job["train"]["minibatches"]
@@ -132,7 +154,73 @@ def ours(job: dict[str, Any], devices: dict[str, str], memory: str, cuda_ipc: bo
     r = stages["vw0/stage0"]
     rows = [dict(zip(r["stats"]["record_fields"], row, strict=True)) for row in r["records"]]
     window = rows[n - 1]["t_bwd"] - rows[warm - 1]["t_bwd"]
-    return (n - warm) * job["train"]["minibatch"] / window
+    return (n - warm) * job["train"]["minibatch"] / window, info
+
+
+def memory_rows(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per stage: the plan's predicted peak, hetpipe's count and the allocator's peaks."""
+    predicted = info.get("predicted") or {}
+    pred = predicted["vws"][0]["stages"] if predicted.get("vws") else None
+    rows = []
+    for s in info["stages"]:
+        ps = pred[s["stage"]] if pred else {}
+        alloc = s.get("allocator_peak") or {}
+        expected = ps.get("expected_memory") or ps.get("memory")
+        allocated = alloc.get("allocated")
+        rows.append(
+            {
+                "stage": s["stage"],
+                "layers": s["layers"],
+                "predicted_bytes": expected,
+                "predicted_terms": ps.get("expected_memory_terms") or ps.get("memory_terms"),
+                "counted_bytes": s["peak_bytes"],
+                "counted_terms": s["peak_memory"],
+                "allocated_bytes": allocated,
+                "reserved_bytes": alloc.get("reserved"),
+                "in_flight": s.get("peak_in_flight"),
+                "error": abs(expected - allocated) / allocated if expected and allocated else None,
+                "counted_error": abs(s["peak_bytes"] - allocated) / allocated
+                if allocated
+                else None,
+            }
+        )
+    return rows
+
+
+def memory_study(args: Any, memory: str, out: dict[str, Any]) -> list[list[Any]]:
+    """The four-stage run under each activation policy: peaks per stage and throughput."""
+    devices = {f"gpu{i}": "cuda:0" for i in range(4)}
+    layers = split(args.blocks + 3, 4)
+    table: list[list[Any]] = []
+    rates: dict[str, float] = {}
+    for policy in ("keep", "recompute", "swap"):
+        job = job_dict(f"bench-gpu-memory-{policy}", list(devices), layers, 4, args, "fp32", policy)
+        rate, info = run_ours(job, devices, memory, not args.no_cuda_ipc)
+        rows = memory_rows(info)
+        rates[policy] = rate
+        out[f"memory_{policy}"] = {"samples_per_s": rate, "stages": rows}
+        errors = [r["error"] for r in rows if r["error"] is not None]
+        out[f"memory_error_{policy}"] = max(errors) if errors else None
+        for r in rows:
+            table.append(
+                [
+                    policy,
+                    r["stage"],
+                    mib(r["predicted_bytes"]),
+                    mib(r["counted_bytes"]),
+                    mib(r["allocated_bytes"]),
+                    mib(r["reserved_bytes"]),
+                    r["error"],
+                ]
+            )
+    out["swap_vs_keep"] = rates["swap"] / rates["keep"]
+    out["recompute_vs_keep"] = rates["recompute"] / rates["keep"]
+    return table
+
+
+def mib(n: int | None) -> float | None:
+    """Bytes as MiB for the table."""
+    return None if n is None else n / 2**20
 
 
 def main() -> None:
@@ -151,7 +239,7 @@ def main() -> None:
         "--cases",
         default="",
         help="comma-separated subset of the runs "
-        "(one_stage, four_stages_one_gpu, gpus); default all",
+        "(one_stage, four_stages_one_gpu, gpus, memory); default all",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -172,11 +260,12 @@ def main() -> None:
     ]
     if gpus >= 2:
         cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus, float(gpus)))
+    wanted = {"one_stage", "four_stages_one_gpu", "gpus", "memory"}
     if args.cases:
-        wanted = set(args.cases.split(","))
-        unknown = wanted - {"one_stage", "four_stages_one_gpu", "gpus"}
+        unknown = set(args.cases.split(",")) - wanted
         if unknown:
             ap.error(f"--cases: unknown run(s) {', '.join(sorted(unknown))}")
+        wanted = set(args.cases.split(","))
         cases = [c for c in cases if c[0] in wanted]
     out: dict[str, Any] = {
         "bench": "gpu",
@@ -211,6 +300,15 @@ def main() -> None:
         f"{args.minibatches} minibatches (first fifth left out), on {out['gpu']} x {gpus}"
     )
     print_table(["run", "stages", "plain (x ideal) samples/s", "hetpipe samples/s", "ratio"], rows)
+    if "memory" in wanted:
+        table = memory_study(args, memory, out)
+        print(
+            f"peaks per stage (MiB), four stages on cuda:0, Nm = 4; swap/keep samples/s "
+            f"{out['swap_vs_keep']:.3f}, recompute/keep {out['recompute_vs_keep']:.3f}"
+        )
+        print_table(
+            ["policy", "stage", "predicted", "counted", "allocated", "reserved", "error"], table
+        )
     if args.json:
         emit_json(out)
 

@@ -44,6 +44,7 @@ _STAGE_FIGURES = (
     "peak_bytes",
     "peak_memory",
     "peak_in_flight",
+    "allocator_peak",
     "shares",
     "waiting",
 )
