@@ -107,6 +107,9 @@ def test_a_killed_worker_stops_only_its_own_virtual_worker(six: LocalCluster) ->
         assert "replans" not in info  # the job's attempt went on: nothing re-planned whole
         assert info["positions"] == [240, 240, 240], info["positions"]
         assert 0 < reform["restart_at"] <= reform["trained_to"], reform
+        # what VW 1 pushed before the loss counts once, its re-trained minibatches once
+        assert reform["pushed"] == reform["restart_at"], reform
+        assert info["minibatches"] == info["total"] == 3 * 240, info
         # the re-formed VW's clock restarted at the global clock: its offset is past its
         # own waves before the loss, and every shard ends with every VW at its last wave
         assert all(o >= reform["restart_at"] // 2 for o in reform["wave_offsets"]), reform
@@ -139,6 +142,9 @@ def test_a_vw_whose_survivors_cannot_hold_the_model_is_left_out(six: LocalCluste
         assert reform["outcome"] == "dropped", reform
         assert "gpu2" in reform["why"] and "left out" in reform["why"], reform
         assert info["positions"][0] == 200
+        # the job trained VW 0's minibatches and what VW 1 pushed before it was left out
+        assert reform["pushed"] == reform["restart_at"], reform
+        assert info["minibatches"] == 200 + reform["pushed"], info
     finally:
         _restart_killed(c)
 

@@ -29,6 +29,7 @@ import zmq
 from hetpipe import checkpoint
 from hetpipe.head import drift
 from hetpipe.head.evals import WorkerEvals, workers_evaluate
+from hetpipe.head.reform import pushed_before_reforms
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
@@ -498,7 +499,11 @@ class JobsPart:
         state, clocks = await self._fetch_state(js)
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
-        done = plan.total_minibatches if js.stopped is None else js.info().get("minibatches", 0)
+        done = (
+            plan.total_minibatches + pushed_before_reforms(js.reforms)
+            if js.stopped is None
+            else js.info().get("minibatches", 0)
+        )
         try:
             figures, trained_bn = await loop.run_in_executor(
                 None, plan.export_figures, state, out_dir

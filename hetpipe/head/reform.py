@@ -74,6 +74,7 @@ __all__ = [
     "IDLE_WAIT_S",
     "MAX_REFORMS",
     "ReformPart",
+    "pushed_before_reforms",
     "reform_outcome",
     "restart_position",
     "without_migration",
@@ -93,6 +94,15 @@ def restart_position(start: int, clocks: Sequence[int], nm: int, total: int) -> 
     ``total`` (the minibatches it runs in the whole job)."""
     done = min(clocks, default=0) * nm
     return min(total, start + done)
+
+
+def pushed_before_reforms(reforms: Sequence[Mapping[str, Any]]) -> int:
+    """The minibatches the job's re-formed or left-out VWs had pushed before their losses.
+
+    A re-form moves the VW's start to its restart position and owes it only what is left, so
+    the plan's totals no longer hold them; the job's count of what it trained adds them back
+    (each once: the minibatches re-trained after the restart are in the plan's count)."""
+    return sum(int(r.get("pushed", 0)) for r in reforms)
 
 
 def reform_outcome(
@@ -282,6 +292,8 @@ class ReformPart:
             "shard_clocks": clocks,
             "trained_to": trained,
             "restart_at": position,
+            # pushed by its old layout, out of the plan's count from here (see above)
+            "pushed": max(0, position - plan.start_of(v)),
             "minibatches_redone": max(0, trained - position),
             "detected_at": pending["detected_at"],
             "left_s": round(left_at - pending["detected"], 3),

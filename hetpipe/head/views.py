@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetpipe.config import ClusterConfig
 from hetpipe.head import drift
+from hetpipe.head.reform import pushed_before_reforms
 from hetpipe.head.states import FINISHED
 from hetpipe.jobplan import JobPlan
 from hetpipe.jobstore import TRACE, job_dir, read_result, summary
@@ -118,7 +119,9 @@ def job_view(js: JobState) -> dict[str, Any]:
 
 def _plan_view(js: JobState, plan: JobPlan) -> dict[str, Any]:
     """The part of a job's view that its plan and its stages' progress make."""
-    out: dict[str, Any] = {"total": plan.total_minibatches}
+    # a re-formed VW's plan owes it only what was left at its restart
+    pushed = pushed_before_reforms(js.reforms)
+    out: dict[str, Any] = {"total": plan.total_minibatches + pushed}
     vws = []
     done_all = 0
     for v, vwp in enumerate(plan.vws):
@@ -140,7 +143,7 @@ def _plan_view(js: JobState, plan: JobPlan) -> dict[str, Any]:
             }
         )
     out["vws"] = vws
-    out["minibatches"] = done_all
+    out["minibatches"] = done_all + pushed
     # each VW's place in the whole job (a resumed attempt starts further on)
     out["positions"] = [plan.start_of(v) + vw["done"] for v, vw in enumerate(vws)]
     out["global_clock"] = min((v["clock"] for v in vws), default=0)
