@@ -227,3 +227,46 @@ def test_a_window_spans_window_s_seconds_at_least() -> None:
         found = found or det.observe(run.tick({(0, 1): 3.0}), now=t)
     # the settled mean holds the burst: the change reads a little under 3
     assert found and found[0].stage == 1 and found[0].ratio == pytest.approx(3.0, rel=0.15)
+
+
+def test_a_forgotten_vw_is_watched_no_more_and_the_others_still_are() -> None:
+    """A VW re-formed after a lost worker leaves the watch: its slowdown is no drift, while
+    a slowdown of another VW's stage still is."""
+    pred = {**PRED, **{(1, s): t for (_, s), t in PRED.items()}}
+    devices = {**DEVICES, **{(1, s): f"gpu{3 + s}" for s in range(3)}}
+    spent = dict.fromkeys(pred, 0.0)
+    done = 0
+
+    def tick(slow: dict[tuple[int, int], float]) -> dict[tuple[int, int], dict[str, Any]]:
+        nonlocal done
+        done += 2
+        for key, t in pred.items():
+            spent[key] += 2 * t * slow.get(key, 1.0)
+        return {
+            k: {"done": done, "forward_s": spent[k] / 3, "backward_s": spent[k] * 2 / 3}
+            for k in pred
+        }
+
+    det = DriftDetector(pred, devices, [2, 2], 1.5, 6)
+    for _ in range(10):
+        assert det.observe(tick({})) == []
+    det.forget(1)
+    assert all(v == 0 for v, _ in det.stages)
+    found = []
+    for _ in range(10):
+        found += det.observe(tick({(1, 1): 4.0}))
+    assert found == []
+    for _ in range(10):
+        found += det.observe(tick({(1, 1): 4.0, (0, 1): 3.0}))
+    assert found and (found[0].vw, found[0].stage) == (0, 1)
+    assert all(d.vw == 0 for d in found)
+
+
+def test_unwatch_names_the_vw_in_the_result() -> None:
+    w = watch()
+    w.unwatch(0, "re-formed or left out after worker gpu1 was lost")
+    assert w.detector.stages == {}
+    js = SimpleNamespace(watch=w, plan=None)
+    assert drift.result_of(js)["replan_unwatched"] == {
+        "vw0": "re-formed or left out after worker gpu1 was lost"
+    }

@@ -142,6 +142,12 @@ class DriftDetector:
             if t > 0:
                 self.stages[(vw, s)] = _Stage(t, nm + self.window, start=done)
 
+    def forget(self, vw: int) -> None:
+        """Watch ``vw``'s stages no more (its VW left the job or was re-formed); the others'
+        detection goes on, their changes no longer measured against its stages'."""
+        for key in [k for k in self.stages if k[0] == vw]:
+            del self.stages[key]
+
     def settle(self, vw: int) -> None:
         """Settle each stage of ``vw`` again from now on (a drift seen and decided on: what
         it measures from now on is the new normal)."""
@@ -293,6 +299,12 @@ class Watch:
         self.decisions: list[Decision] = []
         self.drifts: list[Drift] = []
         self.stopped: str | None = None  # why the watch gave up (an unexpected error)
+        self.unwatched: dict[int, str] = {}  # VWs no longer watched, and why
+
+    def unwatch(self, vw: int, why: str) -> None:
+        """Stop watching ``vw`` alone: the other VWs stay watched and re-planned."""
+        self.detector.forget(vw)
+        self.unwatched[vw] = why
 
     def tick(
         self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float | None = None
@@ -431,4 +443,10 @@ def final_plan(js: Any) -> list[dict[str, Any]]:
 def result_of(js: Any) -> dict[str, Any]:
     """The job result's part of this module: the final plan, and each decision."""
     found = decisions_of(js)
-    return {"final_plan": final_plan(js), **({"replan_decisions": found} if found else {})}
+    watch = getattr(js, "watch", None)
+    unwatched = {f"vw{v}": why for v, why in sorted(watch.unwatched.items())} if watch else {}
+    return {
+        "final_plan": final_plan(js),
+        **({"replan_decisions": found} if found else {}),
+        **({"replan_unwatched": unwatched} if unwatched else {}),
+    }

@@ -39,8 +39,9 @@ Limits: synchronous schedules (``gpipe``, ``1f1b``) reduce every VW's gradients 
 iteration, so a lost worker there re-plans the whole job as ``"replan"`` does, and so does a
 loss before the lost worker's stage started (the attempt is still being launched); after a
 re-form the job writes no further checkpoints (the re-formed VW counts its waves from 0, so
-the stages' states no longer meet at one cut), and the drift watch stops (its plan is gone).
-Merging the survivors into another VW's pipeline is not done.
+the stages' states no longer meet at one cut), and the drift watch (``[replan]``) goes on for
+the other VWs only (the result's ``replan_unwatched`` names the VW and why). Merging the
+survivors into another VW's pipeline is not done.
 
 :class:`ReformPart` is the part of :class:`hetpipe.head.server.Head` that does it; the pure
 helpers (:func:`restart_position`, :func:`reform_outcome`) are tested on their own.
@@ -224,8 +225,8 @@ class ReformPart:
                 w.job = w.vw = w.stage = None
         self._drop_cuts(js)  # no cut meets the re-formed VW's waves (module text)
         _drop_meets(self, js.wire_id, v)
-        if js.watch is not None and js.watch.stopped is None:
-            js.watch.stopped = f"vw{v} re-formed after a lost worker: the watched plan is gone"
+        if js.watch is not None:  # the other VWs stay watched for drift
+            js.watch.unwatch(v, f"re-formed or left out after worker {pending['lost'][0]} was lost")
         clocks = []
         for shard in plan.shards_used():
             ch = await self.registry.shard(shard)
