@@ -429,7 +429,13 @@ def plan_job(
             f"is hetpipe-ps --shard {missing[0]} running?"
         )
     try:
-        validate(split, {d.name for d in cluster.devices}, n_layers, known_as=str(cluster.path))
+        validate(
+            split,
+            {d.name for d in cluster.devices},
+            n_layers,
+            known_as=str(cluster.path),
+            several=spec.several_stages,
+        )
     except SplitError as exc:
         raise JobPlanError(str(exc)) from None
     run_vws = []

@@ -332,6 +332,8 @@ class JobsPart:
         n_train = facts.n_train
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
+            if any(len(set(v.devices)) < v.k for v in spec.vws):
+                raise PlanError("a device runs several stages (the planner prices one a device)")
             profile, rows = await self.profiler.profiles(spec)
             cluster = live_cluster(self.cluster, self.registry.idle())
             plan = await loop.run_in_executor(
@@ -461,9 +463,12 @@ class JobsPart:
         )
         workers = self.registry.workers
         waits = []
+        named: set[str] = set()  # a worker of several stages is named by its first
         for task in plan.tasks(self.registry.shards, workers):
             w = workers[task.group[task.replica]]
-            w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            if w.device not in named:
+                named.add(w.device)
+                w.job, w.vw, w.stage = js.id, task.vw, task.stage
             tensors = plan.local_state(task.vw, task.stage)
             restore = js.restores.get((task.vw, task.stage))
             if restore is not None:  # a resumed attempt: the stage's checkpointed state
