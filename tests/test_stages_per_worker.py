@@ -1,0 +1,115 @@
+"""Several stages per worker: a device named several times in a ``[[vw]]`` runs each of those
+stages in its one worker process (``train.several_stages``), on real daemons."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same_weights, job, start_cluster
+from helpers import plain_training, stages_json
+
+from hetpipe.localcluster import DeviceDef, LocalCluster
+
+pytestmark = pytest.mark.slow
+
+DEVICES = (
+    DeviceDef("a", "fast", "256MiB", 1.0),
+    DeviceDef("b", "fast", "256MiB", 1.0),
+    DeviceDef("c", "fast", "256MiB", 1.0),
+    DeviceDef("d", "fast", "256MiB", 1.0),
+    DeviceDef("half", "slow", "256MiB", 0.5),
+    DeviceDef("small", "small", "1MiB", 1.0),
+)
+FOUR_ON_A = [(["a", "a", "a", "a"], [1, 2, 2, 1])]
+ABAB = [(["a", "b", "a", "b"], [1, 2, 2, 1])]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("stages"), DEVICES)
+    yield c
+    c.stop()
+
+
+def several(name: str, split: list, **kw: Any) -> dict[str, Any]:
+    """A job of the builtin mlp on ``split`` whose devices may run several stages."""
+    train = {"several_stages": True, **kw.pop("train", {})}
+    return job(name, model="mlp", split=split, train=train, **kw)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("split", [FOUR_ON_A, ABAB], ids=["four-on-one", "abab"])
+def test_async_nm1_is_transparent(cluster: LocalCluster, split: list) -> None:
+    """Nm = 1: the weights of plain PyTorch training after 40 minibatches, within 1e-5."""
+    spec = several(f"async-{len(set(split[0][0]))}", split, nm=1, minibatches=40)
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, 40))
+    stages = stages_json(info)
+    assert sorted(stages) == [f"vw0/stage{s}" for s in range(4)]  # every stage reported
+    assert all(st["stats"]["done"] == 40 for st in stages.values())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("split", [FOUR_ON_A, ABAB], ids=["four-on-one", "abab"])
+def test_sync_is_transparent(cluster: LocalCluster, kind: str, split: list) -> None:
+    """Synchronous, M = 4: minibatch SGD on each iteration's union, within 1e-5."""
+    m, iterations = 4, 8
+    spec = several(
+        f"sync-{kind}", split, nm=m, minibatches=m * iterations, train={"schedule": kind}
+    )
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    assert_same_weights(
+        torch.load(info["model_path"]), plain_training(spec, iterations, m=m, vws=1)
+    )
+
+
+@pytest.mark.timeout(300)
+def test_async_nm2_equals_one_stage_per_device(cluster: LocalCluster) -> None:
+    """Nm = 2 (stale weights, stashed): four stages on one device train exactly the weights of
+    the same pipeline on four devices (the schedule, not the placement, decides them)."""
+    spread = several("async-nm2-spread", [(["a", "b", "c", "d"], [1, 2, 2, 1])], nm=2)
+    one = several("async-nm2-one", FOUR_ON_A, nm=2)
+    got = cluster.submit(one, timeout=200)
+    assert got["state"] == "done", got.get("error")
+    want = cluster.submit(spread, timeout=200)
+    assert want["state"] == "done", want.get("error")
+    assert_same_weights(torch.load(got["model_path"]), torch.load(want["model_path"]))
+
+
+@pytest.mark.timeout(240)
+def test_stages_share_their_devices_speed(cluster: LocalCluster) -> None:
+    """Two stages on a half-speed device compute one after the other on its one compute
+    thread: their padded compute times add up within the job's wall time (stages that each
+    slept out their own pad at once would overlap and exceed it)."""
+    spec = several("speed", [(["half", "half"], [3, 3])], nm=1, minibatches=30)
+    info = cluster.submit(spec, timeout=200)
+    assert info["state"] == "done", info.get("error")
+    stats = [s["stats"] for s in stages_json(info).values()]
+    compute = sum(s["forward_s"] + s["backward_s"] for s in stats)
+    assert compute > 0
+    assert compute <= info["elapsed_s"] if "elapsed_s" in info else True
+    for s in stats:
+        # the pad made each stage's compute at least its work at half speed: never faster
+        # than the stage's own measured cost at speed 1 would allow
+        assert s["forward_s"] > 0 and s["backward_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_memory_cap_holds_for_the_stages_together(cluster: LocalCluster) -> None:
+    """Each stage fits the 1 MiB device alone; together they do not: the job fails with one
+    line naming the device, the stages' figures and the cap."""
+    spec = several("too-much", [(["small"] * 4, [1, 2, 2, 1])], nm=1, minibatches=10)
+    info = cluster.submit(spec, timeout=100)
+    assert info["state"] == "failed"
+    error = info["error"]
+    assert "device small: its" in error and "together > memory cap 1.0MiB" in error, error
+    assert "\n" not in error
+    # and the device is free for the next job
+    ok = cluster.submit(several("after", FOUR_ON_A, minibatches=10), timeout=100)
+    assert ok["state"] == "done", ok.get("error")
