@@ -3,12 +3,13 @@ stages in its one worker process (``train.several_stages``), on real daemons."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_weights, job, start_cluster
+from conftest import assert_same_weights, job, running_until, start_cluster, until_whole
 from helpers import plain_training, stage_records, stages_json
 
 from hetpipe.localcluster import DeviceDef, LocalCluster
@@ -139,3 +140,26 @@ def test_four_stages_on_one_gpu_in_one_worker(tmp_path) -> None:
                 assert (got[n] - w).abs().max().item() <= 1e-4, (name, n)
     finally:
         c.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_device_loses_all_its_stages(cluster: LocalCluster) -> None:
+    """The worker running stages 0 and 2 is killed: the job fails with one line naming it
+    (its stages go with it), and the restarted worker runs the next job's stages."""
+
+    async def kill_when_running() -> dict[str, Any]:
+        async with cluster.client() as head:
+            job_id = await head.submit(several("lost", ABAB, nm=2, minibatches=100_000))
+            await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 10, 120)
+            cluster.kill("worker-a", signal.SIGKILL)
+            return await head.follow(job_id, timeout=120)
+
+    try:
+        info = cluster.run(kill_when_running())
+        assert info["state"] == "failed", info
+        assert "worker a " in info["error"] and "lost" in info["error"], info["error"]
+    finally:
+        cluster.restart("worker-a")
+    cluster.run(until_whole(cluster))
+    ok = cluster.submit(several("after-loss", ABAB, minibatches=10), timeout=100)
+    assert ok["state"] == "done", ok.get("error")
