@@ -3,15 +3,20 @@ devices, the split's validation, and the device's memory counted over its stages
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from conftest import job
 
+from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.memory import MemoryCapError
 from hetpipe.job import JobError, JobSpec
-from hetpipe.stage import DeviceMemory
+from hetpipe.models import build_model
+from hetpipe.stage import DeviceMemory, StageCompute
+from hetpipe.task import StageTask
 
 
 def spec(devices: list, layers: list | None = (1, 2, 2, 1), **train: Any) -> dict[str, Any]:
@@ -79,3 +84,33 @@ def test_device_memory_holds_for_its_stages_together() -> None:
     mem.leave("vw0/stage2")
     mem.leave("vw0/stage1")
     mem.check("vw0/stage0", 1000)  # alone it is the stage's own check, not this one's
+
+
+def _whole_mlp(memory: int, where: int) -> StageCompute:
+    """The whole mlp as stage 0 of its own virtual worker ``where`` on a device of cap
+    ``memory`` (the figure does not matter to a stage that runs in process)."""
+    spec = JobSpec.from_dict(job("unit", model="mlp", minibatches=4, nm=1))
+    n = len(build_model("mlp"))
+    task = StageTask.standalone("unit", spec.to_dict(), StageLayout(("gpu0",), 0, n))
+    task = dataclasses.replace(task, vw=where)
+    compute = StageCompute(task, DeviceSpec("gpu0", "cpu", "fast", memory, 1.0, 0, "n0", "h"))
+    torch.manual_seed(0)
+    state = build_model("mlp").state_dict()
+    names = compute.state_names()
+    compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    return compute
+
+
+def test_stages_on_one_device_are_counted_together_at_run_time() -> None:
+    """Each stage alone fits the device; the second one's forward takes the two past the
+    cap: refused with one line naming the device (what the worker's stages share)."""
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    alone = _whole_mlp(1 << 30, 0)
+    alone.forward(0, x, y)
+    peak = alone.memory().total
+    shared = DeviceMemory("gpu0", int(peak * 1.5))
+    first, second = _whole_mlp(int(peak * 1.5), 0), _whole_mlp(int(peak * 1.5), 1)
+    first.device_memory = second.device_memory = shared
+    first.forward(0, x, y)
+    with pytest.raises(MemoryCapError, match=r"^device gpu0: its 2 stages need .* together >"):
+        second.forward(0, x, y)

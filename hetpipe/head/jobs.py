@@ -34,7 +34,15 @@ from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
-from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
+from hetpipe.jobplan import (
+    JobPlan,
+    JobPlanError,
+    device_memory_problem,
+    one_stage_per_device,
+    plan_job,
+    requested_layouts,
+    runs_several_stages,
+)
 from hetpipe.jobstore import (
     METRICS,
     RECORDS,
@@ -332,7 +340,8 @@ class JobsPart:
         n_train = facts.n_train
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
-            if any(len(set(v.devices)) < v.k for v in spec.vws):
+            if runs_several_stages(spec):
+                await self._check_several(spec, n_train)
                 raise PlanError("a device runs several stages (the planner prices one a device)")
             profile, rows = await self.profiler.profiles(spec)
             cluster = live_cluster(self.cluster, self.registry.idle())
@@ -390,6 +399,29 @@ class JobsPart:
             js.lost = self._lost_since(js.resume)
         else:
             js.totals = tuple(js.plan.minibatches_of(v) for v in range(len(js.plan.vws)))
+
+    async def _check_several(self, spec: JobSpec, n_train: int | None) -> None:
+        """A job whose devices run several stages: each device's cap against its stages'
+        predicted peaks together (:class:`JobPlanError`, one line, where they do not fit).
+        The planner prices one stage per device, so it prices this split with clones of the
+        repeated devices (:func:`hetpipe.jobplan.one_stage_per_device`); its times would be
+        each stage's alone, so nothing else of that plan is kept."""
+        loop = asyncio.get_running_loop()
+        profile, rows = await self.profiler.profiles(spec)
+        one, cluster, home = one_stage_per_device(
+            spec, live_cluster(self.cluster, self.registry.idle())
+        )
+        plan = await loop.run_in_executor(
+            None, lambda: plan_for(one, cluster, profile, rows, n_train=n_train)
+        )
+        stages = [
+            (f"vw{v}/stage{s}", st.device, int(st.memory.total))
+            for v, vw in enumerate(plan.vws)
+            for s, st in enumerate(vw.stages)
+        ]
+        problem = device_memory_problem(stages, home, self.cluster)
+        if problem is not None:
+            raise JobPlanError(problem)
 
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""
