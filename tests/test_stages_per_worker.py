@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import assert_same_weights, job, running_until, start_cluster, until_whole
 from helpers import plain_training, stage_records, stages_json
 
+from hetpipe import checkpoint
 from hetpipe.localcluster import DeviceDef, LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -144,24 +146,42 @@ def test_four_stages_on_one_gpu_in_one_worker(tmp_path) -> None:
         c.stop()
 
 
-@pytest.mark.timeout(240)
-def test_a_lost_device_loses_all_its_stages(cluster: LocalCluster) -> None:
+@pytest.mark.timeout(400)
+def test_a_lost_device_loses_all_its_stages_and_the_job_resumes(cluster: LocalCluster) -> None:
     """The worker running stages 0 and 2 is killed: the job fails with one line naming it
-    (its stages go with it), and the restarted worker runs the next job's stages."""
+    (its stages go with it); restarted, ``submit --resume`` goes on from the last checkpoint,
+    which holds every stage's state, and finishes."""
+    total = 600
+    spec = several("lost", ABAB, nm=2, minibatches=total, train={"checkpoint_every": 20})
 
-    async def kill_when_running() -> dict[str, Any]:
+    async def kill_after_a_checkpoint() -> tuple[str, dict[str, Any]]:
         async with cluster.client() as head:
-            job_id = await head.submit(several("lost", ABAB, nm=2, minibatches=100_000))
-            await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 10, 120)
+            job_id = await head.submit(spec)
+            info = await running_until(
+                head,
+                job_id,
+                lambda i: i.get("checkpoints", 0) >= 1 and i.get("minibatches", 0) >= 100,
+                120,
+            )
+            assert info["minibatches"] < total, "the job ended before the kill"
             cluster.kill("worker-a", signal.SIGKILL)
-            return await head.follow(job_id, timeout=120)
+            return job_id, await head.follow(job_id, timeout=120)
 
     try:
-        info = cluster.run(kill_when_running())
+        job_id, info = cluster.run(kill_after_a_checkpoint())
         assert info["state"] == "failed", info
         assert "worker a " in info["error"] and "lost" in info["error"], info["error"]
     finally:
         cluster.restart("worker-a")
     cluster.run(until_whole(cluster))
-    ok = cluster.submit(several("after-loss", ABAB, minibatches=10), timeout=100)
-    assert ok["state"] == "done", ok.get("error")
+
+    async def resume() -> dict[str, Any]:
+        async with cluster.client() as head:
+            return await head.follow(await head.submit(None, resume=job_id), timeout=300)
+
+    info = cluster.run(resume())
+    assert info["state"] == "done", info.get("error")
+    ck = checkpoint.verify(Path(info["resumed_from"]["checkpoint"]))
+    # every stage that holds state (stage 0, a Flatten, holds none: no file, as on four devices)
+    assert sorted(ck.stages) == [checkpoint.stage_file(0, s) for s in (1, 2, 3)]
+    assert info["positions"] == [total]
