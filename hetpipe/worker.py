@@ -313,7 +313,15 @@ class Worker:
             await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
             return
         logmod.structlog.contextvars.bind_contextvars(job=task.job, vw=task.vw, stage=task.stage)
-        self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k, nm=task.nm)
+        if len(self.stages) > 1:  # several stages here: each line names its own
+            logmod.structlog.contextvars.unbind_contextvars("stage")
+        self.log.info(
+            "assigned",
+            layers=f"{task.first}..{task.last - 1}",
+            k=task.k,
+            nm=task.nm,
+            where=task.where,
+        )
         await self.head.send(Kind.OK, {"rid": rid})
 
     async def _measure(self, msg: Message) -> None:
@@ -539,7 +547,7 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.log.exception("stage failed")
+            self.log.exception("stage failed", where=t.where)
             await self.head.send(
                 Kind.STAGE_FAILED,
                 {**ids, "error": f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)},
@@ -552,7 +560,7 @@ class Worker:
                 await self._records_sender(job)(records, spans)
             if t.leader:  # a replicated stage is done when its leader is: it waits for all
                 await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats})
-            self.log.info("stage done", minibatches=stats["done"])
+            self.log.info("stage done", minibatches=stats["done"], where=t.where)
         finally:
             key = (t.vw, t.stage)
             if self.stages.get(key) is job:
