@@ -185,3 +185,22 @@ def test_a_lost_device_loses_all_its_stages_and_the_job_resumes(cluster: LocalCl
     # every stage that holds state (stage 0, a Flatten, holds none: no file, as on four devices)
     assert sorted(ck.stages) == [checkpoint.stage_file(0, s) for s in (1, 2, 3)]
     assert info["positions"] == [total]
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_now_takes_every_stage_of_a_device(cluster: LocalCluster) -> None:
+    """``hetpipe checkpoint`` of a running job whose devices run two stages each: the
+    checkpoint is written with every stage's state, and the job goes on to its end."""
+    spec = several("now", ABAB, nm=2, minibatches=400, train={"checkpoint_every": 0})
+
+    async def ask() -> tuple[list[str], dict[str, Any]]:
+        async with cluster.client() as head:
+            job_id = await head.submit(spec)
+            await running_until(head, job_id, lambda i: i.get("minibatches", 0) >= 20, 120)
+            taken = await head.checkpoint(job_id, wait=True, timeout=120)
+            stages = sorted(checkpoint.verify(Path(taken["path"])).stages)
+            return stages, await head.follow(job_id, timeout=200)
+
+    stages, info = cluster.run(ask())
+    assert info["state"] == "done", info.get("error")
+    assert stages == [checkpoint.stage_file(0, s) for s in (1, 2, 3)]

@@ -9,11 +9,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import job
+from helpers import repo_cluster
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.memory import MemoryCapError
+from hetpipe.core.units import format_size
 from hetpipe.job import JobError, JobSpec
+from hetpipe.jobplan import device_memory_problem, one_stage_per_device
 from hetpipe.models import build_model
 from hetpipe.stage import DeviceMemory, StageCompute
 from hetpipe.task import StageTask
@@ -114,3 +117,30 @@ def test_stages_on_one_device_are_counted_together_at_run_time() -> None:
     first.forward(0, x, y)
     with pytest.raises(MemoryCapError, match=r"^device gpu0: its 2 stages need .* together >"):
         second.forward(0, x, y)
+
+
+def test_the_planner_prices_repeated_devices_as_clones() -> None:
+    """Each later stage of a repeated device goes to a clone of it (its type, memory, speed
+    and node), which the memory check maps back to the device."""
+    cluster = repo_cluster()
+    parsed = JobSpec.from_dict(spec(["gpu0", "gpu1", "gpu0", "gpu0"], layers=(1, 2, 2, 1)))
+    one, clones, home = one_stage_per_device(parsed, cluster)
+    assert one.vws[0].devices == ("gpu0", "gpu1", "gpu0#1", "gpu0#2")
+    assert not one.several_stages and one.vws[0].layers == (1, 2, 2, 1)
+    assert home == {"gpu0": "gpu0", "gpu1": "gpu1", "gpu0#1": "gpu0", "gpu0#2": "gpu0"}
+    clone = clones.device("gpu0#2")
+    gpu0 = cluster.device("gpu0")
+    assert (clone.type, clone.memory, clone.speed, clone.host) == (
+        gpu0.type,
+        gpu0.memory,
+        gpu0.speed,
+        gpu0.host,
+    )
+    validate(one.vws, {d.name for d in clones.devices}, 6)  # one stage per device now
+    cap = gpu0.memory
+    fits = [("vw0/stage0", "gpu0", cap // 2), ("vw0/stage1", "gpu1", cap), ("s2", "gpu0#1", 1)]
+    assert device_memory_problem(fits, home, cluster) is None
+    over = [*fits, ("vw0/stage3", "gpu0#2", cap // 2)]
+    line = device_memory_problem(over, home, cluster)
+    assert line is not None and line.startswith("device gpu0: its 3 stages need ")
+    assert f"> memory cap {format_size(cap)} (predicted peaks: vw0/stage0 " in line
