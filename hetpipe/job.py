@@ -848,9 +848,14 @@ def _several_stages_refusals(
 ) -> None:
     """What a job whose devices run several stages cannot have yet, each refused in one
     line: the planner's choices (it plans one stage a device), re-forming or re-planning
-    on a worker's loss (a lost device takes all its stages; the job fails or resumes), and
-    a split without its layers."""
+    on a worker's loss (a lost device takes all its stages; the job fails or resumes), a
+    split without its layers, and replicated stages beside a repeated device."""
     for v, vw in enumerate(vws):
+        if len(set(vw.devices)) < vw.k and vw.replicas:
+            train.fail(
+                "several_stages",
+                f"vw[{v}] repeats a device: its stages are not replicated (not supported yet)",
+            )
         if len(set(vw.devices)) < vw.k and vw.layers is None:
             train.fail(
                 "several_stages",

@@ -57,10 +57,11 @@ def test_async_nm1_is_transparent(cluster: LocalCluster, split: list) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("split", [FOUR_ON_A, ABAB], ids=["four-on-one", "abab"])
 def test_sync_is_transparent(cluster: LocalCluster, kind: str, split: list) -> None:
-    """Synchronous, M = 4: minibatch SGD on each iteration's union, within 1e-5."""
+    """Synchronous, M = 4 (zb-h1: the backward split, its input gradient handed over before
+    its weight gradient runs): minibatch SGD on each iteration's union, within 1e-5."""
     m, iterations = 4, 8
     spec = several(
         f"sync-{kind}", split, nm=m, minibatches=m * iterations, train={"schedule": kind}

@@ -144,3 +144,8 @@ def test_the_planner_prices_repeated_devices_as_clones() -> None:
     line = device_memory_problem(over, home, cluster)
     assert line is not None and line.startswith("device gpu0: its 3 stages need ")
     assert f"> memory cap {format_size(cap)} (predicted peaks: vw0/stage0 " in line
+
+
+def test_no_replicated_stage_beside_a_repeated_device() -> None:
+    with pytest.raises(JobError, match=r"vw\[0\] repeats a device: its stages are not replicated"):
+        JobSpec.from_dict(spec(["a", ["b", "c"], "a"], layers=(2, 2, 2)))
