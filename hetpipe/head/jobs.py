@@ -407,10 +407,11 @@ class JobsPart:
         repeated devices (:func:`hetpipe.jobplan.one_stage_per_device`); its times would be
         each stage's alone, so nothing else of that plan is kept."""
         loop = asyncio.get_running_loop()
+        live = live_cluster(self.cluster, self.registry.idle())
+        if not {d for v in spec.vws for d in v.devices} <= {d.name for d in live.devices}:
+            return  # a device without an idle worker: plan_job says which, in one line
         profile, rows = await self.profiler.profiles(spec)
-        one, cluster, home = one_stage_per_device(
-            spec, live_cluster(self.cluster, self.registry.idle())
-        )
+        one, cluster, home = one_stage_per_device(spec, live)
         plan = await loop.run_in_executor(
             None, lambda: plan_for(one, cluster, profile, rows, n_train=n_train)
         )
