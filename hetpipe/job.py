@@ -183,6 +183,7 @@ class JobSpec:
     stop_after_no_gain: int = _d("train.stop_after_no_gain")
     hang_after_s: float = _d("train.hang_after_s")
     on_worker_loss: str = _d("train.on_worker_loss")  # "replan": see hetpipe.head
+    several_stages: bool = _d("train.several_stages")  # a device may run several stages
     shard_wait_s: float = _d("train.shard_wait_s")  # a lost shard: hetpipe.head.shardwait
     checkpoint_every: int = _d("train.checkpoint_every")
     faults: tuple[FaultSpec, ...] = ()
@@ -342,6 +343,7 @@ class JobSpec:
                 train.fail("weights", f"predict cannot extrapolate {why}")
         bn_recalibrate = _read(train, "bn_recalibrate")
         on_worker_loss = _read(train, "on_worker_loss")
+        several_stages = _read(train, "several_stages")
         shard_wait_s = _read(train, "shard_wait_s")
         checkpoint_every = _read(train, "checkpoint_every")
         activations = _read(train, "activations")
@@ -361,7 +363,9 @@ class JobSpec:
         in_flight = _read(train, "in_flight")
         policy = _read(train, "policy")
 
-        vws = _vws(root)
+        vws = _vws(root, several_stages)
+        if several_stages and any(len(set(v.devices)) < v.k for v in vws):
+            _several_stages_refusals(train, vws, schedule, on_worker_loss, activations)
         for given in (nm, *(v.nm for v in vws)):
             if max_nm is not None and given is not None and given > max_nm:
                 train.fail("max_nm", f"is {max_nm} but the job gives nm = {given}")
@@ -407,6 +411,7 @@ class JobSpec:
             predict_variant=predict_variant,
             bn_recalibrate=bn_recalibrate,
             on_worker_loss=on_worker_loss,
+            several_stages=several_stages,
             shard_wait_s=shard_wait_s,
             checkpoint_every=checkpoint_every,
             activations=activations,
@@ -513,6 +518,7 @@ class JobSpec:
                 "predict_variant": self.predict_variant,
                 "bn_recalibrate": self.bn_recalibrate,
                 "on_worker_loss": self.on_worker_loss,
+                "several_stages": self.several_stages,
                 "shard_wait_s": self.shard_wait_s,
                 "checkpoint_every": self.checkpoint_every,
                 "activations": self.activations,
@@ -793,19 +799,25 @@ def _optimizer(root: Table) -> OptimizerSpec:
     )
 
 
-def _vws(root: Table) -> tuple[VWSpec, ...]:
+def _vws(root: Table, several: bool = False) -> tuple[VWSpec, ...]:
+    """The ``[[vw]]`` tables; ``several`` (``train.several_stages``): a device may be named
+    for several stages of its virtual worker (none of them replicated)."""
     owner: dict[str, str] = {}  # device -> the vw that holds it
     vws = []
     for vt in root.tables("vw", JOB.allowed("vw")):
         groups = _device_groups(vt)
         devices = [g[0] for g in groups]
         seen: list[str] = []
+        replicated = {d for g in groups if len(g) > 1 for d in g}
         for i, group in enumerate(groups):
             for device in group:
-                if device in seen:
-                    vt.fail(
-                        f"devices[{i}]", f"duplicate device {device!r} (a device runs one stage)"
+                if device in seen and not (several and device not in replicated):
+                    why = (
+                        "a replicated stage's device runs that stage only"
+                        if several
+                        else "a device runs one stage unless train.several_stages = true"
                     )
+                    vt.fail(f"devices[{i}]", f"duplicate device {device!r} ({why})")
                 if device in owner:
                     vt.fail(f"devices[{i}]", f"device {device!r} is already in {owner[device]}")
                 seen.append(device)
@@ -825,6 +837,40 @@ def _vws(root: Table) -> tuple[VWSpec, ...]:
             VWSpec(tuple(devices), None if layers is None else tuple(layers), nm, replicas=replicas)
         )
     return tuple(vws)
+
+
+def _several_stages_refusals(
+    train: Table,
+    vws: tuple[VWSpec, ...],
+    schedule: str,
+    on_worker_loss: str,
+    activations: str,
+) -> None:
+    """What a job whose devices run several stages cannot have yet, each refused in one
+    line: the planner's choices (it plans one stage a device), re-forming or re-planning
+    on a worker's loss (a lost device takes all its stages; the job fails or resumes), a
+    split without its layers, and replicated stages beside a repeated device."""
+    for v, vw in enumerate(vws):
+        if len(set(vw.devices)) < vw.k and vw.replicas:
+            train.fail(
+                "several_stages",
+                f"vw[{v}] repeats a device: its stages are not replicated (not supported yet)",
+            )
+        if len(set(vw.devices)) < vw.k and vw.layers is None:
+            train.fail(
+                "several_stages",
+                f"vw[{v}] repeats a device: give its layers (the planner cuts a split of "
+                "one stage per device)",
+            )
+    if schedule == "auto" or activations == "auto":
+        key = "schedule" if schedule == "auto" else "activations"
+        train.fail(key, "auto is the planner's choice, which plans one stage per device")
+    if on_worker_loss in ("replan", "reform"):
+        train.fail(
+            "on_worker_loss",
+            f"{on_worker_loss!r} is not supported where a device runs several stages "
+            "(use fail, and resume from a checkpoint)",
+        )
 
 
 def _device_groups(vt: Table) -> list[list[str]]:

@@ -108,7 +108,9 @@ def check_job(
             f"devices; {cluster.path} has {len(devices)}",
         )
     try:
-        validate(spec.vws, devices, n_layers, known_as=str(cluster.path))
+        validate(
+            spec.vws, devices, n_layers, known_as=str(cluster.path), several=spec.several_stages
+        )
     except SplitError as exc:
         raise fail(exc.key, exc.problem) from None
     for v, vw in enumerate(spec.vws):

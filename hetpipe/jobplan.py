@@ -15,6 +15,7 @@ pulls it from that one entry, and learns which other stages of its virtual worke
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from hetpipe.capture import user_state
 from hetpipe.config import ClusterConfig
 from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
 from hetpipe.core.schedule import fill_counts
+from hetpipe.core.units import format_size
 from hetpipe.daemon import normal_host
 from hetpipe.data import DataSource, MinibatchStream, evaluate, load_data, recalibrate_bn
 from hetpipe.data.evaluate import val_batches
@@ -40,11 +42,78 @@ from hetpipe.planner import place_stages
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
-__all__ = ["JobPlan", "JobPlanError", "data_shares", "plan_job", "requested_layouts"]
+__all__ = [
+    "JobPlan",
+    "JobPlanError",
+    "data_shares",
+    "device_memory_problem",
+    "one_stage_per_device",
+    "plan_job",
+    "requested_layouts",
+    "runs_several_stages",
+]
 
 
 class JobPlanError(ValueError):
     """The job cannot run on this cluster now; the text says why."""
+
+
+def runs_several_stages(spec: JobSpec) -> bool:
+    """Whether a device of the job's own split runs several stages (its name repeats)."""
+    return any(len(set(v.devices)) < v.k for v in spec.vws)
+
+
+def one_stage_per_device(
+    spec: JobSpec, cluster: ClusterConfig
+) -> tuple[JobSpec, ClusterConfig, dict[str, str]]:
+    """The job with each repeated device's later stages on a clone of that device
+    (``a#1``, ``a#2``: its type, memory and speed, on its node), the cluster with the
+    clones, and each device's name -> the device it stands for: what the planner, which plans
+    one stage per device, prices stage by stage (its times as if each stage had the device to
+    itself; its memory per stage as it is)."""
+    home: dict[str, str] = {}
+    vws = []
+    for vw in spec.vws:
+        names = []
+        for d in vw.devices:
+            name = d if d not in home else f"{d}#{sum(h == d for h in home.values())}"
+            home[name] = d
+            names.append(name)
+        vws.append(dataclasses.replace(vw, devices=tuple(names)))
+    clones: dict[str, list[Any]] = {}
+    for name, d in home.items():
+        if name != d:
+            clones.setdefault(d, []).append(dataclasses.replace(cluster.device(d), name=name))
+    nodes = tuple(
+        dataclasses.replace(
+            node,
+            devices=(*node.devices, *(c for d in node.devices for c in clones.get(d.name, ()))),
+        )
+        for node in cluster.nodes
+    )
+    several = dataclasses.replace(spec, vws=tuple(vws), several_stages=False)
+    return several, dataclasses.replace(cluster, nodes=nodes), home
+
+
+def device_memory_problem(
+    stages: Sequence[tuple[str, str, int]], home: Mapping[str, str], cluster: ClusterConfig
+) -> str | None:
+    """The first device whose stages' predicted peaks (``(where, device, bytes)`` each, the
+    device as :func:`one_stage_per_device` named it) add up past its memory cap, as one line
+    naming the device and the figures; None where every device holds its stages."""
+    per: dict[str, list[tuple[str, int]]] = {}
+    for where, device, need in stages:
+        per.setdefault(home.get(device, device), []).append((where, need))
+    for device, held in per.items():
+        cap = cluster.device(device).memory
+        total = sum(n for _, n in held)
+        if len(held) > 1 and total > cap:
+            parts = ", ".join(f"{w} {format_size(n)}" for w, n in held)
+            return (
+                f"device {device}: its {len(held)} stages need {format_size(total)} together "
+                f"> memory cap {format_size(cap)} (predicted peaks: {parts})"
+            )
+    return None
 
 
 def data_shares(sync: bool, nms: list[int]) -> list[int]:
@@ -429,7 +498,13 @@ def plan_job(
             f"is hetpipe-ps --shard {missing[0]} running?"
         )
     try:
-        validate(split, {d.name for d in cluster.devices}, n_layers, known_as=str(cluster.path))
+        validate(
+            split,
+            {d.name for d in cluster.devices},
+            n_layers,
+            known_as=str(cluster.path),
+            several=spec.several_stages,
+        )
     except SplitError as exc:
         raise JobPlanError(str(exc)) from None
     run_vws = []

@@ -14,6 +14,12 @@ afterwards in order, once its copy to the host is done (waited for on a copy thr
 on the compute thread). The clock a forward saw is recorded with it, so staleness is
 observable afterwards; the losses come back in batches (:mod:`hetpipe.readback`).
 
+A device may run several stages (of one virtual worker): each has its runner, all on the
+device's one compute thread. What goes to a stage of the same device (``local`` kinds) is
+handed over as the tensors it is, never copied to the host; on a GPU each such stage computes
+on its own CUDA stream, and a handed-over tensor carries its producer's event, which the
+receiver's stream waits for (so stages overlap where the schedule lets them).
+
 One file on purpose: :class:`StageRunner` is one executor whose message handlers and
 actions share the minibatches in flight, their pieces and the wave's pushes; the compute
 itself is :mod:`hetpipe.stage`'s and the order :mod:`hetpipe.core.schedule`'s.
@@ -195,14 +201,25 @@ class StageRunner:
         inbox: hostshm.Inbox | None = None,
         records_out: RecordsOut | None = None,
         records_every: int = 1024,
+        local: frozenset[str] = frozenset(),
+        own_stream: bool = False,
     ) -> None:
         """``inline_s``: compute runs the stage measured shorter than this run on the event
         loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never). ``inbox``:
         reads the tensors its neighbours of this host put in shared memory (its owner unmaps
         it when the job ends; a new one if not given). ``records_out``: where finished
         records and spans go in chunks of at most ``records_every`` records while the stage
-        trains (None: all of them stay for :meth:`final_stats`)."""
+        trains (None: all of them stay for :meth:`final_stats`). ``local``: the kinds (act,
+        grad) whose neighbour stage runs on this device too (``send`` hands their tensors
+        over in process: they are never copied to the host). ``own_stream``: on a GPU, this
+        stage computes on a CUDA stream of its own (its device runs several stages)."""
         self.compute = compute
+        self.local = local
+        self.cuda_stream: Any = (
+            torch.cuda.Stream(torch.device(compute.dev))
+            if own_stream and str(compute.dev).startswith("cuda")
+            else None
+        )
         self.task = compute.task
         self.sync = compute.spec.sync
         self.executor = executor
@@ -285,7 +302,7 @@ class StageRunner:
         # kinds (act, grad) whose tensors reach their neighbour device to device: the
         # neighbour is a GPU of this host (hetpipe.cudaipc) and no rows are scattered (a
         # whole-tensor handle does not scatter: pieces travel by host)
-        self.direct = frozenset(k for k in direct if not self.split[k])
+        self.direct = frozenset(k for k in direct if not self.split[k] and k not in local)
         self.pieces: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self.replica_grads: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self.replica_copies: dict[int, HostCopy] = {}
@@ -443,6 +460,8 @@ class StageRunner:
         An activation's tensors are its carry (``x``, or ``x.0`` ... for a tuple) and the
         minibatch's target (``y``, ``y.<key>`` for a dict, none for a model that computes its
         own loss); a gradient's, its carry ``g`` (:mod:`hetpipe.carry`)."""
+        if msg.get("event") is not None:  # handed over by a stage of this device (a GPU's)
+            self._after_event(msg)
         if msg.get("eval") is not None:  # a validation pass's message (_validation_pass)
             self._take_eval(msg)
             self.wakeup.set()
@@ -475,6 +494,19 @@ class StageRunner:
             }
             self.replica_grads.setdefault(msg["p"], {})[msg["replica"]] = grads
         self.wakeup.set()
+
+    def _after_event(self, msg: Message) -> None:
+        """A message of another stage of this GPU: its tensors are read on this stage's
+        stream only after the event its producer recorded, and the allocator keeps them for
+        this stream's work (they were made on the producer's)."""
+        stream = self.cuda_stream
+        if stream is None:
+            msg.fields["event"].synchronize()  # no stream of its own: wait here (never hot)
+            return
+        stream.wait_event(msg.fields["event"])
+        for t in msg.tensors.values():
+            if t.is_cuda:
+                t.record_stream(stream)
 
     def _take_eval(self, msg: Message) -> None:
         """A validation pass's message (``ValueError``, one line, if malformed): on an
@@ -651,7 +683,15 @@ class StageRunner:
             self.waiting = {"kind": kind, "since": time.time(), **what}
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        loop = asyncio.get_running_loop()
+        if self.cuda_stream is None:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        return await loop.run_in_executor(self.executor, self._on_stream, fn, *args)
+
+    def _on_stream(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """On the compute thread: ``fn`` with this stage's CUDA stream current."""
+        with torch.cuda.stream(self.cuda_stream):
+            return fn(*args)
 
     async def _host(self, copy: HostCopy) -> dict[str, torch.Tensor]:
         """The host tensors of a device-to-host copy: at once if it is done (always on the
@@ -809,6 +849,8 @@ class StageRunner:
         after ``name`` (:func:`hetpipe.carry.names`), shared by handle where they go device
         to device (exported here, behind the kernels that made them), else copied to the
         host."""
+        if kind in self.local:  # to a stage of this device: the tensors themselves
+            return HostCopy(carry.names(t, name))
         if isinstance(t, torch.Tensor):
             if kind in self.direct and t.is_cuda:
                 return {name: share(t)}

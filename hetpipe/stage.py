@@ -47,12 +47,14 @@ from hetpipe.carry import Carry, Inputs, Target
 from hetpipe.config import DeviceSpec
 from hetpipe.core.lr import LossScale, is_function, step_index
 from hetpipe.core.memory import (
+    MemoryCapError,
     StageMemory,
     copy_seconds,
     fixed_order,
     unhidden_copy_s,
 )
 from hetpipe.core.staleness import StageTable
+from hetpipe.core.units import format_size
 from hetpipe.core.wsp import wave_of
 from hetpipe.cudaipc import Shared
 from hetpipe.gradients import Gradients
@@ -72,7 +74,41 @@ from hetpipe.task import StageTask
 from hetpipe.usercode import load_function
 from hetpipe.versions import WeightVersions, fingerprint, to_device
 
-__all__ = ["PROBE_EVERY", "StageCompute", "build_stage_module"]
+__all__ = ["PROBE_EVERY", "DeviceMemory", "StageCompute", "build_stage_module"]
+
+
+class DeviceMemory:
+    """The memory the stages of one device keep, counted together: a device that runs
+    several stages (of one virtual worker) has one cap for all of them, so what each keeps
+    now is summed and checked against it (each stage is also checked alone, as ever).
+
+    Updated from the device's one compute thread (where every stage's compute runs)."""
+
+    def __init__(self, device: str, cap: int) -> None:
+        self.device = device
+        self.cap = cap
+        self.now: dict[str, int] = {}  # stage (its ``where``) -> bytes it keeps now
+        self.peak = 0  # the most the stages kept together
+
+    def check(self, where: str, total: int) -> None:
+        """Note that stage ``where`` keeps ``total`` bytes now; raise
+        :class:`MemoryCapError` (one line, naming the device and every stage's share) when
+        the stages together exceed the cap."""
+        self.now[where] = total
+        together = sum(self.now.values())
+        self.peak = max(self.peak, together)
+        if together > self.cap and len(self.now) > 1:
+            parts = ", ".join(f"{w} {format_size(n)}" for w, n in sorted(self.now.items()))
+            raise MemoryCapError(
+                f"device {self.device}: its {len(self.now)} stages need "
+                f"{format_size(together)} together > memory cap {format_size(self.cap)} "
+                f"({parts})"
+            )
+
+    def leave(self, where: str) -> None:
+        """Stage ``where`` has ended: it keeps nothing now."""
+        self.now.pop(where, None)
+
 
 T = TypeVar("T")
 
@@ -275,6 +311,9 @@ class StageCompute:
         self.probes = Probes(self.dev)  # weights = "predict" (hetpipe.probes)
         # the memory it keeps, counted in the planner's terms (hetpipe.stagememory)
         self.mem = MemoryCount(self.module, recompute, swap, device.memory, self.where)
+        # the device's count of all its stages, where its worker runs several (the worker
+        # sets it; None: this stage alone is checked)
+        self.device_memory: DeviceMemory | None = None
 
     # -- what it owns, read through by the names the runtime and tests use -----------------
 
@@ -1014,3 +1053,5 @@ class StageCompute:
         for name, value in mem.to_dict().items():
             self.stats.peak_memory[name] = max(self.stats.peak_memory.get(name, 0), value)
         mem.check(self.mem.cap, self.where, len(self.in_flight))
+        if self.device_memory is not None:
+            self.device_memory.check(self.where, mem.total)

@@ -246,6 +246,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
         "tied": _OPT_INT,
+        "stage": _OPT_INT,  # the stage it is for (a device may run several)
     },
     # tensors: gradient "g" (of a tuple carry: "g.0", ..., one per floating tensor); rows,
     # agree and tied as for act; eval (then no tensors): [c, improved], the last stage's
@@ -260,6 +261,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "rows": _OPT_LIST,
         "agree": _OPT_LIST,
         "tied": _OPT_INT,
+        "stage": _OPT_INT,  # the stage it is for (a device may run several)
     },
     # tensors: one replica's weight gradients of minibatch p, by name, to the stage's other
     # replicas (summed by every replica before its step)

@@ -6,8 +6,15 @@ activations and gradients on its data port (a PULL socket), sends them on to its
 (PUSH sockets), and pushes/pulls its state to/from the parameter-server shards. Torch runs on
 one compute thread; the event loop only moves messages. Between jobs it stays up, idle.
 
+A device may hold several stages of one virtual worker (its name repeated in the VW's
+``devices``): the worker then runs every stage the head assigns it, each with its own
+:class:`StageRunner`, all on the one compute thread (so an emulated device's speed is the
+device's, shared by its stages). Data messages name the stage they are for (``stage``); what
+one of its stages sends to another of its stages never leaves the process: the tensors are
+handed to that stage's runner as they are (no serialisation, no copy on one GPU).
+
 One file on purpose: the daemon is one object whose handlers (head channel, data port,
-heartbeat, the running job) share its sockets and its one job; the stage's compute
+heartbeat, the running job) share its sockets and its one job's stages; the stage's compute
 (:mod:`hetpipe.stage`) and the schedule's execution (:mod:`hetpipe.pipeline`) live apart.
 """
 
@@ -36,7 +43,7 @@ from hetpipe.measure import measure
 from hetpipe.pipeline import StageRunner
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.security import AUTHORITY, KeysError, Role, check_code, may_send, worker_user
-from hetpipe.stage import StageCompute
+from hetpipe.stage import DeviceMemory, StageCompute
 from hetpipe.task import StageTask
 from hetpipe.transport import Channel, bound_address, make_socket, tcp
 from hetpipe.usercode import check_user_code
@@ -49,7 +56,7 @@ LINGER_MS = 2000  # queued activations/gradients still leave when a stage ends
 
 
 class _Job:
-    """What a worker holds for the job it is assigned: its stage and its job sockets."""
+    """What a worker holds for one stage it is assigned: the stage and its job sockets."""
 
     def __init__(
         self, task: StageTask, compute: StageCompute, closing: set[hostshm.Outbox]
@@ -105,7 +112,9 @@ class Worker:
         self.executor = ComputeThread(f"compute-{device.name}")
         # waits for device-to-host copies (hetpipe.hostcopy), so the compute never does
         self.copies = ThreadPoolExecutor(1, thread_name_prefix=f"copy-{device.name}")
-        self.job: _Job | None = None
+        # the stages this device runs, by (vw, stage), all of one job
+        self.stages: dict[tuple[int, int], _Job] = {}
+        self.memory = DeviceMemory(device.name, device.memory)  # their sum against the cap
         self.closing: set[hostshm.Outbox] = set()  # outboxes of closed jobs (_Job.close)
         self.welcomed = asyncio.Event()
         self.address = ""
@@ -115,6 +124,15 @@ class Worker:
         # whether this host's shared memory carries tensors between its devices: settled
         # once, not checked per message (hetpipe.hostshm)
         self._host_shm = cluster.runtime.host_shm and hostshm.available()
+
+    @property
+    def job(self) -> _Job | None:
+        """The first stage this device runs (its lowest vw/stage), None when idle."""
+        return self.stages[min(self.stages)] if self.stages else None
+
+    def _of_job(self, job_id: str) -> list[_Job]:
+        """The stages of job ``job_id`` this device runs, in vw/stage order."""
+        return [self.stages[k] for k in sorted(self.stages) if self.stages[k].task.job == job_id]
 
     @property
     def state(self) -> str:
@@ -224,23 +242,35 @@ class Worker:
         elif msg.kind == Kind.MIGRATE_ORDER:  # the head's re-plan (hetpipe.migrate.order)
             await self._migrate_order(msg)
         elif msg.kind == Kind.CUT_AT:  # an on-demand checkpoint (hetpipe.head.cuts)
-            job = self.job
-            if job is None or job.runner is None or job.task.job != msg["job"]:
+            runners = [j.runner for j in self._of_job(msg["job"]) if j.runner is not None]
+            if not runners:
                 await self.head.reply_error(None, f"no stage of {msg['job']} here", msg["rid"])
             else:
-                info = {"earliest": job.runner.ask_cut(msg["wave"])}
+                # every stage of this device takes the cut, or the latest earliest one says
+                # when all of them could
+                later = [a for r in runners if (a := r.ask_cut(msg["wave"])) is not None]
+                info = {"earliest": max(later) if later else None}
                 await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
-        elif msg.kind == Kind.ABORT and self.job is not None and self.job.task.job == msg["job"]:
+        elif msg.kind == Kind.ABORT and self._of_job(msg["job"]):
             self.log.warning("job aborted", job=msg["job"], reason=msg["reason"])
             await self._drop_job()
 
     async def _assign(self, msg: Message) -> None:
         assert self.head is not None
         rid = msg["rid"]
-        if self.job is not None:
-            await self._drop_job()
         try:
             task = StageTask.from_dict(msg["task"])
+        except ValueError as exc:
+            await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
+            return
+        job = self.job
+        if job is not None and (
+            job.task.job != task.job
+            or (task.vw, task.stage) in self.stages
+            or any(j.runner is not None for j in self.stages.values())
+        ):  # another job, or a new attempt of this one: its stages so far go
+            await self._drop_job()
+        try:
             # the head checked the job at submit; a worker checks again before any import
             check_code(task.spec, self.cluster.security.allowed_modules)
             loop = asyncio.get_running_loop()
@@ -249,9 +279,12 @@ class Worker:
             compute = await loop.run_in_executor(
                 self.executor, _stage_compute, task, self.device, msg.tensors
             )
+            compute.device_memory = self.memory
             job = _Job(task, compute, self.closing)
             rt = self.cluster.runtime
             for address in dict.fromkeys(_destinations(task)):
+                if address == self.address:  # a stage of this device: handed over in process
+                    continue
                 job.channels.append(self.owner.connect(zmq.PUSH, address, f"to:{address}", rt))
             for index, address in task.shards.items():
                 ch = self.owner.connect(zmq.DEALER, address, f"shard{index}", rt)
@@ -274,13 +307,21 @@ class Worker:
                     pin_memory=str(self.device.device).startswith("cuda"),
                     shares=task.shares or None,
                 )
-            self.job = job
+            self.stages[(task.vw, task.stage)] = job
         except Exception as exc:
             self.log.warning("assignment refused", error=excerpt(exc))
             await self.head.reply_error(None, f"{self.device.name}: {exc}", rid)
             return
         logmod.structlog.contextvars.bind_contextvars(job=task.job, vw=task.vw, stage=task.stage)
-        self.log.info("assigned", layers=f"{task.first}..{task.last - 1}", k=task.k, nm=task.nm)
+        if len(self.stages) > 1:  # several stages here: each line names its own
+            logmod.structlog.contextvars.unbind_contextvars("stage")
+        self.log.info(
+            "assigned",
+            layers=f"{task.first}..{task.last - 1}",
+            k=task.k,
+            nm=task.nm,
+            where=task.where,
+        )
         await self.head.send(Kind.OK, {"rid": rid})
 
     async def _measure(self, msg: Message) -> None:
@@ -301,9 +342,19 @@ class Worker:
         await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
 
     def _start(self, job_id: str) -> None:
-        job = self.job
-        if job is None or job.task.job != job_id or job.runner is not None:
-            return
+        """Start every stage of ``job_id`` assigned here: all runners exist before any runs,
+        so a stage of this device always has its neighbour here to hand its tensors to."""
+        new = [j for j in self._of_job(job_id) if j.runner is None]
+        for job in new:
+            self._make_runner(job)
+        for job in new:
+            for msg in job.early:
+                self._take(job, msg)
+            job.early.clear()
+            job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
+
+    def _make_runner(self, job: _Job) -> None:
+        local = self._local_kinds(job.task)
         job.runner = StageRunner(
             job.compute,
             self.executor,
@@ -319,8 +370,10 @@ class Worker:
                     (Kind.ACT, job.task.next_group),
                     (Kind.GRAD, job.task.prev_group),
                 )
-                if len(group) == 1 and self._shares_gpu_with(group[0])
+                if len(group) == 1 and self._shares_gpu_with(group[0]) and kind not in local
             ),
+            local=local,
+            own_stream=len(self._of_job(job.task.job)) > 1,
             inline_s=self.cluster.runtime.inline_ms / 1e3,
             inbox=job.inbox,
             records_out=self._records_sender(job),
@@ -333,10 +386,14 @@ class Worker:
             return ch
 
         migrate.attach(job.runner, self.device, self.head, connect)  # replan.migrate_at
-        for msg in job.early:
-            self._take(job, msg)
-        job.early.clear()
-        job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
+
+    def _local_kinds(self, task: StageTask) -> frozenset[str]:
+        """The kinds (act, grad) whose neighbour stage runs on this device too."""
+        return frozenset(
+            kind
+            for kind, near in ((Kind.ACT, task.stage + 1), (Kind.GRAD, task.stage - 1))
+            if (task.vw, near) in self.stages and self.stages[(task.vw, near)].task.job == task.job
+        )
 
     async def _migrate_order(self, msg: Message) -> None:
         assert self.head is not None
@@ -344,6 +401,11 @@ class Worker:
         try:
             if job is None or job.runner is None or job.task.job != msg["job"]:
                 raise migrate.MigrationError(f"{self.device.name} runs no stage of {msg['job']}")
+            if len(self.stages) > 1:
+                raise migrate.MigrationError(
+                    f"{self.device.name} runs {len(self.stages)} stages: a device running "
+                    "several stages takes no live migration"
+                )
             new = migrate.Order(msg["at"], tuple(int(n) for n in msg["layers"]), msg["reason"])
             migrate.order(job.runner, new)
         except migrate.MigrationError as exc:
@@ -354,6 +416,13 @@ class Worker:
     def _sender(self, job: _Job) -> Any:
         channels = {c.name: c for c in job.channels}
         task = job.task
+        # the stage each kind is for: data messages name it (a device may run several)
+        to_stage = {
+            Kind.ACT: task.stage + 1,
+            Kind.GRAD: task.stage - 1,
+            Kind.REPLICA_GRAD: task.stage,
+        }
+        local = {kind: self.stages[(task.vw, to_stage[kind])] for kind in self._local_kinds(task)}
         groups = {
             Kind.ACT: task.next_peers,
             Kind.GRAD: task.prev_peers,
@@ -381,7 +450,17 @@ class Worker:
         ) -> None:
             peers = groups[kind]
             assert to < len(peers), f"{kind} has no destination {to} at {task.where}"
+            if kind in local:  # a stage of this device: its runner takes the tensors as they are
+                here = {**fields, "p": p, **(extra or {})}
+                stream = job.runner.cuda_stream if job.runner is not None else None
+                if stream is not None:  # after the kernels queued so far that made them
+                    here["event"] = torch.cuda.Event()
+                    here["event"].record(stream)
+                self._hand_over(local[kind], Message(Kind(kind), here, dict(tensors)))
+                return
             more: dict[str, Any] = {"ipc": shared} if shared else {}
+            if kind != Kind.REPLICA_GRAD:
+                more["stage"] = to_stage[kind]
             if to in by_host.get(kind, ()):
                 refused_before = job.outbox.error
                 placed, tensors = job.outbox.place(tensors)
@@ -397,6 +476,14 @@ class Worker:
             )
 
         return send
+
+    def _hand_over(self, to: _Job, msg: Message) -> None:
+        """Give a message of a stage of this device to another of its stages (before that one
+        runs: kept for it, as the data port keeps early data)."""
+        if to.runner is None:
+            to.early.append(msg)
+        else:
+            self._take(to, msg)
 
     def _snapshotter(self, job: _Job) -> Any:
         """The stage's state at each cut goes to the head, which writes the checkpoint (the
@@ -460,7 +547,7 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.log.exception("stage failed")
+            self.log.exception("stage failed", where=t.where)
             await self.head.send(
                 Kind.STAGE_FAILED,
                 {**ids, "error": f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)},
@@ -473,27 +560,32 @@ class Worker:
                 await self._records_sender(job)(records, spans)
             if t.leader:  # a replicated stage is done when its leader is: it waits for all
                 await self.head.send(Kind.STAGE_DONE, {**ids, "stats": stats})
-            self.log.info("stage done", minibatches=stats["done"])
+            self.log.info("stage done", minibatches=stats["done"], where=t.where)
         finally:
-            if self.job is job:
-                self.job = None
+            key = (t.vw, t.stage)
+            if self.stages.get(key) is job:
+                del self.stages[key]
+                self.memory.leave(job.compute.where)
                 asyncio.get_running_loop().create_task(job.close())
-            logmod.structlog.contextvars.unbind_contextvars("job", "vw", "stage")
+            if not self.stages:
+                logmod.structlog.contextvars.unbind_contextvars("job", "vw", "stage")
 
     async def _drop_job(self) -> None:
-        job, self.job = self.job, None
-        if job is not None:
-            await job.close()
+        """Drop every stage this device runs (its job is aborted, or another comes)."""
+        stages, self.stages = self.stages, {}
+        for key in sorted(stages):
+            self.memory.leave(stages[key].compute.where)
+            await stages[key].close()
         logmod.structlog.contextvars.unbind_contextvars("job", "vw", "stage")
 
     # -- data messages ----------------------------------------------------------------------
 
     async def _on_data(self, _peer: bytes | None, msg: Message) -> None:
-        job = self.job
         if msg.kind not in (Kind.ACT, Kind.GRAD, Kind.REPLICA_GRAD):
             self.log.warning("unexpected message on the data port", kind=str(msg.kind))
             return
-        if job is None or msg["job"] != job.task.job or msg["vw"] != job.task.vw:
+        job = self._addressed(msg)
+        if job is None:
             self.log.debug("stale data dropped", job=excerpt(msg["job"], 80))
             return
         # authority (hetpipe.security): activations only from stage - 1, gradients only from
@@ -546,6 +638,16 @@ class Worker:
             job.early.append(msg)
         else:
             self._take(job, msg)
+
+    def _addressed(self, msg: Message) -> _Job | None:
+        """The stage a data message is for: the one its ``stage`` names (a sender that names
+        none: this device's one stage of the message's vw), None where this device runs no
+        such stage of the message's job."""
+        if (stage := msg.get("stage")) is not None:
+            job = self.stages.get((msg["vw"], stage))
+            return job if job is not None and job.task.job == msg["job"] else None
+        mine = [j for j in self._of_job(msg["job"]) if j.task.vw == msg["vw"]]
+        return mine[0] if len(mine) == 1 else None
 
     def _take(self, job: _Job, msg: Message) -> None:
         """Give a checked data message to the stage; a malformed one is logged and dropped

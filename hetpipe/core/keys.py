@@ -689,6 +689,14 @@ JOB: Final = Schema(
                     high=MAX_COUNT,
                 ),
                 Key(
+                    "several_stages",
+                    "boolean",
+                    "Let a device named several times in one [[vw]]'s devices run each of "
+                    "those stages, all in its one worker (docs/gpus.md); unset, a repeated "
+                    "device is refused.",
+                    False,
+                ),
+                Key(
                     "on_worker_loss",
                     "string",
                     "When a worker is lost: fail the job, re-plan it on the remaining devices "

@@ -308,17 +308,19 @@ def validate(
     n_layers: int,
     *,
     known_as: str = "the cluster",
+    several: bool = False,
 ) -> None:
     """Raise :class:`SplitError` for the first problem of a job's split, naming its key.
 
     Takes the layouts the head runs or the job file's ``[[vw]]`` tables (whose layers and
     Nm may still be the planner's to choose; what is not given is not checked). Checked:
     every device is one of ``devices`` (``known_as`` names where they come from) and runs
-    one stage of one virtual worker; each virtual worker has at most as many stages as the
-    model has layers; its stages are non-empty, contiguous and cover the model's
-    ``n_layers`` exactly; Nm is at least 1; the layers a stage recomputes or swaps are its
-    own and never both; a replicated stage's row bounds rise from 0, one more than its
-    devices; an in-flight fill stays within its limit.
+    one stage of one virtual worker (with ``several``: stages of one virtual worker, several
+    where its name repeats, none of them replicated);
+    each virtual worker has at most as many stages as the model has layers; its stages are
+    non-empty, contiguous and cover the model's ``n_layers`` exactly; Nm is at least 1; the
+    layers a stage recomputes or swaps are its own and never both; a replicated stage's row
+    bounds rise from 0, one more than its devices; an in-flight fill stays within its limit.
     """
     owner: dict[str, int] = {}
     for v, vw in enumerate(vws):
@@ -330,6 +332,7 @@ def validate(
         )
         if not groups:
             raise SplitError(f"{key}.devices", "must list at least one device")
+        replicated = {d for g in groups if len(g) > 1 for d in g}
         for i, group in enumerate(groups):
             for d in group:
                 if d not in devices:
@@ -338,7 +341,9 @@ def validate(
                         f"{key}.devices[{i}]",
                         f"{d!r} is not a device of {known_as} (known: {known})",
                     )
-                if d in owner:
+                # a device may run several stages of its one vw, none of them replicated
+                again = several and owner.get(d) == v and len(group) == 1 and d not in replicated
+                if d in owner and not again:
                     where = "this vw" if owner[d] == v else f"vw[{owner[d]}]"
                     raise SplitError(f"{key}.devices[{i}]", f"device {d!r} is already in {where}")
                 owner[d] = v

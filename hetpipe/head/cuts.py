@@ -348,7 +348,8 @@ class CutsPart:
             for w in self.registry.workers.values()
             if w.job == js.id and not getattr(w, "lost", False)
         ]
-        missing = set(expected_stages(plan)) - {(w.vw, w.stage) for w in workers}
+        held = {w.device for w in workers}  # a worker runs every stage of its device
+        missing = {(v, s) for v, s in expected_stages(plan) if plan.device_of(v, s) not in held}
         if missing:
             v, s = min(missing)
             raise CutRefused(f"checkpoint: job {js.id} has no worker running vw{v}/stage{s}")

@@ -35,7 +35,15 @@ from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
-from hetpipe.jobplan import JobPlan, JobPlanError, plan_job, requested_layouts
+from hetpipe.jobplan import (
+    JobPlan,
+    JobPlanError,
+    device_memory_problem,
+    one_stage_per_device,
+    plan_job,
+    requested_layouts,
+    runs_several_stages,
+)
 from hetpipe.jobstore import (
     METRICS,
     RECORDS,
@@ -333,6 +341,9 @@ class JobsPart:
         n_train = facts.n_train
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
+            if runs_several_stages(spec):
+                await self._check_several(spec, n_train)
+                raise PlanError("a device runs several stages (the planner prices one a device)")
             profile, rows = await self.profiler.profiles(spec)
             cluster = live_cluster(self.cluster, self.registry.idle())
             plan = await loop.run_in_executor(
@@ -389,6 +400,30 @@ class JobsPart:
             js.lost = self._lost_since(js.resume)
         else:
             js.totals = tuple(js.plan.minibatches_of(v) for v in range(len(js.plan.vws)))
+
+    async def _check_several(self, spec: JobSpec, n_train: int | None) -> None:
+        """A job whose devices run several stages: each device's cap against its stages'
+        predicted peaks together (:class:`JobPlanError`, one line, where they do not fit).
+        The planner prices one stage per device, so it prices this split with clones of the
+        repeated devices (:func:`hetpipe.jobplan.one_stage_per_device`); its times would be
+        each stage's alone, so nothing else of that plan is kept."""
+        loop = asyncio.get_running_loop()
+        live = live_cluster(self.cluster, self.registry.idle())
+        if not {d for v in spec.vws for d in v.devices} <= {d.name for d in live.devices}:
+            return  # a device without an idle worker: plan_job says which, in one line
+        profile, rows = await self.profiler.profiles(spec)
+        one, cluster, home = one_stage_per_device(spec, live)
+        plan = await loop.run_in_executor(
+            None, lambda: plan_for(one, cluster, profile, rows, n_train=n_train)
+        )
+        stages = [
+            (f"vw{v}/stage{s}", st.device, int(st.memory.total))
+            for v, vw in enumerate(plan.vws)
+            for s, st in enumerate(vw.stages)
+        ]
+        problem = device_memory_problem(stages, home, self.cluster)
+        if problem is not None:
+            raise JobPlanError(problem)
 
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""
@@ -462,9 +497,12 @@ class JobsPart:
         )
         workers = self.registry.workers
         waits = []
+        named: set[str] = set()  # a worker of several stages is named by its first
         for task in plan.tasks(self.registry.shards, workers):
             w = workers[task.group[task.replica]]
-            w.job, w.vw, w.stage = js.id, task.vw, task.stage
+            if w.device not in named:
+                named.add(w.device)
+                w.job, w.vw, w.stage = js.id, task.vw, task.stage
             tensors = plan.local_state(task.vw, task.stage)
             restore = js.restores.get((task.vw, task.stage))
             if restore is not None:  # a resumed attempt: the stage's checkpointed state

@@ -112,10 +112,14 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
         if js is None:
             return ()
         stage = (msg["vw"], msg["stage"])
+        also: tuple[str, ...] = ()  # a device that runs several stages holds each of them
+        if js.spec.several_stages and js.plan is not None and 0 <= stage[0] < len(js.plan.vws):
+            stages = js.plan.vws[stage[0]].stages
+            also = stages[stage[1]].devices if 0 <= stage[1] < len(stages) else ()
         return {
             worker_user(w.device)
             for w in self.registry.workers.values()
-            if w.job == js.id and (w.vw, w.stage) == stage
+            if w.job == js.id and ((w.vw, w.stage) == stage or w.device in also)
         }
 
     def _allowed(self, msg: Message) -> bool:
