@@ -9,7 +9,10 @@ stage 0, when the backward of the window's last minibatch finishes there, as
 - ``one stage``: one virtual worker of one stage on ``cuda:0``, Nm = 1, against plain
   PyTorch on ``cuda:0`` (``ratio_one_stage``);
 - ``four stages, one GPU``: one virtual worker of four stages, all on ``cuda:0``, Nm = 4
-  (``ratio_four_stages_one_gpu``);
+  (``ratio_four_stages_one_gpu``), each stage its own worker process (four devices of one GPU);
+- ``four stages, one worker``: the same four stages served by one worker process
+  (``train.several_stages``: one device named four times), each stage on its own CUDA stream
+  and activations handed over in the process (``ratio_four_stages_one_worker``);
 - with two or more GPUs, one stage per GPU (Nm = the number of stages) against plain PyTorch
   on one GPU times the pipeline's ideal speed-up, the number of GPUs (``ratio_gpus``);
 - each again in bfloat16 (``train.precision = "bf16"`` against plain PyTorch under
@@ -56,7 +59,8 @@ def job_dict(
     precision: str,
     activations: str = "keep",
 ) -> dict[str, Any]:
-    """The job hetpipe runs (plain PyTorch reads the same model, data and optimizer)."""
+    """The job hetpipe runs (plain PyTorch reads the same model, data and optimizer); a
+    device named more than once in ``devices`` runs each of those stages."""
     return {
         "name": name,
         "model": {
@@ -83,6 +87,7 @@ def job_dict(
             "checkpoint_every": 0,
             "precision": precision,
             "activations": activations,
+            "several_stages": len(set(devices)) < len(devices),
         },
         "vw": [{"devices": devices, "layers": layers}],
     }
@@ -239,7 +244,7 @@ def main() -> None:
         "--cases",
         default="",
         help="comma-separated subset of the runs "
-        "(one_stage, four_stages_one_gpu, gpus, memory); default all",
+        "(one_stage, four_stages_one_gpu, four_stages_one_worker, gpus, memory); default all",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -254,13 +259,21 @@ def main() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     memory = f"{total // 2**20}MiB"
     n_layers = args.blocks + 3  # embedding, blocks, final norm, head
-    cases: list[tuple[str, dict[str, str], int, float]] = [
-        ("one_stage", {"gpu0": "cuda:0"}, 1, 1.0),
-        ("four_stages_one_gpu", {f"gpu{i}": "cuda:0" for i in range(4)}, 4, 1.0),
+    # (name, the cluster's devices: name -> cuda:N, the VW's stages' devices, ideal speed-up)
+    cases: list[tuple[str, dict[str, str], list[str], float]] = [
+        ("one_stage", {"gpu0": "cuda:0"}, ["gpu0"], 1.0),
+        (
+            "four_stages_one_gpu",
+            {f"gpu{i}": "cuda:0" for i in range(4)},
+            [f"gpu{i}" for i in range(4)],
+            1.0,
+        ),
+        ("four_stages_one_worker", {"gpu0": "cuda:0"}, ["gpu0"] * 4, 1.0),
     ]
     if gpus >= 2:
-        cases.append(("gpus", {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}, gpus, float(gpus)))
-    wanted = {"one_stage", "four_stages_one_gpu", "gpus", "memory"}
+        many = {f"gpu{i}": f"cuda:{i}" for i in range(gpus)}
+        cases.append(("gpus", many, list(many), float(gpus)))
+    wanted = {"one_stage", "four_stages_one_gpu", "four_stages_one_worker", "gpus", "memory"}
     if args.cases:
         unknown = set(args.cases.split(",")) - wanted
         if unknown:
@@ -283,9 +296,10 @@ def main() -> None:
     for precision in ("fp32",) if args.no_bf16 else ("fp32", "bf16"):
         suffix = "" if precision == "fp32" else "_bf16"
         base = None
-        for name, devices, k, ideal in cases:
+        for name, devices, stages, ideal in cases:
+            k = len(stages)
             job = job_dict(
-                f"bench-gpu-{name}{suffix}", list(devices), split(n_layers, k), k, args, precision
+                f"bench-gpu-{name}{suffix}", stages, split(n_layers, k), k, args, precision
             )
             if base is None:
                 base = plain(job, "cuda:0")
