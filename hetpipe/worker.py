@@ -238,7 +238,10 @@ class Worker:
         elif msg.kind == Kind.MEASURE:
             asyncio.get_running_loop().create_task(self._measure(msg))
         elif msg.kind == Kind.START:
-            self._start(msg["job"])
+            try:
+                self._start(msg["job"])
+            except Exception as exc:  # its job fails in one line, never waits on this stage
+                await self._start_failed(msg["job"], exc)
         elif msg.kind == Kind.MIGRATE_ORDER:  # the head's re-plan (hetpipe.migrate.order)
             await self._migrate_order(msg)
         elif msg.kind == Kind.CUT_AT:  # an on-demand checkpoint (hetpipe.head.cuts)
@@ -352,6 +355,22 @@ class Worker:
                 self._take(job, msg)
             job.early.clear()
             job.run_task = asyncio.get_running_loop().create_task(self._run(job), name="stage")
+
+    async def _start_failed(self, job_id: str, exc: Exception) -> None:
+        """A stage of ``job_id`` could not start: each of this device's stages of it tells
+        the head so (the job fails naming it), and the device drops them."""
+        assert self.head is not None
+        self.log.exception("stage could not start", job=job_id)
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+        jobs = self._of_job(job_id)
+        for job in jobs:
+            t = job.task
+            await self.head.send(
+                Kind.STAGE_FAILED,
+                {"job": t.job, "vw": t.vw, "stage": t.stage, "error": f"could not start: {why}"},
+            )
+        if jobs:
+            await self._drop_job()
 
     def _make_runner(self, job: _Job) -> None:
         local = self._local_kinds(job.task)
