@@ -94,6 +94,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "noise": 1.0,
         "target": 0.6,
         "lr": 0.01,
+        "hetpipe_lr": 0.0025,  # a quarter of DP's, as for VGG-19
     },
 }
 TINY = {
