@@ -26,6 +26,15 @@ generated image task written as the builtin ``tensors`` data set):
   mean the same on both sides: every minibatch contributes ``lr x its gradient`` (DP steps
   ``lr x W`` on averaged gradients).
 
+hetpipe's own learning rate (``--hetpipe-lr``) and the shards' merge rule (``--merge``:
+``optimizer.merge``) may differ from DP's. They are the knobs the staleness needs: under
+WSP each minibatch's gradient is taken on weights that lack up to ``Nm - 1`` of its virtual
+worker's updates and, per other virtual worker, one to two waves of updates (more with D), so
+the step that is stable for DP's synchronous trajectory can be too large for hetpipe's
+(``scripts/probe_paper_staleness.py`` replays both update rules alone). Every figure is
+reported with the learning rate and merge rule it ran under; the matched-lr run (``--lr``
+given without ``--hetpipe-lr``: both sides at it) is the one that measures the staleness.
+
 Every figure comes with the host's CPU utilisation over its run (``/proc/stat``: every
 process of the host, other users' included) and the share of the host's cores this
 benchmark's own processes used. ``speedup_vs_dp_<model>`` = DP's time to target / the best
@@ -75,6 +84,8 @@ MODELS: dict[str, dict[str, Any]] = {
         "noise": 1.5,
         "target": 0.8,
         "lr": 0.005,
+        # a quarter of DP's: the stale gradients of 4 VWs x Nm 4 overshoot at DP's step
+        "hetpipe_lr": 0.00125,
     },
     "resnet152": {
         "name": "paper_resnet152",
@@ -83,6 +94,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "noise": 1.0,
         "target": 0.6,
         "lr": 0.01,
+        "hetpipe_lr": 0.0025,  # a quarter of DP's, as for VGG-19
     },
 }
 TINY = {
@@ -183,9 +195,11 @@ def job_dict(args: Any, spec: dict[str, Any], data: dict[str, str], **train: Any
         "data": {"name": "tensors", "args": dict(data)},
         "optimizer": {
             "name": "sgd",
-            "lr": args.lr,
+            "lr": args.hetpipe_lr,
             "momentum": args.momentum,
             "weight_decay": args.weight_decay,
+            # only where asked: the key applies to async schedules alone
+            **({"merge": args.merge} if args.merge != "sum" else {}),
         },
         "train": {
             "minibatch": args.minibatch,
@@ -274,7 +288,9 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
     spec = (TINY if args.tiny else MODELS)[key]
     if args.target is not None:
         spec = {**spec, "target": args.target}
-    args = argparse.Namespace(**{**vars(args), "lr": args.lr or spec["lr"]})
+    lr = args.lr or spec["lr"]
+    het_lr = args.hetpipe_lr or (None if args.lr else spec.get("hetpipe_lr")) or lr
+    args = argparse.Namespace(**{**vars(args), "lr": lr, "hetpipe_lr": het_lr})
     data = write_paper_images(
         tmp / key / "data",
         image=spec["image"],
@@ -334,6 +350,8 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         "model": spec["name"],
         "model_args": spec["args"],
         "lr": args.lr,
+        "hetpipe_lr": args.hetpipe_lr,
+        "merge": args.merge,
         "layers": n_layers,
         "target": spec["target"],
         "noise": spec["noise"],
@@ -488,6 +506,19 @@ def main() -> None:
     ap.add_argument(
         "--lr", type=float, default=None, help="per-minibatch learning rate (default: per model)"
     )
+    ap.add_argument(
+        "--hetpipe-lr",
+        type=float,
+        default=None,
+        help="hetpipe's per-minibatch learning rate (default: the model's own where it has "
+        "one and --lr is not given, else --lr: the same as DP's)",
+    )
+    ap.add_argument(
+        "--merge",
+        choices=["sum", "mean"],
+        default="sum",
+        help="hetpipe: how the shards combine the virtual workers' updates (optimizer.merge)",
+    )
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--minibatch", type=int, default=32)
@@ -535,6 +566,7 @@ def main() -> None:
         "minibatch": args.minibatch,
         "momentum": args.momentum,
         "weight_decay": args.weight_decay,
+        "merge": args.merge,
         "eval_every_s": args.eval_every,
         "bn_recalibrate": args.bn_recalibrate,
         "policies": args.policies,

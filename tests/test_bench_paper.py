@@ -7,6 +7,7 @@ hundred minibatches at most) and checks what its JSON reports.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -124,6 +125,95 @@ def test_paper_images_are_one_task_across_splits(tmp_path: Path) -> None:
 
     source = load_data("tensors", args)
     assert source.val is not None and len(source.val) == 8
+
+
+def test_hetpipe_learning_rate_and_merge_go_into_its_job(bench: ModuleType) -> None:
+    """``--hetpipe-lr`` and ``--merge`` set hetpipe's optimizer only; the default merge (sum)
+    leaves the key out, so a synchronous schedule the planner picks still accepts the job."""
+    from hetpipe.job import JobSpec
+
+    data = {"path": "train.npz"}
+    args = argparse.Namespace(
+        lr=0.005,
+        hetpipe_lr=0.00125,
+        momentum=0.9,
+        weight_decay=1e-4,
+        merge="mean",
+        minibatch=32,
+        seed=0,
+    )
+    job = bench.job_dict(args, bench.MODELS["vgg19"], data, name="j", policy="ed", epochs=1)
+    spec = JobSpec.from_dict(job, source="j")
+    assert spec.optimizer.lr == 0.00125 and spec.optimizer.merge == "mean"
+    args.merge = "sum"
+    job = bench.job_dict(args, bench.MODELS["vgg19"], data, name="j", policy="np", epochs=1)
+    assert "merge" not in job["optimizer"]
+    assert JobSpec.from_dict(job, source="j").optimizer.merge == "sum"
+
+
+@pytest.fixture(scope="module")
+def probe() -> ModuleType:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "probe_paper_staleness", SCRIPTS / "probe_paper_staleness.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_probe_sgd_step_is_torchs(probe: ModuleType) -> None:
+    """The replay's out-of-place step is torch.optim.SGD's (L2 decay, momentum)."""
+    torch.manual_seed(0)
+    w = torch.randn(5, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, weight_decay=0.01)
+    params, mom = {"w": w.detach().clone()}, {}
+    for _ in range(3):
+        g = torch.randn(5)
+        w.grad = g.clone()
+        opt.step()
+        deltas = probe.sgd(params, {"w": g}, mom, 0.1, 0.9, 0.01)
+        params = {"w": params["w"] + deltas["w"]}
+        assert torch.allclose(params["w"], w.detach(), atol=1e-6)
+
+
+def test_probe_one_virtual_worker_of_depth_one_is_one_dp_rank(probe: ModuleType) -> None:
+    """Both replays reduce to plain SGD: WSP with one VW and Nm = 1 and DP with one rank
+    reach the same accuracies on the same minibatches."""
+
+    def run(way: str) -> list[list[float]]:
+        task = probe.Task("resnet152", 0, 64, 32)
+        a = argparse.Namespace(
+            way=way,
+            world=1,
+            dp_lr_scale=None,
+            vws=1,
+            nm=1,
+            merge="sum",
+            pull_alone=False,
+            lr=0.01,
+            momentum=0.9,
+            weight_decay=1e-4,
+            minibatch=8,
+            target=2.0,
+            max_mb=4,
+            eval_every=2,
+            progress=False,
+        )
+        return (probe.run_dp if way == "dp" else probe.run_wsp)(task, a)["curve"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the probe runs: one thread, no spinning peers on a busy host
+    try:
+        dp, wsp = run("dp"), run("wsp")
+    finally:
+        torch.set_num_threads(threads)
+    assert [n for n, _ in dp] == [n for n, _ in wsp] == [2, 4]
+    assert [acc for _, acc in dp] == pytest.approx([acc for _, acc in wsp])
 
 
 @pytest.mark.timeout(400)
