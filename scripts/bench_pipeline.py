@@ -98,7 +98,8 @@ def run_ours(
     with tempfile.TemporaryDirectory(prefix="hetpipe-bench-") as tmp:
         root = Path(tmp)
         path = root / "cluster.toml"
-        devices = [DeviceDef(f"gpu{i}", "fast", "1GiB", 1.0) for i in range(STAGES)]
+        stage_devices = job["vw"][0]["devices"]  # a device named twice runs both stages
+        devices = [DeviceDef(d, "fast", "1GiB", 1.0) for d in dict.fromkeys(stage_devices)]
         path.write_text(
             cluster_toml(
                 devices, shards=shards, curve=curve, host_shm=host_shm, inline_ms=inline_ms
@@ -122,7 +123,7 @@ def run_ours(
     first = recs["vw0/stage0"]
     t_start, t_end = first[warmup - 1]["t_bwd"], first[n - 1]["t_bwd"]
     per_stage = []
-    for s in range(STAGES):
+    for s in range(len(stage_devices)):
         st = stages[f"vw0/stage{s}"]["stats"]
         per_stage.append(
             {
@@ -187,12 +188,32 @@ def _by_kind(procs: dict[str, Any], before: dict[str, dict[int, tuple[str, float
 # --------------------------------------------------------------------------- torch
 
 
+# torch.distributed.pipelining's schedule for each kind this benchmark compares with; the
+# last three run several stages per process (``placement``)
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv-zero-bubble": "ScheduleZBVZeroBubble",
+}
+
+
 def _torch_rank(
-    rank: int, job: dict[str, Any], port: int, warmup: int, out_path: str, retain_freed: bool
+    rank: int,
+    job: dict[str, Any],
+    port: int,
+    warmup: int,
+    out_path: str,
+    retain_freed: bool,
+    placement: list[int],
+    kind: str,
 ) -> None:
-    """One stage of the torch.distributed.pipelining run (a spawned process)."""
+    """The stages of one process of the torch.distributed.pipelining run (a spawned
+    process): stage ``s`` runs on rank ``placement[s]``, under ``TORCH_SCHEDULES[kind]``."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from hetpipe.data import MinibatchStream, load_dataset
     from hetpipe.models import build_model, cross_entropy
@@ -200,23 +221,30 @@ def _torch_rank(
     if retain_freed:
         retain_freed_as_daemons()
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=STAGES
-    )
+    world = max(placement) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(SEED)
         model = build_model(job["model"]["name"], job["model"]["args"])
         split = job["vw"][0]["layers"]
-        first = sum(split[:rank])
-        part = model[first : first + split[rank]]
-        part.train()
-        stage = PipelineStage(part, rank, STAGES, torch.device("cpu"))
-        kind = ScheduleGPipe if job["train"].get("schedule") == "gpipe" else Schedule1F1B
-        schedule = kind(stage, n_microbatches=NM, loss_fn=cross_entropy)
-        opt = torch.optim.SGD(part.parameters(), lr=LR, momentum=MOMENTUM)
+        n_stages = len(split)
+        mine = [s for s, r in enumerate(placement) if r == rank]
+        parts, stages = [], []
+        for s in mine:
+            first = sum(split[:s])
+            part = model[first : first + split[s]]
+            part.train()
+            parts.append(part)
+            stages.append(PipelineStage(part, s, n_stages, torch.device("cpu")))
+        cls = getattr(pipelining, TORCH_SCHEDULES[kind])
+        several = len(placement) > world  # the multi-stage schedules take a list of stages
+        schedule = cls(stages if several else stages[0], n_microbatches=NM, loss_fn=cross_entropy)
+        params = [p for part in parts for p in part.parameters()]
+        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
         train = job["train"]
         stream = None
-        if rank in (0, STAGES - 1):
+        feeds, scores = 0 in mine, n_stages - 1 in mine
+        if feeds or scores:
             data = load_dataset(job["data"]["name"], job["data"].get("args"))
             stream = MinibatchStream(data, train["minibatch"], train["seed"])
         steps = train["minibatches"] // NM
@@ -227,9 +255,11 @@ def _torch_rank(
                 batches = [stream.batch(step * NM + i) for i in range(NM)]
                 x = torch.cat([b[0] for b in batches])
                 y = torch.cat([b[1] for b in batches])
-            if rank == 0:
+            if feeds and scores:  # a V: the first and the last stage in one process
+                schedule.step(x, target=y, losses=[])
+            elif feeds:
                 schedule.step(x)
-            elif rank == STAGES - 1:
+            elif scores:
                 schedule.step(target=y, losses=[])
             else:
                 schedule.step()
@@ -253,10 +283,21 @@ def _torch_rank(
         dist.destroy_process_group()
 
 
-def run_torch(job: dict[str, Any], warmup: int, retain_freed: bool = False) -> dict[str, Any]:
-    """Four spawned processes on gloo; steady-state samples/s measured at rank 0.
+def run_torch(
+    job: dict[str, Any],
+    warmup: int,
+    retain_freed: bool = False,
+    placement: list[int] | None = None,
+    kind: str | None = None,
+) -> dict[str, Any]:
+    """Spawned processes on gloo, one per rank of ``placement`` (stage -> rank; default one
+    stage each); steady-state samples/s measured at rank 0. ``kind``: a key of
+    :data:`TORCH_SCHEDULES` (default: the job's schedule, 1F1B unless it is gpipe).
     ``retain_freed``: each keeps freed memory as our daemons do (:mod:`hetpipe.hostmem`,
     the runtime's default), not glibc's defaults."""
+    placement = placement or list(range(len(job["vw"][0]["layers"])))
+    kind = kind or ("gpipe" if job["train"].get("schedule") == "gpipe" else "1f1b")
+    world = max(placement) + 1
     import torch.multiprocessing as tmp_mp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
@@ -267,8 +308,8 @@ def run_torch(job: dict[str, Any], warmup: int, retain_freed: bool = False) -> d
         t0 = time.perf_counter()
         ctx = tmp_mp.start_processes(
             _torch_rank,
-            args=(job, free_port(HOST), warmup, out_path, retain_freed),
-            nprocs=STAGES,
+            args=(job, free_port(HOST), warmup, out_path, retain_freed, placement, kind),
+            nprocs=world,
             join=False,
             start_method="spawn",
         )
@@ -284,7 +325,7 @@ def run_torch(job: dict[str, Any], warmup: int, retain_freed: bool = False) -> d
                     p.kill()
                     p.join()
         wall = time.perf_counter() - t0
-        ranks = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(STAGES)]
+        ranks = [json.loads(Path(f"{out_path}.{r}").read_text()) for r in range(world)]
     window = ranks[0]["t_end"] - ranks[0]["t_start"]
     return {
         "samples_per_s": (n - warmup) * minibatch / window,

@@ -42,6 +42,17 @@ Three parts, each against a baseline measured in the same run:
     forward, backward and step spans over the steady window at stage 0, as in (b)) against
     predicted (1 - M x the stage's predicted compute per microbatch over the predicted
     iteration time).
+(f) Two stages per device (``--parts f``): two devices (processes) hold the four stages of (a),
+    interleaved (``gpu0, gpu1, gpu0, gpu1``: each device's worker runs both of its stages,
+    ``train.several_stages``) or as a V (``gpu0, gpu1, gpu1, gpu0``), against
+    ``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B`` (ours: ``1f1b`` on the
+    interleaved placement), ``ScheduleInterleavedZeroBubble`` (ours: ``zb-h1``, interleaved)
+    and ``ScheduleZBVZeroBubble`` (ours: ``zb-h1`` on the V) over gloo, with the same model,
+    split, microbatches and placement, measured as in (a), and torch again with each process
+    keeping freed memory as our daemons do. Each of our stages runs its own schedule; a
+    device's worker runs whichever of its stages' actions is ready first (no device-level
+    table). ``ratio_vs_torch_interleaved_1f1b``, ``ratio_vs_torch_interleaved_zero_bubble``,
+    ``ratio_vs_torch_zbv_zero_bubble`` (target >= 1.0 each) and ``..._retained``.
 (c) ``--optimality N``: the search against exhaustive enumeration on N random small
     instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
     ``optimality_gap_mean`` and ``optimality_gap_max`` (target <= 0.05); and the planning time
@@ -55,7 +66,7 @@ Three parts, each against a baseline measured in the same run:
     order, each stage's most microbatches in flight, and ``order_speedup_vs_1f1b`` (the
     planner's order against 1F1B).
 
-    python scripts/bench_sync.py [--json] [--parts abce] [--rounds 3] [--optimality 300]
+    python scripts/bench_sync.py [--json] [--parts abcef] [--rounds 3] [--optimality 300]
 """
 
 from __future__ import annotations
@@ -150,6 +161,79 @@ def part_a(args: Any) -> dict[str, Any]:
                     for side in SIDES
                     for col in ("samples_per_s", "ratio", "cpu_ms_per_sample")
                 ],
+            ]
+            for k, v in out.items()
+        ],
+    )
+    return out
+
+
+# part (f): (JSON name, torch's schedule, our schedule, our stages' devices, torch's ranks)
+CHUNKED: list[tuple[str, str, str, list[str], list[int]]] = [
+    (
+        "interleaved_1f1b",
+        "interleaved-1f1b",
+        "1f1b",
+        ["gpu0", "gpu1", "gpu0", "gpu1"],
+        [0, 1, 0, 1],
+    ),
+    (
+        "interleaved_zero_bubble",
+        "interleaved-zero-bubble",
+        "zb-h1",
+        ["gpu0", "gpu1", "gpu0", "gpu1"],
+        [0, 1, 0, 1],
+    ),
+    ("zbv_zero_bubble", "zbv-zero-bubble", "zb-h1", ["gpu0", "gpu1", "gpu1", "gpu0"], [0, 1, 1, 0]),
+]
+
+
+def part_f(args: Any) -> dict[str, Any]:
+    """Two stages per device, ours against torch's multi-stage schedules (module text)."""
+    out: dict[str, Any] = {}
+    for name, torch_kind, ours_kind, devices, placement in CHUNKED:
+        job = job_dict(args.model, args.microbatch, args.minibatches, ours_kind)
+        job["vw"][0]["devices"] = devices
+        job["train"]["several_stages"] = True
+        sides: dict[str, Any] = {
+            "ours": lambda job=job: run_ours(job, args.warmup, 1),
+            "torch": lambda job=job, pl=placement, k=torch_kind: run_torch(
+                job, args.warmup, placement=pl, kind=k
+            ),
+            "torch_retained": lambda job=job, pl=placement, k=torch_kind: run_torch(
+                job, args.warmup, retain_freed=True, placement=pl, kind=k
+            ),
+        }
+        runs: dict[str, list[float]] = {side: [] for side in sides}
+        for r in range(args.rounds):
+            for side in list(sides)[r % len(sides) :] + list(sides)[: r % len(sides)]:
+                runs[side].append(sides[side]()["samples_per_s"])
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        out[name] = {
+            "ours_samples_per_s": med["ours"],
+            "torch_samples_per_s": med["torch"],
+            "torch_retained_samples_per_s": med["torch_retained"],
+            "ratio": med["ours"] / med["torch"],
+            "ratio_retained": med["ours"] / med["torch_retained"],
+            "ours_schedule": ours_kind,
+            "devices": devices,
+            "all_runs": runs,
+        }
+    print(
+        f"(f) 2 devices x 2 stages of {args.model}, microbatch {args.microbatch}, M = {M}, "
+        f"{args.minibatches} microbatches, median of {args.rounds} alternated runs"
+    )
+    print_table(
+        ["torch schedule", "ours", "ours samples/s", "torch", "ratio", "torch retained", "ratio"],
+        [
+            [
+                k,
+                f"{v['ours_schedule']} on {','.join(v['devices'])}",
+                v["ours_samples_per_s"],
+                v["torch_samples_per_s"],
+                v["ratio"],
+                v["torch_retained_samples_per_s"],
+                v["ratio_retained"],
             ]
             for k, v in out.items()
         ],
@@ -588,7 +672,7 @@ def part_d(args: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--parts", default="abce", help="which parts to run (a, b, c, d, e)")
+    ap.add_argument("--parts", default="abcef", help="which parts to run (a, b, c, d, e, f)")
     ap.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="(a) model")
     ap.add_argument("--microbatch", type=int, default=32)
     ap.add_argument("--minibatches", type=int, default=400, help="(a) microbatches per side")
@@ -663,6 +747,12 @@ def main() -> None:
             },
             zero_bubble=e,
         )
+    if "f" in args.parts:
+        f = part_f(args)
+        for name, v in f.items():
+            out[f"ratio_vs_torch_{name}"] = v["ratio"]
+            out[f"ratio_vs_torch_retained_{name}"] = v["ratio_retained"]
+        out["two_stages_per_device"] = f
     if "d" in args.parts:
         d = part_d(args)
         out.update(order_speedup_vs_1f1b=d.get("order_speedup_vs_1f1b"), orders=d)
