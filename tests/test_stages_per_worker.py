@@ -28,6 +28,7 @@ DEVICES = (
 )
 FOUR_ON_A = [(["a", "a", "a", "a"], [1, 2, 2, 1])]
 ABAB = [(["a", "b", "a", "b"], [1, 2, 2, 1])]
+ABBA = [(["a", "b", "b", "a"], [1, 2, 2, 1])]  # a V: the first and last stage on one device
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,11 @@ def test_async_nm1_is_transparent(cluster: LocalCluster, split: list) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1"])
-@pytest.mark.parametrize("split", [FOUR_ON_A, ABAB], ids=["four-on-one", "abab"])
+@pytest.mark.parametrize(
+    "split",
+    [FOUR_ON_A, ABAB, ABBA, [*ABAB, (["c", "d", "c", "d"], [1, 2, 2, 1])]],
+    ids=["four-on-one", "abab", "abba", "two-vws-abab-cdcd"],
+)
 def test_sync_is_transparent(cluster: LocalCluster, kind: str, split: list) -> None:
     """Synchronous, M = 4 (zb-h1: the backward split, its input gradient handed over before
     its weight gradient runs): minibatch SGD on each iteration's union, within 1e-5."""
@@ -69,7 +74,7 @@ def test_sync_is_transparent(cluster: LocalCluster, kind: str, split: list) -> N
     info = cluster.submit(spec, timeout=200)
     assert info["state"] == "done", info.get("error")
     assert_same_weights(
-        torch.load(info["model_path"]), plain_training(spec, iterations, m=m, vws=1)
+        torch.load(info["model_path"]), plain_training(spec, iterations, m=m, vws=len(split))
     )
 
 
