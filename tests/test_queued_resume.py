@@ -20,10 +20,13 @@ from conftest import UNIFORM, job
 from helpers import hetpipe_cli, job_toml, stop_up_daemons
 
 from hetpipe import log as logmod
-from hetpipe.head import JobState
+from hetpipe.config import load_cluster
+from hetpipe.daemon import Owner
+from hetpipe.head import Head, JobState
 from hetpipe.head.recovery import RecoveryPart
 from hetpipe.jobstore import read_result, recovered_line
 from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
+from hetpipe.wire import Kind, Message
 
 # -- the head's part, on records ----------------------------------------------------------------
 
@@ -98,6 +101,66 @@ def test_a_job_queued_again_and_stopped_again_is_queued_a_third_time(tmp_path: P
         head._recover()
         assert [js.id for js in _queue(head)] == ["slow-1"]
     assert json.loads((tmp_path / "jobs" / "slow-1" / "job.json").read_text())["job"]
+
+
+class _Replies:
+    """The head's channel, keeping what it sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def reply_error(self, _to: object, message: str, _rid: object = None) -> None:
+        raise AssertionError(message)
+
+    async def send(self, _kind: object, fields: dict[str, Any], **_kw: object) -> None:
+        self.sent.append(fields)
+
+
+def test_a_stopping_head_starts_no_queued_job_and_the_next_one_queues_them(
+    tmp_path: Path,
+) -> None:
+    """Submitted jobs are recorded with what to run; a head that stops takes none of its
+    queue any more (the job it ran ends, the next must not start in the moment before the
+    process exits); a head on the same run directory queues them again, in order."""
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_toml([DeviceDef("gpu0")], shards=1))
+    run_dir = tmp_path / "run"
+
+    async def first() -> list[str]:
+        owner = Owner()
+        try:
+            head = Head(load_cluster(str(path)), owner, "tcp://127.0.0.1:1", str(run_dir))
+            replies = _Replies()
+            head.channel = replies  # type: ignore[assignment]
+            for name in ("one", "two"):
+                fields = {"rid": 1, "job": job(name, minibatches=9)}
+                await head._submit(b"p", Message(Kind.SUBMIT, fields, {}, user="user-ann"))
+            await head.stop()
+            assert head.queue.empty()
+            assert all(js.state == "queued" for js in head.jobs.values())
+            return [r["info"]["job"] for r in replies.sent]
+        finally:
+            await owner.close()
+
+    ids = asyncio.run(first())
+    record = json.loads((run_dir / "jobs" / ids[0] / "job.json").read_text())
+    assert record["state"] == "queued" and record["owner"] == "ann"
+    assert record["job"]["name"] == "one" and isinstance(record["submitted"], float)
+
+    async def second() -> list[JobState]:
+        owner = Owner()
+        try:
+            head = Head(load_cluster(str(path)), owner, "tcp://127.0.0.1:1", str(run_dir))
+            head._recover()
+            assert head.recovered == [{"job": i, "queued": True} for i in ids]
+            return _queue(head)  # type: ignore[arg-type]
+        finally:
+            await owner.close()
+
+    again = asyncio.run(second())
+    assert [js.id for js in again] == ids
+    assert [js.spec.minibatches for js in again] == [9, 9]
+    assert all(js.owner == "ann" and js.state == "queued" for js in again)
 
 
 # -- real daemons through the CLI -------------------------------------------------------------

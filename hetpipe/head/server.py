@@ -97,6 +97,8 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
 
     async def stop(self) -> None:
         self._stopping = True  # the current job is interrupted, not failed: resume it later
+        while not self.queue.empty():  # none starts now: they stay queued for the next head
+            self.queue.get_nowait()
         if self.current is not None:
             self.current.fail("the head is shutting down")
             await asyncio.sleep(0.2)
