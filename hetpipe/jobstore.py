@@ -195,8 +195,11 @@ def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
 
 
 def recovered_line(entry: Mapping[str, Any]) -> str:
-    """What a restarted head did with a job its predecessor was running (one line):
-    ``resumed job OLD as NEW from wave N``, or why it could not."""
+    """What a restarted head did with a job its predecessor was running or had queued (one
+    line): ``resumed job OLD as NEW from wave N``, ``queued job J again``, or why it could
+    not."""
+    if entry.get("queued"):
+        return f"queued job {entry['job']} again (it had not started)"
     if entry.get("as"):
         wave = entry.get("wave")
         return f"resumed job {entry['job']} as {entry['as']} from " + (

@@ -1023,6 +1023,9 @@ class StageRunner:
         if not self.task.leader:
             return  # the stage's leader pushes and checkpoints for every replica
         deltas = {} if copy is None else await self._host(copy)
+        acks = self.push_acks  # answered acks leave now: kept to the end, a job's worth piles up
+        while acks and acks[0].done() and not acks[0].cancelled() and acks[0].exception() is None:
+            acks.pop(0)
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}
             ch = self.shards[shard]

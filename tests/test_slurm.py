@@ -451,6 +451,58 @@ def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_a_job_queued_at_scancel_runs_in_the_next_allocation_after_the_resumed_one(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    """A job submitted to the allocation's head behind the running one and still queued when
+    the allocation is cancelled: the next allocation (``HETPIPE_DRAIN=1``) resumes the
+    running one from its checkpoint, then runs the queued one, under its own id, to done."""
+    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
+    job, run_dir, env = _submit(slurm, tmp_path, job_file)
+
+    def checkpointed() -> list[Path]:
+        state = slurm.job_state(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
+            f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
+        )
+        return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
+
+    _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+    later = _job_file(tmp_path / "later.toml", minibatches=60)
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    cli = [sys.executable, "-m", "hetpipe.cli", "--cluster", str(run_dir / "cluster.toml")]
+    sub = subprocess.run(
+        [*cli, "submit", str(later)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**plain, "PYTHONPATH": env["PYTHONPATH"]},
+    )
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    queued = sub.stdout.strip()
+    slurm.run(["scancel", job])
+    state = slurm.wait_ended(job, 120)
+    assert state.get("JobState") == "CANCELLED", state
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+    record = json.loads((run_dir / "jobs" / queued / "job.json").read_text())
+    assert record["state"] == "queued" and record["job"], record  # the next head runs it
+    assert not (run_dir / "jobs" / queued / "result.json").exists()
+
+    again, _, _ = _submit(slurm, tmp_path, None, drain=True)
+    state = slurm.wait_ended(again, 480)
+    why = f"{state}\n{_output(tmp_path, again)}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    results = {p.parent.name: json.loads(p.read_text()) for p in run_dir.glob("jobs/*/result.json")}
+    first = next(r for r in results.values() if (r.get("resumed_from") or {}).get("job"))
+    assert first["state"] == "done", (first, why)
+    assert results[queued]["state"] == "done", (results[queued], why)
+    assert results[queued]["minibatches"] == results[queued]["total"], results[queued]
+    assert (run_dir / "jobs" / queued / "model.pt").exists()
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
     """The script without its heterogeneous components (as its header says: drop the

@@ -1,16 +1,22 @@
 """``scripts/bench_soak.py`` at a small size: a one-stage job of minibatch 1 runs to ``done``
 under a lowered frame limit (``[runtime] max_frame_bytes = "1MiB"``, the least allowed), so
 no message may grow with the job's length (records stream in chunks); every daemon's memory
-stays flat once the job is under way; the figures the benchmark reports are all there."""
+stays flat once the job is under way; the figures the benchmark reports are all there. And
+the per-wave state a stage keeps while it runs: the acks of its pushes leave once answered."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+
+from hetpipe.pipeline import StageRunner
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_soak.py"
 
@@ -35,3 +41,56 @@ def test_soak_small_job_stays_bounded() -> None:
     assert set(figures["rss_growth_mb_by_daemon"]) == {"ps0", "worker-gpu0"}, figures
     assert figures["rss_growth_mb"] <= figures["targets"]["rss_growth_mb"], figures
     assert figures["job_dir_mib"] > 0
+
+
+class _Shard:
+    """A shard channel whose push acks the test answers (or fails) by hand."""
+
+    name = "ps0"
+
+    def __init__(self) -> None:
+        self.acks: list[asyncio.Future[Any]] = []
+
+    async def send_request(self, *_a: Any, **_kw: Any) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.acks.append(fut)
+        return fut
+
+
+def _pusher(shard: _Shard) -> StageRunner:
+    """A stage runner with just what :meth:`StageRunner._push` reads: one leader stage
+    whose one tensor lives on shard 0, no snapshots."""
+    runner = StageRunner.__new__(StageRunner)
+    runner.task = SimpleNamespace(leader=True, placement={"w": 0}, job="j", vw=0, stage=0)
+    runner.compute = SimpleNamespace(state_names=lambda: ["w"])
+    runner.shards = {0: shard}
+    runner.snapshot = None
+    runner.push_acks = []
+    return runner
+
+
+def test_answered_push_acks_do_not_pile_up() -> None:
+    """A job of a million waves pushes a million times: the acks already answered are
+    dropped at the next push, so the stage holds only those still in flight; an ack that
+    failed stays, for the end of the job (``_wait_pushes``) to raise."""
+
+    async def go() -> None:
+        shard = _Shard()
+        runner = _pusher(shard)
+        for wave in range(1000):
+            await runner._push(wave, None)
+            shard.acks[-1].set_result({"ok": True})
+        assert len(runner.push_acks) <= 1
+        await runner._push(1000, None)  # in flight: kept
+        await runner._push(1001, None)
+        shard.acks[-1].set_result({"ok": True})  # answered, behind one still in flight: kept
+        await runner._push(1002, None)
+        assert runner.push_acks == shard.acks[-3:]
+        shard.acks[-3].set_exception(RuntimeError("shard refused the push"))
+        shard.acks[-1].set_result({"ok": True})
+        await runner._push(1003, None)
+        assert shard.acks[-4] in runner.push_acks  # the failed one waits for the end
+        with pytest.raises(RuntimeError, match="refused"):
+            await runner._wait_pushes()
+
+    asyncio.run(go())

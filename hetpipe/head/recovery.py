@@ -314,11 +314,14 @@ class RecoveryPart:
         ``interrupted``, by its shutdown); one with a complete checkpoint is resumed as a new
         job once the cluster is back (its old record then names the new id), one without is
         recorded as lost, and its final status says it failed and why. A job still queued
-        (or being planned) when the head died is recorded as failed: nothing of it ran. So a
-        job the previous head knew is never unknown to this one; what was done with each is
-        in ``self.recovered`` (``hetpipe up`` prints it).
+        (or being planned) when the head stopped or died is queued again under its own id,
+        after the resumed ones and in the order it had (:meth:`_requeued`); one whose record
+        does not hold what to run is recorded as failed. So a job the previous head knew is
+        never unknown to this one; what was done with each is in ``self.recovered`` (``hetpipe
+        up`` prints it).
         """
         self.recovered: list[dict[str, Any]] = []
+        later: list[tuple[tuple[bool, float], JobState]] = []  # still queued: in their order
         for record in sorted((self.run_dir / "jobs").glob("*/job.json")):
             try:
                 old = json.loads(record.read_text())
@@ -330,9 +333,9 @@ class RecoveryPart:
             job_id = old["id"]
             if was in (JobStatus.QUEUED, JobStatus.PLANNING):
                 if read_result(self.run_dir, job_id) is None:  # it never ended: never ran
-                    self._recovered_lost(
-                        record, old, JobStatus.FAILED, "the head restarted before the job ran"
-                    )
+                    again = self._requeued(record, old)
+                    if again is not None:  # a job resumed by a head goes first, as it did
+                        later.append(((not old.get("recovered"), again.submitted), again))
                 continue
             if was not in (JobStatus.RUNNING, JobStatus.INTERRUPTED):
                 continue
@@ -363,6 +366,9 @@ class RecoveryPart:
             self.queue.put_nowait(js)
             old.update(state=transition(was, JobStatus.RESUMED).value, resumed_as=js.id)
             try:
+                d = record.parent.parent / js.id  # queued: a head stopped before it runs it
+                d.mkdir(exist_ok=True)  # queues it again (its job from the same checkpoint)
+                _write_record(d, {**_queued(js), "resume": job_id, "recovered": True})
                 _write_record(record.parent, old)
                 update_result(
                     self.run_dir,
@@ -387,6 +393,42 @@ class RecoveryPart:
                 new=js.id,
                 checkpoint=str(ck.path),
             )
+        for _order, js in sorted(later, key=lambda item: item[0]):
+            self.jobs[js.id] = js
+            self.queue.put_nowait(js)
+
+    def _requeued(self, record: Path, old: dict[str, Any]) -> JobState | None:
+        """A job the previous head had queued, as it was (its id, owner, job, the checkpoint
+        a resume starts from) and waiting for the cluster like a resumed one; None where it
+        cannot be (recorded as failed: a record that does not hold its job, a job refused)."""
+        job_id = old["id"]
+        if not old.get("job") and not old.get("resume"):
+            self._recovered_lost(
+                record, old, JobStatus.FAILED, "the head restarted before the job ran"
+            )
+            return None
+        try:
+            resume = self._checkpoint_of(old["resume"]) if old.get("resume") else None
+            job = old.get("job") or (resume.meta["spec"] if resume is not None else None)
+            check_code(job, self.cluster.security.allowed_modules)
+            spec = JobSpec.from_dict(job, source=str(record))
+        except (JobError, CodeError, JobFailed, KeyError, TypeError) as exc:
+            why = f"the head restarted; cannot queue the job again: {excerpt(exc, 300)}"
+            self._recovered_lost(record, old, JobStatus.FAILED, why)
+            return None
+        submitted = old.get("submitted")
+        js = JobState(
+            id=job_id,
+            spec=spec,
+            submitted=float(submitted) if isinstance(submitted, int | float) else time.time(),
+            owner=old.get("owner"),
+            resume=resume,
+            recovered=True,
+            resumed_of=old.get("resume"),
+        )
+        self.recovered.append({"job": job_id, "queued": True})
+        self.log.warning("queueing again a job the previous head had queued", job=job_id)
+        return js
 
     def _recovered_lost(self, record: Any, old: dict[str, Any], state: JobStatus, why: str) -> None:
         """A job of the previous head that cannot go on: its record in ``state``, its
@@ -524,6 +566,18 @@ def _write_record(d: Path, record: dict[str, Any]) -> None:
     tmp = d / ".job.json.tmp"
     tmp.write_text(json.dumps(record))
     tmp.replace(d / "job.json")
+
+
+def _queued(js: JobState) -> dict[str, Any]:
+    """A queued job's ``job.json``: what a head that starts before it runs needs to queue
+    it again (:meth:`RecoveryPart._requeued`; ``job`` and ``resume`` are the submitter's)."""
+    return {
+        "id": js.id,
+        "owner": js.owner,
+        "state": JobStatus.QUEUED.value,
+        "error": None,
+        "submitted": js.submitted,
+    }
 
 
 def _recorded_state(head: Any, job_id: str) -> str | None:

@@ -97,6 +97,8 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
 
     async def stop(self) -> None:
         self._stopping = True  # the current job is interrupted, not failed: resume it later
+        while not self.queue.empty():  # none starts now: they stay queued for the next head
+            self.queue.get_nowait()
         if self.current is not None:
             self.current.fail("the head is shutting down")
             await asyncio.sleep(0.2)
@@ -312,8 +314,12 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
         self.jobs[job_id] = js
         if resume is not None:
             self._link(msg["resume"], js)  # each names the other (hetpipe.head.recovery)
+        # known to a head that restarts before it runs, which queues it again from this
+        extra: dict[str, Any] = {"submitted": js.submitted, "resume": msg.get("resume") or None}
+        with contextlib.suppress(TypeError, ValueError):
+            extra["job"] = json.loads(json.dumps(job))  # as submitted (a resume's: its own)
         with contextlib.suppress(OSError, JobFailed):
-            self._record(js)  # known to a head that restarts before it runs
+            self._record(js, **extra)
         await self.queue.put(js)
         self.log.info("job queued", job=job_id, owner=owner)
         await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"job": job_id}}, to=peer)
