@@ -19,9 +19,17 @@ shards' clocks, and re-forms it on its surviving device from the shards' current
   data position), against its in-flight minibatches (Nm) x minibatch;
 - ``accuracy`` of both runs (the killed one's target: the undisturbed one's, within 0.02).
 
+Then a third run of the same job (``train.checkpoint_every`` = ``--every`` waves): parameter-
+server shard 1 is SIGKILLed once the job has a checkpoint and has trained ``--at``
+minibatches, and started again ``--shard-down`` s later (as its supervisor would, on a new
+port). The job pauses and resumes by itself from its last cut (:mod:`hetpipe.head.shardwait`):
+``shard_resumed`` (the same job ends done, nobody resubmitted it; target: true),
+``shard_paused_s`` (the head's wait for the shard), ``shard_minibatches_redone`` (trained
+before the kill and again after it, back to the cut) and ``accuracy_shard_killed``.
+
     python scripts/bench_failover.py [--json] [--minibatches N] [--at N] [--staleness D]
                                      [--heartbeat S] [--lost-after S] [--lr LR]
-                                     [--speed-scale S]
+                                     [--speed-scale S] [--every W] [--shard-down S]
 """
 
 from __future__ import annotations
@@ -123,6 +131,44 @@ async def _run(c: LocalCluster, spec: dict[str, Any], kill_at: int | None) -> di
         return info
 
 
+async def _shard_run(
+    c: LocalCluster, spec: dict[str, Any], at: int, down_s: float
+) -> tuple[str, dict[str, Any], int]:
+    """Run ``spec``; SIGKILL shard 1 once the job has a checkpoint and ``at`` minibatches,
+    start it again ``down_s`` s later; the job's id, its final status and the minibatches
+    it had trained at the kill."""
+    async with c.client() as head:
+        job_id = await head.submit(spec)
+        deadline = time.monotonic() + 300
+        while True:
+            info = await head.job(job_id)
+            assert info["state"] in ("queued", "planning", "running"), info.get("error")
+            if info.get("checkpoints", 0) >= 1 and info.get("minibatches", 0) >= at:
+                break
+            assert time.monotonic() < deadline, "the job did not get to the kill"
+            await asyncio.sleep(0.05)
+        trained = sum(info["positions"])
+        c.kill("ps1", signal.SIGKILL)
+        await asyncio.sleep(down_s)
+        c.restart("ps1")  # its supervisor starts it again: port 0, another address
+        return job_id, await head.follow(job_id, every_s=0.2, timeout=600), trained
+
+
+def shard_figures(job_id: str, info: dict[str, Any], trained: int) -> dict[str, Any]:
+    """The shard-killed run's figures from its status."""
+    waits = info.get("shard_waits") or []
+    pause = waits[0] if waits else {}
+    cut = sum(pause.get("checkpoint_positions") or [])
+    return {
+        "shard_resumed": info["state"] == "done" and info["id"] == job_id and len(waits) == 1,
+        "shard_state": info["state"],
+        "shard_error": info.get("error"),
+        "shard_paused_s": round(pause["waited_s"], 3) if pause else None,
+        "shard_minibatches_redone": max(0, trained - cut) if pause else None,
+        "accuracy_shard_killed": info.get("test_accuracy"),
+    }
+
+
 def figures(info: dict[str, Any], heartbeat: float) -> dict[str, Any]:
     """The killed run's figures from its status and records."""
     killed = info["_killed"]
@@ -171,6 +217,8 @@ def main() -> None:
     ap.add_argument("--lost-after", type=float, default=1.0, help="[runtime] lost_after_s")
     ap.add_argument("--lr", type=float, default=0.02, help="SGD's learning rate")
     ap.add_argument("--speed-scale", type=float, default=1.0, help="every device's speed")
+    ap.add_argument("--every", type=int, default=10, help="checkpoint_every (shard run)")
+    ap.add_argument("--shard-down", type=float, default=2.0, help="s before shard 1 restarts")
     args = ap.parse_args()
     devices = [DeviceDef(f"gpu{i}", "fast", "256MiB", args.speed_scale) for i in range(6)]
     cpu = HostCpu()
@@ -191,6 +239,11 @@ def main() -> None:
             busy = cpu.stop()
             assert hit["state"] == "done", hit.get("error")
             out = figures(hit, args.heartbeat)  # from its records, before they are gone
+            c.restart(f"worker-{VICTIM}")  # its supervisor's restart: the cluster whole again
+            c.run(_whole(c))
+            spec = _job("shard-killed", args.minibatches, args.staleness, args.lr)
+            spec["train"].update(checkpoint_every=args.every, shard_wait_s=120.0)
+            out.update(shard_figures(*c.run(_shard_run(c, spec, args.at, args.shard_down))))
     out.update(
         accuracy_undisturbed=plain["test_accuracy"],
         accuracy_killed=hit["test_accuracy"],
@@ -212,6 +265,8 @@ def main() -> None:
             "speed_scale": args.speed_scale,
             "lr": args.lr,
             "victim": VICTIM,
+            "checkpoint_every": args.every,
+            "shard_down_s": args.shard_down,
         },
         machine=machine(),
     )
@@ -220,6 +275,7 @@ def main() -> None:
         "lost_vw_back_s": out["lost_vw_back_s"] is not None and out["lost_vw_back_s"] <= 10.0,
         "samples_lost": out["samples_lost"] <= out["samples_lost_target"],
         "accuracy": out["accuracy_killed"] >= out["accuracy_undisturbed"] - 0.02,
+        "shard_resumed": out["shard_resumed"],
     }
     print_table(
         ["figure", "value", "target", "met"],
@@ -244,6 +300,10 @@ def main() -> None:
                 out["targets"]["accuracy"],
             ],
             ["detection_s", out["detection_s"], f"~ {args.lost_after}", ""],
+            ["shard_resumed", out["shard_resumed"], "true", out["targets"]["shard_resumed"]],
+            ["shard_paused_s", out["shard_paused_s"], "", ""],
+            ["shard_minibatches_redone", out["shard_minibatches_redone"], "", ""],
+            ["accuracy (shard killed)", out["accuracy_shard_killed"], "", ""],
         ],
     )
     if args.json:
