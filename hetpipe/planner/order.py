@@ -116,6 +116,10 @@ def distinct_orders(devices: Sequence[Any], classes: Sequence[int]) -> Iterator[
     yield from rec()
 
 
+# the score of an order proved worse than the best one found before it (never the best)
+BELOW: tuple[float, ...] = (-math.inf,)
+
+
 def score(p: Partition | Infeasible) -> tuple[float, ...]:
     """Larger is better; any split beats none."""
     if not isinstance(p, Partition):
@@ -165,7 +169,16 @@ def best_order(
         sig = tuple(cls[id(d)] for d in order)
         if sig in seen:
             return seen[sig]
-        p = model.partition(order, nm) if nm is not None else model.best_nm(order, cands)
+        if nm is not None:
+            p: Partition | Infeasible | None = model.partition(order, nm)
+        else:
+            # an order whose best rate is strictly below the best so far can neither become
+            # the best nor the local search's current order (that is the best so far), so
+            # its split and Nm need not be found (CostModel.best_nm's ``beat``)
+            p = model.best_nm(order, cands, best[0][0] if best else -math.inf)
+        if p is None:
+            seen[sig] = BELOW
+            return BELOW
         s = seen[sig] = score(p)
         if isinstance(p, Infeasible) and not first_fail:
             first_fail.append(p)
