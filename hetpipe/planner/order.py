@@ -154,6 +154,11 @@ def best_order(
     stages, and Nm above the smallest candidate only adds memory), so a prefix whose bound
     cannot beat the best rate found so far is skipped with all its completions. The result
     is the same as trying every order (``prune=False``), which tests check.
+
+    Either search, with Nm chosen, skips the split-and-Nm search of an order whose best
+    rate bounds prove strictly below the best order's so far (:meth:`CostModel.best_nm`'s
+    ``beat``; not under ``prune=False``): such an order can become neither the best nor
+    the local search's current order (always the best so far), so the answer is the same.
     """
     devices = tuple(devices)
     k = len(devices)
@@ -175,7 +180,8 @@ def best_order(
             # an order whose best rate is strictly below the best so far can neither become
             # the best nor the local search's current order (that is the best so far), so
             # its split and Nm need not be found (CostModel.best_nm's ``beat``)
-            p = model.best_nm(order, cands, best[0][0] if best else -math.inf)
+            beat = best[0][0] if best and prune else -math.inf
+            p = model.best_nm(order, cands, beat)
         if p is None:
             seen[sig] = BELOW
             return BELOW
