@@ -515,7 +515,8 @@ class CostModel(CostTables):
     ) -> Partition | None:
         """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
         search over stage times of the module docs; None where even the bound
-        ``min(1 / B*, Nm / least latency)`` is at most ``floor`` or below ``beat``."""
+        ``min(1 / B*, Nm / least latency)`` is at most ``floor`` or below ``beat``, or where
+        the search's steps bound the best rate below ``beat``."""
         mats = self._stage_bands(devices, bws, nm)
         shortest = self._shortest(devices, nm)
         assert shortest < INF
@@ -549,14 +550,28 @@ class CostModel(CostTables):
         # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
         # limits[fills] does (len: none known to)
         below, fills = -1, len(limits)
+        h_below, h_fills = least.latency, shortest  # h at limits[below] and limits[fills]
         while fills - below > 1:
             mid = (below + fills) // 2
             hit = self._least_latency(mats, float(limits[mid]), cuts=False)
             assert hit is not None, "a limit above the least bottleneck admits a split"
             if nm * float(limits[mid]) >= hit[1]:
-                fills = mid
+                fills, h_fills = mid, hit[1]
             else:
-                below = mid
+                below, h_below = mid, hit[1]
+            if beat > -INF:
+                # the best rate is max over T of min(1 / T, Nm / h(T)), h falling with T:
+                # at most Nm / h_below up to limits[below], 1 / limits[fills] from there,
+                # and min(1 / limits[below], Nm / h_fills) between
+                t_below = float(limits[below]) if below >= 0 else lo
+                t_fills = float(limits[fills]) if fills < len(limits) else INF
+                most = max(
+                    _rate(nm, h_below),
+                    _rate(1.0, t_fills),
+                    min(_rate(1.0, t_below), _rate(nm, h_fills)),
+                )
+                if most * (1.0 + 1e-9) < beat:
+                    return None
         options = [least] if below < 0 else []
         for j in (below, fills):
             if 0 <= j < len(limits):
@@ -670,6 +685,11 @@ class CostModel(CostTables):
             if best.minibatches_per_s >= ceiling:
                 break
         return best if best.minibatches_per_s >= beat else None
+
+
+def _rate(count: float, time: float) -> float:
+    """``count / time``, inf where ``time`` is 0."""
+    return count / time if time > 0 else INF
 
 
 def _below(time: float, count: float, beat: float) -> bool:
