@@ -495,7 +495,7 @@ class CostModel(CostTables):
         key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         hit = self._joint.get(key)
         if hit is None:
-            if 1.0 / p.bottleneck < beat:
+            if _below(p.bottleneck, 1.0, beat):
                 return p  # no split at this Nm reaches ``beat`` (none beats 1 / B*)
             hit = self._joint_split(devices, bws, nm, p, floor, beat)
             if hit is None:
@@ -523,7 +523,7 @@ class CostModel(CostTables):
         bound = min(1.0 / least.bottleneck, nm / shortest)
         if bound <= least.minibatches_per_s:
             return least
-        if bound <= floor or bound < beat:
+        if bound <= floor or bound * (1.0 + 1e-9) < beat:
             return None
         # Only stage times in [start, top] can be the least limit whose least-latency split
         # fills: below start even the shortest split does not, at top the split of ``least``
