@@ -125,15 +125,18 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     ap.add_argument("--runs", type=int, default=RUNS, help="runs per case (median reported)")
     ap.add_argument(
-        "--only", nargs="*", default=None, help="cases to run, as LAYERSxDEVICES (default all)"
+        "--only",
+        nargs="*",
+        default=None,
+        help="cases to run, as LAYERSxDEVICES (default: the grid and 1000x64; e.g. 400x32)",
     )
     ap.add_argument("--skip-large", action="store_true", help="leave out the 1000x64 case")
     args = ap.parse_args()
     cases = [(n, k) for n in LAYERS for k in DEVICES]
     if not args.skip_large:
         cases += list(LARGE)
-    if args.only:
-        cases = [c for c in cases if f"{c[0]}x{c[1]}" in args.only]
+    if args.only:  # any LAYERSxDEVICES (devices a multiple of 4), grid or not
+        cases = [(int(a), int(b)) for a, b in (c.split("x") for c in args.only)]
     results: dict[str, dict] = {}
     print(
         f"make_plan(policy='auto') on {platform.processor() or platform.machine()}, "

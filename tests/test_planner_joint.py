@@ -146,3 +146,25 @@ def test_best_rate_is_memoised_and_renamed():
     q = model.best_rate(other, p.nm)
     assert isinstance(q, Partition)
     assert q.devices == tuple(d.name for d in other) and q.cuts == p.cuts
+
+
+def test_best_nm_beat_returns_the_same_split_or_none_below_it():
+    """``beat`` (an order search's best rate so far) only ever drops an order whose best
+    rate is strictly below it: otherwise the very split and Nm found without it."""
+    dropped = kept = 0
+    for seed in range(200):
+        prof, devs, _, factor, costs = instance(seed, tight=0.4 if seed % 2 else 1.0, k_max=5)
+        plain = CostModel(prof, bandwidth, factor, costs).best_nm(devs)
+        if not isinstance(plain, Partition):
+            continue
+        rate = plain.minibatches_per_s
+        for beat in (rate * 0.5, rate * (1 - 1e-12), rate, rate * (1 + 1e-6), rate * 2.0):
+            # a fresh model: no memo from the search without ``beat``
+            got = CostModel(prof, bandwidth, factor, costs).best_nm(devs, beat=beat)
+            if rate < beat:
+                assert got is None or got == plain, seed
+                dropped += got is None
+            else:
+                assert got == plain, (seed, beat)
+                kept += 1
+    assert dropped > 50 and kept > 200

@@ -112,3 +112,26 @@ def test_heuristic_for_large_vws():
     assert r.evaluated < 200  # 9! = 362880 orders were not tried
     start = model.best_nm(tuple(devs))
     assert score(r.partition) >= score(start)
+
+
+def test_skipping_orders_below_the_best_changes_no_answer():
+    # Nm chosen: the split-and-Nm search of an order bounded below the best so far is
+    # skipped (prune=True); the local search (k > 6) and the exhaustive one end the same
+    checked = 0
+    for seed in range(24):
+        r = random.Random(900 + seed)
+        L, k = r.randint(12, 24), r.choice((4, 5, 7, 8))
+        prof = synthetic_profile(
+            L, {"a": 1.0, "b": 0.6, "c": 0.3}, r, param_bytes=(2000, 30000), out_bytes=(1000, 40000)
+        )
+        need = sum(lp.param_bytes * 5 + lp.saved_bytes * 3 for lp in prof.layers["a"]) // k
+        devs = [
+            dev(f"g{i}", r.choice("abc"), int(need * r.choice((0.6, 1.0, 3.0))), f"n{i % 3}")
+            for i in range(k)
+        ]
+        a = best_order(CostModel(prof, bandwidth, 1), devs, prune=True)
+        b = best_order(CostModel(prof, bandwidth, 1), devs, prune=False)
+        assert [d.name for d in a.order] == [d.name for d in b.order], seed
+        assert a.partition == b.partition, seed
+        checked += isinstance(a.partition, Partition) and not a.exhaustive
+    assert checked >= 5

@@ -325,6 +325,7 @@ class CostTables:
         self._dup = duplicate_matrix(profile)
         self._tie_copies = tie_copy_matrices(profile)
         self._tie_times: dict[tuple, np.ndarray] = {}
+        self._min_total: tuple[tuple, int] | None = None  # min_total_memory's, by its inputs
         self._times: dict[tuple, np.ndarray] = {}
         self._totals: dict[tuple, np.ndarray] = {}
         self._masked: dict[tuple, np.ndarray] = {}
@@ -797,7 +798,19 @@ class CostTables:
     def min_total_memory(self) -> int:
         """The least memory any split needs over all its devices together: parameters,
         optimizer state, the two accumulators and one in-flight copy of every layer's saved
-        activations (the least over device types; none when they may be recomputed)."""
+        activations (the least over device types; none when they may be recomputed).
+        Computed once per (profile, factor, policy): the formation search asks for every
+        group."""
+        key = (id(self.profile), self.factor, self.activations)
+        hit = self._min_total
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        total = self._min_total_memory()
+        self._min_total = (key, total)
+        return total
+
+    def _min_total_memory(self) -> int:
+        """:meth:`min_total_memory`, computed."""
         keeps = self.activations == "keep"
         # a tie is one tensor: every layer using it counted it
         tied = sum((len(t.layers) - 1) * t.nbytes for t in self.profile.ties)

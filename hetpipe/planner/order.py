@@ -116,6 +116,10 @@ def distinct_orders(devices: Sequence[Any], classes: Sequence[int]) -> Iterator[
     yield from rec()
 
 
+# the score of an order proved worse than the best one found before it (never the best)
+BELOW: tuple[float, ...] = (-math.inf,)
+
+
 def score(p: Partition | Infeasible) -> tuple[float, ...]:
     """Larger is better; any split beats none."""
     if not isinstance(p, Partition):
@@ -150,6 +154,11 @@ def best_order(
     stages, and Nm above the smallest candidate only adds memory), so a prefix whose bound
     cannot beat the best rate found so far is skipped with all its completions. The result
     is the same as trying every order (``prune=False``), which tests check.
+
+    Either search, with Nm chosen, skips the split-and-Nm search of an order whose best
+    rate bounds prove strictly below the best order's so far (:meth:`CostModel.best_nm`'s
+    ``beat``; not under ``prune=False``): such an order can become neither the best nor
+    the local search's current order (always the best so far), so the answer is the same.
     """
     devices = tuple(devices)
     k = len(devices)
@@ -165,7 +174,17 @@ def best_order(
         sig = tuple(cls[id(d)] for d in order)
         if sig in seen:
             return seen[sig]
-        p = model.partition(order, nm) if nm is not None else model.best_nm(order, cands)
+        if nm is not None:
+            p: Partition | Infeasible | None = model.partition(order, nm)
+        else:
+            # an order whose best rate is strictly below the best so far can neither become
+            # the best nor the local search's current order (that is the best so far), so
+            # its split and Nm need not be found (CostModel.best_nm's ``beat``)
+            beat = best[0][0] if best and prune else -math.inf
+            p = model.best_nm(order, cands, beat)
+        if p is None:
+            seen[sig] = BELOW
+            return BELOW
         s = seen[sig] = score(p)
         if isinstance(p, Infeasible) and not first_fail:
             first_fail.append(p)

@@ -170,6 +170,7 @@ class CostModel(CostTables):
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
+        self._short: dict[tuple, float] = {}  # least latencies (_shortest)
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -478,14 +479,15 @@ class CostModel(CostTables):
         )
 
     def best_rate(
-        self, devices: Sequence[Any], nm: int, floor: float = 0.0
+        self, devices: Sequence[Any], nm: int, floor: float = 0.0, beat: float = -INF
     ) -> Partition | Infeasible:
         """The split with the highest estimated rate at this Nm (``minibatches_per_s``),
         exact over contiguous splits (module docs); among equal rates the lower bottleneck,
         then the lower latency. Where the least-bottleneck split fills the pipeline it is
         that split; memoised like :meth:`partition`. ``floor``: a rate the caller already
         has; where no split at this Nm can beat it, the least-bottleneck split is returned
-        without the search."""
+        without the search. ``beat``: the same where no split at this Nm can even reach it
+        (a rate strictly below it is of no use to the caller)."""
         p = self.partition(devices, nm)
         if not isinstance(p, Partition) or _full(p):
             return p
@@ -493,9 +495,11 @@ class CostModel(CostTables):
         key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         hit = self._joint.get(key)
         if hit is None:
-            hit = self._joint_split(devices, bws, nm, p, floor)
+            if _below(p.bottleneck, 1.0, beat):
+                return p  # no split at this Nm reaches ``beat`` (none beats 1 / B*)
+            hit = self._joint_split(devices, bws, nm, p, floor, beat)
             if hit is None:
-                return p  # cannot beat ``floor``
+                return p  # cannot beat ``floor`` or reach ``beat``
             self._joint[key] = hit
         names = tuple(d.name for d in devices)
         return hit if hit.devices == names else dataclasses.replace(hit, devices=names)
@@ -507,24 +511,26 @@ class CostModel(CostTables):
         nm: int,
         least: Partition,
         floor: float,
+        beat: float = -INF,
     ) -> Partition | None:
         """:meth:`best_rate` of a ``least`` bottleneck split that does not fill: the binary
         search over stage times of the module docs; None where even the bound
-        ``min(1 / B*, Nm / least latency)`` is at most ``floor``."""
+        ``min(1 / B*, Nm / least latency)`` is at most ``floor`` or below ``beat``, or where
+        the search's steps bound the best rate below ``beat``."""
         mats = self._stage_bands(devices, bws, nm)
-        shortest = self._least_latency(mats, INF, cuts=False)
-        assert shortest is not None
-        bound = min(1.0 / least.bottleneck, nm / shortest[1])
+        shortest = self._shortest(devices, nm)
+        assert shortest < INF
+        bound = min(1.0 / least.bottleneck, nm / shortest)
         if bound <= least.minibatches_per_s:
             return least
-        if bound <= floor:
+        if bound <= floor or bound * (1.0 + 1e-9) < beat:
             return None
         # Only stage times in [start, top] can be the least limit whose least-latency split
         # fills: below start even the shortest split does not, at top the split of ``least``
         # does (h(top) <= least.latency). Also the largest below start (the last that does
         # not fill, if it is the answer) and the first above top.
         lo, top = least.bottleneck, least.latency / nm
-        start = max(lo, shortest[1] / nm)
+        start = max(lo, shortest / nm)
         values = [self._band_values(tm) for tm, _ in mats]  # each band's distinct times
         # sorted, so each range is a slice: (lo, start) below, [start, top] inside (above
         # lo), (top, inf) over
@@ -544,14 +550,28 @@ class CostModel(CostTables):
         # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
         # limits[fills] does (len: none known to)
         below, fills = -1, len(limits)
+        h_below, h_fills = least.latency, shortest  # h at limits[below] and limits[fills]
         while fills - below > 1:
             mid = (below + fills) // 2
             hit = self._least_latency(mats, float(limits[mid]), cuts=False)
             assert hit is not None, "a limit above the least bottleneck admits a split"
             if nm * float(limits[mid]) >= hit[1]:
-                fills = mid
+                fills, h_fills = mid, hit[1]
             else:
-                below = mid
+                below, h_below = mid, hit[1]
+            if beat > -INF:
+                # the best rate is max over T of min(1 / T, Nm / h(T)), h falling with T:
+                # at most Nm / h_below up to limits[below], 1 / limits[fills] from there,
+                # and min(1 / limits[below], Nm / h_fills) between
+                t_below = float(limits[below]) if below >= 0 else lo
+                t_fills = float(limits[fills]) if fills < len(limits) else INF
+                most = max(
+                    _rate(nm, h_below),
+                    _rate(1.0, t_fills),
+                    min(_rate(1.0, t_below), _rate(nm, h_fills)),
+                )
+                if most * (1.0 + 1e-9) < beat:
+                    return None
         options = [least] if below < 0 else []
         for j in (below, fills):
             if 0 <= j < len(limits):
@@ -569,9 +589,33 @@ class CostModel(CostTables):
             hit = self._band_vals[id(band)] = (band, np.unique(band[band < INF]))
         return hit[1]
 
+    def _plain(self, devices: Sequence[Any]) -> bool:
+        """Whether :meth:`partition` of ``devices`` runs the DP (no early answer)."""
+        return 0 < len(devices) <= self.L and all(d.type in self.profile.layers for d in devices)
+
+    def _least_bottleneck(self, devices: Sequence[Any], nm: int) -> float:
+        """``B*``: the least bottleneck of any split of ``devices`` at ``nm`` (inf where none
+        fits), the DP alone (its states are cached for :meth:`partition`)."""
+        k = len(devices)
+        return float(self._run(devices, self.links(devices), nm, k, k)[self.L])
+
+    def _shortest(self, devices: Sequence[Any], nm: int) -> float:
+        """The least latency of any split of ``devices`` that fits at ``nm`` (inf where none
+        does); memoised by the device sequence like :meth:`partition`."""
+        bws = self.links(devices)
+        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        hit = self._short.get(key)
+        if hit is None:
+            got = self._least_latency(self._stage_bands(devices, bws, nm), INF, cuts=False)
+            hit = self._short[key] = INF if got is None else got[1]
+        return hit
+
     def best_nm(
-        self, devices: Sequence[Any], nm_candidates: Iterable[int] | None = None
-    ) -> Partition | Infeasible:
+        self,
+        devices: Sequence[Any],
+        nm_candidates: Iterable[int] | None = None,
+        beat: float = -INF,
+    ) -> Partition | Infeasible | None:
         """The split and Nm with the best estimated throughput (see ``minibatches_per_s``),
         chosen together: exact over contiguous splits and the candidates.
 
@@ -583,11 +627,29 @@ class CostModel(CostTables):
         first: the smallest Nm's least-bottleneck split has the least bottleneck of all; if
         the smallest Nm that would fill it keeps that bottleneck, no Nm can do better.
         Among equal estimates the smaller Nm wins (less memory, fresher weights).
+
+        ``beat``: a rate the caller already has (an order search's best). Where this
+        order's best rate is provably strictly below it, None instead of the split: the
+        search skips each Nm whose bound (``1 / B*``, ``Nm`` over the least latency) is
+        below ``beat``, every larger Nm once ``1 / B*`` is, and each Nm below ``beat`` times
+        a least latency already found (the least latency never falls with Nm either: the
+        feasible splits only shrink and their stages only slow). The answer is otherwise the
+        very split found without ``beat``: a skipped Nm's best is below ``beat``, so it
+        never decides the maximum, nor any stop of the scan, of an order that reaches it.
+        The scan over larger Nm relies on ``B*`` not falling with Nm, which a tied tensor's
+        per-wave cost breaks (it is shared over Nm minibatches), so with ties only each
+        Nm's own bound is used.
         """
         k = len(devices)
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
         if not cands or cands[0] < 1:
             raise PlanError(f"Nm candidates must be >= 1, got {cands}")
+        # B*(Nm) never falls as Nm grows (without ties): Nm whose bound is below ``beat``
+        # are then skipped before their split is found (the DP's bottleneck and the least
+        # latency only), else each Nm's own bound is checked inside best_rate
+        skim = beat > -INF and self._tie_copies is None and self._plain(devices)
+        if skim and _below(self._least_bottleneck(devices, cands[0]), 1.0, beat):
+            return None
         first = self.partition(devices, cands[0])
         if not isinstance(first, Partition) or _full(first):
             return first
@@ -597,20 +659,46 @@ class CostModel(CostTables):
             if isinstance(p, Partition) and p.bottleneck == first.bottleneck and _full(p):
                 return p
         best = first
+        shortest = 0.0  # a least latency no larger Nm goes below (it, too, never falls)
         for n in cands:
+            if skim:
+                if _below(shortest, n, beat):
+                    continue  # Nm / least latency is below ``beat`` at this Nm
+                b_star = self._least_bottleneck(devices, n)
+                if not math.isfinite(b_star):
+                    break  # as below: no split fits at this Nm
+                if _below(b_star, 1.0, beat):
+                    break  # no split at this Nm or above reaches ``beat``
+                shortest = self._shortest(devices, n)
+                if _below(shortest, n, beat):
+                    continue
             p = self._partition(devices, n, why=False)
             if not isinstance(p, Partition):
                 break  # more Nm only needs more memory
             ceiling = 1.0 / p.bottleneck  # no split at this Nm or above beats it
             if n > cands[0] and best.minibatches_per_s >= ceiling:
                 break
-            q = self.best_rate(devices, n, best.minibatches_per_s if n > cands[0] else 0.0)
+            q = self.best_rate(devices, n, best.minibatches_per_s if n > cands[0] else 0.0, beat)
             assert isinstance(q, Partition)
             if q.minibatches_per_s > best.minibatches_per_s:
                 best = q
             if best.minibatches_per_s >= ceiling:
                 break
-        return best
+        return best if best.minibatches_per_s >= beat else None
+
+
+def _rate(count: float, time: float) -> float:
+    """``count / time``, inf where ``time`` is 0."""
+    return count / time if time > 0 else INF
+
+
+def _below(time: float, count: float, beat: float) -> bool:
+    """Whether ``count / time`` (a rate bound) is below ``beat`` with a margin for rounding,
+    so that a bound read from the DP's tables never prunes a split whose described rate
+    rounds to ``beat`` or above."""
+    if not time > 0:
+        return False
+    return count / time * (1.0 + 1e-9) < beat
 
 
 def _windows(f: np.ndarray, w: int) -> np.ndarray:
