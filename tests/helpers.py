@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -23,7 +24,7 @@ import tomllib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -578,3 +579,20 @@ def example_files() -> tuple[list[Path], list[Path]]:
     for path in [*sorted((root / "examples").glob("*.toml")), root / "hetpipe" / "demo.toml"]:
         (clusters if "node" in tomllib.loads(path.read_text()) else jobs).append(path)
     return jobs, clusters
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (the scripts are no package; each imports
+    its siblings, such as ``_bench``, so the folder is on ``sys.path`` while it loads)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))

@@ -8,7 +8,6 @@ hundred minibatches at most) and checks what its JSON reports.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import load_script
 
 from hetpipe.config import load_cluster
 from hetpipe.models import build_model
@@ -30,15 +30,7 @@ SCRIPTS = ROOT / "scripts"
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its siblings
-    try:
-        spec = importlib.util.spec_from_file_location("bench_paper", SCRIPTS / "bench_paper.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("bench_paper")
 
 
 def test_the_testbed_file_is_the_papers_cluster() -> None:
@@ -153,17 +145,7 @@ def test_hetpipe_learning_rate_and_merge_go_into_its_job(bench: ModuleType) -> N
 
 @pytest.fixture(scope="module")
 def probe() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "probe_paper_staleness", SCRIPTS / "probe_paper_staleness.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("probe_paper_staleness")
 
 
 def test_probe_sgd_step_is_torchs(probe: ModuleType) -> None:

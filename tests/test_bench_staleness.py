@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_script
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its sibling _bench
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_staleness", SCRIPTS / "bench_staleness.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return load_script("bench_staleness")
 
 
 def record(accuracy: float, samples_per_s: float) -> dict[str, object]:

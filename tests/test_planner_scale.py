@@ -3,33 +3,19 @@ model and cluster finishes in a bounded time."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import time
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from hetpipe.core.memory import in_flight
 from hetpipe.planner import make_plan
 from hetpipe.planner.partition import CostModel
 
-
-def _bench() -> ModuleType:
-    """``scripts/bench_planner.py``: its cluster and model are the cases planned here."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_planner", Path(__file__).resolve().parent.parent / "scripts" / "bench_planner.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_script("bench_planner")  # its cluster and model are the cases planned here
 _cluster = BENCH.cluster  # n // 4 nodes of four GPUs, one of every type each
 _profile = BENCH.profile_of
 
