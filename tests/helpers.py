@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hetpipe import log as logmod
 from hetpipe.config import (
     ClusterConfig,
     DeviceSpec,
@@ -41,6 +42,8 @@ from hetpipe.config import (
 )
 from hetpipe.core.layout import StageLayout
 from hetpipe.data import MinibatchStream, load_data
+from hetpipe.head import JobState
+from hetpipe.head.recovery import RecoveryPart
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
@@ -596,3 +599,20 @@ def load_script(name: str) -> ModuleType:
         return module
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+class RecoveryHead(RecoveryPart):
+    """The state :class:`hetpipe.head.recovery.RecoveryPart` reads, and nothing else: a run
+    directory, the jobs, the queue, a log (its recovery tested on job records alone)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.jobs: dict[str, JobState] = {}
+        self.queue: asyncio.Queue[JobState] = asyncio.Queue()
+        self.log = logmod.get("test")
+        self.cluster = SimpleNamespace(security=SimpleNamespace(allowed_modules=()))
+        self._n = 100
+
+    def _new_id(self, name: str) -> str:
+        self._n += 1
+        return f"{name}-{self._n}"

@@ -12,39 +12,20 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import hetpipe_cli, job_toml, stop_up_daemons
+from helpers import RecoveryHead, hetpipe_cli, job_toml, stop_up_daemons
 
-from hetpipe import log as logmod
 from hetpipe.config import load_cluster
 from hetpipe.daemon import Owner
 from hetpipe.head import Head, JobState
-from hetpipe.head.recovery import RecoveryPart
 from hetpipe.jobstore import read_result, recovered_line
 from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
 from hetpipe.wire import Kind, Message
 
 # -- the head's part, on records ----------------------------------------------------------------
-
-
-class _Head(RecoveryPart):
-    """The state RecoveryPart reads: a run directory, the jobs, the queue, a log."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.jobs: dict[str, JobState] = {}
-        self.queue: asyncio.Queue[JobState] = asyncio.Queue()
-        self.log = logmod.get("test")
-        self.cluster = SimpleNamespace(security=SimpleNamespace(allowed_modules=()))
-        self._n = 100
-
-    def _new_id(self, name: str) -> str:
-        self._n += 1
-        return f"{name}-{self._n}"
 
 
 def _queued(run_dir: Path, job_id: str, submitted: float, **extra: Any) -> None:
@@ -54,7 +35,7 @@ def _queued(run_dir: Path, job_id: str, submitted: float, **extra: Any) -> None:
     (d / "job.json").write_text(json.dumps({**record, "submitted": submitted, **extra}))
 
 
-def _queue(head: _Head) -> list[JobState]:
+def _queue(head: RecoveryHead) -> list[JobState]:
     out = []
     while not head.queue.empty():
         out.append(head.queue.get_nowait())
@@ -71,7 +52,7 @@ def test_a_restarted_head_queues_again_the_jobs_still_queued_in_their_order(
     # a job a head resumed from a checkpoint, stopped before it ran it: first again
     _queued(tmp_path, "back-4", 400.0, resume="gone-1", recovered=True)
     _queued(tmp_path, "bare-5", 50.0)  # a record that does not hold its job
-    head = _Head(tmp_path)
+    head = RecoveryHead(tmp_path)
     head._recover()
 
     queued = _queue(head)
@@ -97,7 +78,7 @@ def test_a_job_queued_again_and_stopped_again_is_queued_a_third_time(tmp_path: P
     """Its record is left as it was: each head that starts before it runs queues it."""
     _queued(tmp_path, "slow-1", 10.0, job=job("slow"))
     for _ in range(2):
-        head = _Head(tmp_path)
+        head = RecoveryHead(tmp_path)
         head._recover()
         assert [js.id for js in _queue(head)] == ["slow-1"]
     assert json.loads((tmp_path / "jobs" / "slow-1" / "job.json").read_text())["job"]

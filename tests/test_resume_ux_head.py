@@ -4,37 +4,18 @@ its predecessor recorded (:meth:`RecoveryPart._recover`), and which resumes it r
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import job
+from helpers import RecoveryHead
 
-from hetpipe import log as logmod
 from hetpipe.head import JobState, JobStatus
-from hetpipe.head.recovery import RecoveryPart
 from hetpipe.head.states import JobFailed
 from hetpipe.job import JobSpec
 from hetpipe.jobstore import read_result, write_result
-
-
-class _Head(RecoveryPart):
-    """The state RecoveryPart reads: a run directory, the jobs, the queue, a log."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.jobs: dict[str, JobState] = {}
-        self.queue: asyncio.Queue[JobState] = asyncio.Queue()
-        self.log = logmod.get("test")
-        self.cluster = SimpleNamespace(security=SimpleNamespace(allowed_modules=()))
-        self._n = 100
-
-    def _new_id(self, name: str) -> str:
-        self._n += 1
-        return f"{name}-{self._n}"
 
 
 def _record(run_dir: Path, job_id: str, state: str, **extra: Any) -> Path:
@@ -58,7 +39,7 @@ def test_a_restarted_head_keeps_every_job_its_predecessor_knew(tmp_path: Path) -
     write_result(tmp_path, "refused-4", {"id": "refused-4", "state": "failed", "error": "x"})
     _record(tmp_path, "done-5", "done")
     write_result(tmp_path, "done-5", {"id": "done-5", "state": "done"})
-    head = _Head(tmp_path)
+    head = RecoveryHead(tmp_path)
     head._recover()
     assert head.queue.empty()  # nothing had a checkpoint to resume from
 
@@ -88,7 +69,7 @@ def _spec() -> JobSpec:
 
 
 def test_a_job_is_resumed_once_and_only_once_it_has_ended(tmp_path: Path) -> None:
-    head = _Head(tmp_path)
+    head = RecoveryHead(tmp_path)
     running = JobState(id="t-1", spec=_spec(), submitted=0.0, state=JobStatus.RUNNING)
     head.jobs["t-1"] = running
     with pytest.raises(JobFailed, match=r"^resume: job t-1 is running, not ended"):
@@ -112,7 +93,7 @@ def test_a_job_is_resumed_once_and_only_once_it_has_ended(tmp_path: Path) -> Non
     assert text.startswith("resume: job t-1 was already resumed as t-2 (queued)")
 
     # a successor only the disk remembers (another head's): refused alike
-    fresh = _Head(tmp_path)
+    fresh = RecoveryHead(tmp_path)
     with pytest.raises(JobFailed, match=r"already resumed as t-2"):
         fresh._resume_source("t-1")
     # a job never resumed goes on to its checkpoint (here: none, said in one line)
