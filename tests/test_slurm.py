@@ -405,13 +405,9 @@ def test_sbatch_trains_a_job_and_stops_every_daemon(slurm: Slurm, tmp_path: Path
     _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 30)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
-    slurm: Slurm, tmp_path: Path
-) -> None:
-    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
-    job, run_dir, _ = _submit(slurm, tmp_path, job_file)
+def _wait_checkpointed(slurm: Slurm, job: str, run_dir: Path, tmp_path: Path) -> None:
+    """Until Slurm job ``job``'s run directory holds a checkpoint (failing, with its output
+    and the daemons' logs, where the allocation ends first)."""
 
     def checkpointed() -> list[Path]:
         state = slurm.job_state(job).get("JobState")
@@ -421,6 +417,17 @@ def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
         return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
 
     _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_scancel_midway_leaves_a_checkpoint_the_next_allocation_resumes(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
+    job, run_dir, _ = _submit(slurm, tmp_path, job_file)
+
+    _wait_checkpointed(slurm, job, run_dir, tmp_path)
     slurm.run(["scancel", job])
     state = slurm.wait_ended(job, 120)
     assert state.get("JobState") == "CANCELLED", state
@@ -461,14 +468,7 @@ def test_a_job_queued_at_scancel_runs_in_the_next_allocation_after_the_resumed_o
     job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
     job, run_dir, env = _submit(slurm, tmp_path, job_file)
 
-    def checkpointed() -> list[Path]:
-        state = slurm.job_state(job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
-            f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
-        )
-        return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
-
-    _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+    _wait_checkpointed(slurm, job, run_dir, tmp_path)
     later = _job_file(tmp_path / "later.toml", minibatches=60)
     plain = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
     cli = [sys.executable, "-m", "hetpipe.cli", "--cluster", str(run_dir / "cluster.toml")]
@@ -567,14 +567,7 @@ def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resum
         extra={"HETPIPE_STOP_S": "15"},
     )
 
-    def checkpointed() -> list[Path]:
-        state = slurm.job_state(job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
-            f"{state}\n{_output(tmp_path, job)}\n{_run_logs(run_dir)}"
-        )
-        return list(run_dir.glob("jobs/*/checkpoints/*/MANIFEST.json"))
-
-    _wait("a checkpoint of the running job", checkpointed, 240, every=1.0)
+    _wait_checkpointed(slurm, job, run_dir, tmp_path)
     # the warning comes at slurmctld's first time-limit check (every 30 s) less than
     # WARN_S + 30 s before the end: an end at least 60 s away leaves it 30 s or more
     ran = _seconds(slurm.job_state(job)["RunTime"])
