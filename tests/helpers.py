@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
@@ -616,3 +617,25 @@ class RecoveryHead(RecoveryPart):
     def _new_id(self, name: str) -> str:
         self._n += 1
         return f"{name}-{self._n}"
+
+
+def cli_status(cluster: Path, run_dir: Path, job_id: str) -> dict[str, Any]:
+    """``hetpipe status JOB --json`` through the CLI, as a user runs it."""
+    got = hetpipe_cli(cluster, run_dir, "status", job_id, "--json")
+    assert got.returncode == 0, got.stdout + got.stderr
+    return json.loads(got.stdout)
+
+
+def cli_until(
+    cluster: Path, run_dir: Path, job_id: str, reached: Any, timeout: float
+) -> dict[str, Any]:
+    """:func:`cli_status` until ``reached(status)`` (failing where the job ends first or
+    ``timeout`` s pass)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cli_status(cluster, run_dir, job_id)
+        if reached(info):
+            return info
+        assert info["state"] in ("queued", "planning", "running"), info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.3)

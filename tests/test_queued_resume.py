@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import RecoveryHead, hetpipe_cli, job_toml, stop_up_daemons
+from helpers import RecoveryHead, cli_status, cli_until, hetpipe_cli, job_toml, stop_up_daemons
 
 from hetpipe.config import load_cluster
 from hetpipe.daemon import Owner
@@ -147,25 +146,6 @@ def test_a_stopping_head_starts_no_queued_job_and_the_next_one_queues_them(
 # -- real daemons through the CLI -------------------------------------------------------------
 
 
-def _status(cluster: Path, run_dir: Path, job_id: str) -> dict[str, Any]:
-    got = hetpipe_cli(cluster, run_dir, "status", job_id, "--json")
-    assert got.returncode == 0, got.stdout + got.stderr
-    return json.loads(got.stdout)
-
-
-def _until(
-    cluster: Path, run_dir: Path, job_id: str, reached: Any, timeout: float
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = _status(cluster, run_dir, job_id)
-        if reached(info):
-            return info
-        assert info["state"] in ("queued", "planning", "running"), info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.3)
-
-
 def _submit(cluster: Path, run_dir: Path, path: Path, spec: dict[str, Any]) -> str:
     path.write_text(job_toml(spec))
     sub = hetpipe_cli(cluster, run_dir, "submit", str(path))
@@ -215,8 +195,8 @@ def test_down_and_up_run_the_queued_jobs_after_the_resumed_one(tmp_path: Path) -
         first = _submit(cluster, run_dir, tmp_path / "a.toml", long_spec)
         b = _submit(cluster, run_dir, tmp_path / "b.toml", job("b", split=split, minibatches=40))
         c = _submit(cluster, run_dir, tmp_path / "c.toml", job("c", split=split, minibatches=30))
-        _until(cluster, run_dir, first, lambda i: i.get("checkpoints", 0) >= 1, 120)
-        assert _status(cluster, run_dir, b)["state"] == "queued"
+        cli_until(cluster, run_dir, first, lambda i: i.get("checkpoints", 0) >= 1, 120)
+        assert cli_status(cluster, run_dir, b)["state"] == "queued"
         down()
 
         said = up()
@@ -226,12 +206,12 @@ def test_down_and_up_run_the_queued_jobs_after_the_resumed_one(tmp_path: Path) -
         for queued in (b, c):
             assert f"up: queued job {queued} again (it had not started)" in said, said
         # the resumed job runs first; the queued ones wait behind it under their own ids
-        _until(cluster, run_dir, new, lambda i: i["state"] == "running", 120)
-        assert _status(cluster, run_dir, b)["state"] == "queued"
-        assert _status(cluster, run_dir, c)["state"] == "queued"
+        cli_until(cluster, run_dir, new, lambda i: i["state"] == "running", 120)
+        assert cli_status(cluster, run_dir, b)["state"] == "queued"
+        assert cli_status(cluster, run_dir, c)["state"] == "queued"
         assert hetpipe_cli(cluster, run_dir, "cancel", new).returncode == 0
-        done_b = _until(cluster, run_dir, b, lambda i: i["state"] == "done", 180)
-        done_c = _until(cluster, run_dir, c, lambda i: i["state"] == "done", 180)
+        done_b = cli_until(cluster, run_dir, b, lambda i: i["state"] == "done", 180)
+        done_c = cli_until(cluster, run_dir, c, lambda i: i["state"] == "done", 180)
         assert done_b["minibatches"] == 40 and done_c["minibatches"] == 30
         assert (run_dir / "jobs" / b / "model.pt").exists()
         assert (run_dir / "jobs" / c / "model.pt").exists()

@@ -13,11 +13,10 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import hetpipe_cli, job_toml, stop_up_daemons
+from helpers import cli_status, cli_until, hetpipe_cli, job_toml, stop_up_daemons
 
 from hetpipe.jobstore import links, read_result, recovered_line, summary, update_result
 from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
@@ -58,25 +57,6 @@ def test_a_result_is_updated_or_made_from_the_record(tmp_path: Path) -> None:
 
 
 # -- real daemons through the CLI -------------------------------------------------------------
-
-
-def _status(cluster: Path, run_dir: Path, job_id: str) -> dict[str, Any]:
-    got = hetpipe_cli(cluster, run_dir, "status", job_id, "--json")
-    assert got.returncode == 0, got.stdout + got.stderr
-    return json.loads(got.stdout)
-
-
-def _until(
-    cluster: Path, run_dir: Path, job_id: str, reached: Any, timeout: float
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = _status(cluster, run_dir, job_id)
-        if reached(info):
-            return info
-        assert info["state"] in ("queued", "planning", "running"), info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.3)
 
 
 def _job_file(path: Path, name: str, every: int) -> Path:
@@ -121,7 +101,7 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         sub = hetpipe_cli(cluster, run_dir, "submit", str(_job_file(tmp_path / "a.toml", "ux", 5)))
         assert sub.returncode == 0, sub.stderr
         old = sub.stdout.strip()
-        _until(cluster, run_dir, old, lambda i: i.get("checkpoints", 0) >= 1, 120)
+        cli_until(cluster, run_dir, old, lambda i: i.get("checkpoints", 0) >= 1, 120)
         down()
         said = up()
         resumed = [x for x in said.splitlines() if x.startswith(f"up: resumed job {old} as ")]
@@ -131,12 +111,12 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         wave = int(resumed[0].rsplit(" ", 1)[1])
 
         # the new job names the old one, and from where it went on
-        info = _status(cluster, run_dir, new)
+        info = cli_status(cluster, run_dir, new)
         assert info["resumed_from"]["job"] == old and info["resumed_from"]["wave"] == wave
         text = hetpipe_cli(cluster, run_dir, "status", new)
         assert f"resumed from {old} at wave {wave}" in text.stdout, text.stdout
         # the old job names its successor, in its status and in the listing
-        info = _status(cluster, run_dir, old)
+        info = cli_status(cluster, run_dir, old)
         assert info["resumed_as"] == new and info["state"] == "resumed", info
         text = hetpipe_cli(cluster, run_dir, "status", old)
         assert f"resumed as {new}" in text.stdout, text.stdout
@@ -150,7 +130,7 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         lines = again.stderr.strip().splitlines()
         assert len(lines) == 1 and f"already resumed as {new}" in lines[0], again.stderr
         assert hetpipe_cli(cluster, run_dir, "cancel", new).returncode == 0
-        _until(cluster, run_dir, new, lambda i: i["state"] == "cancelled", 60)
+        cli_until(cluster, run_dir, new, lambda i: i["state"] == "cancelled", 60)
 
         # a job without a checkpoint when the head stops: known after, failed and why
         sub = hetpipe_cli(
@@ -158,13 +138,13 @@ def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> Non
         )
         assert sub.returncode == 0, sub.stderr
         bare = sub.stdout.strip()
-        _until(cluster, run_dir, bare, lambda i: i.get("minibatches", 0) >= 4, 120)
+        cli_until(cluster, run_dir, bare, lambda i: i.get("minibatches", 0) >= 4, 120)
         os.kill(pids["ps0"], signal.SIGKILL)  # the head dies under it, writing nothing
         time.sleep(0.5)
         down()
         said = up()
         assert f"up: job {bare} not resumed: " in said and "no complete checkpoint" in said, said
-        info = _status(cluster, run_dir, bare)
+        info = cli_status(cluster, run_dir, bare)
         assert info["state"] == "failed" and "no complete checkpoint" in info["error"], info
         text = hetpipe_cli(cluster, run_dir, "status", bare)
         assert text.returncode == 0 and "no job" not in text.stdout + text.stderr
