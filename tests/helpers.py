@@ -639,3 +639,34 @@ def cli_until(
         assert info["state"] in ("queued", "planning", "running"), info
         assert time.monotonic() < deadline, info
         time.sleep(0.3)
+
+
+class UpDown:
+    """A cluster file of ``devices`` and two shards on fixed ports (so a head started again
+    finds its daemons where the file says), brought up and down through the CLI as a user
+    does (``hetpipe up`` / ``down``); ``pids`` collects every daemon it started, for
+    :func:`stop_up_daemons`."""
+
+    def __init__(self, tmp_path: Path, devices: Any) -> None:
+        from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
+
+        ports = free_ports(len(devices) + 2)
+        defs = tuple(
+            DeviceDef(d.name, d.type, d.memory, d.speed, port=p)
+            for d, p in zip(devices, ports[2:], strict=True)
+        )
+        self.cluster = tmp_path / "cluster.toml"
+        self.cluster.write_text(cluster_toml(defs, shard_ports=ports[:2]))
+        self.run_dir = tmp_path / "run"
+        self.pids: dict[str, int] = {}
+
+    def up(self) -> str:
+        got = hetpipe_cli(self.cluster, self.run_dir, "up", "--timeout", "60")
+        with contextlib.suppress(OSError, ValueError):
+            self.pids.update(json.loads((self.run_dir / "pids.json").read_text()))
+        assert got.returncode == 0, got.stdout + got.stderr
+        return got.stdout
+
+    def down(self) -> None:
+        got = hetpipe_cli(self.cluster, self.run_dir, "down")
+        assert got.returncode == 0, got.stdout + got.stderr

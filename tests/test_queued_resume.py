@@ -8,20 +8,27 @@ the CLI."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import RecoveryHead, cli_status, cli_until, hetpipe_cli, job_toml, stop_up_daemons
+from helpers import (
+    RecoveryHead,
+    UpDown,
+    cli_status,
+    cli_until,
+    hetpipe_cli,
+    job_toml,
+    stop_up_daemons,
+)
 
 from hetpipe.config import load_cluster
 from hetpipe.daemon import Owner
 from hetpipe.head import Head, JobState
 from hetpipe.jobstore import read_result, recovered_line
-from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
+from hetpipe.localcluster import DeviceDef, cluster_toml
 from hetpipe.wire import Kind, Message
 
 # -- the head's part, on records ----------------------------------------------------------------
@@ -165,27 +172,9 @@ def _done_in_log(run_dir: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_down_and_up_run_the_queued_jobs_after_the_resumed_one(tmp_path: Path) -> None:
-    ports = free_ports(4)
-    devices = tuple(
-        DeviceDef(d.name, d.type, d.memory, d.speed, port=p)
-        for d, p in zip(UNIFORM[:2], ports[2:], strict=True)
-    )
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(cluster_toml(devices, shard_ports=ports[:2]))
-    run_dir = tmp_path / "run"
-    pids: dict[str, int] = {}
+    c = UpDown(tmp_path, UNIFORM[:2])
+    cluster, run_dir, pids, up, down = c.cluster, c.run_dir, c.pids, c.up, c.down
     split = [(["gpu0", "gpu1"], [3, 3])]
-
-    def up() -> str:
-        got = hetpipe_cli(cluster, run_dir, "up", "--timeout", "60")
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(json.loads((run_dir / "pids.json").read_text()))
-        assert got.returncode == 0, got.stdout + got.stderr
-        return got.stdout
-
-    def down() -> None:
-        got = hetpipe_cli(cluster, run_dir, "down")
-        assert got.returncode == 0, got.stdout + got.stderr
 
     try:
         up()

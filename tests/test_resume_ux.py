@@ -7,8 +7,6 @@ processes."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import time
@@ -16,10 +14,9 @@ from pathlib import Path
 
 import pytest
 from conftest import UNIFORM, job
-from helpers import cli_status, cli_until, hetpipe_cli, job_toml, stop_up_daemons
+from helpers import UpDown, cli_status, cli_until, hetpipe_cli, job_toml, stop_up_daemons
 
 from hetpipe.jobstore import links, read_result, recovered_line, summary, update_result
-from hetpipe.localcluster import DeviceDef, cluster_toml, free_ports
 from hetpipe.views import job_line, render_result
 
 # -- pure -------------------------------------------------------------------------------------
@@ -75,26 +72,8 @@ def _job_file(path: Path, name: str, every: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_down_and_up_mid_job_say_what_was_resumed_as_what(tmp_path: Path) -> None:
-    ports = free_ports(4)
-    devices = tuple(
-        DeviceDef(d.name, d.type, d.memory, d.speed, port=p)
-        for d, p in zip(UNIFORM[:2], ports[2:], strict=True)
-    )
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(cluster_toml(devices, shard_ports=ports[:2]))
-    run_dir = tmp_path / "run"
-    pids: dict[str, int] = {}
-
-    def up() -> str:
-        got = hetpipe_cli(cluster, run_dir, "up", "--timeout", "60")
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(json.loads((run_dir / "pids.json").read_text()))
-        assert got.returncode == 0, got.stdout + got.stderr
-        return got.stdout
-
-    def down() -> None:
-        got = hetpipe_cli(cluster, run_dir, "down")
-        assert got.returncode == 0, got.stdout + got.stderr
+    c = UpDown(tmp_path, UNIFORM[:2])
+    cluster, run_dir, pids, up, down = c.cluster, c.run_dir, c.pids, c.up, c.down
 
     try:
         up()
