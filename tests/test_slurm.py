@@ -465,10 +465,12 @@ def test_a_job_queued_at_scancel_runs_in_the_next_allocation_after_the_resumed_o
     """A job submitted to the allocation's head behind the running one and still queued when
     the allocation is cancelled: the next allocation (``HETPIPE_DRAIN=1``) resumes the
     running one from its checkpoint, then runs the queued one, under its own id, to done."""
-    job_file = _job_file(tmp_path / "job.toml", minibatches=1500, checkpoint_every=50)
+    # long enough to be running still when the allocation is cancelled, the later job's
+    # submit (a CLI start on a loaded host) included; the next allocation finishes it
+    job_file = _job_file(tmp_path / "job.toml", minibatches=4000, checkpoint_every=50)
     job, run_dir, env = _submit(slurm, tmp_path, job_file)
-
-    _wait_checkpointed(slurm, job, run_dir, tmp_path)
+    # the allocation's head took its job: the later one queues behind it from here on
+    _wait("the allocation's job", lambda: list(run_dir.glob("jobs/*/job.json")), 240, every=1.0)
     later = _job_file(tmp_path / "later.toml", minibatches=60)
     plain = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
     cli = [sys.executable, "-m", "hetpipe.cli", "--cluster", str(run_dir / "cluster.toml")]
@@ -481,6 +483,7 @@ def test_a_job_queued_at_scancel_runs_in_the_next_allocation_after_the_resumed_o
     )
     assert sub.returncode == 0, sub.stdout + sub.stderr
     queued = sub.stdout.strip()
+    _wait_checkpointed(slurm, job, run_dir, tmp_path)
     slurm.run(["scancel", job])
     state = slurm.wait_ended(job, 120)
     assert state.get("JobState") == "CANCELLED", state
