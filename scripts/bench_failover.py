@@ -110,20 +110,26 @@ async def _whole(c: LocalCluster, timeout: float = 60) -> None:
             await asyncio.sleep(0.2)
 
 
+async def _until(head: Any, job_id: str, reached: Any) -> dict[str, Any]:
+    """The job's status once ``reached(status)``; fails where the job ends first or does not
+    get there within 300 s."""
+    deadline = time.monotonic() + 300
+    while True:
+        info = await head.job(job_id)
+        assert info["state"] in ("queued", "planning", "running"), info.get("error")
+        if reached(info):
+            return info
+        assert time.monotonic() < deadline, "the job did not get to the kill"
+        await asyncio.sleep(0.05)
+
+
 async def _run(c: LocalCluster, spec: dict[str, Any], kill_at: int | None) -> dict[str, Any]:
     """Run ``spec``; SIGKILL the victim once ``kill_at`` minibatches are trained."""
     async with c.client() as head:
         job_id = await head.submit(spec)
         killed = None
         if kill_at is not None:
-            deadline = time.monotonic() + 300
-            while True:
-                info = await head.job(job_id)
-                assert info["state"] in ("queued", "planning", "running"), info.get("error")
-                if info.get("minibatches", 0) >= kill_at:
-                    break
-                assert time.monotonic() < deadline, "the job did not get to the kill"
-                await asyncio.sleep(0.05)
+            await _until(head, job_id, lambda i: i.get("minibatches", 0) >= kill_at)
             c.kill(f"worker-{VICTIM}", signal.SIGKILL)
             killed = time.time()
         info = await head.follow(job_id, every_s=0.2, timeout=600)
@@ -139,14 +145,9 @@ async def _shard_run(
     it had trained at the kill."""
     async with c.client() as head:
         job_id = await head.submit(spec)
-        deadline = time.monotonic() + 300
-        while True:
-            info = await head.job(job_id)
-            assert info["state"] in ("queued", "planning", "running"), info.get("error")
-            if info.get("checkpoints", 0) >= 1 and info.get("minibatches", 0) >= at:
-                break
-            assert time.monotonic() < deadline, "the job did not get to the kill"
-            await asyncio.sleep(0.05)
+        info = await _until(
+            head, job_id, lambda i: i.get("checkpoints", 0) >= 1 and i.get("minibatches", 0) >= at
+        )
         trained = sum(info["positions"])
         c.kill("ps1", signal.SIGKILL)
         await asyncio.sleep(down_s)

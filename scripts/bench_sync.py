@@ -104,6 +104,17 @@ SIDES: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 
 
+def alternated(sides: dict[str, Any], args: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each side's runs, ``--rounds`` of them, the sides taking turns and each round starting
+    one side later (a host whose speed drifts over minutes favours no side)."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    order = list(sides)
+    for r in range(args.rounds):
+        for side in order[r % len(order) :] + order[: r % len(order)]:
+            runs[side].append(sides[side]())
+    return runs
+
+
 def part_a(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sides: dict[str, Any] = {
@@ -114,10 +125,7 @@ def part_a(args: Any) -> dict[str, Any]:
         sides[side] = lambda job, kw=kwargs: run_ours(job, args.warmup, 1, **kw)
     for kind in ("gpipe", "1f1b"):
         job = job_dict(args.model, args.microbatch, args.minibatches, kind)
-        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-        for r in range(args.rounds):
-            for side in list(sides)[r % len(sides) :] + list(sides)[: r % len(sides)]:
-                runs[side].append(sides[side](job))
+        runs = alternated({k: lambda run=run, job=job: run(job) for k, run in sides.items()}, args)
         med = {k: sorted(v, key=lambda x: x["samples_per_s"])[len(v) // 2] for k, v in runs.items()}
         torch_sps = med["torch"]["samples_per_s"]
         out[kind] = {
@@ -204,10 +212,7 @@ def part_f(args: Any) -> dict[str, Any]:
                 job, args.warmup, retain_freed=True, placement=pl, kind=k
             ),
         }
-        runs: dict[str, list[float]] = {side: [] for side in sides}
-        for r in range(args.rounds):
-            for side in list(sides)[r % len(sides) :] + list(sides)[: r % len(sides)]:
-                runs[side].append(sides[side]()["samples_per_s"])
+        runs = {k: [x["samples_per_s"] for x in v] for k, v in alternated(sides, args).items()}
         med = {k: statistics.median(v) for k, v in runs.items()}
         out[name] = {
             "ours_samples_per_s": med["ours"],
