@@ -54,6 +54,7 @@ from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 # -- the plain-PyTorch reference --------------------------------------------------------------
 
@@ -261,6 +262,21 @@ def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
         (NodeSpec("node0", "127.0.0.1", devs),),
         RuntimeSpec(),
     )
+
+
+def gpu_cluster(nodes: list[list[tuple[str, float]]], memory: int = GiB) -> ClusterConfig:
+    """Nodes of (type, speed) GPUs named g0, g1, ... in order, one shard per node; real
+    devices (no emulated core sharing), as the planner sees a cluster of GPUs."""
+    out, i = [], 0
+    for n, specs in enumerate(nodes):
+        devs = []
+        for t, s in specs:
+            host = f"10.0.0.{n}"
+            devs.append(DeviceSpec(f"g{i}", f"cuda:{len(devs)}", t, memory, s, 0, f"n{n}", host))
+            i += 1
+        out.append(NodeSpec(f"n{n}", f"10.0.0.{n}", tuple(devs)))
+    shards = tuple(ShardSpec(j, f"10.0.0.{j}", 7100) for j in range(len(nodes)))
+    return ClusterConfig("<t>", shards, NetworkSpec(100.0, 10.0), tuple(out), RuntimeSpec())
 
 
 def profile16() -> ModelProfile:

@@ -7,35 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import KW, gpu_cluster
 
 from hetpipe.config import (
     ClusterConfig,
-    DeviceSpec,
-    NetworkSpec,
-    NodeSpec,
-    RuntimeSpec,
-    ShardSpec,
 )
 from hetpipe.planner import make_plan, synthetic_profile
 from hetpipe.profiling import predicted_summary
 from hetpipe.views import explain_lines, render_comparison
-
-GiB = 1 << 30
-KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
-
-
-def cluster(nodes: list[list[tuple[str, float]]], memory: int = GiB) -> ClusterConfig:
-    """Nodes of (type, speed) GPUs; real devices (no emulated core sharing)."""
-    out, i = [], 0
-    for n, specs in enumerate(nodes):
-        devs = []
-        for t, s in specs:
-            host = f"10.0.0.{n}"
-            devs.append(DeviceSpec(f"g{i}", f"cuda:{len(devs)}", t, memory, s, 0, f"n{n}", host))
-            i += 1
-        out.append(NodeSpec(f"n{n}", f"10.0.0.{n}", tuple(devs)))
-    shards = tuple(ShardSpec(j, f"10.0.0.{j}", 7100) for j in range(len(nodes)))
-    return ClusterConfig("<t>", shards, NetworkSpec(100.0, 10.0), tuple(out), RuntimeSpec())
 
 
 def generated(seed: int, slow: float) -> tuple[ClusterConfig, object, str]:
@@ -47,7 +26,7 @@ def generated(seed: int, slow: float) -> tuple[ClusterConfig, object, str]:
     at = r.randrange(len(good) + 1)
     specs = [*good[:at], ("w", slow), *good[at:]]
     prof = synthetic_profile(r.randint(12, 24), {**types, "w": slow}, r)
-    return cluster([specs]), prof, f"g{at}"
+    return gpu_cluster([specs]), prof, f"g{at}"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -81,7 +60,7 @@ def test_a_helpful_device_is_kept(seed):
 
 
 def test_a_lone_slow_vw_that_holds_the_others_at_the_gate_is_left_out():
-    c = cluster([[("a", 1.0)] * 4, [("w", 0.05)]])
+    c = gpu_cluster([[("a", 1.0)] * 4, [("w", 0.05)]])
     prof = synthetic_profile(16, {"a": 1.0, "w": 0.05}, 0)
     plan = make_plan(c, prof, policy="np", **KW)
     assert plan.unused == ("g4",) and len(plan.vws) == 1
@@ -91,7 +70,7 @@ def test_a_lone_slow_vw_that_holds_the_others_at_the_gate_is_left_out():
 
 
 def test_explain_states_each_vws_rate_and_share():
-    c = cluster([[("a", 1.0)] * 2, [("b", 0.5)] * 2])
+    c = gpu_cluster([[("a", 1.0)] * 2, [("b", 0.5)] * 2])
     prof = synthetic_profile(16, {"a": 1.0, "b": 0.5}, 0)
     plan = make_plan(c, prof, policy="np", staleness=4, minibatch=32, optimizer_state_factor=1)
     shares = plan.details["vw_shares"]

@@ -6,14 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import KW, gpu_cluster
 
 from hetpipe.config import (
     ClusterConfig,
-    DeviceSpec,
-    NetworkSpec,
-    NodeSpec,
-    RuntimeSpec,
-    ShardSpec,
 )
 from hetpipe.job import JobError, JobSpec, load_job
 from hetpipe.planner import Plan, PlanError, make_plan, synthetic_profile
@@ -28,22 +24,10 @@ from hetpipe.planner.staleness import (
 from hetpipe.profiling import plan_for
 from hetpipe.views import explain_lines
 
-GiB = 1 << 30
-KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
-
 
 def one_node(n: int, speed: float = 1.0) -> ClusterConfig:
-    """``n`` alike GPUs on one node (real devices: no emulated core sharing)."""
-    devs = tuple(
-        DeviceSpec(f"g{i}", f"cuda:{i}", "a", GiB, speed, 0, "n0", "10.0.0.1") for i in range(n)
-    )
-    return ClusterConfig(
-        "<t>",
-        (ShardSpec(0, "10.0.0.1", 7100),),
-        NetworkSpec(100.0, 10.0),
-        (NodeSpec("n0", "10.0.0.1", devs),),
-        RuntimeSpec(),
-    )
+    """``n`` alike GPUs on one node."""
+    return gpu_cluster([[("a", speed)] * n])
 
 
 PROF = synthetic_profile(32, {"a": 1.0}, 0)
@@ -101,22 +85,7 @@ def test_max_nm_caps_every_virtual_worker():
         assert [v.nm for v in p.vws] == [cap]
         assert p.details["staleness"]["max_nm"] == cap
     # balancing waves across VWs of different speed raises Nm: never above the cap
-    mixed = ClusterConfig(
-        "<t>",
-        (ShardSpec(0, "10.0.0.1", 7100),),
-        NetworkSpec(100.0, 10.0),
-        (
-            NodeSpec(
-                "n0",
-                "10.0.0.1",
-                tuple(
-                    DeviceSpec(f"g{i}", f"cuda:{i}", t, GiB, s, 0, "n0", "10.0.0.1")
-                    for i, (t, s) in enumerate([("a", 1.0)] * 3 + [("b", 0.3)] * 3)
-                ),
-            ),
-        ),
-        RuntimeSpec(),
-    )
+    mixed = gpu_cluster([[("a", 1.0)] * 3 + [("b", 0.3)] * 3])
     prof = synthetic_profile(16, {"a": 1.0, "b": 0.3}, 1)
     free = make_plan(mixed, prof, policy="np", weights="predict-consistent", **KW)
     capped = make_plan(mixed, prof, policy="np", weights="predict-consistent", max_nm=2, **KW)
