@@ -506,6 +506,54 @@ def test_a_job_queued_at_scancel_runs_in_the_next_allocation_after_the_resumed_o
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_a_requeued_allocation_resumes_its_job_instead_of_submitting_it_again(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    """``scontrol requeue`` (as a node failure or a preemption would) stops the allocation and
+    runs the script again under the same Slurm job id and run directory: the head resumes the
+    job from its checkpoint, and the script follows it instead of submitting ``HETPIPE_JOB``
+    a second time, so the job trains once, to done."""
+    job_file = _job_file(tmp_path / "job.toml", minibatches=3000, checkpoint_every=50)
+    # append: the requeued run's output follows the first's in one file
+    job, run_dir, _ = _submit(slurm, tmp_path, job_file, extra={"SBATCH_OPEN_MODE": "append"})
+    _wait_checkpointed(slurm, job, run_dir, tmp_path)
+    slurm.run(["scontrol", "requeue", job])
+
+    def running_again() -> bool:
+        state = slurm.job_state(job)
+        if int(state.get("Restarts", "0")) < 1:
+            return False
+        if state.get("JobState") == "PENDING":
+            # Slurm holds a requeued job back a while (its begin time): let it start now
+            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        return state.get("JobState") == "RUNNING"
+
+    _wait("the requeued allocation to start", running_again, 240, every=2.0)
+    state = slurm.wait_ended(job, 480)
+    out = _output(tmp_path, job)
+    why = f"{state}\n{out}\n{_run_logs(run_dir)}"
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", why
+    assert "requeued (restart 1): following the 1 job(s) the head resumed" in out, why
+    # the first run's job and its resumption, and no second copy trained from scratch
+    dirs = [d for d in (run_dir / "jobs").iterdir() if d.is_dir()]
+    assert len(dirs) == 2, (sorted(d.name for d in dirs), why)
+    results = {
+        d.name: json.loads((d / "result.json").read_text())
+        for d in dirs
+        if (d / "result.json").exists()
+    }
+    (resumed,) = [name for name, r in results.items() if r.get("resumed_from")]
+    (first,) = [d.name for d in dirs if d.name != resumed]
+    result = results[resumed]
+    assert result["state"] == "done", (result, why)
+    assert result["resumed_from"]["job"] == first, (result, why)
+    assert result["resumed_from"]["minibatches_done"] > 0, result
+    assert (run_dir / "jobs" / resumed / "model.pt").exists()
+    _wait("the daemons to be gone", lambda: not _daemons_of(str(run_dir)), 60)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sbatch_as_a_plain_job(slurm: Slurm, tmp_path: Path) -> None:
     """The script without its heterogeneous components (as its header says: drop the
