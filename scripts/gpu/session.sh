@@ -11,7 +11,9 @@
 # 2. a torch.profiler window in each worker of the four-stage runs, summarised
 #    (scripts/gpu/trace_summary.py), with nvidia-smi's utilisation beside it;
 # 3. the CUDA tests (tests/test_cuda.py);
-# 4. bench_staleness.py at k = 8 on the GPU (stash against predict).
+# 4. bench_staleness.py at k = 8 on the GPU (stash against predict);
+# 5. bench_data.py on this machine's free cores: the loader workers' input wait, which a
+#    2-core host cannot measure (each loader worker needs a core of its own).
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -41,3 +43,6 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
 echo "== bench_staleness, k = 8"
 timeout 200 python3 scripts/bench_staleness.py --json --device cuda:0 --tasks gpt512 --ks 8 \
     --arms stash predict 2>&1 | tail -12 | tee "$OUT/staleness.log"
+echo "== bench_data (CPU: the loader workers on cores of their own)"
+timeout 240 python3 scripts/bench_data.py --json --minibatches 80 --repeats 3 2>&1 | tail -8 \
+    | tee "$OUT/bench_data.log"
