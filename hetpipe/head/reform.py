@@ -17,10 +17,15 @@ its process restarted), the job's attempt goes on: only the lost worker's virtua
    (:func:`hetpipe.profiling.plan_for` on the cluster restricted to them: split, Nm and
    activation policy, under each device's memory cap).
 3. **Join.** Where they hold the model, ``v`` is re-formed on them: every shard makes it a
-   member again, its clock restarting at that shard's global clock ``g`` (its waves
-   ``0 .. g - 1`` count as pushed, its own wave ``c`` is the shard's ``g + c``, so the WSP
-   bound ``c_local - c_global <= D`` stays one bound for every VW and the global clock never
-   goes back: :meth:`hetpipe.shard.JobShard.rejoin_vw`). Its stages start from the shards'
+   member again, its clock restarting at that shard's global clock ``g``, or past the last
+   wave its old stages pushed there where they had run ahead
+   (:meth:`hetpipe.shard.JobShard.rejoin_vw`); the head then moves it on, on the shards that
+   joined it earlier, to the latest of those, its *base* (:func:`common_base`,
+   :meth:`hetpipe.shard.JobShard.rebase_vw`): its waves ``0 .. base - 1`` count as pushed,
+   its own wave ``c`` is wave ``base + c`` on every shard, so the WSP bound
+   ``c_local - c_global <= D`` stays one bound for every VW, the global clock never goes
+   back, and a cut means one point of every VW's run (``JobPlan.bases``; its stages take it
+   as ``StageTask.wave_base``). Its stages start from the shards'
    *current* global weights (a stage pulls them before its first forward), not from a
    checkpoint, and read ``v``'s data from the position the shards hold: the minibatches of
    the waves every stage had pushed. What ``v`` had trained past that position (its
@@ -35,13 +40,24 @@ A job with one VW takes the same path: it resumes from the weights the shards ho
 shards hold them while they live; a lost *shard* pauses the job instead
 (:mod:`hetpipe.head.shardwait`), and resumes from the last cut.
 
+Checkpoints go on: the job's cuts are waves of the shards' count, and the first one after a
+re-form is the first cut point past the VW's base (:func:`hetpipe.head.cuts.next_cut_past`):
+there the shards' cut holds every update its old stages pushed and exactly its new waves
+before the cut, and its new stages have a state of their own (sent at the shards' wave). A
+checkpoint records each VW's own data position (its restart position plus the minibatches of
+its waves since its base), so a job resumed from it reads every VW from its own place on
+fresh clocks. A left-out VW holds no state in later cuts, which go on from past every wave it
+pushed (its base then). ``hetpipe checkpoint`` is refused while a VW is being re-formed. A
+later attempt of the job (a re-plan, a lost shard's return) starts from such a checkpoint and
+counts only its own re-forms in the job's minibatches (:func:`pushed_before_reforms`).
+
 Limits: synchronous schedules (``gpipe``, ``1f1b``) reduce every VW's gradients each
 iteration, so a lost worker there re-plans the whole job as ``"replan"`` does, and so does a
-loss before the lost worker's stage started (the attempt is still being launched); after a
-re-form the job writes no further checkpoints (the re-formed VW counts its waves from 0, so
-the stages' states no longer meet at one cut), and the drift watch (``[replan]``) goes on for
-the other VWs only (the result's ``replan_unwatched`` names the VW and why). Merging the
-survivors into another VW's pipeline is not done.
+loss before the lost worker's stage started (the attempt is still being launched); the drift
+watch (``[replan]``) goes on for the other VWs only after a re-form (the result's
+``replan_unwatched`` names the VW and why). Merging the survivors into another VW's pipeline
+is not done. A VW left out whose pushes reached past the other VWs' last wave leaves the job
+without a cut at its end (its last checkpoint is the one before).
 
 :class:`ReformPart` is the part of :class:`hetpipe.head.server.Head` that does it; the pure
 helpers (:func:`restart_position`, :func:`reform_outcome`) are tested on their own.
