@@ -78,8 +78,8 @@ class JobShard(Generic[T]):
     cuts: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = field(
         default_factory=dict
     )  # complete cuts not yet taken by the head (the newest few)
-    # vw -> the wave here of its own wave 0: a VW re-formed after a loss counts its waves
-    # from 0 again, and its clock restarts at the global clock (:meth:`rejoin_vw`)
+    # vw -> the wave here of its own wave 0 (its base): a VW re-formed after a loss counts its
+    # waves from 0 again, from the global clock or later (:meth:`rejoin_vw`, :meth:`rebase_vw`)
     offsets: dict[int, int] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)  # cuts asked for on demand (hetpipe checkpoint)
     closed: int = 0  # the newest cut point complete (0: none yet)
