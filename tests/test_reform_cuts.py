@@ -5,8 +5,10 @@ VW's place in them its own (:mod:`hetpipe.head.cuts`)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +18,10 @@ from conftest import job
 
 from hetpipe import checkpoint
 from hetpipe.core.layout import StageLayout, VWLayout
+from hetpipe.head import JobState, JobStatus
 from hetpipe.head.cuts import (
+    CutRefused,
+    CutsPart,
     cut_floor,
     cut_positions,
     cut_problem,
@@ -31,6 +36,7 @@ from hetpipe.job import JobSpec
 from hetpipe.jobplan import JobPlan
 from hetpipe.pipeline import StageRunner
 from hetpipe.shard import JobShard, ShardError, ShardStore
+from hetpipe.wire import Kind, Message
 
 # -- the shards' count of a re-formed VW's waves ------------------------------------------------
 
@@ -227,3 +233,22 @@ def test_one_base_for_every_shard_and_the_count_of_each_attempt() -> None:
     reforms = [{"pushed": 10, "attempt": "j.r1"}, {"pushed": 4, "attempt": "j.r2"}, {"pushed": 1}]
     assert pushed_before_reforms(reforms) == 15
     assert pushed_before_reforms(reforms, "j.r2") == 5  # (a record without one: any attempt)
+
+
+def test_no_cut_is_asked_for_nor_taken_from_a_vw_being_re_formed() -> None:
+    """While VW 1 is being re-formed, ``hetpipe checkpoint`` is refused in one line, and a
+    state its old stages still send is not kept for a cut."""
+    plan = _plan(owed=(), bases=(), starts=())
+    js = JobState(id="t-1", spec=plan.spec, submitted=0.0, plan=plan, started=time.time())
+    js.move(JobStatus.PLANNING)
+    js.move(JobStatus.RUNNING)
+    js.cut_next = 4
+    js.reforming[1] = {"lost": ["gpu3"]}
+    head: Any = SimpleNamespace(_by_wire=lambda wire: js, _take_ready=lambda js, plan: None)
+    with pytest.raises(CutRefused, match="vw1 is being re-formed after a lost worker"):
+        asyncio.run(CutsPart.checkpoint_now(head, js))
+    fields = {"job": "t-1", "stage": 0, "wave": 4, "meta": {}}
+    CutsPart._stage_state(head, Message(Kind.STAGE_STATE, {**fields, "vw": 1}, {}))
+    assert js.states == {}
+    CutsPart._stage_state(head, Message(Kind.STAGE_STATE, {**fields, "vw": 0}, {}))
+    assert list(js.states) == [(0, 0)]
