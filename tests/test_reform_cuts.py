@@ -35,6 +35,7 @@ from hetpipe.head.reform import _with_vw, common_base, pushed_before_reforms
 from hetpipe.job import JobSpec
 from hetpipe.jobplan import JobPlan
 from hetpipe.pipeline import StageRunner
+from hetpipe.ps import ShardServer
 from hetpipe.shard import JobShard, ShardError, ShardStore
 from hetpipe.wire import Kind, Message
 
@@ -252,3 +253,37 @@ def test_no_cut_is_asked_for_nor_taken_from_a_vw_being_re_formed() -> None:
     assert js.states == {}
     CutsPart._stage_state(head, Message(Kind.STAGE_STATE, {**fields, "vw": 0}, {}))
     assert list(js.states) == [(0, 0)]
+
+
+def test_the_shard_daemon_moves_a_rejoined_vw_to_the_base_it_is_given() -> None:
+    """``shard_init`` with ``reform``: a leave says the VW's clock and reach, a join its
+    offset, a move to the job's one base (``{"vw": v, "base": b}``) keeps its workers."""
+    sent: list[dict[str, Any]] = []
+
+    class _Channel:
+        async def send(self, kind: Kind, fields: dict[str, Any], to: Any = None) -> None:
+            sent.append(fields)
+
+        async def reply_error(self, peer: Any, error: str, rid: Any) -> None:
+            sent.append({"error": error})
+
+    server = ShardServer(1)
+    server.channel = _Channel()  # type: ignore[assignment]
+    members = {str(v): {"waves": 10, "stages": {"0": ["w"]}} for v in (0, 1)}
+    js = server.store.init("j", members, 1, {"w": torch.zeros(1)})
+    server.owners["j"] = {"0/0": "a", "1/0": "b"}
+    for c in range(3):
+        _push(js, 1, c, 1.0)
+    _push(js, 0, 0, 1.0)
+
+    def reform(reform: dict[str, Any], members: dict[str, Any] | None = None) -> dict[str, Any]:
+        fields = {"rid": 1, "job": "j", "members": members or {}, "staleness": 1}
+        msg = Message(Kind.SHARD_INIT, {**fields, "reform": reform, "owners": {"1/0": "c"}}, {})
+        asyncio.run(server._reform(None, msg))
+        return sent[-1]["info"]
+
+    assert reform({"vw": 1, "leave": True}) == {"clock": 3, "reach": 3}
+    assert reform({"vw": 1, "waves": 4}, {"1": {"stages": {"0": ["w"]}}}) == {"offset": 3}
+    assert server.owners["j"] == {"0/0": "a", "1/0": "c"}
+    assert reform({"vw": 1, "base": 5}) == {"offset": 5}
+    assert server.owners["j"] == {"0/0": "a", "1/0": "c"} and js.offsets == {1: 5}
