@@ -69,12 +69,18 @@ def cut_after(c: int, every: int, last: int, extra: Collection[int] = ()) -> int
     return periodic if asked is None else min(periodic, asked)
 
 
-def is_cut(c: int, every: int, last: int, extra: Collection[int] = ()) -> bool:
+def is_cut(c: int, every: int, last: int, extra: Collection[int] = (), base: int = 0) -> bool:
     """Whether the end of wave ``c - 1`` is a cut of a virtual worker with ``last`` waves
-    (periodic, its end, or asked for on demand in ``extra``)."""
+    (periodic, its end, or asked for on demand in ``extra``).
+
+    ``base`` is the shards' wave of the VW's own wave 0: past 0 for a VW re-formed after a
+    lost worker (:mod:`hetpipe.head.reform`), whose waves the shards count from the global
+    clock it joined at. The periodic cuts are every ``every`` waves of the shards' count, so
+    that a cut means the same point of every VW's run; ``c``, ``last`` and ``extra`` are in
+    the VW's own count."""
     if not 0 < c <= last:
         return False
-    return (every > 0 and (c % every == 0 or c == last)) or c in extra
+    return (every > 0 and ((base + c) % every == 0 or c == last)) or c in extra
 
 
 def stage_file(vw: int, stage: int) -> str:

@@ -142,6 +142,9 @@ class JobPlan:
     # the minibatches each VW still owes, which differ where VWs stopped at other positions
     starts: tuple[int, ...] = ()
     owed: tuple[int, ...] = ()
+    # each VW's own wave 0 on the shards' count of waves: past 0 for a VW re-formed after a
+    # lost worker, and for one left out the wave past every push it made (hetpipe.head.reform)
+    bases: tuple[int, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -190,6 +193,10 @@ class JobPlan:
     def start_of(self, vw: int) -> int:
         """Minibatches virtual worker ``vw`` ran before this attempt (its data position)."""
         return self.starts[vw] if self.starts else 0
+
+    def base_of(self, vw: int) -> int:
+        """The shards' wave of virtual worker ``vw``'s own wave 0 in this attempt."""
+        return self.bases[vw] if self.bases else 0
 
     @property
     def total_minibatches(self) -> int:
@@ -250,6 +257,7 @@ class JobPlan:
                             },
                             placement={n: self.placement[n] for n in names},
                             start=self.start_of(v),
+                            wave_base=self.base_of(v),
                             shares=data_shares(self.spec.sync, [w.nm for w in self.vws]),
                             replica=r,
                             peers=peers(st),

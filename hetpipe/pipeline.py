@@ -998,8 +998,14 @@ class StageRunner:
             every == 1
             or wave + 1 >= self.schedule.waves
             or (every > 1 and (wave + 1) % every == 0)
-            or is_cut(wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves, self.asked)
+            or self._is_cut(wave + 1)
         )
+
+    def _is_cut(self, c: int) -> bool:
+        """Whether the end of wave ``c - 1`` is a cut (its periodic cuts counted on the
+        shards' waves: :attr:`StageTask.wave_base`)."""
+        every = self.compute.spec.checkpoint_every
+        return is_cut(c, every, self.schedule.waves, self.asked, self.task.wave_base)
 
     def _push_copy(self, wave: int) -> HostCopy | None:
         """On the compute thread: start the copy of ``wave``'s update to the host, or carry
@@ -1039,21 +1045,20 @@ class StageRunner:
             )
         if copy is not None:
             self.flushed = wave + 1
-        if self.snapshot is not None and is_cut(
-            wave + 1, self.compute.spec.checkpoint_every, self.schedule.waves, self.asked
-        ):
+        if self.snapshot is not None and self._is_cut(wave + 1):
             await self._snapshot(wave + 1)
 
     def ask_cut(self, c: int) -> int | None:
         """Send this stage's state at cut ``c`` too (its last wave where it ends before):
         None where it still can, else the earliest cut it could (past its end: its end + 1).
-        """
+        ``c`` and the answer are the shards' waves (:attr:`StageTask.wave_base`)."""
+        base = getattr(self.task, "wave_base", 0)
         with self.cut_lock:
-            at = min(c, self.schedule.waves)
+            at = min(c - base, self.schedule.waves)
             if at - 1 <= self.copying:
-                return self.copying + 2
+                return base + self.copying + 2
             if any(o.at // self.task.nm == at for o in getattr(self.migration, "orders", ())):
-                return at + 1  # a migration's boundary is no cut (hetpipe.migrate)
+                return base + at + 1  # a migration's boundary is no cut (hetpipe.migrate)
             self.asked.add(at)
         return None
 
@@ -1070,7 +1075,7 @@ class StageRunner:
         if reader is not None and (data := reader.state(at)) is not None:
             meta["data"] = data  # a stateful stream's position at the cut (hetpipe.data.stream)
         meta["state_s"] = time.perf_counter() - t0
-        await self.snapshot(cut, meta, tensors)
+        await self.snapshot(self.task.wave_base + cut, meta, tensors)  # the shards' wave
 
     async def _wait_pushes(self) -> None:
         for fut in self.push_acks:

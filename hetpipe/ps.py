@@ -142,17 +142,22 @@ class ShardServer:
         worker of it was lost), or joins it again re-formed (``{"vw": v, "waves": n}``, its
         stages' names in ``members[str(v)]``, its workers in ``owners``):
         :mod:`hetpipe.head.reform`. Leaving answers the pulls its clock held back and
-        refuses its own; the reply's ``info`` says its clock (leave) or its offset (join)."""
+        refuses its own; the reply's ``info`` says its clock and reach (leave) or its offset
+        (join, or ``{"vw": v, "base": b}``: moved on to the job's one base for it)."""
         assert self.channel is not None
         job, reform = msg["job"], msg["reform"]
         js = self.store.get(job)
         vw = int(reform["vw"])
         owners = self.owners.setdefault(job, {})
-        for key in [k for k in owners if k.split("/")[0] == str(vw)]:
-            del owners[key]
-        if reform.get("leave"):
+        info: dict[str, Any]
+        if reform.get("base") is None:  # (a move to its base keeps its workers)
+            for key in [k for k in owners if k.split("/")[0] == str(vw)]:
+                del owners[key]
+        if reform.get("base") is not None:
+            parked, info = [], {"offset": js.rebase_vw(vw, int(reform["base"]))}
+        elif reform.get("leave"):
             clock, parked = js.remove_vw(vw, lambda item: item[2] == vw)
-            info: dict[str, Any] = {"clock": clock}
+            info = {"clock": clock, "reach": js.reach.get(vw, 0)}
             self.log.info("vw left the job", job=job, vw=vw, clock=clock)
         else:
             member = msg["members"].get(str(vw)) or {}

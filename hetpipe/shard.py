@@ -15,6 +15,13 @@ of waves < c that come later. Updates are out of place, so the copy is a dict of
 (no tensor is copied). A VW with fewer waves than c is cut at its end. The cut's applied
 sets, which the checkpoint keeps, are exactly waves 0..c-1 of every stage: that is the proof
 that no update is in a checkpoint twice or missing from it.
+
+A VW that leaves and joins again (a worker of it was lost: :mod:`hetpipe.head.reform`) takes
+its place in this one count of waves: it joins at the global clock, or past every wave its old
+stages pushed here where that is later (:meth:`JobShard.rejoin_vw`), and the head may move it
+further on to the wave it joins at on every shard (:meth:`JobShard.rebase_vw`), so that its
+own wave ``c`` is the same wave ``base + c`` on every shard and a cut past ``base`` holds all
+its old stages pushed and exactly its new waves before the cut.
 """
 
 from __future__ import annotations
@@ -71,10 +78,13 @@ class JobShard(Generic[T]):
     cuts: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = field(
         default_factory=dict
     )  # complete cuts not yet taken by the head (the newest few)
-    # vw -> the wave here of its own wave 0: a VW re-formed after a loss counts its waves
-    # from 0 again, and its clock restarts at the global clock (:meth:`rejoin_vw`)
+    # vw -> the wave here of its own wave 0 (its base): a VW re-formed after a loss counts its
+    # waves from 0 again, from the global clock or later (:meth:`rejoin_vw`, :meth:`rebase_vw`)
     offsets: dict[int, int] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)  # cuts asked for on demand (hetpipe checkpoint)
+    closed: int = 0  # the newest cut point complete (0: none yet)
+    # vw -> the wave past every push of a VW that left (it joins again there at the earliest)
+    reach: dict[int, int] = field(default_factory=dict)
 
     KEEP_CUTS = 2
 
@@ -148,7 +158,21 @@ class JobShard(Generic[T]):
             self.cuts[c] = (weights, {"wave": c, "applied": applied})
             for old in sorted(self.cuts)[: -self.KEEP_CUTS]:
                 del self.cuts[old]
+            self.closed = c
             self.next_cut = self._cut_after(c)
+
+    def _recut(self) -> None:
+        """The cut points after the newest complete one again, for the job's last wave as
+        it is now (a VW left or joined: :meth:`remove_vw`, :meth:`rejoin_vw`); the copies
+        kept for points that are no cut points any more are let go."""
+        if self.cut_every <= 0 and not self.asked:
+            return
+        self.next_cut = self._cut_after(self.closed)
+        if self.open_cuts:
+            keep = set(self._cut_points(max(self.open_cuts)))
+            for c in [c for c in self.open_cuts if c not in keep]:
+                del self.open_cuts[c]
+        self._close_cuts()
 
     def cut(self, c: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The weights and applied sets of cut ``c`` once complete (None until then)."""
@@ -273,20 +297,31 @@ class JobShard(Generic[T]):
         tells them), to be refused."""
         if not any(v == vw for v, _ in self.names):
             raise ShardError(f"job {self.job}: vw{vw} holds nothing on this shard")
+        self.reach[vw] = max(
+            (
+                end
+                for key in self.names
+                if key[0] == vw
+                for _, end in self.clock.applied_ranges(*key)
+            ),
+            default=0,
+        )
         clock, parked = self.clock.remove_vw(vw, of_vw)
         for key in [k for k in self.names if k[0] == vw]:
             del self.names[key]
         self.finals.pop(vw, None)
         own = clock - self.offsets.pop(vw, 0)
-        self._close_cuts()  # it holds no cut back either
+        self._recut()  # it holds no cut back either, and the job may end earlier
         return max(0, own), parked
 
     def rejoin_vw(self, vw: int, stages: Mapping[int, list[str]], waves: int) -> int:
         """``vw``, re-formed on other devices with stages ``stages`` (stage -> the names it
         holds here), joins the job again and pushes ``waves`` waves, counted from its own 0:
         its clock restarts at the global clock ``g``, so the staleness bound stays one
-        bound for every VW (its pull before its own wave ``c`` waits for ``g + c - 1 - D``).
-        Returns ``g``."""
+        bound for every VW (its pull before its own wave ``c`` waits for ``g + c - 1 - D``);
+        where its old stages had pushed a wave ``g`` or later (it ran ahead), past the last
+        of those, so that a cut past its own wave 0 holds every update its old stages made.
+        Returns that wave (its *base* here)."""
         if any(v == vw for v, _ in self.names):
             raise ShardError(f"job {self.job}: vw{vw} is a member here already")
         for stage, held in stages.items():
@@ -298,7 +333,31 @@ class JobShard(Generic[T]):
             self.names[(vw, int(stage))] = list(held)
         self.offsets[vw] = g
         self.finals[vw] = g + waves
-        return g
+        return self.rebase_vw(vw, max(g, self.reach.pop(vw, 0)))
+
+    def rebase_vw(self, vw: int, base: int) -> int:
+        """Move re-formed ``vw``, which has pushed nothing since it joined, on to ``base``:
+        its waves before it count as pushed here, its own wave 0 is the shards' ``base``
+        (the head gives every shard the largest base one of them joined it at, so that its
+        waves are one count on every shard: :mod:`hetpipe.head.reform`). The global clock
+        never goes back (``base`` is at least its base now). Returns ``base``."""
+        was = self.offsets.get(vw)
+        if was is None:
+            raise ShardError(f"job {self.job}: vw{vw} has not joined again here")
+        keys = [k for k in self.names if k[0] == vw]
+        if any(self.clock.applied_ranges(*k) != ([[0, was]] if was else []) for k in keys):
+            raise ShardError(f"job {self.job}: vw{vw} pushed already; its base stays {was}")
+        if base < was:
+            raise ShardError(f"job {self.job}: vw{vw} joined at wave {was}, not {base}")
+        waves = self.finals[vw] - was
+        self.clock.finish(vw, base + waves)
+        for key in keys:
+            for w in range(was, base):
+                self.clock.record_push(*key, w)  # counted as pushed, nothing applied
+        self.offsets[vw] = base
+        self.finals[vw] = base + waves
+        self._recut()  # the job may end later
+        return base
 
     def applied_sets(self) -> dict[str, list[list[int]]]:
         """Every stage's applied waves here: ``"vw/stage"`` -> ranges (core.wsp.wave_ranges)."""

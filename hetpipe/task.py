@@ -34,6 +34,9 @@ class StageTask(OnStage):
     shards: dict[str, str] = field(default_factory=dict)  # shard index -> address
     placement: dict[str, int] = field(default_factory=dict)  # global state name -> shard
     start: int = 0  # minibatches this VW ran before this attempt (a resumed job's position)
+    # the shards' wave of this VW's own wave 0: past 0 for a VW re-formed after a lost
+    # worker (hetpipe.head.reform); its checkpoint cuts are counted on the shards' waves
+    wave_base: int = 0
     shares: list[int] = field(default_factory=list)  # every VW's share of an epoch (empty:
     # equal; hetpipe.jobplan.data_shares)
     restore: dict[str, Any] | None = None  # checkpointed stage state to start from: its

@@ -15,6 +15,15 @@ or later has landed) and then every stage (each sends its state there only if it
 decided its push of the wave before); where one is already past, it proposes a later wave
 and asks again. A wave every shard and stage took becomes one of the job's cuts.
 
+Cuts are waves of the shards' count. A virtual worker re-formed after a lost worker
+(:mod:`hetpipe.head.reform`) counts its own waves from 0 again, from the wave it joined the
+shards at (its *base*, ``JobPlan.bases``): its stages send their state at the shards' wave
+``base + c`` after their own wave ``c - 1``, and its place at a cut is its restart position
+plus the minibatches of its own waves before it. A cut is taken only past every such base
+(:func:`cut_floor`): there every update the VW's old stages pushed is in the shards' cut, and
+its new stages have a state of their own. A VW left out after a loss holds no state; its place
+is where it stopped.
+
 :class:`CutsPart` is the part of :class:`hetpipe.head.server.Head` that does it.
 """
 
@@ -41,9 +50,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CutRefused",
     "CutsPart",
+    "cut_end",
+    "cut_floor",
     "cut_positions",
     "cut_problem",
     "expected_stages",
+    "last_wave",
+    "next_cut_past",
     "propose_cut",
     "ready_cuts",
 ]
@@ -60,14 +73,51 @@ class CutRefused(Exception):
 Picks = dict[tuple[int, int], tuple[dict[str, Any], Any]]
 
 
+def _base(plan: JobPlan, v: int) -> int:
+    """The shards' wave of VW ``v``'s own wave 0 (``JobPlan.bases``; 0 where none)."""
+    bases = getattr(plan, "bases", ())
+    return int(bases[v]) if bases else 0
+
+
+def cut_end(plan: JobPlan, v: int) -> int:
+    """The shards' wave at which VW ``v`` ends (its state there serves every later cut)."""
+    return _base(plan, v) + plan.waves(v)
+
+
+def last_wave(plan: JobPlan) -> int:
+    """The job's last wave on the shards' count: the furthest end of a VW that trains (one
+    left out after a loss ends nothing; the shards forget it too)."""
+    return max((cut_end(plan, v) for v in range(len(plan.vws)) if plan.waves(v) > 0), default=0)
+
+
+def cut_floor(plan: JobPlan) -> int:
+    """The first wave a cut may be at: past every re-formed VW's base (before its own first
+    wave it has no state of its own, and its old stages' pushes reach up to its base), and
+    at a left-out VW's base at the earliest (every update it pushed lies below it)."""
+    return max(
+        (_base(plan, v) + (plan.waves(v) > 0) for v in range(len(plan.vws))),
+        default=0,
+    )
+
+
+def next_cut_past(
+    plan: JobPlan, c: int | None, every: int, asked: Collection[int] = ()
+) -> int | None:
+    """The cut to wait for after a VW was re-formed or left out: ``c`` (the one waited for),
+    or the first cut point after it that is at :func:`cut_floor` or later (None: no more)."""
+    if c is None:
+        return None
+    return checkpoint.cut_after(max(c, cut_floor(plan)) - 1, every, last_wave(plan), asked)
+
+
 def expected_stages(plan: JobPlan) -> list[tuple[int, int]]:
     """The (vw, stage) of every stage that holds state (a stage without parameters sends
-    none)."""
+    none, nor one of a VW left out after a loss)."""
     return [
         (v, s)
         for v, vw in enumerate(plan.vws)
         for s in range(len(vw.stages))
-        if plan.stage_names(v, s)
+        if plan.stage_names(v, s) and plan.waves(v) > 0
     ]
 
 
@@ -81,26 +131,26 @@ def ready_cuts(
     """The cuts from ``first`` on whose every stage state has come, in order, each with the
     state of each stage; and the next cut still to wait for (None: no more).
 
-    ``states`` is (vw, stage) -> wave -> state, as the stages sent them; a VW that ends
-    before a cut gives the state of its last wave. The states older than a cut taken are
-    dropped from ``states`` (a VW at its end keeps its last for the later cuts). ``asked``
-    holds the cuts asked for on demand, between the periodic ones.
+    ``states`` is (vw, stage) -> wave -> state, as the stages sent them (the shards'
+    waves); a VW that ends before a cut gives the state of its last wave. The states older
+    than a cut taken are dropped from ``states`` (a VW at its end keeps its last for the
+    later cuts). ``asked`` holds the cuts asked for on demand, between the periodic ones.
     """
-    last = max(plan.waves(v) for v in range(len(plan.vws)))
+    last = last_wave(plan)
     expected = expected_stages(plan)
     out: list[tuple[int, Picks]] = []
     c = first
     while c is not None:
         picks: Picks = {}
         for v, s in expected:
-            got = states.get((v, s), {}).get(min(c, plan.waves(v)))
+            got = states.get((v, s), {}).get(min(c, cut_end(plan, v)))
             if got is None:
                 return out, c
             picks[(v, s)] = got
         out.append((c, picks))
         for v, s in picks:
             held = states[(v, s)]
-            for w in [w for w in held if w < min(c, plan.waves(v))]:
+            for w in [w for w in held if w < min(c, cut_end(plan, v))]:
                 del held[w]
         c = checkpoint.cut_after(c, every, last, asked)
     return out, None
@@ -109,16 +159,23 @@ def ready_cuts(
 def propose_cut(plan: JobPlan, admitted: list[int], at_least: int = 0) -> int:
     """The wave an on-demand cut is first proposed at: one whole wave past what each virtual
     worker's first stage has admitted (``admitted``: minibatches, by VW; it is the furthest
-    ahead of its VW, so no stage has decided that wave's push yet), and no earlier than
-    ``at_least`` (a wave some shard or stage said it could still take)."""
-    waves = [-(-n // plan.vws[v].nm) for v, n in enumerate(admitted)]
+    ahead of its VW, so no stage has decided that wave's push yet; counted from its base
+    on the shards, past which alone a cut can be), and no earlier than ``at_least`` (a wave
+    some shard or stage said it could still take)."""
+    waves = [_base(plan, v) + -(-n // plan.vws[v].nm) for v, n in enumerate(admitted)]
     return max([*waves, at_least - 1, 0]) + 1
 
 
 def cut_positions(plan: JobPlan, c: int) -> list[int]:
-    """Each VW's place in the whole job at cut ``c`` (where its data resumes)."""
+    """Each VW's place in the whole job at cut ``c`` (where its data resumes): its start in
+    this attempt (a re-formed VW's restart position) and the minibatches of its own waves
+    before the cut."""
     return [
-        plan.start_of(v) + min(min(c, plan.waves(v)) * plan.vws[v].nm, plan.minibatches_of(v))
+        plan.start_of(v)
+        + min(
+            max(0, min(c, cut_end(plan, v)) - _base(plan, v)) * plan.vws[v].nm,
+            plan.minibatches_of(v),
+        )
         for v in range(len(plan.vws))
     ]
 
@@ -131,9 +188,11 @@ def cut_problem(
 ) -> str | None:
     """Why the shards' cut ``c`` and the stages' states are not one consistent checkpoint:
     every stage's applied set on every shard holding its state must be exactly waves
-    0 .. min(c, its VW's waves) - 1, and cover the accumulators the stage still keeps."""
+    0 .. min(c, its VW's end) - 1, and cover the accumulators the stage still keeps (a
+    re-formed VW's stage counts its state's waves from its base)."""
     for (v, s), (meta, _) in picks.items():
-        end = min(c, plan.waves(v))
+        end = min(c, cut_end(plan, v))
+        base = _base(plan, v)
         want = [[0, end]] if end else []
         for index in sorted({plan.placement[n] for n in plan.stage_names(v, s)}):
             got = applied.get(str(index), {}).get(f"{v}/{s}")
@@ -142,9 +201,9 @@ def cut_problem(
                     f"shard {index} applied waves {excerpt(got, 80)} of vw{v}/stage{s} "
                     f"at cut {c}, not [0, {end})"
                 )
-        if int(meta.get("wave", -1)) != min(c, plan.waves(v)):
+        if int(meta.get("wave", -1)) != end - base:
             return f"vw{v}/stage{s} sent its state of wave {meta.get('wave')} for cut {c}"
-        outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end]
+        outside = [w for w in meta.get("kept_waves", []) if not 0 <= w < end - base]
         if outside:
             return f"vw{v}/stage{s} keeps updates of waves {outside[:3]} outside cut {c}"
     return None
@@ -180,6 +239,8 @@ def checkpoint_meta(
         "wave": c,
         "positions": positions,
         "totals": list(js.totals),
+        # each VW's own wave 0 on the shards' count (past 0: re-formed after a loss)
+        "bases": [_base(plan, v) for v in range(len(plan.vws))],
         "minibatches_done": min(positions),
         "minibatches_total": max(js.totals),
         "applied": applied,
@@ -201,6 +262,8 @@ class CutsPart:
         js = self._by_wire(msg["job"])
         if js is None or js.state != JobStatus.RUNNING or js.plan is None or js.cut_next is None:
             return  # (no cut waited for: none is written from it, so none is kept)
+        if msg["vw"] in js.reforming:
+            return  # its old stages', sent before they dropped the job (hetpipe.head.reform)
         meta = dict(msg["meta"])
         js.states.setdefault((msg["vw"], msg["stage"]), {})[msg["wave"]] = (meta, msg.tensors)
         plan = js.plan
@@ -338,7 +401,13 @@ class CutsPart:
         plan = js.plan
         if js.state != JobStatus.RUNNING or plan is None:
             raise CutRefused(f"checkpoint: job {js.id} is not running ({js.state})")
-        last = max(plan.waves(v) for v in range(len(plan.vws)))
+        if js.reforming:
+            v = min(js.reforming)
+            raise CutRefused(
+                f"checkpoint: job {js.id}'s vw{v} is being re-formed after a lost worker; "
+                "ask again once it runs"
+            )
+        last = last_wave(plan)
         admitted = [
             int(js.progress.get((v, 0), {}).get("forwards", 0)) for v in range(len(plan.vws))
         ]

@@ -538,7 +538,7 @@ class JobsPart:
         out_dir = self.job_dir(js)
         loop = asyncio.get_running_loop()
         done = (
-            plan.total_minibatches + pushed_before_reforms(js.reforms)
+            plan.total_minibatches + pushed_before_reforms(js.reforms, plan.job)
             if js.stopped is None
             else js.info().get("minibatches", 0)
         )

@@ -17,10 +17,15 @@ its process restarted), the job's attempt goes on: only the lost worker's virtua
    (:func:`hetpipe.profiling.plan_for` on the cluster restricted to them: split, Nm and
    activation policy, under each device's memory cap).
 3. **Join.** Where they hold the model, ``v`` is re-formed on them: every shard makes it a
-   member again, its clock restarting at that shard's global clock ``g`` (its waves
-   ``0 .. g - 1`` count as pushed, its own wave ``c`` is the shard's ``g + c``, so the WSP
-   bound ``c_local - c_global <= D`` stays one bound for every VW and the global clock never
-   goes back: :meth:`hetpipe.shard.JobShard.rejoin_vw`). Its stages start from the shards'
+   member again, its clock restarting at that shard's global clock ``g``, or past the last
+   wave its old stages pushed there where they had run ahead
+   (:meth:`hetpipe.shard.JobShard.rejoin_vw`); the head then moves it on, on the shards that
+   joined it earlier, to the latest of those, its *base* (:func:`common_base`,
+   :meth:`hetpipe.shard.JobShard.rebase_vw`): its waves ``0 .. base - 1`` count as pushed,
+   its own wave ``c`` is wave ``base + c`` on every shard, so the WSP bound
+   ``c_local - c_global <= D`` stays one bound for every VW, the global clock never goes
+   back, and a cut means one point of every VW's run (``JobPlan.bases``; its stages take it
+   as ``StageTask.wave_base``). Its stages start from the shards'
    *current* global weights (a stage pulls them before its first forward), not from a
    checkpoint, and read ``v``'s data from the position the shards hold: the minibatches of
    the waves every stage had pushed. What ``v`` had trained past that position (its
@@ -35,13 +40,24 @@ A job with one VW takes the same path: it resumes from the weights the shards ho
 shards hold them while they live; a lost *shard* pauses the job instead
 (:mod:`hetpipe.head.shardwait`), and resumes from the last cut.
 
+Checkpoints go on: the job's cuts are waves of the shards' count, and the first one after a
+re-form is the first cut point past the VW's base (:func:`hetpipe.head.cuts.next_cut_past`):
+there the shards' cut holds every update its old stages pushed and exactly its new waves
+before the cut, and its new stages have a state of their own (sent at the shards' wave). A
+checkpoint records each VW's own data position (its restart position plus the minibatches of
+its waves since its base), so a job resumed from it reads every VW from its own place on
+fresh clocks. A left-out VW holds no state in later cuts, which go on from past every wave it
+pushed (its base then). ``hetpipe checkpoint`` is refused while a VW is being re-formed. A
+later attempt of the job (a re-plan, a lost shard's return) starts from such a checkpoint and
+counts only its own re-forms in the job's minibatches (:func:`pushed_before_reforms`).
+
 Limits: synchronous schedules (``gpipe``, ``1f1b``) reduce every VW's gradients each
 iteration, so a lost worker there re-plans the whole job as ``"replan"`` does, and so does a
-loss before the lost worker's stage started (the attempt is still being launched); after a
-re-form the job writes no further checkpoints (the re-formed VW counts its waves from 0, so
-the stages' states no longer meet at one cut), and the drift watch (``[replan]``) goes on for
-the other VWs only (the result's ``replan_unwatched`` names the VW and why). Merging the
-survivors into another VW's pipeline is not done.
+loss before the lost worker's stage started (the attempt is still being launched); the drift
+watch (``[replan]``) goes on for the other VWs only after a re-form (the result's
+``replan_unwatched`` names the VW and why). Merging the survivors into another VW's pipeline
+is not done. A VW left out whose pushes reached past the other VWs' last wave leaves the job
+without a cut at its end (its last checkpoint is the one before).
 
 :class:`ReformPart` is the part of :class:`hetpipe.head.server.Head` that does it; the pure
 helpers (:func:`restart_position`, :func:`reform_outcome`) are tested on their own.
@@ -59,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from hetpipe.core.layout import VWLayout
+from hetpipe.head.cuts import next_cut_past
 from hetpipe.head.registry import SHARD_TIMEOUT_S
 from hetpipe.head.states import JobStatus
 from hetpipe.jobplan import JobPlan, JobPlanError, plan_job
@@ -75,6 +92,7 @@ __all__ = [
     "IDLE_WAIT_S",
     "MAX_REFORMS",
     "ReformPart",
+    "common_base",
     "pushed_before_reforms",
     "reform_outcome",
     "restart_position",
@@ -97,13 +115,27 @@ def restart_position(start: int, clocks: Sequence[int], nm: int, total: int) -> 
     return min(total, start + done)
 
 
-def pushed_before_reforms(reforms: Sequence[Mapping[str, Any]]) -> int:
+def pushed_before_reforms(reforms: Sequence[Mapping[str, Any]], attempt: str | None = None) -> int:
     """The minibatches the job's re-formed or left-out VWs had pushed before their losses.
 
     A re-form moves the VW's start to its restart position and owes it only what is left, so
     the plan's totals no longer hold them; the job's count of what it trained adds them back
-    (each once: the minibatches re-trained after the restart are in the plan's count)."""
-    return sum(int(r.get("pushed", 0)) for r in reforms)
+    (each once: the minibatches re-trained after the restart are in the plan's count). Only
+    the re-forms of ``attempt`` (the plan's wire id; None: every one) count: a later attempt
+    (a re-plan, a lost shard's return) starts from a checkpoint's positions, which hold
+    them already."""
+    return sum(
+        int(r.get("pushed", 0))
+        for r in reforms
+        if attempt is None or r.get("attempt", attempt) == attempt
+    )
+
+
+def common_base(offsets: Sequence[int]) -> int:
+    """The one wave a re-formed VW's own wave 0 is on every shard: the latest one a shard
+    joined it at (each joins it at its global clock, or past the waves its old stages pushed
+    there), so that no shard's global clock goes back and a cut means one point of its run."""
+    return max(offsets, default=0)
 
 
 def reform_outcome(
@@ -223,11 +255,12 @@ class ReformPart:
         for w in self.registry.workers.values():
             if w.job == js.id and w.vw == v:
                 w.job = w.vw = w.stage = None
-        self._drop_cuts(js)  # no cut meets the re-formed VW's waves (module text)
+        for key in [k for k in js.states if k[0] == v]:  # the cuts wait for its new stages
+            del js.states[key]
         _drop_meets(self, js.wire_id, v)
         if js.watch is not None:  # the other VWs stay watched for drift
             js.watch.unwatch(v, f"re-formed or left out after worker {pending['lost'][0]} was lost")
-        clocks = []
+        clocks, reach = [], 0
         for shard in plan.shards_used():
             ch = await self.registry.shard(shard)
             reply = await ch.request(
@@ -242,6 +275,7 @@ class ReformPart:
                 what=f"shard {shard}",
             )
             clocks.append(int((reply.get("info") or {}).get("clock", 0)))
+            reach = max(reach, int((reply.get("info") or {}).get("reach", 0)))
         left_at = time.monotonic()
         # how far it had got: the furthest stage's last report (reports lag a little)
         done_before = max(
@@ -298,6 +332,7 @@ class ReformPart:
             "minibatches_redone": max(0, trained - position),
             "detected_at": pending["detected_at"],
             "left_s": round(left_at - pending["detected"], 3),
+            "attempt": plan.job,
             "_t": pending["detected"],
         }
         if what == "failed":  # (no lost_device: the job fails, it is not re-planned)
@@ -306,24 +341,26 @@ class ReformPart:
             js.fail(line)
             return
         if layout is None:  # left out (or at its end): the others finish the job
-            new = _with_vw(js.plan, v, None, position, 0)
+            # its base: past every wave it pushed, where the job's cuts go on from
+            new = _with_vw(js.plan, v, None, position, 0, reach)
             js.plan = new
             for s in range(len(plan.vws[v].stages)):
                 js.stage_results[(v, s)] = {"stats": {"done": 0, "left_out": line}}
             js.reforms.append(record)
             js.reforming.pop(v, None)
+            self._cuts_go_on(js, new)
             log.warning("virtual worker left out", why=line)
             if len(js.stage_results) >= new.n_stages:
                 js.all_done.set()
             return
         # 3. join again on the survivors, from the shards' current weights
-        new = _with_vw(plan, v, layout, position, total - position)
+        new = _with_vw(plan, v, layout, position, total - position, 0)
         owners = {
             f"{v}/{s}" + (f"/{r}" if r else ""): worker_user(d)
             for s, st in enumerate(layout.stages)
             for r, d in enumerate(st.devices)
         }
-        offsets = []
+        offsets = {}
         for shard, members in vw_members(new, v).items():
             ch = await self.registry.shard(shard)
             reply = await ch.request(
@@ -338,10 +375,28 @@ class ReformPart:
                 timeout=SHARD_TIMEOUT_S,
                 what=f"shard {shard}",
             )
-            offsets.append(int((reply.get("info") or {}).get("offset", 0)))
+            offsets[shard] = int((reply.get("info") or {}).get("offset", 0))
+        # one base on every shard: each holds the VW at its offset now, so none's global
+        # clock passes it; those that joined it earlier move it on (it has pushed nothing)
+        base = common_base(list(offsets.values()))
+        for shard in [i for i, o in offsets.items() if o < base]:
+            ch = await self.registry.shard(shard)
+            reply = await ch.request(
+                Kind.SHARD_INIT,
+                {
+                    "job": js.wire_id,
+                    "members": {},
+                    "staleness": js.spec.staleness,
+                    "reform": {"vw": v, "base": base},
+                },
+                timeout=SHARD_TIMEOUT_S,
+                what=f"shard {shard}",
+            )
+            offsets[shard] = int((reply.get("info") or {}).get("offset", base))
         # from the job's plan as it is now: another VW may have been re-formed meanwhile
-        new = _with_vw(js.plan, v, layout, position, total - position)
+        new = _with_vw(js.plan, v, layout, position, total - position, base)
         js.plan = new
+        self._cuts_go_on(js, new)
         if js.watch is not None:
             js.watch.layouts[v] = layout
         await self._assign_vw(js, new, v)
@@ -349,7 +404,8 @@ class ReformPart:
             devices=[list(st.devices) for st in layout.stages],
             layers=[[st.first, st.last] for st in layout.stages],
             nm=layout.nm,
-            wave_offsets=offsets,
+            wave_base=base,
+            wave_offsets=[offsets[i] for i in sorted(offsets)],
             minibatches_left=total - position,
             started_s=round(time.monotonic() - pending["detected"], 3),
         )
@@ -359,9 +415,16 @@ class ReformPart:
             "virtual worker re-formed",
             devices=record["devices"],
             restart_at=position,
-            offsets=offsets,
+            wave_base=base,
             started_s=record["started_s"],
         )
+
+    def _cuts_go_on(self, js: JobState, plan: JobPlan) -> None:
+        """VW ``v`` of ``js`` was re-formed or left out (``plan`` says how): the job's cuts go
+        on from the first one past its base (:func:`hetpipe.head.cuts.next_cut_past`), and
+        one whose every state is in already is written."""
+        js.cut_next = next_cut_past(plan, js.cut_next, js.spec.checkpoint_every, js.cut_asked)
+        self._take_ready(js, plan)
 
     def _plan_vw(
         self, spec: Any, plan: JobPlan, devices: list[str], profile: Any, rows: Any
@@ -441,16 +504,23 @@ def _dropped(js: JobState, u: int) -> bool:
 
 
 def _with_vw(
-    plan: JobPlan | None, v: int, layout: VWLayout | None, position: int, left: int
+    plan: JobPlan | None, v: int, layout: VWLayout | None, position: int, left: int, base: int
 ) -> JobPlan:
     """``plan`` with VW ``v`` re-formed as ``layout`` (None: as it was, left out), reading
-    its data on from ``position`` for ``left`` more minibatches; the other VWs unchanged."""
+    its data on from ``position`` for ``left`` more minibatches, its own wave 0 the shards'
+    wave ``base``; the other VWs unchanged."""
     assert plan is not None
     vws = list(plan.vws)
     if layout is not None:
         vws[v] = layout
+    n = len(plan.vws)
+    bases = tuple(base if u == v else plan.base_of(u) for u in range(n))
     return dataclasses.replace(
-        plan, vws=tuple(vws), owed=_owed(plan, v, left), starts=_starts(plan, v, position)
+        plan,
+        vws=tuple(vws),
+        owed=_owed(plan, v, left),
+        starts=_starts(plan, v, position),
+        bases=bases,
     )
 
 

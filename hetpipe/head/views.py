@@ -120,7 +120,7 @@ def job_view(js: JobState) -> dict[str, Any]:
 def _plan_view(js: JobState, plan: JobPlan) -> dict[str, Any]:
     """The part of a job's view that its plan and its stages' progress make."""
     # a re-formed VW's plan owes it only what was left at its restart
-    pushed = pushed_before_reforms(js.reforms)
+    pushed = pushed_before_reforms(js.reforms, plan.job)
     out: dict[str, Any] = {"total": plan.total_minibatches + pushed}
     vws = []
     done_all = 0
