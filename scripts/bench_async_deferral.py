@@ -8,8 +8,9 @@ so a shorter round trip raises the rate where ``Nm`` minibatches do not fill the
 Deferral only moves work inside a stage; it never removes any.
 
 This benchmark runs one virtual worker on a mixed cluster of emulated devices, one stage per
-device of ``--speeds`` (a fixed split of the builtin ``mlp``, one hidden layer per stage), under ``schedule = "async"`` at
-each ``Nm`` of ``--nm`` and measures, in the steady state (after ``--warmup`` minibatches):
+device of ``--speeds`` (a fixed split of the builtin ``mlp``, one hidden layer per stage),
+under ``schedule = "async"`` at each ``Nm`` of ``--nm`` and measures, in the steady state
+(after ``--warmup`` minibatches):
 
 - ``rate``: minibatches per second at the first stage;
 - per stage, its work per minibatch ``D`` (forward + backward with the local step, padded to
