@@ -215,6 +215,9 @@ class JobSpec:
     # "plan": a planned async stage holds at most the minibatches its predicted
     # timeline held, so its memory peak is the plan's; "nm": up to the schedule's maximum
     in_flight: str = _d("train.in_flight")
+    # where the shards keep each layer's state: "local" (on its stage's host) or "default"
+    # (round-robin, the HetPipe paper's default placement; hetpipe.planner.placement)
+    placement: str = _d("train.placement")
     # each stage's order of an iteration (hetpipe.core.schedule_csv); None: the kind's own
     order: tuple[schedule_csv.Order, ...] | None = _d("train.order")
     # module -> sha256 of its source as submitted (hetpipe.usercode); empty: not compared
@@ -361,6 +364,7 @@ class JobSpec:
         verify = _read(train, "verify")
         warmup_forwards = _warmup_forwards(train, schedule)
         in_flight = _read(train, "in_flight")
+        placement = _read(train, "placement")
         policy = _read(train, "policy")
 
         vws = _vws(root, several_stages)
@@ -422,6 +426,7 @@ class JobSpec:
             max_nm=max_nm,
             warmup_forwards=warmup_forwards,
             in_flight=in_flight,
+            placement=placement,
             order=order,
             code=code,
             sources=sources,
@@ -529,6 +534,7 @@ class JobSpec:
                 "max_nm": self.max_nm,
                 "warmup_forwards": "auto" if self.warmup_forwards is None else self.warmup_forwards,
                 "in_flight": self.in_flight,
+                "placement": self.placement,
                 "order": schedule_csv.rows(self.order) if self.order else None,
             },
         }

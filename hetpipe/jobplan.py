@@ -38,7 +38,7 @@ from hetpipe.job import JobSpec
 from hetpipe.jobcheck import JobFacts
 from hetpipe.models import ModelError, build_model, model_loss
 from hetpipe.modelstate import LayoutError, StateLayout, layer_of
-from hetpipe.planner import place_stages
+from hetpipe.planner import place_layers
 from hetpipe.replicas import check_group, split_rows
 from hetpipe.task import StageTask
 
@@ -415,9 +415,11 @@ def place_state(
     vws: Sequence[VWLayout],
     device_hosts: Mapping[str, str],
     shards: Mapping[int, str],
+    placement: str = "local",
 ) -> dict[str, int]:
-    """Each state tensor's shard: the planner's rule (a stage's layers on a shard of its
-    host where there is one, shards balanced by bytes), applied to the job's real tensors.
+    """Each state tensor's shard: the planner's rule for ``placement`` (``train.placement``;
+    local: a stage's layers on a shard of its host where there is one, shards balanced by
+    bytes; default: layer j on shard j mod S), applied to the job's real tensors.
 
     The layers are counted from the stages, not from the state's names: layers without state
     of their own (an activation, a head whose only weight is tied to an earlier layer's)
@@ -433,7 +435,7 @@ def place_state(
         layer_bytes[_layer(n)] += t.numel() * t.element_size()
     shard_list = [SimpleNamespace(index=i, host=_host_of(a)) for i, a in sorted(shards.items())]
     stages = [[(normal_host(device_hosts[s.device]), s.layers) for s in vw.stages] for vw in vws]
-    layer_shards, _ = place_stages(shard_list, stages, layer_bytes)
+    layer_shards = place_layers(placement, shard_list, stages, layer_bytes)
     return {n: layer_shards[_layer(n)] for n in state}
 
 
@@ -572,7 +574,7 @@ def plan_job(
     buffers = dict(model.named_buffers())
     local = {n: buffers[n].detach().clone() for n in layout.local}
     hosts = {d.name: d.host for d in cluster.devices}
-    placement = place_state(state, run_vws, hosts, shards)
+    placement = place_state(state, run_vws, hosts, shards, spec.placement)
     state_bytes = {
         f"{v}/{s}": sum(
             state[n].numel() * state[n].element_size()

@@ -112,6 +112,7 @@ def plan_inputs(
         row_profiles=row_profiles,
         in_flight=spec.in_flight,
         max_nm=spec.max_nm,
+        placement=spec.placement,
     )
 
 
@@ -177,6 +178,7 @@ def _planned_sync(
         num_vws=spec.num_vws,
         policy=spec.policy,
         warmup=spec.warmup_forwards,
+        placement=spec.placement,
     )
 
 

@@ -81,6 +81,8 @@ ACTIVATIONS: Final = ACTIVATION_POLICIES  # the memory model names the policies 
 PRECISIONS: Final = ("fp32", "bf16", "fp16")
 MERGES: Final = ("sum", "mean")
 IN_FLIGHT: Final = ("plan", "nm")
+# where the shards keep each layer's state (hetpipe.planner.placement prices both)
+PLACEMENTS: Final = ("local", "default")
 FAULT_KINDS: Final = ("stall", "slow")
 # the keys each fault kind takes besides ``kind`` (hetpipe.job reads them)
 FAULT_KEYS: Final = {
@@ -847,6 +849,18 @@ JOB: Final = Schema(
                     choices=IN_FLIGHT,
                     noun="bound",
                     applies=without_split("the planner's bound applies"),
+                ),
+                Key(
+                    "placement",
+                    "string",
+                    "Where the parameter-server shards keep each layer's state: local (a "
+                    "shard on the host of the stage that runs the layer, so pushes and pulls "
+                    "cross no link where a host has a shard) or default (layer j on shard "
+                    "j mod S, round-robin wherever its stage runs, as the HetPipe paper's "
+                    "default placement). The plan's prediction prices the one chosen.",
+                    "local",
+                    choices=PLACEMENTS,
+                    noun="placement",
                 ),
             ),
         ),

@@ -62,7 +62,7 @@ from hetpipe.planner.runtime import RuntimeCosts
 
 if TYPE_CHECKING:
     from hetpipe.planner.explicit import explicit_plan, replica_proposals
-    from hetpipe.planner.placement import place_stages
+    from hetpipe.planner.placement import place_layers, place_stages
     from hetpipe.planner.plan import make_plan
     from hetpipe.planner.plans import Plan, PlanError, PlanInputs, StagePlan, VWPlan
     from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW
@@ -98,6 +98,7 @@ __all__ = [
     "make_plan",
     "partition",
     "partition_best_nm",
+    "place_layers",
     "place_stages",
     "replica_proposals",
     "stage_memory",
@@ -111,7 +112,7 @@ _LAZY = {
     **dict.fromkeys(("Plan", "PlanError", "PlanInputs", "StagePlan", "VWPlan"), "plans"),
     **dict.fromkeys(("explicit_plan", "replica_proposals"), "explicit"),
     "make_plan": "plan",
-    "place_stages": "placement",
+    **dict.fromkeys(("place_layers", "place_stages"), "placement"),
     **dict.fromkeys(("SimLink", "SimResult", "SimStage", "SimVW"), "simulate"),
     "sync_plan": "syncplan",
 }

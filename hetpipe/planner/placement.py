@@ -10,8 +10,9 @@ Two placements, the HetPipe paper's (:data:`PLACEMENTS`, :func:`place_layers`):
   (its VWs are alike, so they share one order), so every layer is on its own node for
   every VW that runs it: the paper's ED-local, whose pushes and pulls cross no link.
 
-The runtime places by **local**; the planner prices both (:func:`shard_flights`'s
-``placement``) so that ``hetpipe plan --explain`` can show what local saves.
+The runtime places by the job's ``train.placement`` (local unless it says default); the
+planner prices both (:func:`shard_flights`'s ``placement``) so that ``hetpipe plan
+--explain`` can show what the other would cost or save.
 
 Local placement (:func:`place_stages`): the PS holds one global copy of each layer, but VWs may
 cut the model differently, so placement is per *segment* (a maximal run of layers that
@@ -41,6 +42,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from hetpipe.core.keys import PLACEMENTS
 from hetpipe.core.profile import ModelProfile
 from hetpipe.planner.partition import CostModel, Partition
 
@@ -55,7 +57,6 @@ __all__ = [
     "shard_flights",
 ]
 
-PLACEMENTS = ("local", "default")  # the runtime's first
 RULES = {
     "local": "each layer on a shard on the host of the stage that runs it",
     "default": "layer j on shard j mod S, round-robin, wherever its stage runs",
@@ -145,25 +146,40 @@ def place_layers(
     raise ValueError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
 
 
-def compare_placements(figure: Callable[[str], float]) -> list[dict[str, Any]]:
+def compare_placements(
+    figure: Callable[[str], float], chosen: str = "local"
+) -> list[dict[str, Any]]:
     """Each placement with its predicted samples/s (``figure(placement)``), for ``hetpipe
-    plan --explain``. The chosen one is always local: the runtime places by it."""
+    plan --explain``; ``chosen``: the job's (``train.placement``), the one the runtime uses."""
     return [
-        {"name": pl, "score": figure(pl), "rule": RULES[pl], "chosen": pl == PLACEMENTS[0]}
+        {"name": pl, "score": figure(pl), "rule": RULES[pl], "chosen": pl == chosen}
         for pl in PLACEMENTS
     ]
 
 
 def place_plan(
-    cluster: Any, profile: ModelProfile, vws: Sequence[Sequence[tuple[Any, tuple[int, int]]]]
+    cluster: Any,
+    profile: ModelProfile,
+    vws: Sequence[Sequence[tuple[Any, tuple[int, int]]]],
+    placement: str = "local",
 ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """:func:`place_stages` for a plan: its VWs' stages as ``(device, (a, b))`` on the
-    cluster's shards, the model's state bytes from ``profile``."""
-    return place_stages(
-        tuple(getattr(cluster, "ps", ()) or ()),
-        [[(d.host, ab) for d, ab in v] for v in vws],
-        layer_state_bytes(profile),
-    )
+    """The shard of every layer and of every stage (the one holding most of its bytes) for a
+    plan: its VWs' stages as ``(device, (a, b))`` on the cluster's shards under
+    ``placement``, the model's state bytes from ``profile``."""
+    shards = tuple(getattr(cluster, "ps", ()) or ())
+    stages = [[(d.host, ab) for d, ab in v] for v in vws]
+    layer_bytes = layer_state_bytes(profile)
+    if placement == "local":
+        return place_stages(shards, stages, layer_bytes)
+    layer_shards = place_layers(placement, shards, stages, layer_bytes)
+
+    def most(a: int, b: int) -> int:
+        per = _bytes_by_shard(layer_shards, layer_bytes, a, b)
+        if not per:
+            return layer_shards[a] if a < len(layer_shards) else 0
+        return min(per, key=lambda s: (-per[s], s))
+
+    return layer_shards, tuple(tuple(most(a, b) for _, (a, b) in v) for v in stages)
 
 
 def _bytes_by_shard(

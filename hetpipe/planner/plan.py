@@ -569,10 +569,11 @@ def make_plan(
     warnings.extend(deep_warnings(nms, inputs.weights))
 
     def placed(pl: str) -> float:  # the plan's samples/s with its parameters placed by pl
-        at = pred if pl == "local" else _predict(model, kept, inputs, search.shard_hosts, pl)
+        same = pl == inputs.placement
+        at = pred if same else _predict(model, kept, inputs, search.shard_hosts, pl)
         return at.sim.job_samples_per_s
 
-    details["placements"] = compare_placements(placed)
+    details["placements"] = compare_placements(placed, inputs.placement)
     return _assemble(
         cluster,
         model,
@@ -646,10 +647,10 @@ def _predict(
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     inputs: PlanInputs,
     shard_hosts: Sequence[str],
-    placement: str = "local",
+    placement: str | None = None,
 ) -> Prediction:
     """Simulated rates of the chosen VWs with the runtime's costs and host sharing, for the
-    job ``inputs`` describe, its parameters placed by ``placement``."""
+    job ``inputs`` describe, its parameters placed by ``placement`` (None: the job's)."""
     return predict(
         model,
         chosen,
@@ -658,7 +659,7 @@ def _predict(
         cores=inputs.cores,
         shard_hosts=tuple(shard_hosts),
         minibatches=inputs.minibatches,
-        placement=placement,
+        placement=placement or inputs.placement,
     )
 
 
@@ -706,7 +707,10 @@ def _assemble(
     prof = model.profile
     minibatch, staleness, shard_of_stage = inputs.minibatch, inputs.staleness, inputs.shard_of_stage
     layer_shards, stage_shards = place_plan(
-        cluster, prof, [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen]
+        cluster,
+        prof,
+        [list(zip(devs, p.cuts, strict=True)) for devs, p in chosen],
+        inputs.placement,
     )
     if shard_of_stage is not None:
         stage_shards = tuple(

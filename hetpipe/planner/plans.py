@@ -86,7 +86,8 @@ class PlanInputs:
     ``train.in_flight``. ``policy`` and ``num_vws`` choose the formations searched.
     ``max_nm`` (``train.max_nm``) caps the Nm the search gives any VW (None: no cap but
     the search's own; the staleness rule of :mod:`hetpipe.planner.staleness` still
-    weighs deep pipelines).
+    weighs deep pipelines). ``placement`` (``train.placement``) is where the shards keep
+    each layer's state, priced on the links (:mod:`hetpipe.planner.placement`).
     """
 
     minibatch: int
@@ -105,6 +106,7 @@ class PlanInputs:
     row_profiles: Mapping[int, ModelProfile] | None = None
     in_flight: str = "nm"
     max_nm: int | None = None
+    placement: str = "local"
 
     @classmethod
     def of(cls, inputs: PlanInputs | None, options: Mapping[str, Any]) -> PlanInputs:

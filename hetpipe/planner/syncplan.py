@@ -126,12 +126,14 @@ def sync_plan(
     costs: RuntimeCosts | None = None,
     budget_s: float = 5.0,
     warmup: int | None = 0,
+    placement: str = "local",
 ) -> Any:
     """A :class:`~hetpipe.planner.plans.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
     (devices in order, layers per stage or None for the best cuts; each runs ``m``).
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`);
-    None: the planner picks the order from :func:`warmup_ladder` too.
+    None: the planner picks the order from :func:`warmup_ladder` too. ``placement``: where
+    the shards keep each layer's state (``train.placement``), as the plan reports it.
 
     Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever
     is predicted faster): several are formed by the asynchronous planner's policies
@@ -273,6 +275,7 @@ def sync_plan(
         cluster,
         profile,
         [[(usable[i], ab) for i, ab in zip(c.devices, c.cuts, strict=True)] for c in chosen],
+        placement,
     )
     plans = []
     for v, (c, mv) in enumerate(zip(chosen, ms, strict=True)):
