@@ -25,7 +25,7 @@ from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
 from hetpipe.core.lr import LrSchedule, is_function
-from hetpipe.core.schedule import SYNC_KINDS
+from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS, ScheduleError
 from hetpipe.usercode import digest
 
 __all__ = [
@@ -370,6 +370,8 @@ class JobSpec:
             if max_nm is not None and given is not None and given > max_nm:
                 train.fail("max_nm", f"is {max_nm} but the job gives nm = {given}")
         order = _order(train, source, schedule, warmup_forwards, vws, nm)
+        if schedule in DEVICE_KINDS:
+            _device_schedule_refusals(train, vws, schedule, nm, minibatches, order is not None)
         faults = [_fault(ft) for ft in root.tables("fault", JOB.allowed("fault"))]
         if schedule == "auto" and vws:
             train.fail(
@@ -871,6 +873,46 @@ def _several_stages_refusals(
             f"{on_worker_loss!r} is not supported where a device runs several stages "
             "(use fail, and resume from a checkpoint)",
         )
+
+
+def _device_schedule_refusals(
+    train: Table,
+    vws: tuple[VWSpec, ...],
+    schedule: str,
+    nm: int | None,
+    minibatches: int | None,
+    ordered: bool,
+) -> None:
+    """What a device-level schedule (:mod:`hetpipe.core.devschedule`) cannot run, each
+    refused in one line: no ``[[vw]]`` split (the planner plans one stage a device), a
+    ``train.order`` (each stage's order is its device's), a placement the schedule cannot
+    use, and (interleaved) microbatches per iteration, or a last short iteration's, that
+    are not a multiple of the virtual worker's devices."""
+    from hetpipe.core.devschedule import (
+        check_microbatches,
+        check_placement,
+        last_iteration_problem,
+    )
+
+    if not vws:
+        train.fail(
+            "schedule",
+            f"{schedule} runs the job's own [[vw]] split (the planner plans one stage a device)",
+        )
+    if ordered:
+        train.fail("order", f"{schedule} orders each stage by its device's order: leave it out")
+    for v, vw in enumerate(vws):
+        m = vw.nm or nm
+        try:
+            devices = check_placement(schedule, vw.devices)
+            if m is not None:
+                check_microbatches(schedule, devices, m)
+        except ScheduleError as exc:
+            train.fail("schedule", f"vw[{v}]: {exc}")
+        if v == 0 and m is not None and minibatches is not None:
+            problem = last_iteration_problem(schedule, devices, minibatches, m)
+            if problem is not None:
+                train.fail("minibatches", problem)
 
 
 def _device_groups(vt: Table) -> list[list[str]]:

@@ -37,6 +37,7 @@ from hetpipe.core.memory import (
 )
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
+    STAGE_SYNC_KINDS,
     SYNC_KINDS,
     iteration_trips,
     max_deferred,
@@ -102,7 +103,7 @@ class SyncModel:
         m: int,
         optimizer_state_factor: int,
         costs: RuntimeCosts | None = None,
-        kinds: Sequence[str] = SYNC_KINDS,
+        kinds: Sequence[str] = STAGE_SYNC_KINDS,
         warmups: Sequence[int] = (0,),
         shards: int = 1,
     ) -> None:
