@@ -25,7 +25,7 @@ from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
 from hetpipe.core.lr import LrSchedule, is_function
-from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS, ScheduleError
+from hetpipe.core.schedule import DEVICE_KINDS, SYNCHRONOUS, ScheduleError
 from hetpipe.usercode import digest
 
 __all__ = [
@@ -230,7 +230,7 @@ class JobSpec:
     @property
     def sync(self) -> bool:
         """Whether the schedule is synchronous (an iteration of nm microbatches, one step)."""
-        return self.schedule in SYNC_KINDS
+        return self.schedule in SYNCHRONOUS
 
     def to_dict(self) -> dict:
         """The job in its file's shape, as plain msgpack-able data.
@@ -329,7 +329,7 @@ class JobSpec:
         hang_after_s = _read(train, "hang_after_s")
         schedule = _read(train, "schedule")
         weights = _read(train, "weights")
-        if weights != "stash" and schedule in SYNC_KINDS:
+        if weights != "stash" and schedule in SYNCHRONOUS:
             train.fail(
                 "weights", f"{weights!r} needs the async schedule (in {schedule} nothing is stale)"
             )
@@ -348,7 +348,7 @@ class JobSpec:
         checkpoint_every = _read(train, "checkpoint_every")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
-        if precision == "fp16" and schedule not in SYNC_KINDS:
+        if precision == "fp16" and schedule not in SYNCHRONOUS:
             train.fail(
                 "precision",
                 f"fp16 needs schedule gpipe or 1f1b, not {schedule!r} (its loss scale "
@@ -379,7 +379,7 @@ class JobSpec:
                 "auto needs a job without [[vw]] tables (the planner "
                 "picks the schedule with the split)",
             )
-        if schedule in SYNC_KINDS and any(v.replicas for v in vws):
+        if schedule in SYNCHRONOUS and any(v.replicas for v in vws):
             train.fail(
                 "schedule",
                 f"replicated stages need the async schedule ({schedule} "
@@ -650,7 +650,7 @@ def _order(
         orders = schedule_csv.order_value(value, os.path.dirname(source) or ".")
     except schedule_csv.ScheduleCsvError as exc:
         train.fail("order", str(exc))
-    if schedule in SYNC_KINDS:
+    if schedule in SYNCHRONOUS:
         problem = schedule_csv.job_order_problem(
             orders,
             kind=schedule,

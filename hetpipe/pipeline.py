@@ -165,8 +165,9 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     orders = compute.spec.order  # train.order: checked against the job's split at submit
     if orders is not None and len(orders) != task.k:
         raise ScheduleError(f"train.order has {len(orders)} stages, this virtual worker {task.k}")
-    vws = compute.spec.vws  # a device-level kind projects its devices' orders (devschedule)
-    devices = len(set(vws[task.vw].devices)) if compute.spec.schedule in DEVICE_KINDS else None
+    devices = None
+    if compute.spec.schedule in DEVICE_KINDS:  # each stage's order: its device's projected
+        devices = len(set(compute.spec.vws[task.vw].devices))
     return StageSchedule(
         compute.spec.schedule,
         k=task.k,

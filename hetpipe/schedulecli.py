@@ -20,7 +20,6 @@ import click
 
 from hetpipe.core import schedule_csv
 from hetpipe.core.schedule import (
-    STAGE_SYNC_KINDS,
     SYNC_KINDS,
     ScheduleError,
     check_order,
@@ -137,7 +136,7 @@ def _describe(orders: Orders, m: int) -> list[str]:
     warm-up whose memory charge holds them."""
     k = len(orders)
     lines = [f"{k} stages, {m} microbatches per iteration"]
-    for kind in STAGE_SYNC_KINDS:
+    for kind in SYNC_KINDS:
         for w in range(m if kind == "1f1b" else 1):
             if orders == tuple(microbatch_order(kind, k, s, m, w) for s in range(k)):
                 lines.append(f"equals hetpipe's {kind}" + (f" with {w} warm-up" if w else ""))

@@ -22,8 +22,8 @@ from hetpipe.core.devschedule import (
 from hetpipe.core.schedule import (
     DEVICE_KINDS,
     KINDS,
-    STAGE_SYNC_KINDS,
     SYNC_KINDS,
+    SYNCHRONOUS,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -204,7 +204,7 @@ def test_the_stages_alone_run_the_projected_actions():
 
 def test_kinds():
     assert DEVICE_KINDS == ("interleaved-1f1b", "zbv")
-    assert all(k in SYNC_KINDS and k in KINDS and k not in STAGE_SYNC_KINDS for k in DEVICE_KINDS)
+    assert all(k in SYNCHRONOUS and k in KINDS and k not in SYNC_KINDS for k in DEVICE_KINDS)
 
 
 def test_placements():
@@ -295,3 +295,57 @@ def test_a_gate_only_where_a_device_runs_several_stages_of_a_device_kind():
     assert turn is not None and turn.device == 1 and turn.devices == 2
     assert device_turn(spec, 0, [1], 4, 4, 8) is None
     assert device_turn(SimpleNamespace(schedule="1f1b", vws=spec.vws), 0, [1, 2], 4, 4, 8) is None
+
+
+# -- the job file refuses what a device-level schedule cannot run -------------------------------
+
+
+def job_spec(kind: str, devices: list[str] | None, nm: int = 4, **train: object) -> object:
+    from hetpipe.job import JobSpec
+
+    d: dict[str, object] = {
+        "name": "j",
+        "model": {"name": "mlp"},
+        "train": {
+            "minibatch": 4,
+            "minibatches": 8,
+            "nm": nm,
+            "schedule": kind,
+            "several_stages": True,
+            **train,
+        },
+    }
+    if devices is not None:
+        d["vw"] = [{"devices": devices, "layers": [1] * len(devices)}]
+    return JobSpec.from_dict(d)
+
+
+def test_a_job_runs_a_device_schedule_on_its_placement():
+    spec = job_spec("zbv", ["a", "b", "b", "a"])
+    assert spec.sync and spec.schedule == "zbv"  # type: ignore[attr-defined]
+    assert job_spec("interleaved-1f1b", ["a", "b", "a", "b"]).sync  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "kind, devices, more, problem",
+    [
+        ("zbv", None, {}, "train.schedule: zbv runs the job's own [[vw]] split"),
+        ("zbv", ["a", "b", "a", "b"], {}, "train.schedule: vw[0]: zbv: needs a V"),
+        ("interleaved-1f1b", ["a", "b", "b", "a"], {}, "needs stage s on device s mod D"),
+        ("interleaved-1f1b", ["a", "b", "a", "b"], {"nm": 3}, "a multiple of the devices (2)"),
+        (
+            "interleaved-1f1b",
+            ["a", "b", "a", "b"],
+            {"minibatches": 9},
+            "train.minibatches: 9 leaves a last iteration of 1 microbatches",
+        ),
+    ],
+)
+def test_a_job_a_device_schedule_cannot_run_is_refused_in_one_line(
+    kind: str, devices: list[str] | None, more: dict, problem: str
+):
+    from hetpipe.job import JobError
+
+    with pytest.raises(JobError) as exc:
+        job_spec(kind, devices, **more)
+    assert problem in str(exc.value) and "\n" not in str(exc.value)

@@ -74,7 +74,7 @@ __all__ = [
     "DEVICE_KINDS",
     "INPUT_GRAD_SHARE",
     "KINDS",
-    "STAGE_SYNC_KINDS",
+    "SYNCHRONOUS",
     "SYNC_KINDS",
     "ZB_KINDS",
     "Action",
@@ -103,13 +103,14 @@ __all__ = [
     "stage_tables",
 ]
 
+# the synchronous kinds whose order is set per stage (the planner searches them, one stage a
+# device)
+SYNC_KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 # the synchronous kinds whose order is set per device, for a device holding several stages
 # (hetpipe.core.devschedule); each stage runs its projection of its device's order
 DEVICE_KINDS = ("interleaved-1f1b", "zbv")
-# the synchronous kinds whose order is set per stage (the planner's search: one stage a device)
-STAGE_SYNC_KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-SYNC_KINDS = (*STAGE_SYNC_KINDS, *DEVICE_KINDS)
-KINDS = ("async", *SYNC_KINDS)
+SYNCHRONOUS = (*SYNC_KINDS, *DEVICE_KINDS)  # every synchronous kind
+KINDS = ("async", *SYNCHRONOUS)
 ZB_KINDS = ("zb-h1", "zb-h2")  # the per-stage synchronous kinds whose backwards are split
 
 
@@ -581,7 +582,7 @@ class StageSchedule:
         self.staleness = staleness
         self.pulls, self.pushes = pulls, pushes
         self.first, self.last = stage == 0, stage == k - 1
-        self.sync = kind in SYNC_KINDS
+        self.sync = kind in SYNCHRONOUS
         self.waves = -(-total // nm)
         self.nf = 0  # next forward
         self.nb = 0  # next backward

@@ -37,8 +37,8 @@ from hetpipe.core.memory import (
 )
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
-    STAGE_SYNC_KINDS,
     SYNC_KINDS,
+    SYNCHRONOUS,
     iteration_trips,
     max_deferred,
     microbatch_order,
@@ -103,13 +103,13 @@ class SyncModel:
         m: int,
         optimizer_state_factor: int,
         costs: RuntimeCosts | None = None,
-        kinds: Sequence[str] = STAGE_SYNC_KINDS,
+        kinds: Sequence[str] = SYNC_KINDS,
         warmups: Sequence[int] = (0,),
         shards: int = 1,
     ) -> None:
         if m < 1:
             raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
-        bad = [k for k in kinds if k not in SYNC_KINDS]
+        bad = [k for k in kinds if k not in SYNCHRONOUS]  # a device kind: priced when given
         if bad or not kinds:
             raise ValueError(f"kinds must be among {SYNC_KINDS}, got {list(kinds)}")
         self.profile = profile

@@ -48,7 +48,7 @@ from typing import Any
 from hetpipe.core.layout import StageLayout, VWSpec
 from hetpipe.core.memory import in_flight
 from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import STAGE_SYNC_KINDS, microbatch_order
+from hetpipe.core.schedule import SYNC_KINDS, microbatch_order
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import INF, SyncChoice, SyncModel, warmup_ladder
 from hetpipe.planner.syncsearch import search_formations, search_sync
@@ -162,7 +162,7 @@ def sync_plan(
         m,
         optimizer_state_factor,
         (costs or RuntimeCosts()).with_runtime(cluster),
-        (kind,) if kind else STAGE_SYNC_KINDS,
+        (kind,) if kind else SYNC_KINDS,
         (warmup,) if warmup is not None else warmup_ladder(m),
         shards=len(_shard_hosts(cluster)),
     )
