@@ -25,7 +25,7 @@ from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
 from hetpipe.core.lr import LrSchedule, is_function
-from hetpipe.core.schedule import DEVICE_KINDS, SYNCHRONOUS, ScheduleError
+from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS, SYNCHRONOUS, ScheduleError
 from hetpipe.usercode import digest
 
 __all__ = [
@@ -650,7 +650,7 @@ def _order(
         orders = schedule_csv.order_value(value, os.path.dirname(source) or ".")
     except schedule_csv.ScheduleCsvError as exc:
         train.fail("order", str(exc))
-    if schedule in SYNCHRONOUS:
+    if schedule in SYNC_KINDS:  # a device-level kind refuses an order (its devices' own)
         problem = schedule_csv.job_order_problem(
             orders,
             kind=schedule,
