@@ -681,8 +681,14 @@ class StageRunner:
             ):
                 # with what joins it in one hand-off to the compute thread
                 run = self.schedule.trip(action, self)
-                if self.turn is not None and self.turn.gated(action):
-                    await self.turn.wait(self.task.stage, action)  # the device's order
+                turn = self.turn  # a device-level order: another stage of the device first
+                if (
+                    turn is not None
+                    and turn.gated(action)
+                    and not turn.is_turn(self.task.stage, action)
+                ):
+                    self._wait_for("its device's turn", p=action.p)  # type: ignore[union-attr]
+                    await turn.wait(self.task.stage, action)
                 await self._compute_run(run)
 
     def _wait_for(self, kind: str, **what: Any) -> None:
