@@ -25,7 +25,7 @@ from hetpipe.core.keys import JOB
 from hetpipe.core.layout import VWSpec
 from hetpipe.core.lr import KINDS as LR_KINDS
 from hetpipe.core.lr import LrSchedule, is_function
-from hetpipe.core.schedule import SYNC_KINDS
+from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS, SYNCHRONOUS, ScheduleError
 from hetpipe.usercode import digest
 
 __all__ = [
@@ -233,7 +233,7 @@ class JobSpec:
     @property
     def sync(self) -> bool:
         """Whether the schedule is synchronous (an iteration of nm microbatches, one step)."""
-        return self.schedule in SYNC_KINDS
+        return self.schedule in SYNCHRONOUS
 
     def to_dict(self) -> dict:
         """The job in its file's shape, as plain msgpack-able data.
@@ -332,7 +332,7 @@ class JobSpec:
         hang_after_s = _read(train, "hang_after_s")
         schedule = _read(train, "schedule")
         weights = _read(train, "weights")
-        if weights != "stash" and schedule in SYNC_KINDS:
+        if weights != "stash" and schedule in SYNCHRONOUS:
             train.fail(
                 "weights", f"{weights!r} needs the async schedule (in {schedule} nothing is stale)"
             )
@@ -351,7 +351,7 @@ class JobSpec:
         checkpoint_every = _read(train, "checkpoint_every")
         activations = _read(train, "activations")
         precision = _read(train, "precision")
-        if precision == "fp16" and schedule not in SYNC_KINDS:
+        if precision == "fp16" and schedule not in SYNCHRONOUS:
             train.fail(
                 "precision",
                 f"fp16 needs schedule gpipe or 1f1b, not {schedule!r} (its loss scale "
@@ -374,6 +374,8 @@ class JobSpec:
             if max_nm is not None and given is not None and given > max_nm:
                 train.fail("max_nm", f"is {max_nm} but the job gives nm = {given}")
         order = _order(train, source, schedule, warmup_forwards, vws, nm)
+        if schedule in DEVICE_KINDS:
+            _device_schedule_refusals(train, vws, schedule, nm, minibatches, order is not None)
         faults = [_fault(ft) for ft in root.tables("fault", JOB.allowed("fault"))]
         if schedule == "auto" and vws:
             train.fail(
@@ -381,7 +383,7 @@ class JobSpec:
                 "auto needs a job without [[vw]] tables (the planner "
                 "picks the schedule with the split)",
             )
-        if schedule in SYNC_KINDS and any(v.replicas for v in vws):
+        if schedule in SYNCHRONOUS and any(v.replicas for v in vws):
             train.fail(
                 "schedule",
                 f"replicated stages need the async schedule ({schedule} "
@@ -654,7 +656,7 @@ def _order(
         orders = schedule_csv.order_value(value, os.path.dirname(source) or ".")
     except schedule_csv.ScheduleCsvError as exc:
         train.fail("order", str(exc))
-    if schedule in SYNC_KINDS:
+    if schedule in SYNC_KINDS:  # a device-level kind refuses an order (its devices' own)
         problem = schedule_csv.job_order_problem(
             orders,
             kind=schedule,
@@ -877,6 +879,46 @@ def _several_stages_refusals(
             f"{on_worker_loss!r} is not supported where a device runs several stages "
             "(use fail, and resume from a checkpoint)",
         )
+
+
+def _device_schedule_refusals(
+    train: Table,
+    vws: tuple[VWSpec, ...],
+    schedule: str,
+    nm: int | None,
+    minibatches: int | None,
+    ordered: bool,
+) -> None:
+    """What a device-level schedule (:mod:`hetpipe.core.devschedule`) cannot run, each
+    refused in one line: no ``[[vw]]`` split (the planner plans one stage a device), a
+    ``train.order`` (each stage's order is its device's), a placement the schedule cannot
+    use, and (interleaved) microbatches per iteration, or a last short iteration's, that
+    are not a multiple of the virtual worker's devices."""
+    from hetpipe.core.devschedule import (
+        check_microbatches,
+        check_placement,
+        last_iteration_problem,
+    )
+
+    if not vws:
+        train.fail(
+            "schedule",
+            f"{schedule} runs the job's own [[vw]] split (the planner plans one stage a device)",
+        )
+    if ordered:
+        train.fail("order", f"{schedule} orders each stage by its device's order: leave it out")
+    for v, vw in enumerate(vws):
+        m = vw.nm or nm
+        try:
+            devices = check_placement(schedule, vw.devices)
+            if m is not None:
+                check_microbatches(schedule, devices, m)
+        except ScheduleError as exc:
+            train.fail("schedule", f"vw[{v}]: {exc}")
+        if v == 0 and m is not None and minibatches is not None:
+            problem = last_iteration_problem(schedule, devices, minibatches, m)
+            if problem is not None:
+                train.fail("minibatches", problem)
 
 
 def _device_groups(vt: Table) -> list[list[str]]:

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hetpipe.config import ClusterConfig
+from hetpipe.core.devschedule import last_iteration_problem
 from hetpipe.core.layout import SplitError, validate
+from hetpipe.core.schedule import DEVICE_KINDS
 from hetpipe.data import DataError, DataSource, load_data
 from hetpipe.data.check import check_fit
 from hetpipe.job import JobError, JobSpec
@@ -137,6 +139,14 @@ def check_job(
             f"worker in {n_train} training samples",
         )
     total = spec.minibatches or (spec.epochs or 1) * per_epoch
+    if spec.schedule in DEVICE_KINDS and spec.vws and not spec.minibatches:
+        # epochs: the run's length is known only now (the job file checked train.minibatches)
+        m = spec.vws[0].nm or spec.nm
+        problem = m and last_iteration_problem(
+            spec.schedule, len(set(spec.vws[0].devices)), total, m
+        )
+        if problem:
+            raise fail("train.epochs", problem)
 
     for f, fault in enumerate(spec.faults):
         if num_vws is not None and fault.vw >= num_vws:

@@ -42,6 +42,7 @@ from hetpipe.carry import Carry, Target
 from hetpipe.checkpoint import is_cut
 from hetpipe.computethread import InlinePolicy
 from hetpipe.core.schedule import (
+    DEVICE_KINDS,
     Action,
     Backward,
     BackwardInput,
@@ -60,6 +61,7 @@ from hetpipe.core.wsp import pull_need, wave_of
 from hetpipe.cudaipc import Shared, parse, share
 from hetpipe.cudapeak import allocator_peaks, reset_allocator_peaks
 from hetpipe.data import Batch, MinibatchStream, rows_of
+from hetpipe.devturn import DeviceTurn
 from hetpipe.evalpass import Passes, on_workers
 from hetpipe.hostcopy import HostCopy
 from hetpipe.metrics import parse_every
@@ -163,6 +165,9 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
     orders = compute.spec.order  # train.order: checked against the job's split at submit
     if orders is not None and len(orders) != task.k:
         raise ScheduleError(f"train.order has {len(orders)} stages, this virtual worker {task.k}")
+    devices = None
+    if compute.spec.schedule in DEVICE_KINDS:  # each stage's order: its device's projected
+        devices = len(set(compute.spec.vws[task.vw].devices))
     return StageSchedule(
         compute.spec.schedule,
         k=task.k,
@@ -178,6 +183,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         limit=task.in_flight_limit or None,
         fill=task.in_flight_fill,
         order=orders[task.stage] if orders is not None else None,
+        devices=devices,
     )
 
 
@@ -203,6 +209,7 @@ class StageRunner:
         records_every: int = 1024,
         local: frozenset[str] = frozenset(),
         own_stream: bool = False,
+        turn: DeviceTurn | None = None,
     ) -> None:
         """``inline_s``: compute runs the stage measured shorter than this run on the event
         loop, not the compute thread (:mod:`hetpipe.computethread`; 0: never). ``inbox``:
@@ -212,8 +219,11 @@ class StageRunner:
         trains (None: all of them stay for :meth:`final_stats`). ``local``: the kinds (act,
         grad) whose neighbour stage runs on this device too (``send`` hands their tensors
         over in process: they are never copied to the host). ``own_stream``: on a GPU, this
-        stage computes on a CUDA stream of its own (its device runs several stages)."""
+        stage computes on a CUDA stream of its own (its device runs several stages).
+        ``turn``: the gate its device's stages take their passes through, in the device's
+        order (a device-level schedule, :mod:`hetpipe.devturn`)."""
         self.compute = compute
+        self.turn = turn
         self.local = local
         self.cuda_stream: Any = (
             torch.cuda.Stream(torch.device(compute.dev))
@@ -670,7 +680,16 @@ class StageRunner:
                 | Push()
             ):
                 # with what joins it in one hand-off to the compute thread
-                await self._compute_run(self.schedule.trip(action, self))
+                run = self.schedule.trip(action, self)
+                turn = self.turn  # a device-level order: another stage of the device first
+                if (
+                    turn is not None
+                    and turn.gated(action)
+                    and not turn.is_turn(self.task.stage, action)
+                ):
+                    self._wait_for("its device's turn", p=action.p)  # type: ignore[union-attr]
+                    await turn.wait(self.task.stage, action)
+                await self._compute_run(run)
 
     def _wait_for(self, kind: str, **what: Any) -> None:
         """Say what the stage waits for (the head diagnoses hangs from it)."""
@@ -753,6 +772,8 @@ class StageRunner:
                 outs, spans, losses = await self._run(self._compute, run, inputs)
         finally:
             self.doing = None
+        if self.turn is not None and self.turn.gated(head):
+            self.turn.passed(self.task.stage, head)  # the device's next may run (sends wait)
         self.inline.ran(what, time.time() - t0)
         if spans:
             # the hand-off to and from the compute thread counts as the compute's own time

@@ -38,6 +38,7 @@ from hetpipe.computethread import ComputeThread
 from hetpipe.config import ClusterConfig, ConfigError, DeviceSpec, load_cluster
 from hetpipe.daemon import Owner, start_daemon, wait_for_signal, write_ready
 from hetpipe.data import MinibatchStream, load_data
+from hetpipe.devturn import DeviceTurn, device_turn
 from hetpipe.job import JobSpec
 from hetpipe.measure import measure
 from hetpipe.pipeline import StageRunner
@@ -348,8 +349,13 @@ class Worker:
         """Start every stage of ``job_id`` assigned here: all runners exist before any runs,
         so a stage of this device always has its neighbour here to hand its tensors to."""
         new = [j for j in self._of_job(job_id) if j.runner is None]
+        turn = None  # a device-level schedule: the stages of this device take turns
+        if new:
+            t = new[0].task
+            stages = [j.task.stage for j in new]
+            turn = device_turn(new[0].compute.spec, t.vw, stages, t.k, t.nm, t.minibatches)
         for job in new:
-            self._make_runner(job)
+            self._make_runner(job, turn)
         for job in new:
             for msg in job.early:
                 self._take(job, msg)
@@ -372,7 +378,7 @@ class Worker:
         if jobs:
             await self._drop_job()
 
-    def _make_runner(self, job: _Job) -> None:
+    def _make_runner(self, job: _Job, turn: DeviceTurn | None = None) -> None:
         local = self._local_kinds(job.task)
         job.runner = StageRunner(
             job.compute,
@@ -397,6 +403,7 @@ class Worker:
             inbox=job.inbox,
             records_out=self._records_sender(job),
             records_every=self.cluster.runtime.records_every,
+            turn=turn,
         )
 
         def connect(index: int, address: str) -> Channel:  # a shard a migration needs

@@ -45,13 +45,13 @@ Three parts, each against a baseline measured in the same run:
 (f) Two stages per device (``--parts f``): two devices (processes) hold the four stages of (a),
     interleaved (``gpu0, gpu1, gpu0, gpu1``: each device's worker runs both of its stages,
     ``train.several_stages``) or as a V (``gpu0, gpu1, gpu1, gpu0``), against
-    ``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B`` (ours: ``1f1b`` on the
-    interleaved placement), ``ScheduleInterleavedZeroBubble`` (ours: ``zb-h1``, interleaved)
-    and ``ScheduleZBVZeroBubble`` (ours: ``zb-h1`` on the V) over gloo, with the same model,
-    split, microbatches and placement, measured as in (a), and torch again with each process
-    keeping freed memory as our daemons do. Each of our stages runs its own schedule; a
-    device's worker runs whichever of its stages' actions is ready first (no device-level
-    table). ``ratio_vs_torch_interleaved_1f1b``, ``ratio_vs_torch_interleaved_zero_bubble``,
+    ``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B`` (ours: ``interleaved-1f1b``,
+    the same device-level order), ``ScheduleInterleavedZeroBubble`` (ours: ``zb-h1``,
+    interleaved: each stage its own zb-h1 order, the device running whichever of its stages'
+    actions is ready first) and ``ScheduleZBVZeroBubble`` (ours: ``zbv``, the same device-level
+    order on the V) over gloo, with the same model, split, microbatches and placement,
+    measured as in (a), and torch again with each process keeping freed memory as our daemons
+    do. ``ratio_vs_torch_interleaved_1f1b``, ``ratio_vs_torch_interleaved_zero_bubble``,
     ``ratio_vs_torch_zbv_zero_bubble`` (target >= 1.0 each) and ``..._retained``.
 (c) ``--optimality N``: the search against exhaustive enumeration on N random small
     instances (<= 6 devices of <= 3 types, random bandwidth matrix, <= 10 layers, M <= 4):
@@ -181,7 +181,7 @@ CHUNKED: list[tuple[str, str, str, list[str], list[int]]] = [
     (
         "interleaved_1f1b",
         "interleaved-1f1b",
-        "1f1b",
+        "interleaved-1f1b",
         ["gpu0", "gpu1", "gpu0", "gpu1"],
         [0, 1, 0, 1],
     ),
@@ -192,7 +192,7 @@ CHUNKED: list[tuple[str, str, str, list[str], list[int]]] = [
         ["gpu0", "gpu1", "gpu0", "gpu1"],
         [0, 1, 0, 1],
     ),
-    ("zbv_zero_bubble", "zbv-zero-bubble", "zb-h1", ["gpu0", "gpu1", "gpu1", "gpu0"], [0, 1, 1, 0]),
+    ("zbv_zero_bubble", "zbv-zero-bubble", "zbv", ["gpu0", "gpu1", "gpu1", "gpu0"], [0, 1, 1, 0]),
 ]
 
 

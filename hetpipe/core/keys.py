@@ -654,7 +654,9 @@ JOB: Final = Schema(
                     "string",
                     "async (HetPipe: Nm in flight, WSP across virtual workers), gpipe, 1f1b, "
                     "zb-h1 or zb-h2 (synchronous: exactly minibatch SGD; zb-* split each "
-                    "backward to fill bubbles), or auto (the planner picks).",
+                    "backward to fill bubbles), interleaved-1f1b or zbv (synchronous, a "
+                    "device runs several stages in one device order; needs several_stages "
+                    "and the split's placement), or auto (the planner picks).",
                     "async",
                     choices=SCHEDULES,
                     noun="schedule",

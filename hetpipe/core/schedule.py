@@ -43,6 +43,11 @@ Kinds:
   weights' gradient, deferred to fill what would be a bubble). Their orders hold ``("I", j)``
   and ``("W", j)`` entries instead of ``("B", j)``; a microbatch's activations stay until its
   weight step.
+- ``interleaved-1f1b`` and ``zbv`` (synchronous, device-level: a device runs several stages of
+  the virtual worker): each device runs its stages' actions in one order
+  (:mod:`hetpipe.core.devschedule`: Megatron-LM's interleaved 1F1B, and the V-shaped zero
+  bubble ZB-V with split backwards); a stage's order is its device's, that stage's entries
+  only, given ``devices`` (the virtual worker's device count). Otherwise as ``1f1b``.
 
 Every stage starts with ``Pull(0)`` and ``Merge(0)``: the initial weights.
 
@@ -66,8 +71,10 @@ from typing import Protocol
 from hetpipe.core.wsp import pull_need
 
 __all__ = [
+    "DEVICE_KINDS",
     "INPUT_GRAD_SHARE",
     "KINDS",
+    "SYNCHRONOUS",
     "SYNC_KINDS",
     "ZB_KINDS",
     "Action",
@@ -96,9 +103,15 @@ __all__ = [
     "stage_tables",
 ]
 
-KINDS = ("async", "gpipe", "1f1b", "zb-h1", "zb-h2")
+# the synchronous kinds whose order is set per stage (the planner searches them, one stage a
+# device)
 SYNC_KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-ZB_KINDS = ("zb-h1", "zb-h2")  # the synchronous kinds whose backwards are split
+# the synchronous kinds whose order is set per device, for a device holding several stages
+# (hetpipe.core.devschedule); each stage runs its projection of its device's order
+DEVICE_KINDS = ("interleaved-1f1b", "zbv")
+SYNCHRONOUS = (*SYNC_KINDS, *DEVICE_KINDS)  # every synchronous kind
+KINDS = ("async", *SYNCHRONOUS)
+ZB_KINDS = ("zb-h1", "zb-h2")  # the per-stage synchronous kinds whose backwards are split
 
 
 class ScheduleError(ValueError):
@@ -231,7 +244,7 @@ class Inputs(Protocol):
 
 
 def microbatch_order(
-    kind: str, k: int, stage: int, m: int, warmup: int = 0
+    kind: str, k: int, stage: int, m: int, warmup: int = 0, devices: int | None = None
 ) -> tuple[tuple[str, int], ...]:
     """The order of one iteration's forwards ``("F", j)`` and backwards ``("B", j)`` at a stage.
 
@@ -247,8 +260,20 @@ def microbatch_order(
     than its successor (or runs all m forwards): its first backward needs the successor's
     first backward, which needs no forward this stage has not yet scheduled, so the stages'
     orders never deadlock.
+
+    A device-level kind (:data:`DEVICE_KINDS`): the stage's projection of its device's order
+    on ``devices`` devices (:func:`hetpipe.core.devschedule.stage_order`; None: two stages a
+    device, :func:`hetpipe.core.devschedule.default_devices`).
     """
     _check_position(k, stage)
+    if kind in DEVICE_KINDS:
+        from hetpipe.core import devschedule  # it builds on this module
+
+        if warmup:
+            raise ScheduleError(f"warmup: extra warm-up forwards are for 1f1b, not {kind}")
+        if devices is None:
+            devices = devschedule.default_devices(kind, k)
+        return devschedule.stage_order(kind, k, devices, stage, m)
     if m < 1:
         raise ScheduleError(f"microbatches per iteration: must be >= 1, got {m}")
     if warmup < 0:
@@ -354,11 +379,12 @@ def deferred_peak(order: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
-def max_deferred(kind: str, k: int, stage: int, nm: int) -> int:
-    """What :func:`deferred_peak` charges a stage of ``kind``: 0 where backwards are whole."""
-    if kind not in ZB_KINDS:
+def max_deferred(kind: str, k: int, stage: int, nm: int, devices: int | None = None) -> int:
+    """What :func:`deferred_peak` charges a stage of ``kind``: 0 where backwards are whole
+    (``devices``: a device-level kind's device count, as :func:`microbatch_order`)."""
+    if kind not in (*ZB_KINDS, *DEVICE_KINDS):
         return 0
-    return deferred_peak(microbatch_order(kind, k, stage, nm))
+    return deferred_peak(microbatch_order(kind, k, stage, nm, devices=devices))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -423,6 +449,7 @@ def max_in_flight(
     fixed: bool = False,
     warmup: int = 0,
     limit: int | None = None,
+    devices: int | None = None,
 ) -> int:
     """The most minibatches ``stage`` of ``k`` can hold between a forward and its backward,
     over EVERY timing the schedule permits (``nm``: Nm, or M in the synchronous kinds;
@@ -448,6 +475,8 @@ def max_in_flight(
       any timing (``warmup``: :func:`microbatch_order`'s extra warm-up forwards).
     - ``zb-h1``, ``zb-h2``: what the fixed order holds until each weight gradient
       (:func:`held_peak`): a microbatch's graph stays until its ``W``.
+    - ``interleaved-1f1b``, ``zbv``: what the stage's projection of its device's order holds
+      (:func:`held_peak`; ``devices`` as :func:`microbatch_order`).
     """
     _check_position(k, stage)
     if nm < 1:
@@ -458,6 +487,8 @@ def max_in_flight(
         return min(nm, k - stage + warmup)
     if kind in ZB_KINDS:
         return held_peak(microbatch_order(kind, k, stage, nm))
+    if kind in DEVICE_KINDS:
+        return held_peak(microbatch_order(kind, k, stage, nm, devices=devices))
     if kind != "async":
         raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
     if fixed:
@@ -514,7 +545,9 @@ class StageSchedule:
     holds is also the oldest its successor holds or the next it admits, so its gradient
     always comes back. ``fill`` (with a limit, at most it): the forwards the stage runs
     before its first backward (of this run's minibatches; at most ``total``), deadlock-free
-    at the counts :func:`fill_counts` gives.
+    at the counts :func:`fill_counts` gives. ``devices`` (a device-level kind only): the
+    virtual worker's device count, which its stage orders are projected from (None: two
+    stages a device).
     """
 
     def __init__(
@@ -534,6 +567,7 @@ class StageSchedule:
         warmup: int = 0,
         limit: int | None = None,
         fill: int = 0,
+        devices: int | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -548,7 +582,7 @@ class StageSchedule:
         self.staleness = staleness
         self.pulls, self.pushes = pulls, pushes
         self.first, self.last = stage == 0, stage == k - 1
-        self.sync = kind in SYNC_KINDS
+        self.sync = kind in SYNCHRONOUS
         self.waves = -(-total // nm)
         self.nf = 0  # next forward
         self.nb = 0  # next backward
@@ -586,6 +620,12 @@ class StageSchedule:
                 f"1..limit ({self.limit}), got {fill}"
             )
         self.fill = min(fill, total)
+        if devices is not None and kind not in DEVICE_KINDS:
+            raise ScheduleError(f"devices: a device count is for {DEVICE_KINDS}, not {kind}")
+        self.devices = devices
+        # a device-level kind: the device runs its stages' passes in its own order, so no
+        # pass joins another in one hand-off (the device's next may be another stage's)
+        self.alone = kind in DEVICE_KINDS
         if order is not None:
             check_order(order, nm)
             self._orders[nm] = tuple(order)
@@ -599,7 +639,9 @@ class StageSchedule:
     def order(self, c: int) -> tuple[tuple[str, int], ...]:
         m = self.in_iteration(c)
         if m not in self._orders:
-            self._orders[m] = microbatch_order(self.kind, self.k, self.stage, m, self.warmup)
+            self._orders[m] = microbatch_order(
+                self.kind, self.k, self.stage, m, self.warmup, self.devices
+            )
         return self._orders[m]
 
     @property
@@ -699,22 +741,25 @@ class StageSchedule:
         the last stage the backward after its forward, and on the first stage the next
         forward (its input is the data; a first stage's backward sends nothing, so nothing
         waits for the end of the run but that forward's own activation). A push that other
-        virtual workers may wait for is not held back behind a forward. The runtime runs a
-        hand-off this way (:meth:`trip`) and the simulator times it so: one trip to the
-        compute thread and back per hand-off."""
+        virtual workers may wait for is not held back behind a forward. Under a
+        device-level kind no pass joins another (its device's next pass may be another
+        stage's). The runtime runs a hand-off this way (:meth:`trip`) and the simulator times
+        it so: one trip to the compute thread and back per hand-off."""
         prev = run[-1]
         kind = type(nxt)
         return (
             kind is OptimizerStep
             or (kind is Push and type(prev) is OptimizerStep)
             or (
-                self.last
+                not self.alone
+                and self.last
                 and kind in (Backward, BackwardInput)
                 and type(prev) is Forward
                 and nxt.p == prev.p  # type: ignore[union-attr]
             )
             or (
-                self.first
+                not self.alone
+                and self.first
                 and kind is Forward
                 and not any(type(a) is Forward for a in run)
                 and not (self.pulls and any(type(a) is Push for a in run))

@@ -38,6 +38,7 @@ from hetpipe.core.memory import (
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
     SYNC_KINDS,
+    SYNCHRONOUS,
     iteration_trips,
     max_deferred,
     microbatch_order,
@@ -108,7 +109,7 @@ class SyncModel:
     ) -> None:
         if m < 1:
             raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
-        bad = [k for k in kinds if k not in SYNC_KINDS]
+        bad = [k for k in kinds if k not in SYNCHRONOUS]  # a device kind: priced when given
         if bad or not kinds:
             raise ValueError(f"kinds must be among {SYNC_KINDS}, got {list(kinds)}")
         self.profile = profile
