@@ -11,15 +11,13 @@ TITAN V and TITAN RTX hold the whole model and the whimpy two do not, for each m
 For each model (``paper_vgg19``, ``paper_resnet152``: :mod:`hetpipe.papermodels`, on the
 generated image task written as the builtin ``tensors`` data set):
 
-- **hetpipe** under each policy of ``--policies`` (NP, ED-local, HD: ``train.policy`` with
-  as many virtual workers as nodes, formed, ordered, cut and given Nm by the planner, and
-  ``train.schedule = "auto"``: the schedule the planner picks) and each WSP bound of
-  ``--staleness``. The runtime places parameters by the local rule only, so ED (the paper's
-  round-robin placement) runs as ED-local would: it is reported as not run, with the
-  planner's predicted throughput under each placement from ED-local's plan where the head
-  gives it. The head evaluates the global weights every ``--eval-every`` seconds while the
-  job trains; the clock starts when the head starts the job (planning included, after one
-  untimed warm-up job that profiles every device type).
+- **hetpipe** under each policy of ``--policies`` (NP, ED, ED-local, HD: ``train.policy``
+  with as many virtual workers as nodes, formed, ordered, cut and given Nm by the planner,
+  and ``train.schedule = "auto"``: the schedule the planner picks; ED places the parameters
+  round-robin, ``train.placement = "default"``, the others on their stages' hosts) and each
+  WSP bound of ``--staleness``. The head evaluates the global weights every
+  ``--eval-every`` seconds while the job trains; the clock starts when the head starts the
+  job (planning included, after one untimed warm-up job that profiles every device type).
 - **DP** (Horovod-style): ``DistributedDataParallel`` over gloo on exactly the devices whose
   cap holds the whole model and its minibatch, each rank padded to its device's emulated
   speed (``bench_convergence.Ddp``: the same ranks, hook and clock as there). Learning rates
@@ -42,7 +40,7 @@ hetpipe time to target. ``--tiny`` runs the same at a test's size: two nodes of 
 (TITAN V and RTX 2060), a narrow VGG-19, a lower target, a few hundred minibatches at most.
 
     python scripts/bench_paper.py [--json] [--models vgg19 resnet152]
-        [--policies NP ED-local HD] [--staleness 0 4 32] [--tiny]
+        [--policies NP ED ED-local HD] [--staleness 0 4 32] [--tiny]
 """
 
 from __future__ import annotations
@@ -70,10 +68,7 @@ WAIT_S = 600.0
 WHOLE_UNITS = 10  # the model needs 10 units whole: 12 (TITAN V) holds it, 8 (P4000) does not
 GPU_GB = {"titan-v": 12, "titan-rtx": 24, "rtx-2060": 6, "p4000": 8}  # the paper's memory
 POLICIES = {"NP": "np", "ED": "ed", "ED-local": "ed", "HD": "hd"}
-NOT_RUN = {
-    "ED": "the runtime places parameters by the local rule only, so ED runs as ED-local; "
-    "see ED-local's predicted placements"
-}
+PLACEMENT = {"ED": "default"}  # train.placement: the paper's ED is round-robin, the rest local
 
 # model key -> (builtin, args, image side, noise, target accuracy); --tiny overrides
 MODELS: dict[str, dict[str, Any]] = {
@@ -227,6 +222,7 @@ def run_hetpipe(
         data,
         name=f"paper-{policy.lower()}-d{d}",
         policy=POLICIES[policy],
+        placement=PLACEMENT.get(policy, "local"),
         vws=len(local.cluster.nodes),
         staleness=d,
         epochs=args.epochs,
@@ -326,9 +322,6 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         for policy in args.policies:
             for d in args.staleness:
                 name = f"{policy} D={d}"
-                if policy in NOT_RUN:
-                    runs[name] = {"skipped": NOT_RUN[policy]}
-                    continue
                 runs[name] = r = run_hetpipe(local, args, spec, data, policy, d, param_bytes)
                 print(
                     f"  hetpipe {name}: "
@@ -422,8 +415,6 @@ def ranking(runs: dict[str, Any]) -> list[str]:
     highest accuracy reached first."""
     best: dict[str, tuple[float, float]] = {}
     for name, r in runs.items():
-        if "skipped" in r:
-            continue
         policy = name.split(" D=")[0]
         s = r["seconds"] if r["seconds"] is not None else math.inf
         key = (s, -(r.get("best_accuracy") or 0.0))
@@ -489,7 +480,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument(
-        "--policies", nargs="+", choices=list(POLICIES), default=["NP", "ED-local", "HD"]
+        "--policies", nargs="+", choices=list(POLICIES), default=["NP", "ED", "ED-local", "HD"]
     )
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 4, 32], help="WSP D values")
     ap.add_argument("--tiny", action="store_true", help="two nodes of two devices, small models")
@@ -552,9 +543,6 @@ def main() -> None:
     rows = []
     for key, res in results.items():
         for name, r in res["hetpipe"].items():
-            if "skipped" in r:
-                rows.append([key, f"hetpipe {name}", "not run", "-", "-", "-", "-"])
-                continue
             rows.append(_row(key, f"hetpipe {name}", r))
         rows.append(_row(key, f"DP W={res['dp'].get('world', 0)}", res["dp"]))
     print_table(["model", "way", "s to target", "minibatches", "mb/s", "host cpu", "own cpu"], rows)
