@@ -45,6 +45,7 @@ __all__ = [
     "FOLD_MAX",
     "SUMMARY",
     "WINDOW",
+    "bounded_bytes",
     "compact",
     "covered",
     "merge",
@@ -70,6 +71,22 @@ def metrics_bytes(job_max_bytes: int, metrics_max_bytes: int, keep: int) -> int:
     """The size ``metrics.jsonl`` rotates at: ``[runtime] metrics_max_bytes``, lowered so that
     it and its ``keep`` rotations take at most an eighth of the job's budget."""
     return max(1, min(metrics_max_bytes, job_max_bytes // 8 // (keep + 1)))
+
+
+def bounded_bytes(d: Path) -> int:
+    """The bytes of job directory ``d`` that ``job_dir_max_bytes`` bounds: every file but the
+    checkpoints (``checkpoints/``) and the models (``*.pt``)."""
+    total = 0
+    for root, dirs, files in os.walk(d):
+        if Path(root) == d and "checkpoints" in dirs:
+            dirs.remove("checkpoints")
+        for name in files:
+            if not name.endswith(".pt"):
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size
+                except FileNotFoundError:  # replaced meanwhile
+                    continue
+    return total
 
 
 # -- summary windows (pure) ------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 from hetpipe.jobdir import (
     WINDOW,
+    bounded_bytes,
     compact,
     covered,
     merge,
@@ -187,3 +188,12 @@ def test_the_key_is_declared_with_its_default() -> None:
 
     assert CLUSTER.default("runtime.job_dir_max_bytes") == "256MiB"
     assert RuntimeSpec().job_dir_max_bytes == 256 << 20
+
+
+def test_bounded_bytes_leave_out_checkpoints_and_models(tmp_path) -> None:
+    (tmp_path / "checkpoints" / "000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "000001" / "weights.tensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model.pt").write_bytes(b"x" * 1000)
+    (tmp_path / "stages.json").write_bytes(b"x" * 10)
+    append_records(tmp_path, 0, 0, [[1]], [])
+    assert bounded_bytes(tmp_path) == 10 + records_path(tmp_path, 0, 0).stat().st_size
