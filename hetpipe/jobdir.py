@@ -23,7 +23,8 @@ count, per record column the count of numbers, their sum, min, max and 50th/90th
 percentiles, per span kind the count and the seconds spent, and the time the window's spans
 cover. The windows stay at the head of the stream (``{"summary": {...}}`` lines, written with
 the remaining chunks in one atomic replace, so a head that dies mid-way leaves either the old
-stream or the new one), followed by the newest full chunks, about half the budget's worth.
+stream or the new one), followed by the newest full chunks, half the budget's worth or more
+(one compaction folds at most :data:`FOLD_MAX` bytes: the head's event loop waits for it).
 Past an eighth of the budget the windows themselves merge in pairs (:func:`merge`): counts,
 sums, min and max stay exact, the percentiles become count-weighted means of the pair's (the
 window says ``"exact": false``). So the newest minibatches keep their full records and spans,
@@ -58,7 +59,7 @@ __all__ = [
 SUMMARY = "summary"  # the key of a summary window's line in a stream
 _SUMMARY_LINE = b'{"summary"'
 WINDOW = 1024  # minibatches a summary window covers when it is made (merges double it)
-FOLD_MAX = 8 << 20  # the most bytes of chunks one compaction parses (the head's loop waits)
+FOLD_MAX = 2 << 20  # the most bytes of chunks one compaction parses (the head's loop waits)
 QUANTILES = (50, 90, 99)
 
 
