@@ -182,7 +182,8 @@ def waiting_text(waiting: Mapping[str, Any], now: float | None = None) -> str:
 
 def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
     """What a job's status says of its lineage and pauses, for a person: the job it resumed
-    (and from which wave), the job that resumed it, and what it waits for."""
+    (and from which wave), the job that resumed it, what it waits for, and which minibatches'
+    records are summary windows (:mod:`hetpipe.jobdir`)."""
     out = []
     came = info.get("resumed_from")
     if isinstance(came, Mapping) and came.get("job"):
@@ -195,6 +196,10 @@ def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
         out.append(f"resumed as {info['resumed_as']}")
     if isinstance(info.get("waiting"), Mapping):
         out.append(waiting_text(info["waiting"], now))
+    summarised = info.get("records_summarised")
+    if isinstance(summarised, Mapping) and summarised:  # hetpipe.jobdir
+        ranges = ", ".join(f"{w} {s.get('from')}-{s.get('to')}" for w, s in summarised.items())
+        out.append(f"records summarised (job_dir_max_bytes): {ranges}")
     return out
 
 

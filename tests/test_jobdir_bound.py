@@ -83,6 +83,8 @@ def test_a_job_directory_stays_under_its_limit_and_still_reads(tmp_path: Path) -
     status = cli_status(cluster, run_dir, info["id"])
     assert status["state"] == "done"
     assert status["records_summarised"] == info["records_summarised"]
+    got = hetpipe_cli(cluster, run_dir, "status", info["id"])
+    assert got.returncode == 0 and "records summarised" in got.stdout, got.stdout + got.stderr
     got = hetpipe_cli(cluster, run_dir, "trace", info["id"], "-o", str(tmp_path / "t.json"))
     assert got.returncode == 0, got.stdout + got.stderr
     assert json.loads((tmp_path / "t.json").read_text()) == trace
