@@ -194,6 +194,7 @@ class RuntimeSpec:
     records_every: int = _d("runtime.records_every")  # hetpipe.pipeline.RecordsOut
     records_max_bytes: int = parse_size(_d("runtime.records_max_bytes"))  # hetpipe.rotation
     metrics_max_bytes: int = parse_size(_d("runtime.metrics_max_bytes"))  # hetpipe.rotation
+    job_dir_max_bytes: int = parse_size(_d("runtime.job_dir_max_bytes"))  # hetpipe.jobdir
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,7 @@ def _runtime(root: Table) -> RuntimeSpec:
         _read(rt, "records_every"),
         _size(rt, "records_max_bytes"),
         _size(rt, "metrics_max_bytes"),
+        _size(rt, "job_dir_max_bytes"),
     )
 
 

@@ -5,8 +5,9 @@ and every job of an earlier head process, live here: ``result.json`` (the job's 
 ``trace.json``, ``stages.json``, ``metrics.jsonl`` and ``model.pt``; while the job runs,
 ``records/vw<V>-stage<S>.jsonl`` gathers each stage's per-minibatch records and timeline
 spans as they stream in (one JSON line a chunk; thinned to stay under a size,
-:mod:`hetpipe.rotation`), and ``stages.json`` and ``trace.json`` are written from them at
-its end, one chunk at a time. A job that ends otherwise (failed,
+:mod:`hetpipe.rotation`, and compacted into summary windows to keep the whole directory under
+the job's size, :mod:`hetpipe.jobdir`), and ``stages.json`` and ``trace.json`` are written
+from them at its end, one chunk at a time. A job that ends otherwise (failed,
 cancelled, interrupted) keeps ``records/`` beside the ``stages.json`` and ``trace.json``
 written from what had streamed. The head and the CLI both
 read this directory, so ``status``/``trace`` of a finished job work with the head forgotten,
@@ -24,6 +25,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from hetpipe.jobdir import covered, named, summaries_of
+
 __all__ = [
     "METRICS",
     "RECORDS",
@@ -37,6 +40,7 @@ __all__ = [
     "next_number",
     "read_chunks",
     "read_result",
+    "read_summaries",
     "records_path",
     "recovered_line",
     "safe_name",
@@ -178,7 +182,8 @@ def waiting_text(waiting: Mapping[str, Any], now: float | None = None) -> str:
 
 def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
     """What a job's status says of its lineage and pauses, for a person: the job it resumed
-    (and from which wave), the job that resumed it, and what it waits for."""
+    (and from which wave), the job that resumed it, what it waits for, and which minibatches'
+    records are summary windows (:mod:`hetpipe.jobdir`)."""
     out = []
     came = info.get("resumed_from")
     if isinstance(came, Mapping) and came.get("job"):
@@ -191,6 +196,10 @@ def links(info: Mapping[str, Any], now: float | None = None) -> list[str]:
         out.append(f"resumed as {info['resumed_as']}")
     if isinstance(info.get("waiting"), Mapping):
         out.append(waiting_text(info["waiting"], now))
+    summarised = info.get("records_summarised")
+    if isinstance(summarised, Mapping) and summarised:  # hetpipe.jobdir
+        ranges = ", ".join(f"{w} {s.get('from')}-{s.get('to')}" for w, s in summarised.items())
+        out.append(f"records summarised (job_dir_max_bytes): {ranges}")
     return out
 
 
@@ -239,14 +248,24 @@ def read_chunks(path: Path) -> Iterator[dict[str, Any]]:
     """The chunks of one stage's stream in the order they arrived (none if it is absent).
 
     A last line without its newline is a chunk still being appended (or cut off by a head
-    that died mid-write): it is left out, so a stream can be read while it grows.
+    that died mid-write): it is left out, so a stream can be read while it grows. A compacted
+    stream's summary windows are not chunks (:func:`read_summaries`).
     """
     if not path.exists():
         return
     with path.open() as f:
         for line in f:
-            if line.strip() and line.endswith("\n"):
+            if line.strip() and line.endswith("\n") and not line.startswith('{"summary"'):
                 yield json.loads(line)
+
+
+def read_summaries(path: Path) -> list[dict[str, Any]]:
+    """The summary windows of a compacted stream, oldest first (:mod:`hetpipe.jobdir`); none
+    where it was never compacted or is absent."""
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(summaries_of(f))
 
 
 def _items(f: TextIO, rows: Iterable[Any]) -> None:
@@ -255,11 +274,17 @@ def _items(f: TextIO, rows: Iterable[Any]) -> None:
         f.write(("," if i else "") + json.dumps(row))
 
 
-def write_stages(d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]) -> None:
+def write_stages(
+    d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]
+) -> dict[str, dict[str, Any]]:
     """Write ``stages.json`` in ``d``: each stage (``"vw0/stage1"`` -> its report without
     records and spans, its stream) as ``{**report, "records": [...]}`` with its spans in
     ``report["stats"]["spans"]``, one chunk in memory at a time; a stream thinned to stay under
-    its budget adds ``"records_every"``, the widest stride its chunks were kept at."""
+    its budget adds ``"records_every"``, the widest stride its chunks were kept at; a
+    compacted one (:mod:`hetpipe.jobdir`) adds ``"records_summary"`` (its summary windows, the
+    columns named by ``record_fields``) and ``"records_summarised"`` (the range they cover).
+    Returns each compacted stage's ``records_summarised``."""
+    summarised: dict[str, dict[str, Any]] = {}
     tmp = d / f".{STAGES}.tmp"
     with tmp.open("w") as f:
         f.write("{")
@@ -281,8 +306,16 @@ def write_stages(d: Path, stages: Mapping[str, tuple[dict[str, Any], Path]]) -> 
             f.write("]")
             if every[0] > 1:
                 f.write(',"records_every":' + json.dumps(every[0]))
+            windows = read_summaries(stream)
+            if windows:
+                fields = report["stats"].get("record_fields")
+                f.write(',"records_summary":[')
+                _items(f, (named(w, fields) for w in windows))
+                summarised[where] = covered(windows) or {}
+                f.write('],"records_summarised":' + json.dumps(summarised[where]))
             for k, v in rest.items():
                 f.write("," + json.dumps(k) + ":" + json.dumps(v))
             f.write("}")
         f.write("}")
     os.replace(tmp, d / STAGES)
+    return summarised

@@ -12,6 +12,11 @@ Two rules, one per kind of file:
   again, halved again and every fourth, and so on. A run of any length stays under the
   budget with every part of it represented about evenly, and each chunk carries the stride it
   was sent at (``"every"``), so a reader knows what the newest stand for.
+
+A third rule bounds a job's directory as a whole (``[runtime] job_dir_max_bytes``): the
+streams are *compacted*, older chunks folded into summary windows, and ``metrics.jsonl``
+rotates earlier (:mod:`hetpipe.jobdir`). Thinning, where ``records_max_bytes`` is the lower
+bound, keeps the summary windows whole.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RotatingJsonl", "Thinning", "append_line", "halve_lines", "shift"]
+
+_SUMMARY_LINE = b'{"summary"'  # a compacted stream's summary window (hetpipe.jobdir)
 
 
 def shift(path: Path, keep: int) -> None:
@@ -55,13 +62,19 @@ def append_line(path: Path, line: str, max_bytes: int, keep: int) -> None:
 
 def halve_lines(path: Path) -> None:
     """Rewrite ``path`` keeping its 1st, 3rd, 5th … complete line (a last line still being
-    written, without its newline, is dropped). Line by line, nothing parsed: a stream of
-    hundreds of MiB halves in about a second."""
+    written, without its newline, is dropped); a compacted stream's summary windows
+    (:mod:`hetpipe.jobdir`) are all kept and not counted. Line by line, nothing parsed: a
+    stream of hundreds of MiB halves in about a second."""
     tmp = path.with_name(f".{path.name}.halving")
     with path.open("rb") as src, tmp.open("wb") as dst:
-        for i, line in enumerate(src):
+        i = 0
+        for line in src:
+            if line.startswith(_SUMMARY_LINE):
+                dst.write(line)
+                continue
             if i % 2 == 0 and line.endswith(b"\n"):
                 dst.write(line)
+            i += 1
     tmp.replace(path)
 
 

@@ -12,7 +12,11 @@ minibatch records and spans, in an hour or so), with ``heartbeat_s = 0.5`` and
 - ``largest_message_mib``: the largest message any daemon sent (every frame counted, target
   <= 16), measured by a hook on :meth:`hetpipe.sockio.SocketIO.send` that the daemons load
   through ``sitecustomize`` (``HETPIPE_SOAK_DIR``);
-- ``job_dir_mib``: the size of the job's directory at the end.
+- ``job_dir_mib``: the size of the job's directory at the end, and ``job_dir_bounded_mib``
+  the part of it that ``[runtime] job_dir_max_bytes`` bounds (all but checkpoints and models,
+  :func:`hetpipe.jobdir.bounded_bytes`), at the end and at its largest while the job ran
+  (``job_dir_bounded_peak_mib``), against the limit (``job_dir_limit_mib``; ``--job-dir-max``
+  lowers it); ``records_summarised``: the minibatches each stage's records summarise.
 
 ``--minibatches 3000`` runs in well under a minute; ``tests/test_soak.py`` runs it that way.
 """
@@ -31,6 +35,9 @@ from typing import Any
 
 from _bench import emit_json, machine, parser, print_table
 
+from hetpipe.config import parse_size
+from hetpipe.core.keys import CLUSTER
+from hetpipe.jobdir import bounded_bytes
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +85,16 @@ def dir_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> dict[str, Any]:
+def soak(
+    minibatches: int,
+    timeout_s: float,
+    max_frame: str | None = None,
+    job_dir_max: str | None = None,
+) -> dict[str, Any]:
     """Run the job (``max_frame``: the cluster's ``[runtime] max_frame_bytes``, lowered to
-    show that no message grows with the job); return its figures."""
+    show that no message grows with the job; ``job_dir_max``: its ``job_dir_max_bytes``,
+    lowered to show the job directory's bound); return its figures."""
+    limit = job_dir_max or CLUSTER.default("runtime.job_dir_max_bytes")
     with tempfile.TemporaryDirectory(prefix="hetpipe-soak-") as tmp:
         root = Path(tmp)
         hooks = root / "hooks"
@@ -98,6 +112,8 @@ def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> di
         )
         if max_frame is not None:
             text = text.replace("[runtime]\n", f'[runtime]\nmax_frame_bytes = "{max_frame}"\n')
+        if job_dir_max is not None:
+            text = text.replace("[runtime]\n", f'[runtime]\njob_dir_max_bytes = "{job_dir_max}"\n')
         path.write_text(text)
         job = {
             "name": "soak",
@@ -109,10 +125,13 @@ def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> di
         }
         samples: dict[str, list[tuple[float, float]]] = {}  # daemon -> (done share, MB)
         progress = [0.0]
+        peak = [0]  # the largest bounded part of the job's directory seen
         stop = threading.Event()
 
         with LocalCluster(path, root / "run", timeout=120) as c:
             pids = {name: p.pid for name, p in c.procs.items()}
+
+            jobs = c.run_dir / "jobs"
 
             def watch() -> None:
                 while not stop.wait(0.5):
@@ -120,6 +139,8 @@ def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> di
                         mb = rss_mb(pid)
                         if mb is not None:
                             samples.setdefault(name, []).append((progress[0], mb))
+                    for d in jobs.glob("*") if jobs.exists() else ():
+                        peak[0] = max(peak[0], bounded_bytes(d))
 
             async def go() -> dict[str, Any]:
                 async with c.client(timeout=30) as client:
@@ -147,6 +168,8 @@ def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> di
             seconds = time.monotonic() - t0
             job_dir = c.run_dir / "jobs" / info["id"]
             job_size = dir_mib(job_dir) if job_dir.exists() else 0.0
+            bounded = bounded_bytes(job_dir) if job_dir.exists() else 0
+            peak[0] = max(peak[0], bounded)
 
         growth = {}
         for name, rows in samples.items():
@@ -165,7 +188,18 @@ def soak(minibatches: int, timeout_s: float, max_frame: str | None = None) -> di
         "rss_growth_mb_by_daemon": {k: round(v, 2) for k, v in sorted(growth.items())},
         "largest_message_mib": round(largest / 2**20, 4),
         "job_dir_mib": round(job_size, 3),
-        "targets": {"rss_growth_mb": TARGET_RSS_MB, "largest_message_mib": TARGET_MESSAGE_MIB},
+        "job_dir_bounded_mib": round(bounded / 2**20, 3),
+        "job_dir_bounded_peak_mib": round(peak[0] / 2**20, 3),
+        "job_dir_limit_mib": round(parse_size(limit) / 2**20, 3),
+        "job_dir_max_bytes": limit,
+        "records_summarised": {
+            k: v.get("count") for k, v in (info.get("records_summarised") or {}).items()
+        },
+        "targets": {
+            "rss_growth_mb": TARGET_RSS_MB,
+            "largest_message_mib": TARGET_MESSAGE_MIB,
+            "job_dir_bounded_peak_mib": round(parse_size(limit) / 2**20, 3),
+        },
     }
 
 
@@ -174,8 +208,9 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=1_000_000, help="the job's length")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="give up after (s)")
     ap.add_argument("--max-frame", default=None, help='[runtime] max_frame_bytes, e.g. "1MiB"')
+    ap.add_argument("--job-dir-max", default=None, help='[runtime] job_dir_max_bytes, e.g. "16MiB"')
     args = ap.parse_args()
-    figures = soak(args.minibatches, args.timeout, args.max_frame)
+    figures = soak(args.minibatches, args.timeout, args.max_frame, args.job_dir_max)
     rows = [
         [
             "job",
@@ -191,6 +226,12 @@ def main() -> None:
             f"{figures['largest_message_mib']} (target <= {TARGET_MESSAGE_MIB:g})",
         ],
         ["job directory (MiB)", figures["job_dir_mib"]],
+        [
+            "  bounded part, end / peak (MiB)",
+            f"{figures['job_dir_bounded_mib']} / {figures['job_dir_bounded_peak_mib']} "
+            f"(limit {figures['job_dir_limit_mib']:g})",
+        ],
+        *[[f"  {k}: minibatches summarised", v] for k, v in figures["records_summarised"].items()],
     ]
     print_table(["figure", "value"], rows)
     if args.json:

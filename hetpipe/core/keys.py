@@ -1214,6 +1214,16 @@ CLUSTER: Final = Schema(
                     low=MIN_LOG_BYTES,
                 ),
                 Key(
+                    "job_dir_max_bytes",
+                    "size",
+                    "A job's per-minibatch files (record streams, stages.json, trace.json, "
+                    "metrics.jsonl and its rotations) stay under this: past their share, a "
+                    "stream's older records and spans fold into summary windows and the "
+                    "newest stay whole (checkpoints and models are not counted).",
+                    "256MiB",
+                    low=MIN_LOG_BYTES,
+                ),
+                Key(
                     "cuda_ipc",
                     "boolean",
                     "Stages on GPUs of one host pass tensors device to device.",

@@ -35,6 +35,7 @@ from hetpipe.head.states import FINISHED, JobFailed, JobStatus, transition
 from hetpipe.head.views import job_summary, job_view, metrics_line, telemetry
 from hetpipe.job import JobError, JobSpec
 from hetpipe.jobcheck import check_job
+from hetpipe.jobdir import metrics_bytes
 from hetpipe.jobplan import (
     JobPlan,
     JobPlanError,
@@ -51,6 +52,7 @@ from hetpipe.jobstore import (
     TRACE,
     job_dir,
     read_chunks,
+    read_summaries,
     records_path,
     write_result,
     write_stages,
@@ -209,9 +211,11 @@ class JobsPart:
         return d.resolve()
 
     def metrics_file(self, js: JobState) -> RotatingJsonl:
-        """The job's ``metrics.jsonl``, rotated by ``[runtime] metrics_max_bytes``."""
+        """The job's ``metrics.jsonl``, rotated by ``[runtime] metrics_max_bytes`` (lower
+        where ``job_dir_max_bytes`` asks: :func:`hetpipe.jobdir.metrics_bytes`)."""
         rt = self.cluster.runtime
-        return RotatingJsonl(self.job_dir(js) / METRICS, rt.metrics_max_bytes, rt.log_keep)
+        size = metrics_bytes(rt.job_dir_max_bytes, rt.metrics_max_bytes, rt.log_keep)
+        return RotatingJsonl(self.job_dir(js) / METRICS, size, rt.log_keep)
 
     def _record(self, js: JobState, **extra: Any) -> None:
         """``<job dir>/job.json``: the job's state as the head last knew it (atomic)."""
@@ -574,7 +578,7 @@ class JobsPart:
         streams = {f"vw{v}/stage{s}": records_path(out_dir, v, s) for v, s in js.stage_results}
         devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in js.stage_results}
         marks = drift.decisions_of(js)  # the trace's re-plan events
-        await loop.run_in_executor(
+        summarised = await loop.run_in_executor(
             None, _write_outputs, out_dir, stages, streams, devices, js.id, False, marks
         )
         samples = done * js.spec.minibatch
@@ -605,6 +609,8 @@ class JobsPart:
             "checkpoint_s": js.checkpoint_s,
             "checkpoint_stage_s": js.checkpoint_stage_s,
             **drift.result_of(js),  # the final plan and each re-plan decision
+            # stages whose older records are summary windows (hetpipe.jobdir)
+            **({"records_summarised": summarised} if summarised else {}),
         }
 
     async def _keep_records(self, js: JobState) -> None:
@@ -633,11 +639,12 @@ class JobsPart:
             devices = {f"vw{v}/stage{s}": plan.device_of(v, s) for v, s in keys}
             loop = asyncio.get_running_loop()
             marks = drift.decisions_of(js)
-            await loop.run_in_executor(
+            summarised = await loop.run_in_executor(
                 None, _write_outputs, out_dir, stages, streams, devices, js.id, True, marks
             )
             js.result = {
                 **js.result,
+                **({"records_summarised": summarised} if summarised else {}),
                 "stages_path": str((out_dir / STAGES).resolve()),
                 "trace_path": str((out_dir / TRACE).resolve()),
                 "records_path": str((out_dir / RECORDS).resolve()),
@@ -863,10 +870,11 @@ def _write_outputs(
     job: str,
     keep: bool = False,
     marks: Sequence[dict[str, Any]] = (),
-) -> None:
+) -> dict[str, dict[str, Any]]:
     """A job's ``stages.json`` and trace from its stages' streams; a finished job's streams
-    are then dropped (both files hold all they held), an ended one's ``keep`` them."""
-    write_stages(out_dir, {where: (r, streams[where]) for where, r in stages.items()})
+    are then dropped (both files hold all they held), an ended one's ``keep`` them. Returns
+    the range each compacted stream summarises (:mod:`hetpipe.jobdir`)."""
+    summarised = write_stages(out_dir, {where: (r, streams[where]) for where, r in stages.items()})
     write_chrome_trace(
         out_dir / TRACE,
         {
@@ -876,6 +884,8 @@ def _write_outputs(
         devices,
         job,
         marks,
+        {where: read_summaries(streams[where]) for where in summarised},
     )
     if not keep:
         shutil.rmtree(out_dir / RECORDS, ignore_errors=True)
+    return summarised

@@ -34,6 +34,7 @@ from hetpipe.head.shardwait import ShardWaitPart
 from hetpipe.head.states import JobFailed, JobStatus
 from hetpipe.head.views import cluster_view, trace_of
 from hetpipe.job import JobError, JobSpec
+from hetpipe.jobdir import compact, stream_budget
 from hetpipe.jobstore import append_records, job_dir, next_number, read_result, records_path
 from hetpipe.ratelog import Throttle, excerpt
 from hetpipe.rotation import Thinning
@@ -355,8 +356,9 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
     ) -> None:
         """Append a chunk of a stage's records and spans to its stream in the job's
         directory (:func:`hetpipe.jobstore.append_records`), thinned to stay under
-        ``[runtime] records_max_bytes`` (:mod:`hetpipe.rotation`); one not written fails the
-        job."""
+        ``[runtime] records_max_bytes`` (:mod:`hetpipe.rotation`) and compacted to keep the
+        job's directory under ``job_dir_max_bytes`` (:mod:`hetpipe.jobdir`); one not written
+        fails the job."""
         stream = js.chunks.get(key)
         if stream is None:
             stream = js.chunks[key] = Thinning(self.cluster.runtime.records_max_bytes)
@@ -365,7 +367,10 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
         try:
             d = self.job_dir(js)
             append_records(d, *key, records, spans, every=stream.every)
-            stream.written(records_path(d, *key))
+            path = records_path(d, *key)
+            n = js.plan.n_stages if js.plan is not None else 1
+            compact(path, stream_budget(self.cluster.runtime.job_dir_max_bytes, n))
+            stream.written(path)
         except (OSError, JobFailed) as exc:
             js.fail(f"records of vw{key[0]}/stage{key[1]} not written: {exc}")
 
