@@ -262,20 +262,9 @@ class ReformPart:
             js.watch.unwatch(v, f"re-formed or left out after worker {pending['lost'][0]} was lost")
         clocks, reach = [], 0
         for shard in plan.shards_used():
-            ch = await self.registry.shard(shard)
-            reply = await ch.request(
-                Kind.SHARD_INIT,
-                {
-                    "job": js.wire_id,
-                    "members": {},
-                    "staleness": js.spec.staleness,
-                    "reform": {"vw": v, "leave": True},
-                },
-                timeout=SHARD_TIMEOUT_S,
-                what=f"shard {shard}",
-            )
-            clocks.append(int((reply.get("info") or {}).get("clock", 0)))
-            reach = max(reach, int((reply.get("info") or {}).get("reach", 0)))
+            info = await self._reform_shard(js, shard, {"vw": v, "leave": True})
+            clocks.append(int(info.get("clock", 0)))
+            reach = max(reach, int(info.get("reach", 0)))
         left_at = time.monotonic()
         # how far it had got: the furthest stage's last report (reports lag a little)
         done_before = max(
@@ -362,37 +351,15 @@ class ReformPart:
         }
         offsets = {}
         for shard, members in vw_members(new, v).items():
-            ch = await self.registry.shard(shard)
-            reply = await ch.request(
-                Kind.SHARD_INIT,
-                {
-                    "job": js.wire_id,
-                    "members": members,
-                    "staleness": js.spec.staleness,
-                    "owners": owners,
-                    "reform": {"vw": v, "waves": new.waves(v)},
-                },
-                timeout=SHARD_TIMEOUT_S,
-                what=f"shard {shard}",
-            )
-            offsets[shard] = int((reply.get("info") or {}).get("offset", 0))
+            reform = {"vw": v, "waves": new.waves(v)}
+            info = await self._reform_shard(js, shard, reform, members, owners)
+            offsets[shard] = int(info.get("offset", 0))
         # one base on every shard: each holds the VW at its offset now, so none's global
         # clock passes it; those that joined it earlier move it on (it has pushed nothing)
         base = common_base(list(offsets.values()))
         for shard in [i for i, o in offsets.items() if o < base]:
-            ch = await self.registry.shard(shard)
-            reply = await ch.request(
-                Kind.SHARD_INIT,
-                {
-                    "job": js.wire_id,
-                    "members": {},
-                    "staleness": js.spec.staleness,
-                    "reform": {"vw": v, "base": base},
-                },
-                timeout=SHARD_TIMEOUT_S,
-                what=f"shard {shard}",
-            )
-            offsets[shard] = int((reply.get("info") or {}).get("offset", base))
+            info = await self._reform_shard(js, shard, {"vw": v, "base": base})
+            offsets[shard] = int(info.get("offset", base))
         # from the job's plan as it is now: another VW may have been re-formed meanwhile
         new = _with_vw(js.plan, v, layout, position, total - position, base)
         js.plan = new
@@ -446,6 +413,30 @@ class ReformPart:
             vws=layouts,
         )
         return one.vws[0]
+
+    async def _reform_shard(
+        self,
+        js: JobState,
+        shard: int,
+        reform: dict[str, Any],
+        members: Mapping[str, Any] | None = None,
+        owners: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """One step of a re-form on ``shard`` (``reform``: the VW leaving, joining with its
+        ``members`` and their ``owners``, or moving to a base); the shard's ``info`` reply."""
+        body: dict[str, Any] = {
+            "job": js.wire_id,
+            "members": dict(members or {}),
+            "staleness": js.spec.staleness,
+            "reform": reform,
+        }
+        if owners is not None:
+            body["owners"] = dict(owners)
+        ch = await self.registry.shard(shard)
+        reply = await ch.request(
+            Kind.SHARD_INIT, body, timeout=SHARD_TIMEOUT_S, what=f"shard {shard}"
+        )
+        return reply.get("info") or {}
 
     async def _idle(self, survivors: Sequence[WorkerInfo], timeout: float) -> None:
         """Until every survivor's heartbeat says it dropped the job (or ``timeout``): a
