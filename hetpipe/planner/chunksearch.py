@@ -17,20 +17,24 @@ one memory model under the kind's projected order (as :func:`hetpipe.jobplan.dev
 checks a job's own several-stage split).
 
 **Cuts** (:func:`best_chunk_cuts`). Where the cuts of the ``2 D`` stages are few
-(:data:`ENUMERATE`), every one is timed; else the synchronous planner's per-split machinery
-for a fixed device sequence (:meth:`SyncModel._matrices`, a min-max and capped min-sum
-programs over the device sequence with its repeats, each stage under a share of its device's cap) proposes candidates, each timed exactly,
-and the best is refined by moving one cut, or two at once, while that helps. :func:`exhaustive_chunk_cuts`
-times every cut, to check the search on small instances.
+(:data:`ENUMERATE`), every one is timed. Else the synchronous planner's per-split machinery
+for a fixed device sequence (:meth:`SyncModel._matrices`: a min-max and capped min-sum
+programs) runs over the device sequence with its repeats, each stage under a share of its
+device's cap (:data:`SHARES`, since the programs see one stage at a time); its candidates are
+timed exactly and the fastest few refined by moving cuts while that helps (a candidate over a
+cap is first walked back under it). :func:`exhaustive_chunk_cuts` times every cut, to check
+the search on small instances.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hetpipe.core import devschedule
 from hetpipe.core.devschedule import device_of
@@ -45,7 +49,7 @@ from hetpipe.core.schedule import (
     microbatch_order,
 )
 from hetpipe.planner.simulate import Timed, send, trip_s
-from hetpipe.planner.syncmodel import CAPS, INF, SyncModel
+from hetpipe.planner.syncmodel import CAPS, INF, SyncChoice, SyncModel
 
 __all__ = [
     "ENUMERATE",
@@ -53,17 +57,18 @@ __all__ = [
     "best_chunk_cuts",
     "chunk_candidates",
     "chunk_placement",
+    "chunk_report",
     "chunk_time",
     "device_iteration_time",
     "exhaustive_chunk_cuts",
 ]
 
-ENUMERATE = 500  # cut sets this few are all timed
+ENUMERATE = 64  # cut sets this few are all timed
 STARTS = 3  # the fastest candidates of the programs refined
 # the shares of its device's cap a device's first and second chunk may take in the programs,
 # which see one stage at a time: shares that add up to at most 1 keep a device's stages within
 # its cap together
-SHARES = ((1.0, 1.0), (0.75, 0.75)) + tuple((f / 10, 1 - f / 10) for f in range(1, 10))
+SHARES = ((1.0, 1.0), (0.75, 0.75), *((f / 10, 1 - f / 10) for f in range(1, 10)))
 CHUNKS = 2  # chunks per device priced (zbv's only shape, interleaved's usual one)
 _OPS = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
 
@@ -235,9 +240,8 @@ def best_chunk_cuts(
 ) -> ChunkChoice | None:
     """The best cuts the search finds for ``devs`` running two chunks each under ``kind``
     (None: it cannot run here or nothing fits): every cut where there are at most
-    ``enumerate_up_to``, else the synchronous planner's programs over the device sequence
-    (each stage under a share of its device's cap, down to the half that keeps a device's two stages within it together) give candidates, timed exactly, the best
-    refined by moving one cut by up to three layers, or two by one each, while that helps."""
+    ``enumerate_up_to``, else candidates of the synchronous planner's programs refined (see
+    the module docstring), within about ``budget_s``."""
     if _runnable(model, kind, devs) is not None:
         return None
     k, L = CHUNKS * len(devs), model.L
@@ -354,3 +358,57 @@ def chunk_candidates(
                 why = "the stages of some device do not fit its memory together"
         out.append((kind, c, why))
     return out
+
+
+def chunk_report(
+    model: SyncModel, best: SyncChoice, budget_s: float = 2.0
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The synchronous plan's candidates on its devices, for the plan's details: ``best`` (one
+    stage a device) and each device-level kind with two chunks a device, each with its
+    devices per stage, layers per stage and predicted iteration time on an idle host (None
+    with the reason where it cannot run); the fastest marked ``best``. With it the one-line
+    suggestion to write where a device-level kind is the fastest (the runtime runs it only
+    from a job's own ``[[vw]]`` split with ``train.several_stages``), else None."""
+
+    def names(idx: Sequence[int]) -> list[str]:
+        return [model.devices[i].name for i in idx]
+
+    def layers(cuts: Sequence[tuple[int, int]]) -> list[int]:
+        return [b - a for a, b in cuts]
+
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": best.kind,
+            "warmup": best.warmup,
+            "chunks": 1,
+            "devices": names(best.devices),
+            "layers": layers(best.cuts),
+            "iteration_s": float(best.iteration_s),
+            "why": None,
+        }
+    ]
+    for kind, c, why in chunk_candidates(model, best.devices, budget_s):
+        rows.append(
+            {
+                "kind": kind,
+                "warmup": 0,
+                "chunks": CHUNKS,
+                "devices": names(c.devices if c else chunk_placement(kind, best.devices)),
+                "layers": layers(c.cuts) if c else None,
+                "iteration_s": float(c.iteration_s) if c else None,
+                "why": why,
+            }
+        )
+    fastest = min((r for r in rows if r["iteration_s"] is not None), key=lambda r: r["iteration_s"])
+    for r in rows:
+        r["best"] = r is fastest
+    if fastest is rows[0]:
+        return rows, None
+    return rows, (
+        f"suggestion: {fastest['kind']} with two stages on each of the same devices is "
+        f"predicted faster, {fastest['iteration_s']:.4g} s an iteration against "
+        f"{rows[0]['iteration_s']:.4g} s ({best.kind}, idle host); to run it, write "
+        f"[[vw]] devices = {json.dumps(fastest['devices'])}, "
+        f"layers = {json.dumps(fastest['layers'])} with train.schedule = "
+        f'"{fastest["kind"]}" and train.several_stages = true'
+    )
