@@ -159,6 +159,34 @@ def test_the_cut_search_equals_brute_force_on_small_instances(enumerate_up_to: i
     assert max(gaps) <= 1e-9, sorted(gaps)[-3:]
 
 
+def test_the_choice_equals_brute_force_over_schedules_orders_chunks_and_cuts():
+    """On two devices of unequal speed: the fastest of the report (the synchronous planner's
+    best kind and order on them, and each device-level kind with two chunks) against every
+    order with every cut of one stage a device, and every cut of two chunks a device."""
+    rng = random.Random(3)
+    gaps = []
+    while len(gaps) < 30:
+        m0 = small(rng)
+        bw = float(m0.bw[0, 1])
+        model = SyncModel(m0.profile, m0.devices, lambda a, b, bw=bw: bw, m0.m, 1, kinds=SYNC_KINDS)
+        best = model.best_kind((0, 1))
+        if best is None:
+            continue
+        rows, _ = chunk_report(model, best)
+        got = min(r["iteration_s"] for r in rows if r["iteration_s"] is not None)
+        L = model.L
+        brute = min(
+            model.evaluate((0, 1), ((0, c), (c, L)), kind, warmup)
+            for kind, warmup in model.orders
+            for c in range(1, L)
+        )
+        for kind in DEVICE_KINDS:
+            e = exhaustive_chunk_cuts(model, kind, (0, 1))
+            brute = min(brute, e.iteration_s if e else INF)
+        gaps.append(got / brute - 1)
+    assert max(gaps) <= 1e-9, sorted(gaps)[-3:]
+
+
 def test_interleaved_needs_microbatches_a_multiple_of_the_devices():
     model = repo_model(m=3)
     rows = {kind: (c, why) for kind, c, why in chunk_candidates(model, (0, 1))}
