@@ -242,14 +242,14 @@ def test_the_plan_lists_the_candidates_and_explains_them():
     assert any(line.startswith(" * ") for line in lines[1:4])
 
 
-def test_given_devices_are_priced_with_two_chunks_and_a_given_kind_is_left_alone():
+def test_given_devices_and_a_given_kind_are_priced_with_two_chunks_a_given_split_is_not():
     cluster = repo_cluster()
     args = dict(minibatch=32, m=4, optimizer_state_factor=1, budget_s=2)
     given = sync_plan(cluster, profile16(), vws=[(["gpu0", "gpu1"], None)], **args)
     rows = given.details["chunk_candidates"]
     assert rows[0]["devices"] == ["gpu0", "gpu1"]
     assert rows[2]["devices"] == ["gpu0", "gpu1", "gpu1", "gpu0"]
-    fixed = sync_plan(cluster, profile16(), kind="1f1b", **args)
-    assert "chunk_candidates" not in fixed.details
+    fixed = sync_plan(cluster, profile16(), kind="gpipe", num_vws=1, **args)
+    assert fixed.details["chunk_candidates"][0]["kind"] == "gpipe"
     split = sync_plan(cluster, profile16(), vws=[(["gpu0", "gpu1"], [8, 8])], **args)
     assert "chunk_candidates" not in split.details

@@ -266,8 +266,9 @@ def sync_plan(
                 f"per iteration {list(ms)}: {why}"
             )
     chunk_rows = None
-    if kind is None and len(chosen) == 1 and not (vws and vws[0][1] is not None):
-        # the same devices with two stages each (device-level kinds), priced beside it
+    if kind in (None, *SYNC_KINDS) and len(chosen) == 1 and not (vws and vws[0][1] is not None):
+        # the same devices with two stages each (device-level kinds), priced beside it: a
+        # suggestion (the runtime runs them from a job's own several-stage split only)
         from hetpipe.planner.chunksearch import chunk_report
 
         chunk_rows, suggestion = chunk_report(model, chosen[0], budget_s / 4)
