@@ -343,8 +343,9 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
     cands: Sequence[Mapping[str, Any]] = details.get("candidates") or ()
     if not cands:
         return [
+            *_chunk_lines(details),
             "explain: this plan records no candidate formations (a split from the job file, "
-            "or a synchronous plan)"
+            "or a synchronous plan)",
         ]
     lines = [
         f"candidate formations ({len(cands)}), predicted samples/s "
@@ -384,6 +385,25 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
         for p in places:
             mark = "*" if p.get("chosen") else " "
             lines.append(f" {mark} {p['name']:<9} {float(p['score']):10.2f}  {p['rule']}")
+    return lines
+
+
+def _chunk_lines(details: Mapping[str, Any]) -> list[str]:
+    """A synchronous plan's devices priced one stage a device and two (the device-level
+    schedules), each with its predicted iteration time; the fastest marked ``*``."""
+    rows: Sequence[Mapping[str, Any]] = details.get("chunk_candidates") or ()
+    if not rows:
+        return []
+    lines = ["schedules on the plan's devices, predicted iteration time (idle host):"]
+    for r in rows:
+        mark = "*" if r.get("best") else " "
+        t = r.get("iteration_s")
+        figure = f"{float(t):9.4f} s" if t is not None else f"{'-':>11}"
+        kind = r["kind"] + (f" (warm-up +{r['warmup']})" if r.get("warmup") else "")
+        where = ",".join(r["devices"])
+        layers = f" layers {r['layers']}" if r.get("layers") else ""
+        why = f"  ({r['why']})" if r.get("why") else ""
+        lines.append(f" {mark} {kind:<22} {figure}  {r['chunks']} a device: {where}{layers}{why}")
     return lines
 
 

@@ -265,6 +265,14 @@ def sync_plan(
                 f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
                 f"per iteration {list(ms)}: {why}"
             )
+    chunk_rows = None
+    if kind in (None, *SYNC_KINDS) and len(chosen) == 1 and not (vws and vws[0][1] is not None):
+        # the same devices with two stages each (device-level kinds), priced beside it: a
+        # suggestion (the runtime runs them from a job's own several-stage split only)
+        from hetpipe.planner.chunksearch import chunk_report
+
+        chunk_rows, suggestion = chunk_report(model, chosen[0], budget_s / 4)
+        warnings += [suggestion] if suggestion else []
     kinds = {(c.kind, c.warmup) for c in chosen}
     if len(kinds) > 1:
         raise PlanError(f"virtual workers would run different orders {sorted(kinds)}")
@@ -320,6 +328,7 @@ def sync_plan(
         "microbatches": list(ms),
         "exchange_s": exchange,
         "tie_bytes": [model.tie_bytes(c.cuts) for c in chosen],
+        **({"chunk_candidates": chunk_rows} if chunk_rows else {}),
         "orders": {
             str(s): [
                 f"{op}{j}"
