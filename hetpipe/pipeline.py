@@ -78,6 +78,7 @@ __all__ = [
     "StageRunner",
     "TieRoute",
     "stage_schedule",
+    "unsettled",
 ]
 
 PUSH_TIMEOUT_S = 120.0
@@ -140,6 +141,25 @@ class Record:
 
     def row(self) -> list[Any]:
         return [getattr(self, f) for f in self.FIELDS]
+
+
+def unsettled(acks: list[asyncio.Future[Message]]) -> list[asyncio.Future[Message]]:
+    """The push acknowledgements of one shard that still say something, in order.
+
+    A shard handles one stage's pushes in the order they were sent, and answers each once it
+    has applied it. So an answered push settles every earlier one: each was applied, whether
+    or not its own answer arrived. The answers before the last successful one leave (those
+    never answered are cancelled); an error answer stays until it is raised.
+    """
+    last = max(
+        (i for i, f in enumerate(acks) if f.done() and not f.cancelled() and f.exception() is None),
+        default=-1,
+    )
+    for f in acks[:last]:
+        if not f.done():
+            f.cancel()
+    failed = [f for f in acks[:last] if not f.cancelled() and f.exception() is not None]
+    return failed + acks[last + 1 :]
 
 
 def stage_schedule(compute: StageCompute) -> StageSchedule:
@@ -318,7 +338,7 @@ class StageRunner:
         self.replica_copies: dict[int, HostCopy] = {}
         self.wakeup = asyncio.Event()
         self.answers: dict[tuple[int, bool], asyncio.Task[list[Message]]] = {}
-        self.push_acks: list[asyncio.Future[Message]] = []
+        self.push_acks: dict[int, list[asyncio.Future[Message]]] = {}  # shard -> unsettled
         self.records: dict[int, Record] = {}
         self.records_out = records_out
         self.records_every = max(1, records_every)
@@ -1050,13 +1070,12 @@ class StageRunner:
         if not self.task.leader:
             return  # the stage's leader pushes and checkpoints for every replica
         deltas = {} if copy is None else await self._host(copy)
-        acks = self.push_acks  # answered acks leave now: kept to the end, a job's worth piles up
-        while acks and acks[0].done() and not acks[0].cancelled() and acks[0].exception() is None:
-            acks.pop(0)
         for shard, names in self._shard_names().items():
             part = {n: deltas[n] for n in names if n in deltas}
             ch = self.shards[shard]
-            self.push_acks.append(
+            # settled acks leave now: kept to the end, a job's worth would pile up
+            acks = self.push_acks[shard] = unsettled(self.push_acks.get(shard, []))
+            acks.append(
                 await ch.send_request(
                     Kind.PUSH,
                     {**self._ids(), "wave": wave},
@@ -1099,8 +1118,12 @@ class StageRunner:
         await self.snapshot(self.task.wave_base + cut, meta, tensors)  # the shards' wave
 
     async def _wait_pushes(self) -> None:
-        for fut in self.push_acks:
-            await asyncio.wait_for(fut, PUSH_TIMEOUT_S)
+        """Until every push has landed: each shard's last answer settles the ones before."""
+        for acks in self.push_acks.values():
+            if acks:
+                await asyncio.wait_for(acks[-1], PUSH_TIMEOUT_S)
+            for fut in unsettled(acks):
+                await asyncio.wait_for(fut, PUSH_TIMEOUT_S)  # an error answer raises here
         self.push_acks.clear()
 
     async def _pull(self, c: int) -> list[Message]:

@@ -33,6 +33,10 @@ __all__ = ["ShardServer", "main", "serve"]
 Parked = tuple[bytes | None, int, int, int]  # (peer, rid, vw, stage)
 
 
+ACK_RETRY_S = 60.0  # how long a push's answer waits for room in a slow reader's queue
+ACK_RETRY_EVERY_S = 0.01
+
+
 class ShardServer:
     """Serves push, pull and the head's shard requests from one ROUTER channel.
 
@@ -53,6 +57,7 @@ class ShardServer:
         self.channel: Channel | None = None
         self.log = logmod.get("shard").bind(shard=index)
         self._refused = Throttle(self.log)  # requests outside a peer's role, once a while
+        self._late: set[asyncio.Task[None]] = set()  # acks waiting for room (:meth:`_ack`)
 
     def _allowed(self, msg: Message) -> bool:
         """Whether the sender may make this request (:func:`hetpipe.security.may_send`)."""
@@ -186,11 +191,42 @@ class ShardServer:
                 await self._answer(msg["job"], item)
             return
         applied = js.push(msg["vw"], msg["stage"], msg["wave"], msg.tensors)
-        await self.channel.send(Kind.OK, {"rid": msg["rid"], "info": {"applied": applied}}, to=peer)
+        await self._ack(peer, {"rid": msg["rid"], "info": {"applied": applied}})
         for item in js.clock.release():
             await self._answer(msg["job"], item)
         if self.cut_waits.get(msg["job"]):
             await self._answer_cuts(msg["job"])
+
+    async def _ack(self, peer: bytes | None, fields: dict[str, Any]) -> None:
+        """Answer a push. A stage that pushes faster than its event loop reads the answers
+        fills its queue here (the socket's high-water mark), and ZeroMQ would drop the
+        answer; its stage would then hold that push (and every later one) as unanswered to
+        the end of its job. So an answer that finds the queue full is sent again in the
+        background as the queue drains, for up to :data:`ACK_RETRY_S`; this loop never
+        waits for one peer."""
+        assert self.channel is not None
+        try:
+            await self.channel.send(Kind.OK, fields, to=peer)
+        except ConnectionError as exc:
+            if not isinstance(exc.__cause__, zmq.Again):
+                raise
+            task = asyncio.get_running_loop().create_task(self._ack_later(peer, fields))
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
+
+    async def _ack_later(self, peer: bytes | None, fields: dict[str, Any]) -> None:
+        assert self.channel is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ACK_RETRY_S
+        while True:
+            await asyncio.sleep(ACK_RETRY_EVERY_S)
+            try:
+                await self.channel.send(Kind.OK, fields, to=peer)
+                return
+            except ConnectionError as exc:
+                if not isinstance(exc.__cause__, zmq.Again) or loop.time() > deadline:
+                    self.log.warning("push answer undeliverable", error=str(exc))
+                    return
 
     async def _answer_cuts(self, job: str) -> None:
         """Answer the head's requests for cuts that are complete now (refuse unknown ones)."""

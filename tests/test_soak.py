@@ -15,8 +15,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq
 
 from hetpipe.pipeline import StageRunner
+from hetpipe.ps import ShardServer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_soak.py"
 
@@ -65,14 +67,16 @@ def _pusher(shard: _Shard) -> StageRunner:
     runner.compute = SimpleNamespace(state_names=lambda: ["w"])
     runner.shards = {0: shard}
     runner.snapshot = None
-    runner.push_acks = []
+    runner.push_acks = {}
     return runner
 
 
 def test_answered_push_acks_do_not_pile_up() -> None:
-    """A job of a million waves pushes a million times: the acks already answered are
-    dropped at the next push, so the stage holds only those still in flight; an ack that
-    failed stays, for the end of the job (``_wait_pushes``) to raise."""
+    """A job of a million waves pushes a million times. A shard applies one stage's pushes
+    in order, so an answer settles every earlier push: the acks it settles leave at the next
+    push, even one whose answer never came (lost from a full queue), and the stage holds
+    only those still in flight; an ack that failed stays, for the end of the job
+    (``_wait_pushes``) to raise."""
 
     async def go() -> None:
         shard = _Shard()
@@ -80,17 +84,68 @@ def test_answered_push_acks_do_not_pile_up() -> None:
         for wave in range(1000):
             await runner._push(wave, None)
             shard.acks[-1].set_result({"ok": True})
-        assert len(runner.push_acks) <= 1
-        await runner._push(1000, None)  # in flight: kept
-        await runner._push(1001, None)
-        shard.acks[-1].set_result({"ok": True})  # answered, behind one still in flight: kept
+        assert len(runner.push_acks[0]) <= 1
+        await runner._push(1000, None)  # its answer is lost
+        await runner._push(1001, None)  # in flight
+        assert runner.push_acks[0] == shard.acks[-2:]
+        shard.acks[-1].set_result({"ok": True})  # answered: the lost one is settled too
         await runner._push(1002, None)
-        assert runner.push_acks == shard.acks[-3:]
-        shard.acks[-3].set_exception(RuntimeError("shard refused the push"))
-        shard.acks[-1].set_result({"ok": True})
+        assert runner.push_acks[0] == shard.acks[-1:]
+        assert shard.acks[-3].cancelled()
+        shard.acks[-1].set_exception(RuntimeError("shard refused the push"))
         await runner._push(1003, None)
-        assert shard.acks[-4] in runner.push_acks  # the failed one waits for the end
+        shard.acks[-1].set_result({"ok": True})
+        await runner._push(1004, None)
+        assert shard.acks[-3] in runner.push_acks[0]  # the failed one waits for the end
+        shard.acks[-1].set_result({"ok": True})
         with pytest.raises(RuntimeError, match="refused"):
             await runner._wait_pushes()
+
+    asyncio.run(go())
+
+
+def test_the_end_of_a_job_does_not_wait_for_an_answer_a_later_one_settled() -> None:
+    """A push whose answer was lost, then one answered: the stage's end waits for nothing
+    (before, it waited out ``PUSH_TIMEOUT_S`` and failed the job at its very end)."""
+
+    async def go() -> None:
+        shard = _Shard()
+        runner = _pusher(shard)
+        await runner._push(0, None)  # its answer is lost
+        await runner._push(1, None)
+        shard.acks[-1].set_result({"ok": True})
+        await asyncio.wait_for(runner._wait_pushes(), 1.0)
+        assert runner.push_acks == {} and shard.acks[0].cancelled()
+
+    asyncio.run(go())
+
+
+class _FullQueue:
+    """A shard channel whose peer's queue is full for the first ``full`` sends."""
+
+    def __init__(self, full: int) -> None:
+        self.full = full
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, _kind: Any, fields: dict[str, Any], *_a: Any, **_kw: Any) -> None:
+        if self.full:
+            self.full -= 1
+            raise ConnectionError("its queue is full; message dropped") from zmq.Again()
+        self.sent.append(fields)
+
+
+def test_a_shard_sends_a_push_answer_again_once_the_stage_reads() -> None:
+    """A stage that reads slower than it pushes fills its queue at the shard: the answer is
+    sent again in the background as the queue drains, not dropped, and the shard's loop
+    does not wait for it."""
+
+    async def go() -> None:
+        server = ShardServer(0)
+        server.channel = _FullQueue(full=3)  # type: ignore[assignment]
+        await server._ack(b"stage", {"rid": 7})
+        assert server.channel.sent == []  # type: ignore[attr-defined]
+        await asyncio.wait_for(asyncio.gather(*server._late), 5.0)
+        assert server.channel.sent == [{"rid": 7}]  # type: ignore[attr-defined]
+        assert not server._late
 
     asyncio.run(go())
