@@ -171,7 +171,6 @@ class CostModel(CostTables):
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
         self._short: dict[tuple, float] = {}  # least latencies (_shortest)
-        self._lat_prefix: dict[tuple, np.ndarray] = {}  # their DP states by prefix
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -229,7 +228,7 @@ class CostModel(CostTables):
             bw_in = bws[i - 1] if i > 0 else None
             bw_out = bws[i] if i < k - 1 else None
             sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
-            hit = self._prefix.get(sig)
+            hit = _recall(self._prefix, sig)
             if hit is None:
                 flight = in_flight(i, k, nm, weights=self.weights)
                 band, w = self.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
@@ -242,9 +241,7 @@ class CostModel(CostTables):
                         best[lo:hi] = np.maximum(win, band[lo:hi]).min(axis=1)
                 f = best
                 self.dp_steps += 1
-                if len(self._prefix) >= self._prefix_limit:
-                    self._prefix.clear()
-                self._prefix[sig] = f
+                _keep(self._prefix, sig, f, self._prefix_limit)
             else:
                 f = hit
         return f
@@ -608,46 +605,9 @@ class CostModel(CostTables):
         key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         hit = self._short.get(key)
         if hit is None:
-            hit = self._short[key] = float(self._latency_run(devices, bws, nm)[self.L])
+            got = self._least_latency(self._stage_bands(devices, bws, nm), INF, cuts=False)
+            hit = self._short[key] = INF if got is None else got[1]
         return hit
-
-    def _latency_run(self, devices: Sequence[Any], bws: tuple[float, ...], nm: int) -> np.ndarray:
-        """The least-latency DP with no limit (:meth:`_least_latency` at ``inf``, the sums
-        alone): the least sum of stage times per boundary after all of ``devices``' stages.
-
-        Its state after stage i depends only on devices 0..i and the links between them,
-        like the bottleneck DP's (:meth:`_run`), so states are cached by that prefix and
-        the orders an order search tries one after another share them. Unlike
-        :meth:`_least_latency` it keeps the boundaries from which the stages to come cannot
-        reach the end (they depend on those stages, not on the prefix): a state that cannot
-        reach the end never leads to one that can, so the end's sum is the same float.
-        """
-        k, n = len(devices), self.L + 1
-        f = self._f0
-        sig: tuple = (k, nm)
-        for i, d in enumerate(devices):
-            bw_in = bws[i - 1] if i > 0 else None
-            bw_out = bws[i] if i < k - 1 else None
-            sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
-            hit = self._lat_prefix.get(sig)
-            if hit is None:
-                flight = in_flight(i, k, nm, weights=self.weights)
-                band, w = self.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
-                best = np.full(n, INF)
-                live = np.flatnonzero(f < INF)
-                if live.size:
-                    # each stage still to come needs at least one layer
-                    lo, hi = int(live[0]) + 1, min(int(live[-1]) + w, self.L - (k - 1 - i))
-                    if lo <= hi:
-                        cand = _windows(f, w)[lo : hi + 1] + band[lo : hi + 1]
-                        best[lo : hi + 1] = cand.min(axis=1)
-                f = best
-                if len(self._lat_prefix) >= self._prefix_limit:
-                    self._lat_prefix.clear()
-                self._lat_prefix[sig] = f
-            else:
-                f = hit
-        return f
 
     def best_nm(
         self,
@@ -748,6 +708,23 @@ def _windows(f: np.ndarray, w: int) -> np.ndarray:
     padded[w:] = f
     step = padded.strides[0]
     return np.ndarray((len(f), w), dtype=padded.dtype, buffer=padded, strides=(step, step))
+
+
+def _recall(states: dict[tuple, np.ndarray], sig: tuple) -> np.ndarray | None:
+    """A cached DP state, moved to the end of the cache's order (the most recently used)."""
+    hit = states.pop(sig, None)
+    if hit is not None:
+        states[sig] = hit
+    return hit
+
+
+def _keep(states: dict[tuple, np.ndarray], sig: tuple, f: np.ndarray, limit: int) -> None:
+    """Cache a DP state, first dropping the least recently used eighth of a full cache: a
+    search keeps coming back to short prefixes, which a cache cleared whole would lose."""
+    if len(states) >= limit:
+        for old in list(itertools.islice(states, max(1, limit // 8))):
+            del states[old]
+    states[sig] = f
 
 
 def _merge_distinct(runs: Sequence[np.ndarray]) -> np.ndarray:
