@@ -228,7 +228,7 @@ class CostModel(CostTables):
             bw_in = bws[i - 1] if i > 0 else None
             bw_out = bws[i] if i < k - 1 else None
             sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
-            hit = self._prefix.get(sig)
+            hit = _recall(self._prefix, sig)
             if hit is None:
                 flight = in_flight(i, k, nm, weights=self.weights)
                 band, w = self.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
@@ -241,9 +241,7 @@ class CostModel(CostTables):
                         best[lo:hi] = np.maximum(win, band[lo:hi]).min(axis=1)
                 f = best
                 self.dp_steps += 1
-                if len(self._prefix) >= self._prefix_limit:
-                    self._prefix.clear()
-                self._prefix[sig] = f
+                _keep(self._prefix, sig, f, self._prefix_limit)
             else:
                 f = hit
         return f
@@ -371,8 +369,9 @@ class CostModel(CostTables):
                 hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
                 if lo <= hi:
                     rows = band[lo : hi + 1]
-                    t = rows if limit == INF else np.where(rows <= limit, rows, INF)
-                    cand = _windows(g, w)[lo : hi + 1] + t
+                    cand = _windows(g, w)[lo : hi + 1] + rows
+                    if limit != INF:  # a stage over the limit is no option (in place: cheap)
+                        np.putmask(cand, ~(rows <= limit), INF)
                     if cuts:
                         j = cand.argmin(axis=1)
                         out_g[lo : hi + 1] = cand[np.arange(hi + 1 - lo), j]
@@ -546,7 +545,7 @@ class CostModel(CostTables):
         over_min = [float(x.min()) for x in over if x.size]
         inside.append(np.array([max(under_max)] if under_max else [], dtype=np.float64))
         inside.append(np.array([min(over_min)] if over_min else [], dtype=np.float64))
-        limits = np.unique(np.concatenate(inside))
+        limits = _merge_distinct(inside)
         # invariant: the split at limits[below] does not fill (-1: ``least``), the one at
         # limits[fills] does (len: none known to)
         below, fills = -1, len(limits)
@@ -709,6 +708,36 @@ def _windows(f: np.ndarray, w: int) -> np.ndarray:
     padded[w:] = f
     step = padded.strides[0]
     return np.ndarray((len(f), w), dtype=padded.dtype, buffer=padded, strides=(step, step))
+
+
+def _recall(states: dict[tuple, np.ndarray], sig: tuple) -> np.ndarray | None:
+    """A cached DP state, moved to the end of the cache's order (the most recently used)."""
+    hit = states.pop(sig, None)
+    if hit is not None:
+        states[sig] = hit
+    return hit
+
+
+def _keep(states: dict[tuple, np.ndarray], sig: tuple, f: np.ndarray, limit: int) -> None:
+    """Cache a DP state, first dropping the least recently used eighth of a full cache: a
+    search keeps coming back to short prefixes, which a cache cleared whole would lose."""
+    if len(states) >= limit:
+        for old in list(itertools.islice(states, max(1, limit // 8))):
+            del states[old]
+    states[sig] = f
+
+
+def _merge_distinct(runs: Sequence[np.ndarray]) -> np.ndarray:
+    """The distinct values of sorted arrays of finite floats, sorted: ``np.unique`` of their
+    concatenation, the same array. A stable sort (timsort) merges the sorted runs in about
+    ``n log(runs)`` where ``np.unique``'s sort takes ``n log n``."""
+    merged = np.sort(np.concatenate(runs), kind="stable")
+    if merged.size < 2:
+        return merged
+    keep = np.empty(merged.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(merged[1:], merged[:-1], out=keep[1:])
+    return merged[keep]
 
 
 def _full(p: Partition) -> bool:
