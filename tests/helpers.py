@@ -24,6 +24,7 @@ import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -262,6 +263,16 @@ def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
         (NodeSpec("node0", "127.0.0.1", devs),),
         RuntimeSpec(),
     )
+
+
+@dataclass(frozen=True)
+class Dev:
+    """A device as the planner reads one: a name, a type, a memory cap and a speed."""
+
+    name: str
+    type: str
+    memory: int
+    speed: float = 1.0
 
 
 def gpu_cluster(nodes: list[list[tuple[str, float]]], memory: int = GiB) -> ClusterConfig:

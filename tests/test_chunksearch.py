@@ -7,10 +7,9 @@ processes."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
-from helpers import profile16, repo_cluster
+from helpers import Dev, profile16, repo_cluster
 
 from hetpipe.core.devschedule import device_orders
 from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS, microbatch_order
@@ -30,14 +29,6 @@ from hetpipe.planner.simulate import iteration_time
 from hetpipe.planner.syncmodel import INF, SyncModel, SyncStage
 from hetpipe.planner.syncplan import sync_plan
 from hetpipe.views import explain_lines
-
-
-@dataclass(frozen=True)
-class Dev:
-    name: str
-    type: str
-    memory: int
-    speed: float = 1.0
 
 
 def small(rng: random.Random, caps: bool = True) -> SyncModel:

@@ -8,10 +8,9 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import pytest
-from helpers import check_expected, profile16, repo_cluster
+from helpers import Dev, check_expected, profile16, repo_cluster
 
 from hetpipe.core.schedule import SYNC_KINDS, max_in_flight, microbatch_order
 from hetpipe.planner.partition import CostModel
@@ -27,14 +26,6 @@ from hetpipe.planner.syncsearch import (
     search_formations,
     split_microbatches,
 )
-
-
-@dataclass(frozen=True)
-class Dev:
-    name: str
-    type: str
-    memory: int
-    speed: float = 1.0
 
 
 def instance(rng: random.Random, n: int, layers: int, m: int, caps: bool = True):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
+from helpers import Dev
 
 from hetpipe.core.memory import stage_memory
 from hetpipe.core.schedule import (
@@ -24,14 +24,6 @@ from hetpipe.planner.syncsearch import exhaustive, plan_sync
 
 KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 ACT = 1 << 20
-
-
-@dataclass(frozen=True)
-class Dev:
-    name: str
-    type: str
-    memory: int
-    speed: float = 1.0
 
 
 def test_unit_stages_zb_fills_what_1f1b_leaves_idle():
