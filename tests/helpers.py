@@ -265,6 +265,28 @@ def repo_cluster(links: tuple[LinkSpec, ...] = ()) -> ClusterConfig:
     )
 
 
+# the HetPipe paper's GPUs, type: (memory, relative speed); V = TITAN V, R = TITAN RTX,
+# G = RTX 2060, Q = Quadro P4000
+GPUS = {"V": (12 * GiB, 14.9), "R": (24 * GiB, 16.3), "G": (6 * GiB, 6.45), "Q": (8 * GiB, 5.3)}
+
+
+def paper_cluster(types: str = "VRGQ", per_node: int = 4) -> ClusterConfig:
+    """One node per letter of ``types``, ``per_node`` GPUs of that type each, a PS shard
+    on every node; 10 GB/s inside a node, 1 GB/s between nodes (InfiniBand-class)."""
+    nodes = []
+    for n, t in enumerate(types):
+        host = f"10.0.0.{n}"
+        mem, speed = GPUS[t]
+        devs = tuple(
+            DeviceSpec(f"{t}{n}.{i}", "cpu", t, mem, speed, 0, f"node{n}", host)
+            for i in range(per_node)
+        )
+        nodes.append(NodeSpec(f"node{n}", host, devs))
+    shards = tuple(ShardSpec(i, f"10.0.0.{i}", 7100) for i in range(len(nodes)))
+    net = NetworkSpec(10e9, 1e9)
+    return ClusterConfig("<hetpipe-testbed>", shards, net, tuple(nodes), RuntimeSpec())
+
+
 @dataclass(frozen=True)
 class Dev:
     """A device as the planner reads one: a name, a type, a memory cap and a speed."""

@@ -9,15 +9,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import GPUS, GiB, paper_cluster
 
-from hetpipe.config import (
-    ClusterConfig,
-    DeviceSpec,
-    NetworkSpec,
-    NodeSpec,
-    RuntimeSpec,
-    ShardSpec,
-)
 from hetpipe.planner import make_plan, synthetic_profile
 from hetpipe.planner.formation import (
     candidate_formations,
@@ -33,27 +26,6 @@ from hetpipe.planner.placement import (
     shard_flights,
 )
 from hetpipe.views import explain_lines
-
-GB = 1 << 30
-# type: (memory, relative speed); V = TITAN V, R = TITAN RTX, G = RTX 2060, Q = Quadro P4000
-GPUS = {"V": (12 * GB, 14.9), "R": (24 * GB, 16.3), "G": (6 * GB, 6.45), "Q": (8 * GB, 5.3)}
-
-
-def paper_cluster(types: str = "VRGQ", per_node: int = 4) -> ClusterConfig:
-    """One node per letter of ``types``, ``per_node`` GPUs of that type each, a PS shard
-    on every node; 10 GB/s inside a node, 1 GB/s between nodes (InfiniBand-class)."""
-    nodes = []
-    for n, t in enumerate(types):
-        host = f"10.0.0.{n}"
-        mem, speed = GPUS[t]
-        devs = tuple(
-            DeviceSpec(f"{t}{n}.{i}", "cpu", t, mem, speed, 0, f"node{n}", host)
-            for i in range(per_node)
-        )
-        nodes.append(NodeSpec(f"node{n}", host, devs))
-    shards = tuple(ShardSpec(i, f"10.0.0.{i}", 7100) for i in range(len(nodes)))
-    net = NetworkSpec(10e9, 1e9)
-    return ClusterConfig("<hetpipe-testbed>", shards, net, tuple(nodes), RuntimeSpec())
 
 
 def types_of(group) -> list[str]:
@@ -99,7 +71,7 @@ def test_paper_hd_pairs_most_memory_with_least_two_gpus_of_each():
     # the paper's point: no VW holds only memory-poor GPUs, and VWs are alike in memory
     # within a pair
     memory = sorted(sum(d.memory for d in g) for g in f.groups)
-    assert memory == [40 * GB, 40 * GB, 60 * GB, 60 * GB]
+    assert memory == [40 * GiB, 40 * GiB, 60 * GiB, 60 * GiB]
     # unlike ED, and unlike NP
     assert f.signature() != ed_formation(paper_cluster().devices).signature()
     assert f.signature() != np_formation(paper_cluster().devices).signature()

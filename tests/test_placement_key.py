@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import UNIFORM, job
-from test_paper_formations import GPUS, paper_cluster
+from helpers import GPUS, paper_cluster
 
 from hetpipe.config import load_cluster
 from hetpipe.core.keys import PLACEMENTS
