@@ -45,12 +45,14 @@ from hetpipe.task import StageTask
 __all__ = [
     "JobPlan",
     "JobPlanError",
+    "chunk_devices",
     "data_shares",
     "device_memory_problem",
     "one_stage_per_device",
     "plan_job",
     "requested_layouts",
     "runs_several_stages",
+    "several_stage_summary",
 ]
 
 
@@ -61,6 +63,16 @@ class JobPlanError(ValueError):
 def runs_several_stages(spec: JobSpec) -> bool:
     """Whether a device of the job's own split runs several stages (its name repeats)."""
     return any(len(set(v.devices)) < v.k for v in spec.vws)
+
+
+def chunk_devices(spec: JobSpec) -> int | None:
+    """The device count D a several-stage job's device-level schedule runs on: the distinct
+    devices of its virtual workers, what its stages' orders are projected from
+    (:func:`hetpipe.core.devschedule.stage_order`) and so what its memory is priced with.
+    None where no device repeats, or where the virtual workers' counts differ (each is then
+    priced with two stages a device)."""
+    counts = {len(set(v.devices)) for v in spec.vws if len(set(v.devices)) < v.k}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def one_stage_per_device(
@@ -114,6 +126,27 @@ def device_memory_problem(
                 f"> memory cap {format_size(cap)} (predicted peaks: {parts})"
             )
     return None
+
+
+def several_stage_summary(predicted: Mapping[str, Any], home: Mapping[str, str]) -> dict[str, Any]:
+    """The planner's figures for a several-stage job's split as priced one stage a device
+    (:func:`one_stage_per_device`), each stage on the device it runs on (``home``): its
+    memory per stage is the job's (each stage holds what its projected order holds); its
+    times are each stage's with the device to itself, which a warning says."""
+    vws = [
+        {
+            **vw,
+            "stages": [
+                {**st, "device": home.get(st["device"], st["device"])} for st in vw["stages"]
+            ],
+        }
+        for vw in predicted.get("vws", ())
+    ]
+    warning = (
+        "several stages a device: predicted times are each stage's with its device to "
+        "itself (the planner prices one stage a device); predicted memory is per stage"
+    )
+    return {**predicted, "vws": vws, "warnings": [*predicted.get("warnings", ()), warning]}
 
 
 def data_shares(sync: bool, nms: list[int]) -> list[int]:

@@ -123,13 +123,17 @@ def plan_for(
     row_profiles: Mapping[int, ModelProfile] | None = None,
     *,
     n_train: int | None = None,
+    chunk_devices: int | None = None,
 ) -> Plan:
     """The planner's plan for a job without a split, or its prediction for the given split;
     ``row_profiles``: the model profiled at the rows of a replica (:func:`replica_rows`);
-    ``n_train``: the training samples, where the caller has loaded the data set already."""
+    ``n_train``: the training samples, where the caller has loaded the data set already;
+    ``chunk_devices``: a device-level schedule's real device count, where the split priced
+    stands for one whose devices run several stages
+    (:func:`hetpipe.jobplan.one_stage_per_device`)."""
     inputs = plan_inputs(spec, row_profiles, n_train)
     if spec.sync:
-        return _planned_sync(spec, cluster, profile, inputs)
+        return _planned_sync(spec, cluster, profile, inputs, chunk_devices)
     if spec.schedule == "auto":
         return _auto_plan(spec, cluster, profile, inputs)
     if not spec.vws:  # the planner decides the replicas too (train.max_replicas)
@@ -162,7 +166,11 @@ SYNC_M = 4  # microbatches per iteration of a synchronous job that does not say 
 
 
 def _planned_sync(
-    spec: JobSpec, cluster: ClusterConfig, profile: ModelProfile, inputs: PlanInputs
+    spec: JobSpec,
+    cluster: ClusterConfig,
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    chunk_devices: int | None = None,
 ) -> Plan:
     """The synchronous plan of a job: its own kind and split where it gives them (priced),
     else searched; under ``train.schedule = "auto"`` the search picks gpipe or 1f1b too."""
@@ -179,6 +187,7 @@ def _planned_sync(
         policy=spec.policy,
         warmup=spec.warmup_forwards,
         placement=spec.placement,
+        chunk_devices=chunk_devices,
     )
 
 

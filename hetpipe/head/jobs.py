@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from hetpipe import checkpoint
+from hetpipe.core.schedule import ScheduleError
 from hetpipe.head import drift
 from hetpipe.head.evals import WorkerEvals, workers_evaluate
 from hetpipe.head.reform import pushed_before_reforms
@@ -39,11 +40,13 @@ from hetpipe.jobdir import metrics_bytes
 from hetpipe.jobplan import (
     JobPlan,
     JobPlanError,
+    chunk_devices,
     device_memory_problem,
     one_stage_per_device,
     plan_job,
     requested_layouts,
     runs_several_stages,
+    several_stage_summary,
 )
 from hetpipe.jobstore import (
     METRICS,
@@ -346,7 +349,9 @@ class JobsPart:
         needs_plan = not spec.vws or any(v.layers is None for v in spec.vws)
         try:
             if runs_several_stages(spec):
-                await self._check_several(spec, n_train)
+                # its memory per stage is kept (peak_bytes is compared with it); its times
+                # would be each stage's alone, so no drift is watched against them
+                predicted = await self._check_several(spec, n_train)
                 raise PlanError("a device runs several stages (the planner prices one a device)")
             profile, rows = await self.profiler.profiles(spec)
             cluster = live_cluster(self.cluster, self.registry.idle())
@@ -372,7 +377,10 @@ class JobsPart:
         except (PlanError, JobFailed) as exc:
             if needs_plan:
                 raise JobPlanError(f"cannot plan: {exc}") from None
-            log.warning("no prediction for this split", error=str(exc))
+            log.warning(
+                "no prediction for this split" if predicted is None else "memory predicted only",
+                error=str(exc),
+            )
             if spec.warmup_forwards is None:  # nothing chose the order: 1F1B as published
                 spec = js.spec = dataclasses.replace(spec, warmup_forwards=0)
         shards = self.registry.live_shards()
@@ -390,7 +398,8 @@ class JobsPart:
                 facts=facts,
             ),
         )
-        if predicted is not None:  # [replan]: watched against the plan's predictions
+        if predicted is not None and not runs_several_stages(spec):
+            # [replan]: watched against the plan's predictions
             js.watch = drift.watch_for(  # decisions carried out by live migration
                 spec,
                 js.plan,
@@ -405,21 +414,31 @@ class JobsPart:
         else:
             js.totals = tuple(js.plan.minibatches_of(v) for v in range(len(js.plan.vws)))
 
-    async def _check_several(self, spec: JobSpec, n_train: int | None) -> None:
+    async def _check_several(self, spec: JobSpec, n_train: int | None) -> dict[str, Any] | None:
         """A job whose devices run several stages: each device's cap against its stages'
         predicted peaks together (:class:`JobPlanError`, one line, where they do not fit).
         The planner prices one stage per device, so it prices this split with clones of the
-        repeated devices (:func:`hetpipe.jobplan.one_stage_per_device`); its times would be
-        each stage's alone, so nothing else of that plan is kept."""
+        repeated devices (:func:`hetpipe.jobplan.one_stage_per_device`), each stage's order
+        projected from the job's real device count (:func:`hetpipe.jobplan.chunk_devices`).
+        Returns that plan's figures with each stage on its own device
+        (:func:`hetpipe.jobplan.several_stage_summary`): its memory per stage stands; its
+        times would be each stage's alone. None where a device has no idle worker."""
         loop = asyncio.get_running_loop()
         live = live_cluster(self.cluster, self.registry.idle())
         if not {d for v in spec.vws for d in v.devices} <= {d.name for d in live.devices}:
-            return  # a device without an idle worker: plan_job says which, in one line
+            return None  # a device without an idle worker: plan_job says which, in one line
         profile, rows = await self.profiler.profiles(spec)
         one, cluster, home = one_stage_per_device(spec, live)
-        plan = await loop.run_in_executor(
-            None, lambda: plan_for(one, cluster, profile, rows, n_train=n_train)
-        )
+        devices = chunk_devices(spec)
+        try:
+            plan = await loop.run_in_executor(
+                None,
+                lambda: plan_for(
+                    one, cluster, profile, rows, n_train=n_train, chunk_devices=devices
+                ),
+            )
+        except ScheduleError as exc:  # an order the planner's simulator cannot time here
+            raise PlanError(f"cannot price this split: {exc}") from None
         stages = [
             (f"vw{v}/stage{s}", st.device, int(st.memory.total))
             for v, vw in enumerate(plan.vws)
@@ -428,6 +447,7 @@ class JobsPart:
         problem = device_memory_problem(stages, home, self.cluster)
         if problem is not None:
             raise JobPlanError(problem)
+        return several_stage_summary(predicted_summary(plan), home)
 
     async def _run_attempt(self, js: JobState) -> None:
         """Launch the job's current plan and follow it until every stage is done."""

@@ -31,16 +31,17 @@ import numpy as np
 from hetpipe.core.memory import (
     StageMemory,
     deferred_grads,
-    in_flight,
     stage_memory_of,
     stage_terms,
 )
 from hetpipe.core.profile import ModelProfile, padded_speed, update_scale
 from hetpipe.core.schedule import (
+    DEVICE_KINDS,
     SYNC_KINDS,
     SYNCHRONOUS,
     iteration_trips,
     max_deferred,
+    max_in_flight,
     microbatch_order,
 )
 from hetpipe.planner.costs import duplicate_matrix
@@ -93,6 +94,10 @@ class SyncModel:
 
     ``devices`` are the cluster's device specs (``name``, ``type``, ``memory``, ``speed``);
     ``bandwidth(a, b)`` bytes/s between two of them; ``m`` microbatches per iteration.
+    ``chunk_devices``: where a device-level kind (``interleaved-1f1b``, ``zbv``) is priced for
+    a split whose devices run several stages each, the virtual worker's real device count D
+    (each stage's order is its projection of its device's order on D devices); None prices
+    two stages a device (:func:`hetpipe.core.devschedule.default_devices`).
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class SyncModel:
         kinds: Sequence[str] = SYNC_KINDS,
         warmups: Sequence[int] = (0,),
         shards: int = 1,
+        chunk_devices: int | None = None,
     ) -> None:
         if m < 1:
             raise ValueError(f"microbatches per iteration must be >= 1, got {m}")
@@ -120,6 +126,7 @@ class SyncModel:
             raise ValueError(f"warmups must be >= 0, got {list(warmups)}")
         self.warmups = tuple(warmups)
         self.shards = shards  # the parameter-server shards the gradient exchange goes through
+        self.chunk_devices = chunk_devices
         # the microbatch orders tried: each kind; 1f1b with each extra warm-up that is not
         # gpipe's order already
         self.orders = tuple(
@@ -283,6 +290,11 @@ class SyncModel:
         """The one memory model (:func:`memory.stage_memory_of`) for layers ``[a, b)`` on
         device ``i`` (``m`` microbatches, default the model's); :meth:`_memory_matrix` is its
         vectorised total, the same integers."""
+        # the one memory model prices every synchronous kind alike but for its counts: in
+        # flight as :meth:`flight` charges, passed; the deferred gradients it counts from the
+        # kind's default device count, which for interleaved-1f1b (whole backwards: none
+        # deferred) need not divide m, so that kind is priced with 1f1b's (none either)
+        priced = "1f1b" if kind == "interleaved-1f1b" else kind
         return stage_memory_of(
             self.profile,
             self.devices[i].type,
@@ -291,8 +303,31 @@ class SyncModel:
             k,
             m or self.m,
             self.factor,
-            kind,
+            priced,
             warmup=warmup,
+            flight=self.flight(position, k, kind, m, warmup),
+        )
+
+    def chunk_devices_of(self, kind: str) -> int | None:
+        """The device count ``kind``'s orders are projected from: :attr:`chunk_devices` for
+        a device-level kind, None (the schedule's own default) otherwise."""
+        return self.chunk_devices if kind in DEVICE_KINDS else None
+
+    def order(self, kind: str, k: int, position: int, m: int | None = None, warmup: int = 0):
+        """The microbatch order of ``position`` of ``k`` (:func:`microbatch_order`), a
+        device-level kind's projected from :attr:`chunk_devices` devices."""
+        return microbatch_order(
+            kind, k, position, m or self.m, warmup, devices=self.chunk_devices_of(kind)
+        )
+
+    def flight(
+        self, position: int, k: int, kind: str, m: int | None = None, warmup: int = 0
+    ) -> int:
+        """The minibatches in flight the memory model charges ``position`` of ``k``
+        (:func:`max_in_flight` of its order, a device-level kind's on :attr:`chunk_devices`
+        devices)."""
+        return max_in_flight(
+            kind, k, position, m or self.m, warmup=warmup, devices=self.chunk_devices_of(kind)
         )
 
     def _memory_matrix(
@@ -312,10 +347,11 @@ class SyncModel:
             t["in"][: L + 1][:, None],
             W,
             factor=self.factor,
-            flight=in_flight(position, k, self.m, kind, warmup=warmup),
+            flight=self.flight(position, k, kind, warmup=warmup),
             schedule=kind,
             deferred=deferred_grads(
-                max_deferred(kind, k, position, self.m), self._split_grads(t, position)
+                max_deferred(kind, k, position, self.m, devices=self.chunk_devices_of(kind)),
+                self._split_grads(t, position),
             ),
         ).total
         upper = np.arange(L + 1)[None, :] > np.arange(L + 1)[:, None]
@@ -354,6 +390,7 @@ class SyncModel:
             kinds or self.kinds,
             warmups or self.warmups,
             self.shards,
+            self.chunk_devices,
         )
         out._type = self._type  # the per-type prefix sums do not depend on the devices
         return out
@@ -398,7 +435,7 @@ class SyncModel:
         ]
         links = [(self.link(devs[s], devs[s + 1], cuts[s][1]),) * 2 for s in range(k - 1)]
         return iteration_time(
-            stages, links, [microbatch_order(kind, k, s, self.m, warmup) for s in range(k)]
+            stages, links, [self.order(kind, k, s, warmup=warmup) for s in range(k)]
         ) + self.tie_exchange_s(devs, cuts)
 
     def best_cuts(
@@ -435,7 +472,7 @@ class SyncModel:
         for pos, i in enumerate(devs):
             t = self._t(self.devices[i].type)
             F, B = t["F"], t["B"]
-            trips = len(iteration_trips(k, pos, microbatch_order(kind, k, pos, self.m, warmup)))
+            trips = len(iteration_trips(k, pos, self.order(kind, k, pos, warmup=warmup)))
             task = self._task_s(self.devices[i])
             fwd = (F[None, :] - F[:, None]) + t["cf"] + task
             bwd = (B[None, :] - B[:, None]) + t["cb"] + task

@@ -46,9 +46,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetpipe.core.layout import StageLayout, VWSpec
-from hetpipe.core.memory import in_flight
 from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import SYNC_KINDS, microbatch_order
+from hetpipe.core.schedule import SYNC_KINDS
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import INF, SyncChoice, SyncModel, warmup_ladder
 from hetpipe.planner.syncsearch import search_formations, search_sync
@@ -127,6 +126,7 @@ def sync_plan(
     budget_s: float = 5.0,
     warmup: int | None = 0,
     placement: str = "local",
+    chunk_devices: int | None = None,
 ) -> Any:
     """A :class:`~hetpipe.planner.plans.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
@@ -134,6 +134,8 @@ def sync_plan(
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`);
     None: the planner picks the order from :func:`warmup_ladder` too. ``placement``: where
     the shards keep each layer's state (``train.placement``), as the plan reports it.
+    ``chunk_devices``: a device-level kind's device count for a split whose devices run
+    several stages (:class:`SyncModel`).
 
     Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever
     is predicted faster): several are formed by the asynchronous planner's policies
@@ -167,6 +169,7 @@ def sync_plan(
         (kind,) if kind else SYNC_KINDS,
         (warmup,) if warmup is not None else warmup_ladder(m),
         shards=len(_shard_hosts(cluster)),
+        chunk_devices=chunk_devices,
     )
     index = {d.name: i for i, d in enumerate(usable)}
     cm = _cost_model(
@@ -293,7 +296,7 @@ def sync_plan(
             # the order fixes what a stage holds, whatever the timing: the expected peak is
             # the bound (hetpipe.core.memory.expected_in_flight)
             mem = model.memory(i, a, b, pos, k, c.kind, mv, warm)
-            n = in_flight(pos, k, mv, c.kind, warmup=warm)
+            n = model.flight(pos, k, c.kind, mv, warm)
             stages.append(
                 StagePlan(
                     StageLayout((usable[i].name,), a, b),
@@ -332,9 +335,7 @@ def sync_plan(
         "orders": {
             str(s): [
                 f"{op}{j}"
-                for op, j in microbatch_order(
-                    chosen[0].kind, len(chosen[0].devices), s, ms[0], warm
-                )
+                for op, j in model.order(chosen[0].kind, len(chosen[0].devices), s, ms[0], warm)
             ]
             for s in range(len(chosen[0].devices))
         },
