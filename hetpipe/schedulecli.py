@@ -1,7 +1,9 @@
 """``hetpipe schedule``: synchronous orders to and from ``torch.distributed.pipelining``'s CSV.
 
 - ``export``: a job's per-stage orders (its ``train.order``, else its schedule's own), or a
-  kind's for ``-k`` stages and ``-m`` microbatches, as torch's compute-only CSV;
+  kind's for ``-k`` stages and ``-m`` microbatches, as torch's compute-only CSV; a
+  device-level kind (``interleaved-1f1b``, ``zbv``) one row per device (``-d`` devices, else
+  the job's split's, else two stages a device), as torch's ranks run it;
 - ``import``: a CSV (torch's, either format) read as hetpipe orders, printed, checked and
   written back as the compute-only CSV a job names in ``train.order``;
 - ``check``: the dry run of a CSV's or a job's orders
@@ -18,9 +20,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hetpipe.core import schedule_csv
+from hetpipe.core import devschedule, schedule_csv
 from hetpipe.core.schedule import (
+    DEVICE_KINDS,
     SYNC_KINDS,
+    SYNCHRONOUS,
     ScheduleError,
     check_order,
     max_in_flight,
@@ -103,12 +107,42 @@ def _emit(text: str, out: str | None) -> None:
     click.echo(f"wrote {out}", err=True)
 
 
+def _device_text(
+    kind: str,
+    spec: JobSpec | None,
+    stages: int | None,
+    micro: int | None,
+    devices: int | None,
+) -> str:
+    """A device-level kind's orders as torch's CSV, one row per device: the job's first
+    virtual worker's stages, microbatches and distinct devices where given, else ``-k``,
+    ``-m`` and ``-d`` (default: two stages a device)."""
+    vw = spec.vws[0] if spec is not None and spec.vws else None
+    k = stages or (len(vw.devices) if vw is not None else None)
+    m = micro or (vw.nm if vw is not None else None) or (spec.nm if spec is not None else None)
+    if k is None or m is None:
+        raise click.ClickException(f"{kind}: give -k (stages) and -m (microbatches)")
+    if devices is None and vw is not None and stages is None:
+        devices = len(set(vw.devices))
+    try:
+        D = devices if devices is not None else devschedule.default_devices(kind, k)
+        return schedule_csv.dumps_devices(devschedule.device_orders(kind, k, D, m))
+    except ScheduleError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @schedule.command("export")
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--kind", type=click.Choice(SYNC_KINDS), help="The schedule (default: the job's).")
+@click.option("--kind", type=click.Choice(SYNCHRONOUS), help="The schedule (default: the job's).")
 @click.option("-k", "stages", type=click.IntRange(1), help="Stages (default: the job's).")
 @click.option("-m", "micro", type=click.IntRange(1), help="Microbatches per iteration.")
 @click.option("--warmup", type=click.IntRange(0), help="1f1b's extra warm-up forwards.")
+@click.option(
+    "-d",
+    "devices",
+    type=click.IntRange(1),
+    help="Devices (torch's ranks) of a device-level kind (default: the job's, else k / 2).",
+)
 @click.option("-o", "out", type=click.Path(dir_okay=False), help="Write here, not stdout.")
 def export(
     job_file: str | None,
@@ -116,14 +150,26 @@ def export(
     stages: int | None,
     micro: int | None,
     warmup: int | None,
+    devices: int | None,
     out: str | None,
 ) -> None:
     """Write a job's orders, or KIND's for -k stages and -m microbatches, as torch's CSV
-    (one row per stage: 0F0,0F1,0B0,...), which torch's _load_csv reads."""
+    (one row per stage: 0F0,0F1,0B0,...), which torch's _load_csv reads; a device-level
+    kind (interleaved-1f1b, zbv) one row per device, as torch's ranks run it."""
     if warmup and kind not in (None, "1f1b"):
         raise click.UsageError(f"--warmup is 1f1b's extra warm-up; {kind} has none")
+    spec = _load_job(job_file) if job_file is not None else None
+    chosen = kind or (spec.schedule if spec is not None else None)
+    if chosen in DEVICE_KINDS:
+        if spec is None and (stages is None or micro is None):
+            raise click.UsageError("give a job file, or -k (stages) and -m (microbatches)")
+        _emit(_device_text(chosen, spec, stages, micro, devices), out)
+        return
+    if devices is not None:
+        raise click.UsageError(f"-d is a device-level kind's ({', '.join(DEVICE_KINDS)})")
     if job_file is not None:
-        orders = _job_orders(_load_job(job_file), job_file, kind, stages, micro, warmup)
+        assert spec is not None
+        orders = _job_orders(spec, job_file, kind, stages, micro, warmup)
     elif stages is None or micro is None:
         raise click.UsageError("give a job file, or -k (stages) and -m (microbatches)")
     else:

@@ -23,6 +23,14 @@ pipeline's data dependencies (no timing) and names the first action that can nev
 the chain of waits that blocks it, and each microbatch a stage misses or runs twice. Every
 stage's order is checked before a job runs it.
 
+Device-level schedules (:mod:`hetpipe.core.devschedule`: a device runs several stages, its
+chunks) are written one row per device, torch's rank: the device's order, each action naming
+its stage as torch numbers them (the pipeline's stage index, interleaved's round robin and
+zbv's V alike), what torch's ``_dump_csv`` writes for its ``ScheduleInterleaved1F1B`` and
+``ScheduleZBVZeroBubble`` less its idle cells (:func:`dumps_devices`). Reading them is
+refused as above (a hetpipe job runs a device-level kind from its ``[[vw]]`` split, not from
+an order file).
+
 Pure: no torch, asyncio or sockets (the ``csv`` module of the standard library only).
 """
 
@@ -44,7 +52,9 @@ __all__ = [
     "Order",
     "ScheduleCsvError",
     "check_schedule",
+    "device_rows",
     "dumps",
+    "dumps_devices",
     "held",
     "job_order_problem",
     "load",
@@ -155,6 +165,29 @@ def dumps(orders: Sequence[Sequence[tuple[str, int]]]) -> str:
     ``_load_csv`` reads; torch adds its own communication and reduction on loading)."""
     buf = io.StringIO()
     csv.writer(buf).writerows(rows(orders))
+    return buf.getvalue()
+
+
+def device_rows(orders: Sequence[Sequence[tuple[int, str, int]]]) -> list[list[str]]:
+    """Each device's order (``(stage, op, microbatch)`` entries,
+    :func:`hetpipe.core.devschedule.device_order`) as torch's action strings, one row per
+    device (torch's rank), each naming its entry's stage."""
+    out = []
+    for d, order in enumerate(orders):
+        for s, op, _ in order:
+            if op not in COMPUTE:
+                raise ScheduleError(
+                    f"device {d}, stage {s}: {op!r} is not an action ({', '.join(COMPUTE)})"
+                )
+        out.append([f"{s}{op}{p}" for s, op, p in order])
+    return out
+
+
+def dumps_devices(orders: Sequence[Sequence[tuple[int, str, int]]]) -> str:
+    """Device orders as CSV in torch's compute-only format, one row per device
+    (:func:`device_rows`)."""
+    buf = io.StringIO()
+    csv.writer(buf).writerows(device_rows(orders))
     return buf.getvalue()
 
 
