@@ -125,3 +125,12 @@ def test_the_kept_figures_name_each_stages_own_device() -> None:
         max_in_flight(KIND, 6, s, 6, devices=2) for s in range(6)
     ]
     assert "several stages a device" in kept["warnings"][-1]
+
+
+def test_an_interleaved_split_whose_m_fits_its_devices_only_is_simulated() -> None:
+    """6 stages on 2 devices at m = 4: a multiple of D = 2, not of two stages a device's
+    D = 3. The prediction simulates each stage's projection on the job's own D."""
+    spec = several(SIX, LAYERS, 4)
+    plan, _ = priced(spec, repo_cluster(), chunk_devices(spec))
+    assert plan.samples_per_s > 0 and plan.iteration_s > 0
+    assert plan.details["orders"]["0"] == [f"{op}{j}" for op, j in stage_order(KIND, 6, 2, 0, 4)]

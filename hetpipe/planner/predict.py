@@ -353,6 +353,7 @@ def _sim_vw(
     schedule: str = "async",
     warmup: int = 0,
     pad_slow: Sequence[float] | None = None,
+    devices: int | None = None,
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown
     (padded compute by ``pad_slow``, default the same), plus the wait of each wake-up (two
@@ -395,6 +396,7 @@ def _sim_vw(
         schedule,
         warmup=warmup,
         limits=p.limits,
+        devices=devices,
     )
 
 
@@ -410,6 +412,7 @@ def predict(
     schedule: str = "async",
     warmup: int = 0,
     placement: str = "local",
+    devices: int | None = None,
 ) -> Prediction:
     """Simulate the chosen VWs with the runtime's costs, slowed by sharing their hosts.
 
@@ -421,6 +424,8 @@ def predict(
     the runtime places it, and its bytes to those on other hosts priced on the links).
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`).
     ``placement``: the parameter placement priced (:data:`.placement.PLACEMENTS`).
+    ``devices``: a device-level kind's device count (its stages' orders are projected from
+    it; None: two stages a device).
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))
@@ -493,6 +498,7 @@ def predict(
                 schedule,
                 warmup,
                 per_stage(pad_slow, v),
+                devices,
             )
             for v, (_, p) in enumerate(chosen)
         ]

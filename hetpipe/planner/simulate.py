@@ -155,6 +155,9 @@ class SimVW:
     # limited stage filled to :func:`hetpipe.core.schedule.fill_counts` first, as the runtime
     # runs a plan under train.in_flight = "plan"; empty: no stage is limited
     limits: tuple[int, ...] = ()
+    # a device-level kind (interleaved-1f1b, zbv): the devices its stages' orders are
+    # projected from (None: two stages a device)
+    devices: int | None = None
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -291,6 +294,7 @@ def simulate(
                         warmup=v.warmup,
                         limit=limit or None,
                         fill=fill,
+                        devices=v.devices,
                     ),
                 )
                 for i, (st, limit, fill) in enumerate(

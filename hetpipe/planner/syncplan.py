@@ -195,6 +195,7 @@ def sync_plan(
             minibatches=PREDICT_ITERATIONS * ms[0],
             schedule=vws[0].kind,
             warmup=vws[0].warmup,
+            devices=chunk_devices,
         )
         # the ties' gradient sums along each pipeline's links (SyncModel.tie_exchange_s)
         ties = max(model.tie_exchange_s(c.devices, c.cuts) for c in vws)
