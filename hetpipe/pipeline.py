@@ -204,6 +204,7 @@ def stage_schedule(compute: StageCompute) -> StageSchedule:
         fill=task.in_flight_fill,
         order=orders[task.stage] if orders is not None else None,
         devices=devices,
+        defer=compute.spec.defer_weight_grad,
     )
 
 
