@@ -177,3 +177,32 @@ def test_memory_model_counts_deferred_gradients():
     plain = stage_memory(layers, 0, 4, 3, 2, 1000)
     deferred = stage_memory(layers, 0, 4, 3, 2, 1000, defer=True)
     assert deferred.total > plain.total
+
+
+def _spec(**train):
+    from hetpipe.job import JobSpec
+
+    return JobSpec.from_dict(
+        {
+            "name": "d",
+            "model": {"name": "mlp"},
+            "train": {"minibatch": 4, "minibatches": 9, **train},
+        }
+    )
+
+
+def test_job_key_round_trips_and_is_refused_where_it_cannot_run():
+    from hetpipe.job import JobError
+
+    spec = _spec(defer_weight_grad=True)
+    assert spec.defer_weight_grad
+    assert type(spec).from_dict(spec.to_dict()) == spec
+    assert not _spec().defer_weight_grad
+    for train, why in (
+        ({"schedule": "1f1b"}, "needs schedule = async"),
+        ({"schedule": "zb-h1"}, "needs schedule = async"),
+        ({"weights": "latest"}, "needs weights = stash"),
+    ):
+        with pytest.raises(JobError, match=why) as err:
+            _spec(defer_weight_grad=True, **train)
+        assert "\n" not in str(err.value)
