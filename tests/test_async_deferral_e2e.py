@@ -52,3 +52,21 @@ def test_deferred_w_differentiates_the_forwards_weights(uniform_cluster) -> None
             assert r["bwd_version"] >= r["fwd_version"]
             stashed += r["bwd_version"] > r["fwd_version"]
     assert stashed > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_live_migration_drains_the_deferred_weight_gradients(uniform_cluster) -> None:
+    """A stage stopped at a migration's boundary runs its deferred W's first (it drains as
+    with whole backwards), so the migration is carried out and the job ends."""
+    spec = job(
+        "defer-migrate",
+        model="cnn",
+        split=[(["gpu0", "gpu1", "gpu2"], [6, 6, 4])],
+        nm=2,
+        minibatches=16,
+        train={"defer_weight_grad": True},
+    )
+    spec["replan"] = {"migrate_at": 8, "migrate_to": [3, 9, 4]}
+    info = uniform_cluster.submit(spec, timeout=180)
+    assert info["state"] == "done", info.get("error")
+    assert [m["event"] for m in info["migrations"]] == ["migration"]
