@@ -206,3 +206,14 @@ def test_job_key_round_trips_and_is_refused_where_it_cannot_run():
         with pytest.raises(JobError, match=why) as err:
             _spec(defer_weight_grad=True, **train)
         assert "\n" not in str(err.value)
+
+
+def test_deferred_names_the_oldest_held_w_only_under_defer():
+    sch = StageSchedule("async", k=2, stage=0, nm=2, total=4, defer=True)
+    assert sch.deferred() is None
+    for a in (Forward(0), Forward(1), BackwardInput(0), BackwardInput(1)):
+        sch.done(a)
+    assert sch.deferred() == BackwardWeight(0)
+    zb = StageSchedule("zb-h1", k=2, stage=0, nm=2, total=4)
+    zb.done(BackwardInput(0))
+    assert zb.deferred() is None

@@ -679,7 +679,7 @@ class StageSchedule:
     def deferred(self) -> BackwardWeight | None:
         """The oldest deferred weight gradient (``defer``), if one waits: what a stage held
         at a boundary (a layer migration's) runs before it stops there, so it drains."""
-        return BackwardWeight(self.nb) if self.nb < self.ni else None
+        return BackwardWeight(self.nb) if self.defer and self.nb < self.ni else None
 
     @property
     def finished(self) -> bool:
