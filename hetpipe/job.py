@@ -201,6 +201,9 @@ class JobSpec:
     # every wave/iteration whatever it says
     push_every: int = _d("train.push_every")
     verify: bool = _d("train.verify")
+    # async: each backward split, its weight gradient and step deferred until the stage has
+    # nothing else ready (hetpipe.core.schedule.StageSchedule's ``defer``)
+    defer_weight_grad: bool = _d("train.defer_weight_grad")
     # the most devices the planner may group into one replicated stage of a split it makes
     # (async; hetpipe.planner.replicas decides where it pays), and that ``hetpipe plan``
     # proposes beside a given split; 1: no replicas
@@ -362,6 +365,7 @@ class JobSpec:
         max_replicas = _read(train, "max_replicas")
         max_nm = _read(train, "max_nm")
         verify = _read(train, "verify")
+        defer_weight_grad = _read(train, "defer_weight_grad")
         warmup_forwards = _warmup_forwards(train, schedule)
         in_flight = _read(train, "in_flight")
         placement = _read(train, "placement")
@@ -390,6 +394,8 @@ class JobSpec:
                 "would exchange gradients twice: within the stage and across virtual "
                 "workers)",
             )
+        if defer_weight_grad:
+            _defer_refusals(train, schedule, weights, vws)
         if vws and num_vws is not None and num_vws != len(vws):
             train.fail("vws", f"is {num_vws} but {len(vws)} [[vw]] tables are given")
         spec = cls(
@@ -424,6 +430,7 @@ class JobSpec:
             precision=precision,
             push_every=push_every,
             verify=verify,
+            defer_weight_grad=defer_weight_grad,
             max_replicas=max_replicas,
             max_nm=max_nm,
             warmup_forwards=warmup_forwards,
@@ -532,6 +539,7 @@ class JobSpec:
                 "precision": self.precision,
                 "push_every": self.push_every,
                 "verify": self.verify,
+                "defer_weight_grad": self.defer_weight_grad,
                 "max_replicas": self.max_replicas,
                 "max_nm": self.max_nm,
                 "warmup_forwards": "auto" if self.warmup_forwards is None else self.warmup_forwards,
@@ -845,6 +853,23 @@ def _vws(root: Table, several: bool = False) -> tuple[VWSpec, ...]:
             VWSpec(tuple(devices), None if layers is None else tuple(layers), nm, replicas=replicas)
         )
     return tuple(vws)
+
+
+def _defer_refusals(train: Table, schedule: str, weights: str, vws: tuple[VWSpec, ...]) -> None:
+    """What ``train.defer_weight_grad`` cannot go with, each refused in one line: the
+    synchronous kinds (zb-h1, zb-h2 and zbv split their backwards already), weights other
+    than stashed (their backward reruns or rebinds the forward at its own time), and
+    replicated stages (their replicas combine each whole backward's gradients)."""
+    if schedule != "async":
+        train.fail(
+            "defer_weight_grad",
+            f"needs schedule = async, not {schedule!r} (for a synchronous kind, zb-h1, "
+            "zb-h2 and zbv defer weight gradients)",
+        )
+    if weights != "stash":
+        train.fail("defer_weight_grad", f"needs weights = stash, not {weights!r}")
+    if any(v.replicas for v in vws):
+        train.fail("defer_weight_grad", "replicated stages are not supported")
 
 
 def _several_stages_refusals(

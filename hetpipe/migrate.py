@@ -694,6 +694,9 @@ class Migrator:
                 at = self.orders[0].at
                 c = at // runner.task.nm
                 if self._concerns(action, at, c):
+                    deferred = runner.schedule.deferred()  # train.defer_weight_grad
+                    if deferred is not None:
+                        return deferred  # drained before the boundary, as a backward is
                     if self.held_since is None:
                         self.held_since = time.monotonic()
                     return Wait("migration", p=at, c=c)

@@ -539,7 +539,9 @@ class StageCompute:
         the gradient of minibatch ``p``'s input only, returned as :meth:`backward` returns
         it, at once, for the previous stage. Its graph and ``grad`` stay with the minibatch
         (counted in its kept activations) for :meth:`backward_weight`. The first stage has
-        no input gradient to give: it only keeps ``grad``."""
+        no input gradient to give: it only keeps ``grad``. In the async kind
+        (``train.defer_weight_grad``) it runs on the weights the forward stashed, as
+        :meth:`backward` does."""
         started = emulate.mark()
         flight = self.in_flight[p]
         if grad is not None:
@@ -552,15 +554,18 @@ class StageCompute:
         grad_in = None if self.task.is_first else self._gradients(flight, grad, "input")[0]
         # what it keeps until its weight gradient is the most a split backward holds
         self._check_memory()
-        self.stats.backward_s += emulate.pad(started, self.speed, self.dev)
+        speed = self.speed if self.spec.sync else self._speed(p)
+        self.stats.backward_s += emulate.pad(started, speed, self.dev)
         return grad_in
 
     def backward_weight(self, p: int) -> None:
         """The second half of a split backward (:class:`hetpipe.core.schedule.
         BackwardWeight`): the weights' gradient of minibatch ``p`` from the graph and output
         gradient :meth:`backward_input` kept, summed into the iteration's as :meth:`backward`
-        does; the minibatch's graph is freed. Together the two give what :meth:`backward`
-        gives."""
+        does (async: kept for the minibatch's own step, as :meth:`backward` keeps it); the
+        minibatch's graph is freed. Together the two give what :meth:`backward` gives: the
+        graph holds the forward's weights, so a deferred weight gradient still
+        differentiates the version its forward used."""
         started = emulate.mark()
         flight = self.in_flight.pop(p)
         pgrads = self._gradients(flight, flight.grad, "weight")[1]
@@ -571,10 +576,14 @@ class StageCompute:
             self.wv.version,
             fingerprint(flight.params) if self.verify else 0.0,
         )
-        self.grads.add(pgrads, flight.samples)
+        if self.spec.sync:
+            self.grads.add(pgrads, flight.samples)
+        else:
+            self.grads.pending[p] = pgrads
         self.stats.backwards += 1
+        speed = self.speed if self.spec.sync else self._speed(p)
         self.stats.backward_s += self._charge_swap(
-            emulate.pad(started, self.speed, self.dev), flight.swapped
+            emulate.pad(started, speed, self.dev), flight.swapped
         )
 
     def _gradients(

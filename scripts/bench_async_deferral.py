@@ -33,8 +33,12 @@ close the runtime comes). Deferring W leaves every stage's work ``D`` as it is a
 ``deferral_wins`` holds at an ``Nm`` where the deferral gain beats both 1 and the gain of one
 more minibatch in flight by more than ``--margin``.
 
+With ``--defer`` each ``Nm`` also runs with ``train.defer_weight_grad = true`` (right after
+its run without, so both see about the same load on the host), and
+``measured_deferral_gain`` is the measured rate with deferral over the rate without.
+
     python scripts/bench_async_deferral.py [--json] [--nm 1 2 3 4] [--speeds 1 .7 .5 .35]
-                                           [--minibatches N]
+                                           [--minibatches N] [--defer]
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from hetpipe.core.schedule import INPUT_GRAD_SHARE
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
 
-def job(k: int, nm: int, minibatches: int, minibatch: int) -> dict[str, Any]:
+def job(k: int, nm: int, minibatches: int, minibatch: int, defer: bool = False) -> dict[str, Any]:
     """The asynchronous job of ``k`` stages at ``nm`` minibatches in flight: the mlp with one
     ``Linear``/``ReLU`` pair of width 1024 per stage (the first also flattens, the last also
-    holds the classifier)."""
+    holds the classifier); ``defer``: with ``train.defer_weight_grad``."""
     return {
         "name": f"deferral-k{k}-nm{nm}",
         "model": {"name": "mlp", "args": {"hidden": [1024] * k}},
@@ -66,6 +70,7 @@ def job(k: int, nm: int, minibatches: int, minibatch: int) -> dict[str, Any]:
             "minibatches": minibatches,
             "schedule": "async",
             "staleness": 0,
+            "defer_weight_grad": defer,
         },
         "vw": [{"devices": [f"gpu{i}" for i in range(k)], "layers": [3, *[2] * (k - 2), 3]}],
     }
@@ -99,14 +104,22 @@ def bound(nm: int, path: float, bottleneck: float) -> float:
     return min(1 / bottleneck, nm / path)
 
 
-def run(nm: int, speeds: list[float], minibatches: int, minibatch: int, warmup: int) -> dict:
+def run(
+    nm: int,
+    speeds: list[float],
+    minibatches: int,
+    minibatch: int,
+    warmup: int,
+    defer: bool = False,
+) -> dict:
     """One job on a fresh local cluster of the emulated devices."""
     with tempfile.TemporaryDirectory(prefix="hetpipe-deferral-") as tmp:
         root = Path(tmp)
         devices = [DeviceDef(f"gpu{i}", f"t{i}", "1GiB", speed) for i, speed in enumerate(speeds)]
         (root / "cluster.toml").write_text(cluster_toml(devices, shards=1))
         with LocalCluster(root / "cluster.toml", root / "run", timeout=60) as cluster:
-            info = cluster.submit(job(len(speeds), nm, minibatches, minibatch), timeout=900)
+            spec = job(len(speeds), nm, minibatches, minibatch, defer)
+            info = cluster.submit(spec, timeout=900)
             if info.get("state") != "done":
                 raise RuntimeError(f"nm {nm}: the job ended {info.get('state')}: {info}")
             stages = json.loads(Path(info["stages_path"]).read_text())
@@ -143,14 +156,22 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--defer", action="store_true", help="also run each Nm with deferral on")
     args = ap.parse_args()
-    runs = {
-        nm: run(nm, args.speeds, args.minibatches, args.minibatch, args.warmup)
-        for nm in sorted(set(args.nm))
-    }
+    runs, deferred = {}, {}
+    for nm in sorted(set(args.nm)):
+        runs[nm] = run(nm, args.speeds, args.minibatches, args.minibatch, args.warmup)
+        if args.defer:
+            deferred[nm] = run(
+                nm, args.speeds, args.minibatches, args.minibatch, args.warmup, defer=True
+            )
     figures = derive(runs, args.margin)
+    for nm, d in deferred.items():
+        figures[nm]["deferred"] = d
+        figures[nm]["measured_deferral_gain"] = d["rate"] / runs[nm]["rate"]
     print_table(
-        ["Nm", "rate/s", "of bound", "deferral gain", "Nm+1 gain", "Nm+1 measured"],
+        ["Nm", "rate/s", "of bound", "deferral gain", "Nm+1 gain", "Nm+1 measured"]
+        + (["deferred rate/s", "measured deferral gain"] if deferred else []),
         [
             [
                 nm,
@@ -160,6 +181,11 @@ def main() -> None:
                 f"{f['nm_plus_one_gain']:.2f}",
                 "-" if f["nm_plus_one_measured"] is None else f"{f['nm_plus_one_measured']:.2f}",
             ]
+            + (
+                [f"{f['deferred']['rate']:.2f}", f"{f['measured_deferral_gain']:.2f}"]
+                if deferred
+                else []
+            )
             for nm, f in figures.items()
         ],
     )

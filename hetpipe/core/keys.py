@@ -765,6 +765,16 @@ JOB: Final = Schema(
                     False,
                 ),
                 Key(
+                    "defer_weight_grad",
+                    "boolean",
+                    "Async schedule: split each backward, send its input gradient upstream "
+                    "at once and run its weight gradient and local step when the stage has "
+                    "nothing else ready (fills bubbles of deep pipelines held at a low nm; "
+                    "zb-h1, zb-h2 and zbv do this for the synchronous kinds). Needs weights "
+                    "= stash and no replicated stage.",
+                    False,
+                ),
+                Key(
                     "max_nm",
                     "integer",
                     "The most minibatches in flight the planner may give a virtual worker "

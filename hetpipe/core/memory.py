@@ -470,6 +470,7 @@ def stage_memory(
     warmup: int = 0,
     flight: int | None = None,
     shared: int = 0,
+    defer: bool = False,
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -480,6 +481,9 @@ def stage_memory(
     (default :func:`in_flight`, the bound a cap is checked against; the expected peak
     passes :func:`expected_in_flight`). ``shared``: bytes of tied tensors the layers'
     ``param_bytes`` count more than once (:meth:`ModelProfile.duplicate_bytes`).
+    ``defer``: the async kind defers weight gradients (``train.defer_weight_grad``), so each
+    minibatch it holds may keep its output gradient until its weight gradient
+    (:func:`hetpipe.core.schedule.max_deferred`).
     """
     n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
     saved = [lp.saved_bytes for lp in layers]
@@ -497,7 +501,7 @@ def stage_memory(
         weights=weights,
         held=held_predictions(n, recomputed, schedule, weights),
         deferred=deferred_grads(
-            max_deferred(schedule, k, position, nm),
+            max_deferred(schedule, k, position, nm, defer=defer),
             split_grad_bytes(
                 [lp.out_bytes for lp in layers], [lp.param_bytes for lp in layers], position
             ),

@@ -30,7 +30,18 @@ Kinds:
   fewer minibatches than that between a forward and its backward (the plan's count,
   ``train.in_flight = "plan"``), and given a ``fill`` runs that many forwards before its
   first backward (:func:`fill_counts`), so it reaches that count whatever the timing:
-  what it holds at its peak no longer depends on timing.
+  what it holds at its peak no longer depends on timing. Given ``defer``
+  (``train.defer_weight_grad``), each backward is split as in ``zb-h1``: the input gradient
+  (:class:`BackwardInput`, sent upstream at once) where the backward would run, and the
+  weights' gradient (:class:`BackwardWeight`, then its optimizer step) deferred until the
+  stage has nothing else ready (no input gradient to take, no forward to run, no wave to
+  merge), so it fills what would be a bubble. Version semantics are weight stashing's: a
+  minibatch's ``W`` differentiates the weights its forward used (its graph holds them), the
+  ``W``s and their steps run one per minibatch in minibatch order, and a forward runs on
+  the weights of the steps taken so far (a deferred step reaches a later forward as a
+  late one would: one more unit of the local staleness the async kind already has). What
+  a stage holds does not grow: admission and the limit still count a minibatch until its
+  ``W``, and the last stage runs its ``W`` before its next forward (it holds one).
 - ``gpipe`` and ``1f1b`` (synchronous, with a flush): an iteration is nm microbatches run in
   a fixed per-stage order (:func:`microbatch_order`; 1f1b with ``warmup`` extra warm-up
   forwards spans the orders between the two); gradients accumulate; after the
@@ -379,9 +390,22 @@ def deferred_peak(order: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
-def max_deferred(kind: str, k: int, stage: int, nm: int, devices: int | None = None) -> int:
+def max_deferred(
+    kind: str,
+    k: int,
+    stage: int,
+    nm: int,
+    devices: int | None = None,
+    defer: bool = False,
+    limit: int | None = None,
+) -> int:
     """What :func:`deferred_peak` charges a stage of ``kind``: 0 where backwards are whole
-    (``devices``: a device-level kind's device count, as :func:`microbatch_order`)."""
+    (``devices``: a device-level kind's device count, as :func:`microbatch_order`). The
+    async kind with ``defer`` (:class:`StageSchedule`): every minibatch the stage holds may
+    wait for its weight gradient, so what it holds (:func:`max_in_flight`, ``limit`` as
+    there)."""
+    if kind == "async":
+        return max_in_flight(kind, k, stage, nm, limit=limit) if defer else 0
     if kind not in (*ZB_KINDS, *DEVICE_KINDS):
         return 0
     return deferred_peak(microbatch_order(kind, k, stage, nm, devices=devices))
@@ -568,6 +592,7 @@ class StageSchedule:
         limit: int | None = None,
         fill: int = 0,
         devices: int | None = None,
+        defer: bool = False,
     ) -> None:
         if kind not in KINDS:
             raise ScheduleError(f"schedule: unknown kind {kind!r} (one of: {', '.join(KINDS)})")
@@ -585,7 +610,8 @@ class StageSchedule:
         self.sync = kind in SYNCHRONOUS
         self.waves = -(-total // nm)
         self.nf = 0  # next forward
-        self.nb = 0  # next backward
+        self.nb = 0  # next backward (with split backwards: next weight gradient)
+        self.ni = 0  # next input gradient (split backwards)
         self.steps = 0  # optimizer steps taken
         self.pushed = 0  # waves/iterations pushed
         self.merged = -1  # the wave whose weights are loaded (async), 0 once started (sync)
@@ -623,6 +649,12 @@ class StageSchedule:
         if devices is not None and kind not in DEVICE_KINDS:
             raise ScheduleError(f"devices: a device count is for {DEVICE_KINDS}, not {kind}")
         self.devices = devices
+        if defer and (kind != "async" or sequence is not None or replicated):
+            raise ScheduleError(
+                "defer: deferred weight gradients are for the async kind's greedy order of "
+                "an unreplicated stage (zb-h1, zb-h2 and zbv split the synchronous kinds')"
+            )
+        self.defer = defer
         # a device-level kind: the device runs its stages' passes in its own order, so no
         # pass joins another in one hand-off (the device's next may be another stage's)
         self.alone = kind in DEVICE_KINDS
@@ -644,6 +676,11 @@ class StageSchedule:
             )
         return self._orders[m]
 
+    def deferred(self) -> BackwardWeight | None:
+        """The oldest deferred weight gradient (``defer``), if one waits: what a stage held
+        at a boundary (a layer migration's) runs before it stops there, so it drains."""
+        return BackwardWeight(self.nb) if self.defer and self.nb < self.ni else None
+
     @property
     def finished(self) -> bool:
         return isinstance(self.next(_NOTHING), Done)
@@ -658,7 +695,9 @@ class StageSchedule:
             if inputs.pulled(0, False):
                 return Merge(0)
             return Wait("pull", p=0, c=0, need=pull_need(0, self.staleness))
-        return self._next_sync(inputs) if self.sync else self._next_async(inputs)
+        if self.sync:
+            return self._next_sync(inputs)
+        return self._next_deferred(inputs) if self.defer else self._next_async(inputs)
 
     def _next_async(self, inputs: Inputs) -> Action:
         # the hottest function of the planner's simulator: plain locals, no helper calls
@@ -703,6 +742,48 @@ class StageSchedule:
             return blocked
         if nb < nf and turn != "F" and not filling:
             return Wait("gradient", p=nb)
+        return Wait("activation", p=q)
+
+    def _next_deferred(self, inputs: Inputs) -> Action:
+        """:meth:`_next_async` with split backwards: an input gradient where the backward
+        would run, its weight gradient once nothing else is ready (``defer``)."""
+        nb, ni, nf, nm, total = self.nb, self.ni, self.nf, self.nm, self.total
+        if self.steps < nb:
+            return OptimizerStep(nb - 1)
+        if self.pushes:
+            closed = self.waves if nb >= total else nb // nm  # waves fully stepped here
+            if self.pushed < closed:
+                return Push(self.pushed)
+        if self.last and ni < nf:
+            return BackwardInput(ni)  # the loss is here: its input gradient follows at once
+        q = nf
+        c = q // nm
+        prefetch = not self.first or q - nm < nb
+        # a minibatch counts until its weight gradient; the last stage holds one
+        admitted = q - nb < (1 if self.last else self.limit)
+        opens_wave = self.pulls and q < total and q % nm == 0 and c > self.merged
+        if opens_wave and prefetch and (c, False) not in self.sent:
+            return Pull(c)
+        filling = nf < self.fill
+        if ni < nf and inputs.has_gradient(ni) and not filling:
+            return BackwardInput(ni)
+        blocked: Wait | None = None
+        if q < total:
+            if opens_wave:
+                if prefetch:
+                    if inputs.pulled(c, False):
+                        return Merge(c)
+                    blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
+            elif admitted and (self.first or inputs.has_activation(q)):
+                return Forward(q)
+        if nb < ni:
+            return BackwardWeight(nb)  # nothing else is ready: the deferred W fills the gap
+        if nb >= total and self.pushed >= (self.waves if self.pushes else 0):
+            return Done()
+        if blocked is not None:
+            return blocked
+        if ni < nf and not filling:
+            return Wait("gradient", p=ni)
         return Wait("activation", p=q)
 
     def _next_sync(self, inputs: Inputs) -> Action:
@@ -786,6 +867,7 @@ class StageSchedule:
             self.nb = action.p + 1  # type: ignore[union-attr]
             self.pos += self.sync
         elif kind is BackwardInput:
+            self.ni = action.p + 1  # type: ignore[union-attr]
             self.pos += self.sync
         elif kind is OptimizerStep:
             self.steps += 1
