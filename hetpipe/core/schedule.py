@@ -729,13 +729,9 @@ class StageSchedule:
             return Backward(nb)
         blocked: Wait | None = None
         if q < total and turn != "B":
-            if opens_wave:
-                if prefetch:
-                    if inputs.pulled(c, False):
-                        return Merge(c)
-                    blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
-            elif admitted and (self.first or inputs.has_activation(q)):
-                return Forward(q)
+            blocked = self._merge_or_forward(q, c, opens_wave, prefetch, admitted, inputs)
+            if not isinstance(blocked, Wait | None):
+                return blocked
         if nb >= total and self.pushed >= (self.waves if self.pushes else 0):
             return Done()
         if blocked is not None:
@@ -743,6 +739,22 @@ class StageSchedule:
         if nb < nf and turn != "F" and not filling:
             return Wait("gradient", p=nb)
         return Wait("activation", p=q)
+
+    def _merge_or_forward(
+        self, q: int, c: int, opens_wave: bool, prefetch: bool, admitted: bool, inputs: Inputs
+    ) -> Action | None:
+        """An async stage's next minibatch ``q`` (of wave ``c``): the merge that opens its
+        wave, or the wait for that wave's pull, or its forward; None where it must wait for
+        admission or its activation."""
+        if opens_wave:
+            if not prefetch:
+                return None
+            if inputs.pulled(c, False):
+                return Merge(c)
+            return Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
+        if admitted and (self.first or inputs.has_activation(q)):
+            return Forward(q)
+        return None
 
     def _next_deferred(self, inputs: Inputs) -> Action:
         """:meth:`_next_async` with split backwards: an input gradient where the backward
@@ -769,13 +781,9 @@ class StageSchedule:
             return BackwardInput(ni)
         blocked: Wait | None = None
         if q < total:
-            if opens_wave:
-                if prefetch:
-                    if inputs.pulled(c, False):
-                        return Merge(c)
-                    blocked = Wait("pull", p=q, c=c, need=pull_need(c, self.staleness))
-            elif admitted and (self.first or inputs.has_activation(q)):
-                return Forward(q)
+            blocked = self._merge_or_forward(q, c, opens_wave, prefetch, admitted, inputs)
+            if not isinstance(blocked, Wait | None):
+                return blocked
         if nb < ni:
             return BackwardWeight(nb)  # nothing else is ready: the deferred W fills the gap
         if nb >= total and self.pushed >= (self.waves if self.pushes else 0):
