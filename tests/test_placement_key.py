@@ -98,7 +98,9 @@ def test_a_job_placed_round_robin_trains_and_reports_its_shards(uniform_cluster)
     """Two VWs on two shards under ``default``: every layer's state on shard j mod 2, each
     VW's pushes and pulls reach both, and the job trains as it does placed locally."""
     split = [(["gpu0", "gpu1"], [3, 3]), (["gpu2", "gpu3"], [3, 3])]
-    spec = job("round-robin", split=split, minibatches=200, nm=2, train={"placement": "default"})
+    spec = job(
+        "round-robin", split=split, minibatches=200, nm=2, lr=0.02, train={"placement": "default"}
+    )
     info = uniform_cluster.submit(spec, timeout=240)
     assert info["state"] == "done", info.get("error")
     # the mlp's parameters are in its odd layers (Linear), its ReLUs hold none: shard 1
