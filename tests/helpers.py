@@ -192,6 +192,22 @@ def stage_records(info: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def checked_stash(info: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """A ``train.verify`` job's records, checked: every stage saw every minibatch, and each
+    backward differentiated the weights its forward used (their fingerprints); with the
+    number of backwards that ran past a newer version (the stash was needed)."""
+    records = stage_records(info)
+    stashed = 0
+    for where, rows in records.items():
+        assert [r["p"] for r in rows] == list(range(info["minibatches"])), where
+        for r in rows:
+            assert r["fwd_fingerprint"] != 0.0, (where, r["p"])  # train.verify took them
+            assert r["bwd_fingerprint"] == r["fwd_fingerprint"], (where, r["p"])
+            assert r["bwd_version"] >= r["fwd_version"]
+            stashed += r["bwd_version"] > r["fwd_version"]
+    return records, stashed
+
+
 def records_by_index(info: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """:func:`stage_records` keyed by ``(vw, stage)``."""
     out = {}
