@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Bus",
+    "Cancelled",
     "HeadBus",
     "LocalBus",
     "MigrationError",
@@ -98,6 +99,7 @@ __all__ = [
     "Order",
     "Parcel",
     "attach",
+    "cancel",
     "check_order",
     "cut_points",
     "moves",
@@ -114,6 +116,11 @@ EXCHANGE_TIMEOUT_S = 120.0
 
 class MigrationError(ValueError):
     """A migration that cannot be carried out; ``str(e)`` is one line saying why."""
+
+
+class Cancelled(Exception):
+    """The head dropped a migration this stage was carrying out (another stage refused its
+    order, :func:`cancel`): ``str(e)`` says why; the stage keeps its layers and goes on."""
 
 
 @dataclass(frozen=True)
@@ -509,12 +516,10 @@ class HeadBus:
         self.vw = vw
         self.timeout_s = timeout_s
         self.order: Order | None = None
-        self.round = -1  # the migrations begun, counted alike on every stage
         self.verdicts = 0  # the verdicts of this migration asked so far
 
     def begin(self, order: Order) -> None:
         self.order = order
-        self.round += 1
         self.verdicts = 0
 
     def _fields(self, stage: int, step: str) -> dict[str, Any]:
@@ -524,7 +529,7 @@ class HeadBus:
             "vw": self.vw,
             "stage": stage,
             "at": self.order.at,
-            "step": f"{step}:{self.round}",
+            "step": step,  # the head meets the stages per boundary ``at`` and step
             "layers": list(self.order.layers),
             "reason": self.order.reason,
         }
@@ -546,6 +551,8 @@ class HeadBus:
             timeout=self.timeout_s,
             what="the head",
         )
+        if (why := reply["info"].get("cancelled")) is not None:
+            raise Cancelled(why)
         return [
             Parcel(Move(*d["move"]), d["meta"], {n: reply.tensors[f"{j}/{n}"] for n in d["names"]})
             for j, d in enumerate(reply["info"]["parcels"])
@@ -603,23 +610,49 @@ def attach(
     migrator.install(runner)
 
 
-def order(runner: StageRunner, new: Order) -> None:
+def order(runner: StageRunner, new: Order, *, pick: bool = False) -> int:
     """Add a migration the head decided while the stage trains (:func:`attach` gave it a
-    :class:`Migrator`); :class:`MigrationError` if this stage cannot carry it out, among
-    others because it already admitted minibatch ``new.at``."""
+    :class:`Migrator`) and return its boundary; :class:`MigrationError` if this stage cannot
+    carry it out.
+
+    ``pick`` (stage 0, the furthest ahead of its virtual worker): the boundary is
+    ``new.at`` or the first free one after it, past every minibatch this stage admitted or
+    may be about to admit, and no checkpoint's cut. The head's view of the stage's progress
+    lags its reports, so only the stage itself can choose a boundary that nothing has
+    passed; the later stages, which are behind it, then take that boundary as it is.
+    Without ``pick`` a boundary this stage admitted already is refused."""
     migrator = runner.migration
-    where = runner.task.where
+    task = runner.task
+    where = task.where
     if not isinstance(migrator, Migrator):
         raise MigrationError(f"{where}: this stage does not migrate layers")
-    if runner.schedule.nf > new.at:
+    at = new.at
+    if pick:
+        # past the next minibatch too: the runner may have decided its forward already
+        at = max(at, -(-(runner.schedule.nf + 1) // task.nm) * task.nm)
+        while runner.cut_at(at // task.nm) and at < task.minibatches:
+            at += task.nm
+        new = dataclasses.replace(new, at=at)
+    elif runner.schedule.nf > at:
         raise MigrationError(
-            f"{where}: minibatch {new.at} is behind this stage (it admitted "
-            f"{runner.schedule.nf - 1})"
+            f"{where}: minibatch {at} is behind this stage (it admitted {runner.schedule.nf - 1})"
         )
-    Migrator.validate(runner.compute, [new])
-    if any(o.at == new.at for o in migrator.orders):
-        raise MigrationError(f"{where}: a migration at minibatch {new.at} is pending already")
+    Migrator.validate(runner.compute, [new], cut=runner.cut_at)
+    if any(o.at == at for o in migrator.orders):
+        raise MigrationError(f"{where}: a migration at minibatch {at} is pending already")
     migrator.orders = sorted([*migrator.orders, new], key=lambda o: o.at)
+    return at
+
+
+def cancel(runner: StageRunner, at: int) -> bool:
+    """Drop the pending migration at minibatch ``at`` (the head's: another stage of the
+    virtual worker refused it) and let the stage go on; False where there is none, or where
+    this stage carries it out already (the head's answer at the exchange ends that one:
+    :class:`Cancelled`)."""
+    migrator = runner.migration
+    if not isinstance(migrator, Migrator):
+        return False
+    return migrator.cancel(runner, at)
 
 
 # -- the hook in the runner ----------------------------------------------------------------------
@@ -652,11 +685,17 @@ class Migrator:
         self.record = record
         self.timeout_s = timeout_s
         self.held_since: float | None = None  # when this stage first held at the boundary
+        self.carrying: Order | None = None  # the order being carried out (past its drain)
         self.done: list[dict[str, Any]] = []  # what each migration did, as recorded
 
     @staticmethod
-    def validate(compute: StageCompute, orders: Sequence[Order]) -> None:
-        """Refuse (:class:`MigrationError`) orders this stage's job cannot carry out."""
+    def validate(
+        compute: StageCompute, orders: Sequence[Order], cut: Callable[[int], bool] | None = None
+    ) -> None:
+        """Refuse (:class:`MigrationError`) orders this stage's job cannot carry out.
+        ``cut(c)``: whether the end of wave ``c - 1`` is a checkpoint's cut (the runner's own
+        answer, :meth:`hetpipe.pipeline.StageRunner.cut_at`; None: the job's periodic cuts
+        from wave 0)."""
         task = compute.task
         if task.replicated or task.prev_group[1:] or task.next_group[1:]:
             raise MigrationError(f"{task.where}: replicated stages do not migrate layers")
@@ -674,7 +713,8 @@ class Migrator:
                 raise MigrationError(
                     f"{task.where}: minibatch {order.at} is past the job's {task.minibatches}"
                 )
-            if is_cut(order.at // task.nm, spec.checkpoint_every, waves):
+            c = order.at // task.nm
+            if cut(c) if cut is not None else is_cut(c, spec.checkpoint_every, waves):
                 raise MigrationError(
                     f"{task.where}: minibatch {order.at} opens wave {order.at // task.nm}, a "
                     f"checkpoint's cut (train.checkpoint_every = {spec.checkpoint_every}): "
@@ -704,6 +744,20 @@ class Migrator:
 
         runner.schedule.next = next_  # type: ignore[method-assign]
         runner.migration = self
+
+    def cancel(self, runner: StageRunner, at: int) -> bool:
+        """:func:`cancel`'s work: drop the pending order at ``at`` unless it is being
+        carried out, and wake the runner where it held at the boundary."""
+        if self.carrying is not None and self.carrying.at == at:
+            return False
+        kept = [o for o in self.orders if o.at != at]
+        if len(kept) == len(self.orders):
+            return False
+        if self.orders[0].at == at:
+            self.held_since = None
+        self.orders = kept
+        runner.wakeup.set()
+        return True
 
     def _drained(self, runner: StageRunner, at: int) -> bool:
         """Whether this stage ran everything of the waves before ``at`` and nothing after."""
@@ -785,56 +839,32 @@ class Migrator:
     async def _carry_out(self, runner: StageRunner, order: Order) -> None:
         """Steps 2-4 of the module's sequence at a drained boundary."""
         task = runner.task
-        stage = task.stage
         c = order.at // task.nm
         runner._wait_for("migration", p=order.at, wave=c)
         drained = time.monotonic()
         held = drained - (self.held_since or drained)
+        self.carrying = order
+        incoming: list[Parcel] = []
         with runner.timeline.span("bubble", order.at, c):  # nothing computes meanwhile
             await runner._wait_pushes()  # the shards hold every push of the waves before
             self.bus.begin(order)
-            bounds = cut_points(order.layers)
-            mine = outgoing(stage, task.first, task.last, bounds)
+            mine = outgoing(task.stage, task.first, task.last, cut_points(order.layers))
             # one hand-off to the compute thread whatever moves: the stages resume in the
             # same order whatever they exchanged
             out = await runner._run(_pack_all, runner.compute, mine)
-            incoming = await self._meet(runner, order.at, self.bus.exchange(stage, out))
-            new, refusal = await runner._run(prepare, runner.compute, self.device, bounds, incoming)
-            if task.is_last and bounds[-1] != task.last:
-                new, refusal = (
-                    None,
-                    (
-                        f"{task.where}: the new split holds {bounds[-1]} layers, the model "
-                        f"{task.last}"
-                    ),
-                )
-            if new is not None and new.has_state != runner.compute.has_state:
-                refusal = (
-                    f"{task.where}: layers {new.task.first}..{new.task.last - 1} would "
-                    f"{'hold' if new.has_state else 'hold no'} state, its schedule was made "
-                    f"for the other"
-                )
-            refusal = await self._meet(runner, order.at, self.bus.verdict(stage, refusal))
-            if refusal is None:
-                assert new is not None
-                before = runner._shard_names() if runner.compute.has_state else {}
-                runner.compute = new
-                runner.task = new.task
-                for index, address in new.task.shards.items():
-                    if int(index) not in runner.shards and self.connect is not None:
-                        runner.shards[int(index)] = self.connect(int(index), address)
-                await self._rekey(runner, before, c, order.at)
-                # a pull of the boundary's wave already sent asked for the old names
-                for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
-                    runner.answers.pop(key).cancel()
-                    runner.schedule.sent.discard(key)
+            try:
+                incoming = await self._meet(runner, order.at, self.bus.exchange(task.stage, out))
+                refusal = await self._swap(runner, order, incoming)
+            except Cancelled as exc:
+                refusal = str(exc)
+        self.carrying = None
         self.orders.pop(0)
         self.held_since = None
         resumed = time.monotonic()
         rec = {
             "event": "migration" if refusal is None else "migration_refused",
             "vw": task.vw,
-            "stage": stage,
+            "stage": task.stage,
             "at": order.at,
             "wave": wave_of(order.at, task.nm),
             "reason": order.reason,
@@ -862,3 +892,39 @@ class Migrator:
             res = self.record(rec)
             if asyncio.iscoroutine(res):
                 await res
+
+    async def _swap(self, runner: StageRunner, order: Order, incoming: list[Parcel]) -> str | None:
+        """Step 3 and 4 once the parcels are in: build the new compute, agree with the other
+        stages, and take it (telling the shards the new names); the refusal agreed, or
+        None where the stages took their new layers."""
+        task = runner.task
+        c = order.at // task.nm
+        bounds = cut_points(order.layers)
+        new, refusal = await runner._run(prepare, runner.compute, self.device, bounds, incoming)
+        if task.is_last and bounds[-1] != task.last:
+            new = None
+            refusal = (
+                f"{task.where}: the new split holds {bounds[-1]} layers, the model {task.last}"
+            )
+        if new is not None and new.has_state != runner.compute.has_state:
+            refusal = (
+                f"{task.where}: layers {new.task.first}..{new.task.last - 1} would "
+                f"{'hold' if new.has_state else 'hold no'} state, its schedule was made "
+                f"for the other"
+            )
+        refusal = await self._meet(runner, order.at, self.bus.verdict(task.stage, refusal))
+        if refusal is not None:
+            return refusal
+        assert new is not None
+        before = runner._shard_names() if runner.compute.has_state else {}
+        runner.compute = new
+        runner.task = new.task
+        for index, address in new.task.shards.items():
+            if int(index) not in runner.shards and self.connect is not None:
+                runner.shards[int(index)] = self.connect(int(index), address)
+        await self._rekey(runner, before, c, order.at)
+        # a pull of the boundary's wave already sent asked for the old names
+        for key in [k for k in runner.answers if not k[1] and k[0] >= c]:
+            runner.answers.pop(key).cancel()
+            runner.schedule.sent.discard(key)
+        return None

@@ -1041,12 +1041,13 @@ class StageRunner:
             every == 1
             or wave + 1 >= self.schedule.waves
             or (every > 1 and (wave + 1) % every == 0)
-            or self._is_cut(wave + 1)
+            or self.cut_at(wave + 1)
         )
 
-    def _is_cut(self, c: int) -> bool:
-        """Whether the end of wave ``c - 1`` is a cut (its periodic cuts counted on the
-        shards' waves: :attr:`StageTask.wave_base`)."""
+    def cut_at(self, c: int) -> bool:
+        """Whether the end of wave ``c - 1`` is a checkpoint's cut of this stage: periodic
+        (counted on the shards' waves, :attr:`StageTask.wave_base`), its end, or asked for
+        on demand. A live migration's boundary is never one (:mod:`hetpipe.migrate`)."""
         every = self.compute.spec.checkpoint_every
         return is_cut(c, every, self.schedule.waves, self.asked, self.task.wave_base)
 
@@ -1087,7 +1088,7 @@ class StageRunner:
             )
         if copy is not None:
             self.flushed = wave + 1
-        if self.snapshot is not None and self._is_cut(wave + 1):
+        if self.snapshot is not None and self.cut_at(wave + 1):
             await self._snapshot(wave + 1)
 
     def ask_cut(self, c: int) -> int | None:

@@ -203,7 +203,9 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
     # a stage at one step of a live migration (hetpipe.migrate.HeadBus): ``parcels`` its
     # parcels' descriptions (tensors: ``<index>/<name>``), or ``refusal`` its verdict
     # the head to each stage of a virtual worker: carry out split ``layers`` before
-    # minibatch ``at`` (hetpipe.head.migration.MigrationPart.migrate)
+    # minibatch ``at`` (hetpipe.head.migration.MigrationPart.migrate); ``mode`` "pick":
+    # stage 0 chooses the boundary, ``at`` or the first free one after it (the OK's info
+    # says which), "cancel": drop the order at ``at`` (another stage refused it)
     Kind.MIGRATE_ORDER: {
         "rid": _INT,
         "job": _STR,
@@ -211,6 +213,7 @@ SCHEMAS: dict[Kind, dict[str, Field]] = {
         "at": _INT,
         "layers": _LIST,
         "reason": _STR,
+        "mode": _OPT_STR,
     },
     Kind.MIGRATE: {
         "rid": _INT,

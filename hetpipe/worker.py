@@ -432,12 +432,18 @@ class Worker:
                     f"{self.device.name} runs {len(self.stages)} stages: a device running "
                     "several stages takes no live migration"
                 )
-            new = migrate.Order(msg["at"], tuple(int(n) for n in msg["layers"]), msg["reason"])
-            migrate.order(job.runner, new)
+            mode = msg.get("mode")
+            if mode == "cancel":
+                info = {"cancelled": migrate.cancel(job.runner, msg["at"])}
+            elif mode in (None, "pick"):
+                new = migrate.Order(msg["at"], tuple(int(n) for n in msg["layers"]), msg["reason"])
+                info = {"at": migrate.order(job.runner, new, pick=mode == "pick")}
+            else:
+                raise migrate.MigrationError(f"migration order: no mode {mode!r}")
         except migrate.MigrationError as exc:
             await self.head.reply_error(None, str(exc), msg["rid"])
             return
-        await self.head.send(Kind.OK, {"rid": msg["rid"]})
+        await self.head.send(Kind.OK, {"rid": msg["rid"], "info": info})
 
     def _sender(self, job: _Job) -> Any:
         channels = {c.name: c for c in job.channels}

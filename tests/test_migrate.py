@@ -159,6 +159,7 @@ def run_job(
     lose: int | None = None,
     errors: list[BaseException] | None = None,
     later: list[tuple[int, int, tuple[int, ...]]] | None = None,
+    cancel_later: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], JobShard, list[list[StageRunner]]]:
     """Train ``vws`` virtual workers of ``len(layers)`` stages each (split ``layers``, else
     ``LAYERS``) for ``total`` minibatches each under WSP's ``staleness`` through one
@@ -171,8 +172,9 @@ def run_job(
     cap of stage ``s``'s device. ``lose``: that stage of virtual worker 0 is lost as it
     reaches its migration; each stage's error goes to ``errors``. ``later``: ``(vw, after,
     layers)``, a migration ordered while the job trains, once stage 0 of ``vw`` admitted
-    ``after`` minibatches, at the boundary and in the order the head's ``migrate`` takes
-    (stage 0 first: hetpipe.head.migration)."""
+    ``after`` minibatches, in the order the head's ``migrate`` takes (stage 0 first, which
+    picks the boundary: hetpipe.head.migration); ``cancel_later``: stage 0 alone takes it,
+    holds at its boundary, and the order is cancelled there (a later stage refused it)."""
     layers = layers or LAYERS
     train: dict[str, Any] = {"schedule": kind, "push_every": 0}
     spec = JobSpec.from_dict(
@@ -286,9 +288,16 @@ def run_job(
     async def order_later(rs: list[StageRunner], after: int, split: tuple[int, ...]) -> None:
         while rs[0].schedule.nf < after:
             await asyncio.sleep(0)
-        at = (rs[0].schedule.nf // nm + 2) * nm
-        for r in rs:
-            migrate.order(r, Order(at, split, "test"))
+        # the head proposes the first boundary (its view of stage 0 lags); stage 0 picks
+        at = migrate.order(rs[0], Order(nm, split, "test"), pick=True)
+        assert at % nm == 0 and at > rs[0].schedule.nf
+        if cancel_later:
+            while rs[0].migration.held_since is None:  # stage 0 holds at the boundary
+                await asyncio.sleep(0)
+            assert migrate.cancel(rs[0], at) and not migrate.cancel(rs[0], at)
+            return
+        for r in rs[1:]:
+            assert migrate.order(r, Order(at, split, "test")) == at
 
     async def lost(*_a: Any) -> None:
         raise ConnectionError("worker lost")
@@ -507,6 +516,30 @@ def test_a_migration_ordered_while_training_is_lossless(kind: str, nm: int) -> N
     assert rec["reason"] == "test" and rec["at"] % nm == 0
 
 
+def test_an_order_cancelled_at_its_boundary_lets_the_stage_go_on() -> None:
+    """Stage 0 holds at a boundary whose migration a later stage refused: once the head
+    cancels it there, the virtual worker trains on unchanged, as if it was never ordered
+    (Nm = 1: nothing is in flight at a boundary, so holding there changes no step)."""
+    plain_local, plain_shard, _ = run_vw("async", 1, 12, [])
+    local, shard, runners = run_vw("async", 1, 12, [], later=[(0, 3, (8, 4, 4))], cancel_later=True)
+    assert_same(local, plain_local)
+    assert_same(shard, plain_shard)
+    assert [(r.task.first, r.task.last) for r in runners] == [(0, 6), (6, 12), (12, 16)]
+    assert all("migrations" not in r.final_stats() for r in runners)
+
+
+def test_stage_0_picks_a_boundary_past_what_it_admitted_and_past_cuts() -> None:
+    _, _, runners = run_vw("async", 2, 16, [Order(4, (8, 4, 4))])
+    first = runners[0]
+    first.schedule.nf = 7  # as if it admitted 0..6: the next one may be decided already
+    first.asked.add(4)  # wave 4 closes at a cut asked for on demand (minibatch 8)
+    assert migrate.order(first, Order(2, (6, 6, 4)), pick=True) == 10
+    assert [o.at for o in first.migration.orders] == [10]
+    first.schedule.nf = 15
+    with pytest.raises(MigrationError, match="past the job's 16"):
+        migrate.order(first, Order(2, (6, 6, 4)), pick=True)
+
+
 def test_an_order_a_stage_has_passed_is_refused() -> None:
     _, _, runners = run_vw("async", 1, 8, [Order(4, (8, 4, 4))])
     with pytest.raises(MigrationError, match="minibatch 6 is behind this stage"):
@@ -566,6 +599,7 @@ class FakeHead(MigrationPart):
         self.registry = SimpleNamespace(workers=workers)
         self.sent: list[tuple[Any, dict, dict, Any]] = []
         self.refuse = refuse
+        self.picked = 10
         self.tmp = tmp
         self.log = SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
         head = self
@@ -573,9 +607,13 @@ class FakeHead(MigrationPart):
         class Channel:
             async def request(self, kind: Any, fields: dict, **kw: Any) -> Message:
                 head.sent.append((kind, fields, {}, kw["to"]))
-                if head.refuse is not None and kw["to"] == "abc"[head.refuse].encode():
-                    raise RemoteError("vw0/stage1: minibatch 8 is behind this stage")
-                return Message(Kind.OK, {}, {})
+                mode = fields.get("mode")
+                refused = head.refuse is not None and kw["to"] == "abc"[head.refuse].encode()
+                if refused and mode != "cancel":
+                    raise RemoteError("vw0/stage1: a migration at minibatch 8 is pending")
+                # stage 0 admitted more than its last report said: it picks a later boundary
+                info = {"at": head.picked} if mode == "pick" else {}
+                return Message(Kind.OK, {"rid": 0, "info": info}, {})
 
             async def send(self, kind: Any, fields: dict, tensors: Any = None, to: Any = None):
                 head.sent.append((kind, fields, tensors or {}, to))
@@ -595,20 +633,44 @@ class FakeHead(MigrationPart):
         return RotatingJsonl(self.tmp / "metrics.jsonl", 1 << 20, 1)
 
 
-def test_the_head_orders_a_migration_at_the_next_free_boundary(tmp_path: Path) -> None:
+def test_the_head_orders_a_migration_at_the_boundary_stage_0_picks(tmp_path: Path) -> None:
     head = FakeHead(tmp_path)
     got = asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
-    # stage 0 admitted 5 (nm = 2): the boundary opens a whole wave later, stage 0 told first
-    assert got == {"at": 8}
-    assert [(f["at"], to) for _k, f, _t, to in head.sent] == [(8, b"a"), (8, b"b"), (8, b"c")]
+    # stage 0 last reported 5 admitted (nm = 2): the head proposes 6, stage 0 (told first)
+    # picks 10 from what it admitted since, and the later stages take 10 as it is
+    assert got == {"at": 10}
+    sent = [(f["at"], f.get("mode"), to) for _k, f, _t, to in head.sent]
+    assert sent == [(6, "pick", b"a"), (10, None, b"b"), (10, None, b"c")]
     assert all(k == Kind.MIGRATE_ORDER for k, *_ in head.sent)
     with pytest.raises(MigrationError, match="2 stages"):
         asyncio.run(head.migrate("j", 0, [8, 8], "drift"))
     with pytest.raises(MigrationError, match="job k is not running"):
         asyncio.run(head.migrate("k", 0, [8, 4, 4], "drift"))
+
+
+def test_an_order_a_later_stage_refuses_is_cancelled_where_it_was_taken(tmp_path: Path) -> None:
+    """Stage 0 took the order, stage 1 refused it: stage 0 must not wait at the boundary for
+    a migration that cannot happen. It is told to drop the order, and a stage already at
+    its exchange (now or later) is answered ``cancelled``."""
     head = FakeHead(tmp_path, refuse=1)
-    with pytest.raises(MigrationError, match=r"vw0/stage1: .*behind this stage"):
-        asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
+    t = torch.ones(1)
+
+    async def main() -> None:
+        parcels = {"rid": 7, "job": "j.r1", "vw": 0, "stage": 0, "at": 10, "step": "parcels"}
+        await head._on_migrate(b"a", Message(Kind.MIGRATE, {**parcels, "parcels": []}, {}))
+        assert head.sent == []  # parked: stage 0 drained before stage 1 refused
+        with pytest.raises(MigrationError, match=r"vw0/stage1: .*pending"):
+            await head.migrate("j", 0, [8, 4, 4], "drift")
+        late = {**parcels, "rid": 8, "stage": 2, "parcels": []}
+        await head._on_migrate(b"c", Message(Kind.MIGRATE, late, {"0/x": t}))
+
+    asyncio.run(main())
+    orders = [(f["at"], f.get("mode"), to) for k, f, _t, to in head.sent if k == Kind.MIGRATE_ORDER]
+    assert orders == [(6, "pick", b"a"), (10, None, b"b"), (10, "cancel", b"a")]
+    answers = {f["rid"]: f["info"] for k, f, _t, _to in head.sent if k == Kind.OK}
+    assert set(answers) == {7, 8}
+    assert all(a["cancelled"].startswith("cancelled: ") for a in answers.values())
+    assert head._meets == {}
 
 
 def test_an_online_replan_decision_is_ordered_as_a_migration(tmp_path: Path) -> None:
@@ -625,11 +687,11 @@ def test_an_online_replan_decision_is_ordered_as_a_migration(tmp_path: Path) -> 
     head = FakeHead(tmp_path)
     assert asyncio.run(order(head, d)) is None
     assert [(f["at"], f["layers"], to) for _k, f, _t, to in head.sent] == [
-        (8, [8, 4, 4], b"a"),
-        (8, [8, 4, 4], b"b"),
-        (8, [8, 4, 4], b"c"),
+        (6, [8, 4, 4], b"a"),
+        (10, [8, 4, 4], b"b"),
+        (10, [8, 4, 4], b"c"),
     ]
-    assert head.js.migrations == []  # its outcome comes when the stages reach minibatch 8
+    assert head.js.migrations == []  # its outcome comes when the stages reach minibatch 10
     head = FakeHead(tmp_path)
     why = asyncio.run(order(head, dataclasses.replace(d, nm=4)))
     assert why == "not carried out: a live migration keeps Nm 2, the re-plan wants 4"
@@ -637,7 +699,7 @@ def test_an_online_replan_decision_is_ordered_as_a_migration(tmp_path: Path) -> 
     head = FakeHead(tmp_path, refuse=1)
     assert asyncio.run(order(head, d)) is None
     (entry,) = head.js.migrations
-    assert entry["event"] == "migration_refused" and "behind this stage" in entry["refused"]
+    assert entry["event"] == "migration_refused" and "pending" in entry["refused"]
 
 
 def test_the_head_meets_the_stages_and_records_the_migration(tmp_path: Path) -> None:
@@ -652,19 +714,19 @@ def test_the_head_meets_the_stages_and_records_the_migration(tmp_path: Path) -> 
 
     async def main() -> None:
         move = {"move": [6, 8, 1, 0], "meta": {"x": 1}, "names": ["param/7.weight"]}
-        await head._on_migrate(b"a", msg(0, "parcels:0", parcels=[]))
-        m1 = msg(1, "parcels:0", parcels=[move])
+        await head._on_migrate(b"a", msg(0, "parcels", parcels=[]))
+        m1 = msg(1, "parcels", parcels=[move])
         m1.tensors["0/param/7.weight"] = t
         await head._on_migrate(b"b", m1)
         assert head.sent == []  # parked until every stage came
-        await head._on_migrate(b"c", msg(2, "parcels:0", parcels=[]))
+        await head._on_migrate(b"c", msg(2, "parcels", parcels=[]))
         replies = {to: (f, ts) for _k, f, ts, to in head.sent}
         assert replies[b"a"][0]["info"]["parcels"] == [move]
         assert replies[b"a"][1]["0/param/7.weight"] is t
         assert replies[b"b"][0]["info"]["parcels"] == []
         head.sent.clear()
         for s, d in enumerate(b"abc"):
-            await head._on_migrate(bytes([d]), msg(s, "verdict:0:0"))
+            await head._on_migrate(bytes([d]), msg(s, "verdict:0"))
         assert [f["info"]["refusal"] for _k, f, _t, _to in head.sent] == [None] * 3
 
     asyncio.run(main())

@@ -25,7 +25,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hetpipe.checkpoint import is_cut
 from hetpipe.core.layout import StageLayout, VWLayout
 from hetpipe.head.states import JobStatus
 from hetpipe.migrate import MigrationError, Order, check_order, cut_points
@@ -37,8 +36,8 @@ __all__ = ["MigrationPart"]
 
 ORDER_TIMEOUT_S = 10.0  # a worker answers an order at once (it only queues it)
 
-# (wire id of the attempt, vw, step) -> stage -> (peer, its request)
-Meets = dict[tuple[str, int, str], dict[int, tuple[bytes | None, Message]]]
+# (wire id of the attempt, vw, boundary, step) -> stage -> (peer, its request)
+Meets = dict[tuple[str, int, int, str], dict[int, tuple[bytes | None, Message]]]
 
 
 def _parcels_for(
@@ -100,6 +99,15 @@ class MigrationPart:
             meets = self._migration_meets = {}
         return meets
 
+    @property
+    def _cancelled(self) -> set[tuple[str, int, int]]:
+        """(wire id of the attempt, vw, boundary) of the migrations dropped after a stage
+        refused its order (:meth:`_cancel`)."""
+        got = getattr(self, "_migration_cancelled", None)
+        if got is None:
+            got = self._migration_cancelled = set()
+        return got
+
     async def migrate(
         self, job_id: str, vw: int, layers: Sequence[int], reason: str
     ) -> dict[str, Any]:
@@ -107,13 +115,15 @@ class MigrationPart:
         running job ``job_id`` at its next free boundary, for ``reason`` (in the records):
         the entry point of the online re-plan.
 
-        The boundary is the first wave (iteration) that opens at least one whole wave
-        after what stage 0 has admitted, and is no checkpoint's cut. Each stage is told,
-        stage 0 first: stage 0 is the furthest ahead of its virtual worker, so once it
-        took the order no stage can have passed the boundary. Returns ``{"at": N}`` once
-        every stage took it; the migration happens when the stages reach ``N``, and its
-        outcome (carried out, or refused with its reason) is in the job's ``migrations``.
-        :class:`hetpipe.migrate.MigrationError` says why it was not ordered."""
+        The boundary is the first wave (iteration) past what stage 0 has admitted that is
+        no checkpoint's cut, and stage 0 itself picks it: the head's view of its progress
+        lags. Each stage is told, stage 0 first: stage 0 is the furthest ahead of its
+        virtual worker, so once it took the order no stage can have passed the boundary.
+        Where a later stage refuses, the stages that took the order drop it again
+        (:meth:`_cancel`). Returns ``{"at": N}`` once every stage took it; the migration
+        happens when the stages reach ``N``, and its outcome (carried out, or refused with
+        its reason) is in the job's ``migrations``. :class:`hetpipe.migrate.MigrationError`
+        says why it was not ordered."""
         js = self.jobs.get(job_id)  # type: ignore[attr-defined]
         if js is None or js.plan is None or js.state != JobStatus.RUNNING:
             raise MigrationError(f"migrate: job {job_id} is not running")
@@ -123,16 +133,11 @@ class MigrationPart:
         nm = plan.vws[vw].nm
         total = plan.minibatches_of(vw)
         admitted = int(js.progress.get((vw, 0), {}).get("forwards", 0))
-        waves = -(-total // nm)
-        at = (admitted // nm + 2) * nm
-        while is_cut(at // nm, js.spec.checkpoint_every, waves):
-            at += nm
-        check_order(
-            Order(at, tuple(int(n) for n in layers), reason),
-            len(plan.vws[vw].stages),
-            nm,
-            what=f"vw{vw}",
-        )
+        # the first boundary past stage 0's last report; stage 0 moves it on past what it
+        # admitted since and past any checkpoint's cut (hetpipe.migrate.order)
+        at = (admitted // nm + 1) * nm
+        layers = [int(n) for n in layers]
+        check_order(Order(at, tuple(layers), reason), len(plan.vws[vw].stages), nm, what=f"vw{vw}")
         if at >= total:
             raise MigrationError(
                 f"migrate: vw{vw} has no boundary left (minibatch {at} of {total})"
@@ -142,22 +147,61 @@ class MigrationPart:
             for w in self.registry.workers.values()  # type: ignore[attr-defined]
             if w.job == js.id and w.vw == vw
         }
+        fields = {"job": plan.job, "vw": vw, "layers": layers, "reason": reason}
+        told: list[Any] = []
         for s in range(len(plan.vws[vw].stages)):
             w = workers.get(s)
-            if w is None:
-                raise MigrationError(f"migrate: no worker runs vw{vw}/stage{s}")
             try:
-                await self.channel.request(
-                    Kind.MIGRATE_ORDER,
-                    {"job": plan.job, "vw": vw, "at": at, "layers": list(layers), "reason": reason},
-                    to=w.ident,
-                    timeout=ORDER_TIMEOUT_S,
-                    what=f"worker {w.device}",
-                )
-            except (RemoteError, TimeoutError) as exc:
-                raise MigrationError(f"migrate: vw{vw}/stage{s}: {exc}") from None
-        self.log.info("migration ordered", job=job_id, vw=vw, at=at, layers=list(layers))
+                if w is None:
+                    raise MigrationError(f"migrate: no worker runs vw{vw}/stage{s}")
+                # stage 0 first: the furthest ahead of its virtual worker, it picks the
+                # boundary, which no later stage can have passed
+                mode = {"mode": "pick"} if s == 0 else {}
+                reply = await self._order(w, {**fields, "at": at, **mode}, f"vw{vw}/stage{s}")
+            except MigrationError as exc:
+                if told:  # the stages that took it would wait for this one at the boundary
+                    await self._cancel(plan.job, vw, at, told, str(exc))
+                raise
+            if s == 0:
+                at = int((reply.get("info") or {}).get("at", at))
+            told.append(w)
+        self.log.info("migration ordered", job=job_id, vw=vw, at=at, layers=layers)
         return {"at": at}
+
+    async def _order(self, w: Any, fields: dict[str, Any], where: str) -> Message:
+        """One migration order to worker ``w``, its answer; :class:`MigrationError` where it
+        refused or did not answer."""
+        try:
+            return await self.channel.request(
+                Kind.MIGRATE_ORDER,
+                fields,
+                to=w.ident,
+                timeout=ORDER_TIMEOUT_S,
+                what=f"worker {w.device}",
+            )
+        except (RemoteError, TimeoutError) as exc:
+            raise MigrationError(f"migrate: {where}: {exc}") from None
+
+    async def _cancel(self, job: str, vw: int, at: int, told: list[Any], why: str) -> None:
+        """Drop the migration at ``at`` that stages ``told`` took and a later one refused:
+        a stage already at its exchange gets ``cancelled`` for an answer (now or when it
+        comes), the others drop the order; every one goes on with its layers."""
+        self._cancelled.add((job, vw, at))
+        for key in [k for k in self._meets if k[:3] == (job, vw, at) and k[3] == "parcels"]:
+            for _s, (p, m) in sorted(self._meets.pop(key).items()):
+                await self._answer_cancelled(p, m, why)
+        for w in told:
+            with contextlib.suppress(MigrationError):  # a lost one fails its stage anyway
+                await self._order(
+                    w,
+                    {"job": job, "vw": vw, "at": at, "layers": [], "reason": why, "mode": "cancel"},
+                    f"vw{vw}",
+                )
+
+    async def _answer_cancelled(self, peer: bytes | None, msg: Message, why: str) -> None:
+        await self.channel.send(
+            Kind.OK, {"rid": msg["rid"], "info": {"cancelled": f"cancelled: {why}"}}, to=peer
+        )
 
     async def _on_migrate(self, peer: bytes | None, msg: Message) -> None:
         """One stage's request at one step of a migration: parked until the virtual
@@ -168,13 +212,16 @@ class MigrationPart:
             return
         vw, stage, step = msg["vw"], msg["stage"], msg["step"]
         k = len(js.plan.vws[vw].stages)
-        key = (msg["job"], vw, step)
+        if step == "parcels" and (msg["job"], vw, msg["at"]) in self._cancelled:
+            await self._answer_cancelled(peer, msg, "another stage refused the order")
+            return
+        key = (msg["job"], vw, msg["at"], step)
         got = self._meets.setdefault(key, {})
         got[stage] = (peer, msg)
         if len(got) < k:
             return
         del self._meets[key]
-        if step.startswith("parcels"):
+        if step == "parcels":
             for s, (p, m) in sorted(got.items()):
                 parcels, tensors = _parcels_for(s, got)
                 await self.channel.send(
@@ -186,7 +233,7 @@ class MigrationPart:
         )
         for _s, (p, m) in sorted(got.items()):
             await self.channel.send(Kind.OK, {"rid": m["rid"], "info": {"refusal": refusal}}, to=p)
-        if step.startswith("verdict") and step.endswith(":0"):
+        if step == "verdict:0":
             layers = list(msg.get("layers") or [])
             self._record_migration(js, vw, msg["at"], layers, msg.get("reason") or "", refusal)
 
