@@ -10,7 +10,8 @@ workers go on; only the stages of this virtual worker pause.
 **Who asks.** The job's ``replan.migrate_at`` / ``migrate_to`` / ``migrate_vw`` (a drill:
 :func:`attach`, the order known from the start), or the head while the job trains
 (:meth:`hetpipe.head.migration.MigrationPart.migrate`, the online re-plan's entry point,
-which sends each stage an order: :func:`order`).
+which sends each stage an order: :func:`order`; stage 0, told first, picks the boundary, and
+a later stage's refusal cancels it where it was taken: :func:`cancel`).
 
 **Where.** At the *boundary* ``at`` (a minibatch that opens a wave in ``async``, an
 iteration in ``gpipe``/``1f1b``: ``at % nm == 0``; not a checkpoint's cut), the
