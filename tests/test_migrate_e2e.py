@@ -92,3 +92,43 @@ def test_wsp_invariant_holds_on_daemons_with_a_migration_in_one_virtual_worker(
     assert moved["range"] == [0, 5] and moved["moves"] == [
         {"first": 5, "last": 8, "src": 0, "dst": 1}
     ]
+
+
+@pytest.mark.timeout(400)
+def test_a_slowed_device_is_re_planned_by_a_live_migration_the_head_orders(
+    tmp_path_factory,
+) -> None:
+    """The online re-plan's whole path on real daemons: a device slows down mid-job, the
+    head's drift watch decides a re-split, and the head orders it while the virtual worker
+    trains (stage 0 picks the boundary): it is carried out at a boundary past the decision,
+    and the slowed device keeps fewer layers. Slow devices, so that an emulated device's
+    padding, not a loaded host's waits, makes its speed."""
+    devices = tuple(DeviceDef(f"s{i}", "mid", "256MiB", 0.25) for i in range(2))
+    c = start_cluster(tmp_path_factory.mktemp("migrate-replan"), devices)
+    try:
+        spec = {
+            "name": "replanned",
+            "model": {"name": "cnn"},
+            "data": {"name": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9},
+            "train": {"minibatch": 32, "minibatches": 240, "staleness": 1, "seed": 0},
+            "vw": [{"devices": ["s0", "s1"]}],
+            "fault": [{"kind": "slow", "device": "s0", "factor": 4.0, "at_minibatch": 60}],
+            "replan": {"window": 8, "window_s": 1.0},
+        }
+        info = c.submit(spec, timeout=350)
+    finally:
+        c.stop()
+    assert info["state"] == "done", info.get("error")
+    taken = [d for d in info["replan_decisions"] if d["taken"]]
+    assert taken and taken[0]["device"] == "s0", info["replan_decisions"]
+    (m,) = info["migrations"]
+    assert m["event"] == "migration", m
+    nm = info["final_plan"][0]["nm"]
+    assert m["at"] % nm == 0 and m["at"] > taken[0]["minibatch"]
+    old = taken[0]["old_bounds"][0]
+    (first, last) = info["final_plan"][0]["layers"][0]
+    assert first == 0 and last < old[1]  # s0 gave layers away
+    stages = stages_json(info)
+    (moved,) = stages["vw0/stage0"]["stats"]["migrations"]
+    assert moved["at"] == m["at"] and moved["migration_stall_s"] < 30
