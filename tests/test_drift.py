@@ -270,3 +270,73 @@ def test_unwatch_names_the_vw_in_the_result() -> None:
     assert drift.result_of(js)["replan_unwatched"] == {
         "vw0": "re-formed or left out after worker gpu1 was lost"
     }
+
+
+def head_side(w: Any) -> Any:
+    js = SimpleNamespace(
+        id="j-1", watch=w, plan=SimpleNamespace(minibatches_of=lambda _v: 1000), migrations=[]
+    )
+    return js
+
+
+def test_a_refused_migration_leaves_the_split_and_says_so() -> None:
+    w = watch(migrate=lambda d: None)
+    before = w.layouts[0]
+    (d,) = slowed(w, ticks=8)
+    assert d.take and w.layouts[0] != before
+    js = head_side(w)
+    drift.migrated(js, 0, None, "vw0/stage0: minibatch 8 is behind this stage")
+    assert w.layouts[0] == before  # the final plan is the split the job still runs
+    assert drift.final_plan(js)[0]["layers"] == [[0, 6], [6, 11], [11, 16]]
+    rec = w.records()[0]
+    assert rec["taken"] is False and "the migration was refused: vw0/stage0" in rec["reason"]
+    assert w.probes == []
+
+
+def test_a_carried_out_migration_gets_its_measured_gain() -> None:
+    w = watch(migrate=lambda d: None)
+    (d,) = slowed(w, ticks=8)
+    js = head_side(w)
+    js.migrations.append({"event": "migration", "vw": 0, "at": 40})
+    drift.migrated(js, 0, 40, None)
+    log = SimpleNamespace(info=lambda *a, **k: None)
+    drift.noted(js, (0, 0), {"forwards": 0})  # the head's hook takes the report's time
+    assert w.pace.of(0)[0][1] == 0
+    w.pace.seen.clear()
+    # 10 per second until the boundary at 40, 16 per second after it
+    for i in range(9):
+        w.pace.note(0, 0.5 * i, 5 * i)
+    for i in range(1, 4):
+        w.pace.note(0, 4.0 + 0.5 * i, 40 + 8 * i)
+    assert drift.gains(js, log) == []  # the span after the boundary (2 s) is not over
+    for i in range(4, 7):
+        w.pace.note(0, 4.0 + 0.5 * i, 40 + 8 * i)
+    (got,) = drift.gains(js, log)
+    assert got["event"] == "migration_gain" and got["measured_gain"] == 1.6
+    assert js.migrations[0]["measured_gain"] == 1.6
+    assert w.records()[0]["measured_gain"] == 1.6 and w.records()[0]["gain"] == round(d.gain, 4)
+    assert drift.gains(js, log) == []  # measured once
+
+
+def test_of_two_stages_only_the_slowed_one_drifts() -> None:
+    """With two stages each one's reference is the other: one slowing down makes the other
+    look as much faster. The one whose own time moved is the drifted one, whichever
+    window comes first."""
+    pred = {(0, 0): 0.010, (0, 1): 0.010}
+    for slow, lag in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        det = DriftDetector(pred, {(0, 0): "a", (0, 1): "b"}, [2], 1.5, 6)
+        spent = dict.fromkeys(pred, 0.0)
+        done = dict.fromkeys(pred, 0)
+        seen = []
+        for i in range(60):
+            for key, t in pred.items():
+                if key[1] == lag and i % 2:
+                    continue  # one stage's reports come every other tick
+                for _ in range(3):
+                    done[key] += 1
+                    spent[key] += t * (4.0 if key[1] == slow and i >= 20 else 1.0)
+            report = {k: {"done": done[k], "forward_s": spent[k]} for k in pred}
+            for d in det.observe(report, now=float(i)):
+                seen.append(d)
+                det.settle(d.vw)  # as the watch does once it decided
+        assert [(d.stage, d.ratio > 1) for d in seen] == [(slow, True)], (slow, lag, seen)

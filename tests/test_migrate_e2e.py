@@ -121,7 +121,7 @@ def test_a_slowed_device_is_re_planned_by_a_live_migration_the_head_orders(
         c.stop()
     assert info["state"] == "done", info.get("error")
     taken = [d for d in info["replan_decisions"] if d["taken"]]
-    assert taken and taken[0]["device"] == "s0", info["replan_decisions"]
+    assert taken and taken[0]["device"] == "s0", [d["line"] for d in info["replan_decisions"]]
     (m,) = info["migrations"]
     assert m["event"] == "migration", m
     nm = info["final_plan"][0]["nm"]
@@ -132,3 +132,12 @@ def test_a_slowed_device_is_re_planned_by_a_live_migration_the_head_orders(
     stages = stages_json(info)
     (moved,) = stages["vw0/stage0"]["stats"]["migrations"]
     assert moved["at"] == m["at"] and moved["migration_stall_s"] < 30
+    # what the re-plan promised, and what the migration gave: measured beside it
+    lines = [json.loads(x) for x in Path(info["metrics_path"]).read_text().splitlines()]
+    (gain,) = [x for x in lines if x.get("event") == "migration_gain"]
+    assert gain["at"] == m["at"] and gain["predicted_gain"] == taken[0]["gain"]
+    assert gain["measured_gain"] is not None and gain["measured_gain"] > 0
+    assert m["measured_gain"] == gain["measured_gain"]
+    (decided,) = [d for d in stages["vw0/stage0"]["replans"] if d["taken"]]
+    assert decided["measured_gain"] == gain["measured_gain"]
+    print("measured gain", gain)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hetpipe.core.layout import VWLayout
+from hetpipe.head.gain import GainProbe, Pace
 from hetpipe.planner.online import Decision, replan
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ __all__ = [
     "Watch",
     "decisions_of",
     "final_plan",
+    "gains",
+    "migrated",
+    "noted",
     "result_of",
     "stage_record",
     "tick",
@@ -215,6 +219,16 @@ class DriftDetector:
     def _drifts(self, rel: float) -> bool:
         return rel > self.threshold or rel < 1.0 / self.threshold
 
+    def _own(self, change: float, rel: float) -> bool:
+        """Whether a stage's drift relative to the others (``rel``) is its own: its time
+        itself moved the same way, by the threshold's square root at least (half of it in
+        log terms). With few stages the
+        others' median is one stage, so one device slowing down makes the other look as
+        much faster; that one's own time did not move (or moved the other way, where the
+        host slowed everything), so it is not the drifted one."""
+        half = math.sqrt(self.threshold)
+        return change >= half if rel > 1.0 else change <= 1.0 / half
+
     def observe(
         self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float | None = None
     ) -> list[Drift]:
@@ -239,7 +253,7 @@ class DriftDetector:
                 continue
             st.suspect = None
             rel = w[1] / settled / common
-            if not self._drifts(rel):
+            if not self._drifts(rel) or not self._own(w[1] / settled, rel):
                 continue
             vw, stage = key
             d = Drift(
@@ -300,6 +314,11 @@ class Watch:
         self.drifts: list[Drift] = []
         self.stopped: str | None = None  # why the watch gave up (an unexpected error)
         self.unwatched: dict[int, str] = {}  # VWs no longer watched, and why
+        # a decision handed to migration, until its outcome comes (:meth:`migrated`): the
+        # VW -> its index in ``decisions``, the split before and its predicted stage times
+        self.handed: dict[int, tuple[int, VWLayout, list[float]]] = {}
+        self.pace = Pace()  # each VW's first stage's admissions over time (hetpipe.head.gain)
+        self.probes: list[tuple[int, GainProbe]] = []  # migrations carried out, unmeasured
 
     def unwatch(self, vw: int, why: str) -> None:
         """Stop watching ``vw`` alone: the other VWs stay watched and re-planned."""
@@ -333,11 +352,17 @@ class Watch:
             schedule=self.schedule,
         )
         d = dataclasses.replace(d, at=now, minibatch=drift.minibatch)
+        before = self.layouts[drift.vw]
+        was = [
+            st.predicted_s if (st := self.detector.stages.get((drift.vw, s))) else 0.0
+            for s in range(len(before.stages))
+        ]
         if d.take:
             why = NO_MIGRATION if self.migrate is None else self.migrate(d)
             if why is not None:
                 d = dataclasses.replace(d, take=False, reason=f"{d.reason}; {why}")
         if d.take and d.layout is not None:
+            self.handed[drift.vw] = (len(self.decisions), before, was)
             self.layouts[drift.vw] = d.layout
             predicted = d.details.get("stage_times") or ()
             self.detector.restart(drift.vw, predicted, d.layout.nm, drift.minibatch)
@@ -345,6 +370,46 @@ class Watch:
             self.detector.settle(drift.vw)
         self.decisions.append(d)
         return d
+
+    def note(self, vw: int, stage: int, stats: Mapping[str, Any], now: float) -> None:
+        """A stage's progress report: the first stage's admissions time the gain."""
+        if stage == 0:
+            self.pace.note(vw, now, int(stats.get("forwards") or 0))
+
+    def migrated(self, vw: int, at: int | None, refusal: str | None, total: int) -> None:
+        """The outcome of the migration the decision handed to it for ``vw``: refused, the
+        VW keeps its split (watched against it again, its decision marked not carried
+        out); carried out at boundary ``at`` of ``total`` minibatches, its gain is measured
+        (:mod:`hetpipe.head.gain`)."""
+        handed = self.handed.pop(vw, None)
+        if handed is None:
+            return
+        i, before, was = handed
+        d = self.decisions[i]
+        if refusal is not None or at is None:
+            self.layouts[vw] = before
+            self.detector.restart(vw, was, before.nm, d.minibatch)
+            why = f"the migration was refused: {refusal}"
+            self.decisions[i] = dataclasses.replace(d, take=False, reason=f"{d.reason}; {why}")
+            return
+        # two windows: the drift was seen over one and confirmed over the next, so the span
+        # before the boundary is slowed throughout
+        span = max(2.0 * self.spec.window_s, 2.0)
+        self.probes.append((i, GainProbe(vw, at, before.nm, total, d.gain, span)))
+
+    def measured(self) -> list[dict[str, Any]]:
+        """The gains measured since the last call (each also on its decision)."""
+        out = []
+        for i, probe in list(self.probes):
+            got = probe.measure(self.pace.of(probe.vw))
+            if got is None:
+                continue
+            self.probes.remove((i, probe))
+            self.decisions[i] = dataclasses.replace(
+                self.decisions[i], measured_gain=got["measured_gain"]
+            )
+            out.append(got)
+        return out
 
     def records(self) -> list[dict[str, Any]]:
         """Every decision as plain data, with its one-line summary."""
@@ -408,6 +473,36 @@ def tick(js: Any, log: Any) -> list[dict[str, Any]]:
     for d in made:
         (log.info if d.take else log.warning)("replan", job=js.id, decision=d.line())
         out.append({**d.to_dict(), "line": d.line()})
+    return out
+
+
+def noted(js: Any, key: tuple[int, int], stats: Mapping[str, Any]) -> None:
+    """The head's hook for each stage report of a running job (the gain's pace)."""
+    watch = getattr(js, "watch", None)
+    if watch is not None:
+        watch.note(key[0], key[1], stats, time.time())
+
+
+def migrated(js: Any, vw: int, at: int | None, refusal: str | None) -> None:
+    """The head's hook for a migration's outcome (:meth:`Watch.migrated`)."""
+    watch = getattr(js, "watch", None)
+    if watch is not None and js.plan is not None:
+        watch.migrated(vw, at, refusal, js.plan.minibatches_of(vw))
+
+
+def gains(js: Any, log: Any) -> list[dict[str, Any]]:
+    """The telemetry loop's hook: the migrations' gains measured now, each logged in one
+    line and put on the job's migration entry, as the records the metrics file takes."""
+    watch = getattr(js, "watch", None)
+    if watch is None or watch.stopped is not None:
+        return []
+    out = []
+    for got in watch.measured():
+        log.info("migration gain", job=js.id, **got)
+        for entry in js.migrations:
+            if entry.get("vw") == got["vw"] and entry.get("at") == got["at"]:
+                entry["measured_gain"] = got["measured_gain"]
+        out.append({"event": "migration_gain", "time": time.time(), **got})
     return out
 
 

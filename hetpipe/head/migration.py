@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetpipe.core.layout import StageLayout, VWLayout
+from hetpipe.head import drift
 from hetpipe.head.states import JobStatus
 from hetpipe.migrate import MigrationError, Order, check_order, cut_points
 from hetpipe.planner.online import Decision
@@ -288,6 +289,7 @@ class MigrationPart:
             # new ranges, and a re-plan restores from them
             js.plan.vws = relaid_plan(js.plan.vws, vw, entry["layers"])
         js.migrations.append(entry)
+        drift.migrated(js, vw, at, refusal)  # the re-plan's watch follows the outcome
         (self.log.info if refusal is None else self.log.warning)(
             "migration", job=js.id, **{k: v for k, v in entry.items() if k != "event"}
         )

@@ -23,6 +23,7 @@ from typing import Any
 from hetpipe import log as logmod
 from hetpipe.config import ClusterConfig
 from hetpipe.daemon import Owner
+from hetpipe.head import drift
 from hetpipe.head.cuts import CutsPart
 from hetpipe.head.jobs import JobsPart, JobState
 from hetpipe.head.migration import MigrationPart
@@ -336,6 +337,7 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
             self._took_evaluation(js, key, msg["stats"]["evaluation"], msg.tensors)
         elif msg.kind == Kind.REPORT:
             js.progress[key] = msg["stats"]
+            drift.noted(js, key, msg["stats"])  # the pace a migration's gain is measured by
         elif msg.kind == Kind.STAGE_RECORDS:
             # appended to the job's directory as it arrives: the head keeps none in memory
             self._append_records(js, key, msg["records"], msg["spans"])
@@ -343,6 +345,7 @@ class Head(JobsPart, CutsPart, RecoveryPart, ShardWaitPart, MigrationPart, Refor
             if msg.get("records"):
                 self._append_records(js, key, msg["records"], [])
             js.progress[key] = msg["stats"]
+            drift.noted(js, key, msg["stats"])
             js.stage_results[key] = {"stats": msg["stats"]}
             assert js.plan is not None
             if len(js.stage_results) == js.plan.n_stages:

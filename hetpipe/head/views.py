@@ -316,6 +316,8 @@ async def telemetry(js: JobState, metrics: RotatingJsonl, log: Any, every_s: flo
             info = record()
             for decision in drift.tick(js, log):  # [replan]: hetpipe.head.drift
                 metrics.append(metrics_line(info, replan=decision))
+            for gain in drift.gains(js, log):  # a migration's measured gain
+                metrics.append(gain)
             now = time.time()
             sig = progress_signature(js.progress)
             if sig != last_sig:
@@ -335,3 +337,5 @@ async def telemetry(js: JobState, metrics: RotatingJsonl, log: Any, every_s: flo
                     )
     finally:
         record()  # the last figures, also for a job shorter than one tick
+        for gain in drift.gains(js, log):  # one that ended right after its migration
+            metrics.append(gain)

@@ -91,6 +91,8 @@ class Decision:
     plan_s: float = 0.0  # time the pricing took
     at: float = 0.0  # wall-clock time of the decision (set by the head)
     minibatch: int = 0  # the drifted stage's minibatches done then (set by the head)
+    # after / before its migration, as measured (set by the head: hetpipe.head.gain)
+    measured_gain: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -110,6 +112,7 @@ class Decision:
             "taken": self.take,
             "reason": self.reason,
             "gain": round(self.gain, 4),
+            "measured_gain": self.measured_gain,
             "old_bounds": [list(b) for b in self.old_bounds],
             "bounds": [list(b) for b in self.bounds],
             "old_nm": self.old_nm,
