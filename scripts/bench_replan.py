@@ -30,7 +30,10 @@ second the head's decision is carried out by a live layer migration, so:
   slowdown with and without the re-plan; ``speedup_after_slowdown``, their ratio (target
   >= 1.3);
 - ``migration_stall_s``: the longest a first stage stood still for a migration, from the
-  drain at its boundary to its next admission (``stages.json``; target <= 2).
+  drain at its boundary to its next admission (``stages.json``; target <= 2);
+- ``measured_gain``: the head's own measure of the migration's gain, its virtual worker's
+  pace after the boundary over its pace before (hetpipe.head.gain), beside the decision's
+  predicted ``gain``.
 
     python scripts/bench_replan.py [--json] [--minibatches N] [--at N] [--factor F]
                                    [--speed-scale S]
@@ -184,6 +187,8 @@ def main() -> None:
             host_busy = cpu.stop()
     speedup = replanned / after if after else None
     migrations = slowed.get("migrations") or []
+    carried = [m for m in migrations if m.get("event") == "migration"]
+    measured_gain = carried[0].get("measured_gain") if carried else None
     false_replans = len(calm.get("replan_decisions", []))
     replan_ms = _replan_ms()
     print(
@@ -201,6 +206,7 @@ def main() -> None:
             ["samples/s after (re-planned)", replanned, ""],
             ["migration_stall_s", stall_s if stall_s is not None else "none", "<= 2"],
             ["speedup_after_slowdown", speedup if speedup is not None else "none", ">= 1.3"],
+            ["migration's measured gain (head)", measured_gain or "none", ""],
         ],
     )
     for d in decisions:
@@ -220,6 +226,7 @@ def main() -> None:
                 "samples_per_s_after_replanned": replanned,
                 "migration_stall_s": stall_s,
                 "speedup_after_slowdown": speedup,
+                "measured_gain": measured_gain,
                 "migrations": migrations,
                 "decision": first,
                 "decisions": len(decisions),
