@@ -321,9 +321,12 @@ class Watch:
         self.probes: list[tuple[int, GainProbe]] = []  # migrations carried out, unmeasured
 
     def unwatch(self, vw: int, why: str) -> None:
-        """Stop watching ``vw`` alone: the other VWs stay watched and re-planned."""
+        """Stop watching ``vw`` alone: the other VWs stay watched and re-planned (its
+        migration under way, if any, and its gain's measurement go with it)."""
         self.detector.forget(vw)
         self.unwatched[vw] = why
+        self.handed.pop(vw, None)
+        self.probes = [(i, p) for i, p in self.probes if p.vw != vw]
 
     def tick(
         self, progress: Mapping[tuple[int, int], Mapping[str, Any]], now: float | None = None
