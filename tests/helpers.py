@@ -17,6 +17,7 @@ import importlib.util
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -580,6 +581,60 @@ class ScheduleInputs:
 
     def combined(self, p: int) -> bool:
         return True
+
+
+def random_run(
+    schedules: list[Any],
+    seed: int,
+    max_delay: int,
+    on_wait: Callable[[int, Any, Any], None] | None = None,
+    on_step: Callable[[int, Any, Any], None] | None = None,
+) -> list[list[Any]]:
+    """Drive the stages' schedules under a random timing: each step a random stage that can
+    act does, and its activation (forward) or gradient (backward) reaches the next or the
+    previous stage 0 to ``max_delay`` steps later. A deadlock (no stage can act, nothing on
+    the way) fails with what each stage waits for. ``on_wait(s, schedule, wait)`` sees each
+    stage's wait, ``on_step(s, schedule, action)`` each action taken. Returns each stage's
+    actions in order."""
+    from hetpipe.core.schedule import Backward, BackwardInput, Done, Forward, Pull, Wait
+
+    rng = random.Random(seed)
+    k = len(schedules)
+    inputs = [ScheduleInputs() for _ in schedules]
+    flying: list[tuple[int, int, str, int]] = []  # (due, stage, what, p)
+    actions: list[list[Any]] = [[] for _ in schedules]
+    now = 0
+    while not all(s.finished for s in schedules):
+        now += 1
+        for msg in [f for f in flying if f[0] <= now]:
+            flying.remove(msg)
+            _due, s, what, p = msg
+            (inputs[s].acts if what == "act" else inputs[s].grads).add(p)
+        ready = []
+        for s, sch in enumerate(schedules):
+            a = sch.next(inputs[s])
+            if isinstance(a, Pull):
+                inputs[s].answered.add((a.c, a.grads))
+            if isinstance(a, Wait) and on_wait is not None:
+                on_wait(s, sch, a)
+            if not isinstance(a, Wait | Done):
+                ready.append(s)
+        if not ready:
+            if not flying:
+                waits = {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}
+                raise AssertionError(f"deadlock: {waits}")
+            continue
+        s = rng.choice(ready)
+        a = schedules[s].next(inputs[s])
+        schedules[s].done(a)
+        actions[s].append(a)
+        if on_step is not None:
+            on_step(s, schedules[s], a)
+        if isinstance(a, Forward) and s + 1 < k:
+            flying.append((now + rng.randint(0, max_delay), s + 1, "act", a.p))
+        elif isinstance(a, Backward | BackwardInput) and s > 0:
+            flying.append((now + rng.randint(0, max_delay), s - 1, "grad", a.p))
+    return actions
 
 
 def collector() -> tuple[list[Message], asyncio.Event, Callable[..., Awaitable[None]]]:

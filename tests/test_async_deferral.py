@@ -4,10 +4,8 @@ deadlock under lock-step or random timings, and what the memory model charges.""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from helpers import ScheduleInputs
+from helpers import ScheduleInputs, random_run
 
 from hetpipe.core.memory import stage_memory
 from hetpipe.core.profile import LayerProfile
@@ -64,45 +62,18 @@ def test_lock_step_order_and_no_deadlock(k, nm):
 
 
 def _random_run(schedules: list[StageSchedule], seed: int) -> list[list]:
-    """Random timing (a random ready stage acts, messages arrive after random delays);
-    checks at every step that a stage with a deferred W pending never waits, and what each
-    holds (forward to W) stays within max_in_flight."""
-    rng = random.Random(seed)
+    """Random timing (:func:`helpers.random_run`); checks at every step that a stage with a
+    deferred W pending never waits, and what each holds (forward to W) stays within
+    max_in_flight."""
     k = len(schedules)
-    inputs = [ScheduleInputs() for _ in schedules]
-    flying: list[tuple[int, int, str, int]] = []
-    actions: list[list] = [[] for _ in schedules]
-    now = 0
-    while not all(s.finished for s in schedules):
-        now += 1
-        for msg in [f for f in flying if f[0] <= now]:
-            flying.remove(msg)
-            _due, s, what, p = msg
-            (inputs[s].acts if what == "act" else inputs[s].grads).add(p)
-        ready = []
-        for s, sch in enumerate(schedules):
-            a = sch.next(inputs[s])
-            if isinstance(a, Pull):
-                inputs[s].answered.add((a.c, a.grads))
-            if isinstance(a, Wait):
-                assert sch.nb == sch.ni, (s, a)  # a deferred W runs before the stage idles
-            else:
-                ready.append(s)
-        ready = [s for s in ready if not schedules[s].finished]
-        if not ready:
-            assert flying, {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}
-            continue
-        s = rng.choice(ready)
-        sch = schedules[s]
-        a = sch.next(inputs[s])
-        sch.done(a)
-        actions[s].append(a)
+
+    def waits(s: int, sch: StageSchedule, a: Wait) -> None:
+        assert sch.nb == sch.ni, (s, a)  # a deferred W runs before the stage idles
+
+    def held(s: int, sch: StageSchedule, _a: object) -> None:
         assert sch.nf - sch.nb <= max_in_flight("async", k, s, sch.nm)
-        if isinstance(a, Forward) and s + 1 < k:
-            flying.append((now + rng.randint(0, 4), s + 1, "act", a.p))
-        elif isinstance(a, BackwardInput) and s > 0:
-            flying.append((now + rng.randint(0, 4), s - 1, "grad", a.p))
-    return actions
+
+    return random_run(schedules, seed, 4, on_wait=waits, on_step=held)
 
 
 @pytest.mark.parametrize("k", range(2, 9))

@@ -6,14 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import ScheduleInputs
+from helpers import ScheduleInputs, random_run
 
 from hetpipe.core.schedule import (
     SYNC_KINDS,
     Backward,
     BackwardInput,
     BackwardWeight,
-    Done,
     Forward,
     Merge,
     OptimizerStep,
@@ -207,43 +206,12 @@ def test_zb_with_several_vws_reduces_after_the_last_weight_gradient():
 
 
 def _random_run(schedules: list[StageSchedule], seed: int) -> list[list[tuple[str, int]]]:
-    """Run the stages under a random timing (random stage picked, messages delivered after
-    random delays); a deadlock is a state where no stage can act and nothing is on the way.
-    Returns each stage's passes as ("F"/"I"/"W"/"B", p)."""
-    rng = random.Random(seed)
-    k = len(schedules)
-    inputs = [ScheduleInputs() for _ in schedules]
-    flying: list[tuple[int, str, int, int]] = []  # (due, stage, what, p)
-    passes: list[list[tuple[str, int]]] = [[] for _ in schedules]
-    now = 0
-    while not all(s.finished for s in schedules):
-        now += 1
-        for msg in [f for f in flying if f[0] <= now]:
-            flying.remove(msg)
-            _due, s, what, p = msg
-            (inputs[s].acts if what == "act" else inputs[s].grads).add(p)
-        ready = []
-        for s, sch in enumerate(schedules):
-            a = sch.next(inputs[s])
-            if isinstance(a, Pull):
-                inputs[s].answered.add((a.c, a.grads))
-            if not isinstance(a, Wait | Done):
-                ready.append(s)
-        if not ready:
-            if not flying:
-                waits = {s: sch.next(inputs[s]) for s, sch in enumerate(schedules)}
-                raise AssertionError(f"deadlock: {waits}")
-            continue
-        s = rng.choice(ready)
-        a = schedules[s].next(inputs[s])
-        schedules[s].done(a)
-        if type(a) in LETTER:
-            passes[s].append((LETTER[type(a)], a.p))  # type: ignore[union-attr]
-        if isinstance(a, Forward) and s + 1 < k:
-            flying.append((now + rng.randint(0, 3), s + 1, "act", a.p))
-        elif isinstance(a, Backward | BackwardInput) and s > 0:
-            flying.append((now + rng.randint(0, 3), s - 1, "grad", a.p))
-    return passes
+    """Run the stages under a random timing (:func:`helpers.random_run`; a deadlock fails
+    it). Returns each stage's passes as ("F"/"I"/"W"/"B", p)."""
+    return [
+        [(LETTER[type(a)], a.p) for a in row if type(a) in LETTER]
+        for row in random_run(schedules, seed, 3)
+    ]
 
 
 def _cases():
