@@ -340,3 +340,16 @@ def test_of_two_stages_only_the_slowed_one_drifts() -> None:
                 seen.append(d)
                 det.settle(d.vw)  # as the watch does once it decided
         assert [(d.stage, d.ratio > 1) for d in seen] == [(slow, True)], (slow, lag, seen)
+
+
+def test_a_re_formed_vw_is_watched_again_on_its_new_devices() -> None:
+    w = watch()
+    w.unwatch(0, "re-formed or left out after worker gpu1 was lost")
+    assert slowed(w) == []  # not watched meanwhile
+    layout = VWLayout.from_counts([("gpu0",), ("gpu3",), ("gpu2",)], (6, 5, 5), 2)
+    w.rewatch(0, layout, list(PRED.values()))
+    assert w.unwatched == {} and w.layouts[0] == layout
+    (d,) = slowed(w)
+    assert (d.vw, d.stage, d.device) == (0, 1, "gpu3")
+    w.rewatch(0, layout, [0.0, 0.0, 0.0])  # no prediction: nothing to compare with
+    assert w.layouts[0] == layout

@@ -374,6 +374,18 @@ class Watch:
         self.decisions.append(d)
         return d
 
+    def rewatch(self, vw: int, layout: VWLayout, predicted: Sequence[float]) -> None:
+        """Watch ``vw`` again, re-formed on ``layout`` after a lost worker, against its new
+        stages' ``predicted`` compute per minibatch (from a new warm-up); without a
+        prediction it stays unwatched."""
+        self.layouts[vw] = layout
+        if not any(t > 0 for t in predicted):
+            return
+        self.unwatched.pop(vw, None)
+        self.detector.forget(vw)
+        self.detector.devices.update({(vw, s): st.device for s, st in enumerate(layout.stages)})
+        self.detector.restart(vw, predicted, layout.nm)
+
     def note(self, vw: int, stage: int, stats: Mapping[str, Any], now: float) -> None:
         """A stage's progress report: the first stage's admissions time the gain."""
         if stage == 0:

@@ -53,11 +53,12 @@ counts only its own re-forms in the job's minibatches (:func:`pushed_before_refo
 
 Limits: synchronous schedules (``gpipe``, ``1f1b``) reduce every VW's gradients each
 iteration, so a lost worker there re-plans the whole job as ``"replan"`` does, and so does a
-loss before the lost worker's stage started (the attempt is still being launched); the drift
-watch (``[replan]``) goes on for the other VWs only after a re-form (the result's
-``replan_unwatched`` names the VW and why). Merging the survivors into another VW's pipeline
-is not done. A VW left out whose pushes reached past the other VWs' last wave leaves the job
-without a cut at its end (its last checkpoint is the one before).
+loss before the lost worker's stage started (the attempt is still being launched). The drift
+watch (``[replan]``) watches a re-formed VW again against its new split's predicted times; a
+VW left out stays unwatched (the result's ``replan_unwatched`` names it and why). Merging
+the survivors into another VW's pipeline is not done. A VW left out whose pushes reached
+past the other VWs' last wave leaves the job without a cut at its end (its last checkpoint
+is the one before).
 
 :class:`ReformPart` is the part of :class:`hetpipe.head.server.Head` that does it; the pure
 helpers (:func:`restart_position`, :func:`reform_outcome`) are tested on their own.
@@ -284,6 +285,7 @@ class ReformPart:
         devices = [d for d in old_devices if d in alive and alive[d].job is None]
         why_not: str | None = None
         layout = None
+        times: list[float] = []  # its new stages' predicted compute per minibatch
         if position >= total:
             why_not = "it had pushed every wave already"
         elif not devices:
@@ -292,7 +294,7 @@ class ReformPart:
             try:
                 spec = dataclasses.replace(js.spec, vws=(), num_vws=1)
                 profile, rows = await self.profiler.profiles(spec)
-                layout = await loop.run_in_executor(
+                layout, times = await loop.run_in_executor(
                     None, self._plan_vw, spec, plan, devices, profile, rows
                 )
             except (PlanError, JobPlanError, ValueError) as exc:
@@ -364,8 +366,8 @@ class ReformPart:
         new = _with_vw(js.plan, v, layout, position, total - position, base)
         js.plan = new
         self._cuts_go_on(js, new)
-        if js.watch is not None:
-            js.watch.layouts[v] = layout
+        if js.watch is not None:  # watched for drift again, against its new split
+            js.watch.rewatch(v, layout, times)
         await self._assign_vw(js, new, v)
         record.update(
             devices=[list(st.devices) for st in layout.stages],
@@ -395,10 +397,11 @@ class ReformPart:
 
     def _plan_vw(
         self, spec: Any, plan: JobPlan, devices: list[str], profile: Any, rows: Any
-    ) -> VWLayout:
+    ) -> tuple[VWLayout, list[float]]:
         """One VW planned on ``devices`` (the survivors) for ``spec`` (the job as one VW),
         laid out to run in ``plan``: the planner's split, Nm and activation policy under
-        their memory caps; :class:`PlanError` (or :class:`JobPlanError`) where they cannot
+        their memory caps, and each stage's predicted compute per minibatch (the drift
+        watch's reference); :class:`PlanError` (or :class:`JobPlanError`) where they cannot
         hold the model."""
         planned = plan_for(spec, live_cluster(self.cluster, set(devices)), profile, rows)
         layouts = planned.run_layouts(spec.activations)
@@ -412,7 +415,7 @@ class ReformPart:
             self.registry.live_shards(),
             vws=layouts,
         )
-        return one.vws[0]
+        return one.vws[0], [float(st.time_s) for st in planned.vws[0].stages]
 
     async def _reform_shard(
         self,
