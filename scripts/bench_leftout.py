@@ -1,0 +1,211 @@
+"""Whether a device the planner leaves out of its virtual worker is one the job is faster
+without: the plan's choice, its stated reason, and the measured throughput with and without.
+
+On real daemons on this host, a :class:`hetpipe.localcluster.LocalCluster` of three emulated
+devices on one node (:func:`devices`): two of one helpful type and one of another type
+``--slow-ratio`` times slower still, so slow that even the least layer it could take makes it
+the slowest stage of any pipeline it joins (the "whimpy" GPU the heterogeneous planners leave
+out). The job (cnn on digits, one virtual worker: ``train.vws = 1``) runs two ways, same model,
+data, optimizer, minibatches and seed:
+
+- ``planned``: no ``[[vw]]`` split (policy ``auto``): the head profiles the model on each
+  device type and plans; the plan must leave the slow device out, naming it with its reason
+  (``info["predicted"]["left_out"]``: the predicted samples/s with and without it);
+- ``forced``: ``[[vw]] devices`` naming all three devices (the slow one included), the
+  planner cutting the layers and picking Nm for that order (:func:`hetpipe.planner.explicit
+  .explicit_plan`): the plan the planner would make with the device.
+
+A short warm-up job over all three devices comes first (the head profiles the model then,
+and the workers pay their first-use costs). The two jobs then run ``--repeats`` times,
+alternating. Measured samples/s come from each job's metrics.jsonl progress lines (the first
+tenth left out as warm-up, the lines after the last minibatch's report left out as the tail).
+
+Every device's speed is multiplied by ``--speed-scale`` (relative speeds kept): an emulated
+device pads its compute thread's CPU time to (CPU time) / speed, so slow devices keep the
+padding, not the host's contention for its cores, setting their speed. Figures:
+
+- ``left_out_ok``: the plan left the slow device out and its reason names it (target true);
+- ``left_out_speedup_measured``: the median over runs of planned / forced measured samples/s
+  (target >= 1.0);
+- ``left_out_speedup_predicted``: the plan's own figures, without / with the device, beside
+  the forced job's predicted samples/s (the explicit plan's figure);
+- ``reason``: the plan's line for the device left out.
+
+    python scripts/bench_leftout.py [--json] [--minibatches N] [--repeats N]
+                                    [--slow-ratio R] [--speed-scale S]
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _bench import HostCpu, emit_json, machine, median, parser, print_table
+
+from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
+
+SLOW = "gpu2"
+ALL = ("gpu0", "gpu1", SLOW)
+
+
+def devices(scale: float = 0.3, slow_ratio: float = 60.0) -> list[DeviceDef]:
+    """The benchmark's cluster: two devices of type ``fast`` at speed ``scale`` and one of
+    type ``whimpy`` (:data:`SLOW`) ``slow_ratio`` times slower, all on one node, each on a
+    port of its own choosing. A type of its own makes the head profile the slow device on
+    itself (profiles are per device type)."""
+    return [
+        DeviceDef("gpu0", "fast", "256MiB", scale),
+        DeviceDef("gpu1", "fast", "256MiB", scale),
+        DeviceDef(SLOW, "whimpy", "256MiB", scale / slow_ratio),
+    ]
+
+
+def job(name: str, minibatches: int, forced: bool) -> dict[str, Any]:
+    """The job both ways run; ``forced`` names every device (the slow one included) as the
+    one virtual worker's, the planner cutting the layers for that order."""
+    out: dict[str, Any] = {
+        "name": name,
+        "model": {"name": "cnn"},
+        "data": {"name": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9, "weight_decay": 1e-4},
+        "train": {"minibatch": 32, "minibatches": minibatches, "staleness": 0, "seed": 0},
+    }
+    if forced:
+        out["vw"] = [{"devices": list(ALL)}]
+    else:
+        out["train"]["vws"] = 1
+    return out
+
+
+def rate(info: dict[str, Any]) -> float:
+    """Samples per second of a finished job from its metrics.jsonl progress lines: the first
+    tenth left out as warm-up, and the lines at the last minibatch (the tail waits on the
+    job's end)."""
+    lines = [json.loads(x) for x in Path(info["metrics_path"]).read_text().splitlines()]
+    lines = [x for x in lines if x.get("minibatches") is not None and "replan" not in x]
+    done = info["minibatches"]
+    lines = [x for x in lines if x["minibatches"] < done] or lines
+    part = lines[len(lines) // 10 :]
+    if len(part) < 2 or part[-1]["t"] <= part[0]["t"]:
+        return 0.0
+    mb = info["minibatch"]
+    return (part[-1]["minibatches"] - part[0]["minibatches"]) * mb / (part[-1]["t"] - part[0]["t"])
+
+
+def submit(c: LocalCluster, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``spec`` to its end; a job that did not finish stops the benchmark."""
+    info = c.submit(spec, timeout=600)
+    if info.get("state") != "done":
+        raise SystemExit(f"job {spec['name']} ended {info.get('state')}: {info.get('error')}")
+    return info
+
+
+def devices_of(info: dict[str, Any]) -> list[list[str]]:
+    """Each virtual worker's devices in the job's plan, in stage order."""
+    vws = (info.get("predicted") or {}).get("vws", [])
+    return [[s["device"] for s in v["stages"]] for v in vws]
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--minibatches", type=int, default=150, help="per run of each job")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each job, alternating")
+    ap.add_argument("--slow-ratio", type=float, default=60.0, help="how much slower gpu2 is")
+    ap.add_argument("--speed-scale", type=float, default=0.3, help="the helpful devices' speed")
+    args = ap.parse_args()
+    planned: list[dict[str, Any]] = []
+    forced: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = root / "cluster.toml"
+        path.write_text(cluster_toml(devices(args.speed_scale, args.slow_ratio)))
+        with LocalCluster(path, root / "run", timeout=180) as c:
+            cpu = HostCpu().start()
+            submit(c, job("warmup", 12, forced=True))
+            with_rate: list[float] = []
+            without_rate: list[float] = []
+            for i in range(args.repeats):
+                planned.append(submit(c, job(f"planned{i}", args.minibatches, forced=False)))
+                without_rate.append(rate(planned[-1]))
+                forced.append(submit(c, job(f"forced{i}", args.minibatches, forced=True)))
+                with_rate.append(rate(forced[-1]))
+                print(
+                    f"run {i}: planned {without_rate[-1]:.1f} samples/s on "
+                    f"{devices_of(planned[-1])}, forced {with_rate[-1]:.1f} on "
+                    f"{devices_of(forced[-1])}",
+                    flush=True,
+                )
+            host_busy = cpu.stop()
+    pred = planned[0].get("predicted") or {}
+    entry = next((e for e in pred.get("left_out") or () if e["device"] == SLOW), None)
+    reason = entry.get("why") if entry else None
+    # left out by every planned run, and named as unused with its reason in the plan's warnings
+    ok = entry is not None and all(
+        SLOW not in {d for v in devices_of(p) for d in v} for p in planned
+    )
+    warned = [w for w in pred.get("warnings", ()) if w.startswith(f"{SLOW} unused: left out")]
+    ok = ok and SLOW in pred.get("unused", ()) and bool(warned)
+    ratios = [w / f for w, f in zip(without_rate, with_rate, strict=True) if f > 0]
+    speedup = median(ratios) if ratios else None
+    pred_with = entry["with_samples_per_s"] if entry else None
+    pred_without = entry["without_samples_per_s"] if entry else None
+    pred_speedup = pred_without / pred_with if pred_with else None
+    forced_pred = (forced[0].get("predicted") or {}).get("samples_per_s")
+    print(f"plan: {devices_of(planned[0])}; unused: {pred.get('unused')}")
+    print(f"reason: {reason}")
+    print_table(
+        ["figure", "value", "target"],
+        [
+            ["left_out_ok", ok, "true"],
+            ["samples/s without (planned), median", median(without_rate), ""],
+            ["samples/s with (forced), median", median(with_rate), ""],
+            ["left_out_speedup_measured", speedup if speedup is not None else "none", ">= 1.0"],
+            ["predicted samples/s without", pred_without or "none", ""],
+            ["predicted samples/s with (left-out entry)", pred_with or "none", ""],
+            ["predicted samples/s with (forced plan)", forced_pred or "none", ""],
+            ["left_out_speedup_predicted", pred_speedup or "none", ""],
+        ],
+    )
+    print(f"host CPU busy {host_busy:.0%} of its {machine()['cores']} cores")
+    if args.json:
+        emit_json(
+            {
+                "left_out_ok": ok,
+                "left_out_speedup_measured": speedup,
+                "left_out_speedup_runs": ratios,
+                "samples_per_s_without": without_rate,
+                "samples_per_s_with": with_rate,
+                "predicted_samples_per_s_without": pred_without,
+                "predicted_samples_per_s_with": pred_with,
+                "predicted_samples_per_s_forced_plan": forced_pred,
+                "left_out_speedup_predicted": pred_speedup,
+                "reason": reason,
+                "warning": warned[0] if warned else None,
+                "left_out": entry,
+                "unused": pred.get("unused"),
+                "planned_vws": devices_of(planned[0]),
+                "forced_vws": devices_of(forced[0]),
+                "planned_layers": [
+                    [s.get("layers") for s in v.get("stages", [])] for v in pred.get("vws", [])
+                ],
+                "forced_layers": [
+                    [s.get("layers") for s in v.get("stages", [])]
+                    for v in (forced[0].get("predicted") or {}).get("vws", [])
+                ],
+                "minibatches": args.minibatches,
+                "repeats": args.repeats,
+                "slow_ratio": args.slow_ratio,
+                "speed_scale": args.speed_scale,
+                "host_busy": host_busy,
+                "wall_s": time.monotonic() - t0,
+                "machine": machine(),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
