@@ -51,7 +51,7 @@ SLOW = "gpu2"
 ALL = ("gpu0", "gpu1", SLOW)
 
 
-def devices(scale: float = 0.3, slow_ratio: float = 60.0) -> list[DeviceDef]:
+def devices(scale: float = 0.3, slow_ratio: float = 20.0) -> list[DeviceDef]:
     """The benchmark's cluster: two devices of type ``fast`` at speed ``scale`` and one of
     type ``whimpy`` (:data:`SLOW`) ``slow_ratio`` times slower, all on one node, each on a
     port of its own choosing. A type of its own makes the head profile the slow device on
@@ -78,6 +78,49 @@ def job(name: str, minibatches: int, forced: bool) -> dict[str, Any]:
     else:
         out["train"]["vws"] = 1
     return out
+
+
+def plan_alone(
+    cluster_file: Path, scale: float, slow_ratio: float, measured: dict[str, Any] | None = None
+) -> Any:
+    """The plan the head makes for the ``planned`` job on this cluster, made here without
+    daemons: the model measured once on this host's CPU at speed 1 (:func:`hetpipe.measure
+    .measure`), each type's times divided by its speed as an emulated device pads them, then
+    :func:`hetpipe.profiling.plan_for` (the head's own planning call). ``measured``: a
+    measurement made before (:func:`hetpipe.measure.measure`'s answer), reused."""
+    import dataclasses
+
+    from hetpipe.config import load_cluster
+    from hetpipe.core.profile import CallProfile, LayerProfile, ModelProfile
+    from hetpipe.job import JobSpec
+    from hetpipe.measure import measure
+    from hetpipe.profiling import plan_for
+
+    cluster = load_cluster(cluster_file)
+    spec = JobSpec.from_dict(job("planned", 150, forced=False))
+    one = dataclasses.replace(cluster.devices[0], speed=1.0)
+    got = measured if measured is not None else measure(spec, one)
+    layers = [LayerProfile.from_dict(lp) for lp in got["layers"]]
+    call = CallProfile.from_dict(got["call"])
+
+    def slowed(speed: float) -> tuple[tuple[LayerProfile, ...], CallProfile]:
+        return tuple(
+            dataclasses.replace(
+                lp, fwd_s=lp.fwd_s / speed, bwd_s=lp.bwd_s / speed, update_s=lp.update_s / speed
+            )
+            for lp in layers
+        ), CallProfile(call.fwd_s / speed, call.bwd_s / speed, call.update_s / speed)
+
+    speeds = {"fast": scale, "whimpy": scale / slow_ratio}
+    per = {t: slowed(v) for t, v in speeds.items()}
+    profile = ModelProfile(
+        "cnn",
+        spec.minibatch,
+        int(got["input_bytes"]),
+        {t: v[0] for t, v in per.items()},
+        calls={t: v[1] for t, v in per.items()},
+    )
+    return plan_for(spec, cluster, profile)
 
 
 def rate(info: dict[str, Any]) -> float:
@@ -113,7 +156,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--minibatches", type=int, default=150, help="per run of each job")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each job, alternating")
-    ap.add_argument("--slow-ratio", type=float, default=60.0, help="how much slower gpu2 is")
+    ap.add_argument("--slow-ratio", type=float, default=20.0, help="how much slower gpu2 is")
     ap.add_argument("--speed-scale", type=float, default=0.3, help="the helpful devices' speed")
     args = ap.parse_args()
     planned: list[dict[str, Any]] = []
