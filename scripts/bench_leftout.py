@@ -49,9 +49,12 @@ from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 
 SLOW = "gpu2"
 ALL = ("gpu0", "gpu1", SLOW)
+SPEED_SCALE = 0.3  # the helpful devices' speed
+SLOW_RATIO = 20.0  # how much slower the slow device is than the helpful ones
+MINIBATCHES = 200  # per run of each job
 
 
-def devices(scale: float = 0.3, slow_ratio: float = 20.0) -> list[DeviceDef]:
+def devices(scale: float = SPEED_SCALE, slow_ratio: float = SLOW_RATIO) -> list[DeviceDef]:
     """The benchmark's cluster: two devices of type ``fast`` at speed ``scale`` and one of
     type ``whimpy`` (:data:`SLOW`) ``slow_ratio`` times slower, all on one node, each on a
     port of its own choosing. A type of its own makes the head profile the slow device on
@@ -97,9 +100,18 @@ def plan_alone(
     from hetpipe.profiling import plan_for
 
     cluster = load_cluster(cluster_file)
-    spec = JobSpec.from_dict(job("planned", 150, forced=False))
+    spec = JobSpec.from_dict(job("planned", MINIBATCHES, forced=False))
     one = dataclasses.replace(cluster.devices[0], speed=1.0)
-    got = measured if measured is not None else measure(spec, one)
+    if measured is None:
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as a worker computes by default (hetpipe-worker --threads)
+        try:
+            measured = measure(spec, one)
+        finally:
+            torch.set_num_threads(threads)
+    got = measured
     layers = [LayerProfile.from_dict(lp) for lp in got["layers"]]
     call = CallProfile.from_dict(got["call"])
 
@@ -154,10 +166,12 @@ def devices_of(info: dict[str, Any]) -> list[list[str]]:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--minibatches", type=int, default=150, help="per run of each job")
+    ap.add_argument("--minibatches", type=int, default=MINIBATCHES, help="per run of each job")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each job, alternating")
-    ap.add_argument("--slow-ratio", type=float, default=20.0, help="how much slower gpu2 is")
-    ap.add_argument("--speed-scale", type=float, default=0.3, help="the helpful devices' speed")
+    ap.add_argument("--slow-ratio", type=float, default=SLOW_RATIO, help="how much slower gpu2 is")
+    ap.add_argument(
+        "--speed-scale", type=float, default=SPEED_SCALE, help="the helpful devices' speed"
+    )
     args = ap.parse_args()
     planned: list[dict[str, Any]] = []
     forced: list[dict[str, Any]] = []

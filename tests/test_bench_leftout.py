@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import load_script
 
 from hetpipe.config import load_cluster
@@ -26,17 +27,22 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("m") / "cluster.toml"
     path.write_text(cluster_toml(bench.devices(1.0, 1.0)))
     spec = JobSpec.from_dict(bench.job("planned", 150, forced=False))
-    return measure(spec, load_cluster(path).devices[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker computes
+    try:
+        return measure(spec, load_cluster(path).devices[0])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _plan(tmp_path: Path, slow_ratio: float, measured: dict):
     path = tmp_path / "cluster.toml"
-    path.write_text(cluster_toml(bench.devices(0.3, slow_ratio)))
-    return bench.plan_alone(path, 0.3, slow_ratio, measured)
+    path.write_text(cluster_toml(bench.devices(bench.SPEED_SCALE, slow_ratio)))
+    return bench.plan_alone(path, bench.SPEED_SCALE, slow_ratio, measured)
 
 
 def test_the_benchmarks_slow_device_is_left_out_and_named(tmp_path: Path, measured) -> None:
-    plan = _plan(tmp_path, 20.0, measured)  # the benchmark's default ratio
+    plan = _plan(tmp_path, bench.SLOW_RATIO, measured)
     slow = bench.SLOW
     assert slow in plan.unused
     assert [list(vw.devices) for vw in plan.vws] == [["gpu0", "gpu1"]]
