@@ -2,37 +2,45 @@
 without: the plan's choice, its stated reason, and the measured throughput with and without.
 
 On real daemons on this host, a :class:`hetpipe.localcluster.LocalCluster` of three emulated
-devices on one node (:func:`devices`): two of one helpful type and one of another type
-``--slow-ratio`` times slower still, so slow that even the least layer it could take makes it
-the slowest stage of any pipeline it joins (the "whimpy" GPU the heterogeneous planners leave
-out). The job (cnn on digits, one virtual worker: ``train.vws = 1``) runs two ways, same model,
-data, optimizer, minibatches and seed:
+devices on one node (:func:`devices`): two of one helpful type at speed ``--speed-scale``
+and one of another type ``--slow-ratio`` times slower, so slow that any stage it runs (even
+of the least layer, with the per-task costs its padding stretches too) is the slowest of the
+pipeline it joins (the "whimpy" GPU the heterogeneous planners leave out). The default ratio
+lies just past where the plan starts leaving the device out, so that the choice is not an
+obvious one. The job (cnn on digits, one virtual worker: ``train.vws = 1``) runs two ways,
+same model, data, optimizer, minibatches and seed:
 
-- ``planned``: no ``[[vw]]`` split (policy ``auto``): the head profiles the model on each
-  device type and plans; the plan must leave the slow device out, naming it with its reason
+- ``planned``: no ``[[vw]]`` split (policy ``auto``): the head profiles the model and plans;
+  the plan must leave the slow device out, naming it with its reason
   (``info["predicted"]["left_out"]``: the predicted samples/s with and without it);
 - ``forced``: ``[[vw]] devices`` naming all three devices (the slow one included), the
   planner cutting the layers and picking Nm for that order (:func:`hetpipe.planner.explicit
   .explicit_plan`): the plan the planner would make with the device.
+
+With ``--kept-ratio R`` a second cluster, whose slow device is only ``R`` times slower, runs
+the other way round: where its plan keeps the device, the other arm leaves it out
+(``[[vw]] devices`` the plan's less it), which checks the planner's keeping of a device too.
 
 A short warm-up job over all three devices comes first (the head profiles the model then,
 and the workers pay their first-use costs). The two jobs then run ``--repeats`` times,
 alternating. Measured samples/s come from each job's metrics.jsonl progress lines (the first
 tenth left out as warm-up, the lines after the last minibatch's report left out as the tail).
 
-Every device's speed is multiplied by ``--speed-scale`` (relative speeds kept): an emulated
-device pads its compute thread's CPU time to (CPU time) / speed, so slow devices keep the
-padding, not the host's contention for its cores, setting their speed. Figures:
+The speeds are well below 1: an emulated device pads its compute thread's CPU time to
+(CPU time) / speed, so slow devices keep the padding, not the host's contention for its
+cores, setting their speed. Figures:
 
 - ``left_out_ok``: the plan left the slow device out and its reason names it (target true);
 - ``left_out_speedup_measured``: the median over runs of planned / forced measured samples/s
   (target >= 1.0);
 - ``left_out_speedup_predicted``: the plan's own figures, without / with the device, beside
   the forced job's predicted samples/s (the explicit plan's figure);
-- ``reason``: the plan's line for the device left out.
+- ``reason``: the plan's line for the device left out;
+- ``kept_case`` (with ``--kept-ratio``): the same figures for the second cluster, its
+  ``speedup_measured`` being planned (with the device) / without it.
 
     python scripts/bench_leftout.py [--json] [--minibatches N] [--repeats N]
-                                    [--slow-ratio R] [--speed-scale S]
+                                    [--slow-ratio R] [--speed-scale S] [--kept-ratio R]
 """
 
 from __future__ import annotations
@@ -57,8 +65,8 @@ MINIBATCHES = 200  # per run of each job
 def devices(scale: float = SPEED_SCALE, slow_ratio: float = SLOW_RATIO) -> list[DeviceDef]:
     """The benchmark's cluster: two devices of type ``fast`` at speed ``scale`` and one of
     type ``whimpy`` (:data:`SLOW`) ``slow_ratio`` times slower, all on one node, each on a
-    port of its own choosing. A type of its own makes the head profile the slow device on
-    itself (profiles are per device type)."""
+    port of its own choosing. A type of its own gives the slow device a profile of its own
+    (the head measures a node's emulated devices once and scales by speed)."""
     return [
         DeviceDef("gpu0", "fast", "256MiB", scale),
         DeviceDef("gpu1", "fast", "256MiB", scale),
@@ -66,9 +74,10 @@ def devices(scale: float = SPEED_SCALE, slow_ratio: float = SLOW_RATIO) -> list[
     ]
 
 
-def job(name: str, minibatches: int, forced: bool) -> dict[str, Any]:
-    """The job both ways run; ``forced`` names every device (the slow one included) as the
-    one virtual worker's, the planner cutting the layers for that order."""
+def job(name: str, minibatches: int, vw: list[str] | None) -> dict[str, Any]:
+    """The job every run runs; ``vw``: the one virtual worker's devices (``[[vw]] devices``,
+    the planner cutting the layers for that order), None leaves them to the planner too
+    (``train.vws = 1``)."""
     out: dict[str, Any] = {
         "name": name,
         "model": {"name": "cnn"},
@@ -76,8 +85,8 @@ def job(name: str, minibatches: int, forced: bool) -> dict[str, Any]:
         "optimizer": {"name": "sgd", "lr": 0.03, "momentum": 0.9, "weight_decay": 1e-4},
         "train": {"minibatch": 32, "minibatches": minibatches, "staleness": 0, "seed": 0},
     }
-    if forced:
-        out["vw"] = [{"devices": list(ALL)}]
+    if vw is not None:
+        out["vw"] = [{"devices": list(vw)}]
     else:
         out["train"]["vws"] = 1
     return out
@@ -100,7 +109,7 @@ def plan_alone(
     from hetpipe.profiling import plan_for
 
     cluster = load_cluster(cluster_file)
-    spec = JobSpec.from_dict(job("planned", MINIBATCHES, forced=False))
+    spec = JobSpec.from_dict(job("planned", MINIBATCHES, None))
     one = dataclasses.replace(cluster.devices[0], speed=1.0)
     if measured is None:
         import torch
@@ -164,6 +173,74 @@ def devices_of(info: dict[str, Any]) -> list[list[str]]:
     return [[s["device"] for s in v["stages"]] for v in vws]
 
 
+def layers_of(info: dict[str, Any]) -> list[list[Any]]:
+    """Each virtual worker's stages' layer ranges in the job's plan."""
+    vws = (info.get("predicted") or {}).get("vws", [])
+    return [[s.get("layers") for s in v["stages"]] for v in vws]
+
+
+def pair(
+    root: Path, scale: float, slow_ratio: float, minibatches: int, repeats: int
+) -> dict[str, Any]:
+    """The planned job and its other arm on a fresh cluster of :func:`devices`, ``repeats``
+    times alternating: where the plan leaves :data:`SLOW` out, the other arm forces it in
+    (every device); where it keeps it, the other arm leaves it out (the plan's devices less
+    it). ``speedup_measured``: the median over runs of planned / other samples/s."""
+    path = root / "cluster.toml"
+    path.write_text(cluster_toml(devices(scale, slow_ratio)))
+    planned: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
+    planned_rate: list[float] = []
+    other_rate: list[float] = []
+    with LocalCluster(path, root / "run", timeout=180) as c:
+        cpu = HostCpu().start()
+        submit(c, job("warmup", 12, list(ALL)))  # the head profiles the model; first-use costs
+        for i in range(repeats):
+            planned.append(submit(c, job(f"planned{i}", minibatches, None)))
+            planned_rate.append(rate(planned[-1]))
+            used = [d for v in devices_of(planned[0]) for d in v]
+            arm = list(ALL) if SLOW not in used else [d for d in used if d != SLOW]
+            other.append(submit(c, job(f"other{i}", minibatches, arm)))
+            other_rate.append(rate(other[-1]))
+            print(
+                f"  ratio {slow_ratio:g} run {i}: planned {planned_rate[-1]:.1f} samples/s on "
+                f"{devices_of(planned[-1])}, other {other_rate[-1]:.1f} on "
+                f"{devices_of(other[-1])}",
+                flush=True,
+            )
+        host_busy = cpu.stop()
+    pred = planned[0].get("predicted") or {}
+    entry = next((e for e in pred.get("left_out") or () if e["device"] == SLOW), None)
+    warned = [w for w in pred.get("warnings", ()) if w.startswith(f"{SLOW} unused: left out")]
+    # left out by every planned run, named as unused with its reason in the plan's warnings
+    left_out = (
+        entry is not None
+        and SLOW in pred.get("unused", ())
+        and bool(warned)
+        and all(SLOW not in {d for v in devices_of(p) for d in v} for p in planned)
+    )
+    ratios = [p / o for p, o in zip(planned_rate, other_rate, strict=True) if o > 0]
+    return {
+        "slow_ratio": slow_ratio,
+        "left_out": left_out,
+        "speedup_measured": median(ratios) if ratios else None,
+        "speedup_runs": ratios,
+        "samples_per_s_planned": planned_rate,
+        "samples_per_s_other": other_rate,
+        "predicted_samples_per_s_planned": pred.get("samples_per_s"),
+        "predicted_samples_per_s_other": (other[0].get("predicted") or {}).get("samples_per_s"),
+        "left_out_entry": entry,
+        "reason": entry.get("why") if entry else None,
+        "warning": warned[0] if warned else None,
+        "unused": pred.get("unused"),
+        "planned_vws": devices_of(planned[0]),
+        "planned_layers": layers_of(planned[0]),
+        "other_vws": devices_of(other[0]),
+        "other_layers": layers_of(other[0]),
+        "host_busy": host_busy,
+    }
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--minibatches", type=int, default=MINIBATCHES, help="per run of each job")
@@ -172,92 +249,72 @@ def main() -> None:
     ap.add_argument(
         "--speed-scale", type=float, default=SPEED_SCALE, help="the helpful devices' speed"
     )
+    ap.add_argument(
+        "--kept-ratio",
+        type=float,
+        default=None,
+        help="also a cluster whose slow device is only this much slower (the plan keeps it)",
+    )
     args = ap.parse_args()
-    planned: list[dict[str, Any]] = []
-    forced: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        path = root / "cluster.toml"
-        path.write_text(cluster_toml(devices(args.speed_scale, args.slow_ratio)))
-        with LocalCluster(path, root / "run", timeout=180) as c:
-            cpu = HostCpu().start()
-            submit(c, job("warmup", 12, forced=True))
-            with_rate: list[float] = []
-            without_rate: list[float] = []
-            for i in range(args.repeats):
-                planned.append(submit(c, job(f"planned{i}", args.minibatches, forced=False)))
-                without_rate.append(rate(planned[-1]))
-                forced.append(submit(c, job(f"forced{i}", args.minibatches, forced=True)))
-                with_rate.append(rate(forced[-1]))
-                print(
-                    f"run {i}: planned {without_rate[-1]:.1f} samples/s on "
-                    f"{devices_of(planned[-1])}, forced {with_rate[-1]:.1f} on "
-                    f"{devices_of(forced[-1])}",
-                    flush=True,
-                )
-            host_busy = cpu.stop()
-    pred = planned[0].get("predicted") or {}
-    entry = next((e for e in pred.get("left_out") or () if e["device"] == SLOW), None)
-    reason = entry.get("why") if entry else None
-    # left out by every planned run, and named as unused with its reason in the plan's warnings
-    ok = entry is not None and all(
-        SLOW not in {d for v in devices_of(p) for d in v} for p in planned
-    )
-    warned = [w for w in pred.get("warnings", ()) if w.startswith(f"{SLOW} unused: left out")]
-    ok = ok and SLOW in pred.get("unused", ()) and bool(warned)
-    ratios = [w / f for w, f in zip(without_rate, with_rate, strict=True) if f > 0]
-    speedup = median(ratios) if ratios else None
+        main_case = pair(
+            Path(tmp) / "out", args.speed_scale, args.slow_ratio, args.minibatches, args.repeats
+        )
+    kept_case = None
+    if args.kept_ratio is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            kept_case = pair(
+                Path(tmp) / "kept",
+                args.speed_scale,
+                args.kept_ratio,
+                args.minibatches,
+                args.repeats,
+            )
+    entry = main_case["left_out_entry"]
     pred_with = entry["with_samples_per_s"] if entry else None
     pred_without = entry["without_samples_per_s"] if entry else None
     pred_speedup = pred_without / pred_with if pred_with else None
-    forced_pred = (forced[0].get("predicted") or {}).get("samples_per_s")
-    print(f"plan: {devices_of(planned[0])}; unused: {pred.get('unused')}")
-    print(f"reason: {reason}")
-    print_table(
-        ["figure", "value", "target"],
-        [
-            ["left_out_ok", ok, "true"],
-            ["samples/s without (planned), median", median(without_rate), ""],
-            ["samples/s with (forced), median", median(with_rate), ""],
-            ["left_out_speedup_measured", speedup if speedup is not None else "none", ">= 1.0"],
-            ["predicted samples/s without", pred_without or "none", ""],
-            ["predicted samples/s with (left-out entry)", pred_with or "none", ""],
-            ["predicted samples/s with (forced plan)", forced_pred or "none", ""],
-            ["left_out_speedup_predicted", pred_speedup or "none", ""],
-        ],
-    )
-    print(f"host CPU busy {host_busy:.0%} of its {machine()['cores']} cores")
+    speedup = main_case["speedup_measured"] if main_case["left_out"] else None
+    print(f"plan: {main_case['planned_vws']}; unused: {main_case['unused']}")
+    print(f"reason: {main_case['reason']}")
+    rows: list[list[Any]] = [
+        ["left_out_ok", main_case["left_out"], "true"],
+        ["samples/s without (planned), median", median(main_case["samples_per_s_planned"]), ""],
+        ["samples/s with (forced), median", median(main_case["samples_per_s_other"]), ""],
+        ["left_out_speedup_measured", speedup if speedup is not None else "none", ">= 1.0"],
+        ["predicted samples/s without", pred_without or "none", ""],
+        ["predicted samples/s with (left-out entry)", pred_with or "none", ""],
+        ["predicted samples/s with (forced plan)", main_case["predicted_samples_per_s_other"], ""],
+        ["left_out_speedup_predicted", pred_speedup or "none", ""],
+    ]
+    if kept_case is not None:
+        rows += [
+            [f"kept case (ratio {args.kept_ratio:g}): left out", kept_case["left_out"], ""],
+            ["kept case: planned / other, measured", kept_case["speedup_measured"], ""],
+        ]
+    print_table(["figure", "value", "target"], rows)
+    print(f"host CPU busy {main_case['host_busy']:.0%} of its {machine()['cores']} cores")
     if args.json:
         emit_json(
             {
-                "left_out_ok": ok,
+                "left_out_ok": main_case["left_out"],
                 "left_out_speedup_measured": speedup,
-                "left_out_speedup_runs": ratios,
-                "samples_per_s_without": without_rate,
-                "samples_per_s_with": with_rate,
+                "left_out_speedup_runs": main_case["speedup_runs"],
+                "samples_per_s_without": main_case["samples_per_s_planned"],
+                "samples_per_s_with": main_case["samples_per_s_other"],
                 "predicted_samples_per_s_without": pred_without,
                 "predicted_samples_per_s_with": pred_with,
-                "predicted_samples_per_s_forced_plan": forced_pred,
+                "predicted_samples_per_s_forced_plan": main_case["predicted_samples_per_s_other"],
                 "left_out_speedup_predicted": pred_speedup,
-                "reason": reason,
-                "warning": warned[0] if warned else None,
-                "left_out": entry,
-                "unused": pred.get("unused"),
-                "planned_vws": devices_of(planned[0]),
-                "forced_vws": devices_of(forced[0]),
-                "planned_layers": [
-                    [s.get("layers") for s in v.get("stages", [])] for v in pred.get("vws", [])
-                ],
-                "forced_layers": [
-                    [s.get("layers") for s in v.get("stages", [])]
-                    for v in (forced[0].get("predicted") or {}).get("vws", [])
-                ],
+                "reason": main_case["reason"],
+                "case": main_case,
+                "kept_case": kept_case,
                 "minibatches": args.minibatches,
                 "repeats": args.repeats,
                 "slow_ratio": args.slow_ratio,
                 "speed_scale": args.speed_scale,
-                "host_busy": host_busy,
+                "host_busy": main_case["host_busy"],
                 "wall_s": time.monotonic() - t0,
                 "machine": machine(),
             }

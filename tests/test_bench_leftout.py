@@ -26,7 +26,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The benchmark's model measured once on this host's CPU at speed 1."""
     path = tmp_path_factory.mktemp("m") / "cluster.toml"
     path.write_text(cluster_toml(bench.devices(1.0, 1.0)))
-    spec = JobSpec.from_dict(bench.job("planned", 150, forced=False))
+    spec = JobSpec.from_dict(bench.job("planned", bench.MINIBATCHES, None))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a worker computes
     try:
