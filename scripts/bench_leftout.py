@@ -179,6 +179,24 @@ def layers_of(info: dict[str, Any]) -> list[list[Any]]:
     return [[s.get("layers") for s in v["stages"]] for v in vws]
 
 
+def stage_times(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each stage's device, layers, and compute time per minibatch measured (the job's
+    ``stages``) beside the plan's predicted one."""
+    pred = info.get("predicted") or {}
+    out = []
+    for s in info.get("stages", []):
+        ps = pred["vws"][s["vw"]]["stages"][s["stage"]] if pred else {}
+        out.append(
+            {
+                "device": s["device"],
+                "layers": s.get("layers"),
+                "measured_time_s": s.get("time_s"),
+                "predicted_time_s": ps.get("time_s"),
+            }
+        )
+    return out
+
+
 def pair(
     root: Path, scale: float, slow_ratio: float, minibatches: int, repeats: int
 ) -> dict[str, Any]:
@@ -186,6 +204,7 @@ def pair(
     times alternating: where the plan leaves :data:`SLOW` out, the other arm forces it in
     (every device); where it keeps it, the other arm leaves it out (the plan's devices less
     it). ``speedup_measured``: the median over runs of planned / other samples/s."""
+    root.mkdir(parents=True, exist_ok=True)
     path = root / "cluster.toml"
     path.write_text(cluster_toml(devices(scale, slow_ratio)))
     planned: list[dict[str, Any]] = []
@@ -237,6 +256,10 @@ def pair(
         "planned_layers": layers_of(planned[0]),
         "other_vws": devices_of(other[0]),
         "other_layers": layers_of(other[0]),
+        "planned_stages": stage_times(planned[0]),
+        "other_stages": stage_times(other[0]),
+        "nm_planned": [v.get("nm") for v in pred.get("vws", [])],
+        "nm_other": [v.get("nm") for v in (other[0].get("predicted") or {}).get("vws", [])],
         "host_busy": host_busy,
     }
 
