@@ -6,9 +6,10 @@ devices on one node (:func:`devices`): two of one helpful type at speed ``--spee
 and one of another type ``--slow-ratio`` times slower, so slow that any stage it runs (even
 of the least layer, with the per-task costs its padding stretches too) is the slowest of the
 pipeline it joins (the "whimpy" GPU the heterogeneous planners leave out). The default ratio
-lies just past where the plan starts leaving the device out, so that the choice is not an
-obvious one. The job (cnn on digits, one virtual worker: ``train.vws = 1``) runs two ways,
-same model, data, optimizer, minibatches and seed:
+leaves the plan's choice a wide margin: nearer where the plan starts leaving the device out,
+the choice turns on a profile the head measured once on a loaded host (``--slow-ratio`` and
+``--kept-ratio`` probe there). The job (cnn on digits, one virtual worker: ``train.vws =
+1``) runs two ways, same model, data, optimizer, minibatches and seed:
 
 - ``planned``: no ``[[vw]]`` split (policy ``auto``): the head profiles the model and plans;
   the plan must leave the slow device out, naming it with its reason
@@ -58,7 +59,7 @@ from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 SLOW = "gpu2"
 ALL = ("gpu0", "gpu1", SLOW)
 SPEED_SCALE = 0.3  # the helpful devices' speed
-SLOW_RATIO = 20.0  # how much slower the slow device is than the helpful ones
+SLOW_RATIO = 40.0  # how much slower the slow device is than the helpful ones
 MINIBATCHES = 200  # per run of each job
 
 
