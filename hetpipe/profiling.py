@@ -188,6 +188,8 @@ def _planned_sync(
         warmup=spec.warmup_forwards,
         placement=spec.placement,
         chunk_devices=chunk_devices,
+        several_stages=spec.several_stages and not spec.vws,
+        minibatches=inputs.minibatches,
     )
 
 
