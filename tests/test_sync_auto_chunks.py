@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import job, start_cluster
-from helpers import gpu_cluster, stage_records, stages_json
+import torch
+from conftest import assert_same_weights, job, start_cluster
+from helpers import gpu_cluster, plain_training, stage_records, stages_json
 
 from hetpipe.config import load_cluster
 from hetpipe.core.devschedule import check_placement, device_order, placement
 from hetpipe.core.layout import validate
-from hetpipe.core.schedule import DEVICE_KINDS
+from hetpipe.core.schedule import DEVICE_KINDS, max_in_flight
 from hetpipe.job import JobSpec
 from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.models import build_model
@@ -170,10 +171,15 @@ def test_a_planned_device_level_job_runs_its_device_schedule(cluster: LocalClust
     assert info["state"] == "done", info.get("error")
     kind = info["predicted"]["schedule"]
     assert kind in DEVICE_KINDS, info["predicted"]["warnings"]
+    # exactly minibatch SGD on each iteration's microbatches, as plain PyTorch trains
+    assert_same_weights(torch.load(info["model_path"]), plain_training(spec, iterations, m=M))
     stages = stages_json(info)
     assert sorted(stages) == [f"vw0/stage{s}" for s in range(4)]
     devices = [st["device"] for st in info["predicted"]["vws"][0]["stages"]]
     assert check_placement(kind, devices) == 2
+    for where, st in stages.items():  # each stage held what its projected order charges
+        charged = max_in_flight(kind, 4, int(where.split("stage")[1]), M, devices=2)
+        assert st["stats"]["peak_in_flight"] == charged, (where, st["stats"])
     # each device started its stages' forwards in its device-level order
     records = stage_records(info)
     where = placement(kind, 4, 2)
