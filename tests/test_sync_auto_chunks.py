@@ -70,7 +70,8 @@ def test_the_planner_chooses_a_faster_device_level_kind(tmp_path: Path) -> None:
     one, picked = rows[0], next(r for r in rows if r["kind"] == kind)
     assert picked["chosen"] and not one["chosen"]
     assert picked["iteration_s"] < one["iteration_s"] * (1 - MARGIN)
-    assert plan.iteration_s == pytest.approx(picked["iteration_s"])
+    assert plan.details["searched_iteration_s"] == pytest.approx(picked["iteration_s"])
+    assert plan.iteration_s >= picked["iteration_s"]  # the hosts' sharing on top
     # the layout: two stages on each device, in the kind's placement, the searched layers
     (vw,) = plan.vws
     devices = [st.device for st in vw.stages]

@@ -287,6 +287,10 @@ def sync_plan(
         )
         warnings.append(f"schedule chosen: {choice}")
         if picked is not None:
+            # the hosts' sharing, which the chunk model (idle host) leaves out, priced as it
+            # stretches the one-stage-a-device pipeline on the same devices: so the plan is
+            # weighed against an async one (schedule auto) on the same footing
+            stretch = _predict(chosen, (m,))[0] / max(chosen[0].iteration_s, 1e-12)
             return _device_plan(
                 cluster,
                 profile,
@@ -297,6 +301,7 @@ def sync_plan(
                 minibatch=minibatch,
                 placement=placement,
                 warnings=warnings,
+                stretch=stretch,
                 details={
                     "searched_iteration_s": picked.iteration_s,
                     "evaluations": model.evaluations,
@@ -406,11 +411,13 @@ def _device_plan(
     minibatch: int,
     placement: str,
     warnings: list[str],
+    stretch: float,
     details: dict[str, Any],
 ) -> Any:
     """The plan of one virtual worker whose devices run two stages each under a device-level
     kind (``c``, a :class:`~.chunksearch.ChunkChoice`): its stages in the kind's placement,
-    its cuts and predicted iteration time from the chunk search (idle host), each stage's
+    its cuts and predicted iteration time from the chunk search (idle host; times
+    ``stretch``, the hosts' sharing as it stretches the one-stage-a-device pipeline), each stage's
     memory by the one memory model under the kind's order projected from its devices (the
     stages of one device together within its cap, as the search checked), and each stage's
     compute as :func:`~hetpipe.planner.predict.predict` has it with its device to itself."""
@@ -455,7 +462,7 @@ def _device_plan(
                 in_flight=n,
             )
         )
-    iteration = float(c.iteration_s)
+    iteration = float(c.iteration_s) * stretch
     vw = VWPlan(tuple(stages), m, m * minibatch / iteration)
     used = set(vw.devices)
     return Plan(
