@@ -92,11 +92,19 @@ def test_the_planner_chooses_a_faster_device_level_kind(tmp_path: Path) -> None:
     assert f"schedule auto chose {kind}" in plan.details["schedule_choice"]
 
 
-def test_without_several_stages_the_plan_keeps_one_stage_a_device(tmp_path: Path) -> None:
-    """The same job without ``train.several_stages``: the kinds are priced and suggested
-    only, as before."""
+@pytest.mark.parametrize(
+    "extra",
+    [{"several_stages": False}, {"on_worker_loss": "replan"}, {"activations": "auto"}],
+    ids=["not-asked", "replan", "auto-activations"],
+)
+def test_without_several_stages_the_plan_keeps_one_stage_a_device(
+    tmp_path: Path, extra: dict
+) -> None:
+    """The same job without ``train.several_stages``, or with what a several-stage job may not
+    have (a re-plan on a lost worker, activations the planner picks): the kinds are priced
+    and suggested only, as before."""
     d = auto_job("kept")
-    d["train"]["several_stages"] = False
+    d["train"].update(extra)
     plan = plan_for(JobSpec.from_dict(d), local_config(tmp_path), mlp_profile())
     assert plan.schedule not in DEVICE_KINDS
     assert len({st.device for st in plan.vws[0].stages}) == len(plan.vws[0].stages)
