@@ -8,6 +8,7 @@ stored profile (so the plan does not hang on the moment's measurement)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +91,21 @@ def test_the_planner_chooses_a_faster_device_level_kind(tmp_path: Path) -> None:
     assert plan.details["chunk_choice"].startswith(kind)
     assert any("chosen: " in line and kind in line for line in explain_lines(plan.details))
     assert f"schedule auto chose {kind}" in plan.details["schedule_choice"]
+
+
+def test_a_job_running_the_chosen_kind_is_planned_again_with_it(tmp_path: Path) -> None:
+    """A resumed attempt plans the job again from its spec, which now names the kind the
+    planner chose but no split: the same kind, two stages a device, whatever the margin."""
+    first = plan_for(JobSpec.from_dict(auto_job("again")), local_config(tmp_path), mlp_profile())
+    kind = first.schedule
+    # the spec as the head keeps it once the planner chose (hetpipe.head.jobs)
+    spec = dataclasses.replace(
+        JobSpec.from_dict(auto_job("again")), schedule=kind, nm=M, warmup_forwards=0
+    )
+    again = plan_for(spec, local_config(tmp_path), mlp_profile())
+    assert again.schedule == kind
+    assert [st.device for st in again.vws[0].stages] == [st.device for st in first.vws[0].stages]
+    assert again.details["chunk_choice"].endswith("the kind the job runs, planned again")
 
 
 @pytest.mark.parametrize(

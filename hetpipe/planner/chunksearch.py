@@ -441,6 +441,7 @@ def choose_chunks(
     *,
     margin: float = MARGIN,
     total: int | None = None,
+    only: str | None = None,
 ) -> tuple[list[dict[str, Any]], ChunkChoice | None, str]:
     """The planner's choice between ``best`` (one stage a device) and the same devices with
     two chunks each under a device-level kind: the fastest device-level pipeline where it is
@@ -449,11 +450,16 @@ def choose_chunks(
     where known; a kind whose last, short iteration could not run is not chosen
     (:func:`hetpipe.core.devschedule.last_iteration_problem`). Returns :func:`chunk_report`'s
     rows (the chosen one marked ``chosen``, every row's ``why`` saying why it was or was not
-    taken), the choice, and why in one line."""
+    taken), the choice, and why in one line. ``only``: that kind alone may be chosen, at any
+    margin (a job that runs it already, planned again)."""
     rows, found = _rows(model, best, budget_s)
     base = float(best.iteration_s)
     D = len(best.devices)
-    ranked = sorted(found.values(), key=lambda c: c.iteration_s)
+    ranked = sorted(
+        (c for c in found.values() if only in (None, c.kind)), key=lambda c: c.iteration_s
+    )
+    if only is not None:
+        margin = -math.inf
     chosen: ChunkChoice | None = None
     for c in ranked:
         problem = (
@@ -473,7 +479,11 @@ def choose_chunks(
             )
         elif chosen is None:
             chosen = c
-            row["why"] = f"chosen: {gain:.1%} faster than {best.kind} (margin {margin:.0%})"
+            row["why"] = (
+                f"chosen: {gain:.1%} faster than {best.kind} (margin {margin:.0%})"
+                if only is None
+                else "chosen: the kind the job runs"
+            )
         else:
             row["why"] = f"not chosen: slower than {chosen.kind}"
     for r in rows:
@@ -482,14 +492,21 @@ def choose_chunks(
         why = (
             f"{best.kind}, one stage a device: no device-level schedule with two stages a "
             f"device is predicted more than {margin:.0%} faster"
+            if only is None
+            else f"{only} cannot run with two stages on each of these {D} devices"
         )
         rows[0]["why"] = "chosen"
         return rows, None, why
+    gain = 1 - chosen.iteration_s / base
     why = (
         f"{chosen.kind}, two stages on each of {D} devices: predicted "
         f"{chosen.iteration_s:.4g} s an iteration against {base:.4g} s for {best.kind} one "
-        f"stage a device (idle host), {1 - chosen.iteration_s / base:.1%} faster, over the "
-        f"{margin:.0%} margin"
+        f"stage a device (idle host), "
+        + (
+            f"{gain:.1%} faster, over the {margin:.0%} margin"
+            if only is None
+            else "the kind the job runs, planned again"
+        )
     )
-    rows[0]["why"] = f"not chosen: {chosen.kind} is faster"
+    rows[0]["why"] = f"not chosen: {chosen.kind} is faster" if only is None else "not chosen"
     return rows, chosen, why

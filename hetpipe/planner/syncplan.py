@@ -47,7 +47,7 @@ from typing import Any
 
 from hetpipe.core.layout import StageLayout, VWSpec
 from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import SYNC_KINDS
+from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import INF, SyncChoice, SyncModel, warmup_ladder
 from hetpipe.planner.syncsearch import search_formations, search_sync
@@ -162,6 +162,12 @@ def sync_plan(
     check_devices(tuple(cluster.devices), cluster.network.bytes_per_s)
     check_profile(profile)
     warnings: list[str] = []
+    # a job whose device-level kind this planner chose, planned again (a resumed attempt):
+    # its spec names the kind but no split, so the one-stage pipeline is searched as before
+    # and its devices given two stages each under that kind, whatever the margin
+    again = kind if kind in DEVICE_KINDS and not vws and chunk_devices is None else None
+    if again:
+        kind, num_vws, several_stages = None, 1, True
     profile = _at_minibatch(profile, minibatch, warnings)
     usable = [d for d in cluster.devices if d.type in profile.layers]
     if not usable:
@@ -283,8 +289,10 @@ def sync_plan(
         from hetpipe.planner.chunksearch import choose_chunks
 
         chunk_rows, picked, choice = choose_chunks(
-            model, chosen[0], budget_s / 4, total=minibatches
+            model, chosen[0], budget_s / 4, total=minibatches, only=again
         )
+        if again and picked is None:
+            raise PlanError(f"{again}: its two stages a device no longer run here ({choice})")
         warnings.append(f"schedule chosen: {choice}")
         if picked is not None:
             # the hosts' sharing, which the chunk model (idle host) leaves out, priced as it
