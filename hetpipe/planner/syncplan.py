@@ -31,6 +31,12 @@ Search (:func:`plan_sync`):
    the shards (:meth:`SyncModel.exchange_s`). :func:`sync_plan` compares them with one
    virtual worker by the simulated iteration time.
 
+5. two stages a device (:func:`hetpipe.planner.chunksearch.choose_chunks`): one searched
+   virtual worker's devices priced again holding two stages each under ``interleaved-1f1b``
+   and ``zbv``; where the job lets a device run several stages (``several_stages``) and the
+   kind is left to the planner, the plan is the fastest such kind where it is predicted
+   faster by more than :data:`~hetpipe.planner.chunksearch.MARGIN`, else it is suggested.
+
 The costs are :mod:`.syncmodel`'s, the search (1, 2, 4) :mod:`.syncsearch`'s; this module
 makes the plan the runtime executes (:func:`sync_plan`).
 
