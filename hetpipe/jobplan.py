@@ -28,8 +28,8 @@ import torch
 from hetpipe import metrics
 from hetpipe.capture import user_state
 from hetpipe.config import ClusterConfig
-from hetpipe.core.layout import SplitError, StageLayout, VWLayout, validate
-from hetpipe.core.schedule import fill_counts
+from hetpipe.core.layout import SplitError, StageLayout, VWLayout, VWSpec, validate
+from hetpipe.core.schedule import DEVICE_KINDS, fill_counts
 from hetpipe.core.units import format_size
 from hetpipe.daemon import normal_host
 from hetpipe.data import DataSource, MinibatchStream, evaluate, load_data, recalibrate_bn
@@ -617,6 +617,20 @@ def plan_job(
         for v, vw in enumerate(run_vws)
         for s, st in enumerate(vw.stages)
     }
+    if spec.schedule in DEVICE_KINDS and not spec.vws:
+        # the planner chose a device-level kind: its split is the job's own, which the
+        # stages read their device's order from (hetpipe.devturn, the stage's schedule)
+        spec = dataclasses.replace(
+            spec,
+            vws=tuple(
+                VWSpec(
+                    tuple(st.device for st in vw.stages),
+                    tuple(st.n_layers for st in vw.stages),
+                    vw.nm,
+                )
+                for vw in run_vws
+            ),
+        )
     return JobPlan(
         job=job_id,
         spec=spec,

@@ -188,6 +188,13 @@ def _planned_sync(
         warmup=spec.warmup_forwards,
         placement=spec.placement,
         chunk_devices=chunk_devices,
+        # two stages a device only where the job could run that split as its own (job.py's
+        # refusals: no re-plan or re-form on a lost worker, no planner-picked activations)
+        several_stages=spec.several_stages
+        and not spec.vws
+        and spec.on_worker_loss == "fail"
+        and spec.activations != "auto",
+        minibatches=inputs.minibatches,
     )
 
 

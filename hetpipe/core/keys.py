@@ -697,7 +697,9 @@ JOB: Final = Schema(
                     "boolean",
                     "Let a device named several times in one [[vw]]'s devices run each of "
                     "those stages, all in its one worker (docs/gpus.md); unset, a repeated "
-                    "device is refused.",
+                    "device is refused. Under schedule auto without [[vw]]: the planner may "
+                    "run interleaved-1f1b or zbv, two stages a device, where predicted "
+                    "faster (docs/schedules.md).",
                     False,
                 ),
                 Key(

@@ -53,8 +53,10 @@ from hetpipe.planner.syncmodel import CAPS, INF, SyncChoice, SyncModel
 
 __all__ = [
     "ENUMERATE",
+    "MARGIN",
     "ChunkChoice",
     "best_chunk_cuts",
+    "choose_chunks",
     "chunk_candidates",
     "chunk_placement",
     "chunk_report",
@@ -69,6 +71,11 @@ STARTS = 3  # the fastest candidates of the programs refined
 # which see one stage at a time: shares that add up to at most 1 keep a device's stages within
 # its cap together
 SHARES = ((1.0, 1.0), (0.75, 0.75), *((f / 10, 1 - f / 10) for f in range(1, 10)))
+# a device-level kind replaces the one-stage-a-device pipeline only where predicted faster by
+# more than this share: the two are timed by different rules (a clock per device against one
+# per stage), and a device's stages also share its worker's event loop and messages, which
+# neither prices; a near tie keeps the simpler pipeline
+MARGIN = 0.03
 CHUNKS = 2  # chunks per device priced (zbv's only shape, interleaved's usual one)
 _OPS = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
 
@@ -360,15 +367,11 @@ def chunk_candidates(
     return out
 
 
-def chunk_report(
-    model: SyncModel, best: SyncChoice, budget_s: float = 2.0
-) -> tuple[list[dict[str, Any]], str | None]:
-    """The synchronous plan's candidates on its devices, for the plan's details: ``best`` (one
-    stage a device) and each device-level kind with two chunks a device, each with its
-    devices per stage, layers per stage and predicted iteration time on an idle host (None
-    with the reason where it cannot run); the fastest marked ``best``. With it the one-line
-    suggestion to write where a device-level kind is the fastest (the runtime runs it only
-    from a job's own ``[[vw]]`` split with ``train.several_stages``), else None."""
+def _rows(
+    model: SyncModel, best: SyncChoice, budget_s: float
+) -> tuple[list[dict[str, Any]], dict[str, ChunkChoice]]:
+    """The candidate rows of :func:`chunk_report` (the fastest marked ``best``), and each
+    device-level kind's pipeline that can run."""
 
     def names(idx: Sequence[int]) -> list[str]:
         return [model.devices[i].name for i in idx]
@@ -387,7 +390,10 @@ def chunk_report(
             "why": None,
         }
     ]
+    found: dict[str, ChunkChoice] = {}
     for kind, c, why in chunk_candidates(model, best.devices, budget_s):
+        if c is not None:
+            found[kind] = c
         rows.append(
             {
                 "kind": kind,
@@ -402,6 +408,20 @@ def chunk_report(
     fastest = min((r for r in rows if r["iteration_s"] is not None), key=lambda r: r["iteration_s"])
     for r in rows:
         r["best"] = r is fastest
+    return rows, found
+
+
+def chunk_report(
+    model: SyncModel, best: SyncChoice, budget_s: float = 2.0
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The synchronous plan's candidates on its devices, for the plan's details: ``best`` (one
+    stage a device) and each device-level kind with two chunks a device, each with its
+    devices per stage, layers per stage and predicted iteration time on an idle host (None
+    with the reason where it cannot run); the fastest marked ``best``. With it the one-line
+    suggestion to write where a device-level kind is the fastest (the runtime runs it only
+    from a job's own ``[[vw]]`` split with ``train.several_stages``), else None."""
+    rows, _ = _rows(model, best, budget_s)
+    fastest = next(r for r in rows if r["best"])
     if fastest is rows[0]:
         return rows, None
     return rows, (
@@ -412,3 +432,81 @@ def chunk_report(
         f"layers = {json.dumps(fastest['layers'])} with train.schedule = "
         f'"{fastest["kind"]}" and train.several_stages = true'
     )
+
+
+def choose_chunks(
+    model: SyncModel,
+    best: SyncChoice,
+    budget_s: float = 2.0,
+    *,
+    margin: float = MARGIN,
+    total: int | None = None,
+    only: str | None = None,
+) -> tuple[list[dict[str, Any]], ChunkChoice | None, str]:
+    """The planner's choice between ``best`` (one stage a device) and the same devices with
+    two chunks each under a device-level kind: the fastest device-level pipeline where it is
+    predicted faster than ``best`` by more than ``margin`` (a share of ``best``'s iteration
+    time, :data:`MARGIN`), else None (``best`` stays). ``total``: the job's microbatches,
+    where known; a kind whose last, short iteration could not run is not chosen
+    (:func:`hetpipe.core.devschedule.last_iteration_problem`). Returns :func:`chunk_report`'s
+    rows (the chosen one marked ``chosen``, every row's ``why`` saying why it was or was not
+    taken), the choice, and why in one line. ``only``: that kind alone may be chosen, at any
+    margin (a job that runs it already, planned again)."""
+    rows, found = _rows(model, best, budget_s)
+    base = float(best.iteration_s)
+    D = len(best.devices)
+    ranked = sorted(
+        (c for c in found.values() if only in (None, c.kind)), key=lambda c: c.iteration_s
+    )
+    if only is not None:
+        margin = -math.inf
+    chosen: ChunkChoice | None = None
+    for c in ranked:
+        problem = (
+            devschedule.last_iteration_problem(c.kind, D, total, model.m)
+            if total is not None
+            else None
+        )
+        row = next(r for r in rows if r["kind"] == c.kind)
+        gain = 1 - c.iteration_s / base if base > 0 else 0.0
+        if problem is not None:
+            row["why"] = f"not chosen: {problem}"
+        elif gain <= margin:
+            row["why"] = (
+                f"not chosen: {gain:.1%} faster than {best.kind}, within the {margin:.0%} margin"
+                if gain > 0
+                else f"not chosen: not faster than {best.kind}"
+            )
+        elif chosen is None:
+            chosen = c
+            row["why"] = (
+                f"chosen: {gain:.1%} faster than {best.kind} (margin {margin:.0%})"
+                if only is None
+                else "chosen: the kind the job runs"
+            )
+        else:
+            row["why"] = f"not chosen: slower than {chosen.kind}"
+    for r in rows:
+        r["chosen"] = r["kind"] == (chosen.kind if chosen else best.kind)
+    if chosen is None:
+        why = (
+            f"{best.kind}, one stage a device: no device-level schedule with two stages a "
+            f"device is predicted more than {margin:.0%} faster"
+            if only is None
+            else f"{only} cannot run with two stages on each of these {D} devices"
+        )
+        rows[0]["why"] = "chosen"
+        return rows, None, why
+    gain = 1 - chosen.iteration_s / base
+    why = (
+        f"{chosen.kind}, two stages on each of {D} devices: predicted "
+        f"{chosen.iteration_s:.4g} s an iteration against {base:.4g} s for {best.kind} one "
+        f"stage a device (idle host), "
+        + (
+            f"{gain:.1%} faster, over the {margin:.0%} margin"
+            if only is None
+            else "the kind the job runs, planned again"
+        )
+    )
+    rows[0]["why"] = f"not chosen: {chosen.kind} is faster" if only is None else "not chosen"
+    return rows, chosen, why

@@ -31,6 +31,12 @@ Search (:func:`plan_sync`):
    the shards (:meth:`SyncModel.exchange_s`). :func:`sync_plan` compares them with one
    virtual worker by the simulated iteration time.
 
+5. two stages a device (:func:`hetpipe.planner.chunksearch.choose_chunks`): one searched
+   virtual worker's devices priced again holding two stages each under ``interleaved-1f1b``
+   and ``zbv``; where the job lets a device run several stages (``several_stages``) and the
+   kind is left to the planner, the plan is the fastest such kind where it is predicted
+   faster by more than :data:`~hetpipe.planner.chunksearch.MARGIN`, else it is suggested.
+
 The costs are :mod:`.syncmodel`'s, the search (1, 2, 4) :mod:`.syncsearch`'s; this module
 makes the plan the runtime executes (:func:`sync_plan`).
 
@@ -47,7 +53,7 @@ from typing import Any
 
 from hetpipe.core.layout import StageLayout, VWSpec
 from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import SYNC_KINDS
+from hetpipe.core.schedule import DEVICE_KINDS, SYNC_KINDS
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.syncmodel import INF, SyncChoice, SyncModel, warmup_ladder
 from hetpipe.planner.syncsearch import search_formations, search_sync
@@ -127,6 +133,8 @@ def sync_plan(
     warmup: int | None = 0,
     placement: str = "local",
     chunk_devices: int | None = None,
+    several_stages: bool = False,
+    minibatches: int | None = None,
 ) -> Any:
     """A :class:`~hetpipe.planner.plans.Plan` for a synchronous job of ``m`` microbatches per
     iteration: searched (``kind`` None picks gpipe or 1f1b), or priced for the given ``vws``
@@ -135,7 +143,12 @@ def sync_plan(
     None: the planner picks the order from :func:`warmup_ladder` too. ``placement``: where
     the shards keep each layer's state (``train.placement``), as the plan reports it.
     ``chunk_devices``: a device-level kind's device count for a split whose devices run
-    several stages (:class:`SyncModel`).
+    several stages (:class:`SyncModel`). ``several_stages`` (``train.several_stages`` of a
+    job that leaves the schedule to the planner, ``kind`` None): where the searched plan is
+    one virtual worker and its devices running two stages each under a device-level kind
+    are predicted faster by more than :data:`~.chunksearch.MARGIN`, the plan is that kind's
+    (:func:`~.chunksearch.choose_chunks`; ``minibatches``: the job's, so that its last
+    iteration can run); else the kinds are priced beside it as a suggestion.
 
     Searched, one virtual worker or several (``num_vws``: exactly that many; None: whichever
     is predicted faster): several are formed by the asynchronous planner's policies
@@ -155,6 +168,12 @@ def sync_plan(
     check_devices(tuple(cluster.devices), cluster.network.bytes_per_s)
     check_profile(profile)
     warnings: list[str] = []
+    # a job whose device-level kind this planner chose, planned again (a resumed attempt):
+    # its spec names the kind but no split, so the one-stage pipeline is searched as before
+    # and its devices given two stages each under that kind, whatever the margin
+    again = kind if kind in DEVICE_KINDS and not vws and chunk_devices is None else None
+    if again:
+        kind, num_vws, several_stages = None, 1, True
     profile = _at_minibatch(profile, minibatch, warnings)
     usable = [d for d in cluster.devices if d.type in profile.layers]
     if not usable:
@@ -269,8 +288,44 @@ def sync_plan(
                 f"{len(chosen)} synchronous virtual workers ({how}), microbatches "
                 f"per iteration {list(ms)}: {why}"
             )
-    chunk_rows = None
-    if kind in (None, *SYNC_KINDS) and len(chosen) == 1 and not (vws and vws[0][1] is not None):
+    chunk_rows, choice = None, None
+    if kind is None and several_stages and len(chosen) == 1 and not vws:
+        # the planner may put two stages on each device: the device-level kind where it is
+        # predicted faster by more than the margin
+        from hetpipe.planner.chunksearch import choose_chunks
+
+        chunk_rows, picked, choice = choose_chunks(
+            model, chosen[0], budget_s / 4, total=minibatches, only=again
+        )
+        if again and picked is None:
+            raise PlanError(f"{again}: its two stages a device no longer run here ({choice})")
+        warnings.append(f"schedule chosen: {choice}")
+        if picked is not None:
+            # the hosts' sharing, which the chunk model (idle host) leaves out, priced as it
+            # stretches the one-stage-a-device pipeline on the same devices: so the plan is
+            # weighed against an async one (schedule auto) on the same footing
+            stretch = _predict(chosen, (m,))[0] / max(chosen[0].iteration_s, 1e-12)
+            return _device_plan(
+                cluster,
+                profile,
+                model,
+                cm,
+                usable,
+                picked,
+                minibatch=minibatch,
+                placement=placement,
+                warnings=warnings,
+                stretch=stretch,
+                details={
+                    "searched_iteration_s": picked.iteration_s,
+                    "evaluations": model.evaluations,
+                    "microbatches": [m],
+                    "exchange_s": 0.0,
+                    "chunk_candidates": chunk_rows,
+                    "chunk_choice": choice,
+                },
+            )
+    elif kind in (None, *SYNC_KINDS) and len(chosen) == 1 and not (vws and vws[0][1] is not None):
         # the same devices with two stages each (device-level kinds), priced beside it: a
         # suggestion (the runtime runs them from a job's own several-stage split only)
         from hetpipe.planner.chunksearch import chunk_report
@@ -333,6 +388,7 @@ def sync_plan(
         "exchange_s": exchange,
         "tie_bytes": [model.tie_bytes(c.cuts) for c in chosen],
         **({"chunk_candidates": chunk_rows} if chunk_rows else {}),
+        **({"chunk_choice": choice} if choice else {}),
         "orders": {
             str(s): [
                 f"{op}{j}"
@@ -355,4 +411,97 @@ def sync_plan(
         chosen[0].kind,
         iteration,
         warm,
+    )
+
+
+def _device_plan(
+    cluster: Any,
+    profile: ModelProfile,
+    model: SyncModel,
+    cm: Any,
+    usable: Sequence[Any],
+    c: Any,
+    *,
+    minibatch: int,
+    placement: str,
+    warnings: list[str],
+    stretch: float,
+    details: dict[str, Any],
+) -> Any:
+    """The plan of one virtual worker whose devices run two stages each under a device-level
+    kind (``c``, a :class:`~.chunksearch.ChunkChoice`): its stages in the kind's placement,
+    its cuts and predicted iteration time from the chunk search (idle host; times
+    ``stretch``, the hosts' sharing as it stretches the one-stage-a-device pipeline), each stage's
+    memory by the one memory model under the kind's order projected from its devices (the
+    stages of one device together within its cap, as the search checked), and each stage's
+    compute as :func:`~hetpipe.planner.predict.predict` has it with its device to itself."""
+    from hetpipe.planner.placement import place_plan
+    from hetpipe.planner.plan import _shard_hosts
+    from hetpipe.planner.plans import Plan, StagePlan, VWPlan
+    from hetpipe.planner.predict import predict
+
+    k, m = len(c.devices), model.m
+    D = len(set(c.devices))
+    devs = [usable[i] for i in c.devices]
+    pred = predict(
+        cm,
+        [(tuple(devs), cm.describe(devs, c.cuts, m))],
+        minibatch=minibatch,
+        staleness=0,
+        shard_hosts=_shard_hosts(cluster),
+        minibatches=PREDICT_ITERATIONS * m,
+        schedule=c.kind,
+        warmup=0,
+        devices=D,
+    )
+    layer_shards, stage_shards = place_plan(
+        cluster, profile, [[(d, ab) for d, ab in zip(devs, c.cuts, strict=True)]], placement
+    )
+    stages = []
+    for pos, (i, (a, b)) in enumerate(zip(c.devices, c.cuts, strict=True)):
+        mem = model.memory(i, a, b, pos, k, c.kind, m, 0)
+        n = model.flight(pos, k, c.kind, m, 0)
+        stages.append(
+            StagePlan(
+                StageLayout((usable[i].name,), a, b),
+                usable[i].type,
+                pred.compute_s(0, pos),
+                mem,
+                usable[i].memory,
+                stage_shards[0][pos],
+                pred.busy_s(0, pos, m),
+                pred.slowdown[0][pos],
+                expected_memory=mem,
+                expected_in_flight=n,
+                in_flight=n,
+            )
+        )
+    iteration = float(c.iteration_s) * stretch
+    vw = VWPlan(tuple(stages), m, m * minibatch / iteration)
+    used = set(vw.devices)
+    return Plan(
+        (vw,),
+        vw.samples_per_s,
+        "sync",
+        tuple(d.name for d in cluster.devices if d.name not in used),
+        tuple(warnings),
+        tuple(layer_shards),
+        minibatch,
+        0,
+        profile.model,
+        {
+            "iteration_s": iteration,
+            "kind": c.kind,
+            "warmup": 0,
+            "slowdown": [list(x) for x in pred.slowdown],
+            "tie_bytes": [model.tie_bytes(c.cuts)],
+            "chunk_devices": D,
+            **details,
+            "orders": {
+                str(s): [f"{op}{j}" for op, j in model.order(c.kind, k, s, m, 0)] for s in range(k)
+            },
+        },
+        c.kind,
+        iteration,
+        0,
     )
