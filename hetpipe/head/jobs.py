@@ -398,8 +398,9 @@ class JobsPart:
                 facts=facts,
             ),
         )
-        if predicted is not None and not runs_several_stages(spec):
-            # [replan]: watched against the plan's predictions
+        if predicted is not None and not runs_several_stages(js.plan.spec):
+            # [replan]: watched against the plan's predictions (not where a device runs
+            # several stages, the planner's split included: those take no live migration)
             js.watch = drift.watch_for(  # decisions carried out by live migration
                 spec,
                 js.plan,
