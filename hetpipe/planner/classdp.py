@@ -1,0 +1,327 @@
+"""Device order and split of one virtual worker at once: a DP over device classes.
+
+Devices of one class are interchangeable (:func:`hetpipe.planner.order.device_classes`:
+same type, memory, speed and host link, and the same bandwidth to every other device), so an
+order is, as far as any stage time or memory cap can tell, its sequence of classes. Instead
+of enumerating the sequences, this module runs the split's dynamic programs over states
+
+    (layers placed so far ``b``, multiset ``U`` of classes used, class ``p`` of the last
+    stage placed, class ``c`` of the stage placed next)
+
+Index letters: ``U`` counts per class (a tuple), ``c`` and ``q`` the current and next class,
+``p`` the previous one, ``b`` a layer boundary, ``w`` a band's width (:meth:`band`).
+
+A stage's time and memory depend on its device's class, its position (``sum(U) - 1``: the
+in-flight count) and the links in and out, ``link(p, c)`` and ``link(c, q)``; with links that
+follow node membership a class is a type on a node, so both links are functions of the two
+classes. The state must hold ``p`` only through ``link(p, c)``: states that differ only in a
+``p`` of the same link are merged (an elementwise minimum) before the stage's step, which is
+exact since a step distributes over the minimum. The work is about ``prod(count + 1) x
+classes x links in x links out`` band steps of ``L x w`` each, against one DP per order.
+
+**What is exact.** With Nm chosen (``best_nm``'s objective), the estimated rate
+``min(1 / bottleneck, Nm / latency)`` maximised over every order, contiguous split and Nm
+candidate: for each Nm, the least bottleneck ``B*`` over all orders (the min-max DP) and the
+least latency ``H(T)`` over all orders whose every stage takes at most ``T`` (the min-sum DP,
+stages over ``T`` masked) give the best rate ``max_T min(1 / T, Nm / H(T))``, found by the
+binary search over the bands' stage times that :meth:`CostModel._joint_split` runs for one
+order (``H`` falls and ``1 / T`` falls with ``T``). So the best rate equals the best over
+every order of :meth:`CostModel.best_nm`, which tests check against brute force. The order
+returned is one that reaches it (traced back from the DP); its split and Nm are then
+:meth:`CostModel.best_nm`'s for that order, so they carry the same tie-breaks as any order's.
+**What is not:** among orders of *equal* best rate, the one kept is the DP's (lower Nm, then
+the lower stage-time limit), not necessarily the order enumeration would keep (the
+lower bottleneck, Nm and latency of each order's own split); the rate itself is the same.
+With Nm fixed, the planner ranks each order by its least-bottleneck split's rate, which is
+not a DP objective over classes, so :func:`hetpipe.planner.order.best_order` keeps its own
+search there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetpipe.core.memory import in_flight
+from hetpipe.planner.costs import INF
+from hetpipe.planner.partition import CostModel, _merge_distinct, _windows
+
+__all__ = ["ClassSpace", "class_space", "best_class_order", "dp_cells"]
+
+State = tuple[tuple[int, ...], int, int]  # (U, p, c); p = -1 before the first stage
+
+
+@dataclass(frozen=True)
+class ClassSpace:
+    """The devices of one VW grouped into interchangeable classes."""
+
+    members: tuple[tuple[Any, ...], ...]  # per class, its devices
+    link: tuple[tuple[float, ...], ...]  # link[c][q]: bandwidth from a c device to a q one
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(len(m) for m in self.members)
+
+    @property
+    def k(self) -> int:
+        return sum(self.counts)
+
+
+def class_space(model: CostModel, devices: Sequence[Any], classes: Sequence[int]) -> ClassSpace:
+    """:class:`ClassSpace` of ``devices`` from :func:`~hetpipe.planner.order.device_classes`,
+    split further by each device's host link (a band's key, which the classes ignore)."""
+    groups: dict[tuple[int, Any], list[Any]] = {}
+    for d, c in zip(devices, classes, strict=True):
+        groups.setdefault((c, getattr(d, "host_gbps", None)), []).append(d)
+    members = tuple(tuple(g) for g in groups.values())
+    link = []
+    for mc in members:
+        row = []
+        for mq in members:
+            if mc is mq:
+                row.append(model.link(mc[0], mc[1]) if len(mc) > 1 else INF)
+            else:
+                row.append(model.link(mc[0], mq[0]))
+        link.append(tuple(row))
+    return ClassSpace(members, tuple(link))
+
+
+def dp_cells(space: ClassSpace, layers: int) -> int:
+    """A measure of one DP sweep's work: states (``prod(count + 1) x classes``) times the
+    distinct links in and out of a class, times the layers (each step costs ``L x w``)."""
+    states = math.prod(n + 1 for n in space.counts) * len(space.counts)
+    links = len({x for row in space.link for x in row if x < INF}) or 1
+    return states * links * links * (layers + 1)
+
+
+def _step(f: np.ndarray, band: np.ndarray, w: int, limit: float | None) -> np.ndarray:
+    """One stage: the min-max step (``limit`` None) or the min-sum step over stages of at
+    most ``limit``, written as :meth:`CostModel._run` and :meth:`CostModel._least_latency`
+    write them (the same floats)."""
+    n = len(f)
+    out = np.full(n, INF)
+    live = np.flatnonzero(f < INF)
+    if live.size:
+        lo, hi = int(live[0]) + 1, min(n, int(live[-1]) + w + 1)
+        if lo < hi:
+            win = _windows(f, w)[lo:hi]
+            rows = band[lo:hi]
+            if limit is None:
+                out[lo:hi] = np.maximum(win, rows).min(axis=1)
+            else:
+                cand = win + rows
+                if limit != INF:
+                    np.putmask(cand, ~(rows <= limit), INF)
+                out[lo:hi] = cand.min(axis=1)
+    return out
+
+
+class _Sweep:
+    """The DP over class states at one Nm; ``limit`` None: the bottleneck, else the least
+    latency with every stage at most ``limit``."""
+
+    def __init__(self, model: CostModel, space: ClassSpace, nm: int) -> None:
+        self.model, self.space, self.nm = model, space, nm
+        self.bands: dict[int, np.ndarray] = {}  # id -> band, every band a sweep used
+
+    def band(self, c: int, bw_in: float | None, bw_out: float | None, i: int):
+        d = self.space.members[c][0]
+        flight = in_flight(i, self.space.k, self.nm, weights=self.model.weights)
+        got = self.model.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, self.nm)
+        self.bands[id(got[0])] = got[0]
+        return got
+
+    def link(self, p: int, c: int, U: tuple[int, ...]) -> float | None:
+        """The link into a ``c`` stage from a ``p`` one (None for the first stage)."""
+        return None if p < 0 else self.space.link[p][c]
+
+    def run(
+        self, limit: float | None, keep: bool = False
+    ) -> tuple[float, State | None, list[dict[State, np.ndarray]]]:
+        """The best value at ``L`` over all orders, the final state reaching it and, with
+        ``keep``, every level's states (for :meth:`trace`)."""
+        counts, k, L = self.space.counts, self.space.k, self.model.L
+        f0 = self.model._f0
+        level: dict[State, np.ndarray] = {}
+        for c, n in enumerate(counts):
+            if n:
+                U = tuple(int(j == c) for j in range(len(counts)))
+                level[(U, -1, c)] = f0
+        kept = [level] if keep else []
+        for m in range(1, k):  # level m: m devices chosen, stages 0..m-2 done
+            merged: dict[tuple[tuple[int, ...], int, float | None], np.ndarray] = {}
+            for (U, p, c), f in level.items():
+                key = (U, c, self.link(p, c, U))
+                old = merged.get(key)
+                merged[key] = f if old is None else np.minimum(old, f)
+            nxt: dict[State, np.ndarray] = {}
+            for (U, c, bw_in), f in merged.items():
+                done: dict[float, np.ndarray] = {}
+                for q, n in enumerate(counts):
+                    if U[q] >= n:
+                        continue
+                    bw_out = self.space.link[c][q]
+                    g = done.get(bw_out)
+                    if g is None:
+                        band, w = self.band(c, bw_in, bw_out, m - 1)
+                        g = done[bw_out] = _step(f, band, w, limit)
+                    if not np.isfinite(g).any():
+                        continue
+                    V = tuple(u + (j == q) for j, u in enumerate(U))
+                    key2 = (V, c, q)
+                    old = nxt.get(key2)
+                    nxt[key2] = g if old is None else np.minimum(old, g)
+            level = nxt
+            if keep:
+                kept.append(level)
+        best, where = INF, None
+        for (U, p, c), f in level.items():
+            band, w = self.band(c, self.link(p, c, U), None, k - 1)
+            v = float(_step(f, band, w, limit)[L])
+            if v < best:
+                best, where = v, (U, p, c)
+        return best, where, kept
+
+    def trace(self, limit: float | None, end: State, kept: list[dict[State, np.ndarray]]):
+        """The class of each stage of a split reaching the sweep's optimum at ``end``,
+        recomputing each step's candidates and matching the stored floats exactly."""
+        k, L = self.space.k, self.model.L
+
+        def cands(f: np.ndarray, band: np.ndarray, w: int, b: int) -> np.ndarray:
+            a = b - w + np.arange(w)
+            prev = np.where(a >= 0, f[np.maximum(a, 0)], INF)
+            row = band[b]
+            if limit is None:
+                return np.maximum(prev, row)
+            out = prev + row
+            out[~(row <= limit)] = INF
+            return out
+
+        U, p, c = end
+        band, w = self.band(c, self.link(p, c, U), None, k - 1)
+        target = float(_step(kept[k - 1][end], band, w, limit)[L])
+        seq = [c]
+        b = L
+        a_of = cands(kept[k - 1][end], band, w, b)
+        j = int(np.flatnonzero(a_of == target)[0])
+        b = b - w + j
+        state = end
+        for m in range(k - 1, 0, -1):
+            U, p, c = state
+            want = float(kept[m][state][b])
+            prevU = tuple(u - (i == c) for i, u in enumerate(U))
+            found = None
+            for (U2, p2, c2), f in kept[m - 1].items():
+                if U2 != prevU or c2 != p:
+                    continue
+                band, w = self.band(p, self.link(p2, p, U2), self.space.link[p][c], m - 1)
+                hit = np.flatnonzero(cands(f, band, w, b) == want)
+                if hit.size:
+                    found = ((U2, p2, c2), b - w + int(hit[0]))
+                    break
+            assert found is not None, "a stored state comes from some predecessor"
+            state, b = found
+            seq.append(p)
+        assert b == 0
+        seq.reverse()
+        return seq
+
+
+@dataclass(frozen=True)
+class ClassResult:
+    """The best rate over every order (with its Nm and stage-time limit) and an order
+    reaching it; ``order`` None where no order fits at any candidate Nm."""
+
+    order: tuple[Any, ...] | None
+    rate: float
+    nm: int
+    sweeps: int
+
+
+def best_class_order(
+    model: CostModel, space: ClassSpace, nm_candidates: Iterable[int] | None = None
+) -> ClassResult:
+    """The order (and Nm) of the best estimated rate over all orders, splits and Nm
+    candidates (module docs); ties: the smaller Nm, then the lower stage-time limit."""
+    k = space.k
+    cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
+    best: tuple[float, int, float] | None = None  # (rate, nm, limit)
+    sweeps = 0
+    for nm in cands:
+        sw = _Sweep(model, space, nm)
+        b_star, _, _ = sw.run(None)
+        sweeps += 1
+        if not math.isfinite(b_star):
+            if model._tie_copies is None:
+                break  # more Nm only needs more memory
+            continue
+        if best is not None and _rate(1.0, b_star) <= best[0]:
+            if model._tie_copies is None:
+                break  # B* never falls with Nm: no larger Nm beats the best either
+            continue
+        rate, limit, n = _joint(sw, b_star)
+        sweeps += n
+        if best is None or rate > best[0]:
+            best = (rate, nm, limit)
+    if best is None:
+        return ClassResult(None, -INF, cands[0], sweeps)
+    rate, nm, limit = best
+    sw = _Sweep(model, space, nm)
+    _, end, kept = sw.run(limit, keep=True)
+    sweeps += 1
+    assert end is not None
+    return ClassResult(order_of(space, sw.trace(limit, end, kept)), rate, nm, sweeps)
+
+
+def _rate(count: float, time: float) -> float:
+    return count / time if time > 0 else INF
+
+
+def _joint(sw: _Sweep, b_star: float) -> tuple[float, float, int]:
+    """The best rate at the sweep's Nm over all orders, the stage-time limit whose
+    least-latency split reaches it, and the sweeps run: the smallest stage time ``T`` (of
+    the bands, from ``B*``) whose least latency ``H(T)`` fills (``Nm T >= H(T)``) gives
+    ``1 / T``, the one below it ``Nm / H``; the better of the two is the best."""
+    nm = sw.nm
+    values = [np.unique(b[b < INF]) for b in sw.bands.values()]
+    merged = _merge_distinct(values)
+    merged = merged[merged >= b_star]
+    h: Callable[[float], float]
+    cache: dict[float, float] = {}
+
+    def h(t: float) -> float:
+        if t not in cache:
+            cache[t] = sw.run(t)[0]
+        return cache[t]
+
+    below, fills = -1, len(merged)
+    while fills - below > 1:
+        mid = (below + fills) // 2
+        t = float(merged[mid])
+        if nm * t >= h(t):
+            fills = mid
+        else:
+            below = mid
+    options: list[tuple[float, float]] = []
+    if fills < len(merged):
+        options.append((_rate(1.0, float(merged[fills])), float(merged[fills])))
+    if below >= 0:
+        t = float(merged[below])
+        options.append((_rate(nm, h(t)), t))
+    # the higher rate; among equal rates the lower limit (the lower bottleneck)
+    rate, limit = max(options, key=lambda o: (o[0], -o[1]))
+    return rate, limit, len(cache)
+
+
+def order_of(space: ClassSpace, seq: Sequence[int]) -> tuple[Any, ...]:
+    """Devices for a sequence of classes, each class's members in their order."""
+    used = [0] * len(space.members)
+    out = []
+    for c in seq:
+        out.append(space.members[c][used[c]])
+        used[c] += 1
+    return tuple(out)
