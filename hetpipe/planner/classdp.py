@@ -40,7 +40,7 @@ search there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from hetpipe.core.memory import in_flight
 from hetpipe.planner.costs import INF
 from hetpipe.planner.partition import CostModel, _merge_distinct, _windows
 
-__all__ = ["ClassSpace", "class_space", "best_class_order", "dp_cells"]
+__all__ = ["ClassSpace", "best_class_order", "class_space", "dp_cells"]
 
 State = tuple[tuple[int, ...], int, int]  # (U, p, c); p = -1 before the first stage
 
@@ -120,6 +120,36 @@ def _step(f: np.ndarray, band: np.ndarray, w: int, limit: float | None) -> np.nd
     return out
 
 
+def _step_many(F: np.ndarray, band: np.ndarray, w: int, limit: float | None) -> np.ndarray:
+    """:func:`_step` of every row of ``F`` with one band (the same floats), in chunks of
+    rows that keep the ``rows x L x w`` candidates to a few MiB."""
+    m, n = F.shape
+    out = np.full((m, n), INF)
+    live = np.flatnonzero(np.isfinite(F).any(axis=0))
+    if not live.size:
+        return out
+    lo, hi = int(live[0]) + 1, min(n, int(live[-1]) + w + 1)
+    if lo >= hi:
+        return out
+    padded = np.full((m, n + w), INF)
+    padded[:, w:] = F
+    s0, s1 = padded.strides
+    win_all = np.lib.stride_tricks.as_strided(padded, shape=(m, n, w), strides=(s0, s1, s1))
+    rows = band[lo:hi]
+    mask = None if limit is None or limit == INF else ~(rows <= limit)
+    chunk = max(1, (1 << 19) // max(1, (hi - lo) * w))
+    for r0 in range(0, m, chunk):
+        win = win_all[r0 : r0 + chunk, lo:hi]
+        if limit is None:
+            out[r0 : r0 + chunk, lo:hi] = np.maximum(win, rows).min(axis=2)
+        else:
+            cand = win + rows
+            if mask is not None:
+                np.putmask(cand, np.broadcast_to(mask, cand.shape), INF)
+            out[r0 : r0 + chunk, lo:hi] = cand.min(axis=2)
+    return out
+
+
 class _Sweep:
     """The DP over class states at one Nm; ``limit`` None: the bottleneck, else the least
     latency with every stage at most ``limit``."""
@@ -143,48 +173,55 @@ class _Sweep:
         self, limit: float | None, keep: bool = False
     ) -> tuple[float, State | None, list[dict[State, np.ndarray]]]:
         """The best value at ``L`` over all orders, the final state reaching it and, with
-        ``keep``, every level's states (for :meth:`trace`)."""
-        counts, k, L = self.space.counts, self.space.k, self.model.L
-        f0 = self.model._f0
-        level: dict[State, np.ndarray] = {}
-        for c, n in enumerate(counts):
-            if n:
-                U = tuple(int(j == c) for j in range(len(counts)))
-                level[(U, -1, c)] = f0
-        kept = [level] if keep else []
-        for m in range(1, k):  # level m: m devices chosen, stages 0..m-2 done
-            merged: dict[tuple[tuple[int, ...], int, float | None], np.ndarray] = {}
-            for (U, p, c), f in level.items():
-                key = (U, c, self.link(p, c, U))
-                old = merged.get(key)
-                merged[key] = f if old is None else np.minimum(old, f)
-            nxt: dict[State, np.ndarray] = {}
-            for (U, c, bw_in), f in merged.items():
-                done: dict[float, np.ndarray] = {}
-                for q, n in enumerate(counts):
-                    if U[q] >= n:
-                        continue
-                    bw_out = self.space.link[c][q]
-                    g = done.get(bw_out)
-                    if g is None:
-                        band, w = self.band(c, bw_in, bw_out, m - 1)
-                        g = done[bw_out] = _step(f, band, w, limit)
-                    if not np.isfinite(g).any():
-                        continue
-                    V = tuple(u + (j == q) for j, u in enumerate(U))
-                    key2 = (V, c, q)
-                    old = nxt.get(key2)
-                    nxt[key2] = g if old is None else np.minimum(old, g)
-            level = nxt
+        ``keep``, every level's states (for :meth:`trace`).
+
+        Each level's states are the rows of one array; merging the states of one link in
+        and stepping every state of one band are a few array operations each
+        (:func:`_levels` lays out which rows go where)."""
+        levels = _levels(self.space)
+        n, L, k = self.model.L + 1, self.model.L, self.space.k
+        F = np.full((len(levels[0].states), n), INF)
+        F[:, 0] = 0.0
+        kept: list[dict[State, np.ndarray]] = []
+        for m, lv in enumerate(levels):
             if keep:
-                kept.append(level)
-        best, where = INF, None
-        for (U, p, c), f in level.items():
-            band, w = self.band(c, self.link(p, c, U), None, k - 1)
-            v = float(_step(f, band, w, limit)[L])
-            if v < best:
-                best, where = v, (U, p, c)
-        return best, where, kept
+                kept.append(dict(zip(lv.states, F, strict=True)))
+            M = np.full((len(lv.groups), n), INF)
+            np.minimum.at(M, lv.group_of, F)
+            nxt = np.full((lv.next_size, n), INF) if m < k - 1 else None
+            best, where = INF, -1
+            for c, bw_in, bw_out, rows, src, dst in lv.batches:
+                band, w = self.band(c, bw_in, bw_out, m)
+                G = _step_many(M[rows], band, w, limit)
+                if nxt is not None:
+                    np.minimum.at(nxt, dst, G[src])
+                else:
+                    col = G[:, L]
+                    r = int(np.argmin(col))
+                    if col[r] < best:
+                        best, where = float(col[r]), int(rows[r])
+            if nxt is None:
+                if where < 0:
+                    return INF, None, kept
+                # a state of the last level whose merged group reaches the optimum
+                g = lv.groups[where]
+                end = next(
+                    s
+                    for s, gi in zip(lv.states, lv.group_of, strict=True)
+                    if gi == where
+                    and np.isfinite(F[lv.index[s]]).any()
+                    and self._ends(s, F[lv.index[s]], limit, best)
+                )
+                del g
+                return best, end, kept
+            F = nxt
+        raise AssertionError("unreachable")
+
+    def _ends(self, s: State, f: np.ndarray, limit: float | None, best: float) -> bool:
+        """Whether the last stage from state ``s`` with states ``f`` reaches ``best``."""
+        U, p, c = s
+        band, w = self.band(c, self.link(p, c, U), None, self.space.k - 1)
+        return float(_step(f, band, w, limit)[self.model.L]) == best
 
     def trace(self, limit: float | None, end: State, kept: list[dict[State, np.ndarray]]):
         """The class of each stage of a split reaching the sweep's optimum at ``end``,
@@ -216,7 +253,7 @@ class _Sweep:
             prevU = tuple(u - (i == c) for i, u in enumerate(U))
             found = None
             for (U2, p2, c2), f in kept[m - 1].items():
-                if U2 != prevU or c2 != p:
+                if prevU != U2 or c2 != p:
                     continue
                 band, w = self.band(p, self.link(p2, p, U2), self.space.link[p][c], m - 1)
                 hit = np.flatnonzero(cands(f, band, w, b) == want)
@@ -229,6 +266,79 @@ class _Sweep:
         assert b == 0
         seq.reverse()
         return seq
+
+
+@dataclass
+class _Level:
+    """One level of the class DP (``m + 1`` devices chosen), laid out once per class space:
+    its states (rows), the merged group (``U``, ``c``, link in) of each, and per band
+    (``c``, link in, link out) the groups it steps (``rows``) and where each result goes
+    (``G[src]`` into the next level's rows ``dst``)."""
+
+    states: list[State]
+    index: dict[State, int]
+    groups: list[tuple[tuple[int, ...], int, float | None]]
+    group_of: np.ndarray
+    batches: list[tuple[int, float | None, float | None, np.ndarray, np.ndarray, np.ndarray]]
+    next_size: int
+
+
+_LEVELS: dict[int, tuple[ClassSpace, list[_Level]]] = {}
+
+
+def _levels(space: ClassSpace) -> list[_Level]:
+    """:class:`_Level` of each level of ``space`` (cached while the space lives)."""
+    hit = _LEVELS.get(id(space))
+    if hit is not None and hit[0] is space:
+        return hit[1]
+    counts, k, link = space.counts, space.k, space.link
+    C = len(counts)
+    states: list[State] = [
+        (tuple(int(j == c) for j in range(C)), -1, c) for c in range(C) if counts[c]
+    ]
+    out: list[_Level] = []
+    for m in range(k):
+        index = {s: i for i, s in enumerate(states)}
+        gidx: dict[tuple[tuple[int, ...], int, float | None], int] = {}
+        group_of = []
+        for U, p, c in states:
+            key = (U, c, None if p < 0 else link[p][c])
+            group_of.append(gidx.setdefault(key, len(gidx)))
+        groups = list(gidx)
+        nstates: dict[State, int] = {}
+        plan: dict[tuple[int, float | None, float | None], tuple[list, list, list]] = {}
+        for gi, (U, c, bw_in) in enumerate(groups):
+            if m == k - 1:
+                plan.setdefault((c, bw_in, None), ([], [], []))[0].append(gi)
+                continue
+            for q in range(C):
+                if U[q] >= counts[q]:
+                    continue
+                rows, src, dst = plan.setdefault((c, bw_in, link[c][q]), ([], [], []))
+                if not rows or rows[-1] != gi:
+                    rows.append(gi)
+                V = tuple(u + (j == q) for j, u in enumerate(U))
+                src.append(len(rows) - 1)
+                dst.append(nstates.setdefault((V, c, q), len(nstates)))
+        batches = [
+            (
+                c,
+                bi,
+                bo,
+                np.array(r, dtype=np.intp),
+                np.array(sr, dtype=np.intp),
+                np.array(d, dtype=np.intp),
+            )
+            for (c, bi, bo), (r, sr, d) in plan.items()
+        ]
+        out.append(
+            _Level(states, index, groups, np.array(group_of, dtype=np.intp), batches, len(nstates))
+        )
+        states = list(nstates)
+    if len(_LEVELS) > 64:
+        _LEVELS.clear()
+    _LEVELS[id(space)] = (space, out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -263,7 +373,11 @@ def best_class_order(
             if model._tie_copies is None:
                 break  # B* never falls with Nm: no larger Nm beats the best either
             continue
-        rate, limit, n = _joint(sw, b_star)
+        shortest, _, _ = sw.run(INF)  # H(inf): no split at this Nm beats Nm / it
+        sweeps += 1
+        if best is not None and min(_rate(1.0, b_star), _rate(nm, shortest)) <= best[0]:
+            continue
+        rate, limit, n = _joint(sw, b_star, shortest)
         sweeps += n
         if best is None or rate > best[0]:
             best = (rate, nm, limit)
@@ -281,7 +395,7 @@ def _rate(count: float, time: float) -> float:
     return count / time if time > 0 else INF
 
 
-def _joint(sw: _Sweep, b_star: float) -> tuple[float, float, int]:
+def _joint(sw: _Sweep, b_star: float, shortest: float) -> tuple[float, float, int]:
     """The best rate at the sweep's Nm over all orders, the stage-time limit whose
     least-latency split reaches it, and the sweeps run: the smallest stage time ``T`` (of
     the bands, from ``B*``) whose least latency ``H(T)`` fills (``Nm T >= H(T)``) gives
@@ -290,8 +404,9 @@ def _joint(sw: _Sweep, b_star: float) -> tuple[float, float, int]:
     values = [np.unique(b[b < INF]) for b in sw.bands.values()]
     merged = _merge_distinct(values)
     merged = merged[merged >= b_star]
-    h: Callable[[float], float]
     cache: dict[float, float] = {}
+    if merged.size:
+        cache[float(merged[-1])] = shortest  # every stage time is at most the largest
 
     def h(t: float) -> float:
         if t not in cache:
@@ -299,6 +414,13 @@ def _joint(sw: _Sweep, b_star: float) -> tuple[float, float, int]:
         return cache[t]
 
     below, fills = -1, len(merged)
+    if merged.size and nm * float(merged[0]) >= h(float(merged[0])):
+        fills = 0  # the least bottleneck's least-latency split fills: 1 / B* is the best
+    elif merged.size:
+        # no T below H(inf) / Nm fills (H(T) >= H(inf)); every T from H(B*) / Nm does
+        # (H(T) <= H(B*)): the search runs between the two
+        below = max(0, int(np.searchsorted(merged, shortest / nm, "left")) - 1)
+        fills = min(fills, int(np.searchsorted(merged, h(float(merged[0])) / nm, "left")))
     while fills - below > 1:
         mid = (below + fills) // 2
         t = float(merged[mid])

@@ -31,9 +31,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.planner.classdp import ClassSpace, best_class_order, class_space, dp_cells
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 
 __all__ = [
+    "CLASS_DP_MAX_CELLS",
     "EXHAUSTIVE_MAX",
     "OrderResult",
     "best_order",
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 EXHAUSTIVE_MAX = 6
+# above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
+# (classdp.dp_cells) is at most this; beyond it the local search remains
+CLASS_DP_MAX_CELLS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,14 @@ class OrderResult:
     order: tuple[Any, ...]
     partition: Partition | Infeasible
     evaluated: int  # distinct orders whose split was computed
-    exhaustive: bool
+    exhaustive: bool  # every distinct order was tried (or proved unable to win)
     pruned: int = 0  # distinct orders skipped because a bound proved they cannot win
+    by_classes: bool = False  # found by the DP over device classes (exact, none enumerated)
+
+    @property
+    def exact(self) -> bool:
+        """Whether no order has a higher estimated rate (see the module docs)."""
+        return self.exhaustive or self.by_classes
 
 
 def device_classes(devices: Sequence[Any], bandwidth: Callable[[Any, Any], float]) -> list[int]:
@@ -146,6 +157,7 @@ def best_order(
     nm_candidates: Iterable[int] | None = None,
     exhaustive_max: int = EXHAUSTIVE_MAX,
     prune: bool = True,
+    classes_dp: bool = True,
 ) -> OrderResult:
     """The best order of ``devices`` and its split (Nm fixed to ``nm`` or chosen).
 
@@ -163,6 +175,10 @@ def best_order(
     devices = tuple(devices)
     k = len(devices)
     cands = None if nm_candidates is None else tuple(nm_candidates)
+    if classes_dp and nm is None and k > exhaustive_max and model._plain(devices):
+        space = class_space(model, devices, device_classes(devices, model.link))
+        if dp_cells(space, model.L) <= CLASS_DP_MAX_CELLS:
+            return _by_classes(model, devices, space, cands)
     bound_nm = nm if nm is not None else min(cands or (1,))
     seen: dict[tuple[int, ...], tuple[float, ...]] = {}
     best: list[Any] = []  # [score, order, partition]
@@ -215,6 +231,19 @@ def best_order(
         p = first_fail[0]
     pruned = count_orders(classes) - len(seen) if exhaustive else 0
     return OrderResult(order, p, len(seen), exhaustive, pruned)
+
+
+def _by_classes(
+    model: CostModel, devices: tuple[Any, ...], space: ClassSpace, cands: tuple[int, ...] | None
+) -> OrderResult:
+    """:func:`best_order` by the DP over device classes (:mod:`hetpipe.planner.classdp`):
+    the order of the best rate over all orders, with :meth:`CostModel.best_nm`'s split and
+    Nm for it; where no order fits, the first natural order's reason."""
+    got = best_class_order(model, space, cands)
+    order = got.order if got.order is not None else _starts(devices)[0]
+    p = model.best_nm(order, cands)
+    assert p is not None
+    return OrderResult(order, p, 1, False, by_classes=True)
 
 
 def _branch_and_bound(
