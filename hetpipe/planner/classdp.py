@@ -157,6 +157,7 @@ class _Sweep:
     def __init__(self, model: CostModel, space: ClassSpace, nm: int) -> None:
         self.model, self.space, self.nm = model, space, nm
         self.bands: dict[int, np.ndarray] = {}  # id -> band, every band a sweep used
+        self.runs = 0  # sweeps run
 
     def band(self, c: int, bw_in: float | None, bw_out: float | None, i: int):
         d = self.space.members[c][0]
@@ -179,6 +180,7 @@ class _Sweep:
         and stepping every state of one band are a few array operations each
         (:func:`_levels` lays out which rows go where)."""
         levels = _levels(self.space)
+        self.runs += 1
         n, L, k = self.model.L + 1, self.model.L, self.space.k
         F = np.full((len(levels[0].states), n), INF)
         F[:, 0] = 0.0
@@ -356,30 +358,36 @@ def best_class_order(
     model: CostModel, space: ClassSpace, nm_candidates: Iterable[int] | None = None
 ) -> ClassResult:
     """The order (and Nm) of the best estimated rate over all orders, splits and Nm
-    candidates (module docs); ties: the smaller Nm, then the lower stage-time limit."""
+    candidates (module docs); ties: the smaller Nm, then the lower stage-time limit.
+
+    The largest Nm goes first (its pipeline fills most often, so its rate is usually the
+    one to beat); every other Nm is first asked, in one sweep, whether it can reach the
+    best rate ``R`` so far at all: a split of rate ``R`` or more has every stage at most
+    ``1 / R`` and a latency at most ``Nm / R``, so where the least latency under the limit
+    ``1 / R`` is above ``Nm / R`` (with a margin for rounding) that Nm is skipped."""
     k = space.k
     cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
     best: tuple[float, int, float] | None = None  # (rate, nm, limit)
     sweeps = 0
-    for nm in cands:
+    for nm in reversed(cands):
         sw = _Sweep(model, space, nm)
+        if best is not None and best[0] > 0 and math.isfinite(best[0]):
+            reach, _, _ = sw.run((1.0 / best[0]) * (1.0 + 1e-9))
+            if not reach * (1.0 - 1e-9) <= nm / best[0]:
+                sweeps += sw.runs
+                continue
         b_star, _, _ = sw.run(None)
-        sweeps += 1
         if not math.isfinite(b_star):
-            if model._tie_copies is None:
-                break  # more Nm only needs more memory
-            continue
-        if best is not None and _rate(1.0, b_star) <= best[0]:
-            if model._tie_copies is None:
-                break  # B* never falls with Nm: no larger Nm beats the best either
+            sweeps += sw.runs
             continue
         shortest, _, _ = sw.run(INF)  # H(inf): no split at this Nm beats Nm / it
-        sweeps += 1
-        if best is not None and min(_rate(1.0, b_star), _rate(nm, shortest)) <= best[0]:
-            continue
-        rate, limit, n = _joint(sw, b_star, shortest)
-        sweeps += n
-        if best is None or rate > best[0]:
+        got = _joint(sw, b_star, shortest, -INF if best is None else best[0])
+        sweeps += sw.runs
+        if got is None:
+            continue  # bounded below the best so far
+        rate, limit = got
+        # ties: the smaller Nm (they come later), then the lower limit
+        if best is None or rate > best[0] or (rate == best[0] and nm < best[1]):
             best = (rate, nm, limit)
     if best is None:
         return ClassResult(None, -INF, cands[0], sweeps)
@@ -395,11 +403,14 @@ def _rate(count: float, time: float) -> float:
     return count / time if time > 0 else INF
 
 
-def _joint(sw: _Sweep, b_star: float, shortest: float) -> tuple[float, float, int]:
+def _joint(
+    sw: _Sweep, b_star: float, shortest: float, beat: float = -INF
+) -> tuple[float, float] | None:
     """The best rate at the sweep's Nm over all orders, the stage-time limit whose
-    least-latency split reaches it, and the sweeps run: the smallest stage time ``T`` (of
-    the bands, from ``B*``) whose least latency ``H(T)`` fills (``Nm T >= H(T)``) gives
-    ``1 / T``, the one below it ``Nm / H``; the better of the two is the best."""
+    least-latency split reaches it (None where bounds prove it below ``beat``): the
+    smallest stage time ``T`` (of the bands, from ``B*``) whose least latency ``H(T)``
+    fills (``Nm T >= H(T)``) gives ``1 / T``, the one below it ``Nm / H``; the better of
+    the two is the best."""
     nm = sw.nm
     values = [np.unique(b[b < INF]) for b in sw.bands.values()]
     merged = _merge_distinct(values)
@@ -428,6 +439,22 @@ def _joint(sw: _Sweep, b_star: float, shortest: float) -> tuple[float, float, in
             fills = mid
         else:
             below = mid
+        if beat > -INF:
+            # as CostModel._joint_split bounds it: H falls with T, so the best rate is at
+            # most Nm / H(below) up to ``below``, 1 / T(fills) from ``fills``, and the
+            # smaller of 1 / T(below) and Nm / H(fills) between
+            # (H never goes below H(inf): where H is not known yet, that bounds it)
+            t_below = float(merged[below]) if below >= 0 else b_star
+            h_below = cache.get(t_below, shortest)
+            t_fills = float(merged[fills]) if fills < len(merged) else INF
+            h_fills = cache.get(t_fills, shortest)
+            most = max(
+                _rate(nm, h_below),
+                _rate(1.0, t_fills),
+                min(_rate(1.0, t_below), _rate(nm, h_fills)),
+            )
+            if most * (1.0 + 1e-9) < beat:
+                return None
     options: list[tuple[float, float]] = []
     if fills < len(merged):
         options.append((_rate(1.0, float(merged[fills])), float(merged[fills])))
@@ -436,7 +463,7 @@ def _joint(sw: _Sweep, b_star: float, shortest: float) -> tuple[float, float, in
         options.append((_rate(nm, h(t)), t))
     # the higher rate; among equal rates the lower limit (the lower bottleneck)
     rate, limit = max(options, key=lambda o: (o[0], -o[1]))
-    return rate, limit, len(cache)
+    return rate, limit
 
 
 def order_of(space: ClassSpace, seq: Sequence[int]) -> tuple[Any, ...]:
