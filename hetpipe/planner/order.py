@@ -15,10 +15,15 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   bottleneck (exact DP over the prefix, plus a relaxation for the devices still to place)
   cannot beat the best rate found so far is dropped with all its completions. The answer
   is the same as trying every order; ``OrderResult.pruned`` counts the orders skipped.
-* **Larger VWs: heuristic.** Start from a few natural orders (devices grouped by node, larger
-  memory first, since the last stage needs the least memory; by memory alone; by speed),
-  keep the best, then swap adjacent devices (first improvement, repeated passes) while that
-  improves the objective. Interchangeable neighbours are never swapped.
+* **Larger VWs, Nm chosen: the class DP** (:mod:`hetpipe.planner.classdp`) where its size
+  (:func:`~hetpipe.planner.classdp.dp_cells`) is at most :data:`CLASS_DP_MAX_CELLS`: a
+  dynamic program over the layers placed and the multiset of classes used, exact for the
+  best estimated rate over every order, split and Nm (``OrderResult.by_classes``).
+* **Otherwise (larger VWs beyond that size, or Nm fixed): heuristic.** Start from a few
+  natural orders (devices grouped by node, larger memory first, since the last stage needs
+  the least memory; by memory alone; by speed), keep the best, then swap adjacent devices
+  (first improvement, repeated passes) while that improves the objective. Interchangeable
+  neighbours are never swapped.
 
 The objective is the estimated pipeline rate of the best split and Nm for the order
 (:meth:`Partition.minibatches_per_s`), then the lower bottleneck, smaller Nm, lower latency.
