@@ -412,7 +412,7 @@ def _joint(
     fills (``Nm T >= H(T)``) gives ``1 / T``, the one below it ``Nm / H``; the better of
     the two is the best."""
     nm = sw.nm
-    values = [np.unique(b[b < INF]) for b in sw.bands.values()]
+    values = [sw.model._band_values(b) for b in sw.bands.values()]
     merged = _merge_distinct(values)
     merged = merged[merged >= b_star]
     cache: dict[float, float] = {}
