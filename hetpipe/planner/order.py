@@ -52,7 +52,7 @@ __all__ = [
 EXHAUSTIVE_MAX = 6
 # above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
 # (classdp.dp_cells) is at most this; beyond it the local search remains
-CLASS_DP_MAX_CELLS = 2_000_000
+CLASS_DP_MAX_CELLS = 400_000
 
 
 @dataclass(frozen=True)
