@@ -159,7 +159,11 @@ class _Sweep:
         self.bands: dict[int, np.ndarray] = {}  # id -> band, every band a sweep used
         self.runs = 0  # sweeps run
 
-    def band(self, c: int, bw_in: float | None, bw_out: float | None, i: int):
+    def band(
+        self, c: int, bw_in: float | None, bw_out: float | None, i: int
+    ) -> tuple[np.ndarray, int]:
+        """The band of a ``c`` stage at position ``i`` with these links (recorded for the
+        joint search's stage times)."""
         d = self.space.members[c][0]
         flight = in_flight(i, self.space.k, self.nm, weights=self.model.weights)
         got = self.model.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, self.nm)
@@ -206,7 +210,6 @@ class _Sweep:
                 if where < 0:
                     return INF, None, kept
                 # a state of the last level whose merged group reaches the optimum
-                g = lv.groups[where]
                 end = next(
                     s
                     for s, gi in zip(lv.states, lv.group_of, strict=True)
@@ -214,7 +217,6 @@ class _Sweep:
                     and np.isfinite(F[lv.index[s]]).any()
                     and self._ends(s, F[lv.index[s]], limit, best)
                 )
-                del g
                 return best, end, kept
             F = nxt
         raise AssertionError("unreachable")
