@@ -15,10 +15,15 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   bottleneck (exact DP over the prefix, plus a relaxation for the devices still to place)
   cannot beat the best rate found so far is dropped with all its completions. The answer
   is the same as trying every order; ``OrderResult.pruned`` counts the orders skipped.
-* **Larger VWs: heuristic.** Start from a few natural orders (devices grouped by node, larger
-  memory first, since the last stage needs the least memory; by memory alone; by speed),
-  keep the best, then swap adjacent devices (first improvement, repeated passes) while that
-  improves the objective. Interchangeable neighbours are never swapped.
+* **Larger VWs, Nm chosen: the class DP** (:mod:`hetpipe.planner.classdp`) where its size
+  (:func:`~hetpipe.planner.classdp.dp_cells`) is at most :data:`CLASS_DP_MAX_CELLS`: a
+  dynamic program over the layers placed and the multiset of classes used, exact for the
+  best estimated rate over every order, split and Nm (``OrderResult.by_classes``).
+* **Otherwise (larger VWs beyond that size, or Nm fixed): heuristic.** Start from a few
+  natural orders (devices grouped by node, larger memory first, since the last stage needs
+  the least memory; by memory alone; by speed), keep the best, then swap adjacent devices
+  (first improvement, repeated passes) while that improves the objective. Interchangeable
+  neighbours are never swapped.
 
 The objective is the estimated pipeline rate of the best split and Nm for the order
 (:meth:`Partition.minibatches_per_s`), then the lower bottleneck, smaller Nm, lower latency.
@@ -31,9 +36,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetpipe.planner.classdp import ClassSpace, best_class_order, class_space, dp_cells
 from hetpipe.planner.partition import CostModel, Infeasible, Partition
 
 __all__ = [
+    "CLASS_DP_MAX_CELLS",
     "EXHAUSTIVE_MAX",
     "OrderResult",
     "best_order",
@@ -43,6 +50,9 @@ __all__ = [
 ]
 
 EXHAUSTIVE_MAX = 6
+# above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
+# (classdp.dp_cells) is at most this; beyond it the local search remains
+CLASS_DP_MAX_CELLS = 400_000
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,14 @@ class OrderResult:
     order: tuple[Any, ...]
     partition: Partition | Infeasible
     evaluated: int  # distinct orders whose split was computed
-    exhaustive: bool
+    exhaustive: bool  # every distinct order was tried (or proved unable to win)
     pruned: int = 0  # distinct orders skipped because a bound proved they cannot win
+    by_classes: bool = False  # found by the DP over device classes (exact, none enumerated)
+
+    @property
+    def exact(self) -> bool:
+        """Whether no order has a higher estimated rate (see the module docs)."""
+        return self.exhaustive or self.by_classes
 
 
 def device_classes(devices: Sequence[Any], bandwidth: Callable[[Any, Any], float]) -> list[int]:
@@ -146,6 +162,7 @@ def best_order(
     nm_candidates: Iterable[int] | None = None,
     exhaustive_max: int = EXHAUSTIVE_MAX,
     prune: bool = True,
+    classes_dp: bool = True,
 ) -> OrderResult:
     """The best order of ``devices`` and its split (Nm fixed to ``nm`` or chosen).
 
@@ -163,6 +180,10 @@ def best_order(
     devices = tuple(devices)
     k = len(devices)
     cands = None if nm_candidates is None else tuple(nm_candidates)
+    if classes_dp and nm is None and k > exhaustive_max and model._plain(devices):
+        space = class_space(model, devices, device_classes(devices, model.link))
+        if dp_cells(space, model.L) <= CLASS_DP_MAX_CELLS:
+            return _by_classes(model, devices, space, cands)
     bound_nm = nm if nm is not None else min(cands or (1,))
     seen: dict[tuple[int, ...], tuple[float, ...]] = {}
     best: list[Any] = []  # [score, order, partition]
@@ -215,6 +236,19 @@ def best_order(
         p = first_fail[0]
     pruned = count_orders(classes) - len(seen) if exhaustive else 0
     return OrderResult(order, p, len(seen), exhaustive, pruned)
+
+
+def _by_classes(
+    model: CostModel, devices: tuple[Any, ...], space: ClassSpace, cands: tuple[int, ...] | None
+) -> OrderResult:
+    """:func:`best_order` by the DP over device classes (:mod:`hetpipe.planner.classdp`):
+    the order of the best rate over all orders, with :meth:`CostModel.best_nm`'s split and
+    Nm for it; where no order fits, the first natural order's reason."""
+    got = best_class_order(model, space, cands)
+    order = got.order if got.order is not None else _starts(devices)[0]
+    p = model.best_nm(order, cands)
+    assert p is not None
+    return OrderResult(order, p, 1, False, by_classes=True)
 
 
 def _branch_and_bound(

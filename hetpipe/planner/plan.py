@@ -144,7 +144,7 @@ class _Search:
         nm = p.nm if isinstance(p, Partition) else (self.inputs.nm or 1)
         split = self.model.partition if self.inputs.nm is not None else self.model.best_rate
         p = split(order, nm)
-        return OrderResult(order, p, 0, hit.exhaustive)
+        return dataclasses.replace(hit, order=order, partition=p, evaluated=0)
 
     def evaluate(self, f: Formation) -> tuple[float, Any]:
         """Effective rate of a formation (:meth:`score`): each VW's best order, split and Nm,
