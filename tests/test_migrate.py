@@ -671,6 +671,9 @@ def test_an_order_a_later_stage_refuses_is_cancelled_where_it_was_taken(tmp_path
     assert set(answers) == {7, 8}
     assert all(a["cancelled"].startswith("cancelled: ") for a in answers.values())
     assert head._meets == {}
+    head.refuse, head.picked, head.sent = None, 12, []
+    asyncio.run(head.migrate("j", 0, [8, 4, 4], "drift"))
+    assert head.sent[0][1]["at"] == 12  # proposed past the cancelled boundary 10
 
 
 def test_an_online_replan_decision_is_ordered_as_a_migration(tmp_path: Path) -> None:

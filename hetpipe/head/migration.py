@@ -137,6 +137,9 @@ class MigrationPart:
         # the first boundary past stage 0's last report; stage 0 moves it on past what it
         # admitted since and past any checkpoint's cut (hetpipe.migrate.order)
         at = (admitted // nm + 1) * nm
+        # never a boundary of a migration cancelled before: its answer there stays "cancelled"
+        gone = [a for j, u, a in self._cancelled if (j, u) == (plan.job, vw)]
+        at = max(at, max(gone, default=0) + nm)
         layers = [int(n) for n in layers]
         check_order(Order(at, tuple(layers), reason), len(plan.vws[vw].stages), nm, what=f"vw{vw}")
         if at >= total:
