@@ -222,10 +222,10 @@ class DriftDetector:
     def _own(self, change: float, rel: float) -> bool:
         """Whether a stage's drift relative to the others (``rel``) is its own: its time
         itself moved the same way, by the threshold's square root at least (half of it in
-        log terms). With few stages the
-        others' median is one stage, so one device slowing down makes the other look as
-        much faster; that one's own time did not move (or moved the other way, where the
-        host slowed everything), so it is not the drifted one."""
+        log terms). With few stages the others' median is one stage, so one device slowing
+        down makes the other look as much faster; that one's own time did not move (or
+        moved the other way, where the host slowed everything), so it is not the drifted
+        one."""
         half = math.sqrt(self.threshold)
         return change >= half if rel > 1.0 else change <= 1.0 / half
 
