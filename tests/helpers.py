@@ -183,6 +183,30 @@ def stages_json(info: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return json.loads(Path(info["stages_path"]).read_text())
 
 
+def check_device_level(info: dict[str, Any], kind: str, m: int, iterations: int) -> None:
+    """A finished job of four stages on two devices under device-level ``kind`` (``m``
+    microbatches an iteration): each stage held at its peak what its projected order
+    charges, and each device started its stages' forwards in the kind's device order."""
+    from hetpipe.core.devschedule import device_order, placement
+    from hetpipe.core.schedule import max_in_flight
+
+    for where, st in stages_json(info).items():
+        charged = max_in_flight(kind, 4, int(where.split("stage")[1]), m, devices=2)
+        assert st["stats"]["peak_in_flight"] == charged, (where, st["stats"]["peak_in_flight"])
+    records = stage_records(info)
+    where = placement(kind, 4, 2)
+    for d in range(2):
+        mine = [s for s in range(4) if where[s] == d]
+        starts = sorted((r["t_fwd"], s, r["p"]) for s in mine for r in records[f"vw0/stage{s}"])
+        want = [
+            (s, c * m + j)
+            for c in range(iterations)
+            for s, op, j in device_order(kind, 4, 2, d, m)
+            if op == "F"
+        ]
+        assert [(s, p) for _t, s, p in starts] == want, d
+
+
 def stage_records(info: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Each stage's per-minibatch records by ``vw<V>/stage<S>``, one dict a minibatch: the
     rows of stages.json named by the stage's ``stats.record_fields``."""
@@ -581,6 +605,37 @@ class ScheduleInputs:
 
     def combined(self, p: int) -> bool:
         return True
+
+
+def order_dev(
+    name: str, dtype: str, memory: int, node: str = "n0", speed: float = 1.0
+) -> DeviceSpec:
+    """A device as the device-order search reads one (type, memory cap, node, speed)."""
+    return DeviceSpec(name, "cpu", dtype, memory, speed, 0, node, "127.0.0.1")
+
+
+def node_bandwidth(a: DeviceSpec, b: DeviceSpec) -> float:
+    """Links that follow node membership: fast inside a node, slow between nodes."""
+    return 2e9 if a.node == b.node else 5e7
+
+
+def random_vw(r: random.Random, layers: int, k: int) -> tuple[ModelProfile, list[DeviceSpec]]:
+    """A generated VW for the order searches: a profile of ``layers`` layers on three types
+    of speed 1, 0.6 and 0.3, and ``k`` devices of random types on two nodes, each with a
+    memory cap of a quarter, a half or one and a half of what the whole model needs."""
+    types = {"a": 1.0, "b": 0.6, "c": 0.3}
+    prof = synthetic_profile(layers, types, r, param_bytes=(2000, 30000), out_bytes=(1000, 40000))
+    need = sum(lp.param_bytes * 5 + lp.saved_bytes * 3 for lp in prof.layers["a"])
+    devs = [
+        order_dev(
+            f"g{i}",
+            r.choice("abc"),
+            int(need * r.choice((0.25, 0.5, 1.5))),
+            f"n{r.randint(0, 1)}",
+        )
+        for i in range(k)
+    ]
+    return prof, devs
 
 
 def random_run(

@@ -10,10 +10,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same_weights, job, start_cluster
-from helpers import plain_training, stage_records, stages_json
+from helpers import check_device_level, plain_training, stages_json
 
-from hetpipe.core.devschedule import device_order, placement
-from hetpipe.core.schedule import max_in_flight
 from hetpipe.localcluster import DeviceDef, LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -63,19 +61,4 @@ def test_device_schedules_are_transparent(cluster: LocalCluster, kind: str, spli
     )
     stages = stages_json(info)
     assert len(stages) == 4 * len(split)
-    for where, st in stages.items():
-        s = int(where.split("stage")[1])
-        charged = max_in_flight(kind, 4, s, m, devices=2)
-        assert st["stats"]["peak_in_flight"] == charged, (where, st["stats"]["peak_in_flight"])
-    records = stage_records(info)
-    where = placement(kind, 4, 2)
-    for d in range(2):
-        mine = [s for s in range(4) if where[s] == d]
-        starts = sorted((r["t_fwd"], s, r["p"]) for s in mine for r in records[f"vw0/stage{s}"])
-        want = [
-            (s, c * m + j)
-            for c in range(iterations)
-            for s, op, j in device_order(kind, 4, 2, d, m)
-            if op == "F"
-        ]
-        assert [(s, p) for _t, s, p in starts] == want, d
+    check_device_level(info, kind, m, iterations)

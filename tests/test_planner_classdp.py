@@ -8,18 +8,12 @@ import itertools
 import math
 import random
 
+from helpers import node_bandwidth, order_dev, random_vw
+
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import CostModel, Partition, best_order, synthetic_profile
 from hetpipe.planner.classdp import best_class_order, class_space, dp_cells
 from hetpipe.planner.order import count_orders, device_classes, score
-
-
-def dev(name: str, dtype: str, memory: int, node: str) -> DeviceSpec:
-    return DeviceSpec(name, "cpu", dtype, memory, 1.0, 0, node, "127.0.0.1")
-
-
-def bandwidth(a: DeviceSpec, b: DeviceSpec) -> float:
-    return 2e9 if a.node == b.node else 5e7
 
 
 def signature(d: DeviceSpec) -> tuple:
@@ -73,7 +67,7 @@ def instance(seed: int, max_orders: int = 100):
         for i in range(k):
             n = r.randrange(nodes)
             t = main[n] if r.random() < 0.8 else r.choice("abc")
-            devs.append(dev(f"g{i}", t, mem[t], f"n{n}"))
+            devs.append(order_dev(f"g{i}", t, mem[t], f"n{n}"))
         if (
             len({d.type for d in devs}) > 1
             and count_orders([signature(d) for d in devs]) <= max_orders
@@ -83,7 +77,7 @@ def instance(seed: int, max_orders: int = 100):
 
 def brute(prof, devs, cands=None):
     """The best score over every order of :meth:`CostModel.best_nm` (Nm and split chosen)."""
-    model = CostModel(prof, bandwidth, 1)
+    model = CostModel(prof, node_bandwidth, 1)
     best = None
     infeasible = 0
     for o in every_order(devs):
@@ -108,7 +102,7 @@ def test_class_dp_equals_brute_force_on_300_instances():
     feasible = mixed = 0
     for seed in range(300):
         prof, devs = instance(seed)
-        model = CostModel(prof, bandwidth, 1)
+        model = CostModel(prof, node_bandwidth, 1)
         got = best_order(model, devs)
         assert got.by_classes and got.exact, seed
         want, infeasible = brute(prof, devs)
@@ -117,7 +111,7 @@ def test_class_dp_equals_brute_force_on_300_instances():
             feasible += 1
             mixed += infeasible > 0
             # the order found reaches the rate with the split the planner gives any order
-            again = CostModel(prof, bandwidth, 1).best_nm(got.order)
+            again = CostModel(prof, node_bandwidth, 1).best_nm(got.order)
             assert score(again) == score(got.partition), seed
             assert sorted(d.name for d in got.order) == sorted(d.name for d in devs)
         else:
@@ -131,10 +125,10 @@ def test_class_dp_equals_every_permutation():
     for seed in range(3):
         prof, devs = instance(1000 + seed, max_orders=60)
         devs = devs[:7]
-        model = CostModel(prof, bandwidth, 1)
-        space = class_space(model, devs, device_classes(devs, bandwidth))
+        model = CostModel(prof, node_bandwidth, 1)
+        space = class_space(model, devs, device_classes(devs, node_bandwidth))
         got = best_class_order(model, space)
-        plain = CostModel(prof, bandwidth, 1)
+        plain = CostModel(prof, node_bandwidth, 1)
         seen: dict[tuple, float | None] = {}
         for o in itertools.permutations(devs):
             sig = tuple(signature(d) for d in o)
@@ -150,37 +144,25 @@ def test_small_vws_match_the_exhaustive_search():
         r = random.Random(2000 + seed)
         L = r.randint(4, 10)
         k = r.randint(2, min(6, L))
-        prof = synthetic_profile(
-            L, {"a": 1.0, "b": 0.6, "c": 0.3}, r, param_bytes=(2000, 30000), out_bytes=(1000, 40000)
-        )
-        need = sum(lp.param_bytes * 5 + lp.saved_bytes * 3 for lp in prof.layers["a"])
-        devs = [
-            dev(
-                f"g{i}",
-                r.choice("abc"),
-                int(need * r.choice((0.25, 0.5, 1.5))),
-                f"n{r.randint(0, 1)}",
-            )
-            for i in range(k)
-        ]
+        prof, devs = random_vw(r, L, k)
         cands = r.choice((None, (1, 2), (2, 3)))
-        model = CostModel(prof, bandwidth, 1)
+        model = CostModel(prof, node_bandwidth, 1)
         old = best_order(model, devs, nm_candidates=cands)
         assert old.exhaustive and not old.by_classes
-        space = class_space(model, devs, device_classes(devs, bandwidth))
-        got = best_class_order(CostModel(prof, bandwidth, 1), space, cands)
+        space = class_space(model, devs, device_classes(devs, node_bandwidth))
+        got = best_class_order(CostModel(prof, node_bandwidth, 1), space, cands)
         assert same_rate(got.rate if got.order else None, rate_of(old.partition)), seed
 
 
 def test_fixed_nm_and_large_spaces_keep_the_order_search():
     prof = synthetic_profile(20, {"a": 1.0, "b": 0.5}, 3)
-    devs = [dev(f"g{i}", "ab"[i % 2], 1 << 30, f"n{i // 4}") for i in range(8)]
-    model = CostModel(prof, bandwidth, 1)
+    devs = [order_dev(f"g{i}", "ab"[i % 2], 1 << 30, f"n{i // 4}") for i in range(8)]
+    model = CostModel(prof, node_bandwidth, 1)
     assert best_order(model, devs).by_classes
     fixed = best_order(model, devs, nm=2)
     assert not fixed.by_classes and not fixed.exhaustive  # the local search, as before
     off = best_order(model, devs, classes_dp=False)
     assert not off.by_classes
     assert score(best_order(model, devs).partition) >= score(off.partition)
-    space = class_space(model, devs, device_classes(devs, bandwidth))
+    space = class_space(model, devs, device_classes(devs, node_bandwidth))
     assert dp_cells(space, model.L) > 0

@@ -48,7 +48,7 @@ import numpy as np
 
 from hetpipe.core.memory import in_flight
 from hetpipe.planner.costs import INF
-from hetpipe.planner.partition import CostModel, _merge_distinct, _windows
+from hetpipe.planner.partition import CostModel, _merge_distinct, _windows, rate_bound
 
 __all__ = ["ClassSpace", "best_class_order", "class_space", "dp_cells"]
 
@@ -450,11 +450,7 @@ def _joint(
             h_below = cache.get(t_below, shortest)
             t_fills = float(merged[fills]) if fills < len(merged) else INF
             h_fills = cache.get(t_fills, shortest)
-            most = max(
-                _rate(nm, h_below),
-                _rate(1.0, t_fills),
-                min(_rate(1.0, t_below), _rate(nm, h_fills)),
-            )
+            most = rate_bound(nm, t_below, h_below, t_fills, h_fills)
             if most * (1.0 + 1e-9) < beat:
                 return None
     options: list[tuple[float, float]] = []

@@ -564,11 +564,7 @@ class CostModel(CostTables):
                 # and min(1 / limits[below], Nm / h_fills) between
                 t_below = float(limits[below]) if below >= 0 else lo
                 t_fills = float(limits[fills]) if fills < len(limits) else INF
-                most = max(
-                    _rate(nm, h_below),
-                    _rate(1.0, t_fills),
-                    min(_rate(1.0, t_below), _rate(nm, h_fills)),
-                )
+                most = rate_bound(nm, t_below, h_below, t_fills, h_fills)
                 if most * (1.0 + 1e-9) < beat:
                     return None
         options = [least] if below < 0 else []
@@ -689,6 +685,19 @@ class CostModel(CostTables):
 def _rate(count: float, time: float) -> float:
     """``count / time``, inf where ``time`` is 0."""
     return count / time if time > 0 else INF
+
+
+def rate_bound(nm: float, t_below: float, h_below: float, t_fills: float, h_fills: float) -> float:
+    """The most rate a stage-time limit between two known ones can reach: the rate is
+    ``min(1 / T, Nm / h(T))`` with the least latency ``h`` falling as the limit ``T`` grows,
+    so it is at most ``Nm / h_below`` up to ``t_below``, ``1 / t_fills`` from ``t_fills`` on,
+    and ``min(1 / t_below, Nm / h_fills)`` between (shared by the per-order joint search and
+    the class DP's)."""
+    return max(
+        _rate(nm, h_below),
+        _rate(1.0, t_fills),
+        min(_rate(1.0, t_below), _rate(nm, h_fills)),
+    )
 
 
 def _below(time: float, count: float, beat: float) -> bool:
