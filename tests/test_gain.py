@@ -48,3 +48,10 @@ def test_a_pace_that_goes_back_is_a_new_attempt() -> None:
     pace.note(0, 2.0, 20)
     pace.note(0, 3.0, 2)  # re-formed: counts again
     assert pace.of(0) == [(3.0, 2)] and pace.of(1) == []
+
+
+def test_a_vw_that_ends_within_its_first_wave_after_the_boundary_says_so() -> None:
+    points = [*paced([(10.0, 4.0)]), (4.5, 41)]  # ends at 41 of 41: never reached 40 + nm
+    got = GainProbe(0, at=40, nm=2, total=41, predicted=1.5, span=2.0).measure(points)
+    assert got is not None and got["measured_gain"] is None and "first wave" in got["why"]
+    assert GainProbe(0, at=40, nm=2, total=99, predicted=1.5, span=2.0).measure(points) is None

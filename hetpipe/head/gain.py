@@ -13,9 +13,10 @@ reports how many minibatches it admitted every half second (:class:`Pace`):
   worker's last report where it ends sooner.
 
 ``measured_gain = after / before``. A virtual worker that ends too soon after the boundary
-(fewer than two reports, or less than one wave, after it) gets no measurement, and the record
-says so. In steady state a first stage admits at its virtual worker's throughput, so its pace
-is the virtual worker's rate without waiting for its last stage.
+(within the new split's first wave, or with fewer than two reports or less than one wave
+after it) gets no measurement, and the record says why. In steady state a first stage
+admits at its virtual worker's throughput, so its pace is the virtual worker's rate without
+waiting for its last stage.
 """
 
 from __future__ import annotations
@@ -72,29 +73,36 @@ class GainProbe:
         """The measurement once the reports ``points`` (time, admitted) cover both sides;
         None while they do not yet. A virtual worker that ended first gets a record whose
         ``measured_gain`` is None and whose ``why`` says so."""
-        counts = [n for _, n in points]
-        reach = bisect.bisect_left(counts, self.at)  # the first report at the boundary
-        resume = bisect.bisect_left(counts, self.at + self.nm)
-        if reach >= len(points) or resume >= len(points):
-            return None
-        t_reach, t_resume = points[reach][0], points[resume][0]
-        before = [p for p in points[: reach + 1] if p[0] >= t_reach - self.span]
-        after = [p for p in points[resume:] if p[0] <= t_resume + self.span]
-        ended = points[-1][1] >= self.total
-        if points[-1][0] < t_resume + self.span and not ended:
-            return None  # the span after is not over yet
         out: dict[str, Any] = {
             "vw": self.vw,
             "at": self.at,
             "predicted_gain": round(self.predicted, 4),
             "span_s": self.span,
         }
+        ended = bool(points) and points[-1][1] >= self.total
+        counts = [n for _, n in points]
+        reach = bisect.bisect_left(counts, self.at)  # the first report at the boundary
+        resume = bisect.bisect_left(counts, self.at + self.nm)
+        if resume >= len(points):
+            if not ended:
+                return None
+            return {
+                **out,
+                "measured_gain": None,
+                "why": "it ended within its new split's first wave",
+            }
+        t_reach, t_resume = points[reach][0], points[resume][0]
+        if points[-1][0] < t_resume + self.span and not ended:
+            return None  # the span after is not over yet
+        before = [p for p in points[: reach + 1] if p[0] >= t_reach - self.span]
+        after = [p for p in points[resume:] if p[0] <= t_resume + self.span]
         r0, r1 = _rate(before), _rate(after)
         if r0 is None or r1 is None or r0 <= 0 or after[-1][1] - after[0][1] < self.nm:
             side = "before" if r0 is None or r0 <= 0 else "after"
-            out.update(measured_gain=None, why=f"too few reports {side} the boundary")
-            return out
-        out.update(
-            before_per_s=round(r0, 3), after_per_s=round(r1, 3), measured_gain=round(r1 / r0, 4)
-        )
-        return out
+            return {**out, "measured_gain": None, "why": f"too few reports {side} the boundary"}
+        return {
+            **out,
+            "before_per_s": round(r0, 3),
+            "after_per_s": round(r1, 3),
+            "measured_gain": round(r1 / r0, 4),
+        }
