@@ -6,7 +6,9 @@ per host, each with its own address on a private /24, joined to a bridge in the 
 namespace by a veth pair; inside a host its devices talk over that host's loopback. A
 :class:`Link` shapes the traffic between two hosts with ``tc`` on both hosts' egress: an
 HTB class capped at the link's rate (and a ``netem`` delay under it where asked) selected
-by the peer's address, so the rest of the host's traffic keeps full speed.
+by the peer's address, so the rest of the host's traffic keeps full speed. A host's NIC
+(``nic_mbit``) caps everything it sends to the other hosts together, as one network card
+does: a link's class takes the traffic to its peer, the NIC's class the rest.
 :class:`NetnsCluster` writes a cluster file whose nodes are those hosts and whose
 ``[[network.link]]`` overrides say exactly what was shaped, and starts the daemons inside
 the namespaces (``ip netns exec``); the creating namespace reaches every host through the
@@ -48,6 +50,7 @@ __all__ = [
     "NetnsCluster",
     "NetnsError",
     "Network",
+    "enter",
     "measure_mbit",
     "netns_cluster_toml",
     "sweep_stale",
@@ -170,12 +173,20 @@ class Network:
 
     ``hosts`` are short names (lowercase letters and digits, at most 16); each gets the
     namespace :meth:`namespace` and the address :meth:`address`. ``links`` shape traffic
-    between two hosts; every other pair runs at the bridge's full speed.
+    between two hosts; ``nic_mbit`` caps what a host sends to all other hosts together
+    (traffic of one of its links takes the link's class instead); everything else runs at
+    the bridge's full speed.
     """
 
-    def __init__(self, hosts: Sequence[str], links: Iterable[Link] = ()) -> None:
+    def __init__(
+        self,
+        hosts: Sequence[str],
+        links: Iterable[Link] = (),
+        nic_mbit: Mapping[str, float] | None = None,
+    ) -> None:
         self.hosts = tuple(hosts)
         self.links = tuple(links)
+        self.nic_mbit = dict(nic_mbit or {})
         if not self.hosts:
             raise ValueError("a network needs at least one host")
         if len(set(self.hosts)) != len(self.hosts):
@@ -204,6 +215,11 @@ class Network:
             if pair in pairs:
                 raise ValueError(f"link {link.a}-{link.b} is given twice")
             pairs.add(pair)
+        for h, mbit in self.nic_mbit.items():
+            if h not in self.hosts:
+                raise ValueError(f"NIC of unknown host {h!r}")
+            if not mbit > 0:
+                raise ValueError(f"NIC of {h}: mbit must be > 0, got {mbit}")
         self.token = secrets.token_hex(3)
         self.subnet: ipaddress.IPv4Network | None = None
         self.bridge = f"hpb{self.token}"
@@ -261,7 +277,7 @@ class Network:
         self.close()
 
     def start(self) -> Network:
-        why = unavailable(shaping=bool(self.links))
+        why = unavailable(shaping=bool(self.links or self.nic_mbit))
         if why is not None:
             raise NetnsError(f"cannot make network namespaces: {why}")
         sweep_stale()
@@ -297,6 +313,8 @@ class Network:
         for k, link in enumerate(self.links):
             self._shape(link.a, link.b, link, k)
             self._shape(link.b, link.a, link, k)
+        for host, mbit in self.nic_mbit.items():
+            self._shape_nic(host, mbit)
         return self
 
     def close(self) -> None:
@@ -320,7 +338,42 @@ class Network:
         """Cap ``src``'s egress to ``dst`` (HTB class 1:<k+10>, netem under it for delay)."""
         ns = self.namespace(src)
         tc = ["-n", ns]
-        if src not in self._rooted:
+        self._root(src)
+        cls = f"1:{k + 10:x}"
+        self._class(ns, cls, link.mbit)
+        if link.delay_ms > 0:
+            self._tc(
+                *tc,
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "parent",
+                cls,
+                "handle",
+                f"{k + 10:x}:",
+                "netem",
+                "delay",
+                f"{link.delay_ms}ms",
+                "limit",
+                "100000",
+                hint="link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM)",
+            )
+        self._filter(ns, "1", f"{self.address(dst)}/32", cls)
+
+    def _shape_nic(self, host: str, mbit: float) -> None:
+        """Cap what ``host`` sends to the network's other hosts, all together (class 1:2,
+        below the links' filters so a link's traffic keeps its own class)."""
+        ns = self.namespace(host)
+        self._root(host)
+        self._class(ns, "1:2", mbit)
+        assert self.subnet is not None
+        self._filter(ns, "2", str(self.subnet), "1:2")
+
+    def _root(self, host: str) -> None:
+        """The HTB root on ``host``'s eth0 once, its default class unshaped."""
+        tc = ["-n", self.namespace(host)]
+        if host not in self._rooted:
             self._tc(
                 *tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"
             )
@@ -340,10 +393,14 @@ class Network:
                 "quantum",
                 "60000",
             )
-            self._rooted.add(src)
-        cls = f"1:{k + 10:x}"
+            self._rooted.add(host)
+
+    def _class(self, ns: str, cls: str, mbit: float) -> None:
+        """An HTB class ``cls`` under the root, capped at ``mbit``."""
+        rate = f"{mbit * 1000:.0f}kbit"
         self._tc(
-            *tc,
+            "-n",
+            ns,
             "class",
             "add",
             "dev",
@@ -354,32 +411,18 @@ class Network:
             cls,
             "htb",
             "rate",
-            f"{link.mbit * 1000:.0f}kbit",
+            rate,
             "ceil",
-            f"{link.mbit * 1000:.0f}kbit",
+            rate,
             "quantum",
             "1514",
         )
-        if link.delay_ms > 0:
-            self._tc(
-                *tc,
-                "qdisc",
-                "add",
-                "dev",
-                "eth0",
-                "parent",
-                cls,
-                "handle",
-                f"{k + 10:x}:",
-                "netem",
-                "delay",
-                f"{link.delay_ms}ms",
-                "limit",
-                "100000",
-                hint="link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM)",
-            )
+
+    def _filter(self, ns: str, prio: str, dst: str, cls: str) -> None:
+        """Send eth0's packets to ``dst`` (an address or a subnet) into class ``cls``."""
         self._tc(
-            *tc,
+            "-n",
+            ns,
             "filter",
             "add",
             "dev",
@@ -389,12 +432,12 @@ class Network:
             "parent",
             "1:",
             "prio",
-            "1",
+            prio,
             "u32",
             "match",
             "ip",
             "dst",
-            f"{self.address(dst)}/32",
+            dst,
             "flowid",
             cls,
         )
@@ -433,6 +476,26 @@ def _undo(made: list[tuple[str, str]]) -> None:
         elif kind == "netns":
             subprocess.run([ip, "netns", "del", name], capture_output=True)
     made.clear()
+
+
+_CLONE_NEWNET = 0x40000000  # <sched.h>; Python's os.setns only from 3.12
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread, and the threads and sockets it makes afterwards, into the
+    network namespace ``namespace`` (a :meth:`Network.namespace`): how a process started
+    by :mod:`multiprocessing` (a benchmark's baseline rank) runs on a shaped host. Call it
+    first, before any socket or thread is made."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    path = Path("/var/run/netns") / namespace
+    if not path.exists():
+        raise NetnsError(f"cannot enter network namespace {namespace}: it does not exist")
+    with path.open("rb") as f:
+        if libc.setns(f.fileno(), _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsError(f"cannot enter network namespace {namespace}: {os.strerror(err)}")
 
 
 # ---------------------------------------------------------------------- measuring a link

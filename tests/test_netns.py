@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from hetpipe.netns import (
     NetnsCluster,
     NetnsError,
     Network,
+    enter,
     measure_mbit,
     netns_cluster_toml,
     sweep_stale,
@@ -53,6 +55,58 @@ def test_shaped_link_near_its_rate_and_unshaped_much_faster() -> None:
     assert 0.8 * 20 <= ab <= 1.02 * 20, ab
     assert 0.8 * 20 <= ba <= 1.02 * 20, ba
     assert ac > 10 * 20, ac
+
+
+def test_nic_caps_a_hosts_sends_together_and_a_link_keeps_its_own_class() -> None:
+    with Network(["a", "b", "c", "d"], [Link("a", "d", mbit=60)], nic_mbit={"a": 20}) as net:
+        alone = measure_mbit(net, "a", "b", 2_500_000)
+        rates: dict[str, float] = {}
+        both = [
+            threading.Thread(
+                target=lambda h=h: rates.__setitem__(h, measure_mbit(net, "a", h, 2_500_000))
+            )
+            for h in ("b", "c")
+        ]
+        t0 = time.perf_counter()
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(timeout=120)
+        together_s = time.perf_counter() - t0
+        linked = measure_mbit(net, "a", "d", 5_000_000)
+        back = measure_mbit(net, "b", "a", 20_000_000)
+    assert 0.8 * 20 <= alone <= 1.02 * 20, alone
+    # two streams share the one NIC: 2 x 2.5 MB at 20 Mbit/s takes at least 2 s
+    assert together_s >= 2 * 2_500_000 * 8 / 20e6 * 0.95, (together_s, rates)
+    assert 0.8 * 60 <= linked <= 1.02 * 60, linked
+    assert back > 5 * 20, back  # only a's sends are capped
+
+
+def test_enter_moves_a_process_onto_its_host() -> None:
+    with Network(["a", "b"]) as net:
+        code = (
+            "import socket, sys; from hetpipe.netns import enter; enter(sys.argv[1]); "
+            "s = socket.socket(); s.bind((sys.argv[2], 0)); print('bound')"
+        )
+        inside = subprocess.run(
+            [sys.executable, "-c", code, net.namespace("a"), net.address("a")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        # outside the namespace the host's address is not this machine's
+        outside = subprocess.run(
+            [sys.executable, "-c", code.replace("enter(sys.argv[1]); ", ""), "x", net.address("a")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert inside.stdout.strip() == "bound", inside.stderr
+    assert "Cannot assign requested address" in outside.stderr
+    with pytest.raises(
+        NetnsError, match="cannot enter network namespace hetpipe-0-none-x: it does not exist"
+    ):
+        enter("hetpipe-0-none-x")
 
 
 CONNECT = """
@@ -256,3 +310,7 @@ def test_bad_input_is_one_clear_error() -> None:
         Network(["A-1"])
     with pytest.raises(ValueError, match="given twice"):
         Network(["a", "b"], [Link("a", "b", mbit=1), Link("b", "a", mbit=2)])
+    with pytest.raises(ValueError, match="NIC of unknown host 'x'"):
+        Network(["a"], nic_mbit={"x": 1})
+    with pytest.raises(ValueError, match="NIC of a: mbit must be > 0"):
+        Network(["a"], nic_mbit={"a": 0})
