@@ -271,14 +271,23 @@ def _ddp_rank(
     cmds: Any,
     stop_at: Any,
     results: Any,
+    where: tuple[str | None, str] = (None, "127.0.0.1"),
 ) -> None:
-    """Child: one DDP rank emulating a device of ``speed``; one training run per command."""
+    """Child: one DDP rank emulating a device of ``speed``; one training run per command.
+    ``where``: the network namespace of its device's host (None: this one) and rank 0's
+    address, where the process group meets."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    namespace, master = where
     try:
+        if namespace is not None:
+            from hetpipe.netns import enter
+
+            enter(namespace)
+            os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # its host's address, not loopback
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            "gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world
         )
     except BaseException as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -388,7 +397,9 @@ class Ddp:
     """One DDP rank per device (default gpu0, gpu1, gpu2), kept for every DDP run; always
     reaped. ``job``: another model and data than the digits cnn, as ``{"model",
     "model_args", "data", "data_args", "n_layers"}`` (``data`` a name :func:`hetpipe.data.
-    load_data` knows)."""
+    load_data` knows). ``hosts``: each device's host as ``(network namespace, address)``
+    (:mod:`hetpipe.netns`), so the ranks' all-reduce crosses the hosts' shaped links; None
+    runs every rank here on loopback."""
 
     def __init__(
         self,
@@ -397,6 +408,7 @@ class Ddp:
         alone: float,
         devices: tuple[str, ...] = DDP_DEVICES,
         job: dict[str, Any] | None = None,
+        hosts: dict[str, tuple[str, str]] | None = None,
     ) -> None:
         self.args, self.alone, self.devices = args, alone, devices
         self.n_layers = job["n_layers"] if job else N_LAYERS
@@ -419,6 +431,7 @@ class Ddp:
         if job:
             a.update({k: v for k, v in job.items() if k != "n_layers"})
         port = free_port()
+        master = hosts[devices[0]][1] if hosts else "127.0.0.1"
         self.cmds = [ctx.Queue() for _ in devices]
         self.procs = [
             ctx.Process(
@@ -434,6 +447,7 @@ class Ddp:
                     self.cmds[r],
                     self.stop_at,
                     self.results,
+                    (hosts[dev][0] if hosts else None, master),
                 ),
             )
             for r, dev in enumerate(devices)

@@ -3,8 +3,20 @@ of hetpipe's formations against Horovod-style data parallelism.
 
 The cluster is ``examples/paper_testbed.toml`` (4 nodes x 4 emulated GPUs: TITAN V, TITAN
 RTX, RTX 2060, Quadro P4000; speeds in the ratio of their FP32 throughput; one PS shard per
-node; each node on its own loopback address), every speed times ``--speed-scale``, every
-port 0. Memory caps keep the file's ratio, in units of 1/10 of what the model needs whole
+node), every speed times ``--speed-scale``, every port 0.
+
+Links (``--links``): ``shaped`` (the default where network namespaces can be made,
+:mod:`hetpipe.netns`) makes every node a host of its own whose NIC is capped, for
+everything it sends to the other nodes together, at the rate that keeps the paper's ratio
+of a model's parameter transfer over InfiniBand to a TITAN V's minibatch (``link_ratio``
+per model, estimated from the GPUs' and network's figures, see ``MODELS``), scaled to this
+host's emulated TITAN V; the cluster file gives the planner that rate. Inside a node the
+devices talk over the host's loopback, faster than the paper's PCIe (unshaped). Both sides
+cross the same NICs: hetpipe's activations, parameter-server traffic and evaluations, and
+DP's all-reduce. ``planner``: each node on its own loopback address, the links only the
+planner's figures (PCIe 126, InfiniBand 56 Gbit/s), every byte at loopback speed.
+
+Memory caps keep the file's ratio, in units of 1/10 of what the model needs whole
 (the planner's memory model, :func:`hetpipe.core.memory.stage_memory`, at the minibatch), so
 TITAN V and TITAN RTX hold the whole model and the whimpy two do not, for each model.
 
@@ -47,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import sys
@@ -81,6 +94,10 @@ MODELS: dict[str, dict[str, Any]] = {
         "lr": 0.005,
         # a quarter of DP's: the stale gradients of 4 VWs x Nm 4 overshoot at DP's step
         "hetpipe_lr": 0.00125,
+        # the paper's VGG-19 (143.7 M parameters, 575 MB) over 56 Gbit/s takes 82 ms; a TITAN
+        # V's minibatch of 32 (3 x 19.6 G multiply-adds x 2 FLOP x 32 = 3.8 TFLOP at half of
+        # its 14.9 TFLOP/s) about 0.5 s: the NIC moves the model's bytes in 0.16 of a minibatch
+        "link_ratio": 0.16,
     },
     "resnet152": {
         "name": "paper_resnet152",
@@ -90,6 +107,8 @@ MODELS: dict[str, dict[str, Any]] = {
         "target": 0.6,
         "lr": 0.01,
         "hetpipe_lr": 0.0025,  # a quarter of DP's, as for VGG-19
+        # 60.2 M parameters (241 MB) in 34 ms; 3 x 11.3 G x 2 x 32 = 2.2 TFLOP in about 0.29 s
+        "link_ratio": 0.12,
     },
 }
 TINY = {
@@ -100,6 +119,7 @@ TINY = {
         "noise": 1.0,
         "target": 0.5,
         "lr": 0.005,
+        "link_ratio": 0.16,
     },
     "resnet152": {
         "name": "paper_resnet152",
@@ -108,6 +128,7 @@ TINY = {
         "noise": 0.5,
         "target": 0.5,
         "lr": 0.01,
+        "link_ratio": 0.12,
     },
 }
 
@@ -115,10 +136,10 @@ TINY = {
 # --------------------------------------------------------------------------- the testbed
 
 
-def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int, int]:
+def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int, int, float]:
     """Bytes the whole model needs on one device with one minibatch (the planner's memory
-    model: weights, gradients, SGD momentum, activations), its number of elements and its
-    parameter bytes."""
+    model: weights, gradients, SGD momentum, activations), its number of elements, its
+    parameter bytes and its forward and backward seconds per minibatch on this host."""
     import torch.nn.functional as F
 
     from hetpipe.core.memory import stage_memory
@@ -134,26 +155,44 @@ def whole_model_bytes(spec: dict[str, Any], minibatch: int) -> tuple[int, int, i
     )
     need = stage_memory(layers, 0, 1, 1, 1, x.numel() * x.element_size()).total
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return need, len(model), params
+    return need, len(model), params, sum(lp.fwd_s + lp.bwd_s for lp in layers)
+
+
+def nic_mbit(param_bytes: int, compute_s: float, fast_speed: float, ratio: float) -> float:
+    """The NIC rate (Mbit/s) at which the model's parameter bytes take ``ratio`` of the
+    fastest device's minibatch (``compute_s`` on this host over its emulated speed)."""
+    return param_bytes * 8 / (ratio * compute_s / fast_speed) / 1e6
+
+
+def testbed_nodes(base: ClusterConfig, tiny: bool) -> list[Any]:
+    """``base``'s nodes on the testbed (``tiny``: its first and third)."""
+    return [base.nodes[0], base.nodes[2]] if tiny else list(base.nodes)
 
 
 def testbed(
-    base: ClusterConfig, need: int, scale: float, tiny: bool
+    base: ClusterConfig,
+    need: int,
+    scale: float,
+    tiny: bool,
+    hosts: dict[str, str] | None = None,
+    inter_gbps: float | None = None,
 ) -> tuple[str, dict[str, float], dict[str, int]]:
     """The cluster file for one model: ``base``'s nodes (``tiny``: its first and third node,
-    two devices each), every port 0, speeds x ``scale``, caps in units of ``need`` / 10.
-    Returns the text, each device's speed and each device's cap."""
+    two devices each), every port 0, speeds x ``scale``, caps in units of ``need`` / 10;
+    ``hosts`` gives each node's address (default its own), ``inter_gbps`` the links between
+    nodes (default the file's). Returns the text, each device's speed and each device's cap."""
     unit = need / WHOLE_UNITS
-    nodes = [base.nodes[0], base.nodes[2]] if tiny else list(base.nodes)
+    nodes = testbed_nodes(base, tiny)
     per = 2 if tiny else None
-    shards = ", ".join(f'"{n.host}:0"' for n in nodes)
+    where = {n.name: (hosts or {}).get(n.name, n.host) for n in nodes}
+    shards = ", ".join(f'"{where[n.name]}:0"' for n in nodes)
     lines = [
         "[ps]",
         f"shards = [{shards}]",
         "",
         "[network]",
         f"intra_node_gbps = {base.network.intra_node_gbps}",
-        f"inter_node_gbps = {base.network.inter_node_gbps}",
+        f"inter_node_gbps = {inter_gbps or base.network.inter_node_gbps}",
         "",
         "[runtime]",
         "heartbeat_s = 1.0",
@@ -162,7 +201,7 @@ def testbed(
     ]
     speeds, caps = {}, {}
     for n in nodes:
-        lines += ["[[node]]", f'name = "{n.name}"', f'host = "{n.host}"', ""]
+        lines += ["[[node]]", f'name = "{n.name}"', f'host = "{where[n.name]}"', ""]
         for d in n.devices[:per]:
             speeds[d.name] = round(d.speed * scale, 6)
             caps[d.name] = int(GPU_GB[d.type] * unit)
@@ -279,6 +318,7 @@ def ps_bytes_per_minibatch(param_bytes: int, vws: list[dict[str, Any]]) -> float
 def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
     """Every policy and D of one model on its testbed, then DP on its devices."""
     from hetpipe.localcluster import LocalCluster
+    from hetpipe.netns import NetnsCluster, Network
     from hetpipe.papermodels import write_paper_images
 
     spec = (TINY if args.tiny else MODELS)[key]
@@ -294,44 +334,71 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         n_train=args.n_train,
         n_test=args.n_test,
     )
-    need, n_layers, param_bytes = whole_model_bytes(spec, args.minibatch)
-    text, speeds, caps = testbed(load_cluster(args.cluster), need, args.speed_scale, args.tiny)
-    path = tmp / key / "cluster.toml"
-    path.write_text(text)
-    dp_devices = tuple(d for d, cap in caps.items() if cap >= need)
-    print(
-        f"{key}: {spec['name']} {spec['args']}, {n_layers} elements, needs "
-        f"{need / 2**20:.1f} MiB whole; DP on {', '.join(dp_devices)}",
-        flush=True,
-    )
-    runs: dict[str, Any] = {}
-    local = LocalCluster(path, tmp / key / "run", timeout=WAIT_S)
-    with local:
-        warm = job_dict(
-            args,
-            spec,
-            data,
-            name="paper-warmup",
-            policy="ed",
-            vws=len(local.cluster.nodes),
-            minibatches=2,
+    need, n_layers, param_bytes, compute_s = whole_model_bytes(spec, args.minibatch)
+    base = load_cluster(args.cluster)
+    nodes = [n.name for n in testbed_nodes(base, args.tiny)]
+    links: dict[str, Any] = {"mode": args.links}
+    with contextlib.ExitStack() as stack:
+        net = None
+        if args.links == "shaped":
+            fast = max(d.speed for n in testbed_nodes(base, args.tiny) for d in n.devices)
+            ratio = args.link_ratio or spec["link_ratio"]
+            mbit = nic_mbit(param_bytes, compute_s, fast * args.speed_scale, ratio)
+            net = stack.enter_context(Network(nodes, nic_mbit=dict.fromkeys(nodes, mbit)))
+            links.update(nic_mbit=round(mbit, 1), link_ratio=ratio)
+        hosts = {h: net.address(h) for h in nodes} if net else None
+        text, speeds, caps = testbed(
+            base,
+            need,
+            args.speed_scale,
+            args.tiny,
+            hosts,
+            links["nic_mbit"] / 1000 if net else None,
         )
-        info = local.submit(warm, timeout=WAIT_S)
-        if info["state"] != "done":
-            raise RuntimeError(f"hetpipe warm-up job {info['state']}: {info.get('error')}")
-        for policy in args.policies:
-            for d in args.staleness:
-                name = f"{policy} D={d}"
-                runs[name] = r = run_hetpipe(local, args, spec, data, policy, d, param_bytes)
-                print(
-                    f"  hetpipe {name}: "
-                    + (f"{r['seconds']:.1f} s" if r["reached"] else "target missed")
-                    + f" ({r['minibatches']} minibatches), {r['mb_per_s']:.2f} mb/s (planned "
-                    f"{r['predicted_mb_per_s']:.2f}, {r['schedule']}), host "
-                    f"{r['host_utilisation']:.2f}, own {r['own_cpu_share']:.2f}",
-                    flush=True,
-                )
-    dp = run_dp(args, spec, data, speeds, dp_devices, n_layers, param_bytes)
+        path = tmp / key / "cluster.toml"
+        path.write_text(text)
+        dp_devices = tuple(d for d, cap in caps.items() if cap >= need)
+        print(
+            f"{key}: {spec['name']} {spec['args']}, {n_layers} elements, needs "
+            f"{need / 2**20:.1f} MiB whole; DP on {', '.join(dp_devices)}; links "
+            + (f"shaped, every node's NIC {links['nic_mbit']} Mbit/s" if net else "not shaped"),
+            flush=True,
+        )
+        runs: dict[str, Any] = {}
+        run_dir = tmp / key / "run"
+        local = NetnsCluster(net, path, run_dir, timeout=WAIT_S) if net else None
+        with local or LocalCluster(path, run_dir, timeout=WAIT_S) as local:
+            warm = job_dict(
+                args,
+                spec,
+                data,
+                name="paper-warmup",
+                policy="ed",
+                vws=len(local.cluster.nodes),
+                minibatches=2,
+            )
+            info = local.submit(warm, timeout=WAIT_S)
+            if info["state"] != "done":
+                raise RuntimeError(f"hetpipe warm-up job {info['state']}: {info.get('error')}")
+            for policy in args.policies:
+                for d in args.staleness:
+                    name = f"{policy} D={d}"
+                    runs[name] = r = run_hetpipe(local, args, spec, data, policy, d, param_bytes)
+                    print(
+                        f"  hetpipe {name}: "
+                        + (f"{r['seconds']:.1f} s" if r["reached"] else "target missed")
+                        + f" ({r['minibatches']} minibatches), {r['mb_per_s']:.2f} mb/s "
+                        f"(planned {r['predicted_mb_per_s']:.2f}, {r['schedule']}), host "
+                        f"{r['host_utilisation']:.2f}, own {r['own_cpu_share']:.2f}",
+                        flush=True,
+                    )
+        node_of = {d.name: n.name for n in local.cluster.nodes for d in n.devices}
+        dp_hosts = (
+            {d: (net.namespace(node_of[d]), net.address(node_of[d])) for d in dp_devices}
+            if net
+            else None
+        )
+        dp = run_dp(args, spec, data, speeds, dp_devices, n_layers, param_bytes, dp_hosts)
     print(
         f"  DP W={len(dp_devices)}: "
         + (f"{dp['seconds']:.1f} s" if dp["reached"] else "target missed")
@@ -350,6 +417,8 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         "noise": spec["noise"],
         "image": spec["image"],
         "whole_model_bytes": need,
+        "compute_ms_per_mb": round(compute_s * 1e3, 2),
+        "links": links,
         "param_bytes": param_bytes,
         "caps": caps,
         "speeds": speeds,
@@ -367,8 +436,10 @@ def run_dp(
     devices: tuple[str, ...],
     n_layers: int,
     param_bytes: int,
+    hosts: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """DDP over gloo on ``devices``, each rank padded to its speed (``bench_convergence``)."""
+    """DDP over gloo on ``devices``, each rank padded to its speed (``bench_convergence``),
+    on its device's host where ``hosts`` names them (namespace, address)."""
     if not devices:
         return {"seconds": None, "minibatches": None, "reached": False, "mb_per_s": 0.0}
     # W: lr means the same per minibatch on both sides; the model's own target
@@ -383,7 +454,7 @@ def run_dp(
     }
     # a run may take max_s of training plus its evaluations: wait for its ranks that long
     bench_convergence.WAIT_S = max(bench_convergence.WAIT_S, 2 * args.max_s + 120.0)
-    ddp = Ddp(args, speeds, math.nan, devices, job).start()
+    ddp = Ddp(args, speeds, math.nan, devices, job, hosts).start()
     try:
         host = HostCpu().start()
         r = ddp.run(args.seed)
@@ -525,7 +596,27 @@ def main() -> None:
     ap.add_argument("--n-test", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cluster", default=str(TESTBED))
+    ap.add_argument(
+        "--links",
+        choices=["shaped", "planner"],
+        default=None,
+        help="shaped: every node a network namespace with its NIC capped (default where "
+        "namespaces can be made); planner: loopback, the links the planner's figures only",
+    )
+    ap.add_argument(
+        "--link-ratio",
+        type=float,
+        default=None,
+        help="with --links shaped: the model's parameter bytes over a NIC as a share of the "
+        "fastest device's minibatch (default: the model's estimate of the paper's)",
+    )
     args = ap.parse_args()
+    if args.link_ratio is not None and not args.link_ratio > 0:
+        ap.error("--link-ratio must be > 0")
+    if args.links is None:
+        from hetpipe.netns import unavailable
+
+        args.links = "planner" if unavailable() else "shaped"
     if args.speed_scale is None:
         args.speed_scale = 0.25 if args.tiny else 0.05
     if not 0 < args.speed_scale <= 1:
@@ -555,6 +646,7 @@ def main() -> None:
         "momentum": args.momentum,
         "weight_decay": args.weight_decay,
         "merge": args.merge,
+        "links": args.links,
         "eval_every_s": args.eval_every,
         "bn_recalibrate": args.bn_recalibrate,
         "policies": args.policies,

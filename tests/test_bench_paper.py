@@ -22,6 +22,7 @@ from helpers import load_script
 
 from hetpipe.config import load_cluster
 from hetpipe.models import build_model
+from hetpipe.netns import unavailable
 from hetpipe.papermodels import paper_images, write_paper_images
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +64,22 @@ def test_testbed_caps_let_only_the_large_gpus_hold_the_whole_model(bench: Module
     assert speeds["r0"] == pytest.approx(0.1) and speeds["q0"] == pytest.approx(0.0325)
     _, _, tiny = bench.testbed(base, need, 0.1, tiny=True)
     assert sorted(tiny) == ["g0", "g1", "v0", "v1"]
+
+
+def test_shaped_testbed_puts_nodes_on_their_hosts_at_the_nic_rate(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    base = load_cluster(ROOT / "examples" / "paper_testbed.toml")
+    hosts = {f"node{i}": f"10.9.0.{i + 2}" for i in range(4)}
+    text, _, _ = bench.testbed(base, 10 << 20, 0.1, False, hosts, 0.25)
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    shaped = load_cluster(path)
+    assert {n.name: n.host for n in shaped.nodes} == hosts
+    assert sorted(s.host for s in shaped.ps) == sorted(hosts.values())
+    assert shaped.network.inter_node_gbps == pytest.approx(0.25)
+    # 4 MB of parameters in 0.16 of a 0.4 s minibatch (0.02 s of CPU at speed 0.05)
+    assert bench.nic_mbit(4_000_000, 0.02, 0.05, 0.16) == pytest.approx(500.0)
 
 
 def test_ranking_puts_missed_targets_last(bench: ModuleType) -> None:
@@ -226,5 +243,9 @@ def test_tiny_benchmark_reports_every_figure() -> None:
     assert all(res["caps"][d] >= res["whole_model_bytes"] for d in res["dp_devices"])
     assert all(res["caps"][d] < res["whole_model_bytes"] for d in ("g0", "g1"))
     assert res["dp"]["world"] == 2 and res["dp"]["mb_per_s"] > 0
+    # every node its own shaped host where namespaces can be made, loopback otherwise
+    assert res["links"]["mode"] == ("planner" if unavailable() else "shaped")
+    if res["links"]["mode"] == "shaped":
+        assert res["links"]["nic_mbit"] > 0
     if out["speedup_vs_dp_vgg19"] is not None:
         assert math.isfinite(out["speedup_vs_dp_vgg19"]) and out["speedup_vs_dp_vgg19"] > 0
