@@ -83,10 +83,16 @@ class SocketIO:
         await fut
 
     def recv_now(self) -> list[Any] | None:
-        """A waiting message's frames (``zmq.Frame``, not copied), or None if none waits."""
+        """A waiting message's frames (``zmq.Frame``, not copied), or None if none waits.
+
+        ``ZMQ_EVENTS`` may report a message that a receive then does not find (one dropped
+        on arrival, e.g. by CurveZMQ): that is "none waits" too, not a failure."""
         if not self.events() & _IN:
             return None
-        frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+        try:
+            frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
         if self._waiters[_OUT]:
             self.events()
         return frames

@@ -29,7 +29,8 @@ generated image task written as the builtin ``tensors`` data set):
   round-robin, ``train.placement = "default"``, the others on their stages' hosts) and each
   WSP bound of ``--staleness``. The head evaluates the global weights every
   ``--eval-every`` seconds while the job trains; the clock starts when the head starts the
-  job (planning included, after one untimed warm-up job that profiles every device type).
+  job (after its planning, and after one untimed warm-up job per formation policy that
+  profiles every device type and gives every device it uses its first assignment).
 - **DP** (Horovod-style): ``DistributedDataParallel`` over gloo on exactly the devices whose
   cap holds the whole model and its minibatch, each rank padded to its device's emulated
   speed (``bench_convergence.Ddp``: the same ranks, hook and clock as there). Learning rates
@@ -78,6 +79,7 @@ from hetpipe.config import ClusterConfig, load_cluster
 ROOT = Path(__file__).resolve().parent.parent
 TESTBED = ROOT / "examples" / "paper_testbed.toml"
 WAIT_S = 600.0
+WARM_MINIBATCHES = 16  # per VW: long enough that the planner uses the devices it will time
 WHOLE_UNITS = 10  # the model needs 10 units whole: 12 (TITAN V) holds it, 8 (P4000) does not
 GPU_GB = {"titan-v": 12, "titan-rtx": 24, "rtx-2060": 6, "p4000": 8}  # the paper's memory
 POLICIES = {"NP": "np", "ED": "ed", "ED-local": "ed", "HD": "hd"}
@@ -368,18 +370,22 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         run_dir = tmp / key / "run"
         local = NetnsCluster(net, path, run_dir, timeout=WAIT_S) if net else None
         with local or LocalCluster(path, run_dir, timeout=WAIT_S) as local:
-            warm = job_dict(
-                args,
-                spec,
-                data,
-                name="paper-warmup",
-                policy="ed",
-                vws=len(local.cluster.nodes),
-                minibatches=2,
-            )
-            info = local.submit(warm, timeout=WAIT_S)
-            if info["state"] != "done":
-                raise RuntimeError(f"hetpipe warm-up job {info['state']}: {info.get('error')}")
+            # one short job per formation policy, planned as the timed ones are: every
+            # device it uses takes its first assignment (imports, connections) untimed, as
+            # DP's ranks are up before their clock starts
+            for policy in dict.fromkeys(POLICIES[p] for p in args.policies):
+                warm = job_dict(
+                    args,
+                    spec,
+                    data,
+                    name=f"paper-warmup-{policy}",
+                    policy=policy,
+                    vws=len(local.cluster.nodes),
+                    minibatches=WARM_MINIBATCHES,
+                )
+                info = local.submit(warm, timeout=WAIT_S)
+                if info["state"] != "done":
+                    raise RuntimeError(f"hetpipe warm-up job {info['state']}: {info.get('error')}")
             for policy in args.policies:
                 for d in args.staleness:
                     name = f"{policy} D={d}"

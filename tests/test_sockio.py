@@ -179,3 +179,35 @@ def test_a_closed_channel_refuses_to_send_and_its_peer_keeps_what_was_sent() -> 
         assert (await asyncio.wait_for(got.get(), 20))["job"] == "j"
 
     run(body)
+
+
+def test_a_message_events_announced_but_receive_did_not_find_is_none_not_a_failure() -> None:
+    """ZMQ_EVENTS may show POLLIN for a message a receive then does not find (dropped on
+    arrival): that is "nothing waits", and a real message after it is still received."""
+    from hetpipe.sockio import SocketIO
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        io = SocketIO(pull)
+        real = io.sock.recv_multipart
+
+        def vanished(*a: object, **k: object) -> list[object]:
+            raise zmq.Again()
+
+        io.sock.recv_multipart = vanished  # type: ignore[method-assign]
+        io.events = lambda: int(zmq.POLLIN)  # type: ignore[method-assign]
+        assert io.recv_now() is None
+        io.sock.recv_multipart = real  # type: ignore[method-assign]
+        del io.events
+        push.send(b"after")
+        deadline = 10.0
+        while (got := io.recv_now()) is None and deadline > 0:
+            pull.poll(100)
+            deadline -= 0.1
+        assert got is not None and got[0].bytes == b"after"
+    finally:
+        push.close(0)
+        pull.close(0)
