@@ -64,6 +64,9 @@ from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simula
 __all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
 
 MAX_ROUNDS = 30
+# transfers that cross one link between hosts at once share its capacity (see the module
+# docs); False prices each as if alone, to show what the sharing changes
+SHARE_LINKS = True
 TOLERANCE = 0.01  # relative change of every slowdown at which the fixed point has settled
 
 
