@@ -25,6 +25,22 @@ only times the actions and delivers the inputs. Timing:
   ``pull_s`` after both it reached the shards and the global clock reached ``c - 1 - D``;
   it reaches them behind the stage's pushes sent before it (one connection per shard
   carries both, in order), so where pushes take a flight a pull waits for them to land.
+  An answer whose weights cross a link (``pull_flight_s``, the part of ``pull_s`` that is
+  their way back) takes that part on the link's channel, below.
+* Shared links. A link between two hosts carries, in each direction, every transfer that
+  crosses it: activations and gradients of every VW whose consecutive stages sit on that
+  host pair, pushes to shards across it and pull answers from them. Transfers that name
+  the same *channel* (``SimLink.fwd_channel``/``bwd_channel``, ``SimStage.push_channel``/
+  ``pull_channel``, e.g. ``"a>b"``: host a's way to host b) move one at a time on it, in
+  the order they were sent, each at its own duration, so a link's capacity is shared
+  among them: two VWs that both send across it at once each wait for the other's tensor,
+  and alone a transfer goes as fast as before. An unnamed channel is the transfer's own
+  (a VW's link direction, a stage's pushes), as when nothing shares it. Approximated:
+  first come first served instead of the fair sharing TCP tends to, so a transfer waits
+  for a whole earlier one rather than going on at half speed (the same finish time for
+  the last of them, the link's throughput the same); a pull answer is booked on its
+  channel when the clock releases it, so one booked ahead can hold up a transfer sent
+  before its time.
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
@@ -128,6 +144,9 @@ class SimStage:
     state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
     handoff_s: float = 0.0  # per hand-off to the compute thread and back (any actions in it)
     push_flight_s: float = 0.0  # a push's way to the shards: they count it this much later
+    push_channel: str = ""  # the shared link it takes (see the module docs); "": its own
+    pull_flight_s: float = 0.0  # the part of pull_s that is the answer's way over a link
+    pull_channel: str = ""  # the shared link the answer takes back; "": none shared
     # async: holds a copy of a tie spanning stages, so it pulls every wave even in a VW
     # alone, and then after every stage's push of the wave before (the runtime's rule)
     tied: bool = False
@@ -139,6 +158,9 @@ class SimLink:
 
     fwd_s: float = 0.0
     bwd_s: float = 0.0
+    # the shared link each direction takes (see the module docs); "": this VW's own
+    fwd_channel: str = ""
+    bwd_channel: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,6 +338,13 @@ def simulate(
     pending: list[tuple[int, int, int, float]] = []  # weight pulls the clock still holds
     reduces: dict[int, list[tuple[int, int, float]]] = {}  # iteration -> contributions
     contributors = sum(1 for w in state for st in w.stages if st.schedule.pulls)
+    channels: dict[str, float] = {}  # a shared link's direction -> when it is free again
+
+    def carry(channel: str, now: float, dur: float) -> float:
+        """When a transfer sent at ``now`` on a shared ``channel`` arrives (``dur`` each)."""
+        start = max(now, channels.get(channel, 0.0))
+        channels[channel] = start + dur
+        return start + dur
 
     def push(t: float, kind: int, v: int, s: int, x: Any) -> None:
         nonlocal seq
@@ -340,8 +369,13 @@ def simulate(
             if glob >= need:
                 ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
                 # the initial weights are loaded before the run starts: not timed
-                latency = state[v].stages[s].spec.pull_s if c >= 1 else 0.0
-                answer(v, s, (c, False), max(sent, ok) + latency)
+                sp = state[v].stages[s].spec
+                latency = sp.pull_s if c >= 1 else 0.0
+                if c >= 1 and sp.pull_channel and sp.pull_flight_s > 0:
+                    ready = max(sent, ok) + latency - sp.pull_flight_s
+                    answer(v, s, (c, False), carry(sp.pull_channel, ready, sp.pull_flight_s))
+                else:
+                    answer(v, s, (c, False), max(sent, ok) + latency)
             else:
                 keep.append((v, s, c, sent))
         pending[:] = keep
@@ -421,12 +455,20 @@ def simulate(
         if kind is Forward:
             if s + 1 < len(w.stages):
                 dur = links[s].fwd_s if links else 0.0
-                push(send(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
+                if links and links[s].fwd_channel:
+                    at = carry(links[s].fwd_channel, now, dur)
+                else:
+                    at = send(w.link_free_f, s, now, dur)
+                push(at, ARRIVE_F, v, s + 1, a.p)
         elif kind is Backward or kind is BackwardInput or kind is BackwardWeight:
             if s > 0:
                 if kind is not BackwardWeight:
                     dur = links[s - 1].bwd_s if links else 0.0
-                    push(send(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
+                    if links and links[s - 1].bwd_channel:
+                        at = carry(links[s - 1].bwd_channel, now, dur)
+                    else:
+                        at = send(w.link_free_b, s - 1, now, dur)
+                    push(at, ARRIVE_B, v, s - 1, a.p)
             elif kind is not BackwardInput:  # a minibatch is done once its weights' gradient is
                 w.done += 1
                 w.done_at.append(now)
@@ -439,7 +481,10 @@ def simulate(
             st = w.stages[s]
             flight = st.spec.push_flight_s
             if flight > 0:
-                st.landed = max(now, st.landed) + flight
+                if st.spec.push_channel:
+                    st.landed = carry(st.spec.push_channel, max(now, st.landed), flight)
+                else:
+                    st.landed = max(now, st.landed) + flight
                 push(st.landed, PUSHED, v, s, a.c + 1)
             else:
                 w.pushed[s] = a.c + 1
