@@ -369,6 +369,8 @@ def shaped_case(args: Any, root: Path) -> dict[str, Any]:
         "nm": args.shaped_nm,
         "repeats": args.shaped_repeats,
         "vws": jobs["local"]["vw"],
+        # the head's profile both jobs were predicted from (to predict them again offline)
+        "profile": profile.to_dict(),
     }
     for pl, infos in runs.items():
         measured = statistics.median(i["train_samples_per_s"] for i in infos)

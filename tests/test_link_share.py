@@ -26,8 +26,8 @@ def link_bound_vw(channel: str) -> SimVW:
 
 
 def test_two_vws_crossing_one_link_each_take_twice_as_long_as_one_alone():
-    alone = simulate([link_bound_vw("act:a>b")], 0, 64)
-    shared = simulate([link_bound_vw("act:a>b"), link_bound_vw("act:a>b")], 0, 64)
+    alone = simulate([link_bound_vw("a>b")], 0, 64)
+    shared = simulate([link_bound_vw("a>b"), link_bound_vw("a>b")], 0, 64)
     assert alone.vw_samples_per_s[0] == pytest.approx(1 / FLIGHT, rel=0.02)
     for rate in shared.vw_samples_per_s:
         assert rate == pytest.approx(alone.vw_samples_per_s[0] / 2, rel=0.02)
@@ -36,7 +36,7 @@ def test_two_vws_crossing_one_link_each_take_twice_as_long_as_one_alone():
 
 def test_transfers_on_different_links_or_their_own_channels_do_not_share():
     alone = simulate([link_bound_vw("")], 0, 64)
-    for a, b in (("act:a>b", "act:c>b"), ("", ""), ("act:a>b", "act:b>a")):
+    for a, b in (("a>b", "c>b"), ("", ""), ("a>b", "b>a")):
         two = simulate([link_bound_vw(a), link_bound_vw(b)], 0, 64)
         assert two.vw_samples_per_s == pytest.approx((alone.vw_samples_per_s[0],) * 2, rel=1e-9), (
             a,
@@ -51,9 +51,7 @@ def test_pushes_of_two_vws_to_a_shard_across_one_link_share_it():
     flights."""
     flight, back = 0.05, 0.005
     stage = SimStage(1e-3, 1e-3, push_s=1e-4, pull_s=1e-4 + back, push_flight_s=flight)
-    shared = dataclasses.replace(
-        stage, push_channel="ps:a>b", pull_channel="ps:b>a", pull_flight_s=back
-    )
+    shared = dataclasses.replace(stage, push_channel="a>b", pull_channel="b>a", pull_flight_s=back)
     apart, both = (simulate([SimVW((s,), 1), SimVW((s,), 1)], 0, 64) for s in (stage, shared))
     for u, s in zip(apart.vw_samples_per_s, both.vw_samples_per_s, strict=True):
         assert s == pytest.approx(1 / (2 * flight), rel=0.05)

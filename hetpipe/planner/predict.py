@@ -31,17 +31,16 @@ it at about the same moment of each wave (WSP keeps the VWs' waves together), so
 that carries one VW's traffic comfortably can be the bottleneck of four. Each transfer
 between two different hosts therefore names its link's direction (:func:`_channels`:
 activations host i > host i+1, gradients back, a push to the host of its shards
-(:func:`.placement.shard_routes`), a pull's answer back), and the simulator moves the
-transfers that name one direction one at a time (:mod:`.simulate`, shared links): their
-capacity is shared, alone a transfer is as fast as before. Approximated: a link is a
+(:func:`.placement.shard_routes`), a pull's answer back), and the simulator shares one
+direction's capacity among the transfers that name it (:mod:`.simulate`, shared links);
+alone a transfer is as fast as before. Approximated: a link is a
 host pair (every device pair between two hosts shares it, whatever their
-``[[network.link]]`` figures); the parameter server's traffic and the activations share
-it each among themselves, on two channels, not with each other (the simulator's links
-serve one transfer at a time, so one channel would hold a small activation up behind a
-whole push, where TCP gives both a share at once: far worse than leaving the two apart);
-a stage whose state lies on several other hosts sends it all over the link to the one
-with most of it; traffic inside a host (its loopback) is not shared. :data:`SHARE_LINKS` False prices every transfer alone again (a benchmark's
-comparison).
+``[[network.link]]`` figures); activations go first on it and the parameter server's
+traffic takes the capacity they leave on average (:mod:`.simulate`: a small activation
+never waits behind a whole push, where TCP would slow both a little); a stage whose state
+lies on several other hosts sends it all over the link to the one with most of it;
+traffic inside a host (its loopback) is not shared. :data:`SHARE_LINKS` False prices
+every transfer alone again (a benchmark's comparison).
 
 One file on purpose: the per-stage costs (:func:`stage_costs`), the simulated virtual
 workers built from them and the fixed point over host sharing (:func:`predict`) are one
@@ -639,19 +638,19 @@ def _channels(
     devices: Sequence[Any], routes: Sequence[str]
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """The shared links one VW's transfers take (see the module docs): per link between
-    consecutive stages its forward and backward direction (``act:a>b``), per stage its
-    pushes' and its pull answers' (``ps:a>b``; ``routes``: the host of its remote shards,
-    :func:`.placement.shard_routes`); "" where a transfer stays inside one host."""
+    consecutive stages its forward and backward direction (``a>b``: host a's way to host
+    b), per stage its pushes' and its pull answers' (``routes``: the host of its remote
+    shards, :func:`.placement.shard_routes`); "" where a transfer stays inside one host."""
 
     def host(d: Any) -> str:
         return str(getattr(d, "host", getattr(d, "node", "")))
 
-    def way(kind: str, a: str, b: str) -> str:
-        return f"{kind}:{a}>{b}" if a and b and a != b else ""
+    def way(a: str, b: str) -> str:
+        return f"{a}>{b}" if a and b and a != b else ""
 
     hosts = [host(d) for d in devices]
-    links = [(way("act", a, b), way("act", b, a)) for a, b in itertools.pairwise(hosts)]
-    stages = [(way("ps", h, r), way("ps", r, h)) for h, r in zip(hosts, routes, strict=True)]
+    links = [(way(a, b), way(b, a)) for a, b in itertools.pairwise(hosts)]
+    stages = [(way(h, r), way(r, h)) for h, r in zip(hosts, routes, strict=True)]
     return links, stages
 
 

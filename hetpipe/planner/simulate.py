@@ -31,16 +31,21 @@ only times the actions and delivers the inputs. Timing:
   crosses it: activations and gradients of every VW whose consecutive stages sit on that
   host pair, pushes to shards across it and pull answers from them. Transfers that name
   the same *channel* (``SimLink.fwd_channel``/``bwd_channel``, ``SimStage.push_channel``/
-  ``pull_channel``, e.g. ``"a>b"``: host a's way to host b) move one at a time on it, in
-  the order they were sent, each at its own duration, so a link's capacity is shared
-  among them: two VWs that both send across it at once each wait for the other's tensor,
-  and alone a transfer goes as fast as before. An unnamed channel is the transfer's own
-  (a VW's link direction, a stage's pushes), as when nothing shares it. Approximated:
-  first come first served instead of the fair sharing TCP tends to, so a transfer waits
-  for a whole earlier one rather than going on at half speed (the same finish time for
-  the last of them, the link's throughput the same); a pull answer is booked on its
-  channel when the clock releases it, so one booked ahead can hold up a transfer sent
-  before its time.
+  ``pull_channel``, e.g. ``"a>b"``: host a's way to host b) share its capacity: the
+  activations and gradients on it move one at a time, in the order they were sent; the
+  parameter server's pushes and answers on it move one at a time among themselves, each
+  stretched to the capacity the activations leave (its time / (1 - the share of the
+  channel's time the activations took so far, at most :data:`ACT_SHARE_MAX`)). So two VWs
+  that both send across one link each wait for the other's tensor, a push shares the link
+  with the activations beside it, and alone a transfer goes as fast as before. An unnamed
+  channel is the transfer's own (a VW's link direction, a stage's pushes), as when nothing
+  shares it. Approximated: first come first served instead of the fair sharing TCP tends
+  to, so a transfer waits for a whole earlier one rather than going on at half speed (the
+  same finish time for the last of them, the link's throughput the same); activations go
+  first, the parameter server's traffic takes what they leave on average (a small
+  activation never waits behind a whole push, nor does a push slow one: TCP would slow
+  both a little); a pull answer is booked on its channel when the clock releases it, so
+  one booked ahead can hold up another sent before its time.
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
@@ -99,6 +104,10 @@ from hetpipe.core.schedule import (
     iteration_trips,
 )
 from hetpipe.core.wsp import pull_need
+
+# the most of a shared link's time its activations are taken to leave the parameter
+# server's traffic without (it always keeps some: a bound, not a measured figure)
+ACT_SHARE_MAX = 0.9
 
 __all__ = [
     "SimLink",
@@ -338,13 +347,26 @@ def simulate(
     pending: list[tuple[int, int, int, float]] = []  # weight pulls the clock still holds
     reduces: dict[int, list[tuple[int, int, float]]] = {}  # iteration -> contributions
     contributors = sum(1 for w in state for st in w.stages if st.schedule.pulls)
-    channels: dict[str, float] = {}  # a shared link's direction -> when it is free again
+    # a shared link's direction -> when its activations' and its parameter server's queues
+    # are free again, and the time its activations took so far
+    channels: dict[str, float] = {}
+    ps_channels: dict[str, float] = {}
+    act_busy: dict[str, float] = {}
 
     def carry(channel: str, now: float, dur: float) -> float:
-        """When a transfer sent at ``now`` on a shared ``channel`` arrives (``dur`` each)."""
+        """When an activation or gradient sent at ``now`` on a shared ``channel`` arrives."""
         start = max(now, channels.get(channel, 0.0))
         channels[channel] = start + dur
+        act_busy[channel] = act_busy.get(channel, 0.0) + dur
         return start + dur
+
+    def carry_ps(channel: str, now: float, dur: float) -> float:
+        """When a push or pull answer sent at ``now`` on a shared ``channel`` arrives: after
+        the ones before it, at the capacity the activations leave (see the module docs)."""
+        share = min(ACT_SHARE_MAX, act_busy.get(channel, 0.0) / now) if now > 0 else 0.0
+        start = max(now, ps_channels.get(channel, 0.0))
+        ps_channels[channel] = start + dur / (1.0 - share)
+        return ps_channels[channel]
 
     def push(t: float, kind: int, v: int, s: int, x: Any) -> None:
         nonlocal seq
@@ -373,7 +395,7 @@ def simulate(
                 latency = sp.pull_s if c >= 1 else 0.0
                 if c >= 1 and sp.pull_channel and sp.pull_flight_s > 0:
                     ready = max(sent, ok) + latency - sp.pull_flight_s
-                    answer(v, s, (c, False), carry(sp.pull_channel, ready, sp.pull_flight_s))
+                    answer(v, s, (c, False), carry_ps(sp.pull_channel, ready, sp.pull_flight_s))
                 else:
                     answer(v, s, (c, False), max(sent, ok) + latency)
             else:
@@ -482,7 +504,7 @@ def simulate(
             flight = st.spec.push_flight_s
             if flight > 0:
                 if st.spec.push_channel:
-                    st.landed = carry(st.spec.push_channel, max(now, st.landed), flight)
+                    st.landed = carry_ps(st.spec.push_channel, max(now, st.landed), flight)
                 else:
                     st.landed = max(now, st.landed) + flight
                 push(st.landed, PUSHED, v, s, a.c + 1)
