@@ -38,8 +38,9 @@ Those flights are each stage's as if alone on the link. Where several stages' pu
 pulls cross one link between two hosts at once (every VW's first stage on host a pushing
 to a shard on host b, as under ED with the default placement), they share its capacity:
 :func:`shard_routes` names the link each stage's flight takes (the host it mostly goes to),
-and the simulator queues the transfers that name one link on it
-(:mod:`hetpipe.planner.simulate`, shared links).
+and the simulator shares the link's capacity among the transfers that name it
+(:mod:`hetpipe.planner.simulate`, shared links). :func:`remote_link_times` gives both at
+once (per stage, the link seconds to each other host), for a caller that needs both.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = [
     "place_layers",
     "place_plan",
     "place_stages",
+    "remote_link_times",
     "shard_flights",
     "shard_routes",
 ]
@@ -214,10 +216,7 @@ def shard_flights(
     ``placement`` (:func:`place_layers`) gives it on other hosts (see the module docs), which
     is also the time of the global weights' way back in a pull. 0 where every shard of the
     stage shares its host (or there are no shards)."""
-    return tuple(
-        tuple(sum(per.values()) for per in row)
-        for row in _remote_times(model, chosen, shard_hosts, placement)
-    )
+    return flights_of(remote_link_times(model, chosen, shard_hosts, placement))
 
 
 def shard_routes(
@@ -229,19 +228,29 @@ def shard_routes(
     """Per VW, per stage: the host whose shards take most of the stage's link time in
     :func:`shard_flights` (its pushes and pulls share that host's link with others that
     cross it), "" where none is on another host."""
+    return routes_of(remote_link_times(model, chosen, shard_hosts, placement))
+
+
+def flights_of(times: Sequence[Sequence[dict[str, float]]]) -> tuple[tuple[float, ...], ...]:
+    """:func:`shard_flights` from :func:`remote_link_times`: each stage's sum."""
+    return tuple(tuple(sum(per.values()) for per in row) for row in times)
+
+
+def routes_of(times: Sequence[Sequence[dict[str, float]]]) -> tuple[tuple[str, ...], ...]:
+    """:func:`shard_routes` from :func:`remote_link_times`: each stage's host of most."""
     return tuple(
-        tuple(min(per, key=lambda h: (-per[h], h)) if per else "" for per in row)
-        for row in _remote_times(model, chosen, shard_hosts, placement)
+        tuple(min(per, key=lambda h: (-per[h], h)) if per else "" for per in row) for row in times
     )
 
 
-def _remote_times(
+def remote_link_times(
     model: CostModel,
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     shard_hosts: Sequence[str],
-    placement: str,
+    placement: str = "local",
 ) -> list[list[dict[str, float]]]:
-    """Per VW, per stage: link seconds of its state to the shards on each other host."""
+    """Per VW, per stage: link seconds of its state to the shards on each other host (by
+    host; see the module docs)."""
     if not shard_hosts:
         return [[{} for _ in devs] for devs, _ in chosen]
     layer_bytes = layer_state_bytes(model.profile)

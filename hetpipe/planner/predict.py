@@ -67,7 +67,7 @@ from hetpipe.core.schedule import (
     Push,
 )
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.placement import shard_flights, shard_routes
+from hetpipe.planner.placement import flights_of, remote_link_times, routes_of
 from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import (
     all_busy,
@@ -464,13 +464,12 @@ def predict(
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))
-    flights = shard_flights(model, chosen, shard_hosts, placement)
+    remote = remote_link_times(model, chosen, shard_hosts, placement)
+    flights = flights_of(remote)
     channels = (
         [
             _channels(devs, routes)
-            for (devs, _), routes in zip(
-                chosen, shard_routes(model, chosen, shard_hosts, placement), strict=True
-            )
+            for (devs, _), routes in zip(chosen, routes_of(remote), strict=True)
         ]
         if SHARE_LINKS
         else [None] * len(chosen)
