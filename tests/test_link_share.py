@@ -5,6 +5,7 @@ simulator's channels, :mod:`hetpipe.planner.simulate`; the predictor names them,
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from test_planner_placement import HOST, KW, two_hosts
@@ -111,3 +112,18 @@ def test_a_stages_pushes_take_the_link_to_the_host_of_most_of_its_state():
     assert shard_routes(model, [(devs, p)], [HOST["b"]]) == ((HOST["b"], ""),)
     assert shard_routes(model, [(devs, p)], [HOST["a"], HOST["b"]]) == (("", ""),)
     assert shard_routes(model, [(devs, p)], []) == (("", ""),)
+
+
+def test_the_simulators_command_line_reads_a_links_channels(tmp_path, capsys):
+    from hetpipe.planner.simulate import main
+
+    vw = {
+        "nm": 4,
+        "stages": [[1e-3, 1e-3], [1e-3, 1e-3]],
+        "links": [{"fwd_s": FLIGHT, "bwd_s": 0.0, "fwd_channel": "a>b"}],
+    }
+    path = tmp_path / "vws.json"
+    path.write_text(json.dumps({"staleness": 0, "minibatches": 64, "vws": [vw, vw]}))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "total 10.0 samples/s" in out  # two VWs at 5 each: alone each would get 10

@@ -738,16 +738,25 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     def stage(x: Any) -> SimStage:
         if isinstance(x, dict):
-            extra = {
+            extra: dict[str, Any] = {
                 k: float(x[k])
-                for k in ("push_s", "merge_s", "pull_s", "step_s", "push_flight_s")
+                for k in ("push_s", "merge_s", "pull_s", "step_s", "push_flight_s", "pull_flight_s")
                 if k in x
             }
+            extra.update({k: str(x[k]) for k in ("push_channel", "pull_channel") if k in x})
             return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
         return SimStage(*pair(x, "fwd_s", "bwd_s"))
 
+    def link(x: Any) -> SimLink:
+        channels = (
+            (str(x.get("fwd_channel", "")), str(x.get("bwd_channel", "")))
+            if isinstance(x, dict)
+            else ("", "")
+        )
+        return SimLink(*pair(x, "fwd_s", "bwd_s"), *channels)
+
     stages = tuple(stage(x) for x in d["stages"])
-    links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
+    links = tuple(link(x) for x in d.get("links", ()))
     return SimVW(
         stages,
         int(d.get("nm", 1)),
@@ -765,7 +774,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Simulate virtual workers (pipelines under asynchronous 1F1B) coupled by "
         "Wave Synchronous Parallel, and print their predicted throughput.",
         epilog='Input JSON: {"staleness": 0, "minibatches": 64, "vws": [{"nm": 4, '
-        '"minibatch": 32, "stages": [[fwd_s, bwd_s], ...], "links": [[fwd_s, bwd_s], ...]}]}',
+        '"minibatch": 32, "stages": [[fwd_s, bwd_s], ...], "links": [[fwd_s, bwd_s], ...]}]}; '
+        'a link as {"fwd_s", "bwd_s", "fwd_channel", "bwd_channel"} names the shared link '
+        "each direction takes (a channel's transfers share its capacity)",
     )
     ap.add_argument("description", help="JSON file describing the VWs ('-' reads stdin)")
     ap.add_argument("--staleness", "-D", type=int, help="override the file's staleness D")
