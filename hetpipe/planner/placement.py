@@ -33,6 +33,14 @@ planner's one link model (:meth:`~hetpipe.planner.partition.CostModel.link`: a
 device of the shard's host, where the plan has one (a shard shares its host's links); a
 shard on a host without such a device is reached over the inter-node default. A stage sends
 to its shards one after the other, so its flight is the sum over its remote shards.
+
+Those flights are each stage's as if alone on the link. Where several stages' pushes and
+pulls cross one link between two hosts at once (every VW's first stage on host a pushing
+to a shard on host b, as under ED with the default placement), they share its capacity:
+:func:`shard_routes` names the link each stage's flight takes (the host it mostly goes to),
+and the simulator shares the link's capacity among the transfers that name it
+(:mod:`hetpipe.planner.simulate`, shared links). :func:`remote_link_times` gives both at
+once (per stage, the link seconds to each other host), for a caller that needs both.
 """
 
 from __future__ import annotations
@@ -54,7 +62,9 @@ __all__ = [
     "place_layers",
     "place_plan",
     "place_stages",
+    "remote_link_times",
     "shard_flights",
+    "shard_routes",
 ]
 
 RULES = {
@@ -206,8 +216,43 @@ def shard_flights(
     ``placement`` (:func:`place_layers`) gives it on other hosts (see the module docs), which
     is also the time of the global weights' way back in a pull. 0 where every shard of the
     stage shares its host (or there are no shards)."""
+    return flights_of(remote_link_times(model, chosen, shard_hosts, placement))
+
+
+def shard_routes(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    shard_hosts: Sequence[str],
+    placement: str = "local",
+) -> tuple[tuple[str, ...], ...]:
+    """Per VW, per stage: the host whose shards take most of the stage's link time in
+    :func:`shard_flights` (its pushes and pulls share that host's link with others that
+    cross it), "" where none is on another host."""
+    return routes_of(remote_link_times(model, chosen, shard_hosts, placement))
+
+
+def flights_of(times: Sequence[Sequence[dict[str, float]]]) -> tuple[tuple[float, ...], ...]:
+    """:func:`shard_flights` from :func:`remote_link_times`: each stage's sum."""
+    return tuple(tuple(sum(per.values()) for per in row) for row in times)
+
+
+def routes_of(times: Sequence[Sequence[dict[str, float]]]) -> tuple[tuple[str, ...], ...]:
+    """:func:`shard_routes` from :func:`remote_link_times`: each stage's host of most."""
+    return tuple(
+        tuple(min(per, key=lambda h: (-per[h], h)) if per else "" for per in row) for row in times
+    )
+
+
+def remote_link_times(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    shard_hosts: Sequence[str],
+    placement: str = "local",
+) -> list[list[dict[str, float]]]:
+    """Per VW, per stage: link seconds of its state to the shards on each other host (by
+    host; see the module docs)."""
     if not shard_hosts:
-        return tuple((0.0,) * len(devs) for devs, _ in chosen)
+        return [[{} for _ in devs] for devs, _ in chosen]
     layer_bytes = layer_state_bytes(model.profile)
     shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
     stage_hosts = [
@@ -223,14 +268,14 @@ def shard_flights(
     for devs, p in chosen:
         row = []
         for d, (a, b) in zip(devs, p.cuts, strict=True):
-            t = 0.0
+            per: dict[str, float] = {}
             for shard, nbytes in _bytes_by_shard(layer_shards, layer_bytes, a, b).items():
                 host = shards[shard].host
                 if nbytes and host != _host(d):
                     there = near.get(host) or SimpleNamespace(
                         name=f"ps@{host}", node=f"ps@{host}", host=host, type=""
                     )
-                    t += nbytes / model.link(d, there)
-            row.append(t)
-        out.append(tuple(row))
-    return tuple(out)
+                    per[host] = per.get(host, 0.0) + nbytes / model.link(d, there)
+            row.append(per)
+        out.append(row)
+    return out

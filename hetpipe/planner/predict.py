@@ -24,6 +24,24 @@ as a fixed point with the simulated rates:
 
 Devices on ``cuda`` compute on their GPU: only their event loop competes for the host's cores.
 
+Shared links. A stage's costs price each transfer as if it were alone on its link; but
+every VW of an ED formation sends its activations over the same link between two hosts,
+and under the default placement every VW's stages push to and pull from a shard across
+it at about the same moment of each wave (WSP keeps the VWs' waves together), so a link
+that carries one VW's traffic comfortably can be the bottleneck of four. Each transfer
+between two different hosts therefore names its link's direction (:func:`_channels`:
+activations host i > host i+1, gradients back, a push to the host of its shards
+(:func:`.placement.shard_routes`), a pull's answer back), and the simulator shares one
+direction's capacity among the transfers that name it (:mod:`.simulate`, shared links);
+alone a transfer is as fast as before. Approximated: a link is a
+host pair (every device pair between two hosts shares it, whatever their
+``[[network.link]]`` figures); activations go first on it and the parameter server's
+traffic takes the capacity they leave on average (:mod:`.simulate`: a small activation
+never waits behind a whole push, where TCP would slow both a little); a stage whose state
+lies on several other hosts sends it all over the link to the one with most of it;
+traffic inside a host (its loopback) is not shared. :data:`SHARE_LINKS` False prices
+every transfer alone again (a benchmark's comparison).
+
 One file on purpose: the per-stage costs (:func:`stage_costs`), the simulated virtual
 workers built from them and the fixed point over host sharing (:func:`predict`) are one
 computation, each step feeding the next.
@@ -49,7 +67,7 @@ from hetpipe.core.schedule import (
     Push,
 )
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.placement import shard_flights
+from hetpipe.planner.placement import flights_of, remote_link_times, routes_of
 from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import (
     all_busy,
@@ -64,6 +82,9 @@ from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simula
 __all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
 
 MAX_ROUNDS = 30
+# transfers that cross one link between hosts at once share its capacity (see the module
+# docs); False prices each as if alone, to show what the sharing changes
+SHARE_LINKS = True
 TOLERANCE = 0.01  # relative change of every slowdown at which the fixed point has settled
 
 
@@ -354,15 +375,21 @@ def _sim_vw(
     warmup: int = 0,
     pad_slow: Sequence[float] | None = None,
     devices: int | None = None,
+    channels: tuple[Sequence[tuple[str, str]], Sequence[tuple[str, str]]] | None = None,
 ) -> SimVW:
     """The simulator's stages: compute stretched by starting cold, CPU work by the slowdown
     (padded compute by ``pad_slow``, default the same), plus the wait of each wake-up (two
     per hand-off to the compute thread and back, two per pull, one per message). The
     hand-off's hop and wake-ups are ``handoff_s``, paid once per hand-off whatever actions
-    join it (the runtime's rule, which the simulator follows)."""
+    join it (the runtime's rule, which the simulator follows). ``channels``: the shared
+    link of each link's two directions and of each stage's pushes and pull answers
+    (:func:`_channels`; None: none shared)."""
     stages = []
     pads = slow if pad_slow is None else pad_slow
-    for c, k, g, w, h in zip(costs, slow, pads, wake, cold, strict=True):
+    link_chs, stage_chs = channels or ((("", ""),) * (len(costs) - 1), (("", ""),) * len(costs))
+    for c, k, g, w, h, (push_ch, pull_ch) in zip(
+        costs, slow, pads, wake, cold, stage_chs, strict=True
+    ):
         bwd_hop = c.hop_s if c.loop_bwd_s else 0.0
         # a replicated stage's exchange follows its backward (the last async stage's one
         # task), before the step: time on the links, not the host's cores, and the wake-ups
@@ -380,12 +407,20 @@ def _sim_vw(
                 step_s=k * h * c.step_s,
                 handoff_s=k * c.hop_s + (0.0 if c.inline else 2 * w),
                 push_flight_s=c.shard_link_s if schedule == "async" else 0.0,
+                push_channel=push_ch if schedule == "async" else "",
+                # an async pull's answer: the weights' way back is the last part of pull_s
+                pull_flight_s=c.shard_link_s if schedule == "async" and c.pull_s else 0.0,
+                pull_channel=pull_ch if schedule == "async" and c.pull_s else "",
                 tied=c.tied,
             )
         )
     links = tuple(
-        SimLink(costs[i].link_s * slow[i + 1] + wake[i + 1], costs[i].link_s * slow[i] + wake[i])
-        for i in range(len(costs) - 1)
+        SimLink(
+            costs[i].link_s * slow[i + 1] + wake[i + 1],
+            costs[i].link_s * slow[i] + wake[i],
+            *link_ch,
+        )
+        for i, link_ch in zip(range(len(costs) - 1), link_chs, strict=True)
     )
     return SimVW(
         tuple(stages),
@@ -429,7 +464,16 @@ def predict(
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))
-    flights = shard_flights(model, chosen, shard_hosts, placement)
+    remote = remote_link_times(model, chosen, shard_hosts, placement)
+    flights = flights_of(remote)
+    channels = (
+        [
+            _channels(devs, routes)
+            for (devs, _), routes in zip(chosen, routes_of(remote), strict=True)
+        ]
+        if SHARE_LINKS
+        else [None] * len(chosen)
+    )
     costs = tuple(
         stage_costs(
             model, devs, p, vws=len(chosen), shards=n_shards, schedule=schedule, shard_link_s=f
@@ -499,6 +543,7 @@ def predict(
                 warmup,
                 per_stage(pad_slow, v),
                 devices,
+                channels[v],
             )
             for v, (_, p) in enumerate(chosen)
         ]
@@ -586,6 +631,26 @@ def predict(
         tuple(tuple(per_stage(pad_slow, u)) for u in n_vws),
         rounds,
     )
+
+
+def _channels(
+    devices: Sequence[Any], routes: Sequence[str]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The shared links one VW's transfers take (see the module docs): per link between
+    consecutive stages its forward and backward direction (``a>b``: host a's way to host
+    b), per stage its pushes' and its pull answers' (``routes``: the host of its remote
+    shards, :func:`.placement.shard_routes`); "" where a transfer stays inside one host."""
+
+    def host(d: Any) -> str:
+        return str(getattr(d, "host", getattr(d, "node", "")))
+
+    def way(a: str, b: str) -> str:
+        return f"{a}>{b}" if a and b and a != b else ""
+
+    hosts = [host(d) for d in devices]
+    links = [(way(a, b), way(b, a)) for a, b in itertools.pairwise(hosts)]
+    stages = [(way(h, r), way(r, h)) for h, r in zip(hosts, routes, strict=True)]
+    return links, stages
 
 
 def _timeline_laws(

@@ -25,6 +25,27 @@ only times the actions and delivers the inputs. Timing:
   ``pull_s`` after both it reached the shards and the global clock reached ``c - 1 - D``;
   it reaches them behind the stage's pushes sent before it (one connection per shard
   carries both, in order), so where pushes take a flight a pull waits for them to land.
+  An answer whose weights cross a link (``pull_flight_s``, the part of ``pull_s`` that is
+  their way back) takes that part on the link's channel, below.
+* Shared links. A link between two hosts carries, in each direction, every transfer that
+  crosses it: activations and gradients of every VW whose consecutive stages sit on that
+  host pair, pushes to shards across it and pull answers from them. Transfers that name
+  the same *channel* (``SimLink.fwd_channel``/``bwd_channel``, ``SimStage.push_channel``/
+  ``pull_channel``, e.g. ``"a>b"``: host a's way to host b) share its capacity: the
+  activations and gradients on it move one at a time, in the order they were sent; the
+  parameter server's pushes and answers on it move one at a time among themselves, each
+  stretched to the capacity the activations leave (its time / (1 - the share of the
+  channel's time the activations took so far, at most :data:`ACT_SHARE_MAX`)). So two VWs
+  that both send across one link each wait for the other's tensor, a push shares the link
+  with the activations beside it, and alone a transfer goes as fast as before. An unnamed
+  channel is the transfer's own (a VW's link direction, a stage's pushes), as when nothing
+  shares it. Approximated: first come first served instead of the fair sharing TCP tends
+  to, so a transfer waits for a whole earlier one rather than going on at half speed (the
+  same finish time for the last of them, the link's throughput the same); activations go
+  first, the parameter server's traffic takes what they leave on average (a small
+  activation never waits behind a whole push, nor does a push slow one: TCP would slow
+  both a little); a pull answer is booked on its channel when the clock releases it, so
+  one booked ahead can hold up another sent before its time.
 * Synchronous kinds: the mean gradient of an iteration is answered ``pull_s`` after every
   stage with state of every VW has sent its gradient for it.
 
@@ -84,6 +105,10 @@ from hetpipe.core.schedule import (
 )
 from hetpipe.core.wsp import pull_need
 
+# the most of a shared link's time its activations are taken to leave the parameter
+# server's traffic without (it always keeps some: a bound, not a measured figure)
+ACT_SHARE_MAX = 0.9
+
 __all__ = [
     "SimLink",
     "SimResult",
@@ -128,6 +153,9 @@ class SimStage:
     state: bool = True  # holds weights on the shards (pushes, and pulls with several VWs)
     handoff_s: float = 0.0  # per hand-off to the compute thread and back (any actions in it)
     push_flight_s: float = 0.0  # a push's way to the shards: they count it this much later
+    push_channel: str = ""  # the shared link it takes (see the module docs); "": its own
+    pull_flight_s: float = 0.0  # the part of pull_s that is the answer's way over a link
+    pull_channel: str = ""  # the shared link the answer takes back; "": none shared
     # async: holds a copy of a tie spanning stages, so it pulls every wave even in a VW
     # alone, and then after every stage's push of the wave before (the runtime's rule)
     tied: bool = False
@@ -139,6 +167,9 @@ class SimLink:
 
     fwd_s: float = 0.0
     bwd_s: float = 0.0
+    # the shared link each direction takes (see the module docs); "": this VW's own
+    fwd_channel: str = ""
+    bwd_channel: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,6 +347,26 @@ def simulate(
     pending: list[tuple[int, int, int, float]] = []  # weight pulls the clock still holds
     reduces: dict[int, list[tuple[int, int, float]]] = {}  # iteration -> contributions
     contributors = sum(1 for w in state for st in w.stages if st.schedule.pulls)
+    # a shared link's direction -> when its activations' and its parameter server's queues
+    # are free again, and the time its activations took so far
+    channels: dict[str, float] = {}
+    ps_channels: dict[str, float] = {}
+    act_busy: dict[str, float] = {}
+
+    def carry(channel: str, now: float, dur: float) -> float:
+        """When an activation or gradient sent at ``now`` on a shared ``channel`` arrives."""
+        start = max(now, channels.get(channel, 0.0))
+        channels[channel] = start + dur
+        act_busy[channel] = act_busy.get(channel, 0.0) + dur
+        return start + dur
+
+    def carry_ps(channel: str, now: float, dur: float) -> float:
+        """When a push or pull answer sent at ``now`` on a shared ``channel`` arrives: after
+        the ones before it, at the capacity the activations leave (see the module docs)."""
+        share = min(ACT_SHARE_MAX, act_busy.get(channel, 0.0) / now) if now > 0 else 0.0
+        start = max(now, ps_channels.get(channel, 0.0))
+        ps_channels[channel] = start + dur / (1.0 - share)
+        return ps_channels[channel]
 
     def push(t: float, kind: int, v: int, s: int, x: Any) -> None:
         nonlocal seq
@@ -340,8 +391,13 @@ def simulate(
             if glob >= need:
                 ok = glob_at[min(need, len(glob_at) - 1)] if need >= 0 else 0.0
                 # the initial weights are loaded before the run starts: not timed
-                latency = state[v].stages[s].spec.pull_s if c >= 1 else 0.0
-                answer(v, s, (c, False), max(sent, ok) + latency)
+                sp = state[v].stages[s].spec
+                latency = sp.pull_s if c >= 1 else 0.0
+                if c >= 1 and sp.pull_channel and sp.pull_flight_s > 0:
+                    ready = max(sent, ok) + latency - sp.pull_flight_s
+                    answer(v, s, (c, False), carry_ps(sp.pull_channel, ready, sp.pull_flight_s))
+                else:
+                    answer(v, s, (c, False), max(sent, ok) + latency)
             else:
                 keep.append((v, s, c, sent))
         pending[:] = keep
@@ -421,12 +477,20 @@ def simulate(
         if kind is Forward:
             if s + 1 < len(w.stages):
                 dur = links[s].fwd_s if links else 0.0
-                push(send(w.link_free_f, s, now, dur), ARRIVE_F, v, s + 1, a.p)
+                if links and links[s].fwd_channel:
+                    at = carry(links[s].fwd_channel, now, dur)
+                else:
+                    at = send(w.link_free_f, s, now, dur)
+                push(at, ARRIVE_F, v, s + 1, a.p)
         elif kind is Backward or kind is BackwardInput or kind is BackwardWeight:
             if s > 0:
                 if kind is not BackwardWeight:
                     dur = links[s - 1].bwd_s if links else 0.0
-                    push(send(w.link_free_b, s - 1, now, dur), ARRIVE_B, v, s - 1, a.p)
+                    if links and links[s - 1].bwd_channel:
+                        at = carry(links[s - 1].bwd_channel, now, dur)
+                    else:
+                        at = send(w.link_free_b, s - 1, now, dur)
+                    push(at, ARRIVE_B, v, s - 1, a.p)
             elif kind is not BackwardInput:  # a minibatch is done once its weights' gradient is
                 w.done += 1
                 w.done_at.append(now)
@@ -439,7 +503,10 @@ def simulate(
             st = w.stages[s]
             flight = st.spec.push_flight_s
             if flight > 0:
-                st.landed = max(now, st.landed) + flight
+                if st.spec.push_channel:
+                    st.landed = carry_ps(st.spec.push_channel, max(now, st.landed), flight)
+                else:
+                    st.landed = max(now, st.landed) + flight
                 push(st.landed, PUSHED, v, s, a.c + 1)
             else:
                 w.pushed[s] = a.c + 1
@@ -671,16 +738,25 @@ def _vw_from_json(d: dict[str, Any], i: int) -> SimVW:
 
     def stage(x: Any) -> SimStage:
         if isinstance(x, dict):
-            extra = {
+            extra: dict[str, Any] = {
                 k: float(x[k])
-                for k in ("push_s", "merge_s", "pull_s", "step_s", "push_flight_s")
+                for k in ("push_s", "merge_s", "pull_s", "step_s", "push_flight_s", "pull_flight_s")
                 if k in x
             }
+            extra.update({k: str(x[k]) for k in ("push_channel", "pull_channel") if k in x})
             return SimStage(float(x["fwd_s"]), float(x["bwd_s"]), **extra)
         return SimStage(*pair(x, "fwd_s", "bwd_s"))
 
+    def link(x: Any) -> SimLink:
+        channels = (
+            (str(x.get("fwd_channel", "")), str(x.get("bwd_channel", "")))
+            if isinstance(x, dict)
+            else ("", "")
+        )
+        return SimLink(*pair(x, "fwd_s", "bwd_s"), *channels)
+
     stages = tuple(stage(x) for x in d["stages"])
-    links = tuple(SimLink(*pair(x, "fwd_s", "bwd_s")) for x in d.get("links", ()))
+    links = tuple(link(x) for x in d.get("links", ()))
     return SimVW(
         stages,
         int(d.get("nm", 1)),
@@ -698,7 +774,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Simulate virtual workers (pipelines under asynchronous 1F1B) coupled by "
         "Wave Synchronous Parallel, and print their predicted throughput.",
         epilog='Input JSON: {"staleness": 0, "minibatches": 64, "vws": [{"nm": 4, '
-        '"minibatch": 32, "stages": [[fwd_s, bwd_s], ...], "links": [[fwd_s, bwd_s], ...]}]}',
+        '"minibatch": 32, "stages": [[fwd_s, bwd_s], ...], "links": [[fwd_s, bwd_s], ...]}]}; '
+        'a link as {"fwd_s", "bwd_s", "fwd_channel", "bwd_channel"} names the shared link '
+        "each direction takes (a channel's transfers share its capacity)",
     )
     ap.add_argument("description", help="JSON file describing the VWs ('-' reads stdin)")
     ap.add_argument("--staleness", "-D", type=int, help="override the file's staleness D")
