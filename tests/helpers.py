@@ -845,3 +845,31 @@ class UpDown:
     def down(self) -> None:
         got = hetpipe_cli(self.cluster, self.run_dir, "down")
         assert got.returncode == 0, got.stdout + got.stderr
+
+
+# two hosts joined by one slow link (the placement and link-sharing tests)
+SLOW_GBPS = 0.004  # 4 Mbit/s: 500 000 bytes/s
+HOST = {"a": "10.0.0.1", "b": "10.0.0.2"}
+
+
+def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")) -> ClusterConfig:
+    """Hosts a (a0, a1) and b (b0, b1), one shard on each named host, the a-b link at
+    ``slow_gbps`` (every device pair across it overridden, as bench_network writes it)."""
+    nodes = tuple(
+        NodeSpec(
+            n,
+            HOST[n],
+            tuple(DeviceSpec(f"{n}{i}", "cpu", "fast", GiB, 1.0, 0, n, HOST[n]) for i in range(2)),
+        )
+        for n in ("a", "b")
+    )
+    links = tuple(LinkSpec(f"a{i}", f"b{j}", slow_gbps) for i in range(2) for j in range(2))
+    return ClusterConfig(
+        "two-hosts.toml",
+        tuple(ShardSpec(j, HOST[h], 0) for j, h in enumerate(shards)),
+        # every task handed to the compute thread: the formations here
+        # differ by their links, not by which tasks skip the hand-off
+        NetworkSpec(10.0, 10.0, links),
+        nodes,
+        RuntimeSpec(inline_ms=0),
+    )

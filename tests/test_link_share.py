@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 import pytest
-from test_planner_placement import HOST, KW, two_hosts
+from helpers import HOST, KW, two_hosts
 
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile
 from hetpipe.planner import predict as predict_module

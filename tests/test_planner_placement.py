@@ -6,15 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import HOST, KW, SLOW_GBPS, two_hosts
 
 from hetpipe.config import (
     ClusterConfig,
-    DeviceSpec,
-    LinkSpec,
-    NetworkSpec,
-    NodeSpec,
-    RuntimeSpec,
-    ShardSpec,
 )
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile, explicit_plan, make_plan
 from hetpipe.planner.placement import shard_flights
@@ -22,36 +17,9 @@ from hetpipe.planner.predict import predict, stage_costs
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimStage, SimVW, simulate
 
-GiB = 1 << 30
 PARAM = 256 << 10  # bytes of every layer's parameters
 LAYERS = 8
-SLOW_GBPS = 0.004  # 4 Mbit/s: 500 000 bytes/s
 SLOW_BPS = SLOW_GBPS * 1e9 / 8
-HOST = {"a": "10.0.0.1", "b": "10.0.0.2"}
-KW = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
-
-
-def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")) -> ClusterConfig:
-    """Hosts a (a0, a1) and b (b0, b1), one shard on each named host, the a-b link at
-    ``slow_gbps`` (every device pair across it overridden, as bench_network writes it)."""
-    nodes = tuple(
-        NodeSpec(
-            n,
-            HOST[n],
-            tuple(DeviceSpec(f"{n}{i}", "cpu", "fast", GiB, 1.0, 0, n, HOST[n]) for i in range(2)),
-        )
-        for n in ("a", "b")
-    )
-    links = tuple(LinkSpec(f"a{i}", f"b{j}", slow_gbps) for i in range(2) for j in range(2))
-    return ClusterConfig(
-        "two-hosts.toml",
-        tuple(ShardSpec(j, HOST[h], 0) for j, h in enumerate(shards)),
-        # every task handed to the compute thread: the formations here
-        # differ by their links, not by which tasks skip the hand-off
-        NetworkSpec(10.0, 10.0, links),
-        nodes,
-        RuntimeSpec(inline_ms=0),
-    )
 
 
 def profile(t: float = 2e-3) -> ModelProfile:
