@@ -41,6 +41,8 @@ from hetpipe.planner.partition import CostModel, Infeasible, Partition
 
 __all__ = [
     "CLASS_DP_MAX_CELLS",
+    "COARSE_FINAL",
+    "COARSE_POINTS",
     "EXHAUSTIVE_MAX",
     "OrderResult",
     "best_order",
@@ -50,6 +52,11 @@ __all__ = [
 ]
 
 EXHAUSTIVE_MAX = 6
+# above EXHAUSTIVE_MAX devices, Nm chosen, on a model of more than 2 x COARSE_POINTS layers:
+# the local search ranks orders on about COARSE_POINTS layer boundaries (the grid), and the
+# COARSE_FINAL best orders it saw get the full model's split and Nm
+COARSE_POINTS = 128
+COARSE_FINAL = 2
 # above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
 # (classdp.dp_cells) is at most this; beyond it the local search remains
 CLASS_DP_MAX_CELLS = 400_000
@@ -213,29 +220,102 @@ def best_order(
             best[:] = [s, order, p]
         return s
 
+    exhaustive = k <= exhaustive_max
+    if nm is None and model.L > 2 * COARSE_POINTS and k > 1:
+        got = _coarse_search(model, devices, cands, classes, exhaustive, bound_nm, prune)
+        if got is not None:
+            return got
     for order in _starts(devices):  # good first guesses make the bound bite early
         evaluate(order)
-    exhaustive = k <= exhaustive_max
     if exhaustive:
         _branch_and_bound(model, devices, classes, bound_nm, evaluate, best, prune)
     else:
-        current, cur_score = list(best[1]), best[0]
-        improved = True
-        while improved:
-            improved = False
-            for i in range(k - 1):
-                if cls[id(current[i])] == cls[id(current[i + 1])]:
-                    continue  # swapping interchangeable devices changes nothing
-                trial = current[:]
-                trial[i], trial[i + 1] = trial[i + 1], trial[i]
-                s = evaluate(tuple(trial))
-                if s > cur_score:
-                    current, cur_score, improved = trial, s, True
+        _local_search(evaluate, best[1], best[0], cls)
     _, order, p = best
     if isinstance(p, Infeasible) and first_fail:
         p = first_fail[0]
     pruned = count_orders(classes) - len(seen) if exhaustive else 0
     return OrderResult(order, p, len(seen), exhaustive, pruned)
+
+
+def _local_search(
+    evaluate: Callable[[tuple[Any, ...]], tuple[float, ...]],
+    start: Sequence[Any],
+    start_score: tuple[float, ...],
+    cls: dict[int, int],
+) -> None:
+    """Swap adjacent devices of ``start`` (first improvement, repeated passes) while that
+    improves ``evaluate``'s score; interchangeable neighbours are never swapped."""
+    current, cur_score = list(start), start_score
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(current) - 1):
+            if cls[id(current[i])] == cls[id(current[i + 1])]:
+                continue  # swapping interchangeable devices changes nothing
+            trial = current[:]
+            trial[i], trial[i + 1] = trial[i + 1], trial[i]
+            s = evaluate(tuple(trial))
+            if s > cur_score:
+                current, cur_score, improved = trial, s, True
+
+
+def _coarse_search(
+    model: CostModel,
+    devices: tuple[Any, ...],
+    cands: tuple[int, ...] | None,
+    classes: Sequence[int],
+    exhaustive: bool,
+    bound_nm: int,
+    prune: bool,
+) -> OrderResult | None:
+    """:func:`best_order`'s search of a large model's VW on its grid
+    (:meth:`CostModel.grid_model`, about :data:`COARSE_POINTS` boundaries): the orders are
+    ranked by their best rate over grid-restricted splits (the branch and bound over every
+    distinct order where ``exhaustive``, else the natural orders and adjacent swaps), then
+    the :data:`COARSE_FINAL` best of those orders get the full model's split and Nm, and
+    the best of them is kept. A heuristic for the full model either way (a grid split's rate
+    only bounds its order's from below). None where no order has a split on the grid (the
+    caller searches the full model then)."""
+    grid = model.grid_model(COARSE_POINTS)
+    cls = {id(d): c for d, c in zip(devices, classes, strict=True)}
+    seen: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
+    best: list[Any] = []  # [score, order]
+
+    def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
+        sig = tuple(cls[id(d)] for d in order)
+        if sig in seen:
+            return seen[sig][0]
+        p = grid.best_nm(order, cands, best[0][0] if best else -math.inf)
+        s = score(p) if p is not None else BELOW
+        seen[sig] = (s, order)
+        if not best or s > best[0]:
+            best[:] = [s, order]
+        return s
+
+    for order in _starts(devices):
+        evaluate(order)
+    if not best or best[0][0] == -math.inf:
+        return None
+    if exhaustive:
+        _branch_and_bound(grid, devices, classes, bound_nm, evaluate, best, prune)
+    else:
+        _local_search(evaluate, best[1], best[0], cls)
+    ranked = sorted(seen.values(), key=lambda x: x[0], reverse=True)[:COARSE_FINAL]
+    top: tuple[tuple[float, ...], tuple[Any, ...], Partition | Infeasible] | None = None
+    for s, order in ranked:
+        if s[0] == -math.inf:
+            break
+        beat = top[0][0] if top is not None else -math.inf
+        p = model.best_nm(order, cands, beat)
+        if p is None:
+            continue
+        fs = score(p)
+        if top is None or fs > top[0]:
+            top = (fs, order, p)
+    if top is None or not isinstance(top[2], Partition):
+        return None
+    return OrderResult(top[1], top[2], len(seen), False)
 
 
 def _by_classes(
