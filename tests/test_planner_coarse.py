@@ -25,7 +25,9 @@ def bandwidth(a: DeviceSpec, b: DeviceSpec) -> float:
     return 1e9 if a.node == b.node else 1e8
 
 
-def instance(seed: int, layers: tuple[int, int] = (12, 40), kmax: int = 5, loose: float = 2.5):
+def instance(
+    seed: int, layers: tuple[int, int] = (12, 40), kmax: int = 5, loose: float = 2.5, kmin: int = 2
+):
     """A random profile, devices (2-3 types, 2 nodes) and optimizer factor."""
     r = random.Random(seed)
     L = r.randint(*layers)
@@ -33,7 +35,7 @@ def instance(seed: int, layers: tuple[int, int] = (12, 40), kmax: int = 5, loose
     prof = synthetic_profile(
         L, types, r, param_bytes=(1000, 40000), out_bytes=(100, 20000), time_s=(1e-3, 5e-3)
     )
-    k = r.randint(2, min(kmax, L))
+    k = r.randint(kmin, min(kmax, L))
     share = sum(lp.param_bytes * 4 + lp.saved_bytes * 2 for lp in prof.layers["t0"]) // k
     devs = [
         dev(f"g{i}", r.choice(list(types)), int(share * r.uniform(0.4, loose)) + 1, f"n{i % 2}")
@@ -99,25 +101,36 @@ def test_grid_split_is_the_best_split_with_cuts_on_the_grid() -> None:
 
 
 def test_coarse_order_search_returns_the_full_models_split_of_its_order(monkeypatch) -> None:
-    """Above the size threshold the order is ranked on the grid, but the split and Nm
-    returned are the full model's best for that order; below it the search is unchanged."""
-    monkeypatch.setattr(order_mod, "COARSE_POINTS", 6)
+    """Above the size threshold a large VW's orders are ranked on the grid, but the split
+    and Nm returned are the full model's best for the order chosen, and its rate is at
+    least the grid's best order's; a VW of at most EXHAUSTIVE_MAX devices is still searched
+    exhaustively (exact) on the full model."""
+    monkeypatch.setattr(order_mod, "COARSE_POINTS", 14)
+    monkeypatch.setattr(order_mod, "COARSE_MIN_LAYERS", 28)
     coarse = 0
     for seed in range(25):
-        prof, devs, factor = instance(300 + seed, layers=(13, 30), kmax=8)
+        prof, devs, factor = instance(300 + seed, layers=(30, 45), kmin=7, kmax=9)
         model = CostModel(prof, bandwidth, factor)
         r = order_mod.best_order(model, devs, classes_dp=False)
         if not isinstance(r.partition, Partition):
             continue
-        coarse += not r.exact  # exact: no order had a split on the grid, the full search ran
+        assert not r.exact
         again = CostModel(prof, bandwidth, factor).best_nm(r.order)
         assert isinstance(again, Partition)
         assert (again.cuts, again.nm) == (r.partition.cuts, r.partition.nm)
+        classes = order_mod.device_classes(devs, model.link)
+        ranked = order_mod._grid_ranked(model, tuple(devs), None, classes)
+        if ranked:
+            coarse += 1
+            assert r.partition.minibatches_per_s >= ranked[0][0][0]
     assert coarse >= 5
-    monkeypatch.setattr(order_mod, "COARSE_POINTS", 10**6)
-    prof, devs, factor = instance(7, layers=(13, 30), kmax=5)
-    r = order_mod.best_order(CostModel(prof, bandwidth, factor), devs)
-    assert r.exhaustive
+    for seed in range(10):
+        prof, devs, factor = instance(400 + seed, layers=(16, 30), kmax=5)
+        model = CostModel(prof, bandwidth, factor)
+        r = order_mod.best_order(model, devs)
+        assert r.exhaustive
+        plain = order_mod.best_order(CostModel(prof, bandwidth, factor), devs, prune=False)
+        assert order_mod.score(r.partition) == order_mod.score(plain.partition)
 
 
 def _diagnose_plain(model: CostModel, devices, nm: int) -> str:
