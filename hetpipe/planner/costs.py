@@ -491,18 +491,28 @@ class CostTables:
         key = (dtype, bw_in, bw_out)
         t = self._times.get(key)
         if t is None:
-            tc = self.costs(dtype)
-            ms, mb = self.runtime.message_s, self.runtime.message_byte_s
-            n = self.L + 1
-            inb = tc.inb_np.astype(np.float64)
-            outb = np.array(tc.outb, dtype=np.float64)
-            cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
-            cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
-            const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
-            t = (tc.cum_np[None, :] - tc.cum_np[:, None]) + cin[:, None] + cout[None, :] + const
-            t = np.where(tc.valid, t, INF)
-            self._times[key] = t
+            t = self._times[key] = self.time_matrix_at(dtype, bw_in, bw_out, None)
         return t
+
+    def time_matrix_at(
+        self, dtype: str, bw_in: float | None, bw_out: float | None, at: np.ndarray | None
+    ) -> np.ndarray:
+        """:meth:`time_matrix` at the layer boundaries ``at`` only (rows and columns; every
+        boundary where None), uncached: the same floats as the full matrix's entries there,
+        one expression elementwise."""
+        tc = self.costs(dtype)
+        ms, mb = self.runtime.message_s, self.runtime.message_byte_s
+        idx = slice(None) if at is None else at
+        inb = tc.inb_np.astype(np.float64)[idx]
+        outb = np.array(tc.outb, dtype=np.float64)[idx]
+        cum = tc.cum_np[idx]
+        n = len(cum)
+        cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
+        cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
+        const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
+        t = (cum[None, :] - cum[:, None]) + cin[:, None] + cout[None, :] + const
+        valid = tc.valid if at is None else at[None, :] > at[:, None]
+        return np.where(valid, t, INF)
 
     def memory_total(self, dtype: str, flight: int, schedule: str = "async") -> np.ndarray:
         """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""

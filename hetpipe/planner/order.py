@@ -24,6 +24,14 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   the least memory; by memory alone; by speed), keep the best, then swap adjacent devices
   (first improvement, repeated passes) while that improves the objective. Interchangeable
   neighbours are never swapped.
+* **That local search on a large model** (more than :data:`COARSE_MIN_LAYERS` layers, Nm
+  chosen) ranks the orders it tries on a grid: splits that cut only at about
+  :data:`COARSE_POINTS` evenly spaced layer boundaries (:class:`~hetpipe.planner.partition.
+  GridModel`, each DP step a small fraction of the full one's). The
+  :data:`COARSE_FINAL` best orders it saw then get the full model's exact split and Nm, and
+  the best of them is the answer. A heuristic as the local search is (a grid split's rate
+  bounds its order's from below, so the ranking can differ from the full model's); the
+  exhaustive search of small VWs and the class DP stay exact at every size.
 
 The objective is the estimated pipeline rate of the best split and Nm for the order
 (:meth:`Partition.minibatches_per_s`), then the lower bottleneck, smaller Nm, lower latency.
@@ -41,6 +49,9 @@ from hetpipe.planner.partition import CostModel, Infeasible, Partition
 
 __all__ = [
     "CLASS_DP_MAX_CELLS",
+    "COARSE_FINAL",
+    "COARSE_MIN_LAYERS",
+    "COARSE_POINTS",
     "EXHAUSTIVE_MAX",
     "OrderResult",
     "best_order",
@@ -50,6 +61,13 @@ __all__ = [
 ]
 
 EXHAUSTIVE_MAX = 6
+# above EXHAUSTIVE_MAX devices, Nm chosen, on a model of more than COARSE_MIN_LAYERS layers
+# (where the class DP does not run): the local search ranks orders on about COARSE_POINTS
+# layer boundaries (the grid), and the COARSE_FINAL best orders it saw get the full model's
+# split and Nm
+COARSE_MIN_LAYERS = 256
+COARSE_POINTS = 128
+COARSE_FINAL = 2
 # above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
 # (classdp.dp_cells) is at most this; beyond it the local search remains
 CLASS_DP_MAX_CELLS = 400_000
@@ -213,29 +231,109 @@ def best_order(
             best[:] = [s, order, p]
         return s
 
+    exhaustive = k <= exhaustive_max
+    if nm is None and not exhaustive and model.L > COARSE_MIN_LAYERS:
+        ranked = _grid_ranked(model, devices, cands, classes)
+        got = _best_of(model, ranked, cands, len(ranked))
+        if got is not None:
+            return got
     for order in _starts(devices):  # good first guesses make the bound bite early
         evaluate(order)
-    exhaustive = k <= exhaustive_max
     if exhaustive:
         _branch_and_bound(model, devices, classes, bound_nm, evaluate, best, prune)
     else:
-        current, cur_score = list(best[1]), best[0]
-        improved = True
-        while improved:
-            improved = False
-            for i in range(k - 1):
-                if cls[id(current[i])] == cls[id(current[i + 1])]:
-                    continue  # swapping interchangeable devices changes nothing
-                trial = current[:]
-                trial[i], trial[i + 1] = trial[i + 1], trial[i]
-                s = evaluate(tuple(trial))
-                if s > cur_score:
-                    current, cur_score, improved = trial, s, True
+        _local_search(evaluate, best[1], best[0], cls)
     _, order, p = best
     if isinstance(p, Infeasible) and first_fail:
         p = first_fail[0]
     pruned = count_orders(classes) - len(seen) if exhaustive else 0
     return OrderResult(order, p, len(seen), exhaustive, pruned)
+
+
+def _local_search(
+    evaluate: Callable[[tuple[Any, ...]], tuple[float, ...]],
+    start: Sequence[Any],
+    start_score: tuple[float, ...],
+    cls: dict[int, int],
+) -> None:
+    """Swap adjacent devices of ``start`` (first improvement, repeated passes) while that
+    improves ``evaluate``'s score; interchangeable neighbours are never swapped."""
+    current, cur_score = list(start), start_score
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(current) - 1):
+            if cls[id(current[i])] == cls[id(current[i + 1])]:
+                continue  # swapping interchangeable devices changes nothing
+            trial = current[:]
+            trial[i], trial[i + 1] = trial[i + 1], trial[i]
+            s = evaluate(tuple(trial))
+            if s > cur_score:
+                current, cur_score, improved = trial, s, True
+
+
+def _grid_ranked(
+    model: CostModel,
+    devices: tuple[Any, ...],
+    cands: tuple[int, ...] | None,
+    classes: Sequence[int],
+) -> list[tuple[tuple[float, ...], tuple[Any, ...]]]:
+    """The orders of ``devices`` the local search (natural orders, then adjacent swaps) saw
+    on the model's grid (:meth:`CostModel.grid_model`, about :data:`COARSE_POINTS`
+    boundaries), best first by their best rate over grid-restricted splits. Empty where no
+    order has a split on the grid; orders the grid's bounds ruled out are left out."""
+    grid = model.grid_model(COARSE_POINTS)
+    cls = {id(d): c for d, c in zip(devices, classes, strict=True)}
+    seen: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[Any, ...]]] = {}
+    best: list[Any] = []  # [score, order]
+
+    def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
+        sig = tuple(cls[id(d)] for d in order)
+        if sig in seen:
+            return seen[sig][0]
+        p = grid.best_nm(order, cands, best[0][0] if best else -math.inf)
+        s = score(p) if p is not None else BELOW
+        seen[sig] = (s, order)
+        if not best or s > best[0]:
+            best[:] = [s, order]
+        return s
+
+    for order in _starts(devices):
+        evaluate(order)
+    if not best or best[0][0] == -math.inf:
+        return []
+    _local_search(evaluate, best[1], best[0], cls)
+    ranked = sorted(seen.values(), key=lambda x: x[0], reverse=True)
+    return [x for x in ranked if x[0][0] > -math.inf]
+
+
+def _best_of(
+    model: CostModel,
+    ranked: Sequence[tuple[tuple[float, ...], tuple[Any, ...]]],
+    cands: tuple[int, ...] | None,
+    evaluated: int,
+) -> OrderResult | None:
+    """The best, by the full model's split and Nm (:meth:`CostModel.best_nm`), of the
+    :data:`COARSE_FINAL` first orders of ``ranked`` (:func:`_grid_ranked`); None where
+    none has a split."""
+    top: tuple[tuple[float, ...], tuple[Any, ...], Partition] | None = None
+    for s, order in ranked[:COARSE_FINAL]:
+        # the grid's split is one of the full model's, so the full model's best rate for
+        # this order is at least the grid's: a bound that lets best_nm skip whatever Nm and
+        # stage-time limits cannot reach it (the answer is the same split)
+        own = s[0] * (1.0 - 1e-9)
+        beat = max(top[0][0] if top is not None else -math.inf, own)
+        p = model.best_nm(order, cands, beat)
+        if p is None and (top is None or own >= top[0][0]):
+            p = model.best_nm(order, cands)  # rounding: searched in full instead
+        if not isinstance(p, Partition):
+            continue
+        fs = score(p)
+        if top is None or fs > top[0]:
+            top = (fs, order, p)
+    if top is None:
+        return None
+    return OrderResult(top[1], top[2], evaluated, False)
 
 
 def _by_classes(

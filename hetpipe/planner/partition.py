@@ -54,13 +54,14 @@ from hetpipe.core.memory import (
     stage_memory,
 )
 from hetpipe.core.profile import ModelProfile
-from hetpipe.planner.costs import INF, Bandwidth, CostTables, check_devices
+from hetpipe.planner.costs import DEFAULT_HOST_GBPS, INF, Bandwidth, CostTables, check_devices
 from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
 __all__ = [
     "Bandwidth",
     "CostModel",
+    "GridModel",
     "Infeasible",
     "Partition",
     "brute_force",
@@ -443,9 +444,18 @@ class CostModel(CostTables):
     def diagnose(self, devices: Sequence[Any], nm: int) -> str:
         """Why no split fits: the most specific true statement we can make."""
         k, L = len(devices), self.L
-
-        def need(d: Any, i: int, a: int, b: int) -> int:
-            return int(self.memory_total(d.type, in_flight(i, k, nm, weights=self.weights))[a, b])
+        layers = np.arange(L)
+        # need[i, j]: the memory one layer j alone needs on device i at stage i
+        need = np.array(
+            [
+                self.memory_total(d.type, in_flight(i, k, nm, weights=self.weights))[
+                    layers, layers + 1
+                ]
+                for i, d in enumerate(devices)
+            ],
+            dtype=np.int64,
+        ).reshape(k, L)
+        caps = np.array([d.memory for d in devices], dtype=np.int64)
 
         def desc(d: Any) -> str:
             return f"{d.name} ({d.type}, cap {format_size(d.memory)})"
@@ -457,14 +467,15 @@ class CostModel(CostTables):
                 f"the model needs at least {format_size(lower)} in total, "
                 f"the devices hold {format_size(total_cap)}"
             )
-        for j in range(L):  # a layer that fits nowhere, wherever it is placed
-            needs = [(need(d, i, j, j + 1), d) for i, d in enumerate(devices)]
-            if all(n > d.memory for n, d in needs):
-                n, d = min(needs, key=lambda x: x[0] - x[1].memory)
-                return f"layer {j} alone needs {format_size(n)} on {desc(d)} (Nm={nm})"
+        nowhere = np.flatnonzero((need > caps[:, None]).all(axis=0)) if k else ()
+        if len(nowhere):  # a layer that fits nowhere, wherever it is placed
+            j = int(nowhere[0])
+            i = int(np.argmin(need[:, j] - caps))  # the first of equal shortfalls
+            n = format_size(int(need[i, j]))
+            return f"layer {j} alone needs {n} on {desc(devices[i])} (Nm={nm})"
         for i, d in enumerate(devices):  # a device that cannot take any layer it could get
             lo, hi = i, L - k + i
-            smallest = min(need(d, i, j, j + 1) for j in range(lo, hi + 1))
+            smallest = int(need[i, lo : hi + 1].min())
             if smallest > d.memory:
                 return (
                     f"{desc(d)} cannot hold even one layer at stage {i} "
@@ -681,6 +692,105 @@ class CostModel(CostTables):
                 break
         return best if best.minibatches_per_s >= beat else None
 
+    def grid_model(self, points: int) -> CostModel:
+        """This model restricted to cuts on about ``points`` evenly spaced layer boundaries
+        (:class:`GridModel`), itself where the model has no more layers than that; one per
+        model, kept for the next caller."""
+        layers = self.L
+        if layers <= points:
+            return self
+        grid = _grid(layers, points)
+        hit = getattr(self, "_grid_model", None)
+        if hit is None or not np.array_equal(hit.grid, grid):
+            hit = self._grid_model = GridModel(self, grid)
+        return hit
+
+
+class GridModel(CostModel):
+    """A :class:`CostModel` whose splits cut only at the layer boundaries ``grid`` (0 and L
+    among them): the same DPs over the time matrices' rows and columns at the grid, so each
+    step costs about ``(len(grid) / L)^2`` of the full model's.
+
+    Every split it returns is a split of the full model (its cuts are the grid's layers,
+    its times and memory described by the full model), so its best rate for an order is a
+    lower bound on the full model's, and its DPs compare the very same floats. A proxy
+    that ranks device orders cheaply (:func:`hetpipe.planner.order.best_order` on large
+    models); never exact for the full model's splits.
+    """
+
+    def __init__(self, fine: CostModel, grid: np.ndarray) -> None:
+        """Share ``fine``'s cost tables; DP caches of its own, over ``grid``."""
+        self.__dict__.update(fine.__dict__)
+        self.fine = fine
+        self.grid = np.asarray(grid, dtype=np.intp)
+        self.L = len(self.grid) - 1
+        n = self.L + 1
+        self._memo = {}
+        self._prefix = {}
+        self._prefix_limit = max(256, (32 << 20) // (8 * n))
+        self._f0 = np.full(n, INF)
+        self._f0[0] = 0.0
+        self._cols = np.arange(n)
+        self.dp_steps = 0
+        self.dp_runs = 0
+        self._joint = {}
+        self._short = {}
+        self._bands = {}
+        self._band_vals = {}
+        self._band_cells = 0
+        self._grid_masked: dict[tuple, np.ndarray] = {}
+        self._matrix_limit = max(16, (64 << 20) // (8 * n * n))
+
+    def grid_model(self, points: int) -> CostModel:
+        """Itself (already a grid)."""
+        return self
+
+    def masked_times(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float = DEFAULT_HOST_GBPS,
+        nm: int = 1,
+    ) -> np.ndarray:
+        """The full model's :meth:`CostTables.masked_times` at the grid's rows and columns."""
+        ties = self._tie_copies is not None and bw_in is not None
+        key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
+        tm = self._grid_masked.get(key)
+        if tm is None:
+            if len(self._grid_masked) >= self._matrix_limit:
+                self._grid_masked.clear()
+            # the full model's expression at the grid: time, then its policy's extra (inf
+            # where nothing fits), then ties, as CostTables.masked_times adds them
+            g, fine = self.grid, self.fine
+            extra, _ = fine.recompute_plan(dtype, flight, cap, host_gbps)
+            tm = fine.time_matrix_at(dtype, bw_in, bw_out, g) + extra[np.ix_(g, g)]
+            if ties:
+                tm = tm + fine.tie_matrix(bw_in, nm)[np.ix_(g, g)]
+            self._grid_masked[key] = tm
+        return tm
+
+    def rest_bound(self, devices: Sequence[Any]) -> np.ndarray:
+        """The full model's bound (:meth:`CostModel.rest_bound`) at the grid's boundaries."""
+        return self.fine.rest_bound(devices)[self.grid]
+
+    def describe(
+        self,
+        devices: Sequence[Any],
+        cuts: Sequence[tuple[int, int]],
+        nm: int,
+        bws: tuple[float, ...] | None = None,
+    ) -> Partition:
+        """The full model's description of the split at these grid cuts."""
+        g = self.grid
+        return self.fine.describe(devices, [(int(g[a]), int(g[b])) for a, b in cuts], nm, bws)
+
+    def diagnose(self, devices: Sequence[Any], nm: int) -> str:
+        """No reason: a caller that needs one asks the full model."""
+        return "no split on the coarse grid fits"
+
 
 def _rate(count: float, time: float) -> float:
     """``count / time``, inf where ``time`` is 0."""
@@ -734,6 +844,11 @@ def _keep(states: dict[tuple, np.ndarray], sig: tuple, f: np.ndarray, limit: int
         for old in list(itertools.islice(states, max(1, limit // 8))):
             del states[old]
     states[sig] = f
+
+
+def _grid(n_layers: int, points: int) -> np.ndarray:
+    """About ``points`` evenly spaced layer boundaries from 0 to ``n_layers``, both included."""
+    return np.unique(np.linspace(0, n_layers, points + 1).round().astype(np.intp))
 
 
 def _merge_distinct(runs: Sequence[np.ndarray]) -> np.ndarray:
