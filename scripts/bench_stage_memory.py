@@ -1,0 +1,208 @@
+"""Peak memory per stage under each synchronous schedule: the memory model's prediction
+against the bytes the stage really holds.
+
+For each model (``--models``), stage count k (``--stages``) and schedule (``--schedules``:
+``1f1b`` the reference, ``zb-h1``, ``zb-h2``, and the device-level ``interleaved-1f1b`` and
+``zbv`` at their default two stages a device), the model is split into k stages of equal
+layer counts and each stage is run as the runtime runs it: its own
+:class:`hetpipe.stage.StageCompute` in the schedule's order for the stage
+(:func:`hetpipe.core.schedule.microbatch_order`), M = ``--microbatches`` microbatches of
+``--minibatch`` samples an iteration, with the step and the push of its update. Per stage:
+
+- ``predicted``: the planner's one memory model, :func:`hetpipe.core.memory.stage_memory_of`
+  for that stage's layers, position and schedule, on a profile of the model measured by the
+  planner's profiler (:func:`hetpipe.measure.measure_layers`) on this host;
+- ``measured``: the most bytes the stage's tensors held at once over its second iteration
+  (the first warms up: the optimizer's state, the layers' first measuring forward), from
+  every host allocation and free recorded by ``torch.profiler``
+  (:mod:`hetpipe.memprobe`): its weights, optimizer state, gradient sum and update, every
+  in-flight microbatch's input, graph and saved tensors, the gradients it receives and keeps,
+  and each operation's temporaries; nothing the process held before the stage was built;
+- ``ratio`` = measured / predicted and ``error`` = |measured - predicted| / measured.
+
+With ``--json`` the last line holds, per schedule, ``max_abs_error`` (the worst stage of any
+model and k; target <= 0.10) and every row, with the predicted terms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from _bench import emit_json, machine, parser, print_table
+
+from hetpipe import memprobe
+from hetpipe.core.devschedule import default_devices, placement
+from hetpipe.core.memory import stage_memory_of
+from hetpipe.core.profile import ModelProfile
+from hetpipe.core.schedule import DEVICE_KINDS
+from hetpipe.data import MinibatchStream, load_dataset
+from hetpipe.job import JobSpec
+from hetpipe.measure import measure_layers
+from hetpipe.models import build_model
+from hetpipe.optim import StageOptimizer
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")
+TARGET = 0.10
+
+
+def job(
+    model: str, schedule: str, m: int, minibatch: int, optimizer: str, cuts: list[int]
+) -> JobSpec:
+    """A synchronous job of ``model`` on digits under ``schedule`` (M = ``m``), one virtual
+    worker split at ``cuts``: one device a stage, or a device-level schedule's default
+    placement of two stages a device (:func:`hetpipe.core.devschedule.placement`)."""
+    k = len(cuts) - 1
+    train: dict[str, Any] = {}
+    if schedule in DEVICE_KINDS:
+        where = placement(schedule, k, default_devices(schedule, k))
+        train["several_stages"] = True
+    else:
+        where = tuple(range(k))
+    opt: dict[str, Any] = {"name": optimizer, "lr": 0.05, "weight_decay": 1e-4}
+    if optimizer == "sgd":
+        opt["momentum"] = 0.9
+    return JobSpec.from_dict(
+        {
+            "name": "bench-stage-memory",
+            "model": {"name": model, "args": {}},
+            "data": {"name": "digits"},
+            "optimizer": opt,
+            "train": {
+                "minibatch": minibatch,
+                "nm": m,
+                "minibatches": 2 * m,
+                "seed": 0,
+                "schedule": schedule,
+                **train,
+            },
+            "vw": [
+                {
+                    "devices": [f"gpu{d}" for d in where],
+                    "layers": [b - a for a, b in itertools.pairwise(cuts)],
+                }
+            ],
+        }
+    )
+
+
+def cuts_of(n: int, k: int) -> list[int]:
+    """``k`` stages of (nearly) equal layer counts over ``n`` layers."""
+    return [round(i * n / k) for i in range(k + 1)]
+
+
+def measure_case(
+    model: str, k: int, schedules: list[str], m: int, minibatch: int, optimizer: str
+) -> list[dict[str, Any]]:
+    """Every stage of ``model`` split in ``k`` under each schedule: predicted and measured."""
+    torch.manual_seed(0)
+    net = build_model(model)
+    state = {n: t.detach().clone() for n, t in net.state_dict().items()}
+    stream = MinibatchStream(load_dataset("digits"), minibatch, 0, 0, 1)
+    batches = [stream.batch(j) for j in range(m)]
+    x = batches[0][0]
+    torch.manual_seed(0)
+    layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
+    profile = ModelProfile(model, minibatch, x.numel() * x.element_size(), {"cpu": layers})
+    cuts = cuts_of(len(net), k)
+    rows = []
+    for kind in schedules:
+        spec = job(model, kind, m, minibatch, optimizer, cuts)
+        factor = StageOptimizer.state_factor(spec.optimizer)
+        rec = memprobe.record(spec, cuts, batches, state)
+        for s in range(k):
+            want = stage_memory_of(profile, "cpu", (cuts[s], cuts[s + 1]), s, k, m, factor, kind)
+            got = memprobe.stage_peak(spec, cuts, s, rec, state)
+            rows.append(
+                {
+                    "model": model,
+                    "schedule": kind,
+                    "k": k,
+                    "m": m,
+                    "stage": s,
+                    "layers": [cuts[s], cuts[s + 1]],
+                    "predicted": want.total,
+                    "measured": got.peak,
+                    "held_after": got.final,
+                    "ratio": got.peak / want.total,
+                    "error": abs(got.peak - want.total) / got.peak,
+                    "predicted_terms": want.to_dict(),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--models", default="mlp,cnn", help="builtin models, comma-separated")
+    ap.add_argument("--stages", default="2,4", help="stage counts k, comma-separated")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--microbatches", type=int, default=4, help="M per iteration")
+    ap.add_argument("--minibatch", type=int, default=32, help="samples per microbatch")
+    ap.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam")
+    args = ap.parse_args()
+    schedules = args.schedules.split(",")
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        for k in (int(v) for v in args.stages.split(",")):
+            rows += measure_case(
+                model, k, schedules, args.microbatches, args.minibatch, args.optimizer
+            )
+    print_table(
+        ["model", "schedule", "k", "stage", "layers", "predicted", "measured", "ratio", "error"],
+        [
+            [
+                r["model"],
+                r["schedule"],
+                r["k"],
+                r["stage"],
+                f"{r['layers'][0]}-{r['layers'][1] - 1}",
+                r["predicted"],
+                r["measured"],
+                r["ratio"],
+                r["error"],
+            ]
+            for r in rows
+        ],
+    )
+    per = {
+        kind: {
+            "max_abs_error": max(r["error"] for r in rows if r["schedule"] == kind),
+            "max_ratio": max(r["ratio"] for r in rows if r["schedule"] == kind),
+            "min_ratio": min(r["ratio"] for r in rows if r["schedule"] == kind),
+        }
+        for kind in schedules
+    }
+    print()
+    print_table(
+        ["schedule", "max_abs_error", "min ratio", "max ratio", "met"],
+        [
+            [kind, v["max_abs_error"], v["min_ratio"], v["max_ratio"], v["max_abs_error"] <= TARGET]
+            for kind, v in per.items()
+        ],
+    )
+    if args.json:
+        emit_json(
+            {
+                "bench": "stage_memory",
+                "machine": machine(),
+                "args": vars(args),
+                "target_max_abs_error": TARGET,
+                "schedules": per,
+                "max_abs_error": {kind: v["max_abs_error"] for kind, v in per.items()},
+                "rows": rows,
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
