@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.devschedule import default_devices, device_order, placement
 from hetpipe.core.layout import StageLayout
 from hetpipe.core.schedule import microbatch_order
 from hetpipe.job import JobSpec
 from hetpipe.stage import StageCompute
 from hetpipe.task import StageTask
 
-__all__ = ["AllocationTrace", "Recorded", "StagePeak", "record", "stage_peak"]
+__all__ = ["AllocationTrace", "Recorded", "StagePeak", "device_peak", "record", "stage_peak"]
 
 # one allocation of this many bytes marks where the measured part of a trace starts
 _MARK_BYTES = 7_777_777
@@ -234,3 +235,66 @@ def stage_peak(
         _iteration(compute, order, rec, 1)
     del compute
     return StagePeak(trace.peak(), trace.final())
+
+
+def _device_iteration(
+    stages: Mapping[int, StageCompute],
+    order: Sequence[tuple[int, str, int]],
+    rec: Recorded,
+    i: int,
+) -> None:
+    """Iteration ``i`` of one device's stages in its ``order``: what a stage on the same
+    device sends its neighbour is handed over as it is (it does not leave the process), what
+    comes from another device is a fresh copy of what it would receive."""
+    m = next(iter(stages.values())).task.nm
+    acts: dict[tuple[int, int], Any] = {}
+    grads: dict[tuple[int, int], Any] = {}
+    for s, op, j in order:
+        c, p = stages[s], i * m + j
+        if op == "F":
+            x = acts.pop((s, j)) if (s, j) in acts else _copy(rec.inputs[s][j])
+            out = c.forward(p, x, rec.targets[j])
+            if s + 1 in stages:
+                acts[(s + 1, j)] = out
+            continue
+        g = grads.pop((s, j)) if (s, j) in grads else _copy(rec.grads[s][j])
+        if op == "B":
+            back = c.backward(p, g)
+        elif op == "I":
+            back = c.backward_input(p, g)
+        else:
+            c.backward_weight(p)
+            continue
+        if s - 1 in stages:
+            grads[(s - 1, j)] = back
+    for c in stages.values():
+        c.step(i)
+        c.push_deltas(i, keep=False)
+        c.read_losses(block=True)
+
+
+def device_peak(
+    spec: JobSpec,
+    cuts: Sequence[int],
+    device: int,
+    rec: Recorded,
+    state: Mapping[str, torch.Tensor],
+) -> tuple[tuple[int, ...], StagePeak]:
+    """Measured peak of one device of a device-level schedule (its default device count,
+    :func:`hetpipe.core.devschedule.default_devices`): every stage the device runs, built
+    and run together in the device's order (:func:`hetpipe.core.devschedule.device_order`)
+    inside one :class:`AllocationTrace`, as a worker runs its stages in one process. The
+    stages it holds, and the peak."""
+    k, m = len(cuts) - 1, len(rec.targets)
+    devices = default_devices(spec.schedule, k)
+    where = placement(spec.schedule, k, devices)
+    mine = tuple(s for s in range(k) if where[s] == device)
+    order = device_order(spec.schedule, k, devices, device, m)
+    with AllocationTrace() as trace:
+        stages = {s: _build(spec, cuts, s, m, state) for s in mine}
+        _device_iteration(stages, order, rec, 0)
+        gc.collect()
+        trace.mark()
+        _device_iteration(stages, order, rec, 1)
+    del stages
+    return mine, StagePeak(trace.peak(), trace.final())

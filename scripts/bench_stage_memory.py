@@ -20,8 +20,14 @@ layer counts and each stage is run as the runtime runs it: its own
   and each operation's temporaries; nothing the process held before the stage was built;
 - ``ratio`` = measured / predicted and ``error`` = |measured - predicted| / measured.
 
+A device-level schedule's devices are measured too, each with its stages built and run
+together in the device's order (:func:`hetpipe.memprobe.device_peak`; a neighbour on the same
+device hands its tensors over as they are), against the sum of its stages' predictions (what
+the runtime checks a device's cap against, :class:`hetpipe.stage.DeviceMemory`).
+
 With ``--json`` the last line holds, per schedule, ``max_abs_error`` (the worst stage of any
-model and k; target <= 0.10) and every row, with the predicted terms.
+model and k; target <= 0.10) and every row, with the predicted terms; the devices'
+``device_max_abs_error`` (no target) and their rows.
 """
 
 from __future__ import annotations
@@ -100,8 +106,9 @@ def cuts_of(n: int, k: int) -> list[int]:
 
 def measure_case(
     model: str, k: int, schedules: list[str], m: int, minibatch: int, optimizer: str
-) -> list[dict[str, Any]]:
-    """Every stage of ``model`` split in ``k`` under each schedule: predicted and measured."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every stage of ``model`` split in ``k`` under each schedule, predicted and measured;
+    and, for a device-level schedule, every device with its stages run together."""
     torch.manual_seed(0)
     net = build_model(model)
     state = {n: t.detach().clone() for n, t in net.state_dict().items()}
@@ -112,7 +119,7 @@ def measure_case(
     layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
     profile = ModelProfile(model, minibatch, x.numel() * x.element_size(), {"cpu": layers})
     cuts = cuts_of(len(net), k)
-    rows = []
+    rows, device_rows = [], []
     for kind in schedules:
         spec = job(model, kind, m, minibatch, optimizer, cuts)
         factor = StageOptimizer.state_factor(spec.optimizer)
@@ -136,7 +143,27 @@ def measure_case(
                     "predicted_terms": want.to_dict(),
                 }
             )
-    return rows
+        if kind not in DEVICE_KINDS:
+            continue
+        predicted = {r["stage"]: r["predicted"] for r in rows[-k:]}
+        for d in range(default_devices(kind, k)):
+            mine, got = memprobe.device_peak(spec, cuts, d, rec, state)
+            want_total = sum(predicted[s] for s in mine)
+            device_rows.append(
+                {
+                    "model": model,
+                    "schedule": kind,
+                    "k": k,
+                    "m": m,
+                    "device": d,
+                    "stages": list(mine),
+                    "predicted": want_total,
+                    "measured": got.peak,
+                    "ratio": got.peak / want_total,
+                    "error": abs(got.peak - want_total) / got.peak,
+                }
+            )
+    return rows, device_rows
 
 
 def main() -> None:
@@ -151,11 +178,14 @@ def main() -> None:
     schedules = args.schedules.split(",")
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
+    device_rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         for k in (int(v) for v in args.stages.split(",")):
-            rows += measure_case(
+            got, on_devices = measure_case(
                 model, k, schedules, args.microbatches, args.minibatch, args.optimizer
             )
+            rows += got
+            device_rows += on_devices
     print_table(
         ["model", "schedule", "k", "stage", "layers", "predicted", "measured", "ratio", "error"],
         [
@@ -173,6 +203,24 @@ def main() -> None:
             for r in rows
         ],
     )
+    if device_rows:
+        print()
+        print_table(
+            ["model", "schedule", "k", "device", "stages", "predicted", "measured", "ratio"],
+            [
+                [
+                    r["model"],
+                    r["schedule"],
+                    r["k"],
+                    r["device"],
+                    "+".join(map(str, r["stages"])),
+                    r["predicted"],
+                    r["measured"],
+                    r["ratio"],
+                ]
+                for r in device_rows
+            ],
+        )
     per = {
         kind: {
             "max_abs_error": max(r["error"] for r in rows if r["schedule"] == kind),
@@ -198,7 +246,13 @@ def main() -> None:
                 "target_max_abs_error": TARGET,
                 "schedules": per,
                 "max_abs_error": {kind: v["max_abs_error"] for kind, v in per.items()},
+                "device_max_abs_error": {
+                    kind: max(r["error"] for r in device_rows if r["schedule"] == kind)
+                    for kind in schedules
+                    if any(r["schedule"] == kind for r in device_rows)
+                },
                 "rows": rows,
+                "device_rows": device_rows,
                 "seconds": round(time.monotonic() - started, 1),
             }
         )
