@@ -92,3 +92,27 @@ def test_measured_peak_within_ten_percent_of_the_model(
         setup["profile"], "cpu", (CUTS[stage], CUTS[stage + 1]), stage, 2, M, factor, kind
     ).total
     assert abs(got - want) / got <= 0.10, (kind, stage, got, want)
+
+
+def test_a_device_runs_its_stages_together_within_their_peaks_alone(
+    setup: dict[str, Any],
+) -> None:
+    """zbv on four stages: the V places stages 0 and 3 on device 0, 1 and 2 on device 1; a
+    device's stages run together never hold more than their peaks alone added."""
+    cuts = (0, 2, 3, 4, 6)
+    spec = JobSpec.from_dict(
+        job(
+            "measured",
+            model="mlp",
+            nm=M,
+            minibatches=2 * M,
+            split=[(["gpu0", "gpu1", "gpu1", "gpu0"], [2, 1, 1, 2])],
+            train={"schedule": "zbv", "several_stages": True},
+        )
+    )
+    rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
+    alone = [memprobe.stage_peak(spec, cuts, s, rec, setup["state"]).peak for s in range(4)]
+    for device, want in ((0, (0, 3)), (1, (1, 2))):
+        mine, got = memprobe.device_peak(spec, cuts, device, rec, setup["state"])
+        assert mine == want
+        assert max(alone[s] for s in mine) <= got.peak <= sum(alone[s] for s in mine)
