@@ -59,7 +59,11 @@ class SavedBytes:
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
-        return t
+        # detached (same storage): a saved output handed back as itself would hold its own
+        # grad_fn, a cycle through autograd's nodes that the garbage collector cannot see,
+        # so a graph whose nodes a backward does not free (a split backward's input half
+        # retains them) would stay alive for good
+        return t.detach()
 
     @staticmethod
     def unpack(t: Any) -> Any:
