@@ -220,11 +220,6 @@ def best_order(
             # the best nor the local search's current order (that is the best so far), so
             # its split and Nm need not be found (CostModel.best_nm's ``beat``)
             beat = best[0][0] if best and prune else -math.inf
-            # the same, proved by each Nm's rate bound (least bottleneck, least latency)
-            # before any split of the order is described
-            if model.rate_below(order, cands, beat):
-                seen[sig] = BELOW
-                return BELOW
             p = model.best_nm(order, cands, beat)
         if p is None:
             seen[sig] = BELOW
@@ -245,8 +240,7 @@ def best_order(
     for order in _starts(devices):  # good first guesses make the bound bite early
         evaluate(order)
     if exhaustive:
-        nm_list = (nm,) if nm is not None else cands or tuple(range(1, k + 1))
-        _branch_and_bound(model, devices, classes, bound_nm, evaluate, best, prune, nm_list)
+        _branch_and_bound(model, devices, classes, bound_nm, evaluate, best, prune)
     else:
         _local_search(evaluate, best[1], best[0], cls)
     _, order, p = best
@@ -363,20 +357,14 @@ def _branch_and_bound(
     evaluate: Callable[[tuple[Any, ...]], tuple[float, ...]],
     best: list[Any],
     prune: bool,
-    nm_list: Sequence[int] = (),
 ) -> None:
-    """Depth-first over distinct orders, skipping prefixes that cannot beat ``best``: the
-    least bottleneck at ``bound_nm`` (the smallest Nm) bounds every completion's rate, and so
-    do, at each Nm of ``nm_list`` (the Nm the search may choose), that Nm's least bottleneck
-    and least latency (:meth:`CostModel.prefix_latency`), whose fill limits the rate."""
+    """Depth-first over distinct orders, skipping prefixes that cannot beat ``best``."""
     pools: dict[int, list[Any]] = {}
     for d, c in zip(devices, classes, strict=True):
         pools.setdefault(c, []).append(d)
     used = dict.fromkeys(pools, 0)
     k = len(devices)
     prefix: list[Any] = []
-    nms = sorted(set(nm_list))
-    monotone = bool(nms) and model._tie_copies is None and nms[0] == bound_nm
 
     def hopeless() -> bool:
         rate = best[0][0] if best else -math.inf
@@ -385,19 +373,7 @@ def _branch_and_bound(
         rest = [d for c, pool in pools.items() for d in pool[used[c] :]]
         lb = model.prefix_bound(prefix, k, bound_nm, rest)
         # rate <= 1 / bottleneck <= 1 / lb for every completion; the margin absorbs rounding
-        if lb * rate > 1.0 + 1e-9:
-            return True
-        if len(prefix) == k or not monotone:
-            return False  # a whole order: evaluate's own bounds (CostModel.rate_below)
-        # at each Nm a completion's rate is at most min(1 / B*, Nm / least latency), both
-        # bounded below from the prefix; B* and the latency only grow with Nm (no ties)
-        for i, n in enumerate(nms):
-            b = lb if i == 0 else model.prefix_bound(prefix, k, n, rest)
-            if not math.isfinite(b) or b * rate > 1.0 + 1e-9:
-                break  # nothing fits at this Nm, or 1 / B* is below: so at every larger Nm
-            if not model.prefix_latency(prefix, k, n, rest) * rate > n * (1.0 + 1e-9):
-                return False  # this Nm's bound reaches the best rate
-        return True
+        return lb * rate > 1.0 + 1e-9
 
     def rec() -> None:
         if len(prefix) == k:

@@ -269,74 +269,6 @@ class CostModel(CostTables):
             return float(f[self.L])
         return float(np.maximum(f[:stop], self.rest_bound(left)[:stop]).min())
 
-    def prefix_latency(
-        self, prefix: Sequence[Any], k: int, nm: int, rest: Sequence[Any] = ()
-    ) -> float:
-        """A lower bound on the least latency (sum of stage times) at ``nm`` of every
-        ``k``-device order that starts with ``prefix`` and continues with ``rest`` in any
-        order; inf where no split of the prefix's fixed stages fits.
-
-        As :meth:`prefix_bound`, with a sum for the max: the exact least latency of the
-        prefix's fixed stages up to each boundary ``b`` (:meth:`_run_latency`), plus
-        :meth:`rest_latency` for the devices still to place, least over ``b``.
-        """
-        m = len(prefix)
-        done = k if m == k else m - 1
-        left = [*prefix[done:], *rest]
-        g = self._f0 if done <= 0 else self._run_latency(prefix, self.links(prefix), nm, k, done)
-        if not left:
-            return float(g[self.L])
-        stop = self.L - len(left) + 1  # each remaining stage needs at least one layer
-        if stop <= 0:
-            return INF
-        return float((g[:stop] + self.rest_latency(left)[:stop]).min())
-
-    def _run_latency(
-        self, devices: Sequence[Any], bws: tuple[float, ...], nm: int, k: int, stages: int
-    ) -> np.ndarray:
-        """The least latency per boundary ``b`` of the first ``stages`` stages of a
-        ``k``-stage order (inf where none fits): :meth:`_run`'s steps with a sum for the
-        max, cached by the same prefix signature under a key of their own."""
-        f = self._f0
-        sig: tuple = ("latency", k, nm)
-        n = self.L + 1
-        for i in range(stages):
-            d = devices[i]
-            bw_in = bws[i - 1] if i > 0 else None
-            bw_out = bws[i] if i < k - 1 else None
-            sig = (*sig, d.type, d.memory, d.host_gbps, bw_out)
-            hit = _recall(self._prefix, sig)
-            if hit is None:
-                flight = in_flight(i, k, nm, weights=self.weights)
-                band, w = self.band(d.type, bw_in, bw_out, flight, d.memory, d.host_gbps, nm)
-                best = np.full(n, INF)
-                live = np.flatnonzero(np.isfinite(f))
-                if live.size:
-                    lo, hi = int(live[0]) + 1, min(n, int(live[-1]) + w + 1)
-                    if lo < hi:
-                        best[lo:hi] = (_windows(f, w)[lo:hi] + band[lo:hi]).min(axis=1)
-                f = best
-                _keep(self._prefix, sig, f, self._prefix_limit)
-            else:
-                f = hit
-        return f
-
-    def rest_latency(self, devices: Sequence[Any]) -> np.ndarray:
-        """For each ``b``, a lower bound on the latency of ``devices`` running ``[b, L)``:
-        every layer runs on some device, at best on the fastest type present for it (the
-        relaxation (2) of :meth:`rest_bound`, summed instead of maxed)."""
-        key = ("latency", *sorted(d.type for d in devices))
-        hit = self._rest.get(key)
-        if hit is not None:
-            return hit
-        out = np.zeros(self.L + 1)
-        if self.L:
-            per_layer = np.min([np.diff(self.costs(t).cum_np) for t in set(key[1:])], axis=0)
-            out[:-1] = np.cumsum(per_layer[::-1])[::-1]
-        out *= 1.0 - 1e-9  # margin for rounding
-        self._rest[key] = out
-        return out
-
     def rest_bound(self, devices: Sequence[Any]) -> np.ndarray:
         """For each ``b``, a lower bound on the bottleneck of ``devices`` running ``[b, L)``.
 
@@ -721,9 +653,11 @@ class CostModel(CostTables):
         # B*(Nm) never falls as Nm grows (without ties): Nm whose bound is below ``beat``
         # are then skipped before their split is found (the DP's bottleneck and the least
         # latency only), else each Nm's own bound is checked inside best_rate
+        # ... and where every Nm's bound is below ``beat`` (rate_below), None at once: the
+        # scan below would skim or break at each Nm, and its best split is then below ``beat``
         skim = beat > -INF and self._tie_copies is None and self._plain(devices)
-        if skim and _below(self._least_bottleneck(devices, cands[0]), 1.0, beat):
-            return None
+        if skim and self.rate_below(devices, cands, beat):
+            return None  # every Nm's bound is below ``beat``: known before any split
         first = self.partition(devices, cands[0])
         if not isinstance(first, Partition) or _full(first):
             return first
@@ -770,10 +704,9 @@ class CostModel(CostTables):
         least bottleneck, ``h`` the least latency of the splits that fit); the order is
         below ``beat`` when that bound is at every candidate. Both only grow with Nm
         (without tied tensors; with them this answers False), so the scan stops at the
-        first Nm whose ``1 / B*`` is below ``beat`` or where nothing fits. False where the
-        order has no split at the smallest candidate (the caller's search says why), or
-        where some Nm's bound reaches ``beat``. The bounds are the DP's and the least
-        latency's, both memoised, so :meth:`best_nm` reuses them on an order not ruled out.
+        first Nm whose ``1 / B*`` is below ``beat`` or where nothing fits. False where some
+        Nm's bound reaches ``beat``. The bounds are the DP's and the least latency's, both
+        memoised, so :meth:`best_nm` reuses them on an order not ruled out.
         """
         if not beat > -INF or self._tie_copies is not None or not self._plain(devices):
             return False
@@ -783,11 +716,9 @@ class CostModel(CostTables):
             return False  # best_nm raises on these
         for i, n in enumerate(cands):
             b_star = self._least_bottleneck(devices, n)
-            if not math.isfinite(b_star):
-                if i == 0:
-                    return False
+            if i > 0 and not math.isfinite(b_star):
                 break  # more Nm only needs more memory: nothing fits above either
-            if _below(b_star, 1.0, beat):
+            if _below(b_star, 1.0, beat):  # (at the smallest Nm also where nothing fits)
                 break  # B* never falls with Nm: no larger Nm reaches ``beat`` either
             if not _below(self._shortest(devices, n), n, beat):
                 return False  # this Nm's bound reaches ``beat``
@@ -872,12 +803,6 @@ class GridModel(CostModel):
                 tm = tm + fine.tie_matrix(bw_in, nm)[np.ix_(g, g)]
             self._grid_masked[key] = tm
         return tm
-
-    def prefix_latency(
-        self, prefix: Sequence[Any], k: int, nm: int, rest: Sequence[Any] = ()
-    ) -> float:
-        """No bound (0): the grid's searches are heuristics, never a branch and bound."""
-        return 0.0
 
     def rest_bound(self, devices: Sequence[Any]) -> np.ndarray:
         """The full model's bound (:meth:`CostModel.rest_bound`) at the grid's boundaries."""
