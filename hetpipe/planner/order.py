@@ -220,6 +220,11 @@ def best_order(
             # the best nor the local search's current order (that is the best so far), so
             # its split and Nm need not be found (CostModel.best_nm's ``beat``)
             beat = best[0][0] if best and prune else -math.inf
+            # the same answer (None) proved by each Nm's rate bound, before any split of the
+            # order is described (most orders of an exhaustive search are below the best)
+            if model.rate_below(order, cands, beat):
+                seen[sig] = BELOW
+                return BELOW
             p = model.best_nm(order, cands, beat)
         if p is None:
             seen[sig] = BELOW

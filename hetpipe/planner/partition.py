@@ -653,11 +653,9 @@ class CostModel(CostTables):
         # B*(Nm) never falls as Nm grows (without ties): Nm whose bound is below ``beat``
         # are then skipped before their split is found (the DP's bottleneck and the least
         # latency only), else each Nm's own bound is checked inside best_rate
-        # ... and where every Nm's bound is below ``beat`` (rate_below), None at once: the
-        # scan below would skim or break at each Nm, and its best split is then below ``beat``
         skim = beat > -INF and self._tie_copies is None and self._plain(devices)
-        if skim and self.rate_below(devices, cands, beat):
-            return None  # every Nm's bound is below ``beat``: known before any split
+        if skim and _below(self._least_bottleneck(devices, cands[0]), 1.0, beat):
+            return None
         first = self.partition(devices, cands[0])
         if not isinstance(first, Partition) or _full(first):
             return first
@@ -706,7 +704,10 @@ class CostModel(CostTables):
         (without tied tensors; with them this answers False), so the scan stops at the
         first Nm whose ``1 / B*`` is below ``beat`` or where nothing fits. False where some
         Nm's bound reaches ``beat``. The bounds are the DP's and the least latency's, both
-        memoised, so :meth:`best_nm` reuses them on an order not ruled out.
+        memoised, so :meth:`best_nm` reuses them on an order not ruled out. Where this is
+        True, :meth:`best_nm` told ``beat`` answers None (its scan skims or stops at every
+        Nm); asked first, it saves describing the order's splits, which pays where most
+        orders are below the best (the exhaustive search), not in general.
         """
         if not beat > -INF or self._tie_copies is not None or not self._plain(devices):
             return False
