@@ -208,6 +208,7 @@ def best_order(
     first_fail: list[Infeasible] = []
     classes = device_classes(devices, model.link)
     cls = {id(d): c for d, c in zip(devices, classes, strict=True)}
+    exhaustive = k <= exhaustive_max
 
     def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
         sig = tuple(cls[id(d)] for d in order)
@@ -221,8 +222,9 @@ def best_order(
             # its split and Nm need not be found (CostModel.best_nm's ``beat``)
             beat = best[0][0] if best and prune else -math.inf
             # the same answer (None) proved by each Nm's rate bound, before any split of the
-            # order is described (most orders of an exhaustive search are below the best)
-            if model.rate_below(order, cands, beat):
+            # order is described: pays in the exhaustive search, whose orders are mostly
+            # below the best (the local search's neighbours are too often not)
+            if exhaustive and model.rate_below(order, cands, beat):
                 seen[sig] = BELOW
                 return BELOW
             p = model.best_nm(order, cands, beat)
@@ -236,7 +238,6 @@ def best_order(
             best[:] = [s, order, p]
         return s
 
-    exhaustive = k <= exhaustive_max
     if nm is None and not exhaustive and model.L > COARSE_MIN_LAYERS:
         ranked = _grid_ranked(model, devices, cands, classes)
         got = _best_of(model, ranked, cands, len(ranked))
