@@ -13,8 +13,12 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   of the multiset of classes are enumerated: 4 devices of 2 classes x2 give 6 orders, not 24.
   The enumeration is a branch and bound: a prefix of the order whose best possible
   bottleneck (exact DP over the prefix, plus a relaxation for the devices still to place)
-  cannot beat the best rate found so far is dropped with all its completions. The answer
-  is the same as trying every order; ``OrderResult.pruned`` counts the orders skipped.
+  cannot beat the best rate found so far is dropped with all its completions. A whole
+  order is then first held against its rate bound at every Nm (least bottleneck, and Nm
+  over the least latency where the pipeline's fill limits the rate:
+  :meth:`~hetpipe.planner.partition.CostModel.rate_below`), so that an order below the
+  best costs no split. The answer is the same as trying every order;
+  ``OrderResult.pruned`` counts the orders skipped.
 * **Larger VWs, Nm chosen: the class DP** (:mod:`hetpipe.planner.classdp`) where its size
   (:func:`~hetpipe.planner.classdp.dp_cells`) is at most :data:`CLASS_DP_MAX_CELLS`: a
   dynamic program over the layers placed and the multiset of classes used, exact for the
