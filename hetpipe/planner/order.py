@@ -13,8 +13,12 @@ between consecutive devices differ (same node or not). For a fixed order the spl
   of the multiset of classes are enumerated: 4 devices of 2 classes x2 give 6 orders, not 24.
   The enumeration is a branch and bound: a prefix of the order whose best possible
   bottleneck (exact DP over the prefix, plus a relaxation for the devices still to place)
-  cannot beat the best rate found so far is dropped with all its completions. The answer
-  is the same as trying every order; ``OrderResult.pruned`` counts the orders skipped.
+  cannot beat the best rate found so far is dropped with all its completions. A whole
+  order is then first held against its rate bound at every Nm (least bottleneck, and Nm
+  over the least latency where the pipeline's fill limits the rate:
+  :meth:`~hetpipe.planner.partition.CostModel.rate_below`), so that an order below the
+  best costs no split. The answer is the same as trying every order;
+  ``OrderResult.pruned`` counts the orders skipped.
 * **Larger VWs, Nm chosen: the class DP** (:mod:`hetpipe.planner.classdp`) where its size
   (:func:`~hetpipe.planner.classdp.dp_cells`) is at most :data:`CLASS_DP_MAX_CELLS`: a
   dynamic program over the layers placed and the multiset of classes used, exact for the
@@ -208,6 +212,7 @@ def best_order(
     first_fail: list[Infeasible] = []
     classes = device_classes(devices, model.link)
     cls = {id(d): c for d, c in zip(devices, classes, strict=True)}
+    exhaustive = k <= exhaustive_max
 
     def evaluate(order: tuple[Any, ...]) -> tuple[float, ...]:
         sig = tuple(cls[id(d)] for d in order)
@@ -220,6 +225,12 @@ def best_order(
             # the best nor the local search's current order (that is the best so far), so
             # its split and Nm need not be found (CostModel.best_nm's ``beat``)
             beat = best[0][0] if best and prune else -math.inf
+            # the same answer (None) proved by each Nm's rate bound, before any split of the
+            # order is described: pays in the exhaustive search, whose orders are mostly
+            # below the best (the local search's neighbours are too often not)
+            if exhaustive and model.rate_below(order, cands, beat):
+                seen[sig] = BELOW
+                return BELOW
             p = model.best_nm(order, cands, beat)
         if p is None:
             seen[sig] = BELOW
@@ -231,7 +242,6 @@ def best_order(
             best[:] = [s, order, p]
         return s
 
-    exhaustive = k <= exhaustive_max
     if nm is None and not exhaustive and model.L > COARSE_MIN_LAYERS:
         ranked = _grid_ranked(model, devices, cands, classes)
         got = _best_of(model, ranked, cands, len(ranked))

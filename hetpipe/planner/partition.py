@@ -692,6 +692,39 @@ class CostModel(CostTables):
                 break
         return best if best.minibatches_per_s >= beat else None
 
+    def rate_below(
+        self, devices: Sequence[Any], nm_candidates: Iterable[int] | None, beat: float
+    ) -> bool:
+        """Whether this order's best rate over the candidates (:meth:`best_nm`) is proved
+        strictly below ``beat`` by bounds alone, before any split is described.
+
+        At each Nm every split's rate is at most ``min(1 / B*(Nm), Nm / h(Nm))`` (``B*`` the
+        least bottleneck, ``h`` the least latency of the splits that fit); the order is
+        below ``beat`` when that bound is at every candidate. Both only grow with Nm
+        (without tied tensors; with them this answers False), so the scan stops at the
+        first Nm whose ``1 / B*`` is below ``beat`` or where nothing fits. False where some
+        Nm's bound reaches ``beat``. The bounds are the DP's and the least latency's, both
+        memoised, so :meth:`best_nm` reuses them on an order not ruled out. Where this is
+        True, :meth:`best_nm` told ``beat`` answers None (its scan skims or stops at every
+        Nm); asked first, it saves describing the order's splits, which pays where most
+        orders are below the best (the exhaustive search), not in general.
+        """
+        if not beat > -INF or self._tie_copies is not None or not self._plain(devices):
+            return False
+        k = len(devices)
+        cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
+        if not cands or cands[0] < 1:
+            return False  # best_nm raises on these
+        for i, n in enumerate(cands):
+            b_star = self._least_bottleneck(devices, n)
+            if i > 0 and not math.isfinite(b_star):
+                break  # more Nm only needs more memory: nothing fits above either
+            if _below(b_star, 1.0, beat):  # (at the smallest Nm also where nothing fits)
+                break  # B* never falls with Nm: no larger Nm reaches ``beat`` either
+            if not _below(self._shortest(devices, n), n, beat):
+                return False  # this Nm's bound reaches ``beat``
+        return True
+
     def grid_model(self, points: int) -> CostModel:
         """This model restricted to cuts on about ``points`` evenly spaced layer boundaries
         (:class:`GridModel`), itself where the model has no more layers than that; one per
