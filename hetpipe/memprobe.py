@@ -208,6 +208,12 @@ def _iteration(
             compute.backward_weight(p)
         else:
             raise ValueError(f"order: unknown action {op!r}")
+    _end_iteration(compute, i)
+
+
+def _end_iteration(compute: StageCompute, i: int) -> None:
+    """Iteration ``i``'s end as the runtime does it: the step, the update pushed (not
+    kept: nothing sends it), the losses read."""
     compute.step(i)
     compute.push_deltas(i, keep=False)
     compute.read_losses(block=True)
@@ -268,9 +274,7 @@ def _device_iteration(
         if s - 1 in stages:
             grads[(s - 1, j)] = back
     for c in stages.values():
-        c.step(i)
-        c.push_deltas(i, keep=False)
-        c.read_losses(block=True)
+        _end_iteration(c, i)
 
 
 def device_peak(

@@ -688,18 +688,54 @@ class CostTables:
     ) -> np.ndarray:
         """``time_matrix`` with inf wherever the stage does not fit (one DP step's input),
         plus its ties' copies at ``nm`` minibatches a wave (:meth:`tie_matrix`)."""
-        ties = self._tie_copies is not None and bw_in is not None
-        key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
+        key = self.masked_key(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
         tm = self._masked.get(key)
         if tm is None:
             if len(self._masked) >= self._matrix_limit:
                 self._masked.clear()
-            extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
-            # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
-            tm = self.time_matrix(dtype, bw_in, bw_out) + extra
-            if ties:
-                tm = tm + self.tie_matrix(bw_in, nm)
+            tm = self.masked_at(dtype, bw_in, bw_out, flight, cap, host_gbps, nm, None)
             self._masked[key] = tm
+        return tm
+
+    def masked_key(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float,
+        nm: int,
+    ) -> tuple:
+        """What a masked time matrix depends on (``nm`` only where ties spanning stages
+        are priced)."""
+        ties = self._tie_copies is not None and bw_in is not None
+        return (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
+
+    def masked_at(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float,
+        nm: int,
+        at: np.ndarray | None,
+    ) -> np.ndarray:
+        """:meth:`masked_times` uncached, at the layer boundaries ``at`` only (rows and
+        columns; every boundary where None): the same floats as the full matrix there."""
+        ties = self._tie_copies is not None and bw_in is not None
+        extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
+        if at is None:
+            times = self.time_matrix(dtype, bw_in, bw_out)
+        else:
+            times, extra = self.time_matrix_at(dtype, bw_in, bw_out, at), extra[np.ix_(at, at)]
+        # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
+        tm = times + extra
+        if ties:
+            tie = self.tie_matrix(bw_in, nm)
+            tm = tm + (tie if at is None else tie[np.ix_(at, at)])
         return tm
 
     def band(

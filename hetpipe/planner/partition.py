@@ -789,19 +789,12 @@ class GridModel(CostModel):
         nm: int = 1,
     ) -> np.ndarray:
         """The full model's :meth:`CostTables.masked_times` at the grid's rows and columns."""
-        ties = self._tie_copies is not None and bw_in is not None
-        key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
+        key = self.fine.masked_key(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
         tm = self._grid_masked.get(key)
         if tm is None:
             if len(self._grid_masked) >= self._matrix_limit:
                 self._grid_masked.clear()
-            # the full model's expression at the grid: time, then its policy's extra (inf
-            # where nothing fits), then ties, as CostTables.masked_times adds them
-            g, fine = self.grid, self.fine
-            extra, _ = fine.recompute_plan(dtype, flight, cap, host_gbps)
-            tm = fine.time_matrix_at(dtype, bw_in, bw_out, g) + extra[np.ix_(g, g)]
-            if ties:
-                tm = tm + fine.tie_matrix(bw_in, nm)[np.ix_(g, g)]
+            tm = self.fine.masked_at(dtype, bw_in, bw_out, flight, cap, host_gbps, nm, self.grid)
             self._grid_masked[key] = tm
         return tm
 
