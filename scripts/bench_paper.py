@@ -368,8 +368,12 @@ def run_model(args: Any, key: str, tmp: Path) -> dict[str, Any]:
         )
         runs: dict[str, Any] = {}
         run_dir = tmp / key / "run"
-        local = NetnsCluster(net, path, run_dir, timeout=WAIT_S) if net else None
-        with local or LocalCluster(path, run_dir, timeout=WAIT_S) as local:
+        local = (
+            NetnsCluster(net, path, run_dir, timeout=WAIT_S)
+            if net
+            else LocalCluster(path, run_dir, timeout=WAIT_S)
+        )
+        with local:
             # one short job per formation policy, planned as the timed ones are: every
             # device it uses takes its first assignment (imports, connections) untimed, as
             # DP's ranks are up before their clock starts
