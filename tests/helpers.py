@@ -50,7 +50,8 @@ from hetpipe.head.recovery import RecoveryPart
 from hetpipe.hostcopy import HostCopier, HostCopy
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
-from hetpipe.planner import ModelProfile, Plan, synthetic_profile
+from hetpipe.planner import CostModel, LayerProfile, ModelProfile, Plan, synthetic_profile
+from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.seeding import layer_seed
 from hetpipe.task import StageTask
 from hetpipe.wire import Kind, Message
@@ -872,4 +873,22 @@ def two_hosts(slow_gbps: float = SLOW_GBPS, shards: tuple[str, ...] = ("a", "b")
         NetworkSpec(10.0, 10.0, links),
         nodes,
         RuntimeSpec(inline_ms=0),
+    )
+
+
+PARAM = 256 << 10  # bytes of every layer's parameters in placement_profile
+LAYERS = 8
+SLOW_BPS = SLOW_GBPS * 1e9 / 8
+
+
+def placement_profile(t: float = 2e-3) -> ModelProfile:
+    """Identical layers of ``PARAM`` bytes of parameters and a small activation."""
+    lp = LayerProfile(t, 2 * t, PARAM, 0, 4096, 8192, 8192)
+    return ModelProfile("flat", 32, 4096, {"fast": (lp,) * LAYERS})
+
+
+def model_of(cluster: ClusterConfig, costs: RuntimeCosts | None = None) -> CostModel:
+    """The planner's cost model of :func:`placement_profile` on ``cluster``'s links."""
+    return CostModel(
+        placement_profile(), cluster.network.bytes_per_s, 1, costs or RuntimeCosts.zero()
     )

@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 import pytest
-from helpers import HOST, KW, two_hosts
+from helpers import HOST, KW, model_of, two_hosts
 
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile
 from hetpipe.planner import predict as predict_module
@@ -104,8 +104,6 @@ def test_the_predictor_shares_a_link_between_vws_whose_stages_cross_it():
 
 def test_a_stages_pushes_take_the_link_to_the_host_of_most_of_its_state():
     cluster = two_hosts(shards=("b",))
-    from test_planner_placement import model_of
-
     model = model_of(cluster)
     devs = tuple(cluster.device(n) for n in ("a0", "b0"))
     p = model.describe(devs, [(0, 3), (3, 8)], 2)

@@ -6,30 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import HOST, KW, SLOW_GBPS, two_hosts
+from helpers import HOST, KW, LAYERS, PARAM, SLOW_BPS, model_of, two_hosts
+from helpers import placement_profile as profile
 
 from hetpipe.config import (
     ClusterConfig,
 )
-from hetpipe.planner import CostModel, LayerProfile, ModelProfile, explicit_plan, make_plan
+from hetpipe.planner import explicit_plan, make_plan
 from hetpipe.planner.placement import shard_flights
 from hetpipe.planner.predict import predict, stage_costs
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimStage, SimVW, simulate
-
-PARAM = 256 << 10  # bytes of every layer's parameters
-LAYERS = 8
-SLOW_BPS = SLOW_GBPS * 1e9 / 8
-
-
-def profile(t: float = 2e-3) -> ModelProfile:
-    """Identical layers of ``PARAM`` bytes of parameters and a small activation."""
-    lp = LayerProfile(t, 2 * t, PARAM, 0, 4096, 8192, 8192)
-    return ModelProfile("flat", 32, 4096, {"fast": (lp,) * LAYERS})
-
-
-def model_of(cluster: ClusterConfig, costs: RuntimeCosts | None = None) -> CostModel:
-    return CostModel(profile(), cluster.network.bytes_per_s, 1, costs or RuntimeCosts.zero())
 
 
 def test_a_stages_bytes_to_a_shard_across_the_slow_link_take_their_size_over_its_rate():

@@ -23,6 +23,7 @@ import contextlib
 import getpass
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -68,11 +69,13 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _free_run(n: int) -> int:
-    """The first of ``n`` consecutive ports free on loopback (the script's shard ports)."""
+    """The first of ``n`` consecutive ports free on loopback (the script's shard ports),
+    below the kernel's ephemeral range: the daemons of the job (and of other tests) bind
+    port 0 meanwhile, and a port from that range could be handed to one of them before the
+    shard binds it."""
+    low = _ephemeral_low()
     for _ in range(200):
-        (base,) = _free_ports(1)
-        if base + n > 65535:
-            continue
+        base = random.randrange(max(1024, low - 8000), low - n)
         try:
             held = []
             for p in range(base, base + n):
@@ -86,6 +89,14 @@ def _free_run(n: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports on loopback")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to a bind of port 0 (Linux's default where unread)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _wait(what: str, check: Any, timeout: float, every: float = 0.5) -> Any:
