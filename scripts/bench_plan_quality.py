@@ -65,7 +65,7 @@ from hetpipe.localcluster import DeviceDef, LocalCluster, cluster_toml
 from hetpipe.models import build_model
 from hetpipe.netns import Link, NetnsCluster, Network, measure_mbit, netns_cluster_toml, unavailable
 from hetpipe.planner import ModelProfile
-from hetpipe.planner import predict as predict_module
+from hetpipe.planner.predict import links_alone
 from hetpipe.profiling import plan_for
 from hetpipe.wire import Kind
 
@@ -296,12 +296,8 @@ def shaped_predictions(
     planner's model) and with every transfer on a link as if alone."""
     spec = JobSpec.from_dict(job, source="job")
     shared = plan_for(spec, cluster, profile).samples_per_s
-    saved = predict_module.SHARE_LINKS
-    predict_module.SHARE_LINKS = False
-    try:
+    with links_alone():
         alone = plan_for(spec, cluster, profile).samples_per_s
-    finally:
-        predict_module.SHARE_LINKS = saved
     return {"shared": shared, "unshared": alone}
 
 

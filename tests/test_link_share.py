@@ -11,9 +11,8 @@ import pytest
 from helpers import HOST, KW, model_of, two_hosts
 
 from hetpipe.planner import CostModel, LayerProfile, ModelProfile
-from hetpipe.planner import predict as predict_module
 from hetpipe.planner.placement import shard_routes
-from hetpipe.planner.predict import predict
+from hetpipe.planner.predict import links_alone, predict
 from hetpipe.planner.runtime import RuntimeCosts
 from hetpipe.planner.simulate import SimLink, SimStage, SimVW, simulate
 
@@ -94,12 +93,8 @@ def test_the_predictor_shares_a_link_between_vws_whose_stages_cross_it():
     (alone_inside,) = rates([("a0", "a1")])
     assert inside == pytest.approx((alone_inside, alone_inside), rel=1e-6)
     # priced as if alone, every VW gets a lone VW's rate
-    saved = predict_module.SHARE_LINKS
-    predict_module.SHARE_LINKS = False
-    try:
+    with links_alone():
         assert rates([("a0", "b0"), ("a1", "b1")]) == pytest.approx((alone, alone), rel=0.05)
-    finally:
-        predict_module.SHARE_LINKS = saved
 
 
 def test_a_stages_pushes_take_the_link_to_the_host_of_most_of_its_state():

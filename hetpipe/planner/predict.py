@@ -39,8 +39,8 @@ host pair (every device pair between two hosts shares it, whatever their
 traffic takes the capacity they leave on average (:mod:`.simulate`: a small activation
 never waits behind a whole push, where TCP would slow both a little); a stage whose state
 lies on several other hosts sends it all over the link to the one with most of it;
-traffic inside a host (its loopback) is not shared. :data:`SHARE_LINKS` False prices
-every transfer alone again (a benchmark's comparison).
+traffic inside a host (its loopback) is not shared. Inside :func:`links_alone` every
+transfer is priced alone again (a benchmark's comparison).
 
 One file on purpose: the per-stage costs (:func:`stage_costs`), the simulated virtual
 workers built from them and the fixed point over host sharing (:func:`predict`) are one
@@ -49,9 +49,10 @@ computation, each step feeding the next.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +80,33 @@ from hetpipe.planner.runtime import (
 )
 from hetpipe.planner.simulate import SimLink, SimResult, SimStage, SimVW, simulate
 
-__all__ = ["Prediction", "StageCost", "predict", "sim_minibatches", "stage_costs"]
+__all__ = [
+    "Prediction",
+    "StageCost",
+    "links_alone",
+    "predict",
+    "sim_minibatches",
+    "stage_costs",
+]
 
 MAX_ROUNDS = 30
 # transfers that cross one link between hosts at once share its capacity (see the module
-# docs); False prices each as if alone, to show what the sharing changes
+# docs); links_alone() prices each as if alone, to show what the sharing changes
 SHARE_LINKS = True
+
+
+@contextlib.contextmanager
+def links_alone() -> Iterator[None]:
+    """Within it, every transfer is priced as if alone on its link (:data:`SHARE_LINKS`
+    off), as the planner did before links were shared; restored on leaving."""
+    global SHARE_LINKS
+    saved, SHARE_LINKS = SHARE_LINKS, False
+    try:
+        yield
+    finally:
+        SHARE_LINKS = saved
+
+
 TOLERANCE = 0.01  # relative change of every slowdown at which the fixed point has settled
 
 
