@@ -303,8 +303,39 @@ def run_hetpipe(
         "state": info.get("state"),
         "error": None if info.get("stopped") else info.get("error"),
         "ps_bytes_per_mb": ps_bytes_per_minibatch(param_bytes, vws),
+        "stages": stage_breakdown(info),
     }
     return out
+
+
+def stage_breakdown(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per stage, where its time went against the plan: the measured compute per minibatch
+    and the shares of its elapsed time (busy, communication, WSP gate, bubble) at the target,
+    beside the planner's compute and busy time per minibatch and the slowdown it expected
+    from sharing the host. Busy per minibatch = busy share x elapsed / minibatches done."""
+    pred_vws = (info.get("predicted") or {}).get("vws") or []
+    rows = []
+    for st in info.get("stages") or []:
+        v, i = st.get("vw"), st.get("stage")
+        try:
+            p = pred_vws[v]["stages"][i]
+        except (IndexError, KeyError, TypeError):
+            p = {}
+        sh = st.get("shares") or {}
+        rows.append(
+            {
+                "vw": v,
+                "stage": i,
+                "device": st.get("device"),
+                "done": st.get("done"),
+                "time_s": st.get("time_s"),
+                "predicted_time_s": p.get("time_s"),
+                "predicted_busy_s": p.get("busy_s"),
+                "predicted_slowdown": p.get("slowdown"),
+                "shares": {k: round(float(x), 3) for k, x in sh.items()},
+            }
+        )
+    return rows
 
 
 def ps_bytes_per_minibatch(param_bytes: int, vws: list[dict[str, Any]]) -> float | None:

@@ -472,3 +472,20 @@ def test_a_synchronous_wake_up_waits_only_for_the_other_stages_cores():
     shared = waits((x, y), 1)
     assert all(0.1 * costs.wake_s < w < costs.wake_s for w in shared)
     assert waits((x, y), 2) == (0.0, 0.0)
+
+
+def test_a_shard_works_for_the_state_it_holds():
+    """Two VWs on one host, a shard there and one on another host: where every layer's
+    state lies on the local shard (``local``), that shard applies every push and answers
+    every pull beside the workers and slows them; spread round-robin (``default``), half that
+    work runs on the other host. The shards' work follows their bytes, not an even split."""
+    prof = flat_profile({"a": 1.0})
+    costs = dataclasses.replace(RuntimeCosts.zero(), hop_s=1e-9, shard_byte_s=1e-7)
+    model = CostModel(prof, bw, 0, costs)
+    devs = [dev("x", "a"), dev("y", "a")]
+    hosts = ("10.0.0.0", "10.0.0.1")
+    kw = dict(minibatch=8, staleness=0, cores=2, shard_hosts=hosts, minibatches=64)
+    local = predict(model, one_stage(model, devs), placement="local", **kw)
+    spread = predict(model, one_stage(model, devs), placement="default", **kw)
+    assert min(flat(local.slowdown)) > 1.1 * max(flat(spread.slowdown))
+    assert local.sim.job_samples_per_s < spread.sim.job_samples_per_s

@@ -65,6 +65,7 @@ __all__ = [
     "remote_link_times",
     "shard_flights",
     "shard_routes",
+    "shard_shares",
 ]
 
 RULES = {
@@ -253,12 +254,7 @@ def remote_link_times(
     host; see the module docs)."""
     if not shard_hosts:
         return [[{} for _ in devs] for devs, _ in chosen]
-    layer_bytes = layer_state_bytes(model.profile)
-    shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
-    stage_hosts = [
-        [(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen
-    ]
-    layer_shards = place_layers(placement, shards, stage_hosts, layer_bytes)
+    layer_bytes, layer_shards = _placed(model, chosen, shard_hosts, placement)
     near: dict[str, Any] = {}  # host -> a device of the plan on it
     for devs, p in chosen:
         for i, leader in enumerate(devs):
@@ -270,7 +266,7 @@ def remote_link_times(
         for d, (a, b) in zip(devs, p.cuts, strict=True):
             per: dict[str, float] = {}
             for shard, nbytes in _bytes_by_shard(layer_shards, layer_bytes, a, b).items():
-                host = shards[shard].host
+                host = str(shard_hosts[shard])
                 if nbytes and host != _host(d):
                     there = near.get(host) or SimpleNamespace(
                         name=f"ps@{host}", node=f"ps@{host}", host=host, type=""
@@ -279,3 +275,48 @@ def remote_link_times(
             row.append(per)
         out.append(row)
     return out
+
+
+def shard_shares(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    shard_hosts: Sequence[str],
+    placement: str = "local",
+) -> list[list[dict[int, float]]]:
+    """Per VW, per stage: the share of its state's bytes on each shard (by index in
+    ``shard_hosts``) under ``placement``; a stage without state spreads evenly. A shard's
+    work applying pushes and answering pulls follows these shares, so a placement that piles
+    the heavy layers of every VW on one shard makes that shard the busy one."""
+    n = len(shard_hosts)
+    if not n:
+        return [[{} for _ in devs] for devs, _ in chosen]
+    layer_bytes, layer_shards = _placed(model, chosen, shard_hosts, placement)
+    out = []
+    for _, p in chosen:
+        row = []
+        for a, b in p.cuts:
+            per = _bytes_by_shard(layer_shards, layer_bytes, a, b)
+            total = sum(per.values())
+            row.append(
+                {j: nbytes / total for j, nbytes in per.items() if nbytes}
+                if total
+                else {j: 1.0 / n for j in range(n)}
+            )
+        out.append(row)
+    return out
+
+
+def _placed(
+    model: CostModel,
+    chosen: Sequence[tuple[Sequence[Any], Partition]],
+    shard_hosts: Sequence[str],
+    placement: str,
+) -> tuple[list[int], tuple[int, ...]]:
+    """Each layer's state bytes and the shard (index in ``shard_hosts``) ``placement`` puts
+    it on, for the chosen VWs' stages."""
+    layer_bytes = layer_state_bytes(model.profile)
+    shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
+    stage_hosts = [
+        [(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen
+    ]
+    return layer_bytes, place_layers(placement, shards, stage_hosts, layer_bytes)

@@ -68,7 +68,7 @@ from hetpipe.core.schedule import (
     Push,
 )
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.placement import flights_of, remote_link_times, routes_of
+from hetpipe.planner.placement import flights_of, remote_link_times, routes_of, shard_shares
 from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import (
     all_busy,
@@ -477,8 +477,9 @@ def predict(
     ``device``) and split. ``cores`` gives each node's cores (one number for all, or by node
     name; default: this machine's). ``minibatches``: per VW, how long the job runs (at
     most :data:`LONG_JOB` are simulated). ``shard_hosts`` are the hosts of the parameter-server
-    shards (their work is spread evenly over them; each stage's state is placed on them as
-    the runtime places it, and its bytes to those on other hosts priced on the links).
+    shards (each stage's state is placed on them as the runtime places it: each shard's work
+    follows the bytes it holds, :func:`.placement.shard_shares`, and the bytes to those on
+    other hosts are priced on the links).
     ``warmup``: 1f1b's extra warm-up forwards (:func:`hetpipe.core.schedule.microbatch_order`).
     ``placement``: the parameter placement priced (:data:`.placement.PLACEMENTS`).
     ``devices``: a device-level kind's device count (its stages' orders are projected from
@@ -488,6 +489,7 @@ def predict(
     n_shards = max(1, len(shard_hosts))
     remote = remote_link_times(model, chosen, shard_hosts, placement)
     flights = flights_of(remote)
+    on_shards = shard_shares(model, chosen, shard_hosts, placement)
     channels = (
         [
             _channels(devs, routes)
@@ -574,17 +576,15 @@ def predict(
         if final:
             break
         demand = [0.0] * n_proc
-        shard_total = 0.0
         for j, (v, i, _) in enumerate(workers):
             rate = sim.vw_samples_per_s[v] / minibatch
             if not math.isfinite(rate):
                 rate = 0.0
             c = costs[v][i]
             demand[j] = rate * (c.cpu_s + (cold[j] - 1.0) * c.compute_cpu_s)
-            if j == procs_of[(v, i)][0]:
-                shard_total += rate / chosen[v][1].nm * c.shard_cpu_s
-        for j in range(len(shard_list)):
-            demand[len(workers) + j] = shard_total / len(shard_list)
+            if j == procs_of[(v, i)][0]:  # its shards' work, as its state lies on them
+                for s, share in on_shards[v][i].items():
+                    demand[len(workers) + s] += rate / chosen[v][1].nm * c.shard_cpu_s * share
         new = list(slow)
         new_pad = list(pad_slow)
         new_busy = list(busy)

@@ -13,7 +13,10 @@
 # 3. the CUDA tests (tests/test_cuda.py);
 # 4. bench_staleness.py at k = 8 on the GPU (stash against predict);
 # 5. bench_data.py on this machine's free cores: the loader workers' input wait, which a
-#    2-core host cannot measure (each loader worker needs a core of its own).
+#    2-core host cannot measure (each loader worker needs a core of its own);
+# 6. bench_wire.py's cross-host case (two network namespaces, 4 MiB tensors): the MAC data
+#    path against plain ZeroMQ with the sender and the receiver on cores of their own (it says
+#    why not where namespaces cannot be made there).
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -46,3 +49,6 @@ timeout 200 python3 scripts/bench_staleness.py --json --device cuda:0 --tasks gp
 echo "== bench_data (CPU: the loader workers on cores of their own)"
 timeout 240 python3 scripts/bench_data.py --json --minibatches 80 --repeats 3 2>&1 | tail -8 \
     | tee "$OUT/bench_data.log"
+echo "== bench_wire cross-host (CPU: sender and receiver on cores of their own)"
+timeout 120 python3 scripts/bench_wire.py --json --sizes 4MiB --repeats 3 2>&1 | tail -12 \
+    | tee "$OUT/bench_wire.log"
