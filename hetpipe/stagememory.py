@@ -3,10 +3,12 @@
 The planner predicts a stage's memory from its profile (:func:`hetpipe.core.memory.compose`);
 the runtime counts the same terms from what it holds: the weights and buffers, the
 optimizer's state, the weight versions in-flight backwards still hold, the update
-accumulators, the activations each in-flight minibatch keeps under its layers' policies,
-and the working peak of the largest layer. The activation bytes of each layer are measured
-by the first forward of each input shape (:class:`SavedBytes` counts what autograd saves)
-and kept per shape in :class:`MemoryCount`, which also checks the count against the
+accumulators, the activations each in-flight minibatch keeps under its layers' policies
+with its stage output (kept until its backward), and the working peak of the largest
+layer. The activation bytes of each layer are measured by the first forward of each input
+shape (:class:`SavedBytes` counts what autograd saves, :func:`saved_ends` which of it is
+the layer's input and output, so a tensor two layers save counts once) and kept per shape
+in :class:`MemoryCount`, which also checks the count against the
 device's cap. Its own module because it is the one place the runtime's accounting meets
 the memory model; the compute (:mod:`hetpipe.stage`) only hands it what it holds.
 """
