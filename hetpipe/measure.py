@@ -26,6 +26,7 @@ from hetpipe.data import first_batch, load_data, to_device
 from hetpipe.job import JobSpec
 from hetpipe.models import build_model, model_loss
 from hetpipe.modelstate import StateLayout, layer_of
+from hetpipe.stagememory import saved_ends
 
 __all__ = ["Measured", "measure", "measure_layers", "measure_model", "ties_of"]
 
@@ -237,6 +238,10 @@ def _measure(
     bwd: list[list[float]] = [[] for _ in range(n)]
     upd: list[list[float]] = [[] for _ in range(n)]
     saved = [0] * n
+    # of those, the layer's input and its output (hetpipe.core.profile: a stage holds them
+    # otherwise), by storage; a view of the input as output counts as a saved output
+    saved_in = [0] * n
+    saved_out = [0] * n
     backs = [False] * n  # whether the layer's backward ran (it computes some gradient)
     whole_fwd: list[float] = []
     whole_bwd: list[float] = []
@@ -284,6 +289,7 @@ def _measure(
                 bwd[i].append(t2 - t1)
                 upd[i].append(t3 - t2)
                 saved[i] = sum(seen.values())
+                saved_in[i], saved_out[i] = saved_ends(seen, inp, y)
                 backs[i] = any(t.requires_grad for t in carry.tensors(target))
         if whole and n > 1:
             f_all, b_all = _time_whole(layers, inputs[0], loss_fn, autocast, device)
@@ -332,6 +338,8 @@ def _measure(
                 saved[i],
                 out_bytes + in_grad,
                 max(0.0, statistics.median(upd[i]) - (call_u if stateful[i] else 0.0)) / speed,
+                saved_in[i],
+                saved_out[i],
             )
         )
     return Measured(tuple(out), CallProfile(call_f / speed, call_b / speed, call_u / speed))

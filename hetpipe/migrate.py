@@ -232,8 +232,8 @@ def _saved_per_layer(compute: StageCompute) -> dict[int, int]:
     measured so far; a layer never run yet: absent)."""
     first = compute.task.first
     out: dict[int, int] = {}
-    for saved, inputs, _working in compute.mem.layer_bytes.values():
-        for j, (s, i) in enumerate(zip(saved, inputs, strict=True)):
+    for known in compute.mem.layer_bytes.values():
+        for j, (s, i) in enumerate(zip(known.saved, known.inputs, strict=True)):
             out[first + j] = max(out.get(first + j, 0), s + i)
     return out
 

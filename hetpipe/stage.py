@@ -125,7 +125,7 @@ class _InFlight:
     params: dict[str, torch.Tensor]
     version: int
     fingerprint: float  # of the weights the forward used, taken at forward time
-    kept_bytes: int  # activations kept for the backward, stage input included
+    kept_bytes: int  # activations kept for the backward, stage input and output included
     samples: int = 1  # of the minibatch (sync schedules weight gradients by it)
     loss: torch.Tensor | None = None  # last stage: its backward starts here
     # weights "latest": the forward kept no graph; the backward reruns it from the kept

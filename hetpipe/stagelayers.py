@@ -30,7 +30,7 @@ from hetpipe.lateweights import LateWeights
 from hetpipe.models import build_model
 from hetpipe.modelstate import StateLayout
 from hetpipe.seeding import LayerSeeds
-from hetpipe.stagememory import LayerBytes, SavedBytes, nbytes, storages
+from hetpipe.stagememory import LayerBytes, SavedBytes, nbytes, saved_ends, storages
 from hetpipe.swap import HostSwap
 
 __all__: list[str] = []
@@ -112,6 +112,8 @@ class StageLayers:
         saved: list[int] = []
         inputs: list[int] = []
         work: list[int] = []
+        saved_in: list[int] = []
+        saved_out: list[int] = []
 
         def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: Any) -> Any:
             own = storages(sub)
@@ -120,11 +122,16 @@ class StageLayers:
                 with self.swapper.layer(own):
                     y = self.call(i, sub, x)
                 saved.append(self.swapper.bytes - before)
+                saved_in.append(0)  # parked on the host: the device holds none of them
+                saved_out.append(0)
             else:
                 counter = SavedBytes(own)
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                     y = self.call(i, sub, x)
                 saved.append(counter.bytes)
+                ends = saved_ends(counter.seen, x, y)
+                saved_in.append(ends[0])
+                saved_out.append(ends[1])
             inputs.append(nbytes(x))
             if self.first + i == 0:  # the model's input takes no gradient
                 grad_in = 0
@@ -164,7 +171,8 @@ class StageLayers:
             else:
                 x = self.call(j, sub, x)
             j += 1
-        return x, (saved, inputs, work)
+        output = nbytes(x) if measure else 0
+        return x, LayerBytes(saved, inputs, work, saved_in, saved_out, output)
 
     def call(self, i: int, sub: Mapping[str, torch.Tensor], x: Any) -> Any:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in

@@ -3,10 +3,12 @@
 The planner predicts a stage's memory from its profile (:func:`hetpipe.core.memory.compose`);
 the runtime counts the same terms from what it holds: the weights and buffers, the
 optimizer's state, the weight versions in-flight backwards still hold, the update
-accumulators, the activations each in-flight minibatch keeps under its layers' policies,
-and the working peak of the largest layer. The activation bytes of each layer are measured
-by the first forward of each input shape (:class:`SavedBytes` counts what autograd saves)
-and kept per shape in :class:`MemoryCount`, which also checks the count against the
+accumulators, the activations each in-flight minibatch keeps under its layers' policies
+with its stage output (kept until its backward), and the working peak of the largest
+layer. The activation bytes of each layer are measured by the first forward of each input
+shape (:class:`SavedBytes` counts what autograd saves, :func:`saved_ends` which of it is
+the layer's input and output, so a tensor two layers save counts once) and kept per shape
+in :class:`MemoryCount`, which also checks the count against the
 device's cap. Its own module because it is the one place the runtime's accounting meets
 the memory model; the compute (:mod:`hetpipe.stage`) only hands it what it holds.
 """
@@ -14,12 +16,13 @@ the memory model; the compute (:mod:`hetpipe.stage`) only hands it what it holds
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from hetpipe.carry import nbytes as carry_bytes
+from hetpipe.carry import tensors as carry_tensors
 from hetpipe.core.memory import StageMemory, activation_bytes, compose, working_bytes
 from hetpipe.probes import Probe
 
@@ -28,8 +31,17 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-# per layer of a stage: (saved bytes if kept, input bytes, working bytes)
-LayerBytes = tuple[list[int], list[int], list[int]]
+
+class LayerBytes(NamedTuple):
+    """A stage's layers' bytes as its first forward of one input shape measured them, in
+    the profile's terms (:class:`hetpipe.core.profile.LayerProfile`)."""
+
+    saved: list[int]  # per layer: what it saves for its backward when kept
+    inputs: list[int]  # per layer: its input
+    work: list[int]  # per layer: its working peak (output plus input gradient)
+    saved_in: list[int]  # per layer: of ``saved``, its input
+    saved_out: list[int]  # per layer: of ``saved``, its output
+    output: int = 0  # the stage's output, kept by every in-flight minibatch
 
 
 def nbytes(t: Any) -> int:
@@ -46,18 +58,37 @@ def storages(state: Mapping[str, torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in state.values()}
 
 
+def saved_ends(seen: Mapping[int, int], inp: Any, out: Any) -> tuple[int, int]:
+    """Of the storages a layer saved (``seen``: data pointer to bytes), the bytes of its
+    input ``inp`` and of its output ``out`` (tensors or carries): what a stage holds
+    otherwise (:func:`hetpipe.core.memory.activation_bytes`). An output that is a view of
+    the input (a Flatten's) is held with the input, so it counts as saved output, whole.
+    The profiler's (:func:`hetpipe.measure.measure_layers`) and the runtime's one rule."""
+    ins = {t.untyped_storage().data_ptr() for t in carry_tensors(inp)}
+    outs = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in carry_tensors(out)
+    }
+    saved_in = sum(b for ptr, b in seen.items() if ptr in ins)
+    saved_out = sum(b for ptr, b in seen.items() if ptr in outs and ptr not in ins)
+    saved_out += sum(b for ptr, b in outs.items() if ptr in ins)
+    return saved_in, saved_out
+
+
 class SavedBytes:
     """Counts the bytes autograd saves for one layer's backward, deduplicated by storage,
-    without the storages in ``own`` (the layer's weights and buffers, counted as state)."""
+    without the storages in ``own`` (the layer's weights and buffers, counted as state);
+    ``seen``: each counted storage's bytes, by data pointer (:func:`saved_ends`)."""
 
     def __init__(self, own: set[int]) -> None:
         self.bytes = 0
-        self._seen = set(own)
+        self._own = set(own)
+        self.seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
+        ptr = storage.data_ptr()
+        if ptr not in self._own and ptr not in self.seen:
+            self.seen[ptr] = storage.nbytes()
             self.bytes += storage.nbytes()
         # detached (same storage): a saved output handed back as itself would hold its own
         # grad_fn, a cycle through autograd's nodes that the garbage collector cannot see,
@@ -99,21 +130,29 @@ class MemoryCount:
         """Record the layers' bytes the first forward of input ``shape`` measured."""
         self.layer_bytes[shape] = known
         self.working = max(
-            self.working, working_bytes(known[2], known[0], self.recompute, self.swap)
+            self.working, working_bytes(known.work, known.saved, self.recompute, self.swap)
         )
 
     def kept(self, known: LayerBytes) -> int:
-        """What a minibatch's layers keep for its backward under their policies (its stage
-        input not included)."""
-        return activation_bytes(known[0], known[1], self.recompute, self.swap)
+        """What a minibatch's layers keep for its backward under their policies, and its
+        stage output (its stage input not included)."""
+        return activation_bytes(
+            known.saved,
+            known.inputs,
+            self.recompute,
+            self.swap,
+            known.saved_in,
+            known.saved_out,
+            known.output,
+        )
 
     def rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
         measured so far): the room the backward of a rerun forward needs."""
         return max(
             (
-                activation_bytes(s, i, self.recompute, self.swap)
-                for s, i, _ in self.layer_bytes.values()
+                activation_bytes(b.saved, b.inputs, self.recompute, self.swap)
+                for b in self.layer_bytes.values()
             ),
             default=0,
         )

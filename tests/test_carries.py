@@ -252,8 +252,8 @@ def test_recomputed_and_swapped_layers_with_tuple_carries() -> None:
         assert_grads_equal(cs, 0, want)
         # the layers' bytes count every tensor of their carries: BranchMore's input is the
         # tuple (a, skip) of two [32, 32] float32 tensors
-        ((_saved, inputs, _work),) = c._layer_bytes.values()
-        assert inputs[:3] == [2 * 32 * 32 * 4, 2 * 32 * 32 * 4, 32 * 32 * 4]
+        (known,) = c._layer_bytes.values()
+        assert known.inputs[:3] == [2 * 32 * 32 * 4, 2 * 32 * 32 * 4, 32 * 32 * 4]
 
 
 # -- the runner: messages of several tensors ------------------------------------------------

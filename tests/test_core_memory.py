@@ -15,6 +15,8 @@ from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
 from hetpipe.core.memory import (
     StageMemory,
+    accumulators,
+    activation_bytes,
     compose,
     in_flight,
     stage_memory,
@@ -147,3 +149,35 @@ def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
     # position 0 of 2 holds Nm in flight (a pipeline's last stage holds one)
     want = stage_memory_of(profile, "fast", (0, n), 0, 2, nm, factor)
     assert got.to_dict() == want.to_dict()
+
+
+def test_a_tensor_two_layers_save_and_the_stage_output_are_counted_once() -> None:
+    """Layers Linear, ReLU, Linear (each saved alone: its input, its output, its input) on a
+    stage input of 8 bytes: the first Linear's saved input is the stage input (counted with
+    the stage), the ReLU's output is the second Linear's input (once), and the stage output
+    (4 bytes, which the last Linear does not save) is kept until the backward."""
+    saved, inputs = [8, 16, 16], [8, 16, 16]
+    saved_in, saved_out = [8, 0, 16], [0, 16, 0]
+    assert activation_bytes(saved, inputs) == 40  # without the ends: nothing corrected
+    assert activation_bytes(saved, inputs, (), (), saved_in, saved_out, 4) == 16 + 4
+    # a swapped ReLU parks its output on the host: the second Linear's saved input stays
+    assert activation_bytes(saved, inputs, (), (1,), saved_in, saved_out, 4) == 16 + 4
+    # a last layer that saves its output (a ReLU) holds the stage output already
+    assert activation_bytes([8, 16], [8, 16], (), (), [8, 0], [0, 16], 16) == 16
+
+
+def test_a_synchronous_stage_peaks_at_its_passes_or_at_its_step() -> None:
+    """The passes hold the gradient sum (and a whole backward's parameter gradients), the
+    step three parameter-sized tensors with no activation left: the larger moment counts."""
+    assert accumulators(100, 500, "async") == 200
+    assert accumulators(100, 500, "1f1b") == 200  # sum + the backward's gradients
+    assert accumulators(100, 500, "zb-h1") == 100  # the weight pass: the sum alone
+    assert accumulators(100, 50, "1f1b") == 200 + 50  # the step: 3 x beside 50 bytes gone
+    assert accumulators(100, 50, "zbv") == 100 + 150
+    np.testing.assert_array_equal(
+        accumulators(np.array([100, 100]), np.array([500, 50]), "zb-h2"), [100, 250]
+    )
+    for kind, kept in itertools.product(("1f1b", "zb-h1"), (10, 100)):
+        terms = stage_terms(100, 0, kept, 10, 20, factor=1, flight=2, schedule=kind)
+        passes = 300 + 2 * (10 + kept) + 20 + (100 if kind == "1f1b" else 0)
+        assert terms.total == max(passes, 500)  # weights, momentum, 3 x at the step

@@ -234,3 +234,40 @@ def test_profiles_without_a_call_term_still_load(tmp_path):
     # measured again without a term (an old worker): the stale term goes with the layers
     again.put("m", 32, "y", a.layers["y"])
     assert again.get_call("m", 32, "y") == CallProfile()
+
+
+def test_measure_layers_says_which_saved_bytes_are_a_layers_input_and_output():
+    """A Linear saves its input, a ReLU its output, a Flatten's output is a view of its
+    input (held with it): the bytes the memory model counts once (memory.activation_bytes)."""
+    x = torch.randn(8, 2, 4)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    flat, lin, relu, last = measure_layers(net, x, repeats=1, warmup=0)
+    assert (flat.saved_input_bytes, flat.saved_output_bytes) == (0, 8 * 8 * 4)
+    assert (lin.saved_input_bytes, lin.saved_output_bytes) == (8 * 8 * 4, 0)
+    assert (relu.saved_input_bytes, relu.saved_output_bytes) == (0, 8 * 16 * 4)
+    assert (last.saved_input_bytes, last.saved_output_bytes) == (8 * 16 * 4, 0)
+    assert all(
+        lp.saved_input_bytes + lp.output_saved <= max(lp.saved_bytes, lp.out_bytes)
+        for lp in (flat, lin, relu, last)
+    )
+
+
+def test_old_profiles_without_saved_ends_load_as_the_count_before_them(tmp_path):
+    """A layer saved before its saved input and output were measured loads with none of
+    its saved bytes its input and its whole output saved: nothing corrected; a version-1
+    store still loads and is written back as version 2."""
+    d = LayerProfile(0.001, 0.002, 10, 0, 20, 30, 40, 0.0, 8, 0).to_dict()
+    assert LayerProfile.from_dict(d) == LayerProfile(0.001, 0.002, 10, 0, 20, 30, 40, 0.0, 8, 0)
+    del d["saved_input_bytes"], d["saved_output_bytes"]
+    old = LayerProfile.from_dict(d)
+    assert (old.saved_input_bytes, old.saved_output_bytes) == (0, 20)
+    path = tmp_path / "profiles.json"
+    v1 = {"version": 1, "models": {"m": {"32": {"input_bytes": 4, "types": {"t": [d]}}}}}
+    path.write_text(json.dumps(v1))
+    store = ProfileStore(path)
+    assert store.get("m", 32, "t") == (old,)
+    store.save()
+    assert json.loads(path.read_text())["version"] == 2
+    path.write_text(json.dumps({**v1, "version": 3}))
+    with pytest.raises(ValueError, match="version-2"):
+        ProfileStore(path)

@@ -68,16 +68,7 @@ def spec_of(kind: str) -> JobSpec:
     [
         ("1f1b", 0),
         ("1f1b", 1),
-        pytest.param(
-            "zb-h1",
-            0,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="over-predicted: the first stage's deferred output gradient is charged "
-                "beside the working term that already holds it at the weight gradient, and "
-                "its first layer's saved input beside the stage input (the same tensor)",
-            ),
-        ),
+        ("zb-h1", 0),
         ("zb-h1", 1),
     ],
 )

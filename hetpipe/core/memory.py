@@ -18,11 +18,17 @@ stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``sta
               ``in_flight``, each in-flight minibatch's own prediction. None in gpipe/1f1b
               (the weights change only between iterations)
 accumulators  two update accumulators: the wave being built and the wave being pushed and
-              merged under WSP (2 x parameter bytes); in gpipe/1f1b the iteration's
-              gradient sum and its update (also 2 x parameter bytes)
+              merged under WSP (2 x parameter bytes); in the synchronous kinds the
+              iteration's gradient sum beside the passes (with a whole backward's parameter
+              gradients: 2 x, a split one's: 1 x), or the step's mean gradient, new weight
+              version and update where that is more (3 x, no activation left:
+              :func:`accumulators`)
 activations   for every in-flight minibatch, what its layers keep for the backward under
-              their policy (see below) plus the received stage input
-              (``in_flight`` x (kept bytes + input bytes)); where the backward reruns the
+              their policy (see below), its stage output (the root its backward
+              differentiates from) where the last layer does not save it, plus the received
+              stage input (``in_flight`` x (kept bytes + input bytes)); a tensor two layers
+              save (one's output, the next one's input, or the first layer's input: the
+              stage input) counted once (:func:`activation_bytes`); where the backward reruns the
               forward (``latest``: it differentiates the newest weights, not the ones the
               forward ran on) only the inputs stay, plus one minibatch's kept tensors
               (``in_flight`` x input bytes + kept bytes). ``predict`` paper keeps the
@@ -107,7 +113,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetpipe.core.profile import LayerProfile, ModelProfile
-from hetpipe.core.schedule import max_deferred, max_in_flight
+from hetpipe.core.schedule import SYNCHRONOUS, ZB_KINDS, max_deferred, max_in_flight
 from hetpipe.core.units import format_size
 
 ACTIVATION_POLICIES = ("keep", "recompute", "swap", "auto")
@@ -122,6 +128,7 @@ __all__ = [
     "WEIGHT_MODES",
     "MemoryCapError",
     "StageMemory",
+    "accumulators",
     "activation_bytes",
     "activations",
     "compose",
@@ -276,6 +283,33 @@ def held_predictions(
 
 
 ACCUMULATORS = 2  # parameter-sized update accumulators (see the module docs)
+STEP_COPIES = 3  # a synchronous step's parameter-sized tensors beside the weights and state
+SPLIT_KINDS = (*ZB_KINDS, "zbv")  # the synchronous kinds whose backwards are split
+
+
+def accumulators(param_bytes: Any, rest: Any, schedule: str = "async") -> Any:
+    """The ``accumulators`` term (numbers or arrays, elementwise). Async: the two update
+    accumulators. A synchronous kind holds its gradient sum (1 x parameters) beside the
+    activations through the passes, and at the step, when no activation is left, the mean
+    gradient, the new weight version (made out of place, beside the old) and the update
+    (:data:`STEP_COPIES` x parameters): the term is what the passes hold plus what the step
+    needs beyond ``rest`` (the activations and working bytes it no longer holds), so the
+    total is the larger of the two moments.
+
+    Through the passes a whole backward (gpipe, 1f1b, interleaved-1f1b) also holds the
+    parameter gradients it returns, all at its end, beside the sum they are added into and
+    its working tensors (the received gradient, the last layers' gradients): 2 x. A split
+    backward's weight pass (:data:`SPLIT_KINDS`) computes no input gradient: its parameter
+    gradients take the place of the working term's, beside the deferred output gradient
+    already charged, so the passes hold the sum alone there (1 x). Measured
+    (``scripts/bench_stage_memory.py``, the mlp's first stage of two: weights, momentum,
+    the sum, two microbatches, the received gradient, the ReLU's input gradient and the
+    weight gradients are its 1f1b peak to the byte)."""
+    if schedule not in SYNCHRONOUS:
+        return ACCUMULATORS * param_bytes
+    passes = 1 if schedule in SPLIT_KINDS else 2
+    beyond = (STEP_COPIES - passes) * param_bytes - rest
+    return passes * param_bytes + beyond * (beyond > 0)
 
 
 def param_copies(factor: int, flight: int, schedule: str = "async", weights: str = "stash") -> int:
@@ -368,14 +402,15 @@ def stage_terms(
     The scalar form (:func:`stage_memory`) and the vectorised ones (the partitioners, with
     numpy arrays over every ``[a, b)``: the fields, and ``total``, come back as arrays) are
     this one expression."""
+    acts = activations(flight, kept, input_bytes, schedule, weights) + deferred
     return compose(
         param_bytes,
         buffer_bytes,
         optimizer=factor * param_bytes,
         copies=stashed(flight, schedule, weights),
         held=held,
-        accumulators=ACCUMULATORS * param_bytes,
-        activations=activations(flight, kept, input_bytes, schedule, weights) + deferred,
+        accumulators=accumulators(param_bytes, acts + working, schedule),
+        activations=acts,
         working=working,
     )
 
@@ -397,19 +432,41 @@ def activation_bytes(
     inputs: Sequence[int],
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
+    saved_in: Sequence[int] = (),
+    saved_out: Sequence[int] = (),
+    output: int = 0,
 ) -> int:
-    """Bytes one in-flight minibatch keeps ON THE DEVICE in a stage's layers (not counting
-    its input).
+    """Bytes one in-flight minibatch keeps ON THE DEVICE in a stage's layers and its output
+    (not counting its input).
 
     ``saved[j]`` is what layer ``j`` of the stage saves for its backward when kept,
     ``inputs[j]`` the size of its input; ``recompute`` the stage-relative indices of the
     recomputed layers, ``swap`` those of the swapped ones (their saved tensors wait in host
     memory). A run of recomputed layers keeps its first layer's input only (none when that
     is the stage input, which is counted once with the stage).
+
+    Each layer's ``saved`` is what it saves alone, so a tensor two of them save is in both:
+    ``saved_in[j]`` and ``saved_out[j]`` say how much of ``saved[j]`` is its input and its
+    output (:class:`hetpipe.core.profile.LayerProfile`). The first layer's saved input is
+    the stage input, counted with the stage; between two kept layers the tensor one saves as
+    output and the next as input is counted once; and the stage's ``output``, which every
+    in-flight minibatch keeps until its backward (the root the backward differentiates
+    from), is counted where its last layer does not save it. Left empty (and ``output`` 0)
+    they correct nothing: the count of a profile that did not measure them.
     """
     skipped = set(recompute) | set(swap)
     kept = sum(s for j, s in enumerate(saved) if j not in skipped)
-    return kept + sum(inputs[c] for c, _ in recompute_runs(recompute) if c > 0)
+    kept += sum(inputs[c] for c, _ in recompute_runs(recompute) if c > 0)
+    if saved_in and 0 not in skipped:
+        kept -= saved_in[0]
+    if saved_in and saved_out:
+        kept -= sum(
+            min(saved_in[j], saved_out[j - 1])
+            for j in range(1, len(saved))
+            if j not in skipped and j - 1 not in skipped
+        )
+    last = saved_out[-1] if saved_out else 0
+    return kept + max(0, output - last)
 
 
 def working_bytes(
@@ -489,10 +546,19 @@ def stage_memory(
     saved = [lp.saved_bytes for lp in layers]
     inputs = [input_bytes] + [lp.out_bytes for lp in layers[:-1]]
     recomputed = sum(layers[j].param_bytes for j in recompute)
+    kept = activation_bytes(
+        saved,
+        inputs,
+        recompute,
+        swap,
+        [lp.saved_input_bytes for lp in layers],
+        [lp.output_saved for lp in layers],
+        layers[-1].out_bytes if layers else 0,
+    )
     return stage_terms(
         sum(lp.param_bytes for lp in layers) - shared,
         sum(lp.buffer_bytes for lp in layers),
-        activation_bytes(saved, inputs, recompute, swap),
+        kept,
         input_bytes,
         working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
         factor=optimizer_state_factor,

@@ -20,7 +20,18 @@ Byte counts are per minibatch at the profile's minibatch size:
 ``out_bytes``         the layer's output: what crosses a cut after this layer
 ``saved_bytes``       what autograd keeps for the backward (not counting parameters)
 ``work_bytes``        transient peak beyond the saved tensors (output + input gradient)
+``saved_input_bytes`` of ``saved_bytes``, the layer's input (a Linear's, a convolution's)
+``saved_output_bytes`` of ``saved_bytes``, the layer's output (a ReLU's); ``out_bytes``
+                      where the output is a view of the input (a Flatten's: no new bytes)
 ====================  =========================================================
+
+The last two say which saved tensors a stage already holds otherwise, since each layer is
+profiled alone: a layer's saved input is the previous layer's output (the same tensor, where
+that layer saves its output too) or, on a stage's first layer, the stage input, which the
+stage keeps anyway; and a stage keeps its output until the backward, which a last layer that
+does not save it leaves uncounted (:func:`hetpipe.core.memory.activation_bytes`). A profile saved
+before they were measured loads with ``saved_input_bytes = 0`` and ``saved_output_bytes =
+out_bytes`` (None in the constructor): the count the memory model made before them.
 
 ``update_s`` is the per-minibatch cost of what the runtime does with the layer's state besides
 its forward and backward: the out-of-place optimizer step, the update accumulated for the
@@ -87,6 +98,17 @@ class LayerProfile:
     saved_bytes: int
     work_bytes: int
     update_s: float = 0.0  # optimizer step and bookkeeping of the layer's state (see above)
+    saved_input_bytes: int = 0  # of saved_bytes, the layer's input (see above)
+    saved_output_bytes: int | None = None  # of saved_bytes, its output; None: out_bytes
+
+    def __post_init__(self) -> None:
+        if self.saved_output_bytes is None:
+            object.__setattr__(self, "saved_output_bytes", self.out_bytes)
+
+    @property
+    def output_saved(self) -> int:
+        """:attr:`saved_output_bytes` as an int (never None once constructed)."""
+        return int(self.saved_output_bytes or 0)
 
     @property
     def time_s(self) -> float:
@@ -107,6 +129,8 @@ class LayerProfile:
             int(d["saved_bytes"]),
             int(d["work_bytes"]),
             float(d.get("update_s", 0.0)),
+            int(d.get("saved_input_bytes", 0)),
+            None if d.get("saved_output_bytes") is None else int(d["saved_output_bytes"]),
         )
 
 
@@ -366,6 +390,8 @@ def scale_layers(layers: Sequence[LayerProfile], factor: float) -> tuple[LayerPr
             math.ceil(lp.saved_bytes * factor),
             math.ceil(lp.work_bytes * factor),
             lp.update_s,
+            math.ceil(lp.saved_input_bytes * factor),
+            math.ceil(lp.output_saved * factor),
         )
         for lp in layers
     )

@@ -51,7 +51,7 @@ class ProfileStore:
     Profiling takes a while, so the head measures each (model, minibatch, type) once and
     reuses it. The file is plain JSON::
 
-        {"version": 1,
+        {"version": 2,
          "models": {"cnn{width=32}": {"32": {"input_bytes": 8192,
                                              "types": {"fast": [{"fwd_s": ..}, ..]},
                                              "calls": {"fast": {"fwd_s": .., "bwd_s": ..}}}}}}
@@ -59,9 +59,15 @@ class ProfileStore:
     ``calls`` (the stage call term per type) may be absent: those types load with no call
     term, their layers' times gross. ``ties`` (the tensors several layers share, the model's
     whatever the type: :class:`TieProfile`) may be absent too: none.
+
+    Version 2 layers say which of their saved bytes are their input and output
+    (``saved_input_bytes``, ``saved_output_bytes``); a version-1 file still loads, its
+    layers without them (:meth:`LayerProfile.from_dict`: the memory model's count before
+    them), and is written back as version 2.
     """
 
-    VERSION = 1
+    VERSION = 2
+    READS = (1, 2)  # versions a file may have: 1's layers lack the saved ends
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -71,9 +77,9 @@ class ProfileStore:
                 data = json.loads(self.path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise ValueError(f"{self.path}: unreadable profile store: {e}") from e
-            if not isinstance(data, dict) or data.get("version") != self.VERSION:
+            if not isinstance(data, dict) or data.get("version") not in self.READS:
                 raise ValueError(f"{self.path}: not a version-{self.VERSION} profile store")
-            self._data = data
+            self._data = {**data, "version": self.VERSION}
 
     def _entry(self, model_key: str, minibatch: int) -> dict[str, Any] | None:
         return self._data["models"].get(model_key, {}).get(str(minibatch))
