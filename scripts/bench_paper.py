@@ -269,6 +269,7 @@ def run_hetpipe(
         epochs=args.epochs,
         eval_every_s=args.eval_every,
         bn_recalibrate=args.bn_recalibrate,
+        in_flight=args.in_flight,
     )
     pids = [p.pid for p in local.procs.values()]
     host = HostCpu().start()
@@ -633,6 +634,12 @@ def main() -> None:
         help="hetpipe: minibatches re-estimating the global weights' batch-norm statistics "
         "before each evaluation (train.bn_recalibrate)",
     )
+    ap.add_argument(
+        "--in-flight",
+        choices=["plan", "nm"],
+        default="plan",
+        help="hetpipe: what bounds the minibatches an async stage holds (train.in_flight)",
+    )
     ap.add_argument("--n-train", type=int, default=8192)
     ap.add_argument("--n-test", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -690,6 +697,7 @@ def main() -> None:
         "links": args.links,
         "eval_every_s": args.eval_every,
         "bn_recalibrate": args.bn_recalibrate,
+        "in_flight": args.in_flight,
         "policies": args.policies,
         "staleness": args.staleness,
         "models": results,
