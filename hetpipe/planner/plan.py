@@ -361,16 +361,34 @@ class _Search:
         return sum(self.vw_bound(g) for g in f.groups)
 
     def vw_bound(self, group: Sequence[Any]) -> float:
-        """At most one minibatch per least possible bottleneck of the group
-        (:meth:`CostModel.rest_bound` over all layers), and nothing if the group's memory
-        is below the least the model needs. 2% slack covers the simulator's finite window."""
+        """The most samples/s, at its Nm's staleness factor, any VW of the group's devices
+        (or of some of them) reaches, and nothing if the group's memory is below the least
+        the model needs. Two limits, whichever is lower at each Nm the VW may get (its
+        candidates, the balanced Nm up to :data:`NM_MAX`, the job's ``nm`` or ``max_nm``):
+        one minibatch per least possible bottleneck (:meth:`CostModel.rest_bound` over all
+        layers), and Nm minibatches per least possible round trip
+        (:meth:`CostModel.round_trip_floor`: a VW keeps at most Nm in flight, each for its
+        whole round trip), the better Nm's figure taken. 2% slack covers the simulator's
+        finite window."""
         if (
             len(group) > self.model.L
             or sum(d.memory for d in group) < self.model.min_total_memory()
         ):
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
-        return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
+        if lb <= 0:
+            return math.inf
+        per_bottleneck = 1.02 * self.inputs.minibatch / lb
+        trip = self.model.round_trip_floor(group)
+        if not trip > 0:
+            return per_bottleneck
+        if self.inputs.nm is not None:
+            nms: Sequence[int] = (self.inputs.nm,)
+        else:
+            top = max(len(group), NM_MAX)
+            nms = range(1, min(top, self.inputs.max_nm or top) + 1)
+        per_trip = 1.02 * self.inputs.minibatch / trip
+        return max(min(per_bottleneck, per_trip * n) * factor(n, self.inputs.weights) for n in nms)
 
 
 def _unwaited(sim: Any, v: int) -> float:
