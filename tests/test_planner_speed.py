@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 import random
 from typing import Any
 
@@ -161,7 +162,7 @@ def test_formation_bound_holds_over_every_simulated_formation(monkeypatch) -> No
         seen["formations"] += 1
         assert score <= self.upper_bound(f)
         kept, pred = res[0], res[1]
-        for v, (devs, p) in enumerate(kept):
+        for v, (devs, p) in enumerate(kept if pred is not None else ()):  # None: unsimulated
             rate = pred.sim.vw_samples_per_s[v] * factor(p.nm, self.inputs.weights)
             assert rate <= self.vw_bound(devs)
         for g in f.groups:
@@ -185,3 +186,60 @@ def test_formation_bound_holds_over_every_simulated_formation(monkeypatch) -> No
         cluster = gpu_cluster([types] * nodes, memory=8 << 30)
         make_plan(cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1)
     assert seen["formations"] > 5 and seen["tighter"] > 0
+
+
+def bench_like(layers: int, nodes: int, seed: int) -> tuple[Any, Any]:
+    """A cluster of ``nodes`` nodes of four device types (speeds 1 to 0.25) and a synthetic
+    model of ``layers`` layers, shaped like the planner benchmark's."""
+    types = [("t1", 1.0), ("t2", 0.7), ("t3", 0.5), ("t4", 0.25)]
+    prof = synthetic_profile(
+        layers,
+        dict(types),
+        seed,
+        minibatch=32,
+        param_bytes=(1 << 20, 16 << 20),
+        out_bytes=(1 << 20, 8 << 20),
+    )
+    return gpu_cluster([types] * nodes, memory=8 << 30), prof
+
+
+def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -> None:
+    """A formation is simulated exactly where its estimate is at least ``1 - SIM_MARGIN``
+    of the best estimate simulated before it, the trace says why one was not, and the
+    plans are those of a search that simulates every formation (margin 1)."""
+    estimated = plan_module._Search.estimated
+    log: list[tuple[float, bool]] = []  # (estimate, simulated) per formation, in order
+    variants = plan_module._Search.variants
+
+    def est(self: Any, kept: Any) -> float:
+        e = estimated(self, kept)
+        log.append((e, False))
+        return e
+
+    def var(self: Any, kept: Any) -> Any:
+        log[-1] = (log[-1][0], True)
+        return variants(self, kept)
+
+    skips = 0
+    for layers, nodes, seed in ((24, 3, 0), (60, 3, 2)):
+        cluster, prof = bench_like(layers, nodes, seed)
+        kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
+        monkeypatch.setattr(plan_module, "SIM_MARGIN", 1.0)  # never skips
+        every = make_plan(cluster, prof, **kw)
+        monkeypatch.undo()
+        monkeypatch.setattr(plan_module._Search, "estimated", est)
+        monkeypatch.setattr(plan_module._Search, "variants", var)
+        log.clear()
+        plan = make_plan(cluster, prof, **kw)
+        monkeypatch.undo()
+        assert plan.samples_per_s == every.samples_per_s
+        assert [vw.nm for vw in plan.vws] == [vw.nm for vw in every.vws]
+        best = -math.inf
+        for e, simulated in log:
+            assert simulated == (e >= best * (1 - plan_module.SIM_MARGIN)), (e, best)
+            if simulated:
+                best = max(best, e)
+            skips += not simulated
+        notes = [c["skipped"] or "" for c in plan.details["candidates"]]
+        assert sum("not simulated" in n for n in notes) == sum(not s for _, s in log)
+    assert skips > 0
