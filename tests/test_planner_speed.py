@@ -17,6 +17,7 @@ from hetpipe.planner import plan as plan_module
 from hetpipe.planner.costs import INF
 from hetpipe.planner.partition import Partition, _keep, _merge_distinct, _recall
 from hetpipe.planner.staleness import factor
+from hetpipe.views import explain_lines
 
 partition_module = importlib.import_module("hetpipe.planner.partition")
 
@@ -242,4 +243,9 @@ def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -
             skips += not simulated
         notes = [c["skipped"] or "" for c in plan.details["candidates"]]
         assert sum("not simulated" in n for n in notes) == sum(not s for _, s in log)
+        unsimulated = sum(bool(c.get("not_simulated")) for c in plan.details["candidates"])
+        assert unsimulated == sum(not s for _, s in log)
+        if unsimulated:
+            summary = [line for line in explain_lines(plan.details) if line.startswith("chosen")]
+            assert f"; {unsimulated} not simulated" in summary[0]
     assert skips > 0

@@ -536,6 +536,7 @@ def make_plan(
                 f"its estimate {mine:.4g} is more than {SIM_MARGIN:.0%} below the best "
                 f"estimate {top:.4g} of a formation simulated before it (not simulated)"
             )
+            e["not_simulated"] = True
         e["samples_per_s"] = search.raw.get(e["formation"]) if e.get("score") is not None else None
     if not kept:
         group, why = max(dropped, key=lambda x: sum(d.memory for d in x[0]))
