@@ -366,7 +366,9 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
     chosen = next((c for c in cands if c.get("chosen")), None)
     if chosen is not None and chosen.get("score") is not None:
         rest = [c for c in scored if c is not chosen]
+        unsimulated = sum(1 for c in cands if c.get("not_simulated"))
         pruned = sum(1 for c in cands if c.get("skipped") and c.get("score") is None)
+        pruned -= unsimulated
         msg = f"chosen: {chosen['name']} at {float(chosen['score']):.2f} samples/s"
         if rest:
             r = rest[0]
@@ -377,6 +379,8 @@ def explain_lines(details: Mapping[str, Any]) -> list[str]:
             )
         if pruned:
             msg += f"; {pruned} skipped whose throughput bound could not beat the best so far"
+        if unsimulated:
+            msg += f"; {unsimulated} not simulated, their estimate far below the best"
         lines.append(msg)
     lines += _choice_lines(details)
     places: Sequence[Mapping[str, Any]] = details.get("placements") or ()

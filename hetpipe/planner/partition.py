@@ -146,6 +146,13 @@ class Infeasible:
         return False
 
 
+# the joint split's search probes up to PROBES_MAX stage-time limits per round, as many as
+# keep a step of its batched DP (CostModel._latencies) within PROBE_CELLS cells; 1 (a
+# large model's wide bands) is the plain binary search
+PROBES_MAX = 15
+PROBE_CELLS = 400_000
+
+
 class CostModel(CostTables):
     """The cost tables of one profile under one network (:class:`CostTables`) and the exact
     min-bottleneck partition over them, with caches.
@@ -168,6 +175,7 @@ class CostModel(CostTables):
         self.dp_steps = 0  # DP stage steps computed (the rest came from the prefix cache)
         self._ref_type = next(iter(self.profile.layers), "")
         self._rest: dict[tuple, np.ndarray] = {}
+        self._trip: dict[frozenset, float] = {}  # round_trip_floor by the types present
         self._ratios: dict[str, float] = {}
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
@@ -298,6 +306,21 @@ class CostModel(CostTables):
         self._rest[key] = out
         return out
 
+    def round_trip_floor(self, devices: Sequence[Any]) -> float:
+        """A lower bound on any minibatch's round trip through ``devices`` in any order and
+        split: every layer's forward and backward, each on the fastest of their types for
+        it (no update, link or per-task term). A VW keeping at most ``Nm`` minibatches in
+        flight then completes at most ``Nm`` of them per this time (each is in flight for
+        its whole round trip), whatever its order or split."""
+        key = frozenset(d.type for d in devices)
+        hit = self._trip.get(key)
+        if hit is None:
+            per_layer = np.min(
+                [np.diff(self.costs(t).F) + np.diff(self.costs(t).Bk) for t in key], axis=0
+            )
+            hit = self._trip[key] = float(per_layer.sum()) * (1.0 - 1e-9)
+        return hit
+
     def _ratio(self, dtype: str) -> float:
         """Least per-layer time of ``dtype`` relative to the reference type."""
         r = self._ratios.get(dtype)
@@ -392,6 +415,33 @@ class CostModel(CostTables):
         out.reverse()
         assert b == 0 or not cuts
         return out, float(g[self.L])
+
+    def _latencies(self, bands: Sequence[tuple[np.ndarray, int]], limits: np.ndarray) -> np.ndarray:
+        """:meth:`_least_latency`'s sum (``cuts`` False) at each of ``limits`` at once, inf
+        where no split meets a limit: the same DP with one row of states per limit, over
+        the union of the rows' live boundaries (a boundary live for one limit only is inf
+        for the others, as it is in their own DP), so the very same floats."""
+        L, n = self.L, self.L + 1
+        m = len(limits)
+        g = np.full((m, n), INF)
+        g[:, 0] = 0.0
+        reach = [0] * len(bands)
+        for i in range(len(bands) - 2, -1, -1):
+            reach[i] = reach[i + 1] + bands[i + 1][1]
+        cap = np.asarray(limits, dtype=np.float64)[:, None, None]
+        for i, (band, w) in enumerate(bands):
+            live = np.flatnonzero((g < INF).any(axis=0))
+            out = np.full((m, n), INF)
+            if live.size:
+                lo = max(int(live[0]) + 1, L - reach[i])
+                hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
+                if lo <= hi:
+                    rows = band[lo : hi + 1]
+                    cand = _windows_rows(g, w)[:, lo : hi + 1] + rows
+                    np.putmask(cand, ~(rows <= cap), INF)
+                    out[:, lo : hi + 1] = cand.min(axis=2)
+            g = out
+        return g[:, L]
 
     def describe(
         self,
@@ -561,14 +611,32 @@ class CostModel(CostTables):
         # limits[fills] does (len: none known to)
         below, fills = -1, len(limits)
         h_below, h_fills = least.latency, shortest  # h at limits[below] and limits[fills]
+        # limits probed together per round (:meth:`_latencies`): where a DP step is small,
+        # its Python calls, not its cells, are its cost
+        width = max(w for _, w in mats)
+        many = min(PROBES_MAX, PROBE_CELLS // ((self.L + 1) * width))
         while fills - below > 1:
-            mid = (below + fills) // 2
-            hit = self._least_latency(mats, float(limits[mid]), cuts=False)
-            assert hit is not None, "a limit above the least bottleneck admits a split"
-            if nm * float(limits[mid]) >= hit[1]:
-                fills, h_fills = mid, hit[1]
+            if many > 1 and fills - below > 2:
+                # ``many`` limits evenly inside (below, fills); whether a limit's least
+                # latency fills only grows with the limit, so the last that does not and the
+                # first that does are the binary search's answers there
+                gap = fills - below - 1
+                probe = np.unique(below + 1 + (np.arange(1, many + 1) * gap) // (many + 1))
+                hs = self._latencies(mats, limits[probe])
+                for j, h in zip(probe.tolist(), hs.tolist(), strict=True):
+                    assert h < INF, "a limit above the least bottleneck admits a split"
+                    if nm * float(limits[j]) >= h:
+                        fills, h_fills = j, h
+                        break
+                    below, h_below = j, h
             else:
-                below, h_below = mid, hit[1]
+                mid = (below + fills) // 2
+                hit = self._least_latency(mats, float(limits[mid]), cuts=False)
+                assert hit is not None, "a limit above the least bottleneck admits a split"
+                if nm * float(limits[mid]) >= hit[1]:
+                    fills, h_fills = mid, hit[1]
+                else:
+                    below, h_below = mid, hit[1]
             if beat > -INF:
                 # the best rate is max over T of min(1 / T, Nm / h(T)), h falling with T:
                 # at most Nm / h_below up to limits[below], 1 / limits[fills] from there,
@@ -853,6 +921,19 @@ def _windows(f: np.ndarray, w: int) -> np.ndarray:
     padded[w:] = f
     step = padded.strides[0]
     return np.ndarray((len(f), w), dtype=padded.dtype, buffer=padded, strides=(step, step))
+
+
+def _windows_rows(f: np.ndarray, w: int) -> np.ndarray:
+    """:func:`_windows` of each row of ``f`` (shape ``(m, n)``): ``out[r, b, j] = f[r, b - w +
+    j]``, as a view."""
+    m, n = f.shape
+    padded = np.empty((m, n + w))
+    padded[:, :w] = INF
+    padded[:, w:] = f
+    s0, s1 = padded.strides
+    return np.lib.stride_tricks.as_strided(
+        padded, shape=(m, n, w), strides=(s0, s1, s1), writeable=False
+    )
 
 
 def _recall(states: dict[tuple, np.ndarray], sig: tuple) -> np.ndarray | None:

@@ -3,7 +3,9 @@
 :func:`make_plan` searches (formation -> device order -> exact split and Nm -> simulated
 throughput under WSP) and returns a :class:`Plan` that the runtime executes and a person can
 read (:meth:`Plan.table`). Alike VWs (equal up to renaming devices and nodes) share one order
-search; formations whose throughput bound cannot beat the best so far are skipped. Because
+search; formations whose throughput bound cannot beat the best so far are skipped, and so
+is the simulation of one whose estimate is far below the best estimate simulated
+(:data:`SIM_MARGIN`, a heuristic). Because
 WSP couples VWs by *waves* of Nm minibatches, the search also tries raising the Nm of faster
 VWs so that every VW's wave takes about as long (:meth:`_Search.balance`). With
 ``max_replicas`` > 1 it then weighs, per VW, running a stage on several of its devices
@@ -64,6 +66,12 @@ __all__ = ["make_plan", "place_stages", "sim_vw"]
 NM_MAX = 32  # the most minibatches per wave the planner gives a VW when balancing waves
 TRIM_MAX = 16  # the largest VW from which the search tries leaving a device out
 TRIM_GAIN = 0.01  # the least relative gain of a VW's rate that leaves a device out
+# a formation whose estimate (its VWs' estimated rates at their Nm's staleness factor) is
+# more than SIM_MARGIN below the best estimate of a formation simulated before it is not
+# simulated: a heuristic (the simulator, not the estimate, ranks formations), measured to
+# keep every benchmark plan (the chosen formation's estimate was at least 0.94 of the best
+# estimate before it)
+SIM_MARGIN = 0.15
 
 
 # --------------------------------------------------------------------------- search
@@ -98,6 +106,8 @@ class _Search:
     trim_memo: dict[tuple, tuple[OrderResult, list[Any]]] = field(default_factory=dict)
     raw: dict[str, float] = field(default_factory=dict)  # formation -> its samples/s
     incumbent: float = -math.inf  # the best score of a formation evaluated so far
+    estimate: float = -math.inf  # the best estimate (:meth:`estimated`) of one simulated
+    unsimulated: dict[str, tuple[float, float]] = field(default_factory=dict)  # (its, best)
 
     def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """A key equal for groups alike up to renaming devices and nodes, and an order of
@@ -154,7 +164,9 @@ class _Search:
         Last, the slowest VW is left out whole where the job then simulates faster (its
         waves held the others at the WSP gate), tried only where the others' rates without
         their gate waits (:func:`_unwaited`) could beat both this formation and the best
-        one so far; repeated while it pays."""
+        one so far; repeated while it pays. A formation whose VWs' estimate
+        (:meth:`estimated`) is more than :data:`SIM_MARGIN` below the best estimate of a
+        formation simulated before it scores -inf unsimulated (``unsimulated``)."""
         self.formations += 1
         kept: list[tuple[tuple[Any, ...], Partition]] = []
         dropped: list[tuple[tuple[Any, ...], str]] = []
@@ -169,6 +181,11 @@ class _Search:
                 dropped.append((tuple(g), r.partition.reason))
         if not kept:
             return -math.inf, (kept, None, dropped, [])
+        estimate = self.estimated(kept)
+        if estimate < self.estimate * (1.0 - SIM_MARGIN):
+            self.unsimulated[f.describe()] = (estimate, self.estimate)
+            return -math.inf, (kept, None, dropped, [])
+        self.estimate = max(self.estimate, estimate)
         best = self.variants(kept)
         left: list[dict[str, Any]] = []
         for v, g, out in trims:
@@ -251,6 +268,14 @@ class _Search:
             return res.sim.job_samples_per_s
         eff = effective_rate(rates, [p.nm for _, p in chosen], self.inputs.weights)
         return res.sim.job_samples_per_s * eff / total
+
+    def estimated(self, kept: Sequence[tuple[Sequence[Any], Partition]]) -> float:
+        """The samples/s the VWs' splits estimate (:attr:`Partition.minibatches_per_s`) at
+        their Nm's staleness factor: what decides whether a formation is simulated
+        (:data:`SIM_MARGIN`)."""
+        weights = self.inputs.weights
+        rate = sum(p.minibatches_per_s * factor(p.nm, weights) for _, p in kept)
+        return rate * self.inputs.minibatch
 
     def vw_score(self, r: OrderResult) -> float:
         """A VW's estimated minibatches/s at its Nm's staleness factor; -inf where no split
@@ -361,16 +386,34 @@ class _Search:
         return sum(self.vw_bound(g) for g in f.groups)
 
     def vw_bound(self, group: Sequence[Any]) -> float:
-        """At most one minibatch per least possible bottleneck of the group
-        (:meth:`CostModel.rest_bound` over all layers), and nothing if the group's memory
-        is below the least the model needs. 2% slack covers the simulator's finite window."""
+        """The most samples/s, at its Nm's staleness factor, any VW of the group's devices
+        (or of some of them) reaches, and nothing if the group's memory is below the least
+        the model needs. Two limits, whichever is lower at each Nm the VW may get (its
+        candidates, the balanced Nm up to :data:`NM_MAX`, the job's ``nm`` or ``max_nm``):
+        one minibatch per least possible bottleneck (:meth:`CostModel.rest_bound` over all
+        layers), and Nm minibatches per least possible round trip
+        (:meth:`CostModel.round_trip_floor`: a VW keeps at most Nm in flight, each for its
+        whole round trip), the better Nm's figure taken. 2% slack covers the simulator's
+        finite window."""
         if (
             len(group) > self.model.L
             or sum(d.memory for d in group) < self.model.min_total_memory()
         ):
             return 0.0
         lb = float(self.model.rest_bound(group)[0])
-        return math.inf if lb <= 0 else 1.02 * self.inputs.minibatch / lb
+        if lb <= 0:
+            return math.inf
+        per_bottleneck = 1.02 * self.inputs.minibatch / lb
+        trip = self.model.round_trip_floor(group)
+        if not trip > 0:
+            return per_bottleneck
+        if self.inputs.nm is not None:
+            nms: Sequence[int] = (self.inputs.nm,)
+        else:
+            top = max(len(group), NM_MAX)
+            nms = range(1, min(top, self.inputs.max_nm or top) + 1)
+        per_trip = 1.02 * self.inputs.minibatch / trip
+        return max(min(per_bottleneck, per_trip * n) * factor(n, self.inputs.weights) for n in nms)
 
 
 def _unwaited(sim: Any, v: int) -> float:
@@ -487,6 +530,13 @@ def make_plan(
         )
     formation, _, (kept, pred, dropped, left) = found
     for e in trace:  # the candidates' plain samples/s beside their staleness-weighted score
+        if e["formation"] in search.unsimulated:
+            mine, top = search.unsimulated[e["formation"]]
+            e["skipped"] = (
+                f"its estimate {mine:.4g} is more than {SIM_MARGIN:.0%} below the best "
+                f"estimate {top:.4g} of a formation simulated before it (not simulated)"
+            )
+            e["not_simulated"] = True
         e["samples_per_s"] = search.raw.get(e["formation"]) if e.get("score") is not None else None
     if not kept:
         group, why = max(dropped, key=lambda x: sum(d.memory for d in x[0]))
