@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -892,3 +893,28 @@ def model_of(cluster: ClusterConfig, costs: RuntimeCosts | None = None) -> CostM
     return CostModel(
         placement_profile(), cluster.network.bytes_per_s, 1, costs or RuntimeCosts.zero()
     )
+
+
+def with_saved_ends(prof, seed: int):
+    """``prof`` with measured saved ends, as the profiler records them: each layer saves its
+    input, its output, both or neither (a Linear, a ReLU, ...), the rest of its saved bytes
+    other tensors."""
+    r = random.Random(seed)
+    layers = {}
+    for dtype, lps in prof.layers.items():
+        r.seed(seed)  # every type alike: the ends are the model's, not the device's
+        row, inb = [], prof.input_bytes
+        for lp in lps:
+            s_in = inb if r.random() < 0.5 else 0
+            s_out = lp.out_bytes if r.random() < 0.5 else 0
+            row.append(
+                dataclasses.replace(
+                    lp,
+                    saved_bytes=s_in + s_out + r.randint(0, 4000),
+                    saved_input_bytes=s_in,
+                    saved_output_bytes=s_out,
+                )
+            )
+            inb = lp.out_bytes
+        layers[dtype] = tuple(row)
+    return dataclasses.replace(prof, layers=layers)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import job
+from helpers import with_saved_ends
 
 from hetpipe.config import DeviceSpec
 from hetpipe.core.layout import StageLayout
@@ -90,11 +91,14 @@ def test_vectorised_terms_are_the_scalar_terms(schedule: str, weights: str) -> N
             assert int(terms.total[a, b]) == want.total
 
 
+@pytest.mark.parametrize("ends", [False, True])
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-def test_the_partitioners_price_every_range_by_the_one_model(kind: str) -> None:
+def test_the_partitioners_price_every_range_by_the_one_model(kind: str, ends: bool) -> None:
     """The asynchronous partitioner's and the synchronous planner's memory matrices are the
-    scalar model's totals (same integers)."""
+    scalar model's totals (same integers), on a profile with measured saved ends too."""
     prof = synthetic_profile(6, {"t": 1.0}, 5)
+    if ends:
+        prof = with_saved_ends(prof, 3)
     dev = DeviceSpec("d0", "cpu", "t", 1 << 30, 1.0, 0, "n0", "127.0.0.1")
     cm = CostModel(prof, lambda _a, _b: 1e9, 1)
     sync = SyncModel(prof, [dev, dev], lambda _a, _b: 1e9, 4, 1)

@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+from helpers import with_saved_ends
 
 from hetpipe.config import DeviceSpec
 from hetpipe.planner import (
@@ -103,6 +104,55 @@ def test_vectorised_memory_matches_the_memory_model(weights):
                         ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2, weights=weights)
                         assert int(totals[a, b]) == ref.total
                         assert model.stage_memory(dtype, a, b, pos, k, nm) == ref
+
+
+@pytest.mark.parametrize("weights", WEIGHT_MODES)
+def test_the_matrices_count_what_two_layers_save_once_as_the_memory_model(weights):
+    """On a profile with measured saved ends the planner's matrices and its scalar path
+    (recomputing and swapping included) charge every ``[a, b)`` exactly what the memory
+    model does: the stage input and a tensor two adjacent layers save once, the output
+    where the last layer does not save it."""
+    prof = with_saved_ends(synthetic_profile(8, {"a": 1.0, "b": 0.5}, 5), 11)
+    assert any(lp.saved_input_bytes for lp in prof.layers["a"])
+    model = CostModel(prof, bandwidth, 2, weights=weights)
+    plain = CostModel(synthetic_profile(8, {"a": 1.0, "b": 0.5}, 5), bandwidth, 2, weights=weights)
+    differs = False
+    for dtype in ("a", "b"):
+        for k, nm in ((1, 1), (3, 2)):
+            for pos in range(k):
+                totals = model.memory_total(dtype, in_flight(pos, k, nm, weights=weights))
+                for a in range(8):
+                    for b in range(a + 1, 9):
+                        ref = stage_memory_of(prof, dtype, (a, b), pos, k, nm, 2, weights=weights)
+                        assert int(totals[a, b]) == ref.total
+                        assert model.stage_memory(dtype, a, b, pos, k, nm) == ref
+                        differs |= ref != plain.stage_memory(dtype, a, b, pos, k, nm)
+                        rel = list(range(b - a))
+                        for rec, swap in ((rel[:2], ()), ((), rel[-2:]), (rel[:1], rel[1:2])):
+                            got = model.stage_memory(
+                                dtype,
+                                a,
+                                b,
+                                pos,
+                                k,
+                                nm,
+                                recompute=[a + j for j in rec],
+                                swap=[a + j for j in swap],
+                            )
+                            want = stage_memory_of(
+                                prof,
+                                dtype,
+                                (a, b),
+                                pos,
+                                k,
+                                nm,
+                                2,
+                                weights=weights,
+                                recompute=[a + j for j in rec],
+                                swap=[a + j for j in swap],
+                            )
+                            assert got == want
+    assert differs  # the ends changed the count
 
 
 def test_stage_memory_by_hand():

@@ -97,6 +97,7 @@ from hetpipe.config import DeviceSpec
 from hetpipe.core.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
+    activation_bytes,
     copy_seconds,
     held_predictions,
     in_flight,
@@ -213,6 +214,37 @@ def duplicate_matrix(profile: ModelProfile) -> Any:
     return out
 
 
+def kept_matrix(lps: Sequence[Any]) -> np.ndarray:
+    """:func:`memory.activation_bytes` of every ``[a, b)`` keeping every activation (rows
+    ``a``, columns ``b``; meaningful where ``a < b``), from prefix sums: the layers' saved
+    bytes, less the first layer's saved input (the stage input, counted with the stage),
+    less each tensor two adjacent layers both save (``min(saved_input_bytes[j],
+    saved_output_bytes[j - 1])`` for ``a < j < b``), plus the stage's output where its last
+    layer does not save it. A profile without the saved ends (``saved_input_bytes`` 0,
+    ``saved_output_bytes`` its ``out_bytes``) corrects nothing: the plain prefix sums."""
+    n = len(lps)
+    saved = np.array([0, *itertools.accumulate(lp.saved_bytes for lp in lps)], dtype=np.int64)
+    s_in = np.array([lp.saved_input_bytes for lp in lps] + [0], dtype=np.int64)
+    s_out = np.array([lp.output_saved for lp in lps], dtype=np.int64)
+    out = np.array([lp.out_bytes for lp in lps], dtype=np.int64)
+    shared = np.zeros(n, dtype=np.int64)  # shared[j]: min(s_in[j], s_out[j - 1]), j >= 1
+    if n > 1:
+        shared[1:] = np.minimum(s_in[1:n], s_out[: n - 1])
+    twice = np.concatenate(([0], np.cumsum(shared)))  # twice[j] = sum of shared[:j]
+    ends = np.zeros(n + 1, dtype=np.int64)  # ends[b]: the output the last layer leaves out
+    if n:
+        ends[1:] = np.maximum(0, out - s_out)
+    # sum over a < j < b of shared[j] = twice[b] - twice[min(a + 1, b)]
+    after = np.minimum(np.arange(n + 1)[:, None] + 1, np.arange(n + 1)[None, :])
+    return (
+        saved[None, :]
+        - saved[:, None]
+        - s_in[:, None]
+        - (twice[None, :] - twice[after])
+        + ends[None, :]
+    )
+
+
 def tie_copy_matrices(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray] | None:
     """For every ``[a, b)``: how many ties a stage of those layers holds a copy of past the
     first holder (a layer in ``[a, b)`` and one before ``a``), and their bytes; None where
@@ -260,10 +292,11 @@ class _TypeCosts:
         call = profile.call(dtype)
         self.call = call.fwd_s + call.bwd_s + call.update_s * step_scale
         self.saved = [lp.saved_bytes for lp in lps]
+        self.saved_in = [lp.saved_input_bytes for lp in lps]
+        self.saved_out = [lp.output_saved for lp in lps]
         self.work = [lp.work_bytes for lp in lps]
         self.P = prefix(lp.param_bytes for lp in lps)
         self.B = prefix(lp.buffer_bytes for lp in lps)
-        self.S = prefix(lp.saved_bytes for lp in lps)
         work = np.array([lp.work_bytes for lp in lps], dtype=np.int64)
         m = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], work[None, :], 0)
         self.W = np.zeros((n + 1, n + 1), dtype=np.int64)  # W[a, b] = max work over [a, b)
@@ -275,7 +308,7 @@ class _TypeCosts:
         # every [a, b) at once: its parameters (a tie once), buffers and saved bytes
         self.pb = self.P[None, :] - self.P[:, None] - dup
         self.bb = self.B[None, :] - self.B[:, None]
-        self.sb = self.S[None, :] - self.S[:, None]
+        self.sb = kept_matrix(lps)  # keeping all (memory.activation_bytes)
 
 
 class CostTables:
@@ -801,16 +834,23 @@ class CostTables:
         (default the bound, :func:`memory.in_flight`)."""
         tc = self.costs(dtype)
         n = in_flight(position, k, nm, schedule, self.weights) if flight is None else flight
-        kept = int(tc.S[b] - tc.S[a])
+        kept = int(tc.sb[a, b])
         working = int(tc.W[a, b])
         held = 0
         if recompute:
             c, d = recompute[0], recompute[-1] + 1
             assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
-            kept += (tc.inb[c] if c > a else 0) - int(tc.S[d] - tc.S[c])
             held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
         if recompute or swap:
-            kept -= sum(tc.saved[j] for j in swap)
+            kept = activation_bytes(
+                tc.saved[a:b],
+                tc.inb[a:b],
+                [j - a for j in recompute],
+                [j - a for j in swap],
+                tc.saved_in[a:b],
+                tc.saved_out[a:b],
+                tc.outb[b],
+            )
             working = working_bytes(
                 tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
             )

@@ -44,7 +44,7 @@ from hetpipe.core.schedule import (
     max_in_flight,
     microbatch_order,
 )
-from hetpipe.planner.costs import duplicate_matrix
+from hetpipe.planner.costs import duplicate_matrix, kept_matrix
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 from hetpipe.planner.simulate import iteration_time
 
@@ -173,7 +173,7 @@ class SyncModel:
                 "cu": np.float64(self.profile.call(dtype).update_s),
                 "P": pre(lp.param_bytes for lp in lps),
                 "Bu": pre(lp.buffer_bytes for lp in lps),
-                "S": pre(lp.saved_bytes for lp in lps),
+                "S": kept_matrix(lps).astype(np.float64),  # [a, b) keeping all
                 # outputs of the layers with weights (memory.split_grad_bytes)
                 "Ow": pre(lp.out_bytes if lp.param_bytes else 0 for lp in lps),
                 "in": np.array(
@@ -343,7 +343,7 @@ class SyncModel:
         mem = stage_terms(
             P[None, :] - P[:, None] - self._dup,
             Bu[None, :] - Bu[:, None],
-            S[None, :] - S[:, None],
+            S,
             t["in"][: L + 1][:, None],
             W,
             factor=self.factor,
