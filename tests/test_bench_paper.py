@@ -237,6 +237,13 @@ def test_tiny_benchmark_reports_every_figure() -> None:
         assert run["seconds"] > 0 and run["minibatches"] > 0
     else:
         assert run["seconds"] is None and run["best_accuracy"] is not None
+    # each stage's measured compute and time shares beside the plan's figures
+    planned = {(v, i) for v, vw in enumerate(run["vws"]) for i in range(len(vw["devices"]))}
+    assert {(s["vw"], s["stage"]) for s in run["stages"]} == planned
+    for s in run["stages"]:
+        assert s["time_s"] > 0 and s["predicted_time_s"] > 0 and s["predicted_busy_s"] > 0
+        assert set(s["shares"]) == {"busy", "comm", "gate", "bubble"}
+        assert 0.0 < s["shares"]["busy"] <= 1.0 and sum(s["shares"].values()) <= 1.05
     assert out["ranking_vgg19"] == ["ED-local"]
     # DP used exactly the devices whose cap holds the whole model: the two TITAN Vs
     assert res["dp_devices"] == ["v0", "v1"]

@@ -174,17 +174,8 @@ def test_formation_bound_holds_over_every_simulated_formation(monkeypatch) -> No
         return score, res
 
     monkeypatch.setattr(plan_module._Search, "evaluate", checked)
-    types = [("t1", 1.0), ("t2", 0.7), ("t3", 0.5), ("t4", 0.25)]
     for layers, nodes, seed in ((24, 2, 0), (40, 3, 1), (60, 2, 2)):
-        prof = synthetic_profile(
-            layers,
-            dict(types),
-            seed,
-            minibatch=32,
-            param_bytes=(1 << 20, 16 << 20),
-            out_bytes=(1 << 20, 8 << 20),
-        )
-        cluster = gpu_cluster([types] * nodes, memory=8 << 30)
+        cluster, prof = bench_like(layers, nodes, seed)
         make_plan(cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1)
     assert seen["formations"] > 5 and seen["tighter"] > 0
 
