@@ -220,8 +220,12 @@ def test_the_report_suggests_the_split_to_write_where_two_chunks_are_faster():
 
 
 def test_the_plan_lists_the_candidates_and_explains_them():
+    """A plan of one synchronous VW prices its devices under every device-level kind beside
+    its own schedule (with several VWs it prices none: the runtime runs one VW's chunks)."""
     cluster = repo_cluster()
-    plan = sync_plan(cluster, profile16(), minibatch=32, m=4, optimizer_state_factor=1, budget_s=2)
+    plan = sync_plan(
+        cluster, profile16(), minibatch=32, m=4, optimizer_state_factor=1, budget_s=2, num_vws=1
+    )
     rows = plan.details["chunk_candidates"]
     assert [r["kind"] for r in rows][1:] == list(DEVICE_KINDS)
     assert rows[0]["kind"] == plan.details["kind"] and rows[0]["chunks"] == 1
