@@ -148,14 +148,10 @@ class MemoryCount:
 
     def rerun_bytes(self) -> int:
         """What one minibatch's rerun keeps under the layers' policies (the largest shape
-        measured so far): the room the backward of a rerun forward needs."""
-        return max(
-            (
-                activation_bytes(b.saved, b.inputs, self.recompute, self.swap)
-                for b in self.layer_bytes.values()
-            ),
-            default=0,
-        )
+        measured so far): the room the backward of a rerun forward needs, counted as a kept
+        graph is (:meth:`kept`: its output, a tensor two layers save once), since the rerun
+        rebuilds that graph."""
+        return max((self.kept(b) for b in self.layer_bytes.values()), default=0)
 
     def count(
         self,

@@ -451,7 +451,8 @@ def activation_bytes(
     the stage input, counted with the stage; between two kept layers the tensor one saves as
     output and the next as input is counted once; and the stage's ``output``, which every
     in-flight minibatch keeps until its backward (the root the backward differentiates
-    from), is counted where its last layer does not save it. Left empty (and ``output`` 0)
+    from), is counted where its last layer does not keep it (nor where that layer is
+    recomputed or swapped). Left empty (and ``output`` 0)
     they correct nothing: the count of a profile that did not measure them.
     """
     skipped = set(recompute) | set(swap)
@@ -465,7 +466,9 @@ def activation_bytes(
             for j in range(1, len(saved))
             if j not in skipped and j - 1 not in skipped
         )
-    last = saved_out[-1] if saved_out else 0
+    # a recomputed or swapped last layer keeps none of its saved output on the device,
+    # while the output itself stays (the backward's root): then it is counted whole
+    last = saved_out[-1] if saved_out and len(saved) - 1 not in skipped else 0
     return kept + max(0, output - last)
 
 

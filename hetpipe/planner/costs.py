@@ -309,6 +309,16 @@ class _TypeCosts:
         self.pb = self.P[None, :] - self.P[:, None] - dup
         self.bb = self.B[None, :] - self.B[:, None]
         self.sb = kept_matrix(lps)  # keeping all (memory.activation_bytes)
+        # for a recomputed run's count (CostTables.run_terms): the saved bytes' prefix sums,
+        # and those of the tensors two adjacent layers save (shared[j], j >= 1)
+        self.S = prefix(self.saved)
+        self.s_in_np = np.array(self.saved_in, dtype=np.int64)
+        self.s_out_np = np.array(self.saved_out, dtype=np.int64)
+        shared = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            shared[1:] = np.minimum(self.s_in_np[1:], self.s_out_np[:-1])
+        self.Tw = prefix(shared)  # Tw[j] = sum of shared[:j]
+        self.out_np = np.array([lp.out_bytes for lp in lps], dtype=np.int64)
 
 
 class CostTables:
@@ -628,41 +638,61 @@ class CostTables:
         run's predicted weights stay with every in-flight minibatch, see
         :func:`memory.held_predictions`.)"""
         if self.activations == "recompute":
-            run = int(tc.P[b] - tc.P[a])  # its parameters as memory.stage_memory holds them
-            if self._recompute_need(tc, a, b, flight, tc.sb[a, b], run, 0) <= cap:
+            if self._recompute_need(tc, a, b, flight, a, b) <= cap:
                 return float(tc.F[b] - tc.F[a]), (tuple(range(a, b)), ())
             return INF, ((), ())
         w = slice(a, b + 1)  # runs [c, d) for c, d in [a, b]: rows c, columns d
-        kept_in = np.where(np.arange(a, b + 1) > a, tc.inb_np[w], 0)[:, None]
-        params = tc.P[None, w] - tc.P[w, None]  # as memory.stage_memory holds a run's
-        need = self._recompute_need(tc, a, b, flight, tc.sb[w, w], params, kept_in)
+        idx = np.arange(a, b + 1)
+        need = self._recompute_need(tc, a, b, flight, idx[:, None], idx[None, :])
         fd = tc.F[None, a : b + 1] - tc.F[a : b + 1, None]
-        ok = (need <= cap) & tc.valid[a : b + 1, a : b + 1]
+        ok = (need <= cap) & tc.valid[w, w]
         if not ok.any():
             return INF, ((), ())
         cost = np.where(ok, fd, INF)
         c, d = np.unravel_index(int(cost.argmin()), cost.shape)
         return float(cost[c, d]), (tuple(range(a + int(c), a + int(d))), ())
 
-    def _recompute_need(
-        self, tc: _TypeCosts, a: int, b: int, flight: int, run: Any, params: Any, kept_in: Any
-    ) -> Any:
-        """Total memory of stage ``[a, b)`` recomputing a run of its layers that saves ``run``
-        bytes, holds ``params`` bytes of parameters and keeps ``kept_in`` bytes of its first
-        layer's input (0 where that is the stage input): the run's saved bytes leave the
-        kept ones and live again in the working term while it reruns; ``predict`` paper
-        keeps the run's predicted weights per in-flight minibatch. Numbers, or arrays over
-        every run at once (elementwise)."""
+    @staticmethod
+    def run_kept(tc: _TypeCosts, a: int, b: int, c: Any, d: Any) -> tuple[Any, Any]:
+        """:func:`memory.activation_bytes` and :func:`memory.working_bytes` of stage
+        ``[a, b)`` recomputing the run ``[c, d)`` (``a <= c < d <= b``; numbers, or arrays
+        over many runs at once, elementwise): the very count of the memory model, from
+        prefix sums. The run's saved bytes leave the kept ones (and live again in the
+        working term while it reruns), its first layer's input stays where that is not the
+        stage input; the stage input's saved copy is subtracted only where the first layer
+        is kept, a tensor two layers save only where both are kept (``j`` outside
+        ``[c, d]``), and the stage output counted whole where the last layer is
+        recomputed."""
+        c = np.asarray(c)
+        d = np.asarray(d)
+        run = tc.S[d] - tc.S[c]
+        kept = int(tc.S[b] - tc.S[a]) - run
+        kept = kept + np.where(c > a, tc.inb_np[c] - tc.s_in_np[a], 0)
+        # the shared tensors of a < j < b, less those of j in [max(c, a + 1), min(d, b - 1)]
+        both = int(tc.Tw[max(b, a + 1)] - tc.Tw[a + 1]) if b > a + 1 else 0
+        lo = np.maximum(c, a + 1)
+        hi = np.minimum(d, b - 1)
+        dropped = np.where(hi >= lo, tc.Tw[np.maximum(hi + 1, lo)] - tc.Tw[lo], 0)
+        kept = kept - (both - dropped)
+        last = np.where(d >= b, 0, tc.s_out_np[b - 1])
+        kept = kept + np.maximum(0, tc.out_np[b - 1] - last)
+        return kept, int(tc.W[a, b]) + run
+
+    def _recompute_need(self, tc: _TypeCosts, a: int, b: int, flight: int, c: Any, d: Any) -> Any:
+        """Total memory of stage ``[a, b)`` recomputing the run ``[c, d)`` of its layers
+        (:meth:`run_kept`); ``predict`` paper keeps the run's predicted weights per
+        in-flight minibatch. Numbers, or arrays over every run at once (elementwise)."""
+        kept, working = self.run_kept(tc, a, b, c, d)
         return stage_terms(
             int(tc.pb[a, b]),
             int(tc.bb[a, b]),
-            int(tc.sb[a, b]) - run + kept_in,
+            kept,
             tc.inb[a],
-            int(tc.W[a, b]) + run,
+            working,
             factor=self.factor,
             flight=flight,
             weights=self.weights,
-            held=held_predictions(flight, params, "async", self.weights),
+            held=held_predictions(flight, tc.P[d] - tc.P[c], "async", self.weights),
         ).total
 
     def _swap_option(
@@ -675,19 +705,41 @@ class CostTables:
             if self.activations == "swap"
             else sorted(range(a, b), key=lambda j: (tc.saved[j], j))
         )
-        moved = largest = 0
+        moved = largest = freed = 0
+        gone: set[int] = set()
         for n, j in enumerate(order, start=1):
             moved += tc.saved[j]
             largest = max(largest, tc.saved[j])
+            freed += self._swap_frees(tc, a, b, j, gone)
+            gone.add(j)
             if self.activations == "swap" and n < len(order):
                 continue
-            # the keep total with ``moved`` saved bytes gone from the kept ones and the
-            # largest swapped layer's in the working term (memory.stage_terms is linear in
-            # both: a kept byte counts m times, memory.kept_copies)
-            if keep - m * moved + largest <= cap:
+            # the keep total with ``freed`` bytes gone from the kept ones and the largest
+            # swapped layer's in the working term (memory.stage_terms is linear in both: a
+            # kept byte counts m times, memory.kept_copies)
+            if keep - m * freed + largest <= cap:
                 swap = tuple(sorted(order[:n]))
                 return self.swap_time(tc, a, b, moved, host_gbps), ((), swap)
         return INF, ((), ())
+
+    @staticmethod
+    def _swap_frees(tc: _TypeCosts, a: int, b: int, j: int, gone: set[int]) -> int:
+        """What swapping layer ``j`` of stage ``[a, b)`` takes off
+        :func:`memory.activation_bytes` where the layers ``gone`` are swapped already: its
+        saved bytes, less what the count subtracted for it while it was kept (the stage
+        input it saves, as the first layer; a tensor it and a kept neighbour both save),
+        less the stage output, which stays whole once the last layer keeps none of it."""
+        frees = tc.saved[j]
+        if j == a:
+            frees -= tc.saved_in[a]
+        if j > a and j - 1 not in gone:
+            frees -= int(tc.Tw[j + 1] - tc.Tw[j])
+        if j + 1 < b and j + 1 not in gone:
+            frees -= int(tc.Tw[j + 2] - tc.Tw[j + 1])
+        if j == b - 1:
+            out = int(tc.out_np[j])
+            frees -= out - max(0, out - tc.saved_out[j])
+        return frees
 
     def swap_time(self, tc: _TypeCosts, a: int, b: int, moved: int, host_gbps: float) -> float:
         """The unhidden time of swapping ``moved`` saved bytes of stage ``[a, b)``: the copies
