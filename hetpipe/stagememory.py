@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from hetpipe.carry import leaves
 from hetpipe.carry import nbytes as carry_bytes
-from hetpipe.carry import tensors as carry_tensors
 from hetpipe.core.memory import StageMemory, activation_bytes, compose, working_bytes
 from hetpipe.probes import Probe
 
@@ -60,14 +60,13 @@ def storages(state: Mapping[str, torch.Tensor]) -> set[int]:
 
 def saved_ends(seen: Mapping[int, int], inp: Any, out: Any) -> tuple[int, int]:
     """Of the storages a layer saved (``seen``: data pointer to bytes), the bytes of its
-    input ``inp`` and of its output ``out`` (tensors or carries): what a stage holds
+    input ``inp`` and of its output ``out`` (tensors, carries, or a last stage's model
+    output, however nested: :func:`hetpipe.carry.leaves`): what a stage holds
     otherwise (:func:`hetpipe.core.memory.activation_bytes`). An output that is a view of
     the input (a Flatten's) is held with the input, so it counts as saved output, whole.
     The profiler's (:func:`hetpipe.measure.measure_layers`) and the runtime's one rule."""
-    ins = {t.untyped_storage().data_ptr() for t in carry_tensors(inp)}
-    outs = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in carry_tensors(out)
-    }
+    ins = {t.untyped_storage().data_ptr() for t in leaves(inp)}
+    outs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves(out)}
     saved_in = sum(b for ptr, b in seen.items() if ptr in ins)
     saved_out = sum(b for ptr, b in seen.items() if ptr in outs and ptr not in ins)
     saved_out += sum(b for ptr, b in outs.items() if ptr in ins)
