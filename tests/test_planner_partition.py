@@ -189,7 +189,8 @@ def test_stage_memory_by_weights_mode():
     assert mem("predict").stash == 300 and mem("predict").activations == 4 * (50 + 8)
     # layer 1 recomputed: its 200 parameter bytes stay with each of the 4 in flight
     assert mem("predict", (1,)).stash == 300 + 4 * 200
-    assert mem("predict", (1,)).activations == 4 * (50 + 30 + 8)
+    # and its output (40, the backward's root) stays whole: the recomputed layer keeps none
+    assert mem("predict", (1,)).activations == 4 * (50 + 30 + 40 + 8)
     assert mem("stash", (1,)).stash == mem("stash").stash
     pc = mem("predict-consistent")
     assert pc.stash == 4 * 300 and pc.activations == 4 * (50 + 8)
