@@ -20,9 +20,9 @@ stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``sta
 accumulators  two update accumulators: the wave being built and the wave being pushed and
               merged under WSP (2 x parameter bytes); in the synchronous kinds the
               iteration's gradient sum beside the passes (with a whole backward's parameter
-              gradients: 2 x, a split one's: 1 x), or the step's mean gradient, new weight
-              version and update where that is more (3 x, no activation left:
-              :func:`accumulators`)
+              gradients, a split one's the previous step's update not yet pushed: 2 x), or
+              the step's mean gradient, new weight version and update where that is more
+              (3 x, no activation left: :func:`accumulators`)
 activations   for every in-flight minibatch, what its layers keep for the backward under
               their policy (see below), its stage output (the root its backward
               differentiates from) where the last layer does not save it, plus the received
@@ -301,13 +301,16 @@ def accumulators(param_bytes: Any, rest: Any, schedule: str = "async") -> Any:
     its working tensors (the received gradient, the last layers' gradients): 2 x. A split
     backward's weight pass (:data:`SPLIT_KINDS`) computes no input gradient: its parameter
     gradients take the place of the working term's, beside the deferred output gradient
-    already charged, so the passes hold the sum alone there (1 x). Measured
+    already charged; but the previous step's update stays beside the sum until its wave is
+    pushed (a virtual worker alone carries it into the next wave's:
+    :meth:`hetpipe.versions.WeightVersions.carry`), and the runtime counts it there, so the
+    passes hold 2 x there too. Measured
     (``scripts/bench_stage_memory.py``, the mlp's first stage of two: weights, momentum,
     the sum, two microbatches, the received gradient, the ReLU's input gradient and the
     weight gradients are its 1f1b peak to the byte)."""
     if schedule not in SYNCHRONOUS:
         return ACCUMULATORS * param_bytes
-    passes = 1 if schedule in SPLIT_KINDS else 2
+    passes = 2  # whole: the sum and the gradients; split: the sum and the held update
     beyond = (STEP_COPIES - passes) * param_bytes - rest
     return passes * param_bytes + beyond * (beyond > 0)
 
