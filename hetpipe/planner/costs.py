@@ -89,7 +89,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -214,34 +214,59 @@ def duplicate_matrix(profile: ModelProfile) -> Any:
     return out
 
 
-def kept_matrix(lps: Sequence[Any]) -> np.ndarray:
+class SavedEnds(NamedTuple):
+    """A type's per-layer saved bytes as prefix sums, with what the memory model subtracts
+    from them (:func:`memory.activation_bytes`): ``saved[j]`` the sum over layers before j,
+    ``s_in``/``s_out`` each layer's saved input and output, ``out`` its output bytes, and
+    ``twice[j]`` the sum over layers before j of the tensor it and its predecessor both
+    save (``min(s_in[j], s_out[j - 1])``, none for layer 0)."""
+
+    saved: np.ndarray
+    s_in: np.ndarray
+    s_out: np.ndarray
+    out: np.ndarray
+    twice: np.ndarray
+
+
+def saved_ends(lps: Sequence[Any]) -> SavedEnds:
+    """:class:`SavedEnds` of the layers ``lps``."""
+    n = len(lps)
+    s_in = np.array([lp.saved_input_bytes for lp in lps], dtype=np.int64)
+    s_out = np.array([lp.output_saved for lp in lps], dtype=np.int64)
+    shared = np.zeros(n, dtype=np.int64)
+    if n > 1:
+        shared[1:] = np.minimum(s_in[1:], s_out[:-1])
+    return SavedEnds(
+        np.array([0, *itertools.accumulate(lp.saved_bytes for lp in lps)], dtype=np.int64),
+        s_in,
+        s_out,
+        np.array([lp.out_bytes for lp in lps], dtype=np.int64),
+        np.concatenate(([0], np.cumsum(shared))).astype(np.int64),
+    )
+
+
+def kept_matrix(lps: Sequence[Any], ends: SavedEnds | None = None) -> np.ndarray:
     """:func:`memory.activation_bytes` of every ``[a, b)`` keeping every activation (rows
     ``a``, columns ``b``; meaningful where ``a < b``), from prefix sums: the layers' saved
     bytes, less the first layer's saved input (the stage input, counted with the stage),
-    less each tensor two adjacent layers both save (``min(saved_input_bytes[j],
-    saved_output_bytes[j - 1])`` for ``a < j < b``), plus the stage's output where its last
-    layer does not save it. A profile without the saved ends (``saved_input_bytes`` 0,
-    ``saved_output_bytes`` its ``out_bytes``) corrects nothing: the plain prefix sums."""
+    less each tensor two adjacent layers both save (``a < j < b``), plus the stage's output
+    where its last layer does not save it. A profile without the saved ends
+    (``saved_input_bytes`` 0, ``saved_output_bytes`` its ``out_bytes``) corrects nothing:
+    the plain prefix sums. ``ends``: :func:`saved_ends` of ``lps`` where made already."""
+    e = saved_ends(lps) if ends is None else ends
     n = len(lps)
-    saved = np.array([0, *itertools.accumulate(lp.saved_bytes for lp in lps)], dtype=np.int64)
-    s_in = np.array([lp.saved_input_bytes for lp in lps] + [0], dtype=np.int64)
-    s_out = np.array([lp.output_saved for lp in lps], dtype=np.int64)
-    out = np.array([lp.out_bytes for lp in lps], dtype=np.int64)
-    shared = np.zeros(n, dtype=np.int64)  # shared[j]: min(s_in[j], s_out[j - 1]), j >= 1
-    if n > 1:
-        shared[1:] = np.minimum(s_in[1:n], s_out[: n - 1])
-    twice = np.concatenate(([0], np.cumsum(shared)))  # twice[j] = sum of shared[:j]
-    ends = np.zeros(n + 1, dtype=np.int64)  # ends[b]: the output the last layer leaves out
+    s_in = np.concatenate((e.s_in, [0]))  # a = n: no first layer
+    left_out = np.zeros(n + 1, dtype=np.int64)  # [b]: the output the last layer leaves out
     if n:
-        ends[1:] = np.maximum(0, out - s_out)
-    # sum over a < j < b of shared[j] = twice[b] - twice[min(a + 1, b)]
+        left_out[1:] = np.maximum(0, e.out - e.s_out)
+    # sum over a < j < b of the shared tensors = twice[b] - twice[min(a + 1, b)]
     after = np.minimum(np.arange(n + 1)[:, None] + 1, np.arange(n + 1)[None, :])
     return (
-        saved[None, :]
-        - saved[:, None]
+        e.saved[None, :]
+        - e.saved[:, None]
         - s_in[:, None]
-        - (twice[None, :] - twice[after])
-        + ends[None, :]
+        - (e.twice[None, :] - e.twice[after])
+        + left_out[None, :]
     )
 
 
@@ -308,17 +333,11 @@ class _TypeCosts:
         # every [a, b) at once: its parameters (a tie once), buffers and saved bytes
         self.pb = self.P[None, :] - self.P[:, None] - dup
         self.bb = self.B[None, :] - self.B[:, None]
-        self.sb = kept_matrix(lps)  # keeping all (memory.activation_bytes)
-        # for a recomputed run's count (CostTables.run_terms): the saved bytes' prefix sums,
-        # and those of the tensors two adjacent layers save (shared[j], j >= 1)
-        self.S = prefix(self.saved)
-        self.s_in_np = np.array(self.saved_in, dtype=np.int64)
-        self.s_out_np = np.array(self.saved_out, dtype=np.int64)
-        shared = np.zeros(n, dtype=np.int64)
-        if n > 1:
-            shared[1:] = np.minimum(self.s_in_np[1:], self.s_out_np[:-1])
-        self.Tw = prefix(shared)  # Tw[j] = sum of shared[:j]
-        self.out_np = np.array([lp.out_bytes for lp in lps], dtype=np.int64)
+        # the saved ends' prefix sums: keeping all (``sb``) and a recomputed run's count
+        # (CostTables.run_kept)
+        ends = saved_ends(lps)
+        self.sb = kept_matrix(lps, ends)
+        self.S, self.s_in_np, self.s_out_np, self.out_np, self.Tw = ends
 
 
 class CostTables:
