@@ -66,6 +66,7 @@ __all__ = [
     "shard_flights",
     "shard_routes",
     "shard_shares",
+    "stage_shard_bytes",
 ]
 
 RULES = {
@@ -249,23 +250,24 @@ def remote_link_times(
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     shard_hosts: Sequence[str],
     placement: str = "local",
+    per_shard: Sequence[Sequence[dict[int, int]]] | None = None,
 ) -> list[list[dict[str, float]]]:
     """Per VW, per stage: link seconds of its state to the shards on each other host (by
-    host; see the module docs)."""
-    if not shard_hosts:
-        return [[{} for _ in devs] for devs, _ in chosen]
-    layer_bytes, layer_shards = _placed(model, chosen, shard_hosts, placement)
+    host; see the module docs). ``per_shard``: :func:`stage_shard_bytes`, where made
+    already."""
+    if per_shard is None:
+        per_shard = stage_shard_bytes(model, chosen, shard_hosts, placement)
     near: dict[str, Any] = {}  # host -> a device of the plan on it
     for devs, p in chosen:
         for i, leader in enumerate(devs):
             for d in p.group_of(i, leader):
                 near.setdefault(_host(d), d)
     out = []
-    for devs, p in chosen:
+    for (devs, _), stages in zip(chosen, per_shard, strict=True):
         row = []
-        for d, (a, b) in zip(devs, p.cuts, strict=True):
+        for d, on in zip(devs, stages, strict=True):
             per: dict[str, float] = {}
-            for shard, nbytes in _bytes_by_shard(layer_shards, layer_bytes, a, b).items():
+            for shard, nbytes in on.items():
                 host = str(shard_hosts[shard])
                 if nbytes and host != _host(d):
                     there = near.get(host) or SimpleNamespace(
@@ -278,45 +280,42 @@ def remote_link_times(
 
 
 def shard_shares(
-    model: CostModel,
-    chosen: Sequence[tuple[Sequence[Any], Partition]],
-    shard_hosts: Sequence[str],
-    placement: str = "local",
+    per_shard: Sequence[Sequence[dict[int, int]]], shards: int
 ) -> list[list[dict[int, float]]]:
-    """Per VW, per stage: the share of its state's bytes on each shard (by index in
-    ``shard_hosts``) under ``placement``; a stage without state spreads evenly. A shard's
-    work applying pushes and answering pulls follows these shares, so a placement that piles
-    the heavy layers of every VW on one shard makes that shard the busy one."""
-    n = len(shard_hosts)
-    if not n:
-        return [[{} for _ in devs] for devs, _ in chosen]
-    layer_bytes, layer_shards = _placed(model, chosen, shard_hosts, placement)
+    """Per VW, per stage: the share of its state's bytes on each of the ``shards`` shards,
+    from :func:`stage_shard_bytes`; a stage without state spreads evenly. A shard's work
+    applying pushes and answering pulls follows these shares, so a placement that piles the
+    heavy layers of every VW on one shard makes that shard the busy one."""
     out = []
-    for _, p in chosen:
+    for stages in per_shard:
         row = []
-        for a, b in p.cuts:
-            per = _bytes_by_shard(layer_shards, layer_bytes, a, b)
-            total = sum(per.values())
+        for on in stages:
+            total = sum(on.values())
             row.append(
-                {j: nbytes / total for j, nbytes in per.items() if nbytes}
+                {j: nbytes / total for j, nbytes in on.items() if nbytes}
                 if total
-                else {j: 1.0 / n for j in range(n)}
+                else {j: 1.0 / shards for j in range(shards)}  # none where no shards
             )
         out.append(row)
     return out
 
 
-def _placed(
+def stage_shard_bytes(
     model: CostModel,
     chosen: Sequence[tuple[Sequence[Any], Partition]],
     shard_hosts: Sequence[str],
-    placement: str,
-) -> tuple[list[int], tuple[int, ...]]:
-    """Each layer's state bytes and the shard (index in ``shard_hosts``) ``placement`` puts
-    it on, for the chosen VWs' stages."""
+    placement: str = "local",
+) -> list[list[dict[int, int]]]:
+    """Per VW, per stage: its state's bytes on each shard (index in ``shard_hosts``) that
+    ``placement`` (:func:`place_layers`) gives some of it; empty where there are no shards."""
+    if not shard_hosts:
+        return [[{} for _ in devs] for devs, _ in chosen]
     layer_bytes = layer_state_bytes(model.profile)
     shards = [SimpleNamespace(index=j, host=str(h)) for j, h in enumerate(shard_hosts)]
     stage_hosts = [
         [(_host(d), ab) for d, ab in zip(devs, p.cuts, strict=True)] for devs, p in chosen
     ]
-    return layer_bytes, place_layers(placement, shards, stage_hosts, layer_bytes)
+    layer_shards = place_layers(placement, shards, stage_hosts, layer_bytes)
+    return [
+        [_bytes_by_shard(layer_shards, layer_bytes, a, b) for a, b in p.cuts] for _, p in chosen
+    ]

@@ -68,7 +68,13 @@ from hetpipe.core.schedule import (
     Push,
 )
 from hetpipe.planner.partition import CostModel, Partition
-from hetpipe.planner.placement import flights_of, remote_link_times, routes_of, shard_shares
+from hetpipe.planner.placement import (
+    flights_of,
+    remote_link_times,
+    routes_of,
+    shard_shares,
+    stage_shard_bytes,
+)
 from hetpipe.planner.replicas import exchange_time, flight_time
 from hetpipe.planner.runtime import (
     all_busy,
@@ -487,9 +493,10 @@ def predict(
     """
     rt = model.runtime
     n_shards = max(1, len(shard_hosts))
-    remote = remote_link_times(model, chosen, shard_hosts, placement)
+    per_shard = stage_shard_bytes(model, chosen, shard_hosts, placement)
+    remote = remote_link_times(model, chosen, shard_hosts, per_shard=per_shard)
     flights = flights_of(remote)
-    on_shards = shard_shares(model, chosen, shard_hosts, placement)
+    on_shards = shard_shares(per_shard, len(shard_hosts))
     channels = (
         [
             _channels(devs, routes)
