@@ -108,7 +108,7 @@ _MAC_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mac")
 
 
 async def _mac(key: bytes, head: bytes, frames: list[Any]) -> bytes:
-    """A message's MAC: on a thread when large (hashlib drops the GIL), so the loop and
+    """A message's MAC: on a thread when large (the MAC drops the GIL), so the loop and
     ZeroMQ's I/O thread go on meanwhile; inline when small (a thread hop costs more)."""
     if framemac.payload_bytes(frames) < MAC_THREAD_MIN_BYTES:
         return framemac.mac_of(key, head, frames)

@@ -29,7 +29,7 @@ namespaces joined by veth pairs and a bridge (:class:`hetpipe.netns.Network`), t
 one, the receivers in the other, 4 MiB tensors (``--cross-sizes``) over that link, rounds
 interleaved as above: ``zmq`` (plain ZeroMQ), ``ours`` (the runtime without security),
 ``ours-curve`` (``[security] data_path = "curve"``: every byte encrypted) and ``ours-mac``
-(``data_path = "mac"``: plain TCP, every message HMAC-tagged under a key handed over Curve,
+(``data_path = "mac"``: plain TCP, every message MAC-tagged under a key handed over Curve,
 checked before decoding; :mod:`hetpipe.framemac`). Where namespaces cannot be made (not
 root, no ``ip``) the case is skipped with the reason.
 

@@ -19,7 +19,7 @@ import torch
 import zmq
 from helpers import collector
 
-from hetpipe import framemac, security
+from hetpipe import framemac, gmac, security
 from hetpipe.config import ConfigError, load_cluster
 from hetpipe.daemon import Owner
 from hetpipe.framemac import TO_BINDER, Inbox, MacError, Sealer
@@ -43,21 +43,57 @@ def sealed(sealer: Sealer, frames: list[Any]) -> list[bytes]:
     return [sealer.seal(frames), *(bytes(memoryview(f).cast("B")) for f in frames)]
 
 
-def keyed(user: str = "worker-a") -> tuple[Inbox, Sealer]:
+def keyed(user: str = "worker-a", alg: int | None = None) -> tuple[Inbox, Sealer]:
     inbox = Inbox()
     sid, key = framemac.new_session()
     inbox.register([sid, key], user)
-    return inbox, Sealer(sid, key, TO_BINDER)
+    return inbox, Sealer(sid, key, TO_BINDER, alg=alg or framemac.default_alg())
+
+
+ALGS = pytest.mark.parametrize("alg", [framemac.GMAC, framemac.HMAC_SHA256], ids=["gmac", "hmac"])
 
 
 # -- the framing -----------------------------------------------------------------------------
 
 
-def test_a_sealed_message_opens_as_its_sender() -> None:
-    inbox, sealer = keyed()
+@ALGS
+def test_a_sealed_message_opens_as_its_sender(alg: int) -> None:
+    inbox, sealer = keyed(alg=alg)
     frames = sealed(sealer, message())
     session, body = inbox.open(frames)
     assert session.user == "worker-a" and body == frames[1:]
+    assert framemac.parse_tag(frames[0])[3][framemac.SEQ_AT - framemac.SALT_BYTES - 1] == alg
+
+
+def test_gmac_is_the_default_where_openssl_has_it() -> None:
+    assert gmac.available() and framemac.default_alg() == framemac.GMAC
+
+
+def test_two_senders_of_one_session_never_share_an_iv() -> None:
+    sid, key = framemac.new_session()
+    a, b = Sealer(sid, key, TO_BINDER), Sealer(sid, key, framemac.TO_CONNECTOR)
+    restarted = Sealer(sid, key, framemac.TO_CONNECTOR)
+    assert len({a.salt, b.salt, restarted.salt}) == 3
+    inbox, sealer = keyed()
+    frames = sealed(sealer, message())
+    salted = bytearray(frames[0])
+    salted[framemac.SEQ_AT - 1] ^= 0x01  # the salt is covered by the MAC
+    _refused(inbox, [bytes(salted), *frames[1:]], "forged")
+
+
+def test_a_gmac_message_without_openssl_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inbox, sealer = keyed(alg=framemac.GMAC)
+    frames = sealed(sealer, message())
+
+    def missing() -> None:
+        raise gmac.GmacUnavailable("no OpenSSL AES-GCM in this Python (test)")
+
+    monkeypatch.setattr(gmac, "_lib", missing)
+    assert framemac.default_alg() == framemac.HMAC_SHA256
+    with pytest.raises(MacError, match=r"^unsupported: a GMAC-tagged message, and no OpenSSL"):
+        inbox.open(frames)
 
 
 def _refused(inbox: Inbox, frames: list[Any], reason: str) -> None:
@@ -66,8 +102,9 @@ def _refused(inbox: Inbox, frames: list[Any], reason: str) -> None:
     assert info.value.reason == reason
 
 
-def test_an_altered_byte_anywhere_is_refused() -> None:
-    inbox, sealer = keyed()
+@ALGS
+def test_an_altered_byte_anywhere_is_refused(alg: int) -> None:
+    inbox, sealer = keyed(alg=alg)
     frames = sealed(sealer, message())
     for i in range(1, len(frames)):  # header and tensor frames
         bad = [*frames]

@@ -128,7 +128,7 @@ def attack(address: str, capture: str) -> None:
     altered[12345] ^= 1
     # the captured tag, numbered as the next message (a replayed number would be refused
     # before its MAC is even checked)
-    at = len(framemac.DATA_MAGIC) + framemac.SID_BYTES + 1  # the number, after magic, sid, way
+    at = framemac.SEQ_AT
     next_tag = wire[0][:at] + (seq + 1).to_bytes(8, "big") + wire[0][at + 8 :]
     forger = Sealer(sid, os.urandom(32), direction, seq)
     ctx = zmq.Context()

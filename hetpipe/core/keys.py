@@ -1283,7 +1283,8 @@ CLUSTER: Final = Schema(
                     "With curve on, how tensors between daemons travel: `curve` encrypted "
                     "like everything else, at a CPU cost per byte (the default: nothing on "
                     "the link is readable, and no other port is used); `mac` on plain TCP "
-                    "with a keyed MAC (HMAC-SHA256) per message under a key agreed over "
+                    "with a keyed MAC (AES-GMAC, or HMAC-SHA256 where Python's OpenSSL "
+                    "lacks AES-GCM) per message under a key agreed over "
                     "Curve: authenticated and replay-proof but readable on the link, for "
                     "clusters on their own network. With mac, a daemon's port P also needs "
                     "P + 1000 open.",
