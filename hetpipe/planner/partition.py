@@ -855,17 +855,13 @@ class CostModel(CostTables):
         cands = sorted(set(nm_candidates) if nm_candidates is not None else range(1, k + 1))
         if not cands or cands[0] < 1:
             return False  # best_nm raises on these
-        shortest = 0.0  # a smaller Nm's least latency: none at a larger Nm is below it
         for i, n in enumerate(cands):
-            if _below(shortest, n, beat):
-                continue  # Nm / h(Nm) <= Nm / that latency, below ``beat``: no DP needed
             b_star = self._least_bottleneck(devices, n)
             if i > 0 and not math.isfinite(b_star):
                 break  # more Nm only needs more memory: nothing fits above either
             if _below(b_star, 1.0, beat):  # (at the smallest Nm also where nothing fits)
                 break  # B* never falls with Nm: no larger Nm reaches ``beat`` either
-            shortest = self._shortest(devices, n)
-            if not _below(shortest, n, beat):
+            if not _below(self._shortest(devices, n), n, beat):
                 return False  # this Nm's bound reaches ``beat``
         return True
 
