@@ -44,7 +44,8 @@ def test_band_holds_every_fitting_range_once(cap_gib: int) -> None:
 
 
 def test_dp_state_is_the_full_matrix_min_max() -> None:
-    """The banded bottleneck DP gives the states of the plain O(L^2) recurrence."""
+    """The banded bottleneck DP gives the states of the plain O(L^2) recurrence (of the
+    last stage's states only ``f[L]``, the one every caller of a whole order reads)."""
     prof = _profile(40)
     model = CostModel(prof, lambda a, b: 1.25e9 if a.node != b.node else 12.5e9, 1)
     devices = _cluster(8).devices[:5]
@@ -64,7 +65,10 @@ def test_dp_state_is_the_full_matrix_min_max() -> None:
         )
         f = np.maximum(f[:, None], tm).min(axis=0)
         got = model._run(devices, bws, 4, k, i + 1)
-        assert np.array_equal(got, f)
+        if i + 1 < k:
+            assert np.array_equal(got, f)
+        else:
+            assert got[model.L] == f[model.L] < math.inf
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import numpy as np
 from helpers import gpu_cluster, node_bandwidth, random_vw
 
 from hetpipe.config import DeviceSpec
+from hetpipe.core.memory import in_flight
 from hetpipe.planner import CostModel, make_plan, synthetic_profile
 from hetpipe.planner import plan as plan_module
 from hetpipe.planner.costs import INF
@@ -240,3 +241,57 @@ def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -
             summary = [line for line in explain_lines(plan.details) if line.startswith("chosen")]
             assert f"; {unsimulated} not simulated" in summary[0]
     assert skips > 0
+
+
+def test_reach_bounds_keep_every_dp_answer_of_a_brute_force() -> None:
+    """The reach test (``_unreachable``, no DP where the stages cannot cover the model), the
+    least-latency DPs' lower bounds on the states that can still end at ``L`` (``_lows``)
+    and the bottleneck DP's last step on ``b = L`` alone: over every order and Nm of random
+    VWs, the least bottleneck, the least latency (at no limit and under stage-time limits),
+    the split's existence and its bottleneck are a brute force's over every split of the
+    stage times; the reach test proves some orders infeasible, and only infeasible ones."""
+    proved = limited = 0
+    for seed in range(30):
+        r = random.Random(300 + seed)
+        prof, devs = random_vw(r, r.randint(3, 12), r.randint(2, 4))
+        model = CostModel(prof, node_bandwidth, 1)
+        k, n_layers = len(devs), model.L
+        for order in itertools.permutations(devs):
+            for nm in range(1, k + 1):
+                bws = model.links(order)
+                mats = [
+                    model.masked_times(
+                        d.type,
+                        bws[i - 1] if i > 0 else None,
+                        bws[i] if i < k - 1 else None,
+                        in_flight(i, k, nm, weights=model.weights),
+                        d.memory,
+                        d.host_gbps,
+                        nm,
+                    )
+                    for i, d in enumerate(order)
+                ]
+                splits = []  # every split's stage times, where every stage fits
+                for inner in itertools.combinations(range(1, n_layers), k - 1):
+                    cuts = itertools.pairwise((0, *inner, n_layers))
+                    times = [float(m[a, b]) for m, (a, b) in zip(mats, cuts, strict=False)]
+                    if max(times) < INF:
+                        splits.append(times)
+                least = min((max(t) for t in splits), default=INF)
+                bands = model._stage_bands(order, bws, nm)
+                if model._unreachable(bands):
+                    assert not splits
+                    proved += 1
+                assert model._least_bottleneck(order, nm) == least
+                assert model._shortest(order, nm) == min((sum(t) for t in splits), default=INF)
+                p = model.partition(order, nm)
+                assert isinstance(p, Partition) == bool(splits)
+                if isinstance(p, Partition):
+                    assert p.bottleneck == least
+                    limit = r.choice(sorted({x for t in splits for x in t}))
+                    want = min((sum(t) for t in splits if max(t) <= limit), default=INF)
+                    plain = model._least_latency(bands, limit, cuts=False)
+                    assert (INF if plain is None else plain[1]) == want
+                    assert model._latencies(bands, np.array([limit]))[0] == want
+                    limited += 1
+    assert proved > 0 and limited > 0

@@ -397,6 +397,9 @@ class CostTables:
         # a band's distinct finite times by the band's id, with the band (the joint search's,
         # :meth:`hetpipe.planner.partition.CostModel._band_values`); cleared with the bands
         self._band_vals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # a band's furthest ends by the band's id, with the band (the reach test's,
+        # :meth:`hetpipe.planner.partition.CostModel._unreachable`); cleared with the bands
+        self._band_ends: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # bound the caches to ~64 MiB of matrices
         cells = (self.L + 1) ** 2
         self._matrix_limit = max(16, (64 << 20) // (8 * cells))
@@ -881,6 +884,7 @@ class CostTables:
             if self._band_cells + n * w > 4 * self._matrix_limit * n * n:
                 self._bands.clear()
                 self._band_vals.clear()
+                self._band_ends.clear()
                 self._band_cells = 0
             self._bands[key] = hit
             self._band_cells += n * w

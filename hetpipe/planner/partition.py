@@ -180,6 +180,7 @@ class CostModel(CostTables):
         self.dp_runs = 0  # how many DPs actually ran (the rest came from the memo)
         self._joint: dict[tuple, Partition] = {}  # best_rate's splits that do not fill
         self._short: dict[tuple, float] = {}  # least latencies (_shortest)
+        self._least: dict[tuple, float] = {}  # least bottlenecks (_least_bottleneck)
         # set by the caller when bandwidth depends only on whether two devices share a node,
         # so that VWs alike up to renaming nodes can share one order search
         self.uniform_nodes = False
@@ -228,6 +229,8 @@ class CostModel(CostTables):
         another share most of their prefixes and skip those steps. A step runs over the
         stage's band (:meth:`CostTables.band`), only for the boundaries some finite state
         reaches; the latency tie-break is :meth:`_least_latency`'s, on the final bottleneck.
+        The last stage's step fills ``b = L`` alone: every caller of a whole order reads
+        only that state (and the key's ``k`` keeps it from any shorter prefix's).
         """
         f = self._f0
         sig: tuple = (k, nm)
@@ -245,6 +248,8 @@ class CostModel(CostTables):
                 live = np.flatnonzero(np.isfinite(f))
                 if live.size:
                     lo, hi = int(live[0]) + 1, min(n, int(live[-1]) + w + 1)
+                    if i == k - 1:
+                        lo = max(lo, self.L)  # of the last stage's states only f[L] is read
                     if lo < hi:
                         win = _windows(f, w)[lo:hi]
                         best[lo:hi] = np.maximum(win, band[lo:hi]).min(axis=1)
@@ -337,6 +342,8 @@ class CostModel(CostTables):
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
+        if self._unreachable(self._stage_bands(devices, bws, nm)):
+            return Infeasible("")  # as the DP's all-inf states below, without its steps
         f = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
             return Infeasible("")  # diagnosed by partition(), for the devices it is given
@@ -384,12 +391,13 @@ class CostModel(CostTables):
         reach = [0] * len(bands)
         for i in range(len(bands) - 2, -1, -1):
             reach[i] = reach[i + 1] + bands[i + 1][1]
+        low = self._lows(bands)
         for i, (band, w) in enumerate(bands):
             live = np.flatnonzero(g < INF)
             out_g = np.full(n, INF)
             arg = np.zeros(n, dtype=np.intp)
             if live.size:
-                lo = max(int(live[0]) + 1, L - reach[i])
+                lo = max(int(live[0]) + 1, L - reach[i], low[i])
                 hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
                 if lo <= hi:
                     rows = band[lo : hi + 1]
@@ -429,11 +437,12 @@ class CostModel(CostTables):
         for i in range(len(bands) - 2, -1, -1):
             reach[i] = reach[i + 1] + bands[i + 1][1]
         cap = np.asarray(limits, dtype=np.float64)[:, None, None]
+        low = self._lows(bands)
         for i, (band, w) in enumerate(bands):
             live = np.flatnonzero((g < INF).any(axis=0))
             out = np.full((m, n), INF)
             if live.size:
-                lo = max(int(live[0]) + 1, L - reach[i])
+                lo = max(int(live[0]) + 1, L - reach[i], low[i])
                 hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
                 if lo <= hi:
                     rows = band[lo : hi + 1]
@@ -663,15 +672,77 @@ class CostModel(CostTables):
             hit = self._band_vals[id(band)] = (band, np.unique(band[band < INF]))
         return hit[1]
 
+    def _band_reach(self, band: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two arrays over the boundaries of a band's stages (its finite entries): for each
+        ``r``, the furthest end of a stage that starts at or before ``r`` (-1 where none
+        does), and the earliest start of a stage that ends at or after ``r`` (``L + 1``
+        where none does). Kept while the band is cached (:meth:`_unreachable` and the
+        least-latency DPs ask for them at every order)."""
+        hit = self._band_ends.get(id(band))
+        if hit is None or hit[0] is not band:
+            n = len(band)
+            finite = band < INF
+            rows = np.flatnonzero(finite.any(axis=1))
+            # row b's first finite entry j is its stage of the earliest start, b - w + j
+            starts = rows - w + finite[rows].argmax(axis=1)
+            ends = np.full(n, -1, dtype=np.intp)
+            np.maximum.at(ends, starts, rows)
+            first = np.full(n, n, dtype=np.intp)
+            first[rows] = starts
+            first = np.minimum.accumulate(first[::-1])[::-1]
+            # cleared with the bands (CostTables.band), so it holds no more than they do
+            hit = self._band_ends[id(band)] = (band, (np.maximum.accumulate(ends), first))
+        return hit[1]
+
+    def _lows(self, bands: Sequence[tuple[np.ndarray, int]]) -> list[int]:
+        """For each stage ``i``, a boundary below which no state after stage ``i`` leads to
+        ``L``: the stages after it end at ``L`` and each starts no earlier than its band's
+        earliest start among the stages ending at or after the next one's bound
+        (:meth:`_band_reach`). The least-latency DPs skip the states below it (they could
+        only feed splits that never end at ``L``), the same answer for fewer cells."""
+        low = [self.L] * len(bands)
+        for i in range(len(bands) - 2, -1, -1):
+            band, w = bands[i + 1]
+            # past L (L + 1): no stage of the next band ends at or after its bound
+            nxt = low[i + 1]
+            low[i] = nxt if nxt > self.L else int(self._band_reach(band, w)[1][nxt])
+        return low
+
+    def _unreachable(self, bands: Sequence[tuple[np.ndarray, int]]) -> bool:
+        """Whether no split over these stage bands (:meth:`_stage_bands`) reaches the last
+        layer, proved without the DP: after each stage every boundary a split can reach is
+        at most the furthest end (:meth:`_band_end`) of a stage starting at or before the
+        previous stage's furthest boundary, so where the last stage's is short of ``L`` (or
+        some stage has none), no split fits. A proof only: False says nothing (the DP
+        decides). Most orders the exhaustive search asks at a larger Nm end here: their
+        stages, each at most its band's width, cannot cover the model."""
+        reach = 0
+        for band, w in bands:
+            reach = int(self._band_reach(band, w)[0][reach])
+            if reach < 0:
+                return True
+        return reach < self.L
+
     def _plain(self, devices: Sequence[Any]) -> bool:
         """Whether :meth:`partition` of ``devices`` runs the DP (no early answer)."""
         return 0 < len(devices) <= self.L and all(d.type in self.profile.layers for d in devices)
 
     def _least_bottleneck(self, devices: Sequence[Any], nm: int) -> float:
         """``B*``: the least bottleneck of any split of ``devices`` at ``nm`` (inf where none
-        fits), the DP alone (its states are cached for :meth:`partition`)."""
-        k = len(devices)
-        return float(self._run(devices, self.links(devices), nm, k, k)[self.L])
+        fits), the DP alone (its states are cached for :meth:`partition`); memoised by the
+        device sequence like :meth:`partition`, and inf without the DP where the stages
+        cannot reach the last layer (:meth:`_unreachable`)."""
+        bws = self.links(devices)
+        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        hit = self._least.get(key)
+        if hit is None:
+            k = len(devices)
+            if self._unreachable(self._stage_bands(devices, bws, nm)):
+                hit = INF  # what the DP finds, without its steps
+            else:
+                hit = float(self._run(devices, bws, nm, k, k)[self.L])
+            self._least[key] = hit
+        return hit
 
     def _shortest(self, devices: Sequence[Any], nm: int) -> float:
         """The least latency of any split of ``devices`` that fits at ``nm`` (inf where none
@@ -680,7 +751,8 @@ class CostModel(CostTables):
         key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
         hit = self._short.get(key)
         if hit is None:
-            got = self._least_latency(self._stage_bands(devices, bws, nm), INF, cuts=False)
+            bands = self._stage_bands(devices, bws, nm)
+            got = None if self._unreachable(bands) else self._least_latency(bands, INF, False)
             hit = self._short[key] = INF if got is None else got[1]
         return hit
 
@@ -836,8 +908,10 @@ class GridModel(CostModel):
         self.dp_runs = 0
         self._joint = {}
         self._short = {}
+        self._least = {}
         self._bands = {}
         self._band_vals = {}
+        self._band_ends = {}
         self._band_cells = 0
         self._grid_masked: dict[tuple, np.ndarray] = {}
         self._matrix_limit = max(16, (64 << 20) // (8 * n * n))
