@@ -212,10 +212,16 @@ def _iteration(
 
 
 def _end_iteration(compute: StageCompute, i: int) -> None:
-    """Iteration ``i``'s end as the runtime does it: the step, the update pushed (not
-    kept: nothing sends it), the losses read."""
+    """Iteration ``i``'s end as the runtime does it for a virtual worker alone in its job
+    (:meth:`hetpipe.pipeline.StageRunner._flushes`, ``train.push_every`` 0): the step, then
+    the update carried into the next iteration's, unpushed, until the last iteration's push
+    takes it (not kept: nothing sends it); the losses read. So the next iteration's passes
+    run beside the update held, as they do in a run."""
     compute.step(i)
-    compute.push_deltas(i, keep=False)
+    if i + 1 < compute.task.minibatches // compute.task.nm:
+        compute.carry(i)
+    else:
+        compute.push_deltas(i, keep=False)
     compute.read_losses(block=True)
 
 

@@ -114,6 +114,7 @@ class StageLayers:
         work: list[int] = []
         saved_in: list[int] = []
         saved_out: list[int] = []
+        params: list[int] = []
 
         def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: Any) -> Any:
             own = storages(sub)
@@ -133,6 +134,7 @@ class StageLayers:
                 saved_in.append(ends[0])
                 saved_out.append(ends[1])
             inputs.append(nbytes(x))
+            params.append(sum(nbytes(sub[name]) for name, _, buf in self.layers[i][1] if not buf))
             if self.first + i == 0:  # the model's input takes no gradient
                 grad_in = 0
             elif isinstance(x, torch.Tensor):
@@ -172,7 +174,7 @@ class StageLayers:
                 x = self.call(j, sub, x)
             j += 1
         output = nbytes(x) if measure else 0
-        return x, LayerBytes(saved, inputs, work, saved_in, saved_out, output)
+        return x, LayerBytes(saved, inputs, work, saved_in, saved_out, output, params)
 
     def call(self, i: int, sub: Mapping[str, torch.Tensor], x: Any) -> Any:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in

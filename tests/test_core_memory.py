@@ -18,11 +18,14 @@ from hetpipe.core.memory import (
     StageMemory,
     accumulators,
     activation_bytes,
+    backward_kind,
+    backward_walk,
     compose,
     in_flight,
     stage_memory,
     stage_memory_of,
     stage_terms,
+    working_bytes,
 )
 from hetpipe.core.profile import ModelProfile
 from hetpipe.data import MinibatchStream, load_dataset
@@ -30,6 +33,7 @@ from hetpipe.job import JobSpec
 from hetpipe.measure import measure_layers
 from hetpipe.models import build_model
 from hetpipe.optim import StageOptimizer
+from hetpipe.planner.costs import working_matrix
 from hetpipe.planner.partition import CostModel
 from hetpipe.planner.profile import synthetic_profile
 from hetpipe.planner.syncmodel import SyncModel
@@ -69,9 +73,8 @@ def test_vectorised_terms_are_the_scalar_terms(schedule: str, weights: str) -> N
     B = prefix([lp.buffer_bytes for lp in lps])
     S = prefix([lp.saved_bytes for lp in lps])
     inb = np.array([prof.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.int64)
-    W = np.zeros((L + 1, L + 1), dtype=np.int64)
-    for a in range(L):
-        W[a, a + 1 :] = np.maximum.accumulate([lp.work_bytes for lp in lps[a:]])
+    # the backward's working term, walked per layer for the kind (prefix sums, running maxima)
+    W = working_matrix(lps, backward_kind(schedule))
     for flight in (1, 3):
         terms = stage_terms(
             P[None, :] - P[:, None],
@@ -171,18 +174,40 @@ def test_a_tensor_two_layers_save_and_the_stage_output_are_counted_once() -> Non
 
 
 def test_a_synchronous_stage_peaks_at_its_passes_or_at_its_step() -> None:
-    """The passes hold the gradient sum and a whole backward's parameter gradients, or a
-    split backward's previous update still to push, the step three parameter-sized tensors
-    with no activation left: the larger moment counts."""
+    """The passes hold the gradient sum and the previous step's update, held until its wave
+    is pushed (the gradients a backward returns are the working term's), the step three
+    parameter-sized tensors beside the held update with no activation left: the larger
+    moment counts."""
     assert accumulators(100, 500, "async") == 200
-    assert accumulators(100, 500, "1f1b") == 200  # sum + the backward's gradients
-    assert accumulators(100, 500, "zb-h1") == 200  # the sum + the update still held
-    assert accumulators(100, 50, "1f1b") == 200 + 50  # the step: 3 x beside 50 bytes gone
-    assert accumulators(100, 50, "zbv") == 200 + 50
+    assert accumulators(100, 500, "1f1b") == 200  # the sum + the update still held
+    assert accumulators(100, 500, "zb-h1") == 200
+    assert accumulators(100, 50, "1f1b") == 200 + 150  # the step: 4 x beside 50 bytes gone
+    assert accumulators(100, 50, "zbv") == 200 + 150
     np.testing.assert_array_equal(
-        accumulators(np.array([100, 100]), np.array([500, 50]), "zb-h2"), [200, 250]
+        accumulators(np.array([100, 100]), np.array([500, 50]), "zb-h2"), [200, 350]
     )
     for kind, kept in itertools.product(("1f1b", "zb-h1"), (10, 100)):
         terms = stage_terms(100, 0, kept, 10, 20, factor=1, flight=2, schedule=kind)
         passes = 400 + 2 * (10 + kept) + 20
-        assert terms.total == max(passes, 500)  # weights, momentum, 3 x at the step
+        assert terms.total == max(passes, 600)  # weights, momentum, 4 x at the step
+
+
+def test_a_whole_backward_is_walked_layer_by_layer() -> None:
+    """At each layer's backward: the received gradient, the layer's output and input
+    gradients, the weight gradients of it and the layers after it, less what those layers
+    saved (freed by then; the stage output stays): the peak of the walk, not the largest
+    layer beside every weight gradient."""
+    work, out, params = [30, 60, 15], [20, 10, 5], [7, 0, 3]
+    saved, s_in, s_out = [20, 10, 40], [20, 0, 10], [0, 10, 5]
+    # last: 15 + 3; layer 1: 5 + 60 + 3 - (40 - 10 - 5); layer 0: 5 + 30 + 10 - (25 + 10)
+    assert backward_walk(work, out, params, saved, s_in, s_out) == max(18, 43, 10)
+    assert backward_walk(work, out, params) == max(18, 68, 45)  # nothing counted freed
+    # the whole kind walks; a split one takes its input pass or its weight pass; async the
+    # largest layer
+    kw = {"out": out, "params": params, "saved_in": s_in, "saved_out": s_out}
+    assert working_bytes(work, saved, backward="whole", **kw) == 43
+    assert working_bytes(work, saved, backward="split", **kw) == 60
+    assert working_bytes([1, 2], [0, 0], backward="split", params=[50, 0]) == 50
+    assert working_bytes(work, saved, **kw) == 60
+    # a recomputed run: the conservative walk, plus the run's saved tensors
+    assert working_bytes(work, saved, [1, 2], backward="whole", **kw) == 68 + 50
