@@ -619,7 +619,10 @@ class StageCompute:
         weights that take a gradient; the input half keeps what the weight half needs)."""
         if part == "input":
             params = [flight.params[n] for n in weights]
-            grads, flight.kept = input_gradients(outs, grad_outs, inputs, params)
+            grads, kept = input_gradients(outs, grad_outs, inputs, params)
+            # without weights the weight half has nothing to differentiate: nothing is kept
+            # for it (the output gradient included: memory.split_grad_bytes)
+            flight.kept = kept if params else None
             return grads
         kept, flight.kept = flight.kept, None
         if not inputs:  # no weight takes a gradient
