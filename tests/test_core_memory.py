@@ -158,6 +158,38 @@ def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
     assert got.to_dict() == want.to_dict()
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_runtime_walks_the_backward_as_the_planner_does(kind: str) -> None:
+    """A real synchronous stage's working term, counted from the bytes its first forward
+    measured, is the model's walk of its backward for the same layers measured by the
+    profiler, to the byte: a whole backward layer by layer with the weight gradients it
+    returns, a split one's larger pass."""
+    model = "usermodels:dropout_mlp"
+    spec = JobSpec.from_dict(
+        job("unit", model=model, minibatches=8, nm=4, seed=3, train={"schedule": kind})
+    )
+    n = len(build_model(spec.model.name, spec.model.args))
+    task = StageTask.standalone(
+        "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), nm=4, minibatches=8
+    )
+    dev = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
+    compute = StageCompute(task, dev)
+    torch.manual_seed(3)
+    state = build_model(spec.model.name, spec.model.args).state_dict()
+    names = compute.state_names()
+    compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
+    compute.forward(0, *stream.batch(0))
+    x, _ = stream.batch(0)
+    torch.manual_seed(3)
+    layers = measure_layers(build_model(model), x, repeats=1, warmup=0)
+    profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
+    want = stage_memory_of(profile, "fast", (0, n), 0, 1, 4, 1, kind)
+    assert compute.memory().working == want.working
+    # not the async kind's largest layer: walked (1f1b) or the weight pass's (zb-h1)
+    assert want.working != max(lp.work_bytes for lp in layers)
+
+
 def test_a_tensor_two_layers_save_and_the_stage_output_are_counted_once() -> None:
     """Layers Linear, ReLU, Linear (each saved alone: its input, its output, its input) on a
     stage input of 8 bytes: the first Linear's saved input is the stage input (counted with
