@@ -14,8 +14,10 @@ it, and nothing allocated before counts), runs a warm-up iteration in its schedu
 (the layers' first measuring forward, the optimizer's state made at the first step), then a
 second iteration, and returns the peak of the live bytes over that second iteration. The
 figure so includes the stage's weights and buffers, its optimizer state, its accumulators
-and gradient sums, every in-flight microbatch's received input, graph and saved tensors,
-the gradients it receives and keeps, and each operation's temporaries at their peak; it
+and gradient sums (the previous iteration's update held beside the passes, as a run of a
+virtual worker alone holds it until its wave is pushed), every in-flight microbatch's
+received input, graph and saved tensors, the gradients it receives and keeps, and each
+operation's temporaries at their peak; it
 excludes what the process held before the stage was built (the data set, the inputs
 recorded for it) and Python objects' own overhead.
 

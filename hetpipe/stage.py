@@ -572,7 +572,8 @@ class StageCompute:
         differentiates the version its forward used."""
         started = emulate.mark()
         flight = self.in_flight.pop(p)
-        pgrads = self._gradients(flight, flight.grad, "weight")[1]
+        # a stage without weights kept nothing for this half (backward_input): none to take
+        pgrads = self._gradients(flight, flight.grad, "weight")[1] if self.mem.param_bytes else {}
         flight.grad = None
         self.versions[p] = (
             flight.version,
