@@ -48,7 +48,8 @@ class LayerBytes(NamedTuple):
     saved_in: list[int]  # per layer: of ``saved``, its input
     saved_out: list[int]  # per layer: of ``saved``, its output
     output: int = 0  # the stage's output, kept by every in-flight minibatch
-    params: list[int] | None = None  # per layer: its weights' bytes (their gradients')
+    params: list[int] | None = None  # per layer: its weights' bytes, tied tensors left out
+    tied: int = 0  # the tied tensors the stage's layers share: one gradient each
 
     def outputs(self) -> list[int]:
         """Per layer: its output (the next layer's input; the last's, the stage output)."""
@@ -155,6 +156,7 @@ class MemoryCount:
                 params=known.params or [0] * len(known.work),
                 saved_in=known.saved_in,
                 saved_out=known.saved_out,
+                tied=known.tied,
             ),
         )
 

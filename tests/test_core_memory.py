@@ -4,6 +4,7 @@ same stage, term by term."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -27,7 +28,7 @@ from hetpipe.core.memory import (
     stage_terms,
     working_bytes,
 )
-from hetpipe.core.profile import ModelProfile
+from hetpipe.core.profile import ModelProfile, TieProfile
 from hetpipe.data import MinibatchStream, load_dataset
 from hetpipe.job import JobSpec
 from hetpipe.measure import measure_layers
@@ -116,6 +117,28 @@ def test_the_partitioners_price_every_range_by_the_one_model(kind: str, ends: bo
             assert cm.stage_memory("t", a, b, position, k, 3) == want
             want = stage_memory_of(prof, "t", (a, b), position, k, 4, 1, kind)
             assert sync_totals[a, b] == want.total
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_a_tied_tensors_gradient_is_charged_once_by_every_form(kind: str) -> None:
+    """A tensor two layers share has one gradient: the walk charges it once on a stage
+    holding either layer, and the synchronous planner's matrix is the scalar model's, to
+    the byte, on every ``[a, b)``."""
+    prof = synthetic_profile(6, {"t": 1.0}, 5)
+    nbytes = min(prof.layers["t"][j].param_bytes for j in (1, 4))
+    prof = dataclasses.replace(prof, ties=(TieProfile("w", (1, 4), nbytes),))
+    dev = DeviceSpec("d0", "cpu", "t", 1 << 30, 1.0, 0, "n0", "127.0.0.1")
+    sync = SyncModel(prof, [dev, dev], lambda _a, _b: 1e9, 4, 1)
+    L = prof.n_layers()
+    for position in (0, 1):
+        totals = sync._memory_matrix(0, position, 2, kind)
+        for a, b in itertools.combinations(range(L + 1), 2):
+            want = stage_memory_of(prof, "t", (a, b), position, 2, 4, 1, kind)
+            assert totals[a, b] == want.total, (a, b)
+    lps = prof.layers["t"]
+    once = stage_memory_of(prof, "t", (0, L), 0, 2, 4, 1, kind).working
+    twice = stage_memory(lps, 0, 2, 4, 1, prof.input_bytes, kind).working  # ties unknown
+    assert 0 < twice - once <= nbytes  # counted twice without the tie, once with it
 
 
 def test_runtime_accounting_equals_the_planner_on_every_term() -> None:

@@ -155,6 +155,7 @@ __all__ = [
     "swap_seconds",
     "unhidden_copy_s",
     "unhidden_swap_s",
+    "untied_params",
     "weights_mode",
     "working_bytes",
 ]
@@ -529,6 +530,16 @@ def backward_walk(
     return peak
 
 
+def untied_params(params: Sequence[int], ties: Sequence[tuple[Collection[int], int]]) -> list[int]:
+    """Each layer's parameter bytes without the tied tensors it uses (``ties``: each one's
+    layers and bytes), whose gradient :func:`working_bytes` charges once (``tied``)."""
+    out = list(params)
+    for users, nbytes in ties:
+        for j in users:
+            out[j] -= nbytes
+    return out
+
+
 def working_bytes(
     work: Sequence[int],
     saved: Sequence[int],
@@ -540,6 +551,7 @@ def working_bytes(
     params: Sequence[int] = (),
     saved_in: Sequence[int] = (),
     saved_out: Sequence[int] = (),
+    tied: int = 0,
 ) -> int:
     """The transient peak of a stage: its backward's (``backward``, :func:`backward_kind`)
     plus the largest run of recomputed layers' saved tensors (a run lives again while its
@@ -551,14 +563,17 @@ def working_bytes(
     where every layer keeps its own); ``split``, the larger of the input pass's (the largest
     layer's working memory) and the weight pass's, which returns every weight's gradient at
     once (``params``' sum) beside the gradients the input pass kept (counted with the
-    activations)."""
+    activations). A tied tensor's gradient is one tensor however many of the stage's layers
+    use it: ``params`` then leave it out, and ``tied`` (its bytes, for every tie the stage
+    holds) is charged through the whole backward, beside every layer's (conservative by
+    what the walk reaches before its gradient appears)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward: unknown kind {backward!r}")
     rerun = max((sum(saved[c:d]) for c, d in recompute_runs(recompute)), default=0)
     transit = max((saved[j] for j in swap), default=0)
     if backward == "whole":
         kept_all = not recompute and not swap
-        peak = backward_walk(
+        peak = tied + backward_walk(
             work,
             out,
             params,
@@ -567,7 +582,7 @@ def working_bytes(
             saved_out if kept_all else (),
         )
     elif backward == "split":
-        peak = max(max(work, default=0), sum(params))
+        peak = max(max(work, default=0), sum(params) + tied)
     else:
         peak = max(work, default=0)
     return peak + rerun + transit
@@ -617,6 +632,7 @@ def stage_memory(
     flight: int | None = None,
     shared: int = 0,
     defer: bool = False,
+    ties: Sequence[tuple[Collection[int], int]] = (),
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -629,7 +645,9 @@ def stage_memory(
     ``param_bytes`` count more than once (:meth:`ModelProfile.duplicate_bytes`).
     ``defer``: the async kind defers weight gradients (``train.defer_weight_grad``), so each
     minibatch it holds may keep its output gradient until its weight gradient
-    (:func:`hetpipe.core.schedule.max_deferred`).
+    (:func:`hetpipe.core.schedule.max_deferred`). ``ties``: each tied tensor the stage
+    holds, as (its stage-relative layers, its bytes), whose gradient the backward holds once
+    (:func:`working_bytes`).
     """
     n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
     saved = [lp.saved_bytes for lp in layers]
@@ -656,9 +674,10 @@ def stage_memory(
             swap,
             backward=backward_kind(schedule),
             out=[lp.out_bytes for lp in layers],
-            params=[lp.param_bytes for lp in layers],
+            params=untied_params([lp.param_bytes for lp in layers], ties),
             saved_in=[lp.saved_input_bytes for lp in layers],
             saved_out=[lp.output_saved for lp in layers],
+            tied=sum(nbytes for users, nbytes in ties if users),
         ),
         factor=optimizer_state_factor,
         flight=n,
@@ -712,4 +731,9 @@ def stage_memory_of(
         warmup,
         flight,
         profile.duplicate_bytes(a, b),
+        ties=[
+            ([j - a for j in t.layers if a <= j < b], t.nbytes)
+            for t in profile.ties
+            if any(a <= j < b for j in t.layers)
+        ],
     )

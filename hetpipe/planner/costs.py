@@ -106,6 +106,7 @@ from hetpipe.core.memory import (
     param_copies,
     stage_terms,
     unhidden_swap_s,
+    untied_params,
     working_bytes,
 )
 from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
@@ -280,7 +281,9 @@ def kept_matrix(lps: Sequence[Any], ends: SavedEnds | None = None) -> np.ndarray
     )
 
 
-def working_matrix(lps: Sequence[Any], backward: str, ends: SavedEnds | None = None) -> np.ndarray:
+def working_matrix(
+    lps: Sequence[Any], backward: str, ends: SavedEnds | None = None, ties: Sequence[Any] = ()
+) -> np.ndarray:
     """:func:`memory.working_bytes` of every ``[a, b)`` keeping every activation (rows ``a``,
     columns ``b``; meaningful where ``a < b``) for a ``backward`` of
     :func:`memory.backward_kind`, the same integers, from prefix sums and running maxima.
@@ -291,14 +294,21 @@ def working_matrix(lps: Sequence[Any], backward: str, ends: SavedEnds | None = N
     less the tensors layers ``i + 1 .. b - 1`` saved (their share of the kept count, the
     stage output's saved part excepted), which splits into a part of ``i`` alone,
     ``u[i] = work[i] - P[i] + S[i+1] - Tw[i+1]`` (its running maximum from ``a``), and a part
-    of ``b`` alone."""
+    of ``b`` alone. ``ties`` (:class:`hetpipe.core.profile.TieProfile`): a tied tensor's
+    gradient once, beside the whole backward of a stage holding one of its layers
+    (:func:`memory.untied_params`)."""
     e = saved_ends(lps) if ends is None else ends
     n = len(lps)
     work = np.array([lp.work_bytes for lp in lps], dtype=np.int64)
-    params = np.array([0, *itertools.accumulate(lp.param_bytes for lp in lps)], dtype=np.int64)
+    untied = untied_params([lp.param_bytes for lp in lps], [(t.layers, t.nbytes) for t in ties])
+    params = np.array([0, *itertools.accumulate(untied)], dtype=np.int64)
     out = np.zeros((n + 1, n + 1), dtype=np.int64)
     if not n:
         return out
+    tied = np.zeros((n + 1, n + 1), dtype=np.int64)  # [a, b]: the ties' bytes it holds
+    for tie in ties:
+        before = np.searchsorted(np.array(tie.layers), np.arange(n + 1))  # its layers below x
+        tied += ((before[None, :] - before[:, None]) > 0) * tie.nbytes
     rows = np.arange(n)[:, None]
     cols = np.arange(n)[None, :]
 
@@ -310,7 +320,7 @@ def working_matrix(lps: Sequence[Any], backward: str, ends: SavedEnds | None = N
     if backward in ("layer", "split"):
         out[:n, 1:] = running_max(work)
         if backward == "split":
-            out = np.maximum(out, params[None, :] - params[:, None])
+            out = np.maximum(out, params[None, :] - params[:, None] + tied)
         return out
     if backward != "whole":
         raise ValueError(f"backward: unknown kind {backward!r}")
@@ -326,7 +336,7 @@ def working_matrix(lps: Sequence[Any], backward: str, ends: SavedEnds | None = N
     before[:, 1:] = running_max(u)[:, :-1]
     walk = np.maximum(last[None, :], before + tail[None, :])
     out[:n, 1:] = walk
-    return out
+    return out + tied
 
 
 def tie_copy_matrices(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray] | None:
@@ -399,6 +409,7 @@ class _TypeCosts:
         self.S, self.s_in_np, self.s_out_np, self.out_np, self.Tw = ends
         self.outs = [lp.out_bytes for lp in lps]
         self.params = [lp.param_bytes for lp in lps]
+        self.ties = profile.ties
         # the working term of every [a, b) per backward kind (memory.backward_kind); the
         # layer kind's is W
         self._walks: dict[str, np.ndarray] = {"layer": self.W}
@@ -411,7 +422,7 @@ class _TypeCosts:
         kind = backward_kind(schedule)
         m = self._walks.get(kind)
         if m is None:
-            m = self._walks[kind] = working_matrix(self._lps, kind, self._ends)
+            m = self._walks[kind] = working_matrix(self._lps, kind, self._ends, self.ties)
         return m
 
 
@@ -988,6 +999,11 @@ class CostTables:
             assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
             held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
         if recompute or swap:
+            ties_in = [
+                ([j - a for j in t.layers if a <= j < b], t.nbytes)
+                for t in tc.ties
+                if any(a <= j < b for j in t.layers)
+            ]
             kept = activation_bytes(
                 tc.saved[a:b],
                 tc.inb[a:b],
@@ -1004,9 +1020,10 @@ class CostTables:
                 [j - a for j in swap],
                 backward=backward_kind(schedule),
                 out=tc.outs[a:b],
-                params=tc.params[a:b],
+                params=untied_params(tc.params[a:b], ties_in),
                 saved_in=tc.saved_in[a:b],
                 saved_out=tc.saved_out[a:b],
+                tied=sum(nbytes for _, nbytes in ties_in),
             )
         return stage_terms(
             int(tc.pb[a, b]),

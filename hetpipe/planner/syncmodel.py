@@ -340,7 +340,9 @@ class SyncModel:
         walk = "W:" + backward_kind(kind)
         if walk not in t:  # the working term of every [a, b) for the kind's backward
             lps = self.profile.layers[self.devices[i].type]
-            t[walk] = working_matrix(lps, backward_kind(kind)).astype(np.float64)
+            t[walk] = working_matrix(lps, backward_kind(kind), ties=self.profile.ties).astype(
+                np.float64
+            )
         W = t[walk]
         mem = stage_terms(
             P[None, :] - P[:, None] - self._dup,
