@@ -14,8 +14,10 @@ it, and nothing allocated before counts), runs a warm-up iteration in its schedu
 (the layers' first measuring forward, the optimizer's state made at the first step), then a
 second iteration, and returns the peak of the live bytes over that second iteration. The
 figure so includes the stage's weights and buffers, its optimizer state, its accumulators
-and gradient sums, every in-flight microbatch's received input, graph and saved tensors,
-the gradients it receives and keeps, and each operation's temporaries at their peak; it
+and gradient sums (the previous iteration's update held beside the passes, as a run of a
+virtual worker alone holds it until its wave is pushed), every in-flight microbatch's
+received input, graph and saved tensors, the gradients it receives and keeps, and each
+operation's temporaries at their peak; it
 excludes what the process held before the stage was built (the data set, the inputs
 recorded for it) and Python objects' own overhead.
 
@@ -212,10 +214,16 @@ def _iteration(
 
 
 def _end_iteration(compute: StageCompute, i: int) -> None:
-    """Iteration ``i``'s end as the runtime does it: the step, the update pushed (not
-    kept: nothing sends it), the losses read."""
+    """Iteration ``i``'s end as the runtime does it for a virtual worker alone in its job
+    (:meth:`hetpipe.pipeline.StageRunner._flushes`, ``train.push_every`` 0): the step, then
+    the update carried into the next iteration's, unpushed, until the last iteration's push
+    takes it (not kept: nothing sends it); the losses read. So the next iteration's passes
+    run beside the update held, as they do in a run."""
     compute.step(i)
-    compute.push_deltas(i, keep=False)
+    if i + 1 < compute.task.minibatches // compute.task.nm:
+        compute.carry(i)
+    else:
+        compute.push_deltas(i, keep=False)
     compute.read_losses(block=True)
 
 

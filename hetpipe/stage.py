@@ -310,7 +310,9 @@ class StageCompute:
         )
         self.probes = Probes(self.dev)  # weights = "predict" (hetpipe.probes)
         # the memory it keeps, counted in the planner's terms (hetpipe.stagememory)
-        self.mem = MemoryCount(self.module, recompute, swap, device.memory, self.where)
+        self.mem = MemoryCount(
+            self.module, recompute, swap, device.memory, self.where, self.spec.schedule
+        )
         # the device's count of all its stages, where its worker runs several (the worker
         # sets it; None: this stage alone is checked)
         self.device_memory: DeviceMemory | None = None
@@ -550,7 +552,9 @@ class StageCompute:
                 if isinstance(grad, (torch.Tensor, Shared))
                 else carry.mapped(grad, lambda t: to_device(t, self.dev))
             )
-        flight.grad = grad
+        # a stage without weights has nothing for its weight half to differentiate: the
+        # gradient is not kept for it (memory.split_grad_bytes)
+        flight.grad = grad if self.mem.param_bytes else None
         grad_in = None if self.task.is_first else self._gradients(flight, grad, "input")[0]
         # what it keeps until its weight gradient is the most a split backward holds
         self._check_memory()
@@ -568,7 +572,8 @@ class StageCompute:
         differentiates the version its forward used."""
         started = emulate.mark()
         flight = self.in_flight.pop(p)
-        pgrads = self._gradients(flight, flight.grad, "weight")[1]
+        # a stage without weights kept nothing for this half (backward_input): none to take
+        pgrads = self._gradients(flight, flight.grad, "weight")[1] if self.mem.param_bytes else {}
         flight.grad = None
         self.versions[p] = (
             flight.version,
@@ -615,7 +620,10 @@ class StageCompute:
         weights that take a gradient; the input half keeps what the weight half needs)."""
         if part == "input":
             params = [flight.params[n] for n in weights]
-            grads, flight.kept = input_gradients(outs, grad_outs, inputs, params)
+            grads, kept = input_gradients(outs, grad_outs, inputs, params)
+            # without weights the weight half has nothing to differentiate: nothing is kept
+            # for it (the output gradient included: memory.split_grad_bytes)
+            flight.kept = kept if params else None
             return grads
         kept, flight.kept = flight.kept, None
         if not inputs:  # no weight takes a gradient

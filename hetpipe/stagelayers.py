@@ -16,6 +16,7 @@ Its own module because how a layer runs is the same for every pass the compute
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +115,9 @@ class StageLayers:
         work: list[int] = []
         saved_in: list[int] = []
         saved_out: list[int] = []
+        params: list[int] = []  # per layer, without the tied tensors (one gradient each)
+        tied: dict[str, int] = {}  # tied tensors: bytes by canonical name
+        users = Counter(n for _l, keys in self.layers for _loc, n, buf in keys if not buf)
 
         def counted(i: int, layer: nn.Module, sub: dict[str, torch.Tensor], x: Any) -> Any:
             own = storages(sub)
@@ -133,6 +137,9 @@ class StageLayers:
                 saved_in.append(ends[0])
                 saved_out.append(ends[1])
             inputs.append(nbytes(x))
+            own = [(loc, n) for loc, n, buf in self.layers[i][1] if not buf]
+            params.append(sum(nbytes(sub[loc]) for loc, n in own if users[n] == 1))
+            tied.update((n, nbytes(sub[loc])) for loc, n in own if users[n] > 1)
             if self.first + i == 0:  # the model's input takes no gradient
                 grad_in = 0
             elif isinstance(x, torch.Tensor):
@@ -172,7 +179,9 @@ class StageLayers:
                 x = self.call(j, sub, x)
             j += 1
         output = nbytes(x) if measure else 0
-        return x, LayerBytes(saved, inputs, work, saved_in, saved_out, output)
+        return x, LayerBytes(
+            saved, inputs, work, saved_in, saved_out, output, params, sum(tied.values())
+        )
 
     def call(self, i: int, sub: Mapping[str, torch.Tensor], x: Any) -> Any:
         """Layer ``i`` of the stage on ``x`` with the tensors of ``sub`` (its local names) in

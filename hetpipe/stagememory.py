@@ -23,7 +23,13 @@ from torch import nn
 
 from hetpipe.carry import leaves
 from hetpipe.carry import nbytes as carry_bytes
-from hetpipe.core.memory import StageMemory, activation_bytes, compose, working_bytes
+from hetpipe.core.memory import (
+    StageMemory,
+    activation_bytes,
+    backward_kind,
+    compose,
+    working_bytes,
+)
 from hetpipe.probes import Probe
 
 if TYPE_CHECKING:
@@ -42,6 +48,12 @@ class LayerBytes(NamedTuple):
     saved_in: list[int]  # per layer: of ``saved``, its input
     saved_out: list[int]  # per layer: of ``saved``, its output
     output: int = 0  # the stage's output, kept by every in-flight minibatch
+    params: list[int] | None = None  # per layer: its weights' bytes, tied tensors left out
+    tied: int = 0  # the tied tensors the stage's layers share: one gradient each
+
+    def outputs(self) -> list[int]:
+        """Per layer: its output (the next layer's input; the last's, the stage output)."""
+        return [*self.inputs[1:], self.output] if self.inputs else []
 
 
 def nbytes(t: Any) -> int:
@@ -110,8 +122,12 @@ class MemoryCount:
         swap: frozenset[int],
         cap: int,
         where: str,
+        schedule: str = "async",
     ) -> None:
-        """``recompute`` and ``swap``: the stage's layers (from 0) under those policies."""
+        """``recompute`` and ``swap``: the stage's layers (from 0) under those policies;
+        ``schedule``: how its backward's working peak is walked
+        (:func:`hetpipe.core.memory.backward_kind`)."""
+        self.backward = backward_kind(schedule)
         self.recompute = recompute
         self.swap = swap
         self.cap = cap
@@ -123,13 +139,25 @@ class MemoryCount:
         # per input shape (of each tensor of a carry: hetpipe.carry.shape_of): each layer's
         # bytes, measured by the first forward of that shape, which keeps every layer
         self.layer_bytes: dict[Hashable, LayerBytes] = {}
-        self.working = 0  # the largest layer's working peak of the shapes measured so far
+        self.working = 0  # the backward's working peak, the largest of the shapes measured
 
     def measured(self, shape: Hashable, known: LayerBytes) -> None:
         """Record the layers' bytes the first forward of input ``shape`` measured."""
         self.layer_bytes[shape] = known
         self.working = max(
-            self.working, working_bytes(known.work, known.saved, self.recompute, self.swap)
+            self.working,
+            working_bytes(
+                known.work,
+                known.saved,
+                self.recompute,
+                self.swap,
+                backward=self.backward,
+                out=known.outputs(),
+                params=known.params or [0] * len(known.work),
+                saved_in=known.saved_in,
+                saved_out=known.saved_out,
+                tied=known.tied,
+            ),
         )
 
     def kept(self, known: LayerBytes) -> int:

@@ -7,7 +7,9 @@ For each model (``--models``), stage count k (``--stages``) and schedule (``--sc
 layer counts and each stage is run as the runtime runs it: its own
 :class:`hetpipe.stage.StageCompute` in the schedule's order for the stage
 (:func:`hetpipe.core.schedule.microbatch_order`), M = ``--microbatches`` microbatches of
-``--minibatch`` samples an iteration, with the step and the push of its update. Per stage:
+``--minibatch`` samples an iteration, with the step and its update carried into the next
+iteration's until the last one's push, as a virtual worker alone in its job does
+(:func:`hetpipe.memprobe.stage_peak`). Per stage:
 
 - ``predicted``: the planner's one memory model, :func:`hetpipe.core.memory.stage_memory_of`
   for that stage's layers, position and schedule, on a profile of the model measured by the

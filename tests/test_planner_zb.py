@@ -61,10 +61,12 @@ def test_zb_memory_holds_the_graph_until_the_weight_gradient():
 
 def _hetero(cap_acts: int) -> SyncModel:
     """Four devices, the second at half speed, four equal layers (1 ms forward, 2 ms
-    backward, one activation unit out and saved), M = 8, a cap of ``cap_acts`` units."""
-    layer = LayerProfile(1e-3, 2e-3, 0, 0, ACT, ACT, 0)
+    backward, one activation unit out and saved, a few bytes of weights: a stage without
+    any keeps no gradient for its weight pass), M = 8, a cap of ``cap_acts`` units (and room
+    for the weights' few bytes)."""
+    layer = LayerProfile(1e-3, 2e-3, 4, 0, ACT, ACT, 0)
     prof = ModelProfile("four", 32, ACT, {"a": (layer,) * 4})
-    devs = [Dev(f"d{i}", "a", cap_acts * ACT, s) for i, s in enumerate((1.0, 0.5, 1.0, 0.7))]
+    devs = [Dev(f"d{i}", "a", cap_acts * ACT + 1024, s) for i, s in enumerate((1.0, 0.5, 1.0, 0.7))]
     return SyncModel(
         prof, devs, lambda a, b: ACT / 1e-4, 8, 1, kinds=KINDS, warmups=warmup_ladder(8)
     )

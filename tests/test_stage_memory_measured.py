@@ -1,6 +1,6 @@
 """A stage's measured peak memory (every host allocation it makes, :mod:`hetpipe.memprobe`)
 against the memory model's prediction (:func:`hetpipe.core.memory.stage_memory_of`), for the
-builtin mlp split in two, M = 4, under 1f1b and zb-h1."""
+builtin mlp split in two, M = 4, under 1f1b and zb-h1, and stages of it split in four."""
 
 from __future__ import annotations
 
@@ -107,3 +107,59 @@ def test_a_device_runs_its_stages_together_within_their_peaks_alone(
         mine, got = memprobe.device_peak(spec, cuts, device, rec, setup["state"])
         assert mine == want
         assert max(alone[s] for s in mine) <= got.peak <= sum(alone[s] for s in mine)
+
+
+@pytest.mark.parametrize(
+    ("kind", "devices"),
+    [("zb-h1", ["gpu0", "gpu1", "gpu2", "gpu3"]), ("zbv", ["gpu0", "gpu1", "gpu1", "gpu0"])],
+)
+def test_a_stage_without_weights_under_a_split_backward_is_predicted_to_the_byte(
+    setup: dict[str, Any], kind: str, devices: list[str]
+) -> None:
+    """The mlp's ReLU alone (stage 1 of four): its input half keeps nothing for a weight
+    half that has nothing to differentiate (no output gradient), and the model charges its
+    held microbatches and its backward's working peak only."""
+    cuts = (0, 2, 3, 4, 6)
+    train: dict[str, Any] = {"schedule": kind}
+    if kind == "zbv":
+        train["several_stages"] = True
+    spec = JobSpec.from_dict(
+        job(
+            "measured",
+            model="mlp",
+            nm=M,
+            minibatches=2 * M,
+            split=[(devices, [2, 1, 1, 2])],
+            train=train,
+        )
+    )
+    rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
+    got = memprobe.stage_peak(spec, cuts, 1, rec, setup["state"]).peak
+    want = stage_memory_of(setup["profile"], "cpu", (2, 3), 1, 4, M, 1, kind)
+    assert want.accumulators == 0 and want.params == 0
+    assert got == want.total, (got, want)
+
+
+def test_the_measured_iteration_runs_beside_the_update_held_until_its_push(
+    setup: dict[str, Any],
+) -> None:
+    """A virtual worker alone carries its update into the next iteration's until the last
+    one's push, so the measured iteration of a stage of one Linear (the mlp's second of
+    four under 1f1b) peaks at its step: weights, momentum, the mean gradient, the new
+    weights, the update and the update held, six parameter-sized tensors to the byte."""
+    cuts = (0, 2, 3, 4, 6)
+    spec = JobSpec.from_dict(
+        job(
+            "measured",
+            model="mlp",
+            nm=M,
+            minibatches=2 * M,
+            split=[(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])],
+            train={"schedule": "1f1b"},
+        )
+    )
+    rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
+    got = memprobe.stage_peak(spec, cuts, 2, rec, setup["state"])
+    params = setup["profile"].layers["cpu"][3].param_bytes
+    assert got.peak == 6 * params
+    assert got.peak == stage_memory_of(setup["profile"], "cpu", (3, 4), 2, 4, M, 1, "1f1b").total

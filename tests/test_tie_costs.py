@@ -325,7 +325,9 @@ def test_sync_iteration_includes_the_tie_exchange_and_keeps_the_tie_where_as_goo
     )
     best = fast.best_cuts((0, 1), "1f1b")
     assert best is not None and best[1] == cut
-    slow = SyncModel(prof, [dev(0), dev(1)], bw(0.01), 4, 1, kinds=("1f1b",))
+    # room for a stage of three layers' step (six times its weights: the held update too)
+    roomy = [dev(0, 2 * GIB), dev(1, 2 * GIB)]
+    slow = SyncModel(prof, roomy, bw(0.01), 4, 1, kinds=("1f1b",))
     best = slow.best_cuts((0, 1), "1f1b")
     assert best is not None and best[1] in (spans, ((0, 3), (3, 4)))
 

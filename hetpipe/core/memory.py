@@ -19,10 +19,10 @@ stash         extra weight copies, by ``train.weights`` (:func:`stashed`): ``sta
               (the weights change only between iterations)
 accumulators  two update accumulators: the wave being built and the wave being pushed and
               merged under WSP (2 x parameter bytes); in the synchronous kinds the
-              iteration's gradient sum beside the passes (with a whole backward's parameter
-              gradients, a split one's the previous step's update not yet pushed: 2 x), or
-              the step's mean gradient, new weight version and update where that is more
-              (3 x, no activation left: :func:`accumulators`)
+              iteration's gradient sum beside the passes with the previous step's update,
+              held until its wave is pushed (2 x), or at the step the mean gradient, new
+              weight version and update beside the held one where that is more (4 x, no
+              activation left: :func:`accumulators`)
 activations   for every in-flight minibatch, what its layers keep for the backward under
               their policy (see below), its stage output (the root its backward
               differentiates from) where the last layer does not save it, plus the received
@@ -38,10 +38,14 @@ activations   for every in-flight minibatch, what its layers keep for the backwa
               and, between its input and weight gradients, the gradients the weight pass
               starts from: its output's and one output of each other layer with weights
               (the first stage: its output's alone; :func:`split_grad_bytes`, for the
-              order's most such minibatches at once)
-working       the transient peak of one layer's forward/backward (max over the layers),
-              plus the largest run of recomputed layers' saved tensors (they live again
-              while its backward runs), plus the largest swapped layer's saved tensors
+              order's most such minibatches at once; none without weights)
+working       the transient peak of a backward (:func:`working_bytes`): async, the largest
+              layer's; a whole synchronous backward, walked layer by layer with the weight
+              gradients it returns and the saved tensors it has freed
+              (:func:`backward_walk`); a split one, its input pass's or its weight pass's
+              gradients, the larger; plus the largest run of recomputed layers' saved
+              tensors (they live again while its backward runs), plus the largest swapped
+              layer's saved tensors
               (the one layer in transit between the device and the host)
 ============  ==========================================================================
 
@@ -108,6 +112,7 @@ This module imports no numpy itself (the core stays pure).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +136,8 @@ __all__ = [
     "accumulators",
     "activation_bytes",
     "activations",
+    "backward_kind",
+    "backward_walk",
     "compose",
     "copy_seconds",
     "expected_in_flight",
@@ -148,6 +155,7 @@ __all__ = [
     "swap_seconds",
     "unhidden_copy_s",
     "unhidden_swap_s",
+    "untied_params",
     "weights_mode",
     "working_bytes",
 ]
@@ -284,34 +292,40 @@ def held_predictions(
 
 ACCUMULATORS = 2  # parameter-sized update accumulators (see the module docs)
 STEP_COPIES = 3  # a synchronous step's parameter-sized tensors beside the weights and state
+HELD_UPDATES = 1  # a synchronous stage's previous update, held until its wave is pushed
 SPLIT_KINDS = (*ZB_KINDS, "zbv")  # the synchronous kinds whose backwards are split
+BACKWARDS = ("layer", "whole", "split")  # how the working term walks a backward
+
+
+def backward_kind(schedule: str = "async") -> str:
+    """How :func:`working_bytes` prices a stage's backward under ``schedule``: ``whole``
+    (gpipe, 1f1b, interleaved-1f1b: one backward returns the input's and the weights'
+    gradients, walked per layer), ``split`` (zb-h1, zb-h2, zbv: an input pass, then a weight
+    pass returning the weights' gradients) or ``layer`` (async: the largest layer's working
+    peak, its weight gradients charged with the accumulators)."""
+    if schedule not in SYNCHRONOUS:
+        return "layer"
+    return "split" if schedule in SPLIT_KINDS else "whole"
 
 
 def accumulators(param_bytes: Any, rest: Any, schedule: str = "async") -> Any:
     """The ``accumulators`` term (numbers or arrays, elementwise). Async: the two update
     accumulators. A synchronous kind holds its gradient sum (1 x parameters) beside the
-    activations through the passes, and at the step, when no activation is left, the mean
-    gradient, the new weight version (made out of place, beside the old) and the update
-    (:data:`STEP_COPIES` x parameters): the term is what the passes hold plus what the step
-    needs beyond ``rest`` (the activations and working bytes it no longer holds), so the
-    total is the larger of the two moments.
-
-    Through the passes a whole backward (gpipe, 1f1b, interleaved-1f1b) also holds the
-    parameter gradients it returns, all at its end, beside the sum they are added into and
-    its working tensors (the received gradient, the last layers' gradients): 2 x. A split
-    backward's weight pass (:data:`SPLIT_KINDS`) computes no input gradient: its parameter
-    gradients take the place of the working term's, beside the deferred output gradient
-    already charged; but the previous step's update stays beside the sum until its wave is
-    pushed (a virtual worker alone carries it into the next wave's:
-    :meth:`hetpipe.versions.WeightVersions.carry`), and the runtime counts it there, so the
-    passes hold 2 x there too. Measured
-    (``scripts/bench_stage_memory.py``, the mlp's first stage of two: weights, momentum,
-    the sum, two microbatches, the received gradient, the ReLU's input gradient and the
-    weight gradients are its 1f1b peak to the byte)."""
+    activations through the passes, and beside it the previous step's update, which a
+    virtual worker alone in its job carries into the next iteration's until its wave is
+    pushed (:meth:`hetpipe.versions.WeightVersions.carry`; :data:`HELD_UPDATES`): 2 x. The
+    gradients a backward returns are the working term's (:func:`working_bytes`: a whole
+    backward's per layer, a weight pass's at once). At the step, when no activation is
+    left, the mean gradient, the new weight version (made out of place, beside the old) and
+    the update (:data:`STEP_COPIES` x parameters) beside the held update: the term is what
+    the passes hold plus what the step needs beyond ``rest`` (the activations and working
+    bytes it no longer holds), so the total is the larger of the two moments. Measured
+    (``scripts/bench_stage_memory.py``: a stage of one Linear peaks at its step, weights,
+    momentum and these four to the byte)."""
     if schedule not in SYNCHRONOUS:
         return ACCUMULATORS * param_bytes
-    passes = 2  # whole: the sum and the gradients; split: the sum and the held update
-    beyond = (STEP_COPIES - passes) * param_bytes - rest
+    passes = 1 + HELD_UPDATES  # the gradient sum and the held update
+    beyond = (STEP_COPIES + HELD_UPDATES - passes) * param_bytes - rest
     return passes * param_bytes + beyond * (beyond > 0)
 
 
@@ -374,8 +388,10 @@ def split_grad_bytes(out_bytes: Sequence[int], param_bytes: Sequence[int], posit
     gradient, and the gradient of each other layer's output where that layer has weights
     (where their branch joins the input's path, :mod:`hetpipe.splitbackward`); on the
     first stage, whose input takes no gradient, the output's alone (its weight half
-    differentiates from the output)."""
-    if not out_bytes:
+    differentiates from the output). None for a stage without weights: its weight half has
+    nothing to differentiate, so its input half keeps no gradient for it
+    (:meth:`hetpipe.stage.StageCompute.backward_input`)."""
+    if not out_bytes or not any(param_bytes):
         return 0
     if position == 0:
         return out_bytes[-1]
@@ -475,19 +491,101 @@ def activation_bytes(
     return kept + max(0, output - last)
 
 
+def backward_walk(
+    work: Sequence[int],
+    out: Sequence[int],
+    params: Sequence[int],
+    saved: Sequence[int] = (),
+    saved_in: Sequence[int] = (),
+    saved_out: Sequence[int] = (),
+) -> int:
+    """The transient peak of one whole backward of a stage's layers, beyond what its
+    minibatch keeps (:func:`activation_bytes`), walked layer by layer from the last: at
+    layer ``i``'s backward the stage output's gradient (received, held to the end), the
+    gradient of layer ``i``'s output where that is another layer's (``i`` not the last) and
+    of its input (together ``work[i]``: :class:`hetpipe.core.profile.LayerProfile`), and the
+    weight gradients of layers ``i`` on (returned together at the end: ``params``), less
+    the tensors the layers after ``i`` saved, freed once their backward ran (each layer's
+    share of :func:`activation_bytes`, a tensor two layers save counted with the first; the
+    stage output, which the minibatch holds to the end, never freed). ``saved`` left empty:
+    nothing counted freed (a recomputed or swapped layer's saved tensors are not where the
+    kept count has them; the walk is then the conservative one). The max over ``i``.
+
+    The vectorised form over every ``[a, b)`` is :func:`hetpipe.planner.costs.working_matrix`,
+    the same integers."""
+    n = len(work)
+    if not n:
+        return 0
+    grads = list(itertools.accumulate(reversed(params)))[::-1]  # layers i on
+    peak = work[-1] + params[-1]  # the last layer: its output's gradient is the received one
+    freed = 0
+    for i in range(n - 2, -1, -1):
+        if saved:
+            j = i + 1  # its saved tensors, less the one layer j - 1 saves too
+            share = saved[j] - (min(saved_in[j], saved_out[j - 1]) if saved_in else 0)
+            if j == n - 1 and saved_out:  # the stage output stays with the minibatch
+                share -= min(saved_out[j], share)
+            freed += share
+        peak = max(peak, out[-1] + work[i] + grads[i] - freed)
+    return peak
+
+
+def untied_params(params: Sequence[int], ties: Sequence[tuple[Collection[int], int]]) -> list[int]:
+    """Each layer's parameter bytes without the tied tensors it uses (``ties``: each one's
+    layers and bytes), whose gradient :func:`working_bytes` charges once (``tied``)."""
+    out = list(params)
+    for users, nbytes in ties:
+        for j in users:
+            out[j] -= nbytes
+    return out
+
+
 def working_bytes(
     work: Sequence[int],
     saved: Sequence[int],
     recompute: Collection[int] = (),
     swap: Collection[int] = (),
+    *,
+    backward: str = "layer",
+    out: Sequence[int] = (),
+    params: Sequence[int] = (),
+    saved_in: Sequence[int] = (),
+    saved_out: Sequence[int] = (),
+    tied: int = 0,
 ) -> int:
-    """The transient peak of a stage: the largest layer's working memory plus the largest
-    run of recomputed layers' saved tensors (a run lives again while its backward runs)
-    plus the largest swapped layer's (one layer is on its way out or back in while the
-    others compute; the two can coincide, so both are counted)."""
+    """The transient peak of a stage: its backward's (``backward``, :func:`backward_kind`)
+    plus the largest run of recomputed layers' saved tensors (a run lives again while its
+    backward runs) plus the largest swapped layer's (one layer is on its way out or back in
+    while the others compute; the two can coincide, so both are counted).
+
+    A backward's: ``layer``, the largest layer's working memory; ``whole``,
+    :func:`backward_walk` (the weight gradients it returns included; the freed tensors only
+    where every layer keeps its own); ``split``, the larger of the input pass's (the largest
+    layer's working memory) and the weight pass's, which returns every weight's gradient at
+    once (``params``' sum) beside the gradients the input pass kept (counted with the
+    activations). A tied tensor's gradient is one tensor however many of the stage's layers
+    use it: ``params`` then leave it out, and ``tied`` (its bytes, for every tie the stage
+    holds) is charged through the whole backward, beside every layer's (conservative by
+    what the walk reaches before its gradient appears)."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward: unknown kind {backward!r}")
     rerun = max((sum(saved[c:d]) for c, d in recompute_runs(recompute)), default=0)
     transit = max((saved[j] for j in swap), default=0)
-    return max(work, default=0) + rerun + transit
+    if backward == "whole":
+        kept_all = not recompute and not swap
+        peak = tied + backward_walk(
+            work,
+            out,
+            params,
+            saved if kept_all else (),
+            saved_in if kept_all else (),
+            saved_out if kept_all else (),
+        )
+    elif backward == "split":
+        peak = max(max(work, default=0), sum(params) + tied)
+    else:
+        peak = max(work, default=0)
+    return peak + rerun + transit
 
 
 def copy_seconds(nbytes: int, host_gbps: float) -> float:
@@ -534,6 +632,7 @@ def stage_memory(
     flight: int | None = None,
     shared: int = 0,
     defer: bool = False,
+    ties: Sequence[tuple[Collection[int], int]] = (),
 ) -> StageMemory:
     """Memory of a stage holding ``layers`` at ``position`` of ``k``, with ``Nm`` = ``nm``.
 
@@ -546,7 +645,9 @@ def stage_memory(
     ``param_bytes`` count more than once (:meth:`ModelProfile.duplicate_bytes`).
     ``defer``: the async kind defers weight gradients (``train.defer_weight_grad``), so each
     minibatch it holds may keep its output gradient until its weight gradient
-    (:func:`hetpipe.core.schedule.max_deferred`).
+    (:func:`hetpipe.core.schedule.max_deferred`). ``ties``: each tied tensor the stage
+    holds, as (its stage-relative layers, its bytes), whose gradient the backward holds once
+    (:func:`working_bytes`).
     """
     n = in_flight(position, k, nm, schedule, weights, warmup) if flight is None else flight
     saved = [lp.saved_bytes for lp in layers]
@@ -566,7 +667,18 @@ def stage_memory(
         sum(lp.buffer_bytes for lp in layers),
         kept,
         input_bytes,
-        working_bytes([lp.work_bytes for lp in layers], saved, recompute, swap),
+        working_bytes(
+            [lp.work_bytes for lp in layers],
+            saved,
+            recompute,
+            swap,
+            backward=backward_kind(schedule),
+            out=[lp.out_bytes for lp in layers],
+            params=untied_params([lp.param_bytes for lp in layers], ties),
+            saved_in=[lp.saved_input_bytes for lp in layers],
+            saved_out=[lp.output_saved for lp in layers],
+            tied=sum(nbytes for users, nbytes in ties if users),
+        ),
         factor=optimizer_state_factor,
         flight=n,
         schedule=schedule,
@@ -619,4 +731,9 @@ def stage_memory_of(
         warmup,
         flight,
         profile.duplicate_bytes(a, b),
+        ties=[
+            ([j - a for j in t.layers if a <= j < b], t.nbytes)
+            for t in profile.ties
+            if any(a <= j < b for j in t.layers)
+        ],
     )

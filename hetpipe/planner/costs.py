@@ -98,6 +98,7 @@ from hetpipe.core.memory import (
     ACTIVATION_POLICIES,
     StageMemory,
     activation_bytes,
+    backward_kind,
     copy_seconds,
     held_predictions,
     in_flight,
@@ -105,13 +106,23 @@ from hetpipe.core.memory import (
     param_copies,
     stage_terms,
     unhidden_swap_s,
+    untied_params,
     working_bytes,
 )
 from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
 from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
-__all__ = ["Bandwidth", "CostTables", "Policy", "check_devices", "check_profile"]
+__all__ = [
+    "Bandwidth",
+    "CostTables",
+    "Policy",
+    "check_devices",
+    "check_profile",
+    "kept_matrix",
+    "saved_ends",
+    "working_matrix",
+]
 
 Bandwidth = Callable[[Any, Any], float]
 INF = math.inf
@@ -270,6 +281,64 @@ def kept_matrix(lps: Sequence[Any], ends: SavedEnds | None = None) -> np.ndarray
     )
 
 
+def working_matrix(
+    lps: Sequence[Any], backward: str, ends: SavedEnds | None = None, ties: Sequence[Any] = ()
+) -> np.ndarray:
+    """:func:`memory.working_bytes` of every ``[a, b)`` keeping every activation (rows ``a``,
+    columns ``b``; meaningful where ``a < b``) for a ``backward`` of
+    :func:`memory.backward_kind`, the same integers, from prefix sums and running maxima.
+
+    ``layer``: the largest ``work_bytes`` over ``[a, b)``. ``split``: that or the stage's
+    parameter bytes, the larger. ``whole`` (:func:`memory.backward_walk`): the last layer's
+    ``work + params``, or, for a layer ``i < b - 1``, ``out[b-1] + work[i] + (P[b] - P[i])``
+    less the tensors layers ``i + 1 .. b - 1`` saved (their share of the kept count, the
+    stage output's saved part excepted), which splits into a part of ``i`` alone,
+    ``u[i] = work[i] - P[i] + S[i+1] - Tw[i+1]`` (its running maximum from ``a``), and a part
+    of ``b`` alone. ``ties`` (:class:`hetpipe.core.profile.TieProfile`): a tied tensor's
+    gradient once, beside the whole backward of a stage holding one of its layers
+    (:func:`memory.untied_params`)."""
+    e = saved_ends(lps) if ends is None else ends
+    n = len(lps)
+    work = np.array([lp.work_bytes for lp in lps], dtype=np.int64)
+    untied = untied_params([lp.param_bytes for lp in lps], [(t.layers, t.nbytes) for t in ties])
+    params = np.array([0, *itertools.accumulate(untied)], dtype=np.int64)
+    out = np.zeros((n + 1, n + 1), dtype=np.int64)
+    if not n:
+        return out
+    tied = np.zeros((n + 1, n + 1), dtype=np.int64)  # [a, b]: the ties' bytes it holds
+    for tie in ties:
+        before = np.searchsorted(np.array(tie.layers), np.arange(n + 1))  # its layers below x
+        tied += ((before[None, :] - before[:, None]) > 0) * tie.nbytes
+    rows = np.arange(n)[:, None]
+    cols = np.arange(n)[None, :]
+
+    def running_max(v: np.ndarray) -> np.ndarray:
+        """``[a, c]`` -> max of ``v`` over ``a .. c`` (columns ``c + 1``; -inf below a)."""
+        m = np.where(cols >= rows, v[None, :], np.iinfo(np.int64).min // 4)
+        return np.maximum.accumulate(m, axis=1)
+
+    if backward in ("layer", "split"):
+        out[:n, 1:] = running_max(work)
+        if backward == "split":
+            out = np.maximum(out, params[None, :] - params[:, None] + tied)
+        return out
+    if backward != "whole":
+        raise ValueError(f"backward: unknown kind {backward!r}")
+    j = np.arange(n)
+    last = work + params[1:] - params[:-1]  # [b - 1]: the last layer's own peak
+    u = work - params[:-1] + e.saved[1:] - e.twice[1:]  # [i]
+    share = np.array([lp.saved_bytes for lp in lps], dtype=np.int64) - np.where(
+        j > 0, e.twice[1:] - e.twice[:-1], 0
+    )
+    kept_out = np.minimum(e.s_out, share)  # [b - 1]: the stage output's saved part
+    tail = e.out + params[1:] - e.saved[1:] + e.twice[1:] + kept_out  # [b - 1]
+    before = np.full((n, n), np.iinfo(np.int64).min // 4, dtype=np.int64)  # [a, b-1]: i < b-1
+    before[:, 1:] = running_max(u)[:, :-1]
+    walk = np.maximum(last[None, :], before + tail[None, :])
+    out[:n, 1:] = walk
+    return out + tied
+
+
 def tie_copy_matrices(profile: ModelProfile) -> tuple[np.ndarray, np.ndarray] | None:
     """For every ``[a, b)``: how many ties a stage of those layers holds a copy of past the
     first holder (a layer in ``[a, b)`` and one before ``a``), and their bytes; None where
@@ -338,6 +407,23 @@ class _TypeCosts:
         ends = saved_ends(lps)
         self.sb = kept_matrix(lps, ends)
         self.S, self.s_in_np, self.s_out_np, self.out_np, self.Tw = ends
+        self.outs = [lp.out_bytes for lp in lps]
+        self.params = [lp.param_bytes for lp in lps]
+        self.ties = profile.ties
+        # the working term of every [a, b) per backward kind (memory.backward_kind); the
+        # layer kind's is W
+        self._walks: dict[str, np.ndarray] = {"layer": self.W}
+        self._ends = ends
+        self._lps = lps
+
+    def working(self, schedule: str = "async") -> np.ndarray:
+        """:func:`working_matrix` of this type's layers for ``schedule``'s backward, made
+        once per kind."""
+        kind = backward_kind(schedule)
+        m = self._walks.get(kind)
+        if m is None:
+            m = self._walks[kind] = working_matrix(self._lps, kind, self._ends, self.ties)
+        return m
 
 
 class CostTables:
@@ -605,7 +691,7 @@ class CostTables:
             tc.bb[rows, cols],
             tc.sb[rows, cols] if kept is None else kept,
             tc.inb_np[rows, None],
-            tc.W[rows, cols] if working is None else working,
+            tc.working(schedule)[rows, cols] if working is None else working,
             factor=self.factor,
             flight=flight,
             schedule=schedule,
@@ -910,13 +996,18 @@ class CostTables:
         tc = self.costs(dtype)
         n = in_flight(position, k, nm, schedule, self.weights) if flight is None else flight
         kept = int(tc.sb[a, b])
-        working = int(tc.W[a, b])
+        working = int(tc.working(schedule)[a, b])
         held = 0
         if recompute:
             c, d = recompute[0], recompute[-1] + 1
             assert list(recompute) == list(range(c, d)) and a <= c < d <= b, recompute
             held = held_predictions(n, int(tc.P[d] - tc.P[c]), schedule, self.weights)
         if recompute or swap:
+            ties_in = [
+                ([j - a for j in t.layers if a <= j < b], t.nbytes)
+                for t in tc.ties
+                if any(a <= j < b for j in t.layers)
+            ]
             kept = activation_bytes(
                 tc.saved[a:b],
                 tc.inb[a:b],
@@ -927,7 +1018,16 @@ class CostTables:
                 tc.outb[b],
             )
             working = working_bytes(
-                tc.work[a:b], tc.saved[a:b], [j - a for j in recompute], [j - a for j in swap]
+                tc.work[a:b],
+                tc.saved[a:b],
+                [j - a for j in recompute],
+                [j - a for j in swap],
+                backward=backward_kind(schedule),
+                out=tc.outs[a:b],
+                params=untied_params(tc.params[a:b], ties_in),
+                saved_in=tc.saved_in[a:b],
+                saved_out=tc.saved_out[a:b],
+                tied=sum(nbytes for _, nbytes in ties_in),
             )
         return stage_terms(
             int(tc.pb[a, b]),

@@ -30,6 +30,7 @@ import numpy as np
 
 from hetpipe.core.memory import (
     StageMemory,
+    backward_kind,
     deferred_grads,
     stage_memory_of,
     stage_terms,
@@ -44,7 +45,7 @@ from hetpipe.core.schedule import (
     max_in_flight,
     microbatch_order,
 )
-from hetpipe.planner.costs import duplicate_matrix, kept_matrix
+from hetpipe.planner.costs import duplicate_matrix, kept_matrix, working_matrix
 from hetpipe.planner.runtime import RuntimeCosts, reduce_answer_s
 from hetpipe.planner.simulate import iteration_time
 
@@ -179,7 +180,6 @@ class SyncModel:
                 "in": np.array(
                     [self.profile.input_bytes] + [lp.out_bytes for lp in lps], dtype=np.float64
                 ),  # in[a]: input bytes of a stage from a
-                "W": np.array([lp.work_bytes for lp in lps], dtype=np.float64),
             }
             self._type[dtype] = t
         return t
@@ -337,9 +337,13 @@ class SyncModel:
         t = self._t(self.devices[i].type)
         L = self.L
         P, Bu, S = t["P"], t["Bu"], t["S"]
-        W = np.zeros((L + 1, L + 1))
-        for a in range(L):
-            W[a, a + 1 :] = np.maximum.accumulate(t["W"][a:])
+        walk = "W:" + backward_kind(kind)
+        if walk not in t:  # the working term of every [a, b) for the kind's backward
+            lps = self.profile.layers[self.devices[i].type]
+            t[walk] = working_matrix(lps, backward_kind(kind), ties=self.profile.ties).astype(
+                np.float64
+            )
+        W = t[walk]
         mem = stage_terms(
             P[None, :] - P[:, None] - self._dup,
             Bu[None, :] - Bu[:, None],
@@ -359,14 +363,16 @@ class SyncModel:
 
     def _split_grads(self, t: dict[str, np.ndarray], position: int) -> np.ndarray:
         """:func:`memory.split_grad_bytes` of every ``[a, b)``: the output's gradient, and
-        past the first stage each other layer's with weights (``b <= a``: meaningless)."""
+        past the first stage each other layer's with weights; none where ``[a, b)`` has no
+        weights (``b <= a``: meaningless)."""
         L = self.L
         out = np.broadcast_to(t["in"][None, : L + 1], (L + 1, L + 1))
+        weighted = (t["P"][None, :] - t["P"][:, None]) > 0
         if position == 0:
-            return out
+            return np.where(weighted, out, 0)
         ow = t["Ow"]
         before_last = ow[np.maximum(np.arange(L + 1) - 1, 0)]  # layers a .. b - 2
-        return out + before_last[None, :] - ow[:, None]
+        return np.where(weighted, out + before_last[None, :] - ow[:, None], 0)
 
     def sub(
         self,
