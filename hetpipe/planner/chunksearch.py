@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hetpipe.core import devschedule
 from hetpipe.core.devschedule import device_of
 from hetpipe.core.schedule import (
@@ -71,6 +73,9 @@ STARTS = 3  # the fastest candidates of the programs refined
 # which see one stage at a time: shares that add up to at most 1 keep a device's stages within
 # its cap together
 SHARES = ((1.0, 1.0), (0.75, 0.75), *((f / 10, 1 - f / 10) for f in range(1, 10)))
+# besides: up to this many splits of a cap where one chunk takes exactly what one of its
+# ranges needs and the other the rest (a grid step misses a split that fits only so)
+FITTED_SHARES = 16
 # a device-level kind replaces the one-stage-a-device pipeline only where predicted faster by
 # more than this share: the two are timed by different rules (a clock per device against one
 # per stage), and a device's stages also share its worker's event loop and messages, which
@@ -260,7 +265,7 @@ def best_chunk_cuts(
     mems = [model._memory_matrix(i, pos, k, kind) for pos, i in enumerate(place)]
     cands: set[tuple[tuple[int, int], ...]] = set()
     chunk = [place[:pos].count(i) for pos, i in enumerate(place)]  # which chunk of its device
-    for shares in SHARES:
+    for shares in (*SHARES, *_fitted_shares(model, place, chunk, mems)):
         ok = [
             mem <= model.devices[i].memory * shares[c]
             for mem, i, c in zip(mems, place, chunk, strict=True)
@@ -283,6 +288,25 @@ def best_chunk_cuts(
     if found is None:
         return None
     return ChunkChoice(kind, place, tuple(found[1]), found[0])
+
+
+def _fitted_shares(
+    model: SyncModel, place: Sequence[int], chunk: Sequence[int], mems: Sequence[np.ndarray]
+) -> list[tuple[float, float]]:
+    """Cap splits fitted to the stages: for each share a chunk's range takes of its device's
+    cap, that share for the chunk and the rest for the other; at most
+    :data:`FITTED_SHARES`, evenly spread over the shares found."""
+    found: set[float] = set()
+    for mem, i, c in zip(mems, place, chunk, strict=True):
+        fits = mem[np.isfinite(mem)] / model.devices[i].memory
+        for f in np.unique(fits[(fits > 0) & (fits < 1)]):
+            f = float(f) * (1 + 1e-9)  # the range itself fits; candidates are checked whole
+            found.add(f if c == 0 else 1.0 - f)
+    shares = sorted(found)
+    if len(shares) > FITTED_SHARES:
+        step = (len(shares) - 1) / (FITTED_SHARES - 1)
+        shares = [shares[round(n * step)] for n in range(FITTED_SHARES)]
+    return [(f, 1.0 - f) for f in shares]
 
 
 def _score(
