@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -141,15 +142,18 @@ def test_a_tied_tensors_gradient_is_charged_once_by_every_form(kind: str) -> Non
     assert 0 < twice - once <= nbytes  # counted twice without the tie, once with it
 
 
-def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
-    """A real stage (the whole model, async, weights stashed, SGD with momentum) holding Nm
-    minibatches of Nm weight versions, with two waves' updates accumulated, counts exactly
-    the planner's six terms for the same layers measured by the profiler."""
-    model, nm = "usermodels:dropout_mlp", 3
-    spec = JobSpec.from_dict(job("unit", model=model, minibatches=24, nm=nm, seed=3))
+def whole_model_stage(
+    model: str, nm: int, minibatches: int, train: dict[str, Any] | None = None
+) -> tuple[StageCompute, int]:
+    """A real stage holding the whole ``model`` on a fast CPU device, its weights loaded
+    from seed 3; and the model's number of layers."""
+    extra = {"train": train} if train else {}
+    spec = JobSpec.from_dict(
+        job("unit", model=model, minibatches=minibatches, nm=nm, seed=3, **extra)
+    )
     n = len(build_model(spec.model.name, spec.model.args))
     task = StageTask.standalone(
-        "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), nm=nm, minibatches=24
+        "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), nm=nm, minibatches=minibatches
     )
     dev = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
     compute = StageCompute(task, dev)
@@ -157,6 +161,15 @@ def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
     state = build_model(spec.model.name, spec.model.args).state_dict()
     names = compute.state_names()
     compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    return compute, n
+
+
+def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
+    """A real stage (the whole model, async, weights stashed, SGD with momentum) holding Nm
+    minibatches of Nm weight versions, with two waves' updates accumulated, counts exactly
+    the planner's six terms for the same layers measured by the profiler."""
+    model, nm = "usermodels:dropout_mlp", 3
+    compute, n = whole_model_stage(model, nm, 24)
     stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
     # the async order: Nm forwards ahead, then a backward and a step before each forward
     for p in range(nm):
@@ -174,7 +187,7 @@ def test_runtime_accounting_equals_the_planner_on_every_term() -> None:
     torch.manual_seed(3)
     layers = measure_layers(build_model(model), x, repeats=3, warmup=1)
     profile = ModelProfile(model, 32, x.numel() * x.element_size(), {"fast": layers})
-    factor = StageOptimizer.state_factor(spec.optimizer)
+    factor = StageOptimizer.state_factor(compute.spec.optimizer)
     assert factor == 1  # SGD with momentum: one parameter-sized buffer
     # position 0 of 2 holds Nm in flight (a pipeline's last stage holds one)
     want = stage_memory_of(profile, "fast", (0, n), 0, 2, nm, factor)
@@ -188,19 +201,7 @@ def test_runtime_walks_the_backward_as_the_planner_does(kind: str) -> None:
     profiler, to the byte: a whole backward layer by layer with the weight gradients it
     returns, a split one's larger pass."""
     model = "usermodels:dropout_mlp"
-    spec = JobSpec.from_dict(
-        job("unit", model=model, minibatches=8, nm=4, seed=3, train={"schedule": kind})
-    )
-    n = len(build_model(spec.model.name, spec.model.args))
-    task = StageTask.standalone(
-        "unit", spec.to_dict(), StageLayout(("gpu0",), 0, n), nm=4, minibatches=8
-    )
-    dev = DeviceSpec("gpu0", "cpu", "fast", 1 << 30, 1.0, 0, "node0", "127.0.0.1")
-    compute = StageCompute(task, dev)
-    torch.manual_seed(3)
-    state = build_model(spec.model.name, spec.model.args).state_dict()
-    names = compute.state_names()
-    compute.load({k: state[k] for k in names}, {k: [] for k in names})
+    compute, n = whole_model_stage(model, 4, 8, {"schedule": kind})
     stream = MinibatchStream(load_dataset("digits"), 32, 0, 0, 1)
     compute.forward(0, *stream.batch(0))
     x, _ = stream.batch(0)

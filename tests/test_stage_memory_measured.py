@@ -85,21 +85,28 @@ def test_measured_peak_within_ten_percent_of_the_model(
     assert abs(got - want) / got <= 0.10, (kind, stage, got, want)
 
 
+def four_stages(devices: list[str], train: dict[str, Any]) -> JobSpec:
+    """The mlp as four stages of 2, 1, 1 and 2 layers on ``devices``."""
+    return JobSpec.from_dict(
+        job(
+            "measured",
+            model="mlp",
+            nm=M,
+            minibatches=2 * M,
+            split=[(devices, [2, 1, 1, 2])],
+            train=train,
+        )
+    )
+
+
 def test_a_device_runs_its_stages_together_within_their_peaks_alone(
     setup: dict[str, Any],
 ) -> None:
     """zbv on four stages: the V places stages 0 and 3 on device 0, 1 and 2 on device 1; a
     device's stages run together never hold more than their peaks alone added."""
     cuts = (0, 2, 3, 4, 6)
-    spec = JobSpec.from_dict(
-        job(
-            "measured",
-            model="mlp",
-            nm=M,
-            minibatches=2 * M,
-            split=[(["gpu0", "gpu1", "gpu1", "gpu0"], [2, 1, 1, 2])],
-            train={"schedule": "zbv", "several_stages": True},
-        )
+    spec = four_stages(
+        ["gpu0", "gpu1", "gpu1", "gpu0"], {"schedule": "zbv", "several_stages": True}
     )
     rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
     alone = [memprobe.stage_peak(spec, cuts, s, rec, setup["state"]).peak for s in range(4)]
@@ -123,16 +130,7 @@ def test_a_stage_without_weights_under_a_split_backward_is_predicted_to_the_byte
     train: dict[str, Any] = {"schedule": kind}
     if kind == "zbv":
         train["several_stages"] = True
-    spec = JobSpec.from_dict(
-        job(
-            "measured",
-            model="mlp",
-            nm=M,
-            minibatches=2 * M,
-            split=[(devices, [2, 1, 1, 2])],
-            train=train,
-        )
-    )
+    spec = four_stages(devices, train)
     rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
     got = memprobe.stage_peak(spec, cuts, 1, rec, setup["state"]).peak
     want = stage_memory_of(setup["profile"], "cpu", (2, 3), 1, 4, M, 1, kind)
@@ -148,16 +146,7 @@ def test_the_measured_iteration_runs_beside_the_update_held_until_its_push(
     four under 1f1b) peaks at its step: weights, momentum, the mean gradient, the new
     weights, the update and the update held, six parameter-sized tensors to the byte."""
     cuts = (0, 2, 3, 4, 6)
-    spec = JobSpec.from_dict(
-        job(
-            "measured",
-            model="mlp",
-            nm=M,
-            minibatches=2 * M,
-            split=[(["gpu0", "gpu1", "gpu2", "gpu3"], [2, 1, 1, 2])],
-            train={"schedule": "1f1b"},
-        )
-    )
+    spec = four_stages(["gpu0", "gpu1", "gpu2", "gpu3"], {"schedule": "1f1b"})
     rec = memprobe.record(spec, cuts, setup["batches"], setup["state"])
     got = memprobe.stage_peak(spec, cuts, 2, rec, setup["state"])
     params = setup["profile"].layers["cpu"][3].param_bytes
