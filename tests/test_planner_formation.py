@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from hetpipe.config import (
@@ -23,10 +21,8 @@ from hetpipe.planner.formation import (
     hd_formation,
     np_formation,
 )
-from hetpipe.planner.runtime import RuntimeCosts
 
 SPEED = {"fast": 1.0, "mid": 0.5, "slow": 0.25}
-WARM = dataclasses.replace(RuntimeCosts(), cold_pad_s=0.0)  # padded devices start warm
 
 
 def toy_cluster(layout: dict[str, list[tuple[str, str]]], memory: int = 1 << 30) -> ClusterConfig:
@@ -125,27 +121,15 @@ def test_make_plan_follows_the_requested_policy():
         ("np", [{"f0", "f1", "m0"}, {"m1", "s0", "s1"}]),
         ("ed", [{"f0", "m0", "s0"}, {"f1", "m1", "s1"}]),
     ):
-        # the policy's groups, with a runtime whose padded devices start warm (with this
-        # host's cold starts np leaves its slow VW out: below)
         plan = make_plan(
-            cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1, policy=policy,
-            costs=WARM,
-        )  # fmt: skip
+            cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1, policy=policy
+        )
         assert [set(v.devices) for v in plan.vws] == want
         assert plan.policy == policy
     plan = make_plan(
-        cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1, policy="hd", num_vws=2,
-        costs=WARM,
-    )  # fmt: skip
-    assert [set(v.devices) for v in plan.vws] == [{"f0", "m0", "s1"}, {"f1", "m1", "s0"}]
-    # each of the slow VW's tasks costs a cold start after its pad's sleep: it is left out
-    # whole, and the plan says why
-    plan = make_plan(
-        cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1, policy="np"
+        cluster, prof, minibatch=32, staleness=0, optimizer_state_factor=1, policy="hd", num_vws=2
     )
-    assert [set(v.devices) for v in plan.vws] == [{"f0", "f1", "m0"}]
-    assert set(plan.unused) == {"m1", "s0", "s1"}
-    assert any("s0" in w and "left out with its whole VW" in w for w in plan.warnings)
+    assert [set(v.devices) for v in plan.vws] == [{"f0", "m0", "s1"}, {"f1", "m1", "s0"}]
 
 
 def test_auto_is_at_least_as_good_as_every_policy():

@@ -79,16 +79,8 @@ class RuntimeCosts:
     ``cold``                how much more a compute task costs when its thread was idle
                             before it (caches and clocks cool down; a profile times layers
                             back to back): the idle share of an unpadded host device's
-                            tasks (:attr:`.predict.StageCost.cools`; a padded device's
-                            follow ``cold_pad_s``)
-    ``cold_pad_s``          the CPU seconds more that a padded device's compute task costs
-                            after its thread slept a long gap; after ``gap`` seconds, this
-                            times ``1 - exp(-gap / cold_pad_tau_s)`` (:meth:`cold_start_s`).
-                            The pad sleeps between tasks, and pads the extra CPU too; the
-                            extra hardly depends on the task's size. Fitted by
-                            ``scripts/probe_cold.py`` on a small CPU host under other load;
-                            a host whose idle cores stay warm has less
-    ``cold_pad_tau_s``      how fast that extra grows with the sleep
+                            tasks (a padded one's pad counts CPU time and shows none:
+                            :attr:`.predict.StageCost.cools`)
     ``inline_s``            not a cost: the runtime's ``[runtime] inline_ms``. An unslowed
                             CPU device's tasks shorter than this run on its event loop, so
                             their hand-offs cost no hop and no wake-ups
@@ -109,8 +101,6 @@ class RuntimeCosts:
     wake_s: float = 1.5e-3
     corun: float = 0.1
     cold: float = 0.15
-    cold_pad_s: float = 4.3e-3
-    cold_pad_tau_s: float = 0.047
     inline_s: float = 0.02
 
     @classmethod
@@ -148,15 +138,6 @@ class RuntimeCosts:
         no weights (:func:`hetpipe.core.inline.may_run_inline`), when shorter than
         :attr:`inline_s`."""
         return may_run_inline(on_cpu=on_cpu, speed=speed, pulls=pulls) and task_s < self.inline_s
-
-    def cold_start_s(self, gap_s: float) -> float:
-        """The extra CPU seconds of a padded device's compute task after its thread slept
-        ``gap_s`` seconds (``cold_pad_s`` and ``cold_pad_tau_s``)."""
-        if gap_s <= 0 or self.cold_pad_s <= 0:
-            return 0.0
-        if self.cold_pad_tau_s <= 0:
-            return self.cold_pad_s
-        return self.cold_pad_s * -math.expm1(-gap_s / self.cold_pad_tau_s)
 
     @property
     def is_zero(self) -> bool:
