@@ -17,6 +17,17 @@ sleeps until the wall clock reaches the CPU time / s; a stall longer than that s
 (a CUDA device, whose kernels are not the thread's, or torch on several intra-op threads) the
 wall clock stays the measure.
 
+**The least work, not the last.** A pass's CPU time also varies with the host: after the
+pad's sleep the core has cooled (caches refilled, clocks ramped, a virtual CPU rescheduled)
+and other processes' work has evicted the thread's data, so the next pass takes more CPU
+than the same pass back to back, by milliseconds whatever its size. A real slow GPU pays
+none of that, and padding it by 1 / speed would multiply it: a device at speed 0.0025 turned
+a 10 ms cold start into 4 s a pass. So a device pads each kind of pass (forward, backward,
+each half of a split one; per input shape, recomputing or not: :class:`Pace`) to the least
+CPU time that pass has taken on its thread so far, the closest measure of the work itself,
+as a profile that times layers back to back measures it. A pass whose wall-clock time
+already exceeds that / speed is not padded (the host really was that slow).
+
 **A slowed device** (``[[fault]] kind = "slow"``, :func:`speed_at`) rehearses a GPU that
 throttles or is shared mid-job: from a given minibatch on, the device computes at its speed
 divided by the fault's factor. The same pad does it on every device: an emulated one's
@@ -32,13 +43,14 @@ reports are then the host's (launch) times, not the kernels'.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.profile import padded_speed
 
 __all__ = [
     "Mark",
+    "Pace",
     "emulated",
     "mark",
     "on_thread_clock",
@@ -60,6 +72,20 @@ class Mark:
 def mark() -> Mark:
     """Start timing a forward or backward on the calling thread (see :func:`pad`)."""
     return Mark(time.perf_counter(), time.thread_time())
+
+
+class Pace:
+    """The least CPU time each kind of pass has taken on one device's compute thread: the
+    work :func:`pad` stretches (see the module docs)."""
+
+    def __init__(self) -> None:
+        self.least: dict[Hashable, float] = {}
+
+    def work(self, key: Hashable, measured: float) -> float:
+        """The work of a pass of kind ``key`` that measured ``measured`` CPU seconds."""
+        least = min(self.least.get(key, measured), measured)
+        self.least[key] = least
+        return least
 
 
 def on_thread_clock(device: str) -> bool:
@@ -97,9 +123,17 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def pad(started: Mark, speed: float, device: str) -> float:
+def pad(
+    started: Mark,
+    speed: float,
+    device: str,
+    pace: Pace | None = None,
+    key: Hashable = None,
+) -> float:
     """Sleep so that the work begun at ``started`` takes (its work's time) / speed, on the
     clock that measures the work (:func:`on_thread_clock`); return its wall-clock time.
+    With ``pace``, a pass of kind ``key`` on the thread clock is stretched from the least
+    CPU time such a pass has taken (:class:`Pace`).
 
     Sleeping releases the CPU, so a slowed device does not steal compute from the others on
     the same host: the emulated cluster keeps the relative speeds the config asks for. An
@@ -109,7 +143,12 @@ def pad(started: Mark, speed: float, device: str) -> float:
         return time.perf_counter() - started.wall
     synchronize(device)
     elapsed = time.perf_counter() - started.wall
-    work = time.thread_time() - started.cpu if on_thread_clock(device) else elapsed
+    if on_thread_clock(device):
+        work = time.thread_time() - started.cpu
+        if pace is not None:
+            work = pace.work(key, work)
+    else:
+        work = elapsed
     rest = work / speed - elapsed
     if rest > 0:
         time.sleep(rest)

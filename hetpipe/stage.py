@@ -309,6 +309,8 @@ class StageCompute:
             else None
         )
         self.probes = Probes(self.dev)  # weights = "predict" (hetpipe.probes)
+        # each kind of pass's least CPU time, what an emulated device pads (hetpipe.emulate)
+        self.pace = emulate.Pace()
         # the memory it keeps, counted in the planner's terms (hetpipe.stagememory)
         self.mem = MemoryCount(
             self.module, recompute, swap, device.memory, self.where, self.spec.schedule
@@ -423,7 +425,7 @@ class StageCompute:
                 if self.half is not None:
                     sent = carry.to_half(sent, self.half)
             self.stats.forward_s += self._charge_swap(
-                emulate.pad(started, self._speed(p), self.dev), flight.swapped
+                self._pad(started, self._speed(p), "forward", flight), flight.swapped
             )
             return sent
         with self._autocast():
@@ -435,7 +437,7 @@ class StageCompute:
             flight.loss = self.loss_fn(out, target)
         self._losses.add(p, flight.loss)
         self.stats.forward_s += self._charge_swap(
-            emulate.pad(started, self._speed(p), self.dev), flight.swapped
+            self._pad(started, self._speed(p), "forward", flight), flight.swapped
         )
         return None
 
@@ -532,9 +534,15 @@ class StageCompute:
             self.grads.pending[p] = pgrads
         self.stats.backwards += 1
         self.stats.backward_s += self._charge_swap(
-            emulate.pad(started, self._speed(p), self.dev), flight.swapped
+            self._pad(started, self._speed(p), "backward", flight), flight.swapped
         )
         return grad_in
+
+    def _pad(self, started: emulate.Mark, speed: float, kind: str, flight: _InFlight) -> float:
+        """Pad a pass of ``kind`` on ``flight`` to its device's speed (:func:`emulate.pad`),
+        from the least CPU time such a pass took: same input shape, recomputing or not."""
+        key = (kind, carry.shape_of(flight.x), flight.recompute)
+        return emulate.pad(started, speed, self.dev, self.pace, key)
 
     def backward_input(self, p: int, grad: Carry | None) -> Carry | None:
         """The first half of a split backward (:class:`hetpipe.core.schedule.BackwardInput`):
@@ -559,7 +567,7 @@ class StageCompute:
         # what it keeps until its weight gradient is the most a split backward holds
         self._check_memory()
         speed = self.speed if self.spec.sync else self._speed(p)
-        self.stats.backward_s += emulate.pad(started, speed, self.dev)
+        self.stats.backward_s += self._pad(started, speed, "input", flight)
         return grad_in
 
     def backward_weight(self, p: int) -> None:
@@ -588,7 +596,7 @@ class StageCompute:
         self.stats.backwards += 1
         speed = self.speed if self.spec.sync else self._speed(p)
         self.stats.backward_s += self._charge_swap(
-            emulate.pad(started, speed, self.dev), flight.swapped
+            self._pad(started, speed, "weight", flight), flight.swapped
         )
 
     def _gradients(

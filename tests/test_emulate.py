@@ -72,6 +72,27 @@ def test_a_host_device_pads_its_cpu_time(
     assert sleeps[0] == pytest.approx(took - (time.perf_counter() - started.wall), abs=0.02)
 
 
+def test_a_pass_is_padded_from_the_least_work_its_kind_took(
+    monkeypatch: pytest.MonkeyPatch, sleeps: list[float], one_thread: None
+) -> None:
+    """A pass that took more CPU than the same kind of pass before (a cold start after the
+    pad's sleep, another process's cache pollution) is stretched from the least: the host's
+    extra milliseconds are not multiplied by 1 / speed. Another kind keeps its own least."""
+    pace = emulate.Pace()
+    _record(monkeypatch, sleeps)
+    took = []
+    for key, cpu_s in (("fwd", 0.02), ("fwd", 0.06), ("bwd", 0.06), ("fwd", 0.01)):
+        started = emulate.mark()
+        _spin(cpu_s)
+        took.append(emulate.pad(started, 0.1, "cpu", pace, key))
+    least_fwd, bwd = pace.least["fwd"], pace.least["bwd"]
+    assert 0.01 <= least_fwd < 0.02 and bwd >= 0.06
+    # the second forward spun 0.06 s but is padded as the first one's 0.02 s of work
+    assert took[1] == pytest.approx(took[0], rel=0.05) and took[1] < 0.06 / 0.1 * 0.6
+    assert took[2] >= 0.06 / 0.1  # its own kind: no less work seen
+    assert took[3] <= 0.02 / 0.1 * 0.75  # a new least counts at once
+
+
 def test_the_wall_clock_measures_work_the_thread_does_not_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -612,12 +612,14 @@ def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resum
     job write its next checkpoint and every daemon stop; the job ends as ``TIMEOUT``, nothing
     is left running, and the next allocation resumes the job from that checkpoint.
 
-    The devices are slowed (emulated speeds) so that the job cannot end in the first
-    allocation. The limit is set once the job trains (``scontrol update TimeLimit``, in
+    The devices are slowed (emulated speeds) and the job long, so that it cannot end in the
+    first allocation; not so slowed that a wave outlasts the warning: a pass right after the
+    pad's sleep costs a cold start of up to about 13 ms of CPU on an idle host, which the
+    pad stretches by 1 / speed (a wave of the slow stage: four such passes). The limit is set once the job trains (``scontrol update TimeLimit``, in
     minutes, the smallest that still leaves the warning a time-limit check before the end):
     a limit given at submission would also count the daemons' start-up, whose length a
     loaded host does not bound."""
-    job_file = _job_file(tmp_path / "job.toml", minibatches=1000, checkpoint_every=5)
+    job_file = _job_file(tmp_path / "job.toml", minibatches=4000, checkpoint_every=5)
     first = ["-p", "debug", "-w", "n0", "-N1", "-n2", *ONE, f"--signal=B:USR1@{WARN_S}"]
     components = [*first, *HET[HET.index(":") :]]
     job, run_dir, _ = _submit(
@@ -625,7 +627,7 @@ def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resum
         tmp_path,
         job_file,
         components=components,
-        emulate="fast:0.005:256MiB:2 slow:0.0025:256MiB:1",
+        emulate="fast:0.03:256MiB:2 slow:0.015:256MiB:1",
         extra={"HETPIPE_STOP_S": "15"},
     )
 
@@ -653,7 +655,7 @@ def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resum
     ck = checkpoint.latest(job_dir)
     assert ck is not None and ck.state, sorted(job_dir.rglob("*"))
     saved = ck.meta["minibatches_done"]
-    assert 0 < saved < 2000, ck.meta  # of 2 VWs x 1000
+    assert 0 < saved < 8000, ck.meta  # of 2 VWs x 4000
     # the checkpoint the warning waited for (or one taken in the moment before the stop)
     waited = re.search(r"checkpoint before the time limit: slurm-mlp-1 at wave (\d+)", out)
     assert waited is not None and ck.meta["wave"] >= int(waited.group(1)), (out, ck.meta)

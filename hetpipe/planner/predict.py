@@ -158,10 +158,9 @@ class StageCost:
     def cools(self) -> bool:
         """Whether a task of this stage costs more after its thread idled
         (``RuntimeCosts.cold``): an unpadded device on the host's cores. A GPU's kernels do
-        not run on the host's caches and clocks; a padded device's pad counts its thread's
-        CPU time (:func:`hetpipe.emulate.pad`), and measured so, its compute shows no cold
-        start (0.79-0.94 of the prediction with one, mean 0.87 = 1 / 1.15, over nine
-        padded stages of the default cluster, where the wall-clock pad had shown one)."""
+        not run on the host's caches and clocks; a padded device pads each pass from the
+        least CPU time its kind took (:class:`hetpipe.emulate.Pace`), so a cold start only
+        shortens its sleep."""
         return self.on_cpu and self.pad_speed >= 1.0
 
     def tasks_s(self, slow: float, pad_slow: float, cold: float) -> tuple[float, float]:

@@ -79,7 +79,7 @@ class RuntimeCosts:
     ``cold``                how much more a compute task costs when its thread was idle
                             before it (caches and clocks cool down; a profile times layers
                             back to back): the idle share of an unpadded host device's
-                            tasks (a padded one's pad counts CPU time and shows none:
+                            tasks (a padded one pads from its least work and shows none:
                             :attr:`.predict.StageCost.cools`)
     ``inline_s``            not a cost: the runtime's ``[runtime] inline_ms``. An unslowed
                             CPU device's tasks shorter than this run on its event loop, so
