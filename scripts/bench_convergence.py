@@ -315,6 +315,7 @@ def _ddp_train(
     from torch.nn.parallel import DistributedDataParallel
 
     from hetpipe.data import MinibatchStream, evaluate, load_dataset
+    from hetpipe.emulate import Pace
     from hetpipe.emulate import mark as start
     from hetpipe.emulate import pad
     from hetpipe.models import build_model
@@ -339,13 +340,14 @@ def _ddp_train(
     stream = MinibatchStream(ds, a["minibatch"], seed, rank, world)
     total = a["epochs"] * stream.per_epoch
     mark: dict[str, Any] = {"t": start(), "compute": 0.0}
+    pace = Pace()  # each kind of pass padded from its least work, as a worker pads
 
     # no annotations: DDP compares them literally with dist.GradBucket / Future[Tensor], and
     # this module's annotations are strings
     def hook(_state, bucket):  # type: ignore[no-untyped-def]
         # the bucket's gradients are computed: pad that compute, then all-reduce them
         mark["compute"] += time.perf_counter() - mark["t"].wall
-        pad(mark["t"], speed, "cpu")
+        pad(mark["t"], speed, "cpu", pace, ("bucket", bucket.index()))
         fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
         mark["t"] = start()
         return fut
@@ -362,14 +364,14 @@ def _ddp_train(
         t0 = start()
         loss = F.cross_entropy(ddp(x), y)
         mark["compute"] += time.perf_counter() - t0.wall
-        pad(t0, speed, "cpu")
+        pad(t0, speed, "cpu", pace, "forward")
         mark["t"] = start()
         loss.backward()
         t2 = start()
         opt.step()
         opt.zero_grad()
         mark["compute"] += time.perf_counter() - t2.wall
-        pad(t2, speed, "cpu")
+        pad(t2, speed, "cpu", pace, "step")
         step += 1
         if rank != 0:
             continue
