@@ -17,7 +17,8 @@ reaches ``--target``, side by side in one run:
   model: gpu0, gpu1, gpu2 (gpu3's 3 MiB cannot). Each rank emulates its device as a hetpipe
   worker does (:func:`hetpipe.emulate.pad`): the forward, the backward compute (padded in
   the DDP communication hook *before* its all-reduce, so waiting for peers is not
-  stretched) and the optimizer step each take their CPU time / speed. One torch thread per rank;
+  stretched) and the optimizer step each take their CPU time / speed, from the least CPU
+  time each kind of pass took (:class:`hetpipe.emulate.Pace`). One torch thread per rank;
   ``broadcast_buffers=False`` (each rank keeps its batch-norm statistics). Rank 0 evaluates
   every ``--eval-every`` seconds of training; that pauses training, so its time is left out
   of DDP's clock (hetpipe's evaluations run beside training and stay in: a choice in DDP's
@@ -315,9 +316,8 @@ def _ddp_train(
     from torch.nn.parallel import DistributedDataParallel
 
     from hetpipe.data import MinibatchStream, evaluate, load_dataset
-    from hetpipe.emulate import Pace
+    from hetpipe.emulate import Pace, pad
     from hetpipe.emulate import mark as start
-    from hetpipe.emulate import pad
     from hetpipe.models import build_model
 
     torch.manual_seed(seed)
