@@ -26,7 +26,9 @@ a 10 ms cold start into 4 s a pass. So a device pads each kind of pass (forward,
 each half of a split one; per input shape, recomputing or not: :class:`Pace`) to the least
 CPU time that pass has taken on its thread so far, the closest measure of the work itself,
 as a profile that times layers back to back measures it. A pass whose wall-clock time
-already exceeds that / speed is not padded (the host really was that slow).
+already exceeds that / speed is not padded (the host really was that slow). Where every pass
+of a kind follows a sleep (a device so slow that its microbatches never run back to back),
+the least still holds a cold start: on such a host, keep speeds within what it can show.
 
 **A slowed device** (``[[fault]] kind = "slow"``, :func:`speed_at`) rehearses a GPU that
 throttles or is shared mid-job: from a given minibatch on, the device computes at its speed
