@@ -615,10 +615,10 @@ def test_time_limit_checkpoints_stops_every_daemon_and_the_next_allocation_resum
     The devices are slowed (emulated speeds) and the job long, so that it cannot end in the
     first allocation; not so slowed that a wave outlasts the warning: a pass right after the
     pad's sleep costs a cold start of up to about 13 ms of CPU on an idle host, which the
-    pad stretches by 1 / speed (a wave of the slow stage: four such passes). The limit is set once the job trains (``scontrol update TimeLimit``, in
-    minutes, the smallest that still leaves the warning a time-limit check before the end):
-    a limit given at submission would also count the daemons' start-up, whose length a
-    loaded host does not bound."""
+    pad stretches by 1 / speed (a wave of the slow stage: four such passes). The limit is
+    set once the job trains (``scontrol update TimeLimit``, in minutes, the smallest that
+    still leaves the warning a time-limit check before the end): a limit given at submission
+    would also count the daemons' start-up, whose length a loaded host does not bound."""
     job_file = _job_file(tmp_path / "job.toml", minibatches=4000, checkpoint_every=5)
     first = ["-p", "debug", "-w", "n0", "-N1", "-n2", *ONE, f"--signal=B:USR1@{WARN_S}"]
     components = [*first, *HET[HET.index(":") :]]
