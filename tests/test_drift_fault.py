@@ -121,7 +121,9 @@ def test_a_stage_on_the_slowed_device_computes_slower_from_the_minibatch_on(
     assert slowed._speed(2) == 0.5 and slowed._speed(3) == pytest.approx(0.125)
     speeds: list[float] = []
     real = emulate.pad
-    monkeypatch.setattr(emulate, "pad", lambda m, speed, d: speeds.append(speed) or real(m, 1.0, d))
+    monkeypatch.setattr(
+        emulate, "pad", lambda m, speed, d, *pace: speeds.append(speed) or real(m, 1.0, d, *pace)
+    )
     torch.manual_seed(0)
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
     for p in range(5):
