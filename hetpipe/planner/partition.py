@@ -153,6 +153,12 @@ PROBES_MAX = 15
 PROBE_CELLS = 400_000
 
 
+def _order_key(devices: Sequence[Any], bws: Any, nm: int) -> tuple:
+    """What an order's answers depend on, for the memos: its devices up to their names (type,
+    memory, host copy rate), its links and Nm."""
+    return (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+
+
 class CostModel(CostTables):
     """The cost tables of one profile under one network (:class:`CostTables`) and the exact
     min-bottleneck partition over them, with caches.
@@ -207,7 +213,7 @@ class CostModel(CostTables):
                 f"{k} devices but the model has only {L} layers (every device needs one)"
             )
         bws = self.links(devices)
-        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        key = _order_key(devices, bws, nm)
         names = tuple(d.name for d in devices)
         hit = self._memo.get(key)
         if hit is None:
@@ -561,7 +567,7 @@ class CostModel(CostTables):
         if not isinstance(p, Partition) or _full(p):
             return p
         bws = self.links(devices)
-        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        key = _order_key(devices, bws, nm)
         hit = self._joint.get(key)
         if hit is None:
             if _below(p.bottleneck, 1.0, beat):
@@ -711,7 +717,7 @@ class CostModel(CostTables):
     def _unreachable(self, bands: Sequence[tuple[np.ndarray, int]]) -> bool:
         """Whether no split over these stage bands (:meth:`_stage_bands`) reaches the last
         layer, proved without the DP: after each stage every boundary a split can reach is
-        at most the furthest end (:meth:`_band_end`) of a stage starting at or before the
+        at most the furthest end (:meth:`_band_reach`) of a stage starting at or before the
         previous stage's furthest boundary, so where the last stage's is short of ``L`` (or
         some stage has none), no split fits. A proof only: False says nothing (the DP
         decides). Most orders the exhaustive search asks at a larger Nm end here: their
@@ -733,7 +739,7 @@ class CostModel(CostTables):
         device sequence like :meth:`partition`, and inf without the DP where the stages
         cannot reach the last layer (:meth:`_unreachable`)."""
         bws = self.links(devices)
-        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        key = _order_key(devices, bws, nm)
         hit = self._least.get(key)
         if hit is None:
             k = len(devices)
@@ -748,7 +754,7 @@ class CostModel(CostTables):
         """The least latency of any split of ``devices`` that fits at ``nm`` (inf where none
         does); memoised by the device sequence like :meth:`partition`."""
         bws = self.links(devices)
-        key = (tuple((d.type, d.memory, d.host_gbps) for d in devices), bws, nm)
+        key = _order_key(devices, bws, nm)
         hit = self._short.get(key)
         if hit is None:
             bands = self._stage_bands(devices, bws, nm)
