@@ -3,6 +3,7 @@ model and cluster finishes in a bounded time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -12,6 +13,7 @@ import pytest
 from helpers import load_script
 
 from hetpipe.core.memory import in_flight
+from hetpipe.core.profile import TieProfile
 from hetpipe.planner import make_plan
 from hetpipe.planner.partition import CostModel
 
@@ -89,3 +91,35 @@ def test_auto_on_400_layers_and_32_devices_is_bounded() -> None:
         assert all(x[1] == y[0] for x, y in itertools.pairwise(cuts))
         assert all(s.memory.total <= s.memory_cap for s in vw.stages)
     assert took < 90, f"auto on 400 x 32 took {took:.1f}s of CPU"
+
+
+@pytest.mark.parametrize("weights", ["stash", "latest", "predict", "predict-consistent"])
+def test_memory_totals_are_the_memory_model_at_every_flight(weights: str) -> None:
+    """An asynchronous kind's totals at any flight (built from one and two minibatches in
+    flight) are :func:`memory.stage_terms`' own integers; a synchronous kind's too."""
+    model = CostModel(_profile(40), lambda a, b: 1.25e9, 2, weights=weights)
+    tc = model.costs("t3")
+    for schedule in ("async", "1f1b"):
+        for flight in (1, 2, 3, 7):
+            want = model._terms(tc, flight, schedule).total
+            assert np.array_equal(model.memory_total("t3", flight, schedule), want)
+
+
+@pytest.mark.parametrize("activations", ["keep", "auto"])
+def test_band_of_a_tied_model_is_its_masked_matrix(activations: str) -> None:
+    """With ties priced on the link in and a policy that recomputes or swaps where keeping
+    does not fit, a band row is still its masked matrix column's finite entries, the same
+    floats: the band is gathered from the matrices the mask adds, never the mask itself."""
+    prof = _profile(30)
+    prof = dataclasses.replace(prof, ties=(TieProfile("w", (2, 17), 4 << 20),))
+    model = CostModel(prof, lambda a, b: 1.25e9, 1, activations=activations)
+    for bw_in, flight, nm in ((1.25e9, 3, 4), (None, 2, 2), (1.25e9, 1, 1)):
+        tm = model.masked_times("t3", bw_in, 1.25e9, flight, 1 << 30, nm=nm)
+        band, w = model.band("t3", bw_in, 1.25e9, flight, 1 << 30, nm=nm)
+        for b in range(model.L + 1):
+            col = [(a, float(tm[a, b])) for a in range(b) if math.isfinite(tm[a, b])]
+            row = [(b - w + j, float(band[b, j])) for j in range(w) if math.isfinite(band[b, j])]
+            assert row == col
+        assert w == max(
+            (b - a for a, b in zip(*np.nonzero(np.isfinite(tm)), strict=True)), default=1
+        )

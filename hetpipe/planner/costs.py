@@ -110,6 +110,7 @@ from hetpipe.core.memory import (
     working_bytes,
 )
 from hetpipe.core.profile import ModelProfile, StageTimes, padded_speed, update_scale
+from hetpipe.core.schedule import SYNCHRONOUS
 from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
@@ -119,8 +120,10 @@ __all__ = [
     "Policy",
     "check_devices",
     "check_profile",
+    "first_finite",
     "kept_matrix",
     "saved_ends",
+    "skew",
     "working_matrix",
 ]
 
@@ -476,6 +479,8 @@ class CostTables:
         self._min_total: tuple[tuple, int] | None = None  # min_total_memory's, by its inputs
         self._times: dict[tuple, np.ndarray] = {}
         self._totals: dict[tuple, np.ndarray] = {}
+        self._steps: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._firsts: dict[tuple, np.ndarray] = {}
         self._masked: dict[tuple, np.ndarray] = {}
         self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._bands: dict[tuple, tuple[np.ndarray, int]] = {}
@@ -666,12 +671,34 @@ class CostTables:
         return np.where(valid, t, INF)
 
     def memory_total(self, dtype: str, flight: int, schedule: str = "async") -> np.ndarray:
-        """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight."""
+        """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight.
+
+        Outside the synchronous kinds every term of :func:`memory.stage_terms` is affine in
+        ``flight`` (weight copies, kept minibatches and inputs grow by whole multiples of
+        it; the accumulators do not depend on it), so each flight's matrix is the one at a
+        single minibatch plus ``flight - 1`` times the step between one and two: the very
+        integers, two elementwise operations instead of the whole model per flight."""
         key = (dtype, flight, schedule)
         m = self._totals.get(key)
         if m is None:
-            m = self._totals[key] = self._terms(self.costs(dtype), flight, schedule).total
+            if schedule in SYNCHRONOUS:
+                m = self._terms(self.costs(dtype), flight, schedule).total
+            else:
+                one, step = self._flight_step(dtype, schedule)
+                m = one + (flight - 1) * step
+            self._totals[key] = m
         return m
+
+    def _flight_step(self, dtype: str, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`memory_total` at one minibatch in flight, and what each further one adds
+        (asynchronous kinds, where the total is affine in the flight)."""
+        key = (dtype, schedule)
+        hit = self._steps.get(key)
+        if hit is None:
+            tc = self.costs(dtype)
+            one = self._terms(tc, 1, schedule).total
+            hit = self._steps[key] = (one, self._terms(tc, 2, schedule).total - one)
+        return hit
 
     def _terms(
         self,
@@ -953,20 +980,9 @@ class CostTables:
         key = (dtype, bw_in, bw_out, flight, cap, host_gbps, nm if ties else 0)
         hit = self._bands.get(key)
         if hit is None:
-            tm = self.masked_times(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
             n = self.L + 1
-            finite = np.isfinite(tm)
-            cols = finite.any(axis=0)
-            first = finite.argmax(axis=0)
-            w = max(1, int((np.arange(n) - first)[cols].max())) if cols.any() else 1
-            pad = np.full((n + w, n), INF)
-            pad[w:] = tm
-            step = pad.strides[1]
-            # pad[b + j, b] = time[b - w + j, b]: a diagonal walk over the padded matrix
-            view = np.lib.stride_tricks.as_strided(
-                pad, shape=(n, w), strides=((n + 1) * step, n * step), writeable=False
-            )
-            hit = (np.ascontiguousarray(view), w)
+            hit = self._new_band(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
+            w = hit[1]
             if self._band_cells + n * w > 4 * self._matrix_limit * n * n:
                 self._bands.clear()
                 self._band_vals.clear()
@@ -974,6 +990,40 @@ class CostTables:
                 self._band_cells = 0
             self._bands[key] = hit
             self._band_cells += n * w
+        return hit
+
+    def _new_band(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float,
+        nm: int,
+    ) -> tuple[np.ndarray, int]:
+        """:meth:`band` uncached, gathered from the matrices :meth:`masked_at` adds (the
+        stage times, the activation policy's extra time, the ties' copies) at the band's
+        cells only, in the same order: the same floats, without building the masked
+        matrix. Its width comes from where the policy finds a fit, kept per policy key."""
+        extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
+        times = self.time_matrix(dtype, bw_in, bw_out)
+        tie = self.tie_matrix(bw_in, nm) if self._tie_copies is not None else 0.0
+
+        def values(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            tm = times[a, b] + extra[a, b]
+            return tm + tie[a, b] if isinstance(tie, np.ndarray) else tm
+
+        return skew(values, self._fitting(dtype, flight, cap, host_gbps))
+
+    def _fitting(self, dtype: str, flight: int, cap: int, host_gbps: float) -> np.ndarray:
+        """For each ``b``, the first ``a`` whose ``[a, b)`` fits under the activation policy
+        (``b`` where none does): a band's rows start there (:func:`skew`)."""
+        key = (dtype, flight, cap, host_gbps)
+        hit = self._firsts.get(key)
+        if hit is None:
+            extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
+            hit = self._firsts[key] = first_finite(np.isfinite(extra) & self.costs(dtype).valid)
         return hit
 
     def stage_memory(
@@ -1084,3 +1134,26 @@ class CostTables:
             )
             for lps in self.profile.layers.values()
         )
+
+
+def first_finite(finite: np.ndarray) -> np.ndarray:
+    """For each column ``b`` of a square mask over ``[a, b)``, its first true row ``a``;
+    ``b`` where the column has none (a stage of no layers: never in a band)."""
+    n = finite.shape[1]
+    return np.where(finite.any(axis=0), finite.argmax(axis=0), np.arange(n))
+
+
+def skew(
+    values: Callable[[np.ndarray, np.ndarray], np.ndarray], first: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """A band (:meth:`CostTables.band`) from a matrix's entries at given cells, ``values(a,
+    b)`` (index arrays), and each column's first finite row ``first``: width ``w`` the
+    longest ``b - a`` from there, row ``b`` the entries ``[b - w + j, b]``, inf above the
+    matrix (``b - w + j < 0``)."""
+    n = len(first)
+    cols = np.arange(n)
+    w = max(1, int((cols - first).max())) if n else 1
+    a = cols[:, None] - w + np.arange(w)[None, :]
+    inside = a >= 0
+    a = np.where(inside, a, 0)
+    return np.where(inside, values(a, np.broadcast_to(cols[:, None], a.shape)), INF), w

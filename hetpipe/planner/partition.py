@@ -54,7 +54,15 @@ from hetpipe.core.memory import (
     stage_memory,
 )
 from hetpipe.core.profile import ModelProfile
-from hetpipe.planner.costs import DEFAULT_HOST_GBPS, INF, Bandwidth, CostTables, check_devices
+from hetpipe.planner.costs import (
+    DEFAULT_HOST_GBPS,
+    INF,
+    Bandwidth,
+    CostTables,
+    check_devices,
+    first_finite,
+    skew,
+)
 from hetpipe.planner.plans import PlanError
 from hetpipe.planner.runtime import RuntimeCosts
 
@@ -945,6 +953,21 @@ class GridModel(CostModel):
             tm = self.fine.masked_at(dtype, bw_in, bw_out, flight, cap, host_gbps, nm, self.grid)
             self._grid_masked[key] = tm
         return tm
+
+    def _new_band(
+        self,
+        dtype: str,
+        bw_in: float | None,
+        bw_out: float | None,
+        flight: int,
+        cap: int,
+        host_gbps: float,
+        nm: int,
+    ) -> tuple[np.ndarray, int]:
+        """The band of the grid's masked matrix (:meth:`masked_times`), small enough to
+        build whole."""
+        tm = self.masked_times(dtype, bw_in, bw_out, flight, cap, host_gbps, nm)
+        return skew(lambda a, b: tm[a, b], first_finite(np.isfinite(tm)))
 
     def rest_bound(self, devices: Sequence[Any]) -> np.ndarray:
         """The full model's bound (:meth:`CostModel.rest_bound`) at the grid's boundaries."""
