@@ -15,10 +15,12 @@ as a fixed point with the simulated rates:
 3. a worker wants a core for its compute (a padded device only ``speed`` of it: the pad
    sleeps) and its event loop's work, a shard for applying pushes and answering pulls; rate x
    CPU seconds per minibatch x slowdown is the fraction of time each wants a core;
-4. processor sharing on each host's cores gives new slowdowns; repeat (damped) until they
-   settle. A padded device's compute has its own: the runtime pads it to its CPU time /
-   speed (:func:`hetpipe.emulate.pad`), so a share of a core down to ``speed`` only fills
-   time the pad would sleep (:func:`.runtime.slowdown_of`). The workers of a synchronous
+4. processor sharing on each host's cores gives new slowdowns, taken whole after the first
+   round (the unslowed start is far from any answer) and halfway after that (the sharing
+   and the rates pull against each other); repeat until they settle. A padded device's
+   compute has its own: the runtime pads it to its CPU time / speed
+   (:func:`hetpipe.emulate.pad`), so a share of a core down to ``speed`` only fills time
+   the pad would sleep (:func:`.runtime.slowdown_of`). The workers of a synchronous
    job are not independent (a flush decides who computes at once): there the law of who
    else wants a core comes from the simulated timeline (:func:`_timeline_laws`).
 
@@ -640,7 +642,7 @@ def predict(
             and all(abs(x - y) <= TOLERANCE for x, y in zip(new_busy, busy, strict=True))
             and all(abs(x - y) <= TOLERANCE * y for x, y in zip(new_cold, cold, strict=True))
         )
-        if settled:
+        if settled or rounds == 1:  # the first round's answer replaces the unslowed start
             slow, pad_slow, busy, cold = new, new_pad, new_busy, new_cold
         else:
             slow = [(x + y) / 2 for x, y in zip(new, slow, strict=True)]
