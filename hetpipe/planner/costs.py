@@ -481,6 +481,9 @@ class CostTables:
         self._totals: dict[tuple, np.ndarray] = {}
         self._steps: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._firsts: dict[tuple, np.ndarray] = {}
+        self._widths: dict[tuple[str, int], int] = {}
+        self._skews: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
+        self._kept_fits: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
         self._masked: dict[tuple, np.ndarray] = {}
         self._extra: dict[tuple, tuple[np.ndarray, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._bands: dict[tuple, tuple[np.ndarray, int]] = {}
@@ -946,11 +949,12 @@ class CostTables:
         """:meth:`masked_times` uncached, at the layer boundaries ``at`` only (rows and
         columns; every boundary where None): the same floats as the full matrix there."""
         ties = self._tie_copies is not None and bw_in is not None
-        extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
         if at is None:
             times = self.time_matrix(dtype, bw_in, bw_out)
+            extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
         else:
-            times, extra = self.time_matrix_at(dtype, bw_in, bw_out, at), extra[np.ix_(at, at)]
+            times = self.time_matrix_at(dtype, bw_in, bw_out, at)
+            extra = self.extra_at(dtype, flight, cap, host_gbps, *np.ix_(at, at))
         # inf where nothing fits, + 0.0 (the same float) where keeping everything fits
         tm = times + extra
         if ties:
@@ -1006,15 +1010,28 @@ class CostTables:
         stage times, the activation policy's extra time, the ties' copies) at the band's
         cells only, in the same order: the same floats, without building the masked
         matrix. Its width comes from where the policy finds a fit, kept per policy key."""
-        extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
         times = self.time_matrix(dtype, bw_in, bw_out)
         tie = self.tie_matrix(bw_in, nm) if self._tie_copies is not None else 0.0
+        if self.activations == "keep":
+            return self._kept_band(dtype, flight, cap, times, tie)
 
         def values(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-            tm = times[a, b] + extra[a, b]
+            tm = times[a, b] + self.extra_at(dtype, flight, cap, host_gbps, a, b)
             return tm + tie[a, b] if isinstance(tie, np.ndarray) else tm
 
         return skew(values, self._fitting(dtype, flight, cap, host_gbps))
+
+    def extra_at(
+        self, dtype: str, flight: int, cap: int, host_gbps: float, a: np.ndarray, b: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`recompute_plan`'s extra time at the cells ``(a, b)`` only (index arrays,
+        broadcast together). Under ``keep`` that is 0.0 where the stage fits and inf
+        elsewhere, read off the memory model at those cells: no whole matrix per flight."""
+        if self.activations != "keep":
+            return self.recompute_plan(dtype, flight, cap, host_gbps)[0][a, b]
+        one, step = self._flight_step(dtype, "async")
+        fits = (one[a, b] + (flight - 1) * step[a, b] <= cap) & self.costs(dtype).valid[a, b]
+        return np.where(fits, 0.0, INF)
 
     def _fitting(self, dtype: str, flight: int, cap: int, host_gbps: float) -> np.ndarray:
         """For each ``b``, the first ``a`` whose ``[a, b)`` fits under the activation policy
@@ -1024,6 +1041,63 @@ class CostTables:
         if hit is None:
             extra, _ = self.recompute_plan(dtype, flight, cap, host_gbps)
             hit = self._firsts[key] = first_finite(np.isfinite(extra) & self.costs(dtype).valid)
+        return hit
+
+    def _kept_band(
+        self, dtype: str, flight: int, cap: int, times: np.ndarray, tie: Any
+    ) -> tuple[np.ndarray, int]:
+        """:meth:`band` under ``keep``: which stages fit, from the memory model laid out as
+        a band already (:meth:`_skewed`, contiguous), and the times (with the ties' copies)
+        gathered where they do; inf elsewhere, as ``times + extra`` is (``extra`` 0.0 where
+        the stage fits, inf where not)."""
+        key = (dtype, flight, cap)
+        hit = self._kept_fits.get(key)
+        if hit is None:  # which stages fit depends on neither the links nor Nm: kept apart
+            one, step, ok, wide = self._skewed(dtype, cap)
+            fits = ok & (one + (flight - 1) * step <= cap)
+            rows = fits.any(axis=1)
+            w = max(1, wide - int(fits[rows].argmax(axis=1).min())) if rows.any() else 1
+            n = self.L + 1
+            cols = np.arange(n)[:, None]
+            a = np.maximum(cols - w + np.arange(w)[None, :], 0)
+            hit = self._kept_fits[key] = (fits[:, wide - w :], a, cols, w)
+        fits, a, cols, w = hit
+        vals = times[a, cols] + tie[a, cols] if isinstance(tie, np.ndarray) else times[a, cols]
+        return np.where(fits, vals, INF), w
+
+    def _skewed(self, dtype: str, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """:meth:`_flight_step`'s two matrices and where ``a < b``, laid out as a band of
+        :meth:`_widest`'s width ``W`` (row ``b``, entry ``j``: ``[b - W + j, b)``), and
+        ``W``: every flight's fit is then a few contiguous operations."""
+        wide = self._widest(dtype, cap)
+        key = (dtype, wide)
+        hit = self._skews.get(key)
+        if hit is None:
+            one, step = self._flight_step(dtype, "async")
+            n = self.L + 1
+            cols = np.arange(n)[:, None]
+            a = cols - wide + np.arange(wide)[None, :]
+            inside = a >= 0
+            a = np.maximum(a, 0)
+            ok = inside & self.costs(dtype).valid[a, cols]
+            hit = self._skews[key] = (one[a, cols], step[a, cols], ok, wide)
+        return hit
+
+    def _widest(self, dtype: str, cap: int) -> int:
+        """The longest stage that fits ``cap`` keeping everything with one minibatch in
+        flight, and so with any: a further minibatch in flight only adds bytes (the step
+        of :meth:`_flight_step` is never negative; where it were, the whole model)."""
+        key = (dtype, cap)
+        hit = self._widths.get(key)
+        if hit is None:
+            one, step = self._flight_step(dtype, "async")
+            n = self.L + 1
+            if (step < 0).any():
+                hit = max(1, n - 1)
+            else:
+                first = first_finite((one <= cap) & self.costs(dtype).valid)
+                hit = max(1, int((np.arange(n) - first).max()))
+            self._widths[key] = hit
         return hit
 
     def stage_memory(
