@@ -206,9 +206,11 @@ def test_explicit_plan_prices_a_given_split():
     assert plan.vws[0].layers == (6, 4, 4, 2) and plan.vws[0].nm == 4
     assert plan.vws[0].stages[3].layers == (14, 16)
     assert plan.samples_per_s > 0
-    # the planner's own split for the same order is at least as good
+    # the planner's own split for the same order is at least as good: predicted throughput
+    # (its slowest stage as simulated may be slower: sharing the host's cores slows the fast
+    # unpadded device, while padded ones sleep such stretches off)
     auto = explicit_plan(cluster, prof, [(("gpu0", "gpu1", "gpu2", "gpu3"), None, 4)], **KW)
-    assert max(s.time_s for s in auto.vws[0].stages) <= max(s.time_s for s in plan.vws[0].stages)
+    assert auto.samples_per_s >= plan.samples_per_s
     over = explicit_plan(cluster, prof, [(("gpu3", "gpu0"), (12, 4), 2)], **KW)
     assert any("gpu3 needs" in w and "over its cap" in w for w in over.warnings)
     assert set(over.unused) == {"gpu1", "gpu2"}

@@ -51,14 +51,18 @@ def test_corun_slows_cores_that_compute_together():
 
 
 def test_padded_compute_sleeps_off_a_share_of_a_core():
-    """A device padded to its CPU time / speed (hetpipe.emulate.pad) loses nothing to a
-    share of a core down to its speed: four always-busy devices at 0.5 on two cores compute
-    at their own speed, at 0.75 they lose a third, unpadded half. Co-running cores' cache
-    and memory contention costs cycles, so it counts whatever the speed."""
+    """A device padded to the least CPU time its kind of pass took / speed
+    (hetpipe.emulate.pad) loses nothing to a share of a core down to its speed: four
+    always-busy devices at 0.5 on two cores compute at their own speed, at 0.75 they lose a
+    third, unpadded half. Co-running cores' cache and memory contention costs cycles beyond
+    that least, which the pad sleeps off the same way: at 0.5 nothing is lost to a 1.2
+    stretch, at 0.9 what goes over the pad's target (0.9 x 1.2), unpadded all of it."""
     assert slowdowns([1.0] * 4, 2, speeds=[0.5] * 4) == pytest.approx([1.0] * 4)
     assert slowdowns([1.0] * 4, 2, speeds=[0.75] * 4) == pytest.approx([1.5] * 4)
     assert slowdowns([1.0] * 4, 2, speeds=[1.0] * 4) == slowdowns([1.0] * 4, 2)
-    assert slowdowns([1.0] * 2, 2, corun=0.2, speeds=[0.5] * 2) == pytest.approx([1.2] * 2)
+    assert slowdowns([1.0] * 2, 2, corun=0.2, speeds=[0.5] * 2) == pytest.approx([1.0] * 2)
+    assert slowdowns([1.0] * 2, 2, corun=0.2, speeds=[0.9] * 2) == pytest.approx([1.08] * 2)
+    assert slowdowns([1.0] * 2, 2, corun=0.2, speeds=[1.0] * 2) == pytest.approx([1.2] * 2)
 
 
 def test_all_busy_is_the_chance_that_every_core_is_taken():

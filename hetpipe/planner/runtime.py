@@ -223,12 +223,14 @@ def slowdown_of(
     """The slowdown of a process whose wanting a core meets ``others[n]`` = P(n others want
     one then) (see :func:`slowdowns`; the law may come from a timeline, not independence).
 
-    ``speed`` < 1: the slowdown of compute an emulated device pads to its CPU time / speed
-    (:func:`hetpipe.emulate.pad`): co-running cores' contention costs it cycles, so it still
-    counts, but a share of a core down to ``speed`` only fills time the pad would sleep."""
+    ``speed`` < 1: the slowdown of compute an emulated device pads to the least CPU time its
+    kind of pass took / speed (:func:`hetpipe.emulate.pad`, :class:`hetpipe.emulate.Pace`):
+    a pass stretched by a share of a core or by co-running cores' contention (cycles it
+    spends beyond that least) only fills time the pad would sleep, until it takes longer
+    than the pad's target: ``speed`` x both stretches, where over 1."""
     spare = max(1, cores - 1)
     share = sum(
-        p / ((1.0 + corun * min(n, spare) / spare) * max(1.0, speed * max(1.0, (n + 1) / cores)))
+        p / max(1.0, speed * (1.0 + corun * min(n, spare) / spare) * max(1.0, (n + 1) / cores))
         for n, p in enumerate(others)
     )
     return 1.0 / share if share > 0 else math.inf
