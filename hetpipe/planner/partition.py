@@ -829,6 +829,8 @@ class CostModel(CostTables):
                     break  # as below: no split fits at this Nm
                 if _below(b_star, 1.0, beat):
                     break  # no split at this Nm or above reaches ``beat``
+                if _below(self.round_trip_floor(devices), n, beat):
+                    continue  # a floor under the least latency proves it without the DP
                 shortest = self._shortest(devices, n)
                 if _below(shortest, n, beat):
                     continue
@@ -875,6 +877,8 @@ class CostModel(CostTables):
                 break  # more Nm only needs more memory: nothing fits above either
             if _below(b_star, 1.0, beat):  # (at the smallest Nm also where nothing fits)
                 break  # B* never falls with Nm: no larger Nm reaches ``beat`` either
+            if _below(self.round_trip_floor(devices), n, beat):
+                continue  # below the least latency's floor already: no DP for it
             if not _below(self._shortest(devices, n), n, beat):
                 return False  # this Nm's bound reaches ``beat``
         return True
