@@ -118,6 +118,7 @@ __all__ = [
     "Bandwidth",
     "CostTables",
     "Policy",
+    "band_index",
     "check_devices",
     "check_profile",
     "first_finite",
@@ -1057,9 +1058,7 @@ class CostTables:
             fits = ok & (one + (flight - 1) * step <= cap)
             rows = fits.any(axis=1)
             w = max(1, wide - int(fits[rows].argmax(axis=1).min())) if rows.any() else 1
-            n = self.L + 1
-            cols = np.arange(n)[:, None]
-            a = np.maximum(cols - w + np.arange(w)[None, :], 0)
+            a, cols, _ = band_index(self.L + 1, w)
             hit = self._kept_fits[key] = (fits[:, wide - w :], a, cols, w)
         fits, a, cols, w = hit
         vals = times[a, cols] + tie[a, cols] if isinstance(tie, np.ndarray) else times[a, cols]
@@ -1074,11 +1073,7 @@ class CostTables:
         hit = self._skews.get(key)
         if hit is None:
             one, step = self._flight_step(dtype, "async")
-            n = self.L + 1
-            cols = np.arange(n)[:, None]
-            a = cols - wide + np.arange(wide)[None, :]
-            inside = a >= 0
-            a = np.maximum(a, 0)
+            a, cols, inside = band_index(self.L + 1, wide)
             ok = inside & self.costs(dtype).valid[a, cols]
             hit = self._skews[key] = (one[a, cols], step[a, cols], ok, wide)
         return hit
@@ -1225,9 +1220,16 @@ def skew(
     longest ``b - a`` from there, row ``b`` the entries ``[b - w + j, b]``, inf above the
     matrix (``b - w + j < 0``)."""
     n = len(first)
-    cols = np.arange(n)
-    w = max(1, int((cols - first).max())) if n else 1
-    a = cols[:, None] - w + np.arange(w)[None, :]
-    inside = a >= 0
-    a = np.where(inside, a, 0)
-    return np.where(inside, values(a, np.broadcast_to(cols[:, None], a.shape)), INF), w
+    w = max(1, int((np.arange(n) - first).max()))
+    a, cols, inside = band_index(n, w)
+    return np.where(inside, values(a, cols), INF), w
+
+
+def band_index(n: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The cells of a band of width ``w`` over ``n`` boundaries (:meth:`CostTables.band`):
+    row ``b``, entry ``j`` is ``[b - w + j, b)``. Their first layers (0 above the matrix),
+    the rows' ``b`` as a column (the index arrays broadcast together), and where the cell
+    lies inside the matrix."""
+    cols = np.arange(n)[:, None]
+    a = cols - w + np.arange(w)[None, :]
+    return np.maximum(a, 0), cols, a >= 0

@@ -18,9 +18,10 @@ as a fixed point with the simulated rates:
 4. processor sharing on each host's cores gives new slowdowns, taken whole after the first
    round (the unslowed start is far from any answer) and halfway after that (the sharing
    and the rates pull against each other); repeat until they settle. A padded device's
-   compute has its own: the runtime pads it to its CPU time / speed
-   (:func:`hetpipe.emulate.pad`), so a share of a core down to ``speed`` only fills time
-   the pad would sleep (:func:`.runtime.slowdown_of`). The workers of a synchronous
+   compute has its own: the runtime pads it to the least CPU time its kind of pass took /
+   speed (:func:`hetpipe.emulate.pad`), so a share of a core down to ``speed``, or cycles
+   lost to co-running cores, only fill time the pad would sleep
+   (:func:`.runtime.slowdown_of`). The workers of a synchronous
    job are not independent (a flush decides who computes at once): there the law of who
    else wants a core comes from the simulated timeline (:func:`_timeline_laws`).
 
