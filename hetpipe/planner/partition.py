@@ -356,13 +356,14 @@ class CostModel(CostTables):
     ) -> Partition | Infeasible:
         self.dp_runs += 1
         k, L = len(devices), self.L
-        if self._unreachable(self._stage_bands(devices, bws, nm)):
+        bands = self._stage_bands(devices, bws, nm)
+        if self._unreachable(bands):
             return Infeasible("")  # as the DP's all-inf states below, without its steps
         f = self._run(devices, bws, nm, k, k)
         if not math.isfinite(f[L]):
             return Infeasible("")  # diagnosed by partition(), for the devices it is given
         # the DP's tie-break is per prefix; the least latency at this bottleneck, exactly
-        best = self._least_latency(self._stage_bands(devices, bws, nm), float(f[L]))
+        best = self._least_latency(bands, float(f[L]))
         assert best is not None, "the DP's own split meets its bottleneck"
         return self.describe(devices, best[0], nm, bws)
 
@@ -402,16 +403,13 @@ class CostModel(CostTables):
         choice: list[np.ndarray] = []
         # boundaries from which the stages still to come can reach L (each at most its
         # band's width, at least one layer): other states never lead to the end
-        reach = [0] * len(bands)
-        for i in range(len(bands) - 2, -1, -1):
-            reach[i] = reach[i + 1] + bands[i + 1][1]
         low = self._lows(bands)
         for i, (band, w) in enumerate(bands):
             live = np.flatnonzero(g < INF)
             out_g = np.full(n, INF)
             arg = np.zeros(n, dtype=np.intp)
             if live.size:
-                lo = max(int(live[0]) + 1, L - reach[i], low[i])
+                lo = max(int(live[0]) + 1, low[i])
                 hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
                 if lo <= hi:
                     rows = band[lo : hi + 1]
@@ -447,16 +445,13 @@ class CostModel(CostTables):
         m = len(limits)
         g = np.full((m, n), INF)
         g[:, 0] = 0.0
-        reach = [0] * len(bands)
-        for i in range(len(bands) - 2, -1, -1):
-            reach[i] = reach[i + 1] + bands[i + 1][1]
         cap = np.asarray(limits, dtype=np.float64)[:, None, None]
         low = self._lows(bands)
         for i, (band, w) in enumerate(bands):
             live = np.flatnonzero((g < INF).any(axis=0))
             out = np.full((m, n), INF)
             if live.size:
-                lo = max(int(live[0]) + 1, L - reach[i], low[i])
+                lo = max(int(live[0]) + 1, low[i])
                 hi = min(int(live[-1]) + w, L - (len(bands) - 1 - i))
                 if lo <= hi:
                     rows = band[lo : hi + 1]
@@ -710,17 +705,24 @@ class CostModel(CostTables):
 
     def _lows(self, bands: Sequence[tuple[np.ndarray, int]]) -> list[int]:
         """For each stage ``i``, a boundary below which no state after stage ``i`` leads to
-        ``L``: the stages after it end at ``L`` and each starts no earlier than its band's
-        earliest start among the stages ending at or after the next one's bound
-        (:meth:`_band_reach`). The least-latency DPs skip the states below it (they could
-        only feed splits that never end at ``L``), the same answer for fewer cells."""
+        ``L``, the larger of two: the stages after it, each at most its band's width, must
+        still cover the layers up to ``L``; and they end at ``L`` with each starting no
+        earlier than its band's earliest start among the stages ending at or after the next
+        one's bound (:meth:`_band_reach`). The least-latency DPs skip the states below it
+        (they could only feed splits that never end at ``L``), the same answer for fewer
+        cells."""
         low = [self.L] * len(bands)
         for i in range(len(bands) - 2, -1, -1):
             band, w = bands[i + 1]
             # past L (L + 1): no stage of the next band ends at or after its bound
             nxt = low[i + 1]
             low[i] = nxt if nxt > self.L else int(self._band_reach(band, w)[1][nxt])
-        return low
+        reach = 0  # the widths of the stages after i, together
+        out = [0] * len(bands)
+        for i in range(len(bands) - 1, -1, -1):
+            out[i] = max(low[i], self.L - reach)
+            reach += bands[i][1]
+        return out
 
     def _unreachable(self, bands: Sequence[tuple[np.ndarray, int]]) -> bool:
         """Whether no split over these stage bands (:meth:`_stage_bands`) reaches the last
