@@ -161,7 +161,11 @@ def test_records_and_metrics_stay_under_their_budgets(tmp_path) -> None:
 
     def poll() -> None:
         while not stop.wait(0.02):
-            for f in (tmp_path / "run").rglob(f"{RECORDS}/*.jsonl"):
+            try:
+                files = list((tmp_path / "run").rglob(f"{RECORDS}/*.jsonl"))
+            except OSError:  # a directory vanished under the walk (a checkpoint's temporary)
+                continue  # sample again at the next tick
+            for f in files:
                 try:
                     sizes.append(f.stat().st_size)
                 except OSError:
