@@ -153,8 +153,8 @@ def test_round_trip_floor_is_below_every_split_latency() -> None:
 def test_formation_bound_holds_over_every_simulated_formation(monkeypatch) -> None:
     """``upper_bound`` (the VWs' bounds, each the lower of one minibatch per least
     bottleneck and Nm per least round trip at the best Nm) is never below what a
-    formation's evaluation simulates, nor a VW's bound below that VW's simulated
-    staleness-weighted rate; and the round-trip limit is the lower of the two for some VW
+    formation's evaluation simulates or estimates, nor a VW's bound below that VW's
+    simulated staleness-weighted rate; and the round-trip limit is the lower of the two for some VW
     (so it is what these checks test)."""
     seen = {"formations": 0, "tighter": 0}
     evaluate = plan_module._Search.evaluate
@@ -164,6 +164,8 @@ def test_formation_bound_holds_over_every_simulated_formation(monkeypatch) -> No
         seen["formations"] += 1
         assert score <= self.upper_bound(f)
         kept, pred = res[0], res[1]
+        # the bound that skips a formation before its estimate is made is above that estimate
+        assert self.estimated(kept) <= self.upper_bound(f)
         for v, (devs, p) in enumerate(kept if pred is not None else ()):  # None: unsimulated
             rate = pred.sim.vw_samples_per_s[v] * factor(p.nm, self.inputs.weights)
             assert rate <= self.vw_bound(devs)
@@ -199,7 +201,9 @@ def bench_like(layers: int, nodes: int, seed: int) -> tuple[Any, Any]:
 def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -> None:
     """A formation is simulated exactly where its estimate is at least ``1 - SIM_MARGIN``
     of the best estimate simulated before it, the trace says why one was not, and the
-    plans are those of a search that simulates every formation (margin 1)."""
+    plans are those of a search that simulates every formation (margin 1). One whose bound
+    (``upper_bound``) is already below is skipped before its estimate is made, and the
+    trace says so with that bound."""
     estimated = plan_module._Search.estimated
     log: list[tuple[float, bool]] = []  # (estimate, simulated) per formation, in order
     variants = plan_module._Search.variants
@@ -213,7 +217,7 @@ def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -
         log[-1] = (log[-1][0], True)
         return variants(self, kept)
 
-    skips = 0
+    skips = bounded = 0
     for layers, nodes, seed in ((24, 3, 0), (60, 3, 2)):
         cluster, prof = bench_like(layers, nodes, seed)
         kw = {"minibatch": 32, "staleness": 0, "optimizer_state_factor": 1}
@@ -234,13 +238,21 @@ def test_formations_far_below_the_best_estimate_are_not_simulated(monkeypatch) -
                 best = max(best, e)
             skips += not simulated
         notes = [c["skipped"] or "" for c in plan.details["candidates"]]
-        assert sum("not simulated" in n for n in notes) == sum(not s for _, s in log)
+        by_bound = [
+            c for c in plan.details["candidates"] if "on its estimate" in (c["skipped"] or "")
+        ]
+        for c in by_bound:  # each below the margin of the best estimate before it
+            assert c["bound"] < best * (1 - plan_module.SIM_MARGIN) and c.get("not_simulated")
+        bounded += len(by_bound)
+        assert sum("not simulated" in n for n in notes) == sum(not s for _, s in log) + len(
+            by_bound
+        )
         unsimulated = sum(bool(c.get("not_simulated")) for c in plan.details["candidates"])
-        assert unsimulated == sum(not s for _, s in log)
+        assert unsimulated == sum(not s for _, s in log) + len(by_bound)
         if unsimulated:
             summary = [line for line in explain_lines(plan.details) if line.startswith("chosen")]
             assert f"; {unsimulated} not simulated" in summary[0]
-    assert skips > 0
+    assert skips > 0 and bounded > 0
 
 
 def test_reach_bounds_keep_every_dp_answer_of_a_brute_force() -> None:

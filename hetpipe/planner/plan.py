@@ -107,7 +107,8 @@ class _Search:
     raw: dict[str, float] = field(default_factory=dict)  # formation -> its samples/s
     incumbent: float = -math.inf  # the best score of a formation evaluated so far
     estimate: float = -math.inf  # the best estimate (:meth:`estimated`) of one simulated
-    unsimulated: dict[str, tuple[float, float]] = field(default_factory=dict)  # (its, best)
+    # formation -> (its estimate, or its bound on it; the best estimate; whether a bound)
+    unsimulated: dict[str, tuple[float, float, bool]] = field(default_factory=dict)
 
     def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """A key equal for groups alike up to renaming devices and nodes, and an order of
@@ -166,8 +167,16 @@ class _Search:
         their gate waits (:func:`_unwaited`) could beat both this formation and the best
         one so far; repeated while it pays. A formation whose VWs' estimate
         (:meth:`estimated`) is more than :data:`SIM_MARGIN` below the best estimate of a
-        formation simulated before it scores -inf unsimulated (``unsimulated``)."""
+        formation simulated before it scores -inf unsimulated (``unsimulated``); so does one
+        whose :meth:`upper_bound`, never below its estimate, already is, before any of its
+        VWs' orders is searched."""
         self.formations += 1
+        floor = self.estimate * (1.0 - SIM_MARGIN)
+        if floor > 0:
+            bound = self.upper_bound(f)
+            if bound < floor:  # its estimate is below too: the same skip, without the VWs
+                self.unsimulated[f.describe()] = (bound, self.estimate, True)
+                return -math.inf, ([], None, [], [])
         kept: list[tuple[tuple[Any, ...], Partition]] = []
         dropped: list[tuple[tuple[Any, ...], str]] = []
         trims: list[tuple[int, tuple[Any, ...], list[Any]]] = []  # (kept index, group, out)
@@ -182,8 +191,8 @@ class _Search:
         if not kept:
             return -math.inf, (kept, None, dropped, [])
         estimate = self.estimated(kept)
-        if estimate < self.estimate * (1.0 - SIM_MARGIN):
-            self.unsimulated[f.describe()] = (estimate, self.estimate)
+        if estimate < floor:
+            self.unsimulated[f.describe()] = (estimate, self.estimate, False)
             return -math.inf, (kept, None, dropped, [])
         self.estimate = max(self.estimate, estimate)
         best = self.variants(kept)
@@ -382,7 +391,8 @@ class _Search:
         return out
 
     def upper_bound(self, f: Formation) -> float:
-        """Never below :meth:`evaluate`: the sum of the VWs' bounds (:meth:`vw_bound`)."""
+        """Never below :meth:`evaluate`, nor below :meth:`estimated` of the VWs it keeps: the
+        sum of the VWs' bounds (:meth:`vw_bound`)."""
         return sum(self.vw_bound(g) for g in f.groups)
 
     def vw_bound(self, group: Sequence[Any]) -> float:
@@ -531,9 +541,10 @@ def make_plan(
     formation, _, (kept, pred, dropped, left) = found
     for e in trace:  # the candidates' plain samples/s beside their staleness-weighted score
         if e["formation"] in search.unsimulated:
-            mine, top = search.unsimulated[e["formation"]]
+            mine, top, bounded = search.unsimulated[e["formation"]]
+            its = f"its bound {mine:.4g} on its estimate" if bounded else f"its estimate {mine:.4g}"
             e["skipped"] = (
-                f"its estimate {mine:.4g} is more than {SIM_MARGIN:.0%} below the best "
+                f"{its} is more than {SIM_MARGIN:.0%} below the best "
                 f"estimate {top:.4g} of a formation simulated before it (not simulated)"
             )
             e["not_simulated"] = True
