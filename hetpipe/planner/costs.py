@@ -660,6 +660,26 @@ class CostTables:
         """:meth:`time_matrix` at the layer boundaries ``at`` only (rows and columns; every
         boundary where None), uncached: the same floats as the full matrix's entries there,
         one expression elementwise."""
+        cum, cin, cout, const = self._time_terms(dtype, bw_in, bw_out, at)
+        t = (cum[None, :] - cum[:, None]) + cin[:, None] + cout[None, :] + const
+        valid = self.costs(dtype).valid if at is None else at[None, :] > at[:, None]
+        return np.where(valid, t, INF)
+
+    def time_cells(
+        self, dtype: str, bw_in: float | None, bw_out: float | None, a: np.ndarray, b: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`time_matrix`'s entries at the cells ``(a, b)`` only (index arrays,
+        broadcast together), uncached: the same floats, one expression elementwise, without
+        the whole matrix (a band needs its cells alone)."""
+        cum, cin, cout, const = self._time_terms(dtype, bw_in, bw_out, None)
+        return np.where(a < b, (cum[b] - cum[a]) + cin[a] + cout[b] + const, INF)
+
+    def _time_terms(
+        self, dtype: str, bw_in: float | None, bw_out: float | None, at: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """What a stage time ``[a, b)`` adds up, at the boundaries ``at`` (every boundary
+        where None): the prefix sums of compute (``b``'s less ``a``'s), the input's way in
+        (by ``a``), the output's way out (by ``b``) and the per-stage constant."""
         tc = self.costs(dtype)
         ms, mb = self.runtime.message_s, self.runtime.message_byte_s
         idx = slice(None) if at is None else at
@@ -670,9 +690,7 @@ class CostTables:
         cin = inb * 2.0 / bw_in + (ms + inb * mb) if bw_in is not None else np.zeros(n)
         cout = outb * 2.0 / bw_out + (ms + outb * mb) if bw_out is not None else np.zeros(n)
         const = self.tasks_time(dtype, bw_in is None, bw_out is None) + tc.call
-        t = (cum[None, :] - cum[:, None]) + cin[:, None] + cout[None, :] + const
-        valid = tc.valid if at is None else at[None, :] > at[:, None]
-        return np.where(valid, t, INF)
+        return cum, cin, cout, const
 
     def memory_total(self, dtype: str, flight: int, schedule: str = "async") -> np.ndarray:
         """``stage_memory(...).total`` for every ``(a, b)`` with ``flight`` in flight.
@@ -1007,17 +1025,21 @@ class CostTables:
         host_gbps: float,
         nm: int,
     ) -> tuple[np.ndarray, int]:
-        """:meth:`band` uncached, gathered from the matrices :meth:`masked_at` adds (the
-        stage times, the activation policy's extra time, the ties' copies) at the band's
-        cells only, in the same order: the same floats, without building the masked
-        matrix. Its width comes from where the policy finds a fit, kept per policy key."""
-        times = self.time_matrix(dtype, bw_in, bw_out)
+        """:meth:`band` uncached: what :meth:`masked_at` adds (the stage times, the
+        activation policy's extra time, the ties' copies) at the band's cells only, in the
+        same order: the same floats, without building the masked matrix nor the time matrix
+        (:meth:`time_cells`). Its width comes from where the policy finds a fit, kept per
+        policy key."""
+
+        def times(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return self.time_cells(dtype, bw_in, bw_out, a, b)
+
         tie = self.tie_matrix(bw_in, nm) if self._tie_copies is not None else 0.0
         if self.activations == "keep":
             return self._kept_band(dtype, flight, cap, times, tie)
 
         def values(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-            tm = times[a, b] + self.extra_at(dtype, flight, cap, host_gbps, a, b)
+            tm = times(a, b) + self.extra_at(dtype, flight, cap, host_gbps, a, b)
             return tm + tie[a, b] if isinstance(tie, np.ndarray) else tm
 
         return skew(values, self._fitting(dtype, flight, cap, host_gbps))
@@ -1045,7 +1067,12 @@ class CostTables:
         return hit
 
     def _kept_band(
-        self, dtype: str, flight: int, cap: int, times: np.ndarray, tie: Any
+        self,
+        dtype: str,
+        flight: int,
+        cap: int,
+        times: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        tie: Any,
     ) -> tuple[np.ndarray, int]:
         """:meth:`band` under ``keep``: which stages fit, from the memory model laid out as
         a band already (:meth:`_skewed`, contiguous), and the times (with the ties' copies)
@@ -1061,7 +1088,7 @@ class CostTables:
             a, cols, _ = band_index(self.L + 1, w)
             hit = self._kept_fits[key] = (fits[:, wide - w :], a, cols, w)
         fits, a, cols, w = hit
-        vals = times[a, cols] + tie[a, cols] if isinstance(tie, np.ndarray) else times[a, cols]
+        vals = times(a, cols) + tie[a, cols] if isinstance(tie, np.ndarray) else times(a, cols)
         return np.where(fits, vals, INF), w
 
     def _skewed(self, dtype: str, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -39,6 +39,7 @@ from hetpipe.core.memory import StageMemory, expected_in_flight, fixed_order, in
 from hetpipe.core.profile import ModelProfile
 from hetpipe.core.replicas import check_group
 from hetpipe.core.schedule import fill_counts
+from hetpipe.planner.bounds import MemoryBounds
 from hetpipe.planner.costs import check_devices
 from hetpipe.planner.formation import Formation, best_formation, candidate_formations
 from hetpipe.planner.order import OrderResult, best_order
@@ -109,6 +110,10 @@ class _Search:
     estimate: float = -math.inf  # the best estimate (:meth:`estimated`) of one simulated
     # formation -> (its estimate, or its bound on it; the best estimate; whether a bound)
     unsimulated: dict[str, tuple[float, float, bool]] = field(default_factory=dict)
+    memory: MemoryBounds = field(init=False)  # the memory-aware parts of :meth:`vw_bound`
+
+    def __post_init__(self) -> None:
+        self.memory = MemoryBounds(self.model)
 
     def canon(self, group: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """A key equal for groups alike up to renaming devices and nodes, and an order of
@@ -401,10 +406,12 @@ class _Search:
         the model needs. Two limits, whichever is lower at each Nm the VW may get (its
         candidates, the balanced Nm up to :data:`NM_MAX`, the job's ``nm`` or ``max_nm``):
         one minibatch per least possible bottleneck (:meth:`CostModel.rest_bound` over all
-        layers), and Nm minibatches per least possible round trip
-        (:meth:`CostModel.round_trip_floor`: a VW keeps at most Nm in flight, each for its
-        whole round trip), the better Nm's figure taken. 2% slack covers the simulator's
-        finite window."""
+        layers), and Nm minibatches per least possible round trip (a VW keeps at most Nm in
+        flight, each for its whole round trip): the larger of
+        :meth:`CostModel.round_trip_floor` and the floor with every device holding no more
+        than its memory (:meth:`MemoryBounds.trip_floor`), the better Nm's figure taken, up
+        to the most Nm any split of the group fits (:meth:`MemoryBounds.nm_ceiling`). 2%
+        slack covers the simulator's finite window."""
         if (
             len(group) > self.model.L
             or sum(d.memory for d in group) < self.model.min_total_memory()
@@ -414,14 +421,15 @@ class _Search:
         if lb <= 0:
             return math.inf
         per_bottleneck = 1.02 * self.inputs.minibatch / lb
-        trip = self.model.round_trip_floor(group)
+        trip = max(self.model.round_trip_floor(group), self.memory.trip_floor(group))
         if not trip > 0:
             return per_bottleneck
         if self.inputs.nm is not None:
             nms: Sequence[int] = (self.inputs.nm,)
         else:
             top = max(len(group), NM_MAX)
-            nms = range(1, min(top, self.inputs.max_nm or top) + 1)
+            top = min(top, self.inputs.max_nm or top)
+            nms = range(1, self.memory.nm_ceiling(group, top) + 1)
         per_trip = 1.02 * self.inputs.minibatch / trip
         return max(min(per_bottleneck, per_trip * n) * factor(n, self.inputs.weights) for n in nms)
 
