@@ -72,6 +72,10 @@ EXHAUSTIVE_MAX = 6
 COARSE_MIN_LAYERS = 256
 COARSE_POINTS = 128
 COARSE_FINAL = 2
+# the exhaustive search's prefix bound, at a depth where it pruned none of the last
+# BOUND_MISSES prefixes, tests only every BOUND_PROBE-th prefix there until it prunes again
+BOUND_MISSES = 16
+BOUND_PROBE = 8
 # above EXHAUSTIVE_MAX devices with Nm chosen, the class DP runs where one sweep's measure
 # (classdp.dp_cells) is at most this; beyond it the local search remains
 CLASS_DP_MAX_CELLS = 400_000
@@ -368,22 +372,36 @@ def _branch_and_bound(
     best: list[Any],
     prune: bool,
 ) -> None:
-    """Depth-first over distinct orders, skipping prefixes that cannot beat ``best``."""
+    """Depth-first over distinct orders, skipping prefixes that cannot beat ``best``.
+
+    The prefix bound costs a DP step and a pass over the layers for every prefix, and where
+    the best rate is set by the pipeline's fill rather than its bottleneck it never prunes.
+    So at each depth, after :data:`BOUND_MISSES` prefixes in a row that it did not prune,
+    only every :data:`BOUND_PROBE`-th prefix there is tested, until one is pruned again: a
+    prefix not tested is searched, so the answer is the same either way."""
     pools: dict[int, list[Any]] = {}
     for d, c in zip(devices, classes, strict=True):
         pools.setdefault(c, []).append(d)
     used = dict.fromkeys(pools, 0)
     k = len(devices)
     prefix: list[Any] = []
+    misses = [0] * (k + 1)  # per prefix length: prefixes in a row the bound did not prune
 
     def hopeless() -> bool:
         rate = best[0][0] if best else -math.inf
         if not prune or not rate > 0 or math.isinf(rate):
             return False
+        depth = len(prefix)
+        misses[depth] += 1
+        if misses[depth] > BOUND_MISSES and misses[depth] % BOUND_PROBE:
+            return False  # untested: searched
         rest = [d for c, pool in pools.items() for d in pool[used[c] :]]
         lb = model.prefix_bound(prefix, k, bound_nm, rest)
         # rate <= 1 / bottleneck <= 1 / lb for every completion; the margin absorbs rounding
-        return lb * rate > 1.0 + 1e-9
+        if lb * rate > 1.0 + 1e-9:
+            misses[depth] = 0
+            return True
+        return False
 
     def rec() -> None:
         if len(prefix) == k:
