@@ -73,6 +73,8 @@ TRIM_GAIN = 0.01  # the least relative gain of a VW's rate that leaves a device 
 # keep every benchmark plan (the chosen formation's estimate was at least 0.94 of the best
 # estimate before it)
 SIM_MARGIN = 0.15
+# a VW's rate bound (_Search.vw_bound) over its estimate's: the simulator's finite window
+SIM_SLACK = 1.02
 
 
 # --------------------------------------------------------------------------- search
@@ -178,7 +180,8 @@ class _Search:
         self.formations += 1
         floor = self.estimate * (1.0 - SIM_MARGIN)
         if floor > 0:
-            bound = self.upper_bound(f)
+            # the estimate has no simulated window: the bound without its slack holds it
+            bound = self.upper_bound(f) / SIM_SLACK
             if bound < floor:  # its estimate is below too: the same skip, without the VWs
                 self.unsimulated[f.describe()] = (bound, self.estimate, True)
                 return -math.inf, ([], None, [], [])
@@ -396,8 +399,8 @@ class _Search:
         return out
 
     def upper_bound(self, f: Formation) -> float:
-        """Never below :meth:`evaluate`, nor below :meth:`estimated` of the VWs it keeps: the
-        sum of the VWs' bounds (:meth:`vw_bound`)."""
+        """Never below :meth:`evaluate`, nor below :data:`SIM_SLACK` times :meth:`estimated`
+        of the VWs it keeps: the sum of the VWs' bounds (:meth:`vw_bound`)."""
         return sum(self.vw_bound(g) for g in f.groups)
 
     def vw_bound(self, group: Sequence[Any]) -> float:
@@ -410,8 +413,8 @@ class _Search:
         flight, each for its whole round trip): the larger of
         :meth:`CostModel.round_trip_floor` and the floor with every device holding no more
         than its memory (:meth:`MemoryBounds.trip_floor`), the better Nm's figure taken, up
-        to the most Nm any split of the group fits (:meth:`MemoryBounds.nm_ceiling`). 2%
-        slack covers the simulator's finite window."""
+        to the most Nm any split of the group fits (:meth:`MemoryBounds.nm_ceiling`); both
+        times :data:`SIM_SLACK` for the simulator's finite window."""
         if (
             len(group) > self.model.L
             or sum(d.memory for d in group) < self.model.min_total_memory()
@@ -420,7 +423,7 @@ class _Search:
         lb = float(self.model.rest_bound(group)[0])
         if lb <= 0:
             return math.inf
-        per_bottleneck = 1.02 * self.inputs.minibatch / lb
+        per_bottleneck = SIM_SLACK * self.inputs.minibatch / lb
         trip = max(self.model.round_trip_floor(group), self.memory.trip_floor(group))
         if not trip > 0:
             return per_bottleneck
@@ -430,7 +433,7 @@ class _Search:
             top = max(len(group), NM_MAX)
             top = min(top, self.inputs.max_nm or top)
             nms = range(1, self.memory.nm_ceiling(group, top) + 1)
-        per_trip = 1.02 * self.inputs.minibatch / trip
+        per_trip = SIM_SLACK * self.inputs.minibatch / trip
         return max(min(per_bottleneck, per_trip * n) * factor(n, self.inputs.weights) for n in nms)
 
 
