@@ -59,9 +59,15 @@ class MemoryBounds:
         own = [[max(0, lp.saved_bytes - lp.saved_input_bytes) for lp in x] for x in lps]
         keeps = model.activations == "keep"
         self.saved = np.min(own, axis=0).astype(float) if keeps else np.zeros(len(self.params))
-        ref = model.costs(next(iter(prof.layers)))  # any type: the ratios are to it
-        self.ref = np.diff(ref.F) + np.diff(ref.Bk)
+        self.ref = model.costs(next(iter(prof.layers))).passes  # any type: ratios are to it
         self._ratio: dict[str, float] = {}
+        # what every group's bounds read: the bytes at one minibatch, those of each suffix
+        # [a, L), and the layers densest first (time per byte) with their running sums
+        one = self.layer_bytes(1)
+        self._suffix = np.concatenate((np.cumsum(one[::-1])[::-1], [0.0]))
+        dense = np.argsort(-(self.ref / np.maximum(one, 1.0)), kind="stable")
+        self._dense_m = np.concatenate(([0.0], np.cumsum(one[dense])))
+        self._dense_t = np.concatenate(([0.0], np.cumsum(self.ref[dense])))
 
     def layer_bytes(self, flight: int) -> np.ndarray:
         """Per layer, the least bytes it costs a stage keeping ``flight`` minibatches: its
@@ -97,8 +103,7 @@ class MemoryBounds:
         hit = self._ceilings.get(key)
         if hit is not None:
             return hit
-        one = self.layer_bytes(1)
-        suffix = np.concatenate((np.cumsum(one[::-1])[::-1], [0.0]))  # [a]: bytes of [a, L)
+        suffix = self._suffix  # [a]: bytes of [a, L) at one minibatch
         total = sum(d.memory for d in devices)
         # per device that may run the last stage: the longest suffix it holds, and what the
         # other devices then hold together
@@ -122,8 +127,7 @@ class MemoryBounds:
         reference type's on that layer."""
         r = self._ratio.get(dtype)
         if r is None:
-            tc = self.model.costs(dtype)
-            mine = np.diff(tc.F) + np.diff(tc.Bk)
+            mine = self.model.costs(dtype).passes
             ok = self.ref > 0
             r = self._ratio[dtype] = float((mine[ok] / self.ref[ok]).min()) if ok.any() else 0.0
         return r
@@ -140,10 +144,7 @@ class MemoryBounds:
         hit = self._floors.get(key)
         if hit is not None:
             return hit
-        mem = self.layer_bytes(1)
-        dense = np.argsort(-(self.ref / np.maximum(mem, 1.0)), kind="stable")
-        cum_m = np.concatenate(([0.0], np.cumsum(mem[dense])))
-        cum_t = np.concatenate(([0.0], np.cumsum(self.ref[dense])))
+        cum_m, cum_t = self._dense_m, self._dense_t
         fastest = sorted(caps, key=self.ratio)
         hit, start = 0.0, 0.0
         for t in fastest:

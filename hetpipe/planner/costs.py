@@ -383,6 +383,7 @@ class _TypeCosts:
 
         self.F = np.array([0.0, *itertools.accumulate(lp.fwd_s for lp in lps)])
         self.Bk = np.array([0.0, *itertools.accumulate(lp.bwd_s for lp in lps)])
+        self.passes = np.diff(self.F) + np.diff(self.Bk)  # per layer: forward and backward
         self.U = [0.0, *itertools.accumulate(lp.update_s * step_scale for lp in lps)]
         self.fwd = [lp.fwd_s for lp in lps]
         # the stage call term: once per stage, so a constant of every [a, b), added where

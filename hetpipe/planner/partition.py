@@ -334,9 +334,7 @@ class CostModel(CostTables):
         key = frozenset(d.type for d in devices)
         hit = self._trip.get(key)
         if hit is None:
-            per_layer = np.min(
-                [np.diff(self.costs(t).F) + np.diff(self.costs(t).Bk) for t in key], axis=0
-            )
+            per_layer = np.min([self.costs(t).passes for t in key], axis=0)
             hit = self._trip[key] = float(per_layer.sum()) * (1.0 - 1e-9)
         return hit
 

@@ -113,6 +113,7 @@ class _Search:
     # formation -> (its estimate, or its bound on it; the best estimate; whether a bound)
     unsimulated: dict[str, tuple[float, float, bool]] = field(default_factory=dict)
     memory: MemoryBounds = field(init=False)  # the memory-aware parts of :meth:`vw_bound`
+    bounds: dict[tuple, float] = field(default_factory=dict)  # vw_bound by types and memory
 
     def __post_init__(self) -> None:
         self.memory = MemoryBounds(self.model)
@@ -414,7 +415,18 @@ class _Search:
         :meth:`CostModel.round_trip_floor` and the floor with every device holding no more
         than its memory (:meth:`MemoryBounds.trip_floor`), the better Nm's figure taken, up
         to the most Nm any split of the group fits (:meth:`MemoryBounds.nm_ceiling`); both
-        times :data:`SIM_SLACK` for the simulator's finite window."""
+        times :data:`SIM_SLACK` for the simulator's finite window. Every part depends on
+        the devices' types and memory alone, so the bound is kept by them: the formation
+        search asks it of each candidate's groups, then again of the one it evaluates, and
+        of many alike groups."""
+        key = tuple(sorted((d.type, d.memory) for d in group))
+        hit = self.bounds.get(key)
+        if hit is None:
+            hit = self.bounds[key] = self._vw_bound(group)
+        return hit
+
+    def _vw_bound(self, group: Sequence[Any]) -> float:
+        """:meth:`vw_bound`, computed."""
         if (
             len(group) > self.model.L
             or sum(d.memory for d in group) < self.model.min_total_memory()
