@@ -193,6 +193,16 @@ def invoke(c: LocalCluster, *args: str) -> Result:
 
 
 TOTAL, NM = 400, 2
+GUARD_S = 30.0  # the stall that keeps a job from ending before the test cancels it
+
+
+def _guarded(spec: dict[str, Any], vws: int, stages: int, each: int) -> dict[str, Any]:
+    """``spec`` with each VW's last stage stalled ``GUARD_S`` seconds a few minibatches
+    before its end (``each``: the minibatches a VW trains). On a busy machine the job would
+    otherwise end between its checkpoint and the cancel that stops it. A job cancelled in
+    time never reaches the stall; the resumed job and the uninterrupted one run without it."""
+    stall = {"stage": stages - 1, "minibatch": each - 8, "seconds": GUARD_S}
+    return {**spec, "fault": [{"vw": v, **stall} for v in range(vws)]}
 
 
 def _sync_job(name: str) -> dict[str, Any]:
@@ -218,7 +228,7 @@ def test_a_job_without_periodic_cuts_checkpointed_now_resumes_to_the_same_weight
 
     async def started() -> str:
         async with cluster.client() as head:
-            job_id = await head.submit(spec)
+            job_id = await head.submit(_guarded(spec, 1, 2, TOTAL))
             await running_until(
                 head, job_id, lambda i: min(i.get("positions") or [0]) >= 4, 120, every=0.02
             )
@@ -235,7 +245,7 @@ def test_a_job_without_periodic_cuts_checkpointed_now_resumes_to_the_same_weight
             await head.cancel(job_id)
             stopped = await head.follow(job_id, every_s=0.1, timeout=60)
             assert stopped["state"] == "cancelled", stopped.get("error")
-            new_id = await head.submit(None, resume=job_id)
+            new_id = await head.submit(spec, resume=job_id)
             return stopped, await head.follow(new_id, every_s=0.2, timeout=200)
 
     stopped, info = cluster.run(stop_then_resume())
@@ -280,7 +290,7 @@ def test_an_async_job_of_two_vws_checkpointed_now_resumes_from_that_wave(
 
     async def checkpointed() -> tuple[str, dict[str, Any]]:
         async with cluster.client() as head:
-            job_id = await head.submit(spec)
+            job_id = await head.submit(_guarded(spec, 2, 2, total // 2))
             await running_until(
                 head, job_id, lambda i: min(i.get("positions") or [0]) >= 4, 120, every=0.02
             )
@@ -300,7 +310,7 @@ def test_an_async_job_of_two_vws_checkpointed_now_resumes_from_that_wave(
             await head.cancel(job_id)
             stopped = await head.follow(job_id, every_s=0.1, timeout=60)
             assert stopped["state"] == "cancelled", stopped.get("error")
-            new_id = await head.submit(None, resume=job_id)
+            new_id = await head.submit(spec, resume=job_id)
             return await head.follow(new_id, every_s=0.2, timeout=200)
 
     info = cluster.run(stop_then_resume())
