@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.core.memory import in_flight, kept_copies, param_copies
+from hetpipe.planner.costs import least_ratio
 
 __all__ = ["MemoryBounds"]
 
@@ -78,7 +79,7 @@ class MemoryBounds:
         return (
             copies * self.params
             + self.buffers
-            + kept_copies(flight, "async", m.weights) * (self.saved)
+            + kept_copies(flight, "async", m.weights) * self.saved
         )
 
     def least_flight(self, k: int, nm: int) -> int:
@@ -127,9 +128,7 @@ class MemoryBounds:
         reference type's on that layer."""
         r = self._ratio.get(dtype)
         if r is None:
-            mine = self.model.costs(dtype).passes
-            ok = self.ref > 0
-            r = self._ratio[dtype] = float((mine[ok] / self.ref[ok]).min()) if ok.any() else 0.0
+            r = self._ratio[dtype] = least_ratio(self.model.costs(dtype).passes, self.ref)
         return r
 
     def trip_floor(self, devices: Sequence[Any]) -> float:

@@ -123,6 +123,7 @@ __all__ = [
     "check_profile",
     "first_finite",
     "kept_matrix",
+    "least_ratio",
     "saved_ends",
     "skew",
     "working_matrix",
@@ -1231,6 +1232,14 @@ class CostTables:
             )
             for lps in self.profile.layers.values()
         )
+
+
+def least_ratio(mine: np.ndarray, ref: np.ndarray) -> float:
+    """The least ``mine / ref`` over the layers where ``ref`` takes time (0 where none
+    does): how much faster than the reference a type can be on any layer, which the
+    planner's relaxations scale the reference's times by."""
+    ok = ref > 0
+    return float((mine[ok] / ref[ok]).min()) if ok.any() else 0.0
 
 
 def first_finite(finite: np.ndarray) -> np.ndarray:

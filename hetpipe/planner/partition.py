@@ -61,6 +61,7 @@ from hetpipe.planner.costs import (
     CostTables,
     check_devices,
     first_finite,
+    least_ratio,
     skew,
 )
 from hetpipe.planner.plans import PlanError
@@ -343,9 +344,7 @@ class CostModel(CostTables):
         r = self._ratios.get(dtype)
         if r is None:
             mine = np.diff(self.costs(dtype).cum_np)
-            ref = np.diff(self.costs(self._ref_type).cum_np)
-            ok = ref > 0
-            r = float((mine[ok] / ref[ok]).min()) if ok.any() else 0.0
+            r = least_ratio(mine, np.diff(self.costs(self._ref_type).cum_np))
             self._ratios[dtype] = r
         return r
 
